@@ -1,0 +1,17 @@
+# The README's two commands. Both set everything up themselves through scripts/setup.sh.
+.PHONY: test demo setup lint unit
+
+setup:
+	./scripts/setup.sh
+
+# Lint, type check, then every test (unit and integration). Used by .ci/run.
+test: setup
+	./scripts/test.sh
+
+demo: setup
+	.venv/bin/npusnap demo
+
+lint: setup
+	.venv/bin/ruff check npusnap_cli tests bench
+	.venv/bin/ruff format --check npusnap_cli tests bench
+	.venv/bin/mypy

@@ -1,0 +1,116 @@
+"""The typer application: global options, command registration and error-to-exit-code mapping.
+
+Start-up must stay fast (``npusnap --help`` well under 200 ms, see bench/startup.py): command
+modules import only typer and light npusnap modules at top level and import the heavy ones
+(pycriu, psutil, protobuf, rich tables) inside the command function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+import typer
+
+from npusnap_cli import __version__
+from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError
+
+# One module per verb (or verb group) under npusnap_cli/commands/; each exposes register(app).
+COMMAND_MODULES = (
+    "check",
+    "sim",
+    "run",
+    "attach",
+    "status",
+    "freeze",
+    "dump",
+    "restore",
+    "inspect",
+    "demo",
+)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        print(f"npusnap {__version__}")
+        raise typer.Exit(0)
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        name="npusnap",
+        help=(
+            "Snapshot a running process that uses an Ascend NPU and restore it later, device state "
+            "included. Start with `npusnap check`."
+        ),
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback()
+    def _global(
+        ctx: typer.Context,
+        version: Optional[bool] = typer.Option(
+            None, "--version", callback=_version_callback, is_eager=True, help="Print the version and exit."
+        ),
+        json_output: bool = typer.Option(
+            False, "--json", help="Print one JSON envelope on stdout (human text goes to stderr)."
+        ),
+        verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More logging (repeat for more)."),
+    ) -> None:
+        from npusnap_cli.commands._common import GlobalOptions
+
+        ctx.obj = GlobalOptions(json_output=json_output, verbose=verbose)
+        if verbose:
+            import logging
+
+            logging.basicConfig(
+                level=logging.DEBUG if verbose > 1 else logging.INFO,
+                format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                stream=sys.stderr,
+            )
+
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(f"npusnap_cli.commands.{name}")
+        module.register(app)
+    return app
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the ``npusnap`` console script; returns the exit code."""
+    import click
+
+    from npusnap_cli.commands import _common
+
+    args = sys.argv[1:] if argv is None else argv
+    app = build_app()
+    try:
+        rv = app(args=args, prog_name="npusnap", standalone_mode=False)
+    except NpusnapError as err:
+        return _common.current_output(args).error(err)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        return _common.current_output(args).error(
+            InterruptedError_("interrupted", why="Ctrl-C or SIGTERM", fix="rerun the command when ready")
+        )
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        return int(ExitCode.USAGE)
+    except Exception as exc:  # a bug: say so, keep the traceback for -v
+        if _common.verbosity(args):
+            import traceback
+
+            traceback.print_exc()
+        from npusnap_cli import ui
+
+        return ui.unexpected("npusnap", exc, _common.json_requested(args))
+    return int(rv) if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Helpers shared by the command modules: global options, the current Output, option types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import typer
+
+from npusnap_cli.ui import Output
+
+JSON_HELP = "Print one JSON envelope on stdout (human text goes to stderr)."
+
+
+@dataclass(frozen=True)
+class GlobalOptions:
+    json_output: bool = False
+    verbose: int = 0
+
+
+_current: Optional[Output] = None
+
+
+def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
+    """The Output for this command; ``--json`` may be given globally or on the command."""
+    global _current
+    opts = ctx.find_root().obj if ctx.find_root().obj is not None else GlobalOptions()
+    _current = Output(command, json_mode=json_flag or opts.json_output, verbose=opts.verbose)
+    return _current
+
+
+def json_requested(argv: list[str]) -> bool:
+    return "--json" in argv
+
+
+def verbosity(argv: list[str]) -> int:
+    return sum(1 for a in argv if a in ("-v", "--verbose")) + sum(
+        a.count("v") for a in argv if a.startswith("-v") and set(a[1:]) == {"v"} and len(a) > 2
+    )
+
+
+def current_output(argv: list[str]) -> Output:
+    """The command's Output if it got that far, else one built from the raw arguments."""
+    if _current is not None:
+        return _current
+    command = next((a for a in argv if not a.startswith("-")), "npusnap")
+    return Output(command, json_mode=json_requested(argv))

@@ -1,0 +1,7 @@
+"""Placeholder until the `demo` command lands (registers nothing)."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    del app

@@ -1,0 +1,113 @@
+"""Where npusnap keeps things on a host: build outputs, the simulator's socket, agent sockets.
+
+Standard library only, Python 3.9+: the agent imports this module inside target processes.
+
+Agent sockets live in a private directory per uid:
+
+* root: ``/run/npusnap/`` (0700);
+* other users: ``$XDG_RUNTIME_DIR/npusnap/`` when that is set, else ``/tmp/npusnap-<uid>/`` (0700);
+* ``NPUSNAP_RUNTIME_DIR`` overrides both (tests use it to isolate runs).
+
+The CLI does not guess which of these a target used: it finds the target's listening socket in
+``/proc/net/unix`` (see ``find_agent_socket``) and then checks the peer's pid with SO_PEERCRED.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+
+SOCKET_SUFFIX = ".sock"
+
+
+def build_dir() -> Path:
+    """Native build outputs (simulator libraries, attach payload): ``<repo>/.build``."""
+    return Path(os.environ.get("NPUSNAP_BUILD_DIR") or (REPO_ROOT / ".build"))
+
+
+def native_src_dir() -> Path:
+    return REPO_ROOT / "native"
+
+
+def sim_cann_home() -> Path:
+    """The simulator's fake CANN tree (lib64/, share/info/runtime/version.info, set_env.sh)."""
+    return build_dir() / "cann"
+
+
+def attach_payload_path() -> Path:
+    return build_dir() / "attach" / "libnpusnap_attach.so"
+
+
+def _user_runtime_base(uid: int) -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg)
+    return Path("/tmp")
+
+
+def sim_socket_path() -> Path:
+    """The simulated NPU daemon's socket: ``NPUSIM_SOCKET`` or a per-user default."""
+    env = os.environ.get("NPUSIM_SOCKET")
+    if env:
+        return Path(env)
+    uid = os.geteuid()
+    if uid == 0:
+        return Path("/run/npusim/npusim.sock")
+    base = _user_runtime_base(uid)
+    name = "npusim" if base != Path("/tmp") else f"npusim-{uid}"
+    return base / name / "npusim.sock"
+
+
+def agent_runtime_dir(uid: Optional[int] = None) -> Path:
+    """The directory that holds agent sockets for ``uid`` (default: this process's euid)."""
+    env = os.environ.get("NPUSNAP_RUNTIME_DIR")
+    if env:
+        return Path(env)
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return Path("/run/npusnap")
+    base = _user_runtime_base(uid)
+    return base / ("npusnap" if base != Path("/tmp") else f"npusnap-{uid}")
+
+
+def agent_socket_path(pid: int, uid: Optional[int] = None) -> Path:
+    return agent_runtime_dir(uid) / f"{pid}{SOCKET_SUFFIX}"
+
+
+def listening_unix_paths(proc_net_unix: str = "/proc/net/unix") -> list[str]:
+    """Paths of all bound, listening filesystem AF_UNIX sockets visible in this net namespace."""
+    paths = []
+    try:
+        with open(proc_net_unix, encoding="utf-8", errors="replace") as f:
+            next(f, None)  # header
+            for line in f:
+                fields = line.split()
+                # Num RefCount Protocol Flags Type St Inode Path; Flags 00010000 = __SO_ACCEPTCON (listening)
+                if len(fields) >= 8 and fields[7].startswith("/") and int(fields[3], 16) & 0x10000:
+                    paths.append(fields[7])
+    except OSError:
+        pass
+    return paths
+
+
+def find_agent_socket(pid: int) -> Optional[Path]:
+    """The control socket that the agent of ``pid`` listens on, or None.
+
+    Looks first at the default path for this user, then at any listening socket named
+    ``<pid>.sock`` in an ``npusnap*`` directory (an agent of another user, or one started with a
+    different NPUSNAP_RUNTIME_DIR). The caller must still verify the peer pid (SO_PEERCRED).
+    """
+    default = agent_socket_path(pid)
+    name = f"{pid}{SOCKET_SUFFIX}"
+    listening = listening_unix_paths()
+    if str(default) in listening:
+        return default
+    for path in listening:
+        p = Path(path)
+        if p.name == name and p.parent.name.startswith("npusnap"):
+            return p
+    return None

@@ -1,0 +1,238 @@
+"""The one place that renders output.
+
+People get rich text on **stderr**; scripts get exactly one JSON envelope on **stdout** with
+``--json``. The envelope is stable (docs/json-output.md)::
+
+    {"schema": 1, "command": "dump", "ok": true, "exit_code": 0,
+     "result": {...}, "error": null}
+
+On failure ``ok`` is false, ``result`` may hold partial data and ``error`` is
+``{"kind", "exit_code", "message", "why", "fix", "details"}``.
+
+Core modules never import this module (or rich); commands hand it plain data.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
+
+from npusnap_cli.errors import ExitCode, NpusnapError
+
+ENVELOPE_SCHEMA = 1
+
+
+class Output:
+    """Renders one command's output, for people (stderr) or scripts (stdout JSON)."""
+
+    def __init__(self, command: str, *, json_mode: bool = False, verbose: int = 0) -> None:
+        self.command = command
+        self.json_mode = json_mode
+        self.verbose = verbose
+        self._console: Any = None
+        self._emitted = False
+
+    # -- rich console, created lazily so `--json` runs never import rich -----------------------
+    @property
+    def console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, highlight=False, soft_wrap=False)
+        return self._console
+
+    # -- human output (suppressed in JSON mode, which keeps stderr for logs only) ---------------
+    def line(self, text: str = "", style: Optional[str] = None) -> None:
+        if not self.json_mode:
+            self.console.print(text, style=style, markup=False)
+
+    def markup(self, text: str) -> None:
+        """Print rich markup (only for fixed strings of ours, never for user data)."""
+        if not self.json_mode:
+            self.console.print(text)
+
+    def ok(self, text: str) -> None:
+        self.line(f"✔ {text}", style="green")
+
+    def warn(self, text: str) -> None:
+        self.line(f"! {text}", style="yellow")
+
+    def info(self, text: str) -> None:
+        """A progress note shown with -v (and always in human mode for phases)."""
+        if not self.json_mode:
+            self.console.print(text, style="dim", markup=False)
+
+    def debug(self, text: str) -> None:
+        if self.verbose and not self.json_mode:
+            self.console.print(text, style="dim", markup=False)
+        elif self.verbose:
+            print(text, file=sys.stderr)
+
+    def kv(self, title: str, items: Mapping[str, Any]) -> None:
+        if self.json_mode:
+            return
+        from rich.table import Table
+
+        table = Table(title=title, show_header=False, box=None, title_justify="left", pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in items.items():
+            table.add_row(str(key), "" if value is None else str(value))
+        self.console.print(table)
+
+    def table(
+        self,
+        title: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        *,
+        styles: Optional[Sequence[Optional[str]]] = None,
+    ) -> None:
+        """A table; ``styles`` gives an optional rich style per row."""
+        if self.json_mode:
+            return
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for col in columns:
+            table.add_column(col)
+        for i, row in enumerate(rows):
+            style = styles[i] if styles and i < len(styles) else None
+            table.add_row(*("" if c is None else str(c) for c in row), style=style)
+        self.console.print(table)
+
+    def tree(self, title: str, nodes: Sequence[tuple[int, str]]) -> None:
+        """A tree from (depth, label) pairs in pre-order."""
+        if self.json_mode:
+            return
+        from rich.tree import Tree
+
+        root = Tree(title)
+        stack: list[tuple[int, Any]] = [(-1, root)]
+        for depth, label in nodes:
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
+            node = stack[-1][1].add(label)
+            stack.append((depth, node))
+        self.console.print(root)
+
+    @contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """Show a phase starting and how long it took (human mode only)."""
+        start = time.monotonic()
+        if not self.json_mode:
+            self.console.print(f"… {label}", style="dim", markup=False)
+        try:
+            yield
+        finally:
+            if not self.json_mode:
+                self.console.print(f"  {label}: {time.monotonic() - start:.2f}s", style="dim", markup=False)
+
+    @contextmanager
+    def progress(self, label: str, total: Optional[int]) -> Iterator[Any]:
+        """A byte-progress bar on stderr. Yields ``advance(n)``/``update(completed)`` callables' owner.
+
+        In JSON mode the returned object accepts the same calls and does nothing.
+        """
+        if self.json_mode or not sys.stderr.isatty():
+            yield _NullProgress()
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        ) as prog:
+            task = prog.add_task(label, total=total)
+            yield _RichProgress(prog, task)
+
+    # -- the result ---------------------------------------------------------------------------
+    def result(self, result: Any, *, exit_code: int = 0) -> None:
+        """Emit the JSON envelope for a finished command (human output was printed already)."""
+        if self.json_mode and not self._emitted:
+            self._emit({"ok": exit_code == 0, "exit_code": int(exit_code), "result": result, "error": None})
+
+    def error(self, err: NpusnapError, *, partial: Any = None) -> int:
+        """Render an error; return its exit code."""
+        code = int(err.exit_code)
+        if self.json_mode:
+            self._emit({"ok": False, "exit_code": code, "result": partial, "error": err.to_dict()})
+            return code
+        self.console.print(f"✘ {err.message}", style="bold red", markup=False)
+        if err.why:
+            self.console.print(f"  why: {err.why}", markup=False)
+        if err.fix:
+            self.console.print(f"  fix: {err.fix}", markup=False)
+        for key, value in err.details.items():
+            if isinstance(value, list):
+                self.console.print(f"  {key}:", markup=False)
+                for item in value:
+                    self.console.print(f"    {item}", style="dim", markup=False)
+            elif isinstance(value, dict):
+                continue  # structured detail is for --json
+            else:
+                self.console.print(f"  {key}: {value}", style="dim", markup=False)
+        return code
+
+    def _emit(self, body: dict[str, Any]) -> None:
+        envelope = {"schema": ENVELOPE_SCHEMA, "command": self.command, **body}
+        sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
+        sys.stdout.flush()
+        self._emitted = True
+
+
+class _NullProgress:
+    def advance(self, n: int) -> None:
+        pass
+
+    def update(self, completed: int, total: Optional[int] = None) -> None:
+        pass
+
+
+class _RichProgress:
+    def __init__(self, prog: Any, task: Any) -> None:
+        self._prog = prog
+        self._task = task
+
+    def advance(self, n: int) -> None:
+        self._prog.advance(self._task, n)
+
+    def update(self, completed: int, total: Optional[int] = None) -> None:
+        self._prog.update(self._task, completed=completed, total=total)
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def unexpected(command: str, exc: BaseException, json_mode: bool) -> int:
+    """Report a bug (an exception that is not an NpusnapError)."""
+    err = NpusnapError(
+        f"internal error: {type(exc).__name__}: {exc}",
+        why="this is a bug in npusnap",
+        fix="rerun with -v for the traceback and report it",
+    )
+    return Output(command, json_mode=json_mode).error(err) or int(ExitCode.INTERNAL)

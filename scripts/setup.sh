@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# One setup path for everything: the README's commands, CI and `npusnap demo` all come through here.
+#
+#   scripts/setup.sh            virtualenv (.venv), CRIU >= 4.0 + matching pycriu, simulator build
+#
+# It is idempotent and caches its slow steps (the CRIU build under $NPUSNAP_CACHE), so a second
+# run takes seconds. Every failure names what is missing and how to fix it.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CRIU_VERSION=${NPUSNAP_CRIU_VERSION:-4.1.1}
+if [ "$(id -u)" = 0 ]; then
+    CACHE=${NPUSNAP_CACHE:-/var/cache/npusnap}
+else
+    CACHE=${NPUSNAP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/npusnap}
+fi
+VENV=$ROOT/.venv
+CRIU_SRC=$CACHE/criu-$CRIU_VERSION
+CRIU_PREFIX=${NPUSNAP_CRIU_PREFIX:-/usr/local}
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+die() {
+    printf '[setup] ERROR: %s\n' "$1" >&2
+    [ $# -gt 1 ] && printf '[setup]   fix: %s\n' "$2" >&2
+    exit 1
+}
+
+is_root() { [ "$(id -u)" = 0 ]; }
+
+# --- Python: the CLI needs 3.10+ ------------------------------------------------------------
+pick_python() {
+    local c
+    for c in ${NPUSNAP_PYTHON:-} python3 python3.13 python3.12 python3.11 python3.10 \
+        "$HOME"/.pyenv/versions/3.1[0-3]*/bin/python3; do
+        [ -n "$c" ] || continue
+        command -v "$c" >/dev/null 2>&1 || continue
+        if "$c" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
+            command -v "$c"
+            return 0
+        fi
+    done
+    return 1
+}
+
+setup_venv() {
+    local py stamp want
+    if [ ! -x "$VENV/bin/python" ]; then
+        py=$(pick_python) || die "no Python 3.10 or newer found" \
+            "install one (apt-get install python3 python3-venv) or set NPUSNAP_PYTHON=/path/to/python3"
+        say "creating virtualenv .venv with $py"
+        "$py" -m venv "$VENV" || die "could not create $VENV" "apt-get install python3-venv"
+    fi
+    stamp=$VENV/.npusnap-installed
+    want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        say "installing npusnap and its dependencies into .venv"
+        "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null ||
+            die "pip could not upgrade itself" "check access to the Python package index"
+        "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]" ||
+            die "pip install failed" "check access to the Python package index; rerun with pip's output above"
+        echo "$want" >"$stamp"
+        rm -f "$VENV/.npusnap-pycriu"
+    fi
+}
+
+# --- CRIU -----------------------------------------------------------------------------------
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+criu_version_of() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -n1; }
+
+criu_ok() {
+    # $1: binary. Usable when it is 4.0+, is the version our pycriu comes from, and `criu check` passes.
+    local bin=$1 v
+    [ -x "$bin" ] || return 1
+    v=$(criu_version_of "$bin")
+    [ -n "$v" ] && version_ge "$v" 4.0 && [ "$v" = "$CRIU_VERSION" ] || return 1
+    if is_root; then "$bin" check >/dev/null 2>&1 || return 1; fi
+    return 0
+}
+
+apt_install() {
+    is_root || die "missing system packages: $*" "run as root, or: sudo apt-get install -y $*"
+    if [ ! -f "$CACHE/.apt-updated" ]; then
+        say "apt-get update"
+        apt-get update -qq >/dev/null || die "apt-get update failed" "check the machine's apt sources"
+        touch "$CACHE/.apt-updated"
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null ||
+        die "apt-get install failed for: $*" "run: apt-get install -y $* and read its error"
+}
+
+CRIU_BUILD_DEPS="build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+    libprotobuf-dev python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev
+    libnftables-dev uuid-dev libdrm-dev xz-utils iproute2 dpkg-dev"
+
+# The Debian mirror this machine already uses, read from its apt configuration (never hard-coded).
+debian_mirror() {
+    local f uri
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        uri=$(awk 'BEGIN{RS=""} /Suites:/ && /Types:/ && !/-security/ {
+                 for (i = 1; i <= NF; i++) if ($i == "URIs:") { print $(i+1); exit } }' "$f")
+        [ -n "$uri" ] && { echo "$uri"; return 0; }
+    done
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [ -f "$f" ] || continue
+        uri=$(awk '$1 ~ /^deb(-src)?$/ && $0 !~ /security/ && $0 ~ /debian/ { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' "$f")
+        [ -n "$uri" ] && { echo "$uri"; return 0; }
+    done
+    return 1
+}
+
+fetch_criu_source() {
+    [ -f "$CRIU_SRC/Makefile" ] && return 0
+    local tarball work mirror
+    tarball=$(ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* 2>/dev/null | head -n1 || true)
+    if [ -z "$tarball" ]; then
+        mirror=$(debian_mirror) || die "cannot find the Debian mirror in this machine's apt configuration" \
+            "put CRIU $CRIU_VERSION's source tarball at $CACHE/criu_$CRIU_VERSION.orig.tar.xz"
+        # CRIU 4.1.1 is Debian 13's (trixie) criu source package; use a private apt state so the
+        # machine's own apt configuration is left untouched.
+        work=$CACHE/apt-src
+        mkdir -p "$work/lists/partial" "$work/archives/partial"
+        echo "deb-src $mirror trixie main" >"$work/sources.list"
+        local opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=-"
+            -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives" -qq)
+        say "fetching CRIU $CRIU_VERSION source (Debian trixie source package, from $mirror)"
+        apt-get "${opts[@]}" update >/dev/null || die "apt-get update of the trixie source index failed" \
+            "check network access to the Debian mirror, or place the tarball in $CACHE"
+        (cd "$CACHE" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_VERSION-*" >/dev/null 2>&1) ||
+            (cd "$CACHE" && apt-get "${opts[@]}" source --download-only criu >/dev/null 2>&1) || true
+        tarball=$(ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* 2>/dev/null | head -n1 || true)
+        [ -n "$tarball" ] || die "could not download criu_$CRIU_VERSION.orig.tar.xz" \
+            "download CRIU $CRIU_VERSION's source tarball into $CACHE and rerun"
+    fi
+    say "unpacking $(basename "$tarball")"
+    rm -rf "$CRIU_SRC.tmp" && mkdir -p "$CRIU_SRC.tmp"
+    tar -xf "$tarball" -C "$CRIU_SRC.tmp" --strip-components=1
+    mv "$CRIU_SRC.tmp" "$CRIU_SRC"
+}
+
+build_criu() {
+    fetch_criu_source
+    if [ ! -x "$CRIU_SRC/criu/criu" ] || [ ! -f "$CRIU_SRC/lib/pycriu/rpc_pb2.py" ]; then
+        say "building CRIU $CRIU_VERSION from source (about a minute on 2 cores)"
+        make -C "$CRIU_SRC" -j"$(nproc)" criu >"$CACHE/criu-build.log" 2>&1 ||
+            die "CRIU build failed (log: $CACHE/criu-build.log)" "read the log's last lines; missing -dev packages are the usual cause"
+        make -C "$CRIU_SRC" lib >>"$CACHE/criu-build.log" 2>&1 ||
+            die "building CRIU's lib (pycriu) failed (log: $CACHE/criu-build.log)" "read the log's last lines"
+    fi
+}
+
+setup_criu() {
+    mkdir -p "$CACHE"
+    local sys_criu
+    sys_criu=$(command -v criu || true)
+    if [ -n "$sys_criu" ] && criu_ok "$sys_criu" && [ -f "$CRIU_SRC/lib/pycriu/rpc_pb2.py" ]; then
+        CRIU_BIN=$sys_criu
+        return 0
+    fi
+    # Debian 13 packages a working CRIU 4.x; prefer it when it is the version we build pycriu from.
+    if [ -z "$sys_criu" ] && grep -q '^13' /etc/debian_version 2>/dev/null && is_root; then
+        apt_install criu || true
+        sys_criu=$(command -v criu || true)
+    fi
+    dpkg -s $CRIU_BUILD_DEPS >/dev/null 2>&1 || apt_install $CRIU_BUILD_DEPS
+    build_criu
+    if [ -n "$sys_criu" ] && criu_ok "$sys_criu"; then
+        CRIU_BIN=$sys_criu
+        return 0
+    fi
+    if ! criu_ok "$CRIU_PREFIX/sbin/criu"; then
+        is_root || die "CRIU $CRIU_VERSION is not installed" "run this setup as root once (it installs CRIU under $CRIU_PREFIX)"
+        say "installing CRIU $CRIU_VERSION under $CRIU_PREFIX"
+        install -D -m 0755 "$CRIU_SRC/criu/criu" "$CRIU_PREFIX/sbin/criu"
+        criu_ok "$CRIU_PREFIX/sbin/criu" || die "CRIU $CRIU_VERSION was built but \`criu check\` fails" \
+            "run: $CRIU_PREFIX/sbin/criu check  (kernel features or privileges are missing)"
+    fi
+    CRIU_BIN=$CRIU_PREFIX/sbin/criu
+}
+
+setup_pycriu() {
+    local stamp=$VENV/.npusnap-pycriu
+    [ "$(cat "$stamp" 2>/dev/null)" = "$CRIU_VERSION" ] && "$VENV/bin/python" -c 'import pycriu' 2>/dev/null && return 0
+    say "installing pycriu $CRIU_VERSION into .venv from the CRIU source"
+    "$VENV/bin/python" -m pip install --quiet "$CRIU_SRC/lib" >/dev/null 2>&1 ||
+        "$VENV/bin/python" -m pip install --quiet --no-build-isolation "$CRIU_SRC/lib" ||
+        die "pip install of pycriu from $CRIU_SRC/lib failed" "rerun: $VENV/bin/pip install $CRIU_SRC/lib"
+    "$VENV/bin/python" -c 'import pycriu' || die "pycriu does not import" "see the error above"
+    echo "$CRIU_VERSION" >"$stamp"
+}
+
+# --- the simulated NPU and the attach payload (C, built from this repository's sources) ---------
+setup_native() {
+    command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
+    make -s -C "$ROOT/native" >/dev/null || die "building the simulator (native/) failed" "run: make -C native"
+}
+
+main() {
+    setup_venv
+    setup_criu
+    setup_pycriu
+    setup_native
+    say "ok: .venv ready, CRIU $(criu_version_of "$CRIU_BIN") at $CRIU_BIN"
+}
+
+main "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: ruff (lint + format check), mypy --strict, then pytest (unit + integration).
+# Called by `make test` after scripts/setup.sh. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+V=.venv/bin
+echo "== ruff check"; $V/ruff check npusnap_cli tests bench
+echo "== ruff format --check"; $V/ruff format --check npusnap_cli tests bench
+echo "== mypy (strict)"; $V/mypy
+echo "== pytest"
+set +e
+$V/python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing: that must never pass.
+if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit $rc
