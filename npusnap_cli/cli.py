@@ -108,7 +108,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             traceback.print_exc()
         from npusnap_cli import ui
 
-        return ui.unexpected("npusnap", exc, _common.json_requested(args))
+        return ui.unexpected(_common.current_output(args), exc)
     return int(rv) if isinstance(rv, int) else 0
 
 

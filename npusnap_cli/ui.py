@@ -228,11 +228,12 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{value:.1f} TiB"
 
 
-def unexpected(command: str, exc: BaseException, json_mode: bool) -> int:
-    """Report a bug (an exception that is not an NpusnapError)."""
+def unexpected(out: Output, exc: BaseException) -> int:
+    """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code."""
     err = NpusnapError(
         f"internal error: {type(exc).__name__}: {exc}",
         why="this is a bug in npusnap",
         fix="rerun with -v for the traceback and report it",
     )
-    return Output(command, json_mode=json_mode).error(err) or int(ExitCode.INTERNAL)
+    out.error(err)
+    return int(ExitCode.INTERNAL)

@@ -1,0 +1,264 @@
+"""Host preflight: can this machine dump and restore NPU processes? (`npusnap check`)
+
+Each check yields a ``CheckItem`` with a status, what was found and, for problems, how to fix
+it. ``ready`` is true when nothing blocks dump and restore. The dump/restore pipelines reuse the
+individual checks (``check_criu`` etc.) for their own preflight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+OK = "ok"
+PROBLEM = "problem"  # blocks dump/restore
+WARNING = "warning"  # works, but something is worth knowing
+INFO = "info"
+
+# Linux capability bit numbers (include/uapi/linux/capability.h).
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_CHECKPOINT_RESTORE = 40
+
+# Where CRIU looks for plugins (its --libdir default) and where distributions put them.
+CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu", "/usr/local/lib64/criu")
+NPU_PLUGIN_NAMES = ("npu_plugin.so", "ascend_plugin.so")
+
+
+@dataclass(frozen=True)
+class CheckItem:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    items: tuple[CheckItem, ...]
+
+    @property
+    def ready(self) -> bool:
+        return all(item.status != PROBLEM for item in self.items)
+
+    def item(self, name: str) -> Optional[CheckItem]:
+        return next((i for i in self.items if i.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ready": self.ready, "checks": [asdict(i) for i in self.items]}
+
+
+def check_criu() -> list[CheckItem]:
+    from npusnap_cli import criu
+    from npusnap_cli.errors import PreflightError
+
+    items: list[CheckItem] = []
+    try:
+        binary = criu.find_criu()
+    except PreflightError as err:
+        return [CheckItem("criu", PROBLEM, err.message, err.fix), CheckItem("criu-check", PROBLEM, "not run")]
+    items.append(
+        CheckItem(
+            "criu",
+            OK,
+            f"{binary.path} version {binary.version}",
+            data={"path": binary.path, "version": binary.version},
+        )
+    )
+    if os.geteuid() != 0:
+        items.append(
+            CheckItem(
+                "criu-check",
+                PROBLEM,
+                "`criu check` needs root",
+                "run `sudo npusnap check` (CRIU dump/restore run as root)",
+                data={"passed": None, "output": ""},
+            )
+        )
+    else:
+        passed, output = criu.run_criu_check(binary)
+        last = output.splitlines()[-1] if output else ""
+        items.append(
+            CheckItem(
+                "criu-check",
+                OK if passed else PROBLEM,
+                f"`criu check`: {last or ('passed' if passed else 'failed')}",
+                "" if passed else f"run `{binary.path} check` and read its output (kernel features missing?)",
+                data={"passed": passed, "output": output},
+            )
+        )
+    pyver = criu.pycriu_version()
+    if pyver is None:
+        items.append(
+            CheckItem(
+                "pycriu",
+                PROBLEM,
+                "pycriu cannot be imported",
+                "run ./scripts/setup.sh (it installs pycriu from the CRIU source into .venv)",
+                data={"version": None},
+            )
+        )
+    elif pyver != binary.version:
+        items.append(
+            CheckItem(
+                "pycriu",
+                PROBLEM,
+                f"pycriu {pyver} does not match criu {binary.version}",
+                "reinstall pycriu from the same CRIU source: ./scripts/setup.sh",
+                data={"version": pyver},
+            )
+        )
+    else:
+        items.append(CheckItem("pycriu", OK, f"pycriu {pyver} (matches criu)", data={"version": pyver}))
+    return items
+
+
+def effective_capabilities(pid: str = "self") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def check_privileges() -> list[CheckItem]:
+    caps = effective_capabilities()
+
+    def has(bit: int) -> bool:
+        return bool(caps >> bit & 1)
+
+    euid = os.geteuid()
+    cap_names = {
+        "CAP_SYS_ADMIN": has(CAP_SYS_ADMIN),
+        "CAP_CHECKPOINT_RESTORE": has(CAP_CHECKPOINT_RESTORE),
+        "CAP_SYS_PTRACE": has(CAP_SYS_PTRACE),
+    }
+    enough = (cap_names["CAP_SYS_ADMIN"] or cap_names["CAP_CHECKPOINT_RESTORE"]) and cap_names[
+        "CAP_SYS_PTRACE"
+    ]
+    have = ", ".join(k for k, v in cap_names.items() if v) or "none"
+    items = [
+        CheckItem(
+            "privileges",
+            OK if enough else PROBLEM,
+            f"euid {euid}; capabilities: {have}",
+            ""
+            if enough
+            else "run as root, or grant CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN) and CAP_SYS_PTRACE",
+            data={"euid": euid, "capabilities": cap_names},
+        )
+    ]
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        scope = None
+    if scope is None:
+        items.append(CheckItem("ptrace-scope", OK, "Yama is not active", data={"ptrace_scope": None}))
+    else:
+        meaning = {
+            0: "classic ptrace permissions",
+            1: "restricted: only descendants, unless CAP_SYS_PTRACE",
+            2: "admin-only: CAP_SYS_PTRACE needed",
+            3: "no ptrace at all: CRIU and attach cannot work until reboot",
+        }.get(scope, "unknown")
+        status = PROBLEM if scope == 3 else (OK if scope == 0 or cap_names["CAP_SYS_PTRACE"] else WARNING)
+        items.append(
+            CheckItem(
+                "ptrace-scope",
+                status,
+                f"kernel.yama.ptrace_scope = {scope} ({meaning})",
+                "" if status == OK else "run as root (CAP_SYS_PTRACE), or start targets with `npusnap run`",
+                data={"ptrace_scope": scope},
+            )
+        )
+    return items
+
+
+def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
+    from npusnap_cli import acl
+
+    try:
+        install = acl.find_cann(ascend_home)
+    except acl.AclError as err:
+        return [
+            CheckItem(
+                "cann",
+                PROBLEM,
+                str(err),
+                "install CANN 8.5+ (source its set_env.sh), pass --ascend-home DIR, "
+                'or use the simulated NPU: eval "$(npusnap sim env)"',
+            )
+        ]
+    data = {
+        "home": install.home,
+        "source": install.source,
+        "version": install.version,
+        "library": install.acl_library,
+        "runtime_library": install.runtime_library,
+        "simulated": install.simulated,
+        "symbols": dict(install.symbols),
+    }
+    label = " (simulated NPU)" if install.simulated else ""
+    items = [
+        CheckItem(
+            "cann",
+            OK,
+            f"{install.home} (from {install.source}), version {install.version or 'unknown'}{label}",
+            data=data,
+        )
+    ]
+    core = ("aclrtSnapShotProcessLock", "aclrtSnapShotProcessBackup", "aclrtSnapShotProcessRestore",
+            "aclrtSnapShotProcessUnlock")  # fmt: skip
+    missing = [s for s in core if not install.symbols.get(s)]
+    items.append(
+        CheckItem(
+            "snapshot-symbols",
+            PROBLEM if missing else OK,
+            f"{install.acl_library}: "
+            + (f"missing {', '.join(missing)}" if missing else "all four snapshot functions"),
+            "upgrade CANN to 8.5 or newer (the snapshot API appeared there)" if missing else "",
+            data={"library": install.acl_library, "missing": missing},
+        )
+    )
+    items.append(check_npu_plugin(install.simulated))
+    return items
+
+
+def find_npu_plugin() -> Optional[str]:
+    for d in CRIU_PLUGIN_DIRS:
+        for name in NPU_PLUGIN_NAMES:
+            p = Path(d) / name
+            if p.is_file():
+                return str(p)
+    return None
+
+
+def check_npu_plugin(simulated: bool) -> CheckItem:
+    plugin = find_npu_plugin()
+    if plugin:
+        return CheckItem("criu-npu-plugin", OK, f"{plugin}", data={"path": plugin})
+    if simulated:
+        return CheckItem(
+            "criu-npu-plugin",
+            OK,
+            "not needed: the simulated NPU releases its device connection at Backup",
+            data={"path": None},
+        )
+    return CheckItem(
+        "criu-npu-plugin",
+        PROBLEM,
+        f"no CRIU NPU plugin in {', '.join(CRIU_PLUGIN_DIRS)}",
+        "install Huawei's CRIU plugin (npu_plugin.so) into CRIU's plugin directory; stock CRIU cannot "
+        "dump /dev/davinci* file descriptors and mappings",
+        data={"path": None},
+    )
+
+
+def run_checks(ascend_home: Optional[str] = None) -> CheckReport:
+    items = check_criu() + check_privileges() + check_cann(ascend_home)
+    return CheckReport(tuple(items))

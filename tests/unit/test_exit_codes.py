@@ -1,0 +1,48 @@
+"""Exit codes are a public interface: this test freezes them and their documentation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from npusnap_cli import errors
+from npusnap_cli.errors import ExitCode
+
+FROZEN = {
+    "OK": 0,
+    "INTERNAL": 1,
+    "USAGE": 2,
+    "PREFLIGHT": 3,
+    "TARGET": 4,
+    "AGENT": 5,
+    "CRIU": 6,
+    "DEVICE": 7,
+    "IMAGE": 8,
+    "STATE_UNKNOWN": 9,
+    "CONTINUITY": 10,
+    "INTERRUPTED": 130,
+}
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "exit-codes.md"
+
+
+def test_exit_codes_are_frozen() -> None:
+    assert {c.name: int(c) for c in ExitCode} == FROZEN
+
+
+def test_every_code_is_documented_with_its_name() -> None:
+    rows = re.findall(r"^\|\s*(\d+)\s*\|\s*([A-Z_]+)\s*\|", DOC.read_text(), re.MULTILINE)
+    assert {name: int(code) for code, name in rows} == FROZEN
+
+
+def test_every_error_class_maps_to_a_documented_code() -> None:
+    classes = [
+        obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, errors.NpusnapError)
+    ]
+    assert len(classes) >= 11
+    for cls in classes:
+        assert cls.exit_code in ExitCode
+        err = cls("m", why="w", fix="f", details={"k": 1})
+        d = err.to_dict()
+        assert d == {"kind": cls.kind, "exit_code": int(cls.exit_code), "message": "m", "why": "w",
+                     "fix": "f", "details": {"k": 1}}  # fmt: skip
