@@ -12,6 +12,7 @@ import sys
 from typing import Optional
 
 import typer
+import typer.core
 
 from npusnap_cli import __version__
 from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError
@@ -29,6 +30,11 @@ COMMAND_MODULES = (
     "inspect",
     "demo",
 )
+
+
+# typer formats help through rich whenever rich is installed, which costs ~90 ms of imports on
+# every `--help` and leaves "\\[default: ...]" escapes in plain output. Plain click help is enough.
+typer.core.HAS_RICH = False
 
 
 def _version_callback(value: bool) -> None:
