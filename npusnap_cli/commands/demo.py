@@ -1,7 +1,79 @@
-"""Placeholder until the `demo` command lands (registers nothing)."""
+"""`npusnap demo`: dump and restore a training workload on the simulated NPU, and prove continuity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command()
+    def demo(
+        ctx: typer.Context,
+        steps: int = typer.Option(40, "--steps", min=4, help="Training steps of the workload."),
+        dump_after: int = typer.Option(
+            12, "--dump-after", min=1, help="Dump once this many steps are printed."
+        ),
+        interval: float = typer.Option(0.1, "--interval", min=0.0, help="Seconds between training steps."),
+        param_mib: int = typer.Option(64, "--param-mib", min=1, help="Device memory of the model, in MiB."),
+        workdir: Optional[Path] = typer.Option(
+            None, "--workdir", help="Where to put the log and the image (default: a new temporary directory)."
+        ),
+        keep: bool = typer.Option(False, "--keep", help="Keep the image for `npusnap inspect`."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Run the main job: a training workload on the simulated NPU is dumped, restored and checked.
+
+        Starts the simulated NPU, runs a deterministic training loop whose parameters live in
+        device memory (under `npusnap run`, so it has an agent), dumps it midway (the process is
+        gone), restores it, lets it finish and compares its whole output with an uninterrupted
+        reference run. Exit 0 only if the output is identical; 10 if it is not.
+        """
+        from npusnap_cli import demo as core
+        from npusnap_cli.ui import human_bytes
+
+        if dump_after >= steps:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                "--dump-after must be smaller than --steps", fix="e.g. --steps 40 --dump-after 12"
+            )
+        out = output(ctx, "demo", json_flag)
+        settings = core.DemoSettings(
+            steps=steps,
+            dump_after=dump_after,
+            interval_s=interval,
+            param_bytes=param_mib << 20,
+            workdir=workdir,
+            keep=keep,
+        )
+        result = core.run_demo(settings, lambda phase, msg: out.line(f"[{phase}] {msg}"))
+
+        dump_t = result.dump.get("timings_s") or result.dump.get("timings") or {}
+        rows = [(name, f"{secs:.2f} s") for name, secs in result.phases_s.items()]
+        out.table("demo phases (wall clock)", ["phase", "time"], rows)
+        if dump_t:
+            out.table(
+                "dump phases (from the manifest)",
+                ["phase", "time"],
+                [(k, f"{v:.3f} s" if isinstance(v, (int, float)) else str(v)) for k, v in dump_t.items()],
+            )
+        image_bytes = result.dump.get("image_bytes") or (result.dump.get("bytes") or {}).get("image")
+        out.kv(
+            "summary",
+            {
+                "workload": f"train.py, {steps} steps, {param_mib} MiB of device memory",
+                "dumped pid": result.original_pid,
+                "lines before the dump": result.lines_before_dump,
+                "restored pid": result.restored_pid,
+                "image size": human_bytes(image_bytes) if image_bytes else "-",
+                "image": result.image or "(removed; use --keep to keep it)",
+                "continuity": f"identical: {result.lines_total} of {result.reference_lines} reference lines",
+            },
+        )
+        out.ok("the restored workload carried on exactly where it stopped")
+        out.result(result.to_dict())

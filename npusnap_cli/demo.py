@@ -1,0 +1,251 @@
+"""The demo: a training workload on the simulated NPU is dumped, restored and checked.
+
+It drives the product exactly as an operator would — the real ``npusnap run``, ``npusnap dump``
+and ``npusnap restore`` commands, each as a subprocess with ``--json`` — and then proves
+continuity: the restored workload's complete output must equal an uninterrupted reference run
+of the same deterministic workload, line for line.
+
+Core module: reports progress through a callback and returns a ``DemoResult``; it never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import paths
+from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
+
+TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
+
+Report = Callable[[str, str], None]  # (phase, message)
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    steps: int = 40
+    dump_after: int = 12
+    interval_s: float = 0.1
+    param_bytes: int = 64 << 20
+    device: int = 0
+    seed: int = 7
+    workdir: Optional[Path] = None
+    keep: bool = False
+
+
+@dataclass
+class DemoResult:
+    workdir: str
+    image: Optional[str]
+    original_pid: int = 0
+    restored_pid: int = 0
+    lines_before_dump: int = 0
+    lines_total: int = 0
+    reference_lines: int = 0
+    continuity: bool = False
+    first_difference: Optional[dict[str, Any]] = None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    dump: dict[str, Any] = field(default_factory=dict)
+    restore: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _npusnap() -> list[str]:
+    exe = Path(sys.executable).parent / "npusnap"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "npusnap_cli"]
+
+
+def _workload_args(s: DemoSettings, interval: float) -> list[str]:
+    return [
+        str(TRAIN),
+        "--steps",
+        str(s.steps),
+        "--interval",
+        str(interval),
+        "--param-bytes",
+        str(s.param_bytes),
+        "--device",
+        str(s.device),
+        "--seed",
+        str(s.seed),
+    ]
+
+
+def _run_json(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run an npusnap command with --json; return its envelope (raise its error if it failed)."""
+    proc = subprocess.run(
+        [*_npusnap(), *args, "--json"], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    try:
+        envelope: dict[str, Any] = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise NpusnapError(
+            f"`npusnap {args[0]}` printed no JSON envelope (exit {proc.returncode})",
+            why="it crashed before reporting",
+            fix=f"run it by hand: npusnap {' '.join(args)}",
+            details={"stderr": proc.stderr.strip().splitlines()[-15:]},
+        ) from None
+    if not envelope.get("ok"):
+        err = envelope.get("error") or {}
+        raised = NpusnapError(
+            f"`npusnap {args[0]}` failed: {err.get('message', '?')}",
+            why=err.get("why", ""),
+            fix=err.get("fix", ""),
+            details=err.get("details") or {},
+        )
+        raised.exit_code = envelope.get("exit_code", 1)  # type: ignore[misc]
+        raise raised
+    return envelope
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return [ln for ln in path.read_text().splitlines() if ln.startswith("step ")]
+    except OSError:
+        return []
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TargetError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
+    from npusnap_cli.sim import manager
+
+    if os.geteuid() != 0:
+        raise PreflightError(
+            "the demo needs root", why="CRIU dump and restore run as root", fix="sudo make demo"
+        )
+    work = settings.workdir or Path(tempfile.mkdtemp(prefix="npusnap-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    image = work / "img"
+    result = DemoResult(workdir=str(work), image=str(image))
+    t0 = time.monotonic()
+
+    def mark(name: str, since: float) -> float:
+        now = time.monotonic()
+        result.phases_s[name] = round(now - since, 3)
+        return now
+
+    report("sim", "starting the simulated NPU")
+    manager.start()
+    env = {**os.environ, **manager.env()}
+    t = mark("simulator", t0)
+
+    report("reference", f"uninterrupted reference run ({settings.steps} steps)")
+    ref = subprocess.run(
+        [sys.executable, *_workload_args(settings, 0.0)], env=env, capture_output=True, text=True, timeout=300
+    )
+    if ref.returncode != 0:
+        raise NpusnapError("the reference run failed", details={"stderr": ref.stderr.splitlines()[-10:]})
+    reference = [ln for ln in ref.stdout.splitlines() if ln.startswith("step ")]
+    result.reference_lines = len(reference)
+    t = mark("reference run", t)
+
+    log = work / "train.log"
+    report("launch", f"npusnap run -- python3 train.py (output in {log})")
+    with open(log, "w") as out, open(os.devnull) as devnull:
+        # Detached (own session, no terminal, output to a file): that is what CRIU can restore.
+        proc = subprocess.Popen(
+            [*_npusnap(), "run", "--", sys.executable, *_workload_args(settings, settings.interval_s)],
+            stdin=devnull,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    result.original_pid = proc.pid
+    restored_pid = 0
+    try:
+        _wait_for(
+            lambda: len(_read_lines(log)) >= settings.dump_after or proc.poll() is not None,
+            60,
+            f"{settings.dump_after} training steps",
+        )
+        if proc.poll() is not None:
+            raise TargetError(
+                "the workload exited early", details={"log": log.read_text().splitlines()[-10:]}
+            )
+        result.lines_before_dump = len(_read_lines(log))
+        t = mark("train until dump", t)
+
+        report("dump", f"npusnap dump {proc.pid} {image}")
+        envelope = _run_json(["dump", str(proc.pid), str(image)], env, timeout=600)
+        result.dump = envelope.get("result") or {}
+        proc.wait(timeout=30)  # reap it: its pid must be free for the restore
+        report(
+            "dump", f"process {proc.pid} is gone; {len(_read_lines(log))} lines were written before the dump"
+        )
+        t = mark("dump", t)
+
+        pidfile = work / "restored.pid"
+        report("restore", f"npusnap restore {image}")
+        envelope = _run_json(["restore", str(image), "--pidfile", str(pidfile)], env, timeout=600)
+        result.restore = envelope.get("result") or {}
+        restored_pid = int(pidfile.read_text().strip())
+        result.restored_pid = restored_pid
+        t = mark("restore", t)
+
+        report("continue", f"restored pid {restored_pid} is training again")
+        _wait_for(lambda: not _alive(restored_pid), 300, "the restored workload to finish")
+        t = mark("train to the end", t)
+    finally:
+        for pid in (proc.pid, restored_pid):
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait(timeout=10)
+
+    actual = _read_lines(log)
+    result.lines_total = len(actual)
+    result.continuity = actual == reference and result.lines_before_dump < len(reference)
+    if actual != reference:
+        i = next(
+            (i for i, (a, b) in enumerate(zip(actual, reference)) if a != b), min(len(actual), len(reference))
+        )
+        result.first_difference = {
+            "line": i + 1,
+            "restored_run": actual[i] if i < len(actual) else None,
+            "reference": reference[i] if i < len(reference) else None,
+        }
+    mark("total", t0)
+    if not settings.keep:
+        shutil.rmtree(image, ignore_errors=True)
+        result.image = None
+    if not result.continuity:
+        raise ContinuityError(
+            "the restored workload did not continue identically to the reference run",
+            why="device or host state was not restored faithfully",
+            fix=f"inspect {log} and the image (rerun with --keep)",
+            details={"first_difference": result.first_difference, "result": result.to_dict()},
+        )
+    return result
