@@ -15,9 +15,9 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from npusnap_cli.errors import PreflightError
+from npusnap_cli.errors import CriuError, PreflightError
 
 CRIU_MIN_VERSION = (4, 0)
 # Where setup.sh installs CRIU built from source; searched before $PATH so that a too-old
@@ -101,3 +101,312 @@ def pycriu_version() -> Optional[str]:
         return None
     version = getattr(pycriu, "__version__", None)
     return str(version) if version else "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# Dump and restore through pycriu (`criu swrk`)
+# --------------------------------------------------------------------------------------------
+
+# CRIU's log levels: 0 none .. 4 debug. Debug costs little next to the memory dump and is what a
+# CRIU developer asks for first, so it is the default.
+DEFAULT_LOG_LEVEL = 4
+# How many trailing log lines an error carries (besides every "Error" line).
+LOG_TAIL_LINES = 20
+STATS_DUMP_FILE = "stats-dump"
+STATS_RESTORE_FILE = "stats-restore"
+
+
+@dataclass(frozen=True)
+class CriuOptions:
+    """CRIU options, named as in `criu dump` / `podman container checkpoint`.
+
+    ``leave_running``: the tree keeps running after the dump. ``leave_stopped``: it stays stopped
+    (SIGSTOP) after the dump, so the caller decides whether to kill it or let it go on; the dump
+    pipeline uses it so that the image can be published before the original is killed.
+    ``timeout``: seconds CRIU waits for the tree to freeze.
+    """
+
+    leave_running: bool = False
+    leave_stopped: bool = False
+    tcp_established: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    ext_unix_sk: bool = False
+    external: tuple[str, ...] = ()
+    timeout: Optional[int] = None
+    log_level: int = DEFAULT_LOG_LEVEL
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "leave_running": self.leave_running,
+            "leave_stopped": self.leave_stopped,
+            "tcp_established": self.tcp_established,
+            "shell_job": self.shell_job,
+            "file_locks": self.file_locks,
+            "ext_unix_sk": self.ext_unix_sk,
+            "external": list(self.external),
+            "timeout": self.timeout,
+            "log_level": self.log_level,
+        }
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """CRIU's own dump statistics (the ``stats-dump`` image), times in microseconds."""
+
+    freezing_time_us: int = 0
+    frozen_time_us: int = 0
+    memdump_time_us: int = 0
+    memwrite_time_us: int = 0
+    pages_scanned: int = 0
+    pages_written: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """CRIU's own restore statistics (the ``stats-restore`` image), times in microseconds."""
+
+    forking_time_us: int = 0
+    restore_time_us: int = 0
+    pages_restored: int = 0
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    log_path: str
+    wall_s: float
+    stats: Optional[DumpStats]
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int
+    log_path: str
+    wall_s: float
+    stats: Optional[RestoreStats]
+
+
+def log_excerpt(log_path: str, tail: int = LOG_TAIL_LINES) -> list[str]:
+    """The lines of a CRIU log worth showing: every error line, then the last ``tail`` lines."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as exc:
+        return [f"(could not read {log_path}: {exc.strerror})"]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    last = lines[-tail:]
+    out = [ln for ln in errors if ln not in last]
+    if out:
+        out.append("...")
+    return out + last
+
+
+def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
+    """Read a CRIU stats image (CRIU writes it into its work dir); None when absent or unreadable."""
+    path = os.path.join(work_dir, name)
+    if not os.path.exists(path):
+        return None
+    try:
+        # pycriu's generic decoder (pycriu.images.load) breaks on protobuf 5+ (FieldDescriptor.label
+        # is gone), so decode the one message we need: a stats image is the service magic, the
+        # STATS magic, then one length-prefixed stats_entry.
+        import struct
+
+        from pycriu.images import stats_pb2
+
+        with open(path, "rb") as f:
+            data = f.read()
+        (size,) = struct.unpack_from("<I", data, 8)
+        entry = stats_pb2.stats_entry()
+        entry.ParseFromString(data[12 : 12 + size])
+        section = entry.dump if entry.HasField("dump") else entry.restore
+        return {fd.name: int(value) for fd, value in section.ListFields()}
+    except Exception:
+        # Statistics are informative only; a decoding problem must not fail a good dump.
+        return None
+
+
+def read_dump_stats(work_dir: str) -> Optional[DumpStats]:
+    raw = _load_stats(work_dir, STATS_DUMP_FILE)
+    if raw is None:
+        return None
+    return DumpStats(
+        freezing_time_us=raw.get("freezing_time", 0),
+        frozen_time_us=raw.get("frozen_time", 0),
+        memdump_time_us=raw.get("memdump_time", 0),
+        memwrite_time_us=raw.get("memwrite_time", 0),
+        pages_scanned=raw.get("pages_scanned", 0),
+        pages_written=raw.get("pages_written", 0),
+    )
+
+
+def read_restore_stats(work_dir: str) -> Optional[RestoreStats]:
+    raw = _load_stats(work_dir, STATS_RESTORE_FILE)
+    if raw is None:
+        return None
+    return RestoreStats(
+        forking_time_us=raw.get("forking_time", 0),
+        restore_time_us=raw.get("restore_time", 0),
+        pages_restored=raw.get("pages_restored", 0),
+    )
+
+
+class _Swrk:
+    """A ``criu swrk`` service process that we start ourselves.
+
+    pycriu's ``use_binary`` forks CRIU in our process group, so a Ctrl-C at the terminal would
+    kill CRIU in the middle of a dump, while its parasite code is inside the target. We start it
+    in its own session instead (Ctrl-C and a SIGTERM to npusnap reach only npusnap, which then
+    waits for CRIU to finish) and hand the socket to pycriu with ``use_fd``.
+    """
+
+    def __init__(self, binary: CriuBinary) -> None:
+        import socket
+
+        self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [binary.path, "swrk", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+
+    def fileno(self) -> int:
+        return self._ours.fileno()
+
+    def close(self) -> int:
+        self._ours.close()
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # swrk exits when its socket closes; if it does not, it is wedged: do not leave it.
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> CriuError:
+    errno_ = getattr(exc, "errno", None)
+    excerpt = log_excerpt(log_path)
+    target = f" of pid {pid}" if pid is not None else ""
+    errors = [ln for ln in excerpt if "Error" in ln]
+    reason = errors[-1].split(":", 1)[-1].strip() if errors else str(exc)
+    return CriuError(
+        f"CRIU {action}{target} failed: {reason}",
+        why=str(exc) if errno_ is None else f"{exc} (errno {errno_})",
+        fix=f"read the CRIU log {log_path}; the lines below are its errors and its last lines",
+        details={"criu_log": log_path, "criu_log_excerpt": excerpt, "errno": errno_},
+    )
+
+
+def _open_dir(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _apply_options(opts: Any, options: CriuOptions) -> None:
+    """Copy our options into pycriu's ``criu_opts`` protobuf message."""
+    opts.leave_running = options.leave_running
+    if options.leave_stopped:
+        opts.leave_stopped = True
+    opts.tcp_established = options.tcp_established
+    opts.shell_job = options.shell_job
+    opts.file_locks = options.file_locks
+    opts.ext_unix_sk = options.ext_unix_sk
+    for ext in options.external:
+        opts.external.append(ext)
+    if options.timeout:
+        opts.timeout = int(options.timeout)
+    opts.log_level = options.log_level
+
+
+def dump(
+    pid: int,
+    images_dir: str,
+    work_dir: str,
+    *,
+    options: CriuOptions = CriuOptions(),
+    log_name: str = "dump.log",
+    binary: Optional[CriuBinary] = None,
+) -> DumpResult:
+    """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/log_name``.
+
+    Raises CriuError (with the log's relevant lines) when CRIU refuses or fails; CRIU then lets
+    the tree run on (or, for a failure after the freeze, resumes it), as ``criu dump`` does.
+    """
+    import time
+
+    import pycriu
+
+    binary = binary or find_criu()
+    log_path = os.path.join(work_dir, log_name)
+    img_fd = _open_dir(images_dir)
+    work_fd = _open_dir(work_dir)
+    start = time.monotonic()
+    swrk: Optional[_Swrk] = None
+    try:
+        c = pycriu.criu()
+        swrk = _Swrk(binary)
+        c.use_fd(swrk.fileno())
+        c.opts.pid = pid
+        # CRIU opens these as /proc/<our pid>/fd/N, so they need not be inherited.
+        c.opts.images_dir_fd = img_fd
+        c.opts.work_dir_fd = work_fd
+        c.opts.log_file = log_name
+        _apply_options(c.opts, options)
+        try:
+            c.dump()
+        except pycriu.CRIUException as exc:
+            raise _criu_error("dump", exc, log_path, pid=pid) from None
+    finally:
+        if swrk is not None:
+            swrk.close()
+        os.close(img_fd)
+        os.close(work_fd)
+    return DumpResult(log_path=log_path, wall_s=time.monotonic() - start, stats=read_dump_stats(work_dir))
+
+
+def restore(
+    images_dir: str,
+    work_dir: str,
+    *,
+    options: CriuOptions = CriuOptions(),
+    log_name: str = "restore.log",
+    binary: Optional[CriuBinary] = None,
+) -> RestoreResult:
+    """Restore the tree in ``images_dir``, detached (reparented to init); return its root pid."""
+    import time
+
+    import pycriu
+
+    binary = binary or find_criu()
+    log_path = os.path.join(work_dir, log_name)
+    img_fd = _open_dir(images_dir)
+    work_fd = _open_dir(work_dir)
+    start = time.monotonic()
+    swrk: Optional[_Swrk] = None
+    try:
+        c = pycriu.criu()
+        swrk = _Swrk(binary)
+        c.use_fd(swrk.fileno())
+        c.opts.images_dir_fd = img_fd
+        c.opts.work_dir_fd = work_fd
+        c.opts.log_file = log_name
+        _apply_options(c.opts, options)
+        try:
+            resp = c.restore()
+        except pycriu.CRIUException as exc:
+            raise _criu_error("restore", exc, log_path) from None
+        pid = int(resp.pid)
+    finally:
+        if swrk is not None:
+            swrk.close()
+        os.close(img_fd)
+        os.close(work_fd)
+    return RestoreResult(
+        pid=pid, log_path=log_path, wall_s=time.monotonic() - start, stats=read_restore_stats(work_dir)
+    )
