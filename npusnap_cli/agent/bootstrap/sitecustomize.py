@@ -1,0 +1,55 @@
+"""Env-gated agent start for `npusnap run` (this directory is put first on PYTHONPATH).
+
+Standard library only and Python 3.9+: it runs at start-up of *every* Python interpreter in the
+launched tree, whatever its version. Without ``NPUSNAP_AGENT=1`` it costs one environment
+lookup. With it, it makes ``npusnap_cli`` importable from ``NPUSNAP_PKG_PARENT`` (the directory
+that holds the CLI's own copy of the package) and starts the agent.
+
+Only one module named ``sitecustomize`` is ever imported, so this one then imports the next
+``sitecustomize`` on sys.path (the user's or the distribution's) as if we were not here.
+"""
+
+import os
+import sys
+
+
+def _start_agent() -> None:
+    parent = os.environ.get("NPUSNAP_PKG_PARENT")
+    added = ""
+    if parent and parent not in sys.path:
+        # Front of sys.path only while importing, so that our copy of npusnap_cli is used and the
+        # rest of the CLI's tree never shadows the application's modules afterwards.
+        sys.path.insert(0, parent)
+        added = parent
+    try:
+        import npusnap_cli.agent
+
+        npusnap_cli.agent.start()
+    except Exception as exc:
+        sys.stderr.write(f"npusnap-agent: [{os.getpid()}] could not start: {type(exc).__name__}: {exc}\n")
+    finally:
+        if added:
+            try:
+                sys.path.remove(added)
+            except ValueError:
+                pass
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    try:
+        import importlib
+
+        importlib.import_module("sitecustomize")
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+if os.environ.get("NPUSNAP_AGENT") == "1":
+    _start_agent()
+_chain()

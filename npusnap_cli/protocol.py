@@ -1,0 +1,180 @@
+"""The wire protocol between the npusnap CLI and the agent inside a target process.
+
+Standard library only, Python 3.9+: the agent imports this module inside the target.
+
+Line-delimited JSON over a filesystem AF_UNIX stream socket, one request and one response per
+line, in order::
+
+    request   {"v": 1, "id": 7, "op": "lock", "args": {"lease_s": 30}}
+    response  {"v": 1, "id": 7, "ok": true, "result": {...}}
+              {"v": 1, "id": 7, "ok": false,
+               "error": {"type": "acl", "code": 507906, "name": "ACL_ERROR_SNAPSHOT_LOCK_FAILED",
+                         "message": "..."}}
+
+Only the operations in ``OPS`` exist; arguments are checked against a small schema per op. There is
+no operation that evaluates code: the agent is a code-execution surface and must stay an
+allow-list. Lines longer than ``MAX_LINE`` bytes are refused (a peer cannot make the agent buffer
+without bound inside the application's memory).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional, Tuple
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 64 * 1024
+
+# op -> {argument name: (allowed JSON types, required)}
+_LEASE = (int, float, type(None))
+OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
+    "hello": {},
+    "status": {},
+    "lock": {"lease_s": (_LEASE, False)},
+    "backup": {"lease_s": (_LEASE, False)},
+    "renew": {"lease_s": (_LEASE, False)},
+    "release": {},
+    "restore": {},
+    "unlock": {},
+    "rollback": {},
+}
+OPS = frozenset(OP_ARGS)
+
+# The kinds of error an agent reports (``error.type``).
+ERR_ACL = "acl"  # a CANN call returned non-zero (code/name are the ACL's)
+ERR_HOOK = "hook"  # an application hook raised; the op was rolled back
+ERR_PROTOCOL = "protocol"  # malformed request, unknown op, refused peer, busy
+ERR_STATE = "state"  # the op is not legal now (no ACL runtime, restore required, ...)
+ERR_INTERNAL = "internal"  # a bug in the agent; the application was not touched further
+ERROR_TYPES = frozenset({ERR_ACL, ERR_HOOK, ERR_PROTOCOL, ERR_STATE, ERR_INTERNAL})
+
+
+class ProtocolError(Exception):
+    """A line that does not follow the protocol (raised on either side)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+def _dumps(obj: Dict[str, Any]) -> bytes:
+    data = (json.dumps(obj, separators=(",", ":"), sort_keys=True, default=str) + "\n").encode("utf-8")
+    if len(data) > MAX_LINE:
+        raise ProtocolError("LINE_TOO_LONG", f"message of {len(data)} bytes exceeds {MAX_LINE}")
+    return data
+
+
+def _loads(line: bytes) -> Dict[str, Any]:
+    if len(line) > MAX_LINE:
+        raise ProtocolError("LINE_TOO_LONG", f"line of {len(line)} bytes exceeds {MAX_LINE}")
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError("BAD_JSON", f"not a JSON line: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("BAD_MESSAGE", "a message must be a JSON object")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "VERSION_MISMATCH",
+            f"protocol version {obj.get('v')!r} is not supported (speaks {PROTOCOL_VERSION})",
+        )
+    msg_id = obj.get("id")
+    if not isinstance(msg_id, int) or isinstance(msg_id, bool):
+        raise ProtocolError("BAD_MESSAGE", "message id must be an integer")
+    return obj
+
+
+def encode_request(msg_id: int, op: str, args: Optional[Dict[str, Any]] = None) -> bytes:
+    """One request line. Validates the op and its arguments on the sending side too."""
+    args = dict(args or {})
+    validate_args(op, args)
+    return _dumps({"v": PROTOCOL_VERSION, "id": msg_id, "op": op, "args": args})
+
+
+def validate_args(op: str, args: Dict[str, Any]) -> None:
+    """Raise ProtocolError unless ``op`` is allowed and ``args`` fit its schema."""
+    if op not in OP_ARGS:
+        raise ProtocolError("UNKNOWN_OP", f"unknown operation {op!r} (allowed: {', '.join(sorted(OPS))})")
+    schema = OP_ARGS[op]
+    for key, value in args.items():
+        if key not in schema:
+            raise ProtocolError("BAD_ARGS", f"operation {op!r} takes no argument {key!r}")
+        types, _required = schema[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ProtocolError("BAD_ARGS", f"argument {key!r} of {op!r} has the wrong type")
+    for key, (_types, required) in schema.items():
+        if required and key not in args:
+            raise ProtocolError("BAD_ARGS", f"operation {op!r} needs argument {key!r}")
+    lease = args.get("lease_s")
+    if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
+        raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
+
+
+def decode_request(line: bytes) -> Tuple[int, str, Dict[str, Any]]:
+    """Parse and validate one request line: ``(id, op, args)``."""
+    obj = _loads(line)
+    op = obj.get("op")
+    args = obj.get("args", {})
+    if not isinstance(op, str):
+        raise ProtocolError("BAD_MESSAGE", "request has no op")
+    if not isinstance(args, dict):
+        raise ProtocolError("BAD_ARGS", "args must be a JSON object")
+    validate_args(op, args)
+    return int(obj["id"]), op, args
+
+
+def encode_result(msg_id: int, result: Dict[str, Any]) -> bytes:
+    return _dumps({"v": PROTOCOL_VERSION, "id": msg_id, "ok": True, "result": result})
+
+
+def make_error(err_type: str, name: str, message: str, code: int = 0, **extra: Any) -> Dict[str, Any]:
+    """The ``error`` object of a failed response."""
+    if err_type not in ERROR_TYPES:
+        err_type = ERR_INTERNAL
+    error: Dict[str, Any] = {"type": err_type, "code": int(code), "name": name, "message": message}
+    error.update(extra)
+    return error
+
+
+def encode_error(msg_id: int, error: Dict[str, Any]) -> bytes:
+    return _dumps({"v": PROTOCOL_VERSION, "id": msg_id, "ok": False, "error": error})
+
+
+def decode_response(line: bytes) -> Tuple[int, bool, Dict[str, Any]]:
+    """Parse one response line: ``(id, ok, result-or-error)``."""
+    obj = _loads(line)
+    ok = obj.get("ok")
+    if not isinstance(ok, bool):
+        raise ProtocolError("BAD_MESSAGE", "response has no ok flag")
+    body = obj.get("result" if ok else "error")
+    if not isinstance(body, dict):
+        raise ProtocolError("BAD_MESSAGE", "response has no result/error object")
+    if not ok:
+        for key in ("type", "name", "message"):
+            if not isinstance(body.get(key), str):
+                raise ProtocolError("BAD_MESSAGE", f"error object lacks {key!r}")
+    return int(obj["id"]), ok, body
+
+
+class LineBuffer:
+    """Splits a byte stream into lines, refusing any line longer than ``MAX_LINE``."""
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self._buf = b""
+        self._max = max_line
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_line(self) -> Optional[bytes]:
+        """The next complete line (without the newline), or None; ProtocolError if too long."""
+        idx = self._buf.find(b"\n")
+        if idx < 0:
+            if len(self._buf) > self._max:
+                raise ProtocolError("LINE_TOO_LONG", f"line exceeds {self._max} bytes")
+            return None
+        if idx > self._max:
+            raise ProtocolError("LINE_TOO_LONG", f"line exceeds {self._max} bytes")
+        line, self._buf = self._buf[:idx], self._buf[idx + 1 :]
+        return line
