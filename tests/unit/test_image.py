@@ -1,0 +1,188 @@
+"""The image layout, manifest round trip and validation, atomic publish and verify (no root)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.errors import ExitCode, ImageError, UsageError
+
+
+def _manifest(files: tuple[image.FileEntry, ...] = ()) -> image.Manifest:
+    return image.Manifest(
+        created_at=image.now_iso(),
+        versions=image.Versions(tool="0.1.0", criu="4.1.1", cann="9.1.0", cann_simulated=True, python="3.11"),
+        host=image.HostInfo.current(),
+        root_pid=1234,
+        processes=(
+            image.ProcessEntry(pid=1234, ppid=1, cmdline=("python3", "launch.py"), uid=0, agent=False),
+            image.ProcessEntry(
+                pid=1235,
+                ppid=1234,
+                cmdline=("python3", "worker.py"),
+                uid=0,
+                agent=True,
+                devices=(1,),
+                device_bytes=4096,
+                agent_socket="/run/npusnap/1235.sock",
+            ),
+        ),
+        timings=image.Timings(lock_s=0.01, backup_s=0.2, criu_total_s=0.5, frozen_s=0.8, total_s=1.0),
+        bytes=image.ByteCounts(device_bytes=4096, image_bytes=10_000, criu_pages_written=3),
+        criu_options={"tcp_established": False},
+        files=files,
+    )
+
+
+def _build(tmp_path: Path, name: str = "img") -> tuple[Path, Path]:
+    final = tmp_path / name
+    tmp = image.create_temp_image(final)
+    (image.criu_dir(tmp) / "pages-1.img").write_bytes(b"\x01" * 5000)
+    (image.criu_dir(tmp) / "core-1235.img").write_bytes(b"core")
+    (image.logs_dir(tmp) / image.DUMP_LOG).write_text("log\n")
+    return tmp, final
+
+
+def test_manifest_round_trips_through_json() -> None:
+    m = _manifest((image.FileEntry("criu/a.img", 3, "ab" * 32),))
+    again = image.Manifest.from_json(m.to_json())
+    assert again == m
+    assert [p.pid for p in again.npu_processes] == [1235]
+    assert again.processes[1].devices == (1,)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda d: d.pop("versions"), "versions"),
+        (lambda d: d.__setitem__("root_pid", "12"), "root_pid"),
+        (lambda d: d["processes"][0].__setitem__("agent", 1), "agent"),
+        (lambda d: d.__setitem__("schema", 99), "schema 99"),
+        (lambda d: d["files"].append({"path": "../etc/passwd", "size": 1, "sha256": "x"}), "outside"),
+    ],
+)
+def test_manifest_validation_names_the_problem(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    d = _manifest().to_dict()
+    mutate(d)
+    with pytest.raises(ImageError) as exc:
+        image.Manifest.from_dict(d)
+    assert needle in exc.value.message
+    assert exc.value.exit_code == ExitCode.IMAGE
+
+
+def test_publish_is_atomic_and_private(tmp_path: Path) -> None:
+    tmp, final = _build(tmp_path)
+    assert tmp.name.startswith(".img.npusnap-tmp-")
+    assert stat.S_IMODE(tmp.stat().st_mode) == 0o700
+    files = image.file_entries(tmp)
+    assert [f.path for f in files] == ["criu/core-1235.img", "criu/pages-1.img"]
+    image.publish(tmp, final, _manifest(files))
+    assert not tmp.exists()
+    assert image.temp_siblings(final) == []
+    assert stat.S_IMODE(final.stat().st_mode) == 0o700
+    assert stat.S_IMODE(image.manifest_path(final).stat().st_mode) == 0o600
+    result = image.verify(final)
+    assert result.files_checked == 2
+    assert result.bytes_checked == 5004
+
+
+def test_publish_replaces_empty_dir_but_not_full_one_without_force(tmp_path: Path) -> None:
+    tmp, final = _build(tmp_path)
+    final.mkdir()
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    assert image.manifest_path(final).exists()
+
+    tmp2, _ = _build(tmp_path)
+    with pytest.raises(UsageError):
+        image.publish(tmp2, final, _manifest(image.file_entries(tmp2)))
+    image.publish(tmp2, final, _manifest(image.file_entries(tmp2)), force=True)
+    assert image.verify(final).files_checked == 2
+    assert not any(image.OLD_MARKER in p.name for p in tmp_path.iterdir())
+
+
+def _published(tmp_path: Path) -> Path:
+    tmp, final = _build(tmp_path)
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    return final
+
+
+def test_verify_names_tampered_file(tmp_path: Path) -> None:
+    final = _published(tmp_path)
+    p = image.criu_dir(final) / "pages-1.img"
+    p.write_bytes(b"\x02" * 5000)  # same size, other bytes
+    with pytest.raises(ImageError) as exc:
+        image.verify(final)
+    assert "criu/pages-1.img" in exc.value.message
+    assert "sha256" in exc.value.message
+    # Without checksums only the structure is checked, which is intact.
+    assert image.verify(final, checksums=False).files_checked == 2
+
+
+def test_verify_names_truncated_missing_and_extra_files(tmp_path: Path) -> None:
+    final = _published(tmp_path)
+    with open(image.criu_dir(final) / "pages-1.img", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ImageError) as exc:
+        image.verify(final, checksums=False)
+    assert "criu/pages-1.img has 100 bytes" in exc.value.message
+
+    final2 = _published(tmp_path / "b")
+    (image.criu_dir(final2) / "core-1235.img").unlink()
+    (image.criu_dir(final2) / "evil.img").write_bytes(b"x")
+    with pytest.raises(ImageError) as exc:
+        image.verify(final2)
+    problems = exc.value.details["problems"]
+    assert any("evil.img" in p for p in problems)
+    assert any("core-1235.img is missing" in p for p in problems)
+
+
+def test_logs_are_not_checksummed(tmp_path: Path) -> None:
+    final = _published(tmp_path)
+    (image.logs_dir(final) / image.RESTORE_LOG).write_text("restore happened\n")
+    assert image.verify(final).files_checked == 2
+
+
+def test_load_manifest_errors(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="no image"):
+        image.load_manifest(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImageError, match="is missing"):
+        image.load_manifest(tmp_path / "empty")
+    final = _published(tmp_path / "t")
+    text = image.manifest_path(final).read_text()
+    image.manifest_path(final).write_text(text[: len(text) // 2])
+    with pytest.raises(ImageError, match="not valid JSON"):
+        image.load_manifest(final)
+
+
+def test_check_dump_target(tmp_path: Path) -> None:
+    image.check_dump_target(tmp_path / "new" / "img", force=False)
+    (tmp_path / "empty").mkdir()
+    image.check_dump_target(tmp_path / "empty", force=False)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    with pytest.raises(UsageError, match="not empty"):
+        image.check_dump_target(full, force=False)
+    image.check_dump_target(full, force=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="not a directory"):
+        image.check_dump_target(tmp_path / "file", force=True)
+
+
+def test_save_failure_logs_moves_logs_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "t"))
+    (tmp_path / "t").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    tmp, _final = _build(tmp_path)
+    dest = image.save_failure_logs(tmp, "dump")
+    assert dest is not None and (dest / image.DUMP_LOG).read_text() == "log\n"
+    image.remove_tree(tmp)
+    assert not tmp.exists()
+    assert os.path.isdir(dest)
