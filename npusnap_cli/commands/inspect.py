@@ -1,7 +1,117 @@
-"""Placeholder until the `inspect` command lands (registers nothing)."""
+"""`npusnap inspect DIR` (show an image's manifest) and `npusnap verify DIR` (check it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
+
+def _fmt_s(value: Any) -> str:
+    return "-" if value is None else f"{float(value):.3f}s"
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command("inspect")
+    def inspect_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(..., help="The image directory written by `npusnap dump`."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Show what an image holds: processes, devices, sizes, versions and per-phase timings."""
+        from npusnap_cli import image
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "inspect", json_flag)
+        manifest = image.load_manifest(directory)
+        data = {"image": str(directory), **manifest.to_dict()}
+        v = manifest.versions
+        out.kv(
+            f"image {directory}",
+            {
+                "created": manifest.created_at,
+                "host": f"{manifest.host.hostname} (kernel {manifest.host.kernel}, {manifest.host.machine})",
+                "npusnap": v.tool,
+                "CRIU": v.criu,
+                "CANN": f"{v.cann or 'unknown'}{' (simulated NPU)' if v.cann_simulated else ''}",
+                "root pid": manifest.root_pid,
+                "original left running": "yes" if manifest.leave_running else "no",
+                "image size": human_bytes(manifest.bytes.image_bytes),
+                "device bytes": human_bytes(manifest.bytes.device_bytes),
+            },
+        )
+        by_parent: dict[int, list[image.ProcessEntry]] = {}
+        pids = {p.pid for p in manifest.processes}
+        roots = []
+        for p in manifest.processes:
+            if p.ppid in pids:
+                by_parent.setdefault(p.ppid, []).append(p)
+            else:
+                roots.append(p)
+        nodes: list[tuple[int, str]] = []
+
+        def walk(p: image.ProcessEntry, depth: int) -> None:
+            cmd = " ".join(p.cmdline)
+            if len(cmd) > 70:
+                cmd = cmd[:67] + "..."
+            npu = (
+                f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
+                if p.agent
+                else ""
+            )
+            nodes.append((depth, f"{p.pid}  {cmd}{npu}"))
+            for child in by_parent.get(p.pid, []):
+                walk(child, depth + 1)
+
+        for r in roots:
+            walk(r, 0)
+        out.tree("processes", nodes)
+        t = manifest.timings
+        out.table(
+            "timings",
+            ["phase", "time"],
+            [
+                ["lock", _fmt_s(t.lock_s)],
+                ["device backup", _fmt_s(t.backup_s)],
+                ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
+                ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
+                ["CRIU write", _fmt_s(t.criu_memwrite_s)],
+                ["CRIU total", _fmt_s(t.criu_total_s)],
+                ["publish (checksums, fsync)", _fmt_s(t.publish_s)],
+                ["unlock (leave-running)", _fmt_s(t.unlock_s)],
+                ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
+                ["total", _fmt_s(t.total_s)],
+            ],
+        )
+        out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
+        out.result(data)
+
+    @app.command("verify")
+    def verify_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(..., help="The image directory written by `npusnap dump`."),
+        no_checksums: bool = typer.Option(
+            False, "--no-checksums", help="Check only the structure and file sizes, not the sha256 sums."
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Check an image: manifest schema, every file present with its size and sha256.
+
+        Exits non-zero (the image error code) on any mismatch and names the file.
+        """
+        from npusnap_cli import image
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "verify", json_flag)
+        manifest = image.load_manifest(directory)
+        total = sum(f.size for f in manifest.files)
+        with out.progress("verifying", total) as bar:
+            result = image.verify(directory, checksums=not no_checksums, progress=bar.advance)
+        what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
+        out.ok(
+            f"{directory}: {result.files_checked} files, {human_bytes(result.bytes_checked)}: {what} match"
+        )
+        out.result(result.to_dict())

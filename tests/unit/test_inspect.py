@@ -1,0 +1,61 @@
+"""`npusnap inspect` and `npusnap verify` on an image built by image.py (no root, no CRIU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.cli import main
+from npusnap_cli.errors import ExitCode
+from tests.unit.test_image import _build, _manifest
+
+
+def _image(tmp_path: Path) -> Path:
+    tmp, final = _build(tmp_path)
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    return final
+
+
+def test_inspect_json_is_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = _image(tmp_path)
+    assert main(["inspect", str(final), "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["ok"] is True and env["command"] == "inspect"
+    res = env["result"]
+    assert res["root_pid"] == 1234
+    assert [p["pid"] for p in res["processes"]] == [1234, 1235]
+    assert res["processes"][1]["devices"] == [1]
+    assert res["timings"]["frozen_s"] == 0.8
+    assert {f["path"] for f in res["files"]} == {"criu/pages-1.img", "criu/core-1235.img"}
+
+
+def test_inspect_human_shows_tree_and_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = _image(tmp_path)
+    assert main(["inspect", str(final)]) == 0
+    err = capsys.readouterr().err
+    assert "1235  python3 worker.py" in err
+    assert "NPU: device 1" in err
+    assert "device backup" in err and "0.200s" in err
+
+
+def test_verify_ok_and_tampered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = _image(tmp_path)
+    assert main(["verify", str(final), "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["result"]["files_checked"] == 2
+
+    (image.criu_dir(final) / "core-1235.img").write_bytes(b"CORE")
+    assert main(["verify", str(final)]) == ExitCode.IMAGE
+    err = capsys.readouterr().err
+    assert "criu/core-1235.img does not match its sha256" in err
+    # --no-checksums checks structure only: same size, so it passes.
+    assert main(["verify", str(final), "--no-checksums"]) == 0
+
+
+def test_inspect_missing_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "nope"), "--json"]) == ExitCode.IMAGE
+    env = json.loads(capsys.readouterr().out)
+    assert env["ok"] is False and env["error"]["kind"] == "image"
