@@ -193,12 +193,27 @@ def log_excerpt(log_path: str, tail: int = LOG_TAIL_LINES) -> list[str]:
             lines = [line.rstrip("\n") for line in f]
     except OSError as exc:
         return [f"(could not read {log_path}: {exc.strerror})"]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    errors = [ln for ln in lines if _ERROR_RE.search(ln) and not any(h in ln for h in HARMLESS_ERRORS)]
     last = lines[-tail:]
     out = [ln for ln in errors if ln not in last]
     if out:
         out.append("...")
     return out + last
+
+
+# CRIU logs this on every run here (CAP_SYS_RESOURCE is missing, see criu-here.md); it is not why
+# anything failed, so it must not be shown as the reason.
+HARMLESS_ERRORS = ("Can't setup RLIMIT_NOFILE for self",)
+_ERROR_RE = re.compile(r"Error \([^)]*\):\s*(.*)")
+
+
+def first_error(lines: list[str]) -> Optional[str]:
+    """The first meaningful ``Error (file:line): text`` of a CRIU log: usually the root cause."""
+    for line in lines:
+        m = _ERROR_RE.search(line)
+        if m and not any(h in line for h in HARMLESS_ERRORS):
+            return m.group(1).strip()
+    return None
 
 
 def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
@@ -294,12 +309,16 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
     errno_ = getattr(exc, "errno", None)
     excerpt = log_excerpt(log_path)
     target = f" of pid {pid}" if pid is not None else ""
-    errors = [ln for ln in excerpt if "Error" in ln]
-    reason = errors[-1].split(":", 1)[-1].strip() if errors else str(exc)
+    reason = first_error(excerpt) or str(exc)
+    fix = f"read the CRIU log {log_path}; the lines below are its errors and its last lines"
+    m = re.search(r"consider using (--[a-z-]+)", reason)
+    if m:
+        # CRIU names its own option; npusnap's flags have the same names and meanings.
+        fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
     return CriuError(
         f"CRIU {action}{target} failed: {reason}",
         why=str(exc) if errno_ is None else f"{exc} (errno {errno_})",
-        fix=f"read the CRIU log {log_path}; the lines below are its errors and its last lines",
+        fix=fix,
         details={"criu_log": log_path, "criu_log_excerpt": excerpt, "errno": errno_},
     )
 
