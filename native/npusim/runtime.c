@@ -1,0 +1,805 @@
+/* libruntime.so of the simulated NPU: the one runtime state of a process.
+ *
+ * Both ACL front-ends (libacl_rt.so and libascendcl.so) forward here, so a process that loads both
+ * still has a single state machine, device table and daemon connection, as with real CANN where
+ * both sit on top of libruntime.so. Semantics follow shared/npusim-spec.md and
+ * shared/cann-snapshot-api.md; device memory lives in the daemon (npusnap_cli/sim/daemon.py).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "npusim.h"
+#include "npusim_wire.h"
+
+#define MAX_DEV 64
+#define MAX_CB 32
+#define NSTAGES 6
+#define CHUNK ((uint64_t)64 << 20)
+
+enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_BACKED_UP = 2 };
+
+struct alloc {
+    uint64_t addr;
+    uint64_t size;
+    int32_t dev;
+    void *backup; /* host copy made by Backup, NULL otherwise */
+};
+
+struct cb {
+    npusim_callback fn;
+    void *args;
+};
+
+struct faults {
+    int lock_timeout, backup, restore, unlock;
+    long backup_hang_ms;
+    double copy_mbps;
+};
+
+/* g_mu guards the state machine, the device/allocation tables and the in-flight counter.
+ * g_io guards the daemon socket. Lock order: g_io before g_mu; never take g_io holding g_mu. */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv; /* CLOCK_MONOTONIC, set up in the constructor */
+static pthread_mutex_t g_io = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_snap = PTHREAD_MUTEX_INITIALIZER; /* one snapshot call at a time */
+static pthread_mutex_t g_cbmu = PTHREAD_MUTEX_INITIALIZER;
+
+static int g_state = ST_RUNNING;
+static int g_inflight;
+static int g_initialized;
+static int g_open[MAX_DEV];
+static int g_default_dev = -1;
+static __thread int t_dev = -1;
+static int g_fd = -1;
+static struct alloc *g_allocs;
+static size_t g_nallocs, g_allocs_cap;
+static struct cb g_cbs[NSTAGES][MAX_CB];
+static int g_ncb[NSTAGES];
+static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
+
+/* ---------------------------------------------------------------- helpers */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_s(double s) {
+    if (s <= 0) return;
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static void apply_fault(struct faults *f, const char *key, const char *val) {
+    if (!strcmp(key, "NPUSIM_FAULT_LOCK_TIMEOUT")) f->lock_timeout = atoi(val) != 0;
+    else if (!strcmp(key, "NPUSIM_FAULT_BACKUP")) f->backup = atoi(val) != 0;
+    else if (!strcmp(key, "NPUSIM_FAULT_RESTORE")) f->restore = atoi(val) != 0;
+    else if (!strcmp(key, "NPUSIM_FAULT_UNLOCK")) f->unlock = atoi(val) != 0;
+    else if (!strcmp(key, "NPUSIM_BACKUP_HANG_MS")) f->backup_hang_ms = atol(val);
+    else if (!strcmp(key, "NPUSIM_COPY_MBPS")) f->copy_mbps = atof(val);
+}
+
+/* Faults come from the environment and from NPUSIM_FAULT_FILE (KEY=VALUE lines), re-read on every
+ * snapshot call so that a test can switch them in a process that is already running. */
+static void read_faults(struct faults *f) {
+    static const char *keys[] = {"NPUSIM_FAULT_LOCK_TIMEOUT", "NPUSIM_FAULT_BACKUP", "NPUSIM_FAULT_RESTORE",
+                                 "NPUSIM_FAULT_UNLOCK", "NPUSIM_BACKUP_HANG_MS", "NPUSIM_COPY_MBPS"};
+    memset(f, 0, sizeof *f);
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        const char *v = getenv(keys[i]);
+        if (v && *v) apply_fault(f, keys[i], v);
+    }
+    double file_mbps = -1.0;
+    const char *path = getenv("NPUSIM_FAULT_FILE");
+    FILE *fp = (path && *path) ? fopen(path, "re") : NULL;
+    if (fp) {
+        char line[256];
+        while (fgets(line, sizeof line, fp)) {
+            char *eq = strchr(line, '=');
+            if (!eq) continue;
+            *eq = '\0';
+            char *key = line, *val = eq + 1;
+            while (*key == ' ' || *key == '\t') key++;
+            char *kend = key + strlen(key);
+            while (kend > key && (kend[-1] == ' ' || kend[-1] == '\t')) *--kend = '\0';
+            val[strcspn(val, "\r\n")] = '\0';
+            apply_fault(f, key, val);
+            if (!strcmp(key, "NPUSIM_COPY_MBPS")) file_mbps = atof(val);
+        }
+        fclose(fp);
+    }
+    g_file_copy_mbps = file_mbps;
+}
+
+static double copy_mbps(void) {
+    const char *v = getenv("NPUSIM_COPY_MBPS");
+    if (v && *v) return atof(v);
+    return g_file_copy_mbps;
+}
+
+static const char *socket_path(char *buf, size_t len) {
+    const char *env = getenv("NPUSIM_SOCKET");
+    if (env && *env) return env;
+    uid_t uid = geteuid();
+    if (uid == 0) return "/run/npusim/npusim.sock";
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    struct stat st;
+    if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && strcmp(xdg, "/tmp") != 0)
+        snprintf(buf, len, "%s/npusim/npusim.sock", xdg);
+    else
+        snprintf(buf, len, "/tmp/npusim-%u/npusim.sock", (unsigned)uid);
+    return buf;
+}
+
+/* ---------------------------------------------------------------- daemon connection (g_io held) */
+
+static int write_all(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int read_all(int fd, void *buf, size_t n) {
+    char *p = buf;
+    while (n) {
+        ssize_t r = recv(fd, p, n, 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+static void io_disconnect(void) {
+    if (g_fd >= 0) close(g_fd);
+    g_fd = -1;
+}
+
+static int io_connect(void) {
+    if (g_fd >= 0) return 0;
+    char buf[256];
+    const char *path = socket_path(buf, sizeof buf);
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof sa.sun_path) return -1;
+    strcpy(sa.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        return -1;
+    }
+    g_fd = fd;
+    return 0;
+}
+
+/* One request/response. Returns the daemon status (0 or -errno), or -EPIPE if the connection
+ * broke (which also drops it). `out` is sent after the header; `in` receives the payload. */
+static int io_rpc(uint32_t op, int32_t dev, uint64_t a, uint64_t b, uint64_t n, const void *out,
+                  size_t outlen, void *in, size_t inlen, uint64_t *value) {
+    if (g_fd < 0) return -ENOTCONN;
+    struct npusim_req req = {op, dev, a, b, n};
+    struct npusim_resp resp;
+    if (write_all(g_fd, &req, sizeof req) != 0 || (outlen && write_all(g_fd, out, outlen) != 0) ||
+        read_all(g_fd, &resp, sizeof resp) != 0) {
+        io_disconnect();
+        return -EPIPE;
+    }
+    if (resp.payload_len) {
+        if (resp.payload_len != inlen || !in) { /* protocol error: never leave stray bytes */
+            io_disconnect();
+            return -EPROTO;
+        }
+        if (read_all(g_fd, in, inlen) != 0) {
+            io_disconnect();
+            return -EPIPE;
+        }
+    }
+    if (value) *value = resp.value;
+    return resp.status;
+}
+
+/* Device<->host copies in chunks, paced to NPUSIM_COPY_MBPS (megabytes per second) when set. */
+static int io_transfer(int write, uint64_t addr, void *host, uint64_t n) {
+    double mbps = copy_mbps();
+    double t0 = now_s();
+    uint64_t done = 0;
+    while (done < n) {
+        uint64_t c = n - done < CHUNK ? n - done : CHUNK;
+        if (mbps > 0 && c > (uint64_t)(1 << 20)) c = 1 << 20;
+        int rc = write ? io_rpc(NPUSIM_OP_WRITE, -1, addr + done, 0, c, (char *)host + done, c, NULL, 0, NULL)
+                       : io_rpc(NPUSIM_OP_READ, -1, addr + done, 0, c, NULL, 0, (char *)host + done, c, NULL);
+        if (rc != 0) return rc;
+        done += c;
+        if (mbps > 0) sleep_s((double)done / (mbps * 1e6) - (now_s() - t0));
+    }
+    return 0;
+}
+
+static int32_t status_to_acl(int st) {
+    switch (st) {
+    case 0: return ACL_SUCCESS;
+    case -ENOMEM: return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    case -EBUSY: return ACL_ERROR_RT_DEV_SETUP_ERROR;
+    case -ENODEV:
+    case -EINVAL:
+    case -EPERM:
+    case -EEXIST: return ACL_ERROR_RT_PARAM_INVALID;
+    default: return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* daemon gone or protocol broken */
+    }
+}
+
+/* ---------------------------------------------------------------- tables (g_mu held) */
+
+static struct alloc *find_exact(uint64_t addr) {
+    for (size_t i = 0; i < g_nallocs; i++)
+        if (g_allocs[i].addr == addr) return &g_allocs[i];
+    return NULL;
+}
+
+static int range_ok(uint64_t addr, uint64_t n) {
+    for (size_t i = 0; i < g_nallocs; i++)
+        if (addr >= g_allocs[i].addr && n <= g_allocs[i].size && addr - g_allocs[i].addr <= g_allocs[i].size - n)
+            return 1;
+    return 0;
+}
+
+static int add_alloc(uint64_t addr, uint64_t size, int32_t dev) {
+    if (g_nallocs == g_allocs_cap) {
+        size_t cap = g_allocs_cap ? g_allocs_cap * 2 : 64;
+        struct alloc *p = realloc(g_allocs, cap * sizeof *p);
+        if (!p) return -1;
+        g_allocs = p;
+        g_allocs_cap = cap;
+    }
+    g_allocs[g_nallocs++] = (struct alloc){addr, size, dev, NULL};
+    return 0;
+}
+
+static void remove_alloc(struct alloc *a) {
+    free(a->backup);
+    *a = g_allocs[--g_nallocs];
+}
+
+static void free_backups(void) {
+    for (size_t i = 0; i < g_nallocs; i++) {
+        free(g_allocs[i].backup);
+        g_allocs[i].backup = NULL;
+    }
+}
+
+static int open_devices(int32_t *ids, int max) {
+    int n = 0;
+    for (int d = 0; d < MAX_DEV; d++)
+        if (g_open[d]) {
+            if (n < max) ids[n] = d;
+            n++;
+        }
+    return n;
+}
+
+/* ---------------------------------------------------------------- locking of device calls */
+
+/* Every call that changes device resources goes through enter/leave: it waits while the process
+ * is LOCKED or BACKED_UP, and Lock waits for the in-flight ones to drain. */
+static void enter(void) {
+    pthread_mutex_lock(&g_mu);
+    while (g_state != ST_RUNNING) pthread_cond_wait(&g_cv, &g_mu);
+    g_inflight++;
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void leave(void) {
+    pthread_mutex_lock(&g_mu);
+    g_inflight--;
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
+
+static int current_device(void) {
+    pthread_mutex_lock(&g_mu);
+    int d = (t_dev >= 0 && g_open[t_dev]) ? t_dev : g_default_dev;
+    pthread_mutex_unlock(&g_mu);
+    return d;
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+static void atfork_prepare(void) {
+    pthread_mutex_lock(&g_io);
+    pthread_mutex_lock(&g_mu);
+}
+
+static void atfork_parent(void) {
+    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_io);
+}
+
+/* A forked child owns no device (as with real CANN, which does not survive fork): it must not
+ * talk over the parent's daemon connection or believe it holds the parent's memory. */
+static void atfork_child(void) {
+    if (g_fd >= 0) close(g_fd);
+    g_fd = -1;
+    for (size_t i = 0; i < g_nallocs; i++) free(g_allocs[i].backup);
+    g_nallocs = 0;
+    memset(g_open, 0, sizeof g_open);
+    g_default_dev = -1;
+    t_dev = -1;
+    g_state = ST_RUNNING;
+    g_inflight = 0;
+    g_initialized = 0;
+    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_io);
+}
+
+__attribute__((constructor)) static void rt_init(void) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+/* A process that exits while locked is force-unlocked (CANN does this with an exit hook), so that
+ * threads still blocked in device calls are released and host copies are dropped. */
+__attribute__((destructor)) static void rt_fini(void) {
+    pthread_mutex_lock(&g_mu);
+    if (g_state != ST_RUNNING) {
+        fprintf(stderr, "npusim: process %d exiting while %s: force-unlocked\n", (int)getpid(),
+                g_state == ST_LOCKED ? "LOCKED" : "BACKED_UP");
+        g_state = ST_RUNNING;
+        free_backups();
+        pthread_cond_broadcast(&g_cv);
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* ---------------------------------------------------------------- ACL implementation */
+
+int32_t npusim_rt_init(const char *config) {
+    (void)config;
+    pthread_mutex_lock(&g_mu);
+    int32_t rc = g_initialized ? ACL_ERROR_REPEAT_INITIALIZE : ACL_SUCCESS;
+    g_initialized = 1;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+static int32_t reset_device_locked_io(int32_t dev) {
+    /* g_io held by caller */
+    int st = io_rpc(NPUSIM_OP_RELEASE, dev, 0, 0, 0, NULL, 0, NULL, 0, NULL);
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < g_nallocs;) {
+        if (g_allocs[i].dev == dev) remove_alloc(&g_allocs[i]);
+        else i++;
+    }
+    g_open[dev] = 0;
+    if (t_dev == dev) t_dev = -1;
+    if (g_default_dev == dev) {
+        g_default_dev = -1;
+        for (int d = 0; d < MAX_DEV; d++)
+            if (g_open[d]) {
+                g_default_dev = d;
+                break;
+            }
+    }
+    int any = g_default_dev >= 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!any) io_disconnect();
+    return st == 0 || st == -ENOTCONN ? ACL_SUCCESS : status_to_acl(st);
+}
+
+int32_t npusim_rt_finalize(void) {
+    enter();
+    pthread_mutex_lock(&g_io);
+    for (int d = 0; d < MAX_DEV; d++) {
+        pthread_mutex_lock(&g_mu);
+        int open = g_open[d];
+        pthread_mutex_unlock(&g_mu);
+        if (open) reset_device_locked_io(d);
+    }
+    io_disconnect();
+    pthread_mutex_unlock(&g_io);
+    pthread_mutex_lock(&g_mu);
+    int32_t rc = g_initialized ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
+    g_initialized = 0;
+    pthread_mutex_unlock(&g_mu);
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_set_device(int32_t dev) {
+    if (dev < 0 || dev >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    enter();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_io);
+    if (io_connect() != 0) {
+        rc = ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+    } else {
+        int st = io_rpc(NPUSIM_OP_CLAIM, dev, 0, 0, 0, NULL, 0, NULL, 0, NULL);
+        rc = status_to_acl(st);
+    }
+    if (rc == ACL_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        g_open[dev] = 1;
+        t_dev = dev;
+        if (g_default_dev < 0) g_default_dev = dev;
+        pthread_mutex_unlock(&g_mu);
+    } else {
+        pthread_mutex_lock(&g_mu);
+        int any = g_default_dev >= 0;
+        pthread_mutex_unlock(&g_mu);
+        if (!any) io_disconnect();
+    }
+    pthread_mutex_unlock(&g_io);
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_reset_device(int32_t dev) {
+    if (dev < 0 || dev >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    enter();
+    pthread_mutex_lock(&g_io);
+    pthread_mutex_lock(&g_mu);
+    int open = g_open[dev];
+    pthread_mutex_unlock(&g_mu);
+    int32_t rc = open ? reset_device_locked_io(dev) : ACL_SUCCESS;
+    pthread_mutex_unlock(&g_io);
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_get_device(int32_t *dev) {
+    if (!dev) return ACL_ERROR_RT_PARAM_INVALID;
+    int d = current_device();
+    if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
+    *dev = d;
+    return ACL_SUCCESS;
+}
+
+int32_t npusim_rt_malloc(void **ptr, size_t size, int policy) {
+    (void)policy;
+    if (!ptr || size == 0) return ACL_ERROR_RT_PARAM_INVALID;
+    enter();
+    int32_t rc;
+    int dev = current_device();
+    if (dev < 0) {
+        rc = ACL_ERROR_UNINITIALIZE;
+    } else {
+        uint64_t addr = 0;
+        pthread_mutex_lock(&g_io);
+        int st = io_rpc(NPUSIM_OP_ALLOC, dev, 0, 0, size, NULL, 0, NULL, 0, &addr);
+        rc = status_to_acl(st);
+        if (rc == ACL_SUCCESS) {
+            pthread_mutex_lock(&g_mu);
+            if (add_alloc(addr, size, dev) != 0) rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+            pthread_mutex_unlock(&g_mu);
+            if (rc != ACL_SUCCESS) io_rpc(NPUSIM_OP_FREE, dev, addr, 0, 0, NULL, 0, NULL, 0, NULL);
+            else *ptr = (void *)(uintptr_t)addr;
+        }
+        pthread_mutex_unlock(&g_io);
+    }
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_free(void *ptr) {
+    if (!ptr) return ACL_ERROR_RT_PARAM_INVALID;
+    enter();
+    int32_t rc;
+    pthread_mutex_lock(&g_io);
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_exact((uint64_t)(uintptr_t)ptr);
+    int32_t dev = a ? a->dev : -1;
+    pthread_mutex_unlock(&g_mu);
+    if (!a) {
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    } else {
+        rc = status_to_acl(io_rpc(NPUSIM_OP_FREE, dev, (uint64_t)(uintptr_t)ptr, 0, 0, NULL, 0, NULL, 0, NULL));
+        if (rc == ACL_SUCCESS) {
+            pthread_mutex_lock(&g_mu);
+            a = find_exact((uint64_t)(uintptr_t)ptr);
+            if (a) remove_alloc(a);
+            pthread_mutex_unlock(&g_mu);
+        }
+    }
+    pthread_mutex_unlock(&g_io);
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t count, int kind) {
+    if (!dst || !src || count > dest_max || kind < 0 || kind > 3) return ACL_ERROR_RT_PARAM_INVALID;
+    enter();
+    int32_t rc = ACL_SUCCESS;
+    uint64_t d = (uint64_t)(uintptr_t)dst, s = (uint64_t)(uintptr_t)src;
+    if (count == 0) {
+        rc = ACL_SUCCESS;
+    } else if (kind == 0) {
+        memmove(dst, src, count);
+    } else {
+        pthread_mutex_lock(&g_io);
+        pthread_mutex_lock(&g_mu);
+        int connected = g_fd >= 0 && g_default_dev >= 0;
+        int ok = (kind != 1 || range_ok(d, count)) && (kind != 2 || range_ok(s, count)) &&
+                 (kind != 3 || (range_ok(d, count) && range_ok(s, count)));
+        pthread_mutex_unlock(&g_mu);
+        if (!connected) rc = ACL_ERROR_UNINITIALIZE;
+        else if (!ok) rc = ACL_ERROR_RT_PARAM_INVALID;
+        else if (kind == 1) rc = status_to_acl(io_transfer(1, d, (void *)(uintptr_t)src, count));
+        else if (kind == 2) rc = status_to_acl(io_transfer(0, s, dst, count));
+        else rc = status_to_acl(io_rpc(NPUSIM_OP_COPY, -1, d, s, count, NULL, 0, NULL, 0, NULL));
+        pthread_mutex_unlock(&g_io);
+    }
+    leave();
+    return rc;
+}
+
+int32_t npusim_rt_synchronize_device(void) {
+    /* Copies are synchronous in the simulator: nothing is ever queued, so nothing to wait for. */
+    return current_device() < 0 ? ACL_ERROR_UNINITIALIZE : ACL_SUCCESS;
+}
+
+int32_t npusim_rt_get_version_str(char *pkg, char *out) {
+    if (!pkg || !out) return ACL_ERROR_INVALID_PARAM;
+    snprintf(out, 128, "%s", NPUSIM_CANN_VERSION);
+    return ACL_SUCCESS;
+}
+
+int npusim_rt_get_open_devices(int32_t *ids, int max) {
+    if (!ids || max < 0) return -1;
+    pthread_mutex_lock(&g_mu);
+    int n = open_devices(ids, max);
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
+/* ---------------------------------------------------------------- callbacks */
+
+int32_t npusim_rt_callback_register(int stage, npusim_callback cb, void *args) {
+    if (stage < 0 || stage >= NSTAGES || !cb) return ACL_ERROR_RT_PARAM_INVALID;
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_cbmu);
+    for (int i = 0; i < g_ncb[stage]; i++)
+        if (g_cbs[stage][i].fn == cb) rc = ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED;
+    if (rc == ACL_SUCCESS) {
+        if (g_ncb[stage] == MAX_CB) rc = ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED;
+        else g_cbs[stage][g_ncb[stage]++] = (struct cb){cb, args};
+    }
+    pthread_mutex_unlock(&g_cbmu);
+    return rc;
+}
+
+int32_t npusim_rt_callback_unregister(int stage, npusim_callback cb) {
+    if (stage < 0 || stage >= NSTAGES || !cb) return ACL_ERROR_RT_PARAM_INVALID;
+    int32_t rc = ACL_ERROR_RT_PARAM_INVALID;
+    pthread_mutex_lock(&g_cbmu);
+    for (int i = 0; i < g_ncb[stage]; i++)
+        if (g_cbs[stage][i].fn == cb) {
+            memmove(&g_cbs[stage][i], &g_cbs[stage][i + 1], (size_t)(g_ncb[stage] - i - 1) * sizeof(struct cb));
+            g_ncb[stage]--;
+            rc = ACL_SUCCESS;
+            break;
+        }
+    pthread_mutex_unlock(&g_cbmu);
+    return rc;
+}
+
+/* Runs a stage's callbacks once per open device; the first non-zero result aborts. Called without
+ * g_mu so that callbacks may query the runtime. */
+static int32_t run_callbacks(int stage) {
+    struct cb cbs[MAX_CB];
+    pthread_mutex_lock(&g_cbmu);
+    int n = g_ncb[stage];
+    memcpy(cbs, g_cbs[stage], (size_t)n * sizeof(struct cb));
+    pthread_mutex_unlock(&g_cbmu);
+    if (n == 0) return ACL_SUCCESS;
+    int32_t ids[MAX_DEV];
+    pthread_mutex_lock(&g_mu);
+    int nd = open_devices(ids, MAX_DEV);
+    pthread_mutex_unlock(&g_mu);
+    for (int d = 0; d < nd; d++)
+        for (int i = 0; i < n; i++)
+            if (cbs[i].fn(ids[d], cbs[i].args) != 0) return ACL_ERROR_SNAPSHOT_CALLBACK_FAILED;
+    return ACL_SUCCESS;
+}
+
+/* ---------------------------------------------------------------- snapshot */
+
+static int get_state(void) {
+    pthread_mutex_lock(&g_mu);
+    int s = g_state;
+    pthread_mutex_unlock(&g_mu);
+    return s;
+}
+
+static void set_state(int s) {
+    pthread_mutex_lock(&g_mu);
+    g_state = s;
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
+
+static long lock_wait_ms(void) {
+    /* 60 s as in CANN; NPUSIM_LOCK_WAIT_MS shortens it so tests of the real wait stay quick. */
+    const char *v = getenv("NPUSIM_LOCK_WAIT_MS");
+    return (v && *v) ? atol(v) : 60000;
+}
+
+int32_t npusim_rt_lock(int pid, void *reserve) {
+    if (pid != getpid() || reserve) return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&g_snap);
+    struct faults f;
+    read_faults(&f);
+    int32_t rc = ACL_SUCCESS;
+    if (get_state() != ST_RUNNING) rc = ACL_ERROR_SNAPSHOT_LOCK_FAILED;
+    else if ((rc = run_callbacks(NPUSIM_STAGE_LOCK_PRE)) != ACL_SUCCESS) {
+    } else if (f.lock_timeout) rc = ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT;
+    else {
+        pthread_mutex_lock(&g_mu);
+        g_state = ST_LOCKED; /* new device calls now wait in enter() */
+        struct timespec dl;
+        clock_gettime(CLOCK_MONOTONIC, &dl);
+        long ms = lock_wait_ms();
+        dl.tv_sec += ms / 1000;
+        dl.tv_nsec += (ms % 1000) * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+        int err = 0;
+        while (g_inflight > 0 && err != ETIMEDOUT) err = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
+        if (g_inflight > 0) {
+            g_state = ST_RUNNING;
+            pthread_cond_broadcast(&g_cv);
+            rc = ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT;
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
+    pthread_mutex_unlock(&g_snap);
+    return rc;
+}
+
+int32_t npusim_rt_backup(int pid, void *args) {
+    if (pid != getpid() || args) return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&g_snap);
+    struct faults f;
+    read_faults(&f);
+    int32_t rc = ACL_SUCCESS;
+    if (get_state() != ST_LOCKED || f.backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
+    else rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
+    if (rc == ACL_SUCCESS) {
+        if (f.backup_hang_ms > 0) sleep_s((double)f.backup_hang_ms / 1000.0);
+        /* Device calls are parked (LOCKED, nothing in flight), so the tables are stable here. */
+        pthread_mutex_lock(&g_io);
+        pthread_mutex_lock(&g_mu);
+        free_backups(); /* a repeated Backup replaces the previous one */
+        size_t n = g_nallocs;
+        pthread_mutex_unlock(&g_mu);
+        for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
+            struct alloc *a = &g_allocs[i];
+            a->backup = malloc(a->size);
+            if (!a->backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
+            else if (io_transfer(0, a->addr, a->backup, a->size) != 0) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
+        }
+        if (rc == ACL_SUCCESS) {
+            /* Release the device connection: it is what CRIU cannot dump (like a /dev/davinci fd).
+             * The daemon keeps the device reserved for this live process. */
+            io_disconnect();
+        } else {
+            pthread_mutex_lock(&g_mu);
+            free_backups();
+            pthread_mutex_unlock(&g_mu);
+        }
+        pthread_mutex_unlock(&g_io);
+        if (rc == ACL_SUCCESS) {
+            set_state(ST_BACKED_UP);
+            rc = run_callbacks(NPUSIM_STAGE_BACKUP_POST);
+        }
+    }
+    pthread_mutex_unlock(&g_snap);
+    return rc;
+}
+
+/* Reconnect and claim every open device; for Restore also recreate and refill allocations. */
+static int32_t reattach(int recreate, int32_t fail_code) {
+    int32_t ids[MAX_DEV];
+    pthread_mutex_lock(&g_mu);
+    int nd = open_devices(ids, MAX_DEV);
+    size_t n = g_nallocs;
+    pthread_mutex_unlock(&g_mu);
+    if (nd == 0) return ACL_SUCCESS;
+    pthread_mutex_lock(&g_io);
+    int32_t rc = ACL_SUCCESS;
+    if (io_connect() != 0) rc = fail_code;
+    for (int d = 0; d < nd && rc == ACL_SUCCESS; d++)
+        if (io_rpc(NPUSIM_OP_CLAIM, ids[d], 0, 0, 0, NULL, 0, NULL, 0, NULL) != 0) rc = fail_code;
+    for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (!recreate) {
+            /* Unlock from BACKED_UP: the daemon must still hold our memory (it does unless this is
+             * a restored copy that skipped Restore, which would otherwise run on garbage). */
+            if (io_rpc(NPUSIM_OP_HAS, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0) rc = fail_code;
+        } else if (!a->backup ||
+                   io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0 ||
+                   io_transfer(1, a->addr, a->backup, a->size) != 0) {
+            rc = fail_code;
+        }
+    }
+    if (rc != ACL_SUCCESS) io_disconnect();
+    pthread_mutex_unlock(&g_io);
+    return rc;
+}
+
+int32_t npusim_rt_restore(int pid, void *args) {
+    if (pid != getpid() || args) return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&g_snap);
+    struct faults f;
+    read_faults(&f);
+    int32_t rc = ACL_SUCCESS;
+    if (get_state() != ST_BACKED_UP || f.restore) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
+    else rc = run_callbacks(NPUSIM_STAGE_RESTORE_PRE);
+    if (rc == ACL_SUCCESS) rc = reattach(1, ACL_ERROR_SNAPSHOT_RESTORE_FAILED);
+    if (rc == ACL_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        free_backups();
+        g_state = ST_LOCKED;
+        pthread_mutex_unlock(&g_mu);
+        rc = run_callbacks(NPUSIM_STAGE_RESTORE_POST);
+    }
+    pthread_mutex_unlock(&g_snap);
+    return rc;
+}
+
+int32_t npusim_rt_unlock(int pid, void *reserve) {
+    if (pid != getpid() || reserve) return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&g_snap);
+    struct faults f;
+    read_faults(&f);
+    int32_t rc = ACL_SUCCESS;
+    int st = get_state();
+    if ((st != ST_LOCKED && st != ST_BACKED_UP) || f.unlock) rc = ACL_ERROR_SNAPSHOT_UNLOCK_FAILED;
+    else if (st == ST_BACKED_UP) rc = reattach(0, ACL_ERROR_SNAPSHOT_UNLOCK_FAILED);
+    if (rc == ACL_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        free_backups();
+        g_state = ST_RUNNING;
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+        rc = run_callbacks(NPUSIM_STAGE_UNLOCK_POST);
+    }
+    pthread_mutex_unlock(&g_snap);
+    return rc;
+}
+
+__attribute__((visibility("default"))) int rtSnapShotProcessGetState(int *state) {
+    if (!state) return ACL_ERROR_RT_PARAM_INVALID;
+    *state = get_state();
+    return 0;
+}

@@ -1,0 +1,453 @@
+"""The simulated NPU's device daemon: owns device memory and device occupancy for the whole host.
+
+Run as ``python -m npusnap_cli.sim.daemon --socket PATH --devices N --capacity BYTES``. Processes
+using the simulated runtime (native/npusim) connect over a unix socket; the daemon identifies each
+by (pid, start time) read through SO_PEERCRED and /proc at connect time — CRIU restores the same
+pid, so the pid alone would let a restored copy inherit the dead original's device.
+
+Device memory is one anonymous mmap per allocation, so freeing really returns memory, and copies go
+between the socket and the mapping with recv_into/sendall on memoryviews (no intermediate copies).
+A reaper thread frees the devices and memory of owners that died; a claim on an occupied device
+re-checks the holder synchronously so a freshly restored process never waits for the reaper.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import errno
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from npusnap_cli.sim import wire
+
+Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
+GiB = 1 << 30
+CHUNK = 8 << 20
+
+
+def start_time(pid: int) -> Optional[int]:
+    """Field 22 of /proc/PID/stat, or None if the process is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rindex(b")") + 2 :].split()
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+def alive(owner: Owner) -> bool:
+    return start_time(owner[0]) == owner[1]
+
+
+@dataclass
+class Allocation:
+    addr: int
+    size: int
+    owner: Owner
+    mem: mmap.mmap
+
+
+@dataclass
+class Device:
+    id: int
+    capacity: int
+    owner: Optional[Owner] = None
+    used: int = 0
+    allocs: Dict[int, Allocation] = field(default_factory=dict)
+    addrs: List[int] = field(default_factory=list)  # sorted keys of allocs
+    next_addr: int = 0
+
+    @property
+    def base(self) -> int:
+        return wire.ADDR_BASE + self.id * wire.ADDR_SPAN
+
+
+class Daemon:
+    def __init__(self, sock_path: str, devices: int, capacity: int, bandwidth_mbps: Optional[float]) -> None:
+        self.sock_path = sock_path
+        self.devices = [
+            Device(i, capacity, next_addr=wire.ADDR_BASE + i * wire.ADDR_SPAN) for i in range(devices)
+        ]
+        self.bandwidth_mbps = bandwidth_mbps
+        self.lock = threading.Lock()
+        self.clients = 0
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.listener: Optional[socket.socket] = None
+
+    # -- bookkeeping (self.lock held) ---------------------------------------------------------
+    def _free_owner(self, owner: Owner, dev: Optional[Device] = None) -> None:
+        for d in [dev] if dev else self.devices:
+            for addr in [a for a, al in d.allocs.items() if al.owner == owner]:
+                self._drop(d, addr)
+            if d.owner == owner:
+                d.owner = None
+
+    def _drop(self, dev: Device, addr: int) -> None:
+        al = dev.allocs.pop(addr)
+        dev.addrs.remove(addr)
+        dev.used -= al.size
+        # Dropping the last reference unmaps it; close() would fail while a copy holds a view.
+
+    def _reap(self) -> None:
+        owners = {d.owner for d in self.devices if d.owner} | {
+            al.owner for d in self.devices for al in d.allocs.values()
+        }
+        for owner in owners:
+            if not alive(owner):
+                log(f"owner pid {owner[0]} (start {owner[1]}) is gone: freeing its devices and memory")
+                self._free_owner(owner)
+
+    def _device_of(self, addr: int) -> Optional[Device]:
+        idx = (addr - wire.ADDR_BASE) // wire.ADDR_SPAN if addr >= wire.ADDR_BASE else -1
+        return self.devices[idx] if 0 <= idx < len(self.devices) else None
+
+    def _find(self, owner: Owner, addr: int, n: int) -> Optional[Tuple[Allocation, int]]:
+        """The caller's allocation holding [addr, addr+n), and the offset of addr in it."""
+        dev = self._device_of(addr)
+        if dev is None:
+            return None
+        i = bisect.bisect_right(dev.addrs, addr) - 1
+        if i < 0:
+            return None
+        al = dev.allocs[dev.addrs[i]]
+        off = addr - al.addr
+        if al.owner != owner or n < 0 or off + n > al.size:
+            return None
+        return al, off
+
+    def _place(self, dev: Device, size: int) -> int:
+        """An address for a new allocation: bump pointer, first fit once the range is used up."""
+        end = dev.base + wire.ADDR_SPAN
+        if dev.next_addr + size <= end:
+            return dev.next_addr
+        prev = dev.base
+        for a in dev.addrs:
+            if a - prev >= size:
+                return prev
+            prev = _align(a + dev.allocs[a].size)
+        return prev if end - prev >= size else -1
+
+    def _insert(self, dev: Device, addr: int, size: int, owner: Owner) -> None:
+        mem = mmap.mmap(-1, size)
+        dev.allocs[addr] = Allocation(addr, size, owner, mem)
+        bisect.insort(dev.addrs, addr)
+        dev.used += size
+        dev.next_addr = max(dev.next_addr, _align(addr + size))
+
+    def _overlaps(self, dev: Device, addr: int, size: int) -> bool:
+        i = bisect.bisect_right(dev.addrs, addr + size - 1)
+        if i == 0:
+            return False
+        prev = dev.allocs[dev.addrs[i - 1]]
+        return prev.addr + prev.size > addr
+
+    # -- operations -----------------------------------------------------------------------------
+    def op_claim(self, owner: Owner, dev_id: int) -> int:
+        if not 0 <= dev_id < len(self.devices):
+            return -errno.ENODEV
+        dev = self.devices[dev_id]
+        if dev.owner and dev.owner != owner:
+            if alive(dev.owner):
+                return -errno.EBUSY
+            log(f"device {dev_id}: previous owner pid {dev.owner[0]} is gone: freeing it")
+            self._free_owner(dev.owner, dev)
+        dev.owner = owner
+        return 0
+
+    def op_alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
+        if not 0 <= dev_id < len(self.devices):
+            return -errno.ENODEV, 0
+        dev = self.devices[dev_id]
+        if dev.owner != owner:
+            return -errno.EPERM, 0
+        if size <= 0:
+            return -errno.EINVAL, 0
+        if at is not None:
+            existing = dev.allocs.get(at)
+            if existing and existing.owner == owner and existing.size == size:
+                return 0, at  # Restore in the same process (rollback): the memory is still there
+            if self._device_of(at) is not dev or at + size > dev.base + wire.ADDR_SPAN:
+                return -errno.EINVAL, 0
+            if self._overlaps(dev, at, size):
+                return -errno.EEXIST, 0
+        if dev.used + size > dev.capacity:
+            return -errno.ENOMEM, 0
+        addr = at if at is not None else self._place(dev, size)
+        if addr < 0:
+            return -errno.ENOMEM, 0
+        try:
+            self._insert(dev, addr, size, owner)
+        except (OSError, ValueError):
+            return -errno.ENOMEM, 0
+        return 0, addr
+
+    def status(self) -> Dict[str, Any]:
+        owners: Dict[Owner, Dict[str, Any]] = {}
+        devs = []
+        for d in self.devices:
+            for al in d.allocs.values():
+                o = owners.setdefault(al.owner, {"pid": al.owner[0], "start_time": al.owner[1], "bytes": 0})
+                o["bytes"] += al.size
+            if d.owner:
+                owners.setdefault(d.owner, {"pid": d.owner[0], "start_time": d.owner[1], "bytes": 0})
+            devs.append(
+                {
+                    "id": d.id,
+                    "capacity": d.capacity,
+                    "used": d.used,
+                    "allocations": len(d.allocs),
+                    "owner": None
+                    if d.owner is None
+                    else {"pid": d.owner[0], "start_time": d.owner[1], "alive": alive(d.owner)},
+                }
+            )
+        for key, o in owners.items():
+            o["alive"] = alive(key)
+            o["devices"] = [d.id for d in self.devices if d.owner == key]
+        return {
+            "simulated": True,
+            "daemon_pid": os.getpid(),
+            "socket": self.sock_path,
+            "uptime_s": round(time.time() - self.started, 3),
+            "bandwidth_mbps": self.bandwidth_mbps,
+            "clients": self.clients,
+            "devices": devs,
+            "owners": list(owners.values()),
+            "bytes_used": sum(d.used for d in self.devices),
+        }
+
+    # -- data movement --------------------------------------------------------------------------
+    def _pace(self, t0: float, done: int) -> None:
+        if self.bandwidth_mbps:
+            delay = done / (self.bandwidth_mbps * 1e6) - (time.monotonic() - t0)
+            if delay > 0:
+                time.sleep(delay)
+
+    def _recv_into(self, conn: socket.socket, view: memoryview) -> None:
+        t0 = time.monotonic()
+        got = 0
+        while got < len(view):
+            r = conn.recv_into(view[got : got + CHUNK])
+            if r == 0:
+                raise ConnectionError("client went away mid-copy")
+            got += r
+            self._pace(t0, got)
+
+    def _send_from(self, conn: socket.socket, view: memoryview) -> None:
+        if not self.bandwidth_mbps:
+            conn.sendall(view)
+            return
+        t0 = time.monotonic()
+        for off in range(0, len(view), CHUNK):
+            conn.sendall(view[off : off + CHUNK])
+            self._pace(t0, min(off + CHUNK, len(view)))
+
+    # -- connections ----------------------------------------------------------------------------
+    def serve_client(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.clients += 1
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", creds)[0]
+            st = start_time(pid)
+            owner: Owner = (pid, st if st is not None else -1)
+            while True:
+                try:
+                    hdr = wire.recv_exact(conn, wire.REQ.size)
+                except (ConnectionError, OSError):
+                    return
+                op, dev, a, b, n = wire.REQ.unpack(hdr)
+                if not self.handle(conn, owner, op, dev, a, b, n):
+                    return
+        finally:
+            with self.lock:
+                self.clients -= 1
+            conn.close()
+
+    def reply(self, conn: socket.socket, status: int, value: int = 0, payload: bytes = b"") -> None:
+        conn.sendall(wire.RESP.pack(status, 0, value, len(payload)) + payload)
+
+    def handle(self, conn: socket.socket, owner: Owner, op: int, dev: int, a: int, b: int, n: int) -> bool:
+        """Serve one request; False ends the connection."""
+        if op == wire.OP_WRITE:
+            with self.lock:
+                found = self._find(owner, a, n)
+                view = memoryview(found[0].mem)[found[1] : found[1] + n] if found else None
+            if view is None:
+                # Drain the payload so the stream stays in sync, then refuse.
+                left = n
+                while left:
+                    chunk = conn.recv(min(left, CHUNK))
+                    if not chunk:
+                        return False
+                    left -= len(chunk)
+                self.reply(conn, -errno.EINVAL)
+                return True
+            with view:
+                self._recv_into(conn, view)
+            self.reply(conn, 0)
+            return True
+        if op == wire.OP_READ:
+            with self.lock:
+                found = self._find(owner, a, n)
+                view = memoryview(found[0].mem)[found[1] : found[1] + n] if found else None
+            if view is None:
+                self.reply(conn, -errno.EINVAL)
+                return True
+            with view:
+                conn.sendall(wire.RESP.pack(0, 0, 0, n))
+                self._send_from(conn, view)
+            return True
+        if op == wire.OP_STATUS:
+            with self.lock:
+                doc = self.status()
+            self.reply(conn, 0, 0, json.dumps(doc).encode())
+            return True
+        if op == wire.OP_SHUTDOWN:
+            self.reply(conn, 0)
+            self.stopping.set()
+            self.close_listener()
+            return False
+        with self.lock:
+            status, value = self.simple_op(owner, op, dev, a, b, n)
+        self.reply(conn, status, value)
+        return True
+
+    def simple_op(self, owner: Owner, op: int, dev: int, a: int, b: int, n: int) -> Tuple[int, int]:
+        if op == wire.OP_CLAIM:
+            return self.op_claim(owner, dev), 0
+        if op == wire.OP_RELEASE:
+            if 0 <= dev < len(self.devices):
+                self._free_owner(owner, self.devices[dev])
+                return 0, 0
+            return -errno.ENODEV, 0
+        if op == wire.OP_ALLOC:
+            return self.op_alloc(owner, dev, n, None)
+        if op == wire.OP_ALLOC_AT:
+            return self.op_alloc(owner, dev, n, a)
+        if op == wire.OP_FREE:
+            d = self._device_of(a)
+            al = d.allocs.get(a) if d else None
+            if d is None or al is None or al.owner != owner:
+                return -errno.EINVAL, 0
+            self._drop(d, a)
+            return 0, 0
+        if op == wire.OP_HAS:
+            d = self._device_of(a)
+            al = d.allocs.get(a) if d else None
+            ok = d is not None and d.id == dev and al is not None and al.owner == owner and al.size == n
+            return (0 if ok else -errno.ENOENT), 0
+        if op == wire.OP_COPY:
+            dst, src = self._find(owner, a, n), self._find(owner, b, n)
+            if dst is None or src is None:
+                return -errno.EINVAL, 0
+            # Device-to-device stays inside the daemon; memoryview slices handle overlap like memmove.
+            memoryview(dst[0].mem)[dst[1] : dst[1] + n] = bytes(memoryview(src[0].mem)[src[1] : src[1] + n])
+            return 0, 0
+        return -errno.EOPNOTSUPP, 0
+
+    def reaper(self, interval: float) -> None:
+        while not self.stopping.wait(interval):
+            with self.lock:
+                self._reap()
+
+    def close_listener(self) -> None:
+        if self.listener is not None:
+            try:
+                self.listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        del signum, frame
+        self.stopping.set()
+        self.close_listener()
+
+    def serve(self) -> int:
+        parent = os.path.dirname(self.sock_path)
+        if parent:
+            os.makedirs(parent, mode=0o755, exist_ok=True)
+        if os.path.exists(self.sock_path):
+            try:
+                wire.query_status(self.sock_path, timeout=2.0)
+            except (OSError, ConnectionError, ValueError):
+                os.unlink(self.sock_path)  # stale socket of a dead daemon
+            else:
+                log(f"another npusim daemon already serves {self.sock_path}")
+                return 1
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind(self.sock_path)
+        lst.listen(128)
+        self.listener = lst
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        threading.Thread(target=self.reaper, args=(0.5,), name="reaper", daemon=True).start()
+        caps = ", ".join(f"{d.capacity} B" for d in self.devices)
+        log(f"npusim daemon pid {os.getpid()} serving {self.sock_path}: {len(self.devices)} devices ({caps})")
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn, _ = lst.accept()
+                except OSError:
+                    if self.stopping.is_set():
+                        break
+                    continue
+                threading.Thread(target=self.serve_client, args=(conn,), daemon=True).start()
+        finally:
+            lst.close()
+            try:
+                os.unlink(self.sock_path)
+            except OSError:
+                pass
+            log("npusim daemon stopped")
+        return 0
+
+
+def _align(x: int) -> int:
+    return (x + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} npusim: {msg}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from npusnap_cli import paths
+
+    ap = argparse.ArgumentParser(prog="python -m npusnap_cli.sim.daemon", description=__doc__)
+    ap.add_argument("--socket", default=str(paths.sim_socket_path()), help="unix socket path to listen on")
+    ap.add_argument("--devices", type=int, default=2, help="number of simulated devices (default 2)")
+    ap.add_argument(
+        "--capacity", type=int, default=4 * GiB, help="bytes of memory per device (default 4 GiB)"
+    )
+    ap.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=None,
+        help="cap device<->host copies at this many megabytes per second (default: no cap)",
+    )
+    args = ap.parse_args(argv)
+    if args.devices < 1 or args.devices > 64 or args.capacity < 1:
+        ap.error("--devices must be 1..64 and --capacity positive")
+    return Daemon(args.socket, args.devices, args.capacity, args.bandwidth_mbps).serve()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

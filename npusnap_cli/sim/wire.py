@@ -1,0 +1,77 @@
+"""Wire format between the simulated runtime (native/npusim) and the device daemon.
+
+Mirror of native/npusim/npusim_wire.h: a 32-byte request header (op, dev, a, b, n) optionally
+followed by a raw payload, answered by a 24-byte header (status, pad, value, payload_len) and a
+raw payload. Status is 0 or a negative errno. Raw payloads let GiB copies go straight from the
+socket into device (mmap) or host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any, Dict, Optional, Tuple
+
+REQ = struct.Struct("<IiQQQ")
+RESP = struct.Struct("<iIQQ")
+
+OP_CLAIM = 1
+OP_RELEASE = 2
+OP_ALLOC = 3
+OP_ALLOC_AT = 4
+OP_FREE = 5
+OP_WRITE = 6
+OP_READ = 7
+OP_COPY = 8
+OP_STATUS = 9
+OP_SHUTDOWN = 10
+OP_HAS = 11
+
+# Device addresses: device d owns [BASE + d * SPAN, BASE + (d + 1) * SPAN). Never host addresses.
+ADDR_BASE = 0x1000_0000_0000
+ADDR_SPAN = 0x0100_0000_0000  # 1 TiB of address space per device
+ALIGN = 512
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection")
+        got += r
+    return bytes(buf)
+
+
+def request(
+    sock: socket.socket, op: int, dev: int = -1, a: int = 0, b: int = 0, n: int = 0
+) -> Tuple[int, int, bytes]:
+    """Send one request without payload; return (status, value, payload)."""
+    sock.sendall(REQ.pack(op, dev, a, b, n))
+    status, _pad, value, plen = RESP.unpack(recv_exact(sock, RESP.size))
+    payload = recv_exact(sock, plen) if plen else b""
+    return status, value, payload
+
+
+def connect(path: str, timeout: Optional[float] = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def query_status(path: str, timeout: float = 5.0) -> Dict[str, Any]:
+    """The daemon's status document; raises OSError/ConnectionError when it is not reachable."""
+    with connect(path, timeout) as s:
+        status, _value, payload = request(s, OP_STATUS)
+    if status != 0:
+        raise ConnectionError(f"npusim daemon answered status {status}")
+    result: Dict[str, Any] = json.loads(payload.decode("utf-8"))
+    return result
