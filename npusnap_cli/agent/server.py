@@ -237,6 +237,8 @@ class Agent:
                 )
                 self._refuse(conn, "PERMISSION_DENIED", f"uid {uid} may not control this process")
                 return
+            if self._client is not None and not self._client_alive():
+                self._drop_client()  # it hung up; its EOF just was not read yet
             if self._client is not None:
                 self._refuse(
                     conn, "BUSY", f"another client (pid {self._client_pid}) is connected; one at a time"
@@ -260,6 +262,24 @@ class Agent:
             pass
         finally:
             conn.close()
+
+    def _client_alive(self) -> bool:
+        client = self._client
+        if client is None:
+            return False
+        poller = select.poll()
+        poller.register(client.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+        for _fd, events in poller.poll(0):
+            if events & (select.POLLHUP | select.POLLERR):
+                return False
+            if events & select.POLLIN:
+                try:
+                    return client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+                except (BlockingIOError, InterruptedError):
+                    return True
+                except OSError:
+                    return False
+        return True
 
     def _drop_client(self) -> None:
         if self._client is not None:

@@ -1,7 +1,102 @@
-"""Placeholder until the `freeze` command lands (registers nothing)."""
+"""`npusnap freeze PID` / `npusnap thaw PID`: park and resume the NPU runtime of a process tree."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
+DEFAULT_FREEZE_LEASE_S = 300.0
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command()
+    def freeze(
+        ctx: typer.Context,
+        pid: int = typer.Argument(..., help="The process to freeze (every NPU process of its tree)."),
+        lease: float = typer.Option(
+            DEFAULT_FREEZE_LEASE_S,
+            "--lease",
+            min=0.1,
+            help="Thaw by itself after this many seconds of run time unless thawed or renewed.",
+        ),
+        no_lease: bool = typer.Option(
+            False, "--no-lease", help="Stay frozen until `npusnap thaw PID`, however long that takes."
+        ),
+        backup: bool = typer.Option(
+            False, "--backup", help="Also back up device state into host memory (as a dump does)."
+        ),
+        timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Lock the CANN runtime of every NPU process of PID's tree (device half only).
+
+        Device work blocks until `npusnap thaw PID`. By default a lease thaws the processes by
+        themselves after --lease seconds of run time, so a forgotten freeze cannot hang a job.
+        All or nothing: if one process cannot be frozen, all are thawed again.
+        """
+        from npusnap_cli import devicegroup
+
+        out = output(ctx, "freeze", json_flag)
+        lease_s: Optional[float] = None if no_lease else lease
+        pids = devicegroup.tree_targets(pid)
+        with (
+            out.phase(f"freezing {len(pids)} process(es)"),
+            devicegroup.DeviceGroup(pids, lease_s=lease_s, timeout=timeout) as group,
+        ):
+            results = group.lock_and_backup(backup=backup)
+        out.table(
+            f"npusnap freeze {pid}",
+            ["pid", "state", "lease"],
+            [(p, r.get("state"), _lease_text(r)) for p, r in sorted(results.items())],
+        )
+        if lease_s is None:
+            out.ok(f"frozen until `npusnap thaw {pid}`")
+        else:
+            out.ok(f"frozen; thaws by itself after {lease_s:g}s of run time unless `npusnap thaw {pid}`")
+        out.result({"pid": pid, "lease_s": lease_s, "backup": backup, "processes": _by_pid(results)})
+
+    @app.command()
+    def thaw(
+        ctx: typer.Context,
+        pid: int = typer.Argument(..., help="The process to thaw (every NPU process of its tree)."),
+        timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Bring every NPU process of PID's tree back to RUNNING, whatever its snapshot state.
+
+        From BACKED_UP this unlocks directly (device memory is intact), except in a process that
+        CRIU restored, where Restore comes first. Safe to run on a process that is running.
+        """
+        from npusnap_cli import devicegroup
+
+        out = output(ctx, "thaw", json_flag)
+        pids = devicegroup.tree_targets(pid)
+        with devicegroup.DeviceGroup(pids, timeout=timeout) as group:
+            results = group.rollback()
+        out.table(
+            f"npusnap thaw {pid}",
+            ["pid", "was", "actions", "state"],
+            [
+                (p, r.get("before"), ", ".join(r.get("actions") or []) or "none", r.get("state"))
+                for p, r in sorted(results.items())
+            ],
+        )
+        for p, r in sorted(results.items()):
+            for warning in r.get("warnings") or []:
+                out.warn(f"pid {p}: {warning}")
+        out.ok(f"{len(results)} process(es) running")
+        out.result({"pid": pid, "processes": _by_pid(results)})
+
+
+def _lease_text(result: dict[str, object]) -> str:
+    lease = result.get("lease")
+    if isinstance(lease, dict) and lease.get("active"):
+        return f"{lease.get('remaining_s')}s"
+    return "none"
+
+
+def _by_pid(results: dict[int, dict[str, object]]) -> dict[str, dict[str, object]]:
+    return {str(p): r for p, r in sorted(results.items())}

@@ -1,7 +1,41 @@
-"""Placeholder until the `run` command lands (registers nothing)."""
+"""`npusnap run -- CMD...`: start a program with the npusnap agent in each of its Python processes."""
+
+from __future__ import annotations
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command(
+        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    )
+    def run(
+        ctx: typer.Context,
+        command: list[str] = typer.Argument(
+            ..., metavar="[--] CMD [ARGS]...", help="The program to run, with its arguments."
+        ),
+        json_flag: bool = typer.Option(
+            False,
+            "--json",
+            help=JSON_HELP + " The envelope (with the pid the program will have) is printed before the "
+            "program starts; the program's own output follows.",
+        ),
+    ) -> None:
+        """Run CMD with an npusnap agent in every Python process it starts.
+
+        npusnap replaces itself with CMD (same pid), with NPUSNAP_AGENT=1 and an agent bootstrap
+        on PYTHONPATH: each Python 3.9+ interpreter of the tree serves a control socket, so that
+        `npusnap status/freeze/dump PID` can drive it. Python run with -I, -E or -S gets no agent.
+        """
+        from npusnap_cli.agent import launch
+
+        out = output(ctx, "run", json_flag)
+        argv = [a for a in command]
+        if argv and argv[0] == "--":
+            argv = argv[1:]
+        plan = launch.prepare(argv)
+        out.debug(f"exec {' '.join(plan.argv)} (PYTHONPATH={plan.env.get('PYTHONPATH')})")
+        out.result(plan.to_dict())
+        launch.exec_plan(plan)

@@ -1,7 +1,55 @@
-"""Placeholder until the `status` command lands (registers nothing)."""
+"""`npusnap status PID`: the agent and snapshot state of a process and of every process in its tree."""
+
+from __future__ import annotations
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command()
+    def status(
+        ctx: typer.Context,
+        pid: int = typer.Argument(..., help="The process to inspect (its children are included)."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease."""
+        from npusnap_cli import proctree
+
+        out = output(ctx, "status", json_flag)
+        report = proctree.tree_status(pid)
+        rows = []
+        for entry in report["processes"]:
+            hello = entry.get("hello") or {}
+            st = entry.get("status") or {}
+            lease = st.get("lease") or {}
+            agent = "yes" if entry["agent_socket"] else "no"
+            if entry.get("agent_error"):
+                agent = "error"
+            lease_text = f"{lease.get('remaining_s')}s left" if lease.get("active") else "-"
+            devices = (hello.get("acl") or {}).get("devices")
+            rows.append(
+                (
+                    entry["pid"],
+                    "  " * entry["depth"] + " ".join(entry["cmdline"][:4])[:60] or entry["name"],
+                    agent,
+                    "yes" if entry["uses_npu"] else "no",
+                    ",".join(map(str, devices)) if devices else "-",
+                    st.get("state") or "-",
+                    lease_text,
+                )
+            )
+        out.table(
+            f"npusnap status {pid}",
+            ["pid", "command", "agent", "npu", "devices", "state", "lease"],
+            rows,
+        )
+        for entry in report["processes"]:
+            if entry.get("agent_error"):
+                out.warn(f"pid {entry['pid']}: {entry['agent_error']['message']}")
+            for event in (entry.get("status") or {}).get("events", [])[-3:]:
+                out.info(f"pid {entry['pid']}: {event}")
+        for hint in report["hints"]:
+            out.warn(hint)
+        out.result(report)

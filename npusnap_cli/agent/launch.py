@@ -1,0 +1,74 @@
+"""How `npusnap run` starts a program with the agent: environment and exec.
+
+The bootstrap directory (``agent/bootstrap``, holding an env-gated ``sitecustomize.py``) goes
+first on PYTHONPATH; ``NPUSNAP_AGENT=1`` switches it on; ``NPUSNAP_PKG_PARENT`` tells it where
+this copy of ``npusnap_cli`` lives, so the target imports the agent of the same npusnap version
+as the CLI, whatever Python (3.9+) the target runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from npusnap_cli.errors import TargetError, UsageError
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+PKG_PARENT = Path(__file__).resolve().parent.parent.parent
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    executable: str
+    env: dict[str, str] = field(repr=False)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "pid": os.getpid(),
+            "argv": self.argv,
+            "executable": self.executable,
+            "env": {k: self.env[k] for k in ("NPUSNAP_AGENT", "NPUSNAP_PKG_PARENT", "PYTHONPATH")},
+        }
+
+
+def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """``base`` (default: os.environ) plus what the bootstrap needs."""
+    env = dict(os.environ if base is None else base)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
+    env["NPUSNAP_AGENT"] = "1"
+    env["NPUSNAP_PKG_PARENT"] = str(PKG_PARENT)
+    return env
+
+
+def prepare(argv: list[str], base_env: Optional[dict[str, str]] = None) -> LaunchPlan:
+    if not argv:
+        raise UsageError("no command given", fix="npusnap run -- python train.py")
+    env = agent_environment(base_env)
+    exe = shutil.which(argv[0], path=env.get("PATH"))
+    if exe is None:
+        raise TargetError(
+            f"command not found: {argv[0]}",
+            why="it is not an executable file and not on PATH",
+            fix="give the full path of the program",
+        )
+    return LaunchPlan(argv=list(argv), executable=exe, env=env)
+
+
+def exec_plan(plan: LaunchPlan) -> None:
+    """Replace this process with the program (same pid). Returns only by raising."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(plan.executable, plan.argv, plan.env)
+    except OSError as exc:
+        raise TargetError(
+            f"cannot execute {plan.argv[0]}: {exc.strerror}",
+            why="the file is not executable or its interpreter is missing",
+            fix=f"check `ls -l {plan.executable}`",
+        ) from None

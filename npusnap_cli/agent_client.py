@@ -1,0 +1,357 @@
+"""The CLI side of the control socket: one connection to the agent inside one target process.
+
+``AgentClient(pid)`` finds the agent's listening socket (``paths.find_agent_socket``), connects,
+and checks with SO_PEERCRED that the process serving it *is* ``pid`` (a squatter that bound the
+name first is refused) and runs as the target's uid or root. Each operation of the protocol is a
+method returning the agent's result dict.
+
+Failures are typed: ``AgentError`` (or ``AgentOpError``) for socket/protocol/hook trouble,
+``AgentDeviceError`` (a ``DeviceError``) carrying the ACL code and name when a CANN call failed,
+``TargetError`` when the process is gone or has no CANN runtime loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import paths, protocol
+from npusnap_cli.errors import AgentError, DeviceError, TargetError
+
+DEFAULT_TIMEOUT = 30.0
+# Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
+OP_TIMEOUTS = {"lock": 90.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 120.0}
+_UCRED = struct.Struct("3i")
+
+NO_AGENT_FIX = (
+    "start the program with `npusnap run -- <command>`, call `npusnap_cli.agent.start()` in it, "
+    "or inject an agent with `npusnap attach {pid}`"
+)
+
+
+class AgentOpError(AgentError):
+    """The agent answered with an error that is not a device failure (hook, protocol, internal)."""
+
+    def __init__(
+        self, message: str, *, pid: int, op: str, error: dict[str, Any], why: str = "", fix: str = ""
+    ):
+        super().__init__(message, why=why, fix=fix, details={"pid": pid, "op": op, "agent_error": error})
+        self.pid = pid
+        self.op = op
+        self.error_type = str(error.get("type", ""))
+        self.error = error
+
+
+class AgentDeviceError(DeviceError):
+    """A CANN snapshot call failed inside the target, or the op is not legal in its state."""
+
+    def __init__(
+        self, message: str, *, pid: int, op: str, error: dict[str, Any], why: str = "", fix: str = ""
+    ):
+        super().__init__(message, why=why, fix=fix, details={"pid": pid, "op": op, "agent_error": error})
+        self.pid = pid
+        self.op = op
+        self.code = int(error.get("code", 0) or 0)
+        self.name = str(error.get("name", ""))
+        self.error = error
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that created the peer end of a unix socket."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid, gid
+
+
+def _process_uid(pid: int) -> Optional[int]:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def pid_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+class AgentClient:
+    """A connection to the agent of ``pid``. Use as a context manager or call ``close()``."""
+
+    def __init__(
+        self,
+        pid: int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        socket_path: Optional[Path] = None,
+        connect: bool = True,
+        connect_retry_s: float = 2.0,
+    ) -> None:
+        self.pid = pid
+        self.timeout = timeout
+        self.socket_path = socket_path
+        self.connect_retry_s = connect_retry_s
+        self._sock: Optional[socket.socket] = None
+        self._buf = protocol.LineBuffer()
+        self._next_id = 1
+        if connect:
+            self.connect()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    # -- connection ---------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Connect (retrying briefly: around a checkpoint the socket may be in flux)."""
+        self.close()
+        if not pid_exists(self.pid):
+            raise TargetError(
+                f"no process with pid {self.pid}",
+                why="it exited, or it lives in another PID namespace",
+                fix="check the pid with `ps -p PID` and rerun",
+            )
+        deadline = time.monotonic() + self.connect_retry_s
+        last: Optional[OSError] = None
+        while True:
+            path = self.socket_path or paths.find_agent_socket(self.pid)
+            if path is None:
+                last = FileNotFoundError(errno.ENOENT, "no listening agent socket")
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout)
+                try:
+                    sock.connect(str(path))
+                except OSError as exc:
+                    sock.close()
+                    last = exc
+                    if exc.errno in (errno.EACCES, errno.EPERM):
+                        raise AgentError(
+                            f"permission denied connecting to the agent of pid {self.pid} at {path}",
+                            why="the socket and its directory are private to the target's user (0700/0600)",
+                            fix=f"run npusnap as the user that owns pid {self.pid}, or as root",
+                        ) from None
+                else:
+                    self._verify_peer(sock, path)
+                    self._sock = sock
+                    self._buf = protocol.LineBuffer()
+                    return
+            if time.monotonic() >= deadline or not pid_exists(self.pid):
+                break
+            time.sleep(0.1)
+        if path is None:
+            raise AgentError(
+                f"process {self.pid} has no npusnap agent",
+                why="no listening control socket for this pid was found in /proc/net/unix",
+                fix=NO_AGENT_FIX.format(pid=self.pid),
+                details={"pid": self.pid},
+            )
+        raise AgentError(
+            f"cannot connect to the agent of pid {self.pid} at {path}: {last}",
+            why="the agent is not accepting connections (restarting, or its process is frozen)",
+            fix=f"retry; `npusnap status {self.pid}` shows whether the agent is alive",
+            details={"pid": self.pid, "socket": str(path)},
+        )
+
+    def _verify_peer(self, sock: socket.socket, path: Path) -> None:
+        try:
+            peer_pid, peer_uid, _gid = peer_credentials(sock)
+        except OSError as exc:
+            sock.close()
+            raise AgentError(f"cannot read the peer credentials of {path}: {exc}") from None
+        if peer_pid != self.pid:
+            sock.close()
+            raise AgentError(
+                f"refusing {path}: it is served by pid {peer_pid}, not by the target pid {self.pid}",
+                why="another process bound the agent's socket name (stale name reuse or a squatter)",
+                fix=f"check `ls -l {path}` and the owner of pid {peer_pid}; restart the target's agent",
+                details={"pid": self.pid, "peer_pid": peer_pid, "socket": str(path)},
+            )
+        target_uid = _process_uid(self.pid)
+        if peer_uid not in (target_uid, 0):
+            sock.close()
+            raise AgentError(
+                f"refusing {path}: its server runs as uid {peer_uid}, the target as uid {target_uid}",
+                why="the socket is not served with the target's credentials",
+                fix=f"inspect pid {self.pid} and its agent socket before trusting it",
+            )
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+
+    # -- requests -----------------------------------------------------------------------------
+    def request(
+        self, op: str, args: Optional[dict[str, Any]] = None, timeout: Optional[float] = None
+    ) -> dict[str, Any]:
+        """Send one request and return its result; raise a typed error for a failure."""
+        if self._sock is None:
+            self.connect()
+        sock = self._sock
+        assert sock is not None
+        msg_id = self._next_id
+        self._next_id += 1
+        try:
+            data = protocol.encode_request(msg_id, op, args)
+        except protocol.ProtocolError as exc:
+            raise AgentError(f"bad request {op!r}: {exc.message}", why="a bug in the caller") from None
+        wait = timeout if timeout is not None else max(self.timeout, OP_TIMEOUTS.get(op, 0.0))
+        try:
+            sock.settimeout(wait)
+            sock.sendall(data)
+            line = self._read_line(sock, op)
+        except socket.timeout:
+            self.close()
+            raise AgentError(
+                f"the agent of pid {self.pid} did not answer {op!r} within {wait:g}s",
+                why="the operation is still running in the target (a hung stream hangs Backup) "
+                "or the agent is stuck",
+                fix=f"check `npusnap status {self.pid}`; if it stays locked run `npusnap thaw {self.pid}`",
+                details={"pid": self.pid, "op": op},
+            ) from None
+        except OSError as exc:
+            self.close()
+            raise AgentError(
+                f"lost the connection to the agent of pid {self.pid} during {op!r}: {exc}",
+                why="the target exited or was frozen/restored while we talked to it",
+                fix=f"check `npusnap status {self.pid}`",
+                details={"pid": self.pid, "op": op},
+            ) from None
+        try:
+            reply_id, ok, body = protocol.decode_response(line)
+        except protocol.ProtocolError as exc:
+            self.close()
+            raise AgentError(
+                f"the agent of pid {self.pid} sent a malformed answer to {op!r}: {exc.message}",
+                why="agent and CLI are different npusnap versions, or not an npusnap agent",
+                fix="use the same npusnap version for the target's agent and the CLI",
+            ) from None
+        if not ok:
+            if reply_id == 0 and body.get("type") == protocol.ERR_PROTOCOL:
+                self.close()  # a refusal at accept time: the agent closed the connection
+            raise self._error(op, body)
+        if reply_id != msg_id:
+            self.close()
+            raise AgentError(f"answer id {reply_id} does not match request id {msg_id} ({op})")
+        return body
+
+    def _read_line(self, sock: socket.socket, op: str) -> bytes:
+        while True:
+            try:
+                line = self._buf.next_line()
+            except protocol.ProtocolError as exc:
+                raise OSError(errno.EPROTO, exc.message) from None
+            if line is not None:
+                return line
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionResetError(errno.ECONNRESET, f"agent closed the connection during {op}")
+            self._buf.feed(chunk)
+
+    def _error(self, op: str, error: dict[str, Any]) -> Exception:
+        kind = error.get("type")
+        name = str(error.get("name", ""))
+        message = str(error.get("message", ""))
+        pid = self.pid
+        if kind == protocol.ERR_ACL:
+            return AgentDeviceError(
+                f"{op} failed in pid {pid}: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why=str(error.get("hint") or "the CANN runtime refused the snapshot call"),
+                fix=f"run `npusnap status {pid}` to see its state; `npusnap thaw {pid}` gets it running",
+            )
+        if kind == protocol.ERR_STATE and name == "NO_ACL_RUNTIME":
+            return TargetError(
+                f"pid {pid} has not loaded the CANN runtime: {message}",
+                why="the process has an agent but does not use the NPU (yet)",
+                fix="target the process that runs on the NPU (see `npusnap status PID`)",
+                details={"pid": pid, "op": op, "agent_error": error},
+            )
+        if kind == protocol.ERR_STATE:
+            return AgentDeviceError(
+                f"{op} is not possible in pid {pid} now: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why="the process's snapshot state does not allow this operation",
+                fix=f"run `npusnap status {pid}` to see its state",
+            )
+        if kind == protocol.ERR_HOOK:
+            return AgentOpError(
+                f"{op} aborted in pid {pid}: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why=f"the application's {error.get('stage')} hook {error.get('hook')} "
+                f"raised {error.get('exception')}",
+                fix="fix the hook in the application (its traceback is on the target's stderr) and retry",
+            )
+        if kind == protocol.ERR_PROTOCOL and name == "BUSY":
+            return AgentOpError(
+                f"the agent of pid {pid} is busy: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why="another npusnap command is talking to this process",
+                fix="wait for the other npusnap command to finish and retry",
+            )
+        if kind == protocol.ERR_PROTOCOL and name == "PERMISSION_DENIED":
+            return AgentOpError(
+                f"the agent of pid {pid} refused us: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why="only the target's own user or root may control it",
+                fix=f"run npusnap as the user that owns pid {pid}, or as root",
+            )
+        return AgentOpError(
+            f"{op} failed in the agent of pid {pid}: {name}: {message}",
+            pid=pid,
+            op=op,
+            error=error,
+            why="protocol or agent failure",
+            fix="use the same npusnap version for agent and CLI; the target's stderr has the agent's log",
+        )
+
+    # -- one method per operation -------------------------------------------------------------
+    def hello(self) -> dict[str, Any]:
+        return self.request("hello")
+
+    def status(self) -> dict[str, Any]:
+        return self.request("status")
+
+    def lock(self, lease_s: Optional[float] = None) -> dict[str, Any]:
+        return self.request("lock", {"lease_s": lease_s})
+
+    def backup(self, lease_s: Optional[float] = None) -> dict[str, Any]:
+        return self.request("backup", {"lease_s": lease_s})
+
+    def renew(self, lease_s: Optional[float] = None) -> dict[str, Any]:
+        return self.request("renew", {"lease_s": lease_s})
+
+    def release(self) -> dict[str, Any]:
+        return self.request("release")
+
+    def restore(self) -> dict[str, Any]:
+        return self.request("restore")
+
+    def unlock(self) -> dict[str, Any]:
+        return self.request("unlock")
+
+    def rollback(self) -> dict[str, Any]:
+        return self.request("rollback")

@@ -1,0 +1,178 @@
+"""The process tree of a target and what each process has to do with the NPU.
+
+For every process under (and including) a pid: its agent socket if it has one, the CANN ACL
+library if it is mapped (/proc/PID/maps), open Ascend device files (/dev/davinci*, devmm_svm,
+hisi_hdc), its uid and command line. Reading another user's /proc entries may be refused; such
+fields are None rather than an error, and ``readable`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+
+from npusnap_cli import acl, paths
+from npusnap_cli.agent_client import NO_AGENT_FIX, AgentClient
+from npusnap_cli.errors import NpusnapError, TargetError
+
+ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    depth: int
+    uid: Optional[int]
+    name: str
+    cmdline: tuple[str, ...]
+    agent_socket: Optional[str]
+    acl_library: Optional[str]
+    device_files: tuple[str, ...] = field(default_factory=tuple)
+    readable: bool = True
+
+    @property
+    def has_agent(self) -> bool:
+        return self.agent_socket is not None
+
+    @property
+    def uses_npu(self) -> bool:
+        """The CANN runtime is loaded or an Ascend device file is open."""
+        return self.acl_library is not None or bool(self.device_files)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "ppid": self.ppid,
+            "depth": self.depth,
+            "uid": self.uid,
+            "name": self.name,
+            "cmdline": list(self.cmdline),
+            "agent_socket": self.agent_socket,
+            "acl_library": self.acl_library,
+            "device_files": list(self.device_files),
+            "uses_npu": self.uses_npu,
+            "readable": self.readable,
+        }
+
+
+def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
+    """Ascend device files the process has open, or None if its fds cannot be read."""
+    found: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(ASCEND_DEVICE_PREFIXES):
+            found.add(target)
+    return tuple(sorted(found))
+
+
+def _agent_socket(pid: int, listening: set[str]) -> Optional[str]:
+    default = str(paths.agent_socket_path(pid))
+    if default in listening:
+        return default
+    name = f"{pid}{paths.SOCKET_SUFFIX}"
+    for p in sorted(listening):
+        path = Path(p)
+        if path.name == name and path.parent.name.startswith("npusnap"):
+            return p
+    return None
+
+
+def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:
+    pid = proc.pid
+    readable = True
+    try:
+        with proc.oneshot():
+            ppid = proc.ppid()
+            name = proc.name()
+            uid: Optional[int] = proc.uids().effective
+            try:
+                cmdline = tuple(proc.cmdline())
+            except psutil.AccessDenied:
+                cmdline, readable = (), False
+    except psutil.NoSuchProcess:
+        raise
+    except psutil.AccessDenied:
+        ppid, name, uid, cmdline, readable = 0, "?", None, (), False
+    devices = ascend_device_files(pid)
+    library = acl.loaded_acl_library(pid)
+    if devices is None:
+        readable = False
+    return ProcInfo(
+        pid=pid,
+        ppid=ppid,
+        depth=depth,
+        uid=uid,
+        name=name,
+        cmdline=cmdline,
+        agent_socket=_agent_socket(pid, listening),
+        acl_library=library,
+        device_files=devices or (),
+        readable=readable,
+    )
+
+
+def process_tree(pid: int) -> list[ProcInfo]:
+    """``pid`` and all its descendants, pre-order (parents before children), root first."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        raise TargetError(
+            f"no process with pid {pid}",
+            why="it exited, or it lives in another PID namespace",
+            fix="check the pid with `ps -p PID` and rerun",
+        ) from None
+    listening = set(paths.listening_unix_paths())
+    out: list[ProcInfo] = []
+
+    def walk(proc: psutil.Process, depth: int) -> None:
+        try:
+            info = describe(proc, depth, listening)
+            children = sorted(proc.children(), key=lambda p: p.pid)
+        except psutil.NoSuchProcess:
+            if depth == 0:
+                raise TargetError(f"process {pid} exited while it was being inspected") from None
+            return  # a child exited meanwhile: it is not part of the tree any more
+        out.append(info)
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return out
+
+
+def npu_processes(tree: list[ProcInfo]) -> list[ProcInfo]:
+    """The processes of a tree that use the NPU (those a snapshot must lock)."""
+    return [p for p in tree if p.uses_npu]
+
+
+def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
+    """``{"pid", "processes": [...], "hints": [...]}``; agent failures are reported per process."""
+    tree = process_tree(pid)
+    processes: list[dict[str, Any]] = []
+    hints: list[str] = []
+    for info in tree:
+        entry: dict[str, Any] = info.to_dict()
+        entry.update({"hello": None, "status": None, "agent_error": None})
+        if info.has_agent:
+            try:
+                with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
+                    entry["hello"] = client.hello()
+                    entry["status"] = client.status()
+            except NpusnapError as exc:
+                entry["agent_error"] = exc.to_dict()
+        elif info.uses_npu or info.pid == pid:
+            hints.append(f"pid {info.pid} has no npusnap agent: " + NO_AGENT_FIX.format(pid=info.pid))
+        processes.append(entry)
+    return {"pid": pid, "processes": processes, "hints": hints}
