@@ -1,7 +1,132 @@
-"""Placeholder until the `sim` command lands (registers nothing)."""
+"""`npusnap sim start|stop|status|env`: run the simulated NPU used when no Ascend hardware is present."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Optional
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+}
+_UNITS.update({"kb": 1000, "mb": 1000**2, "gb": 1000**3, "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4})
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512M', '1000000' -> bytes (binary units for K/M/G/T and KiB.., decimal for KB..)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"not a size: {text!r}", fix="use a number of bytes or e.g. 512MiB, 4GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _device_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    from npusnap_cli.ui import human_bytes
+
+    rows: list[tuple[str, ...]] = []
+    for d in doc.get("devices", []):
+        owner = d.get("owner")
+        who = "-" if owner is None else f"pid {owner['pid']}" + ("" if owner.get("alive") else " (gone)")
+        rows.append(
+            (
+                str(d["id"]),
+                who,
+                f"{human_bytes(d['used'])} / {human_bytes(d['capacity'])}",
+                str(d["allocations"]),
+            )
+        )
+    return rows
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    sim = typer.Typer(
+        name="sim",
+        help="The simulated NPU (a device daemon + a fake CANN install) for hosts without Ascend hardware.",
+        no_args_is_help=True,
+    )
+
+    @sim.command("start")
+    def start_cmd(
+        ctx: typer.Context,
+        devices: int = typer.Option(2, "--devices", help="Number of simulated devices."),
+        capacity: str = typer.Option("4GiB", "--capacity", help="Memory per device, e.g. 4GiB or 512MiB."),
+        bandwidth_mbps: Optional[float] = typer.Option(
+            None,
+            "--bandwidth-mbps",
+            help="Cap device<->host copies at this many megabytes per second (default: no cap).",
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Build the simulator if needed and start its daemon (does nothing if it is running)."""
+        from npusnap_cli.sim import manager
+
+        out = output(ctx, "sim start", json_flag)
+        doc = manager.start(devices, parse_size(capacity), bandwidth_mbps)
+        if doc["started"]:
+            out.ok(f"simulated NPU started: {len(doc['devices'])} devices, daemon pid {doc['daemon_pid']}")
+        else:
+            out.ok(f"simulated NPU already running (daemon pid {doc['daemon_pid']}); configuration unchanged")
+            wanted = (devices, parse_size(capacity))
+            have = (len(doc["devices"]), doc["devices"][0]["capacity"] if doc["devices"] else 0)
+            if wanted != have:
+                out.warn("it runs with a different configuration: `npusnap sim stop` first to change it")
+        out.line(f"socket: {doc['socket']}   log: {doc['log']}")
+        out.line('use it: eval "$(npusnap sim env)"')
+        out.result(doc)
+
+    @sim.command("stop")
+    def stop_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+        """Stop the simulator's daemon. Processes still using it lose their device memory."""
+        from npusnap_cli.sim import manager
+
+        out = output(ctx, "sim stop", json_flag)
+        was_running = manager.stop()
+        out.ok("simulated NPU stopped" if was_running else "simulated NPU was not running")
+        out.result({"stopped": was_running, "socket": str(manager.socket_path())})
+
+    @sim.command("status")
+    def status_cmd(
+        ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)
+    ) -> None:
+        """Show the simulated devices, which process owns each, and the memory in use."""
+        from npusnap_cli.sim import manager
+
+        out = output(ctx, "sim status", json_flag)
+        doc = manager.status()
+        if not doc["running"]:
+            out.warn(f"simulated NPU is not running (socket {doc['socket']}); start it: npusnap sim start")
+        else:
+            out.table(
+                f"simulated NPU (daemon pid {doc['daemon_pid']}, {doc['socket']})",
+                ["device", "owner", "memory", "allocations"],
+                _device_rows(doc),
+            )
+        out.result(doc)
+
+    @sim.command("env")
+    def env_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+        """Print `export` lines for the simulator: eval "$(npusnap sim env)"."""
+        from npusnap_cli.sim import manager
+
+        out = output(ctx, "sim env", json_flag)
+        variables = manager.env()
+        if out.json_mode:
+            out.result(variables)
+            return
+        # Plain stdout on purpose: this is meant for eval in a shell, not for people.
+        for key, value in variables.items():
+            typer.echo(f"export {key}={shlex.quote(value)}")
+
+    app.add_typer(sim, name="sim")
