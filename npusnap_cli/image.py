@@ -139,14 +139,11 @@ class ProcessEntry:
     ppid: int
     cmdline: tuple[str, ...]
     uid: int
-    agent: bool
+    agent: bool  # it had an agent (a control socket)
+    npu: bool = False  # its device state was backed up: restore must Restore and Unlock it
     devices: tuple[int, ...] = ()
     device_bytes: int = 0
     agent_socket: Optional[str] = None
-
-    @property
-    def npu(self) -> bool:
-        return self.agent
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +152,7 @@ class ProcessEntry:
             "cmdline": list(self.cmdline),
             "uid": self.uid,
             "agent": self.agent,
+            "npu": self.npu,
             "devices": list(self.devices),
             "device_bytes": self.device_bytes,
             "agent_socket": self.agent_socket,
@@ -169,6 +167,7 @@ class ProcessEntry:
             cmdline=tuple(str(a) for a in _req(d, "cmdline", list, w)),
             uid=_req(d, "uid", int, w),
             agent=_req(d, "agent", bool, w),
+            npu=_req(d, "npu", bool, w),
             devices=tuple(int(x) for x in _req(d, "devices", list, w)),
             device_bytes=_req(d, "device_bytes", int, w),
             agent_socket=_opt(d, "agent_socket", str, w),
@@ -204,7 +203,7 @@ class Timings:
 class ByteCounts:
     device_bytes: int = 0
     image_bytes: int = 0
-    criu_pages_written: int = 0
+    criu_pages_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -257,7 +256,7 @@ class Manifest:
 
     @property
     def npu_processes(self) -> tuple[ProcessEntry, ...]:
-        return tuple(p for p in self.processes if p.agent)
+        return tuple(p for p in self.processes if p.npu)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
                 cmd = cmd[:67] + "..."
             npu = (
                 f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
-                if p.agent
-                else ""
+                if p.npu
+                else (" [agent]" if p.agent else "")
             )
             nodes.append((depth, f"{p.pid}  {cmd}{npu}"))
             for child in by_parent.get(p.pid, []):

@@ -19,20 +19,21 @@ def _manifest(files: tuple[image.FileEntry, ...] = ()) -> image.Manifest:
         host=image.HostInfo.current(),
         root_pid=1234,
         processes=(
-            image.ProcessEntry(pid=1234, ppid=1, cmdline=("python3", "launch.py"), uid=0, agent=False),
+            image.ProcessEntry(pid=1234, ppid=1, cmdline=("python3", "launch.py"), uid=0, agent=True),
             image.ProcessEntry(
                 pid=1235,
                 ppid=1234,
                 cmdline=("python3", "worker.py"),
                 uid=0,
                 agent=True,
+                npu=True,
                 devices=(1,),
                 device_bytes=4096,
                 agent_socket="/run/npusnap/1235.sock",
             ),
         ),
         timings=image.Timings(lock_s=0.01, backup_s=0.2, criu_total_s=0.5, frozen_s=0.8, total_s=1.0),
-        bytes=image.ByteCounts(device_bytes=4096, image_bytes=10_000, criu_pages_written=3),
+        bytes=image.ByteCounts(device_bytes=4096, image_bytes=10_000, criu_pages_bytes=3),
         criu_options={"tcp_established": False},
         files=files,
     )
