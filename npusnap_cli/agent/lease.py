@@ -27,6 +27,7 @@ class Lease:
         self.remaining: Optional[float] = None
         self.voided_reason: Optional[str] = None
         self.frozen_gaps = 0
+        self.expired_duration: Optional[float] = None  # length of the last lease that ran out
         self._last = clock()
 
     @property
@@ -76,6 +77,7 @@ class Lease:
             delta = min(delta, TICK)
         self.remaining -= delta
         if self.remaining <= 0:
+            self.expired_duration = self.duration
             self.release()
             return True
         return False

@@ -379,7 +379,8 @@ class Agent:
         self._refresh_restored()
         if self.lease.tick():
             self._event(
-                f"lease of {self.lease.duration or 0:g}s expired without renew: rolling back by itself"
+                f"lease of {self.lease.expired_duration or 0:g}s expired without renew: "
+                "rolling back by itself"
             )
             try:
                 result = self.do_rollback()

@@ -1,0 +1,265 @@
+"""Helpers for the agent tests: a private simulated NPU and a small NPU workload to drive.
+
+The workload is a plain Python script (ctypes only, any Python 3.9+) that claims a simulated
+device, keeps a buffer in device memory and updates it deterministically every step, printing
+``step N checksum C``. ``expected_checksum(N)`` recomputes the same sequence, so a test can check
+that a process that was locked, backed up, restored or CRIU-restored still computes correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+BUF = 256
+
+WORKLOAD = r"""
+import ctypes, os, sys, time
+lib = ctypes.CDLL("libacl_rt.so")
+def check(rc, what):
+    if rc != 0:
+        raise SystemExit(f"{what} failed: {rc}")
+lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
+lib.aclrtMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+check(lib.aclInit(None), "aclInit")
+check(lib.aclrtSetDevice(int(os.environ.get("WL_DEVICE", "0"))), "aclrtSetDevice")
+N = int(os.environ.get("WL_BUF", "256"))
+dev = ctypes.c_void_p()
+check(lib.aclrtMalloc(ctypes.byref(dev), N, 0), "aclrtMalloc")
+host = (ctypes.c_uint8 * N)()
+check(lib.aclrtMemcpy(dev, N, host, N, 1), "H2D")
+hook_log = os.environ.get("WL_HOOK_LOG")
+if hook_log:
+    import npusnap_cli.agent as agent
+    def make(stage):
+        def hook():
+            with open(hook_log, "a") as f:
+                f.write(stage + "\n")
+            fail = os.environ.get("WL_HOOK_FAIL_FILE")
+            if fail and os.path.exists(fail) and open(fail).read().strip() == stage:
+                raise RuntimeError("injected failure at " + stage)
+        hook.__qualname__ = "hook_" + stage
+        return hook
+    for stage in agent.STAGES:
+        agent.register_hook(stage, make(stage))
+if os.environ.get("WL_START_AGENT") == "1":
+    import npusnap_cli.agent as agent
+    print("agent", agent.start(), flush=True)
+if os.environ.get("WL_FORK") == "1":
+    pid = os.fork()
+    if pid == 0:
+        print("child", os.getpid(), flush=True)
+        time.sleep(600)
+        os._exit(0)
+print("ready", os.getpid(), sys.version_info[0], sys.version_info[1], flush=True)
+step = 0
+while True:
+    check(lib.aclrtMemcpy(host, N, dev, N, 2), "D2H")
+    for i in range(N):
+        host[i] = (host[i] * 31 + step + i) % 251
+    check(lib.aclrtMemcpy(dev, N, host, N, 1), "H2D")
+    print("step", step, "checksum", sum(host), flush=True)
+    step += 1
+    time.sleep(0.02)
+"""
+
+
+def expected_checksums(upto: int) -> list[int]:
+    host = [0] * BUF
+    out = []
+    for step in range(upto + 1):
+        host = [(host[i] * 31 + step + i) % 251 for i in range(BUF)]
+        out.append(sum(host))
+    return out
+
+
+def python_versions() -> dict[str, str]:
+    """Interpreters of pyenv by minor version ("3.9" -> path)."""
+    found = {}
+    base = Path.home() / ".pyenv" / "versions"
+    if base.is_dir():
+        for d in sorted(base.iterdir()):
+            exe = d / "bin" / "python3"
+            m = re.match(r"(3\.\d+)\.\d+$", d.name)
+            if m and exe.exists():
+                found[m.group(1)] = str(exe)
+    return found
+
+
+class SimDaemon:
+    """A private simulated-NPU daemon (many small devices so tests can run side by side)."""
+
+    def __init__(self, base: Path, devices: int = 8) -> None:
+        self.socket = base / "npusim.sock"
+        self.log = open(base / "npusim.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "npusnap_cli.sim.daemon",
+                "--socket",
+                str(self.socket),
+                "--devices",
+                str(devices),
+                "--capacity",
+                str(64 << 20),
+            ],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 15
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"npusim daemon did not start: {(base / 'npusim.log').read_text()}")
+            time.sleep(0.05)
+        cann = REPO / ".build" / "cann"
+        self.env = {
+            "ASCEND_HOME_PATH": str(cann),
+            "LD_LIBRARY_PATH": str(cann / "lib64"),
+            "NPUSIM_SOCKET": str(self.socket),
+        }
+        self._next_device = 0
+        self.devices = devices
+
+    def device(self) -> int:
+        d = self._next_device % self.devices
+        self._next_device += 1
+        return d
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Workload:
+    """A running workload whose stdout/stderr go to files (so CRIU can dump it: no pipes)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], tmp: Path, name: str = "wl") -> None:
+        self.out_path = tmp / f"{name}.out"
+        self.err_path = tmp / f"{name}.err"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=tmp,
+                start_new_session=True,
+            )
+        self.pid = self.proc.pid
+
+    def lines(self) -> list[str]:
+        return self.out_path.read_text(errors="replace").splitlines()
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_for(self, prefix: str, timeout: float = 20.0, after: int = 0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines()[after:]:
+                if line.startswith(prefix):
+                    return line
+            if not alive(self.pid):
+                break
+            time.sleep(0.05)
+        raise AssertionError(
+            f"workload {self.pid} never printed {prefix!r}; stdout tail: {self.lines()[-5:]}; "
+            f"stderr: {self.stderr()[-2000:]}"
+        )
+
+    def steps(self) -> list[tuple[int, int]]:
+        out = []
+        for line in self.lines():
+            parts = line.split()
+            if len(parts) == 4 and parts[0] == "step" and parts[2] == "checksum":
+                out.append((int(parts[1]), int(parts[3])))
+        return out
+
+    def last_step(self) -> int:
+        steps = self.steps()
+        return steps[-1][0] if steps else -1
+
+    def wait_steps(self, more: int = 3, timeout: float = 20.0) -> int:
+        start = self.last_step()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.last_step() >= start + more:
+                return self.last_step()
+            if not alive(self.pid):
+                break
+            time.sleep(0.05)
+        raise AssertionError(
+            f"workload {self.pid} stopped stepping at {self.last_step()}: {self.stderr()[-2000:]}"
+        )
+
+    def assert_correct(self) -> None:
+        steps = self.steps()
+        assert steps, "no steps printed"
+        expected = expected_checksums(steps[-1][0])
+        numbers = [s for s, _ in steps]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "steps skipped or repeated"
+        for step, checksum in steps:
+            assert checksum == expected[step], f"step {step}: checksum {checksum} != {expected[step]}"
+
+    def kill(self) -> None:
+        kill_pid(self.pid)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+def kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def workload_env(sim: SimDaemon, runtime_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WL_", "NPUSNAP_AGENT"))}
+    env.update(sim.env)
+    env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)
+    env["WL_DEVICE"] = str(sim.device())
+    env.update(extra)
+    return env
+
+
+def write_workload(tmp: Path) -> Path:
+    path = tmp / "workload.py"
+    path.write_text(WORKLOAD)
+    return path
+
+
+def wait_socket(runtime_dir: Path, pid: int, timeout: float = 15.0) -> Path:
+    path = runtime_dir / f"{pid}.sock"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path
+        time.sleep(0.05)
+    raise AssertionError(f"no agent socket {path} after {timeout}s")
