@@ -1,0 +1,820 @@
+"""The dump pipeline: NPU processes locked and backed up, the tree dumped by CRIU, the image published.
+
+design.md §3, in order:
+
+1. resolve the tree of PID and its NPU processes (attach where an agent is missing);
+2. preflight (CRIU, privileges, DIR, free space against the expected image, host RAM against
+   the device bytes);
+3. Lock + Backup every NPU process in parallel under a lease (``DeviceGroup``);
+4. close the agent connections, CRIU dump of the whole tree into a temporary sibling of DIR;
+5. publish (checksums, manifest, fsync, rename), then the original tree is killed — or, with
+   ``leave_running``, every NPU process is unlocked and keeps running.
+
+Never lose the job: CRIU dumps with ``leave_stopped`` rather than letting CRIU kill the tree, so
+that the original is killed only once the image is safely on disk; until then every failure
+(CRIU refused or crashed, disk full, a device call or an agent failed, Ctrl-C / SIGTERM) rolls
+every locked process back to RUNNING and removes the partial img. If the rollback itself fails
+the error is ``StateUnknownError`` with the commands to inspect and recover.
+
+Core module: returns frozen dataclasses, reports progress through ``DumpCallbacks``, never prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+from npusnap_cli import __version__
+from npusnap_cli import image as img
+from npusnap_cli.errors import (
+    ImageError,
+    InterruptedError_,
+    NpusnapError,
+    PreflightError,
+    StateUnknownError,
+    TargetError,
+)
+
+DEFAULT_LEASE_S = 60.0
+# Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
+SPACE_MARGIN_BYTES = 64 << 20
+SPACE_MARGIN_FACTOR = 1.10
+_POLL_S = 0.2
+
+PhaseFn = Callable[[str], None]
+ProgressFn = Callable[[str, int, Optional[int]], None]
+
+
+def _no_phase(_label: str) -> None:
+    pass
+
+
+def _no_progress(_label: str, _done: int, _total: Optional[int]) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class DumpCallbacks:
+    """How the pipeline tells its caller what it is doing (the command renders it)."""
+
+    phase: PhaseFn = _no_phase  # a phase starts: "lock+backup", "criu dump", ...
+    progress: ProgressFn = _no_progress  # (label, bytes done, bytes expected or None)
+    note: PhaseFn = _no_phase  # something worth telling the user (attach, interrupt received)
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """What `npusnap dump` was asked to do; CRIU/podman option names and meanings."""
+
+    leave_running: bool = False
+    tcp_established: bool = False
+    shell_job: bool = False
+    file_locks: bool = False
+    ext_unix_sk: bool = False
+    external: tuple[str, ...] = ()
+    timeout: Optional[int] = None
+    keep: bool = False
+    force: bool = False
+    attach: bool = True
+    lease_s: float = DEFAULT_LEASE_S
+
+
+@dataclass(frozen=True)
+class DumpOutcome:
+    image: str
+    manifest: img.Manifest
+    attached: tuple[int, ...] = ()
+    logs: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "image": self.image,
+            "root_pid": m.root_pid,
+            "npu_pids": [p.pid for p in m.npu_processes],
+            "pids": [p.pid for p in m.processes],
+            "leave_running": m.leave_running,
+            "attached": list(self.attached),
+            "logs": self.logs,
+            "timings": m.timings.to_dict(),
+            "bytes": m.bytes.to_dict(),
+            "versions": m.versions.to_dict(),
+            "processes": [p.to_dict() for p in m.processes],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Signals: Ctrl-C / SIGTERM become a rollback at the next safe point
+# --------------------------------------------------------------------------------------------
+
+
+class SignalGuard:
+    """Catch SIGINT/SIGTERM/SIGHUP for the pipeline's duration and remember them.
+
+    The handler only records the signal: a step in progress (a device call, CRIU, a rename) is
+    never cut in half. ``check()`` at the safe points between steps turns it into a rollback.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, note: PhaseFn = _no_phase) -> None:
+        self.received: Optional[int] = None
+        self._old: dict[int, Any] = {}
+        self._note = note
+
+    def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
+        first = self.received is None
+        self.received = signum
+        if first:
+            with contextlib.suppress(Exception):
+                self._note(
+                    f"{signal.Signals(signum).name} received: finishing the current step, then rolling back"
+                )
+
+    def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received else ""
+
+    def check(self, where: str, state: str) -> None:
+        if self.received is not None:
+            raise InterruptedError_(
+                f"dump interrupted by {self.name} {where}",
+                why="Ctrl-C or SIGTERM",
+                fix="rerun the dump when ready",
+                details={"state": state},
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Resolve and preflight
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    root_pid: int
+    tree: tuple[Any, ...]  # proctree.ProcInfo, root first
+    npu_pids: tuple[int, ...]
+    attached: tuple[int, ...] = ()
+
+
+def resolve_target(pid: int, *, attach: bool) -> _Target:
+    """The tree of ``pid`` and its NPU processes; read-only (agents are attached later).
+
+    Raises TargetError when the pid does not exist, when no process of the tree uses the NPU,
+    or when one lacks an agent and ``attach`` is false.
+    """
+    from npusnap_cli import proctree
+
+    tree = proctree.process_tree(pid)  # TargetError when pid does not exist
+    npu = [p for p in tree if p.uses_npu]
+    if not npu:
+        with_agent = [p.pid for p in tree if p.has_agent]
+        raise TargetError(
+            f"pid {pid} has no NPU process in its tree",
+            why=(
+                "no process under it has the CANN runtime loaded or an Ascend device open"
+                + (f" (pids with an agent but no NPU: {with_agent})" if with_agent else "")
+            ),
+            fix="dump the process that runs on the NPU (see `npusnap status PID`); "
+            "a process without NPU state needs plain `criu dump`",
+            details={"pids": [p.pid for p in tree]},
+        )
+    missing = [p.pid for p in npu if not p.has_agent]
+    if missing and not attach:
+        raise TargetError(
+            f"NPU process(es) without an agent: {', '.join(map(str, missing))}",
+            why="their device state can only be saved from inside them, by an agent; --no-attach was given",
+            fix=" ; ".join(f"npusnap attach {m}" for m in missing) + " (or drop --no-attach)",
+            details={"missing_agent": missing},
+        )
+    return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
+
+
+def attach_missing(target: _Target, note: PhaseFn = _no_phase) -> _Target:
+    """Inject an agent into every NPU process of ``target`` that has none; the refreshed target."""
+    from npusnap_cli import attach as attach_mod
+    from npusnap_cli import proctree
+
+    missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
+    if not missing:
+        return target
+    for m in missing:
+        note(f"pid {m} has no agent: attaching one")
+        attach_mod.attach(m)
+    tree = proctree.process_tree(target.root_pid)
+    npu = [p for p in tree if p.uses_npu]
+    still = [p.pid for p in npu if not p.has_agent]
+    if still:
+        raise TargetError(
+            f"attach reported success but pid(s) {still} have no agent socket",
+            why="the injected agent did not start listening",
+            fix="see the target's stderr (npusnap-agent lines); try `npusnap attach PID -v`",
+        )
+    return _Target(
+        root_pid=target.root_pid,
+        tree=tuple(tree),
+        npu_pids=tuple(p.pid for p in npu),
+        attached=tuple(missing),
+    )
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _mem_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _check_privileges() -> None:
+    from npusnap_cli import preflight
+
+    problems = [i for i in preflight.check_privileges() if i.status == preflight.PROBLEM]
+    if problems:
+        raise PreflightError(
+            f"not enough privileges to dump: {problems[0].detail}",
+            why="CRIU needs root (or CAP_CHECKPOINT_RESTORE + CAP_SYS_PTRACE) to dump a process",
+            fix=problems[0].fix or "run npusnap as root",
+            details={"problems": [i.detail for i in problems]},
+        )
+
+
+def _check_criu() -> Any:
+    from npusnap_cli import criu
+
+    binary = criu.find_criu()
+    passed, text = criu.run_criu_check(binary)
+    if not passed:
+        raise PreflightError(
+            f"`{binary.path} check` failed: CRIU cannot checkpoint on this kernel",
+            why=text.splitlines()[-1] if text else "criu check printed nothing",
+            fix="run `npusnap check` for details; ./scripts/setup.sh installs a working CRIU",
+            details={"criu_check_output": text.splitlines()[-20:]},
+        )
+    return binary
+
+
+def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
+    """Real Ascend device files need the vendor CRIU plugin; the simulator has none."""
+    from npusnap_cli import preflight
+
+    devfiles = sorted({f for p in tree for f in p.device_files})
+    if devfiles and preflight.find_npu_plugin() is None:
+        raise PreflightError(
+            "the target has Ascend device files open but CRIU has no NPU plugin",
+            why="stock CRIU cannot dump /dev/davinci* fds and device mappings; Huawei's CRIU "
+            "plugin (npu_plugin.so) handles them",
+            fix="install the CANN CRIU plugin into CRIU's plugin directory (/usr/lib/criu), then retry",
+            details={"device_files": devfiles},
+        )
+
+
+def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
+    from npusnap_cli.ui import human_bytes
+
+    need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
+    have = img.free_bytes(final.parent)
+    if have < need:
+        raise PreflightError(
+            f"not enough free space for the image in {final.parent}: "
+            f"{human_bytes(have)} free, about {human_bytes(need)} needed",
+            why="the image holds the memory of every process of the tree plus the device memory",
+            fix="free space there or dump to another filesystem",
+            details={"free_bytes": have, "needed_bytes": need},
+        )
+    avail = _mem_available()
+    if device_bytes and avail is not None and avail < device_bytes:
+        raise PreflightError(
+            f"not enough host memory to back up the device: {human_bytes(avail)} available, "
+            f"{human_bytes(device_bytes)} of device memory",
+            why="Backup copies device memory into the process's host memory before CRIU dumps it",
+            fix="free host memory (or stop other jobs) and retry",
+            details={"mem_available": avail, "device_bytes": device_bytes},
+        )
+
+
+def sim_status() -> Optional[dict[str, Any]]:
+    """The simulated NPU daemon's status document, or None when no daemon answers."""
+    try:
+        from npusnap_cli import paths
+        from npusnap_cli.sim import wire
+
+        return wire.query_status(str(paths.sim_socket_path()), timeout=2.0)
+    except Exception:
+        return None
+
+
+def sim_device_usage() -> Optional[dict[int, tuple[list[int], int]]]:
+    """Per live owner pid: (devices, bytes allocated), from the simulated NPU daemon."""
+    status = sim_status()
+    if status is None:
+        return None
+    usage: dict[int, tuple[list[int], int]] = {}
+    for owner in status.get("owners", []):
+        if owner.get("alive") and isinstance(owner.get("pid"), int):
+            usage[int(owner["pid"])] = (
+                [int(d) for d in owner.get("devices", [])],
+                int(owner.get("bytes", 0)),
+            )
+    return usage
+
+
+# --------------------------------------------------------------------------------------------
+# Progress sampling in a background thread
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sampling(sample: Callable[[], int], report: Callable[[int], None]) -> Iterator[None]:
+    """Call ``report(sample())`` every few hundred ms while the body runs (and once at the end)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(_POLL_S):
+            with contextlib.suppress(Exception):
+                report(sample())
+
+    t = threading.Thread(target=loop, name="npusnap-progress", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        with contextlib.suppress(Exception):
+            report(sample())
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Clock:
+    start: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self.marks[name] = time.monotonic() - t
+
+
+def _cann_home_of(library: str) -> str:
+    d = Path(os.path.realpath(library)).parent
+    if d.name == "lib64" and d.parent.name.endswith("-linux"):
+        return str(d.parent.parent)
+    return str(d.parent)
+
+
+def _versions(binary: Any, hello: dict[int, dict[str, Any]]) -> img.Versions:
+    from npusnap_cli import acl
+
+    cann: Optional[str] = None
+    simulated = False
+    for info in hello.values():
+        a = info.get("acl") or {}
+        if a.get("cann_version"):
+            cann = str(a["cann_version"])
+        if a.get("library"):
+            version, simulated = acl.read_version_info(_cann_home_of(str(a["library"])))
+            cann = cann or version
+            break
+    return img.Versions(
+        tool=__version__,
+        criu=binary.version,
+        cann=cann,
+        cann_simulated=simulated,
+        python=sys.version.split()[0],
+    )
+
+
+def _tree_pids(root_pid: int) -> list[int]:
+    """The tree of ``root_pid`` as it is now (children first), for the final kill."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        kids = root.children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in reversed(kids)] + [root_pid]
+
+
+def _signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
+    end = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < end:
+        left = [p for p in left if _running(p)]
+        if left:
+            time.sleep(0.02)
+    return left
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def dump(
+    pid: int,
+    directory: Path,
+    options: DumpOptions = DumpOptions(),
+    callbacks: DumpCallbacks = DumpCallbacks(),
+) -> DumpOutcome:
+    """Run the whole dump pipeline (see the module docstring); raise NpusnapError on failure."""
+    final = Path(os.path.abspath(directory))
+    clock = _Clock()
+    cb = callbacks
+    with SignalGuard(cb.note) as guard:
+        cb.phase("resolve")
+        with clock.phase("resolve"):
+            # Cheap checks first: bad input must fail before anything touches the target.
+            img.check_dump_target(final, force=options.force)
+            target = resolve_target(pid, attach=options.attach)
+        cb.phase("preflight")
+        with clock.phase("preflight"):
+            _check_privileges()
+            binary = _check_criu()
+            _check_npu_plugin(target.tree)
+            guard.check("before anything was changed", "nothing was changed")
+            target = attach_missing(target, cb.note)
+            usage = sim_device_usage() or {}
+            device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)
+            expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
+            _check_space_and_memory(final, expected, device_bytes)
+        guard.check("before anything was locked", "nothing was locked")
+        return _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard).run()
+
+
+class _Pipeline:
+    def __init__(
+        self,
+        final: Path,
+        target: _Target,
+        options: DumpOptions,
+        binary: Any,
+        usage: dict[int, tuple[list[int], int]],
+        device_bytes: int,
+        clock: _Clock,
+        cb: DumpCallbacks,
+        guard: SignalGuard,
+    ) -> None:
+        self.final = final
+        self.target = target
+        self.options = options
+        self.binary = binary
+        self.usage = usage
+        self.device_bytes = device_bytes
+        self.clock = clock
+        self.cb = cb
+        self.guard = guard
+        self.tmp: Optional[Path] = None
+        self.group: Any = None
+        self.hello: dict[int, dict[str, Any]] = {}
+        self.stopped_pids: list[int] = []
+
+    # -- failure handling ---------------------------------------------------------------------
+    def _rollback(self, err: BaseException) -> None:
+        """Every locked process back to RUNNING; StateUnknownError (carrying ``err``) if not."""
+        self.cb.phase("rollback")
+        if self.stopped_pids:
+            _signal_tree(self.stopped_pids, signal.SIGCONT)
+        if self.group is None:
+            return
+        try:
+            self.group.close()
+            self.group.rollback()
+        except StateUnknownError as unknown:
+            unknown.details["original_error"] = _describe(err)
+            if self.tmp is not None:
+                unknown.details["partial_image_removed"] = str(self.tmp)
+            raise
+        except NpusnapError as other:
+            raise StateUnknownError(
+                f"rollback failed after: {_describe(err)}",
+                why=other.message,
+                fix="a human must look: "
+                + " && ".join(f"npusnap status {p} && npusnap thaw {p}" for p in self.target.npu_pids),
+                details={
+                    "original_error": _describe(err),
+                    "recovery_commands": [f"npusnap status {p}" for p in self.target.npu_pids]
+                    + [f"npusnap thaw {p}" for p in self.target.npu_pids],
+                },
+            ) from other
+
+    def _discard(self) -> Optional[str]:
+        """Remove the partial image, keeping its logs elsewhere; return where they went."""
+        if self.tmp is None:
+            return None
+        logs = img.save_failure_logs(self.tmp, "dump")
+        img.remove_tree(self.tmp)
+        return str(logs) if logs else None
+
+    def _fail(self, err: NpusnapError, *, rolled_back: bool) -> NpusnapError:
+        logs = self._discard()
+        if logs:
+            old = err.details.get("criu_log")
+            if isinstance(old, str):
+                err.details["criu_log"] = str(Path(logs) / Path(old).name)
+                err.fix = err.fix.replace(old, err.details["criu_log"])
+            err.details["logs"] = logs
+        err.details["partial_image_removed"] = True
+        if rolled_back:
+            err.details["rolled_back"] = list(self.target.npu_pids)
+            if "rolled back" not in err.message:
+                err.message += " (every process was rolled back and is running)"
+        return err
+
+    # -- the steps ----------------------------------------------------------------------------
+    def run(self) -> DumpOutcome:
+        from npusnap_cli.devicegroup import DeviceGroup
+
+        try:
+            self.tmp = img.create_temp_image(self.final)
+        except OSError as exc:
+            raise ImageError(
+                f"cannot create the image's work directory next to {self.final}: {exc.strerror}",
+                fix="check the directory's permissions and free space",
+            ) from None
+        try:
+            self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s)
+            self.hello = self.group.hello()
+        except NpusnapError as err:
+            if self.group is not None:
+                self.group.close()
+            raise self._fail(err, rolled_back=False) from None
+
+        lock_start = time.monotonic()
+        self.cb.phase("lock+backup")
+        try:
+            with self.clock.phase("lock+backup"), self._backup_progress():
+                results = self.group.lock_and_backup(backup=True)
+        except StateUnknownError as err:
+            raise self._fail(err, rolled_back=False) from None
+        except NpusnapError as err:
+            # DeviceGroup rolled every process back before raising.
+            raise self._fail(err, rolled_back=True) from None
+        try:
+            self.guard.check("during lock+backup", "rolled back")
+            self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
+            outcome = self._criu_and_publish(results, lock_start)
+        except NpusnapError as err:
+            if isinstance(err, StateUnknownError):
+                raise self._fail(err, rolled_back=False) from None
+            try:
+                self._rollback(err)
+            except StateUnknownError as unknown:
+                raise self._fail(unknown, rolled_back=False) from None
+            raise self._fail(err, rolled_back=True) from None
+        except BaseException as exc:
+            # A bug or KeyboardInterrupt that slipped past the guard: still never lose the job.
+            try:
+                self._rollback(exc)
+            finally:
+                self._discard()
+            raise
+        return outcome
+
+    @contextlib.contextmanager
+    def _backup_progress(self) -> Iterator[None]:
+        """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
+        if not self.device_bytes:
+            yield
+            return
+        pids = self.target.npu_pids
+        before = sum(_rss(p) for p in pids)
+        total = self.device_bytes
+
+        def report(n: int) -> None:
+            self.cb.progress("device backup", min(total, max(0, n)), total)
+
+        with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
+            yield
+
+    def _criu_options(self) -> Any:
+        from npusnap_cli import criu
+
+        o = self.options
+        return criu.CriuOptions(
+            leave_running=o.leave_running,
+            leave_stopped=not o.leave_running,
+            tcp_established=o.tcp_established,
+            shell_job=o.shell_job,
+            file_locks=o.file_locks,
+            ext_unix_sk=o.ext_unix_sk,
+            external=o.external,
+            timeout=o.timeout,
+        )
+
+    def _criu_and_publish(self, results: dict[int, dict[str, Any]], lock_start: float) -> DumpOutcome:
+        from npusnap_cli import criu
+
+        assert self.tmp is not None
+        tmp = self.tmp
+        criu_opts = self._criu_options()
+        expected = sum(_rss(p.pid) for p in self.target.tree)
+        self.cb.phase("criu dump")
+        try:
+            with (
+                self.clock.phase("criu"),
+                _sampling(
+                    lambda: img.tree_size(img.criu_dir(tmp)),
+                    lambda n: self.cb.progress("writing image", n, max(expected, n)),
+                ),
+            ):
+                res = criu.dump(
+                    self.target.root_pid,
+                    str(img.criu_dir(tmp)),
+                    str(img.logs_dir(tmp)),
+                    options=criu_opts,
+                    log_name=img.DUMP_LOG,
+                    binary=self.binary,
+                )
+        except OSError as exc:
+            raise ImageError(f"CRIU could not be started or its files not opened: {exc}") from None
+        criu_done = time.monotonic()
+        if not self.options.leave_running:
+            # The tree is stopped (leave_stopped): it is killed only after the image is published.
+            self.stopped_pids = _tree_pids(self.target.root_pid)
+        self.guard.check("during the CRIU dump", "rolled back")
+
+        unlock_s: Optional[float] = None
+        if self.options.leave_running:
+            self.cb.phase("unlock")
+            with self.clock.phase("unlock"):
+                self.group.reconnect()
+                self.group.unlock()
+                self.group.close()
+            unlock_s = self.clock.marks["unlock"]
+            frozen_end = time.monotonic()
+        else:
+            frozen_end = criu_done
+        manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
+        self.cb.phase("publish")
+        try:
+            with self.clock.phase("publish"):
+                if not self.options.keep:
+                    img.remove_tree(img.logs_dir(tmp))
+                total = img.tree_size(img.criu_dir(tmp))
+                done = [0]
+
+                def advance(n: int) -> None:
+                    done[0] += n
+                    self.cb.progress("checksums", done[0], total)
+
+                files = img.file_entries(tmp, advance)
+                size = sum(f.size for f in files)
+                manifest = replace(
+                    manifest,
+                    files=files,
+                    bytes=replace(manifest.bytes, image_bytes=size),
+                    timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
+                )
+                self.guard.check("before the image was published", "rolled back")
+                img.publish(tmp, self.final, manifest, force=self.options.force)
+        except OSError as exc:
+            raise ImageError(
+                f"writing the image failed: {exc.strerror or exc}",
+                why="the disk is full or the filesystem refused a write"
+                if getattr(exc, "errno", None) in (28, 122)
+                else "the filesystem refused a write",
+                fix=f"free space in {self.final.parent} (or choose another place) and dump again",
+                details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
+            ) from None
+        self.tmp = None  # published: nothing partial left to remove
+        if not self.options.leave_running:
+            self.cb.phase("stop original")
+            pids = self.stopped_pids or _tree_pids(self.target.root_pid)
+            _signal_tree(pids, signal.SIGKILL)
+            left = _wait_gone(pids)
+            self.stopped_pids = []
+            if left:
+                self.cb.note(f"pid(s) {left} did not exit after SIGKILL")
+        timings = replace(
+            manifest.timings,
+            publish_s=self.clock.marks.get("publish"),
+            total_s=time.monotonic() - self.clock.start,
+        )
+        manifest = replace(manifest, timings=timings)
+        logs = str(img.logs_dir(self.final)) if self.options.keep else None
+        return DumpOutcome(image=str(self.final), manifest=manifest, attached=self.target.attached, logs=logs)
+
+    def _manifest(
+        self,
+        results: dict[int, dict[str, Any]],
+        res: Any,
+        lock_start: float,
+        frozen_end: float,
+        unlock_s: Optional[float],
+        criu_opts: Any,
+    ) -> img.Manifest:
+        npu = set(self.target.npu_pids)
+        processes = []
+        for p in self.target.tree:
+            devices: list[int] = []
+            nbytes = 0
+            if p.pid in npu:
+                acl_info = (self.hello.get(p.pid) or {}).get("acl") or {}
+                devices = [int(d) for d in acl_info.get("devices") or []]
+                sim_devs, nbytes = self.usage.get(p.pid, ([], 0))
+                devices = devices or sim_devs
+            processes.append(
+                img.ProcessEntry(
+                    pid=p.pid,
+                    ppid=p.ppid,
+                    cmdline=tuple(p.cmdline),
+                    uid=p.uid if p.uid is not None else -1,
+                    agent=p.has_agent,
+                    npu=p.pid in npu,
+                    devices=tuple(sorted(set(devices))),
+                    device_bytes=nbytes,
+                    agent_socket=p.agent_socket,
+                )
+            )
+        lock_times = [r.get("lock_elapsed_s") for r in results.values()]
+        backup_times = [r.get("elapsed_s") for r in results.values()]
+        stats = res.stats
+        us = 1e-6
+        timings = img.Timings(
+            preflight_s=self.clock.marks.get("preflight"),
+            lock_s=max((float(t) for t in lock_times if t is not None), default=None),
+            backup_s=max((float(t) for t in backup_times if t is not None), default=None),
+            criu_freeze_s=stats.freezing_time_us * us if stats else None,
+            criu_memdump_s=stats.memdump_time_us * us if stats else None,
+            criu_memwrite_s=stats.memwrite_time_us * us if stats else None,
+            criu_total_s=self.clock.marks.get("criu"),
+            unlock_s=unlock_s,
+            frozen_s=frozen_end - lock_start,
+        )
+        page = os.sysconf("SC_PAGE_SIZE")
+        return img.Manifest(
+            created_at=img.now_iso(),
+            versions=_versions(self.binary, self.hello),
+            host=img.HostInfo.current(),
+            root_pid=self.target.root_pid,
+            processes=tuple(processes),
+            timings=timings,
+            bytes=img.ByteCounts(
+                device_bytes=self.device_bytes,
+                image_bytes=0,
+                criu_pages_bytes=(stats.pages_written * page) if stats else 0,
+            ),
+            criu_options=criu_opts.to_dict(),
+            leave_running=self.options.leave_running,
+        )
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, NpusnapError):
+        return err.message
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(err).__name__}: {err}"
