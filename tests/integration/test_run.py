@@ -1,0 +1,98 @@
+"""`npusnap run`: the env-gated bootstrap starts an agent in target interpreters 3.9 and 3.13."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.agent import launch
+from npusnap_cli.agent_client import AgentClient
+from tests.integration.agentlib import (
+    PY,
+    REPO,
+    SimDaemon,
+    Workload,
+    python_versions,
+    wait_socket,
+    workload_env,
+    write_workload,
+)
+
+pytestmark = pytest.mark.integration
+PYTHONS = python_versions()
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
+    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
+    yield daemon
+    daemon.stop()
+
+
+@pytest.mark.parametrize("minor", ["3.9", "3.13"])
+def test_run_starts_an_agent_in_another_python(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, minor: str
+) -> None:
+    if minor not in PYTHONS:
+        pytest.skip(f"no pyenv Python {minor} on this host (~/.pyenv/versions/{minor}.*)")
+    usersite = tmp_path / "usersite"
+    usersite.mkdir()
+    mark = tmp_path / "user-sitecustomize-ran"
+    (usersite / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'w').write('yes')\n")
+    env = workload_env(sim, runtime_dir, PYTHONPATH=str(usersite))
+    argv = [PY, "-m", "npusnap_cli", "run", "--json", "--", PYTHONS[minor], str(write_workload(tmp_path))]
+    w = Workload(argv, env, tmp_path)
+    try:
+        ready = w.wait_for("ready").split()
+        assert int(ready[1]) == w.pid  # exec kept the pid that `run` reported
+        assert ready[2:] == minor.split(".")
+        envelope, _ = json.JSONDecoder().raw_decode(w.out_path.read_text())
+        assert envelope["command"] == "run" and envelope["ok"] is True
+        assert envelope["result"]["pid"] == w.pid
+        wait_socket(runtime_dir, w.pid)
+        with AgentClient(w.pid) as c:
+            hello = c.hello()
+            assert hello["python"]["version"].startswith(minor + ".")
+            assert hello["python"]["executable"] == PYTHONS[minor]
+            assert hello["acl"]["loaded"] is True
+            assert c.lock(lease_s=30)["state"] == "LOCKED"
+            assert c.unlock()["state"] == "RUNNING"
+        assert mark.read_text() == "yes", "the user's own sitecustomize must still run"
+        w.wait_steps(3)
+        w.assert_correct()
+        assert "npusnap-agent" not in w.stderr(), "the agent logged a problem"
+    finally:
+        w.kill()
+
+
+def test_bootstrap_is_inert_without_the_switch(tmp_path: Path) -> None:
+    usersite = tmp_path / "usersite"
+    usersite.mkdir()
+    (usersite / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = '1'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NPUSNAP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(launch.BOOTSTRAP_DIR), str(usersite)])
+    code = (
+        "import os, sys; print(int('npusnap_cli' in sys.modules), os.environ.get('USER_SITE_RAN'), "
+        f"int(any(p == {str(launch.BOOTSTRAP_DIR)!r} for p in sys.path)))"
+    )
+    done = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1", "0"]
+
+
+def test_run_reports_a_missing_command(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [PY, "-m", "npusnap_cli", "run", "--json", "--", "no-such-program-xyz"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+    )
+    assert done.returncode == 4
+    envelope = json.loads(done.stdout)
+    assert envelope["error"]["message"] == "command not found: no-such-program-xyz"

@@ -1,0 +1,185 @@
+"""`npusnap status`, `npusnap freeze` / `thaw` through the real CLI, and DeviceGroup's all-or-nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.devicegroup import DeviceGroup
+from tests.integration.agentlib import (
+    PY,
+    REPO,
+    SimDaemon,
+    Workload,
+    kill_pid,
+    wait_socket,
+    workload_env,
+    write_workload,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
+    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture
+def workloads() -> Iterator[list[Workload]]:
+    started: list[Workload] = []
+    yield started
+    for w in started:
+        w.kill()
+
+
+def start(
+    sim: SimDaemon, runtime_dir: Path, tmp: Path, started: list[Workload], name: str = "wl", **extra: str
+) -> Workload:
+    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
+    w = Workload([PY, str(write_workload(tmp))], env, tmp, name=name)
+    started.append(w)
+    w.wait_for("ready")
+    wait_socket(runtime_dir, w.pid)
+    return w
+
+
+def npusnap(*args: str) -> tuple[int, dict[str, Any]]:
+    done = subprocess.run(
+        [PY, "-m", "npusnap_cli", *args, "--json"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    try:
+        envelope = json.loads(done.stdout)
+    except ValueError:
+        raise AssertionError(f"not one JSON envelope: {done.stdout!r} {done.stderr!r}") from None
+    return done.returncode, envelope
+
+
+def state_of(pid: int) -> str:
+    with AgentClient(pid) as c:
+        return str(c.status()["state"])
+
+
+def test_status_shows_the_tree_and_who_lacks_an_agent(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
+    child = int(w.wait_for("child").split()[1])
+    try:
+        rc, env = npusnap("status", str(w.pid))
+        assert rc == 0, env
+        procs = {p["pid"]: p for p in env["result"]["processes"]}
+        assert set(procs) == {w.pid, child}
+        parent = procs[w.pid]
+        assert parent["hello"]["pid"] == w.pid and parent["hello"]["acl"]["loaded"] is True
+        assert parent["status"]["state"] == "RUNNING"
+        assert procs[child]["agent_socket"] is None and procs[child]["uses_npu"] is True
+        assert procs[child]["depth"] == 1
+        assert any(f"npusnap attach {child}" in h for h in env["result"]["hints"])
+    finally:
+        kill_pid(child)
+
+
+def test_status_of_a_missing_pid_is_a_target_error() -> None:
+    rc, env = npusnap("status", "999999999")
+    assert rc == 4 and env["error"]["kind"] == "target"
+
+
+def test_freeze_and_thaw(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    w = start(sim, runtime_dir, tmp_path, workloads)
+    w.wait_steps(2)
+    rc, env = npusnap("freeze", str(w.pid))
+    assert rc == 0, env
+    assert env["result"]["processes"][str(w.pid)]["state"] == "LOCKED"
+    assert env["result"]["lease_s"] == 300
+    at = w.last_step()
+    time.sleep(0.5)
+    assert w.last_step() <= at + 1
+    rc, env = npusnap("status", str(w.pid))
+    assert env["result"]["processes"][0]["status"]["state"] == "LOCKED"
+    rc, env = npusnap("thaw", str(w.pid))
+    assert rc == 0, env
+    result = env["result"]["processes"][str(w.pid)]
+    assert (result["before"], result["actions"], result["state"]) == ("LOCKED", ["unlock"], "RUNNING")
+    w.wait_steps(3)
+    w.assert_correct()
+    rc, env = npusnap("thaw", str(w.pid))  # thawing a running process is a no-op
+    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == []
+
+
+def test_freeze_backup_without_lease_then_thaw(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    w = start(sim, runtime_dir, tmp_path, workloads)
+    rc, env = npusnap("freeze", str(w.pid), "--backup", "--no-lease")
+    assert rc == 0, env
+    assert env["result"]["processes"][str(w.pid)]["state"] == "BACKED_UP"
+    assert env["result"]["processes"][str(w.pid)]["lease"]["active"] is False
+    rc, env = npusnap("thaw", str(w.pid))
+    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == ["unlock"]
+    w.wait_steps(3)
+    w.assert_correct()
+
+
+def test_freeze_lease_thaws_by_itself(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    w = start(sim, runtime_dir, tmp_path, workloads)
+    rc, env = npusnap("freeze", str(w.pid), "--lease", "1")
+    assert rc == 0, env
+    deadline = time.monotonic() + 10
+    while state_of(w.pid) != "RUNNING":
+        assert time.monotonic() < deadline, "the lease did not thaw the process"
+        time.sleep(0.2)
+    w.wait_steps(3)
+    w.assert_correct()
+
+
+def test_freeze_refuses_an_npu_process_without_agent(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
+    child = int(w.wait_for("child").split()[1])
+    try:
+        rc, env = npusnap("freeze", str(w.pid))
+        assert rc == 4, env
+        assert str(child) in env["error"]["message"] and f"npusnap attach {child}" in env["error"]["fix"]
+        assert state_of(w.pid) == "RUNNING"  # nothing was locked
+    finally:
+        kill_pid(child)
+
+
+def test_devicegroup_rolls_back_everyone_when_one_fails(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    a = start(sim, runtime_dir, tmp_path, workloads, name="a")
+    b = start(sim, runtime_dir, tmp_path, workloads, name="b")
+    with AgentClient(b.pid) as c:
+        c.lock()  # b is already locked: its Lock in the group fails with 507906
+    with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(AgentDeviceError) as info:
+        group.lock_and_backup()
+    assert info.value.pid == b.pid and info.value.code == 507906
+    assert set(info.value.details["failures"]) == {b.pid}
+    assert "rolled back" in info.value.message
+    assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "RUNNING"
+    with DeviceGroup([a.pid, b.pid], lease_s=30) as group:
+        results = group.lock_and_backup()
+        assert {r["state"] for r in results.values()} == {"BACKED_UP"}
+        group.close()  # as before a CRIU dump
+        group.reconnect()
+        assert {r["state"] for r in group.unlock().values()} == {"RUNNING"}
+    a.wait_steps(3)
+    b.wait_steps(3)
+    a.assert_correct()
+    b.assert_correct()
