@@ -372,8 +372,6 @@ class Agent:
             if self.lease.active:
                 self.lease.void("process was restored by CRIU; waiting locked for `restore`")
                 self._event("lease voided: the restored process waits, locked, for its restore command")
-            # Peer credentials of an old client are meaningless now; CRIU could not have kept one.
-            self._drop_client()
 
     def _tick(self) -> None:
         self._refresh_restored()

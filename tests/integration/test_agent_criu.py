@@ -1,0 +1,96 @@
+"""A real CRIU dump and restore of a workload whose agent is idle in accept().
+
+The workload is locked and backed up through its agent, the client disconnects (CRIU refuses a
+connected stream socket whose peer is outside the tree), `criu dump` kills it, `criu restore`
+brings it back with the same pid, and the *restored* agent answers on the re-bound socket,
+knows it was restored (lease voided, unlock refused until restore) and carries out Restore and
+Unlock, after which the job continues with the right numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from tests.conftest import requires_root
+from tests.integration.agentlib import (
+    PY,
+    REPO,
+    SimDaemon,
+    Workload,
+    alive,
+    kill_pid,
+    wait_socket,
+    workload_env,
+    write_workload,
+)
+
+pytestmark = [pytest.mark.integration, requires_root]
+CRIU = "/usr/local/sbin/criu"
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
+    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
+    yield daemon
+    daemon.stop()
+
+
+def criu(*args: str, log: Path) -> None:
+    done = subprocess.run([CRIU, *args, "-o", str(log), "-v4"], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
+        raise AssertionError(f"criu {args[0]} failed ({done.returncode}): {done.stderr}\n" + "\n".join(tail))
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CRIU), reason=f"CRIU is not installed at {CRIU} (scripts/setup.sh builds it)"
+)
+def test_restored_agent_answers_and_restores_the_device(
+    sim: SimDaemon, runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1")
+    w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
+    pid = w.pid
+    images = tmp_path / "img"
+    images.mkdir()
+    try:
+        w.wait_for("ready")
+        wait_socket(runtime_dir, pid)
+        w.wait_steps(3)
+        with AgentClient(pid) as c:
+            assert c.lock(lease_s=60)["state"] == "LOCKED"
+            assert c.backup(lease_s=60)["state"] == "BACKED_UP"
+        dumped_at = w.last_step()
+
+        criu("dump", "-t", str(pid), "-D", str(images), log=images / "dump.log")
+        w.proc.wait(10)
+        assert not alive(pid)
+
+        criu("restore", "-d", "-D", str(images), log=images / "restore.log")
+        assert alive(pid)
+        with AgentClient(pid) as c:
+            status = c.status()
+            assert status["state"] == "BACKED_UP"
+            assert status["restored"] is True
+            assert status["lease"]["active"] is False  # void: the restored copy waits for restore
+            assert "restored by CRIU" in (status["lease"]["voided_reason"] or "")
+            assert c.hello()["pid"] == pid
+            with pytest.raises(AgentDeviceError) as info:
+                c.unlock()
+            assert info.value.name == "RESTORE_REQUIRED"
+            assert c.restore()["state"] == "LOCKED"
+            assert c.unlock()["state"] == "RUNNING"
+        deadline = time.monotonic() + 20
+        while w.last_step() < dumped_at + 5:
+            assert time.monotonic() < deadline, f"restored job did not continue: {w.stderr()[-2000:]}"
+            time.sleep(0.1)
+        w.assert_correct()
+    finally:
+        kill_pid(pid)
