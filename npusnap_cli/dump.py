@@ -213,12 +213,12 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
 
 def attach_missing(target: _Target, note: PhaseFn = _no_phase) -> _Target:
     """Inject an agent into every NPU process of ``target`` that has none; the refreshed target."""
-    from npusnap_cli import attach as attach_mod
-    from npusnap_cli import proctree
-
     missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
     if not missing:
         return target
+    from npusnap_cli import attach as attach_mod
+    from npusnap_cli import proctree
+
     for m in missing:
         note(f"pid {m} has no agent: attaching one")
         attach_mod.attach(m)
