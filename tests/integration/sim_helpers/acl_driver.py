@@ -1,0 +1,185 @@
+"""A scriptable user of the simulated CANN runtime, run as a child process by the sim tests.
+
+It loads ``$ASCEND_HOME_PATH/lib64/libacl_rt.so`` with ctypes (like a real program) and executes
+one JSON command per stdin line, answering one JSON object per stdout line. Commands run on the
+main thread unless sent with ``bg`` (a new thread), so a test can show that another thread's
+device call blocks while the process is locked.
+
+    ["set", 0] ["reset", 0] ["malloc", n] ["free", addr] ["fill", addr, n, seed]
+    ["read", addr, n] -> {"rc", "crc"} ["write_hex", addr, hex] ["lock"] ["backup"] ["restore"]
+    ["unlock"] ["raw", name, pid_delta, nonnull] ["state"] ["devices"] ["getdev"]
+    ["register", stage, ret] ["unregister", stage] ["register_twice", stage] ["calls"]
+    ["bg", id, <command...>] ["bgwait", id, timeout_s] ["pid"] ["exit"]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import threading
+import zlib
+from typing import Any, Dict, List
+
+HOME = os.environ["ASCEND_HOME_PATH"]
+lib = ctypes.CDLL(os.path.join(HOME, "lib64", "libacl_rt.so"))
+rt = ctypes.CDLL(os.path.join(HOME, "lib64", "libruntime.so"))
+lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
+lib.aclrtFree.argtypes = [ctypes.c_void_p]
+lib.aclrtMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+SNAP = {
+    "lock": "aclrtSnapShotProcessLock",
+    "backup": "aclrtSnapShotProcessBackup",
+    "restore": "aclrtSnapShotProcessRestore",
+    "unlock": "aclrtSnapShotProcessUnlock",
+}
+for fn in SNAP.values():
+    getattr(lib, fn).argtypes = [ctypes.c_int, ctypes.c_void_p]
+CB = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_int32, ctypes.c_void_p)
+lib.aclrtSnapShotCallbackRegister.argtypes = [ctypes.c_int, CB, ctypes.c_void_p]
+lib.aclrtSnapShotCallbackUnregister.argtypes = [ctypes.c_int, CB]
+
+calls: List[List[int]] = []
+callbacks: Dict[int, Any] = {}  # stage -> ctypes callback (kept alive)
+bg_results: Dict[str, Any] = {}
+bg_threads: Dict[str, threading.Thread] = {}
+out_lock = threading.Lock()
+
+
+def get_state() -> int:
+    s = ctypes.c_int(-1)
+    rc = rt.rtSnapShotProcessGetState(ctypes.byref(s))
+    return s.value if rc == 0 else -rc
+
+
+def make_cb(stage: int, ret: int) -> Any:
+    def cb(device_id: int, _args: Any) -> int:
+        calls.append([stage, int(device_id), get_state()])
+        return ret
+
+    return CB(cb)
+
+
+def run(cmd: List[Any]) -> Dict[str, Any]:
+    op = cmd[0]
+    if op == "pid":
+        return {"rc": 0, "pid": os.getpid()}
+    if op == "set":
+        return {"rc": lib.aclrtSetDevice(ctypes.c_int32(cmd[1]))}
+    if op == "reset":
+        return {"rc": lib.aclrtResetDevice(ctypes.c_int32(cmd[1]))}
+    if op == "getdev":
+        d = ctypes.c_int32(-1)
+        return {"rc": lib.aclrtGetDevice(ctypes.byref(d)), "dev": d.value}
+    if op == "malloc":
+        p = ctypes.c_void_p()
+        rc = lib.aclrtMalloc(ctypes.byref(p), cmd[1], 0)
+        return {"rc": rc, "addr": p.value or 0}
+    if op == "free":
+        return {"rc": lib.aclrtFree(ctypes.c_void_p(cmd[1]))}
+    if op == "fill":
+        data = hashlib.shake_256(str(cmd[3]).encode()).digest(cmd[2])
+        buf = ctypes.create_string_buffer(data, cmd[2])
+        rc = lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), cmd[2], buf, cmd[2], 1)
+        return {"rc": rc, "crc": zlib.crc32(data)}
+    if op == "write_hex":
+        data = bytes.fromhex(cmd[2])
+        buf = ctypes.create_string_buffer(data, len(data))
+        return {"rc": lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), len(data), buf, len(data), 1)}
+    if op == "read":
+        buf = ctypes.create_string_buffer(cmd[2])
+        rc = lib.aclrtMemcpy(buf, cmd[2], ctypes.c_void_p(cmd[1]), cmd[2], 2)
+        return {"rc": rc, "crc": zlib.crc32(buf.raw), "head": buf.raw[:16].hex()}
+    if op == "memcpy":  # ["memcpy", dst, dest_max, src, count, kind]: raw argument checks
+        return {
+            "rc": lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), cmd[2], ctypes.c_void_p(cmd[3]), cmd[4], cmd[5])
+        }
+    if op == "d2d":
+        return {"rc": lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), cmd[3], ctypes.c_void_p(cmd[2]), cmd[3], 3)}
+    if op in SNAP:
+        return {"rc": getattr(lib, SNAP[op])(os.getpid(), None)}
+    if op == "raw":  # ["raw", "lock", pid_delta, nonnull]
+        arg = ctypes.c_void_p(ctypes.addressof(ctypes.create_string_buffer(64))) if cmd[3] else None
+        return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid() + cmd[2], arg)}
+    if op == "state":
+        return {"rc": 0, "state": get_state()}
+    if op == "state_null":
+        return {"rc": rt.rtSnapShotProcessGetState(None)}
+    if op == "devices":
+        ids = (ctypes.c_int32 * 16)()
+        n = lib.npusimGetOpenDevices(ids, 16)
+        return {"rc": 0, "devices": [ids[i] for i in range(n)]}
+    if op == "register":
+        cb = make_cb(cmd[1], cmd[2])
+        rc = lib.aclrtSnapShotCallbackRegister(cmd[1], cb, None)
+        if rc == 0:
+            callbacks[cmd[1]] = cb
+        return {"rc": rc}
+    if op == "register_twice":
+        return {"rc": lib.aclrtSnapShotCallbackRegister(cmd[1], callbacks[cmd[1]], None)}
+    if op == "register_null":
+        return {"rc": lib.aclrtSnapShotCallbackRegister(cmd[1], ctypes.cast(None, CB), None)}
+    if op == "unregister":
+        cb = callbacks.get(cmd[1]) or make_cb(cmd[1], 0)
+        rc = lib.aclrtSnapShotCallbackUnregister(cmd[1], cb)
+        if rc == 0:
+            callbacks.pop(cmd[1], None)
+        else:
+            callbacks.setdefault(-100 - cmd[1], cb)  # keep alive
+        return {"rc": rc}
+    if op == "calls":
+        return {"rc": 0, "calls": list(calls)}
+    if op == "version":
+        buf = ctypes.create_string_buffer(128)
+        return {"rc": lib.aclsysGetVersionStr(b"runtime", buf), "version": buf.value.decode()}
+    if op == "ascendcl":  # ["ascendcl", "unlock"]: the same call through the other front-end
+        other = ctypes.CDLL(os.path.join(HOME, "lib64", "libascendcl.so"))
+        fn = getattr(other, SNAP[cmd[1]])
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        return {"rc": fn(os.getpid(), None)}
+    if op == "init":
+        return {"rc": lib.aclInit(None)}
+    if op == "finalize":
+        return {"rc": lib.aclFinalize()}
+    if op == "sync":
+        return {"rc": lib.aclrtSynchronizeDevice()}
+    if op == "bg":
+        key, sub = cmd[1], cmd[2:]
+
+        def work() -> None:
+            bg_results[key] = run(sub)
+
+        t = threading.Thread(target=work, daemon=True)
+        bg_threads[key] = t
+        t.start()
+        return {"rc": 0}
+    if op == "bgwait":
+        t = bg_threads[cmd[1]]
+        t.join(cmd[2])
+        if t.is_alive():
+            return {"rc": 0, "done": False}
+        return {"rc": 0, "done": True, "result": bg_results[cmd[1]]}
+    raise ValueError(f"unknown command {op}")
+
+
+def main() -> int:
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd[0] == "exit":
+            code = cmd[1] if len(cmd) > 1 else 0
+            sys.stdout.flush()
+            os._exit(code) if len(cmd) > 2 and cmd[2] == "hard" else sys.exit(code)
+        try:
+            res = run(cmd)
+        except Exception as exc:  # report to the test instead of dying silently
+            res = {"rc": -1, "error": repr(exc)}
+        with out_lock:
+            sys.stdout.write(json.dumps(res) + "\n")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""The simulated CANN runtime, exercised through ctypes in real processes against a real daemon.
+
+Checks the behaviour npusnap depends on (shared/npusim-spec.md, shared/cann-snapshot-api.md):
+state machine and error codes, argument checks, blocking of device calls while locked, callbacks,
+memory and addresses across Backup/Restore/Unlock, occupancy, owner death, fault injection.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from npusnap_cli.sim import wire
+from tests.integration.sim_helpers import Driver
+
+pytestmark = pytest.mark.integration
+
+RUNNING, LOCKED, BACKED_UP = 0, 1, 2
+MiB = 1 << 20
+
+
+@pytest.fixture
+def make_driver(sim_env: dict[str, str]) -> Iterator[Callable[..., Driver]]:
+    drivers: list[Driver] = []
+
+    def make(extra_env: dict[str, str] | None = None, stderr: Path | None = None) -> Driver:
+        d = Driver(sim_env, extra_env, stderr)
+        drivers.append(d)
+        return d
+
+    yield make
+    for d in drivers:
+        d.close()
+
+
+def daemon_status(sim_env: dict[str, str]) -> dict[str, Any]:
+    return wire.query_status(sim_env["NPUSIM_SOCKET"])
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def state(d: Driver) -> int:
+    return int(d.call("state")["state"])
+
+
+def socket_fds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_state_machine_transitions_and_wrong_state_codes(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    assert state(d) == RUNNING
+    assert d.rc("unlock") == 507907
+    assert d.rc("backup") == 507908
+    assert d.rc("restore") == 507909
+    assert d.rc("lock") == 0 and state(d) == LOCKED
+    assert d.rc("lock") == 507906
+    assert d.rc("restore") == 507909 and state(d) == LOCKED
+    assert d.rc("backup") == 0 and state(d) == BACKED_UP
+    assert d.rc("backup") == 507908 and d.rc("lock") == 507906 and state(d) == BACKED_UP
+    assert d.rc("restore") == 0 and state(d) == LOCKED
+    assert d.rc("unlock") == 0 and state(d) == RUNNING
+    # leave-running: Unlock straight from BACKED_UP
+    assert d.rc("lock") == 0 and d.rc("backup") == 0
+    assert d.rc("unlock") == 0 and state(d) == RUNNING
+    # a repeated Backup after Restore is legal (the last one wins)
+    assert [d.rc(c) for c in ("lock", "backup", "restore", "backup", "unlock")] == [0, 0, 0, 0, 0]
+    assert d.rc("state_null") == 107000
+
+
+@pytest.mark.parametrize("op", ["lock", "backup", "restore", "unlock"])
+def test_pid_must_be_self_and_reserve_null(make_driver: Callable[..., Driver], op: str) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    if op in ("backup", "unlock"):
+        assert d.rc("lock") == 0
+    if op == "restore":
+        assert d.rc("lock") == 0 and d.rc("backup") == 0
+    before = state(d)
+    assert d.rc("raw", op, 1, False) == 100000
+    assert d.rc("raw", op, 0, True) == 100000
+    assert state(d) == before
+    assert d.rc("raw", op, 0, False) == 0
+
+
+def test_device_calls_on_other_threads_block_until_unlock(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    addr = d.call("malloc", 4096)["addr"]
+    assert d.rc("lock") == 0
+    d.call("bg", "m", "malloc", 4096)
+    d.call("bg", "c", "read", addr, 4096)
+    time.sleep(0.3)
+    assert d.call("bgwait", "m", 0.2)["done"] is False
+    assert d.call("bgwait", "c", 0.0)["done"] is False
+    # queries, synchronize and the snapshot calls themselves do not block
+    assert state(d) == LOCKED
+    assert d.rc("sync") == 0
+    assert d.call("getdev")["dev"] == 0
+    assert d.rc("backup") == 0
+    assert d.call("bgwait", "m", 0.2)["done"] is False
+    assert d.rc("unlock") == 0
+    m = d.call("bgwait", "m", 5.0)
+    c = d.call("bgwait", "c", 5.0)
+    assert m["done"] and m["result"]["rc"] == 0 and m["result"]["addr"] not in (0, addr)
+    assert c["done"] and c["result"]["rc"] == 0
+
+
+def test_lock_waits_for_in_flight_calls_and_times_out(make_driver: Callable[..., Driver]) -> None:
+    # 2 MB/s makes a 2 MiB copy take ~1 s: an in-flight device call.
+    d = make_driver({"NPUSIM_COPY_MBPS": "2"})
+    assert d.rc("set", 0) == 0
+    addr = d.call("malloc", 2 * MiB)["addr"]
+    d.call("bg", "r", "read", addr, 2 * MiB)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert d.rc("lock") == 0  # waited for the copy to finish
+    assert time.monotonic() - t0 > 0.5
+    assert d.call("bgwait", "r", 1.0)["result"]["rc"] == 0
+    assert d.rc("unlock") == 0
+
+    short = make_driver({"NPUSIM_COPY_MBPS": "2", "NPUSIM_LOCK_WAIT_MS": "200"})
+    assert short.rc("set", 1) == 0
+    addr = short.call("malloc", 2 * MiB)["addr"]
+    short.call("bg", "r", "read", addr, 2 * MiB)
+    time.sleep(0.1)
+    assert short.rc("lock") == 507905
+    assert state(short) == RUNNING
+    assert short.call("bgwait", "r", 5.0)["result"]["rc"] == 0
+
+
+def test_callbacks_run_per_stage_and_device(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0 and d.rc("set", 1) == 0
+    for stage in range(6):
+        assert d.rc("register", stage, 0) == 0
+    assert d.rc("register_twice", 3) == 507913
+    assert d.rc("register", 6, 0) == 107000
+    assert d.rc("register", -1, 0) == 107000
+    assert d.rc("register_null", 0) == 107000
+    for op in ("lock", "backup", "restore", "unlock"):
+        assert d.rc(op) == 0
+    calls = d.call("calls")["calls"]
+    assert calls == [
+        [0, 0, RUNNING],
+        [0, 1, RUNNING],
+        [1, 0, LOCKED],
+        [1, 1, LOCKED],
+        [2, 0, BACKED_UP],
+        [2, 1, BACKED_UP],
+        [3, 0, BACKED_UP],
+        [3, 1, BACKED_UP],
+        [4, 0, LOCKED],
+        [4, 1, LOCKED],
+        [5, 0, RUNNING],
+        [5, 1, RUNNING],
+    ]
+    assert d.rc("unregister", 0) == 0
+    assert d.rc("unregister", 0) == 107000  # no longer registered
+    assert d.rc("register", 0, 7) == 0  # a failing LOCK_PRE callback aborts the lock
+    assert d.rc("lock") == 507912
+    assert state(d) == RUNNING
+
+
+def test_failing_backup_pre_callback_keeps_the_process_locked(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    assert d.rc("register", 1, 1) == 0
+    assert d.rc("lock") == 0
+    assert d.rc("backup") == 507912
+    assert state(d) == LOCKED
+    assert d.rc("unlock") == 0 and state(d) == RUNNING
+
+
+def test_memory_and_addresses_survive_backup_restore_and_backup_unlock(
+    make_driver: Callable[..., Driver],
+) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 3 * MiB + 17)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    assert a >= wire.ADDR_BASE and b >= wire.ADDR_BASE  # device addresses, not host ones
+    crc_a = d.call("fill", a, 3 * MiB + 17, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    socks = socket_fds(d.pid)
+    assert d.rc("lock") == 0 and d.rc("backup") == 0
+    assert socket_fds(d.pid) == socks - 1  # Backup released the daemon connection
+    assert d.rc("restore") == 0 and d.rc("unlock") == 0
+    assert socket_fds(d.pid) == socks
+    assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
+    assert d.call("read", b, 4096)["crc"] == crc_b
+    assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("unlock") == 0
+    assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
+    # partial reads at an offset and device-to-device copies keep working on the same pointers
+    assert d.rc("d2d", b, a, 4096) == 0
+    assert d.call("read", b, 4096)["crc"] == d.call("read", a, 4096)["crc"]
+    c = d.call("malloc", 4096)["addr"]
+    assert c not in (a, b) and not (a <= c < a + 3 * MiB + 17)
+
+
+def test_restore_brings_back_the_backed_up_bytes(make_driver: Callable[..., Driver]) -> None:
+    """Restore writes the host copy back: what the device held at Backup time is what comes back."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 4096)["addr"]
+    crc = d.call("fill", a, 4096, "x")["crc"]
+    assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
+    assert d.call("read", a, 4096)["crc"] == crc
+
+
+def test_both_front_ends_share_one_runtime_state(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    assert d.rc("lock") == 0
+    assert d.rc("ascendcl", "lock") == 507906
+    assert d.rc("ascendcl", "unlock") == 0
+    assert state(d) == RUNNING
+
+
+def test_a_device_has_one_owner_and_a_dead_owner_is_freed(
+    make_driver: Callable[..., Driver], sim_env: dict[str, str]
+) -> None:
+    a = make_driver()
+    b = make_driver()
+    assert a.rc("set", 0) == 0
+    addr = a.call("malloc", 8 * MiB)["addr"]
+    assert a.call("fill", addr, 8 * MiB, "dead")["rc"] == 0
+    assert b.rc("set", 0) == 507033  # busy
+    assert b.rc("set", 1) == 0
+    assert sorted(b.call("devices")["devices"]) == [1]
+    dev0 = daemon_status(sim_env)["devices"][0]
+    assert dev0["owner"]["pid"] == a.pid and dev0["used"] >= 8 * MiB
+    os.kill(a.pid, signal.SIGKILL)
+    a.proc.wait()
+    # the reaper frees the dead owner's memory on its own ...
+    assert wait_for(lambda: daemon_status(sim_env)["devices"][0]["owner"] is None)
+    assert daemon_status(sim_env)["devices"][0]["used"] == 0
+    # ... and the device can be claimed again
+    assert b.rc("set", 0) == 0
+    assert sorted(b.call("devices")["devices"]) == [0, 1]
+    assert b.rc("reset", 0) == 0 and b.rc("reset", 1) == 0
+    assert b.call("devices")["devices"] == []
+
+
+def test_errors_of_ordinary_calls(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.call("malloc", 16)["rc"] == 100001  # before aclrtSetDevice
+    assert d.call("getdev")["rc"] == 107002
+    assert d.rc("sync") == 100001
+    assert d.rc("init") == 0 and d.rc("init") == 100002
+    assert d.rc("set", 2) == 107000  # the simulator has devices 0 and 1
+    assert d.rc("set", -1) == 107000
+    assert d.rc("set", 0) == 0
+    assert d.call("malloc", 0)["rc"] == 107000
+    assert d.call("malloc", 2 << 30)["rc"] == 207001  # more than the 1 GiB capacity
+    a = d.call("malloc", 4096)["addr"]
+    assert d.rc("free", a + 8) == 107000
+    assert d.call("read", a, 8192)["rc"] == 107000  # past the end of the allocation
+    assert d.call("read", a + 4000, 96)["rc"] == 0
+    assert d.rc("memcpy", a, 16, a, 32, 3) == 107000  # count > destMax
+    assert d.rc("memcpy", a, 16, a, 16, 4) == 107000  # unknown kind
+    assert d.call("read", 0x1234_0000, 16)["rc"] == 107000  # not a device pointer
+    v = d.call("version")
+    assert v["rc"] == 0 and v["version"] == "9.1.0"
+    assert d.rc("free", a) == 0 and d.rc("free", a) == 107000
+    assert d.rc("finalize") == 0
+    assert d.call("devices")["devices"] == []
+
+
+def test_exit_while_locked_is_force_unlocked(make_driver: Callable[..., Driver], tmp_path: Path) -> None:
+    d = make_driver(stderr=tmp_path / "err")
+    assert d.rc("set", 0) == 0
+    assert d.rc("lock") == 0 and d.rc("backup") == 0
+    d.send("exit", 0)
+    assert d.proc.wait(10) == 0
+    assert "force-unlocked" in (tmp_path / "err").read_text()
+
+
+@pytest.mark.parametrize(
+    ("var", "scenario"),
+    [
+        ("NPUSIM_FAULT_LOCK_TIMEOUT", [("lock", 507905, RUNNING)]),
+        ("NPUSIM_FAULT_BACKUP", [("lock", 0, LOCKED), ("backup", 507908, LOCKED), ("unlock", 0, RUNNING)]),
+        (
+            "NPUSIM_FAULT_RESTORE",
+            [
+                ("lock", 0, LOCKED),
+                ("backup", 0, BACKED_UP),
+                ("restore", 507909, BACKED_UP),
+                ("unlock", 0, RUNNING),
+            ],
+        ),
+        ("NPUSIM_FAULT_UNLOCK", [("lock", 0, LOCKED), ("unlock", 507907, LOCKED)]),
+    ],
+)
+def test_fault_switches_from_the_environment(
+    make_driver: Callable[..., Driver], var: str, scenario: list[tuple[str, int, int]]
+) -> None:
+    d = make_driver({var: "1"})
+    assert d.rc("set", 0) == 0
+    for op, rc, st in scenario:
+        assert (d.rc(op), state(d)) == (rc, st), op
+
+
+def test_fault_file_toggles_faults_in_a_running_process(
+    make_driver: Callable[..., Driver], tmp_path: Path
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_FAULT_LOCK_TIMEOUT=1\n")
+    d = make_driver({"NPUSIM_FAULT_FILE": str(faults)})
+    assert d.rc("set", 0) == 0
+    assert d.rc("lock") == 507905
+    faults.write_text("NPUSIM_FAULT_LOCK_TIMEOUT=0\nNPUSIM_FAULT_UNLOCK = 1\n")
+    assert d.rc("lock") == 0
+    assert d.rc("unlock") == 507907
+    faults.write_text("")
+    assert d.rc("unlock") == 0 and state(d) == RUNNING
+
+
+def test_backup_hang_and_slow_copies(make_driver: Callable[..., Driver], tmp_path: Path) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_BACKUP_HANG_MS=400\n")
+    d = make_driver({"NPUSIM_FAULT_FILE": str(faults)})
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 4 * MiB)["addr"]
+    t0 = time.monotonic()
+    assert d.call("read", a, 4 * MiB)["rc"] == 0
+    fast = time.monotonic() - t0
+    assert d.rc("lock") == 0
+    t0 = time.monotonic()
+    assert d.rc("backup") == 0
+    assert time.monotonic() - t0 >= 0.4
+    assert d.rc("unlock") == 0
+    slow = make_driver({"NPUSIM_COPY_MBPS": "10"})
+    assert slow.rc("set", 1) == 0
+    b = slow.call("malloc", 4 * MiB)["addr"]
+    t0 = time.monotonic()
+    assert slow.call("read", b, 4 * MiB)["rc"] == 0
+    took = time.monotonic() - t0
+    assert took >= 0.35 and took > fast  # 4 MiB at 10 MB/s is ~0.42 s
