@@ -1,5 +1,7 @@
 """Helpers for the agent tests: a private simulated NPU and a small NPU workload to drive.
 
+Tests get the simulated NPU from the ``sim_env`` fixture (tests/conftest.py).
+
 The workload is a plain Python script (ctypes only, any Python 3.9+) that claims a simulated
 device, keeps a buffer in device memory and updates it deterministically every step, printing
 ``step N checksum C``. ``expected_checksum(N)`` recomputes the same sequence, so a test can check
@@ -93,55 +95,22 @@ def python_versions() -> dict[str, str]:
     return found
 
 
-class SimDaemon:
-    """A private simulated-NPU daemon (many small devices so tests can run side by side)."""
+class Sim:
+    """The session's simulated NPU (the ``sim_env`` fixture) and which device to give next.
 
-    def __init__(self, base: Path, devices: int = 8) -> None:
-        self.socket = base / "npusim.sock"
-        self.log = open(base / "npusim.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                PY,
-                "-m",
-                "npusnap_cli.sim.daemon",
-                "--socket",
-                str(self.socket),
-                "--devices",
-                str(devices),
-                "--capacity",
-                str(64 << 20),
-            ],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 15
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"npusim daemon did not start: {(base / 'npusim.log').read_text()}")
-            time.sleep(0.05)
-        cann = REPO / ".build" / "cann"
-        self.env = {
-            "ASCEND_HOME_PATH": str(cann),
-            "LD_LIBRARY_PATH": str(cann / "lib64"),
-            "NPUSIM_SOCKET": str(self.socket),
-        }
-        self._next_device = 0
+    ``sim_env`` has 2 devices and a device is occupied by one live process at a time, so each test
+    hands them out in turn from device 0 (its workloads are killed when it ends).
+    """
+
+    def __init__(self, env: dict[str, str], devices: int = 2) -> None:
+        self.env = {k: env[k] for k in ("ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "NPUSIM_SOCKET")}
         self.devices = devices
+        self._next_device = 0
 
     def device(self) -> int:
         d = self._next_device % self.devices
         self._next_device += 1
         return d
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 class Workload:
@@ -240,7 +209,7 @@ def kill_pid(pid: int) -> None:
         pass
 
 
-def workload_env(sim: SimDaemon, runtime_dir: Path, **extra: str) -> dict[str, str]:
+def workload_env(sim: Sim, runtime_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WL_", "NPUSNAP_AGENT"))}
     env.update(sim.env)
     env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)

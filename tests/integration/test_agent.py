@@ -26,7 +26,7 @@ from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
     REPO,
-    SimDaemon,
+    Sim,
     Workload,
     alive,
     kill_pid,
@@ -38,11 +38,9 @@ from tests.integration.agentlib import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
-    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def sim(sim_env: dict[str, str]) -> Sim:
+    return Sim(sim_env)
 
 
 @pytest.fixture
@@ -53,9 +51,7 @@ def workloads() -> Iterator[list[Workload]]:
         w.kill()
 
 
-def start_workload(
-    sim: SimDaemon, runtime_dir: Path, tmp: Path, started: list[Workload], **extra: str
-) -> Workload:
+def start_workload(sim: Sim, runtime_dir: Path, tmp: Path, started: list[Workload], **extra: str) -> Workload:
     env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
     w = Workload([PY, str(write_workload(tmp))], env, tmp)
     started.append(w)
@@ -77,7 +73,7 @@ def wait_state(pid: int, state: str, timeout: float = 10.0) -> dict[str, object]
 
 
 def test_explicit_start_hello_status_and_socket_permissions(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     sock = runtime_dir / f"{w.pid}.sock"
@@ -106,7 +102,7 @@ def workload_env_device(w: Workload) -> str:
 
 
 def test_lock_backup_unlock_and_the_job_keeps_computing(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(3)
@@ -129,7 +125,7 @@ def test_lock_backup_unlock_and_the_job_keeps_computing(
 
 
 def test_lease_expires_after_the_client_is_killed(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(2)
@@ -152,7 +148,7 @@ def test_lease_expires_after_the_client_is_killed(
 
 
 def test_lease_does_not_count_while_the_process_is_stopped(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     with AgentClient(w.pid) as c:
@@ -170,9 +166,7 @@ def test_lease_does_not_count_while_the_process_is_stopped(
     w.assert_correct()
 
 
-def test_renew_and_release(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
-) -> None:
+def test_renew_and_release(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]) -> None:
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     with AgentClient(w.pid) as c:
         c.lock(lease_s=1.0)
@@ -192,7 +186,7 @@ def test_renew_and_release(
 
 
 def test_hooks_run_in_order_and_a_failing_hook_rolls_back(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     log = tmp_path / "hooks.log"
     fail = tmp_path / "fail"
@@ -234,7 +228,7 @@ def test_hooks_run_in_order_and_a_failing_hook_rolls_back(
 
 
 @requires_root
-def test_agent_refuses_another_uid(sim: SimDaemon, tmp_path: Path, workloads: list[Workload]) -> None:
+def test_agent_refuses_another_uid(sim: Sim, tmp_path: Path, workloads: list[Workload]) -> None:
     # The directory (0700) and socket (0600) already keep other users out; open them up here on
     # purpose to prove that SO_PEERCRED is checked too (defence in depth).
     base = Path(tempfile.mkdtemp(prefix="npusnap-peer-", dir="/tmp"))
@@ -325,7 +319,7 @@ def _fd_targets(pid: int) -> set[str]:
 
 @pytest.mark.parametrize("child_agent", [False, True], ids=["plain-child", "NPUSNAP_AGENT=1-child"])
 def test_forked_child_does_not_serve_the_parents_socket(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload], child_agent: bool
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload], child_agent: bool
 ) -> None:
     extra = {"WL_FORK": "1"}
     if child_agent:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
     REPO,
-    SimDaemon,
+    Sim,
     Workload,
     alive,
     kill_pid,
@@ -35,11 +34,9 @@ pytestmark = [pytest.mark.integration, requires_root]
 CRIU = "/usr/local/sbin/criu"
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
-    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def sim(sim_env: dict[str, str]) -> Sim:
+    return Sim(sim_env)
 
 
 def criu(*args: str, log: Path) -> None:
@@ -52,9 +49,7 @@ def criu(*args: str, log: Path) -> None:
 @pytest.mark.skipif(
     not os.path.exists(CRIU), reason=f"CRIU is not installed at {CRIU} (scripts/setup.sh builds it)"
 )
-def test_restored_agent_answers_and_restores_the_device(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path
-) -> None:
+def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
     env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1")
     w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
     pid = w.pid

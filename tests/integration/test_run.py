@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from npusnap_cli.agent_client import AgentClient
 from tests.integration.agentlib import (
     PY,
     REPO,
-    SimDaemon,
+    Sim,
     Workload,
     python_versions,
     wait_socket,
@@ -27,16 +26,14 @@ pytestmark = pytest.mark.integration
 PYTHONS = python_versions()
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
-    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def sim(sim_env: dict[str, str]) -> Sim:
+    return Sim(sim_env)
 
 
 @pytest.mark.parametrize("minor", ["3.9", "3.13"])
 def test_run_starts_an_agent_in_another_python(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, minor: str
+    sim: Sim, runtime_dir: Path, tmp_path: Path, minor: str
 ) -> None:
     if minor not in PYTHONS:
         pytest.skip(f"no pyenv Python {minor} on this host (~/.pyenv/versions/{minor}.*)")

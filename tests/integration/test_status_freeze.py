@@ -16,7 +16,7 @@ from npusnap_cli.devicegroup import DeviceGroup
 from tests.integration.agentlib import (
     PY,
     REPO,
-    SimDaemon,
+    Sim,
     Workload,
     kill_pid,
     wait_socket,
@@ -27,11 +27,9 @@ from tests.integration.agentlib import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimDaemon]:
-    daemon = SimDaemon(tmp_path_factory.mktemp("sim"))
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def sim(sim_env: dict[str, str]) -> Sim:
+    return Sim(sim_env)
 
 
 @pytest.fixture
@@ -43,7 +41,7 @@ def workloads() -> Iterator[list[Workload]]:
 
 
 def start(
-    sim: SimDaemon, runtime_dir: Path, tmp: Path, started: list[Workload], name: str = "wl", **extra: str
+    sim: Sim, runtime_dir: Path, tmp: Path, started: list[Workload], name: str = "wl", **extra: str
 ) -> Workload:
     env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
     w = Workload([PY, str(write_workload(tmp))], env, tmp, name=name)
@@ -70,7 +68,7 @@ def state_of(pid: int) -> str:
 
 
 def test_status_shows_the_tree_and_who_lacks_an_agent(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
     child = int(w.wait_for("child").split()[1])
@@ -94,9 +92,7 @@ def test_status_of_a_missing_pid_is_a_target_error() -> None:
     assert rc == 4 and env["error"]["kind"] == "target"
 
 
-def test_freeze_and_thaw(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
-) -> None:
+def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(2)
     rc, env = npusnap("freeze", str(w.pid))
@@ -119,7 +115,7 @@ def test_freeze_and_thaw(
 
 
 def test_freeze_backup_without_lease_then_thaw(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--backup", "--no-lease")
@@ -133,7 +129,7 @@ def test_freeze_backup_without_lease_then_thaw(
 
 
 def test_freeze_lease_thaws_by_itself(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--lease", "1")
@@ -147,7 +143,7 @@ def test_freeze_lease_thaws_by_itself(
 
 
 def test_freeze_refuses_an_npu_process_without_agent(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
     child = int(w.wait_for("child").split()[1])
@@ -161,7 +157,7 @@ def test_freeze_refuses_an_npu_process_without_agent(
 
 
 def test_devicegroup_rolls_back_everyone_when_one_fails(
-    sim: SimDaemon, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     a = start(sim, runtime_dir, tmp_path, workloads, name="a")
     b = start(sim, runtime_dir, tmp_path, workloads, name="b")
