@@ -1,0 +1,161 @@
+"""End to end with real CRIU: a train.py workload is locked and backed up on the simulated NPU,
+dumped by CRIU, restored, restored on the device and unlocked, and its output continues exactly
+as an uninterrupted run's. Without Backup the daemon connection makes CRIU refuse to dump.
+
+Uses the criu binary directly (the product's pycriu layer is tested elsewhere). Root only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from npusnap_cli.workloads import script_path
+from tests.conftest import requires_root
+from tests.integration.sim_helpers import HERE, Driver
+
+pytestmark = [pytest.mark.integration, requires_root]
+
+CRIU = "/usr/local/sbin/criu"
+SNAP_TRAIN = HERE / "snap_train.py"
+ARGS = ["--steps", "30", "--interval", "0.05", "--param-bytes", "65536", "--seed", "7", "--device", "0"]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] != b"Z"
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def criu(*args: str) -> subprocess.CompletedProcess[str]:
+    assert os.path.exists(CRIU), f"{CRIU} is missing: run ./scripts/setup.sh"
+    return subprocess.run([CRIU, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def workload(sim_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        env = dict(sim_env, SNAP_STATUS=str(tmp_path / "status"))
+        with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(SNAP_TRAIN), *ARGS],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,  # its own session: CRIU needs no --shell-job
+                cwd=tmp_path,
+            )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def reference_output(sim_env: dict[str, str], tmp_path: Path) -> list[str]:
+    args = [a if a != "0.05" else "0" for a in ARGS]  # same options, no waiting
+    res = subprocess.run(
+        [sys.executable, str(script_path("train")), *args],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    "device_taken_meanwhile", [False, True], ids=["free-device", "busy-device-then-free"]
+)
+def test_dump_restore_continues_identically(
+    sim_env: dict[str, str],
+    tmp_path: Path,
+    workload: Callable[[], subprocess.Popen[bytes]],
+    device_taken_meanwhile: bool,
+) -> None:
+    status, out, img = tmp_path / "status", tmp_path / "out", tmp_path / "img"
+    img.mkdir()
+    proc = workload()
+    pid = proc.pid
+    assert wait_for(lambda: len(lines(out)) >= 5), (tmp_path / "err").read_text()
+    os.kill(pid, signal.SIGUSR1)
+    assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
+    stopped_at = len(lines(out))
+
+    dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4")
+    assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
+    proc.wait(10)  # reap it: the pid must be free for the restore
+
+    intruder = None
+    if device_taken_meanwhile:
+        intruder = Driver(sim_env)
+        assert intruder.rc("set", 0) == 0  # the dumped owner is dead, so device 0 is free to take
+
+    restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4")
+    assert restore.returncode == 0, (img / "restore.log").read_text()[-3000:]
+    try:
+        assert alive(pid)
+        if intruder is not None:
+            os.kill(pid, signal.SIGUSR2)
+            assert wait_for(lambda: "restore 507909" in lines(status)), lines(status)
+            time.sleep(0.3)
+            assert len(lines(out)) == stopped_at  # still locked: not a single step ran
+            intruder.close()
+        os.kill(pid, signal.SIGUSR2)
+        assert wait_for(lambda: "unlock 0" in lines(status)), lines(status)
+        assert wait_for(lambda: not alive(pid), 30), "restored workload did not finish"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert lines(status)[-2:] == ["restore 0", "unlock 0"]
+    assert lines(out) == reference_output(sim_env, tmp_path)
+    assert len(lines(out)) == 30 and stopped_at < 30
+
+
+def test_dump_without_backup_is_refused_and_the_job_keeps_running(
+    tmp_path: Path, workload: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    out, img = tmp_path / "out", tmp_path / "img"
+    img.mkdir()
+    proc = workload()
+    assert wait_for(lambda: len(lines(out)) >= 3), (tmp_path / "err").read_text()
+    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4")
+    assert dump.returncode != 0
+    log = (img / "dump.log").read_text()
+    assert "unix" in log.lower() and "Error" in log
+    before = len(lines(out))
+    assert wait_for(lambda: len(lines(out)) > before + 2), (
+        "the job did not keep running after the failed dump"
+    )
+    assert proc.poll() is None
