@@ -1,7 +1,38 @@
-"""Placeholder until the `attach` command lands (registers nothing)."""
+"""`npusnap attach PID`: start an npusnap agent inside an already-running Python process."""
+
+from __future__ import annotations
 
 import typer
 
+from npusnap_cli.commands._common import JSON_HELP, output
+
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command()
+    def attach(
+        ctx: typer.Context,
+        pid: int = typer.Argument(..., help="The running Python process to inject the agent into."),
+        timeout: float = typer.Option(
+            10.0,
+            "--timeout",
+            min=1.0,
+            help="Seconds to wait for a safe point, the bootstrap and the agent's hello (default 10).",
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Inject the agent into running Python PID (3.14+: sys.remote_exec; 3.9-3.13: gdb at a safe point).
+
+        Succeeds only when the agent answers over its control socket; a no-op if one is already there.
+        """
+        from npusnap_cli import attach as attach_mod
+
+        out = output(ctx, "attach", json_flag)
+        with out.phase(f"attaching to pid {pid}"):
+            result = attach_mod.attach(pid, timeout=timeout)
+        if result.method == "already-present":
+            out.ok(f"pid {pid} already has an npusnap agent ({result.socket})")
+        else:
+            how = "sys.remote_exec" if result.method == "remote_exec" else f"gdb, {result.safe_point}"
+            out.ok(f"agent started in pid {pid} (Python {result.python}, {how}) in {result.elapsed_s:.2f}s")
+            out.kv("agent", {"socket": result.socket, "thread used": result.tid})
+        out.result(result.to_dict())

@@ -1,0 +1,433 @@
+"""gdb driver for `npusnap attach` on Python 3.9-3.13: make the target dlopen() our payload safely.
+
+Run by npusnap_cli/attach.py as::
+
+    gdb --batch -nx -iex 'set non-stop on' ... -p PID -x gdb_inject.py
+
+inside gdb's own Python (not the target's, not npusnap's). Inputs come from the environment:
+NPUSNAP_ATTACH_PAYLOAD (the per-attach copy of libnpusnap_attach.so, as the target sees it),
+NPUSNAP_ATTACH_REPORT (where to write the JSON result), NPUSNAP_ATTACH_BUDGET (seconds this
+script may take in all) and NPUSNAP_ATTACH_BREAK_WAIT (seconds per breakpoint round).
+
+Why it is careful: the only code run on a borrowed thread is dlopen(), and only where that
+thread holds no allocator or loader lock, because a thread stopped at an arbitrary instruction
+may be inside malloc() or the dynamic loader and a nested dlopen() there deadlocks or corrupts
+the heap. Two kinds of safe points are used, in this order, in rounds until the budget ends:
+
+1. the entry of a libpython function that Python threads call at clean points
+   (PyEval_SaveThread/RestoreThread around blocking calls, the object allocator on almost every
+   bytecode that creates an object): a busy Python thread gets there within microseconds;
+2. a thread stopped *inside a blocking system call* (clock_nanosleep for time.sleep, select,
+   poll, read, futex waits, ...), as /proc/PID/task/TID/syscall shows, whose stack has no
+   allocator, loader, fork or stdio frame: this is what a process that sleeps, waits on a lock
+   or sits in a long C call offers. The syscall is restarted when the thread resumes.
+
+gdb runs in non-stop mode so that every other thread keeps running during the call (a thread
+that holds a lock the call needs can release it), and it always detaches, leaving no
+breakpoint behind.
+"""
+
+import json
+import os
+import re
+import threading
+import time
+
+import gdb  # type: ignore[import-not-found]  # provided by gdb itself
+
+PAYLOAD = os.environ["NPUSNAP_ATTACH_PAYLOAD"]
+REPORT = os.environ["NPUSNAP_ATTACH_REPORT"]
+BUDGET = float(os.environ.get("NPUSNAP_ATTACH_BUDGET", "6"))
+BREAK_WAIT = float(os.environ.get("NPUSNAP_ATTACH_BREAK_WAIT", "0.3"))
+START = time.monotonic()
+
+RTLD_NOW = 2
+MAX_FRAMES = 48
+MAX_THREADS_REPORTED = 64
+
+# Function entries that CPython reaches only from clean points, with the GIL held.
+SAFE_BREAKPOINTS = ("PyEval_SaveThread", "PyEval_RestoreThread", "PyObject_Malloc", "PyMem_Malloc")
+
+# Blocking system calls by architecture (numbers from the kernel's syscall tables).
+# restart_syscall is how the kernel resumes an interrupted nanosleep/poll/futex wait after a
+# ptrace stop, so every sleeping thread shows it once gdb has stopped it.
+BLOCKING_SYSCALLS = {
+    "x86_64": {
+        0: "read",
+        7: "poll",
+        23: "select",
+        34: "pause",
+        35: "nanosleep",
+        43: "accept",
+        45: "recvfrom",
+        47: "recvmsg",
+        61: "wait4",
+        128: "rt_sigtimedwait",
+        130: "rt_sigsuspend",
+        202: "futex",
+        219: "restart_syscall",
+        230: "clock_nanosleep",
+        232: "epoll_wait",
+        247: "waitid",
+        270: "pselect6",
+        271: "ppoll",
+        281: "epoll_pwait",
+        288: "accept4",
+        299: "recvmmsg",
+        441: "epoll_pwait2",
+        449: "futex_waitv",
+    },
+    "aarch64": {
+        22: "epoll_pwait",
+        63: "read",
+        72: "pselect6",
+        73: "ppoll",
+        95: "waitid",
+        98: "futex",
+        101: "nanosleep",
+        115: "clock_nanosleep",
+        128: "restart_syscall",
+        133: "rt_sigsuspend",
+        137: "rt_sigtimedwait",
+        202: "accept",
+        207: "recvfrom",
+        212: "recvmsg",
+        242: "accept4",
+        243: "recvmmsg",
+        260: "wait4",
+        441: "epoll_pwait2",
+        449: "futex_waitv",
+    },
+}
+# futex operations that wait (FUTEX_WAIT, FUTEX_LOCK_PI, FUTEX_WAIT_BITSET, FUTEX_LOCK_PI2,
+# FUTEX_WAIT_REQUEUE_PI); a thread in FUTEX_WAKE is not blocked.
+FUTEX_WAIT_OPS = {0, 6, 9, 11, 13}
+FUTEX_CMD_MASK = 0x7F
+
+# Frames that mean "this thread may hold an allocator, loader, stdio or thread-list lock".
+UNSAFE_EXACT = {
+    "malloc",
+    "free",
+    "calloc",
+    "realloc",
+    "reallocarray",
+    "memalign",
+    "posix_memalign",
+    "aligned_alloc",
+    "valloc",
+    "pvalloc",
+    "cfree",
+    "int_malloc",
+    "int_free",
+    "int_realloc",
+    "int_memalign",
+    "malloc_consolidate",
+    "sysmalloc",
+    "systrim",
+    "arena_get2",
+    "libc_malloc",
+    "libc_free",
+    "libc_calloc",
+    "libc_realloc",
+    "lll_lock_wait_private",
+    "pthread_create",
+    "allocate_stack",
+    "fork",
+    "Fork",
+    "libc_fork",
+    "vfork",
+    "run_exit_handlers",
+    "exit",
+    "backtrace",
+}
+UNSAFE_PREFIXES = ("dl", "libc_dl", "IO_", "tcache", "nptl_", "Unwind_", "uw_", "malloc_", "elf_")
+
+
+def normalize(name):
+    """`__GI___clock_nanosleep`, `clock_nanosleep@GLIBC_2.17` -> `clock_nanosleep`."""
+    name = name.split("@", 1)[0]
+    name = re.sub(r"^(__GI_|__libc_|___)", lambda m: "libc_" if m.group(1) == "__libc_" else "", name)
+    return name.lstrip("_")
+
+
+def unsafe_frame(name):
+    n = normalize(name)
+    return n in UNSAFE_EXACT or n.startswith(UNSAFE_PREFIXES)
+
+
+
+
+def elapsed():
+    return time.monotonic() - START
+
+
+def inferior():
+    return gdb.selected_inferior()
+
+
+# Captured once on gdb's main thread: the helper thread below must not call the gdb API.
+PID = inferior().pid
+MACHINE = os.uname().machine
+
+
+def read_syscall(tid):
+    """(syscall name, raw line) for a thread blocked in a listed syscall, else (None, raw line).
+
+    /proc/PID/task/TID/syscall shows the syscall whether the thread is blocked in it or was
+    stopped by ptrace while in it (the kernel restarts it when the thread resumes).
+    """
+    try:
+        with open("/proc/%d/task/%d/syscall" % (PID, tid)) as f:
+            raw = f.read().strip()
+    except OSError as exc:
+        return None, "unreadable: %s" % exc
+    fields = raw.split()
+    if not fields or not fields[0].isdigit():
+        return None, raw  # "running", or "-1 sp pc": not in a syscall
+    name = BLOCKING_SYSCALLS.get(MACHINE, {}).get(int(fields[0]))
+    if name == "futex" and len(fields) > 2 and int(fields[2], 16) & FUTEX_CMD_MASK not in FUTEX_WAIT_OPS:
+        return None, raw
+    return name, raw
+
+
+def blocked_tids(exclude):
+    """Threads blocked in a listed syscall right now (read from /proc, safe while they run)."""
+    try:
+        tids = sorted(int(t) for t in os.listdir("/proc/%d/task" % PID))
+    except OSError:
+        return []
+    # The main thread (tid == pid) first: it is the one that usually sleeps for the workload.
+    tids.sort(key=lambda t: t != PID)
+    return [tid for tid in tids if tid not in exclude and read_syscall(tid)[0] is not None]
+
+
+def frames_of(thread):
+    """The stopped thread's stack as [{'name', 'lib'}], innermost first."""
+    out = []
+    try:
+        thread.switch()
+        frame = gdb.newest_frame()
+        while frame is not None and len(out) < MAX_FRAMES:
+            lib = None
+            try:
+                lib = gdb.solib_name(frame.pc())
+            except gdb.error:
+                pass
+            out.append({"name": frame.name() or "??", "lib": os.path.basename(lib) if lib else None})
+            frame = frame.older()
+    except gdb.error as exc:
+        out.append({"name": "<unwind error: %s>" % exc, "lib": None})
+    return out
+
+
+def describe_threads():
+    """What every thread is doing (stacks of the stopped ones), for the diagnostics."""
+    threads = []
+    for th in sorted(inferior().threads(), key=lambda t: t.num)[:MAX_THREADS_REPORTED]:
+        tid = th.ptid[1]
+        syscall, raw = read_syscall(tid)
+        entry = {"tid": tid, "name": th.name, "syscall": syscall, "syscall_raw": raw}
+        if th.is_stopped():
+            entry["frames"] = frames_of(th)[:16]
+        threads.append(entry)
+    return threads
+
+
+class Waiter:
+    """One round: let every thread run until one hits a breakpoint, or stop one blocked thread.
+
+    gdb's Python cannot pump gdb's event loop, but a synchronous `continue -a` does, and in
+    non-stop mode it returns as soon as any one thread stops. A helper thread waits
+    `break_wait` seconds for a breakpoint hit, then looks in /proc for a thread blocked in a
+    listed syscall and has gdb (on its main thread, via post_event) interrupt only that one; at
+    the deadline it interrupts every thread. Early returns (the stops that complete gdb's
+    attach to each thread arrive one by one after `attach` returns) just continue again.
+    """
+
+    def __init__(self, exclude):
+        self.exclude = exclude
+        self.waiting = False
+        self.wake = threading.Event()
+        self.fired = None  # None: not yet; a tid; or "all"
+
+    def _interrupt(self, tid):
+        # Runs on gdb's main thread; only interrupt while our continue is still waiting.
+        if not self.waiting:
+            return
+        for th in inferior().threads():
+            if tid is not None and th.ptid[1] == tid and not th.is_stopped():
+                self.fired = tid
+                th.switch()
+                gdb.execute("interrupt", to_string=True)
+                return
+        self.fired = "all"
+        gdb.execute("interrupt -a", to_string=True)
+
+    def _timer(self, break_wait, deadline):
+        self.wake.wait(break_wait)
+        while self.waiting:
+            tids = blocked_tids(self.exclude)
+            if tids or time.monotonic() >= deadline:
+                tid = tids[0] if tids else None
+                gdb.post_event(lambda: self._interrupt(tid))
+                return
+            self.wake.wait(0.05)
+
+    def _done(self, deadline):
+        threads = [th for th in inferior().threads() if th.is_valid()]
+        for th in threads:
+            if th.is_stopped():
+                th.switch()
+                if normalize(gdb.newest_frame().name() or "") in SAFE_BREAKPOINTS:
+                    return True
+        if self.fired == "all" or time.monotonic() > deadline + 1.0:
+            return True
+        return any(th.ptid[1] == self.fired and th.is_stopped() for th in threads)
+
+    def run(self, break_wait, deadline):
+        self.waiting = True
+        self.fired = None
+        self.wake.clear()
+        timer = threading.Thread(target=self._timer, args=(break_wait, deadline), daemon=True)
+        timer.start()
+        try:
+            while True:
+                gdb.execute("continue -a", to_string=True)
+                if self._done(deadline):
+                    break
+        finally:
+            self.waiting = False
+            self.wake.set()
+        timer.join()
+
+
+def choose_thread(exclude):
+    """A stopped thread at a safe point: at one of our breakpoints, or blocked in a syscall.
+
+    Returns (thread, method) or (None, None); adds syscall threads with unsafe stacks to `exclude`.
+    """
+    stopped = [th for th in inferior().threads() if th.is_valid() and th.is_stopped()]
+    for th in stopped:
+        th.switch()
+        name = normalize(gdb.newest_frame().name() or "")
+        if name in SAFE_BREAKPOINTS and not any(unsafe_frame(f["name"]) for f in frames_of(th)[1:]):
+            return th, "breakpoint:" + name
+    candidates = []
+    for th in stopped:
+        syscall, _ = read_syscall(th.ptid[1])
+        if syscall is None:
+            continue
+        frames = frames_of(th)
+        if any(unsafe_frame(f["name"]) for f in frames):
+            exclude.add(th.ptid[1])
+            continue
+        candidates.append((th.ptid[1] != PID, th.num, th, "syscall:" + syscall))
+    if not candidates:
+        return None, None
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    return candidates[0][2], candidates[0][3]
+
+
+def resume_others(chosen):
+    """Let every other thread run during the call, so a lock holder can release its lock."""
+    for th in inferior().threads():
+        if th.ptid != chosen.ptid and th.is_valid() and th.is_stopped():
+            th.switch()
+            gdb.execute("continue &", to_string=True)
+    chosen.switch()
+
+
+def call_dlopen(thread):
+    """dlopen(PAYLOAD, RTLD_NOW) on the stopped `thread`. Returns (ok, detail)."""
+    thread.switch()
+    path = PAYLOAD.replace("\\", "\\\\").replace('"', '\\"')
+    for fn in ("dlopen", "__libc_dlopen_mode"):
+        expr = '((void *(*)(const char *, int)) %s)("%s", %d)' % (fn, path, RTLD_NOW)
+        try:
+            handle = int(gdb.parse_and_eval(expr))
+        except gdb.error as exc:
+            if "No symbol" in str(exc):
+                continue
+            return False, "calling %s in the target failed: %s" % (fn, exc)
+        if handle:
+            return True, "%s returned 0x%x" % (fn, handle)
+        reason = ""
+        try:
+            msg = gdb.parse_and_eval("((char *(*)(void)) dlerror)()")
+            if int(msg):
+                reason = msg.string()
+        except gdb.error:
+            pass
+        return False, "%s failed in the target: %s" % (fn, reason or "no reason given")
+    return False, "the target has no dlopen (a static binary without the dynamic loader?)"
+
+
+def main():
+    report = {"ok": False, "method": None, "tid": None, "detail": None, "rounds": 0, "threads": []}
+    breakpoints = []
+    try:
+        # A signal that reaches the borrowed thread during the call must not leave it inside a
+        # half-run call frame: unwind it. Ordinary signals pass through without stopping the
+        # target, so they do not interrupt the call in the first place.
+        gdb.execute("set unwindonsignal on", to_string=True)
+        gdb.execute("handle all nostop noprint pass", to_string=True)
+        for sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
+            gdb.execute("handle %s stop print pass" % sig, to_string=True)
+        report["threads"] = describe_threads()
+        for name in SAFE_BREAKPOINTS:
+            try:
+                breakpoints.append(gdb.Breakpoint(name, internal=True))
+            except (gdb.error, RuntimeError):
+                pass
+        report["breakpoints"] = len(breakpoints)
+        exclude = set()
+        waiter = Waiter(exclude)
+        chosen = method = None
+        deadline = START + BUDGET - 0.5  # keep time to detach
+        while chosen is None and time.monotonic() < deadline:
+            report["rounds"] += 1
+            for bp in breakpoints:
+                bp.enabled = True
+            waiter.run(min(BREAK_WAIT, max(0.0, deadline - time.monotonic())), deadline)
+            for bp in breakpoints:
+                bp.enabled = False
+            chosen, method = choose_thread(exclude)
+        for bp in breakpoints:
+            bp.delete()
+        breakpoints = []
+        if chosen is None:
+            report["threads"] = describe_threads()
+            report["detail"] = "no thread reached a safe point within %.1fs" % BUDGET
+            return report
+        report["method"] = method
+        report["tid"] = chosen.ptid[1]
+        resume_others(chosen)
+        report["ok"], report["detail"] = call_dlopen(chosen)
+        return report
+    except Exception as exc:  # report it; the caller detaches in any case
+        report["detail"] = "gdb driver error: %s: %s" % (type(exc).__name__, exc)
+        return report
+    finally:
+        for bp in breakpoints:
+            try:
+                bp.delete()
+            except Exception:
+                pass
+
+
+def finish(report):
+    report["elapsed_s"] = round(elapsed(), 3)
+    tmp = REPORT + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, REPORT)
+
+
+_report = main()
+try:
+    gdb.execute("detach", to_string=True)
+    _report["detached"] = True
+except gdb.error as _exc:
+    _report["detached"] = False
+    _report["detach_error"] = str(_exc)
+finish(_report)
