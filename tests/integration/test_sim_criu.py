@@ -153,7 +153,7 @@ def test_dump_without_backup_is_refused_and_the_job_keeps_running(
     dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4")
     assert dump.returncode != 0
     log = (img / "dump.log").read_text()
-    assert "unix" in log.lower() and "Error" in log
+    assert "External socket is used" in log  # the connection to the npusim daemon
     before = len(lines(out))
     assert wait_for(lambda: len(lines(out)) > before + 2), (
         "the job did not keep running after the failed dump"
