@@ -1,0 +1,100 @@
+"""`npusnap sim start|status|env|stop` and the manager: idempotent, race-safe start, env for eval,
+the daemon's bandwidth cap. Each test runs its own daemon on a private socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.workloads import script_path
+
+pytestmark = pytest.mark.integration
+NPUSNAP = [sys.executable, "-m", "npusnap_cli"]
+
+
+@pytest.fixture
+def private_socket() -> Iterator[dict[str, str]]:
+    d = Path(tempfile.mkdtemp(prefix="npusim-cli-"))
+    env = dict(os.environ, NPUSIM_SOCKET=str(d / "npusim.sock"))
+    yield env
+    subprocess.run([*NPUSNAP, "sim", "stop"], env=env, capture_output=True, timeout=30, check=False)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def npusnap(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NPUSNAP, *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_start_status_env_stop(private_socket: dict[str, str]) -> None:
+    env = private_socket
+    first = npusnap(env, "sim", "start", "--json", "--devices", "3", "--capacity", "256MiB")
+    assert first.returncode == 0, first.stderr
+    doc = json.loads(first.stdout)["result"]
+    assert doc["started"] is True and doc["simulated"] is True
+    assert [d["capacity"] for d in doc["devices"]] == [256 << 20] * 3
+    again = json.loads(npusnap(env, "sim", "start", "--json").stdout)["result"]
+    assert again["started"] is False and again["daemon_pid"] == doc["daemon_pid"]
+
+    exports = npusnap(env, "sim", "env").stdout
+    lines = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
+    assert set(lines) == {"ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "NPUSIM_SOCKET"}
+    assert lines["NPUSIM_SOCKET"] == env["NPUSIM_SOCKET"]
+    # the exports are all a program needs: run a workload in a shell that evals them
+    shell = subprocess.run(
+        ["bash", "-c", f'eval "$({" ".join(NPUSNAP)} sim env)" && exec python3 {script_path("train")} '
+         "--steps 2 --interval 0 --param-bytes 4096 --device 2"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert shell.returncode == 0, shell.stderr
+    assert [line.split()[:2] for line in shell.stdout.splitlines()] == [["step", "1"], ["step", "2"]]
+
+    status = json.loads(npusnap(env, "sim", "status", "--json").stdout)
+    assert status["ok"] and status["result"]["running"] and status["result"]["bytes_used"] == 0
+
+    stop = json.loads(npusnap(env, "sim", "stop", "--json").stdout)
+    assert stop["result"]["stopped"] is True
+    assert json.loads(npusnap(env, "sim", "status", "--json").stdout)["result"]["running"] is False
+    assert not Path(env["NPUSIM_SOCKET"]).exists()
+
+
+def test_concurrent_starts_make_one_daemon(private_socket: dict[str, str]) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: npusnap(private_socket, "sim", "start", "--json"), range(4)))
+    docs = [json.loads(r.stdout)["result"] for r in results]
+    assert sum(d["started"] for d in docs) == 1
+    assert len({d["daemon_pid"] for d in docs}) == 1
+
+
+def test_bad_capacity_is_a_usage_error(private_socket: dict[str, str]) -> None:
+    res = npusnap(private_socket, "sim", "start", "--capacity", "lots")
+    assert res.returncode == 2 and "not a size" in res.stderr
+
+
+def test_daemon_bandwidth_cap_slows_copies(private_socket: dict[str, str]) -> None:
+    env = private_socket
+    assert npusnap(env, "sim", "start", "--bandwidth-mbps", "20").returncode == 0
+    env.update(json.loads(npusnap(env, "sim", "env", "--json").stdout)["result"])
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(script_path("train")), "--steps", "1", "--interval", "0"]
+    res = subprocess.run(
+        [*cmd, "--param-bytes", str(4 << 20)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    # 3 copies of 4 MiB (init H2D, step D2H + H2D) at 20 MB/s take at least ~0.6 s
+    assert took >= 0.6
