@@ -339,17 +339,51 @@ def _write_private(path: Path, data: bytes, mode: int, target: PythonTarget) -> 
 
 
 _BOOTSTRAP_FRAME = """\
-import json, os, sys, threading, traceback
+import _thread, json, os, sys, traceback
 _DIR = {dir!r}
 def _report(data):
     data.update(pid=os.getpid(), python="%d.%d.%d" % sys.version_info[:3],
-                native_tid=threading.get_native_id())
+                native_tid=_thread.get_native_id())
     tmp = os.path.join(_DIR, ".status.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, os.path.join(_DIR, {status!r}))
+def _guess_main(me):
+    found = []
+    for ident, frame in sys._current_frames().items():
+        while ident != me and frame.f_back is not None:
+            frame = frame.f_back
+        name = frame.f_globals.get("__name__")
+        if ident != me and ((frame.f_code.co_name == "<module>" and name == "__main__")
+                            or (name == "runpy" and frame.f_code.co_name == "_run_module_as_main")):
+            found.append(ident)
+    return found[0] if len(found) == 1 else 0
+def _import_threading():
+    # Before 3.13 `threading` takes whichever thread imports it first for the main thread. If the
+    # application never imported it, that would be us: point it at the real main thread, with a
+    # lock that stays held while the process lives (threading._shutdown releases it at exit).
+    if "threading" in sys.modules or sys.version_info >= (3, 13):
+        return None
+    me = _thread.get_ident()
+    main = __npusnap_main_ident__ or _guess_main(me)
+    import threading
+    mt = threading._main_thread
+    if mt.ident != me:
+        return None
+    if not main:
+        return "threading was first imported by the attach thread and the main thread is unknown"
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    with threading._active_limbo_lock:
+        threading._active.pop(me, None)
+        mt._ident = main
+        mt._native_id = os.getpid()
+        mt._tstate_lock = lock
+        threading._active[main] = mt
+    return None
 try:
+    _threading_note = _import_threading()
 {body}
 except BaseException as _exc:
     _report({{"ok": False, "stage": "bootstrap", "error": "%s: %s" % (type(_exc).__name__, _exc),
@@ -372,7 +406,7 @@ finally:
 _sock = _agent.start()
 if _sock is None:
     raise RuntimeError("npusnap_cli.agent.start() failed; the target's stderr has npusnap-agent lines")
-_report({{"ok": True, "socket": _sock, "agent_module": _agent.__file__}})
+_report({{"ok": True, "socket": _sock, "agent_module": _agent.__file__, "note": _threading_note}})
 """
 
 
@@ -384,7 +418,11 @@ def bootstrap_source(body: str, target_dir: str) -> str:
     inner = _BOOTSTRAP_FRAME.format(
         dir=target_dir, status=STATUS_NAME, body="\n".join("    " + ln for ln in body.splitlines())
     )
-    return f"exec(compile({inner!r}, {target_dir + '/' + BOOTSTRAP_NAME!r}, 'exec'), {{}})\n"
+    # The gdb payload passes __npusnap_main_ident__; sys.remote_exec (3.14+) does not need it.
+    return (
+        f"exec(compile({inner!r}, {target_dir + '/' + BOOTSTRAP_NAME!r}, 'exec'), "
+        "{'__npusnap_main_ident__': globals().get('__npusnap_main_ident__', 0)})\n"
+    )
 
 
 # -- injection -------------------------------------------------------------------------------------

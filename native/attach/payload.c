@@ -24,6 +24,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define BOOTSTRAP_NAME "bootstrap.py"
@@ -35,6 +36,13 @@ typedef int (*run_string_fn)(const char *);
 typedef int (*is_initialized_fn)(void);
 
 static char payload_dir[512];
+/*
+ * pthread_self() of the main thread when gdb borrowed the main thread (always so for a
+ * single-threaded target), else 0. On Python < 3.13 `threading`, if the application never
+ * imported it, takes the thread that first imports it for the main thread; the bootstrap
+ * uses this to put that right.
+ */
+static unsigned long main_ident;
 
 /* Write {"ok": false, "stage": "payload", "error": msg} unless the bootstrap already reported. */
 static void report_failure(const char *msg) {
@@ -131,8 +139,9 @@ static void *attach_thread(void *arg) {
     char code[2048];
     snprintf(code, sizeof code,
              "exec(compile(__import__('io').open_code('%s/" BOOTSTRAP_NAME "').read(), '%s/" BOOTSTRAP_NAME
-             "', 'exec'), {'__name__': '__npusnap_attach__', '__npusnap_dir__': '%s'})",
-             payload_dir, payload_dir, payload_dir);
+             "', 'exec'), {'__name__': '__npusnap_attach__', '__npusnap_dir__': '%s', "
+             "'__npusnap_main_ident__': %lu})",
+             payload_dir, payload_dir, payload_dir, main_ident);
 
     /* The CLI removes the bootstrap when it gives up waiting: then do nothing at all. */
     char bootstrap[600];
@@ -161,6 +170,9 @@ __attribute__((constructor)) static void npusnap_attach_init(void) {
         return;
     }
     *slash = '\0';
+    if ((pid_t)syscall(SYS_gettid) == getpid()) {
+        main_ident = (unsigned long)pthread_self();
+    }
 
     /*
      * Block every asynchronous signal in the new thread (and in the agent thread it starts,
