@@ -478,6 +478,8 @@ def dump(
         with clock.phase("resolve"):
             # Cheap checks first: bad input must fail before anything touches the target.
             img.check_dump_target(final, force=options.force)
+            for stale in img.remove_stale_temps(final):
+                cb.note(f"removed {stale}, left by an earlier dump that did not finish")
             target = resolve_target(pid, attach=options.attach)
         cb.phase("preflight")
         with clock.phase("preflight"):

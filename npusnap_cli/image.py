@@ -355,11 +355,25 @@ def create_temp_image(final: Path) -> Path:
     Next to it, not in /tmp: the final rename must stay within one filesystem to be atomic.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARKER}", dir=str(final.parent)))
+    # Our pid is in the name so that a later dump can tell a dead run's leftovers from a live one.
+    prefix = f".{final.name}{TMP_MARKER}{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=str(final.parent)))
     os.chmod(tmp, DIR_MODE)  # mkdtemp makes 0700 already; be explicit, it holds secrets
     criu_dir(tmp).mkdir(mode=DIR_MODE)
     logs_dir(tmp).mkdir(mode=DIR_MODE)
     return tmp
+
+
+def remove_stale_temps(final: Path) -> list[Path]:
+    """Remove work areas next to ``final`` left by dumps whose process is gone (killed, crashed)."""
+    removed = []
+    for tmp in temp_siblings(final):
+        rest = tmp.name[len(f".{final.name}{TMP_MARKER}") :]
+        pid_text = rest.split("-", 1)[0]
+        if pid_text.isdigit() and not os.path.exists(f"/proc/{pid_text}"):
+            remove_tree(tmp)
+            removed.append(tmp)
+    return removed
 
 
 def dir_is_empty(path: Path) -> bool:

@@ -135,11 +135,28 @@ def _proc_desc(pid: int) -> str:
     return cmd[:80] or "?"
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+# A killed tree's processes stay zombies until their new parent (init) reaps them: briefly.
+ZOMBIE_WAIT_S = 5.0
+
+
 def check_pids_free(manifest: img.Manifest) -> None:
     """CRIU restores every process with its original pid: all of them must be free."""
-    taken = [p.pid for p in manifest.processes if os.path.exists(f"/proc/{p.pid}")]
+    deadline = time.monotonic() + ZOMBIE_WAIT_S
+    while True:
+        taken = [p.pid for p in manifest.processes if os.path.exists(f"/proc/{p.pid}")]
+        if not taken or not all(_zombie(p) for p in taken) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     if taken:
-        who = "; ".join(f"{pid}: {_proc_desc(pid)}" for pid in taken)
+        who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
         original = manifest.leave_running or taken == [manifest.root_pid]
         raise PreflightError(
             f"pid(s) {', '.join(map(str, taken))} of the image are in use ({who})",

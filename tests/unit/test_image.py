@@ -187,3 +187,13 @@ def test_save_failure_logs_moves_logs_out(tmp_path: Path, monkeypatch: pytest.Mo
     image.remove_tree(tmp)
     assert not tmp.exists()
     assert os.path.isdir(dest)
+
+
+def test_remove_stale_temps_only_of_dead_runs(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    mine = image.create_temp_image(final)
+    dead = tmp_path / f".img{image.TMP_MARKER}999999999-abc"
+    dead.mkdir()
+    (dead / "x").write_text("x")
+    assert image.remove_stale_temps(final) == [dead]
+    assert mine.exists() and not dead.exists()

@@ -1,0 +1,159 @@
+"""Helpers for the dump/restore tests: start workloads the way CRIU can restore them, run the CLI.
+
+Workloads are started detached (own session, stdin /dev/null, output *appended* to a file: CRIU
+skips its size check only for O_WRONLY|O_APPEND files, and a pipe to pytest cannot be restored).
+The test reaps the original (``Job.reap``) after a dump so that its pid is free for the restore;
+a restored process is not our child, so it is watched through /proc and its output file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import image
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+NPUSNAP = str(Path(sys.executable).parent / "npusnap")
+TRAIN = str(REPO / "npusnap_cli" / "workloads" / "train.py")
+LAUNCHER = str(REPO / "npusnap_cli" / "workloads" / "launcher.py")
+# Small and quick: a step every 50 ms, 64 KiB of parameters.
+TRAIN_ARGS = ["--interval", "0.05", "--param-bytes", "65536"]
+
+_reference_cache: dict[tuple[str, ...], list[str]] = {}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.03)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def kill(pid: int) -> None:
+    if pid and alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        wait_until(lambda: not alive(pid), 10, f"pid {pid} to die")
+
+
+def job_env(sim_env: dict[str, str], runtime_dir: Path, **extra: str) -> dict[str, str]:
+    env = dict(sim_env)
+    env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)
+    env.update(extra)
+    return env
+
+
+def reference(env: dict[str, str], args: list[str]) -> list[str]:
+    """The lines an uninterrupted train.py run prints (no interval: the output does not depend on it)."""
+    key = tuple(args)
+    if key not in _reference_cache:
+        fast = [a for a in args]
+        if "--interval" in fast:
+            fast[fast.index("--interval") + 1] = "0"
+        out = subprocess.run(
+            [PY, TRAIN, *fast], env=env, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+        _reference_cache[key] = out.splitlines()
+    return list(_reference_cache[key])
+
+
+class Job:
+    """A workload started with `npusnap run` (or directly), detached, output appended to a file."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], argv: list[str], *, agent: bool = True) -> None:
+        self.out = tmp / "job.out"
+        cmd = [NPUSNAP, "run", "--", *argv] if agent else argv
+        with open(self.out, "ab") as f:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True, cwd=tmp
+            )
+        self.pid = self.proc.pid
+        self.restored_pid = 0
+
+    def lines(self) -> list[str]:
+        return [
+            ln for ln in self.out.read_text(errors="replace").splitlines() if ln.startswith(("step", "[rank"))
+        ]
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_lines(self, n: int, timeout: float = 20.0) -> None:
+        wait_until(
+            lambda: len(self.lines()) >= n, timeout, f"{n} lines of output (have: {self.text()[-500:]})"
+        )
+
+    def reap(self, timeout: float = 10.0) -> int:
+        return self.proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        for pid in (self.restored_pid, self.pid):
+            if pid and alive(pid):
+                import psutil
+
+                try:
+                    kids = psutil.Process(pid).children(recursive=True)
+                except psutil.Error:
+                    kids = []
+                for k in kids:
+                    kill(k.pid)
+                kill(pid)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def cli(
+    env: dict[str, str], *args: str, timeout: float = 120, json_mode: bool = True
+) -> tuple[int, Optional[dict[str, Any]], str]:
+    """Run the npusnap CLI; (exit code, JSON envelope or None, stderr)."""
+    argv = [NPUSNAP, *args] + (["--json"] if json_mode else [])
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    envelope = json.loads(p.stdout) if json_mode and p.stdout.strip() else None
+    return p.returncode, envelope, p.stderr
+
+
+def agent_state(pid: int) -> Optional[str]:
+    from npusnap_cli.agent_client import AgentClient
+
+    with AgentClient(pid) as c:
+        state = c.status()["state"]
+    return None if state is None else str(state)
+
+
+def assert_no_image(directory: Path) -> None:
+    """Neither the image nor a work area next to it: a failed dump leaves nothing that looks like one."""
+    assert not directory.exists(), f"{directory} exists after a failed dump"
+    assert image.temp_siblings(directory) == [], image.temp_siblings(directory)
+
+
+def continues_reference(lines: list[str], ref: list[str]) -> bool:
+    """``lines`` is a contiguous slice of ``ref`` that runs to its end."""
+    if not lines:
+        return False
+    try:
+        start = ref.index(lines[0])
+    except ValueError:
+        return False
+    return ref[start:] == lines

@@ -1,0 +1,218 @@
+"""`npusnap dump` + `npusnap restore` end to end: real CRIU, real processes, the simulated NPU.
+
+The workloads keep their state in simulated device memory; a restored run must print exactly the
+lines of an uninterrupted run, which proves that host and device state both came back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.errors import ExitCode
+from tests.conftest import requires_root
+from tests.integration.dumplib import (
+    LAUNCHER,
+    PY,
+    TRAIN,
+    TRAIN_ARGS,
+    Job,
+    agent_state,
+    alive,
+    cli,
+    continues_reference,
+    job_env,
+    kill,
+    reference,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, requires_root]
+
+
+def test_dump_midway_restore_prints_the_uninterrupted_run(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "3"]
+    ref = reference(env, args)
+    assert len(ref) == 40
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(8)
+        rc, env_out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        job.reap()
+        res = env_out["result"] if env_out else {}
+        assert res["npu_pids"] == [job.pid] and res["leave_running"] is False
+        assert res["timings"]["frozen_s"] > 0 and res["timings"]["criu_total_s"] > 0
+        assert res["bytes"]["device_bytes"] >= 65536
+        dumped_lines = len(job.lines())
+        assert 8 <= dumped_lines < 40
+
+        # The image: private, complete, verifiable, no work area or logs left behind.
+        assert stat.S_IMODE(img.stat().st_mode) == 0o700
+        assert image.temp_siblings(img) == []
+        assert not image.logs_dir(img).exists()  # logs only with --keep
+        manifest = json.loads(image.manifest_path(img).read_text())
+        assert manifest["processes"][0]["npu"] is True
+        assert manifest["processes"][0]["devices"] == [0]
+        assert manifest["versions"]["cann_simulated"] is True
+        rc, _, err = cli(env, "verify", str(img))
+        assert rc == 0, err
+        rc, insp, _ = cli(env, "inspect", str(img))
+        assert rc == 0 and insp is not None and insp["result"]["root_pid"] == job.pid
+
+        # Another process on device 0: restore must refuse before touching anything.
+        occ_dir = tmp_path / "occ"
+        occ_dir.mkdir()
+        occupier = Job(occ_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"], agent=False)
+        try:
+            occupier.wait_lines(1)
+            rc, out, _ = cli(env, "restore", str(img))
+            assert rc == ExitCode.PREFLIGHT
+            assert out is not None and "occupied" in out["error"]["message"]
+            assert f"pid {occupier.pid}" in out["error"]["message"]
+            assert not alive(job.pid)
+        finally:
+            occupier.cleanup()
+
+        pidfile = tmp_path / "restored.pid"
+        rc, out, err = cli(env, "restore", str(img), "--pidfile", str(pidfile))
+        assert rc == 0, err
+        assert out is not None
+        job.restored_pid = int(pidfile.read_text())
+        assert job.restored_pid == job.pid == out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()
+
+
+def test_leave_running_keeps_computing_and_image_restores_later(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "30", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img), "--leave-running", "--keep")
+        assert rc == 0, err
+        assert out is not None and out["result"]["leave_running"] is True
+        assert out["result"]["timings"]["unlock_s"] is not None
+        assert (image.logs_dir(img) / image.DUMP_LOG).is_file()  # --keep
+        assert alive(job.pid)
+        assert agent_state(job.pid) == "RUNNING"
+
+        # The original still holds the pid: restore refuses, clearly, before touching anything.
+        rc, out, _ = cli(env, "restore", str(img))
+        assert rc == ExitCode.PREFLIGHT
+        assert out is not None and "in use" in out["error"]["message"]
+
+        assert job.reap(30) == 0
+        assert job.lines() == ref  # the original computed correctly to the end
+
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        continuation = job.lines()[len(ref) :]
+        assert len(continuation) >= 1
+        assert continues_reference(continuation, ref), continuation[:3]
+        assert len(continuation) < len(ref)  # it resumed midway, not from the start
+    finally:
+        job.cleanup()
+
+
+def test_two_worker_launcher_round_trips(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    env = job_env(sim_env, runtime_dir)
+    steps = ["--steps", "30", *TRAIN_ARGS]
+    refs = [
+        [f"[rank {r}] {line}" for line in reference(env, [*steps, "--device", str(r), "--seed", str(r)])]
+        for r in (0, 1)
+    ]
+    job = Job(tmp_path, env, [PY, LAUNCHER, *steps, "--devices", "0,1"])
+    img = tmp_path / "img"
+    try:
+        wait_until(lambda: sum(1 for ln in job.lines() if ln.startswith("[rank 1]")) >= 4, 20, "both ranks")
+        wait_until(lambda: sum(1 for ln in job.lines() if ln.startswith("[rank 0]")) >= 4, 20, "both ranks")
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        assert out is not None
+        npu = out["result"]["npu_pids"]
+        assert len(npu) == 2 and job.pid not in npu  # the launcher has no device, the workers do
+        devices = sorted(d for p in out["result"]["processes"] for d in p["devices"])
+        assert devices == [0, 1]
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, out and out["error"]
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        assert job.restored_pid == job.pid
+        wait_until(lambda: not alive(job.restored_pid), 40, "the restored job to finish")
+        for r in (0, 1):
+            mine = [ln for ln in job.lines() if ln.startswith(f"[rank {r}]")]
+            assert mine == refs[r]
+    finally:
+        job.cleanup()
+
+
+def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(2)
+        rc, _, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        job.reap()
+
+        rc, out, _ = cli(env, "restore", str(tmp_path / "missing"))
+        assert rc == ExitCode.IMAGE and out is not None and "no image" in out["error"]["message"]
+
+        manifest = json.loads(image.manifest_path(img).read_text())
+        biggest = max(manifest["files"], key=lambda f: f["size"])["path"]
+
+        truncated = tmp_path / "truncated"
+        shutil.copytree(img, truncated)
+        with open(truncated / biggest, "r+b") as f:
+            f.truncate(100)
+        rc, out, _ = cli(env, "restore", str(truncated))
+        assert rc == ExitCode.IMAGE and out is not None and biggest in out["error"]["message"]
+
+        tampered = tmp_path / "tampered"
+        shutil.copytree(img, tampered)
+        with open(tampered / biggest, "r+b") as f:
+            f.seek(50)
+            byte = f.read(1)
+            f.seek(50)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        rc, out, _ = cli(env, "restore", str(tampered))
+        assert rc == ExitCode.IMAGE and out is not None
+        assert biggest in out["error"]["message"] and "sha256" in out["error"]["message"]
+
+        half = tmp_path / "half-manifest"
+        shutil.copytree(img, half)
+        text = image.manifest_path(half).read_text()
+        image.manifest_path(half).write_text(text[: len(text) // 2])
+        rc, out, _ = cli(env, "restore", str(half))
+        assert rc == ExitCode.IMAGE and out is not None and "JSON" in out["error"]["message"]
+
+        # None of this started anything: the pid is still free, and a good image still restores.
+        assert not alive(job.pid)
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        n = len(job.lines())
+        job.wait_lines(n + 2)
+        kill(job.restored_pid)
+    finally:
+        job.cleanup()
