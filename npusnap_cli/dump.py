@@ -46,7 +46,7 @@ from npusnap_cli.errors import (
 
 DEFAULT_LEASE_S = 60.0
 # Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
-SPACE_MARGIN_BYTES = 64 << 20
+SPACE_MARGIN_BYTES = 16 << 20
 SPACE_MARGIN_FACTOR = 1.10
 _POLL_S = 0.2
 

@@ -1,0 +1,334 @@
+"""Every way a dump can fail ends with the job running, unlocked and computing correctly, no image
+left behind, and the exit code of the failed stage. Bad input changes nothing at all.
+
+Device faults come from the simulator's switches (NPUSIM_FAULT_FILE, re-read on every snapshot
+call); a slow Backup (NPUSIM_BACKUP_HANG_MS) opens a window to kill or interrupt things mid-dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.errors import ExitCode
+from tests.conftest import requires_root
+from tests.integration.dumplib import (
+    LAUNCHER,
+    NPUSNAP,
+    PY,
+    TRAIN,
+    TRAIN_ARGS,
+    Job,
+    agent_state,
+    alive,
+    assert_no_image,
+    cli,
+    job_env,
+    kill,
+    reference,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, requires_root]
+ARGS = ["--steps", "60", *TRAIN_ARGS, "--device", "0", "--seed", "7"]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *, ro: bool = False) -> Iterator[Path]:
+    path.mkdir()
+    opts = f"size={size},mode=0755" + (",ro" if ro else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def finishes_correctly(job: Job, ref: list[str]) -> None:
+    """The job runs on, unlocked, to the end, printing exactly the uninterrupted run's lines."""
+    assert alive(job.pid)
+    assert agent_state(job.pid) == "RUNNING"
+    assert job.reap(30) == 0
+    assert job.lines() == ref
+
+
+def free_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid  # reaped: no process has it now (pids are not reused this quickly)
+
+
+def test_bad_input_is_refused_and_changes_nothing(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    plain = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    no_agent_dir = tmp_path / "noagent"
+    no_agent_dir.mkdir()
+    no_agent = Job(no_agent_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "1"], agent=False)
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        no_agent.wait_lines(1)
+
+        rc, out, _ = cli(env, "dump", str(free_pid()), str(img))
+        assert rc == ExitCode.TARGET and out is not None and "no process" in out["error"]["message"]
+
+        rc, out, _ = cli(env, "dump", str(plain.pid), str(img))
+        assert rc == ExitCode.TARGET and out is not None and "no NPU process" in out["error"]["message"]
+        assert plain.poll() is None
+
+        rc, out, _ = cli(env, "dump", str(no_agent.pid), str(img), "--no-attach")
+        assert rc == ExitCode.TARGET and out is not None
+        assert "without an agent" in out["error"]["message"]
+        assert f"npusnap attach {no_agent.pid}" in out["error"]["fix"]
+
+        full = tmp_path / "full"
+        full.mkdir()
+        (full / "keep.txt").write_text("precious")
+        rc, out, _ = cli(env, "dump", str(job.pid), str(full))
+        assert rc == ExitCode.USAGE and out is not None and "not empty" in out["error"]["message"]
+        assert (full / "keep.txt").read_text() == "precious"
+
+        with tmpfs(tmp_path / "ro", "1m", ro=True) as ro:
+            rc, out, _ = cli(env, "dump", str(job.pid), str(ro / "img"))
+            assert rc == ExitCode.USAGE and out is not None and "read-only" in out["error"]["message"]
+
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        plain.kill()
+        plain.wait()
+        no_agent.cleanup()
+        job.cleanup()
+
+
+TCP_WRAPPER = """
+import runpy, socket, sys
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+train = sys.argv[2]
+sys.argv = [train] + sys.argv[3:]
+runpy.run_path(train, run_name="__main__")
+"""
+
+
+def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    wrapper = tmp_path / "tcp_train.py"
+    wrapper.write_text(TCP_WRAPPER)
+    job = Job(tmp_path, env, [PY, str(wrapper), str(listener.getsockname()[1]), TRAIN, *ARGS])
+    img = tmp_path / "img"
+    conn = None
+    try:
+        conn, _ = listener.accept()
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.CRIU
+        assert out is not None
+        err = out["error"]
+        assert "Connected TCP socket" in err["message"]
+        assert "--tcp-established" in err["fix"]
+        assert err["details"]["rolled_back"] == [job.pid]
+        # The log survives the removed partial image, and the error points at it.
+        assert Path(err["details"]["criu_log"]).is_file()
+        assert any("Error" in line for line in err["details"]["criu_log_excerpt"])
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        if conn is not None:
+            conn.close()
+        listener.close()
+        job.cleanup()
+
+
+def _start_dump(env: dict[str, str], pid: int, img: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [NPUSNAP, "dump", str(pid), str(img), "--json", *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_locked(img: Path, dump: subprocess.Popen[str]) -> None:
+    """The work area appears right before the lock: from then on the dump is in its critical part."""
+    wait_until(lambda: bool(image.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to start")
+    assert dump.poll() is None, dump.communicate()
+
+
+def test_disk_full_during_criu_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_BACKUP_HANG_MS=1500\n")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    try:
+        job.wait_lines(3)
+        with tmpfs(tmp_path / "small", "96m") as small:
+            img = small / "img"
+            dump = _start_dump(env, job.pid, img)
+            _wait_locked(img, dump)
+            # Someone else fills the disk while the device is being backed up.
+            free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+            fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+            os.posix_fallocate(fd, 0, free - (256 << 10))
+            os.close(fd)
+            stdout, _ = dump.communicate(timeout=60)
+            assert dump.returncode == ExitCode.CRIU, stdout
+            assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("fault", "call"),
+    [("NPUSIM_FAULT_LOCK_TIMEOUT", "Lock"), ("NPUSIM_FAULT_BACKUP", "Backup")],
+)
+def test_device_call_failure_rolls_back(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, fault: str, call: str
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        faults.write_text(f"{fault}=1\n")
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        faults.write_text("")
+        assert rc == ExitCode.DEVICE, out
+        assert out is not None and "rolled back" in out["error"]["message"]
+        assert out["error"]["details"]["agent_error"]["code"] in (507905, 507908)
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_unlock_failure_after_leave_running_is_state_unknown_then_thaw_recovers(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        faults.write_text("NPUSIM_FAULT_UNLOCK=1\n")
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running")
+        assert rc == ExitCode.STATE_UNKNOWN, out
+        assert out is not None
+        err = out["error"]
+        assert f"npusnap thaw {job.pid}" in err["fix"]
+        assert f"npusnap status {job.pid}" in err["fix"]
+        assert_no_image(img)
+        assert agent_state(job.pid) in ("LOCKED", "BACKED_UP")  # says it like it is: stuck
+        faults.write_text("")
+        rc, _, errtext = cli(env, "thaw", str(job.pid))
+        assert rc == 0, errtext
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_sigint_mid_dump_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_BACKUP_HANG_MS=1000\n")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img)
+        _wait_locked(img, dump)
+        dump.send_signal(signal.SIGINT)
+        stdout, _ = dump.communicate(timeout=60)
+        assert dump.returncode == ExitCode.INTERRUPTED, stdout
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_cli_sigkilled_mid_dump_lease_rolls_back(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_BACKUP_HANG_MS=1000\n")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img, "--lease", "2")
+        _wait_locked(img, dump)
+        dump.kill()
+        dump.communicate()
+        # Nobody renews the lease: the agent rolls its process back by itself.
+        wait_until(lambda: agent_state(job.pid) == "RUNNING", 20, "the lease to roll the job back")
+        assert not img.exists()
+        stale = image.temp_siblings(img)
+        assert stale, "the killed CLI could not clean its work area"
+        # The next dump removes the dead run's work area (and this one leaves the job running).
+        faults.write_text("")
+        rc, _, errtext = cli(env, "dump", str(job.pid), str(img), "--leave-running")
+        assert rc == 0, errtext
+        assert not any(p.exists() for p in stale)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_worker_killed_mid_dump_rolls_back_the_other(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("NPUSIM_BACKUP_HANG_MS=1500\n")
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
+    steps = ["--steps", "60", *TRAIN_ARGS]
+    ref0 = [
+        f"[rank 0] {ln}"
+        for ln in reference(job_env(sim_env, runtime_dir), [*steps, "--device", "0", "--seed", "0"])
+    ]
+    job = Job(tmp_path, env, [PY, LAUNCHER, *steps, "--devices", "0,1"])
+    img = tmp_path / "img"
+    try:
+        wait_until(lambda: sum(ln.startswith("[rank 1]") for ln in job.lines()) >= 3, 20, "rank 1")
+        wait_until(lambda: sum(ln.startswith("[rank 0]") for ln in job.lines()) >= 3, 20, "rank 0")
+        workers = sorted(c.pid for c in psutil.Process(job.pid).children())
+        assert len(workers) == 2
+        dump = _start_dump(env, job.pid, img)
+        _wait_locked(img, dump)
+        kill(workers[1])
+        stdout, _ = dump.communicate(timeout=60)
+        assert dump.returncode in (ExitCode.AGENT, ExitCode.TARGET), stdout
+        assert str(workers[1]) in stdout
+        assert_no_image(img)
+        assert alive(workers[0]) and agent_state(workers[0]) == "RUNNING"
+        wait_until(lambda: not alive(workers[0]), 30, "rank 0 to finish")
+        assert [ln for ln in job.lines() if ln.startswith("[rank 0]")] == ref0
+    finally:
+        job.cleanup()
