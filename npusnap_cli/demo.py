@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import errors, paths
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
@@ -98,15 +98,7 @@ def _run_json(args: list[str], env: dict[str, str], timeout: float) -> dict[str,
             details={"stderr": proc.stderr.strip().splitlines()[-15:]},
         ) from None
     if not envelope.get("ok"):
-        err = envelope.get("error") or {}
-        raised = NpusnapError(
-            f"`npusnap {args[0]}` failed: {err.get('message', '?')}",
-            why=err.get("why", ""),
-            fix=err.get("fix", ""),
-            details=err.get("details") or {},
-        )
-        raised.exit_code = envelope.get("exit_code", 1)  # type: ignore[misc]
-        raise raised
+        raise errors.from_dict(envelope.get("error") or {}, prefix=f"`npusnap {args[0]}` failed: ")
     return envelope
 
 

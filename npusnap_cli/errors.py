@@ -119,3 +119,23 @@ class InterruptedError_(NpusnapError):
 
     exit_code = ExitCode.INTERRUPTED
     kind = "interrupted"
+
+
+def from_dict(data: dict[str, Any], *, prefix: str = "") -> NpusnapError:
+    """Rebuild an error from its ``to_dict()`` form (e.g. another npusnap's JSON envelope).
+
+    The class is chosen by ``kind`` so that the exit code is preserved.
+    """
+    classes: list[type[NpusnapError]] = [NpusnapError]
+    while classes[-1:]:
+        found = [sub for cls in classes for sub in cls.__subclasses__() if sub not in classes]
+        if not found:
+            break
+        classes.extend(found)
+    cls = next((c for c in classes if c.kind == data.get("kind")), NpusnapError)
+    return cls(
+        prefix + str(data.get("message", "unknown error")),
+        why=str(data.get("why", "")),
+        fix=str(data.get("fix", "")),
+        details=dict(data.get("details") or {}),
+    )

@@ -46,3 +46,11 @@ def test_every_error_class_maps_to_a_documented_code() -> None:
         d = err.to_dict()
         assert d == {"kind": cls.kind, "exit_code": int(cls.exit_code), "message": "m", "why": "w",
                      "fix": "f", "details": {"k": 1}}  # fmt: skip
+
+
+def test_error_round_trips_through_its_dict_form() -> None:
+    for cls in (errors.CriuError, errors.StateUnknownError, errors.DeviceError):
+        back = errors.from_dict(cls("boom", why="w", fix="f", details={"x": 1}).to_dict(), prefix="dump: ")
+        assert type(back) is cls and back.exit_code == cls.exit_code
+        assert (back.message, back.why, back.fix, back.details) == ("dump: boom", "w", "f", {"x": 1})
+    assert type(errors.from_dict({"kind": "nonsense", "message": "m"})) is errors.NpusnapError
