@@ -1,0 +1,58 @@
+"""Unit tests of npusnap_cli.attach that need no ptrace: probing, bootstrap text, diagnostics."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import attach
+from npusnap_cli.errors import TargetError
+
+
+def test_probe_own_process_finds_version() -> None:
+    target = attach.probe(os.getpid())
+    assert target.version == sys.version_info[:2]
+    assert target.method == ("remote_exec" if sys.version_info >= (3, 14) else "gdb")
+    assert target.uid == os.geteuid()
+    assert target.root == "/"
+
+
+def test_probe_missing_pid() -> None:
+    with pytest.raises(TargetError) as info:
+        attach.probe(999_999_999)
+    assert "no process" in info.value.message and info.value.fix
+
+
+@pytest.mark.parametrize("version", ["3.9", "3.13"])
+def test_bootstrap_runs_on_old_and_new_python(version: str, tmp_path: Path) -> None:
+    """The bootstrap (with the agent body swapped for a marker) runs on the target's Python."""
+    found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python3")))
+    if not found:
+        pytest.skip(f"Python {version} is not installed under ~/.pyenv/versions")
+    src = attach.bootstrap_source("_report({'ok': True, 'marker': 42})", str(tmp_path))
+    (tmp_path / attach.BOOTSTRAP_NAME).write_text(src)
+    subprocess.run([found[-1], "-I", str(tmp_path / attach.BOOTSTRAP_NAME)], check=True, timeout=30)
+    status = (tmp_path / attach.STATUS_NAME).read_text()
+    assert '"marker": 42' in status and '"ok": true' in status
+    assert oct((tmp_path / attach.STATUS_NAME).stat().st_mode & 0o777) == "0o600"
+
+
+def test_bootstrap_reports_exceptions(tmp_path: Path) -> None:
+    src = attach.bootstrap_source("raise ValueError('boom')", str(tmp_path))
+    (tmp_path / attach.BOOTSTRAP_NAME).write_text(src)
+    subprocess.run([sys.executable, "-I", str(tmp_path / attach.BOOTSTRAP_NAME)], check=True, timeout=30)
+    status = (tmp_path / attach.STATUS_NAME).read_text()
+    assert '"ok": false' in status and "ValueError: boom" in status
+
+
+def test_diagnose_describes_threads() -> None:
+    info = attach.diagnose(os.getpid())
+    assert info["alive"] is True
+    assert info["state"] in ("R", "S")
+    assert any(t["tid"] == os.getpid() for t in info["threads"])
+    assert "ptrace_scope" in info and "gdb" in info
