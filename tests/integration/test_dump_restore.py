@@ -216,3 +216,26 @@ def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, 
         kill(job.restored_pid)
     finally:
         job.cleanup()
+
+
+def test_dump_attaches_an_agent_where_missing_and_round_trips(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "60", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args], agent=False)  # plain start: no agent
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        assert out is not None and out["result"]["attached"] == [job.pid]
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()
