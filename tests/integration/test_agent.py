@@ -153,6 +153,9 @@ def test_lease_does_not_count_while_the_process_is_stopped(
     w = start_workload(sim, runtime_dir, tmp_path, workloads)
     with AgentClient(w.pid) as c:
         c.lock(lease_s=1.5)
+    # Let the agent finish the request first: time inside an operation is never counted, so a
+    # stop that lands there does not even show up as a freeze gap.
+    time.sleep(0.2)
     os.kill(w.pid, signal.SIGSTOP)
     time.sleep(2.5)  # longer than the lease: a frozen process must not count it
     os.kill(w.pid, signal.SIGCONT)
@@ -243,7 +246,10 @@ def test_agent_refuses_another_uid(sim: Sim, tmp_path: Path, workloads: list[Wor
         client = (
             "import socket, sys\n"
             "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
-            's.sendall(b\'{"v":1,"id":1,"op":"hello","args":{}}\\n\')\n'
+            "try:\n"
+            '    s.sendall(b\'{"v":1,"id":1,"op":"hello","args":{}}\\n\')\n'
+            "except BrokenPipeError:\n"
+            "    pass  # the agent may refuse and close before the request is even sent\n"
             "print(s.recv(4096).decode().strip())\n"
         )
         done = subprocess.run(
