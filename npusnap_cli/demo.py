@@ -36,7 +36,7 @@ class DemoSettings:
     steps: int = 40
     dump_after: int = 12
     interval_s: float = 0.1
-    param_bytes: int = 64 << 20
+    param_bytes: int = 16 << 20
     device: int = 0
     seed: int = 7
     workdir: Optional[Path] = None

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
             12, "--dump-after", min=1, help="Dump once this many steps are printed."
         ),
         interval: float = typer.Option(0.1, "--interval", min=0.0, help="Seconds between training steps."),
-        param_mib: int = typer.Option(64, "--param-mib", min=1, help="Device memory of the model, in MiB."),
+        param_mib: int = typer.Option(16, "--param-mib", min=1, help="Device memory of the model, in MiB."),
         workdir: Optional[Path] = typer.Option(
             None, "--workdir", help="Where to put the log and the image (default: a new temporary directory)."
         ),
@@ -53,16 +53,16 @@ def register(app: typer.Typer) -> None:
         )
         result = core.run_demo(settings, lambda phase, msg: out.line(f"[{phase}] {msg}"))
 
-        dump_t = result.dump.get("timings_s") or result.dump.get("timings") or {}
+        dump_t = {k: v for k, v in (result.dump.get("timings") or {}).items() if v is not None}
         rows = [(name, f"{secs:.2f} s") for name, secs in result.phases_s.items()]
         out.table("demo phases (wall clock)", ["phase", "time"], rows)
         if dump_t:
             out.table(
-                "dump phases (from the manifest)",
-                ["phase", "time"],
-                [(k, f"{v:.3f} s" if isinstance(v, (int, float)) else str(v)) for k, v in dump_t.items()],
+                "dump timings (manifest)",
+                ["phase", "seconds"],
+                [(k.removesuffix("_s"), f"{v:.3f}") for k, v in dump_t.items()],
             )
-        image_bytes = result.dump.get("image_bytes") or (result.dump.get("bytes") or {}).get("image")
+        image_bytes = (result.dump.get("bytes") or {}).get("image_bytes")
         out.kv(
             "summary",
             {
@@ -71,6 +71,7 @@ def register(app: typer.Typer) -> None:
                 "lines before the dump": result.lines_before_dump,
                 "restored pid": result.restored_pid,
                 "image size": human_bytes(image_bytes) if image_bytes else "-",
+                "job frozen for": f"{dump_t['frozen_s']:.3f} s" if "frozen_s" in dump_t else "-",
                 "image": result.image or "(removed; use --keep to keep it)",
                 "continuity": f"identical: {result.lines_total} of {result.reference_lines} reference lines",
             },
