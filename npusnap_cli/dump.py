@@ -126,7 +126,8 @@ class SignalGuard:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, note: PhaseFn = _no_phase) -> None:
+    def __init__(self, note: PhaseFn = _no_phase, what: str = "dump") -> None:
+        self.what = what
         self.received: Optional[int] = None
         self._old: dict[int, Any] = {}
         self._note = note
@@ -136,9 +137,7 @@ class SignalGuard:
         self.received = signum
         if first:
             with contextlib.suppress(Exception):
-                self._note(
-                    f"{signal.Signals(signum).name} received: finishing the current step, then rolling back"
-                )
+                self._note(f"{signal.Signals(signum).name} received: finishing the current step")
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
@@ -158,7 +157,7 @@ class SignalGuard:
     def check(self, where: str, state: str) -> None:
         if self.received is not None:
             raise InterruptedError_(
-                f"dump interrupted by {self.name} {where}",
+                f"{self.what} interrupted by {self.name} {where}",
                 why="Ctrl-C or SIGTERM",
                 fix="rerun the dump when ready",
                 details={"state": state},

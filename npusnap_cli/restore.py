@@ -259,6 +259,17 @@ def restore(
     callbacks: RestoreCallbacks = RestoreCallbacks(),
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the module docstring); raise NpusnapError on failure."""
+    from npusnap_cli.dump import SignalGuard
+
+    # A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
+    # stopping halfway would leave processes locked with nobody to restore them, so it finishes.
+    with SignalGuard(callbacks.note, what="restore") as guard:
+        return _restore(directory, options, callbacks, guard)
+
+
+def _restore(
+    directory: Path, options: RestoreOptions, callbacks: RestoreCallbacks, guard: Any
+) -> RestoreOutcome:
     from npusnap_cli import criu
 
     start = time.monotonic()
@@ -289,6 +300,7 @@ def restore(
             fix="restore from a writable copy of the image",
         ) from None
     verify_s = time.monotonic() - start
+    guard.check("before anything was started", "nothing was restored")
 
     cb.phase("criu restore")
     res = criu.restore(
@@ -311,6 +323,8 @@ def restore(
     if npu_pids:
         _device_restore(npu_pids, options, root_pid, res.log_path)
     device_done = time.monotonic()
+    if guard.received is not None:
+        cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
     timings = RestoreTimings(
         verify_s=verify_s,
