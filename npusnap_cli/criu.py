@@ -315,11 +315,14 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
     if m:
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
+    details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
+    if errno_:
+        details["errno"] = errno_
     return CriuError(
         f"CRIU {action}{target} failed: {reason}",
-        why=str(exc) if errno_ is None else f"{exc} (errno {errno_})",
+        why=f"CRIU stopped the {action}; the reason is its first error, from its log (pycriu: {exc})",
         fix=fix,
-        details={"criu_log": log_path, "criu_log_excerpt": excerpt, "errno": errno_},
+        details=details,
     )
 
 
