@@ -107,6 +107,7 @@ class AttachResult:
     safe_point: Optional[str] = None
     tid: Optional[int] = None
     hello: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +119,7 @@ class AttachResult:
             "safe_point": self.safe_point,
             "tid": self.tid,
             "hello": self.hello,
+            "notes": list(self.notes),
         }
 
 
@@ -761,4 +763,5 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         safe_point=result.safe_point,
         tid=result.tid,
         hello=hello,
+        notes=tuple(str(n) for n in [result.status.get("note")] if n),
     )

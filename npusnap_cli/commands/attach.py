@@ -35,4 +35,6 @@ def register(app: typer.Typer) -> None:
             how = "sys.remote_exec" if result.method == "remote_exec" else f"gdb, {result.safe_point}"
             out.ok(f"agent started in pid {pid} (Python {result.python}, {how}) in {result.elapsed_s:.2f}s")
             out.kv("agent", {"socket": result.socket, "thread used": result.tid})
+        for note in result.notes:
+            out.warn(note)
         out.result(result.to_dict())
