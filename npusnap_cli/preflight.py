@@ -185,15 +185,7 @@ def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
     try:
         install = acl.find_cann(ascend_home)
     except acl.AclError as err:
-        return [
-            CheckItem(
-                "cann",
-                PROBLEM,
-                str(err),
-                "install CANN 8.5+ (source its set_env.sh), pass --ascend-home DIR, "
-                'or use the simulated NPU: eval "$(npusnap sim env)"',
-            )
-        ]
+        return [CheckItem("cann", PROBLEM, err.meaning, err.hint, data={"error": err.to_dict()})]
     data = {
         "home": install.home,
         "source": install.source,

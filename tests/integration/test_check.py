@@ -1,0 +1,84 @@
+"""`npusnap check`: the preflight against this host's real CRIU and the simulated CANN tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import requires_root
+
+NPUSNAP = str(Path(sys.executable).parent / "npusnap")
+
+
+def check(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.run(
+        [NPUSNAP, "check", "--json", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    envelope = json.loads(proc.stdout)
+    assert envelope["exit_code"] == proc.returncode
+    return proc.returncode, {c["name"]: c for c in envelope["result"]["checks"]}
+
+
+@pytest.mark.integration
+@requires_root
+def test_ready_with_the_simulated_npu(sim_env: dict[str, str]) -> None:
+    code, checks = check(sim_env)
+    assert code == 0, {k: v for k, v in checks.items() if v["status"] == "problem"}
+    assert checks["criu"]["data"]["version"].startswith("4.")
+    assert checks["criu-check"]["data"]["passed"] is True
+    assert checks["pycriu"]["data"]["version"] == checks["criu"]["data"]["version"]
+    assert checks["cann"]["data"]["simulated"] is True
+    assert checks["cann"]["data"]["version"] == "9.1.0"
+    assert checks["cann"]["data"]["library"].endswith("lib64/libacl_rt.so")
+    assert checks["snapshot-symbols"]["data"]["missing"] == []
+    assert checks["criu-npu-plugin"]["status"] == "ok"
+
+
+@pytest.mark.integration
+def test_no_cann_is_a_preflight_problem(sim_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in sim_env.items() if k != "ASCEND_HOME_PATH"}
+    code, checks = check(env, "--ascend-home", str(tmp_path / "nothing-here"))
+    assert code == 3
+    assert checks["cann"]["status"] == "problem"
+    assert checks["cann"]["fix"]
+
+
+@pytest.mark.integration
+def test_devlib_stub_is_rejected(sim_env: dict[str, str], tmp_path: Path) -> None:
+    # A CANN tree whose only snapshot library sits in devlib/ (driver stubs) must not be accepted.
+    home = tmp_path / "cann"
+    real = Path(sim_env["ASCEND_HOME_PATH"])
+    shutil.copytree(real / "share", home / "share")
+    (home / "devlib").mkdir(parents=True)
+    shutil.copy(real / "lib64" / "libacl_rt.so", home / "devlib" / "libacl_rt.so")
+    code, checks = check({**os.environ}, "--ascend-home", str(home))
+    assert code == 3
+    assert checks["cann"]["status"] == "problem"
+    assert "devlib" in checks["cann"]["detail"] + checks["cann"]["fix"]
+
+
+@pytest.mark.integration
+def test_missing_snapshot_symbols_are_reported(sim_env: dict[str, str], tmp_path: Path) -> None:
+    # An older CANN whose runtime library lacks the snapshot API: found, but not usable.
+    home = tmp_path / "cann"
+    real = Path(sim_env["ASCEND_HOME_PATH"])
+    shutil.copytree(real / "share", home / "share")
+    (home / "lib64").mkdir()
+    src = tmp_path / "old.c"
+    src.write_text("int aclInit(const char *p) { (void)p; return 0; }\n")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(home / "lib64" / "libacl_rt.so"), str(src)], check=True
+    )
+    code, checks = check({**os.environ}, "--ascend-home", str(home))
+    assert code == 3
+    problem = [c for c in checks.values() if c["status"] == "problem"]
+    assert problem, checks
+    text = json.dumps(problem)
+    assert "aclrtSnapShotProcessLock" in text or "snapshot" in text.lower()
