@@ -26,12 +26,15 @@ def register(app: typer.Typer) -> None:
             False, "--no-lease", help="Stay frozen until `npusnap thaw PID`, however long that takes."
         ),
         backup: bool = typer.Option(
-            False, "--backup", help="Also back up device state into host memory (as a dump does)."
+            True,
+            "--backup/--no-backup",
+            help="Back up device state into host memory after the Lock, as a dump does (needed before "
+            "an external CRIU checkpoint); --no-backup only Locks.",
         ),
         timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Lock the CANN runtime of every NPU process of PID's tree (device half only).
+        """Lock and back up the CANN runtime of every NPU process of PID's tree (device half only).
 
         Device work blocks until `npusnap thaw PID`. By default a lease thaws the processes by
         themselves after --lease seconds of run time, so a forgotten freeze cannot hang a job.

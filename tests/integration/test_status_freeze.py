@@ -95,7 +95,7 @@ def test_status_of_a_missing_pid_is_a_target_error() -> None:
 def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(2)
-    rc, env = npusnap("freeze", str(w.pid))
+    rc, env = npusnap("freeze", str(w.pid), "--no-backup")
     assert rc == 0, env
     assert env["result"]["processes"][str(w.pid)]["state"] == "LOCKED"
     assert env["result"]["lease_s"] == 300
@@ -118,7 +118,7 @@ def test_freeze_backup_without_lease_then_thaw(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
     w = start(sim, runtime_dir, tmp_path, workloads)
-    rc, env = npusnap("freeze", str(w.pid), "--backup", "--no-lease")
+    rc, env = npusnap("freeze", str(w.pid), "--no-lease")  # backs up by default
     assert rc == 0, env
     assert env["result"]["processes"][str(w.pid)]["state"] == "BACKED_UP"
     assert env["result"]["processes"][str(w.pid)]["lease"]["active"] is False
