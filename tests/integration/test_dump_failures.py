@@ -105,6 +105,12 @@ def test_bad_input_is_refused_and_changes_nothing(
             rc, out, _ = cli(env, "dump", str(job.pid), str(ro / "img"))
             assert rc == ExitCode.USAGE and out is not None and "read-only" in out["error"]["message"]
 
+        with tmpfs(tmp_path / "tiny", "4m") as tiny:
+            rc, out, _ = cli(env, "dump", str(job.pid), str(tiny / "img"))
+            assert rc == ExitCode.PREFLIGHT and out is not None
+            assert "not enough free space" in out["error"]["message"]
+            assert_no_image(tiny / "img")
+
         assert_no_image(img)
         finishes_correctly(job, ref)
     finally:
