@@ -311,7 +311,7 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
     target = f" of pid {pid}" if pid is not None else ""
     reason = first_error(excerpt) or str(exc)
     fix = f"read the CRIU log {log_path}; the lines below are its errors and its last lines"
-    m = re.search(r"consider using (--[a-z-]+)", reason)
+    m = re.search(r"consider using (--[a-z-]+)", reason, re.IGNORECASE)
     if m:
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
