@@ -338,3 +338,32 @@ def test_worker_killed_mid_dump_rolls_back_the_other(
         assert [ln for ln in job.lines() if ln.startswith("[rank 0]")] == ref0
     finally:
         job.cleanup()
+
+
+CRASHING_CRIU = """#!/bin/sh
+# The real CRIU for everything but the RPC worker, which crashes (SIGSEGV) as soon as it starts.
+if [ "$1" = swrk ]; then kill -SEGV $$; fi
+exec {real} "$@"
+"""
+
+
+def test_criu_crash_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    from npusnap_cli.criu import find_criu
+
+    crasher = tmp_path / "criu"
+    crasher.write_text(CRASHING_CRIU.format(real=find_criu().path))
+    crasher.chmod(0o755)
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=str(crasher))
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.CRIU, out
+        assert out is not None and out["error"]["kind"] == "criu"
+        assert out["error"]["details"]["rolled_back"] == [job.pid]
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
