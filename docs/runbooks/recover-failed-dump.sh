@@ -20,6 +20,8 @@ WORKLOADS=${WORKLOADS:-$HERE/../../npusnap_cli/workloads}
 case $NPUSNAP in */*) NPUSNAP=$(cd "$(dirname "$NPUSNAP")" && pwd)/$(basename "$NPUSNAP") ;; esac
 
 WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
+# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-logs/: these go away with $WORK.
+export TMPDIR=$WORK
 JOB=""
 SIM_STARTED=False
 cleanup() {
@@ -90,7 +92,6 @@ grep 'Error' "$LOG" | head -3
 [ "$(json dump.json 'd["error"]["details"]["rolled_back"]')" = "[$JOB]" ] || fail "job not reported rolled back"
 json dump.json 'd["error"]["fix"]' | grep -q -- --shell-job || fail "the fix does not name --shell-job"
 running
-rm -rf "$(dirname "$LOG")"
 
 # 2. A device call fails: exit 7, with the ACL code in details.agent_error; rolled back.
 echo NPUSIM_FAULT_BACKUP=1 >faults

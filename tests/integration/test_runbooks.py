@@ -1,0 +1,107 @@
+"""The runbooks under docs/runbooks/ cannot rot: every script runs, against the simulated NPU and
+real CRIU, and must exit 0; every page links to its script, every script has a page, and every
+shell snippet a page shows is an excerpt of its (tested) script."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from tests.conftest import REPO, requires_root
+
+RUNBOOKS = REPO / "docs" / "runbooks"
+SCRIPTS = sorted(RUNBOOKS.glob("*.sh"))
+PAGES = sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md")
+NPUSNAP = REPO / ".venv" / "bin" / "npusnap"
+_LINK = re.compile(r"\]\(([^)#\s]+)")
+_FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def _links(page: Path) -> set[str]:
+    return set(_LINK.findall(page.read_text()))
+
+
+def test_there_are_runbooks() -> None:
+    assert len(SCRIPTS) >= 5 and len(PAGES) >= 5
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_page_links_its_script(page: Path) -> None:
+    script = page.with_suffix(".sh")
+    assert script.is_file(), f"{page.name} has no script {script.name}"
+    assert script.name in _links(page), f"{page.name} does not link to {script.name}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_script_is_referenced_by_a_page_and_the_index(script: Path) -> None:
+    assert any(script.name in _links(p) for p in PAGES), f"no runbook page links to {script.name}"
+    index = _links(RUNBOOKS / "README.md")
+    assert script.with_suffix(".md").name in index, f"README.md does not list {script.stem}"
+    assert os.access(script, os.X_OK), f"{script.name} is not executable"
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Non-empty, non-comment lines, with backslash continuations joined and blanks squeezed."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = " ".join(line.split())
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_page_snippets_are_excerpts_of_the_script(page: Path) -> None:
+    """What a page shows in ```bash blocks is what CI runs: each line is in the script."""
+    blocks = _FENCE.findall(page.read_text())
+    assert blocks, f"{page.name} shows no ```bash snippet of its script"
+    script_lines = set(_logical_lines(page.with_suffix(".sh").read_text()))
+    for block in blocks:
+        for line in _logical_lines(block):
+            assert line in script_lines, f"{page.name}: snippet line not in the script: {line!r}"
+
+
+def _user_python() -> Optional[str]:
+    """An interpreter an unprivileged user may run, of npusnap's own Python version (permissions.sh
+    runs npusnap as that user with npusnap's packages on its path)."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for candidate in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@pytest.mark.integration
+@requires_root
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_runbook_script_succeeds(
+    script: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = dict(sim_env)
+    env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)
+    # Relative to a cwd that is not the repository: the scripts must work from anywhere.
+    env["NPUSNAP"] = os.path.relpath(NPUSNAP, tmp_path)
+    env.setdefault("PYTHON", shutil.which("python3", path=env.get("PATH")) or sys.executable)
+    if script.name == "permissions.sh":
+        user_python = _user_python()
+        if user_python is None:
+            version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+            pytest.skip(f"no Python {version} that an unprivileged user may run (/usr/bin, /usr/local/bin)")
+        env["USER_PYTHON"] = user_python
+    before = set(Path("/tmp").glob("npusnap-runbook.*"))
+    proc = subprocess.run(
+        [str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, f"{script.name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.rstrip().endswith("OK"), proc.stdout
+    # It cleaned up after itself: its work directory (jobs, images, logs) is gone.
+    leftover = set(Path("/tmp").glob("npusnap-runbook.*")) - before
+    assert not leftover, f"{script.name} left {sorted(leftover)}"
