@@ -50,8 +50,8 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
     text = out.read_text()
     for heading in TABLE_HEADINGS:
         assert heading in text, f"{heading!r} missing from the report"
-    # One row per size in each per-size table (dump, frozen, leave-running, restore, write rate).
-    assert text.count("| 16 MiB |") == 5, text
+    # One row per size in each per-size table (dump, frozen, CRIU alone, leave-running, restore, write rate).
+    assert text.count("| 16 MiB |") == 6, text
     assert "| `npusnap --help` |" in text and "| `npusnap status PID` |" in text
     assert "bench/run.py --sizes 16 --reps 1" in text  # the command that reproduces it
 
