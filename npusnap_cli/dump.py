@@ -270,6 +270,19 @@ def _check_privileges() -> None:
         )
 
 
+def _check_other_users(tree: tuple[Any, ...]) -> None:
+    from npusnap_cli import preflight
+
+    problem = preflight.other_user_problem([p.uid for p in tree if p.uid is not None])
+    if problem:
+        raise PreflightError(
+            f"cannot dump: {problem.detail}",
+            why="CRIU reads every process's rlimits (prlimit), which needs CAP_SYS_RESOURCE for "
+            "another user's process",
+            fix=problem.fix,
+        )
+
+
 def _check_criu() -> Any:
     from npusnap_cli import criu
 
@@ -483,6 +496,7 @@ def dump(
         cb.phase("preflight")
         with clock.phase("preflight"):
             _check_privileges()
+            _check_other_users(target.tree)
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")

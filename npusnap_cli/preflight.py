@@ -20,6 +20,7 @@ INFO = "info"
 # Linux capability bit numbers (include/uapi/linux/capability.h).
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
+CAP_SYS_RESOURCE = 24
 CAP_CHECKPOINT_RESTORE = 40
 
 # Where CRIU looks for plugins (its --libdir default) and where distributions put them.
@@ -133,6 +134,7 @@ def check_privileges() -> list[CheckItem]:
         return bool(caps >> bit & 1)
 
     euid = os.geteuid()
+    resource = has(CAP_SYS_RESOURCE)
     cap_names = {
         "CAP_SYS_ADMIN": has(CAP_SYS_ADMIN),
         "CAP_CHECKPOINT_RESTORE": has(CAP_CHECKPOINT_RESTORE),
@@ -151,7 +153,17 @@ def check_privileges() -> list[CheckItem]:
             if enough
             else "run as root, or grant CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN) and CAP_SYS_PTRACE",
             data={"euid": euid, "capabilities": cap_names},
-        )
+        ),
+        CheckItem(
+            "other-users",
+            OK if resource else WARNING,
+            "CAP_SYS_RESOURCE: processes of any user can be dumped"
+            if resource
+            else "no CAP_SYS_RESOURCE: only processes of uid "
+            f"{euid} can be dumped (CRIU must read other users' rlimits)",
+            "" if resource else "run the job as this user, or grant CAP_SYS_RESOURCE",
+            data={"cap_sys_resource": resource},
+        ),
     ]
     try:
         scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
@@ -177,6 +189,25 @@ def check_privileges() -> list[CheckItem]:
             )
         )
     return items
+
+
+def other_user_problem(uids: list[int]) -> Optional[CheckItem]:
+    """A problem when the tree holds another user's process and CRIU could not read its rlimits.
+
+    prlimit(2) on another user's process needs CAP_SYS_RESOURCE, even for root; without it CRIU
+    fails late with "Can't get rlimit 0: Operation not permitted".
+    """
+    euid = os.geteuid()
+    others = sorted({u for u in uids if u != euid})
+    if not others or effective_capabilities() >> CAP_SYS_RESOURCE & 1:
+        return None
+    return CheckItem(
+        "other-users",
+        PROBLEM,
+        f"the process tree has processes of uid {', '.join(map(str, others))}, and this npusnap "
+        f"(uid {euid}) lacks CAP_SYS_RESOURCE",
+        "dump as the job's user (same uid), or grant CAP_SYS_RESOURCE",
+    )
 
 
 def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
