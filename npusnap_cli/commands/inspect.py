@@ -70,6 +70,8 @@ def register(app: typer.Typer) -> None:
             walk(r, 0)
         out.tree("processes", nodes)
         t = manifest.timings
+        # No "publish" row: the manifest is written during publishing, so it cannot hold that
+        # phase's time (`npusnap dump --json` reports it).
         out.table(
             "timings",
             ["phase", "time"],
@@ -80,7 +82,6 @@ def register(app: typer.Typer) -> None:
                 ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
                 ["CRIU write", _fmt_s(t.criu_memwrite_s)],
                 ["CRIU total", _fmt_s(t.criu_total_s)],
-                ["publish (checksums, fsync)", _fmt_s(t.publish_s)],
                 ["unlock (leave-running)", _fmt_s(t.unlock_s)],
                 ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
                 ["total", _fmt_s(t.total_s)],
