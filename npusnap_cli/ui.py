@@ -50,11 +50,6 @@ class Output:
         if not self.json_mode:
             self.console.print(text, style=style, markup=False)
 
-    def markup(self, text: str) -> None:
-        """Print rich markup (only for fixed strings of ours, never for user data)."""
-        if not self.json_mode:
-            self.console.print(text)
-
     def ok(self, text: str) -> None:
         self.line(f"✔ {text}", style="green")
 

@@ -34,9 +34,14 @@ def json_requested(argv: list[str]) -> bool:
 
 
 def verbosity(argv: list[str]) -> int:
-    return sum(1 for a in argv if a in ("-v", "--verbose")) + sum(
-        a.count("v") for a in argv if a.startswith("-v") and set(a[1:]) == {"v"} and len(a) > 2
-    )
+    """How many -v/--verbose (``-vv`` counts two) are in the raw arguments."""
+    count = 0
+    for arg in argv:
+        if arg == "--verbose":
+            count += 1
+        elif arg.startswith("-v") and set(arg[1:]) == {"v"}:
+            count += len(arg) - 1
+    return count
 
 
 def current_output(argv: list[str]) -> Output:
