@@ -1071,7 +1071,7 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
                 ["preflight", _s(preflight), "–", "privileges, `criu check`, free space, memory"],
                 ["lock", _s(lock, 3), "–", "aclrtSnapShotProcessLock"],
                 ["device backup", _s(backup), "–", "device → process memory (the simulated PCIe copy)"],
-                ["CRIU dump", _s(crit), _s(rcriu), "npusnap: `criu swrk` started and driven over RPC"],
+                ["CRIU dump", _s(crit), _s(rcriu), "the same CRIU; npusnap drives it through `criu swrk`"],
                 [
                     "publish",
                     _s(publish),
@@ -1091,7 +1091,7 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
                 ("publish beyond the raw sync", publish - sync),
                 ("CLI start-up and output", outside),
                 ("preflight", preflight),
-                ("CRIU through swrk beyond the CLI", crit - rcriu),
+                ("the CRIU step beyond raw CRIU's, see below", crit - rcriu),
                 ("other steps", inside_rest),
             ],
             key=lambda kv: -kv[1],
