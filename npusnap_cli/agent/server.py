@@ -111,7 +111,11 @@ class Agent:
         self.hooks = hooks if hooks is not None else HookRegistry()
         self.lease = Lease()
         self.start_time = read_start_time()
+        # restored: CRIU restored this process at least once (reported by hello/status).
+        # restore_pending: restored while BACKED_UP (or in an unknown state) and no Restore since:
+        # the device memory the app points at is gone until Restore, so Unlock must wait for it.
         self.restored = False
+        self.restore_pending = False
         self.events: List[str] = []  # recent notable events, reported by `status`
         self._find_runtime = runtime_finder
         self._runtime: Any = None
@@ -363,15 +367,19 @@ class Agent:
 
     # -- watchdog -----------------------------------------------------------------------------
     def _refresh_restored(self) -> None:
-        if self.restored:
-            return
         now = read_start_time()
-        if now is not None and self.start_time is not None and now != self.start_time:
-            self.restored = True
-            self._event("process was restored by CRIU (start time changed)")
-            if self.lease.active:
-                self.lease.void("process was restored by CRIU; waiting locked for `restore`")
-                self._event("lease voided: the restored process waits, locked, for its restore command")
+        if now is None or self.start_time is None or now == self.start_time:
+            return
+        # A new start time means CRIU restored us; remember it so that a later dump and restore
+        # of this same process is noticed too.
+        self.start_time = now
+        self.restored = True
+        state = self.state()
+        self.restore_pending = state is None or state == BACKED_UP
+        self._event("process was restored by CRIU (start time changed)")
+        if self.lease.active:
+            self.lease.void("process was restored by CRIU; waiting locked for `restore`")
+            self._event("lease voided: the restored process waits, locked, for its restore command")
 
     def _tick(self) -> None:
         self._refresh_restored()
@@ -473,8 +481,8 @@ class Agent:
         if current == target:
             return steps
         if target == RUNNING or (current == BACKED_UP and target == LOCKED):
-            if current == BACKED_UP and self.restored:
-                self._call("Restore", rt.restore)
+            if current == BACKED_UP and self.restore_pending:
+                self._device_restore(rt)
                 steps.append("restore")
             self._call("Unlock", rt.unlock)
             steps.append("unlock")
@@ -546,6 +554,7 @@ class Agent:
             pid=self.pid,
             acl_loaded=rt is not None,
             restored=self.restored,
+            restore_pending=self.restore_pending,
             events=list(self.events[-10:]),
         )
 
@@ -594,18 +603,23 @@ class Agent:
         rt = self.runtime()
         before = self.state()
         start = time.monotonic()
-        self._call("Restore", rt.restore)
+        self._device_restore(rt)
         try:
             ran = self._run_hooks("post_restore")
         except HookFailed as exc:
             raise self._abort_after_hook(exc, before) from None
         return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
 
+    def _device_restore(self, rt: Any) -> None:
+        """CANN Restore: device state back on the device; Unlock is safe again afterwards."""
+        self._call("Restore", rt.restore)
+        self.restore_pending = False
+
     def op_unlock(self, args: Dict[str, Any]) -> Dict[str, Any]:
         del args
         rt = self.runtime()
         before = self.state()
-        if self.restored and before == BACKED_UP:
+        if self.restore_pending and before == BACKED_UP:
             # Unlock here would let the app run on device memory that no longer exists.
             raise OpError(
                 protocol.make_error(
@@ -636,8 +650,8 @@ class Agent:
         before = self.state()
         actions: List[str] = []
         warnings: List[str] = []
-        if before == BACKED_UP and self.restored:
-            self._call("Restore", rt.restore)
+        if before == BACKED_UP and self.restore_pending:
+            self._device_restore(rt)
             actions.append("restore")
         if before in (LOCKED, BACKED_UP) or before is None:
             try:

@@ -239,3 +239,42 @@ def test_dump_attaches_an_agent_where_missing_and_round_trips(
         assert job.lines() == ref
     finally:
         job.cleanup()
+
+
+def test_a_restored_job_can_be_dumped_again(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: the agent of a restored process refused the legal BACKED_UP -> Unlock of a later
+    `--leave-running` dump (RESTORE_REQUIRED), because it never forgot the earlier CRIU restore."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    first, second = tmp_path / "img1", tmp_path / "img2"
+    try:
+        job.wait_lines(5)
+        rc, _, err = cli(env, "dump", str(job.pid), str(first))
+        assert rc == 0, err
+        job.reap()
+        rc, out, err = cli(env, "restore", str(first))
+        assert rc == 0 and out is not None, err
+        job.restored_pid = out["result"]["root_pid"]
+        at = len(job.lines())
+        wait_until(lambda: len(job.lines()) >= at + 3, 30, "the restored job to compute")
+
+        # Second snapshot of the restored process, keeping it running, then a third restore
+        # after it finished.
+        rc, out, err = cli(env, "dump", str(job.restored_pid), str(second), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or err
+        assert agent_state(job.restored_pid) == "RUNNING"
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+
+        rc, out, err = cli(env, "restore", str(second))
+        assert rc == 0 and out is not None, err
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the second restored run to finish")
+        continuation = job.lines()[len(ref) :]
+        assert continuation and continues_reference(continuation, ref), continuation[:3]
+    finally:
+        job.cleanup()
