@@ -23,6 +23,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,10 +415,33 @@ def _checksummed_files(image: Path) -> list[str]:
 
 
 def file_entries(image: Path, progress: Optional[ProgressFn] = None) -> tuple[FileEntry, ...]:
-    entries = []
-    for rel in _checksummed_files(image):
-        full = image / rel
-        entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=sha256_file(full, progress)))
+    """sha256 and size of every checksummed file, while a second thread flushes them to disk.
+
+    Hashing reads the files back from the page cache (CPU) while fsync waits on the disk, so
+    running the two side by side hides most of one behind the other; ``publish`` then finds the
+    files already clean. An fsync error (ENOSPC, EIO) is raised here, after the hashing.
+    """
+    rels = _checksummed_files(image)
+    flush_errors: list[OSError] = []
+
+    def flush() -> None:
+        try:
+            for rel in rels:
+                _fsync_path(image / rel)
+        except OSError as exc:
+            flush_errors.append(exc)
+
+    flusher = threading.Thread(target=flush, name="npusnap-fsync", daemon=True)
+    flusher.start()
+    try:
+        entries = []
+        for rel in rels:
+            full = image / rel
+            entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=sha256_file(full, progress)))
+    finally:
+        flusher.join()
+    if flush_errors:
+        raise flush_errors[0]
     return tuple(entries)
 
 
