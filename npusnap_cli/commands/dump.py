@@ -143,7 +143,7 @@ def register(app: typer.Typer) -> None:
                 "device memory": human_bytes(m.bytes.device_bytes),
                 "original": "still running"
                 if m.leave_running
-                else "stopped (restore it with npusnap restore)",
+                else f"gone (bring it back: npusnap restore {result.image})",
             },
         )
         if result.attached:
