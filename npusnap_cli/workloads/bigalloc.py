@@ -24,6 +24,13 @@ MiB = 1 << 20
 H2D, D2H = 1, 2
 
 
+# Codes a user of these samples is likely to meet, with what to do about them.
+HINTS = {
+    507033: "the device is in use by another process: see `npusnap sim status`",
+    507899: 'the simulated NPU is not running: `npusnap sim start`, then eval "$(npusnap sim env)"',
+}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device-mib", type=int, default=1024, help="device memory to hold, MiB (default 1024)")
@@ -53,7 +60,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def check(code: int, what: str) -> None:
         if code != 0:
-            raise SystemExit(f"bigalloc: {what} failed with ACL error {code}")
+            hint = HINTS.get(code)
+            raise SystemExit(
+                f"bigalloc: {what} failed with ACL error {code}" + (f" ({hint})" if hint else "")
+            )
 
     rc = lib.aclInit(None)
     if rc not in (0, 100002):

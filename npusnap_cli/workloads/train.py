@@ -58,9 +58,17 @@ def load_acl() -> ctypes.CDLL:
     return lib
 
 
+# Codes a user of these samples is likely to meet, with what to do about them.
+HINTS = {
+    507033: "the device is in use by another process: see `npusnap sim status`",
+    507899: 'the simulated NPU is not running: `npusnap sim start`, then eval "$(npusnap sim env)"',
+}
+
+
 def check(code: int, what: str) -> None:
     if code != 0:
-        raise AclFailure(f"{what} failed with ACL error {code}")
+        hint = HINTS.get(code)
+        raise AclFailure(f"{what} failed with ACL error {code}" + (f" ({hint})" if hint else ""))
 
 
 class Trainer:
