@@ -13,8 +13,9 @@ design.md §3, in order:
 Never lose the job: CRIU dumps with ``leave_stopped`` rather than letting CRIU kill the tree, so
 that the original is killed only once the image is safely on disk; until then every failure
 (CRIU refused or crashed, disk full, a device call or an agent failed, Ctrl-C / SIGTERM) rolls
-every locked process back to RUNNING and removes the partial img. If the rollback itself fails
-the error is ``StateUnknownError`` with the commands to inspect and recover.
+every locked process back to RUNNING and removes the partial image; if npusnap itself dies while
+the tree is stopped, ``StopGuard``'s watcher resumes it and the leases roll it back. If the
+rollback itself fails the error is ``StateUnknownError`` with the commands to inspect and recover.
 
 Core module: returns frozen dataclasses, reports progress through ``DumpCallbacks``, never prints.
 """
@@ -590,6 +591,18 @@ class _Pipeline:
 
     # -- the steps ----------------------------------------------------------------------------
     def run(self) -> DumpOutcome:
+        from npusnap_cli.stopguard import StopGuard
+
+        # CRIU will leave the tree stopped until it is published and killed; should this process
+        # die in between, the guard resumes it (and the leases roll the devices back).
+        guard = None if self.options.leave_running else StopGuard([p.pid for p in self.target.tree])
+        try:
+            return self._run()
+        finally:
+            if guard is not None:
+                guard.finish()
+
+    def _run(self) -> DumpOutcome:
         from npusnap_cli.devicegroup import DeviceGroup
 
         try:

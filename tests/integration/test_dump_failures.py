@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -303,6 +304,53 @@ def test_cli_sigkilled_mid_dump_lease_rolls_back(
         rc, _, errtext = cli(env, "dump", str(job.pid), str(img), "--leave-running")
         assert rc == 0, errtext
         assert not any(p.exists() for p in stale)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def _tracer(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def test_cli_sigkilled_while_criu_holds_the_job(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Killed after the lock, with CRIU seizing the tree (which it leaves *stopped*): the stop
+    guard resumes the job once CRIU lets go, and the lease then rolls the device back."""
+    env = job_env(sim_env, runtime_dir)
+    args = [
+        "--steps",
+        "60",
+        "--interval",
+        "0.05",
+        "--param-bytes",
+        str(32 << 20),
+        "--device",
+        "0",
+        "--seed",
+        "7",
+    ]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img, "--lease", "2")
+        deadline = time.monotonic() + 30
+        while _tracer(job.pid) == 0 and dump.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # CRIU holds the job for a fraction of a second: poll tightly
+        assert dump.poll() is None, "the dump finished before it could be killed"
+        dump.kill()
+        dump.communicate()
+        wait_until(lambda: agent_state(job.pid) == "RUNNING", 30, "the job to be resumed and rolled back")
+        assert not img.exists()
         finishes_correctly(job, ref)
     finally:
         job.cleanup()
