@@ -117,6 +117,13 @@ def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -212,7 +219,8 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         t = mark("train to the end", t)
     finally:
         for pid in (proc.pid, restored_pid):
-            if pid and _alive(pid):
+            # Only if the pid still is our workload: an exited pid may already be someone else's.
+            if pid and _alive(pid) and str(TRAIN) in _cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(timeout=10)

@@ -202,10 +202,18 @@ def alive(pid: int) -> bool:
     return data[data.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
 
 
-def kill_pid(pid: int) -> None:
+def kill_pid(pid: int, marker: str = "workload.py") -> None:
+    """SIGKILL ``pid`` if it still is one of our workloads (``marker`` in its command line).
+
+    pid_max is 32768 here and the suite starts thousands of processes: a pid that exited may
+    already belong to someone else (another test's process, the test runner's helpers).
+    """
     try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if marker.encode() not in f.read():
+                return
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, FileNotFoundError):
         pass
 
 

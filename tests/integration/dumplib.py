@@ -48,6 +48,13 @@ def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "con
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def kill(pid: int) -> None:
     if pid and alive(pid):
         try:
@@ -90,6 +97,8 @@ class Job:
             )
         self.pid = self.proc.pid
         self.restored_pid = 0
+        # What identifies this job's processes (their script), so cleanup never kills a reused pid.
+        self.marker = next((a for a in argv if a.endswith(".py")), argv[0])
 
     def lines(self) -> list[str]:
         return [
@@ -109,7 +118,7 @@ class Job:
 
     def cleanup(self) -> None:
         for pid in (self.restored_pid, self.pid):
-            if pid and alive(pid):
+            if pid and alive(pid) and self.marker in _cmdline(pid):
                 import psutil
 
                 try:
