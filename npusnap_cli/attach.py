@@ -215,6 +215,15 @@ def probe(pid: int) -> PythonTarget:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
             maps = f.read()
     except PermissionError:
+        if os.geteuid() == 0:
+            # Root refused: the process is not dumpable (prctl PR_SET_DUMPABLE 0, a set-uid or
+            # specially protected process) or an LSM says no; sudo would not help.
+            raise TargetError(
+                f"permission denied reading /proc/{pid}/maps, even as root",
+                why="the process is not dumpable (PR_SET_DUMPABLE 0, set-uid) or a security module "
+                "(Yama, SELinux, AppArmor) forbids inspecting it",
+                fix="start it with an agent instead: `npusnap run -- CMD` or `agent.start()` in its code",
+            ) from None
         raise TargetError(
             f"permission denied reading /proc/{pid}",
             why=f"pid {pid} runs as uid {uid}; only that user or root may inspect and attach to it",
