@@ -175,12 +175,14 @@ class Output:
         if err.fix:
             self.console.print(f"  fix: {err.fix}", markup=False)
         for key, value in err.details.items():
+            if isinstance(value, dict) or (
+                isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)
+            ):
+                continue  # structured detail is for --json
             if isinstance(value, list):
                 self.console.print(f"  {key}:", markup=False)
                 for item in value:
                     self.console.print(f"    {item}", style="dim", markup=False)
-            elif isinstance(value, dict):
-                continue  # structured detail is for --json
             else:
                 self.console.print(f"  {key}: {value}", style="dim", markup=False)
         return code
