@@ -193,6 +193,8 @@ setup_pycriu() {
 # --- the simulated NPU and the attach payload (C, built from this repository's sources) ---------
 setup_native() {
     command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
+    # `npusnap attach` on Python 3.9-3.13 drives gdb (with its Python scripting) to a safe point.
+    command -v gdb >/dev/null 2>&1 || apt_install gdb
     make -s -C "$ROOT/native" >/dev/null || die "building the simulator (native/) failed" "run: make -C native"
 }
 
