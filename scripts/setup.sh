@@ -56,8 +56,10 @@ setup_venv() {
         say "installing npusnap and its dependencies into .venv"
         "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null ||
             die "pip could not upgrade itself" "check access to the Python package index"
-        "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]" ||
-            die "pip install failed" "check access to the Python package index; rerun with pip's output above"
+        "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]" >"$CACHE/pip-install.log" 2>&1 || {
+            tail -n 30 "$CACHE/pip-install.log" >&2
+            die "pip install failed (log: $CACHE/pip-install.log)" "check access to the Python package index"
+        }
         echo "$want" >"$stamp"
         rm -f "$VENV/.npusnap-pycriu"
     fi
@@ -199,6 +201,7 @@ setup_native() {
 }
 
 main() {
+    mkdir -p "$CACHE"
     setup_venv
     setup_criu
     setup_pycriu
