@@ -54,7 +54,7 @@ setup_venv() {
     want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         say "installing npusnap and its dependencies into .venv"
-        "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null ||
+        "$VENV/bin/python" -m pip install --quiet --upgrade pip >"$CACHE/pip-upgrade.log" 2>&1 ||
             die "pip could not upgrade itself" "check access to the Python package index"
         "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]" >"$CACHE/pip-install.log" 2>&1 || {
             tail -n 30 "$CACHE/pip-install.log" >&2
