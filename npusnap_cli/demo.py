@@ -194,16 +194,15 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
             raise TargetError(
                 "the workload exited early", details={"log": log.read_text().splitlines()[-10:]}
             )
-        result.lines_before_dump = len(_read_lines(log))
         t = mark("train until dump", t)
 
         report("dump", f"npusnap dump {proc.pid} {image}")
         envelope = _run_json(["dump", str(proc.pid), str(image)], env, timeout=600)
         result.dump = envelope.get("result") or {}
         proc.wait(timeout=30)  # reap it: its pid must be free for the restore
-        report(
-            "dump", f"process {proc.pid} is gone; {len(_read_lines(log))} lines were written before the dump"
-        )
+        # What the job printed until the lock stopped it (it trained on while the dump started).
+        result.lines_before_dump = len(_read_lines(log))
+        report("dump", f"process {proc.pid} is gone; it printed {result.lines_before_dump} steps first")
         t = mark("dump", t)
 
         pidfile = work / "restored.pid"
@@ -227,6 +226,11 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
 
     actual = _read_lines(log)
     result.lines_total = len(actual)
+    cut = result.lines_before_dump
+    if 0 < cut < len(actual):
+        report("check", f"last line before the dump:   {actual[cut - 1]}")
+        report("check", f"first line after the restore: {actual[cut]}")
+        report("check", f"reference run at that step:   {reference[cut] if cut < len(reference) else '-'}")
     result.continuity = actual == reference and result.lines_before_dump < len(reference)
     if actual != reference:
         i = next(

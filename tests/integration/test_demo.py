@@ -23,7 +23,7 @@ def test_demo_round_trip_keeps_continuity(tmp_path: Path, sim_env: dict[str, str
             NPUSNAP,
             "demo",
             "--steps",
-            "12",
+            "20",
             "--dump-after",
             "4",
             "--interval",
@@ -44,8 +44,8 @@ def test_demo_round_trip_keeps_continuity(tmp_path: Path, sim_env: dict[str, str
     assert proc.returncode == 0, envelope["error"]
     result = envelope["result"]
     assert envelope["ok"] and result["continuity"] is True
-    assert result["lines_total"] == result["reference_lines"] == 12
-    assert 4 <= result["lines_before_dump"] < 12
+    assert result["lines_total"] == result["reference_lines"] == 20
+    assert 4 <= result["lines_before_dump"] < 20
     assert result["restored_pid"] == result["original_pid"]
     # --keep leaves a complete image that verifies.
     verify = subprocess.run([NPUSNAP, "verify", result["image"]], capture_output=True, text=True, timeout=60)
