@@ -197,3 +197,17 @@ def test_remove_stale_temps_only_of_dead_runs(tmp_path: Path) -> None:
     (dead / "x").write_text("x")
     assert image.remove_stale_temps(final) == [dead]
     assert mine.exists() and not dead.exists()
+
+
+def test_parallel_hashing_matches_hashlib_and_reports_every_byte(tmp_path: Path) -> None:
+    import hashlib
+
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"pages-{i}.img"
+        p.write_bytes(bytes([i]) * (300_000 + i))
+        paths.append(p)
+    seen: list[int] = []
+    digests = image.sha256_files(paths, seen.append)
+    assert digests == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert sum(seen) == sum(p.stat().st_size for p in paths)
