@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 from npusnap_cli import __version__
 from npusnap_cli import image as img
+from npusnap_cli.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -51,25 +52,8 @@ SPACE_MARGIN_BYTES = 16 << 20
 SPACE_MARGIN_FACTOR = 1.10
 _POLL_S = 0.2
 
-PhaseFn = Callable[[str], None]
-ProgressFn = Callable[[str, int, Optional[int]], None]
-
-
-def _no_phase(_label: str) -> None:
-    pass
-
-
-def _no_progress(_label: str, _done: int, _total: Optional[int]) -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class DumpCallbacks:
-    """How the pipeline tells its caller what it is doing (the command renders it)."""
-
-    phase: PhaseFn = _no_phase  # a phase starts: "lock+backup", "criu dump", ...
-    progress: ProgressFn = _no_progress  # (label, bytes done, bytes expected or None)
-    note: PhaseFn = _no_phase  # something worth telling the user (attach, interrupt received)
+# The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
+DumpCallbacks = PipelineCallbacks
 
 
 @dataclass(frozen=True)
@@ -127,7 +111,7 @@ class SignalGuard:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, note: PhaseFn = _no_phase, what: str = "dump") -> None:
+    def __init__(self, note: PhaseFn = no_phase, what: str = "dump") -> None:
         self.what = what
         self.received: Optional[int] = None
         self._old: dict[int, Any] = {}
@@ -211,7 +195,7 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
 
 
-def attach_missing(target: _Target, note: PhaseFn = _no_phase) -> _Target:
+def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     """Inject an agent into every NPU process of ``target`` that has none; the refreshed target."""
     missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
     if not missing:

@@ -23,28 +23,14 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from npusnap_cli import image as img
+from npusnap_cli.callbacks import PipelineCallbacks
 from npusnap_cli.errors import ImageError, NpusnapError, PreflightError
 
-PhaseFn = Callable[[str], None]
-ProgressFn = Callable[[str, int, Optional[int]], None]
-
-
-def _no_phase(_label: str) -> None:
-    pass
-
-
-def _no_progress(_label: str, _done: int, _total: Optional[int]) -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class RestoreCallbacks:
-    phase: PhaseFn = _no_phase
-    progress: ProgressFn = _no_progress
-    note: PhaseFn = _no_phase
+# The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
+RestoreCallbacks = PipelineCallbacks
 
 
 @dataclass(frozen=True)
