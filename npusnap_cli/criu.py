@@ -10,10 +10,13 @@ machines while ``criu check`` on the command line is fine, so the preflight runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -346,6 +349,33 @@ def _apply_options(opts: Any, options: CriuOptions) -> None:
     opts.log_level = options.log_level
 
 
+@contextlib.contextmanager
+def _session(
+    binary: CriuBinary, images_dir: str, work_dir: str, log_name: str, options: CriuOptions
+) -> Iterator[Any]:
+    """A pycriu client talking to our own ``criu swrk``, with directories, log and options set."""
+    import pycriu
+
+    img_fd = _open_dir(images_dir)
+    work_fd = _open_dir(work_dir)
+    swrk: Optional[_Swrk] = None
+    try:
+        c = pycriu.criu()
+        swrk = _Swrk(binary)
+        c.use_fd(swrk.fileno())
+        # CRIU opens these as /proc/<our pid>/fd/N, so they need not be inherited.
+        c.opts.images_dir_fd = img_fd
+        c.opts.work_dir_fd = work_fd
+        c.opts.log_file = log_name
+        _apply_options(c.opts, options)
+        yield c
+    finally:
+        if swrk is not None:
+            swrk.close()
+        os.close(img_fd)
+        os.close(work_fd)
+
+
 def dump(
     pid: int,
     images_dir: str,
@@ -360,35 +390,16 @@ def dump(
     Raises CriuError (with the log's relevant lines) when CRIU refuses or fails; CRIU then lets
     the tree run on (or, for a failure after the freeze, resumes it), as ``criu dump`` does.
     """
-    import time
-
     import pycriu
 
-    binary = binary or find_criu()
     log_path = os.path.join(work_dir, log_name)
-    img_fd = _open_dir(images_dir)
-    work_fd = _open_dir(work_dir)
     start = time.monotonic()
-    swrk: Optional[_Swrk] = None
-    try:
-        c = pycriu.criu()
-        swrk = _Swrk(binary)
-        c.use_fd(swrk.fileno())
+    with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         c.opts.pid = pid
-        # CRIU opens these as /proc/<our pid>/fd/N, so they need not be inherited.
-        c.opts.images_dir_fd = img_fd
-        c.opts.work_dir_fd = work_fd
-        c.opts.log_file = log_name
-        _apply_options(c.opts, options)
         try:
             c.dump()
         except pycriu.CRIUException as exc:
             raise _criu_error("dump", exc, log_path, pid=pid) from None
-    finally:
-        if swrk is not None:
-            swrk.close()
-        os.close(img_fd)
-        os.close(work_fd)
     return DumpResult(log_path=log_path, wall_s=time.monotonic() - start, stats=read_dump_stats(work_dir))
 
 
@@ -401,34 +412,16 @@ def restore(
     binary: Optional[CriuBinary] = None,
 ) -> RestoreResult:
     """Restore the tree in ``images_dir``, detached (reparented to init); return its root pid."""
-    import time
-
     import pycriu
 
-    binary = binary or find_criu()
     log_path = os.path.join(work_dir, log_name)
-    img_fd = _open_dir(images_dir)
-    work_fd = _open_dir(work_dir)
     start = time.monotonic()
-    swrk: Optional[_Swrk] = None
-    try:
-        c = pycriu.criu()
-        swrk = _Swrk(binary)
-        c.use_fd(swrk.fileno())
-        c.opts.images_dir_fd = img_fd
-        c.opts.work_dir_fd = work_fd
-        c.opts.log_file = log_name
-        _apply_options(c.opts, options)
+    with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         try:
             resp = c.restore()
         except pycriu.CRIUException as exc:
             raise _criu_error("restore", exc, log_path) from None
-        pid = int(resp.pid)
-    finally:
-        if swrk is not None:
-            swrk.close()
-        os.close(img_fd)
-        os.close(work_fd)
+    wall_s = time.monotonic() - start
     return RestoreResult(
-        pid=pid, log_path=log_path, wall_s=time.monotonic() - start, stats=read_restore_stats(work_dir)
+        pid=int(resp.pid), log_path=log_path, wall_s=wall_s, stats=read_restore_stats(work_dir)
     )
