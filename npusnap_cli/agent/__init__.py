@@ -102,6 +102,7 @@ def _after_fork_in_child() -> None:
     global _agent, _lock
     try:
         _lock = threading.Lock()  # the parent's lock may have been held by another thread
+        _hooks.reinit_after_fork()  # so may the hook registry's
         if _agent is not None:
             _agent.close_inherited()
         _agent = None

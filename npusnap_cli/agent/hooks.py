@@ -47,6 +47,11 @@ class HookRegistry:
         self._lock = threading.Lock()
         self._hooks: Dict[str, List[Tuple[str, Hook]]] = {stage: [] for stage in STAGES}
 
+    def reinit_after_fork(self) -> None:
+        """In a forked child: the agent thread may have held the lock at fork time, and that
+        thread does not exist here, so the lock would stay taken forever. Replace it."""
+        self._lock = threading.Lock()
+
     def register(self, stage: str, fn: Hook, name: str = "") -> str:
         if stage not in STAGES:
             raise ValueError(f"unknown hook stage {stage!r}; stages: {', '.join(STAGES)}")

@@ -181,7 +181,12 @@ class Agent:
                     pass
 
     def close_inherited(self) -> None:
-        """In a forked child: close the parent's listener and client fds, leave the path alone."""
+        """In a forked child: close the parent's listener and client fds, leave the path alone.
+
+        Touch no lock or Event of the parent's agent thread: it may have held one at fork time,
+        and since it does not exist in the child, waiting for it would hang the child forever.
+        """
+        self._stopping = threading.Event()
         self._stopping.set()
         for sock in (self._client, self._listener):
             if sock is not None:

@@ -24,6 +24,10 @@ BUF = 256
 
 WORKLOAD = r"""
 import ctypes, os, sys, time
+def say(*words):
+    # One write(2) per line: with PYTHONUNBUFFERED (set on these machines) print() writes each
+    # piece separately, and a forked child's line could land in the middle of the parent's.
+    os.write(1, (" ".join(map(str, words)) + "\n").encode())
 lib = ctypes.CDLL("libacl_rt.so")
 def check(rc, what):
     if rc != 0:
@@ -53,21 +57,21 @@ if hook_log:
         agent.register_hook(stage, make(stage))
 if os.environ.get("WL_START_AGENT") == "1":
     import npusnap_cli.agent as agent
-    print("agent", agent.start(), flush=True)
+    say("agent", agent.start())
 if os.environ.get("WL_FORK") == "1":
     pid = os.fork()
     if pid == 0:
-        print("child", os.getpid(), flush=True)
+        say("child", os.getpid())
         time.sleep(600)
         os._exit(0)
-print("ready", os.getpid(), sys.version_info[0], sys.version_info[1], flush=True)
+say("ready", os.getpid(), sys.version_info[0], sys.version_info[1])
 step = 0
 while True:
     check(lib.aclrtMemcpy(host, N, dev, N, 2), "D2H")
     for i in range(N):
         host[i] = (host[i] * 31 + step + i) % 251
     check(lib.aclrtMemcpy(dev, N, host, N, 1), "H2D")
-    print("step", step, "checksum", sum(host), flush=True)
+    say("step", step, "checksum", sum(host))
     step += 1
     time.sleep(0.02)
 """
