@@ -244,3 +244,16 @@ def wait_socket(runtime_dir: Path, pid: int, timeout: float = 15.0) -> Path:
             return path
         time.sleep(0.05)
     raise AssertionError(f"no agent socket {path} after {timeout}s")
+
+
+def start_agent_workload(
+    sim: Sim, runtime_dir: Path, tmp: Path, started: list[Workload], name: str = "wl", **extra: str
+) -> Workload:
+    """Start the workload with an agent (``agent.start()``), record it in ``started`` and wait
+    until it computes and its agent listens."""
+    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
+    w = Workload([PY, str(write_workload(tmp))], env, tmp, name=name)
+    started.append(w)
+    w.wait_for("ready")
+    wait_socket(runtime_dir, w.pid)
+    return w

@@ -15,7 +15,6 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,34 +29,11 @@ from tests.integration.agentlib import (
     Workload,
     alive,
     kill_pid,
+    start_agent_workload,
     wait_socket,
-    workload_env,
-    write_workload,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sim(sim_env: dict[str, str]) -> Sim:
-    return Sim(sim_env)
-
-
-@pytest.fixture
-def workloads() -> Iterator[list[Workload]]:
-    started: list[Workload] = []
-    yield started
-    for w in started:
-        w.kill()
-
-
-def start_workload(sim: Sim, runtime_dir: Path, tmp: Path, started: list[Workload], **extra: str) -> Workload:
-    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
-    w = Workload([PY, str(write_workload(tmp))], env, tmp)
-    started.append(w)
-    w.wait_for("ready")
-    wait_socket(runtime_dir, w.pid)
-    return w
 
 
 def wait_state(pid: int, state: str, timeout: float = 10.0) -> dict[str, object]:
@@ -75,7 +51,7 @@ def wait_state(pid: int, state: str, timeout: float = 10.0) -> dict[str, object]
 def test_explicit_start_hello_status_and_socket_permissions(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start_workload(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     sock = runtime_dir / f"{w.pid}.sock"
     assert stat.S_ISSOCK(os.lstat(sock).st_mode)
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
@@ -104,7 +80,7 @@ def workload_env_device(w: Workload) -> str:
 def test_lock_backup_unlock_and_the_job_keeps_computing(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start_workload(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(3)
     with AgentClient(w.pid) as c:
         locked = c.lock(lease_s=30)
@@ -127,7 +103,7 @@ def test_lock_backup_unlock_and_the_job_keeps_computing(
 def test_lease_expires_after_the_client_is_killed(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start_workload(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(2)
     client = (
         "import os, sys\n"
@@ -150,7 +126,7 @@ def test_lease_expires_after_the_client_is_killed(
 def test_lease_does_not_count_while_the_process_is_stopped(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start_workload(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     with AgentClient(w.pid) as c:
         c.lock(lease_s=1.5)
     # Let the agent finish the request first: time inside an operation is never counted, so a
@@ -170,7 +146,7 @@ def test_lease_does_not_count_while_the_process_is_stopped(
 
 
 def test_renew_and_release(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]) -> None:
-    w = start_workload(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     with AgentClient(w.pid) as c:
         c.lock(lease_s=1.0)
         for _ in range(4):  # 2 s in total: only renewals keep it locked
@@ -193,7 +169,7 @@ def test_hooks_run_in_order_and_a_failing_hook_rolls_back(
 ) -> None:
     log = tmp_path / "hooks.log"
     fail = tmp_path / "fail"
-    w = start_workload(
+    w = start_agent_workload(
         sim, runtime_dir, tmp_path, workloads, WL_HOOK_LOG=str(log), WL_HOOK_FAIL_FILE=str(fail)
     )
     with AgentClient(w.pid) as c:
@@ -238,7 +214,7 @@ def test_agent_refuses_another_uid(sim: Sim, tmp_path: Path, workloads: list[Wor
     try:
         rt = base / "npusnap"
         rt.mkdir(mode=0o700)
-        w = start_workload(sim, rt, tmp_path, workloads)
+        w = start_agent_workload(sim, rt, tmp_path, workloads)
         sock = rt / f"{w.pid}.sock"
         os.chmod(base, 0o711)
         os.chmod(rt, 0o711)
@@ -330,7 +306,7 @@ def test_forked_child_does_not_serve_the_parents_socket(
     extra = {"WL_FORK": "1"}
     if child_agent:
         extra["NPUSNAP_AGENT"] = "1"
-    w = start_workload(sim, runtime_dir, tmp_path, workloads, **extra)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, **extra)
     child = int(w.wait_for("child").split()[1])
     try:
         inode = _socket_inode(runtime_dir / f"{w.pid}.sock")

@@ -34,11 +34,6 @@ pytestmark = [pytest.mark.integration, requires_root]
 CRIU = "/usr/local/sbin/criu"
 
 
-@pytest.fixture
-def sim(sim_env: dict[str, str]) -> Sim:
-    return Sim(sim_env)
-
-
 def criu(*args: str, log: Path) -> None:
     done = subprocess.run([CRIU, *args, "-o", str(log), "-v4"], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:

@@ -26,11 +26,6 @@ pytestmark = pytest.mark.integration
 PYTHONS = python_versions()
 
 
-@pytest.fixture
-def sim(sim_env: dict[str, str]) -> Sim:
-    return Sim(sim_env)
-
-
 @pytest.mark.parametrize("minor", ["3.9", "3.13"])
 def test_run_starts_an_agent_in_another_python(
     sim: Sim, runtime_dir: Path, tmp_path: Path, minor: str

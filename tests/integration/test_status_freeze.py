@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +18,10 @@ from tests.integration.agentlib import (
     Sim,
     Workload,
     kill_pid,
-    wait_socket,
-    workload_env,
-    write_workload,
+    start_agent_workload,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sim(sim_env: dict[str, str]) -> Sim:
-    return Sim(sim_env)
-
-
-@pytest.fixture
-def workloads() -> Iterator[list[Workload]]:
-    started: list[Workload] = []
-    yield started
-    for w in started:
-        w.kill()
-
-
-def start(
-    sim: Sim, runtime_dir: Path, tmp: Path, started: list[Workload], name: str = "wl", **extra: str
-) -> Workload:
-    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", **extra)
-    w = Workload([PY, str(write_workload(tmp))], env, tmp, name=name)
-    started.append(w)
-    w.wait_for("ready")
-    wait_socket(runtime_dir, w.pid)
-    return w
 
 
 def npusnap(*args: str) -> tuple[int, dict[str, Any]]:
@@ -70,7 +43,7 @@ def state_of(pid: int) -> str:
 def test_status_shows_the_tree_and_who_lacks_an_agent(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
     child = int(w.wait_for("child").split()[1])
     try:
         rc, env = npusnap("status", str(w.pid))
@@ -93,7 +66,7 @@ def test_status_of_a_missing_pid_is_a_target_error() -> None:
 
 
 def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]) -> None:
-    w = start(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     w.wait_steps(2)
     rc, env = npusnap("freeze", str(w.pid), "--no-backup")
     assert rc == 0, env
@@ -117,7 +90,7 @@ def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads:
 def test_freeze_backup_without_lease_then_thaw(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--no-lease")  # backs up by default
     assert rc == 0, env
     assert env["result"]["processes"][str(w.pid)]["state"] == "BACKED_UP"
@@ -131,7 +104,7 @@ def test_freeze_backup_without_lease_then_thaw(
 def test_freeze_lease_thaws_by_itself(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start(sim, runtime_dir, tmp_path, workloads)
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--lease", "1")
     assert rc == 0, env
     deadline = time.monotonic() + 10
@@ -145,7 +118,7 @@ def test_freeze_lease_thaws_by_itself(
 def test_freeze_refuses_an_npu_process_without_agent(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    w = start(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, WL_FORK="1")
     child = int(w.wait_for("child").split()[1])
     try:
         rc, env = npusnap("freeze", str(w.pid))
@@ -159,8 +132,8 @@ def test_freeze_refuses_an_npu_process_without_agent(
 def test_devicegroup_rolls_back_everyone_when_one_fails(
     sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
 ) -> None:
-    a = start(sim, runtime_dir, tmp_path, workloads, name="a")
-    b = start(sim, runtime_dir, tmp_path, workloads, name="b")
+    a = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="a")
+    b = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="b")
     with AgentClient(b.pid) as c:
         c.lock()  # b is already locked: its Lock in the group fails with 507906
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(AgentDeviceError) as info:
