@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import errors, paths
+from npusnap_cli import errors, paths, proctree
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
@@ -117,26 +117,6 @@ def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     from npusnap_cli.sim import manager
 
@@ -214,12 +194,12 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         t = mark("restore", t)
 
         report("continue", f"restored pid {restored_pid} is training again")
-        _wait_for(lambda: not _alive(restored_pid), 300, "the restored workload to finish")
+        _wait_for(lambda: not proctree.is_alive(restored_pid), 300, "the restored workload to finish")
         t = mark("train to the end", t)
     finally:
         for pid in (proc.pid, restored_pid):
             # Only if the pid still is our workload: an exited pid may already be someone else's.
-            if pid and _alive(pid) and str(TRAIN) in _cmdline(pid):
+            if pid and proctree.is_alive(pid) and str(TRAIN) in proctree.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(timeout=10)

@@ -442,22 +442,15 @@ def _signal_tree(pids: list[int], sig: int) -> None:
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
+    from npusnap_cli import proctree
+
     end = time.monotonic() + timeout
     left = list(pids)
     while left and time.monotonic() < end:
-        left = [p for p in left if _running(p)]
+        left = [p for p in left if proctree.is_alive(p)]
         if left:
             time.sleep(0.02)
     return left
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def dump(

@@ -60,6 +60,24 @@ class ProcInfo:
         }
 
 
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a dead child not yet reaped still holds its pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, space-separated ("" when it is gone or unreadable)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
     """Ascend device files the process has open, or None if its fds cannot be read."""
     found: set[str] = set()

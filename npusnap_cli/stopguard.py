@@ -16,21 +16,16 @@ import sys
 from pathlib import Path
 from typing import IO, Optional
 
+from npusnap_cli.agent.server import read_start_time
+
 WATCHER = Path(__file__).with_name("stopguard_watch.py")
-
-
-def _start_time(pid: int) -> Optional[str]:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 class StopGuard:
     """Watch ``pids`` from a detached process until ``finish()`` (or resume them if we die)."""
 
     def __init__(self, pids: list[int]) -> None:
-        args = [f"{p}:{s}" for p in pids if (s := _start_time(p)) is not None]
+        args = [f"{p}:{s}" for p in pids if (s := read_start_time(str(p))) is not None]
         self._stdin: Optional[IO[bytes]] = None
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(WATCHER), *args],
