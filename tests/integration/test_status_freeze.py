@@ -152,3 +152,20 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     b.wait_steps(3)
     a.assert_correct()
     b.assert_correct()
+
+
+def test_rollback_counts_a_process_that_died_as_rolled_back(
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    """Regression: a worker killed mid-dump made the rollback fail ("state unknown", exit 9)
+    although a dead process holds no lock; the others must be rolled back and that is all."""
+    a = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="a")
+    b = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="b")
+    with DeviceGroup([a.pid, b.pid], lease_s=30) as group:
+        group.lock_and_backup()
+        kill_pid(b.pid)  # not reaped: a zombie, as a killed worker is until its launcher waits
+        results = group.rollback()
+    assert results[b.pid]["state"] == "GONE"
+    assert results[a.pid]["state"] == "RUNNING"
+    a.wait_steps(3)
+    a.assert_correct()
