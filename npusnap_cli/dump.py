@@ -268,6 +268,34 @@ def _check_other_users(tree: tuple[Any, ...]) -> None:
         )
 
 
+def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
+    """Refuse, before anything is locked, the two session layouts CRIU is certain to refuse."""
+    from npusnap_cli import proctree
+
+    outside = [p.pid for p in tree if proctree.session_id(p.pid) == 0]
+    if outside:
+        raise PreflightError(
+            f"cannot dump pid(s) {', '.join(map(str, outside))}: their session leader is outside "
+            "this pid namespace",
+            why="the job was started by a process outside this container or pid namespace "
+            "(docker exec, nsenter, a CI runner); CRIU cannot record such a session, even with "
+            "--shell-job",
+            fix="start the job in a session of its own inside the namespace: `setsid npusnap run -- CMD...`",
+            details={"pids": outside},
+        )
+    root = tree[0].pid
+    sid = proctree.session_id(root)
+    if sid is not None and sid != root and not shell_job:
+        raise PreflightError(
+            f"pid {root} is not a session leader: it shares session {sid} (a shell or a launcher)",
+            why="CRIU dumps a tree that shares another process's session only as a shell job, "
+            "restored into the session of whoever runs the restore",
+            fix="rerun with --shell-job (restore reads it from the image), or start the job "
+            "with `setsid` next time",
+            details={"pid": root, "session": sid},
+        )
+
+
 def _check_criu() -> Any:
     from npusnap_cli import criu
 
@@ -475,6 +503,7 @@ def dump(
         with clock.phase("preflight"):
             _check_privileges()
             _check_other_users(target.tree)
+            _check_session(target.tree, shell_job=options.shell_job)
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")

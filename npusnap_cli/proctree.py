@@ -70,6 +70,20 @@ def is_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def session_id(pid: int) -> Optional[int]:
+    """The session id of ``pid`` as this pid namespace sees it (None when it is gone).
+
+    0 means the session leader lives outside this pid namespace: the job was started by
+    something outside the container (``docker exec``, ``nsenter``, a CI runner).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            # After the command name: state ppid pgrp session ...
+            return int(f.read().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def cmdline(pid: int) -> str:
     """The command line of ``pid``, space-separated ("" when it is gone or unreadable)."""
     try:

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from npusnap_cli import image
+from npusnap_cli.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
@@ -119,6 +120,37 @@ def test_bad_input_is_refused_and_changes_nothing(
         plain.wait()
         no_agent.cleanup()
         job.cleanup()
+
+
+def test_shared_session_is_refused_before_the_lock(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A job that shares its launcher's session: preflight says --shell-job before anything is
+    locked (CRIU would refuse after the freeze), and with --shell-job the dump works."""
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    # `npusnap run` makes the launcher sh (a session leader) start the workload with an agent.
+    launcher = Job(tmp_path, env, ["sh", "-c", '"$@" & wait', "sh", PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        launcher.wait_lines(3)
+        (child,) = [c.pid for c in psutil.Process(launcher.pid).children() if TRAIN in " ".join(c.cmdline())]
+        rc, out, _ = cli(env, "dump", str(child), str(img))
+        assert rc == ExitCode.PREFLIGHT, out
+        assert out is not None and "not a session leader" in out["error"]["message"]
+        assert "--shell-job" in out["error"]["fix"]
+        assert_no_image(img)
+        # Refused before the lock: the job ran on and the agent holds no lease.
+        with AgentClient(child) as c:
+            status = c.status()
+        assert status["state"] == "RUNNING" and not status["lease"]["active"], status
+        rc, out, _ = cli(env, "dump", "--shell-job", "--leave-running", str(child), str(img))
+        assert rc == ExitCode.OK, out
+        assert agent_state(child) == "RUNNING"
+        assert launcher.reap(60) == 0
+        assert launcher.lines() == ref
+    finally:
+        launcher.cleanup()
 
 
 TCP_WRAPPER = """
