@@ -282,6 +282,27 @@ def check_npu_plugin(simulated: bool) -> CheckItem:
     )
 
 
+def check_session() -> CheckItem:
+    """Whether jobs started from here can be dumped as they are: CRIU cannot record a session
+    whose leader is outside the dumped processes' pid namespace (getsid reads 0 then)."""
+    sid = os.getsid(0)
+    if sid == 0:
+        return CheckItem(
+            "session",
+            WARNING,
+            "this shell's session leader is outside this pid namespace (docker exec, nsenter, a CI "
+            "runner): a job started from here without `setsid` cannot be dumped",
+            "start jobs in a session of their own: `setsid npusnap run -- CMD...`",
+            data={"sid": sid},
+        )
+    return CheckItem(
+        "session",
+        OK,
+        f"session leader {sid} is in this pid namespace (a job sharing it is dumped with --shell-job)",
+        data={"sid": sid},
+    )
+
+
 def run_checks(ascend_home: Optional[str] = None) -> CheckReport:
-    items = check_criu() + check_privileges() + check_cann(ascend_home)
+    items = check_criu() + check_privileges() + [check_session()] + check_cann(ascend_home)
     return CheckReport(tuple(items))

@@ -79,3 +79,10 @@ def test_shared_session_needs_shell_job(monkeypatch: pytest.MonkeyPatch) -> None
     dump._check_session((_info(11),), shell_job=True)  # allowed: CRIU dumps it as a shell job
     monkeypatch.setattr(proctree, "session_id", lambda pid: pid)
     dump._check_session((_info(11),), shell_job=False)  # its own session: nothing to say
+
+
+def test_check_reports_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert preflight.check_session().status == preflight.OK or os.getsid(0) == 0
+    monkeypatch.setattr(os, "getsid", lambda pid: 0)
+    item = preflight.check_session()
+    assert item.status == preflight.WARNING and "setsid" in item.fix
