@@ -126,7 +126,7 @@ def test_shared_session_is_refused_before_the_lock(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """A job that shares its launcher's session: preflight says --shell-job before anything is
-    locked (CRIU would refuse after the freeze), and with --shell-job the dump works."""
+    locked (CRIU would refuse after the freeze); with --shell-job dump and restore work."""
     env = job_env(sim_env, runtime_dir)
     ref = reference(env, ARGS)
     # `npusnap run` makes the launcher sh (a session leader) start the workload with an agent.
@@ -144,10 +144,15 @@ def test_shared_session_is_refused_before_the_lock(
         with AgentClient(child) as c:
             status = c.status()
         assert status["state"] == "RUNNING" and not status["lease"]["active"], status
-        rc, out, _ = cli(env, "dump", "--shell-job", "--leave-running", str(child), str(img))
+        # With --shell-job the dump works; the image remembers it, and restore needs nothing more.
+        rc, out, _ = cli(env, "dump", "--shell-job", str(child), str(img))
         assert rc == ExitCode.OK, out
-        assert agent_state(child) == "RUNNING"
-        assert launcher.reap(60) == 0
+        assert launcher.reap(30) == 0  # the launcher's only child was dumped and is gone
+        rc, out, _ = cli(env, "restore", str(img))
+        assert rc == ExitCode.OK, out
+        launcher.restored_pid = child
+        assert out is not None and out["result"]["root_pid"] == child
+        wait_until(lambda: not alive(child), 30, "the restored run to finish")
         assert launcher.lines() == ref
     finally:
         launcher.cleanup()
