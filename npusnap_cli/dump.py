@@ -288,8 +288,8 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
     if sid is not None and sid != root and not shell_job:
         raise PreflightError(
             f"pid {root} is not a session leader: it shares session {sid} (a shell or a launcher)",
-            why="CRIU dumps a tree that shares another process's session only as a shell job, "
-            "restored into the session of whoever runs the restore",
+            why="CRIU dumps a tree that shares another process's session only as a shell job "
+            "(the session itself is not saved; the restored job gets a new one)",
             fix="rerun with --shell-job (restore reads it from the image), or start the job "
             "with `setsid` next time",
             details={"pid": root, "session": sid},

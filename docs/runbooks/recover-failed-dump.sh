@@ -81,8 +81,7 @@ eval "$("$NPUSNAP" sim env)"
 # the session of its launcher (here a small `sh`, which owns a new session so that this works the
 # same wherever the runbook itself was started).
 : >faults
-export NPUSIM_FAULT_FILE=$WORK/faults
-setsid sh -c '"$@" & echo $! >job.pid; wait' sh \
+NPUSIM_FAULT_FILE=$WORK/faults setsid sh -c '"$@" & echo $! >job.pid; wait' sh \
     "$NPUSNAP" run -- "$PYTHON" "$WORKLOADS/train.py" --steps 1000 --interval 0.05 </dev/null >>job.log 2>>job.err &
 for _ in $(seq 100); do [ -s job.pid ] && break; sleep 0.05; done
 JOB=$(cat job.pid)
