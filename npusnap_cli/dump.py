@@ -280,7 +280,8 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
             why="the job was started by a process outside this container or pid namespace "
             "(docker exec, nsenter, a CI runner); CRIU cannot record such a session, even with "
             "--shell-job",
-            fix="start the job in a session of its own inside the namespace: `setsid npusnap run -- CMD...`",
+            fix="start the job with `npusnap run -- CMD...` (it gives such a job a session of its own) "
+            "or with `setsid`",
             details={"pids": outside},
         )
     root = tree[0].pid

@@ -292,7 +292,7 @@ def check_session() -> CheckItem:
             WARNING,
             "this shell's session leader is outside this pid namespace (docker exec, nsenter, a CI "
             "runner): a job started from here without `setsid` cannot be dumped",
-            "start jobs in a session of their own: `setsid npusnap run -- CMD...`",
+            "start jobs with `npusnap run -- CMD...` (here it gives them a session of their own) or `setsid`",
             data={"sid": sid},
         )
     return CheckItem(

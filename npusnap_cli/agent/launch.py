@@ -60,6 +60,30 @@ def prepare(argv: list[str], base_env: Optional[dict[str, str]] = None) -> Launc
     return LaunchPlan(argv=list(argv), executable=exe, env=env)
 
 
+def leave_foreign_session() -> Optional[str]:
+    """Start a new session when this one's leader is outside our pid namespace; what was done.
+
+    CRIU cannot dump a process whose session leader it cannot see (getsid reads 0: the job was
+    started by `docker exec`, `nsenter` or a CI runner from outside the namespace), not even as a
+    shell job. Such a session gives no job control from inside anyway, so a job started through
+    `npusnap run` gets a session of its own, which makes it dumpable. None: nothing to do.
+    """
+    if os.getsid(0) != 0:
+        return None
+    try:
+        os.setsid()
+    except PermissionError:
+        # Already a process group leader (setsid(2) refuses those): the pid must stay, no fork.
+        return (
+            "this session's leader is outside the pid namespace and the program leads its own "
+            "process group, so it keeps that session: it cannot be dumped; start it with `setsid`"
+        )
+    return (
+        "this session's leader is outside the pid namespace (CRIU could not dump the program in "
+        "it): the program runs in a new session of its own"
+    )
+
+
 def exec_plan(plan: LaunchPlan) -> None:
     """Replace this process with the program (same pid). Returns only by raising."""
     sys.stdout.flush()

@@ -16,6 +16,12 @@ def register(app: typer.Typer) -> None:
         command: list[str] = typer.Argument(
             ..., metavar="[--] CMD [ARGS]...", help="The program to run, with its arguments."
         ),
+        keep_session: bool = typer.Option(
+            False,
+            "--keep-session",
+            help="Never start a new session (by default one is started only when this session's "
+            "leader is outside the pid namespace, where CRIU could not dump the program).",
+        ),
         json_flag: bool = typer.Option(
             False,
             "--json",
@@ -36,6 +42,9 @@ def register(app: typer.Typer) -> None:
         if argv and argv[0] == "--":
             argv = argv[1:]
         plan = launch.prepare(argv)
+        session_note = None if keep_session else launch.leave_foreign_session()
+        if session_note:
+            out.warn(session_note)
         out.debug(f"exec {' '.join(plan.argv)} (PYTHONPATH={plan.env.get('PYTHONPATH')})")
-        out.result(plan.to_dict())
+        out.result({**plan.to_dict(), "session_note": session_note})
         launch.exec_plan(plan)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from npusnap_cli.agent import launch
 from npusnap_cli.agent_client import AgentClient
+from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
     REPO,
@@ -88,3 +91,34 @@ def test_run_reports_a_missing_command(tmp_path: Path) -> None:
     assert done.returncode == 4
     envelope = json.loads(done.stdout)
     assert envelope["error"]["message"] == "command not found: no-such-program-xyz"
+
+
+# Prints the program's view of its session: "sid pid".
+SESSION_PROBE = "import os; print(os.getsid(0), os.getpid())"
+
+
+@requires_root
+@pytest.mark.parametrize("keep", [False, True])
+def test_run_leaves_a_session_whose_leader_is_outside_the_namespace(keep: bool) -> None:
+    """Under a new pid namespace (as under `docker exec` or a CI runner) the program's session
+    leader is invisible (getsid 0) and CRIU could not dump it: `run` gives it its own session,
+    unless --keep-session. unshare(1) provides the namespace; --mount-proc makes /proc show it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed (util-linux)")
+    npusnap = [PY, "-m", "npusnap_cli", "run", *(["--keep-session"] if keep else []), "--"]
+    script = f"cd {shlex.quote(str(REPO))} && exec {shlex.join([*npusnap, PY, '-c', SESSION_PROBE])}"
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    sid, pid = (int(x) for x in proc.stdout.split())
+    if keep:
+        assert sid == 0, "--keep-session must leave the session alone"
+        assert "new session" not in proc.stderr
+    else:
+        assert sid == pid, f"expected a session of its own, got sid {sid} for pid {pid}"
+        assert "new session of its own" in proc.stderr

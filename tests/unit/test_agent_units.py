@@ -137,3 +137,23 @@ def test_bind_replaces_a_stale_socket_but_never_a_file(tmp_path: Path) -> None:
 def test_start_time_is_read_from_proc() -> None:
     assert isinstance(read_start_time(), int)
     assert read_start_time(str(os.getpid())) == read_start_time()
+
+
+def test_run_leaves_only_a_foreign_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    from npusnap_cli.agent import launch
+
+    calls: list[str] = []
+    monkeypatch.setattr(os, "setsid", lambda: calls.append("setsid"))
+    monkeypatch.setattr(os, "getsid", lambda pid: 4242)
+    assert launch.leave_foreign_session() is None and calls == []  # a session we can see: kept
+
+    monkeypatch.setattr(os, "getsid", lambda pid: 0)
+    note = launch.leave_foreign_session()
+    assert calls == ["setsid"] and note is not None and "new session" in note
+
+    def refuse() -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setsid", refuse)
+    note = launch.leave_foreign_session()
+    assert note is not None and "cannot be dumped" in note and "setsid" in note
