@@ -536,16 +536,15 @@ def bench_disk(s: Session, plan: Plan, out: Samples) -> None:
 # Runs in a fresh process: map SIZE MiB of anonymous memory, fill it with one memset and exit,
 # which frees it again: the next allocations of the machine get pages the host has just backed.
 _WARM = """
-import ctypes, sys
+import ctypes as C, sys
 size = int(sys.argv[1]) << 20
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-C = ctypes
+libc = C.CDLL(None, use_errno=True)
+libc.mmap.restype = C.c_void_p
 libc.mmap.argtypes = [C.c_void_p, C.c_size_t, C.c_int, C.c_int, C.c_int, C.c_long]
 addr = libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
-if addr in (None, ctypes.c_void_p(-1).value):
-    raise OSError(ctypes.get_errno(), "mmap failed")
-ctypes.memset(addr, 1, size)
+if addr in (None, C.c_void_p(-1).value):
+    raise OSError(C.get_errno(), "mmap failed")
+C.memset(addr, 1, size)
 """
 # A cold dump waits this long first: free page reporting hands freed pages back after about 2 s.
 COLD_PAUSE_S = 4.0
@@ -554,11 +553,11 @@ COLD_PAUSE_S = 4.0
 def warm_mib(plan: Plan, size: int) -> int:
     """What a dump or restore of ``size`` touches (process memory, backup, page cache), with margin."""
     want = 3 * (size + plan.host_mib) + 512
-    avail = dump_mem_available() or 0
+    avail = mem_available() or 0
     return max(0, min(want, avail // MiB // 2))
 
 
-def dump_mem_available() -> Optional[int]:
+def mem_available() -> Optional[int]:
     for line in _read("/proc/meminfo").splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -781,6 +780,12 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str) -> str
         "restored with `criu restore -d -D DIR -o restore.log -v4`. npusnap drives the same CRIU "
         "(through `criu swrk`) with the same options: no shell job, no TCP, log level 4.",
         "* Each repetition starts fresh processes. Sizes are MiB of device memory.",
+        (
+            "* Memory is warmed right before every timed command, for npusnap and raw CRIU alike "
+            "(see *Cold memory* below for why, and for the same dump without it)."
+            if plan.warm
+            else "* Memory was not warmed before the timed commands (`--cold`; see *Cold memory* below)."
+        ),
         "",
     ]
 
