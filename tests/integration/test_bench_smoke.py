@@ -25,6 +25,7 @@ TABLE_HEADINGS = (
     "### --leave-running",
     "## Restore: npusnap against raw CRIU",
     "## Image write rate against the disk",
+    "## Cold memory",
     "## CLI start-up",
     "## Assessment against the targets",
 )
