@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from npusnap_cli import __version__, paths  # noqa: E402
+from npusnap_cli import __version__, paths, procfs  # noqa: E402
 from npusnap_cli import acl as acl_mod  # noqa: E402
 from npusnap_cli import criu as criu_mod  # noqa: E402
 from npusnap_cli.sim import manager  # noqa: E402
@@ -124,21 +124,6 @@ class Samples:
 # --------------------------------------------------------------------------------------------
 # Processes: start, watch, clean up
 # --------------------------------------------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] not in (b"Z", b"X")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _wait(cond: Any, timeout: float, what: str) -> None:
@@ -244,7 +229,7 @@ class Session:
     def kill_all(self) -> None:
         for pid, script in self.restored:
             # A restored process is not our child; make sure the pid is still the one we restored.
-            if _alive(pid) and script in _cmdline(pid):
+            if procfs.is_alive(pid) and script in procfs.cmdline(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         for proc in self.children:
@@ -253,7 +238,7 @@ class Session:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         end = time.monotonic() + 10
-        while any(_alive(pid) for pid, _ in self.restored) and time.monotonic() < end:
+        while any(procfs.is_alive(pid) for pid, _ in self.restored) and time.monotonic() < end:
             time.sleep(0.02)
         self.children.clear()
         self.restored.clear()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import errors, paths, proctree
+from npusnap_cli import errors, paths, procfs
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
@@ -194,12 +194,12 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         t = mark("restore", t)
 
         report("continue", f"restored pid {restored_pid} is training again")
-        _wait_for(lambda: not proctree.is_alive(restored_pid), 300, "the restored workload to finish")
+        _wait_for(lambda: not procfs.is_alive(restored_pid), 300, "the restored workload to finish")
         t = mark("train to the end", t)
     finally:
         for pid in (proc.pid, restored_pid):
             # Only if the pid still is our workload: an exited pid may already be someone else's.
-            if pid and proctree.is_alive(pid) and str(TRAIN) in proctree.cmdline(pid):
+            if pid and procfs.is_alive(pid) and str(TRAIN) in procfs.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(timeout=10)

@@ -206,12 +206,12 @@ def _rollback_one(c: AgentClient) -> dict[str, Any]:
             c.connect()
         return c.rollback()
     except NpusnapError:
-        from npusnap_cli import proctree
+        from npusnap_cli import procfs
 
         # A process that died (killed mid-dump, say) holds no lock any more: the runtime's exit
         # hook and the device daemon released it. Only a live process that cannot be reached
         # makes the state unknown.
-        if not proctree.is_alive(c.pid):
+        if not procfs.is_alive(c.pid):
             return {"state": "GONE", "before": None, "actions": [], "warnings": [f"process {c.pid} exited"]}
         raise
 

@@ -270,9 +270,9 @@ def _check_other_users(tree: tuple[Any, ...]) -> None:
 
 def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
     """Refuse, before anything is locked, the two session layouts CRIU is certain to refuse."""
-    from npusnap_cli import proctree
+    from npusnap_cli import procfs
 
-    outside = [p.pid for p in tree if proctree.session_id(p.pid) == 0]
+    outside = [p.pid for p in tree if procfs.session_id(p.pid) == 0]
     if outside:
         raise PreflightError(
             f"cannot dump pid(s) {', '.join(map(str, outside))}: their session leader is outside "
@@ -285,7 +285,7 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
             details={"pids": outside},
         )
     root = tree[0].pid
-    sid = proctree.session_id(root)
+    sid = procfs.session_id(root)
     if sid is not None and sid != root and not shell_job:
         raise PreflightError(
             f"pid {root} is not a session leader: it shares session {sid} (a shell or a launcher)",
@@ -471,12 +471,12 @@ def _signal_tree(pids: list[int], sig: int) -> None:
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
-    from npusnap_cli import proctree
+    from npusnap_cli import procfs
 
     end = time.monotonic() + timeout
     left = list(pids)
     while left and time.monotonic() < end:
-        left = [p for p in left if proctree.is_alive(p)]
+        left = [p for p in left if procfs.is_alive(p)]
         if left:
             time.sleep(0.02)
     return left

@@ -60,38 +60,6 @@ class ProcInfo:
         }
 
 
-def is_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (a dead child not yet reaped still holds its pid)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def session_id(pid: int) -> Optional[int]:
-    """The session id of ``pid`` as this pid namespace sees it (None when it is gone).
-
-    0 means the session leader lives outside this pid namespace: the job was started by
-    something outside the container (``docker exec``, ``nsenter``, a CI runner).
-    """
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            # After the command name: state ppid pgrp session ...
-            return int(f.read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def cmdline(pid: int) -> str:
-    """The command line of ``pid``, space-separated ("" when it is gone or unreadable)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
     """Ascend device files the process has open, or None if its fds cannot be read."""
     found: set[str] = set()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import paths, procfs
 from npusnap_cli.errors import PreflightError
 from npusnap_cli.sim import wire
 
@@ -201,12 +201,12 @@ def stop(timeout_s: float = 10.0) -> bool:
             pass
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not _pid_alive(pid):
+            if not procfs.is_alive(pid):
                 return True
             time.sleep(0.05)
         os.kill(pid, 15)
         time.sleep(0.5)
-        if _pid_alive(pid):
+        if procfs.is_alive(pid):
             raise PreflightError(
                 f"the simulated NPU daemon (pid {pid}) did not stop",
                 fix=f"kill {pid}",
@@ -214,12 +214,3 @@ def stop(timeout_s: float = 10.0) -> bool:
         return True
     finally:
         os.close(lock_fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] not in (b"Z", b"X")

@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from npusnap_cli.procfs import cmdline
+from npusnap_cli.procfs import is_alive as alive
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 BUF = 256
@@ -197,27 +200,17 @@ class Workload:
             pass
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
-
-
 def kill_pid(pid: int, marker: str = "workload.py") -> None:
     """SIGKILL ``pid`` if it still is one of our workloads (``marker`` in its command line).
 
     pid_max is 32768 here and the suite starts thousands of processes: a pid that exited may
     already belong to someone else (another test's process, the test runner's helpers).
     """
+    if marker not in cmdline(pid):
+        return
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if marker.encode() not in f.read():
-                return
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, FileNotFoundError):
+    except ProcessLookupError:
         pass
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image
+from npusnap_cli.procfs import cmdline
+from npusnap_cli.procfs import is_alive as alive
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -31,14 +33,6 @@ TRAIN_ARGS = ["--interval", "0.05", "--param-bytes", "65536"]
 _reference_cache: dict[tuple[str, ...], list[str]] = {}
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -46,13 +40,6 @@ def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "con
             return
         time.sleep(0.03)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def kill(pid: int) -> None:
@@ -118,7 +105,7 @@ class Job:
 
     def cleanup(self) -> None:
         for pid in (self.restored_pid, self.pid):
-            if pid and alive(pid) and self.marker in _cmdline(pid):
+            if pid and alive(pid) and self.marker in cmdline(pid):
                 import psutil
 
                 try:

@@ -15,6 +15,7 @@ import pytest
 
 from npusnap_cli import criu
 from npusnap_cli.errors import CriuError
+from npusnap_cli.procfs import is_alive
 from tests.conftest import requires_root
 
 pytestmark = [pytest.mark.integration, requires_root]
@@ -35,14 +36,6 @@ print("connected", flush=True)
 while True:
     time.sleep(0.05)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start(tmp_path: Path, code: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -107,7 +100,7 @@ def test_dump_leave_stopped_then_restore_continues(tmp_path: Path, dirs: tuple[P
         assert lines == [f"tick {i}" for i in range(len(lines))]
     finally:
         for pid in (restored, proc.pid):
-            if pid and _alive(pid):
+            if pid and is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
 
@@ -132,7 +125,7 @@ def test_dump_refused_for_established_tcp_reports_log_lines(tmp_path: Path, dirs
         assert "--tcp-established" in err.fix
         # CRIU let the process run on.
         time.sleep(0.2)
-        assert _alive(proc.pid)
+        assert is_alive(proc.pid)
     finally:
         if conn is not None:
             conn.close()

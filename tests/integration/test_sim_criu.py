@@ -18,6 +18,7 @@ from typing import Callable
 
 import pytest
 
+from npusnap_cli.procfs import is_alive as alive
 from npusnap_cli.workloads import script_path
 from tests.conftest import requires_root
 from tests.integration.sim_helpers import HERE, Driver
@@ -36,15 +37,6 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] != b"Z"
 
 
 def lines(path: Path) -> list[str]:

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from npusnap_cli import dump, preflight, proctree
+from npusnap_cli import dump, preflight, procfs, proctree
 from npusnap_cli.errors import ExitCode, PreflightError
 
 
@@ -50,20 +50,20 @@ def _info(pid: int) -> proctree.ProcInfo:
 
 
 def test_session_id_reads_this_process() -> None:
-    assert proctree.session_id(os.getpid()) == os.getsid(0)
+    assert procfs.session_id(os.getpid()) == os.getsid(0)
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        assert proctree.session_id(child.pid) == child.pid
+        assert procfs.session_id(child.pid) == child.pid
     finally:
         child.kill()
         child.wait()
-    assert proctree.session_id(child.pid) is None  # gone
+    assert procfs.session_id(child.pid) is None  # gone
 
 
 def test_session_leader_outside_the_namespace_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """getsid() reads 0 when the session leader is in a parent pid namespace (a CI runner, docker
     exec): CRIU refuses that even with --shell-job, so preflight does, before any lock."""
-    monkeypatch.setattr(proctree, "session_id", lambda pid: 0 if pid == 12 else pid)
+    monkeypatch.setattr(procfs, "session_id", lambda pid: 0 if pid == 12 else pid)
     with pytest.raises(PreflightError) as exc:
         dump._check_session((_info(11), _info(12)), shell_job=True)
     assert "outside this pid namespace" in exc.value.message and "12" in exc.value.message
@@ -72,12 +72,12 @@ def test_session_leader_outside_the_namespace_is_refused(monkeypatch: pytest.Mon
 
 
 def test_shared_session_needs_shell_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proctree, "session_id", lambda pid: 5)
+    monkeypatch.setattr(procfs, "session_id", lambda pid: 5)
     with pytest.raises(PreflightError) as exc:
         dump._check_session((_info(11),), shell_job=False)
     assert "not a session leader" in exc.value.message and "--shell-job" in exc.value.fix
     dump._check_session((_info(11),), shell_job=True)  # allowed: CRIU dumps it as a shell job
-    monkeypatch.setattr(proctree, "session_id", lambda pid: pid)
+    monkeypatch.setattr(procfs, "session_id", lambda pid: pid)
     dump._check_session((_info(11),), shell_job=False)  # its own session: nothing to say
 
 

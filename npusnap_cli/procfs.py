@@ -1,0 +1,43 @@
+"""One process's entries under /proc: alive, session, command line.
+
+Standard library only and cheap to import: the simulator's manager, the CLI's pipelines, the
+tests and the benchmark all ask these questions, often of a pid they remembered. pids are reused
+(pid_max may be as low as 32768), so whoever kills a remembered pid checks its command line first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a dead child not yet reaped still holds its pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def session_id(pid: int) -> Optional[int]:
+    """The session id of ``pid`` as this pid namespace sees it (None when it is gone).
+
+    0 means the session leader lives outside this pid namespace: the job was started by
+    something outside the container (``docker exec``, ``nsenter``, a CI runner).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            # After the command name: state ppid pgrp session ...
+            return int(f.read().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, space-separated ("" when it is gone or unreadable)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
