@@ -9,23 +9,14 @@ import pytest
 import typer.main
 
 from npusnap_cli.cli import build_app
+from tests.unit.test_cli import all_commands
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _commands() -> list[tuple[str, click.Command]]:
-    root = typer.main.get_command(build_app())
-    found: list[tuple[str, click.Command]] = [("", root)]
-
-    def walk(prefix: str, cmd: click.Command) -> None:
-        if isinstance(cmd, click.Group):
-            for name, sub in cmd.commands.items():
-                walk(f"{prefix} {name}".strip(), sub)
-        else:
-            found.append((prefix, cmd))
-
-    walk("", root)
-    return found
+    """Every leaf command, and the root itself ("") for the global options."""
+    return [("", typer.main.get_command(build_app())), *all_commands()]
 
 
 def _page(name: str) -> Path:
