@@ -17,6 +17,7 @@ from npusnap_cli import criu
 from npusnap_cli.errors import CriuError
 from npusnap_cli.procfs import is_alive
 from tests.conftest import requires_root
+from tests.integration.dumplib import wait_until
 
 pytestmark = [pytest.mark.integration, requires_root]
 
@@ -58,15 +59,6 @@ def _lines(log: Path) -> list[str]:
     return log.read_text().splitlines()
 
 
-def _wait(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting")
-
-
 @pytest.fixture
 def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     img, work = tmp_path / "img", tmp_path / "work"
@@ -80,7 +72,7 @@ def test_dump_leave_stopped_then_restore_continues(tmp_path: Path, dirs: tuple[P
     proc, log = _start(tmp_path, COUNTER)
     restored = 0
     try:
-        _wait(lambda: len(_lines(log)) >= 3)
+        wait_until(lambda: len(_lines(log)) >= 3, 10.0, "3 lines of output")
         res = criu.dump(proc.pid, str(img), str(work), options=criu.CriuOptions(leave_stopped=True))
         assert Path(res.log_path).is_file()
         assert res.stats is not None and res.stats.pages_written > 0
@@ -94,7 +86,7 @@ def test_dump_leave_stopped_then_restore_continues(tmp_path: Path, dirs: tuple[P
         restored = rres.pid
         assert restored == proc.pid  # CRIU restores the same pid
         assert rres.stats is not None and rres.stats.pages_restored > 0
-        _wait(lambda: len(_lines(log)) >= n + 3)
+        wait_until(lambda: len(_lines(log)) >= n + 3, 10.0, "3 more lines after the restore")
         lines = _lines(log)
         # The restored process continues exactly where the dump froze it.
         assert lines == [f"tick {i}" for i in range(len(lines))]
@@ -114,7 +106,7 @@ def test_dump_refused_for_established_tcp_reports_log_lines(tmp_path: Path, dirs
     conn = None
     try:
         conn, _ = listener.accept()
-        _wait(lambda: "connected" in log.read_text())
+        wait_until(lambda: "connected" in log.read_text(), 10.0, "the connection")
         with pytest.raises(CriuError) as exc:
             criu.dump(proc.pid, str(img), str(work))
         err = exc.value

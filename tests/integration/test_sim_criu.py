@@ -21,22 +21,13 @@ import pytest
 from npusnap_cli.procfs import is_alive as alive
 from npusnap_cli.workloads import script_path
 from tests.conftest import requires_root
-from tests.integration.sim_helpers import HERE, Driver
+from tests.integration.sim_helpers import HERE, Driver, wait_for
 
 pytestmark = [pytest.mark.integration, requires_root]
 
 CRIU = "/usr/local/sbin/criu"
 SNAP_TRAIN = HERE / "snap_train.py"
 ARGS = ["--steps", "30", "--interval", "0.05", "--param-bytes", "65536", "--seed", "7", "--device", "0"]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def lines(path: Path) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from npusnap_cli.sim import wire
-from tests.integration.sim_helpers import Driver
+from tests.integration.sim_helpers import Driver, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -41,15 +41,6 @@ def make_driver(sim_env: dict[str, str]) -> Iterator[Callable[..., Driver]]:
 
 def daemon_status(sim_env: dict[str, str]) -> dict[str, Any]:
     return wire.query_status(sim_env["NPUSIM_SOCKET"])
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def state(d: Driver) -> int:
@@ -254,7 +245,7 @@ def test_a_device_has_one_owner_and_a_dead_owner_is_freed(
     os.kill(a.pid, signal.SIGKILL)
     a.proc.wait()
     # the reaper frees the dead owner's memory on its own ...
-    assert wait_for(lambda: daemon_status(sim_env)["devices"][0]["owner"] is None)
+    assert wait_for(lambda: daemon_status(sim_env)["devices"][0]["owner"] is None, 5.0)
     assert daemon_status(sim_env)["devices"][0]["used"] == 0
     # ... and the device can be claimed again
     assert b.rc("set", 0) == 0

@@ -13,9 +13,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` passes; whether it held (for an assert)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
 DRIVER = HERE / "acl_driver.py"
 
 
