@@ -8,7 +8,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CRIU_VERSION=${NPUSNAP_CRIU_VERSION:-4.1.1}
+CRIU_VERSION=${NPUSNAP_CRIU_VERSION:-4.2.1}
 if [ "$(id -u)" = 0 ]; then
     CACHE=${NPUSNAP_CACHE:-/var/cache/npusnap}
 else
@@ -119,18 +119,22 @@ fetch_criu_source() {
     if [ -z "$tarball" ]; then
         mirror=$(debian_mirror) || die "cannot find the Debian mirror in this machine's apt configuration" \
             "put CRIU $CRIU_VERSION's source tarball at $CACHE/criu_$CRIU_VERSION.orig.tar.xz"
-        # CRIU 4.1.1 is Debian 13's (trixie) criu source package; use a private apt state so the
-        # machine's own apt configuration is left untouched.
+        # CRIU 4.2.1 (the first release that dumps inet sockets on kernels >= 6.16) is the criu
+        # source package of Debian's unstable suite; older pins are found in the newer stable suites.
+        # A private apt state leaves the machine's own apt configuration untouched.
         work=$CACHE/apt-src
-        mkdir -p "$work/lists/partial" "$work/archives/partial"
-        echo "deb-src $mirror trixie main" >"$work/sources.list"
-        local opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=-"
-            -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives" -qq)
-        say "fetching CRIU $CRIU_VERSION source (Debian trixie source package, from $mirror)"
-        apt-get "${opts[@]}" update >/dev/null || die "apt-get update of the trixie source index failed" \
-            "check network access to the Debian mirror, or place the tarball in $CACHE"
-        (cd "$CACHE" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_VERSION-*" >/dev/null 2>&1) ||
-            (cd "$CACHE" && apt-get "${opts[@]}" source --download-only criu >/dev/null 2>&1) || true
+        local suite
+        for suite in ${NPUSNAP_CRIU_SUITES:-sid trixie}; do
+            rm -rf "$work" && mkdir -p "$work/lists/partial" "$work/archives/partial"
+            echo "deb-src $mirror $suite main" >"$work/sources.list"
+            local opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=-"
+                -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives" -qq)
+            say "fetching CRIU $CRIU_VERSION source (Debian $suite source package, from the machine's apt mirror)"
+            apt-get "${opts[@]}" update >/dev/null 2>&1 || { say "  the $suite source index could not be read"; continue; }
+            # Only the orig tarball is needed; the .dsc/.debian.tar may 404 on some mirrors.
+            (cd "$CACHE" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_VERSION-*" >/dev/null 2>&1) || true
+            ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1 && break
+        done
         tarball=$(ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* 2>/dev/null | head -n1 || true)
         [ -n "$tarball" ] || die "could not download criu_$CRIU_VERSION.orig.tar.xz" \
             "download CRIU $CRIU_VERSION's source tarball into $CACHE and rerun"
