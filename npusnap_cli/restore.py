@@ -316,7 +316,7 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
         if len(statuses) == len(pids) or time.monotonic() >= end:
             break
         time.sleep(0.05)
-    finished = [p for p, st in statuses.items() if st is not None and os.WIFEXITED(st) and not os.WEXITSTATUS(st)]
+    finished = [p for p, st in statuses.items() if st is not None and os.waitstatus_to_exitcode(st) == 0]
     dead = {p: st for p, st in statuses.items() if p not in finished}
     if dead:
         how = "; ".join(f"{p}: {_describe_status(st)}" for p, st in dead.items())
