@@ -496,7 +496,9 @@ class _Session:
         import socket
 
         import pycriu
+        from google.protobuf.message import DecodeError
         from pycriu import rpc_pb2 as rpc
+        from pycriu.criu import CRIUExceptionInternal
 
         req = rpc.criu_req()
         req.type = getattr(rpc, req_type)
@@ -508,6 +510,10 @@ class _Session:
             sk.send(req.SerializeToString())
             while True:
                 size = len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                if size == 0:
+                    raise CRIUExceptionInternal(
+                        req.type, "CRIU closed its socket (it crashed or was killed)"
+                    )
                 resp = rpc.criu_resp()
                 resp.ParseFromString(sk.recv(size))
                 if resp.type != rpc.NOTIFY:
@@ -524,8 +530,8 @@ class _Session:
                 reply.type = rpc.NOTIFY
                 reply.notify_success = ok
                 sk.send(reply.SerializeToString())
-        except OSError as exc:
-            raise pycriu.CRIUExceptionInternal(req.type, str(exc)) from None
+        except (OSError, DecodeError) as exc:
+            raise CRIUExceptionInternal(req.type, str(exc)) from None
         if not resp.success:
             raise pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
         return resp

@@ -301,12 +301,19 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
         )
 
 
-def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions) -> tuple[Any, ...]:
-    """Refuse pipes/terminals to outside the tree (the restored job would die of them);
-    with --external-pipes, the pipes are recorded for `restore --pipe-to` instead."""
+def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: PhaseFn) -> tuple[Any, ...]:
+    """Refuse pipes/terminals to outside the tree on stdin/out/err (the restored job would die
+    of them); with --external-pipes, the pipes are recorded for `restore --pipe-to` instead."""
     from npusnap_cli import hostres
 
     found = hostres.find_external_stdio([p.pid for p in tree])
+    for e in hostres.stray_pipes(found):
+        if not options.external_pipes:
+            note(
+                f"pid {e.pid}'s fd {e.fd} is a pipe shared with pid(s) {list(e.peers)} outside the tree: "
+                "restored without its other end (a write to it fails); --external-pipes with "
+                "restore --pipe-to FILE reconnects it"
+            )
     if options.external_pipes:
         ttys = [e for e in found if e.kind == "tty"]
         err = hostres.external_stdio_error(ttys, shell_job=options.shell_job)
@@ -534,7 +541,7 @@ def dump(
             _check_privileges()
             _check_other_users(target.tree)
             _check_session(target.tree, shell_job=options.shell_job)
-            external = _check_external_stdio(target.tree, options)
+            external = _check_external_stdio(target.tree, options, cb.note)
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")

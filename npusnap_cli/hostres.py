@@ -170,10 +170,17 @@ def _comm(pid: int) -> str:
         return "?"
 
 
+def stray_pipes(found: list[ExternalStdio]) -> list[ExternalStdio]:
+    """Pipes to outside the tree on fds other than 0-2: restored without a reader (warned)."""
+    return [e for e in found if e.kind == "pipe" and e.fd > 2]
+
+
 def external_stdio_error(found: list[ExternalStdio], *, shell_job: bool) -> Optional[PreflightError]:
     """The refusal for pipes/terminals the restored job could not use, or None."""
-    pipes = [e for e in found if e.kind == "pipe"]
-    ttys = [e for e in found if e.kind == "tty"]
+    # Standard input/output/error are used by every job; a stray inherited pipe on another fd
+    # (a CI runner's, a shell's) usually is not, so those are only warned about (stray_pipes).
+    pipes = [e for e in found if e.kind == "pipe" and e.fd <= 2]
+    ttys = [e for e in found if e.kind == "tty" and e.fd <= 2]
     if ttys and not shell_job:
         e = ttys[0]
         return PreflightError(
