@@ -368,7 +368,8 @@ def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, dict[str, 
     text = "\n".join(lines)
     m = _BAD_SIZE_RE.search(text)
     if m:
-        path, now, then = m.group(1), int(m.group(2)), int(m.group(3))
+        # CRIU logs paths relative to the root ("tmp/job.log").
+        path, now, then = "/" + m.group(1).lstrip("/"), int(m.group(2)), int(m.group(3))
         return (
             f"{path} changed since the dump ({then} bytes then, {now} now)",
             "CRIU reopens every file the tree had open and requires a regular file opened for "
@@ -511,9 +512,7 @@ class _Session:
             while True:
                 size = len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
                 if size == 0:
-                    raise CRIUExceptionInternal(
-                        req.type, "CRIU closed its socket (it crashed or was killed)"
-                    )
+                    raise CRIUExceptionInternal(req.type, "CRIU closed its socket (it crashed or was killed)")
                 resp = rpc.criu_resp()
                 resp.ParseFromString(sk.recv(size))
                 if resp.type != rpc.NOTIFY:

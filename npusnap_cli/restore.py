@@ -265,13 +265,31 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        fd = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        out = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise PreflightError(
             f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
             fix="name a writable file (not a symlink) for the job's output",
         ) from None
-    return [(key, fd) for key in keys]
+    # The job gets a new pipe, not the file itself: CRIU re-opens an inherited pipe end through
+    # /proc/self/fd with the pipe's flags, which would drop O_APPEND and start at offset 0 (the
+    # job would overwrite the file). A detached `cat` is the pipe's new reader, as `tee` was.
+    import subprocess
+
+    r, w = os.pipe()
+    try:
+        subprocess.Popen(
+            ["cat"], stdin=r, stdout=out, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True
+        )
+    except OSError as exc:
+        os.close(w)
+        raise PreflightError(
+            f"cannot start the reader for --pipe-to: {exc}", fix="check that cat is installed"
+        ) from None
+    finally:
+        os.close(r)
+        os.close(out)
+    return [(key, w) for key in keys]
 
 
 def become_subreaper() -> bool:
