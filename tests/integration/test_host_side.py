@@ -335,3 +335,152 @@ def test_restore_from_a_shell_without_the_cann_environment(
         restored_run_matches(job, ref, before)
     finally:
         job.cleanup()
+
+
+ECHO_SERVER = """
+import socket, sys, threading
+def serve(c):
+    with c:
+        for line in c.makefile("rb"):
+            c.sendall(b"echo " + line)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+class Netns:
+    """Network namespaces of this test only, joined by veth pairs (addresses in them only)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.names: list[str] = []
+
+    def ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def add(self, name: str) -> str:
+        full = f"{name}{self.tag}"
+        self.ip("netns", "add", full)
+        self.names.append(full)
+        self.ip("-n", full, "link", "set", "lo", "up")
+        return full
+
+    def link(self, a: str, a_addr: str, b: str, b_addr: str, n: int) -> None:
+        va, vb = f"va{n}{self.tag}"[:15], f"vb{n}{self.tag}"[:15]
+        self.ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        for ns, dev, addr in ((a, va, a_addr), (b, vb, b_addr)):
+            self.ip("link", "set", dev, "netns", ns)
+            self.ip("-n", ns, "addr", "add", addr, "dev", dev)
+            self.ip("-n", ns, "link", "set", dev, "up")
+
+    def delete(self, name: str) -> None:
+        self.ip("netns", "del", name)
+        self.names.remove(name)
+
+    def close(self) -> None:
+        for name in list(self.names):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def _netns_skip_reason() -> str:
+    import shutil
+
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (setup installs iproute2; util-linux has nsenter)"
+    return ""
+
+
+@pytest.mark.skipif(bool(_netns_skip_reason()), reason=_netns_skip_reason() or "-")
+def test_established_tcp_survives_migration_to_a_fresh_namespace(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A connection to a peer in another namespace, dumped with --tcp-established, restored into
+    a new namespace with the same address: no message lost or duplicated."""
+    env = job_env(sim_env, runtime_dir)
+    tag = str(os.getpid() % 100000)
+    nets = Netns(tag)
+    server = None
+    job = None
+    # The same steps without the peer, each line completed with the echo it must carry.
+    ref = [
+        f"{line.split(' | ')[0]} | peer echo msg {i}"
+        for i, line in enumerate(
+            host_reference(env, ["--steps", "40", "--interval", "0.1", "--seed", "9"]), start=1
+        )
+    ]
+    try:
+        job_ns, peer_ns = nets.add("npjob"), nets.add("nppeer")
+        nets.link(job_ns, "10.231.0.1/24", peer_ns, "10.231.0.2/24", 1)
+        srv = tmp_path / "echo.py"
+        srv.write_text(ECHO_SERVER)
+        server = subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{peer_ns}", PY, str(srv), "10.231.0.2", "7000"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        args = ["--with", "tcp-peer:10.231.0.2:7000", "--steps", "40", "--interval", "0.1", "--seed", "9"]
+        job = Job(tmp_path, env, ["nsenter", f"--net=/run/netns/{job_ns}", PY, HOSTJOB, *args])
+        job.marker = HOSTJOB
+        job.wait_lines(3, timeout=30)
+
+        in_job_ns = ["nsenter", f"--net=/run/netns/{job_ns}"]
+        img = tmp_path / "img"
+        p = subprocess.run(
+            [
+                *in_job_ns,
+                str(Path(PY).parent / "npusnap"),
+                "dump",
+                str(job.pid),
+                str(img),
+                "--tcp-established",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        job.reap()
+        before = len(job.lines())
+
+        # Migration: the job's namespace is gone; a fresh one gets the same address.
+        nets.delete(job_ns)
+        new_ns = nets.add("npnew")
+        nets.link(new_ns, "10.231.0.1/24", peer_ns, "10.231.0.2/24", 2)
+        p = subprocess.run(
+            [
+                "nsenter",
+                f"--net=/run/netns/{new_ns}",
+                str(Path(PY).parent / "npusnap"),
+                "restore",
+                str(img),
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        import json
+
+        job.restored_pid = int(json.loads(p.stdout)["result"]["root_pid"])
+        restored_run_matches(job, ref, before)
+    finally:
+        if job is not None:
+            job.cleanup()
+        if server is not None:
+            server.kill()
+            server.wait(10)
+        nets.close()
