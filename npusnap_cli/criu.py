@@ -43,7 +43,7 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 def criu_version(path: str) -> Optional[str]:
-    """The version a criu binary reports (``criu --version`` prints ``Version: 4.1.1``)."""
+    """The version a criu binary reports (``criu --version`` prints ``Version: 4.2.1``)."""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
