@@ -7,6 +7,7 @@ joins the step's line, so that a run dumped and restored midway must print exact
 an uninterrupted run (the tests compare them)::
 
     python3 hostjob.py --with tcp-listen --with udp --with spawn-pool --steps 50
+    python3 hostjob.py --with forkserver-pool --steps 50
     python3 hostjob.py --with shm:/npusnap-test-1 --steps 50
     python3 hostjob.py --with tcp-peer:10.231.0.2:7000 --steps 50    # an echo server there
 
@@ -67,6 +68,17 @@ class Udp:
         return "udp " + self.sk.recv(64).decode()
 
 
+class UnixPair:
+    """A connected unix socket pair inside the process (a worker's control channel)."""
+
+    def __init__(self) -> None:
+        self.a, self.b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def step(self, n: int) -> str:
+        self.a.sendall(f"unix {n}".encode())
+        return self.b.recv(64).decode()
+
+
 class TcpPeer:
     """An established TCP connection to an echo server (another rank, a parameter server)."""
 
@@ -95,10 +107,11 @@ class TcpPeer:
 
 
 class SpawnPool:
-    """A multiprocessing Pool and Lock with the spawn start method (semaphores in /dev/shm)."""
+    """A multiprocessing Pool and Lock with the spawn (or forkserver) start method: their
+    semaphores live in /dev/shm, already unlinked."""
 
-    def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, method: str = "spawn") -> None:
+        ctx = multiprocessing.get_context(method)
         self.lock = ctx.Lock()
         self.pool = ctx.Pool(2)
 
@@ -141,8 +154,10 @@ def make(spec: str) -> Any:
     factories: dict[str, Callable[[], Any]] = {
         "tcp-listen": TcpListen,
         "udp": Udp,
+        "unix-pair": UnixPair,
         "tcp-peer": lambda: TcpPeer(arg),
         "spawn-pool": SpawnPool,
+        "forkserver-pool": lambda: SpawnPool("forkserver"),
         "shm": lambda: Shm(arg or "npusnap-hostjob"),
     }
     if kind not in factories:

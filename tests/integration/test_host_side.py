@@ -82,10 +82,24 @@ def test_check_reports_whether_criu_dumps_inet_sockets(sim_env: dict[str, str]) 
 def test_tcp_udp_and_spawn_pool_round_trip(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    """A listening TCP socket, a UDP socket and a spawn Pool + Lock (link-remap by default)."""
+    """A listening TCP socket, a UDP socket, a unix socket pair and a spawn Pool + Lock
+    (link-remap by default)."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "tcp-listen", "--with", "udp", "--with", "spawn-pool"]
+    args = ["--with", "tcp-listen", "--with", "udp", "--with", "unix-pair", "--with", "spawn-pool"]
     args += ["--steps", "40", "--interval", "0.1", "--seed", "3"]
+    ref = host_reference(env, args)
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    try:
+        job.wait_lines(3, timeout=60)
+        before = dump_and_restore(env, job, tmp_path / "img")
+        restored_run_matches(job, ref, before)
+    finally:
+        job.cleanup()
+
+
+def test_forkserver_pool_round_trip(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = ["--with", "forkserver-pool", "--steps", "30", "--interval", "0.1", "--seed", "2"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     try:
