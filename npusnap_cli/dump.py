@@ -523,8 +523,14 @@ def dump(
     directory: Path,
     options: DumpOptions = DumpOptions(),
     callbacks: DumpCallbacks = DumpCallbacks(),
+    coordinator: Optional[Any] = None,
 ) -> DumpOutcome:
-    """Run the whole dump pipeline (see the module docstring); raise NpusnapError on failure."""
+    """Run the whole dump pipeline (see the module docstring); raise NpusnapError on failure.
+
+    ``coordinator`` (jobsnap.JobCoordinator) makes this one rank of a coordinated job dump: its
+    ``sync(phase)`` blocks at each phase boundary until every rank got there, and raises an
+    NpusnapError (this rank then rolls back like any failure) when another rank failed.
+    """
     final = Path(os.path.abspath(directory))
     clock = _Clock()
     cb = callbacks
@@ -551,7 +557,10 @@ def dump(
             expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
             _check_space_and_memory(final, expected, device_bytes)
         guard.check("before anything was locked", "nothing was locked")
+        if coordinator is not None:
+            coordinator.sync("preflight")
         pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
+        pipeline.coordinator = coordinator
         pipeline.external = external
         return pipeline.run()
 
@@ -584,6 +593,12 @@ class _Pipeline:
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
+        self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
+
+    def _sync(self, phase: str) -> None:
+        """Job dumps: wait for every rank to finish ``phase``; raises when another rank failed."""
+        if self.coordinator is not None:
+            self.coordinator.sync(phase)
 
     # -- failure handling ---------------------------------------------------------------------
     def _rollback(self, err: BaseException) -> None:
@@ -680,6 +695,7 @@ class _Pipeline:
             raise self._fail(err, rolled_back=True) from None
         try:
             self.guard.check("during lock+backup", "rolled back")
+            self._sync("backup")
             self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
             outcome = self._criu_and_publish(results, lock_start)
         except NpusnapError as err:
@@ -778,6 +794,7 @@ class _Pipeline:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)
         self.guard.check("during the CRIU dump", "rolled back")
+        self._sync("criu")
 
         unlock_s: Optional[float] = None
         if self.options.leave_running:
@@ -823,6 +840,7 @@ class _Pipeline:
                 details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
             ) from None
         self.tmp = None  # published: nothing partial left to remove
+        self._sync("publish")  # a job commits here: the originals are killed only after that
         if not self.options.leave_running:
             self.cb.phase("stop original")
             pids = self.stopped_pids or _tree_pids(self.target.root_pid)

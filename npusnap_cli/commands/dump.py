@@ -39,8 +39,13 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def dump(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="Root of the process tree to snapshot."),
-        directory: Path = typer.Argument(..., help="Image directory to create (new or empty)."),
+        pids: list[int] = typer.Argument(
+            ...,
+            metavar="PID... DIR",
+            help="Root of the process tree to snapshot; several PIDs: one coordinated job image, "
+            "one rank per PID (docs/distributed.md).",
+        ),
+        directory: Path = typer.Argument(..., metavar="", help="Image directory to create (new or empty)."),
         leave_running: bool = typer.Option(
             False, "--leave-running", help="Keep the original running after the dump (as `criu dump -R`)."
         ),
@@ -139,6 +144,12 @@ def register(app: typer.Typer) -> None:
             external_pipes=external_pipes,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
+        if len(pids) > 1:
+            from npusnap_cli.commands.jobcmd import dump_job
+
+            dump_job(out, pids, directory, options, callbacks)
+            return
+        pid = pids[0]
         try:
             result = dump_mod.dump(pid, directory, options, callbacks)
         finally:

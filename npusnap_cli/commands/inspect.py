@@ -26,6 +26,13 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "inspect", json_flag)
+        from npusnap_cli import jobsnap
+
+        if jobsnap.is_job_image(directory):
+            from npusnap_cli.commands import jobcmd
+
+            jobcmd.inspect_job(out, directory)
+            return
         manifest = image.load_manifest(directory)
         data = {"image": str(directory), **manifest.to_dict()}
         v = manifest.versions
@@ -107,6 +114,13 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "verify", json_flag)
+        from npusnap_cli import jobsnap
+
+        if jobsnap.is_job_image(directory):
+            from npusnap_cli.commands import jobcmd
+
+            jobcmd.verify_job(out, directory, checksums=not no_checksums)
+            return
         manifest = image.load_manifest(directory)
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:

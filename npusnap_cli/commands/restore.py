@@ -43,6 +43,12 @@ def register(app: typer.Typer) -> None:
             help="Seconds to watch the restored tree after it resumed; a process that died in "
             "that time fails the restore.",
         ),
+        rank_netns: Optional[list[str]] = typer.Option(
+            None,
+            "--rank-netns",
+            help="Job images: restore rank RANK into the network namespace at PATH (RANK=PATH, "
+            "repeatable); default: the namespace of the same name as at dump time, or ours.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
@@ -71,6 +77,20 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()
+        from npusnap_cli import jobsnap
+
+        if jobsnap.is_job_image(directory):
+            from npusnap_cli.commands import jobcmd
+
+            try:
+                jobcmd.restore_job(out, directory, options, callbacks, jobcmd.parse_rank_netns(rank_netns))
+            finally:
+                bars.close()
+            return
+        if rank_netns:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError("--rank-netns is for job images only", fix="drop it")
         try:
             result = restore_mod.restore(directory, options, callbacks)
         finally:

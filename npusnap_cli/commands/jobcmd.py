@@ -1,0 +1,133 @@
+"""The job-image side of `dump`, `restore`, `inspect` and `verify` (jobsnap.py; docs/distributed.md).
+
+The commands detect a job image (``npusnap-job.json``) or several PIDs and call these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+
+def dump_job(out: Any, pids: list[int], directory: Path, options: Any, callbacks: Any) -> None:
+    from npusnap_cli import jobsnap
+    from npusnap_cli.ui import human_bytes
+
+    result = jobsnap.dump_job(pids, directory, options, callbacks)
+    out.ok(f"dumped a job of {len(pids)} ranks (pids {', '.join(map(str, pids))}) into {result.image}")
+    out.table(
+        "ranks",
+        ["rank", "pid", "NPU pids", "image", "frozen", "image size"],
+        [
+            [
+                str(i),
+                str(r.manifest.root_pid),
+                " ".join(str(p.pid) for p in r.manifest.npu_processes),
+                f"{jobsnap.rank_dir_name(i)}/",
+                "-" if r.manifest.timings.frozen_s is None else f"{r.manifest.timings.frozen_s:.3f}s",
+                human_bytes(r.manifest.bytes.image_bytes),
+            ]
+            for i, r in enumerate(result.ranks)
+        ],
+    )
+    out.line(
+        "originals: still running"
+        if options.leave_running
+        else f"originals: gone (bring the job back: npusnap restore {result.image})"
+    )
+    out.result(result.to_dict())
+
+
+def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
+    from npusnap_cli.errors import UsageError
+
+    found: dict[int, str] = {}
+    for v in values or []:
+        rank, sep, path = v.partition("=")
+        if not sep or not rank.isdigit() or not path:
+            raise UsageError(
+                f"--rank-netns {v!r} is not RANK=PATH",
+                fix="e.g. --rank-netns 1=/run/netns/node1",
+            )
+        found[int(rank)] = path
+    return found
+
+
+def restore_job(out: Any, directory: Path, options: Any, callbacks: Any, rank_netns: dict[int, str]) -> None:
+    from npusnap_cli import jobsnap
+    from npusnap_cli.commands.dump import fmt_s
+
+    result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns)
+    out.ok(f"restored a job of {len(result.ranks)} ranks from {result.image}; every rank is running")
+    out.table(
+        "ranks",
+        ["rank", "root pid", "NPU pids", "network namespace"],
+        [
+            [str(r["rank"]), str(r["root_pid"]), " ".join(map(str, r["npu_pids"])), r["netns"] or "(ours)"]
+            for r in result.ranks
+        ],
+    )
+    out.table(
+        "phases",
+        ["phase", "time"],
+        [
+            ["verify", fmt_s(result.verify_s)],
+            ["CRIU restore (all ranks)", fmt_s(result.criu_restore_s)],
+            ["device restore + unlock (all ranks)", fmt_s(result.device_restore_s)],
+            ["total", fmt_s(result.total_s)],
+        ],
+    )
+    out.result(result.to_dict())
+
+
+def inspect_job(out: Any, directory: Path) -> None:
+    from npusnap_cli import image, jobsnap
+    from npusnap_cli.ui import human_bytes
+
+    job = jobsnap.load_job_manifest(directory)
+    rows = []
+    ranks = []
+    for r in job.ranks:
+        m = image.load_manifest(Path(directory) / r.dir)
+        rows.append(
+            [
+                str(r.rank),
+                f"{r.dir}/",
+                str(r.pid),
+                " ".join(map(str, r.npu_pids)),
+                ",".join(str(d) for p in m.npu_processes for d in p.devices) or "-",
+                r.netns_path or r.netns or "(npusnap's)",
+                human_bytes(m.bytes.image_bytes),
+            ]
+        )
+        ranks.append({**r.to_dict(), "manifest": m.to_dict()})
+    out.kv(
+        f"job image {directory}",
+        {
+            "created": job.created_at,
+            "npusnap": job.tool,
+            "ranks": len(job.ranks),
+            "originals left running": "yes" if job.leave_running else "no",
+        },
+    )
+    out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
+    out.line(
+        f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
+        f"check the whole job: `npusnap verify {directory}`"
+    )
+    out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
+
+
+def verify_job(out: Any, directory: Path, checksums: bool) -> None:
+    from npusnap_cli import jobsnap
+    from npusnap_cli.ui import human_bytes
+
+    _job, result = jobsnap.verify_job(directory, checksums=checksums)
+    files = sum(r.files_checked for r in result.ranks)
+    nbytes = sum(r.bytes_checked for r in result.ranks)
+    what = "sizes and sha256 sums" if checksums else "sizes (checksums skipped)"
+    out.ok(
+        f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
+        f"{files} files, {human_bytes(nbytes)}: {what} match"
+    )
+    out.result(result.to_dict())

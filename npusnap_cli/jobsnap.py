@@ -1,0 +1,785 @@
+"""Coordinated snapshots of a distributed job: every rank at the same logical moment, or none.
+
+A *job* is several process trees (one per rank: ``npusnap dump PID PID ... DIR``). Each rank runs
+the ordinary dump pipeline (dump.py) in its own thread, and a ``JobCoordinator`` holds them at
+the phase boundaries::
+
+    preflight everywhere  | barrier "preflight"
+    lock + backup         | barrier "backup"     (no rank is frozen by CRIU before all are backed up)
+    CRIU dump             | barrier "criu"       (no rank is unlocked or killed before all are dumped)
+    publish rank-N/       | barrier "publish"    (its action commits the job: one rename)
+    kill (or unlock with --leave-running)
+
+Any failure, in any rank and at any step (or a signal), aborts the barriers: every other rank
+raises at its next boundary and rolls back exactly as a failed single dump does (running,
+unlocked), and the job's work directory, with every rank image in it, is removed.
+
+A rank whose root process lives in another network namespace (ranks on "nodes" simulated by
+namespaces, or containers) is dumped by a thread that entered that namespace first: CRIU, which
+the thread starts, then runs there, as it must for ``--tcp-established`` and its network lock.
+
+Job image layout (docs/image-format.md)::
+
+    DIR/npusnap-job.json   {"schema": "npusnap-job/1", "ranks": [{"rank": 0, "dir": "rank-0", ...}]}
+    DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)
+    DIR/rank-1/
+
+Restore verifies every rank, CRIU-restores every rank (each in its network namespace), and only
+then restores the device state of all of them and unlocks them together. If anything fails on
+the way, every restored process is killed: nothing is left half-running, the image is intact.
+
+Core module: returns frozen dataclasses, never prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import image as img
+from npusnap_cli.callbacks import PipelineCallbacks
+from npusnap_cli.errors import (
+    ImageError,
+    InterruptedError_,
+    NpusnapError,
+    PreflightError,
+    StateUnknownError,
+    UsageError,
+)
+
+JOB_MANIFEST = "npusnap-job.json"
+JOB_SCHEMA = "npusnap-job/1"
+PHASES = ("preflight", "backup", "criu", "publish")
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+CLONE_NEWNET = 0x40000000
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def is_job_image(directory: Path) -> bool:
+    return (Path(directory) / JOB_MANIFEST).is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# Barriers
+# --------------------------------------------------------------------------------------------
+
+
+class JobAbortedError(NpusnapError):
+    """This rank stopped because another rank (or a signal) failed the job; it rolled back."""
+
+    kind = "job-aborted"
+
+
+class JobCoordinator:
+    """One barrier per phase for ``n`` ranks; ``abort(reason)`` releases every waiter with an error.
+
+    ``on_commit`` runs once, in the last rank to reach "publish", before any rank goes on: the
+    job is committed there. If it raises, the barrier breaks and every rank rolls back.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+        on_commit: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.n = n
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.reason: Optional[str] = None
+        self.failed_rank: Optional[int] = None
+        self.commit_error: Optional[BaseException] = None
+        self.reached: dict[str, int] = {}
+        self._barriers = {p: threading.Barrier(n) for p in PHASES}
+        self._on_commit = on_commit
+        self._committed = threading.Event()
+
+    def abort(self, reason: str, rank: Optional[int] = None) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+                self.failed_rank = rank
+        for b in self._barriers.values():
+            b.abort()
+
+    def _error(self, phase: str) -> JobAbortedError:
+        who = f"rank {self.failed_rank}" if self.failed_rank is not None else "the job"
+        return JobAbortedError(
+            f"stopped before the end of '{phase}': {who} failed ({self.reason or 'unknown'})",
+            why="a coordinated snapshot is all ranks or none",
+            fix="see the failed rank's error",
+            details={"phase": phase, "failed_rank": self.failed_rank},
+        )
+
+    def sync(self, phase: str) -> None:
+        barrier = self._barriers[phase]
+        with self._lock:
+            self.reached[phase] = self.reached.get(phase, 0) + 1
+        try:
+            index = barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            if self.reason is None:
+                self.abort(f"a rank did not reach '{phase}' within {self.timeout_s:.0f}s")
+            raise self._error(phase) from None
+        if phase == "publish" and self._on_commit is not None and index == 0:
+            # Barrier.wait's index 0 goes to exactly one thread; the others wait on "commit".
+            try:
+                self._on_commit()
+            except BaseException as exc:
+                self.commit_error = exc
+                self.abort(f"committing the job failed: {_describe(exc)}")
+                raise
+            finally:
+                self._committed.set()
+        elif (
+            phase == "publish"
+            and self._on_commit is not None
+            and (not self._committed.wait(self.timeout_s) or self.commit_error is not None)
+        ):
+            if self.reason is None:
+                self.abort("the job commit did not finish")
+            raise self._error("commit")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, NpusnapError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------------------------
+# Network namespaces: a thread that enters one starts CRIU there
+# --------------------------------------------------------------------------------------------
+
+
+def netns_id(pid: Optional[int] = None) -> str:
+    """``net:[inode]`` of ``pid`` (or of this thread)."""
+    where = (
+        f"/proc/{pid}/ns/net" if pid is not None else f"/proc/self/task/{threading.get_native_id()}/ns/net"
+    )
+    return os.readlink(where)
+
+
+def netns_name(ns: str) -> Optional[str]:
+    """The /run/netns path (``ip netns``) bound to namespace ``ns``, if any."""
+    run = Path("/run/netns")
+    with contextlib.suppress(OSError):
+        for entry in sorted(run.iterdir()):
+            with contextlib.suppress(OSError):
+                if f"net:[{os.stat(entry).st_ino}]" == ns:
+                    return str(entry)
+    return None
+
+
+@contextlib.contextmanager
+def in_netns(path: Optional[str]) -> Iterator[None]:
+    """Run the body (in this thread only) inside the network namespace at ``path``."""
+    if path is None:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise PreflightError(
+                f"cannot open the network namespace {path}: {exc.strerror}",
+                fix="check the path (`ip netns list`; /proc/PID/ns/net of a process in it)",
+            ) from None
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise PreflightError(
+                    f"cannot enter the network namespace {path}: {os.strerror(err)}",
+                    why="setns(CLONE_NEWNET) needs CAP_SYS_ADMIN",
+                    fix="run npusnap as root",
+                )
+        finally:
+            os.close(fd)
+        try:
+            yield
+        finally:
+            if libc.setns(own, CLONE_NEWNET) != 0:  # pragma: no cover - our own namespace
+                raise StateUnknownError(
+                    "could not return to npusnap's own network namespace",
+                    fix="rerun the command; the processes' states are reported above",
+                )
+    finally:
+        os.close(own)
+
+
+# --------------------------------------------------------------------------------------------
+# The job manifest
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    dir: str
+    pid: int
+    npu_pids: tuple[int, ...]
+    manifest_sha256: str
+    netns: Optional[str] = None  # net:[inode] at dump time, when not npusnap's own
+    netns_path: Optional[str] = None  # its /run/netns name at dump time, if it had one
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "dir": self.dir,
+            "pid": self.pid,
+            "npu_pids": list(self.npu_pids),
+            "manifest_sha256": self.manifest_sha256,
+            "netns": self.netns,
+            "netns_path": self.netns_path,
+        }
+
+
+@dataclass(frozen=True)
+class JobManifest:
+    created_at: str
+    ranks: tuple[RankEntry, ...]
+    leave_running: bool
+    tool: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": JOB_SCHEMA,
+            "created_at": self.created_at,
+            "tool": self.tool,
+            "leave_running": self.leave_running,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+
+def load_job_manifest(directory: Path) -> JobManifest:
+    path = Path(directory) / JOB_MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ImageError(
+            f"{directory} is not a job image: {JOB_MANIFEST} is missing",
+            fix="name the directory written by `npusnap dump PID PID ... DIR`",
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ImageError(f"cannot read {path}: {exc}", fix="the job image is damaged; dump again") from None
+    try:
+        if data.get("schema") != JOB_SCHEMA:
+            raise ValueError(f"schema {data.get('schema')!r}, expected {JOB_SCHEMA!r}")
+        ranks = []
+        for i, r in enumerate(data["ranks"]):
+            d = str(r["dir"])
+            if int(r["rank"]) != i or "/" in d or d in ("", ".", ".."):
+                raise ValueError(f"rank entry {i} is malformed")
+            ranks.append(
+                RankEntry(
+                    rank=i,
+                    dir=d,
+                    pid=int(r["pid"]),
+                    npu_pids=tuple(int(p) for p in r.get("npu_pids") or ()),
+                    manifest_sha256=str(r["manifest_sha256"]),
+                    netns=r.get("netns"),
+                    netns_path=r.get("netns_path"),
+                )
+            )
+        if not ranks:
+            raise ValueError("no ranks")
+        return JobManifest(
+            created_at=str(data["created_at"]),
+            ranks=tuple(ranks),
+            leave_running=bool(data.get("leave_running")),
+            tool=str(data.get("tool", "")),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ImageError(
+            f"{path} is not a valid job manifest: {exc}",
+            fix="the job image is damaged or from another tool; dump again",
+        ) from None
+
+
+@dataclass(frozen=True)
+class JobVerifyResult:
+    image: str
+    ranks: tuple[Any, ...]  # image.VerifyResult per rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
+
+
+def verify_job(directory: Path, *, checksums: bool = True) -> tuple[JobManifest, JobVerifyResult]:
+    """Every rank image present, its manifest the one the job names (sha256), and verified."""
+    final = Path(os.path.abspath(directory))
+    job = load_job_manifest(final)
+    results = []
+    for r in job.ranks:
+        rank_image = final / r.dir
+        mpath = img.manifest_path(rank_image)
+        try:
+            digest = img.sha256_file(mpath)
+        except OSError as exc:
+            raise ImageError(
+                f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
+                fix="the job image is incomplete; dump the job again",
+                details={"rank": r.rank},
+            ) from None
+        if digest != r.manifest_sha256:
+            raise ImageError(
+                f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
+                why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
+                fix="restore only job images as `npusnap dump` wrote them; dump the job again",
+                details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
+            )
+        try:
+            results.append(img.verify(rank_image, checksums=checksums))
+        except ImageError as err:
+            err.message = f"rank {r.rank}: {err.message}"
+            err.details["rank"] = r.rank
+            raise
+    return job, JobVerifyResult(image=str(final), ranks=tuple(results))
+
+
+# --------------------------------------------------------------------------------------------
+# Dump
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobDumpOutcome:
+    image: str
+    manifest: JobManifest
+    ranks: tuple[Any, ...]  # dump.DumpOutcome per rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "image": self.image,
+            "job": self.manifest.to_dict(),
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+
+
+def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> PipelineCallbacks:
+    """Phases and notes prefixed with the rank; byte-level progress is not shown for jobs."""
+
+    def phase(label: str) -> None:
+        with lock:
+            cb.phase(f"rank {rank}: {label}")
+
+    def note(text: str) -> None:
+        with lock:
+            cb.note(f"rank {rank}: {text}")
+
+    return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)
+
+
+def _commit(tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any) -> Callable[[], None]:
+    from npusnap_cli import __version__
+
+    def commit() -> None:
+        try:
+            _write_and_rename()
+        except OSError as exc:
+            raise ImageError(
+                f"committing the job image failed: {exc.strerror or exc}",
+                why="the disk is full or the filesystem refused a write",
+                fix=f"free space in {final.parent} (or choose another place) and dump again",
+                details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
+            ) from None
+
+    def _write_and_rename() -> None:
+        entries = []
+        for r in ranks:
+            rank_image = tmp / rank_dir_name(r["rank"])
+            entries.append(
+                RankEntry(
+                    rank=r["rank"],
+                    dir=rank_dir_name(r["rank"]),
+                    pid=r["pid"],
+                    npu_pids=tuple(p.pid for p in img.load_manifest(rank_image).npu_processes),
+                    manifest_sha256=img.sha256_file(img.manifest_path(rank_image)),
+                    netns=r["netns"],
+                    netns_path=r["netns_path"],
+                )
+            )
+        job = JobManifest(
+            created_at=img.now_iso(),
+            ranks=tuple(entries),
+            leave_running=options.leave_running,
+            tool=__version__,
+        )
+        ranks[0]["_job"] = job
+        path = tmp / JOB_MANIFEST
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(job.to_dict(), f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        img.fsync_tree(tmp)
+        old: Optional[Path] = None
+        if final.exists() and not img.dir_is_empty(final):
+            if not options.force:
+                raise UsageError(
+                    f"{final} appeared and is not empty",
+                    why="something wrote into the target directory during the dump",
+                    fix="dump into a new directory, or pass --force to replace it",
+                )
+            old = final.parent / f".{final.name}{img.OLD_MARKER}{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if old is not None:
+            img.remove_tree(old)
+
+    return commit
+
+
+def dump_job(
+    pids: list[int],
+    directory: Path,
+    options: Any,
+    callbacks: PipelineCallbacks = PipelineCallbacks(),
+    *,
+    barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+) -> JobDumpOutcome:
+    """Dump every rank (one process tree per pid) as one job image; all or nothing."""
+    from npusnap_cli import dump as dump_mod
+
+    if len(set(pids)) != len(pids):
+        raise UsageError("a pid was given twice", fix="name each rank's root pid once")
+    final = Path(os.path.abspath(directory))
+    img.check_dump_target(final, force=options.force)
+    for stale in img.remove_stale_temps(final):
+        callbacks.note(f"removed {stale}, left by an earlier dump that did not finish")
+    own_ns = netns_id()
+    ranks: list[dict[str, Any]] = []
+    for i, pid in enumerate(pids):
+        try:
+            ns = netns_id(pid)
+        except OSError:
+            raise UsageError(f"no process with pid {pid} (rank {i})", fix="check the pids") from None
+        other = ns != own_ns
+        ranks.append(
+            {
+                "rank": i,
+                "pid": pid,
+                "netns": ns if other else None,
+                "netns_path": netns_name(ns) if other else None,
+                "enter": f"/proc/{pid}/ns/net" if other else None,
+            }
+        )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{img.TMP_MARKER}{os.getpid()}-", dir=str(final.parent)))
+    os.chmod(tmp, img.DIR_MODE)
+    coord = JobCoordinator(
+        len(pids), timeout_s=barrier_timeout_s, on_commit=_commit(tmp, final, ranks, options)
+    )
+    outcomes: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    out_lock = threading.Lock()
+
+    def run_rank(r: dict[str, Any]) -> None:
+        i = r["rank"]
+        try:
+            with in_netns(r["enter"]):
+                outcomes[i] = dump_mod.dump(
+                    r["pid"], tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
+                )
+        except BaseException as exc:
+            errors[i] = exc
+            if not isinstance(exc, JobAbortedError):
+                coord.abort(_describe(exc), i)
+
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
+    with dump_mod.SignalGuard(callbacks.note, what="job dump") as guard:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.1)
+            if guard.received is not None and coord.reason is None:
+                coord.abort(f"{guard.name} received")
+    committed = not tmp.exists()
+    if errors or guard.received is not None:
+        if not committed:
+            img.remove_tree(tmp)
+        raise _job_error(errors, coord, guard, committed, final)
+    job = ranks[0]["_job"]
+    return JobDumpOutcome(image=str(final), manifest=job, ranks=tuple(outcomes[i] for i in range(len(pids))))
+
+
+def _job_error(
+    errors: dict[int, BaseException], coord: JobCoordinator, guard: Any, committed: bool, final: Path
+) -> NpusnapError:
+    summary = {i: _describe(e) for i, e in sorted(errors.items())}
+    unknown = [i for i, e in errors.items() if isinstance(e, StateUnknownError)]
+    if unknown:
+        err: NpusnapError = errors[unknown[0]]  # type: ignore[assignment]
+        err.message = f"rank {unknown[0]}: {err.message}"
+        err.details["ranks"] = summary
+        return err
+    primary = [i for i, e in sorted(errors.items()) if not isinstance(e, JobAbortedError)]
+    state = (
+        f"the job image was committed to {final} but a rank failed afterwards: the image is complete, "
+        "check the ranks"
+        if committed
+        else "every rank was rolled back and is running; no image was written"
+    )
+    if primary:
+        i = primary[0]
+        first = errors[i]
+        if isinstance(first, NpusnapError):
+            first.message = f"rank {i}: {first.message} — {state}"
+            first.details["ranks"] = summary
+            first.details["failed_rank"] = i
+            first.details["partial_image_removed"] = not committed
+            return first
+        return NpusnapError(
+            f"rank {i} failed: {_describe(first)} — {state}",
+            why="unexpected error in npusnap",
+            fix="rerun with -v and report it",
+            details={"ranks": summary, "failed_rank": i},
+        )
+    if guard.received is not None:
+        return InterruptedError_(
+            f"job dump interrupted by {guard.name} — {state}",
+            why="Ctrl-C or SIGTERM",
+            fix="rerun the dump when ready",
+            details={"ranks": summary},
+        )
+    if coord.commit_error is not None and isinstance(coord.commit_error, NpusnapError):
+        e = coord.commit_error
+        e.message += f" — {state}"
+        return e
+    return NpusnapError(
+        f"the job dump failed: {coord.reason} — {state}",
+        why="a rank stopped the job",
+        fix="see details.ranks",
+        details={"ranks": summary},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Restore
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRestoreOutcome:
+    image: str
+    ranks: tuple[dict[str, Any], ...]  # rank, root_pid, pids, npu_pids, netns, criu_log
+    verify_s: float
+    criu_restore_s: float
+    device_restore_s: float
+    total_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "image": self.image,
+            "ranks": list(self.ranks),
+            "timings": {
+                "verify_s": round(self.verify_s, 6),
+                "criu_restore_s": round(self.criu_restore_s, 6),
+                "device_restore_s": round(self.device_restore_s, 6),
+                "total_s": round(self.total_s, 6),
+            },
+        }
+
+
+def _target_netns(r: RankEntry, overrides: dict[int, str]) -> Optional[str]:
+    if r.rank in overrides:
+        return overrides[r.rank]
+    if r.netns is None:
+        return None
+    if r.netns_path and os.path.exists(r.netns_path):
+        return r.netns_path
+    raise PreflightError(
+        f"rank {r.rank} was dumped in another network namespace ({r.netns_path or r.netns}), "
+        "and that namespace does not exist here",
+        why="its TCP connections and addresses belong to that namespace",
+        fix=f"create it (e.g. `ip netns add {Path(r.netns_path).name}` with the same addresses) "
+        if r.netns_path
+        else f"pass --rank-netns {r.rank}=/run/netns/NAME (a namespace with the rank's addresses)",
+        details={"rank": r.rank, "netns": r.netns, "netns_path": r.netns_path},
+    )
+
+
+def _kill_trees(pids: list[int]) -> None:
+    from npusnap_cli import dump as dump_mod
+
+    every: list[int] = []
+    for p in pids:
+        every += dump_mod._tree_pids(p)
+    for p in every:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    dump_mod._wait_gone(every)
+    for p in pids:  # our (subreaped) children: collect them so their pids are free again
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(p, os.WNOHANG)
+
+
+def restore_job(
+    directory: Path,
+    options: Any,
+    callbacks: PipelineCallbacks = PipelineCallbacks(),
+    *,
+    rank_netns: Optional[dict[int, str]] = None,
+) -> JobRestoreOutcome:
+    """Restore every rank with CRIU, then release them together; all or nothing."""
+    from npusnap_cli import criu, hostres
+    from npusnap_cli import restore as rmod
+    from npusnap_cli.devicegroup import DeviceGroup
+
+    start = time.monotonic()
+    cb = callbacks
+    final = Path(os.path.abspath(directory))
+    overrides = dict(rank_netns or {})
+    cb.phase("verify every rank")
+    job, _ = verify_job(final, checksums=options.verify)
+    unknown = sorted(set(overrides) - {r.rank for r in job.ranks})
+    if unknown:
+        raise UsageError(f"--rank-netns names rank(s) {unknown} that the job does not have")
+    if options.pipe_to is not None:
+        raise UsageError(
+            "--pipe-to is not supported for job images yet", fix="dump the job without --external-pipes"
+        )
+    binary = criu.find_criu()
+    manifests = {}
+    targets: dict[int, Optional[str]] = {}
+    for r in job.ranks:
+        m = img.load_manifest(final / r.dir)
+        manifests[r.rank] = m
+        try:
+            rmod.check_versions(m, binary)
+            rmod.check_pids_free(m)
+            rmod.check_devices_free(m)
+            rmod.prepare_sockets(m)
+            hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
+            rmod.open_pipe_targets(m, None)
+        except NpusnapError as err:
+            err.message = f"rank {r.rank}: {err.message}"
+            err.details["rank"] = r.rank
+            raise
+        targets[r.rank] = _target_netns(r, overrides)
+        if targets[r.rank] is not None and not os.path.exists(str(targets[r.rank])):
+            raise PreflightError(
+                f"rank {r.rank}: network namespace {targets[r.rank]} does not exist",
+                fix="create it, or name another with --rank-netns RANK=PATH",
+            )
+    verify_s = time.monotonic() - start
+    restored: dict[int, Any] = {}
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        # CRIU restores every rank (each one locked: its agent waits for `restore`), in parallel so
+        # that no rank's TCP peer is missing for long.
+        cb.phase("criu restore (every rank)")
+        errors: dict[int, BaseException] = {}
+
+        def one(r: RankEntry) -> None:
+            m = manifests[r.rank]
+            try:
+                with in_netns(targets[r.rank]):
+                    to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
+                    if to_put_back:
+                        hostres.put_back(to_put_back, final / r.dir)
+                    logs = img.logs_dir(final / r.dir)
+                    logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
+                    restored[r.rank] = criu.restore(
+                        str(img.criu_dir(final / r.dir)),
+                        str(logs),
+                        options=rmod._criu_options(m),
+                        log_name=img.RESTORE_LOG,
+                        binary=binary,
+                    )
+            except BaseException as exc:
+                errors[r.rank] = exc
+
+        threads = [
+            threading.Thread(target=one, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            i = min(errors)
+            raise _rank_error(errors[i], i, "CRIU restore")
+        criu_done = time.monotonic()
+        # Release together: the device state of every rank, then every rank's Unlock.
+        cb.phase("device restore (every rank)")
+        npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
+        if npu:
+            with DeviceGroup(npu, lease_s=options.lease_s) as group:
+                group.restore()
+                cb.phase("unlock (every rank)")
+                group.unlock()
+        device_done = time.monotonic()
+        for r in job.ranks:
+            res = restored[r.rank]
+            m = manifests[r.rank]
+            watched = tuple(dict.fromkeys((res.pid, *(p.pid for p in m.npu_processes))))
+            for note in rmod.check_alive_after(watched, options.settle_s, res.log_path):
+                cb.note(f"rank {r.rank}: {note}")
+            results[r.rank] = {
+                "rank": r.rank,
+                "root_pid": res.pid,
+                "pids": [p.pid for p in m.processes],
+                "npu_pids": [p.pid for p in m.npu_processes],
+                "netns": targets[r.rank],
+                "criu_log": res.log_path,
+            }
+    except BaseException as exc:
+        roots = [res.pid for res in restored.values()]
+        if roots:
+            _kill_trees(roots)
+        if isinstance(exc, NpusnapError):
+            if roots:
+                exc.message += (
+                    f" — every restored rank was killed (root pids {sorted(roots)}): nothing runs; "
+                    "the image is unchanged, restore it again once the cause is fixed"
+                )
+            else:
+                exc.message += " — no rank was restored; the image is unchanged"
+            exc.details["killed_root_pids"] = sorted(roots)
+            exc.fix = exc.fix or "fix the cause and restore again"
+        raise
+    return JobRestoreOutcome(
+        image=str(final),
+        ranks=tuple(results[r.rank] for r in job.ranks),
+        verify_s=verify_s,
+        criu_restore_s=criu_done - start - verify_s,
+        device_restore_s=device_done - criu_done,
+        total_s=device_done - start,
+    )
+
+
+def _rank_error(exc: BaseException, rank: int, step: str) -> NpusnapError:
+    if isinstance(exc, NpusnapError):
+        exc.message = f"rank {rank}: {exc.message}"
+        exc.details["rank"] = rank
+        return exc
+    return NpusnapError(
+        f"rank {rank}: {step} failed: {_describe(exc)}",
+        why="unexpected error in npusnap",
+        fix="rerun with -v and report it",
+        details={"rank": rank},
+    )

@@ -1,0 +1,266 @@
+"""Coordinated snapshots of a two-rank job (npusnap dump PID PID DIR; jobsnap.py).
+
+Each rank runs ``ranks.py``: its own simulated device (rank i on device i) and an all-reduce over
+TCP every step, so that every rank's output depends on the other's state. Every test compares
+each rank's lines with an uninterrupted run of the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.errors import ExitCode
+from tests.integration.dumplib import (
+    PY,
+    REPO,
+    Job,
+    agent_state,
+    alive,
+    assert_no_image,
+    cli,
+    continues_reference,
+    job_env,
+    wait_until,
+)
+from tests.integration.test_host_side import Netns, _netns_skip_reason
+
+pytestmark = pytest.mark.integration
+
+RANKS = str(REPO / "npusnap_cli" / "workloads" / "ranks.py")
+NPUSNAP = str(Path(PY).parent / "npusnap")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_args(rank: int, master: str, seed: int, steps: int = 40, interval: str = "0.1") -> list[str]:
+    return [
+        "--rank", str(rank), "--world", "2", "--master", master, "--device", str(rank),
+        "--steps", str(steps), "--interval", interval, "--seed", str(seed),
+    ]  # fmt: skip
+
+
+def job_reference(env: dict[str, str], seed: int, steps: int = 40) -> list[list[str]]:
+    """Every rank's lines of an uninterrupted run (no interval, no agent)."""
+    master = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [PY, RANKS, *rank_args(r, master, seed, steps, "0")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_o, e) in zip(procs, outs):
+        assert p.returncode == 0, e
+    return [o.splitlines() for o, _e in outs]
+
+
+def start_ranks(
+    tmp: Path,
+    env: dict[str, str],
+    seed: int,
+    extra: tuple[list[str], list[str]] = ([], []),
+    prefix: list[str] = (),
+) -> list[Job]:
+    master = f"127.0.0.1:{free_port()}"
+    jobs = []
+    for r in (0, 1):
+        d = tmp / f"r{r}"
+        d.mkdir()
+        job = Job(d, env, [*prefix, PY, RANKS, *rank_args(r, master, seed), *extra[r]])
+        job.marker = RANKS
+        jobs.append(job)
+    for job in jobs:
+        job.wait_lines(3, timeout=60)
+    return jobs
+
+
+def finish_matches(job: Job, ref: list[str], before: int) -> None:
+    wait_until(lambda: not alive(job.restored_pid), 90, "the restored rank to finish")
+    lines = job.lines()
+    assert lines[:before] == ref[:before]
+    cont = lines[before:]
+    assert cont and continues_reference(cont, ref), (cont[:3], job.text()[-800:])
+    assert cont[0] == ref[before], "a step was lost or repeated"
+
+
+def dump_restore_job(env: dict[str, str], jobs: list[Job], img: Path, *dump_args: str) -> list[int]:
+    rc, out, err = cli(env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), *dump_args, timeout=240)
+    assert rc == 0, (out or {}).get("error") or err
+    assert out is not None and [r["rank"] for r in out["result"]["job"]["ranks"]] == [0, 1]
+    before = []
+    for job in jobs:
+        job.reap()
+        before.append(len(job.lines()))
+    # A job image: one manifest naming two ordinary rank images, verified as a whole.
+    manifest = json.loads((img / "npusnap-job.json").read_text())
+    assert manifest["schema"] == "npusnap-job/1"
+    assert [r["dir"] for r in manifest["ranks"]] == ["rank-0", "rank-1"]
+    assert (img / "rank-0" / "npusnap.json").is_file() and (img / "rank-1" / "npusnap.json").is_file()
+    rc, out, err = cli(env, "verify", str(img))
+    assert rc == 0, err
+    rc, out, err = cli(env, "inspect", str(img))
+    assert rc == 0 and out is not None and len(out["result"]["ranks"]) == 2, err
+    return before
+
+
+def restore_job(env: dict[str, str], jobs: list[Job], img: Path, *args: str, prefix: list[str] = ()) -> None:
+    argv = [*prefix, NPUSNAP, "restore", str(img), *args, "--json"]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ranks = json.loads(p.stdout)["result"]["ranks"]
+    for job, r in zip(jobs, ranks):
+        job.restored_pid = int(r["root_pid"])
+
+
+def cleanup(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cleanup()
+
+
+def test_two_rank_job_with_tcp_established(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The ranks' connection itself is in the image (both ends dumped at once)."""
+    env = job_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=11)
+    jobs = start_ranks(tmp_path, env, seed=11)
+    try:
+        before = dump_restore_job(env, jobs, tmp_path / "img", "--tcp-established")
+        restore_job(env, jobs, tmp_path / "img")
+        for job, r in zip(jobs, ref):
+            finish_matches(job, r, before[jobs.index(job)])
+    finally:
+        cleanup(jobs)
+
+
+def test_two_rank_job_rebuilding_its_communicator(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """As HCCL needs: pre_lock closes the connections at a common step, post_unlock rebuilds them."""
+    env = job_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=12)
+    jobs = start_ranks(tmp_path, env, seed=12, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
+    try:
+        before = dump_restore_job(env, jobs, tmp_path / "img")
+        restore_job(env, jobs, tmp_path / "img")
+        for i, job in enumerate(jobs):
+            finish_matches(job, ref[i], before[i])
+    finally:
+        cleanup(jobs)
+
+
+def assert_rolled_back(env: dict[str, str], jobs: list[Job], img: Path, ref: list[list[str]]) -> None:
+    assert_no_image(img)
+    for job in jobs:
+        assert alive(job.pid)
+        assert agent_state(job.pid) == "RUNNING"
+    for i, job in enumerate(jobs):
+        assert job.reap(120) == 0, job.text()[-800:]
+        assert job.lines() == ref[i]
+
+
+def test_fault_in_one_rank_during_backup_rolls_back_every_rank(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=13)
+    jobs = start_ranks(
+        tmp_path, env, seed=13, extra=(["--rebuild-comm"], ["--rebuild-comm", "--fail-hook", "post_backup"])
+    )
+    img = tmp_path / "img"
+    try:
+        rc, out, err = cli(env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img))
+        assert rc == ExitCode.AGENT, (out or {}).get("error") or err
+        assert out is not None
+        error = out["error"]
+        assert "rank 1" in error["message"] and "rolled back" in error["message"], error
+        assert error["details"]["failed_rank"] == 1
+        assert_rolled_back(env, jobs, img, ref)
+    finally:
+        cleanup(jobs)
+
+
+def test_fault_in_one_rank_during_criu_rolls_back_every_rank(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A CRIU that fails for the first rank to start it (the other one's dump succeeds)."""
+    token = tmp_path / "fail-once"
+    token.write_text("")
+    wrapper = tmp_path / "criu-wrapper"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = swrk ] && mv "{token}" "{token}.used" 2>/dev/null; then\n'
+        '  echo "criu-wrapper: injected failure" >&2; exit 1\nfi\n'
+        'exec /usr/local/sbin/criu "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = job_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=14)
+    jobs = start_ranks(tmp_path, env, seed=14, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
+    img = tmp_path / "img"
+    try:
+        rc, out, err = cli(
+            {**env, "NPUSNAP_CRIU": str(wrapper)}, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img)
+        )
+        assert rc == ExitCode.CRIU, (out or {}).get("error") or err
+        assert (tmp_path / "fail-once.used").exists()
+        assert out is not None and "rolled back" in out["error"]["message"], out["error"]
+        assert_rolled_back(env, jobs, img, ref)
+    finally:
+        cleanup(jobs)
+
+
+@pytest.mark.skipif(bool(_netns_skip_reason()), reason=_netns_skip_reason() or "-")
+def test_ranks_on_two_simulated_nodes_restored_into_fresh_namespaces(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Each rank in its own network namespace ("node"), joined by a veth pair; the connection is
+    dumped with --tcp-established; both namespaces are then deleted and created anew (same names
+    and addresses) and the job restored into them."""
+    env = job_env(sim_env, runtime_dir)
+    tag = str(os.getpid() % 100000)
+    nets = Netns(tag)
+    ref_master = "10.232.0.1:7300"
+    # The reference: the same job, uninterrupted, on loopback (the lines do not depend on addresses).
+    ref = job_reference(env, seed=15)
+    jobs: list[Job] = []
+    try:
+        n0, n1 = nets.add("npn0"), nets.add("npn1")
+        nets.link(n0, "10.232.0.1/24", n1, "10.232.0.2/24", 1)
+        for r, ns in ((0, n0), (1, n1)):
+            d = tmp_path / f"r{r}"
+            d.mkdir()
+            job = Job(d, env, ["nsenter", f"--net=/run/netns/{ns}", PY, RANKS, *rank_args(r, ref_master, 15)])
+            job.marker = RANKS
+            jobs.append(job)
+        for job in jobs:
+            job.wait_lines(3, timeout=60)
+        img = tmp_path / "img"
+        before = dump_restore_job(env, jobs, img, "--tcp-established")
+        inspect = json.loads((img / "npusnap-job.json").read_text())
+        assert [r["netns_path"] for r in inspect["ranks"]] == [f"/run/netns/{n0}", f"/run/netns/{n1}"]
+        # Fresh "nodes": same names and addresses, new namespaces.
+        nets.delete(n0)
+        nets.delete(n1)
+        n0, n1 = nets.add("npn0"), nets.add("npn1")
+        nets.link(n0, "10.232.0.1/24", n1, "10.232.0.2/24", 2)
+        restore_job(env, jobs, img)
+        for i, job in enumerate(jobs):
+            finish_matches(job, ref[i], before[i])
+    finally:
+        cleanup(jobs)
+        nets.close()
