@@ -103,7 +103,8 @@ def find_agent_socket(pid: int) -> Optional[Path]:
     """
     default = agent_socket_path(pid)
     name = f"{pid}{SOCKET_SUFFIX}"
-    listening = listening_unix_paths()
+    # In pid's own network namespace, which may not be ours (a rank on a simulated node).
+    listening = listening_unix_paths(f"/proc/{pid}/net/unix") or listening_unix_paths()
     if str(default) in listening:
         return default
     for path in listening:

@@ -133,7 +133,8 @@ def process_tree(pid: int) -> list[ProcInfo]:
             why="it exited, or it lives in another PID namespace",
             fix="check the pid with `ps -p PID` and rerun",
         ) from None
-    listening = set(paths.listening_unix_paths())
+    # The tree's own network namespace (a job on another "node"): /proc/net is ours.
+    listening = set(paths.listening_unix_paths(f"/proc/{pid}/net/unix") or paths.listening_unix_paths())
     out: list[ProcInfo] = []
 
     def walk(proc: psutil.Process, depth: int) -> None:
