@@ -69,7 +69,7 @@ class Comm:
             srv.bind(self.addr)
             srv.listen(self.world)
             srv.settimeout(CONNECT_S)
-            by_rank = {}
+            by_rank: dict[int, tuple[socket.socket, bytearray]] = {}
             try:
                 while len(by_rank) < self.world - 1:
                     c, _ = srv.accept()
@@ -98,7 +98,7 @@ class Comm:
             sk.close()
         self.peers, self.bufs = [], []
 
-    def allreduce(self, value: int, pause: bool) -> "tuple[int, bool]":
+    def allreduce(self, value: int, pause: bool) -> tuple[int, bool]:
         """XOR of every rank's ``value``; whether any rank asked to pause after this step."""
         mine = f"{value:08x} {int(pause)}\n".encode()
         if self.rank == 0:
