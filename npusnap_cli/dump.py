@@ -604,6 +604,12 @@ class _Pipeline:
     def _rollback(self, err: BaseException) -> None:
         """Every locked process back to RUNNING; StateUnknownError (carrying ``err``) if not."""
         self.cb.phase("rollback")
+        if self.stopped_pids and self.options.tcp_established:
+            # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
+            from npusnap_cli import tcpunlock
+
+            for problem in tcpunlock.release(self.stopped_pids, self.options.network_lock):
+                self.cb.note(f"rollback: {problem}")
         if self.stopped_pids:
             _signal_tree(self.stopped_pids, signal.SIGCONT)
         if self.group is None:

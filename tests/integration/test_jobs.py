@@ -194,10 +194,13 @@ def test_fault_in_one_rank_during_backup_rolls_back_every_rank(
         cleanup(jobs)
 
 
+@pytest.mark.parametrize("mode", ["rebuild-comm", "tcp-established"])
 def test_fault_in_one_rank_during_criu_rolls_back_every_rank(
-    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    """A CRIU that fails for the first rank to start it (the other one's dump succeeds)."""
+    """A CRIU that fails for the first rank to start it (the other one's dump succeeds). With
+    --tcp-established, the rank that was dumped gets its connections back (out of CRIU's repair
+    mode, network lock removed)."""
     token = tmp_path / "fail-once"
     token.write_text("")
     wrapper = tmp_path / "criu-wrapper"
@@ -210,11 +213,18 @@ def test_fault_in_one_rank_during_criu_rolls_back_every_rank(
     wrapper.chmod(0o755)
     env = job_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=14)
-    jobs = start_ranks(tmp_path, env, seed=14, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
+    extra = ["--rebuild-comm"] if mode == "rebuild-comm" else []
+    dump_args = ["--tcp-established"] if mode == "tcp-established" else []
+    jobs = start_ranks(tmp_path, env, seed=14, extra=(extra, extra))
     img = tmp_path / "img"
     try:
         rc, out, err = cli(
-            {**env, "NPUSNAP_CRIU": str(wrapper)}, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img)
+            {**env, "NPUSNAP_CRIU": str(wrapper)},
+            "dump",
+            str(jobs[0].pid),
+            str(jobs[1].pid),
+            str(img),
+            *dump_args,
         )
         assert rc == ExitCode.CRIU, (out or {}).get("error") or err
         assert (tmp_path / "fail-once.used").exists()

@@ -1,0 +1,194 @@
+"""Give a rolled-back tree its TCP connections back after a ``--tcp-established`` CRIU dump.
+
+npusnap asks CRIU to leave a dumped tree *stopped* (it is killed only once the image is
+published). For that final state CRIU keeps the tree's established TCP connections locked: each
+socket stays in TCP repair mode, and CRIU's nftables table (``inet CRIU-<run id>``, a set
+``conns4``/``conns6`` of 4-tuples dropped on input and output) stays in the namespace. That is
+right when the tree is then killed or restored, but if the dump is rolled back (a later step
+failed: another rank of a job, the publish) the resumed process would find every connection
+dead (``EPERM`` on send). ``release(pids)`` undoes it, before the tree is resumed:
+
+* every established TCP socket of the tree is taken out of repair mode (``pidfd_getfd`` to get
+  it, then ``setsockopt(TCP_REPAIR, TCP_REPAIR_OFF)``, as CRIU's own ``libsoccr_resume``);
+* its 4-tuples are deleted from CRIU's tables in the caller's network namespace (the tree's:
+  the caller is the thread that ran CRIU there), and a table left with no element is deleted.
+
+Only CRIU's nftables lock is undone (the default where CRIU has libnftables); with
+``--network-lock iptables`` the iptables rules stay (reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import socket
+from typing import Optional
+
+TCP_REPAIR = 19
+TCP_REPAIR_OFF = 0
+_SYS_PIDFD_GETFD = 438  # x86_64 and aarch64 (the generic syscall table)
+_ESTABLISHED = "01"
+
+
+def _hex_addr(text: str) -> tuple[str, int]:
+    addr, port = text.split(":")
+    raw = bytes.fromhex(addr)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:
+        # /proc/net/tcp6: four 32-bit words, each in host (little-endian) order.
+        words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+        ip = socket.inet_ntop(socket.AF_INET6, words)
+        if ip.startswith("::ffff:") and "." in ip:
+            ip = ip[len("::ffff:") :]
+    return ip, int(port, 16)
+
+
+def established(pid: int) -> dict[int, tuple[str, int, str, int]]:
+    """inode -> (local ip, port, remote ip, port) of the established TCP sockets in pid's netns."""
+    found: dict[int, tuple[str, int, str, int]] = {}
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{name}", encoding="ascii") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == _ESTABLISHED:
+                    lip, lport = _hex_addr(fields[1])
+                    rip, rport = _hex_addr(fields[2])
+                    found[int(fields[9])] = (lip, lport, rip, rport)
+    return found
+
+
+def _socket_fds(pid: int) -> dict[int, int]:
+    """fd -> socket inode for ``pid``."""
+    fds: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    fds[int(fd)] = int(target[len("socket:[") : -1])
+    return fds
+
+
+def _repair_off(pid: int, fds: list[int]) -> list[str]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    problems: list[str] = []
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        return [f"pid {pid}: pidfd_open: {exc.strerror}"]
+    try:
+        for fd in fds:
+            got = int(libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
+            if got < 0:
+                problems.append(f"pid {pid} fd {fd}: pidfd_getfd: {os.strerror(ctypes.get_errno())}")
+                continue
+            try:
+                sk = socket.socket(fileno=got)
+                try:
+                    sk.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF)
+                finally:
+                    sk.detach()
+            except OSError as exc:
+                problems.append(f"pid {pid} fd {fd}: TCP_REPAIR off: {exc.strerror}")
+            finally:
+                os.close(got)
+    finally:
+        os.close(pidfd)
+    return problems
+
+
+class _Nft:
+    """libnftables through ctypes (the library CRIU itself uses; no `nft` binary needed)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libnftables.so.1")
+        self.lib.nft_ctx_new.restype = ctypes.c_void_p
+        self.lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        self.lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+        self.lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+        self.lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+        self.lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        self.lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+        self.lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+        self.lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+        self.lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+
+    def run(self, cmd: str) -> tuple[int, str, str]:
+        ctx = self.lib.nft_ctx_new(0)
+        if not ctx:
+            return -1, "", "nft_ctx_new failed"
+        try:
+            self.lib.nft_ctx_buffer_output(ctx)
+            self.lib.nft_ctx_buffer_error(ctx)
+            rc = int(self.lib.nft_run_cmd_from_buffer(ctx, cmd.encode()))
+            out = (self.lib.nft_ctx_get_output_buffer(ctx) or b"").decode(errors="replace")
+            err = (self.lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace")
+            return rc, out, err
+        finally:
+            self.lib.nft_ctx_free(ctx)
+
+
+_ELEMENT = re.compile(r"([0-9a-fA-F:.]+) \. (\d+) \. ([0-9a-fA-F:.]+) \. (\d+)")
+
+
+def _unlock_nftables(conns: set[tuple[str, int, str, int]]) -> list[str]:
+    try:
+        nft = _Nft()
+    except OSError as exc:
+        return [f"libnftables not available ({exc}): CRIU's network lock could not be removed"]
+    rc, out, err = nft.run("list tables")
+    if rc != 0:
+        return [f"nft list tables: {err.strip()}"]
+    problems: list[str] = []
+    wanted = conns | {(b, bp, a, ap) for a, ap, b, bp in conns}
+    for table in re.findall(r"^table inet (CRIU-\S+)$", out, flags=re.M):
+        rc, text, err = nft.run(f"list table inet {table}")
+        if rc != 0:
+            problems.append(f"nft list table {table}: {err.strip()}")
+            continue
+        ours, others = [], 0
+        for fam, body in re.findall(r"set conns([46]) \{.*?elements = \{(.*?)\}", text, flags=re.S):
+            for a, ap, b, bp in _ELEMENT.findall(body):
+                key = (a, int(ap), b, int(bp))
+                if key in wanted:
+                    ours.append((fam, key))
+                else:
+                    others += 1
+        if not ours:
+            continue
+        if others == 0:
+            rc, _o, err = nft.run(f"delete table inet {table}")
+        else:
+            elems = {}
+            for fam, (a, ap, b, bp) in ours:
+                elems.setdefault(fam, []).append(f"{a} . {ap} . {b} . {bp}")
+            rc = 0
+            for fam, items in elems.items():
+                r, _o, err = nft.run(f"delete element inet {table} conns{fam} {{ {', '.join(items)} }}")
+                rc = rc or r
+        if rc != 0:
+            problems.append(f"nft: removing the lock of table {table}: {err.strip()}")
+    return problems
+
+
+def release(pids: list[int], network_lock: Optional[str] = None) -> list[str]:
+    """Take the established TCP sockets of ``pids`` out of CRIU's lock; problems as text."""
+    problems: list[str] = []
+    conns: set[tuple[str, int, str, int]] = set()
+    for pid in pids:
+        est = established(pid)
+        mine = {fd: ino for fd, ino in _socket_fds(pid).items() if ino in est}
+        if not mine:
+            continue
+        conns |= {est[ino] for ino in mine.values()}
+        problems += _repair_off(pid, sorted(mine))
+    if conns:
+        if network_lock in (None, "nftables"):
+            problems += _unlock_nftables(conns)
+        elif network_lock == "iptables":
+            problems.append("CRIU's iptables rules for the connections were left in place")
+    return problems
