@@ -163,7 +163,7 @@ def _unlock_nftables(conns: set[tuple[str, int, str, int]]) -> list[str]:
         if others == 0:
             rc, _o, err = nft.run(f"delete table inet {table}")
         else:
-            elems = {}
+            elems: dict[str, list[str]] = {}
             for fam, (a, ap, b, bp) in ours:
                 elems.setdefault(fam, []).append(f"{a} . {ap} . {b} . {bp}")
             rc = 0
