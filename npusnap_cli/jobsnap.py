@@ -104,9 +104,27 @@ class JobCoordinator:
         self.failed_rank: Optional[int] = None
         self.commit_error: Optional[BaseException] = None
         self.reached: dict[str, int] = {}
-        self._barriers = {p: threading.Barrier(n) for p in PHASES}
+        self._passed: set[str] = set()
         self._on_commit = on_commit
-        self._committed = threading.Event()
+        self._barriers = {p: threading.Barrier(n, action=self._action(p)) for p in PHASES}
+
+    def _action(self, phase: str) -> Callable[[], None]:
+        """Runs once per phase, in the last rank to arrive, before any rank is released."""
+
+        def act() -> None:
+            if phase == "publish" and self._on_commit is not None:
+                try:
+                    self._on_commit()
+                except BaseException as exc:
+                    # The barrier breaks (every other rank raises); this rank gets ``exc``.
+                    self.commit_error = exc
+                    with self._lock:
+                        if self.reason is None:
+                            self.reason = f"committing the job failed: {_describe(exc)}"
+                    raise
+            self._passed.add(phase)
+
+        return act
 
     def abort(self, reason: str, rank: Optional[int] = None) -> None:
         with self._lock:
@@ -126,33 +144,18 @@ class JobCoordinator:
         )
 
     def sync(self, phase: str) -> None:
+        """Block until every rank reached ``phase``; JobAbortedError if the job failed meanwhile."""
         barrier = self._barriers[phase]
         with self._lock:
             self.reached[phase] = self.reached.get(phase, 0) + 1
         try:
-            index = barrier.wait(self.timeout_s)
+            barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
+            if phase in self._passed:
+                return  # released, then aborted while leaving: the next phase reports it
             if self.reason is None:
                 self.abort(f"a rank did not reach '{phase}' within {self.timeout_s:.0f}s")
             raise self._error(phase) from None
-        if phase == "publish" and self._on_commit is not None and index == 0:
-            # Barrier.wait's index 0 goes to exactly one thread; the others wait on "commit".
-            try:
-                self._on_commit()
-            except BaseException as exc:
-                self.commit_error = exc
-                self.abort(f"committing the job failed: {_describe(exc)}")
-                raise
-            finally:
-                self._committed.set()
-        elif (
-            phase == "publish"
-            and self._on_commit is not None
-            and (not self._committed.wait(self.timeout_s) or self.commit_error is not None)
-        ):
-            if self.reason is None:
-                self.abort("the job commit did not finish")
-            raise self._error("commit")
 
 
 def _describe(exc: BaseException) -> str:
