@@ -786,3 +786,56 @@ def _rank_error(exc: BaseException, rank: int, step: str) -> NpusnapError:
         fix="rerun with -v and report it",
         details={"rank": rank},
     )
+
+
+# --------------------------------------------------------------------------------------------
+# restore --wait: stay the restored processes' parent (Slurm tracks a step's descendants)
+# --------------------------------------------------------------------------------------------
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def wait_for_exit(roots: list[int], note: Callable[[str], None] = lambda _s: None) -> dict[int, int]:
+    """Wait until every restored root exits; forward SIGTERM/SIGINT/SIGHUP/SIGUSR1/2 to them.
+
+    npusnap restore is the subreaper of what it restores (restore.become_subreaper), so the
+    roots are our children once CRIU exits: run inside a Slurm step (`srun --overlap npusnap
+    restore DIR --wait`), they are that step's descendants, tracked, signalled and accounted by
+    Slurm. Returns each root's exit code (negative: killed by that signal).
+    """
+    from npusnap_cli import procfs
+
+    remaining = set(roots)
+    codes: dict[int, int] = {}
+
+    def forward(signum: int, _frame: Any) -> None:
+        note(f"{signal.Signals(signum).name} received: forwarded to pid(s) {sorted(remaining)}")
+        for pid in remaining:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    old = (
+        {s: signal.signal(s, forward) for s in FORWARDED}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        while remaining:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                # Not (or no longer) our children: watch them through /proc instead.
+                for p in [p for p in remaining if not procfs.is_alive(p)]:
+                    remaining.discard(p)
+                    codes[p] = -1
+                time.sleep(0.2)
+                continue
+            except InterruptedError:
+                continue
+            if pid in remaining:
+                remaining.discard(pid)
+                codes[pid] = os.waitstatus_to_exitcode(status)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return codes

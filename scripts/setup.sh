@@ -201,12 +201,21 @@ setup_native() {
     make -s -C "$ROOT/native" >/dev/null || die "building the simulator (native/) failed" "run: make -C native"
 }
 
+# --- Slurm for the distributed-job tests (tests/integration/test_slurm.py starts its own daemons) --
+setup_slurm() {
+    [ "${NPUSNAP_NO_SLURM:-}" = 1 ] && return 0
+    command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 && return 0
+    is_root || { say "slurm-wlm/munge not installed: the Slurm tests will be skipped"; return 0; }
+    apt_install slurmctld slurmd slurm-client munge
+}
+
 main() {
     mkdir -p "$CACHE"
     setup_venv
     setup_criu
     setup_pycriu
     setup_native
+    setup_slurm
     say "ok: .venv ready, CRIU $(criu_version_of "$CRIU_BIN") at $CRIU_BIN"
 }
 

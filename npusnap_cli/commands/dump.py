@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,8 +40,8 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def dump(
         ctx: typer.Context,
-        pids: list[int] = typer.Argument(
-            ...,
+        pids: Optional[list[int]] = typer.Argument(
+            None,
             metavar="PID... DIR",
             help="Root of the process tree to snapshot; several PIDs: one coordinated job image, "
             "one rank per PID (docs/distributed.md).",
@@ -100,6 +101,12 @@ def register(app: typer.Typer) -> None:
             min=1.0,
             help="Seconds each agent waits for npusnap before rolling its process back by itself.",
         ),
+        slurm_job: Optional[str] = typer.Option(
+            None,
+            "--slurm-job",
+            help="Snapshot every task of this Slurm job on this node (scontrol listpids), one rank "
+            "per task, as one job image (implies --shell-job). No PID then.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -144,6 +151,29 @@ def register(app: typer.Typer) -> None:
             external_pipes=external_pipes,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
+        pids = list(pids or [])
+        if slurm_job is not None:
+            from npusnap_cli import slurm
+
+            if pids:
+                raise UsageError(
+                    "--slurm-job and PIDs are exclusive", fix="give either PIDs or --slurm-job JOBID"
+                )
+            tasks = slurm.job_tasks(slurm_job)
+            out.info(
+                f"Slurm job {slurm_job}: "
+                + ", ".join(f"task {t.global_id} (step {t.step}) pid {t.pid}" for t in tasks)
+            )
+            pids = [t.pid for t in tasks]
+            # Tasks share slurmstepd's session and the first task's process group.
+            options = dataclasses.replace(options, shell_job=True)
+            if len(pids) == 1:  # a one-task job is still written as a job image
+                from npusnap_cli.commands.jobcmd import dump_job
+
+                dump_job(out, pids, directory, options, callbacks)
+                return
+        if not pids:
+            raise UsageError("no PID given", fix="npusnap dump PID [PID...] DIR, or --slurm-job JOBID DIR")
         if len(pids) > 1:
             from npusnap_cli.commands.jobcmd import dump_job
 

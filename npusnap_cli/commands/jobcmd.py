@@ -53,7 +53,9 @@ def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
     return found
 
 
-def restore_job(out: Any, directory: Path, options: Any, callbacks: Any, rank_netns: dict[int, str]) -> None:
+def restore_job(
+    out: Any, directory: Path, options: Any, callbacks: Any, rank_netns: dict[int, str]
+) -> tuple[list[int], dict[str, Any]]:
     from npusnap_cli import jobsnap
     from npusnap_cli.commands.dump import fmt_s
 
@@ -77,7 +79,24 @@ def restore_job(out: Any, directory: Path, options: Any, callbacks: Any, rank_ne
             ["total", fmt_s(result.total_s)],
         ],
     )
-    out.result(result.to_dict())
+    return [int(r["root_pid"]) for r in result.ranks], result.to_dict()
+
+
+def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
+    """Without --wait: print the result. With it: wait for the roots to exit first."""
+    if not wait:
+        out.result(data)
+        return None
+    from npusnap_cli import jobsnap
+
+    out.info(f"waiting for pid(s) {', '.join(map(str, roots))} to exit (signals are forwarded)")
+    codes = jobsnap.wait_for_exit(roots, out.warn)
+    failed = [c for p, c in sorted(codes.items()) if c != 0]
+    out.line("exit codes: " + ", ".join(f"pid {p}: {c}" for p, c in sorted(codes.items())))
+    data = {**data, "exit_codes": {str(p): c for p, c in sorted(codes.items())}}
+    code = 0 if not failed else (failed[0] if failed[0] > 0 else 128 - failed[0])
+    out.result(data, exit_code=code)
+    return code
 
 
 def inspect_job(out: Any, directory: Path) -> None:

@@ -49,8 +49,15 @@ def register(app: typer.Typer) -> None:
             help="Job images: restore rank RANK into the network namespace at PATH (RANK=PATH, "
             "repeatable); default: the namespace of the same name as at dump time, or ours.",
         ),
+        wait: bool = typer.Option(
+            False,
+            "--wait",
+            help="Stay the restored processes' parent until they exit (forwarding SIGTERM/SIGINT), "
+            "and exit with the first non-zero exit code: e.g. inside `srun --overlap`, so that "
+            "Slurm tracks the restored tasks.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
-    ) -> None:
+    ) -> Optional[int]:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
 
         The image is verified first (schema, checksums, versions, pids and devices free): any
@@ -83,10 +90,12 @@ def register(app: typer.Typer) -> None:
             from npusnap_cli.commands import jobcmd
 
             try:
-                jobcmd.restore_job(out, directory, options, callbacks, jobcmd.parse_rank_netns(rank_netns))
+                roots, data = jobcmd.restore_job(
+                    out, directory, options, callbacks, jobcmd.parse_rank_netns(rank_netns)
+                )
             finally:
                 bars.close()
-            return
+            return jobcmd.wait_and_report(out, roots, data, wait)
         if rank_netns:
             from npusnap_cli.errors import UsageError
 
@@ -112,4 +121,6 @@ def register(app: typer.Typer) -> None:
         )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
-        out.result(result.to_dict())
+        from npusnap_cli.commands import jobcmd
+
+        return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)

@@ -36,6 +36,15 @@ RANKS = str(REPO / "npusnap_cli" / "workloads" / "ranks.py")
 NPUSNAP = str(Path(PY).parent / "npusnap")
 
 
+def jobs_env(sim_env: dict[str, str], runtime_dir: Path) -> dict[str, str]:
+    """The test job's environment. CRIU loads every plugin of /usr/lib/criu (CRIU_LIBS_DIR
+    overrides it): an npusnap CRIU plugin installed there would drive the agents itself, from
+    inside CRIU; these tests exercise npusnap's own pipeline, so CRIU gets an empty plugin dir."""
+    empty = runtime_dir.parent / "no-criu-plugins"
+    empty.mkdir(exist_ok=True)
+    return job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(empty))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,7 +144,7 @@ def test_two_rank_job_with_tcp_established(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """The ranks' connection itself is in the image (both ends dumped at once)."""
-    env = job_env(sim_env, runtime_dir)
+    env = jobs_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=11)
     jobs = start_ranks(tmp_path, env, seed=11)
     try:
@@ -151,7 +160,7 @@ def test_two_rank_job_rebuilding_its_communicator(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """As HCCL needs: pre_lock closes the connections at a common step, post_unlock rebuilds them."""
-    env = job_env(sim_env, runtime_dir)
+    env = jobs_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=12)
     jobs = start_ranks(tmp_path, env, seed=12, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
     try:
@@ -176,7 +185,7 @@ def assert_rolled_back(env: dict[str, str], jobs: list[Job], img: Path, ref: lis
 def test_fault_in_one_rank_during_backup_rolls_back_every_rank(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    env = job_env(sim_env, runtime_dir)
+    env = jobs_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=13)
     jobs = start_ranks(
         tmp_path, env, seed=13, extra=(["--rebuild-comm"], ["--rebuild-comm", "--fail-hook", "post_backup"])
@@ -211,7 +220,7 @@ def test_fault_in_one_rank_during_criu_rolls_back_every_rank(
         'exec /usr/local/sbin/criu "$@"\n'
     )
     wrapper.chmod(0o755)
-    env = job_env(sim_env, runtime_dir)
+    env = jobs_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=14)
     extra = ["--rebuild-comm"] if mode == "rebuild-comm" else []
     dump_args = ["--tcp-established"] if mode == "tcp-established" else []
@@ -241,7 +250,7 @@ def test_ranks_on_two_simulated_nodes_restored_into_fresh_namespaces(
     """Each rank in its own network namespace ("node"), joined by a veth pair; the connection is
     dumped with --tcp-established; both namespaces are then deleted and created anew (same names
     and addresses) and the job restored into them."""
-    env = job_env(sim_env, runtime_dir)
+    env = jobs_env(sim_env, runtime_dir)
     tag = str(os.getpid() % 100000)
     nets = Netns(tag)
     ref_master = "10.232.0.1:7300"
