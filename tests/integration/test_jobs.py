@@ -283,3 +283,77 @@ def test_ranks_on_two_simulated_nodes_restored_into_fresh_namespaces(
     finally:
         cleanup(jobs)
         nets.close()
+
+
+def test_leave_running_job_keeps_every_rank_and_restores_later(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """--leave-running: every rank is unlocked only after every rank was dumped; both finish as
+    if nothing happened; the image then restores the job from the snapshot's step."""
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=16, steps=30)
+    master = f"127.0.0.1:{free_port()}"
+    jobs = []
+    for r in (0, 1):
+        d = tmp_path / f"r{r}"
+        d.mkdir()
+        job = Job(d, env, [PY, RANKS, *rank_args(r, master, 16, steps=30)])
+        job.marker = RANKS
+        jobs.append(job)
+    img = tmp_path / "img"
+    try:
+        for job in jobs:
+            job.wait_lines(3, timeout=60)
+        rc, out, err = cli(env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), "--leave-running", "--tcp-established")
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["job"]["leave_running"] is True
+        for i, job in enumerate(jobs):
+            assert job.reap(120) == 0, job.text()[-800:]
+            assert job.lines() == ref[i]
+        at = [len(job.lines()) for job in jobs]
+        restore_job(env, jobs, img)
+        for i, job in enumerate(jobs):
+            wait_until(lambda j=job: not alive(j.restored_pid), 90, "the restored rank to finish")
+            cont = job.lines()[at[i] :]
+            assert cont and continues_reference(cont, ref[i]), cont[:3]
+            assert len(cont) < len(ref[i]), "the restored rank started over instead of continuing"
+    finally:
+        cleanup(jobs)
+
+
+def test_a_failed_restore_of_one_rank_leaves_nothing_running(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU fails to restore the first rank it starts: the other rank, already restored (and
+    locked), is killed; nothing runs; the image is intact and a second restore brings the job
+    back."""
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=17)
+    jobs = start_ranks(tmp_path, env, seed=17, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
+    img = tmp_path / "img"
+    try:
+        before = dump_restore_job(env, jobs, img)
+        token = tmp_path / "fail-once"
+        token.write_text("")
+        wrapper = tmp_path / "criu-wrapper"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = swrk ] && mv "{token}" "{token}.used" 2>/dev/null; then\n'
+            '  echo "criu-wrapper: injected failure" >&2; exit 1\nfi\n'
+            'exec /usr/local/sbin/criu "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        rc, out, err = cli({**env, "NPUSNAP_CRIU": str(wrapper)}, "restore", str(img))
+        assert rc == ExitCode.CRIU, (out or {}).get("error") or err
+        assert out is not None
+        error = out["error"]
+        assert "nothing runs" in error["message"] or "no rank was restored" in error["message"], error
+        for job in jobs:
+            assert not alive(job.pid), f"pid {job.pid} of the image is running after a failed restore"
+        rc, out, err = cli(env, "verify", str(img))
+        assert rc == 0, err
+        restore_job(env, jobs, img)
+        for i, job in enumerate(jobs):
+            finish_matches(job, ref[i], before[i])
+    finally:
+        cleanup(jobs)
