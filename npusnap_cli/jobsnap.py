@@ -54,6 +54,7 @@ from npusnap_cli.errors import (
     NpusnapError,
     PreflightError,
     StateUnknownError,
+    TargetError,
     UsageError,
 )
 
@@ -455,6 +456,26 @@ def _commit(tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any) -
     return commit
 
 
+def _check_disjoint(pids: list[int]) -> None:
+    """No rank may be inside another rank's tree (it would be dumped twice)."""
+    import psutil
+
+    given = set(pids)
+    for pid in pids:
+        try:
+            parents = {p.pid for p in psutil.Process(pid).parents()}
+        except psutil.Error:
+            continue  # resolve_target names a missing pid
+        inside = sorted(parents & given)
+        if inside:
+            raise UsageError(
+                f"pid {pid} is in the process tree of pid {inside[0]}, also given",
+                why="each PID is the root of one rank's tree, and a tree is dumped with all its descendants",
+                fix=f"drop pid {pid} (it is dumped with pid {inside[0]}'s tree)",
+                details={"pid": pid, "ancestor": inside[0]},
+            )
+
+
 def dump_job(
     pids: list[int],
     directory: Path,
@@ -468,6 +489,7 @@ def dump_job(
 
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
+    _check_disjoint(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
     for stale in img.remove_stale_temps(final):
@@ -478,7 +500,11 @@ def dump_job(
         try:
             ns = netns_id(pid)
         except OSError:
-            raise UsageError(f"no process with pid {pid} (rank {i})", fix="check the pids") from None
+            raise TargetError(
+                f"no process with pid {pid} (rank {i})",
+                why="it exited, or it lives in another PID namespace",
+                fix="check the pids with `ps -p PID` and rerun",
+            ) from None
         other = ns != own_ns
         ranks.append(
             {
@@ -521,7 +547,9 @@ def dump_job(
             if guard.received is not None and coord.reason is None:
                 coord.abort(f"{guard.name} received")
     committed = not tmp.exists()
-    if errors or guard.received is not None:
+    if committed and not errors and guard.received is not None:
+        callbacks.note(f"{guard.name} was received after the job was committed; the dump was completed")
+    if errors or (guard.received is not None and not committed):
         if not committed:
             img.remove_tree(tmp)
         raise _job_error(errors, coord, guard, committed, final)

@@ -304,7 +304,9 @@ def test_leave_running_job_keeps_every_rank_and_restores_later(
     try:
         for job in jobs:
             job.wait_lines(3, timeout=60)
-        rc, out, err = cli(env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), "--leave-running", "--tcp-established")
+        rc, out, err = cli(
+            env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), "--leave-running", "--tcp-established"
+        )
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None and out["result"]["job"]["leave_running"] is True
         for i, job in enumerate(jobs):

@@ -133,3 +133,11 @@ def test_proc_net_tcp_addresses() -> None:
     assert tcpunlock._hex_addr("0100007F:1BBC") == ("127.0.0.1", 7100)
     assert tcpunlock._hex_addr("0000000000000000FFFF00000100007F:0050") == ("127.0.0.1", 80)
     assert tcpunlock._hex_addr("00000000000000000000000001000000:0016") == ("::1", 22)
+
+
+def test_a_rank_inside_another_ranks_tree_is_refused() -> None:
+    import os
+
+    with pytest.raises(UsageError, match="is in the process tree of pid"):
+        jobsnap._check_disjoint([os.getppid(), os.getpid()])
+    jobsnap._check_disjoint([os.getpid()])
