@@ -244,12 +244,13 @@ def test_fault_in_one_rank_during_criu_rolls_back_every_rank(
 
 
 @pytest.mark.skipif(bool(_netns_skip_reason()), reason=_netns_skip_reason() or "-")
+@pytest.mark.parametrize("mode", ["tcp-established", "rebuild-comm"])
 def test_ranks_on_two_simulated_nodes_restored_into_fresh_namespaces(
-    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, mode: str
 ) -> None:
     """Each rank in its own network namespace ("node"), joined by a veth pair; the connection is
-    dumped with --tcp-established; both namespaces are then deleted and created anew (same names
-    and addresses) and the job restored into them."""
+    dumped with --tcp-established, or closed and rebuilt by the job's hooks; both namespaces are
+    then deleted and created anew (same names and addresses) and the job restored into them."""
     env = jobs_env(sim_env, runtime_dir)
     tag = str(os.getpid() % 100000)
     nets = Netns(tag)
@@ -263,13 +264,17 @@ def test_ranks_on_two_simulated_nodes_restored_into_fresh_namespaces(
         for r, ns in ((0, n0), (1, n1)):
             d = tmp_path / f"r{r}"
             d.mkdir()
-            job = Job(d, env, ["nsenter", f"--net=/run/netns/{ns}", PY, RANKS, *rank_args(r, ref_master, 15)])
+            extra = ["--rebuild-comm"] if mode == "rebuild-comm" else []
+            argv = ["nsenter", f"--net=/run/netns/{ns}", PY, RANKS, *rank_args(r, ref_master, 15), *extra]
+            job = Job(d, env, argv)
             job.marker = RANKS
             jobs.append(job)
         for job in jobs:
             job.wait_lines(3, timeout=60)
         img = tmp_path / "img"
-        before = dump_restore_job(env, jobs, img, "--tcp-established")
+        before = dump_restore_job(
+            env, jobs, img, *(["--tcp-established"] if mode == "tcp-established" else [])
+        )
         inspect = json.loads((img / "npusnap-job.json").read_text())
         assert [r["netns_path"] for r in inspect["ranks"]] == [f"/run/netns/{n0}", f"/run/netns/{n1}"]
         # Fresh "nodes": same names and addresses, new namespaces.
