@@ -14,7 +14,8 @@ with the step's collective, so that every rank stops after the *same* step; the 
 "communicator") are closed; ``post_unlock`` (after a restore, or after a rollback) has them
 built again, and the loop goes on. The snapshot then holds no connection at all.
 
-``--fail-hook STAGE`` registers an npusnap hook that raises at STAGE (tests of a rank failing).
+``--fail-hook STAGE`` registers an npusnap hook that raises at STAGE (tests of a rank failing);
+``--slow-hook STAGE:S`` one that sleeps S seconds there (tests of a signal mid-dump).
 
 Runs on any Python 3.9+, standard library only.
 """
@@ -135,8 +136,8 @@ class Pauser:
         self.resume.set()
 
 
-def _register_hooks(rebuild: bool, fail: Optional[str], pauser: Pauser) -> None:
-    if not rebuild and not fail:
+def _register_hooks(rebuild: bool, fail: Optional[str], slow: Optional[str], pauser: Pauser) -> None:
+    if not rebuild and not fail and not slow:
         return
     import npusnap_cli.agent as agent  # on PYTHONPATH under `npusnap run`
 
@@ -149,6 +150,13 @@ def _register_hooks(rebuild: bool, fail: Optional[str], pauser: Pauser) -> None:
             raise RuntimeError(f"injected failure at {fail}")
 
         agent.register_hook(fail, failing, name="ranks.injected_failure")
+    if slow:
+        stage, _, seconds = slow.partition(":")
+
+        def sleeping() -> None:
+            time.sleep(float(seconds or 1))
+
+        agent.register_hook(stage, sleeping, name="ranks.slow_hook")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -165,6 +173,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "--rebuild-comm", action="store_true", help="close and rebuild connections around a snapshot"
     )
     ap.add_argument("--fail-hook", default=None, help="an npusnap hook stage that raises (tests)")
+    ap.add_argument("--slow-hook", default=None, help="STAGE:SECONDS, an npusnap hook that sleeps (tests)")
     return ap.parse_args(argv)
 
 
@@ -173,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     pauser = Pauser()
     try:
         trainer = Trainer(load_acl(), args.device, args.param_bytes, args.seed + args.rank)
-        _register_hooks(args.rebuild_comm, args.fail_hook, pauser)
+        _register_hooks(args.rebuild_comm, args.fail_hook, args.slow_hook, pauser)
         comm = Comm(args.rank, args.world, args.master)
         comm.build()
         for n in range(1, args.steps + 1):

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -362,5 +363,43 @@ def test_a_failed_restore_of_one_rank_leaves_nothing_running(
         restore_job(env, jobs, img)
         for i, job in enumerate(jobs):
             finish_matches(job, ref[i], before[i])
+    finally:
+        cleanup(jobs)
+
+
+def test_sigterm_during_a_job_dump_rolls_back_every_rank(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while rank 1 is still in its post_backup hook (rank 0 waits at the barrier)."""
+    import signal
+    import time
+
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=18)
+    jobs = start_ranks(
+        tmp_path, env, seed=18, extra=(["--rebuild-comm"], ["--rebuild-comm", "--slow-hook", "post_backup:3"])
+    )
+    img = tmp_path / "img"
+    try:
+        # Human mode: the phases go to stderr as they start.
+        argv = [NPUSNAP, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img)]
+        dump = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err_lines: list[str] = []
+        assert dump.stderr is not None
+        reader = threading.Thread(
+            target=lambda: err_lines.extend(iter(dump.stderr.readline, "")), daemon=True
+        )
+        reader.start()
+        wait_until(lambda: any("rank 1: lock+backup" in ln for ln in err_lines), 60, "the lock+backup phase")
+        time.sleep(1.0)  # rank 1 sleeps 3 s in its post_backup hook; rank 0 waits at the barrier
+        dump.send_signal(signal.SIGTERM)
+        assert dump.stdout is not None
+        out = dump.stdout.read()
+        dump.wait(120)
+        reader.join(10)
+        err = "".join(err_lines)
+        assert dump.returncode == ExitCode.INTERRUPTED, out + err
+        assert "interrupted by SIGTERM" in err and "every rank was rolled back" in err, err
+        assert_rolled_back(env, jobs, img, ref)
     finally:
         cleanup(jobs)
