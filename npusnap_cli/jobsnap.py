@@ -61,6 +61,7 @@ from npusnap_cli.errors import (
 JOB_MANIFEST = "npusnap-job.json"
 JOB_SCHEMA = "npusnap-job/1"
 PHASES = ("preflight", "backup", "criu", "publish")
+RESTORE_PHASES = ("verified", "criu-restored", "device-restored")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 CLONE_NEWNET = 0x40000000
 
@@ -97,8 +98,10 @@ class JobCoordinator:
         *,
         timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
         on_commit: Optional[Callable[[], None]] = None,
+        net: Optional[Any] = None,
     ) -> None:
         self.n = n
+        self.net = net  # netcoord.NetLink: the same phases across nodes
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self.reason: Optional[str] = None
@@ -113,6 +116,8 @@ class JobCoordinator:
         """Runs once per phase, in the last rank to arrive, before any rank is released."""
 
         def act() -> None:
+            if self.net is not None:
+                self.net.sync(phase)  # every node's ranks got here too (raises NodeAborted)
             if phase == "publish" and self._on_commit is not None:
                 try:
                     self._on_commit()
@@ -127,11 +132,13 @@ class JobCoordinator:
 
         return act
 
-    def abort(self, reason: str, rank: Optional[int] = None) -> None:
+    def abort(self, reason: str, rank: Optional[int] = None, exit_code: Optional[int] = None) -> None:
         with self._lock:
             if self.reason is None:
                 self.reason = reason
                 self.failed_rank = rank
+        if self.net is not None:
+            self.net.abort(reason if rank is None else f"rank {rank}: {reason}", exit_code)
         for b in self._barriers.values():
             b.abort()
 
@@ -260,6 +267,8 @@ class JobManifest:
     ranks: tuple[RankEntry, ...]
     leave_running: bool
     tool: str
+    node: int = 0  # this part's node, in a job dumped across nodes (--coordinator)
+    nodes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -267,6 +276,8 @@ class JobManifest:
             "created_at": self.created_at,
             "tool": self.tool,
             "leave_running": self.leave_running,
+            "node": self.node,
+            "nodes": self.nodes,
             "ranks": [r.to_dict() for r in self.ranks],
         }
 
@@ -308,6 +319,8 @@ def load_job_manifest(directory: Path) -> JobManifest:
             ranks=tuple(ranks),
             leave_running=bool(data.get("leave_running")),
             tool=str(data.get("tool", "")),
+            node=int(data.get("node", 0)),
+            nodes=int(data.get("nodes", 1)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ImageError(
@@ -390,7 +403,9 @@ def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> P
     return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)
 
 
-def _commit(tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any) -> Callable[[], None]:
+def _commit(
+    tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any, node: int = 0, nodes: int = 1
+) -> Callable[[], None]:
     from npusnap_cli import __version__
 
     def commit() -> None:
@@ -424,6 +439,8 @@ def _commit(tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any) -
             ranks=tuple(entries),
             leave_running=options.leave_running,
             tool=__version__,
+            node=node,
+            nodes=nodes,
         )
         ranks[0]["_job"] = job
         path = tmp / JOB_MANIFEST
@@ -483,8 +500,15 @@ def dump_job(
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+    net: Optional[Any] = None,
+    node: int = 0,
+    nodes: int = 1,
 ) -> JobDumpOutcome:
-    """Dump every rank (one process tree per pid) as one job image; all or nothing."""
+    """Dump every rank (one process tree per pid) as one job image; all or nothing.
+
+    With ``net`` (netcoord.NetLink), this is node ``node`` of ``nodes``: every phase boundary is
+    also a barrier across the nodes, and a failure on any node rolls back every node.
+    """
     from npusnap_cli import dump as dump_mod
 
     if len(set(pids)) != len(pids):
@@ -519,7 +543,10 @@ def dump_job(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{img.TMP_MARKER}{os.getpid()}-", dir=str(final.parent)))
     os.chmod(tmp, img.DIR_MODE)
     coord = JobCoordinator(
-        len(pids), timeout_s=barrier_timeout_s, on_commit=_commit(tmp, final, ranks, options)
+        len(pids),
+        timeout_s=barrier_timeout_s,
+        on_commit=_commit(tmp, final, ranks, options, node, nodes),
+        net=net,
     )
     outcomes: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
@@ -535,7 +562,7 @@ def dump_job(
         except BaseException as exc:
             errors[i] = exc
             if not isinstance(exc, JobAbortedError):
-                coord.abort(_describe(exc), i)
+                coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
 
     threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
     with dump_mod.SignalGuard(callbacks.note, what="job dump") as guard:
@@ -674,8 +701,29 @@ def restore_job(
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     rank_netns: Optional[dict[int, str]] = None,
+    net: Optional[Any] = None,
 ) -> JobRestoreOutcome:
-    """Restore every rank with CRIU, then release them together; all or nothing."""
+    """Restore every rank with CRIU, then release them together; all or nothing.
+
+    With ``net`` (netcoord.NetLink, phases RESTORE_PHASES) every node verifies, CRIU-restores
+    and restores the device state of its ranks in step with the others; any node's failure
+    kills the restored ranks on every node.
+    """
+    try:
+        return _restore_job(directory, options, callbacks, rank_netns, net)
+    except BaseException as exc:
+        if net is not None:
+            net.abort(_describe(exc), getattr(exc, "exit_code", None))
+        raise
+
+
+def _restore_job(
+    directory: Path,
+    options: Any,
+    callbacks: PipelineCallbacks,
+    rank_netns: Optional[dict[int, str]],
+    net: Optional[Any],
+) -> JobRestoreOutcome:
     from npusnap_cli import criu, hostres
     from npusnap_cli import restore as rmod
     from npusnap_cli.devicegroup import DeviceGroup
@@ -717,9 +765,12 @@ def restore_job(
                 fix="create it, or name another with --rank-netns RANK=PATH",
             )
     verify_s = time.monotonic() - start
+    holds = _hold_resets(job, manifests, targets, final, cb)
     restored: dict[int, Any] = {}
     results: dict[int, dict[str, Any]] = {}
     try:
+        if net is not None:
+            net.sync("verified")  # no node restores anything before every node verified its part
         # CRIU restores every rank (each one locked: its agent waits for `restore`), in parallel so
         # that no rank's TCP peer is missing for long.
         cb.phase("criu restore (every rank)")
@@ -754,6 +805,9 @@ def restore_job(
         if errors:
             i = min(errors)
             raise _rank_error(errors[i], i, "CRIU restore")
+        if net is not None:
+            net.sync("criu-restored")
+        _release_holds(holds)  # every end of every connection exists again
         criu_done = time.monotonic()
         # Release together: the device state of every rank, then every rank's Unlock.
         cb.phase("device restore (every rank)")
@@ -761,8 +815,12 @@ def restore_job(
         if npu:
             with DeviceGroup(npu, lease_s=options.lease_s) as group:
                 group.restore()
+                if net is not None:
+                    net.sync("device-restored")  # every node's ranks are restored, still locked
                 cb.phase("unlock (every rank)")
                 group.unlock()
+        elif net is not None:
+            net.sync("device-restored")
         device_done = time.monotonic()
         for r in job.ranks:
             res = restored[r.rank]
@@ -779,6 +837,7 @@ def restore_job(
                 "criu_log": res.log_path,
             }
     except BaseException as exc:
+        _release_holds(holds)
         roots = [res.pid for res in restored.values()]
         if roots:
             _kill_trees(roots)
@@ -801,6 +860,45 @@ def restore_job(
         device_restore_s=device_done - criu_done,
         total_s=device_done - start,
     )
+
+
+def _hold_resets(
+    job: JobManifest,
+    manifests: dict[int, Any],
+    targets: dict[int, Optional[str]],
+    final: Path,
+    cb: PipelineCallbacks,
+) -> list[tuple[Optional[str], Any]]:
+    """Per network namespace of the ranks: drop the resets it would send on the job's connections
+    until every rank (on every node) is restored (tcpunlock.ResetHold)."""
+    from npusnap_cli import tcpunlock
+
+    holds: list[tuple[Optional[str], Any]] = []
+    by_ns: dict[Optional[str], list[tuple[str, int, str, int]]] = {}
+    for r in job.ranks:
+        if manifests[r.rank].criu_options.get("tcp_established"):
+            conns = tcpunlock.image_connections(str(img.criu_dir(final / r.dir)))
+            by_ns.setdefault(targets[r.rank], []).extend(conns)
+    try:
+        for ns, conns in by_ns.items():
+            if conns:
+                with in_netns(ns):
+                    holds.append((ns, tcpunlock.ResetHold(conns)))
+    except OSError as exc:
+        _release_holds(holds)
+        cb.note(
+            f"cannot hold TCP resets during the restore ({exc}): "
+            "a rank restored first may lose its connections"
+        )
+        return []
+    return holds
+
+
+def _release_holds(holds: list[tuple[Optional[str], Any]]) -> None:
+    while holds:
+        ns, hold = holds.pop()
+        with contextlib.suppress(OSError), in_netns(ns):
+            hold.release()
 
 
 def _rank_error(exc: BaseException, rank: int, step: str) -> NpusnapError:

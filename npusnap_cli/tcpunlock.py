@@ -192,3 +192,71 @@ def release(pids: list[int], network_lock: Optional[str] = None) -> list[str]:
         elif network_lock == "iptables":
             problems.append("CRIU's iptables rules for the connections were left in place")
     return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Restore of both ends at once: no RST while the other end is not restored yet
+# --------------------------------------------------------------------------------------------
+
+
+def image_connections(criu_dir: str) -> list[tuple[str, int, str, int]]:
+    """(local ip, port, remote ip, port) of the established TCP sockets in a CRIU image."""
+    import pycriu
+
+    found = []
+    try:
+        with open(os.path.join(criu_dir, "files.img"), "rb") as f:
+            entries = pycriu.images.load(f)["entries"]
+    except (OSError, Exception):  # a missing or undecodable files.img: nothing to protect
+        return []
+    for e in entries:
+        isk = e.get("isk") if e.get("type") == "INETSK" else None
+        if not isk or isk.get("proto") != socket.IPPROTO_TCP or isk.get("state") != 1:
+            continue
+        fam = socket.AF_INET6 if isk.get("family") == socket.AF_INET6 else socket.AF_INET
+
+        def ip(words: list[int], fam: int = fam) -> str:
+            raw = b"".join(int(w).to_bytes(4, "little") for w in words)
+            return socket.inet_ntop(fam, raw)
+
+        found.append((ip(isk["src_addr"]), int(isk["src_port"]), ip(isk["dst_addr"]), int(isk["dst_port"])))
+    return found
+
+
+class ResetHold:
+    """In the caller's network namespace: drop the TCP resets this namespace would send on
+    ``conns`` while their sockets are not restored yet.
+
+    When two ends of a connection are restored by two CRIUs (two ranks, maybe two nodes), the
+    first restored end sends a window probe as its socket leaves repair mode; if the other end's
+    socket does not exist yet, its kernel answers with a reset and the connection is lost. With
+    the resets dropped, the probe simply goes unanswered and TCP retries once both are there.
+    """
+
+    def __init__(self, conns: list[tuple[str, int, str, int]]) -> None:
+        self.table = f"npusnap-hold-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        self.active = False
+        if not conns:
+            return
+        nft = _Nft()
+        cmds = [
+            f"add table inet {self.table}",
+            f"add chain inet {self.table} output {{ type filter hook output priority 0; policy accept; }}",
+        ]
+        for lip, lport, rip, rport in conns:
+            v = "ip6" if ":" in lip else "ip"
+            cmds.append(
+                f"add rule inet {self.table} output {v} saddr {lip} tcp sport {lport} {v} daddr {rip} "
+                f"tcp dport {rport} tcp flags & rst == rst drop"
+            )
+        for cmd in cmds:
+            rc, _out, err = nft.run(cmd)
+            if rc != 0:
+                nft.run(f"delete table inet {self.table}")
+                raise OSError(f"nft {cmd!r}: {err.strip()}")
+        self.active = True
+
+    def release(self) -> None:
+        if self.active:
+            _Nft().run(f"delete table inet {self.table}")
+            self.active = False

@@ -101,6 +101,14 @@ def register(app: typer.Typer) -> None:
             min=1.0,
             help="Seconds each agent waits for npusnap before rolling its process back by itself.",
         ),
+        coordinator: Optional[str] = typer.Option(
+            None,
+            "--coordinator",
+            help="Across nodes: HOST:PORT of the job's coordinator, served by node 0's npusnap; "
+            "run the same command on every node with its --node (docs/distributed.md).",
+        ),
+        node: int = typer.Option(0, "--node", min=0, help="This node's number (0 serves --coordinator)."),
+        nodes: int = typer.Option(1, "--nodes", min=1, help="How many nodes take part (with --coordinator)."),
         slurm_job: Optional[str] = typer.Option(
             None,
             "--slurm-job",
@@ -152,6 +160,9 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])
+        from npusnap_cli.commands import jobcmd
+
+        net = jobcmd.net_options(coordinator, node, nodes)
         if slurm_job is not None:
             from npusnap_cli import slurm
 
@@ -167,17 +178,11 @@ def register(app: typer.Typer) -> None:
             pids = [t.pid for t in tasks]
             # Tasks share slurmstepd's session and the first task's process group.
             options = dataclasses.replace(options, shell_job=True)
-            if len(pids) == 1:  # a one-task job is still written as a job image
-                from npusnap_cli.commands.jobcmd import dump_job
-
-                dump_job(out, pids, directory, options, callbacks)
-                return
         if not pids:
             raise UsageError("no PID given", fix="npusnap dump PID [PID...] DIR, or --slurm-job JOBID DIR")
-        if len(pids) > 1:
-            from npusnap_cli.commands.jobcmd import dump_job
-
-            dump_job(out, pids, directory, options, callbacks)
+        if len(pids) > 1 or slurm_job is not None or net is not None:
+            # A job image (a one-task Slurm job, or one node's part of a job, too).
+            jobcmd.dump_job(out, pids, directory, options, callbacks, net)
             return
         pid = pids[0]
         try:

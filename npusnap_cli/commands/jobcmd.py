@@ -5,15 +5,72 @@ The commands detect a job image (``npusnap-job.json``) or several PIDs and call 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 
-def dump_job(out: Any, pids: list[int], directory: Path, options: Any, callbacks: Any) -> None:
+def net_options(
+    coordinator: Optional[str], node: int, nodes: int
+) -> Optional[tuple[tuple[str, int], int, int]]:
+    """(address, node, nodes) for a job across nodes, or None; checks the combination."""
+    from npusnap_cli import netcoord
+    from npusnap_cli.errors import UsageError
+
+    if coordinator is None:
+        if nodes > 1 or node > 0:
+            raise UsageError("--node/--nodes need --coordinator HOST:PORT", fix="add --coordinator")
+        return None
+    if node >= nodes:
+        raise UsageError(f"--node {node} is not below --nodes {nodes}", fix="nodes are numbered 0..N-1")
+    return netcoord.parse_addr(coordinator), node, nodes
+
+
+@contextlib.contextmanager
+def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ...]) -> Iterator[Any]:
+    """Node 0 serves the coordinator; every node connects to it. None without --coordinator."""
+    if spec is None:
+        yield None
+        return
+    from npusnap_cli import jobsnap, netcoord
+
+    addr, node, nodes = spec
+    server = (
+        netcoord.CoordServer(addr, nodes, phases, jobsnap.DEFAULT_BARRIER_TIMEOUT_S) if node == 0 else None
+    )
+    link = None
+    try:
+        link = netcoord.NetLink(addr, node, jobsnap.DEFAULT_BARRIER_TIMEOUT_S)
+        yield link
+    finally:
+        if link is not None:
+            link.close()
+        if server is not None:
+            server.close()
+
+
+def dump_job(
+    out: Any,
+    pids: list[int],
+    directory: Path,
+    options: Any,
+    callbacks: Any,
+    net: Optional[tuple[tuple[str, int], int, int]] = None,
+) -> None:
     from npusnap_cli import jobsnap
     from npusnap_cli.ui import human_bytes
 
-    result = jobsnap.dump_job(pids, directory, options, callbacks)
+    with _net(net, jobsnap.PHASES) as link:
+        result = jobsnap.dump_job(
+            pids,
+            directory,
+            options,
+            callbacks,
+            net=link,
+            node=net[1] if net else 0,
+            nodes=net[2] if net else 1,
+        )
     out.ok(f"dumped a job of {len(pids)} ranks (pids {', '.join(map(str, pids))}) into {result.image}")
     out.table(
         "ranks",
@@ -54,12 +111,18 @@ def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
 
 
 def restore_job(
-    out: Any, directory: Path, options: Any, callbacks: Any, rank_netns: dict[int, str]
+    out: Any,
+    directory: Path,
+    options: Any,
+    callbacks: Any,
+    rank_netns: dict[int, str],
+    net: Optional[tuple[tuple[str, int], int, int]] = None,
 ) -> tuple[list[int], dict[str, Any]]:
     from npusnap_cli import jobsnap
     from npusnap_cli.commands.dump import fmt_s
 
-    result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns)
+    with _net(net, jobsnap.RESTORE_PHASES) as link:
+        result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
     out.ok(f"restored a job of {len(result.ranks)} ranks from {result.image}; every rank is running")
     out.table(
         "ranks",

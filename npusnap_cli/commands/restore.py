@@ -49,6 +49,14 @@ def register(app: typer.Typer) -> None:
             help="Job images: restore rank RANK into the network namespace at PATH (RANK=PATH, "
             "repeatable); default: the namespace of the same name as at dump time, or ours.",
         ),
+        coordinator: Optional[str] = typer.Option(
+            None,
+            "--coordinator",
+            help="Across nodes: HOST:PORT of the job's coordinator, served by node 0's npusnap; "
+            "run the same command on every node with its --node (docs/distributed.md).",
+        ),
+        node: int = typer.Option(0, "--node", min=0, help="This node's number (0 serves --coordinator)."),
+        nodes: int = typer.Option(1, "--nodes", min=1, help="How many nodes take part (with --coordinator)."),
         wait: bool = typer.Option(
             False,
             "--wait",
@@ -91,15 +99,20 @@ def register(app: typer.Typer) -> None:
 
             try:
                 roots, data = jobcmd.restore_job(
-                    out, directory, options, callbacks, jobcmd.parse_rank_netns(rank_netns)
+                    out,
+                    directory,
+                    options,
+                    callbacks,
+                    jobcmd.parse_rank_netns(rank_netns),
+                    jobcmd.net_options(coordinator, node, nodes),
                 )
             finally:
                 bars.close()
             return jobcmd.wait_and_report(out, roots, data, wait)
-        if rank_netns:
+        if rank_netns or coordinator:
             from npusnap_cli.errors import UsageError
 
-            raise UsageError("--rank-netns is for job images only", fix="drop it")
+            raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
             result = restore_mod.restore(directory, options, callbacks)
         finally:

@@ -14,7 +14,8 @@ with the step's collective, so that every rank stops after the *same* step; the 
 "communicator") are closed; ``post_unlock`` (after a restore, or after a rollback) has them
 built again, and the loop goes on. The snapshot then holds no connection at all.
 
-``--fail-hook STAGE`` registers an npusnap hook that raises at STAGE (tests of a rank failing);
+``--fail-hook STAGE[:once]`` registers an npusnap hook that raises at STAGE (the first time only
+with ``:once``; tests of a rank failing);
 ``--slow-hook STAGE:S`` one that sleeps S seconds there (tests of a signal mid-dump).
 
 Runs on any Python 3.9+, standard library only.
@@ -145,11 +146,16 @@ def _register_hooks(rebuild: bool, fail: Optional[str], slow: Optional[str], pau
         agent.register_hook("pre_lock", pauser.pre_lock, name="ranks.pause_comm")
         agent.register_hook("post_unlock", pauser.post_unlock, name="ranks.rebuild_comm")
     if fail:
+        stage, _, once = fail.partition(":")
+        failed: List[int] = []
 
         def failing() -> None:
-            raise RuntimeError(f"injected failure at {fail}")
+            if once == "once" and failed:
+                return
+            failed.append(1)
+            raise RuntimeError(f"injected failure at {stage}")
 
-        agent.register_hook(fail, failing, name="ranks.injected_failure")
+        agent.register_hook(stage, failing, name="ranks.injected_failure")
     if slow:
         stage, _, seconds = slow.partition(":")
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -403,3 +404,115 @@ def test_sigterm_during_a_job_dump_rolls_back_every_rank(
         assert_rolled_back(env, jobs, img, ref)
     finally:
         cleanup(jobs)
+
+
+def _node_cmd(ns: str, *args: str) -> list[str]:
+    return ["nsenter", f"--net=/run/netns/{ns}", NPUSNAP, *args, "--json"]
+
+
+def _run_nodes(env: dict[str, str], cmds: list[list[str]]) -> list[tuple[int, dict[str, Any]]]:
+    """Run one npusnap per node at once; (exit code, JSON envelope) of each."""
+    procs = [
+        subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert out.strip(), err
+        results.append((p.returncode, json.loads(out)))
+    return results
+
+
+@pytest.mark.skipif(bool(_netns_skip_reason()), reason=_netns_skip_reason() or "-")
+def test_one_npusnap_per_node_coordinated_over_the_network(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Two "nodes" (network namespaces), one npusnap on each, each dumping its own rank into its
+    own directory; the barriers go over TCP to node 0's coordinator. First a fault in node 1's
+    rank (both nodes roll back, neither writes anything), then a dump and a restore of both
+    nodes into fresh namespaces, also coordinated."""
+    env = jobs_env(sim_env, runtime_dir)
+    tag = str(os.getpid() % 100000)
+    nets = Netns(tag)
+    ref = job_reference(env, seed=19, steps=120)  # long enough for two dumps under load
+    jobs: list[Job] = []
+    try:
+        n0, n1 = nets.add("npm0"), nets.add("npm1")
+        nets.link(n0, "10.233.0.1/24", n1, "10.233.0.2/24", 1)
+        for r, ns in ((0, n0), (1, n1)):
+            d = tmp_path / f"r{r}"
+            d.mkdir()
+            extra = [] if r == 0 else ["--fail-hook", "post_backup:once"]
+            argv = [
+                "nsenter",
+                f"--net=/run/netns/{ns}",
+                PY,
+                RANKS,
+                *rank_args(r, "10.233.0.1:7400", 19, steps=120),
+                *extra,
+            ]
+            job = Job(d, env, argv)
+            job.marker = RANKS
+            jobs.append(job)
+        for job in jobs:
+            job.wait_lines(3, timeout=60)
+        coord = ["--coordinator", "10.233.0.1:7411", "--nodes", "2"]
+        imgs = [tmp_path / "node0", tmp_path / "node1"]
+
+        # A fault in node 1's rank: both nodes roll back and write nothing.
+        res = _run_nodes(
+            env,
+            [
+                _node_cmd(
+                    n0, "dump", str(jobs[0].pid), str(imgs[0]), "--tcp-established", *coord, "--node", "0"
+                ),
+                _node_cmd(
+                    n1, "dump", str(jobs[1].pid), str(imgs[1]), "--tcp-established", *coord, "--node", "1"
+                ),
+            ],
+        )
+        assert res[1][0] == ExitCode.AGENT, res[1][1]["error"]
+        assert res[0][0] == ExitCode.AGENT, res[0][1]["error"]  # node 1's failure, as node 0 saw it
+        assert "node 1" in res[0][1]["error"]["message"], res[0][1]["error"]
+        for job, img in zip(jobs, imgs):
+            assert_no_image(img)
+            assert alive(job.pid) and agent_state(job.pid) == "RUNNING"
+
+        # Now it works: each node writes its part; then the job migrates to fresh namespaces.
+        res = _run_nodes(
+            env,
+            [
+                _node_cmd(
+                    n0, "dump", str(jobs[0].pid), str(imgs[0]), "--tcp-established", *coord, "--node", "0"
+                ),
+                _node_cmd(
+                    n1, "dump", str(jobs[1].pid), str(imgs[1]), "--tcp-established", *coord, "--node", "1"
+                ),
+            ],
+        )
+        assert [rc for rc, _ in res] == [0, 0], [e["error"] for _, e in res]
+        before = []
+        for i, job in enumerate(jobs):
+            job.reap()
+            before.append(len(job.lines()))
+            part = json.loads((imgs[i] / "npusnap-job.json").read_text())
+            assert (part["node"], part["nodes"]) == (i, 2)
+        nets.delete(n0)
+        nets.delete(n1)
+        n0, n1 = nets.add("npm0"), nets.add("npm1")
+        nets.link(n0, "10.233.0.1/24", n1, "10.233.0.2/24", 2)
+        res = _run_nodes(
+            env,
+            [
+                _node_cmd(n0, "restore", str(imgs[0]), *coord, "--node", "0"),
+                _node_cmd(n1, "restore", str(imgs[1]), *coord, "--node", "1"),
+            ],
+        )
+        assert [rc for rc, _ in res] == [0, 0], [e["error"] for _, e in res]
+        for i, (job, (_rc, envelope)) in enumerate(zip(jobs, res)):
+            job.restored_pid = int(envelope["result"]["ranks"][0]["root_pid"])
+            finish_matches(job, ref[i], before[i])
+    finally:
+        for job in jobs:
+            job.cleanup()
+        nets.close()
