@@ -27,6 +27,11 @@ Job image layout (docs/image-format.md)::
 Restore verifies every rank, CRIU-restores every rank (each in its network namespace), and only
 then restores the device state of all of them and unlocks them together. If anything fails on
 the way, every restored process is killed: nothing is left half-running, the image is intact.
+While the ranks are being restored, the TCP resets their namespaces would send on the job's
+connections are dropped (tcpunlock.ResetHold), so that the end restored first keeps them.
+
+Across nodes (``--coordinator``), one npusnap per node runs the above for its ranks, and every
+barrier's action also waits for every other node (netcoord.NetLink); see docs/distributed.md.
 
 Core module: returns frozen dataclasses, never prints.
 """
