@@ -298,13 +298,13 @@ def test_leave_running_job_keeps_every_rank_and_restores_later(
     """--leave-running: every rank is unlocked only after every rank was dumped; both finish as
     if nothing happened; the image then restores the job from the snapshot's step."""
     env = jobs_env(sim_env, runtime_dir)
-    ref = job_reference(env, seed=16, steps=30)
+    ref = job_reference(env, seed=16, steps=60)
     master = f"127.0.0.1:{free_port()}"
     jobs = []
     for r in (0, 1):
         d = tmp_path / f"r{r}"
         d.mkdir()
-        job = Job(d, env, [PY, RANKS, *rank_args(r, master, 16, steps=30)])
+        job = Job(d, env, [PY, RANKS, *rank_args(r, master, 16, steps=60)])
         job.marker = RANKS
         jobs.append(job)
     img = tmp_path / "img"
