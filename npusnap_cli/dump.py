@@ -584,6 +584,7 @@ class _Pipeline:
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
+        self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
 
     # -- failure handling ---------------------------------------------------------------------
     def _rollback(self, err: BaseException) -> None:
@@ -616,6 +617,8 @@ class _Pipeline:
 
     def _discard(self) -> Optional[str]:
         """Remove the partial image, keeping its logs elsewhere; return where they went."""
+        if self.hasher is not None:
+            self.hasher.stop()
         if self.tmp is None:
             return None
         logs = img.save_failure_logs(self.tmp, "dump")
@@ -752,6 +755,10 @@ class _Pipeline:
         criu_opts = self._criu_options()
         expected = sum(_rss(p.pid) for p in self.target.tree)
         self.cb.phase("criu dump")
+        from npusnap_cli.streamhash import StreamHasher
+
+        # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
+        hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
         try:
             with (
                 self.clock.phase("criu"),
@@ -770,9 +777,13 @@ class _Pipeline:
                     on_notify=self._on_criu_notify,
                 )
         except OSError as exc:
+            hasher.stop()
             raise ImageError(
                 f"CRIU could not be started, or a file of the image could not be written: {exc}"
             ) from None
+        except BaseException:
+            hasher.stop()
+            raise
         criu_done = time.monotonic()
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
@@ -790,6 +801,8 @@ class _Pipeline:
             frozen_end = time.monotonic()
         else:
             frozen_end = criu_done
+        # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
+        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
         manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
         self.cb.phase("publish")
         try:
@@ -803,7 +816,7 @@ class _Pipeline:
                     done[0] += n
                     self.cb.progress("checksums", done[0], total)
 
-                files = img.file_entries(tmp, advance)
+                files = img.file_entries(tmp, advance, known=streamed)
                 size = sum(f.size for f in files)
                 manifest = replace(
                     manifest,

@@ -451,12 +451,18 @@ def _checksummed_files(image: Path) -> list[str]:
     return sorted(out)
 
 
-def file_entries(image: Path, progress: Optional[ProgressFn] = None) -> tuple[FileEntry, ...]:
+def file_entries(
+    image: Path,
+    progress: Optional[ProgressFn] = None,
+    known: Optional[Mapping[str, tuple[int, str]]] = None,
+) -> tuple[FileEntry, ...]:
     """sha256 and size of every checksummed file, while a second thread flushes them to disk.
 
     Hashing reads the files back from the page cache (CPU) while fsync waits on the disk, so
     running the two side by side hides most of one behind the other; ``publish`` then finds the
     files already clean. An fsync error (ENOSPC, EIO) is raised here, after the hashing.
+    ``known``: {relative path: (size, sha256)} already computed while the files were written
+    (streamhash.py); a file whose size still matches is not read again.
     """
     rels = _checksummed_files(image)
     flush_errors: list[OSError] = []
@@ -473,7 +479,12 @@ def file_entries(image: Path, progress: Optional[ProgressFn] = None) -> tuple[Fi
     try:
         fulls = [image / rel for rel in rels]
         sizes = [f.stat().st_size for f in fulls]
-        digests = sha256_files(fulls, progress)
+        have = dict(known or {})
+        todo = [i for i, (r, n) in enumerate(zip(rels, sizes)) if have.get(r, (-1, ""))[0] != n]
+        fresh = dict(zip(todo, sha256_files([fulls[i] for i in todo], progress)))
+        if progress is not None:
+            progress(sum(n for i, n in enumerate(sizes) if i not in fresh))
+        digests = [fresh[i] if i in fresh else have[r][1] for i, r in enumerate(rels)]
         entries = [FileEntry(path=r, size=n, sha256=d) for r, n, d in zip(rels, sizes, digests)]
     finally:
         flusher.join()
