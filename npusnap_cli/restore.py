@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,6 +46,7 @@ class RestoreOptions:
 
 @dataclass(frozen=True)
 class RestoreTimings:
+    verify_wait_s: float  # waiting for the checksums after CRIU (they overlap with it)
     verify_s: float
     criu_restore_s: float
     criu_forking_s: Optional[float]
@@ -390,7 +392,6 @@ def restore(
 def _restore(
     directory: Path, options: RestoreOptions, callbacks: RestoreCallbacks, guard: Any
 ) -> RestoreOutcome:
-    from npusnap_cli import criu
 
     start = time.monotonic()
     cb = callbacks
@@ -404,7 +405,49 @@ def _restore(
         done[0] += n
         cb.progress("verifying", done[0], total)
 
-    img.verify(final, checksums=options.verify, progress=advance)
+    # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
+    # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
+    # known: nothing of the image runs before it is verified.
+    img.verify(final, checksums=False)
+    checksums = _Checksums(final, advance) if options.verify else None
+    try:
+        return _restore_verified(final, manifest, options, cb, guard, start, checksums)
+    finally:
+        if checksums is not None:
+            checksums.join()
+
+
+class _Checksums:
+    """``img.verify`` with checksums, on its own thread."""
+
+    def __init__(self, image: Path, progress: Any) -> None:
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(image, progress), name="npusnap-verify")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, image: Path, progress: Any) -> None:
+        try:
+            img.verify(image, checksums=True, progress=progress)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> Optional[BaseException]:
+        self._thread.join()
+        return self.error
+
+
+def _restore_verified(
+    final: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    cb: RestoreCallbacks,
+    guard: Any,
+    start: float,
+    checksums: Optional[_Checksums],
+) -> RestoreOutcome:
+    from npusnap_cli import criu
+
     binary = criu.find_criu()
     check_versions(manifest, binary)
     check_pids_free(manifest)
@@ -430,18 +473,28 @@ def _restore(
             cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore")
-        res = criu.restore(
-            str(img.criu_dir(final)),
-            str(logs),
-            options=_criu_options(manifest, tuple(inherit)),
-            log_name=img.RESTORE_LOG,
-            binary=binary,
-        )
+        try:
+            res = criu.restore(
+                str(img.criu_dir(final)),
+                str(logs),
+                options=replace(_criu_options(manifest, tuple(inherit)), leave_stopped=checksums is not None),
+                log_name=img.RESTORE_LOG,
+                binary=binary,
+            )
+        except NpusnapError:
+            # A corrupt image is the better explanation of a CRIU failure.
+            corrupt = checksums.join() if checksums is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+            raise
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
     criu_done = time.monotonic()
     root_pid = res.pid
+    if checksums is not None:
+        _release_when_verified(manifest, checksums, cb)
+    released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
     if options.pidfile is not None:
@@ -460,11 +513,12 @@ def _restore(
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
     timings = RestoreTimings(
+        verify_wait_s=released - criu_done,
         verify_s=verify_s,
         criu_restore_s=criu_done - start - verify_s,
         criu_forking_s=stats.forking_time_us * 1e-6 if stats else None,
         criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
-        device_restore_s=device_done - criu_done,
+        device_restore_s=device_done - released,
         total_s=device_done - start,
     )
     return RestoreOutcome(
@@ -476,6 +530,24 @@ def _restore(
         criu_log=res.log_path,
         pidfile=pidfile,
     )
+
+
+def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
+    """CRIU left the tree stopped: let it run if every sha256 matched, else kill it unrun."""
+    import signal
+
+    cb.phase("checksums")
+    error = checksums.join()
+    pids = [p.pid for p in manifest.processes]
+    sig = signal.SIGKILL if error is not None else signal.SIGCONT
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if error is not None:
+        if isinstance(error, NpusnapError):
+            error.message += " (the restored tree was killed before it ran)"
+            error.details["killed_unrun"] = pids
+        raise error
 
 
 def _write_pidfile(path: Path, pid: int) -> str:

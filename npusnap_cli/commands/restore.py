@@ -84,8 +84,9 @@ def register(app: typer.Typer) -> None:
             "phases",
             ["phase", "time"],
             [
-                ["verify", fmt_s(t.verify_s)],
-                ["CRIU restore", fmt_s(t.criu_restore_s)],
+                ["verify (structure, then checks)", fmt_s(t.verify_s)],
+                ["CRIU restore (checksums alongside)", fmt_s(t.criu_restore_s)],
+                ["waiting for the checksums", fmt_s(t.verify_wait_s)],
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
                 ["total", fmt_s(t.total_s)],
             ],
