@@ -25,19 +25,23 @@ from typing import Any, Dict, Optional, Tuple
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 * 1024
 
-# op -> {argument name: (allowed JSON types, required)}
+# op -> {argument name: (allowed JSON types, required)}. The native agent (native/agent/proto.c)
+# has the same table; tests/unit/test_agent_native.py compares the two.
 _LEASE = (int, float, type(None))
+_TOKEN = ((str,), False)
+_FORCE = ((bool,), False)
 OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
     "hello": {},
     "status": {},
-    "lock": {"lease_s": (_LEASE, False)},
-    "backup": {"lease_s": (_LEASE, False)},
-    "renew": {"lease_s": (_LEASE, False)},
-    "release": {},
-    "restore": {},
-    "unlock": {},
-    "rollback": {},
+    "lock": {"lease_s": (_LEASE, False), "owner": ((dict,), False), "device_memory": ((str,), False)},
+    "backup": {"lease_s": (_LEASE, False), "token": _TOKEN},
+    "renew": {"lease_s": (_LEASE, False), "token": _TOKEN},
+    "release": {"token": _TOKEN},
+    "restore": {"token": _TOKEN},
+    "unlock": {"token": _TOKEN, "force": _FORCE},
+    "rollback": {"token": _TOKEN, "force": _FORCE},
 }
+DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
 OPS = frozenset(OP_ARGS)
 
 # The kinds of error an agent reports (``error.type``).
@@ -101,7 +105,7 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
         if key not in schema:
             raise ProtocolError("BAD_ARGS", f"operation {op!r} takes no argument {key!r}")
         types, _required = schema[key]
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise ProtocolError("BAD_ARGS", f"argument {key!r} of {op!r} has the wrong type")
     for key, (_types, required) in schema.items():
         if required and key not in args:
@@ -109,6 +113,19 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
+    mode = args.get("device_memory")
+    if mode is not None and mode not in DEVICE_MEMORY_MODES:
+        raise ProtocolError(
+            "BAD_ARGS", f"device_memory must be one of 'preserve', 'app', 'discard' (got {mode!r})"
+        )
+    owner = args.get("owner")
+    if owner is not None and not (
+        set(owner) == {"command", "pid"}
+        and isinstance(owner["command"], str)
+        and isinstance(owner["pid"], int)
+        and not isinstance(owner["pid"], bool)
+    ):
+        raise ProtocolError("BAD_ARGS", 'owner must be {"command": string, "pid": integer}')
 
 
 def decode_request(line: bytes) -> Tuple[int, str, Dict[str, Any]]:
