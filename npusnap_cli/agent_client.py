@@ -211,7 +211,12 @@ class AgentClient:
         wait = timeout if timeout is not None else max(self.timeout, OP_TIMEOUTS.get(op, 0.0))
         try:
             sock.settimeout(wait)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The agent refused us at accept time (BUSY, PERMISSION_DENIED) and closed the
+                # connection before our request arrived: its one-line refusal is still readable.
+                sock.settimeout(0.5)
             line = self._read_line(sock, op)
         except socket.timeout:
             self.close()
