@@ -17,6 +17,8 @@
  */
 #include "agent_int.h"
 
+#include <npusnap/agent.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
