@@ -185,6 +185,18 @@ class AgentClient:
                 fix=f"inspect pid {self.pid} and its agent socket before trusting it",
             )
 
+    def abort(self) -> None:
+        """Wake a request blocked on this connection from another thread (it fails at once).
+
+        Used when the command is interrupted: shutdown() makes the blocked recv return, close()
+        alone would not. The agent finishes the operation it was doing; its lease covers it."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self._sock is not None:
             try:

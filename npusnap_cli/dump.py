@@ -144,7 +144,7 @@ class SignalGuard:
             raise InterruptedError_(
                 f"{self.what} interrupted by {self.name} {where}",
                 why="Ctrl-C or SIGTERM",
-                fix="rerun the dump when ready",
+                fix=f"rerun the {self.what} when ready",
                 details={"state": state},
             )
 
@@ -620,7 +620,11 @@ class _Pipeline:
                 fix="check the directory's permissions and free space",
             ) from None
         try:
-            self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s)
+            self.group = DeviceGroup(
+                self.target.npu_pids,
+                lease_s=self.options.lease_s,
+                interrupted=lambda: self.guard.received is not None,
+            )
             self.hello = self.group.hello()
         except NpusnapError as err:
             if self.group is not None:
