@@ -72,7 +72,10 @@ def build(out_dir: Path) -> Path:
         "Requires-Python: >=3.9\n"
         "License: Apache-2.0\n"
     )
-    wheel = f"Wheel-Version: 1.0\nGenerator: npusnap build_wheel.py\nRoot-Is-Purelib: false\nTag: py3-none-{plat}\n"
+    wheel = (
+        "Wheel-Version: 1.0\nGenerator: npusnap build_wheel.py\nRoot-Is-Purelib: false\n"
+        f"Tag: py3-none-{plat}\n"
+    )
     entries: List[Tuple[str, bytes, int]] = []
     for name in FILES:
         entries.append((name, (REPO / name).read_bytes(), 0o644))
