@@ -19,6 +19,7 @@
 
 #include <npusnap/agent.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -649,9 +650,22 @@ static void after_fork_child(void) {
     if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
 }
 
+/* `npusnap attach` of a native process loads a private copy of this library next to a marker
+ * file: the process's environment cannot be changed, so the marker is what switches it on. */
+static int attach_marker_present(void) {
+    Dl_info info;
+    if (!dladdr((void *)attach_marker_present, &info) || !info.dli_fname) return 0;
+    char path[600];
+    snprintf(path, sizeof path, "%s", info.dli_fname);
+    char *slash = strrchr(path, '/');
+    if (!slash) return 0;
+    snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path), "npusnap-attach-start");
+    return access(path, F_OK) == 0;
+}
+
 __attribute__((constructor)) static void agent_init(void) {
     hook_cv_init();
     pthread_atfork(NULL, NULL, after_fork_child);
     const char *sw = getenv("NPUSNAP_AGENT");
-    if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
+    if ((sw && strcmp(sw, "1") == 0) || attach_marker_present()) npusnap_agent_start();
 }
