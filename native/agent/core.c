@@ -663,6 +663,16 @@ static int attach_marker_present(void) {
     return access(path, F_OK) == 0;
 }
 
+/* At exit(), remove our socket file: under `npusnap run` every short-lived process of the tree
+ * (a shell, a compiler) has an agent, and their names would pile up in the runtime directory.
+ * The agent thread is not joined: it may be inside an operation, and exit must not wait. */
+__attribute__((destructor)) static void agent_fini(void) {
+    if (A.started && A.pid == getpid() && A.path[0]) {
+        struct stat st;
+        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
+    }
+}
+
 __attribute__((constructor)) static void agent_init(void) {
     hook_cv_init();
     pthread_atfork(NULL, NULL, after_fork_child);
