@@ -210,6 +210,38 @@ def _safe_thread(pid: int) -> Optional[tuple[int, str]]:
     return None
 
 
+def _run_gdb(argv: list[str], budget: float, pid: int) -> str:
+    """Run gdb to its end; its stdout and stderr.
+
+    gdb runs in a session of its own, so that Ctrl-C at the terminal does not reach it, and it is
+    never SIGKILLed while it may be inside the hand-made call: that would leave the target with a
+    half-made call frame. Ctrl-C or a timeout asks it to stop with SIGTERM (gdb then detaches) and
+    waits for that, bounded; only a gdb that ignores SIGTERM is killed.
+    """
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    interrupted: Optional[BaseException] = None
+    try:
+        out, _ = proc.communicate(timeout=budget)
+        return out
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+        interrupted = exc
+    proc.terminate()
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    if isinstance(interrupted, KeyboardInterrupt):
+        raise interrupted
+    raise AgentError(
+        f"gdb did not finish within {budget:.0f}s attaching to pid {pid}; it was stopped",
+        why="the target may be stuck in dlopen",
+        fix=f"check `npusnap status {pid}` and the process itself",
+    )
+
+
 def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
     """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
     if platform.machine() != "x86_64":
@@ -251,33 +283,24 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
                 script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=str(copy), safe=safe))
                 left = max(1.0, deadline - time.monotonic())
                 t0 = time.monotonic()
-                try:
-                    done = subprocess.run(
-                        [
-                            gdb,
-                            "-nx",
-                            "-batch",
-                            "-iex",
-                            "set auto-solib-add off",
-                            "-iex",
-                            "set pagination off",
-                            "-p",
-                            str(pid),
-                            "-x",
-                            str(script),
-                        ],
-                        capture_output=True,
-                        text=True,
-                        timeout=left + 5,
-                    )
-                except subprocess.TimeoutExpired:
-                    raise AgentError(
-                        f"gdb did not finish within {left + 5:.0f}s attaching to pid {pid}",
-                        why="the target may be stuck in dlopen; gdb was killed",
-                        fix=f"check `npusnap status {pid}` and the process itself",
-                    ) from None
+                out = _run_gdb(
+                    [
+                        gdb,
+                        "-nx",
+                        "-batch",
+                        "-iex",
+                        "set auto-solib-add off",
+                        "-iex",
+                        "set pagination off",
+                        "-p",
+                        str(pid),
+                        "-x",
+                        str(script),
+                    ],
+                    left + 5,
+                    pid,
+                )
                 wall = time.monotonic() - t0
-                out = done.stdout
                 if "NPUSNAP-ATTACH handle" in out:
                     fields = out.split("NPUSNAP-ATTACH handle", 1)[1].split()
                     if int(fields[0]) == 0:
@@ -297,7 +320,7 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
                 if "NPUSNAP-ATTACH unsafe" not in out:
                     raise AgentError(
                         f"gdb could not attach to pid {pid}",
-                        why=(done.stderr or out).strip()[-500:],
+                        why=out.strip()[-500:],
                         fix="check ptrace permissions (see docs/runbooks/permissions.md)",
                     )
             if time.monotonic() >= deadline:
