@@ -185,6 +185,18 @@ class AgentClient:
                 fix=f"inspect pid {self.pid} and its agent socket before trusting it",
             )
 
+    def abort(self) -> None:
+        """Wake a request blocked on this connection from another thread (it fails at once).
+
+        Used when the command is interrupted: shutdown() makes the blocked recv return, close()
+        alone would not. The agent finishes the operation it was doing; its lease covers it."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self._sock is not None:
             try:
@@ -211,7 +223,12 @@ class AgentClient:
         wait = timeout if timeout is not None else max(self.timeout, OP_TIMEOUTS.get(op, 0.0))
         try:
             sock.settimeout(wait)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The agent refused us at accept time (BUSY, PERMISSION_DENIED) and closed the
+                # connection before our request arrived: its one-line refusal is still readable.
+                sock.settimeout(0.5)
             line = self._read_line(sock, op)
         except socket.timeout:
             self.close()

@@ -21,12 +21,17 @@ Results are dicts keyed by pid (the agent's result for that pid).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
-from npusnap_cli.agent_client import AgentClient
-from npusnap_cli.errors import NpusnapError, StateUnknownError
+from npusnap_cli.agent_client import AgentClient, AgentOpError
+from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownError
+
+POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
+ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
+BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
 
 DEFAULT_LEASE_S = 60.0
 T = TypeVar("T")
@@ -46,8 +51,12 @@ class DeviceGroup:
         lease_s: Optional[float] = DEFAULT_LEASE_S,
         timeout: float = 30.0,
         connect: bool = True,
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``interrupted``: polled while waiting for the agents (a signal arrived); when true,
+        the wait stops within ``ABORT_WAIT_S`` and the unfinished requests fail as interrupted."""
         self.pids = sorted(set(pids))
+        self.interrupted = interrupted
         self.lease_s = lease_s
         self.timeout = timeout
         self.clients: dict[int, AgentClient] = {
@@ -63,19 +72,45 @@ class DeviceGroup:
         self.close()
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _each(self, fn: Callable[[AgentClient], T]) -> tuple[dict[int, T], dict[int, BaseException]]:
-        """Run ``fn`` for every client in parallel; (results, failures) keyed by pid."""
+    def _each(
+        self, fn: Callable[[AgentClient], T], interruptible: bool = True
+    ) -> tuple[dict[int, T], dict[int, BaseException]]:
+        """Run ``fn`` for every client in parallel; (results, failures) keyed by pid.
+
+        Never waits on a thread without a bound: the requests have their own timeouts, and an
+        interruption aborts the connections still waiting (their pids fail as interrupted)."""
         results: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
         if not self.pids:
             return results, failures
-        with ThreadPoolExecutor(max_workers=min(32, len(self.pids)), thread_name_prefix="npusnap-dg") as pool:
+        pool = ThreadPoolExecutor(max_workers=min(32, len(self.pids)), thread_name_prefix="npusnap-dg")
+        try:
             futures = {pid: pool.submit(fn, self.clients[pid]) for pid in self.pids}
+            pending = set(futures.values())
+            while pending:
+                _, pending = wait(pending, timeout=POLL_S)
+                if pending and interruptible and self.interrupted():
+                    for pid, fut in futures.items():
+                        if not fut.done():
+                            self.clients[pid].abort()
+                    wait(pending, timeout=ABORT_WAIT_S)
+                    break
             for pid, fut in futures.items():
+                if not fut.done() or (interruptible and self.interrupted() and fut.exception() is not None):
+                    failures[pid] = InterruptedError_(
+                        f"interrupted while waiting for the agent of pid {pid}",
+                        why="Ctrl-C or SIGTERM; the agent finishes the operation it had begun and its "
+                        "lease rolls it back if nobody does",
+                        fix=f"check `npusnap status {pid}`",
+                        details={"pid": pid},
+                    )
+                    continue
                 try:
                     results[pid] = fut.result()
                 except Exception as exc:
                     failures[pid] = exc
+        finally:
+            pool.shutdown(wait=False)
         return results, failures
 
     @staticmethod
@@ -136,9 +171,12 @@ class DeviceGroup:
 
         results, failures = self._each(step)
         if failures:
-            self._rollback_or_state_unknown(failures)
+            states = self._rollback_or_state_unknown(failures)
             self._raise_first(
-                failures, "lock" if not backup else "lock+backup", "all processes were rolled back"
+                failures,
+                "lock" if not backup else "lock+backup",
+                "all processes were rolled back: "
+                + ", ".join(f"pid {p} {st}" for p, st in sorted(states.items())),
             )
         return results
 
@@ -186,25 +224,39 @@ class DeviceGroup:
         return results
 
     def rollback(self) -> dict[int, dict[str, Any]]:
-        """Every process back to RUNNING; StateUnknownError if any cannot be brought back."""
-        results, failures = self._each(_rollback_one)
+        """Every process back to RUNNING; StateUnknownError if any cannot be brought back.
+
+        Not interruptible (it is what an interruption runs), but bounded: each agent request
+        has its timeout, and an agent still busy is retried for at most ``BUSY_RETRY_S``."""
+        results, failures = self._each(_rollback_one, interruptible=False)
         if failures:
             raise _state_unknown(failures)
         return results
 
-    def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> None:
-        _, failures = self._each(_rollback_one)
+    def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> dict[int, str]:
+        """Roll every process back; their states by pid, or StateUnknownError."""
+        results, failures = self._each(_rollback_one, interruptible=False)
         if failures:
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
+        return {p: str(r.get("state")) for p, r in results.items()}
 
 
 def _rollback_one(c: AgentClient) -> dict[str, Any]:
+    deadline = time.monotonic() + BUSY_RETRY_S
     try:
-        if not c.connected:
-            c.connect()
-        return c.rollback()
+        while True:
+            try:
+                if not c.connected:
+                    c.connect()
+                return c.rollback()
+            except AgentOpError as exc:
+                # An aborted request is still running in the agent (one client at a time).
+                if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
+                    raise
+                c.close()
+                time.sleep(0.2)
     except NpusnapError:
         from npusnap_cli import procfs
 

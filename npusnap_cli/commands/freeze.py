@@ -41,15 +41,29 @@ def register(app: typer.Typer) -> None:
         All or nothing: if one process cannot be frozen, all are thawed again.
         """
         from npusnap_cli import devicegroup
+        from npusnap_cli.dump import SignalGuard
 
         out = output(ctx, "freeze", json_flag)
         lease_s: Optional[float] = None if no_lease else lease
         pids = devicegroup.tree_targets(pid)
+        # Ctrl-C / SIGTERM: the wait on the agents stops within a few seconds, everything that
+        # was locked is rolled back, and the error says each process's state.
         with (
+            SignalGuard(out.warn, what="freeze") as guard,
             out.phase(f"freezing {len(pids)} process(es)"),
-            devicegroup.DeviceGroup(pids, lease_s=lease_s, timeout=timeout) as group,
+            devicegroup.DeviceGroup(
+                pids, lease_s=lease_s, timeout=timeout, interrupted=lambda: guard.received is not None
+            ) as group,
         ):
             results = group.lock_and_backup(backup=backup)
+            if guard.received is not None:
+                states = group.rollback()
+                guard.check(
+                    "after the processes were frozen: all were thawed again ("
+                    + ", ".join(f"pid {p} {r.get('state')}" for p, r in sorted(states.items()))
+                    + ")",
+                    "rolled back",
+                )
         out.table(
             f"npusnap freeze {pid}",
             ["pid", "state", "lease"],
@@ -74,10 +88,13 @@ def register(app: typer.Typer) -> None:
         CRIU restored, where Restore comes first. Safe to run on a process that is running.
         """
         from npusnap_cli import devicegroup
+        from npusnap_cli.dump import SignalGuard
 
         out = output(ctx, "thaw", json_flag)
         pids = devicegroup.tree_targets(pid)
-        with devicegroup.DeviceGroup(pids, timeout=timeout) as group:
+        # A signal does not cut a thaw in half (it is what gets a job running again); every
+        # request it makes has a timeout, so it ends in bounded time.
+        with SignalGuard(out.warn, what="thaw"), devicegroup.DeviceGroup(pids, timeout=timeout) as group:
             results = group.rollback()
         out.table(
             f"npusnap thaw {pid}",

@@ -1,4 +1,4 @@
-"""`npusnap run -- CMD...`: start a program with the npusnap agent in each of its Python processes."""
+"""`npusnap run -- CMD...`: start a program with the npusnap agent in each of its processes."""
 
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ def register(app: typer.Typer) -> None:
             "program starts; the program's own output follows.",
         ),
     ) -> None:
-        """Run CMD with an npusnap agent in every Python process it starts.
+        """Run CMD with an npusnap agent in every process it starts, Python or not.
 
-        npusnap replaces itself with CMD (same pid), with NPUSNAP_AGENT=1 and an agent bootstrap
-        on PYTHONPATH: each Python 3.9+ interpreter of the tree serves a control socket, so that
-        `npusnap status/freeze/dump PID` can drive it. Python run with -I, -E or -S gets no agent.
+        npusnap replaces itself with CMD (same pid), with NPUSNAP_AGENT=1 and the native agent
+        library on LD_PRELOAD: each dynamically linked process of the tree serves a control
+        socket, so that `npusnap status/freeze/dump PID` can drive it. Python 3.9+ interpreters
+        also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
+        linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
         from npusnap_cli.agent import launch
 
@@ -42,9 +44,17 @@ def register(app: typer.Typer) -> None:
         if argv and argv[0] == "--":
             argv = argv[1:]
         plan = launch.prepare(argv)
+        if launch.statically_linked(plan.executable):
+            out.warn(
+                f"{plan.executable} is statically linked: the dynamic loader never runs for it, so it "
+                "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
+            )
         session_note = None if keep_session else launch.leave_foreign_session()
         if session_note:
             out.warn(session_note)
-        out.debug(f"exec {' '.join(plan.argv)} (PYTHONPATH={plan.env.get('PYTHONPATH')})")
+        out.debug(
+            f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
+            f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
+        )
         out.result({**plan.to_dict(), "session_note": session_note})
         launch.exec_plan(plan)

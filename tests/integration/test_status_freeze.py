@@ -135,10 +135,10 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     a = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="a")
     b = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="b")
     with AgentClient(b.pid) as c:
-        c.lock()  # b is already locked: its Lock in the group fails with 507906
+        c.lock()  # b is already locked: the group's lock is refused (ALREADY_LOCKED)
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(AgentDeviceError) as info:
         group.lock_and_backup()
-    assert info.value.pid == b.pid and info.value.code == 507906
+    assert info.value.pid == b.pid and info.value.name == "ALREADY_LOCKED"
     assert set(info.value.details["failures"]) == {b.pid}
     assert "rolled back" in info.value.message
     assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "RUNNING"
