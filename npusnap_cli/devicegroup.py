@@ -16,6 +16,12 @@ parallel threads. The contract the pipelines rely on:
   that process locked (never half-running) and raises with the retry command.
 * ``rollback()``: back to RUNNING from any state; ``StateUnknownError`` if that fails.
 
+Lock ownership (docs/internals.md, "Lock ownership"): each lock is taken as ``npusnap COMMAND``
+and its token kept per pid (``tokens()``; ``set_tokens()`` hands a dump's or a freeze's tokens to
+restore or thaw). ``ensure_unlocked()`` is the preflight that refuses, with who holds it and
+since when, a job that another command locked. After a failure only the processes this group
+locked are rolled back: a dump that fails at Lock never thaws someone else's freeze.
+
 Results are dicts keyed by pid (the agent's result for that pid).
 """
 
@@ -25,8 +31,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, TypeVar
 
-from npusnap_cli.agent_client import AgentClient
-from npusnap_cli.errors import NpusnapError, StateUnknownError
+from npusnap_cli.agent_client import AgentClient, owner_text
+from npusnap_cli.errors import BusyError, NpusnapError, StateUnknownError
 
 DEFAULT_LEASE_S = 60.0
 T = TypeVar("T")
@@ -46,8 +52,10 @@ class DeviceGroup:
         lease_s: Optional[float] = DEFAULT_LEASE_S,
         timeout: float = 30.0,
         connect: bool = True,
+        command: str = "unknown",
     ) -> None:
         self.pids = sorted(set(pids))
+        self.command = command
         self.lease_s = lease_s
         self.timeout = timeout
         self.clients: dict[int, AgentClient] = {
@@ -122,12 +130,48 @@ class DeviceGroup:
             self._raise_first(failures, "status")
         return results
 
+    def tokens(self) -> dict[int, str]:
+        """The tokens of the locks this group holds, by pid."""
+        return {pid: c.token for pid, c in self.clients.items() if c.token is not None}
+
+    def set_tokens(self, tokens: dict[int, str]) -> None:
+        """Act as the owner of locks another command took (restore: the dump's; thaw: a freeze's)."""
+        for pid, token in tokens.items():
+            if pid in self.clients:
+                self.clients[pid].token = token
+
+    def ensure_unlocked(self) -> dict[int, dict[str, Any]]:
+        """Preflight: refuse (BusyError, nothing changed) if any process is locked or has an owner."""
+        results = self.status()
+        taken = {
+            pid: r
+            for pid, r in results.items()
+            if r.get("owner") or (r.get("state") not in (None, "RUNNING"))
+        }
+        if taken:
+            pid = min(taken)
+            owner = taken[pid].get("owner")
+            raise BusyError(
+                f"pid {pid} is already locked ({taken[pid].get('state')}) by {owner_text(owner)}; "
+                f"npusnap {self.command} changed nothing",
+                why="another command holds the lock (an external checkpoint, a freeze, a dump in "
+                "progress); only its owner may release it",
+                fix=f"wait for it to finish (`npusnap status {pid}` shows the owner), or take the lock "
+                f"away with `npusnap thaw --force {pid}`",
+                details={
+                    "locked": {
+                        str(p): {"state": r.get("state"), "owner": r.get("owner")} for p, r in taken.items()
+                    }
+                },
+            )
+        return results
+
     def lock_and_backup(self, backup: bool = True) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring)."""
         lease = self.lease_s
 
         def step(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease)
+            locked = c.lock(lease, self.command)
             if not backup:
                 return locked
             backed = c.backup(lease)
@@ -137,6 +181,9 @@ class DeviceGroup:
         results, failures = self._each(step)
         if failures:
             self._rollback_or_state_unknown(failures)
+            busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
+            if busy:
+                self._raise_first(busy, "lock", "this command's own locks were rolled back")
             self._raise_first(
                 failures, "lock" if not backup else "lock+backup", "all processes were rolled back"
             )
@@ -154,8 +201,8 @@ class DeviceGroup:
             self._raise_first(failures, "release")
         return results
 
-    def unlock(self) -> dict[int, dict[str, Any]]:
-        results, failures = self._each(lambda c: c.unlock())
+    def unlock(self, force: bool = False) -> dict[int, dict[str, Any]]:
+        results, failures = self._each(lambda c: c.unlock(force))
         if failures:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
@@ -185,9 +232,22 @@ class DeviceGroup:
             )
         return results
 
-    def rollback(self) -> dict[int, dict[str, Any]]:
-        """Every process back to RUNNING; StateUnknownError if any cannot be brought back."""
-        results, failures = self._each(_rollback_one)
+    def rollback(self, *, force: bool = False, owned_only: bool = False) -> dict[int, dict[str, Any]]:
+        """Every process back to RUNNING; StateUnknownError if any cannot be brought back.
+
+        ``owned_only``: only the processes this group locked (after a failure of its own);
+        ``force``: also those another command locked (``thaw --force``). Without either, a
+        process locked by another command is refused (BusyError, nothing changed).
+        """
+        if not force and not owned_only:
+            results, failures = self._each(lambda c: c.rollback())
+            busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
+            if busy:
+                self._raise_first(busy, "rollback")
+            if failures:
+                raise _state_unknown(failures)
+            return results
+        results, failures = self._each(lambda c: _rollback_one(c, force=force))
         if failures:
             raise _state_unknown(failures)
         return results
@@ -200,11 +260,14 @@ class DeviceGroup:
             raise err
 
 
-def _rollback_one(c: AgentClient) -> dict[str, Any]:
+def _rollback_one(c: AgentClient, force: bool = False) -> dict[str, Any]:
+    """Roll back what this client locked (or, with ``force``, whatever is locked)."""
+    if not force and c.token is None:
+        return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
     try:
         if not c.connected:
             c.connect()
-        return c.rollback()
+        return c.rollback(force)
     except NpusnapError:
         from npusnap_cli import procfs
 
@@ -259,3 +322,115 @@ def tree_targets(pid: int) -> list[int]:
             details={"without_agent": missing},
         )
     return [p.pid for p in npu]
+
+
+# --------------------------------------------------------------------------------------------
+# freeze / thaw: the device half only, the lock kept across two commands
+# --------------------------------------------------------------------------------------------
+
+FREEZE_TOKEN_SUFFIX = ".freeze-token"
+
+
+def _token_path(pid: int) -> Any:
+    from npusnap_cli import paths
+
+    return paths.agent_runtime_dir() / f"{pid}{FREEZE_TOKEN_SUFFIX}"
+
+
+def save_freeze_tokens(tokens: dict[int, str]) -> None:
+    """Keep a freeze's tokens for ``thaw``: one root-only file per pid under the runtime directory
+    (created 0700 and checked like the agents' socket directory; files 0600, never followed)."""
+    import os
+
+    from npusnap_cli import paths
+    from npusnap_cli.agent.server import _ensure_private_dir
+
+    _ensure_private_dir(paths.agent_runtime_dir())
+    for pid, token in tokens.items():
+        path = _token_path(pid)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+
+
+def load_freeze_tokens(pids: Iterable[int]) -> dict[int, str]:
+    """The tokens ``freeze`` left for ``pids`` (those it has); a file that is not a regular file
+    of this user, 0600, holding 32 hex digits, is ignored."""
+    import os
+    import re
+    import stat
+
+    out: dict[int, str] = {}
+    for pid in pids:
+        try:
+            fd = os.open(_token_path(pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "r", encoding="ascii", errors="replace") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                continue
+            text = f.read(100).strip()
+        if re.fullmatch(r"[0-9a-f]{32}", text):
+            out[pid] = text
+    return out
+
+
+def forget_freeze_tokens(pids: Iterable[int]) -> None:
+    import contextlib
+    import os
+
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.unlink(_token_path(pid))
+
+
+def freeze(
+    pid: int, *, lease_s: Optional[float], backup: bool, timeout: float, note: Callable[[str], None]
+) -> dict[int, dict[str, Any]]:
+    """``npusnap freeze``: refuse a job that is locked already, Lock (+ Backup) every NPU process
+    as its owner, keep the tokens for ``thaw``. Ctrl-C / SIGTERM during it rolls back what it
+    locked and raises InterruptedError_ (exit 130) — docs/exit-codes.md."""
+    from npusnap_cli.dump import SignalGuard
+    from npusnap_cli.errors import InterruptedError_
+
+    pids = tree_targets(pid)
+    with (
+        SignalGuard(note, what="freeze") as guard,
+        DeviceGroup(pids, lease_s=lease_s, timeout=timeout, command="freeze") as group,
+    ):
+        group.ensure_unlocked()
+        guard.check("before anything was locked", "nothing was locked")
+        try:
+            results = group.lock_and_backup(backup=backup)
+        except NpusnapError as err:
+            if guard.received is None:
+                raise
+            err.details["signal"] = guard.name
+            raise
+        if guard.received is not None:
+            step = "lock+backup" if backup else "lock"
+            group.rollback(owned_only=True)
+            raise InterruptedError_(
+                f"freeze interrupted by {guard.name} during {step}: every process it locked was rolled "
+                "back and is running",
+                why="Ctrl-C or SIGTERM",
+                fix=f"run `npusnap freeze {pid}` again when ready",
+                details={"state": "rolled back", "pids": pids},
+            )
+        save_freeze_tokens(group.tokens())
+    return results
+
+
+def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
+    """``npusnap thaw``: roll every NPU process back to RUNNING as the owner of ``freeze``'s lock
+    (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
+    is refused (BusyError) without ``force``."""
+    pids = tree_targets(pid)
+    with DeviceGroup(pids, timeout=timeout, command="thaw") as group:
+        group.set_tokens(load_freeze_tokens(pids))
+        results = group.rollback(force=force)
+    forget_freeze_tokens(pids)
+    return results

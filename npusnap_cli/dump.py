@@ -71,6 +71,7 @@ class DumpOptions:
     force: bool = False
     attach: bool = True
     lease_s: float = DEFAULT_LEASE_S
+    sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
 
 
 @dataclass(frozen=True)
@@ -497,8 +498,13 @@ def dump(
         with clock.phase("resolve"):
             # Cheap checks first: bad input must fail before anything touches the target.
             img.check_dump_target(final, force=options.force)
-            for stale in img.remove_stale_temps(final):
-                cb.note(f"removed {stale}, left by an earlier dump that did not finish")
+            if options.sign_key is not None:
+                from npusnap_cli import imagetrust
+
+                imagetrust.check_signing_key(options.sign_key)
+            for left in img.remove_stale_temps(final):
+                if left.action != "kept":
+                    cb.note(left.message)
             target = resolve_target(pid, attach=options.attach)
         cb.phase("preflight")
         with clock.phase("preflight"):
@@ -543,6 +549,7 @@ class _Pipeline:
         self.group: Any = None
         self.hello: dict[int, dict[str, Any]] = {}
         self.stopped_pids: list[int] = []
+        self.lock_tokens: dict[int, str] = {}
 
     # -- failure handling ---------------------------------------------------------------------
     def _rollback(self, err: BaseException) -> None:
@@ -554,7 +561,7 @@ class _Pipeline:
             return
         try:
             self.group.close()
-            self.group.rollback()
+            self.group.rollback(owned_only=True)
         except StateUnknownError as unknown:
             unknown.details["original_error"] = _describe(err)
             if self.tmp is not None:
@@ -620,8 +627,11 @@ class _Pipeline:
                 fix="check the directory's permissions and free space",
             ) from None
         try:
-            self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s)
+            self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s, command="dump")
             self.hello = self.group.hello()
+            # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
+            # here, having changed nothing, rather than fail at Lock.
+            self.group.ensure_unlocked()
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
@@ -632,6 +642,7 @@ class _Pipeline:
         try:
             with self.clock.phase("lock+backup"), self._backup_progress():
                 results = self.group.lock_and_backup(backup=True)
+            self.lock_tokens = self.group.tokens()
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -754,7 +765,9 @@ class _Pipeline:
                     timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
                 )
                 self.guard.check("before the image was published", "rolled back")
-                img.publish(tmp, self.final, manifest, force=self.options.force)
+                img.publish(
+                    tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
+                )
         except OSError as exc:
             raise ImageError(
                 f"writing the image failed: {exc.strerror or exc}",
@@ -792,6 +805,9 @@ class _Pipeline:
         criu_opts: Any,
     ) -> img.Manifest:
         npu = set(self.target.npu_pids)
+        # Recorded with --leave-running too: the image holds the agents' memory from while the
+        # dump held the lock, so the restored agents still know the dump as their owner.
+        tokens = self.lock_tokens
         processes = []
         for p in self.target.tree:
             devices: list[int] = []
@@ -812,6 +828,7 @@ class _Pipeline:
                     devices=tuple(sorted(set(devices))),
                     device_bytes=nbytes,
                     agent_socket=p.agent_socket,
+                    lock_token=tokens.get(p.pid),
                 )
             )
         lock_times = [r.get("lock_elapsed_s") for r in results.values()]

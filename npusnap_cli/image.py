@@ -94,7 +94,7 @@ def _only(data: Mapping[str, Any], keys: Any, where: str) -> None:
 
 
 def _list_of(data: Mapping[str, Any], key: str, kind: type, where: str) -> list[Any]:
-    items = _req(data, key, list, where)
+    items: list[Any] = _req(data, key, list, where)
     for item in items:
         if not isinstance(item, kind) or (isinstance(item, bool) and kind is not bool):
             raise ImageError(

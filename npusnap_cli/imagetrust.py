@@ -29,7 +29,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from npusnap_cli.errors import ImageError, UsageError
 
@@ -239,8 +239,12 @@ def _read_key_file(path: Path, what: str) -> bytes:
         ) from None
 
 
-def write_signature(image: Path, manifest_bytes: bytes, key_file: Path) -> None:
-    """Sign ``manifest_bytes`` with the Ed25519 private key in ``key_file`` (PEM) into the image."""
+def check_signing_key(key_file: Path) -> None:
+    """Preflight of ``dump --sign``: refuse a key that cannot sign before anything is locked."""
+    _signing_key(key_file)
+
+
+def _signing_key(key_file: Path) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -252,6 +256,12 @@ def write_signature(image: Path, manifest_bytes: bytes, key_file: Path) -> None:
         ) from None
     if not isinstance(key, Ed25519PrivateKey):
         raise UsageError(f"{key_file} is not an Ed25519 key", fix=f"make one with: {KEYGEN_HELP}")
+    return key
+
+
+def write_signature(image: Path, manifest_bytes: bytes, key_file: Path) -> None:
+    """Sign ``manifest_bytes`` with the Ed25519 private key in ``key_file`` (PEM) into the image."""
+    key = _signing_key(key_file)
     sig = base64.b64encode(key.sign(manifest_bytes)) + b"\n"
     fd = os.open(image / SIGNATURE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:

@@ -38,6 +38,7 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    require_signature: Optional[Path] = None  # Ed25519 public key (PEM) the image must be signed with
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def _restore(
         done[0] += n
         cb.progress("verifying", done[0], total)
 
-    img.verify(final, checksums=options.verify, progress=advance)
+    img.verify(final, checksums=options.verify, progress=advance, require_signature=options.require_signature)
     binary = criu.find_criu()
     check_versions(manifest, binary)
     check_pids_free(manifest)
@@ -307,7 +308,8 @@ def _restore(
 
     cb.phase("device restore")
     if npu_pids:
-        _device_restore(npu_pids, options, root_pid, res.log_path)
+        tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
+        _device_restore(npu_pids, options, root_pid, res.log_path, tokens)
     device_done = time.monotonic()
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
@@ -344,12 +346,16 @@ def _write_pidfile(path: Path, pid: int) -> str:
     return str(path)
 
 
-def _device_restore(npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str) -> None:
+def _device_restore(
+    npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str, tokens: dict[int, str]
+) -> None:
     from npusnap_cli.devicegroup import DeviceGroup
 
     group = None
     try:
-        group = DeviceGroup(npu_pids, lease_s=options.lease_s)
+        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
+        # The restored agents still record the dump as their lock's owner: present its tokens.
+        group.set_tokens(tokens)
         group.restore_and_unlock()
     except NpusnapError as err:
         err.details.setdefault("restored_root_pid", root_pid)

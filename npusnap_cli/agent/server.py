@@ -15,6 +15,7 @@ an ``npusnap-agent:`` prefix and, where a client asked for something, reported t
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import os
 import select
@@ -117,6 +118,11 @@ class Agent:
         self.restored = False
         self.restore_pending = False
         self.events: List[str] = []  # recent notable events, reported by `status`
+        # Lock ownership (docs/internals.md): who locked this process and the secret that lets
+        # only them (or the lease, or a forced thaw) release it. Kept in memory only, so that it
+        # survives a CRIU dump and restore with the process.
+        self.owner: Optional[Dict[str, Any]] = None
+        self._token: Optional[str] = None
         self._find_runtime = runtime_finder
         self._runtime: Any = None
         self._listener: Optional[socket.socket] = None
@@ -513,9 +519,38 @@ class Agent:
             )
         if before == RUNNING:
             self.lease.release()
+            self._clear_owner()
         return self._hook_error(
             exc, f"rolled back to {STATE_NAMES[before]} ({', '.join(steps) or 'no change'})"
         )
+
+    # -- lock ownership -----------------------------------------------------------------------
+    def _owner_text(self) -> str:
+        o = self.owner or {}
+        return f"`npusnap {o.get('command')}` (pid {o.get('pid')}) since {o.get('since')}"
+
+    def _check_owner(self, op: str, args: Dict[str, Any], allow_force: bool = False) -> None:
+        """Refuse ``op`` unless no owner is recorded, ``args`` carry its token, or a force."""
+        if self.owner is None:
+            return
+        if allow_force and args.get("force") is True:
+            self._event(f"{op} forced over the lock of {self._owner_text()}")
+            return
+        token = args.get("token")
+        if isinstance(token, str) and self._token is not None and hmac.compare_digest(token, self._token):
+            return
+        raise OpError(
+            protocol.make_error(
+                protocol.ERR_STATE,
+                protocol.NOT_OWNER,
+                f"pid {self.pid} is locked by {self._owner_text()}; only its owner may {op} it",
+                owner=dict(self.owner),
+            )
+        )
+
+    def _clear_owner(self) -> None:
+        self.owner = None
+        self._token = None
 
     def op_hello(self, args: Dict[str, Any]) -> Dict[str, Any]:
         del args
@@ -550,6 +585,7 @@ class Agent:
                 "devices": devices,
             },
             "hooks": self.hooks.names(),
+            "owner": dict(self.owner) if self.owner else None,
         }
 
     def op_status(self, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -561,21 +597,47 @@ class Agent:
             restored=self.restored,
             restore_pending=self.restore_pending,
             events=list(self.events[-10:]),
+            owner=dict(self.owner) if self.owner else None,
         )
 
     def op_lock(self, args: Dict[str, Any]) -> Dict[str, Any]:
         rt = self.runtime()
+        state = self.state()
+        if self.owner is not None or (state is not None and state != RUNNING):
+            who = self._owner_text() if self.owner else "no recorded owner (an external Lock)"
+            name = STATE_NAMES.get(state, "?") if state is not None else "state unknown"
+            raise OpError(
+                protocol.make_error(
+                    protocol.ERR_STATE,
+                    protocol.ALREADY_LOCKED,
+                    f"pid {self.pid} is already locked ({name}) by {who}",
+                    owner=dict(self.owner) if self.owner else None,
+                )
+            )
         start = time.monotonic()
         try:
             ran = self._run_hooks("pre_lock")
         except HookFailed as exc:
             raise self._hook_error(exc, "nothing was locked") from None
         self._call("Lock", rt.lock)
+        requested = args.get("owner") or {}
+        self.owner = {
+            "command": str(requested.get("command") or "unknown"),
+            "pid": int(requested.get("pid") or self._client_pid or 0),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        self._token = os.urandom(protocol.TOKEN_HEX_CHARS // 2).hex()
         if args.get("lease_s") is not None:
             self.lease.grant(float(args["lease_s"]))
-        return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
+        return self._state_result(
+            elapsed_s=round(time.monotonic() - start, 6),
+            hooks_run=ran,
+            token=self._token,
+            owner=dict(self.owner),
+        )
 
     def op_backup(self, args: Dict[str, Any]) -> Dict[str, Any]:
+        self._check_owner("backup", args)
         rt = self.runtime()
         before = self.state()
         start = time.monotonic()
@@ -589,6 +651,7 @@ class Agent:
         return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
 
     def op_renew(self, args: Dict[str, Any]) -> Dict[str, Any]:
+        self._check_owner("renew", args)
         lease_s = args.get("lease_s")
         if not self.lease.renew(None if lease_s is None else float(lease_s)):
             if self.restored and self.lease.voided_reason:
@@ -599,12 +662,12 @@ class Agent:
         return self._state_result()
 
     def op_release(self, args: Dict[str, Any]) -> Dict[str, Any]:
-        del args
+        self._check_owner("release", args)
         self.lease.release()
         return self._state_result()
 
     def op_restore(self, args: Dict[str, Any]) -> Dict[str, Any]:
-        del args
+        self._check_owner("restore", args)
         rt = self.runtime()
         before = self.state()
         start = time.monotonic()
@@ -621,7 +684,7 @@ class Agent:
         self.restore_pending = False
 
     def op_unlock(self, args: Dict[str, Any]) -> Dict[str, Any]:
-        del args
+        self._check_owner("unlock", args, allow_force=True)
         rt = self.runtime()
         before = self.state()
         if self.restore_pending and before == BACKED_UP:
@@ -641,10 +704,11 @@ class Agent:
         except HookFailed as exc:
             raise self._abort_after_hook(exc, before) from None
         self.lease.release()
+        self._clear_owner()
         return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
 
     def op_rollback(self, args: Dict[str, Any]) -> Dict[str, Any]:
-        del args
+        self._check_owner("rollback", args, allow_force=True)
         return self.do_rollback()
 
     def do_rollback(self) -> Dict[str, Any]:
@@ -667,6 +731,7 @@ class Agent:
                     raise
                 # State unknown (no GetState): Unlock from RUNNING fails harmlessly.
         self.lease.release()
+        self._clear_owner()
         if actions:
             try:
                 self._run_hooks("post_unlock")

@@ -77,6 +77,13 @@ def register(app: typer.Typer) -> None:
             min=1.0,
             help="Seconds each agent waits for npusnap before rolling its process back by itself.",
         ),
+        sign: Optional[Path] = typer.Option(
+            None,
+            "--sign",
+            metavar="KEYFILE",
+            help="Sign the image's manifest with this Ed25519 private key (PEM), for "
+            "`restore/verify --require-signature`.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -108,6 +115,7 @@ def register(app: typer.Typer) -> None:
             force=force,
             attach=not no_attach,
             lease_s=lease,
+            sign_key=sign,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         try:

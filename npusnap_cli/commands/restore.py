@@ -23,6 +23,13 @@ def register(app: typer.Typer) -> None:
         pidfile: Optional[Path] = typer.Option(
             None, "--pidfile", help="Write the restored root pid into this file."
         ),
+        require_signature: Optional[Path] = typer.Option(
+            None,
+            "--require-signature",
+            metavar="PUBKEYFILE",
+            help="Refuse the image unless `dump --sign` signed it with the key of this Ed25519 "
+            "public key (PEM).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
@@ -42,7 +49,9 @@ def register(app: typer.Typer) -> None:
             bars.close()
             out.info(f"… {label}")
 
-        options = restore_mod.RestoreOptions(verify=not no_verify, pidfile=pidfile)
+        options = restore_mod.RestoreOptions(
+            verify=not no_verify, pidfile=pidfile, require_signature=require_signature
+        )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         try:
             result = restore_mod.restore(directory, options, callbacks)
