@@ -239,35 +239,33 @@ class DeviceGroup:
         ``force``: also those another command locked (``thaw --force``). Without either, a
         process locked by another command is refused (BusyError, nothing changed).
         """
-        if not force and not owned_only:
-            results, failures = self._each(lambda c: c.rollback())
-            busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
-            if busy:
-                self._raise_first(busy, "rollback")
-            if failures:
-                raise _state_unknown(failures)
-            return results
-        results, failures = self._each(lambda c: _rollback_one(c, force=force))
+        results, failures = self._each(lambda c: _rollback_one(c, force=force, owned_only=owned_only))
+        busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
+        if busy and len(busy) == len(failures):
+            self._raise_first(busy, "rollback")
         if failures:
             raise _state_unknown(failures)
         return results
 
     def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> None:
-        _, failures = self._each(_rollback_one)
+        _, failures = self._each(lambda c: _rollback_one(c, owned_only=True))
         if failures:
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
 
 
-def _rollback_one(c: AgentClient, force: bool = False) -> dict[str, Any]:
-    """Roll back what this client locked (or, with ``force``, whatever is locked)."""
-    if not force and c.token is None:
+def _rollback_one(c: AgentClient, force: bool = False, owned_only: bool = False) -> dict[str, Any]:
+    """Roll back ``c``'s process: with ``owned_only`` only if this client locked it; with
+    ``force`` whoever locked it; otherwise as its owner's token allows (BusyError if not)."""
+    if owned_only and c.token is None:
         return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
     try:
         if not c.connected:
             c.connect()
         return c.rollback(force)
+    except BusyError:
+        raise
     except NpusnapError:
         from npusnap_cli import procfs
 
