@@ -244,12 +244,22 @@ class DeviceGroup:
         if busy and len(busy) == len(failures):
             self._raise_first(busy, "rollback")
         if failures:
+            self.hand_over(failures)
             raise _state_unknown(failures)
         return results
+
+    def hand_over(self, pids: Iterable[int]) -> None:
+        """Leave the tokens of ``pids`` (still locked by this group) for `npusnap thaw PID`."""
+        import contextlib
+
+        mine = self.tokens()
+        with contextlib.suppress(OSError):
+            save_lock_tokens({p: mine[p] for p in pids if p in mine})
 
     def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> None:
         _, failures = self._each(lambda c: _rollback_one(c, owned_only=True))
         if failures:
+            self.hand_over(failures)
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
@@ -326,18 +336,19 @@ def tree_targets(pid: int) -> list[int]:
 # freeze / thaw: the device half only, the lock kept across two commands
 # --------------------------------------------------------------------------------------------
 
-FREEZE_TOKEN_SUFFIX = ".freeze-token"
+LOCK_TOKEN_SUFFIX = ".lock-token"
 
 
 def _token_path(pid: int) -> Any:
     from npusnap_cli import paths
 
-    return paths.agent_runtime_dir() / f"{pid}{FREEZE_TOKEN_SUFFIX}"
+    return paths.agent_runtime_dir() / f"{pid}{LOCK_TOKEN_SUFFIX}"
 
 
-def save_freeze_tokens(tokens: dict[int, str]) -> None:
-    """Keep a freeze's tokens for ``thaw``: one root-only file per pid under the runtime directory
-    (created 0700 and checked like the agents' socket directory; files 0600, never followed)."""
+def save_lock_tokens(tokens: dict[int, str]) -> None:
+    """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
+    (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
+    0700 and checked like the agents' socket directory; files 0600, never followed)."""
     import os
 
     from npusnap_cli import paths
@@ -353,7 +364,7 @@ def save_freeze_tokens(tokens: dict[int, str]) -> None:
         os.replace(tmp, path)
 
 
-def load_freeze_tokens(pids: Iterable[int]) -> dict[int, str]:
+def load_lock_tokens(pids: Iterable[int]) -> dict[int, str]:
     """The tokens ``freeze`` left for ``pids`` (those it has); a file that is not a regular file
     of this user, 0600, holding 32 hex digits, is ignored."""
     import os
@@ -376,7 +387,7 @@ def load_freeze_tokens(pids: Iterable[int]) -> dict[int, str]:
     return out
 
 
-def forget_freeze_tokens(pids: Iterable[int]) -> None:
+def forget_lock_tokens(pids: Iterable[int]) -> None:
     import contextlib
     import os
 
@@ -418,7 +429,7 @@ def freeze(
                 fix=f"run `npusnap freeze {pid}` again when ready",
                 details={"state": "rolled back", "pids": pids},
             )
-        save_freeze_tokens(group.tokens())
+        save_lock_tokens(group.tokens())
     return results
 
 
@@ -428,7 +439,8 @@ def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
     is refused (BusyError) without ``force``."""
     pids = tree_targets(pid)
     with DeviceGroup(pids, timeout=timeout, command="thaw") as group:
-        group.set_tokens(load_freeze_tokens(pids))
+        # Tokens a freeze, or a failed dump or restore, handed over (save_lock_tokens).
+        group.set_tokens(load_lock_tokens(pids))
         results = group.rollback(force=force)
-    forget_freeze_tokens(pids)
+    forget_lock_tokens(pids)
     return results

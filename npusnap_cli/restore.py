@@ -362,6 +362,9 @@ def _device_restore(
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
         err.details["locked_pids"] = sorted(int(p) for p in failed)
+        if group is not None:
+            # The failed processes stay locked, owned by the dump's token: hand it to `thaw`.
+            group.hand_over(err.details["locked_pids"])
         if "CRIU restored" not in err.message:
             err.message = (
                 f"CRIU restored the tree (root pid {root_pid}), but the device restore failed: {err.message}"

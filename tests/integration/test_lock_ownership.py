@@ -41,8 +41,8 @@ def test_freeze_twice_refuses_the_second_and_keeps_the_first(
     w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid))
     assert rc == 0, env
-    assert (runtime_dir / f"{w.pid}.freeze-token").exists()
-    assert oct((runtime_dir / f"{w.pid}.freeze-token").stat().st_mode & 0o777) == "0o600"
+    assert (runtime_dir / f"{w.pid}.lock-token").exists()
+    assert oct((runtime_dir / f"{w.pid}.lock-token").stat().st_mode & 0o777) == "0o600"
     first = status_of(w.pid)["owner"]
     assert first["command"] == "freeze" and first["since"]
 
@@ -64,7 +64,7 @@ def test_freeze_twice_refuses_the_second_and_keeps_the_first(
     rc, env = npusnap("thaw", str(w.pid))  # thaw presents the freeze's token
     assert rc == 0, env
     assert status_of(w.pid)["state"] == "RUNNING" and status_of(w.pid)["owner"] is None
-    assert not (runtime_dir / f"{w.pid}.freeze-token").exists()
+    assert not (runtime_dir / f"{w.pid}.lock-token").exists()
     w.wait_steps(3)
     w.assert_correct()
 
