@@ -761,7 +761,8 @@ def _ensure_private_dir(directory: Path) -> None:
         raise PermissionError(f"{directory} is not a real directory (symlink or file); refusing to use it")
     if st.st_uid != os.geteuid():
         raise PermissionError(
-            f"{directory} is owned by uid {st.st_uid}, not {os.geteuid()}; refusing to use it"
+            f"{directory} is owned by uid {st.st_uid}, not {os.geteuid()}; refusing to use it "
+            "(another user created it first; remove it, or set NPUSNAP_RUNTIME_DIR to a private directory)"
         )
     if stat.S_IMODE(st.st_mode) != 0o700:
         raise PermissionError(
