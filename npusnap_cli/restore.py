@@ -370,6 +370,7 @@ def _restore(
     if npu_pids:
         tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
         _device_restore(npu_pids, options, root_pid, res.log_path, tokens)
+    _check_none_left_locked(manifest, root_pid, res.log_path)
     device_done = time.monotonic()
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
@@ -391,6 +392,35 @@ def _restore(
         criu_log=res.log_path,
         pidfile=pidfile,
     )
+
+
+def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> None:
+    """A restored process with an agent that the manifest says has no device state must be
+    RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
+    restore that exits 0 must not leave a process BACKED_UP forever."""
+    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.errors import DeviceError
+
+    locked = []
+    for p in manifest.processes:
+        if p.npu or not p.agent:
+            continue
+        try:
+            with AgentClient(p.pid, connect_retry_s=1.0) as client:
+                state = client.status().get("state")
+        except NpusnapError:
+            continue  # no agent to ask: nothing was locked through one
+        if state not in (None, "RUNNING"):
+            locked.append(p.pid)
+    if locked:
+        hint = " ; ".join(f"npusnap thaw --force {p}" for p in locked)
+        raise DeviceError(
+            f"CRIU restored the tree (root pid {root_pid}), but pid(s) {locked} came back locked although "
+            "the manifest says they have no device state",
+            why="the image's manifest was edited (its npu flags), or was written by a broken dump",
+            fix=f"those processes stay locked; to run them anyway: {hint}; do not trust this image",
+            details={"locked_pids": locked, "restored_root_pid": root_pid, "criu_restore_log": log},
+        )
 
 
 def _write_pidfile(path: Path, pid: int) -> str:

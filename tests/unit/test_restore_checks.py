@@ -50,7 +50,6 @@ def test_a_taken_thread_id_is_found_before_criu_starts(tmp_path: Path) -> None:
             {"pid": 1234, "ppid": 1, "pgid": 1234, "sid": 1234, "threads": [1234]},
             {"pid": 1235, "ppid": 1234, "pgid": 1234, "sid": 1234, "threads": [1235, tid[0]]},
         ]
-        m = dataclasses.replace(m, processes=tuple(dataclasses.replace(p, pid=p.pid) for p in m.processes))
         _pstree(tmp_path, entries)
         ids = restore.image_thread_ids(tmp_path, m)
         assert tid[0] in ids
