@@ -499,6 +499,12 @@ def _open_dir_nofollow(name: str, dir_fd: Optional[int] = None) -> int:
     return os.open(name, flags, dir_fd=dir_fd)
 
 
+def _open_parent(path: Path) -> int:
+    """The directory the user named (it may be reached through a symlink, e.g. /var/run); what
+    is looked at *inside* it is never followed."""
+    return os.open(str(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
 def _rmtree_at(parent_fd: int, name: str, expect: os.stat_result) -> None:
     """Remove the directory ``name`` of ``parent_fd`` and everything in it, never following a
     symlink (every step is relative to a directory fd opened with O_NOFOLLOW), after checking
@@ -539,7 +545,7 @@ def remove_stale_temps(final: Path) -> list[Leftover]:
     """
     out: list[Leftover] = []
     try:
-        parent_fd = _open_dir_nofollow(str(final.parent))
+        parent_fd = _open_parent(final.parent)
     except OSError:
         return out
     try:
@@ -836,7 +842,7 @@ def remove_tree(path: Path) -> None:
     chmod of a parent to get past an error would be one a planted name could aim elsewhere.
     """
     try:
-        parent_fd = _open_dir_nofollow(str(path.parent))
+        parent_fd = _open_parent(path.parent)
     except OSError:
         return
     try:
@@ -1039,6 +1045,12 @@ def verify(
 
 def check_dump_target(final: Path, *, force: bool) -> None:
     """DIR must be new or an empty directory (or anything, with ``force``), in a writable place."""
+    if is_temp_name(final.name):
+        raise UsageError(
+            f"{final.name} is named like an npusnap work directory ({TMP_MARKER}, {OLD_MARKER})",
+            why="such names are never images: verify refuses them, later dumps clean them up",
+            fix="choose another name for the image",
+        )
     if final.exists() or final.is_symlink():
         if not final.is_dir():
             raise UsageError(

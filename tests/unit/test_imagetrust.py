@@ -368,3 +368,20 @@ def test_force_publish_uses_the_exchange_where_the_kernel_has_it(tmp_path: Path)
     if not image.rename_exchange(a, b):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel/filesystem")
     assert (b / "x").read_text() == "a" and not (a / "x").exists()
+
+
+def test_dump_target_named_like_a_work_directory_is_refused(tmp_path: Path) -> None:
+    from npusnap_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="work directory"):
+        image.check_dump_target(tmp_path / f".x{image.TMP_MARKER}1-a", force=False)
+
+
+def test_cleanup_works_through_a_symlinked_parent(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "via").symlink_to(real)  # e.g. /var/run -> /run: the user's own path
+    stale = real / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    stale.mkdir()
+    done = image.remove_stale_temps(tmp_path / "via" / "img")
+    assert [d.action for d in done] == ["removed"] and not stale.exists()
