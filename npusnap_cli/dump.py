@@ -80,11 +80,14 @@ class DumpOutcome:
     manifest: img.Manifest
     attached: tuple[int, ...] = ()
     logs: Optional[str] = None
+    # What the stale-temp cleanup did next to DIR (removed, recovered, refused: one line each).
+    leftovers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
         return {
             "image": self.image,
+            "leftovers": list(self.leftovers),
             "root_pid": m.root_pid,
             "npu_pids": [p.pid for p in m.npu_processes],
             "pids": [p.pid for p in m.processes],
@@ -502,9 +505,9 @@ def dump(
                 from npusnap_cli import imagetrust
 
                 imagetrust.check_signing_key(options.sign_key)
-            for left in img.remove_stale_temps(final):
-                if left.action != "kept":
-                    cb.note(left.message)
+            leftovers = tuple(left.message for left in img.remove_stale_temps(final) if left.action != "kept")
+            for message in leftovers:
+                cb.note(message)
             target = resolve_target(pid, attach=options.attach)
         cb.phase("preflight")
         with clock.phase("preflight"):
@@ -520,7 +523,8 @@ def dump(
             expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
             _check_space_and_memory(final, expected, device_bytes)
         guard.check("before anything was locked", "nothing was locked")
-        return _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard).run()
+        outcome = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard).run()
+        return replace(outcome, leftovers=leftovers)
 
 
 class _Pipeline:

@@ -961,6 +961,8 @@ class VerifyResult:
     files_checked: int
     bytes_checked: int
     checksums: bool
+    signed: bool = False  # the signature was required and is valid
+    leftovers: tuple[str, ...] = ()  # work directories / set-aside images of interrupted dumps
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -969,6 +971,8 @@ class VerifyResult:
             "files_checked": self.files_checked,
             "bytes_checked": self.bytes_checked,
             "checksums": self.checksums,
+            "signed": self.signed,
+            "leftovers": list(self.leftovers),
         }
 
 
@@ -1039,7 +1043,13 @@ def verify(
     if problems:
         raise _problem_error(image, problems)
     return VerifyResult(
-        image=str(image), manifest=manifest, files_checked=checked, bytes_checked=nbytes, checksums=checksums
+        image=str(image),
+        manifest=manifest,
+        files_checked=checked,
+        bytes_checked=nbytes,
+        checksums=checksums,
+        signed=require_signature is not None,
+        leftovers=tuple(str(p) for p in temp_siblings(image)),
     )
 
 

@@ -125,6 +125,12 @@ def register(app: typer.Typer) -> None:
                 require_signature=require_signature,
             )
         what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
+        if result.signed:
+            what += ", signature"
+        for left in result.leftovers:
+            out.warn(
+                f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+            )
         out.ok(
             f"{directory}: {result.files_checked} files, {human_bytes(result.bytes_checked)}: {what} match"
         )

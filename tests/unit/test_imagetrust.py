@@ -385,3 +385,11 @@ def test_cleanup_works_through_a_symlinked_parent(tmp_path: Path) -> None:
     stale.mkdir()
     done = image.remove_stale_temps(tmp_path / "via" / "img")
     assert [d.action for d in done] == ["removed"] and not stale.exists()
+
+
+def test_verify_reports_leftovers_next_to_a_good_image(tmp_path: Path) -> None:
+    final = _publish(tmp_path)
+    left = tmp_path / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    left.mkdir()
+    result = image.verify(final)
+    assert result.leftovers == (str(left),) and result.to_dict()["leftovers"] == [str(left)]
