@@ -142,6 +142,7 @@ class DeviceGroup:
 
     def ensure_unlocked(self) -> dict[int, dict[str, Any]]:
         """Preflight: refuse (BusyError, nothing changed) if any process is locked or has an owner."""
+        refuse_stopped(self.pids, self.command)
         results = self.status()
         taken = {
             pid: r
@@ -263,6 +264,43 @@ class DeviceGroup:
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
+
+
+def _stop_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        tracer = 0
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (state, tracer) if state in ("T", "t") else None
+
+
+def refuse_stopped(pids: Iterable[int], command: str) -> None:
+    """A stopped process's agent cannot answer: it is being checkpointed (CRIU seizes and stops
+    the tree) or someone stopped it. Refuse now, having changed nothing, instead of waiting for
+    an answer that comes only when the checkpoint is over — and then acting under it."""
+    for pid in pids:
+        stopped = _stop_state(pid)
+        if stopped is None:
+            continue
+        _state, tracer = stopped
+        from npusnap_cli import procfs
+
+        by = f" (traced by pid {tracer}: {procfs.cmdline(tracer)[:60]})" if tracer else " (SIGSTOP)"
+        raise BusyError(
+            f"pid {pid} is stopped{by}; npusnap {command} changed nothing",
+            why="a checkpoint is probably in progress (CRIU stops the tree while it dumps it); its agent "
+            "cannot answer until the process runs again",
+            fix=f"wait for the checkpoint to finish and retry; `npusnap status {pid}` shows the lock's owner "
+            f"once it runs (a stray stop: kill -CONT {pid})",
+            details={"pid": pid, "tracer": tracer or None},
+        )
 
 
 def _rollback_one(c: AgentClient, force: bool = False, owned_only: bool = False) -> dict[str, Any]:
@@ -438,6 +476,7 @@ def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
     (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
     is refused (BusyError) without ``force``."""
     pids = tree_targets(pid)
+    refuse_stopped(pids, "thaw")
     with DeviceGroup(pids, timeout=timeout, command="thaw") as group:
         # Tokens a freeze, or a failed dump or restore, handed over (save_lock_tokens).
         group.set_tokens(load_lock_tokens(pids))

@@ -517,6 +517,9 @@ def dump(
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
+            from npusnap_cli.devicegroup import refuse_stopped
+
+            refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
             target = attach_missing(target, cb.note)
             usage = sim_device_usage() or {}
             device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)

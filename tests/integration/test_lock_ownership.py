@@ -134,3 +134,27 @@ def test_freeze_interrupted_during_backup_rolls_back_with_exit_130(
     assert st["state"] == "RUNNING" and st["owner"] is None
     w.wait_steps(3)
     w.assert_correct()
+
+
+def test_a_job_stopped_by_a_checkpoint_is_refused_at_once(
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    """thaw or dump during someone's CRIU step: the agent cannot answer; refuse, do not wait."""
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
+    rc, env = npusnap("freeze", str(w.pid))
+    assert rc == 0, env
+    os.kill(w.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        rc, env = npusnap("thaw", str(w.pid))
+        assert rc == ExitCode.BUSY and "stopped" in env["error"]["message"], env
+        rc, env = npusnap("dump", str(w.pid), str(tmp_path / "img"), timeout=120)
+        assert rc == ExitCode.BUSY and "stopped" in env["error"]["message"], env
+        assert time.monotonic() - start < 20  # no wait for an answer that cannot come
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
+    assert status_of(w.pid)["state"] == "BACKED_UP"  # nothing changed
+    rc, env = npusnap("thaw", str(w.pid))
+    assert rc == 0, env
+    w.wait_steps(3)
+    w.assert_correct()
