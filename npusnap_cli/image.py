@@ -38,6 +38,8 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "npusnap.json"
 CRIU_SUBDIR = "criu"
 LOGS_SUBDIR = "logs"
+# The subdirectories whose files the manifest lists with their sha256 (never logs/).
+CHECKSUMMED_SUBDIRS = (CRIU_SUBDIR,)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DIR_MODE = 0o700

@@ -155,7 +155,7 @@ def socket_dirs(uid: int) -> list[str]:
 
 def check_manifest(manifest: Manifest) -> None:
     """The manifest against itself: paths, ranges, uniqueness, the npu flag, agent sockets."""
-    from npusnap_cli.image import CRIU_SUBDIR
+    from npusnap_cli.image import CHECKSUMMED_SUBDIRS
 
     if not manifest.processes:
         raise _bad("it lists no processes")
@@ -203,10 +203,11 @@ def check_manifest(manifest: Manifest) -> None:
             f.path.startswith("/")
             or os.path.normpath(f.path) != f.path
             or ".." in parts
-            or parts[0] != CRIU_SUBDIR
+            or parts[0] not in CHECKSUMMED_SUBDIRS
             or len(parts) < 2
         ):
-            raise _bad(f"file {f.path!r} is not a path under {CRIU_SUBDIR}/ inside the image")
+            under = ", ".join(f"{d}/" for d in CHECKSUMMED_SUBDIRS)
+            raise _bad(f"file {f.path!r} is not a path under {under} inside the image")
         if f.path in seen:
             raise _bad(f"file {f.path} is listed twice")
         seen.add(f.path)
