@@ -91,3 +91,26 @@ def test_signed_dump_with_planted_names_restores_and_edits_are_refused(
         assert job.lines() == ref
     finally:
         job.cleanup()
+
+
+def test_force_dump_over_an_image_swaps_it_atomically(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "60", *TRAIN_ARGS, "--device", "1", "--seed", "22"]
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running", timeout=120)
+        assert rc == 0, (out or {}).get("error")
+        first = image.manifest_path(img).stat().st_ino
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running", "--force", timeout=120)
+        assert rc == 0, (out or {}).get("error")
+        assert image.manifest_path(img).stat().st_ino != first  # the new image is in place
+        assert image.temp_siblings(img) == []  # the old one was removed, nothing left next to it
+        rc, out, _ = cli(env, "verify", str(img))
+        assert rc == 0 and out is not None and out["result"]["leftovers"] == []
+        assert job.reap(60) == 0  # the job ran on, unlocked, to its end
+    finally:
+        job.cleanup()
