@@ -75,6 +75,7 @@ class DumpOptions:
     link_remap: bool = True
     network_lock: Optional[str] = None
     external_pipes: bool = False
+    sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class DumpOutcome:
     logs: Optional[str] = None
     # pid -> how long attach held it stopped (native attach; upper bound), for the timings
     attach_stopped_s: tuple[tuple[int, float], ...] = ()
+    # What the stale-temp cleanup did next to DIR (removed, recovered, refused: one line each).
+    leftovers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -93,6 +96,7 @@ class DumpOutcome:
         timings["attach_stopped_s"] = {str(p): s for p, s in self.attach_stopped_s} or None
         return {
             "image": self.image,
+            "leftovers": list(self.leftovers),
             "root_pid": m.root_pid,
             "npu_pids": [p.pid for p in m.npu_processes],
             "pids": [p.pid for p in m.processes],
@@ -543,8 +547,13 @@ def dump(
         with clock.phase("resolve"):
             # Cheap checks first: bad input must fail before anything touches the target.
             img.check_dump_target(final, force=options.force)
-            for stale in img.remove_stale_temps(final):
-                cb.note(f"removed {stale}, left by an earlier dump that did not finish")
+            if options.sign_key is not None:
+                from npusnap_cli import imagetrust
+
+                imagetrust.check_signing_key(options.sign_key)
+            leftovers = tuple(left.message for left in img.remove_stale_temps(final) if left.action != "kept")
+            for message in leftovers:
+                cb.note(message)
             target = resolve_target(pid, attach=options.attach)
         cb.phase("preflight")
         with clock.phase("preflight"):
@@ -555,6 +564,9 @@ def dump(
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
+            from npusnap_cli.devicegroup import refuse_stopped
+
+            refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
             target = attach_missing(target, cb.note)
             usage = sim_device_usage() or {}
             device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)
@@ -563,7 +575,7 @@ def dump(
         guard.check("before anything was locked", "nothing was locked")
         pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
         pipeline.external = external
-        return pipeline.run()
+        return replace(pipeline.run(), leftovers=leftovers)
 
 
 class _Pipeline:
@@ -595,6 +607,7 @@ class _Pipeline:
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
+        self.lock_tokens: dict[int, str] = {}
 
     # -- failure handling ---------------------------------------------------------------------
     def _rollback(self, err: BaseException) -> None:
@@ -606,7 +619,7 @@ class _Pipeline:
             return
         try:
             self.group.close()
-            self.group.rollback()
+            self.group.rollback(owned_only=True)
         except StateUnknownError as unknown:
             unknown.details["original_error"] = _describe(err)
             if self.tmp is not None:
@@ -677,9 +690,13 @@ class _Pipeline:
             self.group = DeviceGroup(
                 self.target.npu_pids,
                 lease_s=self.options.lease_s,
+                command="dump",
                 interrupted=lambda: self.guard.received is not None,
             )
             self.hello = self.group.hello()
+            # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
+            # here, having changed nothing, rather than fail at Lock.
+            self.group.ensure_unlocked()
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
@@ -690,6 +707,7 @@ class _Pipeline:
         try:
             with self.clock.phase("lock+backup"), self._backup_progress():
                 results = self.group.lock_and_backup(backup=True)
+            self.lock_tokens = self.group.tokens()
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -839,7 +857,9 @@ class _Pipeline:
                     timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
                 )
                 self.guard.check("before the image was published", "rolled back")
-                img.publish(tmp, self.final, manifest, force=self.options.force)
+                img.publish(
+                    tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
+                )
         except OSError as exc:
             raise ImageError(
                 f"writing the image failed: {exc.strerror or exc}",
@@ -883,6 +903,9 @@ class _Pipeline:
         criu_opts: Any,
     ) -> img.Manifest:
         npu = set(self.target.npu_pids)
+        # Recorded with --leave-running too: the image holds the agents' memory from while the
+        # dump held the lock, so the restored agents still know the dump as their owner.
+        tokens = self.lock_tokens
         processes = []
         for p in self.target.tree:
             devices: list[int] = []
@@ -903,6 +926,7 @@ class _Pipeline:
                     devices=tuple(sorted(set(devices))),
                     device_bytes=nbytes,
                     agent_socket=p.agent_socket,
+                    lock_token=tokens.get(p.pid),
                 )
             )
         lock_times = [r.get("lock_elapsed_s") for r in results.values()]

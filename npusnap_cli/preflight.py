@@ -351,6 +351,24 @@ def check_session() -> CheckItem:
     )
 
 
+def check_runtime_dir() -> CheckItem:
+    """The agents' runtime directory is private to this user (or does not exist yet)."""
+    from npusnap_cli import paths
+
+    where = paths.agent_runtime_dir()
+    problem = paths.runtime_dir_problem()
+    if problem:
+        return CheckItem(
+            "runtime-dir",
+            PROBLEM,
+            f"agents cannot listen: {problem}",
+            f"remove {where} if it is not yours, or set NPUSNAP_RUNTIME_DIR to a private directory",
+        )
+    return CheckItem("runtime-dir", OK, f"{where} (private, or created 0700 by the first agent)")
+
+
 def run_checks(ascend_home: Optional[str] = None) -> CheckReport:
-    items = check_criu() + check_privileges() + [check_session()] + check_cann(ascend_home)
+    items = (
+        check_criu() + check_privileges() + [check_session(), check_runtime_dir()] + check_cann(ascend_home)
+    )
     return CheckReport(tuple(items))

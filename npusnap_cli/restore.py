@@ -42,6 +42,7 @@ class RestoreOptions:
     pipe_to: Optional[Path] = None  # new output for pipes recorded with dump --external-pipes
     replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
     settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
+    require_signature: Optional[Path] = None  # Ed25519 public key (PEM) the image must be signed with
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,42 @@ def _zombie(pid: int) -> bool:
 ZOMBIE_WAIT_S = 5.0
 
 
-def check_pids_free(manifest: img.Manifest) -> None:
-    """CRIU restores every process with its original pid: all of them must be free."""
+def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
+    """Every pid and thread id CRIU will recreate, from the image's ``pstree.img`` (CRIU restores
+    threads with their ids too); the image's process ids must be the manifest's."""
+    import pycriu
+
+    path = img.criu_dir(image) / "pstree.img"
+    try:
+        with open(path, "rb") as f:
+            entries = pycriu.images.load(f).get("entries", [])
+        pids = {int(e["pid"]) for e in entries}
+        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
+    except FileNotFoundError:
+        return sorted(p.pid for p in manifest.processes)
+    except Exception as exc:
+        raise ImageError(
+            f"cannot read {path}: {exc}",
+            why="CRIU's process tree image is damaged",
+            fix="do not use this image; dump again",
+        ) from None
+    if pids != {p.pid for p in manifest.processes}:
+        raise ImageError(
+            f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
+            f"{sorted(pids)}",
+            why="the manifest was edited, or belongs to another image",
+            fix="do not use this image; dump again",
+        )
+    return ids
+
+
+def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> None:
+    """CRIU restores every process and thread with its original id: all of them must be free."""
+    wanted = ids if ids is not None else [p.pid for p in manifest.processes]
     deadline = time.monotonic() + ZOMBIE_WAIT_S
     while True:
-        taken = [p.pid for p in manifest.processes if os.path.exists(f"/proc/{p.pid}")]
+        # /proc/N exists for a thread id too (hidden from listings, but lookups find it)
+        taken = [i for i in wanted if os.path.exists(f"/proc/{i}")]
         if not taken or not all(_zombie(p) for p in taken) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -154,7 +186,7 @@ def check_pids_free(manifest: img.Manifest) -> None:
         who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
         original = manifest.leave_running or taken == [manifest.root_pid]
         raise PreflightError(
-            f"pid(s) {', '.join(map(str, taken))} of the image are in use ({who})",
+            f"pid(s) or thread id(s) {', '.join(map(str, taken))} of the image are in use ({who})",
             why="CRIU restores processes with their original pids"
             + (" — the original process is probably still running" if original else ""),
             fix=f"stop the process(es) using them (e.g. `kill {taken[0]}` if it is the original), "
@@ -201,25 +233,54 @@ def check_devices_free(manifest: img.Manifest) -> None:
             why=f"the simulated NPU has devices {sorted(known)}",
             fix="start the simulator with enough devices (`npusnap sim stop; npusnap sim start --devices N`)",
         )
+    free = {
+        int(dev.get("id", -1)): int(dev.get("capacity", 0)) - int(dev.get("used", 0))
+        for dev in status.get("devices", [])
+    }
+    for p in manifest.npu_processes:
+        have = sum(max(0, free.get(d, 0)) for d in p.devices)
+        if p.devices and have < p.device_bytes:
+            raise PreflightError(
+                f"device(s) {list(p.devices)} have {have} bytes free, pid {p.pid} of the image needs "
+                f"{p.device_bytes}",
+                why="Restore puts the device memory back at the same addresses; it must fit",
+                fix="free device memory (stop other jobs), or start the simulator with a larger "
+                "--capacity, then restore again",
+                details={"pid": p.pid, "devices": list(p.devices), "free": have, "needed": p.device_bytes},
+            )
 
 
 def prepare_sockets(manifest: img.Manifest) -> None:
-    """Create each agent socket's directory (0700) and refuse what CRIU would trip over."""
+    """Create each agent socket's directory (0700) and refuse what CRIU would trip over.
+
+    The manifest was checked (imagetrust.check_manifest): each socket is ``<pid>.sock`` in an
+    agent runtime directory. Only that last directory is created, never its parents, and an
+    existing one must be a real directory of root or the process's user, writable by nobody else.
+    """
     for p in manifest.processes:
         if not p.agent_socket:
             continue
         sock = Path(p.agent_socket)
         parent = sock.parent
         try:
-            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            parent.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
         except OSError as exc:
             raise PreflightError(
                 f"cannot create the agent socket directory {parent}: {exc.strerror}",
-                fix="create it (mode 0700) or run as the image's user/root",
+                fix=f"create it (mode 0700, owned by uid {p.uid}) or run as the image's user/root",
             ) from None
         st = parent.lstat()
         if not stat.S_ISDIR(st.st_mode):
             raise PreflightError(f"{parent} is not a directory", fix=f"remove it: rm {parent}")
+        if st.st_uid not in (0, p.uid, os.geteuid()) or stat.S_IMODE(st.st_mode) & 0o022:
+            raise PreflightError(
+                f"refusing the agent socket directory {parent}: owned by uid {st.st_uid}, "
+                f"mode {stat.S_IMODE(st.st_mode):o}",
+                why="another user could replace the restored control socket there",
+                fix=f"remove it (rm -r {parent}) if it is not the job's, then restore again",
+            )
         with contextlib.suppress(FileNotFoundError):
             sst = sock.lstat()
             if not stat.S_ISSOCK(sst.st_mode):
@@ -408,7 +469,7 @@ def _restore(
     # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
     # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
     # known: nothing of the image runs before it is verified.
-    img.verify(final, checksums=False)
+    img.verify(final, checksums=False, require_signature=options.require_signature)
     checksums = _Checksums(final, advance) if options.verify else None
     try:
         return _restore_verified(final, manifest, options, cb, guard, start, checksums)
@@ -450,7 +511,7 @@ def _restore_verified(
 
     binary = criu.find_criu()
     check_versions(manifest, binary)
-    check_pids_free(manifest)
+    check_pids_free(manifest, image_thread_ids(final, manifest))
     check_devices_free(manifest)
     prepare_sockets(manifest)
     from npusnap_cli import hostres
@@ -504,7 +565,9 @@ def _restore_verified(
 
     cb.phase("device restore")
     if npu_pids:
-        _device_restore(npu_pids, options, root_pid, res.log_path)
+        tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
+        _device_restore(npu_pids, options, root_pid, res.log_path, tokens)
+    _check_none_left_locked(manifest, root_pid, res.log_path)
     device_done = time.monotonic()
     watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
     for note in check_alive_after(watched, options.settle_s, res.log_path):
@@ -550,6 +613,35 @@ def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: Re
         raise error
 
 
+def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> None:
+    """A restored process with an agent that the manifest says has no device state must be
+    RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
+    restore that exits 0 must not leave a process BACKED_UP forever."""
+    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.errors import DeviceError
+
+    locked = []
+    for p in manifest.processes:
+        if p.npu or not p.agent:
+            continue
+        try:
+            with AgentClient(p.pid, connect_retry_s=1.0) as client:
+                state = client.status().get("state")
+        except NpusnapError:
+            continue  # no agent to ask: nothing was locked through one
+        if state not in (None, "RUNNING"):
+            locked.append(p.pid)
+    if locked:
+        hint = " ; ".join(f"npusnap thaw --force {p}" for p in locked)
+        raise DeviceError(
+            f"CRIU restored the tree (root pid {root_pid}), but pid(s) {locked} came back locked although "
+            "the manifest says they have no device state",
+            why="the image's manifest was edited (its npu flags), or was written by a broken dump",
+            fix=f"those processes stay locked; to run them anyway: {hint}; do not trust this image",
+            details={"locked_pids": locked, "restored_root_pid": root_pid, "criu_restore_log": log},
+        )
+
+
 def _write_pidfile(path: Path, pid: int) -> str:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -563,18 +655,25 @@ def _write_pidfile(path: Path, pid: int) -> str:
     return str(path)
 
 
-def _device_restore(npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str) -> None:
+def _device_restore(
+    npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str, tokens: dict[int, str]
+) -> None:
     from npusnap_cli.devicegroup import DeviceGroup
 
     group = None
     try:
-        group = DeviceGroup(npu_pids, lease_s=options.lease_s)
+        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
+        # The restored agents still record the dump as their lock's owner: present its tokens.
+        group.set_tokens(tokens)
         group.restore_and_unlock()
     except NpusnapError as err:
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
         err.details["locked_pids"] = sorted(int(p) for p in failed)
+        if group is not None:
+            # The failed processes stay locked, owned by the dump's token: hand it to `thaw`.
+            group.hand_over(err.details["locked_pids"])
         if "CRIU restored" not in err.message:
             err.message = (
                 f"CRIU restored the tree (root pid {root_pid}), but the device restore failed: {err.message}"

@@ -29,7 +29,7 @@ JUID=$(id -u "$JOB_USER")
 JGID=$(id -g "$JOB_USER")
 
 WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-logs/: these go away with $WORK.
+# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-dump-logs-*/: these go away with $WORK.
 export TMPDIR=$WORK
 chmod 711 "$WORK" # the user's own directory below must be reachable by that user
 UHOME=$WORK/home # stands in for the user's home and $XDG_RUNTIME_DIR (/run/user/UID)

@@ -21,7 +21,7 @@ WORKLOADS=${WORKLOADS:-$HERE/../../npusnap_cli/workloads}
 case $NPUSNAP in */*) NPUSNAP=$(cd "$(dirname "$NPUSNAP")" && pwd)/$(basename "$NPUSNAP") ;; esac
 
 WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-logs/: these go away with $WORK.
+# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-dump-logs-*/: these go away with $WORK.
 export TMPDIR=$WORK
 JOB=""
 SIM_STARTED=False

@@ -95,6 +95,13 @@ def register(app: typer.Typer) -> None:
             min=1.0,
             help="Seconds each agent waits for npusnap before rolling its process back by itself.",
         ),
+        sign: Optional[Path] = typer.Option(
+            None,
+            "--sign",
+            metavar="KEYFILE",
+            help="Sign the image's manifest with this Ed25519 private key (PEM), for "
+            "`restore/verify --require-signature`.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -137,6 +144,7 @@ def register(app: typer.Typer) -> None:
             link_remap=link_remap,
             network_lock=network_lock,
             external_pipes=external_pipes,
+            sign_key=sign,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         try:

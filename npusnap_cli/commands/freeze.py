@@ -38,32 +38,15 @@ def register(app: typer.Typer) -> None:
 
         Device work blocks until `npusnap thaw PID`. By default a lease thaws the processes by
         themselves after --lease seconds of run time, so a forgotten freeze cannot hang a job.
-        All or nothing: if one process cannot be frozen, all are thawed again.
+        All or nothing: if one process cannot be frozen, all are thawed again. A job that another
+        command has locked is refused (exit 11), naming it; Ctrl-C/SIGTERM rolls back (exit 130).
         """
         from npusnap_cli import devicegroup
-        from npusnap_cli.dump import SignalGuard
 
         out = output(ctx, "freeze", json_flag)
         lease_s: Optional[float] = None if no_lease else lease
-        pids = devicegroup.tree_targets(pid)
-        # Ctrl-C / SIGTERM: the wait on the agents stops within a few seconds, everything that
-        # was locked is rolled back, and the error says each process's state.
-        with (
-            SignalGuard(out.warn, what="freeze") as guard,
-            out.phase(f"freezing {len(pids)} process(es)"),
-            devicegroup.DeviceGroup(
-                pids, lease_s=lease_s, timeout=timeout, interrupted=lambda: guard.received is not None
-            ) as group,
-        ):
-            results = group.lock_and_backup(backup=backup)
-            if guard.received is not None:
-                states = group.rollback()
-                guard.check(
-                    "after the processes were frozen: all were thawed again ("
-                    + ", ".join(f"pid {p} {r.get('state')}" for p, r in sorted(states.items()))
-                    + ")",
-                    "rolled back",
-                )
+        with out.phase("freezing"):
+            results = devicegroup.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
         out.table(
             f"npusnap freeze {pid}",
             ["pid", "state", "lease"],
@@ -80,22 +63,25 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         pid: int = typer.Argument(..., help="The process to thaw (every NPU process of its tree)."),
         timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="Thaw even a lock another command holds (a dump in progress, someone's external "
+            "checkpoint): that command will fail.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Bring every NPU process of PID's tree back to RUNNING, whatever its snapshot state.
 
         From BACKED_UP this unlocks directly (device memory is intact), except in a process that
         CRIU restored, where Restore comes first. Safe to run on a process that is running.
+        Thaws what `npusnap freeze` locked; a lock another command holds is refused (exit 11,
+        naming it) unless --force.
         """
         from npusnap_cli import devicegroup
-        from npusnap_cli.dump import SignalGuard
 
         out = output(ctx, "thaw", json_flag)
-        pids = devicegroup.tree_targets(pid)
-        # A signal does not cut a thaw in half (it is what gets a job running again); every
-        # request it makes has a timeout, so it ends in bounded time.
-        with SignalGuard(out.warn, what="thaw"), devicegroup.DeviceGroup(pids, timeout=timeout) as group:
-            results = group.rollback()
+        results = devicegroup.thaw(pid, force=force, timeout=timeout)
         out.table(
             f"npusnap thaw {pid}",
             ["pid", "was", "actions", "state"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -97,9 +97,17 @@ def register(app: typer.Typer) -> None:
         no_checksums: bool = typer.Option(
             False, "--no-checksums", help="Check only the structure and file sizes, not the sha256 sums."
         ),
+        require_signature: Optional[Path] = typer.Option(
+            None,
+            "--require-signature",
+            metavar="PUBKEYFILE",
+            help="Fail unless `dump --sign` signed the image with the key of this Ed25519 public key (PEM).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Check an image: manifest schema, every file present with its size and sha256.
+        """Check an image: trust (only regular files, owner and modes, manifest schema and
+        self-hash, the signature with --require-signature), every file present with its size
+        and sha256.
 
         Exits non-zero (the image error code) on any mismatch and names the file.
         """
@@ -110,8 +118,19 @@ def register(app: typer.Typer) -> None:
         manifest = image.load_manifest(directory)
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:
-            result = image.verify(directory, checksums=not no_checksums, progress=bar.advance)
+            result = image.verify(
+                directory,
+                checksums=not no_checksums,
+                progress=bar.advance,
+                require_signature=require_signature,
+            )
         what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
+        if result.signed:
+            what += ", signature"
+        for left in result.leftovers:
+            out.warn(
+                f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+            )
         out.ok(
             f"{directory}: {result.files_checked} files, {human_bytes(result.bytes_checked)}: {what} match"
         )

@@ -43,6 +43,13 @@ def register(app: typer.Typer) -> None:
             help="Seconds to watch the restored tree after it resumed; a process that died in "
             "that time fails the restore.",
         ),
+        require_signature: Optional[Path] = typer.Option(
+            None,
+            "--require-signature",
+            metavar="PUBKEYFILE",
+            help="Refuse the image unless `dump --sign` signed it with the key of this Ed25519 "
+            "public key (PEM).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
@@ -68,6 +75,7 @@ def register(app: typer.Typer) -> None:
             pipe_to=pipe_to,
             replace_tmpfs_files=replace_tmpfs_files,
             settle_s=settle,
+            require_signature=require_signature,
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()

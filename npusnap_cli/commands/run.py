@@ -37,9 +37,24 @@ def register(app: typer.Typer) -> None:
         also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
         linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
+        from npusnap_cli import paths
         from npusnap_cli.agent import launch
+        from npusnap_cli.errors import PreflightError
 
         out = output(ctx, "run", json_flag)
+        problem = paths.runtime_dir_problem()
+        if problem:
+            # Every agent of the job would refuse this directory and the job would run without
+            # one: refuse here, loudly, instead of starting it.
+            where = paths.agent_runtime_dir()
+            raise PreflightError(
+                f"the agents' runtime directory cannot be used: {problem}",
+                why="agents listen only in a private directory of their own user (0700); a squatted "
+                "one would let another user intercept or block the control sockets",
+                fix=f"look at it (ls -ld {where}); remove it if it is not yours (it is recreated), "
+                "or set NPUSNAP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a private directory",
+                details={"runtime_dir": str(where)},
+            )
         argv = [a for a in command]
         if argv and argv[0] == "--":
             argv = argv[1:]

@@ -14,7 +14,8 @@ def register(app: typer.Typer) -> None:
         pid: int = typer.Argument(..., help="The process to inspect (its children are included)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease."""
+        """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
+        which npusnap command holds its lock and since when."""
         from npusnap_cli import proctree
 
         out = output(ctx, "status", json_flag)
@@ -28,6 +29,12 @@ def register(app: typer.Typer) -> None:
             if entry.get("agent_error"):
                 agent = "error"
             lease_text = f"{lease.get('remaining_s')}s left" if lease.get("active") else "-"
+            owner = st.get("owner") or {}
+            owner_text = (
+                f"{owner.get('command')} (pid {owner.get('pid')}) since {owner.get('since')}"
+                if owner
+                else "-"
+            )
             devices = (hello.get("acl") or {}).get("devices")
             rows.append(
                 (
@@ -38,11 +45,12 @@ def register(app: typer.Typer) -> None:
                     ",".join(map(str, devices)) if devices else "-",
                     st.get("state") or "-",
                     lease_text,
+                    owner_text,
                 )
             )
         out.table(
             f"npusnap status {pid}",
-            ["pid", "command", "agent", "npu", "devices", "state", "lease"],
+            ["pid", "command", "agent", "npu", "devices", "state", "lease", "locked by"],
             rows,
         )
         for entry in report["processes"]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.errors import BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
@@ -55,8 +56,9 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         wait_socket(runtime_dir, pid)
         w.wait_steps(3)
         with AgentClient(pid) as c:
-            assert c.lock(lease_s=60)["state"] == "LOCKED"
+            assert c.lock(lease_s=60, command="dump")["state"] == "LOCKED"
             assert c.backup(lease_s=60)["state"] == "BACKED_UP"
+            token = c.token
         dumped_at = w.last_step()
 
         criu("dump", "-t", str(pid), "-D", str(images), log=images / "dump.log")
@@ -73,6 +75,11 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             assert status["lease"]["active"] is True and status["lease"]["lease_s"] == 60
             assert any("lease of 60s restarted" in e for e in status["events"]), status["events"]
             assert c.hello()["pid"] == pid
+            # The owner travelled with the process's memory: without the dump's token, refused.
+            assert status["owner"]["command"] == "dump"
+            with pytest.raises(BusyError):
+                c.restore()
+            c.token = token
             with pytest.raises(AgentDeviceError) as info:
                 c.unlock()
             assert info.value.name == "RESTORE_REQUIRED"

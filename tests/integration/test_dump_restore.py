@@ -229,7 +229,7 @@ def test_dump_attaches_an_agent_where_missing_and_round_trips(
     try:
         job.wait_lines(3)
         rc, out, err = cli(env, "dump", str(job.pid), str(img))
-        assert rc == 0, err
+        assert rc == 0, (out or {}).get("error")
         assert out is not None and out["result"]["attached"] == [job.pid]
         job.reap()
         rc, out, err = cli(env, "restore", str(img))

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.agent_client import AgentClient
 from npusnap_cli.devicegroup import DeviceGroup
+from npusnap_cli.errors import BusyError
 from tests.integration.agentlib import (
     PY,
     REPO,
@@ -135,13 +136,20 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     a = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="a")
     b = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="b")
     with AgentClient(b.pid) as c:
-        c.lock()  # b is already locked: the group's lock is refused (ALREADY_LOCKED)
-    with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(AgentDeviceError) as info:
+        c.lock(command="freeze")  # b is locked by someone else: the group's Lock of b is refused
+    with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(BusyError) as info:
         group.lock_and_backup()
-    assert info.value.pid == b.pid and info.value.name == "ALREADY_LOCKED"
+    assert info.value.details["pid"] == b.pid and info.value.details["owner"]["command"] == "freeze"
     assert set(info.value.details["failures"]) == {b.pid}
     assert "rolled back" in info.value.message
-    assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "RUNNING"
+    # Issue 14: the group rolls back only what it locked; b's owner keeps its lock.
+    assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "LOCKED"
+    with DeviceGroup([b.pid]) as group, pytest.raises(BusyError):
+        group.rollback()  # not the owner: refused, nothing changed
+    assert state_of(b.pid) == "LOCKED"
+    with DeviceGroup([b.pid]) as group:
+        group.rollback(force=True)
+    assert state_of(b.pid) == "RUNNING"
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group:
         results = group.lock_and_backup()
         assert {r["state"] for r in results.values()} == {"BACKED_UP"}

@@ -20,6 +20,7 @@ FROZEN = {
     "IMAGE": 8,
     "STATE_UNKNOWN": 9,
     "CONTINUITY": 10,
+    "BUSY": 11,
     "INTERRUPTED": 130,
 }
 
