@@ -283,7 +283,8 @@ class DeviceGroup:
         has its timeout, and an agent still busy is retried for at most ``BUSY_RETRY_S``.
         """
         results, failures = self._each(
-            lambda c: _rollback_one(c, force=force, owned_only=owned_only), interruptible=False
+            lambda c: _rollback_one(c, force=force, owned_only=owned_only, command=self.command),
+            interruptible=False,
         )
         busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
         if busy and len(busy) == len(failures):
@@ -303,7 +304,9 @@ class DeviceGroup:
 
     def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> dict[int, str]:
         """Roll back what this group locked; the processes' states by pid, or StateUnknownError."""
-        results, failures = self._each(lambda c: _rollback_one(c, owned_only=True), interruptible=False)
+        results, failures = self._each(
+            lambda c: _rollback_one(c, owned_only=True, command=self.command), interruptible=False
+        )
         if failures:
             self.hand_over(failures)
             err = _state_unknown(failures)
@@ -349,11 +352,38 @@ def refuse_stopped(pids: Iterable[int], command: str) -> None:
         )
 
 
-def _rollback_one(c: AgentClient, force: bool = False, owned_only: bool = False) -> dict[str, Any]:
+def _locked_by_us(c: AgentClient, command: str) -> bool:
+    """Whether the agent records this very process as the owner of its lock: a lock request whose
+    answer (and token) was lost to an interruption still made us the owner."""
+    import os
+
+    deadline = time.monotonic() + BUSY_RETRY_S
+    while True:
+        try:
+            if not c.connected:
+                c.connect()
+            owner = c.status().get("owner")
+            break
+        except AgentOpError as exc:
+            # The interrupted request may still be running in the agent (one client at a time).
+            if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
+                return False
+            c.close()
+            time.sleep(0.2)
+        except NpusnapError:
+            return False
+    return isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("command") == command
+
+
+def _rollback_one(
+    c: AgentClient, force: bool = False, owned_only: bool = False, command: str = ""
+) -> dict[str, Any]:
     """Roll back ``c``'s process: with ``owned_only`` only if this client locked it; with
     ``force`` whoever locked it; otherwise as its owner's token allows (BusyError if not)."""
     if owned_only and c.token is None:
-        return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
+        if not (command and _locked_by_us(c, command)):
+            return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
+        force = True  # ours, though the token never reached us
     deadline = time.monotonic() + BUSY_RETRY_S
     try:
         while True:
