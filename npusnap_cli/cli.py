@@ -105,8 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
-        return int(ExitCode.USAGE)
+        return _usage_error(args, exc)
     except Exception as exc:  # a bug: say so, keep the traceback for -v
         if _common.verbosity(args):
             import traceback
@@ -116,6 +115,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return ui.unexpected(_common.current_output(args), exc)
     return int(rv) if isinstance(rv, int) else 0
+
+
+def _usage_error(args: list[str], exc: click.ClickException) -> int:
+    """A bad command line: click's text, or with --json an error envelope like any other failure."""
+    from npusnap_cli.commands import _common
+    from npusnap_cli.errors import UsageError
+
+    if not _common.json_requested(args):
+        exc.show()
+        return int(ExitCode.USAGE)
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path.removeprefix("npusnap").strip() if ctx is not None else ""
+    err = UsageError(
+        exc.format_message(),
+        why="the command line does not match the command's arguments and options",
+        fix=f"see `npusnap {command + ' ' if command else ''}--help`",
+        details={"usage": ctx.get_usage() if ctx is not None else ""},
+    )
+    return _common.Output(command or "npusnap", json_mode=True).error(err)
 
 
 if __name__ == "__main__":

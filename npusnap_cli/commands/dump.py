@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def dump(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="Root of the process tree to snapshot."),
+        pid: int = typer.Argument(..., min=1, help="Root of the process tree to snapshot."),
         directory: Path = typer.Argument(..., help="Image directory to create (new or empty)."),
         leave_running: bool = typer.Option(
             False, "--leave-running", help="Keep the original running after the dump (as `criu dump -R`)."
@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
             60.0,
             "--lease",
             min=1.0,
-            help="Seconds each agent waits for npusnap before rolling its process back by itself.",
+            help="Seconds each agent waits for npusnap before rolling its process back by itself "
+            "(default 60: a dump holds the lock only while it runs itself; `freeze` defaults to 300 "
+            "because a person or an external tool holds that one).",
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
@@ -133,6 +135,7 @@ def register(app: typer.Typer) -> None:
                 ["unlock", fmt_s(t.unlock_s)],
                 ["publish (checksums, fsync, rename)", fmt_s(t.publish_s)],
             ],
+            stream="stderr",
         )
         out.kv(
             "summary",
@@ -145,9 +148,11 @@ def register(app: typer.Typer) -> None:
                 if m.leave_running
                 else f"gone (bring it back: npusnap restore {result.image})",
             },
+            stream="stderr",
         )
         if result.attached:
             out.line(f"agents were attached to pid(s) {', '.join(map(str, result.attached))}")
         if result.logs:
             out.line(f"CRIU logs kept in {result.logs}")
+        out.data(result.image)
         out.result(result.to_dict())

@@ -55,8 +55,6 @@ def register(app: typer.Typer) -> None:
 
         def walk(p: image.ProcessEntry, depth: int) -> None:
             cmd = " ".join(p.cmdline)
-            if len(cmd) > 70:
-                cmd = cmd[:67] + "..."
             npu = (
                 f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
                 if p.npu
@@ -112,7 +110,8 @@ def register(app: typer.Typer) -> None:
         with out.progress("verifying", total) as bar:
             result = image.verify(directory, checksums=not no_checksums, progress=bar.advance)
         what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
-        out.ok(
-            f"{directory}: {result.files_checked} files, {human_bytes(result.bytes_checked)}: {what} match"
+        out.data(
+            f"{directory}: valid: {result.files_checked} files, {human_bytes(result.bytes_checked)}: "
+            f"{what} match"
         )
         out.result(result.to_dict())

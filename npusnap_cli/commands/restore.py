@@ -62,7 +62,9 @@ def register(app: typer.Typer) -> None:
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
                 ["total", fmt_s(t.total_s)],
             ],
+            stream="stderr",
         )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
+        out.data(str(result.root_pid))
         out.result(result.to_dict())

@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def status(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to inspect (its children are included)."),
+        pid: int = typer.Argument(..., min=1, help="The process to inspect (its children are included)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease."""
@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
             rows.append(
                 (
                     entry["pid"],
-                    "  " * entry["depth"] + " ".join(entry["cmdline"][:4])[:60] or entry["name"],
+                    "  " * entry["depth"] + (" ".join(entry["cmdline"]) or entry["name"]),
                     agent,
                     "yes" if entry["uses_npu"] else "no",
                     ",".join(map(str, devices)) if devices else "-",
