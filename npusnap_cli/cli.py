@@ -11,6 +11,7 @@ import importlib
 import sys
 from typing import Optional
 
+import click
 import typer
 import typer.core
 
@@ -88,8 +89,6 @@ def build_app() -> typer.Typer:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``npusnap`` console script; returns the exit code."""
-    import click
-
     from npusnap_cli.commands import _common
 
     args = sys.argv[1:] if argv is None else argv
@@ -121,6 +120,7 @@ def _usage_error(args: list[str], exc: click.ClickException) -> int:
     """A bad command line: click's text, or with --json an error envelope like any other failure."""
     from npusnap_cli.commands import _common
     from npusnap_cli.errors import UsageError
+    from npusnap_cli.ui import Output
 
     if not _common.json_requested(args):
         exc.show()
@@ -133,7 +133,7 @@ def _usage_error(args: list[str], exc: click.ClickException) -> int:
         fix=f"see `npusnap {command + ' ' if command else ''}--help`",
         details={"usage": ctx.get_usage() if ctx is not None else ""},
     )
-    return _common.Output(command or "npusnap", json_mode=True).error(err)
+    return Output(command or "npusnap", json_mode=True).error(err)
 
 
 if __name__ == "__main__":

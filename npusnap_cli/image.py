@@ -284,7 +284,9 @@ class Manifest:
             raise ImageError("the manifest is not a JSON object", fix="dump again")
         schema = _req(d, "schema", int, "manifest")
         if schema != SCHEMA_VERSION:
-            raise ImageError(
+            from npusnap_cli.errors import IncompatibleImageError
+
+            raise IncompatibleImageError(
                 f"unsupported image schema {schema} (this npusnap reads schema {SCHEMA_VERSION})",
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
@@ -543,9 +545,12 @@ def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
     src = logs_dir(tmp)
     if not src.is_dir() or dir_is_empty(src):
         return None
-    base = Path(tempfile.gettempdir()) / "npusnap-logs"
+    from npusnap_cli import hostclean
+
+    base = hostclean.log_base()
     try:
         base.mkdir(mode=DIR_MODE, exist_ok=True)
+        hostclean.prune_failure_logs(keep=hostclean.KEEP_LOGS - 1)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         dest = base / f"{label}-{stamp}-{os.getpid()}"
         shutil.move(str(src), str(dest))

@@ -27,7 +27,13 @@ from typing import Any, Optional
 
 from npusnap_cli import image as img
 from npusnap_cli.callbacks import PipelineCallbacks
-from npusnap_cli.errors import ImageError, NpusnapError, PreflightError
+from npusnap_cli.errors import (
+    BusyError,
+    IncompatibleImageError,
+    NpusnapError,
+    PreflightError,
+    UsageError,
+)
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
 RestoreCallbacks = PipelineCallbacks
@@ -38,6 +44,7 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    logs: Optional[Path] = None  # where CRIU's restore log goes (default: DIR/logs, else elsewhere)
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
 
     v = manifest.versions
     if binary.version != v.criu:
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CRIU {v.criu}, this host has CRIU {binary.version}",
             why="npusnap restores only with the CRIU version that dumped the image",
             fix=f"install CRIU {v.criu} (./scripts/setup.sh with NPUSNAP_CRIU_VERSION={v.criu}) "
@@ -105,7 +112,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
     if cann.simulated != v.cann_simulated or (v.cann and cann.version != v.cann):
         have = f"{cann.version}{' (simulated)' if cann.simulated else ''}"
         want = f"{v.cann}{' (simulated)' if v.cann_simulated else ''}"
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CANN {want}, this host has CANN {have} ({cann.home})",
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
@@ -144,7 +151,7 @@ def check_pids_free(manifest: img.Manifest) -> None:
     if taken:
         who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
         original = manifest.leave_running or taken == [manifest.root_pid]
-        raise PreflightError(
+        raise BusyError(
             f"pid(s) {', '.join(map(str, taken))} of the image are in use ({who})",
             why="CRIU restores processes with their original pids"
             + (" — the original process is probably still running" if original else ""),
@@ -179,7 +186,7 @@ def check_devices_free(manifest: img.Manifest) -> None:
             busy.append((int(dev["id"]), int(owner["pid"])))
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
-        raise PreflightError(
+        raise BusyError(
             f"device(s) of the image are occupied: {text}",
             why="the device state is restored onto the same device id, which must be free",
             fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
@@ -270,21 +277,15 @@ def _restore(
         done[0] += n
         cb.progress("verifying", done[0], total)
 
+    if options.pidfile is not None:
+        check_pidfile(options.pidfile)
     img.verify(final, checksums=options.verify, progress=advance)
     binary = criu.find_criu()
     check_versions(manifest, binary)
     check_pids_free(manifest)
     check_devices_free(manifest)
     prepare_sockets(manifest)
-    logs = img.logs_dir(final)
-    try:
-        logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
-    except OSError as exc:
-        raise ImageError(
-            f"cannot create {logs} for CRIU's restore log: {exc.strerror}",
-            why="CRIU always writes a log, and npusnap keeps it in the image's logs/ directory",
-            fix="restore from a writable copy of the image",
-        ) from None
+    logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     guard.check("before anything was started", "nothing was restored")
 
@@ -300,15 +301,24 @@ def _restore(
     root_pid = res.pid
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
+    pidfile_error: Optional[NpusnapError] = None
     if options.pidfile is not None:
         # Written before the device step: if that fails the tree is running (locked), and the
-        # operator's scripts need its pid all the same.
-        pidfile = _write_pidfile(options.pidfile, root_pid)
+        # operator's scripts need its pid all the same. A write that fails in spite of the check
+        # above must not leave the job locked: the device step runs first, the error comes after.
+        try:
+            pidfile = write_pidfile(options.pidfile, root_pid)
+        except NpusnapError as err:
+            pidfile_error = err
 
     cb.phase("device restore")
     if npu_pids:
         _device_restore(npu_pids, options, root_pid, res.log_path)
     device_done = time.monotonic()
+    if pidfile_error is not None:
+        pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
+        pidfile_error.details["restored_root_pid"] = root_pid
+        raise pidfile_error
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
@@ -331,14 +341,74 @@ def _restore(
     )
 
 
-def _write_pidfile(path: Path, pid: int) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
+def _writable_dir(path: Path, *, parents: bool) -> bool:
     try:
-        tmp.write_text(f"{pid}\n", encoding="ascii")
+        path.mkdir(mode=img.DIR_MODE, parents=parents, exist_ok=True)
+    except OSError:
+        return False
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
+    """Where CRIU writes its restore log (and statistics).
+
+    ``--logs DIR`` if given; else the image's ``logs/``; an image on read-only storage (a
+    snapshot volume, a read-only mount) gets a new directory among the failure logs instead, so
+    that restoring it needs no writable copy.
+    """
+    if wanted is not None:
+        if not _writable_dir(wanted, parents=True):
+            raise UsageError(
+                f"cannot write CRIU's restore log into {wanted}",
+                why="--logs must be a directory npusnap can create or write to",
+                fix="pass a writable directory to --logs",
+            )
+        return wanted
+    inside = img.logs_dir(image)
+    if _writable_dir(inside, parents=False):
+        return inside
+    from npusnap_cli import hostclean
+
+    elsewhere = hostclean.new_log_dir("restore")
+    note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
+    return elsewhere
+
+
+def check_pidfile(path: Path) -> None:
+    """Refuse a --pidfile that cannot be written, before anything is started (a usage error)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    problem = ""
+    if path.is_dir():
+        problem = "it is a directory"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"its directory {parent} is not writable"
+    elif path.exists() and not path.is_file():
+        problem = "it exists and is not a regular file"
+    if problem:
+        raise UsageError(
+            f"cannot write the pidfile {path}: {problem}",
+            why="--pidfile is checked before anything is started",
+            fix="pass a path in an existing, writable directory to --pidfile",
+        )
+
+
+def write_pidfile(path: Path, pid: int) -> str:
+    """Write ``pid`` atomically (temporary sibling, fsync, rename): a reader never sees half a pid."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{pid}\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        raise ImageError(
-            f"restored pid {pid}, but could not write the pidfile {path}: {exc.strerror}",
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UsageError(
+            f"could not write the pidfile {path}: {exc.strerror}",
+            why="the pidfile's directory changed or filled up since it was checked",
             fix=f"the process runs; its pid is {pid}",
         ) from None
     return str(path)

@@ -24,7 +24,9 @@ A hook that raises aborts the operation and the snapshot state is rolled back.
 
 from __future__ import annotations
 
+import atexit
 import os
+import stat
 import threading
 from typing import Optional
 
@@ -39,6 +41,23 @@ _lock = threading.Lock()
 _agent: Optional[Agent] = None
 _hooks = HookRegistry()  # kept across agent restarts and inherited by forked children
 _fork_handler_installed = False
+_atexit_installed = False
+
+
+def _remove_socket_at_exit() -> None:
+    """Interpreter exit: remove this process's socket so that /run/npusnap does not fill up.
+
+    Only the path, without joining the agent thread (exit must not wait). A killed process
+    (a CRIU dump kills on purpose) leaves its socket; the CLI removes those (hostclean.py).
+    """
+    agent = _agent
+    if agent is None or agent.pid != os.getpid():
+        return  # a forked child exiting: the socket is its parent's
+    try:
+        if stat.S_ISSOCK(os.lstat(agent.socket_path).st_mode):
+            os.unlink(agent.socket_path)
+    except OSError:
+        pass
 
 
 def start() -> Optional[str]:
@@ -46,10 +65,13 @@ def start() -> Optional[str]:
 
     Never raises: a process must not die because its snapshot agent could not start.
     """
-    global _agent
+    global _agent, _atexit_installed
     try:
         with _lock:
             _install_fork_handler()
+            if not _atexit_installed:
+                atexit.register(_remove_socket_at_exit)
+                _atexit_installed = True
             if _agent is not None and _agent.pid == os.getpid():
                 return str(_agent.socket_path)
             agent = Agent(hooks=_hooks)

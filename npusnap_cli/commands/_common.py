@@ -62,3 +62,12 @@ def current_output(argv: list[str]) -> Output:
     if _current is not None:
         return _current
     return Output(command_name(argv), json_mode=json_requested(argv))
+
+
+def clean_stale_sockets(out: Output) -> None:
+    """Remove agent sockets whose process is gone (see hostclean.py); commands that look for
+    agents call this first, so that /run/npusnap holds only live agents."""
+    from npusnap_cli import hostclean
+
+    for entry in hostclean.remove_stale_agent_sockets():
+        out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")

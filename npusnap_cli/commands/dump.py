@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 class ProgressBars:
@@ -92,6 +92,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "dump", json_flag)
+        clean_stale_sockets(out)
         bars = ProgressBars(out)
 
         def phase(label: str) -> None:

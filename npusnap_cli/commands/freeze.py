@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
@@ -54,6 +54,7 @@ def register(app: typer.Typer) -> None:
                 fix=f"give one of them: `npusnap freeze {pid} --lease {lease:g}` or "
                 f"`npusnap freeze {pid} --no-lease`",
             )
+        clean_stale_sockets(out)
         lease_s: Optional[float] = None if no_lease else (DEFAULT_FREEZE_LEASE_S if lease is None else lease)
         pids = devicegroup.tree_targets(pid)
         with (
@@ -87,6 +88,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli import devicegroup
 
         out = output(ctx, "thaw", json_flag)
+        clean_stale_sockets(out)
         pids = devicegroup.tree_targets(pid)
         with devicegroup.DeviceGroup(pids, timeout=timeout) as group:
             results = group.rollback()

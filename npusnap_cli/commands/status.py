@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 def register(app: typer.Typer) -> None:
@@ -18,6 +18,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli import proctree
 
         out = output(ctx, "status", json_flag)
+        clean_stale_sockets(out)
         report = proctree.tree_status(pid)
         rows = []
         for entry in report["processes"]:
