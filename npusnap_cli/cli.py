@@ -92,6 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from npusnap_cli.commands import _common
 
     args = sys.argv[1:] if argv is None else argv
+    _common.reset_output()  # a previous main() in this process (tests) must not leak its Output
     app = build_app()
     try:
         rv = app(args=args, prog_name="npusnap", standalone_mode=False)

@@ -29,6 +29,11 @@ def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
     return _current
 
 
+def reset_output() -> None:
+    global _current
+    _current = None
+
+
 def options_part(argv: list[str]) -> list[str]:
     """The arguments before ``--`` (what follows is a program's command line, e.g. `run`'s)."""
     return argv[: argv.index("--")] if "--" in argv else argv
