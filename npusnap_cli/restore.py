@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
+from npusnap_cli import pidfile as pidfile_mod
 from npusnap_cli.callbacks import PipelineCallbacks
 from npusnap_cli.errors import (
     BusyError,
@@ -278,7 +279,7 @@ def _restore(
         cb.progress("verifying", done[0], total)
 
     if options.pidfile is not None:
-        check_pidfile(options.pidfile)
+        pidfile_mod.check(options.pidfile)
     img.verify(final, checksums=options.verify, progress=advance)
     binary = criu.find_criu()
     check_versions(manifest, binary)
@@ -307,7 +308,7 @@ def _restore(
         # operator's scripts need its pid all the same. A write that fails in spite of the check
         # above must not leave the job locked: the device step runs first, the error comes after.
         try:
-            pidfile = write_pidfile(options.pidfile, root_pid)
+            pidfile = pidfile_mod.write(options.pidfile, root_pid)
         except NpusnapError as err:
             pidfile_error = err
 
@@ -372,46 +373,6 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
     elsewhere = hostclean.new_log_dir("restore")
     note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
     return elsewhere
-
-
-def check_pidfile(path: Path) -> None:
-    """Refuse a --pidfile that cannot be written, before anything is started (a usage error)."""
-    parent = path.parent if str(path.parent) else Path(".")
-    problem = ""
-    if path.is_dir():
-        problem = "it is a directory"
-    elif not parent.is_dir():
-        problem = f"its directory {parent} does not exist"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        problem = f"its directory {parent} is not writable"
-    elif path.exists() and not path.is_file():
-        problem = "it exists and is not a regular file"
-    if problem:
-        raise UsageError(
-            f"cannot write the pidfile {path}: {problem}",
-            why="--pidfile is checked before anything is started",
-            fix="pass a path in an existing, writable directory to --pidfile",
-        )
-
-
-def write_pidfile(path: Path, pid: int) -> str:
-    """Write ``pid`` atomically (temporary sibling, fsync, rename): a reader never sees half a pid."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{pid}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise UsageError(
-            f"could not write the pidfile {path}: {exc.strerror}",
-            why="the pidfile's directory changed or filled up since it was checked",
-            fix=f"the process runs; its pid is {pid}",
-        ) from None
-    return str(path)
 
 
 def _device_restore(npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str) -> None:
