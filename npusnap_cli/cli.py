@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "dump",
     "restore",
     "inspect",
+    "images",
     "demo",
 )
 

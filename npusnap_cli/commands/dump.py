@@ -79,6 +79,18 @@ def register(app: typer.Typer) -> None:
             "(default 60: a dump holds the lock only while it runs itself; `freeze` defaults to 300 "
             "because a person or an external tool holds that one).",
         ),
+        keep_last: Optional[int] = typer.Option(
+            None,
+            "--keep-last",
+            min=1,
+            help="After a successful dump, remove the oldest npusnap images next to DIR (in its parent) "
+            "so that N remain; only complete npusnap image directories are ever removed.",
+        ),
+        latest: bool = typer.Option(
+            False,
+            "--latest",
+            help="After a successful dump, point the symlink `latest` in DIR's parent at DIR (atomically).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -155,5 +167,23 @@ def register(app: typer.Typer) -> None:
             out.line(f"agents were attached to pid(s) {', '.join(map(str, result.attached))}")
         if result.logs:
             out.line(f"CRIU logs kept in {result.logs}")
+        data = result.to_dict()
+        data.update(_manage(out, Path(result.image), keep_last, latest))
         out.data(result.image)
-        out.result(result.to_dict())
+        out.result(data)
+
+
+def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+    """--latest and --keep-last, after the image is complete (the pointer first: rotation never
+    removes what `latest` names)."""
+    from npusnap_cli import imagestore
+
+    done: dict[str, Any] = {"latest": None, "removed": []}
+    if latest:
+        done["latest"] = imagestore.update_latest(image)
+        out.line(f"{done['latest']} -> {image.name}")
+    if keep_last is not None:
+        done["removed"] = imagestore.rotate(image.parent, keep_last, keep=image)
+        for path in done["removed"]:
+            out.line(f"removed old image {path} (--keep-last {keep_last})")
+    return done
