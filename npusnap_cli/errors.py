@@ -33,7 +33,7 @@ class ExitCode(enum.IntEnum):
     IMAGE = 8  # the image directory is missing, incomplete, tampered with or incompatible
     STATE_UNKNOWN = 9  # rollback itself failed: a human must look (the message says how)
     CONTINUITY = 10  # demo: the restored workload did not continue identically
-    BUSY = 11  # something the command needs is in use (the image's pids, its devices): wait, retry
+    BUSY = 11  # something the command needs is in use (a lock held by another command): wait, retry
     IMAGE_INCOMPATIBLE = 12  # image from another CRIU/CANN/schema: an older image will not help either
     INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything was rolled back
 
@@ -79,17 +79,6 @@ class PreflightError(NpusnapError):
     kind = "preflight"
 
 
-class BusyError(PreflightError):
-    """A resource is taken for now (pids, devices): the same command can succeed later.
-
-    A PreflightError (nothing was touched) with its own code, so that a runbook can wait and
-    retry on 11 but go and fix the host on 3.
-    """
-
-    exit_code = ExitCode.BUSY
-    kind = "busy"
-
-
 class TargetError(NpusnapError):
     exit_code = ExitCode.TARGET
     kind = "target"
@@ -108,6 +97,18 @@ class CriuError(NpusnapError):
 class DeviceError(NpusnapError):
     exit_code = ExitCode.DEVICE
     kind = "device"
+
+
+class BusyError(PreflightError):
+    """A resource is taken for now (a lock another command holds, the image's pids or devices):
+    the same command can succeed later.
+
+    A PreflightError (nothing was touched) with its own code, so that a runbook can wait and
+    retry on 11 but go and fix the host on 3.
+    """
+
+    exit_code = ExitCode.BUSY
+    kind = "busy"
 
 
 class ImageError(NpusnapError):
