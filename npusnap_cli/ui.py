@@ -56,14 +56,19 @@ class Output:
             self._stdout = make_console(stderr=False)
         return self._stdout
 
-    def _target(self, stream: str) -> Any:
-        return self.data_console if stream == "stdout" else self.console
+    def _print(self, stream: str, renderable: Any) -> None:
+        if stream != "stdout":
+            self.console.print(renderable)
+            return
+        with _reader_may_go():
+            self.data_console.print(renderable)
 
     def data(self, text: str) -> None:
         """One plain line of data on stdout (no styling): an image path, a pid."""
         if not self.json_mode:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
+            with _reader_may_go():
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
 
     # -- human output (suppressed in JSON mode, which keeps stderr for logs only) ---------------
     def line(self, text: str = "", style: Optional[str] = None) -> None:
@@ -97,7 +102,7 @@ class Output:
         table.add_column(overflow="fold")
         for key, value in items.items():
             table.add_row(str(key), "" if value is None else str(value))
-        self._target(stream).print(table)
+        self._print(stream, table)
 
     def table(
         self,
@@ -123,7 +128,7 @@ class Output:
         for i, row in enumerate(rows):
             style = styles[i] if styles and i < len(styles) else None
             table.add_row(*("" if c is None else str(c) for c in row), style=style)
-        self._target(stream).print(table)
+        self._print(stream, table)
 
     def tree(self, title: str, nodes: Sequence[tuple[int, str]], *, stream: str = "stdout") -> None:
         """A tree from (depth, label) pairs in pre-order."""
@@ -138,7 +143,7 @@ class Output:
                 stack.pop()
             node = stack[-1][1].add(label)
             stack.append((depth, node))
-        self._target(stream).print(root)
+        self._print(stream, root)
 
     @contextmanager
     def phase(self, label: str) -> Iterator[None]:
@@ -209,6 +214,23 @@ class Output:
         sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
         sys.stdout.flush()
         self._emitted = True
+
+
+@contextmanager
+def _reader_may_go() -> Iterator[None]:
+    """Data for a reader that may stop reading: `npusnap list --paths DIR | head -n 1`.
+
+    A reader that has what it wants and closes the pipe is not a failure of the command (which
+    has done its work by the time it prints its data): the rest of the data goes to /dev/null,
+    and the command ends with its own exit code, not with a traceback or SIGPIPE's 141 that
+    `set -o pipefail` would turn into a failed script.
+    """
+    try:
+        yield
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def no_color() -> bool:

@@ -179,3 +179,19 @@ def test_import_refuses_unsafe_or_tampered_archives(store: Path, tmp_path: Path)
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(ImageError):
         archive.verify(truncated)
+
+
+def test_a_reader_that_stops_reading_is_not_a_failure(store: Path) -> None:
+    """`npusnap list --paths DIR | head -n 1` under `set -o pipefail`: the reader leaves early."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "npusnap"
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{exe} list --paths {store} | true; echo rc=$?"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip() == "rc=0", proc.stderr
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
