@@ -38,30 +38,66 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
-FILES=$(for fd in /proc/"$JOB"/fd/*; do f=$(readlink "$fd"); if [ -f "$f" ]; then echo "$f"; fi; done | sort -u)
-npj dump.json dump "$JOB" "$WORK/nodeA/img" # the job is gone afterwards
-for f in $FILES; do stat -c '%s %n' "$f"; done >files-at-dump.txt
+npusnap sim start
+eval "$(npusnap sim env)"
+mkdir -m 700 nodeA nodeB
+# The same job uninterrupted, for comparison: its output depends only on --steps and --seed.
+python3 -m npusnap_cli.workloads.train --steps 50 --seed 3 --interval 0 >reference.log
+PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
+    python3 -m npusnap_cli.workloads.train --steps 50 --seed 3 --interval 0.05)
+timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
 
 # --- block 2 ---
-tar -C "$WORK/nodeA" -cpf - img | tar -C "$WORK/nodeB" -xpf -
+FILES=$(for fd in /proc/"$PID"/fd/*; do f=$(readlink "$fd"); if [ -f "$f" ]; then echo "$f"; fi; done | sort -u)
+npusnap dump "$PID" nodeA/img
+for f in $FILES; do stat -c '%s %n' "$f"; done >files-at-dump.txt
+cat files-at-dump.txt
 
 # --- block 3 ---
-"$NPUSNAP" verify "$IMG"
-[ "$(stat -c %a "$IMG")" = 700 ] || fail "the copied image is not 0700 any more"
+ARCHIVE=$(npusnap export nodeA/img nodeA/img.tar.zst)
+cp "$ARCHIVE" nodeB/
 
 # --- block 4 ---
-npj manifest.json inspect "$IMG"
-npj check.json check # exit 3 with the reasons if this node cannot restore
-[ "$IMG_CRIU" = "$HERE_CRIU" ] || fail "CRIU $IMG_CRIU in the image, $HERE_CRIU here"
-[ "$IMG_CANN" = "$HERE_CANN" ] || fail "CANN $IMG_CANN in the image, $HERE_CANN here"
-[ ! -e "/proc/$pid" ] || fail "pid $pid is in use on this node: $(tr '\0' ' ' </proc/"$pid"/cmdline)"
-npj sim-status.json sim status
-[ "$(stat -c %s "$path")" = "$size" ] || fail "$path: size $(stat -c %s "$path"), the image expects $size"
+npusnap verify nodeB/img.tar.zst
+npusnap import nodeB/img.tar.zst nodeB/img
+stat -c '%a %n' nodeB/img | grep '^700 '
 
 # --- block 5 ---
-npj restore.json restore --pidfile "$WORK/restored.pid" "$IMG"
+cp -a nodeB/img nodeB/damaged
+PAGES=$(ls nodeB/damaged/criu/pages-*.img | head -n 1)
+printf 'X' | dd of="$PAGES" bs=1 seek=100 conv=notrunc status=none
+rc=0; npusnap verify nodeB/damaged || rc=$?
+[ "$rc" -eq 8 ]
 
 # --- block 6 ---
-cmp job.log reference.log || fail "the restored job's output differs from the uninterrupted run"
+npusnap --json inspect nodeB/img >manifest.json
+npusnap --json check >check.json
+npusnap --json sim status >devices.json
+python3 - <<'EOF'
+import json, os
+image = json.load(open("manifest.json"))["result"]
+checks = {c["name"]: c["data"] for c in json.load(open("check.json"))["result"]["checks"]}
+owners = {d["id"]: d["owner"] for d in json.load(open("devices.json"))["result"]["devices"]}
+here = (checks["criu"]["version"], checks["cann"]["version"])
+want = (image["versions"]["criu"], image["versions"]["cann"])
+print("CRIU, CANN of the image:", want, "of this node:", here)
+assert want == here, "different versions: restore on a node that has the image's versions"
+for p in image["processes"]:
+    in_use = os.path.exists("/proc/%d" % p["pid"])
+    print("pid", p["pid"], "IN USE" if in_use else "free")
+    assert not in_use, "a pid of the image is in use on this node"
+    for d in p["devices"]:
+        print("device", d, "occupied: %s" % owners[d] if owners.get(d) else "free")
+        assert not owners.get(d), "a device of the image is occupied"
+EOF
+while read -r size path; do [ "$(stat -c %s "$path")" = "$size" ]; echo "$path: $size bytes, as at the dump"; done <files-at-dump.txt
+
+# --- block 7 ---
+PID=$(npusnap restore --pidfile job.pid nodeB/img)
+echo "restored pid $PID"
+
+# --- block 8 ---
+timeout 30 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
+grep '^step ' job.log | cmp - reference.log
 
 echo OK
