@@ -38,21 +38,54 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
-dump_expect 3 "$JOB" "$WORK/img"
+npusnap sim start
+eval "$(npusnap sim env)"
+: >faults
+NPUSIM_FAULT_FILE=$PWD/faults setsid sh -c \
+    'npusnap run -- python3 -m npusnap_cli.workloads.train --steps 1000 --interval 0.05 >>job.log 2>&1 & echo $! >job.pid; wait' \
+    </dev/null >/dev/null 2>&1 &
+timeout 10 sh -c 'until [ -s job.pid ]; do sleep 0.1; done'
+PID=$(cat job.pid)
+timeout 20 sh -c 'until grep -q "^step 3 " job.log; do sleep 0.1; done'
 
 # --- block 2 ---
-echo NPUSIM_FAULT_BACKUP=1 >faults
-dump_expect 7 --shell-job "$JOB" "$WORK/img"
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
 
 # --- block 3 ---
-echo NPUSIM_FAULT_UNLOCK=1 >faults
-dump_expect 9 --shell-job --leave-running "$JOB" "$WORK/img"
+rc=0; npusnap --json dump "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  fix:", e["fix"])'
+[ "$rc" -eq 3 ]
+grep -c -- --shell-job dump.json
+[ ! -e img ]
+npusnap status "$PID" | grep RUNNING
 
 # --- block 4 ---
+echo NPUSIM_FAULT_BACKUP=1 >faults
+rc=0; npusnap --json dump --shell-job "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  ACL code:", e["details"]["agent_error"]["code"])'
+[ "$rc" -eq 7 ]
 : >faults
-npj thaw.json thaw "$JOB"
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
 
 # --- block 5 ---
-npj ok.json dump --shell-job --leave-running "$JOB" "$WORK/img"
+echo NPUSIM_FAULT_UNLOCK=1 >faults
+rc=0; npusnap --json dump --shell-job --leave-running "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  fix:", e["fix"])'
+[ "$rc" -eq 9 ]
+grep -c "npusnap thaw $PID" dump.json
+npusnap status "$PID" | grep -E 'LOCKED|BACKED_UP'
+
+# --- block 6 ---
+: >faults
+npusnap thaw "$PID"
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
+
+# --- block 7 ---
+IMG=$(npusnap dump --shell-job --leave-running "$PID" img)
+npusnap verify "$IMG"
+npusnap status "$PID" | grep RUNNING
 
 echo OK
