@@ -38,26 +38,42 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
-npj freeze.json freeze --lease 600 "$JOB"
+npusnap sim start
+eval "$(npusnap sim env)"
+python3 -m npusnap_cli.workloads.train --steps 50 --seed 5 --interval 0 >reference.log
+PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
+    python3 -m npusnap_cli.workloads.train --steps 50 --seed 5 --interval 0.05)
+timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
+SOCKET=$(npusnap --json status "$PID" | python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["processes"][0]["agent_socket"])')
+echo "agent socket: $SOCKET"
 
 # --- block 2 ---
-[ "$(state)" = BACKED_UP ] || fail "freeze did not back up the job"
+npusnap freeze --lease 600 "$PID"
 
 # --- block 3 ---
-"$CRIU" dump -t "$JOB" -D ckpt -o dump.log -v4 # kills the job when done, as podman does by default
+npusnap status "$PID" | grep BACKED_UP
+N=$(grep -c '^step ' job.log); sleep 0.5; [ "$(grep -c '^step ' job.log)" -le $((N + 1)) ]
 
 # --- block 4 ---
-SOCKET_DIR=$(dirname "$(json status.json 'd["result"]["processes"][0]["agent_socket"]')")
-install -d -m 700 "$SOCKET_DIR"
-"$CRIU" restore -D ckpt -d -o restore.log -v4 --pidfile "$WORK/restored.pid"
+mkdir -m 700 ckpt
+criu dump -t "$PID" -D ckpt -o dump.log -v4 # kills the job when done, as podman does by default
+timeout 10 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
 
 # --- block 5 ---
-[ "$(state)" = BACKED_UP ] || fail "the restored job is $(state), expected BACKED_UP"
+install -d -m 700 "$(dirname "$SOCKET")"
+criu restore -D ckpt -d -o restore.log -v4 --pidfile "$PWD/restored.pid"
+PID=$(cat restored.pid)
+echo "restored pid $PID"
 
 # --- block 6 ---
-npj thaw.json thaw "$RESTORED"
+npusnap status "$PID" | grep BACKED_UP
 
 # --- block 7 ---
-cmp job.log reference.log || fail "the restored job's output differs from the uninterrupted run"
+npusnap thaw "$PID" | grep 'restore, unlock'
+npusnap status "$PID" | grep RUNNING
+
+# --- block 8 ---
+timeout 30 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
+grep '^step ' job.log | cmp - reference.log
 
 echo OK
