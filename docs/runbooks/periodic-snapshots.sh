@@ -22,13 +22,17 @@ runbook_cleanup() {
     local rc=$? f p
     cd /
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
-    for f in "$RUNBOOK_DIR"/*.pid "$RUNBOOK_DIR"/*/*.pid; do
+    for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
         if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
     if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
+    # Simulators the page started for other users, with their sockets in the scratch directory.
+    for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
+        NPUSIM_SOCKET=$f npusnap sim stop >/dev/null 2>&1 || true
+    done
     rm -rf "$RUNBOOK_DIR"
     if [ $rc -ne 0 ]; then echo "FAILED (exit $rc)" >&2; fi
     exit $rc
