@@ -17,7 +17,8 @@ if [ -n "${NPUSNAP:-}" ]; then
     esac
 fi
 RUNBOOK_DIR=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-SIM_WAS_RUNNING=$(npusnap --json sim status | python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
+SIM_WAS_RUNNING=$(npusnap --json sim status |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
 runbook_cleanup() {
     local rc=$? f p
     cd /
@@ -27,7 +28,9 @@ runbook_cleanup() {
         if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+        kill -9 "$p" 2>/dev/null || true
+    fi
     if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
     # Simulators the page started for other users, with their sockets in the scratch directory.
     for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do

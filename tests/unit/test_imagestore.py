@@ -33,7 +33,9 @@ def store(tmp_path: Path) -> Path:
     return parent
 
 
-def test_list_is_newest_first_and_marks_corrupt_images(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_is_newest_first_and_marks_corrupt_images(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (image.criu_dir(store / "snap-3") / "core-1235.img").write_bytes(b"CORE")  # same size, other bytes
     (store / "notes.txt").write_text("not an image")
     (store / "empty-dir").mkdir()
@@ -58,7 +60,9 @@ def test_list_is_newest_first_and_marks_corrupt_images(store: Path, capsys: pyte
     assert "NO:" in table and "…" not in table
 
 
-def test_list_of_a_missing_directory_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_of_a_missing_directory_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["--json", "list", str(tmp_path / "nope")]) == ExitCode.USAGE
     assert json.loads(capsys.readouterr().out)["error"]["kind"] == "usage"
 
@@ -101,8 +105,12 @@ def test_export_import_round_trip(store: Path, tmp_path: Path, capsys: pytest.Ca
     assert main(["export", str(src), str(dest)]) == 0
     assert capsys.readouterr().out.strip() == str(dest)  # the archive's path is the data
     assert archive.is_archive(dest) and (dest.stat().st_mode & 0o777) == 0o600
-    with open(dest, "rb") as fh, zstandard.ZstdDecompressor().stream_reader(fh) as zr:
-        names = [m.name for m in tarfile.open(fileobj=zr, mode="r|")]
+    with (
+        open(dest, "rb") as fh,
+        zstandard.ZstdDecompressor().stream_reader(fh) as zr,
+        tarfile.open(fileobj=zr, mode="r|") as tar,
+    ):
+        names = [m.name for m in tar]
     assert names[0] == "snap-1/npusnap.json" and not any("logs" in n for n in names)
 
     # inspect and verify read the archive in place.
@@ -133,11 +141,14 @@ def test_a_corrupt_image_is_never_exported(store: Path, tmp_path: Path) -> None:
 def _tar_zst(path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
     import io
 
-    with open(path, "wb") as fh, zstandard.ZstdCompressor().stream_writer(fh) as zw:
-        with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for info, data in members:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    with (
+        open(path, "wb") as fh,
+        zstandard.ZstdCompressor().stream_writer(fh) as zw,
+        tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for info, data in members:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
 
 
 def test_import_refuses_unsafe_or_tampered_archives(store: Path, tmp_path: Path) -> None:
