@@ -66,7 +66,10 @@ def build_app() -> typer.Typer:
             None, "--version", callback=_version_callback, is_eager=True, help="Print the version and exit."
         ),
         json_output: bool = typer.Option(
-            False, "--json", help="Print one JSON envelope on stdout (human text goes to stderr)."
+            False,
+            "--json",
+            help="Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay "
+            "on stderr).",
         ),
         verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More logging (repeat for more)."),
     ) -> None:

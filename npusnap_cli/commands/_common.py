@@ -9,7 +9,7 @@ import typer
 
 from npusnap_cli.ui import Output
 
-JSON_HELP = "Print one JSON envelope on stdout (human text goes to stderr)."
+JSON_HELP = "Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay on stderr)."
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,13 @@ def test_stale_agent_sockets_are_found_and_removed(runtime_dir: Path, tmp_path: 
         assert not stale.exists() and live_path.exists() and mine.exists()
     finally:
         live.close()
+
+
+def test_an_agent_removes_its_socket_when_its_process_exits(runtime_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NPUSNAP_RUNTIME_DIR": str(runtime_dir)}
+    code = "import npusnap_cli.agent as a; print(a.start(), flush=True)"
+    proc = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    path = Path(proc.stdout.strip())
+    assert path.parent == runtime_dir  # it did serve a socket there
+    assert not path.exists()  # and removed it at exit: /run/npusnap holds only live agents
