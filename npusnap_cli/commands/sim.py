@@ -78,7 +78,8 @@ def register(app: typer.Typer) -> None:
         bandwidth_mbps: Optional[float] = typer.Option(
             None,
             "--bandwidth-mbps",
-            help="Cap device<->host copies at this many megabytes per second (default: no cap).",
+            help="Cap device<->host copies at this many megabytes (10^6 bytes, as link speeds are "
+            "quoted) per second (default: no cap).",
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
