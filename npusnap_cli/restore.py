@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,10 +47,14 @@ class RestoreOptions:
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
     logs: Optional[Path] = None  # where CRIU's restore log goes (default: DIR/logs, else elsewhere)
+    pipe_to: Optional[Path] = None  # new output for pipes recorded with dump --external-pipes
+    replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
+    settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
 
 
 @dataclass(frozen=True)
 class RestoreTimings:
+    verify_wait_s: float  # waiting for the checksums after CRIU (they overlap with it)
     verify_s: float
     criu_restore_s: float
     criu_forking_s: Optional[float]
@@ -103,12 +108,16 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
     if not manifest.npu_processes:
         return
     try:
-        cann = acl.find_cann()
+        # A shell without the CANN environment still restores: the image says where it was.
+        from_image = None if os.environ.get("ASCEND_HOME_PATH") else v.cann_home
+        cann = acl.find_cann(from_image)
     except acl.CannNotFound as exc:
+        where = f" (the image was made with the CANN at {v.cann_home})" if v.cann_home else ""
         raise PreflightError(
-            f"no CANN installation to restore the device state with: {exc}",
+            f"no CANN installation to restore the device state with{where}: {exc}",
             why=getattr(exc, "hint", ""),
-            fix='source your CANN set_env.sh (or, for the simulator: eval "$(npusnap sim env)")',
+            fix="set ASCEND_HOME_PATH to the CANN install (source its set_env.sh; for the "
+            'simulator: eval "$(npusnap sim env)")',
         ) from None
     if cann.simulated != v.cann_simulated or (v.cann and cann.version != v.cann):
         have = f"{cann.version}{' (simulated)' if cann.simulated else ''}"
@@ -234,17 +243,144 @@ def prepare_sockets(manifest: img.Manifest) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _criu_options(manifest: img.Manifest) -> Any:
+def _criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> Any:
     from npusnap_cli import criu
 
     o = manifest.criu_options
+    lock = o.get("network_lock")
     return criu.CriuOptions(
         tcp_established=bool(o.get("tcp_established")),
         shell_job=bool(o.get("shell_job")),
         file_locks=bool(o.get("file_locks")),
         ext_unix_sk=bool(o.get("ext_unix_sk")),
         external=tuple(str(x) for x in o.get("external") or ()),
+        link_remap=bool(o.get("link_remap", False)),
+        network_lock=lock if lock in criu.NETWORK_LOCKS else None,
+        inherit_fd=inherit_fd,
     )
+
+
+def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[tuple[str, int]]:
+    """(CRIU key, fd) for each pipe recorded by dump --external-pipes, all opened on ``pipe_to``."""
+    keys = sorted({e.key for e in manifest.external_stdio if e.kind == "pipe"})
+    if not keys:
+        return []
+    if pipe_to is None:
+        e = manifest.external_stdio[0]
+        raise PreflightError(
+            f"the image's pid {e.pid} wrote to a pipe to a process outside the tree (fd {e.fd})",
+            why="the reader of that pipe is not in the image; restored as it was, the job would die "
+            "of SIGPIPE at its next write",
+            fix="rerun restore with --pipe-to FILE: the job then writes there",
+            details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
+        )
+    try:
+        out = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PreflightError(
+            f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
+            fix="name a writable file (not a symlink) for the job's output",
+        ) from None
+    # The job gets a new pipe, not the file itself: CRIU re-opens an inherited pipe end through
+    # /proc/self/fd with the pipe's flags, which would drop O_APPEND and start at offset 0 (the
+    # job would overwrite the file). A detached `cat` is the pipe's new reader, as `tee` was.
+    import subprocess
+
+    r, w = os.pipe()
+    try:
+        subprocess.Popen(
+            ["cat"], stdin=r, stdout=out, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True
+        )
+    except OSError as exc:
+        os.close(w)
+        raise PreflightError(
+            f"cannot start the reader for --pipe-to: {exc}", fix="check that cat is installed"
+        ) from None
+    finally:
+        os.close(r)
+        os.close(out)
+    return [(key, w) for key in keys]
+
+
+def become_subreaper() -> bool:
+    """Make the restored tree's root our child once CRIU exits, so that we can read its exit
+    status (a job that finished cleanly in the settle time is not a failed restore).
+
+    Only for a short-lived process (the CLI): a long-lived one would collect zombies that hold
+    the pids a later restore needs.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of ``pid`` if it is our (subreaped) child and has exited, else None."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return status if got == pid else None
+
+
+def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[str]:
+    """Never report "running" of a process that died: watch the tree a moment after it resumed.
+
+    The root is npusnap's child once CRIU exits (``become_subreaper``), so its exit status is
+    known: a failure status fails the restore. Other processes that are gone are reported in
+    the returned notes, as are clean exits.
+    """
+    from npusnap_cli import procfs
+    from npusnap_cli.errors import TargetError
+
+    end = time.monotonic() + settle_s
+    statuses: dict[int, Optional[int]] = {}
+    while True:
+        for p in pids:
+            if p not in statuses and not procfs.is_alive(p):
+                statuses[p] = _exit_status(p)
+        if len(statuses) == len(pids) or time.monotonic() >= end:
+            break
+        time.sleep(0.05)
+    ok = [p for p, st in statuses.items() if st is not None and os.waitstatus_to_exitcode(st) == 0]
+    unknown = [p for p, st in statuses.items() if st is None]
+    dead = {p: st for p, st in statuses.items() if st is not None and p not in ok}
+    if dead:
+        how = "; ".join(f"{p}: {_describe_status(st)}" for p, st in dead.items())
+        raise TargetError(
+            f"the restored process(es) died right after resuming ({how})",
+            why="they were restored but ended within the first moments: usually a resource "
+            "restored as it was but no longer usable (a pipe whose reader is gone, a peer that "
+            "went away, a file changed underneath it)",
+            fix=f"read the job's own output/log and the CRIU log {log}; for pipes, dump with "
+            "--external-pipes and restore with --pipe-to FILE",
+            details={"dead_pids": sorted(dead), "criu_log": log},
+        )
+    notes = [f"pid {p} finished (exit status 0) right after the restore" for p in ok]
+    notes += [
+        f"pid {p} exited right after the restore (not npusnap's child: its exit status is unknown; "
+        "see the job's output)"
+        for p in unknown
+    ]
+    return notes
+
+
+def _describe_status(status: Optional[int]) -> str:
+    import signal
+
+    if status is None:
+        return "gone (exit status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
 def restore(
@@ -264,7 +400,6 @@ def restore(
 def _restore(
     directory: Path, options: RestoreOptions, callbacks: RestoreCallbacks, guard: Any
 ) -> RestoreOutcome:
-    from npusnap_cli import criu
 
     start = time.monotonic()
     cb = callbacks
@@ -280,26 +415,88 @@ def _restore(
 
     if options.pidfile is not None:
         pidfile_mod.check(options.pidfile)
-    img.verify(final, checksums=options.verify, progress=advance)
+    # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
+    # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
+    # known: nothing of the image runs before it is verified.
+    img.verify(final, checksums=False)
+    checksums = _Checksums(final, advance) if options.verify else None
+    try:
+        return _restore_verified(final, manifest, options, cb, guard, start, checksums)
+    finally:
+        if checksums is not None:
+            checksums.join()
+
+
+class _Checksums:
+    """``img.verify`` with checksums, on its own thread."""
+
+    def __init__(self, image: Path, progress: Any) -> None:
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(image, progress), name="npusnap-verify")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, image: Path, progress: Any) -> None:
+        try:
+            img.verify(image, checksums=True, progress=progress)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> Optional[BaseException]:
+        self._thread.join()
+        return self.error
+
+
+def _restore_verified(
+    final: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    cb: RestoreCallbacks,
+    guard: Any,
+    start: float,
+    checksums: Optional[_Checksums],
+) -> RestoreOutcome:
+    from npusnap_cli import criu
+
     binary = criu.find_criu()
     check_versions(manifest, binary)
     check_pids_free(manifest)
     check_devices_free(manifest)
     prepare_sockets(manifest)
+    from npusnap_cli import hostres
+
+    to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
-    guard.check("before anything was started", "nothing was restored")
-
-    cb.phase("criu restore")
-    res = criu.restore(
-        str(img.criu_dir(final)),
-        str(logs),
-        options=_criu_options(manifest),
-        log_name=img.RESTORE_LOG,
-        binary=binary,
-    )
+    try:
+        guard.check("before anything was started", "nothing was restored")
+        if to_put_back:
+            cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
+            hostres.put_back(to_put_back, final)
+        cb.phase("criu restore")
+        try:
+            res = criu.restore(
+                str(img.criu_dir(final)),
+                str(logs),
+                options=replace(_criu_options(manifest, tuple(inherit)), leave_stopped=checksums is not None),
+                log_name=img.RESTORE_LOG,
+                binary=binary,
+            )
+        except NpusnapError:
+            # A corrupt image is the better explanation of a CRIU failure.
+            corrupt = checksums.join() if checksums is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+            raise
+    finally:
+        for fd in {fd for _key, fd in inherit}:
+            os.close(fd)
     criu_done = time.monotonic()
     root_pid = res.pid
+    if checksums is not None:
+        _release_when_verified(manifest, checksums, cb)
+    released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
     pidfile_error: Optional[NpusnapError] = None
@@ -316,6 +513,9 @@ def _restore(
     if npu_pids:
         _device_restore(npu_pids, options, root_pid, res.log_path)
     device_done = time.monotonic()
+    watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
+    for note in check_alive_after(watched, options.settle_s, res.log_path):
+        cb.note(note)
     if pidfile_error is not None:
         pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
         pidfile_error.details["restored_root_pid"] = root_pid
@@ -324,11 +524,12 @@ def _restore(
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
     timings = RestoreTimings(
+        verify_wait_s=released - criu_done,
         verify_s=verify_s,
         criu_restore_s=criu_done - start - verify_s,
         criu_forking_s=stats.forking_time_us * 1e-6 if stats else None,
         criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
-        device_restore_s=device_done - criu_done,
+        device_restore_s=device_done - released,
         total_s=device_done - start,
     )
     return RestoreOutcome(
@@ -340,6 +541,24 @@ def _restore(
         criu_log=res.log_path,
         pidfile=pidfile,
     )
+
+
+def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
+    """CRIU left the tree stopped: let it run if every sha256 matched, else kill it unrun."""
+    import signal
+
+    cb.phase("checksums")
+    error = checksums.join()
+    pids = [p.pid for p in manifest.processes]
+    sig = signal.SIGKILL if error is not None else signal.SIGCONT
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if error is not None:
+        if isinstance(error, NpusnapError):
+            error.message += " (the restored tree was killed before it ran)"
+            error.details["killed_unrun"] = pids
+        raise error
 
 
 def _writable_dir(path: Path, *, parents: bool) -> bool:

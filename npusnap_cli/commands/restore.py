@@ -31,6 +31,26 @@ def register(app: typer.Typer) -> None:
             help="Write CRIU's restore log here (default: DIR/logs, or a new directory under "
             "$TMPDIR/npusnap-logs when the image is on read-only storage).",
         ),
+        pipe_to: Optional[Path] = typer.Option(
+            None,
+            "--pipe-to",
+            help="For an image dumped with --external-pipes: the restored job writes what went "
+            "into those pipes to this file (appended; created 0600 if missing).",
+        ),
+        replace_tmpfs_files: bool = typer.Option(
+            False,
+            "--replace-tmpfs-files",
+            help="Overwrite tmpfs files (/dev/shm ...) that changed since the dump with the image's "
+            "copies, instead of refusing.",
+        ),
+        settle: float = typer.Option(
+            0.5,
+            "--settle",
+            min=0.0,
+            max=60.0,
+            help="Seconds to watch the restored tree after it resumed; a process that died in "
+            "that time fails the restore.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
@@ -55,8 +75,16 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' sha256 sums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
-        options = restore_mod.RestoreOptions(verify=not no_verify, pidfile=pidfile, logs=logs)
+        options = restore_mod.RestoreOptions(
+            verify=not no_verify,
+            pidfile=pidfile,
+            logs=logs,
+            pipe_to=pipe_to,
+            replace_tmpfs_files=replace_tmpfs_files,
+            settle_s=settle,
+        )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
+        restore_mod.become_subreaper()
         try:
             result = restore_mod.restore(directory, options, callbacks)
         finally:
@@ -70,8 +98,9 @@ def register(app: typer.Typer) -> None:
             "phases",
             ["phase", "time"],
             [
-                ["verify", fmt_s(t.verify_s)],
-                ["CRIU restore", fmt_s(t.criu_restore_s)],
+                ["verify (structure, then checks)", fmt_s(t.verify_s)],
+                ["CRIU restore (checksums alongside)", fmt_s(t.criu_restore_s)],
+                ["waiting for the checksums", fmt_s(t.verify_wait_s)],
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
                 ["total", fmt_s(t.total_s)],
             ],
