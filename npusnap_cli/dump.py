@@ -97,6 +97,7 @@ class DumpOutcome:
         return {
             "image": self.image,
             "leftovers": list(self.leftovers),
+            "created_at": m.created_at,
             "root_pid": m.root_pid,
             "npu_pids": [p.pid for p in m.npu_processes],
             "pids": [p.pid for p in m.processes],
@@ -204,7 +205,7 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             f"NPU process(es) without an agent: {', '.join(map(str, missing))}",
             why="their device state can only be saved from inside them, by an agent; --no-attach was given",
             fix=" ; ".join(f"npusnap attach {m}" for m in missing) + " (or drop --no-attach)",
-            details={"missing_agent": missing},
+            details={"without_agent": missing},
         )
     return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
 

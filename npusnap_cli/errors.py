@@ -34,6 +34,7 @@ class ExitCode(enum.IntEnum):
     STATE_UNKNOWN = 9  # rollback itself failed: a human must look (the message says how)
     CONTINUITY = 10  # demo: the restored workload did not continue identically
     BUSY = 11  # something the command needs is in use (a lock held by another command): wait, retry
+    IMAGE_INCOMPATIBLE = 12  # image from another CRIU/CANN/schema: an older image will not help either
     INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything was rolled back
 
 
@@ -99,7 +100,8 @@ class DeviceError(NpusnapError):
 
 
 class BusyError(PreflightError):
-    """A resource is taken for now (a lock another command holds): the same command can succeed later.
+    """A resource is taken for now (a lock another command holds, the image's pids or devices):
+    the same command can succeed later.
 
     A PreflightError (nothing was touched) with its own code, so that a runbook can wait and
     retry on 11 but go and fix the host on 3.
@@ -112,6 +114,17 @@ class BusyError(PreflightError):
 class ImageError(NpusnapError):
     exit_code = ExitCode.IMAGE
     kind = "image"
+
+
+class IncompatibleImageError(ImageError):
+    """The image is intact but was made by another CRIU, CANN or image schema than this host has.
+
+    Its own code, apart from IMAGE (corrupt or incomplete: an older image may do), because every
+    image of that host has the same versions: fix the host, or restore where the versions match.
+    """
+
+    exit_code = ExitCode.IMAGE_INCOMPATIBLE
+    kind = "image-incompatible"
 
 
 class StateUnknownError(NpusnapError):

@@ -343,7 +343,9 @@ class Manifest:
         _only(d, set(cls.__dataclass_fields__), "manifest")
         schema = _req(d, "schema", int, "manifest")
         if schema != SCHEMA_VERSION:
-            raise ImageError(
+            from npusnap_cli.errors import IncompatibleImageError
+
+            raise IncompatibleImageError(
                 f"unsupported image schema {schema} (this npusnap reads schema {SCHEMA_VERSION})",
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
@@ -891,16 +893,18 @@ def remove_tree(path: Path) -> None:
 def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
     """Move the logs of a failed run out of a partial image (which is then removed).
 
-    They go to a new directory ``$TMPDIR/npusnap-<label>-logs-<time>-XXXX`` made by mkdtemp
-    (a fresh random name, created exclusively, 0700), so that a name planted in a shared /tmp
-    cannot redirect them; the partial image itself must not stay (it would look like an image).
+    They go to a new directory under ``$TMPDIR/npusnap-logs`` (hostclean.new_log_dir: the base
+    is checked to be a private directory of this user, the new one is made by mkdtemp, so that a
+    name planted in a shared /tmp cannot redirect them; old ones are pruned). The partial image
+    itself must not stay (it would look like an image).
     """
     src = logs_dir(tmp)
     if not src.is_dir() or src.is_symlink() or dir_is_empty(src):
         return None
+    from npusnap_cli import hostclean
+
     try:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        dest = Path(tempfile.mkdtemp(prefix=f"npusnap-{label}-logs-{stamp}-"))
+        dest = hostclean.new_log_dir(label)
         for entry in os.scandir(src):
             if entry.is_file(follow_symlinks=False):
                 # shutil.move: /tmp is often another filesystem than the image's (rename: EXDEV)

@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
+from npusnap_cli import pidfile as pidfile_mod
 from npusnap_cli.callbacks import PipelineCallbacks
-from npusnap_cli.errors import ImageError, NpusnapError, PreflightError
+from npusnap_cli.errors import (
+    BusyError,
+    ImageError,
+    IncompatibleImageError,
+    NpusnapError,
+    PreflightError,
+    UsageError,
+)
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
 RestoreCallbacks = PipelineCallbacks
@@ -39,6 +47,7 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    logs: Optional[Path] = None  # where CRIU's restore log goes (default: DIR/logs, else elsewhere)
     pipe_to: Optional[Path] = None  # new output for pipes recorded with dump --external-pipes
     replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
     settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
@@ -92,7 +101,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
 
     v = manifest.versions
     if binary.version != v.criu:
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CRIU {v.criu}, this host has CRIU {binary.version}",
             why="npusnap restores only with the CRIU version that dumped the image",
             fix=f"install CRIU {v.criu} (./scripts/setup.sh with NPUSNAP_CRIU_VERSION={v.criu}) "
@@ -115,7 +124,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
     if cann.simulated != v.cann_simulated or (v.cann and cann.version != v.cann):
         have = f"{cann.version}{' (simulated)' if cann.simulated else ''}"
         want = f"{v.cann}{' (simulated)' if v.cann_simulated else ''}"
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CANN {want}, this host has CANN {have} ({cann.home})",
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
@@ -185,7 +194,7 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
     if taken:
         who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
         original = manifest.leave_running or taken == [manifest.root_pid]
-        raise PreflightError(
+        raise BusyError(
             f"pid(s) or thread id(s) {', '.join(map(str, taken))} of the image are in use ({who})",
             why="CRIU restores processes with their original pids"
             + (" — the original process is probably still running" if original else ""),
@@ -220,7 +229,7 @@ def check_devices_free(manifest: img.Manifest) -> None:
             busy.append((int(dev["id"]), int(owner["pid"])))
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
-        raise PreflightError(
+        raise BusyError(
             f"device(s) of the image are occupied: {text}",
             why="the device state is restored onto the same device id, which must be free",
             fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
@@ -466,6 +475,8 @@ def _restore(
         done[0] += n
         cb.progress("verifying", done[0], total)
 
+    if options.pidfile is not None:
+        pidfile_mod.check(options.pidfile)
     # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
     # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
     # known: nothing of the image runs before it is verified.
@@ -518,15 +529,7 @@ def _restore_verified(
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
     inherit = open_pipe_targets(manifest, options.pipe_to)
-    logs = img.logs_dir(final)
-    try:
-        logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
-    except OSError as exc:
-        raise ImageError(
-            f"cannot create {logs} for CRIU's restore log: {exc.strerror}",
-            why="CRIU always writes a log, and npusnap keeps it in the image's logs/ directory",
-            fix="restore from a writable copy of the image",
-        ) from None
+    logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     try:
         guard.check("before anything was started", "nothing was restored")
@@ -558,10 +561,15 @@ def _restore_verified(
     released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
+    pidfile_error: Optional[NpusnapError] = None
     if options.pidfile is not None:
         # Written before the device step: if that fails the tree is running (locked), and the
-        # operator's scripts need its pid all the same.
-        pidfile = _write_pidfile(options.pidfile, root_pid)
+        # operator's scripts need its pid all the same. A write that fails in spite of the check
+        # above must not leave the job locked: the device step runs first, the error comes after.
+        try:
+            pidfile = pidfile_mod.write(options.pidfile, root_pid)
+        except NpusnapError as err:
+            pidfile_error = err
 
     cb.phase("device restore")
     if npu_pids:
@@ -572,6 +580,10 @@ def _restore_verified(
     watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
     for note in check_alive_after(watched, options.settle_s, res.log_path):
         cb.note(note)
+    if pidfile_error is not None:
+        pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
+        pidfile_error.details["restored_root_pid"] = root_pid
+        raise pidfile_error
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
@@ -642,17 +654,37 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
         )
 
 
-def _write_pidfile(path: Path, pid: int) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
+def _writable_dir(path: Path, *, parents: bool) -> bool:
     try:
-        tmp.write_text(f"{pid}\n", encoding="ascii")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise ImageError(
-            f"restored pid {pid}, but could not write the pidfile {path}: {exc.strerror}",
-            fix=f"the process runs; its pid is {pid}",
-        ) from None
-    return str(path)
+        path.mkdir(mode=img.DIR_MODE, parents=parents, exist_ok=True)
+    except OSError:
+        return False
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
+    """Where CRIU writes its restore log (and statistics).
+
+    ``--logs DIR`` if given; else the image's ``logs/``; an image on read-only storage (a
+    snapshot volume, a read-only mount) gets a new directory among the failure logs instead, so
+    that restoring it needs no writable copy.
+    """
+    if wanted is not None:
+        if not _writable_dir(wanted, parents=True):
+            raise UsageError(
+                f"cannot write CRIU's restore log into {wanted}",
+                why="--logs must be a directory npusnap can create or write to",
+                fix="pass a writable directory to --logs",
+            )
+        return wanted
+    inside = img.logs_dir(image)
+    if _writable_dir(inside, parents=False):
+        return inside
+    from npusnap_cli import hostclean
+
+    elsewhere = hostclean.new_log_dir("restore")
+    note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
+    return elsewhere
 
 
 def _device_restore(

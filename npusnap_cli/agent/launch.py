@@ -13,8 +13,10 @@ as the CLI, whatever Python (3.9+) the target runs.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -140,3 +142,81 @@ def exec_plan(plan: LaunchPlan) -> None:
             why="the file is not executable or its interpreter is missing",
             fix=f"check `ls -l {plan.executable}`",
         ) from None
+
+
+# How long `run --detach` waits for the child to exec the program (or to report why it could not).
+DETACH_EXEC_TIMEOUT_S = 10.0
+
+
+def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
+    """Start the program in the background in a session of its own; return its pid.
+
+    The pid is the program's own (the child execs it: no shell, no setsid(1) in between), and it
+    leads its own session, which CRIU needs to dump it without --shell-job. stdin is /dev/null;
+    stdout and stderr are appended to ``output`` (default /dev/null). Returns once the exec
+    succeeded: a failed exec is reported here as an error, through a close-on-exec pipe.
+    """
+    out_path = str(output) if output is not None else os.devnull
+    try:
+        out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot open {out_path} for the program's output: {exc.strerror}",
+            fix="pass a writable file to --output",
+        ) from None
+    null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: becomes the program
+        try:
+            os.close(rfd)
+            os.setsid()
+            os.dup2(null_fd, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(out_fd, 2)
+            os.execvpe(plan.executable, plan.argv, plan.env)
+        except BaseException as exc:
+            try:
+                os.write(wfd, f"{getattr(exc, 'strerror', None) or exc}".encode(errors="replace"))
+            finally:
+                os._exit(127)
+    os.close(wfd)
+    os.close(out_fd)
+    os.close(null_fd)
+    try:
+        message = _read_until_eof(rfd, DETACH_EXEC_TIMEOUT_S)
+    finally:
+        os.close(rfd)
+    if message is None:
+        raise TargetError(
+            f"the program (pid {pid}) did not start within {DETACH_EXEC_TIMEOUT_S:g}s",
+            why="the exec did not complete (an overloaded host?)",
+            fix=f"check `ps -p {pid}` and the program's output",
+        )
+    if message:
+        os.waitpid(pid, 0)
+        raise TargetError(
+            f"cannot execute {plan.argv[0]}: {message}",
+            why="the file is not executable or its interpreter is missing",
+            fix=f"check `ls -l {plan.executable}`",
+        )
+    return pid
+
+
+def _read_until_eof(fd: int, timeout_s: float) -> Optional[str]:
+    """Everything written to ``fd`` until EOF; None if EOF does not come within ``timeout_s``."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return data.decode(errors="replace")
+        data += chunk

@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def attach(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The running Python process to inject the agent into."),
+        pid: int = typer.Argument(..., min=1, help="The running Python process to inject the agent into."),
         timeout: float = typer.Option(
             10.0,
             "--timeout",

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 class ProgressBars:
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def dump(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="Root of the process tree to snapshot."),
+        pid: int = typer.Argument(..., min=1, help="Root of the process tree to snapshot."),
         directory: Path = typer.Argument(..., help="Image directory to create (new or empty)."),
         leave_running: bool = typer.Option(
             False, "--leave-running", help="Keep the original running after the dump (as `criu dump -R`)."
@@ -93,7 +93,21 @@ def register(app: typer.Typer) -> None:
             60.0,
             "--lease",
             min=1.0,
-            help="Seconds each agent waits for npusnap before rolling its process back by itself.",
+            help="Seconds each agent waits for npusnap before rolling its process back by itself "
+            "(default 60: a dump holds the lock only while it runs itself; `freeze` defaults to 300 "
+            "because a person or an external tool holds that one).",
+        ),
+        keep_last: Optional[int] = typer.Option(
+            None,
+            "--keep-last",
+            min=1,
+            help="After a successful dump, remove the oldest npusnap images next to DIR (in its parent) "
+            "so that N remain; only complete npusnap image directories are ever removed.",
+        ),
+        latest: bool = typer.Option(
+            False,
+            "--latest",
+            help="After a successful dump, point the symlink `latest` in DIR's parent at DIR (atomically).",
         ),
         sign: Optional[Path] = typer.Option(
             None,
@@ -123,6 +137,7 @@ def register(app: typer.Typer) -> None:
             )
 
         out = output(ctx, "dump", json_flag)
+        clean_stale_sockets(out)
         bars = ProgressBars(out)
 
         def phase(label: str) -> None:
@@ -170,6 +185,7 @@ def register(app: typer.Typer) -> None:
                 ["unlock", fmt_s(t.unlock_s)],
                 ["publish (checksums, fsync, rename)", fmt_s(t.publish_s)],
             ],
+            stream="stderr",
         )
         out.kv(
             "summary",
@@ -182,9 +198,29 @@ def register(app: typer.Typer) -> None:
                 if m.leave_running
                 else f"gone (bring it back: npusnap restore {result.image})",
             },
+            stream="stderr",
         )
         if result.attached:
             out.line(f"agents were attached to pid(s) {', '.join(map(str, result.attached))}")
         if result.logs:
             out.line(f"CRIU logs kept in {result.logs}")
-        out.result(result.to_dict())
+        data = result.to_dict()
+        data.update(_manage(out, Path(result.image), keep_last, latest))
+        out.data(result.image)
+        out.result(data)
+
+
+def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+    """--latest and --keep-last, after the image is complete (the pointer first: rotation never
+    removes what `latest` names)."""
+    from npusnap_cli import imagestore
+
+    done: dict[str, Any] = {"latest": None, "removed": []}
+    if latest:
+        done["latest"] = imagestore.update_latest(image)
+        out.line(f"{done['latest']} -> {image.name}")
+    if keep_last is not None:
+        done["removed"] = imagestore.rotate(image.parent, keep_last, keep=image)
+        for path in done["removed"]:
+            out.line(f"removed old image {path} (--keep-last {keep_last})")
+    return done

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
@@ -15,12 +15,14 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def freeze(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to freeze (every NPU process of its tree)."),
-        lease: float = typer.Option(
-            DEFAULT_FREEZE_LEASE_S,
+        pid: int = typer.Argument(..., min=1, help="The process to freeze (every NPU process of its tree)."),
+        lease: Optional[float] = typer.Option(
+            None,
             "--lease",
             min=0.1,
-            help="Thaw by itself after this many seconds of run time unless thawed or renewed.",
+            help=f"Thaw by itself after this many seconds of run time unless thawed or renewed "
+            f"(default {DEFAULT_FREEZE_LEASE_S:g}: longer than dump's 60, because a freeze waits for a "
+            "person or an external tool, a dump only for npusnap itself).",
         ),
         no_lease: bool = typer.Option(
             False, "--no-lease", help="Stay frozen until `npusnap thaw PID`, however long that takes."
@@ -44,7 +46,17 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli import devicegroup
 
         out = output(ctx, "freeze", json_flag)
-        lease_s: Optional[float] = None if no_lease else lease
+        if no_lease and lease is not None:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                "--lease and --no-lease contradict each other",
+                why="--no-lease means no time limit; --lease sets one",
+                fix=f"give one of them: `npusnap freeze {pid} --lease {lease:g}` or "
+                f"`npusnap freeze {pid} --no-lease`",
+            )
+        clean_stale_sockets(out)
+        lease_s: Optional[float] = None if no_lease else (DEFAULT_FREEZE_LEASE_S if lease is None else lease)
         with out.phase("freezing"):
             results = devicegroup.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
         out.table(
@@ -61,7 +73,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def thaw(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to thaw (every NPU process of its tree)."),
+        pid: int = typer.Argument(..., min=1, help="The process to thaw (every NPU process of its tree)."),
         timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
         force: bool = typer.Option(
             False,
@@ -81,6 +93,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli import devicegroup
 
         out = output(ctx, "thaw", json_flag)
+        clean_stale_sockets(out)
         results = devicegroup.thaw(pid, force=force, timeout=timeout)
         out.table(
             f"npusnap thaw {pid}",
@@ -104,5 +117,6 @@ def _lease_text(result: dict[str, object]) -> str:
     return "none"
 
 
-def _by_pid(results: dict[int, dict[str, object]]) -> dict[str, dict[str, object]]:
-    return {str(p): r for p, r in sorted(results.items())}
+def _by_pid(results: dict[int, dict[str, object]]) -> list[dict[str, object]]:
+    """``processes`` has one shape in every command's JSON: a list of objects with ``pid``."""
+    return [{**r, "pid": p} for p, r in sorted(results.items())]

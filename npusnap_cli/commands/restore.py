@@ -21,7 +21,15 @@ def register(app: typer.Typer) -> None:
             help="Skip the sha256 check of the image's files (structure and sizes are still checked).",
         ),
         pidfile: Optional[Path] = typer.Option(
-            None, "--pidfile", help="Write the restored root pid into this file."
+            None,
+            "--pidfile",
+            help="Write the restored root pid into this file (atomically; its directory is checked first).",
+        ),
+        logs: Optional[Path] = typer.Option(
+            None,
+            "--logs",
+            help="Write CRIU's restore log here (default: DIR/logs, or a new directory under "
+            "$TMPDIR/npusnap-logs when the image is on read-only storage).",
         ),
         pipe_to: Optional[Path] = typer.Option(
             None,
@@ -52,7 +60,7 @@ def register(app: typer.Typer) -> None:
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Restore the process tree saved in DIR and its NPU device state; print the root pid.
+        """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
 
         The image is verified first (schema, checksums, versions, pids and devices free): any
         problem is reported before anything is touched. CRIU then restores the tree, detached,
@@ -69,9 +77,15 @@ def register(app: typer.Typer) -> None:
             bars.close()
             out.info(f"… {label}")
 
+        if no_verify:
+            out.warn(
+                "--no-verify: the files' sha256 sums are not checked; a corrupted image would restore "
+                f"a corrupted job (`npusnap verify {directory}` checks them)"
+            )
         options = restore_mod.RestoreOptions(
             verify=not no_verify,
             pidfile=pidfile,
+            logs=logs,
             pipe_to=pipe_to,
             replace_tmpfs_files=replace_tmpfs_files,
             settle_s=settle,
@@ -98,7 +112,9 @@ def register(app: typer.Typer) -> None:
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
                 ["total", fmt_s(t.total_s)],
             ],
+            stream="stderr",
         )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
+        out.data(str(result.root_pid))
         out.result(result.to_dict())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, output
@@ -22,11 +25,27 @@ def register(app: typer.Typer) -> None:
             help="Never start a new session (by default one is started only when this session's "
             "leader is outside the pid namespace, where CRIU could not dump the program).",
         ),
+        detach: bool = typer.Option(
+            False,
+            "--detach",
+            "-d",
+            help="Start CMD in the background, in a session of its own, stdin from /dev/null, output to "
+            "--output; print its pid (the program's own) on stdout and return.",
+        ),
+        pidfile: Optional[Path] = typer.Option(
+            None, "--pidfile", help="With --detach: write the program's pid into this file (atomically)."
+        ),
+        output_file: Optional[Path] = typer.Option(
+            None,
+            "--output",
+            "-o",
+            help="With --detach: append the program's stdout and stderr to this file (default /dev/null).",
+        ),
         json_flag: bool = typer.Option(
             False,
             "--json",
             help=JSON_HELP + " The envelope (with the pid the program will have) is printed before the "
-            "program starts; the program's own output follows.",
+            "program starts; the program's own output follows (with --detach: after it started).",
         ),
     ) -> None:
         """Run CMD with an npusnap agent in every process it starts, Python or not.
@@ -58,12 +77,32 @@ def register(app: typer.Typer) -> None:
         argv = [a for a in command]
         if argv and argv[0] == "--":
             argv = argv[1:]
+        if (pidfile is not None or output_file is not None) and not detach:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                "--pidfile and --output need --detach",
+                why="without --detach npusnap becomes the program, in the foreground",
+                fix="add --detach: npusnap run --detach --pidfile job.pid --output job.log -- CMD...",
+            )
         plan = launch.prepare(argv)
         if launch.statically_linked(plan.executable):
             out.warn(
                 f"{plan.executable} is statically linked: the dynamic loader never runs for it, so it "
                 "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
             )
+        if detach:
+            from npusnap_cli import pidfile as pidfile_mod
+
+            if pidfile is not None:
+                pidfile_mod.check(pidfile)
+            pid = launch.detach(plan, output_file)
+            written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
+            out.data(str(pid))
+            result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written}
+            result["output"] = str(output_file) if output_file is not None else None
+            out.result({**result, "session_note": None})
+            return
         session_note = None if keep_session else launch.leave_foreign_session()
         if session_note:
             out.warn(session_note)
@@ -71,5 +110,5 @@ def register(app: typer.Typer) -> None:
             f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
             f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
         )
-        out.result({**plan.to_dict(), "session_note": session_note})
+        out.result({**plan.to_dict(), "detached": False, "session_note": session_note})
         launch.exec_plan(plan)

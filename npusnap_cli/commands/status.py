@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def status(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to inspect (its children are included)."),
+        pid: int = typer.Argument(..., min=1, help="The process to inspect (its children are included)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli import proctree
 
         out = output(ctx, "status", json_flag)
+        clean_stale_sockets(out)
         report = proctree.tree_status(pid)
         rows = []
         for entry in report["processes"]:
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
             rows.append(
                 (
                     entry["pid"],
-                    "  " * entry["depth"] + " ".join(entry["cmdline"][:4])[:60] or entry["name"],
+                    "  " * entry["depth"] + (" ".join(entry["cmdline"]) or entry["name"]),
                     agent,
                     "yes" if entry["uses_npu"] else "no",
                     ",".join(map(str, devices)) if devices else "-",

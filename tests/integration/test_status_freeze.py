@@ -36,6 +36,11 @@ def npusnap(*args: str) -> tuple[int, dict[str, Any]]:
     return done.returncode, envelope
 
 
+def by_pid(env: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """``result.processes`` is a list of objects with ``pid`` in every command's JSON."""
+    return {int(p["pid"]): p for p in env["result"]["processes"]}
+
+
 def state_of(pid: int) -> str:
     with AgentClient(pid) as c:
         return str(c.status()["state"])
@@ -71,7 +76,7 @@ def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads:
     w.wait_steps(2)
     rc, env = npusnap("freeze", str(w.pid), "--no-backup")
     assert rc == 0, env
-    assert env["result"]["processes"][str(w.pid)]["state"] == "LOCKED"
+    assert by_pid(env)[w.pid]["state"] == "LOCKED"
     assert env["result"]["lease_s"] == 300
     at = w.last_step()
     time.sleep(0.5)
@@ -80,12 +85,12 @@ def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads:
     assert env["result"]["processes"][0]["status"]["state"] == "LOCKED"
     rc, env = npusnap("thaw", str(w.pid))
     assert rc == 0, env
-    result = env["result"]["processes"][str(w.pid)]
+    result = by_pid(env)[w.pid]
     assert (result["before"], result["actions"], result["state"]) == ("LOCKED", ["unlock"], "RUNNING")
     w.wait_steps(3)
     w.assert_correct()
     rc, env = npusnap("thaw", str(w.pid))  # thawing a running process is a no-op
-    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == []
+    assert rc == 0 and by_pid(env)[w.pid]["actions"] == []
 
 
 def test_freeze_backup_without_lease_then_thaw(
@@ -94,10 +99,10 @@ def test_freeze_backup_without_lease_then_thaw(
     w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--no-lease")  # backs up by default
     assert rc == 0, env
-    assert env["result"]["processes"][str(w.pid)]["state"] == "BACKED_UP"
-    assert env["result"]["processes"][str(w.pid)]["lease"]["active"] is False
+    assert by_pid(env)[w.pid]["state"] == "BACKED_UP"
+    assert by_pid(env)[w.pid]["lease"]["active"] is False
     rc, env = npusnap("thaw", str(w.pid))
-    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == ["unlock"]
+    assert rc == 0 and by_pid(env)[w.pid]["actions"] == ["unlock"]
     w.wait_steps(3)
     w.assert_correct()
 
