@@ -12,6 +12,7 @@ demo: setup
 	.venv/bin/npusnap demo
 
 lint: setup
-	.venv/bin/ruff check npusnap_cli tests bench
-	.venv/bin/ruff format --check npusnap_cli tests bench
+	.venv/bin/ruff check npusnap_cli tests bench agent-dist scripts
+	.venv/bin/ruff format --check npusnap_cli tests bench agent-dist scripts
 	.venv/bin/mypy
+	.venv/bin/python scripts/runbooks.py --check

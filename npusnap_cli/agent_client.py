@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths, protocol
-from npusnap_cli.errors import AgentError, DeviceError, TargetError
+from npusnap_cli.errors import AgentError, BusyError, DeviceError, TargetError
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
@@ -97,6 +97,9 @@ class AgentClient:
         self._sock: Optional[socket.socket] = None
         self._buf = protocol.LineBuffer()
         self._next_id = 1
+        # The token of the lock this client took (or was handed: restore, thaw); sent with every
+        # op that changes a lock, so that only its owner can release it (docs/internals.md).
+        self.token: Optional[str] = None
         if connect:
             self.connect()
 
@@ -185,6 +188,18 @@ class AgentClient:
                 fix=f"inspect pid {self.pid} and its agent socket before trusting it",
             )
 
+    def abort(self) -> None:
+        """Wake a request blocked on this connection from another thread (it fails at once).
+
+        Used when the command is interrupted: shutdown() makes the blocked recv return, close()
+        alone would not. The agent finishes the operation it was doing; its lease covers it."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self._sock is not None:
             try:
@@ -211,7 +226,12 @@ class AgentClient:
         wait = timeout if timeout is not None else max(self.timeout, OP_TIMEOUTS.get(op, 0.0))
         try:
             sock.settimeout(wait)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The agent refused us at accept time (BUSY, PERMISSION_DENIED) and closed the
+                # connection before our request arrived: its one-line refusal is still readable.
+                sock.settimeout(0.5)
             line = self._read_line(sock, op)
         except socket.timeout:
             self.close()
@@ -275,6 +295,8 @@ class AgentClient:
                 why=str(error.get("hint") or "the CANN runtime refused the snapshot call"),
                 fix=f"run `npusnap status {pid}` to see its state; `npusnap thaw {pid}` gets it running",
             )
+        if kind == protocol.ERR_STATE and name in (protocol.ALREADY_LOCKED, protocol.NOT_OWNER):
+            return locked_error(pid, op, error)
         if kind == protocol.ERR_STATE and name == "NO_ACL_RUNTIME":
             return TargetError(
                 f"pid {pid} has not loaded the CANN runtime: {message}",
@@ -335,23 +357,59 @@ class AgentClient:
     def status(self) -> dict[str, Any]:
         return self.request("status")
 
-    def lock(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("lock", {"lease_s": lease_s})
+    def lock(self, lease_s: Optional[float] = None, command: str = "unknown") -> dict[str, Any]:
+        """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token."""
+        result = self.request("lock", {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}})
+        token = result.get("token")
+        self.token = token if isinstance(token, str) else None
+        return result
+
+    def _owned(self, **args: Any) -> dict[str, Any]:
+        if self.token is not None:
+            args["token"] = self.token
+        return args
 
     def backup(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("backup", {"lease_s": lease_s})
+        return self.request("backup", self._owned(lease_s=lease_s))
 
     def renew(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("renew", {"lease_s": lease_s})
+        return self.request("renew", self._owned(lease_s=lease_s))
 
     def release(self) -> dict[str, Any]:
-        return self.request("release")
+        return self.request("release", self._owned())
 
     def restore(self) -> dict[str, Any]:
-        return self.request("restore")
+        return self.request("restore", self._owned())
 
-    def unlock(self) -> dict[str, Any]:
-        return self.request("unlock")
+    def unlock(self, force: bool = False) -> dict[str, Any]:
+        result = self.request("unlock", {"force": True} if force else self._owned())
+        self.token = None
+        return result
 
-    def rollback(self) -> dict[str, Any]:
-        return self.request("rollback")
+    def rollback(self, force: bool = False) -> dict[str, Any]:
+        result = self.request("rollback", {"force": True} if force else self._owned())
+        self.token = None
+        return result
+
+
+def owner_text(owner: Any) -> str:
+    """``npusnap freeze (pid 123) since 2026-...`` for an agent's ``owner`` object."""
+    if not isinstance(owner, dict):
+        return "another program (no npusnap owner recorded)"
+    return f"`npusnap {owner.get('command')}` (pid {owner.get('pid')}) since {owner.get('since')}"
+
+
+def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
+    """The job is locked by someone else: say by whom and since when, and how to go on."""
+    owner = error.get("owner")
+    who = owner_text(owner)
+    holder = owner.get("pid") if isinstance(owner, dict) else None
+    alive = isinstance(holder, int) and pid_exists(holder)
+    return BusyError(
+        f"pid {pid} is locked by {who}; {op} refused, nothing was changed",
+        why="every lock has an owner and only its owner may release it"
+        + ("" if alive or holder is None else f" (its owner, pid {holder}, is gone: its lease will thaw it)"),
+        fix=f"wait for that command to finish (see `npusnap status {pid}`); to take the lock away: "
+        f"npusnap thaw --force {pid}",
+        details={"pid": pid, "op": op, "owner": owner, "agent_error": error},
+    )

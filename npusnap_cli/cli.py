@@ -11,6 +11,7 @@ import importlib
 import sys
 from typing import Optional
 
+import click
 import typer
 import typer.core
 
@@ -28,6 +29,7 @@ COMMAND_MODULES = (
     "dump",
     "restore",
     "inspect",
+    "images",
     "demo",
 )
 
@@ -64,7 +66,10 @@ def build_app() -> typer.Typer:
             None, "--version", callback=_version_callback, is_eager=True, help="Print the version and exit."
         ),
         json_output: bool = typer.Option(
-            False, "--json", help="Print one JSON envelope on stdout (human text goes to stderr)."
+            False,
+            "--json",
+            help="Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay "
+            "on stderr).",
         ),
         verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More logging (repeat for more)."),
     ) -> None:
@@ -88,11 +93,10 @@ def build_app() -> typer.Typer:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``npusnap`` console script; returns the exit code."""
-    import click
-
     from npusnap_cli.commands import _common
 
     args = sys.argv[1:] if argv is None else argv
+    _common.reset_output()  # a previous main() in this process (tests) must not leak its Output
     app = build_app()
     try:
         rv = app(args=args, prog_name="npusnap", standalone_mode=False)
@@ -105,8 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
-        return int(ExitCode.USAGE)
+        return _usage_error(args, exc)
     except Exception as exc:  # a bug: say so, keep the traceback for -v
         if _common.verbosity(args):
             import traceback
@@ -116,6 +119,26 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return ui.unexpected(_common.current_output(args), exc)
     return int(rv) if isinstance(rv, int) else 0
+
+
+def _usage_error(args: list[str], exc: click.ClickException) -> int:
+    """A bad command line: click's text, or with --json an error envelope like any other failure."""
+    from npusnap_cli.commands import _common
+    from npusnap_cli.errors import UsageError
+    from npusnap_cli.ui import Output
+
+    if not _common.json_requested(args):
+        exc.show()
+        return int(ExitCode.USAGE)
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path.removeprefix("npusnap").strip() if ctx is not None else ""
+    err = UsageError(
+        exc.format_message(),
+        why="the command line does not match the command's arguments and options",
+        fix=f"see `npusnap {command + ' ' if command else ''}--help`",
+        details={"usage": ctx.get_usage() if ctx is not None else ""},
+    )
+    return Output(command or "npusnap", json_mode=True).error(err)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ machines while ``criu check`` on the command line is fine, so the preflight runs
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -349,6 +350,19 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         )
     if errno_:
         details["errno"] = errno_
+    free = _free_bytes(os.path.dirname(log_path))
+    full = errno_ == errno.ENOSPC or any("No space left on device" in line for line in excerpt)
+    if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
+        # A full disk: CRIU could not even write its log, so pycriu only says "Error(0): Unknown".
+        where = os.path.dirname(os.path.dirname(log_path)) or log_path
+        details["free_bytes"] = free
+        return CriuError(
+            f"CRIU {action}{target} failed: no space left on the filesystem of {where} "
+            f"({free if free is not None else '?'} bytes free)",
+            why=f"the disk filled up while CRIU wrote the image (pycriu: {exc})",
+            fix=f"free space there (df -h {where}) or choose another directory, then retry",
+            details=details,
+        )
     return CriuError(
         f"CRIU {action}{target} failed: {reason}",
         why=f"CRIU stopped the {action}; the reason is its first error, from its log (pycriu: {exc})",
@@ -405,6 +419,17 @@ def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, dict[str, 
             {},
         )
     return None
+
+
+FULL_DISK_BYTES = 1 << 20  # below this much free space a failed CRIU run is taken as a full disk
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _open_dir(path: str) -> int:

@@ -45,7 +45,7 @@ class DemoSettings:
 
 @dataclass
 class DemoResult:
-    workdir: str
+    workdir: Optional[str]
     image: Optional[str]
     original_pid: int = 0
     restored_pid: int = 0
@@ -222,9 +222,6 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
             "reference": reference[i] if i < len(reference) else None,
         }
     mark("total", t0)
-    if not settings.keep:
-        shutil.rmtree(image, ignore_errors=True)
-        result.image = None
     if not result.continuity:
         raise ContinuityError(
             "the restored workload did not continue identically to the reference run",
@@ -232,4 +229,10 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
             fix=f"inspect {log} and the image (rerun with --keep)",
             details={"first_difference": result.first_difference, "result": result.to_dict()},
         )
+    if not settings.keep:
+        # A work dir of our own (a temporary one) goes entirely; in one the user gave, only the image.
+        shutil.rmtree(work if settings.workdir is None else image, ignore_errors=True)
+        result.image = None
+        if settings.workdir is None:
+            result.workdir = None
     return result

@@ -16,17 +16,28 @@ parallel threads. The contract the pipelines rely on:
   that process locked (never half-running) and raises with the retry command.
 * ``rollback()``: back to RUNNING from any state; ``StateUnknownError`` if that fails.
 
+Lock ownership (docs/internals.md, "Lock ownership"): each lock is taken as ``npusnap COMMAND``
+and its token kept per pid (``tokens()``; ``set_tokens()`` hands a dump's or a freeze's tokens to
+restore or thaw). ``ensure_unlocked()`` is the preflight that refuses, with who holds it and
+since when, a job that another command locked. After a failure only the processes this group
+locked are rolled back: a dump that fails at Lock never thaws someone else's freeze.
+
 Results are dicts keyed by pid (the agent's result for that pid).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
-from npusnap_cli.agent_client import AgentClient
-from npusnap_cli.errors import NpusnapError, StateUnknownError
+from npusnap_cli.agent_client import AgentClient, AgentOpError, owner_text
+from npusnap_cli.errors import BusyError, InterruptedError_, NpusnapError, StateUnknownError
+
+POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
+ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
+BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
 
 DEFAULT_LEASE_S = 60.0
 T = TypeVar("T")
@@ -46,8 +57,15 @@ class DeviceGroup:
         lease_s: Optional[float] = DEFAULT_LEASE_S,
         timeout: float = 30.0,
         connect: bool = True,
+        command: str = "unknown",
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``command``: recorded as the owner of the locks this group takes. ``interrupted``:
+        polled while waiting for the agents (a signal arrived); when true, the wait stops within
+        ``ABORT_WAIT_S`` and the unfinished requests fail as interrupted."""
         self.pids = sorted(set(pids))
+        self.command = command
+        self.interrupted = interrupted
         self.lease_s = lease_s
         self.timeout = timeout
         self.clients: dict[int, AgentClient] = {
@@ -63,19 +81,45 @@ class DeviceGroup:
         self.close()
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _each(self, fn: Callable[[AgentClient], T]) -> tuple[dict[int, T], dict[int, BaseException]]:
-        """Run ``fn`` for every client in parallel; (results, failures) keyed by pid."""
+    def _each(
+        self, fn: Callable[[AgentClient], T], interruptible: bool = True
+    ) -> tuple[dict[int, T], dict[int, BaseException]]:
+        """Run ``fn`` for every client in parallel; (results, failures) keyed by pid.
+
+        Never waits on a thread without a bound: the requests have their own timeouts, and an
+        interruption aborts the connections still waiting (their pids fail as interrupted)."""
         results: dict[int, T] = {}
         failures: dict[int, BaseException] = {}
         if not self.pids:
             return results, failures
-        with ThreadPoolExecutor(max_workers=min(32, len(self.pids)), thread_name_prefix="npusnap-dg") as pool:
+        pool = ThreadPoolExecutor(max_workers=min(32, len(self.pids)), thread_name_prefix="npusnap-dg")
+        try:
             futures = {pid: pool.submit(fn, self.clients[pid]) for pid in self.pids}
+            pending = set(futures.values())
+            while pending:
+                _, pending = wait(pending, timeout=POLL_S)
+                if pending and interruptible and self.interrupted():
+                    for pid, fut in futures.items():
+                        if not fut.done():
+                            self.clients[pid].abort()
+                    wait(pending, timeout=ABORT_WAIT_S)
+                    break
             for pid, fut in futures.items():
+                if not fut.done() or (interruptible and self.interrupted() and fut.exception() is not None):
+                    failures[pid] = InterruptedError_(
+                        f"interrupted while waiting for the agent of pid {pid}",
+                        why="Ctrl-C or SIGTERM; the agent finishes the operation it had begun and its "
+                        "lease rolls it back if nobody does",
+                        fix=f"check `npusnap status {pid}`",
+                        details={"pid": pid},
+                    )
+                    continue
                 try:
                     results[pid] = fut.result()
                 except Exception as exc:
                     failures[pid] = exc
+        finally:
+            pool.shutdown(wait=False)
         return results, failures
 
     @staticmethod
@@ -122,12 +166,49 @@ class DeviceGroup:
             self._raise_first(failures, "status")
         return results
 
+    def tokens(self) -> dict[int, str]:
+        """The tokens of the locks this group holds, by pid."""
+        return {pid: c.token for pid, c in self.clients.items() if c.token is not None}
+
+    def set_tokens(self, tokens: dict[int, str]) -> None:
+        """Act as the owner of locks another command took (restore: the dump's; thaw: a freeze's)."""
+        for pid, token in tokens.items():
+            if pid in self.clients:
+                self.clients[pid].token = token
+
+    def ensure_unlocked(self) -> dict[int, dict[str, Any]]:
+        """Preflight: refuse (BusyError, nothing changed) if any process is locked or has an owner."""
+        refuse_stopped(self.pids, self.command)
+        results = self.status()
+        taken = {
+            pid: r
+            for pid, r in results.items()
+            if r.get("owner") or (r.get("state") not in (None, "RUNNING"))
+        }
+        if taken:
+            pid = min(taken)
+            owner = taken[pid].get("owner")
+            raise BusyError(
+                f"pid {pid} is already locked ({taken[pid].get('state')}) by {owner_text(owner)}; "
+                f"npusnap {self.command} changed nothing",
+                why="another command holds the lock (an external checkpoint, a freeze, a dump in "
+                "progress); only its owner may release it",
+                fix=f"wait for it to finish (`npusnap status {pid}` shows the owner), or take the lock "
+                f"away with `npusnap thaw --force {pid}`",
+                details={
+                    "locked": {
+                        str(p): {"state": r.get("state"), "owner": r.get("owner")} for p, r in taken.items()
+                    }
+                },
+            )
+        return results
+
     def lock_and_backup(self, backup: bool = True) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring)."""
         lease = self.lease_s
 
         def step(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease)
+            locked = c.lock(lease, self.command)
             if not backup:
                 return locked
             backed = c.backup(lease)
@@ -136,9 +217,15 @@ class DeviceGroup:
 
         results, failures = self._each(step)
         if failures:
-            self._rollback_or_state_unknown(failures)
+            states = self._rollback_or_state_unknown(failures)
+            busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
+            if busy:
+                self._raise_first(busy, "lock", "this command's own locks were rolled back")
             self._raise_first(
-                failures, "lock" if not backup else "lock+backup", "all processes were rolled back"
+                failures,
+                "lock" if not backup else "lock+backup",
+                "all processes were rolled back: "
+                + ", ".join(f"pid {p} {st}" for p, st in sorted(states.items())),
             )
         return results
 
@@ -154,8 +241,8 @@ class DeviceGroup:
             self._raise_first(failures, "release")
         return results
 
-    def unlock(self) -> dict[int, dict[str, Any]]:
-        results, failures = self._each(lambda c: c.unlock())
+    def unlock(self, force: bool = False) -> dict[int, dict[str, Any]]:
+        results, failures = self._each(lambda c: c.unlock(force))
         if failures:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
@@ -185,26 +272,133 @@ class DeviceGroup:
             )
         return results
 
-    def rollback(self) -> dict[int, dict[str, Any]]:
-        """Every process back to RUNNING; StateUnknownError if any cannot be brought back."""
-        results, failures = self._each(_rollback_one)
+    def rollback(self, *, force: bool = False, owned_only: bool = False) -> dict[int, dict[str, Any]]:
+        """Every process back to RUNNING; StateUnknownError if any cannot be brought back.
+
+        ``owned_only``: only the processes this group locked (after a failure of its own);
+        ``force``: also those another command locked (``thaw --force``). Without either, a
+        process locked by another command is refused (BusyError, nothing changed).
+
+        Not interruptible (it is what an interruption runs), but bounded: each agent request
+        has its timeout, and an agent still busy is retried for at most ``BUSY_RETRY_S``.
+        """
+        results, failures = self._each(
+            lambda c: _rollback_one(c, force=force, owned_only=owned_only, command=self.command),
+            interruptible=False,
+        )
+        busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
+        if busy and len(busy) == len(failures):
+            self._raise_first(busy, "rollback")
         if failures:
+            self.hand_over(failures)
             raise _state_unknown(failures)
         return results
 
-    def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> None:
-        _, failures = self._each(_rollback_one)
+    def hand_over(self, pids: Iterable[int]) -> None:
+        """Leave the tokens of ``pids`` (still locked by this group) for `npusnap thaw PID`."""
+        import contextlib
+
+        mine = self.tokens()
+        with contextlib.suppress(OSError):
+            save_lock_tokens({p: mine[p] for p in pids if p in mine})
+
+    def _rollback_or_state_unknown(self, original: dict[int, BaseException]) -> dict[int, str]:
+        """Roll back what this group locked; the processes' states by pid, or StateUnknownError."""
+        results, failures = self._each(
+            lambda c: _rollback_one(c, owned_only=True, command=self.command), interruptible=False
+        )
         if failures:
+            self.hand_over(failures)
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
+        return {p: str(r.get("state")) for p, r in results.items()}
 
 
-def _rollback_one(c: AgentClient) -> dict[str, Any]:
+def _stop_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
     try:
-        if not c.connected:
-            c.connect()
-        return c.rollback()
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        tracer = 0
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (state, tracer) if state in ("T", "t") else None
+
+
+def refuse_stopped(pids: Iterable[int], command: str) -> None:
+    """A stopped process's agent cannot answer: it is being checkpointed (CRIU seizes and stops
+    the tree) or someone stopped it. Refuse now, having changed nothing, instead of waiting for
+    an answer that comes only when the checkpoint is over — and then acting under it."""
+    for pid in pids:
+        stopped = _stop_state(pid)
+        if stopped is None:
+            continue
+        _state, tracer = stopped
+        from npusnap_cli import procfs
+
+        by = f" (traced by pid {tracer}: {procfs.cmdline(tracer)[:60]})" if tracer else " (SIGSTOP)"
+        raise BusyError(
+            f"pid {pid} is stopped{by}; npusnap {command} changed nothing",
+            why="a checkpoint is probably in progress (CRIU stops the tree while it dumps it); its agent "
+            "cannot answer until the process runs again",
+            fix=f"wait for the checkpoint to finish and retry; `npusnap status {pid}` shows the lock's owner "
+            f"once it runs (a stray stop: kill -CONT {pid})",
+            details={"pid": pid, "tracer": tracer or None},
+        )
+
+
+def _locked_by_us(c: AgentClient, command: str) -> bool:
+    """Whether the agent records this very process as the owner of its lock: a lock request whose
+    answer (and token) was lost to an interruption still made us the owner."""
+    import os
+
+    deadline = time.monotonic() + BUSY_RETRY_S
+    while True:
+        try:
+            if not c.connected:
+                c.connect()
+            owner = c.status().get("owner")
+            break
+        except AgentOpError as exc:
+            # The interrupted request may still be running in the agent (one client at a time).
+            if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
+                return False
+            c.close()
+            time.sleep(0.2)
+        except NpusnapError:
+            return False
+    return isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("command") == command
+
+
+def _rollback_one(
+    c: AgentClient, force: bool = False, owned_only: bool = False, command: str = ""
+) -> dict[str, Any]:
+    """Roll back ``c``'s process: with ``owned_only`` only if this client locked it; with
+    ``force`` whoever locked it; otherwise as its owner's token allows (BusyError if not)."""
+    if owned_only and c.token is None:
+        if not (command and _locked_by_us(c, command)):
+            return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
+        force = True  # ours, though the token never reached us
+    deadline = time.monotonic() + BUSY_RETRY_S
+    try:
+        while True:
+            try:
+                if not c.connected:
+                    c.connect()
+                return c.rollback(force)
+            except AgentOpError as exc:
+                # An aborted request is still running in the agent (one client at a time).
+                if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
+                    raise
+                c.close()
+                time.sleep(0.2)
+    except BusyError:
+        raise
     except NpusnapError:
         from npusnap_cli import procfs
 
@@ -259,3 +453,127 @@ def tree_targets(pid: int) -> list[int]:
             details={"without_agent": missing},
         )
     return [p.pid for p in npu]
+
+
+# --------------------------------------------------------------------------------------------
+# freeze / thaw: the device half only, the lock kept across two commands
+# --------------------------------------------------------------------------------------------
+
+LOCK_TOKEN_SUFFIX = ".lock-token"
+
+
+def _token_path(pid: int) -> Any:
+    from npusnap_cli import paths
+
+    return paths.agent_runtime_dir() / f"{pid}{LOCK_TOKEN_SUFFIX}"
+
+
+def save_lock_tokens(tokens: dict[int, str]) -> None:
+    """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
+    (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
+    0700 and checked like the agents' socket directory; files 0600, never followed)."""
+    import os
+
+    from npusnap_cli import paths
+
+    paths.ensure_private_dir(paths.agent_runtime_dir())
+    for pid, token in tokens.items():
+        path = _token_path(pid)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+
+
+def load_lock_tokens(pids: Iterable[int]) -> dict[int, str]:
+    """The tokens ``freeze`` left for ``pids`` (those it has); a file that is not a regular file
+    of this user, 0600, holding 32 hex digits, is ignored."""
+    import os
+    import re
+    import stat
+
+    out: dict[int, str] = {}
+    for pid in pids:
+        try:
+            fd = os.open(_token_path(pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "r", encoding="ascii", errors="replace") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                continue
+            text = f.read(100).strip()
+        if re.fullmatch(r"[0-9a-f]{32}", text):
+            out[pid] = text
+    return out
+
+
+def forget_lock_tokens(pids: Iterable[int]) -> None:
+    import contextlib
+    import os
+
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.unlink(_token_path(pid))
+
+
+def freeze(
+    pid: int, *, lease_s: Optional[float], backup: bool, timeout: float, note: Callable[[str], None]
+) -> dict[int, dict[str, Any]]:
+    """``npusnap freeze``: refuse a job that is locked already, Lock (+ Backup) every NPU process
+    as its owner, keep the tokens for ``thaw``. Ctrl-C / SIGTERM during it rolls back what it
+    locked and raises InterruptedError_ (exit 130) — docs/exit-codes.md."""
+    from npusnap_cli.dump import SignalGuard
+    from npusnap_cli.errors import InterruptedError_
+
+    pids = tree_targets(pid)
+    with (
+        SignalGuard(note, what="freeze") as guard,
+        DeviceGroup(
+            pids,
+            lease_s=lease_s,
+            timeout=timeout,
+            command="freeze",
+            interrupted=lambda: guard.received is not None,
+        ) as group,
+    ):
+        group.ensure_unlocked()
+        guard.check("before anything was locked", "nothing was locked")
+        try:
+            results = group.lock_and_backup(backup=backup)
+        except NpusnapError as err:
+            if guard.received is None:
+                raise
+            err.details["signal"] = guard.name
+            raise
+        if guard.received is not None:
+            step = "lock+backup" if backup else "lock"
+            group.rollback(owned_only=True)
+            raise InterruptedError_(
+                f"freeze interrupted by {guard.name} during {step}: every process it locked was rolled "
+                "back and is running",
+                why="Ctrl-C or SIGTERM",
+                fix=f"run `npusnap freeze {pid}` again when ready",
+                details={"state": "rolled back", "pids": pids},
+            )
+        save_lock_tokens(group.tokens())
+    return results
+
+
+def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
+    """``npusnap thaw``: roll every NPU process back to RUNNING as the owner of ``freeze``'s lock
+    (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
+    is refused (BusyError) without ``force``."""
+    from npusnap_cli.dump import SignalGuard
+
+    pids = tree_targets(pid)
+    refuse_stopped(pids, "thaw")
+    # A signal does not cut a thaw in half (it is what gets a job running again); every request
+    # it makes has a timeout, so it ends in bounded time.
+    with SignalGuard(what="thaw"), DeviceGroup(pids, timeout=timeout, command="thaw") as group:
+        # Tokens a freeze, or a failed dump or restore, handed over (save_lock_tokens).
+        group.set_tokens(load_lock_tokens(pids))
+        results = group.rollback(force=force)
+    forget_lock_tokens(pids)
+    return results

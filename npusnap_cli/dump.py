@@ -75,6 +75,7 @@ class DumpOptions:
     link_remap: bool = True
     network_lock: Optional[str] = None
     external_pipes: bool = False
+    sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,27 @@ class DumpOutcome:
     manifest: img.Manifest
     attached: tuple[int, ...] = ()
     logs: Optional[str] = None
+    # pid -> how long attach held it stopped (native attach; upper bound), for the timings
+    attach_stopped_s: tuple[tuple[int, float], ...] = ()
+    # What the stale-temp cleanup did next to DIR (removed, recovered, refused: one line each).
+    leftovers: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
+        timings: dict[str, Any] = dict(m.timings.to_dict())
+        # A job stalls while attach holds it too, not only while it is frozen for the dump.
+        timings["attach_stopped_s"] = {str(p): s for p, s in self.attach_stopped_s} or None
         return {
             "image": self.image,
+            "leftovers": list(self.leftovers),
+            "created_at": m.created_at,
             "root_pid": m.root_pid,
             "npu_pids": [p.pid for p in m.npu_processes],
             "pids": [p.pid for p in m.processes],
             "leave_running": m.leave_running,
             "attached": list(self.attached),
             "logs": self.logs,
-            "timings": m.timings.to_dict(),
+            "timings": timings,
             "bytes": m.bytes.to_dict(),
             "versions": m.versions.to_dict(),
             "processes": [p.to_dict() for p in m.processes],
@@ -148,7 +158,7 @@ class SignalGuard:
             raise InterruptedError_(
                 f"{self.what} interrupted by {self.name} {where}",
                 why="Ctrl-C or SIGTERM",
-                fix="rerun the dump when ready",
+                fix=f"rerun the {self.what} when ready",
                 details={"state": state},
             )
 
@@ -164,6 +174,7 @@ class _Target:
     tree: tuple[Any, ...]  # proctree.ProcInfo, root first
     npu_pids: tuple[int, ...]
     attached: tuple[int, ...] = ()
+    attach_stopped_s: tuple[tuple[int, float], ...] = ()
 
 
 def resolve_target(pid: int, *, attach: bool) -> _Target:
@@ -194,7 +205,7 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             f"NPU process(es) without an agent: {', '.join(map(str, missing))}",
             why="their device state can only be saved from inside them, by an agent; --no-attach was given",
             fix=" ; ".join(f"npusnap attach {m}" for m in missing) + " (or drop --no-attach)",
-            details={"missing_agent": missing},
+            details={"without_agent": missing},
         )
     return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
 
@@ -207,9 +218,12 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     from npusnap_cli import attach as attach_mod
     from npusnap_cli import proctree
 
+    stopped: list[tuple[int, float]] = []
     for m in missing:
         note(f"pid {m} has no agent: attaching one")
-        attach_mod.attach(m)
+        result = attach_mod.attach(m)
+        if result.stopped_s is not None:
+            stopped.append((m, result.stopped_s))
     tree = proctree.process_tree(target.root_pid)
     npu = [p for p in tree if p.uses_npu]
     still = [p.pid for p in npu if not p.has_agent]
@@ -224,6 +238,7 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         tree=tuple(tree),
         npu_pids=tuple(p.pid for p in npu),
         attached=tuple(missing),
+        attach_stopped_s=tuple(stopped),
     )
 
 
@@ -539,8 +554,13 @@ def dump(
         with clock.phase("resolve"):
             # Cheap checks first: bad input must fail before anything touches the target.
             img.check_dump_target(final, force=options.force)
-            for stale in img.remove_stale_temps(final):
-                cb.note(f"removed {stale}, left by an earlier dump that did not finish")
+            if options.sign_key is not None:
+                from npusnap_cli import imagetrust
+
+                imagetrust.check_signing_key(options.sign_key)
+            leftovers = tuple(left.message for left in img.remove_stale_temps(final) if left.action != "kept")
+            for message in leftovers:
+                cb.note(message)
             target = resolve_target(pid, attach=options.attach)
         cb.phase("preflight")
         with clock.phase("preflight"):
@@ -551,6 +571,9 @@ def dump(
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
+            from npusnap_cli.devicegroup import refuse_stopped
+
+            refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
             target = attach_missing(target, cb.note)
             usage = sim_device_usage() or {}
             device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)
@@ -562,7 +585,7 @@ def dump(
         pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
         pipeline.coordinator = coordinator
         pipeline.external = external
-        return pipeline.run()
+        return replace(pipeline.run(), leftovers=leftovers)
 
 
 class _Pipeline:
@@ -593,6 +616,8 @@ class _Pipeline:
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
+        self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
+        self.lock_tokens: dict[int, str] = {}
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
     def _sync(self, phase: str) -> None:
@@ -616,7 +641,7 @@ class _Pipeline:
             return
         try:
             self.group.close()
-            self.group.rollback()
+            self.group.rollback(owned_only=True)
         except StateUnknownError as unknown:
             unknown.details["original_error"] = _describe(err)
             if self.tmp is not None:
@@ -637,6 +662,8 @@ class _Pipeline:
 
     def _discard(self) -> Optional[str]:
         """Remove the partial image, keeping its logs elsewhere; return where they went."""
+        if self.hasher is not None:
+            self.hasher.stop()
         if self.tmp is None:
             return None
         logs = img.save_failure_logs(self.tmp, "dump")
@@ -682,8 +709,16 @@ class _Pipeline:
                 fix="check the directory's permissions and free space",
             ) from None
         try:
-            self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s)
+            self.group = DeviceGroup(
+                self.target.npu_pids,
+                lease_s=self.options.lease_s,
+                command="dump",
+                interrupted=lambda: self.guard.received is not None,
+            )
             self.hello = self.group.hello()
+            # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
+            # here, having changed nothing, rather than fail at Lock.
+            self.group.ensure_unlocked()
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
@@ -694,6 +729,7 @@ class _Pipeline:
         try:
             with self.clock.phase("lock+backup"), self._backup_progress():
                 results = self.group.lock_and_backup(backup=True)
+            self.lock_tokens = self.group.tokens()
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -774,6 +810,10 @@ class _Pipeline:
         criu_opts = self._criu_options()
         expected = sum(_rss(p.pid) for p in self.target.tree)
         self.cb.phase("criu dump")
+        from npusnap_cli.streamhash import StreamHasher
+
+        # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
+        hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
         try:
             with (
                 self.clock.phase("criu"),
@@ -792,9 +832,13 @@ class _Pipeline:
                     on_notify=self._on_criu_notify,
                 )
         except OSError as exc:
+            hasher.stop()
             raise ImageError(
                 f"CRIU could not be started, or a file of the image could not be written: {exc}"
             ) from None
+        except BaseException:
+            hasher.stop()
+            raise
         criu_done = time.monotonic()
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
@@ -813,6 +857,8 @@ class _Pipeline:
             frozen_end = time.monotonic()
         else:
             frozen_end = criu_done
+        # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
+        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
         manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
         self.cb.phase("publish")
         try:
@@ -826,7 +872,7 @@ class _Pipeline:
                     done[0] += n
                     self.cb.progress("checksums", done[0], total)
 
-                files = img.file_entries(tmp, advance)
+                files = img.file_entries(tmp, advance, known=streamed)
                 size = sum(f.size for f in files)
                 manifest = replace(
                     manifest,
@@ -835,7 +881,9 @@ class _Pipeline:
                     timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
                 )
                 self.guard.check("before the image was published", "rolled back")
-                img.publish(tmp, self.final, manifest, force=self.options.force)
+                img.publish(
+                    tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
+                )
         except OSError as exc:
             raise ImageError(
                 f"writing the image failed: {exc.strerror or exc}",
@@ -862,7 +910,13 @@ class _Pipeline:
         )
         manifest = replace(manifest, timings=timings)
         logs = str(img.logs_dir(self.final)) if self.options.keep else None
-        return DumpOutcome(image=str(self.final), manifest=manifest, attached=self.target.attached, logs=logs)
+        return DumpOutcome(
+            image=str(self.final),
+            manifest=manifest,
+            attached=self.target.attached,
+            logs=logs,
+            attach_stopped_s=self.target.attach_stopped_s,
+        )
 
     def _manifest(
         self,
@@ -874,6 +928,9 @@ class _Pipeline:
         criu_opts: Any,
     ) -> img.Manifest:
         npu = set(self.target.npu_pids)
+        # Recorded with --leave-running too: the image holds the agents' memory from while the
+        # dump held the lock, so the restored agents still know the dump as their owner.
+        tokens = self.lock_tokens
         processes = []
         for p in self.target.tree:
             devices: list[int] = []
@@ -894,6 +951,7 @@ class _Pipeline:
                     devices=tuple(sorted(set(devices))),
                     device_bytes=nbytes,
                     agent_socket=p.agent_socket,
+                    lock_token=tokens.get(p.pid),
                 )
             )
         lock_times = [r.get("lock_elapsed_s") for r in results.values()]

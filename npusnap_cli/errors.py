@@ -33,6 +33,8 @@ class ExitCode(enum.IntEnum):
     IMAGE = 8  # the image directory is missing, incomplete, tampered with or incompatible
     STATE_UNKNOWN = 9  # rollback itself failed: a human must look (the message says how)
     CONTINUITY = 10  # demo: the restored workload did not continue identically
+    BUSY = 11  # something the command needs is in use (a lock held by another command): wait, retry
+    IMAGE_INCOMPATIBLE = 12  # image from another CRIU/CANN/schema: an older image will not help either
     INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything was rolled back
 
 
@@ -97,9 +99,32 @@ class DeviceError(NpusnapError):
     kind = "device"
 
 
+class BusyError(PreflightError):
+    """A resource is taken for now (a lock another command holds, the image's pids or devices):
+    the same command can succeed later.
+
+    A PreflightError (nothing was touched) with its own code, so that a runbook can wait and
+    retry on 11 but go and fix the host on 3.
+    """
+
+    exit_code = ExitCode.BUSY
+    kind = "busy"
+
+
 class ImageError(NpusnapError):
     exit_code = ExitCode.IMAGE
     kind = "image"
+
+
+class IncompatibleImageError(ImageError):
+    """The image is intact but was made by another CRIU, CANN or image schema than this host has.
+
+    Its own code, apart from IMAGE (corrupt or incomplete: an older image may do), because every
+    image of that host has the same versions: fix the host, or restore where the versions match.
+    """
+
+    exit_code = ExitCode.IMAGE_INCOMPATIBLE
+    kind = "image-incompatible"
 
 
 class StateUnknownError(NpusnapError):

@@ -343,7 +343,9 @@ class JobVerifyResult:
         return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
 
 
-def verify_job(directory: Path, *, checksums: bool = True) -> tuple[JobManifest, JobVerifyResult]:
+def verify_job(
+    directory: Path, *, checksums: bool = True, require_signature: Optional[Path] = None
+) -> tuple[JobManifest, JobVerifyResult]:
     """Every rank image present, its manifest the one the job names (sha256), and verified."""
     final = Path(os.path.abspath(directory))
     job = load_job_manifest(final)
@@ -367,7 +369,7 @@ def verify_job(directory: Path, *, checksums: bool = True) -> tuple[JobManifest,
                 details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
             )
         try:
-            results.append(img.verify(rank_image, checksums=checksums))
+            results.append(img.verify(rank_image, checksums=checksums, require_signature=require_signature))
         except ImageError as err:
             err.message = f"rank {r.rank}: {err.message}"
             err.details["rank"] = r.rank
@@ -738,10 +740,14 @@ def _restore_job(
     final = Path(os.path.abspath(directory))
     overrides = dict(rank_netns or {})
     cb.phase("verify every rank")
-    job, _ = verify_job(final, checksums=options.verify)
+    job, _ = verify_job(final, checksums=options.verify, require_signature=options.require_signature)
     unknown = sorted(set(overrides) - {r.rank for r in job.ranks})
     if unknown:
         raise UsageError(f"--rank-netns names rank(s) {unknown} that the job does not have")
+    if options.pidfile is not None:
+        raise UsageError(
+            "--pidfile is for single images", fix="a job restore prints every rank's root pid instead"
+        )
     if options.pipe_to is not None:
         raise UsageError(
             "--pipe-to is not supported for job images yet", fix="dump the job without --external-pipes"
@@ -754,7 +760,7 @@ def _restore_job(
         manifests[r.rank] = m
         try:
             rmod.check_versions(m, binary)
-            rmod.check_pids_free(m)
+            rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
             rmod.check_devices_free(m)
             rmod.prepare_sockets(m)
             hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
@@ -788,8 +794,8 @@ def _restore_job(
                     to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
                     if to_put_back:
                         hostres.put_back(to_put_back, final / r.dir)
-                    logs = img.logs_dir(final / r.dir)
-                    logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
+                    wanted = None if options.logs is None else Path(options.logs) / r.dir
+                    logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
                     restored[r.rank] = criu.restore(
                         str(img.criu_dir(final / r.dir)),
                         str(logs),
@@ -818,7 +824,12 @@ def _restore_job(
         cb.phase("device restore (every rank)")
         npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
         if npu:
-            with DeviceGroup(npu, lease_s=options.lease_s) as group:
+            # The restored agents still record the dump as their lock's owner: present its tokens.
+            tokens = {
+                p.pid: p.lock_token for m in manifests.values() for p in m.npu_processes if p.lock_token
+            }
+            with DeviceGroup(npu, lease_s=options.lease_s, command="restore") as group:
+                group.set_tokens(tokens)
                 group.restore()
                 if net is not None:
                     net.sync("device-restored")  # every node's ranks are restored, still locked

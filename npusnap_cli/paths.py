@@ -74,6 +74,62 @@ def agent_runtime_dir(uid: Optional[int] = None) -> Path:
     return base / ("npusnap" if base != Path("/tmp") else f"npusnap-{uid}")
 
 
+def runtime_dir_problem(directory: Optional[Path] = None) -> Optional[str]:
+    """Why agents of this user could not listen in their runtime directory (None: they can).
+
+    A directory that another user created first (``/tmp/npusnap-<uid>`` in a shared /tmp), a
+    symlink, or one that others can enter makes every agent refuse to start; this says so
+    before a job is started without one.
+    """
+    import stat
+
+    directory = directory or agent_runtime_dir()
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None  # the first agent creates it, 0700
+    except OSError as exc:
+        return f"{directory}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a real directory (a symlink or a file): someone may have planted it"
+    if st.st_uid != os.geteuid():
+        return (
+            f"{directory} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): another user "
+            "created it first"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        return f"{directory} has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    return None
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Create ``directory`` 0700 if missing and verify it is safe to keep secrets in (a real
+    directory of this user, mode 0700); PermissionError naming the fix otherwise."""
+    import stat
+
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        # mkdir's mode is filtered by the umask; fix the mode of the directory we just created
+        # rather than change the process-wide umask.
+        os.chmod(directory, 0o700)
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{directory} is not a real directory (symlink or file); refusing to use it")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{directory} is owned by uid {st.st_uid}, not {os.geteuid()}; refusing to use it "
+            "(another user created it first; remove it, or set NPUSNAP_RUNTIME_DIR to a private directory)"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise PermissionError(
+            f"{directory} has mode {stat.S_IMODE(st.st_mode):o}, not 700; refusing to use it "
+            f"(fix: chmod 700 {directory})"
+        )
+
+
 def agent_socket_path(pid: int, uid: Optional[int] = None) -> Path:
     return agent_runtime_dir(uid) / f"{pid}{SOCKET_SUFFIX}"
 

@@ -351,6 +351,53 @@ def check_session() -> CheckItem:
     )
 
 
+def check_runtime_dir() -> CheckItem:
+    """The agents' runtime directory is private to this user (or does not exist yet)."""
+    from npusnap_cli import paths
+
+    where = paths.agent_runtime_dir()
+    problem = paths.runtime_dir_problem()
+    if problem:
+        return CheckItem(
+            "runtime-dir",
+            PROBLEM,
+            f"agents cannot listen: {problem}",
+            f"remove {where} if it is not yours, or set NPUSNAP_RUNTIME_DIR to a private directory",
+        )
+    return CheckItem("runtime-dir", OK, f"{where} (private, or created 0700 by the first agent)")
+
+
+def check_debris() -> CheckItem:
+    """What npusnap left on this host: stale agent sockets, failure logs, demo directories."""
+    from npusnap_cli import hostclean, paths
+
+    debris = hostclean.debris_report()
+    data = debris.to_dict()
+    parts = []
+    if debris.stale_sockets:
+        where = paths.agent_runtime_dir()
+        parts.append(f"{len(debris.stale_sockets)} stale agent socket(s) in {where}")
+    if debris.demo_dirs:
+        parts.append(f"{len(debris.demo_dirs)} demo work dir(s) ({', '.join(debris.demo_dirs[:3])})")
+    logs = (
+        f"{len(debris.failure_logs)} failure log dir(s) in {hostclean.log_base()} "
+        f"(the newest {hostclean.KEEP_LOGS} are kept)"
+    )
+    if not parts:
+        return CheckItem("debris", OK, f"no stale agent sockets or demo dirs; {logs}", data=data)
+    return CheckItem(
+        "debris",
+        WARNING,
+        "; ".join(parts) + f"; {logs}",
+        "stale sockets are removed by the next `npusnap status` or `npusnap dump`; remove demo dirs "
+        "with rm -r (`npusnap demo` removes its own unless --keep)",
+        data=data,
+    )
+
+
 def run_checks(ascend_home: Optional[str] = None) -> CheckReport:
-    items = check_criu() + check_privileges() + [check_session()] + check_cann(ascend_home)
+    items = (
+        check_criu() + check_privileges() + [check_session(), check_runtime_dir()] + check_cann(ascend_home)
+    )
+    items.append(check_debris())
     return CheckReport(tuple(items))

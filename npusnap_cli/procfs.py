@@ -41,3 +41,13 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def start_time(pid: str = "self") -> Optional[int]:
+    """Field 22 of /proc/PID/stat (clock ticks after boot). A CRIU restore gives a new value."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("ascii", "replace")
+        return int(data[data.rfind(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

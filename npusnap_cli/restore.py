@@ -20,14 +20,23 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
+from npusnap_cli import pidfile as pidfile_mod
 from npusnap_cli.callbacks import PipelineCallbacks
-from npusnap_cli.errors import ImageError, NpusnapError, PreflightError
+from npusnap_cli.errors import (
+    BusyError,
+    ImageError,
+    IncompatibleImageError,
+    NpusnapError,
+    PreflightError,
+    UsageError,
+)
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
 RestoreCallbacks = PipelineCallbacks
@@ -38,13 +47,16 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    logs: Optional[Path] = None  # where CRIU's restore log goes (default: DIR/logs, else elsewhere)
     pipe_to: Optional[Path] = None  # new output for pipes recorded with dump --external-pipes
     replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
     settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
+    require_signature: Optional[Path] = None  # Ed25519 public key (PEM) the image must be signed with
 
 
 @dataclass(frozen=True)
 class RestoreTimings:
+    verify_wait_s: float  # waiting for the checksums after CRIU (they overlap with it)
     verify_s: float
     criu_restore_s: float
     criu_forking_s: Optional[float]
@@ -89,7 +101,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
 
     v = manifest.versions
     if binary.version != v.criu:
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CRIU {v.criu}, this host has CRIU {binary.version}",
             why="npusnap restores only with the CRIU version that dumped the image",
             fix=f"install CRIU {v.criu} (./scripts/setup.sh with NPUSNAP_CRIU_VERSION={v.criu}) "
@@ -112,7 +124,7 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
     if cann.simulated != v.cann_simulated or (v.cann and cann.version != v.cann):
         have = f"{cann.version}{' (simulated)' if cann.simulated else ''}"
         want = f"{v.cann}{' (simulated)' if v.cann_simulated else ''}"
-        raise ImageError(
+        raise IncompatibleImageError(
             f"the image was dumped with CANN {want}, this host has CANN {have} ({cann.home})",
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
@@ -140,19 +152,50 @@ def _zombie(pid: int) -> bool:
 ZOMBIE_WAIT_S = 5.0
 
 
-def check_pids_free(manifest: img.Manifest) -> None:
-    """CRIU restores every process with its original pid: all of them must be free."""
+def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
+    """Every pid and thread id CRIU will recreate, from the image's ``pstree.img`` (CRIU restores
+    threads with their ids too); the image's process ids must be the manifest's."""
+    import pycriu
+
+    path = img.criu_dir(image) / "pstree.img"
+    try:
+        with open(path, "rb") as f:
+            entries = pycriu.images.load(f).get("entries", [])
+        pids = {int(e["pid"]) for e in entries}
+        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
+    except FileNotFoundError:
+        return sorted(p.pid for p in manifest.processes)
+    except Exception as exc:
+        raise ImageError(
+            f"cannot read {path}: {exc}",
+            why="CRIU's process tree image is damaged",
+            fix="do not use this image; dump again",
+        ) from None
+    if pids != {p.pid for p in manifest.processes}:
+        raise ImageError(
+            f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
+            f"{sorted(pids)}",
+            why="the manifest was edited, or belongs to another image",
+            fix="do not use this image; dump again",
+        )
+    return ids
+
+
+def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> None:
+    """CRIU restores every process and thread with its original id: all of them must be free."""
+    wanted = ids if ids is not None else [p.pid for p in manifest.processes]
     deadline = time.monotonic() + ZOMBIE_WAIT_S
     while True:
-        taken = [p.pid for p in manifest.processes if os.path.exists(f"/proc/{p.pid}")]
+        # /proc/N exists for a thread id too (hidden from listings, but lookups find it)
+        taken = [i for i in wanted if os.path.exists(f"/proc/{i}")]
         if not taken or not all(_zombie(p) for p in taken) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     if taken:
         who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
         original = manifest.leave_running or taken == [manifest.root_pid]
-        raise PreflightError(
-            f"pid(s) {', '.join(map(str, taken))} of the image are in use ({who})",
+        raise BusyError(
+            f"pid(s) or thread id(s) {', '.join(map(str, taken))} of the image are in use ({who})",
             why="CRIU restores processes with their original pids"
             + (" — the original process is probably still running" if original else ""),
             fix=f"stop the process(es) using them (e.g. `kill {taken[0]}` if it is the original), "
@@ -186,7 +229,7 @@ def check_devices_free(manifest: img.Manifest) -> None:
             busy.append((int(dev["id"]), int(owner["pid"])))
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
-        raise PreflightError(
+        raise BusyError(
             f"device(s) of the image are occupied: {text}",
             why="the device state is restored onto the same device id, which must be free",
             fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
@@ -199,25 +242,54 @@ def check_devices_free(manifest: img.Manifest) -> None:
             why=f"the simulated NPU has devices {sorted(known)}",
             fix="start the simulator with enough devices (`npusnap sim stop; npusnap sim start --devices N`)",
         )
+    free = {
+        int(dev.get("id", -1)): int(dev.get("capacity", 0)) - int(dev.get("used", 0))
+        for dev in status.get("devices", [])
+    }
+    for p in manifest.npu_processes:
+        have = sum(max(0, free.get(d, 0)) for d in p.devices)
+        if p.devices and have < p.device_bytes:
+            raise PreflightError(
+                f"device(s) {list(p.devices)} have {have} bytes free, pid {p.pid} of the image needs "
+                f"{p.device_bytes}",
+                why="Restore puts the device memory back at the same addresses; it must fit",
+                fix="free device memory (stop other jobs), or start the simulator with a larger "
+                "--capacity, then restore again",
+                details={"pid": p.pid, "devices": list(p.devices), "free": have, "needed": p.device_bytes},
+            )
 
 
 def prepare_sockets(manifest: img.Manifest) -> None:
-    """Create each agent socket's directory (0700) and refuse what CRIU would trip over."""
+    """Create each agent socket's directory (0700) and refuse what CRIU would trip over.
+
+    The manifest was checked (imagetrust.check_manifest): each socket is ``<pid>.sock`` in an
+    agent runtime directory. Only that last directory is created, never its parents, and an
+    existing one must be a real directory of root or the process's user, writable by nobody else.
+    """
     for p in manifest.processes:
         if not p.agent_socket:
             continue
         sock = Path(p.agent_socket)
         parent = sock.parent
         try:
-            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            parent.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
         except OSError as exc:
             raise PreflightError(
                 f"cannot create the agent socket directory {parent}: {exc.strerror}",
-                fix="create it (mode 0700) or run as the image's user/root",
+                fix=f"create it (mode 0700, owned by uid {p.uid}) or run as the image's user/root",
             ) from None
         st = parent.lstat()
         if not stat.S_ISDIR(st.st_mode):
             raise PreflightError(f"{parent} is not a directory", fix=f"remove it: rm {parent}")
+        if st.st_uid not in (0, p.uid, os.geteuid()) or stat.S_IMODE(st.st_mode) & 0o022:
+            raise PreflightError(
+                f"refusing the agent socket directory {parent}: owned by uid {st.st_uid}, "
+                f"mode {stat.S_IMODE(st.st_mode):o}",
+                why="another user could replace the restored control socket there",
+                fix=f"remove it (rm -r {parent}) if it is not the job's, then restore again",
+            )
         with contextlib.suppress(FileNotFoundError):
             sst = sock.lstat()
             if not stat.S_ISSOCK(sst.st_mode):
@@ -320,7 +392,9 @@ def _exit_status(pid: int) -> Optional[int]:
 def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[str]:
     """Never report "running" of a process that died: watch the tree a moment after it resumed.
 
-    Returns notes for processes that finished cleanly (exit status 0) in that time.
+    The root is npusnap's child once CRIU exits (``become_subreaper``), so its exit status is
+    known: a failure status fails the restore. Other processes that are gone are reported in
+    the returned notes, as are clean exits.
     """
     from npusnap_cli import procfs
     from npusnap_cli.errors import TargetError
@@ -334,8 +408,9 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
         if len(statuses) == len(pids) or time.monotonic() >= end:
             break
         time.sleep(0.05)
-    finished = [p for p, st in statuses.items() if st is not None and os.waitstatus_to_exitcode(st) == 0]
-    dead = {p: st for p, st in statuses.items() if p not in finished}
+    ok = [p for p, st in statuses.items() if st is not None and os.waitstatus_to_exitcode(st) == 0]
+    unknown = [p for p, st in statuses.items() if st is None]
+    dead = {p: st for p, st in statuses.items() if st is not None and p not in ok}
     if dead:
         how = "; ".join(f"{p}: {_describe_status(st)}" for p, st in dead.items())
         raise TargetError(
@@ -347,7 +422,13 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
             "--external-pipes and restore with --pipe-to FILE",
             details={"dead_pids": sorted(dead), "criu_log": log},
         )
-    return [f"pid {p} finished (exit status 0) right after the restore" for p in finished]
+    notes = [f"pid {p} finished (exit status 0) right after the restore" for p in ok]
+    notes += [
+        f"pid {p} exited right after the restore (not npusnap's child: its exit status is unknown; "
+        "see the job's output)"
+        for p in unknown
+    ]
+    return notes
 
 
 def _describe_status(status: Optional[int]) -> str:
@@ -381,7 +462,6 @@ def restore(
 def _restore(
     directory: Path, options: RestoreOptions, callbacks: RestoreCallbacks, guard: Any
 ) -> RestoreOutcome:
-    from npusnap_cli import criu
 
     start = time.monotonic()
     cb = callbacks
@@ -395,25 +475,61 @@ def _restore(
         done[0] += n
         cb.progress("verifying", done[0], total)
 
-    img.verify(final, checksums=options.verify, progress=advance)
+    if options.pidfile is not None:
+        pidfile_mod.check(options.pidfile)
+    # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
+    # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
+    # known: nothing of the image runs before it is verified.
+    img.verify(final, checksums=False, require_signature=options.require_signature)
+    checksums = _Checksums(final, advance) if options.verify else None
+    try:
+        return _restore_verified(final, manifest, options, cb, guard, start, checksums)
+    finally:
+        if checksums is not None:
+            checksums.join()
+
+
+class _Checksums:
+    """``img.verify`` with checksums, on its own thread."""
+
+    def __init__(self, image: Path, progress: Any) -> None:
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(image, progress), name="npusnap-verify")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, image: Path, progress: Any) -> None:
+        try:
+            img.verify(image, checksums=True, progress=progress)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> Optional[BaseException]:
+        self._thread.join()
+        return self.error
+
+
+def _restore_verified(
+    final: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    cb: RestoreCallbacks,
+    guard: Any,
+    start: float,
+    checksums: Optional[_Checksums],
+) -> RestoreOutcome:
+    from npusnap_cli import criu
+
     binary = criu.find_criu()
     check_versions(manifest, binary)
-    check_pids_free(manifest)
+    check_pids_free(manifest, image_thread_ids(final, manifest))
     check_devices_free(manifest)
     prepare_sockets(manifest)
     from npusnap_cli import hostres
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
     inherit = open_pipe_targets(manifest, options.pipe_to)
-    logs = img.logs_dir(final)
-    try:
-        logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
-    except OSError as exc:
-        raise ImageError(
-            f"cannot create {logs} for CRIU's restore log: {exc.strerror}",
-            why="CRIU always writes a log, and npusnap keeps it in the image's logs/ directory",
-            fix="restore from a writable copy of the image",
-        ) from None
+    logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     try:
         guard.check("before anything was started", "nothing was restored")
@@ -421,41 +537,63 @@ def _restore(
             cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore")
-        res = criu.restore(
-            str(img.criu_dir(final)),
-            str(logs),
-            options=_criu_options(manifest, tuple(inherit)),
-            log_name=img.RESTORE_LOG,
-            binary=binary,
-        )
+        try:
+            res = criu.restore(
+                str(img.criu_dir(final)),
+                str(logs),
+                options=replace(_criu_options(manifest, tuple(inherit)), leave_stopped=checksums is not None),
+                log_name=img.RESTORE_LOG,
+                binary=binary,
+            )
+        except NpusnapError:
+            # A corrupt image is the better explanation of a CRIU failure.
+            corrupt = checksums.join() if checksums is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+            raise
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
     criu_done = time.monotonic()
     root_pid = res.pid
+    if checksums is not None:
+        _release_when_verified(manifest, checksums, cb)
+    released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
+    pidfile_error: Optional[NpusnapError] = None
     if options.pidfile is not None:
         # Written before the device step: if that fails the tree is running (locked), and the
-        # operator's scripts need its pid all the same.
-        pidfile = _write_pidfile(options.pidfile, root_pid)
+        # operator's scripts need its pid all the same. A write that fails in spite of the check
+        # above must not leave the job locked: the device step runs first, the error comes after.
+        try:
+            pidfile = pidfile_mod.write(options.pidfile, root_pid)
+        except NpusnapError as err:
+            pidfile_error = err
 
     cb.phase("device restore")
     if npu_pids:
-        _device_restore(npu_pids, options, root_pid, res.log_path)
+        tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
+        _device_restore(npu_pids, options, root_pid, res.log_path, tokens)
+    _check_none_left_locked(manifest, root_pid, res.log_path)
     device_done = time.monotonic()
     watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
     for note in check_alive_after(watched, options.settle_s, res.log_path):
         cb.note(note)
+    if pidfile_error is not None:
+        pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
+        pidfile_error.details["restored_root_pid"] = root_pid
+        raise pidfile_error
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats
     timings = RestoreTimings(
+        verify_wait_s=released - criu_done,
         verify_s=verify_s,
         criu_restore_s=criu_done - start - verify_s,
         criu_forking_s=stats.forking_time_us * 1e-6 if stats else None,
         criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
-        device_restore_s=device_done - criu_done,
+        device_restore_s=device_done - released,
         total_s=device_done - start,
     )
     return RestoreOutcome(
@@ -469,31 +607,105 @@ def _restore(
     )
 
 
-def _write_pidfile(path: Path, pid: int) -> str:
-    tmp = path.with_name(f".{path.name}.tmp")
+def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
+    """CRIU left the tree stopped: let it run if every sha256 matched, else kill it unrun."""
+    import signal
+
+    cb.phase("checksums")
+    error = checksums.join()
+    pids = [p.pid for p in manifest.processes]
+    sig = signal.SIGKILL if error is not None else signal.SIGCONT
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if error is not None:
+        if isinstance(error, NpusnapError):
+            error.message += " (the restored tree was killed before it ran)"
+            error.details["killed_unrun"] = pids
+        raise error
+
+
+def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> None:
+    """A restored process with an agent that the manifest says has no device state must be
+    RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
+    restore that exits 0 must not leave a process BACKED_UP forever."""
+    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.errors import DeviceError
+
+    locked = []
+    for p in manifest.processes:
+        if p.npu or not p.agent:
+            continue
+        try:
+            with AgentClient(p.pid, connect_retry_s=1.0) as client:
+                state = client.status().get("state")
+        except NpusnapError:
+            continue  # no agent to ask: nothing was locked through one
+        if state not in (None, "RUNNING"):
+            locked.append(p.pid)
+    if locked:
+        hint = " ; ".join(f"npusnap thaw --force {p}" for p in locked)
+        raise DeviceError(
+            f"CRIU restored the tree (root pid {root_pid}), but pid(s) {locked} came back locked although "
+            "the manifest says they have no device state",
+            why="the image's manifest was edited (its npu flags), or was written by a broken dump",
+            fix=f"those processes stay locked; to run them anyway: {hint}; do not trust this image",
+            details={"locked_pids": locked, "restored_root_pid": root_pid, "criu_restore_log": log},
+        )
+
+
+def _writable_dir(path: Path, *, parents: bool) -> bool:
     try:
-        tmp.write_text(f"{pid}\n", encoding="ascii")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise ImageError(
-            f"restored pid {pid}, but could not write the pidfile {path}: {exc.strerror}",
-            fix=f"the process runs; its pid is {pid}",
-        ) from None
-    return str(path)
+        path.mkdir(mode=img.DIR_MODE, parents=parents, exist_ok=True)
+    except OSError:
+        return False
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
-def _device_restore(npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str) -> None:
+def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
+    """Where CRIU writes its restore log (and statistics).
+
+    ``--logs DIR`` if given; else the image's ``logs/``; an image on read-only storage (a
+    snapshot volume, a read-only mount) gets a new directory among the failure logs instead, so
+    that restoring it needs no writable copy.
+    """
+    if wanted is not None:
+        if not _writable_dir(wanted, parents=True):
+            raise UsageError(
+                f"cannot write CRIU's restore log into {wanted}",
+                why="--logs must be a directory npusnap can create or write to",
+                fix="pass a writable directory to --logs",
+            )
+        return wanted
+    inside = img.logs_dir(image)
+    if _writable_dir(inside, parents=False):
+        return inside
+    from npusnap_cli import hostclean
+
+    elsewhere = hostclean.new_log_dir("restore")
+    note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
+    return elsewhere
+
+
+def _device_restore(
+    npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str, tokens: dict[int, str]
+) -> None:
     from npusnap_cli.devicegroup import DeviceGroup
 
     group = None
     try:
-        group = DeviceGroup(npu_pids, lease_s=options.lease_s)
+        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
+        # The restored agents still record the dump as their lock's owner: present its tokens.
+        group.set_tokens(tokens)
         group.restore_and_unlock()
     except NpusnapError as err:
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
         err.details["locked_pids"] = sorted(int(p) for p in failed)
+        if group is not None:
+            # The failed processes stay locked, owned by the dump's token: hand it to `thaw`.
+            group.hand_over(err.details["locked_pids"])
         if "CRIU restored" not in err.message:
             err.message = (
                 f"CRIU restored the tree (root pid {root_pid}), but the device restore failed: {err.message}"

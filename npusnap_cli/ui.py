@@ -1,7 +1,10 @@
 """The one place that renders output.
 
-People get rich text on **stderr**; scripts get exactly one JSON envelope on **stdout** with
-``--json``. The envelope is stable (docs/json-output.md)::
+Data goes to **stdout** and diagnostics to **stderr**, as every Unix tool does: a command's
+tables, trees and key/value blocks (``npusnap status PID | grep LOCKED``) and its one-line
+answers (``dump`` prints the image path, ``restore`` the restored root pid) are on stdout;
+progress, phases, notes, warnings and errors are on stderr. With ``--json`` stdout holds
+exactly one JSON envelope instead. The envelope is stable (docs/json-output.md)::
 
     {"schema": 1, "command": "dump", "ok": true, "exit_code": 0,
      "result": {...}, "error": null}
@@ -15,6 +18,7 @@ Core modules never import this module (or rich); commands hand it plain data.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,16 +38,37 @@ class Output:
         self.json_mode = json_mode
         self.verbose = verbose
         self._console: Any = None
+        self._stdout: Any = None
         self._emitted = False
 
-    # -- rich console, created lazily so `--json` runs never import rich -----------------------
+    # -- rich consoles, created lazily so `--json` runs never import rich ----------------------
     @property
     def console(self) -> Any:
+        """Diagnostics: progress, phases, notes, warnings, errors (stderr)."""
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(stderr=True, highlight=False, soft_wrap=False)
+            self._console = make_console(stderr=True)
         return self._console
+
+    @property
+    def data_console(self) -> Any:
+        """Data: tables, trees, key/value blocks (stdout)."""
+        if self._stdout is None:
+            self._stdout = make_console(stderr=False)
+        return self._stdout
+
+    def _print(self, stream: str, renderable: Any) -> None:
+        if stream != "stdout":
+            self.console.print(renderable)
+            return
+        with _reader_may_go():
+            self.data_console.print(renderable)
+
+    def data(self, text: str) -> None:
+        """One plain line of data on stdout (no styling): an image path, a pid."""
+        if not self.json_mode:
+            with _reader_may_go():
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
 
     # -- human output (suppressed in JSON mode, which keeps stderr for logs only) ---------------
     def line(self, text: str = "", style: Optional[str] = None) -> None:
@@ -67,17 +92,17 @@ class Output:
         elif self.verbose:
             print(text, file=sys.stderr)
 
-    def kv(self, title: str, items: Mapping[str, Any]) -> None:
+    def kv(self, title: str, items: Mapping[str, Any], *, stream: str = "stdout") -> None:
         if self.json_mode:
             return
         from rich.table import Table
 
         table = Table(title=title, show_header=False, box=None, title_justify="left", pad_edge=False)
-        table.add_column(style="bold")
-        table.add_column()
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(overflow="fold")
         for key, value in items.items():
             table.add_row(str(key), "" if value is None else str(value))
-        self.console.print(table)
+        self._print(stream, table)
 
     def table(
         self,
@@ -86,21 +111,26 @@ class Output:
         rows: Sequence[Sequence[Any]],
         *,
         styles: Optional[Sequence[Optional[str]]] = None,
+        stream: str = "stdout",
     ) -> None:
-        """A table; ``styles`` gives an optional rich style per row."""
+        """A table; ``styles`` gives an optional rich style per row.
+
+        Cells fold instead of ending in "…": a path or a command line cut at 80 columns loses
+        exactly the part an operator needs.
+        """
         if self.json_mode:
             return
         from rich.table import Table
 
         table = Table(title=title, title_justify="left")
         for col in columns:
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
         for i, row in enumerate(rows):
             style = styles[i] if styles and i < len(styles) else None
             table.add_row(*("" if c is None else str(c) for c in row), style=style)
-        self.console.print(table)
+        self._print(stream, table)
 
-    def tree(self, title: str, nodes: Sequence[tuple[int, str]]) -> None:
+    def tree(self, title: str, nodes: Sequence[tuple[int, str]], *, stream: str = "stdout") -> None:
         """A tree from (depth, label) pairs in pre-order."""
         if self.json_mode:
             return
@@ -113,7 +143,7 @@ class Output:
                 stack.pop()
             node = stack[-1][1].add(label)
             stack.append((depth, node))
-        self.console.print(root)
+        self._print(stream, root)
 
     @contextmanager
     def phase(self, label: str) -> Iterator[None]:
@@ -136,20 +166,12 @@ class Output:
         if self.json_mode or not sys.stderr.isatty():
             yield _NullProgress()
             return
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
+            _binary_columns(),
             TimeElapsedColumn(),
             console=self.console,
             transient=False,
@@ -192,6 +214,58 @@ class Output:
         sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
         sys.stdout.flush()
         self._emitted = True
+
+
+@contextmanager
+def _reader_may_go() -> Iterator[None]:
+    """Data for a reader that may stop reading: `npusnap list --paths DIR | head -n 1`.
+
+    A reader that has what it wants and closes the pipe is not a failure of the command (which
+    has done its work by the time it prints its data): the rest of the data goes to /dev/null,
+    and the command ends with its own exit code, not with a traceback or SIGPIPE's 141 that
+    `set -o pipefail` would turn into a failed script.
+    """
+    try:
+        yield
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def no_color() -> bool:
+    """https://no-color.org: a non-empty NO_COLOR disables every style, not only colours."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
+def make_console(*, stderr: bool) -> Any:
+    """A rich console for one stream. NO_COLOR turns off all styling (bold, italics, dim too:
+    rich's own NO_COLOR support removes colours only); output that is not a terminal is never
+    styled and gets a wide line so that piped rows stay whole."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    kwargs: dict[str, Any] = {}
+    if no_color():
+        kwargs["color_system"] = None
+    if not stream.isatty() and "COLUMNS" not in os.environ:
+        kwargs["width"] = 200
+    return Console(file=stream, highlight=False, soft_wrap=False, **kwargs)
+
+
+def _binary_columns() -> Any:
+    """Done/total and speed in binary units (MiB), as every summary npusnap prints."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class BinaryColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = "?" if task.total is None else human_bytes(task.total)
+            speed = task.finished_speed or task.speed
+            rate = f"{human_bytes(speed)}/s" if speed else "-"
+            return Text(f"{human_bytes(task.completed)} / {total}  {rate}")
+
+    return BinaryColumn()
 
 
 class _NullProgress:

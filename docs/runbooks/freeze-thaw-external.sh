@@ -1,103 +1,86 @@
 #!/usr/bin/env bash
-# Runbook: use freeze/thaw with an external checkpoint tool (docs/runbooks/freeze-thaw-external.md).
+# Runbook: Use freeze/thaw with an external checkpoint tool (freeze-thaw-external.md).
 #
-# Self-contained against the simulated NPU. npusnap does only the device half; plain `criu`
-# stands in for the external tool (runc, podman, a Kubernetes checkpoint, your own CRIU wrapper):
-#   npusnap freeze PID  ->  criu dump  ->  (the job is gone)  ->  criu restore  ->  npusnap thaw PID
-# The restored job's whole output must equal an uninterrupted run's.
+# GENERATED from freeze-thaw-external.md by scripts/runbooks.py: edit the page, then run that script.
+# The body below is the page's ```bash blocks, in order, exactly as an operator pastes them into
+# an interactive shell. This prologue only adds what a test needs: a scratch directory (removed at
+# the end), `set -euo pipefail` (a check on the page that does not hold stops the run), and
+# killing the jobs the page started. Run it as root, from anywhere:
 #
-# Environment: NPUSNAP (default: npusnap), PYTHON (default: python3), CRIU (default: criu on
-# PATH, else /usr/local/sbin/criu), WORKLOADS (the directory of the sample workloads; default:
-# the repository's npusnap_cli/workloads).
+#     NPUSNAP=/path/to/npusnap/.venv/bin/npusnap freeze-thaw-external.sh
+#
+# NPUSNAP: the npusnap to use (its directory goes first on PATH, so `python3` is its Python too).
 set -euo pipefail
-
-NPUSNAP=${NPUSNAP:-npusnap}
-PYTHON=${PYTHON:-python3}
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-WORKLOADS=${WORKLOADS:-$HERE/../../npusnap_cli/workloads}
-case $NPUSNAP in */*) NPUSNAP=$(cd "$(dirname "$NPUSNAP")" && pwd)/$(basename "$NPUSNAP") ;; esac
-
-WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-JOB=""
-SIM_STARTED=False
-cleanup() {
-    local rc=$?
-    if [ -n "$JOB" ] && grep -qs train.py "/proc/$JOB/cmdline"; then kill -9 "$JOB" 2>/dev/null || true; fi
-    if [ "$SIM_STARTED" = True ]; then "$NPUSNAP" sim stop >/dev/null 2>&1 || true; fi
-    rm -rf "$WORK"
+if [ -n "${NPUSNAP:-}" ]; then
+    case $NPUSNAP in
+    */*) PATH=$(cd "$(dirname "$NPUSNAP")" && pwd):$PATH ;;
+    esac
+fi
+RUNBOOK_DIR=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
+SIM_WAS_RUNNING=$(npusnap --json sim status |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
+runbook_cleanup() {
+    local rc=$? f p
+    cd /
+    # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
+    for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    p=${PID:-}
+    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+        kill -9 "$p" 2>/dev/null || true
+    fi
+    if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
+    # Simulators the page started for other users, with their sockets in the scratch directory.
+    for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
+        NPUSIM_SOCKET=$f npusnap sim stop >/dev/null 2>&1 || true
+    done
+    rm -rf "$RUNBOOK_DIR"
     if [ $rc -ne 0 ]; then echo "FAILED (exit $rc)" >&2; fi
     exit $rc
 }
-trap cleanup EXIT
+trap runbook_cleanup EXIT
 trap 'exit 130' INT TERM
-fail() { echo "FAIL: $*" >&2; exit 1; }
-json() { "$PYTHON" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"; }
-# npj FILE ARGS...: `npusnap ARGS --json` into FILE; on failure show the error and its fix, and fail.
-npj() {
-    local out=$1 rc=0
-    shift
-    "$NPUSNAP" "$@" --json >"$out" || rc=$?
-    if [ $rc -ne 0 ]; then
-        json "$out" '"%s\n  why: %s\n  fix: %s" % (d["error"]["message"], d["error"]["why"], d["error"]["fix"])' >&2 || true
-        fail "npusnap $* exited $rc"
-    fi
-}
-last_step() { awk '$1 == "step" { n = $2 } END { print n + 0 }' "$1"; }
-wait_step() {
-    for _ in $(seq 100); do [ "$(last_step "$1")" -ge "$2" ] && return 0; sleep 0.1; done
-    fail "$1 did not reach step $2 (last: $(last_step "$1"))"
-}
-state() { npj status.json status "$JOB" && json status.json 'd["result"]["processes"][0]["status"]["state"]'; }
+cd "$RUNBOOK_DIR"
 
-CRIU=${CRIU:-$(command -v criu || echo /usr/local/sbin/criu)}
-cd "$WORK"
-npj sim.json sim start
-SIM_STARTED=$(json sim.json 'd["result"]["started"]')
-eval "$("$NPUSNAP" sim env)"
+# --- block 1 ---
+npusnap sim start
+eval "$(npusnap sim env)"
+python3 -m npusnap_cli.workloads.train --steps 50 --seed 5 --interval 0 >reference.log
+PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
+    python3 -m npusnap_cli.workloads.train --steps 50 --seed 5 --interval 0.05)
+timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
+SOCKET=$(npusnap --json status "$PID" | python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["processes"][0]["agent_socket"])')
+echo "agent socket: $SOCKET"
 
-ARGS=(--steps 50 --seed 5)
-"$PYTHON" "$WORKLOADS/train.py" "${ARGS[@]}" --interval 0 >reference.log
-setsid "$NPUSNAP" run -- "$PYTHON" "$WORKLOADS/train.py" "${ARGS[@]}" --interval 0.05 \
-    </dev/null >job.log 2>job.err &
-JOB=$!
-wait_step job.log 5
+# --- block 2 ---
+npusnap freeze --lease 600 "$PID"
 
-# 1. Device half: Lock + Backup. The lease is the safety net: if nothing thaws the job within
-#    600 s of *run time* it thaws itself (time frozen by CRIU does not count).
-npj freeze.json freeze --lease 600 "$JOB"
-[ "$(state)" = BACKED_UP ] || fail "freeze did not back up the job"
-AT=$(last_step job.log)
-sleep 0.3
-[ "$(last_step job.log)" -le $((AT + 1)) ] || fail "a frozen job kept computing"
+# --- block 3 ---
+npusnap status "$PID" | grep BACKED_UP
+N=$(grep -c '^step ' job.log); sleep 0.5; [ "$(grep -c '^step ' job.log)" -le $((N + 1)) ]
 
-# 2. Host half, by the external tool. npusnap closed its connection to the agent, so the agent's
-#    listening socket is all CRIU sees; Backup released the device connection.
+# --- block 4 ---
 mkdir -m 700 ckpt
-"$CRIU" dump -t "$JOB" -D ckpt -o dump.log -v4 # kills the job when done, as podman does by default
-wait "$JOB" 2>/dev/null || true
-[ ! -e "/proc/$JOB" ] || fail "the job still exists after criu dump"
+criu dump -t "$PID" -D ckpt -o dump.log -v4 # kills the job when done, as podman does by default
+timeout 10 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
 
-# (Here you would ship ckpt/ to another node, with the job's files: see restore-on-another-node.)
+# --- block 5 ---
+install -d -m 700 "$(dirname "$SOCKET")"
+criu restore -D ckpt -d -o restore.log -v4 --pidfile "$PWD/restored.pid"
+PID=$(cat restored.pid)
+echo "restored pid $PID"
 
-# 3. External restore. The agent socket's directory must exist first (CRIU re-binds the socket
-#    but does not create its directory): `npusnap restore` does this itself, an external tool
-#    does not. The path is in `npusnap status` / the freeze output; here it still exists.
-SOCKET_DIR=$(dirname "$(json status.json 'd["result"]["processes"][0]["agent_socket"]')")
-install -d -m 700 "$SOCKET_DIR"
-"$CRIU" restore -D ckpt -d -o restore.log -v4 --pidfile "$WORK/restored.pid"
-RESTORED=$(cat "$WORK/restored.pid")
-[ "$RESTORED" = "$JOB" ] || fail "criu restored pid $RESTORED, expected $JOB"
-# Restored but still BACKED_UP: the device state is not back yet and device calls block.
-[ "$(state)" = BACKED_UP ] || fail "the restored job is $(state), expected BACKED_UP"
+# --- block 6 ---
+npusnap status "$PID" | grep BACKED_UP
 
-# 4. thaw: in a CRIU-restored process the agent runs Restore (device memory back on the same
-#    device id, at the same addresses) before Unlock.
-npj thaw.json thaw "$RESTORED"
-[ "$(json thaw.json "d['result']['processes']['$RESTORED']['actions']")" = "['restore', 'unlock']" ] ||
-    fail "thaw did not restore then unlock: $(cat thaw.json)"
-[ "$(state)" = RUNNING ] || fail "the job is not RUNNING after thaw"
-for _ in $(seq 200); do [ -e "/proc/$RESTORED" ] || break; sleep 0.05; done
-[ ! -e "/proc/$RESTORED" ] || fail "the restored job did not finish in 10 s"
-cmp job.log reference.log || fail "the restored job's output differs from the uninterrupted run"
-echo "restored job ran to step $(last_step job.log); output identical to the uninterrupted run"
-echo "OK"
+# --- block 7 ---
+npusnap thaw "$PID" | grep 'restore, unlock'
+npusnap status "$PID" | grep RUNNING
+
+# --- block 8 ---
+timeout 30 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
+grep '^step ' job.log | cmp - reference.log
+
+echo OK

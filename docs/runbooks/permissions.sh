@@ -1,172 +1,123 @@
 #!/usr/bin/env bash
-# Runbook: permissions and running as non-root (docs/runbooks/permissions.md).
+# Runbook: Permissions and running as non-root (permissions.md).
 #
-# Self-contained against the simulated NPU; run it as root (it switches to an unprivileged user
-# with setpriv). It shows, and checks:
-#   1. where agent sockets live and their modes (0700 directory, 0600 socket), for root and users;
-#   2. a non-root user drives their own job (status, freeze, thaw) but cannot dump it (exit 3:
-#      CRIU needs root);
-#   3. another unprivileged user cannot reach the job's agent at all, and cannot attach (exit 4);
-#   4. root can drive any user's job, and dump it where root has CAP_SYS_RESOURCE.
+# GENERATED from permissions.md by scripts/runbooks.py: edit the page, then run that script.
+# The body below is the page's ```bash blocks, in order, exactly as an operator pastes them into
+# an interactive shell. This prologue only adds what a test needs: a scratch directory (removed at
+# the end), `set -euo pipefail` (a check on the page that does not hold stops the run), and
+# killing the jobs the page started. Run it as root, from anywhere:
 #
-# Environment: NPUSNAP (default: npusnap), PYTHON (default: python3), JOB_USER (default: nobody),
-# OTHER_UID (default: 65533), USER_PYTHON (an interpreter JOB_USER may run, same major.minor as
-# npusnap's own; default: /usr/bin/python3), WORKLOADS (the directory of the sample workloads;
-# default: the repository's npusnap_cli/workloads).
+#     NPUSNAP=/path/to/npusnap/.venv/bin/npusnap permissions.sh
+#
+# NPUSNAP: the npusnap to use (its directory goes first on PATH, so `python3` is its Python too).
 set -euo pipefail
-
-NPUSNAP=${NPUSNAP:-npusnap}
-PYTHON=${PYTHON:-python3}
-JOB_USER=${JOB_USER:-nobody}
-OTHER_UID=${OTHER_UID:-65533}
-USER_PYTHON=${USER_PYTHON:-/usr/bin/python3}
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-WORKLOADS=${WORKLOADS:-$(cd "$HERE/../../npusnap_cli/workloads" && pwd)}
-case $NPUSNAP in */*) NPUSNAP=$(cd "$(dirname "$NPUSNAP")" && pwd)/$(basename "$NPUSNAP") ;; esac
-
-[ "$(id -u)" = 0 ] || { echo "run this runbook as root: it switches users with setpriv" >&2; exit 1; }
-JUID=$(id -u "$JOB_USER")
-JGID=$(id -g "$JOB_USER")
-
-WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-logs/: these go away with $WORK.
-export TMPDIR=$WORK
-chmod 711 "$WORK" # the user's own directory below must be reachable by that user
-UHOME=$WORK/home # stands in for the user's home and $XDG_RUNTIME_DIR (/run/user/UID)
-install -d -m 700 -o "$JUID" -g "$JGID" "$UHOME"
-JOB=""
-SIM_STARTED=False
-USER_SIM=False
-cleanup() {
-    local rc=$?
-    if [ -n "$JOB" ] && grep -qs train.py "/proc/$JOB/cmdline"; then kill -9 "$JOB" 2>/dev/null || true; fi
-    if [ "$USER_SIM" = True ]; then "${AS_USER[@]}" "${USER_NPUSNAP[@]}" sim stop >/dev/null 2>&1 || true; fi
-    if [ "$SIM_STARTED" = True ]; then "$NPUSNAP" sim stop >/dev/null 2>&1 || true; fi
-    rm -rf "$WORK"
+if [ -n "${NPUSNAP:-}" ]; then
+    case $NPUSNAP in
+    */*) PATH=$(cd "$(dirname "$NPUSNAP")" && pwd):$PATH ;;
+    esac
+fi
+RUNBOOK_DIR=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
+SIM_WAS_RUNNING=$(npusnap --json sim status |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
+runbook_cleanup() {
+    local rc=$? f p
+    cd /
+    # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
+    for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    p=${PID:-}
+    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+        kill -9 "$p" 2>/dev/null || true
+    fi
+    if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
+    # Simulators the page started for other users, with their sockets in the scratch directory.
+    for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
+        NPUSIM_SOCKET=$f npusnap sim stop >/dev/null 2>&1 || true
+    done
+    rm -rf "$RUNBOOK_DIR"
     if [ $rc -ne 0 ]; then echo "FAILED (exit $rc)" >&2; fi
     exit $rc
 }
-trap cleanup EXIT
+trap runbook_cleanup EXIT
 trap 'exit 130' INT TERM
-fail() { echo "FAIL: $*" >&2; exit 1; }
-json() { "$PYTHON" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"; }
-last_step() { awk '$1 == "step" { n = $2 } END { print n + 0 }' "$1"; }
-wait_step() {
-    for _ in $(seq 100); do [ "$(last_step "$1")" -ge "$2" ] && return 0; sleep 0.1; done
-    fail "$1 did not reach step $2 (last: $(last_step "$1"))"
-}
-# expect CODE FILE CMD...: CMD (an npusnap call with --json) must exit CODE; envelope in FILE.
-expect() {
-    local want=$1 out=$2 rc=0
-    shift 2
-    "$@" >"$out" || rc=$?
-    if [ $rc -ne "$want" ]; then
-        cat "$out" >&2
-        fail "$* exited $rc, expected $want"
-    fi
-}
+cd "$RUNBOOK_DIR"
 
-cd "$WORK"
-"$NPUSNAP" sim start --json >sim.json
-SIM_STARTED=$(json sim.json 'd["result"]["started"]')
-eval "$("$NPUSNAP" sim env)"
-
-# npusnap as the user. A real deployment installs npusnap where users can run it (a shared
-# virtualenv, a system package). This one may live under /root: give the user an interpreter of
-# the same Python version with npusnap's package and dependencies on its path.
-NPUSNAP_PY=$(head -1 "$(command -v "$NPUSNAP")" | sed 's/^#!//')
-NPUSNAP_PYTHONPATH=$("$NPUSNAP_PY" -c '
-import os, sysconfig, npusnap_cli
-print(os.path.dirname(os.path.dirname(npusnap_cli.__file__)) + ":" + sysconfig.get_paths()["purelib"])')
-[ "$("$NPUSNAP_PY" -c 'import sys; print(sys.version_info[:2])')" = \
-  "$("$USER_PYTHON" -c 'import sys; print(sys.version_info[:2])')" ] ||
-    fail "USER_PYTHON=$USER_PYTHON is not the Python version of $NPUSNAP; set USER_PYTHON"
-USER_NPUSNAP=("$USER_PYTHON" -m npusnap_cli)
-# AS_USER CMD...: run CMD as JOB_USER, in the user's own environment: their home as
-# $XDG_RUNTIME_DIR (so their agent sockets go to $XDG_RUNTIME_DIR/npusnap/), their own simulated
-# NPU daemon (root's socket is not theirs to use; on real hardware the user needs access to the
-# device nodes instead, e.g. the HwHiAiUser group), and no NPUSNAP_RUNTIME_DIR override, so the
-# defaults are what you get. An array, not a function: a backgrounded function runs in a
-# subshell, and $! would not be the job's pid.
+# --- block 1 ---
+npusnap sim start
+eval "$(npusnap sim env)"
+JOB_USER=nobody
+JUID=$(id -u "$JOB_USER"); JGID=$(id -g "$JOB_USER")
+OTHER_UID=65533
+USER_PYTHON=${USER_PYTHON:-/usr/bin/python3}
+chmod 711 .   # the user must be able to reach their directory below
+UHOME=$PWD/home
+install -d -m 700 -o "$JUID" -g "$JGID" "$UHOME"
+NPUSNAP_PYTHONPATH=$(python3 -c 'import os, sysconfig, npusnap_cli; print(os.path.dirname(os.path.dirname(npusnap_cli.__file__)) + ":" + sysconfig.get_paths()["purelib"])')
 AS_USER=(setpriv --reuid "$JUID" --regid "$JGID" --init-groups -- env -i PATH=/usr/bin:/bin
     HOME="$UHOME" XDG_RUNTIME_DIR="$UHOME" NPUSIM_SOCKET="$UHOME/npusim/npusim.sock"
     ASCEND_HOME_PATH="$ASCEND_HOME_PATH" LD_LIBRARY_PATH="$LD_LIBRARY_PATH"
     PYTHONPATH="$NPUSNAP_PYTHONPATH")
-"${AS_USER[@]}" "${USER_NPUSNAP[@]}" --help >/dev/null || fail "$JOB_USER cannot run npusnap (USER_PYTHON?)"
+USER_NPUSNAP=("$USER_PYTHON" -m npusnap_cli)
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" sim start
+PID=$("${AS_USER[@]}" "${USER_NPUSNAP[@]}" run --detach --pidfile "$UHOME/job.pid" --output "$UHOME/job.log" -- \
+    "$USER_PYTHON" -m npusnap_cli.workloads.train --steps 1000 --interval 0.05)
+timeout 20 sh -c "until grep -q '^step 3 ' '$UHOME/job.log'; do sleep 0.1; done"
+ps -o user=,pid=,args= -p "$PID"
 
-# --- 1. The user's job and where its agent listens ------------------------------------------
-"${AS_USER[@]}" "${USER_NPUSNAP[@]}" sim start --json >user-sim.json
-USER_SIM=True
-# `npusnap run` as the user; setsid: detached from this shell; output to files the user owns.
-install -m 600 -o "$JUID" -g "$JGID" /dev/null "$UHOME/job.log"
-install -m 600 -o "$JUID" -g "$JGID" /dev/null "$UHOME/job.err"
-"${AS_USER[@]}" setsid "${USER_NPUSNAP[@]}" run -- "$USER_PYTHON" "$WORKLOADS/train.py" --steps 1000 --interval 0.05 \
-    </dev/null >>"$UHOME/job.log" 2>>"$UHOME/job.err" &
-JOB=$!
-wait_step "$UHOME/job.log" 3
-SOCK=$UHOME/npusnap/$JOB.sock # $XDG_RUNTIME_DIR/npusnap/PID.sock
-[ -S "$SOCK" ] || fail "no agent socket at $SOCK"
+# --- block 2 ---
+rc=0; "${AS_USER[@]}" "${USER_NPUSNAP[@]}" dump "$PID" "$UHOME/img" || rc=$?
+[ "$rc" -eq 3 ]
+[ ! -e "$UHOME/img" ]
+
+# --- block 3 ---
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" status "$PID" | grep RUNNING
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" freeze --no-backup "$PID" | grep LOCKED
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" thaw "$PID"
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" status "$PID" | grep RUNNING
+
+# --- block 4 ---
+mkdir -m 700 images
+npusnap status "$PID" | grep RUNNING
+rc=0; npusnap dump --leave-running "$PID" images/img || rc=$?
+echo "root's dump of $JOB_USER's job exited $rc"
+case $rc in
+0) stat -c '%a %U' images/img | grep '^700 root' ;;
+3) npusnap check | grep other-users ;;
+*) false ;;
+esac
+npusnap status "$PID" | grep RUNNING
+
+# --- block 5 ---
+SOCK=$UHOME/npusnap/$PID.sock   # $XDG_RUNTIME_DIR/npusnap/PID.sock
 stat -c '%A %U %n' "$UHOME/npusnap" "$SOCK"
-[ "$(stat -c %a "$UHOME/npusnap")" = 700 ] || fail "socket directory is not 0700"
-[ "$(stat -c %a "$SOCK")" = 600 ] || fail "socket is not 0600"
-[ "$(stat -c %u "$SOCK")" = "$JUID" ] || fail "socket is not owned by $JOB_USER"
+[ "$(stat -c '%a %u' "$UHOME/npusnap")" = "700 $JUID" ]
+[ "$(stat -c '%a %u' "$SOCK")" = "600 $JUID" ]
 
-# Without $XDG_RUNTIME_DIR a user's agent uses /tmp/npusnap-UID/, and root's /run/npusnap/
-# (NPUSNAP_RUNTIME_DIR overrides both). Ask the agent module where it would go:
-for who in user root; do
-    if [ $who = user ]; then run=(setpriv --reuid "$JUID" --regid "$JGID" --init-groups --); else run=(); fi
-    "${run[@]}" env -u XDG_RUNTIME_DIR -u NPUSNAP_RUNTIME_DIR PYTHONPATH="$NPUSNAP_PYTHONPATH" \
-        "$USER_PYTHON" -c 'import os; from npusnap_cli import paths; print(os.geteuid(), paths.agent_runtime_dir())'
-done >defaults.txt
-grep -qx "$JUID /tmp/npusnap-$JUID" defaults.txt || fail "unexpected default for $JOB_USER: $(cat defaults.txt)"
-grep -qx "0 /run/npusnap" defaults.txt || fail "unexpected default for root: $(cat defaults.txt)"
+# --- block 6 ---
+setpriv --reuid "$JUID" --regid "$JGID" --init-groups -- env -u XDG_RUNTIME_DIR -u NPUSNAP_RUNTIME_DIR \
+    PYTHONPATH="$NPUSNAP_PYTHONPATH" "$USER_PYTHON" -c 'from npusnap_cli import paths; print(paths.agent_runtime_dir())' |
+    grep -x "/tmp/npusnap-$JUID"
+env -u NPUSNAP_RUNTIME_DIR python3 -c 'from npusnap_cli import paths; print(paths.agent_runtime_dir())' | grep -x /run/npusnap
 
-# --- 2. The user drives their own job; dumping needs root ------------------------------------
-expect 0 status.json "${AS_USER[@]}" "${USER_NPUSNAP[@]}" status "$JOB" --json
-[ "$(json status.json 'd["result"]["processes"][0]["status"]["state"]')" = RUNNING ] || fail "not RUNNING"
-expect 0 freeze.json "${AS_USER[@]}" "${USER_NPUSNAP[@]}" freeze --no-backup "$JOB" --json
-expect 0 thaw.json "${AS_USER[@]}" "${USER_NPUSNAP[@]}" thaw "$JOB" --json
-wait_step "$UHOME/job.log" $(($(last_step "$UHOME/job.log") + 2))
-expect 3 user-dump.json "${AS_USER[@]}" "${USER_NPUSNAP[@]}" dump "$JOB" "$UHOME/img" --json
-echo "$JOB_USER: dump refused: $(json user-dump.json 'd["error"]["message"]')"
-[ ! -e "$UHOME/img" ] || fail "a refused dump left an image"
+# --- block 7 ---
+rc=0
+setpriv --reuid "$OTHER_UID" --regid "$OTHER_UID" --clear-groups -- "$USER_PYTHON" -c \
+    'import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])' "$SOCK" 2>other.err || rc=$?
+tail -n 1 other.err
+[ "$rc" -ne 0 ]
+grep -c PermissionError other.err
 
-# --- 3. Another unprivileged user gets nowhere ------------------------------------------------
-# The 0700 directory stops them before the agent's SO_PEERCRED check (own uid or root) would.
-if setpriv --reuid "$OTHER_UID" --regid "$OTHER_UID" --clear-groups -- "$USER_PYTHON" -c '
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])' "$SOCK" 2>other.err; then
-    fail "uid $OTHER_UID could connect to $SOCK"
-fi
-grep -q PermissionError other.err || fail "uid $OTHER_UID: unexpected failure: $(cat other.err)"
-echo "uid $OTHER_UID: $(tail -1 other.err)"
-# Attaching needs ptrace rights over the target: the same user or root (exit 4 otherwise).
-expect 4 other-attach.json setpriv --reuid "$OTHER_UID" --regid "$OTHER_UID" --clear-groups -- \
-    env -i PATH=/usr/bin:/bin PYTHONPATH="$NPUSNAP_PYTHONPATH" "${USER_NPUSNAP[@]}" attach "$JOB" --json
-echo "uid $OTHER_UID: attach refused: $(json other-attach.json 'd["error"]["message"]')"
-echo "Yama ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'not present')"
+# --- block 8 ---
+rc=0
+setpriv --reuid "$OTHER_UID" --regid "$OTHER_UID" --clear-groups -- \
+    env -i PATH=/usr/bin:/bin PYTHONPATH="$NPUSNAP_PYTHONPATH" "${USER_NPUSNAP[@]}" attach "$PID" || rc=$?
+[ "$rc" -eq 4 ]
+cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo "Yama is not active"
 
-# --- 4. Root drives and dumps anyone's job ----------------------------------------------------
-# npusnap finds the agent socket through /proc/net/unix and checks the server's pid
-# (SO_PEERCRED); the agent accepts root.
-expect 0 root-status.json "$NPUSNAP" status "$JOB" --json
-[ "$(json root-status.json 'd["result"]["processes"][0]["agent_socket"]')" = "$SOCK" ] || fail "wrong socket"
-mkdir -m 700 "$WORK/images"
-# CRIU reads the target's resource limits (prlimit); for a process of another user that needs
-# CAP_SYS_RESOURCE. Some containers drop it from root (this project's CI VMs do): there the
-# dump's preflight refuses (exit 3) before anything is locked, and the job runs on untouched.
-CAPEFF=$(awk '/^CapEff:/ { print $2 }' /proc/self/status)
-if (((0x$CAPEFF >> 24) & 1)); then
-    expect 0 root-dump.json "$NPUSNAP" dump --leave-running "$JOB" "$WORK/images/img" --json
-    [ "$(stat -c '%a %U' "$WORK/images/img")" = "700 root" ] || fail "image is not private to root"
-    echo "root dumped $JOB_USER's job $JOB (left running): $(json root-dump.json 'd["result"]["image"]')"
-else
-    expect 3 root-dump.json "$NPUSNAP" dump --leave-running "$JOB" "$WORK/images/img" --json
-    json root-dump.json 'd["error"]["message"]' | grep -q CAP_SYS_RESOURCE || fail "unexpected refusal"
-    echo "root lacks CAP_SYS_RESOURCE here: npusnap refuses to dump another user's job (exit 3)"
-fi
-expect 0 root-status.json "$NPUSNAP" status "$JOB" --json
-[ "$(json root-status.json 'd["result"]["processes"][0]["status"]["state"]')" = RUNNING ] || fail "not RUNNING"
-wait_step "$UHOME/job.log" $(($(last_step "$UHOME/job.log") + 2))
-echo "OK"
+# --- block 9 ---
+kill "$PID"
+"${AS_USER[@]}" "${USER_NPUSNAP[@]}" sim stop
+
+echo OK

@@ -1,123 +1,98 @@
 #!/usr/bin/env bash
-# Runbook: recover from a failed dump (docs/runbooks/recover-failed-dump.md).
+# Runbook: Recover from a failed dump (recover-failed-dump.md).
 #
-# Self-contained against the simulated NPU. One job, three failed dumps, each read the way an
-# operator (or a script) should read it, each followed by proof that the job is running, then a
-# dump that succeeds:
-#   1. Preflight refuses (exit 3) before touching the job: it shares its launcher's session, which
-#      CRIU dumps only as a shell job; the fix names --shell-job.
-#   2. A CANN snapshot call fails (exit 7): Backup returns 507908 (simulator fault switch).
-#   3. The rollback itself fails (exit 9, state unknown): Unlock returns 507907; the job stays
-#      locked until `npusnap thaw PID`, which the error tells you to run.
+# GENERATED from recover-failed-dump.md by scripts/runbooks.py: edit the page, then run that script.
+# The body below is the page's ```bash blocks, in order, exactly as an operator pastes them into
+# an interactive shell. This prologue only adds what a test needs: a scratch directory (removed at
+# the end), `set -euo pipefail` (a check on the page that does not hold stops the run), and
+# killing the jobs the page started. Run it as root, from anywhere:
 #
-# Environment: NPUSNAP (default: npusnap), PYTHON (default: python3), WORKLOADS (the directory of
-# the sample workloads; default: the repository's npusnap_cli/workloads).
+#     NPUSNAP=/path/to/npusnap/.venv/bin/npusnap recover-failed-dump.sh
+#
+# NPUSNAP: the npusnap to use (its directory goes first on PATH, so `python3` is its Python too).
 set -euo pipefail
-
-NPUSNAP=${NPUSNAP:-npusnap}
-PYTHON=${PYTHON:-python3}
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-WORKLOADS=${WORKLOADS:-$HERE/../../npusnap_cli/workloads}
-case $NPUSNAP in */*) NPUSNAP=$(cd "$(dirname "$NPUSNAP")" && pwd)/$(basename "$NPUSNAP") ;; esac
-
-WORK=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
-# npusnap keeps the CRIU logs of failed dumps in $TMPDIR/npusnap-logs/: these go away with $WORK.
-export TMPDIR=$WORK
-JOB=""
-SIM_STARTED=False
-cleanup() {
-    local rc=$?
-    if [ -n "$JOB" ] && grep -qs train.py "/proc/$JOB/cmdline"; then kill -9 "$JOB" 2>/dev/null || true; fi
-    if [ "$SIM_STARTED" = True ]; then "$NPUSNAP" sim stop >/dev/null 2>&1 || true; fi
-    rm -rf "$WORK"
+if [ -n "${NPUSNAP:-}" ]; then
+    case $NPUSNAP in
+    */*) PATH=$(cd "$(dirname "$NPUSNAP")" && pwd):$PATH ;;
+    esac
+fi
+RUNBOOK_DIR=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
+SIM_WAS_RUNNING=$(npusnap --json sim status |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
+runbook_cleanup() {
+    local rc=$? f p
+    cd /
+    # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
+    for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    p=${PID:-}
+    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+        kill -9 "$p" 2>/dev/null || true
+    fi
+    if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
+    # Simulators the page started for other users, with their sockets in the scratch directory.
+    for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
+        NPUSIM_SOCKET=$f npusnap sim stop >/dev/null 2>&1 || true
+    done
+    rm -rf "$RUNBOOK_DIR"
     if [ $rc -ne 0 ]; then echo "FAILED (exit $rc)" >&2; fi
     exit $rc
 }
-trap cleanup EXIT
+trap runbook_cleanup EXIT
 trap 'exit 130' INT TERM
-fail() { echo "FAIL: $*" >&2; exit 1; }
-json() { "$PYTHON" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"; }
-# npj FILE ARGS...: `npusnap ARGS --json` into FILE; on failure show the error and its fix, and fail.
-npj() {
-    local out=$1 rc=0
-    shift
-    "$NPUSNAP" "$@" --json >"$out" || rc=$?
-    if [ $rc -ne 0 ]; then
-        json "$out" '"%s\n  why: %s\n  fix: %s" % (d["error"]["message"], d["error"]["why"], d["error"]["fix"])' >&2 || true
-        fail "npusnap $* exited $rc"
-    fi
-}
-last_step() { awk '$1 == "step" { n = $2 } END { print n + 0 }' "$1"; }
-wait_step() {
-    for _ in $(seq 100); do [ "$(last_step "$1")" -ge "$2" ] && return 0; sleep 0.1; done
-    fail "$1 did not reach step $2 (last: $(last_step "$1"))"
-}
-state() { npj status.json status "$JOB" && json status.json 'd["result"]["processes"][0]["status"]["state"]'; }
-# running: the job is alive, RUNNING, and computes (its step counter moves on).
-running() {
-    kill -0 "$JOB" || fail "the job is gone"
-    [ "$(state)" = RUNNING ] || fail "the job is $(state), not RUNNING"
-    wait_step job.log $(($(last_step job.log) + 2))
-}
-# dump_expect CODE ARGS...: a dump that must exit CODE; its envelope is left in dump.json.
-dump_expect() {
-    local want=$1 rc=0
-    shift
-    "$NPUSNAP" dump --json "$@" >dump.json || rc=$?
-    [ $rc -eq "$want" ] || fail "dump exited $rc, expected $want: $(cat dump.json)"
-    echo "dump exited $rc ($(json dump.json 'd["error"]["kind"]')): $(json dump.json 'd["error"]["message"]')"
-    echo "  fix: $(json dump.json 'd["error"]["fix"]')"
-    [ ! -e "$WORK/img" ] || fail "a failed dump left $WORK/img behind"
-}
+cd "$RUNBOOK_DIR"
 
-cd "$WORK"
-npj sim.json sim start
-SIM_STARTED=$(json sim.json 'd["result"]["started"]')
-eval "$("$NPUSNAP" sim env)"
-
-# The job. NPUSIM_FAULT_FILE lets this script make the simulated CANN calls fail on demand
-# (KEY=VALUE lines, re-read at every snapshot call; see docs/reference/sim.md). The job is not a
-# session leader: like a job started from an interactive shell or by a launcher script, it shares
-# the session of its launcher (here a small `sh`, which owns a new session so that this works the
-# same wherever the runbook itself was started).
+# --- block 1 ---
+npusnap sim start
+eval "$(npusnap sim env)"
 : >faults
-NPUSIM_FAULT_FILE=$WORK/faults setsid sh -c '"$@" & echo $! >job.pid; wait' sh \
-    "$NPUSNAP" run -- "$PYTHON" "$WORKLOADS/train.py" --steps 1000 --interval 0.05 </dev/null >>job.log 2>>job.err &
-for _ in $(seq 100); do [ -s job.pid ] && break; sleep 0.05; done
-JOB=$(cat job.pid)
-wait_step job.log 3
+NPUSIM_FAULT_FILE=$PWD/faults setsid sh -c \
+    'npusnap run -- python3 -m npusnap_cli.workloads.train --steps 1000 --interval 0.05 >>job.log 2>&1 & echo $! >job.pid; wait' \
+    </dev/null >/dev/null 2>&1 &
+timeout 10 sh -c 'until [ -s job.pid ]; do sleep 0.1; done'
+PID=$(cat job.pid)
+timeout 20 sh -c 'until grep -q "^step 3 " job.log; do sleep 0.1; done'
 
-# 1. Preflight refuses: exit 3, before anything was locked (CRIU would have refused this tree
-#    without --shell-job). The job never stopped; the fix names the option.
-dump_expect 3 "$JOB" "$WORK/img"
-json dump.json 'd["error"]["fix"]' | grep -q -- --shell-job || fail "the fix does not name --shell-job"
-running
+# --- block 2 ---
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
 
-# 2. A device call fails: exit 7, with the ACL code in details.agent_error; rolled back.
+# --- block 3 ---
+rc=0; npusnap --json dump "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  fix:", e["fix"])'
+[ "$rc" -eq 3 ]
+grep -c -- --shell-job dump.json
+[ ! -e img ]
+npusnap status "$PID" | grep RUNNING
+
+# --- block 4 ---
 echo NPUSIM_FAULT_BACKUP=1 >faults
-dump_expect 7 --shell-job "$JOB" "$WORK/img"
-[ "$(json dump.json 'd["error"]["details"]["agent_error"]["code"]')" = 507908 ] || fail "expected ACL 507908"
+rc=0; npusnap --json dump --shell-job "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  ACL code:", e["details"]["agent_error"]["code"])'
+[ "$rc" -eq 7 ]
 : >faults
-running
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
 
-# 3. The rollback fails: exit 9. Unlock fails, so the job cannot be unlocked: it is stuck
-#    (frozen, BACKED_UP), and the error lists the commands to run. The image was removed.
+# --- block 5 ---
 echo NPUSIM_FAULT_UNLOCK=1 >faults
-dump_expect 9 --shell-job --leave-running "$JOB" "$WORK/img"
-json dump.json 'd["error"]["fix"]' | grep -q "npusnap thaw $JOB" || fail "the fix does not say npusnap thaw"
-STUCK=$(state)
-case $STUCK in LOCKED | BACKED_UP) echo "job is $STUCK: its device calls block" ;; *) fail "job is $STUCK" ;; esac
-AT=$(last_step job.log)
-sleep 0.5
-[ "$(last_step job.log)" -le $((AT + 1)) ] || fail "a locked job kept computing"
-# What a person does: find out why Unlock failed (here: the fault switch), fix it, then thaw.
-: >faults
-npj thaw.json thaw "$JOB"
-echo "thaw: $(json thaw.json 'd["result"]')"
-running
+rc=0; npusnap --json dump --shell-job --leave-running "$PID" img >dump.json || rc=$?
+python3 -c 'import json; e = json.load(open("dump.json"))["error"]; print(e["kind"], "-", e["message"]); print("  fix:", e["fix"])'
+[ "$rc" -eq 9 ]
+grep -c "npusnap thaw $PID" dump.json
+npusnap status "$PID" | grep -E 'LOCKED|BACKED_UP'
 
-# After the cause is fixed, the same dump succeeds.
-npj ok.json dump --shell-job --leave-running "$JOB" "$WORK/img"
-"$NPUSNAP" verify "$WORK/img"
-running
-echo "OK"
+# --- block 6 ---
+: >faults
+npusnap thaw "$PID"
+npusnap status "$PID" | grep RUNNING
+N=$(grep -c '^step ' job.log); timeout 20 sh -c "until [ \$(grep -c '^step ' job.log) -ge $((N + 2)) ]; do sleep 0.1; done"
+
+# --- block 7 ---
+IMG=$(npusnap dump --shell-job --leave-running "$PID" img)
+npusnap verify "$IMG"
+npusnap status "$PID" | grep RUNNING
+
+echo OK

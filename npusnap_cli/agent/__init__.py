@@ -1,17 +1,16 @@
-"""The npusnap agent: a control thread inside a process that uses the Ascend NPU.
+"""The npusnap agent's Python face: ``start()`` and application hooks.
 
 Standard library only, Python 3.9+. Importing this package starts nothing and imports nothing
-heavy. Ways in:
+heavy. The agent itself is native (``libnpusnap_agent.so``, see docs/agent.md): its own pthread
+serves the control socket, calls the CANN snapshot API and runs the lease, and never needs the
+GIL. This module only loads it, tells it about the interpreter, and runs Python hooks for it.
 
-* ``npusnap run -- python train.py`` starts it in every Python process of the launched tree
-  (env-gated ``sitecustomize``, ``NPUSNAP_AGENT=1``);
+Ways in:
+
+* ``npusnap run -- PROG`` preloads the library into any program (Python or not) and starts it;
+  in Python processes the env-gated ``sitecustomize`` also calls ``start()`` so hooks work;
 * ``import npusnap_cli.agent as agent; agent.start()`` in the application;
-* ``npusnap attach PID`` injects a bootstrap that calls ``start()``.
-
-The agent serves ``paths.agent_socket_path(os.getpid())`` and lets the npusnap CLI Lock / Back
-up / Restore / Unlock this process's CANN runtime (the snapshot API only acts on the calling
-process). It never raises into the application: failures are logged to stderr with an
-``npusnap-agent:`` prefix.
+* ``npusnap attach PID`` loads it into a running process.
 
 Application hooks::
 
@@ -19,44 +18,105 @@ Application hooks::
     agent.register_hook("post_unlock", reload_weights)
 
 Stages: ``pre_lock``, ``post_backup``, ``post_restore``, ``post_unlock`` (see ``hooks.py``).
-A hook that raises aborts the operation and the snapshot state is rolled back.
+A hook that raises aborts the operation and the snapshot state is rolled back. The agent waits
+for the hooks of a stage at most ``hook_timeout_s`` (default 10 s): if the GIL cannot be had in
+time (an extension holds it while it waits for the device), the stage fails, the agent rolls
+back natively, and the hooks, should they get the GIL later, see that they were cancelled and
+do nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import sys
 import threading
-from typing import Optional
+from typing import Any, Optional
 
-from npusnap_cli.agent.hooks import STAGES, Hook, HookRegistry
-from npusnap_cli.agent.server import Agent, log
+from npusnap_cli.agent import native
+from npusnap_cli.agent.hooks import STAGES, Hook, HookFailed, HookRegistry
 
 __all__ = ["STAGES", "register_hook", "running", "socket_path", "start", "stop", "unregister_hook"]
 
 ENV_SWITCH = "NPUSNAP_AGENT"
+DEFAULT_HOOK_TIMEOUT_S = 10.0
 
 _lock = threading.Lock()
-_agent: Optional[Agent] = None
+_lib: Optional[ctypes.CDLL] = None
 _hooks = HookRegistry()  # kept across agent restarts and inherited by forked children
+_callback: Any = None  # the ctypes callback object must outlive its registration
 _fork_handler_installed = False
 
 
-def start() -> Optional[str]:
-    """Start the agent thread (idempotent); return the socket path, or None if it failed.
+def log(message: str) -> None:
+    """Write one line to the target's stderr; never raises (stderr may be closed)."""
+    try:
+        sys.stderr.write(f"npusnap-agent: [{os.getpid()}] {message}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _run_stage(handle: Optional[int], stage: bytes, out: Optional[int], outlen: int) -> int:
+    """Called by the native core on a helper thread (ctypes takes the GIL first)."""
+    try:
+        lib = _lib
+        if lib is None or out is None:
+            return 1
+        if lib.npusnap_agent_hook_claim(handle) != 0:
+            return 2  # the agent gave up waiting and rolled back: do nothing
+        payload: dict[str, Any]
+        try:
+            payload = {"ok": True, "ran": _hooks.run(stage.decode())}
+        except HookFailed as exc:
+            log(str(exc))
+            payload = {"ok": False, "hook": exc.hook, "error": exc.error[:2000]}
+        data = json.dumps(payload).encode("utf-8")
+        if len(data) >= outlen:
+            data = json.dumps({"ok": False, "hook": "?", "error": "hook result too large"}).encode()
+        ctypes.memmove(out, data + b"\0", len(data) + 1)
+        return 0
+    except BaseException:
+        return 1
+
+
+def _sync_hooks() -> None:
+    lib = _lib
+    if lib is None:
+        return
+    names = _hooks.names()
+    mask = sum(1 << i for i, stage in enumerate(STAGES) if names.get(stage))
+    lib.npusnap_agent_set_hooks(mask, json.dumps(names).encode("utf-8"))
+
+
+def start(hook_timeout_s: float = DEFAULT_HOOK_TIMEOUT_S) -> Optional[str]:
+    """Start the agent (idempotent); return the socket path, or None if it failed.
 
     Never raises: a process must not die because its snapshot agent could not start.
     """
-    global _agent
+    global _lib, _callback
     try:
         with _lock:
             _install_fork_handler()
-            if _agent is not None and _agent.pid == os.getpid():
-                return str(_agent.socket_path)
-            agent = Agent(hooks=_hooks)
-            agent.bind()
-            agent.start_thread()
-            _agent = agent
-            return str(agent.socket_path)
+            if _lib is None:
+                _lib = native.load()
+            lib = _lib
+            if _callback is None:
+                _callback = native.HOOK_CALLBACK(_run_stage)
+            lib.npusnap_agent_set_hook_callback(_callback, float(hook_timeout_s))
+            info = {
+                "version": sys.version.split()[0],
+                "executable": sys.executable,
+                "implementation": sys.implementation.name,
+            }
+            lib.npusnap_agent_set_python_info(json.dumps(info).encode("utf-8"))
+            _sync_hooks()
+            path = lib.npusnap_agent_start()
+            if not path:
+                log(f"could not start the agent: {lib.npusnap_agent_last_error().decode(errors='replace')}")
+                return None
+            return str(path.decode())
     except Exception as exc:
         log(f"could not start the agent: {type(exc).__name__}: {exc}")
         return None
@@ -64,25 +124,24 @@ def start() -> Optional[str]:
 
 def stop() -> None:
     """Stop serving and remove the socket (the snapshot state is left as it is)."""
-    global _agent
     try:
         with _lock:
-            if _agent is not None:
-                _agent.stop()
-            _agent = None
+            if _lib is not None:
+                _lib.npusnap_agent_stop()
     except Exception as exc:
         log(f"could not stop the agent: {exc}")
 
 
 def running() -> bool:
-    """True if this process's agent thread is alive."""
-    agent = _agent
-    return bool(agent is not None and agent.pid == os.getpid() and agent.thread and agent.thread.is_alive())
+    """True if this process's agent thread is running."""
+    lib = _lib
+    return bool(lib is not None and lib.npusnap_agent_running())
 
 
 def socket_path() -> Optional[str]:
-    agent = _agent
-    return str(agent.socket_path) if agent is not None and agent.pid == os.getpid() else None
+    lib = _lib
+    path = lib.npusnap_agent_socket_path() if lib is not None else None
+    return path.decode() if path else None
 
 
 def register_hook(stage: str, fn: Hook, name: str = "") -> str:
@@ -90,22 +149,24 @@ def register_hook(stage: str, fn: Hook, name: str = "") -> str:
 
     Raises ValueError for an unknown stage: that is a programming error in the caller.
     """
-    return _hooks.register(stage, fn, name)
+    label = _hooks.register(stage, fn, name)
+    _sync_hooks()
+    return label
 
 
 def unregister_hook(stage: str, fn: Hook) -> bool:
-    return _hooks.unregister(stage, fn)
+    done = _hooks.unregister(stage, fn)
+    _sync_hooks()
+    return done
 
 
 def _after_fork_in_child() -> None:
-    """The child of a fork must not serve (or keep open) its parent's socket."""
-    global _agent, _lock
+    """The native core resets itself in a forked child (and restarts there under
+    ``NPUSNAP_AGENT=1``); Python's own locks may have been held by another thread at fork time."""
+    global _lock
     try:
-        _lock = threading.Lock()  # the parent's lock may have been held by another thread
-        _hooks.reinit_after_fork()  # so may the hook registry's
-        if _agent is not None:
-            _agent.close_inherited()
-        _agent = None
+        _lock = threading.Lock()
+        _hooks.reinit_after_fork()
         if os.environ.get(ENV_SWITCH) == "1":
             start()
     except Exception as exc:

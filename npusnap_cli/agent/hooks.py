@@ -10,7 +10,8 @@ Stages (the names are part of the public API, see ``npusnap_cli.agent.register_h
   block until Unlock, so a hook here must not allocate/copy on the device;
 * ``post_unlock``  after Unlock: resume the app (reload weights, rebuild communicators).
 
-Hooks take no arguments and run on the agent thread. A hook that raises aborts the operation:
+Hooks take no arguments and run on a helper thread that the native agent waits for with a
+deadline (see ``npusnap_cli.agent``). A hook that raises aborts the operation:
 the agent rolls the snapshot state back to what it was before and reports the failure.
 """
 

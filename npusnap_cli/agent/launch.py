@@ -1,6 +1,10 @@
 """How `npusnap run` starts a program with the agent: environment and exec.
 
-The bootstrap directory (``agent/bootstrap``, holding an env-gated ``sitecustomize.py``) goes
+Any dynamically linked program gets the native agent: ``LD_PRELOAD`` names
+``libnpusnap_agent.so``, whose constructor starts the agent thread when ``NPUSNAP_AGENT=1``
+(inherited by the whole tree, exec'd children included). Python interpreters also get the
+bootstrap, so that the agent's Python face (hooks, interpreter info) is set up there: the
+bootstrap directory (``agent/bootstrap``, holding an env-gated ``sitecustomize.py``) goes
 first on PYTHONPATH; ``NPUSNAP_AGENT=1`` switches it on; ``NPUSNAP_PKG_PARENT`` tells it where
 this copy of ``npusnap_cli`` lives, so the target imports the agent of the same npusnap version
 as the CLI, whatever Python (3.9+) the target runs.
@@ -9,13 +13,16 @@ as the CLI, whatever Python (3.9+) the target runs.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli.errors import TargetError, UsageError
+from npusnap_cli.agent import native
+from npusnap_cli.errors import PreflightError, TargetError, UsageError
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
@@ -32,7 +39,9 @@ class LaunchPlan:
             "pid": os.getpid(),
             "argv": self.argv,
             "executable": self.executable,
-            "env": {k: self.env[k] for k in ("NPUSNAP_AGENT", "NPUSNAP_PKG_PARENT", "PYTHONPATH")},
+            "env": {
+                k: self.env[k] for k in ("NPUSNAP_AGENT", "NPUSNAP_PKG_PARENT", "PYTHONPATH", "LD_PRELOAD")
+            },
         }
 
 
@@ -43,7 +52,44 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
     env["NPUSNAP_AGENT"] = "1"
     env["NPUSNAP_PKG_PARENT"] = str(PKG_PARENT)
+    lib = native.library_path(include_mapped=False)
+    if lib is None:
+        raise PreflightError(
+            f"the native agent library {native.LIBRARY_NAME} is not built",
+            why="looked at " + ", ".join(str(p) for p in native.candidates()),
+            fix="run scripts/setup.sh (or `make -C native`) in the npusnap checkout",
+        )
+    # ld.so splits LD_PRELOAD at spaces and colons: a path with either cannot be preloaded.
+    if any(c in str(lib) for c in " :"):
+        raise PreflightError(
+            f"cannot preload {lib}: its path contains a space or a colon",
+            why="ld.so splits LD_PRELOAD at spaces and colons",
+            fix="install npusnap under a path without spaces or colons",
+        )
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p and p != str(lib)]
+    env["LD_PRELOAD"] = " ".join([str(lib), *preload])
     return env
+
+
+def statically_linked(path: str) -> bool:
+    """True for an ELF executable without an interpreter (PT_INTERP): ld.so never runs for it,
+    so LD_PRELOAD cannot give it an agent. Scripts and unreadable files count as not static."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit ELF only
+                return False
+            end = "<" if head[5] == 1 else ">"
+            phoff = struct.unpack_from(end + "Q", head, 0x20)[0]
+            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError:
+        return False
+    types = [struct.unpack_from(end + "I", table, i)[0] for i in range(0, len(table) - 3, phentsize)]
+    return 3 not in types  # PT_INTERP
 
 
 def prepare(argv: list[str], base_env: Optional[dict[str, str]] = None) -> LaunchPlan:
@@ -96,3 +142,81 @@ def exec_plan(plan: LaunchPlan) -> None:
             why="the file is not executable or its interpreter is missing",
             fix=f"check `ls -l {plan.executable}`",
         ) from None
+
+
+# How long `run --detach` waits for the child to exec the program (or to report why it could not).
+DETACH_EXEC_TIMEOUT_S = 10.0
+
+
+def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
+    """Start the program in the background in a session of its own; return its pid.
+
+    The pid is the program's own (the child execs it: no shell, no setsid(1) in between), and it
+    leads its own session, which CRIU needs to dump it without --shell-job. stdin is /dev/null;
+    stdout and stderr are appended to ``output`` (default /dev/null). Returns once the exec
+    succeeded: a failed exec is reported here as an error, through a close-on-exec pipe.
+    """
+    out_path = str(output) if output is not None else os.devnull
+    try:
+        out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot open {out_path} for the program's output: {exc.strerror}",
+            fix="pass a writable file to --output",
+        ) from None
+    null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: becomes the program
+        try:
+            os.close(rfd)
+            os.setsid()
+            os.dup2(null_fd, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(out_fd, 2)
+            os.execvpe(plan.executable, plan.argv, plan.env)
+        except BaseException as exc:
+            try:
+                os.write(wfd, f"{getattr(exc, 'strerror', None) or exc}".encode(errors="replace"))
+            finally:
+                os._exit(127)
+    os.close(wfd)
+    os.close(out_fd)
+    os.close(null_fd)
+    try:
+        message = _read_until_eof(rfd, DETACH_EXEC_TIMEOUT_S)
+    finally:
+        os.close(rfd)
+    if message is None:
+        raise TargetError(
+            f"the program (pid {pid}) did not start within {DETACH_EXEC_TIMEOUT_S:g}s",
+            why="the exec did not complete (an overloaded host?)",
+            fix=f"check `ps -p {pid}` and the program's output",
+        )
+    if message:
+        os.waitpid(pid, 0)
+        raise TargetError(
+            f"cannot execute {plan.argv[0]}: {message}",
+            why="the file is not executable or its interpreter is missing",
+            fix=f"check `ls -l {plan.executable}`",
+        )
+    return pid
+
+
+def _read_until_eof(fd: int, timeout_s: float) -> Optional[str]:
+    """Everything written to ``fd`` until EOF; None if EOF does not come within ``timeout_s``."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return data.decode(errors="replace")
+        data += chunk

@@ -9,7 +9,7 @@ import typer
 
 from npusnap_cli.ui import Output
 
-JSON_HELP = "Print one JSON envelope on stdout (human text goes to stderr)."
+JSON_HELP = "Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay on stderr)."
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,26 @@ def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
     return _current
 
 
+def reset_output() -> None:
+    global _current
+    _current = None
+
+
+def options_part(argv: list[str]) -> list[str]:
+    """The arguments before ``--`` (what follows is a program's command line, e.g. `run`'s)."""
+    return argv[: argv.index("--")] if "--" in argv else argv
+
+
 def json_requested(argv: list[str]) -> bool:
-    return "--json" in argv
+    return "--json" in options_part(argv)
+
+
+def command_name(argv: list[str]) -> str:
+    """Best guess at the command from raw arguments (before typer parsed them): its words."""
+    words = [a for a in options_part(argv) if not a.startswith("-")]
+    if not words:
+        return "npusnap"
+    return " ".join(words[:2]) if words[0] == "sim" and len(words) > 1 else words[0]
 
 
 def verbosity(argv: list[str]) -> int:
@@ -48,5 +66,13 @@ def current_output(argv: list[str]) -> Output:
     """The command's Output if it got that far, else one built from the raw arguments."""
     if _current is not None:
         return _current
-    command = next((a for a in argv if not a.startswith("-")), "npusnap")
-    return Output(command, json_mode=json_requested(argv))
+    return Output(command_name(argv), json_mode=json_requested(argv))
+
+
+def clean_stale_sockets(out: Output) -> None:
+    """Remove agent sockets whose process is gone (see hostclean.py); commands that look for
+    agents call this first, so that /run/npusnap holds only live agents."""
+    from npusnap_cli import hostclean
+
+    for entry in hostclean.remove_stale_agent_sockets():
+        out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")

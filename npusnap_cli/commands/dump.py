@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 class ProgressBars:
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         pids: Optional[list[int]] = typer.Argument(
             None,
+            min=1,
             metavar="PID... DIR",
             help="Root of the process tree to snapshot; several PIDs: one coordinated job image, "
             "one rank per PID (docs/distributed.md).",
@@ -99,7 +100,28 @@ def register(app: typer.Typer) -> None:
             60.0,
             "--lease",
             min=1.0,
-            help="Seconds each agent waits for npusnap before rolling its process back by itself.",
+            help="Seconds each agent waits for npusnap before rolling its process back by itself "
+            "(default 60: a dump holds the lock only while it runs itself; `freeze` defaults to 300 "
+            "because a person or an external tool holds that one).",
+        ),
+        keep_last: Optional[int] = typer.Option(
+            None,
+            "--keep-last",
+            min=1,
+            help="After a successful dump, remove the oldest npusnap images next to DIR (in its parent) "
+            "so that N remain; only complete npusnap image directories are ever removed.",
+        ),
+        latest: bool = typer.Option(
+            False,
+            "--latest",
+            help="After a successful dump, point the symlink `latest` in DIR's parent at DIR (atomically).",
+        ),
+        sign: Optional[Path] = typer.Option(
+            None,
+            "--sign",
+            metavar="KEYFILE",
+            help="Sign the image's manifest with this Ed25519 private key (PEM), for "
+            "`restore/verify --require-signature`.",
         ),
         coordinator: Optional[str] = typer.Option(
             None,
@@ -136,6 +158,7 @@ def register(app: typer.Typer) -> None:
             )
 
         out = output(ctx, "dump", json_flag)
+        clean_stale_sockets(out)
         bars = ProgressBars(out)
 
         def phase(label: str) -> None:
@@ -157,6 +180,7 @@ def register(app: typer.Typer) -> None:
             link_remap=link_remap,
             network_lock=network_lock,
             external_pipes=external_pipes,
+            sign_key=sign,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])
@@ -179,9 +203,16 @@ def register(app: typer.Typer) -> None:
             # Tasks share slurmstepd's session and the first task's process group.
             options = dataclasses.replace(options, shell_job=True)
         if not pids:
-            raise UsageError("no PID given", fix="npusnap dump PID [PID...] DIR, or --slurm-job JOBID DIR")
+            raise UsageError(
+                "no PID given",
+                fix="npusnap dump PID [PID...] DIR, or --slurm-job JOBID DIR (see `npusnap dump --help`)",
+            )
         if len(pids) > 1 or slurm_job is not None or net is not None:
             # A job image (a one-task Slurm job, or one node's part of a job, too).
+            if keep_last is not None or latest:
+                raise UsageError(
+                    "--keep-last and --latest are for single images", fix="drop them for a job dump"
+                )
             jobcmd.dump_job(out, pids, directory, options, callbacks, net)
             return
         pid = pids[0]
@@ -208,6 +239,7 @@ def register(app: typer.Typer) -> None:
                 ["unlock", fmt_s(t.unlock_s)],
                 ["publish (checksums, fsync, rename)", fmt_s(t.publish_s)],
             ],
+            stream="stderr",
         )
         out.kv(
             "summary",
@@ -220,9 +252,29 @@ def register(app: typer.Typer) -> None:
                 if m.leave_running
                 else f"gone (bring it back: npusnap restore {result.image})",
             },
+            stream="stderr",
         )
         if result.attached:
             out.line(f"agents were attached to pid(s) {', '.join(map(str, result.attached))}")
         if result.logs:
             out.line(f"CRIU logs kept in {result.logs}")
-        out.result(result.to_dict())
+        data = result.to_dict()
+        data.update(_manage(out, Path(result.image), keep_last, latest))
+        out.data(result.image)
+        out.result(data)
+
+
+def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+    """--latest and --keep-last, after the image is complete (the pointer first: rotation never
+    removes what `latest` names)."""
+    from npusnap_cli import imagestore
+
+    done: dict[str, Any] = {"latest": None, "removed": []}
+    if latest:
+        done["latest"] = imagestore.update_latest(image)
+        out.line(f"{done['latest']} -> {image.name}")
+    if keep_last is not None:
+        done["removed"] = imagestore.rotate(image.parent, keep_last, keep=image)
+        for path in done["removed"]:
+            out.line(f"removed old image {path} (--keep-last {keep_last})")
+    return done

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
@@ -15,12 +15,14 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def freeze(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to freeze (every NPU process of its tree)."),
-        lease: float = typer.Option(
-            DEFAULT_FREEZE_LEASE_S,
+        pid: int = typer.Argument(..., min=1, help="The process to freeze (every NPU process of its tree)."),
+        lease: Optional[float] = typer.Option(
+            None,
             "--lease",
             min=0.1,
-            help="Thaw by itself after this many seconds of run time unless thawed or renewed.",
+            help=f"Thaw by itself after this many seconds of run time unless thawed or renewed "
+            f"(default {DEFAULT_FREEZE_LEASE_S:g}: longer than dump's 60, because a freeze waits for a "
+            "person or an external tool, a dump only for npusnap itself).",
         ),
         no_lease: bool = typer.Option(
             False, "--no-lease", help="Stay frozen until `npusnap thaw PID`, however long that takes."
@@ -38,18 +40,25 @@ def register(app: typer.Typer) -> None:
 
         Device work blocks until `npusnap thaw PID`. By default a lease thaws the processes by
         themselves after --lease seconds of run time, so a forgotten freeze cannot hang a job.
-        All or nothing: if one process cannot be frozen, all are thawed again.
+        All or nothing: if one process cannot be frozen, all are thawed again. A job that another
+        command has locked is refused (exit 11), naming it; Ctrl-C/SIGTERM rolls back (exit 130).
         """
         from npusnap_cli import devicegroup
 
         out = output(ctx, "freeze", json_flag)
-        lease_s: Optional[float] = None if no_lease else lease
-        pids = devicegroup.tree_targets(pid)
-        with (
-            out.phase(f"freezing {len(pids)} process(es)"),
-            devicegroup.DeviceGroup(pids, lease_s=lease_s, timeout=timeout) as group,
-        ):
-            results = group.lock_and_backup(backup=backup)
+        if no_lease and lease is not None:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                "--lease and --no-lease contradict each other",
+                why="--no-lease means no time limit; --lease sets one",
+                fix=f"give one of them: `npusnap freeze {pid} --lease {lease:g}` or "
+                f"`npusnap freeze {pid} --no-lease`",
+            )
+        clean_stale_sockets(out)
+        lease_s: Optional[float] = None if no_lease else (DEFAULT_FREEZE_LEASE_S if lease is None else lease)
+        with out.phase("freezing"):
+            results = devicegroup.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
         out.table(
             f"npusnap freeze {pid}",
             ["pid", "state", "lease"],
@@ -64,21 +73,28 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def thaw(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to thaw (every NPU process of its tree)."),
+        pid: int = typer.Argument(..., min=1, help="The process to thaw (every NPU process of its tree)."),
         timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="Seconds to wait for each agent."),
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="Thaw even a lock another command holds (a dump in progress, someone's external "
+            "checkpoint): that command will fail.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Bring every NPU process of PID's tree back to RUNNING, whatever its snapshot state.
 
         From BACKED_UP this unlocks directly (device memory is intact), except in a process that
         CRIU restored, where Restore comes first. Safe to run on a process that is running.
+        Thaws what `npusnap freeze` locked; a lock another command holds is refused (exit 11,
+        naming it) unless --force.
         """
         from npusnap_cli import devicegroup
 
         out = output(ctx, "thaw", json_flag)
-        pids = devicegroup.tree_targets(pid)
-        with devicegroup.DeviceGroup(pids, timeout=timeout) as group:
-            results = group.rollback()
+        clean_stale_sockets(out)
+        results = devicegroup.thaw(pid, force=force, timeout=timeout)
         out.table(
             f"npusnap thaw {pid}",
             ["pid", "was", "actions", "state"],
@@ -101,5 +117,6 @@ def _lease_text(result: dict[str, object]) -> str:
     return "none"
 
 
-def _by_pid(results: dict[int, dict[str, object]]) -> dict[str, dict[str, object]]:
-    return {str(p): r for p, r in sorted(results.items())}
+def _by_pid(results: dict[int, dict[str, object]]) -> list[dict[str, object]]:
+    """``processes`` has one shape in every command's JSON: a list of objects with ``pid``."""
+    return [{**r, "pid": p} for p, r in sorted(results.items())]

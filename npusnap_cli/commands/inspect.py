@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -14,11 +14,29 @@ def _fmt_s(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3f}s"
 
 
+IMAGE_ARG_HELP = "An image directory (`npusnap dump`) or archive (`npusnap export`)."
+
+
+def _is_archive(path: Path) -> bool:
+    from npusnap_cli import archive
+
+    return archive.is_archive(path)
+
+
+def _load(path: Path) -> Any:
+    """The manifest of an image directory or of an archive (`npusnap export`), read in place."""
+    from npusnap_cli import archive, image
+
+    return archive.load_manifest(path) if archive.is_archive(path) else image.load_manifest(path)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="The image directory written by `npusnap dump`."),
+        directory: Path = typer.Argument(
+            ..., help="An image directory (`npusnap dump`) or archive (`npusnap export`)."
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Show what an image holds: processes, devices, sizes, versions and per-phase timings."""
@@ -33,7 +51,7 @@ def register(app: typer.Typer) -> None:
 
             jobcmd.inspect_job(out, directory)
             return
-        manifest = image.load_manifest(directory)
+        manifest = _load(directory)
         data = {"image": str(directory), **manifest.to_dict()}
         v = manifest.versions
         out.kv(
@@ -62,8 +80,6 @@ def register(app: typer.Typer) -> None:
 
         def walk(p: image.ProcessEntry, depth: int) -> None:
             cmd = " ".join(p.cmdline)
-            if len(cmd) > 70:
-                cmd = cmd[:67] + "..."
             npu = (
                 f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
                 if p.npu
@@ -100,13 +116,23 @@ def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify_cmd(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="The image directory written by `npusnap dump`."),
+        directory: Path = typer.Argument(
+            ..., help="An image directory (`npusnap dump`) or archive (`npusnap export`)."
+        ),
         no_checksums: bool = typer.Option(
             False, "--no-checksums", help="Check only the structure and file sizes, not the sha256 sums."
         ),
+        require_signature: Optional[Path] = typer.Option(
+            None,
+            "--require-signature",
+            metavar="PUBKEYFILE",
+            help="Fail unless `dump --sign` signed the image with the key of this Ed25519 public key (PEM).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Check an image: manifest schema, every file present with its size and sha256.
+        """Check an image: trust (only regular files, owner and modes, manifest schema and
+        self-hash, the signature with --require-signature), every file present with its size
+        and sha256.
 
         Exits non-zero (the image error code) on any mismatch and names the file.
         """
@@ -119,14 +145,31 @@ def register(app: typer.Typer) -> None:
         if jobsnap.is_job_image(directory):
             from npusnap_cli.commands import jobcmd
 
-            jobcmd.verify_job(out, directory, checksums=not no_checksums)
+            jobcmd.verify_job(out, directory, checksums=not no_checksums, require_signature=require_signature)
             return
-        manifest = image.load_manifest(directory)
+        manifest = _load(directory)
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:
-            result = image.verify(directory, checksums=not no_checksums, progress=bar.advance)
+            if _is_archive(directory):
+                from npusnap_cli import archive
+
+                result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
+            else:
+                result = image.verify(
+                    directory,
+                    checksums=not no_checksums,
+                    progress=bar.advance,
+                    require_signature=require_signature,
+                )
         what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
-        out.ok(
-            f"{directory}: {result.files_checked} files, {human_bytes(result.bytes_checked)}: {what} match"
+        if getattr(result, "signed", False):
+            what += ", signature"
+        for left in getattr(result, "leftovers", ()):
+            out.warn(
+                f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+            )
+        out.data(
+            f"{directory}: valid: {result.files_checked} files, {human_bytes(result.bytes_checked)}: "
+            f"{what} match"
         )
         out.result(result.to_dict())

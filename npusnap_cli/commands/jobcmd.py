@@ -86,12 +86,14 @@ def dump_job(
             ]
             for i, r in enumerate(result.ranks)
         ],
+        stream="stderr",
     )
     out.line(
         "originals: still running"
         if options.leave_running
         else f"originals: gone (bring the job back: npusnap restore {result.image})"
     )
+    out.data(result.image)
     out.result(result.to_dict())
 
 
@@ -131,6 +133,7 @@ def restore_job(
             [str(r["rank"]), str(r["root_pid"]), " ".join(map(str, r["npu_pids"])), r["netns"] or "(ours)"]
             for r in result.ranks
         ],
+        stream="stderr",
     )
     out.table(
         "phases",
@@ -141,7 +144,10 @@ def restore_job(
             ["device restore + unlock (all ranks)", fmt_s(result.device_restore_s)],
             ["total", fmt_s(result.total_s)],
         ],
+        stream="stderr",
     )
+    for r in result.ranks:
+        out.data(str(r["root_pid"]))  # one root pid per rank, in rank order
     return [int(r["root_pid"]) for r in result.ranks], result.to_dict()
 
 
@@ -200,11 +206,11 @@ def inspect_job(out: Any, directory: Path) -> None:
     out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
 
 
-def verify_job(out: Any, directory: Path, checksums: bool) -> None:
+def verify_job(out: Any, directory: Path, checksums: bool, require_signature: Optional[Path] = None) -> None:
     from npusnap_cli import jobsnap
     from npusnap_cli.ui import human_bytes
 
-    _job, result = jobsnap.verify_job(directory, checksums=checksums)
+    _job, result = jobsnap.verify_job(directory, checksums=checksums, require_signature=require_signature)
     files = sum(r.files_checked for r in result.ranks)
     nbytes = sum(r.bytes_checked for r in result.ranks)
     what = "sizes and sha256 sums" if checksums else "sizes (checksums skipped)"

@@ -21,7 +21,15 @@ def register(app: typer.Typer) -> None:
             help="Skip the sha256 check of the image's files (structure and sizes are still checked).",
         ),
         pidfile: Optional[Path] = typer.Option(
-            None, "--pidfile", help="Write the restored root pid into this file."
+            None,
+            "--pidfile",
+            help="Write the restored root pid into this file (atomically; its directory is checked first).",
+        ),
+        logs: Optional[Path] = typer.Option(
+            None,
+            "--logs",
+            help="Write CRIU's restore log here (default: DIR/logs, or a new directory under "
+            "$TMPDIR/npusnap-logs when the image is on read-only storage).",
         ),
         pipe_to: Optional[Path] = typer.Option(
             None,
@@ -42,6 +50,13 @@ def register(app: typer.Typer) -> None:
             max=60.0,
             help="Seconds to watch the restored tree after it resumed; a process that died in "
             "that time fails the restore.",
+        ),
+        require_signature: Optional[Path] = typer.Option(
+            None,
+            "--require-signature",
+            metavar="PUBKEYFILE",
+            help="Refuse the image unless `dump --sign` signed it with the key of this Ed25519 "
+            "public key (PEM).",
         ),
         rank_netns: Optional[list[str]] = typer.Option(
             None,
@@ -66,7 +81,7 @@ def register(app: typer.Typer) -> None:
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> Optional[int]:
-        """Restore the process tree saved in DIR and its NPU device state; print the root pid.
+        """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
 
         The image is verified first (schema, checksums, versions, pids and devices free): any
         problem is reported before anything is touched. CRIU then restores the tree, detached,
@@ -83,12 +98,19 @@ def register(app: typer.Typer) -> None:
             bars.close()
             out.info(f"… {label}")
 
+        if no_verify:
+            out.warn(
+                "--no-verify: the files' sha256 sums are not checked; a corrupted image would restore "
+                f"a corrupted job (`npusnap verify {directory}` checks them)"
+            )
         options = restore_mod.RestoreOptions(
             verify=not no_verify,
             pidfile=pidfile,
+            logs=logs,
             pipe_to=pipe_to,
             replace_tmpfs_files=replace_tmpfs_files,
             settle_s=settle,
+            require_signature=require_signature,
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()
@@ -126,14 +148,17 @@ def register(app: typer.Typer) -> None:
             "phases",
             ["phase", "time"],
             [
-                ["verify", fmt_s(t.verify_s)],
-                ["CRIU restore", fmt_s(t.criu_restore_s)],
+                ["verify (structure, then checks)", fmt_s(t.verify_s)],
+                ["CRIU restore (checksums alongside)", fmt_s(t.criu_restore_s)],
+                ["waiting for the checksums", fmt_s(t.verify_wait_s)],
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
                 ["total", fmt_s(t.total_s)],
             ],
+            stream="stderr",
         )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
+        out.data(str(result.root_pid))
         from npusnap_cli.commands import jobcmd
 
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)

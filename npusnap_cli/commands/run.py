@@ -1,6 +1,9 @@
-"""`npusnap run -- CMD...`: start a program with the npusnap agent in each of its Python processes."""
+"""`npusnap run -- CMD...`: start a program with the npusnap agent in each of its processes."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -22,29 +25,90 @@ def register(app: typer.Typer) -> None:
             help="Never start a new session (by default one is started only when this session's "
             "leader is outside the pid namespace, where CRIU could not dump the program).",
         ),
+        detach: bool = typer.Option(
+            False,
+            "--detach",
+            "-d",
+            help="Start CMD in the background, in a session of its own, stdin from /dev/null, output to "
+            "--output; print its pid (the program's own) on stdout and return.",
+        ),
+        pidfile: Optional[Path] = typer.Option(
+            None, "--pidfile", help="With --detach: write the program's pid into this file (atomically)."
+        ),
+        output_file: Optional[Path] = typer.Option(
+            None,
+            "--output",
+            "-o",
+            help="With --detach: append the program's stdout and stderr to this file (default /dev/null).",
+        ),
         json_flag: bool = typer.Option(
             False,
             "--json",
             help=JSON_HELP + " The envelope (with the pid the program will have) is printed before the "
-            "program starts; the program's own output follows.",
+            "program starts; the program's own output follows (with --detach: after it started).",
         ),
     ) -> None:
-        """Run CMD with an npusnap agent in every Python process it starts.
+        """Run CMD with an npusnap agent in every process it starts, Python or not.
 
-        npusnap replaces itself with CMD (same pid), with NPUSNAP_AGENT=1 and an agent bootstrap
-        on PYTHONPATH: each Python 3.9+ interpreter of the tree serves a control socket, so that
-        `npusnap status/freeze/dump PID` can drive it. Python run with -I, -E or -S gets no agent.
+        npusnap replaces itself with CMD (same pid), with NPUSNAP_AGENT=1 and the native agent
+        library on LD_PRELOAD: each dynamically linked process of the tree serves a control
+        socket, so that `npusnap status/freeze/dump PID` can drive it. Python 3.9+ interpreters
+        also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
+        linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
+        from npusnap_cli import paths
         from npusnap_cli.agent import launch
+        from npusnap_cli.errors import PreflightError
 
         out = output(ctx, "run", json_flag)
+        problem = paths.runtime_dir_problem()
+        if problem:
+            # Every agent of the job would refuse this directory and the job would run without
+            # one: refuse here, loudly, instead of starting it.
+            where = paths.agent_runtime_dir()
+            raise PreflightError(
+                f"the agents' runtime directory cannot be used: {problem}",
+                why="agents listen only in a private directory of their own user (0700); a squatted "
+                "one would let another user intercept or block the control sockets",
+                fix=f"look at it (ls -ld {where}); remove it if it is not yours (it is recreated), "
+                "or set NPUSNAP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a private directory",
+                details={"runtime_dir": str(where)},
+            )
         argv = [a for a in command]
         if argv and argv[0] == "--":
             argv = argv[1:]
+        if (pidfile is not None or output_file is not None) and not detach:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                "--pidfile and --output need --detach",
+                why="without --detach npusnap becomes the program, in the foreground",
+                fix="add --detach: npusnap run --detach --pidfile job.pid --output job.log -- CMD...",
+            )
         plan = launch.prepare(argv)
+        if launch.statically_linked(plan.executable):
+            out.warn(
+                f"{plan.executable} is statically linked: the dynamic loader never runs for it, so it "
+                "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
+            )
+        if detach:
+            from npusnap_cli import pidfile as pidfile_mod
+
+            if pidfile is not None:
+                pidfile_mod.check(pidfile)
+            pid = launch.detach(plan, output_file)
+            written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
+            out.data(str(pid))
+            result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written}
+            result["output"] = str(output_file) if output_file is not None else None
+            out.result({**result, "session_note": None})
+            return
         session_note = None if keep_session else launch.leave_foreign_session()
         if session_note:
             out.warn(session_note)
-        out.debug(f"exec {' '.join(plan.argv)} (PYTHONPATH={plan.env.get('PYTHONPATH')})")
-        out.result({**plan.to_dict(), "session_note": session_note})
+        out.debug(
+            f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
+            f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
+        )
+        out.result({**plan.to_dict(), "detached": False, "session_note": session_note})
         launch.exec_plan(plan)

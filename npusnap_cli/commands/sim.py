@@ -57,6 +57,19 @@ def register(app: typer.Typer) -> None:
         no_args_is_help=True,
     )
 
+    @sim.callback()
+    def _sim_options(
+        ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)
+    ) -> None:
+        """The simulated NPU (a device daemon + a fake CANN install) for hosts without Ascend hardware."""
+        import dataclasses
+
+        from npusnap_cli.commands._common import GlobalOptions
+
+        root = ctx.find_root()
+        if json_flag:
+            root.obj = dataclasses.replace(root.obj or GlobalOptions(), json_output=True)
+
     @sim.command("start")
     def start_cmd(
         ctx: typer.Context,
@@ -65,7 +78,8 @@ def register(app: typer.Typer) -> None:
         bandwidth_mbps: Optional[float] = typer.Option(
             None,
             "--bandwidth-mbps",
-            help="Cap device<->host copies at this many megabytes per second (default: no cap).",
+            help="Cap device<->host copies at this many megabytes (10^6 bytes, as link speeds are "
+            "quoted) per second (default: no cap).",
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def status(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., help="The process to inspect (its children are included)."),
+        pid: int = typer.Argument(..., min=1, help="The process to inspect (its children are included)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease."""
+        """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
+        which npusnap command holds its lock and since when."""
         from npusnap_cli import proctree
 
         out = output(ctx, "status", json_flag)
+        clean_stale_sockets(out)
         report = proctree.tree_status(pid)
         rows = []
         for entry in report["processes"]:
@@ -28,21 +30,28 @@ def register(app: typer.Typer) -> None:
             if entry.get("agent_error"):
                 agent = "error"
             lease_text = f"{lease.get('remaining_s')}s left" if lease.get("active") else "-"
+            owner = st.get("owner") or {}
+            owner_text = (
+                f"{owner.get('command')} (pid {owner.get('pid')}) since {owner.get('since')}"
+                if owner
+                else "-"
+            )
             devices = (hello.get("acl") or {}).get("devices")
             rows.append(
                 (
                     entry["pid"],
-                    "  " * entry["depth"] + " ".join(entry["cmdline"][:4])[:60] or entry["name"],
+                    "  " * entry["depth"] + (" ".join(entry["cmdline"]) or entry["name"]),
                     agent,
                     "yes" if entry["uses_npu"] else "no",
                     ",".join(map(str, devices)) if devices else "-",
                     st.get("state") or "-",
                     lease_text,
+                    owner_text,
                 )
             )
         out.table(
             f"npusnap status {pid}",
-            ["pid", "command", "agent", "npu", "devices", "state", "lease"],
+            ["pid", "command", "agent", "npu", "devices", "state", "lease", "locked by"],
             rows,
         )
         for entry in report["processes"]:

@@ -51,6 +51,9 @@ if hook_log:
         def hook():
             with open(hook_log, "a") as f:
                 f.write(stage + "\n")
+            nap = os.environ.get("WL_HOOK_SLEEP", "")
+            if nap.startswith(stage + ":"):
+                time.sleep(float(nap.split(":")[1]))
             fail = os.environ.get("WL_HOOK_FAIL_FILE")
             if fail and os.path.exists(fail) and open(fail).read().strip() == stage:
                 raise RuntimeError("injected failure at " + stage)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.agent_client import AgentClient, AgentDeviceError, AgentOpError
-from npusnap_cli.errors import AgentError
+from npusnap_cli.errors import AgentError, BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
@@ -90,9 +90,11 @@ def test_lock_backup_unlock_and_the_job_keeps_computing(
         time.sleep(0.5)
         assert w.last_step() <= frozen_at + 1, "device work must block while LOCKED"
         assert c.backup(lease_s=30)["state"] == "BACKED_UP"
-        with pytest.raises(AgentDeviceError) as info:
+        # A second lock is refused by the agent before any device call (issue 14: lock ownership)
+        with pytest.raises(BusyError) as info:
             c.lock()
-        assert info.value.code == 507906 and info.value.name == "ACL_ERROR_SNAPSHOT_LOCK_FAILED"
+        assert info.value.details["agent_error"]["name"] == "ALREADY_LOCKED"
+        assert info.value.details["owner"]["pid"] == os.getpid()
         unlocked = c.unlock()
         assert unlocked["state"] == "RUNNING"
         assert unlocked["lease"]["active"] is False

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.errors import BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (
     PY,
@@ -55,8 +56,9 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         wait_socket(runtime_dir, pid)
         w.wait_steps(3)
         with AgentClient(pid) as c:
-            assert c.lock(lease_s=60)["state"] == "LOCKED"
+            assert c.lock(lease_s=60, command="dump")["state"] == "LOCKED"
             assert c.backup(lease_s=60)["state"] == "BACKED_UP"
+            token = c.token
         dumped_at = w.last_step()
 
         criu("dump", "-t", str(pid), "-D", str(images), log=images / "dump.log")
@@ -69,9 +71,15 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             status = c.status()
             assert status["state"] == "BACKED_UP"
             assert status["restored"] is True
-            assert status["lease"]["active"] is False  # void: the restored copy waits for restore
-            assert "restored by CRIU" in (status["lease"]["voided_reason"] or "")
+            # The lease restarts in full: a restore command that dies before Unlock is covered.
+            assert status["lease"]["active"] is True and status["lease"]["lease_s"] == 60
+            assert any("lease of 60s restarted" in e for e in status["events"]), status["events"]
             assert c.hello()["pid"] == pid
+            # The owner travelled with the process's memory: without the dump's token, refused.
+            assert status["owner"]["command"] == "dump"
+            with pytest.raises(BusyError):
+                c.restore()
+            c.token = token
             with pytest.raises(AgentDeviceError) as info:
                 c.unlock()
             assert info.value.name == "RESTORE_REQUIRED"
@@ -81,6 +89,39 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         while w.last_step() < dumped_at + 5:
             assert time.monotonic() < deadline, f"restored job did not continue: {w.stderr()[-2000:]}"
             time.sleep(0.1)
+        w.assert_correct()
+    finally:
+        kill_pid(pid)
+
+
+def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
+    """CRIU restored the process, then the restore command died before Restore/Unlock: the
+    restarted lease restores the device and unlocks by itself, and the job computes on."""
+    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1")
+    w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
+    pid = w.pid
+    images = tmp_path / "img"
+    images.mkdir()
+    try:
+        w.wait_for("ready")
+        wait_socket(runtime_dir, pid)
+        w.wait_steps(3)
+        with AgentClient(pid) as c:
+            c.lock(lease_s=4)
+            c.backup(lease_s=4)
+        dumped_at = w.last_step()
+        criu("dump", "-t", str(pid), "-D", str(images), log=images / "dump.log")
+        w.proc.wait(10)
+        criu("restore", "-d", "-D", str(images), log=images / "restore.log")
+        # Nobody talks to the agent now (the restore command "died").
+        deadline = time.monotonic() + 20
+        while w.last_step() < dumped_at + 5:
+            assert time.monotonic() < deadline, f"lease did not finish the restore: {w.stderr()[-2000:]}"
+            time.sleep(0.1)
+        with AgentClient(pid) as c:
+            status = c.status()
+        assert status["state"] == "RUNNING" and status["restore_pending"] is False
+        assert any("lease rollback done" in e for e in status["events"]), status["events"]
         w.assert_correct()
     finally:
         kill_pid(pid)

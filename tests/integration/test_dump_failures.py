@@ -109,7 +109,7 @@ def test_bad_input_is_refused_and_changes_nothing(
 
         with tmpfs(tmp_path / "tiny", "4m") as tiny:
             rc, out, _ = cli(env, "dump", str(job.pid), str(tiny / "img"))
-            assert rc == ExitCode.PREFLIGHT and out is not None
+            assert rc == ExitCode.PREFLIGHT and out is not None, ((out or {}).get("error"), job.text()[-400:])
             assert "not enough free space" in out["error"]["message"]
             assert_no_image(tiny / "img")
 

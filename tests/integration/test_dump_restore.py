@@ -76,12 +76,17 @@ def test_dump_midway_restore_prints_the_uninterrupted_run(
         try:
             occupier.wait_lines(1)
             rc, out, _ = cli(env, "restore", str(img))
-            assert rc == ExitCode.PREFLIGHT
+            assert rc == ExitCode.BUSY
             assert out is not None and "occupied" in out["error"]["message"]
             assert f"pid {occupier.pid}" in out["error"]["message"]
             assert not alive(job.pid)
         finally:
             occupier.cleanup()
+
+        # A pidfile that cannot be written is refused before anything is restored.
+        rc, out, _ = cli(env, "restore", str(img), "--pidfile", str(tmp_path / "no-such-dir" / "p"))
+        assert rc == ExitCode.USAGE and out is not None and "pidfile" in out["error"]["message"]
+        assert not alive(job.pid)
 
         pidfile = tmp_path / "restored.pid"
         rc, out, err = cli(env, "restore", str(img), "--pidfile", str(pidfile))
@@ -115,7 +120,7 @@ def test_leave_running_keeps_computing_and_image_restores_later(
 
         # The original still holds the pid: restore refuses, clearly, before touching anything.
         rc, out, _ = cli(env, "restore", str(img))
-        assert rc == ExitCode.PREFLIGHT
+        assert rc == ExitCode.BUSY
         assert out is not None and "in use" in out["error"]["message"]
 
         assert job.reap(30) == 0
@@ -229,7 +234,7 @@ def test_dump_attaches_an_agent_where_missing_and_round_trips(
     try:
         job.wait_lines(3)
         rc, out, err = cli(env, "dump", str(job.pid), str(img))
-        assert rc == 0, err
+        assert rc == 0, (out or {}).get("error")
         assert out is not None and out["result"]["attached"] == [job.pid]
         job.reap()
         rc, out, err = cli(env, "restore", str(img))

@@ -64,3 +64,35 @@ def test_device_restore_failure_leaves_process_locked_and_thaw_resumes(
         assert job.lines() == ref
     finally:
         job.cleanup()
+
+
+def test_a_corrupt_page_file_is_caught_while_criu_restores_and_nothing_runs(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The sha256 check overlaps with CRIU's restore; CRIU leaves the tree stopped until it is
+    done, and a mismatch kills the tree before it ran a single instruction."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "200", *TRAIN_ARGS, "--device", "0", "--seed", "4"]
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, _, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        job.reap()
+        pages = max((img / "criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+        with open(pages, "r+b") as f:  # flip one byte in the middle: same size, other contents
+            f.seek(pages.stat().st_size // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        before = len(job.lines())
+        rc, out, _ = cli(env, "restore", str(img))
+        assert rc == ExitCode.IMAGE and out is not None, out
+        assert "sha256" in out["error"]["message"] and "killed before it ran" in out["error"]["message"]
+        killed = out["error"]["details"]["killed_unrun"]
+        wait_until(lambda: not any(alive(p) for p in killed), 10, "the unverified tree to be gone")
+        time.sleep(0.3)
+        assert len(job.lines()) == before  # not one step of the corrupt image ran
+    finally:
+        job.cleanup()

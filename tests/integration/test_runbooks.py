@@ -1,6 +1,6 @@
-"""The runbooks under docs/runbooks/ cannot rot: every script runs, against the simulated NPU and
-real CRIU, and must exit 0; every page links to its script, every script has a page, and every
-shell snippet a page shows is an excerpt of its (tested) script."""
+"""The runbooks under docs/runbooks/ cannot rot: every page's ```bash blocks, run in order as one
+script (docs/runbooks/NAME.sh, generated from the page by scripts/runbooks.py), must succeed
+against the simulated NPU and real CRIU; every page links to its script, every script has a page."""
 
 from __future__ import annotations
 
@@ -47,26 +47,45 @@ def test_script_is_referenced_by_a_page_and_the_index(script: Path) -> None:
     assert os.access(script, os.X_OK), f"{script.name} is not executable"
 
 
-def _logical_lines(text: str) -> list[str]:
-    """Non-empty, non-comment lines, with backslash continuations joined and blanks squeezed."""
-    joined = re.sub(r"\\\n\s*", " ", text)
-    out = []
-    for line in joined.splitlines():
-        line = " ".join(line.split())
-        if line and not line.startswith("#"):
-            out.append(line)
-    return out
+def test_scripts_are_generated_from_their_pages() -> None:
+    """The pages are what is tested: each script is its page's ```bash blocks after a fixed
+    prologue (scripts/runbooks.py). A page edited without regenerating its script fails here."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import runbooks
+    finally:
+        sys.path.pop(0)
+    for page in PAGES:
+        blocks = _FENCE.findall(page.read_text())
+        assert blocks, f"{page.name} shows no ```bash block"
+        script = page.with_suffix(".sh")
+        assert script.read_text() == runbooks.render(page), (
+            f"{script.name} is out of date with {page.name}: run scripts/runbooks.py"
+        )
+
+
+# Helper functions the old scripts had; a page using one (in command position) fails when pasted.
+_HELPERS = re.compile(
+    r"(?:^|[;&|(]\s*|\$\(\s*)(npj|fail|state|json|wait_step|last_step|dump_expect|running)(?=\s|$)"
+)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
-def test_page_snippets_are_excerpts_of_the_script(page: Path) -> None:
-    """What a page shows in ```bash blocks is what CI runs: each line is in the script."""
-    blocks = _FENCE.findall(page.read_text())
-    assert blocks, f"{page.name} shows no ```bash snippet of its script"
-    script_lines = set(_logical_lines(page.with_suffix(".sh").read_text()))
-    for block in blocks:
-        for line in _logical_lines(block):
-            assert line in script_lines, f"{page.name}: snippet line not in the script: {line!r}"
+def test_page_blocks_work_when_pasted(page: Path) -> None:
+    """What a page shows must work pasted into an interactive shell: no helper functions that only
+    a script defines, no `exit` (it would close the operator's shell), no `set -e`. (Undefined
+    variables are caught by running the script under `set -u`.)"""
+    for block in _FENCE.findall(page.read_text()):
+        for line in block.splitlines():
+            # Not comments, not single-quoted text (an awk program's `exit` is awk's).
+            code = re.sub(r"'[^']*'", "''", line.split(" #", 1)[0])
+            assert not re.search(r"(^|[;&|]\s*)(exit|set -e|set -o errexit)\b", code), (
+                f"{page.name}: {line!r} would close or change the operator's shell"
+            )
+            found = _HELPERS.search(code)
+            assert not (found and f"{found.group(1)}()" not in block), (
+                f"{page.name}: {line!r} uses {found.group(1)}, which the page does not define"
+            )
 
 
 def _user_python() -> Optional[str]:

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.agent_client import AgentClient
 from npusnap_cli.devicegroup import DeviceGroup
+from npusnap_cli.errors import BusyError
 from tests.integration.agentlib import (
     PY,
     REPO,
@@ -33,6 +34,11 @@ def npusnap(*args: str) -> tuple[int, dict[str, Any]]:
     except ValueError:
         raise AssertionError(f"not one JSON envelope: {done.stdout!r} {done.stderr!r}") from None
     return done.returncode, envelope
+
+
+def by_pid(env: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """``result.processes`` is a list of objects with ``pid`` in every command's JSON."""
+    return {int(p["pid"]): p for p in env["result"]["processes"]}
 
 
 def state_of(pid: int) -> str:
@@ -70,7 +76,7 @@ def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads:
     w.wait_steps(2)
     rc, env = npusnap("freeze", str(w.pid), "--no-backup")
     assert rc == 0, env
-    assert env["result"]["processes"][str(w.pid)]["state"] == "LOCKED"
+    assert by_pid(env)[w.pid]["state"] == "LOCKED"
     assert env["result"]["lease_s"] == 300
     at = w.last_step()
     time.sleep(0.5)
@@ -79,12 +85,12 @@ def test_freeze_and_thaw(sim: Sim, runtime_dir: Path, tmp_path: Path, workloads:
     assert env["result"]["processes"][0]["status"]["state"] == "LOCKED"
     rc, env = npusnap("thaw", str(w.pid))
     assert rc == 0, env
-    result = env["result"]["processes"][str(w.pid)]
+    result = by_pid(env)[w.pid]
     assert (result["before"], result["actions"], result["state"]) == ("LOCKED", ["unlock"], "RUNNING")
     w.wait_steps(3)
     w.assert_correct()
     rc, env = npusnap("thaw", str(w.pid))  # thawing a running process is a no-op
-    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == []
+    assert rc == 0 and by_pid(env)[w.pid]["actions"] == []
 
 
 def test_freeze_backup_without_lease_then_thaw(
@@ -93,10 +99,10 @@ def test_freeze_backup_without_lease_then_thaw(
     w = start_agent_workload(sim, runtime_dir, tmp_path, workloads)
     rc, env = npusnap("freeze", str(w.pid), "--no-lease")  # backs up by default
     assert rc == 0, env
-    assert env["result"]["processes"][str(w.pid)]["state"] == "BACKED_UP"
-    assert env["result"]["processes"][str(w.pid)]["lease"]["active"] is False
+    assert by_pid(env)[w.pid]["state"] == "BACKED_UP"
+    assert by_pid(env)[w.pid]["lease"]["active"] is False
     rc, env = npusnap("thaw", str(w.pid))
-    assert rc == 0 and env["result"]["processes"][str(w.pid)]["actions"] == ["unlock"]
+    assert rc == 0 and by_pid(env)[w.pid]["actions"] == ["unlock"]
     w.wait_steps(3)
     w.assert_correct()
 
@@ -135,13 +141,20 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     a = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="a")
     b = start_agent_workload(sim, runtime_dir, tmp_path, workloads, name="b")
     with AgentClient(b.pid) as c:
-        c.lock()  # b is already locked: its Lock in the group fails with 507906
-    with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(AgentDeviceError) as info:
+        c.lock(command="freeze")  # b is locked by someone else: the group's Lock of b is refused
+    with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(BusyError) as info:
         group.lock_and_backup()
-    assert info.value.pid == b.pid and info.value.code == 507906
+    assert info.value.details["pid"] == b.pid and info.value.details["owner"]["command"] == "freeze"
     assert set(info.value.details["failures"]) == {b.pid}
     assert "rolled back" in info.value.message
-    assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "RUNNING"
+    # Issue 14: the group rolls back only what it locked; b's owner keeps its lock.
+    assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "LOCKED"
+    with DeviceGroup([b.pid]) as group, pytest.raises(BusyError):
+        group.rollback()  # not the owner: refused, nothing changed
+    assert state_of(b.pid) == "LOCKED"
+    with DeviceGroup([b.pid]) as group:
+        group.rollback(force=True)
+    assert state_of(b.pid) == "RUNNING"
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group:
         results = group.lock_and_backup()
         assert {r["state"] for r in results.values()} == {"BACKED_UP"}

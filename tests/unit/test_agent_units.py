@@ -1,67 +1,19 @@
-"""Agent pieces that need no target: the run-time lease, hook registry, socket directory checks."""
+"""Agent pieces that need no NPU: the hook registry, the socket directory and stale-socket checks."""
 
 from __future__ import annotations
 
 import os
-import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from npusnap_cli.agent import hooks as hooks_mod
-from npusnap_cli.agent.lease import FREEZE_GAP, TICK, Lease
-from npusnap_cli.agent.server import Agent, _ensure_private_dir, read_start_time
+from npusnap_cli.procfs import start_time
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_lease_counts_run_time_and_expires() -> None:
-    clock = Clock()
-    lease = Lease(clock)
-    lease.grant(1.0)
-    for _ in range(9):
-        clock.now += TICK
-        assert lease.tick() is False
-    clock.now += TICK + 0.001
-    assert lease.tick() is True
-    assert lease.active is False and lease.expired_duration == 1.0
-
-
-def test_lease_ignores_a_freeze_gap() -> None:
-    clock = Clock()
-    lease = Lease(clock)
-    lease.grant(1.0)
-    clock.now += 3600  # frozen by CRIU for an hour
-    assert lease.tick() is False
-    assert lease.remaining is not None and lease.remaining == pytest.approx(1.0 - TICK)
-    assert lease.frozen_gaps == 1
-    clock.now += FREEZE_GAP * 0.9  # a slow tick on a busy host still counts
-    assert lease.tick() is False
-    assert lease.remaining == pytest.approx(1.0 - TICK - FREEZE_GAP * 0.9)
-
-
-def test_lease_renew_release_void_and_skip_gap() -> None:
-    clock = Clock()
-    lease = Lease(clock)
-    assert lease.renew() is False
-    lease.grant(2.0)
-    clock.now += 0.5
-    lease.tick()
-    assert lease.renew() is True and lease.remaining == 2.0
-    clock.now += 0.9
-    lease.skip_gap()  # an operation ran: not silence
-    assert lease.tick() is False and lease.remaining == 2.0
-    lease.void("restored")
-    assert not lease.active and lease.voided_reason == "restored"
-    lease.release()
-    assert lease.info()["active"] is False
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_hook_registry_runs_in_order_and_reports_the_failing_hook() -> None:
@@ -94,49 +46,74 @@ def test_hook_registry_runs_in_order_and_reports_the_failing_hook() -> None:
         reg.register("pre_backup", first)
 
 
+def _start_in_child(runtime_dir: Path, umask: int = 0o022) -> tuple[int, str]:
+    """Start the native agent in a forked child with ``runtime_dir``; (exit code, its stderr).
+
+    A child, because the agent binds once per process and the test runner must stay clean."""
+    script = (
+        "import os, sys\n"
+        f"os.umask({umask})\n"
+        "import npusnap_cli.agent as agent\n"
+        "path = agent.start()\n"
+        "print(path)\n"
+        "agent.stop()\n"
+        "sys.exit(0 if path else 3)\n"
+    )
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(runtime_dir)}
+    env.pop("NPUSNAP_AGENT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def test_private_dir_is_created_0700_and_checked(tmp_path: Path) -> None:
     d = tmp_path / "npusnap"
-    old = os.umask(0o177)  # would leave a 0600 directory without the explicit chmod
-    try:
-        _ensure_private_dir(d)
-    finally:
-        os.umask(old)
+    code, out = _start_in_child(d, umask=0o177)  # would leave 0600 without the explicit chmod
+    assert code == 0, out
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
     os.chmod(loose, 0o755)
-    with pytest.raises(PermissionError, match="not 700"):
-        _ensure_private_dir(loose)
+    code, out = _start_in_child(loose)
+    assert code == 3 and "not 700" in out, out
     link = tmp_path / "link"
     link.symlink_to(d)
-    with pytest.raises(PermissionError, match="symlink"):
-        _ensure_private_dir(link)
+    code, out = _start_in_child(link)
+    assert code == 3 and "symlink" in out, out
 
 
 def test_bind_replaces_a_stale_socket_but_never_a_file(tmp_path: Path) -> None:
     d = tmp_path / "npusnap"
     d.mkdir(mode=0o700)
-    path = d / "1.sock"
-    stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(path))
-    stale.close()  # the file stays behind, like after a crash
-    agent = Agent(socket_path=path, runtime_finder=lambda: None)
-    agent.bind()
-    try:
-        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
-    finally:
-        agent.stop()
-    assert not path.exists()
-    path.write_text("not a socket")
-    agent = Agent(socket_path=path, runtime_finder=lambda: None)
-    with pytest.raises(OSError, match="not a socket"):
-        agent.bind()
-    assert path.read_text() == "not a socket"
+    # The agent names its socket after its own pid, so the child plants the stale socket itself.
+    script = (
+        "import os, socket, stat, sys\n"
+        "d = sys.argv[1]\n"
+        "path = os.path.join(d, f'{os.getpid()}.sock')\n"
+        "stale = socket.socket(socket.AF_UNIX); stale.bind(path); stale.close()\n"
+        "import npusnap_cli.agent as agent\n"
+        "assert agent.start() == path, 'stale socket not replaced'\n"
+        "assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600\n"
+        "agent.stop()\n"
+        "assert not os.path.exists(path), 'stop() left the socket'\n"
+        "open(path, 'w').write('not a socket')\n"
+        "assert agent.start() is None\n"
+        "assert open(path).read() == 'not a socket'\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(d)}
+    env.pop("NPUSNAP_AGENT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(d)], env=env, capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "exists and is not a socket; not removing it" in done.stderr
 
 
 def test_start_time_is_read_from_proc() -> None:
-    assert isinstance(read_start_time(), int)
-    assert read_start_time(str(os.getpid())) == read_start_time()
+    assert isinstance(start_time(), int)
+    assert start_time(str(os.getpid())) == start_time()
 
 
 def test_run_leaves_only_a_foreign_session(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,3 +134,33 @@ def test_run_leaves_only_a_foreign_session(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(os, "setsid", refuse)
     note = launch.leave_foreign_session()
     assert note is not None and "cannot be dumped" in note and "setsid" in note
+
+
+def test_socket_is_removed_when_the_process_exits(tmp_path: Path) -> None:
+    d = tmp_path / "npusnap"
+    d.mkdir(mode=0o700)
+    script = "import npusnap_cli.agent as agent, sys\nprint(agent.start())\nsys.exit(0)\n"
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(d)}
+    env.pop("NPUSNAP_AGENT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.parent == d and not path.exists(), "an exited process left its agent socket behind"
+
+
+def test_static_executables_are_recognised(tmp_path: Path) -> None:
+    from npusnap_cli.agent import launch
+
+    assert launch.statically_linked(sys.executable) is False
+    script = tmp_path / "s.sh"
+    script.write_text("#!/bin/sh\n")
+    assert launch.statically_linked(str(script)) is False
+    src = tmp_path / "m.c"
+    src.write_text("int main(void) { return 0; }\n")
+    static = tmp_path / "static"
+    done = subprocess.run(["cc", "-static", "-o", str(static), str(src)], capture_output=True, timeout=120)
+    if done.returncode != 0:
+        pytest.skip(f"no static libc to link a test program: {done.stderr[-200:]!r}")
+    assert launch.statically_linked(str(static)) is True

@@ -20,6 +20,8 @@ FROZEN = {
     "IMAGE": 8,
     "STATE_UNKNOWN": 9,
     "CONTINUITY": 10,
+    "BUSY": 11,
+    "IMAGE_INCOMPATIBLE": 12,
     "INTERRUPTED": 130,
 }
 
@@ -39,7 +41,7 @@ def test_every_error_class_maps_to_a_documented_code() -> None:
     classes = [
         obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, errors.NpusnapError)
     ]
-    assert len(classes) >= 11
+    assert len(classes) >= 13
     for cls in classes:
         assert cls.exit_code in ExitCode
         err = cls("m", why="w", fix="f", details={"k": 1})

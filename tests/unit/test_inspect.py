@@ -35,10 +35,12 @@ def test_inspect_json_is_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_inspect_human_shows_tree_and_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     final = _image(tmp_path)
     assert main(["inspect", str(final)]) == 0
-    err = capsys.readouterr().err
-    assert "1235  python3 worker.py" in err
-    assert "NPU: device 1" in err
-    assert "device backup" in err and "0.200s" in err
+    captured = capsys.readouterr()
+    out = captured.out  # data on stdout (`npusnap inspect DIR | grep ...`), hints on stderr
+    assert "1235  python3 worker.py" in out
+    assert "NPU: device 1" in out
+    assert "device backup" in out and "0.200s" in out
+    assert "npusnap verify" in captured.err and "npusnap verify" not in out
 
 
 def test_verify_ok_and_tampered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,364 @@
+"""The measurements: one function per case (npusnap dump/restore, raw CRIU, disk, hashing, start-up).
+
+To add a case: write ``bench_<name>(session, plan, ..., out: Samples)`` here, recording what it
+measures with ``out.add(...)``, call it from ``run.main`` and show it in ``report.render``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import (
+    BIGALLOC,
+    GAP_SLACK_S,
+    HOSTALLOC,
+    NPUSNAP,
+    WRITE_CHUNK,
+    BenchError,
+    MiB,
+    Samples,
+    progress,
+)
+from bench.machine import mem_available
+from bench.session import Session, TickWatcher
+from npusnap_cli import criu as criu_mod
+
+# --------------------------------------------------------------------------------------------
+# The measurements
+# --------------------------------------------------------------------------------------------
+
+
+def _npusnap_json(args: list[str], env: dict[str, str], timeout: float) -> tuple[float, dict[str, Any]]:
+    """Run ``npusnap ARGS --json``; (wall seconds, result). BenchError if it failed."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [str(NPUSNAP), *args, "--json"], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    wall = time.perf_counter() - start
+    try:
+        envelope = json.loads(proc.stdout)
+    except ValueError:
+        envelope = None
+    if proc.returncode != 0 or not envelope or not envelope.get("ok"):
+        msg = (envelope or {}).get("error") or {"message": proc.stderr[-1500:]}
+        raise BenchError(f"npusnap {shlex.join(args)} failed (exit {proc.returncode}): {msg.get('message')}")
+    return wall, dict(envelope["result"])
+
+
+def _run_timed(cmd: list[str], what: str, log: Optional[Path] = None, timeout: float = 600) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        detail = proc.stderr[-800:]
+        if log is not None and log.exists():
+            detail += "\n" + "\n".join(criu_mod.log_excerpt(str(log), tail=15))
+        raise BenchError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}\n{detail}")
+    return wall
+
+
+def _dir_bytes(path: Path, skip: tuple[str, ...] = ()) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name not in skip)
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: list[int]
+    reps: int
+    host_mib: int
+    interval: float
+    disk_mib: int
+    startup_runs: int
+    warm: bool = True
+
+
+def _start_timeout(size_mib: int) -> float:
+    # The simulator fills device memory over a unix socket; allow for a slow, loaded machine.
+    return 60.0 + size_mib / 10.0
+
+
+def bench_npusnap(s: Session, plan: Plan, size: int, rep: int, out: Samples, *, cold: bool = False) -> None:
+    """npusnap dump (default: the original is gone), then npusnap restore of that image.
+
+    ``cold``: without warming memory first, after a pause that lets the host take freed memory
+    back; its figures are recorded under ``cold_*``.
+    """
+    pre = "cold_" if cold else ""
+    label = " (cold memory)" if cold else ""
+
+    def before_timed() -> None:
+        if cold:
+            time.sleep(COLD_PAUSE_S)
+        else:
+            warm_memory(plan, size)
+
+    d = s.work / f"{pre}np-{size}-{rep}"
+    d.mkdir()
+    log = d / "job.out"
+    argv = [sys.executable, str(BIGALLOC), "--device-mib", str(size), "--host-mib", str(plan.host_mib)]
+    argv += ["--interval", str(plan.interval)]
+    t0 = time.monotonic()
+    proc = s.start(argv, log, agent=True, timeout=_start_timeout(size))
+    out.add(size, "workload_start_s", time.monotonic() - t0)
+    image = d / "img"
+    s.sample_load()
+    before_timed()
+    wall, res = _npusnap_json(["dump", str(proc.pid), str(image)], s.env, timeout=900)
+    s.reap(proc)
+    out.add(size, f"{pre}dump_wall", wall)
+    for k, v in res["timings"].items():
+        out.add(size, f"{pre}dump_{k}", v)
+    for k, v in res["bytes"].items():
+        out.add(size, f"{pre}dump_{k}", v)
+    progress(
+        f"{size} MiB rep {rep + 1}: npusnap dump{label} {wall:.2f} s "
+        f"(frozen {res['timings']['frozen_s']:.2f} s)"
+    )
+
+    watcher = TickWatcher(log)
+    pidfile = d / "restored.pid"
+    s.sample_load()
+    before_timed()
+    try:
+        start = time.monotonic()
+        try:
+            wall, res = _npusnap_json(["restore", str(image), "--pidfile", str(pidfile)], s.env, timeout=900)
+        finally:
+            if pidfile.exists():
+                s.restored.append((int(pidfile.read_text().strip()), BIGALLOC.name))
+        watcher.wait_for(1, 60)
+    finally:
+        arrivals = watcher.stop()
+    out.add(size, f"{pre}restore_wall", wall)
+    out.add(size, f"{pre}restore_first_tick", arrivals[0] - start)
+    for k, v in res["timings"].items():
+        out.add(size, f"{pre}restore_{k}", v)
+    progress(
+        f"{size} MiB rep {rep + 1}: npusnap restore{label} {wall:.2f} s, computes again after "
+        f"{arrivals[0] - start:.2f} s"
+    )
+    s.kill_all()
+    shutil.rmtree(d)
+    s.wait_device_free()
+
+
+def bench_leave_running(s: Session, plan: Plan, size: int, rep: int, out: Samples) -> None:
+    """npusnap dump --leave-running of a fresh workload, watched from outside through its ticks."""
+    d = s.work / f"lr-{size}-{rep}"
+    d.mkdir()
+    log = d / "job.out"
+    argv = [sys.executable, str(BIGALLOC), "--device-mib", str(size), "--host-mib", str(plan.host_mib)]
+    argv += ["--interval", str(plan.interval)]
+    proc = s.start(argv, log, agent=True, timeout=_start_timeout(size))
+    s.sample_load()
+    warm_memory(plan, size)
+    watcher = TickWatcher(log)
+    try:
+        start = time.monotonic()
+        wall, res = _npusnap_json(["dump", str(proc.pid), str(d / "img"), "--leave-running"], s.env, 900)
+        end = time.monotonic()
+        watcher.wait_for(len(watcher.arrivals) + 2, 60)  # it goes on computing
+    finally:
+        arrivals = watcher.stop()
+    if proc.poll() is not None:
+        raise BenchError(
+            f"the workload exited during/after `npusnap dump --leave-running` ({proc.returncode})"
+        )
+    t = res["timings"]
+    out.add(size, "lr_wall", wall)
+    for k, v in t.items():
+        out.add(size, f"lr_{k}", v)
+    # The longest silence of the workload around the dump, and when it ended (relative to the
+    # moment the dump command returned: negative = the job computed while npusnap was still busy).
+    marks = [start, *[a for a in arrivals if a > start]]
+    gaps = [(b - a, b) for a, b in zip(marks, marks[1:])]
+    gap, resumed = max(gaps) if gaps else (end - start, end)
+    out.add(size, "lr_gap", gap)
+    out.add(size, "lr_resumed_rel_end", resumed - end)
+    publish = float(t.get("publish_s") or 0.0)
+    frozen = float(t["frozen_s"])
+    out.flag(size, "lr_not_lengthened", gap <= frozen + plan.interval + GAP_SLACK_S)
+    out.flag(size, "lr_discriminating", publish > plan.interval + GAP_SLACK_S)
+    progress(
+        f"{size} MiB rep {rep + 1}: npusnap dump --leave-running {wall:.2f} s (frozen {frozen:.2f} s, "
+        f"tick gap {gap:.2f} s, publish {publish:.2f} s)"
+    )
+    s.kill_all()
+    shutil.rmtree(d)
+    s.wait_device_free()
+
+
+def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_path: str) -> None:
+    """Raw CRIU on the equivalent host-only process: dump + sync -f, then restore -d."""
+    d = s.work / f"raw-{size}-{rep}"
+    d.mkdir()
+    log = d / "job.out"
+    image = d / "img"
+    image.mkdir()
+    argv = [sys.executable, str(HOSTALLOC), "--mib", str(size + plan.host_mib)]
+    argv += ["--interval", str(plan.interval)]
+    proc = s.start(argv, log, agent=False, timeout=_start_timeout(size))
+    s.sample_load()
+    warm_memory(plan, size)
+    dump_log = image / "dump.log"
+    # Same CRIU options as npusnap's dump (no shell job, no TCP, debug log level 4).
+    crit = _run_timed(
+        [criu_path, "dump", "-t", str(proc.pid), "-D", str(image), "-o", "dump.log", "-v4"],
+        "criu dump",
+        dump_log,
+    )
+    sync = _run_timed(["sync", "-f", str(image)], "sync -f")
+    s.reap(proc)
+    out.add(size, "raw_dump_criu", crit)
+    out.add(size, "raw_dump_sync", sync)
+    out.add(size, "raw_dump_wall", crit + sync)
+    out.add(size, "raw_image_bytes", _dir_bytes(image, skip=("dump.log",)))
+    stats = criu_mod.read_dump_stats(str(image))
+    if stats is not None:
+        out.add(size, "raw_criu_frozen_s", stats.frozen_time_us * 1e-6)
+        out.add(size, "raw_criu_memdump_s", stats.memdump_time_us * 1e-6)
+        out.add(size, "raw_criu_memwrite_s", stats.memwrite_time_us * 1e-6)
+    progress(f"{size} MiB rep {rep + 1}: raw criu dump {crit:.2f} s + sync {sync:.2f} s")
+
+    watcher = TickWatcher(log)
+    pidfile = d / "restored.pid"
+    s.sample_load()
+    warm_memory(plan, size)
+    try:
+        start = time.monotonic()
+        try:
+            cmd = [criu_path, "restore", "-d", "-D", str(image), "-o", "restore.log", "-v4"]
+            wall = _run_timed([*cmd, "--pidfile", str(pidfile)], "criu restore", image / "restore.log")
+        finally:
+            if pidfile.exists():
+                s.restored.append((int(pidfile.read_text().strip()), HOSTALLOC.name))
+        watcher.wait_for(1, 60)
+    finally:
+        arrivals = watcher.stop()
+    out.add(size, "raw_restore_wall", wall)
+    out.add(size, "raw_restore_first_tick", arrivals[0] - start)
+    progress(
+        f"{size} MiB rep {rep + 1}: raw criu restore {wall:.2f} s, computes again after "
+        f"{arrivals[0] - start:.2f} s"
+    )
+    s.kill_all()
+    shutil.rmtree(d)
+
+
+def bench_disk(s: Session, plan: Plan, out: Samples) -> None:
+    """Sequential write of ``disk_mib`` with fsync in the image directory: the disk's limit."""
+    chunk = os.urandom(WRITE_CHUNK)
+    path = s.work / "seqwrite.tmp"
+    for _ in range(plan.reps):
+        s.sample_load()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            start = time.perf_counter()
+            left = plan.disk_mib * MiB
+            view = memoryview(chunk)
+            while left > 0:
+                n = os.write(fd, view[: min(left, WRITE_CHUNK)])
+                left -= n
+            os.fsync(fd)
+            wall = time.perf_counter() - start
+        finally:
+            os.close(fd)
+            path.unlink()
+        out.add(0, "disk_write_s", wall)
+        out.add(0, "disk_mib_s", plan.disk_mib / wall)
+        progress(f"sequential write {plan.disk_mib} MiB + fsync: {plan.disk_mib / wall:.0f} MiB/s")
+
+
+# Runs in a fresh process: map SIZE MiB of anonymous memory, fill it with one memset and exit,
+# which frees it again: the next allocations of the machine get pages the host has just backed.
+_WARM = """
+import ctypes as C, sys
+size = int(sys.argv[1]) << 20
+libc = C.CDLL(None, use_errno=True)
+libc.mmap.restype = C.c_void_p
+libc.mmap.argtypes = [C.c_void_p, C.c_size_t, C.c_int, C.c_int, C.c_int, C.c_long]
+addr = libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
+if addr in (None, C.c_void_p(-1).value):
+    raise OSError(C.get_errno(), "mmap failed")
+C.memset(addr, 1, size)
+"""
+# A cold dump waits this long first: free page reporting hands freed pages back after about 2 s.
+COLD_PAUSE_S = 4.0
+
+
+def warm_mib(plan: Plan, size: int) -> int:
+    """What a dump or restore of ``size`` touches (process memory, backup, page cache), with margin."""
+    want = 3 * (size + plan.host_mib) + 512
+    avail = mem_available() or 0
+    return max(0, min(want, avail // MiB // 2))
+
+
+def warm_memory(plan: Plan, size: int) -> None:
+    """Touch and free memory right before a timed command, unless the plan says --cold."""
+    if not plan.warm:
+        return
+    proc = subprocess.run(
+        [sys.executable, "-c", _WARM, str(warm_mib(plan, size))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise BenchError(f"warming memory failed: {proc.stderr.strip()[-500:]}")
+
+
+def bench_hash(plan: Plan, out: Samples) -> None:
+    """One core's sha256 rate: publish and verify hash every image file, so it bounds them."""
+    import hashlib
+
+    buf = os.urandom(256 * MiB)
+    for _ in range(plan.reps):
+        start = time.perf_counter()
+        hashlib.sha256(buf).digest()
+        out.add(0, "sha256_mib_s", 256 / (time.perf_counter() - start))
+    progress(f"sha256: {out.med(0, 'sha256_mib_s') or 0:.0f} MiB/s on one core")
+
+
+def _time_cli(args: list[str], env: dict[str, str], runs: int) -> list[float]:
+    times: list[float] = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        proc = subprocess.run([str(NPUSNAP), *args], env=env, capture_output=True, timeout=60)
+        times.append(time.perf_counter() - start)
+        if proc.returncode != 0:
+            raise BenchError(
+                f"npusnap {shlex.join(args)} exited with {proc.returncode}: {proc.stderr[-500:]!r}"
+            )
+    return times
+
+
+def bench_startup(s: Session, plan: Plan, out: Samples) -> None:
+    """CLI start-up; ``status`` asks a live workload's agent (1 MiB on the device)."""
+    d = s.work / "startup"
+    d.mkdir()
+    argv = [sys.executable, str(BIGALLOC), "--device-mib", "1", "--host-mib", "0", "--interval", "1"]
+    proc = s.start(argv, d / "job.out", agent=True, timeout=60)
+    _time_cli(["--version"], s.env, 2)  # warm the page cache
+    s.sample_load()
+    for name, args in (
+        ("help", ["--help"]),
+        ("version", ["--version"]),
+        ("status", ["status", str(proc.pid)]),
+    ):
+        for t in _time_cli(args, s.env, plan.startup_runs):
+            out.add(0, f"startup_{name}", t)
+        med = out.med(0, f"startup_{name}") or 0.0
+        progress(f"npusnap {' '.join(args)}: median {med * 1000:.0f} ms")
+    s.kill_all()
+    shutil.rmtree(d)
+    s.wait_device_free()

@@ -1,0 +1,169 @@
+"""Processes of a benchmark run: start them, watch their ticks, clean everything up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import NPUSNAP, POLL_S, BenchError
+from npusnap_cli import procfs
+from npusnap_cli.sim import manager
+
+# --------------------------------------------------------------------------------------------
+# Processes: start, watch, clean up
+# --------------------------------------------------------------------------------------------
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _ticks(path: Path) -> int:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return 0
+    return sum(1 for ln in text.splitlines() if ln.startswith("tick "))
+
+
+class TickWatcher:
+    """Records when each new ``tick`` line appears in a workload's output file (a thread polls it)."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "rb")  # noqa: SIM115 (closed in stop())
+        self._f.seek(0, os.SEEK_END)
+        self.arrivals: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tick-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        partial = b""
+        while not self._stop.is_set():
+            chunk = self._f.read()
+            if not chunk:
+                time.sleep(POLL_S)
+                continue
+            now = time.monotonic()
+            partial += chunk
+            *lines, partial = partial.split(b"\n")
+            self.arrivals.extend(now for ln in lines if ln.startswith(b"tick "))
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        _wait(lambda: len(self.arrivals) >= count, timeout, f"{count} new tick line(s) from the workload")
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        self._f.close()
+        return list(self.arrivals)
+
+
+@dataclass
+class Session:
+    """What one benchmark run started, so that ``close`` can remove all of it."""
+
+    tmp: Path  # short path for the sim socket and agent sockets (AF_UNIX: 108 bytes)
+    work: Path  # images and workload output, on the filesystem measured
+    env: dict[str, str]
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    restored: list[tuple[int, str]] = field(default_factory=list)  # (pid, script it must run)
+    daemon_started: bool = False
+    load: list[float] = field(default_factory=list)
+
+    def sample_load(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.load.append(float(Path("/proc/loadavg").read_text().split()[0]))
+
+    def start(self, argv: list[str], out: Path, *, agent: bool, timeout: float) -> subprocess.Popen[bytes]:
+        """Start a workload detached (own session, output appended: CRIU can dump and restore it)
+        and wait for its second tick."""
+        cmd = [str(NPUSNAP), "run", "--", *argv] if agent else argv
+        with open(out, "ab") as f:
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=f,
+                start_new_session=True,
+                cwd=self.work,
+            )
+        self.children.append(proc)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                tail = out.read_text(errors="replace")[-1500:]
+                raise BenchError(f"workload {shlex.join(argv)} exited with {proc.returncode}:\n{tail}")
+            return _ticks(out) >= 2
+
+        _wait(ready, timeout, f"workload {Path(argv[1]).name} to start")
+        return proc
+
+    def reap(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait for a dumped original to exit (npusnap/CRIU killed it) so that its pid is free."""
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            raise BenchError(
+                f"pid {proc.pid} still runs after its dump, which should have ended it"
+            ) from None
+
+    def kill_all(self) -> None:
+        for pid, script in self.restored:
+            # A restored process is not our child; make sure the pid is still the one we restored.
+            if procfs.is_alive(pid) and script in procfs.cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for proc in self.children:
+            if proc.poll() is None:
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while any(procfs.is_alive(pid) for pid, _ in self.restored) and time.monotonic() < end:
+            time.sleep(0.02)
+        self.children.clear()
+        self.restored.clear()
+
+    def wait_device_free(self) -> None:
+        """The daemon frees a dead owner's device memory in its reaper (every 0.5 s); the next
+        workload needs the capacity."""
+
+        def free() -> bool:
+            st = manager.status()
+            return bool(st.get("running")) and int(st.get("bytes_used", 1)) == 0
+
+        _wait(free, 15, "the simulated NPU to free the device memory of killed workloads")
+
+    def close(self) -> list[str]:
+        """Remove everything; returns the problems met (cleanup goes on past each)."""
+        problems: list[str] = []
+        try:
+            self.kill_all()
+        except Exception as exc:
+            problems.append(f"killing workloads: {exc}")
+        if self.daemon_started:
+            try:
+                manager.stop()
+            except Exception as exc:
+                problems.append(f"stopping the private simulated NPU daemon: {exc}")
+        for d in (self.work, self.tmp):
+            shutil.rmtree(d, ignore_errors=True)
+            if d.exists():
+                problems.append(f"could not remove {d}")
+        return problems

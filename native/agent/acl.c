@@ -1,0 +1,217 @@
+/* The snapshot calls into the CANN runtime that this process already loaded.
+ *
+ * The library is found in /proc/self/maps and opened with RTLD_NOLOAD: loading a second copy
+ * would give a second, empty runtime that knows nothing about this process's devices.
+ * Calling convention: every snapshot function is called as f(getpid(), NULL). CANN 9.1+
+ * declares (int pid, void *args); 8.5/9.0 declare f(void), and on the x86-64 and AArch64 C ABIs
+ * extra register arguments to such a function are simply ignored, so one call serves both
+ * (npusnap_cli/acl.py does the same through ctypes).
+ */
+#include "agent_int.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int (*snap_fn)(int, void *);
+typedef int (*state_fn)(int *);
+typedef int (*devices_fn)(int32_t *, int);
+
+/* The device-memory part, when linked in, knows the devices the job opened (it interposes
+ * aclrtSetDevice/aclrtResetDevice). */
+int npusnap_devmem_devices(int32_t *ids, int max) __attribute__((weak));
+
+/* "libacl_rt.so.1" -> matches "libacl_rt.so" */
+static int lib_matches(const char *path, const char *name) {
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    size_t n = strlen(name);
+    if (strncmp(base, name, n) != 0) return 0;
+    const char *rest = base + n;
+    if (*rest == 0) return 1;
+    if (*rest != '.') return 0;
+    for (rest++; *rest; rest++) {
+        if ((*rest < '0' || *rest > '9') && *rest != '.') return 0;
+    }
+    return 1;
+}
+
+static int mapped_path(const char *name, char *out, size_t outlen) {
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return -1;
+    char line[4096];
+    int found = -1;
+    while (fgets(line, sizeof line, f)) {
+        char *p = strchr(line, '/');
+        if (!p) continue;
+        p[strcspn(p, "\n")] = 0;
+        if (strstr(p, " (deleted)")) continue;
+        if (lib_matches(p, name)) {
+            snprintf(out, outlen, "%s", p);
+            found = 0;
+            break;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+static void read_version(acl_rt *rt) {
+    char real[PATH_MAX];
+    rt->version[0] = 0;
+    rt->simulated = 0;
+    if (!realpath(rt->path, real)) return;
+    char *slash = strrchr(real, '/');
+    if (!slash) return;
+    *slash = 0; /* .../lib64 */
+    char *parent = strrchr(real, '/');
+    if (!parent) return;
+    *parent = 0; /* home, or <home>/<arch>-linux */
+    const char *leaf = parent + 1;
+    size_t ll = strlen(leaf);
+    if (ll > 6 && strcmp(leaf + ll - 6, "-linux") == 0) {
+        char *up = strrchr(real, '/');
+        if (up) *up = 0;
+    }
+    char vi[PATH_MAX + 64];
+    snprintf(vi, sizeof vi, "%s/share/info/runtime/version.info", real);
+    FILE *f = fopen(vi, "re");
+    if (!f) return;
+    char line[256];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        char *eq = strchr(line, '=');
+        if (!eq) continue;
+        *eq = 0;
+        char *key = line, *value = eq + 1;
+        while (*value == ' ') value++;
+        if (strcasecmp(key, "version") == 0 && *value) snprintf(rt->version, sizeof rt->version, "%s", value);
+        if (strcasecmp(key, "simulated") == 0 && *value) rt->simulated = 1;
+    }
+    fclose(f);
+}
+
+int acl_find(acl_rt *rt) {
+    static const char *names[] = {"libacl_rt.so", "libascendcl.so"};
+    memset(rt, 0, sizeof *rt);
+    for (size_t i = 0; i < 2; i++) {
+        if (mapped_path(names[i], rt->path, sizeof rt->path) == 0) {
+            rt->lib = dlopen(rt->path, RTLD_NOW | RTLD_NOLOAD);
+            if (rt->lib) break;
+        }
+    }
+    if (!rt->lib) return -1;
+    char rpath[512];
+    if (mapped_path("libruntime.so", rpath, sizeof rpath) == 0) {
+        rt->runtime = dlopen(rpath, RTLD_NOW | RTLD_NOLOAD);
+    }
+    read_version(rt);
+    return 0;
+}
+
+int acl_call(acl_rt *rt, const char *what) {
+    char name[64];
+    snprintf(name, sizeof name, "aclrtSnapShotProcess%s", what);
+    snap_fn fn = (snap_fn)dlsym(rt->lib, name);
+    if (!fn) return 207000; /* ACL_ERROR_RT_FEATURE_NOT_SUPPORT: this build has no snapshot API */
+    return fn((int)getpid(), NULL);
+}
+
+int acl_state(acl_rt *rt, int *code) {
+    *code = 0;
+    if (!rt || !rt->runtime) return ST_UNKNOWN;
+    state_fn fn = (state_fn)dlsym(rt->runtime, "rtSnapShotProcessGetState");
+    if (!fn) return ST_UNKNOWN;
+    int st = -1;
+    int rc = fn(&st);
+    if (rc != 0) {
+        *code = rc;
+        return ST_UNKNOWN;
+    }
+    return st;
+}
+
+int acl_devices(acl_rt *rt, int32_t *ids, int max) {
+    devices_fn fn = rt && rt->lib ? (devices_fn)dlsym(rt->lib, "npusimGetOpenDevices") : NULL;
+    if (!fn && npusnap_devmem_devices) fn = npusnap_devmem_devices;
+    if (fn) {
+        int n = fn(ids, max);
+        if (n > 0 || fn == npusnap_devmem_devices) return n < 0 ? 0 : (n > max ? max : n);
+    }
+    /* Real hardware: /dev/davinciN file descriptors (there is no ACL query for "all devices"). */
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    struct dirent *de;
+    while ((de = readdir(d)) && n < max) {
+        char link[64], target[256];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", de->d_name);
+        ssize_t len = readlink(link, target, sizeof target - 1);
+        if (len <= 0) continue;
+        target[len] = 0;
+        int id;
+        char tail;
+        if (sscanf(target, "/dev/davinci%d%c", &id, &tail) == 1) {
+            int dup = 0;
+            for (int i = 0; i < n; i++) dup |= ids[i] == id;
+            if (!dup) ids[n++] = id;
+        }
+    }
+    closedir(d);
+    for (int i = 1; i < n; i++) { /* sort */
+        for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
+            int32_t t = ids[j];
+            ids[j] = ids[j - 1];
+            ids[j - 1] = t;
+        }
+    }
+    return n;
+}
+
+/* Names only; meanings and fixes live in npusnap_cli/acl.py (ERRORS), which the CLI uses to
+ * explain an error it receives. tests/unit/test_agent_native.py checks these names against it. */
+static const struct {
+    int code;
+    const char *name;
+} ERROR_NAMES[] = {
+    {0, "ACL_SUCCESS"},
+    {100000, "ACL_ERROR_INVALID_PARAM"},
+    {100001, "ACL_ERROR_UNINITIALIZE"},
+    {100002, "ACL_ERROR_REPEAT_INITIALIZE"},
+    {107000, "ACL_ERROR_RT_PARAM_INVALID"},
+    {107002, "ACL_ERROR_RT_CONTEXT_NULL"},
+    {207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT"},
+    {207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"},
+    {207006, "ACL_ERROR_RT_NO_PERMISSION"},
+    {507033, "ACL_ERROR_RT_DEV_SETUP_ERROR"},
+    {507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR"},
+    {507905, "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT"},
+    {507906, "ACL_ERROR_SNAPSHOT_LOCK_FAILED"},
+    {507907, "ACL_ERROR_SNAPSHOT_UNLOCK_FAILED"},
+    {507908, "ACL_ERROR_SNAPSHOT_BACKUP_FAILED"},
+    {507909, "ACL_ERROR_SNAPSHOT_RESTORE_FAILED"},
+    {507912, "ACL_ERROR_SNAPSHOT_CALLBACK_FAILED"},
+    {507913, "ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED"},
+};
+
+const char *acl_error_name(int code) {
+    for (size_t i = 0; i < sizeof ERROR_NAMES / sizeof ERROR_NAMES[0]; i++) {
+        if (ERROR_NAMES[i].code == code) return ERROR_NAMES[i].name;
+    }
+    return "ACL_ERROR_UNKNOWN";
+}
+
+AGENT_API const char *npusnap_agent_acl_error_name(int code) { return acl_error_name(code); }
+
+const char *state_name(int st) {
+    switch (st) {
+    case ST_RUNNING: return "RUNNING";
+    case ST_LOCKED: return "LOCKED";
+    case ST_BACKED_UP: return "BACKED_UP";
+    default: return NULL;
+    }
+}

@@ -1,0 +1,133 @@
+/* Internal interface between the files of the native agent core (libnpusnap_agent.so).
+ *
+ * core.c   the library constructor, the agent thread, the control socket, fork handling,
+ *          Python hooks with a deadline;
+ * json.c   a small JSON reader and writer for the line protocol (no dependency);
+ * proto.c  the line protocol: request validation and response encoding, the same rules as
+ *          npusnap_cli/protocol.py (transcripts in tests/data/protocol/ check both);
+ * acl.c    the snapshot calls into the CANN runtime this process already loaded;
+ * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease.
+ *
+ * Nothing here takes the Python GIL or runs Python, except the hook helper threads of core.c,
+ * which the agent thread only ever waits for with a deadline.
+ */
+#ifndef NPUSNAP_AGENT_INT_H
+#define NPUSNAP_AGENT_INT_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define AGENT_API __attribute__((visibility("default")))
+#define MAX_LINE (64 * 1024)
+#define PROTOCOL_VERSION 1
+
+/* ---- json.c ------------------------------------------------------------------------------ */
+typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } jtype;
+
+typedef struct jval {
+    jtype t;
+    int b;               /* J_BOOL */
+    double num;          /* J_NUM */
+    int is_int;          /* J_NUM written without fraction/exponent and fits in long long */
+    long long i;         /* J_NUM when is_int */
+    char *s;             /* J_STR (NUL-terminated; may contain NULs, see slen) */
+    size_t slen;
+    size_t n;            /* J_ARR / J_OBJ: number of items */
+    struct jval *items;  /* J_ARR / J_OBJ values */
+    char **keys;         /* J_OBJ keys */
+} jval;
+
+/* Parse a whole buffer; 0 on success, else -1 with a message in err. */
+int json_parse(const char *buf, size_t len, jval *out, char *err, size_t errlen);
+void json_free(jval *v);
+const jval *json_get(const jval *obj, const char *key); /* last value of key, or NULL */
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} sbuf;
+
+void sb_init(sbuf *b);
+void sb_free(sbuf *b);
+void sb_raw(sbuf *b, const char *s);
+void sb_rawn(sbuf *b, const char *s, size_t n);
+void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void sb_str(sbuf *b, const char *s); /* a JSON string literal */
+void sb_key(sbuf *b, const char *k); /* ,"k": (comma unless right after '{') */
+void sb_num(sbuf *b, double v);      /* a JSON number like Python's repr (or null if not finite) */
+void sb_json(sbuf *b, const jval *v); /* re-serialise a parsed value */
+
+/* ---- proto.c ----------------------------------------------------------------------------- */
+typedef struct request {
+    long long id;
+    char op[32];
+    jval root; /* owns the args */
+    const jval *args;
+} request;
+
+/* An error object being built: type, name, code, message, and extra members (raw JSON). */
+typedef struct op_error {
+    const char *type;
+    char name[64];
+    long long code;
+    char message[1024];
+    sbuf extra; /* ",\"k\":v..." members appended to the error object */
+} op_error;
+
+void err_init(op_error *e);
+void err_set(op_error *e, const char *type, const char *name, long long code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+void err_free(op_error *e);
+
+/* 0: request decoded; -1: protocol error in e and *id_out the id to answer (0 if unknown). */
+int proto_decode(const char *line, size_t len, request *r, op_error *e, long long *id_out);
+void proto_request_free(request *r);
+/* Whole response lines (with the newline). result_members: the members of the result object
+ * without braces ("\"a\":1,\"b\":2"). */
+void proto_result_line(sbuf *out, long long id, const char *result_members);
+void proto_error_line(sbuf *out, long long id, const op_error *e);
+
+/* ---- acl.c ------------------------------------------------------------------------------- */
+enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_BACKED_UP = 2, ST_UNKNOWN = -1 };
+
+typedef struct acl_rt {
+    void *lib;      /* handle on the already-loaded libacl_rt.so / libascendcl.so */
+    void *runtime;  /* handle on the already-loaded libruntime.so (GetState), or NULL */
+    char path[512];
+    char version[128];
+    int simulated;
+} acl_rt;
+
+/* Find the runtime this process already loaded (never loads one). 0 found, -1 not loaded. */
+int acl_find(acl_rt *rt);
+/* Snapshot call by name ("Lock", "Backup", "Restore", "Unlock"); the ACL return code. */
+int acl_call(acl_rt *rt, const char *what);
+/* The state, or ST_UNKNOWN when this runtime cannot tell; *code gets a GetState failure. */
+int acl_state(acl_rt *rt, int *code);
+int acl_devices(acl_rt *rt, int32_t *ids, int max);
+const char *acl_error_name(int code);
+const char *state_name(int st);
+
+/* ---- ops.c ------------------------------------------------------------------------------- */
+/* Handle one decoded request; append the response line to out. Called on the agent thread. */
+void ops_handle(const request *r, int peer_pid, sbuf *out);
+void ops_tick(void);           /* lease and CRIU-restore detection; on the agent thread */
+void ops_init(void);           /* once per process (and again in a forked child) */
+void ops_event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---- core.c ------------------------------------------------------------------------------ */
+void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+double mono_now(void);
+const char *agent_socket(void);
+/* Run the Python hooks of a stage with a deadline. 0: ran (names appended to ran_json, a JSON
+ * array); -1: failed (e filled: HOOK_FAILED or HOOK_TIMEOUT). No hooks for the stage: 0, "[]". */
+int hooks_run(const char *stage, sbuf *ran_json, op_error *e);
+void hooks_names_json(sbuf *out); /* {"pre_lock": [...], ...} */
+void python_info_json(sbuf *out); /* the Python face's info object, or null */
+
+#endif

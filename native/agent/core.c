@@ -1,0 +1,681 @@
+/* libnpusnap_agent.so: the npusnap agent's core, in any process that uses the Ascend runtime.
+ *
+ * Why native: the snapshot Lock makes the job's next device call wait inside the runtime. If
+ * that caller holds a lock the agent needs -- for Python, the GIL, when an extension calls the
+ * runtime without releasing it -- an agent written in Python can never run again and the job
+ * stays frozen (the lease that should unlock it needs the GIL too). This core has its own
+ * pthread and never takes the GIL: the control socket, the protocol, the snapshot calls, the
+ * state logic and the lease all run here. Python hooks are the one exception, and the agent
+ * thread waits for them only with a deadline (see hooks_run).
+ *
+ * Ways in: the constructor starts the agent when NPUSNAP_AGENT=1 (`npusnap run` preloads this
+ * library into any dynamically linked program and sets it); npusnap_agent_start() from an
+ * application or from the Python face (npusnap_cli.agent.start()); `npusnap attach` loads it.
+ *
+ * The control socket follows npusnap_cli/paths.py: a 0700 directory per uid, a 0600 socket
+ * named <pid>.sock, SO_PEERCRED check that a client is root or our uid, one client at a time.
+ */
+#include "agent_int.h"
+
+#include <npusnap/agent.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define POLL_MS 100
+#define SEND_TIMEOUT 5.0
+#define PARTIAL_IDLE_S 2.0  /* a client that sent part of a line and then nothing is dropped */
+#define DEFAULT_HOOK_TIMEOUT 10.0
+
+static pthread_mutex_t start_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static struct {
+    int started;
+    pid_t pid;
+    volatile int stopping;
+    pthread_t thread;
+    int listen_fd, client_fd, client_pid;
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    char *inbuf;
+    size_t inlen;
+    double partial_since; /* when the buffered partial line started (0: none) */
+    char last_error[512];
+} A = {.listen_fd = -1, .client_fd = -1};
+
+double mono_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+void agent_log(const char *fmt, ...) {
+    char msg[700];
+    int n = snprintf(msg, sizeof msg, "npusnap-agent: [%d] ", (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg + n, sizeof msg - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = strlen(msg);
+    msg[len++] = '\n';
+    ssize_t w = write(2, msg, len); /* one write: lines of several threads never interleave */
+    (void)w;
+}
+
+const char *agent_socket(void) { return A.path[0] ? A.path : NULL; }
+
+/* ---- paths (the rules of npusnap_cli/paths.py) ------------------------------------------- */
+static int runtime_dir(char *out, size_t outlen) {
+    const char *env = getenv("NPUSNAP_RUNTIME_DIR");
+    if (env && *env) return snprintf(out, outlen, "%s", env) >= (int)outlen ? -1 : 0;
+    uid_t uid = geteuid();
+    if (uid == 0) return snprintf(out, outlen, "/run/npusnap") >= (int)outlen ? -1 : 0;
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    struct stat st;
+    if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && strcmp(xdg, "/tmp") != 0) {
+        return snprintf(out, outlen, "%s/npusnap", xdg) >= (int)outlen ? -1 : 0;
+    }
+    return snprintf(out, outlen, "/tmp/npusnap-%u", (unsigned)uid) >= (int)outlen ? -1 : 0;
+}
+
+static int ensure_private_dir(const char *dir, char *err, size_t errlen) {
+    if (mkdir(dir, 0700) == 0) {
+        /* mkdir's mode is filtered by the umask; the process-wide umask must not be changed
+         * (other threads create files right now), so fix the mode of what we created. */
+        chmod(dir, 0700);
+    } else if (errno != EEXIST) {
+        snprintf(err, errlen, "cannot create %s: %s", dir, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (lstat(dir, &st) < 0) {
+        snprintf(err, errlen, "cannot stat %s: %s", dir, strerror(errno));
+        return -1;
+    }
+    if (S_ISLNK(st.st_mode) || !S_ISDIR(st.st_mode)) {
+        snprintf(err, errlen, "%s is not a real directory (symlink or file); refusing to use it", dir);
+        return -1;
+    }
+    if (st.st_uid != geteuid()) {
+        snprintf(err, errlen, "%s is owned by uid %u, not %u; refusing to use it", dir, (unsigned)st.st_uid,
+                 (unsigned)geteuid());
+        return -1;
+    }
+    if ((st.st_mode & 07777) != 0700) {
+        snprintf(err, errlen, "%s has mode %o, not 700; refusing to use it (fix: chmod 700 %s)", dir,
+                 (unsigned)(st.st_mode & 07777), dir);
+        return -1;
+    }
+    return 0;
+}
+
+static int bind_socket(char *err, size_t errlen) {
+    char dir[512];
+    if (runtime_dir(dir, sizeof dir) < 0) {
+        snprintf(err, errlen, "runtime directory path too long");
+        return -1;
+    }
+    if (ensure_private_dir(dir, err, errlen) < 0) return -1;
+    char path[600];
+    snprintf(path, sizeof path, "%s/%d.sock", dir, (int)getpid());
+    if (strlen(path) >= sizeof A.path) {
+        snprintf(err, errlen, "socket path %s exceeds the %zu-byte AF_UNIX limit", path, sizeof A.path - 1);
+        return -1;
+    }
+    struct stat st;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) {
+            snprintf(err, errlen, "%s exists and is not a socket; not removing it", path);
+            return -1;
+        }
+        unlink(path); /* named after our own pid: left over from a dead process */
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+        snprintf(err, errlen, "socket: %s", strerror(errno));
+        return -1;
+    }
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path, path, strlen(path) + 1);
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) < 0 || chmod(path, 0600) < 0 || listen(fd, 8) < 0) {
+        snprintf(err, errlen, "cannot listen on %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    A.listen_fd = fd;
+    snprintf(A.path, sizeof A.path, "%s", path);
+    return 0;
+}
+
+/* ---- the client connection --------------------------------------------------------------- */
+static int send_all(int fd, const char *data, size_t len) {
+    double deadline = mono_now() + SEND_TIMEOUT;
+    while (len) {
+        ssize_t n = send(fd, data, len, MSG_NOSIGNAL);
+        if (n > 0) {
+            data += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            double left = deadline - mono_now();
+            if (left <= 0) return -1;
+            struct pollfd p = {fd, POLLOUT, 0};
+            poll(&p, 1, (int)(left * 1000) + 1);
+            continue;
+        }
+        return -1;
+    }
+    return 0;
+}
+
+static void drop_client(void) {
+    if (A.client_fd >= 0) close(A.client_fd);
+    A.client_fd = -1;
+    A.client_pid = 0;
+    A.inlen = 0;
+    A.partial_since = 0;
+}
+
+static void refuse(int fd, const char *name, const char *message) {
+    op_error e;
+    err_init(&e);
+    err_set(&e, "protocol", name, 0, "%s", message);
+    sbuf out;
+    sb_init(&out);
+    proto_error_line(&out, 0, &e);
+    if (out.p) send_all(fd, out.p, out.len);
+    sb_free(&out);
+    err_free(&e);
+    close(fd);
+}
+
+static int client_alive(void) {
+    struct pollfd p = {A.client_fd, POLLIN, 0};
+    if (poll(&p, 1, 0) > 0) {
+        if (p.revents & (POLLHUP | POLLERR)) return 0;
+        char c;
+        ssize_t n = recv(A.client_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0) return 0;
+    }
+    return 1;
+}
+
+static void accept_client(void) {
+    int fd = accept4(A.listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+        close(fd);
+        return;
+    }
+    if (cred.uid != geteuid() && cred.uid != 0) {
+        agent_log("refused a client with uid %u (pid %d): only uid %u or root may connect", (unsigned)cred.uid,
+                  (int)cred.pid, (unsigned)geteuid());
+        char msg[128];
+        snprintf(msg, sizeof msg, "uid %u may not control this process", (unsigned)cred.uid);
+        refuse(fd, "PERMISSION_DENIED", msg);
+        return;
+    }
+    if (A.client_fd >= 0 && !client_alive()) drop_client(); /* it hung up; EOF not read yet */
+    if (A.client_fd >= 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "another client (pid %d) is connected; one at a time", A.client_pid);
+        refuse(fd, "BUSY", msg);
+        return;
+    }
+    A.client_fd = fd;
+    A.client_pid = cred.pid;
+    A.inlen = 0;
+    A.partial_since = 0;
+}
+
+static void reply(const char *data, size_t len) {
+    if (A.client_fd < 0) return;
+    if (send_all(A.client_fd, data, len) < 0) {
+        agent_log("could not answer client pid %d: %s", A.client_pid, strerror(errno));
+        drop_client();
+    }
+}
+
+static void handle_line(const char *line, size_t len) {
+    request r;
+    op_error e;
+    err_init(&e);
+    long long id = 0;
+    sbuf out;
+    sb_init(&out);
+    if (proto_decode(line, len, &r, &e, &id) < 0) {
+        proto_error_line(&out, id, &e);
+    } else {
+        ops_handle(&r, A.client_pid, &out);
+        proto_request_free(&r);
+    }
+    if (out.p) reply(out.p, out.len);
+    sb_free(&out);
+    err_free(&e);
+}
+
+static void read_client(void) {
+    if (!A.inbuf) {
+        A.inbuf = malloc(MAX_LINE + 2);
+        if (!A.inbuf) {
+            drop_client();
+            return;
+        }
+    }
+    size_t room = MAX_LINE + 1 - A.inlen;
+    ssize_t n = recv(A.client_fd, A.inbuf + A.inlen, room, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (n <= 0) {
+        drop_client();
+        return;
+    }
+    A.inlen += (size_t)n;
+    while (A.client_fd >= 0) {
+        char *nl = memchr(A.inbuf, '\n', A.inlen);
+        if (!nl) {
+            if (A.inlen > MAX_LINE) {
+                op_error e;
+                err_init(&e);
+                err_set(&e, "protocol", "LINE_TOO_LONG", 0, "line exceeds %d bytes", MAX_LINE);
+                sbuf out;
+                sb_init(&out);
+                proto_error_line(&out, 0, &e);
+                if (out.p) reply(out.p, out.len);
+                sb_free(&out);
+                err_free(&e);
+                drop_client();
+                return;
+            }
+            A.partial_since = A.inlen ? (A.partial_since ? A.partial_since : mono_now()) : 0;
+            return;
+        }
+        size_t linelen = (size_t)(nl - A.inbuf);
+        A.partial_since = 0;
+        handle_line(A.inbuf, linelen);
+        if (A.client_fd < 0) return;
+        memmove(A.inbuf, nl + 1, A.inlen - linelen - 1);
+        A.inlen -= linelen + 1;
+        if (A.inlen) A.partial_since = mono_now();
+    }
+}
+
+/* ---- the agent thread -------------------------------------------------------------------- */
+static void *agent_main(void *arg) {
+    (void)arg;
+    while (!A.stopping) {
+        ops_tick();
+        struct pollfd p[2];
+        int n = 0;
+        p[n++] = (struct pollfd){A.listen_fd, POLLIN, 0};
+        if (A.client_fd >= 0) p[n++] = (struct pollfd){A.client_fd, POLLIN, 0};
+        int rc = poll(p, (nfds_t)n, POLL_MS);
+        if (rc < 0) {
+            if (errno != EINTR) usleep(POLL_MS * 1000);
+            continue;
+        }
+        if (n == 2 && p[1].revents) read_client();
+        if (p[0].revents & POLLIN) accept_client();
+        if (A.client_fd >= 0 && A.partial_since && mono_now() - A.partial_since > PARTIAL_IDLE_S) {
+            agent_log("dropped client pid %d: it sent part of a line and nothing for %gs", A.client_pid,
+                      PARTIAL_IDLE_S);
+            drop_client();
+        }
+    }
+    return NULL;
+}
+
+static void after_fork_child(void);
+
+static int start_locked(void) {
+    if (A.started && A.pid == getpid()) return 0;
+    A.last_error[0] = 0;
+    ops_init();
+    if (bind_socket(A.last_error, sizeof A.last_error) < 0) return -1;
+    A.pid = getpid();
+    A.stopping = 0;
+    /* The agent thread takes none of the application's signals. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    int rc = pthread_create(&A.thread, &attr, agent_main, NULL);
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        snprintf(A.last_error, sizeof A.last_error, "pthread_create: %s", strerror(rc));
+        close(A.listen_fd);
+        A.listen_fd = -1;
+        unlink(A.path);
+        A.path[0] = 0;
+        return -1;
+    }
+    A.started = 1;
+    return 0;
+}
+
+/* Start the agent (idempotent per process). Returns the socket path, or NULL with the reason in
+ * npusnap_agent_last_error(). Never aborts the process. */
+AGENT_API const char *npusnap_agent_start(void) {
+    pthread_mutex_lock(&start_mu);
+    int rc = start_locked();
+    pthread_mutex_unlock(&start_mu);
+    if (rc < 0) {
+        agent_log("could not start the agent: %s", A.last_error);
+        return NULL;
+    }
+    return A.path;
+}
+
+AGENT_API const char *npusnap_agent_last_error(void) { return A.last_error; }
+
+AGENT_API int npusnap_agent_running(void) { return A.started && A.pid == getpid(); }
+
+AGENT_API const char *npusnap_agent_socket_path(void) { return npusnap_agent_running() ? A.path : NULL; }
+
+/* Stop serving and remove the socket; the snapshot state is left as it is. */
+AGENT_API void npusnap_agent_stop(void) {
+    pthread_mutex_lock(&start_mu);
+    if (A.started && A.pid == getpid()) {
+        A.stopping = 1;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 5;
+        if (pthread_timedjoin_np(A.thread, NULL, &ts) != 0) {
+            agent_log("the agent thread did not stop within 5s (busy in an operation); detaching it");
+            pthread_detach(A.thread);
+        }
+        drop_client();
+        close(A.listen_fd);
+        A.listen_fd = -1;
+        struct stat st;
+        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
+        A.path[0] = 0;
+        A.started = 0;
+    }
+    pthread_mutex_unlock(&start_mu);
+}
+
+/* ---- Python hooks, with a deadline ------------------------------------------------------- */
+typedef int (*hook_cb_t)(void *handle, const char *stage, char *out, size_t outlen);
+
+enum { HC_PENDING, HC_RUNNING, HC_DONE, HC_CANCELLED };
+
+typedef struct hook_call {
+    char stage[16];
+    int state;
+    int rc;
+    int refs;
+    char out[16384];
+} hook_call;
+
+static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hook_cv;
+static int hook_cv_ready;
+static hook_cb_t hook_cb;
+static double hook_timeout = DEFAULT_HOOK_TIMEOUT;
+static unsigned hook_mask;
+static char *hook_names;
+static char *python_info;
+
+static const char *STAGES[] = {"pre_lock", "post_backup", "post_restore", "post_unlock"};
+
+static void hook_cv_init(void) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&hook_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    hook_cv_ready = 1;
+}
+
+/* Called by the Python face: cb runs the hooks of a stage (it must call npusnap_agent_hook_claim
+ * first and do nothing if that says the call was cancelled); timeout_s bounds each stage. */
+AGENT_API void npusnap_agent_set_hook_callback(hook_cb_t cb, double timeout_s) {
+    pthread_mutex_lock(&hook_mu);
+    hook_cb = cb;
+    if (timeout_s > 0) hook_timeout = timeout_s;
+    pthread_mutex_unlock(&hook_mu);
+}
+
+/* mask: bit i set when stage STAGES[i] has hooks; names: {"pre_lock": [...], ...} for hello. */
+AGENT_API void npusnap_agent_set_hooks(unsigned mask, const char *names_json) {
+    pthread_mutex_lock(&hook_mu);
+    hook_mask = mask;
+    free(hook_names);
+    hook_names = names_json ? strdup(names_json) : NULL;
+    pthread_mutex_unlock(&hook_mu);
+}
+
+AGENT_API void npusnap_agent_set_python_info(const char *json) {
+    pthread_mutex_lock(&hook_mu);
+    free(python_info);
+    python_info = json ? strdup(json) : NULL;
+    pthread_mutex_unlock(&hook_mu);
+}
+
+/* 0: go ahead and run the hooks; 1: the agent gave up waiting (the stage already failed and was
+ * rolled back), so the late hook must do nothing. */
+AGENT_API int npusnap_agent_hook_claim(void *handle) {
+    hook_call *c = handle;
+    pthread_mutex_lock(&hook_mu);
+    int go = c->state == HC_PENDING;
+    if (go) c->state = HC_RUNNING;
+    pthread_mutex_unlock(&hook_mu);
+    return go ? 0 : 1;
+}
+
+static void hook_call_put(hook_call *c) { /* with hook_mu held */
+    if (--c->refs == 0) free(c);
+}
+
+static void *hook_thread(void *arg) {
+    hook_call *c = arg;
+    pthread_mutex_lock(&hook_mu);
+    hook_cb_t cb = hook_cb;
+    pthread_mutex_unlock(&hook_mu);
+    /* This call takes the GIL (ctypes does): it may wait for as long as the application holds
+     * it. The agent thread does not wait for it longer than hook_timeout. */
+    int rc = cb ? cb(c, c->stage, c->out, sizeof c->out - 1) : -1;
+    pthread_mutex_lock(&hook_mu);
+    c->rc = rc;
+    if (c->state != HC_CANCELLED) c->state = HC_DONE;
+    pthread_cond_broadcast(&hook_cv);
+    hook_call_put(c);
+    pthread_mutex_unlock(&hook_mu);
+    return NULL;
+}
+
+void hooks_names_json(sbuf *out) {
+    pthread_mutex_lock(&hook_mu);
+    if (hook_names) sb_raw(out, hook_names);
+    else sb_raw(out, "{\"pre_lock\":[],\"post_backup\":[],\"post_restore\":[],\"post_unlock\":[]}");
+    pthread_mutex_unlock(&hook_mu);
+}
+
+void python_info_json(sbuf *out) {
+    pthread_mutex_lock(&hook_mu);
+    sb_raw(out, python_info ? python_info : "null");
+    pthread_mutex_unlock(&hook_mu);
+}
+
+static void hook_fail(op_error *e, const char *stage, const char *hook, const char *exc, const char *name,
+                      const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static void hook_fail(op_error *e, const char *stage, const char *hook, const char *exc, const char *name,
+                      const char *fmt, ...) {
+    e->type = "hook";
+    snprintf(e->name, sizeof e->name, "%s", name);
+    e->code = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    sb_raw(&e->extra, ",\"hook\":");
+    sb_str(&e->extra, hook);
+    sb_raw(&e->extra, ",\"stage\":");
+    sb_str(&e->extra, stage);
+    sb_raw(&e->extra, ",\"exception\":");
+    sb_str(&e->extra, exc);
+}
+
+int hooks_run(const char *stage, sbuf *ran, op_error *e) {
+    unsigned bit = 0;
+    for (unsigned i = 0; i < 4; i++) {
+        if (strcmp(STAGES[i], stage) == 0) bit = 1u << i;
+    }
+    pthread_mutex_lock(&hook_mu);
+    int wanted = hook_cb && (hook_mask & bit);
+    double timeout = hook_timeout;
+    pthread_mutex_unlock(&hook_mu);
+    if (!wanted) return 0;
+    hook_call *c = calloc(1, sizeof *c);
+    if (!c) {
+        hook_fail(e, stage, "", "MemoryError", "HOOK_FAILED", "hooks of stage %s not run: out of memory", stage);
+        return -1;
+    }
+    snprintf(c->stage, sizeof c->stage, "%s", stage);
+    c->refs = 2;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&t, &attr, hook_thread, c);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        free(c);
+        hook_fail(e, stage, "", "OSError", "HOOK_FAILED", "hooks of stage %s not run: pthread_create: %s", stage,
+                  strerror(rc));
+        return -1;
+    }
+    pthread_mutex_lock(&hook_mu);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double end = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + timeout;
+    ts.tv_sec = (time_t)end;
+    ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+    while (c->state != HC_DONE) {
+        if (pthread_cond_timedwait(&hook_cv, &hook_mu, &ts) == ETIMEDOUT) break;
+    }
+    int state = c->state;
+    int cb_rc = c->rc;
+    char *out = NULL;
+    if (state == HC_DONE) {
+        out = strdup(c->out);
+    } else {
+        c->state = HC_CANCELLED; /* a late hook sees this in npusnap_agent_hook_claim */
+    }
+    hook_call_put(c);
+    pthread_mutex_unlock(&hook_mu);
+    if (state != HC_DONE) {
+        if (state == HC_PENDING) {
+            hook_fail(e, stage, "", "TimeoutError", "HOOK_TIMEOUT",
+                      "the Python hooks of stage %s could not start within %gs: the interpreter's GIL was "
+                      "not released (a native extension holding it while it waits for the device?)",
+                      stage, timeout);
+        } else {
+            hook_fail(e, stage, "", "TimeoutError", "HOOK_TIMEOUT",
+                      "the Python hooks of stage %s did not finish within %gs", stage, timeout);
+        }
+        ops_event("%s", e->message);
+        return -1;
+    }
+    jval v;
+    char perr[64];
+    int ok = out && json_parse(out, strlen(out), &v, perr, sizeof perr) == 0;
+    free(out);
+    if (!ok || v.t != J_OBJ) {
+        if (ok) json_free(&v);
+        hook_fail(e, stage, "", "RuntimeError", "HOOK_FAILED",
+                  "the hook runner of stage %s returned %d without a result", stage, cb_rc);
+        return -1;
+    }
+    const jval *okv = json_get(&v, "ok");
+    if (okv && okv->t == J_BOOL && okv->b) {
+        const jval *names = json_get(&v, "ran");
+        for (size_t i = 0; names && names->t == J_ARR && i < names->n; i++) {
+            if (ran->len) sb_raw(ran, ",");
+            sb_json(ran, &names->items[i]);
+        }
+        json_free(&v);
+        return 0;
+    }
+    const jval *hook = json_get(&v, "hook");
+    const jval *err = json_get(&v, "error");
+    const char *hs = hook && hook->t == J_STR ? hook->s : "?";
+    const char *es = err && err->t == J_STR ? err->s : "?";
+    hook_fail(e, stage, hs, es, "HOOK_FAILED", "hook '%s' at stage %s failed: %s", hs, stage, es);
+    agent_log("%s", e->message);
+    json_free(&v);
+    return -1;
+}
+
+/* ---- process life cycle ------------------------------------------------------------------ */
+/* In a forked child only the forking thread exists: the parent's agent thread, client and
+ * listener are not ours. Close them (the path stays: it is the parent's) and start afresh if
+ * the environment asks for an agent in every process. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&start_mu, NULL);
+    pthread_mutex_init(&hook_mu, NULL);
+    hook_cv_init();
+    if (A.client_fd >= 0) close(A.client_fd);
+    if (A.listen_fd >= 0) close(A.listen_fd);
+    A.client_fd = A.listen_fd = -1;
+    A.started = 0;
+    A.path[0] = 0;
+    A.inlen = 0;
+    A.partial_since = 0;
+    const char *sw = getenv("NPUSNAP_AGENT");
+    if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
+}
+
+/* `npusnap attach` of a native process loads a private copy of this library next to a marker
+ * file: the process's environment cannot be changed, so the marker is what switches it on. */
+static int attach_marker_present(void) {
+    Dl_info info;
+    if (!dladdr((void *)attach_marker_present, &info) || !info.dli_fname) return 0;
+    char path[600];
+    snprintf(path, sizeof path, "%s", info.dli_fname);
+    char *slash = strrchr(path, '/');
+    if (!slash) return 0;
+    snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path), "npusnap-attach-start");
+    return access(path, F_OK) == 0;
+}
+
+/* At exit(), remove our socket file: under `npusnap run` every short-lived process of the tree
+ * (a shell, a compiler) has an agent, and their names would pile up in the runtime directory.
+ * The agent thread is not joined: it may be inside an operation, and exit must not wait. */
+__attribute__((destructor)) static void agent_fini(void) {
+    if (A.started && A.pid == getpid() && A.path[0]) {
+        struct stat st;
+        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
+    }
+}
+
+__attribute__((constructor)) static void agent_init(void) {
+    hook_cv_init();
+    pthread_atfork(NULL, NULL, after_fork_child);
+    const char *sw = getenv("NPUSNAP_AGENT");
+    if ((sw && strcmp(sw, "1") == 0) || attach_marker_present()) npusnap_agent_start();
+}

@@ -1,0 +1,815 @@
+/* The agent's state logic: the protocol operations, lock ownership, the lease, CRIU-restore
+ * detection and the device-memory steps around them.
+ *
+ * Everything here runs on the agent thread only (requests and ticks are serialised by its
+ * loop), so no lock guards this state. No function here takes the GIL: Python hooks are run
+ * through hooks_run(), which waits for them with a deadline.
+ *
+ * Lock ownership is the contract of docs/internals.md ("Lock ownership"). A lease counts the
+ * target's run time: a gap between ticks longer than FREEZE_GAP means the whole process was
+ * stopped (CRIU, SIGSTOP) and counts as one tick; time spent inside an operation is not silence.
+ */
+#include "agent_int.h"
+
+#include <npusnap/devmem.h>
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+/* The device-memory part (devmem.c) is optional: called only when linked in. */
+#pragma weak npusnap_devmem_save
+#pragma weak npusnap_devmem_reload
+#pragma weak npusnap_devmem_finish
+#pragma weak npusnap_devmem_get_info
+
+/* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
+ * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
+ * names none (docs/internals.md). Set to 0 once the CLI sends owners and tokens everywhere. */
+#ifndef ALLOW_UNOWNED_LOCK
+#define ALLOW_UNOWNED_LOCK 1
+#endif
+
+#define TICK 0.1
+#define FREEZE_GAP 1.0
+#define DEVMEM_SAVE_TIMEOUT_MS 10000
+#define N_EVENTS 20
+
+static acl_rt rt;
+static int rt_found;
+static long long start_ticks;
+static int restored;        /* CRIU restored this process at least once */
+static int restore_pending; /* restored while BACKED_UP and no Restore since */
+static int device_restored; /* Restore ran since the lock (device memory must be reloaded) */
+
+static struct {
+    int active;
+    double duration, remaining, last, expired_duration;
+    char voided[256];
+    int frozen_gaps;
+} lease;
+
+static struct {
+    int set;
+    char command[128];
+    long long pid;
+    char since[32];
+    char token[33];
+} owner;
+
+static struct {
+    char mode[16]; /* "preserve" | "app" | "discard" of the current lock, "" when unlocked */
+    int saved;     /* npusnap_devmem_save succeeded and finish has not run */
+} devmem;
+
+static char events[N_EVENTS][400];
+static int n_events;
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+static long long read_start_ticks(void) {
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "re");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return -1;
+    p += 2;
+    /* fields after the comm: state is field 3; starttime is field 22 -> the 20th from here */
+    for (int i = 0; i < 19 && p; i++) {
+        p = strchr(p, ' ');
+        if (p) p++;
+    }
+    return p ? strtoll(p, NULL, 10) : -1;
+}
+
+static double boot_time(void) {
+    FILE *f = fopen("/proc/stat", "re");
+    if (!f) return -1;
+    char line[256];
+    double bt = -1;
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "btime ", 6) == 0) {
+            bt = strtod(line + 6, NULL);
+            break;
+        }
+    }
+    fclose(f);
+    return bt;
+}
+
+void ops_event(const char *fmt, ...) {
+    char msg[300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    agent_log("%s", msg);
+    char stamp[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    localtime_r(&now, &tm);
+    strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%S", &tm);
+    if (n_events == N_EVENTS) {
+        memmove(events[0], events[1], sizeof events[0] * (N_EVENTS - 1));
+        n_events--;
+    }
+    snprintf(events[n_events++], sizeof events[0], "%s %s", stamp, msg);
+}
+
+void ops_init(void) {
+    memset(&lease, 0, sizeof lease);
+    memset(&owner, 0, sizeof owner);
+    memset(&devmem, 0, sizeof devmem);
+    n_events = 0;
+    rt_found = 0;
+    restored = restore_pending = device_restored = 0;
+    start_ticks = read_start_ticks();
+    lease.last = mono_now();
+}
+
+static acl_rt *runtime(void) {
+    if (!rt_found) rt_found = acl_find(&rt) == 0;
+    return rt_found ? &rt : NULL;
+}
+
+static int state_now(void) {
+    acl_rt *r = runtime();
+    if (!r) return ST_UNKNOWN;
+    int code;
+    return acl_state(r, &code);
+}
+
+static void sb_state(sbuf *b, int st) {
+    const char *name = state_name(st);
+    if (name) sb_str(b, name);
+    else sb_raw(b, "null");
+}
+
+/* ---- lease ------------------------------------------------------------------------------- */
+static void lease_grant(double seconds) {
+    lease.active = 1;
+    lease.duration = lease.remaining = seconds;
+    lease.voided[0] = 0;
+    lease.last = mono_now();
+}
+
+static void lease_release(void) {
+    lease.active = 0;
+    lease.duration = lease.remaining = 0;
+}
+
+static void lease_skip_gap(void) { lease.last = mono_now(); }
+
+static void lease_json(sbuf *b) {
+    sb_raw(b, "{");
+    sb_key(b, "active");
+    sb_raw(b, lease.active ? "true" : "false");
+    sb_key(b, "lease_s");
+    if (lease.active) sb_num(b, lease.duration);
+    else sb_raw(b, "null");
+    sb_key(b, "remaining_s");
+    if (lease.active) sb_num(b, (double)(long long)((lease.remaining > 0 ? lease.remaining : 0) * 1000 + 0.5) / 1000);
+    else sb_raw(b, "null");
+    sb_key(b, "voided_reason");
+    sb_str(b, lease.voided[0] ? lease.voided : NULL);
+    sb_key(b, "frozen_gaps");
+    sb_printf(b, "%d", lease.frozen_gaps);
+    sb_raw(b, "}");
+}
+
+/* ---- ownership --------------------------------------------------------------------------- */
+static void owner_json(sbuf *b) {
+    if (!owner.set) {
+        sb_raw(b, "null");
+        return;
+    }
+    sb_raw(b, "{");
+    sb_key(b, "command");
+    sb_str(b, owner.command);
+    sb_key(b, "pid");
+    sb_printf(b, "%lld", owner.pid);
+    sb_key(b, "since");
+    sb_str(b, owner.since);
+    sb_raw(b, "}");
+}
+
+/* "`npusnap dump` (pid 42) since 2026-...Z", as the Python agent words it. */
+static void owner_text(char *out, size_t len) {
+    snprintf(out, len, "`npusnap %s` (pid %lld) since %s", owner.command, owner.pid, owner.since);
+}
+
+static void owner_error(op_error *e, const char *name, const char *message) {
+    err_set(e, "state", name, 0, "%s", message);
+    sb_raw(&e->extra, ",\"owner\":");
+    owner_json(&e->extra);
+}
+
+/* 0 if the request may act on the lock; -1 with NOT_OWNER in e otherwise. */
+static int check_owner(const char *op, const jval *args, int allow_force, op_error *e) {
+    if (!owner.set) return 0;
+    char who[256], msg[400];
+    owner_text(who, sizeof who);
+    const jval *force = json_get(args, "force");
+    if (allow_force && force && force->t == J_BOOL && force->b) {
+        ops_event("%s forced over the lock of %s", op, who);
+        return 0;
+    }
+    const jval *tok = json_get(args, "token");
+    if (tok && tok->t == J_STR && tok->slen == 32) {
+        unsigned char diff = 0; /* constant time: the comparison must not leak the token */
+        for (int i = 0; i < 32; i++) diff |= (unsigned char)(tok->s[i] ^ owner.token[i]);
+        if (!diff) return 0;
+    }
+    snprintf(msg, sizeof msg, "pid %d is locked by %s; only its owner may %s it", (int)getpid(), who, op);
+    owner_error(e, "NOT_OWNER", msg);
+    return -1;
+}
+
+static int new_token(char out[33]) {
+    unsigned char raw[16];
+    size_t got = 0;
+    while (got < sizeof raw) {
+        ssize_t n = getrandom(raw + got, sizeof raw - got, 0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        got += (size_t)n;
+    }
+    for (int i = 0; i < 16; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
+    return 0;
+}
+
+static void clear_owner(void) { memset(&owner, 0, sizeof owner); }
+
+/* ---- device memory ----------------------------------------------------------------------- */
+static void devmem_json(sbuf *b) {
+    sb_raw(b, "{");
+    sb_key(b, "available");
+    sb_raw(b, npusnap_devmem_get_info ? "true" : "false");
+    sb_key(b, "mode");
+    sb_str(b, devmem.mode[0] ? devmem.mode : NULL);
+    sb_key(b, "saved");
+    sb_raw(b, devmem.saved ? "true" : "false");
+    if (npusnap_devmem_get_info) {
+        npusnap_devmem_info info;
+        memset(&info, 0, sizeof info);
+        npusnap_devmem_get_info(&info);
+        sb_printf(b,
+                  ",\"allocations\":%llu,\"bytes\":%llu,\"saved_bytes\":%llu,\"excluded_bytes\":%llu,"
+                  "\"interposed\":%s,\"gate_closed\":%s",
+                  (unsigned long long)info.allocations, (unsigned long long)info.bytes,
+                  (unsigned long long)info.saved_bytes, (unsigned long long)info.excluded_bytes,
+                  info.interposed ? "true" : "false", info.gate_closed ? "true" : "false");
+    }
+    sb_raw(b, "}");
+}
+
+static void devmem_finish(void) {
+    if (devmem.saved && npusnap_devmem_finish) npusnap_devmem_finish();
+    devmem.saved = 0;
+    devmem.mode[0] = 0;
+}
+
+/* After Unlock: reload the host copies if a Restore ran (the device contents are gone), then
+ * open npusnap's gate. A reload failure is reported in warnings (the process runs again). */
+static void devmem_after_unlock(sbuf *warnings) {
+    if (devmem.saved && device_restored && npusnap_devmem_reload) {
+        char err[512] = "";
+        int rc = npusnap_devmem_reload(err, sizeof err);
+        if (rc != 0) {
+            ops_event("device memory reload FAILED (%d): %s", rc, err);
+            if (warnings) {
+                if (warnings->len) sb_raw(warnings, ",");
+                char msg[700];
+                snprintf(msg, sizeof msg, "device memory reload failed: %s", err);
+                sb_str(warnings, msg);
+            }
+        }
+    }
+    devmem_finish();
+    device_restored = 0;
+}
+
+/* ---- errors ------------------------------------------------------------------------------ */
+static void acl_err(op_error *e, const char *what, int code) {
+    err_set(e, "acl", acl_error_name(code), code, "%s failed: %s (%d)", what, acl_error_name(code), code);
+}
+
+static int call(const char *what, op_error *e) {
+    int code = acl_call(&rt, what);
+    if (code != 0) {
+        acl_err(e, what, code);
+        return -1;
+    }
+    return 0;
+}
+
+static int need_runtime(op_error *e) {
+    if (runtime()) return 0;
+    err_set(e, "state", "NO_ACL_RUNTIME", 0,
+            "the CANN runtime (libacl_rt.so / libascendcl.so) is not loaded in this process");
+    return -1;
+}
+
+static void hook_error(op_error *e, const char *rolled_back) {
+    /* hooks_run filled name/message and the hook/stage/exception extras */
+    size_t n = strlen(e->message);
+    snprintf(e->message + n, sizeof e->message - n, "; %s", rolled_back);
+}
+
+/* Drive the runtime back to `target` without hooks after a hook failed; steps into `steps`. */
+static int move_to(int target, sbuf *steps, op_error *e) {
+    int current = state_now();
+    if (current == target) return 0;
+    if (target == ST_RUNNING || (current == ST_BACKED_UP && target == ST_LOCKED)) {
+        if (current == ST_BACKED_UP && restore_pending) {
+            if (call("Restore", e) < 0) return -1;
+            restore_pending = 0;
+            device_restored = 1;
+            sb_raw(steps, steps->len ? ", restore" : "restore");
+        }
+        if (call("Unlock", e) < 0) return -1;
+        sb_raw(steps, steps->len ? ", unlock" : "unlock");
+        if (target == ST_RUNNING) devmem_after_unlock(NULL);
+        current = ST_RUNNING;
+    }
+    if ((target == ST_LOCKED || target == ST_BACKED_UP) && current == ST_RUNNING) {
+        if (call("Lock", e) < 0) return -1;
+        sb_raw(steps, steps->len ? ", lock" : "lock");
+        current = ST_LOCKED;
+    }
+    if (target == ST_BACKED_UP && current == ST_LOCKED) {
+        if (call("Backup", e) < 0) return -1;
+        sb_raw(steps, steps->len ? ", backup" : "backup");
+    }
+    return 0;
+}
+
+static void abort_after_hook(op_error *e, int before) {
+    char msg[600];
+    if (before == ST_UNKNOWN) {
+        hook_error(e, "snapshot state unknown, not rolled back");
+        return;
+    }
+    sbuf steps;
+    sb_init(&steps);
+    op_error again;
+    err_init(&again);
+    if (move_to(before, &steps, &again) < 0) {
+        ops_event("rollback after hook failure FAILED: %s", again.message);
+        snprintf(msg, sizeof msg, "rollback to %s FAILED: %s", state_name(before), again.message);
+    } else {
+        if (before == ST_RUNNING) {
+            lease_release();
+            clear_owner();
+        }
+        snprintf(msg, sizeof msg, "rolled back to %s (%s)", state_name(before), steps.p ? steps.p : "no change");
+    }
+    hook_error(e, msg);
+    err_free(&again);
+    sb_free(&steps);
+}
+
+/* ---- results ----------------------------------------------------------------------------- */
+static void state_members(sbuf *b) {
+    sb_key(b, "state");
+    sb_state(b, state_now());
+    sb_key(b, "lease");
+    lease_json(b);
+    sb_key(b, "owner");
+    owner_json(b);
+}
+
+static void elapsed_member(sbuf *b, double start) {
+    sb_key(b, "elapsed_s");
+    sb_num(b, (double)(long long)((mono_now() - start) * 1e6 + 0.5) / 1e6);
+}
+
+static double arg_lease(const jval *args, int *present) {
+    const jval *v = json_get(args, "lease_s");
+    *present = v && v->t == J_NUM;
+    return *present ? v->num : 0;
+}
+
+/* ---- CRIU restore detection, the lease tick ---------------------------------------------- */
+static void refresh_restored(void) {
+    long long now = read_start_ticks();
+    if (now < 0 || start_ticks < 0 || now == start_ticks) return;
+    start_ticks = now;
+    restored = 1;
+    int st = state_now();
+    restore_pending = st == ST_UNKNOWN || st == ST_BACKED_UP;
+    ops_event("process was restored by CRIU (start time changed)");
+    if (lease.active) {
+        /* The restore command carries on under the same lease: if it dies before Unlock, the
+         * lease restores and unlocks this process by itself. Restart it in full. */
+        lease_grant(lease.duration);
+        ops_event("lease of %gs restarted for the restored process: it rolls back by itself unless "
+                  "the restore command finishes or renews it", lease.duration);
+    }
+}
+
+static int do_rollback(sbuf *res, op_error *e);
+
+void ops_tick(void) {
+    refresh_restored();
+    double now = mono_now();
+    double delta = now - lease.last;
+    if (delta < 0) delta = 0;
+    lease.last = now;
+    if (!lease.active) return;
+    if (delta > FREEZE_GAP) {
+        lease.frozen_gaps++;
+        delta = delta < TICK ? delta : TICK;
+    }
+    lease.remaining -= delta;
+    if (lease.remaining > 0) return;
+    lease.expired_duration = lease.duration;
+    lease_release();
+    ops_event("lease of %gs expired without renew: rolling back by itself", lease.expired_duration);
+    sbuf res;
+    sb_init(&res);
+    op_error e;
+    err_init(&e);
+    if (do_rollback(&res, &e) == 0) {
+        ops_event("lease rollback done: state %s", state_name(state_now()) ? state_name(state_now()) : "unknown");
+    } else {
+        ops_event("lease rollback FAILED: %s; run `npusnap thaw %d`", e.message, (int)getpid());
+    }
+    err_free(&e);
+    sb_free(&res);
+    lease_skip_gap();
+}
+
+/* ---- operations -------------------------------------------------------------------------- */
+static void python_or_null(sbuf *b) { python_info_json(b); }
+
+static int op_hello(const request *r, sbuf *res, op_error *e) {
+    (void)r;
+    (void)e;
+    acl_rt *a = runtime();
+    sb_key(res, "agent_version");
+    sb_str(res, NPUSNAP_VERSION);
+    sb_key(res, "agent");
+    sb_str(res, "native");
+    sb_key(res, "protocol_version");
+    sb_printf(res, "%d", PROTOCOL_VERSION);
+    sb_key(res, "pid");
+    sb_printf(res, "%d", (int)getpid());
+    long long ticks = read_start_ticks();
+    sb_key(res, "start_time_ticks");
+    sb_printf(res, "%lld", ticks);
+    double bt = boot_time();
+    sb_key(res, "started_at");
+    if (bt >= 0 && ticks >= 0) sb_num(res, bt + (double)ticks / (double)sysconf(_SC_CLK_TCK));
+    else sb_raw(res, "null");
+    sb_key(res, "restored");
+    sb_raw(res, restored ? "true" : "false");
+    sb_key(res, "socket");
+    sb_str(res, agent_socket());
+    sb_key(res, "python");
+    python_or_null(res);
+    sb_key(res, "acl");
+    sb_raw(res, "{");
+    sb_key(res, "loaded");
+    sb_raw(res, a ? "true" : "false");
+    sb_key(res, "library");
+    sb_str(res, a ? a->path : NULL);
+    sb_key(res, "cann_version");
+    sb_str(res, a && a->version[0] ? a->version : NULL);
+    sb_key(res, "devices");
+    sb_raw(res, "[");
+    if (a) {
+        int32_t ids[64];
+        int n = acl_devices(a, ids, 64);
+        for (int i = 0; i < n; i++) sb_printf(res, i ? ",%d" : "%d", ids[i]);
+    }
+    sb_raw(res, "]}");
+    sb_key(res, "hooks");
+    hooks_names_json(res);
+    sb_key(res, "owner");
+    owner_json(res);
+    sb_key(res, "device_memory");
+    devmem_json(res);
+    return 0;
+}
+
+static int op_status(const request *r, sbuf *res, op_error *e) {
+    (void)r;
+    (void)e;
+    state_members(res);
+    sb_key(res, "pid");
+    sb_printf(res, "%d", (int)getpid());
+    sb_key(res, "acl_loaded");
+    sb_raw(res, runtime() ? "true" : "false");
+    sb_key(res, "restored");
+    sb_raw(res, restored ? "true" : "false");
+    sb_key(res, "restore_pending");
+    sb_raw(res, restore_pending ? "true" : "false");
+    sb_key(res, "device_memory");
+    devmem_json(res);
+    sb_key(res, "events");
+    sb_raw(res, "[");
+    int first = n_events > 10 ? n_events - 10 : 0;
+    for (int i = first; i < n_events; i++) {
+        if (i > first) sb_raw(res, ",");
+        sb_str(res, events[i]);
+    }
+    sb_raw(res, "]");
+    return 0;
+}
+
+static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
+    if (need_runtime(e) < 0) return -1;
+    int st = state_now();
+    if (owner.set || (st != ST_RUNNING && st != ST_UNKNOWN)) {
+        char who[256], msg[400];
+        if (owner.set) owner_text(who, sizeof who);
+        else snprintf(who, sizeof who, "no recorded owner (an external Lock)");
+        snprintf(msg, sizeof msg, "pid %d is already locked (%s) by %s", (int)getpid(),
+                 st == ST_UNKNOWN ? "state unknown" : state_name(st), who);
+        if (owner.set) {
+            owner_error(e, "ALREADY_LOCKED", msg);
+        } else {
+            err_set(e, "state", "ALREADY_LOCKED", 0, "%s", msg);
+            sb_raw(&e->extra, ",\"owner\":null");
+        }
+        return -1;
+    }
+    const jval *dm = json_get(r->args, "device_memory");
+    const char *mode = dm && dm->t == J_STR ? dm->s : "preserve";
+    double start = mono_now();
+    sbuf ran;
+    sb_init(&ran);
+    if (hooks_run("pre_lock", &ran, e) < 0) {
+        hook_error(e, "nothing was locked");
+        sb_free(&ran);
+        return -1;
+    }
+    int saved = 0;
+    if (strcmp(mode, "preserve") == 0 && npusnap_devmem_save) {
+        char err[512] = "";
+        int rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+        if (rc != 0) {
+            err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc,
+                    "could not copy the device memory to host memory before Lock: %s; nothing was locked",
+                    err);
+            sb_free(&ran);
+            return -1;
+        }
+        saved = 1;
+    }
+    if (call("Lock", e) < 0) {
+        if (saved && npusnap_devmem_finish) npusnap_devmem_finish();
+        sb_free(&ran);
+        return -1;
+    }
+    snprintf(devmem.mode, sizeof devmem.mode, "%s", mode);
+    devmem.saved = saved;
+    device_restored = 0;
+    const jval *ow = json_get(r->args, "owner");
+    if (ow && ow->t != J_OBJ) ow = NULL; /* null: none named */
+    if (ow || !ALLOW_UNOWNED_LOCK) {
+        const jval *cmd = ow ? json_get(ow, "command") : NULL;
+        const jval *pid = ow ? json_get(ow, "pid") : NULL;
+        owner.set = 1;
+        snprintf(owner.command, sizeof owner.command, "%s", cmd ? cmd->s : "unknown");
+        owner.pid = pid ? pid->i : peer_pid;
+        time_t now = time(NULL);
+        struct tm tm;
+        gmtime_r(&now, &tm);
+        strftime(owner.since, sizeof owner.since, "%Y-%m-%dT%H:%M:%SZ", &tm);
+        if (new_token(owner.token) < 0) {
+            /* No randomness: refuse to pretend there is an owner; undo the lock. */
+            int saved_errno = errno;
+            clear_owner();
+            op_error again;
+            err_init(&again);
+            call("Unlock", &again);
+            err_free(&again);
+            devmem_finish();
+            err_set(e, "internal", "NO_RANDOM", saved_errno, "getrandom failed: %s; the lock was undone",
+                    strerror(saved_errno));
+            sb_free(&ran);
+            return -1;
+        }
+    }
+    int present;
+    double l = arg_lease(r->args, &present);
+    if (present) lease_grant(l);
+    state_members(res);
+    elapsed_member(res, start);
+    sb_key(res, "hooks_run");
+    sb_printf(res, "[%s]", ran.p ? ran.p : "");
+    sb_key(res, "token");
+    sb_str(res, owner.set ? owner.token : NULL);
+    sb_key(res, "device_memory");
+    devmem_json(res);
+    sb_free(&ran);
+    return 0;
+}
+
+static int op_backup(const request *r, sbuf *res, op_error *e) {
+    if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
+    int before = state_now();
+    double start = mono_now();
+    if (call("Backup", e) < 0) return -1;
+    sbuf ran;
+    sb_init(&ran);
+    if (hooks_run("post_backup", &ran, e) < 0) {
+        abort_after_hook(e, before);
+        sb_free(&ran);
+        return -1;
+    }
+    int present;
+    double l = arg_lease(r->args, &present);
+    if (present) lease_grant(l);
+    state_members(res);
+    elapsed_member(res, start);
+    sb_key(res, "hooks_run");
+    sb_printf(res, "[%s]", ran.p ? ran.p : "");
+    sb_free(&ran);
+    return 0;
+}
+
+static int op_renew(const request *r, sbuf *res, op_error *e) {
+    if (check_owner("renew", r->args, 0, e) < 0) return -1;
+    if (!lease.active) {
+        if (lease.voided[0]) err_set(e, "state", "NO_LEASE", 0, "%s", lease.voided);
+        else
+            err_set(e, "state", "NO_LEASE", 0,
+                    "no lease is active (it expired, was released, or was never granted)");
+        return -1;
+    }
+    int present;
+    double l = arg_lease(r->args, &present);
+    lease_grant(present ? l : lease.duration);
+    state_members(res);
+    return 0;
+}
+
+static int op_release(const request *r, sbuf *res, op_error *e) {
+    if (check_owner("release", r->args, 0, e) < 0) return -1;
+    lease_release();
+    state_members(res);
+    return 0;
+}
+
+static int op_restore(const request *r, sbuf *res, op_error *e) {
+    if (need_runtime(e) < 0 || check_owner("restore", r->args, 0, e) < 0) return -1;
+    int before = state_now();
+    double start = mono_now();
+    if (call("Restore", e) < 0) return -1;
+    restore_pending = 0;
+    device_restored = 1;
+    sbuf ran;
+    sb_init(&ran);
+    if (hooks_run("post_restore", &ran, e) < 0) {
+        abort_after_hook(e, before);
+        sb_free(&ran);
+        return -1;
+    }
+    state_members(res);
+    elapsed_member(res, start);
+    sb_key(res, "hooks_run");
+    sb_printf(res, "[%s]", ran.p ? ran.p : "");
+    sb_free(&ran);
+    return 0;
+}
+
+static int op_unlock(const request *r, sbuf *res, op_error *e) {
+    if (need_runtime(e) < 0 || check_owner("unlock", r->args, 1, e) < 0) return -1;
+    int before = state_now();
+    if (restore_pending && before == ST_BACKED_UP) {
+        err_set(e, "state", "RESTORE_REQUIRED", 0,
+                "this process was restored by CRIU and its device state is still backed up: run "
+                "`restore` before `unlock`");
+        return -1;
+    }
+    double start = mono_now();
+    if (call("Unlock", e) < 0) return -1;
+    sbuf warnings;
+    sb_init(&warnings);
+    devmem_after_unlock(&warnings);
+    sbuf ran;
+    sb_init(&ran);
+    if (hooks_run("post_unlock", &ran, e) < 0) {
+        abort_after_hook(e, before);
+        sb_free(&ran);
+        sb_free(&warnings);
+        return -1;
+    }
+    lease_release();
+    clear_owner();
+    state_members(res);
+    elapsed_member(res, start);
+    sb_key(res, "hooks_run");
+    sb_printf(res, "[%s]", ran.p ? ran.p : "");
+    sb_key(res, "warnings");
+    sb_printf(res, "[%s]", warnings.p ? warnings.p : "");
+    sb_free(&ran);
+    sb_free(&warnings);
+    return 0;
+}
+
+/* Back to RUNNING from any state. From BACKED_UP, Unlock directly (the device memory is still
+ * there) unless this process was CRIU-restored, where Restore must come first. */
+static int do_rollback(sbuf *res, op_error *e) {
+    if (need_runtime(e) < 0) return -1;
+    double start = mono_now();
+    int before = state_now();
+    sbuf actions, warnings;
+    sb_init(&actions);
+    sb_init(&warnings);
+    if (before == ST_BACKED_UP && restore_pending) {
+        if (call("Restore", e) < 0) goto fail;
+        restore_pending = 0;
+        device_restored = 1;
+        sb_raw(&actions, "\"restore\"");
+    }
+    if (before == ST_LOCKED || before == ST_BACKED_UP || before == ST_UNKNOWN) {
+        int code = acl_call(&rt, "Unlock");
+        if (code == 0) {
+            sb_raw(&actions, actions.len ? ",\"unlock\"" : "\"unlock\"");
+        } else if (before != ST_UNKNOWN) {
+            acl_err(e, "Unlock", code);
+            goto fail;
+        } /* state unknown (no GetState): Unlock from RUNNING fails harmlessly */
+    }
+    devmem_after_unlock(&warnings);
+    lease_release();
+    clear_owner();
+    if (actions.len) {
+        sbuf ran;
+        sb_init(&ran);
+        op_error he;
+        err_init(&he);
+        if (hooks_run("post_unlock", &ran, &he) < 0) {
+            /* Rollback's job is to get the process running; a hook failure is reported. */
+            if (warnings.len) sb_raw(&warnings, ",");
+            sb_str(&warnings, he.message);
+        }
+        err_free(&he);
+        sb_free(&ran);
+    }
+    state_members(res);
+    elapsed_member(res, start);
+    sb_key(res, "actions");
+    sb_printf(res, "[%s]", actions.p ? actions.p : "");
+    sb_key(res, "before");
+    sb_state(res, before);
+    sb_key(res, "warnings");
+    sb_printf(res, "[%s]", warnings.p ? warnings.p : "");
+    sb_free(&actions);
+    sb_free(&warnings);
+    return 0;
+fail:
+    sb_free(&actions);
+    sb_free(&warnings);
+    return -1;
+}
+
+static int op_rollback(const request *r, sbuf *res, op_error *e) {
+    if (check_owner("rollback", r->args, 1, e) < 0) return -1;
+    return do_rollback(res, e);
+}
+
+void ops_handle(const request *r, int peer_pid, sbuf *out) {
+    refresh_restored();
+    sbuf res;
+    sb_init(&res);
+    sb_raw(&res, "{"); /* so that sb_key knows the first member; stripped below */
+    op_error e;
+    err_init(&e);
+    int rc;
+    const char *op = r->op;
+    if (strcmp(op, "hello") == 0) rc = op_hello(r, &res, &e);
+    else if (strcmp(op, "status") == 0) rc = op_status(r, &res, &e);
+    else if (strcmp(op, "lock") == 0) rc = op_lock(r, peer_pid, &res, &e);
+    else if (strcmp(op, "backup") == 0) rc = op_backup(r, &res, &e);
+    else if (strcmp(op, "renew") == 0) rc = op_renew(r, &res, &e);
+    else if (strcmp(op, "release") == 0) rc = op_release(r, &res, &e);
+    else if (strcmp(op, "restore") == 0) rc = op_restore(r, &res, &e);
+    else if (strcmp(op, "unlock") == 0) rc = op_unlock(r, &res, &e);
+    else if (strcmp(op, "rollback") == 0) rc = op_rollback(r, &res, &e);
+    else {
+        err_set(&e, "protocol", "UNKNOWN_OP", 0, "unknown op '%s'", op);
+        rc = -1;
+    }
+    if (rc == 0 && !res.oom) {
+        proto_result_line(out, r->id, res.p + 1);
+    } else {
+        if (rc == 0) err_set(&e, "internal", "OUT_OF_MEMORY", ENOMEM, "agent out of memory in %s", op);
+        proto_error_line(out, r->id, &e);
+    }
+    err_free(&e);
+    sb_free(&res);
+    lease_skip_gap(); /* time spent in an operation is not silence */
+}

@@ -1,0 +1,433 @@
+"""Image archives: one file (tar, zstd-compressed with every core) to copy, store and import.
+
+``npusnap export DIR FILE`` writes ``FILE`` (by convention ``NAME.tar.zst``); ``npusnap import
+FILE DIR`` turns it back into an image directory. ``inspect`` and ``verify`` read archives
+directly, without extracting them.
+
+Layout of the tar stream (POSIX pax), in this order, all under one top directory named after the
+image::
+
+    NAME/npusnap.json      first, so that reading the manifest needs only the archive's start
+    NAME/criu/...          every file the manifest lists, in the manifest's order
+
+``logs/`` is not exported (restore writes a new one). Modes are 0700/0600 and owners root: an
+image holds the processes' memory. Every file is hashed while it is written (export) or read
+(verify, import) and compared with the manifest, so a corrupt image is never exported and a
+corrupt archive never becomes an image. Import refuses anything but plain files and directories
+under the top directory (no links, no devices, no absolute or ``..`` paths).
+
+Core module: raises ImageError/UsageError, never prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Optional
+
+from npusnap_cli import image as img
+from npusnap_cli.errors import ImageError, UsageError
+
+SUFFIX = ".tar.zst"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+DEFAULT_LEVEL = 3  # zstd's default: ~memory speed with all cores; images are mostly pages
+_CHUNK = 1 << 20
+
+ProgressFn = Any  # Callable[[int], None]
+
+
+def _no_progress(_n: int) -> None:
+    pass
+
+
+def is_archive(path: Path) -> bool:
+    """A regular file that starts with the zstd magic number."""
+    try:
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == ZSTD_MAGIC
+    except OSError:
+        return False
+
+
+def default_name(image: Path) -> str:
+    return image.name + SUFFIX
+
+
+@dataclass(frozen=True)
+class ArchiveResult:
+    image: str
+    archive: str
+    files: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "image": self.image,
+            "archive": self.archive,
+            "files": self.files,
+            "image_bytes": self.bytes_in,
+            "archive_bytes": self.bytes_out,
+            "ratio": round(self.bytes_out / self.bytes_in, 4) if self.bytes_in else None,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+
+class _HashingReader(io.RawIOBase):
+    """Reads a file, hashing and counting what passes through."""
+
+    def __init__(self, f: IO[bytes], progress: ProgressFn) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self._progress = progress
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        if data:
+            self._progress(len(data))
+        return data
+
+
+def _tarinfo(name: str, *, size: int = 0, directory: bool = False, mtime: float = 0.0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
+    info.mode = img.DIR_MODE if directory else img.FILE_MODE
+    info.size = 0 if directory else size
+    info.mtime = int(mtime)
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _check_destination(dest: Path, force: bool) -> None:
+    if dest.exists() and not force:
+        raise UsageError(
+            f"{dest} exists", why="npusnap never overwrites a file without being told to", fix="pass --force"
+        )
+    if dest.exists() and not dest.is_file():
+        raise UsageError(f"{dest} exists and is not a file", fix="choose another path for the archive")
+    if not dest.parent.is_dir():
+        raise UsageError(f"{dest.parent} does not exist", fix=f"create it: mkdir -p {dest.parent}")
+
+
+def export(
+    image: Path,
+    dest: Path,
+    *,
+    level: int = DEFAULT_LEVEL,
+    threads: int = -1,
+    force: bool = False,
+    progress: ProgressFn = _no_progress,
+) -> ArchiveResult:
+    """Write ``image`` into the archive ``dest`` (atomically: a temporary sibling, then rename)."""
+    import zstandard
+
+    start = time.monotonic()
+    _check_destination(dest, force)
+    # Structure and sizes first; the sha256 sums are checked while the files stream out.
+    result = img.verify(image, checksums=False)
+    manifest = result.manifest
+    top = image.resolve().name
+    tmp = dest.with_name(f".{dest.name}.npusnap-tmp-{os.getpid()}")
+    cctx = zstandard.ZstdCompressor(level=level, threads=threads)
+    bytes_in = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, img.FILE_MODE)
+        with (
+            os.fdopen(fd, "wb") as fh,
+            cctx.stream_writer(fh, closefd=False) as zw,
+            tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            mpath = img.manifest_path(image)
+            data = mpath.read_bytes()
+            tar.addfile(_tarinfo(f"{top}/{img.MANIFEST_NAME}", size=len(data)), io.BytesIO(data))
+            tar.addfile(_tarinfo(f"{top}/{img.CRIU_SUBDIR}", directory=True))
+            made = {f"{top}/{img.CRIU_SUBDIR}"}
+            for entry in manifest.files:
+                for parent in reversed(PurePosixPath(entry.path).parents[:-1]):
+                    name = f"{top}/{parent.as_posix()}"
+                    if name not in made:
+                        tar.addfile(_tarinfo(name, directory=True))
+                        made.add(name)
+                full = image / entry.path
+                with open(full, "rb") as f:
+                    reader = _HashingReader(f, progress)
+                    info = _tarinfo(f"{top}/{entry.path}", size=entry.size, mtime=full.stat().st_mtime)
+                    tar.addfile(info, reader)
+                if reader.sha.hexdigest() != entry.sha256 or reader.size != entry.size:
+                    raise img_problem(image, f"{entry.path} does not match its sha256 (file modified)")
+                bytes_in += entry.size
+            zw.flush(zstandard.FLUSH_FRAME)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return ArchiveResult(
+        image=str(image),
+        archive=str(dest),
+        files=len(manifest.files),
+        bytes_in=bytes_in,
+        bytes_out=dest.stat().st_size,
+        seconds=time.monotonic() - start,
+    )
+
+
+def img_problem(where: Path, problem: str) -> ImageError:
+    return ImageError(
+        f"image {where} failed verification: {problem}",
+        why="the image is truncated, was modified after the dump, or the disk is corrupt",
+        fix="do not use it; take an older image (`npusnap list DIR`) or dump again",
+        details={"problems": [problem]},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _members(archive: Path) -> Iterator[Iterator[tuple[tarfile.TarInfo, Optional[IO[bytes]]]]]:
+    """Stream the archive's members (each file object valid until the next member)."""
+    import zstandard
+
+    if not archive.exists():
+        raise ImageError(f"no archive at {archive}", fix="check the path")
+    if not is_archive(archive):
+        raise ImageError(
+            f"{archive} is not an npusnap archive (no zstd data)",
+            fix="pass a file written by `npusnap export`, or an image directory",
+        )
+    with open(archive, "rb") as fh, zstandard.ZstdDecompressor().stream_reader(fh) as zr:
+        try:
+            tar = tarfile.open(fileobj=zr, mode="r|")  # noqa: SIM115 - closed with the file below
+        except (tarfile.TarError, zstandard.ZstdError) as exc:
+            raise _corrupt(archive, str(exc)) from None
+
+        def gen() -> Iterator[tuple[tarfile.TarInfo, Optional[IO[bytes]]]]:
+            try:
+                for member in tar:
+                    yield member, tar.extractfile(member) if member.isfile() else None
+            except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+                raise _corrupt(archive, str(exc)) from None
+
+        yield gen()
+
+
+def _corrupt(archive: Path, why: str) -> ImageError:
+    return ImageError(
+        f"archive {archive} is corrupt or truncated: {why}",
+        why="the copy was interrupted, or the file was modified",
+        fix="copy it again from its source, or use an older archive (`npusnap list DIR`)",
+    )
+
+
+def _split(archive: Path, name: str, top: Optional[str]) -> tuple[str, str]:
+    """(top, relative path) of a member, refusing anything outside one top directory."""
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise _corrupt(archive, f"member {name!r} has an unsafe path")
+    if top is not None and p.parts[0] != top:
+        raise _corrupt(archive, f"member {name!r} is outside the image directory {top}/")
+    return p.parts[0], PurePosixPath(*p.parts[1:]).as_posix() if len(p.parts) > 1 else ""
+
+
+def _read_manifest(
+    archive: Path, member: tarfile.TarInfo, f: Optional[IO[bytes]]
+) -> tuple[str, str, img.Manifest]:
+    """(top directory, the manifest's exact text, the manifest) from the archive's first member."""
+    top, rel = _split(archive, member.name, None)
+    if rel != img.MANIFEST_NAME or f is None:
+        raise ImageError(
+            f"{archive} is not an npusnap image archive: it does not start with {img.MANIFEST_NAME}",
+            fix="pass a file written by `npusnap export`",
+        )
+    if member.size > 64 << 20:
+        raise _corrupt(archive, f"{img.MANIFEST_NAME} is implausibly large ({member.size} bytes)")
+    try:
+        text = f.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise _corrupt(archive, f"{img.MANIFEST_NAME} is not UTF-8 text") from None
+    return top, text, img.Manifest.from_json(text)
+
+
+def load_manifest(archive: Path) -> img.Manifest:
+    """The manifest of an archive: reads only the archive's first member."""
+    with _members(archive) as members:
+        first = next(members, None)
+        if first is None:
+            raise _corrupt(archive, "it is empty")
+        return _read_manifest(archive, *first)[2]
+
+
+def _walk(
+    archive: Path,
+    *,
+    checksums: bool,
+    progress: ProgressFn,
+    dest: Optional[Path] = None,
+) -> img.VerifyResult:
+    """Read the whole archive, check it against its manifest, and extract it into ``dest``."""
+    problems: list[str] = []
+    seen: dict[str, tuple[int, str]] = {}
+    with _members(archive) as members:
+        first = next(members, None)
+        if first is None:
+            raise _corrupt(archive, "it is empty")
+        top, text, manifest = _read_manifest(archive, *first)
+        if dest is not None:
+            # The exact bytes: re-serialising could change what a digest or signature covers.
+            fd = os.open(img.manifest_path(dest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
+            with os.fdopen(fd, "w", encoding="utf-8") as mf:
+                mf.write(text)
+        listed = {f.path: f for f in manifest.files}
+        for member, f in members:
+            _, rel = _split(archive, member.name, top)
+            if member.isdir():
+                if rel != img.CRIU_SUBDIR and not rel.startswith(img.CRIU_SUBDIR + "/"):
+                    raise _corrupt(archive, f"unexpected directory {member.name!r}")
+                if dest is not None:
+                    (dest / rel).mkdir(mode=img.DIR_MODE, parents=True, exist_ok=True)
+                continue
+            if not member.isfile() or f is None:
+                raise _corrupt(archive, f"member {member.name!r} is not a regular file (links are refused)")
+            if rel not in listed:
+                problems.append(f"unexpected file {rel} (not in the manifest)")
+                continue
+            sha = hashlib.sha256()
+            size = 0
+            out: Optional[IO[bytes]] = None
+            if dest is not None:
+                target = dest / rel
+                target.parent.mkdir(mode=img.DIR_MODE, parents=True, exist_ok=True)
+                out = os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE), "wb")
+            try:
+                while True:
+                    chunk = f.read(_CHUNK)
+                    if not chunk:
+                        break
+                    if checksums or dest is not None:
+                        sha.update(chunk)
+                    if out is not None:
+                        out.write(chunk)
+                    size += len(chunk)
+                    progress(len(chunk))
+            finally:
+                if out is not None:
+                    out.close()
+            seen[rel] = (size, sha.hexdigest())
+    good = 0
+    nbytes = 0
+    for entry in manifest.files:
+        if entry.path not in seen:
+            problems.append(f"{entry.path} is missing")
+            continue
+        size, digest = seen[entry.path]
+        if size != entry.size:
+            problems.append(f"{entry.path} has {size} bytes, the manifest says {entry.size}")
+        elif (checksums or dest is not None) and digest != entry.sha256:
+            problems.append(f"{entry.path} does not match its sha256 (file modified)")
+        else:
+            good += 1
+            nbytes += size
+    if not manifest.files:
+        problems.append("the manifest lists no files")
+    if problems:
+        raise ImageError(
+            f"archive {archive} failed verification: {problems[0]}",
+            why="the archive is truncated, was modified, or its image was",
+            fix="do not use it; copy it again or take an older one (`npusnap list DIR`)",
+            details={"problems": problems},
+        )
+    return img.VerifyResult(
+        image=str(archive),
+        manifest=manifest,
+        files_checked=good,
+        bytes_checked=nbytes,
+        checksums=checksums or dest is not None,
+    )
+
+
+def verify(archive: Path, *, checksums: bool = True, progress: ProgressFn = _no_progress) -> img.VerifyResult:
+    """Check an archive against its manifest without extracting it."""
+    return _walk(archive, checksums=checksums, progress=progress)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    archive: str
+    image: str
+    files: int
+    image_bytes: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "archive": self.archive,
+            "image": self.image,
+            "files": self.files,
+            "image_bytes": self.image_bytes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def import_archive(
+    archive: Path, final: Path, *, force: bool = False, progress: ProgressFn = _no_progress
+) -> ImportResult:
+    """Extract ``archive`` into the new image directory ``final``, verified, atomically."""
+    start = time.monotonic()
+    if not is_archive(archive):
+        load_manifest(archive)  # raises the precise error (missing, not zstd)
+    img.check_dump_target(final, force=force)
+    img.remove_stale_temps(final)
+    tmp = img.create_temp_image(final)
+    try:
+        result = _walk(archive, checksums=True, progress=progress, dest=tmp)
+        img.fsync_tree(tmp)
+        if final.exists() and force and not img.dir_is_empty(final):
+            old = final.with_name(f".{final.name}{img.OLD_MARKER}{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            img.remove_tree(old)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        img.remove_tree(tmp)
+        raise
+    return ImportResult(
+        archive=str(archive),
+        image=str(final),
+        files=result.files_checked,
+        image_bytes=result.bytes_checked,
+        seconds=time.monotonic() - start,
+    )

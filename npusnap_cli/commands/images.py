@@ -1,0 +1,147 @@
+"""`npusnap list DIR`, `npusnap export IMG FILE`, `npusnap import FILE DIR`: managing images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from npusnap_cli.commands._common import JSON_HELP, output
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("list")
+    def list_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(..., help="The directory that holds the images (their parent)."),
+        quick: bool = typer.Option(
+            False,
+            "--quick",
+            help="Do not hash: a directory is valid if its manifest parses and its files have the "
+            "listed sizes; an archive if its manifest parses.",
+        ),
+        valid_only: bool = typer.Option(False, "--valid", help="List only the valid images."),
+        paths_only: bool = typer.Option(
+            False, "--paths", help="Print only the paths, newest first, one per line (for scripts)."
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """List the images (directories and archives) under DIRECTORY, newest first.
+
+        Each with its time, size, pids and whether it is valid (manifest, files, sizes and, unless
+        --quick, sha256 sums). The newest valid one: `npusnap list --valid --paths DIR | head -n 1`.
+        Exit 0 even if some are invalid; 2 if DIRECTORY is not a directory.
+        """
+        from npusnap_cli import imagestore
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "list", json_flag)
+        images = imagestore.list_images(directory, quick=quick)
+        if valid_only:
+            images = [i for i in images if i.valid]
+        if paths_only:
+            for info in images:
+                out.data(info.path)
+        else:
+            out.table(
+                f"images in {directory}",
+                ["created (UTC)", "path", "size", "pids", "valid"],
+                [
+                    (
+                        (i.created_at or "-").replace("+00:00", "Z"),
+                        i.path + (" (latest)" if i.latest else ""),
+                        human_bytes(i.size_bytes),
+                        ",".join(map(str, i.pids)) or "-",
+                        ("yes" if i.valid else f"NO: {i.problem}")
+                        + (" (no sha256)" if i.valid and i.checked != "sha256" else ""),
+                    )
+                    for i in images
+                ],
+                styles=[None if i.valid else "red" for i in images],
+            )
+        out.result({"directory": str(directory), "images": [i.to_dict() for i in images]})
+
+    @app.command("export")
+    def export_cmd(
+        ctx: typer.Context,
+        image_dir: Path = typer.Argument(..., metavar="IMAGE", help="The image directory to export."),
+        dest: Optional[Path] = typer.Argument(
+            None, metavar="[FILE]", help="The archive to write (default: IMAGE.tar.zst next to IMAGE)."
+        ),
+        level: int = typer.Option(3, "--level", min=1, max=19, help="zstd compression level (1-19)."),
+        threads: int = typer.Option(
+            0, "--threads", min=0, help="Compression threads (default 0: one per CPU core)."
+        ),
+        force: bool = typer.Option(False, "--force", help="Replace FILE if it exists."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Write an image into one compressed archive (tar + zstd, every core), verified on the way.
+
+        Every file is checked against its sha256 while it is written: a corrupt image is never
+        exported. The archive (mode 0600: it holds the processes' memory) is written to a
+        temporary name and renamed when complete. `inspect` and `verify` read it directly;
+        `npusnap import FILE DIR` turns it back into an image. Prints the archive's path.
+        """
+        from npusnap_cli import archive
+        from npusnap_cli.commands.dump import ProgressBars
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "export", json_flag)
+        target = dest if dest is not None else image_dir.parent / archive.default_name(image_dir)
+        bars = ProgressBars(out)
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            bars.update("exporting", done[0], None)
+
+        try:
+            result = archive.export(
+                image_dir, target, level=level, threads=threads or -1, force=force, progress=advance
+            )
+        finally:
+            bars.close()
+        out.ok(
+            f"exported {image_dir} ({result.files} files, {human_bytes(result.bytes_in)}) "
+            f"to {result.archive} ({human_bytes(result.bytes_out)}) in {result.seconds:.2f}s"
+        )
+        out.data(result.archive)
+        out.result(result.to_dict())
+
+    @app.command("import")
+    def import_cmd(
+        ctx: typer.Context,
+        source: Path = typer.Argument(..., metavar="FILE", help="The archive written by `npusnap export`."),
+        directory: Path = typer.Argument(..., help="The image directory to create (new or empty)."),
+        force: bool = typer.Option(False, "--force", help="Replace DIRECTORY if it exists and is not empty."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Extract an archive into a new image directory, verified, ready for `npusnap restore`.
+
+        Every file is checked against the manifest's sha256 as it is extracted; only plain files
+        under the image's own directory are accepted. The image appears under its final name only
+        when complete (a temporary sibling, renamed). Prints the image's path.
+        """
+        from npusnap_cli import archive
+        from npusnap_cli.commands.dump import ProgressBars
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "import", json_flag)
+        bars = ProgressBars(out)
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            bars.update("importing", done[0], None)
+
+        try:
+            result = archive.import_archive(source, directory, force=force, progress=advance)
+        finally:
+            bars.close()
+        out.ok(
+            f"imported {source} into {result.image}: {result.files} files, "
+            f"{human_bytes(result.image_bytes)}, sha256 sums match"
+        )
+        out.data(result.image)
+        out.result(result.to_dict())

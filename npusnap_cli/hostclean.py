@@ -1,0 +1,202 @@
+"""What npusnap leaves on a host, and removing it once it is no longer needed.
+
+Three kinds of debris:
+
+* **agent sockets** in the runtime directory (``/run/npusnap/<pid>.sock``) whose process is
+  gone: an agent removes its socket when its interpreter exits normally, but not when the process
+  is killed (a CRIU dump kills it on purpose). A socket is stale when nothing listens on it and
+  its pid is dead, or that pid now belongs to a process started after the socket was made;
+* **failure logs** under ``$TMPDIR/npusnap-logs/`` (CRIU logs of failed dumps, restore logs of
+  read-only images): kept for a person to read, bounded to the newest ``KEEP_LOGS`` and to
+  ``MAX_LOG_AGE_S``;
+* **demo work directories** ``$TMPDIR/npusnap-demo-*``: removed by the demo itself unless
+  ``--keep``; ``npusnap check`` reports ones that are left.
+
+Core module: never prints. ``npusnap check`` reports what it finds (``debris_report``); the CLI
+removes stale sockets when it looks for agents, and new failure logs prune the old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import paths, procfs
+
+KEEP_LOGS = 20  # failure-log directories kept (the newest)
+MAX_LOG_AGE_S = 14 * 24 * 3600  # and none older than two weeks
+DEMO_PREFIX = "npusnap-demo-"
+# A socket made within this many seconds before its pid's start time still counts as that
+# process's (/proc start times have clock-tick resolution, file times are rounded differently).
+START_SLACK_S = 1.0
+
+
+def log_base() -> Path:
+    """Where logs of failed runs go: ``$TMPDIR/npusnap-logs`` (0700)."""
+    return Path(tempfile.gettempdir()) / "npusnap-logs"
+
+
+def new_log_dir(label: str) -> Path:
+    """A new, private directory for one run's logs; prunes old ones first."""
+    from npusnap_cli import paths
+
+    base = log_base()
+    # A shared /tmp: the base must be a real, private directory of ours (not a planted symlink).
+    paths.ensure_private_dir(base)
+    prune_failure_logs(keep=KEEP_LOGS - 1)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(tempfile.mkdtemp(prefix=f"{label}-{stamp}-", dir=base))
+
+
+def failure_logs() -> list[Path]:
+    """The log directories under ``log_base()``, newest first."""
+    base = log_base()
+    try:
+        entries = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    return sorted(entries, key=_mtime, reverse=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def prune_failure_logs(keep: int = KEEP_LOGS, max_age_s: float = MAX_LOG_AGE_S) -> list[Path]:
+    """Remove all but the newest ``keep`` log directories, and any older than ``max_age_s``."""
+    now = time.time()
+    removed = []
+    for i, path in enumerate(failure_logs()):
+        if i >= keep or now - _mtime(path) > max_age_s:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# Agent sockets
+# --------------------------------------------------------------------------------------------
+
+
+def _boot_time() -> float:
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")
+
+
+def process_start_time(pid: int) -> Optional[float]:
+    """When ``pid`` started (epoch seconds), or None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 (starttime); fields[0] is field 3 (state)
+        return _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class StaleSocket:
+    path: str
+    pid: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "pid": self.pid, "reason": self.reason}
+
+
+def _socket_dirs() -> list[Path]:
+    dirs = [paths.agent_runtime_dir()]
+    return [d for d in dirs if d.is_dir()]
+
+
+def stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
+    """Agent sockets whose process is gone (or is another process now) and that nobody serves."""
+    listening = set(paths.listening_unix_paths())
+    found = []
+    for directory in directories if directories is not None else _socket_dirs():
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            stem = name.removesuffix(paths.SOCKET_SUFFIX)
+            if not name.endswith(paths.SOCKET_SUFFIX) or not stem.isdigit():
+                continue
+            path = directory / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISSOCK(st.st_mode) or str(path) in listening:
+                continue
+            pid = int(stem)
+            if not procfs.is_alive(pid):
+                found.append(StaleSocket(str(path), pid, "its process is gone"))
+                continue
+            started = process_start_time(pid)
+            if started is not None and st.st_mtime < started - START_SLACK_S:
+                found.append(StaleSocket(str(path), pid, "pid reused: the process started after the socket"))
+    return found
+
+
+def remove_stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
+    """Remove stale agent sockets (checked again just before each unlink); return those removed."""
+    removed = []
+    for entry in stale_agent_sockets(directories):
+        path = Path(entry.path)
+        with contextlib.suppress(OSError):
+            if str(path) in set(paths.listening_unix_paths()):
+                continue  # an agent bound it in the meantime
+            path.unlink()
+            removed.append(entry)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# Demo directories and the report for `npusnap check`
+# --------------------------------------------------------------------------------------------
+
+
+def demo_dirs() -> list[Path]:
+    base = Path(tempfile.gettempdir())
+    try:
+        return sorted(p for p in base.iterdir() if p.name.startswith(DEMO_PREFIX) and p.is_dir())
+    except OSError:
+        return []
+
+
+@dataclass(frozen=True)
+class Debris:
+    stale_sockets: list[StaleSocket] = field(default_factory=list)
+    failure_logs: list[str] = field(default_factory=list)
+    demo_dirs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stale_sockets": [s.to_dict() for s in self.stale_sockets],
+            "failure_logs": self.failure_logs,
+            "log_dir": str(log_base()),
+            "demo_dirs": self.demo_dirs,
+        }
+
+
+def debris_report() -> Debris:
+    return Debris(
+        stale_sockets=stale_agent_sockets(),
+        failure_logs=[str(p) for p in failure_logs()],
+        demo_dirs=[str(p) for p in demo_dirs()],
+    )

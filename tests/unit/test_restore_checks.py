@@ -1,0 +1,149 @@
+"""Issue 14, item 6: the smaller holes. Restore's pre-checks see a taken thread id and too little
+device capacity before CRIU starts; a full disk during CRIU is reported as one; the agents'
+runtime directory squatted by another user is reported loudly; restore never creates the
+parents of an agent socket directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npusnap_cli import criu, image, paths, restore
+from npusnap_cli.errors import ExitCode, ImageError, PreflightError
+from tests.unit.test_image import _manifest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pstree(directory: Path, entries: list[dict[str, Any]]) -> None:
+    import pycriu
+
+    image.criu_dir(directory).mkdir(parents=True, exist_ok=True)
+    with open(image.criu_dir(directory) / "pstree.img", "wb") as f:
+        pycriu.images.dump({"magic": "PSTREE", "entries": entries}, f)
+
+
+def test_a_taken_thread_id_is_found_before_criu_starts(tmp_path: Path) -> None:
+    started = threading.Event()
+    stop = threading.Event()
+    tid: list[int] = []
+
+    def body() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        stop.wait(30)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    started.wait(5)
+    try:
+        m = _manifest()
+        # The image's processes are free pids; one of their threads has the id of a live thread.
+        entries = [
+            {"pid": 1234, "ppid": 1, "pgid": 1234, "sid": 1234, "threads": [1234]},
+            {"pid": 1235, "ppid": 1234, "pgid": 1234, "sid": 1234, "threads": [1235, tid[0]]},
+        ]
+        _pstree(tmp_path, entries)
+        ids = restore.image_thread_ids(tmp_path, m)
+        assert tid[0] in ids
+        if any(os.path.exists(f"/proc/{p}") for p in (1234, 1235)):
+            pytest.skip("pid 1234 or 1235 is in use on this host")
+        with pytest.raises(PreflightError) as exc:
+            restore.check_pids_free(m, ids)
+        assert str(tid[0]) in exc.value.message and "thread id" in exc.value.message
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_pstree_pids_must_be_the_manifests(tmp_path: Path) -> None:
+    _pstree(tmp_path, [{"pid": 777, "ppid": 1, "pgid": 777, "sid": 777, "threads": [777]}])
+    with pytest.raises(ImageError, match="not the image's"):
+        restore.image_thread_ids(tmp_path, _manifest())
+
+
+def test_too_little_device_capacity_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from npusnap_cli import dump
+
+    m = _manifest()  # pid 1235 holds 4096 bytes on device 1
+    status = {
+        "devices": [
+            {"id": 0, "capacity": 1 << 20, "used": 0, "owner": None},
+            {"id": 1, "capacity": 8192, "used": 6144, "owner": None},
+        ]
+    }
+    monkeypatch.setattr(dump, "sim_status", lambda: status)
+    with pytest.raises(PreflightError) as exc:
+        restore.check_devices_free(m)
+    assert "2048 bytes free" in exc.value.message and "needs 4096" in exc.value.message
+    status["devices"][1]["used"] = 0
+    restore.check_devices_free(m)  # fits now
+
+
+def test_a_full_disk_during_criu_is_reported_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Exc(Exception):
+        errno = 0
+
+    log = tmp_path / "logs" / "dump.log"
+    log.parent.mkdir()
+    log.write_text("")  # CRIU could not write a line of it
+    monkeypatch.setattr(criu, "_free_bytes", lambda _p: 0)
+    err = criu._criu_error("dump", Exc("Error(0): Unknown"), str(log), pid=42)
+    assert "no space left" in err.message and "Unknown" not in err.message
+    assert err.exit_code == ExitCode.CRIU and "df -h" in err.fix
+
+    log.write_text("(00.1) Error (criu/image.c:1): Can't write: No space left on device\n")
+    monkeypatch.setattr(criu, "_free_bytes", lambda _p: 10 << 30)
+    err = criu._criu_error("dump", Exc("Error(0): Unknown"), str(log), pid=42)
+    assert "no space left" in err.message
+
+
+def test_a_squatted_runtime_dir_is_reported(tmp_path: Path) -> None:
+    squat = tmp_path / "npusnap"
+    squat.mkdir(mode=0o700)
+    assert paths.runtime_dir_problem(squat) is None
+    os.chmod(squat, 0o777)
+    assert "mode 777" in (paths.runtime_dir_problem(squat) or "")
+    link = tmp_path / "link"
+    link.symlink_to(squat)
+    assert "not a real directory" in (paths.runtime_dir_problem(link) or "")
+    if os.geteuid() == 0:
+        os.chmod(squat, 0o700)
+        os.chown(squat, 65534, 65534)
+        assert "another user created it first" in (paths.runtime_dir_problem(squat) or "")
+    env = dict(os.environ, NPUSNAP_RUNTIME_DIR=str(link))
+    done = subprocess.run(
+        [sys.executable, "-m", "npusnap_cli", "run", "--", "true"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == ExitCode.PREFLIGHT, done.stderr
+    assert "runtime directory" in done.stderr
+
+
+def test_restore_creates_no_parents_for_a_socket_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep = tmp_path / "a" / "b" / "npusnap"
+    monkeypatch.setenv("NPUSNAP_RUNTIME_DIR", str(deep))
+    m = _manifest()
+    procs = list(m.processes)
+    procs[1] = dataclasses.replace(procs[1], agent_socket=str(deep / "1235.sock"))
+    m = dataclasses.replace(m, processes=tuple(procs))
+    from npusnap_cli import imagetrust
+
+    imagetrust.check_manifest(m)  # a runtime dir of this host: allowed
+    with pytest.raises(PreflightError, match="cannot create"):
+        restore.prepare_sockets(m)
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    restore.prepare_sockets(m)
+    assert deep.is_dir() and oct(deep.stat().st_mode & 0o777) == "0o700"

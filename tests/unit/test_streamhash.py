@@ -1,0 +1,59 @@
+"""streamhash: digests computed while a writer appends equal the digests of the finished files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+from npusnap_cli import image
+from npusnap_cli.streamhash import StreamHasher
+
+
+def test_digests_follow_a_writer_and_match_the_files(tmp_path: Path) -> None:
+    root = tmp_path / "criu"
+    root.mkdir()
+    hasher = StreamHasher(root, interval_s=0.001).start()
+
+    def writer() -> None:
+        for name, chunks in (("pages-1.img", 40), ("core-1.img", 1), ("sub/x.img", 3)):
+            path = root / name
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "ab") as f:
+                for i in range(chunks):
+                    f.write(os.urandom(256 * 1024 + i))
+                    f.flush()
+                    time.sleep(0.001)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    got = hasher.finish()
+    for rel in ("pages-1.img", "core-1.img", "sub/x.img"):
+        data = (root / rel).read_bytes()
+        assert got[rel] == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_a_truncated_file_is_not_vouched_for_and_file_entries_rehashes_it(tmp_path: Path) -> None:
+    img = tmp_path / "img"
+    image.criu_dir(img).mkdir(parents=True)
+    f = image.criu_dir(img) / "pages-1.img"
+    f.write_bytes(b"a" * 100000)
+    hasher = StreamHasher(image.criu_dir(img), interval_s=0.001).start()
+    time.sleep(0.05)
+    f.write_bytes(b"b" * 10)  # shrank: the follower's digest no longer describes it
+    got = hasher.finish()
+    assert "pages-1.img" not in got
+    entries = image.file_entries(img, known={f"criu/{k}": v for k, v in got.items()})
+    assert entries[0].sha256 == hashlib.sha256(b"b" * 10).hexdigest()
+
+
+def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Path) -> None:
+    img = tmp_path / "img"
+    image.criu_dir(img).mkdir(parents=True)
+    (image.criu_dir(img) / "a.img").write_bytes(b"hello")
+    wrong = {"criu/a.img": (4, "0" * 64)}  # stale size: recomputed
+    (entry,) = image.file_entries(img, known=wrong)
+    assert entry.sha256 == hashlib.sha256(b"hello").hexdigest()
