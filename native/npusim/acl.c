@@ -17,6 +17,8 @@ NPUSIM_API aclError aclrtFree(void *devPtr) { return npusim_rt_free(devPtr); }
 NPUSIM_API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind) {
     return npusim_rt_memcpy(dst, destMax, src, count, kind);
 }
+NPUSIM_API aclError aclrtGetCurrentContext(void **context) { return npusim_rt_get_current_context(context); }
+NPUSIM_API aclError aclrtSetCurrentContext(void *context) { return npusim_rt_set_current_context(context); }
 NPUSIM_API aclError aclrtSynchronizeDevice(void) { return npusim_rt_synchronize_device(); }
 NPUSIM_API aclError aclsysGetVersionStr(char *pkgName, char *versionStr) {
     return npusim_rt_get_version_str(pkgName, versionStr);

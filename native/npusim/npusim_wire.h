@@ -17,7 +17,12 @@ enum npusim_op {
     NPUSIM_OP_STATUS = 9,   /*                         -> JSON payload */
     NPUSIM_OP_SHUTDOWN = 10,
     NPUSIM_OP_HAS = 11,     /* dev, a, n               -> 0 if the caller owns exactly [a, a+n) on dev */
+    NPUSIM_OP_CONFIG = 12,  /*                         -> value = NPUSIM_CONFIG_* bits */
 };
+
+#define NPUSIM_CONFIG_KEEP_CONTENTS 1u /* Restore brings back allocation contents (not CANN's behaviour) */
+#define NPUSIM_ALLOC_POISON 1u         /* ALLOC_AT's b: fill the allocation with the poison pattern */
+#define NPUSIM_POISON_WORD 0xDEADBEEFu /* little-endian 32-bit words */
 
 #pragma pack(push, 1)
 struct npusim_req {  /* 32 bytes */

@@ -65,6 +65,7 @@ static struct alloc *g_allocs;
 static size_t g_nallocs, g_allocs_cap;
 static struct cb g_cbs[NSTAGES][MAX_CB];
 static int g_ncb[NSTAGES];
+static int g_keep_contents; /* the daemon's --keep-contents, read by the last Backup */
 static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
 
 /* ---------------------------------------------------------------- helpers */
@@ -561,6 +562,29 @@ int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t cou
     return rc;
 }
 
+/* Contexts: one per device (the default context aclrtSetDevice creates), identified by an opaque
+ * non-NULL handle. Enough for code that saves and selects contexts, as npusnap's agent does. */
+#define CTX_BASE ((uintptr_t)0x7c000000)
+
+int32_t npusim_rt_get_current_context(void **ctx) {
+    if (!ctx) return ACL_ERROR_RT_PARAM_INVALID;
+    int d = current_device();
+    if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
+    *ctx = (void *)(CTX_BASE + (uintptr_t)d);
+    return ACL_SUCCESS;
+}
+
+int32_t npusim_rt_set_current_context(void *ctx) {
+    uintptr_t v = (uintptr_t)ctx;
+    if (v < CTX_BASE || v >= CTX_BASE + MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    int d = (int)(v - CTX_BASE);
+    pthread_mutex_lock(&g_mu);
+    int ok = g_open[d];
+    if (ok) t_dev = d;
+    pthread_mutex_unlock(&g_mu);
+    return ok ? ACL_SUCCESS : ACL_ERROR_RT_PARAM_INVALID;
+}
+
 int32_t npusim_rt_synchronize_device(void) {
     /* Copies are synchronous in the simulator: nothing is ever queued, so nothing to wait for. */
     return current_device() < 0 ? ACL_ERROR_UNINITIALIZE : ACL_SUCCESS;
@@ -702,6 +726,13 @@ int32_t npusim_rt_backup(int pid, void *args) {
         free_backups(); /* a repeated Backup replaces the previous one */
         size_t n = g_nallocs;
         pthread_mutex_unlock(&g_mu);
+        /* CANN's legacy Backup saves runtime state, not what the application allocated: Restore
+         * gives the allocations back at the same addresses with other contents. Only a daemon
+         * started with --keep-contents (a model of a future driver) keeps the bytes. */
+        uint64_t cfg = 0;
+        g_keep_contents = io_rpc(NPUSIM_OP_CONFIG, -1, 0, 0, 0, NULL, 0, NULL, 0, &cfg) == 0 &&
+                          (cfg & NPUSIM_CONFIG_KEEP_CONTENTS);
+        if (!g_keep_contents) n = 0;
         for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
             struct alloc *a = &g_allocs[i];
             a->backup = malloc(a->size);
@@ -746,6 +777,10 @@ static int32_t reattach(int recreate, int32_t fail_code) {
             /* Unlock from BACKED_UP: the daemon must still hold our memory (it does unless this is
              * a restored copy that skipped Restore, which would otherwise run on garbage). */
             if (io_rpc(NPUSIM_OP_HAS, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0) rc = fail_code;
+        } else if (!g_keep_contents) {
+            /* Same address, new pages: the daemon fills them with the poison pattern. */
+            if (io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, NPUSIM_ALLOC_POISON, a->size, NULL, 0, NULL, 0, NULL) != 0)
+                rc = fail_code;
         } else if (!a->backup ||
                    io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0 ||
                    io_transfer(1, a->addr, a->backup, a->size) != 0) {

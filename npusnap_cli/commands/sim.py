@@ -67,20 +67,36 @@ def register(app: typer.Typer) -> None:
             "--bandwidth-mbps",
             help="Cap device<->host copies at this many megabytes per second (default: no cap).",
         ),
+        keep_contents: bool = typer.Option(
+            False,
+            "--keep-contents",
+            help="Restore brings back allocation contents. NOT what CANN does (its Restore keeps only "
+            "addresses); for experiments only.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Build the simulator if needed and start its daemon (does nothing if it is running)."""
+        """Build the simulator if needed and start its daemon (does nothing if it is running).
+
+        By default the simulator is truthful: like CANN's Restore, it gives every allocation back
+        at its address but not its contents (they read as 0xDEADBEEF words); npusnap keeps the
+        job's device memory itself (docs/device-memory.md).
+        """
         from npusnap_cli.sim import manager
 
         out = output(ctx, "sim start", json_flag)
-        doc = manager.start(devices, parse_size(capacity), bandwidth_mbps)
+        doc = manager.start(devices, parse_size(capacity), bandwidth_mbps, keep_contents=keep_contents)
+        if doc.get("keep_contents"):
+            out.warn(
+                "the simulator runs with --keep-contents: Restore keeps device memory contents, "
+                "which real CANN does not do; results prove nothing about hardware"
+            )
         if doc["started"]:
             out.ok(f"simulated NPU started: {len(doc['devices'])} devices, daemon pid {doc['daemon_pid']}")
         else:
             out.ok(f"simulated NPU already running (daemon pid {doc['daemon_pid']}); configuration unchanged")
             wanted = (devices, parse_size(capacity))
             have = (len(doc["devices"]), doc["devices"][0]["capacity"] if doc["devices"] else 0)
-            if wanted != have:
+            if wanted != have or bool(doc.get("keep_contents")) != keep_contents:
                 out.warn("it runs with a different configuration: `npusnap sim stop` first to change it")
         out.line(f"socket: {doc['socket']}   log: {doc['log']}")
         out.line('use it: eval "$(npusnap sim env)"')

@@ -78,8 +78,18 @@ class Device:
 
 
 class Daemon:
-    def __init__(self, sock_path: str, devices: int, capacity: int, bandwidth_mbps: Optional[float]) -> None:
+    def __init__(
+        self,
+        sock_path: str,
+        devices: int,
+        capacity: int,
+        bandwidth_mbps: Optional[float],
+        keep_contents: bool = False,
+    ) -> None:
         self.sock_path = sock_path
+        # False (the default) is what CANN does: Restore gives allocations back at the same
+        # addresses, filled with the poison pattern. True models a future driver that keeps them.
+        self.keep_contents = keep_contents
         self.devices = [
             Device(i, capacity, next_addr=wire.ADDR_BASE + i * wire.ADDR_SPAN) for i in range(devices)
         ]
@@ -170,7 +180,15 @@ class Daemon:
         dev.owner = owner
         return 0
 
-    def op_alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
+    def op_alloc(
+        self, owner: Owner, dev_id: int, size: int, at: Optional[int], poison: bool = False
+    ) -> Tuple[int, int]:
+        status, addr = self._alloc(owner, dev_id, size, at)
+        if status == 0 and poison:
+            _fill_poison(self.devices[dev_id].allocs[addr].mem)
+        return status, addr
+
+    def _alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV, 0
         dev = self.devices[dev_id]
@@ -226,6 +244,7 @@ class Daemon:
             "socket": self.sock_path,
             "uptime_s": round(time.time() - self.started, 3),
             "bandwidth_mbps": self.bandwidth_mbps,
+            "keep_contents": self.keep_contents,
             "clients": self.clients,
             "devices": devs,
             "owners": list(owners.values()),
@@ -340,7 +359,9 @@ class Daemon:
         if op == wire.OP_ALLOC:
             return self.op_alloc(owner, dev, n, None)
         if op == wire.OP_ALLOC_AT:
-            return self.op_alloc(owner, dev, n, a)
+            return self.op_alloc(owner, dev, n, a, poison=bool(b & wire.ALLOC_POISON))
+        if op == wire.OP_CONFIG:
+            return 0, wire.CONFIG_KEEP_CONTENTS if self.keep_contents else 0
         if op == wire.OP_FREE:
             d = self._device_of(a)
             al = d.allocs.get(a) if d else None
@@ -399,7 +420,10 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_signal)
         threading.Thread(target=self.reaper, args=(0.5,), name="reaper", daemon=True).start()
         caps = ", ".join(f"{d.capacity} B" for d in self.devices)
-        log(f"npusim daemon pid {os.getpid()} serving {self.sock_path}: {len(self.devices)} devices ({caps})")
+        mode = "KEEP-CONTENTS (not CANN's behaviour)" if self.keep_contents else "contents lost at Restore, as CANN"
+        log(
+            f"npusim daemon pid {os.getpid()} serving {self.sock_path}: {len(self.devices)} devices ({caps}); {mode}"
+        )
         try:
             while not self.stopping.is_set():
                 try:
@@ -417,6 +441,15 @@ class Daemon:
                 pass
             log("npusim daemon stopped")
         return 0
+
+
+def _fill_poison(mem: mmap.mmap) -> None:
+    """Fill a device allocation with 0xDEADBEEF words (a partial word at the end is cut)."""
+    block = wire.POISON * (CHUNK // len(wire.POISON))
+    size = len(mem)
+    for off in range(0, size, CHUNK):
+        n = min(CHUNK, size - off)
+        mem[off : off + n] = block[:n]
 
 
 def _align(x: int) -> int:
@@ -443,10 +476,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="cap device<->host copies at this many megabytes per second (default: no cap)",
     )
+    ap.add_argument(
+        "--keep-contents",
+        action="store_true",
+        help="Restore brings back the contents of allocations (NOT what CANN does: its Restore keeps "
+        "addresses only; off by default, never used by the demo)",
+    )
     args = ap.parse_args(argv)
     if args.devices < 1 or args.devices > 64 or args.capacity < 1:
         ap.error("--devices must be 1..64 and --capacity positive")
-    return Daemon(args.socket, args.devices, args.capacity, args.bandwidth_mbps).serve()
+    return Daemon(args.socket, args.devices, args.capacity, args.bandwidth_mbps, args.keep_contents).serve()
 
 
 if __name__ == "__main__":

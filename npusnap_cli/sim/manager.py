@@ -127,9 +127,13 @@ def start(
     devices: int = DEFAULT_DEVICES,
     capacity_bytes: int = DEFAULT_CAPACITY,
     bandwidth_mbps: Optional[float] = None,
+    keep_contents: bool = False,
 ) -> Dict[str, Any]:
     """Build if needed and start the daemon unless one already answers. Returns its status plus
-    ``started`` (False when one was already running; its configuration is then left as it is)."""
+    ``started`` (False when one was already running; its configuration is then left as it is).
+
+    ``keep_contents`` makes Restore bring back allocation contents, which CANN's Restore does not
+    do: only for experiments with a future driver; the demo, tests and benchmarks never use it."""
     if devices < 1 or devices > 64:
         raise PreflightError(f"--devices must be between 1 and 64, not {devices}", fix="pick 1..64")
     if capacity_bytes < 1:
@@ -147,6 +151,8 @@ def start(
         cmd += ["--devices", str(devices), "--capacity", str(capacity_bytes)]
         if bandwidth_mbps:
             cmd += ["--bandwidth-mbps", str(bandwidth_mbps)]
+        if keep_contents:
+            cmd += ["--keep-contents"]
         child_env = dict(os.environ)
         pkg_parent = str(paths.PACKAGE_DIR.parent)
         child_env["PYTHONPATH"] = pkg_parent + (
