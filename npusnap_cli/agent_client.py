@@ -25,7 +25,8 @@ from npusnap_cli.errors import AgentError, DeviceError, TargetError
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
-OP_TIMEOUTS = {"lock": 90.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 120.0}
+# lock copies the job's device memory to host first, unlock writes it back: both scale with it.
+OP_TIMEOUTS = {"lock": 900.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 900.0}
 _UCRED = struct.Struct("3i")
 
 NO_AGENT_FIX = (
@@ -335,8 +336,11 @@ class AgentClient:
     def status(self) -> dict[str, Any]:
         return self.request("status")
 
-    def lock(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("lock", {"lease_s": lease_s})
+    def lock(self, lease_s: Optional[float] = None, device_memory: Optional[str] = None) -> dict[str, Any]:
+        args: dict[str, Any] = {"lease_s": lease_s}
+        if device_memory is not None:
+            args["device_memory"] = device_memory
+        return self.request("lock", args)
 
     def backup(self, lease_s: Optional[float] = None) -> dict[str, Any]:
         return self.request("backup", {"lease_s": lease_s})

@@ -71,6 +71,7 @@ class DumpOptions:
     force: bool = False
     attach: bool = True
     lease_s: float = DEFAULT_LEASE_S
+    device_memory: str = "preserve"  # preserve | app | discard (docs/device-memory.md)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class DumpOutcome:
             "bytes": m.bytes.to_dict(),
             "versions": m.versions.to_dict(),
             "processes": [p.to_dict() for p in m.processes],
+            "device_memory": dict(m.device_memory),
         }
 
 
@@ -378,6 +380,65 @@ def sim_device_usage() -> Optional[dict[int, tuple[list[int], int]]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Device memory: is continuity guaranteed?
+# --------------------------------------------------------------------------------------------
+
+DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
+CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
+
+
+def check_device_memory(
+    mode: str, hello: dict[int, dict[str, Any]], usage: dict[int, tuple[list[int], int]]
+) -> dict[str, Any]:
+    """What keeps each process's device memory across the snapshot; the manifest's record.
+
+    CANN's Restore gives allocations back at their addresses, not their contents. In ``preserve``
+    mode npusnap copies them itself, which needs the allocations to be known: seen by the
+    preloaded library (``npusnap run``) or registered by the application. A process with device
+    memory that npusnap cannot see is refused (TargetError) unless the user chose ``app`` (the
+    application's hooks save and reload it) or ``discard`` (it is lost, and restore says so).
+    """
+    if mode not in DEVICE_MEMORY_MODES:
+        raise PreflightError(
+            f"--device-memory must be one of {', '.join(DEVICE_MEMORY_MODES)}, not {mode!r}",
+            fix="--device-memory preserve (the default), app or discard",
+        )
+    processes: dict[str, Any] = {}
+    untracked: list[int] = []
+    for pid, h in sorted(hello.items()):
+        dm = h.get("device_memory") or {}
+        acl_info = h.get("acl") or {}
+        sim_bytes = usage.get(pid, ([], 0))[1]
+        has_memory = bool(sim_bytes or dm.get("bytes") or acl_info.get("devices"))
+        tracked = bool(dm.get("interposed")) or int(dm.get("registered") or 0) > 0
+        processes[str(pid)] = {
+            "interposed": bool(dm.get("interposed")),
+            "registered": int(dm.get("registered") or 0),
+            "allocations": int(dm.get("allocations") or 0),
+            "bytes": int(dm.get("bytes") or 0),
+            "excluded_bytes": int(dm.get("excluded_bytes") or 0),
+        }
+        if has_memory and not tracked:
+            untracked.append(pid)
+    if mode == "preserve" and untracked:
+        pids = ", ".join(map(str, untracked))
+        raise TargetError(
+            f"cannot guarantee that pid(s) {pids} continue after a restore: npusnap does not know "
+            "their device memory",
+            why="CANN's Restore brings back every device allocation's address but not its contents; "
+            "npusnap copies them itself, but only where it saw them being allocated (programs "
+            "started with `npusnap run`) or the application registered them; an attached agent, "
+            "or one started by the program itself without `npusnap run`, does not see them",
+            fix="start the job with `npusnap run -- CMD...`; or register its buffers "
+            "(npusnap_cli.agent.register_buffer); or choose explicitly: --device-memory app "
+            "(the application's hooks save and reload its device memory) or --device-memory "
+            "discard (its device memory is lost; restore will say so)",
+            details={"untracked_pids": untracked, "device_memory": processes},
+        )
+    return {"mode": mode, "continuity": CONTINUITY[mode], "processes": processes}
+
+
+# --------------------------------------------------------------------------------------------
 # Progress sampling in a background thread
 # --------------------------------------------------------------------------------------------
 
@@ -542,6 +603,7 @@ class _Pipeline:
         self.tmp: Optional[Path] = None
         self.group: Any = None
         self.hello: dict[int, dict[str, Any]] = {}
+        self.device_memory: dict[str, Any] = {}
         self.stopped_pids: list[int] = []
 
     # -- failure handling ---------------------------------------------------------------------
@@ -622,16 +684,22 @@ class _Pipeline:
         try:
             self.group = DeviceGroup(self.target.npu_pids, lease_s=self.options.lease_s)
             self.hello = self.group.hello()
+            self.device_memory = check_device_memory(self.options.device_memory, self.hello, self.usage)
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
             raise self._fail(err, rolled_back=False) from None
+        if self.options.device_memory == "discard":
+            self.cb.note(
+                "--device-memory discard: the job's device memory is NOT kept; a restore of this "
+                "image brings it back with its device memory lost"
+            )
 
         lock_start = time.monotonic()
         self.cb.phase("lock+backup")
         try:
             with self.clock.phase("lock+backup"), self._backup_progress():
-                results = self.group.lock_and_backup(backup=True)
+                results = self.group.lock_and_backup(backup=True, device_memory=self.options.device_memory)
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -844,7 +912,18 @@ class _Pipeline:
             ),
             criu_options=criu_opts.to_dict(),
             leave_running=self.options.leave_running,
+            device_memory=self._device_memory_record(results),
         )
+
+    def _device_memory_record(self, results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        record = dict(self.device_memory)
+        processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
+        for pid, r in results.items():
+            dm = r.get("device_memory") or {}
+            entry = processes.setdefault(str(pid), {})
+            entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
+        record["processes"] = processes
+        return record
 
 
 def _describe(err: BaseException) -> str:

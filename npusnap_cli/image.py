@@ -254,6 +254,9 @@ class Manifest:
     criu_options: Mapping[str, Any] = field(default_factory=dict)
     files: tuple[FileEntry, ...] = ()
     leave_running: bool = False
+    # {"mode": preserve|app|discard, "continuity": npusnap|application|lost, "processes": {...}}
+    # (docs/device-memory.md); empty in images made before npusnap kept device memory.
+    device_memory: Mapping[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -272,6 +275,7 @@ class Manifest:
             "timings": self.timings.to_dict(),
             "bytes": self.bytes.to_dict(),
             "criu_options": dict(self.criu_options),
+            "device_memory": dict(self.device_memory),
             "files": [f.to_dict() for f in self.files],
         }
 
@@ -301,6 +305,7 @@ class Manifest:
             bytes=ByteCounts.from_dict(_req(d, "bytes", dict, "manifest")),
             criu_options=dict(_req(d, "criu_options", dict, "manifest")),
             files=tuple(FileEntry.from_dict(f) for f in _req(d, "files", list, "manifest")),
+            device_memory=dict(d.get("device_memory") or {}),
         )
 
     @classmethod

@@ -30,7 +30,10 @@ _LEASE = (int, float, type(None))
 OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
     "hello": {},
     "status": {},
-    "lock": {"lease_s": (_LEASE, False)},
+    # device_memory: "preserve" (default: npusnap copies the job's device memory before Lock and
+    # writes it back after Restore), "app" (the application's hooks do it), "discard".
+    # timeout_s: how long the copy may wait for the job's device calls in flight.
+    "lock": {"lease_s": (_LEASE, False), "device_memory": ((str,), False), "timeout_s": (_LEASE, False)},
     "backup": {"lease_s": (_LEASE, False)},
     "renew": {"lease_s": (_LEASE, False)},
     "release": {},
@@ -106,6 +109,9 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     for key, (_types, required) in schema.items():
         if required and key not in args:
             raise ProtocolError("BAD_ARGS", f"operation {op!r} needs argument {key!r}")
+    mode = args.get("device_memory")
+    if mode is not None and mode not in ("preserve", "app", "discard"):
+        raise ProtocolError("BAD_ARGS", "device_memory must be preserve, app or discard")
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")

@@ -38,6 +38,7 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    accept_lost_device_memory: bool = False  # restore a --device-memory discard image anyway
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RestoreOutcome:
     timings: RestoreTimings
     criu_log: Optional[str]
     pidfile: Optional[str] = None
+    device_memory: Optional[str] = None  # npusnap | application | lost (None: image predates it)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +74,8 @@ class RestoreOutcome:
             "timings": self.timings.to_dict(),
             "criu_log": self.criu_log,
             "pidfile": self.pidfile,
+            "device_memory": self.device_memory,
+            "device_memory_lost": self.device_memory == "lost",
         }
 
 
@@ -110,6 +114,22 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
         )
+
+
+def check_device_memory(manifest: img.Manifest, accept_lost: bool) -> Optional[str]:
+    """Who keeps the job's device memory (from the manifest); refuse a known loss unless accepted."""
+    continuity = manifest.device_memory.get("continuity")
+    if continuity == "lost" and manifest.npu_processes and not accept_lost:
+        raise PreflightError(
+            "this image was dumped with --device-memory discard: its job's device memory is lost",
+            why="CANN's Restore gives every device allocation back at its address but not its "
+            "contents, and npusnap was told not to keep them: the job would run on garbage "
+            "unless it rebuilds its device memory itself",
+            fix="restore with --accept-lost-device-memory if the job rebuilds its device memory "
+            "(nothing was touched); next time dump with --device-memory preserve (the default)",
+            details={"device_memory": dict(manifest.device_memory)},
+        )
+    return str(continuity) if continuity else None
 
 
 def _proc_desc(pid: int) -> str:
@@ -273,6 +293,7 @@ def _restore(
     img.verify(final, checksums=options.verify, progress=advance)
     binary = criu.find_criu()
     check_versions(manifest, binary)
+    device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
     check_pids_free(manifest)
     check_devices_free(manifest)
     prepare_sockets(manifest)
@@ -328,6 +349,7 @@ def _restore(
         timings=timings,
         criu_log=res.log_path,
         pidfile=pidfile,
+        device_memory=device_memory,
     )
 
 

@@ -443,9 +443,14 @@ API void *dlsym(void *handle, const char *name) {
 
 static int interposed(void) {
     if (g_interposed < 0) {
+        /* Preloaded: the program's own search list (main program, LD_PRELOAD, its libraries)
+         * finds our dlsym and aclrtMalloc first. (Not RTLD_DEFAULT: its scope depends on the
+         * caller, and a -Bsymbolic library always finds itself first.) */
         dlsym_fn ds = real_dlsym();
-        g_interposed = ds && ds(RTLD_DEFAULT, "dlsym") == (void *)dlsym &&
-                       ds(RTLD_DEFAULT, "aclrtMalloc") == (void *)aclrtMalloc;
+        void *main_handle = dlopen(NULL, RTLD_LAZY);
+        g_interposed = ds && main_handle && ds(main_handle, "dlsym") == (void *)dlsym &&
+                       ds(main_handle, "aclrtMalloc") == (void *)aclrtMalloc;
+        if (main_handle) dlclose(main_handle);
     }
     return g_interposed;
 }

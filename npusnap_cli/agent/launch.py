@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli.errors import TargetError, UsageError
+from npusnap_cli.errors import PreflightError, TargetError, UsageError
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
@@ -32,13 +32,35 @@ class LaunchPlan:
             "pid": os.getpid(),
             "argv": self.argv,
             "executable": self.executable,
-            "env": {k: self.env[k] for k in ("NPUSNAP_AGENT", "NPUSNAP_PKG_PARENT", "PYTHONPATH")},
+            "env": {
+                k: self.env[k] for k in ("NPUSNAP_AGENT", "NPUSNAP_PKG_PARENT", "PYTHONPATH", "LD_PRELOAD")
+            },
         }
 
 
+def agent_library() -> Path:
+    """libnpusnap_agent.so (device-memory tracking and npusnap's gate), built by setup."""
+    from npusnap_cli import paths
+
+    lib = paths.build_dir() / "agent" / "libnpusnap_agent.so"
+    if not lib.is_file():
+        raise PreflightError(
+            f"npusnap's agent library {lib} is not built",
+            why="`npusnap run` preloads it into the program to keep the job's device memory across "
+            "a snapshot (CANN's Restore does not bring back its contents)",
+            fix="run ./scripts/setup.sh (or `make -C native`)",
+        )
+    return lib
+
+
 def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """``base`` (default: os.environ) plus what the bootstrap needs."""
+    """``base`` (default: os.environ) plus what the bootstrap and the device-memory library need."""
     env = dict(os.environ if base is None else base)
+    lib = str(agent_library())
+    # First in LD_PRELOAD: its aclrt* and dlsym definitions must come before libacl's.
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != lib]
+    env["LD_PRELOAD"] = ":".join([lib, *preload])
+    env["NPUSNAP_AGENT_LIB"] = lib
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
     env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
     env["NPUSNAP_AGENT"] = "1"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from npusnap_cli import __version__, paths, protocol
+from npusnap_cli.agent import devmem
 from npusnap_cli.agent.hooks import HookFailed, HookRegistry
 from npusnap_cli.agent.lease import TICK, Lease
 
@@ -89,6 +90,17 @@ def default_runtime_finder() -> Any:
     return acl.AclRuntime.in_process()
 
 
+class _LockStateError(Exception):
+    """Lock asked of a process that is not RUNNING: reported as the runtime's 507906."""
+
+    code = 507906
+    name = "ACL_ERROR_SNAPSHOT_LOCK_FAILED"
+
+    def __init__(self, state: str) -> None:
+        super().__init__(f"507906: lock failed — the process is {state}, not RUNNING (checked before Lock)")
+        self.hint = "a snapshot is already in progress; run `npusnap status` to see its state"
+
+
 def _is_acl_error(exc: BaseException) -> bool:
     try:
         from npusnap_cli import acl
@@ -117,6 +129,11 @@ class Agent:
         self.restored = False
         self.restore_pending = False
         self.events: List[str] = []  # recent notable events, reported by `status`
+        # Device memory (see the "device memory" section below): the mode of the current
+        # snapshot, whether npusnap holds a copy, and whether a Restore ran since it was taken.
+        self.devmem_mode: Optional[str] = None
+        self.devmem_saved = False
+        self.devmem_restored = False
         self._find_runtime = runtime_finder
         self._runtime: Any = None
         self._listener: Optional[socket.socket] = None
@@ -492,6 +509,8 @@ class Agent:
             self._call("Unlock", rt.unlock)
             steps.append("unlock")
             current = RUNNING
+            if target == RUNNING:
+                self._devmem_after_unlock()
         if target in (LOCKED, BACKED_UP) and current == RUNNING:
             self._call("Lock", rt.lock)
             steps.append("lock")
@@ -550,6 +569,7 @@ class Agent:
                 "devices": devices,
             },
             "hooks": self.hooks.names(),
+            "device_memory": self._devmem_report(),
         }
 
     def op_status(self, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -561,19 +581,35 @@ class Agent:
             restored=self.restored,
             restore_pending=self.restore_pending,
             events=list(self.events[-10:]),
+            device_memory=self._devmem_report(),
         )
 
     def op_lock(self, args: Dict[str, Any]) -> Dict[str, Any]:
         rt = self.runtime()
+        mode = str(args.get("device_memory") or devmem.DEFAULT_MODE)
+        # Query first: the runtime runs LOCK_PRE callbacks (HCCL's among them) even when Lock
+        # then fails on the state, and npusnap's copy must not be taken twice.
+        before = self.state()
+        if before is not None and before != RUNNING:
+            # The runtime's own answer to a Lock in that state, without running its callbacks.
+            raise _acl_error(_LockStateError(STATE_NAMES.get(before, str(before))), "Lock")
         start = time.monotonic()
         try:
             ran = self._run_hooks("pre_lock")
         except HookFailed as exc:
             raise self._hook_error(exc, "nothing was locked") from None
-        self._call("Lock", rt.lock)
+        saved = self._devmem_save(mode, args.get("timeout_s"))
+        try:
+            self._call("Lock", rt.lock)
+        except BaseException:
+            if saved:
+                self._devmem_drop()
+            raise
         if args.get("lease_s") is not None:
             self.lease.grant(float(args["lease_s"]))
-        return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
+        return self._state_result(
+            elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran, device_memory=self._devmem_report()
+        )
 
     def op_backup(self, args: Dict[str, Any]) -> Dict[str, Any]:
         rt = self.runtime()
@@ -619,6 +655,8 @@ class Agent:
         """CANN Restore: device state back on the device; Unlock is safe again afterwards."""
         self._call("Restore", rt.restore)
         self.restore_pending = False
+        # CANN's Restore gives the allocations back at their addresses, not their contents.
+        self.devmem_restored = True
 
     def op_unlock(self, args: Dict[str, Any]) -> Dict[str, Any]:
         del args
@@ -636,12 +674,17 @@ class Agent:
             )
         start = time.monotonic()
         self._call("Unlock", rt.unlock)
+        devmem_steps = self._devmem_after_unlock()
         try:
             ran = self._run_hooks("post_unlock")
         except HookFailed as exc:
             raise self._abort_after_hook(exc, before) from None
         self.lease.release()
-        return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
+        return self._state_result(
+            elapsed_s=round(time.monotonic() - start, 6),
+            hooks_run=ran,
+            device_memory=dict(self._devmem_report(), steps=devmem_steps),
+        )
 
     def op_rollback(self, args: Dict[str, Any]) -> Dict[str, Any]:
         del args
@@ -666,6 +709,7 @@ class Agent:
                 if before is not None:
                     raise
                 # State unknown (no GetState): Unlock from RUNNING fails harmlessly.
+        devmem_steps = self._devmem_after_unlock()
         self.lease.release()
         if actions:
             try:
@@ -678,7 +722,79 @@ class Agent:
             actions=actions,
             before=STATE_NAMES.get(before) if before is not None else None,
             warnings=warnings,
+            device_memory=dict(self._devmem_report(), steps=devmem_steps),
         )
+
+    # -- device memory ------------------------------------------------------------------------
+    # npusnap keeps the job's device memory itself (docs/device-memory.md). The only place the
+    # Python agent calls libnpusnap_agent.so; the native agent core makes the same calls at the
+    # same steps. ctypes drops the GIL during each call.
+    def _devmem_report(self) -> Dict[str, Any]:
+        try:
+            report = devmem.info()
+        except Exception as exc:
+            report = {"available": False, "error": str(exc)}
+        report["mode"] = self.devmem_mode
+        return report
+
+    def _devmem_save(self, mode: str, timeout_s: Any) -> bool:
+        """Before Lock, in ``preserve`` mode: close npusnap's gate and copy device memory to host."""
+        if mode not in devmem.MODES:
+            raise OpError(
+                protocol.make_error(
+                    protocol.ERR_PROTOCOL, "BAD_ARGS", f"device_memory must be one of {devmem.MODES}"
+                )
+            )
+        self.devmem_mode = mode
+        self.devmem_saved = False
+        self.devmem_restored = False
+        if mode != "preserve":
+            return False
+        timeout_ms = int(float(timeout_s if timeout_s is not None else 30.0) * 1000)
+        try:
+            devmem.save(timeout_ms)
+        except devmem.DevMemError as exc:
+            raise OpError(
+                protocol.make_error(
+                    protocol.ERR_STATE,
+                    "DEVICE_MEMORY_SAVE_FAILED",
+                    f"npusnap could not copy the job's device memory before Lock: {exc}; nothing was locked",
+                )
+            ) from None
+        self.devmem_saved = True
+        return True
+
+    def _devmem_drop(self) -> None:
+        devmem.finish()
+        self.devmem_saved = False
+        self.devmem_restored = False
+
+    def _devmem_after_unlock(self) -> List[str]:
+        """After Unlock: write the copy back if a Restore ran since it was taken, then open the gate.
+
+        A failed reload leaves the gate closed: the job stays held rather than computing on
+        memory whose contents are gone.
+        """
+        if not self.devmem_saved:
+            return []
+        steps: List[str] = []
+        if self.devmem_restored:
+            try:
+                devmem.reload()
+            except devmem.DevMemError as exc:
+                self._event(f"device memory reload FAILED, the job stays held at npusnap's gate: {exc}")
+                raise OpError(
+                    protocol.make_error(
+                        protocol.ERR_STATE,
+                        "DEVICE_MEMORY_RELOAD_FAILED",
+                        f"the runtime is unlocked but npusnap could not write the job's device memory "
+                        f"back: {exc}; the job's device calls stay held",
+                    )
+                ) from None
+            steps.append("reload device memory")
+        self._devmem_drop()
+        steps.append("open gate")
+        return steps
 
 
 def _ensure_private_dir(directory: Path) -> None:

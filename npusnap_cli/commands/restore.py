@@ -23,6 +23,12 @@ def register(app: typer.Typer) -> None:
         pidfile: Optional[Path] = typer.Option(
             None, "--pidfile", help="Write the restored root pid into this file."
         ),
+        accept_lost: bool = typer.Option(
+            False,
+            "--accept-lost-device-memory",
+            help="Restore an image dumped with --device-memory discard: the job runs again with "
+            "its device memory LOST (it must rebuild it). Refused without this flag.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
@@ -42,17 +48,30 @@ def register(app: typer.Typer) -> None:
             bars.close()
             out.info(f"… {label}")
 
-        options = restore_mod.RestoreOptions(verify=not no_verify, pidfile=pidfile)
+        options = restore_mod.RestoreOptions(
+            verify=not no_verify, pidfile=pidfile, accept_lost_device_memory=accept_lost
+        )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         try:
             result = restore_mod.restore(directory, options, callbacks)
         finally:
             bars.close()
         t = result.timings
-        out.ok(
-            f"restored {len(result.pids)} process(es) from {result.image}: root pid {result.root_pid}"
-            + (f", NPU pid(s) {', '.join(map(str, result.npu_pids))} running" if result.npu_pids else "")
-        )
+        if result.device_memory == "lost":
+            out.warn(
+                f"restored {len(result.pids)} process(es) from {result.image} (root pid "
+                f"{result.root_pid}) WITHOUT their device memory: the image was dumped with "
+                "--device-memory discard, so every device allocation holds undefined contents"
+            )
+        else:
+            out.ok(
+                f"restored {len(result.pids)} process(es) from {result.image}: root pid {result.root_pid}"
+                + (f", NPU pid(s) {', '.join(map(str, result.npu_pids))} running" if result.npu_pids else "")
+                + {
+                    "npusnap": ", device memory written back by npusnap",
+                    "application": ", device memory left to the application's hooks",
+                }.get(result.device_memory or "", "")
+            )
         out.table(
             "phases",
             ["phase", "time"],

@@ -420,9 +420,14 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_signal)
         threading.Thread(target=self.reaper, args=(0.5,), name="reaper", daemon=True).start()
         caps = ", ".join(f"{d.capacity} B" for d in self.devices)
-        mode = "KEEP-CONTENTS (not CANN's behaviour)" if self.keep_contents else "contents lost at Restore, as CANN"
+        mode = (
+            "KEEP-CONTENTS (not CANN's behaviour)"
+            if self.keep_contents
+            else "contents lost at Restore, as CANN"
+        )
         log(
-            f"npusim daemon pid {os.getpid()} serving {self.sock_path}: {len(self.devices)} devices ({caps}); {mode}"
+            f"npusim daemon pid {os.getpid()} serving {self.sock_path}: "
+            f"{len(self.devices)} devices ({caps}); {mode}"
         )
         try:
             while not self.stopping.is_set():

@@ -221,6 +221,9 @@ def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, 
 def test_dump_attaches_an_agent_where_missing_and_round_trips(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
+    """An attached agent cannot see the job's allocations: the default dump refuses (nothing is
+    locked); --device-memory discard dumps it, restore refuses until the loss is accepted, and
+    the restored job then really computes on the poisoned memory."""
     env = job_env(sim_env, runtime_dir)
     args = ["--steps", "60", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
     ref = reference(env, args)
@@ -229,14 +232,31 @@ def test_dump_attaches_an_agent_where_missing_and_round_trips(
     try:
         job.wait_lines(3)
         rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.TARGET, err
+        assert out is not None
+        assert "does not know their device memory" in out["error"]["message"]
+        assert "npusnap run" in out["error"]["fix"] and "--device-memory" in out["error"]["fix"]
+        assert agent_state(job.pid) == "RUNNING"
+        at = len(job.lines())
+        wait_until(lambda: len(job.lines()) > at, 10, "the job to go on after the refusal")
+
+        rc, out, err = cli(env, "dump", str(job.pid), str(img), "--device-memory", "discard")
         assert rc == 0, err
-        assert out is not None and out["result"]["attached"] == [job.pid]
+        assert out is not None and out["result"]["attached"] == []  # attached by the first dump
+        assert out["result"]["device_memory"]["continuity"] == "lost"
         job.reap()
+        stopped_at = len(job.lines())
         rc, out, err = cli(env, "restore", str(img))
+        assert rc == ExitCode.PREFLIGHT, err
+        assert out is not None and "--accept-lost-device-memory" in out["error"]["fix"]
+        rc, out, err = cli(env, "restore", str(img), "--accept-lost-device-memory")
         assert rc == 0, err
-        job.restored_pid = out["result"]["root_pid"] if out else 0
+        assert out is not None and out["result"]["device_memory_lost"] is True
+        job.restored_pid = out["result"]["root_pid"]
         wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
-        assert job.lines() == ref
+        got = job.lines()
+        assert len(got) == len(ref) and got[:stopped_at] == ref[:stopped_at]
+        assert all(a != b for a, b in zip(got[stopped_at:], ref[stopped_at:]))  # poison, as on CANN
     finally:
         job.cleanup()
 
@@ -247,7 +267,7 @@ def test_a_restored_job_can_be_dumped_again(
     """Regression: the agent of a restored process refused the legal BACKED_UP -> Unlock of a later
     `--leave-running` dump (RESTORE_REQUIRED), because it never forgot the earlier CRIU restore."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
+    args = ["--steps", "120", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
     first, second = tmp_path / "img1", tmp_path / "img2"

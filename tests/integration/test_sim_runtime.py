@@ -2,7 +2,7 @@
 
 Checks the behaviour npusnap depends on (shared/npusim-spec.md, shared/cann-snapshot-api.md):
 state machine and error codes, argument checks, blocking of device calls while locked, callbacks,
-memory and addresses across Backup/Restore/Unlock, occupancy, owner death, fault injection.
+addresses (kept) and contents (lost, as CANN's legacy flow) across Backup/Restore/Unlock, occupancy, owner death, fault injection.
 """
 
 from __future__ import annotations
@@ -184,40 +184,49 @@ def test_failing_backup_pre_callback_keeps_the_process_locked(make_driver: Calla
     assert d.rc("unlock") == 0 and state(d) == RUNNING
 
 
-def test_memory_and_addresses_survive_backup_restore_and_backup_unlock(
+POISON_HEAD = "efbeadde" * 4  # 0xDEADBEEF words, little-endian
+
+
+def test_addresses_survive_restore_but_contents_do_not(
     make_driver: Callable[..., Driver],
 ) -> None:
+    """As CANN's legacy flow: Restore gives every allocation back at its address, poisoned."""
     d = make_driver()
     assert d.rc("set", 0) == 0
     a = d.call("malloc", 3 * MiB + 17)["addr"]
     b = d.call("malloc", 4096)["addr"]
     assert a >= wire.ADDR_BASE and b >= wire.ADDR_BASE  # device addresses, not host ones
     crc_a = d.call("fill", a, 3 * MiB + 17, "a")["crc"]
-    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    d.call("fill", b, 4096, "b")
     socks = socket_fds(d.pid)
     assert d.rc("lock") == 0 and d.rc("backup") == 0
     assert socket_fds(d.pid) == socks - 1  # Backup released the daemon connection
     assert d.rc("restore") == 0 and d.rc("unlock") == 0
     assert socket_fds(d.pid) == socks
+    got_a = d.call("read", a, 3 * MiB + 17)
+    assert got_a["rc"] == 0 and got_a["head"] == POISON_HEAD and got_a["crc"] != crc_a
+    assert d.call("read", b, 4096)["head"] == POISON_HEAD
+    # The pointers stay valid: writes, partial reads and device-to-device copies work on them.
+    crc_a = d.call("fill", a, 3 * MiB + 17, "a2")["crc"]
     assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
-    assert d.call("read", b, 4096)["crc"] == crc_b
+    # Unlock straight from BACKED_UP (the original keeps running after a dump) keeps the bytes.
     assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("unlock") == 0
     assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
-    # partial reads at an offset and device-to-device copies keep working on the same pointers
     assert d.rc("d2d", b, a, 4096) == 0
     assert d.call("read", b, 4096)["crc"] == d.call("read", a, 4096)["crc"]
     c = d.call("malloc", 4096)["addr"]
     assert c not in (a, b) and not (a <= c < a + 3 * MiB + 17)
 
 
-def test_restore_brings_back_the_backed_up_bytes(make_driver: Callable[..., Driver]) -> None:
-    """Restore writes the host copy back: what the device held at Backup time is what comes back."""
+def test_restore_without_criu_poisons_the_same_process_too(make_driver: Callable[..., Driver]) -> None:
+    """Restore in the very process that backed up (no CRIU in between) also loses the contents."""
     d = make_driver()
     assert d.rc("set", 0) == 0
     a = d.call("malloc", 4096)["addr"]
     crc = d.call("fill", a, 4096, "x")["crc"]
     assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
-    assert d.call("read", a, 4096)["crc"] == crc
+    got = d.call("read", a, 4096)
+    assert got["head"] == POISON_HEAD and got["crc"] != crc
 
 
 def test_both_front_ends_share_one_runtime_state(make_driver: Callable[..., Driver]) -> None:
