@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli.agent.launch import agent_library
 from npusnap_cli.agent_client import AgentClient, AgentDeviceError
 from tests.conftest import requires_root
-from npusnap_cli.agent.launch import agent_library
 from tests.integration.agentlib import (
     BUF,
     PY,

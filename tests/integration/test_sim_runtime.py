@@ -2,7 +2,8 @@
 
 Checks the behaviour npusnap depends on (shared/npusim-spec.md, shared/cann-snapshot-api.md):
 state machine and error codes, argument checks, blocking of device calls while locked, callbacks,
-addresses (kept) and contents (lost, as CANN's legacy flow) across Backup/Restore/Unlock, occupancy, owner death, fault injection.
+addresses (kept) and contents (lost, as CANN's legacy flow) across Backup/Restore/Unlock,
+occupancy, owner death, fault injection.
 """
 
 from __future__ import annotations
