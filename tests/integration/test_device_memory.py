@@ -1,0 +1,255 @@
+"""npusnap keeps the job's device memory: libnpusnap_agent.so (native/agent/devmem.c) on the
+truthful simulator, whose Restore, like CANN's, keeps addresses but not contents.
+
+Through plain ctypes (the acl_driver child, with and without LD_PRELOAD) and through a C program
+linked against libacl_rt.so; then the CLI's refusal to dump device memory it cannot see.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from npusnap_cli.agent.launch import agent_library
+from npusnap_cli.errors import ExitCode
+from tests.conftest import REPO, requires_root
+from tests.integration.agentlib import Sim, Workload, start_agent_workload
+from tests.integration.dumplib import agent_state, cli, job_env, wait_until
+from tests.integration.sim_helpers import Driver
+
+pytestmark = pytest.mark.integration
+
+POISON_HEAD = "efbeadde" * 4
+MiB = 1 << 20
+
+
+@pytest.fixture
+def make_driver(sim_env: dict[str, str]) -> Iterator[Callable[..., Driver]]:
+    drivers: list[Driver] = []
+
+    def make(preload: bool = True, **extra: str) -> Driver:
+        env = dict(extra, NPUSNAP_AGENT_LIB=str(agent_library()))
+        if preload:
+            env["LD_PRELOAD"] = str(agent_library())
+        d = Driver(sim_env, env)
+        drivers.append(d)
+        return d
+
+    yield make
+    for d in drivers:
+        d.close()
+
+
+def snapshot_cycle(d: Driver) -> None:
+    for op in ("lock", "backup", "restore", "unlock"):
+        assert d.rc(op) == 0, op
+
+
+def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 2 * MiB + 5)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    crc_a = d.call("fill", a, 2 * MiB + 5, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    info = d.call("dm_info")
+    assert info["interposed"] == 1 and info["allocations"] == 2 and info["bytes"] == 2 * MiB + 5 + 4096
+    assert d.rc("free", b) == 0
+    assert d.call("dm_info")["allocations"] == 1  # aclrtFree is seen too
+    b = d.call("malloc", 4096)["addr"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+
+    # Bare runtime calls: the contents are lost, as on CANN.
+    snapshot_cycle(d)
+    assert d.call("read", a, 4096)["head"] == POISON_HEAD
+    crc_a = d.call("fill", a, 2 * MiB + 5, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+
+    # With npusnap's copy: the same pointers hold the same bytes afterwards.
+    save = d.call("dm_save", 5000)
+    assert save["rc"] == 0, save
+    info = d.call("dm_info")
+    assert info["saved"] == 1 and info["gate_closed"] == 1 and info["saved_bytes"] == 2 * MiB + 5 + 4096
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    assert d.call("dm_finish")["rc"] == 0
+    assert d.call("read", a, 2 * MiB + 5)["crc"] == crc_a
+    assert d.call("read", b, 4096)["crc"] == crc_b
+    info = d.call("dm_info")
+    assert info["saved"] == 0 and info["gate_closed"] == 0 and info["saved_bytes"] == 0
+
+
+def test_the_gate_holds_the_jobs_device_calls_until_finish(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4096)["addr"]
+    d.call("fill", a, 4096, "x")
+    assert d.call("dm_save", 5000)["rc"] == 0
+    # Another thread's device calls wait at npusnap's gate, before the runtime: also while the
+    # runtime itself is RUNNING (before Lock and after Unlock).
+    d.call("bg", "m", "malloc", 4096)
+    d.call("bg", "w", "fill", a, 4096, "y")
+    assert d.call("bgwait", "m", 0.5)["done"] is False
+    assert d.call("bgwait", "w", 0.1)["done"] is False
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    assert d.call("bgwait", "w", 0.3)["done"] is False  # reload done, the gate still closed
+    # Queries are not held.
+    assert d.call("getdev")["dev"] == 1
+    d.call("dm_finish")
+    assert d.call("bgwait", "m", 5)["result"]["rc"] == 0
+    assert d.call("bgwait", "w", 5)["result"]["rc"] == 0
+
+
+def test_save_waits_for_calls_in_flight_at_most_the_timeout(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver(NPUSIM_COPY_MBPS="2")  # a 4 MiB copy takes about 2 s
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4 * MiB)["addr"]
+    d.call("bg", "slow", "fill", a, 4 * MiB, "s")
+    time.sleep(0.5)  # the thread is inside aclrtMemcpy now (the whole copy takes about 2 s)
+    assert d.call("bgwait", "slow", 0)["done"] is False
+    save = d.call("dm_save", 200)
+    assert save["rc"] == -110 and "still running" in save["message"]  # -ETIMEDOUT
+    assert d.call("dm_info")["gate_closed"] == 0  # open again: the job goes on
+    assert d.call("bgwait", "slow", 10)["result"]["rc"] == 0
+    # Once nothing is in flight, the same save waits for nothing.
+    assert d.call("dm_save", 200, timeout=30)["rc"] == 0
+    d.call("dm_finish")
+
+
+def test_excluded_and_registered_buffers(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    keep = d.call("malloc", 8192)["addr"]
+    scratch = d.call("malloc", 8192)["addr"]
+    crc = d.call("fill", keep, 8192, "k")["crc"]
+    d.call("fill", scratch, 8192, "s")
+    assert d.rc("dm_exclude", scratch, 8192) == 0
+    info = d.call("dm_info")
+    assert info["excluded_bytes"] == 8192
+    assert d.call("dm_save", 5000)["rc"] == 0
+    assert d.call("dm_info")["saved_bytes"] == 8192
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", keep, 8192)["crc"] == crc
+    assert d.call("read", scratch, 8192)["head"] == POISON_HEAD  # declared as needing no copy
+
+
+def test_without_preload_only_registered_buffers_are_kept(make_driver: Callable[..., Driver]) -> None:
+    """An agent in a process not started by `npusnap run` sees nothing by itself."""
+    d = make_driver(preload=False)
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4096)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    crc_a = d.call("fill", a, 4096, "a")["crc"]
+    d.call("fill", b, 4096, "b")
+    info = d.call("dm_info")
+    assert info["interposed"] == 0 and info["allocations"] == 0
+    assert d.rc("dm_register", a, 4096) == 0
+    assert d.call("dm_info")["allocations"] == 1
+    assert d.call("dm_save", 5000)["rc"] == 0
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", a, 4096)["crc"] == crc_a
+    assert d.call("read", b, 4096)["head"] == POISON_HEAD
+
+
+C_PROGRAM = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include "npusnap/devmem.h"
+int aclInit(const char *); int aclrtSetDevice(int32_t); int aclrtMalloc(void **, size_t, int);
+int aclrtMemcpy(void *, size_t, const void *, size_t, int);
+int aclrtSnapShotProcessLock(int, void *); int aclrtSnapShotProcessBackup(int, void *);
+int aclrtSnapShotProcessRestore(int, void *); int aclrtSnapShotProcessUnlock(int, void *);
+int main(int argc, char **argv) {
+    int use = argc > 1;
+    void *d = NULL;
+    char buf[64] = "linked against libacl_rt", out[64] = {0}, err[256] = "";
+    if (aclInit(NULL) || aclrtSetDevice(1) || aclrtMalloc(&d, 64, 0) || aclrtMemcpy(d, 64, buf, 64, 1))
+        return 2;
+    void (*info)(npusnap_devmem_info *) = dlsym(RTLD_DEFAULT, "npusnap_devmem_get_info");
+    int (*save)(int, char *, size_t) = dlsym(RTLD_DEFAULT, "npusnap_devmem_save");
+    int (*reload)(char *, size_t) = dlsym(RTLD_DEFAULT, "npusnap_devmem_reload");
+    void (*finish)(void) = dlsym(RTLD_DEFAULT, "npusnap_devmem_finish");
+    npusnap_devmem_info i = {0};
+    if (info) info(&i);
+    printf("tracked %llu interposed %d\n", (unsigned long long)i.allocations, i.interposed);
+    if (use && save(1000, err, sizeof err)) return 3;
+    int p = getpid();
+    if (aclrtSnapShotProcessLock(p, NULL) || aclrtSnapShotProcessBackup(p, NULL) ||
+        aclrtSnapShotProcessRestore(p, NULL) || aclrtSnapShotProcessUnlock(p, NULL))
+        return 4;
+    if (use) { if (reload(err, sizeof err)) return 5; finish(); }
+    if (aclrtMemcpy(out, 64, d, 64, 2)) return 6;
+    printf("%s\n", strcmp(out, buf) == 0 ? "same" : "lost");
+    return 0;
+}
+"""
+
+
+def test_a_c_program_linked_to_libacl_rt(sim_env: dict[str, str], tmp_path: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / "prog.c", tmp_path / "prog"
+    src.write_text(C_PROGRAM)
+    lib64 = Path(sim_env["ASCEND_HOME_PATH"]) / "lib64"
+    subprocess.run(
+        [cc, "-I", str(REPO / "native" / "include"), "-o", str(exe), str(src)]
+        + [f"-L{lib64}", "-lacl_rt", "-ldl"],
+        check=True,
+    )
+
+    def run(preload: bool, *args: str) -> list[str]:
+        env = dict(sim_env)
+        if preload:
+            env["LD_PRELOAD"] = str(agent_library())
+        done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        return done.stdout.split("\n")[:2]
+
+    assert run(False) == ["tracked 0 interposed 0", "lost"]  # CANN's Restore alone
+    assert run(True, "use") == ["tracked 1 interposed 1", "same"]
+
+
+@requires_root
+def test_dump_refuses_device_memory_it_cannot_see(
+    sim: Sim, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    """agent.start() without `npusnap run`: the default dump refuses before locking anything;
+    `--device-memory app` is the user's explicit choice and goes through."""
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, WL_DEVICE=str(sim.device()))
+    w.wait_steps(3)
+    env = job_env(sim_env, runtime_dir)
+    img = tmp_path / "img"
+    rc, out, err = cli(env, "dump", str(w.pid), str(img), "--leave-running")
+    assert rc == ExitCode.TARGET, err
+    assert out is not None
+    error = out["error"]
+    assert "does not know their device memory" in error["message"]
+    assert "CANN's Restore" in error["why"]
+    assert "npusnap run" in error["fix"] and "register_buffer" in error["fix"]
+    assert error["details"]["untracked_pids"] == [w.pid]
+    assert not img.exists()
+    assert agent_state(w.pid) == "RUNNING"
+    w.wait_steps(3)
+
+    rc, out, err = cli(env, "dump", str(w.pid), str(img), "--leave-running", "--device-memory", "app")
+    assert rc == 0, err
+    assert out is not None and out["result"]["device_memory"]["continuity"] == "application"
+    assert agent_state(w.pid) == "RUNNING"
+    wait_until(lambda: len(w.steps()) > 0, 5)
+    w.wait_steps(3)
+    w.assert_correct()  # leave-running: nothing was restored, nothing was lost
