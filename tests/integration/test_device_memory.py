@@ -207,7 +207,8 @@ def test_a_c_program_linked_to_libacl_rt(sim_env: dict[str, str], tmp_path: Path
     src.write_text(C_PROGRAM)
     lib64 = Path(sim_env["ASCEND_HOME_PATH"]) / "lib64"
     include = str(REPO / "native" / "include")
-    subprocess.run([cc, "-I", include, "-o", str(exe), str(src), f"-L{lib64}", "-lacl_rt", "-ldl"], check=True)
+    argv = [cc, "-I", include, "-o", str(exe), str(src), f"-L{lib64}", "-lacl_rt", "-ldl"]
+    subprocess.run(argv, check=True)
 
     def run(preload: bool, *args: str) -> list[str]:
         env = dict(sim_env)
