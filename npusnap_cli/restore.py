@@ -194,9 +194,11 @@ def check_devices_free(manifest: img.Manifest) -> None:
     known = set()
     for dev in status.get("devices", []):
         known.add(int(dev.get("id", -1)))
-        owner = dev.get("owner")
-        if int(dev.get("id", -1)) in wanted and owner and owner.get("alive"):
-            busy.append((int(dev["id"]), int(owner["pid"])))
+        # Devices are shared, but CANN's Restore needs its device free of every other process.
+        owners = dev.get("owners") or ([dev["owner"]] if dev.get("owner") else [])
+        for owner in owners:
+            if int(dev.get("id", -1)) in wanted and owner and owner.get("alive"):
+                busy.append((int(dev["id"]), int(owner["pid"])))
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
         raise PreflightError(

@@ -337,26 +337,102 @@ def resume_others(chosen):
     chosen.switch()
 
 
+# Registers saved around a hand-made call (x86-64). gdb's own `call` also saves and rewrites the
+# extended (XSAVE) state, which fails on CPUs whose XSAVE area gdb does not know (AMX:
+# "Couldn't write extended state status: Bad address" with gdb 13 on kernel 6.x). A call made
+# at a function entry or at a syscall boundary only needs the general registers back: every
+# vector register is caller-saved there, so dlopen may clobber them.
+_GP_REGS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11",
+            "r12", "r13", "r14", "r15", "rip", "eflags", "orig_rax")
+
+
+def _reg(name):
+    return int(gdb.selected_frame().read_register(name)) & 0xFFFFFFFFFFFFFFFF
+
+
+def _set_reg(name, value):
+    gdb.execute("set var $%s = %d" % (name, _signed(value)), to_string=True)
+
+
+def _signed(value):
+    value &= 0xFFFFFFFFFFFFFFFF
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _entry_point():
+    """AT_ENTRY from the target's auxv: code no thread runs again, a safe return address."""
+    import struct
+
+    with open("/proc/%d/auxv" % PID, "rb") as f:
+        data = f.read()
+    for i in range(0, len(data) - 15, 16):
+        key, val = struct.unpack_from("<QQ", data, i)
+        if key == 9:  # AT_ENTRY
+            return val
+    raise RuntimeError("no AT_ENTRY in /proc/%d/auxv" % PID)
+
+
+def _address(fn):
+    value = gdb.parse_and_eval(fn)
+    return int(value.address if value.address is not None else value) & 0xFFFFFFFFFFFFFFFF
+
+
+def manual_call(thread, fn, args, data=b""):
+    """Call `fn(args...)` (integers; the string `data` is passed as a pointer where an arg is
+    None) on the stopped `thread` by setting its registers, and return rax."""
+    if MACHINE != "x86_64":
+        raise RuntimeError("hand-made calls are implemented for x86-64 only")
+    thread.switch()
+    saved = {r: _reg(r) for r in _GP_REGS}
+    ret_addr = _entry_point()
+    area = (saved["rsp"] - 4096) & ~0xF  # far below the red zone and the current frame
+    ptr = area
+    if data:
+        inferior().write_memory(ptr, data + b"\0")
+    sp = area - 256  # 16-byte aligned
+    sp -= 8  # the return address: at the callee's entry (rsp + 8) % 16 == 0
+    inferior().write_memory(sp, ret_addr.to_bytes(8, "little"))
+    bp = gdb.Breakpoint("*0x%x" % ret_addr, internal=True, temporary=False)
+    bp.thread = thread.num
+    regs = ("rdi", "rsi", "rdx", "rcx")
+    try:
+        for reg, val in zip(regs, args):
+            _set_reg(reg, ptr if val is None else val)
+        _set_reg("orig_rax", -1)  # no syscall restart while our call runs
+        _set_reg("rsp", sp)
+        _set_reg("rip", fn)
+        gdb.execute("continue", to_string=True)  # non-stop: only this thread; returns when it stops
+        if _reg("rip") != ret_addr:
+            raise RuntimeError("the call stopped at 0x%x (a signal?) instead of returning" % _reg("rip"))
+        return _reg("rax")
+    finally:
+        thread.switch()
+        for r in _GP_REGS:
+            _set_reg(r, saved[r])
+        bp.delete()
+
+
 def call_dlopen(thread):
     """dlopen(PAYLOAD, RTLD_NOW) on the stopped `thread`. Returns (ok, detail)."""
-    thread.switch()
-    path = PAYLOAD.replace("\\", "\\\\").replace('"', '\\"')
     for fn in ("dlopen", "__libc_dlopen_mode"):
-        expr = '((void *(*)(const char *, int)) %s)("%s", %d)' % (fn, path, RTLD_NOW)
         try:
-            handle = int(gdb.parse_and_eval(expr))
+            addr = _address(fn)
         except gdb.error as exc:
             if "No symbol" in str(exc):
                 continue
+            return False, "finding %s in the target failed: %s" % (fn, exc)
+        try:
+            handle = manual_call(thread, addr, (None, RTLD_NOW), PAYLOAD.encode())
+        except (gdb.error, RuntimeError) as exc:
             return False, "calling %s in the target failed: %s" % (fn, exc)
         if handle:
             return True, "%s returned 0x%x" % (fn, handle)
         reason = ""
         try:
-            msg = gdb.parse_and_eval("((char *(*)(void)) dlerror)()")
-            if int(msg):
-                reason = msg.string()
-        except gdb.error:
+            msg = manual_call(thread, _address("dlerror"), ())
+            if msg:
+                reason = inferior().read_memory(msg, 512).tobytes().split(b"\0", 1)[0].decode(errors="replace")
+        except (gdb.error, RuntimeError):
             pass
         return False, "%s failed in the target: %s" % (fn, reason or "no reason given")
     return False, "the target has no dlopen (a static binary without the dynamic loader?)"

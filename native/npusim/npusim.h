@@ -5,7 +5,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define NPUSIM_CANN_VERSION "9.1.0"
+#ifndef NPUSIM_CANN_VERSION
+#define NPUSIM_CANN_VERSION "9.1.0" /* the 9.0 tree is built with -DNPUSIM_CANN_VERSION="9.0.0" */
+#endif
 
 #define ACL_SUCCESS 0
 #define ACL_ERROR_INVALID_PARAM 100000

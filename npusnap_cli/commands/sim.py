@@ -37,8 +37,12 @@ def _device_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
 
     rows: list[tuple[str, ...]] = []
     for d in doc.get("devices", []):
-        owner = d.get("owner")
-        who = "-" if owner is None else f"pid {owner['pid']}" + ("" if owner.get("alive") else " (gone)")
+        owners = d.get("owners") or ([d["owner"]] if d.get("owner") else [])
+        who = (
+            ", ".join(f"pid {o['pid']}" + ("" if o.get("alive") else " (gone)") for o in owners)
+            if owners
+            else "-"
+        )
         rows.append(
             (
                 str(d["id"]),

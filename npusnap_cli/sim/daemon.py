@@ -7,8 +7,10 @@ pid, so the pid alone would let a restored copy inherit the dead original's devi
 
 Device memory is one anonymous mmap per allocation, so freeing really returns memory, and copies go
 between the socket and the mapping with recv_into/sendall on memoryviews (no intermediate copies).
-A reaper thread frees the devices and memory of owners that died; a claim on an occupied device
-re-checks the holder synchronously so a freshly restored process never waits for the reaper.
+Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
+*exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
+A reaper thread frees the devices and memory of owners that died; a claim re-checks the other
+holders synchronously so a freshly restored process never waits for the reaper.
 Standard library only.
 """
 
@@ -34,6 +36,7 @@ from npusnap_cli.sim import wire
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
 GiB = 1 << 30
 CHUNK = 8 << 20
+MAX_OWNERS = 63  # user processes an A2/A3 device takes
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -66,7 +69,7 @@ class Allocation:
 class Device:
     id: int
     capacity: int
-    owner: Optional[Owner] = None
+    owners: List[Owner] = field(default_factory=list)  # processes that opened it, in claim order
     used: int = 0
     allocs: Dict[int, Allocation] = field(default_factory=dict)
     addrs: List[int] = field(default_factory=list)  # sorted keys of allocs
@@ -105,8 +108,8 @@ class Daemon:
         for d in [dev] if dev else self.devices:
             for addr in [a for a, al in d.allocs.items() if al.owner == owner]:
                 self._drop(d, addr)
-            if d.owner == owner:
-                d.owner = None
+            if owner in d.owners:
+                d.owners.remove(owner)
 
     def _drop(self, dev: Device, addr: int) -> None:
         al = dev.allocs.pop(addr)
@@ -115,7 +118,7 @@ class Daemon:
         # Dropping the last reference unmaps it; close() would fail while a copy holds a view.
 
     def _reap(self) -> None:
-        owners = {d.owner for d in self.devices if d.owner} | {
+        owners = {o for d in self.devices for o in d.owners} | {
             al.owner for d in self.devices for al in d.allocs.values()
         }
         for owner in owners:
@@ -168,16 +171,22 @@ class Daemon:
         return prev.addr + prev.size > addr
 
     # -- operations -----------------------------------------------------------------------------
-    def op_claim(self, owner: Owner, dev_id: int) -> int:
+    def op_claim(self, owner: Owner, dev_id: int, exclusive: bool = False) -> int:
+        """Open the device for ``owner``; ``exclusive`` (Restore) needs no other live process on it."""
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV
         dev = self.devices[dev_id]
-        if dev.owner and dev.owner != owner:
-            if alive(dev.owner):
+        for other in [o for o in dev.owners if o != owner]:
+            if not alive(other):
+                log(f"device {dev_id}: owner pid {other[0]} is gone: freeing it")
+                self._free_owner(other, dev)
+        others = [o for o in dev.owners if o != owner]
+        if exclusive and others:
+            return -errno.EBUSY
+        if owner not in dev.owners:
+            if len(dev.owners) >= MAX_OWNERS:
                 return -errno.EBUSY
-            log(f"device {dev_id}: previous owner pid {dev.owner[0]} is gone: freeing it")
-            self._free_owner(dev.owner, dev)
-        dev.owner = owner
+            dev.owners.append(owner)
         return 0
 
     def op_alloc(
@@ -192,7 +201,7 @@ class Daemon:
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV, 0
         dev = self.devices[dev_id]
-        if dev.owner != owner:
+        if owner not in dev.owners:
             return -errno.EPERM, 0
         if size <= 0:
             return -errno.EINVAL, 0
@@ -222,22 +231,24 @@ class Daemon:
             for al in d.allocs.values():
                 o = owners.setdefault(al.owner, {"pid": al.owner[0], "start_time": al.owner[1], "bytes": 0})
                 o["bytes"] += al.size
-            if d.owner:
-                owners.setdefault(d.owner, {"pid": d.owner[0], "start_time": d.owner[1], "bytes": 0})
+            for o in d.owners:
+                owners.setdefault(o, {"pid": o[0], "start_time": o[1], "bytes": 0})
             devs.append(
                 {
                     "id": d.id,
                     "capacity": d.capacity,
                     "used": d.used,
                     "allocations": len(d.allocs),
+                    # "owner": the first process that opened it (kept for older readers)
                     "owner": None
-                    if d.owner is None
-                    else {"pid": d.owner[0], "start_time": d.owner[1], "alive": alive(d.owner)},
+                    if not d.owners
+                    else {"pid": d.owners[0][0], "start_time": d.owners[0][1], "alive": alive(d.owners[0])},
+                    "owners": [{"pid": o[0], "start_time": o[1], "alive": alive(o)} for o in d.owners],
                 }
             )
         for key, o in owners.items():
             o["alive"] = alive(key)
-            o["devices"] = [d.id for d in self.devices if d.owner == key]
+            o["devices"] = [d.id for d in self.devices if key in d.owners]
         return {
             "simulated": True,
             "daemon_pid": os.getpid(),
@@ -350,7 +361,7 @@ class Daemon:
 
     def simple_op(self, owner: Owner, op: int, dev: int, a: int, b: int, n: int) -> Tuple[int, int]:
         if op == wire.OP_CLAIM:
-            return self.op_claim(owner, dev), 0
+            return self.op_claim(owner, dev, exclusive=bool(b & wire.CLAIM_EXCLUSIVE)), 0
         if op == wire.OP_RELEASE:
             if 0 <= dev < len(self.devices):
                 self._free_owner(owner, self.devices[dev])

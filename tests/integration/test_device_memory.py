@@ -251,3 +251,36 @@ def test_dump_refuses_device_memory_it_cannot_see(
     wait_until(lambda: len(w.steps()) > 0, 5)
     w.wait_steps(3)
     w.assert_correct()  # leave-running: nothing was restored, nothing was lost
+
+
+@requires_root
+@pytest.mark.parametrize("cann", ["9.0", "9.1"])
+def test_npusnap_round_trip_on_both_snapshot_abis(
+    cann: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CANN 8.5/9.0 declare Lock/Backup/Restore/Unlock without arguments, 9.1+ as (pid, args):
+    npusnap drives both the same way, and the job continues exactly (device memory kept)."""
+    from npusnap_cli import paths
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
+
+    home = paths.build_dir() / paths.SIM_CANN_TREES[cann]
+    env = job_env(sim_env, runtime_dir)
+    env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSIM_CANN=cann)
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["versions"]["cann"] == f"{cann}.0"
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["device_memory"] == "npusnap"
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()

@@ -129,6 +129,14 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid() + cmd[2], arg)}
     if op == "state":
         return {"rc": 0, "state": get_state()}
+    if op == "state_rc":
+        value = ctypes.c_int(-1)
+        return {"rc": rt.rtSnapShotProcessGetState(ctypes.byref(value)), "state": value.value}
+    if op == "register_new":  # a new, distinct callback each time (no fixed limit)
+        cb = make_cb(cmd[1], 0)
+        rc = lib.aclrtSnapShotCallbackRegister(cmd[1], cb, None)
+        callbacks[-1000 - len(callbacks)] = cb
+        return {"rc": rc}
     if op == "state_null":
         return {"rc": rt.rtSnapShotProcessGetState(None)}
     if op == "devices":
