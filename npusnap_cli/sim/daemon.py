@@ -231,8 +231,8 @@ class Daemon:
             for al in d.allocs.values():
                 o = owners.setdefault(al.owner, {"pid": al.owner[0], "start_time": al.owner[1], "bytes": 0})
                 o["bytes"] += al.size
-            for o in d.owners:
-                owners.setdefault(o, {"pid": o[0], "start_time": o[1], "bytes": 0})
+            for who in d.owners:
+                owners.setdefault(who, {"pid": who[0], "start_time": who[1], "bytes": 0})
             devs.append(
                 {
                     "id": d.id,
