@@ -138,6 +138,7 @@ class DeviceGroup:
             backed = c.backup(lease)
             backed["lock_elapsed_s"] = locked.get("elapsed_s")
             backed["device_memory"] = locked.get("device_memory")
+            backed["callback_devices"] = locked.get("callback_devices")
             return backed
 
         results, failures = self._each(step)

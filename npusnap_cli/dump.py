@@ -865,8 +865,11 @@ class _Pipeline:
             devices: list[int] = []
             nbytes = 0
             if p.pid in npu:
+                # The runtime's own word first (npusnap's LOCK_PRE callback, once per open device),
+                # then what the agent saw (interposed aclrtSetDevice), then the simulator's table.
+                from_callbacks = [int(d) for d in (results.get(p.pid) or {}).get("callback_devices") or []]
                 acl_info = (self.hello.get(p.pid) or {}).get("acl") or {}
-                devices = [int(d) for d in acl_info.get("devices") or []]
+                devices = from_callbacks or [int(d) for d in acl_info.get("devices") or []]
                 sim_devs, nbytes = self.usage.get(p.pid, ([], 0))
                 devices = devices or sim_devs
             processes.append(

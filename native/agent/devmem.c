@@ -191,6 +191,8 @@ static int g_gate_closed;
 static int g_inflight;
 static int g_saved;
 static int g_interposed = -1; /* computed lazily */
+#define MAX_DEVS 1024
+static unsigned char g_devs[MAX_DEVS]; /* devices the job opened (aclrtSetDevice .. ResetDevice) */
 static __thread int t_depth;
 
 /* A forked child keeps only the forking thread: nothing of the job is in flight there, and it
@@ -206,6 +208,7 @@ static void atfork_child(void) {
     }
     g_n = 0;
     g_saved = 0;
+    memset(g_devs, 0, sizeof g_devs);
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -384,7 +387,19 @@ API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size
     CALL(F_MEMSET_ASYNC, aclError(*)(void *, size_t, int32_t, size_t, void *), devPtr, maxCount, value, count,
          stream);
 }
-API aclError aclrtSetDevice(int32_t deviceId) { CALL(F_SET_DEVICE, aclError(*)(int32_t), deviceId); }
+API aclError aclrtSetDevice(int32_t deviceId) {
+    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_SET_DEVICE);
+    if (!fn) return missing(F_SET_DEVICE);
+    int counted = gate_enter();
+    aclError rc = fn(deviceId);
+    if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        pthread_mutex_lock(&g_mu);
+        g_devs[deviceId] = 1;
+        pthread_mutex_unlock(&g_mu);
+    }
+    gate_leave(counted);
+    return rc;
+}
 
 API aclError aclrtResetDevice(int32_t deviceId) {
     aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_RESET_DEVICE);
@@ -392,6 +407,11 @@ API aclError aclrtResetDevice(int32_t deviceId) {
     int counted = gate_enter();
     aclError rc = fn(deviceId);
     if (rc == ACL_SUCCESS && counted) untrack_device(deviceId);
+    if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        pthread_mutex_lock(&g_mu);
+        g_devs[deviceId] = 0;
+        pthread_mutex_unlock(&g_mu);
+    }
     gate_leave(counted);
     return rc;
 }
@@ -407,6 +427,7 @@ API aclError aclFinalize(void) {
             if (!g_allocs[i].registered) drop_at(i);
             else i++;
         }
+        memset(g_devs, 0, sizeof g_devs);
         pthread_mutex_unlock(&g_mu);
     }
     gate_leave(counted);
@@ -612,6 +633,21 @@ API void npusnap_devmem_get_info(npusnap_devmem_info *out) {
     out->gate_closed = g_gate_closed;
     out->saved = g_saved;
     pthread_mutex_unlock(&g_mu);
+}
+
+/* Extra (not in the original header): the device ids the job opened with aclrtSetDevice and has
+ * not reset, as seen by the interposed calls (real CANN has no query for "all open devices").
+ * Writes at most max ids; returns how many there are. */
+API int npusnap_devmem_devices(int32_t *ids, int max) {
+    int n = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int d = 0; d < MAX_DEVS; d++)
+        if (g_devs[d]) {
+            if (ids && n < max) ids[n] = d;
+            n++;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return n;
 }
 
 /* Extra (not in the original header): how many allocations came from explicit registration. */

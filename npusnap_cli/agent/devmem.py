@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 LIBRARY_NAME = "libnpusnap_agent.so"
 ENV_LIBRARY = "NPUSNAP_AGENT_LIB"  # set by `npusnap run` to the preloaded file's path
@@ -78,6 +78,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npusnap_devmem_exclude.restype = ctypes.c_int
     lib.npusnap_devmem_registered_count.argtypes = []
     lib.npusnap_devmem_registered_count.restype = ctypes.c_uint64
+    lib.npusnap_devmem_devices.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
+    lib.npusnap_devmem_devices.restype = ctypes.c_int
     return lib
 
 
@@ -125,7 +127,15 @@ def info() -> Dict[str, Any]:
         "gate_closed": bool(i.gate_closed),
         "saved": bool(i.saved),
         "registered": int(lib.npusnap_devmem_registered_count()),
+        "devices": devices(lib),
     }
+
+
+def devices(lib: ctypes.CDLL) -> List[int]:
+    """Device ids the job opened, as seen by the interposed aclrtSetDevice/aclrtResetDevice."""
+    ids = (ctypes.c_int32 * 1024)()
+    n = int(lib.npusnap_devmem_devices(ids, 1024))
+    return [int(ids[i]) for i in range(max(0, min(n, 1024)))]
 
 
 def _need() -> ctypes.CDLL:

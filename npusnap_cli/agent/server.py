@@ -134,6 +134,11 @@ class Agent:
         self.devmem_mode: Optional[str] = None
         self.devmem_saved = False
         self.devmem_restored = False
+        # Devices learned from npusnap's own LOCK_PRE callback (CANN 9.0+ calls it once per open
+        # device): the real-API way to know them, /dev/davinciN is not held open by the driver.
+        self._callback_devices: List[int] = []
+        self._callback_state: Optional[str] = None  # None: not tried, "registered", or why not
+        self._lock_pre_seen: List[int] = []
         self._find_runtime = runtime_finder
         self._runtime: Any = None
         self._listener: Optional[socket.socket] = None
@@ -544,9 +549,14 @@ class Agent:
         if boot is not None and self.start_time is not None:
             started = boot + self.start_time / os.sysconf("SC_CLK_TCK")
         devices: List[int] = []
-        if rt is not None:
+        devices_source = None
+        dm = self._devmem_report()
+        if dm.get("interposed") and dm.get("devices"):
+            devices, devices_source = [int(d) for d in dm["devices"]], "aclrtSetDevice (interposed)"
+        elif rt is not None:
             try:
                 devices = [int(d) for d in rt.devices()]
+                devices_source = "runtime"
             except Exception as exc:
                 log(f"could not list devices: {exc}")
         return {
@@ -567,9 +577,11 @@ class Agent:
                 "library": getattr(rt, "path", None) if rt is not None else None,
                 "cann_version": getattr(rt, "version", None) if rt is not None else None,
                 "devices": devices,
+                "devices_source": devices_source,
+                "callback_devices": list(self._callback_devices),
             },
             "hooks": self.hooks.names(),
-            "device_memory": self._devmem_report(),
+            "device_memory": dm,
         }
 
     def op_status(self, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -599,6 +611,9 @@ class Agent:
         except HookFailed as exc:
             raise self._hook_error(exc, "nothing was locked") from None
         saved = self._devmem_save(mode, args.get("timeout_s"))
+        self._ensure_lock_pre_callback(rt)
+        seen: List[int] = []
+        self._lock_pre_seen = seen
         try:
             self._call("Lock", rt.lock)
         except BaseException:
@@ -607,9 +622,38 @@ class Agent:
             raise
         if args.get("lease_s") is not None:
             self.lease.grant(float(args["lease_s"]))
+        if seen:
+            self._callback_devices = sorted(set(seen))
         return self._state_result(
-            elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran, device_memory=self._devmem_report()
+            elapsed_s=round(time.monotonic() - start, 6),
+            hooks_run=ran,
+            device_memory=self._devmem_report(),
+            callback_devices=sorted(set(seen)),
+            callback=self._callback_state,
         )
+
+    def _ensure_lock_pre_callback(self, rt: Any) -> None:
+        """Register npusnap's LOCK_PRE callback once (CANN 9.0+); it records the device ids."""
+        if self._callback_state is not None:
+            return
+        register = getattr(rt, "register_callback", None)
+        if register is None:
+            self._callback_state = "the runtime object has no callbacks"
+            return
+        try:
+            from npusnap_cli import acl
+
+            register(acl.Stage.LOCK_PRE, self._on_lock_pre)
+            self._callback_state = "registered"
+        except Exception as exc:  # 8.5 has no callbacks: devices then come from elsewhere
+            self._callback_state = f"not registered: {exc}"
+            log(f"LOCK_PRE callback {self._callback_state}")
+
+    def _on_lock_pre(self, device_id: int) -> int:
+        """Called by the runtime inside Lock, once per open device, holding its callback mutex:
+        record the id and return 0 (non-zero would abort the Lock)."""
+        self._lock_pre_seen.append(int(device_id))
+        return 0
 
     def op_backup(self, args: Dict[str, Any]) -> Dict[str, Any]:
         rt = self.runtime()

@@ -52,6 +52,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
     env = workload_env(
         sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", LD_PRELOAD=str(agent_library())
     )
+    sim_device = int(env["WL_DEVICE"])
     w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
     pid = w.pid
     images = tmp_path / "img"
@@ -61,8 +62,13 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         wait_socket(runtime_dir, pid)
         w.wait_steps(3)
         with AgentClient(pid) as c:
+            hello = c.hello()
+            assert hello["acl"]["devices"] == [sim_device]
+            assert hello["acl"]["devices_source"] == "aclrtSetDevice (interposed)"
             locked = c.lock(lease_s=60)
             assert locked["state"] == "LOCKED"
+            assert locked["callback"] == "registered"
+            assert locked["callback_devices"] == [sim_device]  # from npusnap's LOCK_PRE callback
             dm = locked["device_memory"]
             assert dm["interposed"] is True and dm["saved"] is True and dm["saved_bytes"] == BUF
             assert c.backup(lease_s=60)["state"] == "BACKED_UP"
