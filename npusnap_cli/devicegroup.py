@@ -137,7 +137,7 @@ class DeviceGroup:
                 return locked
             backed = c.backup(lease)
             backed["lock_elapsed_s"] = locked.get("elapsed_s")
-            backed["device_memory"] = locked.get("device_memory")
+            backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
             backed["callback_devices"] = locked.get("callback_devices")
             return backed
 

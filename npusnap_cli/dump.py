@@ -925,6 +925,10 @@ class _Pipeline:
             dm = r.get("device_memory") or {}
             entry = processes.setdefault(str(pid), {})
             entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
+            # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
+            entry["flow"] = dm.get("flow")
+            if dm.get("fallback"):
+                entry["fallback"] = dm["fallback"]
         record["processes"] = processes
         return record
 

@@ -21,7 +21,8 @@ enum npusim_op {
 };
 
 #define NPUSIM_CLAIM_EXCLUSIVE 1u       /* CLAIM's b: no other live process on the device (Restore) */
-#define NPUSIM_CONFIG_KEEP_CONTENTS 1u /* Restore brings back allocation contents (not CANN's behaviour) */
+#define NPUSIM_CONFIG_KEEP_CONTENTS 1u
+#define NPUSIM_CONFIG_DRIVER_SNAPSHOT 2u /* the driver feature of the driver-backed flow; version << 16 */ /* Restore brings back allocation contents (not CANN's behaviour) */
 #define NPUSIM_ALLOC_POISON 1u         /* ALLOC_AT's b: fill the allocation with the poison pattern */
 #define NPUSIM_POISON_WORD 0xDEADBEEFu /* little-endian 32-bit words */
 

@@ -67,6 +67,11 @@ static size_t g_nallocs, g_allocs_cap;
 static struct cb *g_cbs[NSTAGES];
 static int g_ncb[NSTAGES], g_cbcap[NSTAGES];
 static int g_keep_contents; /* the daemon's --keep-contents, read by the last Backup */
+static int g_restore_contents; /* the Restore in progress writes the backed-up bytes back */
+/* The driver-backed flow (NPUSIM_DRIVER_FLOW builds): whether the last Backup used it, and the
+ * runtime and driver versions it recorded (Restore refuses when they differ). */
+static int g_driver_backup;
+static uint64_t g_backup_driver_version;
 static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
 
 /* ---------------------------------------------------------------- helpers */
@@ -694,9 +699,33 @@ static int no_snapshot(void) {
  * zero-argument builds (8.5/9.0, NPUSIM_ABI_ZERO_ARG) take no arguments and so check nothing. */
 #ifdef NPUSIM_ABI_ZERO_ARG
 #define BAD_ARGS(pid, p) ((void)(pid), (void)(p), 0)
+#define BAD_SNAP_ARGS(pid, p) ((void)(pid), (void)(p), 0)
+#elif defined(NPUSIM_DRIVER_FLOW)
+/* Newer builds: Backup/Restore take an args struct whose flag is 0 (required device memory) or 1
+ * (also optional memory); args != NULL selects the driver-backed flow. */
+struct snap_args {
+    uint32_t flags;
+    char reserved[60];
+};
+#define BAD_ARGS(pid, p) ((pid) != getpid() || (p))
+#define BAD_SNAP_ARGS(pid, p) ((pid) != getpid() || ((p) && ((const struct snap_args *)(p))->flags > 1))
 #else
 #define BAD_ARGS(pid, p) ((pid) != getpid() || (p))
+#define BAD_SNAP_ARGS(pid, p) BAD_ARGS(pid, p) /* 9.1.x: args must be NULL */
 #endif
+
+#ifdef NPUSIM_DRIVER_FLOW
+#define DRIVER_FLOW(args) ((args) != NULL)
+#else
+#define DRIVER_FLOW(args) ((void)(args), 0)
+#endif
+
+/* The daemon's configuration word (NPUSIM_CONFIG_* bits, driver version above bit 16), or 0. */
+static uint64_t daemon_config(void) {
+    uint64_t cfg = 0;
+    if (io_rpc(NPUSIM_OP_CONFIG, -1, 0, 0, 0, NULL, 0, NULL, 0, &cfg) != 0) cfg = 0;
+    return cfg;
+}
 
 /* Lock: LOCK_PRE callbacks first (before the state check, as in CANN: they run even when Lock
  * then fails), then RUNNING is required, then the runtime's registered background threads must
@@ -731,7 +760,8 @@ static int32_t reattach(int recreate, int32_t fail_code);
  * BACKUP_POST -- before the state becomes BACKED_UP, as in CANN. An underlying error
  * (NPUSIM_FAULT_BACKUP_CODE, e.g. 207000 for an AICPU model) is passed through as it is. */
 int32_t npusim_rt_backup(int pid, void *args) {
-    if (BAD_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_SNAP_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
+    int driver = DRIVER_FLOW(args);
     if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     pthread_mutex_lock(&g_snap);
     struct faults f;
@@ -739,7 +769,15 @@ int32_t npusim_rt_backup(int pid, void *args) {
     int32_t rc = ACL_SUCCESS;
     if (get_state() != ST_LOCKED || f.backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
     else if (f.backup_code) rc = f.backup_code;
-    else rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
+    if (rc == ACL_SUCCESS && driver) {
+        /* The driver feature FEATURE_SVM_PROCESS_DEVICE_MEM_SNAPSHOT: without it, "not
+         * supported", and no fallback to the legacy flow. */
+        pthread_mutex_lock(&g_io);
+        uint64_t cfg = daemon_config();
+        pthread_mutex_unlock(&g_io);
+        if (!(cfg & NPUSIM_CONFIG_DRIVER_SNAPSHOT)) rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    }
+    if (rc == ACL_SUCCESS) rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
     if (rc == ACL_SUCCESS) {
         if (f.backup_hang_ms > 0) sleep_s((double)f.backup_hang_ms / 1000.0);
         /* g_io waits for a device call still in flight (CANN synchronizes every stream). */
@@ -751,10 +789,13 @@ int32_t npusim_rt_backup(int pid, void *args) {
         /* CANN's legacy Backup saves runtime state, not what the application allocated: Restore
          * gives the allocations back at the same addresses with other contents. Only a daemon
          * started with --keep-contents (a model of a future driver) keeps the bytes. */
-        uint64_t cfg = 0;
-        g_keep_contents = io_rpc(NPUSIM_OP_CONFIG, -1, 0, 0, 0, NULL, 0, NULL, 0, &cfg) == 0 &&
-                          (cfg & NPUSIM_CONFIG_KEEP_CONTENTS);
-        if (!g_keep_contents) n = 0;
+        uint64_t cfg = daemon_config();
+        g_keep_contents = (cfg & NPUSIM_CONFIG_KEEP_CONTENTS) != 0;
+        /* Driver flow: the driver backs up the process's device memory by tag. Every allocation
+         * here carries the default tag, SNAPSHOT_REQUIRED, so both flags copy all of it. */
+        g_driver_backup = driver;
+        g_backup_driver_version = cfg >> 16;
+        if (!g_keep_contents && !driver) n = 0;
         for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
             struct alloc *a = &g_allocs[i];
             a->backup = malloc(a->size);
@@ -802,7 +843,7 @@ static int32_t reattach(int recreate, int32_t fail_code) {
              * keeps its memory. (A CRIU-restored copy that skips Restore runs on nothing; the
              * npusnap agent refuses that Unlock itself.) */
             break;
-        } else if (!g_keep_contents) {
+        } else if (!g_restore_contents) {
             /* Same address, new pages: the daemon fills them with the poison pattern. */
             if (io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, NPUSIM_ALLOC_POISON, a->size, NULL, 0, NULL, 0, NULL) != 0)
                 rc = fail_code;
@@ -821,14 +862,26 @@ static int32_t reattach(int recreate, int32_t fail_code) {
  * it open), every allocation back at its address (poisoned unless --keep-contents), then
  * RESTORE_POST -- before the state becomes LOCKED, as in CANN. */
 int32_t npusim_rt_restore(int pid, void *args) {
-    if (BAD_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_SNAP_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
     if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    int driver = DRIVER_FLOW(args);
     pthread_mutex_lock(&g_snap);
     struct faults f;
     read_faults(&f);
     int32_t rc = ACL_SUCCESS;
     if (get_state() != ST_BACKED_UP || f.restore) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
-    else rc = run_callbacks(NPUSIM_STAGE_RESTORE_PRE);
+    else if (driver && !g_driver_backup) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED; /* nothing to restore */
+    else if (driver) {
+        /* The versions recorded at Backup must be the running ones. */
+        pthread_mutex_lock(&g_io);
+        int connected = io_connect() == 0;
+        uint64_t cfg = connected ? daemon_config() : 0;
+        pthread_mutex_unlock(&g_io);
+        if (!connected || !(cfg & NPUSIM_CONFIG_DRIVER_SNAPSHOT) || (cfg >> 16) != g_backup_driver_version)
+            rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
+    }
+    g_restore_contents = g_keep_contents || (driver && g_driver_backup);
+    if (rc == ACL_SUCCESS) rc = run_callbacks(NPUSIM_STAGE_RESTORE_PRE);
     if (rc == ACL_SUCCESS) rc = reattach(1, ACL_ERROR_SNAPSHOT_RESTORE_FAILED);
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);

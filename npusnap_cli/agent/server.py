@@ -134,6 +134,10 @@ class Agent:
         self.devmem_mode: Optional[str] = None
         self.devmem_saved = False
         self.devmem_restored = False
+        # The snapshot flow of the current snapshot: "driver" (the runtime and driver keep device
+        # memory: args != NULL), "driver?" (to be tried at Backup), "legacy" (args == NULL).
+        self.devmem_flow: Optional[str] = None
+        self.devmem_fallback: Optional[str] = None
         # Devices learned from npusnap's own LOCK_PRE callback (CANN 9.0+ calls it once per open
         # device): the real-API way to know them, /dev/davinciN is not held open by the driver.
         self._callback_devices: List[int] = []
@@ -521,7 +525,7 @@ class Agent:
             steps.append("lock")
             current = LOCKED
         if target == BACKED_UP and current == LOCKED:
-            self._call("Backup", rt.backup)
+            self._backup(rt)
             steps.append("backup")
         return steps
 
@@ -610,7 +614,14 @@ class Agent:
             ran = self._run_hooks("pre_lock")
         except HookFailed as exc:
             raise self._hook_error(exc, "nothing was locked") from None
-        saved = self._devmem_save(mode, args.get("timeout_s"))
+        if mode == "preserve" and getattr(rt, "may_have_driver_flow", lambda: False)():
+            # The driver-backed flow keeps device memory itself where the driver has the feature;
+            # Backup tells (207000 otherwise), and then npusnap falls back to its own copy.
+            self._devmem_begin(mode)
+            self.devmem_flow = "driver?"
+            saved = False
+        else:
+            saved = self._devmem_save(mode, args.get("timeout_s"))
         self._ensure_lock_pre_callback(rt)
         seen: List[int] = []
         self._lock_pre_seen = seen
@@ -659,14 +670,16 @@ class Agent:
         rt = self.runtime()
         before = self.state()
         start = time.monotonic()
-        self._call("Backup", rt.backup)
+        self._backup(rt)
         try:
             ran = self._run_hooks("post_backup")
         except HookFailed as exc:
             raise self._abort_after_hook(exc, before) from None
         if args.get("lease_s") is not None:
             self.lease.grant(float(args["lease_s"]))
-        return self._state_result(elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran)
+        return self._state_result(
+            elapsed_s=round(time.monotonic() - start, 6), hooks_run=ran, device_memory=self._devmem_report()
+        )
 
     def op_renew(self, args: Dict[str, Any]) -> Dict[str, Any]:
         lease_s = args.get("lease_s")
@@ -697,7 +710,12 @@ class Agent:
 
     def _device_restore(self, rt: Any) -> None:
         """CANN Restore: device state back on the device; Unlock is safe again afterwards."""
-        self._call("Restore", rt.restore)
+        if self.devmem_flow == "driver":
+            from npusnap_cli import acl
+
+            self._call("Restore", lambda: rt.restore(flags=acl.DRIVER_FLOW_FLAGS))
+        else:
+            self._call("Restore", rt.restore)
         self.restore_pending = False
         # CANN's Restore gives the allocations back at their addresses, not their contents.
         self.devmem_restored = True
@@ -779,10 +797,12 @@ class Agent:
         except Exception as exc:
             report = {"available": False, "error": str(exc)}
         report["mode"] = self.devmem_mode
+        report["flow"] = self.devmem_flow
+        if self.devmem_fallback:
+            report["fallback"] = self.devmem_fallback
         return report
 
-    def _devmem_save(self, mode: str, timeout_s: Any) -> bool:
-        """Before Lock, in ``preserve`` mode: close npusnap's gate and copy device memory to host."""
+    def _devmem_begin(self, mode: str) -> None:
         if mode not in devmem.MODES:
             raise OpError(
                 protocol.make_error(
@@ -792,6 +812,12 @@ class Agent:
         self.devmem_mode = mode
         self.devmem_saved = False
         self.devmem_restored = False
+        self.devmem_flow = "legacy"
+        self.devmem_fallback = None
+
+    def _devmem_save(self, mode: str, timeout_s: Any) -> bool:
+        """Before Lock, in ``preserve`` mode: close npusnap's gate and copy device memory to host."""
+        self._devmem_begin(mode)
         if mode != "preserve":
             return False
         timeout_ms = int(float(timeout_s if timeout_s is not None else 30.0) * 1000)
@@ -807,6 +833,35 @@ class Agent:
             ) from None
         self.devmem_saved = True
         return True
+
+    def _backup(self, rt: Any) -> None:
+        """Backup in the flow chosen at Lock. Where the driver-backed flow turns out not to be
+        supported (207000: the driver lacks the feature; 100000: a build that wants NULL args),
+        the runtime does not fall back, so npusnap does: Unlock, its own copy, Lock, legacy Backup."""
+        if self.devmem_flow != "driver?":
+            self._call("Backup", rt.backup)
+            return
+        from npusnap_cli import acl
+
+        try:
+            rt.backup(flags=acl.DRIVER_FLOW_FLAGS)
+        except acl.AclError as exc:
+            if exc.code not in (acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT, acl.ACL_ERROR_INVALID_PARAM):
+                raise _acl_error(exc, "Backup") from exc
+            reason = f"driver-backed Backup refused with {exc.code} ({exc.name})"
+            self._event(f"{reason}: npusnap keeps the device memory itself (legacy flow)")
+            self._call("Unlock", rt.unlock)
+            self._devmem_save("preserve", None)
+            self.devmem_fallback = reason
+            try:
+                self._call("Lock", rt.lock)
+                self._call("Backup", rt.backup)
+            except BaseException:
+                if self.state() == RUNNING:
+                    self._devmem_drop()
+                raise
+            return
+        self.devmem_flow = "driver"
 
     def _devmem_drop(self) -> None:
         devmem.finish()

@@ -77,6 +77,12 @@ def register(app: typer.Typer) -> None:
             help="Restore brings back allocation contents. NOT what CANN does (its Restore keeps only "
             "addresses); for experiments only.",
         ),
+        driver_snapshot: bool = typer.Option(
+            False,
+            "--driver-snapshot",
+            help="The simulated driver has the feature of CANN's driver-backed snapshot flow "
+            "(args != NULL; used with NPUSIM_CANN=9.2). Off, as on released drivers.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Build the simulator if needed and start its daemon (does nothing if it is running).
@@ -88,7 +94,13 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.sim import manager
 
         out = output(ctx, "sim start", json_flag)
-        doc = manager.start(devices, parse_size(capacity), bandwidth_mbps, keep_contents=keep_contents)
+        doc = manager.start(
+            devices,
+            parse_size(capacity),
+            bandwidth_mbps,
+            keep_contents=keep_contents,
+            driver_snapshot=driver_snapshot,
+        )
         if doc.get("keep_contents"):
             out.warn(
                 "the simulator runs with --keep-contents: Restore keeps device memory contents, "

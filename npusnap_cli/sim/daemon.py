@@ -88,8 +88,14 @@ class Daemon:
         capacity: int,
         bandwidth_mbps: Optional[float],
         keep_contents: bool = False,
+        driver_snapshot: bool = False,
+        driver_version: int = 1,
     ) -> None:
         self.sock_path = sock_path
+        # The driver feature that the driver-backed flow (args != NULL) needs; off by default, as
+        # on every released driver. Its version is what Restore compares with Backup's.
+        self.driver_snapshot = driver_snapshot
+        self.driver_version = driver_version
         # False (the default) is what CANN does: Restore gives allocations back at the same
         # addresses, filled with the poison pattern. True models a future driver that keeps them.
         self.keep_contents = keep_contents
@@ -256,6 +262,8 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "bandwidth_mbps": self.bandwidth_mbps,
             "keep_contents": self.keep_contents,
+            "driver_snapshot": self.driver_snapshot,
+            "driver_version": self.driver_version,
             "clients": self.clients,
             "devices": devs,
             "owners": list(owners.values()),
@@ -372,7 +380,10 @@ class Daemon:
         if op == wire.OP_ALLOC_AT:
             return self.op_alloc(owner, dev, n, a, poison=bool(b & wire.ALLOC_POISON))
         if op == wire.OP_CONFIG:
-            return 0, wire.CONFIG_KEEP_CONTENTS if self.keep_contents else 0
+            value = wire.CONFIG_KEEP_CONTENTS if self.keep_contents else 0
+            if self.driver_snapshot:
+                value |= wire.CONFIG_DRIVER_SNAPSHOT
+            return 0, value | (self.driver_version << 16)
         if op == wire.OP_FREE:
             d = self._device_of(a)
             al = d.allocs.get(a) if d else None
@@ -498,10 +509,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="Restore brings back the contents of allocations (NOT what CANN does: its Restore keeps "
         "addresses only; off by default, never used by the demo)",
     )
+    ap.add_argument(
+        "--driver-snapshot",
+        action="store_true",
+        help="the driver supports the driver-backed snapshot flow (args != NULL; off by default)",
+    )
+    ap.add_argument("--driver-version", type=int, default=1, help="the driver's version (default 1)")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.devices > 64 or args.capacity < 1:
         ap.error("--devices must be 1..64 and --capacity positive")
-    return Daemon(args.socket, args.devices, args.capacity, args.bandwidth_mbps, args.keep_contents).serve()
+    return Daemon(
+        args.socket,
+        args.devices,
+        args.capacity,
+        args.bandwidth_mbps,
+        args.keep_contents,
+        args.driver_snapshot,
+        args.driver_version,
+    ).serve()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ OP_CONFIG = 12  # -> value = CONFIG_* bits
 
 CLAIM_EXCLUSIVE = 1  # OP_CLAIM's b: no other live process may have the device open (Restore)
 CONFIG_KEEP_CONTENTS = 1  # Restore brings back allocation contents (not what CANN does)
+CONFIG_DRIVER_SNAPSHOT = 2  # the driver feature of the driver-backed flow; driver version << 16
 ALLOC_POISON = 1  # OP_ALLOC_AT's b: fill the allocation with the poison pattern
 POISON = b"\xef\xbe\xad\xde"  # 0xDEADBEEF as little-endian 32-bit words
 

@@ -7,8 +7,10 @@ linked against libacl_rt.so; then the CLI's refusal to dump device memory it can
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from tests.integration.sim_helpers import Driver
 pytestmark = pytest.mark.integration
 
 POISON_HEAD = "efbeadde" * 4
+LOCKED_STATE, BACKED_UP_STATE = 1, 2
 MiB = 1 << 20
 
 
@@ -279,6 +282,140 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
         rc, out, err = cli(env, "restore", str(img))
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None and out["result"]["device_memory"] == "npusnap"
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()
+
+
+# -- the driver-backed flow (args != NULL), on the simulator's CANN 9.2 stand-in -----------------
+
+
+def _cann(version: str) -> dict[str, str]:
+    from npusnap_cli import paths
+
+    home = paths.build_dir() / paths.SIM_CANN_TREES[version]
+    return {"ASCEND_HOME_PATH": str(home), "LD_LIBRARY_PATH": str(home / "lib64"), "NPUSIM_CANN": version}
+
+
+class _Daemon:
+    """A private simulator daemon (its own socket) with the driver feature on or off."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="npusim-drv-"))
+        self.sock = str(self.dir / "npusim.sock")
+
+    def _with_socket(self, fn: Callable[[], object]) -> object:
+        from npusnap_cli.sim import manager  # noqa: F401 - resolved through NPUSIM_SOCKET
+
+        saved = os.environ.get("NPUSIM_SOCKET")
+        os.environ["NPUSIM_SOCKET"] = self.sock
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop("NPUSIM_SOCKET", None)
+            else:
+                os.environ["NPUSIM_SOCKET"] = saved
+
+    def start(self, driver_snapshot: bool, driver_version: int = 1) -> dict[str, str]:
+        from npusnap_cli.sim import manager
+
+        self._with_socket(
+            lambda: manager.start(
+                devices=2,
+                capacity_bytes=1 << 28,
+                driver_snapshot=driver_snapshot,
+                driver_version=driver_version,
+            )
+        )
+        env = dict(os.environ, NPUSIM_SOCKET=self.sock)
+        env.update(_cann("9.2"))
+        return env
+
+    def stop(self) -> None:
+        from npusnap_cli.sim import manager
+
+        self._with_socket(manager.stop)
+
+
+@pytest.fixture
+def private_daemon() -> Iterator[_Daemon]:
+    d = _Daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+
+
+def test_driver_flow_without_the_driver_feature_is_not_supported(sim_env: dict[str, str]) -> None:
+    """The session daemon's driver lacks the feature: args != NULL is "not supported", with no
+    fallback; NULL args is the legacy flow (contents lost)."""
+    d = Driver(sim_env, _cann("9.2"))
+    try:
+        assert d.rc("set", 1) == 0
+        a = d.call("malloc", 4096)["addr"]
+        d.call("fill", a, 4096, "x")
+        assert d.rc("lock") == 0
+        assert d.rc("flags", "backup", 2) == 100000  # flags are 0 or 1
+        assert d.rc("flags", "backup", 1) == 207000
+        assert d.call("state_rc")["state"] == LOCKED_STATE  # no fallback happened
+        assert d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
+        assert d.call("read", a, 4096)["head"] == POISON_HEAD
+    finally:
+        d.close()
+
+
+def test_driver_flow_keeps_memory_and_checks_versions(private_daemon: _Daemon) -> None:
+    env = private_daemon.start(driver_snapshot=True)
+    d = Driver(env)
+    try:
+        assert d.rc("set", 0) == 0
+        a = d.call("malloc", 64 * 1024)["addr"]
+        crc = d.call("fill", a, 64 * 1024, "x")["crc"]
+        assert d.rc("lock") == 0 and d.rc("flags", "backup", 0) == 0
+        assert d.rc("flags", "restore", 0) == 0 and d.rc("unlock") == 0
+        assert d.call("read", a, 64 * 1024)["crc"] == crc  # the driver kept it
+        # A driver of another version between Backup and Restore: Restore refuses.
+        assert d.rc("lock") == 0 and d.rc("flags", "backup", 1) == 0
+        private_daemon.stop()
+        private_daemon.start(driver_snapshot=True, driver_version=2)
+        assert d.rc("flags", "restore", 1) == 507909
+        assert d.call("state_rc")["state"] == BACKED_UP_STATE
+    finally:
+        d.close()
+
+
+@requires_root
+@pytest.mark.parametrize("feature", [True, False], ids=["driver-flow", "driver-flow-unsupported"])
+def test_npusnap_prefers_the_driver_flow_and_falls_back(
+    feature: bool, private_daemon: _Daemon, runtime_dir: Path, tmp_path: Path
+) -> None:
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
+
+    env = private_daemon.start(driver_snapshot=feature)
+    env.update(job_env(env, runtime_dir))
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "9"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        proc = out["result"]["device_memory"]["processes"][str(job.pid)]
+        if feature:
+            assert proc["flow"] == "driver" and proc["saved_bytes"] == 0  # no copy of npusnap's
+        else:
+            assert proc["flow"] == "legacy" and "207000" in proc["fallback"]
+            assert proc["saved_bytes"] >= 65536
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
         job.restored_pid = out["result"]["root_pid"]
         wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
         assert job.lines() == ref

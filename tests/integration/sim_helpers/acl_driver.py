@@ -124,6 +124,10 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), cmd[3], ctypes.c_void_p(cmd[2]), cmd[3], 3)}
     if op in SNAP:
         return {"rc": getattr(lib, SNAP[op])(os.getpid(), None)}
+    if op == "flags":  # ["flags", "backup", flags]: the driver-backed flow's args struct
+        args = ctypes.create_string_buffer(64)
+        ctypes.memmove(args, int(cmd[2]).to_bytes(4, "little"), 4)
+        return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid(), ctypes.cast(args, ctypes.c_void_p))}
     if op == "raw":  # ["raw", "lock", pid_delta, nonnull]
         arg = ctypes.c_void_p(ctypes.addressof(ctypes.create_string_buffer(64))) if cmd[3] else None
         return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid() + cmd[2], arg)}
