@@ -583,31 +583,21 @@ class AclRuntime:
         return SnapshotState(value.value)
 
     def devices(self) -> List[int]:
-        """Device ids this process has open.
+        """Device ids this process has open, where the runtime can say without a snapshot call.
 
-        The simulator answers through ``npusimGetOpenDevices``; on real hardware the open
-        ``/dev/davinciN`` file descriptors tell (there is no ACL query for "all devices").
+        The simulator answers through ``npusimGetOpenDevices``. Real CANN has no query for "all
+        open devices", and its driver does not hold ``/dev/davinciN`` open (it opens
+        ``/dev/davinci_manager``), so scanning fds would find nothing: the agent learns the ids
+        from its LOCK_PRE callback and from the interposed aclrtSetDevice instead. [] here.
         """
         fn = getattr(self._lib, NPUSIM_DEVICES_FUNCTION, None)
-        if fn is not None:
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
-            fn.restype = ctypes.c_int
-            ids = (ctypes.c_int32 * 64)()
-            n = int(fn(ids, 64))
-            return sorted(ids[i] for i in range(max(0, min(n, 64))))
-        found = set()
-        try:
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    target = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    continue
-                m = re.fullmatch(r"/dev/davinci(\d+)", target)
-                if m:
-                    found.add(int(m.group(1)))
-        except OSError:
-            pass
-        return sorted(found)
+        if fn is None:
+            return []
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
+        fn.restype = ctypes.c_int
+        ids = (ctypes.c_int32 * 64)()
+        n = int(fn(ids, 64))
+        return sorted(ids[i] for i in range(max(0, min(n, 64))))
 
     def register_callback(self, stage: Stage, fn: StageCallback) -> None:
         """Run ``fn(device_id)`` at ``stage`` (once per open device); non-zero aborts the operation.

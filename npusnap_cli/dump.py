@@ -319,7 +319,8 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
     from npusnap_cli import preflight
 
     devfiles = sorted({f for p in tree for f in p.device_files})
-    if devfiles and preflight.find_npu_plugin() is None:
+    plugin = preflight.find_npu_plugin() if devfiles else None
+    if devfiles and plugin is None:
         raise PreflightError(
             "the target has Ascend device files open but CRIU has no NPU plugin",
             why="stock CRIU cannot dump /dev/davinci* fds and device mappings; Huawei's CRIU "
@@ -327,6 +328,16 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
             fix="install the CANN CRIU plugin into CRIU's plugin directory (/usr/lib/criu), then retry",
             details={"device_files": devfiles},
         )
+    if plugin is not None:
+        item = preflight.check_npu_plugin_abi(plugin)
+        if item.status == preflight.PROBLEM:
+            raise PreflightError(
+                f"the CRIU NPU plugin does not fit this CRIU: {item.detail}",
+                why="CRIU calls a plugin's hooks by slot number; a plugin built against another "
+                "criu-plugin.h calls the wrong functions",
+                fix=item.fix,
+                details={"plugin": plugin, "device_files": devfiles},
+            )
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
@@ -784,6 +795,7 @@ class _Pipeline:
         except OSError as exc:
             raise ImageError(f"CRIU could not be started or its files not opened: {exc}") from None
         criu_done = time.monotonic()
+        self._check_plugin_marks(tmp)
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)
@@ -849,6 +861,24 @@ class _Pipeline:
         manifest = replace(manifest, timings=timings)
         logs = str(img.logs_dir(self.final)) if self.options.keep else None
         return DumpOutcome(image=str(self.final), manifest=manifest, attached=self.target.attached, logs=logs)
+
+    def _check_plugin_marks(self, tmp: Path) -> None:
+        """A dump that went through the NPU plugin is good only without its error line in CRIU's
+        log and with its device images (what Huawei's orchestrator checks)."""
+        from npusnap_cli import criuplugin
+        from npusnap_cli.errors import CriuError
+
+        if not any(p.device_files for p in self.target.tree):
+            return
+        log = img.logs_dir(tmp) / img.DUMP_LOG
+        problems = criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+        if problems:
+            raise CriuError(
+                f"CRIU's NPU plugin did not dump the device files cleanly: {problems[0]}",
+                why="; ".join(problems),
+                fix=f"read {log} (the plugin's lines); check the plugin matches this CRIU (`npusnap check`)",
+                details={"problems": problems, "criu_log": str(log)},
+            )
 
     def _manifest(
         self,
