@@ -88,6 +88,24 @@ def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable
     assert info["saved"] == 0 and info["gate_closed"] == 0 and info["saved_bytes"] == 0
 
 
+def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 8192)["addr"]
+    assert d.rc("set", 1) == 0
+    b = d.call("malloc", 8192)["addr"]
+    crc_a = d.call("fill", a, 8192, "on device 0")["crc"]
+    crc_b = d.call("fill", b, 8192, "on device 1")["crc"]
+    assert sorted(d.call("devices")["devices"]) == [0, 1]
+    assert d.call("dm_save", 5000)["rc"] == 0
+    assert d.call("dm_info")["saved_bytes"] == 16384
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", a, 8192)["crc"] == crc_a
+    assert d.call("read", b, 8192)["crc"] == crc_b
+
+
 def test_the_gate_holds_the_jobs_device_calls_until_finish(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 1) == 0
