@@ -73,8 +73,10 @@ def test_bad_input_is_refused_and_changes_nothing(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    ref = reference(env, ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    # Long enough to outlive six refused dumps on a loaded machine.
+    args = ["--steps", "200", *ARGS[2:]]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
     plain = subprocess.Popen(["sleep", "60"], start_new_session=True)
     no_agent_dir = tmp_path / "noagent"
     no_agent_dir.mkdir()
@@ -109,7 +111,7 @@ def test_bad_input_is_refused_and_changes_nothing(
 
         with tmpfs(tmp_path / "tiny", "4m") as tiny:
             rc, out, _ = cli(env, "dump", str(job.pid), str(tiny / "img"))
-            assert rc == ExitCode.PREFLIGHT and out is not None
+            assert rc == ExitCode.PREFLIGHT and out is not None, out and out["error"]
             assert "not enough free space" in out["error"]["message"]
             assert_no_image(tiny / "img")
 
