@@ -446,6 +446,26 @@ def loaded_runtime_library(pid: Optional[int] = None) -> Optional[str]:
 
 # -- the runtime ---------------------------------------------------------------------------------
 
+
+class SnapShotArgs(ctypes.Structure):
+    """``aclrtSnapShotBackupArgs`` / ``aclrtSnapShotRestoreArgs`` (64 bytes): passing one selects
+    the driver-backed flow of newer CANN builds; flags 0 = required device memory, 1 = also the
+    optional memory. 9.1.x refuses any non-NULL args (100000)."""
+
+    _fields_ = [("flags", ctypes.c_uint32), ("reserved", ctypes.c_char * 60)]
+
+
+# The first CANN version npusnap tries the driver-backed flow on. The released 9.1.x refuses it;
+# the simulator's 9.2.0 tree stands in for the newer builds (an assumption, see device-memory.md).
+DRIVER_FLOW_MIN_VERSION = (9, 2)
+DRIVER_FLOW_FLAGS = 1  # required and optional device memory
+
+
+def version_tuple(version: Optional[str]) -> Tuple[int, ...]:
+    nums = re.findall(r"\d+", version or "")
+    return tuple(int(n) for n in nums[:3])
+
+
 # uint32_t (*aclrtSnapShotCallBack)(int32_t deviceId, void *args)
 CALLBACK_TYPE = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_int32, ctypes.c_void_p)
 StageCallback = Callable[[int], int]
@@ -515,24 +535,36 @@ class AclRuntime:
     def has(self, name: str) -> bool:
         return getattr(self._lib, name, None) is not None
 
-    def _call(self, name: str) -> None:
+    def _call(self, name: str, flags: Optional[int] = None) -> None:
         fn = getattr(self._lib, name, None)
         if fn is None:
             raise AclError(
                 ACL_ERROR_RT_FEATURE_NOT_SUPPORT, call=name, detail=f"{self.path} does not export {name}"
             )
-        code = int(fn(os.getpid(), None))
+        if flags is None:
+            code = int(fn(os.getpid(), None))
+        else:
+            args = SnapShotArgs(flags=flags)
+            code = int(fn(os.getpid(), ctypes.cast(ctypes.byref(args), ctypes.c_void_p)))
         if code != ACL_SUCCESS:
-            raise AclError(code, call=name)
+            raise AclError(code, call=name, detail="driver-backed flow" if flags is not None else "")
 
     def lock(self) -> None:
         self._call("aclrtSnapShotProcessLock")
 
-    def backup(self) -> None:
-        self._call("aclrtSnapShotProcessBackup")
+    def backup(self, flags: Optional[int] = None) -> None:
+        """Backup; ``flags`` (0/1) selects the driver-backed flow, None the legacy one."""
+        self._call("aclrtSnapShotProcessBackup", flags)
 
-    def restore(self) -> None:
-        self._call("aclrtSnapShotProcessRestore")
+    def restore(self, flags: Optional[int] = None) -> None:
+        self._call("aclrtSnapShotProcessRestore", flags)
+
+    def may_have_driver_flow(self) -> bool:
+        """Whether this CANN is new enough to try the driver-backed flow (Backup then says
+        207000 where the driver lacks the feature, and npusnap falls back to the legacy flow)."""
+        if os.environ.get("NPUSNAP_DRIVER_FLOW") == "0":
+            return False
+        return version_tuple(self.version) >= DRIVER_FLOW_MIN_VERSION
 
     def unlock(self) -> None:
         self._call("aclrtSnapShotProcessUnlock")
@@ -551,31 +583,21 @@ class AclRuntime:
         return SnapshotState(value.value)
 
     def devices(self) -> List[int]:
-        """Device ids this process has open.
+        """Device ids this process has open, where the runtime can say without a snapshot call.
 
-        The simulator answers through ``npusimGetOpenDevices``; on real hardware the open
-        ``/dev/davinciN`` file descriptors tell (there is no ACL query for "all devices").
+        The simulator answers through ``npusimGetOpenDevices``. Real CANN has no query for "all
+        open devices", and its driver does not hold ``/dev/davinciN`` open (it opens
+        ``/dev/davinci_manager``), so scanning fds would find nothing: the agent learns the ids
+        from its LOCK_PRE callback and from the interposed aclrtSetDevice instead. [] here.
         """
         fn = getattr(self._lib, NPUSIM_DEVICES_FUNCTION, None)
-        if fn is not None:
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
-            fn.restype = ctypes.c_int
-            ids = (ctypes.c_int32 * 64)()
-            n = int(fn(ids, 64))
-            return sorted(ids[i] for i in range(max(0, min(n, 64))))
-        found = set()
-        try:
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    target = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    continue
-                m = re.fullmatch(r"/dev/davinci(\d+)", target)
-                if m:
-                    found.add(int(m.group(1)))
-        except OSError:
-            pass
-        return sorted(found)
+        if fn is None:
+            return []
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
+        fn.restype = ctypes.c_int
+        ids = (ctypes.c_int32 * 64)()
+        n = int(fn(ids, 64))
+        return sorted(ids[i] for i in range(max(0, min(n, 64))))
 
     def register_callback(self, stage: Stage, fn: StageCallback) -> None:
         """Run ``fn(device_id)`` at ``stage`` (once per open device); non-zero aborts the operation.

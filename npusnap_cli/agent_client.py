@@ -25,7 +25,8 @@ from npusnap_cli.errors import AgentError, BusyError, DeviceError, TargetError
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
-OP_TIMEOUTS = {"lock": 90.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 120.0}
+# lock copies the job's device memory to host first, unlock writes it back: both scale with it.
+OP_TIMEOUTS = {"lock": 900.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 900.0}
 _UCRED = struct.Struct("3i")
 
 NO_AGENT_FIX = (
@@ -357,9 +358,15 @@ class AgentClient:
     def status(self) -> dict[str, Any]:
         return self.request("status")
 
-    def lock(self, lease_s: Optional[float] = None, command: str = "unknown") -> dict[str, Any]:
-        """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token."""
-        result = self.request("lock", {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}})
+    def lock(
+        self, lease_s: Optional[float] = None, command: str = "unknown", device_memory: Optional[str] = None
+    ) -> dict[str, Any]:
+        """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
+        ``device_memory``: the agent's mode (preserve/app/discard; None: its default, preserve)."""
+        args: dict[str, Any] = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
+        if device_memory is not None:
+            args["device_memory"] = device_memory
+        result = self.request("lock", args)
         token = result.get("token")
         self.token = token if isinstance(token, str) else None
         return result

@@ -136,7 +136,15 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         return now
 
     report("sim", "starting the simulated NPU")
-    manager.start()
+    sim = manager.start()
+    if sim.get("keep_contents"):
+        raise PreflightError(
+            "the simulated NPU runs with --keep-contents, which real CANN does not do",
+            why="the demo must prove continuity on a device that, like CANN's Restore, gives "
+            "allocations back without their contents",
+            fix="npusnap sim stop && npusnap sim start, then rerun the demo",
+        )
+    report("sim", "truthful mode: like CANN, Restore brings back addresses, not device memory contents")
     env = {**os.environ, **manager.env()}
     t = mark("simulator", t0)
 
@@ -179,6 +187,9 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         report("dump", f"npusnap dump {proc.pid} {image}")
         envelope = _run_json(["dump", str(proc.pid), str(image)], env, timeout=600)
         result.dump = envelope.get("result") or {}
+        kept = (result.dump.get("device_memory") or {}).get("processes") or {}
+        saved = sum(int(p.get("saved_bytes") or 0) for p in kept.values())
+        report("dump", f"npusnap copied {saved} bytes of device memory to host before Lock")
         proc.wait(timeout=30)  # reap it: its pid must be free for the restore
         # What the job printed until the lock stopped it (it trained on while the dump started).
         result.lines_before_dump = len(_read_lines(log))

@@ -203,16 +203,23 @@ class DeviceGroup:
             )
         return results
 
-    def lock_and_backup(self, backup: bool = True) -> dict[int, dict[str, Any]]:
-        """Lock (and Backup) every process; all or nothing (see the module docstring)."""
+    def lock_and_backup(
+        self, backup: bool = True, device_memory: Optional[str] = None
+    ) -> dict[int, dict[str, Any]]:
+        """Lock (and Backup) every process; all or nothing (see the module docstring).
+
+        ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
+        preserve)."""
         lease = self.lease_s
 
         def step(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease, self.command)
+            locked = c.lock(lease, self.command, device_memory)
             if not backup:
                 return locked
             backed = c.backup(lease)
             backed["lock_elapsed_s"] = locked.get("elapsed_s")
+            backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
+            backed["callback_devices"] = locked.get("callback_devices")
             return backed
 
         results, failures = self._each(step)

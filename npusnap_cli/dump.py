@@ -76,6 +76,7 @@ class DumpOptions:
     network_lock: Optional[str] = None
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
+    device_memory: str = "preserve"  # preserve | app | discard (docs/device-memory.md)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class DumpOutcome:
             "bytes": m.bytes.to_dict(),
             "versions": m.versions.to_dict(),
             "processes": [p.to_dict() for p in m.processes],
+            "device_memory": dict(m.device_memory),
         }
 
 
@@ -361,7 +363,8 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
     from npusnap_cli import preflight
 
     devfiles = sorted({f for p in tree for f in p.device_files})
-    if devfiles and preflight.find_npu_plugin() is None:
+    plugin = preflight.find_npu_plugin() if devfiles else None
+    if devfiles and plugin is None:
         raise PreflightError(
             "the target has Ascend device files open but CRIU has no NPU plugin",
             why="stock CRIU cannot dump /dev/davinci* fds and device mappings; Huawei's CRIU "
@@ -369,6 +372,16 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
             fix="install the CANN CRIU plugin into CRIU's plugin directory (/usr/lib/criu), then retry",
             details={"device_files": devfiles},
         )
+    if plugin is not None:
+        item = preflight.check_npu_plugin_abi(plugin)
+        if item.status == preflight.PROBLEM:
+            raise PreflightError(
+                f"the CRIU NPU plugin does not fit this CRIU: {item.detail}",
+                why="CRIU calls a plugin's hooks by slot number; a plugin built against another "
+                "criu-plugin.h calls the wrong functions",
+                fix=item.fix,
+                details={"plugin": plugin, "device_files": devfiles},
+            )
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
@@ -419,6 +432,65 @@ def sim_device_usage() -> Optional[dict[int, tuple[list[int], int]]]:
                 int(owner.get("bytes", 0)),
             )
     return usage
+
+
+# --------------------------------------------------------------------------------------------
+# Device memory: is continuity guaranteed?
+# --------------------------------------------------------------------------------------------
+
+DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
+CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
+
+
+def check_device_memory(
+    mode: str, hello: dict[int, dict[str, Any]], usage: dict[int, tuple[list[int], int]]
+) -> dict[str, Any]:
+    """What keeps each process's device memory across the snapshot; the manifest's record.
+
+    CANN's Restore gives allocations back at their addresses, not their contents. In ``preserve``
+    mode npusnap copies them itself, which needs the allocations to be known: seen by the
+    preloaded library (``npusnap run``) or registered by the application. A process with device
+    memory that npusnap cannot see is refused (TargetError) unless the user chose ``app`` (the
+    application's hooks save and reload it) or ``discard`` (it is lost, and restore says so).
+    """
+    if mode not in DEVICE_MEMORY_MODES:
+        raise PreflightError(
+            f"--device-memory must be one of {', '.join(DEVICE_MEMORY_MODES)}, not {mode!r}",
+            fix="--device-memory preserve (the default), app or discard",
+        )
+    processes: dict[str, Any] = {}
+    untracked: list[int] = []
+    for pid, h in sorted(hello.items()):
+        dm = h.get("device_memory") or {}
+        acl_info = h.get("acl") or {}
+        sim_bytes = usage.get(pid, ([], 0))[1]
+        has_memory = bool(sim_bytes or dm.get("bytes") or acl_info.get("devices"))
+        tracked = bool(dm.get("interposed")) or int(dm.get("registered") or 0) > 0
+        processes[str(pid)] = {
+            "interposed": bool(dm.get("interposed")),
+            "registered": int(dm.get("registered") or 0),
+            "allocations": int(dm.get("allocations") or 0),
+            "bytes": int(dm.get("bytes") or 0),
+            "excluded_bytes": int(dm.get("excluded_bytes") or 0),
+        }
+        if has_memory and not tracked:
+            untracked.append(pid)
+    if mode == "preserve" and untracked:
+        pids = ", ".join(map(str, untracked))
+        raise TargetError(
+            f"cannot guarantee that pid(s) {pids} continue after a restore: npusnap does not know "
+            "their device memory",
+            why="CANN's Restore brings back every device allocation's address but not its contents; "
+            "npusnap copies them itself, but only where it saw them being allocated (programs "
+            "started with `npusnap run`) or the application registered them; an attached agent, "
+            "or one started by the program itself without `npusnap run`, does not see them",
+            fix="start the job with `npusnap run -- CMD...`; or register its buffers "
+            "(npusnap_cli.agent.register_buffer); or choose explicitly: --device-memory app "
+            "(the application's hooks save and reload its device memory) or --device-memory "
+            "discard (its device memory is lost; restore will say so)",
+            details={"untracked_pids": untracked, "device_memory": processes},
+        )
+    return {"mode": mode, "continuity": CONTINUITY[mode], "processes": processes}
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,6 +685,7 @@ class _Pipeline:
         self.tmp: Optional[Path] = None
         self.group: Any = None
         self.hello: dict[int, dict[str, Any]] = {}
+        self.device_memory: dict[str, Any] = {}
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
@@ -719,16 +792,22 @@ class _Pipeline:
             # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
             # here, having changed nothing, rather than fail at Lock.
             self.group.ensure_unlocked()
+            self.device_memory = check_device_memory(self.options.device_memory, self.hello, self.usage)
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
             raise self._fail(err, rolled_back=False) from None
+        if self.options.device_memory == "discard":
+            self.cb.note(
+                "--device-memory discard: the job's device memory is NOT kept; a restore of this "
+                "image brings it back with its device memory lost"
+            )
 
         lock_start = time.monotonic()
         self.cb.phase("lock+backup")
         try:
             with self.clock.phase("lock+backup"), self._backup_progress():
-                results = self.group.lock_and_backup(backup=True)
+                results = self.group.lock_and_backup(backup=True, device_memory=self.options.device_memory)
             self.lock_tokens = self.group.tokens()
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
@@ -840,6 +919,7 @@ class _Pipeline:
             hasher.stop()
             raise
         criu_done = time.monotonic()
+        self._check_plugin_marks(tmp)
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)
@@ -918,6 +998,24 @@ class _Pipeline:
             attach_stopped_s=self.target.attach_stopped_s,
         )
 
+    def _check_plugin_marks(self, tmp: Path) -> None:
+        """A dump that went through the NPU plugin is good only without its error line in CRIU's
+        log and with its device images (what Huawei's orchestrator checks)."""
+        from npusnap_cli import criuplugin
+        from npusnap_cli.errors import CriuError
+
+        if not any(p.device_files for p in self.target.tree):
+            return
+        log = img.logs_dir(tmp) / img.DUMP_LOG
+        problems = criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+        if problems:
+            raise CriuError(
+                f"CRIU's NPU plugin did not dump the device files cleanly: {problems[0]}",
+                why="; ".join(problems),
+                fix=f"read {log} (the plugin's lines); check the plugin matches this CRIU (`npusnap check`)",
+                details={"problems": problems, "criu_log": str(log)},
+            )
+
     def _manifest(
         self,
         results: dict[int, dict[str, Any]],
@@ -936,8 +1034,11 @@ class _Pipeline:
             devices: list[int] = []
             nbytes = 0
             if p.pid in npu:
+                # The runtime's own word first (npusnap's LOCK_PRE callback, once per open device),
+                # then what the agent saw (interposed aclrtSetDevice), then the simulator's table.
+                from_callbacks = [int(d) for d in (results.get(p.pid) or {}).get("callback_devices") or []]
                 acl_info = (self.hello.get(p.pid) or {}).get("acl") or {}
-                devices = [int(d) for d in acl_info.get("devices") or []]
+                devices = from_callbacks or [int(d) for d in acl_info.get("devices") or []]
                 sim_devs, nbytes = self.usage.get(p.pid, ([], 0))
                 devices = devices or sim_devs
             processes.append(
@@ -986,7 +1087,22 @@ class _Pipeline:
             leave_running=self.options.leave_running,
             host_files=self.host_files,
             external_stdio=self.external,
+            device_memory=self._device_memory_record(results),
         )
+
+    def _device_memory_record(self, results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        record = dict(self.device_memory)
+        processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
+        for pid, r in results.items():
+            dm = r.get("device_memory") or {}
+            entry = processes.setdefault(str(pid), {})
+            entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
+            # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
+            entry["flow"] = dm.get("flow")
+            if dm.get("fallback"):
+                entry["fallback"] = dm["fallback"]
+        record["processes"] = processes
+        return record
 
 
 def _describe(err: BaseException) -> str:

@@ -46,13 +46,20 @@ def log_base() -> Path:
 
 def new_log_dir(label: str) -> Path:
     """A new, private directory for one run's logs; prunes old ones first."""
-    from npusnap_cli import paths
+    import stat
 
     base = log_base()
-    # A shared /tmp: the base must be a real, private directory of ours (not a planted symlink).
-    paths.ensure_private_dir(base)
-    prune_failure_logs(keep=KEEP_LOGS - 1)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        # In a shared /tmp the fixed name may be someone else's (a planted symlink or directory):
+        # never follow it; a fresh directory of our own next to it keeps the logs all the same.
+        return Path(tempfile.mkdtemp(prefix=f"npusnap-{label}-logs-{stamp}-"))
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(base, 0o700)  # ours and a real directory (lstat): make it private
+    prune_failure_logs()
     return Path(tempfile.mkdtemp(prefix=f"{label}-{stamp}-", dir=base))
 
 

@@ -304,6 +304,9 @@ class Manifest:
     criu_options: Mapping[str, Any] = field(default_factory=dict)
     files: tuple[FileEntry, ...] = ()
     leave_running: bool = False
+    # {"mode": preserve|app|discard, "continuity": npusnap|application|lost, "processes": {...}}
+    # (docs/device-memory.md); empty in images made before npusnap kept device memory.
+    device_memory: Mapping[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
     # tmpfs files the tree had open or mapped, saved under hostfiles/ (see hostres.py).
     host_files: tuple[HostFile, ...] = ()
@@ -326,6 +329,7 @@ class Manifest:
             "timings": self.timings.to_dict(),
             "bytes": self.bytes.to_dict(),
             "criu_options": dict(self.criu_options),
+            "device_memory": dict(self.device_memory),
             "files": [f.to_dict() for f in self.files],
             "host_files": [f.to_dict() for f in self.host_files],
             "external_stdio": [e.to_dict() for e in self.external_stdio],
@@ -366,6 +370,7 @@ class Manifest:
             external_stdio=tuple(
                 ExternalStdio.from_dict(e) for e in _opt(d, "external_stdio", list, "manifest") or ()
             ),
+            device_memory=dict(d.get("device_memory") or {}),
         )
 
     @classmethod

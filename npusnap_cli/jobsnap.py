@@ -754,12 +754,14 @@ def _restore_job(
         )
     binary = criu.find_criu()
     manifests = {}
+    device_memory: dict[int, Optional[str]] = {}
     targets: dict[int, Optional[str]] = {}
     for r in job.ranks:
         m = img.load_manifest(final / r.dir)
         manifests[r.rank] = m
         try:
             rmod.check_versions(m, binary)
+            device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
             rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
             rmod.check_devices_free(m)
             rmod.prepare_sockets(m)
@@ -851,6 +853,7 @@ def _restore_job(
                 "npu_pids": [p.pid for p in m.npu_processes],
                 "netns": targets[r.rank],
                 "criu_log": res.log_path,
+                "device_memory": device_memory.get(r.rank),
             }
     except BaseException as exc:
         _release_holds(holds)

@@ -33,9 +33,17 @@ def native_src_dir() -> Path:
     return REPO_ROOT / "native"
 
 
+SIM_CANN_TREES = {"9.1": "cann", "9.0": "cann-9.0", "9.2": "cann-9.2"}
+
+
 def sim_cann_home() -> Path:
-    """The simulator's fake CANN tree (lib64/, share/info/runtime/version.info, set_env.sh)."""
-    return build_dir() / "cann"
+    """The simulator's fake CANN tree (lib64/, share/info/runtime/version.info, set_env.sh).
+
+    ``NPUSIM_CANN=9.0`` selects the tree whose snapshot functions take no arguments (CANN
+    8.5.x/9.0.x); the default, 9.1, has the ``(pid, args)`` forms with ``args`` NULL; 9.2 stands in
+    for the newer builds with the driver-backed flow (``args`` != NULL)."""
+    version = os.environ.get("NPUSIM_CANN") or "9.1"
+    return build_dir() / SIM_CANN_TREES.get(version, f"cann-{version}")
 
 
 def attach_payload_path() -> Path:

@@ -312,7 +312,7 @@ def find_npu_plugin() -> Optional[str]:
 def check_npu_plugin(simulated: bool) -> CheckItem:
     plugin = find_npu_plugin()
     if plugin:
-        return CheckItem("criu-npu-plugin", OK, f"{plugin}", data={"path": plugin})
+        return check_npu_plugin_abi(plugin)
     if simulated:
         return CheckItem(
             "criu-npu-plugin",
@@ -328,6 +328,25 @@ def check_npu_plugin(simulated: bool) -> CheckItem:
         "dump /dev/davinci* file descriptors and mappings",
         data={"path": None},
     )
+
+
+def check_npu_plugin_abi(plugin: str) -> CheckItem:
+    """The plugin's max_hooks (its CR_PLUGIN_DESC) against the CRIU in use: a plugin built for
+    another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
+    from npusnap_cli import criu, criuplugin
+
+    try:
+        version = criu.find_criu().version
+    except Exception as exc:
+        return CheckItem(
+            "criu-npu-plugin",
+            WARNING,
+            f"{plugin}: cannot check its ABI, no usable CRIU ({exc})",
+            data={"path": plugin},
+        )
+    verdict = criuplugin.check_abi(plugin, version)
+    status = OK if verdict.ok else PROBLEM if verdict.ok is False else WARNING
+    return CheckItem("criu-npu-plugin", status, verdict.detail, verdict.fix, data={"path": plugin})
 
 
 def check_session() -> CheckItem:

@@ -52,6 +52,7 @@ class RestoreOptions:
     replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
     settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
     require_signature: Optional[Path] = None  # Ed25519 public key (PEM) the image must be signed with
+    accept_lost_device_memory: bool = False  # restore a --device-memory discard image anyway
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class RestoreOutcome:
     timings: RestoreTimings
     criu_log: Optional[str]
     pidfile: Optional[str] = None
+    device_memory: Optional[str] = None  # npusnap | application | lost (None: image predates it)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +89,8 @@ class RestoreOutcome:
             "timings": self.timings.to_dict(),
             "criu_log": self.criu_log,
             "pidfile": self.pidfile,
+            "device_memory": self.device_memory,
+            "device_memory_lost": self.device_memory == "lost",
         }
 
 
@@ -129,6 +133,22 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
         )
+
+
+def check_device_memory(manifest: img.Manifest, accept_lost: bool) -> Optional[str]:
+    """Who keeps the job's device memory (from the manifest); refuse a known loss unless accepted."""
+    continuity = manifest.device_memory.get("continuity")
+    if continuity == "lost" and manifest.npu_processes and not accept_lost:
+        raise PreflightError(
+            "this image was dumped with --device-memory discard: its job's device memory is lost",
+            why="CANN's Restore gives every device allocation back at its address but not its "
+            "contents, and npusnap was told not to keep them: the job would run on garbage "
+            "unless it rebuilds its device memory itself",
+            fix="restore with --accept-lost-device-memory if the job rebuilds its device memory "
+            "(nothing was touched); next time dump with --device-memory preserve (the default)",
+            details={"device_memory": dict(manifest.device_memory)},
+        )
+    return str(continuity) if continuity else None
 
 
 def _proc_desc(pid: int) -> str:
@@ -224,9 +244,11 @@ def check_devices_free(manifest: img.Manifest) -> None:
     known = set()
     for dev in status.get("devices", []):
         known.add(int(dev.get("id", -1)))
-        owner = dev.get("owner")
-        if int(dev.get("id", -1)) in wanted and owner and owner.get("alive"):
-            busy.append((int(dev["id"]), int(owner["pid"])))
+        # Devices are shared, but CANN's Restore needs its device free of every other process.
+        owners = dev.get("owners") or ([dev["owner"]] if dev.get("owner") else [])
+        for owner in owners:
+            if int(dev.get("id", -1)) in wanted and owner and owner.get("alive"):
+                busy.append((int(dev["id"]), int(owner["pid"])))
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
         raise BusyError(
@@ -522,6 +544,7 @@ def _restore_verified(
 
     binary = criu.find_criu()
     check_versions(manifest, binary)
+    device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
     check_pids_free(manifest, image_thread_ids(final, manifest))
     check_devices_free(manifest)
     prepare_sockets(manifest)
@@ -604,6 +627,7 @@ def _restore_verified(
         timings=timings,
         criu_log=res.log_path,
         pidfile=pidfile,
+        device_memory=device_memory,
     )
 
 

@@ -5,7 +5,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define NPUSIM_CANN_VERSION "9.1.0"
+#ifndef NPUSIM_CANN_VERSION
+#define NPUSIM_CANN_VERSION "9.1.0" /* the 9.0 tree is built with -DNPUSIM_CANN_VERSION="9.0.0" */
+#endif
 
 #define ACL_SUCCESS 0
 #define ACL_ERROR_INVALID_PARAM 100000
@@ -47,6 +49,8 @@ NPUSIM_API int32_t npusim_rt_malloc(void **ptr, size_t size, int policy);
 NPUSIM_API int32_t npusim_rt_free(void *ptr);
 NPUSIM_API int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t count, int kind);
 NPUSIM_API int32_t npusim_rt_synchronize_device(void);
+NPUSIM_API int32_t npusim_rt_get_current_context(void **ctx);
+NPUSIM_API int32_t npusim_rt_set_current_context(void *ctx);
 NPUSIM_API int32_t npusim_rt_get_version_str(char *pkg, char *out);
 NPUSIM_API int npusim_rt_get_open_devices(int32_t *ids, int max);
 NPUSIM_API int32_t npusim_rt_callback_register(int stage, npusim_callback cb, void *args);

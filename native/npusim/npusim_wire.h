@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 enum npusim_op {
-    NPUSIM_OP_CLAIM = 1,    /* dev                     -> claims the device for the caller */
+    NPUSIM_OP_CLAIM = 1,    /* dev, b                  -> opens the device for the caller (shared) */
     NPUSIM_OP_RELEASE = 2,  /* dev                     -> frees caller's memory on dev, releases it */
     NPUSIM_OP_ALLOC = 3,    /* dev, n                  -> value = device address */
     NPUSIM_OP_ALLOC_AT = 4, /* dev, a, n               -> recreate an allocation at address a */
@@ -17,7 +17,14 @@ enum npusim_op {
     NPUSIM_OP_STATUS = 9,   /*                         -> JSON payload */
     NPUSIM_OP_SHUTDOWN = 10,
     NPUSIM_OP_HAS = 11,     /* dev, a, n               -> 0 if the caller owns exactly [a, a+n) on dev */
+    NPUSIM_OP_CONFIG = 12,  /*                         -> value = NPUSIM_CONFIG_* bits */
 };
+
+#define NPUSIM_CLAIM_EXCLUSIVE 1u       /* CLAIM's b: no other live process on the device (Restore) */
+#define NPUSIM_CONFIG_KEEP_CONTENTS 1u
+#define NPUSIM_CONFIG_DRIVER_SNAPSHOT 2u /* the driver feature of the driver-backed flow; version << 16 */ /* Restore brings back allocation contents (not CANN's behaviour) */
+#define NPUSIM_ALLOC_POISON 1u         /* ALLOC_AT's b: fill the allocation with the poison pattern */
+#define NPUSIM_POISON_WORD 0xDEADBEEFu /* little-endian 32-bit words */
 
 #pragma pack(push, 1)
 struct npusim_req {  /* 32 bytes */

@@ -22,7 +22,6 @@
 #include "npusim_wire.h"
 
 #define MAX_DEV 64
-#define MAX_CB 32
 #define NSTAGES 6
 #define CHUNK ((uint64_t)64 << 20)
 
@@ -42,6 +41,8 @@ struct cb {
 
 struct faults {
     int lock_timeout, backup, restore, unlock;
+    int backup_code;   /* NPUSIM_FAULT_BACKUP_CODE: Backup returns this underlying error */
+    long lock_wait_ms; /* NPUSIM_LOCK_WAIT_MS: how long Lock polls background threads (-1: 60 s) */
     long backup_hang_ms;
     double copy_mbps;
 };
@@ -63,8 +64,14 @@ static __thread int t_dev = -1;
 static int g_fd = -1;
 static struct alloc *g_allocs;
 static size_t g_nallocs, g_allocs_cap;
-static struct cb g_cbs[NSTAGES][MAX_CB];
-static int g_ncb[NSTAGES];
+static struct cb *g_cbs[NSTAGES];
+static int g_ncb[NSTAGES], g_cbcap[NSTAGES];
+static int g_keep_contents; /* the daemon's --keep-contents, read by the last Backup */
+static int g_restore_contents; /* the Restore in progress writes the backed-up bytes back */
+/* The driver-backed flow (NPUSIM_DRIVER_FLOW builds): whether the last Backup used it, and the
+ * runtime and driver versions it recorded (Restore refuses when they differ). */
+static int g_driver_backup;
+static uint64_t g_backup_driver_version;
 static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
 
 /* ---------------------------------------------------------------- helpers */
@@ -87,6 +94,8 @@ static void apply_fault(struct faults *f, const char *key, const char *val) {
     else if (!strcmp(key, "NPUSIM_FAULT_BACKUP")) f->backup = atoi(val) != 0;
     else if (!strcmp(key, "NPUSIM_FAULT_RESTORE")) f->restore = atoi(val) != 0;
     else if (!strcmp(key, "NPUSIM_FAULT_UNLOCK")) f->unlock = atoi(val) != 0;
+    else if (!strcmp(key, "NPUSIM_FAULT_BACKUP_CODE")) f->backup_code = atoi(val);
+    else if (!strcmp(key, "NPUSIM_LOCK_WAIT_MS")) f->lock_wait_ms = atol(val);
     else if (!strcmp(key, "NPUSIM_BACKUP_HANG_MS")) f->backup_hang_ms = atol(val);
     else if (!strcmp(key, "NPUSIM_COPY_MBPS")) f->copy_mbps = atof(val);
 }
@@ -95,8 +104,10 @@ static void apply_fault(struct faults *f, const char *key, const char *val) {
  * snapshot call so that a test can switch them in a process that is already running. */
 static void read_faults(struct faults *f) {
     static const char *keys[] = {"NPUSIM_FAULT_LOCK_TIMEOUT", "NPUSIM_FAULT_BACKUP", "NPUSIM_FAULT_RESTORE",
-                                 "NPUSIM_FAULT_UNLOCK", "NPUSIM_BACKUP_HANG_MS", "NPUSIM_COPY_MBPS"};
+                                 "NPUSIM_FAULT_UNLOCK", "NPUSIM_BACKUP_HANG_MS", "NPUSIM_COPY_MBPS",
+                                 "NPUSIM_FAULT_BACKUP_CODE", "NPUSIM_LOCK_WAIT_MS"};
     memset(f, 0, sizeof *f);
+    f->lock_wait_ms = -1;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         const char *v = getenv(keys[i]);
         if (v && *v) apply_fault(f, keys[i], v);
@@ -561,6 +572,29 @@ int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t cou
     return rc;
 }
 
+/* Contexts: one per device (the default context aclrtSetDevice creates), identified by an opaque
+ * non-NULL handle. Enough for code that saves and selects contexts, as npusnap's agent does. */
+#define CTX_BASE ((uintptr_t)0x7c000000)
+
+int32_t npusim_rt_get_current_context(void **ctx) {
+    if (!ctx) return ACL_ERROR_RT_PARAM_INVALID;
+    int d = current_device();
+    if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
+    *ctx = (void *)(CTX_BASE + (uintptr_t)d);
+    return ACL_SUCCESS;
+}
+
+int32_t npusim_rt_set_current_context(void *ctx) {
+    uintptr_t v = (uintptr_t)ctx;
+    if (v < CTX_BASE || v >= CTX_BASE + MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    int d = (int)(v - CTX_BASE);
+    pthread_mutex_lock(&g_mu);
+    int ok = g_open[d];
+    if (ok) t_dev = d;
+    pthread_mutex_unlock(&g_mu);
+    return ok ? ACL_SUCCESS : ACL_ERROR_RT_PARAM_INVALID;
+}
+
 int32_t npusim_rt_synchronize_device(void) {
     /* Copies are synchronous in the simulator: nothing is ever queued, so nothing to wait for. */
     return current_device() < 0 ? ACL_ERROR_UNINITIALIZE : ACL_SUCCESS;
@@ -582,16 +616,27 @@ int npusim_rt_get_open_devices(int32_t *ids, int max) {
 
 /* ---------------------------------------------------------------- callbacks */
 
+/* Per stage, a growing list (no fixed limit, as in CANN). g_cbmu guards it and is held while the
+ * callbacks run, as the runtime holds its callback mutex. */
+static int32_t cb_add(int stage, npusim_callback cb, void *args) {
+    if (g_ncb[stage] == g_cbcap[stage]) {
+        int cap = g_cbcap[stage] ? g_cbcap[stage] * 2 : 8;
+        struct cb *p = realloc(g_cbs[stage], (size_t)cap * sizeof *p);
+        if (!p) return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        g_cbs[stage] = p;
+        g_cbcap[stage] = cap;
+    }
+    g_cbs[stage][g_ncb[stage]++] = (struct cb){cb, args};
+    return ACL_SUCCESS;
+}
+
 int32_t npusim_rt_callback_register(int stage, npusim_callback cb, void *args) {
     if (stage < 0 || stage >= NSTAGES || !cb) return ACL_ERROR_RT_PARAM_INVALID;
     int32_t rc = ACL_SUCCESS;
     pthread_mutex_lock(&g_cbmu);
     for (int i = 0; i < g_ncb[stage]; i++)
         if (g_cbs[stage][i].fn == cb) rc = ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED;
-    if (rc == ACL_SUCCESS) {
-        if (g_ncb[stage] == MAX_CB) rc = ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED;
-        else g_cbs[stage][g_ncb[stage]++] = (struct cb){cb, args};
-    }
+    if (rc == ACL_SUCCESS) rc = cb_add(stage, cb, args);
     pthread_mutex_unlock(&g_cbmu);
     return rc;
 }
@@ -611,23 +656,20 @@ int32_t npusim_rt_callback_unregister(int stage, npusim_callback cb) {
     return rc;
 }
 
-/* Runs a stage's callbacks once per open device; the first non-zero result aborts. Called without
- * g_mu so that callbacks may query the runtime. */
+/* Runs a stage's callbacks once per open device (device by device), holding the callback mutex;
+ * the first non-zero result aborts. Called without g_mu, so callbacks may query the runtime. */
 static int32_t run_callbacks(int stage) {
-    struct cb cbs[MAX_CB];
-    pthread_mutex_lock(&g_cbmu);
-    int n = g_ncb[stage];
-    memcpy(cbs, g_cbs[stage], (size_t)n * sizeof(struct cb));
-    pthread_mutex_unlock(&g_cbmu);
-    if (n == 0) return ACL_SUCCESS;
     int32_t ids[MAX_DEV];
     pthread_mutex_lock(&g_mu);
     int nd = open_devices(ids, MAX_DEV);
     pthread_mutex_unlock(&g_mu);
-    for (int d = 0; d < nd; d++)
-        for (int i = 0; i < n; i++)
-            if (cbs[i].fn(ids[d], cbs[i].args) != 0) return ACL_ERROR_SNAPSHOT_CALLBACK_FAILED;
-    return ACL_SUCCESS;
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_cbmu);
+    for (int d = 0; d < nd && rc == ACL_SUCCESS; d++)
+        for (int i = 0; i < g_ncb[stage] && rc == ACL_SUCCESS; i++)
+            if (g_cbs[stage][i].fn(ids[d], g_cbs[stage][i].args) != 0) rc = ACL_ERROR_SNAPSHOT_CALLBACK_FAILED;
+    pthread_mutex_unlock(&g_cbmu);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- snapshot */
@@ -646,62 +688,114 @@ static void set_state(int s) {
     pthread_mutex_unlock(&g_mu);
 }
 
-static long lock_wait_ms(void) {
-    /* 60 s as in CANN; NPUSIM_LOCK_WAIT_MS shortens it so tests of the real wait stay quick. */
-    const char *v = getenv("NPUSIM_LOCK_WAIT_MS");
-    return (v && *v) ? atol(v) : 60000;
+/* A "chip" without snapshot support (NPUSIM_NO_SNAPSHOT=1): every snapshot call and GetState
+ * answer 207000, as CANN does on hardware other than Atlas A2/A3 and Ascend 950PR. */
+static int no_snapshot(void) {
+    const char *v = getenv("NPUSIM_NO_SNAPSHOT");
+    return v && *v && atoi(v) != 0;
 }
 
+/* The snapshot functions' argument check: 9.1+ wants the caller's own pid and NULL args; the
+ * zero-argument builds (8.5/9.0, NPUSIM_ABI_ZERO_ARG) take no arguments and so check nothing. */
+#ifdef NPUSIM_ABI_ZERO_ARG
+#define BAD_ARGS(pid, p) ((void)(pid), (void)(p), 0)
+#define BAD_SNAP_ARGS(pid, p) ((void)(pid), (void)(p), 0)
+#elif defined(NPUSIM_DRIVER_FLOW)
+/* Newer builds: Backup/Restore take an args struct whose flag is 0 (required device memory) or 1
+ * (also optional memory); args != NULL selects the driver-backed flow. */
+struct snap_args {
+    uint32_t flags;
+    char reserved[60];
+};
+#define BAD_ARGS(pid, p) ((pid) != getpid() || (p))
+#define BAD_SNAP_ARGS(pid, p) ((pid) != getpid() || ((p) && ((const struct snap_args *)(p))->flags > 1))
+#else
+#define BAD_ARGS(pid, p) ((pid) != getpid() || (p))
+#define BAD_SNAP_ARGS(pid, p) BAD_ARGS(pid, p) /* 9.1.x: args must be NULL */
+#endif
+
+#ifdef NPUSIM_DRIVER_FLOW
+#define DRIVER_FLOW(args) ((args) != NULL)
+#else
+#define DRIVER_FLOW(args) ((void)(args), 0)
+#endif
+
+/* The daemon's configuration word (NPUSIM_CONFIG_* bits, driver version above bit 16), or 0. */
+static uint64_t daemon_config(void) {
+    uint64_t cfg = 0;
+    if (io_rpc(NPUSIM_OP_CONFIG, -1, 0, 0, 0, NULL, 0, NULL, 0, &cfg) != 0) cfg = 0;
+    return cfg;
+}
+
+/* Lock: LOCK_PRE callbacks first (before the state check, as in CANN: they run even when Lock
+ * then fails), then RUNNING is required, then the runtime's registered background threads must
+ * park (NPUSIM_FAULT_LOCK_TIMEOUT: one never does; after the wait, 507905 and back to RUNNING).
+ * Calls already in flight on other threads are neither waited for nor a reason to fail; calls
+ * made from now on wait in enter(). */
 int32_t npusim_rt_lock(int pid, void *reserve) {
-    if (pid != getpid() || reserve) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_ARGS(pid, reserve)) return ACL_ERROR_INVALID_PARAM;
+    if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     pthread_mutex_lock(&g_snap);
     struct faults f;
     read_faults(&f);
-    int32_t rc = ACL_SUCCESS;
-    if (get_state() != ST_RUNNING) rc = ACL_ERROR_SNAPSHOT_LOCK_FAILED;
-    else if ((rc = run_callbacks(NPUSIM_STAGE_LOCK_PRE)) != ACL_SUCCESS) {
-    } else if (f.lock_timeout) rc = ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT;
-    else {
-        pthread_mutex_lock(&g_mu);
-        g_state = ST_LOCKED; /* new device calls now wait in enter() */
-        struct timespec dl;
-        clock_gettime(CLOCK_MONOTONIC, &dl);
-        long ms = lock_wait_ms();
-        dl.tv_sec += ms / 1000;
-        dl.tv_nsec += (ms % 1000) * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
-        int err = 0;
-        while (g_inflight > 0 && err != ETIMEDOUT) err = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
-        if (g_inflight > 0) {
-            g_state = ST_RUNNING;
-            pthread_cond_broadcast(&g_cv);
+    int32_t rc = run_callbacks(NPUSIM_STAGE_LOCK_PRE);
+    if (rc == ACL_SUCCESS && get_state() != ST_RUNNING) rc = ACL_ERROR_SNAPSHOT_LOCK_FAILED;
+    if (rc == ACL_SUCCESS) {
+        set_state(ST_LOCKED);
+        if (f.lock_timeout) {
+            long ms = f.lock_wait_ms >= 0 ? f.lock_wait_ms : 60000;
+            sleep_s((double)ms / 1000.0); /* polling a background thread that never parks */
+            set_state(ST_RUNNING);
             rc = ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT;
         }
-        pthread_mutex_unlock(&g_mu);
     }
     pthread_mutex_unlock(&g_snap);
     return rc;
 }
 
+static int32_t reattach(int recreate, int32_t fail_code);
+
+/* Backup: state check, BACKUP_PRE, then the runtime state (the allocation table; with a
+ * --keep-contents daemon also every allocation's bytes), release of the device connection,
+ * BACKUP_POST -- before the state becomes BACKED_UP, as in CANN. An underlying error
+ * (NPUSIM_FAULT_BACKUP_CODE, e.g. 207000 for an AICPU model) is passed through as it is. */
 int32_t npusim_rt_backup(int pid, void *args) {
-    if (pid != getpid() || args) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_SNAP_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
+    int driver = DRIVER_FLOW(args);
+    if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     pthread_mutex_lock(&g_snap);
     struct faults f;
     read_faults(&f);
     int32_t rc = ACL_SUCCESS;
     if (get_state() != ST_LOCKED || f.backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
-    else rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
+    else if (f.backup_code) rc = f.backup_code;
+    if (rc == ACL_SUCCESS && driver) {
+        /* The driver feature FEATURE_SVM_PROCESS_DEVICE_MEM_SNAPSHOT: without it, "not
+         * supported", and no fallback to the legacy flow. */
+        pthread_mutex_lock(&g_io);
+        uint64_t cfg = daemon_config();
+        pthread_mutex_unlock(&g_io);
+        if (!(cfg & NPUSIM_CONFIG_DRIVER_SNAPSHOT)) rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    }
+    if (rc == ACL_SUCCESS) rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
     if (rc == ACL_SUCCESS) {
         if (f.backup_hang_ms > 0) sleep_s((double)f.backup_hang_ms / 1000.0);
-        /* Device calls are parked (LOCKED, nothing in flight), so the tables are stable here. */
+        /* g_io waits for a device call still in flight (CANN synchronizes every stream). */
         pthread_mutex_lock(&g_io);
         pthread_mutex_lock(&g_mu);
         free_backups(); /* a repeated Backup replaces the previous one */
         size_t n = g_nallocs;
         pthread_mutex_unlock(&g_mu);
+        /* CANN's legacy Backup saves runtime state, not what the application allocated: Restore
+         * gives the allocations back at the same addresses with other contents. Only a daemon
+         * started with --keep-contents (a model of a future driver) keeps the bytes. */
+        uint64_t cfg = daemon_config();
+        g_keep_contents = (cfg & NPUSIM_CONFIG_KEEP_CONTENTS) != 0;
+        /* Driver flow: the driver backs up the process's device memory by tag. Every allocation
+         * here carries the default tag, SNAPSHOT_REQUIRED, so both flags copy all of it. */
+        g_driver_backup = driver;
+        g_backup_driver_version = cfg >> 16;
+        if (!g_keep_contents && !driver) n = 0;
         for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
             struct alloc *a = &g_allocs[i];
             a->backup = malloc(a->size);
@@ -719,8 +813,9 @@ int32_t npusim_rt_backup(int pid, void *args) {
         }
         pthread_mutex_unlock(&g_io);
         if (rc == ACL_SUCCESS) {
-            set_state(ST_BACKED_UP);
             rc = run_callbacks(NPUSIM_STAGE_BACKUP_POST);
+            if (rc == ACL_SUCCESS) set_state(ST_BACKED_UP);
+            else reattach(0, rc); /* stays LOCKED: get the device connection back */
         }
     }
     pthread_mutex_unlock(&g_snap);
@@ -739,13 +834,19 @@ static int32_t reattach(int recreate, int32_t fail_code) {
     int32_t rc = ACL_SUCCESS;
     if (io_connect() != 0) rc = fail_code;
     for (int d = 0; d < nd && rc == ACL_SUCCESS; d++)
-        if (io_rpc(NPUSIM_OP_CLAIM, ids[d], 0, 0, 0, NULL, 0, NULL, 0, NULL) != 0) rc = fail_code;
+        if (io_rpc(NPUSIM_OP_CLAIM, ids[d], 0, recreate ? NPUSIM_CLAIM_EXCLUSIVE : 0, 0, NULL, 0, NULL, 0, NULL) != 0)
+            rc = fail_code; /* Restore needs the device free of other processes; Unlock does not */
     for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++) {
         struct alloc *a = &g_allocs[i];
         if (!recreate) {
-            /* Unlock from BACKED_UP: the daemon must still hold our memory (it does unless this is
-             * a restored copy that skipped Restore, which would otherwise run on garbage). */
-            if (io_rpc(NPUSIM_OP_HAS, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0) rc = fail_code;
+            /* Unlock from BACKED_UP without Restore is a pure state change in CANN: the original
+             * keeps its memory. (A CRIU-restored copy that skips Restore runs on nothing; the
+             * npusnap agent refuses that Unlock itself.) */
+            break;
+        } else if (!g_restore_contents) {
+            /* Same address, new pages: the daemon fills them with the poison pattern. */
+            if (io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, NPUSIM_ALLOC_POISON, a->size, NULL, 0, NULL, 0, NULL) != 0)
+                rc = fail_code;
         } else if (!a->backup ||
                    io_rpc(NPUSIM_OP_ALLOC_AT, a->dev, a->addr, 0, a->size, NULL, 0, NULL, 0, NULL) != 0 ||
                    io_transfer(1, a->addr, a->backup, a->size) != 0) {
@@ -757,28 +858,47 @@ static int32_t reattach(int recreate, int32_t fail_code) {
     return rc;
 }
 
+/* Restore: RESTORE_PRE, re-open every device exclusively (507909 while another live process has
+ * it open), every allocation back at its address (poisoned unless --keep-contents), then
+ * RESTORE_POST -- before the state becomes LOCKED, as in CANN. */
 int32_t npusim_rt_restore(int pid, void *args) {
-    if (pid != getpid() || args) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_SNAP_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
+    if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    int driver = DRIVER_FLOW(args);
     pthread_mutex_lock(&g_snap);
     struct faults f;
     read_faults(&f);
     int32_t rc = ACL_SUCCESS;
     if (get_state() != ST_BACKED_UP || f.restore) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
-    else rc = run_callbacks(NPUSIM_STAGE_RESTORE_PRE);
+    else if (driver && !g_driver_backup) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED; /* nothing to restore */
+    else if (driver) {
+        /* The versions recorded at Backup must be the running ones. */
+        pthread_mutex_lock(&g_io);
+        int connected = io_connect() == 0;
+        uint64_t cfg = connected ? daemon_config() : 0;
+        pthread_mutex_unlock(&g_io);
+        if (!connected || !(cfg & NPUSIM_CONFIG_DRIVER_SNAPSHOT) || (cfg >> 16) != g_backup_driver_version)
+            rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
+    }
+    g_restore_contents = g_keep_contents || (driver && g_driver_backup);
+    if (rc == ACL_SUCCESS) rc = run_callbacks(NPUSIM_STAGE_RESTORE_PRE);
     if (rc == ACL_SUCCESS) rc = reattach(1, ACL_ERROR_SNAPSHOT_RESTORE_FAILED);
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         free_backups();
-        g_state = ST_LOCKED;
         pthread_mutex_unlock(&g_mu);
         rc = run_callbacks(NPUSIM_STAGE_RESTORE_POST);
+        if (rc == ACL_SUCCESS) set_state(ST_LOCKED);
     }
     pthread_mutex_unlock(&g_snap);
     return rc;
 }
 
+/* Unlock from LOCKED or BACKED_UP (the latter without Restore is a pure state change: the
+ * original keeps running after a dump); UNLOCK_POST runs after the state is RUNNING. */
 int32_t npusim_rt_unlock(int pid, void *reserve) {
-    if (pid != getpid() || reserve) return ACL_ERROR_INVALID_PARAM;
+    if (BAD_ARGS(pid, reserve)) return ACL_ERROR_INVALID_PARAM;
+    if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     pthread_mutex_lock(&g_snap);
     struct faults f;
     read_faults(&f);
@@ -800,6 +920,7 @@ int32_t npusim_rt_unlock(int pid, void *reserve) {
 
 __attribute__((visibility("default"))) int rtSnapShotProcessGetState(int *state) {
     if (!state) return ACL_ERROR_RT_PARAM_INVALID;
+    if (no_snapshot()) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     *state = get_state();
     return 0;
 }

@@ -23,6 +23,12 @@ for the hooks of a stage at most ``hook_timeout_s`` (default 10 s): if the GIL c
 time (an extension holds it while it waits for the device), the stage fails, the agent rolls
 back natively, and the hooks, should they get the GIL later, see that they were cancelled and
 do nothing.
+
+Device memory (docs/device-memory.md): under ``npusnap run`` every aclrtMalloc is seen and kept
+across a snapshot. Otherwise, or for memory npusnap cannot see being allocated, declare it::
+
+    agent.register_buffer(dev_ptr, nbytes)   # npusnap copies it before Lock, back after Restore
+    agent.exclude_buffer(kv_ptr, nbytes)     # needs no copy (scratch, a KV cache to recompute)
 """
 
 from __future__ import annotations
@@ -37,7 +43,17 @@ from typing import Any, Optional
 from npusnap_cli.agent import native
 from npusnap_cli.agent.hooks import STAGES, Hook, HookFailed, HookRegistry
 
-__all__ = ["STAGES", "register_hook", "running", "socket_path", "start", "stop", "unregister_hook"]
+__all__ = [
+    "STAGES",
+    "exclude_buffer",
+    "register_buffer",
+    "register_hook",
+    "running",
+    "socket_path",
+    "start",
+    "stop",
+    "unregister_hook",
+]
 
 ENV_SWITCH = "NPUSNAP_AGENT"
 DEFAULT_HOOK_TIMEOUT_S = 10.0
@@ -158,6 +174,31 @@ def unregister_hook(stage: str, fn: Hook) -> bool:
     done = _hooks.unregister(stage, fn)
     _sync_hooks()
     return done
+
+
+def register_buffer(dev_ptr: int, size: int) -> None:
+    """Have npusnap keep ``size`` bytes of device memory at ``dev_ptr`` across snapshots.
+
+    For buffers whose allocation npusnap did not see (an attached agent, a custom allocator).
+    Raises RuntimeError if npusnap's library is not available or a snapshot is in progress.
+    """
+    from npusnap_cli.agent import devmem
+
+    try:
+        devmem.register(int(dev_ptr), int(size))
+    except devmem.DevMemError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+def exclude_buffer(dev_ptr: int, size: int) -> None:
+    """Declare that the device memory in ``[dev_ptr, dev_ptr + size)`` needs no copy (scratch, a
+    KV cache to recompute): allocations lying wholly inside it come back with undefined contents."""
+    from npusnap_cli.agent import devmem
+
+    try:
+        devmem.exclude(int(dev_ptr), int(size))
+    except devmem.DevMemError as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def _after_fork_in_child() -> None:

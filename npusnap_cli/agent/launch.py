@@ -45,13 +45,8 @@ class LaunchPlan:
         }
 
 
-def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """``base`` (default: os.environ) plus what the bootstrap needs."""
-    env = dict(os.environ if base is None else base)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
-    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
-    env["NPUSNAP_AGENT"] = "1"
-    env["NPUSNAP_PKG_PARENT"] = str(PKG_PARENT)
+def agent_library() -> Path:
+    """libnpusnap_agent.so (the native agent core and the device-memory part), built by setup."""
     lib = native.library_path(include_mapped=False)
     if lib is None:
         raise PreflightError(
@@ -59,6 +54,15 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
             why="looked at " + ", ".join(str(p) for p in native.candidates()),
             fix="run scripts/setup.sh (or `make -C native`) in the npusnap checkout",
         )
+    return Path(lib)
+
+
+def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """``base`` (default: os.environ) plus what the native agent needs: its library first in
+    LD_PRELOAD (the agent core, and the device-memory part whose aclrt* and dlsym definitions must
+    come before libacl's), the switch that starts it, and the Python bootstrap."""
+    env = dict(os.environ if base is None else base)
+    lib = agent_library()
     # ld.so splits LD_PRELOAD at spaces and colons: a path with either cannot be preloaded.
     if any(c in str(lib) for c in " :"):
         raise PreflightError(
@@ -68,6 +72,11 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
         )
     preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p and p != str(lib)]
     env["LD_PRELOAD"] = " ".join([str(lib), *preload])
+    env["NPUSNAP_AGENT_LIB"] = str(lib)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
+    env["NPUSNAP_AGENT"] = "1"
+    env["NPUSNAP_PKG_PARENT"] = str(PKG_PARENT)
     return env
 
 

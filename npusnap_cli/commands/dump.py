@@ -123,6 +123,13 @@ def register(app: typer.Typer) -> None:
             help="Sign the image's manifest with this Ed25519 private key (PEM), for "
             "`restore/verify --require-signature`.",
         ),
+        device_memory: str = typer.Option(
+            "preserve",
+            "--device-memory",
+            help="Who keeps the job's device memory (CANN's Restore does not): preserve (npusnap "
+            "copies it; needs `npusnap run` or registered buffers), app (the application's hooks), "
+            "discard (lost; restore refuses without --accept-lost-device-memory).",
+        ),
         coordinator: Optional[str] = typer.Option(
             None,
             "--coordinator",
@@ -181,6 +188,7 @@ def register(app: typer.Typer) -> None:
             network_lock=network_lock,
             external_pipes=external_pipes,
             sign_key=sign,
+            device_memory=device_memory,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])
@@ -248,6 +256,11 @@ def register(app: typer.Typer) -> None:
                 "total": fmt_s(t.total_s),
                 "image size": human_bytes(m.bytes.image_bytes),
                 "device memory": human_bytes(m.bytes.device_bytes),
+                "device memory kept by": {
+                    "npusnap": "npusnap (copied before Lock, written back at restore)",
+                    "application": "the application's hooks (--device-memory app)",
+                    "lost": "nobody: DISCARDED (--device-memory discard)",
+                }.get(str(m.device_memory.get("continuity")), "-"),
                 "original": "still running"
                 if m.leave_running
                 else f"gone (bring it back: npusnap restore {result.image})",

@@ -58,6 +58,12 @@ def register(app: typer.Typer) -> None:
             help="Refuse the image unless `dump --sign` signed it with the key of this Ed25519 "
             "public key (PEM).",
         ),
+        accept_lost: bool = typer.Option(
+            False,
+            "--accept-lost-device-memory",
+            help="Restore an image dumped with --device-memory discard: the job runs again with "
+            "its device memory LOST (it must rebuild it). Refused without this flag.",
+        ),
         rank_netns: Optional[list[str]] = typer.Option(
             None,
             "--rank-netns",
@@ -111,6 +117,7 @@ def register(app: typer.Typer) -> None:
             replace_tmpfs_files=replace_tmpfs_files,
             settle_s=settle,
             require_signature=require_signature,
+            accept_lost_device_memory=accept_lost,
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()
@@ -140,10 +147,21 @@ def register(app: typer.Typer) -> None:
         finally:
             bars.close()
         t = result.timings
-        out.ok(
-            f"restored {len(result.pids)} process(es) from {result.image}: root pid {result.root_pid}"
-            + (f", NPU pid(s) {', '.join(map(str, result.npu_pids))} running" if result.npu_pids else "")
-        )
+        if result.device_memory == "lost":
+            out.warn(
+                f"restored {len(result.pids)} process(es) from {result.image} (root pid "
+                f"{result.root_pid}) WITHOUT their device memory: the image was dumped with "
+                "--device-memory discard, so every device allocation holds undefined contents"
+            )
+        else:
+            out.ok(
+                f"restored {len(result.pids)} process(es) from {result.image}: root pid {result.root_pid}"
+                + (f", NPU pid(s) {', '.join(map(str, result.npu_pids))} running" if result.npu_pids else "")
+                + {
+                    "npusnap": ", device memory written back by npusnap",
+                    "application": ", device memory left to the application's hooks",
+                }.get(result.device_memory or "", "")
+            )
         out.table(
             "phases",
             ["phase", "time"],

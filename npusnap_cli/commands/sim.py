@@ -37,8 +37,12 @@ def _device_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
 
     rows: list[tuple[str, ...]] = []
     for d in doc.get("devices", []):
-        owner = d.get("owner")
-        who = "-" if owner is None else f"pid {owner['pid']}" + ("" if owner.get("alive") else " (gone)")
+        owners = d.get("owners") or ([d["owner"]] if d.get("owner") else [])
+        who = (
+            ", ".join(f"pid {o['pid']}" + ("" if o.get("alive") else " (gone)") for o in owners)
+            if owners
+            else "-"
+        )
         rows.append(
             (
                 str(d["id"]),
@@ -81,20 +85,48 @@ def register(app: typer.Typer) -> None:
             help="Cap device<->host copies at this many megabytes (10^6 bytes, as link speeds are "
             "quoted) per second (default: no cap).",
         ),
+        keep_contents: bool = typer.Option(
+            False,
+            "--keep-contents",
+            help="Restore brings back allocation contents. NOT what CANN does (its Restore keeps only "
+            "addresses); for experiments only.",
+        ),
+        driver_snapshot: bool = typer.Option(
+            False,
+            "--driver-snapshot",
+            help="The simulated driver has the feature of CANN's driver-backed snapshot flow "
+            "(args != NULL; used with NPUSIM_CANN=9.2). Off, as on released drivers.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Build the simulator if needed and start its daemon (does nothing if it is running)."""
+        """Build the simulator if needed and start its daemon (does nothing if it is running).
+
+        By default the simulator is truthful: like CANN's Restore, it gives every allocation back
+        at its address but not its contents (they read as 0xDEADBEEF words); npusnap keeps the
+        job's device memory itself (docs/device-memory.md).
+        """
         from npusnap_cli.sim import manager
 
         out = output(ctx, "sim start", json_flag)
-        doc = manager.start(devices, parse_size(capacity), bandwidth_mbps)
+        doc = manager.start(
+            devices,
+            parse_size(capacity),
+            bandwidth_mbps,
+            keep_contents=keep_contents,
+            driver_snapshot=driver_snapshot,
+        )
+        if doc.get("keep_contents"):
+            out.warn(
+                "the simulator runs with --keep-contents: Restore keeps device memory contents, "
+                "which real CANN does not do; results prove nothing about hardware"
+            )
         if doc["started"]:
             out.ok(f"simulated NPU started: {len(doc['devices'])} devices, daemon pid {doc['daemon_pid']}")
         else:
             out.ok(f"simulated NPU already running (daemon pid {doc['daemon_pid']}); configuration unchanged")
             wanted = (devices, parse_size(capacity))
             have = (len(doc["devices"]), doc["devices"][0]["capacity"] if doc["devices"] else 0)
-            if wanted != have:
+            if wanted != have or bool(doc.get("keep_contents")) != keep_contents:
                 out.warn("it runs with a different configuration: `npusnap sim stop` first to change it")
         out.line(f"socket: {doc['socket']}   log: {doc['log']}")
         out.line('use it: eval "$(npusnap sim env)"')

@@ -17,9 +17,11 @@ def register(app: typer.Typer) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
         from npusnap_cli import proctree
+        from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "status", json_flag)
         clean_stale_sockets(out)
+        untracked = []
         report = proctree.tree_status(pid)
         rows = []
         for entry in report["processes"]:
@@ -37,6 +39,17 @@ def register(app: typer.Typer) -> None:
                 else "-"
             )
             devices = (hello.get("acl") or {}).get("devices")
+            # Who keeps its device memory across a snapshot (docs/device-memory.md).
+            dm = st.get("device_memory") or hello.get("device_memory") or {}
+            if not entry["agent_socket"] or not entry["uses_npu"]:
+                memory = "-"
+            elif dm.get("interposed"):
+                memory = f"seen: {human_bytes(int(dm.get('bytes') or 0))} in {dm.get('allocations')}"
+            elif dm.get("registered"):
+                memory = f"registered: {human_bytes(int(dm.get('bytes') or 0))}"
+            else:
+                memory = "not seen"
+                untracked.append(entry["pid"])
             rows.append(
                 (
                     entry["pid"],
@@ -44,6 +57,7 @@ def register(app: typer.Typer) -> None:
                     agent,
                     "yes" if entry["uses_npu"] else "no",
                     ",".join(map(str, devices)) if devices else "-",
+                    memory,
                     st.get("state") or "-",
                     lease_text,
                     owner_text,
@@ -51,9 +65,14 @@ def register(app: typer.Typer) -> None:
             )
         out.table(
             f"npusnap status {pid}",
-            ["pid", "command", "agent", "npu", "devices", "state", "lease", "locked by"],
+            ["pid", "command", "agent", "npu", "devices", "device memory", "state", "lease", "locked by"],
             rows,
         )
+        for p in untracked:
+            out.warn(
+                f"pid {p}: npusnap does not see its device memory (not started with `npusnap run`, no "
+                "buffer registered): `npusnap dump` refuses it unless --device-memory app or discard"
+            )
         for entry in report["processes"]:
             if entry.get("agent_error"):
                 out.warn(f"pid {entry['pid']}: {entry['agent_error']['message']}")

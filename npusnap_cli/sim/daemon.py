@@ -7,8 +7,10 @@ pid, so the pid alone would let a restored copy inherit the dead original's devi
 
 Device memory is one anonymous mmap per allocation, so freeing really returns memory, and copies go
 between the socket and the mapping with recv_into/sendall on memoryviews (no intermediate copies).
-A reaper thread frees the devices and memory of owners that died; a claim on an occupied device
-re-checks the holder synchronously so a freshly restored process never waits for the reaper.
+Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
+*exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
+A reaper thread frees the devices and memory of owners that died; a claim re-checks the other
+holders synchronously so a freshly restored process never waits for the reaper.
 Standard library only.
 """
 
@@ -34,6 +36,7 @@ from npusnap_cli.sim import wire
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
 GiB = 1 << 30
 CHUNK = 8 << 20
+MAX_OWNERS = 63  # user processes an A2/A3 device takes
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -66,7 +69,7 @@ class Allocation:
 class Device:
     id: int
     capacity: int
-    owner: Optional[Owner] = None
+    owners: List[Owner] = field(default_factory=list)  # processes that opened it, in claim order
     used: int = 0
     allocs: Dict[int, Allocation] = field(default_factory=dict)
     addrs: List[int] = field(default_factory=list)  # sorted keys of allocs
@@ -78,8 +81,24 @@ class Device:
 
 
 class Daemon:
-    def __init__(self, sock_path: str, devices: int, capacity: int, bandwidth_mbps: Optional[float]) -> None:
+    def __init__(
+        self,
+        sock_path: str,
+        devices: int,
+        capacity: int,
+        bandwidth_mbps: Optional[float],
+        keep_contents: bool = False,
+        driver_snapshot: bool = False,
+        driver_version: int = 1,
+    ) -> None:
         self.sock_path = sock_path
+        # The driver feature that the driver-backed flow (args != NULL) needs; off by default, as
+        # on every released driver. Its version is what Restore compares with Backup's.
+        self.driver_snapshot = driver_snapshot
+        self.driver_version = driver_version
+        # False (the default) is what CANN does: Restore gives allocations back at the same
+        # addresses, filled with the poison pattern. True models a future driver that keeps them.
+        self.keep_contents = keep_contents
         self.devices = [
             Device(i, capacity, next_addr=wire.ADDR_BASE + i * wire.ADDR_SPAN) for i in range(devices)
         ]
@@ -95,8 +114,8 @@ class Daemon:
         for d in [dev] if dev else self.devices:
             for addr in [a for a, al in d.allocs.items() if al.owner == owner]:
                 self._drop(d, addr)
-            if d.owner == owner:
-                d.owner = None
+            if owner in d.owners:
+                d.owners.remove(owner)
 
     def _drop(self, dev: Device, addr: int) -> None:
         al = dev.allocs.pop(addr)
@@ -105,7 +124,7 @@ class Daemon:
         # Dropping the last reference unmaps it; close() would fail while a copy holds a view.
 
     def _reap(self) -> None:
-        owners = {d.owner for d in self.devices if d.owner} | {
+        owners = {o for d in self.devices for o in d.owners} | {
             al.owner for d in self.devices for al in d.allocs.values()
         }
         for owner in owners:
@@ -158,23 +177,37 @@ class Daemon:
         return prev.addr + prev.size > addr
 
     # -- operations -----------------------------------------------------------------------------
-    def op_claim(self, owner: Owner, dev_id: int) -> int:
+    def op_claim(self, owner: Owner, dev_id: int, exclusive: bool = False) -> int:
+        """Open the device for ``owner``; ``exclusive`` (Restore) needs no other live process on it."""
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV
         dev = self.devices[dev_id]
-        if dev.owner and dev.owner != owner:
-            if alive(dev.owner):
+        for other in [o for o in dev.owners if o != owner]:
+            if not alive(other):
+                log(f"device {dev_id}: owner pid {other[0]} is gone: freeing it")
+                self._free_owner(other, dev)
+        others = [o for o in dev.owners if o != owner]
+        if exclusive and others:
+            return -errno.EBUSY
+        if owner not in dev.owners:
+            if len(dev.owners) >= MAX_OWNERS:
                 return -errno.EBUSY
-            log(f"device {dev_id}: previous owner pid {dev.owner[0]} is gone: freeing it")
-            self._free_owner(dev.owner, dev)
-        dev.owner = owner
+            dev.owners.append(owner)
         return 0
 
-    def op_alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
+    def op_alloc(
+        self, owner: Owner, dev_id: int, size: int, at: Optional[int], poison: bool = False
+    ) -> Tuple[int, int]:
+        status, addr = self._alloc(owner, dev_id, size, at)
+        if status == 0 and poison:
+            _fill_poison(self.devices[dev_id].allocs[addr].mem)
+        return status, addr
+
+    def _alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV, 0
         dev = self.devices[dev_id]
-        if dev.owner != owner:
+        if owner not in dev.owners:
             return -errno.EPERM, 0
         if size <= 0:
             return -errno.EINVAL, 0
@@ -204,28 +237,33 @@ class Daemon:
             for al in d.allocs.values():
                 o = owners.setdefault(al.owner, {"pid": al.owner[0], "start_time": al.owner[1], "bytes": 0})
                 o["bytes"] += al.size
-            if d.owner:
-                owners.setdefault(d.owner, {"pid": d.owner[0], "start_time": d.owner[1], "bytes": 0})
+            for who in d.owners:
+                owners.setdefault(who, {"pid": who[0], "start_time": who[1], "bytes": 0})
             devs.append(
                 {
                     "id": d.id,
                     "capacity": d.capacity,
                     "used": d.used,
                     "allocations": len(d.allocs),
+                    # "owner": the first process that opened it (kept for older readers)
                     "owner": None
-                    if d.owner is None
-                    else {"pid": d.owner[0], "start_time": d.owner[1], "alive": alive(d.owner)},
+                    if not d.owners
+                    else {"pid": d.owners[0][0], "start_time": d.owners[0][1], "alive": alive(d.owners[0])},
+                    "owners": [{"pid": o[0], "start_time": o[1], "alive": alive(o)} for o in d.owners],
                 }
             )
         for key, o in owners.items():
             o["alive"] = alive(key)
-            o["devices"] = [d.id for d in self.devices if d.owner == key]
+            o["devices"] = [d.id for d in self.devices if key in d.owners]
         return {
             "simulated": True,
             "daemon_pid": os.getpid(),
             "socket": self.sock_path,
             "uptime_s": round(time.time() - self.started, 3),
             "bandwidth_mbps": self.bandwidth_mbps,
+            "keep_contents": self.keep_contents,
+            "driver_snapshot": self.driver_snapshot,
+            "driver_version": self.driver_version,
             "clients": self.clients,
             "devices": devs,
             "owners": list(owners.values()),
@@ -331,7 +369,7 @@ class Daemon:
 
     def simple_op(self, owner: Owner, op: int, dev: int, a: int, b: int, n: int) -> Tuple[int, int]:
         if op == wire.OP_CLAIM:
-            return self.op_claim(owner, dev), 0
+            return self.op_claim(owner, dev, exclusive=bool(b & wire.CLAIM_EXCLUSIVE)), 0
         if op == wire.OP_RELEASE:
             if 0 <= dev < len(self.devices):
                 self._free_owner(owner, self.devices[dev])
@@ -340,7 +378,12 @@ class Daemon:
         if op == wire.OP_ALLOC:
             return self.op_alloc(owner, dev, n, None)
         if op == wire.OP_ALLOC_AT:
-            return self.op_alloc(owner, dev, n, a)
+            return self.op_alloc(owner, dev, n, a, poison=bool(b & wire.ALLOC_POISON))
+        if op == wire.OP_CONFIG:
+            value = wire.CONFIG_KEEP_CONTENTS if self.keep_contents else 0
+            if self.driver_snapshot:
+                value |= wire.CONFIG_DRIVER_SNAPSHOT
+            return 0, value | (self.driver_version << 16)
         if op == wire.OP_FREE:
             d = self._device_of(a)
             al = d.allocs.get(a) if d else None
@@ -399,7 +442,15 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_signal)
         threading.Thread(target=self.reaper, args=(0.5,), name="reaper", daemon=True).start()
         caps = ", ".join(f"{d.capacity} B" for d in self.devices)
-        log(f"npusim daemon pid {os.getpid()} serving {self.sock_path}: {len(self.devices)} devices ({caps})")
+        mode = (
+            "KEEP-CONTENTS (not CANN's behaviour)"
+            if self.keep_contents
+            else "contents lost at Restore, as CANN"
+        )
+        log(
+            f"npusim daemon pid {os.getpid()} serving {self.sock_path}: "
+            f"{len(self.devices)} devices ({caps}); {mode}"
+        )
         try:
             while not self.stopping.is_set():
                 try:
@@ -417,6 +468,15 @@ class Daemon:
                 pass
             log("npusim daemon stopped")
         return 0
+
+
+def _fill_poison(mem: mmap.mmap) -> None:
+    """Fill a device allocation with 0xDEADBEEF words (a partial word at the end is cut)."""
+    block = wire.POISON * (CHUNK // len(wire.POISON))
+    size = len(mem)
+    for off in range(0, size, CHUNK):
+        n = min(CHUNK, size - off)
+        mem[off : off + n] = block[:n]
 
 
 def _align(x: int) -> int:
@@ -443,10 +503,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="cap device<->host copies at this many megabytes per second (default: no cap)",
     )
+    ap.add_argument(
+        "--keep-contents",
+        action="store_true",
+        help="Restore brings back the contents of allocations (NOT what CANN does: its Restore keeps "
+        "addresses only; off by default, never used by the demo)",
+    )
+    ap.add_argument(
+        "--driver-snapshot",
+        action="store_true",
+        help="the driver supports the driver-backed snapshot flow (args != NULL; off by default)",
+    )
+    ap.add_argument("--driver-version", type=int, default=1, help="the driver's version (default 1)")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.devices > 64 or args.capacity < 1:
         ap.error("--devices must be 1..64 and --capacity positive")
-    return Daemon(args.socket, args.devices, args.capacity, args.bandwidth_mbps).serve()
+    return Daemon(
+        args.socket,
+        args.devices,
+        args.capacity,
+        args.bandwidth_mbps,
+        args.keep_contents,
+        args.driver_snapshot,
+        args.driver_version,
+    ).serve()
 
 
 if __name__ == "__main__":

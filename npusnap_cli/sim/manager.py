@@ -37,12 +37,14 @@ CANN_OUTPUTS = (
 def _sources() -> Iterator[Path]:
     src = paths.native_src_dir()
     yield src / "Makefile"
-    yield from (p for p in (src / "npusim").iterdir() if p.is_file())
+    for sub in ("npusim", "agent", "include/npusnap"):
+        if (src / sub).is_dir():
+            yield from (p for p in (src / sub).iterdir() if p.is_file())
 
 
 def needs_build() -> bool:
     home = paths.sim_cann_home()
-    outs = [home / p for p in CANN_OUTPUTS]
+    outs = [home / p for p in CANN_OUTPUTS] + [paths.build_dir() / "agent" / "libnpusnap_agent.so"]
     if not all(p.exists() for p in outs):
         return True
     oldest = min(p.stat().st_mtime for p in outs)
@@ -127,9 +129,15 @@ def start(
     devices: int = DEFAULT_DEVICES,
     capacity_bytes: int = DEFAULT_CAPACITY,
     bandwidth_mbps: Optional[float] = None,
+    keep_contents: bool = False,
+    driver_snapshot: bool = False,
+    driver_version: int = 1,
 ) -> Dict[str, Any]:
     """Build if needed and start the daemon unless one already answers. Returns its status plus
-    ``started`` (False when one was already running; its configuration is then left as it is)."""
+    ``started`` (False when one was already running; its configuration is then left as it is).
+
+    ``keep_contents`` makes Restore bring back allocation contents, which CANN's Restore does not
+    do: only for experiments with a future driver; the demo, tests and benchmarks never use it."""
     if devices < 1 or devices > 64:
         raise PreflightError(f"--devices must be between 1 and 64, not {devices}", fix="pick 1..64")
     if capacity_bytes < 1:
@@ -147,6 +155,12 @@ def start(
         cmd += ["--devices", str(devices), "--capacity", str(capacity_bytes)]
         if bandwidth_mbps:
             cmd += ["--bandwidth-mbps", str(bandwidth_mbps)]
+        if keep_contents:
+            cmd += ["--keep-contents"]
+        if driver_snapshot:
+            cmd += ["--driver-snapshot"]
+        if driver_version != 1:
+            cmd += ["--driver-version", str(driver_version)]
         child_env = dict(os.environ)
         pkg_parent = str(paths.PACKAGE_DIR.parent)
         child_env["PYTHONPATH"] = pkg_parent + (

@@ -27,6 +27,13 @@ OP_COPY = 8
 OP_STATUS = 9
 OP_SHUTDOWN = 10
 OP_HAS = 11
+OP_CONFIG = 12  # -> value = CONFIG_* bits
+
+CLAIM_EXCLUSIVE = 1  # OP_CLAIM's b: no other live process may have the device open (Restore)
+CONFIG_KEEP_CONTENTS = 1  # Restore brings back allocation contents (not what CANN does)
+CONFIG_DRIVER_SNAPSHOT = 2  # the driver feature of the driver-backed flow; driver version << 16
+ALLOC_POISON = 1  # OP_ALLOC_AT's b: fill the allocation with the poison pattern
+POISON = b"\xef\xbe\xad\xde"  # 0xDEADBEEF as little-endian 32-bit words
 
 # Device addresses: device d owns [BASE + d * SPAN, BASE + (d + 1) * SPAN). Never host addresses.
 ADDR_BASE = 0x1000_0000_0000

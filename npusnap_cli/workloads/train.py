@@ -60,7 +60,7 @@ def load_acl() -> ctypes.CDLL:
 
 # Codes a user of these samples is likely to meet, with what to do about them.
 HINTS = {
-    507033: "the device is in use by another process: see `npusnap sim status`",
+    507033: "the device cannot be opened (63 processes already use it): see `npusnap sim status`",
     507899: 'the simulated NPU is not running: `npusnap sim start`, then eval "$(npusnap sim env)"',
 }
 

@@ -48,7 +48,8 @@ def test_in_process_runtime_drives_the_snapshot_calls(sim_env: dict[str, str], p
     assert out["version"] == "9.1.0" and out["simulated"] is True
     assert out["devices"] == [1]
     assert out["states"] == [0, 1, 2, 1, 0]
-    assert out["seen"] == [["lock_pre", 1], ["unlock_post", 1]]
+    # LOCK_PRE runs before Lock's state check: also for the second Lock, which then fails 507906.
+    assert out["seen"] == [["lock_pre", 1], ["lock_pre", 1], ["unlock_post", 1]]
     code, name, msg = out["double_lock"]
     assert (code, name) == (507906, "ACL_ERROR_SNAPSHOT_LOCK_FAILED")
     assert msg.startswith("507906: lock failed") and "npusnap status" in msg

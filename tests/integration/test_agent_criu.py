@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli.agent.launch import agent_library
 from npusnap_cli.agent_client import AgentClient, AgentDeviceError
 from npusnap_cli.errors import BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (
+    BUF,
     PY,
     REPO,
     Sim,
@@ -46,7 +48,12 @@ def criu(*args: str, log: Path) -> None:
     not os.path.exists(CRIU), reason=f"CRIU is not installed at {CRIU} (scripts/setup.sh builds it)"
 )
 def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
-    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1")
+    # LD_PRELOAD as `npusnap run` sets it: the agent keeps the device buffer across the snapshot
+    # (the simulator, like CANN, gives it back poisoned at Restore).
+    env = workload_env(
+        sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", LD_PRELOAD=str(agent_library())
+    )
+    sim_device = int(env["WL_DEVICE"])
     w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
     pid = w.pid
     images = tmp_path / "img"
@@ -56,7 +63,15 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         wait_socket(runtime_dir, pid)
         w.wait_steps(3)
         with AgentClient(pid) as c:
-            assert c.lock(lease_s=60, command="dump")["state"] == "LOCKED"
+            hello = c.hello()
+            assert hello["acl"]["devices"] == [sim_device]
+            assert hello["acl"]["devices_source"] == "aclrtSetDevice (interposed)"
+            locked = c.lock(lease_s=60, command="dump")
+            assert locked["state"] == "LOCKED"
+            assert locked["callback"] == "registered"
+            assert locked["callback_devices"] == [sim_device]  # from npusnap's LOCK_PRE callback
+            dm = locked["device_memory"]
+            assert dm["interposed"] is True and dm["saved"] is True and dm["saved_bytes"] == BUF
             assert c.backup(lease_s=60)["state"] == "BACKED_UP"
             token = c.token
         dumped_at = w.last_step()
@@ -84,7 +99,10 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
                 c.unlock()
             assert info.value.name == "RESTORE_REQUIRED"
             assert c.restore()["state"] == "LOCKED"
-            assert c.unlock()["state"] == "RUNNING"
+            unlocked = c.unlock()
+            assert unlocked["state"] == "RUNNING"
+            assert unlocked["device_memory"]["steps"] == ["reload device memory", "open gate"]
+            assert unlocked["device_memory"]["gate_closed"] is False
         deadline = time.monotonic() + 20
         while w.last_step() < dumped_at + 5:
             assert time.monotonic() < deadline, f"restored job did not continue: {w.stderr()[-2000:]}"

@@ -2,7 +2,8 @@
 
 Checks the behaviour npusnap depends on (shared/npusim-spec.md, shared/cann-snapshot-api.md):
 state machine and error codes, argument checks, blocking of device calls while locked, callbacks,
-memory and addresses across Backup/Restore/Unlock, occupancy, owner death, fault injection.
+addresses (kept) and contents (lost, as CANN's legacy flow) across Backup/Restore/Unlock,
+occupancy, owner death, fault injection.
 """
 
 from __future__ import annotations
@@ -118,27 +119,43 @@ def test_device_calls_on_other_threads_block_until_unlock(make_driver: Callable[
     assert c["done"] and c["result"]["rc"] == 0
 
 
-def test_lock_waits_for_in_flight_calls_and_times_out(make_driver: Callable[..., Driver]) -> None:
+def test_lock_neither_waits_for_nor_fails_on_calls_in_flight(make_driver: Callable[..., Driver]) -> None:
+    """As CANN: a call past its entry check runs to completion; Lock does not wait for it."""
     # 2 MB/s makes a 2 MiB copy take ~1 s: an in-flight device call.
     d = make_driver({"NPUSIM_COPY_MBPS": "2"})
     assert d.rc("set", 0) == 0
     addr = d.call("malloc", 2 * MiB)["addr"]
     d.call("bg", "r", "read", addr, 2 * MiB)
-    time.sleep(0.1)
+    time.sleep(0.2)
     t0 = time.monotonic()
-    assert d.rc("lock") == 0  # waited for the copy to finish
-    assert time.monotonic() - t0 > 0.5
-    assert d.call("bgwait", "r", 1.0)["result"]["rc"] == 0
+    assert d.rc("lock") == 0
+    assert time.monotonic() - t0 < 0.5  # did not wait for the copy
+    assert state(d) == LOCKED
+    assert d.call("bgwait", "r", 5.0)["result"]["rc"] == 0  # completed while LOCKED, not failed
+    d.call("bg", "m", "malloc", 4096)  # made after Lock: waits, never fails
+    assert d.call("bgwait", "m", 0.3)["done"] is False
     assert d.rc("unlock") == 0
+    assert d.call("bgwait", "m", 5.0)["result"]["rc"] == 0
 
-    short = make_driver({"NPUSIM_COPY_MBPS": "2", "NPUSIM_LOCK_WAIT_MS": "200"})
-    assert short.rc("set", 1) == 0
-    addr = short.call("malloc", 2 * MiB)["addr"]
-    short.call("bg", "r", "read", addr, 2 * MiB)
-    time.sleep(0.1)
-    assert short.rc("lock") == 507905
-    assert state(short) == RUNNING
-    assert short.call("bgwait", "r", 5.0)["result"]["rc"] == 0
+
+def test_lock_times_out_on_a_background_thread_and_goes_back_to_running(
+    make_driver: Callable[..., Driver],
+) -> None:
+    """A registered background thread that never parks: Lock polls it for the wait (60 s in CANN,
+    NPUSIM_LOCK_WAIT_MS here), then returns 507905 and the state is RUNNING again. Calls made
+    meanwhile wait and then go through."""
+    d = make_driver({"NPUSIM_FAULT_LOCK_TIMEOUT": "1", "NPUSIM_LOCK_WAIT_MS": "600"})
+    assert d.rc("set", 0) == 0
+    d.call("bg", "l", "lock")
+    time.sleep(0.2)
+    assert state(d) == LOCKED  # while it polls
+    d.call("bg", "m", "malloc", 4096)
+    assert d.call("bgwait", "m", 0.1)["done"] is False
+    t0 = time.monotonic()
+    assert d.call("bgwait", "l", 5.0)["result"]["rc"] == 507905
+    assert time.monotonic() - t0 > 0.2
+    assert state(d) == RUNNING
+    assert d.call("bgwait", "m", 5.0)["result"]["rc"] == 0
 
 
 def test_callbacks_run_per_stage_and_device(make_driver: Callable[..., Driver]) -> None:
@@ -153,25 +170,41 @@ def test_callbacks_run_per_stage_and_device(make_driver: Callable[..., Driver]) 
     for op in ("lock", "backup", "restore", "unlock"):
         assert d.rc(op) == 0
     calls = d.call("calls")["calls"]
+    # As in CANN: BACKUP_POST and RESTORE_POST run before the state changes, UNLOCK_POST after.
     assert calls == [
         [0, 0, RUNNING],
         [0, 1, RUNNING],
         [1, 0, LOCKED],
         [1, 1, LOCKED],
-        [2, 0, BACKED_UP],
-        [2, 1, BACKED_UP],
+        [2, 0, LOCKED],
+        [2, 1, LOCKED],
         [3, 0, BACKED_UP],
         [3, 1, BACKED_UP],
-        [4, 0, LOCKED],
-        [4, 1, LOCKED],
+        [4, 0, BACKED_UP],
+        [4, 1, BACKED_UP],
         [5, 0, RUNNING],
         [5, 1, RUNNING],
     ]
+    # LOCK_PRE runs before Lock's state check: also when Lock then fails.
+    assert d.rc("lock") == 0
+    n = len(d.call("calls")["calls"])
+    assert d.rc("lock") == 507906
+    assert d.call("calls")["calls"][n:] == [[0, 0, LOCKED], [0, 1, LOCKED]]
+    assert d.rc("unlock") == 0
     assert d.rc("unregister", 0) == 0
     assert d.rc("unregister", 0) == 107000  # no longer registered
     assert d.rc("register", 0, 7) == 0  # a failing LOCK_PRE callback aborts the lock
     assert d.rc("lock") == 507912
     assert state(d) == RUNNING
+
+
+def test_no_fixed_limit_on_callbacks(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    for _ in range(40):  # the old simulator stopped at 32
+        assert d.rc("register_new", 5) == 0
+    assert d.rc("lock") == 0 and d.rc("unlock") == 0
+    assert len([c for c in d.call("calls")["calls"] if c[0] == 5]) == 40
 
 
 def test_failing_backup_pre_callback_keeps_the_process_locked(make_driver: Callable[..., Driver]) -> None:
@@ -184,40 +217,49 @@ def test_failing_backup_pre_callback_keeps_the_process_locked(make_driver: Calla
     assert d.rc("unlock") == 0 and state(d) == RUNNING
 
 
-def test_memory_and_addresses_survive_backup_restore_and_backup_unlock(
+POISON_HEAD = "efbeadde" * 4  # 0xDEADBEEF words, little-endian
+
+
+def test_addresses_survive_restore_but_contents_do_not(
     make_driver: Callable[..., Driver],
 ) -> None:
+    """As CANN's legacy flow: Restore gives every allocation back at its address, poisoned."""
     d = make_driver()
     assert d.rc("set", 0) == 0
     a = d.call("malloc", 3 * MiB + 17)["addr"]
     b = d.call("malloc", 4096)["addr"]
     assert a >= wire.ADDR_BASE and b >= wire.ADDR_BASE  # device addresses, not host ones
     crc_a = d.call("fill", a, 3 * MiB + 17, "a")["crc"]
-    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    d.call("fill", b, 4096, "b")
     socks = socket_fds(d.pid)
     assert d.rc("lock") == 0 and d.rc("backup") == 0
     assert socket_fds(d.pid) == socks - 1  # Backup released the daemon connection
     assert d.rc("restore") == 0 and d.rc("unlock") == 0
     assert socket_fds(d.pid) == socks
+    got_a = d.call("read", a, 3 * MiB + 17)
+    assert got_a["rc"] == 0 and got_a["head"] == POISON_HEAD and got_a["crc"] != crc_a
+    assert d.call("read", b, 4096)["head"] == POISON_HEAD
+    # The pointers stay valid: writes, partial reads and device-to-device copies work on them.
+    crc_a = d.call("fill", a, 3 * MiB + 17, "a2")["crc"]
     assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
-    assert d.call("read", b, 4096)["crc"] == crc_b
+    # Unlock straight from BACKED_UP (the original keeps running after a dump) keeps the bytes.
     assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("unlock") == 0
     assert d.call("read", a, 3 * MiB + 17)["crc"] == crc_a
-    # partial reads at an offset and device-to-device copies keep working on the same pointers
     assert d.rc("d2d", b, a, 4096) == 0
     assert d.call("read", b, 4096)["crc"] == d.call("read", a, 4096)["crc"]
     c = d.call("malloc", 4096)["addr"]
     assert c not in (a, b) and not (a <= c < a + 3 * MiB + 17)
 
 
-def test_restore_brings_back_the_backed_up_bytes(make_driver: Callable[..., Driver]) -> None:
-    """Restore writes the host copy back: what the device held at Backup time is what comes back."""
+def test_restore_without_criu_poisons_the_same_process_too(make_driver: Callable[..., Driver]) -> None:
+    """Restore in the very process that backed up (no CRIU in between) also loses the contents."""
     d = make_driver()
     assert d.rc("set", 0) == 0
     a = d.call("malloc", 4096)["addr"]
     crc = d.call("fill", a, 4096, "x")["crc"]
     assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
-    assert d.call("read", a, 4096)["crc"] == crc
+    got = d.call("read", a, 4096)
+    assert got["head"] == POISON_HEAD and got["crc"] != crc
 
 
 def test_both_front_ends_share_one_runtime_state(make_driver: Callable[..., Driver]) -> None:
@@ -229,7 +271,7 @@ def test_both_front_ends_share_one_runtime_state(make_driver: Callable[..., Driv
     assert state(d) == RUNNING
 
 
-def test_a_device_has_one_owner_and_a_dead_owner_is_freed(
+def test_devices_are_shared_and_a_dead_owner_is_freed(
     make_driver: Callable[..., Driver], sim_env: dict[str, str]
 ) -> None:
     a = make_driver()
@@ -237,11 +279,16 @@ def test_a_device_has_one_owner_and_a_dead_owner_is_freed(
     assert a.rc("set", 0) == 0
     addr = a.call("malloc", 8 * MiB)["addr"]
     assert a.call("fill", addr, 8 * MiB, "dead")["rc"] == 0
-    assert b.rc("set", 0) == 507033  # busy
+    # Shared, as an Ascend device: another process opens it and allocates, each its own memory.
+    assert b.rc("set", 0) == 0
+    other = b.call("malloc", 4096)["addr"]
+    assert other != addr and b.call("read", addr, 16)["rc"] == 107000  # not b's memory
+    assert b.rc("reset", 0) == 0
     assert b.rc("set", 1) == 0
     assert sorted(b.call("devices")["devices"]) == [1]
     dev0 = daemon_status(sim_env)["devices"][0]
     assert dev0["owner"]["pid"] == a.pid and dev0["used"] >= 8 * MiB
+    assert [o["pid"] for o in dev0["owners"]] == [a.pid]
     os.kill(a.pid, signal.SIGKILL)
     a.proc.wait()
     # the reaper frees the dead owner's memory on its own ...
@@ -292,6 +339,10 @@ def test_exit_while_locked_is_force_unlocked(make_driver: Callable[..., Driver],
     ("var", "scenario"),
     [
         ("NPUSIM_FAULT_LOCK_TIMEOUT", [("lock", 507905, RUNNING)]),
+        (
+            "NPUSIM_FAULT_BACKUP_CODE",
+            [("lock", 0, LOCKED), ("backup", 207000, LOCKED), ("unlock", 0, RUNNING)],
+        ),
         ("NPUSIM_FAULT_BACKUP", [("lock", 0, LOCKED), ("backup", 507908, LOCKED), ("unlock", 0, RUNNING)]),
         (
             "NPUSIM_FAULT_RESTORE",
@@ -308,7 +359,7 @@ def test_exit_while_locked_is_force_unlocked(make_driver: Callable[..., Driver],
 def test_fault_switches_from_the_environment(
     make_driver: Callable[..., Driver], var: str, scenario: list[tuple[str, int, int]]
 ) -> None:
-    d = make_driver({var: "1"})
+    d = make_driver({var: "207000" if var.endswith("_CODE") else "1", "NPUSIM_LOCK_WAIT_MS": "100"})
     assert d.rc("set", 0) == 0
     for op, rc, st in scenario:
         assert (d.rc(op), state(d)) == (rc, st), op
@@ -318,7 +369,7 @@ def test_fault_file_toggles_faults_in_a_running_process(
     make_driver: Callable[..., Driver], tmp_path: Path
 ) -> None:
     faults = tmp_path / "faults"
-    faults.write_text("NPUSIM_FAULT_LOCK_TIMEOUT=1\n")
+    faults.write_text("NPUSIM_FAULT_LOCK_TIMEOUT=1\nNPUSIM_LOCK_WAIT_MS=100\n")
     d = make_driver({"NPUSIM_FAULT_FILE": str(faults)})
     assert d.rc("set", 0) == 0
     assert d.rc("lock") == 507905
@@ -350,3 +401,42 @@ def test_backup_hang_and_slow_copies(make_driver: Callable[..., Driver], tmp_pat
     assert slow.call("read", b, 4 * MiB)["rc"] == 0
     took = time.monotonic() - t0
     assert took >= 0.35 and took > fast  # 4 MiB at 10 MB/s is ~0.42 s
+
+
+def test_restore_needs_the_device_free_of_other_processes(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    other = make_driver()
+    assert d.rc("set", 1) == 0
+    assert d.rc("lock") == 0 and d.rc("backup") == 0
+    assert other.rc("set", 1) == 0  # sharing is fine while backed up
+    assert d.rc("restore") == 507909 and state(d) == BACKED_UP
+    other.close()
+    assert d.rc("restore") == 0 and d.rc("unlock") == 0
+
+
+def test_a_chip_without_snapshot_support(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver({"NPUSIM_NO_SNAPSHOT": "1"})
+    assert d.rc("set", 0) == 0
+    assert d.call("state_rc")["rc"] == 207000
+    for op in ("lock", "backup", "restore", "unlock"):
+        assert d.rc(op) == 207000
+    a = d.call("malloc", 4096)["addr"]  # ordinary device work is unaffected
+    assert d.call("fill", a, 4096, "x")["rc"] == 0
+
+
+def test_the_zero_argument_abi_of_cann_9_0(sim_env: dict[str, str]) -> None:
+    """The 9.0 tree declares the snapshot functions without arguments: whatever a caller passes in
+    the registers is ignored (npusnap calls every version as f(getpid(), NULL))."""
+    from npusnap_cli import paths
+
+    home = paths.build_dir() / paths.SIM_CANN_TREES["9.0"]
+    d = Driver(sim_env, {"ASCEND_HOME_PATH": str(home), "LD_LIBRARY_PATH": str(home / "lib64")})
+    try:
+        assert d.call("version")["version"] == "9.0.0"
+        assert d.rc("set", 0) == 0
+        assert d.rc("raw", "lock", 1, True) == 0  # another pid and a non-NULL pointer: ignored
+        assert d.rc("raw", "backup", 7, False) == 0
+        assert d.rc("raw", "unlock", 0, True) == 0
+        assert state(d) == RUNNING
+    finally:
+        d.close()

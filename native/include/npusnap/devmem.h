@@ -53,6 +53,13 @@ void npusnap_devmem_get_info(npusnap_devmem_info *out);
 int npusnap_devmem_register(void *dev_ptr, size_t size);
 int npusnap_devmem_exclude(void *dev_ptr, size_t size);
 
+/* Added: how many allocations came from npusnap_devmem_register. */
+uint64_t npusnap_devmem_registered_count(void);
+
+/* Added: the device ids the job opened (interposed aclrtSetDevice, not yet reset); writes at
+ * most max of them into ids and returns how many there are. */
+int npusnap_devmem_devices(int32_t *ids, int max);
+
 #ifdef __cplusplus
 }
 #endif

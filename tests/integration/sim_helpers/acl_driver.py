@@ -10,6 +10,9 @@ device call blocks while the process is locked.
     ["unlock"] ["raw", name, pid_delta, nonnull] ["state"] ["devices"] ["getdev"]
     ["register", stage, ret] ["unregister", stage] ["register_twice", stage] ["calls"]
     ["bg", id, <command...>] ["bgwait", id, timeout_s] ["pid"] ["exit"]
+    npusnap's device-memory library (preloaded, or loaded from $NPUSNAP_AGENT_LIB):
+    ["dm_save", timeout_ms] ["dm_reload"] ["dm_finish"] ["dm_info"] ["dm_register", addr, n]
+    ["dm_exclude", addr, n]
 """
 
 from __future__ import annotations
@@ -40,6 +43,27 @@ for fn in SNAP.values():
 CB = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_int32, ctypes.c_void_p)
 lib.aclrtSnapShotCallbackRegister.argtypes = [ctypes.c_int, CB, ctypes.c_void_p]
 lib.aclrtSnapShotCallbackUnregister.argtypes = [ctypes.c_int, CB]
+
+
+class DmInfo(ctypes.Structure):
+    _fields_ = [
+        ("allocations", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("saved_bytes", ctypes.c_uint64),
+        ("excluded_bytes", ctypes.c_uint64),
+        ("interposed", ctypes.c_int32),
+        ("gate_closed", ctypes.c_int32),
+        ("saved", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+def devmem() -> Any:
+    glob = ctypes.CDLL(None)
+    if hasattr(glob, "npusnap_devmem_save"):
+        return glob
+    return ctypes.CDLL(os.environ["NPUSNAP_AGENT_LIB"])
+
 
 calls: List[List[int]] = []
 callbacks: Dict[int, Any] = {}  # stage -> ctypes callback (kept alive)
@@ -100,11 +124,23 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": lib.aclrtMemcpy(ctypes.c_void_p(cmd[1]), cmd[3], ctypes.c_void_p(cmd[2]), cmd[3], 3)}
     if op in SNAP:
         return {"rc": getattr(lib, SNAP[op])(os.getpid(), None)}
+    if op == "flags":  # ["flags", "backup", flags]: the driver-backed flow's args struct
+        args = ctypes.create_string_buffer(64)
+        ctypes.memmove(args, int(cmd[2]).to_bytes(4, "little"), 4)
+        return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid(), ctypes.cast(args, ctypes.c_void_p))}
     if op == "raw":  # ["raw", "lock", pid_delta, nonnull]
         arg = ctypes.c_void_p(ctypes.addressof(ctypes.create_string_buffer(64))) if cmd[3] else None
         return {"rc": getattr(lib, SNAP[cmd[1]])(os.getpid() + cmd[2], arg)}
     if op == "state":
         return {"rc": 0, "state": get_state()}
+    if op == "state_rc":
+        value = ctypes.c_int(-1)
+        return {"rc": rt.rtSnapShotProcessGetState(ctypes.byref(value)), "state": value.value}
+    if op == "register_new":  # a new, distinct callback each time (no fixed limit)
+        cb = make_cb(cmd[1], 0)
+        rc = lib.aclrtSnapShotCallbackRegister(cmd[1], cb, None)
+        callbacks[-1000 - len(callbacks)] = cb
+        return {"rc": rc}
     if op == "state_null":
         return {"rc": rt.rtSnapShotProcessGetState(None)}
     if op == "devices":
@@ -145,6 +181,25 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": lib.aclFinalize()}
     if op == "sync":
         return {"rc": lib.aclrtSynchronizeDevice()}
+    if op.startswith("dm_"):
+        dm = devmem()
+        err = ctypes.create_string_buffer(512)
+        if op == "dm_save":
+            rc = dm.npusnap_devmem_save(cmd[1], err, 512)
+            return {"rc": rc, "message": err.value.decode()}
+        if op == "dm_reload":
+            rc = dm.npusnap_devmem_reload(err, 512)
+            return {"rc": rc, "message": err.value.decode()}
+        if op == "dm_finish":
+            dm.npusnap_devmem_finish()
+            return {"rc": 0}
+        if op == "dm_info":
+            info = DmInfo()
+            dm.npusnap_devmem_get_info(ctypes.byref(info))
+            return {"rc": 0, **{name: getattr(info, name) for name, _ in DmInfo._fields_}}
+        fn = dm.npusnap_devmem_register if op == "dm_register" else dm.npusnap_devmem_exclude
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return {"rc": fn(cmd[1], cmd[2])}
     if op == "bg":
         key, sub = cmd[1], cmd[2:]
 

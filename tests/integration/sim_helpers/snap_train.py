@@ -4,6 +4,10 @@ SIGUSR1: Lock + Backup (the device connection is released), then wait for SIGUSR
 SIGUSR2: Restore (retried on every further SIGUSR2 until it succeeds) + Unlock, then the loop goes
 on. Every result is appended to the file named by SNAP_STATUS as ``<call> <rc>``. This stands in
 for the npusnap agent, which the simulator tests must not depend on.
+
+With SNAP_DEVMEM=1 (and libnpusnap_agent.so in LD_PRELOAD) it also does what the agent does for
+device memory: npusnap_devmem_save before Lock, npusnap_devmem_reload + finish after Unlock.
+Without it, the parameters are lost at Restore, as on real CANN.
 """
 
 from __future__ import annotations
@@ -34,8 +38,20 @@ def call(name: str) -> int:
     return rc
 
 
+DEVMEM = os.environ.get("SNAP_DEVMEM") == "1"
+me = ctypes.CDLL(None)
+err = ctypes.create_string_buffer(256)
+
+
+def devmem(name: str, *args: object) -> None:
+    rc = int(getattr(me, f"npusnap_devmem_{name}")(*args))
+    mark(f"devmem_{name} {rc} {err.value.decode()}".rstrip())
+
+
 def on_usr1(_signum: int, _frame: object) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    if DEVMEM:
+        devmem("save", 5000, err, 256)
     if call("Lock") != 0 or call("Backup") != 0:
         call("Unlock")
         return
@@ -45,6 +61,9 @@ def on_usr1(_signum: int, _frame: object) -> None:
         if call("Restore") == 0:
             break
     call("Unlock")
+    if DEVMEM:
+        devmem("reload", err, 256)
+        me.npusnap_devmem_finish()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
 
 

@@ -1,0 +1,695 @@
+/* npusnap's own copy of a job's device memory across a snapshot (see npusnap/devmem.h and
+ * docs/device-memory.md).
+ *
+ * Built into libnpusnap_agent.so, which `npusnap run` puts in LD_PRELOAD. It
+ *
+ *  - interposes the ACL calls that allocate, free, write or otherwise change device resources
+ *    (list in WRAPPED below), both for programs linked against libacl_rt.so / libascendcl.so
+ *    (ordinary symbol interposition) and for programs that look them up with dlsym() -- Python's
+ *    ctypes does, and LD_PRELOAD alone does not catch that -- by interposing dlsym() too;
+ *  - keeps the table of live device allocations those calls produce;
+ *  - runs npusnap's gate: while it is closed, every wrapped call of the job waits (never fails)
+ *    before it reaches the runtime, until npusnap_devmem_finish() opens it again;
+ *  - copies the tracked allocations to host memory before Lock (save) and back to the same
+ *    device addresses after Restore and Unlock (reload).
+ *
+ * It uses only public CANN functions (aclrtMalloc, aclrtMemcpy, aclrtSynchronizeDevice,
+ * aclrtGetDevice, aclrtGetCurrentContext, aclrtSetCurrentContext), the process's own memory and
+ * the C library: nothing here knows about the simulator.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "npusnap/devmem.h"
+
+typedef int32_t aclError;
+#define ACL_SUCCESS 0
+#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
+#define ACL_MEMCPY_HOST_TO_DEVICE 1
+#define ACL_MEMCPY_DEVICE_TO_HOST 2
+
+/* ------------------------------------------------------------------ the real functions */
+
+enum {
+    F_MALLOC, F_MALLOC_CACHED, F_MALLOC_ALIGN32, F_FREE, F_MEMCPY, F_MEMCPY_ASYNC, F_MEMSET,
+    F_MEMSET_ASYNC, F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_STREAM, F_DESTROY_STREAM,
+    F_MDL_EXECUTE, F_MDL_EXECUTE_ASYNC,
+    N_WRAPPED,
+    /* not wrapped, used by save/reload (queries and context selection) */
+    F_GET_DEVICE = N_WRAPPED, F_GET_CTX, F_SET_CTX, F_SYNC_DEVICE,
+    N_FUNCS
+};
+
+static const char *const NAMES[N_FUNCS] = {
+    "aclrtMalloc", "aclrtMallocCached", "aclrtMallocAlign32", "aclrtFree", "aclrtMemcpy",
+    "aclrtMemcpyAsync", "aclrtMemset", "aclrtMemsetAsync", "aclrtSetDevice", "aclrtResetDevice",
+    "aclFinalize", "aclrtCreateStream", "aclrtDestroyStream", "aclmdlExecute", "aclmdlExecuteAsync",
+    "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSetCurrentContext", "aclrtSynchronizeDevice",
+};
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn g_real_dlsym;
+static void *volatile g_real[N_FUNCS];
+#define API __attribute__((visibility("default")))
+API aclError aclrtMalloc(void **, size_t, int);
+API aclError aclrtMallocCached(void **, size_t, int);
+API aclError aclrtMallocAlign32(void **, size_t, int);
+API aclError aclrtFree(void *);
+API aclError aclrtMemcpy(void *, size_t, const void *, size_t, int);
+API aclError aclrtMemcpyAsync(void *, size_t, const void *, size_t, int, void *);
+API aclError aclrtMemset(void *, size_t, int32_t, size_t);
+API aclError aclrtMemsetAsync(void *, size_t, int32_t, size_t, void *);
+API aclError aclrtSetDevice(int32_t);
+API aclError aclrtResetDevice(int32_t);
+API aclError aclFinalize(void);
+API aclError aclrtCreateStream(void **);
+API aclError aclrtDestroyStream(void *);
+API aclError aclmdlExecute(uint32_t, const void *, void *);
+API aclError aclmdlExecuteAsync(uint32_t, const void *, void *, void *);
+
+/* Same order as the enum. */
+static void *const g_wrappers[N_WRAPPED] = {
+    (void *)aclrtMalloc,        (void *)aclrtMallocCached, (void *)aclrtMallocAlign32, (void *)aclrtFree,
+    (void *)aclrtMemcpy,        (void *)aclrtMemcpyAsync,  (void *)aclrtMemset,        (void *)aclrtMemsetAsync,
+    (void *)aclrtSetDevice,     (void *)aclrtResetDevice,  (void *)aclFinalize,        (void *)aclrtCreateStream,
+    (void *)aclrtDestroyStream, (void *)aclmdlExecute,     (void *)aclmdlExecuteAsync,
+};
+static volatile int g_resolved_from_lib;
+
+static dlsym_fn real_dlsym(void) {
+    dlsym_fn f = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
+    if (f) return f;
+    f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    __atomic_store_n(&g_real_dlsym, f, __ATOMIC_RELEASE);
+    return f;
+}
+
+static int is_wrapper(void *p) {
+    for (int i = 0; i < N_WRAPPED; i++)
+        if (g_wrappers[i] == p) return 1;
+    return 0;
+}
+
+/* Fill every missing real function from the library that holds `known` (a real ACL function). */
+static void resolve_from(void *known) {
+    Dl_info info;
+    if (!known || !dladdr(known, &info) || !info.dli_fname) return;
+    void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return;
+    dlsym_fn ds = real_dlsym();
+    for (int i = 0; i < N_FUNCS; i++) {
+        if (g_real[i]) continue;
+        void *p = ds(h, NAMES[i]);
+        if (p && !is_wrapper(p)) g_real[i] = p;
+    }
+    dlclose(h); /* NOLOAD handle: only drops the reference it took */
+    g_resolved_from_lib = 1;
+}
+
+static int find_acl_lib(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    const char *name = info->dlpi_name;
+    if (!name || !*name) return 0;
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (!strncmp(base, "libacl_rt.so", 12) || !strncmp(base, "libascendcl.so", 14)) {
+        snprintf((char *)data, 4096, "%s", name);
+        return 1;
+    }
+    return 0;
+}
+
+/* The real function `i`: from what dlsym() handed out, else the next definition after this
+ * library (programs linked against libacl), else the ACL library mapped in the process. */
+static void *real(int i) {
+    void *p = g_real[i];
+    if (p) return p;
+    dlsym_fn ds = real_dlsym();
+    if (ds) {
+        p = ds(RTLD_NEXT, NAMES[i]);
+        if (p && !is_wrapper(p)) {
+            g_real[i] = p;
+            resolve_from(p);
+            return p;
+        }
+    }
+    for (int k = 0; k < N_FUNCS; k++)
+        if (g_real[k]) {
+            resolve_from(g_real[k]);
+            if (g_real[i]) return g_real[i];
+        }
+    char path[4096] = "";
+    dl_iterate_phdr(find_acl_lib, path);
+    if (path[0] && ds) {
+        void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+        if (h) {
+            void *q = ds(h, NAMES[i]);
+            dlclose(h);
+            if (q && !is_wrapper(q)) {
+                g_real[i] = q;
+                resolve_from(q);
+            }
+        }
+    }
+    return g_real[i];
+}
+
+/* ------------------------------------------------------------------ allocations and the gate */
+
+struct alloc {
+    uintptr_t ptr;
+    size_t size;
+    int32_t dev;
+    void *ctx;
+    int registered; /* came from npusnap_devmem_register, not from an interposed call */
+    int excluded;
+    void *copy;
+};
+
+struct range {
+    uintptr_t start;
+    size_t size;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv; /* CLOCK_MONOTONIC */
+static struct alloc *g_allocs;
+static size_t g_n, g_cap;
+static struct range *g_excl;
+static size_t g_nexcl, g_excl_cap;
+static int g_gate_closed;
+static int g_inflight;
+static int g_saved;
+static int g_interposed = -1; /* computed lazily */
+#define MAX_DEVS 1024
+static unsigned char g_devs[MAX_DEVS]; /* devices the job opened (aclrtSetDevice .. ResetDevice) */
+static __thread int t_depth;
+
+/* A forked child keeps only the forking thread: nothing of the job is in flight there, and it
+ * holds no snapshot of its own (CANN does not survive fork either). */
+static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
+static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
+static void atfork_child(void) {
+    g_inflight = 0;
+    g_gate_closed = 0;
+    for (size_t i = 0; i < g_n; i++) {
+        free(g_allocs[i].copy);
+        g_allocs[i].copy = NULL;
+    }
+    g_n = 0;
+    g_saved = 0;
+    memset(g_devs, 0, sizeof g_devs);
+    pthread_mutex_unlock(&g_mu);
+}
+
+__attribute__((constructor)) static void devmem_init(void) {
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+static void seterr(char *err, size_t len, const char *fmt, ...) {
+    if (!err || !len) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+}
+
+static int in_excluded(uintptr_t p, size_t n) {
+    for (size_t i = 0; i < g_nexcl; i++)
+        if (p >= g_excl[i].start && p + n <= g_excl[i].start + g_excl[i].size) return 1;
+    return 0;
+}
+
+static struct alloc *find(uintptr_t p) {
+    for (size_t i = 0; i < g_n; i++)
+        if (g_allocs[i].ptr == p) return &g_allocs[i];
+    return NULL;
+}
+
+static void drop_at(size_t i) {
+    free(g_allocs[i].copy);
+    g_allocs[i] = g_allocs[--g_n];
+}
+
+/* g_mu held */
+static int add(uintptr_t p, size_t n, int32_t dev, void *ctx, int registered) {
+    struct alloc *a = find(p);
+    if (a) { /* the same address again (freed behind our back, or registered twice) */
+        a->size = n;
+        a->dev = dev;
+        a->ctx = ctx;
+        a->registered = registered;
+        a->excluded = in_excluded(p, n);
+        return 0;
+    }
+    if (g_n == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 64;
+        struct alloc *na = realloc(g_allocs, cap * sizeof *na);
+        if (!na) return -ENOMEM;
+        g_allocs = na;
+        g_cap = cap;
+    }
+    g_allocs[g_n++] = (struct alloc){p, n, dev, ctx, registered, in_excluded(p, n), NULL};
+    return 0;
+}
+
+/* Every wrapped call passes here first. A call made from inside another wrapped call (the
+ * runtime calling its own exported functions) is not held a second time. */
+static int gate_enter(void) {
+    if (t_depth++ > 0) return 0;
+    pthread_mutex_lock(&g_mu);
+    while (g_gate_closed) pthread_cond_wait(&g_cv, &g_mu);
+    g_inflight++;
+    pthread_mutex_unlock(&g_mu);
+    return 1;
+}
+
+static void gate_leave(int counted) {
+    t_depth--;
+    if (!counted) return;
+    pthread_mutex_lock(&g_mu);
+    g_inflight--;
+    if (g_gate_closed) pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void current_place(int32_t *dev, void **ctx) {
+    *dev = -1;
+    *ctx = NULL;
+    aclError (*gd)(int32_t *) = (aclError(*)(int32_t *))real(F_GET_DEVICE);
+    aclError (*gc)(void **) = (aclError(*)(void **))real(F_GET_CTX);
+    if (gd && gd(dev) != ACL_SUCCESS) *dev = -1;
+    if (gc && gc(ctx) != ACL_SUCCESS) *ctx = NULL;
+}
+
+static void track_new(void **devPtr, size_t size) {
+    int32_t dev;
+    void *ctx;
+    current_place(&dev, &ctx);
+    pthread_mutex_lock(&g_mu);
+    if (add((uintptr_t)*devPtr, size, dev, ctx, 0) != 0)
+        fprintf(stderr, "npusnap-agent: [devmem] out of memory tracking a device allocation\n");
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void untrack(uintptr_t p) {
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < g_n; i++)
+        if (g_allocs[i].ptr == p) {
+            drop_at(i);
+            break;
+        }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void untrack_device(int32_t dev) {
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < g_n;) {
+        if (g_allocs[i].dev == dev && !g_allocs[i].registered) drop_at(i);
+        else i++;
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static aclError missing(int i) {
+    fprintf(stderr, "npusnap-agent: [devmem] %s is not exported by the loaded CANN runtime\n", NAMES[i]);
+    return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+}
+
+/* ------------------------------------------------------------------ the wrappers */
+
+#define CALL(idx, type, ...)                                                                      \
+    do {                                                                                          \
+        __typeof__(type) fn = (type)real(idx);                                                          \
+        if (!fn) return missing(idx);                                                             \
+        int counted_ = gate_enter();                                                              \
+        aclError rc_ = fn(__VA_ARGS__);                                                           \
+        gate_leave(counted_);                                                                     \
+        return rc_;                                                                               \
+    } while (0)
+
+typedef aclError (*malloc_t)(void **, size_t, int);
+
+static aclError do_malloc(int idx, void **devPtr, size_t size, int policy) {
+    malloc_t fn = (malloc_t)real(idx);
+    if (!fn) return missing(idx);
+    int counted = gate_enter();
+    aclError rc = fn(devPtr, size, policy);
+    if (rc == ACL_SUCCESS && devPtr && *devPtr && counted) track_new(devPtr, size);
+    gate_leave(counted);
+    return rc;
+}
+
+API aclError aclrtMalloc(void **devPtr, size_t size, int policy) { return do_malloc(F_MALLOC, devPtr, size, policy); }
+API aclError aclrtMallocCached(void **devPtr, size_t size, int policy) {
+    return do_malloc(F_MALLOC_CACHED, devPtr, size, policy);
+}
+API aclError aclrtMallocAlign32(void **devPtr, size_t size, int policy) {
+    return do_malloc(F_MALLOC_ALIGN32, devPtr, size, policy);
+}
+
+API aclError aclrtFree(void *devPtr) {
+    aclError (*fn)(void *) = (aclError(*)(void *))real(F_FREE);
+    if (!fn) return missing(F_FREE);
+    int counted = gate_enter();
+    aclError rc = fn(devPtr);
+    if (rc == ACL_SUCCESS && counted) untrack((uintptr_t)devPtr);
+    gate_leave(counted);
+    return rc;
+}
+
+API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind) {
+    CALL(F_MEMCPY, aclError(*)(void *, size_t, const void *, size_t, int), dst, destMax, src, count, kind);
+}
+API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, int kind, void *stream) {
+    CALL(F_MEMCPY_ASYNC, aclError(*)(void *, size_t, const void *, size_t, int, void *), dst, destMax, src, count,
+         kind, stream);
+}
+API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
+    CALL(F_MEMSET, aclError(*)(void *, size_t, int32_t, size_t), devPtr, maxCount, value, count);
+}
+API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, void *stream) {
+    CALL(F_MEMSET_ASYNC, aclError(*)(void *, size_t, int32_t, size_t, void *), devPtr, maxCount, value, count,
+         stream);
+}
+API aclError aclrtSetDevice(int32_t deviceId) {
+    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_SET_DEVICE);
+    if (!fn) return missing(F_SET_DEVICE);
+    int counted = gate_enter();
+    aclError rc = fn(deviceId);
+    if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        pthread_mutex_lock(&g_mu);
+        g_devs[deviceId] = 1;
+        pthread_mutex_unlock(&g_mu);
+    }
+    gate_leave(counted);
+    return rc;
+}
+
+API aclError aclrtResetDevice(int32_t deviceId) {
+    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_RESET_DEVICE);
+    if (!fn) return missing(F_RESET_DEVICE);
+    int counted = gate_enter();
+    aclError rc = fn(deviceId);
+    if (rc == ACL_SUCCESS && counted) untrack_device(deviceId);
+    if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        pthread_mutex_lock(&g_mu);
+        g_devs[deviceId] = 0;
+        pthread_mutex_unlock(&g_mu);
+    }
+    gate_leave(counted);
+    return rc;
+}
+
+API aclError aclFinalize(void) {
+    aclError (*fn)(void) = (aclError(*)(void))real(F_FINALIZE);
+    if (!fn) return missing(F_FINALIZE);
+    int counted = gate_enter();
+    aclError rc = fn();
+    if (rc == ACL_SUCCESS && counted) {
+        pthread_mutex_lock(&g_mu);
+        for (size_t i = 0; i < g_n;) {
+            if (!g_allocs[i].registered) drop_at(i);
+            else i++;
+        }
+        memset(g_devs, 0, sizeof g_devs);
+        pthread_mutex_unlock(&g_mu);
+    }
+    gate_leave(counted);
+    return rc;
+}
+
+API aclError aclrtCreateStream(void **stream) { CALL(F_CREATE_STREAM, aclError(*)(void **), stream); }
+API aclError aclrtDestroyStream(void *stream) { CALL(F_DESTROY_STREAM, aclError(*)(void *), stream); }
+API aclError aclmdlExecute(uint32_t modelId, const void *input, void *output) {
+    CALL(F_MDL_EXECUTE, aclError(*)(uint32_t, const void *, void *), modelId, input, output);
+}
+API aclError aclmdlExecuteAsync(uint32_t modelId, const void *input, void *output, void *stream) {
+    CALL(F_MDL_EXECUTE_ASYNC, aclError(*)(uint32_t, const void *, void *, void *), modelId, input, output, stream);
+}
+
+/* dlsym(): hand out the wrapper for a wrapped ACL name, remembering the real function. Every
+ * other lookup -- and every RTLD_NEXT lookup, whose meaning depends on the caller -- goes to the
+ * real dlsym as a tail call, so that glibc still sees the original caller's return address. */
+API void *dlsym(void *handle, const char *name) {
+    dlsym_fn ds = real_dlsym();
+    if (handle != RTLD_NEXT && name[0] == 'a' && name[1] == 'c' && name[2] == 'l') {
+        for (int i = 0; i < N_WRAPPED; i++)
+            if (!strcmp(name, NAMES[i])) {
+                void *p = ds(handle, name);
+                if (!p || p == g_wrappers[i]) return p;
+                if (!g_real[i]) g_real[i] = p;
+                return g_wrappers[i];
+            }
+    }
+    return ds(handle, name);
+}
+
+/* ------------------------------------------------------------------ save / reload / finish */
+
+static int interposed(void) {
+    if (g_interposed < 0) {
+        /* Preloaded: the program's own search list (main program, LD_PRELOAD, its libraries)
+         * finds our dlsym and aclrtMalloc first. (Not RTLD_DEFAULT: its scope depends on the
+         * caller, and a -Bsymbolic library always finds itself first.) */
+        dlsym_fn ds = real_dlsym();
+        void *main_handle = dlopen(NULL, RTLD_LAZY);
+        g_interposed = ds && main_handle && ds(main_handle, "dlsym") == (void *)dlsym &&
+                       ds(main_handle, "aclrtMalloc") == (void *)aclrtMalloc;
+        if (main_handle) dlclose(main_handle);
+    }
+    return g_interposed;
+}
+
+static void open_gate_locked(void) {
+    g_gate_closed = 0;
+    pthread_cond_broadcast(&g_cv);
+}
+
+/* Select the allocation's context on this (the agent's) thread, if the runtime has contexts. */
+static void use_ctx(void *ctx) {
+    aclError (*sc)(void *) = (aclError(*)(void *))real(F_SET_CTX);
+    if (sc && ctx) sc(ctx);
+}
+
+static void free_copies_locked(void) {
+    for (size_t i = 0; i < g_n; i++) {
+        free(g_allocs[i].copy);
+        g_allocs[i].copy = NULL;
+    }
+    g_saved = 0;
+}
+
+API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
+    if (timeout_ms < 0) timeout_ms = 0;
+    pthread_mutex_lock(&g_mu);
+    if (g_gate_closed) {
+        pthread_mutex_unlock(&g_mu);
+        seterr(err, errlen, "npusnap's device gate is already closed (a snapshot is in progress)");
+        return -EBUSY;
+    }
+    g_gate_closed = 1;
+    struct timespec t0, dl;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    dl = t0;
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    int rc = 0;
+    while (g_inflight > 0 && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
+    if (g_inflight > 0) {
+        int n = g_inflight;
+        open_gate_locked();
+        pthread_mutex_unlock(&g_mu);
+        seterr(err, errlen,
+               "%d device call(s) of the job were still running after %d ms; nothing was locked", n,
+               timeout_ms);
+        return -ETIMEDOUT;
+    }
+    size_t n = g_n;
+    pthread_mutex_unlock(&g_mu);
+    /* The gate is closed and nothing is in flight: the table cannot change under us except by
+     * npusnap_devmem_register/exclude, which take g_mu. Queued asynchronous work must finish
+     * before the bytes are read: synchronize each context the allocations were made in. */
+    aclError (*memcpy_fn)(void *, size_t, const void *, size_t, int) =
+        (aclError(*)(void *, size_t, const void *, size_t, int))real(F_MEMCPY);
+    aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
+    if (n && !memcpy_fn) {
+        npusnap_devmem_finish();
+        seterr(err, errlen, "aclrtMemcpy is not available in this process: cannot copy device memory");
+        return -ENOSYS;
+    }
+    pthread_mutex_lock(&g_mu);
+    int ret = 0;
+    void *synced[64];
+    int nsynced = 0;
+    for (size_t i = 0; i < g_n && ret == 0; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (a->excluded) continue;
+        int seen = 0;
+        for (int k = 0; k < nsynced; k++) seen |= synced[k] == a->ctx;
+        if (!seen && sync) {
+            use_ctx(a->ctx);
+            aclError src = sync();
+            if (src != ACL_SUCCESS) {
+                seterr(err, errlen, "aclrtSynchronizeDevice (device %d) failed with %d", a->dev, src);
+                ret = -EIO;
+                break;
+            }
+            if (nsynced < 64) synced[nsynced++] = a->ctx;
+        }
+        free(a->copy);
+        a->copy = malloc(a->size ? a->size : 1);
+        if (!a->copy) {
+            seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
+            ret = -ENOMEM;
+            break;
+        }
+        use_ctx(a->ctx);
+        aclError c = memcpy_fn(a->copy, a->size, (const void *)a->ptr, a->size, ACL_MEMCPY_DEVICE_TO_HOST);
+        if (c != ACL_SUCCESS) {
+            seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d",
+                   a->size, (unsigned long)a->ptr, a->dev, c);
+            ret = -EIO;
+        }
+    }
+    if (ret != 0) {
+        free_copies_locked();
+        open_gate_locked();
+    } else {
+        g_saved = 1;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return ret;
+}
+
+API int npusnap_devmem_reload(char *err, size_t errlen) {
+    pthread_mutex_lock(&g_mu);
+    if (!g_saved) {
+        pthread_mutex_unlock(&g_mu);
+        seterr(err, errlen, "no saved device memory to reload");
+        return -ENOENT;
+    }
+    aclError (*memcpy_fn)(void *, size_t, const void *, size_t, int) =
+        (aclError(*)(void *, size_t, const void *, size_t, int))real(F_MEMCPY);
+    int ret = 0;
+    for (size_t i = 0; i < g_n && ret == 0; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (a->excluded || !a->copy) continue;
+        if (!memcpy_fn) {
+            seterr(err, errlen, "aclrtMemcpy is not available in this process");
+            ret = -ENOSYS;
+            break;
+        }
+        use_ctx(a->ctx);
+        aclError c = memcpy_fn((void *)a->ptr, a->size, a->copy, a->size, ACL_MEMCPY_HOST_TO_DEVICE);
+        if (c != ACL_SUCCESS) {
+            seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d",
+                   a->size, (unsigned long)a->ptr, a->dev, c);
+            ret = -EIO;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return ret;
+}
+
+API void npusnap_devmem_finish(void) {
+    pthread_mutex_lock(&g_mu);
+    free_copies_locked();
+    open_gate_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+API void npusnap_devmem_get_info(npusnap_devmem_info *out) {
+    if (!out) return;
+    int ip = interposed();
+    pthread_mutex_lock(&g_mu);
+    memset(out, 0, sizeof *out);
+    for (size_t i = 0; i < g_n; i++) {
+        out->allocations++;
+        out->bytes += g_allocs[i].size;
+        if (g_allocs[i].excluded) out->excluded_bytes += g_allocs[i].size;
+        if (g_allocs[i].copy) out->saved_bytes += g_allocs[i].size;
+    }
+    out->interposed = ip;
+    out->gate_closed = g_gate_closed;
+    out->saved = g_saved;
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Extra (not in the original header): the device ids the job opened with aclrtSetDevice and has
+ * not reset, as seen by the interposed calls (real CANN has no query for "all open devices").
+ * Writes at most max ids; returns how many there are. */
+API int npusnap_devmem_devices(int32_t *ids, int max) {
+    int n = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int d = 0; d < MAX_DEVS; d++)
+        if (g_devs[d]) {
+            if (ids && n < max) ids[n] = d;
+            n++;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
+/* Extra (not in the original header): how many allocations came from explicit registration. */
+API uint64_t npusnap_devmem_registered_count(void) {
+    pthread_mutex_lock(&g_mu);
+    uint64_t n = 0;
+    for (size_t i = 0; i < g_n; i++) n += g_allocs[i].registered != 0;
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
+API int npusnap_devmem_register(void *dev_ptr, size_t size) {
+    if (!dev_ptr || !size) return -EINVAL;
+    int32_t dev;
+    void *ctx;
+    current_place(&dev, &ctx);
+    pthread_mutex_lock(&g_mu);
+    int rc = g_saved ? -EBUSY : add((uintptr_t)dev_ptr, size, dev, ctx, 1);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+API int npusnap_devmem_exclude(void *dev_ptr, size_t size) {
+    if (!dev_ptr || !size) return -EINVAL;
+    pthread_mutex_lock(&g_mu);
+    if (g_saved) {
+        pthread_mutex_unlock(&g_mu);
+        return -EBUSY;
+    }
+    if (g_nexcl == g_excl_cap) {
+        size_t cap = g_excl_cap ? g_excl_cap * 2 : 16;
+        struct range *nr = realloc(g_excl, cap * sizeof *nr);
+        if (!nr) {
+            pthread_mutex_unlock(&g_mu);
+            return -ENOMEM;
+        }
+        g_excl = nr;
+        g_excl_cap = cap;
+    }
+    g_excl[g_nexcl++] = (struct range){(uintptr_t)dev_ptr, size};
+    for (size_t i = 0; i < g_n; i++)
+        if (in_excluded(g_allocs[i].ptr, g_allocs[i].size)) g_allocs[i].excluded = 1;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}

@@ -1,0 +1,231 @@
+"""CRIU plugins for the Ascend NPU: their ABI against the CRIU in use, and their marks in a dump.
+
+Huawei's CRIU NPU plugin is built in the tree of Huawei's CRIU fork, whose ``criu-plugin.h``
+numbers the hooks differently from upstream CRIU (slot 10 is UPDATE_INETSK there, PAUSE_DEVICES
+upstream). CRIU loads a plugin whose ``max_hooks`` is not above its own and then calls hooks by
+slot, so a plugin paired with another CRIU calls the wrong functions. Every plugin carries its
+``max_hooks`` in its ``CR_PLUGIN_DESC`` (``cr_plugin_desc_t``): npusnap reads it from the ELF file
+(nothing is loaded) and compares it with the CRIU in use.
+
+After a dump that went through the plugin, Huawei's own orchestrator (GRUS) trusts it only if
+CRIU's log has no ``[npu-plugin fini-dump err]`` line and the plugin's ``davinci-dev-*.img``
+files exist; ``scan_dump`` does the same.
+
+Core module (no printing); used by preflight (`npusnap check`) and the dump pipeline.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+DESC_SYMBOL = "CR_PLUGIN_DESC"
+# cr_plugin_desc_t on LP64: const char *name; init; exit; unsigned version; unsigned max_hooks; ...
+_VERSION_OFFSET = 24
+_MAX_HOOKS_OFFSET = 28
+
+# Where the header of the CRIU in use may be: setup's build cache, then system include dirs.
+HEADER_CANDIDATES = (
+    "/var/cache/npusnap/criu-{version}/criu/include/criu-plugin.h",
+    "/usr/local/include/criu/criu-plugin.h",
+    "/usr/include/criu/criu-plugin.h",
+)
+# CR_PLUGIN_HOOK__MAX of upstream releases, read from their criu-plugin.h.
+KNOWN_MAX_HOOKS = {"4.2": 13}
+
+FINI_DUMP_ERROR = "[npu-plugin fini-dump err]"
+PLUGIN_IMAGE_GLOB = "davinci-dev-*.img"
+
+
+@dataclass(frozen=True)
+class PluginDesc:
+    path: str
+    name: Optional[str]
+    version: int
+    max_hooks: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "name": self.name, "version": self.version, "max_hooks": self.max_hooks}
+
+
+class _Elf:
+    def __init__(self, data: bytes) -> None:
+        if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:
+            raise ValueError("not a 64-bit ELF file")
+        self.data = data
+        self.end = "<" if data[5] == 1 else ">"
+        e = self.end
+        self.phoff = struct.unpack_from(e + "Q", data, 0x20)[0]
+        self.shoff = struct.unpack_from(e + "Q", data, 0x28)[0]
+        self.phentsize, self.phnum, self.shentsize, self.shnum = struct.unpack_from(e + "HHHH", data, 0x36)
+
+    def sections(self) -> list[tuple[int, int, int, int, int, int]]:
+        """(type, addr, offset, size, link, entsize) of every section."""
+        out = []
+        for i in range(self.shnum):
+            off = self.shoff + i * self.shentsize
+            _name, sh_type, _flags, addr, offset, size, link, _info, _align, entsize = struct.unpack_from(
+                self.end + "IIQQQQIIQQ", self.data, off
+            )
+            out.append((sh_type, addr, offset, size, link, entsize))
+        return out
+
+    def file_offset(self, vaddr: int) -> Optional[int]:
+        for i in range(self.phnum):
+            off = self.phoff + i * self.phentsize
+            p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz, _memsz, _align = struct.unpack_from(
+                self.end + "IIQQQQQQ", self.data, off
+            )
+            if p_type == 1 and p_vaddr <= vaddr < p_vaddr + p_filesz:  # PT_LOAD
+                return int(vaddr - p_vaddr + p_offset)
+        return None
+
+    def symbol(self, wanted: str) -> Optional[tuple[int, int]]:
+        """(address, size) of a defined symbol in .dynsym or .symtab."""
+        secs = self.sections()
+        for sh_type, _addr, offset, size, link, entsize in secs:
+            if sh_type not in (2, 11) or not entsize:  # SHT_SYMTAB, SHT_DYNSYM
+                continue
+            strtab = secs[link][2]
+            for k in range(size // entsize):
+                st_name, _info, _other, shndx, value, st_size = struct.unpack_from(
+                    self.end + "IBBHQQ", self.data, offset + k * entsize
+                )
+                if shndx == 0 or st_name == 0:
+                    continue
+                nul = self.data.index(b"\x00", strtab + st_name)
+                if self.data[strtab + st_name : nul].decode("ascii", "replace") == wanted:
+                    return value, st_size
+        return None
+
+    def relative_target(self, where: int) -> Optional[int]:
+        """The addend of an R_*_RELATIVE relocation at ``where`` (a pointer filled at load time)."""
+        for sh_type, _addr, offset, size, _link, entsize in self.sections():
+            if sh_type != 4 or not entsize:  # SHT_RELA
+                continue
+            for k in range(size // entsize):
+                r_offset, r_info, r_addend = struct.unpack_from(
+                    self.end + "QQq", self.data, offset + k * entsize
+                )
+                if r_offset == where and (r_info & 0xFFFFFFFF) in (8, 1027):  # x86_64 / aarch64 RELATIVE
+                    return int(r_addend)
+        return None
+
+    def c_string(self, vaddr: int) -> Optional[str]:
+        off = self.file_offset(vaddr)
+        if off is None:
+            return None
+        nul = self.data.find(b"\x00", off)
+        return self.data[off:nul].decode("utf-8", "replace") if nul >= 0 else None
+
+
+def read_plugin_desc(path: str) -> Optional[PluginDesc]:
+    """The plugin's CR_PLUGIN_DESC (read from the file, never loaded), or None without one."""
+    elf = _Elf(Path(path).read_bytes())
+    sym = elf.symbol(DESC_SYMBOL)
+    if sym is None:
+        return None
+    addr, _size = sym
+    off = elf.file_offset(addr)
+    if off is None:
+        return None
+    version, max_hooks = struct.unpack_from(elf.end + "II", elf.data, off + _VERSION_OFFSET)
+    name: Optional[str] = None
+    target = elf.relative_target(addr)
+    if target is not None:
+        name = elf.c_string(target)
+    return PluginDesc(path=str(path), name=name, version=int(version), max_hooks=int(max_hooks))
+
+
+def max_hooks_from_header(text: str) -> Optional[int]:
+    """CR_PLUGIN_HOOK__MAX as criu-plugin.h defines it: the number of hooks before it."""
+    m = re.search(r"enum\s*\{(.*?)CR_PLUGIN_HOOK__MAX", text, re.S)
+    if not m:
+        return None
+    values = re.findall(r"CR_PLUGIN_HOOK__\w+\s*=\s*(\d+)", m.group(1))
+    names = re.findall(r"(CR_PLUGIN_HOOK__\w+)", m.group(1))
+    if values:
+        return max(int(v) for v in values) + 1
+    return len(names) or None
+
+
+def criu_max_hooks(criu_version: str) -> tuple[Optional[int], str]:
+    """The hook count of the CRIU in use and where it was learned; (None, why) when unknown."""
+    for template in HEADER_CANDIDATES:
+        header = Path(template.format(version=criu_version))
+        if "{version}" not in template and not _header_matches(header, criu_version):
+            continue
+        try:
+            value = max_hooks_from_header(header.read_text(errors="replace"))
+        except OSError:
+            continue
+        if value is not None:
+            return value, str(header)
+    short = ".".join(criu_version.split(".")[:2])
+    if short in KNOWN_MAX_HOOKS:
+        return KNOWN_MAX_HOOKS[short], f"upstream CRIU {short}.x criu-plugin.h"
+    return None, f"no criu-plugin.h of CRIU {criu_version} found"
+
+
+def _header_matches(header: Path, criu_version: str) -> bool:
+    """A system header belongs to the CRIU in use only if its version.h says so (when present)."""
+    version_h = header.parent / "version.h"
+    try:
+        text = version_h.read_text(errors="replace")
+    except OSError:
+        return header.is_file()
+    m = re.search(r'CRIU_VERSION\s+"([^"]+)"', text)
+    return bool(m and m.group(1) == criu_version)
+
+
+@dataclass(frozen=True)
+class AbiVerdict:
+    ok: Optional[bool]  # None: cannot tell
+    detail: str
+    fix: str = ""
+
+
+def check_abi(plugin: str, criu_version: str) -> AbiVerdict:
+    try:
+        desc = read_plugin_desc(plugin)
+    except (OSError, ValueError, struct.error) as exc:
+        return AbiVerdict(False, f"cannot read {plugin}: {exc}", "reinstall the plugin")
+    if desc is None:
+        return AbiVerdict(
+            False,
+            f"{plugin} has no {DESC_SYMBOL}: it is not a CRIU plugin",
+            "install the NPU plugin built for this CRIU",
+        )
+    have, source = criu_max_hooks(criu_version)
+    label = f"{desc.name or Path(plugin).name} (max_hooks {desc.max_hooks})"
+    if have is None:
+        return AbiVerdict(None, f"{label}: cannot tell whether it fits CRIU {criu_version}: {source}")
+    if desc.max_hooks != have:
+        return AbiVerdict(
+            False,
+            f"{label} was built for a CRIU with {desc.max_hooks} plugin hooks; CRIU {criu_version} "
+            f"has {have} ({source}): CRIU would call its hooks by the wrong slots",
+            "use the CRIU build the plugin came with (Huawei's CRIU fork), or rebuild the plugin "
+            f"against CRIU {criu_version}'s criu-plugin.h",
+        )
+    return AbiVerdict(True, f"{label} matches CRIU {criu_version} ({have} hooks, {source})")
+
+
+def scan_dump(log: Optional[Path], images: Path) -> list[str]:
+    """Problems with a dump that went through the NPU plugin, as GRUS checks them (empty: good)."""
+    problems: list[str] = []
+    if log is not None:
+        try:
+            text = log.read_text(errors="replace")
+        except OSError as exc:
+            problems.append(f"cannot read CRIU's log {log}: {exc.strerror}")
+        else:
+            bad = [ln.strip() for ln in text.splitlines() if FINI_DUMP_ERROR in ln]
+            if bad:
+                problems.append(f"CRIU's log has the NPU plugin's error line: {bad[0]}")
+    if not list(images.glob(PLUGIN_IMAGE_GLOB)):
+        problems.append(f"the NPU plugin wrote no {PLUGIN_IMAGE_GLOB} into {images}")
+    return problems

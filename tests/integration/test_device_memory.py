@@ -1,0 +1,441 @@
+"""npusnap keeps the job's device memory: libnpusnap_agent.so (native/agent/devmem.c) on the
+truthful simulator, whose Restore, like CANN's, keeps addresses but not contents.
+
+Through plain ctypes (the acl_driver child, with and without LD_PRELOAD) and through a C program
+linked against libacl_rt.so; then the CLI's refusal to dump device memory it cannot see.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from npusnap_cli.agent.launch import agent_library
+from npusnap_cli.errors import ExitCode
+from tests.conftest import REPO, requires_root
+from tests.integration.agentlib import Sim, Workload, start_agent_workload
+from tests.integration.dumplib import agent_state, cli, job_env, wait_until
+from tests.integration.sim_helpers import Driver
+
+pytestmark = pytest.mark.integration
+
+POISON_HEAD = "efbeadde" * 4
+LOCKED_STATE, BACKED_UP_STATE = 1, 2
+MiB = 1 << 20
+
+
+@pytest.fixture
+def make_driver(sim_env: dict[str, str]) -> Iterator[Callable[..., Driver]]:
+    drivers: list[Driver] = []
+
+    def make(preload: bool = True, **extra: str) -> Driver:
+        env = dict(extra, NPUSNAP_AGENT_LIB=str(agent_library()))
+        if preload:
+            env["LD_PRELOAD"] = str(agent_library())
+        d = Driver(sim_env, env)
+        drivers.append(d)
+        return d
+
+    yield make
+    for d in drivers:
+        d.close()
+
+
+def snapshot_cycle(d: Driver) -> None:
+    for op in ("lock", "backup", "restore", "unlock"):
+        assert d.rc(op) == 0, op
+
+
+def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 2 * MiB + 5)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    crc_a = d.call("fill", a, 2 * MiB + 5, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    info = d.call("dm_info")
+    assert info["interposed"] == 1 and info["allocations"] == 2 and info["bytes"] == 2 * MiB + 5 + 4096
+    assert d.rc("free", b) == 0
+    assert d.call("dm_info")["allocations"] == 1  # aclrtFree is seen too
+    b = d.call("malloc", 4096)["addr"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+
+    # Bare runtime calls: the contents are lost, as on CANN.
+    snapshot_cycle(d)
+    assert d.call("read", a, 4096)["head"] == POISON_HEAD
+    crc_a = d.call("fill", a, 2 * MiB + 5, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+
+    # With npusnap's copy: the same pointers hold the same bytes afterwards.
+    save = d.call("dm_save", 5000)
+    assert save["rc"] == 0, save
+    info = d.call("dm_info")
+    assert info["saved"] == 1 and info["gate_closed"] == 1 and info["saved_bytes"] == 2 * MiB + 5 + 4096
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    assert d.call("dm_finish")["rc"] == 0
+    assert d.call("read", a, 2 * MiB + 5)["crc"] == crc_a
+    assert d.call("read", b, 4096)["crc"] == crc_b
+    info = d.call("dm_info")
+    assert info["saved"] == 0 and info["gate_closed"] == 0 and info["saved_bytes"] == 0
+
+
+def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 8192)["addr"]
+    assert d.rc("set", 1) == 0
+    b = d.call("malloc", 8192)["addr"]
+    crc_a = d.call("fill", a, 8192, "on device 0")["crc"]
+    crc_b = d.call("fill", b, 8192, "on device 1")["crc"]
+    assert sorted(d.call("devices")["devices"]) == [0, 1]
+    assert d.call("dm_save", 5000)["rc"] == 0
+    assert d.call("dm_info")["saved_bytes"] == 16384
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", a, 8192)["crc"] == crc_a
+    assert d.call("read", b, 8192)["crc"] == crc_b
+
+
+def test_the_gate_holds_the_jobs_device_calls_until_finish(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4096)["addr"]
+    d.call("fill", a, 4096, "x")
+    assert d.call("dm_save", 5000)["rc"] == 0
+    # Another thread's device calls wait at npusnap's gate, before the runtime: also while the
+    # runtime itself is RUNNING (before Lock and after Unlock).
+    d.call("bg", "m", "malloc", 4096)
+    d.call("bg", "w", "fill", a, 4096, "y")
+    assert d.call("bgwait", "m", 0.5)["done"] is False
+    assert d.call("bgwait", "w", 0.1)["done"] is False
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    assert d.call("bgwait", "w", 0.3)["done"] is False  # reload done, the gate still closed
+    # Queries are not held.
+    assert d.call("getdev")["dev"] == 1
+    d.call("dm_finish")
+    assert d.call("bgwait", "m", 5)["result"]["rc"] == 0
+    assert d.call("bgwait", "w", 5)["result"]["rc"] == 0
+
+
+def test_save_waits_for_calls_in_flight_at_most_the_timeout(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver(NPUSIM_COPY_MBPS="2")  # a 4 MiB copy takes about 2 s
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4 * MiB)["addr"]
+    d.call("bg", "slow", "fill", a, 4 * MiB, "s")
+    time.sleep(0.5)  # the thread is inside aclrtMemcpy now (the whole copy takes about 2 s)
+    assert d.call("bgwait", "slow", 0)["done"] is False
+    save = d.call("dm_save", 200)
+    assert save["rc"] == -110 and "still running" in save["message"]  # -ETIMEDOUT
+    assert d.call("dm_info")["gate_closed"] == 0  # open again: the job goes on
+    assert d.call("bgwait", "slow", 10)["result"]["rc"] == 0
+    # Once nothing is in flight, the same save waits for nothing.
+    assert d.call("dm_save", 200, timeout=30)["rc"] == 0
+    d.call("dm_finish")
+
+
+def test_excluded_and_registered_buffers(make_driver: Callable[..., Driver]) -> None:
+    d = make_driver()
+    assert d.rc("set", 1) == 0
+    keep = d.call("malloc", 8192)["addr"]
+    scratch = d.call("malloc", 8192)["addr"]
+    crc = d.call("fill", keep, 8192, "k")["crc"]
+    d.call("fill", scratch, 8192, "s")
+    assert d.rc("dm_exclude", scratch, 8192) == 0
+    info = d.call("dm_info")
+    assert info["excluded_bytes"] == 8192
+    assert d.call("dm_save", 5000)["rc"] == 0
+    assert d.call("dm_info")["saved_bytes"] == 8192
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", keep, 8192)["crc"] == crc
+    assert d.call("read", scratch, 8192)["head"] == POISON_HEAD  # declared as needing no copy
+
+
+def test_without_preload_only_registered_buffers_are_kept(make_driver: Callable[..., Driver]) -> None:
+    """An agent in a process not started by `npusnap run` sees nothing by itself."""
+    d = make_driver(preload=False)
+    assert d.rc("set", 1) == 0
+    a = d.call("malloc", 4096)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    crc_a = d.call("fill", a, 4096, "a")["crc"]
+    d.call("fill", b, 4096, "b")
+    info = d.call("dm_info")
+    assert info["interposed"] == 0 and info["allocations"] == 0
+    assert d.rc("dm_register", a, 4096) == 0
+    assert d.call("dm_info")["allocations"] == 1
+    assert d.call("dm_save", 5000)["rc"] == 0
+    snapshot_cycle(d)
+    assert d.call("dm_reload")["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", a, 4096)["crc"] == crc_a
+    assert d.call("read", b, 4096)["head"] == POISON_HEAD
+
+
+C_PROGRAM = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include "npusnap/devmem.h"
+int aclInit(const char *); int aclrtSetDevice(int32_t); int aclrtMalloc(void **, size_t, int);
+int aclrtMemcpy(void *, size_t, const void *, size_t, int);
+int aclrtSnapShotProcessLock(int, void *); int aclrtSnapShotProcessBackup(int, void *);
+int aclrtSnapShotProcessRestore(int, void *); int aclrtSnapShotProcessUnlock(int, void *);
+int main(int argc, char **argv) {
+    int use = argc > 1;
+    void *d = NULL;
+    char buf[64] = "linked against libacl_rt", out[64] = {0}, err[256] = "";
+    if (aclInit(NULL) || aclrtSetDevice(1) || aclrtMalloc(&d, 64, 0) || aclrtMemcpy(d, 64, buf, 64, 1))
+        return 2;
+    void (*info)(npusnap_devmem_info *) = dlsym(RTLD_DEFAULT, "npusnap_devmem_get_info");
+    int (*save)(int, char *, size_t) = dlsym(RTLD_DEFAULT, "npusnap_devmem_save");
+    int (*reload)(char *, size_t) = dlsym(RTLD_DEFAULT, "npusnap_devmem_reload");
+    void (*finish)(void) = dlsym(RTLD_DEFAULT, "npusnap_devmem_finish");
+    npusnap_devmem_info i = {0};
+    if (info) info(&i);
+    printf("tracked %llu interposed %d\n", (unsigned long long)i.allocations, i.interposed);
+    if (use && save(1000, err, sizeof err)) return 3;
+    int p = getpid();
+    if (aclrtSnapShotProcessLock(p, NULL) || aclrtSnapShotProcessBackup(p, NULL) ||
+        aclrtSnapShotProcessRestore(p, NULL) || aclrtSnapShotProcessUnlock(p, NULL))
+        return 4;
+    if (use) { if (reload(err, sizeof err)) return 5; finish(); }
+    if (aclrtMemcpy(out, 64, d, 64, 2)) return 6;
+    printf("%s\n", strcmp(out, buf) == 0 ? "same" : "lost");
+    return 0;
+}
+"""
+
+
+def test_a_c_program_linked_to_libacl_rt(sim_env: dict[str, str], tmp_path: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / "prog.c", tmp_path / "prog"
+    src.write_text(C_PROGRAM)
+    lib64 = Path(sim_env["ASCEND_HOME_PATH"]) / "lib64"
+    include = str(REPO / "native" / "include")
+    argv = [cc, "-I", include, "-o", str(exe), str(src), f"-L{lib64}", "-lacl_rt", "-ldl"]
+    subprocess.run(argv, check=True)
+
+    def run(preload: bool, *args: str) -> list[str]:
+        env = dict(sim_env)
+        if preload:
+            env["LD_PRELOAD"] = str(agent_library())
+        done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        return done.stdout.split("\n")[:2]
+
+    assert run(False) == ["tracked 0 interposed 0", "lost"]  # CANN's Restore alone
+    assert run(True, "use") == ["tracked 1 interposed 1", "same"]
+
+
+@requires_root
+def test_dump_refuses_device_memory_it_cannot_see(
+    sim: Sim, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, workloads: list[Workload]
+) -> None:
+    """agent.start() without `npusnap run`: the default dump refuses before locking anything;
+    `--device-memory app` is the user's explicit choice and goes through."""
+    w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, WL_DEVICE=str(sim.device()))
+    w.wait_steps(3)
+    env = job_env(sim_env, runtime_dir)
+    img = tmp_path / "img"
+    rc, out, err = cli(env, "dump", str(w.pid), str(img), "--leave-running")
+    assert rc == ExitCode.TARGET, err
+    assert out is not None
+    error = out["error"]
+    assert "does not know their device memory" in error["message"]
+    assert "CANN's Restore" in error["why"]
+    assert "npusnap run" in error["fix"] and "register_buffer" in error["fix"]
+    assert error["details"]["untracked_pids"] == [w.pid]
+    assert not img.exists()
+    assert agent_state(w.pid) == "RUNNING"
+    w.wait_steps(3)
+
+    rc, out, err = cli(env, "dump", str(w.pid), str(img), "--leave-running", "--device-memory", "app")
+    assert rc == 0, err
+    assert out is not None and out["result"]["device_memory"]["continuity"] == "application"
+    assert agent_state(w.pid) == "RUNNING"
+    wait_until(lambda: len(w.steps()) > 0, 5)
+    w.wait_steps(3)
+    w.assert_correct()  # leave-running: nothing was restored, nothing was lost
+
+
+@requires_root
+@pytest.mark.parametrize("cann", ["9.0", "9.1"])
+def test_npusnap_round_trip_on_both_snapshot_abis(
+    cann: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CANN 8.5/9.0 declare Lock/Backup/Restore/Unlock without arguments, 9.1+ as (pid, args):
+    npusnap drives both the same way, and the job continues exactly (device memory kept)."""
+    from npusnap_cli import paths
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
+
+    home = paths.build_dir() / paths.SIM_CANN_TREES[cann]
+    env = job_env(sim_env, runtime_dir)
+    env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSIM_CANN=cann)
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["versions"]["cann"] == f"{cann}.0"
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["device_memory"] == "npusnap"
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()
+
+
+# -- the driver-backed flow (args != NULL), on the simulator's CANN 9.2 stand-in -----------------
+
+
+def _cann(version: str) -> dict[str, str]:
+    from npusnap_cli import paths
+
+    home = paths.build_dir() / paths.SIM_CANN_TREES[version]
+    return {"ASCEND_HOME_PATH": str(home), "LD_LIBRARY_PATH": str(home / "lib64"), "NPUSIM_CANN": version}
+
+
+class _Daemon:
+    """A private simulator daemon (its own socket) with the driver feature on or off."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="npusim-drv-"))
+        self.sock = str(self.dir / "npusim.sock")
+
+    def _with_socket(self, fn: Callable[[], object]) -> object:
+        from npusnap_cli.sim import manager  # noqa: F401 - resolved through NPUSIM_SOCKET
+
+        saved = os.environ.get("NPUSIM_SOCKET")
+        os.environ["NPUSIM_SOCKET"] = self.sock
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop("NPUSIM_SOCKET", None)
+            else:
+                os.environ["NPUSIM_SOCKET"] = saved
+
+    def start(self, driver_snapshot: bool, driver_version: int = 1) -> dict[str, str]:
+        from npusnap_cli.sim import manager
+
+        self._with_socket(
+            lambda: manager.start(
+                devices=2,
+                capacity_bytes=1 << 28,
+                driver_snapshot=driver_snapshot,
+                driver_version=driver_version,
+            )
+        )
+        env = dict(os.environ, NPUSIM_SOCKET=self.sock)
+        env.update(_cann("9.2"))
+        return env
+
+    def stop(self) -> None:
+        from npusnap_cli.sim import manager
+
+        self._with_socket(manager.stop)
+
+
+@pytest.fixture
+def private_daemon() -> Iterator[_Daemon]:
+    d = _Daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+
+
+def test_driver_flow_without_the_driver_feature_is_not_supported(sim_env: dict[str, str]) -> None:
+    """The session daemon's driver lacks the feature: args != NULL is "not supported", with no
+    fallback; NULL args is the legacy flow (contents lost)."""
+    d = Driver(sim_env, _cann("9.2"))
+    try:
+        assert d.rc("set", 1) == 0
+        a = d.call("malloc", 4096)["addr"]
+        d.call("fill", a, 4096, "x")
+        assert d.rc("lock") == 0
+        assert d.rc("flags", "backup", 2) == 100000  # flags are 0 or 1
+        assert d.rc("flags", "backup", 1) == 207000
+        assert d.call("state_rc")["state"] == LOCKED_STATE  # no fallback happened
+        assert d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
+        assert d.call("read", a, 4096)["head"] == POISON_HEAD
+    finally:
+        d.close()
+
+
+def test_driver_flow_keeps_memory_and_checks_versions(private_daemon: _Daemon) -> None:
+    env = private_daemon.start(driver_snapshot=True)
+    d = Driver(env)
+    try:
+        assert d.rc("set", 0) == 0
+        a = d.call("malloc", 64 * 1024)["addr"]
+        crc = d.call("fill", a, 64 * 1024, "x")["crc"]
+        assert d.rc("lock") == 0 and d.rc("flags", "backup", 0) == 0
+        assert d.rc("flags", "restore", 0) == 0 and d.rc("unlock") == 0
+        assert d.call("read", a, 64 * 1024)["crc"] == crc  # the driver kept it
+        # A driver of another version between Backup and Restore: Restore refuses.
+        assert d.rc("lock") == 0 and d.rc("flags", "backup", 1) == 0
+        private_daemon.stop()
+        private_daemon.start(driver_snapshot=True, driver_version=2)
+        assert d.rc("flags", "restore", 1) == 507909
+        assert d.call("state_rc")["state"] == BACKED_UP_STATE
+    finally:
+        d.close()
+
+
+@requires_root
+@pytest.mark.parametrize("feature", [True, False], ids=["driver-flow", "driver-flow-unsupported"])
+def test_npusnap_prefers_the_driver_flow_and_falls_back(
+    feature: bool, private_daemon: _Daemon, runtime_dir: Path, tmp_path: Path
+) -> None:
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
+
+    env = private_daemon.start(driver_snapshot=feature)
+    env.update(job_env(env, runtime_dir))
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "9"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        proc = out["result"]["device_memory"]["processes"][str(job.pid)]
+        if feature:
+            assert proc["flow"] == "driver" and proc["saved_bytes"] == 0  # no copy of npusnap's
+        else:
+            assert proc["flow"] == "legacy" and "207000" in proc["fallback"]
+            assert proc["saved_bytes"] >= 65536
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert job.lines() == ref
+    finally:
+        job.cleanup()
