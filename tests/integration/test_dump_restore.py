@@ -47,7 +47,7 @@ def test_dump_midway_restore_prints_the_uninterrupted_run(
     try:
         job.wait_lines(8)
         rc, env_out, err = cli(env, "dump", str(job.pid), str(img))
-        assert rc == 0, err
+        assert rc == 0, (env_out or {}).get("error")
         job.reap()
         res = env_out["result"] if env_out else {}
         assert res["npu_pids"] == [job.pid] and res["leave_running"] is False
