@@ -82,7 +82,8 @@ def test_sigterm_while_dump_waits_on_a_slow_hook(
     wait_socket(runtime_dir, w.pid)
     img = tmp_path / "img"
     dump = subprocess.Popen(
-        [NPUSNAP, "dump", str(w.pid), str(img)],
+        # The workload starts its agent itself (no preload): its device memory is the app's.
+        [NPUSNAP, "dump", str(w.pid), str(img), "--device-memory", "app"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
