@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "inspect", json_flag)
+        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
         manifest = _load(directory)
         data = {"image": str(directory), **manifest.to_dict()}
         v = manifest.versions
@@ -133,6 +134,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "verify", json_flag)
+        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
         manifest = _load(directory)
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:
