@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -43,7 +43,7 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 def criu_version(path: str) -> Optional[str]:
-    """The version a criu binary reports (``criu --version`` prints ``Version: 4.1.1``)."""
+    """The version a criu binary reports (``criu --version`` prints ``Version: 4.2.1``)."""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -73,14 +73,14 @@ def find_criu() -> CriuBinary:
         raise PreflightError(
             "CRIU is not installed",
             why="npusnap saves and restores the host side of a process with CRIU 4.0 or newer",
-            fix="run ./scripts/setup.sh as root (it builds CRIU 4.1.1 from source), "
+            fix="run ./scripts/setup.sh as root (it builds CRIU 4.2.1 from source), "
             "or set NPUSNAP_CRIU=/path/to/criu",
         )
     listing = ", ".join(f"{p} ({v or 'unknown version'})" for p, v in found)
     raise PreflightError(
         f"CRIU is too old: {listing}",
         why="CRIU before 4.0 fails on recent kernels (e.g. 'vdso: Unexpected rt vDSO area bounds')",
-        fix="run ./scripts/setup.sh as root to build and install CRIU 4.1.1 under /usr/local",
+        fix="run ./scripts/setup.sh as root to build and install CRIU 4.2.1 under /usr/local",
     )
 
 
@@ -138,6 +138,17 @@ class CriuOptions:
     external: tuple[str, ...] = ()
     timeout: Optional[int] = None
     log_level: int = DEFAULT_LOG_LEVEL
+    # Unlinked files the tree still has open (multiprocessing's spawn/forkserver semaphores in
+    # /dev/shm are the common case) are linked back under a temporary name at dump and unlinked
+    # again at restore. Without it CRIU refuses such a tree ("Can't create link remap").
+    link_remap: bool = True
+    # How CRIU blocks the network around a dump of established TCP connections: "nftables"
+    # (libnftables, no binary needed), "iptables" (needs the iptables binary in CRIU's netns),
+    # "skip". None: nftables when CRIU supports it, else iptables.
+    network_lock: Optional[str] = None
+    # Restore only: (key, fd) pairs handed to the restored tree as CRIU's --inherit-fd (e.g. a
+    # new file for a stdout pipe whose reader is gone).
+    inherit_fd: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -150,6 +161,8 @@ class CriuOptions:
             "external": list(self.external),
             "timeout": self.timeout,
             "log_level": self.log_level,
+            "link_remap": self.link_remap,
+            "network_lock": self.network_lock,
         }
 
 
@@ -278,14 +291,15 @@ class _Swrk:
     waits for CRIU to finish) and hand the socket to pycriu with ``use_fd``.
     """
 
-    def __init__(self, binary: CriuBinary) -> None:
+    def __init__(self, binary: CriuBinary, extra_fds: tuple[int, ...] = ()) -> None:
         import socket
 
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
                 [binary.path, "swrk", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+                # --inherit-fd numbers are fds of the criu process itself: pass them on as they are.
+                pass_fds=(theirs.fileno(), *extra_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -294,6 +308,10 @@ class _Swrk:
             )
         finally:
             theirs.close()
+
+    @property
+    def sock(self) -> Any:
+        return self._ours
 
     def fileno(self) -> int:
         return self._ours.fileno()
@@ -319,6 +337,16 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
     details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
+    known = _known_failure(excerpt)
+    if known is not None:
+        reason, why_known, fix, extra = known
+        details.update(extra)
+        return CriuError(
+            f"CRIU {action}{target} failed: {reason}",
+            why=why_known,
+            fix=f"{fix} (CRIU log: {log_path})",
+            details=details,
+        )
     if errno_:
         details["errno"] = errno_
     return CriuError(
@@ -327,6 +355,56 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         fix=fix,
         details=details,
     )
+
+
+_BAD_SIZE_RE = re.compile(r"File (\S+) has bad size (\d+) \(expect (\d+)\)")
+_LINK_REMAP_RE = re.compile(r"Can't create link remap for (\S+)")
+_INET_OPT_RE = re.compile(r"sockets: Can't get 1:16 opt")
+_NETLOCK_RE = re.compile(r"Failed to lock TCP connection|iptables-restore|Unable to create network lock")
+
+
+def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, dict[str, object]]]:
+    """CRIU failures whose cause and fix are certain: (reason, why, fix, details), else None."""
+    text = "\n".join(lines)
+    m = _BAD_SIZE_RE.search(text)
+    if m:
+        # CRIU logs paths relative to the root ("tmp/job.log").
+        path, now, then = "/" + m.group(1).lstrip("/"), int(m.group(2)), int(m.group(3))
+        return (
+            f"{path} changed since the dump ({then} bytes then, {now} now)",
+            "CRIU reopens every file the tree had open and requires a regular file opened for "
+            "writing without O_APPEND to have its dump-time size; something wrote to it after the "
+            "dump (with --leave-running, usually the original job itself)",
+            f"put the file back as it was at dump time (a copy of it, or `truncate -s {then} {path}` "
+            "if only lines were appended and losing them is fine), or open such logs with O_APPEND "
+            "(`>>` in a shell) in the job",
+            {"changed_file": path, "size_at_dump": then, "size_now": now},
+        )
+    m = _LINK_REMAP_RE.search(text)
+    if m:
+        return (
+            f"the tree has the deleted file {m.group(1)} open",
+            "CRIU links such a file back under a temporary name only with link-remap "
+            "(multiprocessing's spawn/forkserver semaphores in /dev/shm are the usual case)",
+            "drop --no-link-remap (link-remap is npusnap's default)",
+            {"deleted_file": m.group(1)},
+        )
+    if _INET_OPT_RE.search(text):
+        return (
+            "this CRIU cannot dump TCP/UDP sockets on this kernel",
+            "kernels 6.16 and later refuse getsockopt(SO_PASSCRED) on inet sockets; CRIU before 4.2 "
+            "treats that as fatal",
+            "install CRIU 4.2 or newer (./scripts/setup.sh builds 4.2.1), then dump again",
+            {},
+        )
+    if _NETLOCK_RE.search(text):
+        return (
+            "CRIU could not lock the network around the TCP connections",
+            "the iptables network lock needs the iptables binary in CRIU's network namespace",
+            "rerun with --network-lock nftables (needs no binary), or install iptables",
+            {},
+        )
+    return None
 
 
 def _open_dir(path: str) -> int:
@@ -347,28 +425,136 @@ def _apply_options(opts: Any, options: CriuOptions) -> None:
     if options.timeout:
         opts.timeout = int(options.timeout)
     opts.log_level = options.log_level
+    opts.link_remap = options.link_remap
+    method = options.network_lock or default_network_lock()
+    opts.network_lock = _NETWORK_LOCKS[method]
+    for key, fd in options.inherit_fd:
+        item = opts.inherit_fd.add()
+        item.key = key
+        item.fd = fd
+
+
+# criu_network_lock_method in CRIU's rpc.proto
+_NETWORK_LOCKS = {"iptables": 1, "nftables": 2, "skip": 3}
+NETWORK_LOCKS = tuple(_NETWORK_LOCKS)
+
+
+def default_network_lock() -> str:
+    """nftables unless only the iptables binary is there: the nftables lock needs no binary."""
+    return "iptables" if shutil.which("iptables") and not _has_nftables() else "nftables"
+
+
+def _has_nftables() -> bool:
+    import ctypes.util
+
+    return ctypes.util.find_library("nftables") is not None
+
+
+# --------------------------------------------------------------------------------------------
+# What this CRIU can do on this kernel
+# --------------------------------------------------------------------------------------------
+
+INET_SOCKETS_MIN_VERSION = (4, 2)
+
+
+def kernel_refuses_inet_passcred() -> bool:
+    """True on kernels (6.16+) that refuse getsockopt(SO_PASSCRED) on a TCP/UDP socket."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED)
+    except OSError as exc:
+        return exc.errno == errno.EOPNOTSUPP
+    return False
+
+
+def inet_sockets_supported(binary: CriuBinary) -> bool:
+    """Can this CRIU dump TCP/UDP sockets here? CRIU < 4.2 fails on every one on 6.16+ kernels."""
+    return binary.version_tuple >= INET_SOCKETS_MIN_VERSION or not kernel_refuses_inet_passcred()
+
+
+# A notification from CRIU (an action-script point) while it works: (script name, pid or None).
+# Raising refuses it, which makes CRIU fail the dump/restore (and roll back what it did).
+NotifyFn = Callable[[str, Optional[int]], None]
+
+
+@dataclass
+class _Session:
+    """pycriu's options message plus our own socket to a ``criu swrk`` of ours."""
+
+    opts: Any
+    swrk: _Swrk
+    notify_error: Optional[BaseException] = None
+
+    def call(self, req_type: str, on_notify: Optional[NotifyFn]) -> Any:
+        """Send one request and answer CRIU's notifications until its final response.
+
+        pycriu's own calls cannot answer notifications (``notify_scripts``), which is how a
+        client gets control at ``post-dump`` while the tree is still frozen.
+        """
+        import socket
+
+        import pycriu
+        from google.protobuf.message import DecodeError
+        from pycriu import rpc_pb2 as rpc
+        from pycriu.criu import CRIUExceptionInternal
+
+        req = rpc.criu_req()
+        req.type = getattr(rpc, req_type)
+        req.opts.MergeFrom(self.opts)
+        if on_notify is not None:
+            req.opts.notify_scripts = True
+        sk = self.swrk.sock
+        try:
+            sk.send(req.SerializeToString())
+            while True:
+                size = len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                if size == 0:
+                    raise CRIUExceptionInternal(req.type, "CRIU closed its socket (it crashed or was killed)")
+                resp = rpc.criu_resp()
+                resp.ParseFromString(sk.recv(size))
+                if resp.type != rpc.NOTIFY:
+                    break
+                ok = True
+                if on_notify is not None and self.notify_error is None:
+                    pid = resp.notify.pid if resp.notify.HasField("pid") else None
+                    try:
+                        on_notify(resp.notify.script, pid)
+                    except BaseException as exc:  # reported after CRIU has rolled back
+                        self.notify_error = exc
+                        ok = False
+                reply = rpc.criu_req()
+                reply.type = rpc.NOTIFY
+                reply.notify_success = ok
+                sk.send(reply.SerializeToString())
+        except (OSError, DecodeError) as exc:
+            raise CRIUExceptionInternal(req.type, str(exc)) from None
+        if not resp.success:
+            raise pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
+        return resp
 
 
 @contextlib.contextmanager
 def _session(
     binary: CriuBinary, images_dir: str, work_dir: str, log_name: str, options: CriuOptions
-) -> Iterator[Any]:
-    """A pycriu client talking to our own ``criu swrk``, with directories, log and options set."""
-    import pycriu
+) -> Iterator[_Session]:
+    """Our own ``criu swrk`` with directories, log and options set."""
+    from pycriu import rpc_pb2 as rpc
 
     img_fd = _open_dir(images_dir)
     work_fd = _open_dir(work_dir)
     swrk: Optional[_Swrk] = None
     try:
-        c = pycriu.criu()
-        swrk = _Swrk(binary)
-        c.use_fd(swrk.fileno())
+        opts = rpc.criu_opts()
+        swrk = _Swrk(binary, tuple(fd for _key, fd in options.inherit_fd))
         # CRIU opens these as /proc/<our pid>/fd/N, so they need not be inherited.
-        c.opts.images_dir_fd = img_fd
-        c.opts.work_dir_fd = work_fd
-        c.opts.log_file = log_name
-        _apply_options(c.opts, options)
-        yield c
+        opts.images_dir_fd = img_fd
+        opts.work_dir_fd = work_fd
+        opts.log_file = log_name
+        _apply_options(opts, options)
+        yield _Session(opts=opts, swrk=swrk)
     finally:
         if swrk is not None:
             swrk.close()
@@ -384,9 +570,12 @@ def dump(
     options: CriuOptions = CriuOptions(),
     log_name: str = "dump.log",
     binary: Optional[CriuBinary] = None,
+    on_notify: Optional[NotifyFn] = None,
 ) -> DumpResult:
     """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/log_name``.
 
+    ``on_notify`` is called at CRIU's action-script points (``post-dump``: every task is still
+    frozen); if it raises, CRIU fails the dump and the exception is re-raised here.
     Raises CriuError (with the log's relevant lines) when CRIU refuses or fails; CRIU then lets
     the tree run on (or, for a failure after the freeze, resumes it), as ``criu dump`` does.
     """
@@ -397,8 +586,10 @@ def dump(
     with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         c.opts.pid = pid
         try:
-            c.dump()
+            c.call("DUMP", on_notify)
         except pycriu.CRIUException as exc:
+            if c.notify_error is not None:
+                raise c.notify_error from None
             raise _criu_error("dump", exc, log_path, pid=pid) from None
     return DumpResult(log_path=log_path, wall_s=time.monotonic() - start, stats=read_dump_stats(work_dir))
 
@@ -410,6 +601,7 @@ def restore(
     options: CriuOptions = CriuOptions(),
     log_name: str = "restore.log",
     binary: Optional[CriuBinary] = None,
+    on_notify: Optional[NotifyFn] = None,
 ) -> RestoreResult:
     """Restore the tree in ``images_dir``, detached (reparented to init); return its root pid."""
     import pycriu
@@ -418,10 +610,12 @@ def restore(
     start = time.monotonic()
     with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         try:
-            resp = c.restore()
+            resp = c.call("RESTORE", on_notify)
         except pycriu.CRIUException as exc:
+            if c.notify_error is not None:
+                raise c.notify_error from None
             raise _criu_error("restore", exc, log_path) from None
     wall_s = time.monotonic() - start
     return RestoreResult(
-        pid=int(resp.pid), log_path=log_path, wall_s=wall_s, stats=read_restore_stats(work_dir)
+        pid=int(resp.restore.pid), log_path=log_path, wall_s=wall_s, stats=read_restore_stats(work_dir)
     )

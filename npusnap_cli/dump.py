@@ -71,6 +71,10 @@ class DumpOptions:
     force: bool = False
     attach: bool = True
     lease_s: float = DEFAULT_LEASE_S
+    # Host-side resources (hostres.py / criu.CriuOptions).
+    link_remap: bool = True
+    network_lock: Optional[str] = None
+    external_pipes: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,6 +301,31 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
         )
 
 
+def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: PhaseFn) -> tuple[Any, ...]:
+    """Refuse pipes/terminals to outside the tree on stdin/out/err (the restored job would die
+    of them); with --external-pipes, the pipes are recorded for `restore --pipe-to` instead."""
+    from npusnap_cli import hostres
+
+    found = hostres.find_external_stdio([p.pid for p in tree])
+    for e in hostres.stray_pipes(found):
+        if not options.external_pipes:
+            note(
+                f"pid {e.pid}'s fd {e.fd} is a pipe shared with pid(s) {list(e.peers)} outside the tree: "
+                "restored without its other end (a write to it fails); --external-pipes with "
+                "restore --pipe-to FILE reconnects it"
+            )
+    if options.external_pipes:
+        ttys = [e for e in found if e.kind == "tty"]
+        err = hostres.external_stdio_error(ttys, shell_job=options.shell_job)
+        if err is not None:
+            raise err
+        return tuple(e for e in found if e.kind == "pipe")
+    err = hostres.external_stdio_error(found, shell_job=options.shell_job)
+    if err is not None:
+        raise err
+    return ()
+
+
 def _check_criu() -> Any:
     from npusnap_cli import criu
 
@@ -442,12 +471,19 @@ def _versions(binary: Any, hello: dict[int, dict[str, Any]]) -> img.Versions:
             version, simulated = acl.read_version_info(_cann_home_of(str(a["library"])))
             cann = cann or version
             break
+    home: Optional[str] = None
+    for info in hello.values():
+        library = (info.get("acl") or {}).get("library")
+        if library:
+            home = str(_cann_home_of(str(library)))
+            break
     return img.Versions(
         tool=__version__,
         criu=binary.version,
         cann=cann,
         cann_simulated=simulated,
         python=sys.version.split()[0],
+        cann_home=home,
     )
 
 
@@ -505,6 +541,7 @@ def dump(
             _check_privileges()
             _check_other_users(target.tree)
             _check_session(target.tree, shell_job=options.shell_job)
+            external = _check_external_stdio(target.tree, options, cb.note)
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
@@ -514,7 +551,9 @@ def dump(
             expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
             _check_space_and_memory(final, expected, device_bytes)
         guard.check("before anything was locked", "nothing was locked")
-        return _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard).run()
+        pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
+        pipeline.external = external
+        return pipeline.run()
 
 
 class _Pipeline:
@@ -543,6 +582,8 @@ class _Pipeline:
         self.group: Any = None
         self.hello: dict[int, dict[str, Any]] = {}
         self.stopped_pids: list[int] = []
+        self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
+        self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
 
     # -- failure handling ---------------------------------------------------------------------
     def _rollback(self, err: BaseException) -> None:
@@ -691,7 +732,21 @@ class _Pipeline:
             ext_unix_sk=o.ext_unix_sk,
             external=o.external,
             timeout=o.timeout,
+            link_remap=o.link_remap,
+            network_lock=o.network_lock,
         )
+
+    def _on_criu_notify(self, script: str, _pid: Optional[int]) -> None:
+        """At post-dump every task is still frozen: copy the tmpfs files it uses, consistently."""
+        if script != "post-dump":
+            return
+        from npusnap_cli import hostres
+
+        assert self.tmp is not None
+        paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
+        if paths:
+            self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
+        self.host_files = hostres.save_files(paths, self.tmp)
 
     def _criu_and_publish(self, results: dict[int, dict[str, Any]], lock_start: float) -> DumpOutcome:
         from npusnap_cli import criu
@@ -716,9 +771,12 @@ class _Pipeline:
                     options=criu_opts,
                     log_name=img.DUMP_LOG,
                     binary=self.binary,
+                    on_notify=self._on_criu_notify,
                 )
         except OSError as exc:
-            raise ImageError(f"CRIU could not be started or its files not opened: {exc}") from None
+            raise ImageError(
+                f"CRIU could not be started, or a file of the image could not be written: {exc}"
+            ) from None
         criu_done = time.monotonic()
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
@@ -848,6 +906,8 @@ class _Pipeline:
             ),
             criu_options=criu_opts.to_dict(),
             leave_running=self.options.leave_running,
+            host_files=self.host_files,
+            external_stdio=self.external,
         )
 
 

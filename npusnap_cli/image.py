@@ -5,6 +5,7 @@ Every name inside an image is a constant here, and nowhere else::
     DIR/                  mode 0700: it holds the processes' memory, i.e. their secrets
       npusnap.json        the manifest (schema below)
       criu/               CRIU's image files (pages, core, fdinfo, ...)
+      hostfiles/          copies of tmpfs files the tree had open or mapped (/dev/shm ...), by path
       logs/               CRIU's dump/restore logs and stats (not checksummed: restore writes here)
 
 An image is built in a temporary sibling (``.DIR.npusnap-tmp-*``), fsynced (files, then
@@ -31,11 +32,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.hostres import ExternalStdio, HostFile
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "npusnap.json"
 CRIU_SUBDIR = "criu"
 LOGS_SUBDIR = "logs"
+HOSTFILES_SUBDIR = "hostfiles"
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DIR_MODE = 0o700
@@ -87,6 +90,9 @@ class Versions:
     cann: Optional[str]
     cann_simulated: bool
     python: str
+    # Where the CANN that backed the device state up lives, so that a restore from a shell
+    # without the CANN environment can find it.
+    cann_home: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +101,7 @@ class Versions:
             "cann": self.cann,
             "cann_simulated": self.cann_simulated,
             "python": self.python,
+            "cann_home": self.cann_home,
         }
 
     @classmethod
@@ -106,6 +113,7 @@ class Versions:
             cann=_opt(d, "cann", str, w),
             cann_simulated=_req(d, "cann_simulated", bool, w),
             python=_req(d, "python", str, w),
+            cann_home=_opt(d, "cann_home", str, w),
         )
 
 
@@ -255,6 +263,10 @@ class Manifest:
     files: tuple[FileEntry, ...] = ()
     leave_running: bool = False
     schema: int = SCHEMA_VERSION
+    # tmpfs files the tree had open or mapped, saved under hostfiles/ (see hostres.py).
+    host_files: tuple[HostFile, ...] = ()
+    # Pipes to processes outside the tree, recorded with --external-pipes (restore --pipe-to).
+    external_stdio: tuple[ExternalStdio, ...] = ()
 
     @property
     def npu_processes(self) -> tuple[ProcessEntry, ...]:
@@ -273,6 +285,8 @@ class Manifest:
             "bytes": self.bytes.to_dict(),
             "criu_options": dict(self.criu_options),
             "files": [f.to_dict() for f in self.files],
+            "host_files": [f.to_dict() for f in self.host_files],
+            "external_stdio": [e.to_dict() for e in self.external_stdio],
         }
 
     def to_json(self) -> str:
@@ -301,6 +315,10 @@ class Manifest:
             bytes=ByteCounts.from_dict(_req(d, "bytes", dict, "manifest")),
             criu_options=dict(_req(d, "criu_options", dict, "manifest")),
             files=tuple(FileEntry.from_dict(f) for f in _req(d, "files", list, "manifest")),
+            host_files=tuple(HostFile.from_dict(f) for f in _opt(d, "host_files", list, "manifest") or ()),
+            external_stdio=tuple(
+                ExternalStdio.from_dict(e) for e in _opt(d, "external_stdio", list, "manifest") or ()
+            ),
         )
 
     @classmethod
@@ -423,13 +441,13 @@ def sha256_files(paths: list[Path], progress: Optional[ProgressFn] = None) -> li
 
 
 def _checksummed_files(image: Path) -> list[str]:
-    """Relative paths of the files covered by checksums: everything under criu/."""
+    """Relative paths of the files covered by checksums: everything under criu/ and hostfiles/."""
     out: list[str] = []
-    base = criu_dir(image)
-    for root, _dirs, files in os.walk(base):
-        for name in files:
-            full = Path(root) / name
-            out.append(full.relative_to(image).as_posix())
+    for base in (criu_dir(image), image / HOSTFILES_SUBDIR):
+        for root, _dirs, files in os.walk(base):
+            for name in files:
+                full = Path(root) / name
+                out.append(full.relative_to(image).as_posix())
     return sorted(out)
 
 
@@ -626,6 +644,11 @@ def verify(image: Path, *, checksums: bool = True, progress: Optional[ProgressFn
     if not manifest.processes:
         problems.append("the manifest lists no processes")
     listed = {f.path for f in manifest.files}
+    by_path = {f.path: f for f in manifest.files}
+    for hf in manifest.host_files:
+        entry = by_path.get(hf.rel)
+        if entry is None or entry.sha256 != hf.sha256 or entry.size != hf.size:
+            problems.append(f"host file {hf.path} does not match its copy {hf.rel} in the manifest")
     for rel in _checksummed_files(image):
         if rel not in listed:
             problems.append(f"unexpected file {rel} (not in the manifest)")

@@ -91,6 +91,8 @@ def check_criu() -> list[CheckItem]:
                 data={"passed": passed, "output": output},
             )
         )
+    items.append(inet_sockets_item(binary))
+    items.append(network_lock_item())
     pyver = criu.pycriu_version()
     if pyver is None:
         items.append(
@@ -115,6 +117,52 @@ def check_criu() -> list[CheckItem]:
     else:
         items.append(CheckItem("pycriu", OK, f"pycriu {pyver} (matches criu)", data={"version": pyver}))
     return items
+
+
+def inet_sockets_item(binary: Any) -> CheckItem:
+    """CRIU before 4.2 fails on every TCP/UDP socket on kernels 6.16+ (a listening one too)."""
+    from npusnap_cli import criu
+
+    refuses = criu.kernel_refuses_inet_passcred()
+    ok = criu.inet_sockets_supported(binary)
+    data = {"kernel_refuses_passcred": refuses, "criu": binary.version}
+    if ok:
+        why = (
+            "this kernel refuses SO_PASSCRED on inet sockets, CRIU 4.2+ copes"
+            if refuses
+            else "no kernel quirk"
+        )
+        return CheckItem(
+            "criu-sockets", OK, f"CRIU {binary.version} can dump TCP/UDP sockets ({why})", data=data
+        )
+    return CheckItem(
+        "criu-sockets",
+        PROBLEM,
+        f"CRIU {binary.version} cannot dump any TCP/UDP socket on this kernel "
+        f"({os.uname().release} refuses SO_PASSCRED on inet sockets)",
+        "install CRIU 4.2 or newer: ./scripts/setup.sh builds 4.2.1 (a job with a metrics port, "
+        "a torch.distributed store or any UDP socket fails to dump otherwise)",
+        data=data,
+    )
+
+
+def network_lock_item() -> CheckItem:
+    """Which network lock a dump of established TCP connections will use, and whether it can."""
+    import shutil
+
+    from npusnap_cli import criu
+
+    method = criu.default_network_lock()
+    if method == "nftables" and not criu._has_nftables():
+        return CheckItem(
+            "network-lock",
+            WARNING,
+            "neither libnftables nor the iptables binary: --tcp-established dumps cannot lock the network",
+            "apt-get install libnftables1 (or iptables)",
+            data={"method": None},
+        )
+    tool = "libnftables, no binary needed" if method == "nftables" else f"binary {shutil.which('iptables')}"
+    return CheckItem("network-lock", OK, f"{method} ({tool})", data={"method": method})
 
 
 def effective_capabilities(pid: str = "self") -> int:

@@ -38,6 +38,9 @@ class RestoreOptions:
     verify: bool = True  # sha256 of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
+    pipe_to: Optional[Path] = None  # new output for pipes recorded with dump --external-pipes
+    replace_tmpfs_files: bool = False  # overwrite changed tmpfs files instead of refusing
+    settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,16 @@ def check_versions(manifest: img.Manifest, binary: Any) -> None:
     if not manifest.npu_processes:
         return
     try:
-        cann = acl.find_cann()
+        # A shell without the CANN environment still restores: the image says where it was.
+        from_image = None if os.environ.get("ASCEND_HOME_PATH") else v.cann_home
+        cann = acl.find_cann(from_image)
     except acl.CannNotFound as exc:
+        where = f" (the image was made with the CANN at {v.cann_home})" if v.cann_home else ""
         raise PreflightError(
-            f"no CANN installation to restore the device state with: {exc}",
+            f"no CANN installation to restore the device state with{where}: {exc}",
             why=getattr(exc, "hint", ""),
-            fix='source your CANN set_env.sh (or, for the simulator: eval "$(npusnap sim env)")',
+            fix="set ASCEND_HOME_PATH to the CANN install (source its set_env.sh; for the "
+            'simulator: eval "$(npusnap sim env)")',
         ) from None
     if cann.simulated != v.cann_simulated or (v.cann and cann.version != v.cann):
         have = f"{cann.version}{' (simulated)' if cann.simulated else ''}"
@@ -226,17 +233,135 @@ def prepare_sockets(manifest: img.Manifest) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _criu_options(manifest: img.Manifest) -> Any:
+def _criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> Any:
     from npusnap_cli import criu
 
     o = manifest.criu_options
+    lock = o.get("network_lock")
     return criu.CriuOptions(
         tcp_established=bool(o.get("tcp_established")),
         shell_job=bool(o.get("shell_job")),
         file_locks=bool(o.get("file_locks")),
         ext_unix_sk=bool(o.get("ext_unix_sk")),
         external=tuple(str(x) for x in o.get("external") or ()),
+        link_remap=bool(o.get("link_remap", False)),
+        network_lock=lock if lock in criu.NETWORK_LOCKS else None,
+        inherit_fd=inherit_fd,
     )
+
+
+def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[tuple[str, int]]:
+    """(CRIU key, fd) for each pipe recorded by dump --external-pipes, all opened on ``pipe_to``."""
+    keys = sorted({e.key for e in manifest.external_stdio if e.kind == "pipe"})
+    if not keys:
+        return []
+    if pipe_to is None:
+        e = manifest.external_stdio[0]
+        raise PreflightError(
+            f"the image's pid {e.pid} wrote to a pipe to a process outside the tree (fd {e.fd})",
+            why="the reader of that pipe is not in the image; restored as it was, the job would die "
+            "of SIGPIPE at its next write",
+            fix="rerun restore with --pipe-to FILE: the job then writes there",
+            details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
+        )
+    try:
+        out = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PreflightError(
+            f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
+            fix="name a writable file (not a symlink) for the job's output",
+        ) from None
+    # The job gets a new pipe, not the file itself: CRIU re-opens an inherited pipe end through
+    # /proc/self/fd with the pipe's flags, which would drop O_APPEND and start at offset 0 (the
+    # job would overwrite the file). A detached `cat` is the pipe's new reader, as `tee` was.
+    import subprocess
+
+    r, w = os.pipe()
+    try:
+        subprocess.Popen(
+            ["cat"], stdin=r, stdout=out, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True
+        )
+    except OSError as exc:
+        os.close(w)
+        raise PreflightError(
+            f"cannot start the reader for --pipe-to: {exc}", fix="check that cat is installed"
+        ) from None
+    finally:
+        os.close(r)
+        os.close(out)
+    return [(key, w) for key in keys]
+
+
+def become_subreaper() -> bool:
+    """Make the restored tree's root our child once CRIU exits, so that we can read its exit
+    status (a job that finished cleanly in the settle time is not a failed restore).
+
+    Only for a short-lived process (the CLI): a long-lived one would collect zombies that hold
+    the pids a later restore needs.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of ``pid`` if it is our (subreaped) child and has exited, else None."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return status if got == pid else None
+
+
+def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[str]:
+    """Never report "running" of a process that died: watch the tree a moment after it resumed.
+
+    Returns notes for processes that finished cleanly (exit status 0) in that time.
+    """
+    from npusnap_cli import procfs
+    from npusnap_cli.errors import TargetError
+
+    end = time.monotonic() + settle_s
+    statuses: dict[int, Optional[int]] = {}
+    while True:
+        for p in pids:
+            if p not in statuses and not procfs.is_alive(p):
+                statuses[p] = _exit_status(p)
+        if len(statuses) == len(pids) or time.monotonic() >= end:
+            break
+        time.sleep(0.05)
+    finished = [p for p, st in statuses.items() if st is not None and os.waitstatus_to_exitcode(st) == 0]
+    dead = {p: st for p, st in statuses.items() if p not in finished}
+    if dead:
+        how = "; ".join(f"{p}: {_describe_status(st)}" for p, st in dead.items())
+        raise TargetError(
+            f"the restored process(es) died right after resuming ({how})",
+            why="they were restored but ended within the first moments: usually a resource "
+            "restored as it was but no longer usable (a pipe whose reader is gone, a peer that "
+            "went away, a file changed underneath it)",
+            fix=f"read the job's own output/log and the CRIU log {log}; for pipes, dump with "
+            "--external-pipes and restore with --pipe-to FILE",
+            details={"dead_pids": sorted(dead), "criu_log": log},
+        )
+    return [f"pid {p} finished (exit status 0) right after the restore" for p in finished]
+
+
+def _describe_status(status: Optional[int]) -> str:
+    import signal
+
+    if status is None:
+        return "gone (exit status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
 def restore(
@@ -276,6 +401,10 @@ def _restore(
     check_pids_free(manifest)
     check_devices_free(manifest)
     prepare_sockets(manifest)
+    from npusnap_cli import hostres
+
+    to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = img.logs_dir(final)
     try:
         logs.mkdir(mode=img.DIR_MODE, exist_ok=True)
@@ -286,16 +415,22 @@ def _restore(
             fix="restore from a writable copy of the image",
         ) from None
     verify_s = time.monotonic() - start
-    guard.check("before anything was started", "nothing was restored")
-
-    cb.phase("criu restore")
-    res = criu.restore(
-        str(img.criu_dir(final)),
-        str(logs),
-        options=_criu_options(manifest),
-        log_name=img.RESTORE_LOG,
-        binary=binary,
-    )
+    try:
+        guard.check("before anything was started", "nothing was restored")
+        if to_put_back:
+            cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
+            hostres.put_back(to_put_back, final)
+        cb.phase("criu restore")
+        res = criu.restore(
+            str(img.criu_dir(final)),
+            str(logs),
+            options=_criu_options(manifest, tuple(inherit)),
+            log_name=img.RESTORE_LOG,
+            binary=binary,
+        )
+    finally:
+        for fd in {fd for _key, fd in inherit}:
+            os.close(fd)
     criu_done = time.monotonic()
     root_pid = res.pid
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
@@ -309,6 +444,9 @@ def _restore(
     if npu_pids:
         _device_restore(npu_pids, options, root_pid, res.log_path)
     device_done = time.monotonic()
+    watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
+    for note in check_alive_after(watched, options.settle_s, res.log_path):
+        cb.note(note)
     if guard.received is not None:
         cb.note(f"{guard.name} was received during the restore; the restore was completed first")
     stats = res.stats

@@ -164,11 +164,8 @@ setup_criu() {
         CRIU_BIN=$sys_criu
         return 0
     fi
-    # Debian 13 packages a working CRIU 4.x; prefer it when it is the version we build pycriu from.
-    if [ -z "$sys_criu" ] && grep -q '^13' /etc/debian_version 2>/dev/null && is_root; then
-        apt_install criu || true
-        sys_criu=$(command -v criu || true)
-    fi
+    # Debian 13 packages CRIU 4.1.1, which cannot dump TCP/UDP sockets on kernels 6.16+: a system
+    # criu is used only when it is the version pycriu is built from (checked by criu_ok below).
     dpkg -s $CRIU_BUILD_DEPS >/dev/null 2>&1 || apt_install $CRIU_BUILD_DEPS
     build_criu
     if [ -n "$sys_criu" ] && criu_ok "$sys_criu"; then

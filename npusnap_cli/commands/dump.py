@@ -71,6 +71,24 @@ def register(app: typer.Typer) -> None:
             "--no-attach",
             help="Fail instead of injecting an agent into NPU processes without one.",
         ),
+        link_remap: bool = typer.Option(
+            True,
+            "--link-remap/--no-link-remap",
+            help="Save deleted files the tree still has open, e.g. the /dev/shm semaphores of "
+            "multiprocessing's spawn/forkserver pools (CRIU's --link-remap; on by default).",
+        ),
+        network_lock: Optional[str] = typer.Option(
+            None,
+            "--network-lock",
+            help="How CRIU blocks the network while dumping TCP connections: nftables (no binary "
+            "needed), iptables or skip. Default: nftables where CRIU has it.",
+        ),
+        external_pipes: bool = typer.Option(
+            False,
+            "--external-pipes",
+            help="Allow pipes to processes outside the tree (`job | tee log`); the image records "
+            "them and restore needs --pipe-to FILE to give the job a new output.",
+        ),
         lease: float = typer.Option(
             60.0,
             "--lease",
@@ -86,8 +104,16 @@ def register(app: typer.Typer) -> None:
         afterwards; with --leave-running it keeps running. Any failure rolls every process back
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
+        from npusnap_cli import criu
         from npusnap_cli import dump as dump_mod
+        from npusnap_cli.errors import UsageError
         from npusnap_cli.ui import human_bytes
+
+        if network_lock is not None and network_lock not in criu.NETWORK_LOCKS:
+            raise UsageError(
+                f"--network-lock {network_lock!r} is not a network lock method",
+                fix=f"use one of: {', '.join(criu.NETWORK_LOCKS)}",
+            )
 
         out = output(ctx, "dump", json_flag)
         bars = ProgressBars(out)
@@ -108,6 +134,9 @@ def register(app: typer.Typer) -> None:
             force=force,
             attach=not no_attach,
             lease_s=lease,
+            link_remap=link_remap,
+            network_lock=network_lock,
+            external_pipes=external_pipes,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         try:

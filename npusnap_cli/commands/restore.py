@@ -23,6 +23,26 @@ def register(app: typer.Typer) -> None:
         pidfile: Optional[Path] = typer.Option(
             None, "--pidfile", help="Write the restored root pid into this file."
         ),
+        pipe_to: Optional[Path] = typer.Option(
+            None,
+            "--pipe-to",
+            help="For an image dumped with --external-pipes: the restored job writes what went "
+            "into those pipes to this file (appended; created 0600 if missing).",
+        ),
+        replace_tmpfs_files: bool = typer.Option(
+            False,
+            "--replace-tmpfs-files",
+            help="Overwrite tmpfs files (/dev/shm ...) that changed since the dump with the image's "
+            "copies, instead of refusing.",
+        ),
+        settle: float = typer.Option(
+            0.5,
+            "--settle",
+            min=0.0,
+            max=60.0,
+            help="Seconds to watch the restored tree after it resumed; a process that died in "
+            "that time fails the restore.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid.
@@ -42,8 +62,15 @@ def register(app: typer.Typer) -> None:
             bars.close()
             out.info(f"… {label}")
 
-        options = restore_mod.RestoreOptions(verify=not no_verify, pidfile=pidfile)
+        options = restore_mod.RestoreOptions(
+            verify=not no_verify,
+            pidfile=pidfile,
+            pipe_to=pipe_to,
+            replace_tmpfs_files=replace_tmpfs_files,
+            settle_s=settle,
+        )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
+        restore_mod.become_subreaper()
         try:
             result = restore_mod.restore(directory, options, callbacks)
         finally:

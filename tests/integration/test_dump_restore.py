@@ -247,7 +247,7 @@ def test_a_restored_job_can_be_dumped_again(
     """Regression: the agent of a restored process refused the legal BACKED_UP -> Unlock of a later
     `--leave-running` dump (RESTORE_REQUIRED), because it never forgot the earlier CRIU restore."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
+    args = ["--steps", "120", *TRAIN_ARGS, "--device", "0", "--seed", "11"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
     first, second = tmp_path / "img1", tmp_path / "img2"

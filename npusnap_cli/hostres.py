@@ -1,0 +1,364 @@
+"""Host resources of a process tree that a plain CRIU image does not carry safely.
+
+CRIU saves a tree's memory, fds and sockets, but three kinds of things a real job holds break
+it, some only after a restore that said "ok" (criu-here.md, November 2026):
+
+* **pipes and terminals to a process outside the tree** (``train.py | tee log``): CRIU dumps
+  the pipe and re-creates it at restore with no reader, and the job dies of SIGPIPE a moment
+  later. ``find_external_stdio`` finds them so that dump can refuse (or record them, for restore
+  to hand the job a new fd through CRIU's ``--inherit-fd``).
+* **files on tmpfs** (``/dev/shm`` segments of ``multiprocessing.shared_memory``, a tmpfs
+  ``/tmp``): CRIU records only their path; the bytes must be there, unchanged, at restore.
+  ``find_tmpfs_files`` lists them; dump copies them into the image while the tree is frozen and
+  restore puts them back (or refuses when a different file is in the way).
+* deleted files still open (spawn-pool semaphores in ``/dev/shm``) are handled by CRIU's
+  link-remap, which npusnap turns on by default (see criu.CriuOptions).
+
+Read-only /proc inspection here; copying and putting back are in ``save_files``/``put_back``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from npusnap_cli.errors import ImageError, PreflightError
+
+# Pseudo or kernel filesystems whose "files" are not data to save.
+_NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", "/run/npusnap")
+
+
+@dataclass(frozen=True)
+class ExternalStdio:
+    """An fd of the tree that is a pipe or terminal shared with a process outside the tree."""
+
+    pid: int
+    fd: int
+    key: str  # CRIU's name for it: "pipe:[INODE]" or the tty path
+    kind: str  # "pipe" | "tty"
+    peers: tuple[int, ...]  # pids outside the tree that hold it (empty for a tty)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "fd": self.fd, "key": self.key, "kind": self.kind, "peers": list(self.peers)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExternalStdio:
+        try:
+            return cls(
+                pid=int(d["pid"]),
+                fd=int(d["fd"]),
+                key=str(d["key"]),
+                kind=str(d["kind"]),
+                peers=tuple(int(p) for p in d.get("peers") or ()),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImageError(f"bad external_stdio entry in the manifest: {exc}", fix="dump again") from None
+
+
+@dataclass(frozen=True)
+class HostFile:
+    """A tmpfs file the tree had open or mapped, saved in the image under ``hostfiles/``."""
+
+    path: str  # absolute path on the host
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    sha256: str
+
+    @property
+    def rel(self) -> str:
+        """Where its copy lives inside the image."""
+        return "hostfiles" + self.path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "size": self.size,
+            "mode": self.mode,
+            "uid": self.uid,
+            "gid": self.gid,
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HostFile:
+        try:
+            f = cls(
+                path=str(d["path"]),
+                size=int(d["size"]),
+                mode=int(d["mode"]),
+                uid=int(d["uid"]),
+                gid=int(d["gid"]),
+                sha256=str(d["sha256"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImageError(f"bad host_files entry in the manifest: {exc}", fix="dump again") from None
+        norm = os.path.normpath(f.path)
+        if not f.path.startswith("/") or norm != f.path or ".." in f.path.split("/"):
+            raise ImageError(f"bad host_files path in the manifest: {f.path!r}", fix="dump again")
+        return f
+
+
+# --------------------------------------------------------------------------------------------
+# Pipes and terminals
+# --------------------------------------------------------------------------------------------
+
+
+def _fd_links(pid: int) -> dict[int, str]:
+    out: dict[int, str] = {}
+    base = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out[int(name)] = os.readlink(f"{base}/{name}")
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _all_pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def _is_tty(target: str) -> bool:
+    return target.startswith("/dev/pts/") or (target.startswith("/dev/tty") and target != "/dev/tty")
+
+
+def find_external_stdio(tree: Iterable[int]) -> list[ExternalStdio]:
+    """Pipes the tree shares with processes outside it, and terminals it has open."""
+    pids = set(tree)
+    ours = {os.getpid()}
+    pipes: dict[str, list[tuple[int, int]]] = {}
+    found: list[ExternalStdio] = []
+    for pid in sorted(pids):
+        for fd, target in sorted(_fd_links(pid).items()):
+            if target.startswith("pipe:["):
+                pipes.setdefault(target, []).append((pid, fd))
+            elif _is_tty(target):
+                found.append(ExternalStdio(pid=pid, fd=fd, key=target, kind="tty", peers=()))
+    if pipes:
+        holders: dict[str, set[int]] = {k: set() for k in pipes}
+        for other in _all_pids():
+            if other in pids or other in ours:
+                continue
+            for target in _fd_links(other).values():
+                if target in holders:
+                    holders[target].add(other)
+        for key, users in pipes.items():
+            if holders[key]:
+                for pid, fd in users:
+                    found.append(
+                        ExternalStdio(pid=pid, fd=fd, key=key, kind="pipe", peers=tuple(sorted(holders[key])))
+                    )
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def stray_pipes(found: list[ExternalStdio]) -> list[ExternalStdio]:
+    """Pipes to outside the tree on fds other than 0-2: restored without a reader (warned)."""
+    return [e for e in found if e.kind == "pipe" and e.fd > 2]
+
+
+def external_stdio_error(found: list[ExternalStdio], *, shell_job: bool) -> Optional[PreflightError]:
+    """The refusal for pipes/terminals the restored job could not use, or None."""
+    # Standard input/output/error are used by every job; a stray inherited pipe on another fd
+    # (a CI runner's, a shell's) usually is not, so those are only warned about (stray_pipes).
+    pipes = [e for e in found if e.kind == "pipe" and e.fd <= 2]
+    ttys = [e for e in found if e.kind == "tty" and e.fd <= 2]
+    if ttys and not shell_job:
+        e = ttys[0]
+        return PreflightError(
+            f"pid {e.pid} has the terminal {e.key} open (fd {e.fd})",
+            why="a job attached to a terminal can only be dumped as a shell job, and is restored "
+            "onto the terminal `npusnap restore` runs in",
+            fix="rerun with --shell-job, or start the job with its input and output redirected "
+            "(`npusnap run -- CMD >>job.log 2>&1 </dev/null`)",
+            details={"external_stdio": [x.to_dict() for x in ttys]},
+        )
+    if pipes:
+        e = pipes[0]
+        peers = ", ".join(f"{p} ({_comm(p)})" for p in e.peers)
+        return PreflightError(
+            f"pid {e.pid}'s fd {e.fd} is a pipe to a process outside the dumped tree: {peers}",
+            why="CRIU re-creates the pipe at restore but not its other end, so the restored job "
+            "dies of SIGPIPE at its next write (as `train.py | tee log` does)",
+            fix="redirect the job's output to a file (`>>job.log 2>&1`), or rerun with "
+            "--external-pipes and restore with --pipe-to FILE (the restored job writes there)",
+            details={"external_stdio": [x.to_dict() for x in pipes]},
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# tmpfs files
+# --------------------------------------------------------------------------------------------
+
+
+def tmpfs_mounts() -> list[str]:
+    """Mount points of tmpfs filesystems, longest first."""
+    points: list[str] = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fstype = right.split()[0] if right else ""
+                fields = left.split()
+                if fstype == "tmpfs" and len(fields) > 4:
+                    points.append(fields[4].replace("\\040", " "))
+    except OSError:
+        return []
+    return sorted(set(points), key=len, reverse=True)
+
+
+def _on(path: str, mounts: list[str]) -> bool:
+    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+_O_ACCMODE, _O_WRONLY, _O_APPEND = 0o3, 0o1, 0o2000
+
+
+def _append_only(pid: int, fd: int) -> bool:
+    """An fd opened write-only with O_APPEND: a log; CRIU itself does not check its size."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    flags = int(line.split()[1], 8)
+                    return flags & _O_ACCMODE == _O_WRONLY and bool(flags & _O_APPEND)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) -> list[str]:
+    """Regular files on tmpfs that the tree has mapped or open (not deleted ones, not logs
+    opened write-only with O_APPEND, whose later growth CRIU tolerates)."""
+    mounts = tmpfs_mounts() if mounts is None else mounts
+    paths: set[str] = set()
+    for pid in tree:
+        candidates = [t for fd, t in _fd_links(pid).items() if not _append_only(pid, fd)]
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6:
+                        candidates.append(parts[5].strip())
+        except OSError:
+            pass
+        for p in candidates:
+            if not p.startswith("/") or p.endswith(" (deleted)") or p.startswith(_NOT_DATA):
+                continue
+            if _on(p, mounts):
+                paths.add(p)
+    out = []
+    for p in sorted(paths):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append(p)
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_files(paths: list[str], image_tmp: Path) -> tuple[HostFile, ...]:
+    """Copy each file into ``image_tmp/hostfiles/<path>`` (0600); call while the tree is frozen."""
+    saved = []
+    for path in paths:
+        st = os.stat(path)
+        dest = image_tmp / ("hostfiles" + path)
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        h = hashlib.sha256()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(path, "rb") as src, os.fdopen(fd, "wb") as out:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                h.update(chunk)
+                out.write(chunk)
+        saved.append(
+            HostFile(
+                path=path,
+                size=dest.stat().st_size,
+                mode=stat.S_IMODE(st.st_mode),
+                uid=st.st_uid,
+                gid=st.st_gid,
+                sha256=h.hexdigest(),
+            )
+        )
+    return tuple(saved)
+
+
+def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFile]:
+    """The files to write at restore; refuse when a different file is in the way (no --replace)."""
+    todo: list[HostFile] = []
+    for f in files:
+        try:
+            st = os.lstat(f.path)
+        except FileNotFoundError:
+            todo.append(f)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise PreflightError(
+                f"{f.path} exists and is not a regular file",
+                why="the image holds the dump-time contents of that tmpfs file for the job",
+                fix=f"remove it (`rm {f.path}`) and restore again",
+            )
+        if st.st_size == f.size and _sha256(f.path) == f.sha256:
+            continue
+        if not replace:
+            raise PreflightError(
+                f"{f.path} changed since the dump ({f.size} bytes then, {st.st_size} now)",
+                why="the job had this tmpfs file open or mapped; restoring it onto other contents "
+                "would make it compute on data it never saw (a shared-memory segment, usually)",
+                fix=f"stop whatever uses {f.path} and remove it (the image puts the dump-time copy "
+                "back), or rerun restore with --replace-tmpfs-files to overwrite it",
+                details={"changed_file": f.path, "size_at_dump": f.size, "size_now": st.st_size},
+            )
+        todo.append(f)
+    return todo
+
+
+def put_back(files: list[HostFile], image: Path) -> list[str]:
+    """Write the saved copies to their paths (owner and mode as at dump); the paths written."""
+    written = []
+    for f in files:
+        src = image / f.rel
+        target = Path(f.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.npusnap-put-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with open(src, "rb") as s, os.fdopen(fd, "wb") as out:
+                for chunk in iter(lambda: s.read(1 << 20), b""):
+                    out.write(chunk)
+            os.chown(tmp, f.uid, f.gid)
+            os.chmod(tmp, f.mode)
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        written.append(f.path)
+    return written

@@ -1,0 +1,112 @@
+"""hostres: pipes/terminals to outside the tree, tmpfs files; criu: failures with a known cause."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import criu, hostres
+from npusnap_cli.errors import ImageError, PreflightError
+
+
+def test_a_pipe_to_a_process_outside_the_tree_is_found_and_refused() -> None:
+    reader = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        writer = subprocess.Popen(["sleep", "30"], stdout=reader.stdin)
+        try:
+            found = hostres.find_external_stdio([writer.pid])
+            pipes = [e for e in found if e.kind == "pipe" and e.fd == 1]
+            assert pipes and reader.pid in pipes[0].peers, found
+            err = hostres.external_stdio_error(found, shell_job=False)
+            assert isinstance(err, PreflightError)
+            assert "--external-pipes" in err.fix and "pipe to a process outside" in err.message
+            # The same pipe with both ends inside the tree is fine.
+            assert not [e for e in hostres.find_external_stdio([writer.pid, reader.pid]) if e.kind == "pipe"]
+        finally:
+            writer.kill()
+            writer.wait()
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+def test_a_stray_pipe_on_another_fd_is_only_warned_about() -> None:
+    e = hostres.ExternalStdio(pid=1, fd=7, key="pipe:[1]", kind="pipe", peers=(2,))
+    assert hostres.external_stdio_error([e], shell_job=False) is None
+    assert hostres.stray_pipes([e]) == [e]
+
+
+def test_a_terminal_needs_shell_job() -> None:
+    e = hostres.ExternalStdio(pid=1, fd=1, key="/dev/pts/3", kind="tty", peers=())
+    err = hostres.external_stdio_error([e], shell_job=False)
+    assert err is not None and "--shell-job" in err.fix
+    assert hostres.external_stdio_error([e], shell_job=True) is None
+
+
+def test_tmpfs_files_are_saved_and_changes_refused(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or "/dev/shm" not in hostres.tmpfs_mounts():
+        pytest.skip("/dev/shm is not a tmpfs mount here")
+    seg = shm / f"npusnap-unit-{os.getpid()}"
+    seg.write_bytes(b"dump-time contents")
+    holder = subprocess.Popen(["sleep", "30"], stdin=open(seg, "rb"))  # noqa: SIM115
+    try:
+        assert str(seg) in hostres.find_tmpfs_files([holder.pid])
+        image = tmp_path / "img"
+        image.mkdir()
+        (saved,) = hostres.save_files([str(seg)], image)
+        assert (image / saved.rel).read_bytes() == b"dump-time contents"
+        assert hostres.check_put_back((saved,), replace=False) == []  # unchanged: nothing to do
+        seg.write_bytes(b"changed")
+        with pytest.raises(PreflightError, match="changed since the dump"):
+            hostres.check_put_back((saved,), replace=False)
+        assert hostres.check_put_back((saved,), replace=True) == [saved]
+        seg.unlink()
+        todo = hostres.check_put_back((saved,), replace=False)
+        assert hostres.put_back(todo, image) == [str(seg)]
+        assert seg.read_bytes() == b"dump-time contents"
+    finally:
+        holder.kill()
+        holder.wait()
+        seg.unlink(missing_ok=True)
+
+
+def test_host_file_paths_in_a_manifest_are_checked() -> None:
+    good = {"path": "/dev/shm/x", "size": 1, "mode": 0o600, "uid": 0, "gid": 0, "sha256": "0" * 64}
+    assert hostres.HostFile.from_dict(good).rel == "hostfiles/dev/shm/x"
+    for bad in ("dev/shm/x", "/dev/shm/../../etc/passwd", "/dev//shm/x"):
+        with pytest.raises(ImageError):
+            hostres.HostFile.from_dict(dict(good, path=bad))
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        (
+            "(00.1) Error (criu/files-reg.c:2175): File tmp/j.log has bad size 30 (expect 10)",
+            "/tmp/j.log changed",
+        ),
+        (
+            "(00.1) Error (criu/files-reg.c:1122): Can't create link remap for /dev/shm/sem.x. Use",
+            "deleted file",
+        ),
+        ("(00.1) Error (criu/sockets.c:1): sockets: Can't get 1:16 opt: Operation not supported", "TCP/UDP"),
+    ],
+)
+def test_criu_failures_with_a_known_cause_get_their_own_message(line: str, expect: str) -> None:
+    known = criu._known_failure([line])
+    assert known is not None and expect in known[0]
+    assert known[2]  # a fix
+
+
+def test_criu_below_4_2_cannot_dump_inet_sockets_on_kernels_that_refuse_passcred(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(criu, "kernel_refuses_inet_passcred", lambda: True)
+    assert not criu.inet_sockets_supported(criu.CriuBinary("/x", "4.1.1"))
+    assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.2.1"))
+    monkeypatch.setattr(criu, "kernel_refuses_inet_passcred", lambda: False)
+    assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.1.1"))
