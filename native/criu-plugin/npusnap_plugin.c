@@ -109,15 +109,10 @@ static struct {
     int ntasks;
     task tasks[MAX_TASKS];
     double lease_s;
+    int require_agent;
+    char log_path[256];
     int criu_pid;
 } P;
-
-/* ---- small helpers ----------------------------------------------------------------------- */
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 static double env_double(const char *name, double dflt) {
     const char *v = getenv(name);
@@ -126,6 +121,55 @@ static double env_double(const char *name, double dflt) {
     double d = strtod(v, &end);
     return (*end || d <= 0) ? dflt : d;
 }
+
+static const char *config_path(void) {
+    const char *p = getenv("NPUSNAP_PLUGIN_CONFIG");
+    return (p && *p) ? p : "/etc/npusnap/criu-plugin.conf";
+}
+
+/* /etc/npusnap/criu-plugin.conf (NPUSNAP_PLUGIN_CONFIG): KEY=VALUE lines, '#' comments. A file
+ * because container engines scrub the environment they hand to runc and CRIU. The environment
+ * (NPUSNAP_PLUGIN_LEASE_S, NPUSNAP_PLUGIN_REQUIRE_AGENT, NPUSNAP_PLUGIN_LOG) wins where set. */
+static void load_config(void) {
+    P.lease_s = 60.0;
+    P.require_agent = 0;
+    snprintf(P.log_path, sizeof P.log_path, "/var/log/npusnap/criu-plugin.log");
+    FILE *f = fopen(config_path(), "re");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f)) {
+            char *k = line;
+            while (*k == ' ' || *k == '\t') k++;
+            if (*k == '#' || *k == '\n' || !*k) continue;
+            char *eq = strchr(k, '=');
+            if (!eq) continue;
+            *eq = 0;
+            char *v = eq + 1;
+            v[strcspn(v, "\r\n")] = 0;
+            char *kend = eq;
+            while (kend > k && (kend[-1] == ' ' || kend[-1] == '\t')) *--kend = 0;
+            while (*v == ' ' || *v == '\t') v++;
+            if (!strcmp(k, "lease_s") && atof(v) > 0) P.lease_s = atof(v);
+            else if (!strcmp(k, "require_agent")) P.require_agent = atoi(v) != 0;
+            else if (!strcmp(k, "log")) snprintf(P.log_path, sizeof P.log_path, "%s", v);
+            else LOGW("%s: unknown key %s (known: lease_s, require_agent, log)\n", config_path(), k);
+        }
+        fclose(f);
+    }
+    P.lease_s = env_double("NPUSNAP_PLUGIN_LEASE_S", P.lease_s);
+    const char *ra = getenv("NPUSNAP_PLUGIN_REQUIRE_AGENT");
+    if (ra && *ra) P.require_agent = atoi(ra) != 0;
+    const char *lg = getenv("NPUSNAP_PLUGIN_LOG");
+    if (lg && *lg) snprintf(P.log_path, sizeof P.log_path, "%s", lg);
+}
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
 
 static int read_file(const char *path, char *buf, size_t len) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -469,12 +513,19 @@ static int pause_devices(int pid) {
         if (rc == 1) {
             char lib[512];
             if (maps_cann(pid, lib, sizeof lib)) {
-                FAIL(EX_TARGET,
-                     "pid %d (pid %d in its namespace) has the CANN runtime loaded (%s) but no npusnap agent: its "
-                     "device state would be lost; start it under `npusnap run` or LD_PRELOAD=libnpusnap_agent.so "
-                     "with NPUSNAP_AGENT=1",
-                     pid, nspid, lib);
-                return -1;
+                if (P.require_agent) {
+                    FAIL(EX_TARGET,
+                         "pid %d (pid %d in its namespace) has the CANN runtime loaded (%s) but no npusnap agent: "
+                         "its device state would be lost; start it under `npusnap run` or with "
+                         "LD_PRELOAD=libnpusnap_agent.so NPUSNAP_AGENT=1 (require_agent=1 in %s)",
+                         pid, nspid, lib, config_path());
+                    return -1;
+                }
+                LOGW("pid %d (pid %d in its namespace) has the CANN runtime loaded (%s) but no npusnap agent: the "
+                     "plugin does not touch it, its device state is up to the application or another plugin "
+                     "(set require_agent=1 in %s to refuse such dumps)\n",
+                     pid, nspid, lib, config_path());
+                return -ENOTSUP;
             }
             LOGI("pid %d has no agent and no CANN runtime: not ours\n", pid);
             return -ENOTSUP;
@@ -499,6 +550,12 @@ static int pause_devices(int pid) {
         break;
     }
     if (!r.ok) {
+        if (!strcmp(r.name, "NO_ACL_RUNTIME")) {
+            LOGI("pid %d has an agent but no CANN runtime: not ours\n", pid);
+            reply_free(&r);
+            agent_close(&c);
+            return -ENOTSUP;
+        }
         if (!strcmp(r.name, "ALREADY_LOCKED")) {
             const jval *owner = r.body ? json_get(r.body, "owner") : NULL;
             const jval *cmd = owner ? json_get(owner, "command") : NULL;
@@ -700,12 +757,8 @@ static int write_state_file(void) {
 }
 
 static FILE *helper_log(void) {
-    const char *path = getenv("NPUSNAP_PLUGIN_LOG");
-    if (!path || !*path) {
-        mkdir("/var/log/npusnap", 0700);
-        path = "/var/log/npusnap/criu-plugin.log";
-    }
-    FILE *f = fopen(path, "ae");
+    if (!strcmp(P.log_path, "/var/log/npusnap/criu-plugin.log")) mkdir("/var/log/npusnap", 0700);
+    FILE *f = fopen(P.log_path, "ae");
     if (f) setvbuf(f, NULL, _IOLBF, 0);
     return f;
 }
@@ -807,8 +860,7 @@ static void spawn_rollback_helper(void) {
     while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
     }
     LOGI("a detached helper rolls back the %d locked task(s) if CRIU lets them run (failed dump, --leave-running); "
-         "log: %s\n", P.ntasks, getenv("NPUSNAP_PLUGIN_LOG") ? getenv("NPUSNAP_PLUGIN_LOG")
-                                                             : "/var/log/npusnap/criu-plugin.log");
+         "log: %s\n", P.ntasks, P.log_path);
 }
 
 /* ---- restore ----------------------------------------------------------------------------- */
@@ -917,7 +969,7 @@ static void restore_one(task *t) {
 static int plugin_init(int stage) {
     memset(&P, 0, sizeof P);
     P.stage = stage;
-    P.lease_s = env_double("NPUSNAP_PLUGIN_LEASE_S", 60.0);
+    load_config();
     if (stage == CR_PLUGIN_STAGE__PRE_DUMP) {
         P.disabled = 1; /* pre-dump never freezes device state */
         return 0;
@@ -932,7 +984,7 @@ static int plugin_init(int stage) {
     /* Dump: talk to the agents before CRIU stops the tasks, also under runc (which asks CRIU to
      * freeze the container's cgroup): CRIU thaws it and interrupts the tasks one by one. */
     set_compel_interrupt_only_mode();
-    LOGI("loaded (dump), lease %gs\n", P.lease_s);
+    LOGI("loaded (dump), lease %gs, require_agent %d, config %s\n", P.lease_s, P.require_agent, config_path());
     return 0;
 }
 
