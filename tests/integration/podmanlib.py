@@ -36,7 +36,9 @@ CONTAINER_FLAGS = ["--network=none", "--ulimit", "nofile=20000:20000", "--ulimit
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
     res = subprocess.run(["podman", *RUN_FLAGS, *args], capture_output=True, text=True, timeout=timeout)
     if check and res.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        raise AssertionError(
+            f"podman {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+        )
     return res
 
 
@@ -79,7 +81,11 @@ def build_image(work: Path, tag: str) -> None:
         check=True,
         timeout=120,
     )  # fmt: skip
-    files = [root / "opt/npu/npu_stepper", root / "opt/npu/libnpusnap_agent.so", *(cann / "lib64").glob("*.so")]
+    files = [
+        root / "opt/npu/npu_stepper",
+        root / "opt/npu/libnpusnap_agent.so",
+        *(cann / "lib64").glob("*.so"),
+    ]
     for lib in _needed_libs(files, str(cann / "lib64")):
         if lib.startswith(str(cann)):
             continue
@@ -110,7 +116,15 @@ class Container:
             "LD_LIBRARY_PATH": "/opt/npu/cann/lib64",
             "NPUSIM_SOCKET": sim_env["NPUSIM_SOCKET"],
         }
-        args = ["run", "-d", "--name", self.name, "--annotation", f"org.criu.config={self.conf}", *CONTAINER_FLAGS]
+        args = [
+            "run",
+            "-d",
+            "--name",
+            self.name,
+            "--annotation",
+            f"org.criu.config={self.conf}",
+            *CONTAINER_FLAGS,
+        ]
         args += ["-v", f"{sim_dir}:{sim_dir}"]
         if fault_file is not None:
             args += ["-v", f"{fault_file.parent}:{fault_file.parent}"]
@@ -144,7 +158,9 @@ class Container:
             if len(steps) >= start + n:
                 return steps[-1][0]
             time.sleep(0.2)
-        raise AssertionError(f"{name or self.name}: fewer than {n} new steps in {timeout}s:\n{self.logs(name)[-800:]}")
+        raise AssertionError(
+            f"{name or self.name}: fewer than {n} new steps in {timeout}s:\n{self.logs(name)[-800:]}"
+        )
 
     def inspect(self, name: Optional[str] = None) -> dict[str, Any]:
         data: list[dict[str, Any]] = json.loads(podman("inspect", name or self.name).stdout)
@@ -183,7 +199,7 @@ def wait_unlocked(c: Container, timeout: float = 15, name: Optional[str] = None)
     while time.monotonic() < deadline:
         try:
             last = c.agent_status(name)
-        except Exception as exc:  # noqa: BLE001 - the agent may still be thawing
+        except Exception as exc:  # the agent may still be thawing
             last = {"error": str(exc)}
         if last.get("state") == "RUNNING" and last.get("owner") is None:
             return last

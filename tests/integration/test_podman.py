@@ -60,7 +60,9 @@ def container_factory(image: str, sim_env: dict[str, str], tmp_path: Path) -> It
         c.remove()
 
 
-def start(made: list[Container], image: str, sim_env: dict[str, str], tmp_path: Path, **kw: object) -> Container:
+def start(
+    made: list[Container], image: str, sim_env: dict[str, str], tmp_path: Path, **kw: object
+) -> Container:
     c = Container(image, sim_env, tmp_path, **kw)  # type: ignore[arg-type]
     made.append(c)
     c.wait_steps(3)
@@ -83,7 +85,10 @@ def test_checkpoint_and_restore_through_podman_alone(
     assert "npusnap-plugin: pid" in dump_log and "locked and backed up" in dump_log, dump_log[-2000:]
     # npusnap reads the checkpoint directory: checksums verified
     verify = subprocess.run(
-        [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(ckpt)], capture_output=True, text=True, timeout=60
+        [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -122,7 +127,10 @@ def test_export_and_import_as_another_container(
         names = tar.getnames()
     assert "checkpoint/npusnap-plugin.json" in [n.lstrip("./") for n in names], names
     verify = subprocess.run(
-        [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(archive)], capture_output=True, text=True, timeout=60
+        [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(archive)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     before = c.steps()
@@ -216,7 +224,11 @@ def _bare(
 
 
 def _steps(out: Path) -> list[tuple[int, int]]:
-    return [(int(p[1]), int(p[3])) for p in (ln.split() for ln in out.read_text().splitlines()) if p[:1] == ["step"]]
+    return [
+        (int(p[1]), int(p[3]))
+        for p in (ln.split() for ln in out.read_text().splitlines())
+        if p[:1] == ["step"]
+    ]
 
 
 def test_raw_criu_dump_and_restore_with_the_plugin(
