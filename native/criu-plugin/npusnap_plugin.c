@@ -56,6 +56,7 @@
 extern int add_inventory_plugin(const char *name);
 extern bool check_and_remove_inventory_plugin(const char *name, size_t n);
 extern void set_compel_interrupt_only_mode(void);
+extern bool alarm_timeouted(void); /* CRIU's freeze timeout (--timeout) ran out */
 extern void print_on_level(unsigned int loglevel, const char *format, ...)
     __attribute__((format(printf, 2, 3)));
 
@@ -368,6 +369,13 @@ static int read_line(conn *c, double timeout_s, size_t *len, char *err, size_t e
             snprintf(err, errlen, "no answer from the agent of pid %d within %.0fs", c->pid, timeout_s);
             return -1;
         }
+        if (P.stage == CR_PLUGIN_STAGE__DUMP && alarm_timeouted()) {
+            snprintf(err, errlen,
+                     "CRIU's freeze timeout ran out while the agent of pid %d was answering (a large device "
+                     "backup? raise it: `timeout 600` in the CRIU config file, or criu --timeout)",
+                     c->pid);
+            return -1;
+        }
         struct pollfd p = {c->fd, POLLIN, 0};
         int rc = poll(&p, 1, (int)(left * 1000) + 1);
         if (rc < 0 && errno == EINTR) continue;
@@ -502,6 +510,15 @@ static int pause_devices(int pid) {
     if (task_of(pid)) return 0;
     int nspid = ns_pid(pid);
     if (nspid < 0) return -ENOTSUP; /* gone: CRIU sees it too */
+    char pst = proc_state(pid);
+    if (pst == 'T' || pst == 't') {
+        char cands[1][256];
+        if (agent_sockets(pid, nspid, cands, 1) > 0) {
+            FAIL(EX_TARGET, "pid %d is stopped (SIGSTOP, Ctrl-Z or a debugger): its agent cannot lock or back up "
+                            "the device; continue it (kill -CONT %d) and checkpoint again", pid, pid);
+            return -1;
+        }
+    }
     char sock[256], err[512];
     conn c;
     int rc = -1;
@@ -779,6 +796,7 @@ static void hlog(FILE *f, const char *fmt, ...) {
 /* The detached helper: once CRIU lets a task go (it is no longer traced), roll it back. A task
  * that CRIU killed after a good dump is gone: nothing to do. Bounded by the lease (+30 s). */
 static void helper_main(void) {
+    P.stage = -1; /* CRIU's dump (and its freeze timeout) is over for this process */
     FILE *lf = helper_log();
     hlog(lf, "helper for %d task(s) of criu pid %d", P.ntasks, P.criu_pid);
     double deadline = now_s() + P.lease_s + 30;

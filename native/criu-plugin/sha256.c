@@ -1,5 +1,6 @@
 /* SHA-256 (FIPS 180-4). Small and dependency-free: the plugin is loaded into CRIU and links
- * nothing but libc. Checked against Python's hashlib by tests/unit/test_criu_plugin.py. */
+ * nothing but libc. `npusnap verify` recomputes the sums with Python's hashlib
+ * (tests/integration/test_podman.py). */
 #include "sha256.h"
 
 #include <stdio.h>
