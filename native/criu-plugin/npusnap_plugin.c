@@ -111,6 +111,7 @@ static struct {
     task tasks[MAX_TASKS];
     double lease_s;
     int require_agent;
+    char device_memory[16]; /* "" (the agent's default: preserve), "preserve", "app", "discard" */
     char log_path[256];
     int criu_pid;
 } P;
@@ -153,7 +154,12 @@ static void load_config(void) {
             if (!strcmp(k, "lease_s") && atof(v) > 0) P.lease_s = atof(v);
             else if (!strcmp(k, "require_agent")) P.require_agent = atoi(v) != 0;
             else if (!strcmp(k, "log")) snprintf(P.log_path, sizeof P.log_path, "%s", v);
-            else LOGW("%s: unknown key %s (known: lease_s, require_agent, log)\n", config_path(), k);
+            else if (!strcmp(k, "device_memory") &&
+                     (!strcmp(v, "preserve") || !strcmp(v, "app") || !strcmp(v, "discard")))
+                snprintf(P.device_memory, sizeof P.device_memory, "%s", v);
+            else
+                LOGW("%s: unknown key or value %s=%s (known: lease_s, require_agent, log, "
+                     "device_memory=preserve|app|discard)\n", config_path(), k, v);
         }
         fclose(f);
     }
@@ -551,8 +557,10 @@ static int pause_devices(int pid) {
             FAIL(EX_AGENT, "pid %d: %s", pid, err);
             return -1;
         }
-        snprintf(args, sizeof args, "{\"lease_s\":%g,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}", P.lease_s,
-                 (int)getpid());
+        char dm[48] = "";
+        if (P.device_memory[0]) snprintf(dm, sizeof dm, ",\"device_memory\":\"%s\"", P.device_memory);
+        snprintf(args, sizeof args, "{\"lease_s\":%g%s,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}",
+                 P.lease_s, dm, (int)getpid());
         if (agent_request(&c, "lock", args, 90, &r, err, sizeof err) < 0) {
             agent_close(&c);
             FAIL(EX_AGENT, "lock of pid %d: %s", pid, err);

@@ -239,12 +239,18 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
     img = tmp_path / "img"
     img.mkdir()
     libdir = str(podmanlib.plugin_dir())
+    conf = tmp_path / "criu-plugin.conf"
+    conf.write_text("# the plugin's settings\nlease_s = 77\ndevice_memory=preserve\n")
+    env = dict(os.environ, NPUSNAP_PLUGIN_CONFIG=str(conf))
     try:
         subprocess.run(
             ["criu", "dump", "-t", str(pid), "-D", str(img), "-L", libdir, "-v4", "-o", "dump.log"],
             check=True,
             timeout=120,
+            env=env,
         )
+        assert "lease 77s" in (img / "dump.log").read_text(errors="replace")
+        assert json.loads((img / "npusnap-plugin.json").read_text())["lease_s"] == 77
         proc.wait(timeout=20)  # CRIU kills it after a good dump
         assert (img / "npusnap-plugin.json").is_file()
         n = len(_steps(out))
