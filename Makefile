@@ -12,6 +12,6 @@ demo: setup
 	.venv/bin/npusnap demo
 
 lint: setup
-	.venv/bin/ruff check npusnap_cli tests bench
-	.venv/bin/ruff format --check npusnap_cli tests bench
+	.venv/bin/ruff check npusnap_cli tests bench agent-dist
+	.venv/bin/ruff format --check npusnap_cli tests bench agent-dist
 	.venv/bin/mypy

@@ -108,12 +108,14 @@ class AttachResult:
     tid: Optional[int] = None
     hello: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
+    stopped_s: Optional[float] = None  # native attach: how long gdb held the target (upper bound)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pid": self.pid,
             "method": self.method,
             "python": self.python,
+            "stopped_s": self.stopped_s,
             "socket": self.socket,
             "elapsed_s": round(self.elapsed_s, 3),
             "safe_point": self.safe_point,
@@ -250,8 +252,8 @@ def probe(pid: int) -> PythonTarget:
         raise TargetError(
             f"pid {pid} ({_comm(pid)}) is not a Python process",
             why=f"its executable is {exe} and no libpython is mapped into it",
-            fix="`npusnap attach` injects the Python agent; a native program must start one itself "
-            "(link or LD_PRELOAD an agent) or be started with `npusnap run`",
+            fix="a native program without the CANN runtime loaded has nothing to snapshot; once it "
+            "loads it, `npusnap attach` loads the native agent into it (or start it with `npusnap run`)",
             details={"pid": pid, "exe": exe},
         )
     if version < MIN_PYTHON:
@@ -731,8 +733,73 @@ def existing_agent(pid: int) -> Optional[dict[str, Any]]:
         return None
 
 
+def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
+    """A non-Python process with the CANN runtime loaded: gdb dlopens the native agent into it
+    (see native_attach.py); succeeds once the agent answers hello."""
+    from npusnap_cli import native_attach
+    from npusnap_cli.agent import native
+
+    start = time.monotonic()
+    status = _status_fields(pid)
+    state = _proc_state(pid)
+    tracer = int(status.get("TracerPid", "0") or 0)
+    if tracer:
+        raise TargetError(
+            f"pid {pid} is already being traced by pid {tracer} ({_comm(tracer)})",
+            why="a process can have only one tracer",
+            fix=f"detach it from the target, then rerun `npusnap attach {pid}`",
+        )
+    if state in ("T", "t", "Z", "X"):
+        raise TargetError(f"pid {pid} is stopped or exited (state {state})", fix=f"`kill -CONT {pid}` first")
+    uid = os.stat(f"/proc/{pid}").st_uid
+    gid = os.stat(f"/proc/{pid}").st_gid
+    _check_permissions(pid, uid)
+    hello = existing_agent(pid)
+    if hello is not None:
+        return AttachResult(
+            pid=pid,
+            method="already-present",
+            python="none",
+            socket=hello.get("socket"),
+            elapsed_s=time.monotonic() - start,
+            hello=hello,
+        )
+    library = native.library_path(include_mapped=False)
+    if library is None:
+        raise PreflightError(
+            f"the native agent library {native.LIBRARY_NAME} is not built",
+            why="looked at " + ", ".join(str(p) for p in native.candidates()),
+            fix="run scripts/setup.sh (or `make -C native`)",
+        )
+    done = native_attach.inject(pid, uid, gid, library, timeout)
+    remaining = max(2.0, timeout - (time.monotonic() - start))
+    try:
+        hello = _hello(pid, timeout=remaining, retry_s=remaining)
+    except (AgentError, TargetError) as exc:
+        raise AgentError(
+            f"the agent library was loaded into pid {pid} but does not answer hello: {exc}",
+            why="the agent could not start (its reason is on the target's stderr: npusnap-agent lines)",
+            fix=f"`npusnap status {pid}`; or start the program with `npusnap run -- CMD`",
+        ) from None
+    return AttachResult(
+        pid=pid,
+        method="gdb-native",
+        python="none",
+        socket=hello.get("socket"),
+        elapsed_s=time.monotonic() - start,
+        safe_point=done["safe_point"],
+        tid=done["tid"],
+        hello=hello,
+        stopped_s=done["stopped_s"],
+    )
+
+
 def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """Make sure ``pid`` runs an npusnap agent that answers hello; inject one if needed."""
+    from npusnap_cli import native_attach
+
+    if os.path.exists(f"/proc/{pid}") and native_attach.is_native_npu_process(pid):
+        return attach_native(pid, timeout)
     start = time.monotonic()
     target = probe(pid)
     hello = existing_agent(pid)

@@ -83,9 +83,14 @@ class DumpOutcome:
     manifest: img.Manifest
     attached: tuple[int, ...] = ()
     logs: Optional[str] = None
+    # pid -> how long attach held it stopped (native attach; upper bound), for the timings
+    attach_stopped_s: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
+        timings: dict[str, Any] = dict(m.timings.to_dict())
+        # A job stalls while attach holds it too, not only while it is frozen for the dump.
+        timings["attach_stopped_s"] = {str(p): s for p, s in self.attach_stopped_s} or None
         return {
             "image": self.image,
             "root_pid": m.root_pid,
@@ -94,7 +99,7 @@ class DumpOutcome:
             "leave_running": m.leave_running,
             "attached": list(self.attached),
             "logs": self.logs,
-            "timings": m.timings.to_dict(),
+            "timings": timings,
             "bytes": m.bytes.to_dict(),
             "versions": m.versions.to_dict(),
             "processes": [p.to_dict() for p in m.processes],
@@ -164,6 +169,7 @@ class _Target:
     tree: tuple[Any, ...]  # proctree.ProcInfo, root first
     npu_pids: tuple[int, ...]
     attached: tuple[int, ...] = ()
+    attach_stopped_s: tuple[tuple[int, float], ...] = ()
 
 
 def resolve_target(pid: int, *, attach: bool) -> _Target:
@@ -207,9 +213,12 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     from npusnap_cli import attach as attach_mod
     from npusnap_cli import proctree
 
+    stopped: list[tuple[int, float]] = []
     for m in missing:
         note(f"pid {m} has no agent: attaching one")
-        attach_mod.attach(m)
+        result = attach_mod.attach(m)
+        if result.stopped_s is not None:
+            stopped.append((m, result.stopped_s))
     tree = proctree.process_tree(target.root_pid)
     npu = [p for p in tree if p.uses_npu]
     still = [p.pid for p in npu if not p.has_agent]
@@ -224,6 +233,7 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         tree=tuple(tree),
         npu_pids=tuple(p.pid for p in npu),
         attached=tuple(missing),
+        attach_stopped_s=tuple(stopped),
     )
 
 
@@ -842,7 +852,13 @@ class _Pipeline:
         )
         manifest = replace(manifest, timings=timings)
         logs = str(img.logs_dir(self.final)) if self.options.keep else None
-        return DumpOutcome(image=str(self.final), manifest=manifest, attached=self.target.attached, logs=logs)
+        return DumpOutcome(
+            image=str(self.final),
+            manifest=manifest,
+            attached=self.target.attached,
+            logs=logs,
+            attach_stopped_s=self.target.attach_stopped_s,
+        )
 
     def _manifest(
         self,

@@ -25,24 +25,38 @@ from typing import Any, Dict, Optional, Tuple
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 * 1024
 
-# op -> {argument name: (allowed JSON types, required)}. The native agent (native/agent/proto.c)
-# has the same table; tests/unit/test_agent_native.py compares the two.
+# op -> {argument name: (allowed JSON types, required)}
+# Lock ownership (docs/internals.md, "Lock ownership"): ``lock`` takes ``owner`` and answers a
+# ``token``; every op that changes or keeps a lock takes that ``token``; ``unlock`` and
+# ``rollback`` accept ``force: true`` instead (``npusnap thaw --force``). The native agent
+# (native/agent/proto.c) has the same table; tests/unit/test_agent_native.py compares the two.
 _LEASE = (int, float, type(None))
-_TOKEN = ((str,), False)
-_FORCE = ((bool,), False)
+_TOKEN = (str, type(None))
+_FORCE = (bool,)
 OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
     "hello": {},
     "status": {},
-    "lock": {"lease_s": (_LEASE, False), "owner": ((dict,), False), "device_memory": ((str,), False)},
-    "backup": {"lease_s": (_LEASE, False), "token": _TOKEN},
-    "renew": {"lease_s": (_LEASE, False), "token": _TOKEN},
-    "release": {"token": _TOKEN},
-    "restore": {"token": _TOKEN},
-    "unlock": {"token": _TOKEN, "force": _FORCE},
-    "rollback": {"token": _TOKEN, "force": _FORCE},
+    "lock": {
+        "lease_s": (_LEASE, False),
+        "owner": ((dict, type(None)), False),
+        "device_memory": ((str, type(None)), False),
+    },
+    "backup": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
+    "renew": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
+    "release": {"token": (_TOKEN, False)},
+    "restore": {"token": (_TOKEN, False)},
+    "unlock": {"token": (_TOKEN, False), "force": (_FORCE, False)},
+    "rollback": {"token": (_TOKEN, False), "force": (_FORCE, False)},
 }
-DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
 OPS = frozenset(OP_ARGS)
+
+# Error names of lock ownership (``type: "state"``); the error object also carries ``owner``.
+ALREADY_LOCKED = "ALREADY_LOCKED"
+NOT_OWNER = "NOT_OWNER"
+TOKEN_HEX_CHARS = 32
+MAX_OWNER_COMMAND = 64
+# What the agent does with the job's device memory around Lock (native/include/npusnap/devmem.h).
+DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
 
 # The kinds of error an agent reports (``error.type``).
 ERR_ACL = "acl"  # a CANN call returned non-zero (code/name are the ACL's)
@@ -113,19 +127,26 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
+    token = args.get("token")
+    if token is not None and len(token) > 2 * TOKEN_HEX_CHARS:
+        raise ProtocolError("BAD_ARGS", "token is too long")
+    owner = args.get("owner")
+    if owner is not None:
+        command, pid = owner.get("command"), owner.get("pid")
+        if (
+            set(owner) - {"command", "pid"}
+            or not isinstance(command, str)
+            or not 0 < len(command) <= MAX_OWNER_COMMAND
+            or not isinstance(pid, int)
+            or isinstance(pid, bool)
+            or pid <= 0
+        ):
+            raise ProtocolError("BAD_ARGS", 'owner must be {"command": str (1-64 chars), "pid": int > 0}')
     mode = args.get("device_memory")
     if mode is not None and mode not in DEVICE_MEMORY_MODES:
         raise ProtocolError(
             "BAD_ARGS", f"device_memory must be one of 'preserve', 'app', 'discard' (got {mode!r})"
         )
-    owner = args.get("owner")
-    if owner is not None and not (
-        set(owner) == {"command", "pid"}
-        and isinstance(owner["command"], str)
-        and isinstance(owner["pid"], int)
-        and not isinstance(owner["pid"], bool)
-    ):
-        raise ProtocolError("BAD_ARGS", 'owner must be {"command": string, "pid": integer}')
 
 
 def decode_request(line: bytes) -> Tuple[int, str, Dict[str, Any]]:

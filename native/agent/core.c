@@ -19,6 +19,7 @@
 
 #include <npusnap/agent.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -649,9 +650,32 @@ static void after_fork_child(void) {
     if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
 }
 
+/* `npusnap attach` of a native process loads a private copy of this library next to a marker
+ * file: the process's environment cannot be changed, so the marker is what switches it on. */
+static int attach_marker_present(void) {
+    Dl_info info;
+    if (!dladdr((void *)attach_marker_present, &info) || !info.dli_fname) return 0;
+    char path[600];
+    snprintf(path, sizeof path, "%s", info.dli_fname);
+    char *slash = strrchr(path, '/');
+    if (!slash) return 0;
+    snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path), "npusnap-attach-start");
+    return access(path, F_OK) == 0;
+}
+
+/* At exit(), remove our socket file: under `npusnap run` every short-lived process of the tree
+ * (a shell, a compiler) has an agent, and their names would pile up in the runtime directory.
+ * The agent thread is not joined: it may be inside an operation, and exit must not wait. */
+__attribute__((destructor)) static void agent_fini(void) {
+    if (A.started && A.pid == getpid() && A.path[0]) {
+        struct stat st;
+        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
+    }
+}
+
 __attribute__((constructor)) static void agent_init(void) {
     hook_cv_init();
     pthread_atfork(NULL, NULL, after_fork_child);
     const char *sw = getenv("NPUSNAP_AGENT");
-    if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
+    if ((sw && strcmp(sw, "1") == 0) || attach_marker_present()) npusnap_agent_start();
 }

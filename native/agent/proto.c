@@ -100,6 +100,13 @@ static const op_spec *find_op(const char *op) {
     return NULL;
 }
 
+/* Characters (code points) of a UTF-8 string, as Python's len() counts them. */
+static size_t utf8_chars(const char *s) {
+    size_t n = 0;
+    for (; *s; s++) n += ((unsigned char)*s & 0xC0) != 0x80;
+    return n;
+}
+
 static int bad_args(op_error *e, const char *fmt, const char *a, const char *b) {
     err_set(e, "protocol", "BAD_ARGS", 0, fmt, a, b);
     return -1;
@@ -130,31 +137,44 @@ static int validate(const char *op, const jval *args, op_error *e) {
         int ok = 0;
         switch (a->kind) {
         case A_LEASE: ok = v->t == J_NUM || v->t == J_NULL; break;
-        case A_TOKEN: ok = v->t == J_STR; break;
+        case A_TOKEN: ok = v->t == J_STR || v->t == J_NULL; break;
         case A_FORCE: ok = v->t == J_BOOL; break;
-        case A_DEVMEM: ok = v->t == J_STR; break;
-        case A_OWNER: ok = v->t == J_OBJ; break;
+        case A_DEVMEM: ok = v->t == J_STR || v->t == J_NULL; break;
+        case A_OWNER: ok = v->t == J_OBJ || v->t == J_NULL; break;
         }
         if (!ok) return bad_args(e, "argument '%s' of '%s' has the wrong type", key, op);
-        if (a->kind == A_LEASE && v->t == J_NUM && !(v->num > 0 && v->num <= 7 * 24 * 3600)) {
-            err_set(e, "protocol", "BAD_ARGS", 0, "lease_s must be > 0 and at most a week");
+    }
+    /* Value checks after every type check, in the order of protocol.validate_args. */
+    const jval *v = json_get(args, "lease_s");
+    if (v && v->t == J_NUM && !(v->num > 0 && v->num <= 7 * 24 * 3600)) {
+        err_set(e, "protocol", "BAD_ARGS", 0, "lease_s must be > 0 and at most a week");
+        return -1;
+    }
+    v = json_get(args, "token");
+    if (v && v->t == J_STR && utf8_chars(v->s) > 64) {
+        err_set(e, "protocol", "BAD_ARGS", 0, "token is too long");
+        return -1;
+    }
+    v = json_get(args, "owner");
+    if (v && v->t == J_OBJ) {
+        const jval *cmd = json_get(v, "command");
+        const jval *pid = json_get(v, "pid");
+        int extra = 0;
+        for (size_t k = 0; k < v->n; k++) {
+            extra |= strcmp(v->keys[k], "command") != 0 && strcmp(v->keys[k], "pid") != 0;
+        }
+        if (extra || !cmd || cmd->t != J_STR || cmd->slen == 0 || utf8_chars(cmd->s) > 64 || !pid ||
+            pid->t != J_NUM || !pid->is_int || pid->i <= 0) {
+            err_set(e, "protocol", "BAD_ARGS", 0, "owner must be {\"command\": str (1-64 chars), \"pid\": int > 0}");
             return -1;
         }
-        if (a->kind == A_DEVMEM && strcmp(v->s, "preserve") != 0 && strcmp(v->s, "app") != 0 &&
-            strcmp(v->s, "discard") != 0) {
-            err_set(e, "protocol", "BAD_ARGS", 0,
-                    "device_memory must be one of 'preserve', 'app', 'discard' (got '%.32s')", v->s);
-            return -1;
-        }
-        if (a->kind == A_OWNER) {
-            const jval *cmd = json_get(v, "command");
-            const jval *pid = json_get(v, "pid");
-            if (!cmd || cmd->t != J_STR || !pid || pid->t != J_NUM || !pid->is_int || v->n != 2) {
-                err_set(e, "protocol", "BAD_ARGS", 0,
-                        "owner must be {\"command\": string, \"pid\": integer}");
-                return -1;
-            }
-        }
+    }
+    v = json_get(args, "device_memory");
+    if (v && v->t == J_STR && strcmp(v->s, "preserve") != 0 && strcmp(v->s, "app") != 0 &&
+        strcmp(v->s, "discard") != 0) {
+        err_set(e, "protocol", "BAD_ARGS", 0, "device_memory must be one of 'preserve', 'app', 'discard' (got '%.32s')",
+                v->s);
+        return -1;
     }
     return 0;
 }

@@ -1,4 +1,4 @@
-"""`npusnap attach PID`: start an npusnap agent inside an already-running Python process."""
+"""`npusnap attach PID`: start an npusnap agent inside an already-running process."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Inject the agent into running Python PID (3.14+: sys.remote_exec; 3.9-3.13: gdb at a safe point).
+        """Inject the agent into running PID (Python 3.14+: sys.remote_exec; Python 3.9-3.13 and native
+        programs with the CANN runtime loaded: gdb at a safe point).
 
         Succeeds only when the agent answers over its control socket; a no-op if one is already there.
         """
@@ -33,8 +34,12 @@ def register(app: typer.Typer) -> None:
             out.ok(f"pid {pid} already has an npusnap agent ({result.socket})")
         else:
             how = "sys.remote_exec" if result.method == "remote_exec" else f"gdb, {result.safe_point}"
-            out.ok(f"agent started in pid {pid} (Python {result.python}, {how}) in {result.elapsed_s:.2f}s")
-            out.kv("agent", {"socket": result.socket, "thread used": result.tid})
+            what = "native" if result.method == "gdb-native" else f"Python {result.python}"
+            out.ok(f"agent started in pid {pid} ({what}, {how}) in {result.elapsed_s:.2f}s")
+            info: dict[str, object] = {"socket": result.socket, "thread used": result.tid}
+            if result.stopped_s is not None:
+                info["target stopped"] = f"{result.stopped_s:.3f}s (at most)"
+            out.kv("agent", info)
         for note in result.notes:
             out.warn(note)
         out.result(result.to_dict())

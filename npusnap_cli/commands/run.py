@@ -44,6 +44,11 @@ def register(app: typer.Typer) -> None:
         if argv and argv[0] == "--":
             argv = argv[1:]
         plan = launch.prepare(argv)
+        if launch.statically_linked(plan.executable):
+            out.warn(
+                f"{plan.executable} is statically linked: the dynamic loader never runs for it, so it "
+                "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
+            )
         session_note = None if keep_session else launch.leave_foreign_session()
         if session_note:
             out.warn(session_note)

@@ -7,6 +7,7 @@ drive it like a Python job, and its output continues exactly where the dump left
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_c_program_dump_and_restore(
     stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    job = Job(tmp_path, env, [stepper, "--steps", "60", "--interval-ms", "30", "--device", "0"])
+    job = Job(tmp_path, env, [stepper, "--steps", "200", "--interval-ms", "30", "--device", "0"])
     img = tmp_path / "img"
     try:
         job.wait_lines(5)
@@ -67,25 +68,25 @@ def test_c_program_dump_and_restore(
         assert agent_state(job.pid) == "RUNNING"
 
         rc, out, err = cli(env, "dump", str(job.pid), str(img), "--leave-running")
-        assert rc == 0, err
+        assert rc == 0, (out or {}).get("error") or err
         assert out is not None and out["result"]["npu_pids"] == [job.pid]
         assert agent_state(job.pid) == "RUNNING"
         job.wait_lines(len(job.lines()) + 3)
         assert job.reap(30) == 0
         assert_continuous(job)
-        assert [s for s, _ in steps_of(job)] == list(range(60))
+        assert [s for s, _ in steps_of(job)] == list(range(200))
 
         rc, out, err = cli(env, "restore", str(img))
         assert rc == 0, err
         job.restored_pid = out["result"]["root_pid"] if out else 0
         wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
-        # The original printed 0..59; the restored copy continues from the dump point to 59.
+        # The original printed 0..199; the restored copy continues from the dump point to 199.
         steps = [s for s, _ in steps_of(job)]
-        restarted = steps.index(59) + 1
+        restarted = steps.index(199) + 1
         cont = steps[restarted:]
-        assert cont and cont[-1] == 59 and cont[0] > 0, cont
-        assert cont == list(range(cont[0], 60))
-        expected = expected_checksums(59)
+        assert cont and cont[-1] == 199 and cont[0] > 0, cont
+        assert cont == list(range(cont[0], 200))
+        expected = expected_checksums(199)
         for step, checksum in steps_of(job)[restarted:]:
             assert checksum == expected[step]
     finally:
@@ -96,7 +97,7 @@ def test_c_program_dump_kills_and_restore_continues(
     stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    job = Job(tmp_path, env, [stepper, "--steps", "50", "--interval-ms", "30", "--device", "1"])
+    job = Job(tmp_path, env, [stepper, "--steps", "200", "--interval-ms", "30", "--device", "1"])
     img = tmp_path / "img"
     try:
         job.wait_lines(6)
@@ -105,12 +106,12 @@ def test_c_program_dump_kills_and_restore_continues(
         assert rc == 0, err
         job.reap()
         dumped = len(steps_of(job))
-        assert 5 <= dumped < 50
+        assert 5 <= dumped < 200
         rc, out, err = cli(env, "restore", str(img))
         assert rc == 0, err
         job.restored_pid = out["result"]["root_pid"] if out else 0
         wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
-        assert [s for s, _ in steps_of(job)] == list(range(50))
+        assert [s for s, _ in steps_of(job)] == list(range(200))
         assert_continuous(job)
         assert "npusnap-agent" not in job.text() or "FAILED" not in job.text(), job.text()[-1000:]
     finally:
@@ -123,3 +124,60 @@ def test_run_preloads_the_agent_into_any_program(tmp_path: Path) -> None:
     env = launch.agent_environment({"PATH": os.environ["PATH"], "LD_PRELOAD": "/x/libother.so"})
     lib = native.library_path(include_mapped=False)
     assert env["LD_PRELOAD"] == f"{lib} /x/libother.so" and env["NPUSNAP_AGENT"] == "1"
+
+
+def test_attach_to_a_running_c_program_then_dump_and_restore(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Started plainly (no agent), the C program gets one from `npusnap attach`; the time it was
+    stopped is measured and short; then it dumps and restores like any other."""
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed (apt install gdb)")
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [stepper, "--steps", "200", "--interval-ms", "30", "--device", "0"], agent=False)
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        assert not (runtime_dir / f"{job.pid}.sock").exists()
+        rc, out, err = cli(env, "attach", str(job.pid), "--timeout", "10", timeout=60)
+        assert rc == 0, (out or {}).get("error")
+        res = out["result"] if out else {}
+        assert res["method"] == "gdb-native" and res["safe_point"].startswith("syscall:")
+        assert res["hello"]["agent"] == "native" and res["hello"]["python"] is None
+        assert 0 < res["stopped_s"] < 2.0, res
+        rc, _, err = cli(env, "attach", str(job.pid), timeout=60)
+        assert rc == 0, err  # a second attach finds the agent there
+
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert [s for s, _ in steps_of(job)] == list(range(200))
+        assert_continuous(job)
+    finally:
+        job.cleanup()
+
+
+def test_dump_attaches_to_a_plain_c_program_and_reports_the_stop(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed (apt install gdb)")
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [stepper, "--steps", "200", "--interval-ms", "30", "--device", "1"], agent=False)
+    try:
+        job.wait_lines(5)
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or err
+        res = out["result"] if out else {}
+        assert res["attached"] == [job.pid]
+        stopped = res["timings"]["attach_stopped_s"][str(job.pid)]
+        assert 0 < stopped < 2.0
+        assert job.reap(30) == 0
+        assert [s for s, _ in steps_of(job)] == list(range(200))
+        assert_continuous(job)
+    finally:
+        job.cleanup()

@@ -68,7 +68,10 @@ class Conn:
         self.buf = b""
 
     def roundtrip(self, line: bytes) -> dict[str, Any]:
-        self.sock.sendall(line)
+        try:
+            self.sock.sendall(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused at accept time (BUSY): the refusal line is still there to read
         while b"\n" not in self.buf:
             chunk = self.sock.recv(65536)
             assert chunk, "the agent closed the connection"

@@ -134,3 +134,33 @@ def test_run_leaves_only_a_foreign_session(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(os, "setsid", refuse)
     note = launch.leave_foreign_session()
     assert note is not None and "cannot be dumped" in note and "setsid" in note
+
+
+def test_socket_is_removed_when_the_process_exits(tmp_path: Path) -> None:
+    d = tmp_path / "npusnap"
+    d.mkdir(mode=0o700)
+    script = "import npusnap_cli.agent as agent, sys\nprint(agent.start())\nsys.exit(0)\n"
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(d)}
+    env.pop("NPUSNAP_AGENT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.parent == d and not path.exists(), "an exited process left its agent socket behind"
+
+
+def test_static_executables_are_recognised(tmp_path: Path) -> None:
+    from npusnap_cli.agent import launch
+
+    assert launch.statically_linked(sys.executable) is False
+    script = tmp_path / "s.sh"
+    script.write_text("#!/bin/sh\n")
+    assert launch.statically_linked(str(script)) is False
+    src = tmp_path / "m.c"
+    src.write_text("int main(void) { return 0; }\n")
+    static = tmp_path / "static"
+    done = subprocess.run(["cc", "-static", "-o", str(static), str(src)], capture_output=True, timeout=120)
+    if done.returncode != 0:
+        pytest.skip(f"no static libc to link a test program: {done.stderr[-200:]!r}")
+    assert launch.statically_linked(str(static)) is True
