@@ -101,8 +101,17 @@ def build_image(work: Path, tag: str) -> None:
 class Container:
     """One workload container: the C stepper under the agent, on the simulated NPU."""
 
-    def __init__(self, tag: str, sim_env: dict[str, str], work: Path, *, fault_file: Optional[Path] = None,
-                 criu_conf_extra: str = "", interval_ms: int = 50) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tag: str,
+        sim_env: dict[str, str],
+        work: Path,
+        *,
+        fault_file: Optional[Path] = None,
+        criu_conf_extra: str = "",
+        interval_ms: int = 50,
+        command: Optional[list[str]] = None,
+    ) -> None:
         self.name = f"npusnap-test-{uuid.uuid4().hex[:10]}"
         self.names = [self.name]
         self.work = work
@@ -131,7 +140,7 @@ class Container:
             env["NPUSIM_FAULT_FILE"] = str(fault_file)
         for k, v in env.items():
             args += ["-e", f"{k}={v}"]
-        args += [tag, "/opt/npu/npu_stepper", "--interval-ms", str(interval_ms)]
+        args += [tag, *(command or ["/opt/npu/npu_stepper", "--interval-ms", str(interval_ms)])]
         podman(*args)
 
     def remove(self) -> None:
@@ -175,12 +184,32 @@ class Container:
     def static_dir(self, name: Optional[str] = None) -> Path:
         return Path(self.inspect(name)["StaticDir"])
 
-    def agent_status(self, name: Optional[str] = None) -> dict[str, Any]:
-        """The agent's status, through the container's mount namespace (pid 1 inside)."""
-        pid = self.host_pid(name)
-        sock = Path(f"/proc/{pid}/root/run/npusnap/1.sock")
+    def agent_status(self, name: Optional[str] = None, host_pid: Optional[int] = None) -> dict[str, Any]:
+        """The agent's status, through the container's mount namespace (pid 1 inside, or the
+        process ``host_pid``)."""
+        pid = host_pid or self.host_pid(name)
+        sock = Path(f"/proc/{pid}/root/run/npusnap/{ns_pid(pid)}.sock")
         with AgentClient(pid, socket_path=sock, timeout=10) as c:
             return c.status()
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of a host pid inside its own pid namespace (last field of NSpid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def parse_steps(text: str) -> list[tuple[int, int]]:
+    return [(int(p[1]), int(p[3])) for p in (ln.split() for ln in text.splitlines()) if p[:1] == ["step"]]
 
 
 def assert_continuous(steps: list[tuple[int, int]]) -> None:

@@ -188,6 +188,34 @@ def test_criu_failure_after_the_lock_is_rolled_back(
     assert_continuous(c.steps())
 
 
+def test_two_npu_processes_in_one_container(
+    container_factory: list[Container], image: str, sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A container whose init runs one NPU job and has forked another (on the second device):
+    the plugin locks, backs up, restores and unlocks both."""
+    command = ["/bin/sh", "-c", "/opt/npu/npu_stepper --device 1 --interval-ms 50 >>/tmp/second.log 2>&1 & "
+               "exec /opt/npu/npu_stepper --device 0 --interval-ms 50"]  # fmt: skip
+    c = start(container_factory, image, sim_env, tmp_path, command=command)
+
+    def second_log() -> str:
+        return (Path(f"/proc/{c.host_pid()}/root") / "tmp/second.log").read_text()
+
+    wait_until(lambda: len(podmanlib.parse_steps(second_log())) >= 3, what="second job's steps")
+    podman("container", "checkpoint", "--keep", c.name)
+    state = json.loads((c.static_dir() / "checkpoint" / "npusnap-plugin.json").read_text())
+    assert len(state["processes"]) == 2, state["processes"]
+    podman("container", "restore", c.name)
+    c.wait_steps(10)
+    n = len(podmanlib.parse_steps(second_log()))
+    wait_until(lambda: len(podmanlib.parse_steps(second_log())) > n + 10, what="second job after restore")
+    assert_continuous(c.steps())
+    assert_continuous(podmanlib.parse_steps(second_log()))
+    root = c.host_pid()
+    for pid in [root, *podmanlib.children(root)]:
+        st = c.agent_status(host_pid=pid)
+        assert st["state"] == "RUNNING" and st["owner"] is None and st["restored"] is True, st
+
+
 # ---- a bare process and plain `criu` -------------------------------------------------------------
 
 
