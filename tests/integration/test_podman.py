@@ -232,10 +232,10 @@ def stepper(plugin: Path, tmp_path: Path) -> str:
 
 
 def _bare(
-    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, **extra_env: str
 ) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp_path / "out.txt"
-    env = dict(os.environ, **sim_env)
+    env = dict(os.environ, **sim_env, **extra_env)
     env.update(
         NPUSNAP_AGENT="1",
         NPUSNAP_RUNTIME_DIR=str(runtime_dir),
@@ -351,5 +351,52 @@ def test_plugin_stands_aside_for_npusnap_dump(
         n = len(_steps(out))
         wait_until(lambda: len(_steps(out)) > n + 5, what="steps after thaw")
         assert_continuous(_steps(out))
+    finally:
+        kill(pid)
+
+
+def test_failed_device_restore_is_logged_and_the_lease_finishes_it(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU has resumed the tasks when the plugin restores the device state: a CANN Restore that
+    fails cannot fail CRIU's restore. The plugin logs it (npusnap exit 7) and the agent's lease,
+    restarted for the restored process, restores and unlocks it by itself once it can."""
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    proc, out = _bare(stepper, sim_env, runtime_dir, tmp_path, NPUSIM_FAULT_FILE=str(faults))
+    pid = proc.pid
+    img = tmp_path / "img"
+    img.mkdir()
+    libdir = str(podmanlib.plugin_dir())
+    conf = tmp_path / "criu-plugin.conf"
+    conf.write_text("lease_s=4\n")
+    env = dict(os.environ, NPUSNAP_PLUGIN_CONFIG=str(conf))
+    try:
+        subprocess.run(
+            ["criu", "dump", "-t", str(pid), "-D", str(img), "-L", libdir, "-v4", "-o", "dump.log"],
+            check=True,
+            timeout=120,
+            env=env,
+        )
+        proc.wait(timeout=20)
+        n = len(_steps(out))
+        faults.write_text("NPUSIM_FAULT_RESTORE=1\n")
+        subprocess.run(
+            ["criu", "restore", "-d", "-D", str(img), "-L", libdir, "-v4", "-o", "restore.log"],
+            check=True,
+            timeout=120,
+            env=env,
+        )
+        log = (img / "restore.log").read_text(errors="replace")
+        assert "npusnap-plugin: FAILED, npusnap exit 7 (device" in log, log[-2000:]
+        faults.write_text("")
+        with AgentClient(pid, timeout=10) as c:
+            assert c.status()["state"] == "BACKED_UP"  # still held: no device call got through
+        assert len(_steps(out)) <= n + 1
+        wait_until(lambda: len(_steps(out)) > n + 10, timeout=30, what="steps after the lease's restore")
+        assert_continuous(_steps(out))
+        with AgentClient(pid, timeout=10) as c:
+            st = c.status()
+        assert st["state"] == "RUNNING" and st["owner"] is None, st
     finally:
         kill(pid)
