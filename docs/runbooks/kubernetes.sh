@@ -40,10 +40,20 @@ wait_step() {
     for _ in $(seq 200); do [ "$(last_step "$1")" -ge "$2" ] && return 0; sleep 0.1; done
     fail "$1 did not reach step $2 (last: $(last_step "$1"))"
 }
+# check_steps CONTAINER: every step in order with the checksum of an uninterrupted run. The
+# archive of a --leave-running checkpoint carries a copy of the container log taken after the
+# original went on, so its last lines may be printed again by the restored process: a repeated
+# step must be identical, then it counts once.
 check_steps() {
     podman logs "$1" 2>/dev/null | "$PYTHON" -c '
 import sys
-steps = [(int(p[1]), int(p[3])) for p in (l.split() for l in sys.stdin) if p[:1] == ["step"]]
+seen, steps = {}, []
+for s, c in ((int(p[1]), int(p[3])) for p in (l.split() for l in sys.stdin) if p[:1] == ["step"]):
+    if s in seen:
+        assert seen[s] == c, f"step {s} printed twice with different checksums"
+        continue
+    seen[s] = c
+    steps.append((s, c))
 n = [s for s, _ in steps]
 assert n == list(range(n[0], n[0] + len(n))), f"steps lost or repeated: {n}"
 host, want = [0] * 256, []
