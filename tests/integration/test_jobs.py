@@ -40,8 +40,9 @@ NPUSNAP = str(Path(PY).parent / "npusnap")
 
 def jobs_env(sim_env: dict[str, str], runtime_dir: Path) -> dict[str, str]:
     """The test job's environment. CRIU loads every plugin of /usr/lib/criu (CRIU_LIBS_DIR
-    overrides it): an npusnap CRIU plugin installed there would drive the agents itself, from
-    inside CRIU; these tests exercise npusnap's own pipeline, so CRIU gets an empty plugin dir."""
+    overrides it); these tests exercise npusnap's own pipeline, so CRIU gets an empty plugin dir
+    and a plugin installed on the host (another version's, say) cannot change what is tested.
+    (With this tree's own plugin installed they pass as well.)"""
     empty = runtime_dir.parent / "no-criu-plugins"
     empty.mkdir(exist_ok=True)
     return job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(empty))
