@@ -129,7 +129,7 @@ def _open_archive(path: Path) -> Iterator[tarfile.TarFile]:
             raise ImageError(
                 f"cannot read {path}: the zstd tool is missing",
                 why="podman writes .tar.zst export archives with zstd compression",
-                fix="apt-get install zstd, or export with --compress=gzip",
+                fix="apt-get install zstd, or export with podman container checkpoint --compress=gzip",
             )
         proc = subprocess.Popen([zstd, "-q", "-d", "-c", str(path)], stdout=subprocess.PIPE)
         assert proc.stdout is not None

@@ -17,7 +17,10 @@ from tests.unit.test_cli import all_commands
 PACKAGE = Path(__file__).resolve().parents[2] / "npusnap_cli"
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options of other programs that a fix may name, with the program it belongs to in the text.
-FOREIGN = {"--cap-add": "container"}  # docker/podman run --cap-add
+FOREIGN = {
+    "--cap-add": "container",  # docker/podman run --cap-add
+    "--compress": "podman",  # podman container checkpoint --export --compress
+}
 
 
 def _strings(node: ast.AST) -> list[str]:
