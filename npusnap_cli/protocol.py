@@ -124,9 +124,6 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     for key, (_types, required) in schema.items():
         if required and key not in args:
             raise ProtocolError("BAD_ARGS", f"operation {op!r} needs argument {key!r}")
-    mode = args.get("device_memory")
-    if mode is not None and mode not in ("preserve", "app", "discard"):
-        raise ProtocolError("BAD_ARGS", "device_memory must be preserve, app or discard")
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
