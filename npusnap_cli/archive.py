@@ -144,6 +144,7 @@ def export(
     import zstandard
 
     start = time.monotonic()
+    image = img.follow_pointer(image)
     _check_destination(dest, force)
     # Structure and sizes first; the sha256 sums are checked while the files stream out.
     result = img.verify(image, checksums=False)

@@ -924,6 +924,16 @@ def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
 # --------------------------------------------------------------------------------------------
 
 
+def follow_pointer(path: Path) -> Path:
+    """The image a pointer names: ``latest`` (dump --latest) is a symlink to the newest image.
+
+    Resolved once, where a command takes its argument, so that every later step uses the one real
+    path (what was verified is what is restored); a symlink met anywhere later is refused.
+    """
+    p = Path(os.path.abspath(path))
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
 def _check_image_dir(image: Path) -> None:
     try:
         st = os.lstat(image)

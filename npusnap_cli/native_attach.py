@@ -265,7 +265,7 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
         )
     deadline = time.monotonic() + timeout
     addr = dlopen_address(pid)
-    workdir = Path(tempfile.mkdtemp(prefix="npusnap-attach-"))
+    workdir = Path(tempfile.mkdtemp(prefix="npusnap-nattach-"))
     try:
         os.chmod(workdir, 0o700)
         copy = workdir / library.name

@@ -487,7 +487,7 @@ def _restore(
 
     start = time.monotonic()
     cb = callbacks
-    final = Path(os.path.abspath(directory))
+    final = img.follow_pointer(directory)
     cb.phase("verify")
     manifest = img.load_manifest(final)
     total = sum(f.size for f in manifest.files)

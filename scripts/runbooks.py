@@ -77,8 +77,14 @@ def render(page: Path) -> str:
     return prologue + "\n" + body + "\necho OK\n"
 
 
+# Pages whose scripts are written by hand: they first build a container image from this host's
+# files (the simulated CANN, the agent library), which a page pasted into a shell leaves to the
+# operator's own image build. Their scripts are still run by the tests.
+HAND_WRITTEN = frozenset({"podman.md", "kubernetes.md"})
+
+
 def pages() -> list[Path]:
-    return sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md")
+    return sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md" and p.name not in HAND_WRITTEN)
 
 
 def main(argv: list[str]) -> int:

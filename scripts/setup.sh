@@ -198,7 +198,27 @@ setup_native() {
     command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
     # `npusnap attach` on Python 3.9-3.13 drives gdb (with its Python scripting) to a safe point.
     command -v gdb >/dev/null 2>&1 || apt_install gdb
-    make -s -C "$ROOT/native" >/dev/null || die "building the simulator (native/) failed" "run: make -C native"
+    make -s -C "$ROOT/native" NPUSNAP_CACHE="$CACHE" CRIU_VERSION="$CRIU_VERSION" >/dev/null ||
+        die "building the simulator (native/) failed" "run: make -C native"
+}
+
+# --- the CRIU plugin (container engines: podman/CRI-O -> runc -> CRIU -> npusnap_plugin.so) ---------
+# Installed into CRIU's default plugin directory, /usr/lib/criu (NPUSNAP_CRIU_PLUGIN_DIR=DIR for
+# another one, e.g. a `libdir` named in /etc/criu/runc.conf; NPUSNAP_CRIU_PLUGIN_DIR=none to skip).
+setup_criu_plugin() {
+    local so=$ROOT/.build/criu-plugin/npusnap_plugin.so dir=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/criu}
+    [ -f "$so" ] || die "the CRIU plugin was not built ($so)" "run: make -C native/criu-plugin NPUSNAP_CACHE=$CACHE"
+    [ "$dir" = none ] && return 0
+    if ! is_root; then
+        say "not root: the CRIU plugin is not installed; as root: install -m 0755 $so $dir/"
+        return 0
+    fi
+    if ! cmp -s "$so" "$dir/npusnap_plugin.so"; then
+        mkdir -p "$dir"
+        install -m 0755 "$so" "$dir/npusnap_plugin.so.tmp" && mv -f "$dir/npusnap_plugin.so.tmp" "$dir/npusnap_plugin.so" ||
+            die "cannot install the CRIU plugin into $dir" "check $dir, or set NPUSNAP_CRIU_PLUGIN_DIR"
+        say "CRIU plugin installed: $dir/npusnap_plugin.so"
+    fi
 }
 
 main() {
@@ -207,6 +227,7 @@ main() {
     setup_criu
     setup_pycriu
     setup_native
+    setup_criu_plugin
     say "ok: .venv ready, CRIU $(criu_version_of "$CRIU_BIN") at $CRIU_BIN"
 }
 

@@ -34,7 +34,7 @@
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
  * names none (docs/internals.md). Set to 0 once the CLI sends owners and tokens everywhere. */
 #ifndef ALLOW_UNOWNED_LOCK
-#define ALLOW_UNOWNED_LOCK 1
+#define ALLOW_UNOWNED_LOCK 0
 #endif
 
 #define TICK 0.1

@@ -9,12 +9,16 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, output
 
+DIR_HELP = (
+    "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
+    "made through npusnap's CRIU plugin (its directory or export archive)."
+)
+
 
 def _fmt_s(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3f}s"
 
 
-IMAGE_ARG_HELP = "An image directory (`npusnap dump`) or archive (`npusnap export`)."
 
 
 def _is_archive(path: Path) -> bool:
@@ -30,12 +34,36 @@ def _load(path: Path) -> Any:
     return archive.load_manifest(path) if archive.is_archive(path) else image.load_manifest(path)
 
 
+def _is_npusnap_archive(path: Path) -> bool:
+    """An archive of `npusnap export` (a podman export archive is zstd-compressed too)."""
+    from npusnap_cli import archive
+    from npusnap_cli.errors import NpusnapError
+
+    if not archive.is_archive(path):
+        return False
+    try:
+        archive.load_manifest(path)
+    except NpusnapError:
+        return False
+    return True
+
+
+def _plugin_checkpoint(directory: Path) -> Any:
+    """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, plain criu), or None."""
+    from npusnap_cli import containers, image
+
+    if image.manifest_path(directory).exists() or _is_npusnap_archive(directory):
+        return None
+    return containers.find(directory)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
-            ..., help="An image directory (`npusnap dump`) or archive (`npusnap export`)."
+            ...,
+            help=DIR_HELP,
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
@@ -44,6 +72,28 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "inspect", json_flag)
+        ckpt = _plugin_checkpoint(directory)
+        if ckpt is not None:
+            summary = ckpt.summary()
+            out.kv(
+                f"container checkpoint {directory} (written by npusnap's CRIU plugin)",
+                {
+                    "created": summary["created"],
+                    "host": summary["hostname"],
+                    "form": summary["form"] + (f", CRIU images under {ckpt.prefix}" if ckpt.prefix else ""),
+                    "image size": human_bytes(summary["image_bytes"]),
+                    "agent lease": f"{summary['lease_s']}s",
+                },
+            )
+            out.table(
+                "NPU processes (locked and backed up by the plugin)",
+                ["pid at dump", "pid in its namespace", "agent socket"],
+                [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
+            )
+            out.line(f"{summary['files']} files, run `npusnap verify {directory}` to check them")
+            out.result(summary)
+            return
+        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
         manifest = _load(directory)
         data = {"image": str(directory), **manifest.to_dict()}
         v = manifest.versions
@@ -110,7 +160,8 @@ def register(app: typer.Typer) -> None:
     def verify_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
-            ..., help="An image directory (`npusnap dump`) or archive (`npusnap export`)."
+            ...,
+            help=DIR_HELP,
         ),
         no_checksums: bool = typer.Option(
             False, "--no-checksums", help="Check only the structure and file sizes, not the sha256 sums."
@@ -133,6 +184,19 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "verify", json_flag)
+        ckpt = _plugin_checkpoint(directory)
+        if ckpt is not None:
+            from npusnap_cli import containers
+
+            res = containers.verify(ckpt, checksums=not no_checksums)
+            what = "sizes and sha256 sums" if res["checksums"] else "sizes (checksums skipped)"
+            out.ok(
+                f"{directory}: container checkpoint, {res['files_checked']} image files, "
+                f"{human_bytes(res['bytes_checked'])}: {what} match the plugin's record"
+            )
+            out.result(res)
+            return
+        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
         manifest = _load(directory)
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:

@@ -72,7 +72,7 @@ def test_rotation_archive_and_read_only_restore(
 
         archive = tmp_path / "s2.tar.zst"
         rc, out, err = cli(env, "export", str(snaps / "latest"), str(archive))
-        assert rc == 0, err
+        assert rc == 0, (out or {}).get("error") or err
         imported = tmp_path / "imported"
         rc, out, err = cli(env, "import", str(archive), str(imported))
         assert rc == 0, err

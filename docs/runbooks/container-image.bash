@@ -1,0 +1,40 @@
+# Shared by podman.sh and kubernetes.sh (sourced, not run): builds the runbooks' container image
+# locally, without a registry. The rootfs holds busybox, the C workload (tests/data/npu_stepper.c:
+# a buffer in device memory, one "step N checksum C" line per step), the simulated CANN tree,
+# libnpusnap_agent.so and the shared libraries they need (found with ldd).
+#
+# On a real node your image already holds your job and CANN; what it must add is
+# libnpusnap_agent.so (and LD_PRELOAD + NPUSNAP_AGENT=1 in the container's environment, or the job
+# calls npusnap_cli.agent.start()).
+
+# build_npu_image TAG DIR: make the rootfs under DIR and `podman import` it as TAG.
+build_npu_image() {
+    local tag=$1 dir=$2 repo build lib
+    repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+    build=${NPUSNAP_BUILD_DIR:-$repo/.build}
+    local root=$dir/rootfs
+    mkdir -p "$root"/{bin,opt/npu,run,tmp,proc,sys,dev,etc}
+    cp "$(command -v busybox)" "$root/bin/busybox"
+    for t in sh sleep cat ls; do ln -s busybox "$root/bin/$t"; done
+    cp -a "$build/cann" "$root/opt/npu/cann"
+    cp "$build/agent/libnpusnap_agent.so" "$root/opt/npu/"
+    cc -O1 -o "$root/opt/npu/npu_stepper" "$repo/tests/data/npu_stepper.c" -L"$build/cann/lib64" -lacl_rt
+    for lib in $(LD_LIBRARY_PATH=$build/cann/lib64 ldd "$root/opt/npu/npu_stepper" "$root/opt/npu/libnpusnap_agent.so" \
+        "$build"/cann/lib64/*.so | awk '/=>/ && $3 ~ /^\// { print $3; next } $1 ~ /^\// && $1 !~ /:$/ { print $1 }' | sort -u); do
+        case $lib in "$build"/*) continue ;; esac
+        mkdir -p "$root$(dirname "$lib")"
+        cp -L "$lib" "$root$lib"
+    done
+    tar -C "$root" -cf "$dir/rootfs.tar" .
+    podman import "$dir/rootfs.tar" "$tag" >/dev/null
+}
+
+# The container's environment: the agent preloaded, the simulated CANN, the simulator's socket
+# (its directory is bind-mounted at the same path).
+npu_container_args() {
+    local sim_dir
+    sim_dir=$(dirname "$NPUSIM_SOCKET")
+    echo "--network=none --ulimit nofile=20000:20000 --ulimit nproc=4096:4096 -v $sim_dir:$sim_dir" \
+        "-e LD_PRELOAD=/opt/npu/libnpusnap_agent.so -e NPUSNAP_AGENT=1 -e ASCEND_HOME_PATH=/opt/npu/cann" \
+        "-e LD_LIBRARY_PATH=/opt/npu/cann/lib64 -e NPUSIM_SOCKET=$NPUSIM_SOCKET"
+}

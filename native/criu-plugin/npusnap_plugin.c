@@ -1,0 +1,1090 @@
+/* npusnap_plugin.so: a CRIU plugin that drives the npusnap agent inside each dumped task, so that
+ * container engines (podman, CRI-O, the kubelet's checkpoint API, through runc and CRIU) and a
+ * plain `criu dump` snapshot an NPU process's device state without any npusnap command.
+ *
+ * Dump:    init(DUMP)            interrupt-only mode (runc's cgroup is thawed for the plugin)
+ *          PAUSE_DEVICES(pid)    task still running: find its agent (also through the container's
+ *                                mount and pid namespaces), lock (owner criu-plugin/<criu pid>) and
+ *                                back up, read the replies to EOF and close: nothing is left on
+ *                                the socket while the tasks are frozen. Inventory entry once.
+ *          CHECKPOINT_DEVICES    nothing to do (the backup is taken while the task could answer)
+ *          fini(DUMP, ret)       ok: npusnap-plugin.json (tokens, processes, sha256 of every
+ *                                image file) in the images directory. Always: a detached helper
+ *                                rolls back every task this run locked once CRIU has let it go
+ *                                (failed dump, --leave-running, a post-dump script's veto); a
+ *                                task that CRIU killed after a good dump needs nothing.
+ * Restore: init(RESTORE)         only when the inventory says the image needs this plugin; reads
+ *                                npusnap-plugin.json.
+ *          RESUME_DEVICES_LATE   records which restored task is which dumped one (the task is
+ *                                stopped by CRIU: its agent cannot answer yet)
+ *          fini(RESTORE, 0)      restore + unlock through each agent (the tasks run again; any
+ *                                device call they make waits for the unlock).
+ *
+ * A task without an agent, or one whose lock is held by someone else (`npusnap dump`/`freeze`
+ * drive it themselves), is not ours: -ENOTSUP, so another device plugin can claim the hook.
+ * Log lines start with "npusnap-plugin: " and name the npusnap exit code a failure maps to.
+ */
+#define _GNU_SOURCE
+#include "agent_int.h"
+#include "sha256.h"
+
+#pragma GCC visibility push(default)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <criu-plugin.h>
+#pragma GCC diagnostic pop
+#pragma GCC visibility pop
+#include <dirent.h>
+#include <dlfcn.h>
+#include <linux/openat2.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Exported by the criu binary (criu/include/image.h, seize.h, log.h). */
+extern int add_inventory_plugin(const char *name);
+extern bool check_and_remove_inventory_plugin(const char *name, size_t n);
+extern void set_compel_interrupt_only_mode(void);
+extern bool alarm_timeouted(void); /* CRIU's freeze timeout (--timeout) ran out */
+extern void print_on_level(unsigned int loglevel, const char *format, ...)
+    __attribute__((format(printf, 2, 3)));
+
+#define PLUGIN_NAME "npusnap_plugin"
+#define PREFIX "npusnap-plugin: "
+#define STATE_FILE "npusnap-plugin.json"
+#define STATE_FORMAT 1
+#define LOG_ERR 1
+#define LOG_WRN 2
+#define LOG_INF 3
+
+/* npusnap's exit codes (npusnap_cli/errors.py, docs/exit-codes.md): a failure is logged with the
+ * code `npusnap dump/restore` would have exited with. */
+#define EX_TARGET 4
+#define EX_AGENT 5
+#define EX_DEVICE 7
+#define EX_IMAGE 8
+#define EX_STATE_UNKNOWN 9
+static const char *exit_meaning(int code) {
+    switch (code) {
+    case EX_TARGET: return "exit 4 (target: not an NPU process it can snapshot)";
+    case EX_AGENT: return "exit 5 (agent: talking to the in-target agent failed)";
+    case EX_DEVICE: return "exit 7 (device: a CANN snapshot call failed)";
+    case EX_IMAGE: return "exit 8 (image: missing, incomplete or tampered with)";
+    case EX_STATE_UNKNOWN: return "exit 9 (state unknown: rollback failed, a human must look)";
+    default: return "exit 1 (internal)";
+    }
+}
+
+#define LOGI(...) print_on_level(LOG_INF, PREFIX __VA_ARGS__)
+#define LOGW(...) print_on_level(LOG_WRN, PREFIX __VA_ARGS__)
+#define FAIL(code, fmt, ...) \
+    print_on_level(LOG_ERR, PREFIX "FAILED, npusnap %s: " fmt "\n", exit_meaning(code), ##__VA_ARGS__)
+
+#define MAX_TASKS 1024
+#define TOKEN_LEN 32
+
+typedef struct task {
+    int pid;   /* host pid (CRIU's view) */
+    int nspid; /* pid in its own namespace: the agent's socket is named after it */
+    char sock[256]; /* the socket path inside the task's mount namespace */
+    char token[TOKEN_LEN + 1];
+    int restored; /* restore: RESUME_DEVICES_LATE saw it */
+    int newpid;   /* restore: host pid of the restored task */
+} task;
+
+static struct {
+    int stage;
+    int disabled;
+    int inventory_added;
+    int ntasks;
+    task tasks[MAX_TASKS];
+    double lease_s;
+    int require_agent;
+    char device_memory[16]; /* "" (the agent's default: preserve), "preserve", "app", "discard" */
+    char log_path[256];
+    int criu_pid;
+} P;
+
+static double env_double(const char *name, double dflt) {
+    const char *v = getenv(name);
+    if (!v || !*v) return dflt;
+    char *end;
+    double d = strtod(v, &end);
+    return (*end || d <= 0) ? dflt : d;
+}
+
+static const char *config_path(void) {
+    const char *p = getenv("NPUSNAP_PLUGIN_CONFIG");
+    return (p && *p) ? p : "/etc/npusnap/criu-plugin.conf";
+}
+
+/* /etc/npusnap/criu-plugin.conf (NPUSNAP_PLUGIN_CONFIG): KEY=VALUE lines, '#' comments. A file
+ * because container engines scrub the environment they hand to runc and CRIU. The environment
+ * (NPUSNAP_PLUGIN_LEASE_S, NPUSNAP_PLUGIN_REQUIRE_AGENT, NPUSNAP_PLUGIN_LOG) wins where set. */
+static void load_config(void) {
+    P.lease_s = 60.0;
+    P.require_agent = 0;
+    snprintf(P.log_path, sizeof P.log_path, "/var/log/npusnap/criu-plugin.log");
+    FILE *f = fopen(config_path(), "re");
+    if (f) {
+        char line[512];
+        while (fgets(line, sizeof line, f)) {
+            char *k = line;
+            while (*k == ' ' || *k == '\t') k++;
+            if (*k == '#' || *k == '\n' || !*k) continue;
+            char *eq = strchr(k, '=');
+            if (!eq) continue;
+            *eq = 0;
+            char *v = eq + 1;
+            v[strcspn(v, "\r\n")] = 0;
+            char *kend = eq;
+            while (kend > k && (kend[-1] == ' ' || kend[-1] == '\t')) *--kend = 0;
+            while (*v == ' ' || *v == '\t') v++;
+            if (!strcmp(k, "lease_s") && atof(v) > 0) P.lease_s = atof(v);
+            else if (!strcmp(k, "require_agent")) P.require_agent = atoi(v) != 0;
+            else if (!strcmp(k, "log")) snprintf(P.log_path, sizeof P.log_path, "%s", v);
+            else if (!strcmp(k, "device_memory") &&
+                     (!strcmp(v, "preserve") || !strcmp(v, "app") || !strcmp(v, "discard")))
+                snprintf(P.device_memory, sizeof P.device_memory, "%s", v);
+            else
+                LOGW("%s: unknown key or value %s=%s (known: lease_s, require_agent, log, "
+                     "device_memory=preserve|app|discard)\n", config_path(), k, v);
+        }
+        fclose(f);
+    }
+    P.lease_s = env_double("NPUSNAP_PLUGIN_LEASE_S", P.lease_s);
+    const char *ra = getenv("NPUSNAP_PLUGIN_REQUIRE_AGENT");
+    if (ra && *ra) P.require_agent = atoi(ra) != 0;
+    const char *lg = getenv("NPUSNAP_PLUGIN_LOG");
+    if (lg && *lg) snprintf(P.log_path, sizeof P.log_path, "%s", lg);
+}
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+
+static int read_file(const char *path, char *buf, size_t len) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    size_t got = 0;
+    while (got + 1 < len) {
+        ssize_t n = read(fd, buf + got, len - 1 - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    close(fd);
+    buf[got] = 0;
+    return (int)got;
+}
+
+/* The innermost pid of a host pid (last field of NSpid), or -1. */
+static int ns_pid(int pid) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    if (read_file(path, buf, sizeof buf) < 0) return -1;
+    char *l = strstr(buf, "\nNSpid:");
+    if (!l) return pid;
+    l += 7;
+    char *end = strchr(l, '\n');
+    if (end) *end = 0;
+    int last = -1;
+    for (char *tok = strtok(l, " \t"); tok; tok = strtok(NULL, " \t")) last = atoi(tok);
+    return last;
+}
+
+static int status_field(int pid, const char *field) {
+    char path[64], buf[4096], key[64];
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    if (read_file(path, buf, sizeof buf) < 0) return -1;
+    snprintf(key, sizeof key, "\n%s:", field);
+    char *l = strstr(buf, key);
+    return l ? atoi(l + strlen(key)) : -1;
+}
+
+/* 'R', 'S', 'Z', 't', ... of a pid; 0 if it is gone. */
+static char proc_state(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    if (read_file(path, buf, sizeof buf) <= 0) return 0;
+    char *rp = strrchr(buf, ')');
+    return (rp && rp[1] == ' ') ? rp[2] : 0;
+}
+
+/* Does the task have a CANN runtime library mapped? (Then it needs an agent to be dumped.) */
+static int maps_cann(int pid, char *lib, size_t liblen) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/maps", pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    char line[4096];
+    int found = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *slash = strrchr(line, '/');
+        if (!slash) continue;
+        if (!strncmp(slash, "/libacl_rt.so", 13) || !strncmp(slash, "/libascendcl.so", 15) ||
+            !strncmp(slash, "/libruntime.so", 14)) {
+            char *nl = strchr(line, '\n');
+            if (nl) *nl = 0;
+            char *p = strchr(line, '/');
+            snprintf(lib, liblen, "%s", p ? p : slash);
+            found = 1;
+            break;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* The agent's listening socket for a task, as bound inside its mount namespace: a listening
+ * AF_UNIX path ".../npusnap*<dir>/<nspid>.sock" (or in the target's NPUSNAP_RUNTIME_DIR) in the
+ * task's network namespace (/proc/PID/net/unix). Returns the number of candidates written (at most max). */
+/* The target's NPUSNAP_RUNTIME_DIR (an agent started with it binds its socket there), or "". */
+static void target_runtime_dir(int pid, char *out, size_t len) {
+    char path[64];
+    static char env[1 << 16];
+    out[0] = 0;
+    snprintf(path, sizeof path, "/proc/%d/environ", pid);
+    int n = read_file(path, env, sizeof env);
+    for (int i = 0; i < n; i += (int)strlen(env + i) + 1) {
+        if (!strncmp(env + i, "NPUSNAP_RUNTIME_DIR=", 20)) {
+            snprintf(out, len, "%s", env + i + 20);
+            size_t l = strlen(out);
+            while (l > 1 && out[l - 1] == '/') out[--l] = 0;
+        }
+    }
+}
+
+static int agent_sockets(int pid, int nspid, char out[][256], int max) {
+    char path[64], want[32], rtdir[256];
+    target_runtime_dir(pid, rtdir, sizeof rtdir);
+    snprintf(path, sizeof path, "/proc/%d/net/unix", pid);
+    snprintf(want, sizeof want, "/%d.sock", nspid);
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    char line[1024];
+    int n = 0;
+    if (!fgets(line, sizeof line, f)) { /* header */
+        fclose(f);
+        return 0;
+    }
+    while (n < max && fgets(line, sizeof line, f)) {
+        char num[32], sp[256] = "";
+        unsigned long refc, proto, flags, type, st, ino;
+        if (sscanf(line, "%31s %lx %lx %lx %lx %lx %lu %255s", num, &refc, &proto, &flags, &type, &st, &ino, sp) < 8)
+            continue;
+        if (sp[0] != '/' || !(flags & 0x10000)) continue;
+        size_t l = strlen(sp), wl = strlen(want);
+        if (l <= wl || strcmp(sp + l - wl, want)) continue;
+        /* the parent directory's name starts with "npusnap" (paths.py, core.c) */
+        char *dir_end = sp + l - wl;
+        char *dir_start = dir_end;
+        while (dir_start > sp && dir_start[-1] != '/') dir_start--;
+        int in_rtdir = rtdir[0] && (size_t)(dir_end - sp) == strlen(rtdir) && !strncmp(sp, rtdir, strlen(rtdir));
+        if (strncmp(dir_start, "npusnap", 7) && !in_rtdir) continue;
+        snprintf(out[n++], 256, "%s", sp);
+    }
+    fclose(f);
+    return n;
+}
+
+/* ---- one connection to an agent ---------------------------------------------------------- */
+typedef struct conn {
+    int fd;
+    int pid;
+    long long next_id;
+    char buf[MAX_LINE + 2];
+    size_t len;
+} conn;
+
+/* Connect to the agent of host pid `pid` listening at `sock` (a path in its mount namespace):
+ * through /proc/PID/root, via an O_PATH fd of the directory so the address stays short. The peer
+ * must be `pid` itself (SO_PEERCRED, translated into our pid namespace). */
+static int agent_connect(conn *c, int pid, const char *sock, char *err, size_t errlen) {
+    c->fd = -1;
+    c->pid = pid;
+    c->next_id = 1;
+    c->len = 0;
+    char rootpath[64], dirpath[512];
+    const char *slash = strrchr(sock, '/');
+    snprintf(rootpath, sizeof rootpath, "/proc/%d/root", pid);
+    snprintf(dirpath, sizeof dirpath, "%.*s", (int)(slash - sock), sock);
+    if (!dirpath[0]) snprintf(dirpath, sizeof dirpath, "/");
+    int rootfd = open(rootpath, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (rootfd < 0) {
+        snprintf(err, errlen, "cannot open %s: %s", rootpath, strerror(errno));
+        return -1;
+    }
+    /* Resolve the directory inside the task's root: a symlink in the container cannot lead us
+     * to a path of the host (the peer check below would refuse it anyway). */
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
+    how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+    int dfd = (int)syscall(SYS_openat2, rootfd, dirpath, &how, sizeof how);
+    int oerr = errno;
+    close(rootfd);
+    if (dfd < 0) {
+        snprintf(err, errlen, "cannot open %s in the root of pid %d: %s", dirpath, pid, strerror(oerr));
+        return -1;
+    }
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d%s", dfd, slash);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        snprintf(err, errlen, "socket: %s", strerror(errno));
+        close(dfd);
+        return -1;
+    }
+    int rc = connect(fd, (struct sockaddr *)&addr, sizeof addr);
+    int saved = errno;
+    close(dfd);
+    if (rc < 0) {
+        snprintf(err, errlen, "cannot connect to %s (in the namespaces of pid %d): %s", sock, pid, strerror(saved));
+        close(fd);
+        return -1;
+    }
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0 || cred.pid != pid) {
+        snprintf(err, errlen, "refusing %s: it is served by pid %d, not by pid %d", sock, (int)cred.pid, pid);
+        close(fd);
+        return -1;
+    }
+    c->fd = fd;
+    return 0;
+}
+
+/* Read one line within timeout_s. 0 ok (NUL-terminated in c->buf, length *len), -1 error/EOF. */
+static int read_line(conn *c, double timeout_s, size_t *len, char *err, size_t errlen) {
+    double deadline = now_s() + timeout_s;
+    for (;;) {
+        char *nl = memchr(c->buf, '\n', c->len);
+        if (nl) {
+            *len = (size_t)(nl - c->buf);
+            return 0;
+        }
+        if (c->len > MAX_LINE) {
+            snprintf(err, errlen, "the agent's answer exceeds %d bytes", MAX_LINE);
+            return -1;
+        }
+        double left = deadline - now_s();
+        if (left <= 0) {
+            snprintf(err, errlen, "no answer from the agent of pid %d within %.0fs", c->pid, timeout_s);
+            return -1;
+        }
+        if (P.stage == CR_PLUGIN_STAGE__DUMP && alarm_timeouted()) {
+            snprintf(err, errlen,
+                     "CRIU's freeze timeout ran out while the agent of pid %d was answering (a large device "
+                     "backup? raise it: `timeout 600` in the CRIU config file, or criu --timeout)",
+                     c->pid);
+            return -1;
+        }
+        struct pollfd p = {c->fd, POLLIN, 0};
+        int rc = poll(&p, 1, (int)(left * 1000) + 1);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0) continue;
+        ssize_t n = recv(c->fd, c->buf + c->len, MAX_LINE + 1 - c->len, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            snprintf(err, errlen, "the agent of pid %d closed the connection%s%s", c->pid, n < 0 ? ": " : "",
+                     n < 0 ? strerror(errno) : "");
+            return -1;
+        }
+        c->len += (size_t)n;
+    }
+}
+
+typedef struct reply {
+    int ok;
+    jval v;       /* the whole response */
+    const jval *body; /* result or error */
+    char name[64];    /* error name */
+    char type[32];    /* error type */
+    char message[512];
+} reply;
+
+static void reply_free(reply *r) { json_free(&r->v); }
+
+/* Send one request (args: a JSON object text) and read its answer. -1: transport failure (err). */
+static int agent_request(conn *c, const char *op, const char *args, double timeout_s, reply *r, char *err,
+                   size_t errlen) {
+    memset(r, 0, sizeof *r);
+    char line[1024];
+    long long id = c->next_id++;
+    int n = snprintf(line, sizeof line, "{\"v\":1,\"id\":%lld,\"op\":\"%s\",\"args\":%s}\n", id, op, args);
+    if (send(c->fd, line, (size_t)n, MSG_NOSIGNAL) != n) {
+        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(errno));
+        return -1;
+    }
+    size_t len;
+    if (read_line(c, timeout_s, &len, err, errlen) < 0) return -1;
+    char perr[128];
+    int rc = json_parse(c->buf, len, &r->v, perr, sizeof perr);
+    memmove(c->buf, c->buf + len + 1, c->len - len - 1);
+    c->len -= len + 1;
+    if (rc < 0 || r->v.t != J_OBJ) {
+        snprintf(err, errlen, "the agent of pid %d answered %s with a malformed line: %s", c->pid, op, perr);
+        return -1;
+    }
+    const jval *okv = json_get(&r->v, "ok");
+    r->ok = okv && okv->t == J_BOOL && okv->b;
+    r->body = json_get(&r->v, r->ok ? "result" : "error");
+    if (!r->ok && r->body && r->body->t == J_OBJ) {
+        const jval *s;
+        if ((s = json_get(r->body, "name")) && s->t == J_STR) snprintf(r->name, sizeof r->name, "%s", s->s);
+        if ((s = json_get(r->body, "type")) && s->t == J_STR) snprintf(r->type, sizeof r->type, "%s", s->s);
+        if ((s = json_get(r->body, "message")) && s->t == J_STR)
+            snprintf(r->message, sizeof r->message, "%s", s->s);
+    }
+    return 0;
+}
+
+/* Say goodbye: shut our side, read to EOF (the agent closes), close. Bounded. */
+static void agent_close(conn *c) {
+    if (c->fd < 0) return;
+    shutdown(c->fd, SHUT_WR);
+    double deadline = now_s() + 5.0;
+    char tmp[512];
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) {
+            LOGW("the agent of pid %d did not close its end within 5s\n", c->pid);
+            break;
+        }
+        struct pollfd p = {c->fd, POLLIN, 0};
+        int rc = poll(&p, 1, (int)(left * 1000) + 1);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0) continue;
+        ssize_t n = recv(c->fd, tmp, sizeof tmp, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+    }
+    close(c->fd);
+    c->fd = -1;
+}
+
+static int error_exit_code(const reply *r) {
+    return (!strcmp(r->type, "acl") || !strcmp(r->type, "state")) ? EX_DEVICE : EX_AGENT;
+}
+
+static int find_and_connect(int pid, int nspid, char *sock, size_t socklen, conn *c, char *err, size_t errlen) {
+    char cands[8][256];
+    int n = agent_sockets(pid, nspid, cands, 8);
+    if (n == 0) {
+        snprintf(err, errlen, "no listening npusnap agent socket named %d.sock in the namespaces of pid %d", nspid,
+                 pid);
+        return 1; /* no agent */
+    }
+    for (int i = 0; i < n; i++) {
+        if (agent_connect(c, pid, cands[i], err, errlen) == 0) {
+            snprintf(sock, socklen, "%s", cands[i]);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* ---- dump -------------------------------------------------------------------------------- */
+static task *task_of(int pid) {
+    for (int i = 0; i < P.ntasks; i++)
+        if (P.tasks[i].pid == pid) return &P.tasks[i];
+    return NULL;
+}
+
+static void rollback_one(conn *c, const task *t) {
+    char args[128], err[512];
+    snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+    reply r;
+    if (agent_request(c, "rollback", args, 120, &r, err, sizeof err) < 0) {
+        FAIL(EX_STATE_UNKNOWN, "rollback of pid %d: %s; its lease (%.0fs) rolls it back, or run `npusnap thaw %d`",
+             t->pid, err, P.lease_s, t->pid);
+        return;
+    }
+    if (!r.ok)
+        FAIL(EX_STATE_UNKNOWN, "rollback of pid %d: %s: %s; its lease rolls it back, or run `npusnap thaw %d`",
+             t->pid, r.name, r.message, t->pid);
+    else
+        LOGI("pid %d rolled back (unlocked)\n", t->pid);
+    reply_free(&r);
+}
+
+static int pause_devices(int pid) {
+    if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP) return -ENOTSUP;
+    if (task_of(pid)) return 0;
+    int nspid = ns_pid(pid);
+    if (nspid < 0) return -ENOTSUP; /* gone: CRIU sees it too */
+    char pst = proc_state(pid);
+    if (pst == 'T' || pst == 't') {
+        char cands[1][256];
+        if (agent_sockets(pid, nspid, cands, 1) > 0) {
+            FAIL(EX_TARGET, "pid %d is stopped (SIGSTOP, Ctrl-Z or a debugger): its agent cannot lock or back up "
+                            "the device; continue it (kill -CONT %d) and checkpoint again", pid, pid);
+            return -1;
+        }
+    }
+    char sock[256], err[512];
+    conn c;
+    int rc = -1;
+    double deadline = now_s() + 2.0;
+    reply r;
+    char args[256];
+    for (;;) {
+        rc = find_and_connect(pid, nspid, sock, sizeof sock, &c, err, sizeof err);
+        if (rc == 1) {
+            char lib[512];
+            if (maps_cann(pid, lib, sizeof lib)) {
+                if (P.require_agent) {
+                    FAIL(EX_TARGET,
+                         "pid %d (pid %d in its namespace) has the CANN runtime loaded (%s) but no npusnap agent: "
+                         "its device state would be lost; start it under `npusnap run` or with "
+                         "LD_PRELOAD=libnpusnap_agent.so NPUSNAP_AGENT=1 (require_agent=1 in %s)",
+                         pid, nspid, lib, config_path());
+                    return -1;
+                }
+                LOGW("pid %d (pid %d in its namespace) has the CANN runtime loaded (%s) but no npusnap agent: the "
+                     "plugin does not touch it, its device state is up to the application or another plugin "
+                     "(set require_agent=1 in %s to refuse such dumps)\n",
+                     pid, nspid, lib, config_path());
+                return -ENOTSUP;
+            }
+            LOGI("pid %d has no agent and no CANN runtime: not ours\n", pid);
+            return -ENOTSUP;
+        }
+        if (rc < 0) {
+            FAIL(EX_AGENT, "pid %d: %s", pid, err);
+            return -1;
+        }
+        char dm[48] = "";
+        if (P.device_memory[0]) snprintf(dm, sizeof dm, ",\"device_memory\":\"%s\"", P.device_memory);
+        snprintf(args, sizeof args, "{\"lease_s\":%g%s,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}",
+                 P.lease_s, dm, (int)getpid());
+        if (agent_request(&c, "lock", args, 90, &r, err, sizeof err) < 0) {
+            agent_close(&c);
+            FAIL(EX_AGENT, "lock of pid %d: %s", pid, err);
+            return -1;
+        }
+        if (!r.ok && !strcmp(r.name, "BUSY") && now_s() < deadline) {
+            reply_free(&r);
+            agent_close(&c);
+            usleep(100 * 1000);
+            continue;
+        }
+        break;
+    }
+    if (!r.ok) {
+        if (!strcmp(r.name, "NO_ACL_RUNTIME")) {
+            LOGI("pid %d has an agent but no CANN runtime: not ours\n", pid);
+            reply_free(&r);
+            agent_close(&c);
+            return -ENOTSUP;
+        }
+        if (!strcmp(r.name, "ALREADY_LOCKED")) {
+            const jval *owner = r.body ? json_get(r.body, "owner") : NULL;
+            const jval *cmd = owner ? json_get(owner, "command") : NULL;
+            int ours = cmd && cmd->t == J_STR && !strcmp(cmd->s, "criu-plugin");
+            if (!ours) {
+                /* `npusnap dump` or `freeze` holds the lock and drives the device state itself. */
+                LOGI("pid %d: %s; that command drives its device state, the plugin leaves it alone\n", pid,
+                     r.message);
+                reply_free(&r);
+                agent_close(&c);
+                return -ENOTSUP;
+            }
+        }
+        int code = error_exit_code(&r);
+        FAIL(code, "lock of pid %d: %s: %s", pid, r.name, r.message);
+        reply_free(&r);
+        agent_close(&c);
+        return -1;
+    }
+    task *t = &P.tasks[P.ntasks];
+    memset(t, 0, sizeof *t);
+    t->pid = pid;
+    t->nspid = nspid;
+    snprintf(t->sock, sizeof t->sock, "%s", sock);
+    const jval *tok = r.body ? json_get(r.body, "token") : NULL;
+    if (!tok || tok->t != J_STR || strlen(tok->s) != TOKEN_LEN) {
+        FAIL(EX_AGENT, "lock of pid %d: the agent's answer carries no token (an agent older than the lock-owner "
+                       "protocol?)", pid);
+        reply_free(&r);
+        snprintf(args, sizeof args, "{\"force\":true}");
+        if (agent_request(&c, "rollback", args, 120, &r, err, sizeof err) == 0) reply_free(&r);
+        agent_close(&c);
+        return -1;
+    }
+    snprintf(t->token, sizeof t->token, "%s", tok->s);
+    reply_free(&r);
+    if (P.ntasks >= MAX_TASKS) {
+        FAIL(EX_TARGET, "more than %d NPU processes in one dump", MAX_TASKS);
+        rollback_one(&c, t);
+        agent_close(&c);
+        return -1;
+    }
+    P.ntasks++; /* from here on fini rolls it back if the dump does not go through */
+    snprintf(args, sizeof args, "{\"lease_s\":%g,\"token\":\"%s\"}", P.lease_s, t->token);
+    if (agent_request(&c, "backup", args, 900, &r, err, sizeof err) < 0) {
+        FAIL(EX_AGENT, "backup of pid %d: %s", pid, err);
+        agent_close(&c);
+        return -1;
+    }
+    if (!r.ok) {
+        FAIL(error_exit_code(&r), "backup of pid %d: %s: %s", pid, r.name, r.message);
+        reply_free(&r);
+        rollback_one(&c, t);
+        P.ntasks--;
+        agent_close(&c);
+        return -1;
+    }
+    reply_free(&r);
+    agent_close(&c); /* nothing may stay on the socket while the task is frozen */
+    if (!P.inventory_added) {
+        if (add_inventory_plugin(PLUGIN_NAME)) {
+            FAIL(EX_IMAGE, "cannot record %s in the image inventory", PLUGIN_NAME);
+            return -1;
+        }
+        P.inventory_added = 1;
+    }
+    LOGI("pid %d (pid %d in its namespace, agent %s): locked and backed up, lease %gs\n", pid, nspid, sock,
+         P.lease_s);
+    return 0;
+}
+
+static int checkpoint_devices(int pid) {
+    if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP || !task_of(pid)) return -ENOTSUP;
+    return 0; /* backed up at PAUSE_DEVICES, while the agent could still answer */
+}
+
+/* SHA-256: nettle's when CRIU has it loaded (CRIU links gnutls, which brings nettle and its
+ * SHA-NI/assembly code, several times faster), else the plugin's own (sha256.c). The images are
+ * hashed while the tasks are still frozen, so speed matters for --leave-running. */
+typedef struct {
+    void (*init)(void *);
+    void (*update)(void *, size_t, const uint8_t *);
+    void (*digest)(void *, size_t, uint8_t *);
+} nettle_sha;
+
+static const char *hasher_name(nettle_sha *n) {
+    n->init = (void (*)(void *))dlsym(RTLD_DEFAULT, "nettle_sha256_init");
+    n->update = (void (*)(void *, size_t, const uint8_t *))dlsym(RTLD_DEFAULT, "nettle_sha256_update");
+    n->digest = (void (*)(void *, size_t, uint8_t *))dlsym(RTLD_DEFAULT, "nettle_sha256_digest");
+    if (n->init && n->update && n->digest) return "nettle";
+    memset(n, 0, sizeof *n);
+    return "built-in";
+}
+
+/* sha256 of every regular file of the images directory, as a JSON array (files[]). */
+static int hash_images(int dirfd, sbuf *out) {
+    int dfd = dup(dirfd);
+    if (dfd < 0) return -1;
+    lseek(dfd, 0, SEEK_SET);
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return -1;
+    }
+    rewinddir(d);
+    static char buf[1 << 20];
+    int first = 1, rc = 0;
+    nettle_sha nt;
+    const char *impl = hasher_name(&nt);
+    double t0 = now_s();
+    long long total = 0;
+    sb_raw(out, "[");
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        size_t nl = strlen(de->d_name);
+        /* CRIU's logs and stats change after this point (restore writes its own) */
+        if (de->d_name[0] == '.' || !strncmp(de->d_name, STATE_FILE, strlen(STATE_FILE)) ||
+            (nl > 4 && !strcmp(de->d_name + nl - 4, ".log")) || !strncmp(de->d_name, "stats-", 6))
+            continue;
+        int fd = openat(dirfd, de->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0) continue;
+        struct stat st;
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+            close(fd);
+            continue;
+        }
+        sha256_ctx h;
+        _Alignas(16) unsigned char nctx[512]; /* struct sha256_ctx of nettle: 112 bytes */
+        if (nt.init) nt.init(nctx);
+        else sha256_init(&h);
+        ssize_t n;
+        long long size = 0;
+        while ((n = read(fd, buf, sizeof buf)) > 0) {
+            if (nt.init) nt.update(nctx, (size_t)n, (const uint8_t *)buf);
+            else sha256_update(&h, buf, (size_t)n);
+            size += n;
+        }
+        close(fd);
+        if (n < 0) {
+            rc = -1;
+            continue;
+        }
+        total += size;
+        char hex[65];
+        if (nt.init) {
+            uint8_t d[32];
+            nt.digest(nctx, 32, d);
+            for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", d[i]);
+        } else {
+            sha256_hex(&h, hex);
+        }
+        sb_raw(out, first ? "{" : ",{");
+        first = 0;
+        sb_key(out, "path");
+        sb_str(out, de->d_name);
+        sb_key(out, "size");
+        sb_printf(out, "%lld", size);
+        sb_key(out, "sha256");
+        sb_str(out, hex);
+        sb_raw(out, "}");
+    }
+    sb_raw(out, "]");
+    closedir(d);
+    LOGI("sha256 (%s) of %lld bytes of images in %.3fs\n", impl, total, now_s() - t0);
+    return rc;
+}
+
+static void iso_now(char *buf, size_t len) {
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(buf, len, "%Y-%m-%dT%H:%M:%SZ", &tm);
+}
+
+static int write_state_file(void) {
+    int dirfd = criu_get_image_dir();
+    sbuf s;
+    sb_init(&s);
+    char when[32], host[256] = "";
+    iso_now(when, sizeof when);
+    gethostname(host, sizeof host - 1);
+    sb_raw(&s, "{");
+    sb_key(&s, "format");
+    sb_printf(&s, "%d", STATE_FORMAT);
+    sb_key(&s, "kind");
+    sb_str(&s, "npusnap-criu-plugin");
+    sb_key(&s, "plugin");
+    sb_str(&s, PLUGIN_NAME);
+    sb_key(&s, "created");
+    sb_str(&s, when);
+    sb_key(&s, "hostname");
+    sb_str(&s, host);
+    sb_key(&s, "criu_pid");
+    sb_printf(&s, "%d", (int)getpid());
+    sb_key(&s, "lease_s");
+    sb_num(&s, P.lease_s);
+    sb_key(&s, "processes");
+    sb_raw(&s, "[");
+    for (int i = 0; i < P.ntasks; i++) {
+        task *t = &P.tasks[i];
+        sb_raw(&s, i ? ",{" : "{");
+        sb_key(&s, "pid");
+        sb_printf(&s, "%d", t->pid);
+        sb_key(&s, "ns_pid");
+        sb_printf(&s, "%d", t->nspid);
+        sb_key(&s, "agent_socket");
+        sb_str(&s, t->sock);
+        sb_key(&s, "lock_token");
+        sb_str(&s, t->token);
+        sb_raw(&s, "}");
+    }
+    sb_raw(&s, "]");
+    sb_key(&s, "files");
+    int hrc = hash_images(dirfd, &s);
+    sb_raw(&s, "}\n");
+    if (s.oom || hrc < 0) {
+        sb_free(&s);
+        FAIL(EX_IMAGE, "cannot checksum the image files");
+        return -1;
+    }
+    int fd = openat(dirfd, STATE_FILE ".tmp", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    int ok = fd >= 0 && write(fd, s.p, s.len) == (ssize_t)s.len && fsync(fd) == 0;
+    if (fd >= 0) close(fd);
+    ok = ok && renameat(dirfd, STATE_FILE ".tmp", dirfd, STATE_FILE) == 0;
+    sb_free(&s);
+    if (!ok) {
+        FAIL(EX_IMAGE, "cannot write %s in the images directory: %s", STATE_FILE, strerror(errno));
+        return -1;
+    }
+    LOGI("wrote %s (%d NPU processes, tokens and image checksums)\n", STATE_FILE, P.ntasks);
+    return 0;
+}
+
+static FILE *helper_log(void) {
+    if (!strcmp(P.log_path, "/var/log/npusnap/criu-plugin.log")) mkdir("/var/log/npusnap", 0700);
+    FILE *f = fopen(P.log_path, "ae");
+    if (f) setvbuf(f, NULL, _IOLBF, 0);
+    return f;
+}
+
+static void hlog(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void hlog(FILE *f, const char *fmt, ...) {
+    if (!f) return;
+    char when[32];
+    iso_now(when, sizeof when);
+    fprintf(f, "%s [%d] " PREFIX, when, (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fputc('\n', f);
+}
+
+/* The detached helper: once CRIU lets a task go (it is no longer traced), roll it back. A task
+ * that CRIU killed after a good dump is gone: nothing to do. Bounded by the lease (+30 s). */
+static void helper_main(void) {
+    P.stage = -1; /* CRIU's dump (and its freeze timeout) is over for this process */
+    FILE *lf = helper_log();
+    hlog(lf, "helper for %d task(s) of criu pid %d", P.ntasks, P.criu_pid);
+    double deadline = now_s() + P.lease_s + 30;
+    int left = P.ntasks;
+    int done[MAX_TASKS] = {0};
+    while (left && now_s() < deadline) {
+        for (int i = 0; i < P.ntasks; i++) {
+            if (done[i]) continue;
+            task *t = &P.tasks[i];
+            char st = proc_state(t->pid);
+            if (st == 0 || st == 'Z' || st == 'X' || ns_pid(t->pid) != t->nspid) {
+                hlog(lf, "pid %d exited (a dump that was not --leave-running ends the task): nothing to unlock",
+                     t->pid);
+                done[i] = 1;
+                left--;
+                continue;
+            }
+            if (status_field(t->pid, "TracerPid") != 0 || st == 't' || st == 'T') continue; /* CRIU holds it */
+            conn c;
+            char err[512];
+            if (agent_connect(&c, t->pid, t->sock, err, sizeof err) < 0) {
+                hlog(lf, "pid %d: %s (retrying)", t->pid, err);
+                continue;
+            }
+            char args[128];
+            snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+            reply r;
+            if (agent_request(&c, "rollback", args, 10, &r, err, sizeof err) < 0) {
+                hlog(lf, "pid %d: rollback: %s (retrying)", t->pid, err);
+                close(c.fd);
+                continue;
+            }
+            if (r.ok)
+                hlog(lf, "pid %d rolled back: running, unlocked", t->pid);
+            else if (!strcmp(r.name, "NOT_OWNER") || !strcmp(r.type, "state"))
+                hlog(lf, "pid %d: nothing to roll back: %s: %s", t->pid, r.name, r.message);
+            else
+                hlog(lf, "FAILED, npusnap %s: rollback of pid %d: %s: %s; its lease rolls it back, or run `npusnap "
+                         "thaw %d`", exit_meaning(EX_STATE_UNKNOWN), t->pid, r.name, r.message, t->pid);
+            reply_free(&r);
+            agent_close(&c);
+            done[i] = 1;
+            left--;
+        }
+        if (left) usleep(50 * 1000);
+    }
+    for (int i = 0; i < P.ntasks; i++)
+        if (!done[i])
+            hlog(lf, "FAILED, npusnap %s: pid %d was not released by CRIU within %.0fs; its lease rolls it back, or "
+                     "run `npusnap thaw %d`", exit_meaning(EX_STATE_UNKNOWN), P.tasks[i].pid, P.lease_s + 30,
+                 P.tasks[i].pid);
+    if (lf) fclose(lf);
+}
+
+static void spawn_rollback_helper(void) {
+    P.criu_pid = (int)getpid();
+    pid_t child = fork();
+    if (child < 0) {
+        FAIL(EX_STATE_UNKNOWN, "cannot fork the rollback helper: %s; the agents' leases (%.0fs) roll back",
+             strerror(errno), P.lease_s);
+        return;
+    }
+    if (child == 0) {
+        setsid();
+        if (fork() != 0) _exit(0);
+        /* Keep nothing of CRIU's: runc waits for EOF on CRIU's RPC socket. */
+        int devnull = open("/dev/null", O_RDWR);
+        if (devnull >= 0) {
+            dup2(devnull, 0);
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+        }
+        syscall(SYS_close_range, 3, ~0U, 0);
+        signal(SIGPIPE, SIG_IGN);
+        helper_main();
+        _exit(0);
+    }
+    int st;
+    while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+    }
+    LOGI("a detached helper rolls back the %d locked task(s) if CRIU lets them run (failed dump, --leave-running); "
+         "log: %s\n", P.ntasks, P.log_path);
+}
+
+/* ---- restore ----------------------------------------------------------------------------- */
+static int load_state_file(void) {
+    int dirfd = criu_get_image_dir();
+    int fd = openat(dirfd, STATE_FILE, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        FAIL(EX_IMAGE, "the image needs %s but has no %s: %s (was it copied without it?)", PLUGIN_NAME, STATE_FILE,
+             strerror(errno));
+        return -1;
+    }
+    sbuf s;
+    sb_init(&s);
+    char buf[8192];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) sb_rawn(&s, buf, (size_t)n);
+    close(fd);
+    jval v;
+    char err[128];
+    if (s.oom || json_parse(s.p ? s.p : "", s.len, &v, err, sizeof err) < 0 || v.t != J_OBJ) {
+        FAIL(EX_IMAGE, "%s is not valid JSON: %s", STATE_FILE, err);
+        sb_free(&s);
+        return -1;
+    }
+    sb_free(&s);
+    const jval *fmt = json_get(&v, "format");
+    const jval *procs = json_get(&v, "processes");
+    const jval *lease = json_get(&v, "lease_s");
+    if (!fmt || fmt->t != J_NUM || (int)fmt->num != STATE_FORMAT || !procs || procs->t != J_ARR) {
+        FAIL(EX_IMAGE, "%s has an unknown format (this plugin reads format %d)", STATE_FILE, STATE_FORMAT);
+        json_free(&v);
+        return -1;
+    }
+    if (lease && lease->t == J_NUM) P.lease_s = lease->num;
+    P.ntasks = 0;
+    for (size_t i = 0; i < procs->n && P.ntasks < MAX_TASKS; i++) {
+        const jval *p = &procs->items[i];
+        const jval *pid = json_get(p, "pid"), *nspid = json_get(p, "ns_pid"), *sock = json_get(p, "agent_socket"),
+                   *tok = json_get(p, "lock_token");
+        if (!pid || pid->t != J_NUM || !nspid || nspid->t != J_NUM || !sock || sock->t != J_STR || !tok ||
+            tok->t != J_STR) {
+            FAIL(EX_IMAGE, "%s: processes[%zu] lacks pid/ns_pid/agent_socket/lock_token", STATE_FILE, i);
+            json_free(&v);
+            return -1;
+        }
+        task *t = &P.tasks[P.ntasks++];
+        memset(t, 0, sizeof *t);
+        t->pid = (int)pid->num;
+        t->nspid = (int)nspid->num;
+        snprintf(t->sock, sizeof t->sock, "%s", sock->s);
+        snprintf(t->token, sizeof t->token, "%s", tok->s);
+    }
+    json_free(&v);
+    LOGI("%s: %d NPU process(es) to restore\n", STATE_FILE, P.ntasks);
+    return 0;
+}
+
+static int resume_devices_late(int pid) {
+    if (P.disabled || P.stage != CR_PLUGIN_STAGE__RESTORE) return -ENOTSUP;
+    int nspid = ns_pid(pid);
+    for (int i = 0; i < P.ntasks; i++) {
+        task *t = &P.tasks[i];
+        if (t->nspid == nspid && !t->restored) {
+            t->restored = 1;
+            t->newpid = pid;
+            LOGI("restored pid %d is dumped pid %d (pid %d in its namespace): restore + unlock once it runs\n", pid,
+                 t->pid, nspid);
+            return 0;
+        }
+    }
+    return -ENOTSUP;
+}
+
+static void restore_one(task *t) {
+    conn c;
+    char err[512], args[128];
+    int pid = t->newpid;
+    if (agent_connect(&c, pid, t->sock, err, sizeof err) < 0) {
+        FAIL(EX_AGENT, "restore of pid %d: %s; the agent's lease (%.0fs) restores and unlocks it by itself", pid, err,
+             P.lease_s);
+        return;
+    }
+    snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+    const char *ops[] = {"restore", "unlock"};
+    for (int i = 0; i < 2; i++) {
+        reply r;
+        if (agent_request(&c, ops[i], args, 900, &r, err, sizeof err) < 0) {
+            FAIL(EX_AGENT, "%s of pid %d: %s; the agent's lease restores and unlocks it by itself", ops[i], pid, err);
+            agent_close(&c);
+            return;
+        }
+        if (!r.ok) {
+            FAIL(error_exit_code(&r), "%s of pid %d: %s: %s; run `npusnap status %d`, then `npusnap thaw %d`", ops[i],
+                 pid, r.name, r.message, pid, pid);
+            reply_free(&r);
+            agent_close(&c);
+            return;
+        }
+        reply_free(&r);
+    }
+    agent_close(&c);
+    LOGI("pid %d: device state restored, unlocked\n", pid);
+}
+
+/* ---- init / fini ------------------------------------------------------------------------- */
+static int plugin_init(int stage) {
+    memset(&P, 0, sizeof P);
+    P.stage = stage;
+    load_config();
+    if (stage == CR_PLUGIN_STAGE__PRE_DUMP) {
+        P.disabled = 1; /* pre-dump never freezes device state */
+        return 0;
+    }
+    if (stage == CR_PLUGIN_STAGE__RESTORE) {
+        if (!check_and_remove_inventory_plugin(PLUGIN_NAME, strlen(PLUGIN_NAME))) {
+            P.disabled = 1; /* not an image this plugin took part in */
+            return 0;
+        }
+        return load_state_file() < 0 ? -1 : 0;
+    }
+    /* Dump: talk to the agents before CRIU stops the tasks, also under runc (which asks CRIU to
+     * freeze the container's cgroup): CRIU thaws it and interrupts the tasks one by one. */
+    set_compel_interrupt_only_mode();
+    LOGI("loaded (dump), lease %gs, require_agent %d, config %s\n", P.lease_s, P.require_agent, config_path());
+    return 0;
+}
+
+static void plugin_fini(int stage, int ret) {
+    if (P.disabled) return;
+    if (stage == CR_PLUGIN_STAGE__DUMP) {
+        if (P.ntasks == 0) return;
+        if (ret == 0 && write_state_file() < 0)
+            FAIL(EX_IMAGE, "the checkpoint has no %s: it cannot be restored with its device state", STATE_FILE);
+        spawn_rollback_helper();
+    } else if (stage == CR_PLUGIN_STAGE__RESTORE) {
+        if (ret != 0) return; /* CRIU removed the restored tasks */
+        for (int i = 0; i < P.ntasks; i++) {
+            if (!P.tasks[i].restored) {
+                FAIL(EX_IMAGE, "dumped pid %d (pid %d in its namespace) was not among the restored tasks",
+                     P.tasks[i].pid, P.tasks[i].nspid);
+                continue;
+            }
+            restore_one(&P.tasks[i]);
+        }
+    }
+}
+
+CR_PLUGIN_REGISTER(PLUGIN_NAME, plugin_init, plugin_fini)
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__PAUSE_DEVICES, pause_devices)
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__CHECKPOINT_DEVICES, checkpoint_devices)
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESUME_DEVICES_LATE, resume_devices_late)

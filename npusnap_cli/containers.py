@@ -1,0 +1,220 @@
+"""Checkpoints made by container engines through npusnap's CRIU plugin (native/criu-plugin).
+
+``podman container checkpoint`` (or CRI-O for the kubelet, or a plain ``criu dump`` with the
+plugin) writes CRIU's images and, beside them, the plugin's ``npusnap-plugin.json``: the NPU
+processes it locked and backed up, their lock tokens, and the size and sha256 of every image file
+(taken at the end of the dump). ``npusnap inspect`` and ``npusnap verify`` read such a checkpoint
+in three forms:
+
+* the CRIU images directory itself (holds ``npusnap-plugin.json``);
+* a directory with a ``checkpoint/`` subdirectory (podman's container directory, an unpacked
+  export archive, a kubelet checkpoint unpacked);
+* an export archive: ``podman container checkpoint --export=F.tar[.gz|.zst]`` or the kubelet's
+  ``checkpoint-<pod>_<ns>-<container>-<time>.tar`` (read as a stream; ``.zst`` needs ``zstd``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from npusnap_cli.errors import ImageError
+
+STATE_FILE = "npusnap-plugin.json"
+STATE_FORMAT = 1
+KIND = "npusnap-criu-plugin"
+_CHUNK = 1 << 20
+
+
+@dataclass
+class PluginCheckpoint:
+    """What the plugin recorded, and where."""
+
+    source: str
+    form: str  # "directory" or "archive"
+    state: dict[str, Any]
+    prefix: str = ""  # path of the CRIU images inside the directory/archive ("" or "checkpoint/")
+    extra_files: list[str] = field(default_factory=list)  # engine files beside the images (archive)
+
+    @property
+    def processes(self) -> list[dict[str, Any]]:
+        return list(self.state.get("processes", []))
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        return list(self.state.get("files", []))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.source,
+            "form": self.form,
+            "kind": KIND,
+            "created": self.state.get("created"),
+            "hostname": self.state.get("hostname"),
+            "lease_s": self.state.get("lease_s"),
+            "processes": [
+                {k: p.get(k) for k in ("pid", "ns_pid", "agent_socket")} for p in self.processes
+            ],  # tokens stay in the (root-only) file
+            "files": len(self.files),
+            "image_bytes": sum(int(f.get("size", 0)) for f in self.files),
+            "engine_files": sorted(self.extra_files),
+        }
+
+
+def _bad(source: str, message: str, why: str = "", fix: str = "") -> ImageError:
+    return ImageError(
+        f"{source}: {message}",
+        why=why or "the checkpoint is truncated, was modified after the dump, or is not a plugin checkpoint",
+        fix=fix or "do not restore it; checkpoint the container again",
+    )
+
+
+def _parse_state(source: str, text: bytes) -> dict[str, Any]:
+    try:
+        state = json.loads(text)
+    except ValueError as exc:
+        raise _bad(source, f"{STATE_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(state, dict) or state.get("kind") != KIND or state.get("format") != STATE_FORMAT:
+        raise _bad(
+            source,
+            f"{STATE_FILE} has an unknown kind/format (this npusnap reads {KIND} format {STATE_FORMAT})",
+            fix="inspect it with the npusnap version whose plugin wrote it",
+        )
+    for key, kind in (("processes", list), ("files", list)):
+        if not isinstance(state.get(key), kind):
+            raise _bad(source, f"{STATE_FILE} lacks {key!r}")
+    return state
+
+
+def is_archive(path: Path) -> bool:
+    return path.is_file() and any(str(path).endswith(s) for s in (".tar", ".tar.gz", ".tgz", ".tar.zst"))
+
+
+def find(path: Path) -> Optional[PluginCheckpoint]:
+    """The plugin checkpoint at ``path`` (directory or archive), or None if it is not one."""
+    if path.is_dir():
+        for prefix in ("", "checkpoint/"):
+            state_path = path / prefix / STATE_FILE
+            if state_path.is_file():
+                state = _parse_state(str(path), state_path.read_bytes())
+                return PluginCheckpoint(str(path), "directory", state, prefix)
+        return None
+    if is_archive(path):
+        with _open_archive(path) as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                if name in (STATE_FILE, f"checkpoint/{STATE_FILE}") and member.isfile():
+                    f = tar.extractfile(member)
+                    assert f is not None
+                    state = _parse_state(str(path), f.read())
+                    return PluginCheckpoint(str(path), "archive", state, name[: -len(STATE_FILE)])
+        return None
+    return None
+
+
+@contextmanager
+def _open_archive(path: Path) -> Iterator[tarfile.TarFile]:
+    """A streaming reader of a (compressed) tar archive; .zst goes through the zstd tool."""
+    if str(path).endswith(".tar.zst"):
+        zstd = shutil.which("zstd")
+        if zstd is None:
+            raise ImageError(
+                f"cannot read {path}: the zstd tool is missing",
+                why="podman writes .tar.zst export archives with zstd compression",
+                fix="apt-get install zstd, or export with --compress=gzip",
+            )
+        proc = subprocess.Popen([zstd, "-q", "-d", "-c", str(path)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        try:
+            with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+                yield tar
+        finally:
+            proc.stdout.close()
+            proc.kill()
+            proc.wait(timeout=30)
+        return
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            yield tar
+    except tarfile.TarError as exc:
+        raise _bad(str(path), f"not a readable tar archive: {exc}") from None
+
+
+def _sha256(f: IO[bytes]) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return h.hexdigest(), size
+
+
+def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> dict[str, Any]:
+    """Check every image file the plugin recorded: present, same size, same sha256.
+
+    Raises ImageError naming the first problem (and listing all in details)."""
+    expected = {str(f["path"]): f for f in ckpt.files}
+    seen: dict[str, tuple[str, int]] = {}
+    problems: list[str] = []
+    if ckpt.form == "directory":
+        base = Path(ckpt.source) / ckpt.prefix
+        for name in expected:
+            p = base / name
+            if not p.is_file():
+                problems.append(f"{name}: missing")
+                continue
+            if checksums:
+                with open(p, "rb") as f:
+                    seen[name] = _sha256(f)
+            else:
+                seen[name] = ("", p.stat().st_size)
+    else:
+        with _open_archive(Path(ckpt.source)) as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                if not name.startswith(ckpt.prefix):
+                    if member.isfile():
+                        ckpt.extra_files.append(name)
+                    continue
+                rel = name[len(ckpt.prefix) :]
+                if rel in expected and member.isfile():
+                    member_file = tar.extractfile(member)
+                    assert member_file is not None
+                    seen[rel] = _sha256(member_file) if checksums else ("", member.size)
+        for name in expected:
+            if name not in seen:
+                problems.append(f"{name}: missing")
+    checked_bytes = 0
+    for name, (digest, size) in seen.items():
+        entry = expected[name]
+        if size != int(entry["size"]):
+            problems.append(f"{name}: size {size} != {entry['size']} recorded at the dump")
+        elif checksums and digest != entry["sha256"]:
+            problems.append(f"{name}: sha256 differs from the one recorded at the dump")
+        checked_bytes += size
+    if not ckpt.processes:
+        problems.append(f"{STATE_FILE} lists no NPU process")
+    if problems:
+        raise ImageError(
+            f"checkpoint {ckpt.source} failed verification: {problems[0]}",
+            why="the checkpoint is truncated, was modified after the dump, or the disk is corrupt",
+            fix="do not restore it; checkpoint the container again (or copy the archive again)",
+            details={"problems": problems},
+        )
+    return {
+        "checkpoint": ckpt.source,
+        "form": ckpt.form,
+        "ok": True,
+        "files_checked": len(seen),
+        "bytes_checked": checked_bytes,
+        "checksums": checksums,
+        "processes": len(ckpt.processes),
+    }
