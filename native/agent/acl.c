@@ -20,6 +20,14 @@
 typedef int (*snap_fn)(int, void *);
 typedef int (*state_fn)(int *);
 typedef int (*devices_fn)(int32_t *, int);
+typedef int (*version_fn)(char *, char *);
+typedef int (*register_fn)(int, acl_callback, void *);
+
+/* aclrtSnapShotBackupArgs / aclrtSnapShotRestoreArgs (CANN builds with the driver-backed flow). */
+typedef struct snap_args {
+    uint32_t flags;
+    char reserved[60];
+} snap_args;
 
 /* The device-memory part, when linked in, knows the devices the job opened (it interposes
  * aclrtSetDevice/aclrtResetDevice). */
@@ -110,15 +118,57 @@ int acl_find(acl_rt *rt) {
         rt->runtime = dlopen(rpath, RTLD_NOW | RTLD_NOLOAD);
     }
     read_version(rt);
+    if (!rt->version[0]) {
+        /* No version.info: ask the library (CANN 8+), as npusnap_cli/acl.py does. */
+        version_fn fn = (version_fn)dlsym(rt->lib, "aclsysGetVersionStr");
+        char buf[128] = "";
+        if (fn && fn((char *)"runtime", buf) == 0 && buf[0]) {
+            buf[sizeof buf - 1] = 0;
+            snprintf(rt->version, sizeof rt->version, "%s", buf);
+        }
+    }
     return 0;
 }
 
-int acl_call(acl_rt *rt, const char *what) {
+int acl_call(acl_rt *rt, const char *what) { return acl_call_flags(rt, what, -1); }
+
+int acl_call_flags(acl_rt *rt, const char *what, int flags) {
     char name[64];
     snprintf(name, sizeof name, "aclrtSnapShotProcess%s", what);
     snap_fn fn = (snap_fn)dlsym(rt->lib, name);
     if (!fn) return 207000; /* ACL_ERROR_RT_FEATURE_NOT_SUPPORT: this build has no snapshot API */
-    return fn((int)getpid(), NULL);
+    if (flags < 0) return fn((int)getpid(), NULL);
+    snap_args args;
+    memset(&args, 0, sizeof args);
+    args.flags = (uint32_t)flags;
+    return fn((int)getpid(), &args);
+}
+
+/* "9.2.0" -> 1 when at least DRIVER_FLOW_MIN_MAJOR.DRIVER_FLOW_MIN_MINOR (acl.py's
+ * DRIVER_FLOW_MIN_VERSION); NPUSNAP_DRIVER_FLOW=0 turns the driver-backed flow off. */
+int acl_may_have_driver_flow(const acl_rt *rt) {
+    const char *env = getenv("NPUSNAP_DRIVER_FLOW");
+    if (env && strcmp(env, "0") == 0) return 0;
+    int nums[2] = {0, 0}, n = 0;
+    const char *p = rt->version;
+    while (*p && n < 2) {
+        if (*p >= '0' && *p <= '9') {
+            char *end;
+            nums[n++] = (int)strtol(p, &end, 10);
+            p = end;
+        } else {
+            p++;
+        }
+    }
+    if (n == 0) return 0;
+    if (nums[0] != DRIVER_FLOW_MIN_MAJOR) return nums[0] > DRIVER_FLOW_MIN_MAJOR;
+    return nums[1] >= DRIVER_FLOW_MIN_MINOR;
+}
+
+int acl_register_callback(acl_rt *rt, int stage, acl_callback cb) {
+    register_fn fn = (register_fn)dlsym(rt->lib, "aclrtSnapShotCallbackRegister");
+    if (!fn) return 207000; /* 8.5 has no snapshot callbacks (CANN 9.0+) */
+    return fn(stage, cb, NULL);
 }
 
 int acl_state(acl_rt *rt, int *code) {

@@ -107,6 +107,19 @@ typedef struct acl_rt {
 int acl_find(acl_rt *rt);
 /* Snapshot call by name ("Lock", "Backup", "Restore", "Unlock"); the ACL return code. */
 int acl_call(acl_rt *rt, const char *what);
+/* The same with an args struct whose flags are `flags` (Backup/Restore of the driver-backed flow:
+ * 0 required device memory, 1 also optional), or NULL args (the legacy flow) when flags < 0. */
+int acl_call_flags(acl_rt *rt, const char *what, int flags);
+/* Whether this CANN is new enough to try the driver-backed flow (Backup then answers 207000
+ * where the driver lacks the feature). The simulator's 9.2.0 stands in for those builds. */
+#define DRIVER_FLOW_MIN_MAJOR 9
+#define DRIVER_FLOW_MIN_MINOR 2
+#define DRIVER_FLOW_FLAGS 1 /* required and optional device memory */
+int acl_may_have_driver_flow(const acl_rt *rt);
+/* aclrtSnapShotCallBack; registered with aclrtSnapShotCallbackRegister (CANN 9.0+). */
+typedef uint32_t (*acl_callback)(int32_t device_id, void *args);
+enum { STAGE_LOCK_PRE = 0 };
+int acl_register_callback(acl_rt *rt, int stage, acl_callback cb);
 /* The state, or ST_UNKNOWN when this runtime cannot tell; *code gets a GetState failure. */
 int acl_state(acl_rt *rt, int *code);
 int acl_devices(acl_rt *rt, int32_t *ids, int max);

@@ -14,6 +14,7 @@
 #include <npusnap/devmem.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,8 @@
 #pragma weak npusnap_devmem_reload
 #pragma weak npusnap_devmem_finish
 #pragma weak npusnap_devmem_get_info
+#pragma weak npusnap_devmem_registered_count
+#pragma weak npusnap_devmem_devices
 
 /* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
@@ -62,9 +65,28 @@ static struct {
 } owner;
 
 static struct {
-    char mode[16]; /* "preserve" | "app" | "discard" of the current lock, "" when unlocked */
-    int saved;     /* npusnap_devmem_save succeeded and finish has not run */
+    char mode[16];      /* "preserve" | "app" | "discard" of the current lock, "" when unlocked */
+    int saved;          /* npusnap_devmem_save succeeded and finish has not run */
+    char flow[8];       /* "driver" (args != NULL: the runtime and driver keep device memory),
+                         * "driver?" (to be tried at Backup), "legacy" (args == NULL), "" */
+    char fallback[160]; /* why the driver-backed flow was not used, "" when it was not tried */
 } devmem;
+
+/* npusnap's own LOCK_PRE callback (CANN 9.0+): the runtime calls it once per open device inside
+ * Lock, which is the real-API way to learn the device ids (the driver holds no /dev/davinciN
+ * open). Registered once per process; kept across fork (the runtime's registration is copied
+ * into the child with the rest of its memory), so ops_init does not reset it. The runtime may
+ * also call it from an application thread that calls Lock itself, hence the mutex. */
+#define MAX_CB_DEVICES 64
+static struct {
+    int tried;
+    char state[200]; /* "registered" or "not registered: why" */
+    pthread_mutex_t mu;
+    int32_t seen[MAX_CB_DEVICES]; /* during the current Lock */
+    int n_seen;
+    int32_t known[MAX_CB_DEVICES]; /* from the last Lock that reported any */
+    int n_known;
+} cb = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static char events[N_EVENTS][400];
 static int n_events;
@@ -257,6 +279,25 @@ static void devmem_json(sbuf *b) {
     sb_str(b, devmem.mode[0] ? devmem.mode : NULL);
     sb_key(b, "saved");
     sb_raw(b, devmem.saved ? "true" : "false");
+    sb_key(b, "flow");
+    sb_str(b, devmem.flow[0] ? devmem.flow : NULL);
+    if (devmem.fallback[0]) {
+        sb_key(b, "fallback");
+        sb_str(b, devmem.fallback);
+    }
+    if (npusnap_devmem_registered_count) {
+        sb_key(b, "registered");
+        sb_printf(b, "%llu", (unsigned long long)npusnap_devmem_registered_count());
+    }
+    if (npusnap_devmem_devices) {
+        int32_t ids[MAX_CB_DEVICES];
+        int n = npusnap_devmem_devices(ids, MAX_CB_DEVICES);
+        if (n > MAX_CB_DEVICES) n = MAX_CB_DEVICES;
+        sb_key(b, "devices");
+        sb_raw(b, "[");
+        for (int i = 0; i < n; i++) sb_printf(b, i ? ",%d" : "%d", ids[i]);
+        sb_raw(b, "]");
+    }
     if (npusnap_devmem_get_info) {
         npusnap_devmem_info info;
         memset(&info, 0, sizeof info);
@@ -278,23 +319,93 @@ static void devmem_finish(void) {
 }
 
 /* After Unlock: reload the host copies if a Restore ran (the device contents are gone), then
- * open npusnap's gate. A reload failure is reported in warnings (the process runs again). */
-static void devmem_after_unlock(sbuf *warnings) {
+ * open npusnap's gate. The steps done go into steps (a JSON array's members). A failed reload
+ * leaves the gate closed (the job stays held rather than computing on memory whose contents
+ * are gone) and fills e; a later rollback (`npusnap thaw`) tries the reload again. */
+static int devmem_after_unlock(sbuf *steps, op_error *e) {
+    int had_copy = devmem.saved;
     if (devmem.saved && device_restored && npusnap_devmem_reload) {
         char err[512] = "";
         int rc = npusnap_devmem_reload(err, sizeof err);
         if (rc != 0) {
-            ops_event("device memory reload FAILED (%d): %s", rc, err);
-            if (warnings) {
-                if (warnings->len) sb_raw(warnings, ",");
-                char msg[700];
-                snprintf(msg, sizeof msg, "device memory reload failed: %s", err);
-                sb_str(warnings, msg);
-            }
+            ops_event("device memory reload FAILED, the job stays held at npusnap's gate (%d): %s", rc, err);
+            err_set(e, "state", "DEVICE_MEMORY_RELOAD_FAILED", rc,
+                    "the runtime is unlocked but npusnap could not write the job's device memory back: "
+                    "%s; the job's device calls stay held (`npusnap thaw %d` tries again)",
+                    err, (int)getpid());
+            return -1;
         }
+        sb_raw(steps, steps->len ? ",\"reload device memory\"" : "\"reload device memory\"");
     }
     devmem_finish();
     device_restored = 0;
+    if (had_copy) sb_raw(steps, steps->len ? ",\"open gate\"" : "\"open gate\"");
+    return 0;
+}
+
+/* device_memory of an unlock/rollback result: the report and the steps done after Unlock. */
+static void devmem_steps_json(sbuf *b, const sbuf *steps) {
+    devmem_json(b);
+    if (b->oom || !b->len) return;
+    b->len--; /* reopen the object: drop its '}' */
+    sb_printf(b, ",\"steps\":[%s]}", steps->p ? steps->p : "");
+}
+
+/* Start the bookkeeping of a snapshot in `mode`, in the legacy flow until told otherwise. */
+static void devmem_begin(const char *mode) {
+    snprintf(devmem.mode, sizeof devmem.mode, "%s", mode);
+    devmem.saved = 0;
+    snprintf(devmem.flow, sizeof devmem.flow, "legacy");
+    devmem.fallback[0] = 0;
+    device_restored = 0;
+}
+
+/* Before Lock in preserve mode: close npusnap's gate and copy the device memory to host. */
+static int devmem_save(op_error *e, const char *nothing_locked) {
+    if (!npusnap_devmem_save) return 0;
+    char err[512] = "";
+    int rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+    if (rc != 0) {
+        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc,
+                "could not copy the device memory to host memory before Lock: %s; %s", err, nothing_locked);
+        return -1;
+    }
+    devmem.saved = 1;
+    return 0;
+}
+
+/* ---- npusnap's LOCK_PRE callback --------------------------------------------------------- */
+static uint32_t on_lock_pre(int32_t device_id, void *args) {
+    (void)args;
+    pthread_mutex_lock(&cb.mu);
+    int dup = 0;
+    for (int i = 0; i < cb.n_seen; i++) dup |= cb.seen[i] == device_id;
+    if (!dup && cb.n_seen < MAX_CB_DEVICES) {
+        int i = cb.n_seen++;
+        for (; i > 0 && cb.seen[i - 1] > device_id; i--) cb.seen[i] = cb.seen[i - 1]; /* sorted */
+        cb.seen[i] = device_id;
+    }
+    pthread_mutex_unlock(&cb.mu);
+    return 0; /* non-zero would abort the Lock */
+}
+
+static void ensure_lock_pre_callback(acl_rt *a) {
+    if (cb.tried) return;
+    cb.tried = 1;
+    int code = acl_register_callback(a, STAGE_LOCK_PRE, on_lock_pre);
+    if (code == 0) {
+        snprintf(cb.state, sizeof cb.state, "registered");
+    } else { /* 8.5 has no callbacks: the devices then come from elsewhere */
+        snprintf(cb.state, sizeof cb.state, "not registered: aclrtSnapShotCallbackRegister failed: %s (%d)",
+                 acl_error_name(code), code);
+        agent_log("LOCK_PRE callback %s", cb.state);
+    }
+}
+
+static void ids_json(sbuf *b, const int32_t *ids, int n) {
+    sb_raw(b, "[");
+    for (int i = 0; i < n; i++) sb_printf(b, i ? ",%d" : "%d", ids[i]);
+    sb_raw(b, "]");
 }
 
 /* ---- errors ------------------------------------------------------------------------------ */
@@ -309,6 +420,62 @@ static int call(const char *what, op_error *e) {
         return -1;
     }
     return 0;
+}
+
+/* Restore in the flow of the current snapshot (the driver-backed one wants its args again). */
+static int call_restore(op_error *e) {
+    int flags = strcmp(devmem.flow, "driver") == 0 ? DRIVER_FLOW_FLAGS : -1;
+    int code = acl_call_flags(&rt, "Restore", flags);
+    if (code != 0) {
+        acl_err(e, "Restore", code);
+        return -1;
+    }
+    restore_pending = 0;
+    /* CANN's legacy Restore gives the allocations back at their addresses, not their contents. */
+    device_restored = 1;
+    return 0;
+}
+
+/* Backup in the flow chosen at Lock. Where the driver-backed flow turns out not to be supported
+ * (207000: the driver lacks the feature; 100000: a build that wants NULL args), the runtime does
+ * not fall back, so npusnap does: Unlock, its own copy of the device memory, Lock, legacy Backup. */
+static int call_backup(op_error *e) {
+    if (strcmp(devmem.flow, "driver?") != 0) {
+        int flags = strcmp(devmem.flow, "driver") == 0 ? DRIVER_FLOW_FLAGS : -1;
+        int code = acl_call_flags(&rt, "Backup", flags);
+        if (code != 0) {
+            acl_err(e, "Backup", code);
+            return -1;
+        }
+        return 0;
+    }
+    int code = acl_call_flags(&rt, "Backup", DRIVER_FLOW_FLAGS);
+    if (code == 0) {
+        snprintf(devmem.flow, sizeof devmem.flow, "driver");
+        return 0;
+    }
+    if (code != 207000 && code != 100000) {
+        acl_err(e, "Backup", code);
+        return -1;
+    }
+    snprintf(devmem.fallback, sizeof devmem.fallback, "driver-backed Backup refused with %d (%s)", code,
+             acl_error_name(code));
+    snprintf(devmem.flow, sizeof devmem.flow, "legacy");
+    ops_event("%s: npusnap keeps the device memory itself (legacy flow)", devmem.fallback);
+    if (call("Unlock", e) < 0) return -1;
+    /* RUNNING now: whatever fails below leaves the process running, without lock or owner. */
+    if (devmem_save(e, "the process was unlocked and runs on") < 0) goto running;
+    if (call("Lock", e) < 0) {
+        devmem_finish();
+        goto running;
+    }
+    if (call("Backup", e) < 0) return -1; /* LOCKED with npusnap's copy: a rollback finishes it */
+    return 0;
+running:
+    devmem.mode[0] = 0;
+    lease_release();
+    clear_owner();
+    return -1;
 }
 
 static int need_runtime(op_error *e) {
@@ -330,14 +497,18 @@ static int move_to(int target, sbuf *steps, op_error *e) {
     if (current == target) return 0;
     if (target == ST_RUNNING || (current == ST_BACKED_UP && target == ST_LOCKED)) {
         if (current == ST_BACKED_UP && restore_pending) {
-            if (call("Restore", e) < 0) return -1;
-            restore_pending = 0;
-            device_restored = 1;
+            if (call_restore(e) < 0) return -1;
             sb_raw(steps, steps->len ? ", restore" : "restore");
         }
         if (call("Unlock", e) < 0) return -1;
         sb_raw(steps, steps->len ? ", unlock" : "unlock");
-        if (target == ST_RUNNING) devmem_after_unlock(NULL);
+        if (target == ST_RUNNING) {
+            sbuf done;
+            sb_init(&done);
+            int rc = devmem_after_unlock(&done, e);
+            sb_free(&done);
+            if (rc < 0) return -1;
+        }
         current = ST_RUNNING;
     }
     if ((target == ST_LOCKED || target == ST_BACKED_UP) && current == ST_RUNNING) {
@@ -346,7 +517,7 @@ static int move_to(int target, sbuf *steps, op_error *e) {
         current = ST_LOCKED;
     }
     if (target == ST_BACKED_UP && current == ST_LOCKED) {
-        if (call("Backup", e) < 0) return -1;
+        if (call_backup(e) < 0) return -1;
         sb_raw(steps, steps->len ? ", backup" : "backup");
     }
     return 0;
@@ -484,14 +655,30 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     sb_str(res, a ? a->path : NULL);
     sb_key(res, "cann_version");
     sb_str(res, a && a->version[0] ? a->version : NULL);
-    sb_key(res, "devices");
-    sb_raw(res, "[");
-    if (a) {
-        int32_t ids[64];
-        int n = acl_devices(a, ids, 64);
-        for (int i = 0; i < n; i++) sb_printf(res, i ? ",%d" : "%d", ids[i]);
+    /* The devices: those the interposed aclrtSetDevice saw, else what the runtime can tell. */
+    int32_t ids[MAX_CB_DEVICES];
+    int n = 0;
+    const char *source = NULL;
+    npusnap_devmem_info info;
+    memset(&info, 0, sizeof info);
+    if (npusnap_devmem_get_info) npusnap_devmem_get_info(&info);
+    if (info.interposed && npusnap_devmem_devices) n = npusnap_devmem_devices(ids, MAX_CB_DEVICES);
+    if (n > 0) {
+        source = "aclrtSetDevice (interposed)";
+    } else if (a) {
+        n = acl_devices(a, ids, MAX_CB_DEVICES);
+        source = "runtime";
     }
-    sb_raw(res, "]}");
+    if (n > MAX_CB_DEVICES) n = MAX_CB_DEVICES;
+    sb_key(res, "devices");
+    ids_json(res, ids, n < 0 ? 0 : n);
+    sb_key(res, "devices_source");
+    sb_str(res, source);
+    sb_key(res, "callback_devices");
+    pthread_mutex_lock(&cb.mu);
+    ids_json(res, cb.known, cb.n_known);
+    pthread_mutex_unlock(&cb.mu);
+    sb_raw(res, "}");
     sb_key(res, "hooks");
     hooks_names_json(res);
     sb_key(res, "owner");
@@ -553,27 +740,35 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         sb_free(&ran);
         return -1;
     }
-    int saved = 0;
-    if (strcmp(mode, "preserve") == 0 && npusnap_devmem_save) {
-        char err[512] = "";
-        int rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
-        if (rc != 0) {
-            err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc,
-                    "could not copy the device memory to host memory before Lock: %s; nothing was locked",
-                    err);
-            sb_free(&ran);
-            return -1;
-        }
-        saved = 1;
-    }
-    if (call("Lock", e) < 0) {
-        if (saved && npusnap_devmem_finish) npusnap_devmem_finish();
+    devmem_begin(mode);
+    if (strcmp(mode, "preserve") == 0 && acl_may_have_driver_flow(&rt)) {
+        /* The driver-backed flow keeps device memory itself where the driver has the feature;
+         * Backup tells (207000 otherwise), and then npusnap falls back to its own copy. */
+        snprintf(devmem.flow, sizeof devmem.flow, "driver?");
+    } else if (strcmp(mode, "preserve") == 0 && devmem_save(e, "nothing was locked") < 0) {
+        devmem.mode[0] = 0;
         sb_free(&ran);
         return -1;
     }
-    snprintf(devmem.mode, sizeof devmem.mode, "%s", mode);
-    devmem.saved = saved;
-    device_restored = 0;
+    ensure_lock_pre_callback(&rt);
+    pthread_mutex_lock(&cb.mu);
+    cb.n_seen = 0;
+    pthread_mutex_unlock(&cb.mu);
+    if (call("Lock", e) < 0) {
+        devmem_finish();
+        devmem.flow[0] = 0;
+        sb_free(&ran);
+        return -1;
+    }
+    int32_t seen[MAX_CB_DEVICES];
+    pthread_mutex_lock(&cb.mu);
+    int n_seen = cb.n_seen;
+    memcpy(seen, cb.seen, sizeof seen[0] * (size_t)n_seen);
+    if (n_seen) {
+        memcpy(cb.known, seen, sizeof seen[0] * (size_t)n_seen);
+        cb.n_known = n_seen;
+    }
+    pthread_mutex_unlock(&cb.mu);
     const jval *ow = json_get(r->args, "owner");
     if (ow && ow->t != J_OBJ) ow = NULL; /* null: none named */
     if (ow || !ALLOW_UNOWNED_LOCK) {
@@ -612,6 +807,10 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     sb_str(res, owner.set ? owner.token : NULL);
     sb_key(res, "device_memory");
     devmem_json(res);
+    sb_key(res, "callback_devices");
+    ids_json(res, seen, n_seen);
+    sb_key(res, "callback");
+    sb_str(res, cb.state);
     sb_free(&ran);
     return 0;
 }
@@ -620,7 +819,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
-    if (call("Backup", e) < 0) return -1;
+    if (call_backup(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run("post_backup", &ran, e) < 0) {
@@ -635,6 +834,8 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     elapsed_member(res, start);
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
+    sb_key(res, "device_memory");
+    devmem_json(res);
     sb_free(&ran);
     return 0;
 }
@@ -666,9 +867,7 @@ static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("restore", r->args, 0, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
-    if (call("Restore", e) < 0) return -1;
-    restore_pending = 0;
-    device_restored = 1;
+    if (call_restore(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run("post_restore", &ran, e) < 0) {
@@ -695,15 +894,18 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     }
     double start = mono_now();
     if (call("Unlock", e) < 0) return -1;
-    sbuf warnings;
-    sb_init(&warnings);
-    devmem_after_unlock(&warnings);
+    sbuf steps;
+    sb_init(&steps);
+    if (devmem_after_unlock(&steps, e) < 0) {
+        sb_free(&steps);
+        return -1;
+    }
     sbuf ran;
     sb_init(&ran);
     if (hooks_run("post_unlock", &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
-        sb_free(&warnings);
+        sb_free(&steps);
         return -1;
     }
     lease_release();
@@ -713,9 +915,11 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
     sb_key(res, "warnings");
-    sb_printf(res, "[%s]", warnings.p ? warnings.p : "");
+    sb_raw(res, "[]");
+    sb_key(res, "device_memory");
+    devmem_steps_json(res, &steps);
     sb_free(&ran);
-    sb_free(&warnings);
+    sb_free(&steps);
     return 0;
 }
 
@@ -725,13 +929,12 @@ static int do_rollback(sbuf *res, op_error *e) {
     if (need_runtime(e) < 0) return -1;
     double start = mono_now();
     int before = state_now();
-    sbuf actions, warnings;
+    sbuf actions, warnings, steps;
     sb_init(&actions);
     sb_init(&warnings);
+    sb_init(&steps);
     if (before == ST_BACKED_UP && restore_pending) {
-        if (call("Restore", e) < 0) goto fail;
-        restore_pending = 0;
-        device_restored = 1;
+        if (call_restore(e) < 0) goto fail;
         sb_raw(&actions, "\"restore\"");
     }
     if (before == ST_LOCKED || before == ST_BACKED_UP || before == ST_UNKNOWN) {
@@ -743,7 +946,7 @@ static int do_rollback(sbuf *res, op_error *e) {
             goto fail;
         } /* state unknown (no GetState): Unlock from RUNNING fails harmlessly */
     }
-    devmem_after_unlock(&warnings);
+    if (devmem_after_unlock(&steps, e) < 0) goto fail;
     lease_release();
     clear_owner();
     if (actions.len) {
@@ -767,12 +970,16 @@ static int do_rollback(sbuf *res, op_error *e) {
     sb_state(res, before);
     sb_key(res, "warnings");
     sb_printf(res, "[%s]", warnings.p ? warnings.p : "");
+    sb_key(res, "device_memory");
+    devmem_steps_json(res, &steps);
     sb_free(&actions);
     sb_free(&warnings);
+    sb_free(&steps);
     return 0;
 fail:
     sb_free(&actions);
     sb_free(&warnings);
+    sb_free(&steps);
     return -1;
 }
 

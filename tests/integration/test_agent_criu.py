@@ -114,8 +114,14 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
 
 def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
     """CRIU restored the process, then the restore command died before Restore/Unlock: the
-    restarted lease restores the device and unlocks by itself, and the job computes on."""
-    env = workload_env(sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1")
+    restarted lease restores the device and unlocks by itself, and the job computes on.
+
+    LD_PRELOAD as `npusnap run` sets it: the simulator, like CANN, gives the device buffer back
+    poisoned at Restore, so the job computes on only because the agent saw the buffer being
+    allocated, saved it before Lock and writes it back after the lease's Restore and Unlock."""
+    env = workload_env(
+        sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", LD_PRELOAD=str(agent_library())
+    )
     w = Workload([PY, str(write_workload(tmp_path))], env, tmp_path)
     pid = w.pid
     images = tmp_path / "img"
@@ -140,6 +146,8 @@ def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Pa
             status = c.status()
         assert status["state"] == "RUNNING" and status["restore_pending"] is False
         assert any("lease rollback done" in e for e in status["events"]), status["events"]
+        dm = status["device_memory"]
+        assert dm["saved"] is False and dm["gate_closed"] is False  # reloaded, the gate open
         w.assert_correct()
     finally:
         kill_pid(pid)
