@@ -124,9 +124,11 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str) -> str
     L += [
         "`npusnap dump` is the wall time of the whole command (Python start-up, preflight including "
         "`criu check`, lock, device backup, CRIU, checksums, fsync, rename, killing the original). "
-        "*Device backup* is the simulated NPU copying device memory into the process over a unix "
-        "socket from its daemon: real work that an NPU does over PCIe, not orchestration, so the "
-        "last column leaves it out to show npusnap's own overhead.",
+        "*Device backup* is CANN's Backup: on the truthful simulator (as in CANN's legacy flow) it "
+        "saves runtime state only, not the application's allocations, so it is near zero. The "
+        "job's device memory is copied to host memory by npusnap itself before Lock "
+        "(docs/device-memory.md): that copy is inside the *lock* column of the next table, and "
+        "inside the ratios.",
         "",
         "### Frozen time, by phase (default dump: lock until the CRIU dump ends)",
         "",
