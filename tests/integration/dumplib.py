@@ -75,12 +75,30 @@ def reference(env: dict[str, str], args: list[str]) -> list[str]:
 class Job:
     """A workload started with `npusnap run` (or directly), detached, output appended to a file."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], argv: list[str], *, agent: bool = True) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        env: dict[str, str],
+        argv: list[str],
+        *,
+        agent: bool = True,
+        truncate: bool = False,
+        **popen: Any,
+    ) -> None:
+        """``truncate``: open the output as a shell's ``>`` does (O_TRUNC, no O_APPEND; CRIU then
+        checks its size at restore); ``popen``: more subprocess.Popen arguments (pass_fds...)."""
         self.out = tmp / "job.out"
         cmd = [NPUSNAP, "run", "--", *argv] if agent else argv
-        with open(self.out, "ab") as f:
+        with open(self.out, "wb" if truncate else "ab") as f:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True, cwd=tmp
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=f,
+                start_new_session=True,
+                cwd=tmp,
+                **popen,
             )
         self.pid = self.proc.pid
         self.restored_pid = 0

@@ -221,27 +221,9 @@ def test_restore_fails_when_the_job_dies_right_after_resuming(
     r, w = os.pipe()
     drain = threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(r, 4096), b"")], daemon=True)
     drain.start()
-    with open(tmp_path / "job.out", "ab") as f:
-        proc = subprocess.Popen(
-            [str(Path(PY).parent / "npusnap"), "run", "--", PY, str(script)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=f,
-            start_new_session=True,
-            # dup2 runs before subprocess closes the fds it was not told to keep: keep 5 too.
-            pass_fds=(w, 5),
-            preexec_fn=lambda: os.dup2(w, 5),
-        )
+    # dup2 runs before subprocess closes the fds it was not told to keep: keep 5 too.
+    job = Job(tmp_path, env, [PY, str(script)], pass_fds=(w, 5), preexec_fn=lambda: os.dup2(w, 5))
     os.close(w)
-    job = Job.__new__(Job)
-    job.out, job.proc, job.pid, job.restored_pid, job.marker = (
-        tmp_path / "job.out",
-        proc,
-        proc.pid,
-        0,
-        "stray.py",
-    )
     try:
         job.wait_lines(3)
         rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"))
@@ -301,19 +283,9 @@ def test_log_changed_since_a_leave_running_dump_is_named(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    out_file = tmp_path / "job.out"
     args = ["--steps", "60", "--interval", "0.05"]
-    with open(out_file, "wb") as f:  # `>` (O_TRUNC, no O_APPEND): CRIU checks its size
-        proc = subprocess.Popen(
-            [str(Path(PY).parent / "npusnap"), "run", "--", PY, HOSTJOB, *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=f,
-            start_new_session=True,
-        )
-    job = Job.__new__(Job)
-    job.out, job.proc, job.pid, job.restored_pid, job.marker = out_file, proc, proc.pid, 0, "hostjob.py"
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args], truncate=True)  # `>`: CRIU checks its size
+    out_file = job.out
     try:
         job.wait_lines(3)
         rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running")
