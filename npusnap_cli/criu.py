@@ -466,10 +466,11 @@ NETWORK_LOCKS = tuple(_NETWORK_LOCKS)
 
 def default_network_lock() -> str:
     """nftables unless only the iptables binary is there: the nftables lock needs no binary."""
-    return "iptables" if shutil.which("iptables") and not _has_nftables() else "nftables"
+    return "iptables" if shutil.which("iptables") and not has_nftables() else "nftables"
 
 
-def _has_nftables() -> bool:
+def has_nftables() -> bool:
+    """libnftables is installed: CRIU can lock the network without any binary."""
     import ctypes.util
 
     return ctypes.util.find_library("nftables") is not None

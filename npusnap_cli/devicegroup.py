@@ -359,26 +359,31 @@ def refuse_stopped(pids: Iterable[int], command: str) -> None:
         )
 
 
-def _locked_by_us(c: AgentClient, command: str) -> bool:
-    """Whether the agent records this very process as the owner of its lock: a lock request whose
-    answer (and token) was lost to an interruption still made us the owner."""
-    import os
-
+def _while_busy(c: AgentClient, request: Callable[[AgentClient], T]) -> T:
+    """``request`` on ``c``, connecting first; retried for at most ``BUSY_RETRY_S`` while the
+    agent answers BUSY (an aborted request still running in it: one client at a time)."""
     deadline = time.monotonic() + BUSY_RETRY_S
     while True:
         try:
             if not c.connected:
                 c.connect()
-            owner = c.status().get("owner")
-            break
+            return request(c)
         except AgentOpError as exc:
-            # The interrupted request may still be running in the agent (one client at a time).
             if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
-                return False
+                raise
             c.close()
             time.sleep(0.2)
-        except NpusnapError:
-            return False
+
+
+def _locked_by_us(c: AgentClient, command: str) -> bool:
+    """Whether the agent records this very process as the owner of its lock: a lock request whose
+    answer (and token) was lost to an interruption still made us the owner."""
+    import os
+
+    try:
+        owner = _while_busy(c, lambda cl: cl.status().get("owner"))
+    except NpusnapError:
+        return False
     return isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("command") == command
 
 
@@ -391,19 +396,8 @@ def _rollback_one(
         if not (command and _locked_by_us(c, command)):
             return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
         force = True  # ours, though the token never reached us
-    deadline = time.monotonic() + BUSY_RETRY_S
     try:
-        while True:
-            try:
-                if not c.connected:
-                    c.connect()
-                return c.rollback(force)
-            except AgentOpError as exc:
-                # An aborted request is still running in the agent (one client at a time).
-                if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
-                    raise
-                c.close()
-                time.sleep(0.2)
+        return _while_busy(c, lambda cl: cl.rollback(force))
     except BusyError:
         raise
     except NpusnapError:

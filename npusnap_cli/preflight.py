@@ -153,7 +153,7 @@ def network_lock_item() -> CheckItem:
     from npusnap_cli import criu
 
     method = criu.default_network_lock()
-    if method == "nftables" and not criu._has_nftables():
+    if method == "nftables" and not criu.has_nftables():
         return CheckItem(
             "network-lock",
             WARNING,
