@@ -103,6 +103,7 @@ typedef struct task {
     char token[TOKEN_LEN + 1];
     int restored; /* restore: RESUME_DEVICES_LATE saw it */
     int newpid;   /* restore: host pid of the restored task */
+    int pidfd;    /* dump's rollback helper: this very task, not a later one with its pid */
 } task;
 
 static struct {
@@ -853,6 +854,15 @@ static void hlog(FILE *f, const char *fmt, ...) {
 
 /* The detached helper: once CRIU lets a task go (it is no longer traced), roll it back. A task
  * that CRIU killed after a good dump is gone: nothing to do. Bounded by the lease (+30 s). */
+/* Whether the dumped task has exited. A restore from the image (criu restore keeps pids) can
+ * bring back a task with the same pid, namespace pid, socket and lock token within the helper's
+ * polling interval; only the pidfd taken while CRIU still held the task tells them apart. */
+static int task_gone(const task *t) {
+    if (t->pidfd < 0) return 0;
+    struct pollfd p = {t->pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+}
+
 static void helper_main(void) {
     P.stage = -1; /* CRIU's dump (and its freeze timeout) is over for this process */
     FILE *lf = helper_log();
@@ -864,8 +874,14 @@ static void helper_main(void) {
         for (int i = 0; i < P.ntasks; i++) {
             if (done[i]) continue;
             task *t = &P.tasks[i];
+            if (t->pidfd == -2) {
+                hlog(lf, "pid %d: no pidfd, not touched; its agent's lease rolls it back if it runs on", t->pid);
+                done[i] = 1;
+                left--;
+                continue;
+            }
             char st = proc_state(t->pid);
-            if (st == 0 || st == 'Z' || st == 'X' || ns_pid(t->pid) != t->nspid) {
+            if (task_gone(t) || st == 0 || st == 'Z' || st == 'X' || ns_pid(t->pid) != t->nspid) {
                 hlog(lf, "pid %d exited (a dump that was not --leave-running ends the task): nothing to unlock",
                      t->pid);
                 done[i] = 1;
@@ -877,6 +893,12 @@ static void helper_main(void) {
             char err[512];
             if (agent_connect(&c, t->pid, t->sock, err, sizeof err) < 0) {
                 hlog(lf, "pid %d: %s (retrying)", t->pid, err);
+                continue;
+            }
+            if (task_gone(t)) {
+                /* It died while we connected: the peer (same pid) can only be a task CRIU restored
+                 * from this very image, which holds the same token. Not ours to roll back. */
+                close(c.fd);
                 continue;
             }
             char args[128];
@@ -911,6 +933,17 @@ static void helper_main(void) {
 
 static void spawn_rollback_helper(void) {
     P.criu_pid = (int)getpid();
+    /* CRIU still holds every task here (killed or resumed only after fini), so each pid is still
+     * the task we locked. */
+    for (int i = 0; i < P.ntasks; i++) {
+        P.tasks[i].pidfd = (int)syscall(SYS_pidfd_open, P.tasks[i].pid, 0);
+        if (P.tasks[i].pidfd < 0) {
+            FAIL(EX_STATE_UNKNOWN, "pidfd_open(%d): %s; the helper cannot tell it from a restored task with its pid, "
+                                   "so it leaves it to the agent's lease (%.0fs)", P.tasks[i].pid, strerror(errno),
+                 P.lease_s);
+            P.tasks[i].pidfd = -2; /* the helper leaves it alone */
+        }
+    }
     pid_t child = fork();
     if (child < 0) {
         FAIL(EX_STATE_UNKNOWN, "cannot fork the rollback helper: %s; the agents' leases (%.0fs) roll back",
@@ -927,7 +960,16 @@ static void spawn_rollback_helper(void) {
             dup2(devnull, 1);
             dup2(devnull, 2);
         }
-        syscall(SYS_close_range, 3, ~0U, 0);
+        /* Close everything of CRIU's but the pidfds: the gaps between them, in fd order. */
+        unsigned from = 3;
+        for (;;) {
+            unsigned next = ~0U;
+            for (int i = 0; i < P.ntasks; i++)
+                if (P.tasks[i].pidfd >= (int)from && (unsigned)P.tasks[i].pidfd < next) next = (unsigned)P.tasks[i].pidfd;
+            if (next > from) syscall(SYS_close_range, from, next == ~0U ? ~0U : next - 1, 0);
+            if (next == ~0U) break;
+            from = next + 1;
+        }
         signal(SIGPIPE, SIG_IGN);
         helper_main();
         _exit(0);
@@ -935,6 +977,8 @@ static void spawn_rollback_helper(void) {
     int st;
     while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
     }
+    for (int i = 0; i < P.ntasks; i++)
+        if (P.tasks[i].pidfd >= 0) close(P.tasks[i].pidfd);
     LOGI("a detached helper rolls back the %d locked task(s) if CRIU lets them run (failed dump, --leave-running); "
          "log: %s\n", P.ntasks, P.log_path);
 }

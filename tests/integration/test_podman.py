@@ -269,7 +269,8 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
     libdir = str(podmanlib.plugin_dir())
     conf = tmp_path / "criu-plugin.conf"
     conf.write_text("# the plugin's settings\nlease_s = 77\ndevice_memory=preserve\n")
-    env = dict(os.environ, NPUSNAP_PLUGIN_CONFIG=str(conf))
+    helper_log = tmp_path / "plugin-helper.log"
+    env = dict(os.environ, NPUSNAP_PLUGIN_CONFIG=str(conf), NPUSNAP_PLUGIN_LOG=str(helper_log))
     try:
         subprocess.run(
             ["criu", "dump", "-t", str(pid), "-D", str(img), "-L", libdir, "-v4", "-o", "dump.log"],
@@ -293,6 +294,10 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
         with AgentClient(pid, timeout=10) as c:
             st = c.status()
         assert st["state"] == "RUNNING" and st["owner"] is None and st["restored"] is True
+        # The dump's rollback helper saw the dumped task die; the restored one (same pid, same
+        # token) is not its business, however fast the restore came (CI once lost that race).
+        wait_until(lambda: "exited" in helper_log.read_text(), what="the dump helper's verdict")
+        assert "rolled back" not in helper_log.read_text(), helper_log.read_text()
     finally:
         kill(pid)
 
