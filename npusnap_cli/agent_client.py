@@ -211,9 +211,14 @@ class AgentClient:
 
     # -- requests -----------------------------------------------------------------------------
     def request(
-        self, op: str, args: Optional[dict[str, Any]] = None, timeout: Optional[float] = None
+        self,
+        op: str,
+        args: Optional[dict[str, Any]] = None,
+        timeout: Optional[float] = None,
+        fd: Optional[int] = None,
     ) -> dict[str, Any]:
-        """Send one request and return its result; raise a typed error for a failure."""
+        """Send one request and return its result; raise a typed error for a failure.
+        ``fd`` goes with the request line (SCM_RIGHTS), for the ops that take a file."""
         if self._sock is None:
             self.connect()
         sock = self._sock
@@ -228,7 +233,12 @@ class AgentClient:
         try:
             sock.settimeout(wait)
             try:
-                sock.sendall(data)
+                if fd is not None:
+                    sent = socket.send_fds(sock, [data], [fd])
+                    if sent < len(data):
+                        sock.sendall(data[sent:])
+                else:
+                    sock.sendall(data)
             except (BrokenPipeError, ConnectionResetError):
                 # The agent refused us at accept time (BUSY, PERMISSION_DENIED) and closed the
                 # connection before our request arrived: its one-line refusal is still readable.
@@ -359,14 +369,24 @@ class AgentClient:
         return self.request("status")
 
     def lock(
-        self, lease_s: Optional[float] = None, command: str = "unknown", device_memory: Optional[str] = None
+        self,
+        lease_s: Optional[float] = None,
+        command: str = "unknown",
+        device_memory: Optional[str] = None,
+        device_memory_file: Optional[tuple[int, str]] = None,
     ) -> dict[str, Any]:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
-        ``device_memory``: the agent's mode (preserve/app/discard; None: its default, preserve)."""
+        ``device_memory``: the agent's mode (preserve/app/discard; None: its default, preserve).
+        ``device_memory_file``: (fd open for writing, the file's name once the image is
+        published): the agent writes its copy of the device memory there, not into the
+        process's memory."""
         args: dict[str, Any] = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
         if device_memory is not None:
             args["device_memory"] = device_memory
-        result = self.request("lock", args)
+        fd = None
+        if device_memory_file is not None:
+            fd, args["device_memory_file"] = device_memory_file
+        result = self.request("lock", args, fd=fd)
         token = result.get("token")
         self.token = token if isinstance(token, str) else None
         return result
@@ -385,8 +405,13 @@ class AgentClient:
     def release(self) -> dict[str, Any]:
         return self.request("release", self._owned())
 
-    def restore(self) -> dict[str, Any]:
-        return self.request("restore", self._owned())
+    def restore(self, device_memory_file: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+        """Restore; ``device_memory_file``: (fd open for reading, its name) of this process's
+        device-memory file in the image, which the agent writes back after Unlock."""
+        if device_memory_file is None:
+            return self.request("restore", self._owned())
+        fd, path = device_memory_file
+        return self.request("restore", self._owned(device_memory_file=path), fd=fd)
 
     def unlock(self, force: bool = False) -> dict[str, Any]:
         result = self.request("unlock", {"force": True} if force else self._owned())

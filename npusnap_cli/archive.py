@@ -8,7 +8,7 @@ Layout of the tar stream (POSIX pax), in this order, all under one top directory
 image::
 
     NAME/npusnap.json      first, so that reading the manifest needs only the archive's start
-    NAME/criu/...          every file the manifest lists, in the manifest's order
+    NAME/criu/... (hostfiles/..., device/...)  every file the manifest lists, in its order
 
 ``logs/`` is not exported (restore writes a new one). Modes are 0700/0600 and owners root: an
 image holds the processes' memory. Every file is hashed while it is written (export) or read
@@ -315,7 +315,7 @@ def _walk(
         for member, f in members:
             _, rel = _split(archive, member.name, top)
             if member.isdir():
-                if rel != img.CRIU_SUBDIR and not rel.startswith(img.CRIU_SUBDIR + "/"):
+                if rel.split("/", 1)[0] not in img.CHECKSUMMED_SUBDIRS:
                     raise _corrupt(archive, f"unexpected directory {member.name!r}")
                 if dest is not None:
                     (dest / rel).mkdir(mode=img.DIR_MODE, parents=True, exist_ok=True)

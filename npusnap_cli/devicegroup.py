@@ -38,6 +38,7 @@ from npusnap_cli.errors import BusyError, InterruptedError_, NpusnapError, State
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
 BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
+GONE_GRACE_S = 2.0  # how long a process that could not be reached may take to finish exiting
 
 DEFAULT_LEASE_S = 60.0
 T = TypeVar("T")
@@ -204,16 +205,21 @@ class DeviceGroup:
         return results
 
     def lock_and_backup(
-        self, backup: bool = True, device_memory: Optional[str] = None
+        self,
+        backup: bool = True,
+        device_memory: Optional[str] = None,
+        device_memory_files: Optional[dict[int, tuple[int, str]]] = None,
     ) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring).
 
         ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
-        preserve)."""
+        preserve). ``device_memory_files``: pid -> (fd open for writing, its name once published),
+        the image file each agent writes its copy of the device memory into."""
         lease = self.lease_s
+        files = device_memory_files or {}
 
         def step(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease, self.command, device_memory)
+            locked = c.lock(lease, self.command, device_memory, files.get(c.pid))
             if not backup:
                 return locked
             backed = c.backup(lease)
@@ -254,17 +260,26 @@ class DeviceGroup:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
 
-    def restore(self) -> dict[int, dict[str, Any]]:
-        results, failures = self._each(lambda c: c.restore())
+    def restore(
+        self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
+    ) -> dict[int, dict[str, Any]]:
+        """Restore every process; ``device_memory_files``: pid -> (fd open for reading, its
+        name), the image file its agent writes back after Unlock."""
+        files = device_memory_files or {}
+        results, failures = self._each(lambda c: c.restore(files.get(c.pid)))
         if failures:
             self._raise_first(failures, "restore", "the processes stay locked")
         return results
 
-    def restore_and_unlock(self) -> dict[int, dict[str, Any]]:
-        """Restore then Unlock each (CRIU-restored) process; a failed one stays locked."""
+    def restore_and_unlock(
+        self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
+    ) -> dict[int, dict[str, Any]]:
+        """Restore then Unlock each (CRIU-restored) process; a failed one stays locked.
+        ``device_memory_files``: pid -> fd of its device-memory file (see ``restore``)."""
+        files = device_memory_files or {}
 
         def step(c: AgentClient) -> dict[str, Any]:
-            restored = c.restore()
+            restored = c.restore(files.get(c.pid))
             unlocked = c.unlock()
             unlocked["restore_elapsed_s"] = restored.get("elapsed_s")
             return unlocked
@@ -405,7 +420,11 @@ def _rollback_one(
 
         # A process that died (killed mid-dump, say) holds no lock any more: the runtime's exit
         # hook and the device daemon released it. Only a live process that cannot be reached
-        # makes the state unknown.
+        # makes the state unknown. One that was killed a moment ago may still be exiting (its
+        # socket already closed): give it a bounded moment to become a zombie.
+        deadline = time.monotonic() + GONE_GRACE_S
+        while procfs.is_alive(c.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not procfs.is_alive(c.pid):
             return {"state": "GONE", "before": None, "actions": [], "warnings": [f"process {c.pid} exited"]}
         raise

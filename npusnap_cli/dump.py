@@ -690,6 +690,10 @@ class _Pipeline:
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
+        # The agents' device-memory files (image-relative path -> (size, sha256)), hashed on
+        # device_hasher while CRIU dumps.
+        self.device_hasher: Optional[threading.Thread] = None
+        self.device_digests: dict[str, tuple[int, str]] = {}
         self.lock_tokens: dict[int, str] = {}
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
@@ -806,9 +810,17 @@ class _Pipeline:
         lock_start = time.monotonic()
         self.cb.phase("lock+backup")
         try:
-            with self.clock.phase("lock+backup"), self._backup_progress():
-                results = self.group.lock_and_backup(backup=True, device_memory=self.options.device_memory)
+            files = self._open_device_memory_files()
+            try:
+                with self.clock.phase("lock+backup"), self._backup_progress():
+                    results = self.group.lock_and_backup(
+                        backup=True, device_memory=self.options.device_memory, device_memory_files=files
+                    )
+            finally:
+                for fd, _name in files.values():
+                    os.close(fd)
             self.lock_tokens = self.group.tokens()
+            self._hash_device_memory_files(results)
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -881,6 +893,61 @@ class _Pipeline:
             self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
         self.host_files = hostres.save_files(paths, self.tmp)
 
+    def _open_device_memory_files(self) -> dict[int, tuple[int, str]]:
+        """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
+        memory: the agent writes its copy there (before Lock) instead of into the process's
+        memory, so CRIU saves and restores that much less and the bytes are written once."""
+        if self.options.device_memory != "preserve" or os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1":
+            return {}
+        assert self.tmp is not None
+        files: dict[int, tuple[int, str]] = {}
+        try:
+            for pid, h in sorted(self.hello.items()):
+                dm = h.get("device_memory") or {}
+                if not dm.get("available") or not int(dm.get("allocations") or 0):
+                    continue
+                rel = img.device_memory_rel(pid)
+                path = self.tmp / rel
+                path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
+                # The agent records where the file will be once published, for a reload without
+                # a descriptor (a lease's rollback after an interrupted restore).
+                files[pid] = (fd, os.path.abspath(self.final / rel))
+        except OSError as exc:
+            for fd, _name in files.values():
+                os.close(fd)
+            raise ImageError(
+                f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
+                fix="check free space and permissions where the image is written",
+            ) from None
+        return files
+
+    def _hash_device_memory_files(self, results: dict[int, dict[str, Any]]) -> None:
+        """Drop the files an agent did not use (the driver-backed flow kept the memory), and
+        hash the others on a thread while CRIU dumps."""
+        assert self.tmp is not None
+        tmp = self.tmp
+        used: list[str] = []
+        for pid in sorted(results):
+            rel = img.device_memory_rel(pid)
+            if not (tmp / rel).exists():
+                continue
+            dm = results[pid].get("device_memory") or {}
+            if int(dm.get("file_bytes") or 0) > 0:
+                used.append(rel)
+            else:
+                (tmp / rel).unlink()
+        if not used:
+            return
+
+        def run() -> None:
+            for rel in used:
+                path = tmp / rel
+                self.device_digests[rel] = (path.stat().st_size, img.sha256_file(path))
+
+        self.device_hasher = threading.Thread(target=run, name="npusnap-devmem-sha", daemon=True)
+        self.device_hasher.start()
+
     def _criu_and_publish(self, results: dict[int, dict[str, Any]], lock_start: float) -> DumpOutcome:
         from npusnap_cli import criu
 
@@ -939,6 +1006,9 @@ class _Pipeline:
             frozen_end = criu_done
         # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
         streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
+        if self.device_hasher is not None:
+            self.device_hasher.join()
+            streamed.update(self.device_digests)
         manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
         self.cb.phase("publish")
         try:
@@ -1099,6 +1169,8 @@ class _Pipeline:
             entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
             # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
             entry["flow"] = dm.get("flow")
+            if dm.get("file_bytes"):
+                entry["file"] = img.device_memory_rel(pid)  # the copy is this file, not process memory
             if dm.get("fallback"):
                 entry["fallback"] = dm["fallback"]
         record["processes"] = processes

@@ -6,6 +6,7 @@ Every name inside an image is a constant here, and nowhere else::
       npusnap.json        the manifest (schema below)
       criu/               CRIU's image files (pages, core, fdinfo, ...)
       hostfiles/          copies of tmpfs files the tree had open or mapped (/dev/shm ...), by path
+      device/             devmem-PID.bin: the device memory npusnap kept for NPU process PID
       logs/               CRIU's dump/restore logs and stats (not checksummed: restore writes here)
 
 An image is built in a temporary sibling (``.DIR.npusnap-tmp-*``), fsynced (files, then
@@ -41,8 +42,9 @@ MANIFEST_NAME = "npusnap.json"
 CRIU_SUBDIR = "criu"
 LOGS_SUBDIR = "logs"
 HOSTFILES_SUBDIR = "hostfiles"
+DEVICE_SUBDIR = "device"
 # The subdirectories whose files the manifest lists with their sha256 (never logs/).
-CHECKSUMMED_SUBDIRS = (CRIU_SUBDIR, HOSTFILES_SUBDIR)
+CHECKSUMMED_SUBDIRS = (CRIU_SUBDIR, HOSTFILES_SUBDIR, DEVICE_SUBDIR)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DIR_MODE = 0o700
@@ -707,14 +709,40 @@ def sha256_files(paths: list[Path], progress: Optional[ProgressFn] = None) -> li
 
 
 def _checksummed_files(image: Path) -> list[str]:
-    """Relative paths of the files covered by checksums: everything under criu/ and hostfiles/."""
+    """Relative paths of the files covered by checksums: everything under CHECKSUMMED_SUBDIRS."""
     out: list[str] = []
-    for base in (criu_dir(image), image / HOSTFILES_SUBDIR):
+    for base in (image / d for d in CHECKSUMMED_SUBDIRS):
         for root, _dirs, files in os.walk(base):
             for name in files:
                 full = Path(root) / name
                 out.append(full.relative_to(image).as_posix())
     return sorted(out)
+
+
+def device_memory_rel(pid: int) -> str:
+    """Where the agent of NPU process ``pid`` wrote its copy of the device memory (in the image)."""
+    return f"{DEVICE_SUBDIR}/devmem-{pid}.bin"
+
+
+def open_device_memory_files(image: Path, manifest: Manifest) -> dict[int, tuple[int, str]]:
+    """pid -> (fd read-only, absolute name) of each NPU process's device-memory file that the
+    manifest lists; the caller closes the fds. The image was verified (files and sha256)."""
+    listed = {f.path for f in manifest.files}
+    out: dict[int, tuple[int, str]] = {}
+    try:
+        for p in manifest.npu_processes:
+            rel = device_memory_rel(p.pid)
+            if rel in listed:
+                path = os.path.abspath(image / rel)
+                out[p.pid] = (os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), path)
+    except OSError as exc:
+        for fd, _path in out.values():
+            os.close(fd)
+        raise ImageError(
+            f"cannot open the image's device-memory file {exc.filename}: {exc.strerror}",
+            fix="check the image with `npusnap verify`",
+        ) from None
+    return out
 
 
 def file_entries(

@@ -830,9 +830,16 @@ def _restore_job(
             tokens = {
                 p.pid: p.lock_token for m in manifests.values() for p in m.npu_processes if p.lock_token
             }
-            with DeviceGroup(npu, lease_s=options.lease_s, command="restore") as group:
+            files: dict[int, tuple[int, str]] = {}
+            with contextlib.ExitStack() as stack:
+                for r in job.ranks:
+                    opened = img.open_device_memory_files(final / r.dir, manifests[r.rank])
+                    for fd, _path in opened.values():
+                        stack.callback(os.close, fd)
+                    files.update(opened)
+                group = stack.enter_context(DeviceGroup(npu, lease_s=options.lease_s, command="restore"))
                 group.set_tokens(tokens)
-                group.restore()
+                group.restore(files)
                 if net is not None:
                     net.sync("device-restored")  # every node's ranks are restored, still locked
                 cb.phase("unlock (every rank)")

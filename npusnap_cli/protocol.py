@@ -40,11 +40,13 @@ OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
         "lease_s": (_LEASE, False),
         "owner": ((dict, type(None)), False),
         "device_memory": ((str, type(None)), False),
+        # the image's device-memory file: its descriptor comes with the line (SCM_RIGHTS)
+        "device_memory_file": ((str,), False),
     },
     "backup": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
     "renew": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
     "release": {"token": (_TOKEN, False)},
-    "restore": {"token": (_TOKEN, False)},
+    "restore": {"token": (_TOKEN, False), "device_memory_file": ((str,), False)},
     "unlock": {"token": (_TOKEN, False), "force": (_FORCE, False)},
     "rollback": {"token": (_TOKEN, False), "force": (_FORCE, False)},
 }
@@ -142,6 +144,9 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
             or pid <= 0
         ):
             raise ProtocolError("BAD_ARGS", 'owner must be {"command": str (1-64 chars), "pid": int > 0}')
+    path = args.get("device_memory_file")
+    if path is not None and (not path.startswith("/") or len(path.encode()) >= 4096 or "\0" in path):
+        raise ProtocolError("BAD_ARGS", "device_memory_file must be an absolute path")
     mode = args.get("device_memory")
     if mode is not None and mode not in DEVICE_MEMORY_MODES:
         raise ProtocolError(

@@ -597,7 +597,12 @@ def _restore_verified(
     cb.phase("device restore")
     if npu_pids:
         tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
-        _device_restore(npu_pids, options, root_pid, res.log_path, tokens)
+        files = img.open_device_memory_files(final, manifest)
+        try:
+            _device_restore(npu_pids, options, root_pid, res.log_path, tokens, files)
+        finally:
+            for fd, _path in files.values():
+                os.close(fd)
     _check_none_left_locked(manifest, root_pid, res.log_path)
     device_done = time.monotonic()
     watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
@@ -712,8 +717,15 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
 
 
 def _device_restore(
-    npu_pids: tuple[int, ...], options: RestoreOptions, root_pid: int, log: str, tokens: dict[int, str]
+    npu_pids: tuple[int, ...],
+    options: RestoreOptions,
+    root_pid: int,
+    log: str,
+    tokens: dict[int, str],
+    device_memory_files: dict[int, tuple[int, str]],
 ) -> None:
+    """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
+    image's device-memory file (the agent writes it back to the device after Unlock)."""
     from npusnap_cli.devicegroup import DeviceGroup
 
     group = None
@@ -721,7 +733,7 @@ def _device_restore(
         group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
         # The restored agents still record the dump as their lock's owner: present its tokens.
         group.set_tokens(tokens)
-        group.restore_and_unlock()
+        group.restore_and_unlock(device_memory_files)
     except NpusnapError as err:
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)

@@ -68,6 +68,8 @@ typedef struct request {
     char op[32];
     jval root; /* owns the args */
     const jval *args;
+    int fd; /* a file descriptor sent with the line (SCM_RIGHTS), -1 if none; the core closes it
+             * after the op: an op that keeps it dup()s it */
 } request;
 
 /* An error object being built: type, name, code, message, and extra members (raw JSON). */

@@ -51,8 +51,9 @@ static struct {
     char *inbuf;
     size_t inlen;
     double partial_since; /* when the buffered partial line started (0: none) */
+    int pending_fd;       /* sent by the client with the line being read (SCM_RIGHTS), -1: none */
     char last_error[512];
-} A = {.listen_fd = -1, .client_fd = -1};
+} A = {.listen_fd = -1, .client_fd = -1, .pending_fd = -1};
 
 double mono_now(void) {
     struct timespec ts;
@@ -183,7 +184,13 @@ static int send_all(int fd, const char *data, size_t len) {
     return 0;
 }
 
+static void drop_pending_fd(void) {
+    if (A.pending_fd >= 0) close(A.pending_fd);
+    A.pending_fd = -1;
+}
+
 static void drop_client(void) {
+    drop_pending_fd();
     if (A.client_fd >= 0) close(A.client_fd);
     A.client_fd = -1;
     A.client_pid = 0;
@@ -263,9 +270,11 @@ static void handle_line(const char *line, size_t len) {
     if (proto_decode(line, len, &r, &e, &id) < 0) {
         proto_error_line(&out, id, &e);
     } else {
+        r.fd = A.pending_fd;
         ops_handle(&r, A.client_pid, &out);
         proto_request_free(&r);
     }
+    drop_pending_fd(); /* one fd goes with one line */
     if (out.p) reply(out.p, out.len);
     sb_free(&out);
     err_free(&e);
@@ -280,7 +289,30 @@ static void read_client(void) {
         }
     }
     size_t room = MAX_LINE + 1 - A.inlen;
-    ssize_t n = recv(A.client_fd, A.inbuf + A.inlen, room, MSG_DONTWAIT);
+    /* A request line may come with one file descriptor (the device-memory file of a dump or
+     * restore): SCM_RIGHTS, attached to the line's first byte. Any more are closed. */
+    struct iovec iov = {A.inbuf + A.inlen, room};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(4 * sizeof(int))];
+    } cm;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    ssize_t n = recvmsg(A.client_fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    for (struct cmsghdr *c = n > 0 ? CMSG_FIRSTHDR(&mh) : NULL; c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t k = 0; k < nfd; k++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
+            if (A.pending_fd < 0) A.pending_fd = fd;
+            else close(fd);
+        }
+    }
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
     if (n <= 0) {
         drop_client();

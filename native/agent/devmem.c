@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "npusnap/devmem.h"
 
@@ -173,7 +174,8 @@ struct alloc {
     void *ctx;
     int registered; /* came from npusnap_devmem_register, not from an interposed call */
     int excluded;
-    void *copy;
+    void *copy;  /* host copy (npusnap_devmem_save) */
+    int in_file; /* copied into the file of npusnap_devmem_save_fd instead */
 };
 
 struct range {
@@ -264,7 +266,7 @@ static int add(uintptr_t p, size_t n, int32_t dev, void *ctx, int registered) {
         g_allocs = na;
         g_cap = cap;
     }
-    g_allocs[g_n++] = (struct alloc){p, n, dev, ctx, registered, in_excluded(p, n), NULL};
+    g_allocs[g_n++] = (struct alloc){p, n, dev, ctx, registered, in_excluded(p, n), NULL, 0};
     return 0;
 }
 
@@ -491,11 +493,14 @@ static void free_copies_locked(void) {
     for (size_t i = 0; i < g_n; i++) {
         free(g_allocs[i].copy);
         g_allocs[i].copy = NULL;
+        g_allocs[i].in_file = 0;
     }
     g_saved = 0;
 }
 
-API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
+/* Close the gate and wait (at most timeout_ms) for the job's device calls in flight. 0 with the
+ * gate closed, or -errno with err set and the gate open. */
+static int close_gate_and_wait(int timeout_ms, char *err, size_t errlen) {
     if (timeout_ms < 0) timeout_ms = 0;
     pthread_mutex_lock(&g_mu);
     if (g_gate_closed) {
@@ -524,29 +529,97 @@ API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
                timeout_ms);
         return -ETIMEDOUT;
     }
-    size_t n = g_n;
     pthread_mutex_unlock(&g_mu);
-    /* The gate is closed and nothing is in flight: the table cannot change under us except by
-     * npusnap_devmem_register/exclude, which take g_mu. Queued asynchronous work must finish
-     * before the bytes are read: synchronize each context the allocations were made in. */
-    aclError (*memcpy_fn)(void *, size_t, const void *, size_t, int) =
-        (aclError(*)(void *, size_t, const void *, size_t, int))real(F_MEMCPY);
-    aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
-    if (n && !memcpy_fn) {
-        npusnap_devmem_finish();
-        seterr(err, errlen, "aclrtMemcpy is not available in this process: cannot copy device memory");
-        return -ENOSYS;
+    return 0;
+}
+
+typedef aclError (*memcpy_fn_t)(void *, size_t, const void *, size_t, int);
+
+/* The file form of the copies (npusnap_devmem_save_fd): a header, one record per copied
+ * allocation, then their bytes in record order. Reload checks the records against the table
+ * the restored process holds, so a file of another process or another dump is refused. */
+#define DM_MAGIC "NPUSNAP-DEVMEM1"
+#define DM_CHUNK ((size_t)64 << 20)
+struct dm_header {
+    char magic[16];
+    uint64_t count;
+    uint64_t bytes;
+};
+struct dm_record {
+    uint64_t ptr;
+    uint64_t size;
+    int32_t dev;
+    int32_t reserved;
+};
+
+static int write_full(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return w < 0 ? -errno : -EIO;
+        p += w;
+        n -= (size_t)w;
     }
-    pthread_mutex_lock(&g_mu);
-    int ret = 0;
+    return 0;
+}
+
+static int read_full(int fd, void *buf, size_t n, off_t off) {
+    char *p = buf;
+    while (n) {
+        ssize_t r = pread(fd, p, n, off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -errno;
+        if (r == 0) return -ENODATA; /* the file is shorter than its records say */
+        p += r;
+        n -= (size_t)r;
+        off += r;
+    }
+    return 0;
+}
+
+/* Copy every tracked allocation (gate closed, nothing in flight) to host memory (fd < 0) or
+ * into fd, through one bounce buffer. Holds g_mu. */
+static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
+    aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
     void *synced[64];
     int nsynced = 0;
+    char *bounce = NULL;
+    if (fd >= 0) {
+        struct dm_header h;
+        memset(&h, 0, sizeof h);
+        memcpy(h.magic, DM_MAGIC, sizeof DM_MAGIC);
+        for (size_t i = 0; i < g_n; i++)
+            if (!g_allocs[i].excluded) {
+                h.count++;
+                h.bytes += g_allocs[i].size;
+            }
+        int wr = write_full(fd, &h, sizeof h);
+        for (size_t i = 0; i < g_n && wr == 0; i++) {
+            struct alloc *a = &g_allocs[i];
+            if (a->excluded) continue;
+            struct dm_record r = {(uint64_t)a->ptr, (uint64_t)a->size, a->dev, 0};
+            wr = write_full(fd, &r, sizeof r);
+        }
+        if (wr != 0) {
+            seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
+            return wr;
+        }
+        *written = sizeof h + h.count * sizeof(struct dm_record);
+        bounce = malloc(DM_CHUNK);
+        if (!bounce) {
+            seterr(err, errlen, "no host memory for a %zu-byte copy buffer", DM_CHUNK);
+            return -ENOMEM;
+        }
+    }
+    int ret = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
         int seen = 0;
         for (int k = 0; k < nsynced; k++) seen |= synced[k] == a->ctx;
         if (!seen && sync) {
+            /* Queued asynchronous work must finish before the bytes are read. */
             use_ctx(a->ctx);
             aclError src = sync();
             if (src != ACL_SUCCESS) {
@@ -556,20 +629,53 @@ API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
             }
             if (nsynced < 64) synced[nsynced++] = a->ctx;
         }
-        free(a->copy);
-        a->copy = malloc(a->size ? a->size : 1);
-        if (!a->copy) {
-            seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
-            ret = -ENOMEM;
-            break;
-        }
         use_ctx(a->ctx);
-        aclError c = memcpy_fn(a->copy, a->size, (const void *)a->ptr, a->size, ACL_MEMCPY_DEVICE_TO_HOST);
-        if (c != ACL_SUCCESS) {
-            seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d",
-                   a->size, (unsigned long)a->ptr, a->dev, c);
-            ret = -EIO;
+        if (fd < 0) {
+            free(a->copy);
+            a->copy = malloc(a->size ? a->size : 1);
+            if (!a->copy) {
+                seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
+                ret = -ENOMEM;
+                break;
+            }
         }
+        for (size_t off = 0; off < a->size && ret == 0;) {
+            size_t n = fd < 0 ? a->size : (a->size - off < DM_CHUNK ? a->size - off : DM_CHUNK);
+            void *dst = fd < 0 ? a->copy : bounce;
+            aclError c = memcpy_fn(dst, n, (const void *)(a->ptr + off), n, ACL_MEMCPY_DEVICE_TO_HOST);
+            if (c != ACL_SUCCESS) {
+                seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", n,
+                       (unsigned long)(a->ptr + off), a->dev, c);
+                ret = -EIO;
+            } else if (fd >= 0) {
+                int wr = write_full(fd, bounce, n);
+                if (wr != 0) {
+                    seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
+                    ret = wr;
+                }
+                *written += n;
+            }
+            off += n;
+        }
+        if (ret == 0 && fd >= 0) a->in_file = 1;
+    }
+    free(bounce);
+    return ret;
+}
+
+static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {
+    int rc = close_gate_and_wait(timeout_ms, err, errlen);
+    if (rc != 0) return rc;
+    /* The gate is closed and nothing is in flight: the table cannot change under us except by
+     * npusnap_devmem_register/exclude, which take g_mu. */
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
+    pthread_mutex_lock(&g_mu);
+    int ret = 0;
+    if (g_n && !memcpy_fn) {
+        seterr(err, errlen, "aclrtMemcpy is not available in this process: cannot copy device memory");
+        ret = -ENOSYS;
+    } else {
+        ret = copy_out_locked(fd, memcpy_fn, written, err, errlen);
     }
     if (ret != 0) {
         free_copies_locked();
@@ -577,6 +683,96 @@ API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
     } else {
         g_saved = 1;
     }
+    pthread_mutex_unlock(&g_mu);
+    return ret;
+}
+
+API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
+    uint64_t unused = 0;
+    return save_to(-1, timeout_ms, &unused, err, errlen);
+}
+
+API int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {
+    uint64_t n = 0;
+    if (fd < 0) {
+        seterr(err, errlen, "no file to write the device memory into");
+        return -EBADF;
+    }
+    int rc = save_to(fd, timeout_ms, &n, err, errlen);
+    if (written) *written = n;
+    return rc;
+}
+
+API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
+    pthread_mutex_lock(&g_mu);
+    if (!g_saved) {
+        pthread_mutex_unlock(&g_mu);
+        seterr(err, errlen, "no saved device memory to reload");
+        return -ENOENT;
+    }
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
+    struct dm_header h;
+    int ret = read_full(fd, &h, sizeof h, 0);
+    uint64_t want = 0;
+    for (size_t i = 0; i < g_n; i++) want += g_allocs[i].in_file;
+    if (ret != 0) {
+        seterr(err, errlen, "cannot read the device-memory file's header: %s", strerror(-ret));
+    } else if (memcmp(h.magic, DM_MAGIC, sizeof DM_MAGIC) != 0) {
+        seterr(err, errlen, "the device-memory file is not one (bad magic)");
+        ret = -EINVAL;
+    } else if (h.count != want) {
+        seterr(err, errlen, "the device-memory file holds %llu allocations, this process saved %llu into it",
+               (unsigned long long)h.count, (unsigned long long)want);
+        ret = -EINVAL;
+    } else if (!memcpy_fn && want) {
+        seterr(err, errlen, "aclrtMemcpy is not available in this process");
+        ret = -ENOSYS;
+    }
+    off_t rec_off = sizeof h;
+    off_t data_off = (off_t)(sizeof h + h.count * sizeof(struct dm_record));
+    char *bounce = ret == 0 && want ? malloc(DM_CHUNK) : NULL;
+    if (ret == 0 && want && !bounce) {
+        seterr(err, errlen, "no host memory for a %zu-byte copy buffer", DM_CHUNK);
+        ret = -ENOMEM;
+    }
+    for (size_t i = 0; i < g_n && ret == 0; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (!a->in_file) continue;
+        struct dm_record r;
+        ret = read_full(fd, &r, sizeof r, rec_off);
+        rec_off += sizeof r;
+        if (ret != 0) {
+            seterr(err, errlen, "cannot read the device-memory file's records: %s", strerror(-ret));
+            break;
+        }
+        if (r.ptr != (uint64_t)a->ptr || r.size != (uint64_t)a->size || r.dev != a->dev) {
+            seterr(err, errlen,
+                   "the device-memory file does not match this process: it has %llu bytes at %#llx on device %d "
+                   "where the process has %zu bytes at %#lx on device %d",
+                   (unsigned long long)r.size, (unsigned long long)r.ptr, r.dev, a->size, (unsigned long)a->ptr,
+                   a->dev);
+            ret = -EINVAL;
+            break;
+        }
+        use_ctx(a->ctx);
+        for (size_t off = 0; off < a->size && ret == 0;) {
+            size_t n = a->size - off < DM_CHUNK ? a->size - off : DM_CHUNK;
+            ret = read_full(fd, bounce, n, data_off);
+            if (ret != 0) {
+                seterr(err, errlen, "cannot read the device-memory file: %s", strerror(-ret));
+                break;
+            }
+            aclError c = memcpy_fn((void *)(a->ptr + off), n, bounce, n, ACL_MEMCPY_HOST_TO_DEVICE);
+            if (c != ACL_SUCCESS) {
+                seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
+                       (unsigned long)(a->ptr + off), a->dev, c);
+                ret = -EIO;
+            }
+            data_off += (off_t)n;
+            off += n;
+        }
+    }
+    free(bounce);
     pthread_mutex_unlock(&g_mu);
     return ret;
 }
@@ -591,6 +787,11 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
     aclError (*memcpy_fn)(void *, size_t, const void *, size_t, int) =
         (aclError(*)(void *, size_t, const void *, size_t, int))real(F_MEMCPY);
     int ret = 0;
+    for (size_t i = 0; i < g_n && ret == 0; i++)
+        if (g_allocs[i].in_file) {
+            seterr(err, errlen, "the device memory was saved into a file of the image: reloading needs that file");
+            ret = -ENOENT;
+        }
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded || !a->copy) continue;
@@ -627,7 +828,8 @@ API void npusnap_devmem_get_info(npusnap_devmem_info *out) {
         out->allocations++;
         out->bytes += g_allocs[i].size;
         if (g_allocs[i].excluded) out->excluded_bytes += g_allocs[i].size;
-        if (g_allocs[i].copy) out->saved_bytes += g_allocs[i].size;
+        if (g_allocs[i].copy || g_allocs[i].in_file) out->saved_bytes += g_allocs[i].size;
+        if (g_allocs[i].in_file) out->in_file = 1;
     }
     out->interposed = ip;
     out->gate_closed = g_gate_closed;

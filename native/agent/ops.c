@@ -14,6 +14,7 @@
 #include <npusnap/devmem.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,8 @@
 
 /* The device-memory part (devmem.c) is optional: called only when linked in. */
 #pragma weak npusnap_devmem_save
+#pragma weak npusnap_devmem_save_fd
+#pragma weak npusnap_devmem_reload_fd
 #pragma weak npusnap_devmem_reload
 #pragma weak npusnap_devmem_finish
 #pragma weak npusnap_devmem_get_info
@@ -70,7 +73,13 @@ static struct {
     char flow[8];       /* "driver" (args != NULL: the runtime and driver keep device memory),
                          * "driver?" (to be tried at Backup), "legacy" (args == NULL), "" */
     char fallback[160]; /* why the driver-backed flow was not used, "" when it was not tried */
-} devmem;
+    int save_fd;        /* lock's device-memory file (the copies go there, not to host memory) */
+    int reload_fd;      /* restore's device-memory file (the copies come back from there) */
+    unsigned long long file_bytes; /* what the save wrote into save_fd */
+    char file_path[4096]; /* that file's name once the image is published (lock) or as the
+                           * restore opened it: a reload without a descriptor (a lease's
+                           * rollback after an interrupted restore) opens it by name */
+} devmem = {.save_fd = -1, .reload_fd = -1};
 
 /* npusnap's own LOCK_PRE callback (CANN 9.0+): the runtime calls it once per open device inside
  * Lock, which is the real-API way to learn the device ids (the driver holds no /dev/davinciN
@@ -148,6 +157,7 @@ void ops_init(void) {
     memset(&lease, 0, sizeof lease);
     memset(&owner, 0, sizeof owner);
     memset(&devmem, 0, sizeof devmem);
+    devmem.save_fd = devmem.reload_fd = -1; /* none yet (0 would be stdin) */
     n_events = 0;
     rt_found = 0;
     restored = restore_pending = device_restored = 0;
@@ -281,6 +291,10 @@ static void devmem_json(sbuf *b) {
     sb_raw(b, devmem.saved ? "true" : "false");
     sb_key(b, "flow");
     sb_str(b, devmem.flow[0] ? devmem.flow : NULL);
+    if (devmem.file_bytes) {
+        sb_key(b, "file_bytes"); /* the copies are in the dump's device-memory file */
+        sb_printf(b, "%llu", devmem.file_bytes);
+    }
     if (devmem.fallback[0]) {
         sb_key(b, "fallback");
         sb_str(b, devmem.fallback);
@@ -312,10 +326,66 @@ static void devmem_json(sbuf *b) {
     sb_raw(b, "}");
 }
 
+static void close_fd(int *fd) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+}
+
 static void devmem_finish(void) {
     if (devmem.saved && npusnap_devmem_finish) npusnap_devmem_finish();
     devmem.saved = 0;
     devmem.mode[0] = 0;
+    devmem.file_bytes = 0;
+    devmem.file_path[0] = 0;
+    close_fd(&devmem.save_fd);
+    close_fd(&devmem.reload_fd);
+}
+
+/* The device-memory file sent with a lock (where the copies go) or a restore (where they come
+ * back from): args "device_memory_file": its name, and its descriptor with the line. Kept
+ * (dup) until devmem_finish. */
+static int take_devmem_file(const request *r, int *slot, op_error *e) {
+    const jval *f = json_get(r->args, "device_memory_file");
+    if (!f || f->t != J_STR) return 0;
+    if (r->fd < 0) {
+        err_set(e, "protocol", "BAD_ARGS", 0,
+                "device_memory_file names a file but no file descriptor came with the request (SCM_RIGHTS)");
+        return -1;
+    }
+    if (!npusnap_devmem_save_fd || !npusnap_devmem_reload_fd) {
+        err_set(e, "state", "DEVICE_MEMORY_UNAVAILABLE", 0,
+                "this agent has no device-memory part: it cannot use a device-memory file");
+        return -1;
+    }
+    close_fd(slot);
+    *slot = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
+    if (*slot < 0) {
+        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", errno, "cannot keep the device-memory file: %s",
+                strerror(errno));
+        return -1;
+    }
+    snprintf(devmem.file_path, sizeof devmem.file_path, "%s", f->s);
+    return 0;
+}
+
+/* The reload's file: the restore's descriptor, else (the restore was interrupted before it sent
+ * one, and a lease or `thaw` rolls back) the file by the name recorded at lock or restore. -1
+ * with err set when there is none. */
+static int reload_file(char *err, size_t errlen) {
+    if (devmem.reload_fd >= 0) return devmem.reload_fd;
+    if (!devmem.file_path[0]) {
+        snprintf(err, errlen, "the copies are in the image's device-memory file and no file was named");
+        return -1;
+    }
+    devmem.reload_fd = open(devmem.file_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (devmem.reload_fd < 0) {
+        snprintf(err, errlen, "no descriptor of the image's device-memory file came with the restore, and %s "
+                 "cannot be opened: %s (restore the image again, or copy it back there)",
+                 devmem.file_path, strerror(errno));
+        return -1;
+    }
+    ops_event("reloading device memory from %s (no descriptor came with the restore)", devmem.file_path);
+    return devmem.reload_fd;
 }
 
 /* After Unlock: reload the host copies if a Restore ran (the device contents are gone), then
@@ -326,7 +396,16 @@ static int devmem_after_unlock(sbuf *steps, op_error *e) {
     int had_copy = devmem.saved;
     if (devmem.saved && device_restored && npusnap_devmem_reload) {
         char err[512] = "";
-        int rc = npusnap_devmem_reload(err, sizeof err);
+        npusnap_devmem_info info;
+        memset(&info, 0, sizeof info);
+        if (npusnap_devmem_get_info) npusnap_devmem_get_info(&info);
+        int rc;
+        if (!info.in_file) {
+            rc = npusnap_devmem_reload(err, sizeof err);
+        } else {
+            int fd = reload_file(err, sizeof err);
+            rc = fd < 0 ? -ENOENT : npusnap_devmem_reload_fd(fd, err, sizeof err);
+        }
         if (rc != 0) {
             ops_event("device memory reload FAILED, the job stays held at npusnap's gate (%d): %s", rc, err);
             err_set(e, "state", "DEVICE_MEMORY_RELOAD_FAILED", rc,
@@ -364,7 +443,15 @@ static void devmem_begin(const char *mode) {
 static int devmem_save(op_error *e, const char *nothing_locked) {
     if (!npusnap_devmem_save) return 0;
     char err[512] = "";
-    int rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+    int rc;
+    if (devmem.save_fd >= 0) {
+        uint64_t written = 0;
+        rc = npusnap_devmem_save_fd(devmem.save_fd, DEVMEM_SAVE_TIMEOUT_MS, &written, err, sizeof err);
+        devmem.file_bytes = rc == 0 ? (unsigned long long)written : 0;
+        close_fd(&devmem.save_fd); /* written: the dump owns the file now */
+    } else {
+        rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+    }
     if (rc != 0) {
         err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc,
                 "could not copy the device memory to host memory before Lock: %s; %s", err, nothing_locked);
@@ -732,10 +819,13 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     }
     const jval *dm = json_get(r->args, "device_memory");
     const char *mode = dm && dm->t == J_STR ? dm->s : "preserve";
+    if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
+    if (strcmp(mode, "preserve") != 0) close_fd(&devmem.save_fd); /* nothing to save */
     double start = mono_now();
     sbuf ran;
     sb_init(&ran);
     if (hooks_run("pre_lock", &ran, e) < 0) {
+        close_fd(&devmem.save_fd);
         hook_error(e, "nothing was locked");
         sb_free(&ran);
         return -1;
@@ -819,7 +909,11 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
-    if (call_backup(e) < 0) return -1;
+    int rc = call_backup(e);
+    /* Unused when the driver-backed flow kept the memory: nothing of the image being written
+     * may stay open in the process that CRIU saves. */
+    close_fd(&devmem.save_fd);
+    if (rc < 0) return -1;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run("post_backup", &ran, e) < 0) {
@@ -865,6 +959,7 @@ static int op_release(const request *r, sbuf *res, op_error *e) {
 
 static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("restore", r->args, 0, e) < 0) return -1;
+    if (take_devmem_file(r, &devmem.reload_fd, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
     if (call_restore(e) < 0) return -1;

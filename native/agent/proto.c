@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { A_LEASE, A_OWNER, A_DEVMEM, A_TOKEN, A_FORCE };
+enum { A_LEASE, A_OWNER, A_DEVMEM, A_TOKEN, A_FORCE, A_PATH };
 
 typedef struct arg_spec {
     const char *name;
@@ -19,7 +19,7 @@ typedef struct arg_spec {
 
 typedef struct op_spec {
     const char *op;
-    arg_spec args[4];
+    arg_spec args[6];
 } op_spec;
 
 /* Keep in step with OP_ARGS in npusnap_cli/protocol.py (tests/unit/test_protocol_native.py
@@ -27,17 +27,17 @@ typedef struct op_spec {
 static const op_spec OPS[] = {
     {"backup", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
     {"hello", {{0, 0}}},
-    {"lock", {{"lease_s", A_LEASE}, {"owner", A_OWNER}, {"device_memory", A_DEVMEM}}},
+    {"lock", {{"lease_s", A_LEASE}, {"owner", A_OWNER}, {"device_memory", A_DEVMEM}, {"device_memory_file", A_PATH}}},
     {"release", {{"token", A_TOKEN}}},
     {"renew", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
-    {"restore", {{"token", A_TOKEN}}},
+    {"restore", {{"token", A_TOKEN}, {"device_memory_file", A_PATH}}},
     {"rollback", {{"token", A_TOKEN}, {"force", A_FORCE}}},
     {"status", {{0, 0}}},
     {"unlock", {{"token", A_TOKEN}, {"force", A_FORCE}}},
 };
 #define N_OPS (sizeof OPS / sizeof OPS[0])
 
-static const char *KIND_NAMES[] = {"lease", "owner", "device_memory", "token", "bool"};
+static const char *KIND_NAMES[] = {"lease", "owner", "device_memory", "token", "bool", "path"};
 
 /* The table as JSON, for the test that compares it with protocol.py. */
 AGENT_API const char *npusnap_agent_protocol_table(void) {
@@ -49,7 +49,7 @@ AGENT_API const char *npusnap_agent_protocol_table(void) {
     for (size_t i = 0; i < N_OPS; i++) {
         sb_key(&b, OPS[i].op);
         sb_raw(&b, "{");
-        for (int j = 0; j < 4 && OPS[i].args[j].name; j++) {
+        for (int j = 0; j < 6 && OPS[i].args[j].name; j++) {
             sb_key(&b, OPS[i].args[j].name);
             sb_str(&b, KIND_NAMES[OPS[i].args[j].kind]);
         }
@@ -130,7 +130,7 @@ static int validate(const char *op, const jval *args, op_error *e) {
         const char *key = args->keys[i];
         const jval *v = &args->items[i];
         const arg_spec *a = NULL;
-        for (int j = 0; j < 4 && spec->args[j].name; j++) {
+        for (int j = 0; j < 6 && spec->args[j].name; j++) {
             if (strcmp(spec->args[j].name, key) == 0) a = &spec->args[j];
         }
         if (!a) return bad_args(e, "operation '%s' takes no argument '%.64s'", op, key);
@@ -141,6 +141,7 @@ static int validate(const char *op, const jval *args, op_error *e) {
         case A_FORCE: ok = v->t == J_BOOL; break;
         case A_DEVMEM: ok = v->t == J_STR || v->t == J_NULL; break;
         case A_OWNER: ok = v->t == J_OBJ || v->t == J_NULL; break;
+        case A_PATH: ok = v->t == J_STR; break;
         }
         if (!ok) return bad_args(e, "argument '%s' of '%s' has the wrong type", key, op);
     }
@@ -168,6 +169,11 @@ static int validate(const char *op, const jval *args, op_error *e) {
             err_set(e, "protocol", "BAD_ARGS", 0, "owner must be {\"command\": str (1-64 chars), \"pid\": int > 0}");
             return -1;
         }
+    }
+    v = json_get(args, "device_memory_file");
+    if (v && v->t == J_STR && (v->s[0] != '/' || v->slen >= 4096 || strlen(v->s) != v->slen)) {
+        err_set(e, "protocol", "BAD_ARGS", 0, "device_memory_file must be an absolute path");
+        return -1;
     }
     v = json_get(args, "device_memory");
     if (v && v->t == J_STR && strcmp(v->s, "preserve") != 0 && strcmp(v->s, "app") != 0 &&

@@ -37,7 +37,7 @@ class _Info(ctypes.Structure):
         ("interposed", ctypes.c_int32),
         ("gate_closed", ctypes.c_int32),
         ("saved", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("in_file", ctypes.c_int32),
     ]
 
 

@@ -112,13 +112,18 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         kill_pid(pid)
 
 
-def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("copy", ["memory", "file"])
+def test_lease_finishes_a_restore_that_died_after_criu(
+    copy: str, sim: Sim, runtime_dir: Path, tmp_path: Path
+) -> None:
     """CRIU restored the process, then the restore command died before Restore/Unlock: the
     restarted lease restores the device and unlocks by itself, and the job computes on.
 
     LD_PRELOAD as `npusnap run` sets it: the simulator, like CANN, gives the device buffer back
     poisoned at Restore, so the job computes on only because the agent saw the buffer being
-    allocated, saved it before Lock and writes it back after the lease's Restore and Unlock."""
+    allocated, saved it before Lock and writes it back after the lease's Restore and Unlock.
+    ``file``: the copy went into a device-memory file (as `npusnap dump` does) and no restore
+    command passed it back: the agent opens it by the name the lock recorded."""
     env = workload_env(
         sim, runtime_dir, PYTHONPATH=str(REPO), WL_START_AGENT="1", LD_PRELOAD=str(agent_library())
     )
@@ -130,9 +135,20 @@ def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Pa
         w.wait_for("ready")
         wait_socket(runtime_dir, pid)
         w.wait_steps(3)
+        devmem = tmp_path / "devmem.bin"
         with AgentClient(pid) as c:
-            c.lock(lease_s=4)
-            c.backup(lease_s=4)
+            if copy == "file":
+                fd = os.open(devmem, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    locked = c.lock(lease_s=4, device_memory_file=(fd, str(devmem)))
+                finally:
+                    os.close(fd)
+            else:
+                locked = c.lock(lease_s=4)
+            backed = c.backup(lease_s=4)
+        assert bool(backed["device_memory"].get("file_bytes")) == (copy == "file"), (locked, backed)
+        if copy == "file":
+            assert devmem.stat().st_size == backed["device_memory"]["file_bytes"]
         dumped_at = w.last_step()
         criu("dump", "-t", str(pid), "-D", str(images), log=images / "dump.log")
         w.proc.wait(10)
@@ -146,6 +162,8 @@ def test_lease_finishes_a_restore_that_died_after_criu(sim: Sim, runtime_dir: Pa
             status = c.status()
         assert status["state"] == "RUNNING" and status["restore_pending"] is False
         assert any("lease rollback done" in e for e in status["events"]), status["events"]
+        if copy == "file":
+            assert any(str(devmem) in e for e in status["events"]), status["events"]
         dm = status["device_memory"]
         assert dm["saved"] is False and dm["gate_closed"] is False  # reloaded, the gate open
         w.assert_correct()

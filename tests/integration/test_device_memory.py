@@ -88,6 +88,49 @@ def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable
     assert info["saved"] == 0 and info["gate_closed"] == 0 and info["saved_bytes"] == 0
 
 
+def test_the_copy_in_a_file_and_a_file_that_does_not_match(
+    make_driver: Callable[..., Driver], tmp_path: Path
+) -> None:
+    """npusnap_devmem_save_fd writes the copies into a file (header, records, bytes) and holds
+    nothing in host memory; reload_fd writes them back, and refuses a file whose records do not
+    match the process (another process's, or an older one)."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 3 * MiB + 7)["addr"]
+    b = d.call("malloc", 4096)["addr"]
+    crc_a = d.call("fill", a, 3 * MiB + 7, "a")["crc"]
+    crc_b = d.call("fill", b, 4096, "b")["crc"]
+    path = tmp_path / "devmem.bin"
+    save = d.call("dm_save_file", str(path), 5000)
+    assert save["rc"] == 0, save
+    assert save["written"] == path.stat().st_size > 3 * MiB + 4096
+    info = d.call("dm_info")
+    assert info["saved"] == 1 and info["in_file"] == 1 and info["saved_bytes"] == 3 * MiB + 7 + 4096
+    snapshot_cycle(d)  # the contents are gone (poisoned); npusnap's gate holds the job's reads
+    # The in-memory reload has nothing to write back: it says so instead of succeeding.
+    r = d.call("dm_reload")
+    assert r["rc"] != 0 and "file" in r["message"], r
+    # Another process's file (other addresses and sizes) is refused, nothing is written.
+    other = make_driver()
+    assert other.rc("set", 0) == 0
+    other.call("malloc", 8192)
+    other_path = tmp_path / "other.bin"
+    assert other.call("dm_save_file", str(other_path), 5000)["rc"] == 0
+    other.call("dm_finish")
+    r = d.call("dm_reload_file", str(other_path))
+    assert r["rc"] != 0 and "allocations" in r["message"], r
+    # A truncated file is refused too.
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    r = d.call("dm_reload_file", str(cut))
+    assert r["rc"] != 0 and "cannot read" in r["message"], r
+    assert d.call("dm_reload_file", str(path))["rc"] == 0
+    d.call("dm_finish")
+    assert d.call("read", a, 3 * MiB + 7)["crc"] == crc_a
+    assert d.call("read", b, 4096)["crc"] == crc_b
+    assert d.call("dm_info")["in_file"] == 0
+
+
 def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 0) == 0
@@ -305,6 +348,69 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
         assert job.lines() == ref
     finally:
         job.cleanup()
+
+
+@requires_root
+def test_device_memory_goes_to_its_own_image_file(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The agent writes its copy of the device memory into the image's device/devmem-PID.bin
+    (listed with its sha256), not into the process's memory: CRIU's pages are smaller by that
+    much than with the copy held in the process (NPUSNAP_DEVMEM_IN_PROCESS=1), and both images
+    restore a job whose checksums over its device memory go on unchanged. A changed byte in the
+    file is refused before anything runs."""
+    import json
+
+    from tests.integration.dumplib import PY, Job, alive
+
+    mib = 24
+    bigalloc = str(REPO / "npusnap_cli" / "workloads" / "bigalloc.py")
+    argv = [PY, bigalloc, "--device-mib", str(mib), "--host-mib", "1", "--interval", "0.05", "--seed", "3"]
+    env = job_env(sim_env, runtime_dir)
+
+    def ticks(job: Job) -> list[str]:
+        return [ln.split(" checksum ")[1] for ln in job.text().splitlines() if ln.startswith("tick ")]
+
+    pages = {}
+    for mode in ("file", "in-process"):
+        (tmp_path / mode).mkdir()
+        job = Job(tmp_path / mode, env, argv)
+        image = tmp_path / mode / "img"
+        try:
+            wait_until(lambda j=job: len(ticks(j)) >= 3, 60, "bigalloc's first ticks")
+            denv = dict(env, NPUSNAP_DEVMEM_IN_PROCESS="1" if mode == "in-process" else "0")
+            rc, out, err = cli(denv, "dump", str(job.pid), str(image))
+            assert rc == 0, (out or {}).get("error") or err
+            listed = {f["path"]: f for f in json.loads((image / "npusnap.json").read_text())["files"]}
+            rel = f"device/devmem-{job.pid}.bin"
+            if mode == "file":
+                assert rel in listed and listed[rel]["size"] >= mib << 20, sorted(listed)
+                assert (image / rel).stat().st_mode & 0o777 == 0o600
+            else:
+                assert not (image / "device").exists()
+            pages[mode] = sum(f.stat().st_size for f in (image / "criu").glob("pages-*.img"))
+            before = set(ticks(job))
+            job.reap()
+            rc, out, err = cli(env, "restore", str(image))
+            assert rc == 0, (out or {}).get("error") or err
+            job.restored_pid = out["result"]["root_pid"]
+            n = len(ticks(job))
+            wait_until(lambda j=job, n=n: len(ticks(j)) >= n + 3, 30, "ticks after the restore")
+            # bigalloc's checksum covers its host memory and its device memory's first and last MiB.
+            assert set(ticks(job)) == before, "the restored job's memory differs"
+            assert alive(job.restored_pid)
+        finally:
+            job.cleanup()
+    assert pages["in-process"] - pages["file"] >= (mib - 2) << 20, pages
+
+    # A changed byte in the device-memory file: the checksum refuses the image before anything runs.
+    image = tmp_path / "file" / "img"
+    dev = next((image / "device").glob("devmem-*.bin"))
+    data = bytearray(dev.read_bytes())
+    data[-1] ^= 0xFF
+    dev.write_bytes(bytes(data))
+    rc, out, err = cli(env, "restore", str(image))
+    assert rc != 0 and out is not None and "devmem" in json.dumps(out["error"]), out
 
 
 # -- the driver-backed flow (args != NULL), on the simulator's CANN 9.2 stand-in -----------------

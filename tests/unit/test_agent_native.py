@@ -13,12 +13,14 @@ import pytest
 from npusnap_cli import acl, protocol
 from npusnap_cli.agent import native
 
+# The native table's value kinds, as the Python types protocol.OP_ARGS accepts for them.
 KINDS = {
-    "lease": "lease_s",
-    "token": "token",
-    "bool": "force",
-    "owner": "owner",
-    "device_memory": "device_memory",
+    "lease": (int, float, type(None)),
+    "token": (str, type(None)),
+    "bool": (bool,),
+    "owner": (dict, type(None)),
+    "device_memory": (str, type(None)),
+    "path": (str,),
 }
 
 
@@ -35,7 +37,7 @@ def test_protocol_tables_agree(lib) -> None:  # type: ignore[no-untyped-def]
     for op, args in table.items():
         assert set(args) == set(protocol.OP_ARGS[op]), op
         for name, kind in args.items():
-            assert KINDS[kind] == name, (op, name, kind)
+            assert KINDS[kind] == protocol.OP_ARGS[op][name][0], (op, name, kind)
 
 
 def test_acl_error_names_agree(lib) -> None:  # type: ignore[no-untyped-def]

@@ -30,14 +30,23 @@ typedef struct npusnap_devmem_info {
     uint64_t excluded_bytes;   /* bytes the application declared as not needing a copy */
     int32_t interposed;        /* 1: allocation calls are interposed (tracking is complete) */
     int32_t gate_closed;       /* 1: the job's device calls are held at npusnap's gate */
-    int32_t saved;             /* 1: host copies exist (between save and finish) */
-    int32_t reserved;
+    int32_t saved;             /* 1: copies exist (between save and finish) */
+    int32_t in_file;           /* 1: the copies went into a file (npusnap_devmem_save_fd) */
 } npusnap_devmem_info;
 
 /* Before Lock: close the gate (new device calls of the job wait; calls already in flight are
  * waited for, at most timeout_ms), then copy every tracked allocation to host memory.
  * Returns 0, or -errno with a message in err (the gate is open again on failure). */
 int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen);
+
+/* The same, but the copies go into fd (a file of the image that npusnap's dump opened and
+ * passed to the agent) instead of host memory: CRIU then dumps (and restores) that much less
+ * process memory, and the bytes are written once. *written gets the file's size. */
+int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen);
+
+/* After Restore and Unlock: write the copies saved by npusnap_devmem_save_fd back from fd
+ * (the same file, checked against the allocation table first). The gate stays closed. */
+int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen);
 
 /* After Restore and Unlock: write the host copies back to the same device addresses.
  * The gate stays closed. Returns 0, or -errno with a message in err. */

@@ -12,7 +12,7 @@ device call blocks while the process is locked.
     ["bg", id, <command...>] ["bgwait", id, timeout_s] ["pid"] ["exit"]
     npusnap's device-memory library (preloaded, or loaded from $NPUSNAP_AGENT_LIB):
     ["dm_save", timeout_ms] ["dm_reload"] ["dm_finish"] ["dm_info"] ["dm_register", addr, n]
-    ["dm_exclude", addr, n]
+    ["dm_exclude", addr, n] ["dm_save_file", path, timeout_ms] ["dm_reload_file", path]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class DmInfo(ctypes.Structure):
         ("interposed", ctypes.c_int32),
         ("gate_closed", ctypes.c_int32),
         ("saved", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("in_file", ctypes.c_int32),
     ]
 
 
@@ -190,6 +190,18 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         if op == "dm_reload":
             rc = dm.npusnap_devmem_reload(err, 512)
             return {"rc": rc, "message": err.value.decode()}
+        if op in ("dm_save_file", "dm_reload_file"):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if op == "dm_save_file" else os.O_RDONLY
+            fd = os.open(cmd[1], flags | os.O_CLOEXEC, 0o600)
+            try:
+                if op == "dm_save_file":
+                    written = ctypes.c_uint64(0)
+                    rc = dm.npusnap_devmem_save_fd(fd, cmd[2], ctypes.byref(written), err, 512)
+                    return {"rc": rc, "message": err.value.decode(), "written": written.value}
+                rc = dm.npusnap_devmem_reload_fd(fd, err, 512)
+                return {"rc": rc, "message": err.value.decode()}
+            finally:
+                os.close(fd)
         if op == "dm_finish":
             dm.npusnap_devmem_finish()
             return {"rc": 0}
