@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -658,6 +659,7 @@ def restore(
 
 LAZY_FEATURE = "uffd-noncoop"
 LAZY_LOG = "lazy-pages.log"
+LAZY_SOCKET = "lazy-pages.socket"  # CRIU's name (uffd.c), relative to the work directory
 # How long the daemon may take to say it listens (it reads pstree.img and opens a socket).
 LAZY_START_S = 10.0
 
@@ -735,9 +737,13 @@ class LazyPagesDaemon:
     ) -> None:
         self.log_path = os.path.join(work_dir, LAZY_LOG)
         self._held: list[int] = []
+        self._held_lock = threading.Lock()  # released from the supervisor's threads: never close twice
         self._pidfd: Optional[int] = None
+        # CRIU leaves its socket behind; a crashed run's would make CRIU fail, and one left in the
+        # image's logs/ would make `verify` refuse the image (no sockets in an image).
+        self._socket = os.path.join(work_dir, LAZY_SOCKET)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(work_dir, "lazy-pages.socket"))  # a crashed run's; CRIU would fail on it
+            os.unlink(self._socket)
         r, w = os.pipe()
         try:
             argv = [binary.path, "lazy-pages", "-D", images_dir, "-W", work_dir, "-o", LAZY_LOG]
@@ -801,17 +807,19 @@ class LazyPagesDaemon:
         while len(fds) < expected and time.monotonic() < end and self.proc.poll() is None:
             time.sleep(0.01)
             fds = _uffd_fds(self.pid)
-        for fd in fds:
-            with contextlib.suppress(OSError):  # closed meanwhile: that process is complete
-                self._held.append(_pidfd_getfd(self._pidfd, fd))
-        return len(self._held)
+        with self._held_lock:
+            for fd in fds:
+                with contextlib.suppress(OSError):  # closed meanwhile: that process is complete
+                    self._held.append(_pidfd_getfd(self._pidfd, fd))
+            return len(self._held)
 
     def release_uffds(self) -> None:
         """Let go of the duplicates (after the daemon exited, or after the tree was killed)."""
-        for fd in self._held:
+        with self._held_lock:
+            held, self._held = self._held, []
+        for fd in held:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._held.clear()
 
     def wait(self, timeout: Optional[float]) -> Optional[int]:
         """The daemon's exit status (``Popen.returncode``), or None if it still runs at ``timeout``."""
@@ -830,6 +838,8 @@ class LazyPagesDaemon:
     def close(self) -> None:
         self.kill()
         self.release_uffds()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

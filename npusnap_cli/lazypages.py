@@ -98,8 +98,11 @@ _CHUNK = 4 << 20
 _DUMP_AGAIN = "do not use this image; dump again"
 
 
-def verify_open_files(image: Path, opened: list[tuple[img.FileEntry, int]], progress: Any = None) -> None:
-    """sha256 of each opened file against the manifest (closes the fds); ImageError on a mismatch."""
+def verify_open_files(
+    image: Path, opened: list[tuple[img.FileEntry, int]], progress: Any = None, stop: Any = None
+) -> None:
+    """sha256 of each opened file against the manifest (closes the fds); ImageError on a mismatch.
+    ``stop`` (a threading.Event): give up early, the restore failed anyway."""
     import hashlib
 
     bad: list[str] = []
@@ -108,6 +111,8 @@ def verify_open_files(image: Path, opened: list[tuple[img.FileEntry, int]], prog
             h = hashlib.sha256()
             offset = 0
             while True:
+                if stop is not None and stop.is_set():
+                    raise ImageError("the page files' verification was stopped: the restore failed")
                 data = os.pread(fd, _CHUNK, offset)
                 if not data:
                     break
@@ -208,15 +213,17 @@ class LazyPhase:
             _kill(self.pids)  # first: the held userfaultfds keep unserved pages from reading as zeros
             self.killed = why
             self.killed_at = time.monotonic()
+        if self.checksums is not None and why != "checksum":
+            self.checksums.cancel()
         self.daemon.kill()
         self.daemon.release_uffds()
 
     def _watch_daemon(self) -> None:
         status = self.daemon.wait(None)
-        self.daemon_status = status
         if status != 0:
-            self._kill_tree("daemon")
-        else:
+            self._kill_tree("daemon")  # before daemon_status is set: finish() must not see success
+        self.daemon_status = status
+        if status == 0:
             # Every page is in: the duplicates must go now (a later fault on a range the job
             # gave back with madvise would otherwise wait for a reader that no longer exists).
             self.daemon.release_uffds()

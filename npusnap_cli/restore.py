@@ -552,6 +552,7 @@ class _Checksums:
         self.error: Optional[BaseException] = None
         self.on_error: Optional[Any] = None
         self.done_at: Optional[float] = None
+        self._stop = threading.Event()
         opened = None
         if entries is not None:
             from npusnap_cli.lazypages import open_files
@@ -572,7 +573,7 @@ class _Checksums:
             else:
                 from npusnap_cli.lazypages import verify_open_files
 
-                verify_open_files(image, opened, progress)
+                verify_open_files(image, opened, progress, self._stop)
         except BaseException as exc:
             self.error = exc
             if self.on_error is not None:
@@ -582,6 +583,10 @@ class _Checksums:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop hashing the page files (lazy restore: the tree was killed for another reason)."""
+        self._stop.set()
 
     def join(self) -> Optional[BaseException]:
         self._thread.join()
