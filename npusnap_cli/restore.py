@@ -12,6 +12,9 @@ design.md §4, in order:
    Unlock. A process whose step fails stays locked (never half-running) and the error names
    the pid, the step, and how to go on (`npusnap status PID`, `npusnap thaw PID`).
 
+With ``lazy`` (``restore --lazy``) step 3 is CRIU's lazy restore and the page files' checksums
+run while the job already computes; lazypages.py supervises that phase until every page is in.
+
 Core module: returns a frozen dataclass, never prints.
 """
 
