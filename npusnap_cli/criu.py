@@ -804,14 +804,30 @@ class LazyPagesDaemon:
             return 0
         end = time.monotonic() + timeout
         fds = _uffd_fds(self.pid)
-        while len(fds) < expected and time.monotonic() < end and self.proc.poll() is None:
+        # All arrived once there are as many as processes, or once the daemon logged receiving
+        # each (a process it already filled completely has its userfaultfd closed again).
+        while (
+            len(fds) < expected
+            and self._received() < expected
+            and time.monotonic() < end
+            and self.proc.poll() is None
+        ):
             time.sleep(0.01)
             fds = _uffd_fds(self.pid)
+        fds = _uffd_fds(self.pid)
         with self._held_lock:
             for fd in fds:
                 with contextlib.suppress(OSError):  # closed meanwhile: that process is complete
                     self._held.append(_pidfd_getfd(self._pidfd, fd))
             return len(self._held)
+
+    def _received(self) -> int:
+        """How many userfaultfds the daemon says it received (its log, debug level)."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read().count("uffd: Received PID: ")
+        except OSError:
+            return 0
 
     def release_uffds(self) -> None:
         """Let go of the duplicates (after the daemon exited, or after the tree was killed)."""

@@ -198,7 +198,7 @@ def test_daemon_killed_midway_kills_the_job_and_fails(
     )
     try:
         daemon = _wait_daemon(img, proc, stopped=True)
-        wait_until(lambda: job.pid in _stopped_or_running(job.pid), 10, "the restored job")
+        wait_until(lambda: alive(job.pid), 10, "the restored job")
         time.sleep(0.5)  # the job runs into a missing page and waits there
         os.kill(daemon, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
@@ -219,10 +219,6 @@ def test_daemon_killed_midway_kills_the_job_and_fails(
             proc.kill()
             proc.wait()
         job.cleanup()
-
-
-def _stopped_or_running(pid: int) -> list[int]:
-    return [pid] if alive(pid) else []
 
 
 def test_hung_daemon_is_killed_at_the_deadline(
