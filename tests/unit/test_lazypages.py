@@ -79,3 +79,13 @@ def test_page_files_are_verified_from_fds_opened_before(tmp_path: Path) -> None:
     with pytest.raises(ImageError) as exc:
         verify_open_files(image, opened)
     assert exc.value.exit_code == ExitCode.IMAGE and "pages-1.img does not match" in exc.value.message
+
+
+def test_npusnap_check_warns_when_lazy_restore_is_impossible(tmp_path: Path) -> None:
+    from npusnap_cli import preflight
+
+    item = preflight.lazy_pages_item(_fake_criu(tmp_path, "uffd-noncoop is not supported", 1))
+    assert item.name == "criu-lazy-pages" and item.status == preflight.WARNING
+    assert "not possible" in item.detail and "plain restore is unaffected" in item.fix
+    item = preflight.lazy_pages_item(_fake_criu(tmp_path, "uffd-noncoop is supported", 0))
+    assert item.status == preflight.OK and item.data == {"supported": True}
