@@ -236,3 +236,29 @@ def test_hung_daemon_is_killed_at_the_deadline(
         assert _daemon_of(img) is None
     finally:
         job.cleanup()
+
+
+def test_changed_page_file_is_caught_while_running_and_kills_the_job(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    job, img, _ref = _dumped(env, tmp_path)
+    try:
+        # One byte of the page file changes after the dump (size and everything else unchanged).
+        pages = sorted((img / "criu").glob("pages-*.img"))[0]
+        with open(pages, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        rc, out, err = cli(env, "restore", str(img), "--lazy")
+        assert rc == ExitCode.IMAGE, err
+        assert out is not None and out["ok"] is False
+        error = out["error"]
+        assert f"{pages.relative_to(img)} does not match its sha256" in error["message"]
+        assert "paged in lazily" in error["message"] and "killed" in error["message"]
+        assert error["details"]["lazy"]["killed"] == "checksum"
+        wait_until(lambda: not alive(job.pid), 10, "the restored job to be gone")
+        assert _daemon_of(img) is None
+    finally:
+        job.cleanup()
