@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from bench.cases import COLD_PAUSE_S, Plan
+from bench.cases import COLD_PAUSE_S, Plan, lazy_section
 from bench.common import GAP_SLACK_S, LARGE_FRACTION, TARGET_MIB, MiB, Samples
 
 # --------------------------------------------------------------------------------------------
@@ -384,6 +384,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str) -> str
     L += ["`status` connects to the agent of a live workload and asks it for its state.", ""]
 
     L += assessment(plan, data)
+    L += lazy_section(data, list(plan.lazy_mib))
     return "\n".join(L).rstrip() + "\n"
 
 

@@ -61,13 +61,16 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cases import (  # noqa: E402
+    LAZY_DEVICE_MIB,
     Plan,
     bench_disk,
     bench_hash,
+    bench_lazy,
     bench_leave_running,
     bench_npusnap,
     bench_raw,
     bench_startup,
+    lazy_section,
 )
 from bench.common import NPUSNAP, REPO, TARGET_MIB, BenchError, MiB, Samples, progress  # noqa: E402
 from bench.machine import machine_info, read_text, versions  # noqa: E402
@@ -94,7 +97,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def _check_resources(plan: Plan, image_parent: Path) -> None:
-    biggest = max(plan.sizes) + plan.host_mib
+    biggest = max(max(plan.sizes) + plan.host_mib, *[m + LAZY_DEVICE_MIB for m in plan.lazy_mib])
     # Peak: the daemon's copy + the process's backed-up copy + the page cache of the image.
     need_mem = 3 * biggest * MiB
     avail = next(
@@ -152,6 +155,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="do not warm memory before the timed commands (see the module docstring)",
     )
     ap.add_argument(
+        "--lazy-mib",
+        type=_sizes,
+        default=[],
+        help="also measure `restore --lazy` against raw CRIU with a job of this much host memory "
+        "(MiB, comma-separated; e.g. 4096)",
+    )
+    ap.add_argument("--only-lazy", action="store_true", help="measure only the --lazy-mib case")
+    ap.add_argument(
         "--render-only",
         type=Path,
         metavar="JSON",
@@ -169,6 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name, flags in metrics.items():
                 for f in flags:
                     data.flag(int(size), name, bool(f))
+        saved["plan"]["lazy_mib"] = tuple(saved["plan"].get("lazy_mib") or ())
         plan = Plan(**saved["plan"])
         ns.out.write_text(render(plan, data, saved["info"], saved["info"]["command"]))
         progress(f"report written to {ns.out} from {ns.render_only}")
@@ -185,7 +197,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    plan = Plan(ns.sizes, ns.reps, ns.host_mib, ns.interval, ns.disk_mib, ns.startup_runs, warm=not ns.cold)
+    plan = Plan(
+        ns.sizes,
+        ns.reps,
+        ns.host_mib,
+        ns.interval,
+        ns.disk_mib,
+        ns.startup_runs,
+        warm=not ns.cold,
+        lazy_mib=tuple(ns.lazy_mib),
+    )
     command = ".venv/bin/python bench/run.py " + shlex.join(
         [
             "--sizes",
@@ -201,6 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "--startup-runs",
             str(plan.startup_runs),
             *(["--cold"] if ns.cold else []),
+            *(["--lazy-mib", ",".join(map(str, plan.lazy_mib))] if plan.lazy_mib else []),
+            *(["--only-lazy"] if ns.only_lazy else []),
             "--image-dir",
             str(ns.image_dir),
             "--out",
@@ -232,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rc = 0
     with _terminate_as_exit():
         try:
-            capacity = (max(plan.sizes) + 64) * MiB
+            capacity = (max([*plan.sizes, LAZY_DEVICE_MIB]) + 64) * MiB
             manager.start(devices=1, capacity_bytes=capacity)
             session.daemon_started = True
             os.environ.update(manager.env())
@@ -241,10 +264,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             progress(f"private simulated NPU: 1 device of {capacity // MiB} MiB at {tmp / 'sim.sock'}")
             progress(f"images in {work}")
             others_start = _other_load_note()
-            bench_startup(session, plan, data)
-            bench_disk(session, plan, data)
-            bench_hash(plan, data)
-            for size in plan.sizes:
+            for host_mib in plan.lazy_mib:
+                for rep in range(plan.reps):
+                    bench_lazy(session, plan, host_mib, rep, data, criu.path)
+            if not ns.only_lazy:
+                bench_startup(session, plan, data)
+                bench_disk(session, plan, data)
+                bench_hash(plan, data)
+            for size in [] if ns.only_lazy else plan.sizes:
                 for rep in range(plan.reps):
                     # Alternate which goes first so that neither always meets the other's writeback.
                     if rep % 2 == 0:
@@ -265,7 +292,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 load={"median": statistics.median(load), "max": max(load)},
                 load_note=others,
             )
-            text = render(plan, data, info, command)
+            if ns.only_lazy:
+                head = ["# Benchmarks (lazy restore only)", "", f"    {command}", ""]
+                text = "\n".join([*head, *lazy_section(data, list(plan.lazy_mib))])
+            else:
+                text = render(plan, data, info, command)
             ns.out.parent.mkdir(parents=True, exist_ok=True)
             ns.out.write_text(text)
             if ns.json_out:

@@ -93,6 +93,7 @@ def check_criu() -> list[CheckItem]:
         )
     items.append(inet_sockets_item(binary))
     items.append(network_lock_item())
+    items.append(lazy_pages_item(binary))
     pyver = criu.pycriu_version()
     if pyver is None:
         items.append(
@@ -143,6 +144,25 @@ def inet_sockets_item(binary: Any) -> CheckItem:
         "install CRIU 4.2 or newer: ./scripts/setup.sh builds 4.2.1 (a job with a metrics port, "
         "a torch.distributed store or any UDP socket fails to dump otherwise)",
         data=data,
+    )
+
+
+def lazy_pages_item(binary: Any) -> CheckItem:
+    """Can `restore --lazy` work here (userfaultfd with non-cooperative events)? A warning only:
+    lazy restore is optional, and `restore --lazy` refuses by itself when it cannot."""
+    from npusnap_cli import criu
+
+    ok, words = criu.lazy_pages_supported(binary)
+    last = words.splitlines()[-1] if words else ""
+    if ok:
+        return CheckItem("criu-lazy-pages", OK, f"restore --lazy works ({last})", data={"supported": True})
+    return CheckItem(
+        "criu-lazy-pages",
+        WARNING,
+        f"restore --lazy is not possible here: {last or 'criu check --feature uffd-noncoop failed'}",
+        "needs userfaultfd with non-cooperative events (kernel 4.11+, CONFIG_USERFAULTFD) and root "
+        "or vm.unprivileged_userfaultfd=1; plain restore is unaffected",
+        data={"supported": False, "output": words},
     )
 
 

@@ -12,6 +12,9 @@ design.md §4, in order:
    Unlock. A process whose step fails stays locked (never half-running) and the error names
    the pid, the step, and how to go on (`npusnap status PID`, `npusnap thaw PID`).
 
+With ``lazy`` (``restore --lazy``) step 3 is CRIU's lazy restore and the page files' checksums
+run while the job already computes; lazypages.py supervises that phase until every page is in.
+
 Core module: returns a frozen dataclass, never prints.
 """
 
@@ -53,6 +56,10 @@ class RestoreOptions:
     settle_s: float = 0.5  # watch the resumed tree this long; a death fails the restore
     require_signature: Optional[Path] = None  # Ed25519 public key (PEM) the image must be signed with
     accept_lost_device_memory: bool = False  # restore a --device-memory discard image anyway
+    # Host memory paged in by `criu lazy-pages` while the job already runs (docs/reference/restore.md):
+    # the page files are verified while it runs, and the restore returns once every page is in.
+    lazy: bool = False
+    lazy_timeout_s: float = 600.0  # the whole page-in (and the page files' checksums) must end by then
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class RestoreTimings:
     criu_restore_only_s: Optional[float]
     device_restore_s: float
     total_s: float
+    # --lazy only: from the start until the last page was in and the page files were verified
+    lazy_complete_s: Optional[float] = None
 
     def to_dict(self) -> dict[str, Optional[float]]:
         return {k: (None if v is None else round(v, 6)) for k, v in self.__dict__.items()}
@@ -79,6 +88,7 @@ class RestoreOutcome:
     criu_log: Optional[str]
     pidfile: Optional[str] = None
     device_memory: Optional[str] = None  # npusnap | application | lost (None: image predates it)
+    lazy: Optional[dict[str, Any]] = None  # --lazy: how the page-in went (LazyPhase.report)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +101,7 @@ class RestoreOutcome:
             "pidfile": self.pidfile,
             "device_memory": self.device_memory,
             "device_memory_lost": self.device_memory == "lost",
+            "lazy": self.lazy,
         }
 
 
@@ -503,7 +514,17 @@ def _restore(
     # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
     # known: nothing of the image runs before it is verified.
     img.verify(final, checksums=False, require_signature=options.require_signature)
-    checksums = _Checksums(final, advance) if options.verify else None
+    checksums: Optional[_Checksums] = None
+    if options.verify and options.lazy:
+        # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
+        # files while the job already runs (lazypages.py's contract, docs/image-format.md).
+        from npusnap_cli.lazypages import split_page_files
+
+        pages, rest = split_page_files(manifest)
+        verify_entries(final, rest, advance)
+        checksums = _Checksums(final, advance, entries=pages)
+    elif options.verify:
+        checksums = _Checksums(final, advance)
     try:
         return _restore_verified(final, manifest, options, cb, guard, start, checksums)
     finally:
@@ -511,20 +532,64 @@ def _restore(
             checksums.join()
 
 
-class _Checksums:
-    """``img.verify`` with checksums, on its own thread."""
+def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = None) -> None:
+    """The sha256 of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if one differs."""
+    digests = img.sha256_files([image / e.path for e in entries], progress)
+    bad = [e.path for e, d in zip(entries, digests) if d != e.sha256]
+    if bad:
+        raise ImageError(
+            f"image {image} failed verification: {bad[0]} does not match its sha256 (file modified)",
+            why="the image is truncated, was modified after the dump, or the disk is corrupt",
+            fix="do not restore it; dump the process again (or copy the image again from its source)",
+            details={"problems": [f"{b} does not match its sha256 (file modified)" for b in bad]},
+        )
 
-    def __init__(self, image: Path, progress: Any) -> None:
+
+class _Checksums:
+    """``img.verify`` with checksums (or the sha256 of ``entries`` only), on its own thread.
+
+    ``on_error`` runs on that thread as soon as a file does not match (lazy restore: the job is
+    already running and must be stopped at once)."""
+
+    def __init__(self, image: Path, progress: Any, entries: Optional[list[img.FileEntry]] = None) -> None:
         self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(image, progress), name="npusnap-verify")
+        self.on_error: Optional[Any] = None
+        self.done_at: Optional[float] = None
+        self._stop = threading.Event()
+        opened = None
+        if entries is not None:
+            from npusnap_cli.lazypages import open_files
+
+            # Opened now: removing the image while the job is paged in changes nothing (the
+            # daemon holds its own fds of the same files).
+            opened = open_files(image, entries)
+        self._thread = threading.Thread(
+            target=self._run, args=(image, progress, opened), name="npusnap-verify"
+        )
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(self, image: Path, progress: Any) -> None:
+    def _run(self, image: Path, progress: Any, opened: Optional[list[tuple[img.FileEntry, int]]]) -> None:
         try:
-            img.verify(image, checksums=True, progress=progress)
+            if opened is None:
+                img.verify(image, checksums=True, progress=progress)
+            else:
+                from npusnap_cli.lazypages import verify_open_files
+
+                verify_open_files(image, opened, progress, self._stop)
         except BaseException as exc:
             self.error = exc
+            if self.on_error is not None:
+                self.on_error(exc)
+        finally:
+            self.done_at = time.monotonic()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop hashing the page files (lazy restore: the tree was killed for another reason)."""
+        self._stop.set()
 
     def join(self) -> Optional[BaseException]:
         self._thread.join()
@@ -544,6 +609,10 @@ def _restore_verified(
 
     binary = criu.find_criu()
     check_versions(manifest, binary)
+    if options.lazy:
+        from npusnap_cli import lazypages
+
+        lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
     check_pids_free(manifest, image_thread_ids(final, manifest))
     check_devices_free(manifest)
@@ -559,16 +628,25 @@ def _restore_verified(
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
             hostres.put_back(to_put_back, final)
-        cb.phase("criu restore")
+        cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
+        lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
         try:
             res = criu.restore(
                 str(img.criu_dir(final)),
                 str(logs),
-                options=replace(_criu_options(manifest, tuple(inherit)), leave_stopped=checksums is not None),
+                options=replace(
+                    _criu_options(manifest, tuple(inherit)),
+                    # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
+                    leave_stopped=checksums is not None or lazy is not None,
+                    lazy_pages=lazy is not None,
+                ),
                 log_name=img.RESTORE_LOG,
                 binary=binary,
+                on_notify=lazy.on_notify if lazy is not None else None,
             )
         except NpusnapError:
+            if lazy is not None:
+                lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
             corrupt = checksums.join() if checksums is not None else None
             if corrupt is not None:
@@ -579,7 +657,17 @@ def _restore_verified(
             os.close(fd)
     criu_done = time.monotonic()
     root_pid = res.pid
-    if checksums is not None:
+    if lazy is not None:
+        lazy.criu_log = res.log_path
+        lazy.guard()
+        lazy.release()
+        cb.note(
+            f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
+            f"log {lazy.daemon.log_path}) pages in the rest of its memory"
+            + (" and its page files are verified" if checksums is not None else "")
+            + "; npusnap watches until every page is in"
+        )
+    elif checksums is not None:
         _release_when_verified(manifest, checksums, cb)
     released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
@@ -595,19 +683,32 @@ def _restore_verified(
             pidfile_error = err
 
     cb.phase("device restore")
-    if npu_pids:
-        tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
-        files = img.open_device_memory_files(final, manifest)
-        try:
-            _device_restore(npu_pids, options, root_pid, res.log_path, tokens, files)
-        finally:
-            for fd, _path in files.values():
-                os.close(fd)
-    _check_none_left_locked(manifest, root_pid, res.log_path)
-    device_done = time.monotonic()
-    watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
-    for note in check_alive_after(watched, options.settle_s, res.log_path):
-        cb.note(note)
+    try:
+        if npu_pids:
+            tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
+            files = img.open_device_memory_files(final, manifest)
+            try:
+                _device_restore(npu_pids, options, root_pid, res.log_path, tokens, files)
+            finally:
+                for fd, _path in files.values():
+                    os.close(fd)
+        _check_none_left_locked(manifest, root_pid, res.log_path)
+        device_done = time.monotonic()
+        watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
+        for note in check_alive_after(watched, options.settle_s, res.log_path):
+            cb.note(note)
+    except NpusnapError as err:
+        if lazy is not None:
+            # The tree stays (locked, or partly running): its memory must still come in, or it dies.
+            try:
+                lazy.finish()
+            except NpusnapError as lazy_err:
+                raise lazy_err from err
+        raise
+    lazy_report: Optional[dict[str, Any]] = None
+    if lazy is not None:
+        cb.phase("lazy page-in")
+        lazy_report = lazy.finish()
     if pidfile_error is not None:
         pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
         pidfile_error.details["restored_root_pid"] = root_pid
@@ -623,6 +724,7 @@ def _restore_verified(
         criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
         device_restore_s=device_done - released,
         total_s=device_done - start,
+        lazy_complete_s=lazy_report["complete_s"] if lazy_report else None,
     )
     return RestoreOutcome(
         image=str(final),
@@ -633,7 +735,28 @@ def _restore_verified(
         criu_log=res.log_path,
         pidfile=pidfile,
         device_memory=device_memory,
+        lazy=lazy_report,
     )
+
+
+def _start_lazy(
+    binary: Any,
+    final: Path,
+    logs: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    checksums: Optional[_Checksums],
+    start: float,
+) -> Any:
+    """--lazy: the `criu lazy-pages` daemon, listening in the restore's work directory."""
+    if not options.lazy:
+        return None
+    from npusnap_cli import criu
+    from npusnap_cli.lazypages import LazyPhase
+
+    daemon = criu.LazyPagesDaemon(binary, str(img.criu_dir(final)), str(logs))
+    pids = [p.pid for p in manifest.processes]
+    return LazyPhase(daemon, pids, checksums, options.lazy_timeout_s, start, str(logs / img.RESTORE_LOG))
 
 
 def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:

@@ -85,6 +85,20 @@ def register(app: typer.Typer) -> None:
             "and exit with the first non-zero exit code: e.g. inside `srun --overlap`, so that "
             "Slurm tracks the restored tasks.",
         ),
+        lazy: bool = typer.Option(
+            False,
+            "--lazy",
+            help="Restore host memory lazily (CRIU's lazy pages over userfaultfd): the job computes "
+            "again before its memory is all back; the page files are verified while it runs. "
+            "Returns once every page is in (docs/reference/restore.md).",
+        ),
+        lazy_timeout: float = typer.Option(
+            600.0,
+            "--lazy-timeout",
+            min=1.0,
+            help="With --lazy: seconds the page-in (and the page files' checksums) may take; past "
+            "them the restored tree and the lazy-pages daemon are killed.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> Optional[int]:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
@@ -118,6 +132,8 @@ def register(app: typer.Typer) -> None:
             settle_s=settle,
             require_signature=require_signature,
             accept_lost_device_memory=accept_lost,
+            lazy=lazy,
+            lazy_timeout_s=lazy_timeout,
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()
@@ -125,6 +141,14 @@ def register(app: typer.Typer) -> None:
 
         if jobsnap.is_job_image(directory):
             from npusnap_cli.commands import jobcmd
+
+            if lazy:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--lazy is not supported for job images (several ranks) yet",
+                    fix="restore the job image without --lazy",
+                )
 
             try:
                 roots, data = jobcmd.restore_job(
@@ -170,10 +194,24 @@ def register(app: typer.Typer) -> None:
                 ["CRIU restore (checksums alongside)", fmt_s(t.criu_restore_s)],
                 ["waiting for the checksums", fmt_s(t.verify_wait_s)],
                 ["device restore + unlock", fmt_s(t.device_restore_s)],
-                ["total", fmt_s(t.total_s)],
-            ],
+                ["total (the job computes again)", fmt_s(t.total_s)],
+            ]
+            + (
+                [["lazy page-in complete (and page files verified)", fmt_s(t.lazy_complete_s)]]
+                if t.lazy_complete_s is not None
+                else []
+            ),
             stream="stderr",
         )
+        if result.lazy is not None:
+            lz = result.lazy
+            pages = "every page"
+            if lz.get("pages_total"):
+                pages = f"{lz['pages_copied']} of {lz['pages_total']} pages"
+            out.line(
+                f"lazy restore complete: {pages} paged in by criu lazy-pages (log {lz['daemon_log']}); "
+                f"page files verified: {lz['pages_verified']}"
+            )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
         out.data(str(result.root_pid))

@@ -39,6 +39,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ticks", type=int, default=0, help="stop after this many ticks, 0 = forever")
     ap.add_argument("--device", type=int, default=0, help="device id (default 0)")
     ap.add_argument("--seed", type=int, default=0, help="pattern seed (default 0)")
+    ap.add_argument(
+        "--fill-host",
+        action="store_true",
+        help="write every page of the host memory (default: 64 bytes per MiB; untouched pages are "
+        "not in a CRIU image)",
+    )
+    ap.add_argument(
+        "--tick-mib",
+        type=int,
+        default=-1,
+        help="MiB of host memory each tick's checksum reads (default: all of it); a job whose step "
+        "touches little of its host memory is where a lazy restore pays",
+    )
     args = ap.parse_args(argv)
     if args.device_mib < 1 or args.host_mib < 0:
         print("bigalloc: --device-mib must be >= 1 and --host-mib >= 0", file=sys.stderr)
@@ -83,14 +96,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         del src
     host = bytearray(args.host_mib * MiB)
     for i in range(args.host_mib):
-        host[i * MiB : i * MiB + 64] = hashlib.sha256(f"host-{args.seed}-{i}".encode()).digest() * 2
+        tag = hashlib.sha256(f"host-{args.seed}-{i}".encode()).digest() * 2
+        if args.fill_host:
+            host[i * MiB : (i + 1) * MiB] = tag * (MiB // len(tag))
+        else:
+            host[i * MiB : i * MiB + 64] = tag
+    view = memoryview(host)[: args.tick_mib * MiB] if args.tick_mib >= 0 else memoryview(host)
     print("ready", flush=True)
 
     probe = ctypes.create_string_buffer(MiB)
     n = 0
     while args.ticks == 0 or n < args.ticks:
         n += 1
-        crc = zlib.crc32(host)
+        crc = zlib.crc32(view)
         for off in (0, size - MiB):
             check(lib.aclrtMemcpy(probe, MiB, ctypes.c_void_p(base + off), MiB, D2H), "aclrtMemcpy")
             crc = zlib.crc32(probe.raw, crc)

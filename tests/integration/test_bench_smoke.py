@@ -45,6 +45,7 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
     images = tmp_path / "images"
     cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--sizes", "16", "--reps", "1", "--out", str(out)]
     cmd += ["--host-mib", "8", "--disk-mib", "32", "--startup-runs", "2", "--image-dir", str(images)]
+    cmd += ["--lazy-mib", "32"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -53,6 +54,7 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
         assert heading in text, f"{heading!r} missing from the report"
     # One row per size in each per-size table (dump, frozen, CRIU alone, leave-running, restore, write rate).
     assert text.count("| 16 MiB |") == 6, text
+    assert "| 32 MiB host + 64 MiB device |" in text  # the lazy-restore case (bench_lazy)
     assert "| `npusnap --help` |" in text and "| `npusnap status PID` |" in text
     assert "bench/run.py --sizes 16 --reps 1" in text  # the command that reproduces it
 
