@@ -605,6 +605,26 @@ def _restore_verified(
     start: float,
     checksums: Optional[_Checksums],
 ) -> RestoreOutcome:
+    # The device-memory files are opened first: once CRIU has started, nothing of the restore
+    # may depend on the image staying where it is (a lazy restore's image may be removed).
+    files = img.open_device_memory_files(final, manifest)
+    try:
+        return _restore_opened(final, manifest, options, cb, guard, start, checksums, files)
+    finally:
+        for fd, _path in files.values():
+            os.close(fd)
+
+
+def _restore_opened(
+    final: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    cb: RestoreCallbacks,
+    guard: Any,
+    start: float,
+    checksums: Optional[_Checksums],
+    device_memory_files: dict[int, tuple[int, str]],
+) -> RestoreOutcome:
     from npusnap_cli import criu
 
     binary = criu.find_criu()
@@ -686,12 +706,7 @@ def _restore_verified(
     try:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
-            files = img.open_device_memory_files(final, manifest)
-            try:
-                _device_restore(npu_pids, options, root_pid, res.log_path, tokens, files)
-            finally:
-                for fd, _path in files.values():
-                    os.close(fd)
+            _device_restore(npu_pids, options, root_pid, res.log_path, tokens, device_memory_files)
         _check_none_left_locked(manifest, root_pid, res.log_path)
         device_done = time.monotonic()
         watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
