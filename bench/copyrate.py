@@ -22,7 +22,7 @@ MiB = 1 << 20
 H2D, D2H, D2D = 1, 2, 3
 
 
-def best_rate(nbytes: int, reps: int, fn: Callable[[], None]) -> float:
+def best_rate(nbytes: int, reps: int, fn: Callable[[], object]) -> float:
     """Bytes per second of the fastest of ``reps`` calls of ``fn``."""
     best = float("inf")
     for _ in range(reps):
@@ -44,7 +44,8 @@ def measure(mib: int, reps: int) -> Dict[str, float]:
         raise SystemExit('copyrate: ASCEND_HOME_PATH is not set: eval "$(npusnap sim env)"')
     lib = ctypes.CDLL(os.path.join(home, "lib64", "libacl_rt.so"))
     lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
-    lib.aclrtMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ptr, size = ctypes.c_void_p, ctypes.c_size_t
+    lib.aclrtMemcpy.argtypes = [ptr, size, ptr, size, ctypes.c_int]
     lib.aclrtFree.argtypes = [ctypes.c_void_p]
 
     def check(code: int, what: str) -> None:

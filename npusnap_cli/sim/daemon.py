@@ -312,8 +312,11 @@ class Daemon:
             with self.lock:
                 found = self._find(owner, a, n)
                 # A duplicate, so that a FREE racing with this answer cannot close what is sent.
-                fd = os.dup(found[0].fd) if found else -1
-                meta = wire.MAP.pack(found[0].addr, found[0].size, self.bandwidth_mbps or 0.0) if found else b""
+                if found is None:
+                    fd, meta = -1, b""
+                else:
+                    fd = os.dup(found[0].fd)
+                    meta = wire.MAP.pack(found[0].addr, found[0].size, self.bandwidth_mbps or 0.0)
             if fd < 0:
                 self.reply(conn, -errno.EINVAL)
                 return True
