@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from bench.cases import COLD_PAUSE_S, Plan
 from bench.common import GAP_SLACK_S, LARGE_FRACTION, TARGET_MIB, MiB, Samples
+from bench.scale import copy_section, scale_section, targets_section
 
 # --------------------------------------------------------------------------------------------
 # The report
@@ -42,7 +43,7 @@ def pick_size(sizes: list[int], want: int) -> int:
     return want if want in sizes else min(sizes, key=lambda x: (abs(x - want), -x))
 
 
-def render(plan: Plan, data: Samples, info: dict[str, Any], command: str) -> str:
+def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: Optional[str] = None) -> str:
     m = data.med
     sizes = plan.sizes
     L: list[str] = []
@@ -383,6 +384,9 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str) -> str
     L += _table(["command", "median ms", "min ms", "max ms", "runs"], rows)
     L += ["`status` connects to the agent of a live workload and asks it for its state.", ""]
 
+    L += copy_section(plan, data)
+    L += targets_section(plan, data)
+    L += scale_section(plan, data, plot)
     L += assessment(plan, data)
     return "\n".join(L).rstrip() + "\n"
 
