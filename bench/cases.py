@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 
@@ -33,7 +33,7 @@ from bench.common import (
     progress,
 )
 from bench.machine import mem_available
-from bench.session import Session, TickWatcher
+from bench.session import Session, TickWatcher, _wait
 from npusnap_cli import criu as criu_mod
 from npusnap_cli import procfs
 
@@ -401,6 +401,11 @@ def _adopt_tree(s: Session, root: int, script: str) -> list[int]:
     return kids
 
 
+def _pids_gone(pids: list[int]) -> Callable[[], bool]:
+    """A condition: none of ``pids`` is in /proc any more (a zombie still holds its pid)."""
+    return lambda: not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
 def _first_ticks(logs: list[Path], start: float, timeout: float) -> float:
     """Seconds from ``start`` until every rank's log shows a new tick (the whole tree computes)."""
     watchers = [TickWatcher(f) for f in logs]
@@ -413,8 +418,8 @@ def _first_ticks(logs: list[Path], start: float, timeout: float) -> float:
 
 
 def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu_path: str) -> None:
-    """A tree of ``ranks`` NPU processes (``bench/tree.py`` over bigalloc) sharing
-    ``plan.ranks_mib`` MiB of device memory, dumped and restored by npusnap (one command: the
+    """A tree of ``ranks`` NPU processes (``bench/tree.py`` over bigalloc, rank R on device R)
+    sharing ``plan.ranks_mib`` MiB of device memory, dumped and restored by npusnap (one command: the
     ranks' device parts in parallel), beside raw CRIU on the same tree of hostalloc processes
     holding the same bytes. Recorded at size 0 as ``ranks<N>_*``."""
     each = max(1, plan.ranks_mib // ranks)
@@ -425,7 +430,9 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
         d.mkdir()
         logs = [d / f"rank{r}.out" for r in range(ranks)]
         if kind == "npusnap":
+            # One device per rank: CANN's Restore needs the device free of other processes.
             worker = [sys.executable, str(BIGALLOC), "--device-mib", str(each), "--host-mib", str(host_each)]
+            worker += ["--device", "{rank}"]
             script = BIGALLOC.name
         else:
             worker = [sys.executable, str(HOSTALLOC), "--mib", str(each + host_each)]
@@ -435,7 +442,9 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
         proc = s.start(
             argv, d / "tree.out", agent=kind == "npusnap", timeout=_start_timeout(plan.ranks_mib), watch=logs
         )
-        _adopt_tree(s, proc.pid, script)
+        kids = _adopt_tree(s, proc.pid, script)
+        if len(kids) != ranks:
+            raise BenchError(f"the tree of {ranks} ranks has {len(kids)} {script} processes")
         image = d / "img"
         s.sample_load()
         warm_memory(plan, plan.ranks_mib)
@@ -454,6 +463,9 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
             if stats is not None:
                 out.add(0, f"{pre}raw_criu_frozen_s", stats.frozen_time_us * 1e-6)
         s.reap(proc)
+        # The ranks die with the dump too; their pids must be free before the restore takes them.
+        # (A zombie still holds its pid: wait until /proc has none of them.)
+        _wait(_pids_gone(kids), 20, "the dumped ranks to go")
         key = f"{pre}{'' if kind == 'npusnap' else 'raw_'}"
         out.add(0, f"{key}dump_wall", wall)
         pidfile = d / "restored.pid"

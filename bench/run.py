@@ -296,12 +296,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     with _terminate_as_exit():
         try:
             capacity = (max(*plan.sizes, plan.ranks_mib, plan.copy_mib) + 64) * MiB
-            manager.start(devices=1, capacity_bytes=capacity)
+            devices = max(plan.ranks, default=1)  # a tree's rank R uses device R
+            manager.start(devices=devices, capacity_bytes=capacity)
             session.daemon_started = True
             os.environ.update(manager.env())
             session.env = dict(os.environ)
             info: dict[str, Any] = {"machine": machine_info(work), "versions": versions(criu)}
-            progress(f"private simulated NPU: 1 device of {capacity // MiB} MiB at {tmp / 'sim.sock'}")
+            progress(
+                f"private simulated NPU: {devices} device(s) of {capacity // MiB} MiB at {tmp / 'sim.sock'}"
+            )
             progress(f"images in {work}")
             others_start = _other_load_note()
             bench_startup(session, plan, data)

@@ -264,7 +264,8 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
                          "–" if line is None else _s(line.intercept)])  # fmt: skip
     L += _table(["figure", "", "per process ms", "intercept s"], rows)
     L += [
-        f"A tree (`bench/tree.py`) of N ranks that share {plan.ranks_mib} MiB of device memory (and "
+        f"A tree (`bench/tree.py`) of N ranks, rank R on device R (CANN's Restore needs a device "
+        f"that no other process holds), that share {plan.ranks_mib} MiB of device memory (and "
         f"{plan.host_mib} MiB of host memory) evenly, so the bytes stay the same and the slope is the "
         "cost of one more NPU process. npusnap dumps the tree with one `npusnap dump ROOT` (the "
         "ranks' device parts in parallel) and restores it with one `npusnap restore`; raw CRIU "

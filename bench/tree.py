@@ -2,10 +2,11 @@
 
     python3 bench/tree.py --ranks 4 --out-dir DIR -- python3 bigalloc.py --device-mib 64 ...
 
-Rank R runs the command with ``RANK=R`` in its environment and its stdout and stderr in
-``DIR/rankR.out``. The root holds no device and no memory of its own; it waits for its children
-and exits with the first non-zero status (killing the others), so a tree dumped and restored by
-npusnap or raw CRIU keeps its shape: one root, N workers. Standard library only.
+Rank R runs the command with ``RANK=R`` in its environment, every ``{rank}`` in its arguments
+replaced by R (e.g. ``--device {rank}``), and its stdout and stderr in ``DIR/rankR.out``. The
+root holds no device and no memory of its own; it waits for its children and exits with the
+first non-zero status (killing the others), so a tree dumped and restored by npusnap or raw CRIU
+keeps its shape: one root, N workers. Standard library only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.dup2(out, 2)
             os.environ["RANK"] = str(rank)
             try:
-                os.execvp(cmd[0], cmd)
+                argv = [arg.replace("{rank}", str(rank)) for arg in cmd]
+                os.execvp(argv[0], argv)
             finally:
                 os._exit(127)
         os.close(out)
