@@ -26,6 +26,7 @@ def draw(plan: Plan, data: Samples, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (by_size, by_ranks) = plt.subplots(1, 2, figsize=(12, 4.8))
     colours = ["tab:blue", "tab:orange", "tab:green"]
@@ -38,8 +39,12 @@ def draw(plan: Plan, data: Samples, path: Path) -> None:
             by_size.plot(gib, ys, style, color=colour, label=f"{who}: {label}")
     by_size.set_xscale("log", base=2)
     by_size.set_yscale("log")
-    by_size.set_xlabel("device memory, GiB (log)")
-    by_size.set_ylabel("seconds (log)")
+    by_size.set_xticks([sz / 1024 for sz in plan.sizes])
+    by_size.set_xticklabels([f"{sz // 1024} GiB" if sz % 1024 == 0 else f"{sz} MiB" for sz in plan.sizes])
+    by_size.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    by_size.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    by_size.set_xlabel("device memory (log scale)")
+    by_size.set_ylabel("seconds (log scale)")
     by_size.set_title("With size (1 process)")
     by_size.grid(True, which="both", alpha=0.3)
     by_size.legend(fontsize=7)

@@ -113,7 +113,7 @@ def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
     line = fit_line(xs, ys)
     if line is None:
         return "–", "–", "needs two sizes"
-    rate = "∞ (flat)" if line.slope <= 0 else f"{1 / line.slope / GB:.2f}"
+    rate = "– (no growth)" if line.slope <= 0 else f"{1 / line.slope / GB:.2f}"
     quad = fit_quadratic(xs, ys)
     if quad is None:
         verdict = "needs three sizes"
@@ -145,8 +145,9 @@ def copy_section(plan: Plan, data: Samples) -> list[str]:
     L += [
         f"`bench/copyrate.py`, {plan.copy_mib} MiB per copy, best of 3, in a process of its own. The "
         "simulated device's memory is shared memory (a memfd per allocation, owned by the simulator "
-        "daemon, mapped by the runtime), so its copies run at memory speed, like a memcpy; a real "
-        "NPU's PCIe link is slower (tens of GB/s on a server, still faster than this VM's memcpy). "
+        "daemon, mapped by the runtime), so its copies run at this machine's memory speed, the "
+        "upper bound of any copy here (a real NPU's copies run at its PCIe link's rate, tens of "
+        "GB/s). "
         "The link can be modelled with `npusnap sim start --bandwidth-mbps MBPS` (every process) or "
         "`NPUSIM_COPY_MBPS` (one process); this run used neither. *Device copy* in the targets "
         "below is the device bytes at these rates.",
