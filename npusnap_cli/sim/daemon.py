@@ -24,6 +24,7 @@ import errno
 import json
 import mmap
 import os
+import resource
 import signal
 import socket
 import struct
@@ -237,7 +238,15 @@ class Daemon:
             return -errno.ENOMEM, 0
         try:
             self._insert(dev, addr, size, owner)
-        except (OSError, ValueError):
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                log(
+                    "out of file descriptors (one memfd per allocation): "
+                    f"{sum(len(d.allocs) for d in self.devices)} allocations; raise the daemon's "
+                    "open-file limit (ulimit -n) to allow more"
+                )
+            return -errno.ENOMEM, 0
+        except ValueError:
             return -errno.ENOMEM, 0
         return 0, addr
 
@@ -400,6 +409,7 @@ class Daemon:
             else:
                 log(f"another npusim daemon already serves {self.sock_path}")
                 return 1
+        _raise_fd_limit()
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         lst.bind(self.sock_path)
         lst.listen(128)
@@ -434,6 +444,16 @@ class Daemon:
                 pass
             log("npusim daemon stopped")
         return 0
+
+
+def _raise_fd_limit() -> None:
+    """Every allocation holds a memfd: take the hard open-file limit, not the (often 1024) soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass  # the soft limit stays; allocations beyond it fail with ENOMEM and a log line
 
 
 def _fill_poison(mem: mmap.mmap) -> None:
