@@ -86,7 +86,7 @@ class Plan:
     warm: bool = True
     # The scale with processes: a tree of N ranks sharing ranks_mib MiB of device memory.
     ranks: tuple[int, ...] = (1, 2, 4)
-    ranks_mib: int = 256
+    ranks_mib: int = 1024
     # The size of the memcpy / simulator copy-rate probe.
     copy_mib: int = 1024
 

@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument(
         "--ranks", type=_ranks, default=[1, 2, 4], help="NPU processes per tree, comma-separated (scale)"
     )
-    ap.add_argument("--ranks-mib", type=int, default=256, help="device MiB the ranks of a tree share")
+    ap.add_argument("--ranks-mib", type=int, default=1024, help="device MiB the ranks of a tree share")
     ap.add_argument("--copy-mib", type=int, default=1024, help="MiB per copy of the copy-rate probe")
     ap.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib is not installed)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per size (medians are reported)")
