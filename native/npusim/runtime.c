@@ -305,7 +305,7 @@ static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len
     struct alloc *a = find_range(addr, n);
     int keep = g_state == ST_RUNNING;
     char *m = a ? a->map : NULL;
-    uint64_t abase = a ? a->addr : 0;
+    uint64_t abase = a ? a->addr : 0, asize = a ? a->size : 0;
     pthread_mutex_unlock(&g_mu);
     if (!a) return -EINVAL;
     if (!m) {
@@ -314,10 +314,11 @@ static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len
         int st = io_map_fd(addr, n, &info, &fd);
         if (st != 0) return st;
         g_link_mbps = info.link_mbps;
+        int same = info.base == abase && info.size == asize; /* the daemon's view of it is ours */
         int flags = MAP_SHARED | (n >= info.size / 2 ? MAP_POPULATE : 0);
-        void *v = info.base == abase ? mmap(NULL, info.size, PROT_READ | PROT_WRITE, flags, fd, 0) : MAP_FAILED;
+        void *v = same ? mmap(NULL, info.size, PROT_READ | PROT_WRITE, flags, fd, 0) : MAP_FAILED;
         close(fd);
-        if (v == MAP_FAILED) return info.base == abase ? -ENOMEM : -EPROTO;
+        if (v == MAP_FAILED) return same ? -ENOMEM : -EPROTO;
         madvise(v, info.size, MADV_DONTFORK);
         madvise(v, info.size, MADV_DONTDUMP);
         m = v;
@@ -932,6 +933,7 @@ int32_t npusim_rt_backup(int pid, void *args) {
         pthread_mutex_lock(&g_io);
         pthread_mutex_lock(&g_mu);
         free_backups(); /* a repeated Backup replaces the previous one */
+        drop_mappings_locked(); /* Lock dropped them already; no device mapping reaches the dump */
         size_t n = g_nallocs;
         pthread_mutex_unlock(&g_mu);
         /* CANN's legacy Backup saves runtime state, not what the application allocated: Restore
