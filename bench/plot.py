@@ -41,14 +41,16 @@ def draw(plan: Plan, data: Samples, path: Path) -> None:
     by_size.set_yscale("log")
     by_size.set_xticks([sz / 1024 for sz in plan.sizes])
     by_size.set_xticklabels([f"{sz // 1024} GiB" if sz % 1024 == 0 else f"{sz} MiB" for sz in plan.sizes])
+    by_size.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     by_size.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    by_size.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    by_size.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     by_size.set_xlabel("device memory (log scale)")
     by_size.set_ylabel("seconds (log scale)")
     by_size.set_title("With size (1 process)")
     by_size.grid(True, which="both", alpha=0.3)
     by_size.legend(fontsize=7)
-    for colour, (npu, raw, label) in zip(colours, RANK_FIGURES):
+    # The same colour for the same figure in both panels (dump, restore).
+    for colour, (npu, raw, label) in zip((colours[0], colours[2]), RANK_FIGURES):
         for name, style, who in ((npu, "-o", "npusnap"), (raw, "--s", "raw CRIU")):
             xs, ys = rank_points(plan, data, name)
             if not xs:
