@@ -1,7 +1,10 @@
-"""The measurements: one function per case (npusnap dump/restore, raw CRIU, disk, hashing, start-up).
+"""The measurements: one function per case (npusnap dump/restore, raw CRIU, disk, hashing, start-up,
+copy rates, trees of ranks).
 
 To add a case: write ``bench_<name>(session, plan, ..., out: Samples)`` here, recording what it
-measures with ``out.add(...)``, call it from ``run.main`` and show it in ``report.render``.
+measures with ``out.add(size, name, value)`` (size 0 for figures that have no size), call it from
+``run.main`` and show it in ``report.render`` (or, for a figure of the scale, add it to
+``scale.SIZE_FIGURES`` / ``scale.RANK_FIGURES``: the tables, the fits and the plot follow).
 """
 
 from __future__ import annotations
