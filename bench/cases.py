@@ -1,7 +1,10 @@
-"""The measurements: one function per case (npusnap dump/restore, raw CRIU, disk, hashing, start-up).
+"""The measurements: one function per case (npusnap dump/restore, raw CRIU, disk, hashing, start-up,
+copy rates, trees of ranks).
 
 To add a case: write ``bench_<name>(session, plan, ..., out: Samples)`` here, recording what it
-measures with ``out.add(...)``, call it from ``run.main`` and show it in ``report.render``.
+measures with ``out.add(size, name, value)`` (size 0 for figures that have no size), call it from
+``run.main`` and show it in ``report.render`` (or, for a figure of the scale, add it to
+``scale.SIZE_FIGURES`` / ``scale.RANK_FIGURES``: the tables, the fits and the plot follow).
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import psutil
 
 from bench.common import (
     BIGALLOC,
+    COPYRATE,
     GAP_SLACK_S,
     HOSTALLOC,
     NPUSNAP,
+    TREE,
     WRITE_CHUNK,
     BenchError,
     MiB,
@@ -29,8 +36,9 @@ from bench.common import (
     progress,
 )
 from bench.machine import mem_available
-from bench.session import Session, TickWatcher
+from bench.session import Session, TickWatcher, _wait
 from npusnap_cli import criu as criu_mod
+from npusnap_cli import procfs
 
 # --------------------------------------------------------------------------------------------
 # The measurements
@@ -80,6 +88,11 @@ class Plan:
     startup_runs: int
     warm: bool = True
     lazy_mib: tuple[int, ...] = ()  # host MiB of the lazy-restore case (bench_lazy); empty: not run
+    # The scale with processes: a tree of N ranks sharing ranks_mib MiB of device memory.
+    ranks: tuple[int, ...] = (1, 2, 4)
+    ranks_mib: int = 1024
+    # The size of the memcpy / simulator copy-rate probe.
+    copy_mib: int = 1024
 
 
 def _start_timeout(size_mib: int) -> float:
@@ -525,3 +538,129 @@ def lazy_section(data: Samples, sizes: list[int]) -> list[str]:
         *rows,
         "",
     ]
+
+
+def bench_copyrate(s: Session, plan: Plan, out: Samples) -> None:
+    """This machine's memcpy next to the simulated NPU's copies (``bench/copyrate.py``)."""
+    s.sample_load()
+    cmd = [sys.executable, str(COPYRATE), "--mib", str(plan.copy_mib), "--reps", "3", "--json"]
+    proc = subprocess.run(cmd, env=s.env, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"copy-rate probe failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+    rates = json.loads(proc.stdout)
+    for k in ("memcpy", "host_to_device", "device_to_host"):
+        out.add(0, f"copy_{k}_gb_s", rates[k] / 1e9)
+    progress(
+        f"copies of {plan.copy_mib} MiB: memcpy {rates['memcpy'] / 1e9:.2f} GB/s, simulator "
+        f"host->device {rates['host_to_device'] / 1e9:.2f} GB/s, "
+        f"device->host {rates['device_to_host'] / 1e9:.2f} GB/s"
+    )
+
+
+def _adopt_tree(s: Session, root: int, script: str) -> list[int]:
+    """The ranks (children) of a tree's root, recorded so that cleanup kills them too."""
+    try:
+        kids = [c.pid for c in psutil.Process(root).children() if script in procfs.cmdline(c.pid)]
+    except psutil.Error:
+        kids = []
+    s.restored.extend((p, script) for p in kids)
+    return kids
+
+
+def _pids_gone(pids: list[int]) -> Callable[[], bool]:
+    """A condition: none of ``pids`` is in /proc any more (a zombie still holds its pid)."""
+    return lambda: not any(Path(f"/proc/{p}").exists() for p in pids)
+
+
+def _first_ticks(logs: list[Path], start: float, timeout: float) -> float:
+    """Seconds from ``start`` until every rank's log shows a new tick (the whole tree computes)."""
+    watchers = [TickWatcher(f) for f in logs]
+    try:
+        for w in watchers:
+            w.wait_for(1, timeout)
+    finally:
+        firsts = [w.stop()[0] if w.arrivals else float("inf") for w in watchers]
+    return max(firsts) - start
+
+
+def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu_path: str) -> None:
+    """A tree of ``ranks`` NPU processes (``bench/tree.py`` over bigalloc, rank R on device R)
+    sharing ``plan.ranks_mib`` MiB of device memory, dumped and restored by npusnap (one command: the
+    ranks' device parts in parallel), beside raw CRIU on the same tree of hostalloc processes
+    holding the same bytes. Recorded at size 0 as ``ranks<N>_*``."""
+    each = max(1, plan.ranks_mib // ranks)
+    host_each = plan.host_mib // ranks
+    pre = f"ranks{ranks}_"
+    for kind in ("npusnap", "raw"):
+        d = s.work / f"tree-{kind}-{ranks}-{rep}"
+        d.mkdir()
+        logs = [d / f"rank{r}.out" for r in range(ranks)]
+        if kind == "npusnap":
+            # One device per rank: CANN's Restore needs the device free of other processes.
+            worker = [sys.executable, str(BIGALLOC), "--device-mib", str(each), "--host-mib", str(host_each)]
+            worker += ["--device", "{rank}"]
+            script = BIGALLOC.name
+        else:
+            worker = [sys.executable, str(HOSTALLOC), "--mib", str(each + host_each)]
+            script = HOSTALLOC.name
+        worker += ["--interval", str(plan.interval)]
+        argv = [sys.executable, str(TREE), "--ranks", str(ranks), "--out-dir", str(d), "--", *worker]
+        proc = s.start(
+            argv, d / "tree.out", agent=kind == "npusnap", timeout=_start_timeout(plan.ranks_mib), watch=logs
+        )
+        kids = _adopt_tree(s, proc.pid, script)
+        if len(kids) != ranks:
+            raise BenchError(f"the tree of {ranks} ranks has {len(kids)} {script} processes")
+        image = d / "img"
+        s.sample_load()
+        warm_memory(plan, plan.ranks_mib)
+        if kind == "npusnap":
+            wall, res = _npusnap_json(["dump", str(proc.pid), str(image)], s.env, timeout=900)
+            out.add(0, f"{pre}dump_frozen_s", res["timings"]["frozen_s"])
+        else:
+            image.mkdir()
+            crit = _run_timed(
+                [criu_path, "dump", "-t", str(proc.pid), "-D", str(image), "-o", "dump.log", "-v4"],
+                "criu dump (tree)",
+                image / "dump.log",
+            )
+            wall = crit + _run_timed(["sync", "-f", str(image)], "sync -f")
+            stats = criu_mod.read_dump_stats(str(image))
+            if stats is not None:
+                out.add(0, f"{pre}raw_criu_frozen_s", stats.frozen_time_us * 1e-6)
+        s.reap(proc)
+        # The ranks die with the dump too; their pids must be free before the restore takes them.
+        # (A zombie still holds its pid: wait until /proc has none of them.)
+        _wait(_pids_gone(kids), 20, "the dumped ranks to go")
+        key = f"{pre}{'' if kind == 'npusnap' else 'raw_'}"
+        out.add(0, f"{key}dump_wall", wall)
+        pidfile = d / "restored.pid"
+        s.sample_load()
+        warm_memory(plan, plan.ranks_mib)
+        start = time.monotonic()
+        try:
+            if kind == "npusnap":
+                rwall, _res = _npusnap_json(
+                    ["restore", str(image), "--pidfile", str(pidfile)], s.env, timeout=900
+                )
+            else:
+                cmd = [criu_path, "restore", "-d", "-D", str(image), "-o", "restore.log", "-v4"]
+                rwall = _run_timed(
+                    [*cmd, "--pidfile", str(pidfile)], "criu restore (tree)", image / "restore.log"
+                )
+        finally:
+            if pidfile.exists():
+                root = int(pidfile.read_text().strip())
+                s.restored.append((root, TREE.name))
+                _adopt_tree(s, root, script)
+        computes = _first_ticks(logs, start, 60)
+        out.add(0, f"{key}restore_wall", rwall)
+        out.add(0, f"{key}restore_first_tick", computes)
+        progress(
+            f"{ranks} rank(s) of {each} MiB, rep {rep + 1}: {kind} dump {wall:.2f} s, restore "
+            f"{rwall:.2f} s, every rank computes again after {computes:.2f} s"
+        )
+        s.kill_all()
+        shutil.rmtree(d)
+        if kind == "npusnap":
+            s.wait_device_free()

@@ -16,6 +16,8 @@ MiB = 1 << 20
 NPUSNAP = Path(sys.executable).parent / "npusnap"
 BIGALLOC = REPO / "npusnap_cli" / "workloads" / "bigalloc.py"
 HOSTALLOC = REPO / "bench" / "hostalloc.py"
+TREE = REPO / "bench" / "tree.py"
+COPYRATE = REPO / "bench" / "copyrate.py"
 # The sequential-write probe writes this buffer repeatedly: random bytes, so that no layer can
 # compress or deduplicate it.
 WRITE_CHUNK = 4 * MiB

@@ -1,6 +1,6 @@
 """The npusnap benchmarks, one command: dump/restore against raw CRIU, frozen time, disk, start-up.
 
-    sudo .venv/bin/python bench/run.py [--sizes 64,256,1024,2048] [--reps 3] [--out docs/benchmarks.md]
+    sudo .venv/bin/python bench/run.py [--sizes 64,256,1024,4096,8192] [--ranks 1,2,4] [--reps 3]
 
 For every size (MiB of simulated device memory, plus ``--host-mib`` of host memory) and every
 repetition, in the same run:
@@ -18,7 +18,14 @@ repetition, in the same run:
   to the rate at which the dumps wrote their images;
 * at the size the targets are judged at, the same npusnap dump without warming memory first
   (see ``warm_memory``): what a VM's lazily backed memory costs a dump;
-* CLI start-up: ``npusnap --help``, ``--version`` and ``npusnap status PID``.
+* CLI start-up: ``npusnap --help``, ``--version`` and ``npusnap status PID``;
+* this machine's memcpy rate next to the simulated NPU's copy rate (``copyrate.py``);
+* the scale with processes: a tree of 1, 2, 4 NPU ranks (``tree.py``) sharing ``--ranks-mib`` of
+  device memory, dumped and restored by npusnap and by raw CRIU (the same tree without a device).
+
+The report fits time against bytes and against ranks (``report.py``: slope, intercept, and any
+super-linear term) and draws both in a PNG next to ``--out`` (matplotlib: ``pip install -e
+'.[bench]'``; ``--no-plot`` goes without).
 
 Right before every timed command, a helper process touches and frees a few GiB of memory
 (``warm_memory``; ``--cold`` turns this off). On a VM whose balloon reports free pages to the
@@ -29,8 +36,9 @@ recently freed memory. Warming treats npusnap and raw CRIU alike.
 
 The code: ``run.py`` (this file: options, the order of the run), ``cases.py`` (one function per
 measured case: add a case there), ``session.py`` (starting and watching processes, cleanup),
-``machine.py`` (machine facts), ``report.py`` (the Markdown report and the targets), and
-``common.py`` (paths, constants, the samples store).
+``machine.py`` (machine facts), ``report.py`` (the Markdown report and the targets), ``plot.py``
+(the PNG), ``common.py`` (paths, constants, the samples store), and the workloads ``hostalloc.py``,
+``tree.py``, ``copyrate.py`` (plus ``npusnap_cli/workloads/bigalloc.py``).
 
 Medians go to a Markdown report (``--out``). This is not a test: nothing here asserts timings.
 Everything it starts (a private simulated NPU daemon, workloads, restored processes, images) is
@@ -63,17 +71,20 @@ if str(REPO_ROOT) not in sys.path:
 from bench.cases import (  # noqa: E402
     LAZY_DEVICE_MIB,
     Plan,
+    bench_copyrate,
     bench_disk,
     bench_hash,
     bench_lazy,
     bench_leave_running,
     bench_npusnap,
+    bench_ranks,
     bench_raw,
     bench_startup,
     lazy_section,
 )
 from bench.common import NPUSNAP, REPO, TARGET_MIB, BenchError, MiB, Samples, progress  # noqa: E402
 from bench.machine import machine_info, read_text, versions  # noqa: E402
+from bench.plot import PLOT_NAME, draw, plot_available  # noqa: E402
 from bench.report import pick_size, render  # noqa: E402
 from bench.session import Session  # noqa: E402
 from npusnap_cli import criu as criu_mod  # noqa: E402
@@ -96,10 +107,24 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks wants comma-separated integers, not {text!r}") from None
+    if not ranks or min(ranks) < 1 or max(ranks) > 16:
+        raise argparse.ArgumentTypeError("--ranks wants process counts from 1 to 16")
+    return ranks
+
+
 def _check_resources(plan: Plan, image_parent: Path) -> None:
-    biggest = max(max(plan.sizes) + plan.host_mib, *[m + LAZY_DEVICE_MIB for m in plan.lazy_mib])
-    # Peak: the daemon's copy + the process's backed-up copy + the page cache of the image.
-    need_mem = 3 * biggest * MiB
+    """Refuse sizes that do not fit this machine's memory or the image directory's disk."""
+    lazy = [m + LAZY_DEVICE_MIB for m in plan.lazy_mib]
+    biggest = max(*plan.sizes, plan.ranks_mib if plan.ranks else 0, *lazy) + plan.host_mib
+    # Peak, at restore: the daemon's shared memory (device memory) + the process's host copy of
+    # it (npusnap's own device copy, restored by CRIU) + its host memory; the image's page cache
+    # is reclaimable. Plus 1 GiB for CRIU, Python and the daemon.
+    need_mem = (2 * biggest + 1024) * MiB
     avail = next(
         (
             int(ln.split()[1]) * 1024
@@ -111,13 +136,16 @@ def _check_resources(plan: Plan, image_parent: Path) -> None:
     if avail < need_mem:
         raise BenchError(
             f"not enough memory for {max(plan.sizes)} MiB: {avail // MiB} MiB available, about "
-            f"{need_mem // MiB} MiB needed; use smaller --sizes"
+            f"{need_mem // MiB} MiB needed (2 × (size + host) + 1 GiB); use smaller --sizes"
         )
     free = shutil.disk_usage(image_parent).free
-    need_disk = (2 * biggest + plan.disk_mib) * MiB + (256 * MiB)
+    # One image at a time (each case removes its own), the disk probe, and room to spare.
+    need_disk = (biggest + plan.disk_mib + 1024) * MiB
     if free < need_disk:
         raise BenchError(
-            f"not enough free space in {image_parent}: {free // MiB} MiB, need {need_disk // MiB} MiB"
+            f"not enough free space in {image_parent} for {max(plan.sizes)} MiB: {free // MiB} MiB "
+            f"free, {need_disk // MiB} MiB needed (one image + the {plan.disk_mib} MiB disk probe + "
+            "1 GiB); free some space, use smaller --sizes or another --image-dir"
         )
 
 
@@ -139,6 +167,12 @@ def _terminate_as_exit() -> Iterator[None]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=_sizes, default=[64, 256, 1024, 2048], help="device MiB, comma-separated")
+    ap.add_argument(
+        "--ranks", type=_ranks, default=[1, 2, 4], help="NPU processes per tree, comma-separated (scale)"
+    )
+    ap.add_argument("--ranks-mib", type=int, default=1024, help="device MiB the ranks of a tree share")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="MiB per copy of the copy-rate probe")
+    ap.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib is not installed)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per size (medians are reported)")
     ap.add_argument("--host-mib", type=int, default=64, help="host memory of the workload besides the device")
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between the workloads' ticks")
@@ -181,8 +215,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for f in flags:
                     data.flag(int(size), name, bool(f))
         saved["plan"]["lazy_mib"] = tuple(saved["plan"].get("lazy_mib") or ())
-        plan = Plan(**saved["plan"])
-        ns.out.write_text(render(plan, data, saved["info"], saved["info"]["command"]))
+        plan = Plan(**{**saved["plan"], "ranks": tuple(saved["plan"].get("ranks", (1, 2, 4)))})
+        ns.out.write_text(render(plan, data, saved["info"], saved["info"]["command"], plot_name(ns, plan)))
+        if not ns.no_plot:
+            draw(plan, data, ns.out.with_name(PLOT_NAME))
         progress(f"report written to {ns.out} from {ns.render_only}")
         return 0
     if os.geteuid() != 0:
@@ -197,6 +233,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if ns.ranks_mib < 1 or ns.copy_mib < 1:
+        print("bench: --ranks-mib and --copy-mib must be >= 1", file=sys.stderr)
+        return 2
+    if not ns.no_plot and not plot_available():
+        print(
+            "bench: matplotlib is not installed, so the scale plot cannot be drawn: "
+            "`.venv/bin/pip install -e '.[bench]'`, or run with --no-plot",
+            file=sys.stderr,
+        )
+        return 2
     plan = Plan(
         ns.sizes,
         ns.reps,
@@ -206,6 +252,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         ns.startup_runs,
         warm=not ns.cold,
         lazy_mib=tuple(ns.lazy_mib),
+        ranks=tuple(ns.ranks),
+        ranks_mib=ns.ranks_mib,
+        copy_mib=ns.copy_mib,
     )
     command = ".venv/bin/python bench/run.py " + shlex.join(
         [
@@ -221,6 +270,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             str(plan.disk_mib),
             "--startup-runs",
             str(plan.startup_runs),
+            "--ranks",
+            ",".join(map(str, plan.ranks)),
+            "--ranks-mib",
+            str(plan.ranks_mib),
+            "--copy-mib",
+            str(plan.copy_mib),
+            *(["--no-plot"] if ns.no_plot else []),
             *(["--cold"] if ns.cold else []),
             *(["--lazy-mib", ",".join(map(str, plan.lazy_mib))] if plan.lazy_mib else []),
             *(["--only-lazy"] if ns.only_lazy else []),
@@ -255,13 +311,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     rc = 0
     with _terminate_as_exit():
         try:
-            capacity = (max([*plan.sizes, LAZY_DEVICE_MIB]) + 64) * MiB
-            manager.start(devices=1, capacity_bytes=capacity)
+            capacity = (max(*plan.sizes, plan.ranks_mib, plan.copy_mib, LAZY_DEVICE_MIB) + 64) * MiB
+            devices = max(plan.ranks, default=1)  # a tree's rank R uses device R
+            manager.start(devices=devices, capacity_bytes=capacity)
             session.daemon_started = True
             os.environ.update(manager.env())
             session.env = dict(os.environ)
             info: dict[str, Any] = {"machine": machine_info(work), "versions": versions(criu)}
-            progress(f"private simulated NPU: 1 device of {capacity // MiB} MiB at {tmp / 'sim.sock'}")
+            progress(
+                f"private simulated NPU: {devices} device(s) of {capacity // MiB} MiB at {tmp / 'sim.sock'}"
+            )
             progress(f"images in {work}")
             others_start = _other_load_note()
             for host_mib in plan.lazy_mib:
@@ -271,6 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 bench_startup(session, plan, data)
                 bench_disk(session, plan, data)
                 bench_hash(plan, data)
+                bench_copyrate(session, plan, data)
             for size in [] if ns.only_lazy else plan.sizes:
                 for rep in range(plan.reps):
                     # Alternate which goes first so that neither always meets the other's writeback.
@@ -283,6 +343,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     bench_leave_running(session, plan, size, rep, data)
                     if plan.warm and size == pick_size(plan.sizes, TARGET_MIB):
                         bench_npusnap(session, plan, size, rep, data, cold=True)
+            for ranks in [] if ns.only_lazy else plan.ranks:
+                for rep in range(plan.reps):
+                    bench_ranks(session, plan, ranks, rep, data, criu.path)
             load = session.load or [0.0]
             others = f"At the start: {others_start} At the end: {_other_load_note()}"
             info.update(
@@ -296,9 +359,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 head = ["# Benchmarks (lazy restore only)", "", f"    {command}", ""]
                 text = "\n".join([*head, *lazy_section(data, list(plan.lazy_mib))])
             else:
-                text = render(plan, data, info, command)
+                text = render(plan, data, info, command, plot_name(ns, plan))
             ns.out.parent.mkdir(parents=True, exist_ok=True)
             ns.out.write_text(text)
+            if not ns.no_plot:
+                draw(plan, data, ns.out.with_name(PLOT_NAME))
+                progress(f"plot written to {ns.out.with_name(PLOT_NAME)}")
             if ns.json_out:
                 ns.json_out.write_text(
                     json.dumps({"plan": plan.__dict__, "info": info, **data.to_dict()}, indent=1)
@@ -321,6 +387,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"bench: cleanup: {p}", file=sys.stderr)
                 rc = rc or 1
     return rc
+
+
+def plot_name(ns: argparse.Namespace, plan: Plan) -> Optional[str]:
+    """The PNG's file name as the report links it, or None without a plot."""
+    return None if ns.no_plot else PLOT_NAME
 
 
 def _other_load_note() -> str:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from bench.common import NPUSNAP, POLL_S, BenchError
 from npusnap_cli import procfs
@@ -89,9 +89,18 @@ class Session:
         with contextlib.suppress(OSError, ValueError):
             self.load.append(float(Path("/proc/loadavg").read_text().split()[0]))
 
-    def start(self, argv: list[str], out: Path, *, agent: bool, timeout: float) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        argv: list[str],
+        out: Path,
+        *,
+        agent: bool,
+        timeout: float,
+        watch: Optional[list[Path]] = None,
+    ) -> subprocess.Popen[bytes]:
         """Start a workload detached (own session, output appended: CRIU can dump and restore it)
-        and wait for its second tick."""
+        and wait for its second tick (in each of the ``watch`` files instead, for a tree whose
+        ranks write their own output)."""
         cmd = [str(NPUSNAP), "run", "--", *argv] if agent else argv
         with open(out, "ab") as f:
             proc = subprocess.Popen(
@@ -109,7 +118,7 @@ class Session:
             if proc.poll() is not None:
                 tail = out.read_text(errors="replace")[-1500:]
                 raise BenchError(f"workload {shlex.join(argv)} exited with {proc.returncode}:\n{tail}")
-            return _ticks(out) >= 2
+            return all(_ticks(f) >= 2 for f in watch or [out])
 
         _wait(ready, timeout, f"workload {Path(argv[1]).name} to start")
         return proc

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -23,7 +24,7 @@
 
 #define MAX_DEV 64
 #define NSTAGES 6
-#define CHUNK ((uint64_t)64 << 20)
+#define PACE_CHUNK ((uint64_t)1 << 20) /* a paced copy sleeps after each MiB */
 
 enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_BACKED_UP = 2 };
 
@@ -32,6 +33,7 @@ struct alloc {
     uint64_t size;
     int32_t dev;
     void *backup; /* host copy made by Backup, NULL otherwise */
+    char *map;    /* this process's mapping of the allocation's memfd while RUNNING, or NULL */
 };
 
 struct cb {
@@ -73,6 +75,8 @@ static int g_restore_contents; /* the Restore in progress writes the backed-up b
 static int g_driver_backup;
 static uint64_t g_backup_driver_version;
 static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
+static double g_link_mbps;              /* the daemon's --bandwidth-mbps, from its last MAP answer */
+static int g_copying; /* a copy is using kept mappings (g_mu): Lock leaves them to it to drop */
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -235,21 +239,160 @@ static int io_rpc(uint32_t op, int32_t dev, uint64_t a, uint64_t b, uint64_t n, 
     return resp.status;
 }
 
-/* Device<->host copies in chunks, paced to NPUSIM_COPY_MBPS (megabytes per second) when set. */
-static int io_transfer(int write, uint64_t addr, void *host, uint64_t n) {
-    double mbps = copy_mbps();
-    double t0 = now_s();
-    uint64_t done = 0;
-    while (done < n) {
-        uint64_t c = n - done < CHUNK ? n - done : CHUNK;
-        if (mbps > 0 && c > (uint64_t)(1 << 20)) c = 1 << 20;
-        int rc = write ? io_rpc(NPUSIM_OP_WRITE, -1, addr + done, 0, c, (char *)host + done, c, NULL, 0, NULL)
-                       : io_rpc(NPUSIM_OP_READ, -1, addr + done, 0, c, NULL, 0, (char *)host + done, c, NULL);
-        if (rc != 0) return rc;
-        done += c;
-        if (mbps > 0) sleep_s((double)done / (mbps * 1e6) - (now_s() - t0));
+/* NPUSIM_OP_MAP: the memfd of the caller's allocation holding [addr, addr+n), received as
+ * SCM_RIGHTS on the answer's header, and the allocation's extent. Returns 0 or -errno. */
+static int io_map_fd(uint64_t addr, uint64_t n, struct npusim_map *m, int *fdout) {
+    if (g_fd < 0) return -ENOTCONN;
+    struct npusim_req req = {NPUSIM_OP_MAP, -1, addr, 0, n};
+    struct npusim_resp resp;
+    if (write_all(g_fd, &req, sizeof req) != 0) {
+        io_disconnect();
+        return -EPIPE;
     }
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct iovec iov = {&resp, sizeof resp};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+    ssize_t r;
+    do r = recvmsg(g_fd, &msg, MSG_CMSG_CLOEXEC);
+    while (r < 0 && errno == EINTR);
+    int fd = -1;
+    for (struct cmsghdr *c = r > 0 ? CMSG_FIRSTHDR(&msg) : NULL; c; c = CMSG_NXTHDR(&msg, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+            memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    int bad = r <= 0 || (msg.msg_flags & MSG_CTRUNC) ||
+              ((size_t)r < sizeof resp && read_all(g_fd, (char *)&resp + r, sizeof resp - (size_t)r) != 0);
+    if (!bad && resp.payload_len && (resp.payload_len != sizeof *m || read_all(g_fd, m, sizeof *m) != 0)) bad = 1;
+    if (!bad && resp.status == 0 && (fd < 0 || resp.payload_len != sizeof *m)) bad = 1; /* no fd: protocol error */
+    if (bad) {
+        if (fd >= 0) close(fd);
+        io_disconnect();
+        return r <= 0 ? -EPIPE : -EPROTO;
+    }
+    if (resp.status != 0) {
+        if (fd >= 0) close(fd);
+        return resp.status;
+    }
+    *fdout = fd;
     return 0;
+}
+
+/* The allocation holding [addr, addr+n) (g_mu held), or NULL. Its pointer is valid until g_mu is
+ * released; callers keep g_io, which every change of a mapping also holds. */
+static struct alloc *find_range(uint64_t addr, uint64_t n) {
+    for (size_t i = 0; i < g_nallocs; i++)
+        if (addr >= g_allocs[i].addr && n <= g_allocs[i].size && addr - g_allocs[i].addr <= g_allocs[i].size - n)
+            return &g_allocs[i];
+    return NULL;
+}
+
+static void unmap_alloc(struct alloc *a) {
+    if (a->map) munmap(a->map, a->size);
+    a->map = NULL;
+}
+
+/* Device memory as seen by this process: a pointer to addr in a mapping of the allocation's memfd
+ * (g_io held). While RUNNING the mapping is kept for the next copies (`*transient` = 0); in any
+ * other state (Backup, Restore) it is made for this copy only (`*transient` = 1: the caller
+ * unmaps `*base` of `*len` bytes), so that a mapping of device memory never reaches a CRIU image:
+ * Lock drops the kept ones (drop_mappings_locked), as a real device mapping is not dumped either.
+ * Mapped MAP_POPULATE when the copy covers at least half the allocation (one batch of page-table
+ * work instead of a fault per page), MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
+static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len, int *transient) {
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find_range(addr, n);
+    int keep = g_state == ST_RUNNING;
+    char *m = a ? a->map : NULL;
+    uint64_t abase = a ? a->addr : 0, asize = a ? a->size : 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!a) return -EINVAL;
+    if (!m) {
+        struct npusim_map info;
+        int fd = -1;
+        int st = io_map_fd(addr, n, &info, &fd);
+        if (st != 0) return st;
+        g_link_mbps = info.link_mbps;
+        int same = info.base == abase && info.size == asize; /* the daemon's view of it is ours */
+        int flags = MAP_SHARED | (n >= info.size / 2 ? MAP_POPULATE : 0);
+        void *v = same ? mmap(NULL, info.size, PROT_READ | PROT_WRITE, flags, fd, 0) : MAP_FAILED;
+        close(fd);
+        if (v == MAP_FAILED) return same ? -ENOMEM : -EPROTO;
+        madvise(v, info.size, MADV_DONTFORK);
+        madvise(v, info.size, MADV_DONTDUMP);
+        m = v;
+        *transient = !keep;
+        *base = m;
+        *len = info.size;
+        if (keep) {
+            pthread_mutex_lock(&g_mu);
+            a = find_range(addr, n);
+            if (a && a->addr == abase && !a->map) a->map = m;
+            else *transient = 1; /* the table changed meanwhile: do not keep it */
+            pthread_mutex_unlock(&g_mu);
+        }
+    } else {
+        *transient = 0;
+    }
+    *p = m + (addr - abase);
+    return 0;
+}
+
+/* Lock: no kept mapping survives (g_mu held, no copy in flight). */
+static void drop_mappings_locked(void) {
+    for (size_t i = 0; i < g_nallocs; i++) unmap_alloc(&g_allocs[i]);
+}
+
+/* The pace of a copy in MB/s, or 0 for memory speed: the slower of NPUSIM_COPY_MBPS (a per-process
+ * fault) and the daemon's --bandwidth-mbps (the link every process shares). */
+static double pace_mbps(void) {
+    double a = copy_mbps(), b = g_link_mbps;
+    if (a > 0 && b > 0) return a < b ? a : b;
+    return a > 0 ? a : (b > 0 ? b : 0.0);
+}
+
+/* memmove that sleeps to a pace of `mbps` MB/s after each MiB when mbps > 0. */
+static void paced_move(char *dst, const char *src, uint64_t n, double mbps) {
+    if (mbps <= 0) {
+        memmove(dst, src, n);
+        return;
+    }
+    double t0 = now_s();
+    for (uint64_t done = 0; done < n;) {
+        uint64_t c = n - done < PACE_CHUNK ? n - done : PACE_CHUNK;
+        memmove(dst + done, src + done, c);
+        done += c;
+        sleep_s((double)done / (mbps * 1e6) - (now_s() - t0));
+    }
+}
+
+/* A copy with device memory on one side or both (g_io held): kind 1 host to device, 2 device to
+ * host, 3 device to device. Returns 0 or -errno. */
+static int io_transfer_kind(int kind, uint64_t dst, uint64_t src, uint64_t n) {
+    char *dp = (char *)(uintptr_t)dst, *sp = (char *)(uintptr_t)src;
+    char *b1 = NULL, *b2 = NULL;
+    size_t l1 = 0, l2 = 0;
+    int t1 = 0, t2 = 0, st = 0;
+    pthread_mutex_lock(&g_mu);
+    g_copying = 1;
+    pthread_mutex_unlock(&g_mu);
+    if (kind == 1 || kind == 3) st = dev_ptr(dst, n, &dp, &b1, &l1, &t1);
+    if (st == 0 && (kind == 2 || kind == 3)) st = dev_ptr(src, n, &sp, &b2, &l2, &t2);
+    if (st == 0) paced_move(dp, sp, n, pace_mbps());
+    if (t1) munmap(b1, l1);
+    if (t2) munmap(b2, l2);
+    pthread_mutex_lock(&g_mu);
+    g_copying = 0;
+    if (g_state != ST_RUNNING) drop_mappings_locked(); /* Lock came while this copy ran */
+    pthread_mutex_unlock(&g_mu);
+    return st;
+}
+
+/* Device<->host copies (Backup and Restore use them too), paced as io_transfer_kind. */
+static int io_transfer(int write, uint64_t addr, void *host, uint64_t n) {
+    return write ? io_transfer_kind(1, addr, (uint64_t)(uintptr_t)host, n)
+                 : io_transfer_kind(2, (uint64_t)(uintptr_t)host, addr, n);
 }
 
 static int32_t status_to_acl(int st) {
@@ -288,12 +431,13 @@ static int add_alloc(uint64_t addr, uint64_t size, int32_t dev) {
         g_allocs = p;
         g_allocs_cap = cap;
     }
-    g_allocs[g_nallocs++] = (struct alloc){addr, size, dev, NULL};
+    g_allocs[g_nallocs++] = (struct alloc){addr, size, dev, NULL, NULL};
     return 0;
 }
 
 static void remove_alloc(struct alloc *a) {
     free(a->backup);
+    unmap_alloc(a);
     *a = g_allocs[--g_nallocs];
 }
 
@@ -565,7 +709,7 @@ int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t cou
         else if (!ok) rc = ACL_ERROR_RT_PARAM_INVALID;
         else if (kind == 1) rc = status_to_acl(io_transfer(1, d, (void *)(uintptr_t)src, count));
         else if (kind == 2) rc = status_to_acl(io_transfer(0, s, dst, count));
-        else rc = status_to_acl(io_rpc(NPUSIM_OP_COPY, -1, d, s, count, NULL, 0, NULL, 0, NULL));
+        else rc = status_to_acl(io_transfer_kind(3, d, s, count));
         pthread_mutex_unlock(&g_io);
     }
     leave();
@@ -742,6 +886,11 @@ int32_t npusim_rt_lock(int pid, void *reserve) {
     if (rc == ACL_SUCCESS && get_state() != ST_RUNNING) rc = ACL_ERROR_SNAPSHOT_LOCK_FAILED;
     if (rc == ACL_SUCCESS) {
         set_state(ST_LOCKED);
+        /* From here on copies map device memory for their own duration only; the mappings kept
+         * while RUNNING go now, or when the copy in flight that uses them ends (not waited for). */
+        pthread_mutex_lock(&g_mu);
+        if (!g_copying) drop_mappings_locked();
+        pthread_mutex_unlock(&g_mu);
         if (f.lock_timeout) {
             long ms = f.lock_wait_ms >= 0 ? f.lock_wait_ms : 60000;
             sleep_s((double)ms / 1000.0); /* polling a background thread that never parks */
@@ -784,6 +933,7 @@ int32_t npusim_rt_backup(int pid, void *args) {
         pthread_mutex_lock(&g_io);
         pthread_mutex_lock(&g_mu);
         free_backups(); /* a repeated Backup replaces the previous one */
+        drop_mappings_locked(); /* Lock dropped them already; no device mapping reaches the dump */
         size_t n = g_nallocs;
         pthread_mutex_unlock(&g_mu);
         /* CANN's legacy Backup saves runtime state, not what the application allocated: Restore

@@ -5,8 +5,10 @@ using the simulated runtime (native/npusim) connect over a unix socket; the daem
 by (pid, start time) read through SO_PEERCRED and /proc at connect time — CRIU restores the same
 pid, so the pid alone would let a restored copy inherit the dead original's device.
 
-Device memory is one anonymous mmap per allocation, so freeing really returns memory, and copies go
-between the socket and the mapping with recv_into/sendall on memoryviews (no intermediate copies).
+Device memory is one memfd per allocation, owned by the daemon, so freeing really returns memory.
+Its bytes never cross the socket: OP_MAP passes the allocation's memfd to the runtime (SCM_RIGHTS),
+which copies to and from a mapping of it at memory speed (paced to --bandwidth-mbps when given);
+the daemon itself writes only the poison pattern of a Restore.
 Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
 *exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
 A reaper thread frees the devices and memory of owners that died; a claim re-checks the other
@@ -22,6 +24,7 @@ import errno
 import json
 import mmap
 import os
+import resource
 import signal
 import socket
 import struct
@@ -62,7 +65,8 @@ class Allocation:
     addr: int
     size: int
     owner: Owner
-    mem: mmap.mmap
+    fd: int  # the memfd holding the bytes; OP_MAP sends a duplicate of it
+    mem: mmap.mmap  # the daemon's own mapping of it (the poison pattern)
 
 
 @dataclass
@@ -121,7 +125,9 @@ class Daemon:
         al = dev.allocs.pop(addr)
         dev.addrs.remove(addr)
         dev.used -= al.size
-        # Dropping the last reference unmaps it; close() would fail while a copy holds a view.
+        # The memory goes back once every runtime that mapped the memfd has unmapped it too.
+        al.mem.close()
+        os.close(al.fd)
 
     def _reap(self) -> None:
         owners = {o for d in self.devices for o in d.owners} | {
@@ -163,8 +169,14 @@ class Daemon:
         return prev if end - prev >= size else -1
 
     def _insert(self, dev: Device, addr: int, size: int, owner: Owner) -> None:
-        mem = mmap.mmap(-1, size)
-        dev.allocs[addr] = Allocation(addr, size, owner, mem)
+        fd = os.memfd_create(f"npusim-dev{dev.id}-{addr:#x}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mem = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        dev.allocs[addr] = Allocation(addr, size, owner, fd, mem)
         bisect.insort(dev.addrs, addr)
         dev.used += size
         dev.next_addr = max(dev.next_addr, _align(addr + size))
@@ -226,7 +238,15 @@ class Daemon:
             return -errno.ENOMEM, 0
         try:
             self._insert(dev, addr, size, owner)
-        except (OSError, ValueError):
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                log(
+                    "out of file descriptors (one memfd per allocation): "
+                    f"{sum(len(d.allocs) for d in self.devices)} allocations; raise the daemon's "
+                    "open-file limit (ulimit -n) to allow more"
+                )
+            return -errno.ENOMEM, 0
+        except ValueError:
             return -errno.ENOMEM, 0
         return 0, addr
 
@@ -270,32 +290,6 @@ class Daemon:
             "bytes_used": sum(d.used for d in self.devices),
         }
 
-    # -- data movement --------------------------------------------------------------------------
-    def _pace(self, t0: float, done: int) -> None:
-        if self.bandwidth_mbps:
-            delay = done / (self.bandwidth_mbps * 1e6) - (time.monotonic() - t0)
-            if delay > 0:
-                time.sleep(delay)
-
-    def _recv_into(self, conn: socket.socket, view: memoryview) -> None:
-        t0 = time.monotonic()
-        got = 0
-        while got < len(view):
-            r = conn.recv_into(view[got : got + CHUNK])
-            if r == 0:
-                raise ConnectionError("client went away mid-copy")
-            got += r
-            self._pace(t0, got)
-
-    def _send_from(self, conn: socket.socket, view: memoryview) -> None:
-        if not self.bandwidth_mbps:
-            conn.sendall(view)
-            return
-        t0 = time.monotonic()
-        for off in range(0, len(view), CHUNK):
-            conn.sendall(view[off : off + CHUNK])
-            self._pace(t0, min(off + CHUNK, len(view)))
-
     # -- connections ----------------------------------------------------------------------------
     def serve_client(self, conn: socket.socket) -> None:
         with self.lock:
@@ -323,34 +317,22 @@ class Daemon:
 
     def handle(self, conn: socket.socket, owner: Owner, op: int, dev: int, a: int, b: int, n: int) -> bool:
         """Serve one request; False ends the connection."""
-        if op == wire.OP_WRITE:
+        if op == wire.OP_MAP:
             with self.lock:
                 found = self._find(owner, a, n)
-                view = memoryview(found[0].mem)[found[1] : found[1] + n] if found else None
-            if view is None:
-                # Drain the payload so the stream stays in sync, then refuse.
-                left = n
-                while left:
-                    chunk = conn.recv(min(left, CHUNK))
-                    if not chunk:
-                        return False
-                    left -= len(chunk)
+                # A duplicate, so that a FREE racing with this answer cannot close what is sent.
+                if found is None:
+                    fd, meta = -1, b""
+                else:
+                    fd = os.dup(found[0].fd)
+                    meta = wire.MAP.pack(found[0].addr, found[0].size, self.bandwidth_mbps or 0.0)
+            if fd < 0:
                 self.reply(conn, -errno.EINVAL)
                 return True
-            with view:
-                self._recv_into(conn, view)
-            self.reply(conn, 0)
-            return True
-        if op == wire.OP_READ:
-            with self.lock:
-                found = self._find(owner, a, n)
-                view = memoryview(found[0].mem)[found[1] : found[1] + n] if found else None
-            if view is None:
-                self.reply(conn, -errno.EINVAL)
-                return True
-            with view:
-                conn.sendall(wire.RESP.pack(0, 0, 0, n))
-                self._send_from(conn, view)
+            try:
+                socket.send_fds(conn, [wire.RESP.pack(0, 0, 0, len(meta)) + meta], [fd])
+            finally:
+                os.close(fd)
             return True
         if op == wire.OP_STATUS:
             with self.lock:
@@ -396,13 +378,6 @@ class Daemon:
             al = d.allocs.get(a) if d else None
             ok = d is not None and d.id == dev and al is not None and al.owner == owner and al.size == n
             return (0 if ok else -errno.ENOENT), 0
-        if op == wire.OP_COPY:
-            dst, src = self._find(owner, a, n), self._find(owner, b, n)
-            if dst is None or src is None:
-                return -errno.EINVAL, 0
-            # Device-to-device stays inside the daemon; memoryview slices handle overlap like memmove.
-            memoryview(dst[0].mem)[dst[1] : dst[1] + n] = bytes(memoryview(src[0].mem)[src[1] : src[1] + n])
-            return 0, 0
         return -errno.EOPNOTSUPP, 0
 
     def reaper(self, interval: float) -> None:
@@ -434,6 +409,7 @@ class Daemon:
             else:
                 log(f"another npusim daemon already serves {self.sock_path}")
                 return 1
+        _raise_fd_limit()
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         lst.bind(self.sock_path)
         lst.listen(128)
@@ -470,6 +446,16 @@ class Daemon:
         return 0
 
 
+def _raise_fd_limit() -> None:
+    """Every allocation holds a memfd: take the hard open-file limit, not the (often 1024) soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass  # the soft limit stays; allocations beyond it fail with ENOMEM and a log line
+
+
 def _fill_poison(mem: mmap.mmap) -> None:
     """Fill a device allocation with 0xDEADBEEF words (a partial word at the end is cut)."""
     block = wire.POISON * (CHUNK // len(wire.POISON))
@@ -501,7 +487,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--bandwidth-mbps",
         type=float,
         default=None,
-        help="cap device<->host copies at this many megabytes per second (default: no cap)",
+        help="pace device copies to this many megabytes per second, a model of the link (default: "
+        "memory speed)",
     )
     ap.add_argument(
         "--keep-contents",

@@ -1,9 +1,10 @@
 """Wire format between the simulated runtime (native/npusim) and the device daemon.
 
-Mirror of native/npusim/npusim_wire.h: a 32-byte request header (op, dev, a, b, n) optionally
-followed by a raw payload, answered by a 24-byte header (status, pad, value, payload_len) and a
-raw payload. Status is 0 or a negative errno. Raw payloads let GiB copies go straight from the
-socket into device (mmap) or host memory.
+Mirror of native/npusim/npusim_wire.h: a 32-byte request header (op, dev, a, b, n), answered by a
+24-byte header (status, pad, value, payload_len) and a small payload. Status is 0 or a negative
+errno. Device memory never crosses the socket: every allocation is a memfd the daemon owns, and
+OP_MAP hands it to the runtime (SCM_RIGHTS on the answer's header), which copies to and from a
+mapping of it at memory speed.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ OP_RELEASE = 2
 OP_ALLOC = 3
 OP_ALLOC_AT = 4
 OP_FREE = 5
-OP_WRITE = 6
-OP_READ = 7
-OP_COPY = 8
+# 6, 7, 8: the byte-streaming WRITE, READ and COPY of earlier versions; answered EOPNOTSUPP.
 OP_STATUS = 9
 OP_SHUTDOWN = 10
 OP_HAS = 11
 OP_CONFIG = 12  # -> value = CONFIG_* bits
+OP_MAP = 13  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
+MAP = struct.Struct("<QQd")  # OP_MAP's payload: allocation base address, its size, link MB/s (0: none)
 
 CLAIM_EXCLUSIVE = 1  # OP_CLAIM's b: no other live process may have the device open (Restore)
 CONFIG_KEEP_CONTENTS = 1  # Restore brings back allocation contents (not what CANN does)

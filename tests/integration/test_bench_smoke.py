@@ -6,6 +6,7 @@ no timing: benchmarks are not tests.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -27,6 +28,10 @@ TABLE_HEADINGS = (
     "## Image write rate against the disk",
     "## Cold memory",
     "## CLI start-up",
+    "## Copy rates: the simulated device against this machine's memcpy",
+    "## Targets of issue 16",
+    "## Scale: with size and with the number of NPU processes",
+    "### With the number of NPU processes",
     "## Assessment against the targets",
 )
 
@@ -46,15 +51,28 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
     cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--sizes", "16", "--reps", "1", "--out", str(out)]
     cmd += ["--host-mib", "8", "--disk-mib", "32", "--startup-runs", "2", "--image-dir", str(images)]
     cmd += ["--lazy-mib", "32"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    cmd += ["--ranks", "1,2", "--ranks-mib", "24", "--copy-mib", "16"]
+    plot = importlib.util.find_spec("matplotlib") is not None  # an optional dependency (.[bench])
+    if not plot:
+        cmd.append("--no-plot")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     text = out.read_text()
     for heading in TABLE_HEADINGS:
         assert heading in text, f"{heading!r} missing from the report"
-    # One row per size in each per-size table (dump, frozen, CRIU alone, leave-running, restore, write rate).
-    assert text.count("| 16 MiB |") == 6, text
+    # One row per size in each per-size table (dump, frozen, CRIU alone, leave-running, restore,
+    # write rate, scale).
+    assert text.count("| 16 MiB |") == 7, text
     assert "| 32 MiB host + 64 MiB device |" in text  # the lazy-restore case (bench_lazy)
+    # The trees of 1 and 2 ranks, each beside raw CRIU, with the per-process fit.
+    assert "| 1 | 24 MiB |" in text and "| 2 | 12 MiB |" in text
+    assert re.search(r"\| dump command \(raw: criu dump \+ sync\) \| npusnap \| -?\d+ \|", text), text
+    assert re.search(r"\| memcpy \(host to host, this machine\) \| \d+\.\d\d \| 1\.00 \|", text), text
+    if plot:
+        png = out.with_name("benchmarks-scale.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "](benchmarks-scale.png)" in text
     assert "| `npusnap --help` |" in text and "| `npusnap status PID` |" in text
     assert "bench/run.py --sizes 16 --reps 1" in text  # the command that reproduces it
 

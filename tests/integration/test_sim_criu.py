@@ -84,6 +84,18 @@ def reference_output(sim_env: dict[str, str], tmp_path: Path) -> list[str]:
     return res.stdout.splitlines()
 
 
+VMA_AREA_MEMFD = 1 << 14  # CRIU's vma status bit (criu/include/image.h)
+
+
+def memfd_vmas(img: Path, pid: int) -> list[dict[str, int]]:
+    """The VMAs of a CRIU image that map a memfd (CRIU would dump its bytes and restore a copy)."""
+    import pycriu
+
+    with open(img / f"mm-{pid}.img", "rb") as f:
+        vmas: list[dict[str, int]] = pycriu.images.load(f)["entries"][0]["vmas"]
+    return [v for v in vmas if int(v["status"]) & VMA_AREA_MEMFD]
+
+
 @pytest.mark.parametrize(
     ("device_taken_meanwhile", "devmem"),
     [(False, True), (True, True), (False, False)],
@@ -108,6 +120,8 @@ def test_dump_restore_continues_identically(
     dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4")
     assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
     proc.wait(10)  # reap it: the pid must be free for the restore
+    # The runtime's mapping of device memory (the daemon's memfd) went at Lock: not in the image.
+    assert memfd_vmas(img, pid) == []
 
     intruder = None
     if device_taken_meanwhile:

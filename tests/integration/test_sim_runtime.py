@@ -8,6 +8,7 @@ occupancy, owner death, fault injection.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -249,6 +250,37 @@ def test_addresses_survive_restore_but_contents_do_not(
     assert d.call("read", b, 4096)["crc"] == d.call("read", a, 4096)["crc"]
     c = d.call("malloc", 4096)["addr"]
     assert c not in (a, b) and not (a <= c < a + 3 * MiB + 17)
+
+
+def device_mappings(pid: int) -> list[str]:
+    """The lines of /proc/PID/maps that map simulated device memory (the daemon's memfds)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [ln for ln in f if "memfd:npusim-dev" in ln]
+
+
+def test_device_memory_is_shared_memory_mapped_only_while_running(
+    make_driver: Callable[..., Driver], sim_env: dict[str, str]
+) -> None:
+    """Copies go through a mapping of the daemon's memfd, never through the socket; Lock drops
+    the mapping (it must not reach a CRIU image, as a real device mapping does not), and the
+    copies of Backup and Restore map for their own duration only."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 2 * MiB)["addr"]
+    crc = d.call("fill", a, 2 * MiB, "shm")["crc"]
+    assert d.call("read", a, 2 * MiB)["crc"] == crc
+    assert len(device_mappings(d.pid)) == 1
+    assert d.rc("lock") == 0
+    assert device_mappings(d.pid) == []
+    assert d.rc("backup") == 0 and device_mappings(d.pid) == []
+    assert d.rc("unlock") == 0
+    assert d.call("read", a, 2 * MiB)["crc"] == crc  # Unlock without Restore keeps the bytes
+    assert len(device_mappings(d.pid)) == 1
+    assert d.rc("free", a) == 0 and device_mappings(d.pid) == []
+    # The byte-streaming operations of earlier versions are gone, not a silent second path.
+    with wire.connect(sim_env["NPUSIM_SOCKET"]) as s:
+        for op in (6, 7, 8):
+            assert wire.request(s, op, 0, a, 0, 16)[0] == -errno.EOPNOTSUPP
 
 
 def test_restore_without_criu_poisons_the_same_process_too(make_driver: Callable[..., Driver]) -> None:
