@@ -14,6 +14,8 @@ How, and why this way:
   /proc/PID/maps. Reading symbols is what stops a large process (a JAX or PyTorch job maps
   hundreds of libraries) for seconds; without it the stop is a fraction of a second.
 * The time the target was stopped is measured (gdb's whole run, an upper bound) and reported.
+* ``dlopen_in`` is also the first way into a Python target (attach.py): a Python job that has a
+  thread asleep in such a call gets the attach payload the same way, without symbols.
 
 x86-64 only (the syscall numbers below); other machines get a clear refusal.
 """
@@ -242,8 +244,8 @@ def _run_gdb(argv: list[str], budget: float, pid: int) -> str:
     )
 
 
-def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
-    """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
+def _check_machine(pid: int) -> str:
+    """gdb's path, after checking that this machine and ``pid`` are ones the hand-made call supports."""
     if platform.machine() != "x86_64":
         raise PreflightError(
             f"attaching to a native process is implemented for x86-64 only, not {platform.machine()}",
@@ -257,30 +259,30 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
             why="attach uses gdb to make the target load the agent",
             fix="apt install gdb",
         )
-    if os.stat(f"/proc/{pid}/root") != os.stat("/"):
-        raise TargetError(
-            f"pid {pid} runs in another mount namespace (a container)",
-            why="the agent library path would not be the same inside it",
-            fix="start the program with `npusnap run -- CMD` inside the container",
-        )
-    deadline = time.monotonic() + timeout
+    return gdb
+
+
+def dlopen_in(
+    pid: int, path: str, deadline: float, give_up: Optional[float] = None
+) -> Optional[dict[str, Any]]:
+    """Make ``pid`` dlopen ``path`` (as the target sees it) on a thread blocked in a lock-free
+    system call, without gdb reading any symbols; {"tid", "safe_point", "stopped_s"}.
+
+    Returns None when no thread was at such a point by ``give_up`` (monotonic; default: the
+    ``deadline``), so that a caller with another way in can take it; raises on any other failure.
+    The target is stopped only while gdb runs (``stopped_s`` is gdb's whole run: an upper bound).
+    """
+    gdb = _check_machine(pid)
+    until = deadline if give_up is None else min(give_up, deadline)
     addr = dlopen_address(pid)
-    workdir = Path(tempfile.mkdtemp(prefix="npusnap-nattach-"))
-    try:
-        os.chmod(workdir, 0o700)
-        copy = workdir / library.name
-        shutil.copyfile(library, copy)
-        os.chmod(copy, 0o700)
-        (workdir / MARKER_NAME).write_bytes(b"")
-        for p in (workdir, copy, workdir / MARKER_NAME):
-            os.chown(p, uid, gid)
-        safe = {str(k): v for k, v in SAFE_SYSCALLS.items()}
+    safe = {str(k): v for k, v in SAFE_SYSCALLS.items()}
+    with tempfile.TemporaryDirectory(prefix="npusnap-gdbcall-") as scratch:
+        script = Path(scratch) / "inject.py"
         while True:
             found = _safe_thread(pid)
             if found is not None:
                 tid, _name = found
-                script = workdir / "inject.py"
-                script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=str(copy), safe=safe))
+                script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=path, safe=safe))
                 left = max(1.0, deadline - time.monotonic())
                 t0 = time.monotonic()
                 out = _run_gdb(
@@ -305,7 +307,7 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
                     fields = out.split("NPUSNAP-ATTACH handle", 1)[1].split()
                     if int(fields[0]) == 0:
                         raise AgentError(
-                            f"dlopen of the agent library failed in pid {pid}",
+                            f"dlopen of {os.path.basename(path)} failed in pid {pid}",
                             why="the process could not load it (see its stderr)",
                             fix="start the program with `npusnap run -- CMD`",
                         )
@@ -323,13 +325,38 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
                         why=out.strip()[-500:],
                         fix="check ptrace permissions (see docs/runbooks/permissions.md)",
                     )
-            if time.monotonic() >= deadline:
-                raise TargetError(
-                    f"no thread of pid {pid} reached a safe point within {timeout:g}s",
-                    why="every thread was running or waiting on a lock; loading the agent then could "
-                    "deadlock the process",
-                    fix=f"retry `npusnap attach {pid}`, or start the program with `npusnap run -- CMD`",
-                )
+            if time.monotonic() >= until:
+                return None
             time.sleep(0.01)
+
+
+def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
+    """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
+    _check_machine(pid)
+    if os.stat(f"/proc/{pid}/root") != os.stat("/"):
+        raise TargetError(
+            f"pid {pid} runs in another mount namespace (a container)",
+            why="the agent library path would not be the same inside it",
+            fix="start the program with `npusnap run -- CMD` inside the container",
+        )
+    deadline = time.monotonic() + timeout
+    workdir = Path(tempfile.mkdtemp(prefix="npusnap-nattach-"))
+    try:
+        os.chmod(workdir, 0o700)
+        copy = workdir / library.name
+        shutil.copyfile(library, copy)
+        os.chmod(copy, 0o700)
+        (workdir / MARKER_NAME).write_bytes(b"")
+        for p in (workdir, copy, workdir / MARKER_NAME):
+            os.chown(p, uid, gid)
+        done = dlopen_in(pid, str(copy), deadline)
+        if done is None:
+            raise TargetError(
+                f"no thread of pid {pid} reached a safe point within {timeout:g}s",
+                why="every thread was running or waiting on a lock; loading the agent then could "
+                "deadlock the process",
+                fix=f"retry `npusnap attach {pid}`, or start the program with `npusnap run -- CMD`",
+            )
+        return done
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
