@@ -38,7 +38,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 LIBS = 240
 FUNCS = 2000
@@ -108,7 +108,9 @@ def build_libs(
         src = build / f"t{t}.c"
         src.write_text(_template_source(t, funcs, pad_mib))
         so = build / f"t{t}.so"
-        subprocess.run([cc, "-g", "-O0", "-shared", "-fPIC", "-o", str(so), str(src)], check=True, timeout=600)
+        subprocess.run(
+            [cc, "-g", "-O0", "-shared", "-fPIC", "-o", str(so), str(src)], check=True, timeout=600
+        )
         return so
 
     with ThreadPoolExecutor(max_workers=max(1, min(templates, os.cpu_count() or 1))) as pool:
@@ -125,7 +127,7 @@ def library_paths(directory: Path) -> List[Path]:
     return sorted(directory.glob(f"{LIB_PREFIX}*.so"))
 
 
-def maps_summary(pid: int) -> dict:
+def maps_summary(pid: int) -> Dict[str, int]:
     """How big the process looks from /proc/PID/maps: mapping lines, distinct files, text MiB."""
     lines = Path(f"/proc/{pid}/maps").read_text(errors="replace").splitlines()
     files = set()
