@@ -639,6 +639,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     cmd = [gdb, "--batch", "-nx", "-q"]
     for setting in (
         "set auto-load off",
+        "set auto-solib-add off",  # gdb_inject.py reads the symbols it needs, not all (seconds)
         "set debuginfod enabled off",
         "set non-stop on",
         "set pagination off",
