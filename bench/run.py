@@ -62,6 +62,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from bench.cases import (  # noqa: E402
     Plan,
+    bench_attach,
     bench_disk,
     bench_hash,
     bench_leave_running,
@@ -244,6 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             bench_startup(session, plan, data)
             bench_disk(session, plan, data)
             bench_hash(plan, data)
+            bench_attach(session, plan, data)
             for size in plan.sizes:
                 for rep in range(plan.reps):
                     # Alternate which goes first so that neither always meets the other's writeback.

@@ -7,6 +7,7 @@ no timing: benchmarks are not tests.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,8 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
     # One row per size in each per-size table (dump, frozen, CRIU alone, leave-running, restore, write rate).
     assert text.count("| 16 MiB |") == 6, text
     assert "| `npusnap --help` |" in text and "| `npusnap status PID` |" in text
+    if shutil.which("gdb") and shutil.which("cc"):
+        assert "## Attach to a JAX-sized process" in text and "| Python 3 (gdb payload) |" in text, text
     assert "bench/run.py --sizes 16 --reps 1" in text  # the command that reproduces it
 
     # Clean: no image, workload or work area left behind, no process running in it.
