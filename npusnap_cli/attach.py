@@ -8,11 +8,17 @@ Two methods, chosen by the target's Python version:
   its next bytecode boundary, which the interpreter guarantees is safe.
 * **3.9-3.13**: gdb makes one thread of the target ``dlopen()`` a tiny payload
   (``native/attach/payload.c``) whose constructor only starts a new thread; that thread takes
-  the GIL properly and runs the bootstrap. gdb calls dlopen only on a thread at a safe point:
-  at a breakpoint on the entry of a libpython function reached from clean points, or on a
-  thread blocked in a system call whose stack holds no allocator/loader frame. The driver
-  script (``native/attach/gdb_inject.py``) explains why; it never runs Python code on a
-  borrowed thread and always detaches.
+  the GIL properly and runs the bootstrap. gdb calls dlopen only on a thread at a safe point.
+  First, reading no symbols at all (``native_attach.dlopen_in``, as for a native program): a
+  thread blocked in a lock-free system call, looked for during FAST_WINDOW_S; gdb reading the
+  symbols of a large job's hundreds of libraries is what stops it for seconds. Otherwise at a
+  breakpoint on the entry of a libpython function reached from clean points, or on a thread
+  blocked in a system call whose stack holds no allocator/loader frame; that driver
+  (``native/attach/gdb_inject.py``) explains why, and reads only the symbols it needs. Neither
+  runs Python code on a borrowed thread; both always detach.
+
+How long the job could not run because of the attach is measured (``stopped_s``, an upper
+bound): gdb's whole run plus the time the bootstrap held the GIL.
 
 Either way the bootstrap writes a status file, and attach succeeds only once the agent answers
 ``hello`` over its control socket with the target's pid. Before acting we probe (memray-style):
