@@ -263,14 +263,17 @@ def _unwind(thread):
     return out, missing
 
 
-def describe_threads():
-    """What every thread is doing (stacks of the stopped ones), for the diagnostics."""
+def describe_threads(stacks=True):
+    """What every thread is doing (stacks of the stopped ones), for the diagnostics.
+
+    Without ``stacks`` only what /proc says: unwinding every thread of a large job (dozens of
+    threads) while all of them are stopped, right after the attach, would lengthen its stop."""
     threads = []
     for th in sorted(inferior().threads(), key=lambda t: t.num)[:MAX_THREADS_REPORTED]:
         tid = th.ptid[1]
         syscall, raw = read_syscall(tid)
         entry = {"tid": tid, "name": th.name, "syscall": syscall, "syscall_raw": raw}
-        if th.is_stopped():
+        if stacks and th.is_stopped():
             entry["frames"] = frames_of(th)[:16]
         threads.append(entry)
     return threads
@@ -494,7 +497,7 @@ def main():
             gdb.execute("handle %s stop print pass" % sig, to_string=True)
         for pattern in ESSENTIAL_LIBS:
             load_symbols(pattern)
-        report["threads"] = describe_threads()
+        report["threads"] = describe_threads(stacks=False)
         for name in SAFE_BREAKPOINTS:
             try:
                 breakpoints.append(gdb.Breakpoint(name, internal=True))

@@ -101,6 +101,7 @@ def timed(job: Job, env: dict[str, str], *args: str) -> tuple[int, dict, float]:
 
 def check_attach_report(res: dict, stall: float, python: bool) -> None:
     stopped = res["stopped_s"]
+    print(f"attach {res['safe_point']}: reported {stopped}s ({res['stop']}), job stalled {stall:.3f}s")
     assert stopped is not None and 0 < stopped < HANG_GUARD_S, res
     assert stopped >= stall - EPSILON_S, f"reported {stopped}s, the job stalled {stall:.3f}s"
     assert res["stop"]["ptrace_s"] is not None and res["stop"]["ptrace_s"] <= stopped
@@ -140,6 +141,24 @@ def test_attach_python_jax_sized_then_dump_leave_running_and_restore(
         numbers = steps(job)
         second = numbers[250:]
         assert second and second == list(range(second[0], 251)) and second[0] > 1, second
+    finally:
+        job.cleanup()
+
+
+def test_attach_busy_jax_sized_python_the_breakpoint_way(
+    libs: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A job with no thread asleep in a lock-free call is entered at a breakpoint: gdb then reads
+    only the symbols it needs, and the stop it reports still covers the job's stall."""
+    env = job_env(sim_env, runtime_dir)
+    argv = [PY, "-m", "npusnap_cli.workloads.jaxsize", "--libs", str(libs), "--"]
+    job = Job(tmp_path, env, [*argv, "--steps", "0", "--interval", "0", "--param-bytes", "4096"], agent=False)
+    try:
+        job.wait_lines(3)
+        rc, res, stall = timed(job, dict(env, NPUSNAP_TEST_ATTACH_WAY="breakpoint"), "attach", str(job.pid))
+        assert rc == 0, res
+        assert res["safe_point"].startswith(("breakpoint:", "syscall:")), res
+        check_attach_report(res, stall, python=True)
     finally:
         job.cleanup()
 
