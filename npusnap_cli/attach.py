@@ -486,9 +486,8 @@ def inject(target: PythonTarget, body: str, timeout: float = DEFAULT_TIMEOUT) ->
             if fast is not None:
                 safe_point, tid, stopped = fast["safe_point"], fast["tid"], fast["stopped_s"]
             else:
-                t0 = time.monotonic()
                 gdb_report = _gdb_inject(target, wd, deadline)
-                stopped = round(time.monotonic() - t0, 3)
+                stopped = gdb_report["stopped_s"]
                 safe_point = gdb_report.get("method")
                 tid = gdb_report.get("tid")
         status = _wait_status(target, wd, deadline, gdb_report)
@@ -655,11 +654,21 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     ):
         cmd += ["-iex", setting]
     cmd += ["-p", str(target.pid), "-x", str(script)]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-    )
+    from npusnap_cli.native_attach import TraceWatch
+
+    t0 = time.monotonic()
+    watch = TraceWatch(target.pid)
     try:
-        out, _ = proc.communicate(timeout=budget + GDB_STARTUP_S)
+        with watch:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                text=True,
+            )
+            out, _ = proc.communicate(timeout=budget + GDB_STARTUP_S)
     except subprocess.TimeoutExpired:
         out = _stop_gdb(proc)
         raise AgentError(
@@ -673,6 +682,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
         report: dict[str, Any] = json.loads(report_path.read_text())
     except (OSError, ValueError):
         raise _gdb_failed(target, out) from None
+    report["stopped_s"] = watch.stopped_s(time.monotonic() - t0)
     if not report.get("detached", False):
         raise AgentError(
             f"gdb could not detach cleanly from pid {target.pid}: {report.get('detach_error')}",

@@ -28,6 +28,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -117,16 +118,21 @@ def manual_call(thread, args, data):
 try:
     gdb.execute("set scheduler-locking on", to_string=True)
     gdb.execute("set unwindonsignal on", to_string=True)
+    # Every thread is stopped now: the one seen asleep before gdb started, or else any other
+    # that is in a lock-free call now (the first may have woken up in the meantime).
     chosen = None
-    for t in gdb.selected_inferior().threads():
-        if t.ptid[1] == tid:
-            chosen = t
-    nr = syscall_of(tid)
-    if chosen is None or str(nr) not in safe:
+    nr = -1
+    threads = sorted(gdb.selected_inferior().threads(), key=lambda t: t.ptid[1] != tid)
+    for t in threads:
+        n = syscall_of(t.ptid[1])
+        if str(n) in safe:
+            chosen, nr = t, n
+            break
+    if chosen is None:
         print("NPUSNAP-ATTACH unsafe %d" % nr)
     else:
         handle = manual_call(chosen, (2,), lib.encode())
-        print("NPUSNAP-ATTACH handle %d %s" % (handle, safe[str(nr)]))
+        print("NPUSNAP-ATTACH handle %d %s %d" % (handle, safe[str(nr)], chosen.ptid[1]))
 except Exception as exc:
     print("NPUSNAP-ATTACH error %s" % exc)
 print("NPUSNAP-ATTACH stopped %.6f" % (time.monotonic() - t0))
@@ -212,6 +218,75 @@ def _safe_thread(pid: int) -> Optional[tuple[int, str]]:
     return None
 
 
+class TraceWatch:
+    """How long ``pid`` was traced, seen from outside while gdb runs.
+
+    A thread reads TracerPid in /proc/PID/status every ``POLL_S``; the target's threads can be
+    stopped only while it is traced. The window runs from the last look that saw it untraced
+    before to the first that saw it untraced again (so a watcher that was scheduled late widens
+    it, never narrows it), plus ``MARGIN_S`` for gdb detaching the other threads after the main
+    one. ``stopped_s(wall)`` is that window, never more than gdb's whole run ``wall``, which is
+    the bound when no window was seen (gdb's start-up before it attaches is in ``wall``, not in
+    the window: on a busy machine it is most of it).
+    """
+
+    POLL_S = 0.001
+    MARGIN_S = 0.01
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="npusnap-tracewatch", daemon=True)
+
+    def _traced(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"TracerPid:"):
+                        return line.split()[1] != b"0"
+        except OSError:
+            pass
+        return False
+
+    def _run(self) -> None:
+        untraced_at = time.monotonic()
+        inside = False
+        while True:
+            stopping = self._stop.is_set()
+            traced = self._traced()
+            now = time.monotonic()
+            if traced and not inside:
+                inside = True
+                if self.first is None:
+                    self.first = untraced_at
+            if traced:
+                self.last = now  # still traced: the window reaches at least here
+            elif inside:
+                inside = False
+                self.last = now  # the first look that saw it untraced again
+            else:
+                untraced_at = now
+            if stopping:
+                return
+            self._stop.wait(self.POLL_S)
+
+    def __enter__(self) -> TraceWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def stopped_s(self, wall: float) -> float:
+        if self.first is None or self.last is None:
+            return round(wall, 3)
+        window = self.last - self.first + self.MARGIN_S
+        return round(min(wall, window), 3)
+
+
 def _run_gdb(argv: list[str], budget: float, pid: int) -> str:
     """Run gdb to its end; its stdout and stderr.
 
@@ -285,24 +360,26 @@ def dlopen_in(
                 script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=path, safe=safe))
                 left = max(1.0, deadline - time.monotonic())
                 t0 = time.monotonic()
-                out = _run_gdb(
-                    [
-                        gdb,
-                        "-nx",
-                        "-batch",
-                        "-iex",
-                        "set auto-solib-add off",
-                        "-iex",
-                        "set pagination off",
-                        "-p",
-                        str(pid),
-                        "-x",
-                        str(script),
-                    ],
-                    left + 5,
-                    pid,
-                )
+                with TraceWatch(pid) as watch:
+                    out = _run_gdb(
+                        [
+                            gdb,
+                            "-nx",
+                            "-batch",
+                            "-iex",
+                            "set auto-solib-add off",
+                            "-iex",
+                            "set pagination off",
+                            "-p",
+                            str(pid),
+                            "-x",
+                            str(script),
+                        ],
+                        left + 5,
+                        pid,
+                    )
                 wall = time.monotonic() - t0
+                stopped = watch.stopped_s(wall)
                 if "NPUSNAP-ATTACH handle" in out:
                     fields = out.split("NPUSNAP-ATTACH handle", 1)[1].split()
                     if int(fields[0]) == 0:
@@ -311,7 +388,8 @@ def dlopen_in(
                             why="the process could not load it (see its stderr)",
                             fix="start the program with `npusnap run -- CMD`",
                         )
-                    return {"tid": tid, "safe_point": f"syscall:{fields[1]}", "stopped_s": round(wall, 3)}
+                    used = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else tid
+                    return {"tid": used, "safe_point": f"syscall:{fields[1]}", "stopped_s": stopped}
                 if "NPUSNAP-ATTACH error" in out:
                     raise AgentError(
                         f"loading the agent into pid {pid} failed: "
