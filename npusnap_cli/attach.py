@@ -18,7 +18,7 @@ Two methods, chosen by the target's Python version:
   runs Python code on a borrowed thread; both always detach.
 
 How long the job could not run because of the attach is measured (``stopped_s``, an upper
-bound): gdb's whole run plus the time the bootstrap held the GIL.
+bound): how long gdb had it traced, watched from outside, plus the time the bootstrap held the GIL.
 
 Either way the bootstrap writes a status file, and attach succeeds only once the agent answers
 ``hello`` over its control socket with the target's pid. Before acting we probe (memray-style):
@@ -104,8 +104,8 @@ class InjectResult:
     tid: Optional[int]  # gdb: the thread that called dlopen
     status: dict[str, Any]
     elapsed_s: float
-    # How long the target was stopped by ptrace (gdb's whole run, an upper bound); None for
-    # sys.remote_exec, which does not stop it.
+    # How long the target was stopped by ptrace (native_attach.TraceWatch: an upper bound); None
+    # for sys.remote_exec, which does not stop it.
     ptrace_stopped_s: Optional[float] = None
 
     @property
@@ -127,7 +127,7 @@ class AttachResult:
     hello: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
     # How long the job could not run because of the attach (an upper bound; None: nothing was
-    # injected): stopped by ptrace (gdb's whole run) plus, in a Python target, the time the
+    # injected): traced by gdb (native_attach.TraceWatch) plus, in a Python target, the time the
     # bootstrap held the GIL. ``stop`` has the parts.
     stopped_s: Optional[float] = None
     stop: dict[str, Any] = field(default_factory=dict)

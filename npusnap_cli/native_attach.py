@@ -13,7 +13,8 @@ How, and why this way:
   before the target is stopped, from libc's dynamic symbol table and its load address in
   /proc/PID/maps. Reading symbols is what stops a large process (a JAX or PyTorch job maps
   hundreds of libraries) for seconds; without it the stop is a fraction of a second.
-* The time the target was stopped is measured (gdb's whole run, an upper bound) and reported.
+* The time the target was stopped is measured from outside (``TraceWatch``: while it is traced,
+  an upper bound) and reported.
 * ``dlopen_in`` is also the first way into a Python target (attach.py): a Python job that has a
   thread asleep in such a call gets the attach payload the same way, without symbols.
 
@@ -345,7 +346,7 @@ def dlopen_in(
 
     Returns None when no thread was at such a point by ``give_up`` (monotonic; default: the
     ``deadline``), so that a caller with another way in can take it; raises on any other failure.
-    The target is stopped only while gdb runs (``stopped_s`` is gdb's whole run: an upper bound).
+    The target is stopped only while gdb has it traced (``stopped_s``: TraceWatch, an upper bound).
     """
     gdb = _check_machine(pid)
     until = deadline if give_up is None else min(give_up, deadline)
