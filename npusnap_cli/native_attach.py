@@ -354,6 +354,11 @@ def dlopen_in(
     safe = {str(k): v for k, v in SAFE_SYSCALLS.items()}
     with tempfile.TemporaryDirectory(prefix="npusnap-gdbcall-") as scratch:
         script = Path(scratch) / "inject.py"
+        # gdb opens every library of the process to map its sections even when it reads no
+        # symbols (a large job: hundreds of files, most of the stop); looked for under an empty
+        # directory, none is found and none is opened. The call needs none of them.
+        nowhere = Path(scratch) / "no-sysroot"
+        nowhere.mkdir()
         while True:
             found = _safe_thread(pid)
             if found is not None:
@@ -371,6 +376,8 @@ def dlopen_in(
                             "set auto-solib-add off",
                             "-iex",
                             "set pagination off",
+                            "-iex",
+                            f"set sysroot {nowhere}",
                             "-p",
                             str(pid),
                             "-x",
