@@ -429,7 +429,7 @@ def bench_attach(s: Session, plan: Plan, out: Samples) -> None:
                 time.sleep(0.3)
             finally:
                 arrivals = clock.stop()
-            gap = jaxsize.StepClock.stall(arrivals, since, until)
+            gap = jaxsize.StepClock.stall(arrivals, since, until, end=time.monotonic())
             out.add(0, f"attach_{kind}_stopped_s", res.get("stopped_s"))
             out.add(0, f"attach_{kind}_gap_s", gap)
             out.add(0, f"attach_{kind}_wall_s", wall)

@@ -184,14 +184,18 @@ class StepClock:
         return list(self.arrivals)
 
     @staticmethod
-    def stall(arrivals: List[float], since: float, until: float) -> float:
+    def stall(arrivals: List[float], since: float, until: float, end: Optional[float] = None) -> float:
         """The longest gap between steps that overlaps [since, until], less the usual step time
-        (the median gap): how long the job did not make progress beyond its normal pace."""
+        (the median gap): how long the job did not make progress beyond its normal pace.
+
+        ``end``: when the clock stopped; the silence from the last step to then counts as a gap
+        too, so that a job left stopped shows as stalled, not as fine."""
         gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
         if not gaps:
-            return 0.0
+            return 0.0 if end is None else end - since
         usual = gaps[len(gaps) // 2]
-        around = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= since and a <= until]
+        marks = arrivals + ([end] if end is not None and end > arrivals[-1] else [])
+        around = [b - a for a, b in zip(marks, marks[1:]) if b >= since and a <= until]
         return max(0.0, max(around, default=usual) - usual)
 
 

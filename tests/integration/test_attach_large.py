@@ -94,7 +94,8 @@ def timed(job: Job, env: dict[str, str], *args: str) -> tuple[int, dict, float]:
     rc, out, err = cli(env, *args, timeout=120)
     until = time.monotonic()
     time.sleep(0.3)  # the step after the resume
-    stall = jaxsize.StepClock.stall(clock.stop(), since, until)
+    arrivals = clock.stop()
+    stall = jaxsize.StepClock.stall(arrivals, since, until, end=time.monotonic())
     assert out is not None, err
     return rc, out.get("result") or out.get("error") or {}, stall
 
