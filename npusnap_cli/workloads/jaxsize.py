@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -101,6 +102,15 @@ def build_libs(
     if (out / "DONE").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (two test sessions, or a test and the bench, may start together).
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "DONE").is_file():
+            _build(out, libs, funcs, pad_mib, templates, cc)
+    return out
+
+
+def _build(out: Path, libs: int, funcs: int, pad_mib: int, templates: int, cc: str) -> None:
     build = out / "templates"
     build.mkdir(exist_ok=True)
 
@@ -120,7 +130,6 @@ def build_libs(
     for so in made:
         so.unlink()
     (out / "DONE").write_text(f"{libs} libraries, {funcs} functions, {pad_mib} MiB text each\n")
-    return out
 
 
 def library_paths(directory: Path) -> List[Path]:
