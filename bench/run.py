@@ -71,6 +71,7 @@ if str(REPO_ROOT) not in sys.path:
 from bench.cases import (  # noqa: E402
     LAZY_DEVICE_MIB,
     Plan,
+    bench_attach,
     bench_copyrate,
     bench_disk,
     bench_hash,
@@ -331,6 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 bench_disk(session, plan, data)
                 bench_hash(plan, data)
                 bench_copyrate(session, plan, data)
+                bench_attach(session, plan, data)
             for size in [] if ns.only_lazy else plan.sizes:
                 for rep in range(plan.reps):
                     # Alternate which goes first so that neither always meets the other's writeback.

@@ -8,11 +8,17 @@ Two methods, chosen by the target's Python version:
   its next bytecode boundary, which the interpreter guarantees is safe.
 * **3.9-3.13**: gdb makes one thread of the target ``dlopen()`` a tiny payload
   (``native/attach/payload.c``) whose constructor only starts a new thread; that thread takes
-  the GIL properly and runs the bootstrap. gdb calls dlopen only on a thread at a safe point:
-  at a breakpoint on the entry of a libpython function reached from clean points, or on a
-  thread blocked in a system call whose stack holds no allocator/loader frame. The driver
-  script (``native/attach/gdb_inject.py``) explains why; it never runs Python code on a
-  borrowed thread and always detaches.
+  the GIL properly and runs the bootstrap. gdb calls dlopen only on a thread at a safe point.
+  First, reading no symbols at all (``native_attach.dlopen_in``, as for a native program): a
+  thread blocked in a lock-free system call, looked for during FAST_WINDOW_S; gdb reading the
+  symbols of a large job's hundreds of libraries is what stops it for seconds. Otherwise at a
+  breakpoint on the entry of a libpython function reached from clean points, or on a thread
+  blocked in a system call whose stack holds no allocator/loader frame; that driver
+  (``native/attach/gdb_inject.py``) explains why, and reads only the symbols it needs. Neither
+  runs Python code on a borrowed thread; both always detach.
+
+How long the job could not run because of the attach is measured (``stopped_s``, an upper
+bound): how long gdb had it traced, watched from outside, plus the time the bootstrap held the GIL.
 
 Either way the bootstrap writes a status file, and attach succeeds only once the agent answers
 ``hello`` over its control socket with the target's pid. Before acting we probe (memray-style):
@@ -58,6 +64,9 @@ GDB_SCRIPT_NAME = "gdb_inject.py"
 BREAK_WAIT_S = 0.25
 # gdb needs this much beyond the driver's own budget to start, read symbols and detach.
 GDB_STARTUP_S = 15.0
+# How long to look for a thread asleep in a lock-free system call (the symbol-free way in,
+# native_attach.dlopen_in) before falling back to breakpoints, which need gdb to read symbols.
+FAST_WINDOW_S = 1.0
 
 _LIBPYTHON_RE = re.compile(r"/libpython(\d+)\.(\d+)[a-z]*\.so")
 _PYTHON_EXE_RE = re.compile(r"^python(\d+)\.(\d+)[a-z]*$")
@@ -95,6 +104,15 @@ class InjectResult:
     tid: Optional[int]  # gdb: the thread that called dlopen
     status: dict[str, Any]
     elapsed_s: float
+    # How long the target was stopped by ptrace (native_attach.TraceWatch: an upper bound); None
+    # for sys.remote_exec, which does not stop it.
+    ptrace_stopped_s: Optional[float] = None
+
+    @property
+    def stopped_s(self) -> float:
+        """The longest the job could not run because of the attach (an upper bound): stopped by
+        ptrace, then its Python threads waiting while the bootstrap held the GIL."""
+        return round((self.ptrace_stopped_s or 0.0) + float(self.status.get("gil_s") or 0.0), 3)
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,11 @@ class AttachResult:
     tid: Optional[int] = None
     hello: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
-    stopped_s: Optional[float] = None  # native attach: how long gdb held the target (upper bound)
+    # How long the job could not run because of the attach (an upper bound; None: nothing was
+    # injected): traced by gdb (native_attach.TraceWatch) plus, in a Python target, the time the
+    # bootstrap held the GIL. ``stop`` has the parts.
+    stopped_s: Optional[float] = None
+    stop: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +138,7 @@ class AttachResult:
             "method": self.method,
             "python": self.python,
             "stopped_s": self.stopped_s,
+            "stop": self.stop,
             "socket": self.socket,
             "elapsed_s": round(self.elapsed_s, 3),
             "safe_point": self.safe_point,
@@ -352,11 +375,12 @@ def _write_private(path: Path, data: bytes, mode: int, target: PythonTarget) -> 
 
 
 _BOOTSTRAP_FRAME = """\
-import _thread, json, os, sys, traceback
+import _thread, json, os, sys, time, traceback
+_T0 = time.monotonic()
 _DIR = {dir!r}
 def _report(data):
     data.update(pid=os.getpid(), python="%d.%d.%d" % sys.version_info[:3],
-                native_tid=_thread.get_native_id())
+                native_tid=_thread.get_native_id(), gil_s=round(time.monotonic() - _T0, 4))
     tmp = os.path.join(_DIR, ".status.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -453,12 +477,19 @@ def inject(target: PythonTarget, body: str, timeout: float = DEFAULT_TIMEOUT) ->
         safe_point: Optional[str] = None
         tid: Optional[int] = None
         gdb_report: dict[str, Any] = {}
+        stopped: Optional[float] = None
         if target.method == "remote_exec":
             _remote_exec(target, f"{wd.target}/{BOOTSTRAP_NAME}", deadline)
         else:
-            gdb_report = _gdb_inject(target, wd, deadline)
-            safe_point = gdb_report.get("method")
-            tid = gdb_report.get("tid")
+            _place_payload(target, wd)
+            fast = _fast_inject(target, wd, deadline)
+            if fast is not None:
+                safe_point, tid, stopped = fast["safe_point"], fast["tid"], fast["stopped_s"]
+            else:
+                gdb_report = _gdb_inject(target, wd, deadline)
+                stopped = gdb_report["stopped_s"]
+                safe_point = gdb_report.get("method")
+                tid = gdb_report.get("tid")
         status = _wait_status(target, wd, deadline, gdb_report)
     return InjectResult(
         pid=target.pid,
@@ -467,7 +498,44 @@ def inject(target: PythonTarget, body: str, timeout: float = DEFAULT_TIMEOUT) ->
         tid=tid,
         status=status,
         elapsed_s=time.monotonic() - start,
+        ptrace_stopped_s=stopped,
     )
+
+
+def _place_payload(target: PythonTarget, wd: _Workdir) -> None:
+    payload = paths.attach_payload_path()
+    if not payload.is_file() or not (payload.parent / GDB_SCRIPT_NAME).is_file():
+        raise PreflightError(
+            f"the attach payload is not built ({payload})",
+            why="native code is built by the setup script",
+            fix="run ./scripts/setup.sh (or `make -C native`)",
+        )
+    if find_gdb() is None:
+        raise PreflightError(
+            f"gdb is needed to attach to Python {target.version_str} but is not installed",
+            why="before Python 3.14 there is no safe built-in way to run code in another process",
+            fix="apt-get install gdb (or dnf install gdb), or start the job with `npusnap run -- <command>`",
+        )
+    # A fresh copy per attach: dlopen() of an already-loaded path would not run the constructor.
+    _write_private(wd.host / PAYLOAD_NAME, payload.read_bytes(), 0o700, target)
+
+
+def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optional[dict[str, Any]]:
+    """The payload dlopened on a thread asleep in a lock-free system call, gdb reading no symbols
+    (native_attach.dlopen_in): a large job (hundreds of libraries) is stopped a fraction of a
+    second instead of the seconds gdb takes to read their symbols. None when it does not apply
+    (not x86-64, a container's filesystem, no such thread within FAST_WINDOW_S): the caller then
+    uses the breakpoint method, which reads symbols."""
+    import platform
+
+    from npusnap_cli import native_attach
+
+    if platform.machine() != "x86_64" or target.root != "/":
+        return None
+    if os.environ.get("NPUSNAP_TEST_ATTACH_WAY") == "breakpoint":  # tests only: the other way in
+        return None
+    give_up = time.monotonic() + min(FAST_WINDOW_S, max(0.0, deadline - time.monotonic()) / 2)
+    return native_attach.dlopen_in(target.pid, f"{wd.target}/{PAYLOAD_NAME}", deadline, give_up)
 
 
 def _wait_status(
@@ -563,22 +631,8 @@ def _remote_exec(target: PythonTarget, script: str, deadline: float) -> None:
 
 def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str, Any]:
     gdb = find_gdb()
-    if gdb is None:
-        raise PreflightError(
-            f"gdb is needed to attach to Python {target.version_str} but is not installed",
-            why="before Python 3.14 there is no safe built-in way to run code in another process",
-            fix="apt-get install gdb (or dnf install gdb), or start the job with `npusnap run -- <command>`",
-        )
-    payload = paths.attach_payload_path()
-    script = payload.parent / GDB_SCRIPT_NAME
-    if not payload.is_file() or not script.is_file():
-        raise PreflightError(
-            f"the attach payload is not built ({payload})",
-            why="native code is built by the setup script",
-            fix="run ./scripts/setup.sh (or `make -C native`)",
-        )
-    # A fresh copy per attach: dlopen() of an already-loaded path would not run the constructor.
-    _write_private(wd.host / PAYLOAD_NAME, payload.read_bytes(), 0o700, target)
+    assert gdb is not None  # _place_payload checked
+    script = paths.attach_payload_path().parent / GDB_SCRIPT_NAME
     report_path = wd.host / "gdb-report.json"
     budget = max(1.0, deadline - time.monotonic() - 1.0)
     env = dict(os.environ)
@@ -592,6 +646,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     cmd = [gdb, "--batch", "-nx", "-q"]
     for setting in (
         "set auto-load off",
+        "set auto-solib-add off",  # gdb_inject.py reads the symbols it needs, not all (seconds)
         "set debuginfod enabled off",
         "set non-stop on",
         "set pagination off",
@@ -599,11 +654,21 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     ):
         cmd += ["-iex", setting]
     cmd += ["-p", str(target.pid), "-x", str(script)]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-    )
+    from npusnap_cli.native_attach import TraceWatch
+
+    t0 = time.monotonic()
+    watch = TraceWatch(target.pid)
     try:
-        out, _ = proc.communicate(timeout=budget + GDB_STARTUP_S)
+        with watch:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                text=True,
+            )
+            out, _ = proc.communicate(timeout=budget + GDB_STARTUP_S)
     except subprocess.TimeoutExpired:
         out = _stop_gdb(proc)
         raise AgentError(
@@ -617,6 +682,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
         report: dict[str, Any] = json.loads(report_path.read_text())
     except (OSError, ValueError):
         raise _gdb_failed(target, out) from None
+    report["stopped_s"] = watch.stopped_s(time.monotonic() - t0)
     if not report.get("detached", False):
         raise AgentError(
             f"gdb could not detach cleanly from pid {target.pid}: {report.get('detach_error')}",
@@ -791,6 +857,7 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         tid=done["tid"],
         hello=hello,
         stopped_s=done["stopped_s"],
+        stop={"ptrace_s": done["stopped_s"], "gil_s": None},
     )
 
 
@@ -840,4 +907,6 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         tid=result.tid,
         hello=hello,
         notes=tuple(str(n) for n in [result.status.get("note")] if n),
+        stopped_s=result.stopped_s,
+        stop={"ptrace_s": result.ptrace_stopped_s, "gil_s": result.status.get("gil_s")},
     )

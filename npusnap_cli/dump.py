@@ -85,7 +85,7 @@ class DumpOutcome:
     manifest: img.Manifest
     attached: tuple[int, ...] = ()
     logs: Optional[str] = None
-    # pid -> how long attach held it stopped (native attach; upper bound), for the timings
+    # pid -> how long the dump's attach stopped it (upper bound; the manifest keeps the longest)
     attach_stopped_s: tuple[tuple[int, float], ...] = ()
     # What the stale-temp cleanup did next to DIR (removed, recovered, refused: one line each).
     leftovers: tuple[str, ...] = ()
@@ -93,8 +93,6 @@ class DumpOutcome:
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
         timings: dict[str, Any] = dict(m.timings.to_dict())
-        # A job stalls while attach holds it too, not only while it is frozen for the dump.
-        timings["attach_stopped_s"] = {str(p): s for p, s in self.attach_stopped_s} or None
         return {
             "image": self.image,
             "leftovers": list(self.leftovers),
@@ -104,6 +102,8 @@ class DumpOutcome:
             "pids": [p.pid for p in m.processes],
             "leave_running": m.leave_running,
             "attached": list(self.attached),
+            # A job stalls while attach stops it too, not only while it is frozen for the dump.
+            "attach_stopped": {str(p): s for p, s in self.attach_stopped_s},
             "logs": self.logs,
             "timings": timings,
             "bytes": m.bytes.to_dict(),
@@ -1139,6 +1139,7 @@ class _Pipeline:
             criu_total_s=self.clock.marks.get("criu"),
             unlock_s=unlock_s,
             frozen_s=frozen_end - lock_start,
+            attach_stopped_s=max((s for _, s in self.target.attach_stopped_s), default=None),
         )
         page = os.sysconf("SC_PAGE_SIZE")
         return img.Manifest(

@@ -238,6 +238,9 @@ class Timings:
     unlock_s: Optional[float] = None
     frozen_s: Optional[float] = None
     total_s: Optional[float] = None
+    # The longest the dump's own attach stopped a process of the job (upper bound; None: the
+    # dump attached nothing): the job stalls then too, before and apart from frozen_s.
+    attach_stopped_s: Optional[float] = None
 
     def to_dict(self) -> dict[str, Optional[float]]:
         return {k: (None if v is None else round(v, 6)) for k, v in self.__dict__.items()}

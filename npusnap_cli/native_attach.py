@@ -13,7 +13,10 @@ How, and why this way:
   before the target is stopped, from libc's dynamic symbol table and its load address in
   /proc/PID/maps. Reading symbols is what stops a large process (a JAX or PyTorch job maps
   hundreds of libraries) for seconds; without it the stop is a fraction of a second.
-* The time the target was stopped is measured (gdb's whole run, an upper bound) and reported.
+* The time the target was stopped is measured from outside (``TraceWatch``: while it is traced,
+  an upper bound) and reported.
+* ``dlopen_in`` is also the first way into a Python target (attach.py): a Python job that has a
+  thread asleep in such a call gets the attach payload the same way, without symbols.
 
 x86-64 only (the syscall numbers below); other machines get a clear refusal.
 """
@@ -26,6 +29,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -115,16 +119,21 @@ def manual_call(thread, args, data):
 try:
     gdb.execute("set scheduler-locking on", to_string=True)
     gdb.execute("set unwindonsignal on", to_string=True)
+    # Every thread is stopped now: the one seen asleep before gdb started, or else any other
+    # that is in a lock-free call now (the first may have woken up in the meantime).
     chosen = None
-    for t in gdb.selected_inferior().threads():
-        if t.ptid[1] == tid:
-            chosen = t
-    nr = syscall_of(tid)
-    if chosen is None or str(nr) not in safe:
+    nr = -1
+    threads = sorted(gdb.selected_inferior().threads(), key=lambda t: t.ptid[1] != tid)
+    for t in threads:
+        n = syscall_of(t.ptid[1])
+        if str(n) in safe:
+            chosen, nr = t, n
+            break
+    if chosen is None:
         print("NPUSNAP-ATTACH unsafe %d" % nr)
     else:
         handle = manual_call(chosen, (2,), lib.encode())
-        print("NPUSNAP-ATTACH handle %d %s" % (handle, safe[str(nr)]))
+        print("NPUSNAP-ATTACH handle %d %s %d" % (handle, safe[str(nr)], chosen.ptid[1]))
 except Exception as exc:
     print("NPUSNAP-ATTACH error %s" % exc)
 print("NPUSNAP-ATTACH stopped %.6f" % (time.monotonic() - t0))
@@ -210,6 +219,75 @@ def _safe_thread(pid: int) -> Optional[tuple[int, str]]:
     return None
 
 
+class TraceWatch:
+    """How long ``pid`` was traced, seen from outside while gdb runs.
+
+    A thread reads TracerPid in /proc/PID/status every ``POLL_S``; the target's threads can be
+    stopped only while it is traced. The window runs from the last look that saw it untraced
+    before to the first that saw it untraced again (so a watcher that was scheduled late widens
+    it, never narrows it), plus ``MARGIN_S`` for gdb detaching the other threads after the main
+    one. ``stopped_s(wall)`` is that window, never more than gdb's whole run ``wall``, which is
+    the bound when no window was seen (gdb's start-up before it attaches is in ``wall``, not in
+    the window: on a busy machine it is most of it).
+    """
+
+    POLL_S = 0.001
+    MARGIN_S = 0.01
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="npusnap-tracewatch", daemon=True)
+
+    def _traced(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"TracerPid:"):
+                        return line.split()[1] != b"0"
+        except OSError:
+            pass
+        return False
+
+    def _run(self) -> None:
+        untraced_at = time.monotonic()
+        inside = False
+        while True:
+            stopping = self._stop.is_set()
+            traced = self._traced()
+            now = time.monotonic()
+            if traced and not inside:
+                inside = True
+                if self.first is None:
+                    self.first = untraced_at
+            if traced:
+                self.last = now  # still traced: the window reaches at least here
+            elif inside:
+                inside = False
+                self.last = now  # the first look that saw it untraced again
+            else:
+                untraced_at = now
+            if stopping:
+                return
+            self._stop.wait(self.POLL_S)
+
+    def __enter__(self) -> TraceWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def stopped_s(self, wall: float) -> float:
+        if self.first is None or self.last is None:
+            return round(wall, 3)
+        window = self.last - self.first + self.MARGIN_S
+        return round(min(wall, window), 3)
+
+
 def _run_gdb(argv: list[str], budget: float, pid: int) -> str:
     """Run gdb to its end; its stdout and stderr.
 
@@ -242,8 +320,8 @@ def _run_gdb(argv: list[str], budget: float, pid: int) -> str:
     )
 
 
-def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
-    """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
+def _check_machine(pid: int) -> str:
+    """gdb's path, after checking that this machine and ``pid`` are ones the hand-made call supports."""
     if platform.machine() != "x86_64":
         raise PreflightError(
             f"attaching to a native process is implemented for x86-64 only, not {platform.machine()}",
@@ -257,59 +335,69 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
             why="attach uses gdb to make the target load the agent",
             fix="apt install gdb",
         )
-    if os.stat(f"/proc/{pid}/root") != os.stat("/"):
-        raise TargetError(
-            f"pid {pid} runs in another mount namespace (a container)",
-            why="the agent library path would not be the same inside it",
-            fix="start the program with `npusnap run -- CMD` inside the container",
-        )
-    deadline = time.monotonic() + timeout
+    return gdb
+
+
+def dlopen_in(
+    pid: int, path: str, deadline: float, give_up: Optional[float] = None
+) -> Optional[dict[str, Any]]:
+    """Make ``pid`` dlopen ``path`` (as the target sees it) on a thread blocked in a lock-free
+    system call, without gdb reading any symbols; {"tid", "safe_point", "stopped_s"}.
+
+    Returns None when no thread was at such a point by ``give_up`` (monotonic; default: the
+    ``deadline``), so that a caller with another way in can take it; raises on any other failure.
+    The target is stopped only while gdb has it traced (``stopped_s``: TraceWatch, an upper bound).
+    """
+    gdb = _check_machine(pid)
+    until = deadline if give_up is None else min(give_up, deadline)
     addr = dlopen_address(pid)
-    workdir = Path(tempfile.mkdtemp(prefix="npusnap-nattach-"))
-    try:
-        os.chmod(workdir, 0o700)
-        copy = workdir / library.name
-        shutil.copyfile(library, copy)
-        os.chmod(copy, 0o700)
-        (workdir / MARKER_NAME).write_bytes(b"")
-        for p in (workdir, copy, workdir / MARKER_NAME):
-            os.chown(p, uid, gid)
-        safe = {str(k): v for k, v in SAFE_SYSCALLS.items()}
+    safe = {str(k): v for k, v in SAFE_SYSCALLS.items()}
+    with tempfile.TemporaryDirectory(prefix="npusnap-gdbcall-") as scratch:
+        script = Path(scratch) / "inject.py"
+        # gdb opens every library of the process to map its sections even when it reads no
+        # symbols (a large job: hundreds of files, most of the stop); looked for under an empty
+        # directory, none is found and none is opened. The call needs none of them.
+        nowhere = Path(scratch) / "no-sysroot"
+        nowhere.mkdir()
         while True:
             found = _safe_thread(pid)
             if found is not None:
                 tid, _name = found
-                script = workdir / "inject.py"
-                script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=str(copy), safe=safe))
+                script.write_text(GDB_SCRIPT.format(pid=pid, tid=tid, addr=addr, lib=path, safe=safe))
                 left = max(1.0, deadline - time.monotonic())
                 t0 = time.monotonic()
-                out = _run_gdb(
-                    [
-                        gdb,
-                        "-nx",
-                        "-batch",
-                        "-iex",
-                        "set auto-solib-add off",
-                        "-iex",
-                        "set pagination off",
-                        "-p",
-                        str(pid),
-                        "-x",
-                        str(script),
-                    ],
-                    left + 5,
-                    pid,
-                )
+                with TraceWatch(pid) as watch:
+                    out = _run_gdb(
+                        [
+                            gdb,
+                            "-nx",
+                            "-batch",
+                            "-iex",
+                            "set auto-solib-add off",
+                            "-iex",
+                            "set pagination off",
+                            "-iex",
+                            f"set sysroot {nowhere}",
+                            "-p",
+                            str(pid),
+                            "-x",
+                            str(script),
+                        ],
+                        left + 5,
+                        pid,
+                    )
                 wall = time.monotonic() - t0
+                stopped = watch.stopped_s(wall)
                 if "NPUSNAP-ATTACH handle" in out:
                     fields = out.split("NPUSNAP-ATTACH handle", 1)[1].split()
                     if int(fields[0]) == 0:
                         raise AgentError(
-                            f"dlopen of the agent library failed in pid {pid}",
+                            f"dlopen of {os.path.basename(path)} failed in pid {pid}",
                             why="the process could not load it (see its stderr)",
                             fix="start the program with `npusnap run -- CMD`",
                         )
-                    return {"tid": tid, "safe_point": f"syscall:{fields[1]}", "stopped_s": round(wall, 3)}
+                    used = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else tid
+                    return {"tid": used, "safe_point": f"syscall:{fields[1]}", "stopped_s": stopped}
                 if "NPUSNAP-ATTACH error" in out:
                     raise AgentError(
                         f"loading the agent into pid {pid} failed: "
@@ -323,13 +411,38 @@ def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[
                         why=out.strip()[-500:],
                         fix="check ptrace permissions (see docs/runbooks/permissions.md)",
                     )
-            if time.monotonic() >= deadline:
-                raise TargetError(
-                    f"no thread of pid {pid} reached a safe point within {timeout:g}s",
-                    why="every thread was running or waiting on a lock; loading the agent then could "
-                    "deadlock the process",
-                    fix=f"retry `npusnap attach {pid}`, or start the program with `npusnap run -- CMD`",
-                )
+            if time.monotonic() >= until:
+                return None
             time.sleep(0.01)
+
+
+def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
+    """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
+    _check_machine(pid)
+    if os.stat(f"/proc/{pid}/root") != os.stat("/"):
+        raise TargetError(
+            f"pid {pid} runs in another mount namespace (a container)",
+            why="the agent library path would not be the same inside it",
+            fix="start the program with `npusnap run -- CMD` inside the container",
+        )
+    deadline = time.monotonic() + timeout
+    workdir = Path(tempfile.mkdtemp(prefix="npusnap-nattach-"))
+    try:
+        os.chmod(workdir, 0o700)
+        copy = workdir / library.name
+        shutil.copyfile(library, copy)
+        os.chmod(copy, 0o700)
+        (workdir / MARKER_NAME).write_bytes(b"")
+        for p in (workdir, copy, workdir / MARKER_NAME):
+            os.chown(p, uid, gid)
+        done = dlopen_in(pid, str(copy), deadline)
+        if done is None:
+            raise TargetError(
+                f"no thread of pid {pid} reached a safe point within {timeout:g}s",
+                why="every thread was running or waiting on a lock; loading the agent then could "
+                "deadlock the process",
+                fix=f"retry `npusnap attach {pid}`, or start the program with `npusnap run -- CMD`",
+            )
+        return done
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

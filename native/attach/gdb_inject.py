@@ -201,9 +201,50 @@ def blocked_tids(exclude):
     return [tid for tid in tids if tid not in exclude and read_syscall(tid)[0] is not None]
 
 
+# gdb reads no library's symbols by itself (`set auto-solib-add off`): reading those of a large
+# job (hundreds of libraries, a JAX or PyTorch process) stops it for seconds. It reads those of
+# the libraries the driver needs (the interpreter's, for the breakpoints; libc's and the loader's,
+# for dlopen and the allocator/loader frames it must recognise), and those of any library that
+# shows up in the stack of a thread it examines (so that the stack unwinds through it).
+ESSENTIAL_LIBS = ("libpython", "libc\\.so", "libc-", "ld-linux", "libpthread", "libdl")
+_loaded_libs = set()
+
+
+def load_symbols(pattern):
+    if pattern in _loaded_libs:
+        return
+    _loaded_libs.add(pattern)
+    try:
+        gdb.execute("sharedlibrary %s" % pattern, to_string=True)
+    except gdb.error:
+        pass
+
+
+def _lib_pattern(path):
+    """A `sharedlibrary` regexp for exactly this library (its file name, dots escaped)."""
+    base = os.path.basename(path)
+    if not re.match(r"^[A-Za-z0-9_.+-]+$", base):
+        return "."  # an odd name: read them all (slow, but correct)
+    # "+" (libstdc++) is literal in a basic regexp and a repetition in an extended one: "." fits both.
+    return "/" + base.replace(".", "\\.").replace("+", ".") + "$"
+
+
 def frames_of(thread):
-    """The stopped thread's stack as [{'name', 'lib'}], innermost first."""
+    """The stopped thread's stack as [{'name', 'lib'}], innermost first; reads the symbols of the
+    libraries on it first (they are not read up front)."""
+    for _ in range(8):
+        out, missing = _unwind(thread)
+        new = [p for p in (_lib_pattern(lib) for lib in missing) if p not in _loaded_libs]
+        if not new:
+            return out
+        for pattern in new:
+            load_symbols(pattern)
+    return out
+
+
+def _unwind(thread):
     out = []
+    missing = []
     try:
         thread.switch()
         frame = gdb.newest_frame()
@@ -214,20 +255,25 @@ def frames_of(thread):
             except gdb.error:
                 pass
             out.append({"name": frame.name() or "??", "lib": os.path.basename(lib) if lib else None})
+            if lib and frame.name() is None and lib not in missing:
+                missing.append(lib)
             frame = frame.older()
     except gdb.error as exc:
         out.append({"name": "<unwind error: %s>" % exc, "lib": None})
-    return out
+    return out, missing
 
 
-def describe_threads():
-    """What every thread is doing (stacks of the stopped ones), for the diagnostics."""
+def describe_threads(stacks=True):
+    """What every thread is doing (stacks of the stopped ones), for the diagnostics.
+
+    Without ``stacks`` only what /proc says: unwinding every thread of a large job (dozens of
+    threads) while all of them are stopped, right after the attach, would lengthen its stop."""
     threads = []
     for th in sorted(inferior().threads(), key=lambda t: t.num)[:MAX_THREADS_REPORTED]:
         tid = th.ptid[1]
         syscall, raw = read_syscall(tid)
         entry = {"tid": tid, "name": th.name, "syscall": syscall, "syscall_raw": raw}
-        if th.is_stopped():
+        if stacks and th.is_stopped():
             entry["frames"] = frames_of(th)[:16]
         threads.append(entry)
     return threads
@@ -449,7 +495,9 @@ def main():
         gdb.execute("handle all nostop noprint pass", to_string=True)
         for sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
             gdb.execute("handle %s stop print pass" % sig, to_string=True)
-        report["threads"] = describe_threads()
+        for pattern in ESSENTIAL_LIBS:
+            load_symbols(pattern)
+        report["threads"] = describe_threads(stacks=False)
         for name in SAFE_BREAKPOINTS:
             try:
                 breakpoints.append(gdb.Breakpoint(name, internal=True))

@@ -11,7 +11,11 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def attach(
         ctx: typer.Context,
-        pid: int = typer.Argument(..., min=1, help="The running Python process to inject the agent into."),
+        pid: int = typer.Argument(
+            ...,
+            min=1,
+            help="The running process (Python, or any with the CANN runtime loaded) to inject into.",
+        ),
         timeout: float = typer.Option(
             10.0,
             "--timeout",
@@ -38,7 +42,16 @@ def register(app: typer.Typer) -> None:
             out.ok(f"agent started in pid {pid} ({what}, {how}) in {result.elapsed_s:.2f}s")
             info: dict[str, object] = {"socket": result.socket, "thread used": result.tid}
             if result.stopped_s is not None:
-                info["target stopped"] = f"{result.stopped_s:.3f}s (at most)"
+                parts = (
+                    [f"ptrace {result.stop['ptrace_s']:.3f}s"]
+                    if result.stop.get("ptrace_s") is not None
+                    else []
+                )
+                if result.stop.get("gil_s") is not None:
+                    parts.append(f"GIL held by the bootstrap {float(result.stop['gil_s']):.3f}s")
+                info["target stopped"] = f"{result.stopped_s:.3f}s at most" + (
+                    f" ({', '.join(parts)})" if parts else ""
+                )
             out.kv("agent", info)
         for note in result.notes:
             out.warn(note)

@@ -253,6 +253,11 @@ def register(app: typer.Typer) -> None:
             "summary",
             {
                 "frozen": fmt_s(t.frozen_s),
+                **(
+                    {"stopped by attach": f"{fmt_s(t.attach_stopped_s)} (at most; before the freeze)"}
+                    if t.attach_stopped_s is not None
+                    else {}
+                ),
                 "total": fmt_s(t.total_s),
                 "image size": human_bytes(m.bytes.image_bytes),
                 "device memory": human_bytes(m.bytes.device_bytes),
@@ -268,7 +273,14 @@ def register(app: typer.Typer) -> None:
             stream="stderr",
         )
         if result.attached:
-            out.line(f"agents were attached to pid(s) {', '.join(map(str, result.attached))}")
+            stops = dict(result.attach_stopped_s)
+            out.line(
+                "agents were attached to pid(s) "
+                + ", ".join(
+                    f"{p} (stopped {stops[p]:.3f}s at most)" if p in stops else str(p)
+                    for p in result.attached
+                )
+            )
         if result.logs:
             out.line(f"CRIU logs kept in {result.logs}")
         data = result.to_dict()

@@ -155,6 +155,7 @@ def register(app: typer.Typer) -> None:
                 ["CRIU total", _fmt_s(t.criu_total_s)],
                 ["unlock (leave-running)", _fmt_s(t.unlock_s)],
                 ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
+                ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
                 ["total", _fmt_s(t.total_s)],
             ],
         )

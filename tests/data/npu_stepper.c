@@ -5,8 +5,16 @@
  * Python workload of tests/integration/agentlib.py), so a dump/restore that loses device memory
  * or a step shows in the output.
  *
- *   npu_stepper [--steps N] [--interval-ms MS] [--device D]   (steps 0 = forever)
+ *   npu_stepper [--steps N] [--interval-ms MS] [--device D] [--libs DIR] [--threads T]
+ *   (steps 0 = forever)
+ *
+ * --libs DIR dlopens every libjx*.so in DIR and --threads T starts T threads that wait on a
+ * condition variable for ever: with npusnap_cli/workloads/jaxsize.py's libraries this is a
+ * process the size of a JAX job, for the attach tests and the bench.
  */
+#include <dirent.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,13 +44,62 @@ static void say(const char *line) {
     if (write(1, line, len) != (ssize_t)len) exit(2);
 }
 
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+
+static void *idle_worker(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&pool_mu);
+    for (;;) pthread_cond_wait(&pool_cv, &pool_mu);
+    return NULL;
+}
+
+static int load_libs(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) {
+        perror(dir);
+        exit(1);
+    }
+    int n = 0;
+    struct dirent *e;
+    char path[4096];
+    while ((e = readdir(d)) != NULL) {
+        size_t len = strlen(e->d_name);
+        if (strncmp(e->d_name, "libjx", 5) != 0 || len < 4 || strcmp(e->d_name + len - 3, ".so") != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (!dlopen(path, RTLD_NOW | RTLD_LOCAL)) {
+            fprintf(stderr, "dlopen %s: %s\n", path, dlerror());
+            exit(1);
+        }
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
 int main(int argc, char **argv) {
     long steps = 0, interval_ms = 20;
-    int device = 0;
+    int device = 0, threads = 0, libs = 0;
+    const char *libdir = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--steps")) steps = atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--interval-ms")) interval_ms = atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--device")) device = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--libs")) libdir = argv[i + 1];
+        else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+    }
+    if (libdir) libs = load_libs(libdir);
+    for (int t = 0; t < threads; t++) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, idle_worker, NULL) != 0) {
+            fprintf(stderr, "pthread_create failed\n");
+            return 1;
+        }
+    }
+    if (libdir || threads) {
+        char hello[128];
+        snprintf(hello, sizeof hello, "jaxsize libs=%d threads=%d\n", libs, threads);
+        say(hello);
     }
     check(aclInit(NULL), "aclInit");
     check(aclrtSetDevice(device), "aclrtSetDevice");

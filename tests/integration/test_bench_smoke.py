@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,8 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "](benchmarks-scale.png)" in text
     assert "| `npusnap --help` |" in text and "| `npusnap status PID` |" in text
+    if shutil.which("gdb") and shutil.which("cc"):
+        assert "## Attach to a JAX-sized process" in text and "| Python 3 (gdb payload) |" in text, text
     assert "bench/run.py --sizes 16 --reps 1" in text  # the command that reproduces it
 
     # Clean: no image, workload or work area left behind, no process running in it.
