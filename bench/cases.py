@@ -101,14 +101,19 @@ def _start_timeout(size_mib: int) -> float:
     return 60.0 + size_mib / 10.0
 
 
-def bench_npusnap(s: Session, plan: Plan, size: int, rep: int, out: Samples, *, cold: bool = False) -> None:
+def bench_npusnap(
+    s: Session, plan: Plan, size: int, rep: int, out: Samples, *, cold: bool = False, inproc: bool = False
+) -> None:
     """npusnap dump (default: the original is gone), then npusnap restore of that image.
 
     ``cold``: without warming memory first, after a pause that lets the host take freed memory
-    back; its figures are recorded under ``cold_*``.
+    back; its figures are recorded under ``cold_*``. ``inproc``: the agent keeps its copy of the
+    device memory in the process's memory (``NPUSNAP_DEVMEM_IN_PROCESS=1``, the way before the
+    copy went into its own image file); recorded under ``inproc_*``.
     """
-    pre = "cold_" if cold else ""
-    label = " (cold memory)" if cold else ""
+    pre = "cold_" if cold else "inproc_" if inproc else ""
+    label = " (cold memory)" if cold else " (device copy in process memory)" if inproc else ""
+    env = dict(s.env, NPUSNAP_DEVMEM_IN_PROCESS="1") if inproc else s.env
 
     def before_timed() -> None:
         if cold:
@@ -127,7 +132,7 @@ def bench_npusnap(s: Session, plan: Plan, size: int, rep: int, out: Samples, *, 
     image = d / "img"
     s.sample_load()
     before_timed()
-    wall, res = _npusnap_json(["dump", str(proc.pid), str(image)], s.env, timeout=900)
+    wall, res = _npusnap_json(["dump", str(proc.pid), str(image)], env, timeout=900)
     s.reap(proc)
     out.add(size, f"{pre}dump_wall", wall)
     for k, v in res["timings"].items():

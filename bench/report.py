@@ -362,6 +362,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     ]
 
     # -- cold memory ---------------------------------------------------------------------------
+    L += _device_file_section(plan, data)
     L += _cold_memory_section(plan, data)
 
     L += attach_section(data)
@@ -393,6 +394,37 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     L += assessment(plan, data)
     L += lazy_section(data, list(plan.lazy_mib))
     return "\n".join(L).rstrip() + "\n"
+
+
+def _device_file_section(plan: Plan, data: Samples) -> list[str]:
+    """The device copy into its own image file (the default) against the copy held in the
+    process's memory and saved by CRIU (``NPUSNAP_DEVMEM_IN_PROCESS=1``), from this run."""
+    sz = pick_size(plan.sizes, TARGET_MIB)
+    m = data.med
+    if m(sz, "inproc_dump_wall") is None:
+        return []
+    rows = []
+    for name, label in (
+        ("dump_wall", "`npusnap dump` s"),
+        ("dump_frozen_s", "frozen s"),
+        ("dump_criu_total_s", "CRIU dump s"),
+        ("restore_wall", "`npusnap restore` s"),
+        ("restore_first_tick", "restore, until the job computes again s"),
+    ):
+        f, p = m(sz, name), m(sz, f"inproc_{name}")
+        rows.append([label, _s(f), _s(p), _s(_ratio(f, p))])
+    L = [
+        "## Device memory written straight into the image",
+        "",
+        f"At {sz} MiB: the agent writes its copy of the device memory into the image's "
+        "`device/devmem-PID.bin` before Lock (the default), against the copy held in the process's "
+        "memory for CRIU to save with the rest (`NPUSNAP_DEVMEM_IN_PROCESS=1`, how it was done "
+        "before). The bytes are written once instead of twice, and CRIU dumps and restores only "
+        "the host memory.",
+        "",
+    ]
+    L += _table(["", "into the image (default)", "in process memory", "image / process"], rows)
+    return L
 
 
 def _cold_memory_section(plan: Plan, data: Samples) -> list[str]:

@@ -343,6 +343,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         bench_raw(session, plan, size, rep, data, criu.path)
                         bench_npusnap(session, plan, size, rep, data)
                     bench_leave_running(session, plan, size, rep, data)
+                    if size == pick_size(plan.sizes, TARGET_MIB):
+                        bench_npusnap(session, plan, size, rep, data, inproc=True)
                     if plan.warm and size == pick_size(plan.sizes, TARGET_MIB):
                         bench_npusnap(session, plan, size, rep, data, cold=True)
             for ranks in [] if ns.only_lazy else plan.ranks:
