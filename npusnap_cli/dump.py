@@ -960,10 +960,16 @@ class _Pipeline:
             hasher.stop()
             raise
         criu_done = time.monotonic()
-        self._check_plugin_marks(tmp)
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)
+        try:
+            # After stopped_pids: a refused dump's rollback must resume the stopped tree first
+            # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
+            self._check_plugin_marks(tmp)
+        except BaseException:
+            hasher.stop()
+            raise
         self.guard.check("during the CRIU dump", "rolled back")
         self._sync("criu")
 

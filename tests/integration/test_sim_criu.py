@@ -2,7 +2,10 @@
 dumped by CRIU, restored, restored on the device and unlocked. As on real CANN, the bare runtime
 calls lose the contents of its device memory (its output diverges right after the restore point);
 with npusnap's device-memory library saving and reloading it, the output continues exactly as an
-uninterrupted run's. Without Backup the daemon connection makes CRIU refuse to dump.
+uninterrupted run's. The runtime keeps its daemon connection (its device handle) across Backup,
+as real CANN keeps /dev/davinci* open: CRIU dumps it only with the simulated device's plugin,
+npusim_plugin.so, which records it and reconnects at restore; without the plugin CRIU refuses,
+backed up or not, and the job keeps running.
 
 Uses the criu binary directly (the product's pycriu layer is tested elsewhere). Root only.
 """
@@ -22,7 +25,7 @@ import pytest
 
 from npusnap_cli.procfs import is_alive as alive
 from npusnap_cli.workloads import script_path
-from tests.conftest import requires_root
+from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.sim_helpers import HERE, Driver, wait_for
 
 pytestmark = [pytest.mark.integration, requires_root]
@@ -105,8 +108,11 @@ def test_dump_restore_continues_identically(
     assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
     stopped_at = len(lines(out))
 
-    dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4")
+    # Only the simulated device's plugin: it is what Huawei's is for /dev/davinci*.
+    plugins = str(plugin_dir_with(tmp_path, "npusim_plugin.so"))
+    dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", plugins)
     assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
+    assert len(list(img.glob("npusim-dev-*.img"))) == 1
     proc.wait(10)  # reap it: the pid must be free for the restore
 
     intruder = None
@@ -114,8 +120,9 @@ def test_dump_restore_continues_identically(
         intruder = Driver(sim_env)
         assert intruder.rc("set", 0) == 0  # the dumped owner is dead, so device 0 is free to take
 
-    restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4")
+    restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4", "-L", plugins)
     assert restore.returncode == 0, (img / "restore.log").read_text()[-3000:]
+    assert "reconnected to the npusim daemon" in (img / "restore.log").read_text()
     try:
         assert alive(pid)
         if intruder is not None:
@@ -145,17 +152,27 @@ def test_dump_restore_continues_identically(
     assert len(lines(out)) == 30 and stopped_at < 30
 
 
-def test_dump_without_backup_is_refused_and_the_job_keeps_running(
-    tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]]
+@pytest.mark.parametrize("backed_up", [False, True], ids=["running", "locked-and-backed-up"])
+def test_dump_without_the_device_plugin_is_refused_and_the_job_keeps_running(
+    tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]], backed_up: bool
 ) -> None:
-    out, img = tmp_path / "out", tmp_path / "img"
+    """Stock CRIU (no plugin) cannot dump the device connection, even after Lock and Backup, as
+    it cannot dump a real NPU's /dev/davinci* without Huawei's plugin."""
+    out, img, status = tmp_path / "out", tmp_path / "img", tmp_path / "status"
     img.mkdir()
     proc = workload()
     assert wait_for(lambda: len(lines(out)) >= 3), (tmp_path / "err").read_text()
-    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4")
+    if backed_up:
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
+    empty = str(plugin_dir_with(tmp_path))
+    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", empty)
     assert dump.returncode != 0
     log = (img / "dump.log").read_text()
     assert "External socket is used" in log  # the connection to the npusim daemon
+    if backed_up:
+        os.kill(proc.pid, signal.SIGUSR2)  # Restore (in the same process) + Unlock
+        assert wait_for(lambda: "unlock 0" in lines(status)), lines(status)
     before = len(lines(out))
     assert wait_for(lambda: len(lines(out)) > before + 2), (
         "the job did not keep running after the failed dump"
