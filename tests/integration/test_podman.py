@@ -84,6 +84,9 @@ def test_checkpoint_and_restore_through_podman_alone(
     assert {f["path"] for f in state["files"]} >= {"inventory.img", "pstree.img", "pages-1.img"}
     dump_log = (c.static_dir() / "dump.log").read_text(errors="replace")
     assert "npusnap-plugin: pid" in dump_log and "locked and backed up" in dump_log, dump_log[-2000:]
+    # The simulated device's handle (the runtime's daemon connection, bind-mounted socket path).
+    assert "npusim-plugin: socket" in dump_log and "recorded in npusim-dev-" in dump_log, dump_log[-2000:]
+    assert len(list(ckpt.glob("npusim-dev-*.img"))) == 1
     # npusnap reads the checkpoint directory: checksums verified
     verify = subprocess.run(
         [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(ckpt)],
@@ -104,6 +107,8 @@ def test_checkpoint_and_restore_through_podman_alone(
     assert st["restored"] is True
     restore_log = (c.static_dir() / "restore.log").read_text(errors="replace")
     assert "device state restored, unlocked" in restore_log, restore_log[-2000:]
+    # Reconnected from inside the restored container (its mount namespace, its pid 1).
+    assert "reconnected to the npusim daemon" in restore_log and "(pid 1)" in restore_log, restore_log[-2000:]
 
 
 def test_leave_running_unlocks(
