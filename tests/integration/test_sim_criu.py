@@ -12,8 +12,10 @@ Uses the criu binary directly (the product's pycriu layer is tested elsewhere). 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -178,3 +180,53 @@ def test_dump_without_the_device_plugin_is_refused_and_the_job_keeps_running(
         "the job did not keep running after the failed dump"
     )
     assert proc.poll() is None
+
+
+def _their_daemon_socket(pid: int, daemon: str) -> socket.socket:
+    """A duplicate of process ``pid``'s connection to the npusim daemon (pidfd_getfd, root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        for fd in sorted(int(f) for f in os.listdir(f"/proc/{pid}/fd")):
+            if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                continue
+            dup = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd (x86_64 and aarch64)
+            if dup < 0:
+                pytest.skip(f"pidfd_getfd: {os.strerror(ctypes.get_errno())}")
+            sk = socket.socket(fileno=dup)
+            if sk.family == socket.AF_UNIX and sk.getpeername() == daemon:
+                return sk
+            sk.close()
+    finally:
+        os.close(pidfd)
+    raise AssertionError(f"pid {pid} has no connection to {daemon}")
+
+
+def test_a_call_frozen_half_way_is_refused_by_the_device_plugin_and_marked(
+    sim_env: dict[str, str], tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    """A reply the runtime has not read yet cannot travel to a new connection: npusim_plugin.so
+    refuses such a device connection, and the failed dump carries its
+    `[npusim-plugin fini-dump err]` line, which npusnap's dump-log scan refuses (as Huawei's
+    orchestrator scans for its plugin's line). The stray reply is put there by the test."""
+    from npusnap_cli import criuplugin
+    from npusnap_cli.sim import wire
+
+    out, img, status = tmp_path / "out", tmp_path / "img", tmp_path / "status"
+    img.mkdir()
+    proc = workload()
+    assert wait_for(lambda: len(lines(out)) >= 3), (tmp_path / "err").read_text()
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
+    with _their_daemon_socket(proc.pid, sim_env["NPUSIM_SOCKET"]) as sk:
+        sk.sendall(wire.REQ.pack(wire.OP_STATUS, -1, 0, 0, 0))  # its reply waits, unread
+    time.sleep(0.3)
+    plugins = str(plugin_dir_with(tmp_path, "npusim_plugin.so"))
+    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", plugins)
+    assert dump.returncode != 0
+    log = (img / "dump.log").read_text()
+    assert "a device call was frozen half-way" in log and "[npusim-plugin fini-dump err]" in log, log[-2000:]
+    problems = criuplugin.scan_dump(img / "dump.log", img, criuplugin.SIMULATED, 1)
+    assert len(problems) == 2 and "[npusim-plugin fini-dump err]" in problems[0], problems
+    assert "wrote no npusim-dev-*.img" in problems[1]
+    assert proc.poll() is None  # CRIU let it go
