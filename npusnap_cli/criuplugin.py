@@ -1,4 +1,10 @@
-"""CRIU plugins for the Ascend NPU: their ABI against the CRIU in use, and their marks in a dump.
+"""CRIU plugins for NPU device handles: their ABI against the CRIU in use, and their marks in a dump.
+
+Two device kinds need one. A real Ascend NPU: the runtime keeps ``/dev/davinci*`` open and mapped,
+and Huawei's ``npu_plugin.so`` records and reopens them. The simulated NPU: the runtime keeps its
+connection to the npusim daemon (a unix stream socket) open the same way, and this project's
+``npusim_plugin.so`` (native/criu-plugin/npusim_plugin.c) records and reconnects it. Both mark a
+failed dump in CRIU's log and leave image files of their own; ``DeviceKind`` says which.
 
 Huawei's CRIU NPU plugin is built in the tree of Huawei's CRIU fork, whose ``criu-plugin.h``
 numbers the hooks differently from upstream CRIU (slot 10 is UPDATE_INETSK there, PAUSE_DEVICES
@@ -36,8 +42,41 @@ HEADER_CANDIDATES = (
 # CR_PLUGIN_HOOK__MAX of upstream releases, read from their criu-plugin.h.
 KNOWN_MAX_HOOKS = {"4.2": 13}
 
-FINI_DUMP_ERROR = "[npu-plugin fini-dump err]"
-PLUGIN_IMAGE_GLOB = "davinci-dev-*.img"
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A kind of NPU device handle and the CRIU plugin that dumps it."""
+
+    key: str  # "ascend" or "simulated"
+    label: str  # the plugin, in messages
+    plugin_names: tuple[str, ...]  # file names in CRIU's plugin directory
+    fini_dump_error: str  # the line it writes into CRIU's log when a dump failed
+    image_glob: str  # the image files it writes per device handle
+    install_fix: str
+
+
+ASCEND = DeviceKind(
+    key="ascend",
+    label="the NPU plugin",
+    plugin_names=("npu_plugin.so", "ascend_plugin.so"),
+    fini_dump_error="[npu-plugin fini-dump err]",
+    image_glob="davinci-dev-*.img",
+    install_fix="install Huawei's CRIU plugin (npu_plugin.so) into CRIU's plugin directory; stock CRIU "
+    "cannot dump /dev/davinci* file descriptors and mappings",
+)
+SIMULATED = DeviceKind(
+    key="simulated",
+    label="the simulated NPU's plugin",
+    plugin_names=("npusim_plugin.so",),
+    fini_dump_error="[npusim-plugin fini-dump err]",
+    image_glob="npusim-dev-*.img",
+    install_fix="run ./scripts/setup.sh: it builds npusim_plugin.so and installs it into /usr/lib/criu "
+    "(or set CRIU_LIBS_DIR to a directory that holds it, such as the checkout's .build/criu-plugin)",
+)
+KINDS = (ASCEND, SIMULATED)
+
+FINI_DUMP_ERROR = ASCEND.fini_dump_error
+PLUGIN_IMAGE_GLOB = ASCEND.image_glob
 
 
 @dataclass(frozen=True)
@@ -186,6 +225,7 @@ class AbiVerdict:
     ok: Optional[bool]  # None: cannot tell
     detail: str
     fix: str = ""
+    desc: Optional[PluginDesc] = None
 
 
 def check_abi(plugin: str, criu_version: str) -> AbiVerdict:
@@ -202,7 +242,9 @@ def check_abi(plugin: str, criu_version: str) -> AbiVerdict:
     have, source = criu_max_hooks(criu_version)
     label = f"{desc.name or Path(plugin).name} (max_hooks {desc.max_hooks})"
     if have is None:
-        return AbiVerdict(None, f"{label}: cannot tell whether it fits CRIU {criu_version}: {source}")
+        return AbiVerdict(
+            None, f"{label}: cannot tell whether it fits CRIU {criu_version}: {source}", desc=desc
+        )
     if desc.max_hooks != have:
         return AbiVerdict(
             False,
@@ -210,12 +252,17 @@ def check_abi(plugin: str, criu_version: str) -> AbiVerdict:
             f"has {have} ({source}): CRIU would call its hooks by the wrong slots",
             "use the CRIU build the plugin came with (Huawei's CRIU fork), or rebuild the plugin "
             f"against CRIU {criu_version}'s criu-plugin.h",
+            desc=desc,
         )
-    return AbiVerdict(True, f"{label} matches CRIU {criu_version} ({have} hooks, {source})")
+    return AbiVerdict(True, f"{label} matches CRIU {criu_version} ({have} hooks, {source})", desc=desc)
 
 
-def scan_dump(log: Optional[Path], images: Path) -> list[str]:
-    """Problems with a dump that went through the NPU plugin, as GRUS checks them (empty: good)."""
+def scan_dump(
+    log: Optional[Path], images: Path, kind: DeviceKind = ASCEND, expected_images: int = 1
+) -> list[str]:
+    """Problems with a dump that went through a device plugin, as GRUS checks them (empty: good):
+    no error line of the plugin in CRIU's log, and at least ``expected_images`` of its image files
+    (one per device handle; 0 checks the log only)."""
     problems: list[str] = []
     if log is not None:
         try:
@@ -223,9 +270,15 @@ def scan_dump(log: Optional[Path], images: Path) -> list[str]:
         except OSError as exc:
             problems.append(f"cannot read CRIU's log {log}: {exc.strerror}")
         else:
-            bad = [ln.strip() for ln in text.splitlines() if FINI_DUMP_ERROR in ln]
+            bad = [ln.strip() for ln in text.splitlines() if kind.fini_dump_error in ln]
             if bad:
-                problems.append(f"CRIU's log has the NPU plugin's error line: {bad[0]}")
-    if not list(images.glob(PLUGIN_IMAGE_GLOB)):
-        problems.append(f"the NPU plugin wrote no {PLUGIN_IMAGE_GLOB} into {images}")
+                problems.append(f"CRIU's log has {kind.label}'s error line: {bad[0]}")
+    found = len(list(images.glob(kind.image_glob)))
+    if expected_images > 0 and found == 0:
+        problems.append(f"{kind.label} wrote no {kind.image_glob} into {images}")
+    elif found < expected_images:
+        problems.append(
+            f"{kind.label} wrote {found} {kind.image_glob} into {images}, "
+            f"for {expected_images} device handles"
+        )
     return problems

@@ -358,10 +358,51 @@ def _check_criu() -> Any:
     return binary
 
 
+def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
+    """Processes of the tree that have the simulated NPU's runtime loaded (its CANN tree says
+    Simulated in version.info): their device handle is a connection to the npusim daemon."""
+    from npusnap_cli import acl
+
+    homes: dict[str, bool] = {}
+    pids = []
+    for p in tree:
+        library = getattr(p, "acl_library", None)
+        if not library:
+            continue
+        home = _cann_home_of(str(library))
+        if home not in homes:
+            homes[home] = acl.read_version_info(home)[1]
+        if homes[home]:
+            pids.append(int(p.pid))
+    return pids
+
+
 def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
-    """Real Ascend device files need the vendor CRIU plugin; the simulator has none."""
+    """Device handles need a CRIU plugin: real Ascend device files Huawei's, the simulated NPU's
+    daemon connection this project's npusim_plugin.so. Missing or built for another CRIU: refused."""
     from npusnap_cli import preflight
 
+    sim = _simulated_npu_pids(tree)
+    if sim:
+        item = preflight.check_npu_plugin(simulated=True)
+        if item.data.get("path") is None:
+            raise PreflightError(
+                "the target uses the simulated NPU but CRIU has no plugin for its device connection",
+                why="the simulated runtime keeps its connection to the npusim daemon (a unix socket) open "
+                "across Lock and Backup, as real CANN keeps /dev/davinci* open; stock CRIU refuses it "
+                f'("External socket is used"). npusim_plugin.so is not in {item.data.get("plugin_dir")}, '
+                "the directory CRIU loads plugins from",
+                fix=item.fix,
+                details={"pids": sim, "plugin_dir": item.data.get("plugin_dir")},
+            )
+        if item.status == preflight.PROBLEM:
+            raise PreflightError(
+                f"the simulated NPU's CRIU plugin does not fit this CRIU: {item.detail}",
+                why="CRIU calls a plugin's hooks by slot number; a plugin built against another "
+                "criu-plugin.h calls the wrong functions",
+                fix=item.fix,
+                details={"plugin": item.data.get("path"), "pids": sim},
+            )
     devfiles = sorted({f for p in tree for f in p.device_files})
     plugin = preflight.find_npu_plugin() if devfiles else None
     if devfiles and plugin is None:
@@ -986,10 +1027,16 @@ class _Pipeline:
             hasher.stop()
             raise
         criu_done = time.monotonic()
-        self._check_plugin_marks(tmp)
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)
+        try:
+            # After stopped_pids: a refused dump's rollback must resume the stopped tree first
+            # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
+            self._check_plugin_marks(tmp)
+        except BaseException:
+            hasher.stop()
+            raise
         self.guard.check("during the CRIU dump", "rolled back")
         self._sync("criu")
 
@@ -1069,18 +1116,26 @@ class _Pipeline:
         )
 
     def _check_plugin_marks(self, tmp: Path) -> None:
-        """A dump that went through the NPU plugin is good only without its error line in CRIU's
-        log and with its device images (what Huawei's orchestrator checks)."""
+        """A dump that went through a device plugin is good only without its error line in CRIU's
+        log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
+        device files, npusim_plugin.so's (one image per daemon connection) for the simulated NPU."""
         from npusnap_cli import criuplugin
         from npusnap_cli.errors import CriuError
 
-        if not any(p.device_files for p in self.target.tree):
-            return
         log = img.logs_dir(tmp) / img.DUMP_LOG
-        problems = criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+        problems: list[str] = []
+        if any(p.device_files for p in self.target.tree):
+            problems += criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+        sim = _simulated_npu_pids(self.target.tree)
+        if sim:
+            # A process holds a daemon connection once it opened a device (the daemon's owners).
+            handles = sum(1 for pid in sim if self.usage.get(pid, ([], 0))[0])
+            problems += criuplugin.scan_dump(
+                log if log.exists() else None, img.criu_dir(tmp), criuplugin.SIMULATED, handles
+            )
         if problems:
             raise CriuError(
-                f"CRIU's NPU plugin did not dump the device files cleanly: {problems[0]}",
+                f"CRIU's NPU plugin did not dump the device handles cleanly: {problems[0]}",
                 why="; ".join(problems),
                 fix=f"read {log} (the plugin's lines); check the plugin matches this CRIU (`npusnap check`)",
                 details={"problems": problems, "criu_log": str(log)},

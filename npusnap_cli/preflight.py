@@ -26,6 +26,13 @@ CAP_CHECKPOINT_RESTORE = 40
 # Where CRIU looks for plugins (its --libdir default) and where distributions put them.
 CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu", "/usr/local/lib64/criu")
 NPU_PLUGIN_NAMES = ("npu_plugin.so", "ascend_plugin.so")
+CRIU_DEFAULT_PLUGIN_DIR = "/usr/lib/criu"  # CR_PLUGIN_DEFAULT of CRIU's build
+
+
+def criu_plugin_dir() -> str:
+    """The directory the CRIU that npusnap runs loads its plugins from: CRIU_LIBS_DIR (CRIU reads
+    it from the environment npusnap hands on) or CRIU's built-in default."""
+    return os.environ.get("CRIU_LIBS_DIR") or CRIU_DEFAULT_PLUGIN_DIR
 
 
 @dataclass(frozen=True)
@@ -320,9 +327,23 @@ def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
     return items
 
 
-def find_npu_plugin() -> Optional[str]:
-    for d in CRIU_PLUGIN_DIRS:
-        for name in NPU_PLUGIN_NAMES:
+def _plugin_dirs(simulated: bool) -> tuple[str, ...]:
+    """Where to look for a device kind's plugin. The simulated NPU's: only the directory CRIU will
+    load (this project installs it there). Huawei's: that one and the usual places as well."""
+    here = criu_plugin_dir()
+    if simulated:
+        return (here,)
+    return tuple(dict.fromkeys((*CRIU_PLUGIN_DIRS, here)))
+
+
+def find_npu_plugin(simulated: bool = False) -> Optional[str]:
+    """The CRIU plugin for the NPU's device handles: Huawei's for a real NPU, npusim_plugin.so for
+    the simulated one."""
+    from npusnap_cli import criuplugin
+
+    names = criuplugin.SIMULATED.plugin_names if simulated else NPU_PLUGIN_NAMES
+    for d in _plugin_dirs(simulated):
+        for name in names:
             p = Path(d) / name
             if p.is_file():
                 return str(p)
@@ -330,31 +351,35 @@ def find_npu_plugin() -> Optional[str]:
 
 
 def check_npu_plugin(simulated: bool) -> CheckItem:
-    plugin = find_npu_plugin()
+    from npusnap_cli import criuplugin
+
+    kind = criuplugin.SIMULATED if simulated else criuplugin.ASCEND
+    plugin = find_npu_plugin(simulated)
     if plugin:
-        return check_npu_plugin_abi(plugin)
-    if simulated:
-        return CheckItem(
-            "criu-npu-plugin",
-            OK,
-            "not needed: the simulated NPU releases its device connection at Backup",
-            data={"path": None},
-        )
+        return check_npu_plugin_abi(plugin, kind)
+    what = (
+        "the simulated NPU keeps its device connection (a unix socket to the npusim daemon) open "
+        "across Backup, as real CANN keeps /dev/davinci* open: stock CRIU cannot dump it"
+        if simulated
+        else "stock CRIU cannot dump /dev/davinci* file descriptors and mappings"
+    )
     return CheckItem(
         "criu-npu-plugin",
         PROBLEM,
-        f"no CRIU NPU plugin in {', '.join(CRIU_PLUGIN_DIRS)}",
-        "install Huawei's CRIU plugin (npu_plugin.so) into CRIU's plugin directory; stock CRIU cannot "
-        "dump /dev/davinci* file descriptors and mappings",
-        data={"path": None},
+        f"no CRIU plugin for the {'simulated ' if simulated else ''}NPU's device handles "
+        f"({', '.join(kind.plugin_names)}) in {', '.join(_plugin_dirs(simulated))}; {what}",
+        kind.install_fix,
+        data={"path": None, "kind": kind.key, "plugin_dir": criu_plugin_dir()},
     )
 
 
-def check_npu_plugin_abi(plugin: str) -> CheckItem:
+def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     """The plugin's max_hooks (its CR_PLUGIN_DESC) against the CRIU in use: a plugin built for
     another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
     from npusnap_cli import criu, criuplugin
 
+    kind = kind or criuplugin.ASCEND
+    data: dict[str, Any] = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
     try:
         version = criu.find_criu().version
     except Exception as exc:
@@ -362,11 +387,16 @@ def check_npu_plugin_abi(plugin: str) -> CheckItem:
             "criu-npu-plugin",
             WARNING,
             f"{plugin}: cannot check its ABI, no usable CRIU ({exc})",
-            data={"path": plugin},
+            data=data,
         )
     verdict = criuplugin.check_abi(plugin, version)
+    if verdict.desc is not None:
+        data.update(name=verdict.desc.name, max_hooks=verdict.desc.max_hooks)
     status = OK if verdict.ok else PROBLEM if verdict.ok is False else WARNING
-    return CheckItem("criu-npu-plugin", status, verdict.detail, verdict.fix, data={"path": plugin})
+    fix = verdict.fix
+    if verdict.ok is False and kind is criuplugin.SIMULATED:
+        fix = f"rebuild this project's plugin against CRIU {version} (./scripts/setup.sh)"
+    return CheckItem("criu-npu-plugin", status, f"{plugin}: {verdict.detail}", fix, data=data)
 
 
 def check_session() -> CheckItem:

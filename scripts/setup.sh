@@ -202,23 +202,31 @@ setup_native() {
         die "building the simulator (native/) failed" "run: make -C native"
 }
 
-# --- the CRIU plugin (container engines: podman/CRI-O -> runc -> CRIU -> npusnap_plugin.so) ---------
-# Installed into CRIU's default plugin directory, /usr/lib/criu (NPUSNAP_CRIU_PLUGIN_DIR=DIR for
-# another one, e.g. a `libdir` named in /etc/criu/runc.conf; NPUSNAP_CRIU_PLUGIN_DIR=none to skip).
+# --- the CRIU plugins --------------------------------------------------------------------------
+# npusnap_plugin.so (container engines: podman/CRI-O -> runc -> CRIU -> npusnap's agent) and
+# npusim_plugin.so (the simulated NPU's device connection, which CRIU cannot dump without it, as
+# stock CRIU cannot dump a real NPU's /dev/davinci* without Huawei's plugin). Installed into CRIU's
+# default plugin directory, /usr/lib/criu (NPUSNAP_CRIU_PLUGIN_DIR=DIR for another one, e.g. a
+# `libdir` named in /etc/criu/runc.conf; NPUSNAP_CRIU_PLUGIN_DIR=none to skip).
 setup_criu_plugin() {
-    local so=$ROOT/.build/criu-plugin/npusnap_plugin.so dir=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/criu}
-    [ -f "$so" ] || die "the CRIU plugin was not built ($so)" "run: make -C native/criu-plugin NPUSNAP_CACHE=$CACHE"
+    local name so dir=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/criu}
+    for name in npusnap_plugin.so npusim_plugin.so; do
+        so=$ROOT/.build/criu-plugin/$name
+        [ -f "$so" ] || die "the CRIU plugin $name was not built ($so)" "run: make -C native/criu-plugin NPUSNAP_CACHE=$CACHE"
+    done
     [ "$dir" = none ] && return 0
     if ! is_root; then
-        say "not root: the CRIU plugin is not installed; as root: install -m 0755 $so $dir/"
+        say "not root: the CRIU plugins are not installed; as root: install -m 0755 $ROOT/.build/criu-plugin/*.so $dir/"
         return 0
     fi
-    if ! cmp -s "$so" "$dir/npusnap_plugin.so"; then
+    for name in npusnap_plugin.so npusim_plugin.so; do
+        so=$ROOT/.build/criu-plugin/$name
+        cmp -s "$so" "$dir/$name" && continue
         mkdir -p "$dir"
-        install -m 0755 "$so" "$dir/npusnap_plugin.so.tmp" && mv -f "$dir/npusnap_plugin.so.tmp" "$dir/npusnap_plugin.so" ||
-            die "cannot install the CRIU plugin into $dir" "check $dir, or set NPUSNAP_CRIU_PLUGIN_DIR"
-        say "CRIU plugin installed: $dir/npusnap_plugin.so"
-    fi
+        install -m 0755 "$so" "$dir/$name.tmp" && mv -f "$dir/$name.tmp" "$dir/$name" ||
+            die "cannot install the CRIU plugin $name into $dir" "check $dir, or set NPUSNAP_CRIU_PLUGIN_DIR"
+        say "CRIU plugin installed: $dir/$name"
+    done
 }
 
 # --- Slurm for the distributed-job tests (tests/integration/test_slurm.py starts its own daemons) --

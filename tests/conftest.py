@@ -19,6 +19,33 @@ def is_root() -> bool:
 
 requires_root = pytest.mark.skipif(not is_root(), reason="needs root (CRIU dump/restore and /run/npusnap)")
 
+# This checkout's CRIU plugins (native/criu-plugin): npusnap_plugin.so and npusim_plugin.so, the
+# simulated NPU's device-connection plugin without which CRIU cannot dump a simulated NPU process.
+CRIU_PLUGIN_BUILD_DIR = REPO / ".build" / "criu-plugin"
+SIM_PLUGIN = CRIU_PLUGIN_BUILD_DIR / "npusim_plugin.so"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every CRIU the tests start (directly, or through npusnap, which hands on its environment)
+    loads this checkout's plugins, not whatever /usr/lib/criu holds (CRIU_LIBS_DIR; a test that
+    wants another set passes -L or its own CRIU_LIBS_DIR)."""
+    del config
+    if CRIU_PLUGIN_BUILD_DIR.is_dir():
+        os.environ.setdefault("CRIU_LIBS_DIR", str(CRIU_PLUGIN_BUILD_DIR))
+
+
+def plugin_dir_with(base: Path, *names: str) -> Path:
+    """A CRIU plugin directory holding only the named plugins of this checkout (symlinks)."""
+    d = base / ("criu-plugins-" + "-".join(n.split("_")[0] for n in names) if names else "criu-no-plugins")
+    d.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        src = CRIU_PLUGIN_BUILD_DIR / name
+        assert src.is_file(), f"{src} is not built: run ./scripts/setup.sh (or make -C native)"
+        link = d / name
+        if not link.exists():
+            link.symlink_to(src)
+    return d
+
 
 @pytest.fixture
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:

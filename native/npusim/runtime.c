@@ -902,11 +902,12 @@ int32_t npusim_rt_lock(int pid, void *reserve) {
     return rc;
 }
 
-static int32_t reattach(int recreate, int32_t fail_code);
-
 /* Backup: state check, BACKUP_PRE, then the runtime state (the allocation table; with a
- * --keep-contents daemon also every allocation's bytes), release of the device connection,
- * BACKUP_POST -- before the state becomes BACKED_UP, as in CANN. An underlying error
+ * --keep-contents daemon also every allocation's bytes), BACKUP_POST -- before the state becomes
+ * BACKED_UP, as in CANN. The device connection stays open, as the real runtime keeps
+ * /dev/davinci_manager open and mapped: CRIU needs a plugin for it (npusim_plugin.so, as Huawei's
+ * npu_plugin.so for the device files), which records it at dump and reconnects at restore. An
+ * underlying error
  * (NPUSIM_FAULT_BACKUP_CODE, e.g. 207000 for an AICPU model) is passed through as it is. */
 int32_t npusim_rt_backup(int pid, void *args) {
     if (BAD_SNAP_ARGS(pid, args)) return ACL_ERROR_INVALID_PARAM;
@@ -952,11 +953,7 @@ int32_t npusim_rt_backup(int pid, void *args) {
             if (!a->backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
             else if (io_transfer(0, a->addr, a->backup, a->size) != 0) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
         }
-        if (rc == ACL_SUCCESS) {
-            /* Release the device connection: it is what CRIU cannot dump (like a /dev/davinci fd).
-             * The daemon keeps the device reserved for this live process. */
-            io_disconnect();
-        } else {
+        if (rc != ACL_SUCCESS) {
             pthread_mutex_lock(&g_mu);
             free_backups();
             pthread_mutex_unlock(&g_mu);
@@ -964,15 +961,17 @@ int32_t npusim_rt_backup(int pid, void *args) {
         pthread_mutex_unlock(&g_io);
         if (rc == ACL_SUCCESS) {
             rc = run_callbacks(NPUSIM_STAGE_BACKUP_POST);
-            if (rc == ACL_SUCCESS) set_state(ST_BACKED_UP);
-            else reattach(0, rc); /* stays LOCKED: get the device connection back */
+            if (rc == ACL_SUCCESS) set_state(ST_BACKED_UP); /* else stays LOCKED */
         }
     }
     pthread_mutex_unlock(&g_snap);
     return rc;
 }
 
-/* Reconnect and claim every open device; for Restore also recreate and refill allocations. */
+/* Claim every open device over the device connection; for Restore also recreate and refill
+ * allocations. In a CRIU-restored process the connection is a new one (npusim_plugin.so made it
+ * at restore, at the same fd), so the daemon sees the restored process as the claimant; a process
+ * without one (its connection broke) connects first. */
 static int32_t reattach(int recreate, int32_t fail_code) {
     int32_t ids[MAX_DEV];
     pthread_mutex_lock(&g_mu);
@@ -1003,7 +1002,8 @@ static int32_t reattach(int recreate, int32_t fail_code) {
             rc = fail_code;
         }
     }
-    if (rc != ACL_SUCCESS) io_disconnect();
+    /* A refused claim keeps the connection: closing it would make the daemon release what this
+     * process holds (io_rpc drops a connection that actually broke). */
     pthread_mutex_unlock(&g_io);
     return rc;
 }

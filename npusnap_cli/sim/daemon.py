@@ -11,8 +11,13 @@ which copies to and from a mapping of it at memory speed (paced to --bandwidth-m
 the daemon itself writes only the poison pattern of a Restore.
 Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
 *exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
-A reaper thread frees the devices and memory of owners that died; a claim re-checks the other
-holders synchronously so a freshly restored process never waits for the reaper.
+A process's connection is its device handle (as /dev/davinci_manager is the real runtime's): the
+runtime keeps it open from its first claim until it exits, across Lock and Backup, so CRIU needs
+the simulated device's plugin (npusim_plugin.so) to dump it; a CRIU-restored process comes with a
+new connection, made by that plugin, over which its Restore re-claims its devices. When the last
+device connection of a process ends, the daemon frees that process's devices and memory. A reaper
+thread also frees those of owners that died; a claim re-checks the other holders synchronously so
+a freshly restored process never waits for the reaper.
 Standard library only.
 """
 
@@ -109,6 +114,7 @@ class Daemon:
         self.bandwidth_mbps = bandwidth_mbps
         self.lock = threading.Lock()
         self.clients = 0
+        self.device_conns: Dict[Owner, int] = {}  # open connections that claimed a device
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
@@ -275,6 +281,7 @@ class Daemon:
         for key, o in owners.items():
             o["alive"] = alive(key)
             o["devices"] = [d.id for d in self.devices if key in d.owners]
+            o["device_connections"] = self.device_conns.get(key, 0)
         return {
             "simulated": True,
             "daemon_pid": os.getpid(),
@@ -294,6 +301,7 @@ class Daemon:
     def serve_client(self, conn: socket.socket) -> None:
         with self.lock:
             self.clients += 1
+        device_conn: Optional[Owner] = None
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid = struct.unpack("3i", creds)[0]
@@ -305,12 +313,33 @@ class Daemon:
                 except (ConnectionError, OSError):
                     return
                 op, dev, a, b, n = wire.REQ.unpack(hdr)
+                if op == wire.OP_CLAIM and device_conn is None:
+                    device_conn = owner  # this connection is the process's device handle
+                    with self.lock:
+                        self.device_conns[owner] = self.device_conns.get(owner, 0) + 1
                 if not self.handle(conn, owner, op, dev, a, b, n):
                     return
         finally:
             with self.lock:
                 self.clients -= 1
+                if device_conn is not None:
+                    self._device_conn_closed(device_conn)
             conn.close()
+
+    def _device_conn_closed(self, owner: Owner) -> None:
+        """A device connection ended (self.lock held): its process exited or closed the handle,
+        so once none is left the process's devices and memory are freed."""
+        left = self.device_conns.get(owner, 0) - 1
+        if left > 0:
+            self.device_conns[owner] = left
+            return
+        self.device_conns.pop(owner, None)
+        held = any(owner in d.owners for d in self.devices) or any(
+            al.owner == owner for d in self.devices for al in d.allocs.values()
+        )
+        if held:
+            log(f"pid {owner[0]} (start {owner[1]}) closed its device connection: freeing it all")
+            self._free_owner(owner)
 
     def reply(self, conn: socket.socket, status: int, value: int = 0, payload: bytes = b"") -> None:
         conn.sendall(wire.RESP.pack(status, 0, value, len(payload)) + payload)

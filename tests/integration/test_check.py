@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import requires_root
+from tests.conftest import SIM_PLUGIN, requires_root
 
 NPUSNAP = str(Path(sys.executable).parent / "npusnap")
 
@@ -38,7 +38,44 @@ def test_ready_with_the_simulated_npu(sim_env: dict[str, str]) -> None:
     assert checks["cann"]["data"]["version"] == "9.1.0"
     assert checks["cann"]["data"]["library"].endswith("lib64/libacl_rt.so")
     assert checks["snapshot-symbols"]["data"]["missing"] == []
-    assert checks["criu-npu-plugin"]["status"] == "ok"
+    plugin = checks["criu-npu-plugin"]
+    assert plugin["status"] == "ok", plugin
+    # The simulated device's CRIU plugin, where CRIU loads plugins, built for this CRIU.
+    assert plugin["data"]["kind"] == "simulated"
+    assert plugin["data"]["path"].endswith("/npusim_plugin.so")
+    assert plugin["data"]["name"] == "npusim_plugin" and plugin["data"]["max_hooks"] == 13
+
+
+@pytest.mark.integration
+@requires_root
+def test_a_simulated_device_plugin_of_another_criu_is_a_problem(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A copy of npusim_plugin.so whose CR_PLUGIN_DESC says 16 hooks (as if built against another
+    criu-plugin.h): `npusnap check` reads it from the file and says it does not fit."""
+    import struct
+
+    from npusnap_cli import criuplugin
+
+    plugins = tmp_path / "libdir"
+    plugins.mkdir()
+    patched = plugins / "npusim_plugin.so"
+    shutil.copy(SIM_PLUGIN, patched)
+    data = bytearray(patched.read_bytes())
+    elf = criuplugin._Elf(bytes(data))
+    sym = elf.symbol(criuplugin.DESC_SYMBOL)
+    assert sym is not None
+    off = elf.file_offset(sym[0])
+    assert off is not None
+    struct.pack_into("<I", data, off + 28, 16)  # cr_plugin_desc_t.max_hooks
+    patched.write_bytes(bytes(data))
+    code, checks = check(dict(sim_env, CRIU_LIBS_DIR=str(plugins)))
+    item = checks["criu-npu-plugin"]
+    assert code == 3 and item["status"] == "problem", item
+    assert "16 plugin hooks" in item["detail"] and item["data"]["max_hooks"] == 16
+    assert "setup.sh" in item["fix"]
+    code, checks = check(dict(sim_env, CRIU_LIBS_DIR=str(tmp_path / "nothing")))
+    assert code == 3 and "npusim_plugin.so" in checks["criu-npu-plugin"]["detail"]
 
 
 @pytest.mark.integration

@@ -22,7 +22,7 @@ import pytest
 from npusnap_cli import image
 from npusnap_cli.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
-from tests.conftest import requires_root
+from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.dumplib import (
     LAUNCHER,
     NPUSNAP,
@@ -450,6 +450,85 @@ def test_criu_crash_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_p
         assert rc == ExitCode.CRIU, out
         assert out is not None and out["error"]["kind"] == "criu"
         assert out["error"]["details"]["rolled_back"] == [job.pid]
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+# A device plugin that takes the simulated NPU's connection but writes none of its image files:
+# CRIU's dump goes through, and only the dump-log/image scan (as Huawei's GRUS does it) notices.
+SILENT_SIM_PLUGIN = r"""
+#include <errno.h>
+#include <criu-plugin.h>
+static int init(int stage) { (void)stage; return 0; }
+static void fini(int stage, int ret) { (void)stage; (void)ret; }
+static int dump_unix_sk(int fd, int id) { (void)fd; (void)id; return 0; }
+CR_PLUGIN_REGISTER("npusim_plugin", init, fini)
+CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__DUMP_UNIX_SK, dump_unix_sk)
+"""
+
+
+def test_dump_refuses_a_simulated_npu_without_its_criu_plugin(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The simulated runtime keeps its device connection across Backup; with no npusim_plugin.so
+    where CRIU loads plugins, dump's preflight refuses before anything is locked."""
+    empty = plugin_dir_with(tmp_path)
+    env = job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(empty))
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.PREFLIGHT
+        assert out is not None
+        err = out["error"]
+        assert "CRIU has no plugin for its device connection" in err["message"]
+        assert "npusim_plugin.so" in err["why"] and str(empty) in err["why"]
+        assert "setup.sh" in err["fix"]
+        assert agent_state(job.pid) == "RUNNING"
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_a_device_plugin_that_leaves_no_image_fails_the_dump_and_rolls_back(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    from npusnap_cli import criuplugin
+
+    header = next(
+        (Path(t.format(version="4.2.1")) for t in criuplugin.HEADER_CANDIDATES
+         if Path(t.format(version="4.2.1")).is_file()),
+        None,
+    )  # fmt: skip
+    if header is None:
+        pytest.skip("no criu-plugin.h of CRIU 4.2.1 (scripts/setup.sh builds CRIU in /var/cache/npusnap)")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    src = tmp_path / "silent.c"
+    src.write_text(SILENT_SIM_PLUGIN)
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-idirafter", str(header.parent), "-o", str(plugins / "npusim_plugin.so"),
+         str(src)],
+        check=True, timeout=60,
+    )  # fmt: skip
+    env = job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(plugins))
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.CRIU, out
+        assert out is not None
+        err = out["error"]
+        assert "did not dump the device handles cleanly" in err["message"]
+        assert "npusim-dev-*.img" in err["message"]
+        assert err["details"]["rolled_back"] == [job.pid]
         assert_no_image(img)
         finishes_correctly(job, ref)
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from npusnap_cli.errors import ExitCode
+from tests.conftest import plugin_dir_with
 from tests.integration.dumplib import (
     PY,
     REPO,
@@ -40,12 +41,12 @@ NPUSNAP = str(Path(PY).parent / "npusnap")
 
 def jobs_env(sim_env: dict[str, str], runtime_dir: Path) -> dict[str, str]:
     """The test job's environment. CRIU loads every plugin of /usr/lib/criu (CRIU_LIBS_DIR
-    overrides it); these tests exercise npusnap's own pipeline, so CRIU gets an empty plugin dir
-    and a plugin installed on the host (another version's, say) cannot change what is tested.
-    (With this tree's own plugin installed they pass as well.)"""
-    empty = runtime_dir.parent / "no-criu-plugins"
-    empty.mkdir(exist_ok=True)
-    return job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(empty))
+    overrides it); these tests exercise npusnap's own pipeline, so CRIU gets only the simulated
+    device's plugin (what Huawei's is on hardware: the device handle needs it) and a plugin
+    installed on the host (another version's, say) cannot change what is tested. (With this
+    tree's npusnap_plugin.so beside it they pass as well.)"""
+    plugins = plugin_dir_with(runtime_dir.parent, "npusim_plugin.so")
+    return job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(plugins))
 
 
 def free_port() -> int:

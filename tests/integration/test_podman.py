@@ -22,7 +22,8 @@ import pytest
 
 from npusnap_cli import paths
 from npusnap_cli.agent_client import AgentClient
-from tests.conftest import requires_root
+from npusnap_cli.sim import wire
+from tests.conftest import plugin_dir_with, requires_root
 from tests.integration import podmanlib
 from tests.integration.dumplib import kill, wait_until
 from tests.integration.podmanlib import Container, assert_continuous, podman, wait_unlocked
@@ -83,6 +84,9 @@ def test_checkpoint_and_restore_through_podman_alone(
     assert {f["path"] for f in state["files"]} >= {"inventory.img", "pstree.img", "pages-1.img"}
     dump_log = (c.static_dir() / "dump.log").read_text(errors="replace")
     assert "npusnap-plugin: pid" in dump_log and "locked and backed up" in dump_log, dump_log[-2000:]
+    # The simulated device's handle (the runtime's daemon connection, bind-mounted socket path).
+    assert "npusim-plugin: socket" in dump_log and "recorded in npusim-dev-" in dump_log, dump_log[-2000:]
+    assert len(list(ckpt.glob("npusim-dev-*.img"))) == 1
     # npusnap reads the checkpoint directory: checksums verified
     verify = subprocess.run(
         [str(paths.REPO_ROOT / ".venv/bin/npusnap"), "verify", str(ckpt)],
@@ -103,6 +107,8 @@ def test_checkpoint_and_restore_through_podman_alone(
     assert st["restored"] is True
     restore_log = (c.static_dir() / "restore.log").read_text(errors="replace")
     assert "device state restored, unlocked" in restore_log, restore_log[-2000:]
+    # Reconnected from inside the restored container (its mount namespace, its pid 1).
+    assert "reconnected to the npusim daemon" in restore_log and "(pid 1)" in restore_log, restore_log[-2000:]
 
 
 def test_leave_running_unlocks(
@@ -278,7 +284,11 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
             timeout=120,
             env=env,
         )
-        assert "lease 77s" in (img / "dump.log").read_text(errors="replace")
+        dump_log = (img / "dump.log").read_text(errors="replace")
+        assert "lease 77s" in dump_log
+        # The simulated device's plugin took the runtime's daemon connection (its device handle).
+        assert "npusim-plugin: socket" in dump_log and "recorded in npusim-dev-" in dump_log, dump_log[-2000:]
+        assert len(list(img.glob("npusim-dev-*.img"))) == 1
         assert json.loads((img / "npusnap-plugin.json").read_text())["lease_s"] == 77
         proc.wait(timeout=20)  # CRIU kills it after a good dump
         assert (img / "npusnap-plugin.json").is_file()
@@ -288,12 +298,17 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
             check=True,
             timeout=120,
         )
-        assert "device state restored, unlocked" in (img / "restore.log").read_text(errors="replace")
+        restore_log = (img / "restore.log").read_text(errors="replace")
+        assert "device state restored, unlocked" in restore_log
+        assert "reconnected to the npusim daemon" in restore_log, restore_log[-2000:]
         wait_until(lambda: len(_steps(out)) > n + 10, what="steps after restore")
         assert_continuous(_steps(out))
         with AgentClient(pid, timeout=10) as c:
             st = c.status()
         assert st["state"] == "RUNNING" and st["owner"] is None and st["restored"] is True
+        # The daemon knows the restored process (a new start time) over its new connection.
+        owners = [o for o in wire.query_status(sim_env["NPUSIM_SOCKET"])["owners"] if o["pid"] == pid]
+        assert len(owners) == 1 and owners[0]["alive"] and owners[0]["device_connections"] == 1, owners
         # The dump's rollback helper saw the dumped task die; the restored one (same pid, same
         # token) is not its business, however fast the restore came (CI once lost that race).
         wait_until(lambda: "exited" in helper_log.read_text(), what="the dump helper's verdict")
@@ -328,6 +343,58 @@ def test_raw_criu_dump_without_the_plugin_is_refused_and_harmless(
         assert_continuous(_steps(out))
     finally:
         kill(pid)
+
+
+def test_raw_criu_dump_with_only_npusnaps_plugin_is_refused_after_the_backup_and_rolled_back(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """npusnap's plugin locks and backs up the device, but the runtime keeps its device connection
+    open (as real CANN keeps /dev/davinci*): without the simulated device's plugin CRIU refuses it,
+    the failed dump is marked, and the plugin's helper rolls the job back: it runs on."""
+    proc, out = _bare(stepper, sim_env, runtime_dir, tmp_path)
+    pid = proc.pid
+    img = tmp_path / "img"
+    img.mkdir()
+    only_npusnap = plugin_dir_with(tmp_path, "npusnap_plugin.so")
+    try:
+        res = subprocess.run(
+            [
+                "criu",
+                "dump",
+                "-t",
+                str(pid),
+                "-D",
+                str(img),
+                "-L",
+                str(only_npusnap),
+                "-v4",
+                "-o",
+                "dump.log",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode != 0
+        log = (img / "dump.log").read_text(errors="replace")
+        assert "locked and backed up" in log, log[-2000:]
+        assert "External socket is used" in log, log[-2000:]
+        assert not list(img.glob("npusim-dev-*.img"))
+        wait_unlocked_pid(pid)
+        n = len(_steps(out))
+        wait_until(lambda: len(_steps(out)) > n + 5, what="steps after the refused dump")
+        assert_continuous(_steps(out))
+    finally:
+        kill(pid)
+
+
+def wait_unlocked_pid(pid: int) -> None:
+    def unlocked() -> bool:
+        with AgentClient(pid, timeout=10) as c:
+            st = c.status()
+        return bool(st["state"] == "RUNNING" and st["owner"] is None)
+
+    wait_until(unlocked, timeout=30, what="the dump's rollback to unlock the job")
 
 
 def test_plugin_stands_aside_for_npusnap_dump(

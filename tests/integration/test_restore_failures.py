@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import ExitCode
-from tests.conftest import requires_root
+from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.dumplib import (
     PY,
     TRAIN,
@@ -94,5 +94,38 @@ def test_a_corrupt_page_file_is_caught_while_criu_restores_and_nothing_runs(
         wait_until(lambda: not any(alive(p) for p in killed), 10, "the unverified tree to be gone")
         time.sleep(0.3)
         assert len(job.lines()) == before  # not one step of the corrupt image ran
+    finally:
+        job.cleanup()
+
+
+def test_restore_without_the_simulated_devices_plugin_is_refused_by_criu_and_then_works(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The image records that its device connections need npusim_plugin.so (CRIU's inventory):
+    a CRIU without it refuses to restore, nothing runs; with it the job continues exactly."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "40", *TRAIN_ARGS, "--device", "0", "--seed", "4"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(4)
+        rc, _, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, err
+        assert len(list((img / "criu").glob("npusim-dev-*.img"))) == 1
+        job.reap()
+        no_plugins = dict(env, CRIU_LIBS_DIR=str(plugin_dir_with(tmp_path)))
+        rc, out, _ = cli(no_plugins, "restore", str(img))
+        assert rc == ExitCode.CRIU, out
+        assert out is not None
+        assert "Missing required plugin: npusim_plugin" in "\n".join(
+            out["error"]["details"].get("criu_log_excerpt", [])
+        ), out["error"]
+        assert not alive(job.pid)
+        rc, _, errtext = cli(env, "restore", str(img))
+        assert rc == 0, errtext
+        job.restored_pid = job.pid
+        wait_until(lambda: not alive(job.pid), 30, "the restored run to finish")
+        assert job.lines() == ref
     finally:
         job.cleanup()

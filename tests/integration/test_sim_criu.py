@@ -2,15 +2,20 @@
 dumped by CRIU, restored, restored on the device and unlocked. As on real CANN, the bare runtime
 calls lose the contents of its device memory (its output diverges right after the restore point);
 with npusnap's device-memory library saving and reloading it, the output continues exactly as an
-uninterrupted run's. Without Backup the daemon connection makes CRIU refuse to dump.
+uninterrupted run's. The runtime keeps its daemon connection (its device handle) across Backup,
+as real CANN keeps /dev/davinci* open: CRIU dumps it only with the simulated device's plugin,
+npusim_plugin.so, which records it and reconnects at restore; without the plugin CRIU refuses,
+backed up or not, and the job keeps running.
 
 Uses the criu binary directly (the product's pycriu layer is tested elsewhere). Root only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +27,7 @@ import pytest
 
 from npusnap_cli.procfs import is_alive as alive
 from npusnap_cli.workloads import script_path
-from tests.conftest import requires_root
+from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.sim_helpers import HERE, Driver, wait_for
 
 pytestmark = [pytest.mark.integration, requires_root]
@@ -117,8 +122,11 @@ def test_dump_restore_continues_identically(
     assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
     stopped_at = len(lines(out))
 
-    dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4")
+    # Only the simulated device's plugin: it is what Huawei's is for /dev/davinci*.
+    plugins = str(plugin_dir_with(tmp_path, "npusim_plugin.so"))
+    dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", plugins)
     assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
+    assert len(list(img.glob("npusim-dev-*.img"))) == 1
     proc.wait(10)  # reap it: the pid must be free for the restore
     # The runtime's mapping of device memory (the daemon's memfd) went at Lock: not in the image.
     assert memfd_vmas(img, pid) == []
@@ -128,8 +136,9 @@ def test_dump_restore_continues_identically(
         intruder = Driver(sim_env)
         assert intruder.rc("set", 0) == 0  # the dumped owner is dead, so device 0 is free to take
 
-    restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4")
+    restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4", "-L", plugins)
     assert restore.returncode == 0, (img / "restore.log").read_text()[-3000:]
+    assert "reconnected to the npusim daemon" in (img / "restore.log").read_text()
     try:
         assert alive(pid)
         if intruder is not None:
@@ -159,19 +168,79 @@ def test_dump_restore_continues_identically(
     assert len(lines(out)) == 30 and stopped_at < 30
 
 
-def test_dump_without_backup_is_refused_and_the_job_keeps_running(
-    tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]]
+@pytest.mark.parametrize("backed_up", [False, True], ids=["running", "locked-and-backed-up"])
+def test_dump_without_the_device_plugin_is_refused_and_the_job_keeps_running(
+    tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]], backed_up: bool
 ) -> None:
-    out, img = tmp_path / "out", tmp_path / "img"
+    """Stock CRIU (no plugin) cannot dump the device connection, even after Lock and Backup, as
+    it cannot dump a real NPU's /dev/davinci* without Huawei's plugin."""
+    out, img, status = tmp_path / "out", tmp_path / "img", tmp_path / "status"
     img.mkdir()
     proc = workload()
     assert wait_for(lambda: len(lines(out)) >= 3), (tmp_path / "err").read_text()
-    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4")
+    if backed_up:
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
+    empty = str(plugin_dir_with(tmp_path))
+    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", empty)
     assert dump.returncode != 0
     log = (img / "dump.log").read_text()
     assert "External socket is used" in log  # the connection to the npusim daemon
+    if backed_up:
+        os.kill(proc.pid, signal.SIGUSR2)  # Restore (in the same process) + Unlock
+        assert wait_for(lambda: "unlock 0" in lines(status)), lines(status)
     before = len(lines(out))
     assert wait_for(lambda: len(lines(out)) > before + 2), (
         "the job did not keep running after the failed dump"
     )
     assert proc.poll() is None
+
+
+def _their_daemon_socket(pid: int, daemon: str) -> socket.socket:
+    """A duplicate of process ``pid``'s connection to the npusim daemon (pidfd_getfd, root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        for fd in sorted(int(f) for f in os.listdir(f"/proc/{pid}/fd")):
+            if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                continue
+            dup = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd (x86_64 and aarch64)
+            if dup < 0:
+                pytest.skip(f"pidfd_getfd: {os.strerror(ctypes.get_errno())}")
+            sk = socket.socket(fileno=dup)
+            if sk.family == socket.AF_UNIX and sk.getpeername() == daemon:
+                return sk
+            sk.close()
+    finally:
+        os.close(pidfd)
+    raise AssertionError(f"pid {pid} has no connection to {daemon}")
+
+
+def test_a_call_frozen_half_way_is_refused_by_the_device_plugin_and_marked(
+    sim_env: dict[str, str], tmp_path: Path, workload: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    """A reply the runtime has not read yet cannot travel to a new connection: npusim_plugin.so
+    refuses such a device connection, and the failed dump carries its
+    `[npusim-plugin fini-dump err]` line, which npusnap's dump-log scan refuses (as Huawei's
+    orchestrator scans for its plugin's line). The stray reply is put there by the test."""
+    from npusnap_cli import criuplugin
+    from npusnap_cli.sim import wire
+
+    out, img, status = tmp_path / "out", tmp_path / "img", tmp_path / "status"
+    img.mkdir()
+    proc = workload()
+    assert wait_for(lambda: len(lines(out)) >= 3), (tmp_path / "err").read_text()
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert wait_for(lambda: "backup 0" in lines(status)), lines(status)
+    with _their_daemon_socket(proc.pid, sim_env["NPUSIM_SOCKET"]) as sk:
+        sk.sendall(wire.REQ.pack(wire.OP_STATUS, -1, 0, 0, 0))  # its reply waits, unread
+    time.sleep(0.3)
+    plugins = str(plugin_dir_with(tmp_path, "npusim_plugin.so"))
+    dump = criu("dump", "-t", str(proc.pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", plugins)
+    assert dump.returncode != 0
+    log = (img / "dump.log").read_text()
+    assert "a device call was frozen half-way" in log and "[npusim-plugin fini-dump err]" in log, log[-2000:]
+    problems = criuplugin.scan_dump(img / "dump.log", img, criuplugin.SIMULATED, 1)
+    assert len(problems) == 2 and "[npusim-plugin fini-dump err]" in problems[0], problems
+    assert "wrote no npusim-dev-*.img" in problems[1]
+    assert proc.poll() is None  # CRIU let it go

@@ -234,7 +234,8 @@ def test_addresses_survive_restore_but_contents_do_not(
     d.call("fill", b, 4096, "b")
     socks = socket_fds(d.pid)
     assert d.rc("lock") == 0 and d.rc("backup") == 0
-    assert socket_fds(d.pid) == socks - 1  # Backup released the daemon connection
+    # The daemon connection is the device handle: kept across Backup, as CANN keeps /dev/davinci*
+    assert socket_fds(d.pid) == socks
     assert d.rc("restore") == 0 and d.rc("unlock") == 0
     assert socket_fds(d.pid) == socks
     got_a = d.call("read", a, 3 * MiB + 17)
@@ -331,6 +332,33 @@ def test_devices_are_shared_and_a_dead_owner_is_freed(
     assert sorted(b.call("devices")["devices"]) == [0, 1]
     assert b.rc("reset", 0) == 0 and b.rc("reset", 1) == 0
     assert b.call("devices")["devices"] == []
+
+
+def test_the_device_connection_is_kept_across_backup_and_its_end_frees_the_device(
+    make_driver: Callable[..., Driver], sim_env: dict[str, str]
+) -> None:
+    """The daemon connection is the process's device handle (as /dev/davinci_manager is CANN's):
+    open across Lock and Backup (CRIU needs npusim_plugin.so for it), and when it ends the daemon
+    frees the process's devices and memory without waiting for its reaper."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    addr = d.call("malloc", MiB)["addr"]
+    crc = d.call("fill", addr, MiB, "kept")["crc"]
+    assert d.rc("lock") == 0 and d.rc("backup") == 0
+
+    def owner() -> dict[str, Any]:
+        return next(o for o in daemon_status(sim_env)["owners"] if o["pid"] == d.pid)
+
+    held = owner()
+    assert held["device_connections"] == 1 and held["devices"] == [0] and held["bytes"] >= MiB
+    assert d.rc("unlock") == 0  # from BACKED_UP, over the kept connection
+    assert d.call("read", addr, MiB)["crc"] == crc
+    log = Path(sim_env["NPUSIM_SOCKET"]).with_name("npusim.log")
+    pid = d.pid
+    os.kill(pid, signal.SIGKILL)
+    d.proc.wait()
+    assert wait_for(lambda: all(o["pid"] != pid for o in daemon_status(sim_env)["owners"]), 5.0)
+    assert f"pid {pid} (start " in log.read_text() and "closed its device connection" in log.read_text()
 
 
 def test_errors_of_ordinary_calls(make_driver: Callable[..., Driver]) -> None:

@@ -110,3 +110,50 @@ def test_check_and_dump_preflight_refuse_a_plugin_of_another_criu(
     shutil.copy(build(tmp_path, 13), plugins / "npu_plugin.so")
     assert preflight.check_npu_plugin(simulated=False).status == preflight.OK
     dump._check_npu_plugin(tree)  # no error
+
+
+def test_scan_dump_of_the_simulated_device(tmp_path: Path) -> None:
+    sim = criuplugin.SIMULATED
+    log = tmp_path / "dump.log"
+    log.write_text("(00.1) npusim-plugin: socket 7: device connection ... recorded\n")
+    (tmp_path / "davinci-dev-0.img").write_bytes(b"x")  # another kind's image does not count
+    assert criuplugin.scan_dump(log, tmp_path, sim, 1) == [
+        f"the simulated NPU's plugin wrote no npusim-dev-*.img into {tmp_path}"
+    ]
+    assert criuplugin.scan_dump(log, tmp_path, sim, 0) == []  # no device handle: the log only
+    (tmp_path / "npusim-dev-7.img").write_text("{}")
+    assert criuplugin.scan_dump(log, tmp_path, sim, 1) == []
+    assert criuplugin.scan_dump(log, tmp_path, sim, 2) == [
+        f"the simulated NPU's plugin wrote 1 npusim-dev-*.img into {tmp_path}, for 2 device handles"
+    ]
+    log.write_text("(00.2) npusim-plugin: the dump failed (-1) ... [npusim-plugin fini-dump err]\n")
+    problems = criuplugin.scan_dump(log, tmp_path, sim, 1)
+    assert len(problems) == 1 and "[npusim-plugin fini-dump err]" in problems[0]
+    # Huawei's mark is not the simulator's, and the other way round.
+    assert criuplugin.scan_dump(log, tmp_path) == []
+
+
+def test_check_finds_the_simulated_devices_plugin_where_criu_loads_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from npusnap_cli import criu, preflight
+
+    monkeypatch.setattr(criuplugin, "criu_max_hooks", lambda version: (13, "test header"))
+    monkeypatch.setattr(criu, "find_criu", lambda: type("B", (), {"version": "4.2.1"})())
+    plugins = tmp_path / "libdir"
+    plugins.mkdir()
+    monkeypatch.setenv("CRIU_LIBS_DIR", str(plugins))
+    missing = preflight.check_npu_plugin(simulated=True)
+    assert missing.status == preflight.PROBLEM and "npusim_plugin.so" in missing.detail
+    assert str(plugins) in missing.detail and "setup.sh" in missing.fix
+    # A plugin named like Huawei's is not the simulator's.
+    shutil.copy(build(tmp_path, 13), plugins / "npu_plugin.so")
+    assert preflight.check_npu_plugin(simulated=True).status == preflight.PROBLEM
+    shutil.copy(build(tmp_path, 13), plugins / "npusim_plugin.so")
+    ok = preflight.check_npu_plugin(simulated=True)
+    assert ok.status == preflight.OK, ok
+    assert ok.data["kind"] == "simulated" and ok.data["max_hooks"] == 13
+    assert ok.data["path"] == str(plugins / "npusim_plugin.so")
+    shutil.copy(build(tmp_path, 16), plugins / "npusim_plugin.so")
+    bad = preflight.check_npu_plugin(simulated=True)
+    assert bad.status == preflight.PROBLEM and bad.data["max_hooks"] == 16 and "setup.sh" in bad.fix

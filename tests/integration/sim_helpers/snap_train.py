@@ -1,6 +1,7 @@
 """train.py with test-only snapshot triggers, for the CRIU end-to-end tests of the simulator.
 
-SIGUSR1: Lock + Backup (the device connection is released), then wait for SIGUSR2.
+SIGUSR1: Lock + Backup (the device connection stays open: CRIU needs npusim_plugin.so), then wait
+for SIGUSR2.
 SIGUSR2: Restore (retried on every further SIGUSR2 until it succeeds) + Unlock, then the loop goes
 on. Every result is appended to the file named by SNAP_STATUS as ``<call> <rc>``. This stands in
 for the npusnap agent, which the simulator tests must not depend on.
