@@ -97,7 +97,7 @@ class Plan:
 
 
 def _start_timeout(size_mib: int) -> float:
-    # The simulator fills device memory over a unix socket; allow for a slow, loaded machine.
+    # The workload fills its device memory before it is ready; allow for a slow, loaded machine.
     return 60.0 + size_mib / 10.0
 
 

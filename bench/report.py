@@ -128,9 +128,9 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         "`criu check`, lock, device backup, CRIU, checksums, fsync, rename, killing the original). "
         "*Device backup* is CANN's Backup: on the truthful simulator (as in CANN's legacy flow) it "
         "saves runtime state only, not the application's allocations, so it is near zero. The "
-        "job's device memory is copied to host memory by npusnap itself before Lock "
-        "(docs/device-memory.md): that copy is inside the *lock* column of the next table, and "
-        "inside the ratios.",
+        "job's device memory is copied by npusnap itself before Lock, straight into the image's "
+        "`device/devmem-PID.bin` (docs/device-memory.md): that copy is inside the *lock* column of "
+        "the next table, and inside the ratios.",
         "",
         "### Frozen time, by phase (default dump: lock until the CRIU dump ends)",
         "",
@@ -518,8 +518,8 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
         L += [
             f"At {at}: `npusnap dump` {_s(wall)} s against raw `criu dump` + `sync -f` {_s(raw)} s: "
             f"ratio **{_s(ratio)}** including the simulated device backup, **{_s(ratio_nb)}** without it "
-            f"(the backup, {_s(backup)} s, is the copy an NPU does over PCIe; here it goes over a unix "
-            "socket from the simulator's daemon).",
+            f"(the backup, {_s(backup)} s, is CANN's Backup: runtime state only; npusnap's own copy of "
+            "the device memory is in the *lock* phase).",
             "",
             ("**Met**" if met else f"**Missed** by {_s((ratio_nb - 1.10) * 100, 0)} percentage points")
             + f": npusnap's own overhead (without the backup) is {_s((ratio_nb - 1) * 100, 0)} % "
@@ -536,8 +536,13 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
                     "Python + imports + JSON (wall − manifest total)",
                 ],
                 ["preflight", _s(preflight), "–", "privileges, `criu check`, free space, memory"],
-                ["lock", _s(lock, 3), "–", "aclrtSnapShotProcessLock"],
-                ["device backup", _s(backup), "–", "device → process memory (the simulated PCIe copy)"],
+                [
+                    "lock",
+                    _s(lock, 3),
+                    "–",
+                    "npusnap's device copy into the image file, then aclrtSnapShotProcessLock",
+                ],
+                ["device backup", _s(backup), "–", "aclrtSnapShotProcessBackup (runtime state)"],
                 ["CRIU dump", _s(crit), _s(rcriu), "the same CRIU; npusnap drives it through `criu swrk`"],
                 [
                     "publish",
@@ -624,13 +629,16 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
 
     # 3. --help
     h = m(0, "startup_help")
-    L += ["### 3. `npusnap --help` under 200 ms", ""]
+    L += ["### 3. `npusnap --help` within 100 ms", ""]
     if h is None:
         L += ["Not measured.", ""]
     else:
         L += [
             f"Median {_ms(h)} ms over {plan.startup_runs} runs: "
-            + ("**met**." if h < 0.2 else f"**missed** by {_ms(h - 0.2)} ms."),
+            + ("**met**." if h <= 0.1 else f"**missed** by {_ms(h - 0.1)} ms.")
+            + " The interpreter alone starts in about 30 ms here; importing typer and click and "
+            "building the command tree take most of the rest (the commands' own modules are "
+            "imported only when they run).",
             "",
         ]
 

@@ -731,10 +731,8 @@ class _Pipeline:
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
-        # The agents' device-memory files (image-relative path -> (size, sha256)), hashed on
-        # device_hasher while CRIU dumps.
-        self.device_hasher: Optional[threading.Thread] = None
-        self.device_digests: dict[str, tuple[int, str]] = {}
+        # Follows the agents' device-memory files while they write them (and CRIU dumps).
+        self.device_hasher: Any = None
         self.lock_tokens: dict[int, str] = {}
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
@@ -780,8 +778,9 @@ class _Pipeline:
 
     def _discard(self) -> Optional[str]:
         """Remove the partial image, keeping its logs elsewhere; return where they went."""
-        if self.hasher is not None:
-            self.hasher.stop()
+        for h in (self.hasher, self.device_hasher):
+            if h is not None:
+                h.stop()
         if self.tmp is None:
             return None
         logs = img.save_failure_logs(self.tmp, "dump")
@@ -861,7 +860,7 @@ class _Pipeline:
                 for fd, _name in files.values():
                     os.close(fd)
             self.lock_tokens = self.group.tokens()
-            self._hash_device_memory_files(results)
+            self._drop_unused_device_memory_files(results)
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -961,33 +960,22 @@ class _Pipeline:
                 f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
                 fix="check free space and permissions where the image is written",
             ) from None
+        if files:
+            from npusnap_cli.streamhash import StreamHasher
+
+            # Hashed while the agents write them (they write front to back, once), then while
+            # CRIU dumps: little is left to hash at publish.
+            self.device_hasher = StreamHasher(self.tmp / img.DEVICE_SUBDIR).start()
         return files
 
-    def _hash_device_memory_files(self, results: dict[int, dict[str, Any]]) -> None:
-        """Drop the files an agent did not use (the driver-backed flow kept the memory), and
-        hash the others on a thread while CRIU dumps."""
+    def _drop_unused_device_memory_files(self, results: dict[int, dict[str, Any]]) -> None:
+        """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
         assert self.tmp is not None
-        tmp = self.tmp
-        used: list[str] = []
         for pid in sorted(results):
-            rel = img.device_memory_rel(pid)
-            if not (tmp / rel).exists():
-                continue
+            path = self.tmp / img.device_memory_rel(pid)
             dm = results[pid].get("device_memory") or {}
-            if int(dm.get("file_bytes") or 0) > 0:
-                used.append(rel)
-            else:
-                (tmp / rel).unlink()
-        if not used:
-            return
-
-        def run() -> None:
-            for rel in used:
-                path = tmp / rel
-                self.device_digests[rel] = (path.stat().st_size, img.sha256_file(path))
-
-        self.device_hasher = threading.Thread(target=run, name="npusnap-devmem-sha", daemon=True)
-        self.device_hasher.start()
+            if path.exists() and not int(dm.get("file_bytes") or 0):
+                path.unlink()
 
     def _criu_and_publish(self, results: dict[int, dict[str, Any]], lock_start: float) -> DumpOutcome:
         from npusnap_cli import criu
@@ -1054,8 +1042,8 @@ class _Pipeline:
         # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
         streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
         if self.device_hasher is not None:
-            self.device_hasher.join()
-            streamed.update(self.device_digests)
+            done = self.device_hasher.finish().items()
+            streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
         manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
         self.cb.phase("publish")
         try:
