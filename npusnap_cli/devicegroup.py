@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
 from npusnap_cli.agent_client import AgentClient, AgentOpError, owner_text
-from npusnap_cli.errors import BusyError, InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError, StateUnknownError
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
@@ -272,19 +272,27 @@ class DeviceGroup:
         return results
 
     def restore_and_unlock(
-        self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
+        self,
+        device_memory_files: Optional[dict[int, tuple[int, str]]] = None,
+        before_unlock: Optional[Callable[[], None]] = None,
     ) -> dict[int, dict[str, Any]]:
         """Restore then Unlock each (CRIU-restored) process; a failed one stays locked.
-        ``device_memory_files``: pid -> fd of its device-memory file (see ``restore``)."""
+        ``device_memory_files``: pid -> fd of its device-memory file (see ``restore``);
+        ``before_unlock``: runs between the two (may raise: that process stays locked)."""
         files = device_memory_files or {}
 
         def step(c: AgentClient) -> dict[str, Any]:
             restored = c.restore(files.get(c.pid))
+            if before_unlock is not None:
+                before_unlock()
             unlocked = c.unlock()
             unlocked["restore_elapsed_s"] = restored.get("elapsed_s")
             return unlocked
 
         results, failures = self._each(step)
+        corrupt = [e for e in failures.values() if isinstance(e, ImageError)]
+        if corrupt:
+            raise corrupt[0]  # before_unlock found the image corrupt (and dealt with the tree)
         if failures:
             pids = " ".join(str(p) for p in sorted(failures))
             self._raise_first(

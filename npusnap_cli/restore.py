@@ -14,6 +14,9 @@ design.md §4, in order:
 
 With ``lazy`` (``restore --lazy``) step 3 is CRIU's lazy restore and the page files' checksums
 run while the job already computes; lazypages.py supervises that phase until every page is in.
+The device-memory files (``device/``) are hashed on a thread of their own that runs on into step
+4: each agent Restores meanwhile and Unlocks (which loads them into the device) only after they
+matched; a mismatch kills the tree with its device memory never loaded (docs/image-format.md).
 
 Core module: returns a frozen dataclass, never prints.
 """
@@ -25,6 +28,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -515,6 +519,8 @@ def _restore(
     # known: nothing of the image runs before it is verified.
     img.verify(final, checksums=False, require_signature=options.require_signature)
     checksums: Optional[_Checksums] = None
+    device_checks: Optional[_Checksums] = None
+    device_entries = [f for f in manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/")]
     if options.verify and options.lazy:
         # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
         # files while the job already runs (lazypages.py's contract, docs/image-format.md).
@@ -523,13 +529,21 @@ def _restore(
         pages, rest = split_page_files(manifest)
         verify_entries(final, rest, advance)
         checksums = _Checksums(final, advance, entries=pages)
+    elif options.verify and device_entries:
+        # The device-memory files on a thread of their own: the tree may run once everything
+        # else matched (its host memory is verified; its device calls are held until the
+        # agents reload), and the agents reload them only after they matched too.
+        checksums = _Checksums(final, advance, entries=[f for f in manifest.files if f not in device_entries])
+        device_checks = _Checksums(final, advance, entries=device_entries)
     elif options.verify:
         checksums = _Checksums(final, advance)
     try:
-        return _restore_verified(final, manifest, options, cb, guard, start, checksums)
+        return _restore_verified(final, manifest, options, cb, guard, start, checksums, device_checks)
     finally:
-        if checksums is not None:
-            checksums.join()
+        for c in (checksums, device_checks):
+            if c is not None:
+                c.cancel()
+                c.join()
 
 
 def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = None) -> None:
@@ -604,12 +618,13 @@ def _restore_verified(
     guard: Any,
     start: float,
     checksums: Optional[_Checksums],
+    device_checks: Optional[_Checksums] = None,
 ) -> RestoreOutcome:
     # The device-memory files are opened first: once CRIU has started, nothing of the restore
     # may depend on the image staying where it is (a lazy restore's image may be removed).
     files = img.open_device_memory_files(final, manifest)
     try:
-        return _restore_opened(final, manifest, options, cb, guard, start, checksums, files)
+        return _restore_opened(final, manifest, options, cb, guard, start, checksums, files, device_checks)
     finally:
         for fd, _path in files.values():
             os.close(fd)
@@ -624,6 +639,7 @@ def _restore_opened(
     start: float,
     checksums: Optional[_Checksums],
     device_memory_files: dict[int, tuple[int, str]],
+    device_checks: Optional[_Checksums] = None,
 ) -> RestoreOutcome:
     from npusnap_cli import criu
 
@@ -706,7 +722,12 @@ def _restore_opened(
     try:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
-            _device_restore(npu_pids, options, root_pid, res.log_path, tokens, device_memory_files)
+            before_unlock = None
+            if device_checks is not None:
+                before_unlock = _device_files_verified(manifest, device_checks, cb)
+            _device_restore(
+                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock
+            )
         _check_none_left_locked(manifest, root_pid, res.log_path)
         device_done = time.monotonic()
         watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
@@ -772,6 +793,36 @@ def _start_lazy(
     daemon = criu.LazyPagesDaemon(binary, str(img.criu_dir(final)), str(logs))
     pids = [p.pid for p in manifest.processes]
     return LazyPhase(daemon, pids, checksums, options.lazy_timeout_s, start, str(logs / img.RESTORE_LOG))
+
+
+def _device_files_verified(
+    manifest: img.Manifest, device_checks: _Checksums, cb: RestoreCallbacks
+) -> Callable[[], None]:
+    """What runs after each agent's Restore and before its Unlock (which writes the device
+    memory back): wait for the device-memory files' sha256; on a mismatch kill the tree, whose
+    device memory was never loaded, and raise (exit 8)."""
+    lock = threading.Lock()
+    killed: list[int] = []
+
+    def wait() -> None:
+        with lock:
+            error = device_checks.join()
+            if error is None:
+                return
+            if not killed:
+                import signal
+
+                killed.extend(p.pid for p in manifest.processes)
+                for pid in killed:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                if isinstance(error, NpusnapError):
+                    error.message += " (the restored tree was killed before its device memory was loaded)"
+                    error.details["killed_before_device_memory"] = list(killed)
+            raise error
+
+    cb.note("the device-memory files are verified while the device state is restored")
+    return wait
 
 
 def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
@@ -861,6 +912,7 @@ def _device_restore(
     log: str,
     tokens: dict[int, str],
     device_memory_files: dict[int, tuple[int, str]],
+    before_unlock: Optional[Callable[[], None]] = None,
 ) -> None:
     """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
     image's device-memory file (the agent writes it back to the device after Unlock)."""
@@ -871,7 +923,9 @@ def _device_restore(
         group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
         # The restored agents still record the dump as their lock's owner: present its tokens.
         group.set_tokens(tokens)
-        group.restore_and_unlock(device_memory_files)
+        group.restore_and_unlock(device_memory_files, before_unlock)
+    except ImageError:
+        raise  # the device-memory files did not match: the tree was killed (before_unlock)
     except NpusnapError as err:
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)

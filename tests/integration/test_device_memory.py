@@ -403,14 +403,19 @@ def test_device_memory_goes_to_its_own_image_file(
             job.cleanup()
     assert pages["in-process"] - pages["file"] >= (mib - 2) << 20, pages
 
-    # A changed byte in the device-memory file: the checksum refuses the image before anything runs.
+    # A changed byte in the device-memory file: its sha256 is checked while the device state is
+    # restored, before the agent may load it; the tree is killed with its device memory unloaded.
     image = tmp_path / "file" / "img"
     dev = next((image / "device").glob("devmem-*.bin"))
     data = bytearray(dev.read_bytes())
     data[-1] ^= 0xFF
     dev.write_bytes(bytes(data))
     rc, out, err = cli(env, "restore", str(image))
-    assert rc != 0 and out is not None and "devmem" in json.dumps(out["error"]), out
+    assert rc == ExitCode.IMAGE and out is not None, (rc, out, err)
+    error = out["error"]
+    assert "devmem" in error["message"] and "killed before its device memory was loaded" in error["message"]
+    for pid in error["details"]["killed_before_device_memory"]:
+        wait_until(lambda p=pid: not alive(p), 10, f"pid {pid} to be gone")
 
 
 # -- the driver-backed flow (args != NULL), on the simulator's CANN 9.2 stand-in -----------------
