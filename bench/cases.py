@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import psutil
 
@@ -41,6 +41,8 @@ from bench.session import Session, TickWatcher, _wait
 from npusnap_cli import criu as criu_mod
 from npusnap_cli import procfs
 
+T = TypeVar("T")
+
 # --------------------------------------------------------------------------------------------
 # The measurements
 # --------------------------------------------------------------------------------------------
@@ -61,6 +63,26 @@ def _npusnap_json(args: list[str], env: dict[str, str], timeout: float) -> tuple
         msg = (envelope or {}).get("error") or {"message": proc.stderr[-1500:]}
         raise BenchError(f"npusnap {shlex.join(args)} failed (exit {proc.returncode}): {msg.get('message')}")
     return wall, dict(envelope["result"])
+
+
+def _until_first_tick(
+    s: Session, log: Path, pidfile: Path, script: str, run: Callable[[], T]
+) -> tuple[T, float]:
+    """Run ``run`` (a restore that writes ``pidfile``) and wait for the restored workload's next
+    ``tick`` in ``log``: (run's result, seconds from its start until that tick). The restored pid
+    is recorded for cleanup whatever happens."""
+    watcher = TickWatcher(log)
+    try:
+        start = time.monotonic()
+        try:
+            result = run()
+        finally:
+            if pidfile.exists():
+                s.restored.append((int(pidfile.read_text().strip()), script))
+        watcher.wait_for(1, 60)
+    finally:
+        arrivals = watcher.stop()
+    return result, arrivals[0] - start
 
 
 def _run_timed(cmd: list[str], what: str, log: Optional[Path] = None, timeout: float = 600) -> float:
@@ -144,27 +166,22 @@ def bench_npusnap(
         f"(frozen {res['timings']['frozen_s']:.2f} s)"
     )
 
-    watcher = TickWatcher(log)
     pidfile = d / "restored.pid"
     s.sample_load()
     before_timed()
-    try:
-        start = time.monotonic()
-        try:
-            wall, res = _npusnap_json(["restore", str(image), "--pidfile", str(pidfile)], s.env, timeout=900)
-        finally:
-            if pidfile.exists():
-                s.restored.append((int(pidfile.read_text().strip()), BIGALLOC.name))
-        watcher.wait_for(1, 60)
-    finally:
-        arrivals = watcher.stop()
+    (wall, res), first = _until_first_tick(
+        s,
+        log,
+        pidfile,
+        BIGALLOC.name,
+        lambda: _npusnap_json(["restore", str(image), "--pidfile", str(pidfile)], s.env, timeout=900),
+    )
     out.add(size, f"{pre}restore_wall", wall)
-    out.add(size, f"{pre}restore_first_tick", arrivals[0] - start)
+    out.add(size, f"{pre}restore_first_tick", first)
     for k, v in res["timings"].items():
         out.add(size, f"{pre}restore_{k}", v)
     progress(
-        f"{size} MiB rep {rep + 1}: npusnap restore{label} {wall:.2f} s, computes again after "
-        f"{arrivals[0] - start:.2f} s"
+        f"{size} MiB rep {rep + 1}: npusnap restore{label} {wall:.2f} s, computes again after {first:.2f} s"
     )
     s.kill_all()
     shutil.rmtree(d)
@@ -249,27 +266,27 @@ def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_pa
         out.add(size, "raw_criu_memwrite_s", stats.memwrite_time_us * 1e-6)
     progress(f"{size} MiB rep {rep + 1}: raw criu dump {crit:.2f} s + sync {sync:.2f} s")
 
-    watcher = TickWatcher(log)
     pidfile = d / "restored.pid"
     s.sample_load()
     warm_memory(plan, size)
-    try:
-        start = time.monotonic()
-        try:
-            cmd = [criu_path, "restore", "-d", "-D", str(image), "-o", "restore.log", "-v4"]
-            wall = _run_timed([*cmd, "--pidfile", str(pidfile)], "criu restore", image / "restore.log")
-        finally:
-            if pidfile.exists():
-                s.restored.append((int(pidfile.read_text().strip()), HOSTALLOC.name))
-        watcher.wait_for(1, 60)
-    finally:
-        arrivals = watcher.stop()
-    out.add(size, "raw_restore_wall", wall)
-    out.add(size, "raw_restore_first_tick", arrivals[0] - start)
-    progress(
-        f"{size} MiB rep {rep + 1}: raw criu restore {wall:.2f} s, computes again after "
-        f"{arrivals[0] - start:.2f} s"
+    cmd = [
+        criu_path,
+        "restore",
+        "-d",
+        "-D",
+        str(image),
+        "-o",
+        "restore.log",
+        "-v4",
+        "--pidfile",
+        str(pidfile),
+    ]
+    wall, first = _until_first_tick(
+        s, log, pidfile, HOSTALLOC.name, lambda: _run_timed(cmd, "criu restore", image / "restore.log")
     )
+    out.add(size, "raw_restore_wall", wall)
+    out.add(size, "raw_restore_first_tick", first)
+    progress(f"{size} MiB rep {rep + 1}: raw criu restore {wall:.2f} s, computes again after {first:.2f} s")
     s.kill_all()
     shutil.rmtree(d)
 
@@ -405,23 +422,18 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
     warm_memory(plan, host_mib)
     _npusnap_json(["dump", str(proc.pid), str(image)], s.env, timeout=900)
     s.reap(proc)
-    watcher = TickWatcher(log)
     pidfile = d / "restored.pid"
     s.sample_load()
     warm_memory(plan, host_mib)
-    try:
-        start = time.monotonic()
-        try:
-            wall, res = _npusnap_json(
-                ["restore", str(image), "--lazy", "--pidfile", str(pidfile)], s.env, timeout=900
-            )
-        finally:
-            if pidfile.exists():
-                s.restored.append((int(pidfile.read_text().strip()), BIGALLOC.name))
-        watcher.wait_for(1, 60)
-    finally:
-        arrivals = watcher.stop()
-    first = arrivals[0] - start
+    (wall, res), first = _until_first_tick(
+        s,
+        log,
+        pidfile,
+        BIGALLOC.name,
+        lambda: _npusnap_json(
+            ["restore", str(image), "--lazy", "--pidfile", str(pidfile)], s.env, timeout=900
+        ),
+    )
     out.add(host_mib, "lazy_first_tick", first)
     out.add(host_mib, "lazy_wall", wall)
     for k, v in res["timings"].items():
@@ -443,21 +455,23 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
     warm_memory(plan, host_mib)
     _run_timed([criu_path, "dump", "-t", str(proc.pid), "-D", str(image), "-o", "dump.log"], "criu dump")
     s.reap(proc)
-    watcher = TickWatcher(log)
     s.sample_load()
     warm_memory(plan, host_mib)
-    try:
-        start = time.monotonic()
-        try:
-            cmd = [criu_path, "restore", "-d", "-D", str(image), "-o", "restore.log", "-v4"]
-            _run_timed([*cmd, "--pidfile", str(pidfile)], "criu restore", image / "restore.log")
-        finally:
-            if pidfile.exists():
-                s.restored.append((int(pidfile.read_text().strip()), HOSTALLOC.name))
-        watcher.wait_for(1, 60)
-    finally:
-        arrivals = watcher.stop()
-    raw = arrivals[0] - start
+    cmd = [
+        criu_path,
+        "restore",
+        "-d",
+        "-D",
+        str(image),
+        "-o",
+        "restore.log",
+        "-v4",
+        "--pidfile",
+        str(pidfile),
+    ]
+    _, raw = _until_first_tick(
+        s, log, pidfile, HOSTALLOC.name, lambda: _run_timed(cmd, "criu restore", image / "restore.log")
+    )
     out.add(host_mib, "lazy_raw_first_tick", raw)
     progress(f"{host_mib} MiB host rep {rep + 1}: raw criu restore computes again after {raw:.2f} s")
     restored_pid = int(pidfile.read_text().strip())
@@ -479,7 +493,6 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    watcher = TickWatcher(log)
     try:
         deadline = time.monotonic() + 10
         while not (work / criu_mod.LAZY_SOCKET).exists():
@@ -487,22 +500,20 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
                 raise BenchError(f"criu lazy-pages did not start (see {work / 'lazy-pages.log'})")
             time.sleep(0.01)
         s.sample_load()
-        start = time.monotonic()
-        try:
-            cmd = [criu_path, "restore", "-d", "-D", str(image), "-W", str(work), "--lazy-pages"]
-            argv = [*cmd, "-o", "restore.log", "--pidfile", str(pidfile)]
-            _run_timed(argv, "criu restore --lazy-pages", work / "restore.log")
-        finally:
-            if pidfile.exists():
-                s.restored.append((int(pidfile.read_text().strip()), HOSTALLOC.name))
-        watcher.wait_for(1, 60)
+        cmd = [criu_path, "restore", "-d", "-D", str(image), "-W", str(work), "--lazy-pages"]
+        argv = [*cmd, "-o", "restore.log", "--pidfile", str(pidfile)]
+        _, raw_lazy = _until_first_tick(
+            s,
+            log,
+            pidfile,
+            HOSTALLOC.name,
+            lambda: _run_timed(argv, "criu restore --lazy-pages", work / "restore.log"),
+        )
         daemon.wait(timeout=300)
     finally:
-        arrivals = watcher.stop()
         if daemon.poll() is None:
             daemon.kill()
             daemon.wait()
-    raw_lazy = arrivals[0] - start
     out.add(host_mib, "lazy_rawlazy_first_tick", raw_lazy)
     progress(f"{host_mib} MiB host rep {rep + 1}: raw criu lazy restore computes again after {raw_lazy:.2f}s")
     s.kill_all()
