@@ -8,7 +8,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Optional
 from bench.common import NPUSNAP, POLL_S, BenchError
 from npusnap_cli import procfs
 from npusnap_cli.sim import manager
+from npusnap_cli.workloads.jaxsize import StepClock
 
 # --------------------------------------------------------------------------------------------
 # Processes: start, watch, clean up
@@ -40,37 +40,14 @@ def _ticks(path: Path) -> int:
     return sum(1 for ln in text.splitlines() if ln.startswith("tick "))
 
 
-class TickWatcher:
+class TickWatcher(StepClock):
     """Records when each new ``tick`` line appears in a workload's output file (a thread polls it)."""
 
     def __init__(self, path: Path) -> None:
-        self._f = open(path, "rb")  # noqa: SIM115 (closed in stop())
-        self._f.seek(0, os.SEEK_END)
-        self.arrivals: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tick-watcher", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        partial = b""
-        while not self._stop.is_set():
-            chunk = self._f.read()
-            if not chunk:
-                time.sleep(POLL_S)
-                continue
-            now = time.monotonic()
-            partial += chunk
-            *lines, partial = partial.split(b"\n")
-            self.arrivals.extend(now for ln in lines if ln.startswith(b"tick "))
+        super().__init__(path, prefix=b"tick ", poll_s=POLL_S)
 
     def wait_for(self, count: int, timeout: float) -> None:
         _wait(lambda: len(self.arrivals) >= count, timeout, f"{count} new tick line(s) from the workload")
-
-    def stop(self) -> list[float]:
-        self._stop.set()
-        self._thread.join()
-        self._f.close()
-        return list(self.arrivals)
 
 
 @dataclass

@@ -158,8 +158,9 @@ class StepClock:
     The ground truth of how long a job stalled: the longest gap between two of its steps.
     """
 
-    def __init__(self, path: Path, prefix: bytes = b"step") -> None:
+    def __init__(self, path: Path, prefix: bytes = b"step", poll_s: float = 0.002) -> None:
         self.prefix = prefix
+        self.poll_s = poll_s
         self._f = open(path, "rb")  # noqa: SIM115 (closed in stop())
         self._f.seek(0, os.SEEK_END)
         self.arrivals: List[float] = []
@@ -172,7 +173,7 @@ class StepClock:
         while not self._stop.is_set():
             chunk = self._f.read()
             if not chunk:
-                time.sleep(0.002)
+                time.sleep(self.poll_s)
                 continue
             now = time.monotonic()
             partial += chunk
