@@ -535,6 +535,17 @@ static int close_gate_and_wait(int timeout_ms, char *err, size_t errlen) {
 
 typedef aclError (*memcpy_fn_t)(void *, size_t, const void *, size_t, int);
 
+/* n bytes from host memory at src to allocation a at offset off (its context selected). 0, or
+ * -EIO with err set. */
+static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t off, const void *src, size_t n,
+                          char *err, size_t errlen) {
+    aclError c = memcpy_fn((void *)(a->ptr + off), n, src, n, ACL_MEMCPY_HOST_TO_DEVICE);
+    if (c == ACL_SUCCESS) return 0;
+    seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
+           (unsigned long)(a->ptr + off), a->dev, c);
+    return -EIO;
+}
+
 /* The file form of the copies (npusnap_devmem_save_fd): a header, one record per copied
  * allocation, then their bytes in record order. Reload checks the records against the table
  * the restored process holds, so a file of another process or another dump is refused. */
@@ -762,12 +773,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
                 seterr(err, errlen, "cannot read the device-memory file: %s", strerror(-ret));
                 break;
             }
-            aclError c = memcpy_fn((void *)(a->ptr + off), n, bounce, n, ACL_MEMCPY_HOST_TO_DEVICE);
-            if (c != ACL_SUCCESS) {
-                seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
-                       (unsigned long)(a->ptr + off), a->dev, c);
-                ret = -EIO;
-            }
+            ret = copy_to_device(memcpy_fn, a, off, bounce, n, err, errlen);
             data_off += (off_t)n;
             off += n;
         }
@@ -784,8 +790,7 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
         seterr(err, errlen, "no saved device memory to reload");
         return -ENOENT;
     }
-    aclError (*memcpy_fn)(void *, size_t, const void *, size_t, int) =
-        (aclError(*)(void *, size_t, const void *, size_t, int))real(F_MEMCPY);
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
     int ret = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++)
         if (g_allocs[i].in_file) {
@@ -801,12 +806,7 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
             break;
         }
         use_ctx(a->ctx);
-        aclError c = memcpy_fn((void *)a->ptr, a->size, a->copy, a->size, ACL_MEMCPY_HOST_TO_DEVICE);
-        if (c != ACL_SUCCESS) {
-            seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d",
-                   a->size, (unsigned long)a->ptr, a->dev, c);
-            ret = -EIO;
-        }
+        ret = copy_to_device(memcpy_fn, a, 0, a->copy, a->size, err, errlen);
     }
     pthread_mutex_unlock(&g_mu);
     return ret;
