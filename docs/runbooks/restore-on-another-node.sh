@@ -81,7 +81,7 @@ npusnap --json inspect nodeB/img >manifest.json
 npusnap --json check >check.json
 npusnap --json sim status >devices.json
 python3 - <<'EOF'
-import json, os
+import json, os, time
 image = json.load(open("manifest.json"))["result"]
 checks = {c["name"]: c["data"] for c in json.load(open("check.json"))["result"]["checks"]}
 owners = {d["id"]: d["owner"] for d in json.load(open("devices.json"))["result"]["devices"]}
@@ -90,6 +90,10 @@ want = (image["versions"]["criu"], image["versions"]["cann"])
 print("CRIU, CANN of the image:", want, "of this node:", here)
 assert want == here, "different versions: restore on a node that has the image's versions"
 for p in image["processes"]:
+    # (One host here: the original was killed by the dump a moment ago; init reaps it shortly.)
+    deadline = time.monotonic() + 10
+    while os.path.exists("/proc/%d" % p["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     in_use = os.path.exists("/proc/%d" % p["pid"])
     print("pid", p["pid"], "IN USE" if in_use else "free")
     assert not in_use, "a pid of the image is in use on this node"
