@@ -377,6 +377,7 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
 
 _BAD_SIZE_RE = re.compile(r"File (\S+) has bad size (\d+) \(expect (\d+)\)")
 _LINK_REMAP_RE = re.compile(r"Can't create link remap for (\S+)")
+_REMAP_TAKEN_RE = re.compile(r"Can't link remap to (\S+): File exists")
 _INET_OPT_RE = re.compile(r"sockets: Can't get 1:16 opt")
 _NETLOCK_RE = re.compile(r"Failed to lock TCP connection|iptables-restore|Unable to create network lock")
 
@@ -406,6 +407,17 @@ def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, dict[str, 
             "(multiprocessing's spawn/forkserver semaphores in /dev/shm are the usual case)",
             "drop --no-link-remap (link-remap is npusnap's default)",
             {"deleted_file": m.group(1)},
+        )
+    m = _REMAP_TAKEN_RE.search(text)
+    if m:
+        where = os.path.dirname("/" + m.group(1).lstrip("/"))
+        return (
+            f"a link_remap.N file left in {where} by an earlier dump is in the way",
+            "CRIU names the link it makes for a deleted file the tree has open link_remap.N, N "
+            "counted from the start of each dump, next to the file; an earlier dump by plain CRIU "
+            "or an older npusnap left one with the same name (npusnap now keeps them in the image)",
+            f"remove the link_remap.* files in {where} that no unrestored image needs, then dump again",
+            {"deleted_file": "/" + m.group(1).lstrip("/")},
         )
     if _INET_OPT_RE.search(text):
         return (

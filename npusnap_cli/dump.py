@@ -627,6 +627,13 @@ def _tree_pids(root_pid: int) -> list[int]:
     return [p.pid for p in reversed(kids)] + [root_pid]
 
 
+def _our_mount_ns(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
+
+
 def _signal_tree(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -753,6 +760,7 @@ class _Pipeline:
                 self.cb.note(f"rollback: {problem}")
         if self.stopped_pids:
             _signal_tree(self.stopped_pids, signal.SIGCONT)
+        self._drop_remaps()
         if self.group is None:
             return
         try:
@@ -775,6 +783,13 @@ class _Pipeline:
                     + [f"npusnap thaw {p}" for p in self.target.npu_pids],
                 },
             ) from other
+
+    def _drop_remaps(self) -> None:
+        """CRIU's link-remap files leave the host once the image holds them, or once the dump
+        failed: left there, a later dump whose file ids match fails on them."""
+        from npusnap_cli import hostres
+
+        hostres.drop_remaps(self.host_files)
 
     def _discard(self) -> Optional[str]:
         """Remove the partial image, keeping its logs elsewhere; return where they went."""
@@ -922,7 +937,8 @@ class _Pipeline:
         )
 
     def _on_criu_notify(self, script: str, _pid: Optional[int]) -> None:
-        """At post-dump every task is still frozen: copy the tmpfs files it uses, consistently."""
+        """At post-dump every task is still frozen: copy the tmpfs files it uses, consistently,
+        and CRIU's link-remap files (CRIU deletes those after a --leave-running dump)."""
         if script != "post-dump":
             return
         from npusnap_cli import hostres
@@ -931,7 +947,13 @@ class _Pipeline:
         paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
         if paths:
             self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
-        self.host_files = hostres.save_files(paths, self.tmp)
+        saved = hostres.save_files(paths, self.tmp)
+        # CRIU names them from the root of the tree's mount namespace: the host's paths only
+        # when it is ours (a container's go with its runtime's checkpoint instead).
+        remaps = hostres.link_remaps(img.criu_dir(self.tmp)) if _our_mount_ns(self.target.root_pid) else []
+        if remaps:
+            self.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
+        self.host_files = saved + hostres.save_files(remaps, self.tmp, remap=True)
 
     def _open_device_memory_files(self) -> dict[int, tuple[int, str]]:
         """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
@@ -1088,6 +1110,7 @@ class _Pipeline:
             self.stopped_pids = []
             if left:
                 self.cb.note(f"pid(s) {left} did not exit after SIGKILL")
+        self._drop_remaps()
         timings = replace(
             manifest.timings,
             publish_s=self.clock.marks.get("publish"),

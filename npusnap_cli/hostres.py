@@ -12,7 +12,12 @@ it, some only after a restore that said "ok" (criu-here.md, November 2026):
   ``find_tmpfs_files`` lists them; dump copies them into the image while the tree is frozen and
   restore puts them back (or refuses when a different file is in the way).
 * deleted files still open (spawn-pool semaphores in ``/dev/shm``) are handled by CRIU's
-  link-remap, which npusnap turns on by default (see criu.CriuOptions).
+  link-remap, which npusnap turns on by default (see criu.CriuOptions): CRIU hard-links each one
+  as ``link_remap.N`` next to it and its restore opens that name. Left on the host, those files
+  are lost when a ``--leave-running`` dump ends (CRIU deletes them then), do not travel with the
+  image to another node, and make a later dump whose ids match fail ("Can't link remap ...: File
+  exists"). So dump saves them into the image like tmpfs files (``link_remaps``, ``remap=True``),
+  removes them from the host, and restore puts them back only for CRIU's restore.
 
 Read-only /proc inspection here; copying and putting back are in ``save_files``/``put_back``.
 """
@@ -70,6 +75,8 @@ class HostFile:
     uid: int
     gid: int
     sha256: str
+    # CRIU's link-remap file of a deleted file the tree had open: on the host only during restore
+    remap: bool = False
 
     @property
     def rel(self) -> str:
@@ -77,7 +84,7 @@ class HostFile:
         return "hostfiles" + self.path
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "path": self.path,
             "size": self.size,
             "mode": self.mode,
@@ -85,6 +92,9 @@ class HostFile:
             "gid": self.gid,
             "sha256": self.sha256,
         }
+        if self.remap:
+            d["remap"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HostFile:
@@ -96,7 +106,10 @@ class HostFile:
                 uid=int(d["uid"]),
                 gid=int(d["gid"]),
                 sha256=str(d["sha256"]),
+                remap=d.get("remap", False),
             )
+            if not isinstance(f.remap, bool):
+                raise TypeError(f"remap is {f.remap!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise ImageError(f"bad host_files entry in the manifest: {exc}", fix="dump again") from None
         norm = os.path.normpath(f.path)
@@ -285,11 +298,13 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def save_files(paths: list[str], image_tmp: Path) -> tuple[HostFile, ...]:
+def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tuple[HostFile, ...]:
     """Copy each file into ``image_tmp/hostfiles/<path>`` (0600); call while the tree is frozen."""
     saved = []
     for path in paths:
-        st = os.stat(path)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(f"{path} is not a regular file any more", fix="dump again")
         dest = image_tmp / ("hostfiles" + path)
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         h = hashlib.sha256()
@@ -306,9 +321,52 @@ def save_files(paths: list[str], image_tmp: Path) -> tuple[HostFile, ...]:
                 uid=st.st_uid,
                 gid=st.st_gid,
                 sha256=h.hexdigest(),
+                remap=remap,
             )
         )
     return tuple(saved)
+
+
+def link_remaps(criu_dir: Path) -> list[str]:
+    """The ``link_remap.N`` files CRIU made in this dump (hard links to deleted files the tree
+    had open): the ``files.img`` names of the LINKED ids in ``remap-fpath.img``."""
+    import pycriu
+
+    try:
+        with open(criu_dir / "remap-fpath.img", "rb") as f:
+            remaps = pycriu.images.load(f).get("entries", [])
+    except FileNotFoundError:
+        return []
+    ids = {int(e["remap_id"]) for e in remaps if e.get("remap_type", "LINKED") == "LINKED"}
+    if not ids:
+        return []
+    with open(criu_dir / "files.img", "rb") as f:
+        entries = pycriu.images.load(f).get("entries", [])
+    paths = sorted({str(e["reg"]["name"]) for e in entries if e.get("type") == "REG" and int(e["id"]) in ids})
+    for p in paths:
+        if not p.startswith("/"):
+            raise ImageError(
+                f"CRIU recorded the link-remap file {p!r} without an absolute path", fix="dump again"
+            )
+    return paths
+
+
+def drop_remaps(files: Iterable[HostFile]) -> list[str]:
+    """Remove the link-remap files among ``files`` from the host (the image holds them); a file
+    by that name whose contents are not the image's copy is left alone. The paths removed."""
+    removed = []
+    for f in files:
+        if not f.remap:
+            continue
+        try:
+            st = os.lstat(f.path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or _sha256(f.path) != f.sha256:
+                continue
+            os.unlink(f.path)
+        except FileNotFoundError:
+            continue
+        removed.append(f.path)
+    return removed
 
 
 def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFile]:
@@ -328,6 +386,16 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
             )
         if st.st_size == f.size and _sha256(f.path) == f.sha256:
             continue
+        if not replace and f.remap:
+            raise PreflightError(
+                f"{f.path} is in the way: CRIU's restore of this image needs that name for a deleted "
+                "file the job had open",
+                why="another dump (plain CRIU, or an older npusnap) left a link-remap file "
+                "with the same name; the image it belongs to may still need it",
+                fix=f"if no unrestored image needs it, remove it (`rm {f.path}`), or rerun restore "
+                "with --replace-tmpfs-files; then restore again",
+                details={"changed_file": f.path, "size_at_dump": f.size, "size_now": st.st_size},
+            )
         if not replace:
             raise PreflightError(
                 f"{f.path} changed since the dump ({f.size} bytes then, {st.st_size} now)",

@@ -794,17 +794,21 @@ def _restore_job(
             try:
                 with in_netns(targets[r.rank]):
                     to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
-                    if to_put_back:
-                        hostres.put_back(to_put_back, final / r.dir)
-                    wanted = None if options.logs is None else Path(options.logs) / r.dir
-                    logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
-                    restored[r.rank] = criu.restore(
-                        str(img.criu_dir(final / r.dir)),
-                        str(logs),
-                        options=rmod._criu_options(m),
-                        log_name=img.RESTORE_LOG,
-                        binary=binary,
-                    )
+                    try:
+                        if to_put_back:
+                            hostres.put_back(to_put_back, final / r.dir)
+                        wanted = None if options.logs is None else Path(options.logs) / r.dir
+                        logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
+                        restored[r.rank] = criu.restore(
+                            str(img.criu_dir(final / r.dir)),
+                            str(logs),
+                            options=rmod._criu_options(m),
+                            log_name=img.RESTORE_LOG,
+                            binary=binary,
+                        )
+                    finally:
+                        # CRIU's restore consumes the link-remap files; a failed one leaves them
+                        hostres.drop_remaps(f for f in to_put_back if f.remap)
             except BaseException as exc:
                 errors[r.rank] = exc
 

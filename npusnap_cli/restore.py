@@ -175,16 +175,20 @@ def _proc_desc(pid: int) -> str:
     return cmd[:80] or "?"
 
 
-def _zombie(pid: int) -> bool:
+def _state(pid: int) -> Optional[str]:
+    """The state letter of a pid or thread id ("Z" for a zombie), None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     except (OSError, IndexError):
-        return False
+        return "?"
 
 
-# A killed tree's processes stay zombies until their new parent (init) reaps them: briefly.
-ZOMBIE_WAIT_S = 5.0
+# A killed tree's processes stay zombies until their new parent (init) reaps them, which some
+# inits do seconds late.
+ZOMBIE_WAIT_S = 10.0
 
 
 def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
@@ -221,16 +225,23 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
     wanted = ids if ids is not None else [p.pid for p in manifest.processes]
     deadline = time.monotonic() + ZOMBIE_WAIT_S
     while True:
-        # /proc/N exists for a thread id too (hidden from listings, but lookups find it)
-        taken = [i for i in wanted if os.path.exists(f"/proc/{i}")]
-        if not taken or not all(_zombie(p) for p in taken) or time.monotonic() > deadline:
+        # /proc/N exists for a thread id too (hidden from listings, but lookups find it). A pid
+        # seen once can be gone a moment later: each one's state is read once per round.
+        # Worth waiting for: zombies, and tasks already exiting (their memory, and with it their
+        # command line, is gone before they become zombies).
+        states = {i: _state(i) for i in wanted}
+        who = {
+            i: "a zombie" if st in ("Z", "X") else _proc_desc(i) for i, st in states.items() if st is not None
+        }
+        if not who or any(w not in ("a zombie", "?") for w in who.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    if taken:
-        who = "; ".join(f"{pid}: {'a zombie' if _zombie(pid) else _proc_desc(pid)}" for pid in taken)
+    if who:
+        taken = sorted(who)
         original = manifest.leave_running or taken == [manifest.root_pid]
         raise BusyError(
-            f"pid(s) or thread id(s) {', '.join(map(str, taken))} of the image are in use ({who})",
+            f"pid(s) or thread id(s) {', '.join(map(str, taken))} of the image are in use "
+            f"({'; '.join(f'{i}: {who[i]}' for i in taken)})",
             why="CRIU restores processes with their original pids"
             + (" — the original process is probably still running" if original else ""),
             fix=f"stop the process(es) using them (e.g. `kill {taken[0]}` if it is the original), "
@@ -659,10 +670,12 @@ def _restore_opened(
     inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
+    remaps: list[hostres.HostFile] = []  # CRIU's restore consumes them; removed if it fails
     try:
         guard.check("before anything was started", "nothing was restored")
         if to_put_back:
-            cb.note(f"putting back {len(to_put_back)} tmpfs file(s) from the image")
+            cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
+            remaps = [f for f in to_put_back if f.remap]
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
@@ -691,6 +704,7 @@ def _restore_opened(
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
+        hostres.drop_remaps(remaps)
     criu_done = time.monotonic()
     root_pid = res.pid
     if lazy is not None:

@@ -7,10 +7,12 @@ uninterrupted run of the same command.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -97,16 +99,91 @@ def test_tcp_udp_and_spawn_pool_round_trip(
         job.cleanup()
 
 
+def link_remaps() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("link_remap.*")}
+
+
 def test_forkserver_pool_round_trip(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """The pool's deleted semaphores travel in the image (CRIU's link-remap files), not on the
+    host: a file in the way of one is refused clearly, and nothing is left in /dev/shm."""
     env = job_env(sim_env, runtime_dir)
     args = ["--with", "forkserver-pool", "--steps", "30", "--interval", "0.1", "--seed", "2"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    img = tmp_path / "img"
+    existing = link_remaps()
+    in_the_way: Optional[Path] = None
     try:
         job.wait_lines(3, timeout=60)
-        before = dump_and_restore(env, job, tmp_path / "img")
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.reap()
+        assert link_remaps() == existing, "the dump left CRIU's link-remap files on the host"
+        manifest = json.loads((img / "npusnap.json").read_text())
+        remaps = [f["path"] for f in manifest["host_files"] if f.get("remap")]
+        assert remaps and all(Path(p).name.startswith("link_remap.") for p in remaps), manifest["host_files"]
+        before = len(job.lines())
+
+        in_the_way = Path(remaps[0])
+        in_the_way.write_text("another dump's\n")
+        rc, out, _ = cli(env, "restore", str(img))
+        assert rc == ExitCode.PREFLIGHT and out is not None, out
+        assert f"{in_the_way} is in the way" in out["error"]["message"]
+        assert f"rm {in_the_way}" in out["error"]["fix"]
+        in_the_way.unlink()
+
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        assert link_remaps() == existing
         restored_run_matches(job, ref, before)
     finally:
+        if in_the_way is not None:
+            in_the_way.unlink(missing_ok=True)
+        job.cleanup()
+
+
+def test_spawn_pool_leave_running_image_restores_after_the_original_ends(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU deletes its link-remap files when a --leave-running dump ends: the image keeps its
+    own copies, so it restores after the original is gone. A leftover link_remap.N of another
+    dump in the way of CRIU's dump is named, and the job keeps running."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--with", "spawn-pool", "--steps", "30", "--interval", "0.05", "--seed", "6"]
+    ref = host_reference(env, args)
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    existing = link_remaps()
+    # CRIU numbers them from each dump's file ids: these cover every id a job this size gets
+    leftovers = [Path(f"/dev/shm/link_remap.{i}") for i in range(1, 400) if f"link_remap.{i}" not in existing]
+    try:
+        job.wait_lines(3, timeout=60)
+        for f in leftovers:
+            f.write_text("")
+        rc, out, _ = cli(env, "dump", str(job.pid), str(tmp_path / "refused"), "--leave-running")
+        assert rc == ExitCode.CRIU and out is not None, out
+        assert "link_remap.N file left in /dev/shm by an earlier dump" in out["error"]["message"]
+        assert alive(job.pid)
+        for f in leftovers:
+            f.unlink()
+        assert link_remaps() == existing
+
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or err
+        assert job.reap(60) == 0
+        assert job.lines() == ref
+        assert link_remaps() == existing
+        at = len(job.lines())
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored run to finish")
+        continuation = job.lines()[at:]
+        assert continuation and continues_reference(continuation, ref)
+        assert link_remaps() == existing
+    finally:
+        for f in leftovers:
+            f.unlink(missing_ok=True)
         job.cleanup()
 
 

@@ -94,6 +94,10 @@ def test_host_file_paths_in_a_manifest_are_checked() -> None:
             "deleted file",
         ),
         ("(00.1) Error (criu/sockets.c:1): sockets: Can't get 1:16 opt: Operation not supported", "TCP/UDP"),
+        (
+            "(00.1) Error (criu/files-reg.c:1159): Can't link remap to /dev/shm/sem.x: File exists",
+            "left in /dev/shm by an earlier dump",
+        ),
     ],
 )
 def test_criu_failures_with_a_known_cause_get_their_own_message(line: str, expect: str) -> None:

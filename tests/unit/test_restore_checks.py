@@ -63,6 +63,36 @@ def test_a_taken_thread_id_is_found_before_criu_starts(tmp_path: Path) -> None:
         t.join()
 
 
+def test_a_zombie_in_the_way_is_waited_for_and_a_live_process_is_not(tmp_path: Path) -> None:
+    """The dump's killed tree lingers as zombies until init reaps it, seconds late on some
+    hosts: restore waits for those (bounded), never for a live process."""
+    import time
+
+    child = subprocess.Popen(["true"])
+    time.sleep(0.3)  # exited, not reaped: a zombie holding its pid
+    m = dataclasses.replace(
+        _manifest(), processes=(dataclasses.replace(_manifest().processes[0], pid=child.pid),)
+    )
+    reaper = threading.Timer(1.0, child.wait)
+    reaper.start()
+    t0 = time.monotonic()
+    restore.check_pids_free(m, [child.pid])
+    assert 0.8 < time.monotonic() - t0 < restore.ZOMBIE_WAIT_S
+    reaper.join()
+
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        m = dataclasses.replace(m, processes=(dataclasses.replace(m.processes[0], pid=live.pid),))
+        t0 = time.monotonic()
+        with pytest.raises(PreflightError) as exc:
+            restore.check_pids_free(m, [live.pid])
+        assert time.monotonic() - t0 < 1.0
+        assert f"{live.pid}: sleep 30" in exc.value.message
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_pstree_pids_must_be_the_manifests(tmp_path: Path) -> None:
     _pstree(tmp_path, [{"pid": 777, "ppid": 1, "pgid": 777, "sid": 777, "threads": [777]}])
     with pytest.raises(ImageError, match="not the image's"):
