@@ -298,9 +298,24 @@ static void unmap_alloc(struct alloc *a) {
  * other state (Backup, Restore) it is made for this copy only (`*transient` = 1: the caller
  * unmaps `*base` of `*len` bytes), so that a mapping of device memory never reaches a CRIU image:
  * Lock drops the kept ones (drop_mappings_locked), as a real device mapping is not dumped either.
- * Mapped MAP_POPULATE when the copy covers at least half the allocation (one batch of page-table
- * work instead of a fault per page), MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
-static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len, int *transient) {
+ * Mapped MAP_POPULATE when the copy covers at least half the allocation, else the copied range
+ * alone is populated (MADV_POPULATE_*): one batch of page-table work instead of a fault per page,
+ * which matters for npusnap's copies in 64 MiB pieces (half the time of a 1 GiB reload went to
+ * faults). MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
+/* Page tables for [p, p + n) of a fresh mapping, in one call (Linux 5.14+; older kernels fault
+ * page by page as before). */
+static void populate(char *p, uint64_t n, int write) {
+#ifdef MADV_POPULATE_WRITE
+    if (n < ((uint64_t)1 << 20)) return; /* a small copy: a few faults cost less than the call */
+    uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)p & ~(pg - 1), hi = ((uintptr_t)p + n + pg - 1) & ~(pg - 1);
+    madvise((void *)lo, hi - lo, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
+#else
+    (void)p, (void)n, (void)write;
+#endif
+}
+
+static int dev_ptr(uint64_t addr, uint64_t n, int write, char **p, char **base, size_t *len, int *transient) {
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_range(addr, n);
     int keep = g_state == ST_RUNNING;
@@ -315,13 +330,15 @@ static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len
         if (st != 0) return st;
         g_link_mbps = info.link_mbps;
         int same = info.base == abase && info.size == asize; /* the daemon's view of it is ours */
-        int flags = MAP_SHARED | (n >= info.size / 2 ? MAP_POPULATE : 0);
+        int whole = n >= info.size / 2;
+        int flags = MAP_SHARED | (whole ? MAP_POPULATE : 0);
         void *v = same ? mmap(NULL, info.size, PROT_READ | PROT_WRITE, flags, fd, 0) : MAP_FAILED;
         close(fd);
         if (v == MAP_FAILED) return same ? -ENOMEM : -EPROTO;
         madvise(v, info.size, MADV_DONTFORK);
         madvise(v, info.size, MADV_DONTDUMP);
         m = v;
+        if (!whole) populate(m + (addr - abase), n, write);
         *transient = !keep;
         *base = m;
         *len = info.size;
@@ -334,6 +351,7 @@ static int dev_ptr(uint64_t addr, uint64_t n, char **p, char **base, size_t *len
         }
     } else {
         *transient = 0;
+        populate(m + (addr - abase), n, write); /* a kept mapping: the range may be new to it */
     }
     *p = m + (addr - abase);
     return 0;
@@ -377,8 +395,8 @@ static int io_transfer_kind(int kind, uint64_t dst, uint64_t src, uint64_t n) {
     pthread_mutex_lock(&g_mu);
     g_copying = 1;
     pthread_mutex_unlock(&g_mu);
-    if (kind == 1 || kind == 3) st = dev_ptr(dst, n, &dp, &b1, &l1, &t1);
-    if (st == 0 && (kind == 2 || kind == 3)) st = dev_ptr(src, n, &sp, &b2, &l2, &t2);
+    if (kind == 1 || kind == 3) st = dev_ptr(dst, n, 1, &dp, &b1, &l1, &t1);
+    if (st == 0 && (kind == 2 || kind == 3)) st = dev_ptr(src, n, 0, &sp, &b2, &l2, &t2);
     if (st == 0) paced_move(dp, sp, n, pace_mbps());
     if (t1) munmap(b1, l1);
     if (t2) munmap(b2, l2);

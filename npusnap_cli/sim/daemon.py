@@ -27,7 +27,6 @@ import argparse
 import bisect
 import errno
 import json
-import mmap
 import os
 import resource
 import signal
@@ -43,7 +42,7 @@ from npusnap_cli.sim import wire
 
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
 GiB = 1 << 30
-CHUNK = 8 << 20
+POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
 
 
@@ -70,8 +69,7 @@ class Allocation:
     addr: int
     size: int
     owner: Owner
-    fd: int  # the memfd holding the bytes; OP_MAP sends a duplicate of it
-    mem: mmap.mmap  # the daemon's own mapping of it (the poison pattern)
+    fd: int  # the memfd holding the bytes; OP_MAP sends a duplicate of it (the daemon maps none)
 
 
 @dataclass
@@ -132,7 +130,6 @@ class Daemon:
         dev.addrs.remove(addr)
         dev.used -= al.size
         # The memory goes back once every runtime that mapped the memfd has unmapped it too.
-        al.mem.close()
         os.close(al.fd)
 
     def _reap(self) -> None:
@@ -178,11 +175,10 @@ class Daemon:
         fd = os.memfd_create(f"npusim-dev{dev.id}-{addr:#x}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            mem = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise
-        dev.allocs[addr] = Allocation(addr, size, owner, fd, mem)
+        dev.allocs[addr] = Allocation(addr, size, owner, fd)
         bisect.insort(dev.addrs, addr)
         dev.used += size
         dev.next_addr = max(dev.next_addr, _align(addr + size))
@@ -218,7 +214,7 @@ class Daemon:
     ) -> Tuple[int, int]:
         status, addr = self._alloc(owner, dev_id, size, at)
         if status == 0 and poison:
-            _fill_poison(self.devices[dev_id].allocs[addr].mem)
+            _fill_poison(self.devices[dev_id].allocs[addr])
         return status, addr
 
     def _alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
@@ -485,13 +481,16 @@ def _raise_fd_limit() -> None:
             pass  # the soft limit stays; allocations beyond it fail with ENOMEM and a log line
 
 
-def _fill_poison(mem: mmap.mmap) -> None:
-    """Fill a device allocation with 0xDEADBEEF words (a partial word at the end is cut)."""
-    block = wire.POISON * (CHUNK // len(wire.POISON))
-    size = len(mem)
-    for off in range(0, size, CHUNK):
-        n = min(CHUNK, size - off)
-        mem[off : off + n] = block[:n]
+def _fill_poison(al: Allocation) -> None:
+    """Fill a device allocation with 0xDEADBEEF words (a partial word at the end is cut).
+    Written into the memfd: the kernel allocates its pages as it writes, twice as fast as
+    filling a mapping of it page fault by page fault (0.45 against 0.9 s/GiB here)."""
+    block = memoryview(wire.POISON * (POISON_CHUNK // len(wire.POISON)))
+    for off in range(0, al.size, POISON_CHUNK):
+        n = min(POISON_CHUNK, al.size - off)
+        done = 0
+        while done < n:
+            done += os.pwrite(al.fd, block[done:n], off + done)
 
 
 def _align(x: int) -> int:

@@ -123,7 +123,7 @@ def test_the_copy_in_a_file_and_a_file_that_does_not_match(
     cut = tmp_path / "cut.bin"
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     r = d.call("dm_reload_file", str(cut))
-    assert r["rc"] != 0 and "cannot read" in r["message"], r
+    assert r["rc"] != 0 and "its records need" in r["message"], r  # checked before anything is mapped
     assert d.call("dm_reload_file", str(path))["rc"] == 0
     d.call("dm_finish")
     assert d.call("read", a, 3 * MiB + 7)["crc"] == crc_a
