@@ -22,7 +22,6 @@ Core module: raises ImageError/UsageError, never prints.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import tarfile
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Optional
 
+from npusnap_cli import digest
 from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, UsageError
 
@@ -91,9 +91,9 @@ class ArchiveResult:
 class _HashingReader(io.RawIOBase):
     """Reads a file, hashing and counting what passes through."""
 
-    def __init__(self, f: IO[bytes], progress: ProgressFn) -> None:
+    def __init__(self, f: IO[bytes], progress: ProgressFn, algo: str) -> None:
         self._f = f
-        self.sha = hashlib.sha256()
+        self.sha = digest.new(algo)
         self.size = 0
         self._progress = progress
 
@@ -146,7 +146,7 @@ def export(
     start = time.monotonic()
     image = img.follow_pointer(image)
     _check_destination(dest, force)
-    # Structure and sizes first; the sha256 sums are checked while the files stream out.
+    # Structure and sizes first; the checksums are checked while the files stream out.
     result = img.verify(image, checksums=False)
     manifest = result.manifest
     top = image.resolve().name
@@ -173,11 +173,11 @@ def export(
                         made.add(name)
                 full = image / entry.path
                 with open(full, "rb") as f:
-                    reader = _HashingReader(f, progress)
+                    reader = _HashingReader(f, progress, entry.algo)
                     info = _tarinfo(f"{top}/{entry.path}", size=entry.size, mtime=full.stat().st_mtime)
                     tar.addfile(info, reader)
-                if reader.sha.hexdigest() != entry.sha256 or reader.size != entry.size:
-                    raise img_problem(image, f"{entry.path} does not match its sha256 (file modified)")
+                if reader.sha.hexdigest() != entry.digest or reader.size != entry.size:
+                    raise img_problem(image, digest.mismatch(entry.path, entry.algo))
                 bytes_in += entry.size
             zw.flush(zstandard.FLUSH_FRAME)
             fh.flush()
@@ -325,7 +325,7 @@ def _walk(
             if rel not in listed:
                 problems.append(f"unexpected file {rel} (not in the manifest)")
                 continue
-            sha = hashlib.sha256()
+            sha = digest.new(listed[rel].algo)
             size = 0
             out: Optional[IO[bytes]] = None
             if dest is not None:
@@ -353,11 +353,11 @@ def _walk(
         if entry.path not in seen:
             problems.append(f"{entry.path} is missing")
             continue
-        size, digest = seen[entry.path]
+        size, found = seen[entry.path]
         if size != entry.size:
             problems.append(f"{entry.path} has {size} bytes, the manifest says {entry.size}")
-        elif (checksums or dest is not None) and digest != entry.sha256:
-            problems.append(f"{entry.path} does not match its sha256 (file modified)")
+        elif (checksums or dest is not None) and found != entry.digest:
+            problems.append(digest.mismatch(entry.path, entry.algo))
         else:
             good += 1
             nbytes += size

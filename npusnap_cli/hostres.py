@@ -24,7 +24,6 @@ Read-only /proc inspection here; copying and putting back are in ``save_files``/
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from collections.abc import Iterable
@@ -32,10 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from npusnap_cli import digest
 from npusnap_cli.errors import ImageError, PreflightError
 
 # Pseudo or kernel filesystems whose "files" are not data to save.
 _NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", "/run/npusnap")
+
+
+_DEFAULT_ALGO = digest.DEFAULT  # (a field named digest hides the module in class bodies)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,10 @@ class HostFile:
     mode: int
     uid: int
     gid: int
-    sha256: str
+    digest: str  # hex, of the algorithm ``algo`` (digest.py)
     # CRIU's link-remap file of a deleted file the tree had open: on the host only during restore
     remap: bool = False
+    algo: str = _DEFAULT_ALGO
 
     @property
     def rel(self) -> str:
@@ -90,7 +94,7 @@ class HostFile:
             "mode": self.mode,
             "uid": self.uid,
             "gid": self.gid,
-            "sha256": self.sha256,
+            self.algo: self.digest,
         }
         if self.remap:
             d["remap"] = True
@@ -98,6 +102,7 @@ class HostFile:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HostFile:
+        algo, value = digest.from_entry(d, "host_files")
         try:
             f = cls(
                 path=str(d["path"]),
@@ -105,7 +110,8 @@ class HostFile:
                 mode=int(d["mode"]),
                 uid=int(d["uid"]),
                 gid=int(d["gid"]),
-                sha256=str(d["sha256"]),
+                digest=value,
+                algo=algo,
                 remap=d.get("remap", False),
             )
             if not isinstance(f.remap, bool):
@@ -290,12 +296,8 @@ def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) ->
     return out
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _digest(f: HostFile) -> str:
+    return digest.of_file(Path(f.path), f.algo)
 
 
 def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tuple[HostFile, ...]:
@@ -307,7 +309,7 @@ def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tup
             raise ImageError(f"{path} is not a regular file any more", fix="dump again")
         dest = image_tmp / ("hostfiles" + path)
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        h = hashlib.sha256()
+        h = digest.new()
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with open(path, "rb") as src, os.fdopen(fd, "wb") as out:
             for chunk in iter(lambda: src.read(1 << 20), b""):
@@ -320,7 +322,7 @@ def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tup
                 mode=stat.S_IMODE(st.st_mode),
                 uid=st.st_uid,
                 gid=st.st_gid,
-                sha256=h.hexdigest(),
+                digest=h.hexdigest(),
                 remap=remap,
             )
         )
@@ -360,7 +362,7 @@ def drop_remaps(files: Iterable[HostFile]) -> list[str]:
             continue
         try:
             st = os.lstat(f.path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or _sha256(f.path) != f.sha256:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or _digest(f) != f.digest:
                 continue
             os.unlink(f.path)
         except FileNotFoundError:
@@ -384,7 +386,7 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
                 why="the image holds the dump-time contents of that tmpfs file for the job",
                 fix=f"remove it (`rm {f.path}`) and restore again",
             )
-        if st.st_size == f.size and _sha256(f.path) == f.sha256:
+        if st.st_size == f.size and _digest(f) == f.digest:
             continue
         if not replace and f.remap:
             raise PreflightError(

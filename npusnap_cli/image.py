@@ -11,12 +11,12 @@ Every name inside an image is a constant here, and nowhere else::
 
 An image is built in a temporary sibling (``.DIR.npusnap-tmp-*``), fsynced (files, then
 directories) and renamed into place only when complete, so a crash never leaves a directory that
-looks like a finished image. ``verify`` checks schema, structure and every file's sha256.
+looks like a finished image. ``verify`` checks schema, structure and every file's checksum
+(digest.py).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import datetime as _dt
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import digest
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.hostres import ExternalStdio, HostFile
 
@@ -43,7 +44,7 @@ CRIU_SUBDIR = "criu"
 LOGS_SUBDIR = "logs"
 HOSTFILES_SUBDIR = "hostfiles"
 DEVICE_SUBDIR = "device"
-# The subdirectories whose files the manifest lists with their sha256 (never logs/).
+# The subdirectories whose files the manifest lists with their checksums (never logs/).
 CHECKSUMMED_SUBDIRS = (CRIU_SUBDIR, HOSTFILES_SUBDIR, DEVICE_SUBDIR)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
@@ -110,6 +111,9 @@ def _list_of(data: Mapping[str, Any], key: str, kind: type, where: str) -> list[
                 fix="use an image written by this npusnap version, or dump again",
             )
     return items
+
+
+_DEFAULT_ALGO = digest.DEFAULT  # (a field named digest hides the module in class bodies)
 
 
 @dataclass(frozen=True)
@@ -271,20 +275,23 @@ class ByteCounts:
 class FileEntry:
     path: str  # relative to the image directory, '/'-separated
     size: int
-    sha256: str
+    digest: str  # hex, of the algorithm ``algo`` (digest.py)
+    algo: str = _DEFAULT_ALGO
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+        return {"path": self.path, "size": self.size, self.algo: self.digest}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FileEntry:
         if not isinstance(d, Mapping):
             raise ImageError("manifest field files holds a non-object", fix="dump again")
-        _only(d, cls.__dataclass_fields__, "files")
+        _only(d, ("path", "size", *digest.ALGORITHMS), "files")
+        algo, value = digest.from_entry(d, "files")
         entry = cls(
             path=_req(d, "path", str, "files"),
             size=_req(d, "size", int, "files"),
-            sha256=_req(d, "sha256", str, "files"),
+            digest=value,
+            algo=algo,
         )
         if entry.path.startswith("/") or ".." in entry.path.split("/"):
             raise ImageError(
@@ -677,40 +684,6 @@ def tree_size(path: Path) -> int:
     return total
 
 
-def sha256_file(path: Path, progress: Optional[ProgressFn] = None) -> str:
-    h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ImageError(f"refusing {path}: not a regular file", fix="do not use this image; dump again")
-        while True:
-            chunk = f.read(_HASH_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return h.hexdigest()
-
-
-def sha256_files(paths: list[Path], progress: Optional[ProgressFn] = None) -> list[str]:
-    """sha256 of each file, several at a time: an image holds one pages file per process of the
-    tree (eight NPU ranks make eight large files), and hashlib releases the GIL while it hashes.
-    """
-    if len(paths) <= 1:
-        return [sha256_file(p, progress) for p in paths]
-    lock = threading.Lock()
-
-    def locked(n: int) -> None:
-        if progress is not None:
-            with lock:
-                progress(n)
-
-    workers = min(len(paths), os.cpu_count() or 1, 8)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="npusnap-sha") as pool:
-        return list(pool.map(lambda p: sha256_file(p, locked), paths))
-
-
 def _checksummed_files(image: Path) -> list[str]:
     """Relative paths of the files covered by checksums: everything under CHECKSUMMED_SUBDIRS."""
     out: list[str] = []
@@ -729,7 +702,7 @@ def device_memory_rel(pid: int) -> str:
 
 def open_device_memory_files(image: Path, manifest: Manifest) -> dict[int, tuple[int, str]]:
     """pid -> (fd read-only, absolute name) of each NPU process's device-memory file that the
-    manifest lists; the caller closes the fds. The image was verified (files and sha256)."""
+    manifest lists; the caller closes the fds. The image was verified (files and checksums)."""
     listed = {f.path for f in manifest.files}
     out: dict[int, tuple[int, str]] = {}
     try:
@@ -753,12 +726,13 @@ def file_entries(
     progress: Optional[ProgressFn] = None,
     known: Optional[Mapping[str, tuple[int, str]]] = None,
 ) -> tuple[FileEntry, ...]:
-    """sha256 and size of every checksummed file, while a second thread flushes them to disk.
+    """Digest (digest.DEFAULT) and size of every checksummed file, while a second thread flushes
+    them to disk.
 
     Hashing reads the files back from the page cache (CPU) while fsync waits on the disk, so
     running the two side by side hides most of one behind the other; ``publish`` then finds the
     files already clean. An fsync error (ENOSPC, EIO) is raised here, after the hashing.
-    ``known``: {relative path: (size, sha256)} already computed while the files were written
+    ``known``: {relative path: (size, digest)} already computed while the files were written
     (streamhash.py); a file whose size still matches is not read again.
     """
     rels = _checksummed_files(image)
@@ -779,11 +753,11 @@ def file_entries(
         sizes = [f.stat().st_size for f in fulls]
         have = dict(known or {})
         todo = [i for i, (r, n) in enumerate(zip(rels, sizes)) if have.get(r, (-1, ""))[0] != n]
-        fresh = dict(zip(todo, sha256_files([fulls[i] for i in todo], progress)))
+        fresh = dict(zip(todo, digest.of_files([(fulls[i], digest.DEFAULT) for i in todo], progress)))
         if progress is not None:
             progress(sum(n for i, n in enumerate(sizes) if i not in fresh))
         digests = [fresh[i] if i in fresh else have[r][1] for i, r in enumerate(rels)]
-        entries = [FileEntry(path=r, size=n, sha256=d) for r, n, d in zip(rels, sizes, digests)]
+        entries = [FileEntry(path=r, size=n, digest=d) for r, n, d in zip(rels, sizes, digests)]
     finally:
         flusher.join()
     if flush_errors:
@@ -1078,7 +1052,7 @@ def verify(
     """Check that ``image`` may be trusted and is complete (docs/image-format.md, "Trust model"):
     a real directory of regular files owned by this user or root and writable by nobody else,
     the manifest against its schema and against the files, the signature (with
-    ``require_signature``) and, unless ``checksums=False``, every sha256.
+    ``require_signature``) and, unless ``checksums=False``, every file's checksum.
 
     Raises ImageError naming the first problem (all problems are in ``details``).
     """
@@ -1101,7 +1075,7 @@ def verify(
     by_path = {f.path: f for f in manifest.files}
     for hf in manifest.host_files:
         entry = by_path.get(hf.rel)
-        if entry is None or entry.sha256 != hf.sha256 or entry.size != hf.size:
+        if entry is None or (entry.algo, entry.digest, entry.size) != (hf.algo, hf.digest, hf.size):
             problems.append(f"host file {hf.path} does not match its copy {hf.rel} in the manifest")
     for rel in _checksummed_files(image):
         if rel not in listed:
@@ -1119,13 +1093,9 @@ def verify(
         present.append(entry)
     good = present
     if checksums:
-        digests = sha256_files([image / e.path for e in present], progress)
-        good = [e for e, d in zip(present, digests) if d == e.sha256]
-        problems += [
-            f"{e.path} does not match its sha256 (file modified)"
-            for e, d in zip(present, digests)
-            if d != e.sha256
-        ]
+        digests = digest.of_files([(image / e.path, e.algo) for e in present], progress)
+        good = [e for e, d in zip(present, digests) if d == e.digest]
+        problems += [digest.mismatch(e.path, e.algo) for e, d in zip(present, digests) if d != e.digest]
     checked = len(good)
     nbytes = sum(e.size for e in good)
     if problems:

@@ -42,7 +42,7 @@ class ImageInfo:
     pids: tuple[int, ...]
     npu_pids: tuple[int, ...]
     valid: bool
-    checked: str  # "sha256" | "sizes" | "manifest"
+    checked: str  # "checksums" | "sizes" | "manifest"
     problem: Optional[str]
     latest: bool = False
 
@@ -94,13 +94,13 @@ def describe(path: Path, *, checksums: bool = True, quick: bool = False) -> Imag
     """One image (directory or archive) and whether it is valid.
 
     ``quick``: only parse the manifest (and, for a directory, check files and sizes without
-    hashing); otherwise every file's sha256 too (``checksums=False`` stops at sizes).
+    hashing); otherwise every file's checksum too (``checksums=False`` stops at sizes).
     """
     kind = "archive" if archive.is_archive(path) else "directory"
     manifest: Optional[img.Manifest] = None
     problem: Optional[str] = None
     checked = (
-        "manifest" if quick and kind == "archive" else ("sha256" if checksums and not quick else "sizes")
+        "manifest" if quick and kind == "archive" else ("checksums" if checksums and not quick else "sizes")
     )
     try:
         if kind == "archive":

@@ -16,7 +16,7 @@ image is checked before any of it is used (docs/image-format.md, "Trust model"):
 * ``check_json_depth``: a bounded nesting depth, so that a crafted manifest is an ImageError and
   not a RecursionError;
 * signatures: ``dump --sign KEY`` writes ``npusnap.json.sig``, an Ed25519 signature of the
-  manifest's bytes (which carry every file's sha256); ``--require-signature PUBKEY`` refuses an
+  manifest's bytes (which carry every file's checksum); ``--require-signature PUBKEY`` refuses an
   image without a valid one. The manifest also carries its own sha256 (``manifest_sha256``), so
   an edit of any field is reported even without a signature (a signature also stops an editor
   who recomputes that hash).
@@ -41,7 +41,7 @@ MAX_JSON_DEPTH = 16
 MAX_MANIFEST_BYTES = 16 << 20
 PID_MAX = 1 << 22  # the kernel's highest pid_max (PID_MAX_LIMIT on 64-bit)
 MAX_DEVICE_ID = 1023
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # blake3 and sha256 alike (digest.py)
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 _TAMPERED = "the manifest was written by another tool or edited after the dump"
@@ -211,8 +211,8 @@ def check_manifest(manifest: Manifest) -> None:
         if f.path in seen:
             raise _bad(f"file {f.path} is listed twice")
         seen.add(f.path)
-        if f.size < 0 or not _SHA256.fullmatch(f.sha256):
-            raise _bad(f"file {f.path}: bad size or sha256")
+        if f.size < 0 or not _DIGEST.fullmatch(f.digest):
+            raise _bad(f"file {f.path}: bad size or {f.algo} digest")
     if manifest.files and manifest.bytes.image_bytes != sum(f.size for f in manifest.files):
         raise _bad("bytes.image_bytes is not the sum of the files' sizes")
     for key, value in manifest.timings.to_dict().items():
@@ -303,7 +303,7 @@ def check_signature(image: Path, manifest_bytes: bytes, pub_file: Path) -> None:
     except (InvalidSignature, ValueError):
         raise ImageError(
             f"the signature of {image} does not match its manifest or the key {pub_file}",
-            why="the manifest (which carries every file's sha256) was changed after it was signed, "
+            why="the manifest (which carries every file's checksum) was changed after it was signed, "
             "or it was signed with another key",
             fix=_DO_NOT_USE,
         ) from None

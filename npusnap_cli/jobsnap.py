@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import digest as dg
 from npusnap_cli import image as img
 from npusnap_cli.callbacks import PipelineCallbacks
 from npusnap_cli.errors import (
@@ -354,7 +355,7 @@ def verify_job(
         rank_image = final / r.dir
         mpath = img.manifest_path(rank_image)
         try:
-            digest = img.sha256_file(mpath)
+            digest = dg.of_file(mpath, "sha256")
         except OSError as exc:
             raise ImageError(
                 f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
@@ -436,7 +437,7 @@ def _commit(
                     dir=rank_dir_name(r["rank"]),
                     pid=r["pid"],
                     npu_pids=tuple(p.pid for p in img.load_manifest(rank_image).npu_processes),
-                    manifest_sha256=img.sha256_file(img.manifest_path(rank_image)),
+                    manifest_sha256=dg.of_file(img.manifest_path(rank_image), "sha256"),
                     netns=r["netns"],
                     netns_path=r["netns_path"],
                 )

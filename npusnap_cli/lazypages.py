@@ -8,7 +8,7 @@ again as soon as CRIU, the device restore and the unlock are done, long before t
 The contract (docs/reference/restore.md, "--lazy"):
 
 * before anything runs: the lazy preflight (``check_lazy``), the image's structure and sizes, and
-  the sha256 of every file except CRIU's page files (``criu/pages-*.img``);
+  the checksum of every file except CRIU's page files (``criu/pages-*.img``);
 * the page files are hashed while the job runs; a mismatch kills the tree (SIGKILL) at once and the
   restore fails with exit 8, saying how long the job ran on unverified pages;
 * the daemon is npusnap's child; npusnap holds a duplicate of every userfaultfd it serves, so that
@@ -101,14 +101,14 @@ _DUMP_AGAIN = "do not use this image; dump again"
 def verify_open_files(
     image: Path, opened: list[tuple[img.FileEntry, int]], progress: Any = None, stop: Any = None
 ) -> None:
-    """sha256 of each opened file against the manifest (closes the fds); ImageError on a mismatch.
-    ``stop`` (a threading.Event): give up early, the restore failed anyway."""
-    import hashlib
+    """Checksum of each opened file against the manifest (closes the fds); ImageError on a
+    mismatch. ``stop`` (a threading.Event): give up early, the restore failed anyway."""
+    from npusnap_cli import digest
 
     bad: list[str] = []
     try:
         for e, fd in opened:
-            h = hashlib.sha256()
+            h = digest.new(e.algo)
             offset = 0
             while True:
                 if stop is not None and stop.is_set():
@@ -120,17 +120,17 @@ def verify_open_files(
                 offset += len(data)
                 if progress is not None:
                     progress(len(data))
-            if offset != e.size or h.hexdigest() != e.sha256:
-                bad.append(e.path)
+            if offset != e.size or h.hexdigest() != e.digest:
+                bad.append(digest.mismatch(e.path, e.algo))
     finally:
         for _e, fd in opened:
             os.close(fd)
     if bad:
         raise ImageError(
-            f"image {image} failed verification: {bad[0]} does not match its sha256 (file modified)",
+            f"image {image} failed verification: {bad[0]}",
             why="the image is truncated, was modified after the dump, or the disk is corrupt",
             fix="do not restore it; dump the process again (or copy the image again from its source)",
-            details={"problems": [f"{b} does not match its sha256 (file modified)" for b in bad]},
+            details={"problems": bad},
         )
 
 
@@ -238,7 +238,7 @@ class LazyPhase:
     # -- the end -----------------------------------------------------------------------------
 
     def finish(self) -> dict[str, Any]:
-        """Wait (until the deadline) for every page and every page file's sha256; raise if the
+        """Wait (until the deadline) for every page and every page file's checksum; raise if the
         tree had to be killed; return the report for the outcome's ``lazy`` field."""
         while True:
             daemon_done = self.daemon_status is not None

@@ -51,7 +51,7 @@ RestoreCallbacks = PipelineCallbacks
 
 @dataclass(frozen=True)
 class RestoreOptions:
-    verify: bool = True  # sha256 of every file (structure and sizes are always checked)
+    verify: bool = True  # the checksum of every file (structure and sizes are always checked)
     pidfile: Optional[Path] = None
     lease_s: Optional[float] = None
     logs: Optional[Path] = None  # where CRIU's restore log goes (default: DIR/logs, else elsewhere)
@@ -525,7 +525,7 @@ def _restore(
 
     if options.pidfile is not None:
         pidfile_mod.check(options.pidfile)
-    # Structure and sizes now; the sha256 of every file in a thread that overlaps with the checks
+    # Structure and sizes now; the checksum of every file in a thread that overlaps with the checks
     # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
     # known: nothing of the image runs before it is verified.
     img.verify(final, checksums=False, require_signature=options.require_signature)
@@ -558,20 +558,23 @@ def _restore(
 
 
 def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = None) -> None:
-    """The sha256 of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if one differs."""
-    digests = img.sha256_files([image / e.path for e in entries], progress)
-    bad = [e.path for e, d in zip(entries, digests) if d != e.sha256]
+    """The checksum of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if
+    one differs."""
+    from npusnap_cli import digest
+
+    digests = digest.of_files([(image / e.path, e.algo) for e in entries], progress)
+    bad = [digest.mismatch(e.path, e.algo) for e, d in zip(entries, digests) if d != e.digest]
     if bad:
         raise ImageError(
-            f"image {image} failed verification: {bad[0]} does not match its sha256 (file modified)",
+            f"image {image} failed verification: {bad[0]}",
             why="the image is truncated, was modified after the dump, or the disk is corrupt",
             fix="do not restore it; dump the process again (or copy the image again from its source)",
-            details={"problems": [f"{b} does not match its sha256 (file modified)" for b in bad]},
+            details={"problems": bad},
         )
 
 
 class _Checksums:
-    """``img.verify`` with checksums (or the sha256 of ``entries`` only), on its own thread.
+    """``img.verify`` with checksums (or the checksums of ``entries`` only), on its own thread.
 
     ``on_error`` runs on that thread as soon as a file does not match (lazy restore: the job is
     already running and must be stopped at once)."""
@@ -813,7 +816,7 @@ def _device_files_verified(
     manifest: img.Manifest, device_checks: _Checksums, cb: RestoreCallbacks
 ) -> Callable[[], None]:
     """What runs after each agent's Restore and before its Unlock (which writes the device
-    memory back): wait for the device-memory files' sha256; on a mismatch kill the tree, whose
+    memory back): wait for the device-memory files' checksums; on a mismatch kill the tree, whose
     device memory was never loaded, and raise (exit 8)."""
     lock = threading.Lock()
     killed: list[int] = []
@@ -840,7 +843,7 @@ def _device_files_verified(
 
 
 def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
-    """CRIU left the tree stopped: let it run if every sha256 matched, else kill it unrun."""
+    """CRIU left the tree stopped: let it run if every checksum matched, else kill it unrun."""
     import signal
 
     cb.phase("checksums")

@@ -3,19 +3,19 @@
 CRIU writes each image file front to back and never goes back into it (page files are appended
 page pipe by page pipe; the small images are written once). A follower thread therefore reads
 every file's new bytes shortly after CRIU wrote them — from the page cache, on the core CRIU is
-not using — and feeds them to a sha256 per file. When CRIU is done, ``finish`` reads whatever is
-left and returns each file's size and digest; the dump then only hashes files the follower could
-not vouch for (one that shrank, or that it never saw). The digests are the same sha256 the
-manifest always had: the image format does not change.
+not using — and feeds them to a hasher per file (digest.DEFAULT). When CRIU is done, ``finish``
+reads whatever is left and returns each file's size and digest; the dump then only hashes files
+the follower could not vouch for (one that shrank, or that it never saw).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
 from typing import Any, Optional
+
+from npusnap_cli import digest
 
 _CHUNK = 4 << 20
 # Read at most this much from one file per round, so that every file keeps up.
@@ -27,7 +27,7 @@ class _Follow:
         self.path = path
         self.fd: Optional[int] = None
         self.offset = 0
-        self.hash: Any = hashlib.sha256()
+        self.hash: Any = digest.new()
         self.broken = False
 
     def pump(self, limit: int) -> int:
@@ -105,7 +105,7 @@ class StreamHasher:
             f.close()
 
     def finish(self) -> dict[str, tuple[int, str]]:
-        """The writer is done: hash what is left; {relative path: (size, sha256)} of every file
+        """The writer is done: hash what is left; {relative path: (size, digest)} of every file
         whose digest covers all of it."""
         self._stop.set()
         self._thread.join()

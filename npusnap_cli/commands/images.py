@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         """List the images (directories and archives) under DIRECTORY, newest first.
 
         Each with its time, size, pids and whether it is valid (manifest, files, sizes and, unless
-        --quick, sha256 sums). The newest valid one: `npusnap list --valid --paths DIR | head -n 1`.
+        --quick, checksums). The newest valid one: `npusnap list --valid --paths DIR | head -n 1`.
         Exit 0 even if some are invalid; 2 if DIRECTORY is not a directory.
         """
         from npusnap_cli import imagestore
@@ -54,7 +54,7 @@ def register(app: typer.Typer) -> None:
                         human_bytes(i.size_bytes),
                         ",".join(map(str, i.pids)) or "-",
                         ("yes" if i.valid else f"NO: {i.problem}")
-                        + (" (no sha256)" if i.valid and i.checked != "sha256" else ""),
+                        + (" (no checksums)" if i.valid and i.checked != "checksums" else ""),
                     )
                     for i in images
                 ],
@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write an image into one compressed archive (tar + zstd, every core), verified on the way.
 
-        Every file is checked against its sha256 while it is written: a corrupt image is never
+        Every file is checked against its checksum while it is written: a corrupt image is never
         exported. The archive (mode 0600: it holds the processes' memory) is written to a
         temporary name and renamed when complete. `inspect` and `verify` read it directly;
         `npusnap import FILE DIR` turns it back into an image. Prints the archive's path.
@@ -119,7 +119,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Extract an archive into a new image directory, verified, ready for `npusnap restore`.
 
-        Every file is checked against the manifest's sha256 as it is extracted; only plain files
+        Every file is checked against the manifest's checksum as it is extracted; only plain files
         under the image's own directory are accepted. The image appears under its final name only
         when complete (a temporary sibling, renamed). Prints the image's path.
         """
@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
             bars.close()
         out.ok(
             f"imported {source} into {result.image}: {result.files} files, "
-            f"{human_bytes(result.image_bytes)}, sha256 sums match"
+            f"{human_bytes(result.image_bytes)}, checksums match"
         )
         out.data(result.image)
         out.result(result.to_dict())

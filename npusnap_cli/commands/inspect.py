@@ -170,7 +170,7 @@ def register(app: typer.Typer) -> None:
             help=DIR_HELP,
         ),
         no_checksums: bool = typer.Option(
-            False, "--no-checksums", help="Check only the structure and file sizes, not the sha256 sums."
+            False, "--no-checksums", help="Check only the structure and file sizes, not the checksums."
         ),
         require_signature: Optional[Path] = typer.Option(
             None,
@@ -182,7 +182,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check an image: trust (only regular files, owner and modes, manifest schema and
         self-hash, the signature with --require-signature), every file present with its size
-        and sha256.
+        and checksum (BLAKE3; sha256 in images made before 2026-12).
 
         Exits non-zero (the image error code) on any mismatch and names the file.
         """
@@ -195,7 +195,7 @@ def register(app: typer.Typer) -> None:
             from npusnap_cli import containers
 
             res = containers.verify(ckpt, checksums=not no_checksums)
-            what = "sizes and sha256 sums" if res["checksums"] else "sizes (checksums skipped)"
+            what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
             out.ok(
                 f"{directory}: container checkpoint, {res['files_checked']} image files, "
                 f"{human_bytes(res['bytes_checked'])}: {what} match the plugin's record"
@@ -224,7 +224,7 @@ def register(app: typer.Typer) -> None:
                     progress=bar.advance,
                     require_signature=require_signature,
                 )
-        what = "sizes and sha256 sums" if result.checksums else "sizes (checksums skipped)"
+        what = "sizes and checksums" if result.checksums else "sizes (checksums skipped)"
         if getattr(result, "signed", False):
             what += ", signature"
         for left in getattr(result, "leftovers", ()):

@@ -213,7 +213,7 @@ def verify_job(out: Any, directory: Path, checksums: bool, require_signature: Op
     _job, result = jobsnap.verify_job(directory, checksums=checksums, require_signature=require_signature)
     files = sum(r.files_checked for r in result.ranks)
     nbytes = sum(r.bytes_checked for r in result.ranks)
-    what = "sizes and sha256 sums" if checksums else "sizes (checksums skipped)"
+    what = "sizes and checksums" if checksums else "sizes (checksums skipped)"
     out.ok(
         f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
         f"{files} files, {human_bytes(nbytes)}: {what} match"

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         no_verify: bool = typer.Option(
             False,
             "--no-verify",
-            help="Skip the sha256 check of the image's files (structure and sizes are still checked).",
+            help="Skip the checksum check of the image's files (structure and sizes are still checked).",
         ),
         pidfile: Optional[Path] = typer.Option(
             None,
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
 
         if no_verify:
             out.warn(
-                "--no-verify: the files' sha256 sums are not checked; a corrupted image would restore "
+                "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
         options = restore_mod.RestoreOptions(

@@ -202,7 +202,7 @@ def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, 
             f.write(bytes([byte[0] ^ 0xFF]))
         rc, out, _ = cli(env, "restore", str(tampered))
         assert rc == ExitCode.IMAGE and out is not None
-        assert biggest in out["error"]["message"] and "sha256" in out["error"]["message"]
+        assert biggest in out["error"]["message"] and "checksum" in out["error"]["message"]
 
         half = tmp_path / "half-manifest"
         shutil.copytree(img, half)

@@ -255,7 +255,7 @@ def test_changed_page_file_is_caught_while_running_and_kills_the_job(
         assert rc == ExitCode.IMAGE, err
         assert out is not None and out["ok"] is False
         error = out["error"]
-        assert f"{pages.relative_to(img)} does not match its sha256" in error["message"]
+        assert f"{pages.relative_to(img)} does not match its blake3 checksum" in error["message"]
         assert "paged in lazily" in error["message"] and "killed" in error["message"]
         assert error["details"]["lazy"]["killed"] == "checksum"
         wait_until(lambda: not alive(job.pid), 10, "the restored job to be gone")

@@ -89,7 +89,7 @@ def test_a_corrupt_page_file_is_caught_while_criu_restores_and_nothing_runs(
         before = len(job.lines())
         rc, out, _ = cli(env, "restore", str(img))
         assert rc == ExitCode.IMAGE and out is not None, out
-        assert "sha256" in out["error"]["message"] and "killed before it ran" in out["error"]["message"]
+        assert "checksum" in out["error"]["message"] and "killed before it ran" in out["error"]["message"]
         killed = out["error"]["details"]["killed_unrun"]
         wait_until(lambda: not any(alive(p) for p in killed), 10, "the unverified tree to be gone")
         time.sleep(0.3)

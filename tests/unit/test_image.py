@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -120,9 +121,41 @@ def test_verify_names_tampered_file(tmp_path: Path) -> None:
     with pytest.raises(ImageError) as exc:
         image.verify(final)
     assert "criu/pages-1.img" in exc.value.message
-    assert "sha256" in exc.value.message
+    assert "does not match its blake3 checksum" in exc.value.message
     # Without checksums only the structure is checked, which is intact.
     assert image.verify(final, checksums=False).files_checked == 2
+
+
+def test_images_with_sha256_digests_are_still_verified(tmp_path: Path) -> None:
+    """Images made before BLAKE3 list sha256 digests: read, checked, and tampering named."""
+    import hashlib
+
+    tmp, final = _build(tmp_path)
+    entries = tuple(
+        image.FileEntry(e.path, e.size, hashlib.sha256((tmp / e.path).read_bytes()).hexdigest(), "sha256")
+        for e in image.file_entries(tmp)
+    )
+    image.publish(tmp, final, _manifest(entries))
+    listed = json.loads(image.manifest_path(final).read_text())["files"]
+    assert all(set(f) == {"path", "size", "sha256"} for f in listed)
+    assert image.verify(final).files_checked == 2
+    (image.criu_dir(final) / "pages-1.img").write_bytes(b"\x02" * 5000)
+    with pytest.raises(ImageError, match=r"pages-1\.img does not match its sha256 checksum"):
+        image.verify(final)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"path": "criu/a.img", "size": 1, "sha256": "0" * 64, "blake3": "0" * 64},
+        {"path": "criu/a.img", "size": 1},
+        {"path": "criu/a.img", "size": 1, "md5": "0" * 32},
+        {"path": "criu/a.img", "size": 1, "blake3": 7},
+    ],
+)
+def test_a_file_entry_needs_exactly_one_known_digest(entry: dict[str, object]) -> None:
+    with pytest.raises(ImageError):
+        image.FileEntry.from_dict(entry)
 
 
 def test_verify_names_truncated_missing_and_extra_files(tmp_path: Path) -> None:
@@ -202,8 +235,12 @@ def test_remove_stale_temps_only_of_dead_runs(tmp_path: Path) -> None:
     assert mine.exists() and not dead.exists()
 
 
-def test_parallel_hashing_matches_hashlib_and_reports_every_byte(tmp_path: Path) -> None:
+def test_parallel_hashing_matches_the_libraries_and_reports_every_byte(tmp_path: Path) -> None:
     import hashlib
+
+    import blake3
+
+    from npusnap_cli import digest
 
     paths = []
     for i in range(5):
@@ -211,6 +248,11 @@ def test_parallel_hashing_matches_hashlib_and_reports_every_byte(tmp_path: Path)
         p.write_bytes(bytes([i]) * (300_000 + i))
         paths.append(p)
     seen: list[int] = []
-    digests = image.sha256_files(paths, seen.append)
-    assert digests == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    algos = ["blake3", "sha256", "blake3", "sha256", "blake3"]
+    digests = digest.of_files(list(zip(paths, algos)), seen.append)
+    want = {
+        "blake3": lambda b: blake3.blake3(b).hexdigest(),
+        "sha256": lambda b: hashlib.sha256(b).hexdigest(),
+    }
+    assert digests == [want[a](p.read_bytes()) for p, a in zip(paths, algos)]
     assert sum(seen) == sum(p.stat().st_size for p in paths)

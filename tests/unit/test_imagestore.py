@@ -43,7 +43,7 @@ def test_list_is_newest_first_and_marks_corrupt_images(
     images = json.loads(capsys.readouterr().out)["result"]["images"]
     assert [Path(i["path"]).name for i in images] == ["snap-3", "snap-2", "snap-1", "snap-0"]
     assert [i["valid"] for i in images] == [False, True, True, True]
-    assert "sha256" in images[0]["problem"] and images[1]["pids"] == [1234, 1235]
+    assert "blake3 checksum" in images[0]["problem"] and images[1]["pids"] == [1234, 1235]
     # --quick does not hash: the edit keeps the size, so it passes; --valid --paths for scripts.
     assert main(["--json", "list", "--quick", str(store)]) == 0
     assert all(i["valid"] for i in json.loads(capsys.readouterr().out)["result"]["images"])
@@ -133,7 +133,7 @@ def test_export_import_round_trip(store: Path, tmp_path: Path, capsys: pytest.Ca
 def test_a_corrupt_image_is_never_exported(store: Path, tmp_path: Path) -> None:
     (image.criu_dir(store / "snap-1") / "core-1235.img").write_bytes(b"CORE")
     dest = tmp_path / "x.tar.zst"
-    with pytest.raises(ImageError, match="sha256"):
+    with pytest.raises(ImageError, match="blake3 checksum"):
         archive.export(store / "snap-1", dest)
     assert not dest.exists() and not list(tmp_path.glob(".x.tar.zst*"))
 
@@ -178,9 +178,9 @@ def test_import_refuses_unsafe_or_tampered_archives(store: Path, tmp_path: Path)
             (tarfile.TarInfo("snap-1/criu/pages-1.img"), b"\x01" * 5000),
         ],
     )
-    with pytest.raises(ImageError, match="sha256"):
+    with pytest.raises(ImageError, match="blake3 checksum"):
         archive.verify(tampered)
-    with pytest.raises(ImageError, match="sha256"):
+    with pytest.raises(ImageError, match="blake3 checksum"):
         archive.import_archive(tampered, tmp_path / "e3")
     # Nothing half-imported is left behind, under the final name or a temporary one.
     left = {p.name for p in tmp_path.iterdir()} - {"snaps", "good.tar.zst", "evil.tar.zst", "escape.tar.zst"}

@@ -52,7 +52,7 @@ def test_verify_ok_and_tampered(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (image.criu_dir(final) / "core-1235.img").write_bytes(b"CORE")
     assert main(["verify", str(final)]) == ExitCode.IMAGE
     err = capsys.readouterr().err
-    assert "criu/core-1235.img does not match its sha256" in err
+    assert "criu/core-1235.img does not match its blake3 checksum" in err
     # --no-checksums checks structure only: same size, so it passes.
     assert main(["verify", str(final), "--no-checksums"]) == 0
 

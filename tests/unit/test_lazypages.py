@@ -37,7 +37,10 @@ def _manifest(files: list[tuple[str, bytes]], tmp_path: Path) -> tuple[Path, img
     for rel, data in files:
         (image / rel).parent.mkdir(parents=True, exist_ok=True)
         (image / rel).write_bytes(data)
-        entries.append(img.FileEntry(path=rel, size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        # sha256: the digests of images made before blake3, still checked
+        entries.append(
+            img.FileEntry(path=rel, size=len(data), digest=hashlib.sha256(data).hexdigest(), algo="sha256")
+        )
 
     return image, cast(img.Manifest, SimpleNamespace(files=entries))
 

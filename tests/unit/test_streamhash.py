@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
 from pathlib import Path
+
+import blake3
 
 from npusnap_cli import image
 from npusnap_cli.streamhash import StreamHasher
@@ -33,7 +34,7 @@ def test_digests_follow_a_writer_and_match_the_files(tmp_path: Path) -> None:
     got = hasher.finish()
     for rel in ("pages-1.img", "core-1.img", "sub/x.img"):
         data = (root / rel).read_bytes()
-        assert got[rel] == (len(data), hashlib.sha256(data).hexdigest())
+        assert got[rel] == (len(data), blake3.blake3(data).hexdigest())
 
 
 def test_a_truncated_file_is_not_vouched_for_and_file_entries_rehashes_it(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_a_truncated_file_is_not_vouched_for_and_file_entries_rehashes_it(tmp_pa
     got = hasher.finish()
     assert "pages-1.img" not in got
     entries = image.file_entries(img, known={f"criu/{k}": v for k, v in got.items()})
-    assert entries[0].sha256 == hashlib.sha256(b"b" * 10).hexdigest()
+    assert (entries[0].algo, entries[0].digest) == ("blake3", blake3.blake3(b"b" * 10).hexdigest())
 
 
 def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Path) -> None:
@@ -56,4 +57,4 @@ def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Pat
     (image.criu_dir(img) / "a.img").write_bytes(b"hello")
     wrong = {"criu/a.img": (4, "0" * 64)}  # stale size: recomputed
     (entry,) = image.file_entries(img, known=wrong)
-    assert entry.sha256 == hashlib.sha256(b"hello").hexdigest()
+    assert entry.digest == blake3.blake3(b"hello").hexdigest()
