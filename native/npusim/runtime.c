@@ -298,18 +298,19 @@ static void unmap_alloc(struct alloc *a) {
  * other state (Backup, Restore) it is made for this copy only (`*transient` = 1: the caller
  * unmaps `*base` of `*len` bytes), so that a mapping of device memory never reaches a CRIU image:
  * Lock drops the kept ones (drop_mappings_locked), as a real device mapping is not dumped either.
- * Mapped MAP_POPULATE when the copy covers at least half the allocation, else the copied range
- * alone is populated (MADV_POPULATE_*): one batch of page-table work instead of a fault per page,
- * which matters for npusnap's copies in 64 MiB pieces (half the time of a 1 GiB reload went to
- * faults). MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
-/* Page tables for [p, p + n) of a fresh mapping, in one call (Linux 5.14+; older kernels fault
- * page by page as before). */
+ * Mapped MAP_POPULATE when the copy covers at least half the allocation, else the range a copy
+ * writes alone is populated (populate): one batch of page-table work instead of a fault per
+ * page, which matters for npusnap's reload in 64 MiB pieces (0.58-0.67 s for 1 GiB before, 0.34-
+ * 0.45 s after, reload and Unlock). MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
+/* Page tables for [p, p + n) of a mapping that a copy is about to write, in one call (Linux
+ * 5.14+; older kernels fault page by page as before). Reads are left to fault: populating them
+ * measured no faster (a 1 GiB copy out 0.68 against 0.64 s here). */
 static void populate(char *p, uint64_t n, int write) {
 #ifdef MADV_POPULATE_WRITE
-    if (n < ((uint64_t)1 << 20)) return; /* a small copy: a few faults cost less than the call */
+    if (!write || n < ((uint64_t)1 << 20)) return; /* a small copy: a few faults cost less */
     uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = (uintptr_t)p & ~(pg - 1), hi = ((uintptr_t)p + n + pg - 1) & ~(pg - 1);
-    madvise((void *)lo, hi - lo, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
+    madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
 #else
     (void)p, (void)n, (void)write;
 #endif
