@@ -39,7 +39,7 @@ from bench.common import (
 from bench.machine import mem_available
 from bench.session import Session, TickWatcher, _wait
 from npusnap_cli import criu as criu_mod
-from npusnap_cli import procfs
+from npusnap_cli.host import procfs
 
 T = TypeVar("T")
 
@@ -357,7 +357,7 @@ def warm_memory(plan: Plan, size: int) -> None:
 def bench_hash(plan: Plan, out: Samples) -> None:
     """One core's rate for the images' checksum (digest.DEFAULT) and for sha256 (what images
     used before): publish and verify hash every image file, so it bounds them."""
-    from npusnap_cli import digest
+    from npusnap_cli.image import digest
 
     buf = os.urandom(256 * MiB)
     for _ in range(plan.reps):

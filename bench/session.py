@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import NPUSNAP, POLL_S, BenchError
-from npusnap_cli import procfs
+from npusnap_cli.host import procfs
 from npusnap_cli.sim import manager
 from npusnap_cli.workloads.jaxsize import StepClock
 

@@ -4,7 +4,7 @@
  *          Python hooks with a deadline;
  * json.c   a small JSON reader and writer for the line protocol (no dependency);
  * proto.c  the line protocol: request validation and response encoding, the same rules as
- *          npusnap_cli/protocol.py (transcripts in tests/data/protocol/ check both);
+ *          npusnap_cli/device/protocol.py (transcripts in tests/data/protocol/ check both);
  * acl.c    the snapshot calls into the CANN runtime this process already loaded;
  * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease.
  *

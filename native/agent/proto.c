@@ -1,6 +1,6 @@
 /* The agent's line protocol: request decoding and validation, response lines.
  *
- * The same rules as npusnap_cli/protocol.py (which the CLI uses to speak to this agent); the
+ * The same rules as npusnap_cli/device/protocol.py (which the CLI uses to speak to this agent); the
  * transcripts under tests/data/protocol/ are replayed against this code to keep the two equal.
  * Only the operations of the table below exist: the agent is an allow-list, never an evaluator.
  */
@@ -22,7 +22,7 @@ typedef struct op_spec {
     arg_spec args[6];
 } op_spec;
 
-/* Keep in step with OP_ARGS in npusnap_cli/protocol.py (tests/unit/test_protocol_native.py
+/* Keep in step with OP_ARGS in npusnap_cli/device/protocol.py (tests/unit/test_protocol_native.py
  * compares the two through npusnap_agent_protocol_table()). */
 static const op_spec OPS[] = {
     {"backup", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},

@@ -72,7 +72,7 @@ def current_output(argv: list[str]) -> Output:
 def clean_stale_sockets(out: Output) -> None:
     """Remove agent sockets whose process is gone (see hostclean.py); commands that look for
     agents call this first, so that /run/npusnap holds only live agents."""
-    from npusnap_cli import hostclean
+    from npusnap_cli.host import hostclean
 
     for entry in hostclean.remove_stale_agent_sockets():
         out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")

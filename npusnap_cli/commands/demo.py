@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         gone), restores it, lets it finish and compares its whole output with an uninterrupted
         reference run. Exit 0 only if the output is identical; 10 if it is not.
         """
-        from npusnap_cli import demo as core
+        from npusnap_cli.pipelines import demo as core
         from npusnap_cli.ui import human_bytes
 
         if dump_after >= steps:

@@ -154,8 +154,8 @@ def register(app: typer.Typer) -> None:
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
         from npusnap_cli import criu
-        from npusnap_cli import dump as dump_mod
         from npusnap_cli.errors import UsageError
+        from npusnap_cli.pipelines import dump as dump_mod
         from npusnap_cli.ui import human_bytes
 
         if network_lock is not None and network_lock not in criu.NETWORK_LOCKS:
@@ -196,7 +196,7 @@ def register(app: typer.Typer) -> None:
 
         net = jobcmd.net_options(coordinator, node, nodes)
         if slurm_job is not None:
-            from npusnap_cli import slurm
+            from npusnap_cli.pipelines import slurm
 
             if pids:
                 raise UsageError(
@@ -292,7 +292,7 @@ def register(app: typer.Typer) -> None:
 def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
-    from npusnap_cli import imagestore
+    from npusnap_cli.image import imagestore
 
     done: dict[str, Any] = {"latest": None, "removed": []}
     if latest:

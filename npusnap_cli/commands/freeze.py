@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         All or nothing: if one process cannot be frozen, all are thawed again. A job that another
         command has locked is refused (exit 11), naming it; Ctrl-C/SIGTERM rolls back (exit 130).
         """
-        from npusnap_cli import devicegroup
+        from npusnap_cli.device import devicegroup
 
         out = output(ctx, "freeze", json_flag)
         if no_lease and lease is not None:
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         Thaws what `npusnap freeze` locked; a lock another command holds is refused (exit 11,
         naming it) unless --force.
         """
-        from npusnap_cli import devicegroup
+        from npusnap_cli.device import devicegroup
 
         out = output(ctx, "thaw", json_flag)
         clean_stale_sockets(out)

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         --quick, checksums). The newest valid one: `npusnap list --valid --paths DIR | head -n 1`.
         Exit 0 even if some are invalid; 2 if DIRECTORY is not a directory.
         """
-        from npusnap_cli import imagestore
+        from npusnap_cli.image import imagestore
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "list", json_flag)
@@ -83,8 +83,8 @@ def register(app: typer.Typer) -> None:
         temporary name and renamed when complete. `inspect` and `verify` read it directly;
         `npusnap import FILE DIR` turns it back into an image. Prints the archive's path.
         """
-        from npusnap_cli import archive
         from npusnap_cli.commands.dump import ProgressBars
+        from npusnap_cli.image import archive
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "export", json_flag)
@@ -123,8 +123,8 @@ def register(app: typer.Typer) -> None:
         under the image's own directory are accepted. The image appears under its final name only
         when complete (a temporary sibling, renamed). Prints the image's path.
         """
-        from npusnap_cli import archive
         from npusnap_cli.commands.dump import ProgressBars
+        from npusnap_cli.image import archive
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "import", json_flag)

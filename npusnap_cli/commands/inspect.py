@@ -20,22 +20,23 @@ def _fmt_s(value: Any) -> str:
 
 
 def _is_archive(path: Path) -> bool:
-    from npusnap_cli import archive
+    from npusnap_cli.image import archive
 
     return archive.is_archive(path)
 
 
 def _load(path: Path) -> Any:
     """The manifest of an image directory or of an archive (`npusnap export`), read in place."""
-    from npusnap_cli import archive, image
+    from npusnap_cli import image
+    from npusnap_cli.image import archive
 
     return archive.load_manifest(path) if archive.is_archive(path) else image.load_manifest(path)
 
 
 def _is_npusnap_archive(path: Path) -> bool:
     """An archive of `npusnap export` (a podman export archive is zstd-compressed too)."""
-    from npusnap_cli import archive
     from npusnap_cli.errors import NpusnapError
+    from npusnap_cli.image import archive
 
     if not archive.is_archive(path):
         return False
@@ -48,7 +49,8 @@ def _is_npusnap_archive(path: Path) -> bool:
 
 def _plugin_checkpoint(directory: Path) -> Any:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, plain criu), or None."""
-    from npusnap_cli import containers, image
+    from npusnap_cli import image
+    from npusnap_cli.image import containers
 
     if image.manifest_path(directory).exists() or _is_npusnap_archive(directory):
         return None
@@ -92,7 +94,7 @@ def register(app: typer.Typer) -> None:
             out.result(summary)
             return
         directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
-        from npusnap_cli import jobsnap
+        from npusnap_cli.pipelines import jobsnap
 
         if jobsnap.is_job_image(directory):
             from npusnap_cli.commands import jobcmd
@@ -192,7 +194,7 @@ def register(app: typer.Typer) -> None:
         out = output(ctx, "verify", json_flag)
         ckpt = _plugin_checkpoint(directory)
         if ckpt is not None:
-            from npusnap_cli import containers
+            from npusnap_cli.image import containers
 
             res = containers.verify(ckpt, checksums=not no_checksums)
             what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
@@ -203,7 +205,7 @@ def register(app: typer.Typer) -> None:
             out.result(res)
             return
         directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
-        from npusnap_cli import jobsnap
+        from npusnap_cli.pipelines import jobsnap
 
         if jobsnap.is_job_image(directory):
             from npusnap_cli.commands import jobcmd
@@ -214,7 +216,7 @@ def register(app: typer.Typer) -> None:
         total = sum(f.size for f in manifest.files)
         with out.progress("verifying", total) as bar:
             if _is_archive(directory):
-                from npusnap_cli import archive
+                from npusnap_cli.image import archive
 
                 result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
             else:

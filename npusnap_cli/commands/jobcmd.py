@@ -15,8 +15,8 @@ def net_options(
     coordinator: Optional[str], node: int, nodes: int
 ) -> Optional[tuple[tuple[str, int], int, int]]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
-    from npusnap_cli import netcoord
     from npusnap_cli.errors import UsageError
+    from npusnap_cli.pipelines import netcoord
 
     if coordinator is None:
         if nodes > 1 or node > 0:
@@ -33,7 +33,7 @@ def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ..
     if spec is None:
         yield None
         return
-    from npusnap_cli import jobsnap, netcoord
+    from npusnap_cli.pipelines import jobsnap, netcoord
 
     addr, node, nodes = spec
     server = (
@@ -58,7 +58,7 @@ def dump_job(
     callbacks: Any,
     net: Optional[tuple[tuple[str, int], int, int]] = None,
 ) -> None:
-    from npusnap_cli import jobsnap
+    from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
     with _net(net, jobsnap.PHASES) as link:
@@ -120,8 +120,8 @@ def restore_job(
     rank_netns: dict[int, str],
     net: Optional[tuple[tuple[str, int], int, int]] = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    from npusnap_cli import jobsnap
     from npusnap_cli.commands.dump import fmt_s
+    from npusnap_cli.pipelines import jobsnap
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:
         result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
@@ -156,7 +156,7 @@ def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool
     if not wait:
         out.result(data)
         return None
-    from npusnap_cli import jobsnap
+    from npusnap_cli.pipelines import jobsnap
 
     out.info(f"waiting for pid(s) {', '.join(map(str, roots))} to exit (signals are forwarded)")
     codes = jobsnap.wait_for_exit(roots, out.warn)
@@ -169,7 +169,8 @@ def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool
 
 
 def inspect_job(out: Any, directory: Path) -> None:
-    from npusnap_cli import image, jobsnap
+    from npusnap_cli import image
+    from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
     job = jobsnap.load_job_manifest(directory)
@@ -207,7 +208,7 @@ def inspect_job(out: Any, directory: Path) -> None:
 
 
 def verify_job(out: Any, directory: Path, checksums: bool, require_signature: Optional[Path] = None) -> None:
-    from npusnap_cli import jobsnap
+    from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
     _job, result = jobsnap.verify_job(directory, checksums=checksums, require_signature=require_signature)

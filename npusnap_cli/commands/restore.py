@@ -108,8 +108,8 @@ def register(app: typer.Typer) -> None:
         and every NPU process gets its device state back and is unlocked. If that last step
         fails for a process, it stays locked and the error says how to retry.
         """
-        from npusnap_cli import restore as restore_mod
         from npusnap_cli.commands.dump import ProgressBars, fmt_s
+        from npusnap_cli.pipelines import restore as restore_mod
 
         out = output(ctx, "restore", json_flag)
         bars = ProgressBars(out)
@@ -137,7 +137,7 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         restore_mod.become_subreaper()
-        from npusnap_cli import jobsnap
+        from npusnap_cli.pipelines import jobsnap
 
         if jobsnap.is_job_image(directory):
             from npusnap_cli.commands import jobcmd

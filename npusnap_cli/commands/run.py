@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
                 "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
             )
         if detach:
-            from npusnap_cli import pidfile as pidfile_mod
+            from npusnap_cli.host import pidfile as pidfile_mod
 
             if pidfile is not None:
                 pidfile_mod.check(pidfile)

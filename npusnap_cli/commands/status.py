@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
-        from npusnap_cli import proctree
+        from npusnap_cli.host import proctree
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "status", json_flag)

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-from npusnap_cli import paths, procfs
+from npusnap_cli import paths
 from npusnap_cli.errors import PreflightError
+from npusnap_cli.host import procfs
 from npusnap_cli.sim import wire
 
 GiB = 1 << 30

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from npusnap_cli.procfs import cmdline
-from npusnap_cli.procfs import is_alive as alive
+from npusnap_cli.host.procfs import cmdline
+from npusnap_cli.host.procfs import is_alive as alive
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable

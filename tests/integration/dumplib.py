@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image
-from npusnap_cli.procfs import cmdline
-from npusnap_cli.procfs import is_alive as alive
+from npusnap_cli.host.procfs import cmdline
+from npusnap_cli.host.procfs import is_alive as alive
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -149,7 +149,7 @@ def cli(
 
 
 def agent_state(pid: int) -> Optional[str]:
-    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.device.agent_client import AgentClient
 
     with AgentClient(pid) as c:
         state = c.status()["state"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient
 from tests.integration.agentlib import expected_checksums
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient, AgentDeviceError, AgentOpError
+from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError, AgentOpError
 from npusnap_cli.errors import AgentError, BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (
@@ -109,7 +109,7 @@ def test_lease_expires_after_the_client_is_killed(
     w.wait_steps(2)
     client = (
         "import os, sys\n"
-        "from npusnap_cli.agent_client import AgentClient\n"
+        "from npusnap_cli.device.agent_client import AgentClient\n"
         f"c = AgentClient({w.pid})\n"
         "r = c.lock(lease_s=1.5)\n"
         "print(r['state'], flush=True)\n"

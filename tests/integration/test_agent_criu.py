@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.agent.launch import agent_library
-from npusnap_cli.agent_client import AgentClient, AgentDeviceError
+from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError
 from npusnap_cli.errors import BusyError
 from tests.conftest import requires_root
 from tests.integration.agentlib import (

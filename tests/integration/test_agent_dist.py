@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient
 from tests.integration.agentlib import (
     REPO,
     Sim,

@@ -23,8 +23,8 @@ from typing import Optional
 
 import pytest
 
-from npusnap_cli import attach
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device import attach
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode, TargetError
 
 pytestmark = pytest.mark.integration

@@ -55,7 +55,7 @@ def test_a_simulated_device_plugin_of_another_criu_is_a_problem(
     criu-plugin.h): `npusnap check` reads it from the file and says it does not fit."""
     import struct
 
-    from npusnap_cli import criuplugin
+    from npusnap_cli.host import criuplugin
 
     plugins = tmp_path / "libdir"
     plugins.mkdir()

@@ -15,7 +15,7 @@ import pytest
 
 from npusnap_cli import criu
 from npusnap_cli.errors import CriuError
-from npusnap_cli.procfs import is_alive
+from npusnap_cli.host.procfs import is_alive
 from tests.conftest import requires_root
 from tests.integration.dumplib import wait_until
 

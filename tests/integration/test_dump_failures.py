@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from npusnap_cli import image
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.dumplib import (
@@ -498,7 +498,7 @@ def test_dump_refuses_a_simulated_npu_without_its_criu_plugin(
 def test_a_device_plugin_that_leaves_no_image_fails_the_dump_and_rolls_back(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    from npusnap_cli import criuplugin
+    from npusnap_cli.host import criuplugin
 
     header = next(
         (Path(t.format(version="4.2.1")) for t in criuplugin.HEADER_CANDIDATES

@@ -45,7 +45,7 @@ def assert_consistent(job: Job) -> None:
 
 def state(pid: int) -> str:
     """The agent's state, or "BUSY" while another command (the freeze) is connected."""
-    from npusnap_cli.agent_client import AgentOpError
+    from npusnap_cli.device.agent_client import AgentOpError
 
     try:
         return str(agent_state(pid))
@@ -137,7 +137,7 @@ def test_freeze_then_cli_killed_lease_thaws(
         rc, _, err = cli(env, "status", str(job.pid), timeout=30)
         assert rc == 0, err
         wait_until(lambda: state(job.pid) == "RUNNING", 30, "the lease to thaw the job")
-        from npusnap_cli.agent_client import AgentClient
+        from npusnap_cli.device.agent_client import AgentClient
 
         with AgentClient(job.pid) as c:
             events = c.status()["events"]
@@ -174,7 +174,7 @@ def test_a_hook_that_cannot_get_the_gil_fails_in_time_and_rolls_back(
         wait_until(lambda: "ready" in job.text(), 20, "the job to start")
         wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
         time.sleep(0.5)  # now inside usleep with the GIL held
-        from npusnap_cli.agent_client import AgentClient, AgentOpError
+        from npusnap_cli.device.agent_client import AgentClient, AgentOpError
 
         with AgentClient(job.pid) as c:
             t0 = time.monotonic()

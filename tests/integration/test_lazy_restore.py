@@ -20,7 +20,7 @@ from typing import Optional
 import pytest
 
 from npusnap_cli.errors import ExitCode
-from npusnap_cli.lazypages import TEST_HOOK_ENV
+from npusnap_cli.host.lazypages import TEST_HOOK_ENV
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
     NPUSNAP,

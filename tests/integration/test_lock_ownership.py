@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
 from tests.integration.agentlib import PY, REPO, Sim, Workload, start_agent_workload
 

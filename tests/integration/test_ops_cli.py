@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import hostclean
+from npusnap_cli.host import hostclean
 from tests.integration.agentlib import (
     PY,
     REPO,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
-from npusnap_cli.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.sim import wire
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration import podmanlib

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import protocol
+from npusnap_cli.device import protocol
 from tests.integration.agentlib import Sim, Workload, start_agent_workload
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli.agent_client import AgentClient
-from npusnap_cli.devicegroup import DeviceGroup
+from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import BusyError
 from tests.integration.agentlib import (
     PY,

@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from npusnap_cli import acl, protocol
+from npusnap_cli import acl
 from npusnap_cli.agent import native
+from npusnap_cli.device import protocol
 
 # The native table's value kinds, as the Python types protocol.OP_ARGS accepts for them.
 KINDS = {

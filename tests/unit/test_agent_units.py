@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.agent import hooks as hooks_mod
-from npusnap_cli.procfs import start_time
+from npusnap_cli.host.procfs import start_time
 
 REPO = Path(__file__).resolve().parents[2]
 

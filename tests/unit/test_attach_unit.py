@@ -1,4 +1,4 @@
-"""Unit tests of npusnap_cli.attach that need no ptrace: probing, bootstrap text, diagnostics."""
+"""Unit tests of npusnap_cli.device.attach that need no ptrace: probing, bootstrap text, diagnostics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import attach
+from npusnap_cli.device import attach
 from npusnap_cli.errors import TargetError
 
 

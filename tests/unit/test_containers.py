@@ -1,4 +1,4 @@
-"""npusnap_cli.containers: reading and verifying checkpoints written through the CRIU plugin, in
+"""npusnap_cli.image.containers: reading and verifying checkpoints written through the CRIU plugin, in
 each form (images directory, container directory, archive), and every kind of damage."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import containers
 from npusnap_cli.errors import ExitCode, ImageError
+from npusnap_cli.image import containers
 
 FILES = {"inventory.img": b"inv", "pages-1.img": b"\x00" * 70000, "pstree.img": b"tree"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import criuplugin
+from npusnap_cli.host import criuplugin
 
 PLUGIN = r"""
 typedef struct {
@@ -93,8 +93,9 @@ def test_check_and_dump_preflight_refuse_a_plugin_of_another_criu(
 ) -> None:
     from types import SimpleNamespace
 
-    from npusnap_cli import dump, preflight
     from npusnap_cli.errors import PreflightError
+    from npusnap_cli.host import preflight
+    from npusnap_cli.pipelines import dump
 
     plugins = tmp_path / "criu-plugins"
     plugins.mkdir()
@@ -136,7 +137,8 @@ def test_scan_dump_of_the_simulated_device(tmp_path: Path) -> None:
 def test_check_finds_the_simulated_devices_plugin_where_criu_loads_plugins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from npusnap_cli import criu, preflight
+    from npusnap_cli import criu
+    from npusnap_cli.host import preflight
 
     monkeypatch.setattr(criuplugin, "criu_max_hooks", lambda version: (13, "test header"))
     monkeypatch.setattr(criu, "find_criu", lambda: type("B", (), {"version": "4.2.1"})())

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import dump
 from npusnap_cli.errors import ExitCode, InterruptedError_, PreflightError
+from npusnap_cli.pipelines import dump
 
 
 def test_signal_guard_defers_then_raises_and_restores_handlers() -> None:

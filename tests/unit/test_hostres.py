@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import criu, hostres
+from npusnap_cli import criu
 from npusnap_cli.errors import ImageError, PreflightError
+from npusnap_cli.host import hostres
 
 
 def test_a_pipe_to_a_process_outside_the_tree_is_found_and_refused() -> None:

@@ -240,7 +240,7 @@ def test_parallel_hashing_matches_the_libraries_and_reports_every_byte(tmp_path:
 
     import blake3
 
-    from npusnap_cli import digest
+    from npusnap_cli.image import digest
 
     paths = []
     for i in range(5):

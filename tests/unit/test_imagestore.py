@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from npusnap_cli import archive, image, imagestore
+from npusnap_cli import image
 from npusnap_cli.cli import main
 from npusnap_cli.errors import ExitCode, ImageError, UsageError
+from npusnap_cli.image import archive, imagestore
 from tests.unit.test_image import _build, _manifest
 
 

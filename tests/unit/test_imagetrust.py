@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image, imagetrust
+from npusnap_cli import image
 from npusnap_cli.errors import ImageError
+from npusnap_cli.image import imagetrust
 from tests.unit.test_image import _build, _manifest
 
 DEAD_PID = 999_999_999  # above any pid_max: never alive

@@ -1,4 +1,4 @@
-"""`npusnap inspect` and `npusnap verify` on an image built by image.py (no root, no CRIU)."""
+"""`npusnap inspect` and `npusnap verify` on an image built by npusnap_cli.image (no root, no CRIU)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import jobsnap, tcpunlock
 from npusnap_cli.commands.jobcmd import parse_rank_netns
 from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.host import tcpunlock
+from npusnap_cli.pipelines import jobsnap
 
 
 def _run_ranks(

@@ -13,7 +13,7 @@ import pytest
 from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError
-from npusnap_cli.lazypages import check_lazy, open_files, split_page_files, verify_open_files
+from npusnap_cli.host.lazypages import check_lazy, open_files, split_page_files, verify_open_files
 
 
 def _fake_criu(tmp_path: Path, answer: str, rc: int) -> criu.CriuBinary:
@@ -85,7 +85,7 @@ def test_page_files_are_verified_from_fds_opened_before(tmp_path: Path) -> None:
 
 
 def test_npusnap_check_warns_when_lazy_restore_is_impossible(tmp_path: Path) -> None:
-    from npusnap_cli import preflight
+    from npusnap_cli.host import preflight
 
     item = preflight.lazy_pages_item(_fake_criu(tmp_path, "uffd-noncoop is not supported", 1))
     assert item.name == "criu-lazy-pages" and item.status == preflight.WARNING

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from npusnap_cli import netcoord
 from npusnap_cli.errors import ExitCode, UsageError
+from npusnap_cli.pipelines import netcoord
 
 
 def _port() -> int:

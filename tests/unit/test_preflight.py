@@ -7,8 +7,9 @@ import subprocess
 
 import pytest
 
-from npusnap_cli import dump, preflight, procfs, proctree
 from npusnap_cli.errors import ExitCode, PreflightError
+from npusnap_cli.host import preflight, procfs, proctree
+from npusnap_cli.pipelines import dump
 
 
 def test_own_processes_never_need_cap_sys_resource() -> None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from npusnap_cli import protocol
-from npusnap_cli.protocol import ProtocolError
+from npusnap_cli.device import protocol
+from npusnap_cli.device.protocol import ProtocolError
 
 
 def test_request_round_trip() -> None:

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import criu, image, paths, restore
+from npusnap_cli import criu, image, paths
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError
+from npusnap_cli.pipelines import restore
 from tests.unit.test_image import _manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def test_pstree_pids_must_be_the_manifests(tmp_path: Path) -> None:
 
 
 def test_too_little_device_capacity_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from npusnap_cli import dump
+    from npusnap_cli.pipelines import dump
 
     m = _manifest()  # pid 1235 holds 4096 bytes on device 1
     status = {
@@ -168,7 +169,7 @@ def test_restore_creates_no_parents_for_a_socket_dir(tmp_path: Path, monkeypatch
     procs = list(m.processes)
     procs[1] = dataclasses.replace(procs[1], agent_socket=str(deep / "1235.sock"))
     m = dataclasses.replace(m, processes=tuple(procs))
-    from npusnap_cli import imagetrust
+    from npusnap_cli.image import imagetrust
 
     imagetrust.check_manifest(m)  # a runtime dir of this host: allowed
     with pytest.raises(PreflightError, match="cannot create"):

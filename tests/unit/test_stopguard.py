@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from npusnap_cli.stopguard import StopGuard
+from npusnap_cli.host.stopguard import StopGuard
 
 
 def state(pid: int) -> str:
@@ -52,7 +52,7 @@ def test_leaves_the_tree_alone_after_an_orderly_exit(stopped: int) -> None:
 
 def test_ignores_a_reused_pid(stopped: int) -> None:
     # A start time that does not match: the pid now belongs to someone else, never signal it.
-    from npusnap_cli import stopguard_watch
+    from npusnap_cli.host import stopguard_watch
 
     stopguard_watch.watch({stopped: "1"})
     assert state(stopped) == "T"

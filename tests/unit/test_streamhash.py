@@ -10,7 +10,7 @@ from pathlib import Path
 import blake3
 
 from npusnap_cli import image
-from npusnap_cli.streamhash import StreamHasher
+from npusnap_cli.image.streamhash import StreamHasher
 
 
 def test_digests_follow_a_writer_and_match_the_files(tmp_path: Path) -> None:

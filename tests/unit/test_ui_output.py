@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import hostclean
+from npusnap_cli.host import hostclean
 from npusnap_cli.ui import Output
 
 

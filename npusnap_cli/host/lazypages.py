@@ -103,7 +103,7 @@ def verify_open_files(
 ) -> None:
     """Checksum of each opened file against the manifest (closes the fds); ImageError on a
     mismatch. ``stop`` (a threading.Event): give up early, the restore failed anyway."""
-    from npusnap_cli import digest
+    from npusnap_cli.image import digest
 
     bad: list[str] = []
     try:

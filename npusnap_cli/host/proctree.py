@@ -16,7 +16,7 @@ from typing import Any, Optional
 import psutil
 
 from npusnap_cli import acl, paths
-from npusnap_cli.agent_client import NO_AGENT_FIX, AgentClient
+from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, TargetError
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")

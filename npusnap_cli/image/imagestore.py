@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import archive
 from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.image import archive
 
 LATEST = "latest"
 

@@ -36,7 +36,6 @@ from typing import Any, Optional
 
 from npusnap_cli import __version__
 from npusnap_cli import image as img
-from npusnap_cli.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -45,6 +44,7 @@ from npusnap_cli.errors import (
     StateUnknownError,
     TargetError,
 )
+from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 
 DEFAULT_LEASE_S = 60.0
 # Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
@@ -185,7 +185,7 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     Raises TargetError when the pid does not exist, when no process of the tree uses the NPU,
     or when one lacks an agent and ``attach`` is false.
     """
-    from npusnap_cli import proctree
+    from npusnap_cli.host import proctree
 
     tree = proctree.process_tree(pid)  # TargetError when pid does not exist
     npu = [p for p in tree if p.uses_npu]
@@ -217,8 +217,8 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
     if not missing:
         return target
-    from npusnap_cli import attach as attach_mod
-    from npusnap_cli import proctree
+    from npusnap_cli.device import attach as attach_mod
+    from npusnap_cli.host import proctree
 
     stopped: list[tuple[int, float]] = []
     for m in missing:
@@ -264,7 +264,7 @@ def _mem_available() -> Optional[int]:
 
 
 def _check_privileges() -> None:
-    from npusnap_cli import preflight
+    from npusnap_cli.host import preflight
 
     problems = [i for i in preflight.check_privileges() if i.status == preflight.PROBLEM]
     if problems:
@@ -277,7 +277,7 @@ def _check_privileges() -> None:
 
 
 def _check_other_users(tree: tuple[Any, ...]) -> None:
-    from npusnap_cli import preflight
+    from npusnap_cli.host import preflight
 
     problem = preflight.other_user_problem([p.uid for p in tree if p.uid is not None])
     if problem:
@@ -291,7 +291,7 @@ def _check_other_users(tree: tuple[Any, ...]) -> None:
 
 def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
     """Refuse, before anything is locked, the two session layouts CRIU is certain to refuse."""
-    from npusnap_cli import procfs
+    from npusnap_cli.host import procfs
 
     outside = [p.pid for p in tree if procfs.session_id(p.pid) == 0]
     if outside:
@@ -321,7 +321,7 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
 def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: PhaseFn) -> tuple[Any, ...]:
     """Refuse pipes/terminals to outside the tree on stdin/out/err (the restored job would die
     of them); with --external-pipes, the pipes are recorded for `restore --pipe-to` instead."""
-    from npusnap_cli import hostres
+    from npusnap_cli.host import hostres
 
     found = hostres.find_external_stdio([p.pid for p in tree])
     for e in hostres.stray_pipes(found):
@@ -380,7 +380,7 @@ def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
 def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
     """Device handles need a CRIU plugin: real Ascend device files Huawei's, the simulated NPU's
     daemon connection this project's npusim_plugin.so. Missing or built for another CRIU: refused."""
-    from npusnap_cli import preflight
+    from npusnap_cli.host import preflight
 
     sim = _simulated_npu_pids(tree)
     if sim:
@@ -642,7 +642,7 @@ def _signal_tree(pids: list[int], sig: int) -> None:
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
-    from npusnap_cli import procfs
+    from npusnap_cli.host import procfs
 
     end = time.monotonic() + timeout
     left = list(pids)
@@ -675,7 +675,7 @@ def dump(
             # Cheap checks first: bad input must fail before anything touches the target.
             img.check_dump_target(final, force=options.force)
             if options.sign_key is not None:
-                from npusnap_cli import imagetrust
+                from npusnap_cli.image import imagetrust
 
                 imagetrust.check_signing_key(options.sign_key)
             leftovers = tuple(left.message for left in img.remove_stale_temps(final) if left.action != "kept")
@@ -691,7 +691,7 @@ def dump(
             binary = _check_criu()
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
-            from npusnap_cli.devicegroup import refuse_stopped
+            from npusnap_cli.device.devicegroup import refuse_stopped
 
             refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
             target = attach_missing(target, cb.note)
@@ -754,7 +754,7 @@ class _Pipeline:
         self.cb.phase("rollback")
         if self.stopped_pids and self.options.tcp_established:
             # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
-            from npusnap_cli import tcpunlock
+            from npusnap_cli.host import tcpunlock
 
             for problem in tcpunlock.release(self.stopped_pids, self.options.network_lock):
                 self.cb.note(f"rollback: {problem}")
@@ -787,7 +787,7 @@ class _Pipeline:
     def _drop_remaps(self) -> None:
         """CRIU's link-remap files leave the host once the image holds them, or once the dump
         failed: left there, a later dump whose file ids match fails on them."""
-        from npusnap_cli import hostres
+        from npusnap_cli.host import hostres
 
         hostres.drop_remaps(self.host_files)
 
@@ -819,7 +819,7 @@ class _Pipeline:
 
     # -- the steps ----------------------------------------------------------------------------
     def run(self) -> DumpOutcome:
-        from npusnap_cli.stopguard import StopGuard
+        from npusnap_cli.host.stopguard import StopGuard
 
         # CRIU will leave the tree stopped until it is published and killed; should this process
         # die in between, the guard resumes it (and the leases roll the devices back).
@@ -831,7 +831,7 @@ class _Pipeline:
                 guard.finish()
 
     def _run(self) -> DumpOutcome:
-        from npusnap_cli.devicegroup import DeviceGroup
+        from npusnap_cli.device.devicegroup import DeviceGroup
 
         try:
             self.tmp = img.create_temp_image(self.final)
@@ -941,7 +941,7 @@ class _Pipeline:
         and CRIU's link-remap files (CRIU deletes those after a --leave-running dump)."""
         if script != "post-dump":
             return
-        from npusnap_cli import hostres
+        from npusnap_cli.host import hostres
 
         assert self.tmp is not None
         paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
@@ -983,7 +983,7 @@ class _Pipeline:
                 fix="check free space and permissions where the image is written",
             ) from None
         if files:
-            from npusnap_cli.streamhash import StreamHasher
+            from npusnap_cli.image.streamhash import StreamHasher
 
             # Hashed while the agents write them (they write front to back, once), then while
             # CRIU dumps: little is left to hash at publish.
@@ -1007,7 +1007,7 @@ class _Pipeline:
         criu_opts = self._criu_options()
         expected = sum(_rss(p.pid) for p in self.target.tree)
         self.cb.phase("criu dump")
-        from npusnap_cli.streamhash import StreamHasher
+        from npusnap_cli.image.streamhash import StreamHasher
 
         # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
         hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
@@ -1130,8 +1130,8 @@ class _Pipeline:
         """A dump that went through a device plugin is good only without its error line in CRIU's
         log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
         device files, npusim_plugin.so's (one image per daemon connection) for the simulated NPU."""
-        from npusnap_cli import criuplugin
         from npusnap_cli.errors import CriuError
+        from npusnap_cli.host import criuplugin
 
         log = img.logs_dir(tmp) / img.DUMP_LOG
         problems: list[str] = []

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Optional
 
-from npusnap_cli import digest
 from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.image import digest
 
 SUFFIX = ".tar.zst"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

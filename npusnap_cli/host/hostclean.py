@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths, procfs
+from npusnap_cli import paths
+from npusnap_cli.host import procfs
 
 KEEP_LOGS = 20  # failure-log directories kept (the newest)
 MAX_LOG_AGE_S = 14 * 24 * 3600  # and none older than two weeks

@@ -528,7 +528,7 @@ def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optiona
     uses the breakpoint method, which reads symbols."""
     import platform
 
-    from npusnap_cli import native_attach
+    from npusnap_cli.device import native_attach
 
     if platform.machine() != "x86_64" or target.root != "/":
         return None
@@ -654,7 +654,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     ):
         cmd += ["-iex", setting]
     cmd += ["-p", str(target.pid), "-x", str(script)]
-    from npusnap_cli.native_attach import TraceWatch
+    from npusnap_cli.device.native_attach import TraceWatch
 
     t0 = time.monotonic()
     watch = TraceWatch(target.pid)
@@ -783,7 +783,7 @@ def _proc_state_task(pid: int, tid: int) -> str:
 
 # -- attach ----------------------------------------------------------------------------------------
 def _hello(pid: int, timeout: float, retry_s: float) -> dict[str, Any]:
-    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.device.agent_client import AgentClient
 
     with AgentClient(pid, timeout=timeout, connect_retry_s=retry_s) as client:
         return client.hello()
@@ -802,8 +802,8 @@ def existing_agent(pid: int) -> Optional[dict[str, Any]]:
 def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """A non-Python process with the CANN runtime loaded: gdb dlopens the native agent into it
     (see native_attach.py); succeeds once the agent answers hello."""
-    from npusnap_cli import native_attach
     from npusnap_cli.agent import native
+    from npusnap_cli.device import native_attach
 
     start = time.monotonic()
     status = _status_fields(pid)
@@ -863,7 +863,7 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
 
 def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """Make sure ``pid`` runs an npusnap agent that answers hello; inject one if needed."""
-    from npusnap_cli import native_attach
+    from npusnap_cli.device import native_attach
 
     if os.path.exists(f"/proc/{pid}") and native_attach.is_native_npu_process(pid):
         return attach_native(pid, timeout)

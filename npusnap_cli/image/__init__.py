@@ -32,11 +32,16 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from npusnap_cli import digest
 from npusnap_cli.errors import ImageError, UsageError
-from npusnap_cli.hostres import ExternalStdio, HostFile
+from npusnap_cli.image import digest
+
+if TYPE_CHECKING:
+    # Imported where used (Manifest.from_dict): host/hostres.py imports image/digest.py, and
+    # importing that runs this package's __init__ first, so a top-level import here would be
+    # circular whenever hostres is imported before the image package.
+    from npusnap_cli.host.hostres import ExternalStdio, HostFile
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "npusnap.json"
@@ -366,6 +371,8 @@ class Manifest:
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
             )
+        from npusnap_cli.host.hostres import ExternalStdio, HostFile
+
         return cls(
             schema=schema,
             created_at=_req(d, "created_at", str, "manifest"),
@@ -387,7 +394,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
-        from npusnap_cli import imagetrust
+        from npusnap_cli.image import imagetrust
 
         imagetrust.check_json_depth(text)
         try:
@@ -851,7 +858,7 @@ def publish(
     """
     data = write_manifest(tmp, manifest)
     if sign_key is not None:
-        from npusnap_cli import imagetrust
+        from npusnap_cli.image import imagetrust
 
         imagetrust.write_signature(tmp, data, sign_key)
     fsync_tree(tmp)
@@ -911,7 +918,7 @@ def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
     src = logs_dir(tmp)
     if not src.is_dir() or src.is_symlink() or dir_is_empty(src):
         return None
-    from npusnap_cli import hostclean
+    from npusnap_cli.host import hostclean
 
     try:
         dest = hostclean.new_log_dir(label)
@@ -991,7 +998,7 @@ def read_manifest_bytes(image: Path) -> bytes:
             raise ImageError(
                 f"refusing {path}: it is {_kind(st.st_mode)}", fix="do not use this image; dump again"
             )
-        from npusnap_cli.imagetrust import MAX_MANIFEST_BYTES
+        from npusnap_cli.image.imagetrust import MAX_MANIFEST_BYTES
 
         data = f.read(MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
@@ -1056,7 +1063,7 @@ def verify(
 
     Raises ImageError naming the first problem (all problems are in ``details``).
     """
-    from npusnap_cli import imagetrust
+    from npusnap_cli.image import imagetrust
 
     data = read_manifest_bytes(image)
     manifest = _parse_manifest(image, data)

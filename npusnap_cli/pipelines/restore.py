@@ -34,8 +34,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
-from npusnap_cli import pidfile as pidfile_mod
-from npusnap_cli.callbacks import PipelineCallbacks
 from npusnap_cli.errors import (
     BusyError,
     ImageError,
@@ -44,6 +42,8 @@ from npusnap_cli.errors import (
     PreflightError,
     UsageError,
 )
+from npusnap_cli.host import pidfile as pidfile_mod
+from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
 RestoreCallbacks = PipelineCallbacks
@@ -256,7 +256,7 @@ def check_devices_free(manifest: img.Manifest) -> None:
         # Real hardware: the runtime's Restore itself refuses an occupied device (507909) and the
         # process then stays locked; there is no driver query we can make from here.
         return
-    from npusnap_cli import dump
+    from npusnap_cli.pipelines import dump
 
     status = dump.sim_status()
     if status is None:
@@ -444,8 +444,8 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
     known: a failure status fails the restore. Other processes that are gone are reported in
     the returned notes, as are clean exits.
     """
-    from npusnap_cli import procfs
     from npusnap_cli.errors import TargetError
+    from npusnap_cli.host import procfs
 
     end = time.monotonic() + settle_s
     statuses: dict[int, Optional[int]] = {}
@@ -499,7 +499,7 @@ def restore(
     callbacks: RestoreCallbacks = RestoreCallbacks(),
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the module docstring); raise NpusnapError on failure."""
-    from npusnap_cli.dump import SignalGuard
+    from npusnap_cli.pipelines.dump import SignalGuard
 
     # A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
     # stopping halfway would leave processes locked with nobody to restore them, so it finishes.
@@ -535,7 +535,7 @@ def _restore(
     if options.verify and options.lazy:
         # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
         # files while the job already runs (lazypages.py's contract, docs/image-format.md).
-        from npusnap_cli.lazypages import split_page_files
+        from npusnap_cli.host.lazypages import split_page_files
 
         pages, rest = split_page_files(manifest)
         verify_entries(final, rest, advance)
@@ -560,7 +560,7 @@ def _restore(
 def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = None) -> None:
     """The checksum of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if
     one differs."""
-    from npusnap_cli import digest
+    from npusnap_cli.image import digest
 
     digests = digest.of_files([(image / e.path, e.algo) for e in entries], progress)
     bad = [digest.mismatch(e.path, e.algo) for e, d in zip(entries, digests) if d != e.digest]
@@ -586,7 +586,7 @@ class _Checksums:
         self._stop = threading.Event()
         opened = None
         if entries is not None:
-            from npusnap_cli.lazypages import open_files
+            from npusnap_cli.host.lazypages import open_files
 
             # Opened now: removing the image while the job is paged in changes nothing (the
             # daemon holds its own fds of the same files).
@@ -602,7 +602,7 @@ class _Checksums:
             if opened is None:
                 img.verify(image, checksums=True, progress=progress)
             else:
-                from npusnap_cli.lazypages import verify_open_files
+                from npusnap_cli.host.lazypages import verify_open_files
 
                 verify_open_files(image, opened, progress, self._stop)
         except BaseException as exc:
@@ -660,14 +660,14 @@ def _restore_opened(
     binary = criu.find_criu()
     check_versions(manifest, binary)
     if options.lazy:
-        from npusnap_cli import lazypages
+        from npusnap_cli.host import lazypages
 
         lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
     check_pids_free(manifest, image_thread_ids(final, manifest))
     check_devices_free(manifest)
     prepare_sockets(manifest)
-    from npusnap_cli import hostres
+    from npusnap_cli.host import hostres
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
     inherit = open_pipe_targets(manifest, options.pipe_to)
@@ -805,7 +805,7 @@ def _start_lazy(
     if not options.lazy:
         return None
     from npusnap_cli import criu
-    from npusnap_cli.lazypages import LazyPhase
+    from npusnap_cli.host.lazypages import LazyPhase
 
     daemon = criu.LazyPagesDaemon(binary, str(img.criu_dir(final)), str(logs))
     pids = [p.pid for p in manifest.processes]
@@ -864,7 +864,7 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
     """A restored process with an agent that the manifest says has no device state must be
     RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
     restore that exits 0 must not leave a process BACKED_UP forever."""
-    from npusnap_cli.agent_client import AgentClient
+    from npusnap_cli.device.agent_client import AgentClient
     from npusnap_cli.errors import DeviceError
 
     locked = []
@@ -915,7 +915,7 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
     inside = img.logs_dir(image)
     if _writable_dir(inside, parents=False):
         return inside
-    from npusnap_cli import hostclean
+    from npusnap_cli.host import hostclean
 
     elsewhere = hostclean.new_log_dir("restore")
     note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
@@ -933,7 +933,7 @@ def _device_restore(
 ) -> None:
     """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
     image's device-memory file (the agent writes it back to the device after Unlock)."""
-    from npusnap_cli.devicegroup import DeviceGroup
+    from npusnap_cli.device.devicegroup import DeviceGroup
 
     group = None
     try:

@@ -339,7 +339,7 @@ def _plugin_dirs(simulated: bool) -> tuple[str, ...]:
 def find_npu_plugin(simulated: bool = False) -> Optional[str]:
     """The CRIU plugin for the NPU's device handles: Huawei's for a real NPU, npusim_plugin.so for
     the simulated one."""
-    from npusnap_cli import criuplugin
+    from npusnap_cli.host import criuplugin
 
     names = criuplugin.SIMULATED.plugin_names if simulated else NPU_PLUGIN_NAMES
     for d in _plugin_dirs(simulated):
@@ -351,7 +351,7 @@ def find_npu_plugin(simulated: bool = False) -> Optional[str]:
 
 
 def check_npu_plugin(simulated: bool) -> CheckItem:
-    from npusnap_cli import criuplugin
+    from npusnap_cli.host import criuplugin
 
     kind = criuplugin.SIMULATED if simulated else criuplugin.ASCEND
     plugin = find_npu_plugin(simulated)
@@ -376,7 +376,8 @@ def check_npu_plugin(simulated: bool) -> CheckItem:
 def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     """The plugin's max_hooks (its CR_PLUGIN_DESC) against the CRIU in use: a plugin built for
     another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
-    from npusnap_cli import criu, criuplugin
+    from npusnap_cli import criu
+    from npusnap_cli.host import criuplugin
 
     kind = kind or criuplugin.ASCEND
     data: dict[str, Any] = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
@@ -438,7 +439,8 @@ def check_runtime_dir() -> CheckItem:
 
 def check_debris() -> CheckItem:
     """What npusnap left on this host: stale agent sockets, failure logs, demo directories."""
-    from npusnap_cli import hostclean, paths
+    from npusnap_cli import paths
+    from npusnap_cli.host import hostclean
 
     debris = hostclean.debris_report()
     data = debris.to_dict()

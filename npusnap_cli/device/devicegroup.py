@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
-from npusnap_cli.agent_client import AgentClient, AgentOpError, owner_text
+from npusnap_cli.device.agent_client import AgentClient, AgentOpError, owner_text
 from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError, StateUnknownError
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
@@ -369,7 +369,7 @@ def refuse_stopped(pids: Iterable[int], command: str) -> None:
         if stopped is None:
             continue
         _state, tracer = stopped
-        from npusnap_cli import procfs
+        from npusnap_cli.host import procfs
 
         by = f" (traced by pid {tracer}: {procfs.cmdline(tracer)[:60]})" if tracer else " (SIGSTOP)"
         raise BusyError(
@@ -424,7 +424,7 @@ def _rollback_one(
     except BusyError:
         raise
     except NpusnapError:
-        from npusnap_cli import procfs
+        from npusnap_cli.host import procfs
 
         # A process that died (killed mid-dump, say) holds no lock any more: the runtime's exit
         # hook and the device daemon released it. Only a live process that cannot be reached
@@ -458,9 +458,9 @@ def tree_targets(pid: int) -> list[int]:
     Raises TargetError when the tree has no NPU process, or when one has no agent (with the ways
     to get one).
     """
-    from npusnap_cli import proctree
-    from npusnap_cli.agent_client import NO_AGENT_FIX
+    from npusnap_cli.device.agent_client import NO_AGENT_FIX
     from npusnap_cli.errors import TargetError
+    from npusnap_cli.host import proctree
 
     tree = proctree.process_tree(pid)
     npu = proctree.npu_processes(tree)
@@ -552,8 +552,8 @@ def freeze(
     """``npusnap freeze``: refuse a job that is locked already, Lock (+ Backup) every NPU process
     as its owner, keep the tokens for ``thaw``. Ctrl-C / SIGTERM during it rolls back what it
     locked and raises InterruptedError_ (exit 130) — docs/exit-codes.md."""
-    from npusnap_cli.dump import SignalGuard
     from npusnap_cli.errors import InterruptedError_
+    from npusnap_cli.pipelines.dump import SignalGuard
 
     pids = tree_targets(pid)
     with (
@@ -593,7 +593,7 @@ def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
     """``npusnap thaw``: roll every NPU process back to RUNNING as the owner of ``freeze``'s lock
     (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
     is refused (BusyError) without ``force``."""
-    from npusnap_cli.dump import SignalGuard
+    from npusnap_cli.pipelines.dump import SignalGuard
 
     pids = tree_targets(pid)
     refuse_stopped(pids, "thaw")

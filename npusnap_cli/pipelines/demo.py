@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import errors, paths, procfs
+from npusnap_cli import errors, paths
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
+from npusnap_cli.host import procfs
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
 

@@ -51,9 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import digest as dg
 from npusnap_cli import image as img
-from npusnap_cli.callbacks import PipelineCallbacks
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -63,6 +61,8 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
+from npusnap_cli.image import digest as dg
+from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 JOB_MANIFEST = "npusnap-job.json"
 JOB_SCHEMA = "npusnap-job/1"
@@ -517,7 +517,7 @@ def dump_job(
     With ``net`` (netcoord.NetLink), this is node ``node`` of ``nodes``: every phase boundary is
     also a barrier across the nodes, and a failure on any node rolls back every node.
     """
-    from npusnap_cli import dump as dump_mod
+    from npusnap_cli.pipelines import dump as dump_mod
 
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
@@ -689,7 +689,7 @@ def _target_netns(r: RankEntry, overrides: dict[int, str]) -> Optional[str]:
 
 
 def _kill_trees(pids: list[int]) -> None:
-    from npusnap_cli import dump as dump_mod
+    from npusnap_cli.pipelines import dump as dump_mod
 
     every: list[int] = []
     for p in pids:
@@ -732,9 +732,10 @@ def _restore_job(
     rank_netns: Optional[dict[int, str]],
     net: Optional[Any],
 ) -> JobRestoreOutcome:
-    from npusnap_cli import criu, hostres
-    from npusnap_cli import restore as rmod
-    from npusnap_cli.devicegroup import DeviceGroup
+    from npusnap_cli import criu
+    from npusnap_cli.device.devicegroup import DeviceGroup
+    from npusnap_cli.host import hostres
+    from npusnap_cli.pipelines import restore as rmod
 
     start = time.monotonic()
     cb = callbacks
@@ -902,7 +903,7 @@ def _hold_resets(
 ) -> list[tuple[Optional[str], Any]]:
     """Per network namespace of the ranks: drop the resets it would send on the job's connections
     until every rank (on every node) is restored (tcpunlock.ResetHold)."""
-    from npusnap_cli import tcpunlock
+    from npusnap_cli.host import tcpunlock
 
     holds: list[tuple[Optional[str], Any]] = []
     by_ns: dict[Optional[str], list[tuple[str, int, str, int]]] = {}
@@ -960,7 +961,7 @@ def wait_for_exit(roots: list[int], note: Callable[[str], None] = lambda _s: Non
     restore DIR --wait`), they are that step's descendants, tracked, signalled and accounted by
     Slurm. Returns each root's exit code (negative: killed by that signal).
     """
-    from npusnap_cli import procfs
+    from npusnap_cli.host import procfs
 
     remaining = set(roots)
     codes: dict[int, int] = {}

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import digest
+from npusnap_cli.image import digest
 
 _CHUNK = 4 << 20
 # Read at most this much from one file per round, so that every file keeps up.

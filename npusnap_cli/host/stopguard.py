@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import IO, Optional
 
-from npusnap_cli.procfs import start_time as read_start_time
+from npusnap_cli.host.procfs import start_time as read_start_time
 
 WATCHER = Path(__file__).with_name("stopguard_watch.py")
 

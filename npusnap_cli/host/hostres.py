@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from npusnap_cli import digest
 from npusnap_cli.errors import ImageError, PreflightError
+from npusnap_cli.image import digest
 
 # Pseudo or kernel filesystems whose "files" are not data to save.
 _NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", "/run/npusnap")

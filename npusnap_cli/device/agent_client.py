@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths, protocol
+from npusnap_cli import paths
+from npusnap_cli.device import protocol
 from npusnap_cli.errors import AgentError, BusyError, DeviceError, TargetError
 
 DEFAULT_TIMEOUT = 30.0
