@@ -70,7 +70,8 @@ class ExternalStdio:
 
 @dataclass(frozen=True)
 class HostFile:
-    """A tmpfs file the tree had open or mapped, saved in the image under ``hostfiles/``."""
+    """A host file the image carries under ``hostfiles/``: a tmpfs file the tree had open or
+    mapped, or (``remap``) CRIU's link-remap file of a deleted file it had open."""
 
     path: str  # absolute path on the host
     size: int
