@@ -593,10 +593,10 @@ static int read_full(int fd, void *buf, size_t n, off_t off) {
 
 /* n bytes of fd at off to allocation a at a_off. Straight from a read-only mapping of the file
  * (its page cache): the copy to the device is then the only copy, twice as fast as reading into
- * a buffer first (0.21 against 0.42 s/GiB in a microbenchmark here). Through *bounce (allocated on first
- * use) where the file cannot be mapped. The caller checked that the file holds [off, off + n):
- * a mapping past its end would fault (SIGBUS), so only truncating the image under a running
- * restore could make it. */
+ * a buffer first (0.21 against 0.42 s/GiB in a microbenchmark here). Through *bounce (allocated
+ * on first use) where the file cannot be mapped. The caller checked that the file holds
+ * [off, off + n): a mapping past its end would fault (SIGBUS), so only truncating the image
+ * under a running restore could make it. */
 static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, const struct alloc *a, size_t a_off,
                           char **bounce, char *err, size_t errlen) {
     long pg = sysconf(_SC_PAGESIZE);

@@ -293,15 +293,6 @@ static void unmap_alloc(struct alloc *a) {
     a->map = NULL;
 }
 
-/* Device memory as seen by this process: a pointer to addr in a mapping of the allocation's memfd
- * (g_io held). While RUNNING the mapping is kept for the next copies (`*transient` = 0); in any
- * other state (Backup, Restore) it is made for this copy only (`*transient` = 1: the caller
- * unmaps `*base` of `*len` bytes), so that a mapping of device memory never reaches a CRIU image:
- * Lock drops the kept ones (drop_mappings_locked), as a real device mapping is not dumped either.
- * Mapped MAP_POPULATE when the copy covers at least half the allocation, else the range a copy
- * writes alone is populated (populate): one batch of page-table work instead of a fault per
- * page, which matters for npusnap's reload in 64 MiB pieces (0.58-0.67 s for 1 GiB before, 0.34-
- * 0.45 s after, reload and Unlock). MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
 /* Page tables for [p, p + n) of a mapping that a copy is about to write, in one call (Linux
  * 5.14+; older kernels fault page by page as before). Reads are left to fault: populating them
  * measured no faster (a 1 GiB copy out 0.68 against 0.64 s here). */
@@ -316,6 +307,15 @@ static void populate(char *p, uint64_t n, int write) {
 #endif
 }
 
+/* Device memory as seen by this process: a pointer to addr in a mapping of the allocation's memfd
+ * (g_io held). While RUNNING the mapping is kept for the next copies (`*transient` = 0); in any
+ * other state (Backup, Restore) it is made for this copy only (`*transient` = 1: the caller
+ * unmaps `*base` of `*len` bytes), so that a mapping of device memory never reaches a CRIU image:
+ * Lock drops the kept ones (drop_mappings_locked), as a real device mapping is not dumped either.
+ * Mapped MAP_POPULATE when the copy covers at least half the allocation, else the range a copy
+ * writes alone is populated (populate): one batch of page-table work instead of a fault per
+ * page, which matters for npusnap's reload in 64 MiB pieces (0.58-0.67 s for 1 GiB before, 0.34-
+ * 0.45 s after, reload and Unlock). MADV_DONTFORK|MADV_DONTDUMP as a device mapping is. */
 static int dev_ptr(uint64_t addr, uint64_t n, int write, char **p, char **base, size_t *len, int *transient) {
     pthread_mutex_lock(&g_mu);
     struct alloc *a = find_range(addr, n);
