@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
-from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.device.agent_client import AgentClient, AgentOpError
 from npusnap_cli.sim import wire
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration import podmanlib
@@ -390,8 +390,13 @@ def test_raw_criu_dump_with_only_npusnaps_plugin_is_refused_after_the_backup_and
 
 def wait_unlocked_pid(pid: int) -> None:
     def unlocked() -> bool:
-        with AgentClient(pid, timeout=10) as c:
-            st = c.status()
+        try:
+            with AgentClient(pid, timeout=10) as c:
+                st = c.status()
+        except AgentOpError as exc:
+            if exc.error.get("name") == "BUSY":
+                return False  # the plugin's rollback helper is talking to the agent right now
+            raise
         return bool(st["state"] == "RUNNING" and st["owner"] is None)
 
     wait_until(unlocked, timeout=30, what="the dump's rollback to unlock the job")
