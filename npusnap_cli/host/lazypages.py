@@ -126,12 +126,7 @@ def verify_open_files(
         for _e, fd in opened:
             os.close(fd)
     if bad:
-        raise ImageError(
-            f"image {image} failed verification: {bad[0]}",
-            why="the image is truncated, was modified after the dump, or the disk is corrupt",
-            fix="do not restore it; dump the process again (or copy the image again from its source)",
-            details={"problems": bad},
-        )
+        raise img.verification_error(image, bad)
 
 
 def _kill(pids: list[int]) -> None:

@@ -11,14 +11,21 @@ from pathlib import Path
 from typing import Optional
 
 
-def is_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (a dead child not yet reaped still holds its pid)."""
+def state(pid: int) -> Optional[str]:
+    """The state letter of a pid or thread id ("Z" a zombie, "X" dead), None once it is gone,
+    "?" when it is there but unreadable."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return "?"
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a dead child not yet reaped still holds its pid)."""
+    return state(pid) not in (None, "?", "Z", "X")
 
 
 def session_id(pid: int) -> Optional[int]:

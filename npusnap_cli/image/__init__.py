@@ -1040,7 +1040,8 @@ class VerifyResult:
         }
 
 
-def _problem_error(image: Path, problems: list[str]) -> ImageError:
+def verification_error(image: Path, problems: list[str]) -> ImageError:
+    """The error of an image whose files are not what its manifest lists (problems[0] named)."""
     return ImageError(
         f"image {image} failed verification: {problems[0]}",
         why="the image is truncated, was modified after the dump, or the disk is corrupt",
@@ -1075,7 +1076,7 @@ def verify(
     problems: list[str] = []
     if not criu_dir(image).is_dir():
         problems.append(f"{CRIU_SUBDIR}/ is missing")
-        raise _problem_error(image, problems)
+        raise verification_error(image, problems)
     if not manifest.files:
         problems.append("the manifest lists no files")
     listed = {f.path for f in manifest.files}
@@ -1106,7 +1107,7 @@ def verify(
     checked = len(good)
     nbytes = sum(e.size for e in good)
     if problems:
-        raise _problem_error(image, problems)
+        raise verification_error(image, problems)
     return VerifyResult(
         image=str(image),
         manifest=manifest,

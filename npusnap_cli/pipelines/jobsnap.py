@@ -810,7 +810,7 @@ def _restore_job(
                         )
                     finally:
                         # CRIU's restore consumes the link-remap files; a failed one leaves them
-                        hostres.drop_remaps(f for f in to_put_back if f.remap)
+                        hostres.drop_remaps(to_put_back)
             except BaseException as exc:
                 errors[r.rank] = exc
 

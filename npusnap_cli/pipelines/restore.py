@@ -43,6 +43,7 @@ from npusnap_cli.errors import (
     UsageError,
 )
 from npusnap_cli.host import pidfile as pidfile_mod
+from npusnap_cli.host import procfs
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
@@ -167,23 +168,7 @@ def check_device_memory(manifest: img.Manifest, accept_lost: bool) -> Optional[s
 
 
 def _proc_desc(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmd = ""
-    return cmd[:80] or "?"
-
-
-def _state(pid: int) -> Optional[str]:
-    """The state letter of a pid or thread id ("Z" for a zombie), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except (OSError, IndexError):
-        return "?"
+    return procfs.cmdline(pid).strip()[:80] or "?"
 
 
 # A killed tree's processes stay zombies until their new parent (init) reaps them, which some
@@ -229,7 +214,7 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         # seen once can be gone a moment later: each one's state is read once per round.
         # Worth waiting for: zombies, and tasks already exiting (their memory, and with it their
         # command line, is gone before they become zombies).
-        states = {i: _state(i) for i in wanted}
+        states = {i: procfs.state(i) for i in wanted}
         who = {
             i: "a zombie" if st in ("Z", "X") else _proc_desc(i) for i, st in states.items() if st is not None
         }
@@ -445,7 +430,6 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
     the returned notes, as are clean exits.
     """
     from npusnap_cli.errors import TargetError
-    from npusnap_cli.host import procfs
 
     end = time.monotonic() + settle_s
     statuses: dict[int, Optional[int]] = {}
@@ -565,12 +549,7 @@ def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = No
     digests = digest.of_files([(image / e.path, e.algo) for e in entries], progress)
     bad = [digest.mismatch(e.path, e.algo) for e, d in zip(entries, digests) if d != e.digest]
     if bad:
-        raise ImageError(
-            f"image {image} failed verification: {bad[0]}",
-            why="the image is truncated, was modified after the dump, or the disk is corrupt",
-            fix="do not restore it; dump the process again (or copy the image again from its source)",
-            details={"problems": bad},
-        )
+        raise img.verification_error(image, bad)
 
 
 class _Checksums:
@@ -673,12 +652,10 @@ def _restore_opened(
     inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
-    remaps: list[hostres.HostFile] = []  # CRIU's restore consumes them; removed if it fails
     try:
         guard.check("before anything was started", "nothing was restored")
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
-            remaps = [f for f in to_put_back if f.remap]
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
@@ -707,7 +684,7 @@ def _restore_opened(
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
-        hostres.drop_remaps(remaps)
+        hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
     if lazy is not None:
