@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <link.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -620,13 +621,110 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
     return copy_to_device(memcpy_fn, a, a_off, *bounce, n, err, errlen);
 }
 
+/* The save's file writes, on a thread of their own: while it writes one chunk into the file (the
+ * page cache), the caller copies the next one off the device, so that the save takes about the
+ * slower of the two instead of their sum (1 GiB here, old and new agent interleaved on this noisy
+ * VM: lock phase median 0.76 against 0.83 s). DM_NBUF buffers of DM_SAVE_CHUNK circulate, small
+ * enough to stay in the CPU's cache between the copy and the write (64 MiB ones did not). Without
+ * a thread (pthread_create failed) the caller writes each chunk itself. */
+#define DM_SAVE_CHUNK ((size_t)4 << 20)
+#define DM_NBUF 4
+struct writer {
+    int fd;
+    int threaded;
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *buf[DM_NBUF];
+    size_t len[DM_NBUF];
+    unsigned head, tail; /* buffers [tail, head) are full, waiting to be written */
+    int closing;
+    int err; /* the first write's error (-errno); later chunks are then dropped */
+};
+
+static void *writer_main(void *arg) {
+    struct writer *w = arg;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (w->tail == w->head && !w->closing) pthread_cond_wait(&w->cv, &w->mu);
+        if (w->tail == w->head) break; /* closing, nothing left */
+        unsigned i = w->tail % DM_NBUF;
+        int failed = w->err;
+        pthread_mutex_unlock(&w->mu);
+        int rc = failed ? 0 : write_full(w->fd, w->buf[i], w->len[i]);
+        pthread_mutex_lock(&w->mu);
+        if (rc != 0 && !w->err) w->err = rc;
+        w->tail++;
+        pthread_cond_broadcast(&w->cv);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+/* 0, or -ENOMEM (no buffers). */
+static int writer_open(struct writer *w, int fd) {
+    memset(w, 0, sizeof *w);
+    w->fd = fd;
+    for (int i = 0; i < DM_NBUF; i++)
+        if (!(w->buf[i] = malloc(DM_SAVE_CHUNK))) {
+            while (i--) free(w->buf[i]);
+            return -ENOMEM;
+        }
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    /* The job's signals must not land on this thread: block them all while it is created. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    w->threaded = pthread_create(&w->th, NULL, writer_main, w) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return 0;
+}
+
+/* A free buffer for the next chunk (waits while all are being written). */
+static char *writer_next(struct writer *w) {
+    if (!w->threaded) return w->buf[0];
+    pthread_mutex_lock(&w->mu);
+    while (w->head - w->tail == DM_NBUF) pthread_cond_wait(&w->cv, &w->mu);
+    char *b = w->buf[w->head % DM_NBUF];
+    pthread_mutex_unlock(&w->mu);
+    return b;
+}
+
+/* Queue the buffer writer_next gave, holding n bytes; 0, or the first write error so far. */
+static int writer_push(struct writer *w, size_t n) {
+    if (!w->threaded) return w->err ? w->err : (w->err = write_full(w->fd, w->buf[0], n));
+    pthread_mutex_lock(&w->mu);
+    w->len[w->head % DM_NBUF] = n;
+    w->head++;
+    int err = w->err;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return err;
+}
+
+/* Wait until every queued chunk is written; 0, or the first write error. Frees the buffers. */
+static int writer_close(struct writer *w) {
+    if (w->threaded) {
+        pthread_mutex_lock(&w->mu);
+        w->closing = 1;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        pthread_join(w->th, NULL);
+    }
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    for (int i = 0; i < DM_NBUF; i++) free(w->buf[i]);
+    return w->err;
+}
+
 /* Copy every tracked allocation (gate closed, nothing in flight) to host memory (fd < 0) or
- * into fd, through one bounce buffer. Holds g_mu. */
+ * into fd, through the writer's buffers. Holds g_mu. */
 static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
     aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
     void *synced[64];
     int nsynced = 0;
-    char *bounce = NULL;
+    struct writer w;
     if (fd >= 0) {
         struct dm_header h;
         memset(&h, 0, sizeof h);
@@ -648,9 +746,8 @@ static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, cha
             return wr;
         }
         *written = sizeof h + h.count * sizeof(struct dm_record);
-        bounce = malloc(DM_CHUNK);
-        if (!bounce) {
-            seterr(err, errlen, "no host memory for a %zu-byte copy buffer", DM_CHUNK);
+        if (writer_open(&w, fd) != 0) {
+            seterr(err, errlen, "no host memory for %d copy buffers of %zu bytes", DM_NBUF, DM_SAVE_CHUNK);
             return -ENOMEM;
         }
     }
@@ -682,15 +779,15 @@ static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, cha
             }
         }
         for (size_t off = 0; off < a->size && ret == 0;) {
-            size_t n = fd < 0 ? a->size : (a->size - off < DM_CHUNK ? a->size - off : DM_CHUNK);
-            void *dst = fd < 0 ? a->copy : bounce;
+            size_t n = fd < 0 ? a->size : (a->size - off < DM_SAVE_CHUNK ? a->size - off : DM_SAVE_CHUNK);
+            void *dst = fd < 0 ? a->copy : writer_next(&w);
             aclError c = memcpy_fn(dst, n, (const void *)(a->ptr + off), n, ACL_MEMCPY_DEVICE_TO_HOST);
             if (c != ACL_SUCCESS) {
                 seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", n,
                        (unsigned long)(a->ptr + off), a->dev, c);
                 ret = -EIO;
             } else if (fd >= 0) {
-                int wr = write_full(fd, bounce, n);
+                int wr = writer_push(&w, n);
                 if (wr != 0) {
                     seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
                     ret = wr;
@@ -701,7 +798,13 @@ static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, cha
         }
         if (ret == 0 && fd >= 0) a->in_file = 1;
     }
-    free(bounce);
+    if (fd >= 0) {
+        int wr = writer_close(&w);
+        if (wr != 0 && ret == 0) {
+            seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
+            ret = wr;
+        }
+    }
     return ret;
 }
 

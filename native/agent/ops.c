@@ -444,6 +444,7 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
     if (!npusnap_devmem_save) return 0;
     char err[512] = "";
     int rc;
+    const char *where = devmem.save_fd >= 0 ? "into the image's file" : "to host memory";
     if (devmem.save_fd >= 0) {
         uint64_t written = 0;
         rc = npusnap_devmem_save_fd(devmem.save_fd, DEVMEM_SAVE_TIMEOUT_MS, &written, err, sizeof err);
@@ -453,8 +454,8 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
         rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
     }
     if (rc != 0) {
-        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc,
-                "could not copy the device memory to host memory before Lock: %s; %s", err, nothing_locked);
+        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc, "could not copy the device memory %s before Lock: %s; %s",
+                where, err, nothing_locked);
         return -1;
     }
     devmem.saved = 1;

@@ -342,7 +342,8 @@ class DeviceGroup:
             err = _state_unknown(failures)
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
-        return {p: str(r.get("state")) for p, r in results.items()}
+        # None: this command never locked that process (it failed before its Lock).
+        return {p: str(r.get("state") or "not locked") for p, r in results.items()}
 
 
 def _stop_state(pid: int) -> Optional[tuple[str, int]]:

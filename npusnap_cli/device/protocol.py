@@ -55,6 +55,9 @@ OPS = frozenset(OP_ARGS)
 # Error names of lock ownership (``type: "state"``); the error object also carries ``owner``.
 ALREADY_LOCKED = "ALREADY_LOCKED"
 NOT_OWNER = "NOT_OWNER"
+# ``type: "state"`` of a lock whose copy of the device memory failed (``code``: -errno); nothing
+# was locked.
+DEVICE_MEMORY_SAVE_FAILED = "DEVICE_MEMORY_SAVE_FAILED"
 TOKEN_HEX_CHARS = 32
 MAX_OWNER_COMMAND = 64
 # What the agent does with the job's device memory around Lock (native/include/npusnap/devmem.h).

@@ -1,15 +1,24 @@
 """Checksums computed while CRIU writes the image, so that hashing leaves the dump's critical path.
 
 CRIU writes each image file front to back and never goes back into it (page files are appended
-page pipe by page pipe; the small images are written once). A follower thread therefore reads
-every file's new bytes shortly after CRIU wrote them — from the page cache, on the core CRIU is
-not using — and feeds them to a hasher per file (digest.DEFAULT). When CRIU is done, ``finish``
+page pipe by page pipe; the small images are written once). A follower thread therefore hashes
+every file's new bytes shortly after CRIU wrote them — in place in the page cache, through a
+read-only mapping, on the core CRIU is not using — with a hasher per file (digest.DEFAULT). The
+agents' device-memory files are followed the same way while the agents write them. When CRIU is
+done, ``finish``
 reads whatever is left and returns each file's size and digest; the dump then only hashes files
 the follower could not vouch for (one that shrank, or that it never saw).
+
+Having hashed a range, the follower also asks the kernel to start writing it to disk
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait): the disk then works while the
+agents and CRIU are still writing, instead of all at once in publish's fsync, which is left with
+the tail. At 1 GiB of device memory here, publishing (checksums, manifest, fsync, rename) went
+from 0.91 s to 0.02 s (medians of 3), the whole dump command from 2.3 s to 1.5 s.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from pathlib import Path
@@ -17,9 +26,26 @@ from typing import Any, Optional
 
 from npusnap_cli.image import digest
 
-_CHUNK = 4 << 20
-# Read at most this much from one file per round, so that every file keeps up.
+# Hash at most this much from one file per round, so that every file keeps up.
 _ROUND = 64 << 20
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+_libc: Any = None  # ctypes' libc once loaded; False where it has no sync_file_range
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to disk without waiting for it (a
+    later fsync waits for what is still in flight). Best effort: a filesystem or libc without
+    sync_file_range only leaves all of the writing to that fsync."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc is not False:
+        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class _Follow:
@@ -44,15 +70,20 @@ class _Follow:
         if size < self.offset:  # truncated: our digest no longer describes it
             self.broken = True
             return 0
-        done = 0
-        while self.offset < size and done < limit:
-            want = min(_CHUNK, size - self.offset, limit - done)
-            data = os.pread(self.fd, want, self.offset)
-            if not data:
-                break
-            self.hash.update(data)
-            self.offset += len(data)
-            done += len(data)
+        start = self.offset
+        end = min(size, start + limit)
+        if end <= start:
+            return 0
+        try:
+            # The writers only append (see the module docstring), so the range stays mapped.
+            digest.update_mapped(self.hash, self.fd, start, end)
+        except (OSError, ValueError):  # not a mappable file after all: publish hashes it instead
+            self.broken = True
+            return 0
+        self.offset = end
+        done = end - start
+        if done:
+            start_writeback(self.fd, start, done)
         return done
 
     def close(self) -> None:
