@@ -553,7 +553,8 @@ static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t o
  * allocation, then their bytes in record order. Reload checks the records against the table
  * the restored process holds, so a file of another process or another dump is refused. */
 #define DM_MAGIC "NPUSNAP-DEVMEM1"
-#define DM_CHUNK ((size_t)64 << 20)
+/* The reload copies this much per step (see load_chunks). */
+#define DM_LOAD_CHUNK ((size_t)16 << 20)
 struct dm_header {
     char magic[16];
     uint64_t count;
@@ -609,8 +610,8 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
         munmap(m, n + delta);
         return ret;
     }
-    if (!*bounce && !(*bounce = malloc(DM_CHUNK))) {
-        seterr(err, errlen, "no host memory for a %zu-byte copy buffer", DM_CHUNK);
+    if (!*bounce && !(*bounce = malloc(DM_LOAD_CHUNK))) {
+        seterr(err, errlen, "no host memory for a %zu-byte copy buffer", DM_LOAD_CHUNK);
         return -ENOMEM;
     }
     int ret = read_full(fd, *bounce, n, off);
@@ -848,6 +849,76 @@ API int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *
     return rc;
 }
 
+/* The reload's copies, spread over a few threads: each takes the next chunk (file range ->
+ * allocation range) until none is left or one failed. The copy from the file's mapping and the
+ * page-table work on both sides go at one core's pace, and nothing else runs during a reload (the
+ * job is held at the gate, CRIU and the CLI wait), so the other cores shorten it: 1 GiB here,
+ * 0.40 s on one thread, 0.25 s on two (perf timelines of a restore; the simulator serializes the
+ * memcpy itself, not the mapping work). Each thread selects the allocation's context itself, as
+ * CANN contexts are per thread. */
+#define DM_LOAD_THREADS 4
+struct load_chunk {
+    const struct alloc *a;
+    size_t a_off;
+    off_t file_off;
+    size_t n;
+};
+struct loader {
+    int fd;
+    memcpy_fn_t memcpy_fn;
+    struct load_chunk *chunks;
+    size_t n, next;
+    int ret;
+    char err[512];
+    pthread_mutex_t mu;
+};
+
+static void *loader_main(void *arg) {
+    struct loader *l = arg;
+    char *bounce = NULL;
+    char err[512];
+    for (;;) {
+        pthread_mutex_lock(&l->mu);
+        const struct load_chunk *c = l->ret == 0 && l->next < l->n ? &l->chunks[l->next++] : NULL;
+        pthread_mutex_unlock(&l->mu);
+        if (!c) break;
+        use_ctx(c->a->ctx);
+        int rc = file_to_device(l->fd, c->file_off, c->n, l->memcpy_fn, c->a, c->a_off, &bounce, err, sizeof err);
+        if (rc != 0) {
+            pthread_mutex_lock(&l->mu);
+            if (l->ret == 0) {
+                l->ret = rc;
+                snprintf(l->err, sizeof l->err, "%s", err);
+            }
+            pthread_mutex_unlock(&l->mu);
+        }
+    }
+    free(bounce);
+    return NULL;
+}
+
+/* Run the loader's chunks on this thread and up to DM_LOAD_THREADS - 1 more (fewer on fewer
+ * cores; none if they cannot be created). 0, or the first chunk's error (err set). */
+static int load_chunks(struct loader *l, char *err, size_t errlen) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t extra = cores > 1 ? (size_t)(cores < DM_LOAD_THREADS ? cores : DM_LOAD_THREADS) - 1 : 0;
+    if (extra > l->n) extra = l->n ? l->n - 1 : 0;
+    pthread_t th[DM_LOAD_THREADS];
+    size_t started = 0;
+    pthread_mutex_init(&l->mu, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals must not land on these threads */
+    for (size_t i = 0; i < extra; i++)
+        if (pthread_create(&th[started], NULL, loader_main, l) == 0) started++;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    loader_main(l);
+    for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&l->mu);
+    if (l->ret != 0) seterr(err, errlen, "%s", l->err);
+    return l->ret;
+}
+
 API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
     pthread_mutex_lock(&g_mu);
     if (!g_saved) {
@@ -885,7 +956,8 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
                (unsigned long long)((uint64_t)data_off + h.bytes));
         ret = -ENODATA;
     }
-    char *bounce = NULL;
+    struct loader l = {.fd = fd, .memcpy_fn = memcpy_fn};
+    size_t cap = 0;
     uint64_t mapped_total = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         struct alloc *a = &g_allocs[i];
@@ -913,15 +985,25 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
             ret = -EINVAL;
             break;
         }
-        use_ctx(a->ctx);
         for (size_t off = 0; off < a->size && ret == 0;) {
-            size_t n = a->size - off < DM_CHUNK ? a->size - off : DM_CHUNK;
-            ret = file_to_device(fd, data_off, n, memcpy_fn, a, off, &bounce, err, errlen);
+            size_t n = a->size - off < DM_LOAD_CHUNK ? a->size - off : DM_LOAD_CHUNK;
+            if (l.n == cap) {
+                cap = cap ? 2 * cap : 64;
+                struct load_chunk *c = realloc(l.chunks, cap * sizeof *c);
+                if (!c) {
+                    seterr(err, errlen, "no host memory for the reload's list of copies");
+                    ret = -ENOMEM;
+                    break;
+                }
+                l.chunks = c;
+            }
+            l.chunks[l.n++] = (struct load_chunk){a, off, data_off, n};
             data_off += (off_t)n;
             off += n;
         }
     }
-    free(bounce);
+    if (ret == 0 && l.n) ret = load_chunks(&l, err, errlen);
+    free(l.chunks);
     pthread_mutex_unlock(&g_mu);
     return ret;
 }

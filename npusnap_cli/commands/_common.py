@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from npusnap_cli.ui import Output
+if TYPE_CHECKING:  # imported when a command runs, not for every --help
+    from npusnap_cli.ui import Output
 
 JSON_HELP = "Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay on stderr)."
 
@@ -23,6 +24,8 @@ _current: Optional[Output] = None
 
 def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
     """The Output for this command; ``--json`` may be given globally or on the command."""
+    from npusnap_cli.ui import Output
+
     global _current
     opts = ctx.find_root().obj if ctx.find_root().obj is not None else GlobalOptions()
     _current = Output(command, json_mode=json_flag or opts.json_output, verbose=opts.verbose)
@@ -64,6 +67,8 @@ def verbosity(argv: list[str]) -> int:
 
 def current_output(argv: list[str]) -> Output:
     """The command's Output if it got that far, else one built from the raw arguments."""
+    from npusnap_cli.ui import Output
+
     if _current is not None:
         return _current
     return Output(command_name(argv), json_mode=json_requested(argv))

@@ -8,7 +8,12 @@ pid, so the pid alone would let a restored copy inherit the dead original's devi
 Device memory is one memfd per allocation, owned by the daemon, so freeing really returns memory.
 Its bytes never cross the socket: OP_MAP passes the allocation's memfd to the runtime (SCM_RIGHTS),
 which copies to and from a mapping of it at memory speed (paced to --bandwidth-mbps when given);
-the daemon itself writes only the poison pattern of a Restore.
+the daemon itself writes only the poison pattern of a Restore. Like a device's fixed memory, the
+memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity)
+and given to the next Restore of an allocation of the same size, which poisons it: Restore then
+costs the poison's writes, not the host allocating fresh pages (0.4 s/GiB here) -- a cost of
+this simulator, not of a device. Fresh allocations always get fresh, zeroed memory, and memory a
+live process may still map is never kept.
 Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
 *exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
 A process's connection is its device handle (as /dev/davinci_manager is the real runtime's): the
@@ -44,6 +49,7 @@ Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field
 GiB = 1 << 30
 POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
+POOL_TTL_S = 30.0  # how long the memory of a process that is gone waits for a Restore to reuse it
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -81,6 +87,8 @@ class Device:
     allocs: Dict[int, Allocation] = field(default_factory=dict)
     addrs: List[int] = field(default_factory=list)  # sorted keys of allocs
     next_addr: int = 0
+    # (size, memfd, when freed) of processes that are gone, for a Restore's poisoned allocation
+    pool: List[Tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def base(self) -> int:
@@ -119,18 +127,39 @@ class Daemon:
 
     # -- bookkeeping (self.lock held) ---------------------------------------------------------
     def _free_owner(self, owner: Owner, dev: Optional[Device] = None) -> None:
+        reusable: Optional[bool] = None
         for d in [dev] if dev else self.devices:
             for addr in [a for a, al in d.allocs.items() if al.owner == owner]:
-                self._drop(d, addr)
+                if reusable is None:
+                    reusable = not _maps_device_memory(owner[0])
+                self._drop(d, addr, keep=reusable)
             if owner in d.owners:
                 d.owners.remove(owner)
 
-    def _drop(self, dev: Device, addr: int) -> None:
+    def _drop(self, dev: Device, addr: int, keep: bool = False) -> None:
         al = dev.allocs.pop(addr)
         dev.addrs.remove(addr)
         dev.used -= al.size
+        if keep and sum(p[0] for p in dev.pool) + al.size <= dev.capacity:
+            dev.pool.append((al.size, al.fd, time.monotonic()))
+            return
         # The memory goes back once every runtime that mapped the memfd has unmapped it too.
         os.close(al.fd)
+
+    def _expire_pool(self, older_than: float = POOL_TTL_S) -> None:
+        now = time.monotonic()
+        for d in self.devices:
+            for entry in [p for p in d.pool if now - p[2] >= older_than]:
+                d.pool.remove(entry)
+                os.close(entry[1])
+
+    def _from_pool(self, dev: Device, size: int) -> Optional[int]:
+        """A kept memfd of exactly ``size`` bytes (its old bytes still in it), or None."""
+        for entry in dev.pool:
+            if entry[0] == size:
+                dev.pool.remove(entry)
+                return entry[1]
+        return None
 
     def _reap(self) -> None:
         owners = {o for d in self.devices for o in d.owners} | {
@@ -171,13 +200,17 @@ class Daemon:
             prev = _align(a + dev.allocs[a].size)
         return prev if end - prev >= size else -1
 
-    def _insert(self, dev: Device, addr: int, size: int, owner: Owner) -> None:
-        fd = os.memfd_create(f"npusim-dev{dev.id}-{addr:#x}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
+    def _insert(self, dev: Device, addr: int, size: int, owner: Owner, reuse: bool = False) -> None:
+        """``reuse``: the caller overwrites every byte before anyone maps it (a Restore's poison),
+        so memory from the pool will do."""
+        fd = self._from_pool(dev, size) if reuse else None
+        if fd is None:
+            fd = os.memfd_create(f"npusim-dev{dev.id}-{addr:#x}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
         dev.allocs[addr] = Allocation(addr, size, owner, fd)
         bisect.insort(dev.addrs, addr)
         dev.used += size
@@ -212,12 +245,14 @@ class Daemon:
     def op_alloc(
         self, owner: Owner, dev_id: int, size: int, at: Optional[int], poison: bool = False
     ) -> Tuple[int, int]:
-        status, addr = self._alloc(owner, dev_id, size, at)
+        status, addr = self._alloc(owner, dev_id, size, at, reuse=poison)
         if status == 0 and poison:
             _fill_poison(self.devices[dev_id].allocs[addr])
         return status, addr
 
-    def _alloc(self, owner: Owner, dev_id: int, size: int, at: Optional[int]) -> Tuple[int, int]:
+    def _alloc(
+        self, owner: Owner, dev_id: int, size: int, at: Optional[int], reuse: bool = False
+    ) -> Tuple[int, int]:
         if not 0 <= dev_id < len(self.devices):
             return -errno.ENODEV, 0
         dev = self.devices[dev_id]
@@ -239,7 +274,7 @@ class Daemon:
         if addr < 0:
             return -errno.ENOMEM, 0
         try:
-            self._insert(dev, addr, size, owner)
+            self._insert(dev, addr, size, owner, reuse=reuse)
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 log(
@@ -267,6 +302,8 @@ class Daemon:
                     "capacity": d.capacity,
                     "used": d.used,
                     "allocations": len(d.allocs),
+                    # memory of processes that are gone, kept for a Restore (POOL_TTL_S)
+                    "kept_for_restore": sum(p[0] for p in d.pool),
                     # "owner": the first process that opened it (kept for older readers)
                     "owner": None
                     if not d.owners
@@ -409,6 +446,7 @@ class Daemon:
         while not self.stopping.wait(interval):
             with self.lock:
                 self._reap()
+                self._expire_pool()
 
     def close_listener(self) -> None:
         if self.listener is not None:
@@ -479,6 +517,17 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError):
             pass  # the soft limit stays; allocations beyond it fail with ENOMEM and a log line
+
+
+def _maps_device_memory(pid: int) -> bool:
+    """Whether ``pid`` may still map a device allocation (then its memfds are never reused). A
+    process that exited has released its mappings before its device connection closes (the kernel
+    drops a process's memory before its files), so its /proc maps are empty or gone."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(b"memfd:npusim-dev" in line for line in f)
+    except OSError:
+        return False
 
 
 def _fill_poison(al: Allocation) -> None:
