@@ -61,8 +61,7 @@ def test_memory_a_live_process_may_still_map_is_never_kept() -> None:
     d = _daemon()
     me = (os.getpid(), start_time(os.getpid()) or 0)
     assert d.op_claim(me, 0) == 0
-    status, addr = d.op_alloc(me, 0, MiB, None)
-    assert status == 0
+    assert d.op_alloc(me, 0, MiB, None)[0] == 0
     fd = os.memfd_create("npusim-dev0-test")
     os.ftruncate(fd, 4096)
     with mmap.mmap(fd, 4096):  # as the simulated runtime maps an allocation
