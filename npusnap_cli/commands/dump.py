@@ -88,7 +88,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--network-lock",
             help="How CRIU blocks the network while dumping TCP connections: nftables (no binary "
-            "needed), iptables or skip. Default: nftables where CRIU has it.",
+            "needed), iptables or skip. Default: skip for a tree in this host's network namespace "
+            "without --tcp-established (CRIU would lock nothing), else nftables where CRIU has it.",
         ),
         external_pipes: bool = typer.Option(
             False,
