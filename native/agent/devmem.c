@@ -553,7 +553,9 @@ static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t o
  * allocation, then their bytes in record order. Reload checks the records against the table
  * the restored process holds, so a file of another process or another dump is refused. */
 #define DM_MAGIC "NPUSNAP-DEVMEM1"
-/* The reload copies this much per step (see load_chunks). */
+/* Copy steps: a save's small enough to stay in the CPU's cache between the copy off the device
+ * and the write into the file (64 MiB ones did not); a reload's maps the file a step at a time. */
+#define DM_SAVE_CHUNK ((size_t)4 << 20)
 #define DM_LOAD_CHUNK ((size_t)16 << 20)
 struct dm_header {
     char magic[16];
@@ -622,188 +624,219 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
     return copy_to_device(memcpy_fn, a, a_off, *bounce, n, err, errlen);
 }
 
-/* The save's file writes, on a thread of their own: while it writes one chunk into the file (the
- * page cache), the caller copies the next one off the device, so that the save takes about the
- * slower of the two instead of their sum (1 GiB here, old and new agent interleaved on this noisy
- * VM: lock phase median 0.76 against 0.83 s). DM_NBUF buffers of DM_SAVE_CHUNK circulate, small
- * enough to stay in the CPU's cache between the copy and the write (64 MiB ones did not). Without
- * a thread (pthread_create failed) the caller writes each chunk itself. */
-#define DM_SAVE_CHUNK ((size_t)4 << 20)
-#define DM_NBUF 4
-struct writer {
+/* The copies between the device and the image's file, spread over a few threads: each takes the
+ * next chunk (an allocation's range <-> a range of the file) until none is left or one failed.
+ * A copy and its page-cache write or mapping go at one core's pace, and nothing else of the job
+ * runs meanwhile (it waits at npusnap's gate), so the other cores shorten both directions:
+ *  - save: each thread copies its chunk off the device into its own buffer and writes it at its
+ *    place in the file (pwrite). 1 GiB here: MEASURED. The file is then not written front to back,
+ *    which is why npusnap's CLI hashes it only after the lock answered (pipelines/dump.py);
+ *  - reload: each thread copies its chunk from a mapping of the file to the device. 1 GiB here:
+ *    0.40 s on one thread, 0.25 s on two (perf timelines of a restore; the simulator serializes
+ *    the memcpy itself, not the page-table work).
+ * Each thread selects the allocation's context itself, as CANN contexts are per thread. */
+#define DM_THREADS 4
+struct xfer_chunk {
+    const struct alloc *a;
+    size_t a_off;
+    off_t file_off;
+    size_t n;
+};
+struct xfer {
     int fd;
-    int threaded;
-    pthread_t th;
+    int save; /* device -> file; else file -> device */
+    memcpy_fn_t memcpy_fn;
+    struct xfer_chunk *chunks;
+    size_t n, cap, next;
+    int ret;
+    char err[512];
     pthread_mutex_t mu;
-    pthread_cond_t cv;
-    char *buf[DM_NBUF];
-    size_t len[DM_NBUF];
-    unsigned head, tail; /* buffers [tail, head) are full, waiting to be written */
-    int closing;
-    int err; /* the first write's error (-errno); later chunks are then dropped */
 };
 
-static void *writer_main(void *arg) {
-    struct writer *w = arg;
-    pthread_mutex_lock(&w->mu);
-    for (;;) {
-        while (w->tail == w->head && !w->closing) pthread_cond_wait(&w->cv, &w->mu);
-        if (w->tail == w->head) break; /* closing, nothing left */
-        unsigned i = w->tail % DM_NBUF;
-        int failed = w->err;
-        pthread_mutex_unlock(&w->mu);
-        int rc = failed ? 0 : write_full(w->fd, w->buf[i], w->len[i]);
-        pthread_mutex_lock(&w->mu);
-        if (rc != 0 && !w->err) w->err = rc;
-        w->tail++;
-        pthread_cond_broadcast(&w->cv);
+/* Append a chunk; 0 or -ENOMEM. */
+static int xfer_add(struct xfer *x, const struct alloc *a, size_t a_off, off_t file_off, size_t n) {
+    if (x->n == x->cap) {
+        size_t cap = x->cap ? 2 * x->cap : 64;
+        struct xfer_chunk *c = realloc(x->chunks, cap * sizeof *c);
+        if (!c) return -ENOMEM;
+        x->chunks = c;
+        x->cap = cap;
     }
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
-}
-
-/* 0, or -ENOMEM (no buffers). */
-static int writer_open(struct writer *w, int fd) {
-    memset(w, 0, sizeof *w);
-    w->fd = fd;
-    for (int i = 0; i < DM_NBUF; i++)
-        if (!(w->buf[i] = malloc(DM_SAVE_CHUNK))) {
-            while (i--) free(w->buf[i]);
-            return -ENOMEM;
-        }
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_cond_init(&w->cv, NULL);
-    /* The job's signals must not land on this thread: block them all while it is created. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    w->threaded = pthread_create(&w->th, NULL, writer_main, w) == 0;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    x->chunks[x->n++] = (struct xfer_chunk){a, a_off, file_off, n};
     return 0;
 }
 
-/* A free buffer for the next chunk (waits while all are being written). */
-static char *writer_next(struct writer *w) {
-    if (!w->threaded) return w->buf[0];
-    pthread_mutex_lock(&w->mu);
-    while (w->head - w->tail == DM_NBUF) pthread_cond_wait(&w->cv, &w->mu);
-    char *b = w->buf[w->head % DM_NBUF];
-    pthread_mutex_unlock(&w->mu);
-    return b;
-}
-
-/* Queue the buffer writer_next gave, holding n bytes; 0, or the first write error so far. */
-static int writer_push(struct writer *w, size_t n) {
-    if (!w->threaded) return w->err ? w->err : (w->err = write_full(w->fd, w->buf[0], n));
-    pthread_mutex_lock(&w->mu);
-    w->len[w->head % DM_NBUF] = n;
-    w->head++;
-    int err = w->err;
-    pthread_cond_broadcast(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-    return err;
-}
-
-/* Wait until every queued chunk is written; 0, or the first write error. Frees the buffers. */
-static int writer_close(struct writer *w) {
-    if (w->threaded) {
-        pthread_mutex_lock(&w->mu);
-        w->closing = 1;
-        pthread_cond_broadcast(&w->cv);
-        pthread_mutex_unlock(&w->mu);
-        pthread_join(w->th, NULL);
+static int pwrite_full(int fd, const char *p, size_t n, off_t off) {
+    while (n) {
+        ssize_t w = pwrite(fd, p, n, off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return w < 0 ? -errno : -EIO;
+        p += w;
+        n -= (size_t)w;
+        off += w;
     }
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    for (int i = 0; i < DM_NBUF; i++) free(w->buf[i]);
-    return w->err;
+    return 0;
 }
 
-/* Copy every tracked allocation (gate closed, nothing in flight) to host memory (fd < 0) or
- * into fd, through the writer's buffers. Holds g_mu. */
-static int copy_out_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
+/* One save chunk through buf (DM_SAVE_CHUNK bytes): 0, or -errno with err set. */
+static int save_chunk(const struct xfer *x, const struct xfer_chunk *c, char *buf, char *err, size_t errlen) {
+    const struct alloc *a = c->a;
+    aclError rc = x->memcpy_fn(buf, c->n, (const void *)(a->ptr + c->a_off), c->n, ACL_MEMCPY_DEVICE_TO_HOST);
+    if (rc != ACL_SUCCESS) {
+        seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", c->n,
+               (unsigned long)(a->ptr + c->a_off), a->dev, rc);
+        return -EIO;
+    }
+    int wr = pwrite_full(x->fd, buf, c->n, c->file_off);
+    if (wr != 0) seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
+    return wr;
+}
+
+static void *xfer_main(void *arg) {
+    struct xfer *x = arg;
+    char *buf = NULL; /* save: the chunk's host copy; reload: a bounce buffer if mapping fails */
+    char err[512] = "";
+    if (x->save && !(buf = malloc(DM_SAVE_CHUNK))) {
+        pthread_mutex_lock(&x->mu);
+        if (x->ret == 0) {
+            x->ret = -ENOMEM;
+            snprintf(x->err, sizeof x->err, "no host memory for a %zu-byte copy buffer", DM_SAVE_CHUNK);
+        }
+        pthread_mutex_unlock(&x->mu);
+        return NULL;
+    }
+    for (;;) {
+        pthread_mutex_lock(&x->mu);
+        const struct xfer_chunk *c = x->ret == 0 && x->next < x->n ? &x->chunks[x->next++] : NULL;
+        pthread_mutex_unlock(&x->mu);
+        if (!c) break;
+        use_ctx(c->a->ctx);
+        int rc = x->save ? save_chunk(x, c, buf, err, sizeof err)
+                         : file_to_device(x->fd, c->file_off, c->n, x->memcpy_fn, c->a, c->a_off, &buf, err,
+                                          sizeof err);
+        if (rc != 0) {
+            pthread_mutex_lock(&x->mu);
+            if (x->ret == 0) {
+                x->ret = rc;
+                snprintf(x->err, sizeof x->err, "%s", err);
+            }
+            pthread_mutex_unlock(&x->mu);
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+/* Run the chunks on this thread and up to DM_THREADS - 1 more (fewer on fewer cores; none if
+ * they cannot be created). 0, or the first failed chunk's error (err set). */
+static int xfer_run(struct xfer *x, char *err, size_t errlen) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t extra = cores > 1 ? (size_t)(cores < DM_THREADS ? cores : DM_THREADS) - 1 : 0;
+    if (extra > x->n) extra = x->n ? x->n - 1 : 0;
+    pthread_t th[DM_THREADS];
+    size_t started = 0;
+    pthread_mutex_init(&x->mu, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals must not land on these threads */
+    for (size_t i = 0; i < extra; i++)
+        if (pthread_create(&th[started], NULL, xfer_main, x) == 0) started++;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    xfer_main(x);
+    for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&x->mu);
+    if (x->ret != 0) seterr(err, errlen, "%s", x->err);
+    return x->ret;
+}
+
+/* Queued asynchronous work must finish before the bytes are read: synchronize the device of
+ * every context the copied allocations use, once each. 0, or -EIO with err set. */
+static int sync_contexts_locked(char *err, size_t errlen) {
     aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
     void *synced[64];
     int nsynced = 0;
-    struct writer w;
-    if (fd >= 0) {
-        struct dm_header h;
-        memset(&h, 0, sizeof h);
-        memcpy(h.magic, DM_MAGIC, sizeof DM_MAGIC);
-        for (size_t i = 0; i < g_n; i++)
-            if (!g_allocs[i].excluded) {
-                h.count++;
-                h.bytes += g_allocs[i].size;
-            }
-        int wr = write_full(fd, &h, sizeof h);
-        for (size_t i = 0; i < g_n && wr == 0; i++) {
-            struct alloc *a = &g_allocs[i];
-            if (a->excluded) continue;
-            struct dm_record r = {(uint64_t)a->ptr, (uint64_t)a->size, a->dev, 0};
-            wr = write_full(fd, &r, sizeof r);
-        }
-        if (wr != 0) {
-            seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
-            return wr;
-        }
-        *written = sizeof h + h.count * sizeof(struct dm_record);
-        if (writer_open(&w, fd) != 0) {
-            seterr(err, errlen, "no host memory for %d copy buffers of %zu bytes", DM_NBUF, DM_SAVE_CHUNK);
-            return -ENOMEM;
-        }
-    }
-    int ret = 0;
-    for (size_t i = 0; i < g_n && ret == 0; i++) {
+    for (size_t i = 0; i < g_n && sync; i++) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
         int seen = 0;
         for (int k = 0; k < nsynced; k++) seen |= synced[k] == a->ctx;
-        if (!seen && sync) {
-            /* Queued asynchronous work must finish before the bytes are read. */
-            use_ctx(a->ctx);
-            aclError src = sync();
-            if (src != ACL_SUCCESS) {
-                seterr(err, errlen, "aclrtSynchronizeDevice (device %d) failed with %d", a->dev, src);
-                ret = -EIO;
-                break;
-            }
-            if (nsynced < 64) synced[nsynced++] = a->ctx;
-        }
+        if (seen) continue;
         use_ctx(a->ctx);
-        if (fd < 0) {
-            free(a->copy);
-            a->copy = malloc(a->size ? a->size : 1);
-            if (!a->copy) {
-                seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
-                ret = -ENOMEM;
-                break;
-            }
+        aclError src = sync();
+        if (src != ACL_SUCCESS) {
+            seterr(err, errlen, "aclrtSynchronizeDevice (device %d) failed with %d", a->dev, src);
+            return -EIO;
         }
-        for (size_t off = 0; off < a->size && ret == 0;) {
-            size_t n = fd < 0 ? a->size : (a->size - off < DM_SAVE_CHUNK ? a->size - off : DM_SAVE_CHUNK);
-            void *dst = fd < 0 ? a->copy : writer_next(&w);
-            aclError c = memcpy_fn(dst, n, (const void *)(a->ptr + off), n, ACL_MEMCPY_DEVICE_TO_HOST);
-            if (c != ACL_SUCCESS) {
-                seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", n,
-                       (unsigned long)(a->ptr + off), a->dev, c);
-                ret = -EIO;
-            } else if (fd >= 0) {
-                int wr = writer_push(&w, n);
-                if (wr != 0) {
-                    seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
-                    ret = wr;
-                }
-                *written += n;
-            }
-            off += n;
-        }
-        if (ret == 0 && fd >= 0) a->in_file = 1;
+        if (nsynced < 64) synced[nsynced++] = a->ctx;
     }
-    if (fd >= 0) {
-        int wr = writer_close(&w);
-        if (wr != 0 && ret == 0) {
-            seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
-            ret = wr;
+    return 0;
+}
+
+/* Copy every tracked allocation (gate closed, nothing in flight) into fd: the header, one record
+ * per allocation, then their bytes in record order, written by xfer_run. Holds g_mu. */
+static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
+    struct dm_header h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, DM_MAGIC, sizeof DM_MAGIC);
+    for (size_t i = 0; i < g_n; i++)
+        if (!g_allocs[i].excluded) {
+            h.count++;
+            h.bytes += g_allocs[i].size;
+        }
+    int wr = write_full(fd, &h, sizeof h);
+    for (size_t i = 0; i < g_n && wr == 0; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (a->excluded) continue;
+        struct dm_record r = {(uint64_t)a->ptr, (uint64_t)a->size, a->dev, 0};
+        wr = write_full(fd, &r, sizeof r);
+    }
+    if (wr != 0) {
+        seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
+        return wr;
+    }
+    int ret = sync_contexts_locked(err, errlen);
+    struct xfer x = {.fd = fd, .save = 1, .memcpy_fn = memcpy_fn};
+    off_t data_off = (off_t)(sizeof h + h.count * sizeof(struct dm_record));
+    for (size_t i = 0; i < g_n && ret == 0; i++) {
+        const struct alloc *a = &g_allocs[i];
+        if (a->excluded) continue;
+        for (size_t off = 0; off < a->size && ret == 0; off += DM_SAVE_CHUNK) {
+            size_t n = a->size - off < DM_SAVE_CHUNK ? a->size - off : DM_SAVE_CHUNK;
+            if (xfer_add(&x, a, off, data_off, n) != 0) {
+                seterr(err, errlen, "no host memory for the list of device-memory copies");
+                ret = -ENOMEM;
+            }
+            data_off += (off_t)n;
+        }
+    }
+    if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);
+    free(x.chunks);
+    if (ret != 0) return ret;
+    *written = (uint64_t)data_off;
+    for (size_t i = 0; i < g_n; i++)
+        if (!g_allocs[i].excluded) g_allocs[i].in_file = 1;
+    return 0;
+}
+
+/* Copy every tracked allocation (gate closed, nothing in flight) to host memory, one malloc'd copy
+ * each (npusnap_devmem_save, for a process without a device-memory file). Holds g_mu. */
+static int save_in_process_locked(memcpy_fn_t memcpy_fn, char *err, size_t errlen) {
+    int ret = sync_contexts_locked(err, errlen);
+    for (size_t i = 0; i < g_n && ret == 0; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (a->excluded) continue;
+        use_ctx(a->ctx);
+        free(a->copy);
+        a->copy = malloc(a->size ? a->size : 1);
+        if (!a->copy) {
+            seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
+            return -ENOMEM;
+        }
+        aclError c = memcpy_fn(a->copy, a->size, (const void *)a->ptr, a->size, ACL_MEMCPY_DEVICE_TO_HOST);
+        if (c != ACL_SUCCESS) {
+            seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d",
+                   a->size, (unsigned long)a->ptr, a->dev, c);
+            ret = -EIO;
         }
     }
     return ret;
@@ -821,7 +854,8 @@ static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t 
         seterr(err, errlen, "aclrtMemcpy is not available in this process: cannot copy device memory");
         ret = -ENOSYS;
     } else {
-        ret = copy_out_locked(fd, memcpy_fn, written, err, errlen);
+        ret = fd >= 0 ? save_file_locked(fd, memcpy_fn, written, err, errlen)
+                      : save_in_process_locked(memcpy_fn, err, errlen);
     }
     if (ret != 0) {
         free_copies_locked();
@@ -847,76 +881,6 @@ API int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *
     int rc = save_to(fd, timeout_ms, &n, err, errlen);
     if (written) *written = n;
     return rc;
-}
-
-/* The reload's copies, spread over a few threads: each takes the next chunk (file range ->
- * allocation range) until none is left or one failed. The copy from the file's mapping and the
- * page-table work on both sides go at one core's pace, and nothing else runs during a reload (the
- * job is held at the gate, CRIU and the CLI wait), so the other cores shorten it: 1 GiB here,
- * 0.40 s on one thread, 0.25 s on two (perf timelines of a restore; the simulator serializes the
- * memcpy itself, not the mapping work). Each thread selects the allocation's context itself, as
- * CANN contexts are per thread. */
-#define DM_LOAD_THREADS 4
-struct load_chunk {
-    const struct alloc *a;
-    size_t a_off;
-    off_t file_off;
-    size_t n;
-};
-struct loader {
-    int fd;
-    memcpy_fn_t memcpy_fn;
-    struct load_chunk *chunks;
-    size_t n, next;
-    int ret;
-    char err[512];
-    pthread_mutex_t mu;
-};
-
-static void *loader_main(void *arg) {
-    struct loader *l = arg;
-    char *bounce = NULL;
-    char err[512];
-    for (;;) {
-        pthread_mutex_lock(&l->mu);
-        const struct load_chunk *c = l->ret == 0 && l->next < l->n ? &l->chunks[l->next++] : NULL;
-        pthread_mutex_unlock(&l->mu);
-        if (!c) break;
-        use_ctx(c->a->ctx);
-        int rc = file_to_device(l->fd, c->file_off, c->n, l->memcpy_fn, c->a, c->a_off, &bounce, err, sizeof err);
-        if (rc != 0) {
-            pthread_mutex_lock(&l->mu);
-            if (l->ret == 0) {
-                l->ret = rc;
-                snprintf(l->err, sizeof l->err, "%s", err);
-            }
-            pthread_mutex_unlock(&l->mu);
-        }
-    }
-    free(bounce);
-    return NULL;
-}
-
-/* Run the loader's chunks on this thread and up to DM_LOAD_THREADS - 1 more (fewer on fewer
- * cores; none if they cannot be created). 0, or the first chunk's error (err set). */
-static int load_chunks(struct loader *l, char *err, size_t errlen) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    size_t extra = cores > 1 ? (size_t)(cores < DM_LOAD_THREADS ? cores : DM_LOAD_THREADS) - 1 : 0;
-    if (extra > l->n) extra = l->n ? l->n - 1 : 0;
-    pthread_t th[DM_LOAD_THREADS];
-    size_t started = 0;
-    pthread_mutex_init(&l->mu, NULL);
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals must not land on these threads */
-    for (size_t i = 0; i < extra; i++)
-        if (pthread_create(&th[started], NULL, loader_main, l) == 0) started++;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    loader_main(l);
-    for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
-    pthread_mutex_destroy(&l->mu);
-    if (l->ret != 0) seterr(err, errlen, "%s", l->err);
-    return l->ret;
 }
 
 API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
@@ -956,8 +920,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
                (unsigned long long)((uint64_t)data_off + h.bytes));
         ret = -ENODATA;
     }
-    struct loader l = {.fd = fd, .memcpy_fn = memcpy_fn};
-    size_t cap = 0;
+    struct xfer x = {.fd = fd, .memcpy_fn = memcpy_fn};
     uint64_t mapped_total = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         struct alloc *a = &g_allocs[i];
@@ -985,25 +948,17 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
             ret = -EINVAL;
             break;
         }
-        for (size_t off = 0; off < a->size && ret == 0;) {
+        for (size_t off = 0; off < a->size && ret == 0; off += DM_LOAD_CHUNK) {
             size_t n = a->size - off < DM_LOAD_CHUNK ? a->size - off : DM_LOAD_CHUNK;
-            if (l.n == cap) {
-                cap = cap ? 2 * cap : 64;
-                struct load_chunk *c = realloc(l.chunks, cap * sizeof *c);
-                if (!c) {
-                    seterr(err, errlen, "no host memory for the reload's list of copies");
-                    ret = -ENOMEM;
-                    break;
-                }
-                l.chunks = c;
+            if (xfer_add(&x, a, off, data_off, n) != 0) {
+                seterr(err, errlen, "no host memory for the reload's list of copies");
+                ret = -ENOMEM;
             }
-            l.chunks[l.n++] = (struct load_chunk){a, off, data_off, n};
             data_off += (off_t)n;
-            off += n;
         }
     }
-    if (ret == 0 && l.n) ret = load_chunks(&l, err, errlen);
-    free(l.chunks);
+    if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);
+    free(x.chunks);
     pthread_mutex_unlock(&g_mu);
     return ret;
 }

@@ -76,7 +76,14 @@ static int g_driver_backup;
 static uint64_t g_backup_driver_version;
 static double g_file_copy_mbps = -1.0; /* NPUSIM_COPY_MBPS from the fault file, last read */
 static double g_link_mbps;              /* the daemon's --bandwidth-mbps, from its last MAP answer */
-static int g_copying; /* a copy is using kept mappings (g_mu): Lock leaves them to it to drop */
+/* Copies in flight that may use kept mappings (g_mu): Lock leaves those to the last one to drop,
+ * and a freed allocation's mapping is unmapped only when none is in flight (g_deferred). */
+static int g_copying;
+static struct deferred_unmap {
+    void *p;
+    size_t n;
+} *g_deferred;
+static size_t g_ndeferred, g_deferred_cap;
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -289,8 +296,33 @@ static struct alloc *find_range(uint64_t addr, uint64_t n) {
 }
 
 static void unmap_alloc(struct alloc *a) {
+    if (a->map && g_copying) {
+        /* A copy of another thread may be using it (copies run without g_io): later. */
+        if (g_ndeferred == g_deferred_cap) {
+            size_t cap = g_deferred_cap ? 2 * g_deferred_cap : 16;
+            struct deferred_unmap *d = realloc(g_deferred, cap * sizeof *d);
+            if (d) {
+                g_deferred = d;
+                g_deferred_cap = cap;
+            }
+        }
+        if (g_ndeferred < g_deferred_cap) {
+            g_deferred[g_ndeferred++] = (struct deferred_unmap){a->map, a->size};
+            a->map = NULL;
+            return;
+        }
+        /* No memory to remember it: leak the mapping rather than pull it from under a copy. */
+        a->map = NULL;
+        return;
+    }
     if (a->map) munmap(a->map, a->size);
     a->map = NULL;
+}
+
+/* The last copy in flight ended (g_mu held): unmap what was freed meanwhile. */
+static void flush_deferred_unmaps_locked(void) {
+    for (size_t i = 0; i < g_ndeferred; i++) munmap(g_deferred[i].p, g_deferred[i].n);
+    g_ndeferred = 0;
 }
 
 /* Page tables for [p, p + n) of a mapping that a copy is about to write, in one call (Linux
@@ -387,31 +419,41 @@ static void paced_move(char *dst, const char *src, uint64_t n, double mbps) {
 }
 
 /* A copy with device memory on one side or both (g_io held): kind 1 host to device, 2 device to
- * host, 3 device to device. Returns 0 or -errno. */
-static int io_transfer_kind(int kind, uint64_t dst, uint64_t src, uint64_t n) {
+ * host, 3 device to device. Returns 0 or -errno. With `release_io`, g_io is let go while the
+ * bytes move at memory speed (and taken again before returning), so that copies of several
+ * threads run at once, as on a device with several copy engines; the daemon connection is only
+ * needed to map. Freed allocations' mappings wait for the copies in flight (unmap_alloc). */
+static int io_transfer_kind(int kind, uint64_t dst, uint64_t src, uint64_t n, int release_io) {
     char *dp = (char *)(uintptr_t)dst, *sp = (char *)(uintptr_t)src;
     char *b1 = NULL, *b2 = NULL;
     size_t l1 = 0, l2 = 0;
     int t1 = 0, t2 = 0, st = 0;
     pthread_mutex_lock(&g_mu);
-    g_copying = 1;
+    g_copying++;
     pthread_mutex_unlock(&g_mu);
     if (kind == 1 || kind == 3) st = dev_ptr(dst, n, 1, &dp, &b1, &l1, &t1);
     if (st == 0 && (kind == 2 || kind == 3)) st = dev_ptr(src, n, 0, &sp, &b2, &l2, &t2);
-    if (st == 0) paced_move(dp, sp, n, pace_mbps());
+    double mbps = pace_mbps();
+    /* A paced copy keeps g_io: the modelled link is shared, one copy at a time. */
+    int unlocked = release_io && mbps <= 0;
+    if (unlocked) pthread_mutex_unlock(&g_io);
+    if (st == 0) paced_move(dp, sp, n, mbps);
     if (t1) munmap(b1, l1);
     if (t2) munmap(b2, l2);
+    if (unlocked) pthread_mutex_lock(&g_io);
     pthread_mutex_lock(&g_mu);
-    g_copying = 0;
-    if (g_state != ST_RUNNING) drop_mappings_locked(); /* Lock came while this copy ran */
+    if (--g_copying == 0) {
+        if (g_state != ST_RUNNING) drop_mappings_locked(); /* Lock came while copies ran */
+        flush_deferred_unmaps_locked();
+    }
     pthread_mutex_unlock(&g_mu);
     return st;
 }
 
 /* Device<->host copies (Backup and Restore use them too), paced as io_transfer_kind. */
 static int io_transfer(int write, uint64_t addr, void *host, uint64_t n) {
-    return write ? io_transfer_kind(1, addr, (uint64_t)(uintptr_t)host, n)
-                 : io_transfer_kind(2, (uint64_t)(uintptr_t)host, addr, n);
+    return write ? io_transfer_kind(1, addr, (uint64_t)(uintptr_t)host, n, 0)
+                 : io_transfer_kind(2, (uint64_t)(uintptr_t)host, addr, n, 0);
 }
 
 static int32_t status_to_acl(int st) {
@@ -726,9 +768,9 @@ int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t cou
         pthread_mutex_unlock(&g_mu);
         if (!connected) rc = ACL_ERROR_UNINITIALIZE;
         else if (!ok) rc = ACL_ERROR_RT_PARAM_INVALID;
-        else if (kind == 1) rc = status_to_acl(io_transfer(1, d, (void *)(uintptr_t)src, count));
-        else if (kind == 2) rc = status_to_acl(io_transfer(0, s, dst, count));
-        else rc = status_to_acl(io_transfer_kind(3, d, s, count));
+        else if (kind == 1) rc = status_to_acl(io_transfer_kind(1, d, (uint64_t)(uintptr_t)src, count, 1));
+        else if (kind == 2) rc = status_to_acl(io_transfer_kind(2, (uint64_t)(uintptr_t)dst, s, count, 1));
+        else rc = status_to_acl(io_transfer_kind(3, d, s, count, 1));
         pthread_mutex_unlock(&g_io);
     }
     leave();

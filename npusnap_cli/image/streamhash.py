@@ -3,9 +3,8 @@
 CRIU writes each image file front to back and never goes back into it (page files are appended
 page pipe by page pipe; the small images are written once). A follower thread therefore hashes
 every file's new bytes shortly after CRIU wrote them — in place in the page cache, through a
-read-only mapping, on the core CRIU is not using — with a hasher per file (digest.DEFAULT). The
-agents' device-memory files are followed the same way while the agents write them. When CRIU is
-done, ``finish``
+read-only mapping, on the core CRIU is not using — with a hasher per file (digest.DEFAULT). When
+CRIU is done, ``finish``
 reads whatever is left and returns each file's size and digest; the dump then only hashes files
 the follower could not vouch for (one that shrank, or that it never saw).
 
@@ -14,11 +13,21 @@ Having hashed a range, the follower also asks the kernel to start writing it to 
 agents and CRIU are still writing, instead of all at once in publish's fsync, which is left with
 the tail. At 1 GiB of device memory here, publishing (checksums, manifest, fsync, rename) went
 from 0.91 s to 0.02 s (medians of 3), the whole dump command from 2.3 s to 1.5 s.
+
+The agents' device-memory files are not written front to back (several threads each write a
+chunk at its place), so they are not hashed this way: ``FileHasher`` hashes them, on every core,
+once written. While the agents write, ``WritebackFollower`` starts the disk on them. Their space
+is reserved first (``reserve``): writeback into a file whose blocks are still being allocated
+stalled the agents' writes, inside the job's frozen window (1 GiB here, medians of 4
+interleaved: lock phase 0.97 s with writeback, 0.44 s without, and then publish waited for the
+disk, 0.82 against 0.01 s; a C microbenchmark of the same writes: 0.65-0.81 s with writeback,
+0.30-0.45 s with writeback into reserved blocks).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from pathlib import Path
@@ -152,3 +161,106 @@ class StreamHasher:
                 out[rel] = (size, f.hash.hexdigest())
             f.close()
         return out
+
+
+_FALLOC_FL_KEEP_SIZE = 1  # <linux/falloc.h>
+
+
+def reserve(fd: int, length: int) -> None:
+    """Allocate ``length`` bytes of disk for ``fd`` without changing its size (FALLOC_FL_KEEP_SIZE),
+    so that writes and writeback into it need no block allocation. OSError(ENOSPC/EDQUOT) when the
+    disk has not that much; a filesystem that cannot reserve leaves the writes to allocate."""
+    global _libc
+    if _libc is None:
+        start_writeback(-1, 0, 0)  # loads libc (EBADF, nothing written)
+    if _libc is False or length <= 0:
+        return
+    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(err, os.strerror(err))
+
+
+class WritebackFollower:
+    """Starts the disk writing files under ``root`` while something writes them, in any order:
+    every round asks for writeback of each whole file (cheap for pages already clean)."""
+
+    def __init__(self, root: Path, interval_s: float = 0.02) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self._fds: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="npusnap-writeback", daemon=True)
+
+    def start(self) -> WritebackFollower:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for dirpath, _dirs, names in os.walk(self.root):
+                for name in names:
+                    path = os.path.join(dirpath, name)
+                    if path not in self._fds:
+                        try:
+                            self._fds[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        except OSError:
+                            continue
+                    start_writeback(self._fds[path], 0, 0)  # 0: to the end of the file
+
+    def _close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def finish(self) -> None:
+        """Stop following without waiting: a writeback request in flight may block a while (the
+        disk is busy), and the dump need not wait for it here; ``stop`` later does."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._close()
+
+
+class FileHasher:
+    """Starts the writeback of complete files and hashes them on a thread (BLAKE3 on every core:
+    0.15 against 0.30 s/GiB here) while the dump goes on; ``finish`` returns {path relative to
+    ``root``: (size, digest)}."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._out: dict[str, tuple[int, str]] = {}
+        self._thread = threading.Thread(target=self._run, name="npusnap-filehash", daemon=True)
+
+    def start(self) -> FileHasher:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for dirpath, _dirs, names in os.walk(self.root):
+            for name in names:
+                try:
+                    fd = os.open(Path(dirpath) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                start_writeback(fd, 0, 0)  # 0: to the end of the file
+                os.close(fd)
+        for dirpath, _dirs, names in os.walk(self.root):
+            for name in sorted(names):
+                full = Path(dirpath) / name
+                try:
+                    size = os.lstat(full).st_size
+                    value = digest.of_file(full, threads=True)
+                except Exception:  # publish hashes what is missing here, and reports what fails
+                    continue
+                self._out[full.relative_to(self.root).as_posix()] = (size, value)
+
+    def stop(self) -> None:
+        self._thread.join()
+
+    def finish(self) -> dict[str, tuple[int, str]]:
+        self._thread.join()
+        return dict(self._out)

@@ -23,6 +23,7 @@ Core module: returns frozen dataclasses, reports progress through ``DumpCallback
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -360,6 +361,17 @@ def _check_criu(check: Optional[Any]) -> Any:
             details={"criu_check_output": text.splitlines()[-20:]},
         )
     return binary
+
+
+def _device_memory_file_size(dm: dict[str, Any]) -> int:
+    """What an agent's device-memory file will hold at most, from its hello: a 32-byte header,
+    24 bytes per allocation, then the bytes of those not excluded (native/agent/devmem.c)."""
+    try:
+        count = int(dm.get("allocations") or 0)
+        data = int(dm.get("bytes") or 0) - int(dm.get("excluded_bytes") or 0)
+    except (TypeError, ValueError):
+        return 0
+    return 32 + 24 * count + max(0, data)
 
 
 def _unneeded_network_lock(tree: tuple[Any, ...], tcp_established: bool) -> Optional[str]:
@@ -784,8 +796,8 @@ class _Pipeline:
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
-        # Follows the agents' device-memory files while they write them (and CRIU dumps).
-        self.device_hasher: Any = None
+        self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
+        self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
         self.lock_tokens: dict[int, str] = {}
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
@@ -839,7 +851,7 @@ class _Pipeline:
 
     def _discard(self) -> Optional[str]:
         """Remove the partial image, keeping its logs elsewhere; return where they went."""
-        for h in (self.hasher, self.device_hasher):
+        for h in (self.hasher, self.device_hasher, self.device_writeback):
             if h is not None:
                 h.stop()
         if self.tmp is None:
@@ -927,6 +939,7 @@ class _Pipeline:
                     os.close(fd)
             self.lock_tokens = self.group.tokens()
             self._drop_unused_device_memory_files(results)
+            self._hash_device_files()
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
@@ -1012,6 +1025,8 @@ class _Pipeline:
         memory, so CRIU saves and restores that much less and the bytes are written once."""
         if self.options.device_memory != "preserve" or os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1":
             return {}
+        from npusnap_cli.image import streamhash
+
         assert self.tmp is not None
         files: dict[int, tuple[int, str]] = {}
         try:
@@ -1026,20 +1041,38 @@ class _Pipeline:
                 # The agent records where the file will be once published, for a reload without
                 # a descriptor (a lease's rollback after an interrupted restore).
                 files[pid] = (fd, os.path.abspath(self.final / rel))
+                try:
+                    streamhash.reserve(fd, _device_memory_file_size(dm))
+                except OSError as nospace:
+                    raise OSError(nospace.errno, nospace.strerror, str(path)) from None
         except OSError as exc:
             for fd, _name in files.values():
                 os.close(fd)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
             raise ImageError(
                 f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
-                fix="check free space and permissions where the image is written",
+                why="the disk filled up since preflight" if full else "",
+                fix="free space where the image is written (or write it elsewhere) and dump again; "
+                "nothing was locked, the job runs on",
             ) from None
         if files:
-            from npusnap_cli.image.streamhash import StreamHasher
-
-            # Hashed while the agents write them (they write front to back, once), then while
-            # CRIU dumps: little is left to hash at publish.
-            self.device_hasher = StreamHasher(self.tmp / img.DEVICE_SUBDIR).start()
+            # The agents write them with several threads, a chunk at a time at its place: the disk
+            # starts on them meanwhile, and they are hashed once the lock answered
+            # (_hash_device_files).
+            self.device_writeback = streamhash.WritebackFollower(self.tmp / img.DEVICE_SUBDIR).start()
         return files
+
+    def _hash_device_files(self) -> None:
+        """The agents wrote their device-memory files (the lock answered): hash them on every core
+        while CRIU dumps the host side."""
+        if self.device_writeback is not None:
+            self.device_writeback.finish()  # stopped for good (joined) at publish or rollback
+        assert self.tmp is not None
+        if not (self.tmp / img.DEVICE_SUBDIR).is_dir():
+            return
+        from npusnap_cli.image.streamhash import FileHasher
+
+        self.device_hasher = FileHasher(self.tmp / img.DEVICE_SUBDIR).start()
 
     def _drop_unused_device_memory_files(self, results: dict[int, dict[str, Any]]) -> None:
         """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
@@ -1114,6 +1147,9 @@ class _Pipeline:
             frozen_end = criu_done
         # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
         streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
+        if self.device_writeback is not None:
+            self.device_writeback.stop()
+            self.device_writeback = None
         if self.device_hasher is not None:
             done = self.device_hasher.finish().items()
             streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})

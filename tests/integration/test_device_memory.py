@@ -131,6 +131,39 @@ def test_the_copy_in_a_file_and_a_file_that_does_not_match(
     assert d.call("dm_info")["in_file"] == 0
 
 
+@requires_root
+def test_file_save_of_many_chunks_on_several_threads_and_a_failed_write(
+    make_driver: Callable[..., Driver], tmp_path: Path
+) -> None:
+    """The agent copies device memory to and from the file a chunk at a time on several threads
+    (devmem.c's xfer_run): allocations of odd sizes across chunk boundaries come back byte for
+    byte; a write that fails (the disk is full) fails the save with its cause, reopens the gate
+    and leaves the job's device memory as it was."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    sizes = [37 * MiB + 5, 4 * MiB, 1, 16 * MiB - 3]
+    addrs = [d.call("malloc", n)["addr"] for n in sizes]
+    crcs = [d.call("fill", a, n, f"x{i}")["crc"] for i, (a, n) in enumerate(zip(addrs, sizes))]
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        r = d.call("dm_save_file", str(small / "devmem.bin"), 5000)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert r["rc"] != 0 and "cannot write the device-memory file: No space left on device" in r["message"], r
+    assert d.call("dm_info")["saved"] == 0
+    assert [d.call("read", a, n)["crc"] for a, n in zip(addrs, sizes)] == crcs  # the gate is open
+
+    path = tmp_path / "devmem.bin"
+    save = d.call("dm_save_file", str(path), 5000)
+    assert save["rc"] == 0 and save["written"] == path.stat().st_size == 32 + 24 * 4 + sum(sizes), save
+    snapshot_cycle(d)  # the contents are gone (poisoned); the gate holds the job's reads
+    assert d.call("dm_reload_file", str(path))["rc"] == 0
+    d.call("dm_finish")
+    assert [d.call("read", a, n)["crc"] for a, n in zip(addrs, sizes)] == crcs
+
+
 def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 0) == 0

@@ -56,3 +56,16 @@ def test_error_round_trips_through_its_dict_form() -> None:
         assert type(back) is cls and back.exit_code == cls.exit_code
         assert (back.message, back.why, back.fix, back.details) == ("dump: boom", "w", "f", {"x": 1})
     assert type(errors.from_dict({"kind": "nonsense", "message": "m"})) is errors.NpusnapError
+
+
+def test_a_failed_device_memory_copy_says_why_and_how_to_go_on() -> None:
+    """The agent's DEVICE_MEMORY_SAVE_FAILED (its code: -errno) maps to a why and a fix by cause."""
+    from npusnap_cli.device.agent_client import AgentClient
+
+    c = AgentClient.__new__(AgentClient)
+    c.pid = 4242
+    failed = {"type": "state", "name": "DEVICE_MEMORY_SAVE_FAILED", "message": "x"}
+    full = c._error("lock", dict(failed, code=-28))
+    assert "filled up" in full.why and "free space" in full.fix and "4242" in full.message
+    other = c._error("lock", dict(failed, code=-5))
+    assert "could not copy" in other.why and "nothing was locked" in other.fix

@@ -10,7 +10,7 @@ from pathlib import Path
 import blake3
 
 from npusnap_cli import image
-from npusnap_cli.image.streamhash import StreamHasher
+from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower, reserve
 
 
 def test_digests_follow_a_writer_and_match_the_files(tmp_path: Path) -> None:
@@ -58,3 +58,46 @@ def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Pat
     wrong = {"criu/a.img": (4, "0" * 64)}  # stale size: recomputed
     (entry,) = image.file_entries(img, known=wrong)
     assert entry.digest == blake3.blake3(b"hello").hexdigest()
+
+
+def test_files_written_in_any_order_are_hashed_once_written(tmp_path: Path) -> None:
+    """The agents write device-memory files a chunk at a time at its place, on several threads:
+    the writeback follower only starts the disk on them, the file hasher hashes them whole (on
+    every core) and its digests are the files' own."""
+    root = tmp_path / "device"
+    root.mkdir()
+    follower = WritebackFollower(root, interval_s=0.001).start()
+    chunks = [os.urandom(1 << 20) for _ in range(8)]
+    fd = os.open(root / "devmem-1.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+    reserve(fd, 8 << 20)
+    assert os.fstat(fd).st_size == 0  # reserved, not grown
+    for i in (7, 0, 3, 5, 1, 6, 2, 4):  # out of order
+        os.pwrite(fd, chunks[i], i << 20)
+        time.sleep(0.002)
+    os.close(fd)
+    follower.stop()
+    got = FileHasher(root).start().finish()
+    assert got == {"devmem-1.bin": (8 << 20, blake3.blake3(b"".join(chunks)).hexdigest())}
+
+
+def test_reserve_says_when_the_disk_is_full(tmp_path: Path) -> None:
+    import errno
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        fd = os.open(small / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(OSError) as info:
+                reserve(fd, 8 << 20)
+            assert info.value.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
