@@ -71,6 +71,13 @@ class Samples:
         }
 
 
+def write_window_s(data: Samples, size: int) -> Optional[float]:
+    """The seconds in which a dump's image went to disk: from the lock (the agents write the
+    device memory first) until it was durable, i.e. the command's own time less its preflight."""
+    total, pre = data.med(size, "dump_total_s"), data.med(size, "dump_preflight_s")
+    return None if total is None or pre is None else total - pre
+
+
 def progress(msg: str) -> None:
     """One line of progress on stderr."""
     print(f"[bench] {msg}", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from bench.cases import Plan
-from bench.common import MiB, Samples
+from bench.common import MiB, Samples, write_window_s
 
 GB = 1e9
 
@@ -186,8 +186,8 @@ def targets_section(plan: Plan, data: Samples) -> list[str]:
         lim_dump = None if raw_dump is None or copy_out is None else 1.10 * (raw_dump + copy_out)
         lim_frozen = None if raw_frozen is None or copy_out is None else raw_frozen + copy_out + 0.05
         lim_restore = None if raw_restore is None or copy_in is None else 1.15 * (raw_restore + copy_in)
-        b, crit, pub = m(sz, "dump_image_bytes"), m(sz, "dump_criu_total_s"), m(sz, "dump_publish_s")
-        write = None if b is None or crit is None else b / MiB / (crit + (pub or 0.0))
+        b, window = m(sz, "dump_image_bytes"), write_window_s(data, sz)
+        write = None if b is None or not window else b / MiB / window
         rows += [
             [f"{sz} MiB", "dump ≤ 1.10 × (raw dump + sync + device copy)", _s(m(sz, "dump_wall")),
              _s(lim_dump), verdict(m(sz, "dump_wall"), lim_dump)],

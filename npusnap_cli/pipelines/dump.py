@@ -1145,18 +1145,19 @@ class _Pipeline:
             frozen_end = time.monotonic()
         else:
             frozen_end = criu_done
-        # After the unlock: what is left to hash no longer keeps a --leave-running job frozen.
-        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
-        if self.device_writeback is not None:
-            self.device_writeback.stop()
-            self.device_writeback = None
-        if self.device_hasher is not None:
-            done = self.device_hasher.finish().items()
-            streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
         manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
         self.cb.phase("publish")
         try:
             with self.clock.phase("publish"):
+                # After the unlock: what is left to hash no longer keeps a --leave-running job
+                # frozen. Publishing waits here for the hashers (and the disk they started).
+                streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
+                if self.device_writeback is not None:
+                    self.device_writeback.stop()
+                    self.device_writeback = None
+                if self.device_hasher is not None:
+                    done = self.device_hasher.finish().items()
+                    streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
                 if not self.options.keep:
                     img.remove_tree(img.logs_dir(tmp))
                 total = img.tree_size(img.criu_dir(tmp))
