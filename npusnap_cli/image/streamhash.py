@@ -14,14 +14,14 @@ agents and CRIU are still writing, instead of all at once in publish's fsync, wh
 the tail. At 1 GiB of device memory here, publishing (checksums, manifest, fsync, rename) went
 from 0.91 s to 0.02 s (medians of 3), the whole dump command from 2.3 s to 1.5 s.
 
-The agents' device-memory files are not written front to back (several threads each write a
-chunk at its place), so they are not hashed this way: ``FileHasher`` hashes them, on every core,
-once written. While the agents write, ``WritebackFollower`` starts the disk on them. Their space
-is reserved first (``reserve``): writeback into a file whose blocks are still being allocated
-stalled the agents' writes, inside the job's frozen window (1 GiB here, medians of 4
-interleaved: lock phase 0.97 s with writeback, 0.44 s without, and then publish waited for the
-disk, 0.82 against 0.01 s; a C microbenchmark of the same writes: 0.65-0.81 s with writeback,
-0.30-0.45 s with writeback into reserved blocks).
+The agents' device-memory files are not written front to back (several threads each write a chunk
+at its place), so they are not hashed this way: ``FileHasher`` hashes them once written. While the
+agents write, ``WritebackFollower`` starts the disk on them. Their space is reserved first
+(``reserve``): writeback into a file whose blocks are still being allocated stalled the agents'
+writes, inside the job's frozen window (1 GiB here, medians of 4 interleaved: lock phase 0.97 s
+with writeback, 0.44 s without, and then publish waited for the disk, 0.82 against 0.01 s; a C
+microbenchmark of the same writes: 0.65-0.81 s with writeback, 0.30-0.45 s with writeback into
+reserved blocks).
 """
 
 from __future__ import annotations
@@ -226,9 +226,9 @@ class WritebackFollower:
 
 
 class FileHasher:
-    """Starts the writeback of complete files and hashes them on a thread (BLAKE3 on every core:
-    0.15 against 0.30 s/GiB here) while the dump goes on; ``finish`` returns {path relative to
-    ``root``: (size, digest)}."""
+    """Starts the writeback of complete files and hashes them on a thread while the dump goes on;
+    ``finish`` returns {path relative to ``root``: (size, digest)}. One core: the disk is slower
+    than the hash (0.30 s/GiB here) anyway, and the other cores stay with CRIU and the unlock."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -253,7 +253,7 @@ class FileHasher:
                 full = Path(dirpath) / name
                 try:
                     size = os.lstat(full).st_size
-                    value = digest.of_file(full, threads=True)
+                    value = digest.of_file(full)
                 except Exception:  # publish hashes what is missing here, and reports what fails
                     continue
                 self._out[full.relative_to(self.root).as_posix()] = (size, value)

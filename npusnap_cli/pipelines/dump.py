@@ -477,7 +477,8 @@ def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int)
         raise PreflightError(
             f"not enough host memory to back up the device: {human_bytes(avail)} available, "
             f"{human_bytes(device_bytes)} of device memory",
-            why="Backup copies device memory into the process's host memory before CRIU dumps it",
+            why="the agent keeps its copy of the device memory in the process's host memory "
+            "(NPUSNAP_DEVMEM_IN_PROCESS=1) until CRIU dumps it",
             fix="free host memory (or stop other jobs) and retry",
             details={"mem_available": avail, "device_bytes": device_bytes},
         )
@@ -756,7 +757,11 @@ def _dump(
             usage = sim_device_usage() or {}
             device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)
             expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
-            _check_space_and_memory(final, expected, device_bytes)
+            # Host memory for the device memory only where a copy of it is held there (the
+            # agent writes it into the image in small pieces by default).
+            in_process = os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1"
+            in_process = in_process and options.device_memory == "preserve"
+            _check_space_and_memory(final, expected, device_bytes if in_process else 0)
         guard.check("before anything was locked", "nothing was locked")
         if coordinator is not None:
             coordinator.sync("preflight")

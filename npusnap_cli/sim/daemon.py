@@ -9,11 +9,12 @@ Device memory is one memfd per allocation, owned by the daemon, so freeing reall
 Its bytes never cross the socket: OP_MAP passes the allocation's memfd to the runtime (SCM_RIGHTS),
 which copies to and from a mapping of it at memory speed (paced to --bandwidth-mbps when given);
 the daemon itself writes only the poison pattern of a Restore. Like a device's fixed memory, the
-memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity)
-and given to the next Restore of an allocation of the same size, which poisons it: Restore then
-costs the poison's writes, not the host allocating fresh pages (0.4 s/GiB here) -- a cost of
-this simulator, not of a device. Fresh allocations always get fresh, zeroed memory, and memory a
-live process may still map is never kept.
+memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity,
+and only while the host keeps a fifth of its memory available) and given to the next Restore of an
+allocation of the same size, which poisons it: Restore then costs the poison's writes, not the host
+allocating fresh pages too (1 GiB here: 0.25-0.28 s into kept memory, 0.37-0.45 s into fresh) -- a
+cost of this simulator, not of a device. Fresh allocations always get fresh, zeroed memory, and
+memory a live process may still map is never kept.
 Devices are shared between processes, as on an Ascend device (up to MAX_OWNERS): only the
 *exclusive* claim that the runtime's Restore makes needs the device free of other live processes.
 A process's connection is its device handle (as /dev/davinci_manager is the real runtime's): the
@@ -49,7 +50,7 @@ Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field
 GiB = 1 << 30
 POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
-POOL_TTL_S = 30.0  # how long the memory of a process that is gone waits for a Restore to reuse it
+POOL_TTL_S = 10.0  # how long the memory of a process that is gone waits for a Restore to reuse it
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -140,7 +141,7 @@ class Daemon:
         al = dev.allocs.pop(addr)
         dev.addrs.remove(addr)
         dev.used -= al.size
-        if keep and sum(p[0] for p in dev.pool) + al.size <= dev.capacity:
+        if keep and sum(p[0] for p in dev.pool) + al.size <= dev.capacity and _memory_to_spare(al.size):
             dev.pool.append((al.size, al.fd, time.monotonic()))
             return
         # The memory goes back once every runtime that mapped the memfd has unmapped it too.
@@ -517,6 +518,18 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError):
             pass  # the soft limit stays; allocations beyond it fail with ENOMEM and a log line
+
+
+def _memory_to_spare(size: int) -> bool:
+    """Whether the host can keep ``size`` more bytes for a Restore and still have a fifth of its
+    memory (at least 2 GiB) available: kept memory must not starve the jobs or the next dump."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {ln.split(b":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.count(b":") == 1}
+    except (OSError, ValueError, IndexError):
+        return False
+    total, avail = info.get(b"MemTotal", 0), info.get(b"MemAvailable", 0)
+    return avail - size >= max(2 * GiB, total // 5)
 
 
 def _maps_device_memory(pid: int) -> bool:

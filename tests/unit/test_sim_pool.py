@@ -9,10 +9,14 @@ import mmap
 import os
 import subprocess
 
+import pytest
+
+from npusnap_cli.sim import daemon as daemon_mod
 from npusnap_cli.sim import wire
 from npusnap_cli.sim.daemon import Daemon, start_time
 
 MiB = 1 << 20
+REAL_MEMORY_TO_SPARE = daemon_mod._memory_to_spare  # before the fixture below replaces it
 
 
 def _dead_owner() -> tuple[int, int]:
@@ -27,6 +31,12 @@ def _daemon() -> Daemon:
 
 def _kept(d: Daemon) -> int:
     return int(d.status()["devices"][0]["kept_for_restore"])
+
+
+@pytest.fixture(autouse=True)
+def _memory_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this machine's memory: the host's spare memory is tested on its own below."""
+    monkeypatch.setattr(daemon_mod, "_memory_to_spare", lambda size: True)
 
 
 def test_restore_reuses_a_dead_process_memory_poisoned_and_fresh_allocations_never_do() -> None:
@@ -68,3 +78,28 @@ def test_memory_a_live_process_may_still_map_is_never_kept() -> None:
         d._free_owner(me)
     os.close(fd)
     assert _kept(d) == 0 and d.status()["devices"][0]["used"] == 0
+
+
+def test_nothing_is_kept_when_the_host_has_no_memory_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon_mod, "_memory_to_spare", lambda size: False)
+    d = _daemon()
+    dead = _dead_owner()
+    assert d.op_claim(dead, 0) == 0
+    assert d.op_alloc(dead, 0, MiB, None)[0] == 0
+    d._free_owner(dead)
+    assert _kept(d) == 0
+
+
+def test_spare_memory_leaves_a_fifth_of_the_host() -> None:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    floor = max(2 << 30, info["MemTotal"] // 5)
+    assert not REAL_MEMORY_TO_SPARE(1 << 60)
+    # MemAvailable moves between two reads: only a clear margin either way is asserted.
+    if info["MemAvailable"] - floor > 1 << 30:
+        assert REAL_MEMORY_TO_SPARE(MiB)
+    elif info["MemAvailable"] - floor < -(1 << 30):
+        assert not REAL_MEMORY_TO_SPARE(MiB)
