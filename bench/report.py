@@ -573,8 +573,8 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
             + "."
             + (
                 f" Publishing waits for the checksums of the whole image (BLAKE3, which `verify` and "
-                f"`restore` check; computed while the agents and CRIU write, the device files on every "
-                f"core once written: {_s(sha, 0)} MiB/s on one core here) and for the disk (its writeback "
+                f"`restore` check; computed while the agents and CRIU write, the device files once "
+                f"written: {_s(sha, 0)} MiB/s on one core here) and for the disk (its writeback "
                 f"starts as the files are written), then fsyncs; the raw baseline only syncs."
                 if hashing is not None
                 else ""

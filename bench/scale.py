@@ -211,7 +211,8 @@ def targets_section(plan: Plan, data: Samples) -> list[str]:
         "above (device → host for the dump, host → device for the restore). Raw CRIU's figures are "
         "the baseline's in the same run (dump: `criu dump` + `sync -f`; frozen: CRIU's `frozen_time`; "
         "restore: `criu restore -d` until the restored process prints its next tick). The image "
-        "rate is the image's bytes over the CRIU dump plus publishing (durable).",
+        "rate is the image's bytes over the time from the lock (the agents write the device memory "
+        "first) until the image is durable.",
         "",
     ]
     return L
