@@ -15,6 +15,7 @@ import errno
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -118,14 +119,31 @@ class CriuCheck:
         try:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.cancel()
+            self._kill()
             return False, f"`{self.binary.path} check` did not finish within {timeout:.0f}s"
         return self.proc.returncode == 0, (out or "").strip()
 
-    def cancel(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+    def cancel(self, timeout: float = 5) -> None:
+        """The answer is not wanted (the command failed before it): let the check end on its own
+        (it takes a tenth of a second), killing it only if it does not. Killing criu alone would
+        leave the helpers it forks holding its output pipe open, and this wait with them."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill()
+
+    def _kill(self) -> None:
+        """Kill criu check with every process it forked (its own session: one process group)."""
+        assert self.proc is not None
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 def preload() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,21 @@ def test_check_reports_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "getsid", lambda pid: 0)
     item = preflight.check_session()
     assert item.status == preflight.WARNING and "setsid" in item.fix
+
+
+def test_an_unwanted_criu_check_is_ended_with_what_it_forked(tmp_path: Path) -> None:
+    """A dump refused before it read `criu check`'s answer ends the check; a check that does not
+    end on its own is killed with the helpers it forked, which would otherwise hold its output
+    open (a dump hung there in CI, waiting for them)."""
+    import time
+
+    from npusnap_cli import criu
+
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\n(sleep 30) &\nsleep 30\n")
+    fake.chmod(0o755)
+    check = criu.CriuCheck(criu.CriuBinary(path=str(fake), version="4.2.1"))
+    start = time.monotonic()
+    check.cancel(timeout=0.5)
+    assert time.monotonic() - start < 5
+    assert check.proc is not None and check.proc.returncode is not None
