@@ -680,6 +680,17 @@ static int pwrite_full(int fd, const char *p, size_t n, off_t off) {
     return 0;
 }
 
+/* Queue allocation a in chunks of at most `chunk` bytes, its bytes at *file_off of the file
+ * (advanced past them); 0 or -ENOMEM. */
+static int xfer_add_alloc(struct xfer *x, const struct alloc *a, size_t chunk, off_t *file_off) {
+    for (size_t off = 0; off < a->size; off += chunk) {
+        size_t n = a->size - off < chunk ? a->size - off : chunk;
+        if (xfer_add(x, a, off, *file_off, n) != 0) return -ENOMEM;
+        *file_off += (off_t)n;
+    }
+    return 0;
+}
+
 /* One save chunk through buf (DM_SAVE_CHUNK bytes): 0, or -errno with err set. */
 static int save_chunk(const struct xfer *x, const struct xfer_chunk *c, char *buf, char *err, size_t errlen) {
     const struct alloc *a = c->a;
@@ -802,13 +813,9 @@ static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, ch
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         const struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
-        for (size_t off = 0; off < a->size && ret == 0; off += DM_SAVE_CHUNK) {
-            size_t n = a->size - off < DM_SAVE_CHUNK ? a->size - off : DM_SAVE_CHUNK;
-            if (xfer_add(&x, a, off, data_off, n) != 0) {
-                seterr(err, errlen, "no host memory for the list of device-memory copies");
-                ret = -ENOMEM;
-            }
-            data_off += (off_t)n;
+        if (xfer_add_alloc(&x, a, DM_SAVE_CHUNK, &data_off) != 0) {
+            seterr(err, errlen, "no host memory for the list of device-memory copies");
+            ret = -ENOMEM;
         }
     }
     if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);
@@ -950,13 +957,9 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
             ret = -EINVAL;
             break;
         }
-        for (size_t off = 0; off < a->size && ret == 0; off += DM_LOAD_CHUNK) {
-            size_t n = a->size - off < DM_LOAD_CHUNK ? a->size - off : DM_LOAD_CHUNK;
-            if (xfer_add(&x, a, off, data_off, n) != 0) {
-                seterr(err, errlen, "no host memory for the reload's list of copies");
-                ret = -ENOMEM;
-            }
-            data_off += (off_t)n;
+        if (xfer_add_alloc(&x, a, DM_LOAD_CHUNK, &data_off) != 0) {
+            seterr(err, errlen, "no host memory for the reload's list of copies");
+            ret = -ENOMEM;
         }
     }
     if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);

@@ -317,13 +317,14 @@ class AgentClient:
                 details={"pid": pid, "op": op, "agent_error": error},
             )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_MEMORY_SAVE_FAILED:
+            why, fix = _save_failed(error.get("code"))
             return AgentDeviceError(
                 f"{op} failed in pid {pid}: {message}",
                 pid=pid,
                 op=op,
                 error=error,
-                why=_save_failed_why(error.get("code")),
-                fix=_save_failed_fix(error.get("code")),
+                why=why,
+                fix=fix,
             )
         if kind == protocol.ERR_STATE:
             return AgentDeviceError(
@@ -457,22 +458,24 @@ def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
     )
 
 
-def _save_failed_why(code: Any) -> str:
-    """Why an agent could not copy the device memory before Lock (``code``: -errno)."""
+def _save_failed(code: Any) -> tuple[str, str]:
+    """(why, fix) of an agent that could not copy the device memory before Lock (``code``:
+    -errno); nothing was locked."""
     n = -code if isinstance(code, int) and code < 0 else 0
     if n in (errno.ENOSPC, errno.EDQUOT):
-        return "the disk where the image is written filled up while the agent wrote the device memory into it"
+        return (
+            "the disk where the image is written filled up while the agent wrote the device memory into it",
+            "free space where the image is written (or write it elsewhere) and dump again; the job runs on",
+        )
     if n == errno.ENOMEM:
-        return "the process had no host memory left for the copy"
-    if n == errno.ETIMEDOUT:
-        return "a device call of the job did not finish in time (the agent waits for calls in flight)"
-    return "the agent could not copy the job's device memory (the device or the image file failed)"
-
-
-def _save_failed_fix(code: Any) -> str:
-    n = -code if isinstance(code, int) and code < 0 else 0
-    if n in (errno.ENOSPC, errno.EDQUOT):
-        return "free space where the image is written (or write it elsewhere) and dump again; the job runs on"
-    if n == errno.ENOMEM:
-        return "free host memory (or dump with --device-memory discard, losing it) and dump again"
-    return "the job runs on, nothing was locked: dump again; `npusnap status PID` shows its device memory"
+        return (
+            "the process had no host memory left for the copy",
+            "free host memory (or dump with --device-memory discard, losing it) and dump again",
+        )
+    why = (
+        "a device call of the job did not finish in time (the agent waits for calls in flight)"
+        if n == errno.ETIMEDOUT
+        else "the agent could not copy the job's device memory (the device or the image file failed)"
+    )
+    fix = "the job runs on, nothing was locked: dump again; `npusnap status PID` shows its device memory"
+    return why, fix

@@ -35,13 +35,12 @@ _CHUNK = 4 << 20
 ProgressFn = Callable[[int], None]
 
 
-def new(algo: str = DEFAULT, threads: bool = False) -> Any:
-    """A hasher (``update``, ``hexdigest``) for ``algo``; both release the GIL while they hash.
-    ``threads``: BLAKE3 hashes large updates on every core (the same digest)."""
+def new(algo: str = DEFAULT) -> Any:
+    """A hasher (``update``, ``hexdigest``) for ``algo``; both release the GIL while they hash."""
     if algo == "blake3":
         import blake3
 
-        return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
+        return blake3.blake3()
     if algo == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown digest algorithm {algo!r} (known: {', '.join(ALGORITHMS)})")
@@ -51,14 +50,11 @@ def is_hex(value: object) -> bool:
     return isinstance(value, str) and len(value) == HEX_LEN and all(c in "0123456789abcdef" for c in value)
 
 
-def of_file(
-    path: Path, algo: str = DEFAULT, progress: Optional[ProgressFn] = None, *, threads: bool = False
-) -> str:
-    """The digest of a regular file, never following a symlink (an image is not trusted).
-    ``threads``: on every core (see ``new``)."""
+def of_file(path: Path, algo: str = DEFAULT, progress: Optional[ProgressFn] = None) -> str:
+    """The digest of a regular file, never following a symlink (an image is not trusted)."""
     from npusnap_cli.errors import ImageError
 
-    h = new(algo, threads)
+    h = new(algo)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)

@@ -30,6 +30,7 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,22 +40,58 @@ from npusnap_cli.image import digest
 _ROUND = 64 << 20
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
-_libc: Any = None  # ctypes' libc once loaded; False where it has no sync_file_range
+_FALLOC_FL_KEEP_SIZE = 1  # <linux/falloc.h>
+_libc: Any = None  # ctypes' libc once loaded; False where it lacks sync_file_range or fallocate
+
+
+def _load_libc() -> Any:
+    global _libc
+    if _libc is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _libc = libc
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing ``[offset, offset + length)`` of ``fd`` to disk without waiting for it (a
-    later fsync waits for what is still in flight). Best effort: a filesystem or libc without
-    sync_file_range only leaves all of the writing to that fsync."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc is not False:
-        _libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    later fsync waits for what is still in flight; length 0: to the end of the file). Best
+    effort: a filesystem or libc without sync_file_range only leaves all of the writing to that
+    fsync."""
+    libc = _load_libc()
+    if libc is not False:
+        libc.sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def reserve(fd: int, length: int) -> None:
+    """Allocate ``length`` bytes of disk for ``fd`` without changing its size (FALLOC_FL_KEEP_SIZE),
+    so that writes and writeback into it need no block allocation. OSError(ENOSPC/EDQUOT) when the
+    disk has not that much; a filesystem that cannot reserve leaves the writes to allocate."""
+    libc = _load_libc()
+    if libc is False or length <= 0:
+        return
+    if libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(err, os.strerror(err))
+
+
+def _files_under(root: Path) -> Iterator[Path]:
+    """Every file under ``root`` (the image's work directory: no symlinks are followed)."""
+    for dirpath, _dirs, names in os.walk(root):
+        for name in sorted(names):
+            yield Path(dirpath) / name
+
+
+def _open_file(path: Path) -> Optional[int]:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 class _Follow:
@@ -117,12 +154,10 @@ class StreamHasher:
         return self
 
     def _scan(self) -> None:
-        for dirpath, _dirs, names in os.walk(self.root):
-            for name in names:
-                full = Path(dirpath) / name
-                rel = full.relative_to(self.root).as_posix()
-                if rel not in self._files:
-                    self._files[rel] = _Follow(full)
+        for full in _files_under(self.root):
+            rel = full.relative_to(self.root).as_posix()
+            if rel not in self._files:
+                self._files[rel] = _Follow(full)
 
     def _round(self) -> int:
         self._scan()
@@ -163,25 +198,6 @@ class StreamHasher:
         return out
 
 
-_FALLOC_FL_KEEP_SIZE = 1  # <linux/falloc.h>
-
-
-def reserve(fd: int, length: int) -> None:
-    """Allocate ``length`` bytes of disk for ``fd`` without changing its size (FALLOC_FL_KEEP_SIZE),
-    so that writes and writeback into it need no block allocation. OSError(ENOSPC/EDQUOT) when the
-    disk has not that much; a filesystem that cannot reserve leaves the writes to allocate."""
-    global _libc
-    if _libc is None:
-        start_writeback(-1, 0, 0)  # loads libc (EBADF, nothing written)
-    if _libc is False or length <= 0:
-        return
-    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    if _libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
-        err = ctypes.get_errno()
-        if err in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(err, os.strerror(err))
-
-
 class WritebackFollower:
     """Starts the disk writing files under ``root`` while something writes them, in any order:
     every round asks for writeback of each whole file (cheap for pages already clean)."""
@@ -189,7 +205,7 @@ class WritebackFollower:
     def __init__(self, root: Path, interval_s: float = 0.02) -> None:
         self.root = root
         self.interval_s = interval_s
-        self._fds: dict[str, int] = {}
+        self._fds: dict[Path, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="npusnap-writeback", daemon=True)
 
@@ -199,15 +215,12 @@ class WritebackFollower:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for dirpath, _dirs, names in os.walk(self.root):
-                for name in names:
-                    path = os.path.join(dirpath, name)
-                    if path not in self._fds:
-                        try:
-                            self._fds[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                        except OSError:
-                            continue
-                    start_writeback(self._fds[path], 0, 0)  # 0: to the end of the file
+            for path in _files_under(self.root):
+                fd = self._fds.get(path)
+                if fd is None and (fd := _open_file(path)) is None:
+                    continue
+                self._fds[path] = fd
+                start_writeback(fd, 0, 0)
 
     def _close(self) -> None:
         for fd in self._fds.values():
@@ -240,27 +253,22 @@ class FileHasher:
         return self
 
     def _run(self) -> None:
-        for dirpath, _dirs, names in os.walk(self.root):
-            for name in names:
-                try:
-                    fd = os.open(Path(dirpath) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except OSError:
-                    continue
-                start_writeback(fd, 0, 0)  # 0: to the end of the file
+        files = list(_files_under(self.root))
+        for full in files:  # the tail the writers left (WritebackFollower may have stopped first)
+            if (fd := _open_file(full)) is not None:
+                start_writeback(fd, 0, 0)
                 os.close(fd)
-        for dirpath, _dirs, names in os.walk(self.root):
-            for name in sorted(names):
-                full = Path(dirpath) / name
-                try:
-                    size = os.lstat(full).st_size
-                    value = digest.of_file(full)
-                except Exception:  # publish hashes what is missing here, and reports what fails
-                    continue
-                self._out[full.relative_to(self.root).as_posix()] = (size, value)
+        for full in files:
+            try:
+                size = os.lstat(full).st_size
+                value = digest.of_file(full)
+            except Exception:  # publish hashes what is missing here, and reports what fails
+                continue
+            self._out[full.relative_to(self.root).as_posix()] = (size, value)
 
     def stop(self) -> None:
         self._thread.join()
 
     def finish(self) -> dict[str, tuple[int, str]]:
-        self._thread.join()
+        self.stop()
         return dict(self._out)

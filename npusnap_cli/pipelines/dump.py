@@ -363,6 +363,13 @@ def _check_criu(check: Optional[Any]) -> Any:
     return binary
 
 
+def _device_memory_in_process() -> bool:
+    """``NPUSNAP_DEVMEM_IN_PROCESS=1``: the agents keep their copy of the device memory in the
+    process's memory for CRIU to save (how it was done before the image's device files; the
+    benchmarks compare the two)."""
+    return os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1"
+
+
 def _device_memory_file_size(dm: dict[str, Any]) -> int:
     """What an agent's device-memory file will hold at most, from its hello: a 32-byte header,
     24 bytes per allocation, then the bytes of those not excluded (native/agent/devmem.c)."""
@@ -759,8 +766,7 @@ def _dump(
             expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
             # Host memory for the device memory only where a copy of it is held there (the
             # agent writes it into the image in small pieces by default).
-            in_process = os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1"
-            in_process = in_process and options.device_memory == "preserve"
+            in_process = options.device_memory == "preserve" and _device_memory_in_process()
             _check_space_and_memory(final, expected, device_bytes if in_process else 0)
         guard.check("before anything was locked", "nothing was locked")
         if coordinator is not None:
@@ -1028,7 +1034,7 @@ class _Pipeline:
         """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
         memory: the agent writes its copy there (before Lock) instead of into the process's
         memory, so CRIU saves and restores that much less and the bytes are written once."""
-        if self.options.device_memory != "preserve" or os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1":
+        if self.options.device_memory != "preserve" or _device_memory_in_process():
             return {}
         from npusnap_cli.image import streamhash
 

@@ -62,8 +62,8 @@ def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Pat
 
 def test_files_written_in_any_order_are_hashed_once_written(tmp_path: Path) -> None:
     """The agents write device-memory files a chunk at a time at its place, on several threads:
-    the writeback follower only starts the disk on them, the file hasher hashes them whole (on
-    every core) and its digests are the files' own."""
+    the writeback follower only starts the disk on them, the file hasher hashes them whole and its
+    digests are the files' own."""
     root = tmp_path / "device"
     root.mkdir()
     follower = WritebackFollower(root, interval_s=0.001).start()
