@@ -131,8 +131,13 @@ fetch_criu_source() {
                 -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives" -qq)
             say "fetching CRIU $CRIU_VERSION source (Debian $suite source package, from the machine's apt mirror)"
             apt-get "${opts[@]}" update >/dev/null 2>&1 || { say "  the $suite source index could not be read"; continue; }
+            # apt-get source takes an exact version (no pattern): the suite's own 4.2.1-N, if any.
+            local version
+            version=$(apt-cache "${opts[@]}" showsrc criu 2>/dev/null |
+                awk -v want="$CRIU_VERSION-" '$1 == "Version:" && index($2, want) == 1 { print $2; exit }')
+            [ -n "$version" ] || { say "  no criu $CRIU_VERSION source package in $suite"; continue; }
             # Only the orig tarball is needed; the .dsc/.debian.tar may 404 on some mirrors.
-            (cd "$CACHE" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_VERSION-*" >/dev/null 2>&1) || true
+            (cd "$CACHE" && apt-get "${opts[@]}" source --download-only "criu=$version" >/dev/null 2>&1) || true
             ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1 && break
         done
         tarball=$(ls "$CACHE"/criu_"$CRIU_VERSION".orig.tar.* 2>/dev/null | head -n1 || true)
