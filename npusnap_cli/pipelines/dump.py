@@ -1074,8 +1074,8 @@ class _Pipeline:
         return files
 
     def _hash_device_files(self) -> None:
-        """The agents wrote their device-memory files (the lock answered): hash them on every core
-        while CRIU dumps the host side."""
+        """The agents wrote their device-memory files (the lock answered): hash them while CRIU
+        dumps the host side (on one core: the other is CRIU's), on every core once it is done."""
         if self.device_writeback is not None:
             self.device_writeback.finish()  # stopped for good (joined) at publish or rollback
         assert self.tmp is not None
@@ -1132,6 +1132,8 @@ class _Pipeline:
             hasher.stop()
             raise
         criu_done = time.monotonic()
+        if self.device_hasher is not None and not self.options.leave_running:
+            self.device_hasher.boost()  # the job stays stopped from here on: its cores are free
         if not self.options.leave_running:
             # The tree is stopped (leave_stopped): it is killed only after the image is published.
             self.stopped_pids = _tree_pids(self.target.root_pid)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import blake3
+import pytest
 
 from npusnap_cli import image
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower, reserve
@@ -80,11 +81,40 @@ def test_files_written_in_any_order_are_hashed_once_written(tmp_path: Path) -> N
     assert got == {"devmem-1.bin": (8 << 20, blake3.blake3(b"".join(chunks)).hexdigest())}
 
 
+def test_a_boost_midway_hashes_on_every_core_and_the_digests_stay_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once CRIU is done the file hasher hashes on every core: the file it is in (still early in
+    it) again from the start, the next ones from their start; the digests are the files' own."""
+    from npusnap_cli.image import digest, streamhash
+
+    root = tmp_path / "device"
+    root.mkdir()
+    data = {f"devmem-{i}.bin": os.urandom((8 << 20) + i) for i in (1, 2)}
+    for name, content in data.items():
+        (root / name).write_bytes(content)
+    monkeypatch.setattr(streamhash, "_ROUND", 1 << 20)
+    made: list[int] = []
+    real_new, real_update = digest.new, digest.update_mapped
+    monkeypatch.setattr(
+        digest, "new", lambda algo=digest.DEFAULT, threads=1: made.append(threads) or real_new(algo, threads)
+    )
+    hasher = FileHasher(root)
+
+    def update(*args: object) -> None:
+        real_update(*args)  # type: ignore[arg-type]
+        hasher.boost()  # after the first MiB of the first file
+
+    monkeypatch.setattr(digest, "update_mapped", update)
+    got = hasher.start().finish()
+    assert got == {n: (len(c), blake3.blake3(c).hexdigest()) for n, c in data.items()}
+    cores = os.cpu_count() or 1
+    assert made == ([1, cores, cores] if cores > 1 else [1, 1])
+
+
 def test_reserve_says_when_the_disk_is_full(tmp_path: Path) -> None:
     import errno
     import subprocess
-
-    import pytest
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
