@@ -75,6 +75,7 @@ def machine_info(work: Path) -> dict[str, str]:
         "image_fs": f"{fs}; {kind}{virt}" + (f", model {model}" if model else ""),
         "image_dir": str(work.parent),
         "free page reporting": free_page_reporting(),
+        "CRIU kerndat cache": kerndat_cache(),
     }
 
 
@@ -94,6 +95,22 @@ def mem_available() -> Optional[int]:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def kerndat_cache() -> str:
+    """Whether CRIU can keep its kernel probe (kerndat) between runs: as root it caches it in
+    /run/criu.kdat only where /run is a tmpfs, and otherwise probes again on every run."""
+    fstype = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        fstype = subprocess.run(
+            ["findmnt", "-n", "-o", "FSTYPE", "-T", "/run"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    if fstype == "tmpfs":
+        return "on (/run is a tmpfs)"
+    return (
+        f"off: /run is {fstype or 'not a tmpfs'}, so CRIU probes the kernel again on every run "
+        "(0.16 s of each CRIU dump and restore here, npusnap's and the raw baseline's alike)"
+    )
 
 
 def free_page_reporting() -> str:

@@ -108,11 +108,20 @@ def of_files(files: list[tuple[Path, str]], progress: Optional[ProgressFn] = Non
             with lock:
                 progress(n)
 
-    workers = min(len(files), os.cpu_count() or 1, 8)
+    workers = min(len(files), usable_cores(), 8)
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=workers, thread_name_prefix="npusnap-hash"
     ) as pool:
         return list(pool.map(lambda pa: of_file(pa[0], pa[1], locked), files))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a cpuset or taskset may leave fewer than
+    the machine has)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def mismatch(path: str, algo: str) -> str:

@@ -16,8 +16,8 @@ from 0.91 s to 0.02 s (medians of 3), the whole dump command from 2.3 s to 1.5 s
 
 The agents' device-memory files are not written front to back (several threads each write a chunk
 at its place), so they are not hashed this way: ``FileHasher`` hashes them once written, on one
-core while CRIU runs and on every core after. While the agents write, ``WritebackFollower`` starts
-the disk on them. Their space is reserved first
+core alongside CRIU where cores are to spare, on every core once CRIU is done (dump.py). While the
+agents write, ``WritebackFollower`` starts the disk on them. Their space is reserved first
 (``reserve``): writeback into a file whose blocks are still being allocated stalled the agents'
 writes, inside the job's frozen window (1 GiB here, medians of 4 interleaved: lock phase 0.97 s
 with writeback, 0.44 s without, and then publish waited for the disk, 0.82 against 0.01 s; a C
@@ -274,7 +274,7 @@ class FileHasher:
         self._boost.set()
 
     def _threads(self) -> int:
-        return (os.cpu_count() or 1) if self._boost.is_set() else 1
+        return digest.usable_cores() if self._boost.is_set() else 1
 
     def _run(self) -> None:
         for full in list(_files_under(self.root)):
