@@ -75,7 +75,6 @@ def machine_info(work: Path) -> dict[str, str]:
         "image_fs": f"{fs}; {kind}{virt}" + (f", model {model}" if model else ""),
         "image_dir": str(work.parent),
         "free page reporting": free_page_reporting(),
-        "CRIU kerndat cache": kerndat_cache(),
     }
 
 
@@ -84,6 +83,7 @@ def versions(criu: criu_mod.CriuBinary) -> dict[str, str]:
     return {
         "npusnap": __version__,
         "criu": f"{criu.version} ({criu.path})",
+        "CRIU kernel probe cache": kerndat_cache(criu.path),
         "pycriu": criu_mod.pycriu_version() or "not installed",
         "python": f"{platform.python_version()} ({sys.executable})",
         "cann": f"{cann.version} ({'simulated NPU, ' if cann.simulated else ''}{cann.home})",
@@ -97,19 +97,36 @@ def mem_available() -> Optional[int]:
     return None
 
 
-def kerndat_cache() -> str:
-    """Whether CRIU can keep its kernel probe (kerndat) between runs: as root it caches it in
-    /run/criu.kdat only where /run is a tmpfs, and otherwise probes again on every run."""
-    fstype = ""
+def _fstype(path: str, exact: bool = False) -> str:
+    """The filesystem type at ``path`` (``exact``: only where ``path`` is itself a mount point)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        fstype = subprocess.run(
-            ["findmnt", "-n", "-o", "FSTYPE", "-T", "/run"], capture_output=True, text=True, timeout=10
+        return subprocess.run(
+            ["findmnt", "-n", "-o", "FSTYPE", *([] if exact else ["-T"]), path],
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
-    if fstype == "tmpfs":
-        return "on (/run is a tmpfs)"
+    return ""
+
+
+KDAT_DIR = "/run/npusnap-criu"  # scripts/setup.sh: where CRIU keeps kerndat where /run is no tmpfs
+
+
+def kerndat_cache(criu_path: str) -> str:
+    """Whether CRIU keeps its kernel probe (kerndat) between runs: as root only on a tmpfs, in
+    /run or, built by scripts/setup.sh where /run is none, in KDAT_DIR."""
+    run = _fstype("/run")
+    if run == "tmpfs":
+        return "on (/run/criu.kdat: /run is a tmpfs)"
+    try:
+        built_for_dir = f"{KDAT_DIR}/criu.kdat".encode() in Path(criu_path).read_bytes()
+    except OSError:
+        built_for_dir = False
+    if built_for_dir and _fstype(KDAT_DIR, exact=True) == "tmpfs":
+        return f"on ({KDAT_DIR}/criu.kdat, a tmpfs scripts/setup.sh mounts: /run is {run or 'no tmpfs'} here)"
     return (
-        f"off: /run is {fstype or 'not a tmpfs'}, so CRIU probes the kernel again on every run "
-        "(0.16 s of each CRIU dump and restore here, npusnap's and the raw baseline's alike)"
+        f"off: /run is {run or 'no tmpfs'}, so every CRIU run probes the kernel again (0.15 s of a "
+        "dump's frozen time here, under the dump's writeback)"
     )
 
 

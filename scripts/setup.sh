@@ -157,11 +157,25 @@ fetch_criu_source() {
     mv "$CRIU_SRC.tmp" "$CRIU_SRC"
 }
 
+# CRIU keeps its kernel probe (kerndat) between runs only on a tmpfs: as root in /run/criu.kdat.
+# Where /run is no tmpfs (these VMs), every CRIU run probes again, and under the writeback of a dump
+# that took 0.15 s of the job's frozen time here. CRIU is then built to keep it in KDAT_DIR, a small
+# tmpfs only root can write, which setup_kdat_dir mounts (again after a reboot, on the next setup).
+KDAT_DIR=/run/npusnap-criu
+criu_rundir() {
+    if [ "$(findmnt -n -o FSTYPE -T /run 2>/dev/null)" = tmpfs ]; then echo /run; else echo "$KDAT_DIR"; fi
+}
+
 build_criu() {
     fetch_criu_source
+    local rundir
+    rundir=$(criu_rundir)
+    if [ -x "$CRIU_SRC/criu/criu" ] && ! grep -qaF "$rundir/criu.kdat" "$CRIU_SRC/criu/criu"; then
+        rm -f "$CRIU_SRC/criu/kerndat.o" "$CRIU_SRC/criu/criu" # built for another kerndat place
+    fi
     if [ ! -x "$CRIU_SRC/criu/criu" ] || [ ! -f "$CRIU_SRC/lib/pycriu/rpc_pb2.py" ]; then
         say "building CRIU $CRIU_VERSION from source (about a minute on 2 cores)"
-        make -C "$CRIU_SRC" -j"$(nproc)" criu >"$CACHE/criu-build.log" 2>&1 ||
+        make -C "$CRIU_SRC" -j"$(nproc)" criu RUNDIR="$rundir" >"$CACHE/criu-build.log" 2>&1 ||
             die "CRIU build failed (log: $CACHE/criu-build.log)" "read the log's last lines; missing -dev packages are the usual cause"
         make -C "$CRIU_SRC" lib >>"$CACHE/criu-build.log" 2>&1 ||
             die "building CRIU's lib (pycriu) failed (log: $CACHE/criu-build.log)" "read the log's last lines"
@@ -172,6 +186,7 @@ setup_criu() {
     mkdir -p "$CACHE"
     local sys_criu
     sys_criu=$(command -v criu || true)
+    [ "$sys_criu" = "$CRIU_PREFIX/sbin/criu" ] && sys_criu="" # ours: rebuilt and reinstalled as needed
     if [ -n "$sys_criu" ] && criu_ok "$sys_criu" && [ -f "$CRIU_SRC/lib/pycriu/rpc_pb2.py" ]; then
         CRIU_BIN=$sys_criu
         return 0
@@ -184,7 +199,7 @@ setup_criu() {
         CRIU_BIN=$sys_criu
         return 0
     fi
-    if ! criu_ok "$CRIU_PREFIX/sbin/criu"; then
+    if ! cmp -s "$CRIU_SRC/criu/criu" "$CRIU_PREFIX/sbin/criu" || ! criu_ok "$CRIU_PREFIX/sbin/criu"; then
         is_root || die "CRIU $CRIU_VERSION is not installed" "run this setup as root once (it installs CRIU under $CRIU_PREFIX)"
         say "installing CRIU $CRIU_VERSION under $CRIU_PREFIX"
         install -D -m 0755 "$CRIU_SRC/criu/criu" "$CRIU_PREFIX/sbin/criu"
@@ -192,6 +207,18 @@ setup_criu() {
             "run: $CRIU_PREFIX/sbin/criu check  (kernel features or privileges are missing)"
     fi
     CRIU_BIN=$CRIU_PREFIX/sbin/criu
+}
+
+setup_kdat_dir() {
+    [ "$(criu_rundir)" = "$KDAT_DIR" ] && is_root || return 0
+    [ "$(findmnt -n -o FSTYPE "$KDAT_DIR" 2>/dev/null)" = tmpfs ] && return 0
+    [ -L "$KDAT_DIR" ] && die "$KDAT_DIR is a symlink" "remove it (CRIU keeps its kernel probe there) and rerun"
+    mkdir -p -m 0700 "$KDAT_DIR"
+    if mount -t tmpfs -o size=1m,mode=0700,nosuid,nodev,noexec npusnap-criu "$KDAT_DIR"; then
+        say "CRIU keeps its kernel probe in $KDAT_DIR (a tmpfs: /run is none here)"
+    else
+        say "could not mount a tmpfs on $KDAT_DIR: CRIU probes the kernel on every run (slower, not wrong)"
+    fi
 }
 
 setup_pycriu() {
@@ -261,6 +288,7 @@ main() {
     mkdir -p "$CACHE"
     setup_venv
     setup_criu
+    setup_kdat_dir
     setup_pycriu
     compile_bytecode
     setup_native
