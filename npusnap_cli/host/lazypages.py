@@ -95,31 +95,52 @@ def open_files(image: Path, entries: list[img.FileEntry]) -> list[tuple[img.File
 
 
 _CHUNK = 4 << 20
+_MAPPED_ROUND = 64 << 20  # how much of a mapped file is hashed between two looks at ``stop``
 _DUMP_AGAIN = "do not use this image; dump again"
 
 
 def verify_open_files(
-    image: Path, opened: list[tuple[img.FileEntry, int]], progress: Any = None, stop: Any = None
+    image: Path,
+    opened: list[tuple[img.FileEntry, int]],
+    progress: Any = None,
+    stop: Any = None,
+    threads: int = 1,
 ) -> None:
     """Checksum of each opened file against the manifest (closes the fds); ImageError on a
-    mismatch. ``stop`` (a threading.Event): give up early, the restore failed anyway."""
+    mismatch. ``stop`` (a threading.Event): give up early, the restore failed anyway. ``threads``:
+    BLAKE3 hashes each file on that many threads. A file only this user can write is hashed from
+    a mapping of it (digest.mappable), the others through reads."""
     from npusnap_cli.image import digest
 
     bad: list[str] = []
+
+    def stopped() -> None:
+        if stop is not None and stop.is_set():
+            raise ImageError("the files' verification was stopped: the restore failed")
+
     try:
         for e, fd in opened:
-            h = digest.new(e.algo)
-            offset = 0
-            while True:
-                if stop is not None and stop.is_set():
-                    raise ImageError("the page files' verification was stopped: the restore failed")
-                data = os.pread(fd, _CHUNK, offset)
-                if not data:
-                    break
-                h.update(data)  # releases the GIL
-                offset += len(data)
-                if progress is not None:
-                    progress(len(data))
+            h = digest.new(e.algo, threads)
+            st = os.fstat(fd)
+            size, offset = st.st_size, 0
+            if size == e.size and digest.mappable(st):
+                while offset < size:
+                    stopped()
+                    end = min(size, offset + _MAPPED_ROUND)
+                    digest.update_mapped(h, fd, offset, end)  # releases the GIL
+                    if progress is not None:
+                        progress(end - offset)
+                    offset = end
+            else:
+                while True:
+                    stopped()
+                    data = os.pread(fd, _CHUNK, offset)
+                    if not data:
+                        break
+                    h.update(data)  # releases the GIL
+                    offset += len(data)
+                    if progress is not None:
+                        progress(len(data))
             if offset != e.size or h.hexdigest() != e.digest:
                 bad.append(digest.mismatch(e.path, e.algo))
     finally:

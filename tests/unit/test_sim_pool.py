@@ -103,3 +103,57 @@ def test_spare_memory_leaves_a_fifth_of_the_host() -> None:
         assert REAL_MEMORY_TO_SPARE(MiB)
     elif info["MemAvailable"] - floor < -(1 << 30):
         assert not REAL_MEMORY_TO_SPARE(MiB)
+
+
+def test_kept_memory_is_poisoned_in_the_background_before_any_restore() -> None:
+    """A Restore then finds it poisoned already (a device's Restore writes no host memory)."""
+    d = _daemon()
+    dead = _dead_owner()
+    assert d.op_claim(dead, 0) == 0
+    status, addr = d.op_alloc(dead, 0, MiB, None)
+    assert status == 0
+    os.pwrite(d.devices[0].allocs[addr].fd, b"secret!!" * (MiB // 8), 0)
+    d._free_owner(dead)
+    (kept,) = d.devices[0].pool
+    assert kept.poisoned.wait(10) and kept.ok
+    assert os.pread(kept.fd, MiB, 0) == wire.POISON * (MiB // 4)
+
+
+def test_a_restore_is_poisoned_outside_the_lock_and_answered_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes' requests go on while a Restore's memory is poisoned; the Restore's answer
+    comes only once every byte is poisoned."""
+    d = _daemon()
+    me = (os.getpid(), start_time(os.getpid()) or 0)
+    assert d.op_claim(me, 0) == 0
+    events: list[str] = []
+    real = daemon_mod._fill_poison
+
+    def fill(fd: int, size: int) -> None:
+        events.append("poison, lock " + ("held" if d.lock.locked() else "free"))
+        real(fd, size)
+
+    class Conn:
+        def sendall(self, data: bytes) -> None:
+            events.append("answer")
+
+    monkeypatch.setattr(daemon_mod, "_fill_poison", fill)
+    addr = wire.ADDR_BASE + 8 * MiB
+    assert d.handle(Conn(), me, wire.OP_ALLOC_AT, 0, addr, wire.ALLOC_POISON, MiB)  # type: ignore[arg-type]
+    assert events == ["poison, lock free", "answer"]
+    assert os.pread(d.devices[0].allocs[addr].fd, MiB, 0) == wire.POISON * (MiB // 4)
+
+
+def test_the_newest_memory_of_a_gone_process_is_kept_in_place_of_older() -> None:
+    d = _daemon()  # 16 MiB
+    for _ in range(3):
+        dead = _dead_owner()
+        assert d.op_claim(dead, 0) == 0
+        assert d.op_alloc(dead, 0, 6 * MiB, None)[0] == 0
+        d._free_owner(dead)
+    assert [k.size for k in d.devices[0].pool] == [6 * MiB, 6 * MiB]
+    assert d.devices[0].pool[0].freed_at <= d.devices[0].pool[1].freed_at
+    dead = _dead_owner()
+    assert d.op_claim(dead, 0) == 0
+    assert d.op_alloc(dead, 0, 16 * MiB, None)[0] == 0
+    d._free_owner(dead)
+    assert [k.size for k in d.devices[0].pool] == [16 * MiB]
