@@ -1,7 +1,7 @@
 """The scale plot: time against device bytes and against ranks, npusnap beside raw CRIU (PNG).
 
-Needs matplotlib, an optional dependency of the benchmark only (``pip install -e '.[bench]'``);
-``run.py`` checks for it before measuring anything.
+Needs matplotlib, an optional dependency of the benchmark only (the ``bench`` extra:
+``.venv/bin/pip install 'matplotlib>=3.7'``); ``run.py`` checks for it before measuring anything.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         f"{plan.reps} repetition(s) per size; every figure below comes from the same run.",
         "",
         "Reproduce (as root, from the repository root, after `./scripts/setup.sh` and "
-        "`.venv/bin/pip install -e '.[bench]'` for the plot):",
+        "`.venv/bin/pip install 'matplotlib>=3.7'` for the plot):",
         "",
         f"    {command}",
         "",

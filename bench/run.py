@@ -24,8 +24,8 @@ repetition, in the same run:
   device memory, dumped and restored by npusnap and by raw CRIU (the same tree without a device).
 
 The report fits time against bytes and against ranks (``report.py``: slope, intercept, and any
-super-linear term) and draws both in a PNG next to ``--out`` (matplotlib: ``pip install -e
-'.[bench]'``; ``--no-plot`` goes without).
+super-linear term) and draws both in a PNG next to ``--out`` (matplotlib: ``.venv/bin/pip install
+'matplotlib>=3.7'``, the ``bench`` extra; ``--no-plot`` goes without).
 
 Right before every timed command, a helper process touches and frees a few GiB of memory
 (``warm_memory``; ``--cold`` turns this off). On a VM whose balloon reports free pages to the
@@ -249,7 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not ns.no_plot and not plot_available():
         print(
             "bench: matplotlib is not installed, so the scale plot cannot be drawn: "
-            "`.venv/bin/pip install -e '.[bench]'`, or run with --no-plot",
+            "`.venv/bin/pip install 'matplotlib>=3.7'` (the bench extra; not `pip install -e '.[bench]'`, "
+            "which would undo setup's faster editable install), or run with --no-plot",
             file=sys.stderr,
         )
         return 2
