@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from bench.cases import Plan
 from bench.common import MiB, Samples
+from bench.measure import Plan
 from bench.scale import RANK_FIGURES, SIZE_FIGURES, fit_line, rank_points, size_points
 
 PLOT_NAME = "benchmarks-scale.png"

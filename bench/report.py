@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from bench.cases import COLD_PAUSE_S, Plan, lazy_section
 from bench.common import GAP_SLACK_S, LARGE_FRACTION, TARGET_MIB, MiB, Samples, write_window_s
+from bench.lazy import lazy_section
+from bench.measure import COLD_PAUSE_S, Plan
 from bench.scale import copy_section, scale_section, targets_section
 
 # --------------------------------------------------------------------------------------------

@@ -34,10 +34,13 @@ each such page then faults in the host too; whichever step touches memory first 
 that — in a dump, CRIU writing the image into new page cache right after Backup took the
 recently freed memory. Warming treats npusnap and raw CRIU alike.
 
-The code: ``run.py`` (this file: options, the order of the run), ``cases.py`` (one function per
-measured case: add a case there), ``session.py`` (starting and watching processes, cleanup),
-``machine.py`` (machine facts), ``report.py`` (the Markdown report and the targets), ``plot.py``
-(the PNG), ``common.py`` (paths, constants, the samples store), and the workloads ``hostalloc.py``,
+The code: ``run.py`` (this file: options, the order of the run); the cases, one function each
+(add a case there): ``cases.py`` (every size against raw CRIU, and the machine's limits),
+``lazy.py``, ``ranks.py``, ``attach.py``; ``measure.py`` (how a case runs and times commands, the
+plan), ``vmstat.py`` (the page cache during a command), ``session.py`` (starting and watching
+processes, cleanup), ``machine.py`` (machine facts); the report: ``report.py`` (the Markdown report
+and the targets), ``scale.py`` (the fits, the targets of issue 16, the scale), ``plot.py`` (the
+PNG); ``common.py`` (paths, constants, the samples store); and the workloads ``hostalloc.py``,
 ``tree.py``, ``copyrate.py`` (plus ``npusnap_cli/workloads/bigalloc.py``).
 
 Medians go to a Markdown report (``--out``). This is not a test: nothing here asserts timings.
@@ -68,24 +71,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.attach import bench_attach  # noqa: E402
 from bench.cases import (  # noqa: E402
-    LAZY_DEVICE_MIB,
-    Plan,
-    bench_attach,
     bench_copyrate,
     bench_disk,
     bench_hash,
-    bench_lazy,
     bench_leave_running,
     bench_npusnap,
-    bench_ranks,
     bench_raw,
     bench_startup,
-    lazy_section,
 )
 from bench.common import NPUSNAP, REPO, TARGET_MIB, BenchError, MiB, Samples, progress  # noqa: E402
+from bench.lazy import LAZY_DEVICE_MIB, bench_lazy, lazy_section  # noqa: E402
 from bench.machine import machine_info, read_text, versions  # noqa: E402
+from bench.measure import Plan  # noqa: E402
 from bench.plot import PLOT_NAME, draw, plot_available  # noqa: E402
+from bench.ranks import bench_ranks  # noqa: E402
 from bench.report import pick_size, render  # noqa: E402
 from bench.session import Session  # noqa: E402
 from npusnap_cli import criu as criu_mod  # noqa: E402

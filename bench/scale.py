@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from bench.cases import Plan
 from bench.common import MiB, Samples, write_window_s
+from bench.measure import Plan
 
 GB = 1e9
 
@@ -27,6 +27,20 @@ RANK_FIGURES = (
 # A quadratic term that adds more than this share of the time at the largest size is reported
 # as super-linear (a bug to find, issue 16).
 SUPERLINEAR_SHARE = 0.10
+# Where each figure's bytes meet the page cache (vmstat.py): the dump figures are written through
+# it (name of the watched command, the image's bytes), the restore figures read through it.
+PAGE_CACHE_OF = {
+    "dump_wall": ("dump", "dump_image_bytes"),
+    "dump_frozen_s": ("dump", "dump_image_bytes"),
+    "raw_dump_wall": ("raw_dump", "raw_image_bytes"),
+    "raw_criu_frozen_s": ("raw_dump", "raw_image_bytes"),
+    "restore_first_tick": ("restore", "dump_image_bytes"),
+    "raw_restore_first_tick": ("raw_restore", "raw_image_bytes"),
+}
+# A restore that read more than this share of its image from the disk did not find it in the
+# page cache.
+DISK_READ_SHARE = 0.10
+GiB = 1 << 30
 
 
 def _s(v: Optional[float], digits: int = 2) -> str:
@@ -125,6 +139,103 @@ def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
             else f"linear (x² term {max(share, 0.0) if quad[2] > 0 else 0.0:.0%} at the largest size)"
         )
     return rate, _s(line.intercept), verdict
+
+
+def _crossed(plan: Plan, data: Samples, name: str) -> list[int]:
+    """The sizes at which a figure's bytes left the page cache's fast path: its writer was
+    throttled at the dirty limit, or its reader read a share of the image from the disk."""
+    what, image = PAGE_CACHE_OF[name]
+    out = []
+    for sz in plan.sizes:
+        if what.endswith("dump"):
+            if any(data.flags.get(sz, {}).get(f"{what}_dirty_throttled", [])):
+                out.append(sz)
+        else:
+            read, size = data.med(sz, f"{what}_disk_read_bytes"), data.med(sz, image)
+            if read is not None and size and read > DISK_READ_SHARE * size:
+                out.append(sz)
+    return out
+
+
+def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) -> str:
+    """Why a figure flagged super-linear grew so, from the page cache's counters of the same run:
+    the sizes past the dirty limit (or read from the disk), the growth past them against the
+    disk's rate, and the fit of the sizes below; or that the page cache does not explain it."""
+    what, image = PAGE_CACHE_OF[name]
+    m = data.med
+    if m(plan.sizes[0], f"{what}_peak_dirty_bytes") is None:
+        return f"*{label}, {who}*: the page cache was not watched in this run (an older run's data)."
+    crossed = _crossed(plan, data, name)
+    below = [sz for sz in plan.sizes if sz < min(crossed)] if crossed else plan.sizes
+    if not crossed or not below:
+        none = "stayed below its limits" if crossed else "passed the dirty limit or read from the disk"
+        return f"*{label}, {who}*: **not explained by the page cache** (no size {none}): a bug to find."
+    lo, hi = max(below), max(plan.sizes)
+    t_lo, t_hi, b_lo, b_hi = m(lo, name), m(hi, name), m(lo, image), m(hi, image)
+    sizes = ", ".join(f"{sz}" for sz in crossed) + " MiB"
+    if what.endswith("dump"):
+        peak = max(m(sz, f"{what}_peak_dirty_bytes") or 0 for sz in crossed)
+        free = min(m(sz, f"{what}_dirty_freerun_bytes") or 0 for sz in crossed)
+        why = (
+            f"at {sizes} the image's dirty pages passed the kernel's dirty limit (peak "
+            f"{peak / GiB:.1f} GiB against a free-run point of {free / GiB:.1f} GiB), and the "
+            "writer was held to the disk's pace from there"
+        )
+    else:
+        read = max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in crossed)
+        why = (
+            f"at {sizes} the restore read up to {read / MiB:.0f} MiB of the image from the disk "
+            "instead of the page cache (the memory warmed before the timed command, beside the "
+            "image and the device memory, evicted it)"
+        )
+    rate = ""
+    if t_lo is not None and t_hi is not None and b_lo is not None and b_hi is not None and t_hi > t_lo:
+        per_s = (b_hi - b_lo) / MiB / (t_hi - t_lo)
+        rate = f"; from {lo} to {hi} MiB it grew by {per_s:.0f} MiB of image a second"
+        disk = m(0, "disk_mib_s")
+        if disk is not None:
+            rate += f" (the disk's sequential write: {disk:.0f} MiB/s)"
+    xs, ys = size_points(plan, data, name)
+    sub = [(x, y) for x, y in zip(xs, ys) if x <= lo * MiB]
+    fit = ""
+    if len(sub) >= 3:
+        _rate, _icpt, verdict = growth([x for x, _ in sub], [y for _, y in sub])
+        fit = f". Up to {lo} MiB: {verdict.replace('**', '')}"
+    return f"*{label}, {who}*: piecewise, not a super-linear cost of npusnap's own: {why}{rate}{fit}."
+
+
+def page_cache_table(plan: Plan, data: Samples) -> list[str]:
+    """Per size: the dumps' peak dirty pages against the dirty limit, the restores' disk reads."""
+    m = data.med
+
+    def dirty(sz: int, what: str) -> str:
+        peak, free = m(sz, f"{what}_peak_dirty_bytes"), m(sz, f"{what}_dirty_freerun_bytes")
+        if peak is None or free is None:
+            return "–"
+        n = data.flags.get(sz, {}).get(f"{what}_dirty_throttled", [])
+        return f"{peak / GiB:.1f} / {free / GiB:.1f}" + (f" (throttled {sum(n)}/{len(n)})" if any(n) else "")
+
+    def read(sz: int, what: str) -> str:
+        v = m(sz, f"{what}_disk_read_bytes")
+        return "–" if v is None else f"{v / MiB:.0f}"
+
+    rows = [
+        [f"{sz} MiB", dirty(sz, "dump"), dirty(sz, "raw_dump"),
+         f"{read(sz, 'restore')} / {read(sz, 'raw_restore')}"]
+        for sz in plan.sizes
+    ]  # fmt: skip
+    head = ["device memory", "npusnap dump: peak dirty / free-run GiB", "raw dump: peak dirty / free-run GiB",
+            "restore read from disk MiB: npusnap / raw"]  # fmt: skip
+    return [
+        *_table(head, rows),
+        "From `/proc/vmstat`, sampled every 50 ms during each timed command (`bench/vmstat.py`), "
+        "medians: *peak dirty* is the most dirty and under-writeback memory seen; the *free-run* "
+        "point, (`nr_dirty_threshold` + `nr_dirty_background_threshold`) / 2, is where the kernel "
+        "starts holding writers to the disk's pace (*throttled n/N*: in n of N repetitions the peak "
+        "passed it); the device memory, shared memory of the simulator, shrinks it. *Read from "
+        "disk*: `pgpgin` during the restore.",
+        "",
+    ]
 
 
 def copy_rates(data: Samples, plan: Plan) -> tuple[Optional[float], Optional[float], Optional[float]]:
@@ -228,12 +339,14 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
     for sz in plan.sizes:
         rows.append([f"{sz} MiB"] + [f"{_s(m(sz, a))} / {_s(m(sz, b))}" for a, b, _label in SIZE_FIGURES])
     L += _table(["device memory", *[f"{label}: npusnap / raw s" for _a, _b, label in SIZE_FIGURES]], rows)
-    rows = []
+    rows, notes = [], []
     for a, b, label in SIZE_FIGURES:
         for who, name in (("npusnap", a), ("raw CRIU", b)):
             xs, ys = size_points(plan, data, name)
             rate, icpt, verdict = growth(xs, ys)
             rows.append([label, who, rate, icpt, verdict])
+            if verdict.startswith("**super-linear**"):
+                notes.append(page_cache_note(plan, data, name, who, label))
     L += _table(["figure", "", "slope GB/s", "intercept s", "growth"], rows)
     L += [
         "Fits over the sizes of this run (medians): time = intercept + bytes / slope, by least squares; "
@@ -241,6 +354,12 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
         "flagged **super-linear** (a bug to find). Raw CRIU holds the same bytes in host memory "
         f"(size + {plan.host_mib} MiB).",
         "",
+    ]
+    if notes:
+        L += ["Each super-linear flag, against what the page cache did in the same run:", ""]
+        L += [f"* {n}" for n in notes] + [""]
+    L += page_cache_table(plan, data)
+    L += [
         "### With the number of NPU processes",
         "",
     ]

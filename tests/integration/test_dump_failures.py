@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -212,6 +213,38 @@ def _start_dump(env: dict[str, str], pid: int, img: Path, *extra: str) -> subpro
     )
 
 
+@dataclass
+class FaultyJob:
+    """The training job, its simulator's fault switches (NPUSIM_FAULT_FILE), the uninterrupted run's
+    lines, and where its image goes."""
+
+    faults: Path
+    env: dict[str, str]
+    ref: list[str]
+    job: Job
+    img: Path
+
+    def set_faults(self, text: str) -> None:
+        self.faults.write_text(text)
+
+
+@contextlib.contextmanager
+def faulty_job(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, faults: str = ""
+) -> Iterator[FaultyJob]:
+    """The job of ARGS, three steps in, its fault file holding ``faults``; cleaned up after."""
+    path = tmp_path / "faults"
+    path.write_text(faults)
+    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(path))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    try:
+        job.wait_lines(3)
+        yield FaultyJob(path, env, ref, job, tmp_path / "img")
+    finally:
+        job.cleanup()
+
+
 def _wait_locked(img: Path, dump: subprocess.Popen[str]) -> None:
     """The work area appears right before the lock: from then on the dump is in its critical part."""
     wait_until(lambda: bool(image.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to start")
@@ -219,16 +252,10 @@ def _wait_locked(img: Path, dump: subprocess.Popen[str]) -> None:
 
 
 def test_disk_full_during_criu_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("NPUSIM_BACKUP_HANG_MS=1500\n")
-    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    ref = reference(job_env(sim_env, runtime_dir), ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
-    try:
-        job.wait_lines(3)
+    with faulty_job(sim_env, runtime_dir, tmp_path, "NPUSIM_BACKUP_HANG_MS=1500\n") as fj:
         with tmpfs(tmp_path / "small", "96m") as small:
             img = small / "img"
-            dump = _start_dump(env, job.pid, img)
+            dump = _start_dump(fj.env, fj.job.pid, img)
             _wait_locked(img, dump)
             # Someone else fills the disk while the device is being backed up.
             free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
@@ -238,9 +265,7 @@ def test_disk_full_during_criu_rolls_back(sim_env: dict[str, str], runtime_dir: 
             stdout, _ = dump.communicate(timeout=60)
             assert dump.returncode == ExitCode.CRIU, stdout
             assert_no_image(img)
-        finishes_correctly(job, ref)
-    finally:
-        job.cleanup()
+        finishes_correctly(fj.job, fj.ref)
 
 
 @pytest.mark.parametrize(
@@ -250,102 +275,66 @@ def test_disk_full_during_criu_rolls_back(sim_env: dict[str, str], runtime_dir: 
 def test_device_call_failure_rolls_back(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, fault: str, call: str
 ) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("")
-    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    ref = reference(job_env(sim_env, runtime_dir), ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
-    img = tmp_path / "img"
-    try:
-        job.wait_lines(3)
-        faults.write_text(f"{fault}=1\n")
-        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
-        faults.write_text("")
+    with faulty_job(sim_env, runtime_dir, tmp_path) as fj:
+        fj.set_faults(f"{fault}=1\n")
+        rc, out, _ = cli(fj.env, "dump", str(fj.job.pid), str(fj.img))
+        fj.set_faults("")
         assert rc == ExitCode.DEVICE, out
         assert out is not None and "rolled back" in out["error"]["message"]
         assert out["error"]["details"]["agent_error"]["code"] in (507905, 507908)
-        assert_no_image(img)
-        finishes_correctly(job, ref)
-    finally:
-        job.cleanup()
+        assert_no_image(fj.img)
+        finishes_correctly(fj.job, fj.ref)
 
 
 def test_unlock_failure_after_leave_running_is_state_unknown_then_thaw_recovers(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("")
-    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    ref = reference(job_env(sim_env, runtime_dir), ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
-    img = tmp_path / "img"
-    try:
-        job.wait_lines(3)
-        faults.write_text("NPUSIM_FAULT_UNLOCK=1\n")
-        rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running")
+    with faulty_job(sim_env, runtime_dir, tmp_path) as fj:
+        fj.set_faults("NPUSIM_FAULT_UNLOCK=1\n")
+        rc, out, _ = cli(fj.env, "dump", str(fj.job.pid), str(fj.img), "--leave-running")
         assert rc == ExitCode.STATE_UNKNOWN, out
         assert out is not None
         err = out["error"]
-        assert f"npusnap thaw {job.pid}" in err["fix"]
-        assert f"npusnap status {job.pid}" in err["fix"]
-        assert_no_image(img)
-        assert agent_state(job.pid) in ("LOCKED", "BACKED_UP")  # says it like it is: stuck
-        faults.write_text("")
-        rc, _, errtext = cli(env, "thaw", str(job.pid))
+        assert f"npusnap thaw {fj.job.pid}" in err["fix"]
+        assert f"npusnap status {fj.job.pid}" in err["fix"]
+        assert_no_image(fj.img)
+        assert agent_state(fj.job.pid) in ("LOCKED", "BACKED_UP")  # says it like it is: stuck
+        fj.set_faults("")
+        rc, _, errtext = cli(fj.env, "thaw", str(fj.job.pid))
         assert rc == 0, errtext
-        finishes_correctly(job, ref)
-    finally:
-        job.cleanup()
+        finishes_correctly(fj.job, fj.ref)
 
 
 def test_sigint_mid_dump_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("NPUSIM_BACKUP_HANG_MS=1000\n")
-    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    ref = reference(job_env(sim_env, runtime_dir), ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
-    img = tmp_path / "img"
-    try:
-        job.wait_lines(3)
-        dump = _start_dump(env, job.pid, img)
-        _wait_locked(img, dump)
+    with faulty_job(sim_env, runtime_dir, tmp_path, "NPUSIM_BACKUP_HANG_MS=1000\n") as fj:
+        dump = _start_dump(fj.env, fj.job.pid, fj.img)
+        _wait_locked(fj.img, dump)
         dump.send_signal(signal.SIGINT)
         stdout, _ = dump.communicate(timeout=60)
         assert dump.returncode == ExitCode.INTERRUPTED, stdout
-        assert_no_image(img)
-        finishes_correctly(job, ref)
-    finally:
-        job.cleanup()
+        assert_no_image(fj.img)
+        finishes_correctly(fj.job, fj.ref)
 
 
 def test_cli_sigkilled_mid_dump_lease_rolls_back(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("NPUSIM_BACKUP_HANG_MS=1000\n")
-    env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    ref = reference(job_env(sim_env, runtime_dir), ARGS)
-    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
-    img = tmp_path / "img"
-    try:
-        job.wait_lines(3)
-        dump = _start_dump(env, job.pid, img, "--lease", "2")
-        _wait_locked(img, dump)
+    with faulty_job(sim_env, runtime_dir, tmp_path, "NPUSIM_BACKUP_HANG_MS=1000\n") as fj:
+        dump = _start_dump(fj.env, fj.job.pid, fj.img, "--lease", "2")
+        _wait_locked(fj.img, dump)
         dump.kill()
         dump.communicate()
         # Nobody renews the lease: the agent rolls its process back by itself.
-        wait_until(lambda: agent_state(job.pid) == "RUNNING", 20, "the lease to roll the job back")
-        assert not img.exists()
-        stale = image.temp_siblings(img)
+        wait_until(lambda: agent_state(fj.job.pid) == "RUNNING", 20, "the lease to roll the job back")
+        assert not fj.img.exists()
+        stale = image.temp_siblings(fj.img)
         assert stale, "the killed CLI could not clean its work area"
         # The next dump removes the dead run's work area (and this one leaves the job running).
-        faults.write_text("")
-        rc, _, errtext = cli(env, "dump", str(job.pid), str(img), "--leave-running")
+        fj.set_faults("")
+        rc, _, errtext = cli(fj.env, "dump", str(fj.job.pid), str(fj.img), "--leave-running")
         assert rc == 0, errtext
         assert not any(p.exists() for p in stale)
-        finishes_correctly(job, ref)
-    finally:
-        job.cleanup()
+        finishes_correctly(fj.job, fj.ref)
 
 
 def _tracer(pid: int) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scale import fit_line, fit_quadratic, growth
+from bench.common import MiB, Samples
+from bench.measure import Plan
+from bench.scale import fit_line, fit_quadratic, growth, page_cache_note, page_cache_table, size_points
 
 GiB = 1 << 30
 
@@ -31,3 +33,51 @@ def test_growth_states_the_rate_and_flags_a_super_linear_term() -> None:
     square = [0.3 + x / 2e9 + (x / GiB) ** 2 * 0.5 for x in xs]  # 32 s of x² at 8 GiB
     assert "super-linear" in growth(xs, square)[2]
     assert growth(xs[:1], [1.0])[2] == "needs two sizes"
+
+
+def _plan(sizes: list[int]) -> Plan:
+    return Plan(sizes=sizes, reps=1, host_mib=64, interval=0.05, disk_mib=1024, startup_runs=1)
+
+
+def _dump_samples(sizes: list[int], throttled_from: int) -> Samples:
+    """A dump at memory speed (4 GB/s) below the dirty limit, at the disk's 1 GB/s past it."""
+    data = Samples()
+    data.add(0, "disk_mib_s", 1000.0)
+    for sz in sizes:
+        image = sz * MiB
+        fast = min(sz, throttled_from) * MiB
+        data.add(sz, "dump_image_bytes", image)
+        data.add(sz, "dump_wall", 0.2 + fast / 4e9 + (image - fast) / (1000 * MiB))
+        data.add(sz, "dump_peak_dirty_bytes", min(image, 3 * GiB))
+        data.add(sz, "dump_dirty_freerun_bytes", 2.5 * GiB)
+        data.add(sz, "dump_disk_read_bytes", 0)
+        data.flag(sz, "dump_dirty_throttled", sz > throttled_from)
+    return data
+
+
+def test_a_super_linear_dump_past_the_dirty_limit_is_explained_by_the_page_cache() -> None:
+    sizes = [64, 256, 1024, 4096, 8192]
+    plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=4096)
+    assert "super-linear" in growth(*size_points(plan, data, "dump_wall"))[2]
+    note = page_cache_note(plan, data, "dump_wall", "npusnap", "dump")
+    assert "piecewise" in note and "at 8192 MiB" in note, note
+    assert "from 4096 to 8192 MiB it grew by 1000 MiB of image a second" in note, note
+    assert "the disk's sequential write: 1000 MiB/s" in note
+    assert "Up to 4096 MiB: linear" in note  # the sizes below the limit fit a line
+    table = "\n".join(page_cache_table(plan, data))
+    assert "| 8192 MiB | 3.0 / 2.5 (throttled 1/1) |" in table, table
+    assert "| 1024 MiB | 1.0 / 2.5 |" in table
+
+
+def test_a_super_linear_figure_the_page_cache_does_not_explain_is_called_a_bug() -> None:
+    sizes = [64, 256, 1024, 4096, 8192]
+    plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=1 << 20)  # never throttled
+    note = page_cache_note(plan, data, "dump_wall", "npusnap", "dump")
+    assert "not explained by the page cache" in note and "a bug to find" in note
+    # A restore that read its image from the disk at the largest size only.
+    for sz in sizes:
+        data.add(sz, "restore_first_tick", 0.1 + sz * MiB / 2e9 + (sz == 8192) * 2.0)
+        data.add(sz, "restore_disk_read_bytes", (sz == 8192) * 1300 * MiB)
+        data.add(sz, "restore_peak_dirty_bytes", 0)
+    note = page_cache_note(plan, data, "restore_first_tick", "npusnap", "restore")
+    assert "at 8192 MiB the restore read up to 1300 MiB of the image from the disk" in note, note
