@@ -168,6 +168,7 @@ def bench_leave_running(s: Session, plan: Plan, size: int, rep: int, out: Sample
 
 def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_path: str) -> None:
     """Raw CRIU on the equivalent host-only process: dump + sync -f, then restore -d."""
+    s.drop_kept_memory()
     d = s.work / f"raw-{size}-{rep}"
     d.mkdir()
     log = d / "job.out"

@@ -66,6 +66,7 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
     s.wait_device_free()
 
     # Raw CRIU, eager: the same bytes (host + device) in plain host memory.
+    s.drop_kept_memory()
     d.mkdir()
     image.mkdir()
     argv = [sys.executable, str(HOSTALLOC), "--mib", str(host_mib + LAZY_DEVICE_MIB)]

@@ -81,7 +81,10 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         "in plain host memory, no device, no agent — dumped with `criu dump -t PID -D DIR -o dump.log -v4` "
         "then `sync -f DIR` (npusnap fsyncs its image, so the baseline makes its image durable too), "
         "restored with `criu restore -d -D DIR -o restore.log -v4`. npusnap drives the same CRIU "
-        "(through `criu swrk`) with the same options: no shell job, no TCP, log level 4.",
+        "(through `criu swrk`) with the same options: no shell job, no TCP, log level 4. The "
+        "simulator keeps the memory of killed workloads for a while for the next Restore (shared "
+        "memory, like a device's fixed memory); before a raw CRIU case it is restarted if it keeps "
+        "any, so that the baseline has the machine's memory to itself.",
         "* Each repetition starts fresh processes. Sizes are MiB of device memory.",
         (
             "* Memory is warmed right before every timed command, for npusnap and raw CRIU alike "

@@ -326,8 +326,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             capacity = (max(*plan.sizes, plan.ranks_mib, plan.copy_mib, LAZY_DEVICE_MIB) + 64) * MiB
             devices = max(plan.ranks, default=1)  # a tree's rank R uses device R
-            manager.start(devices=devices, capacity_bytes=capacity)
-            session.daemon_started = True
+            session.start_daemon(devices, capacity)
             os.environ.update(manager.env())
             session.env = dict(os.environ)
             info: dict[str, Any] = {"machine": machine_info(work), "versions": versions(criu)}

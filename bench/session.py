@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import NPUSNAP, POLL_S, BenchError
+from bench.common import NPUSNAP, POLL_S, BenchError, progress
 from npusnap_cli.host import procfs
 from npusnap_cli.sim import manager
 from npusnap_cli.workloads.jaxsize import StepClock
@@ -60,6 +60,7 @@ class Session:
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     restored: list[tuple[int, str]] = field(default_factory=list)  # (pid, script it must run)
     daemon_started: bool = False
+    daemon_size: tuple[int, int] = (1, 0)  # (devices, capacity bytes) of the private simulator
     load: list[float] = field(default_factory=list)
 
     def sample_load(self) -> None:
@@ -135,6 +136,27 @@ class Session:
             return bool(st.get("running")) and int(st.get("bytes_used", 1)) == 0
 
         _wait(free, 15, "the simulated NPU to free the device memory of killed workloads")
+
+    def drop_kept_memory(self) -> None:
+        """Restart the private simulator if it keeps the memory of killed workloads for a Restore
+        (sim/daemon.py: up to POOL_TTL_S). A raw CRIU baseline must not run beside it: that shared
+        memory shrinks the page cache and the kernel's dirty limit for CRIU and nobody else."""
+        if not self.daemon_started:
+            return
+        st = manager.status()
+        kept = sum(int(d.get("kept_for_restore") or 0) for d in st.get("devices", []))
+        if not kept:
+            return
+        progress(f"restarting the simulated NPU: it keeps {kept >> 20} MiB for a Restore (raw CRIU next)")
+        self.wait_device_free()
+        manager.stop()
+        self.start_daemon(*self.daemon_size)
+
+    def start_daemon(self, devices: int, capacity: int) -> None:
+        """Start the private simulated NPU (its socket comes from the environment)."""
+        self.daemon_size = (devices, capacity)
+        manager.start(devices=devices, capacity_bytes=capacity)
+        self.daemon_started = True
 
     def close(self) -> list[str]:
         """Remove everything; returns the problems met (cleanup goes on past each)."""

@@ -10,7 +10,8 @@ Its bytes never cross the socket: OP_MAP passes the allocation's memfd to the ru
 which copies to and from a mapping of it at memory speed (paced to --bandwidth-mbps when given);
 the daemon itself writes only the poison pattern of a Restore. Like a device's fixed memory, the
 memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity,
-and only while the host keeps a fifth of its memory available) and given to the next Restore of an
+and only while the host keeps a fifth of its memory available: the oldest goes back as soon as it
+does not) and given to the next Restore of an
 allocation of the same size. It is poisoned as soon as it is kept, on a thread of its own (the
 poisoner), so that such a Restore finds it poisoned already: a device's Restore writes no host
 memory, and the simulator's poison (1 GiB here: 0.37-0.45 s into fresh pages, 0.25-0.28 s into
@@ -54,7 +55,10 @@ Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field
 GiB = 1 << 30
 POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
-POOL_TTL_S = 10.0  # how long the memory of a process that is gone waits for a Restore to reuse it
+# How long the memory of a process that is gone waits for a Restore to reuse it. A restore follows
+# its dump after whatever the operator (or a benchmark warming memory: 8-17 s for 11 GiB on a slow
+# VM here) does in between; memory pressure gives it back sooner (_expire_pool).
+POOL_TTL_S = 60.0
 KEPT_POISON_WAIT_S = 10.0  # a Restore waits this (plus 2 s per GiB) for the poisoner, then poisons
 
 
@@ -214,10 +218,18 @@ class Daemon:
                 kept.poisoned.set()
 
     def _expire_pool(self, older_than: float = POOL_TTL_S) -> None:
+        """Give back kept memory older than ``older_than``, and the oldest first while the host has
+        no memory to spare (the jobs and the next dump come before a faster Restore)."""
         now = time.monotonic()
         for d in self.devices:
             for entry in [k for k in d.pool if now - k.freed_at >= older_than]:
                 self._expire(d, entry)
+        while True:
+            kept = [(k.freed_at, i, d, k) for d in self.devices for i, k in enumerate(d.pool)]
+            if not kept or _memory_to_spare(0):
+                return
+            _, _, dev, oldest = min(kept, key=lambda t: (t[0], t[1]))
+            self._expire(dev, oldest)
 
     def _expire(self, dev: Device, entry: Kept) -> None:
         dev.pool.remove(entry)

@@ -67,6 +67,24 @@ def test_restore_reuses_a_dead_process_memory_poisoned_and_fresh_allocations_nev
     assert _kept(d) == 0
 
 
+def test_kept_memory_goes_back_oldest_first_once_the_host_has_none_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d = Daemon("/nonexistent/sim.sock", devices=1, capacity=64 * MiB, bandwidth_mbps=None)
+    for size in (MiB, 2 * MiB):  # two processes gone, the 1 MiB one first
+        dead = _dead_owner()
+        assert d.op_claim(dead, 0) == 0
+        assert d.op_alloc(dead, 0, size, None)[0] == 0
+        d._free_owner(dead)
+    assert _kept(d) == 3 * MiB
+    d._expire_pool()  # young, and memory to spare: kept
+    assert _kept(d) == 3 * MiB
+    spare = iter([False, True])  # short of memory until the oldest went back
+    monkeypatch.setattr(daemon_mod, "_memory_to_spare", lambda size: next(spare))
+    d._expire_pool()
+    assert _kept(d) == 2 * MiB and [k.size for k in d.devices[0].pool] == [2 * MiB]
+
+
 def test_memory_a_live_process_may_still_map_is_never_kept() -> None:
     d = _daemon()
     me = (os.getpid(), start_time(os.getpid()) or 0)
