@@ -107,6 +107,7 @@ def add_page_cache(out: Samples, size: int, what: str, use: vmstat.PageCacheUse)
     out.add(size, f"{what}_peak_dirty_bytes", use.peak_dirty)
     out.add(size, f"{what}_dirty_freerun_bytes", use.freerun)
     out.add(size, f"{what}_disk_read_bytes", use.disk_read)
+    out.add(size, f"{what}_reclaimed_bytes", use.reclaimed)
     out.flag(size, f"{what}_dirty_throttled", use.throttled)
 
 

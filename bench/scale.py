@@ -141,26 +141,60 @@ def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
     return rate, _s(line.intercept), verdict
 
 
-def _crossed(plan: Plan, data: Samples, name: str) -> list[int]:
-    """The sizes at which a figure's bytes left the page cache's fast path: its writer was
-    throttled at the dirty limit, or its reader read a share of the image from the disk."""
+# A command during which the kernel reclaimed more than this share of its image's bytes ran short
+# of free memory.
+RECLAIM_SHARE = 0.10
+
+
+def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
+    """The sizes at which a figure's bytes left the page cache's fast path, and how: its writer was
+    throttled at the dirty limit (``dirty``), its reader read a share of the image from the disk
+    (``disk``), or the kernel reclaimed memory meanwhile (``reclaim``)."""
     what, image = PAGE_CACHE_OF[name]
-    out = []
+    out: dict[int, list[str]] = {}
     for sz in plan.sizes:
-        if what.endswith("dump"):
-            if any(data.flags.get(sz, {}).get(f"{what}_dirty_throttled", [])):
-                out.append(sz)
-        else:
-            read, size = data.med(sz, f"{what}_disk_read_bytes"), data.med(sz, image)
-            if read is not None and size and read > DISK_READ_SHARE * size:
-                out.append(sz)
+        size = data.med(sz, image) or 0
+        how = []
+        if what.endswith("dump") and any(data.flags.get(sz, {}).get(f"{what}_dirty_throttled", [])):
+            how.append("dirty")
+        read = data.med(sz, f"{what}_disk_read_bytes")
+        if not what.endswith("dump") and read is not None and size and read > DISK_READ_SHARE * size:
+            how.append("disk")
+        reclaimed = data.med(sz, f"{what}_reclaimed_bytes")
+        if reclaimed is not None and size and reclaimed > RECLAIM_SHARE * size:
+            how.append("reclaim")
+        if how:
+            out[sz] = how
     return out
 
 
+def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
+    m, parts = data.med, []
+    for how, text in (
+        ("dirty", "the image's dirty pages passed the kernel's dirty limit (peak {peak:.1f} GiB against a "
+         "free-run point of {free:.1f} GiB) and the writer was held to the disk's pace"),
+        ("disk", "the restore read up to {read:.0f} MiB of the image from the disk instead of the page "
+         "cache"),
+        ("reclaim", "the kernel reclaimed up to {reclaimed:.0f} MiB of memory meanwhile (free memory ran "
+         "out beside the image, the process and the memory warmed before the command)"),
+    ):  # fmt: skip
+        sizes = [sz for sz, hows in crossed.items() if how in hows]
+        if not sizes:
+            continue
+        values = {
+            "peak": max(m(sz, f"{what}_peak_dirty_bytes") or 0 for sz in sizes) / GiB,
+            "free": min(m(sz, f"{what}_dirty_freerun_bytes") or 0 for sz in sizes) / GiB,
+            "read": max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in sizes) / MiB,
+            "reclaimed": max(m(sz, f"{what}_reclaimed_bytes") or 0 for sz in sizes) / MiB,
+        }
+        parts.append(f"at {', '.join(str(sz) for sz in sizes)} MiB " + text.format(**values))
+    return "; ".join(parts)
+
+
 def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) -> str:
-    """Why a figure flagged super-linear grew so, from the page cache's counters of the same run:
-    the sizes past the dirty limit (or read from the disk), the growth past them against the
-    disk's rate, and the fit of the sizes below; or that the page cache does not explain it."""
+    """Why a figure flagged super-linear grew so, from the kernel's counters of the same run: the
+    sizes past the dirty limit, read from the disk or short of free memory, the growth past them
+    against the disk's rate, and the fit of the sizes below; or that none of it explains it."""
     what, image = PAGE_CACHE_OF[name]
     m = data.med
     if m(plan.sizes[0], f"{what}_peak_dirty_bytes") is None:
@@ -168,26 +202,14 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
     crossed = _crossed(plan, data, name)
     below = [sz for sz in plan.sizes if sz < min(crossed)] if crossed else plan.sizes
     if not crossed or not below:
-        none = "stayed below its limits" if crossed else "passed the dirty limit or read from the disk"
+        none = (
+            "stayed clear of them"
+            if crossed
+            else "passed the dirty limit, read from the disk or ran short of free memory"
+        )
         return f"*{label}, {who}*: **not explained by the page cache** (no size {none}): a bug to find."
     lo, hi = max(below), max(plan.sizes)
     t_lo, t_hi, b_lo, b_hi = m(lo, name), m(hi, name), m(lo, image), m(hi, image)
-    sizes = ", ".join(f"{sz}" for sz in crossed) + " MiB"
-    if what.endswith("dump"):
-        peak = max(m(sz, f"{what}_peak_dirty_bytes") or 0 for sz in crossed)
-        free = min(m(sz, f"{what}_dirty_freerun_bytes") or 0 for sz in crossed)
-        why = (
-            f"at {sizes} the image's dirty pages passed the kernel's dirty limit (peak "
-            f"{peak / GiB:.1f} GiB against a free-run point of {free / GiB:.1f} GiB), and the "
-            "writer was held to the disk's pace from there"
-        )
-    else:
-        read = max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in crossed)
-        why = (
-            f"at {sizes} the restore read up to {read / MiB:.0f} MiB of the image from the disk "
-            "instead of the page cache (the memory warmed before the timed command, beside the "
-            "image and the device memory, evicted it)"
-        )
     rate = ""
     if t_lo is not None and t_hi is not None and b_lo is not None and b_hi is not None and t_hi > t_lo:
         per_s = (b_hi - b_lo) / MiB / (t_hi - t_lo)
@@ -201,7 +223,10 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
     if len(sub) >= 3:
         _rate, _icpt, verdict = growth([x for x, _ in sub], [y for _, y in sub])
         fit = f". Up to {lo} MiB: {verdict.replace('**', '')}"
-    return f"*{label}, {who}*: piecewise, not a super-linear cost of npusnap's own: {why}{rate}{fit}."
+    return (
+        f"*{label}, {who}*: piecewise, from the machine's memory rather than the program: "
+        f"{_why(data, what, crossed)}{rate}{fit}."
+    )
 
 
 def page_cache_table(plan: Plan, data: Samples) -> list[str]:
@@ -215,25 +240,32 @@ def page_cache_table(plan: Plan, data: Samples) -> list[str]:
         n = data.flags.get(sz, {}).get(f"{what}_dirty_throttled", [])
         return f"{peak / GiB:.1f} / {free / GiB:.1f}" + (f" (throttled {sum(n)}/{len(n)})" if any(n) else "")
 
-    def read(sz: int, what: str) -> str:
-        v = m(sz, f"{what}_disk_read_bytes")
+    def mib(sz: int, name: str) -> str:
+        v = m(sz, name)
         return "–" if v is None else f"{v / MiB:.0f}"
+
+    def both(sz: int, a: str, b: str, counter: str) -> str:
+        return f"{mib(sz, f'{a}_{counter}')} / {mib(sz, f'{b}_{counter}')}"
 
     rows = [
         [f"{sz} MiB", dirty(sz, "dump"), dirty(sz, "raw_dump"),
-         f"{read(sz, 'restore')} / {read(sz, 'raw_restore')}"]
+         both(sz, "dump", "raw_dump", "reclaimed_bytes"),
+         both(sz, "restore", "raw_restore", "disk_read_bytes"),
+         both(sz, "restore", "raw_restore", "reclaimed_bytes")]
         for sz in plan.sizes
     ]  # fmt: skip
     head = ["device memory", "npusnap dump: peak dirty / free-run GiB", "raw dump: peak dirty / free-run GiB",
-            "restore read from disk MiB: npusnap / raw"]  # fmt: skip
+            "dump: reclaimed MiB, npusnap / raw", "restore: read from disk MiB, npusnap / raw",
+            "restore: reclaimed MiB, npusnap / raw"]  # fmt: skip
     return [
         *_table(head, rows),
         "From `/proc/vmstat`, sampled every 50 ms during each timed command (`bench/vmstat.py`), "
         "medians: *peak dirty* is the most dirty and under-writeback memory seen; the *free-run* "
         "point, (`nr_dirty_threshold` + `nr_dirty_background_threshold`) / 2, is where the kernel "
         "starts holding writers to the disk's pace (*throttled n/N*: in n of N repetitions the peak "
-        "passed it); the device memory, shared memory of the simulator, shrinks it. *Read from "
-        "disk*: `pgpgin` during the restore.",
+        "passed it); the device memory, shared memory of the simulator, shrinks it. *Reclaimed*: "
+        "`pgsteal_kswapd` + `pgsteal_direct`, memory the kernel took back from caches and processes "
+        "because free memory ran out. *Read from disk*: `pgpgin` during the restore.",
         "",
     ]
 

@@ -18,7 +18,16 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 # Fine enough to catch the peak of a dump's dirty pages (they rise for a second or more before
 # throttling holds them), coarse enough to cost nothing measurable on a 2-core machine.
 SAMPLE_S = 0.05
-_KEYS = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "pgpgin")
+_KEYS = (
+    "nr_dirty",
+    "nr_writeback",
+    "nr_dirty_threshold",
+    "nr_dirty_background_threshold",
+    "pgpgin",
+    "pgsteal_kswapd",
+    "pgsteal_direct",
+)
+_RECLAIM = ("pgsteal_kswapd", "pgsteal_direct")
 
 
 def read() -> dict[str, int]:
@@ -39,6 +48,7 @@ class PageCacheUse:
     peak_dirty: int  # the largest dirty + under-writeback seen (what balance_dirty_pages compares)
     freerun: int  # the smallest free-run point seen: above it, writers are throttled
     disk_read: int  # read from block devices (pgpgin)
+    reclaimed: int  # memory the kernel reclaimed meanwhile (pgsteal, kswapd and direct)
 
     @property
     def throttled(self) -> bool:
@@ -83,4 +93,8 @@ class Watch:
             peak_dirty=self._peak * PAGE,
             freerun=(self._freerun or 0) * PAGE,
             disk_read=(last.get("pgpgin", 0) - self._first.get("pgpgin", 0)) * 1024,
+            reclaimed=sum(
+                last.get(k, 0) - self._first.get(k, 0) for k in ("pgsteal_kswapd", "pgsteal_direct")
+            )
+            * PAGE,
         )

@@ -81,3 +81,15 @@ def test_a_super_linear_figure_the_page_cache_does_not_explain_is_called_a_bug()
         data.add(sz, "restore_peak_dirty_bytes", 0)
     note = page_cache_note(plan, data, "restore_first_tick", "npusnap", "restore")
     assert "at 8192 MiB the restore read up to 1300 MiB of the image from the disk" in note, note
+
+
+def test_a_dump_that_ran_short_of_free_memory_is_explained_by_the_reclaim() -> None:
+    sizes = [64, 256, 1024, 4096, 8192]
+    plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=1 << 20)  # never throttled
+    for sz in sizes:
+        data.add(sz, "dump_reclaimed_bytes", (sz == 8192) * 2048 * MiB)
+        data.by_size[sz]["dump_wall"] = [0.2 + sz * MiB / 4e9 + (sz == 8192) * 6.0]
+    assert "super-linear" in growth(*size_points(plan, data, "dump_wall"))[2]
+    note = page_cache_note(plan, data, "dump_wall", "raw CRIU", "dump")
+    assert "at 8192 MiB the kernel reclaimed up to 2048 MiB of memory" in note, note
+    assert "dirty limit" not in note and "Up to 4096 MiB: linear" in note
