@@ -90,11 +90,23 @@ def versions(criu: criu_mod.CriuBinary) -> dict[str, str]:
     }
 
 
-def mem_available() -> Optional[int]:
+def _meminfo(key: str) -> Optional[int]:
     for line in read_text("/proc/meminfo").splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def mem_available() -> Optional[int]:
+    return _meminfo("MemAvailable")
+
+
+def mem_free() -> Optional[int]:
+    return _meminfo("MemFree")
+
+
+def mem_total() -> Optional[int]:
+    return _meminfo("MemTotal")
 
 
 def _fstype(path: str, exact: bool = False) -> str:

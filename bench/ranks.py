@@ -40,9 +40,10 @@ def _pids_gone(pids: list[int]) -> Callable[[], bool]:
     return lambda: not any(Path(f"/proc/{p}").exists() for p in pids)
 
 
-def _first_ticks(logs: list[Path], start: float, timeout: float) -> float:
-    """Seconds from ``start`` until every rank's log shows a new tick (the whole tree computes)."""
-    watchers = [TickWatcher(f) for f in logs]
+def _first_ticks(watchers: list[TickWatcher], start: float, timeout: float) -> float:
+    """Seconds from ``start`` until every rank's watcher saw a new tick (the whole tree computes).
+    The watchers are started before the restore: a rank that computes while the restore command
+    is still finishing counts from its first tick, not from the command's end."""
     try:
         for w in watchers:
             w.wait_for(1, timeout)
@@ -107,6 +108,7 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
         pidfile = d / "restored.pid"
         s.sample_load()
         warm_memory(plan, plan.ranks_mib)
+        watchers = [TickWatcher(f) for f in logs]
         start = time.monotonic()
         try:
             if kind == "npusnap":
@@ -118,12 +120,16 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
                 rwall = run_timed(
                     [*cmd, "--pidfile", str(pidfile)], "criu restore (tree)", image / "restore.log"
                 )
+        except BaseException:
+            for w in watchers:
+                w.stop()
+            raise
         finally:
             if pidfile.exists():
                 root = int(pidfile.read_text().strip())
                 s.restored.append((root, TREE.name))
                 _adopt_tree(s, root, script)
-        computes = _first_ticks(logs, start, 60)
+        computes = _first_ticks(watchers, start, 60)
         out.add(0, f"{key}restore_wall", rwall)
         out.add(0, f"{key}restore_first_tick", computes)
         progress(

@@ -37,6 +37,8 @@ PAGE_CACHE_OF = {
     "restore_first_tick": ("restore", "dump_image_bytes"),
     "raw_restore_first_tick": ("raw_restore", "raw_image_bytes"),
 }
+# The image whose bytes each watched command moves.
+IMAGE_OF_WHAT = {what: image for what, image in PAGE_CACHE_OF.values()}
 # A restore that read more than this share of its image from the disk did not find it in the
 # page cache.
 DISK_READ_SHARE = 0.10
@@ -146,6 +148,12 @@ def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
 RECLAIM_SHARE = 0.10
 
 
+def touched(image_bytes: float) -> float:
+    """About what a dump or restore of an image this size allocates: the image's page cache (a
+    dump), or the process's host and device memory (a restore)."""
+    return image_bytes
+
+
 def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
     """The sizes at which a figure's bytes left the page cache's fast path, and how: its writer was
     throttled at the dirty limit (``dirty``), its reader read a share of the image from the disk
@@ -163,6 +171,9 @@ def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
         reclaimed = data.med(sz, f"{what}_reclaimed_bytes")
         if reclaimed is not None and size and reclaimed > RECLAIM_SHARE * size:
             how.append("reclaim")
+        warmed = data.med(sz, f"{what}_warmed_bytes")
+        if warmed is not None and size and touched(size) - warmed > RECLAIM_SHARE * size:
+            how.append("cold")
         if how:
             out[sz] = how
     return out
@@ -177,6 +188,9 @@ def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
          "cache"),
         ("reclaim", "the kernel reclaimed up to {reclaimed:.0f} MiB of memory meanwhile (free memory ran "
          "out beside the image, the process and the memory warmed before the command)"),
+        ("cold", "only {warmed:.1f} GiB could be warmed before the command, against about {touched:.1f} "
+         "GiB it allocates, and the rest came cold: a VM whose host takes freed memory back (free page "
+         "reporting) backs it again on first touch, at a fraction of memory speed (*Cold memory* below)"),
     ):  # fmt: skip
         sizes = [sz for sz, hows in crossed.items() if how in hows]
         if not sizes:
@@ -186,6 +200,8 @@ def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
             "free": min(m(sz, f"{what}_dirty_freerun_bytes") or 0 for sz in sizes) / GiB,
             "read": max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in sizes) / MiB,
             "reclaimed": max(m(sz, f"{what}_reclaimed_bytes") or 0 for sz in sizes) / MiB,
+            "warmed": min(m(sz, f"{what}_warmed_bytes") or 0 for sz in sizes) / GiB,
+            "touched": max(touched(m(sz, IMAGE_OF_WHAT[what]) or 0) for sz in sizes) / GiB,
         }
         parts.append(f"at {', '.join(str(sz) for sz in sizes)} MiB " + text.format(**values))
     return "; ".join(parts)
@@ -205,9 +221,12 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
         none = (
             "stayed clear of them"
             if crossed
-            else "passed the dirty limit, read from the disk or ran short of free memory"
+            else "passed the dirty limit, read from the disk, ran short of free memory or ran unwarmed"
         )
-        return f"*{label}, {who}*: **not explained by the page cache** (no size {none}): a bug to find."
+        return (
+            f"*{label}, {who}*: **not explained by the page cache or the machine's memory** "
+            f"(no size {none}): a bug to find."
+        )
     lo, hi = max(below), max(plan.sizes)
     t_lo, t_hi, b_lo, b_hi = m(lo, name), m(hi, name), m(lo, image), m(hi, image)
     rate = ""
@@ -247,20 +266,28 @@ def page_cache_table(plan: Plan, data: Samples) -> list[str]:
     def both(sz: int, a: str, b: str, counter: str) -> str:
         return f"{mib(sz, f'{a}_{counter}')} / {mib(sz, f'{b}_{counter}')}"
 
+    def gib(sz: int, name: str) -> str:
+        v = m(sz, name)
+        return "–" if v is None else f"{v / GiB:.1f}"
+
     rows = [
-        [f"{sz} MiB", dirty(sz, "dump"), dirty(sz, "raw_dump"),
+        [f"{sz} MiB", f"{gib(sz, 'dump_warmed_bytes')} / {gib(sz, 'raw_dump_warmed_bytes')}",
+         dirty(sz, "dump"), dirty(sz, "raw_dump"),
          both(sz, "dump", "raw_dump", "reclaimed_bytes"),
          both(sz, "restore", "raw_restore", "disk_read_bytes"),
          both(sz, "restore", "raw_restore", "reclaimed_bytes")]
         for sz in plan.sizes
     ]  # fmt: skip
-    head = ["device memory", "npusnap dump: peak dirty / free-run GiB", "raw dump: peak dirty / free-run GiB",
+    head = ["device memory", "warmed before the dump GiB, npusnap / raw",
+            "npusnap dump: peak dirty / free-run GiB", "raw dump: peak dirty / free-run GiB",
             "dump: reclaimed MiB, npusnap / raw", "restore: read from disk MiB, npusnap / raw",
             "restore: reclaimed MiB, npusnap / raw"]  # fmt: skip
     return [
         *_table(head, rows),
         "From `/proc/vmstat`, sampled every 50 ms during each timed command (`bench/vmstat.py`), "
-        "medians: *peak dirty* is the most dirty and under-writeback memory seen; the *free-run* "
+        "medians: *warmed* is the memory touched and freed right before the command (free memory "
+        "only, and at most what leaves a fifth of the memory, plus 512 MiB, available); *peak dirty* "
+        "is the most dirty and under-writeback memory seen; the *free-run* "
         "point, (`nr_dirty_threshold` + `nr_dirty_background_threshold`) / 2, is where the kernel "
         "starts holding writers to the disk's pace (*throttled n/N*: in n of N repetitions the peak "
         "passed it); the device memory, shared memory of the simulator, shrinks it. *Reclaimed*: "

@@ -65,8 +65,8 @@ def test_a_super_linear_dump_past_the_dirty_limit_is_explained_by_the_page_cache
     assert "the disk's sequential write: 1000 MiB/s" in note
     assert "Up to 4096 MiB: linear" in note  # the sizes below the limit fit a line
     table = "\n".join(page_cache_table(plan, data))
-    assert "| 8192 MiB | 3.0 / 2.5 (throttled 1/1) |" in table, table
-    assert "| 1024 MiB | 1.0 / 2.5 |" in table
+    assert "| 8192 MiB | – / – | 3.0 / 2.5 (throttled 1/1) |" in table, table
+    assert "| 1024 MiB | – / – | 1.0 / 2.5 |" in table
 
 
 def test_a_super_linear_figure_the_page_cache_does_not_explain_is_called_a_bug() -> None:
@@ -93,3 +93,22 @@ def test_a_dump_that_ran_short_of_free_memory_is_explained_by_the_reclaim() -> N
     note = page_cache_note(plan, data, "dump_wall", "raw CRIU", "dump")
     assert "at 8192 MiB the kernel reclaimed up to 2048 MiB of memory" in note, note
     assert "dirty limit" not in note and "Up to 4096 MiB: linear" in note
+
+
+def test_a_dump_that_ran_partly_unwarmed_is_explained_by_cold_memory() -> None:
+    sizes = [64, 256, 1024, 4096, 8192]
+    plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=1 << 20)  # never throttled
+    for sz in sizes:
+        # Warmed: twice the image, except at 8192 MiB, where only 6 GiB could be.
+        data.add(sz, "raw_dump_warmed_bytes", 6 * GiB if sz == 8192 else 2 * sz * MiB)
+        data.add(sz, "raw_image_bytes", sz * MiB)
+        data.add(sz, "raw_dump_wall", 0.1 + sz * MiB / 2e9 + (sz == 8192) * 6.0)
+        data.add(sz, "raw_dump_peak_dirty_bytes", GiB)
+        data.add(sz, "raw_dump_dirty_freerun_bytes", 2 * GiB)
+    note = page_cache_note(plan, data, "raw_dump_wall", "raw CRIU", "dump")
+    assert "piecewise" in note and "at 8192 MiB only 6.0 GiB could be warmed" in note, note
+    assert "against about 8.0 GiB it allocates" in note and "Up to 4096 MiB: linear" in note
+    # Fully warmed, the same growth is a bug to find.
+    for sz in sizes:
+        data.by_size[sz]["raw_dump_warmed_bytes"] = [2 * sz * MiB]
+    assert "a bug to find" in page_cache_note(plan, data, "raw_dump_wall", "raw CRIU", "dump")
