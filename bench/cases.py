@@ -67,6 +67,7 @@ def bench_npusnap(
         else:
             warm_memory(plan, size)
 
+    s.drop_kept_memory(f"npusnap dump{label}")
     d = s.work / f"{pre}np-{size}-{rep}"
     d.mkdir()
     log = d / "job.out"
@@ -122,6 +123,7 @@ def bench_npusnap(
 
 def bench_leave_running(s: Session, plan: Plan, size: int, rep: int, out: Samples) -> None:
     """npusnap dump --leave-running of a fresh workload, watched from outside through its ticks."""
+    s.drop_kept_memory("npusnap dump --leave-running")
     d = s.work / f"lr-{size}-{rep}"
     d.mkdir()
     log = d / "job.out"

@@ -31,6 +31,7 @@ def bench_lazy(s: Session, plan: Plan, host_mib: int, rep: int, out: Samples, cr
     computes again (its next tick), in the same run. Recorded under size ``host_mib``:
     ``lazy_first_tick`` / ``lazy_wall`` (the command returns once every page is in and verified),
     ``lazy_raw_first_tick``, and npusnap's own phases (``lazy_restore_*``)."""
+    s.drop_kept_memory("npusnap restore --lazy")
     d = s.work / f"lazy-{host_mib}-{rep}"
     d.mkdir()
     log = d / "job.out"

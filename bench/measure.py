@@ -129,7 +129,8 @@ if addr in (None, C.c_void_p(-1).value):
     raise OSError(C.get_errno(), "mmap failed")
 C.memset(addr, 1, size)
 """
-# A cold dump waits this long first: free page reporting hands freed pages back after about 2 s.
+# A cold dump waits this long first, with the machine's own free page reporting (bench/pagereport.py
+# holds it off for the rest of the run): long enough for freed pages to go back to the host.
 COLD_PAUSE_S = 4.0
 
 

@@ -61,8 +61,7 @@ def bench_ranks(s: Session, plan: Plan, ranks: int, rep: int, out: Samples, criu
     host_each = plan.host_mib // ranks
     pre = f"ranks{ranks}_"
     for kind in ("npusnap", "raw"):
-        if kind == "raw":
-            s.drop_kept_memory()
+        s.drop_kept_memory(f"{kind} tree of {ranks}")
         d = s.work / f"tree-{kind}-{ranks}-{rep}"
         d.mkdir()
         logs = [d / f"rank{r}.out" for r in range(ranks)]

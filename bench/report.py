@@ -83,8 +83,9 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         "restored with `criu restore -d -D DIR -o restore.log -v4`. npusnap drives the same CRIU "
         "(through `criu swrk`) with the same options: no shell job, no TCP, log level 4. The "
         "simulator keeps the memory of killed workloads for a while for the next Restore (shared "
-        "memory, like a device's fixed memory); before a raw CRIU case it is restarted if it keeps "
-        "any, so that the baseline has the machine's memory to itself.",
+        "memory, like a device's fixed memory, which a case's own restore reuses); before every "
+        "case it is restarted if it keeps any, so that no case runs beside the memory of an "
+        "earlier one (it shrinks the page cache and the dirty limit).",
         "* Each repetition starts fresh processes. Sizes are MiB of device memory.",
         (
             "* Memory is warmed right before every timed command, for npusnap and raw CRIU alike "
@@ -434,17 +435,21 @@ def _cold_memory_section(plan: Plan, data: Samples) -> list[str]:
     """What warming memory changed: the same npusnap dump with and without it, from this run."""
     info_line = (
         "Every timed command above ran right after a helper process touched and freed "
-        "3 × (size + host MiB) + 512 MiB of memory (capped at half of MemAvailable): "
+        "3 × (size + host MiB) + 512 MiB of memory (free memory only, and leaving a fifth of the "
+        "memory plus 512 MiB available, so that neither a restore's image in the page cache nor the "
+        "simulator's kept memory is pushed out; the *warmed* column of the scale section says how "
+        "much that was): "
         if plan.warm
         else "This run did not warm memory (`--cold`): "
     )
     L = ["## Cold memory: what this VM's lazily backed RAM costs a dump", ""]
     L += [
-        info_line + "on a VM whose balloon reports free pages to the host, a page that stayed free for "
-        "a couple of seconds goes back to the host, and the next write to it faults in the host as "
-        "well. Whichever step of a dump touches new memory first pays for that: CRIU writing the "
-        "image into new page cache, right after Backup took the recently freed pages. Warming "
-        "applies to npusnap and raw CRIU alike.",
+        info_line + "on a VM whose balloon reports free pages to the host, a freed page goes back to "
+        "the host (here as soon as it is free: the machine table's *free page reporting*), and the "
+        "next write to it faults in the host as well. Whichever step of a dump touches new memory "
+        "first pays for that: the device memory's copy into new page cache, or CRIU's. Warming, and "
+        "holding reporting off during the run so that warmed memory stays backed, apply to npusnap "
+        "and raw CRIU alike; the cold case below runs with the machine's own reporting.",
         "",
     ]
     sz = pick_size(plan.sizes, TARGET_MIB)

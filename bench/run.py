@@ -27,17 +27,19 @@ The report fits time against bytes and against ranks (``report.py``: slope, inte
 super-linear term) and draws both in a PNG next to ``--out`` (matplotlib: ``.venv/bin/pip install
 'matplotlib>=3.7'``, the ``bench`` extra; ``--no-plot`` goes without).
 
-Right before every timed command, a helper process touches and frees a few GiB of memory
-(``warm_memory``; ``--cold`` turns this off). On a VM whose balloon reports free pages to the
-host, memory that was free for a few seconds is handed back to the host, and the first write to
-each such page then faults in the host too; whichever step touches memory first would pay for
-that — in a dump, CRIU writing the image into new page cache right after Backup took the
-recently freed memory. Warming treats npusnap and raw CRIU alike.
+Right before every timed command, a helper process touches and frees up to three times the
+command's bytes of free memory (``warm_memory``; ``--cold`` turns this off). On a VM whose balloon
+reports free pages to the host, memory that was free for a moment is handed back to the host, and
+the first write to each such page then faults in the host too; whichever step touches memory first
+would pay for that — in a dump, CRIU writing the image into new page cache right after Backup took
+the recently freed memory (at 8 GiB here, raw ``criu dump`` took 10-23 s cold or half warmed and
+3.9-5.0 s warmed). Warming treats npusnap and raw CRIU alike.
 
 The code: ``run.py`` (this file: options, the order of the run); the cases, one function each
 (add a case there): ``cases.py`` (every size against raw CRIU, and the machine's limits),
 ``lazy.py``, ``ranks.py``, ``attach.py``; ``measure.py`` (how a case runs and times commands, the
-plan), ``vmstat.py`` (the page cache during a command), ``session.py`` (starting and watching
+plan), ``vmstat.py`` (the page cache during a command), ``pagereport.py`` (the VM's free page reporting
+held off during the run), ``session.py`` (starting and watching
 processes, cleanup), ``machine.py`` (machine facts); the report: ``report.py`` (the Markdown report
 and the targets), ``scale.py`` (the fits, the targets of issue 16, the scale), ``plot.py`` (the
 PNG); ``common.py`` (paths, constants, the samples store); and the workloads ``hostalloc.py``,
@@ -71,6 +73,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import pagereport  # noqa: E402
 from bench.attach import bench_attach  # noqa: E402
 from bench.cases import (  # noqa: E402
     bench_copyrate,
@@ -208,6 +211,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--only-lazy", action="store_true", help="measure only the --lazy-mib case")
     ap.add_argument(
+        "--keep-page-reporting",
+        action="store_true",
+        help="leave the VM's free page reporting as it is (bench/pagereport.py: by default freed "
+        "memory is held back from the host for 10 s during the run, so that warming holds)",
+    )
+    ap.add_argument(
         "--render-only",
         type=Path,
         metavar="JSON",
@@ -290,6 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             str(plan.copy_mib),
             *(["--no-plot"] if ns.no_plot else []),
             *(["--cold"] if ns.cold else []),
+            *(["--keep-page-reporting"] if ns.keep_page_reporting else []),
             *(["--lazy-mib", ",".join(map(str, plan.lazy_mib))] if plan.lazy_mib else []),
             *(["--only-lazy"] if ns.only_lazy else []),
             "--image-dir",
@@ -322,14 +332,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = Samples()
     started = time.monotonic()
     rc = 0
+    reporting = pagereport.Hold()
     with _terminate_as_exit():
         try:
+            reporting_note = (
+                f"left as it is (--keep-page-reporting): min_free_ms {pagereport.current()}"
+                if ns.keep_page_reporting
+                else reporting.start()
+            )
             capacity = (max(*plan.sizes, plan.ranks_mib, plan.copy_mib, LAZY_DEVICE_MIB) + 64) * MiB
             devices = max(plan.ranks, default=1)  # a tree's rank R uses device R
             session.start_daemon(devices, capacity)
             os.environ.update(manager.env())
             session.env = dict(os.environ)
             info: dict[str, Any] = {"machine": machine_info(work), "versions": versions(criu)}
+            info["machine"]["free page reporting"] = reporting_note
+            progress(f"free page reporting: {reporting_note}")
             progress(
                 f"private simulated NPU: {devices} device(s) of {capacity // MiB} MiB at {tmp / 'sim.sock'}"
             )
@@ -357,7 +375,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if size == pick_size(plan.sizes, TARGET_MIB):
                         bench_npusnap(session, plan, size, rep, data, inproc=True)
                     if plan.warm and size == pick_size(plan.sizes, TARGET_MIB):
-                        bench_npusnap(session, plan, size, rep, data, cold=True)
+                        with reporting.released():  # what the machine's own reporting costs
+                            bench_npusnap(session, plan, size, rep, data, cold=True)
             for ranks in [] if ns.only_lazy else plan.ranks:
                 for rep in range(plan.reps):
                     bench_ranks(session, plan, ranks, rep, data, criu.path)
@@ -396,6 +415,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             rc = 130
         finally:
             problems = session.close()
+            problem = reporting.stop()
+            if problem is not None:
+                problems.append(problem)
             os.environ.clear()
             os.environ.update(saved_env)
             for p in problems:
