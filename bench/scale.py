@@ -149,9 +149,15 @@ RECLAIM_SHARE = 0.10
 
 
 def touched(image_bytes: float) -> float:
-    """About what a dump or restore of an image this size allocates: the image's page cache (a
-    dump), or the process's host and device memory (a restore)."""
+    """About what a dump or a raw restore of an image this size allocates: the image's page cache
+    (a dump), or the process's memory (raw CRIU's restore). Not said of npusnap's restore: the
+    simulated device gives a Restore the memory a dump left when it still keeps it, so what that
+    restore allocates is not known here (``COLD_KNOWN``)."""
     return image_bytes
+
+
+# The watched commands whose new memory ``touched`` estimates.
+COLD_KNOWN = ("dump", "raw_dump", "raw_restore")
 
 
 def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
@@ -172,7 +178,12 @@ def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
         if reclaimed is not None and size and reclaimed > RECLAIM_SHARE * size:
             how.append("reclaim")
         warmed = data.med(sz, f"{what}_warmed_bytes")
-        if warmed is not None and size and touched(size) - warmed > RECLAIM_SHARE * size:
+        if (
+            what in COLD_KNOWN
+            and warmed is not None
+            and size
+            and touched(size) - warmed > RECLAIM_SHARE * size
+        ):
             how.append("cold")
         if how:
             out[sz] = how
