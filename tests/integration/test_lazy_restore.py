@@ -79,28 +79,32 @@ def _wait_daemon(img: Path, proc: subprocess.Popen[str], stopped: bool = False) 
 
 
 class _Throttle:
-    """Holds one process to 1 % of a CPU (a cpu cgroup, v2 or v1), so that its work surely takes long."""
+    """Holds a process, and the children it starts from then on, to ``quota_us`` per 100 ms of one
+    CPU (a cpu cgroup, v2 or v1), so that their work surely takes long."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, quota_us: int = 1000) -> None:
         v2 = Path("/sys/fs/cgroup")
         controllers = v2 / "cgroup.controllers"
         if controllers.exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
             self.dir = v2 / f"npusnap-test-lazy-{os.getpid()}"
             self.dir.mkdir()
-            (self.dir / "cpu.max").write_text("1000 100000")
-            self._off = ("cpu.max", "max 100000")
-            (self.dir / "cgroup.procs").write_text(str(pid))
+            self._quota, self._fmt, self._off = "cpu.max", "{} 100000", "max 100000"
+            procs = "cgroup.procs"
         elif (v2 / "cpu" / "cpu.cfs_quota_us").exists():
             self.dir = v2 / "cpu" / f"npusnap-test-lazy-{os.getpid()}"
             self.dir.mkdir()
-            (self.dir / "cpu.cfs_quota_us").write_text("1000")
-            self._off = ("cpu.cfs_quota_us", "-1")
-            (self.dir / "tasks").write_text(str(pid))
+            self._quota, self._fmt, self._off = "cpu.cfs_quota_us", "{}", "-1"
+            procs = "tasks"
         else:
             pytest.skip("no cpu cgroup controller to slow the lazy-pages daemon down with")
+        self.set(quota_us)
+        (self.dir / procs).write_text(str(pid))
+
+    def set(self, quota_us: int) -> None:
+        (self.dir / self._quota).write_text(self._fmt.format(quota_us))
 
     def lift(self) -> None:
-        (self.dir / self._off[0]).write_text(self._off[1])
+        (self.dir / self._quota).write_text(self._off)
 
     def remove(self) -> None:
         # Empty once the daemon exited (it is npusnap's child and ends with the restore).
@@ -160,7 +164,12 @@ def test_image_removed_while_paging_in_is_harmless(
     )
     throttle: Optional[_Throttle] = None
     try:
-        throttle = _Throttle(_wait_daemon(img, proc))
+        # The whole restore at a fifth of a CPU from the start, so that its lazy-pages daemon (a
+        # child) cannot serve a small job's every page before it is found (on a fast machine the
+        # whole lazy restore took 0.6 s, and the test found it done), then at 1 % once it is.
+        throttle = _Throttle(proc.pid, 20_000)
+        _wait_daemon(img, proc)
+        throttle.set(1000)
         # The daemon got the job's userfaultfd and opened the page files: remove the image now,
         # while (at 1 % of a CPU) nearly every page is still owed.
         log = logs / "lazy-pages.log"
