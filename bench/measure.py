@@ -113,6 +113,8 @@ def add_page_cache(out: Samples, size: int, what: str, use: vmstat.PageCacheUse)
     out.add(size, f"{what}_dirty_freerun_bytes", use.freerun)
     out.add(size, f"{what}_disk_read_bytes", use.disk_read)
     out.add(size, f"{what}_reclaimed_bytes", use.reclaimed)
+    if use.io_stall_s is not None:
+        out.add(size, f"{what}_io_stall_s", use.io_stall_s)
     out.flag(size, f"{what}_dirty_throttled", use.throttled)
 
 

@@ -4,7 +4,10 @@ Why a figure grows faster than its bytes is usually the page cache, not the prog
 throttled to the disk's pace once dirty pages pass the kernel's dirty limit (``balance_dirty_pages``
 lets it run free below ``(nr_dirty_threshold + nr_dirty_background_threshold) / 2``, the *free-run*
 point), and a reader whose image was evicted reads it from the disk. ``Watch`` samples both while a
-command runs, so that the report can say which sizes crossed the line instead of guessing.
+command runs, so that the report can say which sizes crossed the line instead of guessing. The
+kernel also holds a writer back below that point, once the disk's own share of the dirty limit is
+used up; that shows only as time waited on I/O, which ``Watch`` takes from the kernel's pressure
+stall information (``/proc/pressure/io``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,22 @@ _KEYS = (
 _RECLAIM = ("pgsteal_kswapd", "pgsteal_direct")
 
 
+PSI_IO = "/proc/pressure/io"
+
+
+def io_stall_us() -> Optional[int]:
+    """Microseconds that some task waited on I/O since boot (``/proc/pressure/io``, "some"), which
+    includes a writer that ``balance_dirty_pages`` holds to the disk's pace; None without PSI."""
+    try:
+        with open(PSI_IO) as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def read() -> dict[str, int]:
     """The counters of ``_KEYS`` now (pages, except pgpgin: KiB read from block devices)."""
     out: dict[str, int] = {}
@@ -49,6 +68,7 @@ class PageCacheUse:
     freerun: int  # the smallest free-run point seen: above it, writers are throttled
     disk_read: int  # read from block devices (pgpgin)
     reclaimed: int  # memory the kernel reclaimed meanwhile (pgsteal, kswapd and direct)
+    io_stall_s: Optional[float] = None  # time some task waited on I/O (PSI), None without PSI
 
     @property
     def throttled(self) -> bool:
@@ -64,6 +84,7 @@ class Watch:
         self._first: dict[str, int] = {}
         self._peak = 0
         self._freerun: Optional[int] = None
+        self._io0: Optional[int] = None
 
     def _sample(self) -> dict[str, int]:
         v = read()
@@ -79,6 +100,7 @@ class Watch:
             self._sample()
 
     def start(self) -> Watch:
+        self._io0 = io_stall_us()
         self._first = self._sample()
         self._thread = threading.Thread(target=self._run, name="bench-vmstat", daemon=True)
         self._thread.start()
@@ -89,7 +111,9 @@ class Watch:
         if self._thread is not None:
             self._thread.join()
         last = self._sample()
+        io0, io1 = self._io0, io_stall_us()
         return PageCacheUse(
+            io_stall_s=(io1 - io0) / 1e6 if io0 is not None and io1 is not None else None,
             peak_dirty=self._peak * PAGE,
             freerun=(self._freerun or 0) * PAGE,
             disk_read=(last.get("pgpgin", 0) - self._first.get("pgpgin", 0)) * 1024,

@@ -112,3 +112,16 @@ def test_a_dump_that_ran_partly_unwarmed_is_explained_by_cold_memory() -> None:
     for sz in sizes:
         data.by_size[sz]["raw_dump_warmed_bytes"] = [2 * sz * MiB]
     assert "a bug to find" in page_cache_note(plan, data, "raw_dump_wall", "raw CRIU", "dump")
+
+
+def test_a_dump_held_to_the_disks_pace_below_the_dirty_limit_is_explained_by_its_io_wait() -> None:
+    sizes = [64, 256, 1024, 4096, 8192]
+    plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=1 << 20)  # never past the limit
+    for sz in sizes:
+        extra = (sz == 8192) * 2.0
+        data.by_size[sz]["dump_wall"] = [0.2 + sz * MiB / 4e9 + extra]
+        data.add(sz, "dump_io_stall_s", 0.01 + extra)
+    note = page_cache_note(plan, data, "dump_wall", "raw CRIU", "dump")
+    assert "at 8192 MiB the command waited 2.0 s on I/O" in note, note
+    assert "Up to 4096 MiB: linear" in note
+    assert "| 8192 MiB | – / – | 3.0 / 2.5 | – | 2.01 / – |" in "\n".join(page_cache_table(plan, data))
