@@ -156,9 +156,6 @@ def touched(image_bytes: float) -> float:
     return image_bytes
 
 
-# A command that waited on I/O for more than this share of its time was held to the disk's pace.
-IO_STALL_SHARE = 0.10
-
 # The watched commands whose new memory ``touched`` estimates.
 COLD_KNOWN = ("dump", "raw_dump", "raw_restore")
 
@@ -166,8 +163,9 @@ COLD_KNOWN = ("dump", "raw_dump", "raw_restore")
 def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
     """The sizes at which a figure's bytes left the page cache's fast path, and how: its writer was
     throttled at the dirty limit (``dirty``), its reader read a share of the image from the disk
-    (``disk``), it waited on I/O for a share of its time below that limit (``io``), the kernel
-    reclaimed memory meanwhile (``reclaim``), or it ran partly unwarmed (``cold``)."""
+    (``disk``), the kernel reclaimed memory meanwhile (``reclaim``), or it ran partly unwarmed
+    (``cold``). Time waited on I/O is shown beside them but explains nothing by itself: a dump
+    command waits on I/O by design (npusnap's fsync, raw CRIU's ``sync -f``)."""
     what, image = PAGE_CACHE_OF[name]
     out: dict[int, list[str]] = {}
     for sz in plan.sizes:
@@ -181,9 +179,6 @@ def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
         reclaimed = data.med(sz, f"{what}_reclaimed_bytes")
         if reclaimed is not None and size and reclaimed > RECLAIM_SHARE * size:
             how.append("reclaim")
-        stall, took = data.med(sz, f"{what}_io_stall_s"), data.med(sz, name)
-        if stall is not None and took and stall > IO_STALL_SHARE * took and not {"dirty", "disk"} & set(how):
-            how.append("io")
         warmed = data.med(sz, f"{what}_warmed_bytes")
         if (
             what in COLD_KNOWN
@@ -206,9 +201,6 @@ def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
          "cache"),
         ("reclaim", "the kernel reclaimed up to {reclaimed:.0f} MiB of memory meanwhile (free memory ran "
          "out beside the image, the process and the memory warmed before the command)"),
-        ("io", "the command waited {stall:.1f} s on I/O (`/proc/pressure/io`): the kernel held its "
-         "writes to the disk's pace below the global dirty limit, once the disk's own share of it "
-         "was used up"),
         ("cold", "only {warmed:.1f} GiB could be warmed before the command, against about {touched:.1f} "
          "GiB it allocates, and the rest came cold: a VM whose host takes freed memory back (free page "
          "reporting) backs it again on first touch, at a fraction of memory speed (*Cold memory* below)"),
@@ -222,7 +214,6 @@ def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
             "read": max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in sizes) / MiB,
             "reclaimed": max(m(sz, f"{what}_reclaimed_bytes") or 0 for sz in sizes) / MiB,
             "warmed": min(m(sz, f"{what}_warmed_bytes") or 0 for sz in sizes) / GiB,
-            "stall": max(m(sz, f"{what}_io_stall_s") or 0 for sz in sizes),
             "touched": max(touched(m(sz, IMAGE_OF_WHAT[what]) or 0) for sz in sizes) / GiB,
         }
         parts.append(f"at {', '.join(str(sz) for sz in sizes)} MiB " + text.format(**values))
@@ -243,8 +234,7 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
         none = (
             "stayed clear of them"
             if crossed
-            else "passed the dirty limit, read from the disk, waited on I/O, ran short of free memory or "
-            "ran unwarmed"
+            else "passed the dirty limit, read from the disk, ran short of free memory or ran unwarmed"
         )
         return (
             f"*{label}, {who}*: **not explained by the page cache or the machine's memory** "
@@ -322,7 +312,9 @@ def page_cache_table(plan: Plan, data: Samples) -> list[str]:
         "passed it); the device memory, shared memory of the simulator, shrinks it. *Reclaimed*: "
         "`pgsteal_kswapd` + `pgsteal_direct`, memory the kernel took back from caches and processes "
         "because free memory ran out. *Waited on I/O*: `/proc/pressure/io` (some), time some task "
-        "was stalled on I/O, which counts a writer held to the disk's pace below the global limit. "
+        "was stalled on I/O: a writer held to the disk's pace below the global limit, and the "
+        "command's own fsync or `sync -f`; a share of the command that grows with size would point "
+        "at writeback, one that stays flat does not. "
         "*Read from disk*: `pgpgin` during the restore.",
         "",
     ]

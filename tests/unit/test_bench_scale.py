@@ -114,7 +114,7 @@ def test_a_dump_that_ran_partly_unwarmed_is_explained_by_cold_memory() -> None:
     assert "a bug to find" in page_cache_note(plan, data, "raw_dump_wall", "raw CRIU", "dump")
 
 
-def test_a_dump_held_to_the_disks_pace_below_the_dirty_limit_is_explained_by_its_io_wait() -> None:
+def test_the_time_waited_on_io_is_shown_and_explains_nothing_by_itself() -> None:
     sizes = [64, 256, 1024, 4096, 8192]
     plan, data = _plan(sizes), _dump_samples(sizes, throttled_from=1 << 20)  # never past the limit
     for sz in sizes:
@@ -122,6 +122,5 @@ def test_a_dump_held_to_the_disks_pace_below_the_dirty_limit_is_explained_by_its
         data.by_size[sz]["dump_wall"] = [0.2 + sz * MiB / 4e9 + extra]
         data.add(sz, "dump_io_stall_s", 0.01 + extra)
     note = page_cache_note(plan, data, "dump_wall", "raw CRIU", "dump")
-    assert "at 8192 MiB the command waited 2.0 s on I/O" in note, note
-    assert "Up to 4096 MiB: linear" in note
+    assert "a bug to find" in note, note  # a dump's fsync waits on I/O too: no cause by itself
     assert "| 8192 MiB | – / – | 3.0 / 2.5 | – | 2.01 / – |" in "\n".join(page_cache_table(plan, data))
