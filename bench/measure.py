@@ -159,14 +159,15 @@ def warm_mib(plan: Plan, size: int) -> int:
     return max(0, min(want, avail - warm_reserve_mib(), free - 512))
 
 
-# What the last warm_memory warmed, MiB (0: nothing, a --cold plan); add_page_cache records it.
+# What the last warm_memory warmed, MiB; add_page_cache records it. None for a command that was
+# not warmed for (a --cold plan, the cold-memory case): the report then says nothing of warming.
 _last_warm_mib: Optional[int] = None
 
 
 def warm_memory(plan: Plan, size: int) -> None:
     """Touch and free memory right before a timed command, unless the plan says --cold."""
     global _last_warm_mib
-    _last_warm_mib = 0
+    _last_warm_mib = None
     if not plan.warm:
         return
     mib = warm_mib(plan, size)

@@ -4,10 +4,10 @@ Why a figure grows faster than its bytes is usually the page cache, not the prog
 throttled to the disk's pace once dirty pages pass the kernel's dirty limit (``balance_dirty_pages``
 lets it run free below ``(nr_dirty_threshold + nr_dirty_background_threshold) / 2``, the *free-run*
 point), and a reader whose image was evicted reads it from the disk. ``Watch`` samples both while a
-command runs, so that the report can say which sizes crossed the line instead of guessing. The
-kernel also holds a writer back below that point, once the disk's own share of the dirty limit is
-used up; that shows only as time waited on I/O, which ``Watch`` takes from the kernel's pressure
-stall information (``/proc/pressure/io``).
+command runs, so that the report can say which sizes crossed the line instead of guessing. It also
+takes the time waited on I/O from the kernel's pressure stall information (``/proc/pressure/io``),
+shown beside them but no cause by itself: a dump command waits on I/O by design (npusnap's fsync,
+raw CRIU's ``sync -f``).
 """
 
 from __future__ import annotations
