@@ -35,9 +35,6 @@ def machine_info(work: Path) -> dict[str, str]:
         ),
         platform.processor() or "unknown",
     )
-    mem_kib = next(
-        (int(ln.split()[1]) for ln in read_text("/proc/meminfo").splitlines() if ln.startswith("MemTotal")), 0
-    )
     pretty = next(
         (
             ln.split("=", 1)[1].strip('"')
@@ -69,7 +66,7 @@ def machine_info(work: Path) -> dict[str, str]:
     return {
         "cpu": cpu,
         "cores": str(os.cpu_count()),
-        "ram": f"{mem_kib / (1 << 20):.1f} GiB",
+        "ram": f"{(mem_total() or 0) / (1 << 30):.1f} GiB",
         "kernel": platform.release(),
         "os": f"{pretty} (debian_version {debian})" if debian else pretty,
         "image_fs": f"{fs}; {kind}{virt}" + (f", model {model}" if model else ""),

@@ -148,15 +148,10 @@ def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
 RECLAIM_SHARE = 0.10
 
 
-def touched(image_bytes: float) -> float:
-    """About what a dump or a raw restore of an image this size allocates: the image's page cache
-    (a dump), or the process's memory (raw CRIU's restore). Not said of npusnap's restore: the
-    simulated device gives a Restore the memory a dump left when it still keeps it, so what that
-    restore allocates is not known here (``COLD_KNOWN``)."""
-    return image_bytes
-
-
-# The watched commands whose new memory ``touched`` estimates.
+# The watched commands that allocate about their image's bytes anew: the image's page cache (a
+# dump), the process's memory (raw CRIU's restore). Not npusnap's restore: the simulated device
+# gives a Restore the memory a dump left when it still keeps it, so what that restore allocates
+# is not known here.
 COLD_KNOWN = ("dump", "raw_dump", "raw_restore")
 
 
@@ -180,12 +175,7 @@ def _crossed(plan: Plan, data: Samples, name: str) -> dict[int, list[str]]:
         if reclaimed is not None and size and reclaimed > RECLAIM_SHARE * size:
             how.append("reclaim")
         warmed = data.med(sz, f"{what}_warmed_bytes")
-        if (
-            what in COLD_KNOWN
-            and warmed is not None
-            and size
-            and touched(size) - warmed > RECLAIM_SHARE * size
-        ):
+        if what in COLD_KNOWN and warmed is not None and size and size - warmed > RECLAIM_SHARE * size:
             how.append("cold")
         if how:
             out[sz] = how
@@ -214,7 +204,7 @@ def _why(data: Samples, what: str, crossed: dict[int, list[str]]) -> str:
             "read": max(m(sz, f"{what}_disk_read_bytes") or 0 for sz in sizes) / MiB,
             "reclaimed": max(m(sz, f"{what}_reclaimed_bytes") or 0 for sz in sizes) / MiB,
             "warmed": min(m(sz, f"{what}_warmed_bytes") or 0 for sz in sizes) / GiB,
-            "touched": max(touched(m(sz, IMAGE_OF_WHAT[what]) or 0) for sz in sizes) / GiB,
+            "touched": max(m(sz, IMAGE_OF_WHAT[what]) or 0 for sz in sizes) / GiB,
         }
         parts.append(f"at {', '.join(str(sz) for sz in sizes)} MiB " + text.format(**values))
     return "; ".join(parts)

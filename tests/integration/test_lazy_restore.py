@@ -107,7 +107,8 @@ class _Throttle:
         (self.dir / self._quota).write_text(self._off)
 
     def remove(self) -> None:
-        # Empty once the daemon exited (it is npusnap's child and ends with the restore).
+        # Empty once the restore's processes exited: npusnap, its lazy-pages daemon (which ends
+        # with the restore) and the restored job (CRIU restores it into its parent's cgroup).
         wait_until(lambda: not self.dir.exists() or _rmdir(self.dir), 20, f"removing {self.dir}")
 
 
