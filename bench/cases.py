@@ -18,7 +18,9 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
+from bench import floor as floor_mod
 from bench import vmstat
 from bench.common import (
     BIGALLOC,
@@ -61,11 +63,11 @@ def bench_npusnap(
     label = " (cold memory)" if cold else " (device copy in process memory)" if inproc else ""
     env = dict(s.env, NPUSNAP_DEVMEM_IN_PROCESS="1") if inproc else s.env
 
-    def before_timed() -> None:
+    def before_timed() -> Optional[int]:
         if cold:
             time.sleep(COLD_PAUSE_S)
-        else:
-            warm_memory(plan, size)
+            return None
+        return warm_memory(plan, size)
 
     s.drop_kept_memory(f"npusnap dump{label}")
     d = s.work / f"{pre}np-{size}-{rep}"
@@ -78,12 +80,12 @@ def bench_npusnap(
     out.add(size, "workload_start_s", time.monotonic() - t0)
     image = d / "img"
     s.sample_load()
-    before_timed()
+    warmed = before_timed()
     watch = vmstat.Watch().start()
     try:
         wall, res = npusnap_json(["dump", str(proc.pid), str(image)], env, timeout=900)
     finally:
-        add_page_cache(out, size, f"{pre}dump", watch.stop())
+        add_page_cache(out, size, f"{pre}dump", watch.stop(), warmed)
     s.reap(proc)
     out.add(size, f"{pre}dump_wall", wall)
     for k, v in res["timings"].items():
@@ -97,7 +99,7 @@ def bench_npusnap(
 
     pidfile = d / "restored.pid"
     s.sample_load()
-    before_timed()
+    warmed = before_timed()
     watch = vmstat.Watch().start()
     try:
         (wall, res), first = until_first_tick(
@@ -108,7 +110,7 @@ def bench_npusnap(
             lambda: npusnap_json(["restore", str(image), "--pidfile", str(pidfile)], s.env, timeout=900),
         )
     finally:
-        add_page_cache(out, size, f"{pre}restore", watch.stop())
+        add_page_cache(out, size, f"{pre}restore", watch.stop(), warmed)
     out.add(size, f"{pre}restore_wall", wall)
     out.add(size, f"{pre}restore_first_tick", first)
     for k, v in res["timings"].items():
@@ -177,10 +179,19 @@ def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_pa
     image = d / "img"
     image.mkdir()
     argv = [sys.executable, str(HOSTALLOC), "--mib", str(size + plan.host_mib)]
-    argv += ["--interval", str(plan.interval)]
+    argv += ["--interval", str(plan.interval), "--floor-file", str(d / "floor.tmp")]
     proc = s.start(argv, log, agent=False, timeout=start_timeout(size))
     s.sample_load()
+    # The machine's floor: the workload writes the same bytes from its memory (floor.py).
     warm_memory(plan, size)
+    floor = floor_mod.measure(proc, log, timeout=start_timeout(size))
+    out.add(size, "floor_write_s", floor.write_s)
+    out.add(size, "floor_durable_s", floor.durable_s)
+    progress(
+        f"{size} MiB rep {rep + 1}: write() of the same bytes {floor.write_s:.2f} s, "
+        f"+ fsync {floor.durable_s:.2f} s"
+    )
+    warmed = warm_memory(plan, size)
     dump_log = image / "dump.log"
     watch = vmstat.Watch().start()
     try:
@@ -192,7 +203,7 @@ def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_pa
         )
         sync = run_timed(["sync", "-f", str(image)], "sync -f")
     finally:
-        add_page_cache(out, size, "raw_dump", watch.stop())
+        add_page_cache(out, size, "raw_dump", watch.stop(), warmed)
     s.reap(proc)
     out.add(size, "raw_dump_criu", crit)
     out.add(size, "raw_dump_sync", sync)
@@ -207,7 +218,7 @@ def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_pa
 
     pidfile = d / "restored.pid"
     s.sample_load()
-    warm_memory(plan, size)
+    warmed = warm_memory(plan, size)
     cmd = [
         criu_path,
         "restore",
@@ -226,7 +237,7 @@ def bench_raw(s: Session, plan: Plan, size: int, rep: int, out: Samples, criu_pa
             s, log, pidfile, HOSTALLOC.name, lambda: run_timed(cmd, "criu restore", image / "restore.log")
         )
     finally:
-        add_page_cache(out, size, "raw_restore", watch.stop())
+        add_page_cache(out, size, "raw_restore", watch.stop(), warmed)
     out.add(size, "raw_restore_wall", wall)
     out.add(size, "raw_restore_first_tick", first)
     progress(f"{size} MiB rep {rep + 1}: raw criu restore {wall:.2f} s, computes again after {first:.2f} s")

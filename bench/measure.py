@@ -102,13 +102,14 @@ def start_timeout(size_mib: int) -> float:
     return 60.0 + size_mib / 10.0
 
 
-def add_page_cache(out: Samples, size: int, what: str, use: vmstat.PageCacheUse) -> None:
+def add_page_cache(
+    out: Samples, size: int, what: str, use: vmstat.PageCacheUse, warmed_mib: Optional[int]
+) -> None:
     """Record what the page cache did during one timed command (see vmstat.py), and how much
-    memory was warmed right before it (``warm_memory``)."""
-    global _last_warm_mib
-    if _last_warm_mib is not None:
-        out.add(size, f"{what}_warmed_bytes", _last_warm_mib * MiB)
-        _last_warm_mib = None  # a command not warmed for records nothing
+    memory was warmed right before it (what ``warm_memory`` returned; None, for a command not
+    warmed for, records nothing)."""
+    if warmed_mib is not None:
+        out.add(size, f"{what}_warmed_bytes", warmed_mib * MiB)
     out.add(size, f"{what}_peak_dirty_bytes", use.peak_dirty)
     out.add(size, f"{what}_dirty_freerun_bytes", use.freerun)
     out.add(size, f"{what}_disk_read_bytes", use.disk_read)
@@ -159,17 +160,13 @@ def warm_mib(plan: Plan, size: int) -> int:
     return max(0, min(want, avail - warm_reserve_mib(), free - 512))
 
 
-# What the last warm_memory warmed, MiB; add_page_cache records it. None for a command that was
-# not warmed for (a --cold plan, the cold-memory case): the report then says nothing of warming.
-_last_warm_mib: Optional[int] = None
+def warm_memory(plan: Plan, size: int) -> Optional[int]:
+    """Touch and free memory right before a timed command, unless the plan says --cold.
 
-
-def warm_memory(plan: Plan, size: int) -> None:
-    """Touch and free memory right before a timed command, unless the plan says --cold."""
-    global _last_warm_mib
-    _last_warm_mib = None
+    Returns the MiB warmed, for ``add_page_cache``; None when the plan says --cold.
+    """
     if not plan.warm:
-        return
+        return None
     mib = warm_mib(plan, size)
     proc = subprocess.run(
         [sys.executable, "-c", _WARM, str(mib)],
@@ -180,4 +177,4 @@ def warm_memory(plan: Plan, size: int) -> None:
     )
     if proc.returncode != 0:
         raise BenchError(f"warming memory failed: {proc.stderr.strip()[-500:]}")
-    _last_warm_mib = mib
+    return mib

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.common import MiB, Samples
 from bench.measure import Plan
-from bench.scale import RANK_FIGURES, SIZE_FIGURES, fit_line, rank_points, size_points
+from bench.scale import FLOOR_FIGURES, RANK_FIGURES, SIZE_FIGURES, fit_line, rank_points, size_points
 
 PLOT_NAME = "benchmarks-scale.png"
 
@@ -37,6 +37,10 @@ def draw(plan: Plan, data: Samples, path: Path) -> None:
                 continue
             gib = [x / (1024 * MiB) for x in xs]
             by_size.plot(gib, ys, style, color=colour, label=f"{who}: {label}")
+    for (name, label), style in zip(FLOOR_FIGURES, (":", "-.")):  # the machine's floor (floor.py)
+        xs, ys = size_points(plan, data, name)
+        if xs:
+            by_size.plot([x / (1024 * MiB) for x in xs], ys, style, color="grey", label=label)
     by_size.set_xscale("log", base=2)
     by_size.set_yscale("log")
     by_size.set_xticks([sz / 1024 for sz in plan.sizes])

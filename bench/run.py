@@ -214,7 +214,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--keep-page-reporting",
         action="store_true",
         help="leave the VM's free page reporting as it is (bench/pagereport.py: by default freed "
-        "memory is held back from the host for 10 s during the run, so that warming holds)",
+        "memory is held back from the host for 60 s during the run, however much is freed, so "
+        "that warming holds)",
     )
     ap.add_argument(
         "--render-only",
@@ -336,7 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with _terminate_as_exit():
         try:
             reporting_note = (
-                f"left as it is (--keep-page-reporting): min_free_ms {pagereport.current()}"
+                f"left as it is (--keep-page-reporting): {pagereport.current()}"
                 if ns.keep_page_reporting
                 else reporting.start()
             )

@@ -37,6 +37,19 @@ PAGE_CACHE_OF = {
     "restore_first_tick": ("restore", "dump_image_bytes"),
     "raw_restore_first_tick": ("raw_restore", "raw_image_bytes"),
 }
+# The machine's floor for each dump figure (floor.py): the same bytes written with write() into
+# the page cache (what the frozen window holds), and made durable with fsync (what the command
+# waits for).
+FLOOR_OF = {
+    "dump_wall": "floor_durable_s",
+    "raw_dump_wall": "floor_durable_s",
+    "dump_frozen_s": "floor_write_s",
+    "raw_criu_frozen_s": "floor_write_s",
+}
+FLOOR_FIGURES = (
+    ("floor_write_s", "write() of the same bytes (the machine)"),
+    ("floor_durable_s", "write() + fsync of the same bytes (the machine)"),
+)
 # The image whose bytes each watched command moves.
 IMAGE_OF_WHAT = {what: image for what, image in PAGE_CACHE_OF.values()}
 # A restore that read more than this share of its image from the disk did not find it in the
@@ -124,22 +137,29 @@ def rank_points(plan: Plan, data: Samples, name: str) -> tuple[list[float], list
     return xs, ys
 
 
+def square_share(xs: list[float], ys: list[float], of: Optional[float] = None) -> Optional[float]:
+    """What a quadratic fit's x² term adds at the largest x, as a share of ``of`` (default: the
+    time at the largest x); 0 for a term that bends down; None under three sizes."""
+    quad = fit_quadratic(xs, ys)
+    if quad is None:
+        return None
+    ref = ys[xs.index(max(xs))] if of is None else of
+    return max(quad[2], 0.0) * max(xs) ** 2 / max(ref, 1e-9)
+
+
 def growth(xs: list[float], ys: list[float]) -> tuple[str, str, str]:
     """(slope as GB/s, intercept s, super-linear verdict) of time against bytes."""
     line = fit_line(xs, ys)
     if line is None:
         return "–", "–", "needs two sizes"
     rate = "– (no growth)" if line.slope <= 0 else f"{1 / line.slope / GB:.2f}"
-    quad = fit_quadratic(xs, ys)
-    if quad is None:
+    share = square_share(xs, ys)
+    if share is None:
         verdict = "needs three sizes"
+    elif share > SUPERLINEAR_SHARE:
+        verdict = f"**super-linear**: x² term {share:.0%} of the time at the largest size"
     else:
-        share = quad[2] * max(xs) ** 2 / max(ys[xs.index(max(xs))], 1e-9)
-        verdict = (
-            f"**super-linear**: x² term {share:.0%} of the time at the largest size"
-            if quad[2] > 0 and share > SUPERLINEAR_SHARE
-            else f"linear (x² term {max(share, 0.0) if quad[2] > 0 else 0.0:.0%} at the largest size)"
-        )
+        verdict = f"linear (x² term {share:.0%} at the largest size)"
     return rate, _s(line.intercept), verdict
 
 
@@ -214,10 +234,14 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
     """Why a figure flagged super-linear grew so, from the kernel's counters of the same run: the
     sizes past the dirty limit, read from the disk or short of free memory, the growth past them
     against the disk's rate, and the fit of the sizes below; or that none of it explains it."""
+    return f"*{label}, {who}*: {_page_cache_why(plan, data, name)}"
+
+
+def _page_cache_why(plan: Plan, data: Samples, name: str) -> str:
     what, image = PAGE_CACHE_OF[name]
     m = data.med
     if m(plan.sizes[0], f"{what}_peak_dirty_bytes") is None:
-        return f"*{label}, {who}*: the page cache was not watched in this run (an older run's data)."
+        return "the page cache was not watched in this run (an older run's data)."
     crossed = _crossed(plan, data, name)
     below = [sz for sz in plan.sizes if sz < min(crossed)] if crossed else plan.sizes
     if not crossed or not below:
@@ -226,10 +250,7 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
             if crossed
             else "passed the dirty limit, read from the disk, ran short of free memory or ran unwarmed"
         )
-        return (
-            f"*{label}, {who}*: **not explained by the page cache or the machine's memory** "
-            f"(no size {none}): a bug to find."
-        )
+        return f"**not explained by the page cache or the machine's memory** (no size {none}): a bug to find."
     lo, hi = max(below), max(plan.sizes)
     t_lo, t_hi, b_lo, b_hi = m(lo, name), m(hi, name), m(lo, image), m(hi, image)
     rate = ""
@@ -245,9 +266,47 @@ def page_cache_note(plan: Plan, data: Samples, name: str, who: str, label: str) 
     if len(sub) >= 3:
         _rate, _icpt, verdict = growth([x for x, _ in sub], [y for _, y in sub])
         fit = f". Up to {lo} MiB: {verdict.replace('**', '')}"
+    why = _why(data, what, crossed)
+    return f"piecewise, from the machine's memory rather than the program: {why}{rate}{fit}."
+
+
+def floor_note(plan: Plan, data: Samples, name: str, who: str, label: str) -> Optional[str]:
+    """A super-linear figure against the machine's floor measured in the same run (floor.py): the
+    machine's when the difference from the floor grows linearly (or bends down), the program's
+    when the difference still has a super-linear term; None without the floor's samples."""
+    floor = FLOOR_OF.get(name)
+    if floor is None:
+        return None
+    pts = [
+        (float(sz * MiB), f, g)
+        for sz in plan.sizes
+        if (f := data.med(sz, name)) is not None and (g := data.med(sz, floor)) is not None
+    ]
+    if len(pts) < 3:
+        return None
+    xs, fs, gs = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+    top = fs[xs.index(max(xs))]
+    own = square_share(xs, gs)
+    rest = square_share(xs, [f - g for f, g in zip(fs, gs)], of=top)
+    if own is None or rest is None:
+        return None
+    what = "write() + fsync" if floor == "floor_durable_s" else "write()"
+    base = (
+        f"*{label}, {who}*: a plain {what} of the same bytes from the same memory, timed in the same "
+        f"run (`bench/floor.py`), grows with an x² term of {own:.0%} itself"
+    )
+    line = fit_line(xs, [f - g for f, g in zip(fs, gs)])
+    if rest <= SUPERLINEAR_SHARE:
+        added = "" if line is None else f" ({line.slope * GiB:+.2f} s per GiB, {line.intercept:+.2f} s)"
+        return (
+            f"{base}; the difference from it grows linearly{added}, x² term {rest:.0%} of "
+            f"{who}'s time at the largest size: the super-linear part is the machine's page cache, "
+            "not the program."
+        )
     return (
-        f"*{label}, {who}*: piecewise, from the machine's memory rather than the program: "
-        f"{_why(data, what, crossed)}{rate}{fit}."
+        f"{base}; the difference from it still has an x² term of {rest:.0%} of {who}'s time at the "
+        f"largest size, which the machine's floor does not explain. The page cache: "
+        + _page_cache_why(plan, data, name)
     )
 
 
@@ -409,8 +468,16 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
     L += ["### With size", ""]
     rows = []
     for sz in plan.sizes:
-        rows.append([f"{sz} MiB"] + [f"{_s(m(sz, a))} / {_s(m(sz, b))}" for a, b, _label in SIZE_FIGURES])
-    L += _table(["device memory", *[f"{label}: npusnap / raw s" for _a, _b, label in SIZE_FIGURES]], rows)
+        rows.append(
+            [f"{sz} MiB"]
+            + [f"{_s(m(sz, a))} / {_s(m(sz, b))}" for a, b, _label in SIZE_FIGURES]
+            + [f"{_s(m(sz, 'floor_write_s'))} / {_s(m(sz, 'floor_durable_s'))}"]
+        )
+    L += _table(
+        ["device memory", *[f"{label}: npusnap / raw s" for _a, _b, label in SIZE_FIGURES],
+         "the machine: write() / + fsync of the same bytes s"],
+        rows,
+    )  # fmt: skip
     rows, notes = [], []
     for a, b, label in SIZE_FIGURES:
         for who, name in (("npusnap", a), ("raw CRIU", b)):
@@ -418,17 +485,24 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
             rate, icpt, verdict = growth(xs, ys)
             rows.append([label, who, rate, icpt, verdict])
             if verdict.startswith("**super-linear**"):
-                notes.append(page_cache_note(plan, data, name, who, label))
+                note = floor_note(plan, data, name, who, label)
+                notes.append(note or page_cache_note(plan, data, name, who, label))
+    for name, label in FLOOR_FIGURES:
+        rows.append([label, "", *growth(*size_points(plan, data, name))])
     L += _table(["figure", "", "slope GB/s", "intercept s", "growth"], rows)
     L += [
         "Fits over the sizes of this run (medians): time = intercept + bytes / slope, by least squares; "
         f"a quadratic fit's x² term above {SUPERLINEAR_SHARE:.0%} of the time at the largest size is "
         "flagged **super-linear** (a bug to find). Raw CRIU holds the same bytes in host memory "
-        f"(size + {plan.host_mib} MiB).",
+        f"(size + {plan.host_mib} MiB). *The machine* (`bench/floor.py`): raw CRIU's workload, right "
+        "before its dump, writes the bytes it holds from its own memory into a file in the image "
+        "directory with plain `write()` calls, then `fsync` (the same bytes, the same memory held, "
+        "so the same dirty thresholds): the floor that any dump of these bytes to this disk stands "
+        "on.",
         "",
     ]
     if notes:
-        L += ["Each super-linear flag, against what the page cache did in the same run:", ""]
+        L += ["Each super-linear flag, against the machine's floor and the page cache in the same run:", ""]
         L += [f"* {n}" for n in notes] + [""]
     L += page_cache_table(plan, data)
     L += [
