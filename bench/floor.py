@@ -5,12 +5,14 @@ calls, then ``fsync``.
 Why it exists: a dump's time grows with size partly because of the machine, not the program. On
 this VM, writing into the page cache runs at memory speed until the dirty pages pass the kernel's
 background threshold; from there writeback runs beside the writer and the writer slows to about
-the disk's pace; and memory the host took back is backed again on first touch. None of that is
-CRIU's or npusnap's. ``bench_raw`` asks its workload for this floor right before the raw dump (the
-same memory held, so the same dirty thresholds; the same bytes, read from the same cold memory as
-CRIU reads them), and the scale section fits what each dump figure adds over it
-(``scale.floor_note``): a super-linear term the floor shows as well is the machine's; one that the
-difference still shows is the program's.
+the disk's pace (by hand, no other process: the first 2 GiB at 3.9-4.3 GB/s, the rest at
+1.6-1.8 GB/s; the disk takes 1.6-2.2 GB/s with O_DIRECT); and memory the host took back is backed
+again on first touch (pagereport.py). None of that is CRIU's or npusnap's.
+
+``bench_raw`` asks its workload for this floor right before the raw dump: the same memory held, so
+the same dirty thresholds; the same bytes, read from the same memory as CRIU reads them. The scale
+section fits each dump figure against the floor's write() time (``scale.floor_note``): a figure
+linear in it grows as the machine does; one still super-linear against it has a term of its own.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ repetition, in the same run:
 * ``npusnap dump --leave-running`` of a fresh bigalloc: the frozen time (lock to unlock) and the
   gap in the workload's ticks seen from outside, to show that publishing (checksums, fsync)
   happens after the job runs again;
+* the machine's floor: right before the raw dump, ``hostalloc.py`` writes the bytes it holds
+  with plain ``write()`` calls, then ``fsync`` (``floor.py``); the scale section judges each
+  super-linear dump figure by what it adds over that floor;
 * ``npusnap restore`` against ``criu restore -d``, and the time until the restored workload
   prints its next tick (it computes again);
 * a plain sequential write with fsync in the image directory (this disk's physical limit), next
@@ -33,17 +36,19 @@ reports free pages to the host, memory that was free for a moment is handed back
 the first write to each such page then faults in the host too; whichever step touches memory first
 would pay for that — in a dump, CRIU writing the image into new page cache right after Backup took
 the recently freed memory (at 8 GiB here, raw ``criu dump`` took 10-23 s cold or half warmed and
-3.9-5.0 s warmed). Warming treats npusnap and raw CRIU alike.
+3.9-5.0 s warmed). Warming treats npusnap and raw CRIU alike, and ``pagereport.py`` holds the
+VM's reporting off for the run so that warmed memory stays backed.
 
 The code: ``run.py`` (this file: options, the order of the run); the cases, one function each
 (add a case there): ``cases.py`` (every size against raw CRIU, and the machine's limits),
 ``lazy.py``, ``ranks.py``, ``attach.py``; ``measure.py`` (how a case runs and times commands, the
-plan), ``vmstat.py`` (the page cache during a command), ``pagereport.py`` (the VM's free page reporting
-held off during the run), ``session.py`` (starting and watching
-processes, cleanup), ``machine.py`` (machine facts); the report: ``report.py`` (the Markdown report
-and the targets), ``scale.py`` (the fits, the targets of issue 16, the scale), ``plot.py`` (the
-PNG); ``common.py`` (paths, constants, the samples store); and the workloads ``hostalloc.py``,
-``tree.py``, ``copyrate.py`` (plus ``npusnap_cli/workloads/bigalloc.py``).
+plan), ``vmstat.py`` (the page cache during a command), ``pagereport.py`` (the VM's free page
+reporting held off during the run), ``floor.py`` (the machine's floor for writing the bytes),
+``session.py`` (starting and watching processes, cleanup), ``machine.py`` (machine facts); the
+report: ``report.py`` (the Markdown report and the targets), ``scale.py`` (the fits, the targets
+of issue 16, the scale), ``plot.py`` (the PNG); ``common.py`` (paths, constants, the samples
+store); and the workloads ``hostalloc.py``, ``tree.py``, ``copyrate.py`` (plus
+``npusnap_cli/workloads/bigalloc.py``).
 
 Medians go to a Markdown report (``--out``). This is not a test: nothing here asserts timings.
 Everything it starts (a private simulated NPU daemon, workloads, restored processes, images) is
