@@ -503,8 +503,8 @@ def scale_section(plan: Plan, data: Samples, plot: Optional[str]) -> list[str]:
         f"(size + {plan.host_mib} MiB). *The machine* (`bench/floor.py`): raw CRIU's workload, right "
         "before its dump, writes the bytes it holds from its own memory into a file in the image "
         "directory with plain `write()` calls, then `fsync` (the same bytes, the same memory held, "
-        "so the same dirty thresholds): the floor that any dump of these bytes to this disk stands "
-        "on.",
+        "so the same dirty thresholds): what one plain writer takes for these bytes on this "
+        "machine.",
         "",
     ]
     if notes:
