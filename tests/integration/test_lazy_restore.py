@@ -74,7 +74,7 @@ def _wait_daemon(img: Path, proc: subprocess.Popen[str], stopped: bool = False) 
         found.append(_daemon_of(img, stopped) or 0)
         return found[-1] > 0
 
-    wait_until(there, 30, "the lazy-pages daemon")
+    wait_until(there, 60, "the lazy-pages daemon")
     return found[-1]
 
 
@@ -82,16 +82,16 @@ class _Throttle:
     """Holds a process, and the children it starts from then on, to ``quota_us`` per 100 ms of one
     CPU (a cpu cgroup, v2 or v1), so that their work surely takes long."""
 
-    def __init__(self, pid: int, quota_us: int = 1000) -> None:
+    def __init__(self, pid: int, quota_us: int = 1000, name: str = "") -> None:
         v2 = Path("/sys/fs/cgroup")
         controllers = v2 / "cgroup.controllers"
         if controllers.exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
-            self.dir = v2 / f"npusnap-test-lazy-{os.getpid()}"
+            self.dir = v2 / f"npusnap-test-lazy-{os.getpid()}{name}"
             self.dir.mkdir()
             self._quota, self._fmt, self._off = "cpu.max", "{} 100000", "max 100000"
             procs = "cgroup.procs"
         elif (v2 / "cpu" / "cpu.cfs_quota_us").exists():
-            self.dir = v2 / "cpu" / f"npusnap-test-lazy-{os.getpid()}"
+            self.dir = v2 / "cpu" / f"npusnap-test-lazy-{os.getpid()}{name}"
             self.dir.mkdir()
             self._quota, self._fmt, self._off = "cpu.cfs_quota_us", "{}", "-1"
             procs = "tasks"
@@ -163,21 +163,26 @@ def test_image_removed_while_paging_in_is_harmless(
         stderr=subprocess.PIPE,
         text=True,
     )
-    throttle: Optional[_Throttle] = None
+    throttles: list[_Throttle] = []
     try:
-        # The whole restore at a fifth of a CPU from the start, so that its lazy-pages daemon (a
-        # child) cannot serve a small job's every page before it is found (on a fast machine the
-        # whole lazy restore took 0.6 s, and the test found it done), then at 1 % once it is.
-        throttle = _Throttle(proc.pid, 20_000)
-        _wait_daemon(img, proc)
-        throttle.set(1000)
-        # The daemon got the job's userfaultfd and opened the page files: remove the image now,
-        # while (at 1 % of a CPU) nearly every page is still owed.
+        # The whole restore at 5 % of a CPU from the start, so that its lazy-pages daemon (a
+        # child) cannot serve a small job's every page before the test finds it (at full speed the
+        # whole lazy restore took 0.6 s, and the test found it done; at a fifth, on a loaded
+        # machine, the daemon was found with its work done); then the daemon alone at 1 %, so that
+        # nearly every page is still owed when the image goes, while CRIU's restore goes on at 5 %
+        # and connects the job to it. (With the whole restore at 1 %, CI once waited 30 s for that
+        # connection.)
+        throttles.append(_Throttle(proc.pid, 5_000))
+        daemon = _wait_daemon(img, proc)
+        throttles.append(_Throttle(daemon, 1000, name="-daemon"))
         log = logs / "lazy-pages.log"
-        wait_until(lambda: log.exists() and "Opened local page read" in log.read_text(), 30, "the page read")
+        wait_until(lambda: log.exists() and "Opened local page read" in log.read_text(), 60, "the page read")
+        # The daemon got the job's userfaultfd and opened the page files: remove the image now.
+        assert alive(daemon), "the lazy-pages daemon was done before the image could be removed"
         shutil.rmtree(img)
         time.sleep(0.5)
-        throttle.lift()
+        for t in throttles:
+            t.lift()
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stdout + stderr
         lazy = json.loads(stdout)["result"]["lazy"]
@@ -190,8 +195,8 @@ def test_image_removed_while_paging_in_is_harmless(
             proc.kill()
             proc.wait()
         job.cleanup()
-        if throttle is not None:
-            throttle.remove()
+        for t in reversed(throttles):
+            t.remove()
 
 
 def test_daemon_killed_midway_kills_the_job_and_fails(
