@@ -38,6 +38,8 @@ PARAMS = Path("/sys/module/page_reporting/parameters")
 # Longer than any timed command's warm-to-end (the largest dump takes seconds), and the most the
 # module accepts here; memory freed between cases still goes back to the host a minute later.
 HOLD_MS = 60_000
+# The module's parameters the hold raises, in the order the report names them.
+HELD = ("min_free_ms", "max_waiting_mib")
 
 
 def _read(path: Path) -> Optional[int]:
@@ -57,7 +59,7 @@ def _write(path: Path, value: int) -> bool:
 
 def current(params: Path = PARAMS) -> str:
     """The machine's values now, as the report's machine table says them."""
-    got = {name: _read(params / name) for name in ("min_free_ms", "max_waiting_mib")}
+    got = {name: _read(params / name) for name in HELD}
     if got["min_free_ms"] is None:
         return "no free page reporting module"
     return ", ".join(f"{name} {v}" for name, v in got.items() if v is not None)
@@ -70,7 +72,7 @@ class Hold:
         self.params = params
         total = memory_mib if memory_mib is not None else (mem_total() or 0) >> 20
         # What each parameter is raised to: nothing freed is reported for HOLD_MS, however much.
-        self.targets = {"min_free_ms": HOLD_MS, "max_waiting_mib": max(total, 1)}
+        self.targets = dict(zip(HELD, (HOLD_MS, max(total, 1))))
         self.original: dict[str, int] = {}
         self.raised: dict[str, int] = {}
 
@@ -92,8 +94,11 @@ class Hold:
                 failed.append(name)
         was = ", ".join(f"{k} {v}" for k, v in self.original.items())
         if failed:
-            self.stop()
-            return f"{was}: {', '.join(failed)} could not be raised (warmed memory may go back to the host)"
+            undone = self.stop()  # what was raised goes back; say it if that failed too
+            return (
+                f"{was}: {', '.join(failed)} could not be raised (warmed memory may go back to the host)"
+                + (f"; {undone}" if undone else "")
+            )
         if not self.raised:
             return f"{was} (freed memory stays backed for that long, however much is freed)"
         now = ", ".join(f"{k} {v}" for k, v in self.raised.items())

@@ -280,7 +280,7 @@ def floor_note(plan: Plan, data: Samples, name: str, who: str, label: str) -> Op
         if (f := data.med(sz, name)) is not None and (w := data.med(sz, "floor_write_s")) is not None
     ]
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    against = square_share(xs, ys) if len(set(xs)) >= 3 else None
+    against = square_share(xs, ys)
     line = fit_line(xs, ys)
     if against is None or line is None:
         return None
