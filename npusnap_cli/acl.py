@@ -7,8 +7,9 @@ and run on Python 3.9 (see docs/internals.md).
 
 Facts it relies on are collected in shared/cann-snapshot-api.md: the calling convention that works
 on every CANN version (argtypes ``[c_int, c_void_p]``, called as ``(os.getpid(), None)``), the
-library names and locations, the ``devlib`` stub trap and the error codes. The error table lives
-here and nowhere else.
+library names and locations, the ``devlib`` stub trap and the error codes. The error table, the
+states and the stages come from npusnap_cli/contract.py, generated from native/contract/npusnap.toml
+with the native agent's copy (native/include/npusnap/contract.h).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import platform
 import re
 import struct
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from npusnap_cli import contract
 
 # -- constants -----------------------------------------------------------------------------------
 
@@ -41,146 +43,38 @@ GET_STATE_FUNCTION = "rtSnapShotProcessGetState"  # in libruntime.so; no ACL que
 NPUSIM_DEVICES_FUNCTION = "npusimGetOpenDevices"  # the simulator's non-ACL helper
 
 
-class SnapshotState(IntEnum):
-    RUNNING = 0
-    LOCKED = 1
-    BACKED_UP = 2
-
-
-class Stage(IntEnum):
-    LOCK_PRE = 0
-    BACKUP_PRE = 1
-    BACKUP_POST = 2
-    RESTORE_PRE = 3
-    RESTORE_POST = 4
-    UNLOCK_POST = 5
-
-
-# -- errors --------------------------------------------------------------------------------------
-
-ACL_SUCCESS = 0
-ACL_ERROR_INVALID_PARAM = 100000
-ACL_ERROR_UNINITIALIZE = 100001
-ACL_ERROR_REPEAT_INITIALIZE = 100002
-ACL_ERROR_RT_PARAM_INVALID = 107000
-ACL_ERROR_RT_CONTEXT_NULL = 107002
-ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
-ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
-ACL_ERROR_RT_NO_PERMISSION = 207006
-ACL_ERROR_RT_DEV_SETUP_ERROR = 507033
-ACL_ERROR_RT_DRV_INTERNAL_ERROR = 507899
-ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT = 507905
-ACL_ERROR_SNAPSHOT_LOCK_FAILED = 507906
-ACL_ERROR_SNAPSHOT_UNLOCK_FAILED = 507907
-ACL_ERROR_SNAPSHOT_BACKUP_FAILED = 507908
-ACL_ERROR_SNAPSHOT_RESTORE_FAILED = 507909
-ACL_ERROR_SNAPSHOT_CALLBACK_FAILED = 507912
-ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED = 507913
-
-_STATUS = "run `npusnap status {pid}` to see its snapshot state"
-
-# code -> (name, meaning, likely cause and next step). "{pid}" is filled with the calling pid.
-ERRORS: Dict[int, Tuple[str, str, str]] = {
-    ACL_SUCCESS: ("ACL_SUCCESS", "success", ""),
-    ACL_ERROR_INVALID_PARAM: (
-        "ACL_ERROR_INVALID_PARAM",
-        "invalid parameter",
-        "the snapshot calls act only on the calling process: pid must be the caller's own and the "
-        "reserve/args pointer NULL on CANN 9.1 (a bug in the caller, please report it)",
-    ),
-    ACL_ERROR_UNINITIALIZE: (
-        "ACL_ERROR_UNINITIALIZE",
-        "runtime not initialised",
-        "the process has not opened a device yet (aclInit/aclrtSetDevice)",
-    ),
-    ACL_ERROR_REPEAT_INITIALIZE: (
-        "ACL_ERROR_REPEAT_INITIALIZE",
-        "runtime initialised twice",
-        "aclInit was already called in this process",
-    ),
-    ACL_ERROR_RT_PARAM_INVALID: (
-        "ACL_ERROR_RT_PARAM_INVALID",
-        "invalid value",
-        "a NULL or unknown pointer, a bad size, an unknown device, a bad callback stage or an "
-        "unregistered callback",
-    ),
-    ACL_ERROR_RT_CONTEXT_NULL: (
-        "ACL_ERROR_RT_CONTEXT_NULL",
-        "no current device context",
-        "this thread has not set a device (aclrtSetDevice)",
-    ),
-    ACL_ERROR_RT_FEATURE_NOT_SUPPORT: (
-        "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
-        "feature not supported",
-        "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with "
-        "CANN 8.5+ is needed); run `npusnap check`",
-    ),
-    ACL_ERROR_RT_MEMORY_ALLOCATION: (
-        "ACL_ERROR_RT_MEMORY_ALLOCATION",
-        "device out of memory",
-        "the device has no room for the allocation; free device memory or use a smaller size",
-    ),
-    ACL_ERROR_RT_NO_PERMISSION: (
-        "ACL_ERROR_RT_NO_PERMISSION",
-        "the driver refused the operation",
-        "typically a restore without a backup; run `npusnap status {pid}`",
-    ),
-    ACL_ERROR_RT_DEV_SETUP_ERROR: (
-        "ACL_ERROR_RT_DEV_SETUP_ERROR",
-        "device setup failed",
-        "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)",
-    ),
-    ACL_ERROR_RT_DRV_INTERNAL_ERROR: (
-        "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
-        "driver internal error",
-        "the device driver is unreachable (simulator: is the daemon running? `npusnap sim status`)",
-    ),
-    ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT: (
-        "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT",
-        "lock timed out",
-        "the runtime's background threads or an in-flight device call did not park within 60 s; the "
-        "process is running again — retry when it is less busy",
-    ),
-    ACL_ERROR_SNAPSHOT_LOCK_FAILED: (
-        "ACL_ERROR_SNAPSHOT_LOCK_FAILED",
-        "lock failed",
-        "the process is already locked; " + _STATUS,
-    ),
-    ACL_ERROR_SNAPSHOT_UNLOCK_FAILED: (
-        "ACL_ERROR_SNAPSHOT_UNLOCK_FAILED",
-        "unlock failed",
-        "the process is not locked (or the device could not be reattached); " + _STATUS,
-    ),
-    ACL_ERROR_SNAPSHOT_BACKUP_FAILED: (
-        "ACL_ERROR_SNAPSHOT_BACKUP_FAILED",
-        "backup failed",
-        "backup needs a locked, not yet backed-up process, and enough host memory for the device "
-        "state; " + _STATUS,
-    ),
-    ACL_ERROR_SNAPSHOT_RESTORE_FAILED: (
-        "ACL_ERROR_SNAPSHOT_RESTORE_FAILED",
-        "restore failed",
-        "restore needs a backed-up process and the same device id free of other processes; " + _STATUS,
-    ),
-    ACL_ERROR_SNAPSHOT_CALLBACK_FAILED: (
-        "ACL_ERROR_SNAPSHOT_CALLBACK_FAILED",
-        "a snapshot stage callback failed",
-        "an application callback registered with aclrtSnapShotCallbackRegister returned non-zero; "
-        "check the application's log",
-    ),
-    ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED: (
-        "ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED",
-        "callback registration failed",
-        "this callback is already registered for that stage",
-    ),
-}
+# The snapshot states, callback stages and ACL error table are npusnap's contract with CANN,
+# shared with the native agent: generated from native/contract/npusnap.toml.
+SnapshotState = contract.SnapshotState
+Stage = contract.Stage
+ERRORS: Dict[int, Tuple[str, str, str]] = contract.ACL_ERRORS
+ACL_ERROR_INVALID_PARAM = contract.ACL_ERROR_INVALID_PARAM
+ACL_ERROR_REPEAT_INITIALIZE = contract.ACL_ERROR_REPEAT_INITIALIZE
+ACL_ERROR_RT_CONTEXT_NULL = contract.ACL_ERROR_RT_CONTEXT_NULL
+ACL_ERROR_RT_DEV_SETUP_ERROR = contract.ACL_ERROR_RT_DEV_SETUP_ERROR
+ACL_ERROR_RT_DRV_INTERNAL_ERROR = contract.ACL_ERROR_RT_DRV_INTERNAL_ERROR
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = contract.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+ACL_ERROR_RT_MEMORY_ALLOCATION = contract.ACL_ERROR_RT_MEMORY_ALLOCATION
+ACL_ERROR_RT_NO_PERMISSION = contract.ACL_ERROR_RT_NO_PERMISSION
+ACL_ERROR_RT_PARAM_INVALID = contract.ACL_ERROR_RT_PARAM_INVALID
+ACL_ERROR_SNAPSHOT_BACKUP_FAILED = contract.ACL_ERROR_SNAPSHOT_BACKUP_FAILED
+ACL_ERROR_SNAPSHOT_CALLBACK_FAILED = contract.ACL_ERROR_SNAPSHOT_CALLBACK_FAILED
+ACL_ERROR_SNAPSHOT_LOCK_FAILED = contract.ACL_ERROR_SNAPSHOT_LOCK_FAILED
+ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT = contract.ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT
+ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED = contract.ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED
+ACL_ERROR_SNAPSHOT_RESTORE_FAILED = contract.ACL_ERROR_SNAPSHOT_RESTORE_FAILED
+ACL_ERROR_SNAPSHOT_UNLOCK_FAILED = contract.ACL_ERROR_SNAPSHOT_UNLOCK_FAILED
+ACL_ERROR_UNINITIALIZE = contract.ACL_ERROR_UNINITIALIZE
+ACL_SUCCESS = contract.ACL_SUCCESS
+DRIVER_FLOW_FLAGS = contract.DRIVER_FLOW_FLAGS
+DRIVER_FLOW_MIN_VERSION = contract.DRIVER_FLOW_MIN_VERSION
 
 
 def describe(code: int) -> Tuple[str, str, str]:
     """(name, meaning, hint) of an ACL error code; unknown codes are described as such."""
     if code in ERRORS:
         return ERRORS[code]
-    return ("ACL_ERROR_UNKNOWN", "unknown ACL error", "see the CANN error code reference for this code")
+    return contract.ACL_ERROR_UNKNOWN
 
 
 class AclError(Exception):
@@ -447,18 +341,12 @@ def loaded_runtime_library(pid: Optional[int] = None) -> Optional[str]:
 # -- the runtime ---------------------------------------------------------------------------------
 
 
-class SnapShotArgs(ctypes.Structure):
-    """``aclrtSnapShotBackupArgs`` / ``aclrtSnapShotRestoreArgs`` (64 bytes): passing one selects
-    the driver-backed flow of newer CANN builds; flags 0 = required device memory, 1 = also the
-    optional memory. 9.1.x refuses any non-NULL args (100000)."""
-
-    _fields_ = [("flags", ctypes.c_uint32), ("reserved", ctypes.c_char * 60)]
-
-
-# The first CANN version npusnap tries the driver-backed flow on. The released 9.1.x refuses it;
-# the simulator's 9.2.0 tree stands in for the newer builds (an assumption, see device-memory.md).
-DRIVER_FLOW_MIN_VERSION = (9, 2)
-DRIVER_FLOW_FLAGS = 1  # required and optional device memory
+# ``aclrtSnapShotBackupArgs`` / ``aclrtSnapShotRestoreArgs`` (64 bytes): passing one selects the
+# driver-backed flow of newer CANN builds; flags 0 = required device memory, 1 = also the optional
+# memory. 9.1.x refuses any non-NULL args (100000). The first CANN version npusnap tries it on
+# (DRIVER_FLOW_MIN_VERSION): the released 9.1.x refuses it; the simulator's 9.2.0 tree stands in
+# for the newer builds (an assumption, see device-memory.md).
+SnapShotArgs = contract.SnapArgs
 
 
 def version_tuple(version: Optional[str]) -> Tuple[int, ...]:

@@ -1,8 +1,9 @@
 """The one exception hierarchy of npusnap, and the stable exit code of each kind of failure.
 
 Core modules raise these; only the CLI layer (``ui.py``) turns them into messages and exit
-codes. ``docs/exit-codes.md`` documents the table below and a test freezes it: changing a
-number breaks every runbook that tests ``$?``, so never renumber, only add.
+codes. ``docs/exit-codes.md`` documents ``ExitCode`` (defined in native/contract/npusnap.toml) and a
+test freezes it: changing a number breaks every runbook that tests ``$?``, so never renumber, only
+add.
 
 Every error carries three parts, rendered in this order:
 
@@ -15,27 +16,13 @@ plus optional ``details`` (for example a CRIU log path and its relevant lines).
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Optional
 
+from npusnap_cli import contract
 
-class ExitCode(enum.IntEnum):
-    """Process exit codes. Stable: documented in docs/exit-codes.md and frozen by a test."""
-
-    OK = 0
-    INTERNAL = 1  # a bug in npusnap: unexpected exception
-    USAGE = 2  # bad command line or bad input value
-    PREFLIGHT = 3  # the host cannot do this: CRIU missing/too old, privileges, disk space, CANN
-    TARGET = 4  # the target process: no such pid, not an NPU process, no agent and cannot attach
-    AGENT = 5  # talking to the in-target agent failed: attach, socket, protocol, hook failure
-    CRIU = 6  # CRIU refused or failed (dump or restore); the job was rolled back
-    DEVICE = 7  # a CANN snapshot call failed (lock/backup/restore/unlock); rolled back
-    IMAGE = 8  # the image directory is missing, incomplete, tampered with or incompatible
-    STATE_UNKNOWN = 9  # rollback itself failed: a human must look (the message says how)
-    CONTINUITY = 10  # demo: the restored workload did not continue identically
-    BUSY = 11  # something the command needs is in use (a lock held by another command): wait, retry
-    IMAGE_INCOMPATIBLE = 12  # image from another CRIU/CANN/schema: an older image will not help either
-    INTERRUPTED = 130  # Ctrl-C / SIGTERM; everything was rolled back
+# Process exit codes: generated from native/contract/npusnap.toml (as is the C plugin's), documented
+# in docs/exit-codes.md and frozen by a test.
+ExitCode = contract.ExitCode
 
 
 class NpusnapError(Exception):

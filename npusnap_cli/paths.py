@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from npusnap_cli import contract
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
@@ -59,27 +61,30 @@ def _user_runtime_base(uid: int) -> Path:
 
 def sim_socket_path() -> Path:
     """The simulated NPU daemon's socket: ``NPUSIM_SOCKET`` or a per-user default."""
-    env = os.environ.get("NPUSIM_SOCKET")
+    env = os.environ.get(contract.SIM_SOCKET_ENV)
     if env:
         return Path(env)
     uid = os.geteuid()
     if uid == 0:
-        return Path("/run/npusim/npusim.sock")
+        return Path(contract.SIM_SOCKET_ROOT_PATH)
     base = _user_runtime_base(uid)
-    name = "npusim" if base != Path("/tmp") else f"npusim-{uid}"
-    return base / name / "npusim.sock"
+    if base == Path("/tmp"):
+        return Path(contract.SIM_SOCKET_TMP_DIR.format(uid=uid)) / contract.SIM_SOCKET_NAME
+    return base / contract.SIM_SOCKET_XDG_SUBDIR / contract.SIM_SOCKET_NAME
 
 
 def agent_runtime_dir(uid: Optional[int] = None) -> Path:
     """The directory that holds agent sockets for ``uid`` (default: this process's euid)."""
-    env = os.environ.get("NPUSNAP_RUNTIME_DIR")
+    env = os.environ.get(contract.AGENT_SOCKET_ENV_DIR)
     if env:
         return Path(env)
     uid = os.geteuid() if uid is None else uid
     if uid == 0:
-        return Path("/run/npusnap")
+        return Path(contract.AGENT_SOCKET_ROOT_DIR)
     base = _user_runtime_base(uid)
-    return base / ("npusnap" if base != Path("/tmp") else f"npusnap-{uid}")
+    if base == Path("/tmp"):
+        return Path(contract.AGENT_SOCKET_TMP_DIR.format(uid=uid))
+    return base / contract.AGENT_SOCKET_XDG_SUBDIR
 
 
 def runtime_dir_problem(directory: Optional[Path] = None) -> Optional[str]:
@@ -139,7 +144,7 @@ def ensure_private_dir(directory: Path) -> None:
 
 
 def agent_socket_path(pid: int, uid: Optional[int] = None) -> Path:
-    return agent_runtime_dir(uid) / f"{pid}{SOCKET_SUFFIX}"
+    return agent_runtime_dir(uid) / contract.AGENT_SOCKET_NAME.format(pid=pid)
 
 
 def listening_unix_paths(proc_net_unix: str = "/proc/net/unix") -> list[str]:
@@ -166,13 +171,13 @@ def find_agent_socket(pid: int) -> Optional[Path]:
     different NPUSNAP_RUNTIME_DIR). The caller must still verify the peer pid (SO_PEERCRED).
     """
     default = agent_socket_path(pid)
-    name = f"{pid}{SOCKET_SUFFIX}"
+    name = contract.AGENT_SOCKET_NAME.format(pid=pid)
     # In pid's own network namespace, which may not be ours (a rank on a simulated node).
     listening = listening_unix_paths(f"/proc/{pid}/net/unix") or listening_unix_paths()
     if str(default) in listening:
         return default
     for path in listening:
         p = Path(path)
-        if p.name == name and p.parent.name.startswith("npusnap"):
+        if p.name == name and p.parent.name.startswith(contract.AGENT_SOCKET_DIR_PREFIX):
             return p
     return None

@@ -20,25 +20,17 @@ import ctypes
 import os
 from typing import Any, Dict, List, Optional
 
+from npusnap_cli import contract
+
 LIBRARY_NAME = "libnpusnap_agent.so"
 ENV_LIBRARY = "NPUSNAP_AGENT_LIB"  # set by `npusnap run` to the preloaded file's path
 ERRLEN = 512
 
-MODES = ("preserve", "app", "discard")
-DEFAULT_MODE = "preserve"
+MODES = contract.DEVICE_MEMORY_MODES
+DEFAULT_MODE = contract.DEFAULT_DEVICE_MEMORY_MODE
 
 
-class _Info(ctypes.Structure):
-    _fields_ = [
-        ("allocations", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("saved_bytes", ctypes.c_uint64),
-        ("excluded_bytes", ctypes.c_uint64),
-        ("interposed", ctypes.c_int32),
-        ("gate_closed", ctypes.c_int32),
-        ("saved", ctypes.c_int32),
-        ("in_file", ctypes.c_int32),
-    ]
+_Info = contract.DevmemInfo  # npusnap_devmem_info
 
 
 class DevMemError(Exception):

@@ -20,7 +20,9 @@ from __future__ import annotations
 import threading
 from typing import Callable, Dict, List, Tuple
 
-STAGES = ("pre_lock", "post_backup", "post_restore", "post_unlock")
+from npusnap_cli import contract
+
+STAGES = contract.HOOK_STAGES
 
 Hook = Callable[[], object]
 

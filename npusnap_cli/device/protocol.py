@@ -22,54 +22,52 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional, Tuple
 
-PROTOCOL_VERSION = 1
-MAX_LINE = 64 * 1024
+from npusnap_cli import contract
 
+PROTOCOL_VERSION = contract.PROTOCOL_VERSION
+MAX_LINE = contract.MAX_LINE
+
+# The operations, their arguments and the argument kinds are the contract's
+# (native/contract/npusnap.toml), which native/agent/proto.c compiles in too. Lock ownership
+# (docs/internals.md, "Lock ownership"): ``lock`` takes ``owner`` and answers a ``token``; every op
+# that changes or keeps a lock takes that ``token``; ``unlock`` and ``rollback`` accept
+# ``force: true`` instead (``npusnap thaw --force``). ``lock``'s ``device_memory_file`` is the
+# image's device-memory file: its descriptor comes with the line (SCM_RIGHTS).
+#
+# What JSON values each argument kind takes, in Python types (proto.c checks the same kinds).
+KIND_TYPES: Dict[str, Tuple[type, ...]] = {
+    "lease": (int, float, type(None)),
+    "owner": (dict, type(None)),
+    "device_memory": (str, type(None)),
+    "token": (str, type(None)),
+    "bool": (bool,),
+    "path": (str,),
+}
 # op -> {argument name: (allowed JSON types, required)}
-# Lock ownership (docs/internals.md, "Lock ownership"): ``lock`` takes ``owner`` and answers a
-# ``token``; every op that changes or keeps a lock takes that ``token``; ``unlock`` and
-# ``rollback`` accept ``force: true`` instead (``npusnap thaw --force``). The native agent
-# (native/agent/proto.c) has the same table; tests/unit/test_agent_native.py compares the two.
-_LEASE = (int, float, type(None))
-_TOKEN = (str, type(None))
-_FORCE = (bool,)
 OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
-    "hello": {},
-    "status": {},
-    "lock": {
-        "lease_s": (_LEASE, False),
-        "owner": ((dict, type(None)), False),
-        "device_memory": ((str, type(None)), False),
-        # the image's device-memory file: its descriptor comes with the line (SCM_RIGHTS)
-        "device_memory_file": ((str,), False),
-    },
-    "backup": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
-    "renew": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
-    "release": {"token": (_TOKEN, False)},
-    "restore": {"token": (_TOKEN, False), "device_memory_file": ((str,), False)},
-    "unlock": {"token": (_TOKEN, False), "force": (_FORCE, False)},
-    "rollback": {"token": (_TOKEN, False), "force": (_FORCE, False)},
+    op: {name: (KIND_TYPES[kind], False) for name, kind in args.items()}
+    for op, args in contract.PROTOCOL_OPS.items()
 }
 OPS = frozenset(OP_ARGS)
 
 # Error names of lock ownership (``type: "state"``); the error object also carries ``owner``.
-ALREADY_LOCKED = "ALREADY_LOCKED"
-NOT_OWNER = "NOT_OWNER"
+ALREADY_LOCKED = contract.E_ALREADY_LOCKED
+NOT_OWNER = contract.E_NOT_OWNER
 # ``type: "state"`` of a lock whose copy of the device memory failed (``code``: -errno); nothing
 # was locked.
-DEVICE_MEMORY_SAVE_FAILED = "DEVICE_MEMORY_SAVE_FAILED"
-TOKEN_HEX_CHARS = 32
-MAX_OWNER_COMMAND = 64
+DEVICE_MEMORY_SAVE_FAILED = contract.E_DEVICE_MEMORY_SAVE_FAILED
+TOKEN_HEX_CHARS = contract.TOKEN_HEX_CHARS
+MAX_OWNER_COMMAND = contract.MAX_OWNER_COMMAND
 # What the agent does with the job's device memory around Lock (native/include/npusnap/devmem.h).
-DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
+DEVICE_MEMORY_MODES = contract.DEVICE_MEMORY_MODES
 
 # The kinds of error an agent reports (``error.type``).
-ERR_ACL = "acl"  # a CANN call returned non-zero (code/name are the ACL's)
-ERR_HOOK = "hook"  # an application hook raised; the op was rolled back
-ERR_PROTOCOL = "protocol"  # malformed request, unknown op, refused peer, busy
-ERR_STATE = "state"  # the op is not legal now (no ACL runtime, restore required, ...)
-ERR_INTERNAL = "internal"  # a bug in the agent; the application was not touched further
-ERROR_TYPES = frozenset({ERR_ACL, ERR_HOOK, ERR_PROTOCOL, ERR_STATE, ERR_INTERNAL})
+ERR_ACL = contract.ERR_ACL  # a CANN call returned non-zero (code/name are the ACL's)
+ERR_HOOK = contract.ERR_HOOK  # an application hook raised; the op was rolled back
+ERR_PROTOCOL = contract.ERR_PROTOCOL  # malformed request, unknown op, refused peer, busy
+ERR_STATE = contract.ERR_STATE  # the op is not legal now (no ACL runtime, restore required, ...)
+ERR_INTERNAL = contract.ERR_INTERNAL  # a bug in the agent; the application was not touched further
+ERROR_TYPES = frozenset(contract.ERROR_TYPES)
 
 
 class ProtocolError(Exception):
@@ -130,7 +128,7 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
         if required and key not in args:
             raise ProtocolError("BAD_ARGS", f"operation {op!r} needs argument {key!r}")
     lease = args.get("lease_s")
-    if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
+    if lease is not None and not (0 < float(lease) <= contract.MAX_LEASE_S):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
     token = args.get("token")
     if token is not None and len(token) > 2 * TOKEN_HEX_CHARS:
@@ -148,7 +146,9 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
         ):
             raise ProtocolError("BAD_ARGS", 'owner must be {"command": str (1-64 chars), "pid": int > 0}')
     path = args.get("device_memory_file")
-    if path is not None and (not path.startswith("/") or len(path.encode()) >= 4096 or "\0" in path):
+    if path is not None and (
+        not path.startswith("/") or len(path.encode()) >= contract.MAX_PATH or "\0" in path
+    ):
         raise ProtocolError("BAD_ARGS", "device_memory_file must be an absolute path")
     mode = args.get("device_memory")
     if mode is not None and mode not in DEVICE_MEMORY_MODES:

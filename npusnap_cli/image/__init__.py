@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from npusnap_cli import contract
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.image import digest
 
@@ -48,7 +49,7 @@ MANIFEST_NAME = "npusnap.json"
 CRIU_SUBDIR = "criu"
 LOGS_SUBDIR = "logs"
 HOSTFILES_SUBDIR = "hostfiles"
-DEVICE_SUBDIR = "device"
+DEVICE_SUBDIR = contract.DEVMEM_FILE_SUBDIR
 # The subdirectories whose files the manifest lists with their checksums (never logs/).
 CHECKSUMMED_SUBDIRS = (CRIU_SUBDIR, HOSTFILES_SUBDIR, DEVICE_SUBDIR)
 DUMP_LOG = "dump.log"
@@ -704,7 +705,7 @@ def _checksummed_files(image: Path) -> list[str]:
 
 def device_memory_rel(pid: int) -> str:
     """Where the agent of NPU process ``pid`` wrote its copy of the device memory (in the image)."""
-    return f"{DEVICE_SUBDIR}/devmem-{pid}.bin"
+    return f"{DEVICE_SUBDIR}/{contract.DEVMEM_FILE_PATTERN.format(pid=pid)}"
 
 
 def open_device_memory_files(image: Path, manifest: Manifest) -> dict[int, tuple[int, str]]:

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
+from npusnap_cli import contract
 from npusnap_cli.errors import ImageError
 
-STATE_FILE = "npusnap-plugin.json"
-STATE_FORMAT = 1
-KIND = "npusnap-criu-plugin"
+# The plugin's state file: named and versioned in native/contract/npusnap.toml (the plugin, C,
+# writes it; this module reads it).
+STATE_FILE = contract.PLUGIN_STATE_FILE
+STATE_FORMAT = contract.PLUGIN_STATE_FORMAT
+KIND = contract.PLUGIN_STATE_KIND
 _CHUNK = 1 << 20
 
 

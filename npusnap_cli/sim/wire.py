@@ -1,6 +1,7 @@
 """Wire format between the simulated runtime (native/npusim) and the device daemon.
 
-Mirror of native/npusim/npusim_wire.h: a 32-byte request header (op, dev, a, b, n), answered by a
+Defined in native/contract/npusnap.toml (generated into npusnap_cli/contract.py and
+native/include/npusnap/contract.h): a 32-byte request header (op, dev, a, b, n), answered by a
 24-byte header (status, pad, value, payload_len) and a small payload. Status is 0 or a negative
 errno. Device memory never crosses the socket: every allocation is a memfd the daemon owns, and
 OP_MAP hands it to the runtime (SCM_RIGHTS on the answer's header), which copies to and from a
@@ -14,32 +15,36 @@ import socket
 import struct
 from typing import Any, Dict, Optional, Tuple
 
-REQ = struct.Struct("<IiQQQ")
-RESP = struct.Struct("<iIQQ")
+from npusnap_cli import contract
 
-OP_CLAIM = 1
-OP_RELEASE = 2
-OP_ALLOC = 3
-OP_ALLOC_AT = 4
-OP_FREE = 5
+# The format itself is the contract's (native/contract/npusnap.toml; the C side is
+# native/include/npusnap/contract.h).
+REQ = contract.SIM_REQ
+RESP = contract.SIM_RESP
+MAP = contract.SIM_MAP  # OP_MAP's payload: allocation base address, its size, link MB/s (0: none)
+
+OP_CLAIM = contract.SIM_OP_CLAIM
+OP_RELEASE = contract.SIM_OP_RELEASE
+OP_ALLOC = contract.SIM_OP_ALLOC
+OP_ALLOC_AT = contract.SIM_OP_ALLOC_AT
+OP_FREE = contract.SIM_OP_FREE
 # 6, 7, 8: the byte-streaming WRITE, READ and COPY of earlier versions; answered EOPNOTSUPP.
-OP_STATUS = 9
-OP_SHUTDOWN = 10
-OP_HAS = 11
-OP_CONFIG = 12  # -> value = CONFIG_* bits
-OP_MAP = 13  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
-MAP = struct.Struct("<QQd")  # OP_MAP's payload: allocation base address, its size, link MB/s (0: none)
+OP_STATUS = contract.SIM_OP_STATUS
+OP_SHUTDOWN = contract.SIM_OP_SHUTDOWN
+OP_HAS = contract.SIM_OP_HAS
+OP_CONFIG = contract.SIM_OP_CONFIG  # -> value = CONFIG_* bits
+OP_MAP = contract.SIM_OP_MAP  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
 
-CLAIM_EXCLUSIVE = 1  # OP_CLAIM's b: no other live process may have the device open (Restore)
-CONFIG_KEEP_CONTENTS = 1  # Restore brings back allocation contents (not what CANN does)
-CONFIG_DRIVER_SNAPSHOT = 2  # the driver feature of the driver-backed flow; driver version << 16
-ALLOC_POISON = 1  # OP_ALLOC_AT's b: fill the allocation with the poison pattern
-POISON = b"\xef\xbe\xad\xde"  # 0xDEADBEEF as little-endian 32-bit words
+CLAIM_EXCLUSIVE = contract.SIM_CLAIM_EXCLUSIVE  # OP_CLAIM's b: no other live process on the device
+CONFIG_KEEP_CONTENTS = contract.SIM_CONFIG_KEEP_CONTENTS  # Restore brings back contents (not CANN's)
+CONFIG_DRIVER_SNAPSHOT = contract.SIM_CONFIG_DRIVER_SNAPSHOT  # driver-backed flow; version << 16
+ALLOC_POISON = contract.SIM_ALLOC_POISON  # OP_ALLOC_AT's b: fill the allocation with the poison
+POISON = struct.pack("<I", contract.SIM_POISON_WORD)  # as little-endian 32-bit words
 
 # Device addresses: device d owns [BASE + d * SPAN, BASE + (d + 1) * SPAN). Never host addresses.
-ADDR_BASE = 0x1000_0000_0000
-ADDR_SPAN = 0x0100_0000_0000  # 1 TiB of address space per device
-ALIGN = 512
+ADDR_BASE = contract.SIM_ADDR_BASE
+ADDR_SPAN = contract.SIM_ADDR_SPAN  # 1 TiB of address space per device
+ALIGN = contract.SIM_ALIGN
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
