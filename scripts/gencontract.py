@@ -118,6 +118,12 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w("#include <stdint.h>")
     w("#include <string.h>")
     w("")
+    w("#ifdef __cplusplus")
+    w("#define NPUSNAP_STATIC_ASSERT static_assert")
+    w("#else")
+    w("#define NPUSNAP_STATIC_ASSERT _Static_assert")
+    w("#endif")
+    w("")
 
     def enum(section: str, c_type: str) -> None:
         s = spec[section]
@@ -302,9 +308,9 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
         w(f"}}{' ' + st['c_name'] if st.get('c_typedef') else ''};")
         if st["packed"]:
             w("#pragma pack(pop)")
-        w(f'_Static_assert(sizeof(struct {st["c_name"]}) == {st["size"]}, "{st["c_name"]} size");')
+        w(f'NPUSNAP_STATIC_ASSERT(sizeof(struct {st["c_name"]}) == {st["size"]}, "{st["c_name"]} size");')
         for f in st["fields"]:
-            w(f"_Static_assert(offsetof(struct {st['c_name']}, {f['name']}) == {f['offset']}, "
+            w(f"NPUSNAP_STATIC_ASSERT(offsetof(struct {st['c_name']}, {f['name']}) == {f['offset']}, "
               f"\"{st['c_name']}.{f['name']} offset\");")  # fmt: skip
         w("")
     w("#endif")

@@ -24,10 +24,7 @@ typedef int (*version_fn)(char *, char *);
 typedef int (*register_fn)(int, acl_callback, void *);
 
 /* aclrtSnapShotBackupArgs / aclrtSnapShotRestoreArgs (CANN builds with the driver-backed flow). */
-typedef struct snap_args {
-    uint32_t flags;
-    char reserved[60];
-} snap_args;
+typedef struct npusnap_snap_args snap_args;
 
 /* The device-memory part, when linked in, knows the devices the job opened (it interposes
  * aclrtSetDevice/aclrtResetDevice). */
@@ -136,7 +133,7 @@ int acl_call_flags(acl_rt *rt, const char *what, int flags) {
     char name[64];
     snprintf(name, sizeof name, "aclrtSnapShotProcess%s", what);
     snap_fn fn = (snap_fn)dlsym(rt->lib, name);
-    if (!fn) return 207000; /* ACL_ERROR_RT_FEATURE_NOT_SUPPORT: this build has no snapshot API */
+    if (!fn) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* this build has no snapshot API */
     if (flags < 0) return fn((int)getpid(), NULL);
     snap_args args;
     memset(&args, 0, sizeof args);
@@ -167,7 +164,7 @@ int acl_may_have_driver_flow(const acl_rt *rt) {
 
 int acl_register_callback(acl_rt *rt, int stage, acl_callback cb) {
     register_fn fn = (register_fn)dlsym(rt->lib, "aclrtSnapShotCallbackRegister");
-    if (!fn) return 207000; /* 8.5 has no snapshot callbacks (CANN 9.0+) */
+    if (!fn) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* 8.5 has no snapshot callbacks (CANN 9.0+) */
     return fn(stage, cb, NULL);
 }
 
@@ -222,46 +219,10 @@ int acl_devices(acl_rt *rt, int32_t *ids, int max) {
     return n;
 }
 
-/* Names only; meanings and fixes live in npusnap_cli/acl.py (ERRORS), which the CLI uses to
- * explain an error it receives. tests/unit/test_agent_native.py checks these names against it. */
-static const struct {
-    int code;
-    const char *name;
-} ERROR_NAMES[] = {
-    {0, "ACL_SUCCESS"},
-    {100000, "ACL_ERROR_INVALID_PARAM"},
-    {100001, "ACL_ERROR_UNINITIALIZE"},
-    {100002, "ACL_ERROR_REPEAT_INITIALIZE"},
-    {107000, "ACL_ERROR_RT_PARAM_INVALID"},
-    {107002, "ACL_ERROR_RT_CONTEXT_NULL"},
-    {207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT"},
-    {207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"},
-    {207006, "ACL_ERROR_RT_NO_PERMISSION"},
-    {507033, "ACL_ERROR_RT_DEV_SETUP_ERROR"},
-    {507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR"},
-    {507905, "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT"},
-    {507906, "ACL_ERROR_SNAPSHOT_LOCK_FAILED"},
-    {507907, "ACL_ERROR_SNAPSHOT_UNLOCK_FAILED"},
-    {507908, "ACL_ERROR_SNAPSHOT_BACKUP_FAILED"},
-    {507909, "ACL_ERROR_SNAPSHOT_RESTORE_FAILED"},
-    {507912, "ACL_ERROR_SNAPSHOT_CALLBACK_FAILED"},
-    {507913, "ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED"},
-};
-
-const char *acl_error_name(int code) {
-    for (size_t i = 0; i < sizeof ERROR_NAMES / sizeof ERROR_NAMES[0]; i++) {
-        if (ERROR_NAMES[i].code == code) return ERROR_NAMES[i].name;
-    }
-    return "ACL_ERROR_UNKNOWN";
-}
+/* Names from the contract's table (native/contract/npusnap.toml), which npusnap_cli/acl.py uses
+ * to explain an error it receives. */
+const char *acl_error_name(int code) { return npusnap_acl_error_name(code); }
 
 AGENT_API const char *npusnap_agent_acl_error_name(int code) { return acl_error_name(code); }
 
-const char *state_name(int st) {
-    switch (st) {
-    case ST_RUNNING: return "RUNNING";
-    case ST_LOCKED: return "LOCKED";
-    case ST_BACKED_UP: return "BACKED_UP";
-    default: return NULL;
-    }
-}
+const char *state_name(int st) { return npusnap_snapshot_state_name(st); }

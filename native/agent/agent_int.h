@@ -5,6 +5,8 @@
  * json.c   a small JSON reader and writer for the line protocol (no dependency);
  * proto.c  the line protocol: request validation and response encoding, the same rules as
  *          npusnap_cli/device/protocol.py (transcripts in tests/data/protocol/ check both);
+ * client.c the client side of that protocol (request lines, response decoding) for the CRIU
+ *          plugin, which compiles it with proto.c and json.c;
  * acl.c    the snapshot calls into the CANN runtime this process already loaded;
  * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease.
  *
@@ -21,9 +23,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "npusnap/contract.h" /* generated from native/contract/npusnap.toml */
+
 #define AGENT_API __attribute__((visibility("default")))
-#define MAX_LINE (64 * 1024)
-#define PROTOCOL_VERSION 1
+#define MAX_LINE NPUSNAP_PROTOCOL_MAX_LINE
+#define PROTOCOL_VERSION NPUSNAP_PROTOCOL_VERSION
 
 /* ---- json.c ------------------------------------------------------------------------------ */
 typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } jtype;
@@ -94,8 +98,32 @@ void proto_request_free(request *r);
 void proto_result_line(sbuf *out, long long id, const char *result_members);
 void proto_error_line(sbuf *out, long long id, const op_error *e);
 
+/* ---- client.c (the CRIU plugin's side of the protocol) ------------------------------------ */
+typedef struct proto_reply {
+    int ok;
+    long long id;
+    jval v;            /* the whole response */
+    const jval *body;  /* result or error object */
+    char type[32];     /* error.type, error.name and error.message when !ok */
+    char name[64];
+    char message[512];
+} proto_reply;
+
+/* One request line (with the newline) appended to out: args_json is the args object's text ("{}"
+ * or NULL for none). The line goes through proto_decode first: 0, or -1 with e filled as the agent
+ * would have answered (nothing appended). */
+int proto_request_line(sbuf *out, long long id, const char *op, const char *args_json, op_error *e);
+/* Decode one response line (without its newline): 0, or -1 with the reason (error name first) in err. */
+int proto_decode_response(const char *line, size_t len, proto_reply *r, char *err, size_t errlen);
+void proto_reply_free(proto_reply *r);
+
 /* ---- acl.c ------------------------------------------------------------------------------- */
-enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_BACKED_UP = 2, ST_UNKNOWN = -1 };
+enum {
+    ST_RUNNING = NPUSNAP_STATE_RUNNING,
+    ST_LOCKED = NPUSNAP_STATE_LOCKED,
+    ST_BACKED_UP = NPUSNAP_STATE_BACKED_UP,
+    ST_UNKNOWN = -1 /* this runtime cannot tell */
+};
 
 typedef struct acl_rt {
     void *lib;      /* handle on the already-loaded libacl_rt.so / libascendcl.so */
@@ -114,13 +142,13 @@ int acl_call(acl_rt *rt, const char *what);
 int acl_call_flags(acl_rt *rt, const char *what, int flags);
 /* Whether this CANN is new enough to try the driver-backed flow (Backup then answers 207000
  * where the driver lacks the feature). The simulator's 9.2.0 stands in for those builds. */
-#define DRIVER_FLOW_MIN_MAJOR 9
-#define DRIVER_FLOW_MIN_MINOR 2
-#define DRIVER_FLOW_FLAGS 1 /* required and optional device memory */
+#define DRIVER_FLOW_MIN_MAJOR NPUSNAP_DRIVER_FLOW_MIN_MAJOR
+#define DRIVER_FLOW_MIN_MINOR NPUSNAP_DRIVER_FLOW_MIN_MINOR
+#define DRIVER_FLOW_FLAGS NPUSNAP_DRIVER_FLOW_FLAGS /* required and optional device memory */
 int acl_may_have_driver_flow(const acl_rt *rt);
 /* aclrtSnapShotCallBack; registered with aclrtSnapShotCallbackRegister (CANN 9.0+). */
 typedef uint32_t (*acl_callback)(int32_t device_id, void *args);
-enum { STAGE_LOCK_PRE = 0 };
+enum { STAGE_LOCK_PRE = NPUSNAP_STAGE_LOCK_PRE };
 int acl_register_callback(acl_rt *rt, int stage, acl_callback cb);
 /* The state, or ST_UNKNOWN when this runtime cannot tell; *code gets a GetState failure. */
 int acl_state(acl_rt *rt, int *code);

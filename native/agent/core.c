@@ -78,16 +78,16 @@ const char *agent_socket(void) { return A.path[0] ? A.path : NULL; }
 
 /* ---- paths (the rules of npusnap_cli/paths.py) ------------------------------------------- */
 static int runtime_dir(char *out, size_t outlen) {
-    const char *env = getenv("NPUSNAP_RUNTIME_DIR");
+    const char *env = getenv(NPUSNAP_AGENT_SOCKET_ENV_DIR);
     if (env && *env) return snprintf(out, outlen, "%s", env) >= (int)outlen ? -1 : 0;
     uid_t uid = geteuid();
-    if (uid == 0) return snprintf(out, outlen, "/run/npusnap") >= (int)outlen ? -1 : 0;
+    if (uid == 0) return snprintf(out, outlen, NPUSNAP_AGENT_SOCKET_ROOT_DIR) >= (int)outlen ? -1 : 0;
     const char *xdg = getenv("XDG_RUNTIME_DIR");
     struct stat st;
     if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && strcmp(xdg, "/tmp") != 0) {
-        return snprintf(out, outlen, "%s/npusnap", xdg) >= (int)outlen ? -1 : 0;
+        return snprintf(out, outlen, "%s/" NPUSNAP_AGENT_SOCKET_XDG_SUBDIR, xdg) >= (int)outlen ? -1 : 0;
     }
-    return snprintf(out, outlen, "/tmp/npusnap-%u", (unsigned)uid) >= (int)outlen ? -1 : 0;
+    return snprintf(out, outlen, NPUSNAP_AGENT_SOCKET_TMP_DIR, (unsigned)uid) >= (int)outlen ? -1 : 0;
 }
 
 static int ensure_private_dir(const char *dir, char *err, size_t errlen) {
@@ -129,7 +129,7 @@ static int bind_socket(char *err, size_t errlen) {
     }
     if (ensure_private_dir(dir, err, errlen) < 0) return -1;
     char path[600];
-    snprintf(path, sizeof path, "%s/%d.sock", dir, (int)getpid());
+    snprintf(path, sizeof path, "%s/" NPUSNAP_AGENT_SOCKET_NAME, dir, (int)getpid());
     if (strlen(path) >= sizeof A.path) {
         snprintf(err, errlen, "socket path %s exceeds the %zu-byte AF_UNIX limit", path, sizeof A.path - 1);
         return -1;
@@ -201,7 +201,7 @@ static void drop_client(void) {
 static void refuse(int fd, const char *name, const char *message) {
     op_error e;
     err_init(&e);
-    err_set(&e, "protocol", name, 0, "%s", message);
+    err_set(&e, NPUSNAP_ERRTYPE_PROTOCOL, name, 0, "%s", message);
     sbuf out;
     sb_init(&out);
     proto_error_line(&out, 0, &e);
@@ -236,14 +236,14 @@ static void accept_client(void) {
                   (int)cred.pid, (unsigned)geteuid());
         char msg[128];
         snprintf(msg, sizeof msg, "uid %u may not control this process", (unsigned)cred.uid);
-        refuse(fd, "PERMISSION_DENIED", msg);
+        refuse(fd, NPUSNAP_ERR_PERMISSION_DENIED, msg);
         return;
     }
     if (A.client_fd >= 0 && !client_alive()) drop_client(); /* it hung up; EOF not read yet */
     if (A.client_fd >= 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "another client (pid %d) is connected; one at a time", A.client_pid);
-        refuse(fd, "BUSY", msg);
+        refuse(fd, NPUSNAP_ERR_BUSY, msg);
         return;
     }
     A.client_fd = fd;
@@ -325,7 +325,7 @@ static void read_client(void) {
             if (A.inlen > MAX_LINE) {
                 op_error e;
                 err_init(&e);
-                err_set(&e, "protocol", "LINE_TOO_LONG", 0, "line exceeds %d bytes", MAX_LINE);
+                err_set(&e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_LINE_TOO_LONG, 0, "line exceeds %d bytes", MAX_LINE);
                 sbuf out;
                 sb_init(&out);
                 proto_error_line(&out, 0, &e);
@@ -468,7 +468,7 @@ static unsigned hook_mask;
 static char *hook_names;
 static char *python_info;
 
-static const char *STAGES[] = {"pre_lock", "post_backup", "post_restore", "post_unlock"};
+static const char *STAGES[] = {NPUSNAP_HOOK_STAGES_INIT};
 
 static void hook_cv_init(void) {
     pthread_condattr_t ca;
@@ -553,7 +553,7 @@ static void hook_fail(op_error *e, const char *stage, const char *hook, const ch
                       const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 static void hook_fail(op_error *e, const char *stage, const char *hook, const char *exc, const char *name,
                       const char *fmt, ...) {
-    e->type = "hook";
+    e->type = NPUSNAP_ERRTYPE_HOOK;
     snprintf(e->name, sizeof e->name, "%s", name);
     e->code = 0;
     va_list ap;
@@ -580,7 +580,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     if (!wanted) return 0;
     hook_call *c = calloc(1, sizeof *c);
     if (!c) {
-        hook_fail(e, stage, "", "MemoryError", "HOOK_FAILED", "hooks of stage %s not run: out of memory", stage);
+        hook_fail(e, stage, "", "MemoryError", NPUSNAP_ERR_HOOK_FAILED, "hooks of stage %s not run: out of memory", stage);
         return -1;
     }
     snprintf(c->stage, sizeof c->stage, "%s", stage);
@@ -597,7 +597,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     pthread_attr_destroy(&attr);
     if (rc != 0) {
         free(c);
-        hook_fail(e, stage, "", "OSError", "HOOK_FAILED", "hooks of stage %s not run: pthread_create: %s", stage,
+        hook_fail(e, stage, "", "OSError", NPUSNAP_ERR_HOOK_FAILED, "hooks of stage %s not run: pthread_create: %s", stage,
                   strerror(rc));
         return -1;
     }
@@ -622,12 +622,12 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     pthread_mutex_unlock(&hook_mu);
     if (state != HC_DONE) {
         if (state == HC_PENDING) {
-            hook_fail(e, stage, "", "TimeoutError", "HOOK_TIMEOUT",
+            hook_fail(e, stage, "", "TimeoutError", NPUSNAP_ERR_HOOK_TIMEOUT,
                       "the Python hooks of stage %s could not start within %gs: the interpreter's GIL was "
                       "not released (a native extension holding it while it waits for the device?)",
                       stage, timeout);
         } else {
-            hook_fail(e, stage, "", "TimeoutError", "HOOK_TIMEOUT",
+            hook_fail(e, stage, "", "TimeoutError", NPUSNAP_ERR_HOOK_TIMEOUT,
                       "the Python hooks of stage %s did not finish within %gs", stage, timeout);
         }
         ops_event("%s", e->message);
@@ -639,7 +639,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     free(out);
     if (!ok || v.t != J_OBJ) {
         if (ok) json_free(&v);
-        hook_fail(e, stage, "", "RuntimeError", "HOOK_FAILED",
+        hook_fail(e, stage, "", "RuntimeError", NPUSNAP_ERR_HOOK_FAILED,
                   "the hook runner of stage %s returned %d without a result", stage, cb_rc);
         return -1;
     }
@@ -657,7 +657,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     const jval *err = json_get(&v, "error");
     const char *hs = hook && hook->t == J_STR ? hook->s : "?";
     const char *es = err && err->t == J_STR ? err->s : "?";
-    hook_fail(e, stage, hs, es, "HOOK_FAILED", "hook '%s' at stage %s failed: %s", hs, stage, es);
+    hook_fail(e, stage, hs, es, NPUSNAP_ERR_HOOK_FAILED, "hook '%s' at stage %s failed: %s", hs, stage, es);
     agent_log("%s", e->message);
     json_free(&v);
     return -1;

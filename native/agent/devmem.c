@@ -36,8 +36,6 @@
 #include "npusnap/devmem.h"
 
 typedef int32_t aclError;
-#define ACL_SUCCESS 0
-#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_MEMCPY_HOST_TO_DEVICE 1
 #define ACL_MEMCPY_DEVICE_TO_HOST 2
 
@@ -552,22 +550,14 @@ static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t o
 /* The file form of the copies (npusnap_devmem_save_fd): a header, one record per copied
  * allocation, then their bytes in record order. Reload checks the records against the table
  * the restored process holds, so a file of another process or another dump is refused. */
-#define DM_MAGIC "NPUSNAP-DEVMEM1"
+#define DM_MAGIC NPUSNAP_DEVMEM_FILE_MAGIC
 /* Copy steps: a save's small enough to stay in the CPU's cache between the copy off the device
  * and the write into the file (64 MiB ones did not); a reload's maps the file a step at a time. */
 #define DM_SAVE_CHUNK ((size_t)4 << 20)
 #define DM_LOAD_CHUNK ((size_t)16 << 20)
-struct dm_header {
-    char magic[16];
-    uint64_t count;
-    uint64_t bytes;
-};
-struct dm_record {
-    uint64_t ptr;
-    uint64_t size;
-    int32_t dev;
-    int32_t reserved;
-};
+/* The header and the records are the contract's (native/contract/npusnap.toml, contract.h). */
+#define dm_header npusnap_devmem_file_header
+#define dm_record npusnap_devmem_file_record
 
 static int write_full(int fd, const void *buf, size_t n) {
     const char *p = buf;

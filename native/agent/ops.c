@@ -237,7 +237,7 @@ static void owner_text(char *out, size_t len) {
 }
 
 static void owner_error(op_error *e, const char *name, const char *message) {
-    err_set(e, "state", name, 0, "%s", message);
+    err_set(e, NPUSNAP_ERRTYPE_STATE, name, 0, "%s", message);
     sb_raw(&e->extra, ",\"owner\":");
     owner_json(&e->extra);
 }
@@ -259,7 +259,7 @@ static int check_owner(const char *op, const jval *args, int allow_force, op_err
         if (!diff) return 0;
     }
     snprintf(msg, sizeof msg, "pid %d is locked by %s; only its owner may %s it", (int)getpid(), who, op);
-    owner_error(e, "NOT_OWNER", msg);
+    owner_error(e, NPUSNAP_ERR_NOT_OWNER, msg);
     return -1;
 }
 
@@ -348,19 +348,19 @@ static int take_devmem_file(const request *r, int *slot, op_error *e) {
     const jval *f = json_get(r->args, "device_memory_file");
     if (!f || f->t != J_STR) return 0;
     if (r->fd < 0) {
-        err_set(e, "protocol", "BAD_ARGS", 0,
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0,
                 "device_memory_file names a file but no file descriptor came with the request (SCM_RIGHTS)");
         return -1;
     }
     if (!npusnap_devmem_save_fd || !npusnap_devmem_reload_fd) {
-        err_set(e, "state", "DEVICE_MEMORY_UNAVAILABLE", 0,
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE, 0,
                 "this agent has no device-memory part: it cannot use a device-memory file");
         return -1;
     }
     close_fd(slot);
     *slot = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
     if (*slot < 0) {
-        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", errno, "cannot keep the device-memory file: %s",
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, errno, "cannot keep the device-memory file: %s",
                 strerror(errno));
         return -1;
     }
@@ -408,7 +408,7 @@ static int devmem_after_unlock(sbuf *steps, op_error *e) {
         }
         if (rc != 0) {
             ops_event("device memory reload FAILED, the job stays held at npusnap's gate (%d): %s", rc, err);
-            err_set(e, "state", "DEVICE_MEMORY_RELOAD_FAILED", rc,
+            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED, rc,
                     "the runtime is unlocked but npusnap could not write the job's device memory back: "
                     "%s; the job's device calls stay held (`npusnap thaw %d` tries again)",
                     err, (int)getpid());
@@ -454,7 +454,7 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
         rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
     }
     if (rc != 0) {
-        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc, "could not copy the device memory %s before Lock: %s; %s",
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, rc, "could not copy the device memory %s before Lock: %s; %s",
                 where, err, nothing_locked);
         return -1;
     }
@@ -498,7 +498,7 @@ static void ids_json(sbuf *b, const int32_t *ids, int n) {
 
 /* ---- errors ------------------------------------------------------------------------------ */
 static void acl_err(op_error *e, const char *what, int code) {
-    err_set(e, "acl", acl_error_name(code), code, "%s failed: %s (%d)", what, acl_error_name(code), code);
+    err_set(e, NPUSNAP_ERRTYPE_ACL, acl_error_name(code), code, "%s failed: %s (%d)", what, acl_error_name(code), code);
 }
 
 static int call(const char *what, op_error *e) {
@@ -542,7 +542,7 @@ static int call_backup(op_error *e) {
         snprintf(devmem.flow, sizeof devmem.flow, "driver");
         return 0;
     }
-    if (code != 207000 && code != 100000) {
+    if (code != ACL_ERROR_RT_FEATURE_NOT_SUPPORT && code != ACL_ERROR_INVALID_PARAM) {
         acl_err(e, "Backup", code);
         return -1;
     }
@@ -568,7 +568,7 @@ running:
 
 static int need_runtime(op_error *e) {
     if (runtime()) return 0;
-    err_set(e, "state", "NO_ACL_RUNTIME", 0,
+    err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_NO_ACL_RUNTIME, 0,
             "the CANN runtime (libacl_rt.so / libascendcl.so) is not loaded in this process");
     return -1;
 }
@@ -811,32 +811,32 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         snprintf(msg, sizeof msg, "pid %d is already locked (%s) by %s", (int)getpid(),
                  st == ST_UNKNOWN ? "state unknown" : state_name(st), who);
         if (owner.set) {
-            owner_error(e, "ALREADY_LOCKED", msg);
+            owner_error(e, NPUSNAP_ERR_ALREADY_LOCKED, msg);
         } else {
-            err_set(e, "state", "ALREADY_LOCKED", 0, "%s", msg);
+            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_ALREADY_LOCKED, 0, "%s", msg);
             sb_raw(&e->extra, ",\"owner\":null");
         }
         return -1;
     }
     const jval *dm = json_get(r->args, "device_memory");
-    const char *mode = dm && dm->t == J_STR ? dm->s : "preserve";
+    const char *mode = dm && dm->t == J_STR ? dm->s : NPUSNAP_DEVMEM_MODE_DEFAULT;
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
-    if (strcmp(mode, "preserve") != 0) close_fd(&devmem.save_fd); /* nothing to save */
+    if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0) close_fd(&devmem.save_fd); /* nothing to save */
     double start = mono_now();
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run("pre_lock", &ran, e) < 0) {
+    if (hooks_run(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
         close_fd(&devmem.save_fd);
         hook_error(e, "nothing was locked");
         sb_free(&ran);
         return -1;
     }
     devmem_begin(mode);
-    if (strcmp(mode, "preserve") == 0 && acl_may_have_driver_flow(&rt)) {
+    if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && acl_may_have_driver_flow(&rt)) {
         /* The driver-backed flow keeps device memory itself where the driver has the feature;
          * Backup tells (207000 otherwise), and then npusnap falls back to its own copy. */
         snprintf(devmem.flow, sizeof devmem.flow, "driver?");
-    } else if (strcmp(mode, "preserve") == 0 && devmem_save(e, "nothing was locked") < 0) {
+    } else if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && devmem_save(e, "nothing was locked") < 0) {
         devmem.mode[0] = 0;
         sb_free(&ran);
         return -1;
@@ -881,7 +881,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
             call("Unlock", &again);
             err_free(&again);
             devmem_finish();
-            err_set(e, "internal", "NO_RANDOM", saved_errno, "getrandom failed: %s; the lock was undone",
+            err_set(e, NPUSNAP_ERRTYPE_INTERNAL, NPUSNAP_ERR_NO_RANDOM, saved_errno, "getrandom failed: %s; the lock was undone",
                     strerror(saved_errno));
             sb_free(&ran);
             return -1;
@@ -917,7 +917,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (rc < 0) return -1;
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run("post_backup", &ran, e) < 0) {
+    if (hooks_run(NPUSNAP_HOOK_POST_BACKUP, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         return -1;
@@ -938,9 +938,9 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
 static int op_renew(const request *r, sbuf *res, op_error *e) {
     if (check_owner("renew", r->args, 0, e) < 0) return -1;
     if (!lease.active) {
-        if (lease.voided[0]) err_set(e, "state", "NO_LEASE", 0, "%s", lease.voided);
+        if (lease.voided[0]) err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_NO_LEASE, 0, "%s", lease.voided);
         else
-            err_set(e, "state", "NO_LEASE", 0,
+            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_NO_LEASE, 0,
                     "no lease is active (it expired, was released, or was never granted)");
         return -1;
     }
@@ -966,7 +966,7 @@ static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (call_restore(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run("post_restore", &ran, e) < 0) {
+    if (hooks_run(NPUSNAP_HOOK_POST_RESTORE, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         return -1;
@@ -983,7 +983,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("unlock", r->args, 1, e) < 0) return -1;
     int before = state_now();
     if (restore_pending && before == ST_BACKED_UP) {
-        err_set(e, "state", "RESTORE_REQUIRED", 0,
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_RESTORE_REQUIRED, 0,
                 "this process was restored by CRIU and its device state is still backed up: run "
                 "`restore` before `unlock`");
         return -1;
@@ -998,7 +998,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     }
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run("post_unlock", &ran, e) < 0) {
+    if (hooks_run(NPUSNAP_HOOK_POST_UNLOCK, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         sb_free(&steps);
@@ -1050,7 +1050,7 @@ static int do_rollback(sbuf *res, op_error *e) {
         sb_init(&ran);
         op_error he;
         err_init(&he);
-        if (hooks_run("post_unlock", &ran, &he) < 0) {
+        if (hooks_run(NPUSNAP_HOOK_POST_UNLOCK, &ran, &he) < 0) {
             /* Rollback's job is to get the process running; a hook failure is reported. */
             if (warnings.len) sb_raw(&warnings, ",");
             sb_str(&warnings, he.message);
@@ -1103,13 +1103,13 @@ void ops_handle(const request *r, int peer_pid, sbuf *out) {
     else if (strcmp(op, "unlock") == 0) rc = op_unlock(r, &res, &e);
     else if (strcmp(op, "rollback") == 0) rc = op_rollback(r, &res, &e);
     else {
-        err_set(&e, "protocol", "UNKNOWN_OP", 0, "unknown op '%s'", op);
+        err_set(&e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_UNKNOWN_OP, 0, "unknown op '%s'", op);
         rc = -1;
     }
     if (rc == 0 && !res.oom) {
         proto_result_line(out, r->id, res.p + 1);
     } else {
-        if (rc == 0) err_set(&e, "internal", "OUT_OF_MEMORY", ENOMEM, "agent out of memory in %s", op);
+        if (rc == 0) err_set(&e, NPUSNAP_ERRTYPE_INTERNAL, NPUSNAP_ERR_OUT_OF_MEMORY, ENOMEM, "agent out of memory in %s", op);
         proto_error_line(out, r->id, &e);
     }
     err_free(&e);

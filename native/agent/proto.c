@@ -2,7 +2,8 @@
  *
  * The same rules as npusnap_cli/device/protocol.py (which the CLI uses to speak to this agent); the
  * transcripts under tests/data/protocol/ are replayed against this code to keep the two equal.
- * Only the operations of the table below exist: the agent is an allow-list, never an evaluator.
+ * Only the operations of the contract's table exist (native/contract/npusnap.toml, compiled in
+ * through npusnap/contract.h): the agent is an allow-list, never an evaluator.
  */
 #include "agent_int.h"
 
@@ -10,36 +11,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { A_LEASE, A_OWNER, A_DEVMEM, A_TOKEN, A_FORCE, A_PATH };
-
 typedef struct arg_spec {
     const char *name;
     int kind;
 } arg_spec;
 
+#define MAX_ARGS NPUSNAP_PROTOCOL_MAX_ARGS
 typedef struct op_spec {
     const char *op;
-    arg_spec args[6];
+    arg_spec args[MAX_ARGS];
 } op_spec;
 
-/* Keep in step with OP_ARGS in npusnap_cli/device/protocol.py (tests/unit/test_protocol_native.py
- * compares the two through npusnap_agent_protocol_table()). */
-static const op_spec OPS[] = {
-    {"backup", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
-    {"hello", {{0, 0}}},
-    {"lock", {{"lease_s", A_LEASE}, {"owner", A_OWNER}, {"device_memory", A_DEVMEM}, {"device_memory_file", A_PATH}}},
-    {"release", {{"token", A_TOKEN}}},
-    {"renew", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
-    {"restore", {{"token", A_TOKEN}, {"device_memory_file", A_PATH}}},
-    {"rollback", {{"token", A_TOKEN}, {"force", A_FORCE}}},
-    {"status", {{0, 0}}},
-    {"unlock", {{"token", A_TOKEN}, {"force", A_FORCE}}},
-};
+/* The contract's operations (npusnap_cli/device/protocol.py builds OP_ARGS from the same spec). */
+static const op_spec OPS[] = {NPUSNAP_PROTOCOL_OPS_INIT};
 #define N_OPS (sizeof OPS / sizeof OPS[0])
 
-static const char *KIND_NAMES[] = {"lease", "owner", "device_memory", "token", "bool", "path"};
-
-/* The table as JSON, for the test that compares it with protocol.py. */
+/* The table as JSON (what this library was built with; `npusnap status` and tests read it). */
 AGENT_API const char *npusnap_agent_protocol_table(void) {
     static char buf[1024];
     if (buf[0]) return buf;
@@ -49,9 +36,9 @@ AGENT_API const char *npusnap_agent_protocol_table(void) {
     for (size_t i = 0; i < N_OPS; i++) {
         sb_key(&b, OPS[i].op);
         sb_raw(&b, "{");
-        for (int j = 0; j < 6 && OPS[i].args[j].name; j++) {
+        for (int j = 0; j < MAX_ARGS && OPS[i].args[j].name; j++) {
             sb_key(&b, OPS[i].args[j].name);
-            sb_str(&b, KIND_NAMES[OPS[i].args[j].kind]);
+            sb_str(&b, npusnap_arg_kind_name(OPS[i].args[j].kind));
         }
         sb_raw(&b, "}");
     }
@@ -63,7 +50,7 @@ AGENT_API const char *npusnap_agent_protocol_table(void) {
 
 void err_init(op_error *e) {
     memset(e, 0, sizeof *e);
-    e->type = "internal";
+    e->type = NPUSNAP_ERRTYPE_INTERNAL;
     sb_init(&e->extra);
 }
 
@@ -108,7 +95,7 @@ static size_t utf8_chars(const char *s) {
 }
 
 static int bad_args(op_error *e, const char *fmt, const char *a, const char *b) {
-    err_set(e, "protocol", "BAD_ARGS", 0, fmt, a, b);
+    err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, fmt, a, b);
     return -1;
 }
 
@@ -121,7 +108,7 @@ static int validate(const char *op, const jval *args, op_error *e) {
             if (i) sb_raw(&names, ", ");
             sb_raw(&names, OPS[i].op);
         }
-        err_set(e, "protocol", "UNKNOWN_OP", 0, "unknown operation '%.64s' (allowed: %s)", op,
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_UNKNOWN_OP, 0, "unknown operation '%.64s' (allowed: %s)", op,
                 names.p ? names.p : "");
         sb_free(&names);
         return -1;
@@ -130,30 +117,30 @@ static int validate(const char *op, const jval *args, op_error *e) {
         const char *key = args->keys[i];
         const jval *v = &args->items[i];
         const arg_spec *a = NULL;
-        for (int j = 0; j < 6 && spec->args[j].name; j++) {
+        for (int j = 0; j < MAX_ARGS && spec->args[j].name; j++) {
             if (strcmp(spec->args[j].name, key) == 0) a = &spec->args[j];
         }
         if (!a) return bad_args(e, "operation '%s' takes no argument '%.64s'", op, key);
         int ok = 0;
         switch (a->kind) {
-        case A_LEASE: ok = v->t == J_NUM || v->t == J_NULL; break;
-        case A_TOKEN: ok = v->t == J_STR || v->t == J_NULL; break;
-        case A_FORCE: ok = v->t == J_BOOL; break;
-        case A_DEVMEM: ok = v->t == J_STR || v->t == J_NULL; break;
-        case A_OWNER: ok = v->t == J_OBJ || v->t == J_NULL; break;
-        case A_PATH: ok = v->t == J_STR; break;
+        case NPUSNAP_ARG_LEASE: ok = v->t == J_NUM || v->t == J_NULL; break;
+        case NPUSNAP_ARG_TOKEN: ok = v->t == J_STR || v->t == J_NULL; break;
+        case NPUSNAP_ARG_BOOL: ok = v->t == J_BOOL; break;
+        case NPUSNAP_ARG_DEVICE_MEMORY: ok = v->t == J_STR || v->t == J_NULL; break;
+        case NPUSNAP_ARG_OWNER: ok = v->t == J_OBJ || v->t == J_NULL; break;
+        case NPUSNAP_ARG_PATH: ok = v->t == J_STR; break;
         }
         if (!ok) return bad_args(e, "argument '%s' of '%s' has the wrong type", key, op);
     }
     /* Value checks after every type check, in the order of protocol.validate_args. */
     const jval *v = json_get(args, "lease_s");
-    if (v && v->t == J_NUM && !(v->num > 0 && v->num <= 7 * 24 * 3600)) {
-        err_set(e, "protocol", "BAD_ARGS", 0, "lease_s must be > 0 and at most a week");
+    if (v && v->t == J_NUM && !(v->num > 0 && v->num <= NPUSNAP_PROTOCOL_MAX_LEASE_S)) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "lease_s must be > 0 and at most a week");
         return -1;
     }
     v = json_get(args, "token");
-    if (v && v->t == J_STR && utf8_chars(v->s) > 64) {
-        err_set(e, "protocol", "BAD_ARGS", 0, "token is too long");
+    if (v && v->t == J_STR && utf8_chars(v->s) > 2 * NPUSNAP_PROTOCOL_TOKEN_HEX_CHARS) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "token is too long");
         return -1;
     }
     v = json_get(args, "owner");
@@ -164,22 +151,21 @@ static int validate(const char *op, const jval *args, op_error *e) {
         for (size_t k = 0; k < v->n; k++) {
             extra |= strcmp(v->keys[k], "command") != 0 && strcmp(v->keys[k], "pid") != 0;
         }
-        if (extra || !cmd || cmd->t != J_STR || cmd->slen == 0 || utf8_chars(cmd->s) > 64 || !pid ||
+        if (extra || !cmd || cmd->t != J_STR || cmd->slen == 0 || utf8_chars(cmd->s) > NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND || !pid ||
             pid->t != J_NUM || !pid->is_int || pid->i <= 0) {
-            err_set(e, "protocol", "BAD_ARGS", 0, "owner must be {\"command\": str (1-64 chars), \"pid\": int > 0}");
+            err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "owner must be {\"command\": str (1-64 chars), \"pid\": int > 0}");
             return -1;
         }
     }
     v = json_get(args, "device_memory_file");
-    if (v && v->t == J_STR && (v->s[0] != '/' || v->slen >= 4096 || strlen(v->s) != v->slen)) {
-        err_set(e, "protocol", "BAD_ARGS", 0, "device_memory_file must be an absolute path");
+    if (v && v->t == J_STR && (v->s[0] != '/' || v->slen >= NPUSNAP_PROTOCOL_MAX_PATH || strlen(v->s) != v->slen)) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "device_memory_file must be an absolute path");
         return -1;
     }
     v = json_get(args, "device_memory");
-    if (v && v->t == J_STR && strcmp(v->s, "preserve") != 0 && strcmp(v->s, "app") != 0 &&
-        strcmp(v->s, "discard") != 0) {
-        err_set(e, "protocol", "BAD_ARGS", 0, "device_memory must be one of 'preserve', 'app', 'discard' (got '%.32s')",
-                v->s);
+    if (v && v->t == J_STR && !npusnap_devmem_mode_valid(v->s)) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0,
+                "device_memory must be one of " NPUSNAP_DEVMEM_MODES_TEXT " (got '%.32s')", v->s);
         return -1;
     }
     return 0;
@@ -189,17 +175,17 @@ int proto_decode(const char *line, size_t len, request *r, op_error *e, long lon
     memset(r, 0, sizeof *r);
     *id_out = 0;
     if (len > MAX_LINE) {
-        err_set(e, "protocol", "LINE_TOO_LONG", 0, "line of %zu bytes exceeds %d", len, MAX_LINE);
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_LINE_TOO_LONG, 0, "line of %zu bytes exceeds %d", len, MAX_LINE);
         return -1;
     }
     char perr[128];
     if (json_parse(line, len, &r->root, perr, sizeof perr) < 0) {
-        err_set(e, "protocol", "BAD_JSON", 0, "not a JSON line: %s", perr);
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_JSON, 0, "not a JSON line: %s", perr);
         return -1;
     }
     const jval *root = &r->root;
     if (root->t != J_OBJ) {
-        err_set(e, "protocol", "BAD_MESSAGE", 0, "a message must be a JSON object");
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_MESSAGE, 0, "a message must be a JSON object");
         goto fail;
     }
     const jval *idv = json_get(root, "id");
@@ -209,25 +195,25 @@ int proto_decode(const char *line, size_t len, request *r, op_error *e, long lon
         sbuf rb;
         sb_init(&rb);
         py_repr(&rb, v);
-        err_set(e, "protocol", "VERSION_MISMATCH", 0,
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_VERSION_MISMATCH, 0,
                 "protocol version %s is not supported (speaks %d)", rb.p ? rb.p : "None", PROTOCOL_VERSION);
         sb_free(&rb);
         goto fail;
     }
     if (!idv || idv->t != J_NUM || !idv->is_int) {
-        err_set(e, "protocol", "BAD_MESSAGE", 0, "message id must be an integer");
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_MESSAGE, 0, "message id must be an integer");
         goto fail;
     }
     const jval *op = json_get(root, "op");
     if (!op || op->t != J_STR) {
-        err_set(e, "protocol", "BAD_MESSAGE", 0, "request has no op");
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_MESSAGE, 0, "request has no op");
         goto fail;
     }
     static const jval empty = {.t = J_OBJ};
     const jval *args = json_get(root, "args");
     if (!args) args = &empty;
     if (args->t != J_OBJ) {
-        err_set(e, "protocol", "BAD_ARGS", 0, "args must be a JSON object");
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "args must be a JSON object");
         goto fail;
     }
     if (validate(op->s, args, e) < 0) goto fail;
@@ -250,7 +236,8 @@ static void finish_line(sbuf *out, size_t start, long long id) {
         if (out->p) out->p[start] = 0;
         sb_printf(out,
                   "{\"error\":{\"code\":0,\"message\":\"message of %zu bytes exceeds %d\","
-                  "\"name\":\"LINE_TOO_LONG\",\"type\":\"internal\"},\"id\":%lld,\"ok\":false,\"v\":%d}",
+                  "\"name\":\"" NPUSNAP_ERR_LINE_TOO_LONG "\",\"type\":\"" NPUSNAP_ERRTYPE_INTERNAL
+                  "\"},\"id\":%lld,\"ok\":false,\"v\":%d}",
                   len, MAX_LINE, id, PROTOCOL_VERSION);
     }
     sb_raw(out, "\n");

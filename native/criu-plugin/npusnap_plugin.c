@@ -62,30 +62,33 @@ extern bool alarm_timeouted(void); /* CRIU's freeze timeout (--timeout) ran out 
 extern void print_on_level(unsigned int loglevel, const char *format, ...)
     __attribute__((format(printf, 2, 3)));
 
-#define PLUGIN_NAME "npusnap_plugin"
+/* Names, formats, exit codes and protocol constants: npusnap/contract.h (native/contract/npusnap.toml,
+ * the same spec npusnap_cli/contract.py is generated from). */
+#define PLUGIN_NAME NPUSNAP_PLUGIN_NAME
 #define PREFIX "npusnap-plugin: "
-#define STATE_FILE "npusnap-plugin.json"
-#define STATE_FORMAT 1
+#define STATE_FILE NPUSNAP_PLUGIN_STATE_FILE
+#define STATE_FORMAT NPUSNAP_PLUGIN_STATE_FORMAT
 #define LOG_ERR 1
 #define LOG_WRN 2
 #define LOG_INF 3
 
-/* npusnap's exit codes (npusnap_cli/errors.py, docs/exit-codes.md): a failure is logged with the
- * code `npusnap dump/restore` would have exited with. */
-#define EX_TARGET 4
-#define EX_AGENT 5
-#define EX_DEVICE 7
-#define EX_IMAGE 8
-#define EX_STATE_UNKNOWN 9
+/* npusnap's exit codes (the contract's, docs/exit-codes.md): a failure is logged with the code
+ * `npusnap dump/restore` would have exited with. */
+#define EX_TARGET NPUSNAP_EXIT_TARGET
+#define EX_AGENT NPUSNAP_EXIT_AGENT
+#define EX_DEVICE NPUSNAP_EXIT_DEVICE
+#define EX_IMAGE NPUSNAP_EXIT_IMAGE
+#define EX_STATE_UNKNOWN NPUSNAP_EXIT_STATE_UNKNOWN
+/* "exit 7 (device: a CANN snapshot call failed)"; one buffer per thread, used at once. */
 static const char *exit_meaning(int code) {
-    switch (code) {
-    case EX_TARGET: return "exit 4 (target: not an NPU process it can snapshot)";
-    case EX_AGENT: return "exit 5 (agent: talking to the in-target agent failed)";
-    case EX_DEVICE: return "exit 7 (device: a CANN snapshot call failed)";
-    case EX_IMAGE: return "exit 8 (image: missing, incomplete or tampered with)";
-    case EX_STATE_UNKNOWN: return "exit 9 (state unknown: rollback failed, a human must look)";
-    default: return "exit 1 (internal)";
+    static __thread char buf[160];
+    const char *summary = npusnap_exit_summary(code);
+    if (!summary || code == NPUSNAP_EXIT_OK) {
+        code = NPUSNAP_EXIT_INTERNAL;
+        summary = npusnap_exit_summary(code);
     }
+    snprintf(buf, sizeof buf, "exit %d (%s)", code, summary);
+    return buf;
 }
 
 #define LOGI(...) print_on_level(LOG_INF, PREFIX __VA_ARGS__)
@@ -94,7 +97,7 @@ static const char *exit_meaning(int code) {
     print_on_level(LOG_ERR, PREFIX "FAILED, npusnap %s: " fmt "\n", exit_meaning(code), ##__VA_ARGS__)
 
 #define MAX_TASKS 1024
-#define TOKEN_LEN 32
+#define TOKEN_LEN NPUSNAP_PROTOCOL_TOKEN_HEX_CHARS
 
 typedef struct task {
     int pid;   /* host pid (CRIU's view) */
@@ -114,7 +117,7 @@ static struct {
     task tasks[MAX_TASKS];
     double lease_s;
     int require_agent;
-    char device_memory[16]; /* "" (the agent's default: preserve), "preserve", "app", "discard" */
+    char device_memory[16]; /* "" (the agent's default) or one of the contract's device-memory modes */
     char log_path[256];
     int criu_pid;
 } P;
@@ -157,12 +160,11 @@ static void load_config(void) {
             if (!strcmp(k, "lease_s") && atof(v) > 0) P.lease_s = atof(v);
             else if (!strcmp(k, "require_agent")) P.require_agent = atoi(v) != 0;
             else if (!strcmp(k, "log")) snprintf(P.log_path, sizeof P.log_path, "%s", v);
-            else if (!strcmp(k, "device_memory") &&
-                     (!strcmp(v, "preserve") || !strcmp(v, "app") || !strcmp(v, "discard")))
+            else if (!strcmp(k, "device_memory") && npusnap_devmem_mode_valid(v))
                 snprintf(P.device_memory, sizeof P.device_memory, "%s", v);
             else
                 LOGW("%s: unknown key or value %s=%s (known: lease_s, require_agent, log, "
-                     "device_memory=preserve|app|discard)\n", config_path(), k, v);
+                     "device_memory=one of " NPUSNAP_DEVMEM_MODES_TEXT ")\n", config_path(), k, v);
         }
         fclose(f);
     }
@@ -265,8 +267,9 @@ static void target_runtime_dir(int pid, char *out, size_t len) {
     snprintf(path, sizeof path, "/proc/%d/environ", pid);
     int n = read_file(path, env, sizeof env);
     for (int i = 0; i < n; i += (int)strlen(env + i) + 1) {
-        if (!strncmp(env + i, "NPUSNAP_RUNTIME_DIR=", 20)) {
-            snprintf(out, len, "%s", env + i + 20);
+        size_t kl = strlen(NPUSNAP_AGENT_SOCKET_ENV_DIR);
+        if (!strncmp(env + i, NPUSNAP_AGENT_SOCKET_ENV_DIR, kl) && env[i + kl] == '=') {
+            snprintf(out, len, "%s", env + i + kl + 1);
             size_t l = strlen(out);
             while (l > 1 && out[l - 1] == '/') out[--l] = 0;
         }
@@ -277,7 +280,7 @@ static int agent_sockets(int pid, int nspid, char out[][256], int max) {
     char path[64], want[32], rtdir[256];
     target_runtime_dir(pid, rtdir, sizeof rtdir);
     snprintf(path, sizeof path, "/proc/%d/net/unix", pid);
-    snprintf(want, sizeof want, "/%d.sock", nspid);
+    snprintf(want, sizeof want, "/" NPUSNAP_AGENT_SOCKET_NAME, nspid);
     FILE *f = fopen(path, "re");
     if (!f) return 0;
     char line[1024];
@@ -294,12 +297,13 @@ static int agent_sockets(int pid, int nspid, char out[][256], int max) {
         if (sp[0] != '/' || !(flags & 0x10000)) continue;
         size_t l = strlen(sp), wl = strlen(want);
         if (l <= wl || strcmp(sp + l - wl, want)) continue;
-        /* the parent directory's name starts with "npusnap" (paths.py, core.c) */
+        /* the parent directory's name starts with "npusnap" (the contract's agent socket rules) */
         char *dir_end = sp + l - wl;
         char *dir_start = dir_end;
         while (dir_start > sp && dir_start[-1] != '/') dir_start--;
         int in_rtdir = rtdir[0] && (size_t)(dir_end - sp) == strlen(rtdir) && !strncmp(sp, rtdir, strlen(rtdir));
-        if (strncmp(dir_start, "npusnap", 7) && !in_rtdir) continue;
+        if (strncmp(dir_start, NPUSNAP_AGENT_SOCKET_DIR_PREFIX, strlen(NPUSNAP_AGENT_SOCKET_DIR_PREFIX)) && !in_rtdir)
+            continue;
         snprintf(out[n++], 256, "%s", sp);
     }
     fclose(f);
@@ -415,49 +419,64 @@ static int read_line(conn *c, double timeout_s, size_t *len, char *err, size_t e
     }
 }
 
-typedef struct reply {
-    int ok;
-    jval v;       /* the whole response */
-    const jval *body; /* result or error */
-    char name[64];    /* error name */
-    char type[32];    /* error type */
-    char message[512];
-} reply;
+/* A decoded answer (client.c): ok, body (result or error), and the error's type, name and message. */
+typedef proto_reply reply;
 
-static void reply_free(reply *r) { json_free(&r->v); }
+static void reply_free(reply *r) { proto_reply_free(r); }
 
-/* Send one request (args: a JSON object text) and read its answer. -1: transport failure (err). */
+/* Send one request (args: a JSON object text, built with sbuf) and read its answer, both through the
+ * agent's own codec (client.c, proto.c). -1: not sent, transport failure or a malformed answer (err). */
 static int agent_request(conn *c, const char *op, const char *args, double timeout_s, reply *r, char *err,
                    size_t errlen) {
     memset(r, 0, sizeof *r);
-    char line[1024];
     long long id = c->next_id++;
-    int n = snprintf(line, sizeof line, "{\"v\":1,\"id\":%lld,\"op\":\"%s\",\"args\":%s}\n", id, op, args);
-    if (send(c->fd, line, (size_t)n, MSG_NOSIGNAL) != n) {
-        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(errno));
+    sbuf line;
+    sb_init(&line);
+    op_error e;
+    err_init(&e);
+    if (proto_request_line(&line, id, op, args, &e) < 0) {
+        snprintf(err, errlen, "not sending %s to the agent of pid %d: %s: %s", op, c->pid, e.name, e.message);
+        err_free(&e);
+        sb_free(&line);
+        return -1;
+    }
+    err_free(&e);
+    ssize_t sent = send(c->fd, line.p, line.len, MSG_NOSIGNAL);
+    int serr = errno, whole = sent == (ssize_t)line.len;
+    sb_free(&line);
+    if (!whole) {
+        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid,
+                 sent < 0 ? strerror(serr) : "short write");
         return -1;
     }
     size_t len;
     if (read_line(c, timeout_s, &len, err, errlen) < 0) return -1;
-    char perr[128];
-    int rc = json_parse(c->buf, len, &r->v, perr, sizeof perr);
+    char derr[256];
+    int rc = proto_decode_response(c->buf, len, r, derr, sizeof derr);
     memmove(c->buf, c->buf + len + 1, c->len - len - 1);
     c->len -= len + 1;
-    if (rc < 0 || r->v.t != J_OBJ) {
-        snprintf(err, errlen, "the agent of pid %d answered %s with a malformed line: %s", c->pid, op, perr);
+    if (rc < 0) {
+        snprintf(err, errlen, "the agent of pid %d answered %s with a malformed line: %s", c->pid, op, derr);
         return -1;
     }
-    const jval *okv = json_get(&r->v, "ok");
-    r->ok = okv && okv->t == J_BOOL && okv->b;
-    r->body = json_get(&r->v, r->ok ? "result" : "error");
-    if (!r->ok && r->body && r->body->t == J_OBJ) {
-        const jval *s;
-        if ((s = json_get(r->body, "name")) && s->t == J_STR) snprintf(r->name, sizeof r->name, "%s", s->s);
-        if ((s = json_get(r->body, "type")) && s->t == J_STR) snprintf(r->type, sizeof r->type, "%s", s->s);
-        if ((s = json_get(r->body, "message")) && s->t == J_STR)
-            snprintf(r->message, sizeof r->message, "%s", s->s);
+    if (r->id != id) {
+        snprintf(err, errlen, "the agent of pid %d answered request %lld with the id %lld", c->pid, id, r->id);
+        reply_free(r);
+        return -1;
     }
     return 0;
+}
+
+/* {"token": t} (rollback, restore, unlock), with the lease for backup when lease_s > 0. */
+static void token_args(sbuf *b, const char *token, double lease_s) {
+    sb_raw(b, "{");
+    if (lease_s > 0) {
+        sb_key(b, "lease_s");
+        sb_num(b, lease_s);
+    }
+    sb_key(b, "token");
+    sb_str(b, token);
+    sb_raw(b, "}");
 }
 
 /* Say goodbye: shut our side, read to EOF (the agent closes), close. Bounded. */
@@ -485,7 +504,7 @@ static void agent_close(conn *c) {
 }
 
 static int error_exit_code(const reply *r) {
-    return (!strcmp(r->type, "acl") || !strcmp(r->type, "state")) ? EX_DEVICE : EX_AGENT;
+    return (!strcmp(r->type, NPUSNAP_ERRTYPE_ACL) || !strcmp(r->type, NPUSNAP_ERRTYPE_STATE)) ? EX_DEVICE : EX_AGENT;
 }
 
 static int find_and_connect(int pid, int nspid, char *sock, size_t socklen, conn *c, char *err, size_t errlen) {
@@ -513,10 +532,14 @@ static task *task_of(int pid) {
 }
 
 static void rollback_one(conn *c, const task *t) {
-    char args[128], err[512];
-    snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+    char err[512];
+    sbuf args;
+    sb_init(&args);
+    token_args(&args, t->token, 0);
     reply r;
-    if (agent_request(c, "rollback", args, 120, &r, err, sizeof err) < 0) {
+    int rc = agent_request(c, "rollback", args.p, 120, &r, err, sizeof err);
+    sb_free(&args);
+    if (rc < 0) {
         FAIL(EX_STATE_UNKNOWN, "rollback of pid %d: %s; its lease (%.0fs) rolls it back, or run `npusnap thaw %d`",
              t->pid, err, P.lease_s, t->pid);
         return;
@@ -548,7 +571,7 @@ static int pause_devices(int pid) {
     int rc = -1;
     double deadline = now_s() + 2.0;
     reply r;
-    char args[256];
+    sbuf args;
     for (;;) {
         rc = find_and_connect(pid, nspid, sock, sizeof sock, &c, err, sizeof err);
         if (rc == 1) {
@@ -575,16 +598,29 @@ static int pause_devices(int pid) {
             FAIL(EX_AGENT, "pid %d: %s", pid, err);
             return -1;
         }
-        char dm[48] = "";
-        if (P.device_memory[0]) snprintf(dm, sizeof dm, ",\"device_memory\":\"%s\"", P.device_memory);
-        snprintf(args, sizeof args, "{\"lease_s\":%g%s,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}",
-                 P.lease_s, dm, (int)getpid());
-        if (agent_request(&c, "lock", args, 90, &r, err, sizeof err) < 0) {
+        sb_init(&args);
+        sb_raw(&args, "{");
+        sb_key(&args, "lease_s");
+        sb_num(&args, P.lease_s);
+        if (P.device_memory[0]) {
+            sb_key(&args, "device_memory");
+            sb_str(&args, P.device_memory);
+        }
+        sb_key(&args, "owner");
+        sb_raw(&args, "{");
+        sb_key(&args, "command");
+        sb_str(&args, NPUSNAP_PLUGIN_OWNER_COMMAND);
+        sb_key(&args, "pid");
+        sb_printf(&args, "%d", (int)getpid());
+        sb_raw(&args, "}}");
+        int sent = agent_request(&c, "lock", args.p, 90, &r, err, sizeof err);
+        sb_free(&args);
+        if (sent < 0) {
             agent_close(&c);
             FAIL(EX_AGENT, "lock of pid %d: %s", pid, err);
             return -1;
         }
-        if (!r.ok && !strcmp(r.name, "BUSY") && now_s() < deadline) {
+        if (!r.ok && !strcmp(r.name, NPUSNAP_ERR_BUSY) && now_s() < deadline) {
             reply_free(&r);
             agent_close(&c);
             usleep(100 * 1000);
@@ -593,16 +629,16 @@ static int pause_devices(int pid) {
         break;
     }
     if (!r.ok) {
-        if (!strcmp(r.name, "NO_ACL_RUNTIME")) {
+        if (!strcmp(r.name, NPUSNAP_ERR_NO_ACL_RUNTIME)) {
             LOGI("pid %d has an agent but no CANN runtime: not ours\n", pid);
             reply_free(&r);
             agent_close(&c);
             return -ENOTSUP;
         }
-        if (!strcmp(r.name, "ALREADY_LOCKED")) {
+        if (!strcmp(r.name, NPUSNAP_ERR_ALREADY_LOCKED)) {
             const jval *owner = r.body ? json_get(r.body, "owner") : NULL;
             const jval *cmd = owner ? json_get(owner, "command") : NULL;
-            int ours = cmd && cmd->t == J_STR && !strcmp(cmd->s, "criu-plugin");
+            int ours = cmd && cmd->t == J_STR && !strcmp(cmd->s, NPUSNAP_PLUGIN_OWNER_COMMAND);
             if (!ours) {
                 /* `npusnap dump` or `freeze` holds the lock and drives the device state itself. */
                 LOGI("pid %d: %s; that command drives its device state, the plugin leaves it alone\n", pid,
@@ -628,8 +664,7 @@ static int pause_devices(int pid) {
         FAIL(EX_AGENT, "lock of pid %d: the agent's answer carries no token (an agent older than the lock-owner "
                        "protocol?)", pid);
         reply_free(&r);
-        snprintf(args, sizeof args, "{\"force\":true}");
-        if (agent_request(&c, "rollback", args, 120, &r, err, sizeof err) == 0) reply_free(&r);
+        if (agent_request(&c, "rollback", "{\"force\":true}", 120, &r, err, sizeof err) == 0) reply_free(&r);
         agent_close(&c);
         return -1;
     }
@@ -642,8 +677,11 @@ static int pause_devices(int pid) {
         return -1;
     }
     P.ntasks++; /* from here on fini rolls it back if the dump does not go through */
-    snprintf(args, sizeof args, "{\"lease_s\":%g,\"token\":\"%s\"}", P.lease_s, t->token);
-    if (agent_request(&c, "backup", args, 900, &r, err, sizeof err) < 0) {
+    sb_init(&args);
+    token_args(&args, t->token, P.lease_s);
+    int sent = agent_request(&c, "backup", args.p, 900, &r, err, sizeof err);
+    sb_free(&args);
+    if (sent < 0) {
         FAIL(EX_AGENT, "backup of pid %d: %s", pid, err);
         agent_close(&c);
         return -1;
@@ -784,7 +822,7 @@ static int write_state_file(void) {
     sb_key(&s, "format");
     sb_printf(&s, "%d", STATE_FORMAT);
     sb_key(&s, "kind");
-    sb_str(&s, "npusnap-criu-plugin");
+    sb_str(&s, NPUSNAP_PLUGIN_STATE_KIND);
     sb_key(&s, "plugin");
     sb_str(&s, PLUGIN_NAME);
     sb_key(&s, "created");
@@ -901,17 +939,20 @@ static void helper_main(void) {
                 close(c.fd);
                 continue;
             }
-            char args[128];
-            snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+            sbuf args;
+            sb_init(&args);
+            token_args(&args, t->token, 0);
             reply r;
-            if (agent_request(&c, "rollback", args, 10, &r, err, sizeof err) < 0) {
+            int rc = agent_request(&c, "rollback", args.p, 10, &r, err, sizeof err);
+            sb_free(&args);
+            if (rc < 0) {
                 hlog(lf, "pid %d: rollback: %s (retrying)", t->pid, err);
                 close(c.fd);
                 continue;
             }
             if (r.ok)
                 hlog(lf, "pid %d rolled back: running, unlocked", t->pid);
-            else if (!strcmp(r.name, "NOT_OWNER") || !strcmp(r.type, "state"))
+            else if (!strcmp(r.name, NPUSNAP_ERR_NOT_OWNER) || !strcmp(r.type, NPUSNAP_ERRTYPE_STATE))
                 hlog(lf, "pid %d: nothing to roll back: %s: %s", t->pid, r.name, r.message);
             else
                 hlog(lf, "FAILED, npusnap %s: rollback of pid %d: %s: %s; its lease rolls it back, or run `npusnap "
@@ -1056,18 +1097,21 @@ static int resume_devices_late(int pid) {
 
 static void restore_one(task *t) {
     conn c;
-    char err[512], args[128];
+    char err[512];
     int pid = t->newpid;
     if (agent_connect(&c, pid, t->sock, err, sizeof err) < 0) {
         FAIL(EX_AGENT, "restore of pid %d: %s; the agent's lease (%.0fs) restores and unlocks it by itself", pid, err,
              P.lease_s);
         return;
     }
-    snprintf(args, sizeof args, "{\"token\":\"%s\"}", t->token);
+    sbuf args;
+    sb_init(&args);
+    token_args(&args, t->token, 0);
     const char *ops[] = {"restore", "unlock"};
     for (int i = 0; i < 2; i++) {
         reply r;
-        if (agent_request(&c, ops[i], args, 900, &r, err, sizeof err) < 0) {
+        if (agent_request(&c, ops[i], args.p, 900, &r, err, sizeof err) < 0) {
+            sb_free(&args);
             FAIL(EX_AGENT, "%s of pid %d: %s; the agent's lease restores and unlocks it by itself", ops[i], pid, err);
             agent_close(&c);
             return;
@@ -1076,11 +1120,13 @@ static void restore_one(task *t) {
             FAIL(error_exit_code(&r), "%s of pid %d: %s: %s; run `npusnap status %d`, then `npusnap thaw %d`", ops[i],
                  pid, r.name, r.message, pid, pid);
             reply_free(&r);
+            sb_free(&args);
             agent_close(&c);
             return;
         }
         reply_free(&r);
     }
+    sb_free(&args);
     agent_close(&c);
     LOGI("pid %d: device state restored, unlocked\n", pid);
 }

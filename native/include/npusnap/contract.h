@@ -8,6 +8,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __cplusplus
+#define NPUSNAP_STATIC_ASSERT static_assert
+#else
+#define NPUSNAP_STATIC_ASSERT _Static_assert
+#endif
+
 /* ---- the CANN runtime's snapshot API ---- */
 /* A process's snapshot state, as rtSnapShotProcessGetState reports it */
 enum npusnap_snapshot_state {
@@ -296,9 +302,9 @@ struct npusnap_snap_args {
     uint32_t flags;
     char reserved[60];
 };
-_Static_assert(sizeof(struct npusnap_snap_args) == 64, "npusnap_snap_args size");
-_Static_assert(offsetof(struct npusnap_snap_args, flags) == 0, "npusnap_snap_args.flags offset");
-_Static_assert(offsetof(struct npusnap_snap_args, reserved) == 4, "npusnap_snap_args.reserved offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_snap_args) == 64, "npusnap_snap_args size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_snap_args, flags) == 0, "npusnap_snap_args.flags offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_snap_args, reserved) == 4, "npusnap_snap_args.reserved offset");
 
 /* npusnap_devmem_get_info(): what the device-memory part knows (48 bytes) */
 typedef struct npusnap_devmem_info {
@@ -311,15 +317,15 @@ typedef struct npusnap_devmem_info {
     int32_t saved; /* 1: copies exist (between save and finish) */
     int32_t in_file; /* 1: the copies went into a file (npusnap_devmem_save_fd) */
 } npusnap_devmem_info;
-_Static_assert(sizeof(struct npusnap_devmem_info) == 48, "npusnap_devmem_info size");
-_Static_assert(offsetof(struct npusnap_devmem_info, allocations) == 0, "npusnap_devmem_info.allocations offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, bytes) == 8, "npusnap_devmem_info.bytes offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, saved_bytes) == 16, "npusnap_devmem_info.saved_bytes offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, excluded_bytes) == 24, "npusnap_devmem_info.excluded_bytes offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, interposed) == 32, "npusnap_devmem_info.interposed offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, gate_closed) == 36, "npusnap_devmem_info.gate_closed offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, saved) == 40, "npusnap_devmem_info.saved offset");
-_Static_assert(offsetof(struct npusnap_devmem_info, in_file) == 44, "npusnap_devmem_info.in_file offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_info) == 48, "npusnap_devmem_info size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, allocations) == 0, "npusnap_devmem_info.allocations offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, bytes) == 8, "npusnap_devmem_info.bytes offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, saved_bytes) == 16, "npusnap_devmem_info.saved_bytes offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, excluded_bytes) == 24, "npusnap_devmem_info.excluded_bytes offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, interposed) == 32, "npusnap_devmem_info.interposed offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, gate_closed) == 36, "npusnap_devmem_info.gate_closed offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, saved) == 40, "npusnap_devmem_info.saved offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, in_file) == 44, "npusnap_devmem_info.in_file offset");
 
 /* The device-memory file's header (32 bytes) */
 struct npusnap_devmem_file_header {
@@ -327,10 +333,10 @@ struct npusnap_devmem_file_header {
     uint64_t count;
     uint64_t bytes;
 };
-_Static_assert(sizeof(struct npusnap_devmem_file_header) == 32, "npusnap_devmem_file_header size");
-_Static_assert(offsetof(struct npusnap_devmem_file_header, magic) == 0, "npusnap_devmem_file_header.magic offset");
-_Static_assert(offsetof(struct npusnap_devmem_file_header, count) == 16, "npusnap_devmem_file_header.count offset");
-_Static_assert(offsetof(struct npusnap_devmem_file_header, bytes) == 24, "npusnap_devmem_file_header.bytes offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_file_header) == 32, "npusnap_devmem_file_header size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_header, magic) == 0, "npusnap_devmem_file_header.magic offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_header, count) == 16, "npusnap_devmem_file_header.count offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_header, bytes) == 24, "npusnap_devmem_file_header.bytes offset");
 
 /* One copied allocation of the device-memory file (24 bytes) */
 struct npusnap_devmem_file_record {
@@ -339,11 +345,11 @@ struct npusnap_devmem_file_record {
     int32_t dev;
     int32_t reserved;
 };
-_Static_assert(sizeof(struct npusnap_devmem_file_record) == 24, "npusnap_devmem_file_record size");
-_Static_assert(offsetof(struct npusnap_devmem_file_record, ptr) == 0, "npusnap_devmem_file_record.ptr offset");
-_Static_assert(offsetof(struct npusnap_devmem_file_record, size) == 8, "npusnap_devmem_file_record.size offset");
-_Static_assert(offsetof(struct npusnap_devmem_file_record, dev) == 16, "npusnap_devmem_file_record.dev offset");
-_Static_assert(offsetof(struct npusnap_devmem_file_record, reserved) == 20, "npusnap_devmem_file_record.reserved offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_file_record) == 24, "npusnap_devmem_file_record size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, ptr) == 0, "npusnap_devmem_file_record.ptr offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, size) == 8, "npusnap_devmem_file_record.size offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, dev) == 16, "npusnap_devmem_file_record.dev offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, reserved) == 20, "npusnap_devmem_file_record.reserved offset");
 
 /* A request to the simulator's daemon (32 bytes, packed) */
 #pragma pack(push, 1)
@@ -355,12 +361,12 @@ struct npusim_req {
     uint64_t n;
 };
 #pragma pack(pop)
-_Static_assert(sizeof(struct npusim_req) == 32, "npusim_req size");
-_Static_assert(offsetof(struct npusim_req, op) == 0, "npusim_req.op offset");
-_Static_assert(offsetof(struct npusim_req, dev) == 4, "npusim_req.dev offset");
-_Static_assert(offsetof(struct npusim_req, a) == 8, "npusim_req.a offset");
-_Static_assert(offsetof(struct npusim_req, b) == 16, "npusim_req.b offset");
-_Static_assert(offsetof(struct npusim_req, n) == 24, "npusim_req.n offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusim_req) == 32, "npusim_req size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_req, op) == 0, "npusim_req.op offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_req, dev) == 4, "npusim_req.dev offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_req, a) == 8, "npusim_req.a offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_req, b) == 16, "npusim_req.b offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_req, n) == 24, "npusim_req.n offset");
 
 /* The daemon's answer header; status is 0 or a negative errno (24 bytes, packed) */
 #pragma pack(push, 1)
@@ -371,11 +377,11 @@ struct npusim_resp {
     uint64_t payload_len;
 };
 #pragma pack(pop)
-_Static_assert(sizeof(struct npusim_resp) == 24, "npusim_resp size");
-_Static_assert(offsetof(struct npusim_resp, status) == 0, "npusim_resp.status offset");
-_Static_assert(offsetof(struct npusim_resp, pad) == 4, "npusim_resp.pad offset");
-_Static_assert(offsetof(struct npusim_resp, value) == 8, "npusim_resp.value offset");
-_Static_assert(offsetof(struct npusim_resp, payload_len) == 16, "npusim_resp.payload_len offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusim_resp) == 24, "npusim_resp size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_resp, status) == 0, "npusim_resp.status offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_resp, pad) == 4, "npusim_resp.pad offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_resp, value) == 8, "npusim_resp.value offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_resp, payload_len) == 16, "npusim_resp.payload_len offset");
 
 /* OP_MAP's payload (24 bytes, packed) */
 #pragma pack(push, 1)
@@ -385,9 +391,9 @@ struct npusim_map {
     double link_mbps; /* the daemon's --bandwidth-mbps (MB/s) that copies are paced to; 0: none */
 };
 #pragma pack(pop)
-_Static_assert(sizeof(struct npusim_map) == 24, "npusim_map size");
-_Static_assert(offsetof(struct npusim_map, base) == 0, "npusim_map.base offset");
-_Static_assert(offsetof(struct npusim_map, size) == 8, "npusim_map.size offset");
-_Static_assert(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.link_mbps offset");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusim_map) == 24, "npusim_map size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, base) == 0, "npusim_map.base offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, size) == 8, "npusim_map.size offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.link_mbps offset");
 
 #endif

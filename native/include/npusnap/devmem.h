@@ -19,20 +19,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "contract.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef struct npusnap_devmem_info {
-    uint64_t allocations;      /* live device allocations tracked */
-    uint64_t bytes;            /* their total size */
-    uint64_t saved_bytes;      /* bytes currently held in host copies */
-    uint64_t excluded_bytes;   /* bytes the application declared as not needing a copy */
-    int32_t interposed;        /* 1: allocation calls are interposed (tracking is complete) */
-    int32_t gate_closed;       /* 1: the job's device calls are held at npusnap's gate */
-    int32_t saved;             /* 1: copies exist (between save and finish) */
-    int32_t in_file;           /* 1: the copies went into a file (npusnap_devmem_save_fd) */
-} npusnap_devmem_info;
+/* npusnap_devmem_info, the struct npusnap_devmem_get_info() fills: in contract.h (generated from
+ * native/contract/npusnap.toml, which also gives npusnap_cli/agent/devmem.py its layout). */
 
 /* Before Lock: close the gate (new device calls of the job wait; calls already in flight are
  * waited for, at most timeout_ms), then copy every tracked allocation to host memory.
