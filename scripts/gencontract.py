@@ -105,6 +105,64 @@ def upper(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", name).upper()
 
 
+def pairs(spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(C name, Python expression) of every integer and every string constant of the contract, for
+    the test that compares what the C compiler sees with what Python has."""
+    ints: list[tuple[str, str]] = []
+    strs: list[tuple[str, str]] = []
+    for section in ("snapshot_state", "callback_stage"):
+        s = spec[section]
+        ints += [(f"{s['c_prefix']}{n}", f"{s['python']}.{n}") for n in s["values"]]
+    ints += [("NPUSNAP_DRIVER_FLOW_MIN_MAJOR", "DRIVER_FLOW_MIN_VERSION[0]")]
+    ints += [("NPUSNAP_DRIVER_FLOW_MIN_MINOR", "DRIVER_FLOW_MIN_VERSION[1]")]
+    ints += [("NPUSNAP_DRIVER_FLOW_FLAGS", "DRIVER_FLOW_FLAGS")]
+    ints += [(e["name"], e["name"]) for e in spec["acl_errors"]]
+    hs, dm = spec["hook_stages"], spec["device_memory_modes"]
+    strs += [(f"{hs['c_prefix']}{upper(n)}", f"HOOK_STAGES[{i}]") for i, n in enumerate(hs["names"])]
+    strs += [(f"{dm['c_prefix']}{upper(n)}", f"DEVICE_MEMORY_MODES[{i}]") for i, n in enumerate(dm["names"])]
+    strs += [("NPUSNAP_DEVMEM_MODE_DEFAULT", "DEFAULT_DEVICE_MEMORY_MODE")]
+    strs += [
+        ("NPUSNAP_DEVMEM_FILE_MAGIC", "DEVMEM_FILE_MAGIC.decode()"),
+        ("NPUSNAP_DEVMEM_FILE_SUBDIR", "DEVMEM_FILE_SUBDIR"),
+    ]
+    strs += [
+        ("NPUSNAP_AGENT_SOCKET_ENV_DIR", "AGENT_SOCKET_ENV_DIR"),
+        ("NPUSNAP_AGENT_SOCKET_ROOT_DIR", "AGENT_SOCKET_ROOT_DIR"),
+    ]
+    strs += [("NPUSNAP_AGENT_SOCKET_XDG_SUBDIR", "AGENT_SOCKET_XDG_SUBDIR")]
+    strs += [("NPUSNAP_AGENT_SOCKET_DIR_PREFIX", "AGENT_SOCKET_DIR_PREFIX")]
+    p = spec["protocol"]
+    ints += [("NPUSNAP_PROTOCOL_VERSION", "PROTOCOL_VERSION")]
+    ints += [(f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_line", "token_hex_chars")]
+    ints += [
+        (f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_owner_command", "max_lease_s", "max_path")
+    ]
+    strs += [(f"NPUSNAP_ERRTYPE_{upper(t)}", f"ERR_{upper(t)}") for t in p["error_types"]]
+    strs += [(f"NPUSNAP_ERR_{n}", f"E_{n}") for n in p["errors"]]
+    strs += [
+        (f"NPUSNAP_PLUGIN_{k.upper()}", f"PLUGIN_{k.upper()}") for k in ("name", "state_file", "state_kind")
+    ]
+    strs += [("NPUSNAP_PLUGIN_OWNER_COMMAND", "PLUGIN_OWNER_COMMAND")]
+    ints += [("NPUSNAP_PLUGIN_STATE_FORMAT", "PLUGIN_STATE_FORMAT")]
+    ints += [(f"NPUSNAP_EXIT_{e['name']}", f"ExitCode.{e['name']}") for e in spec["exit_codes"]]
+    sw = spec["sim_wire"]
+    ints += [(f"NPUSIM_OP_{n}", f"SIM_OP_{n}") for n in sw["ops"]]
+    for k in (
+        "claim_exclusive",
+        "config_keep_contents",
+        "config_driver_snapshot",
+        "alloc_poison",
+        "poison_word",
+    ):
+        ints.append((f"NPUSIM_{k.upper()}", f"SIM_{k.upper()}"))
+    ints += [(f"NPUSIM_{k.upper()}", f"SIM_{k.upper()}") for k in ("addr_base", "addr_span", "align")]
+    strs += [
+        (f"NPUSIM_SOCKET_{k.upper()}", f"SIM_SOCKET_{k.upper()}")
+        for k in ("env", "root_path", "xdg_subdir", "name")
+    ]
+    return ints, strs
+
+
 def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     out: list[str] = []
     w = out.append
@@ -313,6 +371,19 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
             w(f"NPUSNAP_STATIC_ASSERT(offsetof(struct {st['c_name']}, {f['name']}) == {f['offset']}, "
               f"\"{st['c_name']}.{f['name']} offset\");")  # fmt: skip
         w("")
+    ints, strs = pairs(spec)
+    w("/* ---- for native/contract/layout.c, which prints what the compiler sees for a unit test ---- */")
+    w("#define NPUSNAP_CONTRACT_STRUCTS(S, F) \\")
+    rows = []
+    for st in structs:
+        rows.append(f"S({st['c_name']})")
+        rows += [f"F({st['c_name']}, {f['name']})" for f in st["fields"]]
+    w(" \\\n".join(f"    {r}" for r in rows))
+    w("#define NPUSNAP_CONTRACT_INTS(X) \\")
+    w(" \\\n".join(f"    X({c})" for c, _ in ints))
+    w("#define NPUSNAP_CONTRACT_STRINGS(X) \\")
+    w(" \\\n".join(f"    X({c})" for c, _ in strs))
+    w("")
     w("#endif")
     return "\n".join(out) + "\n"
 
@@ -514,6 +585,16 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w("LAYOUTS: Dict[str, Tuple[struct.Struct, int, Dict[str, int], type]] = {")
     for st, (key, cls) in zip(structs, layouts):
         w(f"    {py_str(st['c_name'])}: ({key}, {key}_SIZE, {key}_OFFSETS, {cls}),")
+    w("}")
+    ints, strs = pairs(spec)
+    w("# C name -> value, of every integer and string constant (compared with the compiler's by a test).")
+    w("C_INTS: Dict[str, int] = {")
+    for c, py in ints:
+        w(f"    {py_str(c)}: {py},")
+    w("}")
+    w("C_STRINGS: Dict[str, str] = {")
+    for c, py in strs:
+        w(f"    {py_str(c)}: {py},")
     w("}")
     w("")
     w("")

@@ -223,6 +223,4 @@ int acl_devices(acl_rt *rt, int32_t *ids, int max) {
  * to explain an error it receives. */
 const char *acl_error_name(int code) { return npusnap_acl_error_name(code); }
 
-AGENT_API const char *npusnap_agent_acl_error_name(int code) { return acl_error_name(code); }
-
 const char *state_name(int st) { return npusnap_snapshot_state_name(st); }

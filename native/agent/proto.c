@@ -26,28 +26,6 @@ typedef struct op_spec {
 static const op_spec OPS[] = {NPUSNAP_PROTOCOL_OPS_INIT};
 #define N_OPS (sizeof OPS / sizeof OPS[0])
 
-/* The table as JSON (what this library was built with; `npusnap status` and tests read it). */
-AGENT_API const char *npusnap_agent_protocol_table(void) {
-    static char buf[1024];
-    if (buf[0]) return buf;
-    sbuf b;
-    sb_init(&b);
-    sb_raw(&b, "{");
-    for (size_t i = 0; i < N_OPS; i++) {
-        sb_key(&b, OPS[i].op);
-        sb_raw(&b, "{");
-        for (int j = 0; j < MAX_ARGS && OPS[i].args[j].name; j++) {
-            sb_key(&b, OPS[i].args[j].name);
-            sb_str(&b, npusnap_arg_kind_name(OPS[i].args[j].kind));
-        }
-        sb_raw(&b, "}");
-    }
-    sb_raw(&b, "}");
-    snprintf(buf, sizeof buf, "%s", b.p ? b.p : "{}");
-    sb_free(&b);
-    return buf;
-}
-
 void err_init(op_error *e) {
     memset(e, 0, sizeof *e);
     e->type = NPUSNAP_ERRTYPE_INTERNAL;

@@ -38,8 +38,6 @@ _SIGNATURES: Dict[str, Tuple[Any, List[Any]]] = {
     "npusnap_agent_set_hooks": (None, [ctypes.c_uint, ctypes.c_char_p]),
     "npusnap_agent_hook_claim": (ctypes.c_int, [ctypes.c_void_p]),
     "npusnap_agent_set_python_info": (None, [ctypes.c_char_p]),
-    "npusnap_agent_protocol_table": (ctypes.c_char_p, []),
-    "npusnap_agent_acl_error_name": (ctypes.c_char_p, [ctypes.c_int]),
 }
 
 

@@ -396,4 +396,161 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, base) == 0, "npusim_map.base o
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, size) == 8, "npusim_map.size offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.link_mbps offset");
 
+/* ---- for native/contract/layout.c, which prints what the compiler sees for a unit test ---- */
+#define NPUSNAP_CONTRACT_STRUCTS(S, F) \
+    S(npusnap_snap_args) \
+    F(npusnap_snap_args, flags) \
+    F(npusnap_snap_args, reserved) \
+    S(npusnap_devmem_info) \
+    F(npusnap_devmem_info, allocations) \
+    F(npusnap_devmem_info, bytes) \
+    F(npusnap_devmem_info, saved_bytes) \
+    F(npusnap_devmem_info, excluded_bytes) \
+    F(npusnap_devmem_info, interposed) \
+    F(npusnap_devmem_info, gate_closed) \
+    F(npusnap_devmem_info, saved) \
+    F(npusnap_devmem_info, in_file) \
+    S(npusnap_devmem_file_header) \
+    F(npusnap_devmem_file_header, magic) \
+    F(npusnap_devmem_file_header, count) \
+    F(npusnap_devmem_file_header, bytes) \
+    S(npusnap_devmem_file_record) \
+    F(npusnap_devmem_file_record, ptr) \
+    F(npusnap_devmem_file_record, size) \
+    F(npusnap_devmem_file_record, dev) \
+    F(npusnap_devmem_file_record, reserved) \
+    S(npusim_req) \
+    F(npusim_req, op) \
+    F(npusim_req, dev) \
+    F(npusim_req, a) \
+    F(npusim_req, b) \
+    F(npusim_req, n) \
+    S(npusim_resp) \
+    F(npusim_resp, status) \
+    F(npusim_resp, pad) \
+    F(npusim_resp, value) \
+    F(npusim_resp, payload_len) \
+    S(npusim_map) \
+    F(npusim_map, base) \
+    F(npusim_map, size) \
+    F(npusim_map, link_mbps)
+#define NPUSNAP_CONTRACT_INTS(X) \
+    X(NPUSNAP_STATE_RUNNING) \
+    X(NPUSNAP_STATE_LOCKED) \
+    X(NPUSNAP_STATE_BACKED_UP) \
+    X(NPUSNAP_STAGE_LOCK_PRE) \
+    X(NPUSNAP_STAGE_BACKUP_PRE) \
+    X(NPUSNAP_STAGE_BACKUP_POST) \
+    X(NPUSNAP_STAGE_RESTORE_PRE) \
+    X(NPUSNAP_STAGE_RESTORE_POST) \
+    X(NPUSNAP_STAGE_UNLOCK_POST) \
+    X(NPUSNAP_DRIVER_FLOW_MIN_MAJOR) \
+    X(NPUSNAP_DRIVER_FLOW_MIN_MINOR) \
+    X(NPUSNAP_DRIVER_FLOW_FLAGS) \
+    X(ACL_SUCCESS) \
+    X(ACL_ERROR_INVALID_PARAM) \
+    X(ACL_ERROR_UNINITIALIZE) \
+    X(ACL_ERROR_REPEAT_INITIALIZE) \
+    X(ACL_ERROR_RT_PARAM_INVALID) \
+    X(ACL_ERROR_RT_CONTEXT_NULL) \
+    X(ACL_ERROR_RT_FEATURE_NOT_SUPPORT) \
+    X(ACL_ERROR_RT_MEMORY_ALLOCATION) \
+    X(ACL_ERROR_RT_NO_PERMISSION) \
+    X(ACL_ERROR_RT_DEV_SETUP_ERROR) \
+    X(ACL_ERROR_RT_DRV_INTERNAL_ERROR) \
+    X(ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT) \
+    X(ACL_ERROR_SNAPSHOT_LOCK_FAILED) \
+    X(ACL_ERROR_SNAPSHOT_UNLOCK_FAILED) \
+    X(ACL_ERROR_SNAPSHOT_BACKUP_FAILED) \
+    X(ACL_ERROR_SNAPSHOT_RESTORE_FAILED) \
+    X(ACL_ERROR_SNAPSHOT_CALLBACK_FAILED) \
+    X(ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED) \
+    X(NPUSNAP_PROTOCOL_VERSION) \
+    X(NPUSNAP_PROTOCOL_MAX_LINE) \
+    X(NPUSNAP_PROTOCOL_TOKEN_HEX_CHARS) \
+    X(NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND) \
+    X(NPUSNAP_PROTOCOL_MAX_LEASE_S) \
+    X(NPUSNAP_PROTOCOL_MAX_PATH) \
+    X(NPUSNAP_PLUGIN_STATE_FORMAT) \
+    X(NPUSNAP_EXIT_OK) \
+    X(NPUSNAP_EXIT_INTERNAL) \
+    X(NPUSNAP_EXIT_USAGE) \
+    X(NPUSNAP_EXIT_PREFLIGHT) \
+    X(NPUSNAP_EXIT_TARGET) \
+    X(NPUSNAP_EXIT_AGENT) \
+    X(NPUSNAP_EXIT_CRIU) \
+    X(NPUSNAP_EXIT_DEVICE) \
+    X(NPUSNAP_EXIT_IMAGE) \
+    X(NPUSNAP_EXIT_STATE_UNKNOWN) \
+    X(NPUSNAP_EXIT_CONTINUITY) \
+    X(NPUSNAP_EXIT_BUSY) \
+    X(NPUSNAP_EXIT_IMAGE_INCOMPATIBLE) \
+    X(NPUSNAP_EXIT_INTERRUPTED) \
+    X(NPUSIM_OP_CLAIM) \
+    X(NPUSIM_OP_RELEASE) \
+    X(NPUSIM_OP_ALLOC) \
+    X(NPUSIM_OP_ALLOC_AT) \
+    X(NPUSIM_OP_FREE) \
+    X(NPUSIM_OP_STATUS) \
+    X(NPUSIM_OP_SHUTDOWN) \
+    X(NPUSIM_OP_HAS) \
+    X(NPUSIM_OP_CONFIG) \
+    X(NPUSIM_OP_MAP) \
+    X(NPUSIM_CLAIM_EXCLUSIVE) \
+    X(NPUSIM_CONFIG_KEEP_CONTENTS) \
+    X(NPUSIM_CONFIG_DRIVER_SNAPSHOT) \
+    X(NPUSIM_ALLOC_POISON) \
+    X(NPUSIM_POISON_WORD) \
+    X(NPUSIM_ADDR_BASE) \
+    X(NPUSIM_ADDR_SPAN) \
+    X(NPUSIM_ALIGN)
+#define NPUSNAP_CONTRACT_STRINGS(X) \
+    X(NPUSNAP_HOOK_PRE_LOCK) \
+    X(NPUSNAP_HOOK_POST_BACKUP) \
+    X(NPUSNAP_HOOK_POST_RESTORE) \
+    X(NPUSNAP_HOOK_POST_UNLOCK) \
+    X(NPUSNAP_DEVMEM_MODE_PRESERVE) \
+    X(NPUSNAP_DEVMEM_MODE_APP) \
+    X(NPUSNAP_DEVMEM_MODE_DISCARD) \
+    X(NPUSNAP_DEVMEM_MODE_DEFAULT) \
+    X(NPUSNAP_DEVMEM_FILE_MAGIC) \
+    X(NPUSNAP_DEVMEM_FILE_SUBDIR) \
+    X(NPUSNAP_AGENT_SOCKET_ENV_DIR) \
+    X(NPUSNAP_AGENT_SOCKET_ROOT_DIR) \
+    X(NPUSNAP_AGENT_SOCKET_XDG_SUBDIR) \
+    X(NPUSNAP_AGENT_SOCKET_DIR_PREFIX) \
+    X(NPUSNAP_ERRTYPE_ACL) \
+    X(NPUSNAP_ERRTYPE_HOOK) \
+    X(NPUSNAP_ERRTYPE_PROTOCOL) \
+    X(NPUSNAP_ERRTYPE_STATE) \
+    X(NPUSNAP_ERRTYPE_INTERNAL) \
+    X(NPUSNAP_ERR_BAD_JSON) \
+    X(NPUSNAP_ERR_BAD_MESSAGE) \
+    X(NPUSNAP_ERR_VERSION_MISMATCH) \
+    X(NPUSNAP_ERR_UNKNOWN_OP) \
+    X(NPUSNAP_ERR_BAD_ARGS) \
+    X(NPUSNAP_ERR_LINE_TOO_LONG) \
+    X(NPUSNAP_ERR_BUSY) \
+    X(NPUSNAP_ERR_PERMISSION_DENIED) \
+    X(NPUSNAP_ERR_ALREADY_LOCKED) \
+    X(NPUSNAP_ERR_NOT_OWNER) \
+    X(NPUSNAP_ERR_NO_ACL_RUNTIME) \
+    X(NPUSNAP_ERR_NO_LEASE) \
+    X(NPUSNAP_ERR_RESTORE_REQUIRED) \
+    X(NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED) \
+    X(NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED) \
+    X(NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE) \
+    X(NPUSNAP_ERR_HOOK_FAILED) \
+    X(NPUSNAP_ERR_HOOK_TIMEOUT) \
+    X(NPUSNAP_ERR_NO_RANDOM) \
+    X(NPUSNAP_ERR_OUT_OF_MEMORY) \
+    X(NPUSNAP_PLUGIN_NAME) \
+    X(NPUSNAP_PLUGIN_STATE_FILE) \
+    X(NPUSNAP_PLUGIN_STATE_KIND) \
+    X(NPUSNAP_PLUGIN_OWNER_COMMAND) \
+    X(NPUSIM_SOCKET_ENV) \
+    X(NPUSIM_SOCKET_ROOT_PATH) \
+    X(NPUSIM_SOCKET_XDG_SUBDIR) \
+    X(NPUSIM_SOCKET_NAME)
+
 #endif
