@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
 from npusnap_cli.errors import AgentError, BusyError, DeviceError, TargetError
 
@@ -309,7 +309,7 @@ class AgentClient:
             )
         if kind == protocol.ERR_STATE and name in (protocol.ALREADY_LOCKED, protocol.NOT_OWNER):
             return locked_error(pid, op, error)
-        if kind == protocol.ERR_STATE and name == "NO_ACL_RUNTIME":
+        if kind == protocol.ERR_STATE and name == contract.E_NO_ACL_RUNTIME:
             return TargetError(
                 f"pid {pid} has not loaded the CANN runtime: {message}",
                 why="the process has an agent but does not use the NPU (yet)",
@@ -345,7 +345,7 @@ class AgentClient:
                 f"raised {error.get('exception')}",
                 fix="fix the hook in the application (its traceback is on the target's stderr) and retry",
             )
-        if kind == protocol.ERR_PROTOCOL and name == "BUSY":
+        if kind == protocol.ERR_PROTOCOL and name == contract.E_BUSY:
             return AgentOpError(
                 f"the agent of pid {pid} is busy: {message}",
                 pid=pid,
@@ -354,7 +354,7 @@ class AgentClient:
                 why="another npusnap command is talking to this process",
                 fix="wait for the other npusnap command to finish and retry",
             )
-        if kind == protocol.ERR_PROTOCOL and name == "PERMISSION_DENIED":
+        if kind == protocol.ERR_PROTOCOL and name == contract.E_PERMISSION_DENIED:
             return AgentOpError(
                 f"the agent of pid {pid} refused us: {message}",
                 pid=pid,

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
+from npusnap_cli import contract
 from npusnap_cli.device.agent_client import AgentClient, AgentOpError, owner_text
 from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError, StateUnknownError
 
@@ -184,7 +185,7 @@ class DeviceGroup:
         taken = {
             pid: r
             for pid, r in results.items()
-            if r.get("owner") or (r.get("state") not in (None, "RUNNING"))
+            if r.get("owner") or (r.get("state") not in (None, contract.SnapshotState.RUNNING.name))
         }
         if taken:
             pid = min(taken)
@@ -393,7 +394,7 @@ def _while_busy(c: AgentClient, request: Callable[[AgentClient], T]) -> T:
                 c.connect()
             return request(c)
         except AgentOpError as exc:
-            if exc.error.get("name") != "BUSY" or time.monotonic() >= deadline:
+            if exc.error.get("name") != contract.E_BUSY or time.monotonic() >= deadline:
                 raise
             c.close()
             time.sleep(0.2)

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from npusnap_cli import __version__
+from npusnap_cli import __version__, contract
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     ImageError,
@@ -527,7 +527,7 @@ def sim_device_usage() -> Optional[dict[int, tuple[list[int], int]]]:
 # Device memory: is continuity guaranteed?
 # --------------------------------------------------------------------------------------------
 
-DEVICE_MEMORY_MODES = ("preserve", "app", "discard")
+DEVICE_MEMORY_MODES = contract.DEVICE_MEMORY_MODES
 CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
 
 
