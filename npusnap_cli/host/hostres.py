@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from npusnap_cli import contract
 from npusnap_cli.errors import ImageError, PreflightError
 from npusnap_cli.image import digest
 
 # Pseudo or kernel filesystems whose "files" are not data to save.
-_NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", "/run/npusnap")
+_NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", contract.AGENT_SOCKET_ROOT_DIR)
 
 
 _DEFAULT_ALGO = digest.DEFAULT  # (a field named digest hides the module in class bodies)

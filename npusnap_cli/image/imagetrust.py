@@ -143,11 +143,15 @@ def _bad(message: str) -> ImageError:
 
 def socket_dirs(uid: int) -> list[str]:
     """The directories an agent of ``uid`` may listen in (see paths.agent_runtime_dir)."""
-    from npusnap_cli import paths
+    from npusnap_cli import contract, paths
 
-    dirs = ["/run/npusnap"] if uid == 0 else [f"/tmp/npusnap-{uid}", f"/run/user/{uid}/npusnap"]
+    if uid == 0:
+        dirs = [contract.AGENT_SOCKET_ROOT_DIR]
+    else:
+        xdg = f"/run/user/{uid}/{contract.AGENT_SOCKET_XDG_SUBDIR}"
+        dirs = [contract.AGENT_SOCKET_TMP_DIR.format(uid=uid), xdg]
     dirs.append(str(paths.agent_runtime_dir(uid if uid >= 0 else None)))
-    env = os.environ.get("NPUSNAP_RUNTIME_DIR")
+    env = os.environ.get(contract.AGENT_SOCKET_ENV_DIR)
     if env:
         dirs.append(os.path.normpath(env))
     return dirs

@@ -26,6 +26,8 @@ import threading
 import zlib
 from typing import Any, Dict, List
 
+from npusnap_cli.contract import DevmemInfo
+
 HOME = os.environ["ASCEND_HOME_PATH"]
 lib = ctypes.CDLL(os.path.join(HOME, "lib64", "libacl_rt.so"))
 rt = ctypes.CDLL(os.path.join(HOME, "lib64", "libruntime.so"))
@@ -45,17 +47,7 @@ lib.aclrtSnapShotCallbackRegister.argtypes = [ctypes.c_int, CB, ctypes.c_void_p]
 lib.aclrtSnapShotCallbackUnregister.argtypes = [ctypes.c_int, CB]
 
 
-class DmInfo(ctypes.Structure):
-    _fields_ = [
-        ("allocations", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("saved_bytes", ctypes.c_uint64),
-        ("excluded_bytes", ctypes.c_uint64),
-        ("interposed", ctypes.c_int32),
-        ("gate_closed", ctypes.c_int32),
-        ("saved", ctypes.c_int32),
-        ("in_file", ctypes.c_int32),
-    ]
+DmInfo = DevmemInfo  # npusnap_devmem_info, the contract's layout
 
 
 def devmem() -> Any:
