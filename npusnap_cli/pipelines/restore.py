@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import contract
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     BusyError,
@@ -865,7 +866,7 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
                 state = client.status().get("state")
         except NpusnapError:
             continue  # no agent to ask: nothing was locked through one
-        if state not in (None, "RUNNING"):
+        if state not in (None, contract.SnapshotState.RUNNING.name):
             locked.append(p.pid)
     if locked:
         hint = " ; ".join(f"npusnap thaw --force {p}" for p in locked)
