@@ -211,9 +211,7 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_DRIVER_FLOW_FLAGS {df['flags']}")
     w("")
     w("/* ACL return codes npusnap explains. X(code, name, meaning, hint); in a hint, {pid} stands")
-    w(" * for the calling process's pid. */")
-    for e in spec["acl_errors"]:
-        w(f"#define {e['name']} {e['code']}")
+    w(" * for the calling process's pid. CANN's own names for them (ACL_ERROR_...) are at the end. */")
     w("#define NPUSNAP_ACL_ERRORS(X) \\")
     rows = spec["acl_errors"]
     for i, e in enumerate(rows):
@@ -384,6 +382,15 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w("#define NPUSNAP_CONTRACT_STRINGS(X) \\")
     w(" \\\n".join(f"    X({c})" for c, _ in strs))
     w("")
+    w("#endif")
+    w("")
+    w("/* CANN's own names for the ACL codes above, for npusnap's C code, which includes no CANN header:")
+    w(" * define NPUSNAP_CONTRACT_CANN_NAMES before including this file. Code that includes CANN's acl")
+    w(" * headers must not (they declare the same names as constants). */")
+    w("#if defined(NPUSNAP_CONTRACT_CANN_NAMES) && !defined(NPUSNAP_CONTRACT_CANN_NAMES_DONE)")
+    w("#define NPUSNAP_CONTRACT_CANN_NAMES_DONE")
+    for e in spec["acl_errors"]:
+        w(f"#define {e['name']} {e['code']}")
     w("#endif")
     return "\n".join(out) + "\n"
 

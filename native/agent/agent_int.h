@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_ERROR_... by CANN's names: no CANN header is included */
 #include "npusnap/contract.h" /* generated from native/contract/npusnap.toml */
 
 #define AGENT_API __attribute__((visibility("default")))

@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_SUCCESS, ...: no CANN header is included */
 #include "npusnap/devmem.h"
 
 typedef int32_t aclError;

@@ -7,6 +7,7 @@
  */
 #include <stdio.h>
 
+#define NPUSNAP_CONTRACT_CANN_NAMES /* the ACL codes by CANN's names, as npusnap's C code uses them */
 #include "npusnap/contract.h"
 
 static void json_string(const char *s) {

@@ -59,25 +59,7 @@ static inline const char *npusnap_callback_stage_name(int v) {
 #define NPUSNAP_DRIVER_FLOW_FLAGS 1
 
 /* ACL return codes npusnap explains. X(code, name, meaning, hint); in a hint, {pid} stands
- * for the calling process's pid. */
-#define ACL_SUCCESS 0
-#define ACL_ERROR_INVALID_PARAM 100000
-#define ACL_ERROR_UNINITIALIZE 100001
-#define ACL_ERROR_REPEAT_INITIALIZE 100002
-#define ACL_ERROR_RT_PARAM_INVALID 107000
-#define ACL_ERROR_RT_CONTEXT_NULL 107002
-#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
-#define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
-#define ACL_ERROR_RT_NO_PERMISSION 207006
-#define ACL_ERROR_RT_DEV_SETUP_ERROR 507033
-#define ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
-#define ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT 507905
-#define ACL_ERROR_SNAPSHOT_LOCK_FAILED 507906
-#define ACL_ERROR_SNAPSHOT_UNLOCK_FAILED 507907
-#define ACL_ERROR_SNAPSHOT_BACKUP_FAILED 507908
-#define ACL_ERROR_SNAPSHOT_RESTORE_FAILED 507909
-#define ACL_ERROR_SNAPSHOT_CALLBACK_FAILED 507912
-#define ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED 507913
+ * for the calling process's pid. CANN's own names for them (ACL_ERROR_...) are at the end. */
 #define NPUSNAP_ACL_ERRORS(X) \
     X(0, "ACL_SUCCESS", "success", "") \
     X(100000, "ACL_ERROR_INVALID_PARAM", "invalid parameter", "the snapshot calls act only on the calling process: pid must be the caller's own and the reserve/args pointer NULL on CANN 9.1 (a bug in the caller, please report it)") \
@@ -553,4 +535,29 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSIM_SOCKET_XDG_SUBDIR) \
     X(NPUSIM_SOCKET_NAME)
 
+#endif
+
+/* CANN's own names for the ACL codes above, for npusnap's C code, which includes no CANN header:
+ * define NPUSNAP_CONTRACT_CANN_NAMES before including this file. Code that includes CANN's acl
+ * headers must not (they declare the same names as constants). */
+#if defined(NPUSNAP_CONTRACT_CANN_NAMES) && !defined(NPUSNAP_CONTRACT_CANN_NAMES_DONE)
+#define NPUSNAP_CONTRACT_CANN_NAMES_DONE
+#define ACL_SUCCESS 0
+#define ACL_ERROR_INVALID_PARAM 100000
+#define ACL_ERROR_UNINITIALIZE 100001
+#define ACL_ERROR_REPEAT_INITIALIZE 100002
+#define ACL_ERROR_RT_PARAM_INVALID 107000
+#define ACL_ERROR_RT_CONTEXT_NULL 107002
+#define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
+#define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+#define ACL_ERROR_RT_NO_PERMISSION 207006
+#define ACL_ERROR_RT_DEV_SETUP_ERROR 507033
+#define ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
+#define ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT 507905
+#define ACL_ERROR_SNAPSHOT_LOCK_FAILED 507906
+#define ACL_ERROR_SNAPSHOT_UNLOCK_FAILED 507907
+#define ACL_ERROR_SNAPSHOT_BACKUP_FAILED 507908
+#define ACL_ERROR_SNAPSHOT_RESTORE_FAILED 507909
+#define ACL_ERROR_SNAPSHOT_CALLBACK_FAILED 507912
+#define ACL_ERROR_SNAPSHOT_REGISTER_CALLBACK_FAILED 507913
 #endif
