@@ -83,7 +83,7 @@ class DumpOptions:
     network_lock: Optional[str] = None
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
-    device_memory: str = contract.DEFAULT_DEVICE_MEMORY_MODE  # preserve | app | discard (docs/device-memory.md)
+    device_memory: str = contract.DEFAULT_DEVICE_MEMORY_MODE  # docs/device-memory.md
 
 
 @dataclass(frozen=True)
