@@ -23,7 +23,7 @@ from npusnap_cli import contract
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
-SOCKET_SUFFIX = ".sock"
+SOCKET_SUFFIX = contract.AGENT_SOCKET_NAME.replace("{pid}", "")  # ".sock": what follows the pid
 
 
 def build_dir() -> Path:
