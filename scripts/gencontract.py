@@ -617,8 +617,36 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def validate(spec: dict[str, Any]) -> None:
+    """Refuse a spec whose tables repeat a number or a name (a copy-paste slip would otherwise be
+    generated into both languages)."""
+    tables = {
+        "snapshot_state": list(spec["snapshot_state"]["values"].items()),
+        "callback_stage": list(spec["callback_stage"]["values"].items()),
+        "acl_errors": [(e["name"], e["code"]) for e in spec["acl_errors"]],
+        "exit_codes": [(e["name"], e["code"]) for e in spec["exit_codes"]],
+        "sim_wire.ops": list(spec["sim_wire"]["ops"].items()),
+    }
+    for table, rows in tables.items():
+        for what, col in (("name", 0), ("value", 1)):
+            seen = [row[col] for row in rows]
+            dups = sorted({str(v) for v in seen if seen.count(v) > 1})
+            if dups:
+                raise SpecError(f"{table}: {what} repeated: {', '.join(dups)}")
+    for op, args in spec["protocol"]["ops"].items():
+        for arg, kind in args.items():
+            if kind not in spec["protocol"]["arg_kinds"]:
+                raise SpecError(f"protocol.ops.{op}.{arg}: unknown argument kind {kind!r}")
+    for name, (etype, _doc) in spec["protocol"]["errors"].items():
+        if etype not in spec["protocol"]["error_types"]:
+            raise SpecError(f"protocol.errors.{name}: unknown error type {etype!r}")
+    if spec["device_memory_modes"]["default"] not in spec["device_memory_modes"]["names"]:
+        raise SpecError("device_memory_modes.default is not one of its names")
+
+
 def generate() -> dict[Path, str]:
     spec = tomllib.loads(SPEC.read_text(encoding="utf-8"))
+    validate(spec)
     structs = [layout(k, v) for k, v in spec["structs"].items()]
     return {HEADER: gen_c(spec, structs), MODULE: gen_py(spec, structs)}
 

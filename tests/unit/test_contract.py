@@ -83,3 +83,14 @@ def test_stale_output_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert gencontract.main(["--check"]) == 1
     assert gencontract.main([]) == 0
     assert "ACL_ERROR_SNAPSHOT_LOCK_FAILED 507906" in header.read_text()
+
+
+def test_a_spec_that_repeats_a_number_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import gencontract
+
+    spec = gencontract.tomllib.loads(gencontract.SPEC.read_text())
+    gencontract.validate(spec)
+    spec["exit_codes"][3]["code"] = spec["exit_codes"][2]["code"]
+    with pytest.raises(gencontract.SpecError, match="exit_codes: value repeated"):
+        gencontract.validate(spec)
