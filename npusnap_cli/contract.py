@@ -48,7 +48,11 @@ ACL_ERROR_RT_CONTEXT_NULL = 107002
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 ACL_ERROR_RT_NO_PERMISSION = 207006
+ACL_ERROR_RT_STREAM_NOT_COMPLETE = 507004
+ACL_ERROR_RT_EVENT_NOT_COMPLETE = 507006
+ACL_ERROR_RT_AICORE_EXCEPTION = 507015
 ACL_ERROR_RT_DEV_SETUP_ERROR = 507033
+ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046
 ACL_ERROR_RT_DRV_INTERNAL_ERROR = 507899
 ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT = 507905
 ACL_ERROR_SNAPSHOT_LOCK_FAILED = 507906
@@ -69,7 +73,11 @@ ACL_ERRORS: Dict[int, Tuple[str, str, str]] = {
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT: ("ACL_ERROR_RT_FEATURE_NOT_SUPPORT", "feature not supported", "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with CANN 8.5+ is needed); run `npusnap check`"),
     ACL_ERROR_RT_MEMORY_ALLOCATION: ("ACL_ERROR_RT_MEMORY_ALLOCATION", "device out of memory", "the device has no room for the allocation; free device memory or use a smaller size"),
     ACL_ERROR_RT_NO_PERMISSION: ("ACL_ERROR_RT_NO_PERMISSION", "the driver refused the operation", "typically a restore without a backup; run `npusnap status {pid}`"),
+    ACL_ERROR_RT_STREAM_NOT_COMPLETE: ("ACL_ERROR_RT_STREAM_NOT_COMPLETE", "stream not complete", "work queued on the stream has not finished yet: synchronize the stream"),
+    ACL_ERROR_RT_EVENT_NOT_COMPLETE: ("ACL_ERROR_RT_EVENT_NOT_COMPLETE", "event not complete", "the event's record has not executed yet: synchronize the event first"),
+    ACL_ERROR_RT_AICORE_EXCEPTION: ("ACL_ERROR_RT_AICORE_EXCEPTION", "AI core exception", "a kernel on the stream faulted (a bad device address or a failing operator); the job's own computation failed, not the snapshot"),
     ACL_ERROR_RT_DEV_SETUP_ERROR: ("ACL_ERROR_RT_DEV_SETUP_ERROR", "device setup failed", "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)"),
+    ACL_ERROR_RT_STREAM_SYNC_TIMEOUT: ("ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", "stream synchronize timed out", "device work on the stream is still running (a long kernel or a collective waiting for its peers): wait longer or find the stuck rank"),
     ACL_ERROR_RT_DRV_INTERNAL_ERROR: ("ACL_ERROR_RT_DRV_INTERNAL_ERROR", "driver internal error", "the device driver is unreachable (simulator: is the daemon running? `npusnap sim status`)"),
     ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT: ("ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT", "lock timed out", "the runtime's background threads or an in-flight device call did not park within 60 s; the process is running again — retry when it is less busy"),
     ACL_ERROR_SNAPSHOT_LOCK_FAILED: ("ACL_ERROR_SNAPSHOT_LOCK_FAILED", "lock failed", "the process is already locked; run `npusnap status {pid}` to see its snapshot state"),
@@ -415,7 +423,11 @@ C_INTS: Dict[str, int] = {
     "ACL_ERROR_RT_FEATURE_NOT_SUPPORT": ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     "ACL_ERROR_RT_MEMORY_ALLOCATION": ACL_ERROR_RT_MEMORY_ALLOCATION,
     "ACL_ERROR_RT_NO_PERMISSION": ACL_ERROR_RT_NO_PERMISSION,
+    "ACL_ERROR_RT_STREAM_NOT_COMPLETE": ACL_ERROR_RT_STREAM_NOT_COMPLETE,
+    "ACL_ERROR_RT_EVENT_NOT_COMPLETE": ACL_ERROR_RT_EVENT_NOT_COMPLETE,
+    "ACL_ERROR_RT_AICORE_EXCEPTION": ACL_ERROR_RT_AICORE_EXCEPTION,
     "ACL_ERROR_RT_DEV_SETUP_ERROR": ACL_ERROR_RT_DEV_SETUP_ERROR,
+    "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT": ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
     "ACL_ERROR_RT_DRV_INTERNAL_ERROR": ACL_ERROR_RT_DRV_INTERNAL_ERROR,
     "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT": ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT,
     "ACL_ERROR_SNAPSHOT_LOCK_FAILED": ACL_ERROR_SNAPSHOT_LOCK_FAILED,

@@ -70,7 +70,11 @@ static inline const char *npusnap_callback_stage_name(int v) {
     X(207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT", "feature not supported", "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with CANN 8.5+ is needed); run `npusnap check`") \
     X(207001, "ACL_ERROR_RT_MEMORY_ALLOCATION", "device out of memory", "the device has no room for the allocation; free device memory or use a smaller size") \
     X(207006, "ACL_ERROR_RT_NO_PERMISSION", "the driver refused the operation", "typically a restore without a backup; run `npusnap status {pid}`") \
+    X(507004, "ACL_ERROR_RT_STREAM_NOT_COMPLETE", "stream not complete", "work queued on the stream has not finished yet: synchronize the stream") \
+    X(507006, "ACL_ERROR_RT_EVENT_NOT_COMPLETE", "event not complete", "the event's record has not executed yet: synchronize the event first") \
+    X(507015, "ACL_ERROR_RT_AICORE_EXCEPTION", "AI core exception", "a kernel on the stream faulted (a bad device address or a failing operator); the job's own computation failed, not the snapshot") \
     X(507033, "ACL_ERROR_RT_DEV_SETUP_ERROR", "device setup failed", "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)") \
+    X(507046, "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", "stream synchronize timed out", "device work on the stream is still running (a long kernel or a collective waiting for its peers): wait longer or find the stuck rank") \
     X(507899, "ACL_ERROR_RT_DRV_INTERNAL_ERROR", "driver internal error", "the device driver is unreachable (simulator: is the daemon running? `npusnap sim status`)") \
     X(507905, "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT", "lock timed out", "the runtime's background threads or an in-flight device call did not park within 60 s; the process is running again — retry when it is less busy") \
     X(507906, "ACL_ERROR_SNAPSHOT_LOCK_FAILED", "lock failed", "the process is already locked; run `npusnap status {pid}` to see its snapshot state") \
@@ -91,7 +95,11 @@ static inline const char *npusnap_acl_error_name(int code) {
     case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
     case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION";
     case 207006: return "ACL_ERROR_RT_NO_PERMISSION";
+    case 507004: return "ACL_ERROR_RT_STREAM_NOT_COMPLETE";
+    case 507006: return "ACL_ERROR_RT_EVENT_NOT_COMPLETE";
+    case 507015: return "ACL_ERROR_RT_AICORE_EXCEPTION";
     case 507033: return "ACL_ERROR_RT_DEV_SETUP_ERROR";
+    case 507046: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
     case 507899: return "ACL_ERROR_RT_DRV_INTERNAL_ERROR";
     case 507905: return "ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT";
     case 507906: return "ACL_ERROR_SNAPSHOT_LOCK_FAILED";
@@ -438,7 +446,11 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(ACL_ERROR_RT_FEATURE_NOT_SUPPORT) \
     X(ACL_ERROR_RT_MEMORY_ALLOCATION) \
     X(ACL_ERROR_RT_NO_PERMISSION) \
+    X(ACL_ERROR_RT_STREAM_NOT_COMPLETE) \
+    X(ACL_ERROR_RT_EVENT_NOT_COMPLETE) \
+    X(ACL_ERROR_RT_AICORE_EXCEPTION) \
     X(ACL_ERROR_RT_DEV_SETUP_ERROR) \
+    X(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT) \
     X(ACL_ERROR_RT_DRV_INTERNAL_ERROR) \
     X(ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT) \
     X(ACL_ERROR_SNAPSHOT_LOCK_FAILED) \
@@ -551,7 +563,11 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
 #define ACL_ERROR_RT_NO_PERMISSION 207006
+#define ACL_ERROR_RT_STREAM_NOT_COMPLETE 507004
+#define ACL_ERROR_RT_EVENT_NOT_COMPLETE 507006
+#define ACL_ERROR_RT_AICORE_EXCEPTION 507015
 #define ACL_ERROR_RT_DEV_SETUP_ERROR 507033
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
 #define ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
 #define ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT 507905
 #define ACL_ERROR_SNAPSHOT_LOCK_FAILED 507906
