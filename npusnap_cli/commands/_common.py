@@ -17,6 +17,7 @@ JSON_HELP = "Print one JSON envelope on stdout instead of text, also on failure 
 class GlobalOptions:
     json_output: bool = False
     verbose: int = 0
+    quiet: bool = False
 
 
 _current: Optional[Output] = None
@@ -28,7 +29,9 @@ def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
 
     global _current
     opts = ctx.find_root().obj if ctx.find_root().obj is not None else GlobalOptions()
-    _current = Output(command, json_mode=json_flag or opts.json_output, verbose=opts.verbose)
+    _current = Output(
+        command, json_mode=json_flag or opts.json_output, verbose=opts.verbose, quiet=opts.quiet
+    )
     return _current
 
 
@@ -40,6 +43,41 @@ def reset_output() -> None:
 def options_part(argv: list[str]) -> list[str]:
     """The arguments before ``--`` (what follows is a program's command line, e.g. `run`'s)."""
     return argv[: argv.index("--")] if "--" in argv else argv
+
+
+_GLOBAL_FLAGS = frozenset({"--verbose", "--quiet", "-q"})
+
+
+def _is_global_flag(arg: str) -> bool:
+    return arg in _GLOBAL_FLAGS or (len(arg) > 1 and arg[0] == "-" and set(arg[1:]) == {"v"})
+
+
+def hoist_global_flags(argv: list[str]) -> list[str]:
+    """Move -v/-vv/--verbose/-q/--quiet to the front, where the global options are parsed, so that
+    they work anywhere on the line (`npusnap dump -v PID DIR`). Never from a program's command
+    line: not after ``--``, and for `run` not after the first word of the program."""
+    front: list[str] = []
+    rest: list[str] = []
+    command: Optional[str] = None
+    frozen = False
+    for arg in argv:
+        if frozen:
+            rest.append(arg)
+            continue
+        if arg == "--":
+            frozen = True
+            rest.append(arg)
+            continue
+        if _is_global_flag(arg):
+            front.append(arg)
+            continue
+        if not arg.startswith("-"):
+            if command is None:
+                command = arg
+            elif command == "run":
+                frozen = True  # CMD starts here: its own -v is its own
+        rest.append(arg)
+    return front + rest
 
 
 def json_requested(argv: list[str]) -> bool:

@@ -143,9 +143,15 @@ class SignalGuard:
     def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
         first = self.received is None
         self.received = signum
-        if first:
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if first:
                 self._note(f"{signal.Signals(signum).name} received: finishing the current step")
+            else:
+                # Said every time: a second Ctrl-C that prints nothing looks like a hang.
+                self._note(
+                    f"{signal.Signals(signum).name} again: still finishing the current step, then "
+                    f"rolling back; the {self.what} cannot be cut short safely (the job would stay locked)"
+                )
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
