@@ -226,7 +226,12 @@ class Output:
         return code
 
     def _emit(self, body: dict[str, Any]) -> None:
-        envelope = {"schema": ENVELOPE_SCHEMA, "command": self.command, **body, "warnings": list(self.warnings)}
+        envelope = {
+            "schema": ENVELOPE_SCHEMA,
+            "command": self.command,
+            **body,
+            "warnings": list(self.warnings),
+        }
         sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
         sys.stdout.flush()
         self._emitted = True
