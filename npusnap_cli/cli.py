@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "run",
     "attach",
     "status",
+    "ps",
     "freeze",
     "dump",
     "restore",

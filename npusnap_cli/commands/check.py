@@ -6,12 +6,12 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import ExitCode
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("check"))
     def check(
         ctx: typer.Context,
         ascend_home: Optional[str] = typer.Option(

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 DIR_HELP = (
     "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
@@ -58,11 +58,12 @@ def _plugin_checkpoint(directory: Path) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("inspect")
+    @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            metavar="DIR",
             help=DIR_HELP,
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -164,11 +165,12 @@ def register(app: typer.Typer) -> None:
         out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
         out.result(data)
 
-    @app.command("verify")
+    @app.command("verify", epilog=epilog("verify"))
     def verify_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            metavar="DIR",
             help=DIR_HELP,
         ),
         no_checksums: bool = typer.Option(

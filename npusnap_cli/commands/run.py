@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
+        epilog=epilog("run"),
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def run(
