@@ -2,7 +2,7 @@
 restore, freeze and thaw (who, what, result).
 
 * **syslog** (the journal on systemd hosts, ``journalctl -t npusnap``): through the local syslog
-  socket ``/dev/log`` when there is one. No socket (a container, a minimal host): nothing is sent
+  socket ``/dev/log`` (``NPUSNAP_SYSLOG_SOCKET`` overrides) when there is one. No socket (a container, a minimal host): nothing is sent
   and the command goes on; a record is never a reason to fail an operation.
 * **history**: JSON lines in ``history.jsonl`` under the state directory (root:
   ``/var/lib/npusnap``; others: ``$XDG_STATE_HOME/npusnap`` or ``~/.local/state/npusnap``;
@@ -55,16 +55,25 @@ def start_time(pid: int) -> Optional[float]:
     return hostclean.process_start_time(pid)
 
 
-def _syslog(line: str, failed: bool) -> bool:
-    """Send one line to the local syslog socket; False (and nothing else) without one."""
-    if not os.path.exists(SYSLOG_SOCKET):
-        return False
-    import syslog
+def syslog_socket() -> str:
+    return os.environ.get("NPUSNAP_SYSLOG_SOCKET") or SYSLOG_SOCKET
 
+
+def _syslog(line: str, failed: bool) -> bool:
+    """Send one line to the local syslog socket (RFC 3164 framing, as logger(1) and libc's
+    syslog() do, which journald and rsyslog both read); False, and nothing else, without one."""
+    import socket
+
+    path = syslog_socket()
+    if not os.path.exists(path):
+        return False
+    priority = 8 + (4 if failed else 6)  # facility user (1 << 3), severity warning or info
+    stamp = time.strftime("%b %d %H:%M:%S")
+    message = f"<{priority}>{stamp} npusnap[{os.getpid()}]: {line}".encode(errors="replace")
     try:
-        syslog.openlog("npusnap", syslog.LOG_PID, syslog.LOG_USER)
-        syslog.syslog(syslog.LOG_WARNING if failed else syslog.LOG_INFO, line)
-        syslog.closelog()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1.0)  # a stuck syslog daemon never holds an operation
+            sock.sendto(message, path)
     except OSError:
         return False
     return True
@@ -132,7 +141,7 @@ def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[s
     yielded dict (``pids``, ``image``) once it knows them (a restore learns its pids at the end)."""
     from npusnap_cli.errors import ExitCode, NpusnapError
 
-    info: dict[str, Any] = {"pids": list(pids), "image": image}
+    info: dict[str, Any] = {"pids": list(pids), "image": os.path.abspath(image) if image else None}
     info["starts"] = {p: start_time(p) for p in pids}
     t0 = time.monotonic()
     code, error = 0, None
