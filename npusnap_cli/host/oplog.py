@@ -2,8 +2,9 @@
 restore, freeze and thaw (who, what, result).
 
 * **syslog** (the journal on systemd hosts, ``journalctl -t npusnap``): through the local syslog
-  socket ``/dev/log`` (``NPUSNAP_SYSLOG_SOCKET`` overrides) when there is one. No socket (a container, a minimal host): nothing is sent
-  and the command goes on; a record is never a reason to fail an operation.
+  socket ``/dev/log`` (``NPUSNAP_SYSLOG_SOCKET`` overrides) when there is one. No socket (a
+  container, a minimal host): nothing is sent and the command goes on; a record is never a
+  reason to fail an operation.
 * **history**: JSON lines in ``history.jsonl`` under the state directory (root:
   ``/var/lib/npusnap``; others: ``$XDG_STATE_HOME/npusnap`` or ``~/.local/state/npusnap``;
   ``NPUSNAP_STATE_DIR`` overrides). `npusnap ps` reads it for each job's last snapshot. Bounded
