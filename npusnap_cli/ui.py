@@ -293,6 +293,9 @@ class _NullProgress:
     def advance(self, n: int) -> None:
         pass
 
+    def describe(self, text: str) -> None:
+        pass
+
     def update(self, completed: int, total: Optional[int] = None) -> None:
         pass
 
@@ -307,6 +310,10 @@ class _RichProgress:
 
     def update(self, completed: int, total: Optional[int] = None) -> None:
         self._prog.update(self._task, completed=completed, total=total)
+
+    def describe(self, text: str) -> None:
+        """Say what the bar is doing, or waiting for."""
+        self._prog.update(self._task, description=text)
 
 
 def human_bytes(n: Optional[float]) -> str:

@@ -14,21 +14,66 @@ from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog,
 
 
 class ProgressBars:
-    """Opens one Output.progress bar per label on first use; closes them all at the end."""
+    """One Output.progress bar per label, opened on first use, all closed at a phase change.
+
+    A bar must tell the truth: when its count stops moving it says what it waits for (a device
+    Backup reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
+    bar whose phase ended is shown complete (the phase finished its work), except one whose work
+    goes on in the background (the restore's checksums, alongside CRIU), which says so; and a
+    label never gets a second bar after its first was closed.
+    """
+
+    STALL_S = 3.0
+    WAITS_FOR = {
+        "device backup": "the agents' Backup reports its bytes only when done",
+        "writing image": "CRIU is between writes",
+        "checksums": "the disk",
+        "verifying": "the disk",
+        "exporting": "the compressor",
+        "importing": "the archive",
+    }
+    BACKGROUND = frozenset({"verifying"})
 
     def __init__(self, out: Any) -> None:
         self._out = out
         self._stack = contextlib.ExitStack()
         self._bars: dict[str, Any] = {}
+        self._state: dict[str, tuple[int, Optional[int], float, bool]] = {}  # done, total, moved, stalled
+        self._closed: set[str] = set()
 
     def update(self, label: str, done: int, total: Optional[int]) -> None:
+        import time
+
+        if label in self._closed:
+            return
         bar = self._bars.get(label)
         if bar is None:
             bar = self._stack.enter_context(self._out.progress(label, total))
             self._bars[label] = bar
+        if total is not None and done > total:
+            total = done  # never "11.6 MiB / 10.6 MiB"
+        now = time.monotonic()
+        last_done, _total, moved, stalled = self._state.get(label, (-1, total, now, False))
+        if done != last_done:
+            moved = now
+            if stalled:
+                bar.describe(label)
+                stalled = False
+        elif not stalled and now - moved >= self.STALL_S:
+            bar.describe(f"{label} (waiting: {self.WAITS_FOR.get(label, 'no progress reported')})")
+            stalled = True
+        self._state[label] = (done, total, moved, stalled)
         bar.update(done, total)
 
     def close(self) -> None:
+        for label, bar in self._bars.items():
+            done, total, _moved, _stalled = self._state.get(label, (0, None, 0.0, False))
+            if label in self.BACKGROUND and (total is None or done < total):
+                bar.describe(f"{label} (goes on in the background)")
+            elif total is not None and done < total:
+                bar.describe(label)
+                bar.update(total, total)  # the phase is over: its work is done
+            self._closed.add(label)
         self._stack.close()
         self._bars.clear()
 
