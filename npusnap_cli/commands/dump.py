@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import typer
 
@@ -24,7 +24,7 @@ class ProgressBars:
     """
 
     STALL_S = 3.0
-    WAITS_FOR = {
+    WAITS_FOR: ClassVar[dict[str, str]] = {
         "device backup": "the agents' Backup reports its bytes only when done",
         "writing image": "CRIU is between writes",
         "checksums": "the disk",
