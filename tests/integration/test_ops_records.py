@@ -63,9 +63,24 @@ def test_ps_records_logs_and_dry_run(sim: Sim, runtime_dir: Path, tmp_path: Path
 
         # A good dump, -v after the command: CRIU's log stays in the image; one syslog line.
         img = tmp_path / "snaps" / "one"
-        dumped = npusnap(env, "dump", "-R", str(pid), str(img), "-v", "--json")
+        archive = tmp_path / "one.tar.zst"
+        dumped = npusnap(env, "dump", "-R", "-e", str(archive), str(pid), str(img), "-v", "--json")
         assert dumped.returncode == 0, dumped.stdout + dumped.stderr
         assert (img / "logs" / "dump.log").stat().st_size > 0
+        assert envelope(dumped)["result"]["export"]["archive"] == str(archive) and archive.is_file()
+
+        # inspect shows what CRIU saved: files, sockets (the agent's own, listening), statistics.
+        for what in (img, archive):
+            criu = envelope(npusnap(env, "inspect", str(what), "--json"))["result"]["criu"]
+            assert {(f["fd"], f["name"]) for f in criu["files"]} >= {(1, str(out)), (2, str(out))}
+            assert any(
+                k["name"] == str(runtime_dir / f"{pid}.sock") and k["state"] == "listening"
+                for k in criu["sockets"]
+            ), criu["sockets"]
+            if what == img:
+                assert criu["stats"]["pages_written"] > 0 and criu["stats"]["bytes_written"] > 0
+            else:
+                assert criu["stats"] is None  # an archive has no logs/
         line = syslog.recv(4096).decode()
         assert "npusnap[" in line and f"dump pid {pid} image {img}" in line and ": ok in " in line
         history = [json.loads(x) for x in (tmp_path / "state" / "history.jsonl").read_text().splitlines()]
