@@ -385,6 +385,8 @@ def _show_log(out: Any, logs: Path) -> None:
     if out.verbose < 2 or out.json_mode:
         return
     for log in sorted(logs.glob("*.log")):
+        if out.command == "restore" and log.name != "restore.log":
+            continue
         try:
             lines = log.read_text(errors="replace").splitlines()[-30:]
         except OSError:

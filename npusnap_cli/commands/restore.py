@@ -252,6 +252,11 @@ def register(app: typer.Typer) -> None:
             )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
+        if result.criu_log:
+            out.debug(f"CRIU's restore log: {result.criu_log}")
+            from npusnap_cli.commands.dump import _show_log
+
+            _show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
         from npusnap_cli.commands import jobcmd
 
