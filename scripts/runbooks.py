@@ -18,6 +18,7 @@ test machine (it needs a Kubernetes cluster, a git clone) is preceded by the HTM
     scripts/runbooks.py --block PAGE N  print the Nth runnable bash block of PAGE (1-based): the
                                         hand-written scripts (podman.sh, kubernetes.sh) run
                                         their page's blocks through this
+    scripts/runbooks.py --count PAGE    how many runnable bash blocks PAGE has
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def doc_pages() -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--count"] and len(argv) == 2:
+        print(len(runnable_blocks(Path(argv[1]))))
+        return 0
     if argv[:1] == ["--block"] and len(argv) == 3:
         page = Path(argv[1])
         if not page.is_absolute() and not page.exists():
