@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -20,7 +21,8 @@ class ProgressBars:
     Backup reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
     bar whose phase ended is shown complete (the phase finished its work), except one whose work
     goes on in the background (the restore's checksums, alongside CRIU), which says so; and a
-    label never gets a second bar after its first was closed.
+    label never gets a second bar after its first was closed. Threads share it (the restore's
+    host and device checksums report the same label at once): one lock, so one bar per label.
     """
 
     STALL_S = 3.0
@@ -40,8 +42,13 @@ class ProgressBars:
         self._bars: dict[str, Any] = {}
         self._state: dict[str, tuple[int, Optional[int], float, bool]] = {}  # done, total, moved, stalled
         self._closed: set[str] = set()
+        self._lock = threading.Lock()
 
     def update(self, label: str, done: int, total: Optional[int]) -> None:
+        with self._lock:
+            self._update(label, done, total)
+
+    def _update(self, label: str, done: int, total: Optional[int]) -> None:
         import time
 
         if label in self._closed:
@@ -66,6 +73,10 @@ class ProgressBars:
         bar.update(done, total)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for label, bar in self._bars.items():
             done, total, _moved, _stalled = self._state.get(label, (0, None, 0.0, False))
             if label in self.BACKGROUND and (total is None or done < total):

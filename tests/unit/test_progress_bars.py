@@ -70,3 +70,25 @@ def test_background_work_says_so_and_gets_no_second_bar() -> None:
     bars.update("verifying", 5, 12)
     bars.update("criu restore", 1, 2)
     assert [b.label for b in out.bars] == ["verifying", "criu restore"]
+
+
+def test_two_threads_reporting_one_label_share_one_bar() -> None:
+    """The restore's host and device checksums report "verifying" from two threads at once."""
+    import threading
+    import time
+
+    class SlowOut(FakeOut):
+        @contextlib.contextmanager
+        def progress(self, label: str, total: Optional[int]) -> Iterator[Any]:
+            time.sleep(0.05)  # widen the window in which a second bar could be opened
+            with super().progress(label, total) as bar:
+                yield bar
+
+    out = SlowOut()
+    bars = dump_cmd.ProgressBars(out)
+    threads = [threading.Thread(target=bars.update, args=("verifying", n, 12)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out.bars) == 1
