@@ -85,6 +85,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             "devices": [],
             "last_snapshot": None,
             "restored_from": None,
+            "events": [],
             "agent_error": None,
         }
         try:
@@ -102,6 +103,9 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             entry["owner"] = owner_view(st.get("owner"))
             entry["devices"] = list((hello.get("acl") or {}).get("devices") or [])
             entry["restored"] = bool(st.get("restored"))
+            # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
+            # lease that ran out, which it otherwise tells only the job's stderr.
+            entry["events"] = list(st.get("events") or [])[-3:]
         except NpusnapError as exc:
             entry["agent_error"] = exc.message
         key = (pid, oplog.start_time(pid))
