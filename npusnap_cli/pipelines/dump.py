@@ -1195,7 +1195,8 @@ class _Pipeline:
                     streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
                 if not self.options.keep:
                     img.remove_tree(img.logs_dir(tmp))
-                total = img.tree_size(tmp)  # every file hashed: CRIU's, the device's, the logs
+                # Every file hashed (CRIU's, the device memory's), not CRIU's alone.
+                total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
                 done = [0]
 
                 def advance(n: int) -> None:
