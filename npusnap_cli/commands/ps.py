@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
             if owner.get("alive") is False:
                 out.warn(
                     f"pid {p['pid']} is locked by {owner.get('command')} (pid {owner.get('pid')}), which "
-                    f"has exited: `npusnap thaw {p['pid']}` returns it now"
+                    f"has exited: `npusnap thaw --force {p['pid']}` returns it now"
                 )
         if not procs:
             out.line("no process on this node has an npusnap agent (start one with `npusnap run`)")

@@ -79,7 +79,8 @@ def register(app: typer.Typer) -> None:
             if owner.get("alive") is False:
                 out.warn(
                     f"pid {entry['pid']}: the lock's holder, {owner.get('command')} (pid "
-                    f"{owner.get('pid')}), has exited; `npusnap thaw {entry['pid']}` returns the process now"
+                    f"{owner.get('pid')}), has exited; `npusnap thaw --force {entry['pid']}` returns the "
+                    "process now"
                 )
             events = st.get("events", [])[-3:]
             if events:

@@ -36,7 +36,8 @@ def pid_alive(pid: Optional[int]) -> Optional[bool]:
 
 def owner_view(owner: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The agent's lock owner with ``alive``: a dump that exited without unlocking (killed) still
-    shows as the owner in the agent until its lease returns the process; it holds nothing."""
+    shows as the owner in the agent until its lease returns the process, but nobody will finish
+    or undo its work: the lock is stale."""
     if not owner:
         return None
     if owner.get("command") == "freeze":
@@ -51,11 +52,11 @@ def owner_text(owner: Optional[dict[str, Any]], lease: Optional[dict[str, Any]] 
     text = f"{owner.get('command')} (pid {owner.get('pid')}) since {owner.get('since')}"
     if owner.get("alive") is False:
         back = (
-            f"the lease returns it in {lease.get('remaining_s')}s"
+            f"its lease unlocks it in {lease.get('remaining_s')}s"
             if lease and lease.get("active")
-            else "`npusnap thaw PID` returns it"
+            else "no lease will unlock it"
         )
-        text += f" -- EXITED, holds nothing; {back}"
+        text += f" -- EXITED: nobody will finish this; {back}, `npusnap thaw --force PID` now"
     return text
 
 

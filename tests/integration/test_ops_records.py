@@ -127,6 +127,26 @@ def test_ps_records_logs_and_dry_run(sim: Sim, runtime_dir: Path, tmp_path: Path
         assert npusnap(env, "thaw", str(pid)).returncode == 0
         ops = [json.loads(x)["op"] for x in (tmp_path / "state" / "history.jsonl").read_text().splitlines()]
         assert ops[-4:] == ["restore", "freeze", "dump", "thaw"]
+
+        # A lock whose holder died (a dump killed mid-way): stale, shown as such, never as held
+        # by a live command; the warning's command returns the process.
+        locker = (
+            "from npusnap_cli.device.agent_client import AgentClient\n"
+            f"with AgentClient({pid}, timeout=10) as c:\n"
+            "    c.lock(lease_s=120, command='dump')\n"
+        )
+        subprocess.run([PY, "-c", locker], env=env, cwd=REPO, check=True, timeout=30)
+        seen = envelope(npusnap(env, "ps", "--json"))
+        owner = {p["pid"]: p for p in seen["result"]["processes"]}[pid]["owner"]
+        assert owner["command"] == "dump" and owner["alive"] is False
+        assert any(f"npusnap thaw --force {pid}" in w for w in seen["warnings"])
+        status = npusnap({**env, "COLUMNS": "1000"}, "status", str(pid))
+        assert "EXITED" in status.stdout and f"thaw --force {pid}" in status.stderr
+        assert npusnap(env, "thaw", "--force", str(pid)).returncode == 0
+        assert (
+            envelope(npusnap(env, "status", str(pid), "--json"))["result"]["processes"][0]["status"]["owner"]
+            is None
+        )
     finally:
         os.close(r)
         os.close(w)
