@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from npusnap_cli import paths
+from npusnap_cli.host.procfs import is_alive as alive
+from tests.conftest import plugin_dir_with, requires_root
+from tests.integration.sim_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -256,3 +260,59 @@ def test_the_layers_call_each_other_through_the_dynamic_linker() -> None:
     assert rt_calls <= undefined("libacl_rt.so")
     assert {"halMemAlloc", "drvMemcpy", "halMemMap", "halProcessResBackup"} <= undefined("libruntime.so")
     assert os.path.exists(lib / "libascend_hal.so")
+
+
+@requires_root
+def test_a_job_computing_on_streams_survives_criu(
+    built: dict[str, Path], sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Lock + Backup, CRIU dump (with the device plugin), restore, Restore + Unlock: the restored
+    job's stream thread, stream and event work again. Its device word is poisoned by Restore, as
+    CANN's legacy flow keeps addresses, not contents: the next step reads poison + 1."""
+    from tests.integration.test_sim_criu import criu, memfd_vmas
+
+    status, out, img = tmp_path / "status", tmp_path / "out", tmp_path / "img"
+    img.mkdir()
+    home = tree("cann")
+    env = dict(sim_env, ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"))
+    env.update(SNAP_STATUS=str(status), SNAP_STEPS="40")
+    with open(out, "wb") as o:
+        proc = subprocess.Popen(
+            [str(built["probe"]), "loop", str(built["kernels"])],
+            env=env,
+            stdout=o,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=tmp_path,
+        )
+    pid = proc.pid
+    try:
+        assert wait_for(lambda: len(read(out)) >= 5), read(out)
+        os.kill(pid, signal.SIGUSR1)
+        assert wait_for(lambda: "backup 0" in read(status)), read(status)
+        stopped_at = len(read(out))
+        plugins = str(plugin_dir_with(tmp_path, "npusim_plugin.so"))
+        dump = criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v4", "-L", plugins)
+        assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
+        proc.wait(10)
+        assert memfd_vmas(img, pid) == []  # Backup dropped every device mapping
+        restore = criu("restore", "-D", str(img), "-d", "-o", "restore.log", "-v4", "-L", plugins)
+        assert restore.returncode == 0, (img / "restore.log").read_text()[-3000:]
+        os.kill(pid, signal.SIGUSR2)
+        assert wait_for(lambda: "unlock 0" in read(status)), read(status)
+        assert wait_for(lambda: not alive(pid), 30), "restored job did not finish"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    steps = [ln.split() for ln in read(out) if ln.startswith("step ")]
+    assert len(steps) == 40, read(out)
+    assert all(s[2] == "0" and s[3] == "0" for s in steps), steps  # every synchronize passed
+    values = [int(s[4]) for s in steps]
+    assert values[:stopped_at] == list(range(1, stopped_at + 1))
+    assert values[stopped_at] == 0xDEADBEEF + 1
+    assert values[stopped_at:] == [0xDEADBEEF + 1 + i for i in range(40 - stopped_at)]
+
+
+def read(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

@@ -4,6 +4,7 @@
  * Prototypes are those of acl_rt.h and ascend_hal.h, declared here as a program would see them. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -405,10 +406,64 @@ static void driverflow(void) {
     printf("unlock_rc %d\n", aclrtSnapShotProcessUnlock(getpid(), NULL));
 }
 
+/* A job that computes on a stream step by step (each step adds 1 to a device word and prints it),
+ * for the CRIU test: SIGUSR1 locks and backs up, SIGUSR2 restores and unlocks (a thread waiting
+ * in sigwait, as an agent's would); results go to the file SNAP_STATUS names. */
+static void status(const char *what, int rc) {
+    FILE *f = fopen(getenv("SNAP_STATUS"), "a");
+    if (f) fprintf(f, "%s %d\n", what, rc), fclose(f);
+}
+
+static void *snapshot_thread(void *arg) {
+    sigset_t *set = arg;
+    for (;;) {
+        int sig;
+        if (sigwait(set, &sig) != 0) continue;
+        if (sig == SIGUSR1) {
+            int rc = aclrtSnapShotProcessLock(getpid(), NULL);
+            status("lock", rc);
+            if (rc == 0) status("backup", aclrtSnapShotProcessBackup(getpid(), NULL));
+        } else {
+            int rc = aclrtSnapShotProcessRestore(getpid(), NULL);
+            status("restore", rc);
+            if (rc == 0) status("unlock", aclrtSnapShotProcessUnlock(getpid(), NULL));
+        }
+    }
+    return NULL;
+}
+
+static void loop(int steps) {
+    void *dev, *s, *ev;
+    uint32_t w = 0;
+    CHECK(aclrtMalloc(&dev, 4096, 0));
+    CHECK(aclrtMemset(dev, 4096, 0, 4096));
+    CHECK(aclrtCreateStream(&s));
+    CHECK(aclrtCreateEvent(&ev));
+    for (int i = 0; i < steps; i++) {
+        CHECK(launch_add(s, dev, 1, 1));
+        CHECK(aclrtRecordEvent(ev, s));
+        CHECK(aclrtMemcpyAsync(&w, 4, dev, 4, 2, s));
+        int rc = aclrtSynchronizeStream(s);
+        int erc = aclrtSynchronizeEvent(ev);
+        printf("step %d %d %d %u\n", i, rc, erc, w);
+        sleep_ms(50);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) return 2;
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *sc = argv[1];
+    static sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGUSR2);
+    if (!strcmp(sc, "loop")) {
+        /* blocked everywhere (the runtime's engine threads inherit it): only the sigwait thread */
+        pthread_sigmask(SIG_BLOCK, &set, NULL);
+        pthread_t th;
+        pthread_create(&th, NULL, snapshot_thread, &set);
+    }
     CHECK(aclInit(NULL));
     if (!strcmp(sc, "nodevice")) nodevice();
     else if (!strcmp(sc, "nosnap")) nosnap();
@@ -424,6 +479,7 @@ int main(int argc, char **argv) {
             else if (!strcmp(sc, "lock")) lock();
             else if (!strcmp(sc, "vmm")) vmm();
             else if (!strcmp(sc, "fault")) fault();
+            else if (!strcmp(sc, "loop")) loop(atoi(getenv("SNAP_STEPS")));
             else return 2;
         }
     }
