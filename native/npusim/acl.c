@@ -57,6 +57,13 @@ ACL_API const char *aclrtGetSocName(void) {
 ACL_API aclError aclrtSetDevice(int32_t deviceId) { return rtSetDevice(deviceId); }
 ACL_API aclError aclrtResetDevice(int32_t deviceId) { return rtDeviceReset(deviceId); }
 ACL_API aclError aclrtGetDevice(int32_t *deviceId) { return rtGetDevice(deviceId); }
+ACL_API aclError aclrtGetDeviceCount(uint32_t *count) {
+    if (!count) return ACL_ERROR_INVALID_PARAM;
+    int32_t n = 0;
+    aclError rc = rtGetDeviceCount(&n);
+    if (rc == ACL_SUCCESS) *count = (uint32_t)n;
+    return rc;
+}
 ACL_API aclError aclrtGetCurrentContext(void **context) { return rtCtxGetCurrent(context); }
 ACL_API aclError aclrtSetCurrentContext(void *context) { return rtCtxSetCurrent(context); }
 ACL_API aclError aclrtSynchronizeDevice(void) { return rtDeviceSynchronize(); }

@@ -680,6 +680,26 @@ drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info) {
     return rc;
 }
 
+/* The number of devices of the node: the daemon's device list. */
+drvError_t drvGetDevNum(uint32_t *num_dev) {
+    if (!num_dev) return DRV_ERROR_INVALID_VALUE;
+    static char buf[1 << 16];
+    pthread_mutex_lock(&g_io);
+    int had = g_fd >= 0;
+    drvError_t rc = io_connect() == 0 ? DRV_ERROR_NONE : DRV_ERROR_NO_DEVICE;
+    if (rc == DRV_ERROR_NONE) rc = status_to_drv(io_rpc(NPUSIM_OP_STATUS, -1, 0, 0, 0, buf, sizeof buf - 1, NULL));
+    uint32_t n = 0;
+    for (const char *p = buf; rc == DRV_ERROR_NONE && (p = strstr(p, "{\"id\": ")) != NULL; p++) n++;
+    pthread_mutex_lock(&g_mu);
+    int any = 0;
+    for (int d = 0; d < MAX_DEV; d++) any |= g_open[d];
+    pthread_mutex_unlock(&g_mu);
+    if (!had && !any) io_disconnect(); /* a query opens no device */
+    pthread_mutex_unlock(&g_io);
+    if (rc == DRV_ERROR_NONE) *num_dev = n;
+    return rc;
+}
+
 /* ---------------------------------------------------------------- VMM (svm/v3 api/master/svm_vmm.c) */
 
 drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag) {
@@ -827,8 +847,9 @@ drvError_t halMemUnmap(void *ptr) {
         for (size_t j = 0; j < r->nmaps; j++)
             if (r->maps[j].va == va) {
                 if (r->map) {
-                    /* The piece becomes a hole again; a copy in flight on it keeps its pages
-                     * (MAP_FIXED replaces the mapping, the memfd's pages stay the daemon's). */
+                    /* The piece becomes a hole again at once (MAP_FIXED replaces it): unmapping
+                     * memory that a copy or kernel is still using is the caller's error, as on
+                     * the device; the memfd's pages stay the daemon's. */
                     mmap(r->map + (va - r->addr), r->maps[j].size, PROT_NONE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
                 }

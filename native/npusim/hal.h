@@ -84,6 +84,7 @@ HAL_API drvError_t halMemFree(void *pp);
 HAL_API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t ByteCount);
 HAL_API drvError_t drvMemsetD8(DVdeviceptr dst, size_t destMax, uint8_t value, size_t num);
 HAL_API drvError_t drvMemAddressTranslate(DVdeviceptr vptr, UINT64 *pptr);
+HAL_API drvError_t drvGetDevNum(uint32_t *num_dev);
 HAL_API drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info);
 HAL_API drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag);
 HAL_API drvError_t halMemAddressFree(void *ptr);

@@ -14,6 +14,7 @@
 RT_API rtError_t rtSetDevice(int32_t devId);
 RT_API rtError_t rtDeviceReset(int32_t devId);
 RT_API rtError_t rtGetDevice(int32_t *devId);
+RT_API rtError_t rtGetDeviceCount(int32_t *cnt);
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout);
 RT_API rtError_t rtDeviceSynchronize(void);
 RT_API rtError_t rtCtxGetCurrent(void **currentCtx);

@@ -578,6 +578,15 @@ RT_API rtError_t rtGetDevice(int32_t *devId) {
     return ACL_SUCCESS;
 }
 
+/* Not gated (a query): the driver's device count. */
+RT_API rtError_t rtGetDeviceCount(int32_t *cnt) {
+    if (!cnt) return ACL_ERROR_RT_PARAM_INVALID;
+    uint32_t n = 0;
+    int32_t rc = drv_to_acl(drvGetDevNum(&n));
+    if (rc == ACL_SUCCESS) *cnt = (int32_t)n;
+    return rc;
+}
+
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout) {
     int d = current_device();
     if (d < 0) return ACL_ERROR_UNINITIALIZE;

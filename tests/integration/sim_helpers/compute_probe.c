@@ -23,6 +23,10 @@ aclError aclrtMemcpyAsync(void *, size_t, const void *, size_t, int, void *);
 aclError aclrtMemset(void *, size_t, int32_t, size_t);
 aclError aclrtMemsetAsync(void *, size_t, int32_t, size_t, void *);
 aclError aclrtGetMemInfo(int, size_t *, size_t *);
+aclError aclrtGetDeviceCount(uint32_t *);
+aclError aclrtMallocHost(void **, size_t);
+aclError aclrtFreeHost(void *);
+aclError aclrtLaunchCallback(void (*)(void *), void *, int, void *);
 aclError aclrtCreateStream(void **);
 aclError aclrtCreateStreamWithConfig(void **, uint32_t, uint32_t);
 aclError aclrtDestroyStream(void *);
@@ -143,6 +147,18 @@ static void async_copy(void) {
     printf("destroy_rc %d\n", aclrtDestroyStream(s));
 }
 
+struct cb_seen {
+    void *dev;
+    uint32_t word; /* the device word when the callback ran */
+    int calls;
+};
+
+static void host_callback(void *arg) {
+    struct cb_seen *c = arg;
+    aclrtMemcpy(&c->word, 4, c->dev, 4, 2);
+    c->calls++;
+}
+
 static void order(void) {
     const uint64_t n = 1 << 16;
     void *dev, *s;
@@ -167,6 +183,20 @@ static void order(void) {
     memset(h, 0, n * 4);
     CHECK(aclrtMemcpy(h, n * 4, dev, n * 4, 2));
     printf("h2d_first %u\nh2d_last %u\n", h[0], h[n - 1]);
+    /* a host callback runs in stream order, after the kernel before it */
+    struct cb_seen seen = {dev, 0, 0};
+    CHECK(launch_add(s, dev, 1, 100));
+    printf("callback_rc %d\n", aclrtLaunchCallback(host_callback, &seen, 1, s));
+    CHECK(aclrtSynchronizeStream(s));
+    printf("callback_calls %d\ncallback_word %u\n", seen.calls, seen.word);
+    void *hb = NULL;
+    printf("mallochost_rc %d\n", aclrtMallocHost(&hb, 1 << 20));
+    CHECK(aclrtMemcpy(hb, 4, dev, 4, 2));
+    printf("hostbuf_word %u\n", *(uint32_t *)hb);
+    printf("freehost_rc %d\n", aclrtFreeHost(hb));
+    uint32_t ndev = 0;
+    printf("devcount_rc %d\n", aclrtGetDeviceCount(&ndev));
+    printf("devcount %u\n", ndev);
     size_t fr = 0, tot = 0;
     printf("meminfo_rc %d\n", aclrtGetMemInfo(1, &fr, &tot));
     printf("meminfo_total %zu\nmeminfo_free %zu\n", tot, fr);
