@@ -169,6 +169,16 @@ def test_vmm_reserve_map_compute_unmap_release(built: dict[str, Path], sim_env: 
         assert got[key] == "0", key
 
 
+def test_vmm_memory_keeps_its_address_across_backup_and_restore(
+    built: dict[str, Path], sim_env: dict[str, str]
+) -> None:
+    got = run(built, sim_env, "vmm_restore")
+    assert got["before"] == "5"
+    assert got["lock_rc"] == got["backup_rc"] == got["restore_rc"] == "0"
+    assert got["drv_after_restore_rc"] == "0" and got["after_restore"] == "deadbeef"
+    assert got["unlock_rc"] == "0" and got["kernel_after_rc"] == "0" and got["after_kernel"] == "9"
+
+
 def test_a_kernel_fault_fails_the_next_synchronize(built: dict[str, Path], sim_env: dict[str, str]) -> None:
     got = run(built, sim_env, "fault")
     assert got["fault_sync_rc"] == str(AICORE_EXCEPTION)

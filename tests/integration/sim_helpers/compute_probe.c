@@ -345,6 +345,41 @@ static void vmm(void) {
     printf("release_rc %d\n", aclrtReleaseMemAddress(va));
 }
 
+/* VMM memory across Lock, Backup, Restore, Unlock in the same process: the reserved address and
+ * its mapping stay, the physical memory comes back poisoned (Restore keeps addresses, not
+ * contents), and copies and kernels work on it again. */
+static void vmm_restore(void) {
+    const size_t gran = 2 * MiB;
+    void *va, *ph, *s;
+    struct {
+        uint32_t handle_type, alloc_type, mem_attr, loc_id, loc_type;
+        uint64_t reserve;
+    } prop = {0, 0, 4, 0, 1, 0};
+    CHECK(aclrtCreateStream(&s));
+    CHECK(aclrtReserveMemAddress(&va, 2 * gran, 0, NULL, 0));
+    CHECK(aclrtMallocPhysical(&ph, gran, &prop, 0));
+    CHECK(aclrtMapMem((char *)va + gran, gran, 0, ph, 0));
+    void *p = (char *)va + gran;
+    CHECK(aclrtMemset(p, gran, 0, gran));
+    CHECK(launch_add(s, p, 4, 5));
+    CHECK(aclrtSynchronizeStream(s));
+    uint32_t w = 0;
+    CHECK(aclrtMemcpy(&w, 4, p, 4, 2));
+    printf("before %u\n", w);
+    printf("lock_rc %d\n", aclrtSnapShotProcessLock(getpid(), NULL));
+    printf("backup_rc %d\n", aclrtSnapShotProcessBackup(getpid(), NULL));
+    printf("restore_rc %d\n", aclrtSnapShotProcessRestore(getpid(), NULL));
+    w = 0;
+    printf("drv_after_restore_rc %d\n", drvMemcpy((uintptr_t)&w, 4, (uintptr_t)p, 4));
+    printf("after_restore %x\n", w);
+    printf("unlock_rc %d\n", aclrtSnapShotProcessUnlock(getpid(), NULL));
+    CHECK(aclrtMemset(p, gran, 0, gran));
+    CHECK(launch_add(s, p, 4, 9));
+    printf("kernel_after_rc %d\n", aclrtSynchronizeStream(s));
+    CHECK(aclrtMemcpy(&w, 4, p, 4, 2));
+    printf("after_kernel %u\n", w);
+}
+
 static void fault(void) {
     void *s, *dev;
     CHECK(aclrtCreateStream(&s));
@@ -509,6 +544,7 @@ int main(int argc, char **argv) {
             else if (!strcmp(sc, "lock")) lock();
             else if (!strcmp(sc, "vmm")) vmm();
             else if (!strcmp(sc, "fault")) fault();
+            else if (!strcmp(sc, "vmm_restore")) vmm_restore();
             else if (!strcmp(sc, "loop")) loop(atoi(getenv("SNAP_STEPS")));
             else return 2;
         }
