@@ -102,7 +102,7 @@ def test_kernels_run_asynchronously_and_a_copy_sees_partial_results(
     assert num(got, "launch_ms") < 100  # the host returns before an 800 ms kernel ends
     assert got["query_rc"] == "0" and got["query_mid"] == "1"  # ACL_STREAM_STATUS_NOT_READY
     assert got["copy_mid_rc"] == "0"
-    assert 1 <= int(got["partial_chunks"]) <= 6  # the kernel is part-way through its 8 chunks
+    assert 1 <= int(got["partial_chunks"]) < 8  # seen part-way through its 8 chunks
     assert got["sync_rc"] == "0" and num(got, "sync_ms") >= 700
     assert got["query_end"] == "0" and got["full_chunks"] == "8"
     assert got["destroy_rc"] == "0"
@@ -123,8 +123,8 @@ def test_a_stream_runs_its_tasks_in_order(built: dict[str, Path], sim_env: dict[
 
 def test_events_order_streams_and_time_them(built: dict[str, Path], sim_env: dict[str, str]) -> None:
     got = run(built, sim_env, "events")
-    # another stream ran beside the 400 ms kernel
-    assert got["s3_sync_rc"] == "0" and num(got, "s3_sync_ms") < 250
+    # another stream ran beside the 400 ms kernel: done while the other two were not
+    assert got["s3_sync_rc"] == "0" and num(got, "s3_sync_ms") < 400
     assert got["e2_status_mid"] == "0"  # ACL_EVENT_RECORDED_STATUS_NOT_READY
     assert got["event_sync_rc"] == "0" and got["e2_status_end"] == "1"
     # the second stream's add waited for the first stream's fill (5 + 1 everywhere)

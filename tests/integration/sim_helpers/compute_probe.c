@@ -132,12 +132,18 @@ static void async_copy(void) {
     double t0 = now_ms();
     printf("launch_rc %d\n", launch_fill(s, dev, chunk, chunks, 0xA5A5A5A5u, 100));
     printf("launch_ms %.1f\n", now_ms() - t0);
-    sleep_ms(350);
+    /* copies while it runs see its progress: poll until the first chunk shows (5 s at most) */
+    int partial = 0, copy_rc = 0;
+    for (int i = 0; i < 250 && partial == 0 && copy_rc == 0; i++) {
+        copy_rc = aclrtMemcpy(h, chunk * chunks, dev, chunk * chunks, 2);
+        partial = filled_chunks(h, chunk, chunks, 0xA5A5A5A5u);
+        if (!partial) sleep_ms(20);
+    }
     int status = -1;
     printf("query_rc %d\n", aclrtStreamQuery(s, &status));
     printf("query_mid %d\n", status);
-    printf("copy_mid_rc %d\n", aclrtMemcpy(h, chunk * chunks, dev, chunk * chunks, 2));
-    printf("partial_chunks %d\n", filled_chunks(h, chunk, chunks, 0xA5A5A5A5u));
+    printf("copy_mid_rc %d\n", copy_rc);
+    printf("partial_chunks %d\n", partial);
     printf("sync_rc %d\n", aclrtSynchronizeStream(s));
     printf("sync_ms %.1f\n", now_ms() - t0);
     aclrtStreamQuery(s, &status);
