@@ -816,6 +816,8 @@ static rtError_t stream_destroy_checked(void *stm, int force) {
         else s->head = s->tail = NULL;
         while (t) {
             struct task *n = t->next;
+            /* a dropped record counts as reached, so that no other stream waits on it forever */
+            if (t->type == T_RECORD && t->u.e.seq > t->u.e.ev->done) t->u.e.ev->done = t->u.e.seq;
             if (t->type == T_RECORD || t->type == T_WAIT || t->type == T_RESET) t->u.e.ev->refs--;
             s->done++;
             free_task(t);
