@@ -586,7 +586,7 @@ static drvError_t daemon_alloc(int32_t dev, uint64_t size, int kind, struct regi
 
 drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag) {
     if (!pp || size == 0) return DRV_ERROR_INVALID_VALUE;
-    int32_t dev = (int32_t)(flag & NPUSIM_HAL_FLAG_DEVID_MASK);
+    int32_t dev = (int32_t)(flag & MEM_DEVID_MASK);
     if (dev >= MAX_DEV) return DRV_ERROR_INVALID_DEVICE;
     struct region *r;
     drvError_t rc = daemon_alloc(dev, size, R_ALLOC, &r);

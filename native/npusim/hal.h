@@ -27,8 +27,13 @@ typedef int drvFeature_t;
 #define DRV_ERROR_OPER_NOT_PERMITTED 46
 #define DRV_ERROR_NOT_SUPPORT 0xfffe
 
-/* halMemAlloc's flag: the device id sits in the low bits (MEM_DEVICE_ID mask of ascend_hal.h). */
-#define NPUSIM_HAL_FLAG_DEVID_MASK 0x3FFull
+/* halMemAlloc's flag (ascend_hal.h): bits 0-9 the device id (MEM_DEVID_MASK), bits 10-13 the
+ * virtual memory type (MEM_VIRT_BIT; MEM_DEV_VAL 1: device memory). */
+#define MEM_DEVID_WIDTH 10
+#define MEM_DEVID_MASK ((1ull << MEM_DEVID_WIDTH) - 1)
+#define MEM_VIRT_BIT 10
+#define MEM_DEV_VAL 0x1ull
+#define MEM_DEV (MEM_DEV_VAL << MEM_VIRT_BIT)
 
 /* halSupportFeature's feature of the driver-backed snapshot flow (drvFeature_t
  * FEATURE_SVM_PROCESS_DEVICE_MEM_SNAPSHOT; its number here is the simulator's). */

@@ -636,7 +636,7 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     gate();
     int dev = current_device();
     if (dev < 0) return ACL_ERROR_UNINITIALIZE;
-    return drv_to_acl(halMemAlloc(devPtr, size, (unsigned long long)dev));
+    return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)dev));
 }
 
 RT_API rtError_t rtMallocCached(void **devPtr, uint64_t size, uint32_t type, uint16_t moduleId) {
