@@ -702,6 +702,14 @@ drvError_t drvGetDevNum(uint32_t *num_dev) {
 
 /* ---------------------------------------------------------------- VMM (svm/v3 api/master/svm_vmm.c) */
 
+/* The VMM granularity: 2 MiB for normal and huge pages (svm_vmm.c, VMM_ALLOC_GRANULARITY_2M);
+ * option MEM_ALLOC_GRANULARITY_MINIMUM 0 or RECOMMENDED 1. */
+drvError_t halMemGetAllocationGranularity(const struct drv_mem_prop *prop, int option, size_t *granularity) {
+    if (!prop || !granularity || option < 0 || option > 1 || prop->pg_type > 1) return DRV_ERROR_INVALID_VALUE;
+    *granularity = VMM_GRAN;
+    return DRV_ERROR_NONE;
+}
+
 drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag) {
     (void)flag;
     if (!ptr || size == 0 || size % VMM_GRAN) return DRV_ERROR_INVALID_VALUE;

@@ -91,6 +91,7 @@ HAL_API drvError_t drvMemsetD8(DVdeviceptr dst, size_t destMax, uint8_t value, s
 HAL_API drvError_t drvMemAddressTranslate(DVdeviceptr vptr, UINT64 *pptr);
 HAL_API drvError_t drvGetDevNum(uint32_t *num_dev);
 HAL_API drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info);
+HAL_API drvError_t halMemGetAllocationGranularity(const struct drv_mem_prop *prop, int option, size_t *granularity);
 HAL_API drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag);
 HAL_API drvError_t halMemAddressFree(void *ptr);
 HAL_API drvError_t halMemCreate(drv_mem_handle_t **handle, size_t size, const struct drv_mem_prop *prop,

@@ -33,6 +33,7 @@ RT_API rtError_t rtReserveMemAddress(void **devPtr, size_t size, size_t alignmen
 RT_API rtError_t rtReleaseMemAddress(void *devPtr);
 RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_mem_prop *prop, uint64_t flags);
 RT_API rtError_t rtFreePhysical(void *handle);
+RT_API rtError_t rtMemGetAllocationGranularity(const struct drv_mem_prop *prop, uint32_t option, size_t *granularity);
 RT_API rtError_t rtMapMem(void *devPtr, size_t size, size_t offset, void *handle, uint64_t flags);
 RT_API rtError_t rtUnmapMem(void *devPtr);
 RT_API rtError_t rtStreamCreateWithFlags(void **stm, int32_t priority, uint32_t flags);

@@ -768,6 +768,12 @@ RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_m
     return drv_to_acl(halMemCreate((drv_mem_handle_t **)handle, size, prop, flags));
 }
 
+/* Not gated (a query, api_c.cc). */
+RT_API rtError_t rtMemGetAllocationGranularity(const struct drv_mem_prop *prop, uint32_t option, size_t *granularity) {
+    if (!prop || !granularity) return ACL_ERROR_RT_PARAM_INVALID;
+    return drv_to_acl(halMemGetAllocationGranularity(prop, (int)option, granularity));
+}
+
 RT_API rtError_t rtFreePhysical(void *handle) {
     if (!handle) return ACL_ERROR_RT_PARAM_INVALID;
     gate();

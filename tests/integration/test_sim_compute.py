@@ -154,6 +154,7 @@ def test_vmm_reserve_map_compute_unmap_release(built: dict[str, Path], sim_env: 
     for key in ("reserve_rc", "phys1_rc", "phys2_rc", "map1_rc", "map2_rc", "h2d_rc", "kernel_sync_rc"):
         assert got[key] == "0", key
     assert got["d2h_rc"] == "0"
+    assert got["granularity_rc"] == "0" and got["granularity"] == str(2 << 20)
     assert int(got["va_hex"], 16) >= 0x6000 << 32  # a reserved range, not a plain allocation
     assert got["map_overlap_rc"] == "107000"
     assert got["values_ok"] == "1"  # copies and a kernel across the two physical pieces

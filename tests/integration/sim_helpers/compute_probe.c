@@ -50,6 +50,7 @@ aclError aclrtMallocPhysical(void **, size_t, const void *, uint64_t);
 aclError aclrtFreePhysical(void *);
 aclError aclrtMapMem(void *, size_t, size_t, void *, uint64_t);
 aclError aclrtUnmapMem(void *);
+aclError aclrtMemGetAllocationGranularity(void *, int, size_t *);
 aclError aclrtSnapShotProcessLock(int, void *);
 aclError aclrtSnapShotProcessUnlock(int, void *);
 aclError aclrtSnapShotProcessBackup(int, void *);
@@ -312,6 +313,9 @@ static void vmm(void) {
         uint64_t reserve;
     } prop = {0, 0, 4, 0, 1, 0};
     CHECK(aclrtCreateStream(&s));
+    size_t g = 0;
+    printf("granularity_rc %d\n", aclrtMemGetAllocationGranularity(&prop, 1, &g));
+    printf("granularity %zu\n", g);
     printf("reserve_rc %d\n", aclrtReserveMemAddress(&va, 4 * gran, 0, NULL, 0));
     printf("va_hex %lx\n", (unsigned long)(uintptr_t)va);
     printf("phys1_rc %d\n", aclrtMallocPhysical(&h1, gran, &prop, 0));
