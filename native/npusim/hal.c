@@ -208,15 +208,28 @@ static int io_rpc(uint32_t op, int32_t dev, uint64_t a, uint64_t b, uint64_t n, 
         return -EPIPE;
     }
     if (resp.payload_len) {
-        if (!in || resp.payload_len > inlen) { /* protocol error: never leave stray bytes */
+        if (!in) { /* protocol error: never leave stray bytes */
             io_disconnect();
             return -EPROTO;
         }
-        if (read_all(g_fd, in, resp.payload_len) != 0) {
+        /* More than the caller takes: read the rest away (dropping the connection would release
+         * the process's devices) and say so. */
+        uint64_t take = resp.payload_len < inlen ? resp.payload_len : inlen;
+        if (read_all(g_fd, in, take) != 0) {
             io_disconnect();
             return -EPIPE;
         }
-        if (resp.payload_len < inlen) ((char *)in)[resp.payload_len] = '\0';
+        for (uint64_t left = resp.payload_len - take; left > 0;) {
+            char sink[4096];
+            size_t c = left < sizeof sink ? (size_t)left : sizeof sink;
+            if (read_all(g_fd, sink, c) != 0) {
+                io_disconnect();
+                return -EPIPE;
+            }
+            left -= c;
+        }
+        if (take < inlen) ((char *)in)[take] = '\0';
+        if (take < resp.payload_len) return -EOVERFLOW;
     }
     if (value) *value = resp.value;
     return resp.status;
