@@ -812,6 +812,7 @@ class _Pipeline:
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
+        self.host_nodes: tuple[Any, ...] = ()  # hostres.HostNode: dirs and FIFOs restore needs
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
         self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
@@ -1035,6 +1036,8 @@ class _Pipeline:
         if remaps:
             self.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
         self.host_files = saved + hostres.save_files(remaps, self.tmp, remap=True)
+        if _our_mount_ns(self.target.root_pid):
+            self.host_nodes = tuple(hostres.find_host_nodes([p.pid for p in self.target.tree], paths))
 
     def _open_device_memory_files(self) -> dict[int, tuple[int, str]]:
         """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
@@ -1340,6 +1343,7 @@ class _Pipeline:
             criu_options=criu_opts.to_dict(),
             leave_running=self.options.leave_running,
             host_files=self.host_files,
+            host_nodes=self.host_nodes,
             external_stdio=self.external,
             device_memory=self._device_memory_record(results),
         )

@@ -796,6 +796,7 @@ def _restore_job(
             try:
                 with in_netns(targets[r.rank]):
                     to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
+                    hostres.make_host_nodes(hostres.check_host_nodes(m.host_nodes))
                     try:
                         if to_put_back:
                             hostres.put_back(to_put_back, final / r.dir)

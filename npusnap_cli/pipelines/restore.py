@@ -661,11 +661,16 @@ def _restore_opened(
     from npusnap_cli.host import hostres
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    to_make = hostres.check_host_nodes(manifest.host_nodes)
+    made: list[str] = []
     inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     try:
         guard.check("before anything was started", "nothing was restored")
+        if to_make:
+            cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
+            made = hostres.make_host_nodes(to_make)
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
             hostres.put_back(to_put_back, final)
@@ -686,6 +691,7 @@ def _restore_opened(
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
         except NpusnapError:
+            hostres.remove_host_nodes(made)
             if lazy is not None:
                 lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
