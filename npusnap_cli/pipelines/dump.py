@@ -350,6 +350,16 @@ def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: Pha
     return ()
 
 
+def _check_undumpable_fds(tree: tuple[Any, ...], binary: Any) -> None:
+    """Refuse descriptors CRIU cannot dump (io_uring, perf events...) before anything is locked."""
+    from npusnap_cli.host import preflight
+
+    found = preflight.find_undumpable_fds([p.pid for p in tree], preflight.criu_has_libbpf(binary.path))
+    err = preflight.undumpable_fds_error(found)
+    if err is not None:
+        raise err
+
+
 def _check_criu(check: Optional[Any]) -> Any:
     """The CRIU binary of ``check`` (a criu.CriuCheck started when the dump began; None: no usable
     CRIU was found then), once its ``criu check`` passed."""
@@ -761,6 +771,7 @@ def _dump(
             _check_session(target.tree, shell_job=options.shell_job)
             external = _check_external_stdio(target.tree, options, cb.note)
             binary = _check_criu(check)
+            _check_undumpable_fds(target.tree, binary)
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
             from npusnap_cli.device.devicegroup import refuse_stopped
