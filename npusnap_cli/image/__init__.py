@@ -331,6 +331,9 @@ class Manifest:
     external_stdio: tuple[ExternalStdio, ...] = ()
     # Directories and FIFOs the restored tree needs on the host (hostres.find_host_nodes).
     host_nodes: tuple[HostNode, ...] = ()
+    # Host pid (a string) -> pid in the job's own pid namespace, for a tree whose root is init
+    # of one (`run --pid-ns`, host/pidns.py); empty otherwise.
+    pid_ns: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def npu_processes(self) -> tuple[ProcessEntry, ...]:
@@ -353,6 +356,7 @@ class Manifest:
             "host_files": [f.to_dict() for f in self.host_files],
             "external_stdio": [e.to_dict() for e in self.external_stdio],
             "host_nodes": [n.to_dict() for n in self.host_nodes],
+            "pid_ns": dict(self.pid_ns),
         }
 
     def to_json(self) -> str:
@@ -374,6 +378,7 @@ class Manifest:
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
             )
+        from npusnap_cli.host import pidns
         from npusnap_cli.host.hostres import ExternalStdio, HostFile, HostNode
 
         return cls(
@@ -394,6 +399,7 @@ class Manifest:
             ),
             device_memory=dict(d.get("device_memory") or {}),
             host_nodes=tuple(HostNode.from_dict(n) for n in _opt(d, "host_nodes", list, "manifest") or ()),
+            pid_ns=pidns.check_map(d.get("pid_ns")),
         )
 
     @classmethod

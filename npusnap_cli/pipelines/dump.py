@@ -772,6 +772,9 @@ def _dump(
             external = _check_external_stdio(target.tree, options, cb.note)
             binary = _check_criu(check)
             _check_undumpable_fds(target.tree, binary)
+            from npusnap_cli.host import pidns
+
+            ns_map = pidns.namespace_pids(target.root_pid, [p.pid for p in target.tree])
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
             from npusnap_cli.device.devicegroup import refuse_stopped
@@ -791,6 +794,7 @@ def _dump(
         pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
         pipeline.coordinator = coordinator
         pipeline.external = external
+        pipeline.pid_ns = {str(k): v for k, v in ns_map.items()}
         return replace(pipeline.run(), leftovers=leftovers)
 
 
@@ -824,6 +828,7 @@ class _Pipeline:
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
         self.host_nodes: tuple[Any, ...] = ()  # hostres.HostNode: dirs and FIFOs restore needs
+        self.pid_ns: dict[str, int] = {}  # host pid -> pid in the job's own namespace (pidns.py)
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
         self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
@@ -1355,6 +1360,7 @@ class _Pipeline:
             leave_running=self.options.leave_running,
             host_files=self.host_files,
             host_nodes=self.host_nodes,
+            pid_ns=self.pid_ns,
             external_stdio=self.external,
             device_memory=self._device_memory_record(results),
         )

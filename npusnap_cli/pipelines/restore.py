@@ -195,7 +195,7 @@ def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
             why="CRIU's process tree image is damaged",
             fix="do not use this image; dump again",
         ) from None
-    if pids != {p.pid for p in manifest.processes}:
+    if pids != ({*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}):
         raise ImageError(
             f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
             f"{sorted(pids)}",
@@ -655,10 +655,12 @@ def _restore_opened(
 
         lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
-    check_pids_free(manifest, image_thread_ids(final, manifest))
+    ids = image_thread_ids(final, manifest)
+    if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
+        check_pids_free(manifest, ids)
     check_devices_free(manifest)
     prepare_sockets(manifest)
-    from npusnap_cli.host import hostres
+    from npusnap_cli.host import hostres, pidns
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
     to_make = hostres.check_host_nodes(manifest.host_nodes)
@@ -676,9 +678,10 @@ def _restore_opened(
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
+        view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
         try:
             res = criu.restore(
-                str(img.criu_dir(final)),
+                str(view or img.criu_dir(final)),
                 str(logs),
                 options=replace(
                     _criu_options(manifest, tuple(inherit)),
@@ -699,12 +702,18 @@ def _restore_opened(
             if corrupt is not None:
                 raise corrupt from None
             raise
+        finally:
+            if view is not None:
+                pidns.drop_view(view)
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
         hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
+    if manifest.pid_ns:  # from here on, the restored copy's host pids
+        manifest, moved = pidns.translate(manifest, root_pid)
+        device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
     if lazy is not None:
         lazy.criu_log = res.log_path
         lazy.guard()
