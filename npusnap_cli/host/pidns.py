@@ -159,3 +159,79 @@ def translate(manifest: Any, root: int) -> tuple[Any, dict[int, int]]:
     )
     new_map = {str(old_to_new[int(h)]): v for h, v in manifest.pid_ns.items()}
     return replace(manifest, processes=procs, root_pid=root, pid_ns=new_map), old_to_new
+
+
+# --------------------------------------------------------------------------------------------
+# Restoring onto other device ids
+# --------------------------------------------------------------------------------------------
+
+
+def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
+    """``"0=1"`` or ``"0=1,1=3"`` (device id in the image = device to restore onto)."""
+    from npusnap_cli.errors import UsageError
+
+    pairs = []
+    for part in spec.split(","):
+        left, sep, right = part.strip().partition("=")
+        if not sep or not left.strip().isdigit() or not right.strip().isdigit():
+            raise UsageError(
+                f"bad --device-map {spec!r}",
+                fix="write it as IMAGE_DEVICE=DEVICE[,IMAGE_DEVICE=DEVICE...], e.g. --device-map 0=1",
+            )
+        pairs.append((int(left), int(right)))
+    if len({a for a, _ in pairs}) != len(pairs):
+        raise UsageError(f"--device-map {spec!r} maps a device twice", fix="name each image device once")
+    return tuple(pairs)
+
+
+def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
+    """Refuse a device map that cannot be made true for this image."""
+    from npusnap_cli.errors import PreflightError, UsageError
+
+    if not device_map:
+        return
+    if not manifest.pid_ns:
+        raise UsageError(
+            "--device-map needs an image of a job in its own pid namespace (`npusnap run --pid-ns`)",
+            why="the map is set per pid namespace, as a container's device mapping is: a job "
+            "restored into the host's would remap every other process's devices too",
+            fix="start the job with `npusnap run --pid-ns`, dump it again, and restore that image",
+        )
+    if not manifest.versions.cann_simulated:
+        raise PreflightError(
+            "--device-map is only possible on the simulated NPU",
+            why="CANN's Restore reopens the device id the process used; only the driver's view of "
+            "which physical device that id is can change, and that is set when a container is "
+            "created (ASCEND_VISIBLE_DEVICES / device mounts), not by a process outside it",
+            fix="restore the replica inside a container that exposes the wanted physical device "
+            "under the image's device id (docs/runbooks/replicas.md)",
+        )
+    used = {d for p in manifest.npu_processes for d in p.devices}
+    unknown = sorted({a for a, _ in device_map} - used)
+    if unknown:
+        raise UsageError(
+            f"--device-map names device(s) {unknown} that the image does not use (it uses {sorted(used)})",
+            fix="map the image's own device ids (`npusnap inspect IMAGE` shows them)",
+        )
+
+
+def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None:
+    """Tell the simulated driver that the restored namespace (init ``root``) sees each image
+    device as the mapped one, before its runtime's Restore claims it."""
+    from npusnap_cli import paths
+    from npusnap_cli.errors import DeviceError
+    from npusnap_cli.sim import wire
+
+    try:
+        ns = os.stat(f"/proc/{root}/ns/pid").st_ino
+        with wire.connect(str(paths.sim_socket_path()), 5.0) as s:
+            for dev, phys in device_map:
+                status, _v, _p = wire.request(s, wire.OP_NSMAP, dev=dev, a=ns, b=phys, n=root)
+                if status != 0:
+                    raise OSError(-status, os.strerror(-status))
+    except OSError as exc:
+        raise DeviceError(
+            f"cannot set the device map of the restored tree (root pid {root}): {exc}",
+            why="the simulated NPU daemon refused or did not answer",
+            fix=f"the tree is restored but locked; `kill {root}` and restore again",
+        ) from None

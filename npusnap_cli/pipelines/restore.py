@@ -65,6 +65,8 @@ class RestoreOptions:
     # the page files are verified while it runs, and the restore returns once every page is in.
     lazy: bool = False
     lazy_timeout_s: float = 600.0  # the whole page-in (and the page files' checksums) must end by then
+    # (image device, device) pairs: restore onto other devices (a --pid-ns image, simulated NPU)
+    device_map: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,9 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         )
 
 
-def check_devices_free(manifest: img.Manifest) -> None:
-    """Restore claims the same device ids; refuse when another live process holds one."""
+def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> None:
+    """Restore claims the same device ids (or those of ``device_map``); refuse when another
+    live process holds one."""
     if not manifest.versions.cann_simulated:
         # Real hardware: the runtime's Restore itself refuses an occupied device (507909) and the
         # process then stays locked; there is no driver query we can make from here.
@@ -250,7 +253,8 @@ def check_devices_free(manifest: img.Manifest) -> None:
             why="the image was made on the simulated NPU and its devices must be free to restore it",
             fix='start it with `npusnap sim start` (and eval "$(npusnap sim env)")',
         )
-    wanted = {d: p.pid for p in manifest.npu_processes for d in p.devices}
+    moved = dict(device_map)
+    wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
     busy = []
     known = set()
     for dev in status.get("devices", []):
@@ -658,9 +662,11 @@ def _restore_opened(
     ids = image_thread_ids(final, manifest)
     if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
         check_pids_free(manifest, ids)
-    check_devices_free(manifest)
-    prepare_sockets(manifest)
     from npusnap_cli.host import hostres, pidns
+
+    pidns.check_device_map(manifest, options.device_map)
+    check_devices_free(manifest, options.device_map)
+    prepare_sockets(manifest)
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
     to_make = hostres.check_host_nodes(manifest.host_nodes)
@@ -714,6 +720,8 @@ def _restore_opened(
     if manifest.pid_ns:  # from here on, the restored copy's host pids
         manifest, moved = pidns.translate(manifest, root_pid)
         device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
+        if options.device_map:  # before any Restore claims a device (the tree is locked)
+            pidns.apply_device_map(root_pid, options.device_map)
     if lazy is not None:
         lazy.criu_log = res.log_path
         lazy.guard()

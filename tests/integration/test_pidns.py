@@ -110,3 +110,92 @@ def test_restore_needs_no_host_pid_free(sim_env: dict[str, str], runtime_dir: Pa
         for pid in (restored, launcher):
             if pid:
                 kill(pid)
+
+
+def _count_after(out: Path, ref: list[str], at: int) -> dict[str, int]:
+    got = lines(out)
+    return {line: got.count(line) for line in ref[at:]}
+
+
+def test_copy_beside_the_original_on_another_device(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The original keeps running on device 0; its image restores beside it onto device 1
+    (--device-map 0=1): both finish the run, each step once per copy, with the right results
+    (the device memory written back through the remapped device)."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"), "--device-map", "0=1")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        restored = int(res["result"]["root_pid"])
+        assert restored != pid and alive(pid)
+        rc, st, _ = cli(env, "sim", "status")
+        assert rc == 0 and st is not None
+        owners = {d["id"]: {o["pid"] for o in d["owners"]} for d in st["result"]["devices"]}
+        assert pid in owners[0] and restored in owners[1] and restored not in owners[0], owners
+        assert [m["map"] for m in st["result"]["device_maps"]] == [{"0": 1}]
+        for p in (pid, restored):
+            wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
+        counts = _count_after(out, ref, at + 2)
+        assert set(counts.values()) == {2}, counts
+    finally:
+        for p in (restored, pid):
+            if p:
+                kill(p)
+
+
+def test_one_image_restored_twice_at_once(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """`restore --replicas 2`: two copies of one image at once, each in its own pid namespace on
+    a device of its own, each with its own pidfile; both finish the run from the dump's step."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "60"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    roots: list[int] = []
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        pf = tmp_path / "replica-{n}.pid"
+        rc, res, err = cli(
+            env,
+            "restore",
+            str(tmp_path / "img"),
+            "--replicas",
+            "2",
+            "--device-map",
+            "0=0",
+            "--device-map",
+            "0=1",
+            "--pidfile",
+            str(pf),
+        )
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["replicas"]]
+        assert len(set(roots)) == 2
+        for i, root in enumerate(roots):
+            assert (tmp_path / f"replica-{i}.pid").read_text().strip() == str(root)
+            assert nspid(root)[-1] == 1
+        # Replica 1 answers on an agent socket of its own.
+        rc, _st, err = cli(env, "status", str(roots[1]))
+        assert rc == 0, err
+        for root in roots:
+            wait_until(lambda r=root: not alive(r), 60, f"replica {root} to finish")
+        counts = _count_after(out, ref, at + 1)
+        assert set(counts.values()) == {2}, counts
+        assert [p.name for p in runtime_dir.iterdir()] == [], "a replica left its socket behind"
+    finally:
+        for r in roots:
+            kill(r)
+        kill(pid)
