@@ -490,10 +490,12 @@ IO_URING_ENTER = 426  # the same number on x86_64 and aarch64 (the unified sysca
 _ANON_FIX = {
     "[io_uring]": (
         "an io_uring instance: CRIU cannot save its rings or in-flight requests",
-        "for PyTorch's rendezvous store (libuv TCPStore, the default since 2.4): start every rank "
-        "and launcher with USE_LIBUV=0 (torch/distributed/rendezvous.py reads it for env:// and "
-        "tcp://), and give torchrun's c10d rendezvous `--rdzv-conf use_libuv=0` "
-        "(c10d_rendezvous_backend.py); otherwise make the program close its ring before the dump",
+        "for PyTorch's rendezvous store (libuv TCPStore, the default since 2.4): launch the ranks "
+        "with USE_LIBUV=0 (torch/distributed/rendezvous.py reads it for env:// and tcp://). "
+        "torchrun's elastic agent hosts its own store, with libuv unless the installed torch reads "
+        "`--rdzv-conf use_libuv=0` (c10d_rendezvous_backend.py; torch 2.13 does not): launch the "
+        "ranks without torchrun and dump them as a job (docs/distributed.md, PyTorch); "
+        "otherwise make the program close its ring before the dump",
     ),
     "[perf_event]": (
         "a perf event (a profiler or `perf` attached from inside)",
