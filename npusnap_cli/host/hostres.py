@@ -298,6 +298,49 @@ def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) ->
     return out
 
 
+LOCK_FILE_MAX = 1 << 20  # a lock file is small; a locked database is not ours to copy
+
+
+def find_locked_files(tree: Iterable[int]) -> list[str]:
+    """Small regular files the tree holds a lock on (/proc/locks: flock, POSIX, OFD), wherever
+    they live: lock files and pid files that the original removes when it exits, which CRIU's
+    restore (``--file-locks``) must reopen by path."""
+    pids = set(tree)
+    keys: set[tuple[int, int, int]] = set()
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks a blocked waiter)
+                if len(fields) < 6 or fields[1] == "->":
+                    continue
+                try:
+                    pid = int(fields[4])
+                    major, minor, ino = fields[5].split(":")
+                    keys.add((int(major, 16), int(minor, 16), int(ino)))
+                except ValueError:
+                    continue
+                if pid not in pids and pid > 0:
+                    keys.discard((int(major, 16), int(minor, 16), int(ino)))
+    except OSError:
+        return []
+    if not keys:
+        return []
+    found = set()
+    for pid in pids:
+        for fd, target in _fd_links(pid).items():
+            if not target.startswith("/") or target.endswith(" (deleted)") or target.startswith(_NOT_DATA):
+                continue
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+            if key in keys and stat.S_ISREG(st.st_mode) and st.st_size <= LOCK_FILE_MAX:
+                found.add(target)
+    return sorted(found)
+
+
 def _digest(f: HostFile) -> str:
     return digest.of_file(Path(f.path), f.algo)
 

@@ -1043,6 +1043,8 @@ class _Pipeline:
 
         assert self.tmp is not None
         paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
+        if self.options.file_locks:  # lock files (often removed by the original when it exits)
+            paths = sorted(set(paths) | set(hostres.find_locked_files([p.pid for p in self.target.tree])))
         if paths:
             self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
         saved = hostres.save_files(paths, self.tmp)

@@ -187,6 +187,28 @@ class Fifo:
         return os.read(self.fd, 64).decode()
 
 
+class LockFile:
+    """A lock file (flock) holding our pid in a private directory, removed when the process
+    exits; each step checks that the file is still there and still ours."""
+
+    def __init__(self) -> None:
+        import atexit
+        import fcntl
+        import shutil
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="npusnap-lock-")
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.path = os.path.join(self.dir, "job.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(self.fd, b"locked\n")
+
+    def step(self, n: int) -> str:
+        same = os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        return f"lock {n} {'held' if same else 'LOST'}"
+
+
 def make(spec: str) -> Any:
     kind, _, arg = spec.partition(":")
     factories: dict[str, Callable[[], Any]] = {
@@ -199,6 +221,7 @@ def make(spec: str) -> Any:
         "shm": lambda: Shm(arg or "npusnap-hostjob"),
         "mp-listener": MpListener,
         "fifo": Fifo,
+        "lockfile": LockFile,
     }
     if kind not in factories:
         raise ValueError(f"unknown --with {spec!r} (one of: {', '.join(factories)})")

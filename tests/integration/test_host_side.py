@@ -611,3 +611,41 @@ def test_socket_and_fifo_directories_are_recreated_after_the_original_exits(
         job.cleanup()
         for d in dirs:
             subprocess.run(["rm", "-rf", d], check=False)
+
+
+def test_lock_file_removed_by_the_original_is_put_back(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A flock'ed lock file in a private directory on disk (not tmpfs), removed with its
+    directory when the original exits after a --leave-running --file-locks dump: the image
+    carries it, restore puts it (and its directory) back, and CRIU re-takes the lock."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--with", "lockfile", "--steps", "30", "--interval", "0.05", "--seed", "9"]
+    ref = host_reference(env, args)
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    lock_dir = ""
+    try:
+        job.wait_lines(3, timeout=60)
+        from npusnap_cli.host import hostres
+
+        locked = hostres.find_locked_files([job.pid])
+        assert len(locked) == 1 and "/npusnap-lock-" in locked[0], locked
+        lock_dir = os.path.dirname(locked[0])
+        rc, out, err = cli(
+            env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running", "--file-locks"
+        )
+        assert rc == 0, (out or {}).get("error") or err
+        assert job.reap(60) == 0
+        assert job.lines() == ref
+        assert not os.path.exists(lock_dir), "the original should have removed it at exit"
+        at = len(job.lines())
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored run to finish")
+        continuation = job.lines()[at:]
+        assert continuation and continues_reference(continuation, ref), job.text()[-800:]
+    finally:
+        job.cleanup()
+        if lock_dir:
+            subprocess.run(["rm", "-rf", lock_dir], check=False)
