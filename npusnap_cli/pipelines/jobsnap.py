@@ -761,6 +761,13 @@ def _restore_job(
     for r in job.ranks:
         m = img.load_manifest(final / r.dir)
         manifests[r.rank] = m
+        if m.pid_ns:
+            raise UsageError(
+                f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
+                "job images of such ranks cannot be restored yet",
+                fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
+                "ranks without --pid-ns",
+            )
         try:
             rmod.check_versions(m, binary)
             device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
