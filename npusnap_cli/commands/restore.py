@@ -107,6 +107,14 @@ def register(app: typer.Typer) -> None:
             "`npusnap run --pid-ns`, simulated NPU only; on a node, a container does this). "
             "With --replicas, once per replica.",
         ),
+        output_file: Optional[Path] = typer.Option(
+            None,
+            "--output",
+            "-o",
+            help="The restored job writes where its standard output file was (stdout and stderr, "
+            "usually) into this file instead (appended). With --replicas, {n} in it is the replica's "
+            "number (else .N is appended).",
+        ),
         replicas: int = typer.Option(
             1,
             "--replicas",
@@ -152,6 +160,7 @@ def register(app: typer.Typer) -> None:
                 maps,
                 verify=not no_verify,
                 pidfile=pidfile,
+                output=output_file,
                 logs=logs,
                 settle_s=settle,
                 extra=(["--accept-lost-device-memory"] if accept_lost else []),
@@ -174,6 +183,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--device-map is given more than once without --replicas", fix="give it once")
         options = restore_mod.RestoreOptions(
             device_map=maps[0] if maps else (),
+            output=output_file,
             verify=not no_verify,
             pidfile=pidfile,
             logs=logs,

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from npusnap_cli.errors import ImageError, TargetError
 
@@ -235,3 +235,57 @@ def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None
             why="the simulated NPU daemon refused or did not answer",
             fix=f"the tree is restored but locked; `kill {root}` and restore again",
         ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# A copy's own output file
+# --------------------------------------------------------------------------------------------
+
+
+def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
+    """The regular file the image's root process has as its stdout (fd 1), from CRIU's images
+    (``ids-N.img`` -> ``fdinfo-<files_id>.img`` -> ``files.img``), or None."""
+    import pycriu
+
+    root = 1 if manifest.pid_ns else manifest.root_pid
+
+    def load(name: str) -> list[dict[str, Any]]:
+        with open(criu_dir / name, "rb") as f:
+            return list(pycriu.images.load(f).get("entries", []))
+
+    try:
+        files_id = load(f"ids-{root}.img")[0]["files_id"]
+        fd1 = next((e for e in load(f"fdinfo-{files_id}.img") if int(e.get("fd", -1)) == 1), None)
+        if fd1 is None:
+            return None
+        entry = next(
+            (e for e in load("files.img") if e.get("id") == fd1["id"] and e.get("type") == "REG"), None
+        )
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+    name = entry["reg"].get("name") if entry else None
+    return name if isinstance(name, str) and name.startswith("/") else None
+
+
+def open_output_target(criu_dir: Path, manifest: Any, output: Optional[Path]) -> list[tuple[str, int]]:
+    """(CRIU key, fd) handing the restored job ``output`` (opened for appending) wherever it had
+    its stdout file open (stdout and stderr, usually): CRIU's --inherit-fd for a regular file."""
+    from npusnap_cli.errors import PreflightError
+
+    if output is None:
+        return []
+    name = output_file_of(criu_dir, manifest)
+    if name is None:
+        raise PreflightError(
+            "--output: the image's root process has no regular file as its standard output",
+            why="only a job writing to a file can be given another file (a pipe: --pipe-to)",
+            fix="drop --output",
+        )
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PreflightError(
+            f"cannot open --output {output}: {exc.strerror}",
+            fix="name a writable file (not a symlink) for the job's output",
+        ) from None
+    return [(name[1:], fd)]  # CRIU names a regular file by its path without the leading /

@@ -38,7 +38,8 @@ class ReplicaResult:
 
 
 def pidfile_for(pidfile: Optional[Path], index: int) -> Optional[Path]:
-    """Replica ``index``'s pidfile: ``{n}`` in the name is replaced, else ``.N`` is appended."""
+    """Replica ``index``'s pidfile (or output file): ``{n}`` in the name is replaced, else ``.N``
+    is appended."""
     if pidfile is None:
         return None
     text = str(pidfile)
@@ -77,6 +78,7 @@ def restore_all(
     verify: bool,
     pidfile: Optional[Path],
     logs: Optional[Path],
+    output: Optional[Path] = None,
     settle_s: float,
     extra: list[str],
     timeout_s: float = 600.0,
@@ -95,6 +97,9 @@ def restore_all(
         pf = pidfile_for(pidfile, i)
         if pf is not None:
             argv += ["--pidfile", str(pf)]
+        of = pidfile_for(output, i)
+        if of is not None:
+            argv += ["--output", str(of)]
         procs.append(
             (
                 time.monotonic(),

@@ -67,6 +67,7 @@ class RestoreOptions:
     lazy_timeout_s: float = 600.0  # the whole page-in (and the page files' checksums) must end by then
     # (image device, device) pairs: restore onto other devices (a --pid-ns image, simulated NPU)
     device_map: tuple[tuple[int, int], ...] = ()
+    output: Optional[Path] = None  # the job writes here instead of its stdout file (a copy's own)
 
 
 @dataclass(frozen=True)
@@ -672,6 +673,7 @@ def _restore_opened(
     to_make = hostres.check_host_nodes(manifest.host_nodes)
     made: list[str] = []
     inherit = open_pipe_targets(manifest, options.pipe_to)
+    inherit += pidns.open_output_target(img.criu_dir(final), manifest, options.output)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     try:
