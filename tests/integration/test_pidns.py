@@ -4,6 +4,7 @@ collide, dump, and restores that need no host pid free (beside the original, and
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,35 @@ def test_one_image_restored_twice_at_once(sim_env: dict[str, str], runtime_dir: 
         for r in roots:
             kill(r)
         kill(pid)
+
+
+def test_run_pid_ns_in_the_foreground_waits_and_passes_the_status(tmp_path: Path) -> None:
+    """Without --detach npusnap stays the parent: the program is pid 1 inside, leads its own
+    session, and npusnap exits with its status (and hands it SIGTERM)."""
+    p = subprocess.run(
+        [NPUSNAP, "run", "--pid-ns", "--", "sh", "-c", 'echo "$$ $(cut -d" " -f6 /proc/self/stat)"; exit 3'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 3, p.stderr
+    pid_inside, _session = p.stdout.split()
+    assert pid_inside == "1"
+    sleeper = subprocess.Popen(
+        [
+            NPUSNAP,
+            "run",
+            "--pid-ns",
+            "--",
+            PY,
+            "-c",
+            "import signal,time; signal.signal(signal.SIGTERM, lambda *a: exit(7)); time.sleep(60)",
+        ],
+    )
+    try:
+        time.sleep(1.0)
+        sleeper.terminate()
+        assert sleeper.wait(20) == 7
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
