@@ -660,13 +660,21 @@ def _restore_opened(
 
         lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
-    ids = image_thread_ids(final, manifest)
-    if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
-        check_pids_free(manifest, ids)
     from npusnap_cli.host import hostres, pidns
 
     pidns.check_device_map(manifest, options.device_map)
-    check_devices_free(manifest, options.device_map)
+    try:
+        ids = image_thread_ids(final, manifest)
+        if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
+            check_pids_free(manifest, ids)
+        check_devices_free(manifest, options.device_map)
+    except BusyError:
+        # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
+        for c in (checksums, device_checks):
+            corrupt = c.join() if c is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+        raise
     prepare_sockets(manifest)
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
