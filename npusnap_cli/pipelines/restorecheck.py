@@ -149,9 +149,8 @@ def _pids(ctx: DryRunContext) -> str:
 
 
 def _devices(ctx: DryRunContext) -> str:
-    from npusnap_cli.pipelines import restore
-
     from npusnap_cli.host import pidns
+    from npusnap_cli.pipelines import restore
 
     device_map = getattr(ctx.options, "device_map", ())
     pidns.check_device_map(ctx.manifest, device_map)
