@@ -693,8 +693,13 @@ def _restore_opened(
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
-        lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
         view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
+        try:
+            lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
+        except BaseException:
+            if view is not None:
+                pidns.drop_view(view)
+            raise
         try:
             res = criu.restore(
                 str(view or img.criu_dir(final)),
