@@ -67,11 +67,14 @@ static inline const char *npusnap_callback_stage_name(int v) {
     X(100002, "ACL_ERROR_REPEAT_INITIALIZE", "runtime initialised twice", "aclInit was already called in this process") \
     X(107000, "ACL_ERROR_RT_PARAM_INVALID", "invalid value", "a NULL or unknown pointer, a bad size, an unknown device, a bad callback stage or an unregistered callback") \
     X(107002, "ACL_ERROR_RT_CONTEXT_NULL", "no current device context", "this thread has not set a device (aclrtSetDevice)") \
+    X(107011, "ACL_ERROR_RT_STREAM_SUBSCRIBE", "stream not subscribed", "a host callback was launched on a stream no thread subscribed to (aclrtSubscribeReport)") \
+    X(107012, "ACL_ERROR_RT_THREAD_SUBSCRIBE", "thread not subscribed", "the thread is not the one subscribed to the stream's callbacks") \
     X(207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT", "feature not supported", "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with CANN 8.5+ is needed); run `npusnap check`") \
     X(207001, "ACL_ERROR_RT_MEMORY_ALLOCATION", "device out of memory", "the device has no room for the allocation; free device memory or use a smaller size") \
     X(207006, "ACL_ERROR_RT_NO_PERMISSION", "the driver refused the operation", "typically a restore without a backup; run `npusnap status {pid}`") \
     X(507004, "ACL_ERROR_RT_STREAM_NOT_COMPLETE", "stream not complete", "work queued on the stream has not finished yet: synchronize the stream") \
     X(507006, "ACL_ERROR_RT_EVENT_NOT_COMPLETE", "event not complete", "the event's record has not executed yet: synchronize the event first") \
+    X(507012, "ACL_ERROR_RT_REPORT_TIMEOUT", "no callback report in time", "aclrtProcessReport found no callback to run within its timeout") \
     X(507015, "ACL_ERROR_RT_AICORE_EXCEPTION", "AI core exception", "a kernel on the stream faulted (a bad device address or a failing operator); the job's own computation failed, not the snapshot") \
     X(507033, "ACL_ERROR_RT_DEV_SETUP_ERROR", "device setup failed", "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)") \
     X(507046, "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT", "stream synchronize timed out", "device work on the stream is still running (a long kernel or a collective waiting for its peers): wait longer or find the stuck rank") \
@@ -92,11 +95,14 @@ static inline const char *npusnap_acl_error_name(int code) {
     case 100002: return "ACL_ERROR_REPEAT_INITIALIZE";
     case 107000: return "ACL_ERROR_RT_PARAM_INVALID";
     case 107002: return "ACL_ERROR_RT_CONTEXT_NULL";
+    case 107011: return "ACL_ERROR_RT_STREAM_SUBSCRIBE";
+    case 107012: return "ACL_ERROR_RT_THREAD_SUBSCRIBE";
     case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
     case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION";
     case 207006: return "ACL_ERROR_RT_NO_PERMISSION";
     case 507004: return "ACL_ERROR_RT_STREAM_NOT_COMPLETE";
     case 507006: return "ACL_ERROR_RT_EVENT_NOT_COMPLETE";
+    case 507012: return "ACL_ERROR_RT_REPORT_TIMEOUT";
     case 507015: return "ACL_ERROR_RT_AICORE_EXCEPTION";
     case 507033: return "ACL_ERROR_RT_DEV_SETUP_ERROR";
     case 507046: return "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT";
@@ -271,6 +277,7 @@ enum npusim_op {
     NPUSIM_OP_HAS = 11,
     NPUSIM_OP_CONFIG = 12,
     NPUSIM_OP_MAP = 13,
+    NPUSIM_OP_NSMAP = 14,
 };
 #define NPUSIM_CLAIM_EXCLUSIVE 1u
 #define NPUSIM_CONFIG_KEEP_CONTENTS 1u
@@ -443,11 +450,14 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(ACL_ERROR_REPEAT_INITIALIZE) \
     X(ACL_ERROR_RT_PARAM_INVALID) \
     X(ACL_ERROR_RT_CONTEXT_NULL) \
+    X(ACL_ERROR_RT_STREAM_SUBSCRIBE) \
+    X(ACL_ERROR_RT_THREAD_SUBSCRIBE) \
     X(ACL_ERROR_RT_FEATURE_NOT_SUPPORT) \
     X(ACL_ERROR_RT_MEMORY_ALLOCATION) \
     X(ACL_ERROR_RT_NO_PERMISSION) \
     X(ACL_ERROR_RT_STREAM_NOT_COMPLETE) \
     X(ACL_ERROR_RT_EVENT_NOT_COMPLETE) \
+    X(ACL_ERROR_RT_REPORT_TIMEOUT) \
     X(ACL_ERROR_RT_AICORE_EXCEPTION) \
     X(ACL_ERROR_RT_DEV_SETUP_ERROR) \
     X(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT) \
@@ -490,6 +500,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSIM_OP_HAS) \
     X(NPUSIM_OP_CONFIG) \
     X(NPUSIM_OP_MAP) \
+    X(NPUSIM_OP_NSMAP) \
     X(NPUSIM_CLAIM_EXCLUSIVE) \
     X(NPUSIM_CONFIG_KEEP_CONTENTS) \
     X(NPUSIM_CONFIG_DRIVER_SNAPSHOT) \
@@ -560,11 +571,14 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
 #define ACL_ERROR_RT_PARAM_INVALID 107000
 #define ACL_ERROR_RT_CONTEXT_NULL 107002
+#define ACL_ERROR_RT_STREAM_SUBSCRIBE 107011
+#define ACL_ERROR_RT_THREAD_SUBSCRIBE 107012
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
 #define ACL_ERROR_RT_NO_PERMISSION 207006
 #define ACL_ERROR_RT_STREAM_NOT_COMPLETE 507004
 #define ACL_ERROR_RT_EVENT_NOT_COMPLETE 507006
+#define ACL_ERROR_RT_REPORT_TIMEOUT 507012
 #define ACL_ERROR_RT_AICORE_EXCEPTION 507015
 #define ACL_ERROR_RT_DEV_SETUP_ERROR 507033
 #define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
