@@ -161,6 +161,22 @@ def register(app: typer.Typer) -> None:
                 ["total", _fmt_s(t.total_s)],
             ],
         )
+        if manifest.host_files:
+            # Restore writes these on the host, as root, before CRIU runs: the operator must see them.
+            out.table(
+                "host files (restore writes them, on tmpfs only)",
+                ["path", "size", "owner", "mode", "kind"],
+                [
+                    [
+                        f.path,
+                        human_bytes(f.size),
+                        f"{f.uid}:{f.gid}",
+                        f"{f.mode:04o}",
+                        "link-remap" if f.remap else "tmpfs",
+                    ]
+                    for f in manifest.host_files
+                ],
+            )
         out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
         out.result(data)
 
@@ -232,6 +248,11 @@ def register(app: typer.Typer) -> None:
         for left in getattr(result, "leftovers", ()):
             out.warn(
                 f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+            )
+        for hf in result.manifest.host_files:
+            out.line(
+                f"host file {hf.path} ({human_bytes(hf.size)}, {hf.uid}:{hf.gid}, {hf.mode:04o}): "
+                "restore writes it"
             )
         out.data(
             f"{directory}: valid: {result.files_checked} files, {human_bytes(result.bytes_checked)}: "

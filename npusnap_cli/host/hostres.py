@@ -122,6 +122,15 @@ class HostFile:
         norm = os.path.normpath(f.path)
         if not f.path.startswith("/") or norm != f.path or ".." in f.path.split("/"):
             raise ImageError(f"bad host_files path in the manifest: {f.path!r}", fix="dump again")
+        if f.path.startswith(_NOT_DATA) or f.path.startswith("//"):
+            raise ImageError(f"bad host_files path in the manifest: {f.path!r} (not data)", fix="dump again")
+        if f.mode & ~0o1777 or f.mode < 0:
+            raise ImageError(
+                f"host_files entry {f.path} asks for mode {f.mode:o} (set-user/group-id or not a permission)",
+                why="a dump records tmpfs files and CRIU's link-remap files, never a set-id program: "
+                "the image was crafted or edited",
+                fix="do not restore this image",
+            )
         return f
 
 
@@ -297,10 +306,6 @@ def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) ->
     return out
 
 
-def _digest(f: HostFile) -> str:
-    return digest.of_file(Path(f.path), f.algo)
-
-
 def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tuple[HostFile, ...]:
     """Copy each file into ``image_tmp/hostfiles/<path>`` (0600); call while the tree is frozen."""
     saved = []
@@ -351,34 +356,116 @@ def link_remaps(criu_dir: Path) -> list[str]:
             raise ImageError(
                 f"CRIU recorded the link-remap file {p!r} without an absolute path", fix="dump again"
             )
-    return paths
+    # Only those on tmpfs travel in the image: restore writes host files on tmpfs only
+    # (check_host_files); one on a disk stays there, where CRIU's restore finds it as usual.
+    mounts = tmpfs_mounts()
+    return [p for p in paths if _on(p, mounts)]
 
 
 def drop_remaps(files: Iterable[HostFile]) -> list[str]:
     """Remove the link-remap files among ``files`` from the host (the image holds them); a file
     by that name whose contents are not the image's copy is left alone. The paths removed."""
+    from npusnap_cli.host import safefs
+
     removed = []
     for f in files:
         if not f.remap:
             continue
+        parent, name = _split_parent(f.path)
         try:
-            st = os.lstat(f.path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or _digest(f) != f.digest:
-                continue
-            os.unlink(f.path)
+            with safefs.dir_fd(parent, owner=f.uid) as dfd:
+                st = safefs.lstat_at(dfd, name)
+                if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+                    continue
+                if _digest_safe(f) != f.digest:
+                    continue
+                os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             continue
+        except OSError:
+            continue  # a symlink or a foreign directory on the way: not ours to remove
         removed.append(f.path)
     return removed
 
 
-def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFile]:
-    """The files to write at restore; refuse when a different file is in the way (no --replace)."""
+def check_host_files(files: Iterable[HostFile], uids: Iterable[int]) -> list[str]:
+    """What is wrong with an image's host files, for any host (verify, restore): each one must
+    belong to a user the dumped job ran as (a job's tmpfs files are its own; root's only for a
+    root job). The manifest's parser already refused set-id modes and paths outside data."""
+    allowed = set(uids)
+    return [
+        f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
+        for f in files
+        if f.uid not in allowed
+    ]
+
+
+def _refuse_host_files(problems: list[str]) -> None:
+    if problems:
+        raise ImageError(
+            f"the image asks to write a host file it may not: {problems[0]}",
+            why="restore writes, as root, only the tmpfs files a dump recorded, as the job had them; "
+            "this image's host_files were crafted or edited (or dumped on a host whose tmpfs "
+            "mounts differ from this one's)",
+            fix="do not restore this image; `npusnap inspect DIR` lists its host files",
+            details={"problems": problems},
+        )
+
+
+def _split_parent(path: str) -> tuple[str, str]:
+    parent, name = os.path.split(path)
+    return parent or "/", name
+
+
+def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
+    """lstat of ``f.path`` reached without following a symlink; None when it (or a parent) is
+    missing. A symlink or a foreign directory on the way is a PreflightError."""
+    from npusnap_cli.host import safefs
+
+    parent, name = _split_parent(f.path)
+    try:
+        with safefs.dir_fd(parent, owner=f.uid) as dfd:
+            return safefs.lstat_at(dfd, name)
+    except FileNotFoundError:
+        return None
+    except safefs.UnsafePath as exc:
+        raise PreflightError(
+            f"cannot put {f.path} back: {exc.filename}: {exc.strerror}",
+            why="restore writes the job's tmpfs files as root, and never through a symbolic link or "
+            "into a directory another user controls (that user could choose where root writes)",
+            fix=f"remove {exc.filename} (or make it a plain directory of root or uid {f.uid}), "
+            "then restore again",
+            details={"path": f.path, "unsafe": exc.filename},
+        ) from None
+
+
+def _digest_safe(f: HostFile) -> str:
+    from npusnap_cli.host import safefs
+
+    parent, name = _split_parent(f.path)
+    with safefs.dir_fd(parent, owner=f.uid) as dfd:
+        fd = safefs.open_read_at(dfd, name)
+    h = digest.new(f.algo)
+    with os.fdopen(fd, "rb") as src:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            h.update(chunk)
+    return str(h.hexdigest())
+
+
+def check_put_back(
+    files: tuple[HostFile, ...], *, replace: bool, uids: Optional[Iterable[int]] = None
+) -> list[HostFile]:
+    """The files to write at restore; refuse when a different file is in the way (no --replace),
+    when one is not on a tmpfs mount of this host, or belongs to no user of the job (``uids``)."""
+    mounts = tmpfs_mounts()
+    problems = [f"{f.path} is not on a tmpfs mount of this host" for f in files if not _on(f.path, mounts)]
+    if uids is not None:
+        problems += check_host_files(files, uids)
+    _refuse_host_files(problems)
     todo: list[HostFile] = []
     for f in files:
-        try:
-            st = os.lstat(f.path)
-        except FileNotFoundError:
+        st = _lstat_safe(f)
+        if st is None:
             todo.append(f)
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -387,7 +474,7 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
                 why="the image holds the dump-time contents of that tmpfs file for the job",
                 fix=f"remove it (`rm {f.path}`) and restore again",
             )
-        if st.st_size == f.size and _digest(f) == f.digest:
+        if st.st_size == f.size and _digest_safe(f) == f.digest:
             continue
         if not replace and f.remap:
             raise PreflightError(
@@ -413,23 +500,34 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
 
 
 def put_back(files: list[HostFile], image: Path) -> list[str]:
-    """Write the saved copies to their paths (owner and mode as at dump); the paths written."""
-    written = []
+    """Write the saved copies to their paths (owner and mode as at dump, never set-id), each in
+    its directory reached without following a symlink (safefs); the paths written."""
+    from npusnap_cli.host import safefs
+
+    written: list[str] = []
+    mounts = tmpfs_mounts()
     for f in files:
+        if not _on(f.path, mounts):  # checked by check_put_back too; never write elsewhere
+            _refuse_host_files([f"{f.path} is not on a tmpfs mount of this host"])
         src = image / f.rel
-        target = Path(f.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.npusnap-put-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            with open(src, "rb") as s, os.fdopen(fd, "wb") as out:
-                for chunk in iter(lambda: s.read(1 << 20), b""):
-                    out.write(chunk)
-            os.chown(tmp, f.uid, f.gid)
-            os.chmod(tmp, f.mode)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with open(src, "rb") as s:
+            try:
+                safefs.write_file(
+                    f.path,
+                    iter(lambda: s.read(1 << 20), b""),
+                    mode=f.mode,
+                    uid=f.uid,
+                    gid=f.gid,
+                    owner=f.uid,
+                    create_dirs=True,
+                )
+            except safefs.UnsafePath as exc:
+                raise PreflightError(
+                    f"cannot put {f.path} back: {exc.filename}: {exc.strerror}",
+                    why="restore writes the job's tmpfs files as root, and never through a symbolic "
+                    "link or into a directory another user controls",
+                    fix=f"remove {exc.filename}, then restore again",
+                    details={"path": f.path, "unsafe": exc.filename, "written": written},
+                ) from None
         written.append(f.path)
     return written

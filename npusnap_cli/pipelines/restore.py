@@ -660,7 +660,9 @@ def _restore_opened(
     prepare_sockets(manifest)
     from npusnap_cli.host import hostres
 
-    to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    to_put_back = hostres.check_put_back(
+        manifest.host_files, replace=options.replace_tmpfs_files, uids={p.uid for p in manifest.processes}
+    )
     inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
