@@ -389,15 +389,22 @@ def drop_remaps(files: Iterable[HostFile]) -> list[str]:
 
 
 def check_host_files(files: Iterable[HostFile], uids: Iterable[int]) -> list[str]:
-    """What is wrong with an image's host files, for any host (verify, restore): each one must
-    belong to a user the dumped job ran as (a job's tmpfs files are its own; root's only for a
-    root job). The manifest's parser already refused set-id modes and paths outside data."""
+    """What is wrong with an image's host files (verify, import, restore): each one must be on a
+    tmpfs mount of this host and belong to a user the dumped job ran as (a job's tmpfs files are
+    its own; root's only for a root job). The manifest's parser already refused set-id modes and
+    paths outside data."""
     allowed = set(uids)
-    return [
+    files = list(files)
+    mounts = tmpfs_mounts() if files else []
+    problems = [
+        f"host file {f.path} is not on a tmpfs mount of this host" for f in files if not _on(f.path, mounts)
+    ]
+    problems += [
         f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
         for f in files
         if f.uid not in allowed
     ]
+    return problems
 
 
 def _refuse_host_files(problems: list[str]) -> None:
@@ -460,7 +467,7 @@ def check_put_back(
     mounts = tmpfs_mounts()
     problems = [f"{f.path} is not on a tmpfs mount of this host" for f in files if not _on(f.path, mounts)]
     if uids is not None:
-        problems += check_host_files(files, uids)
+        problems = check_host_files(files, uids)
     _refuse_host_files(problems)
     todo: list[HostFile] = []
     for f in files:
