@@ -816,6 +816,7 @@ class _Pipeline:
         self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
         self.lock_tokens: dict[int, str] = {}
+        self.lease: Any = None  # leasekeeper.LeaseKeeper from the lock to the kill
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
     def _sync(self, phase: str) -> None:
@@ -907,6 +908,7 @@ class _Pipeline:
 
     def _run(self) -> DumpOutcome:
         from npusnap_cli.device.devicegroup import DeviceGroup
+        from npusnap_cli.device.leasekeeper import LeaseKeeper
 
         try:
             self.tmp = img.create_temp_image(self.final)
@@ -966,6 +968,9 @@ class _Pipeline:
             self.guard.check("during lock+backup", "rolled back")
             self._sync("backup")
             self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
+            # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
+            self.lease = LeaseKeeper(self.lock_tokens, self.options.lease_s)
+            self.lease.renew()
             outcome = self._criu_and_publish(results, lock_start)
         except NpusnapError as err:
             if isinstance(err, StateUnknownError):
@@ -1124,8 +1129,11 @@ class _Pipeline:
         # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
         hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
         try:
+            from npusnap_cli.device.leasekeeper import keeping
+
             with (
                 self.clock.phase("criu"),
+                keeping(self.lease, [p.pid for p in self.target.tree]),
                 _sampling(
                     lambda: img.tree_size(img.criu_dir(tmp)),
                     lambda n: self.cb.progress("writing image", n, max(expected, n)),
@@ -1156,6 +1164,8 @@ class _Pipeline:
         try:
             # After stopped_pids: a refused dump's rollback must resume the stopped tree first
             # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
+            if self.lease is not None:
+                self.lease.check("before CRIU froze the tree")
             self._check_plugin_marks(tmp)
         except BaseException:
             hasher.stop()
@@ -1205,6 +1215,8 @@ class _Pipeline:
                     timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
                 )
                 self.guard.check("before the image was published", "rolled back")
+                if self.lease is not None and self.stopped_pids:
+                    self.lease.check_before_kill(self.stopped_pids)
                 img.publish(
                     tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
                 )
@@ -1222,6 +1234,12 @@ class _Pipeline:
         if not self.options.leave_running:
             self.cb.phase("stop original")
             pids = self.stopped_pids or _tree_pids(self.target.root_pid)
+            if self.lease is not None:
+                try:
+                    self.lease.check_before_kill(pids)
+                except NpusnapError:
+                    img.remove_tree(self.final)  # not an image of a locked job: never leave it
+                    raise
             _signal_tree(pids, signal.SIGKILL)
             left = _wait_gone(pids)
             self.stopped_pids = []

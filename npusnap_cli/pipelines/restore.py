@@ -36,6 +36,7 @@ from typing import Any, Optional
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     BusyError,
+    CriuError,
     ImageError,
     IncompatibleImageError,
     NpusnapError,
@@ -687,13 +688,19 @@ def _restore_opened(
                 binary=binary,
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
-        except NpusnapError:
+        except NpusnapError as err:
             if lazy is not None:
                 lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
             corrupt = checksums.join() if checksums is not None else None
             if corrupt is not None:
                 raise corrupt from None
+            from npusnap_cli.pipelines.restoreguard import concurrent_restore
+
+            pids = [p.pid for p in manifest.processes]
+            busy = concurrent_restore(err, pids) if isinstance(err, CriuError) else None
+            if busy is not None:
+                raise busy from None
             raise
     finally:
         for fd in {fd for _key, fd in inherit}:
@@ -734,7 +741,7 @@ def _restore_opened(
             if device_checks is not None:
                 before_unlock = _device_files_verified(manifest, device_checks, cb)
             _device_restore(
-                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock
+                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock, guard
             )
         _check_none_left_locked(manifest, root_pid, res.log_path)
         device_done = time.monotonic()
@@ -921,20 +928,30 @@ def _device_restore(
     tokens: dict[int, str],
     device_memory_files: dict[int, tuple[int, str]],
     before_unlock: Optional[Callable[[], None]] = None,
+    guard: Any = None,
 ) -> None:
     """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
     image's device-memory file (the agent writes it back to the device after Unlock)."""
     from npusnap_cli.device.devicegroup import DeviceGroup
+    from npusnap_cli.pipelines import restoreguard
 
     group = None
+    # A signal, or a restored process that stays stopped, ends the waits (restoreguard.py).
+    wait = restoreguard.DeviceWait(npu_pids, guard)
     try:
-        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
+        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore", interrupted=wait)
         # The restored agents still record the dump as their lock's owner: present its tokens.
         group.set_tokens(tokens)
         group.restore_and_unlock(device_memory_files, before_unlock)
     except ImageError:
         raise  # the device-memory files did not match: the tree was killed (before_unlock)
-    except NpusnapError as err:
+    except NpusnapError as first:
+        err = restoreguard.after_failure(first, wait, npu_pids, root_pid)
+        if err is not first:
+            err.details.setdefault("criu_restore_log", log)
+            if group is not None:
+                group.hand_over(npu_pids)
+            raise err from None
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
