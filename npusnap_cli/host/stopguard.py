@@ -24,8 +24,13 @@ WATCHER = Path(__file__).with_name("stopguard_watch.py")
 class StopGuard:
     """Watch ``pids`` from a detached process until ``finish()`` (or resume them if we die)."""
 
-    def __init__(self, pids: list[int]) -> None:
-        args = [f"{p}:{s}" for p in pids if (s := read_start_time(str(p))) is not None]
+    def __init__(self, pids: list[int], *, kill_new: bool = False) -> None:
+        """``kill_new`` (restore): ``pids`` do not exist yet; should npusnap die, the processes
+        that take them after this call (CRIU's restored tree, left stopped) are killed instead."""
+        if kill_new:
+            args = ["--kill-new", *(f"{p}:new" for p in pids)]
+        else:
+            args = [f"{p}:{s}" for p in pids if (s := read_start_time(str(p))) is not None]
         self._stdin: Optional[IO[bytes]] = None
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(WATCHER), *args],
@@ -40,6 +45,14 @@ class StopGuard:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def remove_on_death(self, path: Path) -> None:
+        """Should npusnap die, remove its work area ``path`` too (once the tree is resumed)."""
+        if self._stdin is None:
+            return
+        with contextlib.suppress(OSError):
+            self._stdin.write(f"rm {path}\n".encode())
+            self._stdin.flush()
 
     def finish(self) -> None:
         """We are exiting in an orderly way: the watcher has nothing to do."""

@@ -64,12 +64,55 @@ def watch(targets: dict[int, str]) -> None:
         time.sleep(POLL_S)
 
 
+KILL_GIVE_UP_S = 120.0  # restore: CRIU finishes (and lets the tree go) well within this
+
+
+def _start_time(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_new(pids: list[int], since: int) -> None:
+    """restore: npusnap died while CRIU's restored tree was (to be) left stopped, unverified.
+    Kill every process with one of ``pids`` that started after the watcher (the restored ones:
+    the image is intact, a new restore brings the job back) once CRIU has let it go."""
+    deadline = time.monotonic() + KILL_GIVE_UP_S
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            start = _start_time(pid)
+            if start is None or start < since:
+                continue  # not restored (yet), or not one of ours
+            st = _status(pid, str(start))
+            if st is None or st[1]:
+                continue  # CRIU still holds it
+            os.kill(pid, signal.SIGKILL)
+            left.discard(pid)
+        time.sleep(POLL_S)
+
+
 def main(argv: list[str]) -> int:
+    kill = bool(argv) and argv[0] == "--kill-new"
+    if kill:
+        argv = argv[1:]
+    since = _start_time("self") or 0
     targets = {int(p): s for p, s in (a.split(":", 1) for a in argv)}
     data = sys.stdin.buffer.read()  # returns at EOF: npusnap exited, one way or another
     if data.strip().endswith(b"done"):
         return 0
-    watch(targets)
+    if kill:
+        kill_new(sorted(targets), since)
+    else:
+        watch(targets)
+    # "rm PATH" lines: npusnap's work areas (a dump's partial image), of no use to anyone now.
+    for line in data.decode("utf-8", "replace").splitlines():
+        if line.startswith("rm /") and ".npusnap-tmp-" in line:
+            import shutil
+
+            shutil.rmtree(line[3:], ignore_errors=True)  # fd-relative, never follows a symlink
     return 0
 
 

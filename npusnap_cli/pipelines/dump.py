@@ -817,6 +817,7 @@ class _Pipeline:
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
         self.lock_tokens: dict[int, str] = {}
         self.lease: Any = None  # leasekeeper.LeaseKeeper from the lock to the kill
+        self.stop_guard: Any = None  # host.stopguard.StopGuard: resumes the tree if npusnap dies
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
     def _sync(self, phase: str) -> None:
@@ -899,7 +900,8 @@ class _Pipeline:
 
         # CRIU will leave the tree stopped until it is published and killed; should this process
         # die in between, the guard resumes it (and the leases roll the devices back).
-        guard = None if self.options.leave_running else StopGuard([p.pid for p in self.target.tree])
+        guard = StopGuard([] if self.options.leave_running else [p.pid for p in self.target.tree])
+        self.stop_guard = guard
         try:
             return self._run()
         finally:
@@ -912,6 +914,8 @@ class _Pipeline:
 
         try:
             self.tmp = img.create_temp_image(self.final)
+            if self.stop_guard is not None:
+                self.stop_guard.remove_on_death(self.tmp)  # a killed dump leaves no work area
         except OSError as exc:
             raise ImageError(
                 f"cannot create the image's work directory next to {self.final}: {exc.strerror}",

@@ -667,6 +667,7 @@ def _restore_opened(
     inherit = open_pipe_targets(manifest, options.pipe_to)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
+    stop_guard: Any = None
     try:
         guard.check("before anything was started", "nothing was restored")
         if to_put_back:
@@ -674,6 +675,12 @@ def _restore_opened(
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
+        if checksums is not None or lazy is not None:
+            from npusnap_cli.host.stopguard import StopGuard
+
+            # CRIU leaves the tree stopped until npusnap releases it: should npusnap die before,
+            # the watcher kills that unverified tree (a new restore brings the job back).
+            stop_guard = StopGuard([p.pid for p in manifest.processes], kill_new=True)
         try:
             res = criu.restore(
                 str(img.criu_dir(final)),
@@ -689,6 +696,8 @@ def _restore_opened(
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
         except NpusnapError as err:
+            if stop_guard is not None:
+                stop_guard.finish()  # CRIU removed what it had restored
             if lazy is not None:
                 lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
@@ -708,18 +717,22 @@ def _restore_opened(
         hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
-    if lazy is not None:
-        lazy.criu_log = res.log_path
-        lazy.guard()
-        lazy.release()
-        cb.note(
-            f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
-            f"log {lazy.daemon.log_path}) pages in the rest of its memory"
-            + (" and its page files are verified" if checksums is not None else "")
-            + "; npusnap watches until every page is in"
-        )
-    elif checksums is not None:
-        _release_when_verified(manifest, checksums, cb)
+    try:
+        if lazy is not None:
+            lazy.criu_log = res.log_path
+            lazy.guard()
+            lazy.release()
+            cb.note(
+                f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
+                f"log {lazy.daemon.log_path}) pages in the rest of its memory"
+                + (" and its page files are verified" if checksums is not None else "")
+                + "; npusnap watches until every page is in"
+            )
+        elif checksums is not None:
+            _release_when_verified(manifest, checksums, cb)
+    finally:
+        if stop_guard is not None:
+            stop_guard.finish()  # released (or killed unverified): nothing left stopped
     released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
