@@ -345,6 +345,10 @@ def read_restore_stats(work_dir: str) -> Optional[RestoreStats]:
     )
 
 
+# Called with the pid of each ``criu swrk`` started (restore's stop guard names it to its watcher).
+SWRK_STARTED: list[Callable[[int], None]] = []
+
+
 class _Swrk:
     """A ``criu swrk`` service process that we start ourselves.
 
@@ -371,6 +375,8 @@ class _Swrk:
             )
         finally:
             theirs.close()
+        for started in list(SWRK_STARTED):
+            started(self.proc.pid)
 
     @property
     def sock(self) -> Any:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Optional
 
-from npusnap_cli.errors import DeviceError, NpusnapError
+from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
 
 POLL_S = 0.02  # how often the freeze is looked for while CRIU runs
 MARGIN_S = 0.5  # the agent's tick (0.1 s) and the time a renewal takes to be answered
@@ -161,6 +161,40 @@ class LeaseKeeper:
         if all(_threads_stopped(p) is not False for p in set(pids) | set(self.tokens)):
             return
         raise self._error("before the original was killed (it was resumed meanwhile)", now)
+
+    def gave_up(self, err: BaseException, timeout: float = 20.0) -> bool:
+        """After ``err``: if it is a lost lock, wait (bounded) until every process runs unlocked
+        (the agents' leases rolled the dump's locks back; a CRIU device plugin that locked the
+        job again during the dump unlocks it once CRIU lets it go) and return True; raise
+        StateUnknownError with the recovery commands if one does not. False otherwise."""
+        if not isinstance(err, LockLostError):
+            return False
+        from npusnap_cli.device.agent_client import AgentClient
+
+        left = set(self.tokens)
+        deadline = time.monotonic() + timeout
+        states: dict[int, str] = {}
+        while left and time.monotonic() < deadline:
+            for pid in sorted(left):
+                try:
+                    with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as c:
+                        states[pid] = str(c.status().get("state"))
+                except NpusnapError as exc:
+                    states[pid] = exc.message
+                    continue
+                if states[pid] in ("RUNNING", "None"):
+                    left.discard(pid)
+            if left:
+                time.sleep(0.2)
+        if left:
+            cmds = [c for p in sorted(left) for c in (f"npusnap status {p}", f"npusnap thaw --force {p}")]
+            raise StateUnknownError(
+                f"{err}; pid(s) {sorted(left)} still do not run unlocked",
+                why="; ".join(f"pid {p}: {states.get(p)}" for p in sorted(left)),
+                fix="look and recover: " + " ; ".join(cmds),
+                details={"recovery_commands": cmds, "original_error": str(err)},
+            )
+        return True
 
     def _error(self, where: str, at: float) -> LockLostError:
         late = at - (self.renewed_at or at)

@@ -838,6 +838,8 @@ class _Pipeline:
         if self.stopped_pids:
             _signal_tree(self.stopped_pids, signal.SIGCONT)
         self._drop_remaps()
+        if self.lease is not None and self.lease.gave_up(err):
+            return  # the leases rolled our locks back; no longer ours to touch (leasekeeper.py)
         if self.group is None:
             return
         try:
@@ -889,8 +891,20 @@ class _Pipeline:
             err.details["logs"] = logs
         err.details["partial_image_removed"] = True
         if rolled_back:
-            err.details["rolled_back"] = list(self.target.npu_pids)
-            if "rolled back" not in err.message:
+            from npusnap_cli.host import procfs
+
+            # Never "is running" for a process that died meanwhile (killed during the dump).
+            gone = [p for p in self.target.npu_pids if not procfs.is_alive(p)]
+            err.details["rolled_back"] = [p for p in self.target.npu_pids if p not in gone]
+            if gone:
+                err.details["exited"] = gone
+                if len(gone) == len(self.target.npu_pids):
+                    err.message += f" (pid(s) {gone} exited during the dump: nothing is left running)"
+                else:
+                    err.message += (
+                        f" (pid(s) {gone} exited during the dump; the others were rolled back and run)"
+                    )
+            elif "rolled back" not in err.message:
                 err.message += " (every process was rolled back and is running)"
         return err
 

@@ -676,11 +676,11 @@ def _restore_opened(
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
         if checksums is not None or lazy is not None:
-            from npusnap_cli.host.stopguard import StopGuard
+            from npusnap_cli.pipelines.restoreguard import restore_stop_guard
 
             # CRIU leaves the tree stopped until npusnap releases it: should npusnap die before,
-            # the watcher kills that unverified tree (a new restore brings the job back).
-            stop_guard = StopGuard([p.pid for p in manifest.processes], kill_new=True)
+            # the watcher kills that CRIU and its unverified tree (a new restore brings it back).
+            stop_guard = restore_stop_guard()
         try:
             res = criu.restore(
                 str(img.criu_dir(final)),
@@ -717,6 +717,8 @@ def _restore_opened(
         hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
+    if stop_guard is not None:
+        stop_guard.tell("tree", root_pid)
     try:
         if lazy is not None:
             lazy.criu_log = res.log_path

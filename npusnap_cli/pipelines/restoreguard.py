@@ -88,6 +88,21 @@ def after_failure(
     return err
 
 
+def restore_stop_guard() -> Any:
+    """A StopGuard that, should npusnap die, kills the CRIU it starts next and what it restored."""
+    from npusnap_cli import criu
+    from npusnap_cli.host.stopguard import StopGuard
+
+    guard = StopGuard([], kill_restored=True)
+
+    def started(pid: int) -> None:
+        guard.tell("criu", pid)
+        criu.SWRK_STARTED.remove(started)
+
+    criu.SWRK_STARTED.append(started)
+    return guard
+
+
 def concurrent_restore(err: CriuError, manifest_pids: Iterable[int]) -> Optional[BusyError]:
     """A CRIU restore that failed because another restore took the image's pids first."""
     excerpt = "\n".join(str(x) for x in err.details.get("criu_log_excerpt") or [])

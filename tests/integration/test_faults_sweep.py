@@ -1,0 +1,285 @@
+"""Kill and stop points across dump and restore: the job is never lost, never left stopped or
+locked without a word, and the exit code is the documented one (docs/exit-codes.md).
+
+A representative sweep, not every point: npusnap stopped for longer than the lease after the
+lock, CRIU slow to start (a wrapper that sleeps before `criu swrk`), npusnap SIGKILLed while
+CRIU starts, SIGTERM while a restore's device step waits, npusnap SIGKILLed while a restore's
+tree is stopped for its checksums, a concurrent dump's and restore's losers. Each point uses the
+training job of test_dump_failures (its uninterrupted run is the reference) and ends by checking
+that the job, or its restored copy, computes correctly to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.errors import ExitCode
+from tests.conftest import requires_root
+from tests.integration.agentlib import REPO, Sim, Workload, wait_socket, workload_env, write_workload
+from tests.integration.dumplib import (
+    NPUSNAP,
+    PY,
+    TRAIN,
+    Job,
+    agent_state,
+    alive,
+    assert_no_image,
+    cli,
+    continues_reference,
+    job_env,
+    reference,
+    wait_until,
+)
+from tests.integration.test_dump_failures import (
+    ARGS,
+    _start_dump,
+    _wait_locked,
+    faulty_job,
+    finishes_correctly,
+)
+
+pytestmark = [pytest.mark.integration, requires_root]
+
+SLOW_CRIU = """#!/bin/sh
+# The real CRIU, but its RPC worker starts {delay} s late (a loaded host, a slow CRIU build).
+if [ "$1" = swrk ]; then sleep {delay}; fi
+exec {real} "$@"
+"""
+
+
+def _slow_criu(tmp_path: Path, delay: float) -> str:
+    from npusnap_cli.criu import find_criu
+
+    path = tmp_path / "criu"
+    path.write_text(SLOW_CRIU.format(delay=delay, real=find_criu().path))
+    path.chmod(0o755)
+    return str(path)
+
+
+def _restored_finishes(env: dict[str, str], job: Job, img: Path, ref: list[str], before: int) -> None:
+    rc, out, err = cli(env, "restore", str(img))
+    assert rc == 0 and out is not None, (out or {}).get("error") or err
+    job.restored_pid = int(out["result"]["root_pid"])
+    wait_until(lambda: not alive(job.restored_pid), 90, "the restored run to finish")
+    continuation = job.lines()[before:]
+    assert continuation and continues_reference(continuation, ref), continuation[:3]
+
+
+def test_criu_slower_than_the_lease_still_dumps_a_locked_job(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU takes longer to start than the lease: the dump renews it while it waits, so the job is
+    still locked when CRIU freezes it, and the image restores."""
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=_slow_criu(tmp_path, 3))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img), "--lease", "2")
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        _restored_finishes(job_env(sim_env, runtime_dir), job, img, ref, len(job.lines()))
+    finally:
+        job.cleanup()
+
+
+def test_npusnap_stopped_longer_than_the_lease_fails_and_the_job_runs_on(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """npusnap is stopped, after the lock and while CRIU starts, for longer than the lease: the
+    agent rolls the job back. The dump, resumed, must neither publish an image nor kill the job
+    (exit 7, and it says so), even though CRIU then dumps the tree."""
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=_slow_criu(tmp_path, 1))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img, "--lease", "2")
+        wait_until(lambda: _swrk_started(dump.pid), 30, "CRIU to be started")
+        os.kill(dump.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: agent_state(job.pid) == "RUNNING", 20, "the lease to roll the job back")
+            time.sleep(0.5)
+        finally:
+            os.kill(dump.pid, signal.SIGCONT)
+        stdout, _ = dump.communicate(timeout=60)
+        assert dump.returncode == ExitCode.DEVICE, stdout
+        assert "lost its lock" in stdout, stdout
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_npusnap_killed_while_criu_starts_leaves_the_job_running_and_no_work_area(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=_slow_criu(tmp_path, 2))
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img, "--lease", "2")
+        wait_until(lambda: _swrk_started(dump.pid), 30, "CRIU to be started")
+        dump.kill()
+        dump.communicate()
+        wait_until(lambda: agent_state(job.pid) == "RUNNING", 20, "the lease to roll the job back")
+        assert not img.exists()
+        finishes_correctly(job, ref)
+        wait_until(lambda: not image.temp_siblings(img), 20, "the dead dump's work area to go")
+    finally:
+        job.cleanup()
+
+
+def _swrk_started(parent: int) -> bool:
+    import psutil
+
+    try:
+        return any("swrk" in " ".join(c.cmdline()) for c in psutil.Process(parent).children(recursive=True))
+    except psutil.Error:
+        return False
+
+
+def test_a_concurrent_dump_is_busy_and_the_first_succeeds(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A second dump of a job while the first holds its agent: exit 11, and the first is unharmed."""
+    with faulty_job(sim_env, runtime_dir, tmp_path, "NPUSIM_BACKUP_HANG_MS=1500\n") as fj:
+        first = _start_dump(fj.env, fj.job.pid, fj.img, "--leave-running")
+        _wait_locked(fj.img, first)
+        rc, out, err = cli(fj.env, "dump", str(fj.job.pid), str(tmp_path / "img2"), "--leave-running")
+        assert rc == ExitCode.BUSY, (rc, out, err)
+        stdout, _ = first.communicate(timeout=60)
+        assert first.returncode == 0, stdout
+        finishes_correctly(fj.job, fj.ref)
+
+
+def test_restore_killed_while_criu_starts_leaves_nothing_behind(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """npusnap restore SIGKILLed while CRIU starts: no restored copy, stopped or not, and no CRIU
+    left running; the image is intact and a new restore brings the job back."""
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        before = len(job.lines())
+        slow = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=_slow_criu(tmp_path, 1.5))
+        restore = subprocess.Popen(
+            [NPUSNAP, "restore", str(img), "--json"], env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        wait_until(lambda: _swrk_started(restore.pid), 30, "CRIU to be started")
+        import psutil
+
+        # (not the stop guard's watcher: it waits for a restored tree that never comes)
+        criu = [
+            c
+            for c in psutil.Process(restore.pid).children(recursive=True)
+            if "stopguard" not in " ".join(c.cmdline())
+        ]
+        restore.kill()
+        restore.communicate()
+        wait_until(
+            lambda: not any(c.is_running() and c.status() != "zombie" for c in criu), 20, "CRIU to end"
+        )
+        assert not alive(job.pid) and not _stopped(job.pid)
+        _restored_finishes(env, job, img, ref, before)
+    finally:
+        job.cleanup()
+
+
+def _tracer(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["agent-busy", "agent-stopped"])
+def test_sigterm_during_the_device_restore_ends_with_the_recovery_commands(
+    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload], stopped: bool
+) -> None:
+    """The restored agent is busy in a slow post_restore hook (and, in one case, its process is
+    stopped by someone else) when restore gets SIGTERM: restore does not wait out the agent's
+    900 s; it returns at once, says the tree stays locked and prints the commands that recover it;
+    following them, the job runs on correctly."""
+    started = tmp_path / "hook-started"
+    hook = tmp_path / "slowhook.py"
+    hook.write_text(
+        "import os, time\n"
+        "import npusnap_cli.agent as agent\n"
+        "def slow():\n"
+        f"    open({str(started)!r}, 'w').close()\n"
+        "    time.sleep(3)\n"
+        "agent.register_hook('post_restore', slow, name='slow')\n"
+        "agent.start(hook_timeout_s=30)\n"
+    )
+    env = workload_env(sim, runtime_dir, PYTHONPATH=f"{tmp_path}:{REPO}", WL_START_AGENT="1")
+    script = write_workload(tmp_path)
+    script.write_text("import slowhook\n" + script.read_text())
+    w = Workload([PY, str(script)], env, tmp_path)
+    workloads.append(w)
+    w.wait_for("ready")
+    wait_socket(runtime_dir, w.pid)
+    w.wait_steps(2)
+    img = tmp_path / "img"
+    rc, out, err = cli(env, "dump", str(w.pid), str(img), "--device-memory", "app")
+    assert rc == 0, (out or {}).get("error") or err
+    w.proc.wait(10)
+    restore = subprocess.Popen(
+        [NPUSNAP, "restore", str(img), "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: started.exists() or restore.poll() is not None, 60, "the restored agent's hook")
+    assert restore.poll() is None, restore.communicate()
+    if stopped:
+        os.kill(w.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    restore.send_signal(signal.SIGTERM)
+    stdout, stderr = restore.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10, "restore waited on after SIGTERM"
+    assert restore.returncode == ExitCode.INTERRUPTED, (stdout, stderr)
+    error = json.loads(stdout)["error"]
+    assert "stay locked" in error["message"], error
+    commands = error["details"]["recovery_commands"]
+    assert f"kill -CONT {w.pid}" in commands and f"npusnap thaw --force {w.pid}" in commands, commands
+    os.kill(w.pid, signal.SIGCONT)
+    time.sleep(3.5)  # the hook ends; the agent finishes the restore it was asked for
+    rc, _, err = cli(env, "thaw", "--force", str(w.pid))
+    assert rc == 0, err
+    assert agent_state(w.pid) == "RUNNING"
+    w.wait_steps(3)
+    # --device-memory app: the device memory is this workload's to reload, and it does not; its
+    # steps go on from where the dump took them, none lost or repeated.
+    numbers = [n for n, _ in w.steps()]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
