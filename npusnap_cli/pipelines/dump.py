@@ -901,9 +901,7 @@ class _Pipeline:
                 if len(gone) == len(self.target.npu_pids):
                     err.message += f" (pid(s) {gone} exited during the dump: nothing is left running)"
                 else:
-                    err.message += (
-                        f" (pid(s) {gone} exited during the dump; the others were rolled back and run)"
-                    )
+                    err.message += f" (pid(s) {gone} exited during the dump; the others were rolled back)"
             elif "rolled back" not in err.message:
                 err.message += " (every process was rolled back and is running)"
         return err
@@ -1173,6 +1171,8 @@ class _Pipeline:
             ) from None
         except BaseException:
             hasher.stop()
+            if self.lease is not None:
+                self.lease.check("while CRIU ran")  # a lost lock is the cause to report
             raise
         criu_done = time.monotonic()
         self._hash_device_files(criu_done=True)
