@@ -284,3 +284,42 @@ def test_sigterm_during_the_device_restore_ends_with_the_recovery_commands(
     # steps go on from where the dump took them, none lost or repeated.
     numbers = [n for n, _ in w.steps()]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+
+
+MANY_ALLOCS = """
+import ctypes, os
+lib = ctypes.CDLL("libacl_rt.so")
+assert lib.aclInit(None) == 0 and lib.aclrtSetDevice(int(os.environ["WL_DEVICE"])) == 0
+lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
+p = ctypes.c_void_p()
+for _ in range(1000):
+    assert lib.aclrtMalloc(ctypes.byref(p), 4096, 0) == 0
+print("allocated", flush=True)
+os._exit(0)  # gone without freeing: the daemon keeps (and poisons) every allocation
+"""
+
+
+def test_the_simulator_daemon_stays_idle_after_a_job_with_many_allocations(
+    sim: Sim, runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A thousand small allocations of a job that exits: the daemon poisons what it keeps without
+    holding a core, answers status at once, and is idle again within a second."""
+    import psutil
+
+    from npusnap_cli.sim import wire
+
+    sock = sim.env["NPUSIM_SOCKET"]
+    daemon = next(p for p in psutil.process_iter(["cmdline"]) if sock in " ".join(p.info["cmdline"] or []))
+    script = tmp_path / "many.py"
+    script.write_text(MANY_ALLOCS)
+    env = workload_env(sim, runtime_dir)
+    out = subprocess.run([PY, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "allocated" in out.stdout, out.stderr
+    t0 = time.monotonic()
+    assert wire.query_status(sock, timeout=2.0) is not None
+    assert time.monotonic() - t0 < 2.0
+    time.sleep(1.0)
+    before = sum(daemon.cpu_times()[:2])
+    time.sleep(2.0)
+    busy = sum(daemon.cpu_times()[:2]) - before
+    assert busy < 0.2, f"the daemon used {busy:.2f} s of CPU in 2 s while idle"
