@@ -80,4 +80,4 @@ def clean_stale_sockets(out: Output) -> None:
     from npusnap_cli.host import hostclean
 
     for entry in hostclean.remove_stale_agent_sockets():
-        out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")
+        out.debug(f"removed stale agent socket or lock token {entry.path} ({entry.reason})")

@@ -501,11 +501,17 @@ def save_lock_tokens(tokens: dict[int, str]) -> None:
     """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
     (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
     0700 and checked like the agents' socket directory; files 0600, never followed)."""
+    import contextlib
     import os
 
     from npusnap_cli import paths
 
     paths.ensure_private_dir(paths.agent_runtime_dir())
+    from npusnap_cli.host import hostclean
+
+    for stale in hostclean.stale_lock_tokens():  # those of dead processes go as new ones come
+        with contextlib.suppress(OSError):
+            os.unlink(stale.path)
     for pid, token in tokens.items():
         path = _token_path(pid)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -307,6 +307,10 @@ def prepare_sockets(manifest: img.Manifest) -> None:
         parent = sock.parent
         try:
             parent.mkdir(mode=0o700)
+            if os.geteuid() == 0 and p.uid > 0:
+                # The job's own directory (/tmp/npusnap-UID): its agents, and the user's
+                # npusnap, create and check sockets there; root's would shut them out.
+                os.chown(parent, p.uid, -1, follow_symlinks=False)
         except FileExistsError:
             pass
         except OSError as exc:
