@@ -323,3 +323,36 @@ def test_the_simulator_daemon_stays_idle_after_a_job_with_many_allocations(
     time.sleep(2.0)
     busy = sum(daemon.cpu_times()[:2]) - before
     assert busy < 0.2, f"the daemon used {busy:.2f} s of CPU in 2 s while idle"
+
+
+@pytest.mark.parametrize("plugins", [("npusim_plugin.so",), ("npusim_plugin.so", "npusnap_plugin.so")])
+def test_another_client_of_the_agent_during_criu_is_busy_not_ext_unix_sk(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, plugins: tuple[str, ...]
+) -> None:
+    """A second command connected to the job's agent while CRIU dumps (CRIU sees a socket to
+    outside the tree; npusnap's CRIU plugin, where present, finds the agent busy): exit 11, not
+    CRIU's advice to add --ext-unix-sk; the job is rolled back and runs on."""
+    import socket
+    import threading
+
+    from tests.conftest import plugin_dir_with
+
+    libs = str(plugin_dir_with(tmp_path, *plugins))
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=_slow_criu(tmp_path, 1), CRIU_LIBS_DIR=libs)
+    ref = reference(job_env(sim_env, runtime_dir), ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        dump = _start_dump(env, job.pid, img)
+        wait_until(lambda: _swrk_started(dump.pid), 30, "CRIU to be started")
+        other = socket.socket(socket.AF_UNIX)
+        other.connect(str(runtime_dir / f"{job.pid}.sock"))
+        threading.Timer(2.5, other.close).start()  # the other command ends a moment later
+        stdout, _ = dump.communicate(timeout=90)
+        assert dump.returncode == ExitCode.BUSY, stdout
+        assert "--ext-unix-sk would not help" in stdout, stdout
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
