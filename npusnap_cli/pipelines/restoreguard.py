@@ -79,7 +79,8 @@ def after_failure(
     if isinstance(err, BusyError):
         # The restored agents' lock is not the dump's (a token mismatch): the tree was changed.
         return StateUnknownError(
-            f"CRIU restored the tree (root pid {root_pid}), but its lock is not the dump's: {err.message}",
+            f"CRIU restored the tree (root pid {root_pid}), but its lock is not the dump's: "
+            + err.message.replace(", nothing was changed", "").replace("nothing was changed", ""),
             why="the image's agents were locked by another owner than the dump that wrote its manifest "
             "(a dump that lost its lock, or an edited manifest); the tree stays locked",
             fix="if you trust the image: " + " ; ".join(cmds) + "; else kill the restored tree",

@@ -356,3 +356,68 @@ def test_another_client_of_the_agent_during_criu_is_busy_not_ext_unix_sk(
         finishes_correctly(job, ref)
     finally:
         job.cleanup()
+
+
+def test_two_restores_of_one_image_one_wins_the_other_is_busy(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        before = len(job.lines())
+        argv = [NPUSNAP, "restore", str(img), "--json"]
+        both = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(p.wait(90), p.communicate()[0]) for p in both]
+        codes = sorted(rc for rc, _ in results)
+        assert codes == [0, ExitCode.BUSY], results
+        won = next(json.loads(o) for rc, o in results if rc == 0)
+        job.restored_pid = int(won["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 90, "the restored run to finish")
+        continuation = job.lines()[before:]
+        assert continuation and continues_reference(continuation, ref), continuation[:3]
+    finally:
+        job.cleanup()
+
+
+def test_a_restored_tree_whose_lock_is_not_the_dumps_is_state_unknown_with_commands(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The manifest's lock token does not match the restored agent's (an edited manifest, or a
+    dump that lost its lock to another owner): not "nothing was changed" (11) but 9, with the
+    commands that recover the restored, locked tree; they work."""
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        before = len(job.lines())
+        d = json.loads(image.manifest_path(img).read_text())
+        d.pop(image.SELF_HASH_KEY)
+        for p in d["processes"]:
+            if p.get("lock_token"):
+                p["lock_token"] = "0" * 32
+        d[image.SELF_HASH_KEY] = image._self_hash(d)
+        image.manifest_path(img).write_text(json.dumps(d))
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == ExitCode.STATE_UNKNOWN and out is not None, (rc, out, err)
+        commands = out["error"]["details"]["recovery_commands"]
+        assert f"npusnap thaw --force {job.pid}" in commands, commands
+        assert "nothing was changed" not in out["error"]["message"]
+        rc, _, err = cli(env, "thaw", "--force", str(job.pid))
+        assert rc == 0, err
+        job.restored_pid = job.pid
+        wait_until(lambda: not alive(job.pid), 90, "the restored run to finish")
+        continuation = job.lines()[before:]
+        assert continuation and continues_reference(continuation, ref), continuation[:3]
+    finally:
+        job.cleanup()
