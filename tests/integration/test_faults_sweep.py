@@ -421,3 +421,26 @@ def test_a_restored_tree_whose_lock_is_not_the_dumps_is_state_unknown_with_comma
         assert continuation and continues_reference(continuation, ref), continuation[:3]
     finally:
         job.cleanup()
+
+
+def test_a_full_disk_in_export_and_import_is_exit_3_and_leaves_nothing(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    from tests.integration.test_dump_failures import tmpfs
+    from tests.unit.test_image import _build, _manifest
+
+    tmp, final = _build(tmp_path, "big")
+    (image.criu_dir(tmp) / "pages-2.img").write_bytes(os.urandom(3 << 20))  # does not compress
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    with tmpfs(tmp_path / "small", "1m") as small:
+        rc, out, err = cli(sim_env, "export", str(final), str(small / "a.tar.zst"))
+        assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)
+        assert "disk is full" in out["error"]["message"] and "free space" in out["error"]["fix"]
+        assert list(small.iterdir()) == []
+        arch = tmp_path / "a.tar.zst"
+        rc, out, err = cli(sim_env, "export", str(final), str(arch))
+        assert rc == 0, err
+        rc, out, err = cli(sim_env, "import", str(arch), str(small / "img"))
+        assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)
+        assert "disk is full" in out["error"]["message"], out["error"]
+        assert list(small.iterdir()) == []
