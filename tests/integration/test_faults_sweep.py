@@ -444,3 +444,19 @@ def test_a_full_disk_in_export_and_import_is_exit_3_and_leaves_nothing(
         assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)
         assert "disk is full" in out["error"]["message"], out["error"]
         assert list(small.iterdir()) == []
+
+
+def test_a_job_killed_during_the_dump_is_never_reported_running(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    with faulty_job(sim_env, runtime_dir, tmp_path, "NPUSIM_BACKUP_HANG_MS=1500\n") as fj:
+        dump = _start_dump(fj.env, fj.job.pid, fj.img)
+        _wait_locked(fj.img, dump)
+        time.sleep(0.3)
+        os.kill(fj.job.pid, signal.SIGKILL)
+        stdout, _ = dump.communicate(timeout=60)
+        assert dump.returncode in (ExitCode.TARGET, ExitCode.AGENT), stdout
+        error = json.loads(stdout)["error"]
+        assert "is running" not in error["message"] and "exited during the dump" in error["message"], error
+        assert error["details"]["exited"] == [fj.job.pid] and error["details"]["rolled_back"] == []
+        assert_no_image(fj.img)
