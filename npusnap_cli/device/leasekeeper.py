@@ -101,6 +101,12 @@ class LeaseKeeper:
         self.renewed_at = sent
         return True
 
+    def renew_or_fail(self, where: str) -> None:
+        """Renew now; an agent that says its lease is gone fails the dump at once (LockLostError).
+        One that cannot be reached is left to ``check``'s time rule."""
+        if not self.renew() and self.lost is not None:
+            raise self._error(where, time.monotonic())
+
     def start(self, pids: Iterable[int]) -> LeaseKeeper:
         """While CRIU runs: renew until it starts seizing ``pids``, then note when all froze."""
         watched = sorted(set(pids) | set(self.tokens))

@@ -986,7 +986,7 @@ class _Pipeline:
             self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
             # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
             self.lease = LeaseKeeper(self.lock_tokens, self.options.lease_s)
-            self.lease.renew()
+            self.lease.renew_or_fail("before CRIU started")
             outcome = self._criu_and_publish(results, lock_start)
         except NpusnapError as err:
             if isinstance(err, StateUnknownError):
