@@ -215,10 +215,17 @@ class DeviceGroup:
         ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
         preserve). ``device_memory_files``: pid -> (fd open for writing, its name once published),
         the image file each agent writes its copy of the device memory into."""
+        import threading
+
         lease = self.lease_s
         files = device_memory_files or {}
+        # A process done early keeps its lease renewed (on its own connection, from its own
+        # thread) until every process is done: another's long Backup must not run it out.
+        left = [len(self.pids)]
+        counted = threading.Lock()
+        all_done = threading.Event()
 
-        def step(c: AgentClient) -> dict[str, Any]:
+        def work(c: AgentClient) -> dict[str, Any]:
             locked = c.lock(lease, self.command, device_memory, files.get(c.pid))
             if not backup:
                 return locked
@@ -227,6 +234,18 @@ class DeviceGroup:
             backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
             backed["callback_devices"] = locked.get("callback_devices")
             return backed
+
+        def step(c: AgentClient) -> dict[str, Any]:
+            try:
+                result = work(c)
+            finally:
+                with counted:
+                    left[0] -= 1
+                    if left[0] <= 0:
+                        all_done.set()
+            while lease is not None and not all_done.wait(max(0.5, lease / 3)):
+                c.renew(lease)
+            return result
 
         results, failures = self._each(step)
         if failures:
