@@ -227,6 +227,21 @@ def open_read_at(dfd: int, name: str) -> int:
     return fd
 
 
+def open_append(path: str, mode: int = 0o600) -> int:
+    """Open ``path`` to append (created if missing) in its directory reached without following a
+    user's symlink; an existing file must be a regular file with one link (a hard link to another
+    file would make root append there)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    with dir_fd(parent, check=False, follow_root_links=True) as dfd:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(name, flags, mode, dir_fd=dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise UnsafePath(errno.EPERM, "not a regular file with a single link", path)
+    return fd
+
+
 def write_file(
     path: str,
     data_chunks: Iterator[bytes],

@@ -375,7 +375,9 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        out = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        from npusnap_cli.host import safefs
+
+        out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
     except OSError as exc:
         raise PreflightError(
             f"cannot open --pipe-to {pipe_to}: {exc.strerror}",

@@ -294,3 +294,27 @@ def test_crafted_archive_host_files_are_refused_everywhere(
     assert rc in (ExitCode.IMAGE, ExitCode.IMAGE_INCOMPATIBLE), (rc, out, err)
     assert not Path(target).exists()
     _untouched(victim)
+
+
+def test_pipe_to_never_appends_through_a_users_link(
+    attacker: tuple[int, int], victim: Path, open_dir: Path
+) -> None:
+    """restore --pipe-to FILE appends the job's output as root: not through a user's symlinked
+    directory, nor into a symlink or a hard link planted at FILE."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    os.chown(shared, *attacker)
+    as_user(attacker, f"ln -s {victim} {shared}/dir && ln -s {victim}/precious {shared}/sym.log")
+    for path in (f"{shared}/dir/job.log", f"{shared}/sym.log"):
+        with pytest.raises(OSError):
+            safefs.open_append(path)
+    theirs = open_dir / "theirs"
+    theirs.write_text("another file\n")
+    os.link(theirs, shared / "hard.log")  # (root makes it: protected_hardlinks stops the user)
+    with pytest.raises(safefs.UnsafePath):
+        safefs.open_append(str(shared / "hard.log"))
+    fd = safefs.open_append(str(shared / "job.log"))
+    os.write(fd, b"line\n")
+    os.close(fd)
+    assert (shared / "job.log").read_text() == "line\n"
+    _untouched(victim)
