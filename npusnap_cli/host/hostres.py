@@ -365,12 +365,21 @@ def link_remaps(criu_dir: Path) -> list[str]:
 def drop_remaps(files: Iterable[HostFile]) -> list[str]:
     """Remove the link-remap files among ``files`` from the host (the image holds them); a file
     by that name whose contents are not the image's copy is left alone. The paths removed."""
+    return remove_copies([f for f in files if f.remap])
+
+
+def absent(files: Iterable[HostFile]) -> list[HostFile]:
+    """Those of ``files`` not on the host now (a restore that fails removes what it created)."""
+    return [f for f in files if _lstat_safe(f) is None]
+
+
+def remove_copies(files: Iterable[HostFile]) -> list[str]:
+    """Remove each of ``files`` from the host if it still holds the image's copy (reached without
+    following a symlink); a file by that name with other contents is left alone. The paths removed."""
     from npusnap_cli.host import safefs
 
     removed = []
     for f in files:
-        if not f.remap:
-            continue
         parent, name = _split_parent(f.path)
         try:
             with safefs.dir_fd(parent, owner=f.uid) as dfd:

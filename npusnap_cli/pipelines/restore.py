@@ -682,11 +682,17 @@ def _restore_opened(
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     stop_guard: Any = None
+    created: list[Any] = []
     try:
         guard.check("before anything was started", "nothing was restored")
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
-            hostres.put_back(to_put_back, final)
+            created = hostres.absent(to_put_back)  # removed again if the restore fails
+            try:
+                hostres.put_back(to_put_back, final)
+            except BaseException:
+                hostres.remove_copies(created)
+                raise
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
         if checksums is not None or lazy is not None:
@@ -710,6 +716,7 @@ def _restore_opened(
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
         except NpusnapError as err:
+            hostres.remove_copies(created)  # a failed restore leaves no file it wrote
             if stop_guard is not None:
                 stop_guard.finish()  # CRIU removed what it had restored
             if lazy is not None:
