@@ -434,7 +434,9 @@ static int agent_request(conn *c, const char *op, const char *args, double timeo
     long long id = c->next_id++;
     int n = snprintf(line, sizeof line, "{\"v\":1,\"id\":%lld,\"op\":\"%s\",\"args\":%s}\n", id, op, args);
     if (send(c->fd, line, (size_t)n, MSG_NOSIGNAL) != n) {
-        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(errno));
+        int e = errno;
+        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(e));
+        errno = e; /* EPIPE: the agent refused us at accept (BUSY: one client at a time) */
         return -1;
     }
     size_t len;
@@ -580,7 +582,14 @@ static int pause_devices(int pid) {
         snprintf(args, sizeof args, "{\"lease_s\":%g%s,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}",
                  P.lease_s, dm, (int)getpid());
         if (agent_request(&c, "lock", args, 90, &r, err, sizeof err) < 0) {
+            int e = errno;
             agent_close(&c);
+            if ((e == EPIPE || e == ECONNRESET) && now_s() < deadline) {
+                /* Refused at accept: another client (npusnap renewing its lease, `npusnap
+                 * status`) is talking to the agent for a moment. Retried like a BUSY reply. */
+                usleep(100 * 1000);
+                continue;
+            }
             FAIL(EX_AGENT, "lock of pid %d: %s", pid, err);
             return -1;
         }

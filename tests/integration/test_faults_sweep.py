@@ -348,7 +348,7 @@ def test_another_client_of_the_agent_during_criu_is_busy_not_ext_unix_sk(
         wait_until(lambda: _swrk_started(dump.pid), 30, "CRIU to be started")
         other = socket.socket(socket.AF_UNIX)
         other.connect(str(runtime_dir / f"{job.pid}.sock"))
-        threading.Timer(2.5, other.close).start()  # the other command ends a moment later
+        threading.Timer(4.5, other.close).start()  # the other command ends a while later
         stdout, _ = dump.communicate(timeout=90)
         assert dump.returncode == ExitCode.BUSY, stdout
         assert "--ext-unix-sk would not help" in stdout, stdout
