@@ -445,7 +445,7 @@ def remove_copies(files: Iterable[HostFile]) -> list[str]:
     return removed
 
 
-def check_host_files(files: Iterable[HostFile], uids: Iterable[int]) -> list[str]:
+def check_host_files(files: Iterable[HostFile], uids: Iterable[int], nodes: Iterable[Any] = ()) -> list[str]:
     """What is wrong with an image's host files (verify, import, restore): each one must be where
     root may write it for the job (``_place_problem``: tmpfs, or a lock file where its owner could
     have made it) and belong to a user the dumped job ran as (root's only for a root job). The
@@ -453,7 +453,8 @@ def check_host_files(files: Iterable[HostFile], uids: Iterable[int]) -> list[str
     allowed = set(uids)
     files = list(files)
     mounts = tmpfs_mounts() if files else []
-    problems = [p for f in files if (p := _place_problem(f, mounts)) is not None]
+    nodes = list(nodes)
+    problems = [p for f in files if (p := _place_problem(f, mounts, nodes)) is not None]
     problems += [
         f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
         for f in files
@@ -462,16 +463,22 @@ def check_host_files(files: Iterable[HostFile], uids: Iterable[int]) -> list[str
     return problems
 
 
-def _place_problem(f: HostFile, mounts: list[str]) -> Optional[str]:
+def _place_problem(f: HostFile, mounts: list[str], nodes: Iterable[Any] = ()) -> Optional[str]:
     """Where a host file may be written as root: on a tmpfs mount of this host (a job's shared
     memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only in an
     existing directory where its owner could have created it: one of theirs (not root's) they
-    may write, or a sticky directory anyone may write (/var/tmp). Never through a symlink."""
+    may write, or a sticky directory anyone may write (/var/tmp). Directories the image itself
+    makes for the job (``nodes``, HostNode of the same owner) count as the place they are made in.
+    Never through a symlink."""
     if _on(f.path, mounts):
         return None
     from npusnap_cli.host import safefs
 
     parent, _ = _split_parent(f.path)
+    # (private ones: a shared directory such as /tmp is where the rule itself looks)
+    made = {n.path for n in nodes if n.kind == "dir" and n.uid == f.uid and not n.mode & 0o6022}
+    while parent in made and parent != "/":
+        parent, _ = _split_parent(parent)
     try:
         with safefs.dir_fd(parent, check=False) as dfd:
             st: Optional[os.stat_result] = os.fstat(dfd)
@@ -541,14 +548,19 @@ def _digest_safe(f: HostFile) -> str:
 
 
 def check_put_back(
-    files: tuple[HostFile, ...], *, replace: bool, uids: Optional[Iterable[int]] = None
+    files: tuple[HostFile, ...],
+    *,
+    replace: bool,
+    uids: Optional[Iterable[int]] = None,
+    nodes: Iterable[Any] = (),
 ) -> list[HostFile]:
     """The files to write at restore; refuse when a different file is in the way (no --replace),
     when one is not on a tmpfs mount of this host, or belongs to no user of the job (``uids``)."""
     mounts = tmpfs_mounts()
-    problems = [p for f in files if (p := _place_problem(f, mounts)) is not None]
+    nodes = list(nodes)
+    problems = [p for f in files if (p := _place_problem(f, mounts, nodes)) is not None]
     if uids is not None:
-        problems = check_host_files(files, uids)
+        problems = check_host_files(files, uids, nodes)
     _refuse_host_files(problems)
     todo: list[HostFile] = []
     for f in files:
@@ -587,15 +599,16 @@ def check_put_back(
     return todo
 
 
-def put_back(files: list[HostFile], image: Path) -> list[str]:
+def put_back(files: list[HostFile], image: Path, nodes: Iterable[Any] = ()) -> list[str]:
     """Write the saved copies to their paths (owner and mode as at dump, never set-id), each in
     its directory reached without following a symlink (safefs); the paths written."""
     from npusnap_cli.host import safefs
 
     written: list[str] = []
     mounts = tmpfs_mounts()
+    nodes = list(nodes)
     for f in files:
-        problem = _place_problem(f, mounts)  # checked by check_put_back too; never write elsewhere
+        problem = _place_problem(f, mounts, nodes)  # checked by check_put_back too; never write elsewhere
         if problem is not None:
             _refuse_host_files([problem])
         src = image / f.rel

@@ -397,7 +397,9 @@ def _walk(
         problems.append("the manifest lists no files")
     from npusnap_cli.host import hostres
 
-    problems += hostres.check_host_files(manifest.host_files, {p.uid for p in manifest.processes})
+    problems += hostres.check_host_files(
+        manifest.host_files, {p.uid for p in manifest.processes}, manifest.host_nodes
+    )
     if problems:
         raise ImageError(
             f"archive {archive} failed verification: {problems[0]}",

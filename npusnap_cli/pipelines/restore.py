@@ -685,7 +685,10 @@ def _restore_opened(
     prepare_sockets(manifest)
 
     to_put_back = hostres.check_put_back(
-        manifest.host_files, replace=options.replace_tmpfs_files, uids={p.uid for p in manifest.processes}
+        manifest.host_files,
+        replace=options.replace_tmpfs_files,
+        uids={p.uid for p in manifest.processes},
+        nodes=manifest.host_nodes,
     )
     to_make = hostres.check_host_nodes(manifest.host_nodes)
     made: list[str] = []
@@ -704,7 +707,7 @@ def _restore_opened(
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
             created = hostres.absent(to_put_back)  # removed again if the restore fails
             try:
-                hostres.put_back(to_put_back, final)
+                hostres.put_back(to_put_back, final, manifest.host_nodes)
             except BaseException:
                 hostres.remove_copies(created)
                 raise
