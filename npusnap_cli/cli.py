@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "inspect",
     "images",
     "demo",
+    "k8s",
 )
 
 

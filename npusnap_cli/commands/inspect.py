@@ -47,6 +47,13 @@ def _is_npusnap_archive(path: Path) -> bool:
     return True
 
 
+def _job_row(job: Any) -> dict[str, str]:
+    """The plugin's record of the job it joined (`npusnap k8s checkpoint`), if any."""
+    if not job:
+        return {}
+    return {"job member": f"{job.get('member')} (coordinator {job.get('coordinator')})"}
+
+
 def _plugin_checkpoint(directory: Path) -> Any:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, plain criu), or None."""
     from npusnap_cli import image
@@ -81,6 +88,9 @@ def register(app: typer.Typer) -> None:
                     "created": summary["created"],
                     "host": summary["hostname"],
                     "form": summary["form"] + (f", CRIU images under {ckpt.prefix}" if ckpt.prefix else ""),
+                    "engine": summary["engine"],
+                    **{f"container {k}": v for k, v in summary["container"].items()},
+                    **_job_row(summary["job"]),
                     "image size": human_bytes(summary["image_bytes"]),
                     "agent lease": f"{summary['lease_s']}s",
                 },

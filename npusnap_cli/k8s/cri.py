@@ -93,7 +93,9 @@ class CriClient:
         return self.call("runtime", "Version", self.api.VersionRequest())
 
     def container_status(self, container_id: str) -> Any:
-        return self.call("runtime", "ContainerStatus", self.api.ContainerStatusRequest(container_id=container_id))
+        return self.call(
+            "runtime", "ContainerStatus", self.api.ContainerStatusRequest(container_id=container_id)
+        )
 
     def find_container(self, namespace: str, pod: str, container: str) -> str:
         """The id of the running container ``container`` of pod ``namespace/pod`` (kubelet labels)."""

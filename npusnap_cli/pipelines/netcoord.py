@@ -77,11 +77,15 @@ class CoordServer:
             ) from None
         self.srv.listen(nodes)
         self.conns: dict[int, _Conn] = {}
+        # How the barriers ended: "ok" after the last phase's go, else the abort reason sent.
+        self.outcome: Optional[str] = None
         self.thread = threading.Thread(target=self._serve, name="npusnap-coord", daemon=True)
         self.thread.start()
 
     def _broadcast(self, obj: dict[str, Any]) -> None:
-        for c in self.conns.values():
+        if "abort" in obj and self.outcome is None:
+            self.outcome = str(obj["abort"])
+        for c in list(self.conns.values()):
             with contextlib.suppress(OSError):
                 c.send(obj)
 
@@ -132,6 +136,14 @@ class CoordServer:
                     return
                 arrived.add(node)
             self._broadcast({"go": phase})
+        self.outcome = "ok"
+
+    def abort(self, reason: str) -> None:
+        """Abort from outside (a member's runtime failed before its plugin could say so): every
+        member connected now gets the abort; one that connects later is refused."""
+        self._broadcast({"abort": reason})
+        with contextlib.suppress(OSError):
+            self.srv.close()
 
     def close(self) -> None:
         self.srv.close()

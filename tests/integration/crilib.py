@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,7 +48,11 @@ def skip_reason() -> Optional[str]:
         return "containerd needs root"
     missing = [
         str(p)
-        for p in (cri_dir() / "bin" / "containerd", cri_dir() / "docker-registry", cri_dir() / "python" / "api_pb2.py")
+        for p in (
+            cri_dir() / "bin" / "containerd",
+            cri_dir() / "docker-registry",
+            cri_dir() / "python" / "api_pb2.py",
+        )
         if not p.exists()
     ]
     if missing:
@@ -199,14 +202,20 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             timeout=timeout,
         )
         if res.returncode != 0:
-            raise AssertionError(f"ctr {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+            raise AssertionError(
+                f"ctr {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+            )
         return res.stdout
 
     def stop(self) -> None:
         for pod in self.pods:
             with contextlib.suppress(Exception):
-                self.cri.call("runtime", "StopPodSandbox", self.cri.api.StopPodSandboxRequest(pod_sandbox_id=pod))
-                self.cri.call("runtime", "RemovePodSandbox", self.cri.api.RemovePodSandboxRequest(pod_sandbox_id=pod))
+                self.cri.call(
+                    "runtime", "StopPodSandbox", self.cri.api.StopPodSandboxRequest(pod_sandbox_id=pod)
+                )
+                self.cri.call(
+                    "runtime", "RemovePodSandbox", self.cri.api.RemovePodSandboxRequest(pod_sandbox_id=pod)
+                )
         self.cri.close()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -250,7 +259,9 @@ def push_image(ctrd: Containerd, work: Path, ref: str) -> None:
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg, "size": cfg_size},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer, "size": layer_size}],
+        "layers": [
+            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer, "size": layer_size}
+        ],
     }
     man, man_size = blob(json.dumps(manifest).encode())
     index = {
@@ -274,3 +285,145 @@ def push_image(ctrd: Containerd, work: Path, ref: str) -> None:
     # ref that a checkpoint records and its restore pulls.
     api = ctrd.cri.api
     ctrd.cri.call("images", "PullImage", api.PullImageRequest(image=api.ImageSpec(image=ref)), timeout=120)
+
+
+def cri_log_lines_of(text: str) -> list[str]:
+    """The container's output from a CRI log (``TIME STREAM TAG text`` per line)."""
+    return [p[3] if len(p) == 4 else "" for p in (ln.split(" ", 3) for ln in text.splitlines())]
+
+
+def cri_log_lines(path: Path) -> list[str]:
+    return cri_log_lines_of(path.read_text()) if path.exists() else []
+
+
+class Pod:
+    """A pod sandbox (host network) with one container running the C stepper on the simulated NPU,
+    set up as a device plugin would: the simulator's socket directory mounted, the agent preloaded."""
+
+    def __init__(
+        self,
+        ctrd: Containerd,
+        name: str,
+        image: str,
+        sim_env: dict[str, str],
+        criu_conf: Path,
+        *,
+        env: Optional[dict[str, str]] = None,
+        fault_file: Optional[Path] = None,
+        checkpoint: Optional[Path] = None,
+        container: str = "trainer",
+    ) -> None:
+        api = ctrd.cri.api
+        self.ctrd, self.name, self.container = ctrd, name, container
+        self.logdir = ctrd.work / "pods" / name
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.log = self.logdir / f"{container}.log"
+        self.config = api.PodSandboxConfig(
+            metadata=api.PodSandboxMetadata(name=name, uid=f"uid-{name}", namespace="default"),
+            log_directory=str(self.logdir),
+            linux=api.LinuxPodSandboxConfig(
+                # hostNetwork, and a pid namespace per container (the kubelet's default, without
+                # shareProcessNamespace).
+                security_context=api.LinuxSandboxSecurityContext(
+                    namespace_options=api.NamespaceOption(network=api.NODE, pid=api.CONTAINER)
+                )
+            ),
+        )
+        self.id = ctrd.cri.call(
+            "runtime", "RunPodSandbox", api.RunPodSandboxRequest(config=self.config), 120
+        ).pod_sandbox_id
+        ctrd.pods.append(self.id)
+        sim_dir = str(Path(sim_env["NPUSIM_SOCKET"]).parent)
+        mounts = [api.Mount(container_path=sim_dir, host_path=sim_dir)]
+        envs = {
+            "LD_PRELOAD": "/opt/npu/libnpusnap_agent.so",
+            "NPUSNAP_AGENT": "1",
+            "ASCEND_HOME_PATH": "/opt/npu/cann",
+            "LD_LIBRARY_PATH": "/opt/npu/cann/lib64",
+            "NPUSIM_SOCKET": sim_env["NPUSIM_SOCKET"],
+            **(env or {}),
+        }
+        if fault_file is not None:
+            mounts.append(api.Mount(container_path=str(fault_file.parent), host_path=str(fault_file.parent)))
+            envs["NPUSIM_FAULT_FILE"] = str(fault_file)
+        config = api.ContainerConfig(
+            metadata=api.ContainerMetadata(name=container),
+            # A restore names the checkpoint archive as its image; CreateContainer restores from it.
+            image=api.ImageSpec(image=str(checkpoint) if checkpoint else image),
+            command=[] if checkpoint else ["/opt/npu/npu_stepper", "--interval-ms", "50"],
+            envs=[api.KeyValue(key=k, value=v.encode()) for k, v in envs.items()],
+            mounts=mounts,
+            log_path=f"{container}.log",
+            labels={
+                "io.kubernetes.pod.namespace": "default",
+                "io.kubernetes.pod.name": name,
+                "io.kubernetes.container.name": container,
+            },
+            annotations={"org.criu.config": str(criu_conf)},
+            linux=api.LinuxContainerConfig(
+                security_context=api.LinuxContainerSecurityContext(
+                    namespace_options=api.NamespaceOption(network=api.NODE, pid=api.CONTAINER)
+                )
+            ),
+        )
+        req = api.CreateContainerRequest(pod_sandbox_id=self.id, config=config, sandbox_config=self.config)
+        self.cid = ctrd.cri.call("runtime", "CreateContainer", req, 120).container_id
+        ctrd.cri.call("runtime", "StartContainer", api.StartContainerRequest(container_id=self.cid), 120)
+
+    def status(self) -> Any:
+        api = self.ctrd.cri.api
+        return self.ctrd.cri.call(
+            "runtime", "ContainerStatus", api.ContainerStatusRequest(container_id=self.cid, verbose=True)
+        )
+
+    def running(self) -> bool:
+        return bool(self.status().status.state == self.ctrd.cri.api.CONTAINER_RUNNING)
+
+    def host_pid(self) -> int:
+        return int(json.loads(self.status().info["info"])["pid"])
+
+    def output(self) -> list[str]:
+        return cri_log_lines(self.log)
+
+    def steps(self) -> list[tuple[int, int]]:
+        return podmanlib.parse_steps("\n".join(self.output()))
+
+    def wait_steps(self, n: int, timeout: float = 30) -> int:
+        start = len(self.steps())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            steps = self.steps()
+            if len(steps) >= start + n:
+                return steps[-1][0]
+            time.sleep(0.1)
+        raise AssertionError(
+            f"{self.name}: fewer than {n} new steps in {timeout}s:\n" + "\n".join(self.output()[-20:])
+        )
+
+    def agent_status(self) -> dict[str, Any]:
+        from npusnap_cli.device.agent_client import AgentClient
+
+        pid = self.host_pid()
+        sock = Path(f"/proc/{pid}/root/run/npusnap/{podmanlib.ns_pid(pid)}.sock")
+        with AgentClient(pid, socket_path=sock, timeout=10) as c:
+            return c.status()
+
+    def wait_unlocked(self, timeout: float = 15) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.agent_status()
+            except Exception as exc:  # the agent may still be thawing
+                last = {"error": str(exc)}
+            if last.get("state") == "RUNNING" and last.get("owner") is None:
+                return last
+            time.sleep(0.1)
+        raise AssertionError(f"agent of {self.name} not unlocked within {timeout}s: {last}")
+
+    def remove(self) -> None:
+        api = self.ctrd.cri.call
+        a = self.ctrd.cri.api
+        api("runtime", "StopPodSandbox", a.StopPodSandboxRequest(pod_sandbox_id=self.id), 60)
+        api("runtime", "RemovePodSandbox", a.RemovePodSandboxRequest(pod_sandbox_id=self.id), 60)
+        self.ctrd.pods.remove(self.id)

@@ -1,0 +1,117 @@
+"""`npusnap k8s checkpoint|verify`: a coordinated checkpoint of a job's containers across pods
+(npusnap_cli/k8s/jobcheckpoint.py; docs/runbooks/kubernetes.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    k8s = typer.Typer(
+        name="k8s",
+        help="Kubernetes: checkpoint a job's containers across pods together (kubelet or CRI).",
+        no_args_is_help=True,
+    )
+
+    @k8s.command("checkpoint")
+    def checkpoint_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(
+            ..., help="New directory for the job's archives and npusnap-k8s-job.json."
+        ),
+        member: list[str] = typer.Option(
+            ...,
+            "--member",
+            help="NAMESPACE/POD/CONTAINER[@NODE] of one container of the job; repeat, in NPUSNAP_JOB_MEMBER "
+            "order (0, 1, ...).",
+        ),
+        listen: str = typer.Option(
+            ...,
+            "--listen",
+            help="HOST:PORT to serve the job's barriers on: the NPUSNAP_JOB_COORDINATOR the pods name.",
+        ),
+        cri_endpoint: Optional[str] = typer.Option(
+            None,
+            "--cri-endpoint",
+            help="Checkpoint through this node's CRI runtime (unix:///run/containerd/containerd.sock) "
+            "instead of the kubelets; every member must run on this node.",
+        ),
+        kubelet_cert: Optional[Path] = typer.Option(
+            None, "--kubelet-cert", help="Client certificate for the kubelets' API (kubelet mode)."
+        ),
+        kubelet_key: Optional[Path] = typer.Option(None, "--kubelet-key", help="Its private key."),
+        kubelet_ca: Optional[Path] = typer.Option(
+            None, "--kubelet-ca", help="CA of the kubelets' serving certificates (default: not verified)."
+        ),
+        timeout: float = typer.Option(
+            600.0, "--timeout", help="Seconds each container's checkpoint may take."
+        ),
+        barrier_timeout: float = typer.Option(
+            600.0, "--barrier-timeout", help="Seconds a barrier waits for the last member."
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Checkpoint every --member at once; their CRIU plugins hold the job's barriers (all locked
+        before any is dumped, none let go before all are saved). Any failure rolls every container
+        back (they keep running) and removes the archives."""
+        from npusnap_cli.k8s import jobcheckpoint as jc
+        from npusnap_cli.ui import human_bytes
+
+        out = output(ctx, "k8s checkpoint", json_flag)
+        members = [jc.parse_member(i, text) for i, text in enumerate(member)]
+        backend: jc.Backend
+        if cri_endpoint:
+            backend = jc.CriBackend(cri_endpoint)
+        elif kubelet_cert and kubelet_key:
+            backend = jc.KubeletBackend(kubelet_cert, kubelet_key, kubelet_ca)
+        else:
+            raise UsageError(
+                "say where the checkpoint calls go: --cri-endpoint, or --kubelet-cert and --kubelet-key",
+                fix="on a cluster: the API server's kubelet client certificate; on a node: the CRI socket",
+            )
+        with out.phase(f"checkpointing {len(members)} containers behind the job's barriers"):
+            result = jc.checkpoint_job(
+                members,
+                directory,
+                backend,
+                jc.parse_listen(listen),
+                timeout_s=timeout,
+                barrier_timeout_s=barrier_timeout,
+                local_archives=cri_endpoint is not None,
+            )
+        rows = [
+            [
+                str(m["member"]),
+                f"{m['namespace']}/{m['pod']}/{m['container']}",
+                str(m["archive"]),
+                human_bytes(int(m["size"])) if m.get("size") is not None else "on its node",
+                f"{m['seconds']:.2f}s",
+            ]
+            for m in result.manifest["members"]
+        ]
+        out.table("job checkpoint", ["member", "container", "archive", "size", "took"], rows)
+        out.ok(f"checkpointed {len(members)} containers together into {result.directory}")
+        out.result({"directory": str(result.directory), "manifest": result.manifest})
+
+    @k8s.command("verify")
+    def verify_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(..., help="A directory written by `npusnap k8s checkpoint`."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Check every archive the job manifest names (size, sha256, and the plugin's record of each
+        image file inside)."""
+        from npusnap_cli.k8s import jobcheckpoint as jc
+
+        out = output(ctx, "k8s verify", json_flag)
+        res = jc.verify_job(directory)
+        out.ok(f"{directory}: {res['members']} archives match the job manifest")
+        out.result(res)
+
+    app.add_typer(k8s)
