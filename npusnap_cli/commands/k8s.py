@@ -31,10 +31,11 @@ def register(app: typer.Typer) -> None:
             help="NAMESPACE/POD/CONTAINER[@NODE] of one container of the job; repeat, in NPUSNAP_JOB_MEMBER "
             "order (0, 1, ...).",
         ),
-        listen: str = typer.Option(
-            ...,
+        listen: Optional[str] = typer.Option(
+            None,
             "--listen",
-            help="HOST:PORT to serve the job's barriers on: the NPUSNAP_JOB_COORDINATOR the pods name.",
+            help="HOST:PORT to serve the job's barriers on: the NPUSNAP_JOB_COORDINATOR the pods name "
+            "(needed for more than one --member).",
         ),
         cri_endpoint: Optional[str] = typer.Option(
             None,
@@ -80,7 +81,7 @@ def register(app: typer.Typer) -> None:
                 members,
                 directory,
                 backend,
-                jc.parse_listen(listen),
+                jc.parse_listen(listen) if listen else None,
                 timeout_s=timeout,
                 barrier_timeout_s=barrier_timeout,
                 local_archives=cri_endpoint is not None,
@@ -98,6 +99,52 @@ def register(app: typer.Typer) -> None:
         out.table("job checkpoint", ["member", "container", "archive", "size", "took"], rows)
         out.ok(f"checkpointed {len(members)} containers together into {result.directory}")
         out.result({"directory": str(result.directory), "manifest": result.manifest})
+
+    @k8s.command("run")
+    def run_cmd(
+        ctx: typer.Context,
+        pod_config: Path = typer.Argument(
+            ..., help="The pod's CRI PodSandboxConfig as JSON (crictl's pod.json)."
+        ),
+        container_config: Path = typer.Argument(
+            ..., help="The container's CRI ContainerConfig as JSON; its image may be a checkpoint archive."
+        ),
+        cri_endpoint: str = typer.Option(..., "--cri-endpoint", help="The node's CRI socket (unix:///...)."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Run a one-container pod through the node's CRI, as the kubelet would (`crictl run`), and
+        print "POD_ID CONTAINER_ID". With a checkpoint archive as the container's image, containerd
+        restores the container from it."""
+        import json
+
+        from npusnap_cli.k8s.cri import CriClient
+
+        out = output(ctx, "k8s run", json_flag)
+        try:
+            pod = json.loads(pod_config.read_text())
+            container = json.loads(container_config.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read the CRI configs: {exc}", fix="give two JSON files") from None
+        with CriClient(cri_endpoint) as cri:
+            pod_id, cid = cri.run_pod(pod, container)
+        out.data(f"{pod_id} {cid}")
+        out.result({"pod_id": pod_id, "container_id": cid})
+
+    @k8s.command("rm")
+    def rm_cmd(
+        ctx: typer.Context,
+        pod_id: str = typer.Argument(..., help="The pod sandbox's id (`npusnap --json k8s run` prints it)."),
+        cri_endpoint: str = typer.Option(..., "--cri-endpoint", help="The node's CRI socket (unix:///...)."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Stop and remove a pod through the node's CRI (`crictl rmp -f`)."""
+        from npusnap_cli.k8s.cri import CriClient
+
+        out = output(ctx, "k8s rm", json_flag)
+        with CriClient(cri_endpoint) as cri:
+            cri.remove_pod(pod_id)
+        out.ok(f"pod {pod_id} stopped and removed")
+        out.result({"pod_id": pod_id})
 
     @k8s.command("verify")
     def verify_cmd(

@@ -9,6 +9,7 @@ of npusnap works without it.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import os
 import sys
@@ -114,6 +115,55 @@ class CriClient:
                 fix="check the names with `crictl ps` on the node",
             )
         return str(found[0].id)
+
+    def run_pod(
+        self, pod: dict[str, Any], container: dict[str, Any], timeout: float = 300
+    ) -> tuple[str, str]:
+        """What the kubelet does for a one-container pod, from the CRI's own JSON forms of
+        PodSandboxConfig and ContainerConfig (crictl's pod.json/container.json): pull the image
+        unless it is present, or is a checkpoint archive (a file: containerd restores from it),
+        then RunPodSandbox, CreateContainer, StartContainer. Returns (pod id, container id)."""
+        from google.protobuf import json_format
+
+        api = self.api
+        # The CRI's KeyValue.value (an environment variable's value) is bytes, base64 in JSON:
+        # plain strings are taken as they are, as crictl's container.json has them.
+        container = dict(container)
+        container["envs"] = [
+            {**e, "value": base64.b64encode(str(e.get("value", "")).encode()).decode()}
+            for e in container.get("envs", [])
+        ]
+        try:
+            pod_cfg = json_format.ParseDict(pod, api.PodSandboxConfig())
+            ctr_cfg = json_format.ParseDict(container, api.ContainerConfig())
+        except json_format.ParseError as exc:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError(
+                f"not a CRI config: {exc}",
+                fix="the JSON forms of the CRI's PodSandboxConfig and ContainerConfig (as crictl takes)",
+            ) from None
+        image = ctr_cfg.image.image
+        if image and not os.path.exists(image):
+            have = self.call(
+                "images", "ImageStatus", api.ImageStatusRequest(image=api.ImageSpec(image=image))
+            )
+            if not have.image.id:
+                self.call(
+                    "images", "PullImage", api.PullImageRequest(image=api.ImageSpec(image=image)), timeout
+                )
+        pod_id = self.call(
+            "runtime", "RunPodSandbox", api.RunPodSandboxRequest(config=pod_cfg), timeout
+        ).pod_sandbox_id
+        req = api.CreateContainerRequest(pod_sandbox_id=pod_id, config=ctr_cfg, sandbox_config=pod_cfg)
+        cid = self.call("runtime", "CreateContainer", req, timeout).container_id
+        self.call("runtime", "StartContainer", api.StartContainerRequest(container_id=cid), timeout)
+        return str(pod_id), str(cid)
+
+    def remove_pod(self, pod_id: str, timeout: float = 120) -> None:
+        api = self.api
+        self.call("runtime", "StopPodSandbox", api.StopPodSandboxRequest(pod_sandbox_id=pod_id), timeout)
+        self.call("runtime", "RemovePodSandbox", api.RemovePodSandboxRequest(pod_sandbox_id=pod_id), timeout)
 
     def checkpoint(self, container_id: str, location: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """CheckpointContainer: what the kubelet's checkpoint API calls (the container keeps running)."""

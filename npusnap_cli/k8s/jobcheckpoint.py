@@ -229,7 +229,7 @@ def _sha256(path: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _check_archive(res: MemberResult) -> None:
+def _check_archive(res: MemberResult, job: bool = True) -> None:
     """The plugin's record in the archive: present, every image file intact, this member's job."""
     from npusnap_cli.image import containers
 
@@ -243,10 +243,12 @@ def _check_archive(res: MemberResult) -> None:
             fix="install the plugin where the node's CRIU finds it (libdir in /etc/criu/runc.conf)",
         )
     res.verified = containers.verify(ckpt)
-    job = ckpt.state.get("job") or {}
-    if job.get("member") != res.member.index:
+    record = ckpt.state.get("job") or {}
+    if not job and not record:
+        return
+    if record.get("member") != res.member.index:
         raise ImageError(
-            f"{res.archive}: the plugin joined as member {job.get('member')}, expected {res.member.index} "
+            f"{res.archive}: the plugin joined as member {record.get('member')}, expected {res.member.index} "
             f"({res.member.name})",
             why="NPUSNAP_JOB_MEMBER in the pod spec does not match the order of --member",
             fix="give --member in NPUSNAP_JOB_MEMBER order (0, 1, ...)",
@@ -257,7 +259,7 @@ def checkpoint_job(
     members: list[Member],
     directory: Path,
     backend: Backend,
-    listen: tuple[str, int],
+    listen: Optional[tuple[str, int]],
     *,
     timeout_s: float = 600.0,
     barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
@@ -270,6 +272,13 @@ def checkpoint_job(
         raise UsageError("no --member given", fix="name every container of the job with --member")
     if sorted(m.index for m in members) != list(range(len(members))):
         raise UsageError("members must be numbered 0..N-1")
+    if listen is None:
+        if len(members) > 1:
+            raise UsageError(
+                "a job of several containers needs --listen HOST:PORT",
+                fix="the address the pods name in NPUSNAP_JOB_COORDINATOR",
+            )
+        listen = ("127.0.0.1", 0)  # one container: a coordinator nobody needs to find
     if directory.exists() and any(directory.iterdir()):
         raise UsageError(f"{directory} exists and is not empty", fix="choose a new directory")
     work = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
@@ -295,7 +304,10 @@ def checkpoint_job(
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
             list(pool.map(one, results))
         failed = [r for r in results if r.error is not None]
-        if not failed and server.outcome != "ok":
+        if not failed and len(members) == 1 and server.outcome is None and local_archives:
+            # One container whose pod names no coordinator: a plain checkpoint, no barrier needed.
+            _check_archive(results[0], job=False)
+        elif not failed and server.outcome != "ok":
             # Every runtime said yes but the barriers did not all pass (a member without the
             # job's environment never joined): these archives are no coordinated cut.
             raise CriuError(
@@ -322,10 +334,11 @@ def checkpoint_job(
             if first.error.exit_code > 3:
                 err.exit_code = first.error.exit_code
             raise err
-        if local_archives:
+        if local_archives and not results[0].verified:
             for res in results:
                 _check_archive(res)
         manifest = _manifest(results, when, listen, local_archives, time.monotonic() - started)
+        manifest["barriers"] = list(PHASES) if server.outcome == "ok" else []
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if directory.exists():
             directory.rmdir()
