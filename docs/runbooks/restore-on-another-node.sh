@@ -40,7 +40,9 @@ runbook_cleanup() {
         for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
     done
     for p in $(ls /proc | grep -E '^[0-9]+$'); do
-        case "$(readlink "/proc/$p/root" 2>/dev/null)" in "$RUNBOOK_DIR"/*) kill -9 "$p" 2>/dev/null || true ;; esac
+        case "$(readlink "/proc/$p/root" 2>/dev/null)" in
+        "$RUNBOOK_DIR"/*) kill -9 "$p" 2>/dev/null || true ;;
+        esac
         if grep -qsaF -- "$RUNBOOK_DIR/" "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     for m in $(awk -v d="$RUNBOOK_DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r); do

@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
             ..., help="The pod's CRI PodSandboxConfig as JSON (crictl's pod.json)."
         ),
         container_config: Path = typer.Argument(
-            ..., help="The container's CRI ContainerConfig as JSON; its image may be a checkpoint archive."
+            ..., help="The container's CRI ContainerConfig as JSON; its image may be a checkpoint."
         ),
         cri_endpoint: str = typer.Option(..., "--cri-endpoint", help="The node's CRI socket (unix:///...)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
