@@ -86,7 +86,7 @@ class CriClient:
             raise TargetError(
                 f"CRI {method} failed at {self.endpoint}: {detail}",
                 why=f"the container runtime answered {code.name if code else 'an error'}",
-                fix="read the runtime's log (containerd: journalctl -u containerd, or its --log-level debug)",
+                fix="read the runtime's log (containerd: journalctl -u containerd)",
                 details={"endpoint": self.endpoint, "method": method, "code": code.name if code else None},
             ) from None
 
