@@ -312,6 +312,7 @@ class Pod:
         fault_file: Optional[Path] = None,
         checkpoint: Optional[Path] = None,
         container: str = "trainer",
+        device: int = 0,
     ) -> None:
         api = ctrd.cri.api
         self.ctrd, self.name, self.container = ctrd, name, container
@@ -350,7 +351,9 @@ class Pod:
             metadata=api.ContainerMetadata(name=container),
             # A restore names the checkpoint archive as its image; CreateContainer restores from it.
             image=api.ImageSpec(image=str(checkpoint) if checkpoint else image),
-            command=[] if checkpoint else ["/opt/npu/npu_stepper", "--interval-ms", "50"],
+            command=[]
+            if checkpoint
+            else ["/opt/npu/npu_stepper", "--interval-ms", "50", "--device", str(device)],
             envs=[api.KeyValue(key=k, value=v.encode()) for k, v in envs.items()],
             mounts=mounts,
             log_path=f"{container}.log",

@@ -18,6 +18,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -105,6 +106,7 @@ def test_checkpoint_through_cri_and_restore_into_a_new_pod(
     )
     st = restored.wait_unlocked()
     assert st["restored"] is True
+    restored.remove()  # a restore needs its device free of every other process: free it
 
 
 def assert_resumed(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> None:
@@ -128,21 +130,29 @@ def _free_port() -> int:
 
 
 def _job(
-    ctrd: Containerd, image: str, sim_env: dict[str, str], criu_conf: Path, port: int, faults: Path
+    ctrd: Containerd,
+    image: str,
+    sim_env: dict[str, str],
+    criu_confs: list[Path],
+    port: int,
+    faults: Optional[Path] = None,
 ) -> list[Pod]:
+    """Two pods of one job, one NPU each (member N on device N), naming the coordinator."""
     job = uuid.uuid4().hex[:6]
     pods = []
     for member in (0, 1):
         env = {"NPUSNAP_JOB_COORDINATOR": f"127.0.0.1:{port}", "NPUSNAP_JOB_MEMBER": str(member)}
+        fault = faults / str(member) if faults else None
         pods.append(
             Pod(
                 ctrd,
                 f"job-{job}-{member}",
                 image,
                 sim_env,
-                criu_conf,
+                criu_confs[member],
                 env=env,
-                fault_file=faults / str(member),
+                fault_file=fault,
+                device=member,
             )
         )
     for p in pods:
@@ -160,8 +170,18 @@ def _checkpoint_job(
     )  # fmt: skip
 
 
+def _resumed_from(pod: Pod, archive: Path) -> None:
+    """``pod`` was restored from ``archive`` and goes on from its checkpoint (assert_resumed)."""
+    saved = subprocess.run(["tar", "-xOf", str(archive), "container.log"], capture_output=True, text=True)
+    n = len(saved.stdout.splitlines())
+    lines = pod.output()
+    assert lines[:n] == crilib.cri_log_lines_of(saved.stdout)
+    assert_resumed(podmanlib.parse_steps("\n".join(lines[:n])), podmanlib.parse_steps("\n".join(lines[n:])))
+
+
 @pytest.fixture
 def faults(tmp_path: Path) -> Path:
+    """Per-member fault files (the simulated device's NPUSIM_FAULT_FILE), empty: no fault yet."""
     d = tmp_path / "faults"
     d.mkdir()
     for member in (0, 1):
@@ -170,15 +190,16 @@ def faults(tmp_path: Path) -> Path:
 
 
 def test_job_of_two_pods_is_checkpointed_together(
-    cri: tuple[Containerd, str], sim_env: dict[str, str], criu_conf: Path, tmp_path: Path, faults: Path
+    cri: tuple[Containerd, str], sim_env: dict[str, str], criu_conf: Path, tmp_path: Path
 ) -> None:
     ctrd, image = cri
     port = _free_port()
-    pods = _job(ctrd, image, sim_env, criu_conf, port, faults)
+    pods = _job(ctrd, image, sim_env, [criu_conf, criu_conf], port)
     out = tmp_path / "job-ckpt"
     res = _checkpoint_job(ctrd, pods, port, out)
     assert res.returncode == 0, res.stdout + res.stderr
     manifest = json.loads((out / "npusnap-k8s-job.json").read_text())
+    assert manifest["barriers"] == ["locked", "saved"]
     assert [m["member"] for m in manifest["members"]] == [0, 1]
     assert [m["pod"] for m in manifest["members"]] == [p.name for p in pods]
     for m in manifest["members"]:
@@ -198,30 +219,67 @@ def test_job_of_two_pods_is_checkpointed_together(
         p.wait_steps(5)
         assert_continuous(p.steps())
 
+    # The job back from its archives, each member in a new pod (each restores on its own: there
+    # is no barrier at restore yet).
+    for p in pods:
+        p.remove()
+    restored = [
+        Pod(ctrd, f"{p.name}-r", image, sim_env, criu_conf, checkpoint=out / m["archive"])
+        for p, m in zip(pods, manifest["members"])
+    ]
+    for p, m in zip(restored, manifest["members"]):
+        p.wait_steps(5)
+        _resumed_from(p, out / m["archive"])
+        assert p.wait_unlocked()["restored"] is True
+    for p in restored:
+        p.remove()
 
+
+@pytest.mark.parametrize("fault", ["device-backup", "runtime-after-barriers"])
 def test_a_fault_in_one_pod_rolls_back_the_whole_job(
-    cri: tuple[Containerd, str], sim_env: dict[str, str], criu_conf: Path, tmp_path: Path, faults: Path
+    cri: tuple[Containerd, str],
+    sim_env: dict[str, str],
+    criu_conf: Path,
+    tmp_path: Path,
+    faults: Path,
+    fault: str,
 ) -> None:
+    """Member 1 fails: before any barrier (its device backup), or after both barriers (a CRIU
+    post-dump action script vetoes its dump). Both containers run on, unlocked, with continuous
+    output; no archive is kept."""
     ctrd, image = cri
     port = _free_port()
-    pods = _job(ctrd, image, sim_env, criu_conf, port, faults)
-    (faults / "1").write_text("NPUSIM_FAULT_BACKUP=1\n")  # member 1's device backup fails
+    confs = [criu_conf, criu_conf]
+    if fault == "runtime-after-barriers":
+        veto = tmp_path / "veto.sh"
+        veto.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && exit 3\nexit 0\n')
+        veto.chmod(0o755)
+        confs[1] = tmp_path / "runc-criu-veto.conf"
+        confs[1].write_text(criu_conf.read_text() + f"action-script {veto}\n")
+    pods = _job(ctrd, image, sim_env, confs, port, faults)
+    if fault == "device-backup":
+        (faults / "1").write_text("NPUSIM_FAULT_BACKUP=1\n")
     out = tmp_path / "job-ckpt"
     res = _checkpoint_job(ctrd, pods, port, out)
     (faults / "1").write_text("")
-    # Exit 7 (device), named by member 1's plugin in its CRIU log.
-    assert res.returncode == 7, res.stdout + res.stderr
     env = json.loads(res.stdout)
-    assert env["error"]["message"].startswith(f"member 1 (default/{pods[1].name}/trainer) failed"), env[
-        "error"
-    ]
-    assert "backup of pid" in env["error"]["message"], env["error"]
     failed = env["error"]["details"]["failed"]
-    assert (
-        "job member 0: the job was aborted: member 1" in failed[f"default/{pods[0].name}/trainer"]["message"]
-    )
-    # Member 0 was locked and waited at the barrier; member 1's failure released it, rolled back.
-    assert set(failed) == {f"default/{p.name}/trainer" for p in pods}, failed
+    if fault == "device-backup":
+        # Exit 7 (device), named by member 1's plugin in its CRIU log; member 0 was locked and
+        # waited at "locked" until member 1's abort released it, and its dump failed.
+        assert res.returncode == 7, res.stdout + res.stderr
+        assert env["error"]["message"].startswith(f"member 1 (default/{pods[1].name}/trainer) failed")
+        assert "backup of pid" in env["error"]["message"], env["error"]
+        member0 = failed[f"default/{pods[0].name}/trainer"]["message"]
+        assert "job member 0: the job was aborted: member 1" in member0, member0
+        assert set(failed) == {f"default/{p.name}/trainer" for p in pods}, failed
+    else:
+        # CRIU hands its plugins' fini the dump's result without the post-dump script's veto
+        # (criu/cr-dump.c, cr_dump_finish): both plugins passed "saved", member 1's runtime then
+        # failed its call. The coordinator keeps no archive of a job with a failed member.
+        assert res.returncode == 6, res.stdout + res.stderr
+        assert set(failed) == {f"default/{pods[1].name}/trainer"}, failed
+        assert env["error"]["details"]["barriers"] == "ok", env["error"]["details"]
     assert all(env["error"]["details"]["running"].values()), env["error"]["details"]
     assert not out.exists() and not list(tmp_path.glob(".job-ckpt.tmp-*"))
     for p in pods:
