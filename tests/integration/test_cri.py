@@ -211,8 +211,22 @@ def test_job_of_two_pods_is_checkpointed_together(
         # Each container's CRIU waited for the other at both barriers.
         assert f"job member {m['member']}: every member locked" in log.stdout, log.stdout[-2000:]
         assert f"job member {m['member']}: every member saved" in log.stdout, log.stdout[-2000:]
-    verify = _npusnap("k8s", "verify", str(out))
-    assert verify.returncode == 0, verify.stdout + verify.stderr
+    for cmd in (("k8s", "verify"), ("verify",)):
+        verify = _npusnap(*cmd, str(out))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    inspect = json.loads(_npusnap("--json", "inspect", str(out)).stdout)["result"]
+    assert [m["sha256"] for m in inspect["members"]] == [m["sha256"] for m in manifest["members"]]
+    # A modified archive is found.
+    first = out / manifest["members"][0]["archive"]
+    with open(first, "r+b") as f:
+        f.seek(first.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    assert _npusnap("k8s", "verify", str(out)).returncode == 8
+    with open(first, "r+b") as f:
+        f.seek(first.stat().st_size // 2)
+        f.write(byte)
     for p in pods:
         assert p.running()
         p.wait_unlocked()
