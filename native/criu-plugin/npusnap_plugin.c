@@ -22,7 +22,8 @@
  *
  * A job across containers (pods): when the dumped tree's root has NPUSNAP_JOB_COORDINATOR=HOST:PORT
  * and NPUSNAP_JOB_MEMBER=N in its environment, the plugin joins that coordinator (`npusnap k8s
- * checkpoint`, npusnap_cli/pipelines/netcoord.py's protocol, member N as its node) and holds two
+ * checkpoint`, npusnap_cli/pipelines/netcoord.py's protocol, member N as its node; joined at the first
+ * PAUSE_DEVICES, before anything is locked, or the dump fails there) and holds two
  * barriers: "locked" at the first CHECKPOINT_DEVICES (every task of this container locked, backed up
  * and frozen; no container's memory is dumped before every container got there) and "saved" in
  * fini(DUMP) after the images are written (no container is let go before every one is saved). A
@@ -594,7 +595,7 @@ static int job_send(const char *line) {
     return 0;
 }
 
-/* Connect to HOST:PORT ([V6]:PORT) and say which member this is; retried for 30 s (the
+/* Connect to HOST:PORT ([V6]:PORT) and say which member this is; retried for 5 s (the
  * coordinator listens before it asks the runtimes to checkpoint). */
 static int job_connect(char *err, size_t errlen) {
     char host[256];
@@ -610,7 +611,7 @@ static int job_connect(char *err, size_t errlen) {
         colon[-1] = 0;
         h = host + 1;
     }
-    double deadline = now_s() + 30;
+    double deadline = now_s() + 5;
     for (;;) {
         struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
         int grc = getaddrinfo(h, port, &hints, &res);
@@ -741,7 +742,19 @@ static int pause_devices(int pid) {
                             "its environment: set both in the pod spec", pid, J.addr);
             return -1;
         }
-        if (J.member >= 0) LOGI("member %d of the job coordinated at %s\n", J.member, J.addr);
+        if (J.member >= 0) {
+            /* Join now, while nothing is locked or frozen: a coordinator that is not there fails
+             * this checkpoint before it touches the job. */
+            char err[512];
+            if (job_connect(err, sizeof err) < 0) {
+                J.aborted = 1;
+                FAIL(EX_TARGET, "pid %d is member %d of a job (NPUSNAP_JOB_COORDINATOR=%s): %s; a job member is "
+                                "checkpointed with its job: `npusnap k8s checkpoint --listen %s`", pid, J.member,
+                     J.addr, err, J.addr);
+                return -1;
+            }
+            LOGI("member %d of the job coordinated at %s\n", J.member, J.addr);
+        }
     }
     if (task_of(pid)) return 0;
     int nspid = ns_pid(pid);

@@ -301,3 +301,30 @@ def test_a_fault_in_one_pod_rolls_back_the_whole_job(
         p.wait_unlocked()
         p.wait_steps(10)
         assert_continuous(p.steps())
+
+
+def test_a_job_member_checkpointed_alone_is_refused_and_runs_on(
+    cri: tuple[Containerd, str], sim_env: dict[str, str], criu_conf: Path, tmp_path: Path
+) -> None:
+    """A pod that names a coordinator is a job member: the kubelet's checkpoint of it alone (no
+    coordinator listening) fails before anything is locked, and the container runs on."""
+    ctrd, image = cri
+    port = _free_port()
+    env = {"NPUSNAP_JOB_COORDINATOR": f"127.0.0.1:{port}", "NPUSNAP_JOB_MEMBER": "0"}
+    pod = Pod(ctrd, f"alone-{uuid.uuid4().hex[:6]}", image, sim_env, criu_conf, env=env)
+    pod.wait_steps(3)
+    res = _npusnap(
+        "--json", "k8s", "checkpoint", str(tmp_path / "ckpt"), "--member", f"default/{pod.name}/trainer",
+        "--cri-endpoint", ctrd.endpoint,
+    )  # fmt: skip
+    assert res.returncode == 4, res.stdout + res.stderr
+    error = json.loads(res.stdout)["error"]
+    assert (
+        "is member 0 of a job" in error["message"] and "cannot reach the job coordinator" in error["message"]
+    )
+    assert pod.running()
+    st = pod.wait_unlocked()
+    assert st["state"] == "RUNNING"
+    pod.wait_steps(5)
+    assert_continuous(pod.steps())
+    pod.remove()
