@@ -32,17 +32,21 @@ runbook_cleanup() {
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
-    # they left: processes inside the scratch directory (container processes, whose root is there,
-    # and runtime shims, whose command line names it), then mounts under it.
+    # they left: the containers of a runtime whose state is in the scratch directory (processes in
+    # a cgroup named after one of its tasks: they outlive their shims), runtime shims (their
+    # command line names the scratch directory), then mounts under it.
+    tasks=$(find "$RUNBOOK_DIR" -path '*/*.runtime.v2.task/*/*' -prune -printf '%f\n' 2>/dev/null)
+    for id in $tasks; do
+        for p in $(grep -lsF -- "$id" /proc/[0-9]*/cgroup | cut -d/ -f3); do
+            kill -9 "$p" 2>/dev/null || true
+        done
+    done
     for f in $(find "$RUNBOOK_DIR" -name '*.service.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
         kill "$p" 2>/dev/null || true
         for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
     done
     for p in $(ls /proc | grep -E '^[0-9]+$'); do
-        case "$(readlink "/proc/$p/root" 2>/dev/null)" in
-        "$RUNBOOK_DIR"/*) kill -9 "$p" 2>/dev/null || true ;;
-        esac
         if grep -qsaF -- "$RUNBOOK_DIR/" "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     for m in $(awk -v d="$RUNBOOK_DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r); do
@@ -125,14 +129,14 @@ pod_json() {  # NAME; the kubelet makes the pod's log directory before the pod
       "linux": {"security_context": {"namespace_options": {"network": "NODE", "pid": "CONTAINER"}}}}\n' \
         "$1" "$1" "$NODE" "$1"
 }
-container_json() {  # POD IMAGE MEMBER: MEMBER -1 for a container that is no job member
+container_json() {  # POD IMAGE MEMBER: MEMBER -1 for a container that is no job member; member N uses NPU N
     local job=""
     if [ "$3" -ge 0 ]; then
         job=", {\"key\": \"NPUSNAP_JOB_COORDINATOR\", \"value\": \"127.0.0.1:$COORD_PORT\"},
                {\"key\": \"NPUSNAP_JOB_MEMBER\", \"value\": \"$3\"}"
     fi
     printf '{"metadata": {"name": "trainer"}, "image": {"image": "%s"},
-      "command": ["/opt/npu/npu_stepper", "--interval-ms", "50"],
+      "command": ["/opt/npu/npu_stepper", "--interval-ms", "50", "--device", "%s"],
       "envs": [{"key": "LD_PRELOAD", "value": "/opt/npu/libnpusnap_agent.so"},
                {"key": "NPUSNAP_AGENT", "value": "1"},
                {"key": "ASCEND_HOME_PATH", "value": "/opt/npu/cann"},
@@ -144,7 +148,7 @@ container_json() {  # POD IMAGE MEMBER: MEMBER -1 for a container that is no job
                  "io.kubernetes.container.name": "trainer"},
       "annotations": {"org.criu.config": "%s/runc.conf"},
       "linux": {"security_context": {"namespace_options": {"network": "NODE", "pid": "CONTAINER"}}}}\n' \
-        "$2" "$NPUSIM_SOCKET" "$job" "$SIM_DIR" "$SIM_DIR" "$1" "$NODE"
+        "$2" "$(( $3 > 0 ? $3 : 0 ))" "$NPUSIM_SOCKET" "$job" "$SIM_DIR" "$SIM_DIR" "$1" "$NODE"
 }
 pod_json trainer-0 >"$NODE/trainer-0.pod.json"
 container_json trainer-0 "$IMAGE" -1 >"$NODE/trainer-0.container.json"
@@ -210,7 +214,25 @@ npusnap k8s verify "$PWD/job-1"
 python3 -c 'import json, sys; m = json.load(open(sys.argv[1])); print(m["barriers"], [(x["member"], x["archive"], x["sha256"][:12]) for x in m["members"]])' "$PWD/job-1/npusnap-k8s-job.json"
 
 # --- block 8 ---
-for m in 0 1; do read -r P C <"$NODE/job-$m.ids"; npusnap k8s rm --cri-endpoint "$ENDPOINT" "$P"; done
+RUNS=()
+for m in 0 1; do
+    read -r P C <"$NODE/job-$m.ids"
+    npusnap k8s rm --cri-endpoint "$ENDPOINT" "$P"
+    pod_json "job-$m-restored" >"$NODE/job-$m-restored.pod.json"
+    container_json "job-$m-restored" "" "$m" >"$NODE/job-$m-restored.container.json"
+    RUNS+=(--run "$NODE/job-$m-restored.pod.json:$NODE/job-$m-restored.container.json")
+done
+npusnap k8s restore "$PWD/job-1" --cri-endpoint "$ENDPOINT" "${RUNS[@]}" >"$NODE/restored.ids"
+for m in 0 1; do
+    LAST=$(tar -xOf "$PWD"/job-1/checkpoint-job-"$m"_default-trainer-*.tar container.log | awk '$4 == "step" { n = $5 } END { print n }')
+    LOG=$NODE/pods/job-$m-restored/trainer.log
+    for i in $(seq 100); do [ "$(awk '$4 == "step" { n = $5 } END { print n + 0 }' "$LOG")" -ge $((LAST + 5)) ] && break; sleep 0.1; done
+    [ "$(awk '$4 == "step" { n = $5 } END { print n + 0 }' "$LOG")" -ge $((LAST + 5)) ]
+    echo "member $m: checkpointed at step $LAST, now at step $(awk '$4 == "step" { n = $5 } END { print n }' "$LOG")"
+done
+
+# --- block 9 ---
+while read -r P C; do npusnap k8s rm --cri-endpoint "$ENDPOINT" "$P"; done <"$NODE/restored.ids"
 kill "$(cat "$NODE/containerd.service.pid")" "$(cat "$NODE/registry.service.pid")"
 
 echo OK

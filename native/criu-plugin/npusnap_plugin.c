@@ -1261,6 +1261,14 @@ static int load_state_file(void) {
         return -1;
     }
     if (lease && lease->t == J_NUM) P.lease_s = lease->num;
+    /* A job member's checkpoint: its restore joins the same coordinator (the "restored" barrier). */
+    const jval *job = json_get(&v, "job");
+    const jval *member = job && job->t == J_OBJ ? json_get(job, "member") : NULL;
+    const jval *coord = job && job->t == J_OBJ ? json_get(job, "coordinator") : NULL;
+    if (member && member->t == J_NUM && coord && coord->t == J_STR) {
+        J.member = (int)member->num;
+        snprintf(J.addr, sizeof J.addr, "%s", coord->s);
+    }
     P.ntasks = 0;
     for (size_t i = 0; i < procs->n && P.ntasks < MAX_TASKS; i++) {
         const jval *p = &procs->items[i];
@@ -1382,7 +1390,29 @@ static void plugin_fini(int stage, int ret) {
         if (P.ntasks == 0) return;
         spawn_rollback_helper();
     } else if (stage == CR_PLUGIN_STAGE__RESTORE) {
-        if (ret != 0) return; /* CRIU removed the restored tasks */
+        if (ret != 0) { /* CRIU removed the restored tasks */
+            if (J.member >= 0) job_abort("its restore failed (CRIU's log says why)");
+            if (J.fd >= 0) close(J.fd);
+            return;
+        }
+        if (J.member >= 0) {
+            /* Every member's tasks are back (locked: their device calls wait) before any member's
+             * device state is restored and unlocked: the job is released together. */
+            char err[512];
+            if (job_connect(err, sizeof err) < 0) {
+                LOGW("job member %d: %s: restored on its own, without the job's barrier\n", J.member, err);
+            } else if (job_sync("restored", err, sizeof err) < 0) {
+                FAIL(EX_DEVICE, "job member %d: %s; its NPU processes stay locked: their agents' leases (%.0fs) "
+                                "restore and unlock them, or `npusnap thaw PID`", J.member, err, P.lease_s);
+                close(J.fd);
+                J.fd = -1;
+                return;
+            } else {
+                LOGI("job member %d: every member restored\n", J.member);
+            }
+            if (J.fd >= 0) close(J.fd);
+            J.fd = -1;
+        }
         for (int i = 0; i < P.ntasks; i++) {
             if (!P.tasks[i].restored) {
                 FAIL(EX_IMAGE, "dumped pid %d (pid %d in its namespace) was not among the restored tasks",

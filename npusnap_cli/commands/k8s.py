@@ -100,6 +100,84 @@ def register(app: typer.Typer) -> None:
         out.ok(f"checkpointed {len(members)} containers together into {result.directory}")
         out.result({"directory": str(result.directory), "manifest": result.manifest})
 
+    @k8s.command("restore")
+    def restore_cmd(
+        ctx: typer.Context,
+        directory: Path = typer.Argument(..., help="A directory written by `npusnap k8s checkpoint`."),
+        listen: Optional[str] = typer.Option(
+            None,
+            "--listen",
+            help="HOST:PORT of the barrier; default: the coordinator the job was checkpointed with, which "
+            "its restored processes name.",
+        ),
+        cri_endpoint: Optional[str] = typer.Option(
+            None,
+            "--cri-endpoint",
+            help="Create the members' containers through this node's CRI (with --run).",
+        ),
+        run: list[str] = typer.Option(
+            [],
+            "--run",
+            help="POD.json:CONTAINER.json for one member, in member order: its new pod (CRI JSON, as for "
+            "`npusnap k8s run`); the container's image is replaced by the member's archive.",
+        ),
+        barrier_timeout: float = typer.Option(
+            600.0, "--barrier-timeout", help="Seconds the barrier waits for the last member."
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Restore a job checkpoint together: every member's NPU processes stay locked until every
+        member is restored. With --cri-endpoint and --run, creates the members' pods itself; without,
+        serves the barrier while the pods are created from the archives (kubectl)."""
+        import json
+
+        from npusnap_cli.k8s import jobcheckpoint as jc
+
+        out = output(ctx, "k8s restore", json_flag)
+        runner = None
+        if run:
+            if not cri_endpoint:
+                raise UsageError("--run needs --cri-endpoint", fix="add the node's CRI socket")
+            from npusnap_cli.k8s.cri import CriClient
+
+            configs = []
+            for spec in run:
+                pod_path, sep, ctr_path = spec.partition(":")
+                if not sep:
+                    raise UsageError(f"--run {spec!r} is not POD.json:CONTAINER.json")
+                try:
+                    configs.append(
+                        (json.loads(Path(pod_path).read_text()), json.loads(Path(ctr_path).read_text()))
+                    )
+                except (OSError, ValueError) as exc:
+                    raise UsageError(f"cannot read {spec}: {exc}") from None
+            endpoint = cri_endpoint
+
+            def runner(member: dict[str, object], archive: Path) -> dict[str, str]:
+                index = int(str(member["member"]))
+                if index >= len(configs):
+                    raise UsageError(
+                        f"no --run for member {index}", fix="give one --run per member, in order"
+                    )
+                pod, container = configs[index]
+                with CriClient(endpoint) as cri:
+                    pod_id, cid = cri.run_pod(
+                        pod, {**container, "image": {"image": str(archive)}}, timeout=barrier_timeout + 60
+                    )
+                return {"member": str(index), "pod_id": pod_id, "container_id": cid}
+
+        with out.phase("restoring the job's members behind the barrier"):
+            res = jc.restore_job(
+                directory,
+                jc.parse_listen(listen) if listen else None,
+                runner,
+                barrier_timeout_s=barrier_timeout,
+            )
+        for made in res["created"]:
+            out.data(f"{made['pod_id']} {made['container_id']}")
+        out.ok(f"{res['members']} members restored together from {directory}")
+        out.result(res)
+
     @k8s.command("run")
     def run_cmd(
         ctx: typer.Context,

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from npusnap_cli import __version__
 from npusnap_cli.errors import (
@@ -460,15 +460,58 @@ def parse_listen(text: str) -> tuple[str, int]:
     return netcoord.parse_addr(text)
 
 
-__all__ = [
-    "Backend",
-    "CriBackend",
-    "JobCheckpoint",
-    "KubeletBackend",
-    "Member",
-    "checkpoint_job",
-    "parse_listen",
-    "parse_member",
-    "read_manifest",
-    "verify_job",
-]
+RESTORE_PHASES = ("restored",)
+
+
+def restore_job(
+    directory: Path,
+    listen: Optional[tuple[str, int]],
+    run: Optional[Callable[[dict[str, Any], Path], Any]] = None,
+    *,
+    barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Serve the "restored" barrier for every member of a job checkpoint: each member's plugin,
+    once CRIU has restored its tasks (locked), waits there, so that no member's NPU processes are
+    unlocked before every member is back. ``run(member, archive)`` creates a member's container
+    from its archive (CRI); without it the pods are created by someone else (kubectl) meanwhile.
+    The restored processes name the coordinator they were checkpointed with (their environment is
+    restored memory): by default this listens there."""
+    from npusnap_cli.pipelines import netcoord
+
+    manifest = read_manifest(directory)
+    verify_job(directory)
+    members = manifest["members"]
+    if listen is None:
+        listen = netcoord.parse_addr(str(manifest["coordinator"]))
+    server = netcoord.CoordServer(listen, len(members), RESTORE_PHASES, barrier_timeout_s)
+    errors: dict[str, NpusnapError] = {}
+    made: dict[int, Any] = {}
+    try:
+        if run is not None:
+
+            def one(m: dict[str, Any]) -> None:
+                try:
+                    made[int(m["member"])] = run(m, directory / str(m["archive"]))
+                except NpusnapError as exc:
+                    errors[f"{m['namespace']}/{m['pod']}/{m['container']}"] = exc
+                    server.abort(f"member {m['member']}: {exc.message}")
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
+                list(pool.map(one, members))
+        server.thread.join(netcoord.CONNECT_S + barrier_timeout_s + 10)
+        if errors or server.outcome != "ok":
+            raise CriuError(
+                f"the job was not restored together: {server.outcome or 'the barrier did not complete'}",
+                why="a member could not be restored, or did not reach the coordinator in time; the "
+                "restored members' NPU processes stay locked until their agents' leases run out",
+                fix="remove the restored pods and restore the job again",
+                details={"failed": {k: e.to_dict() for k, e in errors.items()}, "barrier": server.outcome},
+            )
+        return {
+            "directory": str(directory),
+            "members": len(members),
+            "coordinator": f"{listen[0]}:{listen[1]}",
+            "created": [made[i] for i in sorted(made)],
+        }
+    finally:
+        server.close()

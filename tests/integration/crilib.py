@@ -16,6 +16,7 @@ What the kubelet would do on a node, done here through the same CRI calls: pod s
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
@@ -369,9 +370,41 @@ class Pod:
                 )
             ),
         )
+        self.container_config = config
         req = api.CreateContainerRequest(pod_sandbox_id=self.id, config=config, sandbox_config=self.config)
         self.cid = ctrd.cri.call("runtime", "CreateContainer", req, 120).container_id
         ctrd.cri.call("runtime", "StartContainer", api.StartContainerRequest(container_id=self.cid), 120)
+
+    def config_dicts(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This pod's configs in the CRI's JSON form, renamed ``name`` (for a restore elsewhere)."""
+        from google.protobuf import json_format
+
+        pod = json_format.MessageToDict(self.config, preserving_proto_field_name=True)
+        ctr = json_format.MessageToDict(self.container_config, preserving_proto_field_name=True)
+        logdir = self.ctrd.work / "pods" / name
+        logdir.mkdir(parents=True, exist_ok=True)  # the kubelet makes it before the pod
+        pod["metadata"].update(name=name, uid=f"uid-{name}")
+        pod["log_directory"] = str(logdir)
+        ctr["labels"]["io.kubernetes.pod.name"] = name
+        ctr["envs"] = [
+            {"key": e["key"], "value": base64.b64decode(e.get("value", "")).decode()} for e in ctr["envs"]
+        ]
+        return pod, ctr
+
+    @classmethod
+    def existing(cls, ctrd: Containerd, name: str, container: str = "trainer") -> Pod:
+        """The running pod ``name`` (made by someone else: npusnap k8s restore)."""
+        pod = cls.__new__(cls)
+        pod.ctrd, pod.name, pod.container = ctrd, name, container
+        api = ctrd.cri.api
+        labels = {"io.kubernetes.pod.name": name, "io.kubernetes.container.name": container}
+        req = api.ListContainersRequest(filter=api.ContainerFilter(label_selector=labels))
+        (found,) = ctrd.cri.call("runtime", "ListContainers", req).containers
+        pod.cid, pod.id = found.id, found.pod_sandbox_id
+        ctrd.pods.append(pod.id)
+        pod.logdir = ctrd.work / "pods" / name
+        pod.log = pod.logdir / f"{container}.log"
+        return pod
 
     def status(self) -> Any:
         api = self.ctrd.cri.api

@@ -233,14 +233,20 @@ def test_job_of_two_pods_is_checkpointed_together(
         p.wait_steps(5)
         assert_continuous(p.steps())
 
-    # The job back from its archives, each member in a new pod (each restores on its own: there
-    # is no barrier at restore yet).
+    # The job back from its archives, each member in a new pod, released together: npusnap k8s
+    # restore serves the "restored" barrier (on the address the restored processes name) and
+    # creates the pods; no member is unlocked before both are back.
+    runs = []
     for p in pods:
+        pod_cfg, ctr_cfg = p.config_dicts(f"{p.name}-r")
+        (tmp_path / f"{p.name}.pod.json").write_text(json.dumps(pod_cfg))
+        (tmp_path / f"{p.name}.ctr.json").write_text(json.dumps(ctr_cfg))
+        runs += ["--run", f"{tmp_path / f'{p.name}.pod.json'}:{tmp_path / f'{p.name}.ctr.json'}"]
         p.remove()
-    restored = [
-        Pod(ctrd, f"{p.name}-r", image, sim_env, criu_conf, checkpoint=out / m["archive"])
-        for p, m in zip(pods, manifest["members"])
-    ]
+    res = _npusnap("--json", "k8s", "restore", str(out), "--cri-endpoint", ctrd.endpoint, *runs)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["result"]["coordinator"] == f"127.0.0.1:{port}"
+    restored = [Pod.existing(ctrd, f"{p.name}-r") for p in pods]
     for p, m in zip(restored, manifest["members"]):
         p.wait_steps(5)
         _resumed_from(p, out / m["archive"])
