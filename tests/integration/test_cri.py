@@ -255,6 +255,36 @@ def test_job_of_two_pods_is_checkpointed_together(
         p.remove()
 
 
+def test_a_member_that_cannot_be_restored_keeps_the_other_locked(
+    cri: tuple[Containerd, str], sim_env: dict[str, str], criu_conf: Path, tmp_path: Path
+) -> None:
+    """Member 1's restore fails in CRIU (its new pod lacks the device's mount): member 0, restored
+    and waiting at the "restored" barrier, is not let go: its NPU process stays locked."""
+    ctrd, image = cri
+    port = _free_port()
+    pods = _job(ctrd, image, sim_env, [criu_conf, criu_conf], port)
+    out = tmp_path / "job-ckpt"
+    res = _checkpoint_job(ctrd, pods, port, out)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = []
+    for p in pods:
+        pod_cfg, ctr_cfg = p.config_dicts(f"{p.name}-r")
+        if p is pods[1]:
+            ctr_cfg["mounts"] = []  # CRIU cannot restore the bind mount the process had
+        (tmp_path / f"{p.name}.pod.json").write_text(json.dumps(pod_cfg))
+        (tmp_path / f"{p.name}.ctr.json").write_text(json.dumps(ctr_cfg))
+        runs += ["--run", f"{tmp_path / f'{p.name}.pod.json'}:{tmp_path / f'{p.name}.ctr.json'}"]
+        p.remove()
+    res = _npusnap("--json", "k8s", "restore", str(out), "--cri-endpoint", ctrd.endpoint, *runs)
+    assert res.returncode == 6, res.stdout + res.stderr
+    error = json.loads(res.stdout)["error"]
+    assert error["details"]["barrier"].startswith("member 1"), error
+    member0 = Pod.existing(ctrd, f"{pods[0].name}-r")
+    st = member0.agent_status()
+    assert st["state"] != "RUNNING" and st["owner"]["command"] == "criu-plugin", st
+    member0.remove()
+
+
 @pytest.mark.parametrize("fault", ["device-backup", "runtime-after-barriers"])
 def test_a_fault_in_one_pod_rolls_back_the_whole_job(
     cri: tuple[Containerd, str],
