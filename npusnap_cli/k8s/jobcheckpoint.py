@@ -303,6 +303,9 @@ def checkpoint_job(
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
             list(pool.map(one, results))
+        # Every plugin has passed or left the barriers by now; the server's verdict follows its
+        # last message at once (none at all for one container that named no coordinator).
+        server.decided.wait(5 if len(members) > 1 else 0)
         failed = [r for r in results if r.error is not None]
         if not failed and len(members) == 1 and server.outcome is None and local_archives:
             # One container whose pod names no coordinator: a plain checkpoint, no barrier needed.
@@ -498,7 +501,7 @@ def restore_job(
 
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
                 list(pool.map(one, members))
-        server.thread.join(netcoord.CONNECT_S + barrier_timeout_s + 10)
+        server.decided.wait(netcoord.CONNECT_S + barrier_timeout_s + 10)
         if errors or server.outcome != "ok":
             raise CriuError(
                 f"the job was not restored together: {server.outcome or 'the barrier did not complete'}",
