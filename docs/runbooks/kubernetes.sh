@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runbook: NPU containers under Kubernetes: checkpoint a container, restore it into a new pod, checkpoint a job (kubernetes.md).
+# Runbook: NPU containers under Kubernetes: checkpoint a container, restore it into a new pod, checkpoint and restore a job (kubernetes.md).
 #
 # GENERATED from kubernetes.md by scripts/runbooks.py: edit the page, then run that script.
 # The body below is the page's ```bash blocks, in order, exactly as an operator pastes them into
