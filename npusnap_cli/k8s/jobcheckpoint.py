@@ -1,4 +1,5 @@
-"""`npusnap k8s checkpoint`: one coordinated checkpoint of a job's containers across pods.
+"""`npusnap k8s checkpoint` and `restore`: a job's containers across pods, checkpointed as one cut
+and restored together.
 
 The barriers live where the runtime's call reaches: each container's checkpoint (the kubelet's
 checkpoint API, or CRI ``CheckpointContainer``) runs runc and CRIU, whose npusnap plugin finds
@@ -15,6 +16,10 @@ again (the plugin unlocks it), so the job goes on. The checkpoints are the runti
 record of every image file, the member it joined as) and writes ``npusnap-k8s-job.json`` naming
 each archive with its sha256. Any failure removes the archives of the attempt and says whether every
 container is still running.
+
+At restore each member's plugin reads its member and coordinator from its archive and waits at
+``restored`` (its processes back, still locked) until every member is back; then each restores its
+device state and unlocks (``restore_job``).
 """
 
 from __future__ import annotations
