@@ -209,6 +209,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         return res.stdout
 
     def stop(self) -> None:
+        # Every pod, also those made by `npusnap k8s restore|run`: a sandbox's process outlives
+        # containerd otherwise.
+        with contextlib.suppress(Exception):
+            listed = self.cri.call("runtime", "ListPodSandbox", self.cri.api.ListPodSandboxRequest())
+            self.pods += [p.id for p in listed.items if p.id not in self.pods]
         for pod in self.pods:
             with contextlib.suppress(Exception):
                 self.cri.call(

@@ -337,6 +337,7 @@ def test_a_fault_in_one_pod_rolls_back_the_whole_job(
         p.wait_unlocked()
         p.wait_steps(10)
         assert_continuous(p.steps())
+        p.remove()
 
 
 def test_a_job_member_checkpointed_alone_is_refused_and_runs_on(
