@@ -12,6 +12,7 @@ downloads absent (scripts/test.sh runs it as root).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import socket
 import subprocess
@@ -234,19 +235,34 @@ def test_job_of_two_pods_is_checkpointed_together(
         assert_continuous(p.steps())
 
     # The job back from its archives, each member in a new pod, released together: npusnap k8s
-    # restore serves the "restored" barrier (on the address the restored processes name) and
-    # creates the pods; no member is unlocked before both are back.
-    runs = []
+    # restore serves the "restored" barrier (on the address the restored processes name) while
+    # the pods are created from the archives at once, as kubectl would; no member is unlocked
+    # before both are back. (The runbook and the next test let it create the pods, --run.)
     for p in pods:
-        pod_cfg, ctr_cfg = p.config_dicts(f"{p.name}-r")
-        (tmp_path / f"{p.name}.pod.json").write_text(json.dumps(pod_cfg))
-        (tmp_path / f"{p.name}.ctr.json").write_text(json.dumps(ctr_cfg))
-        runs += ["--run", f"{tmp_path / f'{p.name}.pod.json'}:{tmp_path / f'{p.name}.ctr.json'}"]
         p.remove()
-    res = _npusnap("--json", "k8s", "restore", str(out), "--cri-endpoint", ctrd.endpoint, *runs)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["result"]["coordinator"] == f"127.0.0.1:{port}"
-    restored = [Pod.existing(ctrd, f"{p.name}-r") for p in pods]
+    server = subprocess.Popen(
+        [NPUSNAP, "--json", "k8s", "restore", str(out), "--barrier-timeout", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            restored = list(
+                pool.map(
+                    lambda pm: Pod(
+                        ctrd, f"{pm[0].name}-r", image, sim_env, criu_conf, checkpoint=out / pm[1]["archive"]
+                    ),
+                    zip(pods, manifest["members"]),
+                )
+            )
+        stdout, stderr = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    assert server.returncode == 0, stdout + stderr
+    assert json.loads(stdout)["result"]["coordinator"] == f"127.0.0.1:{port}"
     for p, m in zip(restored, manifest["members"]):
         p.wait_steps(5)
         _resumed_from(p, out / m["archive"])
