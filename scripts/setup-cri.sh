@@ -68,6 +68,7 @@ download_debs() {
     (cd "$CRI_CACHE/debs" && apt-get $(apt_opts) download "${missing[@]}" >"$CRI_CACHE/apt-download.log" 2>&1) ||
         die "apt-get download ${missing[*]} failed (log: $CRI_CACHE/apt-download.log)" \
             "put the .debs into $CRI_CACHE/debs by hand and rerun"
+    rm -rf "$work/lists" # the suite's index (~150 MB) is needed only for this download
 }
 
 setup_containerd() {
