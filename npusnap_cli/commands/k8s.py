@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
 
 
@@ -19,11 +19,11 @@ def register(app: typer.Typer) -> None:
         no_args_is_help=True,
     )
 
-    @k8s.command("checkpoint")
+    @k8s.command("checkpoint", epilog=epilog("k8s checkpoint"))
     def checkpoint_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
-            ..., help="New directory for the job's archives and npusnap-k8s-job.json."
+            ..., help="New directory for the job's archives and npusnap-k8s-job.json.", metavar="DIR"
         ),
         member: list[str] = typer.Option(
             ...,
@@ -100,10 +100,12 @@ def register(app: typer.Typer) -> None:
         out.ok(f"checkpointed {len(members)} containers together into {result.directory}")
         out.result({"directory": str(result.directory), "manifest": result.manifest})
 
-    @k8s.command("restore")
+    @k8s.command("restore", epilog=epilog("k8s restore"))
     def restore_cmd(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="A directory written by `npusnap k8s checkpoint`."),
+        directory: Path = typer.Argument(
+            ..., help="A directory written by `npusnap k8s checkpoint`.", metavar="DIR"
+        ),
         listen: Optional[str] = typer.Option(
             None,
             "--listen",
@@ -178,7 +180,7 @@ def register(app: typer.Typer) -> None:
         out.ok(f"{res['members']} members restored together from {directory}")
         out.result(res)
 
-    @k8s.command("run")
+    @k8s.command("run", epilog=epilog("k8s run"))
     def run_cmd(
         ctx: typer.Context,
         pod_config: Path = typer.Argument(
@@ -208,7 +210,7 @@ def register(app: typer.Typer) -> None:
         out.data(f"{pod_id} {cid}")
         out.result({"pod_id": pod_id, "container_id": cid})
 
-    @k8s.command("rm")
+    @k8s.command("rm", epilog=epilog("k8s rm"))
     def rm_cmd(
         ctx: typer.Context,
         pod_id: str = typer.Argument(..., help="The pod sandbox's id (`npusnap --json k8s run` prints it)."),
@@ -224,10 +226,12 @@ def register(app: typer.Typer) -> None:
         out.ok(f"pod {pod_id} stopped and removed")
         out.result({"pod_id": pod_id})
 
-    @k8s.command("verify")
+    @k8s.command("verify", epilog=epilog("k8s verify"))
     def verify_cmd(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="A directory written by `npusnap k8s checkpoint`."),
+        directory: Path = typer.Argument(
+            ..., help="A directory written by `npusnap k8s checkpoint`.", metavar="DIR"
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Check every archive the job manifest names (size, sha256, and the plugin's record of each
