@@ -110,7 +110,6 @@ _RT: Dict[str, Tuple[Any, List[Any]]] = {
     "aclrtStreamWaitEvent": (c_int, [c_void_p, c_void_p]),
     "aclrtMemcpy": (c_int, [c_void_p, c_size_t, c_void_p, c_size_t, c_int]),
     "aclrtMemcpyAsync": (c_int, [c_void_p, c_size_t, c_void_p, c_size_t, c_int, c_void_p]),
-    "aclrtMemGetAllocationGranularity": (c_int, [P(PhysicalMemProp), c_int, P(c_size_t)]),
     "aclrtReserveMemAddress": (c_int, [P(c_void_p), c_size_t, c_size_t, c_void_p, c_uint64]),
     "aclrtReleaseMemAddress": (c_int, [c_void_p]),
     "aclrtMallocPhysical": (c_int, [P(c_void_p), c_size_t, P(PhysicalMemProp), c_uint64]),
@@ -167,17 +166,25 @@ class ExpandableSegment:
     def __init__(self, rt: ctypes.CDLL, device: int, size: int) -> None:
         self.rt = rt
         self.prop = PhysicalMemProp(0, 0, ACL_HBM_MEM_HUGE, device, ACL_MEM_LOCATION_TYPE_DEVICE, 0)
-        gran = c_size_t(0)
-        check(
-            rt.aclrtMemGetAllocationGranularity(byref(self.prop), 0, byref(gran)),
-            "aclrtMemGetAllocationGranularity",
-        )
-        self.chunk = max(int(gran.value), 1 << 20)
+        self.chunk = self._granularity(rt)
         self.size = (size + self.chunk - 1) // self.chunk * self.chunk
         va = c_void_p()
         check(rt.aclrtReserveMemAddress(byref(va), self.size, 0, None, 0), "aclrtReserveMemAddress")
         self.base = int(va.value or 0)
         self.handles: List[c_void_p] = []
+
+    def _granularity(self, rt: ctypes.CDLL) -> int:
+        """The size of a physical chunk: the runtime's recommended granularity, as torch_npu asks
+        for it; a runtime without that query gets the 2 MiB of a huge page of device memory."""
+        try:
+            fn = rt.aclrtMemGetAllocationGranularity
+        except AttributeError:
+            return 2 << 20
+        fn.restype = c_int
+        fn.argtypes = [P(PhysicalMemProp), c_int, P(c_size_t)]
+        gran = c_size_t(0)
+        check(fn(byref(self.prop), 1, byref(gran)), "aclrtMemGetAllocationGranularity")
+        return max(int(gran.value), 1 << 20)
 
     @property
     def mapped(self) -> int:
