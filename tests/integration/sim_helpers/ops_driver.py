@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_cli", "workloads"))
@@ -60,7 +61,7 @@ class Device:
 
 def rand(rng: random.Random, n: int) -> List[float]:
     # Values exactly representable in fp32, so the reference sees what the device saw.
-    return list(array.array("f", [rng.uniform(-2, 2) for _ in range(n)]))
+    return list(array.array("f", [4.0 * rng.random() - 2.0 for _ in range(n)]))
 
 
 def status(dev: Device, name: str, *args: Any) -> int:
@@ -255,16 +256,28 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 3, nt.HCCL_REDUCE_SUM, comm, dev.stream)),
         "bad_op": int(hccl.HcclAllReduce(send, recv, count, nt.HCCL_DATA_TYPE_FP32, 9, comm, dev.stream)),
     }
-    results = {}
+    # Printed at sampled indices (the ends, around each 1 MiB staging slot's edges, the middle)
+    # with a CRC-32 of the whole result: every rank must hold the same bits.
+    slot = (1 << 20) // 4
+    idx = sorted(
+        {i for k in range(count // slot + 1) for i in (k * slot - 1, k * slot) if 0 <= i < count}
+        | {0, count // 2, count - 1}
+    )
+    results: Dict[str, Any] = {}
     for name, op, dst in (("sum", nt.HCCL_REDUCE_SUM, recv), ("max", 2, recv), ("inplace_sum", 0, send)):
         nt.check(
             hccl.HcclAllReduce(send, dst, count, nt.HCCL_DATA_TYPE_FP32, op, comm, dev.stream),
             "HcclAllReduce",
         )
         dev.sync()
-        results[name] = dev.read(dst, count)
+        got = dev.read(dst, count)
+        results[name] = {"at": [got[i] for i in idx], "crc": zlib.crc32(array.array("f", got).tobytes())}
     nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
-    print(json.dumps({"rank": rank, "values": values, "results": results, "codes": codes}), flush=True)
+    sample = [values[i] for i in idx]
+    print(
+        json.dumps({"rank": rank, "idx": idx, "values": sample, "results": results, "codes": codes}),
+        flush=True,
+    )
 
 
 def main() -> int:
