@@ -40,6 +40,7 @@ ACLNN_ERR_PARAM_NULLPTR = 161001
 ACLNN_ERR_PARAM_INVALID = 161002
 HCCL_E_PARA = 1
 HCCL_E_NOT_SUPPORT = 5
+HCCL_E_UNAVAIL = 7
 FAST = {"NPUSIM_KERNEL_BLOCK_US": "0", "HCCL_EXEC_TIMEOUT": "60", "HCCL_CONNECT_TIMEOUT": "60"}
 
 
@@ -173,6 +174,39 @@ def test_hccl_all_reduce_of_two_ranks_in_two_processes(sim_env: dict[str, str], 
             assert r["inplace_sum"]["at"][k] == want
     assert outs[0]["results"] == outs[1]["results"], "every rank must hold the same bits"
     assert not list(tmp_path.glob("*.sock")), "the rendezvous socket must be gone after init"
+
+
+def test_a_restore_invalidates_hccl_communicators_and_a_new_one_works(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """HCCL's own RESTORE_POST callback marks its communicators invalid (they are not part of a
+    backup); the application destroys them and builds new ones, as vllm-ascend does."""
+    sim = Sim(sim_env)
+    procs = [
+        subprocess.Popen(
+            [PY, str(DRIVER), "restore", str(r), "2", str(r), str(tmp_path)],
+            env=_env(sim),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out) == {
+            "before": 0,
+            "before_sum": 3.0,
+            "Lock": 0,
+            "Backup": 0,
+            "Restore": 0,
+            "Unlock": 0,
+            "after_restore": HCCL_E_UNAVAIL,
+            "destroy": 0,
+            "rebuilt": 0,
+            "rebuilt_sum": 3.0,
+        }
 
 
 def _job(sim: Sim, *args: str, python: str = PY, timeout: float = 120) -> list[str]:

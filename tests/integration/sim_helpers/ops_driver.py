@@ -2,6 +2,7 @@
 
     ops_driver.py ops DEVICE            -> one JSON line per case: inputs, output or status code
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
+    ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
 Python reference from exactly the bytes the device saw. Tensors, operators and the libraries come
@@ -229,12 +230,10 @@ def run_ops(device: int) -> None:
     print(json.dumps({"case": "codes", "codes": codes}), flush=True)
 
 
-def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: int) -> None:
-    dev = Device(device, hccl=True)
-    hccl = dev.libs.hccl
-    assert hccl is not None
+def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: int) -> c_void_p:
+    """A communicator of ``world`` ranks: rank 0 publishes HCCL's root info as file root-GEN."""
     info = ctypes.create_string_buffer(nt.HCCL_ROOT_INFO_BYTES)
-    path = os.path.join(rendezvous, "root")
+    path = os.path.join(rendezvous, f"root-{gen}")
     if rank == 0:
         nt.check(hccl.HcclGetRootInfo(info), "HcclGetRootInfo")
         with open(path + ".tmp", "wb") as f:
@@ -249,6 +248,47 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
             ctypes.memmove(info, f.read(), nt.HCCL_ROOT_INFO_BYTES)
     comm = c_void_p()
     nt.check(hccl.HcclCommInitRootInfo(world, info, rank, ctypes.byref(comm)), "HcclCommInitRootInfo")
+    return comm
+
+
+def run_restore(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """A communicator across this process's own Lock, Backup, Restore and Unlock: HCCL's
+    RESTORE_POST callback invalidates it; destroyed and built again, it all-reduces."""
+    dev = Device(device, hccl=True)
+    hccl, rt = dev.libs.hccl, dev.libs.rt
+    assert hccl is not None
+    values = [float(rank + 1)] * 16
+    buf = dev.buffer(values)
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
+
+    def all_reduce(c: c_void_p) -> int:
+        return int(
+            hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, c, dev.stream)
+        )
+
+    out: Dict[str, Any] = {"before": all_reduce(comm)}
+    dev.sync()
+    out["before_sum"] = dev.read(buf, 1)[0]
+    for name in ("Lock", "Backup", "Restore", "Unlock"):
+        fn = getattr(rt, f"aclrtSnapShotProcess{name}")
+        fn.argtypes = [ctypes.c_int, c_void_p]
+        out[name] = int(fn(os.getpid(), None))
+    out["after_restore"] = all_reduce(comm)
+    out["destroy"] = int(hccl.HcclCommDestroy(comm))
+    comm = init_comm(hccl, rank, world, rendezvous, 1)
+    nt.check(rt.aclrtMemcpy(buf, 64, nt.floats(values), 64, nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy")
+    out["rebuilt"] = all_reduce(comm)
+    dev.sync()
+    out["rebuilt_sum"] = dev.read(buf, 1)[0]
+    nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
+    print(json.dumps(out), flush=True)
+
+
+def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: int) -> None:
+    dev = Device(device, hccl=True)
+    hccl = dev.libs.hccl
+    assert hccl is not None
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
     values = rand(random.Random(100 + rank), count)
     send = dev.buffer(values)
     recv = dev.buffer([0.0] * count)
@@ -283,6 +323,9 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
 def main() -> int:
     if sys.argv[1] == "ops":
         run_ops(int(sys.argv[2]))
+    elif sys.argv[1] == "restore":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_restore(int(rank), int(world), int(device), rdv)
     else:
         rank, world, device, rdv, count = sys.argv[2:7]
         run_allreduce(int(rank), int(world), int(device), rdv, int(count))
