@@ -144,6 +144,20 @@ def test_two_phase_errors_are_the_real_codes(op_results: list[dict[str, Any]]) -
     }
 
 
+def test_a_copy_taken_mid_kernel_sees_a_half_written_output(sim_env: dict[str, str]) -> None:
+    """Kernels compute block by block and write as they go (8 blocks of 2 rows, 0.15 s each)."""
+    sim = Sim(sim_env)
+    env = _env(sim, NPUSIM_KERNEL_BLOCK_US="150000", TORN_AFTER_S="0.5")
+    done = subprocess.run(
+        [PY, str(DRIVER), "torn", "0"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(done.stdout)
+    assert set(res["mid_rows"]) == {8.0, -1.0}, res  # some rows computed (8 = 1 x 1 summed 8 times), some not
+    assert res["mid_rows"] == sorted(res["mid_rows"], reverse=True), "blocks run in order"
+    assert res["final"] == [8.0]
+
+
 def test_hccl_all_reduce_of_two_ranks_in_two_processes(sim_env: dict[str, str], tmp_path: Path) -> None:
     sim = Sim(sim_env)
     count = 3 * (1 << 20) // 4 + 5  # more than one 1 MiB staging slot, and not a multiple of it

@@ -3,6 +3,7 @@
     ops_driver.py ops DEVICE            -> one JSON line per case: inputs, output or status code
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
     ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
+    ops_driver.py torn DEVICE            (NPUSIM_KERNEL_BLOCK_US, TORN_AFTER_S)
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
 Python reference from exactly the bytes the device saw. Tensors, operators and the libraries come
@@ -230,6 +231,23 @@ def run_ops(device: int) -> None:
     print(json.dumps({"case": "codes", "codes": codes}), flush=True)
 
 
+def run_torn(device: int) -> None:
+    """A copy of a kernel's output taken while the kernel runs (the synchronous aclrtMemcpy is not
+    ordered with a stream's work): rows of finished blocks are new, the others still old."""
+    dev = Device(device)
+    op = dev.libs.op
+    a = nt.Tensor(op, dev.buffer([1.0] * 16 * 8), [16, 8])
+    b = nt.Tensor(op, dev.buffer([1.0] * 8 * 4), [8, 4])
+    out = nt.Tensor(op, dev.buffer([-1.0] * 16 * 4), [16, 4])
+    dev.ops.matmul(a, b, out)
+    time.sleep(float(os.environ["TORN_AFTER_S"]))
+    mid = dev.read(out.data, 64)
+    dev.sync()
+    final = dev.read(out.data, 64)
+    rows = [mid[r * 4 : r * 4 + 4] for r in range(16)]
+    print(json.dumps({"mid_rows": [r[0] for r in rows], "final": sorted(set(final))}), flush=True)
+
+
 def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: int) -> c_void_p:
     """A communicator of ``world`` ranks: rank 0 publishes HCCL's root info as file root-GEN."""
     info = ctypes.create_string_buffer(nt.HCCL_ROOT_INFO_BYTES)
@@ -323,6 +341,8 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
 def main() -> int:
     if sys.argv[1] == "ops":
         run_ops(int(sys.argv[2]))
+    elif sys.argv[1] == "torn":
+        run_torn(int(sys.argv[2]))
     elif sys.argv[1] == "restore":
         rank, world, device, rdv = sys.argv[2:6]
         run_restore(int(rank), int(world), int(device), rdv)
