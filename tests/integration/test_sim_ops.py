@@ -41,6 +41,7 @@ ACLNN_ERR_PARAM_INVALID = 161002
 HCCL_E_PARA = 1
 HCCL_E_NOT_SUPPORT = 5
 HCCL_E_UNAVAIL = 7
+ACL_ERROR_RT_AICORE_EXCEPTION = 507015
 FAST = {"NPUSIM_KERNEL_BLOCK_US": "0", "HCCL_EXEC_TIMEOUT": "60", "HCCL_CONNECT_TIMEOUT": "60"}
 
 
@@ -194,7 +195,8 @@ def test_a_restore_invalidates_hccl_communicators_and_a_new_one_works(
     sim_env: dict[str, str], tmp_path: Path
 ) -> None:
     """HCCL's own RESTORE_POST callback marks its communicators invalid (they are not part of a
-    backup); the application destroys them and builds new ones, as vllm-ascend does."""
+    backup); the application destroys them and builds new ones, as vllm-ascend does. A collective
+    whose launch waited at the lock fails on its stream, without touching memory."""
     sim = Sim(sim_env)
     procs = [
         subprocess.Popen(
@@ -213,9 +215,15 @@ def test_a_restore_invalidates_hccl_communicators_and_a_new_one_works(
             "before": 0,
             "before_sum": 3.0,
             "Lock": 0,
+            "late_call_waits": True,
             "Backup": 0,
             "Restore": 0,
             "Unlock": 0,
+            # Launched before the restore, run after it: fails on the stream, says why.
+            "late_call": 0,
+            "late_sync": ACL_ERROR_RT_AICORE_EXCEPTION,
+            "async_error_rc": 0,
+            "async_error": HCCL_E_UNAVAIL,
             "after_restore": HCCL_E_UNAVAIL,
             "destroy": 0,
             "rebuilt": 0,

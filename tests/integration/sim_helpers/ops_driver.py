@@ -18,6 +18,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 import zlib
 from typing import Any, Dict, List, Optional, Sequence
@@ -287,10 +288,29 @@ def run_restore(rank: int, world: int, device: int, rendezvous: str) -> None:
     out: Dict[str, Any] = {"before": all_reduce(comm)}
     dev.sync()
     out["before_sum"] = dev.read(buf, 1)[0]
+    nt.check(rt.aclrtMemcpy(buf, 64, nt.floats(values), 64, nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy")
+    snap = {}
     for name in ("Lock", "Backup", "Restore", "Unlock"):
         fn = getattr(rt, f"aclrtSnapShotProcess{name}")
         fn.argtypes = [ctypes.c_int, c_void_p]
-        out[name] = int(fn(os.getpid(), None))
+        snap[name] = fn
+    out["Lock"] = int(snap["Lock"](os.getpid(), None))
+    # An all-reduce called while locked: its launch waits at the lock, and reaches the stream
+    # after the restore, on the communicator the restore invalidated.
+    late: Dict[str, int] = {}
+    t = threading.Thread(target=lambda: late.setdefault("rc", all_reduce(comm)))
+    t.start()
+    time.sleep(0.3)
+    out["late_call_waits"] = t.is_alive()
+    for name in ("Backup", "Restore", "Unlock"):
+        out[name] = int(snap[name](os.getpid(), None))
+    t.join(30)
+    out["late_call"] = late.get("rc")
+    out["late_sync"] = int(rt.aclrtSynchronizeStream(dev.stream))
+    err = ctypes.c_int(-1)
+    hccl.HcclGetCommAsyncError.argtypes = [c_void_p, ctypes.POINTER(ctypes.c_int)]
+    out["async_error_rc"] = int(hccl.HcclGetCommAsyncError(comm, ctypes.byref(err)))
+    out["async_error"] = err.value
     out["after_restore"] = all_reduce(comm)
     out["destroy"] = int(hccl.HcclCommDestroy(comm))
     comm = init_comm(hccl, rank, world, rendezvous, 1)
