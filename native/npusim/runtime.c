@@ -61,6 +61,7 @@ static pthread_mutex_t g_snap = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_cbmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_eng = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_eng_cv;
+static pthread_mutex_t g_defmu = PTHREAD_MUTEX_INITIALIZER; /* before g_eng */
 
 static int g_state = ST_RUNNING;
 static int g_open[MAX_DEV];
@@ -370,7 +371,7 @@ static int32_t stream_new(int32_t dev, uint32_t flags, int is_default, struct st
     return ACL_SUCCESS;
 }
 
-/* A stream handle (g_eng held): NULL is the current device's default stream, made on first use. */
+/* A stream handle (g_eng held): NULL is the current device's default stream (rtSetDevice made it). */
 static struct stream *stream_of_locked(void *h, int32_t *rc) {
     if (h) {
         for (struct stream *s = g_streams; s; s = s->next)
@@ -383,18 +384,7 @@ static struct stream *stream_of_locked(void *h, int32_t *rc) {
         *rc = ACL_ERROR_RT_CONTEXT_NULL;
         return NULL;
     }
-    if (!g_default_stream[d]) {
-        struct stream *s;
-        pthread_mutex_unlock(&g_eng);
-        int32_t r = stream_new(d, 0, 1, &s);
-        pthread_mutex_lock(&g_eng);
-        if (r != ACL_SUCCESS) {
-            *rc = r;
-            return NULL;
-        }
-        if (g_default_stream[d]) s->stop = 1, pthread_cond_broadcast(&g_eng_cv); /* another thread won */
-        else g_default_stream[d] = s;
-    }
+    if (!g_default_stream[d]) *rc = ACL_ERROR_RT_CONTEXT_NULL;
     return g_default_stream[d];
 }
 
@@ -483,8 +473,9 @@ static void destroy_device_streams(int dev) {
 
 /* ---------------------------------------------------------------- lifecycle */
 
-/* Lock order: g_eng before g_mu. */
+/* Lock order: g_defmu, g_eng, g_mu. */
 static void atfork_prepare(void) {
+    pthread_mutex_lock(&g_defmu);
     pthread_mutex_lock(&g_eng);
     pthread_mutex_lock(&g_mu);
 }
@@ -492,6 +483,7 @@ static void atfork_prepare(void) {
 static void atfork_parent(void) {
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_eng);
+    pthread_mutex_unlock(&g_defmu);
 }
 
 /* A forked child owns no device and none of the parent's streams (their threads are not in it). */
@@ -504,6 +496,7 @@ static void atfork_child(void) {
     g_state = ST_RUNNING;
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_eng);
+    pthread_mutex_unlock(&g_defmu);
 }
 
 __attribute__((constructor)) static void rt_init(void) {
@@ -535,6 +528,19 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
     if (devId < 0 || devId >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
     int32_t rc = drv_to_acl(halDeviceOpen((uint32_t)devId, NULL, NULL));
+    /* the device's default stream (NULL), one per device; g_defmu: one thread makes it */
+    pthread_mutex_lock(&g_defmu);
+    pthread_mutex_lock(&g_eng);
+    int have = g_default_stream[devId] != NULL;
+    pthread_mutex_unlock(&g_eng);
+    struct stream *s = NULL;
+    if (rc == ACL_SUCCESS && !have) rc = stream_new(devId, 0, 1, &s);
+    if (s) {
+        pthread_mutex_lock(&g_eng);
+        g_default_stream[devId] = s;
+        pthread_mutex_unlock(&g_eng);
+    }
+    pthread_mutex_unlock(&g_defmu);
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         g_open[devId] = 1;
@@ -576,6 +582,15 @@ RT_API rtError_t rtGetDevice(int32_t *devId) {
     if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
     *devId = d;
     return ACL_SUCCESS;
+}
+
+/* Not gated (a query): the driver's device count. */
+RT_API rtError_t rtGetDeviceCount(int32_t *cnt) {
+    if (!cnt) return ACL_ERROR_RT_PARAM_INVALID;
+    uint32_t n = 0;
+    int32_t rc = drv_to_acl(drvGetDevNum(&n));
+    if (rc == ACL_SUCCESS) *cnt = (int32_t)n;
+    return rc;
 }
 
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout) {
@@ -627,7 +642,7 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     gate();
     int dev = current_device();
     if (dev < 0) return ACL_ERROR_UNINITIALIZE;
-    return drv_to_acl(halMemAlloc(devPtr, size, (unsigned long long)dev));
+    return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)dev));
 }
 
 RT_API rtError_t rtMallocCached(void **devPtr, uint64_t size, uint32_t type, uint16_t moduleId) {
@@ -759,6 +774,12 @@ RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_m
     return drv_to_acl(halMemCreate((drv_mem_handle_t **)handle, size, prop, flags));
 }
 
+/* Not gated (a query, api_c.cc). */
+RT_API rtError_t rtMemGetAllocationGranularity(const struct drv_mem_prop *prop, uint32_t option, size_t *granularity) {
+    if (!prop || !granularity) return ACL_ERROR_RT_PARAM_INVALID;
+    return drv_to_acl(halMemGetAllocationGranularity(prop, (int)option, granularity));
+}
+
 RT_API rtError_t rtFreePhysical(void *handle) {
     if (!handle) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
@@ -807,6 +828,8 @@ static rtError_t stream_destroy_checked(void *stm, int force) {
         else s->head = s->tail = NULL;
         while (t) {
             struct task *n = t->next;
+            /* a dropped record counts as reached, so that no other stream waits on it forever */
+            if (t->type == T_RECORD && t->u.e.seq > t->u.e.ev->done) t->u.e.ev->done = t->u.e.seq;
             if (t->type == T_RECORD || t->type == T_WAIT || t->type == T_RESET) t->u.e.ev->refs--;
             s->done++;
             free_task(t);

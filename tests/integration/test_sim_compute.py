@@ -102,7 +102,7 @@ def test_kernels_run_asynchronously_and_a_copy_sees_partial_results(
     assert num(got, "launch_ms") < 100  # the host returns before an 800 ms kernel ends
     assert got["query_rc"] == "0" and got["query_mid"] == "1"  # ACL_STREAM_STATUS_NOT_READY
     assert got["copy_mid_rc"] == "0"
-    assert 1 <= int(got["partial_chunks"]) <= 6  # the kernel is part-way through its 8 chunks
+    assert 1 <= int(got["partial_chunks"]) < 8  # seen part-way through its 8 chunks
     assert got["sync_rc"] == "0" and num(got, "sync_ms") >= 700
     assert got["query_end"] == "0" and got["full_chunks"] == "8"
     assert got["destroy_rc"] == "0"
@@ -114,14 +114,17 @@ def test_a_stream_runs_its_tasks_in_order(built: dict[str, Path], sim_env: dict[
     assert got["device_sync_rc"] == "0"
     assert got["default_first"] == "23" and got["default_last"] == "23"
     assert got["h2d_first"] == "1" and got["h2d_last"] == str((1 << 16) - 1 + 1)
+    assert got["callback_rc"] == "0" and got["callback_calls"] == "1" and got["callback_word"] == "101"
+    assert got["mallochost_rc"] == "0" and got["hostbuf_word"] == "101" and got["freehost_rc"] == "0"
+    assert got["devcount_rc"] == "0" and got["devcount"] == "2"
     assert got["meminfo_rc"] == "0" and int(got["meminfo_total"]) == 1 << 30
     assert 0 < int(got["meminfo_free"]) < 1 << 30
 
 
 def test_events_order_streams_and_time_them(built: dict[str, Path], sim_env: dict[str, str]) -> None:
     got = run(built, sim_env, "events")
-    # another stream ran beside the 400 ms kernel
-    assert got["s3_sync_rc"] == "0" and num(got, "s3_sync_ms") < 250
+    # another stream ran beside the 400 ms kernel: done while the other two were not
+    assert got["s3_sync_rc"] == "0" and num(got, "s3_sync_ms") < 400
     assert got["e2_status_mid"] == "0"  # ACL_EVENT_RECORDED_STATUS_NOT_READY
     assert got["event_sync_rc"] == "0" and got["e2_status_end"] == "1"
     # the second stream's add waited for the first stream's fill (5 + 1 everywhere)
@@ -151,6 +154,7 @@ def test_vmm_reserve_map_compute_unmap_release(built: dict[str, Path], sim_env: 
     for key in ("reserve_rc", "phys1_rc", "phys2_rc", "map1_rc", "map2_rc", "h2d_rc", "kernel_sync_rc"):
         assert got[key] == "0", key
     assert got["d2h_rc"] == "0"
+    assert got["granularity_rc"] == "0" and got["granularity"] == str(2 << 20)
     assert int(got["va_hex"], 16) >= 0x6000 << 32  # a reserved range, not a plain allocation
     assert got["map_overlap_rc"] == "107000"
     assert got["values_ok"] == "1"  # copies and a kernel across the two physical pieces
@@ -164,6 +168,16 @@ def test_vmm_reserve_map_compute_unmap_release(built: dict[str, Path], sim_env: 
     assert got["mapped_kernel_sync_rc"] == "0"
     for key in ("unmap1_rc", "free1_rc", "free2_rc", "release_rc"):
         assert got[key] == "0", key
+
+
+def test_vmm_memory_keeps_its_address_across_backup_and_restore(
+    built: dict[str, Path], sim_env: dict[str, str]
+) -> None:
+    got = run(built, sim_env, "vmm_restore")
+    assert got["before"] == "5"
+    assert got["lock_rc"] == got["backup_rc"] == got["restore_rc"] == "0"
+    assert got["drv_after_restore_rc"] == "0" and got["after_restore"] == "deadbeef"
+    assert got["unlock_rc"] == "0" and got["kernel_after_rc"] == "0" and got["after_kernel"] == "9"
 
 
 def test_a_kernel_fault_fails_the_next_synchronize(built: dict[str, Path], sim_env: dict[str, str]) -> None:

@@ -23,6 +23,10 @@ aclError aclrtMemcpyAsync(void *, size_t, const void *, size_t, int, void *);
 aclError aclrtMemset(void *, size_t, int32_t, size_t);
 aclError aclrtMemsetAsync(void *, size_t, int32_t, size_t, void *);
 aclError aclrtGetMemInfo(int, size_t *, size_t *);
+aclError aclrtGetDeviceCount(uint32_t *);
+aclError aclrtMallocHost(void **, size_t);
+aclError aclrtFreeHost(void *);
+aclError aclrtLaunchCallback(void (*)(void *), void *, int, void *);
 aclError aclrtCreateStream(void **);
 aclError aclrtCreateStreamWithConfig(void **, uint32_t, uint32_t);
 aclError aclrtDestroyStream(void *);
@@ -46,6 +50,7 @@ aclError aclrtMallocPhysical(void **, size_t, const void *, uint64_t);
 aclError aclrtFreePhysical(void *);
 aclError aclrtMapMem(void *, size_t, size_t, void *, uint64_t);
 aclError aclrtUnmapMem(void *);
+aclError aclrtMemGetAllocationGranularity(void *, int, size_t *);
 aclError aclrtSnapShotProcessLock(int, void *);
 aclError aclrtSnapShotProcessUnlock(int, void *);
 aclError aclrtSnapShotProcessBackup(int, void *);
@@ -128,12 +133,18 @@ static void async_copy(void) {
     double t0 = now_ms();
     printf("launch_rc %d\n", launch_fill(s, dev, chunk, chunks, 0xA5A5A5A5u, 100));
     printf("launch_ms %.1f\n", now_ms() - t0);
-    sleep_ms(350);
+    /* copies while it runs see its progress: poll until the first chunk shows (5 s at most) */
+    int partial = 0, copy_rc = 0;
+    for (int i = 0; i < 250 && partial == 0 && copy_rc == 0; i++) {
+        copy_rc = aclrtMemcpy(h, chunk * chunks, dev, chunk * chunks, 2);
+        partial = filled_chunks(h, chunk, chunks, 0xA5A5A5A5u);
+        if (!partial) sleep_ms(20);
+    }
     int status = -1;
     printf("query_rc %d\n", aclrtStreamQuery(s, &status));
     printf("query_mid %d\n", status);
-    printf("copy_mid_rc %d\n", aclrtMemcpy(h, chunk * chunks, dev, chunk * chunks, 2));
-    printf("partial_chunks %d\n", filled_chunks(h, chunk, chunks, 0xA5A5A5A5u));
+    printf("copy_mid_rc %d\n", copy_rc);
+    printf("partial_chunks %d\n", partial);
     printf("sync_rc %d\n", aclrtSynchronizeStream(s));
     printf("sync_ms %.1f\n", now_ms() - t0);
     aclrtStreamQuery(s, &status);
@@ -141,6 +152,18 @@ static void async_copy(void) {
     aclrtMemcpy(h, chunk * chunks, dev, chunk * chunks, 2);
     printf("full_chunks %d\n", filled_chunks(h, chunk, chunks, 0xA5A5A5A5u));
     printf("destroy_rc %d\n", aclrtDestroyStream(s));
+}
+
+struct cb_seen {
+    void *dev;
+    uint32_t word; /* the device word when the callback ran */
+    int calls;
+};
+
+static void host_callback(void *arg) {
+    struct cb_seen *c = arg;
+    aclrtMemcpy(&c->word, 4, c->dev, 4, 2);
+    c->calls++;
 }
 
 static void order(void) {
@@ -167,6 +190,20 @@ static void order(void) {
     memset(h, 0, n * 4);
     CHECK(aclrtMemcpy(h, n * 4, dev, n * 4, 2));
     printf("h2d_first %u\nh2d_last %u\n", h[0], h[n - 1]);
+    /* a host callback runs in stream order, after the kernel before it */
+    struct cb_seen seen = {dev, 0, 0};
+    CHECK(launch_add(s, dev, 1, 100));
+    printf("callback_rc %d\n", aclrtLaunchCallback(host_callback, &seen, 1, s));
+    CHECK(aclrtSynchronizeStream(s));
+    printf("callback_calls %d\ncallback_word %u\n", seen.calls, seen.word);
+    void *hb = NULL;
+    printf("mallochost_rc %d\n", aclrtMallocHost(&hb, 1 << 20));
+    CHECK(aclrtMemcpy(hb, 4, dev, 4, 2));
+    printf("hostbuf_word %u\n", *(uint32_t *)hb);
+    printf("freehost_rc %d\n", aclrtFreeHost(hb));
+    uint32_t ndev = 0;
+    printf("devcount_rc %d\n", aclrtGetDeviceCount(&ndev));
+    printf("devcount %u\n", ndev);
     size_t fr = 0, tot = 0;
     printf("meminfo_rc %d\n", aclrtGetMemInfo(1, &fr, &tot));
     printf("meminfo_total %zu\nmeminfo_free %zu\n", tot, fr);
@@ -276,6 +313,9 @@ static void vmm(void) {
         uint64_t reserve;
     } prop = {0, 0, 4, 0, 1, 0};
     CHECK(aclrtCreateStream(&s));
+    size_t g = 0;
+    printf("granularity_rc %d\n", aclrtMemGetAllocationGranularity(&prop, 1, &g));
+    printf("granularity %zu\n", g);
     printf("reserve_rc %d\n", aclrtReserveMemAddress(&va, 4 * gran, 0, NULL, 0));
     printf("va_hex %lx\n", (unsigned long)(uintptr_t)va);
     printf("phys1_rc %d\n", aclrtMallocPhysical(&h1, gran, &prop, 0));
@@ -313,6 +353,41 @@ static void vmm(void) {
     printf("free1_rc %d\n", aclrtFreePhysical(h1));
     printf("free2_rc %d\n", aclrtFreePhysical(h2));
     printf("release_rc %d\n", aclrtReleaseMemAddress(va));
+}
+
+/* VMM memory across Lock, Backup, Restore, Unlock in the same process: the reserved address and
+ * its mapping stay, the physical memory comes back poisoned (Restore keeps addresses, not
+ * contents), and copies and kernels work on it again. */
+static void vmm_restore(void) {
+    const size_t gran = 2 * MiB;
+    void *va, *ph, *s;
+    struct {
+        uint32_t handle_type, alloc_type, mem_attr, loc_id, loc_type;
+        uint64_t reserve;
+    } prop = {0, 0, 4, 0, 1, 0};
+    CHECK(aclrtCreateStream(&s));
+    CHECK(aclrtReserveMemAddress(&va, 2 * gran, 0, NULL, 0));
+    CHECK(aclrtMallocPhysical(&ph, gran, &prop, 0));
+    CHECK(aclrtMapMem((char *)va + gran, gran, 0, ph, 0));
+    void *p = (char *)va + gran;
+    CHECK(aclrtMemset(p, gran, 0, gran));
+    CHECK(launch_add(s, p, 4, 5));
+    CHECK(aclrtSynchronizeStream(s));
+    uint32_t w = 0;
+    CHECK(aclrtMemcpy(&w, 4, p, 4, 2));
+    printf("before %u\n", w);
+    printf("lock_rc %d\n", aclrtSnapShotProcessLock(getpid(), NULL));
+    printf("backup_rc %d\n", aclrtSnapShotProcessBackup(getpid(), NULL));
+    printf("restore_rc %d\n", aclrtSnapShotProcessRestore(getpid(), NULL));
+    w = 0;
+    printf("drv_after_restore_rc %d\n", drvMemcpy((uintptr_t)&w, 4, (uintptr_t)p, 4));
+    printf("after_restore %x\n", w);
+    printf("unlock_rc %d\n", aclrtSnapShotProcessUnlock(getpid(), NULL));
+    CHECK(aclrtMemset(p, gran, 0, gran));
+    CHECK(launch_add(s, p, 4, 9));
+    printf("kernel_after_rc %d\n", aclrtSynchronizeStream(s));
+    CHECK(aclrtMemcpy(&w, 4, p, 4, 2));
+    printf("after_kernel %u\n", w);
 }
 
 static void fault(void) {
@@ -479,6 +554,7 @@ int main(int argc, char **argv) {
             else if (!strcmp(sc, "lock")) lock();
             else if (!strcmp(sc, "vmm")) vmm();
             else if (!strcmp(sc, "fault")) fault();
+            else if (!strcmp(sc, "vmm_restore")) vmm_restore();
             else if (!strcmp(sc, "loop")) loop(atoi(getenv("SNAP_STEPS")));
             else return 2;
         }
