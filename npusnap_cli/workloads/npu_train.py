@@ -34,6 +34,7 @@ import ctypes
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -655,6 +656,7 @@ def launch(args: argparse.Namespace, argv: List[str]) -> int:
         code = w.wait()
         if code != 0 and rc == 0:
             rc = code if code > 0 else 128 - code
+    shutil.rmtree(rdv, ignore_errors=True)  # kept until the ranks are gone: a rebuild meets there
     return rc
 
 
