@@ -13,6 +13,7 @@ as the CLI, whatever Python (3.9+) the target runs.
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import sys
@@ -185,6 +186,11 @@ def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
             os.dup2(null_fd, 0)
             os.dup2(out_fd, 1)
             os.dup2(out_fd, 2)
+            # Descriptors the launcher inherited (a pipe from a CI runner or a shell's coprocess)
+            # must not follow the job: CRIU would dump them as pipes whose other end is outside
+            # the tree, and restore them without it. Only 0-2 and the exec-status pipe stay.
+            os.closerange(3, wfd)
+            os.closerange(wfd + 1, _max_fd())
             os.execvpe(plan.executable, plan.argv, plan.env)
         except BaseException as exc:
             try:
@@ -212,6 +218,11 @@ def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
             fix=f"check `ls -l {plan.executable}`",
         )
     return pid
+
+
+def _max_fd() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if 0 < soft < 1 << 20 else 1 << 16
 
 
 def _read_until_eof(fd: int, timeout_s: float) -> Optional[str]:

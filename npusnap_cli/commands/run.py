@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
+        epilog=epilog("run"),
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def run(
@@ -97,6 +98,13 @@ def register(app: typer.Typer) -> None:
             if pidfile is not None:
                 pidfile_mod.check(pidfile)
             pid = launch.detach(plan, output_file)
+            if output_file is None:
+                # The agent writes its own messages (a lease that ran out, a rollback) to the
+                # program's stderr: without --output nobody would ever read them.
+                out.warn(
+                    "no --output: the program's output and its agent's messages go to /dev/null "
+                    f"(pass --output FILE; the agent's last events show in `npusnap status {pid}`)"
+                )
             written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
             out.data(str(pid))
             result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written}

@@ -907,17 +907,53 @@ def remove_tree(path: Path) -> None:
         os.close(parent_fd)
 
 
+FAILED_LOGS_SUFFIX = ".failed-logs"
+
+
+def failed_logs_dir(final: Path) -> Path:
+    """Where a failed run's logs are kept: beside the image it was writing, named after it
+    (``IMG.failed-logs``), so that an operator finds them where the image should have been."""
+    return final.parent / f"{final.name}{FAILED_LOGS_SUFFIX}"
+
+
+def _final_of(tmp: Path) -> Optional[Path]:
+    name = tmp.name
+    if name.startswith(".") and TMP_MARKER in name:
+        return tmp.parent / name[1 : name.index(TMP_MARKER)]
+    return None
+
+
 def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
     """Move the logs of a failed run out of a partial image (which is then removed).
 
-    They go to a new directory under ``$TMPDIR/npusnap-logs`` (hostclean.new_log_dir: the base
-    is checked to be a private directory of this user, the new one is made by mkdtemp, so that a
-    name planted in a shared /tmp cannot redirect them; old ones are pruned). The partial image
-    itself must not stay (it would look like an image).
+    They go beside the image's final path, into ``IMG.failed-logs`` (the previous failure's are
+    replaced: one directory per image, not an ever-growing pile); where that is not possible (the
+    name is taken by something else), into a new directory under ``$TMPDIR/npusnap-logs``
+    (hostclean.new_log_dir: the base is checked to be a private directory of this user, the new
+    one is made by mkdtemp, so that a name planted in a shared /tmp cannot redirect them; old
+    ones are pruned). The partial image itself must not stay (it would look like an image).
     """
     src = logs_dir(tmp)
     if not src.is_dir() or src.is_symlink() or dir_is_empty(src):
         return None
+    final = _final_of(tmp)
+    if final is not None:
+        dest = failed_logs_dir(final)
+        try:
+            st = os.lstat(dest)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                remove_tree(dest)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            final = None
+        if final is not None:
+            try:
+                # Same filesystem as the partial image: a rename, atomic, nothing copied.
+                os.rename(src, dest)
+                return dest
+            except OSError:
+                pass
     from npusnap_cli.host import hostclean
 
     try:

@@ -143,9 +143,15 @@ class SignalGuard:
     def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
         first = self.received is None
         self.received = signum
-        if first:
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if first:
                 self._note(f"{signal.Signals(signum).name} received: finishing the current step")
+            else:
+                # Said every time: a second Ctrl-C that prints nothing looks like a hang.
+                self._note(
+                    f"{signal.Signals(signum).name} again: still finishing the current step, then "
+                    f"rolling back; the {self.what} cannot be cut short safely (the job would stay locked)"
+                )
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
@@ -1189,7 +1195,8 @@ class _Pipeline:
                     streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
                 if not self.options.keep:
                     img.remove_tree(img.logs_dir(tmp))
-                total = img.tree_size(img.criu_dir(tmp))
+                # Every file hashed (CRIU's, the device memory's), not CRIU's alone.
+                total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
                 done = [0]
 
                 def advance(n: int) -> None:

@@ -655,8 +655,16 @@ def _restore_opened(
 
         lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
-    check_pids_free(manifest, image_thread_ids(final, manifest))
-    check_devices_free(manifest)
+    try:
+        check_pids_free(manifest, image_thread_ids(final, manifest))
+        check_devices_free(manifest)
+    except BusyError:
+        # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
+        for c in (checksums, device_checks):
+            corrupt = c.join() if c is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+        raise
     prepare_sockets(manifest)
     from npusnap_cli.host import hostres
 
