@@ -288,7 +288,7 @@ def test_the_job_runs_under_npusnap_run_and_its_operators_wait_at_a_lock(
         with AgentClient(w.pid) as c:
             assert c.hello()["acl"]["loaded"] is True
             assert c.lock(lease_s=30)["state"] == "LOCKED"
-            time.sleep(0.2)  # a step already past the gate may finish
+            time.sleep(0.5)  # a step already past the gate may finish
             held = len(w.lines())
             time.sleep(1.0)
             assert len(w.lines()) == held, "aclnn launches and copies must wait while the process is locked"
