@@ -133,6 +133,7 @@ _HCCL: Dict[str, Tuple[Any, List[Any]]] = {
     "HcclGetRootInfo": (c_int, [c_void_p]),
     "HcclCommInitRootInfo": (c_int, [c_uint32, c_void_p, c_uint32, P(c_void_p)]),
     "HcclAllReduce": (c_int, [c_void_p, c_void_p, c_uint64, c_int, c_int, c_void_p, c_void_p]),
+    "HcclBroadcast": (c_int, [c_void_p, c_uint64, c_int, c_uint32, c_void_p, c_void_p]),
     "HcclCommDestroy": (c_int, [c_void_p]),
     "HcclGetCommAsyncError": (c_int, [c_void_p, P(c_int)]),
 }
@@ -457,6 +458,12 @@ class Trainer:
         self.comm_gen = 0
         if self.world > 1:
             self.build_comm()
+            # As DDP does at start: every rank takes rank 0's parameters.
+            hccl = libs.hccl
+            assert hccl is not None
+            p, n = self.p_addr, self.nparams
+            check(hccl.HcclBroadcast(p, n, HCCL_DATA_TYPE_FP32, 0, self.comm, self.compute), "HcclBroadcast")
+            check(rt.aclrtSynchronizeStream(self.compute), "aclrtSynchronizeStream")
 
     def h2d(self, addr: int, data: bytes) -> None:
         buf = ctypes.create_string_buffer(data, len(data))

@@ -159,7 +159,9 @@ def test_a_copy_taken_mid_kernel_sees_a_half_written_output(sim_env: dict[str, s
     assert res["final"] == [8.0]
 
 
-def test_hccl_all_reduce_of_two_ranks_in_two_processes(sim_env: dict[str, str], tmp_path: Path) -> None:
+def test_hccl_all_reduce_and_broadcast_of_two_ranks_in_two_processes(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
     sim = Sim(sim_env)
     count = 3 * (1 << 20) // 4 + 5  # more than one 1 MiB staging slot, and not a multiple of it
     env = _env(sim, HCCL_BUFFSIZE="1")
@@ -180,13 +182,18 @@ def test_hccl_all_reduce_of_two_ranks_in_two_processes(sim_env: dict[str, str], 
         outs.append(json.loads(out))
     v0, v1 = outs[0]["values"], outs[1]["values"]
     for o in outs:
-        assert o["codes"] == {"bad_dtype": HCCL_E_NOT_SUPPORT, "bad_op": HCCL_E_PARA}
+        assert o["codes"] == {
+            "bad_dtype": HCCL_E_NOT_SUPPORT,
+            "bad_op": HCCL_E_PARA,
+            "broadcast_bad_root": HCCL_E_PARA,
+        }
         r = o["results"]
         for k in range(len(o["idx"])):
             want = struct.unpack("f", struct.pack("f", v0[k] + v1[k]))[0]  # the sum rounded to fp32
             assert r["sum"]["at"][k] == want
             assert r["max"]["at"][k] == max(v0[k], v1[k])
             assert r["inplace_sum"]["at"][k] == want
+            assert r["broadcast_from_1"]["at"][k] == v1[k]
     assert outs[0]["results"] == outs[1]["results"], "every rank must hold the same bits"
     assert not list(tmp_path.glob("*.sock")), "the rendezvous socket must be gone after init"
 

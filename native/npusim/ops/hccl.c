@@ -1,13 +1,14 @@
 /* libhccl.so of the simulated CANN tree: collectives between ranks in different processes.
  *
  * Real prototypes of hccl/hccl.h and hccl_types.h: HcclGetRootInfo, HcclCommInitRootInfo,
- * HcclAllReduce, HcclCommDestroy, HcclGetRankSize, HcclGetRankId, HcclGetCommAsyncError.
+ * HcclAllReduce, HcclBroadcast, HcclCommDestroy, HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommAsyncError.
  *
  * The simulated interconnect: a communicator is a window (one memfd, HCCL_BUFFSIZE MiB per rank,
  * default 8, plus a header of barrier words) that every rank maps. The root rank makes it and
  * hands it to the others over the unix socket its root info names (the analogue of the TCP
  * rendezvous of real root info), with the HCCL_CONNECT_TIMEOUT deadline; then the socket is gone.
- * HcclAllReduce is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
+ * A collective is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
  * aclrtLaunchKernel: it is queued, runs when the stream reaches it, and waits at the snapshot lock
  * like any launch; the ranks' engines exchange data through the window.
  *
@@ -480,8 +481,9 @@ static void *allreduce_kernel(aclError *rc) {
     return f;
 }
 
-API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
-                             aclrtStream stream) {
+/* Queue one collective on the stream: checked on the host, run by the kernel on the engine. */
+static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf, uint64_t count, int dataType,
+                                   int op, uint32_t root, HcclComm comm, aclrtStream stream) {
     if (!comm || (count && (!sendBuf || !recvBuf))) return HCCL_E_PTR;
     if (dataType != HCCL_DATA_TYPE_FP32 && dataType != HCCL_DATA_TYPE_INT32) return HCCL_E_NOT_SUPPORT;
     if (op < 0 || op > HCCL_REDUCE_MIN) return HCCL_E_PARA;
@@ -492,6 +494,7 @@ API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int d
     HcclResult rc = HCCL_SUCCESS;
     if (!c) rc = HCCL_E_PARA;
     else if (!atomic_load((_Atomic uint32_t *)&c->state.valid)) rc = HCCL_E_UNAVAIL;
+    else if (root >= c->nranks) rc = HCCL_E_PARA;
     if (rc == HCCL_SUCCESS && !f) rc = HCCL_E_RUNTIME;
     struct ops_allreduce_args a;
     memset(&a, 0, sizeof a);
@@ -507,6 +510,8 @@ API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int d
         a.nranks = c->nranks;
         a.dtype = dataType;
         a.op = op;
+        a.kind = kind;
+        a.root = root;
         /* Counted before the launch: HcclCommDestroy waits for the kernel to let go of the window. */
         atomic_fetch_add((_Atomic uint32_t *)&c->state.inflight, 1);
     }
@@ -520,6 +525,17 @@ API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int d
         return HCCL_E_RUNTIME;
     }
     return HCCL_SUCCESS;
+}
+
+API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_ALLREDUCE, sendBuf, recvBuf, count, dataType, op, 0, comm, stream);
+}
+
+/* In place: the root's buf goes to every rank's buf. */
+API HcclResult HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_BROADCAST, buf, buf, count, dataType, 0, root, comm, stream);
 }
 
 /* The communicator's struct is kept (marked destroyed): a kernel that ran its last collective

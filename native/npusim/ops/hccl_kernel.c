@@ -87,6 +87,7 @@ static void reduce_into(void *dst, const void *src, uint64_t n, int dtype, int o
     }
 }
 
+/* Both collectives: an all-reduce, or a broadcast (send == recv, the root's buffer to all). */
 KAPI int npusim_hccl_allreduce(const npusim_kernel_ctx *ctx, const void *args, size_t args_size) {
     if (args_size != sizeof(struct ops_allreduce_args)) return KERR_ARGS;
     const struct ops_allreduce_args *a = args;
@@ -102,14 +103,16 @@ KAPI int npusim_hccl_allreduce(const npusim_kernel_ctx *ctx, const void *args, s
     if (bytes && !rc && (!send || !recv)) rc = KERR_ADDR;
     double deadline = now_s() + (double)a->timeout_ms / 1000.0;
     char *slots = (char *)w + HCCL_WINDOW_HEADER;
+    int bcast = a->kind == OPS_COLL_BROADCAST;
     for (uint64_t done = 0; rc == 0 && done < bytes; done += a->slot_bytes) {
         uint64_t n = bytes - done < a->slot_bytes ? bytes - done : a->slot_bytes;
-        memcpy(slots + a->rank * a->slot_bytes, send + done, n);
+        if (!bcast || a->rank == a->root) memcpy(slots + a->rank * a->slot_bytes, send + done, n);
         if (barrier(w, a->rank, a->nranks, deadline) != 0) {
             rc = KERR_TIMEOUT;
             break;
         }
-        for (uint32_t j = 0; j < a->nranks; j++)
+        if (bcast && a->rank != a->root) memcpy(recv + done, slots + a->root * a->slot_bytes, n);
+        for (uint32_t j = 0; !bcast && j < a->nranks; j++)
             reduce_into(recv + done, slots + j * a->slot_bytes, n / 4, a->dtype, a->op, j == 0);
         if (barrier(w, a->rank, a->nranks, deadline) != 0) rc = KERR_TIMEOUT;
     }

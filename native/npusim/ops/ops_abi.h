@@ -68,7 +68,10 @@ struct hccl_comm_state {
     int32_t pad;
 };
 
-/* HCCL all-reduce over the communicator's window (hccl.c describes the window). */
+/* An HCCL collective over the communicator's window (hccl.c describes the window): an
+ * all-reduce, or a broadcast (kind) from rank `root`. */
+#define OPS_COLL_ALLREDUCE 0u
+#define OPS_COLL_BROADCAST 1u
 struct ops_allreduce_args {
     uint64_t state;      /* host address of this process's struct hccl_comm_state */
     uint64_t window;     /* host address of this process's mapping of the communicator's window */
@@ -77,7 +80,9 @@ struct ops_allreduce_args {
     uint64_t count;      /* elements */
     uint64_t timeout_ms; /* HCCL_EXEC_TIMEOUT */
     uint32_t rank, nranks;
-    int32_t dtype, op;   /* HcclDataType, HcclReduceOp */
+    int32_t dtype, op;   /* HcclDataType, HcclReduceOp (all-reduce) */
+    uint32_t kind;       /* OPS_COLL_* */
+    uint32_t root;       /* broadcast: the rank whose buffer every rank receives */
 };
 
 /* The window's header: per rank, a barrier generation (a futex word, shared between the ranks'

@@ -350,6 +350,26 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         dev.sync()
         got = dev.read(dst, count)
         results[name] = {"at": [got[i] for i in idx], "crc": zlib.crc32(array.array("f", got).tobytes())}
+    # Broadcast from rank 1 (in place): every rank ends with rank 1's values.
+    bcast = dev.buffer(values)
+    hccl.HcclBroadcast.argtypes = [
+        c_void_p,
+        ctypes.c_uint64,
+        ctypes.c_int,
+        ctypes.c_uint32,
+        c_void_p,
+        c_void_p,
+    ]
+    nt.check(hccl.HcclBroadcast(bcast, count, nt.HCCL_DATA_TYPE_FP32, 1, comm, dev.stream), "HcclBroadcast")
+    dev.sync()
+    got = dev.read(bcast, count)
+    results["broadcast_from_1"] = {
+        "at": [got[i] for i in idx],
+        "crc": zlib.crc32(array.array("f", got).tobytes()),
+    }
+    codes["broadcast_bad_root"] = int(
+        hccl.HcclBroadcast(bcast, count, nt.HCCL_DATA_TYPE_FP32, 2, comm, dev.stream)
+    )
     nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
     sample = [values[i] for i in idx]
     print(
