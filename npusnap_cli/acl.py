@@ -64,11 +64,14 @@ ACL_ERROR_UNINITIALIZE = 100001
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_ERROR_RT_PARAM_INVALID = 107000
 ACL_ERROR_RT_CONTEXT_NULL = 107002
+ACL_ERROR_RT_STREAM_SUBSCRIBE = 107011
+ACL_ERROR_RT_THREAD_SUBSCRIBE = 107012
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 ACL_ERROR_RT_NO_PERMISSION = 207006
 ACL_ERROR_RT_STREAM_NOT_COMPLETE = 507004
 ACL_ERROR_RT_EVENT_NOT_COMPLETE = 507006
+ACL_ERROR_RT_REPORT_TIMEOUT = 507012
 ACL_ERROR_RT_AICORE_EXCEPTION = 507015
 ACL_ERROR_RT_DEV_SETUP_ERROR = 507033
 ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046
@@ -133,6 +136,21 @@ ERRORS: Dict[int, Tuple[str, str, str]] = {
         "ACL_ERROR_RT_DEV_SETUP_ERROR",
         "device setup failed",
         "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)",
+    ),
+    ACL_ERROR_RT_STREAM_SUBSCRIBE: (
+        "ACL_ERROR_RT_STREAM_SUBSCRIBE",
+        "stream not subscribed",
+        "a host callback was launched on a stream no thread subscribed to (aclrtSubscribeReport)",
+    ),
+    ACL_ERROR_RT_THREAD_SUBSCRIBE: (
+        "ACL_ERROR_RT_THREAD_SUBSCRIBE",
+        "thread not subscribed",
+        "the thread is not the one subscribed to the stream's callbacks",
+    ),
+    ACL_ERROR_RT_REPORT_TIMEOUT: (
+        "ACL_ERROR_RT_REPORT_TIMEOUT",
+        "no callback report in time",
+        "aclrtProcessReport found no callback to run within its timeout",
     ),
     ACL_ERROR_RT_STREAM_NOT_COMPLETE: (
         "ACL_ERROR_RT_STREAM_NOT_COMPLETE",

@@ -169,6 +169,11 @@ ACL_API aclError aclrtEventElapsedTime(float *ms, void *startEvent, void *endEve
     return rtEventElapsedTime(ms, startEvent, endEvent);
 }
 ACL_API aclError aclrtDestroyEvent(void *event) { return rtEventDestroy(event); }
+ACL_API aclError aclrtSubscribeReport(uint64_t threadId, void *stream) { return rtSubscribeReport(threadId, stream); }
+ACL_API aclError aclrtUnSubscribeReport(uint64_t threadId, void *stream) {
+    return rtUnSubscribeReport(threadId, stream);
+}
+ACL_API aclError aclrtProcessReport(int32_t timeout) { return rtProcessReport(timeout); }
 /* blockType: ACL_CALLBACK_NO_BLOCK 0, ACL_CALLBACK_BLOCK 1. */
 ACL_API aclError aclrtLaunchCallback(void (*fn)(void *), void *userData, int blockType, void *stream) {
     return rtCallbackLaunch(fn, userData, stream, blockType == 1);

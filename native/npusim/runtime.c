@@ -204,6 +204,7 @@ struct task {
         struct {
             void (*fn)(void *);
             void *data;
+            int block;
         } cb;
     } u;
 };
@@ -222,6 +223,8 @@ struct stream {
     struct task *head, *tail;
     uint64_t submitted, done;
     int32_t error;   /* a task's fault, reported (and cleared) by the next synchronize */
+    uint64_t reporter; /* the thread subscribed to its callbacks (aclrtSubscribeReport), 0: none */
+    int subscribed;
     pthread_t thread;
     struct stream *next;
 };
@@ -240,6 +243,17 @@ struct event {
 
 static struct stream *g_streams;
 static struct stream *g_default_stream[MAX_DEV];
+
+/* Callbacks a stream reached, for the thread subscribed to it (aclrtProcessReport runs them). */
+struct report {
+    uint64_t thread;
+    void (*fn)(void *);
+    void *data;
+    int waiter; /* a blocking task waits for it (and frees it); else ProcessReport frees it */
+    int done;
+    struct report *next;
+};
+static struct report *g_reports;
 
 /* ---- kernels (npusim_kernel.h) */
 
@@ -293,7 +307,24 @@ static int32_t run_task(struct stream *s, struct task *t) {
         return drvMemsetD8(t->u.c.dst, t->u.c.n, t->u.c.value, t->u.c.n) == DRV_ERROR_NONE
                    ? ACL_SUCCESS
                    : ACL_ERROR_RT_AICORE_EXCEPTION;
-    case T_CALLBACK: t->u.cb.fn(t->u.cb.data); return ACL_SUCCESS;
+    case T_CALLBACK: {
+        /* handed to the subscribed thread; a blocking one holds the stream until it has run */
+        struct report *r = calloc(1, sizeof *r);
+        if (!r) return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        pthread_mutex_lock(&g_eng);
+        *r = (struct report){s->reporter, t->u.cb.fn, t->u.cb.data, t->u.cb.block, 0, NULL};
+        struct report **pp = &g_reports;
+        while (*pp) pp = &(*pp)->next;
+        *pp = r;
+        pthread_cond_broadcast(&g_eng_cv);
+        if (t->u.cb.block) {
+            while (!r->done && !s->abort) pthread_cond_wait(&g_eng_cv, &g_eng);
+            if (r->done) free(r);
+            else r->fn = NULL, r->waiter = 0; /* abandoned (force destroy): ProcessReport frees it */
+        }
+        pthread_mutex_unlock(&g_eng);
+        return ACL_SUCCESS;
+    }
     default: return ACL_SUCCESS;
     }
 }
@@ -959,18 +990,84 @@ RT_API rtError_t rtEventDestroy(void *evt) {
     return rc;
 }
 
-/* A host function queued on a stream: runs on the stream's engine thread, in order. (The real
- * runtime runs it on the thread that subscribed with aclrtSubscribeReport; here the device thread
- * runs it, blocking that stream as ACL_CALLBACK_BLOCK does.) */
+/* Host callbacks (callback.cpp; api_c.cc, all four gated): a thread subscribes to a stream's
+ * callbacks and runs them in aclrtProcessReport; aclrtLaunchCallback on a stream nobody subscribed
+ * to is refused (107011). A blocking callback holds its stream until it has run. */
+RT_API rtError_t rtSubscribeReport(uint64_t threadId, void *stm) {
+    gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && s->subscribed && s->reporter != threadId) rc = ACL_ERROR_RT_STREAM_SUBSCRIBE;
+    else if (s) s->subscribed = 1, s->reporter = threadId;
+    pthread_mutex_unlock(&g_eng);
+    return rc;
+}
+
+RT_API rtError_t rtUnSubscribeReport(uint64_t threadId, void *stm) {
+    gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && (!s->subscribed || s->reporter != threadId)) rc = ACL_ERROR_RT_THREAD_SUBSCRIBE;
+    else if (s) s->subscribed = 0, s->reporter = 0;
+    pthread_mutex_unlock(&g_eng);
+    return rc;
+}
+
+/* Runs one callback reported for the calling thread; waits up to `timeout` ms (-1: no limit) for
+ * one, else ACL_ERROR_RT_REPORT_TIMEOUT. */
+RT_API rtError_t rtProcessReport(int32_t timeout) {
+    if (timeout < -1) return ACL_ERROR_RT_PARAM_INVALID;
+    gate();
+    uint64_t me = (uint64_t)pthread_self();
+    struct timespec dl = deadline_in(timeout / 1000.0);
+    pthread_mutex_lock(&g_eng);
+    struct report *r = NULL;
+    for (;;) {
+        struct report **pp = &g_reports;
+        while (*pp && ((*pp)->thread != me || (*pp)->done)) pp = &(*pp)->next;
+        if (*pp) {
+            r = *pp;
+            *pp = r->next;
+            break;
+        }
+        if (timeout < 0) pthread_cond_wait(&g_eng_cv, &g_eng);
+        else if (pthread_cond_timedwait(&g_eng_cv, &g_eng, &dl) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&g_eng);
+    if (!r) return ACL_ERROR_RT_REPORT_TIMEOUT;
+    pthread_mutex_lock(&g_eng);
+    void (*fn)(void *) = r->fn;
+    void *data = r->data;
+    pthread_mutex_unlock(&g_eng);
+    if (fn) fn(data);
+    pthread_mutex_lock(&g_eng);
+    if (r->waiter) {
+        r->done = 1;
+        pthread_cond_broadcast(&g_eng_cv);
+    } else {
+        free(r);
+    }
+    pthread_mutex_unlock(&g_eng);
+    return ACL_SUCCESS;
+}
+
 RT_API rtError_t rtCallbackLaunch(void (*callBackFunc)(void *), void *fnData, void *stm, bool isBlock) {
-    (void)isBlock;
     if (!callBackFunc) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && !s->subscribed) rc = ACL_ERROR_RT_STREAM_SUBSCRIBE;
+    pthread_mutex_unlock(&g_eng);
+    if (rc != ACL_SUCCESS) return rc;
     struct task *t = calloc(1, sizeof *t);
     if (!t) return ACL_ERROR_RT_MEMORY_ALLOCATION;
     t->type = T_CALLBACK;
     t->u.cb.fn = callBackFunc;
     t->u.cb.data = fnData;
+    t->u.cb.block = isBlock;
     return submit(stm, t);
 }
 

@@ -114,8 +114,13 @@ def test_a_stream_runs_its_tasks_in_order(built: dict[str, Path], sim_env: dict[
     assert got["device_sync_rc"] == "0"
     assert got["default_first"] == "23" and got["default_last"] == "23"
     assert got["h2d_first"] == "1" and got["h2d_last"] == str((1 << 16) - 1 + 1)
-    assert got["callback_rc"] == "0" and got["callback_calls"] == "1" and got["callback_word"] == "101"
-    assert got["mallochost_rc"] == "0" and got["hostbuf_word"] == "101" and got["freehost_rc"] == "0"
+    # host callbacks need a subscribed thread calling aclrtProcessReport (callback.cpp)
+    assert got["callback_unsubscribed_rc"] == "107011"
+    assert got["subscribe_rc"] == "0" and got["callback_rc"] == "0" and got["reports_run"] == "1"
+    assert got["callback_calls"] == "1" and got["callback_word"] == "101"
+    assert got["unsubscribe_rc"] == "0" and got["report_timeout_rc"] == "507012"
+    assert got["after_callback_word"] == "1101"
+    assert got["mallochost_rc"] == "0" and got["hostbuf_word"] == "1101" and got["freehost_rc"] == "0"
     assert got["devcount_rc"] == "0" and got["devcount"] == "2"
     assert got["meminfo_rc"] == "0" and int(got["meminfo_total"]) == 1 << 30
     assert 0 < int(got["meminfo_free"]) < 1 << 30

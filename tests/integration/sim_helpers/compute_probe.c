@@ -27,6 +27,9 @@ aclError aclrtGetDeviceCount(uint32_t *);
 aclError aclrtMallocHost(void **, size_t);
 aclError aclrtFreeHost(void *);
 aclError aclrtLaunchCallback(void (*)(void *), void *, int, void *);
+aclError aclrtSubscribeReport(uint64_t, void *);
+aclError aclrtUnSubscribeReport(uint64_t, void *);
+aclError aclrtProcessReport(int32_t);
 aclError aclrtCreateStream(void **);
 aclError aclrtCreateStreamWithConfig(void **, uint32_t, uint32_t);
 aclError aclrtDestroyStream(void *);
@@ -166,6 +169,24 @@ static void host_callback(void *arg) {
     c->calls++;
 }
 
+/* The thread that runs a stream's host callbacks, as CANN wants one: it subscribes, then calls
+ * aclrtProcessReport until told to stop. */
+struct reporter {
+    void *stream;
+    volatile int stop;
+    int subscribe_rc;
+    int ran;
+    pthread_t th;
+};
+
+static void *reporter_main(void *arg) {
+    struct reporter *r = arg;
+    __atomic_store_n(&r->subscribe_rc, aclrtSubscribeReport((uint64_t)pthread_self(), r->stream), __ATOMIC_SEQ_CST);
+    while (!__atomic_load_n(&r->stop, __ATOMIC_SEQ_CST))
+        if (aclrtProcessReport(50) == 0) r->ran++;
+    return NULL;
+}
+
 static void order(void) {
     const uint64_t n = 1 << 16;
     void *dev, *s;
@@ -190,15 +211,29 @@ static void order(void) {
     memset(h, 0, n * 4);
     CHECK(aclrtMemcpy(h, n * 4, dev, n * 4, 2));
     printf("h2d_first %u\nh2d_last %u\n", h[0], h[n - 1]);
-    /* a host callback runs in stream order, after the kernel before it */
+    /* a host callback: refused on a stream nobody subscribed to; once a thread has, it runs
+     * there in stream order, after the kernel before it, and (blocking) before what follows */
     struct cb_seen seen = {dev, 0, 0};
+    printf("callback_unsubscribed_rc %d\n", aclrtLaunchCallback(host_callback, &seen, 1, s));
+    struct reporter rep = {s, 0, -1, 0, 0};
+    pthread_create(&rep.th, NULL, reporter_main, &rep);
+    while (__atomic_load_n(&rep.subscribe_rc, __ATOMIC_SEQ_CST) == -1) sleep_ms(5);
     CHECK(launch_add(s, dev, 1, 100));
     printf("callback_rc %d\n", aclrtLaunchCallback(host_callback, &seen, 1, s));
+    CHECK(launch_add(s, dev, 1, 1000));
     CHECK(aclrtSynchronizeStream(s));
+    __atomic_store_n(&rep.stop, 1, __ATOMIC_SEQ_CST);
+    pthread_join(rep.th, NULL);
+    printf("subscribe_rc %d\nreports_run %d\n", rep.subscribe_rc, rep.ran);
     printf("callback_calls %d\ncallback_word %u\n", seen.calls, seen.word);
+    printf("unsubscribe_rc %d\n", aclrtUnSubscribeReport((uint64_t)rep.th, s));
+    printf("report_timeout_rc %d\n", aclrtProcessReport(10));
+    uint32_t after = 0;
+    CHECK(aclrtMemcpy(&after, 4, dev, 4, 2));
+    printf("after_callback_word %u\n", after);
     void *hb = NULL;
     printf("mallochost_rc %d\n", aclrtMallocHost(&hb, 1 << 20));
-    CHECK(aclrtMemcpy(hb, 4, dev, 4, 2));
+    CHECK(aclrtMemcpy(hb, 4, dev, 4, 2)); /* 1101: the kernels after the callback ran too */
     printf("hostbuf_word %u\n", *(uint32_t *)hb);
     printf("freehost_rc %d\n", aclrtFreeHost(hb));
     uint32_t ndev = 0;
