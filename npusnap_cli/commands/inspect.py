@@ -57,6 +57,17 @@ def _plugin_checkpoint(directory: Path) -> Any:
     return containers.find(directory)
 
 
+def _host_needs(out: Any, manifest: Any) -> None:
+    """What a restore needs from the host besides the image's own files."""
+    rows = [[n.path, n.kind, f"{n.mode:o}", f"{n.uid}:{n.gid}", n.why] for n in manifest.host_nodes]
+    rows += [
+        [f.path, "file (in the image)", f"{f.mode:o}", f"{f.uid}:{f.gid}", "tmpfs / deleted file"]
+        for f in manifest.host_files
+    ]
+    if rows:
+        out.table("needed on the host at restore", ["path", "kind", "mode", "owner", "for"], rows)
+
+
 def criu_detail(path: Path, *, container: Any = None) -> Any:
     """What CRIU saved (files, sockets, mounts, statistics) for an image, archive or container
     checkpoint; None when its CRIU images cannot be read (never fails the inspect)."""
@@ -260,6 +271,8 @@ def register(app: typer.Typer) -> None:
                 ["total", _fmt_s(t.total_s)],
             ],
         )
+        _host_needs(out, manifest)
+
         data["criu"] = criu_detail(directory)
         show_criu_detail(out, data["criu"])
         out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")

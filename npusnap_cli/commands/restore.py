@@ -120,6 +120,30 @@ def register(app: typer.Typer) -> None:
             help="With --lazy: seconds the page-in (and the page files' checksums) may take; past "
             "them the restored tree and the lazy-pages daemon are killed.",
         ),
+        device_map: Optional[list[str]] = typer.Option(
+            None,
+            "--device-map",
+            metavar="IMG=DEV[,IMG=DEV]",
+            help="Restore onto other devices: the image's device IMG becomes device DEV (an image of "
+            "`npusnap run --pid-ns`, simulated NPU only; on a node, a container does this). "
+            "With --replicas, once per replica.",
+        ),
+        output_file: Optional[Path] = typer.Option(
+            None,
+            "--output",
+            "-o",
+            help="The restored job writes where its standard output file was (stdout and stderr, "
+            "usually) into this file instead (appended). With --replicas, {n} in it is the replica's "
+            "number (else .N is appended).",
+        ),
+        replicas: int = typer.Option(
+            1,
+            "--replicas",
+            min=1,
+            help="Restore N copies side by side, at once, each in its own pid namespace (an image of "
+            "`npusnap run --pid-ns`), each with its own --device-map, pidfile (--pidfile P: P.N, or "
+            "{n} in P) and CRIU log directory.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> Optional[int]:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
@@ -155,7 +179,51 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
+        from npusnap_cli.host import pidns
+
+        maps = [pidns.parse_device_map(m) for m in device_map or []]
+        if replicas > 1:
+            from npusnap_cli.pipelines import replicas as replicas_mod
+
+            if dry_run:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--dry-run checks one restore, not --replicas",
+                    fix="check one copy: npusnap restore DIR --dry-run --device-map ... (the first copy's)",
+                )
+
+            phase(f"restoring {replicas} replicas at once")
+            results = replicas_mod.restore_all(
+                directory,
+                replicas,
+                maps,
+                verify=not no_verify,
+                pidfile=pidfile,
+                output=output_file,
+                logs=logs,
+                settle_s=settle,
+                extra=(["--accept-lost-device-memory"] if accept_lost else []),
+            )
+            failed = replicas_mod.failure(results)
+            rows = [
+                [str(r.index), str(r.root_pid or "-"), "ok" if r.ok else "FAILED", f"{r.wall_s:.3f}s"]
+                for r in results
+            ]
+            out.table("replicas", ["replica", "root pid", "status", "restore time"], rows, stream="stderr")
+            if failed is not None:
+                raise failed
+            for r in results:
+                out.data(str(r.root_pid))
+            out.result({"image": str(directory), "replicas": [r.__dict__ for r in results]})
+            return None
+        if len(maps) > 1:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError("--device-map is given more than once without --replicas", fix="give it once")
         options = restore_mod.RestoreOptions(
+            device_map=maps[0] if maps else (),
+            output=output_file,
             verify=not no_verify,
             pidfile=pidfile,
             logs=logs,

@@ -142,15 +142,21 @@ def _pids(ctx: DryRunContext) -> str:
     from npusnap_cli.pipelines import restore
 
     ids = restore.image_thread_ids(ctx.image, ctx.manifest)
+    if ctx.manifest.pid_ns:
+        return "a pid namespace of its own (`run --pid-ns`): no host pid needed"
     restore.check_pids_free(ctx.manifest, ids)
     return f"{len(ids)} pid(s) and thread id(s) free"
 
 
 def _devices(ctx: DryRunContext) -> str:
+    from npusnap_cli.host import pidns
     from npusnap_cli.pipelines import restore
 
-    restore.check_devices_free(ctx.manifest)
-    devices = sorted({d for p in ctx.manifest.npu_processes for d in (p.devices or ())})
+    device_map = getattr(ctx.options, "device_map", ())
+    pidns.check_device_map(ctx.manifest, device_map)
+    restore.check_devices_free(ctx.manifest, device_map)
+    moved = dict(device_map)
+    devices = sorted({moved.get(d, d) for p in ctx.manifest.npu_processes for d in (p.devices or ())})
     return f"device(s) {', '.join(map(str, devices)) or '-'} free"
 
 
