@@ -141,7 +141,8 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static double env_seconds(const char *name, double dflt) {
+/* A positive number from the environment (seconds, MiB), or the default. */
+static double env_positive(const char *name, double dflt) {
     const char *v = getenv(name);
     double s = v && *v ? atof(v) : dflt;
     return s > 0 ? s : dflt;
@@ -318,7 +319,7 @@ static HcclResult root_rendezvous(struct listener *l, uint32_t nranks, uint32_t 
         seen[h.rank] = 1;
         peers[npeers++] = c;
     }
-    uint64_t mib = (uint64_t)env_seconds("HCCL_BUFFSIZE", 8.0);
+    uint64_t mib = (uint64_t)env_positive("HCCL_BUFFSIZE", 8.0);
     *slot = mib << 20;
     *wbytes = HCCL_WINDOW_HEADER + (uint64_t)nranks * *slot;
     *wfd = -1;
@@ -374,7 +375,7 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
     if (aclrtGetDevice(&dev) != 0) return HCCL_E_RUNTIME; /* no device set on this thread */
     HcclResult rc = register_callbacks();
     if (rc != HCCL_SUCCESS) return rc;
-    double deadline = now_s() + env_seconds("HCCL_CONNECT_TIMEOUT", 120.0);
+    double deadline = now_s() + env_positive("HCCL_CONNECT_TIMEOUT", 120.0);
     struct listener *l = take_listener(&ri);
     int wfd = -1;
     uint64_t wbytes = 0, slot = 0;
@@ -505,7 +506,7 @@ static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf,
         a.send = (uint64_t)(uintptr_t)sendBuf;
         a.recv = (uint64_t)(uintptr_t)recvBuf;
         a.count = count;
-        a.timeout_ms = (uint64_t)(env_seconds("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
+        a.timeout_ms = (uint64_t)(env_positive("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
         a.rank = c->rank;
         a.nranks = c->nranks;
         a.dtype = dataType;
@@ -550,7 +551,7 @@ API HcclResult HcclCommDestroy(HcclComm comm) {
     if (!c) return HCCL_E_PARA;
     /* Collectives still queued read the window: wait for them (HCCL_EXEC_TIMEOUT). */
     _Atomic uint32_t *inflight = (_Atomic uint32_t *)&c->state.inflight;
-    double deadline = now_s() + env_seconds("HCCL_EXEC_TIMEOUT", 1836.0);
+    double deadline = now_s() + env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
     uint32_t v;
     while ((v = atomic_load(inflight)) != 0 && now_s() < deadline) {
         struct timespec ts = {0, 50000000L};
