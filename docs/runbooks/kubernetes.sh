@@ -74,11 +74,11 @@ eval "$("$NPUSNAP" sim env)"
 #    org.criu.config annotation, so that the test machine's runc is left alone.
 {
     echo "# npusnap: CRIU options for runc (CRI-O, podman)"
-    [ -n "${NPUSNAP_CRIU_PLUGIN_DIR:-}" ] && echo "libdir $NPUSNAP_CRIU_PLUGIN_DIR"
+    echo "libdir ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}"
     echo "timeout 600"
 } >"$WORK/runc.conf"
-[ -n "${NPUSNAP_CRIU_PLUGIN_DIR:-}" ] || [ -f /usr/lib/criu/npusnap_plugin.so ] ||
-    fail "no /usr/lib/criu/npusnap_plugin.so: run scripts/setup.sh as root"
+[ -f "${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}/npusnap_plugin.so" ] ||
+    fail "no npusnap_plugin.so in ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}: run scripts/setup.sh as root"
 
 # 2. The NPU container, as CRI-O would run it for a pod (runc runtime).
 build_npu_image "$TAG" "$WORK"

@@ -427,7 +427,7 @@ def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
 def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
     """Device handles need a CRIU plugin: real Ascend device files Huawei's, the simulated NPU's
     daemon connection this project's npusim_plugin.so. Missing or built for another CRIU: refused."""
-    from npusnap_cli.host import preflight
+    from npusnap_cli.host import criuplugin, preflight
 
     sim = _simulated_npu_pids(tree)
     if sim:
@@ -457,7 +457,7 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
             "the target has Ascend device files open but CRIU has no NPU plugin",
             why="stock CRIU cannot dump /dev/davinci* fds and device mappings; Huawei's CRIU "
             "plugin (npu_plugin.so) handles them",
-            fix="install the CANN CRIU plugin into CRIU's plugin directory (/usr/lib/criu), then retry",
+            fix=criuplugin.ASCEND.install_fix + ", then retry",
             details={"device_files": devfiles},
         )
     if plugin is not None:
