@@ -18,7 +18,7 @@
  *  - copies the tracked memory with the driver's own copy, drvMemcpy, which the runtime's lock
  *    does not gate: after Lock (save) and after Restore, still LOCKED (reload).
  *
- * There is no gate of npusnap's own any more: the runtime's lock holds about 266 entry points on
+ * There is no gate of npusnap's own: the runtime's lock holds about 266 entry points on
  * every thread -- launches, copies, VMM, HCCL -- from Lock to Unlock, and the reload runs before
  * Unlock, so nothing of the job touches device memory between the copy and the reload.
  *
@@ -644,7 +644,7 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
 /* The copies between the device and the image's file, spread over a few threads: each takes the
  * next chunk (an allocation's range <-> a range of the file) until none is left or one failed.
  * A copy and its page-cache write or mapping go at one core's pace, and nothing else of the job
- * runs meanwhile (it waits at npusnap's gate), so the other cores shorten both directions:
+ * runs meanwhile (it waits in the runtime's lock), so the other cores shorten both directions:
  *  - save: each thread copies its chunk off the device into its own buffer and writes it at its
  *    place in the file (pwrite). 1 GiB here: the lock phase went from 0.79 to 0.44-0.49 s
  *    (medians of 5; the CLI reserves the file's blocks first, see image/streamhash.py). The file

@@ -389,10 +389,6 @@ static int reload_file(char *err, size_t errlen) {
     return devmem.reload_fd;
 }
 
-/* After Unlock: reload the host copies if a Restore ran (the device contents are gone), then
- * open npusnap's gate. The steps done go into steps (a JSON array's members). A failed reload
- * leaves the gate closed (the job stays held rather than computing on memory whose contents
- * are gone) and fills e; a later rollback (`npusnap thaw`) tries the reload again. */
 /* After Restore, before Unlock (the runtime's lock still holds every thread of the job): write the
  * saved device memory back. A failure leaves the process LOCKED -- held, never computing on lost
  * memory -- and a later unlock/rollback/`thaw` tries the reload again before it unlocks. */
@@ -540,13 +536,10 @@ static int call_restore(op_error *e) {
     }
     restore_pending = 0;
     /* CANN's legacy Restore gives the allocations back at their addresses, not their contents:
-     * npusnap writes them back now, still LOCKED. */
+     * npusnap writes them back before the Unlock that follows (unlock, rollback), still LOCKED --
+     * by then the restore command has checked the device-memory file's checksum. */
     device_restored = 1;
-    sbuf steps;
-    sb_init(&steps);
-    int rc = devmem_reload(&steps, e);
-    sb_free(&steps);
-    return rc;
+    return 0;
 }
 
 /* Backup in the flow chosen at Lock. Where the driver-backed flow turns out not to be supported
