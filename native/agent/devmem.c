@@ -883,12 +883,22 @@ static int quiesce(int timeout_ms, char *err, size_t errlen) {
     void *ctxs[64];
     int nd = 0;
     pthread_mutex_lock(&g_mu);
+    /* Every device holding tracked memory (it must have a known context), and every other device
+     * the job opened (so that Backup's own synchronize, which has no timeout, finds them idle). */
     for (size_t i = 0; i < g_n; i++) {
         int32_t d = g_allocs[i].dev;
         if (g_allocs[i].excluded || d < 0 || d >= MAX_DEVS) continue;
         int seen = 0;
         for (int k = 0; k < nd; k++) seen |= devs[k] == d;
         if (!seen && nd < 64) {
+            devs[nd] = d;
+            ctxs[nd++] = g_dev_ctx[d];
+        }
+    }
+    for (int32_t d = 0; d < MAX_DEVS && nd < 64; d++) {
+        int seen = 0;
+        for (int k = 0; k < nd; k++) seen |= devs[k] == d;
+        if (!seen && g_devs[d] && g_dev_ctx[d]) {
             devs[nd] = d;
             ctxs[nd++] = g_dev_ctx[d];
         }
@@ -1016,6 +1026,14 @@ static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t 
     pthread_mutex_unlock(&g_mu);
     t_agent = 0;
     return ret;
+}
+
+API int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen) {
+    if (timeout_ms < 0) timeout_ms = 0;
+    t_agent = 1;
+    int rc = quiesce(timeout_ms, err, errlen);
+    t_agent = 0;
+    return rc;
 }
 
 API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {

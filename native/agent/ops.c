@@ -32,6 +32,7 @@
 #pragma weak npusnap_devmem_get_info
 #pragma weak npusnap_devmem_registered_count
 #pragma weak npusnap_devmem_devices
+#pragma weak npusnap_devmem_drain
 
 /* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
@@ -444,6 +445,35 @@ static void devmem_begin(const char *mode) {
     snprintf(devmem.flow, sizeof devmem.flow, "legacy");
     devmem.fallback[0] = 0;
     device_restored = 0;
+}
+
+static int call(const char *what, op_error *e);
+
+/* Unlock after a failed drain or save (nothing of the job ran meanwhile); a failed Unlock is
+ * added to e's message with what to do. */
+static void unlock_after_failure(op_error *e) {
+    op_error again;
+    err_init(&again);
+    if (call("Unlock", &again) < 0) {
+        ops_event("unlock after a failed lock step FAILED: %s", again.message);
+        size_t n = strlen(e->message);
+        snprintf(e->message + n, sizeof e->message - n, " -- and Unlock FAILED: %s; run `npusnap thaw %d`",
+                 again.message, (int)getpid());
+    }
+    err_free(&again);
+}
+
+/* After Lock without a copy of npusnap's: the bounded drain of every device the job opened, so
+ * that Backup's synchronize (no timeout in CANN) finds them idle. */
+static int devmem_drain(op_error *e, const char *after) {
+    if (!npusnap_devmem_drain) return 0;
+    char err[512] = "";
+    int rc = npusnap_devmem_drain(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+    if (rc != 0) {
+        err_set(e, "state", "DEVICE_BUSY", rc, "the devices did not finish their queued work: %s; %s", err, after);
+        return -1;
+    }
+    return 0;
 }
 
 /* After Lock in preserve mode: drain the devices (bounded) and copy the device memory with the
@@ -883,21 +913,20 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         no_device = 1;
         close_fd(&devmem.save_fd);
         ops_event("no device open (no LOCK_PRE callback ran): not locked, nothing to back up");
+    } else if ((strcmp(mode, "preserve") != 0 || acl_may_have_driver_flow(&rt)) &&
+               devmem_drain(e, "the process was unlocked and runs on") < 0) {
+        unlock_after_failure(e);
+        devmem.mode[0] = 0;
+        devmem.flow[0] = 0;
+        sb_free(&ran);
+        return -1;
     } else if (strcmp(mode, "preserve") == 0 && acl_may_have_driver_flow(&rt)) {
         /* The driver-backed flow keeps device memory itself where the driver has the feature;
          * Backup tells (207000 otherwise), and then npusnap takes its own copy, still locked. */
         snprintf(devmem.flow, sizeof devmem.flow, "driver?");
     } else if (strcmp(mode, "preserve") == 0 && devmem_save(e, "the process was unlocked and runs on") < 0) {
         /* Nothing of the job ran while it was locked; Unlock gives it back as it was. */
-        op_error again;
-        err_init(&again);
-        if (call("Unlock", &again) < 0) {
-            ops_event("unlock after a failed save FAILED: %s", again.message);
-            size_t n = strlen(e->message);
-            snprintf(e->message + n, sizeof e->message - n, " -- and Unlock FAILED: %s; run `npusnap thaw %d`",
-                     again.message, (int)getpid());
-        }
-        err_free(&again);
+        unlock_after_failure(e);
         devmem.mode[0] = 0;
         devmem.flow[0] = 0;
         sb_free(&ran);

@@ -41,6 +41,11 @@ typedef struct npusnap_devmem_info {
  * Returns 0, or -errno with a message in err (-ETIMEDOUT: a kernel or collective still runs). */
 int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen);
 
+/* After the runtime's Lock, without a copy (modes app/discard, the driver-backed flow): the same
+ * bounded drain of every device the job opened, so that Backup's own synchronize (which has no
+ * timeout) finds nothing queued. 0, or -errno with err set. */
+int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen);
+
 /* The same, but the copies go into fd (a file of the image that npusnap's dump opened and
  * passed to the agent) instead of host memory: CRIU then dumps (and restores) that much less
  * process memory, and the bytes are written once. *written gets the file's size. */
