@@ -1,0 +1,120 @@
+"""A torch_npu-shaped job (npu_train.py: expandable segments, aclnn operators on streams, HCCL)
+dumped at an arbitrary moment and restored: its output continues exactly as an uninterrupted run's.
+
+The job never idles: every step queues a batch copy on a copy stream and a chain of asynchronous
+kernels on a compute stream (with two ranks, an all-reduce too), so a dump lands mid-kernel,
+mid-all-reduce or with copies queued. npusnap's agent Locks (the runtime then holds every launch),
+drains the devices with a bounded synchronize, copies the VMM-backed memory with drvMemcpy,
+Backs up; after the restore it writes the memory back before Unlock. The strict variant runs
+on the simulated tree that exports real CANN names only, with npusnap forbidden to talk to the
+simulator's daemon.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli import paths
+from npusnap_cli.workloads import script_path
+from tests.conftest import requires_root
+from tests.integration.dumplib import PY, REPO, Job, alive, cli, job_env, wait_until
+
+pytestmark = [pytest.mark.integration, requires_root]
+
+JOB = str(script_path("npu_train"))
+FAST = {"NPUSIM_KERNEL_BLOCK_US": "0", "HCCL_EXEC_TIMEOUT": "60", "HCCL_CONNECT_TIMEOUT": "60"}
+ARGS = ["--hidden", "16", "--interval", "0.02"]
+
+
+def _env(sim_env: dict[str, str], runtime_dir: Path, strict: bool) -> dict[str, str]:
+    env = job_env(sim_env, runtime_dir, **FAST)
+    if strict:
+        home = paths.build_dir() / "cann-strict"
+        env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSNAP_NO_SIM_DAEMON="1")
+    return env
+
+
+def _reference(env: dict[str, str], args: list[str]) -> list[str]:
+    fast = [a if a != "0.02" else "0" for a in args]
+    done = subprocess.run([PY, JOB, *fast], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def _round_trip(job: Job, env: dict[str, str], img: Path, after_lines: int, ranks: int) -> None:
+    wait_until(lambda: len(job.lines()) >= after_lines * ranks, 60, f"{after_lines} steps per rank")
+    time.sleep(random.uniform(0, 0.05))  # somewhere inside a step: kernels, copies, an all-reduce queued
+    rc, out, err = cli(env, "dump", str(job.pid), str(img), timeout=180)
+    assert rc == 0, (out or {}).get("error") or err
+    assert out is not None
+    record = out["result"]["device_memory"]
+    assert record["continuity"] == "npusnap", record
+    assert any(p.get("vmm_bytes") for p in record["processes"].values()), record  # expandable segments
+    job.reap(30)
+    rc, out, err = cli(env, "restore", str(img), timeout=180)
+    assert rc == 0, (out or {}).get("error") or err
+    assert out is not None and out["result"]["device_memory"] == "npusnap"
+    job.restored_pid = out["result"]["root_pid"]
+    wait_until(lambda: not alive(job.restored_pid), 180, "the restored job to finish")
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["sim", "strict-no-daemon"])
+def test_one_rank_continues_exactly(
+    strict: bool, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = _env(sim_env, runtime_dir, strict)
+    args = ["--steps", "30", *ARGS]
+    ref = _reference(env, args)
+    job = Job(tmp_path, env, [PY, JOB, *args])
+    try:
+        _round_trip(job, env, tmp_path / "img", 6, 1)
+        assert [ln for ln in job.lines() if ln.startswith("step")] == ref
+    finally:
+        job.cleanup()
+
+
+def test_two_ranks_continue_exactly(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """Two ranks on devices 0 and 1 under a launcher, all-reducing every step: dumped together
+    (the communicator is rebuilt after the restore), each rank's lines are the reference's."""
+    env = _env(sim_env, runtime_dir, False)
+    args = ["--steps", "20", *ARGS, "--ranks", "2"]
+    ref = _reference(env, args)
+    job = Job(tmp_path, env, [PY, JOB, *args])
+    try:
+        _round_trip(job, env, tmp_path / "img", 5, 2)
+        for r in (0, 1):
+            mine = [ln for ln in job.lines() if ln.startswith(f"[rank {r}]")]
+            assert mine == [ln for ln in ref if ln.startswith(f"[rank {r}]")], r
+    finally:
+        job.cleanup()
+
+
+def test_a_job_that_started_its_own_agent(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """The agent library preloaded (as in a container image) and started by the job itself with
+    agent.start(), not by `npusnap run`: tracking is complete from the start, so the dump is
+    continuous; --leave-running first, then a dump and restore."""
+    from npusnap_cli.agent.launch import agent_library
+
+    env = _env(sim_env, runtime_dir, False)
+    env.update(LD_PRELOAD=str(agent_library()), PYTHONPATH=str(REPO))
+    args = ["--steps", "30", *ARGS]
+    ref = _reference(job_env(sim_env, runtime_dir, **FAST), args)
+    starter = (
+        "import runpy, sys; import npusnap_cli.agent as a; a.start(); "
+        f"sys.argv = [{JOB!r}, *sys.argv[1:]]; runpy.run_path({JOB!r}, run_name='__main__')"
+    )
+    job = Job(tmp_path, env, [PY, "-c", starter, *args], agent=False)
+    job.marker = "npusnap_cli.agent"
+    try:
+        wait_until(lambda: len(job.lines()) >= 4, 60, "4 steps")
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "kept"), "--leave-running", timeout=180)
+        assert rc == 0, (out or {}).get("error") or err
+        _round_trip(job, env, tmp_path / "img", 10, 1)
+        assert [ln for ln in job.lines() if ln.startswith("step")] == ref
+    finally:
+        job.cleanup()
