@@ -1,5 +1,7 @@
-/* Internal interface of the simulated CANN runtime: error codes and the functions libruntime.so
- * exports to the ACL front-ends (acl.c). Not a public header of the fake CANN tree. */
+/* Internal header of the simulated CANN runtime: error codes (include/external/acl/error_codes/
+ * rt_error_codes.h and acl_base.h of the runtime repository), snapshot stages and the callback type.
+ * The functions between the layers are the real rt* and hal* names (runtime.c, hal.c, hal.h). Not a
+ * public header of the fake CANN tree. */
 #ifndef NPUSIM_H
 #define NPUSIM_H
 #include <stddef.h>
@@ -38,27 +40,14 @@ enum {
 
 typedef uint32_t (*npusim_callback)(int32_t device_id, void *args);
 
-#define NPUSIM_API __attribute__((visibility("default")))
+typedef int32_t rtError_t;
 
-NPUSIM_API int32_t npusim_rt_init(const char *config);
-NPUSIM_API int32_t npusim_rt_finalize(void);
-NPUSIM_API int32_t npusim_rt_set_device(int32_t dev);
-NPUSIM_API int32_t npusim_rt_reset_device(int32_t dev);
-NPUSIM_API int32_t npusim_rt_get_device(int32_t *dev);
-NPUSIM_API int32_t npusim_rt_malloc(void **ptr, size_t size, int policy);
-NPUSIM_API int32_t npusim_rt_free(void *ptr);
-NPUSIM_API int32_t npusim_rt_memcpy(void *dst, size_t dest_max, const void *src, size_t count, int kind);
-NPUSIM_API int32_t npusim_rt_synchronize_device(void);
-NPUSIM_API int32_t npusim_rt_get_current_context(void **ctx);
-NPUSIM_API int32_t npusim_rt_set_current_context(void *ctx);
-NPUSIM_API int32_t npusim_rt_get_version_str(char *pkg, char *out);
-NPUSIM_API int npusim_rt_get_open_devices(int32_t *ids, int max);
-NPUSIM_API int32_t npusim_rt_callback_register(int stage, npusim_callback cb, void *args);
-NPUSIM_API int32_t npusim_rt_callback_unregister(int stage, npusim_callback cb);
-NPUSIM_API int32_t npusim_rt_lock(int pid, void *reserve);
-NPUSIM_API int32_t npusim_rt_backup(int pid, void *args);
-NPUSIM_API int32_t npusim_rt_restore(int pid, void *args);
-NPUSIM_API int32_t npusim_rt_unlock(int pid, void *reserve);
-NPUSIM_API int rtSnapShotProcessGetState(int *state);
+#define ACL_ERROR_RT_STREAM_NOT_COMPLETE 507004
+#define ACL_ERROR_RT_EVENT_NOT_COMPLETE 507006
+#define ACL_ERROR_RT_AICORE_EXCEPTION 507015
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
+
+#define NPUSIM_API __attribute__((visibility("default")))
+#define RT_API NPUSIM_API
 
 #endif

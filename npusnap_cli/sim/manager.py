@@ -27,6 +27,7 @@ START_TIMEOUT_S = 15.0
 LOG_NAME = "npusim.log"
 
 CANN_OUTPUTS = (
+    Path("lib64") / "libascend_hal.so",
     Path("lib64") / "libruntime.so",
     Path("lib64") / "libacl_rt.so",
     Path("lib64") / "libascendcl.so",
