@@ -239,15 +239,18 @@ def check_devices_free(manifest: img.Manifest) -> list[str]:
     """Restore claims the same device ids, which must be free of every other process (runtime
     design doc: "若Device被其他进程占用，则恢复失败"). Found the way a real node allows, for every
     image: the processes of this host that have NPU device memory mapped or a device file open
-    (/proc, host/devmaps.py); those with an npusnap agent name their devices (its hello: the
-    devices its job opened, or its runtime's LOCK_PRE callbacks). One that holds a device of the
-    image: refused (BusyError). One without an agent cannot say which device it uses (the driver
-    maps one SVM span for all devices and /dev/davinciN is never held open): returned as a note;
-    the runtime's Restore refuses an occupied device itself (507909) and the process then stays
-    locked, to be retried or killed."""
-    from npusnap_cli import paths
+    (/proc, host/devmaps.py) and the image's CANN installation loaded; those with an npusnap
+    agent name their devices (its hello: the devices its job opened, or its runtime's LOCK_PRE
+    callbacks). One that holds a device of the image: refused (BusyError). One without an agent
+    cannot say which device it uses (the driver maps one SVM span for all devices and
+    /dev/davinciN is never held open): returned as a note. Jobs of another CANN installation are
+    not asked (on the simulator each tree is a node of its own); on a node they, like the ones
+    without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
+    and the restored process stays locked, to be retried or killed."""
+    from npusnap_cli import acl, paths
     from npusnap_cli.device.agent_client import AgentClient
     from npusnap_cli.host import devmaps
+    from npusnap_cli.pipelines.dump import _cann_home_of as _cann_home
 
     wanted = {d: p.pid for p in manifest.npu_processes for d in p.devices}
     if not wanted:
@@ -255,7 +258,11 @@ def check_devices_free(manifest: img.Manifest) -> list[str]:
     image_pids = frozenset(p.pid for p in manifest.processes)
     busy: list[tuple[int, int]] = []
     unknown: list[int] = []
+    home = manifest.versions.cann_home
     for pid in devmaps.npu_users(exclude=image_pids):
+        library = acl.loaded_acl_library(pid)
+        if home and library and os.path.realpath(_cann_home(library)) != os.path.realpath(home):
+            continue
         devices: Optional[list[int]] = None
         if paths.find_agent_socket(pid) is not None:
             try:
