@@ -320,9 +320,10 @@ static void devmem_json(sbuf *b) {
         npusnap_devmem_get_info(&info);
         sb_printf(b,
                   ",\"allocations\":%llu,\"bytes\":%llu,\"saved_bytes\":%llu,\"excluded_bytes\":%llu,"
-                  "\"interposed\":%s,\"gate_closed\":%s",
+                  "\"vmm_bytes\":%llu,\"reserved_bytes\":%llu,\"interposed\":%s,\"gate_closed\":%s",
                   (unsigned long long)info.allocations, (unsigned long long)info.bytes,
                   (unsigned long long)info.saved_bytes, (unsigned long long)info.excluded_bytes,
+                  (unsigned long long)info.vmm_bytes, (unsigned long long)info.reserved_bytes,
                   info.interposed ? "true" : "false", info.gate_closed ? "true" : "false");
     }
     sb_raw(b, "}");

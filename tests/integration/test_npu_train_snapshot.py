@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, requires_root]
 
 JOB = str(script_path("npu_train"))
 FAST = {"NPUSIM_KERNEL_BLOCK_US": "0", "HCCL_EXEC_TIMEOUT": "60", "HCCL_CONNECT_TIMEOUT": "60"}
-ARGS = ["--hidden", "16", "--interval", "0.02"]
+ARGS = ["--hidden", "16", "--interval", "0.03"]
 
 
 def _env(sim_env: dict[str, str], runtime_dir: Path, strict: bool) -> dict[str, str]:
@@ -40,7 +40,7 @@ def _env(sim_env: dict[str, str], runtime_dir: Path, strict: bool) -> dict[str, 
 
 
 def _reference(env: dict[str, str], args: list[str]) -> list[str]:
-    fast = [a if a != "0.02" else "0" for a in args]
+    fast = [a if a != "0.03" else "0" for a in args]
     done = subprocess.run([PY, JOB, *fast], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
@@ -68,7 +68,7 @@ def test_one_rank_continues_exactly(
     strict: bool, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = _env(sim_env, runtime_dir, strict)
-    args = ["--steps", "30", *ARGS]
+    args = ["--steps", "150", *ARGS]
     ref = _reference(env, args)
     job = Job(tmp_path, env, [PY, JOB, *args])
     try:
@@ -82,7 +82,7 @@ def test_two_ranks_continue_exactly(sim_env: dict[str, str], runtime_dir: Path, 
     """Two ranks on devices 0 and 1 under a launcher, all-reducing every step: dumped together
     (the communicator is rebuilt after the restore), each rank's lines are the reference's."""
     env = _env(sim_env, runtime_dir, False)
-    args = ["--steps", "20", *ARGS, "--ranks", "2"]
+    args = ["--steps", "100", *ARGS, "--ranks", "2"]
     ref = _reference(env, args)
     job = Job(tmp_path, env, [PY, JOB, *args])
     try:
@@ -102,7 +102,7 @@ def test_a_job_that_started_its_own_agent(sim_env: dict[str, str], runtime_dir: 
 
     env = _env(sim_env, runtime_dir, False)
     env.update(LD_PRELOAD=str(agent_library()), PYTHONPATH=str(REPO))
-    args = ["--steps", "30", *ARGS]
+    args = ["--steps", "150", *ARGS]
     ref = _reference(job_env(sim_env, runtime_dir, **FAST), args)
     starter = (
         "import runpy, sys; import npusnap_cli.agent as a; a.start(); "
