@@ -44,6 +44,7 @@
 #define TICK 0.1
 #define FREEZE_GAP 1.0
 #define DEVMEM_SAVE_TIMEOUT_MS 10000
+static int drain_ms = DEVMEM_SAVE_TIMEOUT_MS; /* of the current lock (its drain_timeout_s) */
 #define N_EVENTS 20
 
 static acl_rt rt;
@@ -469,7 +470,7 @@ static void unlock_after_failure(op_error *e) {
 static int devmem_drain(op_error *e, const char *after) {
     if (!npusnap_devmem_drain) return 0;
     char err[512] = "";
-    int rc = npusnap_devmem_drain(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+    int rc = npusnap_devmem_drain(drain_ms, err, sizeof err);
     if (rc != 0) {
         err_set(e, "state", "DEVICE_BUSY", rc, "the devices did not finish their queued work: %s; %s", err, after);
         return -1;
@@ -486,15 +487,19 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
     const char *where = devmem.save_fd >= 0 ? "into the image's file" : "to host memory";
     if (devmem.save_fd >= 0) {
         uint64_t written = 0;
-        rc = npusnap_devmem_save_fd(devmem.save_fd, DEVMEM_SAVE_TIMEOUT_MS, &written, err, sizeof err);
+        rc = npusnap_devmem_save_fd(devmem.save_fd, drain_ms, &written, err, sizeof err);
         devmem.file_bytes = rc == 0 ? (unsigned long long)written : 0;
         close_fd(&devmem.save_fd); /* written: the dump owns the file now */
     } else {
-        rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+        rc = npusnap_devmem_save(drain_ms, err, sizeof err);
     }
     if (rc != 0) {
-        err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc, "could not copy the device memory %s: %s; %s", where,
-                err, nothing_locked);
+        if (rc == -ETIMEDOUT)
+            err_set(e, "state", "DEVICE_BUSY", rc, "the devices did not finish their queued work: %s; %s", err,
+                    nothing_locked);
+        else
+            err_set(e, "state", "DEVICE_MEMORY_SAVE_FAILED", rc, "could not copy the device memory %s: %s; %s",
+                    where, err, nothing_locked);
         return -1;
     }
     devmem.saved = 1;
@@ -867,6 +872,9 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     }
     const jval *dm = json_get(r->args, "device_memory");
     const char *mode = dm && dm->t == J_STR ? dm->s : "preserve";
+    const jval *dt = json_get(r->args, "drain_timeout_s");
+    drain_ms = dt && dt->t == J_NUM ? (int)(dt->num * 1000 + 0.5) : DEVMEM_SAVE_TIMEOUT_MS;
+    if (drain_ms < 1) drain_ms = 1;
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
     if (strcmp(mode, "preserve") != 0) close_fd(&devmem.save_fd); /* nothing to save */
     double start = mono_now();

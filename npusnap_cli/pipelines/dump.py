@@ -497,6 +497,21 @@ def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int)
         )
 
 
+# After Lock every agent drains its devices (a bounded synchronize) before it copies: a device
+# still busy at the deadline fails the attempt, everything is rolled back and it is tried again.
+DRAIN_TIMEOUT_GROUP_S = 3.0
+BUSY_RETRIES_GROUP = 5
+BUSY_RETRIES = 1
+
+
+def _empty_files(files: dict[int, tuple[int, str]]) -> None:
+    """Before another lock attempt: the device-memory files from the start again."""
+    for fd, _name in files.values():
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+
+
 def agent_device_bytes(hello: dict[str, Any]) -> int:
     """The device memory an agent will copy (its records, less what the application excluded)."""
     dm = hello.get("device_memory") or {}
@@ -949,9 +964,18 @@ class _Pipeline:
         try:
             files = self._open_device_memory_files()
             try:
+                # Ranks of one job all-reduce: one rank's collective waits for another's launch,
+                # which that rank's lock holds, so the drain after Lock may not finish. Several
+                # processes: a shorter drain, and a few more tries (all rolled back in between).
+                several = len(self.target.npu_pids) > 1
                 with self.clock.phase("lock+backup"), self._backup_progress():
                     results = self.group.lock_and_backup(
-                        backup=True, device_memory=self.options.device_memory, device_memory_files=files
+                        backup=True,
+                        device_memory=self.options.device_memory,
+                        device_memory_files=files,
+                        drain_timeout_s=DRAIN_TIMEOUT_GROUP_S if several else None,
+                        busy_retries=BUSY_RETRIES_GROUP if several else BUSY_RETRIES,
+                        before_retry=lambda: _empty_files(files),
                     )
             finally:
                 for fd, _name in files.values():
