@@ -63,12 +63,17 @@ def _round_trip(job: Job, env: dict[str, str], img: Path, after_lines: int, rank
     wait_until(lambda: not alive(job.restored_pid), 180, "the restored job to finish")
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["sim", "strict-no-daemon"])
+@pytest.mark.parametrize("mode", ["sim", "strict-no-daemon", "busy"])
 def test_one_rank_continues_exactly(
-    strict: bool, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    mode: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    env = _env(sim_env, runtime_dir, strict)
+    """``busy``: no pause between steps and kernels that take visible time (200 us a block):
+    the dump lands with kernels running and copies queued, every time."""
+    env = _env(sim_env, runtime_dir, mode == "strict-no-daemon")
     args = ["--steps", "150", *ARGS]
+    if mode == "busy":
+        env["NPUSIM_KERNEL_BLOCK_US"] = "200"
+        args = ["--steps", "60", "--hidden", "16", "--interval", "0"]
     ref = _reference(env, args)
     job = Job(tmp_path, env, [PY, JOB, *args])
     try:
