@@ -84,6 +84,9 @@ class DumpOptions:
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
     device_memory: str = "preserve"  # preserve | app | discard (docs/device-memory.md)
+    # How long each agent waits for its devices to drain after Lock; None: 10 s, or
+    # DRAIN_TIMEOUT_GROUP_S for a tree of several NPU processes.
+    drain_timeout_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -973,7 +976,8 @@ class _Pipeline:
                         backup=True,
                         device_memory=self.options.device_memory,
                         device_memory_files=files,
-                        drain_timeout_s=DRAIN_TIMEOUT_GROUP_S if several else None,
+                        drain_timeout_s=self.options.drain_timeout_s
+                        or (DRAIN_TIMEOUT_GROUP_S if several else None),
                         busy_retries=BUSY_RETRIES_GROUP if several else BUSY_RETRIES,
                         before_retry=lambda: _empty_files(files),
                     )

@@ -12,6 +12,7 @@ simulator's daemon.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import time
@@ -123,3 +124,64 @@ def test_a_job_that_started_its_own_agent(sim_env: dict[str, str], runtime_dir: 
         assert [ln for ln in job.lines() if ln.startswith("step")] == ref
     finally:
         job.cleanup()
+
+
+def test_a_collective_waiting_for_a_stopped_rank_fails_the_dump_not_the_job(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0's all-reduce waits for rank 1, which is stopped: CANN's Backup would synchronize
+    forever. npusnap's drain after Lock gives up at --drain-timeout, the dump fails (exit 7,
+    DEVICE_BUSY) after its retry, nothing stays locked, and once rank 1 goes on both ranks
+    print exactly the reference's lines."""
+    import os
+    import signal
+
+    from npusnap_cli.errors import ExitCode
+    from tests.integration.dumplib import agent_state
+
+    env = _env(sim_env, runtime_dir, False)
+    args = ["--steps", "40", *ARGS]
+    ref = _reference(env, [*args, "--ranks", "2"])
+    rdv = tmp_path / "rdv"
+    rdv.mkdir()
+    jobs = []
+    for r in (0, 1):
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        argv = [
+            PY,
+            JOB,
+            *args,
+            "--rank",
+            str(r),
+            "--world",
+            "2",
+            "--device",
+            str(r),
+            "--rendezvous",
+            str(rdv),
+        ]
+        jobs.append(Job(d, env, [*argv, "--prefix", f"[rank {r}] "]))
+    try:
+        wait_until(lambda: all(len(j.lines()) >= 3 for j in jobs), 60, "both ranks")
+        os.kill(jobs[1].pid, signal.SIGSTOP)
+        time.sleep(0.5)  # rank 0 reaches its next all-reduce and waits there
+        held = len(jobs[0].lines())
+        rc, out, err = cli(env, "dump", str(jobs[0].pid), str(tmp_path / "img"), "--drain-timeout", "1")
+        assert rc == ExitCode.DEVICE, (out or {}).get("error") or err
+        assert out is not None and out["error"]["details"]["agent_error"]["name"] == "DEVICE_BUSY", out[
+            "error"
+        ]
+        assert not (tmp_path / "img").exists()
+        assert agent_state(jobs[0].pid) == "RUNNING"
+        assert len(jobs[0].lines()) == held  # still waiting for rank 1, not failed
+        os.kill(jobs[1].pid, signal.SIGCONT)
+        for j in jobs:
+            assert j.reap(120) == 0, j.text()[-2000:]
+        for r in (0, 1):
+            assert jobs[r].lines() == [ln for ln in ref if ln.startswith(f"[rank {r}]")], r
+    finally:
+        for j in jobs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(j.pid, signal.SIGCONT)
+            j.cleanup()
