@@ -69,10 +69,12 @@ def test_dump_midway_restore_prints_the_uninterrupted_run(
         rc, insp, _ = cli(env, "inspect", str(img))
         assert rc == 0 and insp is not None and insp["result"]["root_pid"] == job.pid
 
-        # Another process on device 0: restore must refuse before touching anything.
+        # Another process on device 0: restore must refuse before touching anything. npusnap finds
+        # it in /proc (device mappings) and its agent names its device (a process without an
+        # agent cannot say which device it uses: the runtime's Restore refuses that one, 507909).
         occ_dir = tmp_path / "occ"
         occ_dir.mkdir()
-        occupier = Job(occ_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"], agent=False)
+        occupier = Job(occ_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"])
         try:
             occupier.wait_lines(1)
             rc, out, _ = cli(env, "restore", str(img))
