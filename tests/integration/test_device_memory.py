@@ -257,6 +257,30 @@ def test_save_drains_the_device_at_most_the_timeout(make_driver: Callable[..., D
     assert d.call("read", a, 4 * MiB, timeout=30)["crc"] == crc
 
 
+def test_vmm_ranges_are_tracked_saved_and_reloaded(make_driver: Callable[..., Driver]) -> None:
+    """An expandable segment (aclrtReserveMemAddress + aclrtMallocPhysical + aclrtMapMem, as
+    torch_npu's caching allocator): the driver-layer tracking sees the mapped range; CANN's
+    Restore gives the mapping back at its address without its contents (the assumption the
+    simulator follows, docs/device-memory.md), and npusnap's copy brings the bytes back."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    v = d.call("vmm_alloc", 2 * MiB, 0)
+    assert v["rc"] == 0, v
+    a = d.call("malloc", 4096)["addr"]
+    crc_v = d.call("fill", v["addr"], 2 * MiB, "segment")["crc"]
+    crc_a = d.call("fill", a, 4096, "plain")["crc"]
+    info = d.call("dm_info")
+    assert info["vmm_bytes"] == 2 * MiB and info["bytes"] == 2 * MiB + 4096, info
+    assert info["reserved_bytes"] >= 2 * MiB
+    snapshot_cycle(d)
+    assert d.call("read", v["addr"], 4096)["head"] == POISON_HEAD  # the mapping came back, its bytes not
+    crc_v = d.call("fill", v["addr"], 2 * MiB, "segment")["crc"]
+    crc_a = d.call("fill", a, 4096, "plain")["crc"]
+    kept_cycle(d)
+    assert d.call("read", v["addr"], 2 * MiB)["crc"] == crc_v
+    assert d.call("read", a, 4096)["crc"] == crc_a
+
+
 def test_excluded_and_registered_buffers(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 1) == 0
@@ -382,18 +406,22 @@ def test_dump_refuses_device_memory_it_cannot_see(
 
 
 @requires_root
-@pytest.mark.parametrize("cann", ["9.0", "9.1"])
+@pytest.mark.parametrize("cann", ["9.0", "9.1", "strict"])
 def test_npusnap_round_trip_on_both_snapshot_abis(
     cann: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """CANN 8.5/9.0 declare Lock/Backup/Restore/Unlock without arguments, 9.1+ as (pid, args):
-    npusnap drives both the same way, and the job continues exactly (device memory kept)."""
+    npusnap drives both the same way, and the job continues exactly (device memory kept).
+    ``strict``: the 9.1 tree whose libraries export real CANN and driver names only, with
+    npusnap forbidden to talk to the simulator's daemon (NPUSNAP_NO_SIM_DAEMON=1)."""
     from npusnap_cli import paths
     from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
 
-    home = paths.build_dir() / paths.SIM_CANN_TREES[cann]
+    home = paths.build_dir() / paths.SIM_CANN_TREES.get(cann, f"cann-{cann}")
     env = job_env(sim_env, runtime_dir)
     env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSIM_CANN=cann)
+    if cann == "strict":
+        env["NPUSNAP_NO_SIM_DAEMON"] = "1"
     args = ["--steps", "40", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
@@ -402,7 +430,9 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
         job.wait_lines(5)
         rc, out, err = cli(env, "dump", str(job.pid), str(img))
         assert rc == 0, (out or {}).get("error") or err
-        assert out is not None and out["result"]["versions"]["cann"] == f"{cann}.0"
+        assert out is not None and out["result"]["versions"]["cann"] == (
+            "9.1.0" if cann == "strict" else f"{cann}.0"
+        )
         job.reap()
         rc, out, err = cli(env, "restore", str(img))
         assert rc == 0, (out or {}).get("error") or err
