@@ -400,6 +400,9 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     L += scale_section(plan, data, plot)
     L += assessment(plan, data)
     L += lazy_section(data, list(plan.lazy_mib))
+    from bench import replicas  # a run of its own (bench/replicas.py): shown, not measured here
+
+    L += ["", *replicas.section()]
     return "\n".join(L).rstrip() + "\n"
 
 

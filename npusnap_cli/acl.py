@@ -64,10 +64,17 @@ ACL_ERROR_UNINITIALIZE = 100001
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_ERROR_RT_PARAM_INVALID = 107000
 ACL_ERROR_RT_CONTEXT_NULL = 107002
+ACL_ERROR_RT_STREAM_SUBSCRIBE = 107011
+ACL_ERROR_RT_THREAD_SUBSCRIBE = 107012
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 ACL_ERROR_RT_NO_PERMISSION = 207006
+ACL_ERROR_RT_STREAM_NOT_COMPLETE = 507004
+ACL_ERROR_RT_EVENT_NOT_COMPLETE = 507006
+ACL_ERROR_RT_REPORT_TIMEOUT = 507012
+ACL_ERROR_RT_AICORE_EXCEPTION = 507015
 ACL_ERROR_RT_DEV_SETUP_ERROR = 507033
+ACL_ERROR_RT_STREAM_SYNC_TIMEOUT = 507046
 ACL_ERROR_RT_DRV_INTERNAL_ERROR = 507899
 ACL_ERROR_SNAPSHOT_LOCK_TIMEOUT = 507905
 ACL_ERROR_SNAPSHOT_LOCK_FAILED = 507906
@@ -129,6 +136,43 @@ ERRORS: Dict[int, Tuple[str, str, str]] = {
         "ACL_ERROR_RT_DEV_SETUP_ERROR",
         "device setup failed",
         "another live process occupies the device; run `npu-smi info` (or `npusnap sim status`)",
+    ),
+    ACL_ERROR_RT_STREAM_SUBSCRIBE: (
+        "ACL_ERROR_RT_STREAM_SUBSCRIBE",
+        "stream not subscribed",
+        "a host callback was launched on a stream no thread subscribed to (aclrtSubscribeReport)",
+    ),
+    ACL_ERROR_RT_THREAD_SUBSCRIBE: (
+        "ACL_ERROR_RT_THREAD_SUBSCRIBE",
+        "thread not subscribed",
+        "the thread is not the one subscribed to the stream's callbacks",
+    ),
+    ACL_ERROR_RT_REPORT_TIMEOUT: (
+        "ACL_ERROR_RT_REPORT_TIMEOUT",
+        "no callback report in time",
+        "aclrtProcessReport found no callback to run within its timeout",
+    ),
+    ACL_ERROR_RT_STREAM_NOT_COMPLETE: (
+        "ACL_ERROR_RT_STREAM_NOT_COMPLETE",
+        "stream not complete",
+        "work queued on the stream has not finished yet: synchronize the stream",
+    ),
+    ACL_ERROR_RT_EVENT_NOT_COMPLETE: (
+        "ACL_ERROR_RT_EVENT_NOT_COMPLETE",
+        "event not complete",
+        "the event's record has not executed yet: synchronize the event first",
+    ),
+    ACL_ERROR_RT_AICORE_EXCEPTION: (
+        "ACL_ERROR_RT_AICORE_EXCEPTION",
+        "AI core exception",
+        "a kernel on the stream faulted (a bad device address or a failing operator); the job's "
+        "own computation failed, not the snapshot",
+    ),
+    ACL_ERROR_RT_STREAM_SYNC_TIMEOUT: (
+        "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT",
+        "stream synchronize timed out",
+        "device work on the stream is still running (a long kernel or a collective waiting for "
+        "its peers): wait longer or find the stuck rank",
     ),
     ACL_ERROR_RT_DRV_INTERNAL_ERROR: (
         "ACL_ERROR_RT_DRV_INTERNAL_ERROR",

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "run",
     "attach",
     "status",
+    "ps",
     "freeze",
     "dump",
     "restore",
@@ -71,11 +72,25 @@ def build_app() -> typer.Typer:
             help="Print one JSON envelope on stdout instead of text, also on failure (diagnostics stay "
             "on stderr).",
         ),
-        verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More logging (repeat for more)."),
+        verbose: int = typer.Option(
+            0,
+            "-v",
+            "--verbose",
+            count=True,
+            help="More detail on stderr: -v each step's details and the path of CRIU's log, -vv also "
+            "debug logging and the end of CRIU's log. Accepted anywhere on the line.",
+        ),
+        quiet: bool = typer.Option(
+            False,
+            "-q",
+            "--quiet",
+            help="No progress, phases or notes on stderr; warnings, errors and data still appear. "
+            "Accepted anywhere on the line.",
+        ),
     ) -> None:
         from npusnap_cli.commands._common import GlobalOptions
 
-        ctx.obj = GlobalOptions(json_output=json_output, verbose=verbose)
+        ctx.obj = GlobalOptions(json_output=json_output, verbose=verbose, quiet=quiet)
         if verbose:
             import logging
 
@@ -95,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``npusnap`` console script; returns the exit code."""
     from npusnap_cli.commands import _common
 
-    args = sys.argv[1:] if argv is None else argv
+    args = _common.hoist_global_flags(sys.argv[1:] if argv is None else argv)
     _common.reset_output()  # a previous main() in this process (tests) must not leak its Output
     app = build_app()
     try:

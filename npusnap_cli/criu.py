@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from npusnap_cli.errors import CriuError, PreflightError
+
+# -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
+_LOG = logging.getLogger("npusnap.criu")
 
 CRIU_MIN_VERSION = (4, 0)
 # Where setup.sh installs CRIU built from source; searched before $PATH so that a too-old
@@ -692,6 +696,7 @@ def dump(
 
     log_path = os.path.join(work_dir, log_name)
     start = time.monotonic()
+    _LOG.info("CRIU dump of pid %d into %s, options %s; log %s", pid, images_dir, options.to_dict(), log_path)
     with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         c.opts.pid = pid
         try:
@@ -700,7 +705,9 @@ def dump(
             if c.notify_error is not None:
                 raise c.notify_error from None
             raise _criu_error("dump", exc, log_path, pid=pid) from None
-    return DumpResult(log_path=log_path, wall_s=time.monotonic() - start, stats=read_dump_stats(work_dir))
+    result = DumpResult(log_path=log_path, wall_s=time.monotonic() - start, stats=read_dump_stats(work_dir))
+    _LOG.info("CRIU dump done in %.3fs: %s", result.wall_s, result.stats)
+    return result
 
 
 def restore(
@@ -717,6 +724,7 @@ def restore(
 
     log_path = os.path.join(work_dir, log_name)
     start = time.monotonic()
+    _LOG.info("CRIU restore from %s, options %s; log %s", images_dir, options.to_dict(), log_path)
     with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
         try:
             resp = c.call("RESTORE", on_notify)
@@ -725,6 +733,7 @@ def restore(
                 raise c.notify_error from None
             raise _criu_error("restore", exc, log_path) from None
     wall_s = time.monotonic() - start
+    _LOG.info("CRIU restore done in %.3fs: root pid %d", wall_s, int(resp.restore.pid))
     return RestoreResult(
         pid=int(resp.restore.pid), log_path=log_path, wall_s=wall_s, stats=read_restore_stats(work_dir)
     )

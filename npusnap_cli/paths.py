@@ -194,4 +194,35 @@ def find_agent_socket(pid: int) -> Optional[Path]:
         p = Path(path)
         if p.name == name and p.parent.name.startswith("npusnap"):
             return p
+    return held_agent_socket(pid)
+
+
+def held_agent_socket(pid: int) -> Optional[Path]:
+    """The listening ``*.sock`` in an ``npusnap*`` directory whose socket ``pid`` itself holds.
+
+    A replica restored from an image of a job in its own pid namespace (``restore --replicas``)
+    listens under a name of its own, not after its pid, which is new; it is found by the socket
+    inode in its fds. (The caller still checks the peer pid.)"""
+    held = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                held.add(target[8:-1])
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in held and int(fields[3], 16) & 0x10000:
+                    p = Path(fields[7])
+                    if p.suffix == SOCKET_SUFFIX and p.parent.name.startswith("npusnap"):
+                        return p
+    except (OSError, ValueError):
+        return None
     return None

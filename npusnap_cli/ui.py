@@ -7,7 +7,10 @@ progress, phases, notes, warnings and errors are on stderr. With ``--json`` stdo
 exactly one JSON envelope instead. The envelope is stable (docs/json-output.md)::
 
     {"schema": 1, "command": "dump", "ok": true, "exit_code": 0,
-     "result": {...}, "error": null}
+     "result": {...}, "error": null, "warnings": []}
+
+``warnings`` holds every warning a person would have seen on stderr, in order (``warn``, and
+the notes the pipelines hand to it), so that a script does not lose what a human was told.
 
 On failure ``ok`` is false, ``result`` may hold partial data and ``error`` is
 ``{"kind", "exit_code", "message", "why", "fix", "details"}``.
@@ -33,10 +36,15 @@ ENVELOPE_SCHEMA = 1
 class Output:
     """Renders one command's output, for people (stderr) or scripts (stdout JSON)."""
 
-    def __init__(self, command: str, *, json_mode: bool = False, verbose: int = 0) -> None:
+    def __init__(
+        self, command: str, *, json_mode: bool = False, verbose: int = 0, quiet: bool = False
+    ) -> None:
         self.command = command
         self.json_mode = json_mode
         self.verbose = verbose
+        # --quiet: no progress, phases or notes; warnings, errors and data still appear.
+        self.quiet = quiet and not verbose
+        self.warnings: list[str] = []
         self._console: Any = None
         self._stdout: Any = None
         self._emitted = False
@@ -58,7 +66,8 @@ class Output:
 
     def _print(self, stream: str, renderable: Any) -> None:
         if stream != "stdout":
-            self.console.print(renderable)
+            if not self.quiet:
+                self.console.print(renderable)
             return
         with _reader_may_go():
             self.data_console.print(renderable)
@@ -72,18 +81,25 @@ class Output:
 
     # -- human output (suppressed in JSON mode, which keeps stderr for logs only) ---------------
     def line(self, text: str = "", style: Optional[str] = None) -> None:
-        if not self.json_mode:
+        if not self.json_mode and not self.quiet:
             self.console.print(text, style=style, markup=False)
 
     def ok(self, text: str) -> None:
         self.line(f"✔ {text}", style="green")
 
     def warn(self, text: str) -> None:
-        self.line(f"! {text}", style="yellow")
+        """A warning: on stderr for people (also with --quiet), in ``warnings[]`` for --json."""
+        self.warnings.append(text)
+        if not self.json_mode:
+            self.console.print(f"! {text}", style="yellow", markup=False)
+
+    def record_warning(self, text: str) -> None:
+        """A warning people already saw in a table row: into ``warnings[]`` only."""
+        self.warnings.append(text)
 
     def info(self, text: str) -> None:
-        """A progress note shown with -v (and always in human mode for phases)."""
-        if not self.json_mode:
+        """A progress note (a phase starting), on stderr in human mode unless --quiet."""
+        if not self.json_mode and not self.quiet:
             self.console.print(text, style="dim", markup=False)
 
     def debug(self, text: str) -> None:
@@ -149,12 +165,12 @@ class Output:
     def phase(self, label: str) -> Iterator[None]:
         """Show a phase starting and how long it took (human mode only)."""
         start = time.monotonic()
-        if not self.json_mode:
+        if not self.json_mode and not self.quiet:
             self.console.print(f"… {label}", style="dim", markup=False)
         try:
             yield
         finally:
-            if not self.json_mode:
+            if not self.json_mode and not self.quiet:
                 self.console.print(f"  {label}: {time.monotonic() - start:.2f}s", style="dim", markup=False)
 
     @contextmanager
@@ -163,7 +179,7 @@ class Output:
 
         In JSON mode the returned object accepts the same calls and does nothing.
         """
-        if self.json_mode or not sys.stderr.isatty():
+        if self.json_mode or self.quiet or not sys.stderr.isatty():
             yield _NullProgress()
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -210,7 +226,12 @@ class Output:
         return code
 
     def _emit(self, body: dict[str, Any]) -> None:
-        envelope = {"schema": ENVELOPE_SCHEMA, "command": self.command, **body}
+        envelope = {
+            "schema": ENVELOPE_SCHEMA,
+            "command": self.command,
+            **body,
+            "warnings": list(self.warnings),
+        }
         sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
         sys.stdout.flush()
         self._emitted = True
@@ -272,6 +293,9 @@ class _NullProgress:
     def advance(self, n: int) -> None:
         pass
 
+    def describe(self, text: str) -> None:
+        pass
+
     def update(self, completed: int, total: Optional[int] = None) -> None:
         pass
 
@@ -286,6 +310,10 @@ class _RichProgress:
 
     def update(self, completed: int, total: Optional[int] = None) -> None:
         self._prog.update(self._task, completed=completed, total=total)
+
+    def describe(self, text: str) -> None:
+        """Say what the bar is doing, or waiting for."""
+        self._prog.update(self._task, description=text)
 
 
 def human_bytes(n: Optional[float]) -> str:

@@ -5,20 +5,75 @@ The pages are what operators paste into an interactive shell, so the pages are w
 every ```bash block of a page, in order, is the body of its script, after a fixed prologue
 (a scratch directory, cleanup of the jobs the page started, `set -euo pipefail` so that a check
 that does not hold stops the run). CI runs the scripts (tests/integration/test_runbooks.py) and
-checks that they are up to date with the pages (tests/unit/test_runbook_pages.py).
+checks that they are up to date with the pages (tests/integration/test_runbooks.py, unit part).
 
-    scripts/runbooks.py          rewrite the scripts
-    scripts/runbooks.py --check  exit 1 if a script differs from its page
+Blocks are found by a CommonMark parser (markdown-it-py), as a renderer finds them: a fence a
+regular expression would close but CommonMark does not (text after the closing backticks) is
+caught by tests/unit/test_docs.py instead of running prose as shell. A block that cannot run on a
+test machine (it needs a Kubernetes cluster, a git clone) is preceded by the HTML comment
+``<!-- not run in CI: REASON -->``; it is still parsed with `bash -n`.
+
+    scripts/runbooks.py                 rewrite the scripts
+    scripts/runbooks.py --check         exit 1 if a script differs from its page
+    scripts/runbooks.py --block PAGE N  print the Nth runnable bash block of PAGE (1-based): the
+                                        hand-written scripts (podman.sh, kubernetes.sh) run
+                                        their page's blocks through this
+    scripts/runbooks.py --count PAGE    how many runnable bash blocks PAGE has
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-RUNBOOKS = Path(__file__).resolve().parent.parent / "docs" / "runbooks"
-FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+RUNBOOKS = DOCS / "runbooks"
+SHELLS = frozenset({"bash", "sh", "shell"})
+NOT_RUN = re.compile(r"<!--\s*not run in CI:\s*(.+?)\s*-->", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page, as a CommonMark renderer sees it."""
+
+    lang: str  # the info string's first word ("" if none)
+    content: str
+    line: int  # 1-based line of the opening fence
+    not_run: Optional[str]  # the reason, for a shell block marked <!-- not run in CI: ... -->
+
+    @property
+    def runnable(self) -> bool:
+        return self.lang in SHELLS and self.not_run is None
+
+
+def blocks(text: str) -> list[Block]:
+    """Every fenced block of a Markdown text, in order."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").parse(text)
+    found = []
+    for i, tok in enumerate(tokens):
+        if tok.type != "fence":
+            continue
+        prev = tokens[i - 1] if i > 0 else None
+        marked = NOT_RUN.search(prev.content) if prev is not None and prev.type == "html_block" else None
+        found.append(
+            Block(
+                lang=(tok.info.split() or [""])[0],
+                content=tok.content,
+                line=(tok.map[0] + 1) if tok.map else 0,
+                not_run=marked.group(1) if marked else None,
+            )
+        )
+    return found
+
+
+def runnable_blocks(page: Path) -> list[str]:
+    return [b.content for b in blocks(page.read_text()) if b.runnable]
+
 
 PROLOGUE = """#!/usr/bin/env bash
 # Runbook: {title} ({page}).
@@ -71,8 +126,8 @@ cd "$RUNBOOK_DIR"
 def render(page: Path) -> str:
     text = page.read_text()
     title = text.splitlines()[0].lstrip("# ").strip()
-    blocks = FENCE.findall(text)
-    body = "\n".join(f"# --- block {i} ---\n{block}" for i, block in enumerate(blocks, 1))
+    found = runnable_blocks(page)
+    body = "\n".join(f"# --- block {i} ---\n{block}" for i, block in enumerate(found, 1))
     prologue = PROLOGUE.format(title=title, page=page.name, script=page.with_suffix(".sh").name)
     return prologue + "\n" + body + "\necho OK\n"
 
@@ -87,7 +142,31 @@ def pages() -> list[Path]:
     return sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md" and p.name not in HAND_WRITTEN)
 
 
+def doc_pages() -> list[Path]:
+    """Pages outside docs/runbooks/ whose shell blocks run: their scripts are rendered at test
+    time (tests/integration/test_runbooks.py), not kept in the tree."""
+    return sorted(
+        p
+        for p in DOCS.rglob("*.md")
+        if RUNBOOKS not in p.parents and any(b.runnable for b in blocks(p.read_text()))
+    )
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--count"] and len(argv) == 2:
+        print(len(runnable_blocks(Path(argv[1]))))
+        return 0
+    if argv[:1] == ["--block"] and len(argv) == 3:
+        page = Path(argv[1])
+        if not page.is_absolute() and not page.exists():
+            page = RUNBOOKS / page
+        found = runnable_blocks(page)
+        n = int(argv[2])
+        if not 1 <= n <= len(found):
+            print(f"{page.name} has {len(found)} runnable bash block(s), not {n}", file=sys.stderr)
+            return 2
+        sys.stdout.write(found[n - 1])
+        return 0
     check = "--check" in argv
     stale = []
     for page in pages():

@@ -29,12 +29,30 @@ build_npu_image() {
     podman import "$dir/rootfs.tar" "$tag" >/dev/null
 }
 
-# The container's environment: the agent preloaded, the simulated CANN, the simulator's socket
-# (its directory is bind-mounted at the same path).
-npu_container_args() {
+# The simulated NPU's part of a container's arguments (the pages' DEVICE_ARGS): the simulated
+# CANN and the simulator's socket (its directory is bind-mounted at the same path). The agent's
+# part (LD_PRELOAD, NPUSNAP_AGENT=1) is on the pages themselves.
+npu_sim_args() {
     local sim_dir
     sim_dir=$(dirname "$NPUSIM_SOCKET")
-    echo "--network=none --ulimit nofile=20000:20000 --ulimit nproc=4096:4096 -v $sim_dir:$sim_dir" \
-        "-e LD_PRELOAD=/opt/npu/libnpusnap_agent.so -e NPUSNAP_AGENT=1 -e ASCEND_HOME_PATH=/opt/npu/cann" \
+    echo "-v $sim_dir:$sim_dir -e ASCEND_HOME_PATH=/opt/npu/cann" \
         "-e LD_LIBRARY_PATH=/opt/npu/cann/lib64 -e NPUSIM_SOCKET=$NPUSIM_SOCKET"
+}
+
+# page_block PAGE N: the Nth runnable bash block of the runbook PAGE (podman.md, kubernetes.md),
+# for the scripts to run what the page shows (eval "$(page_block podman.md 3)"). Read with
+# npusnap's own Python, which has the Markdown parser (markdown-it-py) scripts/runbooks.py uses.
+page_block() {
+    local here py=${PYTHON:-python3}
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    case ${NPUSNAP:-} in */*) [ -x "$(dirname "$NPUSNAP")/python" ] && py=$(dirname "$NPUSNAP")/python ;; esac
+    "$py" "$here/../../scripts/runbooks.py" --block "$here/$1" "$2"
+}
+
+# run_block PAGE N: run that block here, as if pasted (its variables stay set); fails if the page
+# has no such block.
+run_block() {
+    local __block
+    __block=$(page_block "$1" "$2") || return 1
+    eval "$__block"
 }

@@ -73,7 +73,7 @@ PID=$(cat restored.pid)
 echo "restored pid $PID"
 
 # --- block 6 ---
-npusnap status "$PID" | grep BACKED_UP
+npusnap status "$PID" | grep BACKED_UP | grep 's left'
 
 # --- block 7 ---
 npusnap thaw "$PID" | grep 'restore, unlock'

@@ -68,41 +68,35 @@ cd "$WORK"
 "$NPUSNAP" sim start --json >sim.json
 SIM_STARTED=$(json sim.json 'd["result"]["started"]')
 eval "$("$NPUSNAP" sim env)"
-
-# 1. The node's CRIU configuration for runc. On a node this is /etc/criu/runc.conf (read by runc
-#    for every checkpoint and restore); here the same file goes to one container through the
-#    org.criu.config annotation, so that the test machine's runc is left alone.
-{
-    echo "# npusnap: CRIU options for runc (CRI-O, podman)"
-    echo "libdir ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}"
-    echo "timeout 600"
-} >"$WORK/runc.conf"
+# shellcheck disable=SC2207
+DEVICE_ARGS=($(npu_sim_args))
 [ -f "${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}/npusnap_plugin.so" ] ||
     fail "no npusnap_plugin.so in ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}: run scripts/setup.sh as root"
 
+# The page's blocks, in order (its settings first: this script's C, TAG, WORK are kept).
+run_block kubernetes.md 1
+# 1. The node's CRIU configuration for runc (here through the org.criu.config annotation).
+run_block kubernetes.md 2
+grep -qx "timeout 600" "$WORK/runc.conf" || fail "runc.conf was not written"
+
 # 2. The NPU container, as CRI-O would run it for a pod (runc runtime).
 build_npu_image "$TAG" "$WORK"
-# shellcheck disable=SC2046
-podman --runtime runc run -d --name "$C" --annotation "org.criu.config=$WORK/runc.conf" \
-    $(npu_container_args) "$TAG" /opt/npu/npu_stepper --interval-ms 50 >/dev/null
+run_block kubernetes.md 3
 wait_step "$C" 10
 
 # 3. What `POST /checkpoint/{namespace}/{pod}/{container}` makes CRI-O do: checkpoint with
 #    --leave-running into an uncompressed tar under /var/lib/kubelet/checkpoints/.
-ARCHIVE=$WORK/checkpoint-mypod_default-$C-$(date -u +%Y-%m-%dT%H:%M:%S).tar
-podman container checkpoint --leave-running --compress=none --export="$ARCHIVE" "$C"
+run_block kubernetes.md 4
 STEP=$(last_step "$C")
 wait_step "$C" $((STEP + 10))
 
 # 4. The operator checks the archive before shipping it.
-"$NPUSNAP" verify "$ARCHIVE"
-"$NPUSNAP" inspect --json "$ARCHIVE" >inspect.json
+run_block kubernetes.md 5
 [ "$(json inspect.json 'd["result"]["processes"][0]["ns_pid"]')" = 1 ] || fail "the archive lists no NPU process"
 
 # 5. The node is lost; the archive is restored as a new container (in Kubernetes: a new pod
 #    whose image is built from the archive, see the page).
-podman rm -f -t 0 "$C" >/dev/null
-podman container restore --import="$ARCHIVE" --name "$C-restored"
+run_block kubernetes.md 6
 STEP=$(last_step "$C-restored")
 wait_step "$C-restored" $((STEP + 10))
 check_steps "$C-restored"

@@ -73,10 +73,10 @@ timeout 10 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
 NEWEST=$(npusnap list --paths snaps | head -n 1)
 PAGES=$(ls "$NEWEST"/criu/pages-*.img | head -n 1)
 printf 'X' | dd of="$PAGES" bs=1 seek=100 conv=notrunc status=none
-npusnap list snaps
+npusnap list --checksums snaps
 
 # --- block 6 ---
-IMG=$(npusnap list --valid --paths snaps | head -n 1)
+IMG=$(npusnap list --checksums --valid --paths snaps | head -n 1)
 echo "restoring $IMG"
 BEFORE=$(wc -l <job.log)
 [ "$IMG" != "$NEWEST" ]

@@ -59,52 +59,45 @@ print(f"{len(steps)} steps, continuous, checksums right")' || fail "$1: output i
 
 cd "$WORK"
 
-# 1. The simulated NPU and its environment (on real hardware: your CANN and devices).
+# The simulated NPU and its environment (on real hardware: your CANN and devices).
 "$NPUSNAP" sim start --json >sim.json
 SIM_STARTED=$(json sim.json 'd["result"]["started"]')
 eval "$("$NPUSNAP" sim env)"
+# shellcheck disable=SC2207
+DEVICE_ARGS=($(npu_sim_args))
 
-# 2. The plugin: CRIU loads it from its plugin directory. Configuration reaches runc and CRIU
-#    through a file (podman hands them a scrubbed environment): /etc/criu/runc.conf for every
-#    container, or an org.criu.config annotation for one.
-PLUGIN_DIR=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}
-[ -f "$PLUGIN_DIR/npusnap_plugin.so" ] || fail "no $PLUGIN_DIR/npusnap_plugin.so: run scripts/setup.sh as root"
-echo "libdir $PLUGIN_DIR" >"$WORK/criu.conf"
-ANNOTATION=(--annotation "org.criu.config=$WORK/criu.conf")
+# The page's settings (C, TAG, WORK, NPUSNAP: this script's own are kept).
+run_block podman.md 1
+# 1. The plugin: CRIU loads it from its plugin directory; configuration reaches runc and CRIU
+#    through a file (podman hands them a scrubbed environment).
+[ -f "${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}/npusnap_plugin.so" ] ||
+    fail "no npusnap_plugin.so in ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}: run scripts/setup.sh as root"
+run_block podman.md 2
 
-# 3. The image and the container. runc, not crun: Debian 12's crun has no CRIU support.
+# 2. The image and the container. runc, not crun: Debian 12's crun has no CRIU support.
 build_npu_image "$TAG" "$WORK"
-# shellcheck disable=SC2046
-podman --runtime runc run -d --name "$C" "${ANNOTATION[@]}" $(npu_container_args) \
-    "$TAG" /opt/npu/npu_stepper --interval-ms 50 >/dev/null
+run_block podman.md 3
 wait_step "$C" 10
 
-# 4. Checkpoint: podman -> runc -> CRIU -> npusnap_plugin.so locks and backs up the device state
-#    through the agent in the container, before CRIU freezes it.
-podman container checkpoint "$C"
-CKPT=$(podman inspect -f '{{.StaticDir}}' "$C")/checkpoint
-"$NPUSNAP" inspect "$CKPT"
-"$NPUSNAP" verify "$CKPT"
-
-# 5. Restore: CRIU restores the container, the plugin restores the device state and unlocks.
-podman container restore "$C"
+# 3. Checkpoint: podman -> runc -> CRIU -> npusnap_plugin.so locks and backs up the device state
+#    through the agent in the container, before CRIU freezes it; then the restore.
+run_block podman.md 4
+run_block podman.md 5
 STEP=$(last_step "$C")
 wait_step "$C" $((STEP + 10))
 check_steps "$C"
 
-# 6. A checkpoint that keeps the container running (what the kubelet always does).
-podman container checkpoint --leave-running "$C"
+# 4. A checkpoint that keeps the container running (what the kubelet always does).
+run_block podman.md 6
 STEP=$(last_step "$C")
 wait_step "$C" $((STEP + 10))
 
-# 7. Export to an archive and import it as another container (here, on another node).
-podman container checkpoint --export="$WORK/ckpt.tar.zst" "$C"
-"$NPUSNAP" verify "$WORK/ckpt.tar.zst"
-podman container restore --import="$WORK/ckpt.tar.zst" --name "$C-copy"
+# Export to an archive and import it as another container (here, on another node).
+run_block podman.md 7
 STEP=$(last_step "$C-copy")
 wait_step "$C-copy" $((STEP + 10))
 check_steps "$C-copy"
 
-# 8. What the plugin did, in CRIU's log lines (prefix npusnap-plugin:) and its helper's log.
-tail -n 3 /var/log/npusnap/criu-plugin.log
+# 5. What the plugin did, in its helper's log.
+run_block podman.md 8
 echo OK

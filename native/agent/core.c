@@ -121,6 +121,22 @@ static int ensure_private_dir(const char *dir, char *err, size_t errlen) {
     return 0;
 }
 
+/* The pid the socket is named after: our pid as the host's /proc sees it. A job started as init
+ * of its own pid namespace (`npusnap run --pid-ns`, which keeps the host's /proc) is pid 1 to
+ * getpid(), as every other such job is; /proc/self still reads the host's pid there, which the
+ * CLI looks up by. Under a /proc of our own namespace the two agree. */
+static int socket_pid(void) {
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n > 0) {
+        buf[n] = 0;
+        char *end;
+        long v = strtol(buf, &end, 10);
+        if (*end == 0 && v > 0) return (int)v;
+    }
+    return (int)getpid();
+}
+
 static int bind_socket(char *err, size_t errlen) {
     char dir[512];
     if (runtime_dir(dir, sizeof dir) < 0) {
@@ -129,7 +145,7 @@ static int bind_socket(char *err, size_t errlen) {
     }
     if (ensure_private_dir(dir, err, errlen) < 0) return -1;
     char path[600];
-    snprintf(path, sizeof path, "%s/%d.sock", dir, (int)getpid());
+    snprintf(path, sizeof path, "%s/%d.sock", dir, socket_pid());
     if (strlen(path) >= sizeof A.path) {
         snprintf(err, errlen, "socket path %s exceeds the %zu-byte AF_UNIX limit", path, sizeof A.path - 1);
         return -1;
@@ -423,6 +439,20 @@ AGENT_API int npusnap_agent_running(void) { return A.started && A.pid == getpid(
 
 AGENT_API const char *npusnap_agent_socket_path(void) { return npusnap_agent_running() ? A.path : NULL; }
 
+/* Remove the name our socket is bound to now, not A.path: a replica restored from an image of
+ * us (`restore --replicas`) carries our A.path in its memory but listens under a name of its
+ * own, and A.path may be ours, still running. */
+static void unlink_bound_name(void) {
+    struct sockaddr_un addr;
+    socklen_t len = sizeof addr;
+    memset(&addr, 0, sizeof addr);
+    if (A.listen_fd < 0 || getsockname(A.listen_fd, (struct sockaddr *)&addr, &len) < 0 ||
+        addr.sun_path[0] != '/')
+        return;
+    struct stat st;
+    if (lstat(addr.sun_path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(addr.sun_path);
+}
+
 /* Stop serving and remove the socket; the snapshot state is left as it is. */
 AGENT_API void npusnap_agent_stop(void) {
     pthread_mutex_lock(&start_mu);
@@ -436,10 +466,9 @@ AGENT_API void npusnap_agent_stop(void) {
             pthread_detach(A.thread);
         }
         drop_client();
+        unlink_bound_name();
         close(A.listen_fd);
         A.listen_fd = -1;
-        struct stat st;
-        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
         A.path[0] = 0;
         A.started = 0;
     }
@@ -699,10 +728,7 @@ static int attach_marker_present(void) {
  * (a shell, a compiler) has an agent, and their names would pile up in the runtime directory.
  * The agent thread is not joined: it may be inside an operation, and exit must not wait. */
 __attribute__((destructor)) static void agent_fini(void) {
-    if (A.started && A.pid == getpid() && A.path[0]) {
-        struct stat st;
-        if (lstat(A.path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(A.path);
-    }
+    if (A.started && A.pid == getpid() && A.path[0]) unlink_bound_name();
 }
 
 __attribute__((constructor)) static void agent_init(void) {

@@ -490,7 +490,11 @@ static int error_exit_code(const reply *r) {
 
 static int find_and_connect(int pid, int nspid, char *sock, size_t socklen, conn *c, char *err, size_t errlen) {
     char cands[8][256];
-    int n = agent_sockets(pid, nspid, cands, 8);
+    /* An agent names its socket after its pid as its /proc shows it: the namespace pid in a
+     * container with a /proc of its own, the host pid under `npusnap run --pid-ns` (host /proc).
+     * A socket of another process by either name fails agent_connect's SO_PEERCRED check. */
+    int n = agent_sockets(pid, pid, cands, 8);
+    if (nspid != pid) n += agent_sockets(pid, nspid, cands + n, 8 - n);
     if (n == 0) {
         snprintf(err, errlen, "no listening npusnap agent socket named %d.sock in the namespaces of pid %d", nspid,
                  pid);

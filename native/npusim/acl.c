@@ -57,6 +57,13 @@ ACL_API const char *aclrtGetSocName(void) {
 ACL_API aclError aclrtSetDevice(int32_t deviceId) { return rtSetDevice(deviceId); }
 ACL_API aclError aclrtResetDevice(int32_t deviceId) { return rtDeviceReset(deviceId); }
 ACL_API aclError aclrtGetDevice(int32_t *deviceId) { return rtGetDevice(deviceId); }
+ACL_API aclError aclrtGetDeviceCount(uint32_t *count) {
+    if (!count) return ACL_ERROR_INVALID_PARAM;
+    int32_t n = 0;
+    aclError rc = rtGetDeviceCount(&n);
+    if (rc == ACL_SUCCESS) *count = (uint32_t)n;
+    return rc;
+}
 ACL_API aclError aclrtGetCurrentContext(void **context) { return rtCtxGetCurrent(context); }
 ACL_API aclError aclrtSetCurrentContext(void *context) { return rtCtxSetCurrent(context); }
 ACL_API aclError aclrtSynchronizeDevice(void) { return rtDeviceSynchronize(); }
@@ -99,13 +106,22 @@ ACL_API aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t align
     return rtReserveMemAddress(virPtr, size, alignment, expectPtr, flags);
 }
 ACL_API aclError aclrtReleaseMemAddress(void *virPtr) { return rtReleaseMemAddress(virPtr); }
-ACL_API aclError aclrtMallocPhysical(void **handle, size_t size, const aclrtPhysicalMemProp *prop, uint64_t flags) {
-    if (!prop) return ACL_ERROR_INVALID_PARAM;
-    /* memory.cpp: aclrtPhysicalMemProp -> rtDrvMemProp_t (device side; HUGE attrs: huge pages). */
+/* memory.cpp: aclrtPhysicalMemProp -> rtDrvMemProp_t (device side; HUGE attrs: huge pages). */
+static struct drv_mem_prop drv_prop(const aclrtPhysicalMemProp *prop) {
     struct drv_mem_prop p = {.side = 1, .devid = prop->location.id, .module_id = 0,
                              .pg_type = (prop->memAttr == 2 || prop->memAttr == 4) ? 1u : 0u,
                              .mem_type = 0, .reserve = 0};
+    return p;
+}
+ACL_API aclError aclrtMallocPhysical(void **handle, size_t size, const aclrtPhysicalMemProp *prop, uint64_t flags) {
+    if (!prop) return ACL_ERROR_INVALID_PARAM;
+    struct drv_mem_prop p = drv_prop(prop);
     return rtMallocPhysical(handle, size, &p, flags);
+}
+ACL_API aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, int option, size_t *granularity) {
+    if (!prop || !granularity) return ACL_ERROR_INVALID_PARAM;
+    struct drv_mem_prop p = drv_prop(prop);
+    return rtMemGetAllocationGranularity(&p, (uint32_t)option, granularity);
 }
 ACL_API aclError aclrtFreePhysical(void *handle) { return rtFreePhysical(handle); }
 ACL_API aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, void *handle, uint64_t flags) {
@@ -153,6 +169,11 @@ ACL_API aclError aclrtEventElapsedTime(float *ms, void *startEvent, void *endEve
     return rtEventElapsedTime(ms, startEvent, endEvent);
 }
 ACL_API aclError aclrtDestroyEvent(void *event) { return rtEventDestroy(event); }
+ACL_API aclError aclrtSubscribeReport(uint64_t threadId, void *stream) { return rtSubscribeReport(threadId, stream); }
+ACL_API aclError aclrtUnSubscribeReport(uint64_t threadId, void *stream) {
+    return rtUnSubscribeReport(threadId, stream);
+}
+ACL_API aclError aclrtProcessReport(int32_t timeout) { return rtProcessReport(timeout); }
 /* blockType: ACL_CALLBACK_NO_BLOCK 0, ACL_CALLBACK_BLOCK 1. */
 ACL_API aclError aclrtLaunchCallback(void (*fn)(void *), void *userData, int blockType, void *stream) {
     return rtCallbackLaunch(fn, userData, stream, blockType == 1);

@@ -208,15 +208,28 @@ static int io_rpc(uint32_t op, int32_t dev, uint64_t a, uint64_t b, uint64_t n, 
         return -EPIPE;
     }
     if (resp.payload_len) {
-        if (!in || resp.payload_len > inlen) { /* protocol error: never leave stray bytes */
+        if (!in) { /* protocol error: never leave stray bytes */
             io_disconnect();
             return -EPROTO;
         }
-        if (read_all(g_fd, in, resp.payload_len) != 0) {
+        /* More than the caller takes: read the rest away (dropping the connection would release
+         * the process's devices) and say so. */
+        uint64_t take = resp.payload_len < inlen ? resp.payload_len : inlen;
+        if (read_all(g_fd, in, take) != 0) {
             io_disconnect();
             return -EPIPE;
         }
-        if (resp.payload_len < inlen) ((char *)in)[resp.payload_len] = '\0';
+        for (uint64_t left = resp.payload_len - take; left > 0;) {
+            char sink[4096];
+            size_t c = left < sizeof sink ? (size_t)left : sizeof sink;
+            if (read_all(g_fd, sink, c) != 0) {
+                io_disconnect();
+                return -EPIPE;
+            }
+            left -= c;
+        }
+        if (take < inlen) ((char *)in)[take] = '\0';
+        if (take < resp.payload_len) return -EOVERFLOW;
     }
     if (value) *value = resp.value;
     return resp.status;
@@ -586,7 +599,7 @@ static drvError_t daemon_alloc(int32_t dev, uint64_t size, int kind, struct regi
 
 drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag) {
     if (!pp || size == 0) return DRV_ERROR_INVALID_VALUE;
-    int32_t dev = (int32_t)(flag & NPUSIM_HAL_FLAG_DEVID_MASK);
+    int32_t dev = (int32_t)(flag & MEM_DEVID_MASK);
     if (dev >= MAX_DEV) return DRV_ERROR_INVALID_DEVICE;
     struct region *r;
     drvError_t rc = daemon_alloc(dev, size, R_ALLOC, &r);
@@ -680,7 +693,35 @@ drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info) {
     return rc;
 }
 
+/* The number of devices of the node: the daemon's device list. */
+drvError_t drvGetDevNum(uint32_t *num_dev) {
+    if (!num_dev) return DRV_ERROR_INVALID_VALUE;
+    static char buf[1 << 16];
+    pthread_mutex_lock(&g_io);
+    int had = g_fd >= 0;
+    drvError_t rc = io_connect() == 0 ? DRV_ERROR_NONE : DRV_ERROR_NO_DEVICE;
+    if (rc == DRV_ERROR_NONE) rc = status_to_drv(io_rpc(NPUSIM_OP_STATUS, -1, 0, 0, 0, buf, sizeof buf - 1, NULL));
+    uint32_t n = 0;
+    for (const char *p = buf; rc == DRV_ERROR_NONE && (p = strstr(p, "{\"id\": ")) != NULL; p++) n++;
+    pthread_mutex_lock(&g_mu);
+    int any = 0;
+    for (int d = 0; d < MAX_DEV; d++) any |= g_open[d];
+    pthread_mutex_unlock(&g_mu);
+    if (!had && !any) io_disconnect(); /* a query opens no device */
+    pthread_mutex_unlock(&g_io);
+    if (rc == DRV_ERROR_NONE) *num_dev = n;
+    return rc;
+}
+
 /* ---------------------------------------------------------------- VMM (svm/v3 api/master/svm_vmm.c) */
+
+/* The VMM granularity: 2 MiB for normal and huge pages (svm_vmm.c, VMM_ALLOC_GRANULARITY_2M);
+ * option MEM_ALLOC_GRANULARITY_MINIMUM 0 or RECOMMENDED 1. */
+drvError_t halMemGetAllocationGranularity(const struct drv_mem_prop *prop, int option, size_t *granularity) {
+    if (!prop || !granularity || option < 0 || option > 1 || prop->pg_type > 1) return DRV_ERROR_INVALID_VALUE;
+    *granularity = VMM_GRAN;
+    return DRV_ERROR_NONE;
+}
 
 drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag) {
     (void)flag;
@@ -827,8 +868,9 @@ drvError_t halMemUnmap(void *ptr) {
         for (size_t j = 0; j < r->nmaps; j++)
             if (r->maps[j].va == va) {
                 if (r->map) {
-                    /* The piece becomes a hole again; a copy in flight on it keeps its pages
-                     * (MAP_FIXED replaces the mapping, the memfd's pages stay the daemon's). */
+                    /* The piece becomes a hole again at once (MAP_FIXED replaces it): unmapping
+                     * memory that a copy or kernel is still using is the caller's error, as on
+                     * the device; the memfd's pages stay the daemon's. */
                     mmap(r->map + (va - r->addr), r->maps[j].size, PROT_NONE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
                 }

@@ -27,8 +27,13 @@ typedef int drvFeature_t;
 #define DRV_ERROR_OPER_NOT_PERMITTED 46
 #define DRV_ERROR_NOT_SUPPORT 0xfffe
 
-/* halMemAlloc's flag: the device id sits in the low bits (MEM_DEVICE_ID mask of ascend_hal.h). */
-#define NPUSIM_HAL_FLAG_DEVID_MASK 0x3FFull
+/* halMemAlloc's flag (ascend_hal.h): bits 0-9 the device id (MEM_DEVID_MASK), bits 10-13 the
+ * virtual memory type (MEM_VIRT_BIT; MEM_DEV_VAL 1: device memory). */
+#define MEM_DEVID_WIDTH 10
+#define MEM_DEVID_MASK ((1ull << MEM_DEVID_WIDTH) - 1)
+#define MEM_VIRT_BIT 10
+#define MEM_DEV_VAL 0x1ull
+#define MEM_DEV (MEM_DEV_VAL << MEM_VIRT_BIT)
 
 /* halSupportFeature's feature of the driver-backed snapshot flow (drvFeature_t
  * FEATURE_SVM_PROCESS_DEVICE_MEM_SNAPSHOT; its number here is the simulator's). */
@@ -84,7 +89,9 @@ HAL_API drvError_t halMemFree(void *pp);
 HAL_API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t ByteCount);
 HAL_API drvError_t drvMemsetD8(DVdeviceptr dst, size_t destMax, uint8_t value, size_t num);
 HAL_API drvError_t drvMemAddressTranslate(DVdeviceptr vptr, UINT64 *pptr);
+HAL_API drvError_t drvGetDevNum(uint32_t *num_dev);
 HAL_API drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info);
+HAL_API drvError_t halMemGetAllocationGranularity(const struct drv_mem_prop *prop, int option, size_t *granularity);
 HAL_API drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag);
 HAL_API drvError_t halMemAddressFree(void *ptr);
 HAL_API drvError_t halMemCreate(drv_mem_handle_t **handle, size_t size, const struct drv_mem_prop *prop,

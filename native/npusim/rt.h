@@ -14,6 +14,7 @@
 RT_API rtError_t rtSetDevice(int32_t devId);
 RT_API rtError_t rtDeviceReset(int32_t devId);
 RT_API rtError_t rtGetDevice(int32_t *devId);
+RT_API rtError_t rtGetDeviceCount(int32_t *cnt);
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout);
 RT_API rtError_t rtDeviceSynchronize(void);
 RT_API rtError_t rtCtxGetCurrent(void **currentCtx);
@@ -32,6 +33,7 @@ RT_API rtError_t rtReserveMemAddress(void **devPtr, size_t size, size_t alignmen
 RT_API rtError_t rtReleaseMemAddress(void *devPtr);
 RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_mem_prop *prop, uint64_t flags);
 RT_API rtError_t rtFreePhysical(void *handle);
+RT_API rtError_t rtMemGetAllocationGranularity(const struct drv_mem_prop *prop, uint32_t option, size_t *granularity);
 RT_API rtError_t rtMapMem(void *devPtr, size_t size, size_t offset, void *handle, uint64_t flags);
 RT_API rtError_t rtUnmapMem(void *devPtr);
 RT_API rtError_t rtStreamCreateWithFlags(void **stm, int32_t priority, uint32_t flags);
@@ -51,6 +53,9 @@ RT_API rtError_t rtEventSynchronize(void *evt);
 RT_API rtError_t rtEventQueryStatus(void *evt, uint32_t *status);
 RT_API rtError_t rtEventElapsedTime(float *timeInterval, void *startEvent, void *endEvent);
 RT_API rtError_t rtEventDestroy(void *evt);
+RT_API rtError_t rtSubscribeReport(uint64_t threadId, void *stm);
+RT_API rtError_t rtUnSubscribeReport(uint64_t threadId, void *stm);
+RT_API rtError_t rtProcessReport(int32_t timeout);
 RT_API rtError_t rtCallbackLaunch(void (*callBackFunc)(void *), void *fnData, void *stm, bool isBlock);
 RT_API rtError_t rtsBinaryLoadFromFile(const char *binPath, const void *optionalCfg, void **handle);
 RT_API rtError_t rtBinaryUnLoad(void *binHandle);

@@ -61,6 +61,7 @@ static pthread_mutex_t g_snap = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_cbmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_eng = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_eng_cv;
+static pthread_mutex_t g_defmu = PTHREAD_MUTEX_INITIALIZER; /* before g_eng */
 
 static int g_state = ST_RUNNING;
 static int g_open[MAX_DEV];
@@ -203,6 +204,7 @@ struct task {
         struct {
             void (*fn)(void *);
             void *data;
+            int block;
         } cb;
     } u;
 };
@@ -221,6 +223,8 @@ struct stream {
     struct task *head, *tail;
     uint64_t submitted, done;
     int32_t error;   /* a task's fault, reported (and cleared) by the next synchronize */
+    uint64_t reporter; /* the thread subscribed to its callbacks (aclrtSubscribeReport), 0: none */
+    int subscribed;
     pthread_t thread;
     struct stream *next;
 };
@@ -239,6 +243,17 @@ struct event {
 
 static struct stream *g_streams;
 static struct stream *g_default_stream[MAX_DEV];
+
+/* Callbacks a stream reached, for the thread subscribed to it (aclrtProcessReport runs them). */
+struct report {
+    uint64_t thread;
+    void (*fn)(void *);
+    void *data;
+    int waiter; /* a blocking task waits for it (and frees it); else ProcessReport frees it */
+    int done;
+    struct report *next;
+};
+static struct report *g_reports;
 
 /* ---- kernels (npusim_kernel.h) */
 
@@ -292,7 +307,24 @@ static int32_t run_task(struct stream *s, struct task *t) {
         return drvMemsetD8(t->u.c.dst, t->u.c.n, t->u.c.value, t->u.c.n) == DRV_ERROR_NONE
                    ? ACL_SUCCESS
                    : ACL_ERROR_RT_AICORE_EXCEPTION;
-    case T_CALLBACK: t->u.cb.fn(t->u.cb.data); return ACL_SUCCESS;
+    case T_CALLBACK: {
+        /* handed to the subscribed thread; a blocking one holds the stream until it has run */
+        struct report *r = calloc(1, sizeof *r);
+        if (!r) return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        pthread_mutex_lock(&g_eng);
+        *r = (struct report){s->reporter, t->u.cb.fn, t->u.cb.data, t->u.cb.block, 0, NULL};
+        struct report **pp = &g_reports;
+        while (*pp) pp = &(*pp)->next;
+        *pp = r;
+        pthread_cond_broadcast(&g_eng_cv);
+        if (t->u.cb.block) {
+            while (!r->done && !s->abort) pthread_cond_wait(&g_eng_cv, &g_eng);
+            if (r->done) free(r);
+            else r->fn = NULL, r->waiter = 0; /* abandoned (force destroy): ProcessReport frees it */
+        }
+        pthread_mutex_unlock(&g_eng);
+        return ACL_SUCCESS;
+    }
     default: return ACL_SUCCESS;
     }
 }
@@ -370,7 +402,7 @@ static int32_t stream_new(int32_t dev, uint32_t flags, int is_default, struct st
     return ACL_SUCCESS;
 }
 
-/* A stream handle (g_eng held): NULL is the current device's default stream, made on first use. */
+/* A stream handle (g_eng held): NULL is the current device's default stream (rtSetDevice made it). */
 static struct stream *stream_of_locked(void *h, int32_t *rc) {
     if (h) {
         for (struct stream *s = g_streams; s; s = s->next)
@@ -383,18 +415,7 @@ static struct stream *stream_of_locked(void *h, int32_t *rc) {
         *rc = ACL_ERROR_RT_CONTEXT_NULL;
         return NULL;
     }
-    if (!g_default_stream[d]) {
-        struct stream *s;
-        pthread_mutex_unlock(&g_eng);
-        int32_t r = stream_new(d, 0, 1, &s);
-        pthread_mutex_lock(&g_eng);
-        if (r != ACL_SUCCESS) {
-            *rc = r;
-            return NULL;
-        }
-        if (g_default_stream[d]) s->stop = 1, pthread_cond_broadcast(&g_eng_cv); /* another thread won */
-        else g_default_stream[d] = s;
-    }
+    if (!g_default_stream[d]) *rc = ACL_ERROR_RT_CONTEXT_NULL;
     return g_default_stream[d];
 }
 
@@ -483,8 +504,9 @@ static void destroy_device_streams(int dev) {
 
 /* ---------------------------------------------------------------- lifecycle */
 
-/* Lock order: g_eng before g_mu. */
+/* Lock order: g_defmu, g_eng, g_mu. */
 static void atfork_prepare(void) {
+    pthread_mutex_lock(&g_defmu);
     pthread_mutex_lock(&g_eng);
     pthread_mutex_lock(&g_mu);
 }
@@ -492,6 +514,7 @@ static void atfork_prepare(void) {
 static void atfork_parent(void) {
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_eng);
+    pthread_mutex_unlock(&g_defmu);
 }
 
 /* A forked child owns no device and none of the parent's streams (their threads are not in it). */
@@ -504,6 +527,7 @@ static void atfork_child(void) {
     g_state = ST_RUNNING;
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_eng);
+    pthread_mutex_unlock(&g_defmu);
 }
 
 __attribute__((constructor)) static void rt_init(void) {
@@ -535,6 +559,19 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
     if (devId < 0 || devId >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
     int32_t rc = drv_to_acl(halDeviceOpen((uint32_t)devId, NULL, NULL));
+    /* the device's default stream (NULL), one per device; g_defmu: one thread makes it */
+    pthread_mutex_lock(&g_defmu);
+    pthread_mutex_lock(&g_eng);
+    int have = g_default_stream[devId] != NULL;
+    pthread_mutex_unlock(&g_eng);
+    struct stream *s = NULL;
+    if (rc == ACL_SUCCESS && !have) rc = stream_new(devId, 0, 1, &s);
+    if (s) {
+        pthread_mutex_lock(&g_eng);
+        g_default_stream[devId] = s;
+        pthread_mutex_unlock(&g_eng);
+    }
+    pthread_mutex_unlock(&g_defmu);
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         g_open[devId] = 1;
@@ -576,6 +613,15 @@ RT_API rtError_t rtGetDevice(int32_t *devId) {
     if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
     *devId = d;
     return ACL_SUCCESS;
+}
+
+/* Not gated (a query): the driver's device count. */
+RT_API rtError_t rtGetDeviceCount(int32_t *cnt) {
+    if (!cnt) return ACL_ERROR_RT_PARAM_INVALID;
+    uint32_t n = 0;
+    int32_t rc = drv_to_acl(drvGetDevNum(&n));
+    if (rc == ACL_SUCCESS) *cnt = (int32_t)n;
+    return rc;
 }
 
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout) {
@@ -627,7 +673,7 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     gate();
     int dev = current_device();
     if (dev < 0) return ACL_ERROR_UNINITIALIZE;
-    return drv_to_acl(halMemAlloc(devPtr, size, (unsigned long long)dev));
+    return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)dev));
 }
 
 RT_API rtError_t rtMallocCached(void **devPtr, uint64_t size, uint32_t type, uint16_t moduleId) {
@@ -759,6 +805,12 @@ RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_m
     return drv_to_acl(halMemCreate((drv_mem_handle_t **)handle, size, prop, flags));
 }
 
+/* Not gated (a query, api_c.cc). */
+RT_API rtError_t rtMemGetAllocationGranularity(const struct drv_mem_prop *prop, uint32_t option, size_t *granularity) {
+    if (!prop || !granularity) return ACL_ERROR_RT_PARAM_INVALID;
+    return drv_to_acl(halMemGetAllocationGranularity(prop, (int)option, granularity));
+}
+
 RT_API rtError_t rtFreePhysical(void *handle) {
     if (!handle) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
@@ -807,6 +859,8 @@ static rtError_t stream_destroy_checked(void *stm, int force) {
         else s->head = s->tail = NULL;
         while (t) {
             struct task *n = t->next;
+            /* a dropped record counts as reached, so that no other stream waits on it forever */
+            if (t->type == T_RECORD && t->u.e.seq > t->u.e.ev->done) t->u.e.ev->done = t->u.e.seq;
             if (t->type == T_RECORD || t->type == T_WAIT || t->type == T_RESET) t->u.e.ev->refs--;
             s->done++;
             free_task(t);
@@ -936,18 +990,84 @@ RT_API rtError_t rtEventDestroy(void *evt) {
     return rc;
 }
 
-/* A host function queued on a stream: runs on the stream's engine thread, in order. (The real
- * runtime runs it on the thread that subscribed with aclrtSubscribeReport; here the device thread
- * runs it, blocking that stream as ACL_CALLBACK_BLOCK does.) */
+/* Host callbacks (callback.cpp; api_c.cc, all four gated): a thread subscribes to a stream's
+ * callbacks and runs them in aclrtProcessReport; aclrtLaunchCallback on a stream nobody subscribed
+ * to is refused (107011). A blocking callback holds its stream until it has run. */
+RT_API rtError_t rtSubscribeReport(uint64_t threadId, void *stm) {
+    gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && s->subscribed && s->reporter != threadId) rc = ACL_ERROR_RT_STREAM_SUBSCRIBE;
+    else if (s) s->subscribed = 1, s->reporter = threadId;
+    pthread_mutex_unlock(&g_eng);
+    return rc;
+}
+
+RT_API rtError_t rtUnSubscribeReport(uint64_t threadId, void *stm) {
+    gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && (!s->subscribed || s->reporter != threadId)) rc = ACL_ERROR_RT_THREAD_SUBSCRIBE;
+    else if (s) s->subscribed = 0, s->reporter = 0;
+    pthread_mutex_unlock(&g_eng);
+    return rc;
+}
+
+/* Runs one callback reported for the calling thread; waits up to `timeout` ms (-1: no limit) for
+ * one, else ACL_ERROR_RT_REPORT_TIMEOUT. */
+RT_API rtError_t rtProcessReport(int32_t timeout) {
+    if (timeout < -1) return ACL_ERROR_RT_PARAM_INVALID;
+    gate();
+    uint64_t me = (uint64_t)pthread_self();
+    struct timespec dl = deadline_in(timeout / 1000.0);
+    pthread_mutex_lock(&g_eng);
+    struct report *r = NULL;
+    for (;;) {
+        struct report **pp = &g_reports;
+        while (*pp && ((*pp)->thread != me || (*pp)->done)) pp = &(*pp)->next;
+        if (*pp) {
+            r = *pp;
+            *pp = r->next;
+            break;
+        }
+        if (timeout < 0) pthread_cond_wait(&g_eng_cv, &g_eng);
+        else if (pthread_cond_timedwait(&g_eng_cv, &g_eng, &dl) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&g_eng);
+    if (!r) return ACL_ERROR_RT_REPORT_TIMEOUT;
+    pthread_mutex_lock(&g_eng);
+    void (*fn)(void *) = r->fn;
+    void *data = r->data;
+    pthread_mutex_unlock(&g_eng);
+    if (fn) fn(data);
+    pthread_mutex_lock(&g_eng);
+    if (r->waiter) {
+        r->done = 1;
+        pthread_cond_broadcast(&g_eng_cv);
+    } else {
+        free(r);
+    }
+    pthread_mutex_unlock(&g_eng);
+    return ACL_SUCCESS;
+}
+
 RT_API rtError_t rtCallbackLaunch(void (*callBackFunc)(void *), void *fnData, void *stm, bool isBlock) {
-    (void)isBlock;
     if (!callBackFunc) return ACL_ERROR_RT_PARAM_INVALID;
     gate();
+    int32_t rc = ACL_SUCCESS;
+    pthread_mutex_lock(&g_eng);
+    struct stream *s = stream_of_locked(stm, &rc);
+    if (s && !s->subscribed) rc = ACL_ERROR_RT_STREAM_SUBSCRIBE;
+    pthread_mutex_unlock(&g_eng);
+    if (rc != ACL_SUCCESS) return rc;
     struct task *t = calloc(1, sizeof *t);
     if (!t) return ACL_ERROR_RT_MEMORY_ALLOCATION;
     t->type = T_CALLBACK;
     t->u.cb.fn = callBackFunc;
     t->u.cb.data = fnData;
+    t->u.cb.block = isBlock;
     return submit(stm, t);
 }
 

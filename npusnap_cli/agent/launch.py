@@ -13,6 +13,7 @@ as the CLI, whatever Python (3.9+) the target runs.
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import sys
@@ -157,7 +158,62 @@ def exec_plan(plan: LaunchPlan) -> None:
 DETACH_EXEC_TIMEOUT_S = 10.0
 
 
-def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
+CLONE_NEWPID = 0x20000000  # include/uapi/linux/sched.h
+
+
+def enter_new_pid_namespace() -> None:
+    """unshare(CLONE_NEWPID): the next child of this process is init (pid 1) of a new pid
+    namespace, as `unshare --pid --fork` makes it. /proc stays the host's (no new mount
+    namespace): CRIU restores a mount namespace only with --root and every mount of it, while a
+    pid namespace alone it restores by itself, so the job needs no host pid free at restore."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        raise PreflightError(
+            f"cannot create a pid namespace: {os.strerror(err)}",
+            why="unshare(CLONE_NEWPID) needs CAP_SYS_ADMIN (root), or a user namespace",
+            fix="run npusnap as root, or start the job without --pid-ns",
+        )
+
+
+def run_in_pid_namespace(plan: LaunchPlan) -> int:
+    """Start the program as init of a new pid namespace, in a session of its own, and wait for
+    it, handing on SIGINT/SIGTERM/SIGHUP/SIGQUIT; its exit status (128+N for signal N)."""
+    import signal
+
+    enter_new_pid_namespace()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()  # CRIU cannot dump a namespace whose session leader is outside it
+            os.execvpe(plan.executable, plan.argv, plan.env)
+        except BaseException as exc:
+            sys.stderr.write(f"npusnap run: cannot execute {plan.argv[0]}: {exc}\n")
+        finally:
+            os._exit(127)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def detach(plan: LaunchPlan, output: Optional[Path], pid_ns: bool = False) -> int:
     """Start the program in the background in a session of its own; return its pid.
 
     The pid is the program's own (the child execs it: no shell, no setsid(1) in between), and it
@@ -177,6 +233,8 @@ def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
     sys.stdout.flush()
     sys.stderr.flush()
+    if pid_ns:
+        enter_new_pid_namespace()  # the child below is its init; we only wait for its exec
     pid = os.fork()
     if pid == 0:  # the child: becomes the program
         try:
@@ -185,6 +243,11 @@ def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
             os.dup2(null_fd, 0)
             os.dup2(out_fd, 1)
             os.dup2(out_fd, 2)
+            # Descriptors the launcher inherited (a pipe from a CI runner or a shell's coprocess)
+            # must not follow the job: CRIU would dump them as pipes whose other end is outside
+            # the tree, and restore them without it. Only 0-2 and the exec-status pipe stay.
+            os.closerange(3, wfd)
+            os.closerange(wfd + 1, _max_fd())
             os.execvpe(plan.executable, plan.argv, plan.env)
         except BaseException as exc:
             try:
@@ -212,6 +275,11 @@ def detach(plan: LaunchPlan, output: Optional[Path]) -> int:
             fix=f"check `ls -l {plan.executable}`",
         )
     return pid
+
+
+def _max_fd() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if 0 < soft < 1 << 20 else 1 << 16
 
 
 def _read_until_eof(fd: int, timeout_s: float) -> Optional[str]:

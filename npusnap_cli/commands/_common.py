@@ -17,6 +17,7 @@ JSON_HELP = "Print one JSON envelope on stdout instead of text, also on failure 
 class GlobalOptions:
     json_output: bool = False
     verbose: int = 0
+    quiet: bool = False
 
 
 _current: Optional[Output] = None
@@ -28,7 +29,9 @@ def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
 
     global _current
     opts = ctx.find_root().obj if ctx.find_root().obj is not None else GlobalOptions()
-    _current = Output(command, json_mode=json_flag or opts.json_output, verbose=opts.verbose)
+    _current = Output(
+        command, json_mode=json_flag or opts.json_output, verbose=opts.verbose, quiet=opts.quiet
+    )
     return _current
 
 
@@ -40,6 +43,41 @@ def reset_output() -> None:
 def options_part(argv: list[str]) -> list[str]:
     """The arguments before ``--`` (what follows is a program's command line, e.g. `run`'s)."""
     return argv[: argv.index("--")] if "--" in argv else argv
+
+
+_GLOBAL_FLAGS = frozenset({"--verbose", "--quiet", "-q"})
+
+
+def _is_global_flag(arg: str) -> bool:
+    return arg in _GLOBAL_FLAGS or (len(arg) > 1 and arg[0] == "-" and set(arg[1:]) == {"v"})
+
+
+def hoist_global_flags(argv: list[str]) -> list[str]:
+    """Move -v/-vv/--verbose/-q/--quiet to the front, where the global options are parsed, so that
+    they work anywhere on the line (`npusnap dump -v PID DIR`). Never from a program's command
+    line: not after ``--``, and for `run` not after the first word of the program."""
+    front: list[str] = []
+    rest: list[str] = []
+    command: Optional[str] = None
+    frozen = False
+    for arg in argv:
+        if frozen:
+            rest.append(arg)
+            continue
+        if arg == "--":
+            frozen = True
+            rest.append(arg)
+            continue
+        if _is_global_flag(arg):
+            front.append(arg)
+            continue
+        if not arg.startswith("-"):
+            if command is None:
+                command = arg
+            elif command == "run":
+                frozen = True  # CMD starts here: its own -v is its own
+        rest.append(arg)
+    return front + rest
 
 
 def json_requested(argv: list[str]) -> bool:
@@ -81,3 +119,51 @@ def clean_stale_sockets(out: Output) -> None:
 
     for entry in hostclean.remove_stale_agent_sockets():
         out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")
+
+
+# Examples shown at the end of every command's --help (click's "\b" keeps the lines as written).
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "check": (
+        'eval "$(npusnap sim env)"; npusnap check     # with the simulated NPU',
+        "npusnap check --json | jq '.result.checks[] | select(.status != \"ok\")'",
+    ),
+    "sim start": ("npusnap sim start --devices 2", 'eval "$(npusnap sim env)"'),
+    "sim stop": ("npusnap sim stop",),
+    "sim status": ("npusnap sim status --json",),
+    "sim env": ('eval "$(npusnap sim env)"',),
+    "run": (
+        "npusnap run -- python3 train.py                 # in the foreground, same pid",
+        "PID=$(npusnap run -d --pidfile job.pid -o job.log -- python3 train.py)",
+    ),
+    "attach": ("npusnap attach 4242", "npusnap attach 4242 --json"),
+    "status": ("npusnap status 4242", "npusnap status 4242 | grep LOCKED"),
+    "ps": (
+        "npusnap ps",
+        "npusnap ps --json | jq '.result.processes[] | select(.state != \"RUNNING\")'",
+    ),
+    "freeze": ("npusnap freeze 4242 --lease 600", "npusnap freeze 4242 --no-lease --json"),
+    "thaw": ("npusnap thaw 4242", "npusnap thaw 4242 --force   # a lock another command holds"),
+    "dump": (
+        "npusnap dump 4242 ./img                          # the job is gone afterwards",
+        "npusnap dump -R 4242 /snap/job-$(date +%s) --keep-last 3 --latest",
+        "npusnap dump -R -e job.tar.zst 4242 ./img        # and an archive to ship",
+        "npusnap dump -vv 4242 ./img                      # with the end of CRIU's log",
+    ),
+    "restore": (
+        "npusnap restore ./img",
+        "npusnap restore --dry-run ./img                  # what it would check, nothing touched",
+        "npusnap restore -i job.tar.zst ./img             # import the archive, then restore",
+        "PID=$(npusnap restore ./img --pidfile job.pid)",
+    ),
+    "inspect": ("npusnap inspect ./img", "npusnap inspect --json job.tar.zst | jq .result.files"),
+    "verify": ("npusnap verify ./img", "npusnap verify job.tar.zst --require-signature key.pub"),
+    "list": ("npusnap list /snap", "npusnap list --valid --paths /snap | head -n 1   # newest good one"),
+    "export": ("npusnap export ./img", "npusnap export ./img /backup/job.tar.zst --level 9"),
+    "import": ("npusnap import job.tar.zst ./img", 'npusnap restore "$(npusnap import job.tar.zst ./img)"'),
+    "demo": ("npusnap demo", "npusnap demo --keep"),
+}
+
+
+def epilog(command: str) -> str:
+    lines = EXAMPLES[command]
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)

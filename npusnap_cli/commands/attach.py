@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("attach"))
     def attach(
         ctx: typer.Context,
         pid: int = typer.Argument(

@@ -6,12 +6,12 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import ExitCode
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("check"))
     def check(
         ctx: typer.Context,
         ascend_home: Optional[str] = typer.Option(
@@ -49,7 +49,17 @@ def register(app: typer.Typer) -> None:
             styles=[styles[i.status] for i in report.items],
         )
         code = ExitCode.OK if report.ready else ExitCode.PREFLIGHT
-        if report.ready:
+        warned = [i for i in report.items if i.status == preflight.WARNING]
+        for item in warned:
+            out.record_warning(f"{item.name}: {item.detail}")
+        if report.ready and warned:
+            # Not an unqualified yes: a warning row is a limit (e.g. root that cannot dump
+            # another user's job), and an operator stops reading at the tick.
+            out.ok(
+                "this host can dump and restore NPU processes, within the limits above: "
+                + ", ".join(i.name for i in warned)
+            )
+        elif report.ready:
             out.ok("this host can dump and restore NPU processes")
         else:
             out.line("✘ dump/restore is not possible on this host: fix the problems above", style="red")

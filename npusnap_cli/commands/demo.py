@@ -7,11 +7,11 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("demo"))
     def demo(
         ctx: typer.Context,
         steps: int = typer.Option(40, "--steps", min=4, help="Training steps of the workload."),

@@ -4,30 +4,87 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 
 
 class ProgressBars:
-    """Opens one Output.progress bar per label on first use; closes them all at the end."""
+    """One Output.progress bar per label, opened on first use, all closed at a phase change.
+
+    A bar must tell the truth: when its count stops moving it says what it waits for (a device
+    Backup reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
+    bar whose phase ended is shown complete (the phase finished its work), except one whose work
+    goes on in the background (the restore's checksums, alongside CRIU), which says so; and a
+    label never gets a second bar after its first was closed. Threads share it (the restore's
+    host and device checksums report the same label at once): one lock, so one bar per label.
+    """
+
+    STALL_S = 3.0
+    WAITS_FOR: ClassVar[dict[str, str]] = {
+        "device backup": "the agents' Backup reports its bytes only when done",
+        "writing image": "CRIU is between writes",
+        "checksums": "the disk",
+        "verifying": "the disk",
+        "exporting": "the compressor",
+        "importing": "the archive",
+    }
+    BACKGROUND = frozenset({"verifying"})
 
     def __init__(self, out: Any) -> None:
         self._out = out
         self._stack = contextlib.ExitStack()
         self._bars: dict[str, Any] = {}
+        self._state: dict[str, tuple[int, Optional[int], float, bool]] = {}  # done, total, moved, stalled
+        self._closed: set[str] = set()
+        self._lock = threading.Lock()
 
     def update(self, label: str, done: int, total: Optional[int]) -> None:
+        with self._lock:
+            self._update(label, done, total)
+
+    def _update(self, label: str, done: int, total: Optional[int]) -> None:
+        import time
+
+        if label in self._closed:
+            return
         bar = self._bars.get(label)
         if bar is None:
             bar = self._stack.enter_context(self._out.progress(label, total))
             self._bars[label] = bar
+        if total is not None and done > total:
+            total = done  # never "11.6 MiB / 10.6 MiB"
+        now = time.monotonic()
+        last_done, _total, moved, stalled = self._state.get(label, (-1, total, now, False))
+        if done != last_done:
+            moved = now
+            if stalled:
+                bar.describe(label)
+                stalled = False
+        elif not stalled and now - moved >= self.STALL_S:
+            bar.describe(f"{label} (waiting: {self.WAITS_FOR.get(label, 'no progress reported')})")
+            stalled = True
+        self._state[label] = (done, total, moved, stalled)
         bar.update(done, total)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        for label, bar in self._bars.items():
+            done, total, _moved, _stalled = self._state.get(label, (0, None, 0.0, False))
+            if label in self.BACKGROUND and (total is None or done < total):
+                bar.describe(f"{label} (goes on in the background)")
+            elif total is not None and done < total:
+                bar.describe(label)
+                bar.update(total, total)  # the phase is over: its work is done
+            self._closed.add(label)
         self._stack.close()
         self._bars.clear()
 
@@ -37,7 +94,7 @@ def fmt_s(value: Optional[float]) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("dump"))
     def dump(
         ctx: typer.Context,
         pids: Optional[list[int]] = typer.Argument(
@@ -49,7 +106,19 @@ def register(app: typer.Typer) -> None:
         ),
         directory: Path = typer.Argument(..., metavar="", help="Image directory to create (new or empty)."),
         leave_running: bool = typer.Option(
-            False, "--leave-running", help="Keep the original running after the dump (as `criu dump -R`)."
+            False,
+            "--leave-running",
+            "-R",
+            help="Keep the original running after the dump (as `criu dump -R`, `podman container "
+            "checkpoint -R`).",
+        ),
+        export_to: Optional[Path] = typer.Option(
+            None,
+            "--export",
+            "-e",
+            metavar="FILE",
+            help="After the dump, also write the image into this archive (tar + zstd, as `npusnap "
+            "export`; as `podman container checkpoint -e`).",
         ),
         tcp_established: bool = typer.Option(
             False, "--tcp-established", help="Dump established TCP connections (CRIU's --tcp-established)."
@@ -66,11 +135,16 @@ def register(app: typer.Typer) -> None:
         external: Optional[list[str]] = typer.Option(
             None, "--external", help="Mark a resource external, as CRIU's --external (repeatable)."
         ),
-        timeout: Optional[int] = typer.Option(
-            None, "--timeout", min=1, help="Seconds CRIU may take to freeze the tree (CRIU's --timeout)."
+        timeout: Optional[float] = typer.Option(
+            None,
+            "--timeout",
+            min=1.0,
+            help="Seconds CRIU may take to freeze the tree (CRIU's --timeout; whole seconds, rounded up).",
         ),
         keep: bool = typer.Option(
-            False, "--keep", help="Keep CRIU's logs in the image (DIR/logs) on success too."
+            False,
+            "--keep",
+            help="Accepted for old scripts: CRIU's log is always kept in the image (DIR/logs/dump.log).",
         ),
         force: bool = typer.Option(False, "--force", help="Replace DIR if it exists and is not empty."),
         no_attach: bool = typer.Option(
@@ -167,6 +241,7 @@ def register(app: typer.Typer) -> None:
         """
         from npusnap_cli import criu
         from npusnap_cli.errors import UsageError
+        from npusnap_cli.host import oplog
         from npusnap_cli.pipelines import dump as dump_mod
         from npusnap_cli.ui import human_bytes
 
@@ -191,8 +266,8 @@ def register(app: typer.Typer) -> None:
             file_locks=file_locks,
             ext_unix_sk=ext_unix_sk,
             external=tuple(external or ()),
-            timeout=timeout,
-            keep=keep,
+            timeout=None if timeout is None else math.ceil(timeout),
+            keep=True,
             force=force,
             attach=not no_attach,
             lease_s=lease,
@@ -230,15 +305,18 @@ def register(app: typer.Typer) -> None:
             )
         if len(pids) > 1 or slurm_job is not None or net is not None:
             # A job image (a one-task Slurm job, or one node's part of a job, too).
-            if keep_last is not None or latest:
+            if keep_last is not None or latest or export_to is not None:
                 raise UsageError(
-                    "--keep-last and --latest are for single images", fix="drop them for a job dump"
+                    "--keep-last, --latest and --export are for single images",
+                    fix="drop them for a job dump (`npusnap export` takes a job image afterwards)",
                 )
-            jobcmd.dump_job(out, pids, directory, options, callbacks, net)
+            with oplog.operation("dump", pids, str(directory)):
+                jobcmd.dump_job(out, pids, directory, options, callbacks, net)
             return
         pid = pids[0]
         try:
-            result = dump_mod.dump(pid, directory, options, callbacks)
+            with oplog.operation("dump", [pid], str(directory)):
+                result = dump_mod.dump(pid, directory, options, callbacks)
         finally:
             bars.close()
         m = result.manifest
@@ -295,11 +373,50 @@ def register(app: typer.Typer) -> None:
                 )
             )
         if result.logs:
-            out.line(f"CRIU logs kept in {result.logs}")
+            out.line(f"CRIU's log: {result.logs}")
+            _show_log(out, Path(result.logs))
         data = result.to_dict()
         data.update(_manage(out, Path(result.image), keep_last, latest))
+        data["export"] = _export(out, Path(result.image), export_to) if export_to is not None else None
         out.data(result.image)
         out.result(data)
+
+
+def _export(out: Any, image: Path, target: Path) -> dict[str, Any]:
+    """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
+    from npusnap_cli.image import archive
+    from npusnap_cli.ui import human_bytes
+
+    bars = ProgressBars(out)
+    done = [0]
+    total = sum(f.stat().st_size for f in image.rglob("*") if f.is_file())
+
+    def advance(n: int) -> None:
+        done[0] += n
+        bars.update("exporting", done[0], max(total, done[0]))
+
+    try:
+        result = archive.export(image, target, level=3, threads=-1, force=False, progress=advance)
+    finally:
+        bars.close()
+    out.ok(f"exported to {result.archive} ({human_bytes(result.bytes_out)})")
+    return result.to_dict()
+
+
+def _show_log(out: Any, logs: Path) -> None:
+    """-vv: the end of CRIU's log on stderr (the whole log stays in the image)."""
+    if out.verbose < 2 or out.json_mode:
+        return
+    for log in sorted(logs.glob("*.log")):
+        if out.command == "restore" and log.name != "restore.log":
+            continue
+        try:
+            lines = log.read_text(errors="replace").splitlines()[-30:]
+        except OSError:
+            continue
+        out.debug(f"--- last {len(lines)} lines of {log}")
+        for text in lines:
+            out.debug(text)
 
 
 def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:

@@ -6,13 +6,13 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("freeze"))
     def freeze(
         ctx: typer.Context,
         pid: int = typer.Argument(..., min=1, help="The process to freeze (every NPU process of its tree)."),
@@ -57,7 +57,9 @@ def register(app: typer.Typer) -> None:
             )
         clean_stale_sockets(out)
         lease_s: Optional[float] = None if no_lease else (DEFAULT_FREEZE_LEASE_S if lease is None else lease)
-        with out.phase("freezing"):
+        from npusnap_cli.host import oplog
+
+        with out.phase("freezing"), oplog.operation("freeze", [pid], None):
             results = devicegroup.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
         out.table(
             f"npusnap freeze {pid}",
@@ -70,7 +72,7 @@ def register(app: typer.Typer) -> None:
             out.ok(f"frozen; thaws by itself after {lease_s:g}s of run time unless `npusnap thaw {pid}`")
         out.result({"pid": pid, "lease_s": lease_s, "backup": backup, "processes": _by_pid(results)})
 
-    @app.command()
+    @app.command(epilog=epilog("thaw"))
     def thaw(
         ctx: typer.Context,
         pid: int = typer.Argument(..., min=1, help="The process to thaw (every NPU process of its tree)."),
@@ -94,7 +96,10 @@ def register(app: typer.Typer) -> None:
 
         out = output(ctx, "thaw", json_flag)
         clean_stale_sockets(out)
-        results = devicegroup.thaw(pid, force=force, timeout=timeout)
+        from npusnap_cli.host import oplog
+
+        with oplog.operation("thaw", [pid], None):
+            results = devicegroup.thaw(pid, force=force, timeout=timeout)
         out.table(
             f"npusnap thaw {pid}",
             ["pid", "was", "actions", "state"],

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("list")
+    @app.command("list", epilog=epilog("list"))
     def list_cmd(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="The directory that holds the images (their parent)."),
-        quick: bool = typer.Option(
+        directory: Path = typer.Argument(
+            ..., metavar="DIR", help="The directory that holds the images (their parent)."
+        ),
+        checksums: bool = typer.Option(
             False,
-            "--quick",
-            help="Do not hash: a directory is valid if its manifest parses and its files have the "
-            "listed sizes; an archive if its manifest parses.",
+            "--checksums",
+            "-c",
+            help="Also hash every file of every image (reads them all: seconds per GiB); by default "
+            "an image is valid if its manifest parses and its files have the listed sizes, an "
+            "archive if its manifest parses. `npusnap verify IMAGE` checks one image fully.",
+        ),
+        quick: bool = typer.Option(
+            False, "--quick", hidden=True, help="The default now: no hashing (kept for old scripts)."
         ),
         valid_only: bool = typer.Option(False, "--valid", help="List only the valid images."),
         paths_only: bool = typer.Option(
@@ -27,17 +34,18 @@ def register(app: typer.Typer) -> None:
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """List the images (directories and archives) under DIRECTORY, newest first.
+        """List the images (directories and archives) under DIR, newest first.
 
-        Each with its time, size, pids and whether it is valid (manifest, files, sizes and, unless
-        --quick, checksums). The newest valid one: `npusnap list --valid --paths DIR | head -n 1`.
-        Exit 0 even if some are invalid; 2 if DIRECTORY is not a directory.
+        Each with its time, size, pids and whether it is valid (manifest, files, sizes and, with
+        --checksums, every file's checksum). The newest valid one:
+        `npusnap list --valid --paths DIR | head -n 1`. Exit 0 even if some are invalid; 2 if DIR
+        is not a directory.
         """
         from npusnap_cli.image import imagestore
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "list", json_flag)
-        images = imagestore.list_images(directory, quick=quick)
+        images = imagestore.list_images(directory, quick=not checksums)
         if valid_only:
             images = [i for i in images if i.valid]
         if paths_only:
@@ -62,7 +70,7 @@ def register(app: typer.Typer) -> None:
             )
         out.result({"directory": str(directory), "images": [i.to_dict() for i in images]})
 
-    @app.command("export")
+    @app.command("export", epilog=epilog("export"))
     def export_cmd(
         ctx: typer.Context,
         image_dir: Path = typer.Argument(..., metavar="IMAGE", help="The image directory to export."),
@@ -109,12 +117,14 @@ def register(app: typer.Typer) -> None:
         out.data(result.archive)
         out.result(result.to_dict())
 
-    @app.command("import")
+    @app.command("import", epilog=epilog("import"))
     def import_cmd(
         ctx: typer.Context,
         source: Path = typer.Argument(..., metavar="FILE", help="The archive written by `npusnap export`."),
-        directory: Path = typer.Argument(..., help="The image directory to create (new or empty)."),
-        force: bool = typer.Option(False, "--force", help="Replace DIRECTORY if it exists and is not empty."),
+        directory: Path = typer.Argument(
+            ..., metavar="DIR", help="The image directory to create (new or empty)."
+        ),
+        force: bool = typer.Option(False, "--force", help="Replace DIR if it exists and is not empty."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Extract an archive into a new image directory, verified, ready for `npusnap restore`.
@@ -123,25 +133,32 @@ def register(app: typer.Typer) -> None:
         under the image's own directory are accepted. The image appears under its final name only
         when complete (a temporary sibling, renamed). Prints the image's path.
         """
-        from npusnap_cli.commands.dump import ProgressBars
-        from npusnap_cli.image import archive
-        from npusnap_cli.ui import human_bytes
-
         out = output(ctx, "import", json_flag)
-        bars = ProgressBars(out)
-        done = [0]
+        result = import_into(out, source, directory, force=force)
+        out.data(result["image"])
+        out.result(result)
 
-        def advance(n: int) -> None:
-            done[0] += n
-            bars.update("importing", done[0], None)
 
-        try:
-            result = archive.import_archive(source, directory, force=force, progress=advance)
-        finally:
-            bars.close()
-        out.ok(
-            f"imported {source} into {result.image}: {result.files} files, "
-            f"{human_bytes(result.image_bytes)}, checksums match"
-        )
-        out.data(result.image)
-        out.result(result.to_dict())
+def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> dict[str, Any]:
+    """`npusnap import`, also for `restore --import`: extract, verified, with a progress bar."""
+    from npusnap_cli.commands.dump import ProgressBars
+    from npusnap_cli.image import archive
+    from npusnap_cli.ui import human_bytes
+
+    bars = ProgressBars(out)
+    done = [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        # No total: the archive's size counts compressed bytes, not the bytes extracted.
+        bars.update("importing", done[0], None)
+
+    try:
+        result = archive.import_archive(source, directory, force=force, progress=advance)
+    finally:
+        bars.close()
+    out.ok(
+        f"imported {source} into {result.image}: {result.files} files, "
+        f"{human_bytes(result.image_bytes)}, checksums match"
+    )
+    return dict(result.to_dict())

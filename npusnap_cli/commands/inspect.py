@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 DIR_HELP = (
     "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
@@ -57,17 +57,125 @@ def _plugin_checkpoint(directory: Path) -> Any:
     return containers.find(directory)
 
 
+def _host_needs(out: Any, manifest: Any) -> None:
+    """What a restore needs from the host besides the image's own files."""
+    rows = [[n.path, n.kind, f"{n.mode:o}", f"{n.uid}:{n.gid}", n.why] for n in manifest.host_nodes]
+    rows += [
+        [f.path, "file (in the image)", f"{f.mode:o}", f"{f.uid}:{f.gid}", "tmpfs / deleted file"]
+        for f in manifest.host_files
+    ]
+    if rows:
+        out.table("needed on the host at restore", ["path", "kind", "mode", "owner", "for"], rows)
+
+
+def criu_detail(path: Path, *, container: Any = None) -> Any:
+    """What CRIU saved (files, sockets, mounts, statistics) for an image, archive or container
+    checkpoint; None when its CRIU images cannot be read (never fails the inspect)."""
+    from npusnap_cli import image
+    from npusnap_cli.errors import NpusnapError
+    from npusnap_cli.image import criudetail
+
+    try:
+        if container is not None:
+            if container.form == "archive":
+                return criudetail.describe_archive(path, container=True, prefix=container.prefix)
+            where = path / container.prefix if container.prefix else path
+            return criudetail.describe(where, where)
+        if _is_archive(path):
+            return criudetail.describe_archive(path, container=False)
+        return criudetail.describe(image.criu_dir(path), image.logs_dir(path))
+    except (OSError, NpusnapError):
+        return None
+
+
+def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
+    """The files, sockets, mounts and CRIU statistics tables (as checkpointctl shows them)."""
+    from npusnap_cli.ui import human_bytes
+
+    if detail is None:
+        out.warn(f"{label}CRIU's images could not be read: no files, sockets or statistics to show")
+        return
+    files = detail["files"]
+    out.table(
+        f"{label}open files",
+        ["pid", "fd", "type", "path", "offset"],
+        [
+            [f["pid"], f["fd"], f["type"], f["name"], f.get("pos") if f.get("pos") is not None else "-"]
+            for f in files
+        ],
+    )
+    socks = detail["sockets"]
+    if socks:
+        out.table(
+            f"{label}sockets",
+            ["pid", "fd", "family", "type", "address", "state"],
+            [
+                [
+                    k["pid"],
+                    k["fd"],
+                    k.get("family", "?"),
+                    k.get("socket_type", "?"),
+                    k.get("name", "-") + (f" (peer {k['peer']})" if k.get("peer") else ""),
+                    k.get("state", "-"),
+                ]
+                for k in socks
+            ],
+        )
+    else:
+        out.line(f"{label}sockets: none")
+    mounts = detail["mounts"]
+    if mounts:
+        out.table(
+            f"{label}mounts",
+            ["mount point", "type", "source", "external"],
+            [
+                [m["mountpoint"], m["fstype"], m["source"] or "-", "yes" if m["external"] else ""]
+                for m in mounts
+            ],
+        )
+    else:
+        out.line(f"{label}mounts: none saved (the tree shares its mount namespace with the host)")
+    st = detail.get("stats")
+    if st:
+        ms = 1000.0
+
+        def us(key: str) -> str:
+            return f"{int(st.get(key, 0)) / ms:.1f} ms"
+
+        out.kv(
+            f"{label}CRIU statistics (stats-dump)",
+            {
+                "pages scanned": f"{st.get('pages_scanned', 0)} ({human_bytes(st.get('bytes_scanned', 0))})",
+                "pages written": f"{st.get('pages_written', 0)} ({human_bytes(st.get('bytes_written', 0))})",
+                "pages skipped (parent image)": st.get("pages_skipped_parent", 0),
+                "pages left for lazy restore": st.get("pages_lazy", 0),
+                "freezing time": us("freezing_time"),
+                "frozen time": us("frozen_time"),
+                "memory dump time": us("memdump_time"),
+                "memory write time": us("memwrite_time"),
+            },
+        )
+    else:
+        out.line(
+            f"{label}CRIU statistics: not here (an archive carries the image's files, not its logs/; "
+            "an image dumped by an older npusnap kept them only with --keep)"
+        )
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("inspect")
+    @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            metavar="DIR",
             help=DIR_HELP,
         ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Show what an image holds: processes, devices, sizes, versions and per-phase timings."""
+        """Show what an image holds: processes, devices, sizes, versions, per-phase timings, and
+        what CRIU saved: open files, sockets, mounts and CRIU's statistics (pages scanned and
+        written), as checkpointctl does."""
         from npusnap_cli import image
         from npusnap_cli.ui import human_bytes
 
@@ -90,8 +198,10 @@ def register(app: typer.Typer) -> None:
                 ["pid at dump", "pid in its namespace", "agent socket"],
                 [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
             )
+            detail = criu_detail(directory, container=ckpt)
+            show_criu_detail(out, detail)
             out.line(f"{summary['files']} files, run `npusnap verify {directory}` to check them")
-            out.result(summary)
+            out.result({**summary, "criu": detail})
             return
         directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
         from npusnap_cli.pipelines import jobsnap
@@ -161,14 +271,19 @@ def register(app: typer.Typer) -> None:
                 ["total", _fmt_s(t.total_s)],
             ],
         )
+        _host_needs(out, manifest)
+
+        data["criu"] = criu_detail(directory)
+        show_criu_detail(out, data["criu"])
         out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
         out.result(data)
 
-    @app.command("verify")
+    @app.command("verify", epilog=epilog("verify"))
     def verify_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            metavar="DIR",
             help=DIR_HELP,
         ),
         no_checksums: bool = typer.Option(

@@ -170,6 +170,7 @@ def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool
 
 def inspect_job(out: Any, directory: Path) -> None:
     from npusnap_cli import image
+    from npusnap_cli.commands import inspect as inspect_cmd
     from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
@@ -189,7 +190,9 @@ def inspect_job(out: Any, directory: Path) -> None:
                 human_bytes(m.bytes.image_bytes),
             ]
         )
-        ranks.append({**r.to_dict(), "manifest": m.to_dict()})
+        ranks.append(
+            {**r.to_dict(), "manifest": m.to_dict(), "criu": inspect_cmd.criu_detail(Path(directory) / r.dir)}
+        )
     out.kv(
         f"job image {directory}",
         {
@@ -200,6 +203,8 @@ def inspect_job(out: Any, directory: Path) -> None:
         },
     )
     out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
+    for r, data in zip(job.ranks, ranks):
+        inspect_cmd.show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ")
     out.line(
         f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
         f"check the whole job: `npusnap verify {directory}`"

@@ -7,14 +7,35 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("restore"))
     def restore(
         ctx: typer.Context,
-        directory: Path = typer.Argument(..., help="The image directory written by `npusnap dump`."),
+        directory: Path = typer.Argument(
+            ...,
+            metavar="DIR",
+            help="The image directory written by `npusnap dump` (with --import: the directory to "
+            "import the archive into, new or empty).",
+        ),
+        import_from: Optional[Path] = typer.Option(
+            None,
+            "--import",
+            "-i",
+            metavar="FILE",
+            help="First import this archive (`npusnap export`, `dump --export`) into DIR, verified, "
+            "then restore DIR (as `npusnap import FILE DIR && npusnap restore DIR`; as `podman "
+            "container restore -i`).",
+        ),
+        dry_run: bool = typer.Option(
+            False,
+            "--dry-run",
+            help="Run every check the restore makes (image, checksums, versions, pids and devices "
+            "free, sockets, files, pipes, logs) and list what it would need; touch nothing. Exit 0 "
+            "when the restore would start, else the first problem's exit code.",
+        ),
         no_verify: bool = typer.Option(
             False,
             "--no-verify",
@@ -99,6 +120,30 @@ def register(app: typer.Typer) -> None:
             help="With --lazy: seconds the page-in (and the page files' checksums) may take; past "
             "them the restored tree and the lazy-pages daemon are killed.",
         ),
+        device_map: Optional[list[str]] = typer.Option(
+            None,
+            "--device-map",
+            metavar="IMG=DEV[,IMG=DEV]",
+            help="Restore onto other devices: the image's device IMG becomes device DEV (an image of "
+            "`npusnap run --pid-ns`, simulated NPU only; on a node, a container does this). "
+            "With --replicas, once per replica.",
+        ),
+        output_file: Optional[Path] = typer.Option(
+            None,
+            "--output",
+            "-o",
+            help="The restored job writes where its standard output file was (stdout and stderr, "
+            "usually) into this file instead (appended). With --replicas, {n} in it is the replica's "
+            "number (else .N is appended).",
+        ),
+        replicas: int = typer.Option(
+            1,
+            "--replicas",
+            min=1,
+            help="Restore N copies side by side, at once, each in its own pid namespace (an image of "
+            "`npusnap run --pid-ns`), each with its own --device-map, pidfile (--pidfile P: P.N, or "
+            "{n} in P) and CRIU log directory.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> Optional[int]:
         """Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.
@@ -109,10 +154,21 @@ def register(app: typer.Typer) -> None:
         fails for a process, it stays locked and the error says how to retry.
         """
         from npusnap_cli.commands.dump import ProgressBars, fmt_s
+        from npusnap_cli.host import oplog
         from npusnap_cli.pipelines import restore as restore_mod
 
         out = output(ctx, "restore", json_flag)
         bars = ProgressBars(out)
+        if import_from is not None:
+            if dry_run:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--dry-run does not import", fix=f"import first: npusnap import {import_from} {directory}"
+                )
+            from npusnap_cli.commands.images import import_into
+
+            import_into(out, import_from, directory, force=False)
 
         def phase(label: str) -> None:
             bars.close()
@@ -123,7 +179,51 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
+        from npusnap_cli.host import pidns
+
+        maps = [pidns.parse_device_map(m) for m in device_map or []]
+        if replicas > 1:
+            from npusnap_cli.pipelines import replicas as replicas_mod
+
+            if dry_run:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--dry-run checks one restore, not --replicas",
+                    fix="check one copy: npusnap restore DIR --dry-run --device-map ... (the first copy's)",
+                )
+
+            phase(f"restoring {replicas} replicas at once")
+            results = replicas_mod.restore_all(
+                directory,
+                replicas,
+                maps,
+                verify=not no_verify,
+                pidfile=pidfile,
+                output=output_file,
+                logs=logs,
+                settle_s=settle,
+                extra=(["--accept-lost-device-memory"] if accept_lost else []),
+            )
+            failed = replicas_mod.failure(results)
+            rows = [
+                [str(r.index), str(r.root_pid or "-"), "ok" if r.ok else "FAILED", f"{r.wall_s:.3f}s"]
+                for r in results
+            ]
+            out.table("replicas", ["replica", "root pid", "status", "restore time"], rows, stream="stderr")
+            if failed is not None:
+                raise failed
+            for r in results:
+                out.data(str(r.root_pid))
+            out.result({"image": str(directory), "replicas": [r.__dict__ for r in results]})
+            return None
+        if len(maps) > 1:
+            from npusnap_cli.errors import UsageError
+
+            raise UsageError("--device-map is given more than once without --replicas", fix="give it once")
         options = restore_mod.RestoreOptions(
+            device_map=maps[0] if maps else (),
+            output=output_file,
             verify=not no_verify,
             pidfile=pidfile,
             logs=logs,
@@ -136,6 +236,8 @@ def register(app: typer.Typer) -> None:
             lazy_timeout_s=lazy_timeout,
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
+        if dry_run:
+            return _dry_run(out, directory, options)
         restore_mod.become_subreaper()
         from npusnap_cli.pipelines import jobsnap
 
@@ -151,14 +253,16 @@ def register(app: typer.Typer) -> None:
                 )
 
             try:
-                roots, data = jobcmd.restore_job(
-                    out,
-                    directory,
-                    options,
-                    callbacks,
-                    jobcmd.parse_rank_netns(rank_netns),
-                    jobcmd.net_options(coordinator, node, nodes),
-                )
+                with oplog.operation("restore", [], str(directory)) as op:
+                    roots, data = jobcmd.restore_job(
+                        out,
+                        directory,
+                        options,
+                        callbacks,
+                        jobcmd.parse_rank_netns(rank_netns),
+                        jobcmd.net_options(coordinator, node, nodes),
+                    )
+                    op["pids"] = list(roots)
             finally:
                 bars.close()
             return jobcmd.wait_and_report(out, roots, data, wait)
@@ -167,7 +271,9 @@ def register(app: typer.Typer) -> None:
 
             raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
-            result = restore_mod.restore(directory, options, callbacks)
+            with oplog.operation("restore", [], str(directory)) as op:
+                result = restore_mod.restore(directory, options, callbacks)
+                op["pids"] = list(result.pids)
         finally:
             bars.close()
         t = result.timings
@@ -214,7 +320,48 @@ def register(app: typer.Typer) -> None:
             )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")
+        if result.criu_log:
+            out.debug(f"CRIU's restore log: {result.criu_log}")
+            from npusnap_cli.commands.dump import _show_log
+
+            _show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
         from npusnap_cli.commands import jobcmd
 
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
+
+
+def _dry_run(out: object, directory: Path, options: object) -> int:
+    """restore --dry-run: the table of checks; exit code of the first problem."""
+    from typing import Any
+
+    from npusnap_cli.pipelines import jobsnap, restorecheck
+
+    o: Any = out
+    images = [directory]
+    if jobsnap.is_job_image(directory):
+        images = sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith("rank-"))
+    results: list[dict[str, Any]] = []
+    for image in images:
+        for check in restorecheck.run_checks(image, options):
+            results.append({"image": str(image), **check.to_dict()})
+    o.table(
+        f"npusnap restore --dry-run {directory}",
+        ["image", "check", "status", "found"] if len(images) > 1 else ["check", "status", "found"],
+        [
+            ([Path(r["image"]).name] if len(images) > 1 else []) + [r["name"], r["status"], r["detail"]]
+            for r in results
+        ],
+        styles=[{"problem": "red", "skipped": "dim"}.get(r["status"]) for r in results],
+    )
+    problems = [r for r in results if r["status"] == "problem"]
+    for r in problems:
+        fix = (r.get("error") or {}).get("fix")
+        o.warn(f"{r['name']}: {r['detail']}" + (f" (fix: {fix})" if fix else ""))
+    code = int(problems[0]["exit_code"]) if problems else 0
+    if problems:
+        o.line(f"✘ the restore would fail: {len(problems)} problem(s); nothing was touched", style="red")
+    else:
+        o.ok("the restore would start: every check passed; nothing was touched")
+    o.result({"image": str(directory), "ready": not problems, "checks": results}, exit_code=code)
+    return code

@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 
 def register(app: typer.Typer) -> None:
     @app.command(
+        epilog=epilog("run"),
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def run(
@@ -40,6 +41,13 @@ def register(app: typer.Typer) -> None:
             "--output",
             "-o",
             help="With --detach: append the program's stdout and stderr to this file (default /dev/null).",
+        ),
+        pid_ns: bool = typer.Option(
+            False,
+            "--pid-ns",
+            help="Start CMD as init (pid 1) of a new pid namespace (the host's /proc is kept): its "
+            "image then restores beside the original and as many times as wanted (restore "
+            "--replicas), needing no host pid free. The printed pid is the host's.",
         ),
         json_flag: bool = typer.Option(
             False,
@@ -96,13 +104,26 @@ def register(app: typer.Typer) -> None:
 
             if pidfile is not None:
                 pidfile_mod.check(pidfile)
-            pid = launch.detach(plan, output_file)
+            pid = launch.detach(plan, output_file, pid_ns=pid_ns)
+            if output_file is None:
+                # The agent writes its own messages (a lease that ran out, a rollback) to the
+                # program's stderr: without --output nobody would ever read them.
+                out.warn(
+                    "no --output: the program's output and its agent's messages go to /dev/null "
+                    f"(pass --output FILE; the agent's last events show in `npusnap status {pid}`)"
+                )
             written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
             out.data(str(pid))
-            result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written}
+            result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written, "pid_ns": pid_ns}
             result["output"] = str(output_file) if output_file is not None else None
             out.result({**result, "session_note": None})
             return
+        if pid_ns:
+            # The program's pid is the one fork gives it, not ours: unknown until it starts.
+            out.result(
+                {**plan.to_dict(), "pid": None, "detached": False, "session_note": None, "pid_ns": True}
+            )
+            raise typer.Exit(launch.run_in_pid_namespace(plan))
         session_note = None if keep_session else launch.leave_foreign_session()
         if session_note:
             out.warn(session_note)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, output
+from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
 
 _UNITS = {
@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         if json_flag:
             root.obj = dataclasses.replace(root.obj or GlobalOptions(), json_output=True)
 
-    @sim.command("start")
+    @sim.command("start", epilog=epilog("sim start"))
     def start_cmd(
         ctx: typer.Context,
         devices: int = typer.Option(2, "--devices", help="Number of simulated devices."),
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         out.line('use it: eval "$(npusnap sim env)"')
         out.result(doc)
 
-    @sim.command("stop")
+    @sim.command("stop", epilog=epilog("sim stop"))
     def stop_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
         """Stop the simulator's daemon. Processes still using it lose their device memory."""
         from npusnap_cli.sim import manager
@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
         out.ok("simulated NPU stopped" if was_running else "simulated NPU was not running")
         out.result({"stopped": was_running, "socket": str(manager.socket_path())})
 
-    @sim.command("status")
+    @sim.command("status", epilog=epilog("sim status"))
     def status_cmd(
         ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)
     ) -> None:
@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
             )
         out.result(doc)
 
-    @sim.command("env")
+    @sim.command("env", epilog=epilog("sim env"))
     def env_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
         """Print `export` lines for the simulator: eval "$(npusnap sim env)"."""
         from npusnap_cli.sim import manager

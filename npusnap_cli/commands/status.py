@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, output
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=epilog("status"))
     def status(
         ctx: typer.Context,
         pid: int = typer.Argument(..., min=1, help="The process to inspect (its children are included)."),
@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
-        from npusnap_cli.host import proctree
+        from npusnap_cli.host import nodeview, proctree
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "status", json_flag)
@@ -32,12 +32,10 @@ def register(app: typer.Typer) -> None:
             if entry.get("agent_error"):
                 agent = "error"
             lease_text = f"{lease.get('remaining_s')}s left" if lease.get("active") else "-"
-            owner = st.get("owner") or {}
-            owner_text = (
-                f"{owner.get('command')} (pid {owner.get('pid')}) since {owner.get('since')}"
-                if owner
-                else "-"
-            )
+            owner = nodeview.owner_view(st.get("owner"))
+            if owner is not None:
+                st["owner"] = owner  # with "alive": a dead holder holds nothing
+            owner_text = nodeview.owner_text(owner, lease)
             devices = (hello.get("acl") or {}).get("devices")
             # Who keeps its device memory across a snapshot (docs/device-memory.md).
             dm = st.get("device_memory") or hello.get("device_memory") or {}
@@ -76,8 +74,23 @@ def register(app: typer.Typer) -> None:
         for entry in report["processes"]:
             if entry.get("agent_error"):
                 out.warn(f"pid {entry['pid']}: {entry['agent_error']['message']}")
-            for event in (entry.get("status") or {}).get("events", [])[-3:]:
-                out.info(f"pid {entry['pid']}: {event}")
+            st = entry.get("status") or {}
+            owner = st.get("owner") or {}
+            if owner.get("alive") is False:
+                out.warn(
+                    f"pid {entry['pid']}: the lock's holder, {owner.get('command')} (pid "
+                    f"{owner.get('pid')}), has exited; `npusnap thaw --force {entry['pid']}` returns the "
+                    "process now"
+                )
+            events = st.get("events", [])[-3:]
+            if events:
+                # Past events, time-stamped: the state column is the present.
+                out.info(
+                    f"pid {entry['pid']}: last {len(events)} agent event(s), finished "
+                    f"(state now: {st.get('state')}):"
+                )
+                for event in events:
+                    out.info(f"    {event}")
         for hint in report["hints"]:
             out.warn(hint)
         out.result(report)

@@ -24,6 +24,7 @@ Read-only /proc inspection here; copying and putting back are in ``save_files``/
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -297,6 +298,49 @@ def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) ->
     return out
 
 
+LOCK_FILE_MAX = 1 << 20  # a lock file is small; a locked database is not ours to copy
+
+
+def find_locked_files(tree: Iterable[int]) -> list[str]:
+    """Small regular files the tree holds a lock on (/proc/locks: flock, POSIX, OFD), wherever
+    they live: lock files and pid files that the original removes when it exits, which CRIU's
+    restore (``--file-locks``) must reopen by path."""
+    pids = set(tree)
+    keys: set[tuple[int, int, int]] = set()
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks a blocked waiter)
+                if len(fields) < 6 or fields[1] == "->":
+                    continue
+                try:
+                    pid = int(fields[4])
+                    major, minor, ino = fields[5].split(":")
+                    keys.add((int(major, 16), int(minor, 16), int(ino)))
+                except ValueError:
+                    continue
+                if pid not in pids and pid > 0:
+                    keys.discard((int(major, 16), int(minor, 16), int(ino)))
+    except OSError:
+        return []
+    if not keys:
+        return []
+    found = set()
+    for pid in pids:
+        for fd, target in _fd_links(pid).items():
+            if not target.startswith("/") or target.endswith(" (deleted)") or target.startswith(_NOT_DATA):
+                continue
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+            if key in keys and stat.S_ISREG(st.st_mode) and st.st_size <= LOCK_FILE_MAX:
+                found.add(target)
+    return sorted(found)
+
+
 def _digest(f: HostFile) -> str:
     return digest.of_file(Path(f.path), f.algo)
 
@@ -433,3 +477,241 @@ def put_back(files: list[HostFile], image: Path) -> list[str]:
             raise
         written.append(f.path)
     return written
+
+
+# --------------------------------------------------------------------------------------------
+# Directories and FIFOs the image needs on the host
+# --------------------------------------------------------------------------------------------
+#
+# CRIU re-creates a bound unix socket by binding its path again (a stale socket file there is
+# replaced), and reopens a FIFO or a file by its path; it creates neither the directories those
+# paths live in nor a FIFO's node (criu/sk-unix.c bind_unix_sk, criu/fifo.c). DataLoader workers'
+# multiprocessing listeners under /tmp/pymp-*/ are the common case: once the original has exited
+# (--leave-running images) or on another node, CRIU's restore fails ("Can't bind ... No such
+# file or directory"). The dump records each such directory and FIFO with owner and mode;
+# restore creates the missing ones, refusing any that exist with a stranger's owner.
+
+
+@dataclass(frozen=True)
+class HostNode:
+    """A directory or FIFO on the host that the restored tree needs to exist."""
+
+    path: str
+    kind: str  # "dir" | "fifo"
+    mode: int
+    uid: int
+    gid: int
+    why: str  # what of the tree needs it: "unix socket /tmp/pymp-x/listener-y", "fifo", ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "mode": self.mode,
+            "uid": self.uid,
+            "gid": self.gid,
+            "why": self.why,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HostNode:
+        try:
+            n = cls(
+                path=str(d["path"]),
+                kind=str(d["kind"]),
+                mode=int(d["mode"]),
+                uid=int(d["uid"]),
+                gid=int(d["gid"]),
+                why=str(d.get("why") or ""),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImageError(f"bad host_nodes entry in the manifest: {exc}", fix="dump again") from None
+        if n.kind not in ("dir", "fifo") or not 0 <= n.mode <= 0o7777:
+            raise ImageError(f"bad host_nodes entry in the manifest: {d!r}", fix="dump again")
+        if not n.path.startswith("/") or os.path.normpath(n.path) != n.path or n.path == "/":
+            raise ImageError(f"bad host_nodes path in the manifest: {n.path!r}", fix="dump again")
+        return n
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out = set()
+    for target in _fd_links(pid).values():
+        if target.startswith("socket:["):
+            try:
+                out.add(int(target[8:-1]))
+            except ValueError:
+                continue
+    return out
+
+
+def bound_unix_paths(pid: int) -> list[str]:
+    """Filesystem paths of the unix sockets ``pid`` holds that are bound (listening or not)."""
+    inodes = _socket_inodes(pid)
+    if not inodes:
+        return []
+    paths = []
+    try:
+        with open(f"/proc/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split(None, 7)
+                if len(fields) == 8 and int(fields[6]) in inodes:
+                    path = fields[7].rstrip("\n")
+                    if path.startswith("/"):  # "@...": abstract, no file
+                        paths.append(path)
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def _fifos(pid: int) -> list[str]:
+    out = []
+    for fd, target in _fd_links(pid).items():
+        if not target.startswith("/") or target.endswith(" (deleted)"):
+            continue
+        try:
+            if stat.S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode):
+                out.append(target)
+        except OSError:
+            continue
+    return out
+
+
+def _node(path: str, kind: str, why: str) -> Optional[HostNode]:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if (kind == "dir" and not stat.S_ISDIR(st.st_mode)) or (kind == "fifo" and not stat.S_ISFIFO(st.st_mode)):
+        return None  # a symlinked component (/var/run) is followed at restore, not recreated
+    mode = stat.S_IMODE(st.st_mode)
+    return HostNode(path=path, kind=kind, mode=mode, uid=st.st_uid, gid=st.st_gid, why=why)
+
+
+def find_host_nodes(tree: Iterable[int], files: Iterable[str] = ()) -> list[HostNode]:
+    """The directories (every ancestor but /) of the tree's bound unix sockets, FIFOs and of
+    ``files`` (the tmpfs files the image carries), and the FIFOs themselves; parents first."""
+    wanted: dict[str, tuple[str, str]] = {}  # path -> (kind, why)
+
+    def need(path: str, kind: str, why: str) -> None:
+        path = os.path.normpath(path)
+        if path.startswith(_NOT_DATA[:3]) or path == "/":
+            return
+        wanted.setdefault(path, (kind, why))
+        parent = os.path.dirname(path)
+        while parent != "/":
+            wanted.setdefault(parent, ("dir", why))
+            parent = os.path.dirname(parent)
+
+    for pid in tree:
+        for path in bound_unix_paths(pid):
+            need(os.path.dirname(path), "dir", f"unix socket {path} (pid {pid})")
+        for path in _fifos(pid):
+            need(path, "fifo", f"fifo {path} (pid {pid})")
+    for path in files:
+        need(os.path.dirname(path), "dir", f"file {path}")
+    nodes = [_node(p, kind, why) for p, (kind, why) in wanted.items()]
+    return sorted((n for n in nodes if n is not None), key=lambda n: (n.path.count("/"), n.path))
+
+
+def _open_dir_at(parent: int, name: str) -> int:
+    """Open directory ``name`` under the directory fd ``parent`` without following a symlink,
+    except one owned by root (/var/run -> /run): nobody else can have planted it."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        if os.lstat(name, dir_fd=parent).st_uid != 0:
+            raise
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+
+
+def create_node(node: HostNode) -> bool:
+    """Create ``node`` (owner, mode) if missing, walking its path one component at a time from /
+    with directory fds (a symlink swapped in on the way is not followed); True if it was made.
+
+    The one place hostres writes as root outside an image: kept small so that a shared
+    safe-write module can replace it."""
+    parts = [p for p in node.path.split("/") if p]
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in parts[:-1]:
+            nxt = _open_dir_at(fd, name)
+            os.close(fd)
+            fd = nxt
+        name = parts[-1]
+        try:
+            if node.kind == "dir":
+                os.mkdir(name, 0o700, dir_fd=fd)
+            else:
+                os.mkfifo(name, 0o600, dir_fd=fd)
+        except FileExistsError:
+            return False
+        # Created 0700/0600 first: nobody else can open it before owner and mode are set.
+        os.chown(name, node.uid, node.gid, dir_fd=fd, follow_symlinks=False)
+        os.chmod(name, node.mode, dir_fd=fd)  # not a symlink: we just made it, in a dir we hold
+        return True
+    finally:
+        os.close(fd)
+
+
+def check_host_nodes(nodes: Iterable[HostNode]) -> list[HostNode]:
+    """The nodes restore must create; refuse one in the way (wrong type, or an owner that is
+    neither root nor the one at dump: someone else could then read or replace the job's sockets)."""
+    todo = []
+    for n in nodes:
+        try:
+            st = os.lstat(n.path)
+        except FileNotFoundError:
+            todo.append(n)
+            continue
+        is_kind = stat.S_ISDIR(st.st_mode) if n.kind == "dir" else stat.S_ISFIFO(st.st_mode)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid == 0 and n.kind == "dir":
+            continue
+        if not is_kind:
+            raise PreflightError(
+                f"{n.path} exists and is not a {'directory' if n.kind == 'dir' else 'fifo'}",
+                why=f"the restored job needs it as at dump: {n.why}",
+                fix=f"look at it (ls -ld {n.path}); remove it if nothing needs it, then restore again",
+                details={"host_node": n.to_dict()},
+            )
+        if st.st_uid not in (0, n.uid):
+            raise PreflightError(
+                f"{n.path} belongs to uid {st.st_uid}, not to uid {n.uid} as at dump",
+                why=f"the restored job needs it ({n.why}); a {n.kind} of another user there could "
+                "intercept or block what the job binds or opens in it",
+                fix=f"look at it (ls -ld {n.path}); remove it if it is not the job's, then restore again",
+                details={"host_node": n.to_dict(), "uid_now": st.st_uid},
+            )
+    return todo
+
+
+def make_host_nodes(nodes: list[HostNode]) -> list[str]:
+    """Create the nodes (parents first); the paths made, for ``remove_host_nodes`` on failure."""
+    made: list[str] = []
+    try:
+        for n in nodes:
+            if create_node(n):
+                made.append(n.path)
+    except OSError as exc:
+        remove_host_nodes(made)
+        raise PreflightError(
+            f"cannot create {exc.filename or 'a directory'} the restored job needs: {exc.strerror}",
+            why="CRIU binds the job's unix sockets and opens its FIFOs by path; their directories "
+            "must exist first",
+            fix="create it by hand with the owner and mode `npusnap inspect IMAGE` shows, then restore again",
+        ) from None
+    return made
+
+
+def remove_host_nodes(made: list[str]) -> None:
+    """Undo ``make_host_nodes`` after a failed restore: the empty directories and FIFOs it made."""
+    for path in reversed(made):
+        try:
+            if stat.S_ISFIFO(os.lstat(path).st_mode):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+        except OSError:
+            continue

@@ -584,3 +584,142 @@ def run_checks(ascend_home: Optional[str] = None) -> CheckReport:
     items.append(plugin_dirs_item())
     items.append(check_debris())
     return CheckReport(tuple(items))
+
+
+# --------------------------------------------------------------------------------------------
+# Descriptors CRIU cannot dump
+# --------------------------------------------------------------------------------------------
+#
+# CRIU 4.2.1 dumps an anon-inode descriptor only of the kinds dump_one_file() knows
+# (criu/files.c: eventfd, eventpoll, inotify, fanotify, signalfd, timerfd, pidfd; bpf-map only
+# when CRIU was built with libbpf); anything else goes to dump_unsupp_fd(), which fails the dump
+# unless a plugin claims it (none does for anon inodes). Found only by CRIU, that failure comes
+# after the NPU lock (then rolled back); /proc/PID/fd shows it before anything is touched.
+
+CRIU_ANON_KINDS = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
+IO_URING_ENTER = 426  # the same number on x86_64 and aarch64 (the unified syscall table)
+
+_ANON_FIX = {
+    "[io_uring]": (
+        "an io_uring instance: CRIU cannot save its rings or in-flight requests",
+        "for PyTorch's rendezvous store (libuv TCPStore, the default since 2.4): launch the ranks "
+        "with USE_LIBUV=0 (torch/distributed/rendezvous.py reads it for env:// and tcp://). "
+        "torchrun's elastic agent hosts its own store, with libuv unless the installed torch reads "
+        "`--rdzv-conf use_libuv=0` (c10d_rendezvous_backend.py; torch 2.13 does not): launch the "
+        "ranks without torchrun and dump them as a job (docs/distributed.md, PyTorch); "
+        "otherwise make the program close its ring before the dump",
+    ),
+    "[perf_event]": (
+        "a perf event (a profiler or `perf` attached from inside)",
+        "stop the profiler in the job before the dump (perf_event fds cannot be saved)",
+    ),
+    "[userfaultfd]": (
+        "a userfaultfd (a user-space pager, a live-migration or GC runtime)",
+        "make the program close it before the dump",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class UndumpableFd:
+    pid: int
+    fd: int
+    kind: str  # the anon-inode name: "[io_uring]", "bpf-prog", ...
+    comm: str
+    threads: tuple[tuple[int, str], ...]  # (tid, name) of threads in a system call on it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "fd": self.fd,
+            "kind": self.kind,
+            "comm": self.comm,
+            "threads": [{"tid": t, "name": n} for t, n in self.threads],
+        }
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _threads_on(pid: int, fd: int, kind: str) -> tuple[tuple[int, str], ...]:
+    """Threads of ``pid`` blocked in a system call whose first argument is ``fd`` (io_uring_enter
+    for a ring), and the kernel's io_uring workers (iou-wrk-*, iou-sqp-*) of a ring."""
+    out = []
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return ()
+    for tid in tids:
+        name = _read(f"/proc/{pid}/task/{tid}/comm")
+        fields = _read(f"/proc/{pid}/task/{tid}/syscall").split()
+        try:
+            on_fd = len(fields) > 1 and int(fields[1], 16) == fd
+        except ValueError:
+            on_fd = False
+        if on_fd or (kind == "[io_uring]" and name.startswith(("iou-wrk-", "iou-sqp-"))):
+            out.append((tid, name))
+    return tuple(out)
+
+
+def find_undumpable_fds(pids: list[int], bpf_maps: bool = False) -> list[UndumpableFd]:
+    """Descriptors of the processes that CRIU 4.2.1 refuses to dump (anon inodes of kinds it
+    does not know), with the threads that are using them."""
+    known = CRIU_ANON_KINDS + (("bpf-map",) if bpf_maps else ())
+    found = []
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in sorted(names, key=lambda n: int(n) if n.isdigit() else -1):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if not link.startswith("anon_inode:"):
+                continue
+            kind = link[len("anon_inode:") :]
+            if kind in known:
+                continue
+            fd = int(name)
+            comm = _read(f"/proc/{pid}/comm") or "?"
+            threads = _threads_on(pid, fd, kind)
+            found.append(UndumpableFd(pid=pid, fd=fd, kind=kind, comm=comm, threads=threads))
+    return found
+
+
+def undumpable_fds_error(found: list[UndumpableFd]) -> Optional[Any]:
+    """The preflight refusal naming the first such descriptor and its fix, or None."""
+    if not found:
+        return None
+    from npusnap_cli.errors import PreflightError
+
+    e = found[0]
+    what, fix = _ANON_FIX.get(
+        e.kind,
+        (f"an anon inode of kind {e.kind}", "make the program close it before the dump"),
+    )
+    threads = ", ".join(f"{tid} ({name})" for tid, name in e.threads)
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return PreflightError(
+        f"pid {e.pid} ({e.comm}) holds anon_inode:{e.kind} on fd {e.fd}{others}"
+        + (f", used by thread(s) {threads}" if threads else ""),
+        why=f"it is {what}; CRIU dumps only the anon-inode kinds it knows ({', '.join(CRIU_ANON_KINDS)}) "
+        "and would fail after the job was locked",
+        fix=fix,
+        details={"undumpable_fds": [x.to_dict() for x in found]},
+    )
+
+
+def criu_has_libbpf(binary_path: str) -> bool:
+    """Whether this CRIU was linked with libbpf (then it dumps bpf maps)."""
+    try:
+        with open(binary_path, "rb") as f:
+            return b"libbpf.so" in f.read()
+    except OSError:
+        return False

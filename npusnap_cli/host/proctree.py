@@ -86,7 +86,8 @@ def _agent_socket(pid: int, listening: set[str]) -> Optional[str]:
         path = Path(p)
         if path.name == name and path.parent.name.startswith("npusnap"):
             return p
-    return None
+    held = paths.held_agent_socket(pid)  # a replica of a job in its own pid namespace
+    return str(held) if held is not None else None
 
 
 def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     # Imported where used (Manifest.from_dict): host/hostres.py imports image/digest.py, and
     # importing that runs this package's __init__ first, so a top-level import here would be
     # circular whenever hostres is imported before the image package.
-    from npusnap_cli.host.hostres import ExternalStdio, HostFile
+    from npusnap_cli.host.hostres import ExternalStdio, HostFile, HostNode
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "npusnap.json"
@@ -329,6 +329,11 @@ class Manifest:
     host_files: tuple[HostFile, ...] = ()
     # Pipes to processes outside the tree, recorded with --external-pipes (restore --pipe-to).
     external_stdio: tuple[ExternalStdio, ...] = ()
+    # Directories and FIFOs the restored tree needs on the host (hostres.find_host_nodes).
+    host_nodes: tuple[HostNode, ...] = ()
+    # Host pid (a string) -> pid in the job's own pid namespace, for a tree whose root is init
+    # of one (`run --pid-ns`, host/pidns.py); empty otherwise.
+    pid_ns: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def npu_processes(self) -> tuple[ProcessEntry, ...]:
@@ -350,6 +355,8 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "host_files": [f.to_dict() for f in self.host_files],
             "external_stdio": [e.to_dict() for e in self.external_stdio],
+            "host_nodes": [n.to_dict() for n in self.host_nodes],
+            "pid_ns": dict(self.pid_ns),
         }
 
     def to_json(self) -> str:
@@ -371,7 +378,8 @@ class Manifest:
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
             )
-        from npusnap_cli.host.hostres import ExternalStdio, HostFile
+        from npusnap_cli.host import pidns
+        from npusnap_cli.host.hostres import ExternalStdio, HostFile, HostNode
 
         return cls(
             schema=schema,
@@ -390,6 +398,8 @@ class Manifest:
                 ExternalStdio.from_dict(e) for e in _opt(d, "external_stdio", list, "manifest") or ()
             ),
             device_memory=dict(d.get("device_memory") or {}),
+            host_nodes=tuple(HostNode.from_dict(n) for n in _opt(d, "host_nodes", list, "manifest") or ()),
+            pid_ns=pidns.check_map(d.get("pid_ns")),
         )
 
     @classmethod
@@ -907,17 +917,53 @@ def remove_tree(path: Path) -> None:
         os.close(parent_fd)
 
 
+FAILED_LOGS_SUFFIX = ".failed-logs"
+
+
+def failed_logs_dir(final: Path) -> Path:
+    """Where a failed run's logs are kept: beside the image it was writing, named after it
+    (``IMG.failed-logs``), so that an operator finds them where the image should have been."""
+    return final.parent / f"{final.name}{FAILED_LOGS_SUFFIX}"
+
+
+def _final_of(tmp: Path) -> Optional[Path]:
+    name = tmp.name
+    if name.startswith(".") and TMP_MARKER in name:
+        return tmp.parent / name[1 : name.index(TMP_MARKER)]
+    return None
+
+
 def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
     """Move the logs of a failed run out of a partial image (which is then removed).
 
-    They go to a new directory under ``$TMPDIR/npusnap-logs`` (hostclean.new_log_dir: the base
-    is checked to be a private directory of this user, the new one is made by mkdtemp, so that a
-    name planted in a shared /tmp cannot redirect them; old ones are pruned). The partial image
-    itself must not stay (it would look like an image).
+    They go beside the image's final path, into ``IMG.failed-logs`` (the previous failure's are
+    replaced: one directory per image, not an ever-growing pile); where that is not possible (the
+    name is taken by something else), into a new directory under ``$TMPDIR/npusnap-logs``
+    (hostclean.new_log_dir: the base is checked to be a private directory of this user, the new
+    one is made by mkdtemp, so that a name planted in a shared /tmp cannot redirect them; old
+    ones are pruned). The partial image itself must not stay (it would look like an image).
     """
     src = logs_dir(tmp)
     if not src.is_dir() or src.is_symlink() or dir_is_empty(src):
         return None
+    final = _final_of(tmp)
+    if final is not None:
+        dest = failed_logs_dir(final)
+        try:
+            st = os.lstat(dest)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                remove_tree(dest)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            final = None
+        if final is not None:
+            try:
+                # Same filesystem as the partial image: a rename, atomic, nothing copied.
+                os.rename(src, dest)
+                return dest
+            except OSError:
+                pass
     from npusnap_cli.host import hostclean
 
     try:

@@ -146,9 +146,15 @@ class SignalGuard:
     def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
         first = self.received is None
         self.received = signum
-        if first:
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if first:
                 self._note(f"{signal.Signals(signum).name} received: finishing the current step")
+            else:
+                # Said every time: a second Ctrl-C that prints nothing looks like a hang.
+                self._note(
+                    f"{signal.Signals(signum).name} again: still finishing the current step, then "
+                    f"rolling back; the {self.what} cannot be cut short safely (the job would stay locked)"
+                )
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
@@ -351,6 +357,16 @@ def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: Pha
     if err is not None:
         raise err
     return ()
+
+
+def _check_undumpable_fds(tree: tuple[Any, ...], binary: Any) -> None:
+    """Refuse descriptors CRIU cannot dump (io_uring, perf events...) before anything is locked."""
+    from npusnap_cli.host import preflight
+
+    found = preflight.find_undumpable_fds([p.pid for p in tree], preflight.criu_has_libbpf(binary.path))
+    err = preflight.undumpable_fds_error(found)
+    if err is not None:
+        raise err
 
 
 def _check_criu(check: Optional[Any]) -> Any:
@@ -774,6 +790,10 @@ def _dump(
             _check_session(target.tree, shell_job=options.shell_job)
             external = _check_external_stdio(target.tree, options, cb.note)
             binary = _check_criu(check)
+            _check_undumpable_fds(target.tree, binary)
+            from npusnap_cli.host import pidns
+
+            ns_map = pidns.namespace_pids(target.root_pid, [p.pid for p in target.tree])
             _check_npu_plugin(target.tree)
             guard.check("before anything was changed", "nothing was changed")
             from npusnap_cli.device.devicegroup import refuse_stopped
@@ -789,6 +809,7 @@ def _dump(
         pipeline = _Pipeline(final, target, options, binary, host_bytes, clock, cb, guard)
         pipeline.coordinator = coordinator
         pipeline.external = external
+        pipeline.pid_ns = {str(k): v for k, v in ns_map.items()}
         return replace(pipeline.run(), leftovers=leftovers)
 
 
@@ -821,6 +842,8 @@ class _Pipeline:
         self.stopped_pids: list[int] = []
         self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
         self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
+        self.host_nodes: tuple[Any, ...] = ()  # hostres.HostNode: dirs and FIFOs restore needs
+        self.pid_ns: dict[str, int] = {}  # host pid -> pid in the job's own namespace (pidns.py)
         self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
         self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
@@ -1057,6 +1080,8 @@ class _Pipeline:
 
         assert self.tmp is not None
         paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
+        if self.options.file_locks:  # lock files (often removed by the original when it exits)
+            paths = sorted(set(paths) | set(hostres.find_locked_files([p.pid for p in self.target.tree])))
         if paths:
             self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
         saved = hostres.save_files(paths, self.tmp)
@@ -1066,6 +1091,8 @@ class _Pipeline:
         if remaps:
             self.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
         self.host_files = saved + hostres.save_files(remaps, self.tmp, remap=True)
+        if _our_mount_ns(self.target.root_pid):
+            self.host_nodes = tuple(hostres.find_host_nodes([p.pid for p in self.target.tree], paths))
 
     def _open_device_memory_files(self) -> dict[int, tuple[int, str]]:
         """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
@@ -1220,7 +1247,8 @@ class _Pipeline:
                     streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
                 if not self.options.keep:
                     img.remove_tree(img.logs_dir(tmp))
-                total = img.tree_size(img.criu_dir(tmp))
+                # Every file hashed (CRIU's, the device memory's), not CRIU's alone.
+                total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
                 done = [0]
 
                 def advance(n: int) -> None:
@@ -1373,6 +1401,8 @@ class _Pipeline:
             criu_options=criu_opts.to_dict(),
             leave_running=self.options.leave_running,
             host_files=self.host_files,
+            host_nodes=self.host_nodes,
+            pid_ns=self.pid_ns,
             external_stdio=self.external,
             device_memory=self._device_memory_record(results),
         )

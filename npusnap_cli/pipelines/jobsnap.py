@@ -761,6 +761,13 @@ def _restore_job(
     for r in job.ranks:
         m = img.load_manifest(final / r.dir)
         manifests[r.rank] = m
+        if m.pid_ns:
+            raise UsageError(
+                f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
+                "job images of such ranks cannot be restored yet",
+                fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
+                "ranks without --pid-ns",
+            )
         try:
             rmod.check_versions(m, binary)
             device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
@@ -796,6 +803,7 @@ def _restore_job(
             try:
                 with in_netns(targets[r.rank]):
                     to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
+                    hostres.make_host_nodes(hostres.check_host_nodes(m.host_nodes))
                     try:
                         if to_put_back:
                             hostres.put_back(to_put_back, final / r.dir)

@@ -65,6 +65,9 @@ class RestoreOptions:
     # the page files are verified while it runs, and the restore returns once every page is in.
     lazy: bool = False
     lazy_timeout_s: float = 600.0  # the whole page-in (and the page files' checksums) must end by then
+    # (image device, device) pairs: restore onto other devices (a --pid-ns image, simulated NPU)
+    device_map: tuple[tuple[int, int], ...] = ()
+    output: Optional[Path] = None  # the job writes here instead of its stdout file (a copy's own)
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
             why="CRIU's process tree image is damaged",
             fix="do not use this image; dump again",
         ) from None
-    if pids != {p.pid for p in manifest.processes}:
+    if pids != ({*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}):
         raise ImageError(
             f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
             f"{sorted(pids)}",
@@ -235,8 +238,9 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         )
 
 
-def check_devices_free(manifest: img.Manifest) -> list[str]:
-    """Restore claims the same device ids, which must be free of every other process (runtime
+def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
+    """Restore claims the same device ids (or those of ``device_map``), which must be free of
+    every other process (runtime
     design doc: "若Device被其他进程占用，则恢复失败"). Found the way a real node allows, for every
     image: the processes of this host that have NPU device memory mapped or a device file open
     (/proc, host/devmaps.py) and the image's CANN installation loaded; those with an npusnap
@@ -252,7 +256,8 @@ def check_devices_free(manifest: img.Manifest) -> list[str]:
     from npusnap_cli.host import devmaps
     from npusnap_cli.pipelines.dump import _cann_home_of as _cann_home
 
-    wanted = {d: p.pid for p in manifest.npu_processes for d in p.devices}
+    moved = dict(device_map)
+    wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
     if not wanted:
         return []
     image_pids = frozenset(p.pid for p in manifest.processes)
@@ -658,26 +663,50 @@ def _restore_opened(
 
         lazypages.check_lazy(final, manifest, binary)
     device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
-    check_pids_free(manifest, image_thread_ids(final, manifest))
-    for note in check_devices_free(manifest):
-        cb.note(note)
+    from npusnap_cli.host import hostres, pidns
+
+    pidns.check_device_map(manifest, options.device_map)
+    try:
+        ids = image_thread_ids(final, manifest)
+        if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
+            check_pids_free(manifest, ids)
+        for note in check_devices_free(manifest, options.device_map):
+            cb.note(note)
+    except BusyError:
+        # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
+        for c in (checksums, device_checks):
+            corrupt = c.join() if c is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+        raise
     prepare_sockets(manifest)
-    from npusnap_cli.host import hostres
 
     to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    to_make = hostres.check_host_nodes(manifest.host_nodes)
+    made: list[str] = []
     inherit = open_pipe_targets(manifest, options.pipe_to)
+    inherit += pidns.open_output_target(img.criu_dir(final), manifest, options.output)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
     try:
         guard.check("before anything was started", "nothing was restored")
+        if to_make:
+            cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
+            made = hostres.make_host_nodes(to_make)
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
             hostres.put_back(to_put_back, final)
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
-        lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
+        view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
+        try:
+            lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
+        except BaseException:
+            if view is not None:
+                pidns.drop_view(view)
+            raise
         try:
             res = criu.restore(
-                str(img.criu_dir(final)),
+                str(view or img.criu_dir(final)),
                 str(logs),
                 options=replace(
                     _criu_options(manifest, tuple(inherit)),
@@ -690,6 +719,7 @@ def _restore_opened(
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
         except NpusnapError:
+            hostres.remove_host_nodes(made)
             if lazy is not None:
                 lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
@@ -697,12 +727,20 @@ def _restore_opened(
             if corrupt is not None:
                 raise corrupt from None
             raise
+        finally:
+            if view is not None:
+                pidns.drop_view(view)
     finally:
         for fd in {fd for _key, fd in inherit}:
             os.close(fd)
         hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
+    if manifest.pid_ns:  # from here on, the restored copy's host pids
+        manifest, moved = pidns.translate(manifest, root_pid)
+        device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
+        if options.device_map:  # before any Restore claims a device (the tree is locked)
+            pidns.apply_device_map(root_pid, options.device_map)
     if lazy is not None:
         lazy.criu_log = res.log_path
         lazy.guard()

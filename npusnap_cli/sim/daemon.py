@@ -168,6 +168,10 @@ class Daemon:
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
+        # pid namespace inode -> (its init, {device id its processes use: physical device}):
+        # what a container's device mapping is on a node (OP_NSMAP, `restore --device-map`)
+        self.ns_maps: Dict[int, Tuple[Owner, Dict[int, int]]] = {}
+        self.owner_ns: Dict[Owner, int] = {}
 
     # -- bookkeeping (self.lock held) ---------------------------------------------------------
     def _free_owner(self, owner: Owner, dev: Optional[Device] = None) -> None:
@@ -244,6 +248,13 @@ class Daemon:
                 return entry
         return None
 
+    def _reap_ns(self) -> None:
+        for ns, (init, _m) in list(self.ns_maps.items()):
+            if not alive(init):
+                del self.ns_maps[ns]
+        for owner in [o for o in self.owner_ns if not alive(o)]:
+            del self.owner_ns[owner]
+
     def _reap(self) -> None:
         owners = {o for d in self.devices for o in d.owners} | {
             al.owner for d in self.devices for al in d.allocs.values()
@@ -253,13 +264,21 @@ class Daemon:
                 log(f"owner pid {owner[0]} (start {owner[1]}) is gone: freeing its devices and memory")
                 self._free_owner(owner)
 
-    def _device_of(self, addr: int) -> Optional[Device]:
+    def _phys(self, owner: Owner, dev_id: int) -> int:
+        """The device behind ``dev_id`` for ``owner``: remapped in its pid namespace's map."""
+        ns = self.owner_ns.get(owner)
+        entry = self.ns_maps.get(ns) if ns is not None else None
+        return entry[1].get(dev_id, dev_id) if entry is not None else dev_id
+
+    def _device_of(self, addr: int, owner: Optional[Owner] = None) -> Optional[Device]:
         idx = (addr - wire.ADDR_BASE) // wire.ADDR_SPAN if addr >= wire.ADDR_BASE else -1
+        if owner is not None and idx >= 0:
+            idx = self._phys(owner, idx)
         return self.devices[idx] if 0 <= idx < len(self.devices) else None
 
     def _find(self, owner: Owner, addr: int, n: int) -> Optional[Tuple[Allocation, int]]:
         """The caller's allocation holding [addr, addr+n), and the offset of addr in it."""
-        dev = self._device_of(addr)
+        dev = self._device_of(addr, owner)
         if dev is None:
             return None
         i = bisect.bisect_right(dev.addrs, addr) - 1
@@ -362,7 +381,7 @@ class Daemon:
             existing = dev.allocs.get(at)
             if existing and existing.owner == owner and existing.size == size:
                 return 0, at, None  # Restore in the same process (rollback): the memory is still there
-            if self._device_of(at) is not dev or at + size > dev.base + wire.ADDR_SPAN:
+            if self._device_of(at, owner) is not dev or at + size > dev.base + wire.ADDR_SPAN:
                 return -errno.EINVAL, 0, None
             if self._overlaps(dev, at, size):
                 return -errno.EEXIST, 0, None
@@ -424,6 +443,10 @@ class Daemon:
             "driver_version": self.driver_version,
             "clients": self.clients,
             "devices": devs,
+            "device_maps": [
+                {"pid_ns": ns, "init_pid": init[0], "map": {str(k): v for k, v in m.items()}}
+                for ns, (init, m) in self.ns_maps.items()
+            ],
             "owners": list(owners.values()),
             "bytes_used": sum(d.used for d in self.devices),
         }
@@ -438,6 +461,13 @@ class Daemon:
             pid = struct.unpack("3i", creds)[0]
             st = start_time(pid)
             owner: Owner = (pid, st if st is not None else -1)
+            try:
+                ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+            except OSError:
+                ns = None
+            if ns is not None:
+                with self.lock:
+                    self.owner_ns[owner] = ns
             while True:
                 try:
                     hdr = wire.recv_exact(conn, wire.REQ.size)
@@ -504,6 +534,14 @@ class Daemon:
             self.stopping.set()
             self.close_listener()
             return False
+        if op == wire.OP_NSMAP:
+            with self.lock:
+                status = self.op_nsmap(dev, a, b, n)
+            self.reply(conn, status)
+            return True
+        if dev >= 0 and op != wire.OP_HAS:
+            with self.lock:
+                dev = self._phys(owner, dev)
         if op == wire.OP_ALLOC_AT and b & wire.ALLOC_POISON:
             # A Restore's allocation: poisoned outside the lock, answered once poisoned in full.
             with self.lock:
@@ -535,23 +573,51 @@ class Daemon:
                 value |= wire.CONFIG_DRIVER_SNAPSHOT
             return 0, value | (self.driver_version << 16)
         if op == wire.OP_FREE:
-            d = self._device_of(a)
+            d = self._device_of(a, owner)
             al = d.allocs.get(a) if d else None
             if d is None or al is None or al.owner != owner:
                 return -errno.EINVAL, 0
             self._drop(d, a)
             return 0, 0
         if op == wire.OP_HAS:
-            d = self._device_of(a)
+            d = self._device_of(a, owner)
             al = d.allocs.get(a) if d else None
-            ok = d is not None and d.id == dev and al is not None and al.owner == owner and al.size == n
+            ok = (
+                d is not None
+                and d.id == self._phys(owner, dev)
+                and al is not None
+                and al.owner == owner
+                and al.size == n
+            )
             return (0 if ok else -errno.ENOENT), 0
         return -errno.EOPNOTSUPP, 0
+
+    def op_nsmap(self, dev: int, ns: int, phys: int, init_pid: int) -> int:
+        """Map device ``dev`` to ``phys`` for the pid namespace ``ns`` whose init is ``init_pid``."""
+        st = start_time(init_pid)
+        try:
+            if st is None or os.stat(f"/proc/{init_pid}/ns/pid").st_ino != ns:
+                return -errno.ESRCH
+        except OSError:
+            return -errno.ESRCH
+        if dev < 0:
+            self.ns_maps.pop(ns, None)
+            return 0
+        if not 0 <= phys < len(self.devices):
+            return -errno.ENODEV
+        entry = self.ns_maps.get(ns)
+        if entry is None or entry[0] != (init_pid, st):
+            entry = ((init_pid, st), {})
+            self.ns_maps[ns] = entry
+        entry[1][dev] = phys
+        log(f"pid namespace {ns} (init pid {init_pid}): device {dev} is device {phys}")
+        return 0
 
     def reaper(self, interval: float) -> None:
         while not self.stopping.wait(interval):
             with self.lock:
                 self._reap()
+                self._reap_ns()
                 self._expire_pool()
 
     def close_listener(self) -> None:

@@ -29,6 +29,10 @@ OP_SHUTDOWN = 10
 OP_HAS = 11
 OP_CONFIG = 12  # -> value = CONFIG_* bits
 OP_MAP = 13  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
+# Remap device ids for every process of one pid namespace (the simulator's stand-in for a
+# container that exposes physical device b as its device dev): a = the namespace's inode, n = the
+# host pid of its init (the map ends with it); dev = -1 clears the namespace's map.
+OP_NSMAP = 14
 MAP = struct.Struct("<QQd")  # OP_MAP's payload: allocation base address, its size, link MB/s (0: none)
 
 CLAIM_EXCLUSIVE = 1  # OP_CLAIM's b: no other live process may have the device open (Restore)

@@ -10,6 +10,7 @@ an uninterrupted run (the tests compare them)::
     python3 hostjob.py --with forkserver-pool --steps 50
     python3 hostjob.py --with shm:/npusnap-test-1 --steps 50
     python3 hostjob.py --with tcp-peer:10.231.0.2:7000 --steps 50    # an echo server there
+    python3 hostjob.py --with mp-listener --with fifo --steps 50     # /tmp/pymp-*/, a named pipe
 
 Runs on any Python 3.9+, standard library only.
 """
@@ -149,6 +150,65 @@ class Shm:
         return f"shm {zlib.crc32(value.to_bytes(8, 'little')):08x}"
 
 
+class MpListener:
+    """A multiprocessing listener bound under /tmp/pymp-*/ (as DataLoader workers keep one):
+    Python removes that directory when the process exits. Each step a client of ours talks to it."""
+
+    def __init__(self) -> None:
+        from multiprocessing.connection import Listener
+
+        self.listener = Listener(family="AF_UNIX")
+
+    def step(self, n: int) -> str:
+        from multiprocessing.connection import Client
+
+        with Client(self.listener.address, family="AF_UNIX") as c, self.listener.accept() as conn:
+            c.send(("mp", n))
+            got = conn.recv()
+        return f"mp-listener {got[0]} {got[1]}"
+
+
+class Fifo:
+    """A named pipe in a private directory of its own, removed when the process exits."""
+
+    def __init__(self) -> None:
+        import atexit
+        import shutil
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="npusnap-fifo-")
+        atexit.register(shutil.rmtree, self.dir, True)
+        path = os.path.join(self.dir, "fifo")
+        os.mkfifo(path, 0o600)
+        self.fd = os.open(path, os.O_RDWR)
+
+    def step(self, n: int) -> str:
+        os.write(self.fd, f"fifo {n}".encode())
+        return os.read(self.fd, 64).decode()
+
+
+class LockFile:
+    """A lock file (flock) holding our pid in a private directory, removed when the process
+    exits; each step checks that the file is still there and still ours."""
+
+    def __init__(self) -> None:
+        import atexit
+        import fcntl
+        import shutil
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="npusnap-lock-")
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.path = os.path.join(self.dir, "job.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(self.fd, b"locked\n")
+
+    def step(self, n: int) -> str:
+        same = os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        return f"lock {n} {'held' if same else 'LOST'}"
+
+
 def make(spec: str) -> Any:
     kind, _, arg = spec.partition(":")
     factories: dict[str, Callable[[], Any]] = {
@@ -159,6 +219,9 @@ def make(spec: str) -> Any:
         "spawn-pool": SpawnPool,
         "forkserver-pool": lambda: SpawnPool("forkserver"),
         "shm": lambda: Shm(arg or "npusnap-hostjob"),
+        "mp-listener": MpListener,
+        "fifo": Fifo,
+        "lockfile": LockFile,
     }
     if kind not in factories:
         raise ValueError(f"unknown --with {spec!r} (one of: {', '.join(factories)})")

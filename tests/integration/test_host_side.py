@@ -547,3 +547,105 @@ def test_established_tcp_survives_migration_to_a_fresh_namespace(
             server.kill()
             server.wait(10)
         nets.close()
+
+
+def _bound_dirs(pid: int) -> list[str]:
+    from npusnap_cli.host import hostres
+
+    return sorted(
+        {os.path.dirname(p) for p in hostres.bound_unix_paths(pid)}
+        | {os.path.dirname(p) for p in hostres._fifos(pid)}
+    )
+
+
+def test_socket_and_fifo_directories_are_recreated_after_the_original_exits(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A multiprocessing listener under /tmp/pymp-*/ and a FIFO in a private directory: Python
+    removes both directories when the original exits after a --leave-running dump; restore
+    recreates them (owner, mode) before CRIU binds and opens there, and the job goes on. A
+    directory in the way with another owner is refused before anything starts."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--with", "mp-listener", "--with", "fifo", "--steps", "30", "--interval", "0.05", "--seed", "8"]
+    ref = host_reference(env, args)
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    dirs: list[str] = []
+    try:
+        job.wait_lines(3, timeout=60)
+        dirs = [d for d in _bound_dirs(job.pid) if "/pymp-" in d or "/npusnap-fifo-" in d]
+        assert any("/pymp-" in d for d in dirs) and any("npusnap-fifo-" in d for d in dirs), dirs
+        modes = {d: os.stat(d).st_mode & 0o7777 for d in dirs}
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or err
+        assert job.reap(60) == 0
+        assert job.lines() == ref
+        for d in dirs:  # what Python's exit handlers left: gone as on another node
+            subprocess.run(["rm", "-rf", d], check=True)
+        rc, out, _ = cli(env, "inspect", str(tmp_path / "img"))
+        assert rc == 0 and out is not None
+        needed = {n["path"]: n for n in out["result"]["host_nodes"]}
+        assert set(dirs) <= set(needed), (dirs, needed)
+        assert any(n["kind"] == "fifo" for n in needed.values())
+
+        # Someone else's directory in the way: refused, nothing created or started.
+        squat = dirs[0]
+        os.mkdir(squat)
+        os.chown(squat, 65534, 65534)
+        rc, out, _ = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == ExitCode.PREFLIGHT and out is not None, out
+        assert "belongs to uid 65534" in out["error"]["message"]
+        os.rmdir(squat)
+        assert not any(os.path.exists(d) for d in dirs), [d for d in dirs if os.path.exists(d)]
+
+        at = len(job.lines())
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        for d in dirs:
+            if os.path.exists(d):  # the restored job may have finished and removed them already
+                assert os.stat(d).st_mode & 0o7777 == modes[d]
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored run to finish")
+        continuation = job.lines()[at:]
+        assert continuation and continues_reference(continuation, ref), job.text()[-800:]
+    finally:
+        job.cleanup()
+        for d in dirs:
+            subprocess.run(["rm", "-rf", d], check=False)
+
+
+def test_lock_file_removed_by_the_original_is_put_back(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A flock'ed lock file in a private directory on disk (not tmpfs), removed with its
+    directory when the original exits after a --leave-running --file-locks dump: the image
+    carries it, restore puts it (and its directory) back, and CRIU re-takes the lock."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--with", "lockfile", "--steps", "30", "--interval", "0.05", "--seed", "9"]
+    ref = host_reference(env, args)
+    job = Job(tmp_path, env, [PY, HOSTJOB, *args])
+    lock_dir = ""
+    try:
+        job.wait_lines(3, timeout=60)
+        from npusnap_cli.host import hostres
+
+        locked = hostres.find_locked_files([job.pid])
+        assert len(locked) == 1 and "/npusnap-lock-" in locked[0], locked
+        lock_dir = os.path.dirname(locked[0])
+        rc, out, err = cli(
+            env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running", "--file-locks"
+        )
+        assert rc == 0, (out or {}).get("error") or err
+        assert job.reap(60) == 0
+        assert job.lines() == ref
+        assert not os.path.exists(lock_dir), "the original should have removed it at exit"
+        at = len(job.lines())
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored run to finish")
+        continuation = job.lines()[at:]
+        assert continuation and continues_reference(continuation, ref), job.text()[-800:]
+    finally:
+        job.cleanup()
+        if lock_dir:
+            subprocess.run(["rm", "-rf", lock_dir], check=False)

@@ -127,6 +127,9 @@ def dump_restore_job(env: dict[str, str], jobs: list[Job], img: Path, *dump_args
     assert rc == 0, err
     rc, out, err = cli(env, "inspect", str(img))
     assert rc == 0 and out is not None and len(out["result"]["ranks"]) == 2, err
+    # Each rank's files, sockets and CRIU statistics, read from its CRIU images.
+    for rank in out["result"]["ranks"]:
+        assert rank["criu"]["files"] and rank["criu"]["stats"]["pages_written"] > 0, rank["criu"]
     return before
 
 

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -21,7 +21,20 @@ SCRIPTS = sorted(RUNBOOKS.glob("*.sh"))
 PAGES = sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md")
 NPUSNAP = REPO / ".venv" / "bin" / "npusnap"
 _LINK = re.compile(r"\]\(([^)#\s]+)")
-_FENCE = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def _runbooks() -> Any:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import runbooks
+    finally:
+        sys.path.pop(0)
+    return runbooks
+
+
+def _shell_blocks(page: Path) -> list[str]:
+    """Every shell block of the page, as a CommonMark renderer finds it (run or only parsed)."""
+    return [b.content for b in _runbooks().blocks(page.read_text()) if b.lang in _runbooks().SHELLS]
 
 
 def _links(page: Path) -> set[str]:
@@ -50,17 +63,26 @@ def test_script_is_referenced_by_a_page_and_the_index(script: Path) -> None:
 def test_scripts_are_generated_from_their_pages() -> None:
     """The pages are what is tested: each script is its page's ```bash blocks after a fixed
     prologue (scripts/runbooks.py). A page edited without regenerating its script fails here."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import runbooks
-    finally:
-        sys.path.pop(0)
+    runbooks = _runbooks()
     for page in runbooks.pages():  # all but the hand-written ones (runbooks.HAND_WRITTEN)
-        blocks = _FENCE.findall(page.read_text())
+        blocks = runbooks.runnable_blocks(page)
         assert blocks, f"{page.name} shows no ```bash block"
         script = page.with_suffix(".sh")
         assert script.read_text() == runbooks.render(page), (
             f"{script.name} is out of date with {page.name}: run scripts/runbooks.py"
+        )
+
+
+def test_hand_written_scripts_run_every_block_of_their_page() -> None:
+    """podman.sh and kubernetes.sh build an image first, then run their page's blocks as shown
+    (run_block PAGE N, container-image.bash): every runnable block, each once, in order."""
+    runbooks = _runbooks()
+    for name in sorted(runbooks.HAND_WRITTEN):
+        page = RUNBOOKS / name
+        calls = re.findall(rf"^run_block {re.escape(name)} (\d+)$", page.with_suffix(".sh").read_text(), re.M)
+        want = list(range(1, len(runbooks.runnable_blocks(page)) + 1))
+        assert [int(c) for c in calls] == want, (
+            f"{page.with_suffix('.sh').name} runs blocks {calls} of {name}"
         )
 
 
@@ -75,7 +97,7 @@ def test_page_blocks_work_when_pasted(page: Path) -> None:
     """What a page shows must work pasted into an interactive shell: no helper functions that only
     a script defines, no `exit` (it would close the operator's shell), no `set -e`. (Undefined
     variables are caught by running the script under `set -u`.)"""
-    for block in _FENCE.findall(page.read_text()):
+    for block in _shell_blocks(page):
         for line in block.splitlines():
             # Not comments, not single-quoted text (an awk program's `exit` is awk's).
             code = re.sub(r"'[^']*'", "''", line.split(" #", 1)[0])
@@ -126,3 +148,66 @@ def test_runbook_script_succeeds(
     # It cleaned up after itself: its work directory (jobs, images, logs) is gone.
     leftover = set(Path("/tmp").glob("npusnap-runbook.*")) - before
     assert not leftover, f"{script.name} left {sorted(leftover)}"
+
+
+DOC_PAGES = _runbooks().doc_pages()
+
+
+def test_doc_pages_with_shell_blocks_are_run() -> None:
+    """The quickstart is the first page a user pastes from: its blocks run below."""
+    assert REPO / "docs" / "quickstart.md" in DOC_PAGES
+
+
+@pytest.mark.integration
+@requires_root
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.stem)
+def test_doc_page_blocks_succeed(
+    page: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A page outside docs/runbooks/ (the quickstart): its runnable blocks, in order, in a clean
+    shell in an empty directory, as the runbooks' scripts run theirs (same prologue)."""
+    script = tmp_path / f"{page.stem}.sh"
+    script.write_text(_runbooks().render(page))
+    script.chmod(0o755)
+    env = dict(sim_env)
+    env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)
+    env["NPUSNAP"] = str(NPUSNAP)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=work, env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, f"{page.name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.rstrip().endswith("OK"), proc.stdout
+
+
+def test_hand_written_pages_blocks_run_with_a_stand_in_podman(tmp_path: Path) -> None:
+    """Without podman (most machines running the unit tests), every block of podman.md and
+    kubernetes.md still runs as the scripts run it (run_block, `set -euo pipefail`), with podman
+    and tail recording their arguments: no undefined variable, no missing helper, the files the
+    pages write are written. test_runbook_script_succeeds runs them for real where podman is."""
+    harness = tmp_path / "harness.sh"
+    harness.write_text(
+        f"""set -euo pipefail
+NPUSNAP={NPUSNAP}
+PYTHON=$(dirname "$NPUSNAP")/python  # the blocks run with NPUSNAP=true: page_block's Python from here
+. {RUNBOOKS}/container-image.bash
+podman() {{ echo "podman $*" >>calls; }}
+tail() {{ echo "tail $*" >>calls; }}
+WORK=$PWD/work; mkdir -p "$WORK"; C=c1; TAG=t1
+NPUSIM_SOCKET=/tmp/npusim-x/npusim.sock
+DEVICE_ARGS=($(npu_sim_args))
+NPUSNAP_CRIU_PLUGIN_DIR=/plugins
+for page in podman.md kubernetes.md; do
+    n=$("$PYTHON" {REPO}/scripts/runbooks.py --count "{RUNBOOKS}/$page")
+    for i in $(seq "$n"); do NPUSNAP=true run_block "$page" "$i" >/dev/null; done
+done
+"""
+    )
+    proc = subprocess.run(["bash", str(harness)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text()
+    assert "--annotation org.criu.config=" in calls and "-e NPUSNAP_AGENT=1" in calls
+    assert "podman container restore --import=" in calls
+    assert (tmp_path / "work" / "runc.conf").read_text().splitlines()[-1] == "timeout 600"
+    assert (tmp_path / "work" / "criu.conf").read_text() == "libdir /plugins\n"

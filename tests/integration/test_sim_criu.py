@@ -128,7 +128,7 @@ def test_dump_restore_continues_identically(
     assert dump.returncode == 0, (img / "dump.log").read_text()[-3000:]
     assert len(list(img.glob("npusim-dev-*.img"))) == 1
     proc.wait(10)  # reap it: the pid must be free for the restore
-    # The runtime's mapping of device memory (the daemon's memfd) went at Lock: not in the image.
+    # The driver's mappings of device memory (the daemon's memfds) went at Backup: not in the image.
     assert memfd_vmas(img, pid) == []
 
     intruder = None

@@ -481,6 +481,9 @@ def test_a_chip_without_snapshot_support(make_driver: Callable[..., Driver]) -> 
     assert d.call("state_rc")["rc"] == 207000
     for op in ("lock", "backup", "restore", "unlock"):
         assert d.rc(op) == 207000
+    # the feature is checked first: Register and Unregister too (api_c_snapshot.cc)
+    assert d.rc("register", 0, 0) == 207000
+    assert d.rc("unregister", 0) == 207000
     a = d.call("malloc", 4096)["addr"]  # ordinary device work is unaffected
     assert d.call("fill", a, 4096, "x")["rc"] == 0
 

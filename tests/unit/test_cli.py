@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,92 @@ def test_every_command_has_a_reference_page() -> None:
         assert f"npusnap {name}" in page.read_text(), (
             f"docs/reference/{top}.md does not mention `npusnap {name}`"
         )
+
+
+def _opts(cmd: click.Command) -> set[str]:
+    root = typer.main.get_command(build_app())
+    found = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    return found | {o for p in root.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def test_every_command_help_ends_with_examples_that_parse() -> None:
+    """Each --help shows examples (typer epilog); their options exist on that command."""
+    import shlex
+
+    for name, cmd in all_commands():
+        assert cmd.epilog and "Examples:" in cmd.epilog, f"`npusnap {name}` --help has no examples"
+        lines = [line.strip() for line in cmd.epilog.splitlines()[2:] if line.strip()]
+        assert any(f"npusnap {name}" in line for line in lines), name
+        for line in lines:
+            lexer = shlex.shlex(line.split(" #", 1)[0], posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            segments: list[list[str]] = [[]]
+            for token in lexer:
+                if set(token) <= set("();<>|&"):
+                    segments.append([])
+                else:
+                    segments[-1].append(token.lstrip("$"))
+            for words in segments:
+                if words[:1] != ["npusnap"] or " ".join(words[1 : 1 + len(name.split())]) != name:
+                    continue
+                for word in words[1:]:
+                    if word == "--":
+                        break  # a program's own command line follows
+                    if word.startswith("-") and not re.fullmatch(r"-v+", word):
+                        assert word.split("=")[0] in _opts(cmd), f"`npusnap {name}` example: {word} ({line})"
+
+
+def test_short_flags_follow_podman() -> None:
+    commands = dict(all_commands())
+    assert {"-R", "--leave-running", "-e", "--export"} <= _opts(commands["dump"])
+    assert {"-i", "--import", "--dry-run"} <= _opts(commands["restore"])
+    assert {"-q", "--quiet", "-v", "--verbose"} <= _opts(commands["check"])
+
+
+def test_timeouts_are_seconds_as_floats_everywhere() -> None:
+    for name, cmd in all_commands():
+        for p in cmd.params:
+            if "--timeout" in getattr(p, "opts", ()):
+                assert isinstance(p.type, (click.types.FloatParamType, click.types.FloatRange)), (
+                    f"`npusnap {name} --timeout` is {p.type}"
+                )
+
+
+def test_directory_arguments_are_called_dir() -> None:
+    for name, cmd in all_commands():
+        for p in cmd.params:
+            if isinstance(p, click.Argument):
+                shown = p.metavar if p.metavar is not None else (p.name or "").upper()
+                assert "DIRECTORY" not in shown, f"`npusnap {name}`: say DIR, as every page does"
+
+
+def test_verbose_and_quiet_anywhere() -> None:
+    from npusnap_cli.commands._common import hoist_global_flags
+
+    assert hoist_global_flags(["dump", "-vv", "1", "d"]) == ["-vv", "dump", "1", "d"]
+    assert hoist_global_flags(["restore", "d", "-q"]) == ["-q", "restore", "d"]
+    # Never from a program's own command line.
+    assert hoist_global_flags(["run", "-d", "--", "prog", "-v"]) == ["run", "-d", "--", "prog", "-v"]
+    assert hoist_global_flags(["run", "prog", "-v"]) == ["run", "prog", "-v"]
+    assert hoist_global_flags(["run", "-v", "prog"]) == ["-v", "run", "prog"]
+
+
+def test_json_envelope_carries_warnings(capsys: pytest.CaptureFixture[str]) -> None:
+    from npusnap_cli.ui import Output
+
+    out = Output("x", json_mode=True)
+    out.warn("fd 3 is a pipe shared with pid 1 outside the tree")
+    out.result({"a": 1})
+    env = json.loads(capsys.readouterr().out)
+    assert env["warnings"] == ["fd 3 is a pipe shared with pid 1 outside the tree"]
+
+
+def test_quiet_keeps_warnings_and_drops_notes(capsys: pytest.CaptureFixture[str]) -> None:
+    from npusnap_cli.ui import Output
+
+    out = Output("x", quiet=True)
+    out.info("… phase")
+    out.line("a note")
+    out.warn("careful")
+    err = capsys.readouterr().err
+    assert "careful" in err and "phase" not in err and "a note" not in err

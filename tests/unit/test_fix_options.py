@@ -20,6 +20,8 @@ OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 FOREIGN = {
     "--cap-add": "container",  # docker/podman run --cap-add
     "--compress": "podman",  # podman container checkpoint --export --compress
+    "--ppid": "ps ",  # procps ps --ppid
+    "--rdzv-conf": "torchrun",  # torchrun --rdzv-conf
 }
 
 

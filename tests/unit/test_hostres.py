@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -115,3 +116,49 @@ def test_criu_below_4_2_cannot_dump_inet_sockets_on_kernels_that_refuse_passcred
     assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.2.1"))
     monkeypatch.setattr(criu, "kernel_refuses_inet_passcred", lambda: False)
     assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.1.1"))
+
+
+def _node(path: str, kind: str = "dir", mode: int = 0o750) -> hostres.HostNode:
+    return hostres.HostNode(path=path, kind=kind, mode=mode, uid=os.getuid(), gid=os.getgid(), why="test")
+
+
+def test_host_nodes_are_made_parents_first_with_mode_and_undone(tmp_path: Path) -> None:
+    nodes = [_node(str(tmp_path / "a")), _node(str(tmp_path / "a" / "b"), mode=0o711)]
+    nodes.append(_node(str(tmp_path / "a" / "b" / "f"), kind="fifo", mode=0o640))
+    todo = hostres.check_host_nodes(nodes)
+    assert todo == nodes
+    made = hostres.make_host_nodes(todo)
+    assert made == [n.path for n in nodes]
+    assert stat.S_IMODE(os.stat(tmp_path / "a" / "b").st_mode) == 0o711
+    assert stat.S_ISFIFO(os.stat(tmp_path / "a" / "b" / "f").st_mode)
+    assert stat.S_IMODE(os.stat(tmp_path / "a" / "b" / "f").st_mode) == 0o640
+    assert hostres.check_host_nodes(nodes) == []
+    hostres.remove_host_nodes(made)
+    assert not (tmp_path / "a").exists()
+
+
+def test_host_nodes_never_follow_a_planted_symlink(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "a").symlink_to(tmp_path / "elsewhere")
+    if os.geteuid() == 0:
+        os.lchown(tmp_path / "a", 65534, 65534)  # root's own symlinks (/var/run) are followed
+    node = _node(str(tmp_path / "a" / "b"))
+    with pytest.raises(PreflightError):
+        hostres.make_host_nodes([node])
+    assert not (tmp_path / "elsewhere" / "b").exists()
+
+
+def test_host_node_of_a_wrong_type_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    with pytest.raises(PreflightError, match="is not a directory"):
+        hostres.check_host_nodes([_node(str(tmp_path / "f"))])
+
+
+def test_host_node_paths_from_a_manifest_are_checked() -> None:
+    good = _node("/tmp/pymp-x").to_dict()
+    assert hostres.HostNode.from_dict(good).path == "/tmp/pymp-x"
+    for path in ("tmp/x", "/tmp/../etc", "/", "/tmp//x"):
+        with pytest.raises(ImageError):
+            hostres.HostNode.from_dict({**good, "path": path})
+    with pytest.raises(ImageError):
+        hostres.HostNode.from_dict({**good, "kind": "socket"})

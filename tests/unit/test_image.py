@@ -216,12 +216,20 @@ def test_save_failure_logs_moves_logs_out(tmp_path: Path, monkeypatch: pytest.Mo
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    tmp, _final = _build(tmp_path)
+    tmp, final = _build(tmp_path)
     dest = image.save_failure_logs(tmp, "dump")
+    # Beside the image it was writing, named after it: where an operator looks.
+    assert dest == image.failed_logs_dir(final) == final.parent / f"{final.name}.failed-logs"
     assert dest is not None and (dest / image.DUMP_LOG).read_text() == "log\n"
     image.remove_tree(tmp)
     assert not tmp.exists()
     assert os.path.isdir(dest)
+    assert not list((tmp_path / "t").iterdir())  # nothing node-wide
+    # The next failure of the same image replaces them.
+    tmp2 = image.create_temp_image(final)
+    (image.logs_dir(tmp2) / image.DUMP_LOG).write_text("second\n")
+    assert image.save_failure_logs(tmp2, "dump") == dest
+    assert (dest / image.DUMP_LOG).read_text() == "second\n"
 
 
 def test_remove_stale_temps_only_of_dead_runs(tmp_path: Path) -> None:

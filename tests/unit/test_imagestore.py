@@ -40,21 +40,24 @@ def test_list_is_newest_first_and_marks_corrupt_images(
     (image.criu_dir(store / "snap-3") / "core-1235.img").write_bytes(b"CORE")  # same size, other bytes
     (store / "notes.txt").write_text("not an image")
     (store / "empty-dir").mkdir()
-    assert main(["--json", "list", str(store)]) == 0
+    assert main(["--json", "list", "--checksums", str(store)]) == 0
     images = json.loads(capsys.readouterr().out)["result"]["images"]
     assert [Path(i["path"]).name for i in images] == ["snap-3", "snap-2", "snap-1", "snap-0"]
     assert [i["valid"] for i in images] == [False, True, True, True]
     assert "blake3 checksum" in images[0]["problem"] and images[1]["pids"] == [1234, 1235]
-    # --quick does not hash: the edit keeps the size, so it passes; --valid --paths for scripts.
-    assert main(["--json", "list", "--quick", str(store)]) == 0
-    assert all(i["valid"] for i in json.loads(capsys.readouterr().out)["result"]["images"])
-    assert main(["list", "--valid", "--paths", str(store)]) == 0
+    # By default (and with the old --quick) nothing is hashed: the edit keeps the size, so it
+    # passes, and says so ("checked": sizes); --valid --paths for scripts.
+    for argv in (["--json", "list", str(store)], ["--json", "list", "--quick", str(store)]):
+        assert main(argv) == 0
+        listed = json.loads(capsys.readouterr().out)["result"]["images"]
+        assert all(i["valid"] and i["checked"] != "checksums" for i in listed)
+    assert main(["list", "-c", "--valid", "--paths", str(store)]) == 0
     captured = capsys.readouterr()
     assert captured.out.splitlines()[0] == str(store / "snap-2")
     # Human output: the table on stdout, paths whole even in 80 columns.
     os.environ["COLUMNS"] = "80"
     try:
-        assert main(["list", str(store)]) == 0
+        assert main(["list", "--checksums", str(store)]) == 0
     finally:
         del os.environ["COLUMNS"]
     table = capsys.readouterr().out

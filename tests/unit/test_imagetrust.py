@@ -115,7 +115,9 @@ def test_failure_logs_go_to_a_fresh_private_directory(
     elsewhere.mkdir()
     (shared / "npusnap-logs").symlink_to(elsewhere)  # the old fixed name, planted
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    tmp, _ = _build(tmp_path)
+    tmp, final = _build(tmp_path)
+    # The name beside the image, planted too: never followed, the logs go to /tmp instead.
+    image.failed_logs_dir(final).symlink_to(elsewhere)
     dest = image.save_failure_logs(tmp, "dump")
     assert dest is not None and dest.parent == shared and not dest.is_symlink()
     assert stat.S_IMODE(dest.stat().st_mode) == 0o700

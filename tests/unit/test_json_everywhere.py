@@ -15,7 +15,7 @@ import pytest
 from npusnap_cli.cli import main
 from tests.unit.test_cli import all_commands
 
-ENVELOPE_KEYS = {"schema", "command", "ok", "exit_code", "result", "error"}
+ENVELOPE_KEYS = {"schema", "command", "ok", "exit_code", "result", "error", "warnings"}
 ERROR_KEYS = {"kind", "exit_code", "message", "why", "fix", "details"}
 
 

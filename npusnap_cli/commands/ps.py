@@ -1,0 +1,60 @@
+"""`npusnap ps`: every process on this node that has an npusnap agent."""
+
+from __future__ import annotations
+
+import typer
+
+from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(epilog=epilog("ps"))
+    def ps(
+        ctx: typer.Context,
+        timeout: float = typer.Option(2.0, "--timeout", min=0.1, help="Seconds to wait for each agent."),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """List every process on this node with an npusnap agent: its state, who holds its lock
+        (and whether that command still runs), its lease and its last snapshot."""
+        from npusnap_cli.host import nodeview
+
+        out = output(ctx, "ps", json_flag)
+        clean_stale_sockets(out)
+        procs = nodeview.processes(timeout=timeout)
+        rows = []
+        for p in procs:
+            lease = p.get("lease") or {}
+            last = p.get("last_snapshot") or {}
+            restored = p.get("restored_from") or {}
+            snap = f"{last.get('op')} {last.get('time')} -> {last.get('image') or '-'}" if last else "-"
+            if restored:
+                snap += f" (restored from {restored.get('image')} {restored.get('time')})"
+            rows.append(
+                (
+                    p["pid"],
+                    p.get("user") or "?",
+                    " ".join(p.get("cmdline") or []) or "?",
+                    p.get("state") or ("agent error" if p.get("agent_error") else "-"),
+                    f"{lease.get('remaining_s')}s left" if lease.get("active") else "-",
+                    nodeview.owner_text(p.get("owner"), lease),
+                    ",".join(map(str, p.get("devices") or [])) or "-",
+                    snap,
+                )
+            )
+        out.table(
+            "npusnap ps",
+            ["pid", "user", "command", "state", "lease", "locked by", "devices", "last snapshot"],
+            rows,
+        )
+        for p in procs:
+            if p.get("agent_error"):
+                out.warn(f"pid {p['pid']}: {p['agent_error']}")
+            owner = p.get("owner") or {}
+            if owner.get("alive") is False:
+                out.warn(
+                    f"pid {p['pid']} is locked by {owner.get('command')} (pid {owner.get('pid')}), which "
+                    f"has exited: `npusnap thaw --force {p['pid']}` returns it now"
+                )
+        if not procs:
+            out.line("no process on this node has an npusnap agent (start one with `npusnap run`)")
+        out.result({"processes": procs})

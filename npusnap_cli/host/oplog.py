@@ -1,0 +1,202 @@
+"""A record of what npusnap did on this node: one syslog line and one history entry per dump,
+restore, freeze and thaw (who, what, result).
+
+* **syslog** (the journal on systemd hosts, ``journalctl -t npusnap``): through the local syslog
+  socket ``/dev/log`` (``NPUSNAP_SYSLOG_SOCKET`` overrides) when there is one. No socket (a
+  container, a minimal host): nothing is sent and the command goes on; a record is never a
+  reason to fail an operation.
+* **history**: JSON lines in ``history.jsonl`` under the state directory (root:
+  ``/var/lib/npusnap``; others: ``$XDG_STATE_HOME/npusnap`` or ``~/.local/state/npusnap``;
+  ``NPUSNAP_STATE_DIR`` overrides). `npusnap ps` reads it for each job's last snapshot. Bounded
+  to the newest ``KEEP`` entries.
+
+Core module: never prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import pwd
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+SYSLOG_SOCKET = "/dev/log"
+HISTORY = "history.jsonl"
+KEEP = 1000
+
+
+def state_dir() -> Path:
+    override = os.environ.get("NPUSNAP_STATE_DIR")
+    if override:
+        return Path(override)
+    if os.geteuid() == 0:
+        return Path("/var/lib/npusnap")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "npusnap"
+
+
+def _user() -> str:
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    sudo = os.environ.get("SUDO_USER")
+    return f"{name}(uid {uid}{', sudo from ' + sudo if sudo else ''})"
+
+
+def start_time(pid: int) -> Optional[float]:
+    from npusnap_cli.host import hostclean
+
+    return hostclean.process_start_time(pid)
+
+
+def syslog_socket() -> str:
+    return os.environ.get("NPUSNAP_SYSLOG_SOCKET") or SYSLOG_SOCKET
+
+
+def _syslog(line: str, failed: bool) -> bool:
+    """Send one line to the local syslog socket (RFC 3164 framing, as logger(1) and libc's
+    syslog() do, which journald and rsyslog both read); False, and nothing else, without one."""
+    import socket
+
+    path = syslog_socket()
+    if not os.path.exists(path):
+        return False
+    priority = 8 + (4 if failed else 6)  # facility user (1 << 3), severity warning or info
+    stamp = time.strftime("%b %d %H:%M:%S")
+    message = f"<{priority}>{stamp} npusnap[{os.getpid()}]: {line}".encode(errors="replace")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(1.0)  # a stuck syslog daemon never holds an operation
+            sock.sendto(message, path)
+    except OSError:
+        return False
+    return True
+
+
+def _append(entry: dict[str, Any]) -> None:
+    directory = state_dir()
+    with contextlib.suppress(OSError):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = directory / HISTORY
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        if path.stat().st_size > KEEP * 600:
+            _trim(path)
+
+
+def _trim(path: Path) -> None:
+    lines = path.read_text(errors="replace").splitlines()[-KEEP:]
+    tmp = path.with_name(path.name + f".{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def record(
+    op: str,
+    *,
+    pids: list[int],
+    image: Optional[str],
+    exit_code: int,
+    error: Optional[str] = None,
+    duration_s: Optional[float] = None,
+    starts: Optional[dict[int, Optional[float]]] = None,
+) -> dict[str, Any]:
+    """Record one finished operation; returns the entry (with ``syslog``: whether it was sent)."""
+    entry: dict[str, Any] = {
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "op": op,
+        "pids": pids,
+        # A pid is reused: ps matches a job by pid and its start time.
+        "starts": {str(p): t for p, t in (starts or {}).items()},
+        "image": image,
+        "user": _user(),
+        "npusnap_pid": os.getpid(),
+        "exit_code": exit_code,
+        "result": "ok" if exit_code == 0 else "failed",
+        "error": error,
+        "duration_s": None if duration_s is None else round(duration_s, 3),
+    }
+    line = (
+        f"{op} pid {','.join(map(str, pids)) or '-'}"
+        + (f" image {image}" if image else "")
+        + f" by {entry['user']}: {entry['result']}"
+        + (f" (exit {exit_code}: {error})" if exit_code else "")
+        + (f" in {duration_s:.2f}s" if duration_s is not None else "")
+    )
+    _append(entry)
+    entry["syslog"] = _syslog(line, failed=exit_code != 0)
+    return entry
+
+
+@contextlib.contextmanager
+def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[str, Any]]:
+    """Record the operation in the body when it ends, however it ends. The body may update the
+    yielded dict (``pids``, ``image``) once it knows them (a restore learns its pids at the end)."""
+    from npusnap_cli.errors import ExitCode, NpusnapError
+
+    info: dict[str, Any] = {"pids": list(pids), "image": os.path.abspath(image) if image else None}
+    info["starts"] = {p: start_time(p) for p in pids}
+    t0 = time.monotonic()
+    code, error = 0, None
+    try:
+        yield info
+    except NpusnapError as exc:
+        code, error = int(exc.exit_code), exc.message
+        raise
+    except KeyboardInterrupt:
+        code, error = int(ExitCode.INTERRUPTED), "interrupted"
+        raise
+    except BaseException as exc:
+        import click
+
+        if isinstance(exc, click.exceptions.Exit) and not exc.exit_code:
+            raise
+        code, error = int(getattr(exc, "exit_code", 0) or ExitCode.INTERNAL), type(exc).__name__
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            starts = dict(info["starts"])
+            for p in info["pids"]:
+                starts.setdefault(p, start_time(p))
+            record(
+                op,
+                pids=list(info["pids"]),
+                image=info.get("image"),
+                exit_code=code,
+                error=error,
+                duration_s=time.monotonic() - t0,
+                starts=starts,
+            )
+
+
+def history() -> list[dict[str, Any]]:
+    """The recorded operations, oldest first (unreadable lines skipped)."""
+    try:
+        text = (state_dir() / HISTORY).read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def last_snapshots() -> dict[tuple[int, Optional[float]], dict[str, Any]]:
+    """(pid, start time) -> the newest successful dump or freeze of that process."""
+    found: dict[tuple[int, Optional[float]], dict[str, Any]] = {}
+    for entry in history():
+        if entry.get("op") not in ("dump", "freeze") or entry.get("exit_code") != 0:
+            continue
+        starts = entry.get("starts") or {}
+        for pid in entry.get("pids") or []:
+            found[(int(pid), starts.get(str(pid)))] = entry
+    return found

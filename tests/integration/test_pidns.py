@@ -1,0 +1,239 @@
+"""Jobs started as init of their own pid namespace (`npusnap run --pid-ns`): agents that do not
+collide, dump, and restores that need no host pid free (beside the original, and N at once)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.dumplib import (
+    NPUSNAP,
+    PY,
+    TRAIN,
+    TRAIN_ARGS,
+    alive,
+    cli,
+    continues_reference,
+    job_env,
+    kill,
+    reference,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def nspid(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    raise AssertionError(f"no NSpid for {pid}")
+
+
+def start_ns_job(env: dict[str, str], out: Path, argv: list[str]) -> int:
+    p = subprocess.run(
+        [NPUSNAP, "run", "--pid-ns", "--detach", "--output", str(out), "--", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.strip())
+
+
+def lines(out: Path) -> list[str]:
+    return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("step")]
+
+
+def test_two_namespaced_jobs_have_their_own_agents(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    pids = []
+    try:
+        for i in range(2):
+            pids.append(
+                start_ns_job(
+                    env,
+                    tmp_path / f"job{i}.out",
+                    [PY, TRAIN, *TRAIN_ARGS, "--steps", "400", "--device", str(i)],
+                )
+            )
+        for i, pid in enumerate(pids):
+            assert nspid(pid) == [pid, 1]
+            out_file = tmp_path / f"job{i}.out"
+            wait_until(lambda f=out_file: len(lines(f)) >= 2, 30, "steps")
+            rc, out, err = cli(env, "status", str(pid))
+            assert rc == 0 and out is not None, err
+            assert sorted(p.name for p in runtime_dir.iterdir()) == sorted(f"{p}.sock" for p in pids)
+    finally:
+        for pid in pids:
+            kill(pid)
+
+
+def test_restore_needs_no_host_pid_free(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """A launcher (ns pid 1) with an NPU worker (ns pid 2): dumped with --leave-running; the
+    worker is then stopped (its device must be free for CANN's Restore) while the launcher keeps
+    its host pid; the image restores beside it, in a namespace of its own, and goes on."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "60"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    script = f"{PY} {TRAIN} {' '.join(args)}; exec sleep 600"
+    launcher = start_ns_job(env, out, ["sh", "-c", script])
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        worker = int(subprocess.check_output(["pgrep", "-P", str(launcher)], text=True).split()[0])
+        assert nspid(worker)[0] == worker and nspid(worker)[1] > 1
+        rc, res, err = cli(env, "dump", str(launcher), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        kill(worker)
+        at = len(lines(out))
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        restored = int(res["result"]["root_pid"])
+        assert restored != launcher and alive(launcher)
+        assert nspid(restored)[-1] == 1
+        wait_until(lambda: "step 60" in " ".join(lines(out)), 60, "the restored worker to finish")
+        cont = lines(out)[at:]
+        assert cont and continues_reference(cont, ref), cont[:3]
+        # Both launchers still answer on their own sockets.
+        for pid in (launcher, restored):
+            rc, _st, err = cli(env, "status", str(pid))
+            assert rc == 0, (pid, err)
+    finally:
+        for pid in (restored, launcher):
+            if pid:
+                kill(pid)
+
+
+def _count_after(out: Path, ref: list[str], at: int) -> dict[str, int]:
+    got = lines(out)
+    return {line: got.count(line) for line in ref[at:]}
+
+
+def test_copy_beside_the_original_on_another_device(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The original keeps running on device 0; its image restores beside it onto device 1
+    (--device-map 0=1): both finish the run, each step once per copy, with the right results
+    (the device memory written back through the remapped device)."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"), "--leave-running")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"), "--device-map", "0=1")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        restored = int(res["result"]["root_pid"])
+        assert restored != pid and alive(pid)
+        rc, st, _ = cli(env, "sim", "status")
+        assert rc == 0 and st is not None
+        owners = {d["id"]: {o["pid"] for o in d["owners"]} for d in st["result"]["devices"]}
+        assert pid in owners[0] and restored in owners[1] and restored not in owners[0], owners
+        assert [m["map"] for m in st["result"]["device_maps"]] == [{"0": 1}]
+        for p in (pid, restored):
+            wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
+        counts = _count_after(out, ref, at + 2)
+        assert set(counts.values()) == {2}, counts
+    finally:
+        for p in (restored, pid):
+            if p:
+                kill(p)
+
+
+def test_one_image_restored_twice_at_once(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """`restore --replicas 2`: two copies of one image at once, each in its own pid namespace on
+    a device of its own, each with its own pidfile and output file; both finish the run from the
+    dump's step."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "60"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    roots: list[int] = []
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"))
+        assert rc == 0 and res is not None, ((res or {}).get("error") or {}).get("details") or err
+        at = len(lines(out))
+        pf = tmp_path / "replica-{n}.pid"
+        rc, res, err = cli(
+            env,
+            "restore",
+            str(tmp_path / "img"),
+            "--replicas",
+            "2",
+            "--device-map",
+            "0=0",
+            "--device-map",
+            "0=1",
+            "--pidfile",
+            str(pf),
+            "--output",
+            str(tmp_path / "replica-{n}.out"),
+        )
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["replicas"]]
+        assert len(set(roots)) == 2
+        for i, root in enumerate(roots):
+            assert (tmp_path / f"replica-{i}.pid").read_text().strip() == str(root)
+            assert nspid(root)[-1] == 1
+        # Replica 1 answers on an agent socket of its own.
+        rc, _st, err = cli(env, "status", str(roots[1]))
+        assert rc == 0, err
+        for root in roots:
+            wait_until(lambda r=root: not alive(r), 60, f"replica {root} to finish")
+        assert len(lines(out)) == at, "the copies write to their own --output files"
+        for i in range(2):
+            own = lines(tmp_path / f"replica-{i}.out")
+            assert own and continues_reference(own, ref), own[:3]
+        assert [p.name for p in runtime_dir.iterdir()] == [], "a replica left its socket behind"
+    finally:
+        for r in roots:
+            kill(r)
+        kill(pid)
+
+
+def test_run_pid_ns_in_the_foreground_waits_and_passes_the_status(tmp_path: Path) -> None:
+    """Without --detach npusnap stays the parent: the program is pid 1 inside, leads its own
+    session, and npusnap exits with its status (and hands it SIGTERM)."""
+    p = subprocess.run(
+        [NPUSNAP, "run", "--pid-ns", "--", "sh", "-c", 'echo "$$ $(cut -d" " -f6 /proc/self/stat)"; exit 3'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 3, p.stderr
+    pid_inside, _session = p.stdout.split()
+    assert pid_inside == "1"
+    sleeper = subprocess.Popen(
+        [
+            NPUSNAP,
+            "run",
+            "--pid-ns",
+            "--",
+            PY,
+            "-c",
+            "import signal,time; signal.signal(signal.SIGTERM, lambda *a: exit(7)); time.sleep(60)",
+        ],
+    )
+    try:
+        time.sleep(1.0)
+        sleeper.terminate()
+        assert sleeper.wait(20) == 7
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()

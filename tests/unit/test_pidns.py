@@ -1,0 +1,86 @@
+"""host/pidns.py without a namespace: device maps, the manifest's pid_ns, the CRIU image view."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.host import pidns
+
+
+def test_device_maps_parse_and_refuse_bad_ones() -> None:
+    assert pidns.parse_device_map("0=1") == ((0, 1),)
+    assert pidns.parse_device_map("0=2, 1=3") == ((0, 2), (1, 3))
+    for bad in ("0", "a=1", "0=1,0=2", "=1", "0=-1"):
+        with pytest.raises(UsageError):
+            pidns.parse_device_map(bad)
+
+
+def test_manifest_pid_ns_is_checked() -> None:
+    assert pidns.check_map(None) == {}
+    assert pidns.check_map({"4321": 1, "4322": 2}) == {"4321": 1, "4322": 2}
+    for bad in ({"x": 1}, {"4321": 0}, {"4321": 2}, [1], {"4321": "1"}):
+        with pytest.raises(ImageError):
+            pidns.check_map(bad)
+
+
+def test_a_tree_in_our_own_namespace_has_no_map() -> None:
+    assert pidns.namespace_pids(os.getpid(), [os.getpid()]) == {}
+    assert pidns.ns_pids(os.getpid())[-1] > 1 or pidns.ns_pids(os.getpid()) == [1]
+
+
+def test_the_view_renames_only_the_agent_sockets_of_the_image(tmp_path: Path) -> None:
+    """files.img rewritten (through pycriu) in a view of symlinks; the image itself untouched."""
+    import pycriu
+
+    criu = tmp_path / "criu"
+    criu.mkdir()
+    sk = {
+        "id": 1,
+        "ino": 10,
+        "type": 1,
+        "state": 10,
+        "flags": 2,
+        "uflags": 0,
+        "backlog": 8,
+        "peer": 0,
+        "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+        "opts": {
+            "so_sndbuf": 1,
+            "so_rcvbuf": 1,
+            "so_snd_tmo_sec": 0,
+            "so_snd_tmo_usec": 0,
+            "so_rcv_tmo_sec": 0,
+            "so_rcv_tmo_usec": 0,
+        },
+    }
+    entries = [
+        {"type": "UNIXSK", "id": 1, "usk": {**sk, "name": "/run/npusnap/4321.sock=00"}},
+        {"type": "UNIXSK", "id": 2, "usk": {**sk, "id": 2, "name": "/tmp/pymp-x/listener-y=00"}},
+        {"type": "UNIXSK", "id": 3, "usk": {**sk, "id": 3, "name": "/run/npusnap/999.sock=00"}},
+    ]
+    with open(criu / "files.img", "wb") as f:
+        pycriu.images.dump({"magic": "FILES", "entries": entries}, f)
+    (criu / "pages-1.img").write_bytes(b"x")
+
+    class P:
+        pid = 4321
+
+    class M:
+        processes = (P(),)
+
+    before = (criu / "files.img").read_bytes()
+    view = pidns.criu_view(criu, M())
+    try:
+        assert os.readlink(view / "pages-1.img") == str(criu / "pages-1.img")
+        with open(view / "files.img", "rb") as f:
+            names = [e["usk"]["name"] for e in pycriu.images.load(f)["entries"]]
+        assert names[0].startswith("/run/npusnap/4321-") and names[0].endswith(".sock=00")
+        assert names[1:] == ["/tmp/pymp-x/listener-y=00", "/run/npusnap/999.sock=00"]
+        assert (criu / "files.img").read_bytes() == before
+    finally:
+        pidns.drop_view(view)
+    assert not view.exists()
