@@ -69,7 +69,7 @@ enum {
     F_HAL_ALLOC, F_HAL_FREE, F_HAL_RESERVE, F_HAL_ADDR_FREE, F_HAL_CREATE, F_HAL_RELEASE, F_HAL_MAP,
     F_HAL_UNMAP, F_DRV_MEMCPY,
     /* wrapped: the runtime calls that tell which context a device uses (followed, never held) */
-    F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_CTX, F_SET_CTX,
+    F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_CTX, F_SET_CTX, F_DESTROY_CTX,
     N_WRAPPED,
     /* not wrapped, used by save/reload (queries, context selection, synchronize) */
     F_GET_DEVICE = N_WRAPPED, F_GET_CTX, F_SYNC_DEVICE, F_SYNC_DEVICE_TIMEOUT,
@@ -80,7 +80,7 @@ static const char *const NAMES[N_FUNCS] = {
     "halMemAlloc", "halMemFree", "halMemAddressReserve", "halMemAddressFree", "halMemCreate", "halMemRelease",
     "halMemMap", "halMemUnmap", "drvMemcpy",
     "aclrtSetDevice", "aclrtResetDevice", "aclFinalize", "aclrtCreateContext", "aclrtSetCurrentContext",
-    "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
+    "aclrtDestroyContext", "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
 };
 
 typedef void *(*dlsym_fn)(void *, const char *);
@@ -101,13 +101,14 @@ API aclError aclrtResetDevice(int32_t);
 API aclError aclFinalize(void);
 API aclError aclrtCreateContext(void **, int32_t);
 API aclError aclrtSetCurrentContext(void *);
+API aclError aclrtDestroyContext(void *);
 
 /* Same order as the enum. */
 static void *const g_wrappers[N_WRAPPED] = {
     (void *)halMemAlloc,    (void *)halMemFree,      (void *)halMemAddressReserve, (void *)halMemAddressFree,
     (void *)halMemCreate,   (void *)halMemRelease,   (void *)halMemMap,            (void *)halMemUnmap,
     (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclFinalize,
-    (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext,
+    (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
 };
 
 static dlsym_fn real_dlsym(void) {
@@ -470,6 +471,20 @@ API aclError aclrtSetCurrentContext(void *ctx) {
             if (!g_dev_ctx[dev]) g_dev_ctx[dev] = ctx;
             pthread_mutex_unlock(&g_mu);
         }
+    }
+    return rc;
+}
+
+/* A destroyed context must not be selected to drain its device: forget it (the device keeps its
+ * primary context, which the next aclrtSetDevice / aclrtSetCurrentContext records again). */
+API aclError aclrtDestroyContext(void *ctx) {
+    REAL(F_DESTROY_CTX, aclError(*)(void *));
+    aclError rc = fn(ctx);
+    if (rc == ACL_SUCCESS && ctx) {
+        pthread_mutex_lock(&g_mu);
+        for (int d = 0; d < MAX_DEVS; d++)
+            if (g_dev_ctx[d] == ctx) g_dev_ctx[d] = NULL;
+        pthread_mutex_unlock(&g_mu);
     }
     return rc;
 }
