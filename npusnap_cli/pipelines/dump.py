@@ -87,6 +87,9 @@ class DumpOptions:
     # How long each agent waits for its devices to drain after Lock; None: 10 s, or
     # DRAIN_TIMEOUT_GROUP_S for a tree of several NPU processes.
     drain_timeout_s: Optional[float] = None
+    # Lock attempts after a device that did not drain; None: 1, or BUSY_RETRIES_GROUP for a tree of
+    # several NPU processes (a job dump sets 0 and retries all its ranks together).
+    busy_retries: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -872,7 +875,10 @@ class _Pipeline:
             return
         try:
             self.group.close()
-            self.group.rollback(owned_only=True)
+            try:
+                self.group.rollback(owned_only=True)
+            finally:
+                self.group.close()  # an agent serves one client: a job dump may try again at once
         except StateUnknownError as unknown:
             unknown.details["original_error"] = _describe(err)
             if self.tmp is not None:
@@ -992,8 +998,9 @@ class _Pipeline:
             try:
                 # Ranks of one job all-reduce: one rank's collective waits for another's launch,
                 # which that rank's lock holds, so the drain after Lock may not finish. Several
-                # processes: a shorter drain, and a few more tries (all rolled back in between).
-                several = len(self.target.npu_pids) > 1
+                # processes (a tree, or a rank of a job dump): a shorter drain, and a few more
+                # tries (this pipeline's processes rolled back in between).
+                several = len(self.target.npu_pids) > 1 or self.coordinator is not None
                 with self.clock.phase("lock+backup"), self._backup_progress():
                     results = self.group.lock_and_backup(
                         backup=True,
@@ -1001,7 +1008,9 @@ class _Pipeline:
                         device_memory_files=files,
                         drain_timeout_s=self.options.drain_timeout_s
                         or (DRAIN_TIMEOUT_GROUP_S if several else None),
-                        busy_retries=BUSY_RETRIES_GROUP if several else BUSY_RETRIES,
+                        busy_retries=self.options.busy_retries
+                        if self.options.busy_retries is not None
+                        else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
                         before_retry=lambda: _empty_files(files),
                     )
             finally:
@@ -1014,7 +1023,9 @@ class _Pipeline:
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
-            # DeviceGroup rolled every process back before raising.
+            # DeviceGroup rolled every process back before raising. Its connections go now: an
+            # agent serves one client, and a job dump may try again at once.
+            self.group.close()
             raise self._fail(err, rolled_back=True) from None
         try:
             self.guard.check("during lock+backup", "rolled back")

@@ -185,3 +185,54 @@ def test_a_collective_waiting_for_a_stopped_rank_fails_the_dump_not_the_job(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(j.pid, signal.SIGCONT)
             j.cleanup()
+
+
+def test_a_job_dump_of_ranks_started_by_hand(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Two ranks started separately (each under `npusnap run`), dumped as one job image
+    (`dump PID PID DIR`) and restored together: each rank's pipeline drains and retries on its
+    own, and both continue exactly."""
+    import os
+
+    env = _env(sim_env, runtime_dir, False)
+    args = ["--steps", "100", *ARGS]
+    ref = _reference(env, [*args, "--ranks", "2"])
+    rdv = tmp_path / "rdv"
+    rdv.mkdir()
+    jobs = []
+    for r in (0, 1):
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        argv = [
+            PY,
+            JOB,
+            *args,
+            "--rank",
+            str(r),
+            "--world",
+            "2",
+            "--device",
+            str(r),
+            "--rendezvous",
+            str(rdv),
+        ]
+        jobs.append(Job(d, env, [*argv, "--prefix", f"[rank {r}] "]))
+    img = tmp_path / "img"
+    try:
+        wait_until(lambda: all(len(j.lines()) >= 5 for j in jobs), 60, "both ranks")
+        rc, out, err = cli(env, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), timeout=240)
+        assert rc == 0, (out or {}).get("error") or err
+        for j in jobs:
+            j.reap(30)
+        rc, out, err = cli(env, "restore", str(img), timeout=240)
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        for j, r in zip(jobs, out["result"]["ranks"]):
+            j.restored_pid = int(r["root_pid"])
+        for r, j in enumerate(jobs):
+            wait_until(lambda j=j: not alive(j.restored_pid), 120, f"rank {r} to finish")
+            assert j.lines() == [ln for ln in ref if ln.startswith(f"[rank {r}]")], (r, os.getpid())
+    finally:
+        for j in jobs:
+            j.cleanup()
