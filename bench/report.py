@@ -751,7 +751,7 @@ def compute_section(data: Samples) -> list[str]:
     )
     L += [
         "npusnap_cli/workloads/npu_train.py (one rank): an MLP trained by aclnn operators on two "
-        "streams, its tensors in an expandable-segment allocator (docs/simulator-ops.md), dumped "
+        "streams, its tensors in an expandable-segment allocator (docs/simulator.md), dumped "
         "after 20 steps and restored; medians. *Restore -> computes* runs from the start of the "
         "restore command until the job prints its next step.",
         "",

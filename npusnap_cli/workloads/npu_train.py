@@ -34,6 +34,7 @@ import ctypes
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,9 @@ _HCCL: Dict[str, Tuple[Any, List[Any]]] = {
     "HcclGetRootInfo": (c_int, [c_void_p]),
     "HcclCommInitRootInfo": (c_int, [c_uint32, c_void_p, c_uint32, P(c_void_p)]),
     "HcclAllReduce": (c_int, [c_void_p, c_void_p, c_uint64, c_int, c_int, c_void_p, c_void_p]),
+    "HcclBroadcast": (c_int, [c_void_p, c_uint64, c_int, c_uint32, c_void_p, c_void_p]),
     "HcclCommDestroy": (c_int, [c_void_p]),
+    "HcclGetCommAsyncError": (c_int, [c_void_p, P(c_int)]),
 }
 
 
@@ -455,6 +458,12 @@ class Trainer:
         self.comm_gen = 0
         if self.world > 1:
             self.build_comm()
+            # As DDP does at start: every rank takes rank 0's parameters.
+            hccl = libs.hccl
+            assert hccl is not None
+            p, n = self.p_addr, self.nparams
+            check(hccl.HcclBroadcast(p, n, HCCL_DATA_TYPE_FP32, 0, self.comm, self.compute), "HcclBroadcast")
+            check(rt.aclrtSynchronizeStream(self.compute), "aclrtSynchronizeStream")
 
     def h2d(self, addr: int, data: bytes) -> None:
         buf = ctypes.create_string_buffer(data, len(data))
@@ -499,23 +508,49 @@ class Trainer:
         check(hccl.HcclCommInitRootInfo(self.world, info, self.rank, byref(comm)), "HcclCommInitRootInfo")
         self.comm = comm
 
+    def rebuild_comm(self) -> None:
+        """A snapshot restore invalidated the communicator: destroy it, build a new one."""
+        assert self.libs.hccl is not None
+        self.libs.hccl.HcclCommDestroy(self.comm)
+        self.comm_gen += 1
+        self.build_comm()
+
     def all_reduce_grads(self) -> None:
         hccl = self.libs.hccl
         assert hccl is not None
-        g = self.g_addr
-        rc = hccl.HcclAllReduce(
-            g, g, self.nparams, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, self.comm, self.compute
-        )
-        if rc == HCCL_E_UNAVAIL:
-            # A snapshot restore invalidated the communicator: build a new one and go on.
-            hccl.HcclCommDestroy(self.comm)
-            self.comm_gen += 1
-            self.build_comm()
-            rc = hccl.HcclAllReduce(
-                g, g, self.nparams, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, self.comm, self.compute
-            )
+        g, n = self.g_addr, self.nparams
+        for attempt in (0, 1):
+            rc = hccl.HcclAllReduce(g, g, n, HCCL_DATA_TYPE_FP32, HCCL_REDUCE_SUM, self.comm, self.compute)
+            if rc != HCCL_E_UNAVAIL or attempt:
+                break
+            self.rebuild_comm()
         check(rc, "HcclAllReduce")
         self.ops.inplace_muls(self.flat_g, 1.0 / self.world)
+
+    def optimizer_step(self) -> None:
+        """SGD with momentum: m = mu * m + g; p = p - lr * m."""
+        self.ops.inplace_muls(self.flat_m, MOMENTUM)
+        self.ops.inplace_add(self.flat_m, self.flat_g, 1.0)
+        self.ops.inplace_add(self.flat_p, self.flat_m, -LR)
+
+    def sync_collective_step(self) -> None:
+        """Wait for the step's all-reduce and optimizer. An all-reduce launched just before a
+        snapshot lock reaches its stream after the restore, on the invalidated communicator: it
+        fails there without touching the gradients and the stream skips what followed it (the
+        optimizer), so both are run again on a new communicator."""
+        rt, hccl = self.libs.rt, self.libs.hccl
+        assert hccl is not None
+        rc = rt.aclrtSynchronizeStream(self.compute)
+        if rc == 0:
+            return
+        err = c_int(0)
+        hccl.HcclGetCommAsyncError(self.comm, byref(err))
+        if err.value != HCCL_E_UNAVAIL:
+            check(rc, "aclrtSynchronizeStream")
+        self.rebuild_comm()
+        self.all_reduce_grads()
+        self.optimizer_step()
+        check(rt.aclrtSynchronizeStream(self.compute), "aclrtSynchronizeStream")
 
     # ------------------------------------------------------------------ one step
 
@@ -550,10 +585,9 @@ class Trainer:
         ops.sum0(self.dh1, self.gb1)
         if self.world > 1:
             self.all_reduce_grads()
-        # SGD with momentum: m = mu * m + g; p = p - lr * m.
-        ops.inplace_muls(self.flat_m, MOMENTUM)
-        ops.inplace_add(self.flat_m, self.flat_g, 1.0)
-        ops.inplace_add(self.flat_p, self.flat_m, -LR)
+        self.optimizer_step()
+        if self.world > 1:
+            self.sync_collective_step()
         if n % self.args.log_every and n != self.args.steps:
             return None
         check(rt.aclrtSynchronizeStream(self.compute), "aclrtSynchronizeStream")
@@ -629,6 +663,7 @@ def launch(args: argparse.Namespace, argv: List[str]) -> int:
         code = w.wait()
         if code != 0 and rc == 0:
             rc = code if code > 0 else 128 - code
+    shutil.rmtree(rdv, ignore_errors=True)  # kept until the ranks are gone: a rebuild meets there
     return rc
 
 

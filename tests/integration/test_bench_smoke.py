@@ -33,6 +33,7 @@ TABLE_HEADINGS = (
     "## Targets of issue 16",
     "## Scale: with size and with the number of NPU processes",
     "### With the number of NPU processes",
+    "## A job computing on the device",
     "## Assessment against the targets",
 )
 

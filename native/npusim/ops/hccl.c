@@ -1,13 +1,14 @@
 /* libhccl.so of the simulated CANN tree: collectives between ranks in different processes.
  *
  * Real prototypes of hccl/hccl.h and hccl_types.h: HcclGetRootInfo, HcclCommInitRootInfo,
- * HcclAllReduce, HcclCommDestroy, HcclGetRankSize, HcclGetRankId.
+ * HcclAllReduce, HcclBroadcast, HcclCommDestroy, HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommAsyncError.
  *
  * The simulated interconnect: a communicator is a window (one memfd, HCCL_BUFFSIZE MiB per rank,
  * default 8, plus a header of barrier words) that every rank maps. The root rank makes it and
  * hands it to the others over the unix socket its root info names (the analogue of the TCP
  * rendezvous of real root info), with the HCCL_CONNECT_TIMEOUT deadline; then the socket is gone.
- * HcclAllReduce is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
+ * A collective is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
  * aclrtLaunchKernel: it is queued, runs when the stream reaches it, and waits at the snapshot lock
  * like any launch; the ranks' engines exchange data through the window.
  *
@@ -15,7 +16,9 @@
  * registers LOCK_PRE, UNLOCK_POST and RESTORE_POST callbacks itself when its first communicator
  * is made. Communicators are not part of a backup: RESTORE_POST marks every communicator invalid
  * and drops its window, and a collective on it returns HCCL_E_UNAVAIL until the application has
- * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore). LOCK_PRE and
+ * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore); one that
+ * was launched before the lock and reached the stream after the restore fails there (an error on
+ * the stream, HcclGetCommAsyncError says HCCL_E_UNAVAIL) without touching memory. LOCK_PRE and
  * UNLOCK_POST keep the status; a process that is unlocked without a restore keeps its
  * communicators. */
 #define _GNU_SOURCE
@@ -106,7 +109,8 @@ struct welcome { /* the root to a rank, with the window's memfd */
 struct comm {
     uint32_t rank, nranks;
     int32_t device;
-    int valid; /* 0 once a Restore has happened: the communicator must be rebuilt */
+    int destroyed;                /* HcclCommDestroy'd: kept, never reused (kernels may hold state) */
+    struct hccl_comm_state state; /* valid: 0 once a Restore happened, the communicator must be rebuilt */
     struct hccl_window *window;
     size_t window_bytes;
     uint64_t slot_bytes;
@@ -115,7 +119,12 @@ struct comm {
 
 enum { SNAP_DEFAULT, SNAP_PRE, SNAP_RESTORED };
 
+/* g_mu guards the communicators and listeners; the snapshot callbacks take it. Nothing that may
+ * wait at the runtime's lock (a gated call) or take the runtime's callback mutex (registration)
+ * runs holding it: those have mutexes of their own, which no callback takes. */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER; /* register_callbacks */
+static pthread_mutex_t g_bin_mu = PTHREAD_MUTEX_INITIALIZER; /* the kernel binary */
 static struct comm *g_comms;
 static int g_snap_status = SNAP_DEFAULT;
 static int g_registered;
@@ -132,7 +141,8 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static double env_seconds(const char *name, double dflt) {
+/* A positive number from the environment (seconds, MiB), or the default. */
+static double env_positive(const char *name, double dflt) {
     const char *v = getenv(name);
     double s = v && *v ? atof(v) : dflt;
     return s > 0 ? s : dflt;
@@ -153,12 +163,16 @@ static uint32_t on_restore_post(int32_t dev, void *args) {
     pthread_mutex_lock(&g_mu);
     g_snap_status = SNAP_RESTORED;
     for (struct comm *c = g_comms; c; c = c->next)
-        if (c->device == dev && c->valid) {
+        if (c->device == dev && !c->destroyed && atomic_load((_Atomic uint32_t *)&c->state.valid)) {
             /* The peers' view of this window belongs to the processes that were dumped: the
-             * transport is not restored, and a collective must not use it. */
-            c->valid = 0;
-            munmap(c->window, c->window_bytes);
-            c->window = NULL;
+             * transport is not restored, and a collective must not use it. A collective launched
+             * before the lock and still waiting at it sees `valid` and fails; the window goes once
+             * none is in flight (here, or in HcclCommDestroy). */
+            atomic_store((_Atomic uint32_t *)&c->state.valid, 0);
+            if (atomic_load((_Atomic uint32_t *)&c->state.inflight) == 0) {
+                munmap(c->window, c->window_bytes);
+                c->window = NULL;
+            }
         }
     pthread_mutex_unlock(&g_mu);
     return 0;
@@ -173,13 +187,18 @@ static uint32_t on_unlock_post(int32_t dev, void *args) {
 }
 
 static HcclResult register_callbacks(void) {
-    if (g_registered) return HCCL_SUCCESS;
-    if (aclrtSnapShotCallbackRegister(STAGE_LOCK_PRE, on_lock_pre, NULL) != 0 ||
-        aclrtSnapShotCallbackRegister(STAGE_UNLOCK_POST, on_unlock_post, NULL) != 0 ||
-        aclrtSnapShotCallbackRegister(STAGE_RESTORE_POST, on_restore_post, NULL) != 0)
-        return HCCL_E_RUNTIME;
-    g_registered = 1;
-    return HCCL_SUCCESS;
+    pthread_mutex_lock(&g_reg_mu);
+    HcclResult rc = HCCL_SUCCESS;
+    if (!g_registered) {
+        if (aclrtSnapShotCallbackRegister(STAGE_LOCK_PRE, on_lock_pre, NULL) != 0 ||
+            aclrtSnapShotCallbackRegister(STAGE_UNLOCK_POST, on_unlock_post, NULL) != 0 ||
+            aclrtSnapShotCallbackRegister(STAGE_RESTORE_POST, on_restore_post, NULL) != 0)
+            rc = HCCL_E_RUNTIME;
+        else
+            g_registered = 1;
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- rendezvous */
@@ -300,7 +319,7 @@ static HcclResult root_rendezvous(struct listener *l, uint32_t nranks, uint32_t 
         seen[h.rank] = 1;
         peers[npeers++] = c;
     }
-    uint64_t mib = (uint64_t)env_seconds("HCCL_BUFFSIZE", 8.0);
+    uint64_t mib = (uint64_t)env_positive("HCCL_BUFFSIZE", 8.0);
     *slot = mib << 20;
     *wbytes = HCCL_WINDOW_HEADER + (uint64_t)nranks * *slot;
     *wfd = -1;
@@ -354,11 +373,9 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
     if (strncmp(ri.magic, ROOT_MAGIC, sizeof ri.magic) != 0) return HCCL_E_PARA;
     int32_t dev = -1;
     if (aclrtGetDevice(&dev) != 0) return HCCL_E_RUNTIME; /* no device set on this thread */
-    pthread_mutex_lock(&g_mu);
     HcclResult rc = register_callbacks();
-    pthread_mutex_unlock(&g_mu);
     if (rc != HCCL_SUCCESS) return rc;
-    double deadline = now_s() + env_seconds("HCCL_CONNECT_TIMEOUT", 120.0);
+    double deadline = now_s() + env_positive("HCCL_CONNECT_TIMEOUT", 120.0);
     struct listener *l = take_listener(&ri);
     int wfd = -1;
     uint64_t wbytes = 0, slot = 0;
@@ -390,7 +407,7 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
         munmap(m, wbytes);
         return HCCL_E_MEMORY;
     }
-    *c = (struct comm){rank, nRanks, dev, 1, w, wbytes, slot, NULL};
+    *c = (struct comm){rank, nRanks, dev, 0, {1, 0, 0, 0}, w, wbytes, slot, NULL};
     pthread_mutex_lock(&g_mu);
     c->next = g_comms;
     g_comms = c;
@@ -401,7 +418,7 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
 
 static struct comm *find_comm(HcclComm h) {
     for (struct comm *c = g_comms; c; c = c->next)
-        if (c == h) return c;
+        if (c == h && !c->destroyed) return c;
     return NULL;
 }
 
@@ -423,12 +440,24 @@ API HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank) {
     return c ? HCCL_SUCCESS : HCCL_E_PARA;
 }
 
-static void *allreduce_kernel(aclError *rc) {
+/* The error of a collective that failed on a stream after it was launched (its kernel found the
+ * communicator invalidated by a restore, or a peer never came): what real HCCL reports here for
+ * errors of its asynchronous tasks. HCCL_SUCCESS when there was none. */
+API HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError) {
+    if (!comm || !asyncError) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) *asyncError = (HcclResult)atomic_load((_Atomic int32_t *)&c->state.async_error);
+    pthread_mutex_unlock(&g_mu);
+    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+}
+
+static void *allreduce_kernel_locked(aclError *rc) {
     *rc = 0;
     if (g_func) return g_func;
     Dl_info info;
     char self[PATH_MAX], path[PATH_MAX + 128];
-    if (!dladdr((void *)allreduce_kernel, &info) || !info.dli_fname || !realpath(info.dli_fname, self)) {
+    if (!dladdr((void *)allreduce_kernel_locked, &info) || !info.dli_fname || !realpath(info.dli_fname, self)) {
         *rc = -1;
         return NULL;
     }
@@ -446,71 +475,92 @@ static void *allreduce_kernel(aclError *rc) {
     return *rc == 0 ? g_func : NULL;
 }
 
-API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
-                             aclrtStream stream) {
+static void *allreduce_kernel(aclError *rc) {
+    pthread_mutex_lock(&g_bin_mu);
+    void *f = allreduce_kernel_locked(rc);
+    pthread_mutex_unlock(&g_bin_mu);
+    return f;
+}
+
+/* Queue one collective on the stream: checked on the host, run by the kernel on the engine. */
+static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf, uint64_t count, int dataType,
+                                   int op, uint32_t root, HcclComm comm, aclrtStream stream) {
     if (!comm || (count && (!sendBuf || !recvBuf))) return HCCL_E_PTR;
     if (dataType != HCCL_DATA_TYPE_FP32 && dataType != HCCL_DATA_TYPE_INT32) return HCCL_E_NOT_SUPPORT;
     if (op < 0 || op > HCCL_REDUCE_MIN) return HCCL_E_PARA;
+    aclError arc = 0;
+    void *f = allreduce_kernel(&arc); /* may wait at the snapshot lock: not under g_mu */
     pthread_mutex_lock(&g_mu);
     struct comm *c = find_comm(comm);
-    HcclResult rc = !c ? HCCL_E_PARA : !c->valid ? HCCL_E_UNAVAIL : HCCL_SUCCESS;
-    aclError arc = 0;
-    void *f = rc == HCCL_SUCCESS ? allreduce_kernel(&arc) : NULL;
+    HcclResult rc = HCCL_SUCCESS;
+    if (!c) rc = HCCL_E_PARA;
+    else if (!atomic_load((_Atomic uint32_t *)&c->state.valid)) rc = HCCL_E_UNAVAIL;
+    else if (root >= c->nranks) rc = HCCL_E_PARA;
     if (rc == HCCL_SUCCESS && !f) rc = HCCL_E_RUNTIME;
     struct ops_allreduce_args a;
     memset(&a, 0, sizeof a);
     if (rc == HCCL_SUCCESS) {
+        a.state = (uint64_t)(uintptr_t)&c->state;
         a.window = (uint64_t)(uintptr_t)c->window;
         a.slot_bytes = c->slot_bytes;
         a.send = (uint64_t)(uintptr_t)sendBuf;
         a.recv = (uint64_t)(uintptr_t)recvBuf;
         a.count = count;
-        a.timeout_ms = (uint64_t)(env_seconds("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
+        a.timeout_ms = (uint64_t)(env_positive("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
         a.rank = c->rank;
         a.nranks = c->nranks;
         a.dtype = dataType;
         a.op = op;
+        a.kind = kind;
+        a.root = root;
         /* Counted before the launch: HcclCommDestroy waits for the kernel to let go of the window. */
-        atomic_fetch_add((_Atomic uint32_t *)&c->window->ranks[c->rank].inflight, 1);
+        atomic_fetch_add((_Atomic uint32_t *)&c->state.inflight, 1);
     }
     pthread_mutex_unlock(&g_mu);
     if (rc != HCCL_SUCCESS) return rc;
     /* Outside g_mu: the launch may wait at the snapshot lock, whose callbacks take g_mu. */
     arc = aclrtLaunchKernel(f, 1, &a, sizeof a, stream);
     if (arc != 0) {
-        pthread_mutex_lock(&g_mu);
-        if (c->window) atomic_fetch_sub((_Atomic uint32_t *)&c->window->ranks[c->rank].inflight, 1);
-        pthread_mutex_unlock(&g_mu);
+        atomic_fetch_sub((_Atomic uint32_t *)&c->state.inflight, 1);
+        syscall(SYS_futex, &c->state.inflight, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
         return HCCL_E_RUNTIME;
     }
     return HCCL_SUCCESS;
 }
 
+API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_ALLREDUCE, sendBuf, recvBuf, count, dataType, op, 0, comm, stream);
+}
+
+/* In place: the root's buf goes to every rank's buf. */
+API HcclResult HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_BROADCAST, buf, buf, count, dataType, 0, root, comm, stream);
+}
+
+/* The communicator's struct is kept (marked destroyed): a kernel that ran its last collective
+ * may still be waking HcclCommDestroy through its state when the latter returns. A few dozen bytes
+ * per communicator. */
 API HcclResult HcclCommDestroy(HcclComm comm) {
     if (!comm) return HCCL_E_PTR;
     pthread_mutex_lock(&g_mu);
-    struct comm **pp = &g_comms, *c = NULL;
-    for (; *pp; pp = &(*pp)->next)
-        if (*pp == comm) {
-            c = *pp;
-            *pp = c->next;
-            break;
-        }
+    struct comm *c = find_comm(comm);
+    if (c) c->destroyed = 1;
     pthread_mutex_unlock(&g_mu);
     if (!c) return HCCL_E_PARA;
-    HcclResult rc = HCCL_SUCCESS;
-    if (c->window) {
-        /* Collectives still queued read the window: wait for them (HCCL_EXEC_TIMEOUT). */
-        _Atomic uint32_t *inflight = (_Atomic uint32_t *)&c->window->ranks[c->rank].inflight;
-        double deadline = now_s() + env_seconds("HCCL_EXEC_TIMEOUT", 1836.0);
-        uint32_t v;
-        while ((v = atomic_load(inflight)) != 0 && now_s() < deadline) {
-            struct timespec ts = {0, 50000000L};
-            syscall(SYS_futex, (uint32_t *)inflight, FUTEX_WAIT, v, &ts, NULL, 0);
-        }
-        if (atomic_load(inflight) != 0) rc = HCCL_E_TIMEOUT; /* leak the window rather than pull it away */
-        else munmap(c->window, c->window_bytes);
+    /* Collectives still queued read the window: wait for them (HCCL_EXEC_TIMEOUT). */
+    _Atomic uint32_t *inflight = (_Atomic uint32_t *)&c->state.inflight;
+    double deadline = now_s() + env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
+    uint32_t v;
+    while ((v = atomic_load(inflight)) != 0 && now_s() < deadline) {
+        struct timespec ts = {0, 50000000L};
+        syscall(SYS_futex, (uint32_t *)inflight, FUTEX_WAIT, v, &ts, NULL, 0);
     }
-    free(c);
-    return rc;
+    if (atomic_load(inflight) != 0) return HCCL_E_TIMEOUT; /* leak the window rather than pull it away */
+    pthread_mutex_lock(&g_mu);
+    if (c->window) munmap(c->window, c->window_bytes);
+    c->window = NULL;
+    pthread_mutex_unlock(&g_mu);
+    return HCCL_SUCCESS;
 }

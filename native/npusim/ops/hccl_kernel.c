@@ -31,6 +31,9 @@
 #define KERR_ADDR 1
 #define KERR_ARGS 2
 #define KERR_TIMEOUT 3
+#define KERR_COMM 4 /* the communicator was invalidated (a restore) before the kernel ran */
+#define HCCL_E_UNAVAIL 7
+#define HCCL_E_TIMEOUT 9
 
 static double now_s(void) {
     struct timespec ts;
@@ -84,29 +87,37 @@ static void reduce_into(void *dst, const void *src, uint64_t n, int dtype, int o
     }
 }
 
+/* Both collectives: an all-reduce, or a broadcast (send == recv, the root's buffer to all). */
 KAPI int npusim_hccl_allreduce(const npusim_kernel_ctx *ctx, const void *args, size_t args_size) {
     if (args_size != sizeof(struct ops_allreduce_args)) return KERR_ARGS;
     const struct ops_allreduce_args *a = args;
+    struct hccl_comm_state *st = (struct hccl_comm_state *)(uintptr_t)a->state;
+    _Atomic uint32_t *inflight = (_Atomic uint32_t *)&st->inflight;
     struct hccl_window *w = (struct hccl_window *)(uintptr_t)a->window;
-    _Atomic uint32_t *inflight = (_Atomic uint32_t *)&w->ranks[a->rank].inflight;
     int rc = 0;
+    /* Launched before a restore and run after it (it waited at the lock): the window is gone. */
+    if (!atomic_load((_Atomic uint32_t *)&st->valid)) rc = KERR_COMM;
     uint64_t bytes = a->count * 4; /* fp32 and int32 */
-    char *send = bytes ? ctx->dev_ptr(ctx, a->send, bytes) : NULL;
-    char *recv = bytes ? ctx->dev_ptr(ctx, a->recv, bytes) : NULL;
-    if (bytes && (!send || !recv)) rc = KERR_ADDR;
+    char *send = bytes && !rc ? ctx->dev_ptr(ctx, a->send, bytes) : NULL;
+    char *recv = bytes && !rc ? ctx->dev_ptr(ctx, a->recv, bytes) : NULL;
+    if (bytes && !rc && (!send || !recv)) rc = KERR_ADDR;
     double deadline = now_s() + (double)a->timeout_ms / 1000.0;
     char *slots = (char *)w + HCCL_WINDOW_HEADER;
+    int bcast = a->kind == OPS_COLL_BROADCAST;
     for (uint64_t done = 0; rc == 0 && done < bytes; done += a->slot_bytes) {
         uint64_t n = bytes - done < a->slot_bytes ? bytes - done : a->slot_bytes;
-        memcpy(slots + a->rank * a->slot_bytes, send + done, n);
+        if (!bcast || a->rank == a->root) memcpy(slots + a->rank * a->slot_bytes, send + done, n);
         if (barrier(w, a->rank, a->nranks, deadline) != 0) {
             rc = KERR_TIMEOUT;
             break;
         }
-        for (uint32_t j = 0; j < a->nranks; j++)
+        if (bcast && a->rank != a->root) memcpy(recv + done, slots + a->root * a->slot_bytes, n);
+        for (uint32_t j = 0; !bcast && j < a->nranks; j++)
             reduce_into(recv + done, slots + j * a->slot_bytes, n / 4, a->dtype, a->op, j == 0);
         if (barrier(w, a->rank, a->nranks, deadline) != 0) rc = KERR_TIMEOUT;
     }
+    if (rc == KERR_COMM || rc == KERR_TIMEOUT)
+        atomic_store((_Atomic int32_t *)&st->async_error, rc == KERR_COMM ? HCCL_E_UNAVAIL : HCCL_E_TIMEOUT);
     atomic_fetch_sub(inflight, 1);
     futex_wake(inflight);
     return rc;

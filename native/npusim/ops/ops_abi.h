@@ -58,26 +58,41 @@ struct ops_mse_args {
     int32_t pad;
 };
 
-/* HCCL all-reduce over the communicator's window (hccl.c describes the window). */
+/* This process's side of a communicator, in host memory that outlives it (hccl.c never frees
+ * it): whether the communicator may be used, and the collectives launched and not finished. */
+struct hccl_comm_state {
+    uint32_t valid;      /* 0 once a restore invalidated the communicator */
+    uint32_t inflight;   /* futex word: HcclCommDestroy waits for 0 */
+    int32_t async_error; /* HcclResult of the last collective that failed on a stream, for
+                          * HcclGetCommAsyncError: HCCL_E_UNAVAIL, HCCL_E_TIMEOUT */
+    int32_t pad;
+};
+
+/* An HCCL collective over the communicator's window (hccl.c describes the window): an
+ * all-reduce, or a broadcast (kind) from rank `root`. */
+#define OPS_COLL_ALLREDUCE 0u
+#define OPS_COLL_BROADCAST 1u
 struct ops_allreduce_args {
+    uint64_t state;      /* host address of this process's struct hccl_comm_state */
     uint64_t window;     /* host address of this process's mapping of the communicator's window */
     uint64_t slot_bytes; /* bytes each rank may stage at once */
     uint64_t send, recv; /* device addresses */
     uint64_t count;      /* elements */
     uint64_t timeout_ms; /* HCCL_EXEC_TIMEOUT */
     uint32_t rank, nranks;
-    int32_t dtype, op;   /* HcclDataType, HcclReduceOp */
+    int32_t dtype, op;   /* HcclDataType, HcclReduceOp (all-reduce) */
+    uint32_t kind;       /* OPS_COLL_* */
+    uint32_t root;       /* broadcast: the rank whose buffer every rank receives */
 };
 
 /* The window's header: per rank, a barrier generation (a futex word, shared between the ranks'
- * processes) and the number of this rank's collectives still queued or running. */
+ * processes). */
 #define HCCL_WINDOW_MAGIC 0x4e505553494d4843ull /* "NPUSIMHC" */
 #define HCCL_WINDOW_HEADER 4096u
 #define HCCL_MAX_RANKS 32u
 struct hccl_window_rank {
-    uint32_t gen;      /* futex word */
-    uint32_t inflight; /* collectives of this rank launched and not finished */
-    uint32_t pad[14];
+    uint32_t gen; /* futex word */
+    uint32_t pad[15];
 };
 struct hccl_window {
     uint64_t magic;

@@ -2,6 +2,8 @@
 
     ops_driver.py ops DEVICE            -> one JSON line per case: inputs, output or status code
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
+    ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
+    ops_driver.py torn DEVICE            (NPUSIM_KERNEL_BLOCK_US, TORN_AFTER_S)
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
 Python reference from exactly the bytes the device saw. Tensors, operators and the libraries come
@@ -16,7 +18,9 @@ import json
 import os
 import random
 import sys
+import threading
 import time
+import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_cli", "workloads"))
@@ -60,7 +64,7 @@ class Device:
 
 def rand(rng: random.Random, n: int) -> List[float]:
     # Values exactly representable in fp32, so the reference sees what the device saw.
-    return list(array.array("f", [rng.uniform(-2, 2) for _ in range(n)]))
+    return list(array.array("f", [4.0 * rng.random() - 2.0 for _ in range(n)]))
 
 
 def status(dev: Device, name: str, *args: Any) -> int:
@@ -228,12 +232,27 @@ def run_ops(device: int) -> None:
     print(json.dumps({"case": "codes", "codes": codes}), flush=True)
 
 
-def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: int) -> None:
-    dev = Device(device, hccl=True)
-    hccl = dev.libs.hccl
-    assert hccl is not None
+def run_torn(device: int) -> None:
+    """A copy of a kernel's output taken while the kernel runs (the synchronous aclrtMemcpy is not
+    ordered with a stream's work): rows of finished blocks are new, the others still old."""
+    dev = Device(device)
+    op = dev.libs.op
+    a = nt.Tensor(op, dev.buffer([1.0] * 16 * 8), [16, 8])
+    b = nt.Tensor(op, dev.buffer([1.0] * 8 * 4), [8, 4])
+    out = nt.Tensor(op, dev.buffer([-1.0] * 16 * 4), [16, 4])
+    dev.ops.matmul(a, b, out)
+    time.sleep(float(os.environ["TORN_AFTER_S"]))
+    mid = dev.read(out.data, 64)
+    dev.sync()
+    final = dev.read(out.data, 64)
+    rows = [mid[r * 4 : r * 4 + 4] for r in range(16)]
+    print(json.dumps({"mid_rows": [r[0] for r in rows], "final": sorted(set(final))}), flush=True)
+
+
+def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: int) -> c_void_p:
+    """A communicator of ``world`` ranks: rank 0 publishes HCCL's root info as file root-GEN."""
     info = ctypes.create_string_buffer(nt.HCCL_ROOT_INFO_BYTES)
-    path = os.path.join(rendezvous, "root")
+    path = os.path.join(rendezvous, f"root-{gen}")
     if rank == 0:
         nt.check(hccl.HcclGetRootInfo(info), "HcclGetRootInfo")
         with open(path + ".tmp", "wb") as f:
@@ -248,6 +267,66 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
             ctypes.memmove(info, f.read(), nt.HCCL_ROOT_INFO_BYTES)
     comm = c_void_p()
     nt.check(hccl.HcclCommInitRootInfo(world, info, rank, ctypes.byref(comm)), "HcclCommInitRootInfo")
+    return comm
+
+
+def run_restore(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """A communicator across this process's own Lock, Backup, Restore and Unlock: HCCL's
+    RESTORE_POST callback invalidates it; destroyed and built again, it all-reduces."""
+    dev = Device(device, hccl=True)
+    hccl, rt = dev.libs.hccl, dev.libs.rt
+    assert hccl is not None
+    values = [float(rank + 1)] * 16
+    buf = dev.buffer(values)
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
+
+    def all_reduce(c: c_void_p) -> int:
+        return int(
+            hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, c, dev.stream)
+        )
+
+    out: Dict[str, Any] = {"before": all_reduce(comm)}
+    dev.sync()
+    out["before_sum"] = dev.read(buf, 1)[0]
+    nt.check(rt.aclrtMemcpy(buf, 64, nt.floats(values), 64, nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy")
+    snap = {}
+    for name in ("Lock", "Backup", "Restore", "Unlock"):
+        fn = getattr(rt, f"aclrtSnapShotProcess{name}")
+        fn.argtypes = [ctypes.c_int, c_void_p]
+        snap[name] = fn
+    out["Lock"] = int(snap["Lock"](os.getpid(), None))
+    # An all-reduce called while locked: its launch waits at the lock, and reaches the stream
+    # after the restore, on the communicator the restore invalidated.
+    late: Dict[str, int] = {}
+    t = threading.Thread(target=lambda: late.setdefault("rc", all_reduce(comm)))
+    t.start()
+    time.sleep(0.3)
+    out["late_call_waits"] = t.is_alive()
+    for name in ("Backup", "Restore", "Unlock"):
+        out[name] = int(snap[name](os.getpid(), None))
+    t.join(30)
+    out["late_call"] = late.get("rc")
+    out["late_sync"] = int(rt.aclrtSynchronizeStream(dev.stream))
+    err = ctypes.c_int(-1)
+    hccl.HcclGetCommAsyncError.argtypes = [c_void_p, ctypes.POINTER(ctypes.c_int)]
+    out["async_error_rc"] = int(hccl.HcclGetCommAsyncError(comm, ctypes.byref(err)))
+    out["async_error"] = err.value
+    out["after_restore"] = all_reduce(comm)
+    out["destroy"] = int(hccl.HcclCommDestroy(comm))
+    comm = init_comm(hccl, rank, world, rendezvous, 1)
+    nt.check(rt.aclrtMemcpy(buf, 64, nt.floats(values), 64, nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy")
+    out["rebuilt"] = all_reduce(comm)
+    dev.sync()
+    out["rebuilt_sum"] = dev.read(buf, 1)[0]
+    nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
+    print(json.dumps(out), flush=True)
+
+
+def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: int) -> None:
+    dev = Device(device, hccl=True)
+    hccl = dev.libs.hccl
+    assert hccl is not None
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
     values = rand(random.Random(100 + rank), count)
     send = dev.buffer(values)
     recv = dev.buffer([0.0] * count)
@@ -255,21 +334,58 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 3, nt.HCCL_REDUCE_SUM, comm, dev.stream)),
         "bad_op": int(hccl.HcclAllReduce(send, recv, count, nt.HCCL_DATA_TYPE_FP32, 9, comm, dev.stream)),
     }
-    results = {}
+    # Printed at sampled indices (the ends, around each 1 MiB staging slot's edges, the middle)
+    # with a CRC-32 of the whole result: every rank must hold the same bits.
+    slot = (1 << 20) // 4
+    idx = sorted(
+        {i for k in range(count // slot + 1) for i in (k * slot - 1, k * slot) if 0 <= i < count}
+        | {0, count // 2, count - 1}
+    )
+    results: Dict[str, Any] = {}
     for name, op, dst in (("sum", nt.HCCL_REDUCE_SUM, recv), ("max", 2, recv), ("inplace_sum", 0, send)):
         nt.check(
             hccl.HcclAllReduce(send, dst, count, nt.HCCL_DATA_TYPE_FP32, op, comm, dev.stream),
             "HcclAllReduce",
         )
         dev.sync()
-        results[name] = dev.read(dst, count)
+        got = dev.read(dst, count)
+        results[name] = {"at": [got[i] for i in idx], "crc": zlib.crc32(array.array("f", got).tobytes())}
+    # Broadcast from rank 1 (in place): every rank ends with rank 1's values.
+    bcast = dev.buffer(values)
+    hccl.HcclBroadcast.argtypes = [
+        c_void_p,
+        ctypes.c_uint64,
+        ctypes.c_int,
+        ctypes.c_uint32,
+        c_void_p,
+        c_void_p,
+    ]
+    nt.check(hccl.HcclBroadcast(bcast, count, nt.HCCL_DATA_TYPE_FP32, 1, comm, dev.stream), "HcclBroadcast")
+    dev.sync()
+    got = dev.read(bcast, count)
+    results["broadcast_from_1"] = {
+        "at": [got[i] for i in idx],
+        "crc": zlib.crc32(array.array("f", got).tobytes()),
+    }
+    codes["broadcast_bad_root"] = int(
+        hccl.HcclBroadcast(bcast, count, nt.HCCL_DATA_TYPE_FP32, 2, comm, dev.stream)
+    )
     nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
-    print(json.dumps({"rank": rank, "values": values, "results": results, "codes": codes}), flush=True)
+    sample = [values[i] for i in idx]
+    print(
+        json.dumps({"rank": rank, "idx": idx, "values": sample, "results": results, "codes": codes}),
+        flush=True,
+    )
 
 
 def main() -> int:
     if sys.argv[1] == "ops":
         run_ops(int(sys.argv[2]))
+    elif sys.argv[1] == "torn":
+        run_torn(int(sys.argv[2]))
+    elif sys.argv[1] == "restore":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_restore(int(rank), int(world), int(device), rdv)
     else:
         rank, world, device, rdv, count = sys.argv[2:7]
         run_allreduce(int(rank), int(world), int(device), rdv, int(count))
