@@ -84,11 +84,19 @@ def test_one_rank_continues_exactly(
         job.cleanup()
 
 
-def test_two_ranks_continue_exactly(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["paced", "busy"])
+def test_two_ranks_continue_exactly(
+    busy: bool, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
     """Two ranks on devices 0 and 1 under a launcher, all-reducing every step: dumped together
-    (the communicator is rebuilt after the restore), each rank's lines are the reference's."""
+    (the communicator is rebuilt after the restore), each rank's lines are the reference's.
+    ``busy``: no pause between steps and slow kernels, so that the locks land mid-step, often
+    with an all-reduce queued on one rank and not yet launched on the other."""
     env = _env(sim_env, runtime_dir, False)
     args = ["--steps", "100", *ARGS, "--ranks", "2"]
+    if busy:
+        env["NPUSIM_KERNEL_BLOCK_US"] = "200"
+        args = ["--steps", "60", "--hidden", "16", "--interval", "0", "--ranks", "2"]
     ref = _reference(env, args)
     job = Job(tmp_path, env, [PY, JOB, *args])
     try:
