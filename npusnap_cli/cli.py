@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     "inspect",
     "images",
     "demo",
+    "k8s",
 )
 
 

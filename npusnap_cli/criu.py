@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from npusnap_cli.errors import CriuError, PreflightError
+from npusnap_cli.errors import CriuError, ExitCode, PreflightError
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
 _LOG = logging.getLogger("npusnap.criu")
@@ -349,6 +349,10 @@ def read_restore_stats(work_dir: str) -> Optional[RestoreStats]:
     )
 
 
+# Called with the pid of each ``criu swrk`` started (restore's stop guard names it to its watcher).
+SWRK_STARTED: list[Callable[[int], None]] = []
+
+
 class _Swrk:
     """A ``criu swrk`` service process that we start ourselves.
 
@@ -382,6 +386,8 @@ class _Swrk:
             )
         finally:
             theirs.close()
+        for started in list(SWRK_STARTED):
+            started(self.proc.pid)
 
     @property
     def sock(self) -> Any:
@@ -400,9 +406,53 @@ class _Swrk:
             return self.proc.wait()
 
 
+class CriuBusyError(CriuError):
+    """CRIU failed because another command was talking to the job's agent while CRIU dumped it
+    (its connection is a socket to outside the tree): in use for now, exit 11; retry."""
+
+    exit_code = ExitCode.BUSY
+    kind = "busy"
+
+
+# An accepted connection on an agent's socket (it carries the listening socket's name), connected
+# (state 1) to a peer: another command was talking to the agent when CRIU dumped the tree.
+_AGENT_CONN_RE = re.compile(
+    r"unix: \s*Dumping: ino \S+ peer_ino (\S+) .*state\s+1 name (\S+/\d+\.sock)$", re.M
+)
+_PLUGIN_BUSY_RE = re.compile(r"npusnap-plugin: FAILED.*(?:cannot send \w+ to the agent|is busy|BUSY)")
+
+
+def _agent_in_use(log_path: str) -> Optional[str]:
+    """The agent socket another client was connected to while CRIU dumped, from CRIU's log."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    if "External socket is used" in text:
+        for m in _AGENT_CONN_RE.finditer(text):
+            if m.group(1) not in ("0", "0x0") and "npusnap" in m.group(2):
+                return m.group(2)
+    m2 = _PLUGIN_BUSY_RE.search(text)
+    return "the job's agent socket" if m2 else None
+
+
 def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> CriuError:
     errno_ = getattr(exc, "errno", None)
     excerpt = log_excerpt(log_path)
+    in_use = _agent_in_use(log_path) if action == "dump" else None
+    if in_use is not None:
+        target = f" of pid {pid}" if pid is not None else ""
+        return CriuBusyError(
+            f"CRIU dump{target} failed: another command was connected to the job's agent ({in_use}) "
+            "while CRIU dumped it",
+            why="a second npusnap command (a dump, status, freeze) talked to the agent during this "
+            "dump; CRIU refuses a connection to outside the tree. It is not a socket of the job: "
+            "--ext-unix-sk would not help",
+            fix="wait for the other command to end (`npusnap status PID` shows who holds the job), then "
+            f"dump again (CRIU log: {log_path})",
+            details={"criu_log": log_path, "criu_log_excerpt": excerpt, "agent_socket": in_use},
+        )
     target = f" of pid {pid}" if pid is not None else ""
     reason = first_error(excerpt) or str(exc)
     fix = f"read the CRIU log {log_path}; the lines below are its errors and its last lines"

@@ -1,4 +1,4 @@
-# Shared by podman.sh and kubernetes.sh (sourced, not run): builds the runbooks' container image
+# Shared by podman.sh and kubernetes.md (sourced, not run): builds the runbooks' container image
 # locally, without a registry. The rootfs holds busybox, the C workload (tests/data/npu_stepper.c:
 # a buffer in device memory, one "step N checksum C" line per step), the simulated CANN tree,
 # libnpusnap_agent.so and the shared libraries they need (found with ldd).
@@ -39,7 +39,7 @@ npu_sim_args() {
         "-e LD_LIBRARY_PATH=/opt/npu/cann/lib64 -e NPUSIM_SOCKET=$NPUSIM_SOCKET"
 }
 
-# page_block PAGE N: the Nth runnable bash block of the runbook PAGE (podman.md, kubernetes.md),
+# page_block PAGE N: the Nth runnable bash block of the runbook PAGE (podman.md),
 # for the scripts to run what the page shows (eval "$(page_block podman.md 3)"). Read with
 # npusnap's own Python, which has the Markdown parser (markdown-it-py) scripts/runbooks.py uses.
 page_block() {

@@ -31,6 +31,27 @@ runbook_cleanup() {
     if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
+    # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
+    # they left: the containers of a runtime whose state is in the scratch directory (processes in
+    # a cgroup named after one of its tasks: they outlive their shims), runtime shims (their
+    # command line names the scratch directory), then mounts under it.
+    tasks=$(find "$RUNBOOK_DIR" -path '*/*.runtime.v2.task/*/*' -prune -printf '%f\n' 2>/dev/null)
+    for id in $tasks; do
+        for p in $(grep -lsF -- "$id" /proc/[0-9]*/cgroup | cut -d/ -f3); do
+            kill -9 "$p" 2>/dev/null || true
+        done
+    done
+    for f in $(find "$RUNBOOK_DIR" -name '*.service.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        kill "$p" 2>/dev/null || true
+        for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    done
+    for p in $(ls /proc | grep -E '^[0-9]+$'); do
+        if grep -qsaF -- "$RUNBOOK_DIR/" "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    for m in $(awk -v d="$RUNBOOK_DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r); do
+        umount -l "$m" 2>/dev/null || true
+    done
     if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
     # Simulators the page started for other users, with their sockets in the scratch directory.
     for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do

@@ -20,6 +20,16 @@
  *          fini(RESTORE, 0)      restore + unlock through each agent (the tasks run again; any
  *                                device call they make waits for the unlock).
  *
+ * A job across containers (pods): when the dumped tree's root has NPUSNAP_JOB_COORDINATOR=HOST:PORT
+ * and NPUSNAP_JOB_MEMBER=N in its environment, the plugin joins that coordinator (`npusnap k8s
+ * checkpoint`, npusnap_cli/pipelines/netcoord.py's protocol, member N as its node; joined at the first
+ * PAUSE_DEVICES, before anything is locked, or the dump fails there) and holds two
+ * barriers: "locked" at the first CHECKPOINT_DEVICES (every task of this container locked, backed up
+ * and frozen; no container's memory is dumped before every container got there) and "saved" in
+ * fini(DUMP) after the images are written (no container is let go before every one is saved). A
+ * failure anywhere, here or in another member, aborts every member: the dump fails at "locked" (CRIU
+ * lets the tasks run, the helper unlocks them); after "saved" the coordinator discards the archives.
+ *
  * A task without an agent, or one whose lock is held by someone else (`npusnap dump`/`freeze`
  * drive it themselves), is not ours: -ENOTSUP, so another device plugin can claim the hook.
  * Log lines start with "npusnap-plugin: " and name the npusnap exit code a failure maps to.
@@ -37,6 +47,9 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <linux/openat2.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -117,7 +130,20 @@ static struct {
     char device_memory[16]; /* "" (the agent's default: preserve), "preserve", "app", "discard" */
     char log_path[256];
     int criu_pid;
+    double job_barrier_s; /* how long a job barrier may wait for the other members */
 } P;
+
+/* The job coordinator of this dump (see the top of the file); fd -1 until joined. */
+static struct {
+    int checked;   /* the root's environment was read */
+    int member;    /* NPUSNAP_JOB_MEMBER; -1: not a job member */
+    char addr[256];
+    int fd;
+    int locked;    /* passed the "locked" barrier */
+    int aborted;   /* an abort was sent or received: no later barrier */
+    char buf[4096];
+    size_t len;
+} J = {.member = -1, .fd = -1};
 
 static double env_double(const char *name, double dflt) {
     const char *v = getenv(name);
@@ -138,6 +164,7 @@ static const char *config_path(void) {
 static void load_config(void) {
     P.lease_s = 60.0;
     P.require_agent = 0;
+    P.job_barrier_s = 600.0;
     snprintf(P.log_path, sizeof P.log_path, "/var/log/npusnap/criu-plugin.log");
     FILE *f = fopen(config_path(), "re");
     if (f) {
@@ -157,11 +184,12 @@ static void load_config(void) {
             if (!strcmp(k, "lease_s") && atof(v) > 0) P.lease_s = atof(v);
             else if (!strcmp(k, "require_agent")) P.require_agent = atoi(v) != 0;
             else if (!strcmp(k, "log")) snprintf(P.log_path, sizeof P.log_path, "%s", v);
+            else if (!strcmp(k, "job_barrier_s") && atof(v) > 0) P.job_barrier_s = atof(v);
             else if (!strcmp(k, "device_memory") &&
                      (!strcmp(v, "preserve") || !strcmp(v, "app") || !strcmp(v, "discard")))
                 snprintf(P.device_memory, sizeof P.device_memory, "%s", v);
             else
-                LOGW("%s: unknown key or value %s=%s (known: lease_s, require_agent, log, "
+                LOGW("%s: unknown key or value %s=%s (known: lease_s, require_agent, log, job_barrier_s, "
                      "device_memory=preserve|app|discard)\n", config_path(), k, v);
         }
         fclose(f);
@@ -434,7 +462,9 @@ static int agent_request(conn *c, const char *op, const char *args, double timeo
     long long id = c->next_id++;
     int n = snprintf(line, sizeof line, "{\"v\":1,\"id\":%lld,\"op\":\"%s\",\"args\":%s}\n", id, op, args);
     if (send(c->fd, line, (size_t)n, MSG_NOSIGNAL) != n) {
-        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(errno));
+        int e = errno;
+        snprintf(err, errlen, "cannot send %s to the agent of pid %d: %s", op, c->pid, strerror(e));
+        errno = e; /* EPIPE: the agent refused us at accept (BUSY: one client at a time) */
         return -1;
     }
     size_t len;
@@ -533,8 +563,205 @@ static void rollback_one(conn *c, const task *t) {
     reply_free(&r);
 }
 
+/* ---- the job coordinator (a job across containers; see the top of the file) ------------------ */
+/* NPUSNAP_JOB_COORDINATOR / NPUSNAP_JOB_MEMBER from the dumped root's environment: the pod spec
+ * sets them, since container engines hand CRIU no environment of the job's own. */
+static void job_read_env(int pid) {
+    J.checked = 1;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/environ", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    static char env[1 << 16];
+    size_t n = 0;
+    ssize_t r;
+    while (n < sizeof env - 1 && (r = read(fd, env + n, sizeof env - 1 - n)) > 0) n += (size_t)r;
+    close(fd);
+    env[n] = 0;
+    const char *coord = NULL, *member = NULL;
+    for (size_t i = 0; i < n; i += strlen(env + i) + 1) {
+        if (!strncmp(env + i, "NPUSNAP_JOB_COORDINATOR=", 24)) coord = env + i + 24;
+        else if (!strncmp(env + i, "NPUSNAP_JOB_MEMBER=", 19)) member = env + i + 19;
+    }
+    if (!coord || !*coord) return;
+    snprintf(J.addr, sizeof J.addr, "%s", coord);
+    char *end = NULL;
+    long m = member ? strtol(member, &end, 10) : -1;
+    J.member = (member && *member && end && !*end && m >= 0 && m < 1000000) ? (int)m : -2;
+}
+
+static int job_send(const char *line) {
+    size_t len = strlen(line), off = 0;
+    while (off < len) {
+        ssize_t n = send(J.fd, line + off, len - off, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        off += (size_t)n;
+    }
+    return 0;
+}
+
+/* Connect to HOST:PORT ([V6]:PORT) and say which member this is; retried for 5 s (the
+ * coordinator listens before it asks the runtimes to checkpoint). */
+static int job_connect(char *err, size_t errlen) {
+    char host[256];
+    snprintf(host, sizeof host, "%s", J.addr);
+    char *colon = strrchr(host, ':');
+    if (!colon || !colon[1]) {
+        snprintf(err, errlen, "NPUSNAP_JOB_COORDINATOR=%s is not HOST:PORT", J.addr);
+        return -1;
+    }
+    *colon = 0;
+    const char *port = colon + 1, *h = host;
+    if (host[0] == '[' && colon[-1] == ']') {
+        colon[-1] = 0;
+        h = host + 1;
+    }
+    double deadline = now_s() + 5;
+    for (;;) {
+        struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+        int grc = getaddrinfo(h, port, &hints, &res);
+        int e = 0;
+        if (grc == 0) {
+            for (struct addrinfo *a = res; a; a = a->ai_next) {
+                int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+                if (fd < 0) continue;
+                struct timeval tv = {5, 0}; /* bounds connect() too */
+                setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+                if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+                    J.fd = fd;
+                    break;
+                }
+                e = errno;
+                close(fd);
+            }
+            freeaddrinfo(res);
+        }
+        if (J.fd >= 0) break;
+        if (now_s() > deadline) {
+            snprintf(err, errlen, "cannot reach the job coordinator at %s: %s", J.addr,
+                     grc ? gai_strerror(grc) : strerror(e));
+            return -1;
+        }
+        usleep(200 * 1000);
+    }
+    int one = 1;
+    setsockopt(J.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char hello[64];
+    snprintf(hello, sizeof hello, "{\"node\":%d}\n", J.member);
+    if (job_send(hello) < 0) {
+        snprintf(err, errlen, "the job coordinator at %s closed the connection", J.addr);
+        return -1;
+    }
+    return 0;
+}
+
+/* The coordinator's next message (one JSON object a line), within timeout_s. */
+static int job_recv(double timeout_s, jval *out, char *err, size_t errlen) {
+    double deadline = now_s() + timeout_s;
+    for (;;) {
+        char *nl = memchr(J.buf, '\n', J.len);
+        if (nl) {
+            size_t len = (size_t)(nl - J.buf);
+            int rc = json_parse(J.buf, len, out, err, errlen);
+            memmove(J.buf, nl + 1, J.len - len - 1);
+            J.len -= len + 1;
+            return rc < 0 || out->t != J_OBJ ? -1 : 0;
+        }
+        double left = deadline - now_s();
+        if (left <= 0 || J.len >= sizeof J.buf) {
+            snprintf(err, errlen, "no word from the job coordinator at %s within %.0fs", J.addr, timeout_s);
+            return -1;
+        }
+        struct pollfd p = {J.fd, POLLIN, 0};
+        int rc = poll(&p, 1, (int)(left * 1000) + 1);
+        if (rc <= 0) continue;
+        ssize_t n = recv(J.fd, J.buf + J.len, sizeof J.buf - J.len, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            snprintf(err, errlen, "the job coordinator at %s closed the connection", J.addr);
+            return -1;
+        }
+        J.len += (size_t)n;
+    }
+}
+
+/* Arrive at `phase` and wait until every member did (0), or an abort (-1, reason in err). */
+static int job_sync(const char *phase, char *err, size_t errlen) {
+    if (J.aborted) {
+        snprintf(err, errlen, "the job was aborted");
+        return -1;
+    }
+    if (J.fd < 0 && job_connect(err, errlen) < 0) {
+        J.aborted = 1;
+        return -1;
+    }
+    char line[128];
+    snprintf(line, sizeof line, "{\"arrive\":\"%s\"}\n", phase);
+    if (job_send(line) < 0) {
+        snprintf(err, errlen, "the job coordinator at %s closed the connection", J.addr);
+        J.aborted = 1;
+        return -1;
+    }
+    jval v;
+    if (job_recv(P.job_barrier_s + 10, &v, err, errlen) < 0) {
+        J.aborted = 1;
+        return -1;
+    }
+    const jval *go = json_get(&v, "go"), *abort_ = json_get(&v, "abort");
+    int ok = go && go->t == J_STR && !strcmp(go->s, phase);
+    if (!ok)
+        snprintf(err, errlen, "the job was aborted: %s",
+                 abort_ && abort_->t == J_STR ? abort_->s : "the coordinator is out of step");
+    json_free(&v);
+    if (!ok) J.aborted = 1;
+    return ok ? 0 : -1;
+}
+
+/* Tell every other member to roll back (this one failed before it reached a barrier). */
+static void job_abort(const char *reason) {
+    if (J.member < 0 || J.aborted) return;
+    J.aborted = 1;
+    char err[256];
+    if (J.fd < 0 && job_connect(err, sizeof err) < 0) {
+        LOGW("could not tell the job coordinator that member %d failed: %s\n", J.member, err);
+        return;
+    }
+    sbuf b;
+    sb_init(&b);
+    sb_raw(&b, "{");
+    sb_key(&b, "abort");
+    char msg[256];
+    snprintf(msg, sizeof msg, "member %d (%s): %s", J.member, J.addr, reason);
+    sb_str(&b, msg);
+    sb_raw(&b, "}\n");
+    if (!b.oom) job_send(b.p);
+    sb_free(&b);
+}
+
 static int pause_devices(int pid) {
     if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP) return -ENOTSUP;
+    if (!J.checked) {
+        job_read_env(pid); /* the first call is for the dumped tree's root */
+        if (J.member == -2) {
+            FAIL(EX_TARGET, "pid %d has NPUSNAP_JOB_COORDINATOR=%s but no valid NPUSNAP_JOB_MEMBER (a number) in "
+                            "its environment: set both in the pod spec", pid, J.addr);
+            return -1;
+        }
+        if (J.member >= 0) {
+            /* Join now, while nothing is locked or frozen: a coordinator that is not there fails
+             * this checkpoint before it touches the job. */
+            char err[512];
+            if (job_connect(err, sizeof err) < 0) {
+                J.aborted = 1;
+                FAIL(EX_TARGET, "pid %d is member %d of a job (NPUSNAP_JOB_COORDINATOR=%s): %s; a job member is "
+                                "checkpointed with its job: `npusnap k8s checkpoint --listen %s`", pid, J.member,
+                     J.addr, err, J.addr);
+                return -1;
+            }
+            LOGI("member %d of the job coordinated at %s\n", J.member, J.addr);
+        }
+    }
     if (task_of(pid)) return 0;
     int nspid = ns_pid(pid);
     if (nspid < 0) return -ENOTSUP; /* gone: CRIU sees it too */
@@ -584,7 +811,14 @@ static int pause_devices(int pid) {
         snprintf(args, sizeof args, "{\"lease_s\":%g%s,\"owner\":{\"command\":\"criu-plugin\",\"pid\":%d}}",
                  P.lease_s, dm, (int)getpid());
         if (agent_request(&c, "lock", args, 90, &r, err, sizeof err) < 0) {
+            int e = errno;
             agent_close(&c);
+            if ((e == EPIPE || e == ECONNRESET) && now_s() < deadline) {
+                /* Refused at accept: another client (npusnap renewing its lease, `npusnap
+                 * status`) is talking to the agent for a moment. Retried like a BUSY reply. */
+                usleep(100 * 1000);
+                continue;
+            }
             FAIL(EX_AGENT, "lock of pid %d: %s", pid, err);
             return -1;
         }
@@ -675,7 +909,19 @@ static int pause_devices(int pid) {
 }
 
 static int checkpoint_devices(int pid) {
-    if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP || !task_of(pid)) return -ENOTSUP;
+    if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP) return -ENOTSUP;
+    if (J.member >= 0 && !J.locked) {
+        /* The first call: every task of this tree is locked, backed up and frozen. */
+        char err[512];
+        double t0 = now_s();
+        if (job_sync("locked", err, sizeof err) < 0) {
+            FAIL(EX_DEVICE, "job member %d: %s; this container is rolled back", J.member, err);
+            return -1;
+        }
+        J.locked = 1;
+        LOGI("job member %d: every member locked (waited %.3fs)\n", J.member, now_s() - t0);
+    }
+    if (!task_of(pid)) return -ENOTSUP;
     return 0; /* backed up at PAUSE_DEVICES, while the agent could still answer */
 }
 
@@ -799,6 +1045,15 @@ static int write_state_file(void) {
     sb_printf(&s, "%d", (int)getpid());
     sb_key(&s, "lease_s");
     sb_num(&s, P.lease_s);
+    if (J.member >= 0) {
+        sb_key(&s, "job");
+        sb_raw(&s, "{");
+        sb_key(&s, "member");
+        sb_printf(&s, "%d", J.member);
+        sb_key(&s, "coordinator");
+        sb_str(&s, J.addr);
+        sb_raw(&s, "}");
+    }
     sb_key(&s, "processes");
     sb_raw(&s, "[");
     for (int i = 0; i < P.ntasks; i++) {
@@ -1019,6 +1274,14 @@ static int load_state_file(void) {
         return -1;
     }
     if (lease && lease->t == J_NUM) P.lease_s = lease->num;
+    /* A job member's checkpoint: its restore joins the same coordinator (the "restored" barrier). */
+    const jval *job = json_get(&v, "job");
+    const jval *member = job && job->t == J_OBJ ? json_get(job, "member") : NULL;
+    const jval *coord = job && job->t == J_OBJ ? json_get(job, "coordinator") : NULL;
+    if (member && member->t == J_NUM && coord && coord->t == J_STR) {
+        J.member = (int)member->num;
+        snprintf(J.addr, sizeof J.addr, "%s", coord->s);
+    }
     P.ntasks = 0;
     for (size_t i = 0; i < procs->n && P.ntasks < MAX_TASKS; i++) {
         const jval *p = &procs->items[i];
@@ -1092,6 +1355,9 @@ static void restore_one(task *t) {
 /* ---- init / fini ------------------------------------------------------------------------- */
 static int plugin_init(int stage) {
     memset(&P, 0, sizeof P);
+    memset(&J, 0, sizeof J);
+    J.member = -1;
+    J.fd = -1;
     P.stage = stage;
     load_config();
     if (stage == CR_PLUGIN_STAGE__PRE_DUMP) {
@@ -1115,12 +1381,51 @@ static int plugin_init(int stage) {
 static void plugin_fini(int stage, int ret) {
     if (P.disabled) return;
     if (stage == CR_PLUGIN_STAGE__DUMP) {
-        if (P.ntasks == 0) return;
-        if (ret == 0 && write_state_file() < 0)
+        int saved = ret == 0;
+        if (saved && P.ntasks > 0 && write_state_file() < 0) {
             FAIL(EX_IMAGE, "the checkpoint has no %s: it cannot be restored with its device state", STATE_FILE);
+            saved = 0;
+        }
+        if (J.member >= 0) {
+            char err[512];
+            if (!saved) {
+                job_abort(ret ? "its dump failed (CRIU's log says why)" : "its state file could not be written");
+            } else if (job_sync("saved", err, sizeof err) < 0) {
+                /* CRIU's outcome is decided before fini: the coordinator discards this checkpoint. */
+                FAIL(EX_DEVICE, "job member %d: saved, but %s: `npusnap k8s checkpoint` discards this "
+                                "checkpoint", J.member, err);
+            } else {
+                LOGI("job member %d: every member saved\n", J.member);
+            }
+            if (J.fd >= 0) close(J.fd);
+            J.fd = -1;
+        }
+        if (P.ntasks == 0) return;
         spawn_rollback_helper();
     } else if (stage == CR_PLUGIN_STAGE__RESTORE) {
-        if (ret != 0) return; /* CRIU removed the restored tasks */
+        if (ret != 0) { /* CRIU removed the restored tasks */
+            if (J.member >= 0) job_abort("its restore failed (CRIU's log says why)");
+            if (J.fd >= 0) close(J.fd);
+            return;
+        }
+        if (J.member >= 0) {
+            /* Every member's tasks are back (locked: their device calls wait) before any member's
+             * device state is restored and unlocked: the job is released together. */
+            char err[512];
+            if (job_connect(err, sizeof err) < 0) {
+                LOGW("job member %d: %s: restored on its own, without the job's barrier\n", J.member, err);
+            } else if (job_sync("restored", err, sizeof err) < 0) {
+                FAIL(EX_DEVICE, "job member %d: %s; its NPU processes stay locked: their agents' leases (%.0fs) "
+                                "restore and unlock them, or `npusnap thaw PID`", J.member, err, P.lease_s);
+                close(J.fd);
+                J.fd = -1;
+                return;
+            } else {
+                LOGI("job member %d: every member restored\n", J.member);
+            }
+            if (J.fd >= 0) close(J.fd);
+            J.fd = -1;
+        }
         for (int i = 0; i < P.ntasks; i++) {
             if (!P.tasks[i].restored) {
                 FAIL(EX_IMAGE, "dumped pid %d (pid %d in its namespace) was not among the restored tasks",

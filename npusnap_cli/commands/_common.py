@@ -118,7 +118,7 @@ def clean_stale_sockets(out: Output) -> None:
     from npusnap_cli.host import hostclean
 
     for entry in hostclean.remove_stale_agent_sockets():
-        out.debug(f"removed stale agent socket {entry.path} ({entry.reason})")
+        out.debug(f"removed stale agent socket or lock token {entry.path} ({entry.reason})")
 
 
 # Examples shown at the end of every command's --help (click's "\b" keeps the lines as written).
@@ -161,6 +161,18 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "export": ("npusnap export ./img", "npusnap export ./img /backup/job.tar.zst --level 9"),
     "import": ("npusnap import job.tar.zst ./img", 'npusnap restore "$(npusnap import job.tar.zst ./img)"'),
     "demo": ("npusnap demo", "npusnap demo --keep"),
+    "k8s checkpoint": (
+        "npusnap k8s checkpoint ./job-1 --listen 10.0.0.5:7711 --kubelet-cert c.crt --kubelet-key c.key "
+        "--member default/trainer-0/trainer@node-a --member default/trainer-1/trainer@node-b",
+        'npusnap k8s checkpoint ./ckpt --member default/trainer-0/trainer --cri-endpoint "$CRI"',
+    ),
+    "k8s verify": ("npusnap k8s verify ./job-1",),
+    "k8s restore": (
+        "npusnap k8s restore ./job-1 &   # serves the barrier; then create the pods (kubectl apply)",
+        'npusnap k8s restore ./job-1 --cri-endpoint "$CRI" --run p0.json:c0.json --run p1.json:c1.json',
+    ),
+    "k8s run": ("npusnap k8s run --cri-endpoint unix:///run/containerd/containerd.sock pod.json ctr.json",),
+    "k8s rm": ('npusnap k8s rm --cri-endpoint "$CRI" POD_ID',),
 }
 
 

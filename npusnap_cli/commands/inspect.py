@@ -47,6 +47,18 @@ def _is_npusnap_archive(path: Path) -> bool:
     return True
 
 
+def _k8s_job(directory: Path) -> bool:
+    """A directory written by `npusnap k8s checkpoint` (its manifest, one archive per member)."""
+    return (directory / "npusnap-k8s-job.json").is_file()
+
+
+def _job_row(job: Any) -> dict[str, str]:
+    """The plugin's record of the job it joined (`npusnap k8s checkpoint`), if any."""
+    if not job:
+        return {}
+    return {"job member": f"{job.get('member')} (coordinator {job.get('coordinator')})"}
+
+
 def _plugin_checkpoint(directory: Path) -> Any:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, plain criu), or None."""
     from npusnap_cli import image
@@ -180,6 +192,34 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "inspect", json_flag)
+        if _k8s_job(directory):
+            from npusnap_cli.k8s import jobcheckpoint as jc
+
+            manifest = jc.read_manifest(directory)
+            out.kv(
+                f"job checkpoint {directory} (npusnap k8s checkpoint)",
+                {
+                    "created": manifest["created"],
+                    "coordinator": manifest["coordinator"],
+                    "barriers": ", ".join(manifest["barriers"]) or "none (one container)",
+                },
+            )
+            out.table(
+                "members",
+                ["member", "container", "node", "archive", "sha256"],
+                [
+                    [
+                        m["member"],
+                        f"{m['namespace']}/{m['pod']}/{m['container']}",
+                        m["node"],
+                        m["archive"],
+                        (m["sha256"] or "on its node")[:16],
+                    ]
+                    for m in manifest["members"]
+                ],
+            )
+            out.result({"directory": str(directory), **manifest})
+            return
         ckpt = _plugin_checkpoint(directory)
         if ckpt is not None:
             summary = ckpt.summary()
@@ -189,6 +229,9 @@ def register(app: typer.Typer) -> None:
                     "created": summary["created"],
                     "host": summary["hostname"],
                     "form": summary["form"] + (f", CRIU images under {ckpt.prefix}" if ckpt.prefix else ""),
+                    "engine": summary["engine"],
+                    **{f"container {k}": v for k, v in summary["container"].items()},
+                    **_job_row(summary["job"]),
                     "image size": human_bytes(summary["image_bytes"]),
                     "agent lease": f"{summary['lease_s']}s",
                 },
@@ -307,6 +350,13 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "verify", json_flag)
+        if _k8s_job(directory):
+            from npusnap_cli.k8s import jobcheckpoint as jc
+
+            res = jc.verify_job(directory)
+            out.ok(f"{directory}: job checkpoint, {res['members']} archives match the job manifest")
+            out.result(res)
+            return
         ckpt = _plugin_checkpoint(directory)
         if ckpt is not None:
             from npusnap_cli.image import containers
@@ -347,6 +397,11 @@ def register(app: typer.Typer) -> None:
         for left in getattr(result, "leftovers", ()):
             out.warn(
                 f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+            )
+        for hf in result.manifest.host_files:
+            out.line(
+                f"host file {hf.path} ({human_bytes(hf.size)}, {hf.uid}:{hf.gid}, {hf.mode:04o}): "
+                "restore writes it"
             )
         out.data(
             f"{directory}: valid: {result.files_checked} files, {human_bytes(result.bytes_checked)}: "

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from npusnap_cli import paths
 from npusnap_cli.device import protocol
-from npusnap_cli.errors import AgentError, BusyError, DeviceError, TargetError
+from npusnap_cli.errors import AgentError, BusyError, DeviceError, ExitCode, TargetError
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
@@ -47,6 +47,14 @@ class AgentOpError(AgentError):
         self.op = op
         self.error_type = str(error.get("type", ""))
         self.error = error
+
+
+class AgentBusyError(AgentOpError):
+    """The agent serves another client (one at a time): another npusnap command is talking to
+    the process. Exit 11 like every "in use for now" (docs/exit-codes.md): retry later."""
+
+    exit_code = ExitCode.BUSY
+    kind = "busy"
 
 
 class AgentDeviceError(DeviceError):
@@ -358,7 +366,7 @@ class AgentClient:
                 fix="fix the hook in the application (its traceback is on the target's stderr) and retry",
             )
         if kind == protocol.ERR_PROTOCOL and name == "BUSY":
-            return AgentOpError(
+            return AgentBusyError(
                 f"the agent of pid {pid} is busy: {message}",
                 pid=pid,
                 op=op,

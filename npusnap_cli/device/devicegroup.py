@@ -258,10 +258,17 @@ class DeviceGroup:
         device_memory_files: Optional[dict[int, tuple[int, str]]],
         drain_timeout_s: Optional[float],
     ) -> dict[int, dict[str, Any]]:
+        import threading
+
         lease = self.lease_s
         files = device_memory_files or {}
+        # A process done early keeps its lease renewed (on its own connection, from its own
+        # thread) until every process is done: another's long Backup must not run it out.
+        left = [len(self.pids)]
+        counted = threading.Lock()
+        all_done = threading.Event()
 
-        def step(c: AgentClient) -> dict[str, Any]:
+        def work(c: AgentClient) -> dict[str, Any]:
             locked = c.lock(lease, self.command, device_memory, files.get(c.pid), drain_timeout_s)
             if not backup:
                 return locked
@@ -270,6 +277,18 @@ class DeviceGroup:
             backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
             backed["callback_devices"] = locked.get("callback_devices")
             return backed
+
+        def step(c: AgentClient) -> dict[str, Any]:
+            try:
+                result = work(c)
+            finally:
+                with counted:
+                    left[0] -= 1
+                    if left[0] <= 0:
+                        all_done.set()
+            while lease is not None and not all_done.wait(max(0.5, lease / 3)):
+                c.renew(lease)
+            return result
 
         results, failures = self._each(step)
         if failures:
@@ -550,11 +569,17 @@ def save_lock_tokens(tokens: dict[int, str]) -> None:
     """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
     (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
     0700 and checked like the agents' socket directory; files 0600, never followed)."""
+    import contextlib
     import os
 
     from npusnap_cli import paths
 
     paths.ensure_private_dir(paths.agent_runtime_dir())
+    from npusnap_cli.host import hostclean
+
+    for stale in hostclean.stale_lock_tokens():  # those of dead processes go as new ones come
+        with contextlib.suppress(OSError):
+            os.unlink(stale.path)
     for pid, token in tokens.items():
         path = _token_path(pid)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -161,9 +161,47 @@ def stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleS
     return found
 
 
+LOCK_TOKEN_SUFFIX = ".lock-token"  # devicegroup.save_lock_tokens
+
+
+def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
+    """Lock-token files (``PID.lock-token``, left for `npusnap thaw`) whose process is gone or is
+    another process now: no lock of theirs can still be held."""
+    found = []
+    for directory in directories if directories is not None else _socket_dirs():
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            stem = name.removesuffix(LOCK_TOKEN_SUFFIX)
+            if not name.endswith(LOCK_TOKEN_SUFFIX) or not stem.isdigit():
+                continue
+            path = directory / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            pid = int(stem)
+            if not procfs.is_alive(pid):
+                found.append(StaleSocket(str(path), pid, "its process is gone"))
+                continue
+            started = process_start_time(pid)
+            if started is not None and st.st_mtime < started - START_SLACK_S:
+                found.append(StaleSocket(str(path), pid, "pid reused: the process started after the token"))
+    return found
+
+
 def remove_stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
-    """Remove stale agent sockets (checked again just before each unlink); return those removed."""
+    """Remove stale agent sockets and lock tokens (a socket is checked again just before its
+    unlink); return those removed."""
     removed = []
+    for entry in stale_lock_tokens(directories):
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(entry)
     for entry in stale_agent_sockets(directories):
         path = Path(entry.path)
         with contextlib.suppress(OSError):
@@ -190,12 +228,14 @@ def demo_dirs() -> list[Path]:
 @dataclass(frozen=True)
 class Debris:
     stale_sockets: list[StaleSocket] = field(default_factory=list)
+    stale_tokens: list[StaleSocket] = field(default_factory=list)
     failure_logs: list[str] = field(default_factory=list)
     demo_dirs: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "stale_sockets": [s.to_dict() for s in self.stale_sockets],
+            "stale_lock_tokens": [s.to_dict() for s in self.stale_tokens],
             "failure_logs": self.failure_logs,
             "log_dir": str(log_base()),
             "demo_dirs": self.demo_dirs,
@@ -205,6 +245,7 @@ class Debris:
 def debris_report() -> Debris:
     return Debris(
         stale_sockets=stale_agent_sockets(),
+        stale_tokens=stale_lock_tokens(),
         failure_logs=[str(p) for p in failure_logs()],
         demo_dirs=[str(p) for p in demo_dirs()],
     )

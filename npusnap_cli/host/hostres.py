@@ -123,6 +123,15 @@ class HostFile:
         norm = os.path.normpath(f.path)
         if not f.path.startswith("/") or norm != f.path or ".." in f.path.split("/"):
             raise ImageError(f"bad host_files path in the manifest: {f.path!r}", fix="dump again")
+        if f.path.startswith(_NOT_DATA) or f.path.startswith("//"):
+            raise ImageError(f"bad host_files path in the manifest: {f.path!r} (not data)", fix="dump again")
+        if f.mode & ~0o1777 or f.mode < 0:
+            raise ImageError(
+                f"host_files entry {f.path} asks for mode {f.mode:o} (set-user/group-id or not a permission)",
+                why="a dump records tmpfs files and CRIU's link-remap files, never a set-id program: "
+                "the image was crafted or edited",
+                fix="do not restore this image",
+            )
         return f
 
 
@@ -395,34 +404,168 @@ def link_remaps(criu_dir: Path) -> list[str]:
             raise ImageError(
                 f"CRIU recorded the link-remap file {p!r} without an absolute path", fix="dump again"
             )
-    return paths
+    # Only those on tmpfs travel in the image: restore writes host files on tmpfs (or lock files
+    # where their owner could) only; one on a disk stays there, where CRIU's restore finds it.
+    mounts = tmpfs_mounts()
+    return [p for p in paths if _on(p, mounts)]
 
 
 def drop_remaps(files: Iterable[HostFile]) -> list[str]:
     """Remove the link-remap files among ``files`` from the host (the image holds them); a file
     by that name whose contents are not the image's copy is left alone. The paths removed."""
+    return remove_copies([f for f in files if f.remap])
+
+
+def absent(files: Iterable[HostFile]) -> list[HostFile]:
+    """Those of ``files`` not on the host now (a restore that fails removes what it created)."""
+    return [f for f in files if _lstat_safe(f) is None]
+
+
+def remove_copies(files: Iterable[HostFile]) -> list[str]:
+    """Remove each of ``files`` from the host if it still holds the image's copy (reached without
+    following a symlink); a file by that name with other contents is left alone. The paths removed."""
+    from npusnap_cli.host import safefs
+
     removed = []
     for f in files:
-        if not f.remap:
-            continue
+        parent, name = _split_parent(f.path)
         try:
-            st = os.lstat(f.path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or _digest(f) != f.digest:
-                continue
-            os.unlink(f.path)
+            with safefs.dir_fd(parent, owner=f.uid) as dfd:
+                st = safefs.lstat_at(dfd, name)
+                if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+                    continue
+                if _digest_safe(f) != f.digest:
+                    continue
+                os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             continue
+        except OSError:
+            continue  # a symlink or a foreign directory on the way: not ours to remove
         removed.append(f.path)
     return removed
 
 
-def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFile]:
-    """The files to write at restore; refuse when a different file is in the way (no --replace)."""
+def check_host_files(files: Iterable[HostFile], uids: Iterable[int], nodes: Iterable[Any] = ()) -> list[str]:
+    """What is wrong with an image's host files (verify, import, restore): each one must be where
+    root may write it for the job (``_place_problem``: tmpfs, or a lock file where its owner could
+    have made it) and belong to a user the dumped job ran as (root's only for a root job). The
+    manifest's parser already refused set-id modes and paths outside data."""
+    allowed = set(uids)
+    files = list(files)
+    mounts = tmpfs_mounts() if files else []
+    nodes = list(nodes)
+    problems = [p for f in files if (p := _place_problem(f, mounts, nodes)) is not None]
+    problems += [
+        f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
+        for f in files
+        if f.uid not in allowed
+    ]
+    return problems
+
+
+def _place_problem(f: HostFile, mounts: list[str], nodes: Iterable[Any] = ()) -> Optional[str]:
+    """Where a host file may be written as root: on a tmpfs mount of this host (a job's shared
+    memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only in an
+    existing directory where its owner could have created it: one of theirs (not root's) they
+    may write, or a sticky directory anyone may write (/var/tmp). Directories the image itself
+    makes for the job (``nodes``, HostNode of the same owner) count as the place they are made in.
+    Never through a symlink."""
+    if _on(f.path, mounts):
+        return None
+    from npusnap_cli.host import safefs
+
+    parent, _ = _split_parent(f.path)
+    # (private ones: a shared directory such as /tmp is where the rule itself looks)
+    made = {n.path for n in nodes if n.kind == "dir" and n.uid == f.uid and not n.mode & 0o6022}
+    while parent in made and parent != "/":
+        parent, _ = _split_parent(parent)
+    try:
+        with safefs.dir_fd(parent, check=False) as dfd:
+            st: Optional[os.stat_result] = os.fstat(dfd)
+    except OSError:
+        st = None
+    if st is not None:
+        shared = st.st_mode & (stat.S_ISVTX | stat.S_IWOTH) == stat.S_ISVTX | stat.S_IWOTH
+        theirs = f.uid != 0 and st.st_uid == f.uid and st.st_mode & stat.S_IWUSR
+        if shared or theirs:
+            return None
+    return (
+        f"host file {f.path} is not on a tmpfs mount of this host, and uid {f.uid} could not have "
+        "created it there itself"
+    )
+
+
+def _refuse_host_files(problems: list[str]) -> None:
+    if problems:
+        raise ImageError(
+            f"the image asks to write a host file it may not: {problems[0]}",
+            why="restore writes, as root, only the tmpfs files a dump recorded, as the job had them; "
+            "this image's host_files were crafted or edited (or dumped on a host whose tmpfs "
+            "mounts differ from this one's)",
+            fix="do not restore this image; `npusnap inspect DIR` lists its host files",
+            details={"problems": problems},
+        )
+
+
+def _split_parent(path: str) -> tuple[str, str]:
+    parent, name = os.path.split(path)
+    return parent or "/", name
+
+
+def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
+    """lstat of ``f.path`` reached without following a symlink; None when it (or a parent) is
+    missing. A symlink or a foreign directory on the way is a PreflightError."""
+    from npusnap_cli.host import safefs
+
+    parent, name = _split_parent(f.path)
+    try:
+        with safefs.dir_fd(parent, owner=f.uid) as dfd:
+            return safefs.lstat_at(dfd, name)
+    except FileNotFoundError:
+        return None
+    except safefs.UnsafePath as exc:
+        raise PreflightError(
+            f"cannot put {f.path} back: {exc.filename}: {exc.strerror}",
+            why="restore writes the job's tmpfs files as root, and never through a symbolic link or "
+            "into a directory another user controls (that user could choose where root writes)",
+            fix=f"remove {exc.filename} (or make it a plain directory of root or uid {f.uid}), "
+            "then restore again",
+            details={"path": f.path, "unsafe": exc.filename},
+        ) from None
+
+
+def _digest_safe(f: HostFile) -> str:
+    from npusnap_cli.host import safefs
+
+    parent, name = _split_parent(f.path)
+    with safefs.dir_fd(parent, owner=f.uid) as dfd:
+        fd = safefs.open_read_at(dfd, name)
+    h = digest.new(f.algo)
+    with os.fdopen(fd, "rb") as src:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            h.update(chunk)
+    return str(h.hexdigest())
+
+
+def check_put_back(
+    files: tuple[HostFile, ...],
+    *,
+    replace: bool,
+    uids: Optional[Iterable[int]] = None,
+    nodes: Iterable[Any] = (),
+) -> list[HostFile]:
+    """The files to write at restore; refuse when a different file is in the way (no --replace),
+    when one is not on a tmpfs mount of this host, or belongs to no user of the job (``uids``)."""
+    mounts = tmpfs_mounts()
+    nodes = list(nodes)
+    problems = [p for f in files if (p := _place_problem(f, mounts, nodes)) is not None]
+    if uids is not None:
+        problems = check_host_files(files, uids, nodes)
+    _refuse_host_files(problems)
     todo: list[HostFile] = []
     for f in files:
-        try:
-            st = os.lstat(f.path)
-        except FileNotFoundError:
+        st = _lstat_safe(f)
+        if st is None:
             todo.append(f)
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -431,7 +574,7 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
                 why="the image holds the dump-time contents of that tmpfs file for the job",
                 fix=f"remove it (`rm {f.path}`) and restore again",
             )
-        if st.st_size == f.size and _digest(f) == f.digest:
+        if st.st_size == f.size and _digest_safe(f) == f.digest:
             continue
         if not replace and f.remap:
             raise PreflightError(
@@ -456,25 +599,38 @@ def check_put_back(files: tuple[HostFile, ...], *, replace: bool) -> list[HostFi
     return todo
 
 
-def put_back(files: list[HostFile], image: Path) -> list[str]:
-    """Write the saved copies to their paths (owner and mode as at dump); the paths written."""
-    written = []
+def put_back(files: list[HostFile], image: Path, nodes: Iterable[Any] = ()) -> list[str]:
+    """Write the saved copies to their paths (owner and mode as at dump, never set-id), each in
+    its directory reached without following a symlink (safefs); the paths written."""
+    from npusnap_cli.host import safefs
+
+    written: list[str] = []
+    mounts = tmpfs_mounts()
+    nodes = list(nodes)
     for f in files:
+        problem = _place_problem(f, mounts, nodes)  # checked by check_put_back too; never write elsewhere
+        if problem is not None:
+            _refuse_host_files([problem])
         src = image / f.rel
-        target = Path(f.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.npusnap-put-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            with open(src, "rb") as s, os.fdopen(fd, "wb") as out:
-                for chunk in iter(lambda: s.read(1 << 20), b""):
-                    out.write(chunk)
-            os.chown(tmp, f.uid, f.gid)
-            os.chmod(tmp, f.mode)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with open(src, "rb") as s:
+            try:
+                safefs.write_file(
+                    f.path,
+                    iter(lambda: s.read(1 << 20), b""),
+                    mode=f.mode,
+                    uid=f.uid,
+                    gid=f.gid,
+                    owner=f.uid,
+                    create_dirs=_on(f.path, mounts),  # elsewhere, only into a directory that exists
+                )
+            except safefs.UnsafePath as exc:
+                raise PreflightError(
+                    f"cannot put {f.path} back: {exc.filename}: {exc.strerror}",
+                    why="restore writes the job's tmpfs files as root, and never through a symbolic "
+                    "link or into a directory another user controls",
+                    fix=f"remove {exc.filename}, then restore again",
+                    details={"path": f.path, "unsafe": exc.filename, "written": written},
+                ) from None
         written.append(f.path)
     return written
 
@@ -631,16 +787,13 @@ def create_node(node: HostNode) -> bool:
     """Create ``node`` (owner, mode) if missing, walking its path one component at a time from /
     with directory fds (a symlink swapped in on the way is not followed); True if it was made.
 
-    The one place hostres writes as root outside an image: kept small so that a shared
-    safe-write module can replace it."""
-    parts = [p for p in node.path.split("/") if p]
-    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    The directories on the way are reached and checked by safefs (root's or the node's owner's,
+    writable by others only when sticky)."""
+    from npusnap_cli.host import safefs
+
+    parent, name = _split_parent(node.path)
+    fd = safefs.open_dir(parent, owner=node.uid)
     try:
-        for name in parts[:-1]:
-            nxt = _open_dir_at(fd, name)
-            os.close(fd)
-            fd = nxt
-        name = parts[-1]
         try:
             if node.kind == "dir":
                 os.mkdir(name, 0o700, dir_fd=fd)

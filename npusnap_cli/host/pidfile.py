@@ -8,7 +8,7 @@ renamed, so a reader never sees a partial pid.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -36,20 +36,30 @@ def check(path: Path) -> None:
 
 
 def write(path: Path, pid: int) -> str:
-    """Write ``pid`` and a newline atomically; UsageError if that fails after all."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write ``pid`` and a newline atomically; UsageError if that fails after all.
+
+    Through safefs: a random O_EXCL temporary name in the directory reached without following a
+    user's symlink, then a rename within it (a name planted there is replaced, never followed)."""
+    from npusnap_cli.host import safefs
+
     try:
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{pid}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        safefs.write_file(
+            os.path.abspath(path),
+            iter([f"{pid}\n".encode("ascii")]),
+            mode=0o644,
+            check=False,
+            follow_root_links=True,
+            fsync=True,
+        )
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         raise UsageError(
-            f"could not write the pidfile {path}: {exc.strerror}",
-            why="the pidfile's directory changed or filled up since it was checked",
+            f"could not write the pidfile {path}: {exc.strerror}"
+            + (f" ({exc.filename})" if isinstance(exc, safefs.UnsafePath) else ""),
+            why="the disk is full"
+            if full
+            else "the pidfile's directory changed since it was checked, or a symbolic link a user "
+            "could have made is on its path (root never writes through one)",
             fix=f"the process runs; its pid is {pid}",
         ) from None
     return str(path)

@@ -559,6 +559,10 @@ def check_debris() -> CheckItem:
     if debris.stale_sockets:
         where = paths.agent_runtime_dir()
         parts.append(f"{len(debris.stale_sockets)} stale agent socket(s) in {where}")
+    if debris.stale_tokens:
+        where = paths.agent_runtime_dir()
+        pids = ", ".join(str(t.pid) for t in debris.stale_tokens[:5])
+        parts.append(f"{len(debris.stale_tokens)} lock token(s) of dead processes in {where} (pids {pids})")
     if debris.demo_dirs:
         parts.append(f"{len(debris.demo_dirs)} demo work dir(s) ({', '.join(debris.demo_dirs[:3])})")
     logs = (
@@ -571,7 +575,8 @@ def check_debris() -> CheckItem:
         "debris",
         WARNING,
         "; ".join(parts) + f"; {logs}",
-        "stale sockets are removed by the next `npusnap status` or `npusnap dump`; remove demo dirs "
+        "stale sockets and lock tokens are removed by the next `npusnap status` or `npusnap dump`; "
+        "remove demo dirs "
         "with rm -r (`npusnap demo` removes its own unless --keep)",
         data=data,
     )

@@ -24,8 +24,14 @@ WATCHER = Path(__file__).with_name("stopguard_watch.py")
 class StopGuard:
     """Watch ``pids`` from a detached process until ``finish()`` (or resume them if we die)."""
 
-    def __init__(self, pids: list[int]) -> None:
-        args = [f"{p}:{s}" for p in pids if (s := read_start_time(str(p))) is not None]
+    def __init__(self, pids: list[int], *, kill_restored: bool = False) -> None:
+        """``kill_restored`` (restore): should npusnap die, the CRIU named with ``tell("criu",
+        pid)`` and the tree it restored (``tell("tree", pid)``, and that CRIU's children) are
+        killed instead of resumed: the tree was never verified nor released."""
+        if kill_restored:
+            args = ["--kill-restored"]
+        else:
+            args = [f"{p}:{s}" for p in pids if (s := read_start_time(str(p))) is not None]
         self._stdin: Optional[IO[bytes]] = None
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(WATCHER), *args],
@@ -40,6 +46,23 @@ class StopGuard:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def tell(self, kind: str, pid: int) -> None:
+        """Name a process for the watcher (``criu``/``tree``, with its start time)."""
+        start = read_start_time(str(pid))
+        if self._stdin is None or start is None:
+            return
+        with contextlib.suppress(OSError):
+            self._stdin.write(f"{kind} {pid}:{start}\n".encode())
+            self._stdin.flush()
+
+    def remove_on_death(self, path: Path) -> None:
+        """Should npusnap die, remove its work area ``path`` too (once the tree is resumed)."""
+        if self._stdin is None:
+            return
+        with contextlib.suppress(OSError):
+            self._stdin.write(f"rm {path}\n".encode())
+            self._stdin.flush()
 
     def finish(self) -> None:
         """We are exiting in an orderly way: the watcher has nothing to do."""

@@ -64,12 +64,89 @@ def watch(targets: dict[int, str]) -> None:
         time.sleep(POLL_S)
 
 
+KILL_GIVE_UP_S = 60.0  # restore: an orphaned CRIU ends (or is ended) well within this
+
+
+def _start_time(pid: int | str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children(pids: set[int]) -> set[int]:
+    """Every descendant of ``pids`` (one pass over /proc per level)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found: set[int] = set()
+    frontier = set(pids)
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier and p not in found}
+        found |= frontier
+    return found
+
+
+def kill_restored(criu: dict[int, str], restored: dict[int, str]) -> None:
+    """restore: npusnap died while its CRIU restored the tree, or before it released the tree
+    that CRIU left stopped and unverified. End both: the CRIU (its restored tasks die with it
+    while it restores: PR_SET_PDEATHSIG) and every process of the tree it made, which is known by
+    pid and start time (``restored``, sent by npusnap once CRIU answered) or as that CRIU's
+    children. The image is intact: a new restore brings the job back."""
+    deadline = time.monotonic() + KILL_GIVE_UP_S
+    tree = {p: s for p, s in restored.items() if _status(p, s) is not None}
+    for pid, start in criu.items():
+        if _status(pid, start) is None:
+            continue
+        for kid in _children({pid}):
+            if (s := _start_time(kid)) is not None:
+                tree.setdefault(kid, str(s))
+        os.kill(pid, signal.SIGKILL)
+    while tree and time.monotonic() < deadline:
+        for kid in _children(set(tree)):
+            if (s := _start_time(kid)) is not None:
+                tree.setdefault(kid, str(s))
+        for pid, start in list(tree.items()):
+            st = _status(pid, start)
+            if st is None:
+                del tree[pid]
+            elif not st[1]:  # not (or no longer) traced: ours to end
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(POLL_S)
+
+
 def main(argv: list[str]) -> int:
+    kill = bool(argv) and argv[0] == "--kill-restored"
+    if kill:
+        argv = argv[1:]
     targets = {int(p): s for p, s in (a.split(":", 1) for a in argv)}
     data = sys.stdin.buffer.read()  # returns at EOF: npusnap exited, one way or another
     if data.strip().endswith(b"done"):
         return 0
-    watch(targets)
+    lines = data.decode("utf-8", "replace").splitlines()
+    if kill:
+        # "criu PID:START" (the CRIU restoring the tree), "tree PID:START" (what it restored)
+        named = {k: {} for k in ("criu", "tree")}  # type: dict[str, dict[int, str]]
+        for line in lines:
+            kind, _, rest = line.partition(" ")
+            if kind in named and ":" in rest:
+                pid, start = rest.split(":", 1)
+                named[kind][int(pid)] = start
+        kill_restored(named["criu"], named["tree"])
+    else:
+        watch(targets)
+    # "rm PATH" lines: npusnap's work areas (a dump's partial image), of no use to anyone now.
+    for line in lines:
+        if line.startswith("rm /") and ".npusnap-tmp-" in line:
+            import shutil
+
+            shutil.rmtree(line[3:], ignore_errors=True)  # fd-relative, never follows a symlink
     return 0
 
 

@@ -1127,6 +1127,11 @@ def verify(
         problems.append("the manifest lists no files")
     listed = {f.path for f in manifest.files}
     by_path = {f.path: f for f in manifest.files}
+    from npusnap_cli.host import hostres
+
+    problems += hostres.check_host_files(
+        manifest.host_files, {p.uid for p in manifest.processes}, manifest.host_nodes
+    )
     for hf in manifest.host_files:
         entry = by_path.get(hf.rel)
         if entry is None or (entry.algo, entry.digest, entry.size) != (hf.algo, hf.digest, hf.size):

@@ -22,6 +22,7 @@ Core module: raises ImageError/UsageError, never prints.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import tarfile
@@ -32,7 +33,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, Optional
 
 from npusnap_cli import image as img
-from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.errors import ImageError, NpusnapError, PreflightError, UsageError
 from npusnap_cli.image import digest
 
 SUFFIX = ".tar.zst"
@@ -150,49 +151,61 @@ def export(
     result = img.verify(image, checksums=False)
     manifest = result.manifest
     top = image.resolve().name
-    tmp = dest.with_name(f".{dest.name}.npusnap-tmp-{os.getpid()}")
     cctx = zstandard.ZstdCompressor(level=level, threads=threads)
     bytes_in = 0
+    from npusnap_cli.host import safefs
+
+    # A random O_EXCL name in the destination's directory, reached without following a user's
+    # symlink: a name planted there beforehand can neither receive the image nor be truncated.
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, img.FILE_MODE)
-        with (
-            os.fdopen(fd, "wb") as fh,
-            cctx.stream_writer(fh, closefd=False) as zw,
-            tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
-        ):
-            mpath = img.manifest_path(image)
-            data = mpath.read_bytes()
-            tar.addfile(_tarinfo(f"{top}/{img.MANIFEST_NAME}", size=len(data)), io.BytesIO(data))
-            tar.addfile(_tarinfo(f"{top}/{img.CRIU_SUBDIR}", directory=True))
-            made = {f"{top}/{img.CRIU_SUBDIR}"}
-            for entry in manifest.files:
-                for parent in reversed(PurePosixPath(entry.path).parents[:-1]):
-                    name = f"{top}/{parent.as_posix()}"
-                    if name not in made:
-                        tar.addfile(_tarinfo(name, directory=True))
-                        made.add(name)
-                full = image / entry.path
-                with open(full, "rb") as f:
-                    reader = _HashingReader(f, progress, entry.algo)
-                    info = _tarinfo(f"{top}/{entry.path}", size=entry.size, mtime=full.stat().st_mtime)
-                    tar.addfile(info, reader)
-                if reader.sha.hexdigest() != entry.digest or reader.size != entry.size:
-                    raise img_problem(image, digest.mismatch(entry.path, entry.algo))
-                bytes_in += entry.size
-            zw.flush(zstandard.FLUSH_FRAME)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = safefs.open_dir(str(dest.parent.absolute()), check=False, follow_root_links=True)
+    except safefs.UnsafePath as exc:
+        raise UsageError(
+            f"cannot write the archive into {dest.parent}: {exc.filename}: {exc.strerror}",
+            why="npusnap never writes through a symbolic link a user could have made",
+            fix="pass a path without such a link",
+        ) from None
+    try:
+        fd, tmp = safefs.create_temp(dfd, dest.name, img.FILE_MODE)
         try:
+            with (
+                os.fdopen(fd, "wb") as fh,
+                cctx.stream_writer(fh, closefd=False) as zw,
+                tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+            ):
+                mpath = img.manifest_path(image)
+                data = mpath.read_bytes()
+                tar.addfile(_tarinfo(f"{top}/{img.MANIFEST_NAME}", size=len(data)), io.BytesIO(data))
+                tar.addfile(_tarinfo(f"{top}/{img.CRIU_SUBDIR}", directory=True))
+                made = {f"{top}/{img.CRIU_SUBDIR}"}
+                for entry in manifest.files:
+                    for parent in reversed(PurePosixPath(entry.path).parents[:-1]):
+                        name = f"{top}/{parent.as_posix()}"
+                        if name not in made:
+                            tar.addfile(_tarinfo(name, directory=True))
+                            made.add(name)
+                    full = image / entry.path
+                    with open(full, "rb") as f:
+                        reader = _HashingReader(f, progress, entry.algo)
+                        info = _tarinfo(f"{top}/{entry.path}", size=entry.size, mtime=full.stat().st_mtime)
+                        tar.addfile(info, reader)
+                    if reader.sha.hexdigest() != entry.digest or reader.size != entry.size:
+                        raise img_problem(image, digest.mismatch(entry.path, entry.algo))
+                    bytes_in += entry.size
+                zw.flush(zstandard.FLUSH_FRAME)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.rename(tmp, dest.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        with contextlib.suppress(OSError):
             os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    except OSError as exc:
+        raise disk_error(exc, f"writing the archive {dest}", dest.parent) from None
+    finally:
+        os.close(dfd)
     return ArchiveResult(
         image=str(image),
         archive=str(dest),
@@ -200,6 +213,25 @@ def export(
         bytes_in=bytes_in,
         bytes_out=dest.stat().st_size,
         seconds=time.monotonic() - start,
+    )
+
+
+def disk_error(exc: OSError, what: str, where: Path) -> NpusnapError:
+    """An OSError of a write as the error to report: a full disk is a preflight problem (3) with
+    its fix, any other failure of the image's files an image error (8); never a traceback."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PreflightError(
+            f"{what} failed: the disk is full ({exc.strerror})",
+            why=f"the filesystem of {where} has no space (or quota) left",
+            fix=f"free space in {where} (see `df -h {where}`), or write elsewhere; then run the "
+            "command again (what was written so far was removed)",
+            details={"errno": exc.errno, "path": exc.filename},
+        )
+    return ImageError(
+        f"{what} failed: {exc.strerror or exc}",
+        why="the filesystem refused a write",
+        fix=f"check {where} (permissions, mount) and run the command again",
+        details={"errno": exc.errno, "path": exc.filename},
     )
 
 
@@ -363,6 +395,11 @@ def _walk(
             nbytes += size
     if not manifest.files:
         problems.append("the manifest lists no files")
+    from npusnap_cli.host import hostres
+
+    problems += hostres.check_host_files(
+        manifest.host_files, {p.uid for p in manifest.processes}, manifest.host_nodes
+    )
     if problems:
         raise ImageError(
             f"archive {archive} failed verification: {problems[0]}",
@@ -411,7 +448,10 @@ def import_archive(
         load_manifest(archive)  # raises the precise error (missing, not zstd)
     img.check_dump_target(final, force=force)
     img.remove_stale_temps(final)
-    tmp = img.create_temp_image(final)
+    try:
+        tmp = img.create_temp_image(final)
+    except OSError as exc:
+        raise disk_error(exc, f"creating the image's work directory next to {final}", final.parent) from None
     try:
         result = _walk(archive, checksums=True, progress=progress, dest=tmp)
         img.fsync_tree(tmp)
@@ -422,6 +462,9 @@ def import_archive(
             img.remove_tree(old)
         else:
             os.rename(tmp, final)
+    except OSError as exc:
+        img.remove_tree(tmp)
+        raise disk_error(exc, f"importing {archive} into {final}", final.parent) from None
     except BaseException:
         img.remove_tree(tmp)
         raise

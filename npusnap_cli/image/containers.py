@@ -11,6 +11,11 @@ in three forms:
   export archive, a kubelet checkpoint unpacked);
 * an export archive: ``podman container checkpoint --export=F.tar[.gz|.zst]`` or the kubelet's
   ``checkpoint-<pod>_<ns>-<container>-<time>.tar`` (read as a stream; ``.zst`` needs ``zstd``).
+
+Beside ``checkpoint/``, every engine writes checkpointctl's ``config.dump`` (container id, name,
+image, runtime, time) and ``spec.dump`` (the OCI spec). containerd's CRI (``CheckpointContainer``,
+what the kubelet calls) adds ``status.dump`` (the CRI ContainerStatus, with the pod's labels) and
+``status``; podman adds none of them. ``engine`` tells them apart.
 """
 
 from __future__ import annotations
@@ -43,6 +48,36 @@ class PluginCheckpoint:
     state: dict[str, Any]
     prefix: str = ""  # path of the CRIU images inside the directory/archive ("" or "checkpoint/")
     extra_files: list[str] = field(default_factory=list)  # engine files beside the images (archive)
+    engine_meta: dict[str, Any] = field(default_factory=dict)  # config.dump / status.dump, parsed
+
+    @property
+    def engine(self) -> str:
+        if "status.dump" in self.engine_meta:
+            return "containerd (CRI)"
+        if "config.dump" in self.engine_meta:
+            return "podman / CRI-O"
+        return "CRIU"
+
+    def container(self) -> dict[str, Any]:
+        """What the engine recorded about the container (checkpointctl's config.dump; CRI labels)."""
+        config = self.engine_meta.get("config.dump") or {}
+        status = self.engine_meta.get("status.dump") or {}
+        labels = status.get("labels") or {}
+        info = {
+            "id": config.get("id"),
+            "name": config.get("name"),
+            "image": config.get("rootfsImageName"),
+            "image_ref": config.get("rootfsImageRef"),
+            "runtime": config.get("runtime"),
+            "checkpointed_at": config.get("checkpointedTime"),
+        }
+        if labels:
+            info.update(
+                namespace=labels.get("io.kubernetes.pod.namespace"),
+                pod=labels.get("io.kubernetes.pod.name"),
+                container=labels.get("io.kubernetes.container.name"),
+            )
+        return {k: v for k, v in info.items() if v is not None}
 
     @property
     def processes(self) -> list[dict[str, Any]]:
@@ -65,6 +100,9 @@ class PluginCheckpoint:
             ],  # tokens stay in the (root-only) file
             "files": len(self.files),
             "image_bytes": sum(int(f.get("size", 0)) for f in self.files),
+            "engine": self.engine,
+            "container": self.container(),
+            "job": self.state.get("job"),
             "engine_files": sorted(self.extra_files),
         }
 
@@ -98,6 +136,18 @@ def is_archive(path: Path) -> bool:
     return path.is_file() and any(str(path).endswith(s) for s in (".tar", ".tar.gz", ".tgz", ".tar.zst"))
 
 
+# The engine's small metadata files beside checkpoint/ that inspect reads (JSON, a few KiB).
+ENGINE_META = ("config.dump", "status.dump")
+_META_MAX = 1 << 20
+
+
+def _meta(name: str, data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {"unreadable": name}
+
+
 def find(path: Path) -> Optional[PluginCheckpoint]:
     """The plugin checkpoint at ``path`` (directory or archive), or None if it is not one."""
     if path.is_dir():
@@ -105,18 +155,37 @@ def find(path: Path) -> Optional[PluginCheckpoint]:
             state_path = path / prefix / STATE_FILE
             if state_path.is_file():
                 state = _parse_state(str(path), state_path.read_bytes())
-                return PluginCheckpoint(str(path), "directory", state, prefix)
+                ckpt = PluginCheckpoint(str(path), "directory", state, prefix)
+                if prefix:
+                    for name in ENGINE_META:
+                        meta_path = path / name
+                        if meta_path.is_file() and meta_path.stat().st_size < _META_MAX:
+                            ckpt.engine_meta[name] = _meta(name, meta_path.read_bytes())
+                    ckpt.extra_files = sorted(p.name for p in path.iterdir() if p.is_file())
+                return ckpt
         return None
     if is_archive(path):
+        found: Optional[PluginCheckpoint] = None
+        meta: dict[str, Any] = {}
+        extra: list[str] = []
         with _open_archive(path) as tar:
             for member in tar:
                 name = member.name.removeprefix("./")
                 if name in (STATE_FILE, f"checkpoint/{STATE_FILE}") and member.isfile():
-                    f = tar.extractfile(member)
-                    assert f is not None
-                    state = _parse_state(str(path), f.read())
-                    return PluginCheckpoint(str(path), "archive", state, name[: -len(STATE_FILE)])
-        return None
+                    data = tar.extractfile(member)
+                    assert data is not None
+                    state = _parse_state(str(path), data.read())
+                    found = PluginCheckpoint(str(path), "archive", state, name[: -len(STATE_FILE)])
+                elif name in ENGINE_META and member.isfile() and member.size < _META_MAX:
+                    data = tar.extractfile(member)
+                    assert data is not None
+                    meta[name] = _meta(name, data.read())
+                if member.isfile() and "/" not in name:
+                    extra.append(name)
+        if found is not None:
+            found.engine_meta = meta
+            found.extra_files = extra if found.prefix else []
+        return found
     return None
 
 
@@ -181,7 +250,7 @@ def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> dict[str, Any]:
             for member in tar:
                 name = member.name.removeprefix("./")
                 if not name.startswith(ckpt.prefix):
-                    if member.isfile():
+                    if member.isfile() and name not in ckpt.extra_files:
                         ckpt.extra_files.append(name)
                     continue
                 rel = name[len(ckpt.prefix) :]

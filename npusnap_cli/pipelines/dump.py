@@ -851,6 +851,8 @@ class _Pipeline:
         self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
         self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
         self.lock_tokens: dict[int, str] = {}
+        self.lease: Any = None  # leasekeeper.LeaseKeeper from the lock to the kill
+        self.stop_guard: Any = None  # host.stopguard.StopGuard: resumes the tree if npusnap dies
         self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
 
     def _sync(self, phase: str) -> None:
@@ -871,6 +873,8 @@ class _Pipeline:
         if self.stopped_pids:
             _signal_tree(self.stopped_pids, signal.SIGCONT)
         self._drop_remaps()
+        if self.lease is not None and self.lease.gave_up(err):
+            return  # the leases rolled our locks back; no longer ours to touch (leasekeeper.py)
         if self.group is None:
             return
         try:
@@ -925,8 +929,18 @@ class _Pipeline:
             err.details["logs"] = logs
         err.details["partial_image_removed"] = True
         if rolled_back:
-            err.details["rolled_back"] = list(self.target.npu_pids)
-            if "rolled back" not in err.message:
+            from npusnap_cli.host import procfs
+
+            # Never "is running" for a process that died meanwhile (killed during the dump).
+            gone = [p for p in self.target.npu_pids if not procfs.is_alive(p)]
+            err.details["rolled_back"] = [p for p in self.target.npu_pids if p not in gone]
+            if gone:
+                err.details["exited"] = gone
+                if len(gone) == len(self.target.npu_pids):
+                    err.message += f" (pid(s) {gone} exited during the dump: nothing is left running)"
+                else:
+                    err.message += f" (pid(s) {gone} exited during the dump; the others were rolled back)"
+            elif "rolled back" not in err.message:
                 err.message += " (every process was rolled back and is running)"
         return err
 
@@ -936,7 +950,8 @@ class _Pipeline:
 
         # CRIU will leave the tree stopped until it is published and killed; should this process
         # die in between, the guard resumes it (and the leases roll the devices back).
-        guard = None if self.options.leave_running else StopGuard([p.pid for p in self.target.tree])
+        guard = StopGuard([] if self.options.leave_running else [p.pid for p in self.target.tree])
+        self.stop_guard = guard
         try:
             return self._run()
         finally:
@@ -945,9 +960,12 @@ class _Pipeline:
 
     def _run(self) -> DumpOutcome:
         from npusnap_cli.device.devicegroup import DeviceGroup
+        from npusnap_cli.device.leasekeeper import LeaseKeeper
 
         try:
             self.tmp = img.create_temp_image(self.final)
+            if self.stop_guard is not None:
+                self.stop_guard.remove_on_death(self.tmp)  # a killed dump leaves no work area
         except OSError as exc:
             raise ImageError(
                 f"cannot create the image's work directory next to {self.final}: {exc.strerror}",
@@ -1031,6 +1049,9 @@ class _Pipeline:
             self.guard.check("during lock+backup", "rolled back")
             self._sync("backup")
             self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
+            # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
+            self.lease = LeaseKeeper(self.lock_tokens, self.options.lease_s)
+            self.lease.renew_or_fail("before CRIU started")
             outcome = self._criu_and_publish(results, lock_start)
         except NpusnapError as err:
             if isinstance(err, StateUnknownError):
@@ -1193,8 +1214,11 @@ class _Pipeline:
         # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
         hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
         try:
+            from npusnap_cli.device.leasekeeper import keeping
+
             with (
                 self.clock.phase("criu"),
+                keeping(self.lease, [p.pid for p in self.target.tree]),
                 _sampling(
                     lambda: img.tree_size(img.criu_dir(tmp)),
                     lambda n: self.cb.progress("writing image", n, max(expected, n)),
@@ -1216,6 +1240,8 @@ class _Pipeline:
             ) from None
         except BaseException:
             hasher.stop()
+            if self.lease is not None:
+                self.lease.check("while CRIU ran")  # a lost lock is the cause to report
             raise
         criu_done = time.monotonic()
         self._hash_device_files(criu_done=True)
@@ -1225,6 +1251,8 @@ class _Pipeline:
         try:
             # After stopped_pids: a refused dump's rollback must resume the stopped tree first
             # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
+            if self.lease is not None:
+                self.lease.check("before CRIU froze the tree")
             self._check_plugin_marks(tmp)
         except BaseException:
             hasher.stop()
@@ -1275,6 +1303,8 @@ class _Pipeline:
                     timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
                 )
                 self.guard.check("before the image was published", "rolled back")
+                if self.lease is not None and self.stopped_pids:
+                    self.lease.check_before_kill(self.stopped_pids)
                 img.publish(
                     tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
                 )
@@ -1292,6 +1322,12 @@ class _Pipeline:
         if not self.options.leave_running:
             self.cb.phase("stop original")
             pids = self.stopped_pids or _tree_pids(self.target.root_pid)
+            if self.lease is not None:
+                try:
+                    self.lease.check_before_kill(pids)
+                except NpusnapError:
+                    img.remove_tree(self.final)  # not an image of a locked job: never leave it
+                    raise
             _signal_tree(pids, signal.SIGKILL)
             left = _wait_gone(pids)
             self.stopped_pids = []

@@ -77,15 +77,43 @@ class CoordServer:
             ) from None
         self.srv.listen(nodes)
         self.conns: dict[int, _Conn] = {}
+        # How the barriers ended: "ok" after the last phase's go, else the abort reason sent.
+        self.outcome: Optional[str] = None
+        self._closed = False
+        self.decided = threading.Event()  # set once the outcome is final
         self.thread = threading.Thread(target=self._serve, name="npusnap-coord", daemon=True)
         self.thread.start()
 
     def _broadcast(self, obj: dict[str, Any]) -> None:
-        for c in self.conns.values():
+        if "abort" in obj and self.outcome is None:
+            self.outcome = str(obj["abort"])
+        for c in list(self.conns.values()):
             with contextlib.suppress(OSError):
                 c.send(obj)
 
     def _serve(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.decided.set()
+        if self.outcome != "ok":
+            self._refuse_late()
+
+    def _refuse_late(self) -> None:
+        """After an abort, a node that connects late is told so at once, not left waiting."""
+        while not self._closed:
+            try:
+                self.srv.settimeout(0.2)
+                sk, _ = self.srv.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with contextlib.suppress(OSError):
+                sk.sendall(json.dumps({"abort": self.outcome}).encode() + b"\n")
+                sk.close()
+
+    def _run(self) -> None:
         try:
             self.srv.settimeout(CONNECT_S)
             while len(self.conns) < self.nodes:
@@ -96,6 +124,8 @@ class CoordServer:
                     sk.close()
                     continue
                 self.conns[int(hello["node"])] = c
+                if self.outcome is not None:  # aborted from outside meanwhile
+                    c.send({"abort": self.outcome})
         except (OSError, ValueError):
             self._broadcast({"abort": f"not every node connected within {CONNECT_S:.0f}s"})
             return
@@ -131,9 +161,18 @@ class CoordServer:
                     self._broadcast({"abort": reason, "node": node, "exit_code": msg.get("exit_code")})
                     return
                 arrived.add(node)
+            if self.outcome is not None:  # aborted from outside: never a go after an abort
+                return
             self._broadcast({"go": phase})
+        self.outcome = "ok"
+
+    def abort(self, reason: str) -> None:
+        """Abort from outside (a member's runtime failed before its plugin could say so): every
+        member connected now gets the abort, and so does one that connects later."""
+        self._broadcast({"abort": reason})
 
     def close(self) -> None:
+        self._closed = True
         self.srv.close()
         self.thread.join(1.0)
         for c in self.conns.values():

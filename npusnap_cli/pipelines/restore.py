@@ -36,6 +36,7 @@ from typing import Any, Optional
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     BusyError,
+    CriuError,
     ImageError,
     IncompatibleImageError,
     NpusnapError,
@@ -314,6 +315,10 @@ def prepare_sockets(manifest: img.Manifest) -> None:
         parent = sock.parent
         try:
             parent.mkdir(mode=0o700)
+            if os.geteuid() == 0 and p.uid > 0:
+                # The job's own directory (/tmp/npusnap-UID): its agents, and the user's
+                # npusnap, create and check sockets there; root's would shut them out.
+                os.chown(parent, p.uid, -1, follow_symlinks=False)
         except FileExistsError:
             pass
         except OSError as exc:
@@ -378,7 +383,9 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        out = os.open(pipe_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        from npusnap_cli.host import safefs
+
+        out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
     except OSError as exc:
         raise PreflightError(
             f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
@@ -681,13 +688,20 @@ def _restore_opened(
         raise
     prepare_sockets(manifest)
 
-    to_put_back = hostres.check_put_back(manifest.host_files, replace=options.replace_tmpfs_files)
+    to_put_back = hostres.check_put_back(
+        manifest.host_files,
+        replace=options.replace_tmpfs_files,
+        uids={p.uid for p in manifest.processes},
+        nodes=manifest.host_nodes,
+    )
     to_make = hostres.check_host_nodes(manifest.host_nodes)
     made: list[str] = []
     inherit = open_pipe_targets(manifest, options.pipe_to)
     inherit += pidns.open_output_target(img.criu_dir(final), manifest, options.output)
     logs = restore_logs_dir(final, options.logs, cb.note)
     verify_s = time.monotonic() - start
+    stop_guard: Any = None
+    created: list[Any] = []
     try:
         guard.check("before anything was started", "nothing was restored")
         if to_make:
@@ -695,7 +709,12 @@ def _restore_opened(
             made = hostres.make_host_nodes(to_make)
         if to_put_back:
             cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
-            hostres.put_back(to_put_back, final)
+            created = hostres.absent(to_put_back)  # removed again if the restore fails
+            try:
+                hostres.put_back(to_put_back, final, manifest.host_nodes)
+            except BaseException:
+                hostres.remove_copies(created)
+                raise
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
         try:
@@ -704,6 +723,12 @@ def _restore_opened(
             if view is not None:
                 pidns.drop_view(view)
             raise
+        if checksums is not None or lazy is not None:
+            from npusnap_cli.pipelines.restoreguard import restore_stop_guard
+
+            # CRIU leaves the tree stopped until npusnap releases it: should npusnap die before,
+            # the watcher kills that CRIU and its unverified tree (a new restore brings it back).
+            stop_guard = restore_stop_guard()
         try:
             res = criu.restore(
                 str(view or img.criu_dir(final)),
@@ -718,14 +743,23 @@ def _restore_opened(
                 binary=binary,
                 on_notify=lazy.on_notify if lazy is not None else None,
             )
-        except NpusnapError:
+        except NpusnapError as err:
             hostres.remove_host_nodes(made)
+            hostres.remove_copies(created)  # a failed restore leaves no file it wrote
+            if stop_guard is not None:
+                stop_guard.finish()  # CRIU removed what it had restored
             if lazy is not None:
                 lazy.abort()
             # A corrupt image is the better explanation of a CRIU failure.
             corrupt = checksums.join() if checksums is not None else None
             if corrupt is not None:
                 raise corrupt from None
+            from npusnap_cli.pipelines.restoreguard import concurrent_restore
+
+            pids = [p.pid for p in manifest.processes]
+            busy = concurrent_restore(err, pids) if isinstance(err, CriuError) else None
+            if busy is not None:
+                raise busy from None
             raise
         finally:
             if view is not None:
@@ -736,23 +770,29 @@ def _restore_opened(
         hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     criu_done = time.monotonic()
     root_pid = res.pid
-    if manifest.pid_ns:  # from here on, the restored copy's host pids
-        manifest, moved = pidns.translate(manifest, root_pid)
-        device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
-        if options.device_map:  # before any Restore claims a device (the tree is locked)
-            pidns.apply_device_map(root_pid, options.device_map)
-    if lazy is not None:
-        lazy.criu_log = res.log_path
-        lazy.guard()
-        lazy.release()
-        cb.note(
-            f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
-            f"log {lazy.daemon.log_path}) pages in the rest of its memory"
-            + (" and its page files are verified" if checksums is not None else "")
-            + "; npusnap watches until every page is in"
-        )
-    elif checksums is not None:
-        _release_when_verified(manifest, checksums, cb)
+    if stop_guard is not None:
+        stop_guard.tell("tree", root_pid)
+    try:
+        if manifest.pid_ns:  # from here on, the restored copy's host pids
+            manifest, moved = pidns.translate(manifest, root_pid)
+            device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
+            if options.device_map:  # before any Restore claims a device (the tree is locked)
+                pidns.apply_device_map(root_pid, options.device_map)
+        if lazy is not None:
+            lazy.criu_log = res.log_path
+            lazy.guard()
+            lazy.release()
+            cb.note(
+                f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
+                f"log {lazy.daemon.log_path}) pages in the rest of its memory"
+                + (" and its page files are verified" if checksums is not None else "")
+                + "; npusnap watches until every page is in"
+            )
+        elif checksums is not None:
+            _release_when_verified(manifest, checksums, cb)
+    finally:
+        if stop_guard is not None:
+            stop_guard.finish()  # released (or killed unverified): nothing left stopped
     released = time.monotonic()
     npu_pids = tuple(p.pid for p in manifest.npu_processes)
     pidfile: Optional[str] = None
@@ -774,7 +814,7 @@ def _restore_opened(
             if device_checks is not None:
                 before_unlock = _device_files_verified(manifest, device_checks, cb)
             _device_restore(
-                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock
+                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock, guard
             )
         _check_none_left_locked(manifest, root_pid, res.log_path)
         device_done = time.monotonic()
@@ -961,20 +1001,30 @@ def _device_restore(
     tokens: dict[int, str],
     device_memory_files: dict[int, tuple[int, str]],
     before_unlock: Optional[Callable[[], None]] = None,
+    guard: Any = None,
 ) -> None:
     """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
     image's device-memory file (the agent writes it back to the device after Unlock)."""
     from npusnap_cli.device.devicegroup import DeviceGroup
+    from npusnap_cli.pipelines import restoreguard
 
     group = None
+    # A signal, or a restored process that stays stopped, ends the waits (restoreguard.py).
+    wait = restoreguard.DeviceWait(npu_pids, guard)
     try:
-        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore")
+        group = DeviceGroup(npu_pids, lease_s=options.lease_s, command="restore", interrupted=wait)
         # The restored agents still record the dump as their lock's owner: present its tokens.
         group.set_tokens(tokens)
         group.restore_and_unlock(device_memory_files, before_unlock)
     except ImageError:
         raise  # the device-memory files did not match: the tree was killed (before_unlock)
-    except NpusnapError as err:
+    except NpusnapError as first:
+        err = restoreguard.after_failure(first, wait, npu_pids, root_pid)
+        if err is not first:
+            err.details.setdefault("criu_restore_log", log)
+            if group is not None:
+                group.hand_over(npu_pids)
+            raise err from None
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}

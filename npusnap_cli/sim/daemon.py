@@ -714,12 +714,25 @@ def _maps_device_memory(pid: int) -> bool:
         return False
 
 
+_poison_cache: List[memoryview] = []
+
+
+def _poison_block(n: int) -> memoryview:
+    """At least ``n`` bytes of the pattern, built once and grown only when a larger one is needed:
+    building a 64 MiB block for each small kept allocation held the GIL for the whole pool's worth
+    of blocks (a job with a thousand allocations kept a core busy for minutes, status unanswered)."""
+    if not _poison_cache or len(_poison_cache[0]) < n:
+        words = -(-max(n, 1 << 20) // len(wire.POISON))
+        _poison_cache[:] = [memoryview(wire.POISON * words)]
+    return _poison_cache[0]
+
+
 def _fill_poison(fd: int, size: int) -> None:
     """Fill ``size`` bytes of a device allocation's memfd with 0xDEADBEEF words (a partial word at
     the end is cut). Written into the memfd: the kernel allocates its pages as it writes, twice as
     fast as filling a mapping of it page fault by page fault (0.45 against 0.9 s/GiB here), and no
     faster from two threads (the kernel's page allocation is the limit)."""
-    block = memoryview(wire.POISON * (POISON_CHUNK // len(wire.POISON)))
+    block = _poison_block(min(size, POISON_CHUNK))
     for off in range(0, size, POISON_CHUNK):
         n = min(POISON_CHUNK, size - off)
         done = 0

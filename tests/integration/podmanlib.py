@@ -63,6 +63,11 @@ def _needed_libs(files: list[Path], lib_path: str) -> set[str]:
 
 def build_image(work: Path, tag: str) -> None:
     """rootfs -> tarball -> `podman import` as ``tag``."""
+    podman("import", str(build_rootfs(work)), tag)
+
+
+def build_rootfs(work: Path) -> Path:
+    """The workload's rootfs as a tarball (``work/rootfs.tar``); also used by the CRI tests."""
     root = work / "rootfs"
     shutil.rmtree(root, ignore_errors=True)
     for d in ("bin", "opt/npu", "run", "tmp", "proc", "sys", "dev", "etc"):
@@ -95,7 +100,7 @@ def build_image(work: Path, tag: str) -> None:
     tarball = work / "rootfs.tar"
     with tarfile.open(tarball, "w") as tar:
         tar.add(root, arcname=".")
-    podman("import", str(tarball), tag)
+    return tarball
 
 
 class Container:

@@ -327,13 +327,12 @@ def test_cli_sigkilled_mid_dump_lease_rolls_back(
         # Nobody renews the lease: the agent rolls its process back by itself.
         wait_until(lambda: agent_state(fj.job.pid) == "RUNNING", 20, "the lease to roll the job back")
         assert not fj.img.exists()
-        stale = image.temp_siblings(fj.img)
-        assert stale, "the killed CLI could not clean its work area"
-        # The next dump removes the dead run's work area (and this one leaves the job running).
+        # The killed CLI's stop guard removes its work area once the job runs again (or the next
+        # dump does, whichever comes first).
         fj.set_faults("")
-        rc, _, errtext = cli(fj.env, "dump", str(fj.job.pid), str(fj.img), "--leave-running")
-        assert rc == 0, errtext
-        assert not any(p.exists() for p in stale)
+        rc, out, errtext = cli(fj.env, "dump", str(fj.job.pid), str(fj.img), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or errtext
+        wait_until(lambda: not image.temp_siblings(fj.img), 20, "the dead dump's work area to go")
         finishes_correctly(fj.job, fj.ref)
 
 

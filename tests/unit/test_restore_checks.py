@@ -197,3 +197,20 @@ def test_restore_creates_no_parents_for_a_socket_dir(tmp_path: Path, monkeypatch
     (tmp_path / "a" / "b").mkdir(parents=True)
     restore.prepare_sockets(m)
     assert deep.is_dir() and oct(deep.stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_non_root_jobs_socket_dir_is_created_as_its_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restoring another user's job as root: its agents' directory (/tmp/npusnap-UID) is theirs,
+    not root's 0700 (which would shut that user's agents and npusnap out)."""
+    if os.geteuid() != 0:
+        pytest.skip("only root restores another user's job")
+    d = tmp_path / "npusnap"
+    monkeypatch.setenv("NPUSNAP_RUNTIME_DIR", str(d))
+    m = _manifest()
+    procs = [dataclasses.replace(p, uid=65534) for p in m.processes]
+    procs[1] = dataclasses.replace(procs[1], agent_socket=str(d / "1235.sock"))
+    m = dataclasses.replace(m, processes=tuple(procs))
+    restore.prepare_sockets(m)
+    assert d.stat().st_uid == 65534 and oct(d.stat().st_mode & 0o777) == "0o700"

@@ -1,0 +1,320 @@
+"""A local user against root's writes: symlinks and pre-created names at every path that restore,
+export, import and --pidfile write as root, and crafted images and archives.
+
+The attacker is a real unprivileged user (``nobody``, or one made with useradd), acting through
+processes of their own; root's side is npusnap's own code (safefs.py, hostres.py, pidfile.py,
+archive.py) or its CLI. Every test checks that the victim (a root-only directory or file) is
+untouched, not only that an error came out.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from npusnap_cli import image
+from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
+from npusnap_cli.host import hostres, pidfile, safefs
+from npusnap_cli.image import archive, digest
+from tests.integration.dumplib import cli
+from tests.unit.test_image import _build, _manifest
+
+pytestmark = pytest.mark.integration
+
+
+def _attacker() -> tuple[int, int]:
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", "npusnap-attacker"], check=True)
+        pw = pwd.getpwnam("npusnap-attacker")
+    return pw.pw_uid, pw.pw_gid
+
+
+@pytest.fixture
+def attacker() -> tuple[int, int]:
+    if os.geteuid() != 0:
+        pytest.skip("root's writes are what is attacked: needs root")
+    return _attacker()
+
+
+def as_user(ids: tuple[int, int], script: str) -> None:
+    """Run ``sh -c script`` as the attacker (their own process: their own rights only)."""
+    subprocess.run(["sh", "-c", script], user=ids[0], group=ids[1], check=True, timeout=30)
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Iterator[Path]:
+    """A root-only directory the attacker wants root to write into."""
+    d = tmp_path / "root-only"
+    d.mkdir(mode=0o700)
+    (d / "precious").write_text("root's\n")
+    yield d
+    assert (d / "precious").read_text() == "root's\n"
+
+
+def _untouched(victim: Path) -> None:
+    assert sorted(p.name for p in victim.iterdir()) == ["precious"], list(victim.iterdir())
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory the attacker can reach (pytest's tmp_path sits under a root-only one)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="npusnap-atk-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir(attacker: tuple[int, int]) -> Iterator[Path]:
+    d = Path("/dev/shm") / f"npusnap-atk-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    with __import__("contextlib").suppress(FileNotFoundError):
+        d.unlink()
+    as_user(attacker, f"mkdir {d}")
+    yield d
+    if d.is_symlink():
+        d.unlink()
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(f"{d}.away", ignore_errors=True)
+
+
+def _host_file(image_dir: Path, path: str, uid: int, gid: int, mode: int = 0o600) -> hostres.HostFile:
+    copy = image_dir / ("hostfiles" + path)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(b"job data\n")
+    return hostres.HostFile(
+        path=path, size=9, mode=mode, uid=uid, gid=gid, digest=digest.of_file(copy, digest.DEFAULT)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# restore's put-back of tmpfs files
+# --------------------------------------------------------------------------------------------
+
+
+def test_put_back_writes_the_file_as_the_job_had_it(
+    attacker: tuple[int, int], shm_dir: Path, tmp_path: Path
+) -> None:
+    f = _host_file(tmp_path, f"{shm_dir}/sub/data", *attacker, mode=0o640)
+    todo = hostres.check_put_back((f,), replace=False, uids={attacker[0]})
+    assert hostres.put_back(todo, tmp_path) == [f.path]
+    st = os.lstat(f.path)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*attacker, 0o640)
+    assert os.stat(shm_dir / "sub").st_uid == attacker[0]  # a missing parent is made theirs
+    assert Path(f.path).read_bytes() == b"job data\n"
+
+
+@pytest.mark.parametrize("when", ["before the check", "between the check and the write"])
+def test_put_back_never_follows_a_symlinked_parent(
+    attacker: tuple[int, int], shm_dir: Path, victim: Path, tmp_path: Path, when: str
+) -> None:
+    """The user swaps their directory for a symlink to a root-only one: root must not write there."""
+    f = _host_file(tmp_path, f"{shm_dir}/data", *attacker)
+    swap = f"mv {shm_dir} {shm_dir}.away && ln -s {victim} {shm_dir}"
+    if when == "before the check":
+        as_user(attacker, swap)
+        with pytest.raises(PreflightError) as exc:
+            hostres.check_put_back((f,), replace=False, uids={attacker[0]})
+    else:
+        todo = hostres.check_put_back((f,), replace=False, uids={attacker[0]})
+        as_user(attacker, swap)
+        with pytest.raises(PreflightError) as exc:
+            hostres.put_back(todo, tmp_path)
+    assert "symbolic link" in exc.value.message
+    _untouched(victim)
+
+
+def test_put_back_refuses_another_users_directory(
+    attacker: tuple[int, int], shm_dir: Path, tmp_path: Path
+) -> None:
+    """A file of uid X is never written into a directory a third user owns (they could swap it)."""
+    f = _host_file(tmp_path, f"{shm_dir}/data", 4242, 4242)
+    with pytest.raises(PreflightError) as exc:
+        hostres.check_put_back((f,), replace=False, uids={4242})
+    assert "owned by uid" in exc.value.message
+    assert not Path(f.path).exists()
+
+
+def test_put_back_replaces_a_planted_symlink_at_the_name(
+    attacker: tuple[int, int], shm_dir: Path, victim: Path, tmp_path: Path
+) -> None:
+    f = _host_file(tmp_path, f"{shm_dir}/data", *attacker)
+    as_user(attacker, f"ln -s {victim}/precious {shm_dir}/data")
+    with pytest.raises(PreflightError):  # not a regular file: refused without --replace
+        hostres.check_put_back((f,), replace=False, uids={attacker[0]})
+    hostres.put_back([f], tmp_path)  # with --replace-tmpfs-files: the link is replaced, not followed
+    assert not os.path.islink(f.path) and Path(f.path).read_bytes() == b"job data\n"
+
+
+# --------------------------------------------------------------------------------------------
+# --pidfile and export
+# --------------------------------------------------------------------------------------------
+
+
+def test_pidfile_never_writes_through_a_users_link(
+    attacker: tuple[int, int], victim: Path, open_dir: Path
+) -> None:
+    shared = open_dir / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o1777)  # like /tmp
+    # A planted symlink at the name itself is replaced, never followed.
+    as_user(attacker, f"ln -s {victim}/precious {shared}/job.pid")
+    pidfile.write(shared / "job.pid", 4321)
+    assert not (shared / "job.pid").is_symlink() and (shared / "job.pid").read_text() == "4321\n"
+    # The old fixed temporary name (".NAME.tmp-PID") planted for every pid we might have: unused.
+    as_user(attacker, f"ln -s {victim}/precious {shared}/.job2.pid.tmp-{os.getpid()}")
+    pidfile.write(shared / "job2.pid", 4322)
+    # A directory of the path swapped for the user's symlink: refused.
+    as_user(attacker, f"mkdir {shared}/d && ln -s {victim} {shared}/link")
+    with pytest.raises(UsageError) as exc:
+        pidfile.write(shared / "link" / "job.pid", 1)
+    assert "symbolic link" in exc.value.why
+    _untouched(victim)
+
+
+@pytest.fixture
+def small_image(tmp_path: Path) -> Path:
+    tmp, final = _build(tmp_path, "img")
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    return final
+
+
+def test_export_never_writes_through_a_planted_temporary_name(
+    attacker: tuple[int, int], victim: Path, open_dir: Path, small_image: Path
+) -> None:
+    out = open_dir / "out"
+    out.mkdir()
+    os.chmod(out, 0o1777)
+    dest = out / "a.tar.zst"
+    as_user(attacker, f"ln -s {victim}/precious {out}/.a.tar.zst.npusnap-tmp-{os.getpid()}")
+    archive.export(small_image, dest)
+    assert archive.verify(dest).files_checked == len(image.load_manifest(small_image).files)
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".a.tar.zst.npusnap-tmp-" + str(os.getpid()),
+        "a.tar.zst",
+    ]
+
+
+def test_safefs_refuses_links_at_every_depth(attacker: tuple[int, int], victim: Path, open_dir: Path) -> None:
+    base = open_dir / "tree"
+    base.mkdir()
+    os.chown(base, *attacker)
+    as_user(attacker, f"mkdir -p {base}/a/b && ln -s {victim} {base}/a/c")
+    for path in (f"{base}/a/c/x", f"{base}/a/c/b/x"):
+        with pytest.raises(safefs.UnsafePath):
+            safefs.write_file(path, iter([b"x"]), owner=attacker[0], create_dirs=True)
+    safefs.write_file(f"{base}/a/b/x", iter([b"x"]), owner=attacker[0])
+    _untouched(victim)
+
+
+# --------------------------------------------------------------------------------------------
+# crafted images and archives
+# --------------------------------------------------------------------------------------------
+
+
+def _crafted(tmp_path: Path, host_path: str, mode: int, uid: int = 0) -> Path:
+    """A well-formed image (self-hash right, checksums right) whose host_files aim at host_path."""
+    from dataclasses import replace
+
+    tmp, final = _build(tmp_path, "crafted")
+    hf = _host_file(tmp, host_path, uid, uid, mode=mode)
+    m = replace(_manifest(image.file_entries(tmp)), host_files=(hf,))
+    image.publish(tmp, final, m)
+    return final
+
+
+def _tar(src: Path, dest: Path) -> None:
+    """The archive export would write, made without export's checks (as an attacker would)."""
+    import tarfile
+
+    import zstandard
+
+    with (
+        open(dest, "wb") as fh,
+        zstandard.ZstdCompressor().stream_writer(fh) as zw,
+        tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        tar.add(image.manifest_path(src), f"{src.name}/{image.MANIFEST_NAME}")
+        for entry in _entries(src):
+            tar.add(src / entry, f"{src.name}/{entry}", recursive=False)
+
+
+def _entries(src: Path) -> list[str]:
+    import json
+
+    return [f["path"] for f in json.loads(image.manifest_path(src).read_text())["files"]]
+
+
+@pytest.mark.parametrize(
+    ("where", "mode", "needle"),
+    [
+        ("victim", 0o6755, "set-user/group-id"),
+        ("victim", 0o755, "not on a tmpfs mount"),
+        ("shm", 0o644, "no process of the dumped job"),
+    ],
+)
+def test_crafted_archive_host_files_are_refused_everywhere(
+    sim_env: dict[str, str],
+    attacker: tuple[int, int],
+    victim: Path,
+    tmp_path: Path,
+    where: str,
+    mode: int,
+    needle: str,
+) -> None:
+    target = f"{victim}/evil-suid" if where == "victim" else f"/dev/shm/npusnap-atk-{os.getpid()}-evil"
+    uid = 0 if where == "victim" else attacker[0]  # the crafted job runs as root
+    crafted = _crafted(tmp_path, target, mode, uid)
+    rc, out, err = cli(sim_env, "verify", str(crafted))
+    assert rc == ExitCode.IMAGE and out is not None, err
+    assert needle in str(out["error"]), out["error"]
+    rc, out, err = cli(sim_env, "inspect", str(crafted))
+    if rc == 0:  # (a set-id mode is refused even by inspect: the manifest does not parse)
+        assert out is not None and out["result"]["host_files"][0]["path"] == target
+    if mode & 0o6000 == 0:
+        with pytest.raises(ImageError):
+            archive.export(crafted, tmp_path / "x.tar.zst")  # export verifies: it does not travel
+    arch = tmp_path / "crafted.tar.zst"
+    _tar(crafted, arch)
+    rc, out, err = cli(sim_env, "import", str(arch), str(tmp_path / "imported"))
+    assert rc == ExitCode.IMAGE and out is not None, (rc, err)
+    assert not (tmp_path / "imported").exists()
+    rc, out, err = cli(sim_env, "restore", str(crafted))
+    assert rc in (ExitCode.IMAGE, ExitCode.IMAGE_INCOMPATIBLE), (rc, out, err)
+    assert not Path(target).exists()
+    _untouched(victim)
+
+
+def test_pipe_to_never_appends_through_a_users_link(
+    attacker: tuple[int, int], victim: Path, open_dir: Path
+) -> None:
+    """restore --pipe-to FILE appends the job's output as root: not through a user's symlinked
+    directory, nor into a symlink or a hard link planted at FILE."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    os.chown(shared, *attacker)
+    as_user(attacker, f"ln -s {victim} {shared}/dir && ln -s {victim}/precious {shared}/sym.log")
+    for path in (f"{shared}/dir/job.log", f"{shared}/sym.log"):
+        with pytest.raises(OSError):
+            safefs.open_append(path)
+    theirs = open_dir / "theirs"
+    theirs.write_text("another file\n")
+    os.link(theirs, shared / "hard.log")  # (root makes it: protected_hardlinks stops the user)
+    with pytest.raises(safefs.UnsafePath):
+        safefs.open_append(str(shared / "hard.log"))
+    fd = safefs.open_append(str(shared / "job.log"))
+    os.write(fd, b"line\n")
+    os.close(fd)
+    assert (shared / "job.log").read_text() == "line\n"
+    _untouched(victim)

@@ -1,0 +1,73 @@
+"""LeaseKeeper's rule: a dump still holds its locks only if the tree froze (or stays stopped)
+before the last renewal plus the lease; an agent that said its lease is gone ends it at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from npusnap_cli.device.leasekeeper import LeaseKeeper, LockLostError
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _keeper(pid: int, renewed_ago: float, lease: float = 2.0) -> LeaseKeeper:
+    k = LeaseKeeper({pid: "0" * 32}, lease)
+    k.renewed_at = time.monotonic() - renewed_ago
+    return k
+
+
+def test_a_freeze_within_the_lease_keeps_the_lock(sleeper: int) -> None:
+    k = _keeper(sleeper, 0.5)
+    k.frozen_at = time.monotonic()
+    k.check("during the test")
+
+
+def test_a_freeze_after_the_lease_may_have_run_out_fails(sleeper: int) -> None:
+    k = _keeper(sleeper, 3.0)
+    k.frozen_at = time.monotonic()
+    with pytest.raises(LockLostError) as exc:
+        k.check("before CRIU froze the tree")
+    assert exc.value.exit_code == 7 and "lost its lock" in exc.value.message
+    assert exc.value.details["renew_to_freeze_s"] >= 3.0
+
+
+def test_never_renewed_or_refused_fails(sleeper: int) -> None:
+    k = LeaseKeeper({sleeper: "0" * 32}, 60.0)
+    with pytest.raises(LockLostError):
+        k.check("x")
+    k = _keeper(sleeper, 0.1, lease=60.0)
+    k.lost = "pid 1: NO_LEASE"
+    with pytest.raises(LockLostError) as exc:
+        k.check("x")
+    assert "NO_LEASE" in exc.value.why
+
+
+def test_at_the_kill_a_tree_still_stopped_is_still_locked(sleeper: int) -> None:
+    k = _keeper(sleeper, 10.0)
+    with pytest.raises(LockLostError):
+        k.check_before_kill([sleeper])  # running after the lease: its lease may have run out
+    os.kill(sleeper, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    from pathlib import Path
+
+    while Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    k.check_before_kill([sleeper])  # stopped: its lease does not run
+
+
+def test_no_lease_no_rule() -> None:
+    LeaseKeeper({}, 2.0).check("x")
+    LeaseKeeper({1: "0" * 32}, None).check("x")
