@@ -1,4 +1,4 @@
-"""The lazy-restore case (issue 16, item 5): ``npusnap restore --lazy`` against raw CRIU's eager
+"""The lazy-restore case: ``npusnap restore --lazy`` against raw CRIU's eager
 and lazy restores of the same bytes, and its section of the report."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from bench.measure import Plan, npusnap_json, run_timed, start_timeout, until_fi
 from bench.session import Session
 from npusnap_cli import criu as criu_mod
 
-# The lazy-restore case (issue 16, item 5): a job with several GiB of host memory whose next step
+# The lazy-restore case: a job with several GiB of host memory whose next step
 # reads only a little of it; device memory kept small so that host memory dominates.
 LAZY_DEVICE_MIB = 64
 LAZY_TICK_MIB = 16

@@ -499,7 +499,7 @@ def _cold_memory_section(plan: Plan, data: Samples) -> list[str]:
 
 
 def assessment(plan: Plan, data: Samples) -> list[str]:
-    """The targets of issue 6, each met or missed, with the figures that explain it."""
+    """The targets, each met or missed, with the figures that explain it."""
     m = data.med
     sz = pick_size(plan.sizes, TARGET_MIB)
     at = f"{sz} MiB" + ("" if sz == 1024 else " (1 GiB was not measured in this run: nearest size)")

@@ -45,8 +45,8 @@ The code: ``run.py`` (this file: options, the order of the run); the cases, one 
 plan), ``vmstat.py`` (the page cache during a command), ``pagereport.py`` (the VM's free page
 reporting held off during the run), ``floor.py`` (the machine's floor for writing the bytes),
 ``session.py`` (starting and watching processes, cleanup), ``machine.py`` (machine facts); the
-report: ``report.py`` (the Markdown report and the targets), ``scale.py`` (the fits, the targets
-of issue 16, the scale), ``plot.py`` (the PNG); ``common.py`` (paths, constants, the samples
+report: ``report.py`` (the Markdown report and the targets), ``scale.py`` (the fits, the targets,
+the scale), ``plot.py`` (the PNG); ``common.py`` (paths, constants, the samples
 store); and the workloads ``hostalloc.py``, ``tree.py``, ``copyrate.py`` (plus
 ``npusnap_cli/workloads/bigalloc.py``).
 

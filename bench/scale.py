@@ -1,4 +1,4 @@
-"""The report's copy-rate, issue-16 target and scale sections, and the fits they state.
+"""The report's copy-rate, target and scale sections, and the fits they state.
 
 Kept apart from ``report.py`` because they share the fits (``fit_line``, ``fit_quadratic``) with
 ``plot.py``. Every function takes the run's ``Samples`` and returns Markdown lines.
@@ -25,7 +25,7 @@ RANK_FIGURES = (
     ("restore_first_tick", "raw_restore_first_tick", "restore until every rank computes again"),
 )
 # A quadratic term that adds more than this share of the time at the largest size is reported
-# as super-linear (a bug to find, issue 16).
+# as super-linear (a bug to find).
 SUPERLINEAR_SHARE = 0.10
 # Where each figure's bytes meet the page cache (vmstat.py): the dump figures are written through
 # it (name of the watched command, the image's bytes), the restore figures read through it.
@@ -408,7 +408,7 @@ def targets_section(plan: Plan, data: Samples) -> list[str]:
     """Issue 16's targets at 1 GiB and 4 GiB (or what of them was measured), with how far."""
     m = data.med
     _mc, h2d, d2h = copy_rates(data, plan)
-    L = ["## Targets of issue 16 (1 GiB and 4 GiB, beside raw CRIU)", ""]
+    L = ["## Targets at 1 GiB and 4 GiB (beside raw CRIU)", ""]
     at = [sz for sz in (1024, 4096) if sz in plan.sizes]
     if not at:
         return [*L, "Neither 1024 nor 4096 MiB was measured in this run: no verdicts.", ""]

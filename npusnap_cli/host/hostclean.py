@@ -165,8 +165,9 @@ LOCK_TOKEN_SUFFIX = ".lock-token"  # devicegroup.save_lock_tokens
 
 
 def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
-    """Lock-token files (``PID.lock-token``, left for `npusnap thaw`) whose process is gone or is
-    another process now: no lock of theirs can still be held."""
+    """Lock-token files (``PID.lock-token``, left for `npusnap thaw`) whose process is gone: no
+    lock of theirs can still be held. A process that started after its token is not enough: a
+    frozen process restored by CRIU keeps its pid and its lock but has a new start time."""
     found = []
     for directory in directories if directories is not None else _socket_dirs():
         try:
@@ -187,10 +188,6 @@ def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSoc
             pid = int(stem)
             if not procfs.is_alive(pid):
                 found.append(StaleSocket(str(path), pid, "its process is gone"))
-                continue
-            started = process_start_time(pid)
-            if started is not None and st.st_mtime < started - START_SLACK_S:
-                found.append(StaleSocket(str(path), pid, "pid reused: the process started after the token"))
     return found
 
 

@@ -34,6 +34,7 @@ from typing import Optional
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x01, 0x02, 0x04, 0x08
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class _OpenHow(ctypes.Structure):
@@ -73,10 +74,20 @@ def open_component(dir_fd: int, name: str, flags: int = _DIR_FLAGS) -> int:
     """Open one name of ``dir_fd`` without following a symlink (ELOOP/ENOTDIR if it is one)."""
     if not name or "/" in name or name in (".", ".."):
         raise OSError(errno.EINVAL, "not a single path component", name)
-    fd = _openat2(dir_fd, name, flags)
+    try:
+        fd = _openat2(dir_fd, name, flags)
+        if fd is not None:
+            return fd
+        return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except PermissionError:
+        if flags != _DIR_FLAGS:
+            raise
+    # A directory the caller may pass through but not list (mode 711): an O_PATH fd still walks,
+    # fstats and serves as the dirfd of the *at calls.
+    fd = _openat2(dir_fd, name, _PATH_FLAGS)
     if fd is not None:
         return fd
-    return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+    return os.open(name, _PATH_FLAGS, dir_fd=dir_fd)
 
 
 class UnsafePath(OSError):
@@ -287,7 +298,8 @@ def write_file(
                 os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                 os.unlink(tmp, dir_fd=dfd)
             if fsync:
-                os.fsync(dfd)
+                with contextlib.suppress(OSError):  # EBADF: a directory reached by O_PATH only
+                    os.fsync(dfd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)

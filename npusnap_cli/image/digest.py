@@ -6,9 +6,9 @@ only an error-detecting code, or a signature would vouch for whatever collides w
 
 New images use **BLAKE3** (the ``blake3`` package: bindings to the reference Rust crate, with
 its SIMD code), a 256-bit cryptographic hash with the same guarantees as sha256 that hashes
-about three times faster on one core here (3708 against 1134 MiB/s for sha256, SHA-NI included;
-``bench/run.py`` measures both), so that hashing a device-memory file keeps up with the agent
-writing it and restore's verification is no longer what the job waits for (issue 16). Images
+several times faster on one core than sha256 (``bench/run.py`` measures both; figures in
+docs/benchmarks.md), so that hashing a device-memory file keeps up with the agent
+writing it and restore's verification is not what the job waits for. Images
 made before list sha256 digests; both are read and checked, each file by the algorithm its
 manifest entry names.
 """

@@ -97,7 +97,7 @@ def test_lock_backup_unlock_and_the_job_keeps_computing(
         time.sleep(0.5)
         assert w.last_step() <= frozen_at + 1, "device work must block while LOCKED"
         assert c.backup(lease_s=30)["state"] == "BACKED_UP"
-        # A second lock is refused by the agent before any device call (issue 14: lock ownership)
+        # A second lock is refused by the agent before any device call (lock ownership)
         with pytest.raises(BusyError) as info:
             c.lock()
         assert info.value.details["agent_error"]["name"] == "ALREADY_LOCKED"

@@ -1,4 +1,4 @@
-"""`npusnap attach`, `dump` and `restore` on processes the size of a JAX job (issue 10).
+"""`npusnap attach`, `dump` and `restore` on processes the size of a JAX job.
 
 The targets (npusnap_cli/workloads/jaxsize.py, and tests/data/npu_stepper.c --libs) map 240
 generated libraries with 2000 functions and full debug info each, 1.4 GiB of text in ~1300

@@ -30,7 +30,7 @@ TABLE_HEADINGS = (
     "## Cold memory",
     "## CLI start-up",
     "## Copy rates: the simulated device against this machine's memcpy",
-    "## Targets of issue 16",
+    "## Targets at 1 GiB and 4 GiB",
     "## Scale: with size and with the number of NPU processes",
     "### With the number of NPU processes",
     "## A job computing on the device",
