@@ -27,7 +27,12 @@ typedef struct op_spec {
 static const op_spec OPS[] = {
     {"backup", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
     {"hello", {{0, 0}}},
-    {"lock", {{"lease_s", A_LEASE}, {"owner", A_OWNER}, {"device_memory", A_DEVMEM}, {"device_memory_file", A_PATH}}},
+    {"lock",
+     {{"lease_s", A_LEASE},
+      {"owner", A_OWNER},
+      {"device_memory", A_DEVMEM},
+      {"device_memory_file", A_PATH},
+      {"drain_timeout_s", A_LEASE}}},
     {"release", {{"token", A_TOKEN}}},
     {"renew", {{"lease_s", A_LEASE}, {"token", A_TOKEN}}},
     {"restore", {{"token", A_TOKEN}, {"device_memory_file", A_PATH}}},
@@ -149,6 +154,11 @@ static int validate(const char *op, const jval *args, op_error *e) {
     const jval *v = json_get(args, "lease_s");
     if (v && v->t == J_NUM && !(v->num > 0 && v->num <= 7 * 24 * 3600)) {
         err_set(e, "protocol", "BAD_ARGS", 0, "lease_s must be > 0 and at most a week");
+        return -1;
+    }
+    v = json_get(args, "drain_timeout_s");
+    if (v && v->t == J_NUM && !(v->num > 0 && v->num <= 600)) {
+        err_set(e, "protocol", "BAD_ARGS", 0, "drain_timeout_s must be > 0 and at most 600");
         return -1;
     }
     v = json_get(args, "token");

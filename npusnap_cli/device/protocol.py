@@ -42,6 +42,8 @@ OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
         "device_memory": ((str, type(None)), False),
         # the image's device-memory file: its descriptor comes with the line (SCM_RIGHTS)
         "device_memory_file": ((str,), False),
+        # how long the agent waits for the devices to drain after Lock (default 10 s)
+        "drain_timeout_s": (_LEASE, False),
     },
     "backup": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
     "renew": {"lease_s": (_LEASE, False), "token": (_TOKEN, False)},
@@ -58,6 +60,10 @@ NOT_OWNER = "NOT_OWNER"
 # ``type: "state"`` of a lock whose copy of the device memory failed (``code``: -errno); nothing
 # was locked.
 DEVICE_MEMORY_SAVE_FAILED = "DEVICE_MEMORY_SAVE_FAILED"
+# ``type: "state"`` of a lock whose devices did not drain in time after Lock (a kernel or a
+# collective still running: another rank not yet at its half of an all-reduce); the agent
+# unlocked again, the job runs on.
+DEVICE_BUSY = "DEVICE_BUSY"
 TOKEN_HEX_CHARS = 32
 MAX_OWNER_COMMAND = 64
 # What the agent does with the job's device memory around Lock (native/include/npusnap/devmem.h).
@@ -132,6 +138,9 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= 7 * 24 * 3600):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
+    drain = args.get("drain_timeout_s")
+    if drain is not None and not (0 < float(drain) <= 600):
+        raise ProtocolError("BAD_ARGS", "drain_timeout_s must be > 0 and at most 600")
     token = args.get("token")
     if token is not None and len(token) > 2 * TOKEN_HEX_CHARS:
         raise ProtocolError("BAD_ARGS", "token is too long")
