@@ -372,6 +372,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     L += _cold_memory_section(plan, data)
 
     L += attach_section(data)
+    L += compute_section(data)
 
     # -- start-up -----------------------------------------------------------------------------
     L += ["## CLI start-up", ""]
@@ -724,6 +725,35 @@ def attach_section(data: Samples) -> list[str]:
         "and runs 48 idle threads besides a device loop that steps every 20 ms "
         "(npusnap_cli/workloads/jaxsize.py). *Job stalled* is the longest gap between its steps "
         "around the attach, less one step; *reported stop* is attach's `stopped_s`, an upper bound.",
+        "",
+    ]
+    return L
+
+
+def compute_section(data: Samples) -> list[str]:
+    """A job computing with aclnn operators, dumped and restored (bench_compute); nothing when it
+    did not run."""
+    if data.med(0, "compute_dump_wall") is None:
+        return []
+    m = data.med
+    same = data.flags.get(0, {}).get("compute_continuity", [])
+    row = [
+        _s(m(0, "compute_dump_wall")),
+        _s(m(0, "compute_dump_frozen_s")),
+        _s(m(0, "compute_restore_wall")),
+        f"**{_s(m(0, 'compute_restore_first_step'))}**",
+        f"{sum(same)} of {len(same)}",
+    ]
+    L = ["## A job computing on the device", ""]
+    L += _table(
+        ["dump s", "frozen s", "restore s", "restore -> computes s", "identical to an uninterrupted run"],
+        [row],
+    )
+    L += [
+        "npusnap_cli/workloads/npu_train.py (one rank): an MLP trained by aclnn operators on two "
+        "streams, its tensors in an expandable-segment allocator (docs/simulator.md), dumped "
+        "after 20 steps and restored; medians. *Restore -> computes* runs from the start of the "
+        "restore command until the job prints its next step.",
         "",
     ]
     return L

@@ -90,6 +90,7 @@ from bench.cases import (  # noqa: E402
     bench_startup,
 )
 from bench.common import NPUSNAP, REPO, TARGET_MIB, BenchError, MiB, Samples, progress  # noqa: E402
+from bench.compute import bench_compute  # noqa: E402
 from bench.lazy import LAZY_DEVICE_MIB, bench_lazy, lazy_section  # noqa: E402
 from bench.machine import machine_info, read_text, versions  # noqa: E402
 from bench.measure import Plan  # noqa: E402
@@ -368,6 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 bench_hash(plan, data)
                 bench_copyrate(session, plan, data)
                 bench_attach(session, plan, data)
+                for rep in range(plan.reps):
+                    bench_compute(session, plan, rep, data)
             for size in [] if ns.only_lazy else plan.sizes:
                 for rep in range(plan.reps):
                     # Alternate which goes first so that neither always meets the other's writeback.

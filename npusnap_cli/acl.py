@@ -40,7 +40,6 @@ SNAPSHOT_FUNCTIONS = (
 )
 CALLBACK_FUNCTIONS = ("aclrtSnapShotCallbackRegister", "aclrtSnapShotCallbackUnregister")
 GET_STATE_FUNCTION = "rtSnapShotProcessGetState"  # in libruntime.so; no ACL query exists yet
-NPUSIM_DEVICES_FUNCTION = "npusimGetOpenDevices"  # the simulator's non-ACL helper
 
 
 # The snapshot states, callback stages and ACL error table are npusnap's contract with CANN,
@@ -476,23 +475,6 @@ class AclRuntime:
         if code != 0:
             raise AclError(code, call=GET_STATE_FUNCTION)
         return SnapshotState(value.value)
-
-    def devices(self) -> List[int]:
-        """Device ids this process has open, where the runtime can say without a snapshot call.
-
-        The simulator answers through ``npusimGetOpenDevices``. Real CANN has no query for "all
-        open devices", and its driver does not hold ``/dev/davinciN`` open (it opens
-        ``/dev/davinci_manager``), so scanning fds would find nothing: the agent learns the ids
-        from its LOCK_PRE callback and from the interposed aclrtSetDevice instead. [] here.
-        """
-        fn = getattr(self._lib, NPUSIM_DEVICES_FUNCTION, None)
-        if fn is None:
-            return []
-        fn.argtypes = [ctypes.POINTER(ctypes.c_int32), ctypes.c_int]
-        fn.restype = ctypes.c_int
-        ids = (ctypes.c_int32 * 64)()
-        n = int(fn(ids, 64))
-        return sorted(ids[i] for i in range(max(0, min(n, 64))))
 
     def register_callback(self, stage: Stage, fn: StageCallback) -> None:
         """Run ``fn(device_id)`` at ``stage`` (once per open device); non-zero aborts the operation.

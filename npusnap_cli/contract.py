@@ -150,6 +150,7 @@ E_RESTORE_REQUIRED = "RESTORE_REQUIRED"  # state: the process was restored by CR
 E_DEVICE_MEMORY_SAVE_FAILED = "DEVICE_MEMORY_SAVE_FAILED"  # state: the copy of the device memory failed (code: -errno); nothing was locked
 E_DEVICE_MEMORY_RELOAD_FAILED = "DEVICE_MEMORY_RELOAD_FAILED"  # state: writing the device memory back failed (code: -errno)
 E_DEVICE_MEMORY_UNAVAILABLE = "DEVICE_MEMORY_UNAVAILABLE"  # state: the device-memory part is not loaded
+E_DEVICE_BUSY = "DEVICE_BUSY"  # state: the devices did not drain in time after Lock (a kernel or collective still runs); unlocked again
 E_HOOK_FAILED = "HOOK_FAILED"  # hook: an application hook raised
 E_HOOK_TIMEOUT = "HOOK_TIMEOUT"  # hook: an application hook did not return in time
 E_NO_RANDOM = "NO_RANDOM"  # internal: no random bytes for a token
@@ -172,6 +173,7 @@ PROTOCOL_ERRORS: Dict[str, Tuple[str, str]] = {
     E_DEVICE_MEMORY_SAVE_FAILED: ("state", "the copy of the device memory failed (code: -errno); nothing was locked"),
     E_DEVICE_MEMORY_RELOAD_FAILED: ("state", "writing the device memory back failed (code: -errno)"),
     E_DEVICE_MEMORY_UNAVAILABLE: ("state", "the device-memory part is not loaded"),
+    E_DEVICE_BUSY: ("state", "the devices did not drain in time after Lock (a kernel or collective still runs); unlocked again"),
     E_HOOK_FAILED: ("hook", "an application hook raised"),
     E_HOOK_TIMEOUT: ("hook", "an application hook did not return in time"),
     E_NO_RANDOM: ("internal", "no random bytes for a token"),
@@ -190,7 +192,7 @@ ARG_KINDS: Dict[str, str] = {
 PROTOCOL_OPS: Dict[str, Dict[str, str]] = {
     "backup": {"lease_s": "lease", "token": "token"},
     "hello": {},
-    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path"},
+    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease"},
     "release": {"token": "token"},
     "renew": {"lease_s": "lease", "token": "token"},
     "restore": {"token": "token", "device_memory_file": "path"},
@@ -290,9 +292,9 @@ class SnapArgs(ctypes.Structure):
 
 
 # npusnap_devmem_get_info(): what the device-memory part knows (C: struct npusnap_devmem_info)
-DEVMEM_INFO = struct.Struct("<QQQQiiii")
-DEVMEM_INFO_SIZE = 48
-DEVMEM_INFO_OFFSETS: Dict[str, int] = {"allocations": 0, "bytes": 8, "saved_bytes": 16, "excluded_bytes": 24, "interposed": 32, "gate_closed": 36, "saved": 40, "in_file": 44}
+DEVMEM_INFO = struct.Struct("<QQQQiiiiQQ")
+DEVMEM_INFO_SIZE = 64
+DEVMEM_INFO_OFFSETS: Dict[str, int] = {"allocations": 0, "bytes": 8, "saved_bytes": 16, "excluded_bytes": 24, "interposed": 32, "gate_closed": 36, "saved": 40, "in_file": 44, "vmm_bytes": 48, "reserved_bytes": 56}
 
 
 class DevmemInfo(ctypes.Structure):
@@ -307,6 +309,8 @@ class DevmemInfo(ctypes.Structure):
         ("gate_closed", ctypes.c_int32),
         ("saved", ctypes.c_int32),
         ("in_file", ctypes.c_int32),
+        ("vmm_bytes", ctypes.c_uint64),
+        ("reserved_bytes", ctypes.c_uint64),
     ]
 
 
@@ -329,7 +333,7 @@ class DevmemFileHeader(ctypes.Structure):
 # One copied allocation of the device-memory file (C: struct npusnap_devmem_file_record)
 DEVMEM_FILE_RECORD = struct.Struct("<QQii")
 DEVMEM_FILE_RECORD_SIZE = 24
-DEVMEM_FILE_RECORD_OFFSETS: Dict[str, int] = {"ptr": 0, "size": 8, "dev": 16, "reserved": 20}
+DEVMEM_FILE_RECORD_OFFSETS: Dict[str, int] = {"ptr": 0, "size": 8, "dev": 16, "kind": 20}
 
 
 class DevmemFileRecord(ctypes.Structure):
@@ -339,7 +343,7 @@ class DevmemFileRecord(ctypes.Structure):
         ("ptr", ctypes.c_uint64),
         ("size", ctypes.c_uint64),
         ("dev", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("kind", ctypes.c_int32),
     ]
 
 
@@ -523,6 +527,7 @@ C_STRINGS: Dict[str, str] = {
     "NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED": E_DEVICE_MEMORY_SAVE_FAILED,
     "NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED": E_DEVICE_MEMORY_RELOAD_FAILED,
     "NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE": E_DEVICE_MEMORY_UNAVAILABLE,
+    "NPUSNAP_ERR_DEVICE_BUSY": E_DEVICE_BUSY,
     "NPUSNAP_ERR_HOOK_FAILED": E_HOOK_FAILED,
     "NPUSNAP_ERR_HOOK_TIMEOUT": E_HOOK_TIMEOUT,
     "NPUSNAP_ERR_NO_RANDOM": E_NO_RANDOM,

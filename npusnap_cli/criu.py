@@ -365,7 +365,13 @@ class _Swrk:
     def __init__(self, binary: CriuBinary, extra_fds: tuple[int, ...] = ()) -> None:
         import socket
 
+        from npusnap_cli import paths
+
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # npusnap's plugins live in a directory of their own, handed to CRIU explicitly: CRIU's
+        # shared default (/usr/lib/criu) may hold plugins of the vendor's CRIU fork, built for
+        # another hook table (host/criuplugin.py).
+        env = dict(os.environ, CRIU_LIBS_DIR=str(paths.criu_plugin_dir()))
         try:
             self.proc = subprocess.Popen(
                 [binary.path, "swrk", str(theirs.fileno())],
@@ -376,6 +382,7 @@ class _Swrk:
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
                 close_fds=True,
+                env=env,
             )
         finally:
             theirs.close()

@@ -31,6 +31,25 @@ def build_dir() -> Path:
     return Path(os.environ.get("NPUSNAP_BUILD_DIR") or (REPO_ROOT / ".build"))
 
 
+# npusnap's own CRIU plugin directory on a node (scripts/setup.sh installs there). Never CRIU's
+# shared default (/usr/lib/criu): the vendor's CRIU (Huawei's fork) loads every plugin of that
+# directory and refuses to run at all when one declares more hooks than it knows.
+CRIU_PLUGIN_INSTALL_DIR = "/usr/lib/npusnap/criu-plugins"
+
+
+def criu_plugin_dir() -> Path:
+    """The plugin directory npusnap hands to the CRIU it runs (CRIU_LIBS_DIR of ``criu swrk``):
+    ``CRIU_LIBS_DIR`` when set, else ``NPUSNAP_CRIU_PLUGIN_DIR`` (setup's choice), else the
+    installed directory when it exists, else this checkout's build directory."""
+    for var in ("CRIU_LIBS_DIR", "NPUSNAP_CRIU_PLUGIN_DIR"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            return Path(value)
+    if os.path.isdir(CRIU_PLUGIN_INSTALL_DIR):
+        return Path(CRIU_PLUGIN_INSTALL_DIR)
+    return build_dir() / "criu-plugin"
+
+
 def native_src_dir() -> Path:
     return REPO_ROOT / "native"
 

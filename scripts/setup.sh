@@ -244,24 +244,36 @@ setup_native() {
 # --- the CRIU plugins --------------------------------------------------------------------------
 # npusnap_plugin.so (container engines: podman/CRI-O -> runc -> CRIU -> npusnap's agent) and
 # npusim_plugin.so (the simulated NPU's device connection, which CRIU cannot dump without it, as
-# stock CRIU cannot dump a real NPU's /dev/davinci* without Huawei's plugin). Installed into CRIU's
-# default plugin directory, /usr/lib/criu (NPUSNAP_CRIU_PLUGIN_DIR=DIR for another one, e.g. a
-# `libdir` named in /etc/criu/runc.conf; NPUSNAP_CRIU_PLUGIN_DIR=none to skip).
+# stock CRIU cannot dump a real NPU's /dev/davinci* without Huawei's plugin). Installed into a
+# directory of npusnap's own, /usr/lib/npusnap/criu-plugins (NPUSNAP_CRIU_PLUGIN_DIR=DIR for another
+# one; NPUSNAP_CRIU_PLUGIN_DIR=none to skip), never into CRIU's shared /usr/lib/criu: the vendor's
+# CRIU (Huawei's fork) loads every plugin there and refuses to run when one has more hooks than its
+# own table. npusnap hands its directory to the CRIU it runs; runc/podman/CRI runtimes get it with
+# one line, `libdir DIR`, in their CRIU configuration (docs/runbooks/podman.md).
 setup_criu_plugin() {
-    local name so dir=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/criu}
+    local name so dir=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}
     for name in npusnap_plugin.so npusim_plugin.so; do
         so=$ROOT/.build/criu-plugin/$name
         [ -f "$so" ] || die "the CRIU plugin $name was not built ($so)" "run: make -C native/criu-plugin NPUSNAP_CACHE=$CACHE"
     done
+    for name in npusnap_plugin.so npusim_plugin.so; do
+        [ -f "/usr/lib/criu/$name" ] && say "note: /usr/lib/criu/$name was left by an older setup; CRIU's shared" \
+            "plugin directory is not npusnap's any more (remove it if no runc.conf names that directory)"
+    done
     [ "$dir" = none ] && return 0
+    case $dir in /usr/lib/criu | /usr/lib/criu/ | /usr/local/lib/criu | /usr/lib64/criu)
+        die "NPUSNAP_CRIU_PLUGIN_DIR=$dir is CRIU's shared plugin directory" \
+            "use a directory of npusnap's own (default /usr/lib/npusnap/criu-plugins) and name it with libdir" ;;
+    esac
     if ! is_root; then
-        say "not root: the CRIU plugins are not installed; as root: install -m 0755 $ROOT/.build/criu-plugin/*.so $dir/"
+        say "not root: the CRIU plugins are not installed; as root: install -D -m 0755 $ROOT/.build/criu-plugin/*.so -t $dir/"
         return 0
     fi
+    [ -L "$dir" ] && die "$dir is a symlink" "remove it: npusnap installs its CRIU plugins into a real directory"
+    mkdir -p -m 0755 "$dir"
     for name in npusnap_plugin.so npusim_plugin.so; do
         so=$ROOT/.build/criu-plugin/$name
         cmp -s "$so" "$dir/$name" && continue
-        mkdir -p "$dir"
         install -m 0755 "$so" "$dir/$name.tmp" && mv -f "$dir/$name.tmp" "$dir/$name" ||
             die "cannot install the CRIU plugin $name into $dir" "check $dir, or set NPUSNAP_CRIU_PLUGIN_DIR"
         say "CRIU plugin installed: $dir/$name"

@@ -4,11 +4,12 @@
 # Self-contained against the simulated NPU: builds a small image locally (no registry), runs the
 # C workload in a container under runc, then uses podman alone — no npusnap command — to
 # checkpoint, restore, checkpoint with --leave-running, export and import under another name.
-# npusnap's CRIU plugin (installed by scripts/setup.sh into /usr/lib/criu) does the device side.
+# npusnap's CRIU plugin (installed by scripts/setup.sh into /usr/lib/npusnap/criu-plugins, named to
+# CRIU with `libdir` in a CRIU configuration file) does the device side.
 # Checks that no step is lost or repeated and every checksum is right. Cleans up after itself.
 #
-# Environment: NPUSNAP (default: npusnap), PYTHON (default: python3), NPUSNAP_CRIU_PLUGIN_DIR (a
-# plugin directory to use instead of CRIU's default, through an org.criu.config annotation).
+# Environment: NPUSNAP (default: npusnap), PYTHON (default: python3), NPUSNAP_CRIU_PLUGIN_DIR (npusnap's
+# plugin directory, default /usr/lib/npusnap/criu-plugins, named through an org.criu.config annotation).
 set -euo pipefail
 
 NPUSNAP=${NPUSNAP:-npusnap}
@@ -69,8 +70,8 @@ DEVICE_ARGS=($(npu_sim_args))
 run_block podman.md 1
 # 1. The plugin: CRIU loads it from its plugin directory; configuration reaches runc and CRIU
 #    through a file (podman hands them a scrubbed environment).
-[ -n "${NPUSNAP_CRIU_PLUGIN_DIR:-}" ] || [ -f /usr/lib/criu/npusnap_plugin.so ] ||
-    fail "no /usr/lib/criu/npusnap_plugin.so: run scripts/setup.sh as root"
+[ -f "${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}/npusnap_plugin.so" ] ||
+    fail "no npusnap_plugin.so in ${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}: run scripts/setup.sh as root"
 run_block podman.md 2
 
 # 2. The image and the container. runc, not crun: Debian 12's crun has no CRIU support.

@@ -19,7 +19,6 @@
 
 typedef int (*snap_fn)(int, void *);
 typedef int (*state_fn)(int *);
-typedef int (*devices_fn)(int32_t *, int);
 typedef int (*version_fn)(char *, char *);
 typedef int (*register_fn)(int, acl_callback, void *);
 
@@ -28,7 +27,6 @@ typedef struct npusnap_snap_args snap_args;
 
 /* The device-memory part, when linked in, knows the devices the job opened (it interposes
  * aclrtSetDevice/aclrtResetDevice). */
-int npusnap_devmem_devices(int32_t *ids, int max) __attribute__((weak));
 
 /* "libacl_rt.so.1" -> matches "libacl_rt.so" */
 static int lib_matches(const char *path, const char *name) {
@@ -182,42 +180,6 @@ int acl_state(acl_rt *rt, int *code) {
     return st;
 }
 
-int acl_devices(acl_rt *rt, int32_t *ids, int max) {
-    devices_fn fn = rt && rt->lib ? (devices_fn)dlsym(rt->lib, "npusimGetOpenDevices") : NULL;
-    if (!fn && npusnap_devmem_devices) fn = npusnap_devmem_devices;
-    if (fn) {
-        int n = fn(ids, max);
-        if (n > 0 || fn == npusnap_devmem_devices) return n < 0 ? 0 : (n > max ? max : n);
-    }
-    /* Real hardware: /dev/davinciN file descriptors (there is no ACL query for "all devices"). */
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return 0;
-    struct dirent *de;
-    while ((de = readdir(d)) && n < max) {
-        char link[64], target[256];
-        snprintf(link, sizeof link, "/proc/self/fd/%s", de->d_name);
-        ssize_t len = readlink(link, target, sizeof target - 1);
-        if (len <= 0) continue;
-        target[len] = 0;
-        int id;
-        char tail;
-        if (sscanf(target, "/dev/davinci%d%c", &id, &tail) == 1) {
-            int dup = 0;
-            for (int i = 0; i < n; i++) dup |= ids[i] == id;
-            if (!dup) ids[n++] = id;
-        }
-    }
-    closedir(d);
-    for (int i = 1; i < n; i++) { /* sort */
-        for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
-            int32_t t = ids[j];
-            ids[j] = ids[j - 1];
-            ids[j - 1] = t;
-        }
-    }
-    return n;
-}
 
 /* Names from the contract's table (native/contract/npusnap.toml), which npusnap_cli/acl.py uses
  * to explain an error it receives. */

@@ -153,7 +153,6 @@ enum { STAGE_LOCK_PRE = NPUSNAP_STAGE_LOCK_PRE };
 int acl_register_callback(acl_rt *rt, int stage, acl_callback cb);
 /* The state, or ST_UNKNOWN when this runtime cannot tell; *code gets a GetState failure. */
 int acl_state(acl_rt *rt, int *code);
-int acl_devices(acl_rt *rt, int32_t *ids, int max);
 const char *acl_error_name(int code);
 const char *state_name(int st);
 

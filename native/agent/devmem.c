@@ -3,19 +3,28 @@
  *
  * Built into libnpusnap_agent.so, which `npusnap run` puts in LD_PRELOAD. It
  *
- *  - interposes the ACL calls that allocate, free, write or otherwise change device resources
- *    (list in WRAPPED below), both for programs linked against libacl_rt.so / libascendcl.so
- *    (ordinary symbol interposition) and for programs that look them up with dlsym() -- Python's
- *    ctypes does, and LD_PRELOAD alone does not catch that -- by interposing dlsym() too;
- *  - keeps the table of live device allocations those calls produce;
- *  - runs npusnap's gate: while it is closed, every wrapped call of the job waits (never fails)
- *    before it reaches the runtime, until npusnap_devmem_finish() opens it again;
- *  - copies the tracked allocations to host memory before Lock (save) and back to the same
- *    device addresses after Restore and Unlock (reload).
+ *  - tracks every device allocation at the driver layer (libascend_hal.so): halMemAlloc/halMemFree
+ *    and the virtual-memory calls behind expandable segments (halMemAddressReserve/Free,
+ *    halMemCreate/Release, halMemMap/Unmap). Every way the runtime allocates ends there --
+ *    aclrtMalloc*, aclrtReserveMemAddress + aclrtMallocPhysical + aclrtMapMem, functions looked up
+ *    with dlsym(), allocations made inside the runtime -- so one table sees them all. dlsym() is
+ *    interposed too, for callers that look the driver functions up themselves;
+ *  - counts the job's driver copies (drvMemcpy) in flight, the one piece of device work that can
+ *    still be running after the runtime's Lock (a call past the runtime's entry check runs to its
+ *    end, cann-snapshot-api.md "Lock");
+ *  - records which context each device the job opened uses (aclrtSetDevice, aclrtCreateContext,
+ *    aclrtSetCurrentContext are followed, never held), so that the agent can select it to drain
+ *    that device's queues;
+ *  - copies the tracked memory with the driver's own copy, drvMemcpy, which the runtime's lock
+ *    does not gate: after Lock (save) and after Restore, still LOCKED (reload).
  *
- * It uses only public CANN functions (aclrtMalloc, aclrtMemcpy, aclrtSynchronizeDevice,
- * aclrtGetDevice, aclrtGetCurrentContext, aclrtSetCurrentContext), the process's own memory and
- * the C library: nothing here knows about the simulator.
+ * There is no gate of npusnap's own: the runtime's lock holds about 266 entry points on
+ * every thread -- launches, copies, VMM, HCCL -- from Lock to Unlock, and the reload runs before
+ * Unlock, so nothing of the job touches device memory between the copy and the reload.
+ *
+ * Only public CANN and driver functions are used (halMem*, drvMemcpy, aclrtGetCurrentContext,
+ * aclrtSetCurrentContext, aclrtSynchronizeDeviceWithTimeout / aclrtSynchronizeDevice), the
+ * process's own memory and the C library: nothing here knows about the simulator.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -37,56 +46,69 @@
 #include "npusnap/devmem.h"
 
 typedef int32_t aclError;
-#define ACL_MEMCPY_HOST_TO_DEVICE 1
-#define ACL_MEMCPY_DEVICE_TO_HOST 2
+typedef int drvError_t; /* enum tagDrvError (driver ascend_hal_error.h): an int on the ABI */
+typedef unsigned long long DVdeviceptr;
+typedef struct drv_mem_handle drv_mem_handle_t;
+struct drv_mem_prop { /* ascend_hal.h: the head is what npusnap reads */
+    uint32_t side;
+    uint32_t devid;
+    uint32_t module_id;
+    uint32_t pg_type;
+    uint32_t mem_type;
+    uint64_t reserve;
+};
+#define DRV_ERROR_NOT_SUPPORT 0xfffe
+/* halMemAlloc's flag carries the device id in its low bits (MEM_DEVICE_ID of ascend_hal.h). */
+#define HAL_FLAG_DEVID_MASK 0x3FFull
 
 /* ------------------------------------------------------------------ the real functions */
 
 enum {
-    F_MALLOC, F_MALLOC_CACHED, F_MALLOC_ALIGN32, F_FREE, F_MEMCPY, F_MEMCPY_ASYNC, F_MEMSET,
-    F_MEMSET_ASYNC, F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_STREAM, F_DESTROY_STREAM,
-    F_MDL_EXECUTE, F_MDL_EXECUTE_ASYNC,
+    /* wrapped: the driver's allocation calls (tracked), its copy (counted) */
+    F_HAL_ALLOC, F_HAL_FREE, F_HAL_RESERVE, F_HAL_ADDR_FREE, F_HAL_CREATE, F_HAL_RELEASE, F_HAL_MAP,
+    F_HAL_UNMAP, F_DRV_MEMCPY,
+    /* wrapped: the runtime calls that tell which context a device uses (followed, never held) */
+    F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_CTX, F_SET_CTX, F_DESTROY_CTX,
     N_WRAPPED,
-    /* not wrapped, used by save/reload (queries and context selection) */
-    F_GET_DEVICE = N_WRAPPED, F_GET_CTX, F_SET_CTX, F_SYNC_DEVICE,
+    /* not wrapped, used by save/reload (queries, context selection, synchronize) */
+    F_GET_DEVICE = N_WRAPPED, F_GET_CTX, F_SYNC_DEVICE, F_SYNC_DEVICE_TIMEOUT,
     N_FUNCS
 };
 
 static const char *const NAMES[N_FUNCS] = {
-    "aclrtMalloc", "aclrtMallocCached", "aclrtMallocAlign32", "aclrtFree", "aclrtMemcpy",
-    "aclrtMemcpyAsync", "aclrtMemset", "aclrtMemsetAsync", "aclrtSetDevice", "aclrtResetDevice",
-    "aclFinalize", "aclrtCreateStream", "aclrtDestroyStream", "aclmdlExecute", "aclmdlExecuteAsync",
-    "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSetCurrentContext", "aclrtSynchronizeDevice",
+    "halMemAlloc", "halMemFree", "halMemAddressReserve", "halMemAddressFree", "halMemCreate", "halMemRelease",
+    "halMemMap", "halMemUnmap", "drvMemcpy",
+    "aclrtSetDevice", "aclrtResetDevice", "aclFinalize", "aclrtCreateContext", "aclrtSetCurrentContext",
+    "aclrtDestroyContext", "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
 };
 
 typedef void *(*dlsym_fn)(void *, const char *);
 static dlsym_fn g_real_dlsym;
 static void *volatile g_real[N_FUNCS];
 #define API __attribute__((visibility("default")))
-API aclError aclrtMalloc(void **, size_t, int);
-API aclError aclrtMallocCached(void **, size_t, int);
-API aclError aclrtMallocAlign32(void **, size_t, int);
-API aclError aclrtFree(void *);
-API aclError aclrtMemcpy(void *, size_t, const void *, size_t, int);
-API aclError aclrtMemcpyAsync(void *, size_t, const void *, size_t, int, void *);
-API aclError aclrtMemset(void *, size_t, int32_t, size_t);
-API aclError aclrtMemsetAsync(void *, size_t, int32_t, size_t, void *);
+API drvError_t halMemAlloc(void **, unsigned long long, unsigned long long);
+API drvError_t halMemFree(void *);
+API drvError_t halMemAddressReserve(void **, size_t, size_t, void *, uint64_t);
+API drvError_t halMemAddressFree(void *);
+API drvError_t halMemCreate(drv_mem_handle_t **, size_t, const struct drv_mem_prop *, uint64_t);
+API drvError_t halMemRelease(drv_mem_handle_t *);
+API drvError_t halMemMap(void *, size_t, size_t, drv_mem_handle_t *, uint64_t);
+API drvError_t halMemUnmap(void *);
+API drvError_t drvMemcpy(DVdeviceptr, size_t, DVdeviceptr, size_t);
 API aclError aclrtSetDevice(int32_t);
 API aclError aclrtResetDevice(int32_t);
 API aclError aclFinalize(void);
-API aclError aclrtCreateStream(void **);
-API aclError aclrtDestroyStream(void *);
-API aclError aclmdlExecute(uint32_t, const void *, void *);
-API aclError aclmdlExecuteAsync(uint32_t, const void *, void *, void *);
+API aclError aclrtCreateContext(void **, int32_t);
+API aclError aclrtSetCurrentContext(void *);
+API aclError aclrtDestroyContext(void *);
 
 /* Same order as the enum. */
 static void *const g_wrappers[N_WRAPPED] = {
-    (void *)aclrtMalloc,        (void *)aclrtMallocCached, (void *)aclrtMallocAlign32, (void *)aclrtFree,
-    (void *)aclrtMemcpy,        (void *)aclrtMemcpyAsync,  (void *)aclrtMemset,        (void *)aclrtMemsetAsync,
-    (void *)aclrtSetDevice,     (void *)aclrtResetDevice,  (void *)aclFinalize,        (void *)aclrtCreateStream,
-    (void *)aclrtDestroyStream, (void *)aclmdlExecute,     (void *)aclmdlExecuteAsync,
+    (void *)halMemAlloc,    (void *)halMemFree,      (void *)halMemAddressReserve, (void *)halMemAddressFree,
+    (void *)halMemCreate,   (void *)halMemRelease,   (void *)halMemMap,            (void *)halMemUnmap,
+    (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclFinalize,
+    (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
 };
-static volatile int g_resolved_from_lib;
 
 static dlsym_fn real_dlsym(void) {
     dlsym_fn f = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
@@ -103,78 +125,60 @@ static int is_wrapper(void *p) {
     return 0;
 }
 
-/* Fill every missing real function from the library that holds `known` (a real ACL function). */
-static void resolve_from(void *known) {
-    Dl_info info;
-    if (!known || !dladdr(known, &info) || !info.dli_fname) return;
-    void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) return;
-    dlsym_fn ds = real_dlsym();
-    for (int i = 0; i < N_FUNCS; i++) {
-        if (g_real[i]) continue;
-        void *p = ds(h, NAMES[i]);
-        if (p && !is_wrapper(p)) g_real[i] = p;
-    }
-    dlclose(h); /* NOLOAD handle: only drops the reference it took */
-    g_resolved_from_lib = 1;
-}
+/* The CANN libraries a real function may live in (the driver's, the runtime's, ACL's). */
+static const char *const LIBS[] = {"libascend_hal.so", "libacl_rt.so", "libascendcl.so", "libruntime.so"};
+#define N_LIBS (sizeof LIBS / sizeof LIBS[0])
 
-static int find_acl_lib(struct dl_phdr_info *info, size_t size, void *data) {
+struct lib_paths {
+    char path[N_LIBS][1024];
+};
+
+static int find_libs(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
+    struct lib_paths *lp = data;
     const char *name = info->dlpi_name;
     if (!name || !*name) return 0;
     const char *base = strrchr(name, '/');
     base = base ? base + 1 : name;
-    if (!strncmp(base, "libacl_rt.so", 12) || !strncmp(base, "libascendcl.so", 14)) {
-        snprintf((char *)data, 4096, "%s", name);
-        return 1;
-    }
+    for (size_t k = 0; k < N_LIBS; k++)
+        if (!lp->path[k][0] && !strncmp(base, LIBS[k], strlen(LIBS[k]))) snprintf(lp->path[k], 1024, "%s", name);
     return 0;
 }
 
-/* The real function `i`: from what dlsym() handed out, else the next definition after this
- * library (programs linked against libacl), else the ACL library mapped in the process. */
+/* The real function `i`: what dlsym() handed out, else the next definition after this library
+ * (programs linked against CANN), else the CANN library mapped in the process that exports it. */
 static void *real(int i) {
     void *p = g_real[i];
     if (p) return p;
     dlsym_fn ds = real_dlsym();
-    if (ds) {
-        p = ds(RTLD_NEXT, NAMES[i]);
-        if (p && !is_wrapper(p)) {
-            g_real[i] = p;
-            resolve_from(p);
-            return p;
-        }
+    if (!ds) return NULL;
+    p = ds(RTLD_NEXT, NAMES[i]);
+    if (p && !is_wrapper(p)) return g_real[i] = p;
+    struct lib_paths lp;
+    memset(&lp, 0, sizeof lp);
+    dl_iterate_phdr(find_libs, &lp);
+    for (size_t k = 0; k < N_LIBS; k++) {
+        if (!lp.path[k][0]) continue;
+        void *h = dlopen(lp.path[k], RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        void *q = ds(h, NAMES[i]);
+        dlclose(h); /* NOLOAD handle: only drops the reference it took */
+        if (q && !is_wrapper(q)) return g_real[i] = q;
     }
-    for (int k = 0; k < N_FUNCS; k++)
-        if (g_real[k]) {
-            resolve_from(g_real[k]);
-            if (g_real[i]) return g_real[i];
-        }
-    char path[4096] = "";
-    dl_iterate_phdr(find_acl_lib, path);
-    if (path[0] && ds) {
-        void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
-        if (h) {
-            void *q = ds(h, NAMES[i]);
-            dlclose(h);
-            if (q && !is_wrapper(q)) {
-                g_real[i] = q;
-                resolve_from(q);
-            }
-        }
-    }
-    return g_real[i];
+    return NULL;
 }
 
-/* ------------------------------------------------------------------ allocations and the gate */
+/* ------------------------------------------------------------------ the tables */
 
+enum { K_ALLOC = 0, K_VMM = 1, K_REGISTERED = 2 };
+
+/* What is copied: a halMemAlloc allocation, a mapped VMM range (its contents are those of the
+ * physical chunk behind it), or a range the application registered. */
 struct alloc {
     uintptr_t ptr;
     size_t size;
     int32_t dev;
-    void *ctx;
-    int registered; /* came from npusnap_devmem_register, not from an interposed call */
+    int kind;
     int excluded;
     void *copy;  /* host copy (npusnap_devmem_save) */
     int in_file; /* copied into the file of npusnap_devmem_save_fd instead */
@@ -185,34 +189,44 @@ struct range {
     size_t size;
 };
 
+struct handle {
+    drv_mem_handle_t *h;
+    size_t size;
+    int32_t dev;
+};
+
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv; /* CLOCK_MONOTONIC */
 static struct alloc *g_allocs;
 static size_t g_n, g_cap;
 static struct range *g_excl;
 static size_t g_nexcl, g_excl_cap;
-static int g_gate_closed;
-static int g_inflight;
+static struct range *g_reserved; /* VMM address reservations (no contents of their own) */
+static size_t g_nres, g_res_cap;
+static struct handle *g_handles; /* VMM physical chunks */
+static size_t g_nh, g_h_cap;
+static int g_copies_inflight; /* the job's drvMemcpy calls running now */
 static int g_saved;
 static int g_interposed = -1; /* computed lazily */
 #define MAX_DEVS 1024
 static unsigned char g_devs[MAX_DEVS]; /* devices the job opened (aclrtSetDevice .. ResetDevice) */
-static __thread int t_depth;
+static void *g_dev_ctx[MAX_DEVS];      /* a context of each such device, for synchronize */
+static __thread int t_agent;           /* this thread copies for npusnap: its drvMemcpy is not the job's */
 
 /* A forked child keeps only the forking thread: nothing of the job is in flight there, and it
  * holds no snapshot of its own (CANN does not survive fork either). */
 static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 static void atfork_child(void) {
-    g_inflight = 0;
-    g_gate_closed = 0;
+    g_copies_inflight = 0;
     for (size_t i = 0; i < g_n; i++) {
         free(g_allocs[i].copy);
         g_allocs[i].copy = NULL;
     }
-    g_n = 0;
+    g_n = g_nres = g_nh = 0;
     g_saved = 0;
     memset(g_devs, 0, sizeof g_devs);
+    memset(g_dev_ctx, 0, sizeof g_dev_ctx);
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -250,209 +264,273 @@ static void drop_at(size_t i) {
     g_allocs[i] = g_allocs[--g_n];
 }
 
+static int grow(void **arr, size_t *cap, size_t n, size_t elem) {
+    if (n < *cap) return 0;
+    size_t c = *cap ? *cap * 2 : 64;
+    void *na = realloc(*arr, c * elem);
+    if (!na) return -ENOMEM;
+    *arr = na;
+    *cap = c;
+    return 0;
+}
+
 /* g_mu held */
-static int add(uintptr_t p, size_t n, int32_t dev, void *ctx, int registered) {
+static int add(uintptr_t p, size_t n, int32_t dev, int kind) {
     struct alloc *a = find(p);
     if (a) { /* the same address again (freed behind our back, or registered twice) */
         a->size = n;
         a->dev = dev;
-        a->ctx = ctx;
-        a->registered = registered;
+        a->kind = kind;
         a->excluded = in_excluded(p, n);
         return 0;
     }
-    if (g_n == g_cap) {
-        size_t cap = g_cap ? g_cap * 2 : 64;
-        struct alloc *na = realloc(g_allocs, cap * sizeof *na);
-        if (!na) return -ENOMEM;
-        g_allocs = na;
-        g_cap = cap;
-    }
-    g_allocs[g_n++] = (struct alloc){p, n, dev, ctx, registered, in_excluded(p, n), NULL, 0};
+    if (grow((void **)&g_allocs, &g_cap, g_n, sizeof *g_allocs) != 0) return -ENOMEM;
+    g_allocs[g_n++] = (struct alloc){p, n, dev, kind, in_excluded(p, n), NULL, 0};
     return 0;
-}
-
-/* Every wrapped call passes here first. A call made from inside another wrapped call (the
- * runtime calling its own exported functions) is not held a second time. */
-static int gate_enter(void) {
-    if (t_depth++ > 0) return 0;
-    pthread_mutex_lock(&g_mu);
-    while (g_gate_closed) pthread_cond_wait(&g_cv, &g_mu);
-    g_inflight++;
-    pthread_mutex_unlock(&g_mu);
-    return 1;
-}
-
-static void gate_leave(int counted) {
-    t_depth--;
-    if (!counted) return;
-    pthread_mutex_lock(&g_mu);
-    g_inflight--;
-    if (g_gate_closed) pthread_cond_broadcast(&g_cv);
-    pthread_mutex_unlock(&g_mu);
-}
-
-static void current_place(int32_t *dev, void **ctx) {
-    *dev = -1;
-    *ctx = NULL;
-    aclError (*gd)(int32_t *) = (aclError(*)(int32_t *))real(F_GET_DEVICE);
-    aclError (*gc)(void **) = (aclError(*)(void **))real(F_GET_CTX);
-    if (gd && gd(dev) != ACL_SUCCESS) *dev = -1;
-    if (gc && gc(ctx) != ACL_SUCCESS) *ctx = NULL;
-}
-
-static void track_new(void **devPtr, size_t size) {
-    int32_t dev;
-    void *ctx;
-    current_place(&dev, &ctx);
-    pthread_mutex_lock(&g_mu);
-    if (add((uintptr_t)*devPtr, size, dev, ctx, 0) != 0)
-        fprintf(stderr, "npusnap-agent: [devmem] out of memory tracking a device allocation\n");
-    pthread_mutex_unlock(&g_mu);
 }
 
 static void untrack(uintptr_t p) {
     pthread_mutex_lock(&g_mu);
     for (size_t i = 0; i < g_n; i++)
-        if (g_allocs[i].ptr == p) {
+        if (g_allocs[i].ptr == p && g_allocs[i].kind != K_REGISTERED) {
             drop_at(i);
             break;
         }
     pthread_mutex_unlock(&g_mu);
 }
 
-static void untrack_device(int32_t dev) {
-    pthread_mutex_lock(&g_mu);
-    for (size_t i = 0; i < g_n;) {
-        if (g_allocs[i].dev == dev && !g_allocs[i].registered) drop_at(i);
-        else i++;
+static void note_oom(int rc) {
+    if (rc != 0) fprintf(stderr, "npusnap-agent: [devmem] out of memory tracking a device allocation\n");
+}
+
+static drvError_t missing(int i) {
+    fprintf(stderr, "npusnap-agent: [devmem] %s is not exported by the loaded CANN libraries\n", NAMES[i]);
+    return i < F_SET_DEVICE ? DRV_ERROR_NOT_SUPPORT : ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+}
+
+/* ------------------------------------------------------------------ the driver wrappers */
+
+#define REAL(idx, type)                      \
+    __typeof__(type) fn = (type)real(idx); \
+    if (!fn) return missing(idx)
+
+API drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag) {
+    REAL(F_HAL_ALLOC, drvError_t(*)(void **, unsigned long long, unsigned long long));
+    drvError_t rc = fn(pp, size, flag);
+    if (rc == 0 && pp && *pp) {
+        pthread_mutex_lock(&g_mu);
+        note_oom(add((uintptr_t)*pp, (size_t)size, (int32_t)(flag & HAL_FLAG_DEVID_MASK), K_ALLOC));
+        pthread_mutex_unlock(&g_mu);
     }
+    return rc;
+}
+
+API drvError_t halMemFree(void *pp) {
+    REAL(F_HAL_FREE, drvError_t(*)(void *));
+    drvError_t rc = fn(pp);
+    if (rc == 0) untrack((uintptr_t)pp);
+    return rc;
+}
+
+API drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag) {
+    REAL(F_HAL_RESERVE, drvError_t(*)(void **, size_t, size_t, void *, uint64_t));
+    drvError_t rc = fn(ptr, size, alignment, addr, flag);
+    if (rc == 0 && ptr && *ptr) {
+        pthread_mutex_lock(&g_mu);
+        int g = grow((void **)&g_reserved, &g_res_cap, g_nres, sizeof *g_reserved);
+        if (g == 0) g_reserved[g_nres++] = (struct range){(uintptr_t)*ptr, size};
+        note_oom(g);
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+API drvError_t halMemAddressFree(void *ptr) {
+    REAL(F_HAL_ADDR_FREE, drvError_t(*)(void *));
+    drvError_t rc = fn(ptr);
+    if (rc == 0) {
+        pthread_mutex_lock(&g_mu);
+        for (size_t i = 0; i < g_nres; i++)
+            if (g_reserved[i].start == (uintptr_t)ptr) {
+                g_reserved[i] = g_reserved[--g_nres];
+                break;
+            }
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+API drvError_t halMemCreate(drv_mem_handle_t **handle, size_t size, const struct drv_mem_prop *prop, uint64_t flag) {
+    REAL(F_HAL_CREATE, drvError_t(*)(drv_mem_handle_t **, size_t, const struct drv_mem_prop *, uint64_t));
+    drvError_t rc = fn(handle, size, prop, flag);
+    if (rc == 0 && handle && *handle) {
+        pthread_mutex_lock(&g_mu);
+        int g = grow((void **)&g_handles, &g_h_cap, g_nh, sizeof *g_handles);
+        if (g == 0) g_handles[g_nh++] = (struct handle){*handle, size, prop ? (int32_t)prop->devid : -1};
+        note_oom(g);
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+API drvError_t halMemRelease(drv_mem_handle_t *handle) {
+    REAL(F_HAL_RELEASE, drvError_t(*)(drv_mem_handle_t *));
+    drvError_t rc = fn(handle);
+    if (rc == 0) {
+        pthread_mutex_lock(&g_mu);
+        for (size_t i = 0; i < g_nh; i++)
+            if (g_handles[i].h == handle) {
+                g_handles[i] = g_handles[--g_nh];
+                break;
+            }
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+/* A mapped VMM range is saved and reloaded by its virtual address, like an allocation: its bytes
+ * are those of the physical chunk at `offset`. */
+API drvError_t halMemMap(void *ptr, size_t size, size_t offset, drv_mem_handle_t *handle, uint64_t flag) {
+    REAL(F_HAL_MAP, drvError_t(*)(void *, size_t, size_t, drv_mem_handle_t *, uint64_t));
+    drvError_t rc = fn(ptr, size, offset, handle, flag);
+    if (rc == 0 && ptr) {
+        pthread_mutex_lock(&g_mu);
+        int32_t dev = -1;
+        for (size_t i = 0; i < g_nh; i++)
+            if (g_handles[i].h == handle) dev = g_handles[i].dev;
+        note_oom(add((uintptr_t)ptr, size, dev, K_VMM));
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+API drvError_t halMemUnmap(void *ptr) {
+    REAL(F_HAL_UNMAP, drvError_t(*)(void *));
+    drvError_t rc = fn(ptr);
+    if (rc == 0) untrack((uintptr_t)ptr);
+    return rc;
+}
+
+/* The job's driver copies are counted (a synchronous copy past the runtime's entry check when
+ * Lock came still runs: save waits for it); npusnap's own copies (t_agent) are not. */
+API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t n) {
+    REAL(F_DRV_MEMCPY, drvError_t(*)(DVdeviceptr, size_t, DVdeviceptr, size_t));
+    if (t_agent) return fn(dst, destMax, src, n);
+    pthread_mutex_lock(&g_mu);
+    g_copies_inflight++;
+    pthread_mutex_unlock(&g_mu);
+    drvError_t rc = fn(dst, destMax, src, n);
+    pthread_mutex_lock(&g_mu);
+    if (--g_copies_inflight == 0) pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ the context wrappers */
+
+static void remember_ctx(int32_t dev) {
+    aclError (*gc)(void **) = (aclError(*)(void **))real(F_GET_CTX);
+    void *ctx = NULL;
+    if (!gc || gc(&ctx) != ACL_SUCCESS || !ctx || dev < 0 || dev >= MAX_DEVS) return;
+    pthread_mutex_lock(&g_mu);
+    g_devs[dev] = 1;
+    g_dev_ctx[dev] = ctx;
     pthread_mutex_unlock(&g_mu);
 }
 
-static aclError missing(int i) {
-    fprintf(stderr, "npusnap-agent: [devmem] %s is not exported by the loaded CANN runtime\n", NAMES[i]);
-    return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+static void current_place(int32_t *dev) {
+    *dev = -1;
+    aclError (*gd)(int32_t *) = (aclError(*)(int32_t *))real(F_GET_DEVICE);
+    if (gd && gd(dev) != ACL_SUCCESS) *dev = -1;
 }
 
-/* ------------------------------------------------------------------ the wrappers */
-
-#define CALL(idx, type, ...)                                                                      \
-    do {                                                                                          \
-        __typeof__(type) fn = (type)real(idx);                                                          \
-        if (!fn) return missing(idx);                                                             \
-        int counted_ = gate_enter();                                                              \
-        aclError rc_ = fn(__VA_ARGS__);                                                           \
-        gate_leave(counted_);                                                                     \
-        return rc_;                                                                               \
-    } while (0)
-
-typedef aclError (*malloc_t)(void **, size_t, int);
-
-static aclError do_malloc(int idx, void **devPtr, size_t size, int policy) {
-    malloc_t fn = (malloc_t)real(idx);
-    if (!fn) return missing(idx);
-    int counted = gate_enter();
-    aclError rc = fn(devPtr, size, policy);
-    if (rc == ACL_SUCCESS && devPtr && *devPtr && counted) track_new(devPtr, size);
-    gate_leave(counted);
-    return rc;
-}
-
-API aclError aclrtMalloc(void **devPtr, size_t size, int policy) { return do_malloc(F_MALLOC, devPtr, size, policy); }
-API aclError aclrtMallocCached(void **devPtr, size_t size, int policy) {
-    return do_malloc(F_MALLOC_CACHED, devPtr, size, policy);
-}
-API aclError aclrtMallocAlign32(void **devPtr, size_t size, int policy) {
-    return do_malloc(F_MALLOC_ALIGN32, devPtr, size, policy);
-}
-
-API aclError aclrtFree(void *devPtr) {
-    aclError (*fn)(void *) = (aclError(*)(void *))real(F_FREE);
-    if (!fn) return missing(F_FREE);
-    int counted = gate_enter();
-    aclError rc = fn(devPtr);
-    if (rc == ACL_SUCCESS && counted) untrack((uintptr_t)devPtr);
-    gate_leave(counted);
-    return rc;
-}
-
-API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind) {
-    CALL(F_MEMCPY, aclError(*)(void *, size_t, const void *, size_t, int), dst, destMax, src, count, kind);
-}
-API aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, int kind, void *stream) {
-    CALL(F_MEMCPY_ASYNC, aclError(*)(void *, size_t, const void *, size_t, int, void *), dst, destMax, src, count,
-         kind, stream);
-}
-API aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
-    CALL(F_MEMSET, aclError(*)(void *, size_t, int32_t, size_t), devPtr, maxCount, value, count);
-}
-API aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, void *stream) {
-    CALL(F_MEMSET_ASYNC, aclError(*)(void *, size_t, int32_t, size_t, void *), devPtr, maxCount, value, count,
-         stream);
-}
 API aclError aclrtSetDevice(int32_t deviceId) {
-    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_SET_DEVICE);
-    if (!fn) return missing(F_SET_DEVICE);
-    int counted = gate_enter();
+    REAL(F_SET_DEVICE, aclError(*)(int32_t));
     aclError rc = fn(deviceId);
-    if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+    if (rc == ACL_SUCCESS) remember_ctx(deviceId);
+    return rc;
+}
+
+API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
+    REAL(F_CREATE_CTX, aclError(*)(void **, int32_t));
+    aclError rc = fn(ctx, deviceId);
+    if (rc == ACL_SUCCESS) remember_ctx(deviceId);
+    return rc;
+}
+
+API aclError aclrtSetCurrentContext(void *ctx) {
+    REAL(F_SET_CTX, aclError(*)(void *));
+    aclError rc = fn(ctx);
+    if (rc == ACL_SUCCESS && !t_agent) {
+        int32_t dev;
+        current_place(&dev);
+        if (dev >= 0 && dev < MAX_DEVS) {
+            pthread_mutex_lock(&g_mu);
+            g_devs[dev] = 1;
+            if (!g_dev_ctx[dev]) g_dev_ctx[dev] = ctx;
+            pthread_mutex_unlock(&g_mu);
+        }
+    }
+    return rc;
+}
+
+/* A destroyed context must not be selected to drain its device: forget it (the device keeps its
+ * primary context, which the next aclrtSetDevice / aclrtSetCurrentContext records again). */
+API aclError aclrtDestroyContext(void *ctx) {
+    REAL(F_DESTROY_CTX, aclError(*)(void *));
+    aclError rc = fn(ctx);
+    if (rc == ACL_SUCCESS && ctx) {
         pthread_mutex_lock(&g_mu);
-        g_devs[deviceId] = 1;
+        for (int d = 0; d < MAX_DEVS; d++)
+            if (g_dev_ctx[d] == ctx) g_dev_ctx[d] = NULL;
         pthread_mutex_unlock(&g_mu);
     }
-    gate_leave(counted);
     return rc;
 }
 
 API aclError aclrtResetDevice(int32_t deviceId) {
-    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(F_RESET_DEVICE);
-    if (!fn) return missing(F_RESET_DEVICE);
-    int counted = gate_enter();
+    REAL(F_RESET_DEVICE, aclError(*)(int32_t));
     aclError rc = fn(deviceId);
-    if (rc == ACL_SUCCESS && counted) untrack_device(deviceId);
     if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        /* The runtime frees the device's memory through halMemFree (untracked there); a range it
+         * released otherwise must not be copied from a device that is gone. */
         pthread_mutex_lock(&g_mu);
+        for (size_t i = 0; i < g_n;) {
+            if (g_allocs[i].dev == deviceId && g_allocs[i].kind != K_REGISTERED) drop_at(i);
+            else i++;
+        }
         g_devs[deviceId] = 0;
+        g_dev_ctx[deviceId] = NULL;
         pthread_mutex_unlock(&g_mu);
     }
-    gate_leave(counted);
     return rc;
 }
 
 API aclError aclFinalize(void) {
-    aclError (*fn)(void) = (aclError(*)(void))real(F_FINALIZE);
-    if (!fn) return missing(F_FINALIZE);
-    int counted = gate_enter();
+    REAL(F_FINALIZE, aclError(*)(void));
     aclError rc = fn();
-    if (rc == ACL_SUCCESS && counted) {
+    if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         for (size_t i = 0; i < g_n;) {
-            if (!g_allocs[i].registered) drop_at(i);
+            if (g_allocs[i].kind != K_REGISTERED) drop_at(i);
             else i++;
         }
+        g_nres = g_nh = 0;
         memset(g_devs, 0, sizeof g_devs);
+        memset(g_dev_ctx, 0, sizeof g_dev_ctx);
         pthread_mutex_unlock(&g_mu);
     }
-    gate_leave(counted);
     return rc;
 }
 
-API aclError aclrtCreateStream(void **stream) { CALL(F_CREATE_STREAM, aclError(*)(void **), stream); }
-API aclError aclrtDestroyStream(void *stream) { CALL(F_DESTROY_STREAM, aclError(*)(void *), stream); }
-API aclError aclmdlExecute(uint32_t modelId, const void *input, void *output) {
-    CALL(F_MDL_EXECUTE, aclError(*)(uint32_t, const void *, void *), modelId, input, output);
-}
-API aclError aclmdlExecuteAsync(uint32_t modelId, const void *input, void *output, void *stream) {
-    CALL(F_MDL_EXECUTE_ASYNC, aclError(*)(uint32_t, const void *, void *, void *), modelId, input, output, stream);
-}
-
-/* dlsym(): hand out the wrapper for a wrapped ACL name, remembering the real function. Every
- * other lookup -- and every RTLD_NEXT lookup, whose meaning depends on the caller -- goes to the
- * real dlsym as a tail call, so that glibc still sees the original caller's return address. */
+/* dlsym(): hand out the wrapper for a wrapped name, remembering the real function. Every other
+ * lookup -- and every RTLD_NEXT lookup, whose meaning depends on the caller -- goes to the real
+ * dlsym as a tail call, so that glibc still sees the original caller's return address. */
 API void *dlsym(void *handle, const char *name) {
     dlsym_fn ds = real_dlsym();
-    if (handle != RTLD_NEXT && name[0] == 'a' && name[1] == 'c' && name[2] == 'l') {
+    if (handle != RTLD_NEXT && ((name[0] == 'h' && name[1] == 'a' && name[2] == 'l') ||
+                                (name[0] == 'd' && name[1] == 'r' && name[2] == 'v') ||
+                                (name[0] == 'a' && name[1] == 'c' && name[2] == 'l'))) {
         for (int i = 0; i < N_WRAPPED; i++)
             if (!strcmp(name, NAMES[i])) {
                 void *p = ds(handle, name);
@@ -469,26 +547,16 @@ API void *dlsym(void *handle, const char *name) {
 static int interposed(void) {
     if (g_interposed < 0) {
         /* Preloaded: the program's own search list (main program, LD_PRELOAD, its libraries)
-         * finds our dlsym and aclrtMalloc first. (Not RTLD_DEFAULT: its scope depends on the
-         * caller, and a -Bsymbolic library always finds itself first.) */
+         * finds our dlsym and the driver's allocation call first. (Not RTLD_DEFAULT: its scope
+         * depends on the caller, and a -Bsymbolic library always finds itself first.) */
         dlsym_fn ds = real_dlsym();
         void *main_handle = dlopen(NULL, RTLD_LAZY);
         g_interposed = ds && main_handle && ds(main_handle, "dlsym") == (void *)dlsym &&
-                       ds(main_handle, "aclrtMalloc") == (void *)aclrtMalloc;
+                       ds(main_handle, "halMemAlloc") == (void *)halMemAlloc &&
+                       ds(main_handle, "halMemMap") == (void *)halMemMap;
         if (main_handle) dlclose(main_handle);
     }
     return g_interposed;
-}
-
-static void open_gate_locked(void) {
-    g_gate_closed = 0;
-    pthread_cond_broadcast(&g_cv);
-}
-
-/* Select the allocation's context on this (the agent's) thread, if the runtime has contexts. */
-static void use_ctx(void *ctx) {
-    aclError (*sc)(void *) = (aclError(*)(void *))real(F_SET_CTX);
-    if (sc && ctx) sc(ctx);
 }
 
 static void free_copies_locked(void) {
@@ -500,50 +568,14 @@ static void free_copies_locked(void) {
     g_saved = 0;
 }
 
-/* Close the gate and wait (at most timeout_ms) for the job's device calls in flight. 0 with the
- * gate closed, or -errno with err set and the gate open. */
-static int close_gate_and_wait(int timeout_ms, char *err, size_t errlen) {
-    if (timeout_ms < 0) timeout_ms = 0;
-    pthread_mutex_lock(&g_mu);
-    if (g_gate_closed) {
-        pthread_mutex_unlock(&g_mu);
-        seterr(err, errlen, "npusnap's device gate is already closed (a snapshot is in progress)");
-        return -EBUSY;
-    }
-    g_gate_closed = 1;
-    struct timespec t0, dl;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    dl = t0;
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
-    int rc = 0;
-    while (g_inflight > 0 && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
-    if (g_inflight > 0) {
-        int n = g_inflight;
-        open_gate_locked();
-        pthread_mutex_unlock(&g_mu);
-        seterr(err, errlen,
-               "%d device call(s) of the job were still running after %d ms; nothing was locked", n,
-               timeout_ms);
-        return -ETIMEDOUT;
-    }
-    pthread_mutex_unlock(&g_mu);
-    return 0;
-}
+typedef drvError_t (*memcpy_fn_t)(DVdeviceptr, size_t, DVdeviceptr, size_t);
 
-typedef aclError (*memcpy_fn_t)(void *, size_t, const void *, size_t, int);
-
-/* n bytes from host memory at src to allocation a at offset off (its context selected). 0, or
- * -EIO with err set. */
+/* n bytes from host memory at src to allocation a at offset off. 0, or -EIO with err set. */
 static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t off, const void *src, size_t n,
                           char *err, size_t errlen) {
-    aclError c = memcpy_fn((void *)(a->ptr + off), n, src, n, ACL_MEMCPY_HOST_TO_DEVICE);
-    if (c == ACL_SUCCESS) return 0;
-    seterr(err, errlen, "aclrtMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
+    drvError_t c = memcpy_fn((DVdeviceptr)(a->ptr + off), n, (DVdeviceptr)(uintptr_t)src, n);
+    if (c == 0) return 0;
+    seterr(err, errlen, "drvMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
            (unsigned long)(a->ptr + off), a->dev, c);
     return -EIO;
 }
@@ -618,7 +650,7 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
 /* The copies between the device and the image's file, spread over a few threads: each takes the
  * next chunk (an allocation's range <-> a range of the file) until none is left or one failed.
  * A copy and its page-cache write or mapping go at one core's pace, and nothing else of the job
- * runs meanwhile (it waits at npusnap's gate), so the other cores shorten both directions:
+ * runs meanwhile (it waits in the runtime's lock), so the other cores shorten both directions:
  *  - save: each thread copies its chunk off the device into its own buffer and writes it at its
  *    place in the file (pwrite). 1 GiB here: the lock phase went from 0.79 to 0.44-0.49 s
  *    (medians of 5; the CLI reserves the file's blocks first, see image/streamhash.py). The file
@@ -627,7 +659,7 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
  *  - reload: each thread copies its chunk from a mapping of the file to the device. 1 GiB here:
  *    0.40 s on one thread, 0.25 s on two (perf timelines of a restore; the simulator serializes
  *    the memcpy itself, not the page-table work).
- * Each thread selects the allocation's context itself, as CANN contexts are per thread. */
+ * The driver's copy needs no context: each thread copies by address. */
 #define DM_THREADS 4
 struct xfer_chunk {
     const struct alloc *a;
@@ -685,9 +717,9 @@ static int xfer_add_alloc(struct xfer *x, const struct alloc *a, size_t chunk, o
 /* One save chunk through buf (DM_SAVE_CHUNK bytes): 0, or -errno with err set. */
 static int save_chunk(const struct xfer *x, const struct xfer_chunk *c, char *buf, char *err, size_t errlen) {
     const struct alloc *a = c->a;
-    aclError rc = x->memcpy_fn(buf, c->n, (const void *)(a->ptr + c->a_off), c->n, ACL_MEMCPY_DEVICE_TO_HOST);
-    if (rc != ACL_SUCCESS) {
-        seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", c->n,
+    drvError_t rc = x->memcpy_fn((DVdeviceptr)(uintptr_t)buf, c->n, (DVdeviceptr)(a->ptr + c->a_off), c->n);
+    if (rc != 0) {
+        seterr(err, errlen, "drvMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", c->n,
                (unsigned long)(a->ptr + c->a_off), a->dev, rc);
         return -EIO;
     }
@@ -714,7 +746,6 @@ static void *xfer_main(void *arg) {
         const struct xfer_chunk *c = x->ret == 0 && x->next < x->n ? &x->chunks[x->next++] : NULL;
         pthread_mutex_unlock(&x->mu);
         if (!c) break;
-        use_ctx(c->a->ctx);
         int rc = x->save ? save_chunk(x, c, buf, err, sizeof err)
                          : file_to_device(x->fd, c->file_off, c->n, x->memcpy_fn, c->a, c->a_off, &buf, err,
                                           sizeof err);
@@ -753,31 +784,170 @@ static int xfer_run(struct xfer *x, char *err, size_t errlen) {
     return x->ret;
 }
 
-/* Queued asynchronous work must finish before the bytes are read: synchronize the device of
- * every context the copied allocations use, once each. 0, or -EIO with err set. */
-static int sync_contexts_locked(char *err, size_t errlen) {
+/* --- draining the device before the copy ------------------------------------------------- */
+
+struct sync_job {
+    aclError (*fn)(void);
+    aclError rc;
+    int done;
+    pthread_mutex_t *mu;
+    pthread_cond_t *cv;
+    void *ctx;
+};
+
+static void *sync_thread(void *arg) {
+    struct sync_job *j = arg;
+    aclError (*sc)(void *) = (aclError(*)(void *))real(F_SET_CTX);
+    t_agent = 1;
+    if (sc && j->ctx) sc(j->ctx);
+    aclError rc = j->fn();
+    pthread_mutex_lock(j->mu);
+    j->rc = rc;
+    j->done = 1;
+    pthread_cond_broadcast(j->cv);
+    int free_it = j->done == 2;
+    pthread_mutex_unlock(j->mu);
+    if (free_it) free(j);
+    return NULL;
+}
+
+/* Synchronize one device (its context selected on this thread), bounded by timeout_ms:
+ * aclrtSynchronizeDeviceWithTimeout where the runtime has it; else aclrtSynchronizeDevice on a
+ * thread of its own that is waited for until the deadline (a hung stream then leaves that thread
+ * behind, parked in the runtime, and the save fails). 0, or -ETIMEDOUT / -EIO with err set. */
+static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t errlen) {
+    aclError (*sc)(void *) = (aclError(*)(void *))real(F_SET_CTX);
+    aclError (*swt)(int32_t) = (aclError(*)(int32_t))real(F_SYNC_DEVICE_TIMEOUT);
+    if (swt) {
+        if (sc) sc(ctx);
+        aclError rc = swt(timeout_ms > 0 ? timeout_ms : 1);
+        if (rc == ACL_SUCCESS) return 0;
+        seterr(err, errlen,
+               "device %d did not finish its queued work within %d ms (aclrtSynchronizeDeviceWithTimeout: %d): a "
+               "kernel or a collective is still running",
+               dev, timeout_ms, rc);
+        return -ETIMEDOUT;
+    }
     aclError (*sync)(void) = (aclError(*)(void))real(F_SYNC_DEVICE);
-    void *synced[64];
-    int nsynced = 0;
-    for (size_t i = 0; i < g_n && sync; i++) {
-        struct alloc *a = &g_allocs[i];
-        if (a->excluded) continue;
-        int seen = 0;
-        for (int k = 0; k < nsynced; k++) seen |= synced[k] == a->ctx;
-        if (seen) continue;
-        use_ctx(a->ctx);
-        aclError src = sync();
-        if (src != ACL_SUCCESS) {
-            seterr(err, errlen, "aclrtSynchronizeDevice (device %d) failed with %d", a->dev, src);
-            return -EIO;
+    if (!sync) {
+        seterr(err, errlen, "the runtime exports no aclrtSynchronizeDevice: cannot drain device %d", dev);
+        return -ENOSYS;
+    }
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    struct sync_job *j = calloc(1, sizeof *j);
+    if (!j) return -ENOMEM;
+    *j = (struct sync_job){sync, 0, 0, &mu, &cv, ctx};
+    pthread_t th;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int cr = pthread_create(&th, NULL, sync_thread, j);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (cr != 0) {
+        free(j);
+        seterr(err, errlen, "cannot start a thread to synchronize device %d", dev);
+        return -cr;
+    }
+    pthread_detach(th);
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&mu);
+    int w = 0;
+    while (!j->done && w != ETIMEDOUT) w = pthread_cond_timedwait(&cv, &mu, &dl);
+    int ret = 0;
+    if (!j->done) {
+        j->done = 2; /* the thread frees it when (if) the runtime ever returns */
+        seterr(err, errlen,
+               "device %d did not finish its queued work within %d ms (aclrtSynchronizeDevice still waiting): a "
+               "kernel or a collective is still running",
+               dev, timeout_ms);
+        ret = -ETIMEDOUT;
+    } else {
+        if (j->rc != ACL_SUCCESS) {
+            seterr(err, errlen, "aclrtSynchronizeDevice (device %d) failed with %d", dev, j->rc);
+            ret = -EIO;
         }
-        if (nsynced < 64) synced[nsynced++] = a->ctx;
+        free(j);
+    }
+    pthread_mutex_unlock(&mu);
+    return ret;
+}
+
+/* After Lock: every device that holds tracked memory drains its queues (bounded), then the job's
+ * driver copies still in flight end (bounded), then the devices drain once more (a launch that was
+ * past the runtime's entry check when Lock came may have queued work after the first drain).
+ * 0, or -errno with err set. */
+static int quiesce(int timeout_ms, char *err, size_t errlen) {
+    int32_t devs[64];
+    void *ctxs[64];
+    int nd = 0;
+    pthread_mutex_lock(&g_mu);
+    /* Every device holding tracked memory (it must have a known context), and every other device
+     * the job opened (so that Backup's own synchronize, which has no timeout, finds them idle). */
+    for (size_t i = 0; i < g_n; i++) {
+        int32_t d = g_allocs[i].dev;
+        if (g_allocs[i].excluded || d < 0 || d >= MAX_DEVS) continue;
+        int seen = 0;
+        for (int k = 0; k < nd; k++) seen |= devs[k] == d;
+        if (!seen && nd < 64) {
+            devs[nd] = d;
+            ctxs[nd++] = g_dev_ctx[d];
+        }
+    }
+    for (int32_t d = 0; d < MAX_DEVS && nd < 64; d++) {
+        int seen = 0;
+        for (int k = 0; k < nd; k++) seen |= devs[k] == d;
+        if (!seen && g_devs[d] && g_dev_ctx[d]) {
+            devs[nd] = d;
+            ctxs[nd++] = g_dev_ctx[d];
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    for (int k = 0; k < nd; k++)
+        if (!ctxs[k]) {
+            seterr(err, errlen,
+                   "device %d holds tracked memory but npusnap saw no context of it (no aclrtSetDevice or "
+                   "aclrtSetCurrentContext of the job): cannot drain its queued work",
+                   devs[k]);
+            return -ENODEV;
+        }
+    struct timespec t0, dl;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int k = 0; k < nd; k++) {
+            int rc = sync_device(devs[k], ctxs[k], timeout_ms, err, errlen);
+            if (rc != 0) return rc;
+        }
+        if (pass) break;
+        dl = t0;
+        dl.tv_sec += timeout_ms / 1000;
+        dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+        pthread_mutex_lock(&g_mu);
+        int w = 0;
+        while (g_copies_inflight > 0 && w != ETIMEDOUT) w = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
+        int left = g_copies_inflight;
+        pthread_mutex_unlock(&g_mu);
+        if (left > 0) {
+            seterr(err, errlen, "%d device copy(ies) of the job were still running after %d ms", left, timeout_ms);
+            return -ETIMEDOUT;
+        }
     }
     return 0;
 }
 
-/* Copy every tracked allocation (gate closed, nothing in flight) into fd: the header, one record
- * per allocation, then their bytes in record order, written by xfer_run. Holds g_mu. */
+/* Copy every tracked allocation into fd: the header, one record per allocation, then their bytes
+ * in record order, written by xfer_run. Holds g_mu. */
 static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
     struct dm_header h;
     memset(&h, 0, sizeof h);
@@ -791,14 +961,14 @@ static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, ch
     for (size_t i = 0; i < g_n && wr == 0; i++) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
-        struct dm_record r = {(uint64_t)a->ptr, (uint64_t)a->size, a->dev, 0};
+        struct dm_record r = {(uint64_t)a->ptr, (uint64_t)a->size, a->dev, a->kind};
         wr = write_full(fd, &r, sizeof r);
     }
     if (wr != 0) {
         seterr(err, errlen, "cannot write the device-memory file: %s", strerror(-wr));
         return wr;
     }
-    int ret = sync_contexts_locked(err, errlen);
+    int ret = 0;
     struct xfer x = {.fd = fd, .save = 1, .memcpy_fn = memcpy_fn};
     off_t data_off = (off_t)(sizeof h + h.count * sizeof(struct dm_record));
     for (size_t i = 0; i < g_n && ret == 0; i++) {
@@ -818,53 +988,58 @@ static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, ch
     return 0;
 }
 
-/* Copy every tracked allocation (gate closed, nothing in flight) to host memory, one malloc'd copy
- * each (npusnap_devmem_save, for a process without a device-memory file). Holds g_mu. */
+/* Copy every tracked allocation to host memory, one malloc'd copy each (npusnap_devmem_save, for
+ * a process without a device-memory file). Holds g_mu. */
 static int save_in_process_locked(memcpy_fn_t memcpy_fn, char *err, size_t errlen) {
-    int ret = sync_contexts_locked(err, errlen);
+    int ret = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
-        use_ctx(a->ctx);
         free(a->copy);
         a->copy = malloc(a->size ? a->size : 1);
         if (!a->copy) {
             seterr(err, errlen, "no host memory for a copy of %zu bytes of device memory", a->size);
             return -ENOMEM;
         }
-        aclError c = memcpy_fn(a->copy, a->size, (const void *)a->ptr, a->size, ACL_MEMCPY_DEVICE_TO_HOST);
-        if (c != ACL_SUCCESS) {
-            seterr(err, errlen, "aclrtMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d",
-                   a->size, (unsigned long)a->ptr, a->dev, c);
+        drvError_t c = memcpy_fn((DVdeviceptr)(uintptr_t)a->copy, a->size, (DVdeviceptr)a->ptr, a->size);
+        if (c != 0) {
+            seterr(err, errlen, "drvMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", a->size,
+                   (unsigned long)a->ptr, a->dev, c);
             ret = -EIO;
         }
     }
     return ret;
 }
 
+/* Called by the agent after the runtime's Lock: drain (bounded), then copy with the driver. */
 static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {
-    int rc = close_gate_and_wait(timeout_ms, err, errlen);
-    if (rc != 0) return rc;
-    /* The gate is closed and nothing is in flight: the table cannot change under us except by
-     * npusnap_devmem_register/exclude, which take g_mu. */
-    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
+    if (timeout_ms < 0) timeout_ms = 0;
+    t_agent = 1;
+    int ret = quiesce(timeout_ms, err, errlen);
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_DRV_MEMCPY);
     pthread_mutex_lock(&g_mu);
-    int ret = 0;
-    if (g_n && !memcpy_fn) {
-        seterr(err, errlen, "aclrtMemcpy is not available in this process: cannot copy device memory");
+    if (ret == 0 && g_n && !memcpy_fn) {
+        seterr(err, errlen,
+               "the driver's drvMemcpy (libascend_hal.so) is not available in this process: cannot copy device "
+               "memory while the runtime is locked");
         ret = -ENOSYS;
-    } else {
+    } else if (ret == 0) {
         ret = fd >= 0 ? save_file_locked(fd, memcpy_fn, written, err, errlen)
                       : save_in_process_locked(memcpy_fn, err, errlen);
     }
-    if (ret != 0) {
-        free_copies_locked();
-        open_gate_locked();
-    } else {
-        g_saved = 1;
-    }
+    if (ret != 0) free_copies_locked();
+    else g_saved = 1;
     pthread_mutex_unlock(&g_mu);
+    t_agent = 0;
     return ret;
+}
+
+API int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen) {
+    if (timeout_ms < 0) timeout_ms = 0;
+    t_agent = 1;
+    int rc = quiesce(timeout_ms, err, errlen);
+    t_agent = 0;
+    return rc;
 }
 
 API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
@@ -890,7 +1065,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
         seterr(err, errlen, "no saved device memory to reload");
         return -ENOENT;
     }
-    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_DRV_MEMCPY);
     struct dm_header h;
     int ret = read_full(fd, &h, sizeof h, 0);
     uint64_t want = 0;
@@ -905,7 +1080,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
                (unsigned long long)h.count, (unsigned long long)want);
         ret = -EINVAL;
     } else if (!memcpy_fn && want) {
-        seterr(err, errlen, "aclrtMemcpy is not available in this process");
+        seterr(err, errlen, "the driver's drvMemcpy is not available in this process");
         ret = -ENOSYS;
     }
     off_t rec_off = sizeof h;
@@ -953,7 +1128,9 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
             ret = -ENOMEM;
         }
     }
+    t_agent = 1;
     if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);
+    t_agent = 0;
     free(x.chunks);
     pthread_mutex_unlock(&g_mu);
     return ret;
@@ -966,7 +1143,7 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
         seterr(err, errlen, "no saved device memory to reload");
         return -ENOENT;
     }
-    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_MEMCPY);
+    memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_DRV_MEMCPY);
     int ret = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++)
         if (g_allocs[i].in_file) {
@@ -977,12 +1154,13 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
         struct alloc *a = &g_allocs[i];
         if (a->excluded || !a->copy) continue;
         if (!memcpy_fn) {
-            seterr(err, errlen, "aclrtMemcpy is not available in this process");
+            seterr(err, errlen, "the driver's drvMemcpy is not available in this process");
             ret = -ENOSYS;
             break;
         }
-        use_ctx(a->ctx);
+        t_agent = 1;
         ret = copy_to_device(memcpy_fn, a, 0, a->copy, a->size, err, errlen);
+        t_agent = 0;
     }
     pthread_mutex_unlock(&g_mu);
     return ret;
@@ -991,7 +1169,6 @@ API int npusnap_devmem_reload(char *err, size_t errlen) {
 API void npusnap_devmem_finish(void) {
     pthread_mutex_lock(&g_mu);
     free_copies_locked();
-    open_gate_locked();
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -1008,13 +1185,15 @@ API void npusnap_devmem_get_info(npusnap_devmem_info *out) {
         if (g_allocs[i].in_file) out->in_file = 1;
     }
     out->interposed = ip;
-    out->gate_closed = g_gate_closed;
+    out->gate_closed = 0; /* no gate of npusnap's own: the runtime's lock holds the job */
     out->saved = g_saved;
+    for (size_t i = 0; i < g_n; i++) out->vmm_bytes += g_allocs[i].kind == K_VMM ? g_allocs[i].size : 0;
+    for (size_t i = 0; i < g_nres; i++) out->reserved_bytes += g_reserved[i].size;
     pthread_mutex_unlock(&g_mu);
 }
 
-/* Extra (not in the original header): the device ids the job opened with aclrtSetDevice and has
- * not reset, as seen by the interposed calls (real CANN has no query for "all open devices").
+/* The device ids the job opened (aclrtSetDevice / contexts followed) and has not reset, as the
+ * wrappers saw them (real CANN has no query for "all open devices"; its callbacks name them).
  * Writes at most max ids; returns how many there are. */
 API int npusnap_devmem_devices(int32_t *ids, int max) {
     int n = 0;
@@ -1032,7 +1211,7 @@ API int npusnap_devmem_devices(int32_t *ids, int max) {
 API uint64_t npusnap_devmem_registered_count(void) {
     pthread_mutex_lock(&g_mu);
     uint64_t n = 0;
-    for (size_t i = 0; i < g_n; i++) n += g_allocs[i].registered != 0;
+    for (size_t i = 0; i < g_n; i++) n += g_allocs[i].kind == K_REGISTERED;
     pthread_mutex_unlock(&g_mu);
     return n;
 }
@@ -1040,10 +1219,10 @@ API uint64_t npusnap_devmem_registered_count(void) {
 API int npusnap_devmem_register(void *dev_ptr, size_t size) {
     if (!dev_ptr || !size) return -EINVAL;
     int32_t dev;
-    void *ctx;
-    current_place(&dev, &ctx);
+    current_place(&dev);
+    if (dev >= 0) remember_ctx(dev);
     pthread_mutex_lock(&g_mu);
-    int rc = g_saved ? -EBUSY : add((uintptr_t)dev_ptr, size, dev, ctx, 1);
+    int rc = g_saved ? -EBUSY : add((uintptr_t)dev_ptr, size, dev, K_REGISTERED);
     pthread_mutex_unlock(&g_mu);
     return rc;
 }

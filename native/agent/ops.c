@@ -32,6 +32,7 @@
 #pragma weak npusnap_devmem_get_info
 #pragma weak npusnap_devmem_registered_count
 #pragma weak npusnap_devmem_devices
+#pragma weak npusnap_devmem_drain
 
 /* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
@@ -43,6 +44,7 @@
 #define TICK 0.1
 #define FREEZE_GAP 1.0
 #define DEVMEM_SAVE_TIMEOUT_MS 10000
+static int drain_ms = DEVMEM_SAVE_TIMEOUT_MS; /* of the current lock (its drain_timeout_s) */
 #define N_EVENTS 20
 
 static acl_rt rt;
@@ -50,7 +52,8 @@ static int rt_found;
 static long long start_ticks;
 static int restored;        /* CRIU restored this process at least once */
 static int restore_pending; /* restored while BACKED_UP and no Restore since */
-static int device_restored; /* Restore ran since the lock (device memory must be reloaded) */
+static int device_restored; /* Restore ran since the save: device memory must be reloaded before Unlock */
+static int no_device;       /* this lock found no open device (a launcher): nothing was left locked */
 
 static struct {
     int active;
@@ -160,7 +163,7 @@ void ops_init(void) {
     devmem.save_fd = devmem.reload_fd = -1; /* none yet (0 would be stdin) */
     n_events = 0;
     rt_found = 0;
-    restored = restore_pending = device_restored = 0;
+    restored = restore_pending = device_restored = no_device = 0;
     start_ticks = read_start_ticks();
     lease.last = mono_now();
 }
@@ -318,9 +321,10 @@ static void devmem_json(sbuf *b) {
         npusnap_devmem_get_info(&info);
         sb_printf(b,
                   ",\"allocations\":%llu,\"bytes\":%llu,\"saved_bytes\":%llu,\"excluded_bytes\":%llu,"
-                  "\"interposed\":%s,\"gate_closed\":%s",
+                  "\"vmm_bytes\":%llu,\"reserved_bytes\":%llu,\"interposed\":%s,\"gate_closed\":%s",
                   (unsigned long long)info.allocations, (unsigned long long)info.bytes,
                   (unsigned long long)info.saved_bytes, (unsigned long long)info.excluded_bytes,
+                  (unsigned long long)info.vmm_bytes, (unsigned long long)info.reserved_bytes,
                   info.interposed ? "true" : "false", info.gate_closed ? "true" : "false");
     }
     sb_raw(b, "}");
@@ -388,37 +392,43 @@ static int reload_file(char *err, size_t errlen) {
     return devmem.reload_fd;
 }
 
-/* After Unlock: reload the host copies if a Restore ran (the device contents are gone), then
- * open npusnap's gate. The steps done go into steps (a JSON array's members). A failed reload
- * leaves the gate closed (the job stays held rather than computing on memory whose contents
- * are gone) and fills e; a later rollback (`npusnap thaw`) tries the reload again. */
-static int devmem_after_unlock(sbuf *steps, op_error *e) {
-    int had_copy = devmem.saved;
-    if (devmem.saved && device_restored && npusnap_devmem_reload) {
-        char err[512] = "";
-        npusnap_devmem_info info;
-        memset(&info, 0, sizeof info);
-        if (npusnap_devmem_get_info) npusnap_devmem_get_info(&info);
-        int rc;
-        if (!info.in_file) {
-            rc = npusnap_devmem_reload(err, sizeof err);
-        } else {
-            int fd = reload_file(err, sizeof err);
-            rc = fd < 0 ? -ENOENT : npusnap_devmem_reload_fd(fd, err, sizeof err);
-        }
-        if (rc != 0) {
-            ops_event("device memory reload FAILED, the job stays held at npusnap's gate (%d): %s", rc, err);
-            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED, rc,
-                    "the runtime is unlocked but npusnap could not write the job's device memory back: "
-                    "%s; the job's device calls stay held (`npusnap thaw %d` tries again)",
-                    err, (int)getpid());
-            return -1;
-        }
-        sb_raw(steps, steps->len ? ",\"reload device memory\"" : "\"reload device memory\"");
+/* After Restore, before Unlock (the runtime's lock still holds every thread of the job): write the
+ * saved device memory back. A failure leaves the process LOCKED -- held, never computing on lost
+ * memory -- and a later unlock/rollback/`thaw` tries the reload again before it unlocks. */
+static int devmem_reload(sbuf *steps, op_error *e) {
+    if (!device_restored || !devmem.saved || !npusnap_devmem_reload) return 0;
+    char err[512] = "";
+    npusnap_devmem_info info;
+    memset(&info, 0, sizeof info);
+    if (npusnap_devmem_get_info) npusnap_devmem_get_info(&info);
+    int rc;
+    if (!info.in_file) {
+        rc = npusnap_devmem_reload(err, sizeof err);
+    } else {
+        int fd = reload_file(err, sizeof err);
+        rc = fd < 0 ? -ENOENT : npusnap_devmem_reload_fd(fd, err, sizeof err);
     }
+    if (rc != 0) {
+        ops_event("device memory reload FAILED, the process stays locked (%d): %s", rc, err);
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED, rc,
+                "the runtime was restored but npusnap could not write the job's device memory back: %s; the "
+                "process stays locked (`npusnap thaw %d` tries again)",
+                err, (int)getpid());
+        return -1;
+    }
+    device_restored = 0;
+    sb_raw(steps, steps->len ? ",\"reload device memory\"" : "\"reload device memory\"");
+    return 0;
+}
+
+/* After Unlock: drop the copies (they were reloaded before Unlock, or the device kept the memory). */
+static int devmem_after_unlock(sbuf *steps, op_error *e) {
+    (void)e;
+    int had_copy = devmem.saved;
     devmem_finish();
     device_restored = 0;
-    if (had_copy) sb_raw(steps, steps->len ? ",\"open gate\"" : "\"open gate\"");
+    no_device = 0;
+    if (had_copy) sb_raw(steps, steps->len ? ",\"drop copies\"" : "\"drop copies\"");
     return 0;
 }
 
@@ -439,7 +449,37 @@ static void devmem_begin(const char *mode) {
     device_restored = 0;
 }
 
-/* Before Lock in preserve mode: close npusnap's gate and copy the device memory to host. */
+static int call(const char *what, op_error *e);
+
+/* Unlock after a failed drain or save (nothing of the job ran meanwhile); a failed Unlock is
+ * added to e's message with what to do. */
+static void unlock_after_failure(op_error *e) {
+    op_error again;
+    err_init(&again);
+    if (call("Unlock", &again) < 0) {
+        ops_event("unlock after a failed lock step FAILED: %s", again.message);
+        size_t n = strlen(e->message);
+        snprintf(e->message + n, sizeof e->message - n, " -- and Unlock FAILED: %s; run `npusnap thaw %d`",
+                 again.message, (int)getpid());
+    }
+    err_free(&again);
+}
+
+/* After Lock without a copy of npusnap's: the bounded drain of every device the job opened, so
+ * that Backup's synchronize (no timeout in CANN) finds them idle. */
+static int devmem_drain(op_error *e, const char *after) {
+    if (!npusnap_devmem_drain) return 0;
+    char err[512] = "";
+    int rc = npusnap_devmem_drain(drain_ms, err, sizeof err);
+    if (rc != 0) {
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, rc, "the devices did not finish their queued work: %s; %s", err, after);
+        return -1;
+    }
+    return 0;
+}
+
+/* After Lock in preserve mode: drain the devices (bounded) and copy the device memory with the
+ * driver's copy, which the runtime's lock does not gate. */
 static int devmem_save(op_error *e, const char *nothing_locked) {
     if (!npusnap_devmem_save) return 0;
     char err[512] = "";
@@ -447,15 +487,19 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
     const char *where = devmem.save_fd >= 0 ? "into the image's file" : "to host memory";
     if (devmem.save_fd >= 0) {
         uint64_t written = 0;
-        rc = npusnap_devmem_save_fd(devmem.save_fd, DEVMEM_SAVE_TIMEOUT_MS, &written, err, sizeof err);
+        rc = npusnap_devmem_save_fd(devmem.save_fd, drain_ms, &written, err, sizeof err);
         devmem.file_bytes = rc == 0 ? (unsigned long long)written : 0;
         close_fd(&devmem.save_fd); /* written: the dump owns the file now */
     } else {
-        rc = npusnap_devmem_save(DEVMEM_SAVE_TIMEOUT_MS, err, sizeof err);
+        rc = npusnap_devmem_save(drain_ms, err, sizeof err);
     }
     if (rc != 0) {
-        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, rc, "could not copy the device memory %s before Lock: %s; %s",
-                where, err, nothing_locked);
+        if (rc == -ETIMEDOUT)
+            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, rc, "the devices did not finish their queued work: %s; %s", err,
+                    nothing_locked);
+        else
+            err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, rc, "could not copy the device memory %s: %s; %s",
+                    where, err, nothing_locked);
         return -1;
     }
     devmem.saved = 1;
@@ -490,6 +534,14 @@ static void ensure_lock_pre_callback(acl_rt *a) {
     }
 }
 
+/* The LOCK_PRE callback is registered and saw at least one device at the last Lock. */
+static int cb_devices_known(void) {
+    pthread_mutex_lock(&cb.mu);
+    int known = strcmp(cb.state, "registered") == 0 && cb.n_known > 0;
+    pthread_mutex_unlock(&cb.mu);
+    return known;
+}
+
 static void ids_json(sbuf *b, const int32_t *ids, int n) {
     sb_raw(b, "[");
     for (int i = 0; i < n; i++) sb_printf(b, i ? ",%d" : "%d", ids[i]);
@@ -519,7 +571,9 @@ static int call_restore(op_error *e) {
         return -1;
     }
     restore_pending = 0;
-    /* CANN's legacy Restore gives the allocations back at their addresses, not their contents. */
+    /* CANN's legacy Restore gives the allocations back at their addresses, not their contents:
+     * npusnap writes them back before the Unlock that follows (unlock, rollback), still LOCKED --
+     * by then the restore command has checked the device-memory file's checksum. */
     device_restored = 1;
     return 0;
 }
@@ -550,20 +604,11 @@ static int call_backup(op_error *e) {
              acl_error_name(code));
     snprintf(devmem.flow, sizeof devmem.flow, "legacy");
     ops_event("%s: npusnap keeps the device memory itself (legacy flow)", devmem.fallback);
-    if (call("Unlock", e) < 0) return -1;
-    /* RUNNING now: whatever fails below leaves the process running, without lock or owner. */
-    if (devmem_save(e, "the process was unlocked and runs on") < 0) goto running;
-    if (call("Lock", e) < 0) {
-        devmem_finish();
-        goto running;
-    }
-    if (call("Backup", e) < 0) return -1; /* LOCKED with npusnap's copy: a rollback finishes it */
+    /* Still LOCKED: the copy is taken now, then the legacy Backup. A failure leaves the process
+     * LOCKED for the caller's rollback, as any failed Backup does. */
+    if (devmem_save(e, "the process is still locked") < 0) return -1;
+    if (call("Backup", e) < 0) return -1;
     return 0;
-running:
-    devmem.mode[0] = 0;
-    lease_release();
-    clear_owner();
-    return -1;
 }
 
 static int need_runtime(op_error *e) {
@@ -588,7 +633,11 @@ static int move_to(int target, sbuf *steps, op_error *e) {
             if (call_restore(e) < 0) return -1;
             sb_raw(steps, steps->len ? ", restore" : "restore");
         }
-        if (call("Unlock", e) < 0) return -1;
+        sbuf done;
+        sb_init(&done);
+        int rr = devmem_reload(&done, e);
+        sb_free(&done);
+        if (rr < 0 || call("Unlock", e) < 0) return -1;
         sb_raw(steps, steps->len ? ", unlock" : "unlock");
         if (target == ST_RUNNING) {
             sbuf done;
@@ -753,9 +802,12 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     if (info.interposed && npusnap_devmem_devices) n = npusnap_devmem_devices(ids, MAX_CB_DEVICES);
     if (n > 0) {
         source = "aclrtSetDevice (interposed)";
-    } else if (a) {
-        n = acl_devices(a, ids, MAX_CB_DEVICES);
-        source = "runtime";
+    } else {
+        pthread_mutex_lock(&cb.mu);
+        n = cb.n_known;
+        memcpy(ids, cb.known, sizeof ids[0] * (size_t)n);
+        pthread_mutex_unlock(&cb.mu);
+        source = n ? "LOCK_PRE callback" : NULL;
     }
     if (n > MAX_CB_DEVICES) n = MAX_CB_DEVICES;
     sb_key(res, "devices");
@@ -820,6 +872,9 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     }
     const jval *dm = json_get(r->args, "device_memory");
     const char *mode = dm && dm->t == J_STR ? dm->s : NPUSNAP_DEVMEM_MODE_DEFAULT;
+    const jval *dt = json_get(r->args, "drain_timeout_s");
+    drain_ms = dt && dt->t == J_NUM ? (int)(dt->num * 1000 + 0.5) : DEVMEM_SAVE_TIMEOUT_MS;
+    if (drain_ms < 1) drain_ms = 1;
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
     if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0) close_fd(&devmem.save_fd); /* nothing to save */
     double start = mono_now();
@@ -832,21 +887,13 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         return -1;
     }
     devmem_begin(mode);
-    if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && acl_may_have_driver_flow(&rt)) {
-        /* The driver-backed flow keeps device memory itself where the driver has the feature;
-         * Backup tells (207000 otherwise), and then npusnap falls back to its own copy. */
-        snprintf(devmem.flow, sizeof devmem.flow, "driver?");
-    } else if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && devmem_save(e, "nothing was locked") < 0) {
-        devmem.mode[0] = 0;
-        sb_free(&ran);
-        return -1;
-    }
     ensure_lock_pre_callback(&rt);
     pthread_mutex_lock(&cb.mu);
     cb.n_seen = 0;
     pthread_mutex_unlock(&cb.mu);
     if (call("Lock", e) < 0) {
-        devmem_finish();
+        close_fd(&devmem.save_fd);
+        devmem.mode[0] = 0;
         devmem.flow[0] = 0;
         sb_free(&ran);
         return -1;
@@ -855,11 +902,45 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     pthread_mutex_lock(&cb.mu);
     int n_seen = cb.n_seen;
     memcpy(seen, cb.seen, sizeof seen[0] * (size_t)n_seen);
-    if (n_seen) {
-        memcpy(cb.known, seen, sizeof seen[0] * (size_t)n_seen);
-        cb.n_known = n_seen;
-    }
+    cb.n_known = n_seen; /* the devices open now (none: a launcher) */
+    memcpy(cb.known, seen, sizeof seen[0] * (size_t)n_seen);
+    int cb_ok = strcmp(cb.state, "registered") == 0;
     pthread_mutex_unlock(&cb.mu);
+    npusnap_devmem_info pre;
+    memset(&pre, 0, sizeof pre);
+    if (npusnap_devmem_get_info) npusnap_devmem_get_info(&pre);
+    no_device = 0;
+    if (cb_ok && n_seen == 0 && pre.allocations == 0) {
+        /* The runtime calls LOCK_PRE once per open device: none was called, so this process
+         * (a launcher that loaded ACL and never opened a device) has nothing to back up, and
+         * Backup would refuse it (107002, no context). It is not left locked: it runs on, and the
+         * dump takes it as a plain process. */
+        if (call("Unlock", e) < 0) {
+            sb_free(&ran);
+            return -1;
+        }
+        no_device = 1;
+        close_fd(&devmem.save_fd);
+        ops_event("no device open (no LOCK_PRE callback ran): not locked, nothing to back up");
+    } else if ((strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0 || acl_may_have_driver_flow(&rt)) &&
+               devmem_drain(e, "the process was unlocked and runs on") < 0) {
+        unlock_after_failure(e);
+        devmem.mode[0] = 0;
+        devmem.flow[0] = 0;
+        sb_free(&ran);
+        return -1;
+    } else if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && acl_may_have_driver_flow(&rt)) {
+        /* The driver-backed flow keeps device memory itself where the driver has the feature;
+         * Backup tells (207000 otherwise), and then npusnap takes its own copy, still locked. */
+        snprintf(devmem.flow, sizeof devmem.flow, "driver?");
+    } else if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) == 0 && devmem_save(e, "the process was unlocked and runs on") < 0) {
+        /* Nothing of the job ran while it was locked; Unlock gives it back as it was. */
+        unlock_after_failure(e);
+        devmem.mode[0] = 0;
+        devmem.flow[0] = 0;
+        sb_free(&ran);
+        return -1;
+    }
     const jval *ow = json_get(r->args, "owner");
     if (ow && ow->t != J_OBJ) ow = NULL; /* null: none named */
     if (ow || !ALLOW_UNOWNED_LOCK) {
@@ -902,6 +983,8 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     ids_json(res, seen, n_seen);
     sb_key(res, "callback");
     sb_str(res, cb.state);
+    sb_key(res, "no_device");
+    sb_raw(res, no_device ? "true" : "false");
     sb_free(&ran);
     return 0;
 }
@@ -910,7 +993,21 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
-    int rc = call_backup(e);
+    int rc = no_device ? 0 : call_backup(e);
+    if (rc < 0 && e->code == 107002 && !cb_devices_known()) {
+        /* No active context (a launcher on a runtime without callbacks, so Lock could not tell):
+         * nothing to back up. Unlock, and the dump takes it as a plain process. */
+        op_error again;
+        err_init(&again);
+        if (call("Unlock", &again) == 0) {
+            err_free(e);
+            err_init(e);
+            no_device = 1;
+            rc = 0;
+            ops_event("Backup found no active context (107002): no device open, unlocked");
+        }
+        err_free(&again);
+    }
     /* Unused when the driver-backed flow kept the memory: nothing of the image being written
      * may stay open in the process that CRIU saves. */
     close_fd(&devmem.save_fd);
@@ -963,7 +1060,7 @@ static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (take_devmem_file(r, &devmem.reload_fd, e) < 0) return -1;
     int before = state_now();
     double start = mono_now();
-    if (call_restore(e) < 0) return -1;
+    if (!no_device && call_restore(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run(NPUSNAP_HOOK_POST_RESTORE, &ran, e) < 0) {
@@ -989,13 +1086,13 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
         return -1;
     }
     double start = mono_now();
-    if (call("Unlock", e) < 0) return -1;
     sbuf steps;
     sb_init(&steps);
-    if (devmem_after_unlock(&steps, e) < 0) {
+    if ((!no_device && devmem_reload(&steps, e) < 0) || (!no_device && call("Unlock", e) < 0)) {
         sb_free(&steps);
         return -1;
     }
+    devmem_after_unlock(&steps, e);
     sbuf ran;
     sb_init(&ran);
     if (hooks_run(NPUSNAP_HOOK_POST_UNLOCK, &ran, e) < 0) {
@@ -1033,6 +1130,7 @@ static int do_rollback(sbuf *res, op_error *e) {
         if (call_restore(e) < 0) goto fail;
         sb_raw(&actions, "\"restore\"");
     }
+    if ((before == ST_LOCKED || before == ST_BACKED_UP) && devmem_reload(&steps, e) < 0) goto fail;
     if (before == ST_LOCKED || before == ST_BACKED_UP || before == ST_UNKNOWN) {
         int code = acl_call(&rt, "Unlock");
         if (code == 0) {

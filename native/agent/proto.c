@@ -116,6 +116,11 @@ static int validate(const char *op, const jval *args, op_error *e) {
         err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "lease_s must be > 0 and at most a week");
         return -1;
     }
+    v = json_get(args, "drain_timeout_s");
+    if (v && v->t == J_NUM && !(v->num > 0 && v->num <= 600)) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "drain_timeout_s must be > 0 and at most 600");
+        return -1;
+    }
     v = json_get(args, "token");
     if (v && v->t == J_STR && utf8_chars(v->s) > 2 * NPUSNAP_PROTOCOL_TOKEN_HEX_CHARS) {
         err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "token is too long");

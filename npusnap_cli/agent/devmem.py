@@ -2,10 +2,10 @@
 
 Standard library only, Python 3.9+ (runs inside the target).
 
-``npusnap run`` puts libnpusnap_agent.so in LD_PRELOAD: it interposes the ACL allocation and
-device-work calls, keeps the table of live device allocations, and runs npusnap's gate. This
-module finds that copy (``ctypes.CDLL(None)``: the preloaded symbols are global) and calls it;
-ctypes releases the GIL during each call, so a save that waits at the gate never holds the GIL.
+``npusnap run`` puts libnpusnap_agent.so in LD_PRELOAD: it tracks every device allocation at the
+driver layer (halMemAlloc and the VMM calls of libascend_hal.so) and copies them with the driver's
+drvMemcpy while the runtime is locked. This module finds that copy (``ctypes.CDLL(None)``: the
+preloaded symbols are global) and calls it; ctypes releases the GIL during each call.
 Where the library is not preloaded (an attached agent, ``agent.start()`` in a program started
 without ``npusnap run``) it is loaded from the build directory so that explicit registration
 works, and ``info()["interposed"]`` is False: npusnap cannot see the allocations.
@@ -117,6 +117,8 @@ def info() -> Dict[str, Any]:
         "saved_bytes": int(i.saved_bytes),
         "excluded_bytes": int(i.excluded_bytes),
         "gate_closed": bool(i.gate_closed),
+        "vmm_bytes": int(i.vmm_bytes),
+        "reserved_bytes": int(i.reserved_bytes),
         "saved": bool(i.saved),
         "registered": int(lib.npusnap_devmem_registered_count()),
         "devices": devices(lib),

@@ -19,7 +19,16 @@ def register(app: typer.Typer) -> None:
             12, "--dump-after", min=1, help="Dump once this many steps are printed."
         ),
         interval: float = typer.Option(0.1, "--interval", min=0.0, help="Seconds between training steps."),
-        param_mib: int = typer.Option(16, "--param-mib", min=1, help="Device memory of the model, in MiB."),
+        workload: str = typer.Option(
+            "compute",
+            "--workload",
+            help="compute: npu_train.py (aclnn operators on streams); memory: train.py (device memory "
+            "updated through host copies).",
+        ),
+        hidden: int = typer.Option(64, "--hidden", min=1, help="Hidden units of the compute workload's MLP."),
+        param_mib: int = typer.Option(
+            16, "--param-mib", min=1, help="Device memory of the memory workload's model, in MiB."
+        ),
         workdir: Optional[Path] = typer.Option(
             None, "--workdir", help="Where to put the log and the image (default: a new temporary directory)."
         ),
@@ -28,20 +37,22 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the main job: a training workload on the simulated NPU is dumped, restored and checked.
 
-        Starts the simulated NPU, runs a deterministic training loop whose parameters live in
-        device memory (under `npusnap run`, so it has an agent), dumps it midway (the process is
-        gone), restores it, lets it finish and compares its whole output with an uninterrupted
-        reference run. Exit 0 only if the output is identical; 10 if it is not.
+        Starts the simulated NPU, runs a deterministic training job that computes on the device
+        with aclnn operators (or, with --workload memory, one that keeps its parameters in device
+        memory) under `npusnap run`, so it has an agent; dumps it midway (the process is gone),
+        restores it, lets it finish and compares its whole output with an uninterrupted reference
+        run. Exit 0 only if the output is identical; 10 if it is not.
         """
+        from npusnap_cli.errors import UsageError
         from npusnap_cli.pipelines import demo as core
         from npusnap_cli.ui import human_bytes
 
         if dump_after >= steps:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(
                 "--dump-after must be smaller than --steps", fix="e.g. --steps 40 --dump-after 12"
             )
+        if workload not in core.WORKLOADS:
+            raise UsageError(f"unknown --workload {workload!r}", fix="--workload compute, or memory")
         out = output(ctx, "demo", json_flag)
         settings = core.DemoSettings(
             steps=steps,
@@ -50,6 +61,8 @@ def register(app: typer.Typer) -> None:
             param_bytes=param_mib << 20,
             workdir=workdir,
             keep=keep,
+            workload=workload,
+            hidden=hidden,
         )
         result = core.run_demo(settings, lambda phase, msg: out.line(f"[{phase}] {msg}"))
 
@@ -66,7 +79,11 @@ def register(app: typer.Typer) -> None:
         out.kv(
             "summary",
             {
-                "workload": f"train.py, {steps} steps, {param_mib} MiB of device memory",
+                "workload": (
+                    f"npu_train.py, {steps} steps, an MLP of {hidden} hidden units (aclnn operators)"
+                    if workload == "compute"
+                    else f"train.py, {steps} steps, {param_mib} MiB of device memory"
+                ),
                 "dumped pid": result.original_pid,
                 "lines before the dump": result.lines_before_dump,
                 "restored pid": result.restored_pid,

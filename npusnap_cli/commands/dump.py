@@ -205,6 +205,17 @@ def register(app: typer.Typer) -> None:
             "copies it; needs `npusnap run` or registered buffers), app (the application's hooks), "
             "discard (lost; restore refuses without --accept-lost-device-memory).",
         ),
+        drain_timeout: Optional[float] = typer.Option(
+            None,
+            "--drain-timeout",
+            min=0.1,
+            max=600.0,
+            metavar="SECONDS",
+            help="How long each agent waits, after Lock, for its devices to finish their queued work "
+            "(kernels, copies, collectives) before it copies their memory (default 10; 3 for a tree "
+            "of several NPU processes, tried up to 6 times). A device still busy fails the attempt "
+            "and the job runs on.",
+        ),
         coordinator: Optional[str] = typer.Option(
             None,
             "--coordinator",
@@ -265,6 +276,7 @@ def register(app: typer.Typer) -> None:
             external_pipes=external_pipes,
             sign_key=sign,
             device_memory=device_memory,
+            drain_timeout_s=drain_timeout,
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])

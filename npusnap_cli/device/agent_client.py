@@ -324,6 +324,18 @@ class AgentClient:
                 fix="target the process that runs on the NPU (see `npusnap status PID`)",
                 details={"pid": pid, "op": op, "agent_error": error},
             )
+        if kind == protocol.ERR_STATE and name == protocol.DEVICE_BUSY:
+            return AgentDeviceError(
+                f"{op} failed in pid {pid}: {message}",
+                pid=pid,
+                op=op,
+                error=error,
+                why="after Lock the devices must finish their queued work before their memory is copied; "
+                "a kernel or a collective still ran at the deadline (a collective waits for its other "
+                "ranks, whose launches the lock holds)",
+                fix="the job runs on, nothing stayed locked: dump again (a quieter moment), or stop the "
+                "training loop at a step boundary in a pre_lock hook",
+            )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_MEMORY_SAVE_FAILED:
             why, fix = _save_failed(error.get("code"))
             return AgentDeviceError(
@@ -393,8 +405,11 @@ class AgentClient:
         command: str = "unknown",
         device_memory: Optional[str] = None,
         device_memory_file: Optional[tuple[int, str]] = None,
+        drain_timeout_s: Optional[float] = None,
     ) -> dict[str, Any]:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
+        ``drain_timeout_s``: how long the agent waits for the devices to finish their queued work
+        after Lock (None: its default, 10 s).
         ``device_memory``: the agent's mode (preserve/app/discard; None: its default, preserve).
         ``device_memory_file``: (fd open for writing, the file's name once the image is
         published): the agent writes its copy of the device memory there, not into the
@@ -402,6 +417,8 @@ class AgentClient:
         args: dict[str, Any] = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
         if device_memory is not None:
             args["device_memory"] = device_memory
+        if drain_timeout_s is not None:
+            args["drain_timeout_s"] = drain_timeout_s
         fd = None
         if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file

@@ -27,16 +27,28 @@ Results are dicts keyed by pid (the agent's result for that pid).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional, TypeVar
 
 from npusnap_cli import contract
+from npusnap_cli.device import protocol
 from npusnap_cli.device.agent_client import AgentClient, AgentOpError, owner_text
 from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError, StateUnknownError
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
+
+
+class _AllBusy(Exception):
+    """An attempt whose every failure was a device that did not drain (DEVICE_BUSY), rolled back."""
+
+    def __init__(self, error: NpusnapError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
 BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
 GONE_GRACE_S = 2.0  # how long a process that could not be reached may take to finish exiting
@@ -210,12 +222,43 @@ class DeviceGroup:
         backup: bool = True,
         device_memory: Optional[str] = None,
         device_memory_files: Optional[dict[int, tuple[int, str]]] = None,
+        drain_timeout_s: Optional[float] = None,
+        busy_retries: int = 0,
+        before_retry: Optional[Callable[[], None]] = None,
     ) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring).
 
         ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
         preserve). ``device_memory_files``: pid -> (fd open for writing, its name once published),
-        the image file each agent writes its copy of the device memory into."""
+        the image file each agent writes its copy of the device memory into.
+
+        A device that does not drain in ``drain_timeout_s`` after Lock (DEVICE_BUSY: typically
+        one rank's all-reduce waiting for another rank whose launch the lock holds) fails the
+        attempt; everything is rolled back, and it is tried again at most ``busy_retries`` times
+        after a short, random pause (``before_retry`` runs first: the device-memory files are
+        emptied)."""
+        for attempt in range(busy_retries + 1):
+            try:
+                return self._lock_and_backup(backup, device_memory, device_memory_files, drain_timeout_s)
+            except _AllBusy as busy:
+                if attempt == busy_retries:
+                    raise busy.error from None
+            if self.interrupted():
+                raise InterruptedError_(
+                    "interrupted between lock attempts", fix="nothing is locked; dump again"
+                )
+            time.sleep(random.uniform(0.05, 0.3))
+            if before_retry is not None:
+                before_retry()
+        raise AssertionError("unreachable")
+
+    def _lock_and_backup(
+        self,
+        backup: bool,
+        device_memory: Optional[str],
+        device_memory_files: Optional[dict[int, tuple[int, str]]],
+        drain_timeout_s: Optional[float],
+    ) -> dict[int, dict[str, Any]]:
         import threading
 
         lease = self.lease_s
@@ -227,7 +270,7 @@ class DeviceGroup:
         all_done = threading.Event()
 
         def work(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease, self.command, device_memory, files.get(c.pid))
+            locked = c.lock(lease, self.command, device_memory, files.get(c.pid), drain_timeout_s)
             if not backup:
                 return locked
             backed = c.backup(lease)
@@ -254,12 +297,18 @@ class DeviceGroup:
             busy: dict[int, BaseException] = {p: e for p, e in failures.items() if isinstance(e, BusyError)}
             if busy:
                 self._raise_first(busy, "lock", "this command's own locks were rolled back")
-            self._raise_first(
-                failures,
-                "lock" if not backup else "lock+backup",
-                "all processes were rolled back: "
-                + ", ".join(f"pid {p} {st}" for p, st in sorted(states.items())),
-            )
+            undrained = all(getattr(e, "name", "") == protocol.DEVICE_BUSY for e in failures.values())
+            try:
+                self._raise_first(
+                    failures,
+                    "lock" if not backup else "lock+backup",
+                    "all processes were rolled back: "
+                    + ", ".join(f"pid {p} {st}" for p, st in sorted(states.items())),
+                )
+            except NpusnapError as err:
+                if undrained:
+                    raise _AllBusy(err) from None
+                raise
         return results
 
     def renew(self, lease_s: Optional[float] = None) -> dict[int, dict[str, Any]]:

@@ -56,6 +56,10 @@ NOT_OWNER = contract.E_NOT_OWNER
 # ``type: "state"`` of a lock whose copy of the device memory failed (``code``: -errno); nothing
 # was locked.
 DEVICE_MEMORY_SAVE_FAILED = contract.E_DEVICE_MEMORY_SAVE_FAILED
+# ``type: "state"`` of a lock whose devices did not drain in time after Lock (a kernel or a
+# collective still running: another rank not yet at its half of an all-reduce); the agent
+# unlocked again, the job runs on.
+DEVICE_BUSY = contract.E_DEVICE_BUSY
 TOKEN_HEX_CHARS = contract.TOKEN_HEX_CHARS
 MAX_OWNER_COMMAND = contract.MAX_OWNER_COMMAND
 # What the agent does with the job's device memory around Lock (native/include/npusnap/devmem.h).
@@ -130,6 +134,9 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
     lease = args.get("lease_s")
     if lease is not None and not (0 < float(lease) <= contract.MAX_LEASE_S):
         raise ProtocolError("BAD_ARGS", "lease_s must be > 0 and at most a week")
+    drain = args.get("drain_timeout_s")
+    if drain is not None and not (0 < float(drain) <= 600):
+        raise ProtocolError("BAD_ARGS", "drain_timeout_s must be > 0 and at most 600")
     token = args.get("token")
     if token is not None and len(token) > 2 * TOKEN_HEX_CHARS:
         raise ProtocolError("BAD_ARGS", "token is too long")

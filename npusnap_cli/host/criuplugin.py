@@ -61,8 +61,10 @@ ASCEND = DeviceKind(
     plugin_names=("npu_plugin.so", "ascend_plugin.so"),
     fini_dump_error="[npu-plugin fini-dump err]",
     image_glob="davinci-dev-*.img",
-    install_fix="install Huawei's CRIU plugin (npu_plugin.so) into CRIU's plugin directory; stock CRIU "
-    "cannot dump /dev/davinci* file descriptors and mappings",
+    install_fix="put an NPU plugin built for the CRIU npusnap runs (Huawei's npu_plugin.so rebuilt against "
+    "its criu-plugin.h) into npusnap's plugin directory (/usr/lib/npusnap/criu-plugins, or CRIU_LIBS_DIR); "
+    "stock CRIU cannot dump /dev/davinci* file descriptors and mappings, and the copy that comes with "
+    "the vendor's CRIU fork does not fit stock CRIU",
 )
 SIMULATED = DeviceKind(
     key="simulated",
@@ -70,8 +72,9 @@ SIMULATED = DeviceKind(
     plugin_names=("npusim_plugin.so",),
     fini_dump_error="[npusim-plugin fini-dump err]",
     image_glob="npusim-dev-*.img",
-    install_fix="run ./scripts/setup.sh: it builds npusim_plugin.so and installs it into /usr/lib/criu "
-    "(or set CRIU_LIBS_DIR to a directory that holds it, such as the checkout's .build/criu-plugin)",
+    install_fix="run ./scripts/setup.sh: it builds npusim_plugin.so and installs it into npusnap's plugin "
+    "directory, /usr/lib/npusnap/criu-plugins (or set CRIU_LIBS_DIR to a directory that holds it, such "
+    "as the checkout's .build/criu-plugin)",
 )
 KINDS = (ASCEND, SIMULATED)
 

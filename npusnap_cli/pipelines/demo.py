@@ -1,5 +1,9 @@
 """The demo: a training workload on the simulated NPU is dumped, restored and checked.
 
+The workload is ``npu_train.py`` (``compute``: an MLP trained by aclnn operators and streams on the
+device, tensors in an expandable-segment allocator) or ``train.py`` (``memory``: parameters in
+device memory, updated through host copies).
+
 It drives the product exactly as an operator would — the real ``npusnap run``, ``npusnap dump``
 and ``npusnap restore`` commands, each as a subprocess with ``--json`` — and then proves
 continuity: the restored workload's complete output must equal an uninterrupted reference run
@@ -28,6 +32,8 @@ from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, Ta
 from npusnap_cli.host import procfs
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
+NPU_TRAIN = paths.PACKAGE_DIR / "workloads" / "npu_train.py"
+WORKLOADS = {"compute": NPU_TRAIN, "memory": TRAIN}
 
 Report = Callable[[str, str], None]  # (phase, message)
 
@@ -42,6 +48,8 @@ class DemoSettings:
     seed: int = 7
     workdir: Optional[Path] = None
     keep: bool = False
+    workload: str = "compute"  # a key of WORKLOADS
+    hidden: int = 64  # the compute workload's hidden units
 
 
 @dataclass
@@ -69,19 +77,11 @@ def _npusnap() -> list[str]:
 
 
 def _workload_args(s: DemoSettings, interval: float) -> list[str]:
-    return [
-        str(TRAIN),
-        "--steps",
-        str(s.steps),
-        "--interval",
-        str(interval),
-        "--param-bytes",
-        str(s.param_bytes),
-        "--device",
-        str(s.device),
-        "--seed",
-        str(s.seed),
-    ]
+    common = ["--steps", str(s.steps), "--interval", str(interval), "--device", str(s.device)]
+    common += ["--seed", str(s.seed)]
+    if s.workload == "compute":
+        return [str(NPU_TRAIN), *common, "--hidden", str(s.hidden)]
+    return [str(TRAIN), *common, "--param-bytes", str(s.param_bytes)]
 
 
 def _run_json(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -149,7 +149,8 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     env = {**os.environ, **manager.env()}
     t = mark("simulator", t0)
 
-    report("reference", f"uninterrupted reference run ({settings.steps} steps)")
+    name = WORKLOADS[settings.workload].name
+    report("reference", f"uninterrupted reference run of {name} ({settings.steps} steps)")
     ref = subprocess.run(
         [sys.executable, *_workload_args(settings, 0.0)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -160,7 +161,8 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     t = mark("reference run", t)
 
     log = work / "train.log"
-    report("launch", f"npusnap run -- python3 train.py (output in {log})")
+    script = WORKLOADS[settings.workload]
+    report("launch", f"npusnap run -- python3 {script.name} (output in {log})")
     with open(log, "w") as out, open(os.devnull) as devnull:
         # Detached (own session, no terminal, output to a file): that is what CRIU can restore.
         proc = subprocess.Popen(
@@ -211,7 +213,7 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     finally:
         for pid in (proc.pid, restored_pid):
             # Only if the pid still is our workload: an exited pid may already be someone else's.
-            if pid and procfs.is_alive(pid) and str(TRAIN) in procfs.cmdline(pid):
+            if pid and procfs.is_alive(pid) and str(script) in procfs.cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait(timeout=10)

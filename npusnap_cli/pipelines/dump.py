@@ -84,6 +84,12 @@ class DumpOptions:
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
     device_memory: str = contract.DEFAULT_DEVICE_MEMORY_MODE  # docs/device-memory.md
+    # How long each agent waits for its devices to drain after Lock; None: 10 s, or
+    # DRAIN_TIMEOUT_GROUP_S for a tree of several NPU processes.
+    drain_timeout_s: Optional[float] = None
+    # Lock attempts after a device that did not drain; None: 1, or BUSY_RETRIES_GROUP for a tree of
+    # several NPU processes (a job dump sets 0 and retries all its ranks together).
+    busy_retries: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -443,7 +449,7 @@ def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
 def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
     """Device handles need a CRIU plugin: real Ascend device files Huawei's, the simulated NPU's
     daemon connection this project's npusim_plugin.so. Missing or built for another CRIU: refused."""
-    from npusnap_cli.host import preflight
+    from npusnap_cli.host import criuplugin, preflight
 
     sim = _simulated_npu_pids(tree)
     if sim:
@@ -473,7 +479,7 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
             "the target has Ascend device files open but CRIU has no NPU plugin",
             why="stock CRIU cannot dump /dev/davinci* fds and device mappings; Huawei's CRIU "
             "plugin (npu_plugin.so) handles them",
-            fix="install the CANN CRIU plugin into CRIU's plugin directory (/usr/lib/criu), then retry",
+            fix=criuplugin.ASCEND.install_fix + ", then retry",
             details={"device_files": devfiles},
         )
     if plugin is not None:
@@ -513,30 +519,28 @@ def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int)
         )
 
 
-def sim_status() -> Optional[dict[str, Any]]:
-    """The simulated NPU daemon's status document, or None when no daemon answers."""
+# After Lock every agent drains its devices (a bounded synchronize) before it copies: a device
+# still busy at the deadline fails the attempt, everything is rolled back and it is tried again.
+DRAIN_TIMEOUT_GROUP_S = 3.0
+BUSY_RETRIES_GROUP = 5
+BUSY_RETRIES = 1
+
+
+def _empty_files(files: dict[int, tuple[int, str]]) -> None:
+    """Before another lock attempt: the device-memory files from the start again."""
+    for fd, _name in files.values():
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+
+
+def agent_device_bytes(hello: dict[str, Any]) -> int:
+    """The device memory an agent will copy (its records, less what the application excluded)."""
+    dm = hello.get("device_memory") or {}
     try:
-        from npusnap_cli import paths
-        from npusnap_cli.sim import wire
-
-        return wire.query_status(str(paths.sim_socket_path()), timeout=2.0)
-    except Exception:
-        return None
-
-
-def sim_device_usage() -> Optional[dict[int, tuple[list[int], int]]]:
-    """Per live owner pid: (devices, bytes allocated), from the simulated NPU daemon."""
-    status = sim_status()
-    if status is None:
-        return None
-    usage: dict[int, tuple[list[int], int]] = {}
-    for owner in status.get("owners", []):
-        if owner.get("alive") and isinstance(owner.get("pid"), int):
-            usage[int(owner["pid"])] = (
-                [int(d) for d in owner.get("devices", [])],
-                int(owner.get("bytes", 0)),
-            )
-    return usage
+        return max(0, int(dm.get("bytes") or 0) - int(dm.get("excluded_bytes") or 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,13 +552,16 @@ CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
 
 
 def check_device_memory(
-    mode: str, hello: dict[int, dict[str, Any]], usage: dict[int, tuple[list[int], int]]
+    mode: str, hello: dict[int, dict[str, Any]], maps: Optional[dict[int, Any]] = None
 ) -> dict[str, Any]:
     """What keeps each process's device memory across the snapshot; the manifest's record.
 
     CANN's Restore gives allocations back at their addresses, not their contents. In ``preserve``
     mode npusnap copies them itself, which needs the allocations to be known: seen by the
-    preloaded library (``npusnap run``) or registered by the application. A process with device
+    preloaded library from the start (``npusnap run``: it tracks the driver's allocation calls) or
+    registered by the application. Whether a process has device memory at all comes from what a
+    real node offers: the agent's own records and devices, and the process's device mappings in
+    /proc/PID/maps (host/devmaps.py) -- never from the simulator's daemon. A process with device
     memory that npusnap cannot see is refused (TargetError) unless the user chose ``app`` (the
     application's hooks save and reload it) or ``discard`` (it is lost, and restore says so).
     """
@@ -568,15 +575,22 @@ def check_device_memory(
     for pid, h in sorted(hello.items()):
         dm = h.get("device_memory") or {}
         acl_info = h.get("acl") or {}
-        sim_bytes = usage.get(pid, ([], 0))[1]
-        has_memory = bool(sim_bytes or dm.get("bytes") or acl_info.get("devices"))
+        mapped = (maps or {}).get(pid)
+        has_memory = bool(
+            dm.get("bytes")
+            or acl_info.get("devices")
+            or acl_info.get("callback_devices")
+            or (mapped and mapped.present)
+        )
         tracked = bool(dm.get("interposed")) or int(dm.get("registered") or 0) > 0
         processes[str(pid)] = {
             "interposed": bool(dm.get("interposed")),
             "registered": int(dm.get("registered") or 0),
             "allocations": int(dm.get("allocations") or 0),
             "bytes": int(dm.get("bytes") or 0),
+            "vmm_bytes": int(dm.get("vmm_bytes") or 0),
             "excluded_bytes": int(dm.get("excluded_bytes") or 0),
+            "device_mappings": mapped.mappings if mapped else None,
         }
         if has_memory and not tracked:
             untracked.append(pid)
@@ -588,7 +602,9 @@ def check_device_memory(
             why="CANN's Restore brings back every device allocation's address but not its contents; "
             "npusnap copies them itself, but only where it saw them being allocated (programs "
             "started with `npusnap run`) or the application registered them; an attached agent, "
-            "or one started by the program itself without `npusnap run`, does not see them",
+            "or one started by the program itself without `npusnap run`, does not see them. "
+            "These processes have device memory (device mappings in /proc/PID/maps, or devices the "
+            "agent knows) that npusnap did not see being allocated",
             fix="start the job with `npusnap run -- CMD...`; or register its buffers "
             "(npusnap_cli.agent.register_buffer); or choose explicitly: --device-memory app "
             "(the application's hooks save and reload its device memory) or --device-memory "
@@ -787,17 +803,13 @@ def _dump(
 
             refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
             target = attach_missing(target, cb.note)
-            usage = sim_device_usage() or {}
-            device_bytes = sum(usage.get(p, ([], 0))[1] for p in target.npu_pids)
-            expected = sum(_rss(p.pid) for p in target.tree) + device_bytes
-            # Host memory for the device memory only where a copy of it is held there (the
-            # agent writes it into the image in small pieces by default).
-            in_process = options.device_memory == "preserve" and _device_memory_in_process()
-            _check_space_and_memory(final, expected, device_bytes if in_process else 0)
+            # The host side now; the device memory once the agents said how much they hold.
+            host_bytes = sum(_rss(p.pid) for p in target.tree)
+            _check_space_and_memory(final, host_bytes, 0)
         guard.check("before anything was locked", "nothing was locked")
         if coordinator is not None:
             coordinator.sync("preflight")
-        pipeline = _Pipeline(final, target, options, binary, usage, device_bytes, clock, cb, guard)
+        pipeline = _Pipeline(final, target, options, binary, host_bytes, clock, cb, guard)
         pipeline.coordinator = coordinator
         pipeline.external = external
         pipeline.pid_ns = {str(k): v for k, v in ns_map.items()}
@@ -811,8 +823,7 @@ class _Pipeline:
         target: _Target,
         options: DumpOptions,
         binary: Any,
-        usage: dict[int, tuple[list[int], int]],
-        device_bytes: int,
+        host_bytes: int,
         clock: _Clock,
         cb: DumpCallbacks,
         guard: SignalGuard,
@@ -821,8 +832,9 @@ class _Pipeline:
         self.target = target
         self.options = options
         self.binary = binary
-        self.usage = usage
-        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
+        self.device_bytes = 0  # from the agents' records, after hello
+        self.lock_results: dict[int, dict[str, Any]] = {}
         self.clock = clock
         self.cb = cb
         self.guard = guard
@@ -867,7 +879,10 @@ class _Pipeline:
             return
         try:
             self.group.close()
-            self.group.rollback(owned_only=True)
+            try:
+                self.group.rollback(owned_only=True)
+            finally:
+                self.group.close()  # an agent serves one client: a job dump may try again at once
         except StateUnknownError as unknown:
             unknown.details["original_error"] = _describe(err)
             if self.tmp is not None:
@@ -967,7 +982,18 @@ class _Pipeline:
             # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
             # here, having changed nothing, rather than fail at Lock.
             self.group.ensure_unlocked()
-            self.device_memory = check_device_memory(self.options.device_memory, self.hello, self.usage)
+            from npusnap_cli.host import devmaps
+
+            maps = {pid: devmaps.device_memory(pid) for pid in self.target.npu_pids}
+            self.device_memory = check_device_memory(self.options.device_memory, self.hello, maps)
+            if self.options.device_memory == "preserve":
+                self.device_bytes = sum(agent_device_bytes(h) for h in self.hello.values())
+            # Host memory for the device memory only where a copy of it is held there (the
+            # agent writes it into the image in small pieces by default).
+            in_process = self.options.device_memory == "preserve" and _device_memory_in_process()
+            _check_space_and_memory(
+                self.final, self.host_bytes + self.device_bytes, self.device_bytes if in_process else 0
+            )
         except NpusnapError as err:
             if self.group is not None:
                 self.group.close()
@@ -988,20 +1014,36 @@ class _Pipeline:
         try:
             files = self._open_device_memory_files()
             try:
+                # Ranks of one job all-reduce: one rank's collective waits for another's launch,
+                # which that rank's lock holds, so the drain after Lock may not finish. Several
+                # processes (a tree, or a rank of a job dump): a shorter drain, and a few more
+                # tries (this pipeline's processes rolled back in between).
+                several = len(self.target.npu_pids) > 1 or self.coordinator is not None
                 with self.clock.phase("lock+backup"), self._backup_progress():
                     results = self.group.lock_and_backup(
-                        backup=True, device_memory=self.options.device_memory, device_memory_files=files
+                        backup=True,
+                        device_memory=self.options.device_memory,
+                        device_memory_files=files,
+                        drain_timeout_s=self.options.drain_timeout_s
+                        or (DRAIN_TIMEOUT_GROUP_S if several else None),
+                        busy_retries=self.options.busy_retries
+                        if self.options.busy_retries is not None
+                        else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
+                        before_retry=lambda: _empty_files(files),
                     )
             finally:
                 for fd, _name in files.values():
                     os.close(fd)
             self.lock_tokens = self.group.tokens()
+            self.lock_results = results
             self._drop_unused_device_memory_files(results)
             self._hash_device_files(criu_done=False)
         except StateUnknownError as err:
             raise self._fail(err, rolled_back=False) from None
         except NpusnapError as err:
-            # DeviceGroup rolled every process back before raising.
+            # DeviceGroup rolled every process back before raising. Its connections go now: an
+            # agent serves one client, and a job dump may try again at once.
+            self.group.close()
             raise self._fail(err, rolled_back=True) from None
         try:
             self.guard.check("during lock+backup", "rolled back")
@@ -1307,6 +1349,13 @@ class _Pipeline:
             attach_stopped_s=self.target.attach_stopped_s,
         )
 
+    def _devices(self, pid: int) -> list[int]:
+        """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
+        callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
+        from_callbacks = [int(d) for d in (self.lock_results.get(pid) or {}).get("callback_devices") or []]
+        acl_info = (self.hello.get(pid) or {}).get("acl") or {}
+        return from_callbacks or [int(d) for d in acl_info.get("devices") or []]
+
     def _check_plugin_marks(self, tmp: Path) -> None:
         """A dump that went through a device plugin is good only without its error line in CRIU's
         log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
@@ -1320,8 +1369,8 @@ class _Pipeline:
             problems += criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
         sim = _simulated_npu_pids(self.target.tree)
         if sim:
-            # A process holds a daemon connection once it opened a device (the daemon's owners).
-            handles = sum(1 for pid in sim if self.usage.get(pid, ([], 0))[0])
+            # A process holds a daemon connection once it opened a device.
+            handles = sum(1 for pid in sim if self._devices(pid))
             problems += criuplugin.scan_dump(
                 log if log.exists() else None, img.criu_dir(tmp), criuplugin.SIMULATED, handles
             )
@@ -1351,13 +1400,8 @@ class _Pipeline:
             devices: list[int] = []
             nbytes = 0
             if p.pid in npu:
-                # The runtime's own word first (npusnap's LOCK_PRE callback, once per open device),
-                # then what the agent saw (interposed aclrtSetDevice), then the simulator's table.
-                from_callbacks = [int(d) for d in (results.get(p.pid) or {}).get("callback_devices") or []]
-                acl_info = (self.hello.get(p.pid) or {}).get("acl") or {}
-                devices = from_callbacks or [int(d) for d in acl_info.get("devices") or []]
-                sim_devs, nbytes = self.usage.get(p.pid, ([], 0))
-                devices = devices or sim_devs
+                devices = self._devices(p.pid)
+                nbytes = agent_device_bytes(self.hello.get(p.pid) or {})
             processes.append(
                 img.ProcessEntry(
                     pid=p.pid,

@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -501,6 +501,19 @@ def _check_disjoint(pids: list[int]) -> None:
             )
 
 
+# A job whose ranks all-reduce: a rank locked while its all-reduce waits for a rank whose launch
+# of it the other lock holds cannot drain (DEVICE_BUSY). Every rank is rolled back, and the whole
+# job dump tries again, all ranks together, after a short random pause.
+JOB_BUSY_RETRIES = 5
+JOB_DRAIN_TIMEOUT_S = 3.0
+
+
+def _device_busy(err: BaseException) -> bool:
+    details = getattr(err, "details", None) or {}
+    agent_error = details.get("agent_error") if isinstance(details, dict) else None
+    return isinstance(agent_error, dict) and agent_error.get("name") == "DEVICE_BUSY"
+
+
 def dump_job(
     pids: list[int],
     directory: Path,
@@ -515,8 +528,51 @@ def dump_job(
     """Dump every rank (one process tree per pid) as one job image; all or nothing.
 
     With ``net`` (netcoord.NetLink), this is node ``node`` of ``nodes``: every phase boundary is
-    also a barrier across the nodes, and a failure on any node rolls back every node.
+    also a barrier across the nodes, and a failure on any node rolls back every node. On one
+    node, a dump that failed only because a rank's devices did not drain after Lock (a collective
+    straddling the ranks' locks) is tried again, every rank together, at most JOB_BUSY_RETRIES
+    times; each rank's pipeline then does not retry by itself.
     """
+    import random
+
+    per_rank = replace(
+        options,
+        busy_retries=0 if net is None else None,
+        drain_timeout_s=options.drain_timeout_s or JOB_DRAIN_TIMEOUT_S,
+    )
+    retries = JOB_BUSY_RETRIES if net is None else 0
+    for attempt in range(retries + 1):
+        try:
+            return _dump_job_once(
+                pids, directory, per_rank, callbacks, barrier_timeout_s=barrier_timeout_s, net=net, node=node,
+                nodes=nodes,
+            )  # fmt: skip
+        except NpusnapError as err:
+            if (
+                attempt == retries
+                or not _device_busy(err)
+                or err.details.get("partial_image_removed") is False
+            ):
+                raise
+            callbacks.note(
+                "a rank's devices were still busy after Lock, every rank rolled back: trying again "
+                f"({err.message})"
+            )
+            time.sleep(random.uniform(0.1, 0.5))
+    raise AssertionError("unreachable")
+
+
+def _dump_job_once(
+    pids: list[int],
+    directory: Path,
+    options: Any,
+    callbacks: PipelineCallbacks,
+    *,
+    barrier_timeout_s: float,
+    net: Optional[Any],
+    node: int,
+    nodes: int,
+) -> JobDumpOutcome:
     from npusnap_cli.pipelines import dump as dump_mod
 
     if len(set(pids)) != len(pids):

@@ -240,63 +240,66 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         )
 
 
-def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> None:
-    """Restore claims the same device ids (or those of ``device_map``); refuse when another
-    live process holds one."""
-    if not manifest.versions.cann_simulated:
-        # Real hardware: the runtime's Restore itself refuses an occupied device (507909) and the
-        # process then stays locked; there is no driver query we can make from here.
-        return
-    from npusnap_cli.pipelines import dump
+def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
+    """Restore claims the same device ids (or those of ``device_map``), which must be free of
+    every other process (runtime
+    design doc: "若Device被其他进程占用，则恢复失败"). Found the way a real node allows, for every
+    image: the processes of this host that have NPU device memory mapped or a device file open
+    (/proc, host/devmaps.py) and the image's CANN installation loaded; those with an npusnap
+    agent name their devices (its hello: the devices its job opened, or its runtime's LOCK_PRE
+    callbacks). One that holds a device of the image: refused (BusyError). One without an agent
+    cannot say which device it uses (the driver maps one SVM span for all devices and
+    /dev/davinciN is never held open): returned as a note. Jobs of another CANN installation are
+    not asked (on the simulator each tree is a node of its own); on a node they, like the ones
+    without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
+    and the restored process stays locked, to be retried or killed."""
+    from npusnap_cli import acl, paths
+    from npusnap_cli.device.agent_client import AgentClient
+    from npusnap_cli.host import devmaps
+    from npusnap_cli.pipelines.dump import _cann_home_of as _cann_home
 
-    status = dump.sim_status()
-    if status is None:
-        raise PreflightError(
-            "the simulated NPU daemon does not answer",
-            why="the image was made on the simulated NPU and its devices must be free to restore it",
-            fix='start it with `npusnap sim start` (and eval "$(npusnap sim env)")',
-        )
     moved = dict(device_map)
     wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
-    busy = []
-    known = set()
-    for dev in status.get("devices", []):
-        known.add(int(dev.get("id", -1)))
-        # Devices are shared, but CANN's Restore needs its device free of every other process.
-        owners = dev.get("owners") or ([dev["owner"]] if dev.get("owner") else [])
-        for owner in owners:
-            if int(dev.get("id", -1)) in wanted and owner and owner.get("alive"):
-                busy.append((int(dev["id"]), int(owner["pid"])))
+    if not wanted:
+        return []
+    image_pids = frozenset(p.pid for p in manifest.processes)
+    busy: list[tuple[int, int]] = []
+    unknown: list[int] = []
+    home = manifest.versions.cann_home
+    for pid in devmaps.npu_users(exclude=image_pids):
+        library = acl.loaded_acl_library(pid)
+        if home and library and os.path.realpath(_cann_home(library)) != os.path.realpath(home):
+            continue
+        devices: Optional[list[int]] = None
+        if paths.find_agent_socket(pid) is not None:
+            try:
+                with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as client:
+                    acl_info = client.hello().get("acl") or {}
+                devices = [
+                    int(d) for d in (acl_info.get("devices") or acl_info.get("callback_devices") or [])
+                ]
+            except NpusnapError:
+                devices = None
+        if devices is None:
+            unknown.append(pid)
+            continue
+        busy += [(d, pid) for d in devices if d in wanted]
     if busy:
         text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
         raise BusyError(
             f"device(s) of the image are occupied: {text}",
-            why="the device state is restored onto the same device id, which must be free",
+            why="the device state is restored onto the same device id, which must be free of every "
+            "other process",
             fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
             details={"busy": [{"device": d, "pid": o} for d, o in busy]},
         )
-    missing = sorted(d for d in wanted if d not in known)
-    if missing:
-        raise PreflightError(
-            f"device(s) {missing} of the image do not exist on this host",
-            why=f"the simulated NPU has devices {sorted(known)}",
-            fix="start the simulator with enough devices (`npusnap sim stop; npusnap sim start --devices N`)",
-        )
-    free = {
-        int(dev.get("id", -1)): int(dev.get("capacity", 0)) - int(dev.get("used", 0))
-        for dev in status.get("devices", [])
-    }
-    for p in manifest.npu_processes:
-        have = sum(max(0, free.get(d, 0)) for d in p.devices)
-        if p.devices and have < p.device_bytes:
-            raise PreflightError(
-                f"device(s) {list(p.devices)} have {have} bytes free, pid {p.pid} of the image needs "
-                f"{p.device_bytes}",
-                why="Restore puts the device memory back at the same addresses; it must fit",
-                fix="free device memory (stop other jobs), or start the simulator with a larger "
-                "--capacity, then restore again",
-                details={"pid": p.pid, "devices": list(p.devices), "free": have, "needed": p.device_bytes},
-            )
+    if not unknown:
+        return []
+    return [
+        f"pid(s) {', '.join(map(str, unknown[:8]))} use the NPU and have no npusnap agent to say which "
+        f"device: if one of them holds device(s) {sorted(wanted)}, the runtime's Restore refuses "
+        "(507909) and the restored process stays locked"
+    ]
 
 
 def prepare_sockets(manifest: img.Manifest) -> None:
@@ -675,7 +678,8 @@ def _restore_opened(
         ids = image_thread_ids(final, manifest)
         if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
             check_pids_free(manifest, ids)
-        check_devices_free(manifest, options.device_map)
+        for note in check_devices_free(manifest, options.device_map):
+            cb.note(note)
     except BusyError:
         # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
         for c in (checksums, device_checks):

@@ -154,10 +154,10 @@ def _devices(ctx: DryRunContext) -> str:
 
     device_map = getattr(ctx.options, "device_map", ())
     pidns.check_device_map(ctx.manifest, device_map)
-    restore.check_devices_free(ctx.manifest, device_map)
+    notes = restore.check_devices_free(ctx.manifest, device_map)
     moved = dict(device_map)
     devices = sorted({moved.get(d, d) for p in ctx.manifest.npu_processes for d in (p.devices or ())})
-    return f"device(s) {', '.join(map(str, devices)) or '-'} free"
+    return f"device(s) {', '.join(map(str, devices)) or '-'} free" + "".join(f"; {n}" for n in notes)
 
 
 def _socket_dirs(ctx: DryRunContext) -> str:

@@ -3,7 +3,9 @@
 Exercises process trees with several NPU processes (like torchrun with two ranks). Each worker's
 lines are prefixed with ``[rank R] ``; with ``--out-dir`` every worker writes its own file
 (``rank0.log``, ``rank1.log``), otherwise both share the launcher's stdout. The launcher itself
-does not use the NPU; it waits for the workers and exits with the first non-zero status.
+does not use the NPU; it waits for the workers and exits with the first non-zero status. With
+``--load-acl`` it loads the CANN runtime and calls aclInit without opening a device, as a
+launcher that imports torch_npu does.
 
     eval "$(npusnap sim env)"
     python3 launcher.py --steps 100 --interval 0.5 --out-dir /tmp/job
@@ -31,7 +33,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--devices", default="0,1", help="comma-separated device ids, one worker each (default 0,1)"
     )
     ap.add_argument("--out-dir", default=None, help="write rank<R>.log files here instead of stdout")
+    ap.add_argument("--load-acl", action="store_true", help="load the CANN runtime (aclInit, no device)")
     args = ap.parse_args(argv)
+    if args.load_acl:
+        import ctypes
+
+        home = os.environ.get("ASCEND_HOME_PATH", "")
+        acl = ctypes.CDLL(os.path.join(home, "lib64", "libacl_rt.so"))
+        acl.aclInit.argtypes = [ctypes.c_char_p]
+        rc = acl.aclInit(None)
+        if rc not in (0, 100002):  # ACL_ERROR_REPEAT_INITIALIZE
+            print(f"launcher: aclInit failed with {rc}", file=sys.stderr)
+            return 2
 
     devices = [int(d) for d in args.devices.split(",") if d.strip()]
     if args.out_dir:

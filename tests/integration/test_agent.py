@@ -65,11 +65,18 @@ def test_explicit_start_hello_status_and_socket_permissions(
     assert hello["acl"]["loaded"] is True
     assert hello["acl"]["library"].endswith("/.build/cann/lib64/libacl_rt.so")
     assert hello["acl"]["cann_version"] == "9.1.0"
-    assert hello["acl"]["devices"] == [int(workload_env_device(w))]
+    # Started without the library preloaded: the agent did not see aclrtSetDevice, and a real
+    # runtime has no query for "all open devices" -- its LOCK_PRE callback names them at Lock.
+    assert hello["acl"]["devices"] == [] and hello["acl"]["devices_source"] is None
     assert hello["restored"] is False
     assert set(hello["hooks"]) == {"pre_lock", "post_backup", "post_restore", "post_unlock"}
     assert status["state"] == "RUNNING"
     assert status["lease"]["active"] is False
+    with AgentClient(w.pid) as c:
+        locked = c.lock(30, "test", "app")
+        assert locked["callback_devices"] == [int(workload_env_device(w))] and locked["no_device"] is False
+        assert c.hello()["acl"]["devices_source"] == "LOCK_PRE callback"
+        assert c.unlock()["state"] == "RUNNING"
 
 
 def workload_env_device(w: Workload) -> str:

@@ -101,7 +101,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             assert c.restore()["state"] == "LOCKED"
             unlocked = c.unlock()
             assert unlocked["state"] == "RUNNING"
-            assert unlocked["device_memory"]["steps"] == ["reload device memory", "open gate"]
+            assert unlocked["device_memory"]["steps"] == ["reload device memory", "drop copies"]
             assert unlocked["device_memory"]["gate_closed"] is False
         deadline = time.monotonic() + 20
         while w.last_step() < dumped_at + 5:

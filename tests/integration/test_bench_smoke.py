@@ -33,6 +33,7 @@ TABLE_HEADINGS = (
     "## Targets at 1 GiB and 4 GiB",
     "## Scale: with size and with the number of NPU processes",
     "### With the number of NPU processes",
+    "## A job computing on the device",
     "## Assessment against the targets",
 )
 

@@ -119,3 +119,61 @@ def test_missing_snapshot_symbols_are_reported(sim_env: dict[str, str], tmp_path
     assert problem, checks
     text = json.dumps(problem)
     assert "aclrtSnapShotProcessLock" in text or "snapshot" in text.lower()
+
+
+FORK_PLUGIN_C = r"""
+/* A plugin as Huawei's CRIU fork builds them: its own hook table (16 slots), as its npu_plugin.so
+ * declares in CR_PLUGIN_DESC (cr_plugin_desc_t: name, init, exit, version, max_hooks, hooks). */
+struct desc { const char *name; void *init, *exit; unsigned version, max_hooks; void *hooks[16]; };
+__attribute__((visibility("default"))) struct desc CR_PLUGIN_DESC = {"npu_plugin", 0, 0, 1, 16, {0}};
+"""
+
+
+def _fork_abi_plugin(where: Path) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    src = where.parent / "fork_plugin.c"
+    src.write_text(FORK_PLUGIN_C)
+    so = where / "npu_plugin.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    return so
+
+
+@pytest.mark.integration
+@requires_root
+def test_setup_leaves_the_vendor_plugin_dir_alone_and_check_warns(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A node whose shared CRIU plugin directory holds the vendor fork's plugin (16 hooks): setup
+    installs npusnap's plugins into a directory of npusnap's own and touches nothing else, refuses a
+    shared directory as its target, and `npusnap check` names the plugin that does not fit."""
+    shared = tmp_path / "usr-lib-criu"
+    fork = _fork_abi_plugin(shared)
+    before = fork.read_bytes(), fork.stat().st_mtime_ns
+    ours = tmp_path / "npusnap-plugins"
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NPUSNAP_CRIU_PLUGIN_DIR=str(ours), NPUSNAP_NO_SLURM="1")
+    done = subprocess.run(
+        ["make", "-s", "setup"], cwd=repo, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in ours.iterdir()) == ["npusim_plugin.so", "npusnap_plugin.so"]
+    assert (fork.read_bytes(), fork.stat().st_mtime_ns) == before
+    assert sorted(p.name for p in shared.iterdir()) == ["npu_plugin.so"]
+    refused = subprocess.run(
+        ["make", "-s", "setup"], cwd=repo, env=dict(env, NPUSNAP_CRIU_PLUGIN_DIR="/usr/lib/criu"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "shared plugin directory" in refused.stderr
+
+    env = dict(sim_env, CRIU_LIBS_DIR=str(ours), NPUSNAP_CRIU_SHARED_PLUGIN_DIRS=str(shared))
+    code, checks = check(env)
+    item = checks["criu-plugin-dirs"]
+    assert code == 0 and item["status"] == "warning", item
+    assert str(fork) in item["detail"] and "16 hooks" in item["detail"], item
+    assert f"libdir {ours}" in item["fix"]
+    assert checks["criu-npu-plugin"]["status"] == "ok"
+    # The same plugin in the directory npusnap's CRIU loads is a problem, not a note.
+    shutil.copy(fork, ours / "npu_plugin.so")
+    code, checks = check(env)
+    item = checks["criu-plugin-dirs"]
+    assert code == 3 and item["status"] == "problem" and "16 hooks" in item["detail"], item

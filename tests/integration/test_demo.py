@@ -16,7 +16,13 @@ NPUSNAP = str(Path(sys.executable).parent / "npusnap")
 
 @pytest.mark.integration
 @requires_root
-def test_demo_round_trip_keeps_continuity(tmp_path: Path, sim_env: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "workload", [["--workload", "compute", "--hidden", "32"], ["--workload", "memory", "--param-mib", "4"]]
+)
+def test_demo_round_trip_keeps_continuity(
+    tmp_path: Path, sim_env: dict[str, str], workload: list[str]
+) -> None:
+    """Both workloads: npu_train.py (aclnn operators, the default) and train.py."""
     work = tmp_path / "demo"
     proc = subprocess.run(
         [
@@ -28,8 +34,7 @@ def test_demo_round_trip_keeps_continuity(tmp_path: Path, sim_env: dict[str, str
             "4",
             "--interval",
             "0.05",
-            "--param-mib",
-            "4",
+            *workload,
             "--workdir",
             str(work),
             "--keep",

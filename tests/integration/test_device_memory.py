@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -54,6 +55,21 @@ def snapshot_cycle(d: Driver) -> None:
         assert d.rc(op) == 0, op
 
 
+def kept_cycle(
+    d: Driver, save: tuple[object, ...] = ("dm_save", 5000), reload: tuple[object, ...] = ("dm_reload",)
+) -> None:
+    """What the agent does: Lock, drain and copy (the runtime's lock holds the job), Backup,
+    Restore, write back while still LOCKED, Unlock, drop the copies."""
+    assert d.rc("lock") == 0
+    r = d.call(*save)
+    assert r["rc"] == 0, r
+    assert d.rc("backup") == 0 and d.rc("restore") == 0
+    r = d.call(*reload)
+    assert r["rc"] == 0, r
+    assert d.rc("unlock") == 0
+    assert d.call("dm_finish")["rc"] == 0
+
+
 def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 1) == 0
@@ -74,13 +90,16 @@ def test_ctypes_allocations_are_tracked_saved_and_reloaded(make_driver: Callable
     crc_a = d.call("fill", a, 2 * MiB + 5, "a")["crc"]
     crc_b = d.call("fill", b, 4096, "b")["crc"]
 
-    # With npusnap's copy: the same pointers hold the same bytes afterwards.
+    # With npusnap's copy, taken while LOCKED with the driver's copy: the same pointers hold
+    # the same bytes afterwards.
+    assert d.rc("lock") == 0
     save = d.call("dm_save", 5000)
     assert save["rc"] == 0, save
     info = d.call("dm_info")
-    assert info["saved"] == 1 and info["gate_closed"] == 1 and info["saved_bytes"] == 2 * MiB + 5 + 4096
-    snapshot_cycle(d)
+    assert info["saved"] == 1 and info["gate_closed"] == 0 and info["saved_bytes"] == 2 * MiB + 5 + 4096
+    assert d.rc("backup") == 0 and d.rc("restore") == 0
     assert d.call("dm_reload")["rc"] == 0
+    assert d.rc("unlock") == 0
     assert d.call("dm_finish")["rc"] == 0
     assert d.call("read", a, 2 * MiB + 5)["crc"] == crc_a
     assert d.call("read", b, 4096)["crc"] == crc_b
@@ -101,12 +120,13 @@ def test_the_copy_in_a_file_and_a_file_that_does_not_match(
     crc_a = d.call("fill", a, 3 * MiB + 7, "a")["crc"]
     crc_b = d.call("fill", b, 4096, "b")["crc"]
     path = tmp_path / "devmem.bin"
+    assert d.rc("lock") == 0
     save = d.call("dm_save_file", str(path), 5000)
     assert save["rc"] == 0, save
     assert save["written"] == path.stat().st_size > 3 * MiB + 4096
     info = d.call("dm_info")
     assert info["saved"] == 1 and info["in_file"] == 1 and info["saved_bytes"] == 3 * MiB + 7 + 4096
-    snapshot_cycle(d)  # the contents are gone (poisoned); npusnap's gate holds the job's reads
+    assert d.rc("backup") == 0 and d.rc("restore") == 0  # the contents are gone (poisoned), still LOCKED
     # The in-memory reload has nothing to write back: it says so instead of succeeding.
     r = d.call("dm_reload")
     assert r["rc"] != 0 and "file" in r["message"], r
@@ -125,6 +145,7 @@ def test_the_copy_in_a_file_and_a_file_that_does_not_match(
     r = d.call("dm_reload_file", str(cut))
     assert r["rc"] != 0 and "its records need" in r["message"], r  # checked before anything is mapped
     assert d.call("dm_reload_file", str(path))["rc"] == 0
+    assert d.rc("unlock") == 0
     d.call("dm_finish")
     assert d.call("read", a, 3 * MiB + 7)["crc"] == crc_a
     assert d.call("read", b, 4096)["crc"] == crc_b
@@ -137,8 +158,8 @@ def test_file_save_of_many_chunks_on_several_threads_and_a_failed_write(
 ) -> None:
     """The agent copies device memory to and from the file a chunk at a time on several threads
     (devmem.c's xfer_run): allocations of odd sizes across chunk boundaries come back byte for
-    byte; a write that fails (the disk is full) fails the save with its cause, reopens the gate
-    and leaves the job's device memory as it was."""
+    byte; a write that fails (the disk is full) fails the save with its cause and leaves the
+    job's device memory as it was."""
     d = make_driver()
     assert d.rc("set", 0) == 0
     sizes = [37 * MiB + 5, 4 * MiB, 1, 16 * MiB - 3]
@@ -148,18 +169,22 @@ def test_file_save_of_many_chunks_on_several_threads_and_a_failed_write(
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
     try:
+        assert d.rc("lock") == 0
         r = d.call("dm_save_file", str(small / "devmem.bin"), 5000)
+        assert d.rc("unlock") == 0  # what the agent does after a failed save
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
     assert r["rc"] != 0 and "cannot write the device-memory file: No space left on device" in r["message"], r
     assert d.call("dm_info")["saved"] == 0
-    assert [d.call("read", a, n)["crc"] for a, n in zip(addrs, sizes)] == crcs  # the gate is open
+    assert [d.call("read", a, n)["crc"] for a, n in zip(addrs, sizes)] == crcs
 
     path = tmp_path / "devmem.bin"
+    assert d.rc("lock") == 0
     save = d.call("dm_save_file", str(path), 5000)
     assert save["rc"] == 0 and save["written"] == path.stat().st_size == 32 + 24 * 4 + sum(sizes), save
-    snapshot_cycle(d)  # the contents are gone (poisoned); the gate holds the job's reads
+    assert d.rc("backup") == 0 and d.rc("restore") == 0  # the contents are gone (poisoned)
     assert d.call("dm_reload_file", str(path))["rc"] == 0
+    assert d.rc("unlock") == 0
     d.call("dm_finish")
     assert [d.call("read", a, n)["crc"] for a, n in zip(addrs, sizes)] == crcs
 
@@ -172,52 +197,88 @@ def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
     b = d.call("malloc", 8192)["addr"]
     crc_a = d.call("fill", a, 8192, "on device 0")["crc"]
     crc_b = d.call("fill", b, 8192, "on device 1")["crc"]
-    assert sorted(d.call("devices")["devices"]) == [0, 1]
+    assert d.rc("lock") == 0
     assert d.call("dm_save", 5000)["rc"] == 0
     assert d.call("dm_info")["saved_bytes"] == 16384
-    snapshot_cycle(d)
+    assert d.rc("backup") == 0 and d.rc("restore") == 0
     assert d.call("dm_reload")["rc"] == 0
+    assert d.rc("unlock") == 0
     d.call("dm_finish")
     assert d.call("read", a, 8192)["crc"] == crc_a
     assert d.call("read", b, 8192)["crc"] == crc_b
 
 
-def test_the_gate_holds_the_jobs_device_calls_until_finish(make_driver: Callable[..., Driver]) -> None:
+def test_the_runtimes_lock_holds_the_job_until_the_memory_is_back(make_driver: Callable[..., Driver]) -> None:
+    """No gate of npusnap's: the runtime's own lock holds another thread's device calls from Lock
+    to Unlock, npusnap copies and writes back with the driver's copy meanwhile, so the thread's
+    read, made while LOCKED, sees the bytes of before the snapshot, never the poison."""
     d = make_driver()
     assert d.rc("set", 1) == 0
     a = d.call("malloc", 4096)["addr"]
-    d.call("fill", a, 4096, "x")
-    assert d.call("dm_save", 5000)["rc"] == 0
-    # Another thread's device calls wait at npusnap's gate, before the runtime: also while the
-    # runtime itself is RUNNING (before Lock and after Unlock).
+    crc = d.call("fill", a, 4096, "x")["crc"]
+    assert d.rc("lock") == 0
+    d.call("bg", "r", "read", a, 4096)
     d.call("bg", "m", "malloc", 4096)
-    d.call("bg", "w", "fill", a, 4096, "y")
-    assert d.call("bgwait", "m", 0.5)["done"] is False
-    assert d.call("bgwait", "w", 0.1)["done"] is False
-    snapshot_cycle(d)
+    assert d.call("bgwait", "r", 0.5)["done"] is False  # held by the runtime
+    assert d.call("dm_save", 5000)["rc"] == 0  # the driver's copy is not held
+    assert d.rc("backup") == 0 and d.rc("restore") == 0
     assert d.call("dm_reload")["rc"] == 0
-    assert d.call("bgwait", "w", 0.3)["done"] is False  # reload done, the gate still closed
-    # Queries are not held.
-    assert d.call("getdev")["dev"] == 1
+    assert d.call("bgwait", "r", 0.3)["done"] is False  # still LOCKED: still held
+    assert d.call("getdev")["dev"] == 1  # queries are not held
+    assert d.rc("unlock") == 0
     d.call("dm_finish")
+    assert d.call("bgwait", "r", 5)["result"]["crc"] == crc
     assert d.call("bgwait", "m", 5)["result"]["rc"] == 0
-    assert d.call("bgwait", "w", 5)["result"]["rc"] == 0
 
 
-def test_save_waits_for_calls_in_flight_at_most_the_timeout(make_driver: Callable[..., Driver]) -> None:
+def test_save_drains_the_device_at_most_the_timeout(make_driver: Callable[..., Driver]) -> None:
+    """A copy queued on a stream before Lock is finished by the drain before the bytes are read;
+    a device that does not finish its queued work within the timeout fails the save (the agent
+    then unlocks and the job runs on)."""
     d = make_driver(NPUSIM_COPY_MBPS="2")  # a 4 MiB copy takes about 2 s
     assert d.rc("set", 1) == 0
     a = d.call("malloc", 4 * MiB)["addr"]
     d.call("bg", "slow", "fill", a, 4 * MiB, "s")
-    time.sleep(0.5)  # the thread is inside aclrtMemcpy now (the whole copy takes about 2 s)
+    time.sleep(0.5)  # the thread is inside the copy now (the whole copy takes about 2 s)
     assert d.call("bgwait", "slow", 0)["done"] is False
+    assert d.rc("lock") == 0  # a call past the runtime's entry check runs on
     save = d.call("dm_save", 200)
-    assert save["rc"] == -110 and "still running" in save["message"]  # -ETIMEDOUT
-    assert d.call("dm_info")["gate_closed"] == 0  # open again: the job goes on
-    assert d.call("bgwait", "slow", 10)["result"]["rc"] == 0
-    # Once nothing is in flight, the same save waits for nothing.
+    assert save["rc"] == -110 and "still running" in save["message"], save  # -ETIMEDOUT
+    assert d.call("dm_info")["saved"] == 0
+    assert d.rc("unlock") == 0
+    crc = d.call("bgwait", "slow", 10)["result"]["crc"]
+    # Once nothing is in flight, the same save waits for nothing, and has the whole fill.
+    assert d.rc("lock") == 0
     assert d.call("dm_save", 200, timeout=30)["rc"] == 0
+    assert d.rc("backup") == 0 and d.rc("restore") == 0
+    assert d.call("dm_reload", timeout=30)["rc"] == 0
+    assert d.rc("unlock") == 0
     d.call("dm_finish")
+    assert d.call("read", a, 4 * MiB, timeout=30)["crc"] == crc
+
+
+def test_vmm_ranges_are_tracked_saved_and_reloaded(make_driver: Callable[..., Driver]) -> None:
+    """An expandable segment (aclrtReserveMemAddress + aclrtMallocPhysical + aclrtMapMem, as
+    torch_npu's caching allocator): the driver-layer tracking sees the mapped range; CANN's
+    Restore gives the mapping back at its address without its contents (the assumption the
+    simulator follows, docs/device-memory.md), and npusnap's copy brings the bytes back."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    v = d.call("vmm_alloc", 2 * MiB, 0)
+    assert v["rc"] == 0, v
+    a = d.call("malloc", 4096)["addr"]
+    crc_v = d.call("fill", v["addr"], 2 * MiB, "segment")["crc"]
+    crc_a = d.call("fill", a, 4096, "plain")["crc"]
+    info = d.call("dm_info")
+    assert info["vmm_bytes"] == 2 * MiB and info["bytes"] == 2 * MiB + 4096, info
+    assert info["reserved_bytes"] >= 2 * MiB
+    snapshot_cycle(d)
+    assert d.call("read", v["addr"], 4096)["head"] == POISON_HEAD  # the mapping came back, its bytes not
+    crc_v = d.call("fill", v["addr"], 2 * MiB, "segment")["crc"]
+    crc_a = d.call("fill", a, 4096, "plain")["crc"]
+    kept_cycle(d)
+    assert d.call("read", v["addr"], 2 * MiB)["crc"] == crc_v
+    assert d.call("read", a, 4096)["crc"] == crc_a
 
 
 def test_excluded_and_registered_buffers(make_driver: Callable[..., Driver]) -> None:
@@ -230,11 +291,7 @@ def test_excluded_and_registered_buffers(make_driver: Callable[..., Driver]) -> 
     assert d.rc("dm_exclude", scratch, 8192) == 0
     info = d.call("dm_info")
     assert info["excluded_bytes"] == 8192
-    assert d.call("dm_save", 5000)["rc"] == 0
-    assert d.call("dm_info")["saved_bytes"] == 8192
-    snapshot_cycle(d)
-    assert d.call("dm_reload")["rc"] == 0
-    d.call("dm_finish")
+    kept_cycle(d)
     assert d.call("read", keep, 8192)["crc"] == crc
     assert d.call("read", scratch, 8192)["head"] == POISON_HEAD  # declared as needing no copy
 
@@ -251,10 +308,7 @@ def test_without_preload_only_registered_buffers_are_kept(make_driver: Callable[
     assert info["interposed"] == 0 and info["allocations"] == 0
     assert d.rc("dm_register", a, 4096) == 0
     assert d.call("dm_info")["allocations"] == 1
-    assert d.call("dm_save", 5000)["rc"] == 0
-    snapshot_cycle(d)
-    assert d.call("dm_reload")["rc"] == 0
-    d.call("dm_finish")
+    kept_cycle(d)
     assert d.call("read", a, 4096)["crc"] == crc_a
     assert d.call("read", b, 4096)["head"] == POISON_HEAD
 
@@ -283,12 +337,13 @@ int main(int argc, char **argv) {
     npusnap_devmem_info i = {0};
     if (info) info(&i);
     printf("tracked %llu interposed %d\n", (unsigned long long)i.allocations, i.interposed);
-    if (use && save(1000, err, sizeof err)) return 3;
     int p = getpid();
-    if (aclrtSnapShotProcessLock(p, NULL) || aclrtSnapShotProcessBackup(p, NULL) ||
-        aclrtSnapShotProcessRestore(p, NULL) || aclrtSnapShotProcessUnlock(p, NULL))
-        return 4;
-    if (use) { if (reload(err, sizeof err)) return 5; finish(); }
+    if (aclrtSnapShotProcessLock(p, NULL)) return 4;
+    if (use && save(1000, err, sizeof err)) return 3;
+    if (aclrtSnapShotProcessBackup(p, NULL) || aclrtSnapShotProcessRestore(p, NULL)) return 4;
+    if (use && reload(err, sizeof err)) return 5;
+    if (aclrtSnapShotProcessUnlock(p, NULL)) return 4;
+    if (use) finish();
     if (aclrtMemcpy(out, 64, d, 64, 2)) return 6;
     printf("%s\n", strcmp(out, buf) == 0 ? "same" : "lost");
     return 0;
@@ -351,18 +406,22 @@ def test_dump_refuses_device_memory_it_cannot_see(
 
 
 @requires_root
-@pytest.mark.parametrize("cann", ["9.0", "9.1"])
+@pytest.mark.parametrize("cann", ["9.0", "9.1", "strict"])
 def test_npusnap_round_trip_on_both_snapshot_abis(
     cann: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """CANN 8.5/9.0 declare Lock/Backup/Restore/Unlock without arguments, 9.1+ as (pid, args):
-    npusnap drives both the same way, and the job continues exactly (device memory kept)."""
+    npusnap drives both the same way, and the job continues exactly (device memory kept).
+    ``strict``: the 9.1 tree whose libraries export real CANN and driver names only, with
+    npusnap forbidden to talk to the simulator's daemon (NPUSNAP_NO_SIM_DAEMON=1)."""
     from npusnap_cli import paths
     from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
 
-    home = paths.build_dir() / paths.SIM_CANN_TREES[cann]
+    home = paths.build_dir() / paths.SIM_CANN_TREES.get(cann, f"cann-{cann}")
     env = job_env(sim_env, runtime_dir)
     env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSIM_CANN=cann)
+    if cann == "strict":
+        env["NPUSNAP_NO_SIM_DAEMON"] = "1"
     args = ["--steps", "40", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
@@ -371,7 +430,9 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
         job.wait_lines(5)
         rc, out, err = cli(env, "dump", str(job.pid), str(img))
         assert rc == 0, (out or {}).get("error") or err
-        assert out is not None and out["result"]["versions"]["cann"] == f"{cann}.0"
+        assert out is not None and out["result"]["versions"]["cann"] == (
+            "9.1.0" if cann == "strict" else f"{cann}.0"
+        )
         job.reap()
         rc, out, err = cli(env, "restore", str(img))
         assert rc == 0, (out or {}).get("error") or err
@@ -583,3 +644,56 @@ def test_npusnap_prefers_the_driver_flow_and_falls_back(
         assert job.lines() == ref
     finally:
         job.cleanup()
+
+
+VMM_TARGET = r"""
+import ctypes, os, sys, time
+sys.path.insert(0, os.environ["REPO"])
+from tests.integration.sim_helpers import acl_driver as d  # the same ctypes declarations
+assert d.lib.aclInit(None) in (0, 100002)
+assert d.lib.aclrtSetDevice(0) == 0
+r = d.run(["vmm_alloc", 2 << 20, 0])  # an expandable segment, as torch_npu's caching allocator
+assert r["rc"] == 0, r
+assert d.run(["fill", r["addr"], 2 << 20, "weights"])["rc"] == 0
+print("ready", os.getpid(), flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+@requires_root
+def test_attached_job_with_vmm_memory_is_refused_without_the_simulators_daemon(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A job that allocated through VMM (reserve + physical + map) before an agent was attached:
+    the agent saw none of it, and npusnap, forbidden to ask the simulator's daemon anything
+    (NPUSNAP_NO_SIM_DAEMON=1), still finds the device memory in /proc/PID/maps and refuses to
+    call the dump continuous; nothing is locked."""
+    script = tmp_path / "vmm_target.py"
+    script.write_text(VMM_TARGET)
+    env = job_env(sim_env, runtime_dir, NPUSNAP_NO_SIM_DAEMON="1", REPO=str(REPO))
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(script)], env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: b"ready" in out_path.read_bytes(), 20, "the VMM job")
+        rc, res, err = cli(env, "attach", str(proc.pid))
+        assert rc == 0, (res or {}).get("error") or err
+        img = tmp_path / "img"
+        rc, res, err = cli(env, "dump", str(proc.pid), str(img), "--leave-running")
+        assert rc == ExitCode.TARGET, (res or {}).get("error") or err
+        assert res is not None
+        error = res["error"]
+        assert "does not know their device memory" in error["message"], error
+        assert error["details"]["untracked_pids"] == [proc.pid]
+        record = error["details"]["device_memory"][str(proc.pid)]
+        assert record["interposed"] is False and record["device_mappings"] > 0, record
+        assert not img.exists()
+        assert agent_state(proc.pid) == "RUNNING"
+        assert "npusnap may not talk" not in err
+    finally:
+        proc.kill()
+        proc.wait()

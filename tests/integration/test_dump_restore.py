@@ -73,10 +73,12 @@ def test_dump_midway_restore_prints_the_uninterrupted_run(
         rc, insp, _ = cli(env, "inspect", str(img))
         assert rc == 0 and insp is not None and insp["result"]["root_pid"] == job.pid
 
-        # Another process on device 0: restore must refuse before touching anything.
+        # Another process on device 0: restore must refuse before touching anything. npusnap finds
+        # it in /proc (device mappings) and its agent names its device (a process without an
+        # agent cannot say which device it uses: the runtime's Restore refuses that one, 507909).
         occ_dir = tmp_path / "occ"
         occ_dir.mkdir()
-        occupier = Job(occ_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"], agent=False)
+        occupier = Job(occ_dir, env, [PY, TRAIN, "--steps", "0", *TRAIN_ARGS, "--device", "0"])
         try:
             occupier.wait_lines(1)
             rc, out, _ = cli(env, "restore", str(img))
@@ -142,14 +144,21 @@ def test_leave_running_keeps_computing_and_image_restores_later(
         job.cleanup()
 
 
-def test_two_worker_launcher_round_trips(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("load_acl", [False, True], ids=["plain-launcher", "launcher-with-acl"])
+def test_two_worker_launcher_round_trips(
+    load_acl: bool, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A launcher and two workers on devices 0 and 1. With --load-acl the launcher has the CANN
+    runtime loaded and an agent but no device open (torchrun with torch_npu imported): its Lock
+    finds no device (no LOCK_PRE callback runs), it is not left locked, and the dump goes on."""
     env = job_env(sim_env, runtime_dir)
     steps = ["--steps", "80", *TRAIN_ARGS]
     refs = [
         [f"[rank {r}] {line}" for line in reference(env, [*steps, "--device", str(r), "--seed", str(r)])]
         for r in (0, 1)
     ]
-    job = Job(tmp_path, env, [PY, LAUNCHER, *steps, "--devices", "0,1"])
+    extra = ["--load-acl"] if load_acl else []
+    job = Job(tmp_path, env, [PY, LAUNCHER, *steps, "--devices", "0,1", *extra])
     img = tmp_path / "img"
     try:
         wait_until(lambda: sum(1 for ln in job.lines() if ln.startswith("[rank 1]")) >= 4, 20, "both ranks")
@@ -158,7 +167,12 @@ def test_two_worker_launcher_round_trips(sim_env: dict[str, str], runtime_dir: P
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None
         npu = out["result"]["npu_pids"]
-        assert len(npu) == 2 and job.pid not in npu  # the launcher has no device, the workers do
+        if load_acl:  # the runtime is loaded: locked and unlocked at once, no device
+            assert len(npu) == 3 and job.pid in npu
+            launcher = [p for p in out["result"]["processes"] if p["pid"] == job.pid]
+            assert launcher and launcher[0]["devices"] == []
+        else:
+            assert len(npu) == 2 and job.pid not in npu  # the launcher has no device, the workers do
         devices = sorted(d for p in out["result"]["processes"] for d in p["devices"])
         assert devices == [0, 1]
         job.reap()

@@ -99,7 +99,8 @@ def test_check_and_dump_preflight_refuse_a_plugin_of_another_criu(
 
     plugins = tmp_path / "criu-plugins"
     plugins.mkdir()
-    monkeypatch.setattr(preflight, "CRIU_PLUGIN_DIRS", (str(plugins),))
+    # Where npusnap's CRIU loads plugins from (npusnap hands CRIU its own directory).
+    monkeypatch.setenv("CRIU_LIBS_DIR", str(plugins))
     monkeypatch.setattr(criuplugin, "criu_max_hooks", lambda version: (13, "test header"))
     shutil.copy(build(tmp_path, 16), plugins / "npu_plugin.so")  # built against the fork's header
     item = preflight.check_npu_plugin(simulated=False)

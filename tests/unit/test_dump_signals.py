@@ -27,17 +27,29 @@ def test_signal_guard_defers_then_raises_and_restores_handlers() -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-def test_sim_device_usage_reads_live_owners(monkeypatch: pytest.MonkeyPatch) -> None:
-    status = {
-        "owners": [
-            {"pid": 10, "alive": True, "bytes": 4096, "devices": [1]},
-            {"pid": 11, "alive": False, "bytes": 99, "devices": [0]},
-        ]
-    }
-    monkeypatch.setattr(dump, "sim_status", lambda: status)
-    assert dump.sim_device_usage() == {10: ([1], 4096)}
-    monkeypatch.setattr(dump, "sim_status", lambda: None)
-    assert dump.sim_device_usage() is None
+def test_device_memory_unseen_by_the_agent_is_found_in_proc_maps() -> None:
+    """A process whose agent tracked nothing (attached) but whose /proc maps show device memory
+    is refused in preserve mode: the signal is the host's, not the simulator daemon's."""
+    from npusnap_cli.errors import TargetError
+    from npusnap_cli.host.devmaps import DeviceMemory
+
+    hello = {10: {"device_memory": {"interposed": False, "bytes": 0}, "acl": {"devices": []}}}
+    mapped = {10: DeviceMemory(mappings=2, bytes=1 << 21)}
+    with pytest.raises(TargetError, match="does not know"):
+        dump.check_device_memory("preserve", hello, mapped)
+    assert dump.check_device_memory("app", hello, mapped)["processes"]["10"]["device_mappings"] == 2
+    # Nothing mapped, no devices, no records: a process without device memory passes.
+    dump.check_device_memory("preserve", hello, {10: DeviceMemory(mappings=0, bytes=0)})
+
+
+def test_devmaps_reads_device_mappings_of_proc_maps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from npusnap_cli.host import devmaps
+
+    assert devmaps.DEVICE_MAPPING.match("/dev/svm0")
+    assert devmaps.DEVICE_MAPPING.match("/memfd:npusim-dev0-0x100000000 (deleted)")
+    assert not devmaps.DEVICE_MAPPING.match("/usr/lib/libc.so.6")
+    dm = devmaps.device_memory(os.getpid())
+    assert dm is not None and dm.mappings == 0
 
 
 def test_free_space_check_names_sizes(tmp_path: Path) -> None:

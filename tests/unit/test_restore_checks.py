@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from npusnap_cli import criu, image, paths
-from npusnap_cli.errors import ExitCode, ImageError, PreflightError
+from npusnap_cli.errors import BusyError, ExitCode, ImageError, PreflightError
 from npusnap_cli.pipelines import restore
 from tests.unit.test_image import _manifest
 
@@ -100,22 +100,41 @@ def test_pstree_pids_must_be_the_manifests(tmp_path: Path) -> None:
         restore.image_thread_ids(tmp_path, _manifest())
 
 
-def test_too_little_device_capacity_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from npusnap_cli.pipelines import dump
+def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device-free check of every image: /proc finds the NPU users, their agents name their
+    devices; one on a device of the image is refused, one without an agent is a note."""
+    from npusnap_cli import paths
+    from npusnap_cli.device import agent_client
+    from npusnap_cli.host import devmaps
 
-    m = _manifest()  # pid 1235 holds 4096 bytes on device 1
-    status = {
-        "devices": [
-            {"id": 0, "capacity": 1 << 20, "used": 0, "owner": None},
-            {"id": 1, "capacity": 8192, "used": 6144, "owner": None},
-        ]
-    }
-    monkeypatch.setattr(dump, "sim_status", lambda: status)
-    with pytest.raises(PreflightError) as exc:
+    m = _manifest()  # pid 1235 holds device 1
+    users = [4001, 4002]
+    monkeypatch.setattr(
+        devmaps, "npu_users", lambda exclude=frozenset(): [u for u in users if u not in exclude]
+    )
+    monkeypatch.setattr(paths, "find_agent_socket", lambda pid: Path("/x") if pid == 4001 else None)
+    devices = {"now": [1]}
+
+    class FakeClient:
+        def __init__(self, pid: int, **kw: object) -> None:
+            self.pid = pid
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            return None
+
+        def hello(self) -> dict[str, object]:
+            return {"acl": {"devices": devices["now"]}}
+
+    monkeypatch.setattr(agent_client, "AgentClient", FakeClient)
+    with pytest.raises(BusyError) as exc:
         restore.check_devices_free(m)
-    assert "2048 bytes free" in exc.value.message and "needs 4096" in exc.value.message
-    status["devices"][1]["used"] = 0
-    restore.check_devices_free(m)  # fits now
+    assert "device 1 by pid 4001" in exc.value.message
+    devices["now"] = [0]
+    notes = restore.check_devices_free(m)
+    assert len(notes) == 1 and "4002" in notes[0] and "507909" in notes[0]
 
 
 def test_a_full_disk_during_criu_is_reported_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

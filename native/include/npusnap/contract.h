@@ -180,6 +180,7 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED "DEVICE_MEMORY_SAVE_FAILED" /* state: the copy of the device memory failed (code: -errno); nothing was locked */
 #define NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED "DEVICE_MEMORY_RELOAD_FAILED" /* state: writing the device memory back failed (code: -errno) */
 #define NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE "DEVICE_MEMORY_UNAVAILABLE" /* state: the device-memory part is not loaded */
+#define NPUSNAP_ERR_DEVICE_BUSY "DEVICE_BUSY" /* state: the devices did not drain in time after Lock (a kernel or collective still runs); unlocked again */
 #define NPUSNAP_ERR_HOOK_FAILED "HOOK_FAILED" /* hook: an application hook raised */
 #define NPUSNAP_ERR_HOOK_TIMEOUT "HOOK_TIMEOUT" /* hook: an application hook did not return in time */
 #define NPUSNAP_ERR_NO_RANDOM "NO_RANDOM" /* internal: no random bytes for a token */
@@ -208,12 +209,12 @@ static inline const char *npusnap_arg_kind_name(int kind) {
  * struct { const char *op;
  *          struct { const char *name; int kind; } args[NPUSNAP_PROTOCOL_MAX_ARGS]; }. */
 #define NPUSNAP_PROTOCOL_OP_COUNT 9
-#define NPUSNAP_PROTOCOL_MAX_ARGS 4
+#define NPUSNAP_PROTOCOL_MAX_ARGS 5
 #define NPUSNAP_PROTOCOL_OP_NAMES "backup, hello, lock, release, renew, restore, rollback, status, unlock"
 #define NPUSNAP_PROTOCOL_OPS_INIT \
     {"backup", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
     {"hello", {{0, 0}}}, \
-    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}}}, \
+    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}}}, \
     {"release", {{"token", NPUSNAP_ARG_TOKEN}}}, \
     {"renew", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
     {"restore", {{"token", NPUSNAP_ARG_TOKEN}, {"device_memory_file", NPUSNAP_ARG_PATH}}}, \
@@ -303,18 +304,20 @@ NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_snap_args) == 64, "npusnap_snap_args
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_snap_args, flags) == 0, "npusnap_snap_args.flags offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_snap_args, reserved) == 4, "npusnap_snap_args.reserved offset");
 
-/* npusnap_devmem_get_info(): what the device-memory part knows (48 bytes) */
+/* npusnap_devmem_get_info(): what the device-memory part knows (64 bytes) */
 typedef struct npusnap_devmem_info {
     uint64_t allocations; /* live device allocations tracked */
     uint64_t bytes; /* their total size */
     uint64_t saved_bytes; /* bytes currently held in host copies */
     uint64_t excluded_bytes; /* bytes the application declared as not needing a copy */
     int32_t interposed; /* 1: allocation calls are interposed (tracking is complete) */
-    int32_t gate_closed; /* 1: the job's device calls are held at npusnap's gate */
+    int32_t gate_closed; /* always 0: npusnap has no gate of its own (the runtime's lock holds) */
     int32_t saved; /* 1: copies exist (between save and finish) */
     int32_t in_file; /* 1: the copies went into a file (npusnap_devmem_save_fd) */
+    uint64_t vmm_bytes; /* of `bytes`: mapped VMM ranges (expandable segments) */
+    uint64_t reserved_bytes; /* VMM address space reserved (halMemAddressReserve), mapped or not */
 } npusnap_devmem_info;
-NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_info) == 48, "npusnap_devmem_info size");
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_info) == 64, "npusnap_devmem_info size");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, allocations) == 0, "npusnap_devmem_info.allocations offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, bytes) == 8, "npusnap_devmem_info.bytes offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, saved_bytes) == 16, "npusnap_devmem_info.saved_bytes offset");
@@ -323,6 +326,8 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, interposed) == 32, "n
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, gate_closed) == 36, "npusnap_devmem_info.gate_closed offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, saved) == 40, "npusnap_devmem_info.saved offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, in_file) == 44, "npusnap_devmem_info.in_file offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, vmm_bytes) == 48, "npusnap_devmem_info.vmm_bytes offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_info, reserved_bytes) == 56, "npusnap_devmem_info.reserved_bytes offset");
 
 /* The device-memory file's header (32 bytes) */
 struct npusnap_devmem_file_header {
@@ -340,13 +345,13 @@ struct npusnap_devmem_file_record {
     uint64_t ptr;
     uint64_t size;
     int32_t dev;
-    int32_t reserved;
+    int32_t kind; /* 0 halMemAlloc, 1 a mapped VMM range, 2 registered */
 };
 NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_devmem_file_record) == 24, "npusnap_devmem_file_record size");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, ptr) == 0, "npusnap_devmem_file_record.ptr offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, size) == 8, "npusnap_devmem_file_record.size offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, dev) == 16, "npusnap_devmem_file_record.dev offset");
-NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, reserved) == 20, "npusnap_devmem_file_record.reserved offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, kind) == 20, "npusnap_devmem_file_record.kind offset");
 
 /* A request to the simulator's daemon (32 bytes, packed) */
 #pragma pack(push, 1)
@@ -407,6 +412,8 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     F(npusnap_devmem_info, gate_closed) \
     F(npusnap_devmem_info, saved) \
     F(npusnap_devmem_info, in_file) \
+    F(npusnap_devmem_info, vmm_bytes) \
+    F(npusnap_devmem_info, reserved_bytes) \
     S(npusnap_devmem_file_header) \
     F(npusnap_devmem_file_header, magic) \
     F(npusnap_devmem_file_header, count) \
@@ -415,7 +422,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     F(npusnap_devmem_file_record, ptr) \
     F(npusnap_devmem_file_record, size) \
     F(npusnap_devmem_file_record, dev) \
-    F(npusnap_devmem_file_record, reserved) \
+    F(npusnap_devmem_file_record, kind) \
     S(npusim_req) \
     F(npusim_req, op) \
     F(npusim_req, dev) \
@@ -545,6 +552,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED) \
     X(NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED) \
     X(NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE) \
+    X(NPUSNAP_ERR_DEVICE_BUSY) \
     X(NPUSNAP_ERR_HOOK_FAILED) \
     X(NPUSNAP_ERR_HOOK_TIMEOUT) \
     X(NPUSNAP_ERR_NO_RANDOM) \

@@ -1,13 +1,12 @@
 /* npusnap's own copy of a job's device memory across a snapshot.
  *
  * Why: in CANN's released (legacy) snapshot flow, Restore brings back every allocation's
- * *address* but not its *contents* (see docs/device-memory.md). npusnap therefore learns the
- * live device allocations of the process it runs in (by interposing the allocation calls),
- * copies them to host memory before Lock (while device copies are still allowed), lets CRIU
- * save that host memory with the rest of the process, and writes the bytes back to the same
- * device addresses after Restore and Unlock -- before any thread of the job may issue device
- * work again. A gate of npusnap's own holds the job's device calls for that whole window
- * (runtime Lock alone does not cover it: its gate opens at Unlock).
+ * *address* but not its *contents* (see docs/device-memory.md). npusnap therefore tracks the live
+ * device allocations of the process it runs in at the driver layer (halMemAlloc and the VMM calls
+ * of libascend_hal.so), and, while the runtime is LOCKED (its own lock holds every launch, copy and
+ * allocation of every thread), drains the devices with a bounded synchronize and copies the memory
+ * with the driver's drvMemcpy, which that lock does not gate; after Restore, still LOCKED, it writes
+ * the bytes back the same way, and only then does the agent Unlock.
  *
  * This header is the only interface between the device-memory part and the rest of the native
  * agent (the control-socket core calls these at the matching protocol steps). All functions
@@ -28,25 +27,31 @@ extern "C" {
 /* npusnap_devmem_info, the struct npusnap_devmem_get_info() fills: in contract.h (generated from
  * native/contract/npusnap.toml, which also gives npusnap_cli/agent/devmem.py its layout). */
 
-/* Before Lock: close the gate (new device calls of the job wait; calls already in flight are
- * waited for, at most timeout_ms), then copy every tracked allocation to host memory.
- * Returns 0, or -errno with a message in err (the gate is open again on failure). */
+/* After the runtime's Lock: synchronize every device that holds tracked memory (its context
+ * selected; at most timeout_ms each), wait (at most timeout_ms) for the job's driver copies in
+ * flight, synchronize again, then copy every tracked allocation to host memory with drvMemcpy.
+ * Returns 0, or -errno with a message in err (-ETIMEDOUT: a kernel or collective still runs). */
 int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen);
+
+/* After the runtime's Lock, without a copy (modes app/discard, the driver-backed flow): the same
+ * bounded drain of every device the job opened, so that Backup's own synchronize (which has no
+ * timeout) finds nothing queued. 0, or -errno with err set. */
+int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen);
 
 /* The same, but the copies go into fd (a file of the image that npusnap's dump opened and
  * passed to the agent) instead of host memory: CRIU then dumps (and restores) that much less
  * process memory, and the bytes are written once. *written gets the file's size. */
 int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen);
 
-/* After Restore and Unlock: write the copies saved by npusnap_devmem_save_fd back from fd
- * (the same file, checked against the allocation table first). The gate stays closed. */
+/* After the runtime's Restore, before Unlock: write the copies saved by npusnap_devmem_save_fd
+ * back from fd (the same file, checked against the allocation table first) with drvMemcpy. */
 int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen);
 
-/* After Restore and Unlock: write the host copies back to the same device addresses.
- * The gate stays closed. Returns 0, or -errno with a message in err. */
+/* After the runtime's Restore, before Unlock: write the host copies back to the same device
+ * addresses. Returns 0, or -errno with a message in err. */
 int npusnap_devmem_reload(char *err, size_t errlen);
 
-/* Drop the host copies and open the gate (after reload, on rollback, or with --leave-running). */
+/* Drop the copies (after reload, on rollback, or with --leave-running). */
 void npusnap_devmem_finish(void);
 
 void npusnap_devmem_get_info(npusnap_devmem_info *out);
@@ -59,8 +64,8 @@ int npusnap_devmem_exclude(void *dev_ptr, size_t size);
 /* Added: how many allocations came from npusnap_devmem_register. */
 uint64_t npusnap_devmem_registered_count(void);
 
-/* Added: the device ids the job opened (interposed aclrtSetDevice, not yet reset); writes at
- * most max of them into ids and returns how many there are. */
+/* The device ids the job opened (aclrtSetDevice / its contexts followed, not yet reset); writes
+ * at most max of them into ids and returns how many there are. */
 int npusnap_devmem_devices(int32_t *ids, int max);
 
 #ifdef __cplusplus

@@ -13,6 +13,7 @@ device call blocks while the process is locked.
     npusnap's device-memory library (preloaded, or loaded from $NPUSNAP_AGENT_LIB):
     ["dm_save", timeout_ms] ["dm_reload"] ["dm_finish"] ["dm_info"] ["dm_register", addr, n]
     ["dm_exclude", addr, n] ["dm_save_file", path, timeout_ms] ["dm_reload_file", path]
+    ["vmm_alloc", n, device]: aclrtReserveMemAddress + aclrtMallocPhysical + aclrtMapMem
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ lib.aclrtSnapShotCallbackUnregister.argtypes = [ctypes.c_int, CB]
 
 
 DmInfo = DevmemInfo  # npusnap_devmem_info, the contract's layout
+
+
+class PhysicalMemProp(ctypes.Structure):
+    """aclrtPhysicalMemProp (include/external/acl/acl_rt.h)."""
+
+    _fields_ = [
+        ("handleType", ctypes.c_int),
+        ("allocationType", ctypes.c_int),
+        ("memAttr", ctypes.c_int),
+        ("locationId", ctypes.c_uint32),
+        ("locationType", ctypes.c_int),
+        ("reserve", ctypes.c_uint64),
+    ]
+
+
+ACL_MEM_LOCATION_TYPE_DEVICE = 1
+ACL_HBM_MEM_HUGE = 4
 
 
 def devmem() -> Any:
@@ -173,6 +191,33 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": lib.aclFinalize()}
     if op == "sync":
         return {"rc": lib.aclrtSynchronizeDevice()}
+    if op == "vmm_alloc":  # ["vmm_alloc", n, device]: an expandable segment of one chunk, as torch_npu
+        va, h = ctypes.c_void_p(), ctypes.c_void_p()
+        prop = PhysicalMemProp(0, 0, ACL_HBM_MEM_HUGE, cmd[2], ACL_MEM_LOCATION_TYPE_DEVICE, 0)
+        lib.aclrtReserveMemAddress.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+        ]
+        lib.aclrtMallocPhysical.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_size_t,
+            ctypes.POINTER(PhysicalMemProp),
+            ctypes.c_uint64,
+        ]
+        lib.aclrtMapMem.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+        ]
+        rc = lib.aclrtReserveMemAddress(ctypes.byref(va), cmd[1], 0, None, 0)
+        rc = rc or lib.aclrtMallocPhysical(ctypes.byref(h), cmd[1], ctypes.byref(prop), 0)
+        rc = rc or lib.aclrtMapMem(va, cmd[1], 0, h, 0)
+        return {"rc": rc, "addr": va.value or 0}
     if op.startswith("dm_"):
         dm = devmem()
         err = ctypes.create_string_buffer(512)

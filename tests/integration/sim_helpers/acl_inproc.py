@@ -21,7 +21,6 @@ out["path"] = rt.path
 out["loaded"] = acl.loaded_acl_library()
 out["version"] = rt.version
 out["simulated"] = rt.simulated
-out["devices"] = rt.devices()
 seen = []
 rt.register_callback(acl.Stage.LOCK_PRE, lambda dev: seen.append(("lock_pre", dev)) or 0)
 rt.register_callback(acl.Stage.UNLOCK_POST, lambda dev: seen.append(("unlock_post", dev)) or 0)

@@ -1,0 +1,566 @@
+/* libhccl.so of the simulated CANN tree: collectives between ranks in different processes.
+ *
+ * Real prototypes of hccl/hccl.h and hccl_types.h: HcclGetRootInfo, HcclCommInitRootInfo,
+ * HcclAllReduce, HcclBroadcast, HcclCommDestroy, HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommAsyncError.
+ *
+ * The simulated interconnect: a communicator is a window (one memfd, HCCL_BUFFSIZE MiB per rank,
+ * default 8, plus a header of barrier words) that every rank maps. The root rank makes it and
+ * hands it to the others over the unix socket its root info names (the analogue of the TCP
+ * rendezvous of real root info), with the HCCL_CONNECT_TIMEOUT deadline; then the socket is gone.
+ * A collective is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
+ * aclrtLaunchKernel: it is queued, runs when the stream reaches it, and waits at the snapshot lock
+ * like any launch; the ranks' engines exchange data through the window.
+ *
+ * Snapshots, as HCCL's SnapshotControl does (hccl source: snapshot_control.cc): the library
+ * registers LOCK_PRE, UNLOCK_POST and RESTORE_POST callbacks itself when its first communicator
+ * is made. Communicators are not part of a backup: RESTORE_POST marks every communicator invalid
+ * and drops its window, and a collective on it returns HCCL_E_UNAVAIL until the application has
+ * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore); one that
+ * was launched before the lock and reached the stream after the restore fails there (an error on
+ * the stream, HcclGetCommAsyncError says HCCL_E_UNAVAIL) without touching memory. LOCK_PRE and
+ * UNLOCK_POST keep the status; a process that is unlocked without a restore keeps its
+ * communicators. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ops_abi.h"
+
+#define API __attribute__((visibility("default")))
+
+typedef int32_t aclError;
+typedef void *aclrtStream;
+
+typedef enum {
+    HCCL_SUCCESS = 0,
+    HCCL_E_PARA = 1,
+    HCCL_E_PTR = 2,
+    HCCL_E_MEMORY = 3,
+    HCCL_E_INTERNAL = 4,
+    HCCL_E_NOT_SUPPORT = 5,
+    HCCL_E_NOT_FOUND = 6,
+    HCCL_E_UNAVAIL = 7,
+    HCCL_E_SYSCALL = 8,
+    HCCL_E_TIMEOUT = 9,
+    HCCL_E_TCP_CONNECT = 11,
+    HCCL_E_RUNTIME = 15,
+} HcclResult;
+
+#define HCCL_DATA_TYPE_INT32 2
+#define HCCL_DATA_TYPE_FP32 4
+#define HCCL_REDUCE_MIN 3
+#define HCCL_ROOT_INFO_BYTES 4108
+typedef struct HcclRootInfoDef {
+    char internal[HCCL_ROOT_INFO_BYTES];
+} HcclRootInfo;
+typedef void *HcclComm;
+
+/* Runtime functions (include/external/acl/acl_rt.h). */
+extern aclError aclrtGetDevice(int32_t *deviceId);
+extern aclError aclrtBinaryLoadFromFile(const char *binPath, void *options, void **binHandle);
+extern aclError aclrtBinaryGetFunction(const void *binHandle, const char *kernelName, void **funcHandle);
+extern aclError aclrtLaunchKernel(void *funcHandle, uint32_t numBlocks, const void *argsData, size_t argsSize,
+                                  aclrtStream stream);
+extern aclError aclrtSnapShotCallbackRegister(int stage, uint32_t (*cb)(int32_t, void *), void *args);
+
+#define STAGE_LOCK_PRE 0
+#define STAGE_RESTORE_POST 4
+#define STAGE_UNLOCK_POST 5
+
+#define ROOT_MAGIC "npusim-hccl-root-1"
+#define KERNEL_DIR "opp/built-in/op_impl/ai_core/tbe/kernel/npusim"
+#define KERNEL_BIN "libnpusim_hccl_kernels.so"
+
+struct root_info { /* what HcclRootInfo.internal holds */
+    char magic[32];
+    char path[108]; /* the root's rendezvous socket */
+    uint64_t nonce;
+    int32_t root_pid;
+};
+
+struct hello { /* a rank to the root */
+    uint64_t nonce;
+    uint32_t rank, nranks;
+};
+
+struct welcome { /* the root to a rank, with the window's memfd */
+    int32_t status; /* HcclResult */
+    uint32_t pad;
+    uint64_t window_bytes, slot_bytes;
+};
+
+struct comm {
+    uint32_t rank, nranks;
+    int32_t device;
+    int destroyed;                /* HcclCommDestroy'd: kept, never reused (kernels may hold state) */
+    struct hccl_comm_state state; /* valid: 0 once a Restore happened, the communicator must be rebuilt */
+    struct hccl_window *window;
+    size_t window_bytes;
+    uint64_t slot_bytes;
+    struct comm *next;
+};
+
+enum { SNAP_DEFAULT, SNAP_PRE, SNAP_RESTORED };
+
+/* g_mu guards the communicators and listeners; the snapshot callbacks take it. Nothing that may
+ * wait at the runtime's lock (a gated call) or take the runtime's callback mutex (registration)
+ * runs holding it: those have mutexes of their own, which no callback takes. */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER; /* register_callbacks */
+static pthread_mutex_t g_bin_mu = PTHREAD_MUTEX_INITIALIZER; /* the kernel binary */
+static struct comm *g_comms;
+static int g_snap_status = SNAP_DEFAULT;
+static int g_registered;
+static struct listener {
+    struct root_info info;
+    int fd;
+    struct listener *next;
+} *g_listeners;
+static void *g_bin, *g_func;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A positive number from the environment (seconds, MiB), or the default. */
+static double env_positive(const char *name, double dflt) {
+    const char *v = getenv(name);
+    double s = v && *v ? atof(v) : dflt;
+    return s > 0 ? s : dflt;
+}
+
+/* ---------------------------------------------------------------- snapshot callbacks */
+
+static uint32_t on_lock_pre(int32_t dev, void *args) {
+    (void)dev, (void)args;
+    pthread_mutex_lock(&g_mu);
+    if (g_snap_status != SNAP_RESTORED) g_snap_status = SNAP_PRE;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+static uint32_t on_restore_post(int32_t dev, void *args) {
+    (void)args;
+    pthread_mutex_lock(&g_mu);
+    g_snap_status = SNAP_RESTORED;
+    for (struct comm *c = g_comms; c; c = c->next)
+        if (c->device == dev && !c->destroyed && atomic_load((_Atomic uint32_t *)&c->state.valid)) {
+            /* The peers' view of this window belongs to the processes that were dumped: the
+             * transport is not restored, and a collective must not use it. A collective launched
+             * before the lock and still waiting at it sees `valid` and fails; the window goes once
+             * none is in flight (here, or in HcclCommDestroy). */
+            atomic_store((_Atomic uint32_t *)&c->state.valid, 0);
+            if (atomic_load((_Atomic uint32_t *)&c->state.inflight) == 0) {
+                munmap(c->window, c->window_bytes);
+                c->window = NULL;
+            }
+        }
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+static uint32_t on_unlock_post(int32_t dev, void *args) {
+    (void)dev, (void)args;
+    pthread_mutex_lock(&g_mu);
+    g_snap_status = SNAP_DEFAULT;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+}
+
+static HcclResult register_callbacks(void) {
+    pthread_mutex_lock(&g_reg_mu);
+    HcclResult rc = HCCL_SUCCESS;
+    if (!g_registered) {
+        if (aclrtSnapShotCallbackRegister(STAGE_LOCK_PRE, on_lock_pre, NULL) != 0 ||
+            aclrtSnapShotCallbackRegister(STAGE_UNLOCK_POST, on_unlock_post, NULL) != 0 ||
+            aclrtSnapShotCallbackRegister(STAGE_RESTORE_POST, on_restore_post, NULL) != 0)
+            rc = HCCL_E_RUNTIME;
+        else
+            g_registered = 1;
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- rendezvous */
+
+static int send_all(int fd, const void *p, size_t n, int passfd) {
+    struct iovec iov = {(void *)p, n};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (passfd >= 0) {
+        memset(&ctl, 0, sizeof ctl);
+        msg.msg_control = ctl.buf;
+        msg.msg_controllen = sizeof ctl.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &passfd, sizeof(int));
+    }
+    ssize_t w;
+    do w = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    while (w < 0 && errno == EINTR);
+    return w == (ssize_t)n ? 0 : -1;
+}
+
+/* Wait until fd is readable (or writable) before the deadline. */
+static int wait_fd(int fd, short events, double deadline) {
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) return -1;
+        struct pollfd p = {fd, events, 0};
+        int r = poll(&p, 1, (int)(left * 1000) + 1);
+        if (r > 0) return 0;
+        if (r < 0 && errno != EINTR) return -1;
+    }
+}
+
+static int recv_msg(int fd, void *p, size_t n, int *gotfd, double deadline) {
+    if (wait_fd(fd, POLLIN, deadline) != 0) return -1;
+    struct iovec iov = {p, n};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+    ssize_t r;
+    do r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    while (r < 0 && errno == EINTR);
+    if (gotfd) *gotfd = -1;
+    for (struct cmsghdr *c = r > 0 ? CMSG_FIRSTHDR(&msg) : NULL; c; c = CMSG_NXTHDR(&msg, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && gotfd) memcpy(gotfd, CMSG_DATA(c), sizeof(int));
+    return r == (ssize_t)n ? 0 : -1;
+}
+
+API HcclResult HcclGetRootInfo(HcclRootInfo *rootInfo) {
+    if (!rootInfo) return HCCL_E_PTR;
+    struct listener *l = calloc(1, sizeof *l);
+    if (!l) return HCCL_E_MEMORY;
+    snprintf(l->info.magic, sizeof l->info.magic, "%s", ROOT_MAGIC);
+    if (getrandom(&l->info.nonce, sizeof l->info.nonce, 0) != sizeof l->info.nonce) l->info.nonce = (uint64_t)now_s();
+    l->info.root_pid = getpid();
+    const char *tmp = getenv("TMPDIR");
+    snprintf(l->info.path, sizeof l->info.path, "%s/npusim-hccl-%d-%016llx.sock", tmp && *tmp ? tmp : "/tmp",
+             (int)getpid(), (unsigned long long)l->info.nonce);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", l->info.path);
+    l->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (l->fd < 0 || bind(l->fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(l->fd, HCCL_MAX_RANKS) != 0) {
+        if (l->fd >= 0) close(l->fd);
+        free(l);
+        return HCCL_E_SYSCALL;
+    }
+    memset(rootInfo, 0, sizeof *rootInfo);
+    memcpy(rootInfo->internal, &l->info, sizeof l->info);
+    pthread_mutex_lock(&g_mu);
+    l->next = g_listeners;
+    g_listeners = l;
+    pthread_mutex_unlock(&g_mu);
+    return HCCL_SUCCESS;
+}
+
+static struct listener *take_listener(const struct root_info *ri) {
+    pthread_mutex_lock(&g_mu);
+    struct listener **pp = &g_listeners, *l = NULL;
+    for (; *pp; pp = &(*pp)->next)
+        if ((*pp)->info.nonce == ri->nonce && !strcmp((*pp)->info.path, ri->path)) {
+            l = *pp;
+            *pp = l->next;
+            break;
+        }
+    pthread_mutex_unlock(&g_mu);
+    return l;
+}
+
+/* The root: accept every other rank, make the window, hand it out. Returns the window fd. */
+static HcclResult root_rendezvous(struct listener *l, uint32_t nranks, uint32_t rank, double deadline, int *wfd,
+                                  uint64_t *wbytes, uint64_t *slot) {
+    int peers[HCCL_MAX_RANKS];
+    int npeers = 0;
+    HcclResult rc = HCCL_SUCCESS;
+    uint8_t seen[HCCL_MAX_RANKS] = {0};
+    seen[rank] = 1;
+    while (rc == HCCL_SUCCESS && npeers < (int)nranks - 1) {
+        if (wait_fd(l->fd, POLLIN, deadline) != 0) {
+            rc = HCCL_E_TIMEOUT;
+            break;
+        }
+        int c = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0) continue;
+        struct hello h;
+        if (recv_msg(c, &h, sizeof h, NULL, deadline) != 0 || h.nonce != l->info.nonce || h.nranks != nranks ||
+            h.rank >= nranks || seen[h.rank]) {
+            close(c); /* a stranger, or a rank that disagrees: it gets no window */
+            continue;
+        }
+        seen[h.rank] = 1;
+        peers[npeers++] = c;
+    }
+    uint64_t mib = (uint64_t)env_positive("HCCL_BUFFSIZE", 8.0);
+    *slot = mib << 20;
+    *wbytes = HCCL_WINDOW_HEADER + (uint64_t)nranks * *slot;
+    *wfd = -1;
+    if (rc == HCCL_SUCCESS) {
+        *wfd = memfd_create("npusim-hccl-window", MFD_CLOEXEC);
+        if (*wfd < 0 || ftruncate(*wfd, (off_t)*wbytes) != 0) rc = HCCL_E_MEMORY;
+    }
+    struct welcome w = {rc, 0, *wbytes, *slot};
+    for (int i = 0; i < npeers; i++) {
+        if (send_all(peers[i], &w, sizeof w, rc == HCCL_SUCCESS ? *wfd : -1) != 0 && rc == HCCL_SUCCESS)
+            rc = HCCL_E_TCP_CONNECT;
+        close(peers[i]);
+    }
+    return rc;
+}
+
+static HcclResult rank_rendezvous(const struct root_info *ri, uint32_t nranks, uint32_t rank, double deadline,
+                                  int *wfd, uint64_t *wbytes, uint64_t *slot) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", ri->path);
+    int fd = -1;
+    while (fd < 0) {
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) return HCCL_E_SYSCALL;
+        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) break;
+        close(fd);
+        fd = -1;
+        if (now_s() >= deadline) return HCCL_E_TCP_CONNECT;
+        struct timespec ts = {0, 20000000L}; /* the root is not listening yet */
+        nanosleep(&ts, NULL);
+    }
+    struct hello h = {ri->nonce, rank, nranks};
+    struct welcome w;
+    HcclResult rc = HCCL_SUCCESS;
+    if (send_all(fd, &h, sizeof h, -1) != 0 || recv_msg(fd, &w, sizeof w, wfd, deadline) != 0) rc = HCCL_E_TCP_CONNECT;
+    else if (w.status != HCCL_SUCCESS) rc = (HcclResult)w.status;
+    else if (*wfd < 0) rc = HCCL_E_INTERNAL;
+    close(fd);
+    if (rc == HCCL_SUCCESS) {
+        *wbytes = w.window_bytes;
+        *slot = w.slot_bytes;
+    }
+    return rc;
+}
+
+API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm) {
+    if (!rootInfo || !comm) return HCCL_E_PTR;
+    if (nRanks == 0 || nRanks > HCCL_MAX_RANKS || rank >= nRanks) return HCCL_E_PARA;
+    struct root_info ri;
+    memcpy(&ri, rootInfo->internal, sizeof ri);
+    if (strncmp(ri.magic, ROOT_MAGIC, sizeof ri.magic) != 0) return HCCL_E_PARA;
+    int32_t dev = -1;
+    if (aclrtGetDevice(&dev) != 0) return HCCL_E_RUNTIME; /* no device set on this thread */
+    HcclResult rc = register_callbacks();
+    if (rc != HCCL_SUCCESS) return rc;
+    double deadline = now_s() + env_positive("HCCL_CONNECT_TIMEOUT", 120.0);
+    struct listener *l = take_listener(&ri);
+    int wfd = -1;
+    uint64_t wbytes = 0, slot = 0;
+    if (l) {
+        rc = root_rendezvous(l, nRanks, rank, deadline, &wfd, &wbytes, &slot);
+        close(l->fd);
+        unlink(l->info.path);
+        free(l);
+    } else if (nRanks == 1) {
+        return HCCL_E_PARA; /* a one-rank group is made by the process that got the root info */
+    } else {
+        rc = rank_rendezvous(&ri, nRanks, rank, deadline, &wfd, &wbytes, &slot);
+    }
+    if (rc != HCCL_SUCCESS) {
+        if (wfd >= 0) close(wfd);
+        return rc;
+    }
+    void *m = mmap(NULL, wbytes, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+    close(wfd);
+    if (m == MAP_FAILED) return HCCL_E_MEMORY;
+    struct hccl_window *w = m;
+    if (l) {
+        w->nranks = nRanks;
+        w->slot_bytes = slot;
+        atomic_store((_Atomic uint64_t *)&w->magic, HCCL_WINDOW_MAGIC);
+    }
+    struct comm *c = calloc(1, sizeof *c);
+    if (!c) {
+        munmap(m, wbytes);
+        return HCCL_E_MEMORY;
+    }
+    *c = (struct comm){rank, nRanks, dev, 0, {1, 0, 0, 0}, w, wbytes, slot, NULL};
+    pthread_mutex_lock(&g_mu);
+    c->next = g_comms;
+    g_comms = c;
+    pthread_mutex_unlock(&g_mu);
+    *comm = c;
+    return HCCL_SUCCESS;
+}
+
+static struct comm *find_comm(HcclComm h) {
+    for (struct comm *c = g_comms; c; c = c->next)
+        if (c == h && !c->destroyed) return c;
+    return NULL;
+}
+
+API HcclResult HcclGetRankSize(HcclComm comm, uint32_t *rankSize) {
+    if (!comm || !rankSize) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) *rankSize = c->nranks;
+    pthread_mutex_unlock(&g_mu);
+    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+}
+
+API HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank) {
+    if (!comm || !rank) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) *rank = c->rank;
+    pthread_mutex_unlock(&g_mu);
+    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+}
+
+/* The error of a collective that failed on a stream after it was launched (its kernel found the
+ * communicator invalidated by a restore, or a peer never came): what real HCCL reports here for
+ * errors of its asynchronous tasks. HCCL_SUCCESS when there was none. */
+API HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError) {
+    if (!comm || !asyncError) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) *asyncError = (HcclResult)atomic_load((_Atomic int32_t *)&c->state.async_error);
+    pthread_mutex_unlock(&g_mu);
+    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+}
+
+static void *allreduce_kernel_locked(aclError *rc) {
+    *rc = 0;
+    if (g_func) return g_func;
+    Dl_info info;
+    char self[PATH_MAX], path[PATH_MAX + 128];
+    if (!dladdr((void *)allreduce_kernel_locked, &info) || !info.dli_fname || !realpath(info.dli_fname, self)) {
+        *rc = -1;
+        return NULL;
+    }
+    for (int up = 0; up < 2; up++) { /* <tree>/lib64/libhccl.so -> <tree> */
+        char *s = strrchr(self, '/');
+        if (s) *s = '\0';
+    }
+    snprintf(path, sizeof path, "%s/%s/%s", self, KERNEL_DIR, KERNEL_BIN);
+    if (!g_bin && (*rc = aclrtBinaryLoadFromFile(path, NULL, &g_bin)) != 0) {
+        fprintf(stderr, "libhccl: cannot load the kernel binary %s: error %d\n", path, *rc);
+        g_bin = NULL;
+        return NULL;
+    }
+    *rc = aclrtBinaryGetFunction(g_bin, "npusim_hccl_allreduce", &g_func);
+    return *rc == 0 ? g_func : NULL;
+}
+
+static void *allreduce_kernel(aclError *rc) {
+    pthread_mutex_lock(&g_bin_mu);
+    void *f = allreduce_kernel_locked(rc);
+    pthread_mutex_unlock(&g_bin_mu);
+    return f;
+}
+
+/* Queue one collective on the stream: checked on the host, run by the kernel on the engine. */
+static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf, uint64_t count, int dataType,
+                                   int op, uint32_t root, HcclComm comm, aclrtStream stream) {
+    if (!comm || (count && (!sendBuf || !recvBuf))) return HCCL_E_PTR;
+    if (dataType != HCCL_DATA_TYPE_FP32 && dataType != HCCL_DATA_TYPE_INT32) return HCCL_E_NOT_SUPPORT;
+    if (op < 0 || op > HCCL_REDUCE_MIN) return HCCL_E_PARA;
+    aclError arc = 0;
+    void *f = allreduce_kernel(&arc); /* may wait at the snapshot lock: not under g_mu */
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    HcclResult rc = HCCL_SUCCESS;
+    if (!c) rc = HCCL_E_PARA;
+    else if (!atomic_load((_Atomic uint32_t *)&c->state.valid)) rc = HCCL_E_UNAVAIL;
+    else if (root >= c->nranks) rc = HCCL_E_PARA;
+    if (rc == HCCL_SUCCESS && !f) rc = HCCL_E_RUNTIME;
+    struct ops_allreduce_args a;
+    memset(&a, 0, sizeof a);
+    if (rc == HCCL_SUCCESS) {
+        a.state = (uint64_t)(uintptr_t)&c->state;
+        a.window = (uint64_t)(uintptr_t)c->window;
+        a.slot_bytes = c->slot_bytes;
+        a.send = (uint64_t)(uintptr_t)sendBuf;
+        a.recv = (uint64_t)(uintptr_t)recvBuf;
+        a.count = count;
+        a.timeout_ms = (uint64_t)(env_positive("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
+        a.rank = c->rank;
+        a.nranks = c->nranks;
+        a.dtype = dataType;
+        a.op = op;
+        a.kind = kind;
+        a.root = root;
+        /* Counted before the launch: HcclCommDestroy waits for the kernel to let go of the window. */
+        atomic_fetch_add((_Atomic uint32_t *)&c->state.inflight, 1);
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (rc != HCCL_SUCCESS) return rc;
+    /* Outside g_mu: the launch may wait at the snapshot lock, whose callbacks take g_mu. */
+    arc = aclrtLaunchKernel(f, 1, &a, sizeof a, stream);
+    if (arc != 0) {
+        atomic_fetch_sub((_Atomic uint32_t *)&c->state.inflight, 1);
+        syscall(SYS_futex, &c->state.inflight, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+        return HCCL_E_RUNTIME;
+    }
+    return HCCL_SUCCESS;
+}
+
+API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_ALLREDUCE, sendBuf, recvBuf, count, dataType, op, 0, comm, stream);
+}
+
+/* In place: the root's buf goes to every rank's buf. */
+API HcclResult HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
+                             aclrtStream stream) {
+    return launch_collective(OPS_COLL_BROADCAST, buf, buf, count, dataType, 0, root, comm, stream);
+}
+
+/* The communicator's struct is kept (marked destroyed): a kernel that ran its last collective
+ * may still be waking HcclCommDestroy through its state when the latter returns. A few dozen bytes
+ * per communicator. */
+API HcclResult HcclCommDestroy(HcclComm comm) {
+    if (!comm) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) c->destroyed = 1;
+    pthread_mutex_unlock(&g_mu);
+    if (!c) return HCCL_E_PARA;
+    /* Collectives still queued read the window: wait for them (HCCL_EXEC_TIMEOUT). */
+    _Atomic uint32_t *inflight = (_Atomic uint32_t *)&c->state.inflight;
+    double deadline = now_s() + env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
+    uint32_t v;
+    while ((v = atomic_load(inflight)) != 0 && now_s() < deadline) {
+        struct timespec ts = {0, 50000000L};
+        syscall(SYS_futex, (uint32_t *)inflight, FUTEX_WAIT, v, &ts, NULL, 0);
+    }
+    if (atomic_load(inflight) != 0) return HCCL_E_TIMEOUT; /* leak the window rather than pull it away */
+    pthread_mutex_lock(&g_mu);
+    if (c->window) munmap(c->window, c->window_bytes);
+    c->window = NULL;
+    pthread_mutex_unlock(&g_mu);
+    return HCCL_SUCCESS;
+}

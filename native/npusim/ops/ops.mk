@@ -1,0 +1,28 @@
+# The simulated CANN tree's operator library, collectives and their kernel binaries, added to every
+# tree this Makefile builds (found through its libacl_rt.so in ALL). Included by ../Makefile.
+OPS_HDRS := ops/ops_abi.h npusim_kernel.h
+OPS_KDIR := opp/built-in/op_impl/ai_core/tbe/kernel/npusim
+
+# $(call ops_tree,ROOT)
+define ops_tree
+$(1)/lib64/libopapi.so: ops/opapi.c $(OPS_HDRS) ops/ops.mk $(1)/lib64/libacl_rt.so
+	$(CC) $(CFLAGS) -shared -Wl,-soname,libopapi.so -Wl,-rpath,'$$$$ORIGIN' -o $$@.tmp ops/opapi.c -L$(1)/lib64 -lacl_rt -ldl && mv -f $$@.tmp $$@
+
+$(1)/lib64/libhccl.so: ops/hccl.c $(OPS_HDRS) ops/ops.mk $(1)/lib64/libacl_rt.so
+	$(CC) $(CFLAGS) -shared -Wl,-soname,libhccl.so -Wl,-rpath,'$$$$ORIGIN' -o $$@.tmp ops/hccl.c -L$(1)/lib64 -lacl_rt -ldl && mv -f $$@.tmp $$@
+
+$(1)/$(OPS_KDIR)/libnpusim_aclnn_kernels.so: ops/kernels.c $(OPS_HDRS) ops/ops.mk
+	@mkdir -p $$(dir $$@)
+	$(CC) $(CFLAGS) -shared -o $$@.tmp ops/kernels.c && mv -f $$@.tmp $$@
+
+$(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so: ops/hccl_kernel.c $(OPS_HDRS) ops/ops.mk
+	@mkdir -p $$(dir $$@)
+	$(CC) $(CFLAGS) -shared -o $$@.tmp ops/hccl_kernel.c && mv -f $$@.tmp $$@
+
+OPS_ALL += $(1)/lib64/libopapi.so $(1)/lib64/libhccl.so $(1)/$(OPS_KDIR)/libnpusim_aclnn_kernels.so \
+           $(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so
+endef
+
+OPS_TREES := $(patsubst %/lib64/libacl_rt.so,%,$(filter %/lib64/libacl_rt.so,$(ALL)))
+$(foreach t,$(OPS_TREES),$(eval $(call ops_tree,$(t))))
+all: $(OPS_ALL)

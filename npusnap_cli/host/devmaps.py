@@ -1,0 +1,84 @@
+"""NPU device memory as /proc shows it: what a real node offers without asking the device.
+
+On an Ascend node the driver maps a process's device memory through its SVM device: the
+runtime's allocations live in ``VM_PFNMAP|VM_IO`` mappings of ``/dev/svm0`` (older drivers:
+``/dev/devmm_svm``), and Huawei's CRIU plugin rewrites ``/dev/davinci_manager`` mappings
+(cann-snapshot-api.md, "CRIU and the NPU plugin"). The simulated NPU maps each allocation's memfd,
+named ``npusim-dev<N>-<addr>``, which /proc shows as ``/memfd:npusim-dev...``: its stand-in for
+those device mappings (the daemon owns the memory, the process maps it, as the driver's SVM does).
+
+What this tells: whether a process has NPU device memory mapped at all, and how many bytes of
+mappings. It does not tell which device, nor how much of an SVM span is allocated (the real driver
+maps ahead of use). npusnap uses it as the independent signal that a process has device memory,
+against which an agent that did not see every allocation is refused (pipelines/dump.py), and to
+find other processes using the NPU before a restore (pipelines/restore.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+# Paths of device-memory mappings in /proc/PID/maps: the real driver's devices, and the simulated
+# NPU's memfds (its stand-in for them).
+DEVICE_MAPPING = re.compile(r"^(/dev/(svm\d*|devmm_svm|davinci[_a-z0-9]*)|/memfd:npusim-dev)")
+# Device files a process using the NPU holds open (the driver opens these; /dev/davinciN is only
+# stat()-ed).
+DEVICE_FILE = re.compile(r"^/dev/(svm\d*|devmm_svm|davinci[_a-z0-9]*|hisi_hdc|npu_device_cust)$")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    mappings: int  # device-memory mappings in /proc/PID/maps
+    bytes: int  # their total size (an SVM span on hardware: mapped, not necessarily allocated)
+
+    @property
+    def present(self) -> bool:
+        return self.mappings > 0
+
+
+def device_memory(pid: int) -> Optional[DeviceMemory]:
+    """The process's device-memory mappings, or None if its maps cannot be read."""
+    count = size = 0
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 6 or not DEVICE_MAPPING.match(parts[5].strip()):
+                    continue
+                lo, _, hi = parts[0].partition("-")
+                count += 1
+                size += int(hi, 16) - int(lo, 16)
+    except (OSError, ValueError):
+        return None
+    return DeviceMemory(mappings=count, bytes=size)
+
+
+def npu_users(exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Live processes of this host (this pid namespace) that have NPU device memory mapped or an
+    NPU device file open, sorted; those in ``exclude`` and unreadable ones are left out."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in exclude or pid == os.getpid():
+            continue
+        dm = device_memory(pid)
+        if dm is not None and dm.present:
+            out.append(pid)
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if DEVICE_FILE.match(os.readlink(f"/proc/{pid}/fd/{fd}")):
+                    out.append(pid)
+                    break
+            except OSError:
+                continue
+    return sorted(out)
