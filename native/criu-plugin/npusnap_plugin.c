@@ -488,7 +488,9 @@ static int agent_request(conn *c, const char *op, const char *args, double timeo
         snprintf(err, errlen, "the agent of pid %d answered %s with a malformed line: %s", c->pid, op, derr);
         return -1;
     }
-    if (r->id != id) {
+    /* id 0 with an error: the agent refused the connection at accept (core.c refuse()), before
+     * reading any request: an answer to this request all the same (BUSY is retried). */
+    if (r->id != id && !(r->id == 0 && !r->ok)) {
         snprintf(err, errlen, "the agent of pid %d answered request %lld with the id %lld", c->pid, id, r->id);
         reply_free(r);
         return -1;
