@@ -129,16 +129,16 @@ static double copy_mbps(void) {
 }
 
 static const char *socket_path(char *buf, size_t len) {
-    const char *env = getenv("NPUSIM_SOCKET");
+    const char *env = getenv(NPUSIM_SOCKET_ENV);
     if (env && *env) return env;
     uid_t uid = geteuid();
-    if (uid == 0) return "/run/npusim/npusim.sock";
+    if (uid == 0) return NPUSIM_SOCKET_ROOT_PATH;
     const char *xdg = getenv("XDG_RUNTIME_DIR");
     struct stat st;
     if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && strcmp(xdg, "/tmp") != 0)
-        snprintf(buf, len, "%s/npusim/npusim.sock", xdg);
+        snprintf(buf, len, "%s/" NPUSIM_SOCKET_XDG_SUBDIR "/" NPUSIM_SOCKET_NAME, xdg);
     else
-        snprintf(buf, len, "/tmp/npusim-%u/npusim.sock", (unsigned)uid);
+        snprintf(buf, len, NPUSIM_SOCKET_TMP_DIR "/" NPUSIM_SOCKET_NAME, (unsigned)uid);
     return buf;
 }
 

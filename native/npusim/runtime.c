@@ -36,10 +36,10 @@
 #include "rt.h"
 
 #define MAX_DEV 64
-#define NSTAGES 6
+#define NSTAGES NPUSNAP_STAGE_COUNT
 #define CTX_BASE ((uintptr_t)0x7c000000) /* context handles: CTX_BASE + device id */
 
-enum { ST_RUNNING = 0, ST_LOCKED = 1, ST_BACKED_UP = 2 };
+enum { ST_RUNNING = NPUSNAP_STATE_RUNNING, ST_LOCKED = NPUSNAP_STATE_LOCKED, ST_BACKED_UP = NPUSNAP_STATE_BACKED_UP };
 
 struct cb {
     npusim_callback fn;

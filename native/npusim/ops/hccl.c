@@ -41,6 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "npusnap/contract.h"
 #include "ops_abi.h"
 
 #define API __attribute__((visibility("default")))
@@ -80,9 +81,9 @@ extern aclError aclrtLaunchKernel(void *funcHandle, uint32_t numBlocks, const vo
                                   aclrtStream stream);
 extern aclError aclrtSnapShotCallbackRegister(int stage, uint32_t (*cb)(int32_t, void *), void *args);
 
-#define STAGE_LOCK_PRE 0
-#define STAGE_RESTORE_POST 4
-#define STAGE_UNLOCK_POST 5
+#define STAGE_LOCK_PRE NPUSNAP_STAGE_LOCK_PRE
+#define STAGE_RESTORE_POST NPUSNAP_STAGE_RESTORE_POST
+#define STAGE_UNLOCK_POST NPUSNAP_STAGE_UNLOCK_POST
 
 #define ROOT_MAGIC "npusim-hccl-root-1"
 #define KERNEL_DIR "opp/built-in/op_impl/ai_core/tbe/kernel/npusim"
