@@ -24,6 +24,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 SOCKET_SUFFIX = contract.AGENT_SOCKET_NAME.replace("{pid}", "")  # ".sock": what follows the pid
+LOCK_TOKEN_SUFFIX = ".lock-token"  # PID.lock-token beside PID.sock: a freeze's token for thaw
 
 
 def build_dir() -> Path:

@@ -557,13 +557,11 @@ def tree_targets(pid: int) -> list[int]:
 # freeze / thaw: the device half only, the lock kept across two commands
 # --------------------------------------------------------------------------------------------
 
-LOCK_TOKEN_SUFFIX = ".lock-token"
-
 
 def _token_path(pid: int) -> Any:
     from npusnap_cli import paths
 
-    return paths.agent_runtime_dir() / f"{pid}{LOCK_TOKEN_SUFFIX}"
+    return paths.agent_runtime_dir() / f"{pid}{paths.LOCK_TOKEN_SUFFIX}"
 
 
 def save_lock_tokens(tokens: dict[int, str]) -> None:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from npusnap_cli import paths
 from npusnap_cli.host import procfs
@@ -131,64 +131,50 @@ def _socket_dirs() -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
-def stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
-    """Agent sockets whose process is gone (or is another process now) and that nobody serves."""
-    listening = set(paths.listening_unix_paths())
-    found = []
+def _pid_files(directories: Optional[list[Path]], suffix: str) -> Iterator[tuple[Path, int, os.stat_result]]:
+    """``PID<suffix>`` entries of the agent runtime directories (or ``directories``), not followed."""
     for directory in directories if directories is not None else _socket_dirs():
         try:
             names = sorted(os.listdir(directory))
         except OSError:
             continue
         for name in names:
-            stem = name.removesuffix(paths.SOCKET_SUFFIX)
-            if not name.endswith(paths.SOCKET_SUFFIX) or not stem.isdigit():
+            stem = name.removesuffix(suffix)
+            if not name.endswith(suffix) or not stem.isdigit():
                 continue
             path = directory / name
             try:
                 st = path.lstat()
             except OSError:
                 continue
-            if not stat.S_ISSOCK(st.st_mode) or str(path) in listening:
-                continue
-            pid = int(stem)
-            if not procfs.is_alive(pid):
-                found.append(StaleSocket(str(path), pid, "its process is gone"))
-                continue
-            started = process_start_time(pid)
-            if started is not None and st.st_mtime < started - START_SLACK_S:
-                found.append(StaleSocket(str(path), pid, "pid reused: the process started after the socket"))
+            yield path, int(stem), st
+
+
+def stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
+    """Agent sockets whose process is gone (or is another process now) and that nobody serves."""
+    listening = set(paths.listening_unix_paths())
+    found = []
+    for path, pid, st in _pid_files(directories, paths.SOCKET_SUFFIX):
+        if not stat.S_ISSOCK(st.st_mode) or str(path) in listening:
+            continue
+        if not procfs.is_alive(pid):
+            found.append(StaleSocket(str(path), pid, "its process is gone"))
+            continue
+        started = process_start_time(pid)
+        if started is not None and st.st_mtime < started - START_SLACK_S:
+            found.append(StaleSocket(str(path), pid, "pid reused: the process started after the socket"))
     return found
-
-
-LOCK_TOKEN_SUFFIX = ".lock-token"  # devicegroup.save_lock_tokens
 
 
 def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
     """Lock-token files (``PID.lock-token``, left for `npusnap thaw`) whose process is gone: no
     lock of theirs can still be held. A process that started after its token is not enough: a
     frozen process restored by CRIU keeps its pid and its lock but has a new start time."""
-    found = []
-    for directory in directories if directories is not None else _socket_dirs():
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            continue
-        for name in names:
-            stem = name.removesuffix(LOCK_TOKEN_SUFFIX)
-            if not name.endswith(LOCK_TOKEN_SUFFIX) or not stem.isdigit():
-                continue
-            path = directory / name
-            try:
-                st = path.lstat()
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            pid = int(stem)
-            if not procfs.is_alive(pid):
-                found.append(StaleSocket(str(path), pid, "its process is gone"))
-    return found
+    return [
+        StaleSocket(str(path), pid, "its process is gone")
+        for path, pid, st in _pid_files(directories, paths.LOCK_TOKEN_SUFFIX)
+        if stat.S_ISREG(st.st_mode) and not procfs.is_alive(pid)
+    ]
 
 
 def remove_stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:

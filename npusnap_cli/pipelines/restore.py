@@ -327,24 +327,30 @@ def prepare_sockets(manifest: img.Manifest) -> None:
                 f"cannot create the agent socket directory {parent}: {exc.strerror}",
                 fix=f"create it (mode 0700, owned by uid {p.uid}) or run as the image's user/root",
             ) from None
-        st = parent.lstat()
-        if not stat.S_ISDIR(st.st_mode):
-            raise PreflightError(f"{parent} is not a directory", fix=f"remove it: rm {parent}")
-        if st.st_uid not in (0, p.uid, os.geteuid()) or stat.S_IMODE(st.st_mode) & 0o022:
+        check_socket_dir(sock, p.uid, parent.lstat())
+
+
+def check_socket_dir(sock: Path, uid: int, st: os.stat_result) -> None:
+    """Refuse an agent socket directory (``st``, not followed) or a name in it that CRIU would trip
+    over, or another user could use to replace the restored control socket."""
+    parent = sock.parent
+    if not stat.S_ISDIR(st.st_mode):
+        raise PreflightError(f"{parent} is not a directory", fix=f"remove it: rm {parent}")
+    if st.st_uid not in (0, uid, os.geteuid()) or stat.S_IMODE(st.st_mode) & 0o022:
+        raise PreflightError(
+            f"refusing the agent socket directory {parent}: owned by uid {st.st_uid}, "
+            f"mode {stat.S_IMODE(st.st_mode):o}",
+            why="another user could replace the restored control socket there",
+            fix=f"remove it (rm -r {parent}) if it is not the job's, then restore again",
+        )
+    with contextlib.suppress(FileNotFoundError):
+        sst = sock.lstat()
+        if not stat.S_ISSOCK(sst.st_mode):
             raise PreflightError(
-                f"refusing the agent socket directory {parent}: owned by uid {st.st_uid}, "
-                f"mode {stat.S_IMODE(st.st_mode):o}",
-                why="another user could replace the restored control socket there",
-                fix=f"remove it (rm -r {parent}) if it is not the job's, then restore again",
+                f"{sock} exists and is not a socket",
+                why="CRIU restores the agent's listening socket at that path",
+                fix=f"remove it: rm {sock}",
             )
-        with contextlib.suppress(FileNotFoundError):
-            sst = sock.lstat()
-            if not stat.S_ISSOCK(sst.st_mode):
-                raise PreflightError(
-                    f"{sock} exists and is not a socket",
-                    why="CRIU restores the agent's listening socket at that path",
-                    fix=f"remove it: rm {sock}",
-                )
 
 
 # --------------------------------------------------------------------------------------------

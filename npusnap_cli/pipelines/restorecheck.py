@@ -14,7 +14,6 @@ Core module: never prints.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Optional
 
 from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError
+from npusnap_cli.pipelines import restore
 
 
 @dataclass
@@ -116,8 +116,6 @@ def _checksums(ctx: DryRunContext) -> str:
 
 
 def _versions(ctx: DryRunContext) -> str:
-    from npusnap_cli.pipelines import restore
-
     binary = ctx.criu_binary()
     restore.check_versions(ctx.manifest, binary)
     v = ctx.manifest.versions
@@ -132,15 +130,11 @@ def _lazy(ctx: DryRunContext) -> str:
 
 
 def _device_memory(ctx: DryRunContext) -> str:
-    from npusnap_cli.pipelines import restore
-
     kept = restore.check_device_memory(ctx.manifest, ctx.options.accept_lost_device_memory)
     return f"kept by {kept or '-'}"
 
 
 def _pids(ctx: DryRunContext) -> str:
-    from npusnap_cli.pipelines import restore
-
     ids = restore.image_thread_ids(ctx.image, ctx.manifest)
     if ctx.manifest.pid_ns:
         return "a pid namespace of its own (`run --pid-ns`): no host pid needed"
@@ -150,7 +144,6 @@ def _pids(ctx: DryRunContext) -> str:
 
 def _devices(ctx: DryRunContext) -> str:
     from npusnap_cli.host import pidns
-    from npusnap_cli.pipelines import restore
 
     device_map = getattr(ctx.options, "device_map", ())
     pidns.check_device_map(ctx.manifest, device_map)
@@ -180,17 +173,7 @@ def _socket_dirs(ctx: DryRunContext) -> str:
                 ) from None
             made.append(str(parent))
             continue
-        if not stat.S_ISDIR(st.st_mode):
-            raise PreflightError(f"{parent} is not a directory", fix=f"remove it: rm {parent}")
-        if st.st_uid not in (0, p.uid, os.geteuid()) or stat.S_IMODE(st.st_mode) & 0o022:
-            raise PreflightError(
-                f"refusing the agent socket directory {parent}: owned by uid {st.st_uid}, "
-                f"mode {stat.S_IMODE(st.st_mode):o}",
-                why="another user could replace the restored control socket there",
-                fix=f"remove it (rm -r {parent}) if it is not the job's, then restore again",
-            )
-        if sock.exists() and not stat.S_ISSOCK(sock.lstat().st_mode):
-            raise PreflightError(f"{sock} exists and is not a socket", fix=f"remove it: rm {sock}")
+        restore.check_socket_dir(sock, p.uid, st)
     return f"would create {', '.join(made)}" if made else "present and private"
 
 
@@ -221,8 +204,6 @@ def _pipes(ctx: DryRunContext) -> str:
 
 
 def _logs(ctx: DryRunContext) -> str:
-    from npusnap_cli.pipelines import restore
-
     wanted = ctx.options.logs
     if wanted is not None:
         if not restore._writable_dir(wanted, parents=True):
