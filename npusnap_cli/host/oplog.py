@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli.host import safefs
+
 SYSLOG_SOCKET = "/dev/log"
 HISTORY = "history.jsonl"
 KEEP = 1000
@@ -94,9 +96,8 @@ def _append(entry: dict[str, Any]) -> None:
 
 def _trim(path: Path) -> None:
     lines = path.read_text(errors="replace").splitlines()[-KEEP:]
-    tmp = path.with_name(path.name + f".{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    # A random O_EXCL temporary name, renamed over the history: never a name planted beside it.
+    safefs.write_file(str(path), iter([("\n".join(lines) + "\n").encode()]), mode=0o600, check=False)
 
 
 def record(
