@@ -722,6 +722,8 @@ def _restore_opened(
             except BaseException:
                 hostres.remove_copies(created)
                 raise
+        if options.device_map:  # CRIU, and so the tree, start in a container with those devices
+            cb.note(f"devices of the restored tree: {pidns.enter_device_view(manifest, options.device_map)}")
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
         try:
@@ -783,8 +785,6 @@ def _restore_opened(
         if manifest.pid_ns:  # from here on, the restored copy's host pids
             manifest, moved = pidns.translate(manifest, root_pid)
             device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
-            if options.device_map:  # before any Restore claims a device (the tree is locked)
-                pidns.apply_device_map(root_pid, options.device_map)
         if lazy is not None:
             lazy.criu_log = res.log_path
             lazy.guard()

@@ -3,6 +3,7 @@ collide, dump, and restores that need no host pid free (beside the original, and
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -122,8 +123,9 @@ def test_copy_beside_the_original_on_another_device(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """The original keeps running on device 0; its image restores beside it onto device 1
-    (--device-map 0=1): both finish the run, each step once per copy, with the right results
-    (the device memory written back through the remapped device)."""
+    (--device-map 0=1): the copy runs in a container of the simulated NPU (a mount namespace whose
+    device nodes are device 1's only), so its device 0 is device 1 and its memory is there; both
+    finish the run, each step once per copy, with the results of an uninterrupted run."""
     env = job_env(sim_env, runtime_dir)
     args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
     ref = reference(env, args)
@@ -143,7 +145,12 @@ def test_copy_beside_the_original_on_another_device(
         assert rc == 0 and st is not None
         owners = {d["id"]: {o["pid"] for o in d["owners"]} for d in st["result"]["devices"]}
         assert pid in owners[0] and restored in owners[1] and restored not in owners[0], owners
-        assert [m["map"] for m in st["result"]["device_maps"]] == [{"0": 1}]
+        devs = {d["id"]: d for d in st["result"]["devices"]}
+        views = {o["pid"]: o["visible_devices"] for o in st["result"]["owners"]}
+        assert views[pid] == [0, 1] and views[restored] == [1], views
+        assert devs[1]["used"] > 0 and devs[1]["allocations"] > 0, devs[1]
+        assert os.path.exists(f"{st['result']['device_nodes']}/davinci0")  # the host's view is untouched
+        assert os.listdir(f"/proc/{restored}/root{st['result']['device_nodes']}") == ["davinci1"]
         for p in (pid, restored):
             wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
         counts = _count_after(out, ref, at + 2)
