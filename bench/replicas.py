@@ -295,21 +295,39 @@ def render(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
 
 
 PAGE = REPO / "docs" / "benchmarks-replicas.md"
+NOTES = "<!-- notes: written by hand, kept when the bench rewrites this page -->"
+
+
+def kept_notes(page: Path) -> str:
+    """The hand-written part of ``page`` (from the NOTES line on), kept across runs."""
+    try:
+        text = page.read_text()
+    except OSError:
+        return ""
+    at = text.find(NOTES)
+    return "\n" + text[at:] if at >= 0 else ""
 
 
 def section() -> list[str]:
     """The lines docs/benchmarks.md shows of the replicas page (bench/report.py), or none."""
     if not PAGE.exists():
         return []
-    table = [ln for ln in PAGE.read_text().splitlines() if ln.startswith("|")]
+    lines = PAGE.read_text().split(NOTES)[0].splitlines()
+    table = [ln for ln in lines if ln.startswith("|")]
+    goal = [ln for ln in lines if ln.startswith("Goal")]
     return [
         "## Fast replicas",
         "",
-        "Time until each of N copies of an inference server answered its first request: restored from",
-        "one image (`restore --replicas N`) or cold-started. Details and how it was measured:",
+        "Time until each of N copies of an inference server (torch imported, 256 MiB of weights on its",
+        "device, warmed up with the simulator's operators) answered its first request: restored from one",
+        "image (`restore --replicas N`) or cold-started. Details and how it was measured:",
         "[benchmarks-replicas.md](benchmarks-replicas.md) (`python -m bench.replicas`).",
         "",
         *table,
+        *(["", *goal] if goal else []),
+        "",
+        "What each side's time holds, and where a replica's CPU goes: "
+        "[benchmarks-replicas.md](benchmarks-replicas.md).",
         "",
     ]
 
@@ -373,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "repeat": ns.repeat,
             "image_mib": sum(p.stat().st_size for p in img.rglob("*") if p.is_file()) >> 20,
         }
-        ns.out.write_text(render(rows, setup))
+        ns.out.write_text(render(rows, setup) + kept_notes(ns.out))
         print(f"wrote {ns.out}")
     finally:
         manager.stop()
