@@ -42,8 +42,12 @@ PORT = 7931
 
 
 def first_answers(port: int, n: int, start: float, timeout_s: float) -> dict[int, float]:
-    """Host pid -> seconds from ``start`` to its first answer, until ``n`` copies answered."""
+    """Host pid -> seconds from ``start`` to its first answer to an inference, until ``n`` copies
+    answered. Each connection first asks which copy the kernel gave it (``hello``, no device
+    work); only a copy not yet heard from gets the inference: the copies already up are not kept
+    busy (a request is a forward pass, on the host's CPU in the simulator) while the others start."""
     seen: dict[int, float] = {}
+    answers: set[str] = set()
     k = 0
     deadline = start + timeout_s
     while len(seen) < n:
@@ -51,14 +55,25 @@ def first_answers(port: int, n: int, start: float, timeout_s: float) -> dict[int
             raise TimeoutError(f"only {len(seen)} of {n} copies answered within {timeout_s:g}s")
         k += 1
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-                c.sendall(f"infer {k}\n".encode())
-                line = c.makefile("r").readline().split()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                f = c.makefile("rw")
+                f.write("hello\n")
+                f.flush()
+                hello = f.readline().split()
+                if len(hello) != 2 or hello[0] != "pid" or int(hello[1]) in seen:
+                    time.sleep(0.002)
+                    continue
+                f.write("infer 7\n")  # the same input for every copy: the same answer
+                f.flush()
+                line = f.readline().split()
         except OSError:
             time.sleep(0.002)
             continue
-        if len(line) == 4 and line[0] == "pid":
-            seen.setdefault(int(line[1]), time.monotonic() - start)
+        if len(line) == 4 and line[0] == "pid" and line[1] == hello[1]:
+            seen[int(line[1])] = time.monotonic() - start
+            answers.add(line[3])
+    if len(answers) != 1:
+        raise AssertionError(f"the copies computed different results: {sorted(answers)}")
     return seen
 
 

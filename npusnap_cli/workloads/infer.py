@@ -9,10 +9,11 @@ torch_npu allocates), drop the host copy, and warm up: one forward pass per batc
 stream, as a server captures a graph per batch size before it serves. Then it serves: it listens
 on 127.0.0.1:PORT with SO_REUSEPORT, as multi-process servers do, so that any number of copies
 (cold-started ones, or replicas restored from one image) share the port and the kernel spreads
-connections over them. A request is one line, ``infer N``; the answer is ``pid HOSTPID result
-CRC``: one forward pass of a batch of one (an input made from N) through every layer on the
-device, CRC-32 of the output, so that the copy answering is known (its host pid, read from
-/proc/self) and its weights are checked (every copy gives the same CRC for the same N).
+connections over them. A connection carries lines: ``hello`` is answered ``pid HOSTPID`` (which
+copy the kernel chose: its host pid, read from /proc/self; no device work), ``infer N`` is
+answered ``pid HOSTPID result CRC``: one forward pass of a batch of one (an input made from N)
+through every layer on the device, CRC-32 of the output, so that the weights are checked (every
+copy gives the same CRC for the same N).
 
     python3 infer.py --weights w.bin --device 0 --port 7100 --warmup-batch 16
 
@@ -190,9 +191,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         conn, _ = sk.accept()
         with conn:
             try:
-                line = conn.makefile("r").readline().split()
-                n = int(line[1]) if len(line) == 2 and line[0] == "infer" else 0
-                conn.sendall(f"pid {host_pid()} result {server.infer(n):08x}\n".encode())
+                conn.settimeout(30)
+                for raw in conn.makefile("r"):
+                    line = raw.split()
+                    if line == ["hello"]:
+                        conn.sendall(f"pid {host_pid()}\n".encode())
+                        continue
+                    n = int(line[1]) if len(line) == 2 and line[0] == "infer" else 0
+                    conn.sendall(f"pid {host_pid()} result {server.infer(n):08x}\n".encode())
             except (OSError, ValueError, JobError) as exc:
                 print(f"infer: request failed: {exc}", file=sys.stderr, flush=True)
 
