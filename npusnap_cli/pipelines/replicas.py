@@ -68,7 +68,10 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             "device of its own",
             fix="e.g. --replicas 2 --device-map 0=1 --device-map 0=2",
         )
-    targets = [tuple(sorted(dict(m).values())) for m in device_maps]
+    from npusnap_cli.host import pidns
+
+    # every device each copy's container holds (unmapped ids below a mapped one included)
+    targets = [tuple(pidns.container_devices(manifest, m)) for m in device_maps]
     flat = [d for t in targets for d in t]
     if len(set(flat)) != len(flat):
         raise UsageError(
