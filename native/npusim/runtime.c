@@ -630,9 +630,11 @@ __attribute__((destructor)) static void rt_fini(void) {
 /* ---------------------------------------------------------------- devices and contexts */
 
 RT_API rtError_t rtSetDevice(int32_t devId) {
-    uint32_t drv;
+    uint32_t drv, ndev = 0;
     int32_t rc = drv_dev(devId, &drv);
     if (rc != ACL_SUCCESS) return rc;
+    /* a driver id past the driver's count: RT_ERROR_DEVICE_ID (api_error.cc, SetDevice) */
+    if (drvGetDevNum(&ndev) == DRV_ERROR_NONE && drv >= ndev) return ACL_ERROR_RT_INVALID_DEVICEID;
     gate();
     rc = drv_to_acl(halDeviceOpen(drv, NULL, NULL));
     /* the device's default stream (NULL), one per device; g_defmu: one thread makes it */

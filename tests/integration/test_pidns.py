@@ -161,6 +161,41 @@ def test_copy_beside_the_original_on_another_device(
                 kill(p)
 
 
+def test_a_job_with_visible_devices_keeps_them_across_a_restore(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES=1: the job's device 0 is device 1. npusnap saves its memory
+    (tracked under the driver's id 1, its contexts under 0), and the restored job keeps its
+    variable and its device: it finishes with the results of an uninterrupted run."""
+    env = job_env(sim_env, runtime_dir, ASCEND_RT_VISIBLE_DEVICES="1")
+    args = [*TRAIN_ARGS, "--steps", "40", "--device", "0"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, st, _ = cli(env, "sim", "status")
+        assert rc == 0 and st is not None
+        assert {o["pid"]: o["visible_devices"] for o in st["result"]["owners"]}[pid] == [0, 1]
+        assert [o["pid"] for o in st["result"]["devices"][1]["owners"]] == [pid]
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        restored = int(res["result"]["root_pid"])
+        rc, st, _ = cli(env, "sim", "status")
+        assert st is not None and [o["pid"] for o in st["result"]["devices"][1]["owners"]] == [restored]
+        wait_until(lambda: not alive(restored), 60, "the restored job to finish")
+        cont = lines(out)[at:]
+        assert cont and continues_reference(cont, ref), cont[:3]
+    finally:
+        for p in (restored, pid):
+            if p:
+                kill(p)
+
+
 def test_one_image_restored_twice_at_once(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
     """`restore --replicas 2`: two copies of one image at once, each in its own pid namespace on
     a device of its own, each with its own pidfile and output file; both finish the run from the

@@ -392,8 +392,9 @@ def test_errors_of_ordinary_calls(make_driver: Callable[..., Driver]) -> None:
     assert d.call("getdev")["rc"] == 107002
     assert d.rc("sync") == 100001
     assert d.rc("init") == 0 and d.rc("init") == 100002
-    assert d.rc("set", 2) == 107000  # the simulator has devices 0 and 1
-    assert d.rc("set", -1) == 107000
+    # the simulator has devices 0 and 1; api_error.cc SetDevice: RT_ERROR_DEVICE_ID for both
+    assert d.rc("set", 2) == 107001
+    assert d.rc("set", -1) == 107001
     assert d.rc("set", 0) == 0
     assert d.call("malloc", 0)["rc"] == 107000
     assert d.call("malloc", 2 << 30)["rc"] == 207001  # more than the 1 GiB capacity
