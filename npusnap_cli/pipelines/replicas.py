@@ -15,7 +15,8 @@ interpreter and imports nothing (the CLI's start is a large part of a small rest
 them share the host's cores). The copies read the same image files, so the page cache holds the
 image's memory and device-memory files once, and each copy's agent copies its device memory
 from a read-only mapping of that one file (native/agent/devmem.c): every copy reads the same
-page-cache pages. (CRIU's lazy pages cannot be shared: each restore has its own page server.)
+page-cache pages. (Lazy pages are not used: a `criu lazy-pages` daemon serves the tasks of one
+restore, criu/uffd.c, so N copies would need N daemons reading the same files.)
 """
 
 from __future__ import annotations
