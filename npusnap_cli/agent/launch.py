@@ -140,6 +140,30 @@ def leave_foreign_session() -> Optional[str]:
     )
 
 
+def deny_io_uring() -> Optional[str]:
+    """`run --no-io-uring`: from here on, io_uring_setup fails with ENOSYS in this process and in
+    the program it becomes or starts (host/iouring.py). A note when set-uid programs lose their
+    privileges in the job (no CAP_SYS_ADMIN: the no_new_privs bit was needed), else None."""
+    from npusnap_cli.host import iouring
+
+    nnp = iouring.needs_no_new_privs()
+    try:
+        iouring.deny_io_uring()
+    except OSError as exc:
+        raise PreflightError(
+            f"cannot keep io_uring out of the program: {exc.strerror}",
+            why="installing a seccomp filter needs CAP_SYS_ADMIN or the no_new_privs bit, and a "
+            "kernel built with CONFIG_SECCOMP_FILTER",
+            fix="run npusnap as root, or start the program without --no-io-uring",
+        ) from None
+    if nnp:
+        return (
+            "--no-io-uring without CAP_SYS_ADMIN sets no_new_privs: set-uid programs in the job run "
+            "without their privileges"
+        )
+    return None
+
+
 def exec_plan(plan: LaunchPlan) -> None:
     """Replace this process with the program (same pid). Returns only by raising."""
     sys.stdout.flush()

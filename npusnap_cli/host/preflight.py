@@ -607,12 +607,9 @@ IO_URING_ENTER = 426  # the same number on x86_64 and aarch64 (the unified sysca
 _ANON_FIX = {
     "[io_uring]": (
         "an io_uring instance: CRIU cannot save its rings or in-flight requests",
-        "for PyTorch's rendezvous store (libuv TCPStore, the default since 2.4): launch the ranks "
-        "with USE_LIBUV=0 (torch/distributed/rendezvous.py reads it for env:// and tcp://). "
-        "torchrun's elastic agent hosts its own store, with libuv unless the installed torch reads "
-        "`--rdzv-conf use_libuv=0` (c10d_rendezvous_backend.py; torch 2.13 does not): launch the "
-        "ranks without torchrun and dump them as a job (docs/distributed.md, PyTorch); "
-        "otherwise make the program close its ring before the dump",
+        "start the job again under `npusnap run --no-io-uring -- CMD...`: io_uring_setup then fails "
+        "in the whole tree (ENOSYS, as on a kernel without io_uring) and libuv, like most programs, "
+        "falls back to epoll; or make the program close its ring before the dump",
     ),
     "[perf_event]": (
         "a perf event (a profiler or `perf` attached from inside)",
@@ -625,6 +622,29 @@ _ANON_FIX = {
 }
 
 
+# PyTorch's TCPStore server on libuv (the default since torch 2.4) names its loop thread so
+# (torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp); libuv 1.50 and later always set up a
+# ring for that loop (src/unix/linux.c, the epoll_ctl batching ring), whatever UV_USE_IO_URING
+# says. torchrun's elastic agent runs as "pt_elastic" (torch/distributed/run.py).
+TORCH_STORE_THREAD = "pt_tcpstore_uv"
+TORCHRUN_COMM = "pt_elastic"
+TORCHRUN_MODULES = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+_TORCHRUN_FIX = (
+    "this is torchrun's elastic agent: its rendezvous stores hold the ring, and torch (2.13) has no "
+    "setting for them (USE_LIBUV reaches only stores that ranks host themselves, and "
+    "UV_USE_IO_URING=0 does not remove this ring). Start the job again as `npusnap run "
+    "--no-io-uring -- torchrun ...`: io_uring_setup then fails in the agent and its workers and "
+    "libuv uses epoll (docs/distributed.md, PyTorch)"
+)
+_TORCH_RANK_FIX = (
+    "this process hosts PyTorch's rendezvous store (rank 0 of ranks started without torchrun): "
+    "start every rank with USE_LIBUV=0 in its environment (torch/distributed/rendezvous.py reads "
+    "it for env:// and tcp://; or `?use_libuv=0` in a tcp:// init_method URL), or start the job "
+    "under `npusnap run --no-io-uring` (docs/distributed.md, PyTorch)"
+)
+
+
 @dataclass(frozen=True)
 class UndumpableFd:
     pid: int
@@ -632,6 +652,9 @@ class UndumpableFd:
     kind: str  # the anon-inode name: "[io_uring]", "bpf-prog", ...
     comm: str
     threads: tuple[tuple[int, str], ...]  # (tid, name) of threads in a system call on it
+    # (tid, name) of PyTorch's libuv TCPStore threads in the process (for a ring: its user)
+    store_threads: tuple[tuple[int, str], ...] = ()
+    torchrun: bool = False  # the process is torchrun's elastic agent
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -640,7 +663,20 @@ class UndumpableFd:
             "kind": self.kind,
             "comm": self.comm,
             "threads": [{"tid": t, "name": n} for t, n in self.threads],
+            "torch_store_threads": [{"tid": t, "name": n} for t, n in self.store_threads],
+            "torchrun": self.torchrun,
         }
+
+    def fix(self) -> tuple[str, str]:
+        """What the descriptor is, and the exact way out."""
+        what, fix = _ANON_FIX.get(
+            self.kind,
+            (f"an anon inode of kind {self.kind}", "make the program close it before the dump"),
+        )
+        if self.kind == "[io_uring]" and self.store_threads:
+            what = f"{what} (PyTorch's TCPStore, on libuv)"
+            fix = _TORCHRUN_FIX if self.torchrun else _TORCH_RANK_FIX
+        return what, fix
 
 
 def _read(path: str) -> str:
@@ -671,6 +707,27 @@ def _threads_on(pid: int, fd: int, kind: str) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _torch_store_threads(pid: int) -> tuple[tuple[int, str], ...]:
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return ()
+    named = ((tid, _read(f"/proc/{pid}/task/{tid}/comm")) for tid in tids)
+    return tuple((tid, name) for tid, name in named if name == TORCH_STORE_THREAD)
+
+
+def _is_torchrun(pid: int, comm: str) -> bool:
+    if comm == TORCHRUN_COMM:
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")[:4]
+    except OSError:
+        return False
+    words = [os.path.basename(a.decode(errors="replace")) for a in argv]
+    return any(w in TORCHRUN_MODULES for w in words)
+
+
 def find_undumpable_fds(pids: list[int], bpf_maps: bool = False) -> list[UndumpableFd]:
     """Descriptors of the processes that CRIU 4.2.1 refuses to dump (anon inodes of kinds it
     does not know), with the threads that are using them."""
@@ -694,7 +751,18 @@ def find_undumpable_fds(pids: list[int], bpf_maps: bool = False) -> list[Undumpa
             fd = int(name)
             comm = _read(f"/proc/{pid}/comm") or "?"
             threads = _threads_on(pid, fd, kind)
-            found.append(UndumpableFd(pid=pid, fd=fd, kind=kind, comm=comm, threads=threads))
+            store = _torch_store_threads(pid) if kind == "[io_uring]" else ()
+            found.append(
+                UndumpableFd(
+                    pid=pid,
+                    fd=fd,
+                    kind=kind,
+                    comm=comm,
+                    threads=threads,
+                    store_threads=store,
+                    torchrun=bool(store) and _is_torchrun(pid, comm),
+                )
+            )
     return found
 
 
@@ -705,15 +773,14 @@ def undumpable_fds_error(found: list[UndumpableFd]) -> Optional[Any]:
     from npusnap_cli.errors import PreflightError
 
     e = found[0]
-    what, fix = _ANON_FIX.get(
-        e.kind,
-        (f"an anon inode of kind {e.kind}", "make the program close it before the dump"),
-    )
+    what, fix = e.fix()
     threads = ", ".join(f"{tid} ({name})" for tid, name in e.threads)
+    store = ", ".join(f"{tid} ({name})" for tid, name in e.store_threads)
     others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     return PreflightError(
         f"pid {e.pid} ({e.comm}) holds anon_inode:{e.kind} on fd {e.fd}{others}"
-        + (f", used by thread(s) {threads}" if threads else ""),
+        + (f", used by thread(s) {threads}" if threads else "")
+        + (f"; PyTorch's TCPStore runs on libuv in thread(s) {store}" if store else ""),
         why=f"it is {what}; CRIU dumps only the anon-inode kinds it knows ({', '.join(CRIU_ANON_KINDS)}) "
         "and would fail after the job was locked",
         fix=fix,
