@@ -791,7 +791,7 @@ def _restore_job(
 ) -> JobRestoreOutcome:
     from npusnap_cli import criu
     from npusnap_cli.device.devicegroup import DeviceGroup
-    from npusnap_cli.host import hostres
+    from npusnap_cli.host import hostres, pidns
     from npusnap_cli.pipelines import restore as rmod
 
     start = time.monotonic()
@@ -818,17 +818,11 @@ def _restore_job(
     for r in job.ranks:
         m = img.load_manifest(final / r.dir)
         manifests[r.rank] = m
-        if m.pid_ns:
-            raise UsageError(
-                f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
-                "job images of such ranks cannot be restored yet",
-                fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
-                "ranks without --pid-ns",
-            )
         try:
             rmod.check_versions(m, binary)
             device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
-            rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
+            if not m.pid_ns:  # a rank's own pid namespace is restored afresh: no host pid needed
+                rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
             rmod.check_devices_free(m)
             rmod.prepare_sockets(m)
             hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
@@ -866,13 +860,19 @@ def _restore_job(
                             hostres.put_back(to_put_back, final / r.dir)
                         wanted = None if options.logs is None else Path(options.logs) / r.dir
                         logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
-                        restored[r.rank] = criu.restore(
-                            str(img.criu_dir(final / r.dir)),
-                            str(logs),
-                            options=rmod._criu_options(m),
-                            log_name=img.RESTORE_LOG,
-                            binary=binary,
-                        )
+                        # --pid-ns ranks: their agents' sockets bound under names of their own
+                        view = pidns.criu_view(img.criu_dir(final / r.dir), m) if m.pid_ns else None
+                        try:
+                            restored[r.rank] = criu.restore(
+                                str(view or img.criu_dir(final / r.dir)),
+                                str(logs),
+                                options=rmod._criu_options(m),
+                                log_name=img.RESTORE_LOG,
+                                binary=binary,
+                            )
+                        finally:
+                            if view is not None:
+                                pidns.drop_view(view)
                     finally:
                         # CRIU's restore consumes the link-remap files; a failed one leaves them
                         hostres.drop_remaps(to_put_back)
@@ -893,6 +893,11 @@ def _restore_job(
             net.sync("criu-restored")
         _release_holds(holds)  # every end of every connection exists again
         criu_done = time.monotonic()
+        # --pid-ns ranks have new host pids: from here on, the manifests name those
+        dumped, moved = dict(manifests), {}
+        for r in job.ranks:
+            if manifests[r.rank].pid_ns:
+                manifests[r.rank], moved[r.rank] = pidns.translate(manifests[r.rank], restored[r.rank].pid)
         # Release together: the device state of every rank, then every rank's Unlock.
         cb.phase("device restore (every rank)")
         npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
@@ -904,10 +909,10 @@ def _restore_job(
             files: dict[int, tuple[int, str]] = {}
             with contextlib.ExitStack() as stack:
                 for r in job.ranks:
-                    opened = img.open_device_memory_files(final / r.dir, manifests[r.rank])
+                    opened = img.open_device_memory_files(final / r.dir, dumped[r.rank])
                     for fd, _path in opened.values():
                         stack.callback(os.close, fd)
-                    files.update(opened)
+                    files.update({moved.get(r.rank, {}).get(k, k): v for k, v in opened.items()})
                 group = stack.enter_context(DeviceGroup(npu, lease_s=options.lease_s, command="restore"))
                 group.set_tokens(tokens)
                 group.restore(files)

@@ -237,3 +237,50 @@ def test_run_pid_ns_in_the_foreground_waits_and_passes_the_status(tmp_path: Path
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_a_job_of_pid_ns_ranks_dumps_and_restores(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Two ranks (ranks.py: an all-reduce over TCP every step), each init of a pid namespace of
+    its own: one job image (their connection in it), restored as a job into new namespaces with
+    new host pids; both ranks finish with exactly the lines of an uninterrupted run."""
+    from tests.integration.test_jobs import RANKS, free_port, job_reference, jobs_env, rank_args
+
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=23)
+    master = f"127.0.0.1:{free_port()}"
+    outs = [tmp_path / f"r{r}.out" for r in (0, 1)]
+    pids: list[int] = []
+    roots: list[int] = []
+
+    def rank_lines(out: Path) -> list[str]:
+        return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("[rank")]
+
+    try:
+        for r in (0, 1):
+            pids.append(start_ns_job(env, outs[r], [PY, RANKS, *rank_args(r, master, 23)]))
+        for pid, out in zip(pids, outs):
+            assert nspid(pid) == [pid, 1]
+            wait_until(lambda o=out: len(rank_lines(o)) >= 3, 60, "steps")
+        img = str(tmp_path / "img")
+        rc, res, err = cli(env, "dump", str(pids[0]), str(pids[1]), img, "--tcp-established")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        for pid in pids:
+            wait_until(lambda p=pid: not alive(p), 10, f"pid {pid} to be gone")
+        rc, res, err = cli(env, "restore", img)
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["ranks"]]
+        assert set(roots).isdisjoint(pids), (roots, pids)  # new namespaces, new host pids
+        for root in roots:
+            assert nspid(root)[-1] == 1, nspid(root)
+            # The restored rank answers on its agent socket (a name of its own, found by inode).
+            rc, _st, err = cli(env, "status", str(root))
+            assert rc == 0, err
+        for root in roots:
+            wait_until(lambda p=root: not alive(p), 90, f"restored rank {root} to finish")
+        for r in (0, 1):
+            assert rank_lines(outs[r]) == ref[r], (r, outs[r].read_text()[-800:])
+    finally:
+        for p in (*roots, *pids):
+            kill(p)
