@@ -37,7 +37,7 @@ from tests.integration.test_jobs import jobs_env
 from tests.integration.torchlib import TORCHRUN
 
 WORKLOAD = str(REPO / "npusnap_cli" / "workloads" / "torch_ranks.py")
-STEPS = 50
+STEPS = 80
 
 pytestmark = [
     pytest.mark.integration,
