@@ -5,7 +5,7 @@ cannot dump: a plain `npusnap run -- torchrun ...` is refused in preflight (the 
 agent, its store threads and the fix), and the job runs on. Under `npusnap run --no-io-uring` no
 ring exists in the tree; one dump takes the agent and both ranks (with their TCP connections to
 each other and to the store), and the restored job ends with exactly the lines of an
-uninterrupted run.
+uninterrupted run. The same ranks started by hand with USE_LIBUV=0 dump as a job.
 
 torch comes from scripts/setup-torch.sh (scripts/test.sh runs it): a cached virtualenv linked at
 .build/torch.
@@ -152,3 +152,40 @@ def test_torchrun_under_no_io_uring_dumps_and_restores_whole(
             assert after[r] == reference[r], (r, len(before[r]), job.text()[-1500:])
     finally:
         job.cleanup()
+
+
+def test_ranks_started_without_torchrun_dump_as_a_job_with_use_libuv_0(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, reference: list[list[str]]
+) -> None:
+    """The same two ranks started by hand (env://, rank 0 hosts the store): with USE_LIBUV=0 no
+    rank holds a ring, and `npusnap dump PID0 PID1` takes them as a job."""
+    from tests.integration.test_jobs import free_port
+
+    base = jobs_env(sim_env, runtime_dir)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", USE_LIBUV="0")
+    python = str(torchlib.TORCH_BIN / "python")
+    argv = [python, WORKLOAD, "--steps", str(STEPS), "--interval", "0.05", "--seed", "7"]
+    jobs = []
+    for r in (0, 1):
+        d = tmp_path / f"r{r}"
+        d.mkdir()
+        jobs.append(Job(d, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, argv))
+    img = tmp_path / "img"
+    try:
+        for job in jobs:
+            job.wait_lines(3, timeout=60)
+        assert [io_urings(job.pid) for job in jobs] == [0, 0]
+        rc, out, err = cli(base, "dump", str(jobs[0].pid), str(jobs[1].pid), str(img), "--tcp-established")
+        assert rc == 0, (out or {}).get("error") or err
+        for job in jobs:
+            job.reap()
+        rc, out, err = cli(base, "restore", str(img))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        for job, r in zip(jobs, out["result"]["ranks"]):
+            job.restored_pid = int(r["root_pid"])
+        for r, job in enumerate(jobs):
+            wait_until(lambda j=job: not alive(j.restored_pid), 90, f"restored rank {r} to finish")
+            assert job.lines() == reference[r], (r, job.text()[-1500:])
+    finally:
+        for job in jobs:
+            job.cleanup()
