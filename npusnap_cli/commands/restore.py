@@ -251,6 +251,16 @@ def register(app: typer.Typer) -> None:
                     "--lazy is not supported for job images (several ranks) yet",
                     fix="restore the job image without --lazy",
                 )
+            if options.device_map or options.output is not None:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--device-map and --output are not supported for job images (several ranks) yet",
+                    why="a job restore would otherwise put every rank back on its own devices and "
+                    "files, silently ignoring them",
+                    fix="restore the job image without them, or one rank's image on its own "
+                    "(`npusnap restore DIR/rank-N --device-map ...`)",
+                )
 
             try:
                 with oplog.operation("restore", [], str(directory)) as op:

@@ -71,6 +71,43 @@ def namespace_pids(root: int, tree: list[int]) -> dict[int, int]:
     return out
 
 
+def check_job_cwds(roots: list[int]) -> None:
+    """Refuse a job in which processes of two ranks, each in a pid namespace of its own, share a
+    working directory. CRIU's parasite finds no /proc of such a process's namespace (the host's
+    is kept), so it mounts one at ``proc.crtools`` in the process's working directory
+    (criu/pie/parasite.c, get_proc_fd); the ranks' CRIUs run at once, and the second mkdir there
+    fails the dump with "Can't create a directory (-17)" (EEXIST) after the job was locked."""
+    import psutil
+
+    from npusnap_cli.errors import PreflightError
+
+    seen: dict[str, tuple[int, int]] = {}  # cwd -> (rank, pid)
+    for rank, root in enumerate(roots):
+        if not namespace_pids(root, [root]):
+            continue  # in our pid namespace: CRIU's parasite opens /proc itself
+        try:
+            procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+        except psutil.Error:
+            continue  # resolve_target names a missing pid
+        for proc in procs:
+            try:
+                cwd = proc.cwd()
+            except psutil.Error:
+                continue
+            other = seen.setdefault(cwd, (rank, proc.pid))
+            if other[0] != rank:
+                raise PreflightError(
+                    f"pid {proc.pid} (rank {rank}) and pid {other[1]} (rank {other[0]}) both run "
+                    f"in {cwd}, each in a pid namespace of its own",
+                    why="CRIU mounts the /proc of such a process at proc.crtools in its working "
+                    "directory while it dumps it; the ranks are dumped at once, and two mounts "
+                    "at one path fail the dump",
+                    fix="start each rank in a working directory of its own "
+                    "(cd DIR && npusnap run --pid-ns ...)",
+                    details={"cwd": cwd, "pids": [other[1], proc.pid], "ranks": [other[0], rank]},
+                )
+
+
 def check_map(d: Any) -> dict[str, int]:
     """The manifest's ``pid_ns`` (host pid as a string -> namespace pid), validated."""
     if d is None:

@@ -579,6 +579,9 @@ def _dump_job_once(
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
+    from npusnap_cli.host import pidns
+
+    pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
     for stale in img.remove_stale_temps(final):
