@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli.host import safefs
+from npusnap_cli import safefs
 
 SYSLOG_SOCKET = "/dev/log"
 HISTORY = "history.jsonl"

@@ -40,7 +40,7 @@ def write(path: Path, pid: int) -> str:
 
     Through safefs: a random O_EXCL temporary name in the directory reached without following a
     user's symlink, then a rename within it (a name planted there is replaced, never followed)."""
-    from npusnap_cli.host import safefs
+    from npusnap_cli import safefs
 
     try:
         safefs.write_file(

@@ -27,9 +27,9 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from npusnap_cli.errors import ImageError, TargetError
+from npusnap_cli.errors import TargetError
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -69,19 +69,6 @@ def namespace_pids(root: int, tree: list[int]) -> dict[int, int]:
             )
         out[pid] = inner[-1]
     return out
-
-
-def check_map(d: Any) -> dict[str, int]:
-    """The manifest's ``pid_ns`` (host pid as a string -> namespace pid), validated."""
-    if d is None:
-        return {}
-    if not isinstance(d, Mapping) or not all(
-        isinstance(k, str) and k.isdigit() and isinstance(v, int) and v > 0 for k, v in d.items()
-    ):
-        raise ImageError(f"bad pid_ns in the manifest: {d!r}", fix="dump again")
-    if d and 1 not in d.values():
-        raise ImageError("the manifest's pid_ns has no namespace init (pid 1)", fix="dump again")
-    return dict(d)
 
 
 def _agent_socket_names(manifest: Any) -> dict[str, str]:

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import pytest
 
-from npusnap_cli import image
+from npusnap_cli import image, safefs
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
-from npusnap_cli.host import hostres, pidfile, safefs
+from npusnap_cli.host import hostres, pidfile
 from npusnap_cli.image import archive, digest
 from tests.integration.dumplib import cli
 from tests.unit.test_image import _build, _manifest
