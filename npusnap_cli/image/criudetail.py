@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli.image import archive, containers
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 SOCKET_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket", 3: "raw"}
 TCP_STATES = {1: "ESTABLISHED", 7: "CLOSE", 10: "LISTEN", 2: "SYN_SENT", 3: "SYN_RECV", 8: "CLOSE_WAIT"}
@@ -205,12 +207,8 @@ def describe_archive(path: Path, *, container: bool, prefix: str = "") -> dict[s
         (work / "criu").mkdir()
         (work / "stats").mkdir()
         if container:
-            from npusnap_cli.image import containers
-
             opener: Any = containers._open_archive(path)
         else:
-            from npusnap_cli.image import archive
-
             opener = archive._members(path)
         with opener as source:
             members = (
