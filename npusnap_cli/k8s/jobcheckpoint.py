@@ -47,8 +47,9 @@ from npusnap_cli.errors import (
     StateUnknownError,
     UsageError,
 )
+from npusnap_cli.image.layout import K8S_JOB_MANIFEST
 
-MANIFEST = "npusnap-k8s-job.json"
+MANIFEST = K8S_JOB_MANIFEST  # image.open tells such a directory apart by this name
 MANIFEST_KIND = "npusnap-k8s-job"
 MANIFEST_FORMAT = 1
 PHASES = ("locked", "saved")
