@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-if TYPE_CHECKING:
-    from npusnap_cli.image import OpenedImage
-
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+
+if TYPE_CHECKING:
+    from npusnap_cli.image import OpenedImage
 
 
 def register(app: typer.Typer) -> None:
