@@ -321,6 +321,7 @@ def failed_logs_dir(final: Path) -> Path:
 
 
 def final_of(tmp: Path) -> Optional[Path]:
+    """The image a work directory (``.NAME.npusnap-tmp-*``) was being built for, or None."""
     name = tmp.name
     if name.startswith(".") and TMP_MARKER in name:
         return tmp.parent / name[1 : name.index(TMP_MARKER)]
@@ -338,6 +339,7 @@ def follow_pointer(path: Path) -> Path:
 
 
 def check_image_dir(image: Path) -> None:
+    """Refuse what cannot be an image directory: missing, a symlink, not a directory, a work name."""
     try:
         st = os.lstat(image)
     except OSError:

@@ -21,9 +21,10 @@ ImageError (exit code 8) that names the problem.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli.errors import ImageError, NpusnapError
 from npusnap_cli.image import archive, containers, job, layout
@@ -65,11 +66,7 @@ class OpenedImage:
     manifest: Optional[Manifest] = None
     job: Optional[JobManifest] = None
     container: Optional[PluginCheckpoint] = None
-
-    @property
-    def pointer(self) -> Optional[Path]:
-        """The ``latest`` pointer it was reached through, if any."""
-        return self.given if self.given.is_symlink() and self.path != self.given else None
+    pointer: Optional[Path] = None  # the `latest` pointer it was reached through, if any
 
     def require_manifest(self) -> Manifest:
         """The manifest of a ``directory`` or ``archive`` image."""
@@ -119,9 +116,6 @@ class OpenedImage:
                 fix=f"npusnap k8s restore {self.given}",
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "path": str(self.path), "given": str(self.given)}
-
 
 def open_image(path: Path) -> OpenedImage:
     """What ``path`` is (see the module docstring), with its manifest read; ImageError if none.
@@ -146,6 +140,7 @@ def open_image(path: Path) -> OpenedImage:
     if archive_error is not None:
         raise archive_error
     final = layout.follow_pointer(given)
+    pointer = given if final != Path(os.path.abspath(given)) else None
     if job.is_job_image(final):
-        return OpenedImage(Kind.JOB, final, given, job=job.load_job_manifest(final))
-    return OpenedImage(Kind.DIRECTORY, final, given, manifest=load_manifest(final))
+        return OpenedImage(Kind.JOB, final, given, job=job.load_job_manifest(final), pointer=pointer)
+    return OpenedImage(Kind.DIRECTORY, final, given, manifest=load_manifest(final), pointer=pointer)
