@@ -136,7 +136,7 @@ class _OneContainer:
         return True
 
 
-def test_a_kubernetes_job_checkpoint(tmp_path: Path) -> None:
+def test_a_kubernetes_job_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "scratch").mkdir()
     member = jc.parse_member(0, "default/a/trainer")
     jc.checkpoint_job([member], tmp_path / "job", _OneContainer(tmp_path / "scratch"), None)
@@ -146,6 +146,11 @@ def test_a_kubernetes_job_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="Kubernetes job checkpoint") as info:
         ref.require_restorable()
     assert info.value.fix == f"npusnap k8s restore {tmp_path / 'job'}"
+    assert main(["inspect", str(tmp_path / "job"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["result"]
+    assert [m["container"] for m in res["members"]] == ["trainer"]
+    assert main(["verify", str(tmp_path / "job"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["result"]["members"] == 1
 
 
 @pytest.mark.parametrize(
