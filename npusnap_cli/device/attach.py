@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 from npusnap_cli import paths
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
+from npusnap_cli.host import procfs
 
 DEFAULT_TIMEOUT = 10.0
 MIN_PYTHON = (3, 9)
@@ -168,10 +169,8 @@ def _status_fields(pid: int) -> dict[str, str]:
 
 def _proc_state(pid: int) -> str:
     """The one-letter state from /proc/PID/stat (R, S, D, T, t, Z, ...), "" if unreadable."""
-    stat = _read(f"/proc/{pid}/stat") or ""
-    # The command name is in parentheses and may itself contain spaces or parentheses.
-    rest = stat.rpartition(")")[2].split()
-    return rest[0] if rest else ""
+    st = procfs.stat(pid)
+    return st.state if st else ""
 
 
 def ptrace_scope() -> Optional[int]:
@@ -776,9 +775,8 @@ def diagnose(pid: int, gdb_report: Optional[dict[str, Any]] = None) -> dict[str,
 
 
 def _proc_state_task(pid: int, tid: int) -> str:
-    stat = _read(f"/proc/{pid}/task/{tid}/stat") or ""
-    rest = stat.rpartition(")")[2].split()
-    return rest[0] if rest else ""
+    st = procfs.stat(pid, tid)
+    return st.state if st else ""
 
 
 # -- attach ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Optional
 
 from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
+from npusnap_cli.host import procfs
 
 POLL_S = 0.02  # how often the freeze is looked for while CRIU runs
 MARGIN_S = 0.5  # the agent's tick (0.1 s) and the time a renewal takes to be answered
@@ -46,12 +47,10 @@ def _threads_stopped(pid: int) -> Optional[bool]:
     except OSError:
         return None
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        st = procfs.stat(pid, tid)
+        if st is None:
             continue
-        if state not in ("t", "T"):
+        if st.state not in ("t", "T"):
             return False
     return True
 

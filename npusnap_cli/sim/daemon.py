@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from npusnap_cli.host import procfs
 from npusnap_cli.sim import wire
 
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
@@ -64,16 +65,10 @@ KEPT_POISON_WAIT_S = 10.0  # a Restore waits this (plus 2 s per GiB) for the poi
 
 def start_time(pid: int) -> Optional[int]:
     """Field 22 of /proc/PID/stat, or None if the process is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
+    st = procfs.stat(pid)
+    if st is None or st.state in ("Z", "X"):
         return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rindex(b")") + 2 :].split()
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
+    return st.start_time
 
 
 def alive(owner: Owner) -> bool:

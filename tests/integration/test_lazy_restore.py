@@ -20,6 +20,7 @@ from typing import Optional
 import pytest
 
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import procfs
 from npusnap_cli.host.lazypages import TEST_HOOK_ENV
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
@@ -58,9 +59,9 @@ def _daemon_of(img: Path, stopped: bool = False) -> Optional[int]:
             continue
         try:
             argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue
+        state = procfs.state(int(name))
         if b"lazy-pages" in argv and str(img / "criu").encode() in argv and (state == "T" or not stopped):
             return int(name)
     return None
