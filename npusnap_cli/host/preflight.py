@@ -8,7 +8,6 @@ individual checks (``check_criu`` etc.) for their own preflight.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -451,7 +450,7 @@ def plugin_dirs_item() -> CheckItem:
             path = os.path.join(d, n)
             try:
                 desc = criuplugin.read_plugin_desc(path)
-            except (OSError, ValueError, struct.error):
+            except (OSError, ValueError):  # elf.ElfError is a ValueError
                 desc = None
             entries.append({"path": path, "max_hooks": desc.max_hooks if desc else None,
                             "name": desc.name if desc else None})  # fmt: skip
