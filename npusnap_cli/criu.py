@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from npusnap_cli import paths
 from npusnap_cli.errors import CriuError, ExitCode, PreflightError
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
@@ -364,8 +365,6 @@ class _Swrk:
 
     def __init__(self, binary: CriuBinary, extra_fds: tuple[int, ...] = ()) -> None:
         import socket
-
-        from npusnap_cli import paths
 
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # npusnap's plugins live in a directory of their own, handed to CRIU explicitly: CRIU's

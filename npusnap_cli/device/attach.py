@@ -51,6 +51,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
+from npusnap_cli.agent import native
+from npusnap_cli.device import native_attach
+from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.device.native_attach import TraceWatch
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
 from npusnap_cli.host import procfs
 
@@ -527,8 +531,6 @@ def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optiona
     uses the breakpoint method, which reads symbols."""
     import platform
 
-    from npusnap_cli.device import native_attach
-
     if platform.machine() != "x86_64" or target.root != "/":
         return None
     if os.environ.get("NPUSNAP_TEST_ATTACH_WAY") == "breakpoint":  # tests only: the other way in
@@ -653,7 +655,6 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     ):
         cmd += ["-iex", setting]
     cmd += ["-p", str(target.pid), "-x", str(script)]
-    from npusnap_cli.device.native_attach import TraceWatch
 
     t0 = time.monotonic()
     watch = TraceWatch(target.pid)
@@ -781,8 +782,6 @@ def _proc_state_task(pid: int, tid: int) -> str:
 
 # -- attach ----------------------------------------------------------------------------------------
 def _hello(pid: int, timeout: float, retry_s: float) -> dict[str, Any]:
-    from npusnap_cli.device.agent_client import AgentClient
-
     with AgentClient(pid, timeout=timeout, connect_retry_s=retry_s) as client:
         return client.hello()
 
@@ -800,9 +799,6 @@ def existing_agent(pid: int) -> Optional[dict[str, Any]]:
 def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """A non-Python process with the CANN runtime loaded: gdb dlopens the native agent into it
     (see native_attach.py); succeeds once the agent answers hello."""
-    from npusnap_cli.agent import native
-    from npusnap_cli.device import native_attach
-
     start = time.monotonic()
     status = _status_fields(pid)
     state = _proc_state(pid)
@@ -861,8 +857,6 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
 
 def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """Make sure ``pid`` runs an npusnap agent that answers hello; inject one if needed."""
-    from npusnap_cli.device import native_attach
-
     if os.path.exists(f"/proc/{pid}") and native_attach.is_native_npu_process(pid):
         return attach_native(pid, timeout)
     start = time.monotonic()

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Optional
 
+from npusnap_cli.device.agent_client import AgentClient, AgentOpError
 from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
 from npusnap_cli.host import procfs
 
@@ -82,8 +83,6 @@ class LeaseKeeper:
     # -- renewing ----------------------------------------------------------------------------
     def renew(self) -> bool:
         """Renew every lease now; False (and ``lost`` says why) when one was already gone."""
-        from npusnap_cli.device.agent_client import AgentClient, AgentOpError
-
         if not self.tokens or self.lease_s is None:
             return True
         sent = time.monotonic()
@@ -174,7 +173,6 @@ class LeaseKeeper:
         StateUnknownError with the recovery commands if one does not. False otherwise."""
         if not isinstance(err, LockLostError):
             return False
-        from npusnap_cli.device.agent_client import AgentClient
 
         left = set(self.tokens)
         deadline = time.monotonic() + timeout

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional
 
 from npusnap_cli import contract
 from npusnap_cli.errors import ImageError, PreflightError
+from npusnap_cli.host import safefs
 from npusnap_cli.image import digest
 
 # Pseudo or kernel filesystems whose "files" are not data to save.
@@ -425,8 +426,6 @@ def absent(files: Iterable[HostFile]) -> list[HostFile]:
 def remove_copies(files: Iterable[HostFile]) -> list[str]:
     """Remove each of ``files`` from the host if it still holds the image's copy (reached without
     following a symlink); a file by that name with other contents is left alone. The paths removed."""
-    from npusnap_cli.host import safefs
-
     removed = []
     for f in files:
         parent, name = _split_parent(f.path)
@@ -473,7 +472,6 @@ def _place_problem(f: HostFile, mounts: list[str], nodes: Iterable[Any] = ()) ->
     Never through a symlink."""
     if _on(f.path, mounts):
         return None
-    from npusnap_cli.host import safefs
 
     parent, _ = _split_parent(f.path)
     # (private ones: a shared directory such as /tmp is where the rule itself looks)
@@ -516,8 +514,6 @@ def _split_parent(path: str) -> tuple[str, str]:
 def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
     """lstat of ``f.path`` reached without following a symlink; None when it (or a parent) is
     missing. A symlink or a foreign directory on the way is a PreflightError."""
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(f.path)
     try:
         with safefs.dir_fd(parent, owner=f.uid) as dfd:
@@ -536,8 +532,6 @@ def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
 
 
 def _digest_safe(f: HostFile) -> str:
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(f.path)
     with safefs.dir_fd(parent, owner=f.uid) as dfd:
         fd = safefs.open_read_at(dfd, name)
@@ -603,8 +597,6 @@ def check_put_back(
 def put_back(files: list[HostFile], image: Path, nodes: Iterable[Any] = ()) -> list[str]:
     """Write the saved copies to their paths (owner and mode as at dump, never set-id), each in
     its directory reached without following a symlink (safefs); the paths written."""
-    from npusnap_cli.host import safefs
-
     written: list[str] = []
     mounts = tmpfs_mounts()
     nodes = list(nodes)
@@ -790,8 +782,6 @@ def create_node(node: HostNode) -> bool:
 
     The directories on the way are reached and checked by safefs (root's or the node's owner's,
     writable by others only when sticky)."""
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(node.path)
     fd = safefs.open_dir(parent, owner=node.uid)
     try:

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from npusnap_cli import paths
 from npusnap_cli.host import procfs
 from npusnap_cli.sim import wire
 
@@ -745,8 +746,6 @@ def log(msg: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from npusnap_cli import paths
-
     ap = argparse.ArgumentParser(prog="python -m npusnap_cli.sim.daemon", description=__doc__)
     ap.add_argument("--socket", default=str(paths.sim_socket_path()), help="unix socket path to listen on")
     ap.add_argument("--devices", type=int, default=2, help="number of simulated devices (default 2)")
