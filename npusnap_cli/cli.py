@@ -38,8 +38,9 @@ COMMAND_MODULES = (
 )
 
 
-# typer formats help through rich whenever rich is installed, which costs ~90 ms of imports on
-# every `--help` and leaves "\\[default: ...]" escapes in plain output. Plain click help is enough.
+# typer formats help through rich whenever rich is installed, which adds rich's imports to every
+# `--help` (docs/benchmarks.md) and leaves "\\[default: ...]" escapes in plain output. Plain click
+# help is enough.
 typer.core.HAS_RICH = False
 
 

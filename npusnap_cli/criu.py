@@ -99,7 +99,7 @@ def run_criu_check(binary: CriuBinary, timeout: float = 60) -> tuple[bool, str]:
 
 class CriuCheck:
     """``criu check`` started now and read later, so that a command does other work while it
-    runs (75 ms here). ``result`` waits for it; ``cancel`` kills it if it is not wanted."""
+    runs (tens of milliseconds). ``result`` waits for it; ``cancel`` kills it if it is not wanted."""
 
     def __init__(self, binary: CriuBinary) -> None:
         self.binary = binary
@@ -152,7 +152,7 @@ class CriuCheck:
 
 
 def preload() -> None:
-    """Import pycriu (protobuf and CRIU's image descriptors: 40 ms here) ahead of the CRIU step,
+    """Import pycriu (protobuf and CRIU's image descriptors: tens of milliseconds) ahead of the CRIU step,
     from a thread while the command waits for something else. A failure is left for the step
     itself to report."""
     try:

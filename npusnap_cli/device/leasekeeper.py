@@ -94,7 +94,7 @@ class LeaseKeeper:
             except AgentOpError as exc:
                 self.lost = f"pid {pid}: {exc.message}"
                 return False
-            except NpusnapError:  # unreachable for now: the time check decides
+            except NpusnapError:  # not reached while the time check above decides first
                 return False
         self.renewed_at = sent
         return True

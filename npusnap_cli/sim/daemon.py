@@ -58,8 +58,8 @@ GiB = 1 << 30
 POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
 # How long the memory of a process that is gone waits for a Restore to reuse it. A restore follows
-# its dump after whatever the operator (or a benchmark warming memory: 8-17 s for 11 GiB on a slow
-# VM here) does in between; memory pressure gives it back sooner (_expire_pool).
+# its dump after whatever the operator (or a benchmark warming memory for the restore, see
+# docs/benchmarks.md) does in between; memory pressure gives it back sooner (_expire_pool).
 POOL_TTL_S = 60.0
 KEPT_POISON_WAIT_S = 10.0  # a Restore waits this (plus 2 s per GiB) for the poisoner, then poisons
 

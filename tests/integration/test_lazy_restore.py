@@ -167,12 +167,11 @@ def test_image_removed_while_paging_in_is_harmless(
     throttles: list[_Throttle] = []
     try:
         # The whole restore at 5 % of a CPU from the start, so that its lazy-pages daemon (a
-        # child) cannot serve a small job's every page before the test finds it (at full speed the
-        # whole lazy restore took 0.6 s, and the test found it done; at a fifth, on a loaded
-        # machine, the daemon was found with its work done); then the daemon alone at 1 %, so that
-        # nearly every page is still owed when the image goes, while CRIU's restore goes on at 5 %
-        # and connects the job to it. (With the whole restore at 1 %, CI once waited 30 s for that
-        # connection.)
+        # child) cannot serve a small job's every page before the test finds it (faster, on a
+        # loaded machine, the daemon can be found with its work done); then the daemon alone at
+        # 1 %, so that nearly every page is still owed when the image goes, while CRIU's restore
+        # goes on at 5 % and connects the job to it (the whole restore at 1 % makes that
+        # connection take tens of seconds).
         throttles.append(_Throttle(proc.pid, 5_000))
         daemon = _wait_daemon(img, proc)
         throttles.append(_Throttle(daemon, 1000, name="-daemon"))
