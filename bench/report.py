@@ -436,6 +436,21 @@ DESIGN_MEASUREMENTS = (
         "`criu check` 75 ms; importing pycriu 40 ms",
     ),
     (
+        "the simulator poisons memory it keeps for a Restore on a thread of its own, ahead of it",
+        "npusnap_cli/sim/daemon.py (module docstring)",
+        "1 GiB: 0.37-0.45 s into fresh pages, 0.25-0.28 s into kept ones",
+    ),
+    (
+        "the poison is written into the memfd, from one thread",
+        "npusnap_cli/sim/daemon.py `_fill_poison`",
+        "0.45 s/GiB written into the memfd, 0.9 s/GiB filling a mapping; no faster from two threads",
+    ),
+    (
+        "the benchmark warms memory right before every timed command",
+        "bench/run.py (module docstring), `warm_memory`",
+        "8 GiB: raw `criu dump` 10-23 s cold or half warmed, 3.9-5.0 s warmed",
+    ),
+    (
         "the simulator keeps a gone process's memory 60 s for a Restore",
         "npusnap_cli/sim/daemon.py `POOL_TTL_S`",
         "a benchmark warming 11 GiB between dump and restore: 8-17 s on a slow VM",

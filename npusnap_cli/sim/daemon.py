@@ -14,8 +14,8 @@ and only while the host keeps a fifth of its memory available: the oldest goes b
 does not) and given to the next Restore of an
 allocation of the same size. It is poisoned as soon as it is kept, on a thread of its own (the
 poisoner), so that such a Restore finds it poisoned already: a device's Restore writes no host
-memory, and the simulator's poison (1 GiB here: 0.37-0.45 s into fresh pages, 0.25-0.28 s into
-kept ones) is its own cost, kept off the Restore where it can be. A Restore that comes first waits
+memory, and the simulator's poison is its own cost (docs/benchmarks.md), kept off the Restore
+where it can be. A Restore that comes first waits
 for it. Poisoning happens outside the daemon's lock: the other processes' requests go on meanwhile.
 Fresh allocations always get fresh, zeroed memory, and memory a live process may still map is
 never kept; no allocation is answered before it is poisoned in full.
@@ -725,9 +725,9 @@ def _poison_block(n: int) -> memoryview:
 
 def _fill_poison(fd: int, size: int) -> None:
     """Fill ``size`` bytes of a device allocation's memfd with 0xDEADBEEF words (a partial word at
-    the end is cut). Written into the memfd: the kernel allocates its pages as it writes, twice as
-    fast as filling a mapping of it page fault by page fault (0.45 against 0.9 s/GiB here), and no
-    faster from two threads (the kernel's page allocation is the limit)."""
+    the end is cut). Written into the memfd: the kernel allocates its pages as it writes, without
+    the page fault per page that filling a mapping of it takes, and no faster from two threads (the
+    kernel's page allocation is the limit; docs/benchmarks.md)."""
     block = _poison_block(min(size, POISON_CHUNK))
     for off in range(0, size, POISON_CHUNK):
         n = min(POISON_CHUNK, size - off)
