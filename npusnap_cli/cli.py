@@ -17,7 +17,6 @@ import typer.core
 
 from npusnap_cli import __version__
 from npusnap_cli.commands import _common
-from npusnap_cli.commands._common import GlobalOptions
 from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError, UsageError
 
 # One module per verb (or verb group) under npusnap_cli/commands/; each exposes register(app).
@@ -92,7 +91,7 @@ def build_app() -> typer.Typer:
             "Accepted anywhere on the line.",
         ),
     ) -> None:
-        ctx.obj = GlobalOptions(json_output=json_output, verbose=verbose, quiet=quiet)
+        ctx.obj = _common.GlobalOptions(json_output=json_output, verbose=verbose, quiet=quiet)
         if verbose:
             import logging
 

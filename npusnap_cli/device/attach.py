@@ -54,7 +54,6 @@ from npusnap_cli import paths
 from npusnap_cli.agent import native
 from npusnap_cli.device import native_attach
 from npusnap_cli.device.agent_client import AgentClient
-from npusnap_cli.device.native_attach import TraceWatch
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
 from npusnap_cli.host import procfs
 
@@ -657,7 +656,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     cmd += ["-p", str(target.pid), "-x", str(script)]
 
     t0 = time.monotonic()
-    watch = TraceWatch(target.pid)
+    watch = native_attach.TraceWatch(target.pid)
     try:
         with watch:
             proc = subprocess.Popen(
