@@ -62,6 +62,7 @@ from npusnap_cli.errors import (
     UsageError,
 )
 from npusnap_cli.image import digest as dg
+from npusnap_cli.pipelines import engine
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 JOB_MANIFEST = "npusnap-job.json"
@@ -629,7 +630,7 @@ def _dump_job_once(
                 coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
 
     threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
-    with dump_mod.SignalGuard(callbacks.note, what="job dump") as guard:
+    with engine.SignalGuard(callbacks.note, what="job dump") as guard:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):

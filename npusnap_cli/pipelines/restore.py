@@ -505,7 +505,7 @@ def restore(
     callbacks: RestoreCallbacks = RestoreCallbacks(),
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the module docstring); raise NpusnapError on failure."""
-    from npusnap_cli.pipelines.dump import SignalGuard
+    from npusnap_cli.pipelines.engine import SignalGuard
 
     # A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
     # stopping halfway would leave processes locked with nobody to restore them, so it finishes.
