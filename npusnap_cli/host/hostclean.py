@@ -150,12 +150,12 @@ def _boot_time() -> float:
 
 def process_start_time(pid: int) -> Optional[float]:
     """When ``pid`` started (epoch seconds), or None if it does not exist."""
+    ticks = procfs.start_time(pid)
+    if ticks is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 (starttime); fields[0] is field 3 (state)
         return _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+    except (OSError, ValueError):
         return None
 
 

@@ -29,7 +29,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli.errors import TargetError
+from npusnap_cli import paths
+from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
+from npusnap_cli.sim import wire
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -155,8 +157,6 @@ def translate(manifest: Any, root: int) -> tuple[Any, dict[int, int]]:
 
 def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
     """``"0=1"`` or ``"0=1,1=3"`` (device id in the image = device to restore onto)."""
-    from npusnap_cli.errors import UsageError
-
     pairs = []
     for part in spec.split(","):
         left, sep, right = part.strip().partition("=")
@@ -173,8 +173,6 @@ def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
 
 def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
     """Refuse a device map that cannot be made true for this image."""
-    from npusnap_cli.errors import PreflightError, UsageError
-
     if not device_map:
         return
     if not manifest.pid_ns:
@@ -205,10 +203,6 @@ def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> 
 def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None:
     """Tell the simulated driver that the restored namespace (init ``root``) sees each image
     device as the mapped one, before its runtime's Restore claims it."""
-    from npusnap_cli import paths
-    from npusnap_cli.errors import DeviceError
-    from npusnap_cli.sim import wire
-
     try:
         ns = os.stat(f"/proc/{root}/ns/pid").st_ino
         with wire.connect(str(paths.sim_socket_path()), 5.0) as s:
@@ -257,8 +251,6 @@ def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
 def open_output_target(criu_dir: Path, manifest: Any, output: Optional[Path]) -> list[tuple[str, int]]:
     """(CRIU key, fd) handing the restored job ``output`` (opened for appending) wherever it had
     its stdout file open (stdout and stderr, usually): CRIU's --inherit-fd for a regular file."""
-    from npusnap_cli.errors import PreflightError
-
     if output is None:
         return []
     name = output_file_of(criu_dir, manifest)

@@ -114,7 +114,7 @@ def test_failure_logs_go_to_a_fresh_private_directory(
     shared.mkdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (shared / "npusnap-logs").symlink_to(elsewhere)  # the old fixed name, planted
+    (shared / "npusnap-logs").symlink_to(elsewhere)  # a predictable name, planted
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
     tmp, final = _build(tmp_path)
     # The name beside the image, planted too: never followed, the logs go to /tmp instead.
