@@ -300,7 +300,7 @@ def first_error(lines: list[str]) -> Optional[str]:
     return None
 
 
-def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
+def load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
     """Read a CRIU stats image (CRIU writes it into its work dir); None when absent or unreadable."""
     path = os.path.join(work_dir, name)
     if not os.path.exists(path):
@@ -326,7 +326,7 @@ def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
 
 
 def read_dump_stats(work_dir: str) -> Optional[DumpStats]:
-    raw = _load_stats(work_dir, STATS_DUMP_FILE)
+    raw = load_stats(work_dir, STATS_DUMP_FILE)
     if raw is None:
         return None
     return DumpStats(
@@ -340,7 +340,7 @@ def read_dump_stats(work_dir: str) -> Optional[DumpStats]:
 
 
 def read_restore_stats(work_dir: str) -> Optional[RestoreStats]:
-    raw = _load_stats(work_dir, STATS_RESTORE_FILE)
+    raw = load_stats(work_dir, STATS_RESTORE_FILE)
     if raw is None:
         return None
     return RestoreStats(

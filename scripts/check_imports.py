@@ -40,7 +40,6 @@ NOT_YET_CHECKED = frozenset(
         "npusnap_cli/commands/restore.py",
         "npusnap_cli/commands/inspect.py",
         "npusnap_cli/commands/images.py",
-        "npusnap_cli/image/",
     }
 )
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import criu
 from npusnap_cli.image import archive, containers
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -168,11 +169,9 @@ def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]
 
 def dump_stats(directory: Path) -> Optional[dict[str, Any]]:
     """CRIU's dump statistics (``stats-dump``), with bytes beside the page counts."""
-    from npusnap_cli import criu
-
     raw = None
     with contextlib.suppress(Exception):
-        raw = criu._load_stats(str(directory), criu.STATS_DUMP_FILE)
+        raw = criu.load_stats(str(directory), criu.STATS_DUMP_FILE)
     if not raw:
         return None
     out: dict[str, Any] = dict(raw)
