@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from npusnap_cli import elf
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
 
@@ -84,22 +85,11 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
 def statically_linked(path: str) -> bool:
     """True for an ELF executable without an interpreter (PT_INTERP): ld.so never runs for it,
     so LD_PRELOAD cannot give it an agent. Scripts and unreadable files count as not static."""
-    import struct
-
     try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit ELF only
-                return False
-            end = "<" if head[5] == 1 else ">"
-            phoff = struct.unpack_from(end + "Q", head, 0x20)[0]
-            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
-            f.seek(phoff)
-            table = f.read(phentsize * phnum)
-    except OSError:
+        with elf.open_elf(path) as exe:
+            return not exe.has_interpreter()
+    except (OSError, elf.ElfError):
         return False
-    types = [struct.unpack_from(end + "I", table, i)[0] for i in range(0, len(table) - 3, phentsize)]
-    return 3 not in types  # PT_INTERP
 
 
 def prepare(argv: list[str], base_env: Optional[dict[str, str]] = None) -> LaunchPlan:

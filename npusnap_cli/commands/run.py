@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
+from npusnap_cli import paths
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.errors import PreflightError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -71,9 +73,7 @@ def register(app: typer.Typer) -> None:
         also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
         linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
-        from npusnap_cli import paths
-        from npusnap_cli.agent import launch
-        from npusnap_cli.errors import PreflightError
+        from npusnap_cli.agent import launch  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "run", json_flag)
         problem = paths.runtime_dir_problem()
@@ -93,8 +93,6 @@ def register(app: typer.Typer) -> None:
         if argv and argv[0] == "--":
             argv = argv[1:]
         if (pidfile is not None or output_file is not None) and not detach:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(
                 "--pidfile and --output need --detach",
                 why="without --detach npusnap becomes the program, in the foreground",
@@ -112,7 +110,9 @@ def register(app: typer.Typer) -> None:
                 "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
             )
         if detach:
-            from npusnap_cli.host import pidfile as pidfile_mod
+            from npusnap_cli.host import (
+                pidfile as pidfile_mod,
+            )  # lazy: --help cost (check_imports.py --costs)
 
             if pidfile is not None:
                 pidfile_mod.check(pidfile)

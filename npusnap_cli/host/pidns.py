@@ -27,9 +27,11 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from npusnap_cli.errors import ImageError, TargetError
+from npusnap_cli import paths
+from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
+from npusnap_cli.sim import wire
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -106,19 +108,6 @@ def check_job_cwds(roots: list[int]) -> None:
                     "(cd DIR && npusnap run --pid-ns ...)",
                     details={"cwd": cwd, "pids": [other[1], proc.pid], "ranks": [other[0], rank]},
                 )
-
-
-def check_map(d: Any) -> dict[str, int]:
-    """The manifest's ``pid_ns`` (host pid as a string -> namespace pid), validated."""
-    if d is None:
-        return {}
-    if not isinstance(d, Mapping) or not all(
-        isinstance(k, str) and k.isdigit() and isinstance(v, int) and v > 0 for k, v in d.items()
-    ):
-        raise ImageError(f"bad pid_ns in the manifest: {d!r}", fix="dump again")
-    if d and 1 not in d.values():
-        raise ImageError("the manifest's pid_ns has no namespace init (pid 1)", fix="dump again")
-    return dict(d)
 
 
 def _agent_socket_names(manifest: Any) -> dict[str, str]:
@@ -205,8 +194,6 @@ def translate(manifest: Any, root: int) -> tuple[Any, dict[int, int]]:
 
 def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
     """``"0=1"`` or ``"0=1,1=3"`` (device id in the image = device to restore onto)."""
-    from npusnap_cli.errors import UsageError
-
     pairs = []
     for part in spec.split(","):
         left, sep, right = part.strip().partition("=")
@@ -223,8 +210,6 @@ def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
 
 def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
     """Refuse a device map that cannot be made true for this image."""
-    from npusnap_cli.errors import PreflightError, UsageError
-
     if not device_map:
         return
     if not manifest.pid_ns:
@@ -255,10 +240,6 @@ def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> 
 def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None:
     """Tell the simulated driver that the restored namespace (init ``root``) sees each image
     device as the mapped one, before its runtime's Restore claims it."""
-    from npusnap_cli import paths
-    from npusnap_cli.errors import DeviceError
-    from npusnap_cli.sim import wire
-
     try:
         ns = os.stat(f"/proc/{root}/ns/pid").st_ino
         with wire.connect(str(paths.sim_socket_path()), 5.0) as s:
@@ -307,8 +288,6 @@ def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
 def open_output_target(criu_dir: Path, manifest: Any, output: Optional[Path]) -> list[tuple[str, int]]:
     """(CRIU key, fd) handing the restored job ``output`` (opened for appending) wherever it had
     its stdout file open (stdout and stderr, usually): CRIU's --inherit-fd for a regular file."""
-    from npusnap_cli.errors import PreflightError
-
     if output is None:
         return []
     name = output_file_of(criu_dir, manifest)

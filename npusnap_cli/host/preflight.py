@@ -8,10 +8,13 @@ individual checks (``check_criu`` etc.) for their own preflight.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from npusnap_cli import acl, criu, paths
+from npusnap_cli.errors import PreflightError
+from npusnap_cli.host import criuplugin, hostclean
 
 OK = "ok"
 PROBLEM = "problem"  # blocks dump/restore
@@ -36,8 +39,6 @@ NPUSNAP_PLUGIN_NAMES = ("npusnap_plugin.so", "npusim_plugin.so")
 def criu_plugin_dir() -> str:
     """The directory the CRIU that npusnap runs loads its plugins from (npusnap hands it over as
     CRIU_LIBS_DIR; see paths.criu_plugin_dir)."""
-    from npusnap_cli import paths
-
     return str(paths.criu_plugin_dir())
 
 
@@ -73,8 +74,6 @@ class CheckReport:
 
 
 def check_criu() -> list[CheckItem]:
-    from npusnap_cli import criu
-    from npusnap_cli.errors import PreflightError
 
     items: list[CheckItem] = []
     try:
@@ -142,8 +141,6 @@ def check_criu() -> list[CheckItem]:
 
 def inet_sockets_item(binary: Any) -> CheckItem:
     """CRIU before 4.2 fails on every TCP/UDP socket on kernels 6.16+ (a listening one too)."""
-    from npusnap_cli import criu
-
     refuses = criu.kernel_refuses_inet_passcred()
     ok = criu.inet_sockets_supported(binary)
     data = {"kernel_refuses_passcred": refuses, "criu": binary.version}
@@ -170,8 +167,6 @@ def inet_sockets_item(binary: Any) -> CheckItem:
 def lazy_pages_item(binary: Any) -> CheckItem:
     """Can `restore --lazy` work here (userfaultfd with non-cooperative events)? A warning only:
     lazy restore is optional, and `restore --lazy` refuses by itself when it cannot."""
-    from npusnap_cli import criu
-
     ok, words = criu.lazy_pages_supported(binary)
     last = words.splitlines()[-1] if words else ""
     if ok:
@@ -189,8 +184,6 @@ def lazy_pages_item(binary: Any) -> CheckItem:
 def network_lock_item() -> CheckItem:
     """Which network lock a dump of established TCP connections will use, and whether it can."""
     import shutil
-
-    from npusnap_cli import criu
 
     method = criu.default_network_lock()
     if method == "nftables" and not criu.has_nftables():
@@ -299,8 +292,6 @@ def other_user_problem(uids: list[int]) -> Optional[CheckItem]:
 
 
 def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
-    from npusnap_cli import acl
-
     try:
         install = acl.find_cann(ascend_home)
     except acl.AclError as err:
@@ -349,8 +340,6 @@ def _plugin_dirs(simulated: bool) -> tuple[str, ...]:
 def find_npu_plugin(simulated: bool = False) -> Optional[str]:
     """The CRIU plugin for the NPU's device handles: Huawei's for a real NPU, npusim_plugin.so for
     the simulated one."""
-    from npusnap_cli.host import criuplugin
-
     names = criuplugin.SIMULATED.plugin_names if simulated else NPU_PLUGIN_NAMES
     for d in _plugin_dirs(simulated):
         for name in names:
@@ -361,8 +350,6 @@ def find_npu_plugin(simulated: bool = False) -> Optional[str]:
 
 
 def check_npu_plugin(simulated: bool) -> CheckItem:
-    from npusnap_cli.host import criuplugin
-
     kind = criuplugin.SIMULATED if simulated else criuplugin.ASCEND
     plugin = find_npu_plugin(simulated)
     if plugin:
@@ -394,8 +381,6 @@ def check_npu_plugin(simulated: bool) -> CheckItem:
 def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     """The plugin's max_hooks (its CR_PLUGIN_DESC) against the CRIU in use: a plugin built for
     another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
-    from npusnap_cli import criu
-    from npusnap_cli.host import criuplugin
 
     kind = kind or criuplugin.ASCEND
     data: dict[str, Any] = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
@@ -427,8 +412,6 @@ def plugin_dirs_item() -> CheckItem:
     runs (a problem otherwise); a shared directory whose plugins disagree with each other, or that
     holds npusnap's plugins (left by an older setup), breaks whichever CRIU loads it (a warning:
     npusnap's own CRIU does not load it)."""
-    from npusnap_cli import criu
-    from npusnap_cli.host import criuplugin
 
     try:
         version = criu.find_criu().version
@@ -451,7 +434,7 @@ def plugin_dirs_item() -> CheckItem:
             path = os.path.join(d, n)
             try:
                 desc = criuplugin.read_plugin_desc(path)
-            except (OSError, ValueError, struct.error):
+            except (OSError, ValueError):  # elf.ElfError is a ValueError
                 desc = None
             entries.append({"path": path, "max_hooks": desc.max_hooks if desc else None,
                             "name": desc.name if desc else None})  # fmt: skip
@@ -534,8 +517,6 @@ def check_session() -> CheckItem:
 
 def check_runtime_dir() -> CheckItem:
     """The agents' runtime directory is private to this user (or does not exist yet)."""
-    from npusnap_cli import paths
-
     where = paths.agent_runtime_dir()
     problem = paths.runtime_dir_problem()
     if problem:
@@ -550,8 +531,6 @@ def check_runtime_dir() -> CheckItem:
 
 def check_debris() -> CheckItem:
     """What npusnap left on this host: stale agent sockets, failure logs, demo directories."""
-    from npusnap_cli import paths
-    from npusnap_cli.host import hostclean
 
     debris = hostclean.debris_report()
     data = debris.to_dict()
@@ -770,7 +749,6 @@ def undumpable_fds_error(found: list[UndumpableFd]) -> Optional[Any]:
     """The preflight refusal naming the first such descriptor and its fix, or None."""
     if not found:
         return None
-    from npusnap_cli.errors import PreflightError
 
     e = found[0]
     what, fix = e.fix()

@@ -43,6 +43,7 @@ from npusnap_cli.errors import (
     StateUnknownError,
     TargetError,
 )
+from npusnap_cli.host import hostclean
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.pipelines.engine import SignalGuard
 
@@ -856,7 +857,7 @@ class _Pipeline:
                 h.stop()
         if self.tmp is None:
             return None
-        logs = img.save_failure_logs(self.tmp, "dump")
+        logs = hostclean.save_failure_logs(self.tmp, "dump")
         img.remove_tree(self.tmp)
         return str(logs) if logs else None
 

@@ -390,7 +390,7 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        from npusnap_cli.host import safefs
+        from npusnap_cli import safefs
 
         out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
     except OSError as exc:

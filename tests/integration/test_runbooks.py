@@ -86,7 +86,7 @@ def test_hand_written_scripts_run_every_block_of_their_page() -> None:
         )
 
 
-# Helper functions the old scripts had; a page using one (in command position) fails when pasted.
+# Helper names a page may not use (in command position): no shell defines them, so a pasted page fails.
 _HELPERS = re.compile(
     r"(?:^|[;&|(]\s*|\$\(\s*)(npj|fail|state|json|wait_step|last_step|dump_expect|running)(?=\s|$)"
 )
