@@ -25,6 +25,7 @@ from typing import Optional
 from npusnap_cli import elf
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
+from npusnap_cli.host import iouring
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
@@ -134,8 +135,6 @@ def deny_io_uring() -> Optional[str]:
     """`run --no-io-uring`: from here on, io_uring_setup fails with ENOSYS in this process and in
     the program it becomes or starts (host/iouring.py). A note when set-uid programs lose their
     privileges in the job (no CAP_SYS_ADMIN: the no_new_privs bit was needed), else None."""
-    from npusnap_cli.host import iouring
-
     nnp = iouring.needs_no_new_privs()
     try:
         iouring.deny_io_uring()

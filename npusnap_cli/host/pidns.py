@@ -81,8 +81,6 @@ def check_job_cwds(roots: list[int]) -> None:
     fails the dump with "Can't create a directory (-17)" (EEXIST) after the job was locked."""
     import psutil
 
-    from npusnap_cli.errors import PreflightError
-
     seen: dict[str, tuple[int, int]] = {}  # cwd -> (rank, pid)
     for rank, root in enumerate(roots):
         if not namespace_pids(root, [root]):
