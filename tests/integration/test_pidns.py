@@ -314,3 +314,53 @@ def test_pid_ns_ranks_sharing_a_working_directory_are_refused_before_the_lock(
     finally:
         for p in pids:
             kill(p)
+
+
+def test_a_job_of_pid_ns_ranks_restores_beside_its_running_launchers(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Each rank a launcher (ns pid 1) with an NPU worker (ns pid 2), dumped as a job with
+    --leave-running; the workers are then stopped (CANN's Restore needs their devices free)
+    while the launchers keep their host pids: the job image restores beside them, each rank in a
+    namespace of its own, and both ranks finish from the snapshot's step."""
+    from tests.integration.test_jobs import RANKS, free_port, job_reference, jobs_env, rank_args
+
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=29)
+    master = f"127.0.0.1:{free_port()}"
+    outs = [tmp_path / f"r{r}.out" for r in (0, 1)]
+    launchers: list[int] = []
+    roots: list[int] = []
+
+    def rank_lines(out: Path) -> list[str]:
+        return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("[rank")]
+
+    try:
+        for r in (0, 1):
+            (tmp_path / f"cwd{r}").mkdir()
+            script = f"{PY} {RANKS} {' '.join(rank_args(r, master, 29))}; exec sleep 600"
+            launchers.append(start_ns_job(env, outs[r], ["sh", "-c", script], cwd=tmp_path / f"cwd{r}"))
+        for out in outs:
+            wait_until(lambda o=out: len(rank_lines(o)) >= 3, 60, "steps")
+        img = str(tmp_path / "img")
+        rc, res, err = cli(
+            env, "dump", str(launchers[0]), str(launchers[1]), img, "--tcp-established", "--leave-running"
+        )
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        workers = [
+            int(subprocess.check_output(["pgrep", "-P", str(p)], text=True).split()[0]) for p in launchers
+        ]
+        for w in workers:
+            kill(w)
+        at = [len(rank_lines(o)) for o in outs]
+        rc, res, err = cli(env, "restore", img)
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["ranks"]]
+        assert set(roots).isdisjoint(launchers) and all(alive(p) for p in launchers)
+        for r in (0, 1):
+            wait_until(lambda r=r: ref[r][-1] in rank_lines(outs[r])[at[r] :], 90, f"rank {r} to finish")
+            cont = rank_lines(outs[r])[at[r] :]
+            assert cont and continues_reference(cont, ref[r]), (r, cont[:3])
+    finally:
+        for p in (*roots, *launchers):
+            kill(p)
