@@ -437,7 +437,7 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.units import human_bytes
 
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
