@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+
+if TYPE_CHECKING:
+    from npusnap_cli.image import OpenedImage
 
 
 def register(app: typer.Typer) -> None:
@@ -179,9 +182,12 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
+        from npusnap_cli import image
         from npusnap_cli.host import pidns
 
         maps = [pidns.parse_device_map(m) for m in device_map or []]
+        ref = image.open(directory)
+        ref.require_restorable()
         if replicas > 1:
             from npusnap_cli.pipelines import replicas as replicas_mod
 
@@ -193,9 +199,18 @@ def register(app: typer.Typer) -> None:
                     fix="check one copy: npusnap restore DIR --dry-run --device-map ... (the first copy's)",
                 )
 
+            # What a restore imports, imported once here: each copy's restore runs in a child forked
+            # from this process (replicas.py), which then starts no interpreter and imports nothing.
+            import pycriu  # noqa: F401
+
+            from npusnap_cli import cli, criu  # noqa: F401  # lazy: forked children inherit them
+            from npusnap_cli.host import hostres, lazypages  # noqa: F401  # lazy: the same
+            from npusnap_cli.pipelines import restoreguard  # noqa: F401  # lazy: the same
+
+            cli.build_app()
             phase(f"restoring {replicas} replicas at once")
             results = replicas_mod.restore_all(
-                directory,
+                ref.path,
                 replicas,
                 maps,
                 verify=not no_verify,
@@ -204,6 +219,7 @@ def register(app: typer.Typer) -> None:
                 logs=logs,
                 settle_s=settle,
                 extra=(["--accept-lost-device-memory"] if accept_lost else []),
+                main=cli.main,
             )
             failed = replicas_mod.failure(results)
             rows = [
@@ -237,11 +253,9 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         if dry_run:
-            return _dry_run(out, directory, options)
+            return _dry_run(out, ref, options)
         restore_mod.become_subreaper()
-        from npusnap_cli.pipelines import jobsnap
-
-        if jobsnap.is_job_image(directory):
+        if ref.kind is image.Kind.JOB:
             from npusnap_cli.commands import jobcmd
 
             if lazy:
@@ -251,12 +265,22 @@ def register(app: typer.Typer) -> None:
                     "--lazy is not supported for job images (several ranks) yet",
                     fix="restore the job image without --lazy",
                 )
+            if options.device_map or options.output is not None:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--device-map and --output are not supported for job images (several ranks) yet",
+                    why="a job restore would otherwise put every rank back on its own devices and "
+                    "files, silently ignoring them",
+                    fix="restore the job image without them, or one rank's image on its own "
+                    "(`npusnap restore DIR/rank-N --device-map ...`)",
+                )
 
             try:
                 with oplog.operation("restore", [], str(directory)) as op:
                     roots, data = jobcmd.restore_job(
                         out,
-                        directory,
+                        ref.path,
                         options,
                         callbacks,
                         jobcmd.parse_rank_netns(rank_netns),
@@ -272,7 +296,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
             with oplog.operation("restore", [], str(directory)) as op:
-                result = restore_mod.restore(directory, options, callbacks)
+                result = restore_mod.restore(ref.path, options, callbacks)
                 op["pids"] = list(result.pids)
         finally:
             bars.close()
@@ -331,16 +355,17 @@ def register(app: typer.Typer) -> None:
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
 
-def _dry_run(out: object, directory: Path, options: object) -> int:
+def _dry_run(out: object, ref: OpenedImage, options: object) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 
-    from npusnap_cli.pipelines import jobsnap, restorecheck
+    from npusnap_cli.pipelines import restorecheck
 
     o: Any = out
+    directory = ref.given
     images = [directory]
-    if jobsnap.is_job_image(directory):
-        images = sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith("rank-"))
+    if ref.job is not None:
+        images = [directory / r.dir for r in ref.job.ranks]
     results: list[dict[str, Any]] = []
     for image in images:
         for check in restorecheck.run_checks(image, options):

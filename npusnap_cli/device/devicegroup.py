@@ -627,7 +627,7 @@ def freeze(
     as its owner, keep the tokens for ``thaw``. Ctrl-C / SIGTERM during it rolls back what it
     locked and raises InterruptedError_ (exit 130) — docs/exit-codes.md."""
     from npusnap_cli.errors import InterruptedError_
-    from npusnap_cli.pipelines.dump import SignalGuard
+    from npusnap_cli.pipelines.engine import SignalGuard
 
     pids = tree_targets(pid)
     with (
@@ -667,7 +667,7 @@ def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
     """``npusnap thaw``: roll every NPU process back to RUNNING as the owner of ``freeze``'s lock
     (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
     is refused (BusyError) without ``force``."""
-    from npusnap_cli.pipelines.dump import SignalGuard
+    from npusnap_cli.pipelines.engine import SignalGuard
 
     pids = tree_targets(pid)
     refuse_stopped(pids, "thaw")

@@ -32,20 +32,20 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import FrameType
 from typing import Any, Optional
 
 from npusnap_cli import __version__, contract
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     ImageError,
-    InterruptedError_,
     NpusnapError,
     PreflightError,
     StateUnknownError,
     TargetError,
 )
+from npusnap_cli.host import hostclean
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
+from npusnap_cli.pipelines.engine import SignalGuard
 
 DEFAULT_LEASE_S = 60.0
 # Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
@@ -124,64 +124,6 @@ class DumpOutcome:
             "processes": [p.to_dict() for p in m.processes],
             "device_memory": dict(m.device_memory),
         }
-
-
-# --------------------------------------------------------------------------------------------
-# Signals: Ctrl-C / SIGTERM become a rollback at the next safe point
-# --------------------------------------------------------------------------------------------
-
-
-class SignalGuard:
-    """Catch SIGINT/SIGTERM/SIGHUP for the pipeline's duration and remember them.
-
-    The handler only records the signal: a step in progress (a device call, CRIU, a rename) is
-    never cut in half. ``check()`` at the safe points between steps turns it into a rollback.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self, note: PhaseFn = no_phase, what: str = "dump") -> None:
-        self.what = what
-        self.received: Optional[int] = None
-        self._old: dict[int, Any] = {}
-        self._note = note
-
-    def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
-        first = self.received is None
-        self.received = signum
-        with contextlib.suppress(Exception):
-            if first:
-                self._note(f"{signal.Signals(signum).name} received: finishing the current step")
-            else:
-                # Said every time: a second Ctrl-C that prints nothing looks like a hang.
-                self._note(
-                    f"{signal.Signals(signum).name} again: still finishing the current step, then "
-                    f"rolling back; the {self.what} cannot be cut short safely (the job would stay locked)"
-                )
-
-    def __enter__(self) -> SignalGuard:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received else ""
-
-    def check(self, where: str, state: str) -> None:
-        if self.received is not None:
-            raise InterruptedError_(
-                f"{self.what} interrupted by {self.name} {where}",
-                why="Ctrl-C or SIGTERM",
-                fix=f"rerun the {self.what} when ready",
-                details={"state": state},
-            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,7 +437,7 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.units import human_bytes
 
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
@@ -915,7 +857,7 @@ class _Pipeline:
                 h.stop()
         if self.tmp is None:
             return None
-        logs = img.save_failure_logs(self.tmp, "dump")
+        logs = hostclean.save_failure_logs(self.tmp, "dump")
         img.remove_tree(self.tmp)
         return str(logs) if logs else None
 

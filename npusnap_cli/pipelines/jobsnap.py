@@ -62,22 +62,20 @@ from npusnap_cli.errors import (
     UsageError,
 )
 from npusnap_cli.image import digest as dg
+from npusnap_cli.image.job import (
+    JOB_MANIFEST,
+    JobManifest,
+    RankEntry,
+    rank_dir_name,
+    verify_job,
+)
+from npusnap_cli.pipelines import engine
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
-JOB_MANIFEST = "npusnap-job.json"
-JOB_SCHEMA = "npusnap-job/1"
 PHASES = ("preflight", "backup", "criu", "publish")
 RESTORE_PHASES = ("verified", "criu-restored", "device-restored")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 CLONE_NEWNET = 0x40000000
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank}"
-
-
-def is_job_image(directory: Path) -> bool:
-    return (Path(directory) / JOB_MANIFEST).is_file()
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,144 +236,6 @@ def in_netns(path: Optional[str]) -> Iterator[None]:
                 )
     finally:
         os.close(own)
-
-
-# --------------------------------------------------------------------------------------------
-# The job manifest
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankEntry:
-    rank: int
-    dir: str
-    pid: int
-    npu_pids: tuple[int, ...]
-    manifest_sha256: str
-    netns: Optional[str] = None  # net:[inode] at dump time, when not npusnap's own
-    netns_path: Optional[str] = None  # its /run/netns name at dump time, if it had one
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "dir": self.dir,
-            "pid": self.pid,
-            "npu_pids": list(self.npu_pids),
-            "manifest_sha256": self.manifest_sha256,
-            "netns": self.netns,
-            "netns_path": self.netns_path,
-        }
-
-
-@dataclass(frozen=True)
-class JobManifest:
-    created_at: str
-    ranks: tuple[RankEntry, ...]
-    leave_running: bool
-    tool: str
-    node: int = 0  # this part's node, in a job dumped across nodes (--coordinator)
-    nodes: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": JOB_SCHEMA,
-            "created_at": self.created_at,
-            "tool": self.tool,
-            "leave_running": self.leave_running,
-            "node": self.node,
-            "nodes": self.nodes,
-            "ranks": [r.to_dict() for r in self.ranks],
-        }
-
-
-def load_job_manifest(directory: Path) -> JobManifest:
-    path = Path(directory) / JOB_MANIFEST
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ImageError(
-            f"{directory} is not a job image: {JOB_MANIFEST} is missing",
-            fix="name the directory written by `npusnap dump PID PID ... DIR`",
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise ImageError(f"cannot read {path}: {exc}", fix="the job image is damaged; dump again") from None
-    try:
-        if data.get("schema") != JOB_SCHEMA:
-            raise ValueError(f"schema {data.get('schema')!r}, expected {JOB_SCHEMA!r}")
-        ranks = []
-        for i, r in enumerate(data["ranks"]):
-            d = str(r["dir"])
-            if int(r["rank"]) != i or "/" in d or d in ("", ".", ".."):
-                raise ValueError(f"rank entry {i} is malformed")
-            ranks.append(
-                RankEntry(
-                    rank=i,
-                    dir=d,
-                    pid=int(r["pid"]),
-                    npu_pids=tuple(int(p) for p in r.get("npu_pids") or ()),
-                    manifest_sha256=str(r["manifest_sha256"]),
-                    netns=r.get("netns"),
-                    netns_path=r.get("netns_path"),
-                )
-            )
-        if not ranks:
-            raise ValueError("no ranks")
-        return JobManifest(
-            created_at=str(data["created_at"]),
-            ranks=tuple(ranks),
-            leave_running=bool(data.get("leave_running")),
-            tool=str(data.get("tool", "")),
-            node=int(data.get("node", 0)),
-            nodes=int(data.get("nodes", 1)),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ImageError(
-            f"{path} is not a valid job manifest: {exc}",
-            fix="the job image is damaged or from another tool; dump again",
-        ) from None
-
-
-@dataclass(frozen=True)
-class JobVerifyResult:
-    image: str
-    ranks: tuple[Any, ...]  # image.VerifyResult per rank
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
-
-
-def verify_job(
-    directory: Path, *, checksums: bool = True, require_signature: Optional[Path] = None
-) -> tuple[JobManifest, JobVerifyResult]:
-    """Every rank image present, its manifest the one the job names (sha256), and verified."""
-    final = Path(os.path.abspath(directory))
-    job = load_job_manifest(final)
-    results = []
-    for r in job.ranks:
-        rank_image = final / r.dir
-        mpath = img.manifest_path(rank_image)
-        try:
-            digest = dg.of_file(mpath, "sha256")
-        except OSError as exc:
-            raise ImageError(
-                f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
-                fix="the job image is incomplete; dump the job again",
-                details={"rank": r.rank},
-            ) from None
-        if digest != r.manifest_sha256:
-            raise ImageError(
-                f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
-                why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
-                fix="restore only job images as `npusnap dump` wrote them; dump the job again",
-                details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
-            )
-        try:
-            results.append(img.verify(rank_image, checksums=checksums, require_signature=require_signature))
-        except ImageError as err:
-            err.message = f"rank {r.rank}: {err.message}"
-            err.details["rank"] = r.rank
-            raise
-    return job, JobVerifyResult(image=str(final), ranks=tuple(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,6 +438,9 @@ def _dump_job_once(
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
+    from npusnap_cli.host import pidns
+
+    pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
     for stale in img.remove_stale_temps(final):
@@ -629,7 +492,7 @@ def _dump_job_once(
                 coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
 
     threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
-    with dump_mod.SignalGuard(callbacks.note, what="job dump") as guard:
+    with engine.SignalGuard(callbacks.note, what="job dump") as guard:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -790,7 +653,7 @@ def _restore_job(
 ) -> JobRestoreOutcome:
     from npusnap_cli import criu
     from npusnap_cli.device.devicegroup import DeviceGroup
-    from npusnap_cli.host import hostres
+    from npusnap_cli.host import hostres, pidns
     from npusnap_cli.pipelines import restore as rmod
 
     start = time.monotonic()
@@ -817,17 +680,11 @@ def _restore_job(
     for r in job.ranks:
         m = img.load_manifest(final / r.dir)
         manifests[r.rank] = m
-        if m.pid_ns:
-            raise UsageError(
-                f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
-                "job images of such ranks cannot be restored yet",
-                fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
-                "ranks without --pid-ns",
-            )
         try:
             rmod.check_versions(m, binary)
             device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
-            rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
+            if not m.pid_ns:  # a rank's own pid namespace is restored afresh: no host pid needed
+                rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
             rmod.check_devices_free(m)
             rmod.prepare_sockets(m)
             hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
@@ -865,13 +722,19 @@ def _restore_job(
                             hostres.put_back(to_put_back, final / r.dir)
                         wanted = None if options.logs is None else Path(options.logs) / r.dir
                         logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
-                        restored[r.rank] = criu.restore(
-                            str(img.criu_dir(final / r.dir)),
-                            str(logs),
-                            options=rmod._criu_options(m),
-                            log_name=img.RESTORE_LOG,
-                            binary=binary,
-                        )
+                        # --pid-ns ranks: their agents' sockets bound under names of their own
+                        view = pidns.criu_view(img.criu_dir(final / r.dir), m) if m.pid_ns else None
+                        try:
+                            restored[r.rank] = criu.restore(
+                                str(view or img.criu_dir(final / r.dir)),
+                                str(logs),
+                                options=rmod._criu_options(m),
+                                log_name=img.RESTORE_LOG,
+                                binary=binary,
+                            )
+                        finally:
+                            if view is not None:
+                                pidns.drop_view(view)
                     finally:
                         # CRIU's restore consumes the link-remap files; a failed one leaves them
                         hostres.drop_remaps(to_put_back)
@@ -892,6 +755,11 @@ def _restore_job(
             net.sync("criu-restored")
         _release_holds(holds)  # every end of every connection exists again
         criu_done = time.monotonic()
+        # --pid-ns ranks have new host pids: from here on, the manifests name those
+        dumped, moved = dict(manifests), {}
+        for r in job.ranks:
+            if manifests[r.rank].pid_ns:
+                manifests[r.rank], moved[r.rank] = pidns.translate(manifests[r.rank], restored[r.rank].pid)
         # Release together: the device state of every rank, then every rank's Unlock.
         cb.phase("device restore (every rank)")
         npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
@@ -903,10 +771,10 @@ def _restore_job(
             files: dict[int, tuple[int, str]] = {}
             with contextlib.ExitStack() as stack:
                 for r in job.ranks:
-                    opened = img.open_device_memory_files(final / r.dir, manifests[r.rank])
+                    opened = img.open_device_memory_files(final / r.dir, dumped[r.rank])
                     for fd, _path in opened.values():
                         stack.callback(os.close, fd)
-                    files.update(opened)
+                    files.update({moved.get(r.rank, {}).get(k, k): v for k, v in opened.items()})
                 group = stack.enter_context(DeviceGroup(npu, lease_s=options.lease_s, command="restore"))
                 group.set_tokens(tokens)
                 group.restore(files)

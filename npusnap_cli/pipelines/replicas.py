@@ -29,10 +29,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError, UsageError
+from npusnap_cli.host import pidns
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,6 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             "device of its own",
             fix="e.g. --replicas 2 --device-map 0=1 --device-map 0=2",
         )
-    from npusnap_cli.host import pidns
-
     # every device each copy's container holds (unmapped ids below a mapped one included)
     targets = [tuple(pidns.container_devices(manifest, m)) for m in device_maps]
     flat = [d for t in targets for d in t]
@@ -91,10 +90,9 @@ class _Child:
     ended: float = 0.0
 
 
-def _fork_restore(argv: list[str]) -> tuple[int, int, int]:
-    """Run ``npusnap <argv>`` in a child forked from this process: (pid, stdout fd, stderr fd)."""
-    from npusnap_cli import cli
-
+def _fork_restore(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, int, int]:
+    """Run ``main(argv)`` (the CLI's entry point: ``npusnap <argv>``) in a child forked from this
+    process: (pid, stdout fd, stderr fd)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     sys.stdout.flush()
@@ -113,7 +111,7 @@ def _fork_restore(argv: list[str]) -> tuple[int, int, int]:
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            rc = cli.main(argv)
+            rc = main(argv)
             sys.stdout.flush()
             sys.stderr.flush()
         except BaseException:  # nothing may unwind into the parent's code
@@ -122,17 +120,6 @@ def _fork_restore(argv: list[str]) -> tuple[int, int, int]:
     os.close(out_w)
     os.close(err_w)
     return pid, out_r, err_r
-
-
-def _warm_imports() -> None:
-    """Import what a restore imports, once, before the children are forked."""
-    import pycriu  # noqa: F401
-
-    from npusnap_cli import cli, criu  # noqa: F401
-    from npusnap_cli.host import hostres, lazypages, pidns, safefs  # noqa: F401
-    from npusnap_cli.pipelines import restore, restoreguard  # noqa: F401
-
-    cli.build_app()
 
 
 def restore_all(
@@ -146,13 +133,15 @@ def restore_all(
     output: Optional[Path] = None,
     settle_s: float,
     extra: list[str],
+    main: Callable[[list[str]], int],
     timeout_s: float = 600.0,
 ) -> list[ReplicaResult]:
-    """Restore ``replicas`` copies at once; one result per copy (failed ones included)."""
+    """Restore ``replicas`` copies at once; one result per copy (failed ones included). ``main`` is
+    the CLI's entry point, run in each child as ``npusnap restore ... --no-verify``; the caller has
+    imported what a restore imports, so that the children fork with it."""
     check(directory, replicas, device_maps)
     if verify:
         img.verify(directory)
-    _warm_imports()
     base_logs = logs or (directory / img.LOGS_SUBDIR)
     children: list[_Child] = []
     sel = selectors.DefaultSelector()
@@ -168,7 +157,7 @@ def restore_all(
             of = pidfile_for(output, i)
             if of is not None:
                 argv += ["--output", str(of)]
-            pid, out_fd, err_fd = _fork_restore([*argv, *extra])
+            pid, out_fd, err_fd = _fork_restore(main, [*argv, *extra])
             child = _Child(pid, time.monotonic(), bytearray(), bytearray())
             children.append(child)
             sel.register(out_fd, selectors.EVENT_READ, child.out)

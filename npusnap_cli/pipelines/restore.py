@@ -390,7 +390,7 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        from npusnap_cli.host import safefs
+        from npusnap_cli import safefs
 
         out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
     except OSError as exc:
@@ -505,7 +505,7 @@ def restore(
     callbacks: RestoreCallbacks = RestoreCallbacks(),
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the module docstring); raise NpusnapError on failure."""
-    from npusnap_cli.pipelines.dump import SignalGuard
+    from npusnap_cli.pipelines.engine import SignalGuard
 
     # A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
     # stopping halfway would leave processes locked with nobody to restore them, so it finishes.

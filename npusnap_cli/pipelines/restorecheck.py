@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import criu
 from npusnap_cli import image as img
-from npusnap_cli.errors import NpusnapError
+from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
+from npusnap_cli.host import hostres, lazypages, pidfile, pidns
 from npusnap_cli.pipelines import restore
 
 
@@ -35,8 +37,6 @@ class DryRunContext:
 
     def criu_binary(self) -> Any:
         if "criu" not in self.cache:
-            from npusnap_cli import criu
-
             self.cache["criu"] = criu.find_criu()
         return self.cache["criu"]
 
@@ -123,8 +123,6 @@ def _versions(ctx: DryRunContext) -> str:
 
 
 def _lazy(ctx: DryRunContext) -> str:
-    from npusnap_cli.host import lazypages
-
     lazypages.check_lazy(ctx.image, ctx.manifest, ctx.criu_binary())
     return "CRIU can serve the pages lazily"
 
@@ -143,8 +141,6 @@ def _pids(ctx: DryRunContext) -> str:
 
 
 def _devices(ctx: DryRunContext) -> str:
-    from npusnap_cli.host import pidns
-
     device_map = getattr(ctx.options, "device_map", ())
     pidns.check_device_map(ctx.manifest, device_map)
     notes = restore.check_devices_free(ctx.manifest, device_map)
@@ -155,8 +151,6 @@ def _devices(ctx: DryRunContext) -> str:
 
 def _socket_dirs(ctx: DryRunContext) -> str:
     """prepare_sockets' checks without creating anything."""
-    from npusnap_cli.errors import PreflightError
-
     made = []
     for p in ctx.manifest.processes:
         if not p.agent_socket:
@@ -178,15 +172,11 @@ def _socket_dirs(ctx: DryRunContext) -> str:
 
 
 def _host_files(ctx: DryRunContext) -> str:
-    from npusnap_cli.host import hostres
-
     todo = hostres.check_put_back(ctx.manifest.host_files, replace=ctx.options.replace_tmpfs_files)
     return f"would put back {len(todo)} file(s)" if todo else "nothing to put back"
 
 
 def _pipes(ctx: DryRunContext) -> str:
-    from npusnap_cli.errors import PreflightError
-
     pipes = [e for e in ctx.manifest.external_stdio if e.kind == "pipe"]
     target = ctx.options.pipe_to
     if not pipes:
@@ -207,8 +197,6 @@ def _logs(ctx: DryRunContext) -> str:
     wanted = ctx.options.logs
     if wanted is not None:
         if not restore._writable_dir(wanted, parents=True):
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(f"cannot write CRIU's restore log into {wanted}", fix="pass a writable --logs")
         return f"CRIU's log -> {wanted}"
     inside = img.logs_dir(ctx.image)
@@ -218,8 +206,6 @@ def _logs(ctx: DryRunContext) -> str:
 
 
 def _pidfile(ctx: DryRunContext) -> str:
-    from npusnap_cli.host import pidfile
-
     pidfile.check(ctx.options.pidfile)
     return f"-> {ctx.options.pidfile}"
 

@@ -15,7 +15,10 @@ import time
 from collections.abc import Iterable
 from typing import Any, Optional
 
+from npusnap_cli import criu
+from npusnap_cli.device.devicegroup import _stop_state
 from npusnap_cli.errors import BusyError, CriuError, InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.host.stopguard import StopGuard
 
 STOPPED_LIMIT_S = 10.0  # a restored process stopped (not by us) this long: its agent will not answer
 
@@ -33,7 +36,6 @@ class DeviceWait:
     def __call__(self) -> bool:
         if self.guard is not None and self.guard.received is not None:
             return True
-        from npusnap_cli.device.devicegroup import _stop_state
 
         now = time.monotonic()
         for pid in self.pids:
@@ -91,9 +93,6 @@ def after_failure(
 
 def restore_stop_guard() -> Any:
     """A StopGuard that, should npusnap die, kills the CRIU it starts next and what it restored."""
-    from npusnap_cli import criu
-    from npusnap_cli.host.stopguard import StopGuard
-
     guard = StopGuard([], kill_restored=True)
 
     def started(pid: int) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import ExitCode, InterruptedError_, PreflightError
-from npusnap_cli.pipelines import dump
+from npusnap_cli.pipelines import dump, engine
 
 
 def test_signal_guard_defers_then_raises_and_restores_handlers() -> None:
     notes: list[str] = []
     before = signal.getsignal(signal.SIGTERM)
-    with dump.SignalGuard(notes.append) as guard:
+    with engine.SignalGuard(notes.append) as guard:
         guard.check("before", "nothing")  # nothing received: no error
         os.kill(os.getpid(), signal.SIGTERM)  # handled: we are still here
         assert guard.received == signal.SIGTERM
