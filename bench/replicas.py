@@ -17,6 +17,7 @@ A private simulated NPU with enough devices. Before each measurement the weights
 image's files leave the page cache (``posix_fadvise(DONTNEED)``): both sides read from disk once,
 and N copies share what the first read brought in.
 
+    scripts/setup-torch.sh     # the server's interpreter: torch's CPU build in a venv of its own
     python -m bench.replicas --counts 1,2,4,8 --out docs/benchmarks-replicas.md
 """
 
@@ -103,6 +104,7 @@ def drop_cache(*paths: Path) -> None:
 
 
 SERVER: list[str] = []  # the server's own options (main)
+PYTHON = [sys.executable]  # the server's interpreter (main: the torch venv's with --framework torch)
 
 
 def server_argv(weights: Path, device: int, out: Path) -> list[str]:
@@ -114,7 +116,7 @@ def server_argv(weights: Path, device: int, out: Path) -> list[str]:
         "--output",
         str(out),
         "--",
-        sys.executable,
+        PYTHON[0],
         INFER,
         "--weights",
         str(weights),
@@ -359,19 +361,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--framework",
         choices=("torch", "none"),
         default="torch",
-        help="what the server imports first (torch: `pip install torch`; none for a quick run)",
+        help="what the server imports first (torch: scripts/setup-torch.sh's venv; none for a quick run)",
     )
     ap.add_argument("--repeat", type=int, default=3, help="runs per N and side (default 3)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-replicas.md")
     ns = ap.parse_args(argv)
     counts = [int(x) for x in ns.counts.split(",")]
     if ns.framework == "torch":
-        import importlib.util
-
-        if importlib.util.find_spec("torch") is None:
-            raise SystemExit(
-                "bench.replicas: torch is not installed: `pip install torch`, or --framework none"
-            )
+        # torch lives in a venv of its own (scripts/setup-torch.sh), never in npusnap's
+        torch_py = Path(os.environ.get("NPUSNAP_BUILD_DIR") or REPO / ".build") / "torch" / "bin" / "python"
+        if not torch_py.exists():
+            raise SystemExit(f"bench.replicas: no {torch_py}: scripts/setup-torch.sh makes it")
+        PYTHON[0] = str(torch_py)
     SERVER[:] = ["--warmup-batch", str(ns.warmup_batch), "--framework", ns.framework]
     from npusnap_cli.sim import manager
     from npusnap_cli.workloads.infer import write_weights
