@@ -723,7 +723,8 @@ def _restore_opened(
                 hostres.remove_copies(created)
                 raise
         if options.device_map:  # CRIU, and so the tree, start in a container with those devices
-            cb.note(f"devices of the restored tree: {pidns.enter_device_view(manifest, options.device_map)}")
+            held = pidns.enter_device_view(manifest, options.device_map)
+            cb.note(f"the restored tree runs in a container of the simulated NPU holding device(s) {held}")
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
         try:
