@@ -61,6 +61,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
+from npusnap_cli.host import proctree
 from npusnap_cli.image import digest as dg
 from npusnap_cli.pipelines import engine
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
@@ -746,15 +747,13 @@ def _target_netns(r: RankEntry, overrides: dict[int, str]) -> Optional[str]:
 
 
 def _kill_trees(pids: list[int]) -> None:
-    from npusnap_cli.pipelines import dump as dump_mod
-
     every: list[int] = []
     for p in pids:
-        every += dump_mod._tree_pids(p)
+        every += proctree.tree_pids(p)
     for p in every:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-    dump_mod._wait_gone(every)
+    proctree.wait_gone(every)
     for p in pids:  # our (subreaped) children: collect them so their pids are free again
         with contextlib.suppress(ChildProcessError):
             os.waitpid(p, os.WNOHANG)
