@@ -162,35 +162,6 @@ def npu_processes(tree: list[ProcInfo]) -> list[ProcInfo]:
     return [p for p in tree if p.uses_npu]
 
 
-def tree_pids(root_pid: int) -> list[int]:
-    """The tree of ``root_pid`` as it is now, children first (the order to kill it in); [] when
-    it is gone."""
-    try:
-        root = psutil.Process(root_pid)
-        kids = root.children(recursive=True)
-    except psutil.Error:
-        return []
-    return [p.pid for p in reversed(kids)] + [root_pid]
-
-
-def signal_tree(pids: list[int], sig: int) -> None:
-    """Send ``sig`` to every pid of ``pids`` that still exists."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
-    end = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < end:
-        left = [p for p in left if procfs.is_alive(p)]
-        if left:
-            time.sleep(0.02)
-    return left
-
-
 def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
     """``{"pid", "processes": [...], "hints": [...]}``; agent failures are reported per process."""
     tree = process_tree(pid)
@@ -210,3 +181,30 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
             hints.append(f"pid {info.pid} has no npusnap agent: " + NO_AGENT_FIX.format(pid=info.pid))
         processes.append(entry)
     return {"pid": pid, "processes": processes, "hints": hints}
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """The tree of ``root_pid`` as it is now (children first), for the final kill."""
+    try:
+        root = psutil.Process(root_pid)
+        kids = root.children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in reversed(kids)] + [root_pid]
+
+
+def signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
+    end = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < end:
+        left = [p for p in left if procfs.is_alive(p)]
+        if left:
+            time.sleep(0.02)
+    return left
