@@ -254,9 +254,9 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
     without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
     and the restored process stays locked, to be retried or killed."""
     from npusnap_cli import acl, paths
+    from npusnap_cli.acl import home_of_library as _cann_home
     from npusnap_cli.device.agent_client import AgentClient
     from npusnap_cli.host import devmaps
-    from npusnap_cli.acl import home_of_library as _cann_home
 
     moved = dict(device_map)
     wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
