@@ -181,19 +181,21 @@ def register(app: typer.Typer) -> None:
             out.info(f"… {label}")
 
         options = dump_mod.DumpOptions(
-            leave_running=leave_running,
-            tcp_established=tcp_established,
-            shell_job=shell_job,
-            file_locks=file_locks,
-            ext_unix_sk=ext_unix_sk,
-            external=tuple(external or ()),
-            timeout=None if timeout is None else math.ceil(timeout),
+            criu=criu.CriuOptions(
+                leave_running=leave_running,
+                tcp_established=tcp_established,
+                shell_job=shell_job,
+                file_locks=file_locks,
+                ext_unix_sk=ext_unix_sk,
+                external=tuple(external or ()),
+                timeout=None if timeout is None else math.ceil(timeout),
+                link_remap=link_remap,
+                network_lock=network_lock,
+            ),
             keep=True,
             force=force,
             attach=not no_attach,
             lease_s=lease,
-            link_remap=link_remap,
-            network_lock=network_lock,
             external_pipes=external_pipes,
             sign_key=sign,
             device_memory=device_memory,
@@ -216,7 +218,7 @@ def register(app: typer.Typer) -> None:
             )
             pids = [t.pid for t in tasks]
             # Tasks share slurmstepd's session and the first task's process group.
-            options = dataclasses.replace(options, shell_job=True)
+            options = dataclasses.replace(options, criu=dataclasses.replace(options.criu, shell_job=True))
         if not pids:
             raise UsageError(
                 "no PID given",

@@ -8,14 +8,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from npusnap_cli.commands._progress import fmt_s
 
+if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
+    from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+    from npusnap_cli.pipelines.dump import DumpOptions
+    from npusnap_cli.pipelines.netcoord import NetLink
+    from npusnap_cli.ui import Output
 
-def net_options(
-    coordinator: Optional[str], node: int, nodes: int
-) -> Optional[tuple[tuple[str, int], int, int]]:
+NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
+
+
+def net_options(coordinator: Optional[str], node: int, nodes: int) -> Optional[NetSpec]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
     from npusnap_cli.errors import UsageError
     from npusnap_cli.pipelines import netcoord
@@ -30,7 +36,7 @@ def net_options(
 
 
 @contextlib.contextmanager
-def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ...]) -> Iterator[Any]:
+def _net(spec: Optional[NetSpec], phases: tuple[str, ...]) -> Iterator[Optional[NetLink]]:
     """Node 0 serves the coordinator; every node connects to it. None without --coordinator."""
     if spec is None:
         yield None
@@ -53,12 +59,12 @@ def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ..
 
 
 def dump_job(
-    out: Any,
+    out: Output,
     pids: list[int],
     directory: Path,
-    options: Any,
-    callbacks: Any,
-    net: Optional[tuple[tuple[str, int], int, int]] = None,
+    options: DumpOptions,
+    callbacks: PipelineCallbacks,
+    net: Optional[NetSpec] = None,
 ) -> None:
     from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
@@ -120,7 +126,7 @@ def restore_job(
     options: Any,
     callbacks: Any,
     rank_netns: dict[int, str],
-    net: Optional[tuple[tuple[str, int], int, int]] = None,
+    net: Optional[NetSpec] = None,
 ) -> tuple[list[int], dict[str, Any]]:
     from npusnap_cli.pipelines import jobsnap
 

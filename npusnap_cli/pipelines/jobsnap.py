@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import tempfile
 import threading
@@ -51,6 +52,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
+from npusnap_cli import __version__
 from npusnap_cli import image as img
 from npusnap_cli.errors import (
     ImageError,
@@ -65,6 +69,8 @@ from npusnap_cli.host import proctree
 from npusnap_cli.image import digest as dg
 from npusnap_cli.pipelines import engine
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+from npusnap_cli.pipelines.dump import DumpOptions, DumpOutcome, dump
+from npusnap_cli.pipelines.netcoord import NetLink
 
 JOB_MANIFEST = "npusnap-job.json"
 JOB_SCHEMA = "npusnap-job/1"
@@ -106,10 +112,10 @@ class JobCoordinator:
         *,
         timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
         on_commit: Optional[Callable[[], None]] = None,
-        net: Optional[Any] = None,
+        net: Optional[NetLink] = None,
     ) -> None:
         self.n = n
-        self.net = net  # netcoord.NetLink: the same phases across nodes
+        self.net = net  # the same phases across nodes
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self.reason: Optional[str] = None
@@ -389,7 +395,7 @@ def verify_job(
 class JobDumpOutcome:
     image: str
     manifest: JobManifest
-    ranks: tuple[Any, ...]  # dump.DumpOutcome per rank
+    ranks: tuple[DumpOutcome, ...]  # by rank
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -413,46 +419,64 @@ def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> P
     return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)
 
 
-def _commit(
-    tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any, node: int = 0, nodes: int = 1
-) -> Callable[[], None]:
-    from npusnap_cli import __version__
+@dataclass(frozen=True)
+class _Rank:
+    """One rank of a job dump: the root of its tree, and its network namespace if not ours."""
 
-    def commit() -> None:
+    rank: int
+    pid: int
+    netns: Optional[str]
+    netns_path: Optional[str]
+    enter: Optional[str]  # the namespace to dump it from
+
+
+class _Commit:
+    """The job's commit, run once in the last rank to reach "publish" (JobCoordinator): the job
+    manifest written, the work directory renamed into place. ``job`` is what it wrote."""
+
+    def __init__(
+        self, tmp: Path, final: Path, ranks: list[_Rank], options: DumpOptions, node: int, nodes: int
+    ) -> None:
+        self.tmp, self.final, self.ranks, self.options = tmp, final, ranks, options
+        self.node, self.nodes = node, nodes
+        self.job: Optional[JobManifest] = None
+
+    def __call__(self) -> None:
         try:
-            _write_and_rename()
+            self._write_and_rename()
         except OSError as exc:
             raise ImageError(
                 f"committing the job image failed: {exc.strerror or exc}",
                 why="the disk is full or the filesystem refused a write",
-                fix=f"free space in {final.parent} (or choose another place) and dump again",
+                fix=f"free space in {self.final.parent} (or choose another place) and dump again",
                 details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
             ) from None
 
-    def _write_and_rename() -> None:
+    def _write_and_rename(self) -> None:
+        tmp, final = self.tmp, self.final
         entries = []
-        for r in ranks:
-            rank_image = tmp / rank_dir_name(r["rank"])
+        for r in self.ranks:
+            rank_image = tmp / rank_dir_name(r.rank)
             entries.append(
                 RankEntry(
-                    rank=r["rank"],
-                    dir=rank_dir_name(r["rank"]),
-                    pid=r["pid"],
+                    rank=r.rank,
+                    dir=rank_dir_name(r.rank),
+                    pid=r.pid,
                     npu_pids=tuple(p.pid for p in img.load_manifest(rank_image).npu_processes),
                     manifest_sha256=dg.of_file(img.manifest_path(rank_image), "sha256"),
-                    netns=r["netns"],
-                    netns_path=r["netns_path"],
+                    netns=r.netns,
+                    netns_path=r.netns_path,
                 )
             )
         job = JobManifest(
             created_at=img.now_iso(),
             ranks=tuple(entries),
-            leave_running=options.leave_running,
+            leave_running=self.options.leave_running,
             tool=__version__,
-            node=node,
-            nodes=nodes,
+            node=self.node,
+            nodes=self.nodes,
         )
-        ranks[0]["_job"] = job
+        self.job = job
         path = tmp / JOB_MANIFEST
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -463,7 +487,7 @@ def _commit(
         img.fsync_tree(tmp)
         old: Optional[Path] = None
         if final.exists() and not img.dir_is_empty(final):
-            if not options.force:
+            if not self.options.force:
                 raise UsageError(
                     f"{final} appeared and is not empty",
                     why="something wrote into the target directory during the dump",
@@ -480,13 +504,9 @@ def _commit(
         if old is not None:
             img.remove_tree(old)
 
-    return commit
-
 
 def _check_disjoint(pids: list[int]) -> None:
     """No rank may be inside another rank's tree (it would be dumped twice)."""
-    import psutil
-
     given = set(pids)
     for pid in pids:
         try:
@@ -519,11 +539,11 @@ def _device_busy(err: BaseException) -> bool:
 def dump_job(
     pids: list[int],
     directory: Path,
-    options: Any,
+    options: DumpOptions,
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
-    net: Optional[Any] = None,
+    net: Optional[NetLink] = None,
     node: int = 0,
     nodes: int = 1,
 ) -> JobDumpOutcome:
@@ -535,8 +555,6 @@ def dump_job(
     straddling the ranks' locks) is tried again, every rank together, at most JOB_BUSY_RETRIES
     times; each rank's pipeline then does not retry by itself.
     """
-    import random
-
     per_rank = replace(
         options,
         busy_retries=0 if net is None else None,
@@ -567,16 +585,14 @@ def dump_job(
 def _dump_job_once(
     pids: list[int],
     directory: Path,
-    options: Any,
+    options: DumpOptions,
     callbacks: PipelineCallbacks,
     *,
     barrier_timeout_s: float,
-    net: Optional[Any],
+    net: Optional[NetLink],
     node: int,
     nodes: int,
 ) -> JobDumpOutcome:
-    from npusnap_cli.pipelines import dump as dump_mod
-
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
@@ -585,7 +601,7 @@ def _dump_job_once(
     for stale in img.remove_stale_temps(final):
         callbacks.note(f"removed {stale}, left by an earlier dump that did not finish")
     own_ns = netns_id()
-    ranks: list[dict[str, Any]] = []
+    ranks: list[_Rank] = []
     for i, pid in enumerate(pids):
         try:
             ns = netns_id(pid)
@@ -597,40 +613,36 @@ def _dump_job_once(
             ) from None
         other = ns != own_ns
         ranks.append(
-            {
-                "rank": i,
-                "pid": pid,
-                "netns": ns if other else None,
-                "netns_path": netns_name(ns) if other else None,
-                "enter": f"/proc/{pid}/ns/net" if other else None,
-            }
+            _Rank(
+                rank=i,
+                pid=pid,
+                netns=ns if other else None,
+                netns_path=netns_name(ns) if other else None,
+                enter=f"/proc/{pid}/ns/net" if other else None,
+            )
         )
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{img.TMP_MARKER}{os.getpid()}-", dir=str(final.parent)))
     os.chmod(tmp, img.DIR_MODE)
-    coord = JobCoordinator(
-        len(pids),
-        timeout_s=barrier_timeout_s,
-        on_commit=_commit(tmp, final, ranks, options, node, nodes),
-        net=net,
-    )
-    outcomes: dict[int, Any] = {}
+    commit = _Commit(tmp, final, ranks, options, node, nodes)
+    coord = JobCoordinator(len(pids), timeout_s=barrier_timeout_s, on_commit=commit, net=net)
+    outcomes: dict[int, DumpOutcome] = {}
     errors: dict[int, BaseException] = {}
     out_lock = threading.Lock()
 
-    def run_rank(r: dict[str, Any]) -> None:
-        i = r["rank"]
+    def run_rank(r: _Rank) -> None:
+        i = r.rank
         try:
-            with in_netns(r["enter"]):
-                outcomes[i] = dump_mod.dump(
-                    r["pid"], tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
+            with in_netns(r.enter):
+                outcomes[i] = dump(
+                    r.pid, tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
                 )
         except BaseException as exc:
             errors[i] = exc
             if not isinstance(exc, JobAbortedError):
                 coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
 
-    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r.rank}") for r in ranks]
     with engine.SignalGuard(callbacks.note, what="job dump") as guard:
         for t in threads:
             t.start()
@@ -646,12 +658,17 @@ def _dump_job_once(
         if not committed:
             img.remove_tree(tmp)
         raise _job_error(errors, coord, guard, committed, final)
-    job = ranks[0]["_job"]
+    job = commit.job
+    assert job is not None  # committed
     return JobDumpOutcome(image=str(final), manifest=job, ranks=tuple(outcomes[i] for i in range(len(pids))))
 
 
 def _job_error(
-    errors: dict[int, BaseException], coord: JobCoordinator, guard: Any, committed: bool, final: Path
+    errors: dict[int, BaseException],
+    coord: JobCoordinator,
+    guard: engine.SignalGuard,
+    committed: bool,
+    final: Path,
 ) -> NpusnapError:
     summary = {i: _describe(e) for i, e in sorted(errors.items())}
     unknown = [i for i, e in errors.items() if isinstance(e, StateUnknownError)]
