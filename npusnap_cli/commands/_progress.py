@@ -6,7 +6,10 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from npusnap_cli.ui import Output
 
 
 class ProgressBars:
@@ -31,7 +34,7 @@ class ProgressBars:
     }
     BACKGROUND = frozenset({"verifying"})
 
-    def __init__(self, out: Any) -> None:
+    def __init__(self, out: Output) -> None:
         self._out = out
         self._stack = contextlib.ExitStack()
         self._bars: dict[str, Any] = {}
@@ -86,7 +89,7 @@ def fmt_s(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}s"
 
 
-def show_log(out: Any, logs: Path) -> None:
+def show_log(out: Output, logs: Path) -> None:
     """-vv: the end of CRIU's log on stderr (the whole log stays in the image)."""
     if out.verbose < 2 or out.json_mode:
         return

@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
+from npusnap_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from npusnap_cli.ui import Output
 
 
 def register(app: typer.Typer) -> None:
@@ -161,7 +165,6 @@ def register(app: typer.Typer) -> None:
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
         from npusnap_cli import criu
-        from npusnap_cli.errors import UsageError
         from npusnap_cli.host import oplog
         from npusnap_cli.pipelines import dump as dump_mod
         from npusnap_cli.ui import human_bytes
@@ -303,7 +306,7 @@ def register(app: typer.Typer) -> None:
         out.result(data)
 
 
-def _export(out: Any, image: Path, target: Path) -> dict[str, Any]:
+def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
     """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
     from npusnap_cli.image import archive
     from npusnap_cli.ui import human_bytes
@@ -324,7 +327,7 @@ def _export(out: Any, image: Path, target: Path) -> dict[str, Any]:
     return result.to_dict()
 
 
-def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
     from npusnap_cli.image import imagestore

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
+from npusnap_cli.errors import UsageError
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
@@ -47,8 +48,6 @@ def register(app: typer.Typer) -> None:
 
         out = output(ctx, "freeze", json_flag)
         if no_lease and lease is not None:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(
                 "--lease and --no-lease contradict each other",
                 why="--no-lease means no time limit; --lease sets one",

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from npusnap_cli.commands._progress import fmt_s
+from npusnap_cli.errors import UsageError
 
 if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
     from npusnap_cli.pipelines.callbacks import PipelineCallbacks
     from npusnap_cli.pipelines.dump import DumpOptions
     from npusnap_cli.pipelines.netcoord import NetLink
+    from npusnap_cli.pipelines.restore import RestoreOptions
     from npusnap_cli.ui import Output
 
 NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
@@ -23,7 +25,6 @@ NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
 
 def net_options(coordinator: Optional[str], node: int, nodes: int) -> Optional[NetSpec]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
-    from npusnap_cli.errors import UsageError
     from npusnap_cli.pipelines import netcoord
 
     if coordinator is None:
@@ -106,7 +107,6 @@ def dump_job(
 
 
 def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
-    from npusnap_cli.errors import UsageError
 
     found: dict[int, str] = {}
     for v in values or []:
@@ -121,10 +121,10 @@ def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
 
 
 def restore_job(
-    out: Any,
+    out: Output,
     directory: Path,
-    options: Any,
-    callbacks: Any,
+    options: RestoreOptions,
+    callbacks: PipelineCallbacks,
     rank_netns: dict[int, str],
     net: Optional[NetSpec] = None,
 ) -> tuple[list[int], dict[str, Any]]:
@@ -158,7 +158,7 @@ def restore_job(
     return [int(r["root_pid"]) for r in result.ranks], result.to_dict()
 
 
-def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
+def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
     """Without --wait: print the result. With it: wait for the roots to exit first."""
     if not wait:
         out.result(data)
@@ -175,7 +175,7 @@ def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool
     return code
 
 
-def inspect_job(out: Any, directory: Path) -> None:
+def inspect_job(out: Output, directory: Path) -> None:
     from npusnap_cli import image
     from npusnap_cli.commands import inspect as inspect_cmd
     from npusnap_cli.pipelines import jobsnap
@@ -219,7 +219,9 @@ def inspect_job(out: Any, directory: Path) -> None:
     out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
 
 
-def verify_job(out: Any, directory: Path, checksums: bool, require_signature: Optional[Path] = None) -> None:
+def verify_job(
+    out: Output, directory: Path, checksums: bool, require_signature: Optional[Path] = None
+) -> None:
     from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
