@@ -17,6 +17,11 @@ every locked process back to RUNNING and removes the partial image; if npusnap i
 the tree is stopped, ``StopGuard``'s watcher resumes it and the leases roll it back. If the
 rollback itself fails the error is ``StateUnknownError`` with the commands to inspect and recover.
 
+The steps (``STEPS``, at the end) run on the pipeline engine (engine.py), over a ``DumpState``:
+each step's undo is its share of that rollback, and ``_failed`` says on the way out what was
+rolled back and where the discarded image's logs went. A job dump runs the same steps per rank
+with the job's barriers (jobsnap.py).
+
 Core module: returns frozen dataclasses, reports progress through ``DumpCallbacks``, never prints.
 """
 
