@@ -104,6 +104,8 @@ class Step(Generic[S]):
     is synced after ``do``. ``when`` skips the step (and its undo) unless it says yes.
     ``commit``: the job's new state is committed by this step (an image published, a tree
     released): once it completed, nothing before it is undone and a signal no longer rolls back.
+    ``checkpoint``: (where, state) that a signal caught right after this step reports, instead
+    of ("during NAME", "rolled back"), e.g. ("before anything was started", "nothing was restored").
     """
 
     name: str
@@ -113,6 +115,7 @@ class Step(Generic[S]):
     barrier: Optional[str] = None
     when: Optional[Callable[[S], bool]] = None
     commit: bool = False
+    checkpoint: Optional[tuple[str, str]] = None
 
 
 def describe(exc: BaseException) -> str:
@@ -156,7 +159,8 @@ class Pipeline(Generic[S]):
                 if step.barrier is not None and self.barrier is not None:
                     self.barrier.sync(step.barrier)
                 if not committed and self.guard is not None:
-                    self.guard.check(f"during {step.name}", "rolled back")
+                    where, what = step.checkpoint or (f"during {step.name}", "rolled back")
+                    self.guard.check(where, what)
             except NpusnapError as err:
                 raise self._fail(state, done, err) from None
             except BaseException as exc:

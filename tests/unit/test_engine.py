@@ -162,3 +162,22 @@ def test_a_barrier_is_synced_after_its_step_and_its_failure_undoes() -> None:
     with pytest.raises(TargetError):
         p.run(w)
     assert points == ["locked"] and w.log == ["lock", "unlock"]
+
+
+def test_a_checkpoint_names_where_a_signal_stopped_the_pipeline() -> None:
+    w = World()
+
+    def interrupted(x: World) -> None:
+        x.log.append("do check")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with SignalGuard(what="restore") as guard:
+        p = Pipeline(
+            "restore",
+            [Step("check", interrupted, checkpoint=("before anything was started", "nothing was restored"))],
+            guard=guard,
+        )
+        with pytest.raises(InterruptedError_) as info:
+            p.run(w)
+    assert info.value.message == "restore interrupted by SIGINT before anything was started"
+    assert info.value.details["state"] == "nothing was restored"
