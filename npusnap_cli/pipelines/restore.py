@@ -996,7 +996,7 @@ def _device_restore(st: RestoreState) -> None:
             )  # fmt: skip
         _check_none_left_locked(st.manifest, res.pid, res.log_path)
         st.device_done = time.monotonic()
-        _settle(st)
+        settle(st)
     except NpusnapError as err:
         if st.lazy is not None:
             # The tree stays (locked, or partly running): its memory must still come in, or it dies.
@@ -1007,7 +1007,7 @@ def _device_restore(st: RestoreState) -> None:
         raise
 
 
-def _settle(st: RestoreState) -> None:
+def settle(st: RestoreState) -> None:
     """Watch the resumed tree ``settle_s``: a process that died fails the restore."""
     res = st.restored
     watched = tuple(dict.fromkeys((res.pid, *st.npu_pids)))

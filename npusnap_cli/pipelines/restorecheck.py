@@ -4,10 +4,10 @@ touched — no file created, no process started, no agent contacted.
 The checks are a list (``CHECKS``) that other modules extend with ``register``: the image's
 structure and checksums, then the restore's own preflight (``restore.CHECKS``, the list that
 ``restore.preflight`` runs). Each has a name, a one-line description, and a function that returns
-what it found (a short text) or raises the NpusnapError the real restore would raise. All checks run, also after a problem, so that one
-run lists everything to fix; the result's exit code is the first problem's (the order is the
-real restore's, the image's own integrity first: a corrupt image is exit 8 even while its
-original still runs).
+what it found (a short text) or raises the NpusnapError the real restore would raise. All checks
+run, also after a problem, so that one run lists everything to fix; the result's exit code is the
+first problem's (the order is the real restore's, the image's own integrity first: a corrupt image
+is exit 8 even while its original still runs).
 
 Core module: never prints.
 """
