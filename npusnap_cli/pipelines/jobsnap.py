@@ -63,7 +63,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import proctree, tcpunlock
+from npusnap_cli.host import procfs, proctree, tcpunlock
 from npusnap_cli.image import digest as dg
 from npusnap_cli.pipelines import engine, netcoord, restore, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
@@ -1072,8 +1072,6 @@ def wait_for_exit(roots: list[int], note: Callable[[str], None] = lambda _s: Non
     restore DIR --wait`), they are that step's descendants, tracked, signalled and accounted by
     Slurm. Returns each root's exit code (negative: killed by that signal).
     """
-    from npusnap_cli.host import procfs
-
     remaining = set(roots)
     codes: dict[int, int] = {}
 
