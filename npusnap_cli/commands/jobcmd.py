@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli.commands._progress import fmt_s
+
 
 def net_options(
     coordinator: Optional[str], node: int, nodes: int
@@ -120,7 +122,6 @@ def restore_job(
     rank_netns: dict[int, str],
     net: Optional[tuple[tuple[str, int], int, int]] = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    from npusnap_cli.commands.dump import fmt_s
     from npusnap_cli.pipelines import jobsnap
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:

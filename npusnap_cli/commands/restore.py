@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
         and every NPU process gets its device state back and is unlocked. If that last step
         fails for a process, it stays locked and the error says how to retry.
         """
-        from npusnap_cli.commands.dump import ProgressBars, fmt_s
+        from npusnap_cli.commands._progress import ProgressBars, fmt_s
         from npusnap_cli.host import oplog
         from npusnap_cli.pipelines import restore as restore_mod
 
@@ -325,9 +325,9 @@ def register(app: typer.Typer) -> None:
             out.line(f"pid written to {result.pidfile}")
         if result.criu_log:
             out.debug(f"CRIU's restore log: {result.criu_log}")
-            from npusnap_cli.commands.dump import _show_log
+            from npusnap_cli.commands._progress import show_log
 
-            _show_log(out, Path(result.criu_log).parent)
+            show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
         from npusnap_cli.commands import jobcmd
 

@@ -108,6 +108,9 @@ class Step(Generic[S_contra]):
     released): once it completed, nothing before it is undone and a signal no longer rolls back.
     ``checkpoint``: (where, state) that a signal caught right after this step reports, instead
     of ("during NAME", "rolled back"), e.g. ("before anything was started", "nothing was restored").
+    ``finishing``: once this step completed, a signal no longer rolls back (the pipeline runs to
+    its end: an image once published is not thrown away for a Ctrl-C), yet a later failure still
+    undoes every step, unlike ``commit``.
     """
 
     name: str
@@ -118,6 +121,7 @@ class Step(Generic[S_contra]):
     when: Optional[Callable[[S_contra], bool]] = None
     commit: bool = False
     checkpoint: Optional[tuple[str, str]] = None
+    finishing: bool = False
 
 
 def describe(exc: BaseException) -> str:
@@ -141,6 +145,7 @@ class Pipeline(Generic[S]):
     def run(self, state: S) -> S:
         done: list[Step[S]] = []
         committed = False
+        finishing = False  # a signal no longer rolls back
         for step in self.steps:
             if step.when is not None and not step.when(state):
                 continue
@@ -158,9 +163,10 @@ class Pipeline(Generic[S]):
                     done.clear()
                 else:
                     done.append(step)
+                finishing = finishing or step.finishing
                 if step.barrier is not None and self.barrier is not None:
                     self.barrier.sync(step.barrier)
-                if not committed and self.guard is not None:
+                if not committed and not finishing and self.guard is not None:
                     where, what = step.checkpoint or (f"during {step.name}", "rolled back")
                     self.guard.check(where, what)
             except NpusnapError as err:

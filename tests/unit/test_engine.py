@@ -181,3 +181,27 @@ def test_a_checkpoint_names_where_a_signal_stopped_the_pipeline() -> None:
             p.run(w)
     assert info.value.message == "restore interrupted by SIGINT before anything was started"
     assert info.value.details["state"] == "nothing was restored"
+
+
+def test_past_a_finishing_step_a_signal_is_ignored_but_a_failure_still_undoes() -> None:
+    def publish(x: World) -> None:
+        x.log.append("do publish")
+        os.kill(os.getpid(), signal.SIGINT)  # after the image is published: finish, never undo
+
+    w = World()
+    with SignalGuard() as guard:
+        Pipeline(
+            "dump", [_step("a"), Step("publish", publish, finishing=True), _step("kill")], guard=guard
+        ).run(w)
+    assert w.log == ["do a", "do publish", "do kill"]
+
+    w = World()
+    with SignalGuard() as guard:
+        p = Pipeline(
+            "dump",
+            [_step("a"), Step("publish", publish, finishing=True), _step("kill", fail=TargetError("late"))],
+            guard=guard,
+        )
+        with pytest.raises(TargetError):
+            p.run(w)
+    assert w.log == ["do a", "do publish", "do kill", "undo a"]
