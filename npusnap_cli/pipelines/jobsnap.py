@@ -24,9 +24,16 @@ Job image layout (docs/image-format.md)::
     DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)
     DIR/rank-1/
 
-Restore verifies every rank, CRIU-restores every rank (each in its network namespace), and only
-then restores the device state of all of them and unlocks them together. If anything fails on
-the way, every restored process is killed: nothing is left half-running, the image is intact.
+Restore runs the single restore's steps (restore.py) once per rank, each rank in a thread inside
+its network namespace, with barriers between them (RESTORE_PHASES)::
+
+    verify + preflight    | barrier "verified"        (nothing restored before every rank checked)
+    CRIU restore          | barrier "criu-restored"   (every rank exists again, locked)
+    device restore        | barrier "device-restored" (no rank unlocked before all have their state)
+    unlock, settle        | barrier "settled"
+
+If anything fails on the way, in any rank, every rank undoes its steps: a restored rank's tree is
+killed (the undo of its CRIU step), nothing is left half-running, the image is intact.
 While the ranks are being restored, the TCP resets their namespaces would send on the job's
 connections are dropped (tcpunlock.ResetHold), so that the end restored first keeps them.
 
