@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+
+if TYPE_CHECKING:  # the pipeline is imported when a restore runs, not at every start
+    from npusnap_cli.pipelines.restore import RestoreOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -331,7 +334,7 @@ def register(app: typer.Typer) -> None:
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
 
-def _dry_run(out: object, directory: Path, options: object) -> int:
+def _dry_run(out: object, directory: Path, options: RestoreOptions) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 

@@ -31,6 +31,8 @@ from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownErro
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 
 S = TypeVar("S")  # a pipeline's state: what its steps share (targets, the temporary image, ...)
+# A step for a state serves any state that extends it (a job's rank state extends the restore's).
+S_contra = TypeVar("S_contra", contravariant=True)
 
 
 class SignalGuard:
@@ -95,7 +97,7 @@ class Barrier(Protocol):
 
 
 @dataclass(frozen=True)
-class Step(Generic[S]):
+class Step(Generic[S_contra]):
     """One step of a pipeline.
 
     ``do`` changes the world; ``undo`` (given the failure) puts it back and runs only if ``do``
@@ -112,11 +114,11 @@ class Step(Generic[S]):
     """
 
     name: str
-    do: Callable[[S], None]
-    undo: Optional[Callable[[S, BaseException], None]] = None
+    do: Callable[[S_contra], None]
+    undo: Optional[Callable[[S_contra, BaseException], None]] = None
     phase: Optional[str] = None
     barrier: Optional[str] = None
-    when: Optional[Callable[[S], bool]] = None
+    when: Optional[Callable[[S_contra], bool]] = None
     commit: bool = False
     checkpoint: Optional[tuple[str, str]] = None
     finishing: bool = False

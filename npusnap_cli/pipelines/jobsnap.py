@@ -24,9 +24,16 @@ Job image layout (docs/image-format.md)::
     DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)
     DIR/rank-1/
 
-Restore verifies every rank, CRIU-restores every rank (each in its network namespace), and only
-then restores the device state of all of them and unlocks them together. If anything fails on
-the way, every restored process is killed: nothing is left half-running, the image is intact.
+Restore runs the single restore's steps (restore.py) once per rank, each rank in a thread inside
+its network namespace, with barriers between them (RESTORE_PHASES)::
+
+    verify + preflight    | barrier "verified"        (nothing restored before every rank checked)
+    CRIU restore          | barrier "criu-restored"   (every rank exists again, locked)
+    device restore        | barrier "device-restored" (no rank unlocked before all have their state)
+    unlock, settle        | barrier "settled"
+
+If anything fails on the way, in any rank, every rank undoes its steps: a restored rank's tree is
+killed (the undo of its CRIU step), nothing is left half-running, the image is intact.
 While the ranks are being restored, the TCP resets their namespaces would send on the job's
 connections are dropped (tcpunlock.ResetHold), so that the end restored first keeps them.
 
@@ -54,8 +61,9 @@ from typing import Any, Optional
 
 import psutil
 
-from npusnap_cli import __version__
+from npusnap_cli import __version__, criu
 from npusnap_cli import image as img
+from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -65,9 +73,9 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import proctree
+from npusnap_cli.host import procfs, proctree, tcpunlock
 from npusnap_cli.image import digest as dg
-from npusnap_cli.pipelines import engine
+from npusnap_cli.pipelines import engine, netcoord, restore, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump import DumpOptions, DumpOutcome, dump
 from npusnap_cli.pipelines.netcoord import NetLink
@@ -75,7 +83,7 @@ from npusnap_cli.pipelines.netcoord import NetLink
 JOB_MANIFEST = "npusnap-job.json"
 JOB_SCHEMA = "npusnap-job/1"
 PHASES = ("preflight", "backup", "criu", "publish")
-RESTORE_PHASES = ("verified", "criu-restored", "device-restored")
+RESTORE_PHASES = ("verified", "criu-restored", "device-restored", "settled")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 CLONE_NEWNET = 0x40000000
 
@@ -113,6 +121,7 @@ class JobCoordinator:
         timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
         on_commit: Optional[Callable[[], None]] = None,
         net: Optional[NetLink] = None,
+        phases: tuple[str, ...] = PHASES,
     ) -> None:
         self.n = n
         self.net = net  # the same phases across nodes
@@ -124,7 +133,7 @@ class JobCoordinator:
         self.reached: dict[str, int] = {}
         self._passed: set[str] = set()
         self._on_commit = on_commit
-        self._barriers = {p: threading.Barrier(n, action=self._action(p)) for p in PHASES}
+        self._barriers = {p: threading.Barrier(n, action=self._action(p)) for p in phases}
 
     def _action(self, phase: str) -> Callable[[], None]:
         """Runs once per phase, in the last rank to arrive, before any rank is released."""
@@ -164,6 +173,10 @@ class JobCoordinator:
             fix="see the failed rank's error",
             details={"phase": phase, "failed_rank": self.failed_rank},
         )
+
+    def passed(self, phase: str) -> bool:
+        """Every rank reached ``phase`` (and went on)."""
+        return phase in self._passed
 
     def sync(self, phase: str) -> None:
         """Block until every rank reached ``phase``; JobAbortedError if the job failed meanwhile."""
@@ -763,35 +776,120 @@ def _target_netns(r: RankEntry, overrides: dict[int, str]) -> Optional[str]:
     )
 
 
-def _kill_trees(pids: list[int]) -> None:
-    every: list[int] = []
-    for p in pids:
-        every += proctree.tree_pids(p)
-    for p in every:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
+def _kill_tree(root: int) -> None:
+    every = proctree.tree_pids(root)
+    proctree.signal_tree(every, signal.SIGKILL)
     proctree.wait_gone(every)
-    for p in pids:  # our (subreaped) children: collect them so their pids are free again
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(p, os.WNOHANG)
+    with contextlib.suppress(ChildProcessError):  # our (subreaped) child: collect it, its pid is free
+        os.waitpid(root, os.WNOHANG)
+
+
+@dataclass
+class RankState(restore.RestoreState):
+    """One rank's restore: the single restore's state, and what only a job has."""
+
+    rank: int = 0
+    netns: Optional[str] = None  # the network namespace the rank is restored into (None: ours)
+    hold: Optional[tcpunlock.ResetHold] = None
+    group: Optional[DeviceGroup] = None
+    killed: bool = False
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        super().close()
+
+
+# The job's own steps, between the single restore's.
+
+
+def _hold_resets(st: RankState) -> None:
+    """Drop the resets this rank's network namespace would send on its connections until every
+    rank (on every node) is restored (tcpunlock.ResetHold)."""
+    if not st.manifest.criu_options.get("tcp_established"):
+        return
+    try:
+        st.hold = tcpunlock.ResetHold(tcpunlock.image_connections(str(img.criu_dir(st.image))))
+    except OSError as exc:
+        st.cb.note(
+            f"cannot hold TCP resets during the restore ({exc}): "
+            "a rank restored first may lose its connections"
+        )
+
+
+def _release_resets(st: RankState) -> None:
+    if st.hold is not None:
+        with contextlib.suppress(OSError):
+            st.hold.release()
+
+
+def _kill_restored(st: RankState, _err: BaseException) -> None:
+    """All or nothing: a restored rank dies when any rank failed."""
+    if st.result is not None:
+        _kill_tree(st.result.pid)
+        st.killed = True
+
+
+def _device_restore_locked(st: RankState) -> None:
+    """Every NPU process gets its device state back and stays locked until every rank has it."""
+    if st.npu_pids:
+        st.group = DeviceGroup(
+            st.npu_pids,
+            lease_s=st.options.lease_s,
+            command="restore",
+            interrupted=restoreguard.DeviceWait(st.npu_pids, st.guard),
+        )
+        # The restored agents still record the dump as their lock's owner: present its tokens.
+        st.group.set_tokens({p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token})
+        st.group.restore(st.device_memory_files)
+
+
+def _unlock(st: RankState) -> None:
+    if st.group is not None:
+        st.group.unlock()
+    st.device_done = time.monotonic()
+
+
+# The single restore's steps (restore.STEPS), with barriers between them, and these in between:
+# TCP resets held until every rank is restored, a restored rank killed when any rank fails
+# (the CRIU step is the job's commit no longer), and the device state of every rank restored
+# before any rank is unlocked.
+RANK_STEPS: tuple[engine.Step[RankState], ...] = (
+    restore.VERIFY,
+    restore.PREFLIGHT,
+    restore.OPEN_FILES,
+    engine.Step("hold resets", _hold_resets, lambda st, _e: _release_resets(st), barrier="verified"),
+    restore.HOST_NODES,
+    restore.PUT_BACK,
+    engine.Step(
+        "criu restore", restore.CRIU_RESTORE.do, _kill_restored, phase="criu restore", barrier="criu-restored"
+    ),
+    engine.Step("release resets", _release_resets),
+    restore.RELEASE,
+    engine.Step("device restore", _device_restore_locked, phase="device restore", barrier="device-restored"),
+    engine.Step("unlock", _unlock, phase="unlock"),
+    engine.Step("settle", restore.settle, barrier="settled"),
+)
 
 
 def restore_job(
     directory: Path,
-    options: Any,
+    options: restore.RestoreOptions,
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     rank_netns: Optional[dict[int, str]] = None,
-    net: Optional[Any] = None,
+    net: Optional[netcoord.NetLink] = None,
 ) -> JobRestoreOutcome:
     """Restore every rank with CRIU, then release them together; all or nothing.
 
-    With ``net`` (netcoord.NetLink, phases RESTORE_PHASES) every node verifies, CRIU-restores
-    and restores the device state of its ranks in step with the others; any node's failure
-    kills the restored ranks on every node.
+    Each rank runs the restore's steps (RANK_STEPS) in a thread of its own, inside its network
+    namespace; a JobCoordinator holds them at RESTORE_PHASES. With ``net`` (netcoord.NetLink)
+    every node verifies, CRIU-restores and restores the device state of its ranks in step with
+    the others; any node's failure kills the restored ranks on every node.
     """
     try:
-        return _restore_job(directory, options, callbacks, rank_netns, net)
+        return _restore_job(directory, options, callbacks, rank_netns or {}, net)
     except BaseException as exc:
         if net is not None:
             net.abort(_describe(exc), getattr(exc, "exit_code", None))
@@ -800,22 +898,14 @@ def restore_job(
 
 def _restore_job(
     directory: Path,
-    options: Any,
+    options: restore.RestoreOptions,
     callbacks: PipelineCallbacks,
-    rank_netns: Optional[dict[int, str]],
-    net: Optional[Any],
+    overrides: dict[int, str],
+    net: Optional[netcoord.NetLink],
 ) -> JobRestoreOutcome:
-    from npusnap_cli import criu
-    from npusnap_cli.device.devicegroup import DeviceGroup
-    from npusnap_cli.host import hostres
-    from npusnap_cli.pipelines import restore as rmod
-
     start = time.monotonic()
-    cb = callbacks
     final = Path(os.path.abspath(directory))
-    overrides = dict(rank_netns or {})
-    cb.phase("verify every rank")
-    job, _ = verify_job(final, checksums=options.verify, require_signature=options.require_signature)
+    job = load_job_manifest(final)
     unknown = sorted(set(overrides) - {r.rank for r in job.ranks})
     if unknown:
         raise UsageError(f"--rank-netns names rank(s) {unknown} that the job does not have")
@@ -828,203 +918,166 @@ def _restore_job(
             "--pipe-to is not supported for job images yet", fix="dump the job without --external-pipes"
         )
     binary = criu.find_criu()
-    manifests = {}
-    device_memory: dict[int, Optional[str]] = {}
-    targets: dict[int, Optional[str]] = {}
-    for r in job.ranks:
-        m = img.load_manifest(final / r.dir)
-        manifests[r.rank] = m
-        if m.pid_ns:
-            raise UsageError(
-                f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
-                "job images of such ranks cannot be restored yet",
-                fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
-                "ranks without --pid-ns",
-            )
-        try:
-            rmod.check_versions(m, binary)
-            device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
-            rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
-            rmod.check_devices_free(m)
-            rmod.prepare_sockets(m)
-            hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
-            rmod.open_pipe_targets(m, None)
-        except NpusnapError as err:
-            err.message = f"rank {r.rank}: {err.message}"
-            err.details["rank"] = r.rank
-            raise
-        targets[r.rank] = _target_netns(r, overrides)
-        if targets[r.rank] is not None and not os.path.exists(str(targets[r.rank])):
-            raise PreflightError(
-                f"rank {r.rank}: network namespace {targets[r.rank]} does not exist",
-                fix="create it, or name another with --rank-netns RANK=PATH",
-            )
-    verify_s = time.monotonic() - start
-    holds = _hold_resets(job, manifests, targets, final, cb)
-    restored: dict[int, Any] = {}
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        if net is not None:
-            net.sync("verified")  # no node restores anything before every node verified its part
-        # CRIU restores every rank (each one locked: its agent waits for `restore`), in parallel so
-        # that no rank's TCP peer is missing for long.
-        cb.phase("criu restore (every rank)")
-        errors: dict[int, BaseException] = {}
+    coord = JobCoordinator(len(job.ranks), phases=RESTORE_PHASES, net=net)
+    states: dict[int, RankState] = {}
+    errors: dict[int, BaseException] = {}
+    out_lock = threading.Lock()
 
-        def one(r: RankEntry) -> None:
-            m = manifests[r.rank]
+    with engine.SignalGuard(callbacks.note, what="job restore") as guard:
+
+        def run_rank(r: RankEntry) -> None:
+            cb = _rank_callbacks(callbacks, r.rank, out_lock)
             try:
-                with in_netns(targets[r.rank]):
-                    to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
-                    hostres.make_host_nodes(hostres.check_host_nodes(m.host_nodes))
-                    try:
-                        if to_put_back:
-                            hostres.put_back(to_put_back, final / r.dir)
-                        wanted = None if options.logs is None else Path(options.logs) / r.dir
-                        logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
-                        restored[r.rank] = criu.restore(
-                            str(img.criu_dir(final / r.dir)),
-                            str(logs),
-                            options=rmod._criu_options(m),
-                            log_name=img.RESTORE_LOG,
-                            binary=binary,
+                rank_image = final / r.dir
+                manifest = _rank_manifest(final, r)
+                target = _target_netns(r, overrides)
+                if target is not None and not os.path.exists(target):
+                    raise PreflightError(
+                        f"network namespace {target} does not exist",
+                        fix="create it, or name another with --rank-netns RANK=PATH",
+                    )
+                logs = None if options.logs is None else Path(options.logs) / r.dir
+                st = RankState(
+                    rank_image,
+                    manifest,
+                    # A job is restored onto the devices it was dumped on.
+                    replace(options, logs=logs, device_map=()),
+                    cb,
+                    guard,
+                    start=start,
+                    overlap=False,
+                    binary=binary,
+                    rank=r.rank,
+                    netns=target,
+                )
+                states[r.rank] = st
+                try:
+                    with in_netns(target):
+                        pipeline = engine.Pipeline(
+                            "job restore", RANK_STEPS, cb=cb, guard=guard, barrier=coord
                         )
-                    finally:
-                        # CRIU's restore consumes the link-remap files; a failed one leaves them
-                        hostres.drop_remaps(to_put_back)
+                        pipeline.run(st)
+                finally:
+                    st.close()
             except BaseException as exc:
                 errors[r.rank] = exc
+                if not isinstance(exc, JobAbortedError):
+                    coord.abort(_describe(exc), r.rank, getattr(exc, "exit_code", None))
 
         threads = [
-            threading.Thread(target=one, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
+            threading.Thread(target=run_rank, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
         ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            i = min(errors)
-            raise _rank_error(errors[i], i, "CRIU restore")
-        if net is not None:
-            net.sync("criu-restored")
-        _release_holds(holds)  # every end of every connection exists again
-        criu_done = time.monotonic()
-        # Release together: the device state of every rank, then every rank's Unlock.
-        cb.phase("device restore (every rank)")
-        npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
-        if npu:
-            # The restored agents still record the dump as their lock's owner: present its tokens.
-            tokens = {
-                p.pid: p.lock_token for m in manifests.values() for p in m.npu_processes if p.lock_token
-            }
-            files: dict[int, tuple[int, str]] = {}
-            with contextlib.ExitStack() as stack:
-                for r in job.ranks:
-                    opened = img.open_device_memory_files(final / r.dir, manifests[r.rank])
-                    for fd, _path in opened.values():
-                        stack.callback(os.close, fd)
-                    files.update(opened)
-                group = stack.enter_context(DeviceGroup(npu, lease_s=options.lease_s, command="restore"))
-                group.set_tokens(tokens)
-                group.restore(files)
-                if net is not None:
-                    net.sync("device-restored")  # every node's ranks are restored, still locked
-                cb.phase("unlock (every rank)")
-                group.unlock()
-        elif net is not None:
-            net.sync("device-restored")
-        device_done = time.monotonic()
-        for r in job.ranks:
-            res = restored[r.rank]
-            m = manifests[r.rank]
-            watched = tuple(dict.fromkeys((res.pid, *(p.pid for p in m.npu_processes))))
-            for note in rmod.check_alive_after(watched, options.settle_s, res.log_path):
-                cb.note(f"rank {r.rank}: {note}")
-            results[r.rank] = {
-                "rank": r.rank,
-                "root_pid": res.pid,
-                "pids": [p.pid for p in m.processes],
-                "npu_pids": [p.pid for p in m.npu_processes],
-                "netns": targets[r.rank],
-                "criu_log": res.log_path,
-                "device_memory": device_memory.get(r.rank),
-            }
-    except BaseException as exc:
-        _release_holds(holds)
-        roots = [res.pid for res in restored.values()]
-        if roots:
-            _kill_trees(roots)
-        if isinstance(exc, NpusnapError):
-            if roots:
-                exc.message += (
-                    f" — every restored rank was killed (root pids {sorted(roots)}): nothing runs; "
-                    "the image is unchanged, restore it again once the cause is fixed"
-                )
-            else:
-                exc.message += " — no rank was restored; the image is unchanged"
-            exc.details["killed_root_pids"] = sorted(roots)
-            exc.fix = exc.fix or "fix the cause and restore again"
-        raise
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.1)
+            if guard.received is not None and coord.reason is None:
+                coord.abort(f"{guard.name} received")
+    if errors:
+        raise _job_restore_error(errors, states, guard, coord.passed("verified"))
+    if guard.received is not None:
+        callbacks.note(f"{guard.name} was received after every rank was restored; the restore was completed")
+    ranks = [states[r.rank] for r in job.ranks]
+    verified = max(st.verified_at for st in ranks)
+    criu_done = max(st.criu_done for st in ranks)
+    device_done = max(st.device_done for st in ranks)
     return JobRestoreOutcome(
         image=str(final),
-        ranks=tuple(results[r.rank] for r in job.ranks),
-        verify_s=verify_s,
-        criu_restore_s=criu_done - start - verify_s,
+        ranks=tuple(
+            {
+                "rank": st.rank,
+                "root_pid": st.restored.pid,
+                "pids": [p.pid for p in st.manifest.processes],
+                "npu_pids": list(st.npu_pids),
+                "netns": st.netns,
+                "criu_log": st.restored.log_path,
+                "device_memory": st.checked.device_memory,
+            }
+            for st in ranks
+        ),
+        verify_s=verified - start,
+        criu_restore_s=criu_done - verified,
         device_restore_s=device_done - criu_done,
         total_s=device_done - start,
     )
 
 
-def _hold_resets(
-    job: JobManifest,
-    manifests: dict[int, Any],
-    targets: dict[int, Optional[str]],
-    final: Path,
-    cb: PipelineCallbacks,
-) -> list[tuple[Optional[str], Any]]:
-    """Per network namespace of the ranks: drop the resets it would send on the job's connections
-    until every rank (on every node) is restored (tcpunlock.ResetHold)."""
-    from npusnap_cli.host import tcpunlock
-
-    holds: list[tuple[Optional[str], Any]] = []
-    by_ns: dict[Optional[str], list[tuple[str, int, str, int]]] = {}
-    for r in job.ranks:
-        if manifests[r.rank].criu_options.get("tcp_established"):
-            conns = tcpunlock.image_connections(str(img.criu_dir(final / r.dir)))
-            by_ns.setdefault(targets[r.rank], []).extend(conns)
+def _rank_manifest(final: Path, r: RankEntry) -> img.Manifest:
+    """The rank's manifest, the one the job names (sha256); a rank in a pid namespace of its
+    own is refused."""
+    rank_image = final / r.dir
+    mpath = img.manifest_path(rank_image)
     try:
-        for ns, conns in by_ns.items():
-            if conns:
-                with in_netns(ns):
-                    holds.append((ns, tcpunlock.ResetHold(conns)))
+        found = dg.of_file(mpath, "sha256")
     except OSError as exc:
-        _release_holds(holds)
-        cb.note(
-            f"cannot hold TCP resets during the restore ({exc}): "
-            "a rank restored first may lose its connections"
+        raise ImageError(
+            f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
+            fix="the job image is incomplete; dump the job again",
+            details={"rank": r.rank},
+        ) from None
+    if found != r.manifest_sha256:
+        raise ImageError(
+            f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
+            why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
+            fix="restore only job images as `npusnap dump` wrote them; dump the job again",
+            details={"rank": r.rank, "expected": r.manifest_sha256, "found": found},
         )
-        return []
-    return holds
+    manifest = img.load_manifest(rank_image)
+    if manifest.pid_ns:
+        raise UsageError(
+            f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
+            "job images of such ranks cannot be restored yet",
+            fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
+            "ranks without --pid-ns",
+        )
+    return manifest
 
 
-def _release_holds(holds: list[tuple[Optional[str], Any]]) -> None:
-    while holds:
-        ns, hold = holds.pop()
-        with contextlib.suppress(OSError), in_netns(ns):
-            hold.release()
-
-
-def _rank_error(exc: BaseException, rank: int, step: str) -> NpusnapError:
-    if isinstance(exc, NpusnapError):
-        exc.message = f"rank {rank}: {exc.message}"
-        exc.details["rank"] = rank
-        return exc
-    return NpusnapError(
-        f"rank {rank}: {step} failed: {_describe(exc)}",
-        why="unexpected error in npusnap",
-        fix="rerun with -v and report it",
-        details={"rank": rank},
-    )
+def _job_restore_error(
+    errors: dict[int, BaseException],
+    states: dict[int, RankState],
+    guard: engine.SignalGuard,
+    verified: bool,
+) -> NpusnapError:
+    """The first rank's own failure (not its abort by another); once every rank was verified
+    (``verified``), it says that nothing runs."""
+    for st in states.values():  # a rank whose steps all completed before another failed
+        if st.result is not None and not st.killed:
+            _kill_tree(st.result.pid)
+            st.killed = True
+    roots = sorted(st.result.pid for st in states.values() if st.result is not None)
+    unknown = [i for i, e in sorted(errors.items()) if isinstance(e, StateUnknownError)]
+    primary = [i for i, e in sorted(errors.items()) if not isinstance(e, JobAbortedError)]
+    err: NpusnapError
+    if unknown or primary:
+        i = (unknown or primary)[0]
+        first = errors[i]
+        err = first if isinstance(first, NpusnapError) else NpusnapError(
+            f"restore failed: {_describe(first)}",
+            why="unexpected error in npusnap",
+            fix="rerun with -v and report it",
+        )  # fmt: skip
+        if not err.message.startswith(f"rank {i}"):
+            err.message = f"rank {i}: {err.message}"
+        err.details["rank"] = i
+    elif guard.received is not None:
+        err = InterruptedError_(f"job restore interrupted by {guard.name}", why="Ctrl-C or SIGTERM")
+    else:
+        first = next(iter(errors.values()))
+        err = first if isinstance(first, NpusnapError) else NpusnapError(_describe(first))
+    if not verified:
+        return err  # nothing was touched
+    if roots:
+        err.message += (
+            f" — every restored rank was killed (root pids {roots}): nothing runs; "
+            "the image is unchanged, restore it again once the cause is fixed"
+        )
+    else:
+        err.message += " — no rank was restored; the image is unchanged"
+    err.details["killed_root_pids"] = roots
+    err.fix = err.fix or "fix the cause and restore again"
+    return err
 
 
 # --------------------------------------------------------------------------------------------
@@ -1042,8 +1095,6 @@ def wait_for_exit(roots: list[int], note: Callable[[str], None] = lambda _s: Non
     restore DIR --wait`), they are that step's descendants, tracked, signalled and accounted by
     Slurm. Returns each root's exit code (negative: killed by that signal).
     """
-    from npusnap_cli.host import procfs
-
     remaining = set(roots)
     codes: dict[int, int] = {}
 
