@@ -846,9 +846,7 @@ RANK_STEPS: tuple[engine.Step[RankState], ...] = (
     engine.Step("hold resets", _hold_resets, lambda st, _e: _release_resets(st), barrier="verified"),
     restore.HOST_NODES,
     restore.PUT_BACK,
-    engine.Step(
-        "criu restore", restore.CRIU_RESTORE.do, _kill_restored, phase="criu restore", barrier="criu-restored"
-    ),
+    engine.Step("criu restore", restore.CRIU_RESTORE.do, _kill_restored, barrier="criu-restored"),
     engine.Step("release resets", _release_resets),
     restore.RELEASE,
     engine.Step("device restore", _device_restore_locked, phase="device restore", barrier="device-restored"),

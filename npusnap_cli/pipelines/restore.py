@@ -890,6 +890,7 @@ def _start_lazy(st: RestoreState) -> Optional[LazyPhase]:
 def _criu_restore(st: RestoreState) -> None:
     """CRIU restores the tree, detached; it stays stopped while checksums or lazy pages are pending."""
     pre = st.checked
+    st.cb.phase("criu restore" + (" (lazy pages)" if st.options.lazy else ""))
     stopped = st.checksums is not None or st.options.lazy
     view = pidns.criu_view(img.criu_dir(st.image), st.manifest) if st.manifest.pid_ns else None
     try:
@@ -1040,7 +1041,7 @@ HOST_NODES: Step[RestoreState] = Step(
     "host nodes", _make_host_nodes, _remove_host_nodes, checkpoint=UNTOUCHED
 )
 PUT_BACK: Step[RestoreState] = Step("put back files", _put_back, _remove_put_back, checkpoint=UNTOUCHED)
-CRIU_RESTORE: Step[RestoreState] = Step("criu restore", _criu_restore, phase="criu restore", commit=True)
+CRIU_RESTORE: Step[RestoreState] = Step("criu restore", _criu_restore, commit=True)  # says its phase
 RELEASE: Step[RestoreState] = Step("release", _release)
 PIDFILE: Step[RestoreState] = Step("pidfile", _write_pidfile, when=lambda st: st.options.pidfile is not None)
 DEVICE_RESTORE: Step[RestoreState] = Step("device restore", _device_restore, phase="device restore")
