@@ -43,6 +43,7 @@ from npusnap_cli.errors import (
     StateUnknownError,
     TargetError,
 )
+from npusnap_cli.host import hostclean
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.pipelines.engine import SignalGuard
 
@@ -436,7 +437,7 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.units import human_bytes
 
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
@@ -856,7 +857,7 @@ class _Pipeline:
                 h.stop()
         if self.tmp is None:
             return None
-        logs = img.save_failure_logs(self.tmp, "dump")
+        logs = hostclean.save_failure_logs(self.tmp, "dump")
         img.remove_tree(self.tmp)
         return str(logs) if logs else None
 

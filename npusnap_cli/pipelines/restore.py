@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, criu, paths
+from npusnap_cli import acl, contract, criu, paths, safefs
 from npusnap_cli import image as img
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup
@@ -56,7 +56,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs, safefs
+from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
