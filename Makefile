@@ -16,4 +16,5 @@ lint: setup
 	.venv/bin/ruff format --check npusnap_cli tests bench agent-dist scripts
 	.venv/bin/mypy
 	.venv/bin/python scripts/gencontract.py --check
+	.venv/bin/python scripts/check_imports.py
 	.venv/bin/python scripts/runbooks.py --check

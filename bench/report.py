@@ -400,10 +400,73 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     L += scale_section(plan, data, plot)
     L += assessment(plan, data)
     L += lazy_section(data, list(plan.lazy_mib))
+    L += design_section()
     from bench import replicas  # a run of its own (bench/replicas.py): shown, not measured here
 
     L += ["", *replicas.section()]
     return "\n".join(L).rstrip() + "\n"
+
+
+# Figures measured by hand when a design choice was made, which the code cites instead of carrying
+# them in comments; bench/run.py does not measure them again: (choice, where, what was measured).
+DESIGN_MEASUREMENTS = (
+    (
+        "the device memory is reloaded from a mapping of its file, not read into a buffer",
+        "native/agent/devmem.c `file_to_device`",
+        "0.21 against 0.42 s/GiB (a microbenchmark)",
+    ),
+    (
+        "the device memory is saved by 4 threads, each writing its chunk with pwrite",
+        "native/agent/devmem.c `DM_THREADS`",
+        "1 GiB: lock phase 0.79 s without the threads, 0.44-0.49 s with them (medians of 5)",
+    ),
+    (
+        "the device memory is reloaded by several threads",
+        "native/agent/devmem.c `DM_THREADS`",
+        "1 GiB: 0.40 s on one thread, 0.25 s on two (perf timelines of a restore)",
+    ),
+    (
+        "`--help` is formatted by click, not through rich",
+        "npusnap_cli/cli.py `HAS_RICH`",
+        "rich's imports: about 90 ms on every `--help`",
+    ),
+    (
+        "`criu check` runs beside other work; pycriu is imported ahead of the CRIU step",
+        "npusnap_cli/criu.py `CriuCheck`, `preload`",
+        "`criu check` 75 ms; importing pycriu 40 ms",
+    ),
+    (
+        "the simulator poisons memory it keeps for a Restore on a thread of its own, ahead of it",
+        "npusnap_cli/sim/daemon.py (module docstring)",
+        "1 GiB: 0.37-0.45 s into fresh pages, 0.25-0.28 s into kept ones",
+    ),
+    (
+        "the poison is written into the memfd, from one thread",
+        "npusnap_cli/sim/daemon.py `_fill_poison`",
+        "0.45 s/GiB written into the memfd, 0.9 s/GiB filling a mapping; no faster from two threads",
+    ),
+    (
+        "the benchmark warms memory right before every timed command",
+        "bench/run.py (module docstring), `warm_memory`",
+        "8 GiB: raw `criu dump` 10-23 s cold or half warmed, 3.9-5.0 s warmed",
+    ),
+    (
+        "the simulator keeps a gone process's memory 60 s for a Restore",
+        "npusnap_cli/sim/daemon.py `POOL_TTL_S`",
+        "a benchmark warming 11 GiB between dump and restore: 8-17 s on a slow VM",
+    ),
+)
+
+
+def design_section() -> list[str]:
+    L = ["## Measurements behind design choices", ""]
+    L += [
+        "Measured by hand on this project's 2-core VM when each choice was made (not rerun by "
+        "`bench/run.py`); the code names the choice and points here.",
+        "",
+    ]
+    # No blank line after the table: the replicas section that follows starts with one.
+    return L + _table(["choice", "where", "measured"], [list(row) for row in DESIGN_MEASUREMENTS])[:-1]
 
 
 def _device_file_section(plan: Plan, data: Samples) -> list[str]:
@@ -503,7 +566,7 @@ def assessment(plan: Plan, data: Samples) -> list[str]:
     m = data.med
     sz = pick_size(plan.sizes, TARGET_MIB)
     at = f"{sz} MiB" + ("" if sz == 1024 else " (1 GiB was not measured in this run: nearest size)")
-    sha = m(0, "hash_mib_s") or m(0, "sha256_mib_s")  # an older run measured sha256 only
+    sha = m(0, "hash_mib_s") or m(0, "sha256_mib_s")  # result files that predate BLAKE3 hold sha256
     L = ["## Assessment against the targets", ""]
 
     def hash_s(nbytes: Optional[float]) -> Optional[float]:

@@ -35,9 +35,9 @@ command's bytes of free memory (``warm_memory``; ``--cold`` turns this off). On 
 reports free pages to the host, memory that was free for a moment is handed back to the host, and
 the first write to each such page then faults in the host too; whichever step touches memory first
 would pay for that — in a dump, CRIU writing the image into new page cache right after Backup took
-the recently freed memory (at 8 GiB here, raw ``criu dump`` took 10-23 s cold or half warmed and
-3.9-5.0 s warmed). Warming treats npusnap and raw CRIU alike, and ``pagereport.py`` holds the
-VM's reporting off for the run so that warmed memory stays backed.
+the recently freed memory (docs/benchmarks.md, "Measurements behind design choices"). Warming
+treats npusnap and raw CRIU alike, and ``pagereport.py`` holds the VM's reporting off for the run
+so that warmed memory stays backed.
 
 The code: ``run.py`` (this file: options, the order of the run); the cases, one function each
 (add a case there): ``cases.py`` (every size against raw CRIU, and the machine's limits),

@@ -18,12 +18,11 @@ import ctypes
 import os
 import platform
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from npusnap_cli import contract
+from npusnap_cli import contract, elf
 
 # -- constants -----------------------------------------------------------------------------------
 
@@ -132,45 +131,17 @@ class CannNotFound(AclError):
 
 
 def elf_defined_symbols(path: str) -> Optional[Set[str]]:
-    """Names of the dynamic symbols ``path`` defines (exports), or None if it is not a 64-bit ELF.
+    """Names of the functions and objects ``path`` exports (its defined dynamic symbols), or None
+    if it cannot be read as a 64-bit ELF file.
 
     Reading .dynsym avoids dlopen()ing a real CANN library into the CLI, which would run its
     constructors and pull in the driver.
     """
     try:
-        data = Path(path).read_bytes()
-    except OSError:
+        with elf.open_elf(path) as lib:
+            return {s.name for s in lib.symbols() if s.type in (elf.STT_OBJECT, elf.STT_FUNC)}
+    except (OSError, elf.ElfError):
         return None
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:  # ELFCLASS64 only
-        return None
-    end = "<" if data[5] == 1 else ">"
-    shoff = struct.unpack_from(end + "Q", data, 0x28)[0]
-    shentsize, shnum = struct.unpack_from(end + "HH", data, 0x3A)
-    sections = []
-    for i in range(shnum):
-        off = shoff + i * shentsize
-        if off + 64 > len(data):
-            return None
-        _name, sh_type, _flags, _addr, sh_offset, sh_size, sh_link, _info, _align, sh_entsize = (
-            struct.unpack_from(end + "IIQQQQIIQQ", data, off)
-        )
-        sections.append((sh_type, sh_offset, sh_size, sh_link, sh_entsize))
-    names = set()
-    for sh_type, sh_offset, sh_size, sh_link, sh_entsize in sections:
-        if sh_type != 11 or not sh_entsize:  # SHT_DYNSYM
-            continue
-        str_off = sections[sh_link][1]
-        for k in range(sh_size // sh_entsize):
-            st_name, st_info, _other, st_shndx, _value, _size = struct.unpack_from(
-                end + "IBBHQQ", data, sh_offset + k * sh_entsize
-            )
-            if st_shndx == 0 or st_name == 0:  # undefined (imported) or anonymous
-                continue
-            if (st_info & 0xF) not in (1, 2):  # STT_OBJECT / STT_FUNC
-                continue
-            nul = data.index(b"\x00", str_off + st_name)
-            names.add(data[str_off + st_name : nul].decode("ascii", "replace"))
-    return names
 
 
 # -- discovery -----------------------------------------------------------------------------------

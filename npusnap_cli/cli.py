@@ -16,7 +16,8 @@ import typer
 import typer.core
 
 from npusnap_cli import __version__
-from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError
+from npusnap_cli.commands import _common
+from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError, UsageError
 
 # One module per verb (or verb group) under npusnap_cli/commands/; each exposes register(app).
 COMMAND_MODULES = (
@@ -36,8 +37,9 @@ COMMAND_MODULES = (
 )
 
 
-# typer formats help through rich whenever rich is installed, which costs ~90 ms of imports on
-# every `--help` and leaves "\\[default: ...]" escapes in plain output. Plain click help is enough.
+# typer formats help through rich whenever rich is installed, which adds rich's imports to every
+# `--help` (docs/benchmarks.md) and leaves "\\[default: ...]" escapes in plain output. Plain click
+# help is enough.
 typer.core.HAS_RICH = False
 
 
@@ -89,9 +91,7 @@ def build_app() -> typer.Typer:
             "Accepted anywhere on the line.",
         ),
     ) -> None:
-        from npusnap_cli.commands._common import GlobalOptions
-
-        ctx.obj = GlobalOptions(json_output=json_output, verbose=verbose, quiet=quiet)
+        ctx.obj = _common.GlobalOptions(json_output=json_output, verbose=verbose, quiet=quiet)
         if verbose:
             import logging
 
@@ -109,8 +109,6 @@ def build_app() -> typer.Typer:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``npusnap`` console script; returns the exit code."""
-    from npusnap_cli.commands import _common
-
     args = _common.hoist_global_flags(sys.argv[1:] if argv is None else argv)
     _common.reset_output()  # a previous main() in this process (tests) must not leak its Output
     app = build_app()
@@ -131,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             import traceback
 
             traceback.print_exc()
-        from npusnap_cli import ui
+        from npusnap_cli import ui  # lazy: --help cost (check_imports.py --costs)
 
         return ui.unexpected(_common.current_output(args), exc)
     return int(rv) if isinstance(rv, int) else 0
@@ -139,9 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _usage_error(args: list[str], exc: click.ClickException) -> int:
     """A bad command line: click's text, or with --json an error envelope like any other failure."""
-    from npusnap_cli.commands import _common
-    from npusnap_cli.errors import UsageError
-    from npusnap_cli.ui import Output
+    from npusnap_cli.ui import Output  # lazy: --help cost (check_imports.py --costs)
 
     if not _common.json_requested(args):
         exc.show()

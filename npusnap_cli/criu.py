@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from npusnap_cli import paths
 from npusnap_cli.errors import CriuError, ExitCode, PreflightError
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
@@ -98,7 +99,7 @@ def run_criu_check(binary: CriuBinary, timeout: float = 60) -> tuple[bool, str]:
 
 class CriuCheck:
     """``criu check`` started now and read later, so that a command does other work while it
-    runs (75 ms here). ``result`` waits for it; ``cancel`` kills it if it is not wanted."""
+    runs (tens of milliseconds). ``result`` waits for it; ``cancel`` kills it if it is not wanted."""
 
     def __init__(self, binary: CriuBinary) -> None:
         self.binary = binary
@@ -151,7 +152,7 @@ class CriuCheck:
 
 
 def preload() -> None:
-    """Import pycriu (protobuf and CRIU's image descriptors: 40 ms here) ahead of the CRIU step,
+    """Import pycriu (protobuf and CRIU's image descriptors: tens of milliseconds) ahead of the CRIU step,
     from a thread while the command waits for something else. A failure is left for the step
     itself to report."""
     try:
@@ -299,7 +300,7 @@ def first_error(lines: list[str]) -> Optional[str]:
     return None
 
 
-def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
+def load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
     """Read a CRIU stats image (CRIU writes it into its work dir); None when absent or unreadable."""
     path = os.path.join(work_dir, name)
     if not os.path.exists(path):
@@ -325,7 +326,7 @@ def _load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
 
 
 def read_dump_stats(work_dir: str) -> Optional[DumpStats]:
-    raw = _load_stats(work_dir, STATS_DUMP_FILE)
+    raw = load_stats(work_dir, STATS_DUMP_FILE)
     if raw is None:
         return None
     return DumpStats(
@@ -339,7 +340,7 @@ def read_dump_stats(work_dir: str) -> Optional[DumpStats]:
 
 
 def read_restore_stats(work_dir: str) -> Optional[RestoreStats]:
-    raw = _load_stats(work_dir, STATS_RESTORE_FILE)
+    raw = load_stats(work_dir, STATS_RESTORE_FILE)
     if raw is None:
         return None
     return RestoreStats(
@@ -364,8 +365,6 @@ class _Swrk:
 
     def __init__(self, binary: CriuBinary, extra_fds: tuple[int, ...] = ()) -> None:
         import socket
-
-        from npusnap_cli import paths
 
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # npusnap's plugins live in a directory of their own, handed to CRIU explicitly: CRIU's

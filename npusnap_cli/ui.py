@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from npusnap_cli.errors import ExitCode, NpusnapError
+from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
 
@@ -314,17 +315,6 @@ class _RichProgress:
     def describe(self, text: str) -> None:
         """Say what the bar is doing, or waiting for."""
         self._prog.update(self._task, description=text)
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def unexpected(out: Output, exc: BaseException) -> int:

@@ -8,7 +8,9 @@ echo "== ruff check"; $V/ruff check npusnap_cli tests bench
 echo "== ruff format --check"; $V/ruff format --check npusnap_cli tests bench
 echo "== mypy (strict)"; $V/mypy
 echo "== generated contract (native/contract/npusnap.toml) fresh"; $V/python scripts/gencontract.py --check
+echo "== no function-local imports of npusnap_cli without a reason"; $V/python scripts/check_imports.py
 echo "== container test set-up"; ./scripts/setup-containers.sh
+echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== pytest"
 set +e
 $V/python -m pytest "$@"

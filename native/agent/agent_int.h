@@ -25,6 +25,7 @@
 
 #define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_ERROR_... by CANN's names: no CANN header is included */
 #include "npusnap/contract.h" /* generated from native/contract/npusnap.toml */
+#include "npusnap/timeutil.h" /* now_s, sleep_s, deadline_in */
 
 #define AGENT_API __attribute__((visibility("default")))
 #define MAX_LINE NPUSNAP_PROTOCOL_MAX_LINE
@@ -165,7 +166,6 @@ void ops_event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ---- core.c ------------------------------------------------------------------------------ */
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-double mono_now(void);
 const char *agent_socket(void);
 /* Run the Python hooks of a stage with a deadline. 0: ran (names appended to ran_json, a JSON
  * array); -1: failed (e filled: HOOK_FAILED or HOOK_TIMEOUT). No hooks for the stage: 0, "[]". */

@@ -55,12 +55,6 @@ static struct {
     char last_error[512];
 } A = {.listen_fd = -1, .client_fd = -1, .pending_fd = -1};
 
-double mono_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 void agent_log(const char *fmt, ...) {
     char msg[700];
     int n = snprintf(msg, sizeof msg, "npusnap-agent: [%d] ", (int)getpid());
@@ -179,7 +173,7 @@ static int bind_socket(char *err, size_t errlen) {
 
 /* ---- the client connection --------------------------------------------------------------- */
 static int send_all(int fd, const char *data, size_t len) {
-    double deadline = mono_now() + SEND_TIMEOUT;
+    double deadline = now_s() + SEND_TIMEOUT;
     while (len) {
         ssize_t n = send(fd, data, len, MSG_NOSIGNAL);
         if (n > 0) {
@@ -189,7 +183,7 @@ static int send_all(int fd, const char *data, size_t len) {
         }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            double left = deadline - mono_now();
+            double left = deadline - now_s();
             if (left <= 0) return -1;
             struct pollfd p = {fd, POLLOUT, 0};
             poll(&p, 1, (int)(left * 1000) + 1);
@@ -351,7 +345,7 @@ static void read_client(void) {
                 drop_client();
                 return;
             }
-            A.partial_since = A.inlen ? (A.partial_since ? A.partial_since : mono_now()) : 0;
+            A.partial_since = A.inlen ? (A.partial_since ? A.partial_since : now_s()) : 0;
             return;
         }
         size_t linelen = (size_t)(nl - A.inbuf);
@@ -360,7 +354,7 @@ static void read_client(void) {
         if (A.client_fd < 0) return;
         memmove(A.inbuf, nl + 1, A.inlen - linelen - 1);
         A.inlen -= linelen + 1;
-        if (A.inlen) A.partial_since = mono_now();
+        if (A.inlen) A.partial_since = now_s();
     }
 }
 
@@ -380,7 +374,7 @@ static void *agent_main(void *arg) {
         }
         if (n == 2 && p[1].revents) read_client();
         if (p[0].revents & POLLIN) accept_client();
-        if (A.client_fd >= 0 && A.partial_since && mono_now() - A.partial_since > PARTIAL_IDLE_S) {
+        if (A.client_fd >= 0 && A.partial_since && now_s() - A.partial_since > PARTIAL_IDLE_S) {
             agent_log("dropped client pid %d: it sent part of a line and nothing for %gs", A.client_pid,
                       PARTIAL_IDLE_S);
             drop_client();
@@ -631,11 +625,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
         return -1;
     }
     pthread_mutex_lock(&hook_mu);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double end = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + timeout;
-    ts.tv_sec = (time_t)end;
-    ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+    struct timespec ts = deadline_in(timeout);
     while (c->state != HC_DONE) {
         if (pthread_cond_timedwait(&hook_cv, &hook_mu, &ts) == ETIMEDOUT) break;
     }

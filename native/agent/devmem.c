@@ -619,9 +619,9 @@ static int read_full(int fd, void *buf, size_t n, off_t off) {
 }
 
 /* n bytes of fd at off to allocation a at a_off. Straight from a read-only mapping of the file
- * (its page cache): the copy to the device is then the only copy, twice as fast as reading into
- * a buffer first (0.21 against 0.42 s/GiB in a microbenchmark here). Through *bounce (allocated
- * on first use) where the file cannot be mapped. The caller checked that the file holds
+ * (its page cache): the copy to the device is then the only copy, where reading into a buffer
+ * first copies every byte twice (docs/benchmarks.md, "Measurements behind design choices").
+ * Through *bounce (allocated on first use) where the file cannot be mapped. The caller checked that the file holds
  * [off, off + n): a mapping past its end would fault (SIGBUS), so only truncating the image
  * under a running restore could make it. */
 static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, const struct alloc *a, size_t a_off,
@@ -652,13 +652,12 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
  * A copy and its page-cache write or mapping go at one core's pace, and nothing else of the job
  * runs meanwhile (it waits in the runtime's lock), so the other cores shorten both directions:
  *  - save: each thread copies its chunk off the device into its own buffer and writes it at its
- *    place in the file (pwrite). 1 GiB here: the lock phase went from 0.79 to 0.44-0.49 s
- *    (medians of 5; the CLI reserves the file's blocks first, see image/streamhash.py). The file
- *    is then not written front to back, which is why npusnap's CLI hashes it only after the lock
- *    answered (pipelines/dump.py);
- *  - reload: each thread copies its chunk from a mapping of the file to the device. 1 GiB here:
- *    0.40 s on one thread, 0.25 s on two (perf timelines of a restore; the simulator serializes
- *    the memcpy itself, not the page-table work).
+ *    place in the file (pwrite); the CLI reserves the file's blocks first (image/streamhash.py).
+ *    The file is then not written front to back, which is why npusnap's CLI hashes it only after
+ *    the lock answered (pipelines/dump.py);
+ *  - reload: each thread copies its chunk from a mapping of the file to the device; the page-table
+ *    work of the mappings goes in parallel even where the device copy itself is serialized.
+ * What the threads gain is in docs/benchmarks.md ("Measurements behind design choices").
  * The driver's copy needs no context: each thread copies by address. */
 #define DM_THREADS 4
 struct xfer_chunk {
@@ -1207,7 +1206,8 @@ API int npusnap_devmem_devices(int32_t *ids, int max) {
     return n;
 }
 
-/* Extra (not in the original header): how many allocations came from explicit registration. */
+/* How many allocations came from explicit registration: the agent's status tells them from the
+ * allocations it saw being made. */
 API uint64_t npusnap_devmem_registered_count(void) {
     pthread_mutex_lock(&g_mu);
     uint64_t n = 0;

@@ -165,7 +165,7 @@ void ops_init(void) {
     rt_found = 0;
     restored = restore_pending = device_restored = no_device = 0;
     start_ticks = read_start_ticks();
-    lease.last = mono_now();
+    lease.last = now_s();
 }
 
 static acl_rt *runtime(void) {
@@ -191,7 +191,7 @@ static void lease_grant(double seconds) {
     lease.active = 1;
     lease.duration = lease.remaining = seconds;
     lease.voided[0] = 0;
-    lease.last = mono_now();
+    lease.last = now_s();
 }
 
 static void lease_release(void) {
@@ -199,7 +199,7 @@ static void lease_release(void) {
     lease.duration = lease.remaining = 0;
 }
 
-static void lease_skip_gap(void) { lease.last = mono_now(); }
+static void lease_skip_gap(void) { lease.last = now_s(); }
 
 static void lease_json(sbuf *b) {
     sb_raw(b, "{");
@@ -697,7 +697,7 @@ static void state_members(sbuf *b) {
 
 static void elapsed_member(sbuf *b, double start) {
     sb_key(b, "elapsed_s");
-    sb_num(b, (double)(long long)((mono_now() - start) * 1e6 + 0.5) / 1e6);
+    sb_num(b, (double)(long long)((now_s() - start) * 1e6 + 0.5) / 1e6);
 }
 
 static double arg_lease(const jval *args, int *present) {
@@ -728,7 +728,7 @@ static int do_rollback(sbuf *res, op_error *e);
 
 void ops_tick(void) {
     refresh_restored();
-    double now = mono_now();
+    double now = now_s();
     double delta = now - lease.last;
     if (delta < 0) delta = 0;
     lease.last = now;
@@ -877,7 +877,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     if (drain_ms < 1) drain_ms = 1;
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
     if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0) close_fd(&devmem.save_fd); /* nothing to save */
-    double start = mono_now();
+    double start = now_s();
     sbuf ran;
     sb_init(&ran);
     if (hooks_run(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
@@ -992,7 +992,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
 static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
     int before = state_now();
-    double start = mono_now();
+    double start = now_s();
     int rc = no_device ? 0 : call_backup(e);
     if (rc < 0 && e->code == 107002 && !cb_devices_known()) {
         /* No active context (a launcher on a runtime without callbacks, so Lock could not tell):
@@ -1059,7 +1059,7 @@ static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("restore", r->args, 0, e) < 0) return -1;
     if (take_devmem_file(r, &devmem.reload_fd, e) < 0) return -1;
     int before = state_now();
-    double start = mono_now();
+    double start = now_s();
     if (!no_device && call_restore(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
@@ -1085,7 +1085,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
                 "`restore` before `unlock`");
         return -1;
     }
-    double start = mono_now();
+    double start = now_s();
     sbuf steps;
     sb_init(&steps);
     if ((!no_device && devmem_reload(&steps, e) < 0) || (!no_device && call("Unlock", e) < 0)) {
@@ -1120,7 +1120,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
  * there) unless this process was CRIU-restored, where Restore must come first. */
 static int do_rollback(sbuf *res, op_error *e) {
     if (need_runtime(e) < 0) return -1;
-    double start = mono_now();
+    double start = now_s();
     int before = state_now();
     sbuf actions, warnings, steps;
     sb_init(&actions);

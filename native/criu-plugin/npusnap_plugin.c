@@ -36,6 +36,7 @@
  */
 #define _GNU_SOURCE
 #include "agent_int.h"
+#include "npusnap/timeutil.h"
 #include "sha256.h"
 
 #pragma GCC visibility push(default)
@@ -204,12 +205,6 @@ static void load_config(void) {
 }
 
 /* ---- small helpers ----------------------------------------------------------------------- */
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 
 static int read_file(const char *path, char *buf, size_t len) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);

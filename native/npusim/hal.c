@@ -32,6 +32,7 @@
 
 #include "hal.h"
 #include "npusim_wire.h"
+#include "npusnap/timeutil.h"
 
 #define MAX_DEV 64
 #define PACE_CHUNK ((uint64_t)1 << 20) /* a paced copy sleeps after each MiB */
@@ -86,19 +87,6 @@ static struct deferred_unmap {
 static size_t g_ndeferred, g_deferred_cap;
 
 /* ---------------------------------------------------------------- helpers */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void sleep_s(double s) {
-    if (s <= 0) return;
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
 
 /* NPUSIM_COPY_MBPS (a per-process fault: a slow link) from the environment, else from
  * NPUSIM_FAULT_FILE, read again at most every 200 ms so that a test can switch it in a running

@@ -34,6 +34,7 @@
 #include "npusim.h"
 #include "npusim_kernel.h"
 #include "rt.h"
+#include "npusnap/timeutil.h"
 
 #define MAX_DEV 64
 #define NSTAGES NPUSNAP_STAGE_COUNT
@@ -73,25 +74,6 @@ static int g_driver_backup;   /* the last Backup used the driver-backed flow */
 static int g_backup_version;  /* the driver version it recorded */
 
 /* ---------------------------------------------------------------- helpers */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void sleep_s(double s) {
-    if (s <= 0) return;
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
-static struct timespec deadline_in(double s) {
-    double t = now_s() + s;
-    struct timespec ts = {(time_t)t, (long)((t - (double)(time_t)t) * 1e9)};
-    return ts;
-}
 
 static void apply_fault(struct faults *f, const char *key, const char *val) {
     if (!strcmp(key, "NPUSIM_FAULT_LOCK_TIMEOUT")) f->lock_timeout = atoi(val) != 0;

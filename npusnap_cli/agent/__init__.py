@@ -182,7 +182,7 @@ def register_buffer(dev_ptr: int, size: int) -> None:
     For buffers whose allocation npusnap did not see (an attached agent, a custom allocator).
     Raises RuntimeError if npusnap's library is not available or a snapshot is in progress.
     """
-    from npusnap_cli.agent import devmem
+    from npusnap_cli.agent import devmem  # lazy: the agent starts in every Python of the tree; few use it
 
     try:
         devmem.register(int(dev_ptr), int(size))
@@ -193,7 +193,7 @@ def register_buffer(dev_ptr: int, size: int) -> None:
 def exclude_buffer(dev_ptr: int, size: int) -> None:
     """Declare that the device memory in ``[dev_ptr, dev_ptr + size)`` needs no copy (scratch, a
     KV cache to recompute): allocations lying wholly inside it come back with undefined contents."""
-    from npusnap_cli.agent import devmem
+    from npusnap_cli.agent import devmem  # lazy: the agent starts in every Python of the tree; few use it
 
     try:
         devmem.exclude(int(dev_ptr), int(size))

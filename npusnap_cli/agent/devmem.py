@@ -20,7 +20,7 @@ import ctypes
 import os
 from typing import Any, Dict, List, Optional
 
-from npusnap_cli import contract
+from npusnap_cli import contract, paths
 
 LIBRARY_NAME = "libnpusnap_agent.so"
 ENV_LIBRARY = "NPUSNAP_AGENT_LIB"  # set by `npusnap run` to the preloaded file's path
@@ -47,8 +47,6 @@ def library_path() -> Optional[str]:
     if env and os.path.isfile(env):
         return env
     try:
-        from npusnap_cli import paths
-
         p = paths.build_dir() / "agent" / LIBRARY_NAME
     except Exception:
         return None

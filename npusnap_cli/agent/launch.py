@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from npusnap_cli import elf
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
+from npusnap_cli.host import iouring
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
@@ -84,22 +86,11 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
 def statically_linked(path: str) -> bool:
     """True for an ELF executable without an interpreter (PT_INTERP): ld.so never runs for it,
     so LD_PRELOAD cannot give it an agent. Scripts and unreadable files count as not static."""
-    import struct
-
     try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit ELF only
-                return False
-            end = "<" if head[5] == 1 else ">"
-            phoff = struct.unpack_from(end + "Q", head, 0x20)[0]
-            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
-            f.seek(phoff)
-            table = f.read(phentsize * phnum)
-    except OSError:
+        with elf.open_elf(path) as exe:
+            return not exe.has_interpreter()
+    except (OSError, elf.ElfError):
         return False
-    types = [struct.unpack_from(end + "I", table, i)[0] for i in range(0, len(table) - 3, phentsize)]
-    return 3 not in types  # PT_INTERP
 
 
 def prepare(argv: list[str], base_env: Optional[dict[str, str]] = None) -> LaunchPlan:
@@ -138,6 +129,28 @@ def leave_foreign_session() -> Optional[str]:
         "this session's leader is outside the pid namespace (CRIU could not dump the program in "
         "it): the program runs in a new session of its own"
     )
+
+
+def deny_io_uring() -> Optional[str]:
+    """`run --no-io-uring`: from here on, io_uring_setup fails with ENOSYS in this process and in
+    the program it becomes or starts (host/iouring.py). A note when set-uid programs lose their
+    privileges in the job (no CAP_SYS_ADMIN: the no_new_privs bit was needed), else None."""
+    nnp = iouring.needs_no_new_privs()
+    try:
+        iouring.deny_io_uring()
+    except OSError as exc:
+        raise PreflightError(
+            f"cannot keep io_uring out of the program: {exc.strerror}",
+            why="installing a seccomp filter needs CAP_SYS_ADMIN or the no_new_privs bit, and a "
+            "kernel built with CONFIG_SECCOMP_FILTER",
+            fix="run npusnap as root, or start the program without --no-io-uring",
+        ) from None
+    if nnp:
+        return (
+            "--no-io-uring without CAP_SYS_ADMIN sets no_new_privs: set-uid programs in the job run "
+            "without their privileges"
+        )
+    return None
 
 
 def exec_plan(plan: LaunchPlan) -> None:

@@ -25,7 +25,7 @@ _current: Optional[Output] = None
 
 def output(ctx: typer.Context, command: str, json_flag: bool = False) -> Output:
     """The Output for this command; ``--json`` may be given globally or on the command."""
-    from npusnap_cli.ui import Output
+    from npusnap_cli.ui import Output  # lazy: --help cost (check_imports.py --costs)
 
     global _current
     opts = ctx.find_root().obj if ctx.find_root().obj is not None else GlobalOptions()
@@ -105,7 +105,7 @@ def verbosity(argv: list[str]) -> int:
 
 def current_output(argv: list[str]) -> Output:
     """The command's Output if it got that far, else one built from the raw arguments."""
-    from npusnap_cli.ui import Output
+    from npusnap_cli.ui import Output  # lazy: --help cost (check_imports.py --costs)
 
     if _current is not None:
         return _current
@@ -115,7 +115,7 @@ def current_output(argv: list[str]) -> Output:
 def clean_stale_sockets(out: Output) -> None:
     """Remove agent sockets whose process is gone (see hostclean.py); commands that look for
     agents call this first, so that /run/npusnap holds only live agents."""
-    from npusnap_cli.host import hostclean
+    from npusnap_cli.host import hostclean  # lazy: --help cost (check_imports.py --costs)
 
     for entry in hostclean.remove_stale_agent_sockets():
         out.debug(f"removed stale agent socket or lock token {entry.path} ({entry.reason})")

@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
 
         Succeeds only when the agent answers over its control socket; a no-op if one is already there.
         """
-        from npusnap_cli.device import attach as attach_mod
+        from npusnap_cli.device import (
+            attach as attach_mod,
+        )  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "attach", json_flag)
         with out.phase(f"attaching to pid {pid}"):

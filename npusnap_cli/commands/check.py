@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
 
         Exit 0 when dump and restore are possible, 3 (preflight) otherwise.
         """
-        from npusnap_cli.host import preflight
+        from npusnap_cli.host import preflight  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "check", json_flag)
         report = preflight.run_checks(ascend_home)

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -43,9 +44,8 @@ def register(app: typer.Typer) -> None:
         restores it, lets it finish and compares its whole output with an uninterrupted reference
         run. Exit 0 only if the output is identical; 10 if it is not.
         """
-        from npusnap_cli.errors import UsageError
-        from npusnap_cli.pipelines import demo as core
-        from npusnap_cli.ui import human_bytes
+        from npusnap_cli.pipelines import demo as core  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         if dump_after >= steps:
             raise UsageError(

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+
+if TYPE_CHECKING:
+    from npusnap_cli.image import OpenedImage
 
 DIR_HELP = (
     "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
@@ -19,54 +23,11 @@ def _fmt_s(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3f}s"
 
 
-def _is_archive(path: Path) -> bool:
-    from npusnap_cli.image import archive
-
-    return archive.is_archive(path)
-
-
-def _load(path: Path) -> Any:
-    """The manifest of an image directory or of an archive (`npusnap export`), read in place."""
-    from npusnap_cli import image
-    from npusnap_cli.image import archive
-
-    return archive.load_manifest(path) if archive.is_archive(path) else image.load_manifest(path)
-
-
-def _is_npusnap_archive(path: Path) -> bool:
-    """An archive of `npusnap export` (a podman export archive is zstd-compressed too)."""
-    from npusnap_cli.errors import NpusnapError
-    from npusnap_cli.image import archive
-
-    if not archive.is_archive(path):
-        return False
-    try:
-        archive.load_manifest(path)
-    except NpusnapError:
-        return False
-    return True
-
-
-def _k8s_job(directory: Path) -> bool:
-    """A directory written by `npusnap k8s checkpoint` (its manifest, one archive per member)."""
-    return (directory / "npusnap-k8s-job.json").is_file()
-
-
 def _job_row(job: Any) -> dict[str, str]:
     """The plugin's record of the job it joined (`npusnap k8s checkpoint`), if any."""
     if not job:
         return {}
     return {"job member": f"{job.get('member')} (coordinator {job.get('coordinator')})"}
-
-
-def _plugin_checkpoint(directory: Path) -> Any:
-    """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, plain criu), or None."""
-    from npusnap_cli import image
-    from npusnap_cli.image import containers
-
-    if image.manifest_path(directory).exists() or _is_npusnap_archive(directory):
-        return None
-    return containers.find(directory)
 
 
 def _host_needs(out: Any, manifest: Any) -> None:
@@ -80,9 +41,10 @@ def _host_needs(out: Any, manifest: Any) -> None:
         out.table("needed on the host at restore", ["path", "kind", "mode", "owner", "for"], rows)
 
 
-def criu_detail(path: Path, *, container: Any = None) -> Any:
-    """What CRIU saved (files, sockets, mounts, statistics) for an image, archive or container
-    checkpoint; None when its CRIU images cannot be read (never fails the inspect)."""
+def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> Any:
+    """What CRIU saved (files, sockets, mounts, statistics) for an image directory, an archive
+    (``archive``) or a container checkpoint (``container``: its PluginCheckpoint); None when its
+    CRIU images cannot be read (never fails the inspect)."""
     from npusnap_cli import image
     from npusnap_cli.errors import NpusnapError
     from npusnap_cli.image import criudetail
@@ -93,7 +55,7 @@ def criu_detail(path: Path, *, container: Any = None) -> Any:
                 return criudetail.describe_archive(path, container=True, prefix=container.prefix)
             where = path / container.prefix if container.prefix else path
             return criudetail.describe(where, where)
-        if _is_archive(path):
+        if archive:
             return criudetail.describe_archive(path, container=False)
         return criudetail.describe(image.criu_dir(path), image.logs_dir(path))
     except (OSError, NpusnapError):
@@ -174,6 +136,139 @@ def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
         )
 
 
+def _show_k8s_job(out: Any, directory: Path) -> None:
+    """A directory written by `npusnap k8s checkpoint`: its manifest and one archive per member."""
+    from npusnap_cli.k8s import jobcheckpoint as jc
+
+    manifest = jc.read_manifest(directory)
+    out.kv(
+        f"job checkpoint {directory} (npusnap k8s checkpoint)",
+        {
+            "created": manifest["created"],
+            "coordinator": manifest["coordinator"],
+            "barriers": ", ".join(manifest["barriers"]) or "none (one container)",
+        },
+    )
+    out.table(
+        "members",
+        ["member", "container", "node", "archive", "sha256"],
+        [
+            [
+                m["member"],
+                f"{m['namespace']}/{m['pod']}/{m['container']}",
+                m["node"],
+                m["archive"],
+                (m["sha256"] or "on its node")[:16],
+            ]
+            for m in manifest["members"]
+        ],
+    )
+    out.result({"directory": str(directory), **manifest})
+
+
+def _show_container(out: Any, directory: Path, ckpt: Any) -> None:
+    """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, containerd, plain criu)."""
+    from npusnap_cli.ui import human_bytes
+
+    summary = ckpt.summary()
+    out.kv(
+        f"container checkpoint {directory} (written by npusnap's CRIU plugin)",
+        {
+            "created": summary["created"],
+            "host": summary["hostname"],
+            "form": summary["form"] + (f", CRIU images under {ckpt.prefix}" if ckpt.prefix else ""),
+            "engine": summary["engine"],
+            **{f"container {k}": v for k, v in summary["container"].items()},
+            **_job_row(summary["job"]),
+            "image size": human_bytes(summary["image_bytes"]),
+            "agent lease": f"{summary['lease_s']}s",
+        },
+    )
+    out.table(
+        "NPU processes (locked and backed up by the plugin)",
+        ["pid at dump", "pid in its namespace", "agent socket"],
+        [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
+    )
+    detail = criu_detail(directory, container=ckpt)
+    show_criu_detail(out, detail)
+    out.line(f"{summary['files']} files, run `npusnap verify {directory}` to check them")
+    out.result({**summary, "criu": detail})
+
+
+def _show_image(out: Any, ref: OpenedImage) -> None:
+    """An image directory or archive: its manifest, process tree, timings and what CRIU saved."""
+    from npusnap_cli import image
+    from npusnap_cli.ui import human_bytes
+
+    directory = ref.path
+    manifest = ref.require_manifest()
+    data = {"image": str(directory), **manifest.to_dict()}
+    v = manifest.versions
+    out.kv(
+        f"image {directory}",
+        {
+            "created": manifest.created_at,
+            "host": f"{manifest.host.hostname} (kernel {manifest.host.kernel}, {manifest.host.machine})",
+            "npusnap": v.tool,
+            "CRIU": v.criu,
+            "CANN": f"{v.cann or 'unknown'}{' (simulated NPU)' if v.cann_simulated else ''}",
+            "root pid": manifest.root_pid,
+            "original left running": "yes" if manifest.leave_running else "no",
+            "image size": human_bytes(manifest.bytes.image_bytes),
+            "device bytes": human_bytes(manifest.bytes.device_bytes),
+        },
+    )
+    by_parent: dict[int, list[image.ProcessEntry]] = {}
+    pids = {p.pid for p in manifest.processes}
+    roots = []
+    for p in manifest.processes:
+        if p.ppid in pids:
+            by_parent.setdefault(p.ppid, []).append(p)
+        else:
+            roots.append(p)
+    nodes: list[tuple[int, str]] = []
+
+    def walk(p: image.ProcessEntry, depth: int) -> None:
+        cmd = " ".join(p.cmdline)
+        npu = (
+            f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
+            if p.npu
+            else (" [agent]" if p.agent else "")
+        )
+        nodes.append((depth, f"{p.pid}  {cmd}{npu}"))
+        for child in by_parent.get(p.pid, []):
+            walk(child, depth + 1)
+
+    for r in roots:
+        walk(r, 0)
+    out.tree("processes", nodes)
+    t = manifest.timings
+    # No "publish" row: the manifest is written during publishing, so it cannot hold that
+    # phase's time (`npusnap dump --json` reports it).
+    out.table(
+        "timings",
+        ["phase", "time"],
+        [
+            ["lock", _fmt_s(t.lock_s)],
+            ["device backup", _fmt_s(t.backup_s)],
+            ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
+            ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
+            ["CRIU write", _fmt_s(t.criu_memwrite_s)],
+            ["CRIU total", _fmt_s(t.criu_total_s)],
+            ["unlock (leave-running)", _fmt_s(t.unlock_s)],
+            ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
+            ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
+            ["total", _fmt_s(t.total_s)],
+        ],
+    )
+    _host_needs(out, manifest)
+
+    data["criu"] = criu_detail(directory, archive=ref.kind is image.Kind.ARCHIVE)
+    show_criu_detail(out, data["criu"])
+    out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
+    out.result(data)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
@@ -189,137 +284,17 @@ def register(app: typer.Typer) -> None:
         what CRIU saved: open files, sockets, mounts and CRIU's statistics (pages scanned and
         written), as checkpointctl does."""
         from npusnap_cli import image
-        from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "inspect", json_flag)
-        if _k8s_job(directory):
-            from npusnap_cli.k8s import jobcheckpoint as jc
-
-            manifest = jc.read_manifest(directory)
-            out.kv(
-                f"job checkpoint {directory} (npusnap k8s checkpoint)",
-                {
-                    "created": manifest["created"],
-                    "coordinator": manifest["coordinator"],
-                    "barriers": ", ".join(manifest["barriers"]) or "none (one container)",
-                },
-            )
-            out.table(
-                "members",
-                ["member", "container", "node", "archive", "sha256"],
-                [
-                    [
-                        m["member"],
-                        f"{m['namespace']}/{m['pod']}/{m['container']}",
-                        m["node"],
-                        m["archive"],
-                        (m["sha256"] or "on its node")[:16],
-                    ]
-                    for m in manifest["members"]
-                ],
-            )
-            out.result({"directory": str(directory), **manifest})
-            return
-        ckpt = _plugin_checkpoint(directory)
-        if ckpt is not None:
-            summary = ckpt.summary()
-            out.kv(
-                f"container checkpoint {directory} (written by npusnap's CRIU plugin)",
-                {
-                    "created": summary["created"],
-                    "host": summary["hostname"],
-                    "form": summary["form"] + (f", CRIU images under {ckpt.prefix}" if ckpt.prefix else ""),
-                    "engine": summary["engine"],
-                    **{f"container {k}": v for k, v in summary["container"].items()},
-                    **_job_row(summary["job"]),
-                    "image size": human_bytes(summary["image_bytes"]),
-                    "agent lease": f"{summary['lease_s']}s",
-                },
-            )
-            out.table(
-                "NPU processes (locked and backed up by the plugin)",
-                ["pid at dump", "pid in its namespace", "agent socket"],
-                [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
-            )
-            detail = criu_detail(directory, container=ckpt)
-            show_criu_detail(out, detail)
-            out.line(f"{summary['files']} files, run `npusnap verify {directory}` to check them")
-            out.result({**summary, "criu": detail})
-            return
-        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
-        from npusnap_cli.pipelines import jobsnap
-
-        if jobsnap.is_job_image(directory):
-            from npusnap_cli.commands import jobcmd
-
-            jobcmd.inspect_job(out, directory)
-            return
-        manifest = _load(directory)
-        data = {"image": str(directory), **manifest.to_dict()}
-        v = manifest.versions
-        out.kv(
-            f"image {directory}",
-            {
-                "created": manifest.created_at,
-                "host": f"{manifest.host.hostname} (kernel {manifest.host.kernel}, {manifest.host.machine})",
-                "npusnap": v.tool,
-                "CRIU": v.criu,
-                "CANN": f"{v.cann or 'unknown'}{' (simulated NPU)' if v.cann_simulated else ''}",
-                "root pid": manifest.root_pid,
-                "original left running": "yes" if manifest.leave_running else "no",
-                "image size": human_bytes(manifest.bytes.image_bytes),
-                "device bytes": human_bytes(manifest.bytes.device_bytes),
-            },
-        )
-        by_parent: dict[int, list[image.ProcessEntry]] = {}
-        pids = {p.pid for p in manifest.processes}
-        roots = []
-        for p in manifest.processes:
-            if p.ppid in pids:
-                by_parent.setdefault(p.ppid, []).append(p)
-            else:
-                roots.append(p)
-        nodes: list[tuple[int, str]] = []
-
-        def walk(p: image.ProcessEntry, depth: int) -> None:
-            cmd = " ".join(p.cmdline)
-            npu = (
-                f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
-                if p.npu
-                else (" [agent]" if p.agent else "")
-            )
-            nodes.append((depth, f"{p.pid}  {cmd}{npu}"))
-            for child in by_parent.get(p.pid, []):
-                walk(child, depth + 1)
-
-        for r in roots:
-            walk(r, 0)
-        out.tree("processes", nodes)
-        t = manifest.timings
-        # No "publish" row: the manifest is written during publishing, so it cannot hold that
-        # phase's time (`npusnap dump --json` reports it).
-        out.table(
-            "timings",
-            ["phase", "time"],
-            [
-                ["lock", _fmt_s(t.lock_s)],
-                ["device backup", _fmt_s(t.backup_s)],
-                ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
-                ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
-                ["CRIU write", _fmt_s(t.criu_memwrite_s)],
-                ["CRIU total", _fmt_s(t.criu_total_s)],
-                ["unlock (leave-running)", _fmt_s(t.unlock_s)],
-                ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
-                ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
-                ["total", _fmt_s(t.total_s)],
-            ],
-        )
-        _host_needs(out, manifest)
-
-        data["criu"] = criu_detail(directory)
-        show_criu_detail(out, data["criu"])
-        out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
-        out.result(data)
+        ref = image.open(directory)
+        if ref.kind is image.Kind.K8S_JOB:
+            _show_k8s_job(out, ref.path)
+        elif ref.kind is image.Kind.CONTAINER:
+            _show_container(out, ref.path, ref.require_container())
+        elif ref.kind is image.Kind.JOB:
+            jobcmd.inspect_job(out, ref)
+        else:
+            _show_image(out, ref)
 
     @app.command("verify", epilog=epilog("verify"))
     def verify_cmd(
@@ -350,37 +325,32 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.ui import human_bytes
 
         out = output(ctx, "verify", json_flag)
-        if _k8s_job(directory):
+        ref = image.open(directory)
+        if ref.kind is image.Kind.K8S_JOB:
             from npusnap_cli.k8s import jobcheckpoint as jc
 
-            res = jc.verify_job(directory)
-            out.ok(f"{directory}: job checkpoint, {res['members']} archives match the job manifest")
+            res = jc.verify_job(ref.path)
+            out.ok(f"{ref.path}: job checkpoint, {res['members']} archives match the job manifest")
             out.result(res)
             return
-        ckpt = _plugin_checkpoint(directory)
-        if ckpt is not None:
+        if ref.kind is image.Kind.CONTAINER:
             from npusnap_cli.image import containers
 
-            res = containers.verify(ckpt, checksums=not no_checksums)
+            res = containers.verify(ref.require_container(), checksums=not no_checksums)
             what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
             out.ok(
-                f"{directory}: container checkpoint, {res['files_checked']} image files, "
+                f"{ref.path}: container checkpoint, {res['files_checked']} image files, "
                 f"{human_bytes(res['bytes_checked'])}: {what} match the plugin's record"
             )
             out.result(res)
             return
-        directory = image.follow_pointer(directory) if not _is_archive(directory) else directory
-        from npusnap_cli.pipelines import jobsnap
-
-        if jobsnap.is_job_image(directory):
-            from npusnap_cli.commands import jobcmd
-
-            jobcmd.verify_job(out, directory, checksums=not no_checksums, require_signature=require_signature)
+        if ref.kind is image.Kind.JOB:
+            jobcmd.verify_job(out, ref, checksums=not no_checksums, require_signature=require_signature)
             return
-        manifest = _load(directory)
-        total = sum(f.size for f in manifest.files)
+        directory = ref.path
+        total = sum(f.size for f in ref.require_manifest().files)
         with out.progress("verifying", total) as bar:
-            if _is_archive(directory):
+            if ref.kind is image.Kind.ARCHIVE:
                 from npusnap_cli.image import archive
 
                 result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
@@ -392,9 +362,9 @@ def register(app: typer.Typer) -> None:
                     require_signature=require_signature,
                 )
         what = "sizes and checksums" if result.checksums else "sizes (checksums skipped)"
-        if getattr(result, "signed", False):
+        if result.signed:
             what += ", signature"
-        for left in getattr(result, "leftovers", ()):
+        for left in result.leftovers:
             out.warn(
                 f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
             )

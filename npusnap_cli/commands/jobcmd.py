@@ -1,6 +1,7 @@
 """The job-image side of `dump`, `restore`, `inspect` and `verify` (jobsnap.py; docs/distributed.md).
 
-The commands detect a job image (``npusnap-job.json``) or several PIDs and call these.
+The commands call these for several PIDs (dump) or for a job image, which ``image.open`` tells
+apart from the other kinds (``Kind.JOB``: ``npusnap-job.json``, image/job.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from npusnap_cli.commands._progress import fmt_s
 from npusnap_cli.errors import UsageError
 
 if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
+    from npusnap_cli.image import OpenedImage
     from npusnap_cli.pipelines.callbacks import PipelineCallbacks
     from npusnap_cli.pipelines.dump import DumpOptions
     from npusnap_cli.pipelines.netcoord import NetLink
@@ -89,7 +91,7 @@ def dump_job(
                 str(i),
                 str(r.manifest.root_pid),
                 " ".join(str(p.pid) for p in r.manifest.npu_processes),
-                f"{jobsnap.rank_dir_name(i)}/",
+                f"{result.manifest.ranks[i].dir}/",
                 "-" if r.manifest.timings.frozen_s is None else f"{r.manifest.timings.frozen_s:.3f}s",
                 human_bytes(r.manifest.bytes.image_bytes),
             ]
@@ -175,13 +177,13 @@ def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: b
     return code
 
 
-def inspect_job(out: Output, directory: Path) -> None:
+def inspect_job(out: Output, ref: OpenedImage) -> None:
     from npusnap_cli import image
     from npusnap_cli.commands import inspect as inspect_cmd
-    from npusnap_cli.pipelines import jobsnap
     from npusnap_cli.ui import human_bytes
 
-    job = jobsnap.load_job_manifest(directory)
+    directory = ref.path
+    job = ref.require_job()
     rows = []
     ranks = []
     for r in job.ranks:
@@ -220,12 +222,13 @@ def inspect_job(out: Output, directory: Path) -> None:
 
 
 def verify_job(
-    out: Output, directory: Path, checksums: bool, require_signature: Optional[Path] = None
+    out: Output, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
 ) -> None:
-    from npusnap_cli.pipelines import jobsnap
+    from npusnap_cli.image import job
     from npusnap_cli.ui import human_bytes
 
-    _job, result = jobsnap.verify_job(directory, checksums=checksums, require_signature=require_signature)
+    directory = ref.path
+    _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
     files = sum(r.files_checked for r in result.ranks)
     nbytes = sum(r.bytes_checked for r in result.ranks)
     what = "sizes and checksums" if checksums else "sizes (checksums skipped)"

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List every process on this node with an npusnap agent: its state, who holds its lock
         (and whether that command still runs), its lease and its last snapshot."""
-        from npusnap_cli.host import nodeview
+        from npusnap_cli.host import nodeview  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "ps", json_flag)
         clean_stale_sockets(out)

@@ -10,6 +10,7 @@ import typer
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 if TYPE_CHECKING:  # the pipeline is imported when a restore runs, not at every start
+    from npusnap_cli.image import OpenedImage
     from npusnap_cli.pipelines.restore import RestoreOptions
 
 
@@ -182,9 +183,12 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
+        from npusnap_cli import image
         from npusnap_cli.host import pidns
 
         maps = [pidns.parse_device_map(m) for m in device_map or []]
+        ref = image.open(directory)
+        ref.require_restorable()
         if replicas > 1:
             from npusnap_cli.pipelines import replicas as replicas_mod
 
@@ -198,7 +202,7 @@ def register(app: typer.Typer) -> None:
 
             phase(f"restoring {replicas} replicas at once")
             results = replicas_mod.restore_all(
-                directory,
+                ref.path,
                 replicas,
                 maps,
                 verify=not no_verify,
@@ -240,11 +244,9 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = restore_mod.RestoreCallbacks(phase=phase, progress=bars.update, note=out.warn)
         if dry_run:
-            return _dry_run(out, directory, options)
+            return _dry_run(out, ref, options)
         restore_mod.become_subreaper()
-        from npusnap_cli.pipelines import jobsnap
-
-        if jobsnap.is_job_image(directory):
+        if ref.kind is image.Kind.JOB:
             from npusnap_cli.commands import jobcmd
 
             if lazy:
@@ -254,12 +256,22 @@ def register(app: typer.Typer) -> None:
                     "--lazy is not supported for job images (several ranks) yet",
                     fix="restore the job image without --lazy",
                 )
+            if options.device_map or options.output is not None:
+                from npusnap_cli.errors import UsageError
+
+                raise UsageError(
+                    "--device-map and --output are not supported for job images (several ranks) yet",
+                    why="a job restore would otherwise put every rank back on its own devices and "
+                    "files, silently ignoring them",
+                    fix="restore the job image without them, or one rank's image on its own "
+                    "(`npusnap restore DIR/rank-N --device-map ...`)",
+                )
 
             try:
                 with oplog.operation("restore", [], str(directory)) as op:
                     roots, data = jobcmd.restore_job(
                         out,
-                        directory,
+                        ref.path,
                         options,
                         callbacks,
                         jobcmd.parse_rank_netns(rank_netns),
@@ -275,7 +287,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
             with oplog.operation("restore", [], str(directory)) as op:
-                result = restore_mod.restore(directory, options, callbacks)
+                result = restore_mod.restore(ref.path, options, callbacks)
                 op["pids"] = list(result.pids)
         finally:
             bars.close()
@@ -334,16 +346,17 @@ def register(app: typer.Typer) -> None:
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
 
-def _dry_run(out: object, directory: Path, options: RestoreOptions) -> int:
+def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 
-    from npusnap_cli.pipelines import jobsnap, restorecheck
+    from npusnap_cli.pipelines import restorecheck
 
     o: Any = out
+    directory = ref.given
     images = [directory]
-    if jobsnap.is_job_image(directory):
-        images = sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith("rank-"))
+    if ref.job is not None:
+        images = [directory / r.dir for r in ref.job.ranks]
     results: list[dict[str, Any]] = []
     for image in images:
         for check in restorecheck.run_checks(image, options):

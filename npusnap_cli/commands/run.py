@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
+from npusnap_cli import paths
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.errors import PreflightError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -49,6 +51,13 @@ def register(app: typer.Typer) -> None:
             "image then restores beside the original and as many times as wanted (restore "
             "--replicas), needing no host pid free. The printed pid is the host's.",
         ),
+        no_io_uring: bool = typer.Option(
+            False,
+            "--no-io-uring",
+            help="Make io_uring_setup fail (ENOSYS, as on a kernel without io_uring) in CMD and "
+            "everything it starts, with a seccomp filter: CRIU cannot dump an io_uring, and libuv "
+            "(PyTorch's TCPStore, in torchrun's agent too) falls back to epoll. Needed for torchrun.",
+        ),
         json_flag: bool = typer.Option(
             False,
             "--json",
@@ -64,9 +73,7 @@ def register(app: typer.Typer) -> None:
         also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
         linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
-        from npusnap_cli import paths
-        from npusnap_cli.agent import launch
-        from npusnap_cli.errors import PreflightError
+        from npusnap_cli.agent import launch  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "run", json_flag)
         problem = paths.runtime_dir_problem()
@@ -86,21 +93,26 @@ def register(app: typer.Typer) -> None:
         if argv and argv[0] == "--":
             argv = argv[1:]
         if (pidfile is not None or output_file is not None) and not detach:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(
                 "--pidfile and --output need --detach",
                 why="without --detach npusnap becomes the program, in the foreground",
                 fix="add --detach: npusnap run --detach --pidfile job.pid --output job.log -- CMD...",
             )
         plan = launch.prepare(argv)
+        if no_io_uring:
+            # Installed in this process before it forks or execs: the program inherits it.
+            nnp_note = launch.deny_io_uring()
+            if nnp_note:
+                out.warn(nnp_note)
         if launch.statically_linked(plan.executable):
             out.warn(
                 f"{plan.executable} is statically linked: the dynamic loader never runs for it, so it "
                 "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
             )
         if detach:
-            from npusnap_cli.host import pidfile as pidfile_mod
+            from npusnap_cli.host import (
+                pidfile as pidfile_mod,
+            )  # lazy: --help cost (check_imports.py --costs)
 
             if pidfile is not None:
                 pidfile_mod.check(pidfile)
@@ -115,13 +127,21 @@ def register(app: typer.Typer) -> None:
             written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
             out.data(str(pid))
             result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written, "pid_ns": pid_ns}
+            result["no_io_uring"] = no_io_uring
             result["output"] = str(output_file) if output_file is not None else None
             out.result({**result, "session_note": None})
             return
         if pid_ns:
             # The program's pid is the one fork gives it, not ours: unknown until it starts.
             out.result(
-                {**plan.to_dict(), "pid": None, "detached": False, "session_note": None, "pid_ns": True}
+                {
+                    **plan.to_dict(),
+                    "pid": None,
+                    "detached": False,
+                    "session_note": None,
+                    "pid_ns": True,
+                    "no_io_uring": no_io_uring,
+                }
             )
             raise typer.Exit(launch.run_in_pid_namespace(plan))
         session_note = None if keep_session else launch.leave_foreign_session()
@@ -131,5 +151,7 @@ def register(app: typer.Typer) -> None:
             f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
             f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
         )
-        out.result({**plan.to_dict(), "detached": False, "session_note": session_note})
+        out.result(
+            {**plan.to_dict(), "detached": False, "session_note": session_note, "no_io_uring": no_io_uring}
+        )
         launch.exec_plan(plan)

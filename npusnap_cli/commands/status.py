@@ -16,8 +16,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
-        from npusnap_cli.host import nodeview, proctree
-        from npusnap_cli.ui import human_bytes
+        from npusnap_cli.host import nodeview, proctree  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "status", json_flag)
         clean_stale_sockets(out)

@@ -51,7 +51,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
+from npusnap_cli.agent import native
+from npusnap_cli.device import native_attach
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
+from npusnap_cli.host import procfs
 
 DEFAULT_TIMEOUT = 10.0
 MIN_PYTHON = (3, 9)
@@ -168,10 +172,8 @@ def _status_fields(pid: int) -> dict[str, str]:
 
 def _proc_state(pid: int) -> str:
     """The one-letter state from /proc/PID/stat (R, S, D, T, t, Z, ...), "" if unreadable."""
-    stat = _read(f"/proc/{pid}/stat") or ""
-    # The command name is in parentheses and may itself contain spaces or parentheses.
-    rest = stat.rpartition(")")[2].split()
-    return rest[0] if rest else ""
+    st = procfs.stat(pid)
+    return st.state if st else ""
 
 
 def ptrace_scope() -> Optional[int]:
@@ -528,8 +530,6 @@ def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optiona
     uses the breakpoint method, which reads symbols."""
     import platform
 
-    from npusnap_cli.device import native_attach
-
     if platform.machine() != "x86_64" or target.root != "/":
         return None
     if os.environ.get("NPUSNAP_TEST_ATTACH_WAY") == "breakpoint":  # tests only: the other way in
@@ -654,10 +654,9 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
     ):
         cmd += ["-iex", setting]
     cmd += ["-p", str(target.pid), "-x", str(script)]
-    from npusnap_cli.device.native_attach import TraceWatch
 
     t0 = time.monotonic()
-    watch = TraceWatch(target.pid)
+    watch = native_attach.TraceWatch(target.pid)
     try:
         with watch:
             proc = subprocess.Popen(
@@ -776,15 +775,12 @@ def diagnose(pid: int, gdb_report: Optional[dict[str, Any]] = None) -> dict[str,
 
 
 def _proc_state_task(pid: int, tid: int) -> str:
-    stat = _read(f"/proc/{pid}/task/{tid}/stat") or ""
-    rest = stat.rpartition(")")[2].split()
-    return rest[0] if rest else ""
+    st = procfs.stat(pid, tid)
+    return st.state if st else ""
 
 
 # -- attach ----------------------------------------------------------------------------------------
 def _hello(pid: int, timeout: float, retry_s: float) -> dict[str, Any]:
-    from npusnap_cli.device.agent_client import AgentClient
-
     with AgentClient(pid, timeout=timeout, connect_retry_s=retry_s) as client:
         return client.hello()
 
@@ -802,9 +798,6 @@ def existing_agent(pid: int) -> Optional[dict[str, Any]]:
 def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """A non-Python process with the CANN runtime loaded: gdb dlopens the native agent into it
     (see native_attach.py); succeeds once the agent answers hello."""
-    from npusnap_cli.agent import native
-    from npusnap_cli.device import native_attach
-
     start = time.monotonic()
     status = _status_fields(pid)
     state = _proc_state(pid)
@@ -863,8 +856,6 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
 
 def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     """Make sure ``pid`` runs an npusnap agent that answers hello; inject one if needed."""
-    from npusnap_cli.device import native_attach
-
     if os.path.exists(f"/proc/{pid}") and native_attach.is_native_npu_process(pid):
         return attach_native(pid, timeout)
     start = time.monotonic()

@@ -425,27 +425,12 @@ class DeviceGroup:
         return {p: str(r.get("state") or "not locked") for p, r in results.items()}
 
 
-def _stop_state(pid: int) -> Optional[tuple[str, int]]:
-    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        tracer = 0
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("TracerPid:"):
-                    tracer = int(line.split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return (state, tracer) if state in ("T", "t") else None
-
-
 def refuse_stopped(pids: Iterable[int], command: str) -> None:
     """A stopped process's agent cannot answer: it is being checkpointed (CRIU seizes and stops
     the tree) or someone stopped it. Refuse now, having changed nothing, instead of waiting for
     an answer that comes only when the checkpoint is over — and then acting under it."""
     for pid in pids:
-        stopped = _stop_state(pid)
+        stopped = procfs.stop_state(pid)
         if stopped is None:
             continue
         _state, tracer = stopped

@@ -29,7 +29,9 @@ import time
 from collections.abc import Iterable
 from typing import Optional
 
+from npusnap_cli.device.agent_client import AgentClient, AgentOpError
 from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
+from npusnap_cli.host import procfs
 
 POLL_S = 0.02  # how often the freeze is looked for while CRIU runs
 MARGIN_S = 0.5  # the agent's tick (0.1 s) and the time a renewal takes to be answered
@@ -46,12 +48,10 @@ def _threads_stopped(pid: int) -> Optional[bool]:
     except OSError:
         return None
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        st = procfs.stat(pid, tid)
+        if st is None:
             continue
-        if state not in ("t", "T"):
+        if st.state not in ("t", "T"):
             return False
     return True
 
@@ -83,8 +83,6 @@ class LeaseKeeper:
     # -- renewing ----------------------------------------------------------------------------
     def renew(self) -> bool:
         """Renew every lease now; False (and ``lost`` says why) when one was already gone."""
-        from npusnap_cli.device.agent_client import AgentClient, AgentOpError
-
         if not self.tokens or self.lease_s is None:
             return True
         sent = time.monotonic()
@@ -96,7 +94,7 @@ class LeaseKeeper:
             except AgentOpError as exc:
                 self.lost = f"pid {pid}: {exc.message}"
                 return False
-            except NpusnapError:  # unreachable for now: the time check decides
+            except NpusnapError:  # not reached while the time check above decides first
                 return False
         self.renewed_at = sent
         return True
@@ -175,7 +173,6 @@ class LeaseKeeper:
         StateUnknownError with the recovery commands if one does not. False otherwise."""
         if not isinstance(err, LockLostError):
             return False
-        from npusnap_cli.device.agent_client import AgentClient
 
         left = set(self.tokens)
         deadline = time.monotonic() + timeout

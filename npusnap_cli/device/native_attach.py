@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import struct
 import subprocess
 import tempfile
 import threading
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl
+from npusnap_cli import acl, elf
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
 
 MARKER_NAME = "npusnap-attach-start"
@@ -154,32 +153,13 @@ def is_native_npu_process(pid: int) -> bool:
 
 
 def _dynsym_value(path: str, name: str) -> Optional[int]:
-    """st_value of the defined dynamic symbol ``name`` in a 64-bit little-endian ELF."""
+    """st_value of the defined dynamic symbol ``name`` of the library ``path``."""
     try:
-        data = Path(path).read_bytes()
-    except OSError:
+        with elf.open_elf(path) as lib:
+            sym = lib.symbol(name)
+    except (OSError, elf.ElfError):
         return None
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return None
-    shoff = struct.unpack_from("<Q", data, 0x28)[0]
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    want = name.encode()
-    for sec in sections:
-        sh_type, sh_offset, sh_size, sh_link, sh_entsize = sec[1], sec[4], sec[5], sec[6], sec[9]
-        if sh_type != 11 or not sh_entsize:  # SHT_DYNSYM
-            continue
-        str_off = sections[sh_link][4]
-        for k in range(sh_size // sh_entsize):
-            st_name, _info, _other, st_shndx, st_value, _size = struct.unpack_from(
-                "<IBBHQQ", data, sh_offset + k * sh_entsize
-            )
-            if st_shndx == 0 or not st_name:
-                continue
-            end = data.index(b"\x00", str_off + st_name)
-            if data[str_off + st_name : end] == want:
-                return int(st_value)
-    return None
+    return sym.value if sym else None
 
 
 def dlopen_address(pid: int) -> int:

@@ -23,10 +23,11 @@ Core module (no printing); used by preflight (`npusnap check`) and the dump pipe
 from __future__ import annotations
 
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from npusnap_cli import elf
 
 DESC_SYMBOL = "CR_PLUGIN_DESC"
 # cr_plugin_desc_t on LP64: const char *name; init; exit; unsigned version; unsigned max_hooks; ...
@@ -93,93 +94,22 @@ class PluginDesc:
         return {"path": self.path, "name": self.name, "version": self.version, "max_hooks": self.max_hooks}
 
 
-class _Elf:
-    def __init__(self, data: bytes) -> None:
-        if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:
-            raise ValueError("not a 64-bit ELF file")
-        self.data = data
-        self.end = "<" if data[5] == 1 else ">"
-        e = self.end
-        self.phoff = struct.unpack_from(e + "Q", data, 0x20)[0]
-        self.shoff = struct.unpack_from(e + "Q", data, 0x28)[0]
-        self.phentsize, self.phnum, self.shentsize, self.shnum = struct.unpack_from(e + "HHHH", data, 0x36)
-
-    def sections(self) -> list[tuple[int, int, int, int, int, int]]:
-        """(type, addr, offset, size, link, entsize) of every section."""
-        out = []
-        for i in range(self.shnum):
-            off = self.shoff + i * self.shentsize
-            _name, sh_type, _flags, addr, offset, size, link, _info, _align, entsize = struct.unpack_from(
-                self.end + "IIQQQQIIQQ", self.data, off
-            )
-            out.append((sh_type, addr, offset, size, link, entsize))
-        return out
-
-    def file_offset(self, vaddr: int) -> Optional[int]:
-        for i in range(self.phnum):
-            off = self.phoff + i * self.phentsize
-            p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz, _memsz, _align = struct.unpack_from(
-                self.end + "IIQQQQQQ", self.data, off
-            )
-            if p_type == 1 and p_vaddr <= vaddr < p_vaddr + p_filesz:  # PT_LOAD
-                return int(vaddr - p_vaddr + p_offset)
-        return None
-
-    def symbol(self, wanted: str) -> Optional[tuple[int, int]]:
-        """(address, size) of a defined symbol in .dynsym or .symtab."""
-        secs = self.sections()
-        for sh_type, _addr, offset, size, link, entsize in secs:
-            if sh_type not in (2, 11) or not entsize:  # SHT_SYMTAB, SHT_DYNSYM
-                continue
-            strtab = secs[link][2]
-            for k in range(size // entsize):
-                st_name, _info, _other, shndx, value, st_size = struct.unpack_from(
-                    self.end + "IBBHQQ", self.data, offset + k * entsize
-                )
-                if shndx == 0 or st_name == 0:
-                    continue
-                nul = self.data.index(b"\x00", strtab + st_name)
-                if self.data[strtab + st_name : nul].decode("ascii", "replace") == wanted:
-                    return value, st_size
-        return None
-
-    def relative_target(self, where: int) -> Optional[int]:
-        """The addend of an R_*_RELATIVE relocation at ``where`` (a pointer filled at load time)."""
-        for sh_type, _addr, offset, size, _link, entsize in self.sections():
-            if sh_type != 4 or not entsize:  # SHT_RELA
-                continue
-            for k in range(size // entsize):
-                r_offset, r_info, r_addend = struct.unpack_from(
-                    self.end + "QQq", self.data, offset + k * entsize
-                )
-                if r_offset == where and (r_info & 0xFFFFFFFF) in (8, 1027):  # x86_64 / aarch64 RELATIVE
-                    return int(r_addend)
-        return None
-
-    def c_string(self, vaddr: int) -> Optional[str]:
-        off = self.file_offset(vaddr)
+def read_plugin_desc(path: str) -> Optional[PluginDesc]:
+    """The plugin's CR_PLUGIN_DESC (read from the file, never loaded), or None without one.
+    OSError when the file cannot be read, elf.ElfError when it is not a 64-bit ELF file."""
+    with elf.open_elf(path) as lib:
+        sym = lib.symbol(DESC_SYMBOL, (elf.SHT_SYMTAB, elf.SHT_DYNSYM))
+        if sym is None:
+            return None
+        off = lib.file_offset(sym.value)
         if off is None:
             return None
-        nul = self.data.find(b"\x00", off)
-        return self.data[off:nul].decode("utf-8", "replace") if nul >= 0 else None
-
-
-def read_plugin_desc(path: str) -> Optional[PluginDesc]:
-    """The plugin's CR_PLUGIN_DESC (read from the file, never loaded), or None without one."""
-    elf = _Elf(Path(path).read_bytes())
-    sym = elf.symbol(DESC_SYMBOL)
-    if sym is None:
-        return None
-    addr, _size = sym
-    off = elf.file_offset(addr)
-    if off is None:
-        return None
-    version, max_hooks = struct.unpack_from(elf.end + "II", elf.data, off + _VERSION_OFFSET)
-    name: Optional[str] = None
-    target = elf.relative_target(addr)
-    if target is not None:
-        name = elf.c_string(target)
-    return PluginDesc(path=str(path), name=name, version=int(version), max_hooks=int(max_hooks))
+        version, max_hooks = lib.u32(off + _VERSION_OFFSET), lib.u32(off + _MAX_HOOKS_OFFSET)
+        name: Optional[str] = None
+        target = lib.relative_target(sym.value)
+        if target is not None:
+            name = lib.c_string(target)
+    return PluginDesc(path=str(path), name=name, version=version, max_hooks=max_hooks)
 
 
 def max_hooks_from_header(text: str) -> Optional[int]:
@@ -234,7 +164,7 @@ class AbiVerdict:
 def check_abi(plugin: str, criu_version: str) -> AbiVerdict:
     try:
         desc = read_plugin_desc(plugin)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError) as exc:  # elf.ElfError is a ValueError
         return AbiVerdict(False, f"cannot read {plugin}: {exc}", "reinstall the plugin")
     if desc is None:
         return AbiVerdict(

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Optional
 
 from npusnap_cli import paths
 from npusnap_cli.host import procfs
+from npusnap_cli.image import layout
 
 KEEP_LOGS = 20  # failure-log directories kept (the newest)
 MAX_LOG_AGE_S = 14 * 24 * 3600  # and none older than two weeks
@@ -62,6 +63,48 @@ def new_log_dir(label: str) -> Path:
         os.chmod(base, 0o700)  # ours and a real directory (lstat): make it private
     prune_failure_logs()
     return Path(tempfile.mkdtemp(prefix=f"{label}-{stamp}-", dir=base))
+
+
+def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
+    """Move the logs of a failed run out of a partial image (which is then removed).
+
+    They go beside the image's final path, into ``IMG.failed-logs`` (the previous failure's are
+    replaced: one directory per image, not an ever-growing pile); where that is not possible (the
+    name is taken by something else), into a new directory under ``$TMPDIR/npusnap-logs``
+    (new_log_dir: the base is checked to be a private directory of this user, the new
+    one is made by mkdtemp, so that a name planted in a shared /tmp cannot redirect them; old
+    ones are pruned). The partial image itself must not stay (it would look like an image).
+    """
+    src = layout.logs_dir(tmp)
+    if not src.is_dir() or src.is_symlink() or layout.dir_is_empty(src):
+        return None
+    final = layout.final_of(tmp)
+    if final is not None:
+        dest = layout.failed_logs_dir(final)
+        try:
+            st = os.lstat(dest)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                layout.remove_tree(dest)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            final = None
+        if final is not None:
+            try:
+                # Same filesystem as the partial image: a rename, atomic, nothing copied.
+                os.rename(src, dest)
+                return dest
+            except OSError:
+                pass
+    try:
+        dest = new_log_dir(label)
+        for entry in os.scandir(src):
+            if entry.is_file(follow_symlinks=False):
+                # shutil.move: /tmp is often another filesystem than the image's (rename: EXDEV)
+                shutil.move(entry.path, str(dest / entry.name))
+        return dest
+    except OSError:
+        return None
 
 
 def failure_logs() -> list[Path]:
@@ -107,12 +150,12 @@ def _boot_time() -> float:
 
 def process_start_time(pid: int) -> Optional[float]:
     """When ``pid`` started (epoch seconds), or None if it does not exist."""
+    ticks = procfs.start_time(pid)
+    if ticks is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 (starttime); fields[0] is field 3 (state)
         return _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+    except (OSError, ValueError):
         return None
 
 

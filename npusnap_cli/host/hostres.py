@@ -28,113 +28,23 @@ import errno
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from npusnap_cli import contract
+from npusnap_cli import safefs
 from npusnap_cli.errors import ImageError, PreflightError
 from npusnap_cli.image import digest
 
-# Pseudo or kernel filesystems whose "files" are not data to save.
-_NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", contract.AGENT_SOCKET_ROOT_DIR)
-
-
-_DEFAULT_ALGO = digest.DEFAULT  # (a field named digest hides the module in class bodies)
-
-
-@dataclass(frozen=True)
-class ExternalStdio:
-    """An fd of the tree that is a pipe or terminal shared with a process outside the tree."""
-
-    pid: int
-    fd: int
-    key: str  # CRIU's name for it: "pipe:[INODE]" or the tty path
-    kind: str  # "pipe" | "tty"
-    peers: tuple[int, ...]  # pids outside the tree that hold it (empty for a tty)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "fd": self.fd, "key": self.key, "kind": self.kind, "peers": list(self.peers)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ExternalStdio:
-        try:
-            return cls(
-                pid=int(d["pid"]),
-                fd=int(d["fd"]),
-                key=str(d["key"]),
-                kind=str(d["kind"]),
-                peers=tuple(int(p) for p in d.get("peers") or ()),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ImageError(f"bad external_stdio entry in the manifest: {exc}", fix="dump again") from None
-
-
-@dataclass(frozen=True)
-class HostFile:
-    """A host file the image carries under ``hostfiles/``: a tmpfs file the tree had open or
-    mapped, or (``remap``) CRIU's link-remap file of a deleted file it had open."""
-
-    path: str  # absolute path on the host
-    size: int
-    mode: int
-    uid: int
-    gid: int
-    digest: str  # hex, of the algorithm ``algo`` (digest.py)
-    # CRIU's link-remap file of a deleted file the tree had open: on the host only during restore
-    remap: bool = False
-    algo: str = _DEFAULT_ALGO
-
-    @property
-    def rel(self) -> str:
-        """Where its copy lives inside the image."""
-        return "hostfiles" + self.path
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "path": self.path,
-            "size": self.size,
-            "mode": self.mode,
-            "uid": self.uid,
-            "gid": self.gid,
-            self.algo: self.digest,
-        }
-        if self.remap:
-            d["remap"] = True
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HostFile:
-        algo, value = digest.from_entry(d, "host_files")
-        try:
-            f = cls(
-                path=str(d["path"]),
-                size=int(d["size"]),
-                mode=int(d["mode"]),
-                uid=int(d["uid"]),
-                gid=int(d["gid"]),
-                digest=value,
-                algo=algo,
-                remap=d.get("remap", False),
-            )
-            if not isinstance(f.remap, bool):
-                raise TypeError(f"remap is {f.remap!r}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ImageError(f"bad host_files entry in the manifest: {exc}", fix="dump again") from None
-        norm = os.path.normpath(f.path)
-        if not f.path.startswith("/") or norm != f.path or ".." in f.path.split("/"):
-            raise ImageError(f"bad host_files path in the manifest: {f.path!r}", fix="dump again")
-        if f.path.startswith(_NOT_DATA) or f.path.startswith("//"):
-            raise ImageError(f"bad host_files path in the manifest: {f.path!r} (not data)", fix="dump again")
-        if f.mode & ~0o1777 or f.mode < 0:
-            raise ImageError(
-                f"host_files entry {f.path} asks for mode {f.mode:o} (set-user/group-id or not a permission)",
-                why="a dump records tmpfs files and CRIU's link-remap files, never a set-id program: "
-                "the image was crafted or edited",
-                fix="do not restore this image",
-            )
-        return f
-
+# The records themselves (their JSON form and validation) belong to the image model.
+from npusnap_cli.image.hostrecords import NOT_DATA as _NOT_DATA
+from npusnap_cli.image.hostrecords import ExternalStdio as ExternalStdio
+from npusnap_cli.image.hostrecords import HostFile as HostFile
+from npusnap_cli.image.hostrecords import HostNode as HostNode
+from npusnap_cli.image.hostrecords import check_host_files as check_host_files
+from npusnap_cli.image.hostrecords import on_mounts as _on
+from npusnap_cli.image.hostrecords import place_problem as _place_problem
+from npusnap_cli.image.hostrecords import split_parent as _split_parent
+from npusnap_cli.image.hostrecords import tmpfs_mounts as tmpfs_mounts
 
 # --------------------------------------------------------------------------------------------
 # Pipes and terminals
@@ -239,26 +149,6 @@ def external_stdio_error(found: list[ExternalStdio], *, shell_job: bool) -> Opti
 # --------------------------------------------------------------------------------------------
 # tmpfs files
 # --------------------------------------------------------------------------------------------
-
-
-def tmpfs_mounts() -> list[str]:
-    """Mount points of tmpfs filesystems, longest first."""
-    points: list[str] = []
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fstype = right.split()[0] if right else ""
-                fields = left.split()
-                if fstype == "tmpfs" and len(fields) > 4:
-                    points.append(fields[4].replace("\\040", " "))
-    except OSError:
-        return []
-    return sorted(set(points), key=len, reverse=True)
-
-
-def _on(path: str, mounts: list[str]) -> bool:
-    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
 
 
 _O_ACCMODE, _O_WRONLY, _O_APPEND = 0o3, 0o1, 0o2000
@@ -425,8 +315,6 @@ def absent(files: Iterable[HostFile]) -> list[HostFile]:
 def remove_copies(files: Iterable[HostFile]) -> list[str]:
     """Remove each of ``files`` from the host if it still holds the image's copy (reached without
     following a symlink); a file by that name with other contents is left alone. The paths removed."""
-    from npusnap_cli.host import safefs
-
     removed = []
     for f in files:
         parent, name = _split_parent(f.path)
@@ -446,56 +334,6 @@ def remove_copies(files: Iterable[HostFile]) -> list[str]:
     return removed
 
 
-def check_host_files(files: Iterable[HostFile], uids: Iterable[int], nodes: Iterable[Any] = ()) -> list[str]:
-    """What is wrong with an image's host files (verify, import, restore): each one must be where
-    root may write it for the job (``_place_problem``: tmpfs, or a lock file where its owner could
-    have made it) and belong to a user the dumped job ran as (root's only for a root job). The
-    manifest's parser already refused set-id modes and paths outside data."""
-    allowed = set(uids)
-    files = list(files)
-    mounts = tmpfs_mounts() if files else []
-    nodes = list(nodes)
-    problems = [p for f in files if (p := _place_problem(f, mounts, nodes)) is not None]
-    problems += [
-        f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
-        for f in files
-        if f.uid not in allowed
-    ]
-    return problems
-
-
-def _place_problem(f: HostFile, mounts: list[str], nodes: Iterable[Any] = ()) -> Optional[str]:
-    """Where a host file may be written as root: on a tmpfs mount of this host (a job's shared
-    memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only in an
-    existing directory where its owner could have created it: one of theirs (not root's) they
-    may write, or a sticky directory anyone may write (/var/tmp). Directories the image itself
-    makes for the job (``nodes``, HostNode of the same owner) count as the place they are made in.
-    Never through a symlink."""
-    if _on(f.path, mounts):
-        return None
-    from npusnap_cli.host import safefs
-
-    parent, _ = _split_parent(f.path)
-    # (private ones: a shared directory such as /tmp is where the rule itself looks)
-    made = {n.path for n in nodes if n.kind == "dir" and n.uid == f.uid and not n.mode & 0o6022}
-    while parent in made and parent != "/":
-        parent, _ = _split_parent(parent)
-    try:
-        with safefs.dir_fd(parent, check=False) as dfd:
-            st: Optional[os.stat_result] = os.fstat(dfd)
-    except OSError:
-        st = None
-    if st is not None:
-        shared = st.st_mode & (stat.S_ISVTX | stat.S_IWOTH) == stat.S_ISVTX | stat.S_IWOTH
-        theirs = f.uid != 0 and st.st_uid == f.uid and st.st_mode & stat.S_IWUSR
-        if shared or theirs:
-            return None
-    return (
-        f"host file {f.path} is not on a tmpfs mount of this host, and uid {f.uid} could not have "
-        "created it there itself"
-    )
-
-
 def _refuse_host_files(problems: list[str]) -> None:
     if problems:
         raise ImageError(
@@ -508,16 +346,9 @@ def _refuse_host_files(problems: list[str]) -> None:
         )
 
 
-def _split_parent(path: str) -> tuple[str, str]:
-    parent, name = os.path.split(path)
-    return parent or "/", name
-
-
 def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
     """lstat of ``f.path`` reached without following a symlink; None when it (or a parent) is
     missing. A symlink or a foreign directory on the way is a PreflightError."""
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(f.path)
     try:
         with safefs.dir_fd(parent, owner=f.uid) as dfd:
@@ -536,8 +367,6 @@ def _lstat_safe(f: HostFile) -> Optional[os.stat_result]:
 
 
 def _digest_safe(f: HostFile) -> str:
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(f.path)
     with safefs.dir_fd(parent, owner=f.uid) as dfd:
         fd = safefs.open_read_at(dfd, name)
@@ -603,8 +432,6 @@ def check_put_back(
 def put_back(files: list[HostFile], image: Path, nodes: Iterable[Any] = ()) -> list[str]:
     """Write the saved copies to their paths (owner and mode as at dump, never set-id), each in
     its directory reached without following a symlink (safefs); the paths written."""
-    from npusnap_cli.host import safefs
-
     written: list[str] = []
     mounts = tmpfs_mounts()
     nodes = list(nodes)
@@ -647,47 +474,6 @@ def put_back(files: list[HostFile], image: Path, nodes: Iterable[Any] = ()) -> l
 # (--leave-running images) or on another node, CRIU's restore fails ("Can't bind ... No such
 # file or directory"). The dump records each such directory and FIFO with owner and mode;
 # restore creates the missing ones, refusing any that exist with a stranger's owner.
-
-
-@dataclass(frozen=True)
-class HostNode:
-    """A directory or FIFO on the host that the restored tree needs to exist."""
-
-    path: str
-    kind: str  # "dir" | "fifo"
-    mode: int
-    uid: int
-    gid: int
-    why: str  # what of the tree needs it: "unix socket /tmp/pymp-x/listener-y", "fifo", ...
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "kind": self.kind,
-            "mode": self.mode,
-            "uid": self.uid,
-            "gid": self.gid,
-            "why": self.why,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HostNode:
-        try:
-            n = cls(
-                path=str(d["path"]),
-                kind=str(d["kind"]),
-                mode=int(d["mode"]),
-                uid=int(d["uid"]),
-                gid=int(d["gid"]),
-                why=str(d.get("why") or ""),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ImageError(f"bad host_nodes entry in the manifest: {exc}", fix="dump again") from None
-        if n.kind not in ("dir", "fifo") or not 0 <= n.mode <= 0o7777:
-            raise ImageError(f"bad host_nodes entry in the manifest: {d!r}", fix="dump again")
-        if not n.path.startswith("/") or os.path.normpath(n.path) != n.path or n.path == "/":
-            raise ImageError(f"bad host_nodes path in the manifest: {n.path!r}", fix="dump again")
-        return n
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -790,8 +576,6 @@ def create_node(node: HostNode) -> bool:
 
     The directories on the way are reached and checked by safefs (root's or the node's owner's,
     writable by others only when sticky)."""
-    from npusnap_cli.host import safefs
-
     parent, name = _split_parent(node.path)
     fd = safefs.open_dir(parent, owner=node.uid)
     try:

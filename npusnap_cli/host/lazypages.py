@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import CriuError, ImageError, NpusnapError, PreflightError, UsageError
+from npusnap_cli.image import digest
 
 
 def check_lazy(image: Path, manifest: img.Manifest, binary: Any) -> None:
     """What must hold before a lazy restore may start (raises PreflightError / UsageError)."""
-    from npusnap_cli import criu
-
     ok, words = criu.lazy_pages_supported(binary)
     if not ok:
         raise PreflightError(
@@ -110,8 +110,6 @@ def verify_open_files(
     mismatch. ``stop`` (a threading.Event): give up early, the restore failed anyway. ``threads``:
     BLAKE3 hashes each file on that many threads. A file only this user can write is hashed from
     a mapping of it (digest.mappable), the others through reads."""
-    from npusnap_cli.image import digest
-
     bad: list[str] = []
 
     def stopped() -> None:
@@ -300,8 +298,6 @@ class LazyPhase:
         return f"the job had run for {self.killed_at - self.released_at:.2f} s"
 
     def _failure(self) -> NpusnapError:
-        from npusnap_cli import criu
-
         details: dict[str, Any] = {
             "killed_pids": self.pids,
             "lazy": self.report(),

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
+from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.errors import NpusnapError
 
 
 def agent_pids() -> list[int]:
@@ -64,9 +66,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
     """One entry per agent: pid, user, command, state, lease, owner, devices, last snapshot."""
     import psutil
 
-    from npusnap_cli.device.agent_client import AgentClient
-    from npusnap_cli.errors import NpusnapError
-    from npusnap_cli.host import oplog
+    from npusnap_cli.host import oplog  # lazy: `npusnap status` imports this module, never oplog
 
     snapshots = oplog.last_snapshots()
     restores = {}

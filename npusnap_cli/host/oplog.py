@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli.host import safefs
+from npusnap_cli import safefs
+from npusnap_cli.errors import ExitCode, NpusnapError
+from npusnap_cli.host import hostclean
 
 SYSLOG_SOCKET = "/dev/log"
 HISTORY = "history.jsonl"
@@ -53,8 +55,6 @@ def _user() -> str:
 
 
 def start_time(pid: int) -> Optional[float]:
-    from npusnap_cli.host import hostclean
-
     return hostclean.process_start_time(pid)
 
 
@@ -141,8 +141,6 @@ def record(
 def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[str, Any]]:
     """Record the operation in the body when it ends, however it ends. The body may update the
     yielded dict (``pids``, ``image``) once it knows them (a restore learns its pids at the end)."""
-    from npusnap_cli.errors import ExitCode, NpusnapError
-
     info: dict[str, Any] = {"pids": list(pids), "image": os.path.abspath(image) if image else None}
     info["starts"] = {p: start_time(p) for p in pids}
     t0 = time.monotonic()

@@ -12,6 +12,7 @@ import errno
 import os
 from pathlib import Path
 
+from npusnap_cli import safefs
 from npusnap_cli.errors import UsageError
 
 
@@ -40,8 +41,6 @@ def write(path: Path, pid: int) -> str:
 
     Through safefs: a random O_EXCL temporary name in the directory reached without following a
     user's symlink, then a rename within it (a name planted there is replaced, never followed)."""
-    from npusnap_cli.host import safefs
-
     try:
         safefs.write_file(
             os.path.abspath(path),

@@ -27,9 +27,11 @@ import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from npusnap_cli.errors import ImageError, TargetError
+from npusnap_cli import paths
+from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
+from npusnap_cli.sim import wire
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -71,17 +73,39 @@ def namespace_pids(root: int, tree: list[int]) -> dict[int, int]:
     return out
 
 
-def check_map(d: Any) -> dict[str, int]:
-    """The manifest's ``pid_ns`` (host pid as a string -> namespace pid), validated."""
-    if d is None:
-        return {}
-    if not isinstance(d, Mapping) or not all(
-        isinstance(k, str) and k.isdigit() and isinstance(v, int) and v > 0 for k, v in d.items()
-    ):
-        raise ImageError(f"bad pid_ns in the manifest: {d!r}", fix="dump again")
-    if d and 1 not in d.values():
-        raise ImageError("the manifest's pid_ns has no namespace init (pid 1)", fix="dump again")
-    return dict(d)
+def check_job_cwds(roots: list[int]) -> None:
+    """Refuse a job in which processes of two ranks, each in a pid namespace of its own, share a
+    working directory. CRIU's parasite finds no /proc of such a process's namespace (the host's
+    is kept), so it mounts one at ``proc.crtools`` in the process's working directory
+    (criu/pie/parasite.c, get_proc_fd); the ranks' CRIUs run at once, and the second mkdir there
+    fails the dump with "Can't create a directory (-17)" (EEXIST) after the job was locked."""
+    import psutil
+
+    seen: dict[str, tuple[int, int]] = {}  # cwd -> (rank, pid)
+    for rank, root in enumerate(roots):
+        if not namespace_pids(root, [root]):
+            continue  # in our pid namespace: CRIU's parasite opens /proc itself
+        try:
+            procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+        except psutil.Error:
+            continue  # resolve_target names a missing pid
+        for proc in procs:
+            try:
+                cwd = proc.cwd()
+            except psutil.Error:
+                continue
+            other = seen.setdefault(cwd, (rank, proc.pid))
+            if other[0] != rank:
+                raise PreflightError(
+                    f"pid {proc.pid} (rank {rank}) and pid {other[1]} (rank {other[0]}) both run "
+                    f"in {cwd}, each in a pid namespace of its own",
+                    why="CRIU mounts the /proc of such a process at proc.crtools in its working "
+                    "directory while it dumps it; the ranks are dumped at once, and two mounts "
+                    "at one path fail the dump",
+                    fix="start each rank in a working directory of its own "
+                    "(cd DIR && npusnap run --pid-ns ...)",
+                    details={"cwd": cwd, "pids": [other[1], proc.pid], "ranks": [other[0], rank]},
+                )
 
 
 def _agent_socket_names(manifest: Any) -> dict[str, str]:
@@ -168,8 +192,6 @@ def translate(manifest: Any, root: int) -> tuple[Any, dict[int, int]]:
 
 def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
     """``"0=1"`` or ``"0=1,1=3"`` (device id in the image = device to restore onto)."""
-    from npusnap_cli.errors import UsageError
-
     pairs = []
     for part in spec.split(","):
         left, sep, right = part.strip().partition("=")
@@ -186,8 +208,6 @@ def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
 
 def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
     """Refuse a device map that cannot be made true for this image."""
-    from npusnap_cli.errors import PreflightError, UsageError
-
     if not device_map:
         return
     if not manifest.pid_ns:
@@ -218,10 +238,6 @@ def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> 
 def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None:
     """Tell the simulated driver that the restored namespace (init ``root``) sees each image
     device as the mapped one, before its runtime's Restore claims it."""
-    from npusnap_cli import paths
-    from npusnap_cli.errors import DeviceError
-    from npusnap_cli.sim import wire
-
     try:
         ns = os.stat(f"/proc/{root}/ns/pid").st_ino
         with wire.connect(str(paths.sim_socket_path()), 5.0) as s:
@@ -270,8 +286,6 @@ def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
 def open_output_target(criu_dir: Path, manifest: Any, output: Optional[Path]) -> list[tuple[str, int]]:
     """(CRIU key, fd) handing the restored job ``output`` (opened for appending) wherever it had
     its stdout file open (stdout and stderr, usually): CRIU's --inherit-fd for a regular file."""
-    from npusnap_cli.errors import PreflightError
-
     if output is None:
         return []
     name = output_file_of(criu_dir, manifest)

@@ -8,10 +8,13 @@ individual checks (``check_criu`` etc.) for their own preflight.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from npusnap_cli import acl, criu, paths
+from npusnap_cli.errors import PreflightError
+from npusnap_cli.host import criuplugin, hostclean
 
 OK = "ok"
 PROBLEM = "problem"  # blocks dump/restore
@@ -36,8 +39,6 @@ NPUSNAP_PLUGIN_NAMES = ("npusnap_plugin.so", "npusim_plugin.so")
 def criu_plugin_dir() -> str:
     """The directory the CRIU that npusnap runs loads its plugins from (npusnap hands it over as
     CRIU_LIBS_DIR; see paths.criu_plugin_dir)."""
-    from npusnap_cli import paths
-
     return str(paths.criu_plugin_dir())
 
 
@@ -73,8 +74,6 @@ class CheckReport:
 
 
 def check_criu() -> list[CheckItem]:
-    from npusnap_cli import criu
-    from npusnap_cli.errors import PreflightError
 
     items: list[CheckItem] = []
     try:
@@ -142,8 +141,6 @@ def check_criu() -> list[CheckItem]:
 
 def inet_sockets_item(binary: Any) -> CheckItem:
     """CRIU before 4.2 fails on every TCP/UDP socket on kernels 6.16+ (a listening one too)."""
-    from npusnap_cli import criu
-
     refuses = criu.kernel_refuses_inet_passcred()
     ok = criu.inet_sockets_supported(binary)
     data = {"kernel_refuses_passcred": refuses, "criu": binary.version}
@@ -170,8 +167,6 @@ def inet_sockets_item(binary: Any) -> CheckItem:
 def lazy_pages_item(binary: Any) -> CheckItem:
     """Can `restore --lazy` work here (userfaultfd with non-cooperative events)? A warning only:
     lazy restore is optional, and `restore --lazy` refuses by itself when it cannot."""
-    from npusnap_cli import criu
-
     ok, words = criu.lazy_pages_supported(binary)
     last = words.splitlines()[-1] if words else ""
     if ok:
@@ -189,8 +184,6 @@ def lazy_pages_item(binary: Any) -> CheckItem:
 def network_lock_item() -> CheckItem:
     """Which network lock a dump of established TCP connections will use, and whether it can."""
     import shutil
-
-    from npusnap_cli import criu
 
     method = criu.default_network_lock()
     if method == "nftables" and not criu.has_nftables():
@@ -299,8 +292,6 @@ def other_user_problem(uids: list[int]) -> Optional[CheckItem]:
 
 
 def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
-    from npusnap_cli import acl
-
     try:
         install = acl.find_cann(ascend_home)
     except acl.AclError as err:
@@ -349,8 +340,6 @@ def _plugin_dirs(simulated: bool) -> tuple[str, ...]:
 def find_npu_plugin(simulated: bool = False) -> Optional[str]:
     """The CRIU plugin for the NPU's device handles: Huawei's for a real NPU, npusim_plugin.so for
     the simulated one."""
-    from npusnap_cli.host import criuplugin
-
     names = criuplugin.SIMULATED.plugin_names if simulated else NPU_PLUGIN_NAMES
     for d in _plugin_dirs(simulated):
         for name in names:
@@ -361,8 +350,6 @@ def find_npu_plugin(simulated: bool = False) -> Optional[str]:
 
 
 def check_npu_plugin(simulated: bool) -> CheckItem:
-    from npusnap_cli.host import criuplugin
-
     kind = criuplugin.SIMULATED if simulated else criuplugin.ASCEND
     plugin = find_npu_plugin(simulated)
     if plugin:
@@ -394,8 +381,6 @@ def check_npu_plugin(simulated: bool) -> CheckItem:
 def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     """The plugin's max_hooks (its CR_PLUGIN_DESC) against the CRIU in use: a plugin built for
     another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
-    from npusnap_cli import criu
-    from npusnap_cli.host import criuplugin
 
     kind = kind or criuplugin.ASCEND
     data: dict[str, Any] = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
@@ -427,8 +412,6 @@ def plugin_dirs_item() -> CheckItem:
     runs (a problem otherwise); a shared directory whose plugins disagree with each other, or that
     holds npusnap's plugins (left by an older setup), breaks whichever CRIU loads it (a warning:
     npusnap's own CRIU does not load it)."""
-    from npusnap_cli import criu
-    from npusnap_cli.host import criuplugin
 
     try:
         version = criu.find_criu().version
@@ -451,7 +434,7 @@ def plugin_dirs_item() -> CheckItem:
             path = os.path.join(d, n)
             try:
                 desc = criuplugin.read_plugin_desc(path)
-            except (OSError, ValueError, struct.error):
+            except (OSError, ValueError):  # elf.ElfError is a ValueError
                 desc = None
             entries.append({"path": path, "max_hooks": desc.max_hooks if desc else None,
                             "name": desc.name if desc else None})  # fmt: skip
@@ -534,8 +517,6 @@ def check_session() -> CheckItem:
 
 def check_runtime_dir() -> CheckItem:
     """The agents' runtime directory is private to this user (or does not exist yet)."""
-    from npusnap_cli import paths
-
     where = paths.agent_runtime_dir()
     problem = paths.runtime_dir_problem()
     if problem:
@@ -550,8 +531,6 @@ def check_runtime_dir() -> CheckItem:
 
 def check_debris() -> CheckItem:
     """What npusnap left on this host: stale agent sockets, failure logs, demo directories."""
-    from npusnap_cli import paths
-    from npusnap_cli.host import hostclean
 
     debris = hostclean.debris_report()
     data = debris.to_dict()
@@ -607,12 +586,9 @@ IO_URING_ENTER = 426  # the same number on x86_64 and aarch64 (the unified sysca
 _ANON_FIX = {
     "[io_uring]": (
         "an io_uring instance: CRIU cannot save its rings or in-flight requests",
-        "for PyTorch's rendezvous store (libuv TCPStore, the default since 2.4): launch the ranks "
-        "with USE_LIBUV=0 (torch/distributed/rendezvous.py reads it for env:// and tcp://). "
-        "torchrun's elastic agent hosts its own store, with libuv unless the installed torch reads "
-        "`--rdzv-conf use_libuv=0` (c10d_rendezvous_backend.py; torch 2.13 does not): launch the "
-        "ranks without torchrun and dump them as a job (docs/distributed.md, PyTorch); "
-        "otherwise make the program close its ring before the dump",
+        "start the job again under `npusnap run --no-io-uring -- CMD...`: io_uring_setup then fails "
+        "in the whole tree (ENOSYS, as on a kernel without io_uring) and libuv, like most programs, "
+        "falls back to epoll; or make the program close its ring before the dump",
     ),
     "[perf_event]": (
         "a perf event (a profiler or `perf` attached from inside)",
@@ -625,6 +601,29 @@ _ANON_FIX = {
 }
 
 
+# PyTorch's TCPStore server on libuv (the default since torch 2.4) names its loop thread so
+# (torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp); libuv 1.50 and later always set up a
+# ring for that loop (src/unix/linux.c, the epoll_ctl batching ring), whatever UV_USE_IO_URING
+# says. torchrun's elastic agent runs as "pt_elastic" (torch/distributed/run.py).
+TORCH_STORE_THREAD = "pt_tcpstore_uv"
+TORCHRUN_COMM = "pt_elastic"
+TORCHRUN_MODULES = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+_TORCHRUN_FIX = (
+    "this is torchrun's elastic agent: its rendezvous stores hold the ring, and torch (2.13) has no "
+    "setting for them (USE_LIBUV reaches only stores that ranks host themselves, and "
+    "UV_USE_IO_URING=0 does not remove this ring). Start the job again as `npusnap run "
+    "--no-io-uring -- torchrun ...`: io_uring_setup then fails in the agent and its workers and "
+    "libuv uses epoll (docs/distributed.md, PyTorch)"
+)
+_TORCH_RANK_FIX = (
+    "this process hosts PyTorch's rendezvous store (rank 0 of ranks started without torchrun): "
+    "start every rank with USE_LIBUV=0 in its environment (torch/distributed/rendezvous.py reads "
+    "it for env:// and tcp://; or `?use_libuv=0` in a tcp:// init_method URL), or start the job "
+    "under `npusnap run --no-io-uring` (docs/distributed.md, PyTorch)"
+)
+
+
 @dataclass(frozen=True)
 class UndumpableFd:
     pid: int
@@ -632,6 +631,9 @@ class UndumpableFd:
     kind: str  # the anon-inode name: "[io_uring]", "bpf-prog", ...
     comm: str
     threads: tuple[tuple[int, str], ...]  # (tid, name) of threads in a system call on it
+    # (tid, name) of PyTorch's libuv TCPStore threads in the process (for a ring: its user)
+    store_threads: tuple[tuple[int, str], ...] = ()
+    torchrun: bool = False  # the process is torchrun's elastic agent
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -640,7 +642,20 @@ class UndumpableFd:
             "kind": self.kind,
             "comm": self.comm,
             "threads": [{"tid": t, "name": n} for t, n in self.threads],
+            "torch_store_threads": [{"tid": t, "name": n} for t, n in self.store_threads],
+            "torchrun": self.torchrun,
         }
+
+    def fix(self) -> tuple[str, str]:
+        """What the descriptor is, and the exact way out."""
+        what, fix = _ANON_FIX.get(
+            self.kind,
+            (f"an anon inode of kind {self.kind}", "make the program close it before the dump"),
+        )
+        if self.kind == "[io_uring]" and self.store_threads:
+            what = f"{what} (PyTorch's TCPStore, on libuv)"
+            fix = _TORCHRUN_FIX if self.torchrun else _TORCH_RANK_FIX
+        return what, fix
 
 
 def _read(path: str) -> str:
@@ -671,6 +686,27 @@ def _threads_on(pid: int, fd: int, kind: str) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _torch_store_threads(pid: int) -> tuple[tuple[int, str], ...]:
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return ()
+    named = ((tid, _read(f"/proc/{pid}/task/{tid}/comm")) for tid in tids)
+    return tuple((tid, name) for tid, name in named if name == TORCH_STORE_THREAD)
+
+
+def _is_torchrun(pid: int, comm: str) -> bool:
+    if comm == TORCHRUN_COMM:
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")[:4]
+    except OSError:
+        return False
+    words = [os.path.basename(a.decode(errors="replace")) for a in argv]
+    return any(w in TORCHRUN_MODULES for w in words)
+
+
 def find_undumpable_fds(pids: list[int], bpf_maps: bool = False) -> list[UndumpableFd]:
     """Descriptors of the processes that CRIU 4.2.1 refuses to dump (anon inodes of kinds it
     does not know), with the threads that are using them."""
@@ -694,7 +730,18 @@ def find_undumpable_fds(pids: list[int], bpf_maps: bool = False) -> list[Undumpa
             fd = int(name)
             comm = _read(f"/proc/{pid}/comm") or "?"
             threads = _threads_on(pid, fd, kind)
-            found.append(UndumpableFd(pid=pid, fd=fd, kind=kind, comm=comm, threads=threads))
+            store = _torch_store_threads(pid) if kind == "[io_uring]" else ()
+            found.append(
+                UndumpableFd(
+                    pid=pid,
+                    fd=fd,
+                    kind=kind,
+                    comm=comm,
+                    threads=threads,
+                    store_threads=store,
+                    torchrun=bool(store) and _is_torchrun(pid, comm),
+                )
+            )
     return found
 
 
@@ -702,18 +749,16 @@ def undumpable_fds_error(found: list[UndumpableFd]) -> Optional[Any]:
     """The preflight refusal naming the first such descriptor and its fix, or None."""
     if not found:
         return None
-    from npusnap_cli.errors import PreflightError
 
     e = found[0]
-    what, fix = _ANON_FIX.get(
-        e.kind,
-        (f"an anon inode of kind {e.kind}", "make the program close it before the dump"),
-    )
+    what, fix = e.fix()
     threads = ", ".join(f"{tid} ({name})" for tid, name in e.threads)
+    store = ", ".join(f"{tid} ({name})" for tid, name in e.store_threads)
     others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     return PreflightError(
         f"pid {e.pid} ({e.comm}) holds anon_inode:{e.kind} on fd {e.fd}{others}"
-        + (f", used by thread(s) {threads}" if threads else ""),
+        + (f", used by thread(s) {threads}" if threads else "")
+        + (f"; PyTorch's TCPStore runs on libuv in thread(s) {store}" if store else ""),
         why=f"it is {what}; CRIU dumps only the anon-inode kinds it knows ({', '.join(CRIU_ANON_KINDS)}) "
         "and would fail after the job was locked",
         fix=fix,

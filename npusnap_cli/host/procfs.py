@@ -1,25 +1,76 @@
-"""One process's entries under /proc: alive, session, command line.
+"""One process's entries under /proc: its stat line, alive, session, command line.
 
 Standard library only and cheap to import: the simulator's manager, the CLI's pipelines, the
 tests and the benchmark all ask these questions, often of a pid they remembered. pids are reused
 (pid_max may be as low as 32768), so whoever kills a remembered pid checks its command line first.
+``/proc/PID/stat`` is parsed here and nowhere else (``stopguard_watch`` loads this module too).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 
-def state(pid: int) -> Optional[str]:
+@dataclass(frozen=True)
+class Stat:
+    """The fields of ``/proc/PID/stat`` that npusnap reads (proc(5) numbers them from 1)."""
+
+    pid: int  # field 1 (the thread id when read from /proc/PID/task/TID/stat)
+    comm: str  # field 2, without its parentheses
+    state: str  # field 3: R, S, D, T (stopped), t (traced), Z (zombie), X (dead), ...
+    ppid: int  # field 4
+    pgrp: int  # field 5
+    session: int  # field 6: 0 when the session leader is outside this pid namespace
+    start_time: int  # field 22: clock ticks after boot; a CRIU restore gives a new value
+
+
+def parse_stat(data: bytes) -> Stat:
+    """Parse one stat line; ValueError when it is not one.
+
+    comm may hold spaces and parentheses, so the fields after it are split after the last ')'.
+    """
+    head, close, tail = data.rpartition(b")")
+    pid, open_, comm = head.partition(b" (")
+    rest = tail.split()
+    if not close or not open_ or len(rest) < 20:
+        raise ValueError(f"not a /proc/PID/stat line: {data[:80]!r}")
+    return Stat(
+        pid=int(pid),
+        comm=comm.decode("utf-8", "replace"),
+        state=rest[0].decode("ascii", "replace"),
+        ppid=int(rest[1]),
+        pgrp=int(rest[2]),
+        session=int(rest[3]),
+        start_time=int(rest[19]),
+    )
+
+
+def read_stat(pid: Union[int, str], tid: Union[int, str, None] = None) -> Stat:
+    """The stat line of ``pid`` (or of its thread ``tid``). FileNotFoundError or
+    ProcessLookupError once it is gone, another OSError or ValueError when it cannot be read."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path, "rb") as f:
+        return parse_stat(f.read())
+
+
+def stat(pid: Union[int, str], tid: Union[int, str, None] = None) -> Optional[Stat]:
+    """:func:`read_stat`, or None when ``pid`` is gone or its stat cannot be read."""
+    try:
+        return read_stat(pid, tid)
+    except (OSError, ValueError):
+        return None
+
+
+def state(pid: int, tid: Optional[int] = None) -> Optional[str]:
     """The state letter of a pid or thread id ("Z" a zombie, "X" dead), None once it is gone,
     "?" when it is there but unreadable."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return read_stat(pid, tid).state
     except (FileNotFoundError, ProcessLookupError):
         return None
-    except (OSError, IndexError):
+    except (OSError, ValueError):
         return "?"
 
 
@@ -28,18 +79,29 @@ def is_alive(pid: int) -> bool:
     return state(pid) not in (None, "?", "Z", "X")
 
 
+def stop_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            st = f.read().rsplit(")", 1)[1].split()[0]
+        tracer = 0
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (st, tracer) if st in ("T", "t") else None
+
+
 def session_id(pid: int) -> Optional[int]:
     """The session id of ``pid`` as this pid namespace sees it (None when it is gone).
 
     0 means the session leader lives outside this pid namespace: the job was started by
     something outside the container (``docker exec``, ``nsenter``, a CI runner).
     """
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            # After the command name: state ppid pgrp session ...
-            return int(f.read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return None
+    st = stat(pid)
+    return st.session if st else None
 
 
 def cmdline(pid: int) -> str:
@@ -50,11 +112,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def start_time(pid: str = "self") -> Optional[int]:
-    """Field 22 of /proc/PID/stat (clock ticks after boot). A CRIU restore gives a new value."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("ascii", "replace")
-        return int(data[data.rfind(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+def start_time(pid: Union[int, str] = "self") -> Optional[int]:
+    """Field 22 of /proc/PID/stat (clock ticks after boot), None when it cannot be read."""
+    st = stat(pid)
+    return st.start_time if st else None

@@ -6,8 +6,8 @@ error, rollback). If stdin reaches EOF without it, npusnap died (SIGKILL, OOM) w
 may be stopped: wait until CRIU has let go of each process (TracerPid 0) and send it SIGCONT.
 The agents' leases then roll the device side back, so the job runs on.
 
-Standard library only and no imports from npusnap: it must start fast and cannot fail on a
-broken environment.
+Standard library only, and of npusnap only ``host.procfs`` (itself standard library only): it
+must start fast and cannot fail on a broken environment.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ import signal
 import sys
 import time
 
+if not __package__:
+    # Run as a script under ``-I -S``: neither the script's directory nor site-packages is on
+    # sys.path, so put the directory that holds the package there to import procfs.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from npusnap_cli.host import procfs
+
 POLL_S = 0.1
 SETTLE_S = 5.0  # a process seen running and untraced this long is safe
 GIVE_UP_S = 3600.0  # CRIU holding a process longer than this is beyond our help
@@ -24,10 +30,10 @@ GIVE_UP_S = 3600.0  # CRIU holding a process longer than this is beyond our help
 
 def _status(pid: int, start: str) -> tuple[str, int] | None:
     """(state letter, TracerPid) of ``pid`` if it is still the process we were given."""
+    st = procfs.stat(pid)
+    if st is None or str(st.start_time) != start:
+        return None  # gone, or the pid was reused
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[19] != start:
-                return None  # the pid was reused
         state, tracer = "", 0
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -67,24 +73,14 @@ def watch(targets: dict[int, str]) -> None:
 KILL_GIVE_UP_S = 60.0  # restore: an orphaned CRIU ends (or is ended) well within this
 
 
-def _start_time(pid: int | str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _children(pids: set[int]) -> set[int]:
     """Every descendant of ``pids`` (one pass over /proc per level)."""
     parents: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+            st = procfs.stat(name)
+            if st is not None:
+                parents[int(name)] = st.ppid
     found: set[int] = set()
     frontier = set(pids)
     while frontier:
@@ -105,12 +101,12 @@ def kill_restored(criu: dict[int, str], restored: dict[int, str]) -> None:
         if _status(pid, start) is None:
             continue
         for kid in _children({pid}):
-            if (s := _start_time(kid)) is not None:
+            if (s := procfs.start_time(kid)) is not None:
                 tree.setdefault(kid, str(s))
         os.kill(pid, signal.SIGKILL)
     while tree and time.monotonic() < deadline:
         for kid in _children(set(tree)):
-            if (s := _start_time(kid)) is not None:
+            if (s := procfs.start_time(kid)) is not None:
                 tree.setdefault(kid, str(s))
         for pid, start in list(tree.items()):
             st = _status(pid, start)

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Optional
 
-from npusnap_cli import image as img
+from npusnap_cli import safefs
 from npusnap_cli.errors import ImageError, NpusnapError, PreflightError, UsageError
-from npusnap_cli.image import digest
+from npusnap_cli.image import digest, hostrecords, integrity, layout, publishing
+from npusnap_cli.image.manifest import Manifest
 
 SUFFIX = ".tar.zst"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -113,7 +114,7 @@ class _HashingReader(io.RawIOBase):
 def _tarinfo(name: str, *, size: int = 0, directory: bool = False, mtime: float = 0.0) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE if directory else tarfile.REGTYPE
-    info.mode = img.DIR_MODE if directory else img.FILE_MODE
+    info.mode = layout.DIR_MODE if directory else layout.FILE_MODE
     info.size = 0 if directory else size
     info.mtime = int(mtime)
     info.uid = info.gid = 0
@@ -145,16 +146,14 @@ def export(
     import zstandard
 
     start = time.monotonic()
-    image = img.follow_pointer(image)
+    image = layout.follow_pointer(image)
     _check_destination(dest, force)
     # Structure and sizes first; the checksums are checked while the files stream out.
-    result = img.verify(image, checksums=False)
+    result = integrity.verify(image, checksums=False)
     manifest = result.manifest
     top = image.resolve().name
     cctx = zstandard.ZstdCompressor(level=level, threads=threads)
     bytes_in = 0
-    from npusnap_cli.host import safefs
-
     # A random O_EXCL name in the destination's directory, reached without following a user's
     # symlink: a name planted there beforehand can neither receive the image nor be truncated.
     try:
@@ -166,18 +165,18 @@ def export(
             fix="pass a path without such a link",
         ) from None
     try:
-        fd, tmp = safefs.create_temp(dfd, dest.name, img.FILE_MODE)
+        fd, tmp = safefs.create_temp(dfd, dest.name, layout.FILE_MODE)
         try:
             with (
                 os.fdopen(fd, "wb") as fh,
                 cctx.stream_writer(fh, closefd=False) as zw,
                 tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
             ):
-                mpath = img.manifest_path(image)
+                mpath = layout.manifest_path(image)
                 data = mpath.read_bytes()
-                tar.addfile(_tarinfo(f"{top}/{img.MANIFEST_NAME}", size=len(data)), io.BytesIO(data))
-                tar.addfile(_tarinfo(f"{top}/{img.CRIU_SUBDIR}", directory=True))
-                made = {f"{top}/{img.CRIU_SUBDIR}"}
+                tar.addfile(_tarinfo(f"{top}/{layout.MANIFEST_NAME}", size=len(data)), io.BytesIO(data))
+                tar.addfile(_tarinfo(f"{top}/{layout.CRIU_SUBDIR}", directory=True))
+                made = {f"{top}/{layout.CRIU_SUBDIR}"}
                 for entry in manifest.files:
                     for parent in reversed(PurePosixPath(entry.path).parents[:-1]):
                         name = f"{top}/{parent.as_posix()}"
@@ -297,24 +296,24 @@ def _split(archive: Path, name: str, top: Optional[str]) -> tuple[str, str]:
 
 def _read_manifest(
     archive: Path, member: tarfile.TarInfo, f: Optional[IO[bytes]]
-) -> tuple[str, str, img.Manifest]:
+) -> tuple[str, str, Manifest]:
     """(top directory, the manifest's exact text, the manifest) from the archive's first member."""
     top, rel = _split(archive, member.name, None)
-    if rel != img.MANIFEST_NAME or f is None:
+    if rel != layout.MANIFEST_NAME or f is None:
         raise ImageError(
-            f"{archive} is not an npusnap image archive: it does not start with {img.MANIFEST_NAME}",
+            f"{archive} is not an npusnap image archive: it does not start with {layout.MANIFEST_NAME}",
             fix="pass a file written by `npusnap export`",
         )
     if member.size > 64 << 20:
-        raise _corrupt(archive, f"{img.MANIFEST_NAME} is implausibly large ({member.size} bytes)")
+        raise _corrupt(archive, f"{layout.MANIFEST_NAME} is implausibly large ({member.size} bytes)")
     try:
         text = f.read().decode("utf-8")
     except UnicodeDecodeError:
-        raise _corrupt(archive, f"{img.MANIFEST_NAME} is not UTF-8 text") from None
-    return top, text, img.Manifest.from_json(text)
+        raise _corrupt(archive, f"{layout.MANIFEST_NAME} is not UTF-8 text") from None
+    return top, text, Manifest.from_json(text)
 
 
-def load_manifest(archive: Path) -> img.Manifest:
+def load_manifest(archive: Path) -> Manifest:
     """The manifest of an archive: reads only the archive's first member."""
     with _members(archive) as members:
         first = next(members, None)
@@ -329,7 +328,7 @@ def _walk(
     checksums: bool,
     progress: ProgressFn,
     dest: Optional[Path] = None,
-) -> img.VerifyResult:
+) -> integrity.VerifyResult:
     """Read the whole archive, check it against its manifest, and extract it into ``dest``."""
     problems: list[str] = []
     seen: dict[str, tuple[int, str]] = {}
@@ -340,17 +339,17 @@ def _walk(
         top, text, manifest = _read_manifest(archive, *first)
         if dest is not None:
             # The exact bytes: re-serialising could change what a digest or signature covers.
-            fd = os.open(img.manifest_path(dest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
+            fd = os.open(layout.manifest_path(dest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
             with os.fdopen(fd, "w", encoding="utf-8") as mf:
                 mf.write(text)
         listed = {f.path: f for f in manifest.files}
         for member, f in members:
             _, rel = _split(archive, member.name, top)
             if member.isdir():
-                if rel.split("/", 1)[0] not in img.CHECKSUMMED_SUBDIRS:
+                if rel.split("/", 1)[0] not in layout.CHECKSUMMED_SUBDIRS:
                     raise _corrupt(archive, f"unexpected directory {member.name!r}")
                 if dest is not None:
-                    (dest / rel).mkdir(mode=img.DIR_MODE, parents=True, exist_ok=True)
+                    (dest / rel).mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
                 continue
             if not member.isfile() or f is None:
                 raise _corrupt(archive, f"member {member.name!r} is not a regular file (links are refused)")
@@ -362,8 +361,8 @@ def _walk(
             out: Optional[IO[bytes]] = None
             if dest is not None:
                 target = dest / rel
-                target.parent.mkdir(mode=img.DIR_MODE, parents=True, exist_ok=True)
-                out = os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE), "wb")
+                target.parent.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
+                out = os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE), "wb")
             try:
                 while True:
                     chunk = f.read(_CHUNK)
@@ -395,9 +394,7 @@ def _walk(
             nbytes += size
     if not manifest.files:
         problems.append("the manifest lists no files")
-    from npusnap_cli.host import hostres
-
-    problems += hostres.check_host_files(
+    problems += hostrecords.check_host_files(
         manifest.host_files, {p.uid for p in manifest.processes}, manifest.host_nodes
     )
     if problems:
@@ -407,7 +404,7 @@ def _walk(
             fix="do not use it; copy it again or take an older one (`npusnap list DIR`)",
             details={"problems": problems},
         )
-    return img.VerifyResult(
+    return integrity.VerifyResult(
         image=str(archive),
         manifest=manifest,
         files_checked=good,
@@ -416,7 +413,9 @@ def _walk(
     )
 
 
-def verify(archive: Path, *, checksums: bool = True, progress: ProgressFn = _no_progress) -> img.VerifyResult:
+def verify(
+    archive: Path, *, checksums: bool = True, progress: ProgressFn = _no_progress
+) -> integrity.VerifyResult:
     """Check an archive against its manifest without extracting it."""
     return _walk(archive, checksums=checksums, progress=progress)
 
@@ -446,27 +445,27 @@ def import_archive(
     start = time.monotonic()
     if not is_archive(archive):
         load_manifest(archive)  # raises the precise error (missing, not zstd)
-    img.check_dump_target(final, force=force)
-    img.remove_stale_temps(final)
+    layout.check_dump_target(final, force=force)
+    layout.remove_stale_temps(final)
     try:
-        tmp = img.create_temp_image(final)
+        tmp = layout.create_temp_image(final)
     except OSError as exc:
         raise disk_error(exc, f"creating the image's work directory next to {final}", final.parent) from None
     try:
         result = _walk(archive, checksums=True, progress=progress, dest=tmp)
-        img.fsync_tree(tmp)
-        if final.exists() and force and not img.dir_is_empty(final):
-            old = final.with_name(f".{final.name}{img.OLD_MARKER}{os.getpid()}")
+        publishing.fsync_tree(tmp)
+        if final.exists() and force and not layout.dir_is_empty(final):
+            old = final.with_name(f".{final.name}{layout.OLD_MARKER}{os.getpid()}")
             os.rename(final, old)
             os.rename(tmp, final)
-            img.remove_tree(old)
+            layout.remove_tree(old)
         else:
             os.rename(tmp, final)
     except OSError as exc:
-        img.remove_tree(tmp)
+        layout.remove_tree(tmp)
         raise disk_error(exc, f"importing {archive} into {final}", final.parent) from None
     except BaseException:
-        img.remove_tree(tmp)
+        layout.remove_tree(tmp)
         raise
     return ImportResult(
         archive=str(archive),

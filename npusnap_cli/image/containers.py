@@ -208,6 +208,8 @@ def _open_archive(path: Path) -> Iterator[tarfile.TarFile]:
         try:
             with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
                 yield tar
+        except tarfile.TarError as exc:
+            raise _bad(str(path), f"not a readable tar archive: {exc}") from None
         finally:
             proc.stdout.close()
             proc.kill()

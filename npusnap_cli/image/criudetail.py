@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import criu
+from npusnap_cli.image import archive, containers
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 SOCKET_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket", 3: "raw"}
 TCP_STATES = {1: "ESTABLISHED", 7: "CLOSE", 10: "LISTEN", 2: "SYN_SENT", 3: "SYN_RECV", 8: "CLOSE_WAIT"}
@@ -166,11 +169,9 @@ def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]
 
 def dump_stats(directory: Path) -> Optional[dict[str, Any]]:
     """CRIU's dump statistics (``stats-dump``), with bytes beside the page counts."""
-    from npusnap_cli import criu
-
     raw = None
     with contextlib.suppress(Exception):
-        raw = criu._load_stats(str(directory), criu.STATS_DUMP_FILE)
+        raw = criu.load_stats(str(directory), criu.STATS_DUMP_FILE)
     if not raw:
         return None
     out: dict[str, Any] = dict(raw)
@@ -205,12 +206,8 @@ def describe_archive(path: Path, *, container: bool, prefix: str = "") -> dict[s
         (work / "criu").mkdir()
         (work / "stats").mkdir()
         if container:
-            from npusnap_cli.image import containers
-
             opener: Any = containers._open_archive(path)
         else:
-            from npusnap_cli.image import archive
-
             opener = archive._members(path)
         with opener as source:
             members = (

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from npusnap_cli.errors import ImageError
+
 # What new images use; ALGORITHMS: what a manifest may name (the manifest's key for a digest).
 DEFAULT = "blake3"
 ALGORITHMS = ("blake3", "sha256")
@@ -54,8 +56,6 @@ def is_hex(value: object) -> bool:
 
 def of_file(path: Path, algo: str = DEFAULT, progress: Optional[ProgressFn] = None) -> str:
     """The digest of a regular file, never following a symlink (an image is not trusted)."""
-    from npusnap_cli.errors import ImageError
-
     h = new(algo)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -132,8 +132,6 @@ def mismatch(path: str, algo: str) -> str:
 def from_entry(d: Mapping[str, Any], where: str) -> tuple[str, str]:
     """(algorithm, hex digest) of a manifest entry, which names its digest by its algorithm's
     key ("blake3": ..., or "sha256": ... in images made before); exactly one must be there."""
-    from npusnap_cli.errors import ImageError
-
     keys = [a for a in ALGORITHMS if a in d]
     if len(keys) != 1 or not isinstance(d[keys[0]], str):
         raise ImageError(

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, UsageError
-from npusnap_cli.image import archive
+from npusnap_cli.image import archive, integrity, layout
+from npusnap_cli.image.manifest import Manifest, load_manifest
 
 LATEST = "latest"
 
@@ -79,15 +79,15 @@ def _is_candidate_dir(path: Path) -> bool:
     return (
         path.is_dir()
         and not path.is_symlink()
-        and not img.is_temp_name(path.name)
-        and img.manifest_path(path).is_file()
+        and not layout.is_temp_name(path.name)
+        and layout.manifest_path(path).is_file()
     )
 
 
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
-    return img.tree_size(path)
+    return layout.tree_size(path)
 
 
 def describe(path: Path, *, checksums: bool = True, quick: bool = False) -> ImageInfo:
@@ -97,7 +97,7 @@ def describe(path: Path, *, checksums: bool = True, quick: bool = False) -> Imag
     hashing); otherwise every file's checksum too (``checksums=False`` stops at sizes).
     """
     kind = "archive" if archive.is_archive(path) else "directory"
-    manifest: Optional[img.Manifest] = None
+    manifest: Optional[Manifest] = None
     problem: Optional[str] = None
     checked = (
         "manifest" if quick and kind == "archive" else ("checksums" if checksums and not quick else "sizes")
@@ -108,8 +108,8 @@ def describe(path: Path, *, checksums: bool = True, quick: bool = False) -> Imag
             if not quick:
                 archive.verify(path, checksums=checksums)
         else:
-            manifest = img.load_manifest(path)
-            img.verify(path, checksums=checksums and not quick)
+            manifest = load_manifest(path)
+            integrity.verify(path, checksums=checksums and not quick)
     except ImageError as err:
         problem = err.message
     except OSError as exc:
@@ -158,7 +158,7 @@ def _complete_images(parent: Path) -> list[tuple[float, Path]]:
         if not _is_candidate_dir(entry):
             continue
         try:
-            manifest = img.load_manifest(entry)
+            manifest = load_manifest(entry)
         except ImageError:
             continue  # not something we can identify as a complete image: never touched
         out.append((_epoch(manifest.created_at), entry))
@@ -187,12 +187,12 @@ def rotate(parent: Path, keep_last: int, *, keep: Optional[Path] = None) -> list
             continue
         if target is not None and path.resolve() == target:
             continue  # whatever `latest` names stays until the pointer moves
-        hidden = path.with_name(f".{path.name}{img.OLD_MARKER}{os.getpid()}")
+        hidden = path.with_name(f".{path.name}{layout.OLD_MARKER}{os.getpid()}")
         try:
             os.rename(path, hidden)
         except OSError:
             continue
-        img.remove_tree(hidden)
+        layout.remove_tree(hidden)
         removed.append(str(path))
     return removed
 

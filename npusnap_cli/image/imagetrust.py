@@ -31,10 +31,13 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from npusnap_cli import contract, paths
 from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.image.layout import CHECKSUMMED_SUBDIRS, kind_of
 
 if TYPE_CHECKING:
-    from npusnap_cli.image import Manifest
+    # manifest.py uses this module to read a manifest; the type is all this one needs of it.
+    from npusnap_cli.image.manifest import Manifest
 
 SIGNATURE_NAME = "npusnap.json.sig"
 MAX_JSON_DEPTH = 16
@@ -46,12 +49,6 @@ TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 _TAMPERED = "the manifest was written by another tool or edited after the dump"
 _DO_NOT_USE = "do not use this image; dump again (or copy it again from its source)"
-
-
-def _kind(mode: int) -> str:
-    from npusnap_cli.image import _kind as kind
-
-    return kind(mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +76,7 @@ def check_tree(image: Path) -> None:
     except OSError as exc:
         raise ImageError(f"cannot read the image {image}: {exc.strerror or exc}") from None
     bad = [
-        f"{image if rel == '.' else image / rel} is {_kind(st.st_mode)}"
+        f"{image if rel == '.' else image / rel} is {kind_of(st.st_mode)}"
         for rel, st in entries
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode))
     ]
@@ -143,8 +140,6 @@ def _bad(message: str) -> ImageError:
 
 def socket_dirs(uid: int) -> list[str]:
     """The directories an agent of ``uid`` may listen in (see paths.agent_runtime_dir)."""
-    from npusnap_cli import contract, paths
-
     if uid == 0:
         dirs = [contract.AGENT_SOCKET_ROOT_DIR]
     else:
@@ -159,8 +154,6 @@ def socket_dirs(uid: int) -> list[str]:
 
 def check_manifest(manifest: Manifest) -> None:
     """The manifest against itself: paths, ranges, uniqueness, the npu flag, agent sockets."""
-    from npusnap_cli.image import CHECKSUMMED_SUBDIRS
-
     if not manifest.processes:
         raise _bad("it lists no processes")
     pids = [p.pid for p in manifest.processes]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
-from npusnap_cli.errors import PreflightError, TargetError
+from npusnap_cli.errors import PreflightError, TargetError, UsageError
 
 # What CheckpointContainer is allowed before the call is abandoned (the runtime goes on; the
 # plugin's lease bounds how long a container stays locked if its runtime dies).
@@ -137,8 +137,6 @@ class CriClient:
             pod_cfg = json_format.ParseDict(pod, api.PodSandboxConfig())
             ctr_cfg = json_format.ParseDict(container, api.ContainerConfig())
         except json_format.ParseError as exc:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError(
                 f"not a CRI config: {exc}",
                 fix="the JSON forms of the CRI's PodSandboxConfig and ContainerConfig (as crictl takes)",

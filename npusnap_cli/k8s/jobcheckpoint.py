@@ -47,8 +47,12 @@ from npusnap_cli.errors import (
     StateUnknownError,
     UsageError,
 )
+from npusnap_cli.image import containers
+from npusnap_cli.image.layout import K8S_JOB_MANIFEST
+from npusnap_cli.k8s.cri import CriClient
+from npusnap_cli.pipelines import netcoord
 
-MANIFEST = "npusnap-k8s-job.json"
+MANIFEST = K8S_JOB_MANIFEST  # image.open tells such a directory apart by this name
 MANIFEST_KIND = "npusnap-k8s-job"
 MANIFEST_FORMAT = 1
 PHASES = ("locked", "saved")
@@ -98,8 +102,6 @@ class CriBackend:
     """CRI ``CheckpointContainer`` at one runtime endpoint (every member on this node)."""
 
     def __init__(self, endpoint: str) -> None:
-        from npusnap_cli.k8s.cri import CriClient
-
         self.client = CriClient(endpoint)
         self.ids: dict[int, str] = {}
 
@@ -236,8 +238,6 @@ def _sha256(path: Path) -> tuple[str, int]:
 
 def _check_archive(res: MemberResult, job: bool = True) -> None:
     """The plugin's record in the archive: present, every image file intact, this member's job."""
-    from npusnap_cli.image import containers
-
     assert res.archive is not None
     ckpt = containers.find(res.archive)
     if ckpt is None:
@@ -271,8 +271,6 @@ def checkpoint_job(
     local_archives: bool = True,
 ) -> JobCheckpoint:
     """Checkpoint every member at once behind the plugin's barriers; write the job manifest."""
-    from npusnap_cli.pipelines import netcoord
-
     if not members:
         raise UsageError("no --member given", fix="name every container of the job with --member")
     if sorted(m.index for m in members) != list(range(len(members))):
@@ -431,8 +429,6 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def verify_job(directory: Path) -> dict[str, Any]:
     """Every archive the manifest names: same size and sha256, and the plugin's record intact."""
-    from npusnap_cli.image import containers
-
     manifest = read_manifest(directory)
     problems = []
     for m in manifest["members"]:
@@ -463,8 +459,6 @@ def verify_job(directory: Path) -> dict[str, Any]:
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    from npusnap_cli.pipelines import netcoord
-
     return netcoord.parse_addr(text)
 
 
@@ -484,8 +478,6 @@ def restore_job(
     from its archive (CRI); without it the pods are created by someone else (kubectl) meanwhile.
     The restored processes name the coordinator they were checkpointed with (their environment is
     restored memory): by default this listens there."""
-    from npusnap_cli.pipelines import netcoord
-
     manifest = read_manifest(directory)
     verify_job(directory)
     members = manifest["members"]

@@ -30,6 +30,7 @@ from typing import Any, Optional
 from npusnap_cli import errors, paths
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
 from npusnap_cli.host import procfs
+from npusnap_cli.sim import manager
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
 NPU_TRAIN = paths.PACKAGE_DIR / "workloads" / "npu_train.py"
@@ -119,8 +120,6 @@ def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
-    from npusnap_cli.sim import manager
-
     if os.geteuid() != 0:
         raise PreflightError(
             "the demo needs root", why="CRIU dump and restore run as root", fix="sudo make demo"

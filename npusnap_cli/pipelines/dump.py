@@ -56,6 +56,7 @@ from npusnap_cli.errors import (
 from npusnap_cli.host import (
     criuplugin,
     devmaps,
+    hostclean,
     hostres,
     pidns,
     preflight,
@@ -69,7 +70,7 @@ from npusnap_cli.image import digest, imagetrust, streamhash
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step, describe
-from npusnap_cli.ui import human_bytes
+from npusnap_cli.units import human_bytes
 
 DEFAULT_LEASE_S = 60.0
 # Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
@@ -761,7 +762,7 @@ def _discard(s: DumpState, _err: BaseException) -> None:
             h.stop()
     if s.tmp is None:
         return
-    logs = img.save_failure_logs(s.tmp, "dump")
+    logs = hostclean.save_failure_logs(s.tmp, "dump")
     img.remove_tree(s.tmp)
     s.failure_logs = str(logs) if logs else None
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Generic, Optional, Protocol, TypeVar
+from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownError
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
@@ -102,7 +102,8 @@ class Step(Generic[S_contra]):
 
     ``do`` changes the world; ``undo`` (given the failure) puts it back and runs only if ``do``
     completed and a later step failed: a ``do`` that fails cleans up after itself. ``phase`` is
-    announced before ``do`` (None: the step belongs to the phase announced before it). ``barrier``
+    announced before ``do`` (None: the step belongs to the phase announced before it; a function:
+    the label depends on the state, e.g. "criu restore (lazy pages)"). ``barrier``
     is synced after ``do``. ``when`` skips the step (and its undo) unless it says yes.
     ``commit``: the job's new state is committed by this step (an image published, a tree
     released): once it completed, nothing before it is undone and a signal no longer rolls back.
@@ -116,7 +117,7 @@ class Step(Generic[S_contra]):
     name: str
     do: Callable[[S_contra], None]
     undo: Optional[Callable[[S_contra, BaseException], None]] = None
-    phase: Optional[str] = None
+    phase: Union[str, Callable[[S_contra], str], None] = None
     barrier: Optional[str] = None
     when: Optional[Callable[[S_contra], bool]] = None
     commit: bool = False
@@ -151,7 +152,7 @@ class Pipeline(Generic[S]):
                 continue
             try:
                 if step.phase is not None:
-                    self.cb.phase(step.phase)
+                    self.cb.phase(step.phase if isinstance(step.phase, str) else step.phase(state))
                 start = time.monotonic()
                 try:
                     step.do(state)

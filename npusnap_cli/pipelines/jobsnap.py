@@ -75,25 +75,23 @@ from npusnap_cli.errors import (
 )
 from npusnap_cli.host import procfs, proctree, tcpunlock
 from npusnap_cli.image import digest as dg
+from npusnap_cli.image.job import (
+    JOB_MANIFEST,
+    JobManifest,
+    RankEntry,
+    check_rank_manifest,
+    load_job_manifest,
+    rank_dir_name,
+)
 from npusnap_cli.pipelines import engine, netcoord, restore, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump import DumpOptions, DumpOutcome, dump
 from npusnap_cli.pipelines.netcoord import NetLink
 
-JOB_MANIFEST = "npusnap-job.json"
-JOB_SCHEMA = "npusnap-job/1"
 PHASES = ("preflight", "backup", "criu", "publish")
 RESTORE_PHASES = ("verified", "criu-restored", "device-restored", "settled")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 CLONE_NEWNET = 0x40000000
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank}"
-
-
-def is_job_image(directory: Path) -> bool:
-    return (Path(directory) / JOB_MANIFEST).is_file()
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,144 +257,6 @@ def in_netns(path: Optional[str]) -> Iterator[None]:
                 )
     finally:
         os.close(own)
-
-
-# --------------------------------------------------------------------------------------------
-# The job manifest
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankEntry:
-    rank: int
-    dir: str
-    pid: int
-    npu_pids: tuple[int, ...]
-    manifest_sha256: str
-    netns: Optional[str] = None  # net:[inode] at dump time, when not npusnap's own
-    netns_path: Optional[str] = None  # its /run/netns name at dump time, if it had one
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "dir": self.dir,
-            "pid": self.pid,
-            "npu_pids": list(self.npu_pids),
-            "manifest_sha256": self.manifest_sha256,
-            "netns": self.netns,
-            "netns_path": self.netns_path,
-        }
-
-
-@dataclass(frozen=True)
-class JobManifest:
-    created_at: str
-    ranks: tuple[RankEntry, ...]
-    leave_running: bool
-    tool: str
-    node: int = 0  # this part's node, in a job dumped across nodes (--coordinator)
-    nodes: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": JOB_SCHEMA,
-            "created_at": self.created_at,
-            "tool": self.tool,
-            "leave_running": self.leave_running,
-            "node": self.node,
-            "nodes": self.nodes,
-            "ranks": [r.to_dict() for r in self.ranks],
-        }
-
-
-def load_job_manifest(directory: Path) -> JobManifest:
-    path = Path(directory) / JOB_MANIFEST
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ImageError(
-            f"{directory} is not a job image: {JOB_MANIFEST} is missing",
-            fix="name the directory written by `npusnap dump PID PID ... DIR`",
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise ImageError(f"cannot read {path}: {exc}", fix="the job image is damaged; dump again") from None
-    try:
-        if data.get("schema") != JOB_SCHEMA:
-            raise ValueError(f"schema {data.get('schema')!r}, expected {JOB_SCHEMA!r}")
-        ranks = []
-        for i, r in enumerate(data["ranks"]):
-            d = str(r["dir"])
-            if int(r["rank"]) != i or "/" in d or d in ("", ".", ".."):
-                raise ValueError(f"rank entry {i} is malformed")
-            ranks.append(
-                RankEntry(
-                    rank=i,
-                    dir=d,
-                    pid=int(r["pid"]),
-                    npu_pids=tuple(int(p) for p in r.get("npu_pids") or ()),
-                    manifest_sha256=str(r["manifest_sha256"]),
-                    netns=r.get("netns"),
-                    netns_path=r.get("netns_path"),
-                )
-            )
-        if not ranks:
-            raise ValueError("no ranks")
-        return JobManifest(
-            created_at=str(data["created_at"]),
-            ranks=tuple(ranks),
-            leave_running=bool(data.get("leave_running")),
-            tool=str(data.get("tool", "")),
-            node=int(data.get("node", 0)),
-            nodes=int(data.get("nodes", 1)),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ImageError(
-            f"{path} is not a valid job manifest: {exc}",
-            fix="the job image is damaged or from another tool; dump again",
-        ) from None
-
-
-@dataclass(frozen=True)
-class JobVerifyResult:
-    image: str
-    ranks: tuple[Any, ...]  # image.VerifyResult per rank
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
-
-
-def verify_job(
-    directory: Path, *, checksums: bool = True, require_signature: Optional[Path] = None
-) -> tuple[JobManifest, JobVerifyResult]:
-    """Every rank image present, its manifest the one the job names (sha256), and verified."""
-    final = Path(os.path.abspath(directory))
-    job = load_job_manifest(final)
-    results = []
-    for r in job.ranks:
-        rank_image = final / r.dir
-        mpath = img.manifest_path(rank_image)
-        try:
-            digest = dg.of_file(mpath, "sha256")
-        except OSError as exc:
-            raise ImageError(
-                f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
-                fix="the job image is incomplete; dump the job again",
-                details={"rank": r.rank},
-            ) from None
-        if digest != r.manifest_sha256:
-            raise ImageError(
-                f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
-                why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
-                fix="restore only job images as `npusnap dump` wrote them; dump the job again",
-                details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
-            )
-        try:
-            results.append(img.verify(rank_image, checksums=checksums, require_signature=require_signature))
-        except ImageError as err:
-            err.message = f"rank {r.rank}: {err.message}"
-            err.details["rank"] = r.rank
-            raise
-    return job, JobVerifyResult(image=str(final), ranks=tuple(results))
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,6 +469,9 @@ def _dump_job_once(
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
+    from npusnap_cli.host import pidns
+
+    pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
     for stale in img.remove_stale_temps(final):
@@ -862,9 +725,10 @@ RANK_STEPS: tuple[engine.Step[RankState], ...] = (
     engine.Step("hold resets", _hold_resets, lambda st, _e: _release_resets(st), barrier="verified"),
     restore.HOST_NODES,
     restore.PUT_BACK,
-    engine.Step(
-        "criu restore", restore.CRIU_RESTORE.do, _kill_restored, phase="criu restore", barrier="criu-restored"
-    ),
+    restore.PID_NS_VIEW,
+    restore.LAZY_DAEMON,
+    restore.STOP_GUARD,
+    engine.Step("criu restore", restore.CRIU_RESTORE.do, _kill_restored, barrier="criu-restored"),
     engine.Step("release resets", _release_resets),
     restore.RELEASE,
     engine.Step("device restore", _device_restore_locked, phase="device restore", barrier="device-restored"),
@@ -929,7 +793,8 @@ def _restore_job(
             cb = _rank_callbacks(callbacks, r.rank, out_lock)
             try:
                 rank_image = final / r.dir
-                manifest = _rank_manifest(final, r)
+                check_rank_manifest(final, r)
+                manifest = img.load_manifest(rank_image)
                 target = _target_netns(r, overrides)
                 if target is not None and not os.path.exists(target):
                     raise PreflightError(
@@ -1001,37 +866,6 @@ def _restore_job(
         device_restore_s=device_done - criu_done,
         total_s=device_done - start,
     )
-
-
-def _rank_manifest(final: Path, r: RankEntry) -> img.Manifest:
-    """The rank's manifest, the one the job names (sha256); a rank in a pid namespace of its
-    own is refused."""
-    rank_image = final / r.dir
-    mpath = img.manifest_path(rank_image)
-    try:
-        found = dg.of_file(mpath, "sha256")
-    except OSError as exc:
-        raise ImageError(
-            f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
-            fix="the job image is incomplete; dump the job again",
-            details={"rank": r.rank},
-        ) from None
-    if found != r.manifest_sha256:
-        raise ImageError(
-            f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
-            why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
-            fix="restore only job images as `npusnap dump` wrote them; dump the job again",
-            details={"rank": r.rank, "expected": r.manifest_sha256, "found": found},
-        )
-    manifest = img.load_manifest(rank_image)
-    if manifest.pid_ns:
-        raise UsageError(
-            f"rank {r.rank} was dumped in a pid namespace of its own (`npusnap run --pid-ns`): "
-            "job images of such ranks cannot be restored yet",
-            fix="restore the rank's image on its own (`npusnap restore DIR/rank-N`), or start the "
-            "ranks without --pid-ns",
-        )
-    return manifest
 
 
 def _job_restore_error(

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from npusnap_cli.errors import ExitCode, NpusnapError, PreflightError
+from npusnap_cli.errors import ExitCode, NpusnapError, PreflightError, UsageError
 
 CONNECT_S = 60.0
 
@@ -33,8 +33,6 @@ class NodeAborted(NpusnapError):
 def parse_addr(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        from npusnap_cli.errors import UsageError
-
         raise UsageError(f"--coordinator {text!r} is not HOST:PORT", fix="e.g. --coordinator 10.0.0.1:7711")
     return host, int(port)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, criu, paths
+from npusnap_cli import acl, contract, criu, paths, safefs
 from npusnap_cli import image as img
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup
@@ -56,7 +56,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs, safefs
+from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
@@ -720,6 +720,7 @@ class RestoreState:
     created: list[hostres.HostFile] = field(default_factory=list)  # files put back that were absent
     lazy: Optional[LazyPhase] = None
     stop_guard: Optional[StopGuard] = None
+    view: Optional[Path] = None  # a --pid-ns image's CRIU directory as this copy restores it
     result: Optional[criu.RestoreResult] = None
     verified_at: float = 0.0
     criu_done: float = 0.0
@@ -875,55 +876,67 @@ def _remove_put_back(st: RestoreState, _err: BaseException) -> None:
     hostres.remove_copies(st.created)  # a failed restore leaves no file it wrote
 
 
-def _start_lazy(st: RestoreState) -> Optional[LazyPhase]:
+def _start_lazy(st: RestoreState) -> None:
     """--lazy: the `criu lazy-pages` daemon, listening in the restore's work directory."""
     if not st.options.lazy:
-        return None
+        return
     logs = str(st.checked.logs)
     daemon = criu.LazyPagesDaemon(st.checked.criu_binary(), str(img.criu_dir(st.image)), logs)
     pids = [p.pid for p in st.manifest.processes]
-    return LazyPhase(
+    st.lazy = LazyPhase(
         daemon, pids, st.checksums, st.options.lazy_timeout_s, st.start, str(Path(logs) / img.RESTORE_LOG)
     )
 
 
+def _abort_lazy(st: RestoreState, _err: BaseException) -> None:
+    if st.lazy is not None:
+        st.lazy.abort()
+
+
+def _stays_stopped(st: RestoreState) -> bool:
+    """CRIU leaves the tree stopped until npusnap releases it (verified, or its pages served)."""
+    return st.checksums is not None or st.options.lazy
+
+
+def _start_stop_guard(st: RestoreState) -> None:
+    """Should npusnap die before it released the stopped tree, the watcher kills the CRIU it
+    starts next and its unverified tree (a new restore brings it back)."""
+    if _stays_stopped(st):
+        st.stop_guard = restoreguard.restore_stop_guard()
+
+
+def _make_view(st: RestoreState) -> None:
+    """A --pid-ns image: the CRIU image directory as this copy restores it (host/pidns.py)."""
+    if st.manifest.pid_ns:
+        st.view = pidns.criu_view(img.criu_dir(st.image), st.manifest)
+
+
+def _drop_view(st: RestoreState, _err: Optional[BaseException] = None) -> None:
+    if st.view is not None:
+        pidns.drop_view(st.view)
+        st.view = None
+
+
 def _criu_restore(st: RestoreState) -> None:
-    """CRIU restores the tree, detached; it stays stopped while checksums or lazy pages are pending."""
+    """CRIU restores the tree, detached; it stays stopped while checksums or lazy pages are
+    pending. A failure here leaves nothing CRIU restored; a corrupt image, or another restore
+    that took the image's pids, is the better explanation of it."""
     pre = st.checked
-    stopped = st.checksums is not None or st.options.lazy
-    view = pidns.criu_view(img.criu_dir(st.image), st.manifest) if st.manifest.pid_ns else None
     try:
-        try:
-            st.lazy = _start_lazy(st)
-            if stopped:
-                # CRIU leaves the tree stopped until npusnap releases it: should npusnap die before,
-                # the watcher kills that CRIU and its unverified tree (a new restore brings it back).
-                st.stop_guard = restoreguard.restore_stop_guard()
-            st.result = criu.restore(
-                str(view or img.criu_dir(st.image)),
-                str(pre.logs),
-                options=replace(
-                    criu_options(st.manifest, tuple(st.inherit)),
-                    # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
-                    leave_stopped=stopped,
-                    lazy_pages=st.lazy is not None,
-                ),
-                log_name=img.RESTORE_LOG,
-                binary=pre.criu_binary(),
-                on_notify=st.lazy.on_notify if st.lazy is not None else None,
-            )
-        finally:
-            if view is not None:
-                pidns.drop_view(view)
-            _close_inherited(st)
-            hostres.drop_remaps(pre.to_put_back)  # CRIU's restore consumes them; a failed one leaves them
-    except BaseException as err:
-        _finish_stop_guard(st)  # CRIU removed what it had restored
-        if st.lazy is not None:
-            st.lazy.abort()
-        if not isinstance(err, NpusnapError):
-            raise
-        # A corrupt image is the better explanation of a CRIU failure.
+        st.result = criu.restore(
+            str(st.view or img.criu_dir(st.image)),
+            str(pre.logs),
+            options=replace(
+                criu_options(st.manifest, tuple(st.inherit)),
+                # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
+                leave_stopped=_stays_stopped(st),
+                lazy_pages=st.lazy is not None,
+            ),
+            log_name=img.RESTORE_LOG,
+            binary=pre.criu_binary(),
+            on_notify=st.lazy.on_notify if st.lazy is not None else None,
+        )
+    except NpusnapError as err:
         corrupt = st.checksums.join() if st.checksums is not None else None
         if corrupt is not None:
             raise corrupt from None
@@ -932,12 +945,16 @@ def _criu_restore(st: RestoreState) -> None:
         if busy is not None:
             raise busy from None
         raise
+    finally:
+        _drop_view(st)
+        _close_inherited(st)
+        hostres.drop_remaps(pre.to_put_back)  # CRIU's restore consumes them; a failed one leaves them
     st.criu_done = time.monotonic()
     if st.stop_guard is not None:
         st.stop_guard.tell("tree", st.restored.pid)
 
 
-def _finish_stop_guard(st: RestoreState) -> None:
+def _finish_stop_guard(st: RestoreState, _err: Optional[BaseException] = None) -> None:
     if st.stop_guard is not None:
         st.stop_guard.finish()
         st.stop_guard = None
@@ -1040,7 +1057,22 @@ HOST_NODES: Step[RestoreState] = Step(
     "host nodes", _make_host_nodes, _remove_host_nodes, checkpoint=UNTOUCHED
 )
 PUT_BACK: Step[RestoreState] = Step("put back files", _put_back, _remove_put_back, checkpoint=UNTOUCHED)
-CRIU_RESTORE: Step[RestoreState] = Step("criu restore", _criu_restore, phase="criu restore", commit=True)
+
+
+def _criu_phase(st: RestoreState) -> str:
+    return "criu restore" + (" (lazy pages)" if st.options.lazy else "")
+
+
+# These three make what CRIU's restore needs, each only where it applies (and announce its phase).
+PID_NS_VIEW: Step[RestoreState] = Step(
+    "pid-ns view", _make_view, _drop_view, phase=_criu_phase, checkpoint=UNTOUCHED
+)
+LAZY_DAEMON: Step[RestoreState] = Step("lazy-pages daemon", _start_lazy, _abort_lazy, checkpoint=UNTOUCHED)
+STOP_GUARD: Step[RestoreState] = Step(
+    "stop guard", _start_stop_guard, _finish_stop_guard, checkpoint=UNTOUCHED
+)
+# The single restore's commit: once CRIU restored the tree, stopping would leave it locked.
+CRIU_RESTORE: Step[RestoreState] = Step("criu restore", _criu_restore, commit=True)
 RELEASE: Step[RestoreState] = Step("release", _release)
 PIDFILE: Step[RestoreState] = Step("pidfile", _write_pidfile, when=lambda st: st.options.pidfile is not None)
 DEVICE_RESTORE: Step[RestoreState] = Step("device restore", _device_restore, phase="device restore")
@@ -1055,6 +1087,9 @@ STEPS: tuple[Step[RestoreState], ...] = (
     OPEN_FILES,
     HOST_NODES,
     PUT_BACK,
+    PID_NS_VIEW,
+    LAZY_DAEMON,
+    STOP_GUARD,
     CRIU_RESTORE,
     RELEASE,
     PIDFILE,

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from typing import Optional
 
 from npusnap_cli import criu
-from npusnap_cli.device.devicegroup import _stop_state as stop_state
 from npusnap_cli.errors import BusyError, CriuError, InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.host import procfs
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.pipelines.engine import SignalGuard
 
@@ -41,7 +41,7 @@ class DeviceWait:
             return True
         now = time.monotonic()
         for pid in self.pids:
-            if stop_state(pid) is None:
+            if procfs.stop_state(pid) is None:
                 self._since.pop(pid, None)
             elif now - self._since.setdefault(pid, now) >= self.limit:
                 self.stalled = pid

@@ -14,8 +14,8 @@ and only while the host keeps a fifth of its memory available: the oldest goes b
 does not) and given to the next Restore of an
 allocation of the same size. It is poisoned as soon as it is kept, on a thread of its own (the
 poisoner), so that such a Restore finds it poisoned already: a device's Restore writes no host
-memory, and the simulator's poison (1 GiB here: 0.37-0.45 s into fresh pages, 0.25-0.28 s into
-kept ones) is its own cost, kept off the Restore where it can be. A Restore that comes first waits
+memory, and the simulator's poison is its own cost (docs/benchmarks.md), kept off the Restore
+where it can be. A Restore that comes first waits
 for it. Poisoning happens outside the daemon's lock: the other processes' requests go on meanwhile.
 Fresh allocations always get fresh, zeroed memory, and memory a live process may still map is
 never kept; no allocation is answered before it is poisoned in full.
@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from npusnap_cli import paths
+from npusnap_cli.host import procfs
 from npusnap_cli.sim import wire
 
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
@@ -56,24 +58,18 @@ GiB = 1 << 30
 POISON_CHUNK = 64 << 20
 MAX_OWNERS = 63  # user processes an A2/A3 device takes
 # How long the memory of a process that is gone waits for a Restore to reuse it. A restore follows
-# its dump after whatever the operator (or a benchmark warming memory: 8-17 s for 11 GiB on a slow
-# VM here) does in between; memory pressure gives it back sooner (_expire_pool).
+# its dump after whatever the operator (or a benchmark warming memory for the restore, see
+# docs/benchmarks.md) does in between; memory pressure gives it back sooner (_expire_pool).
 POOL_TTL_S = 60.0
 KEPT_POISON_WAIT_S = 10.0  # a Restore waits this (plus 2 s per GiB) for the poisoner, then poisons
 
 
 def start_time(pid: int) -> Optional[int]:
     """Field 22 of /proc/PID/stat, or None if the process is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
+    st = procfs.stat(pid)
+    if st is None or st.state in ("Z", "X"):
         return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rindex(b")") + 2 :].split()
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
+    return st.start_time
 
 
 def alive(owner: Owner) -> bool:
@@ -729,9 +725,9 @@ def _poison_block(n: int) -> memoryview:
 
 def _fill_poison(fd: int, size: int) -> None:
     """Fill ``size`` bytes of a device allocation's memfd with 0xDEADBEEF words (a partial word at
-    the end is cut). Written into the memfd: the kernel allocates its pages as it writes, twice as
-    fast as filling a mapping of it page fault by page fault (0.45 against 0.9 s/GiB here), and no
-    faster from two threads (the kernel's page allocation is the limit)."""
+    the end is cut). Written into the memfd: the kernel allocates its pages as it writes, without
+    the page fault per page that filling a mapping of it takes, and no faster from two threads (the
+    kernel's page allocation is the limit; docs/benchmarks.md)."""
     block = _poison_block(min(size, POISON_CHUNK))
     for off in range(0, size, POISON_CHUNK):
         n = min(POISON_CHUNK, size - off)
@@ -750,8 +746,6 @@ def log(msg: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from npusnap_cli import paths
-
     ap = argparse.ArgumentParser(prog="python -m npusnap_cli.sim.daemon", description=__doc__)
     ap.add_argument("--socket", default=str(paths.sim_socket_path()), help="unix socket path to listen on")
     ap.add_argument("--devices", type=int, default=2, help="number of simulated devices (default 2)")

@@ -29,7 +29,7 @@ OP_RELEASE = contract.SIM_OP_RELEASE
 OP_ALLOC = contract.SIM_OP_ALLOC
 OP_ALLOC_AT = contract.SIM_OP_ALLOC_AT
 OP_FREE = contract.SIM_OP_FREE
-# 6, 7, 8: the byte-streaming WRITE, READ and COPY of earlier versions; answered EOPNOTSUPP.
+# 6, 7, 8: not offered (the bytes go through the OP_MAP mapping, never the socket): EOPNOTSUPP.
 OP_STATUS = contract.SIM_OP_STATUS
 OP_SHUTDOWN = contract.SIM_OP_SHUTDOWN
 OP_HAS = contract.SIM_OP_HAS

@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from npusnap_cli.workloads import train
+
 LIBS = 240
 FUNCS = 2000
 PAD_MIB = 6
@@ -225,7 +227,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     loaded = [ctypes.CDLL(str(p)) for p in library_paths(Path(args.libs))]
     _idle_pool(args.threads)
     print(f"jaxsize libs={len(loaded)} threads={args.threads}", flush=True)
-    from npusnap_cli.workloads import train
 
     rest = args.train[1:] if args.train[:1] == ["--"] else args.train
     return train.main(rest)

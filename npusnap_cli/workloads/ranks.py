@@ -140,7 +140,7 @@ class Pauser:
 def _register_hooks(rebuild: bool, fail: Optional[str], slow: Optional[str], pauser: Pauser) -> None:
     if not rebuild and not fail and not slow:
         return
-    import npusnap_cli.agent as agent  # on PYTHONPATH under `npusnap run`
+    import npusnap_cli.agent as agent  # lazy: importable only under `npusnap run` (its PYTHONPATH)
 
     if rebuild:
         agent.register_hook("pre_lock", pauser.pre_lock, name="ranks.pause_comm")

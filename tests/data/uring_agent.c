@@ -1,9 +1,13 @@
 /* A stand-in for a launcher that holds an io_uring (torchrun's elastic agent with PyTorch's
  * libuv TCPStore): it opens a ring with the io_uring_setup system call, keeps a thread named
  * "store-loop" waiting in io_uring_enter on it, runs argv[1..] as its child (the worker rank)
- * and exits with the child's status. Prints "ring FD" on stdout once the ring is open. */
+ * and exits with the child's status. Prints "ring FD" on stdout once the ring is open.
+ * URING_THREAD_NAME names the thread otherwise (PyTorch's libuv store thread: pt_tcpstore_uv),
+ * URING_COMM the process (torchrun's agent: pt_elastic). */
 #define _GNU_SOURCE
 #include <linux/io_uring.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -29,7 +33,10 @@ int main(int argc, char **argv) {
     }
     pthread_t t;
     if (pthread_create(&t, NULL, store_loop, NULL) != 0) return 2;
-    pthread_setname_np(t, "store-loop");
+    const char *name = getenv("URING_THREAD_NAME");
+    pthread_setname_np(t, name && *name ? name : "store-loop");
+    const char *comm = getenv("URING_COMM");
+    if (comm && *comm) prctl(PR_SET_NAME, comm, 0, 0, 0);
     printf("ring %d\n", ring);
     fflush(stdout);
     if (argc < 2) {

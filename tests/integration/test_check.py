@@ -55,6 +55,7 @@ def test_a_simulated_device_plugin_of_another_criu_is_a_problem(
     criu-plugin.h): `npusnap check` reads it from the file and says it does not fit."""
     import struct
 
+    from npusnap_cli import elf
     from npusnap_cli.host import criuplugin
 
     plugins = tmp_path / "libdir"
@@ -62,10 +63,10 @@ def test_a_simulated_device_plugin_of_another_criu_is_a_problem(
     patched = plugins / "npusim_plugin.so"
     shutil.copy(SIM_PLUGIN, patched)
     data = bytearray(patched.read_bytes())
-    elf = criuplugin._Elf(bytes(data))
-    sym = elf.symbol(criuplugin.DESC_SYMBOL)
+    lib = elf.ElfFile(bytes(data))
+    sym = lib.symbol(criuplugin.DESC_SYMBOL, (elf.SHT_SYMTAB, elf.SHT_DYNSYM))
     assert sym is not None
-    off = elf.file_offset(sym[0])
+    off = lib.file_offset(sym.value)
     assert off is not None
     struct.pack_into("<I", data, off + 28, 16)  # cr_plugin_desc_t.max_hooks
     patched.write_bytes(bytes(data))

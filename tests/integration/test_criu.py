@@ -15,6 +15,7 @@ import pytest
 
 from npusnap_cli import criu
 from npusnap_cli.errors import CriuError
+from npusnap_cli.host import procfs
 from npusnap_cli.host.procfs import is_alive
 from tests.conftest import requires_root
 from tests.integration.dumplib import wait_until
@@ -78,7 +79,7 @@ def test_dump_leave_stopped_then_restore_continues(tmp_path: Path, dirs: tuple[P
         assert res.stats is not None and res.stats.pages_written > 0
         assert res.stats.frozen_time_us > 0
         # leave_stopped: the original is still there, stopped, until we kill it.
-        assert Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        assert procfs.state(proc.pid) == "T"
         n = len(_lines(log))
         proc.kill()
         proc.wait()

@@ -22,6 +22,7 @@ import pytest
 
 from npusnap_cli import image
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import procfs
 from tests.conftest import requires_root
 from tests.integration.agentlib import REPO, Sim, Workload, wait_socket, workload_env, write_workload
 from tests.integration.dumplib import (
@@ -216,11 +217,7 @@ def _tracer(pid: int) -> int:
 
 
 def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+    return procfs.state(pid) in ("T", "t")
 
 
 @pytest.mark.parametrize("stopped", [False, True], ids=["agent-busy", "agent-stopped"])

@@ -20,6 +20,7 @@ from typing import Optional
 import pytest
 
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import procfs
 from npusnap_cli.host.lazypages import TEST_HOOK_ENV
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
@@ -58,9 +59,9 @@ def _daemon_of(img: Path, stopped: bool = False) -> Optional[int]:
             continue
         try:
             argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue
+        state = procfs.state(int(name))
         if b"lazy-pages" in argv and str(img / "criu").encode() in argv and (state == "T" or not stopped):
             return int(name)
     return None
@@ -166,12 +167,11 @@ def test_image_removed_while_paging_in_is_harmless(
     throttles: list[_Throttle] = []
     try:
         # The whole restore at 5 % of a CPU from the start, so that its lazy-pages daemon (a
-        # child) cannot serve a small job's every page before the test finds it (at full speed the
-        # whole lazy restore took 0.6 s, and the test found it done; at a fifth, on a loaded
-        # machine, the daemon was found with its work done); then the daemon alone at 1 %, so that
-        # nearly every page is still owed when the image goes, while CRIU's restore goes on at 5 %
-        # and connects the job to it. (With the whole restore at 1 %, CI once waited 30 s for that
-        # connection.)
+        # child) cannot serve a small job's every page before the test finds it (faster, on a
+        # loaded machine, the daemon can be found with its work done); then the daemon alone at
+        # 1 %, so that nearly every page is still owed when the image goes, while CRIU's restore
+        # goes on at 5 % and connects the job to it (the whole restore at 1 % makes that
+        # connection take tens of seconds).
         throttles.append(_Throttle(proc.pid, 5_000))
         daemon = _wait_daemon(img, proc)
         throttles.append(_Throttle(daemon, 1000, name="-daemon"))

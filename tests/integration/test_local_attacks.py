@@ -19,9 +19,9 @@ from typing import Iterator
 
 import pytest
 
-from npusnap_cli import image
+from npusnap_cli import image, safefs
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
-from npusnap_cli.host import hostres, pidfile, safefs
+from npusnap_cli.host import hostres, pidfile
 from npusnap_cli.image import archive, digest
 from tests.integration.dumplib import cli
 from tests.unit.test_image import _build, _manifest
@@ -172,7 +172,7 @@ def test_pidfile_never_writes_through_a_users_link(
     as_user(attacker, f"ln -s {victim}/precious {shared}/job.pid")
     pidfile.write(shared / "job.pid", 4321)
     assert not (shared / "job.pid").is_symlink() and (shared / "job.pid").read_text() == "4321\n"
-    # The old fixed temporary name (".NAME.tmp-PID") planted for every pid we might have: unused.
+    # A predictable temporary name (".NAME.tmp-PID") planted for every pid we might have: unused.
     as_user(attacker, f"ln -s {victim}/precious {shared}/.job2.pid.tmp-{os.getpid()}")
     pidfile.write(shared / "job2.pid", 4322)
     # A directory of the path swapped for the user's symlink: refused.

@@ -3,12 +3,15 @@ collide, dump, and restores that need no host pid free (beside the original, and
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
+from npusnap_cli.errors import ExitCode
 from tests.integration.dumplib import (
     NPUSNAP,
     PY,
@@ -34,13 +37,14 @@ def nspid(pid: int) -> list[int]:
     raise AssertionError(f"no NSpid for {pid}")
 
 
-def start_ns_job(env: dict[str, str], out: Path, argv: list[str]) -> int:
+def start_ns_job(env: dict[str, str], out: Path, argv: list[str], cwd: Optional[Path] = None) -> int:
     p = subprocess.run(
         [NPUSNAP, "run", "--pid-ns", "--detach", "--output", str(out), "--", *argv],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=cwd,
     )
     assert p.returncode == 0, p.stderr
     return int(p.stdout.strip())
@@ -237,3 +241,126 @@ def test_run_pid_ns_in_the_foreground_waits_and_passes_the_status(tmp_path: Path
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_a_job_of_pid_ns_ranks_dumps_and_restores(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Two ranks (ranks.py: an all-reduce over TCP every step), each init of a pid namespace of
+    its own and in a working directory of its own (see the next test): one job image (their
+    connection in it), restored as a job into new namespaces with new host pids; both ranks
+    finish with exactly the lines of an uninterrupted run."""
+    from tests.integration.test_jobs import RANKS, free_port, job_reference, jobs_env, rank_args
+
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=23)
+    master = f"127.0.0.1:{free_port()}"
+    outs = [tmp_path / f"r{r}.out" for r in (0, 1)]
+    pids: list[int] = []
+    roots: list[int] = []
+
+    def rank_lines(out: Path) -> list[str]:
+        return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("[rank")]
+
+    try:
+        for r in (0, 1):
+            (tmp_path / f"cwd{r}").mkdir()
+            argv = [PY, RANKS, *rank_args(r, master, 23)]
+            pids.append(start_ns_job(env, outs[r], argv, cwd=tmp_path / f"cwd{r}"))
+        for pid, out in zip(pids, outs):
+            assert nspid(pid) == [pid, 1]
+            wait_until(lambda o=out: len(rank_lines(o)) >= 3, 60, "steps")
+        img = str(tmp_path / "img")
+        rc, res, err = cli(env, "dump", str(pids[0]), str(pids[1]), img, "--tcp-established")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        for pid in pids:
+            wait_until(lambda p=pid: not alive(p), 10, f"pid {pid} to be gone")
+        # Options of single images are refused for a job image, not ignored.
+        rc, res, err = cli(env, "restore", img, "--device-map", "0=1")
+        assert rc == ExitCode.USAGE and res is not None, err
+        assert "not supported for job images" in res["error"]["message"], res["error"]
+        rc, res, err = cli(env, "restore", img)
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["ranks"]]
+        assert set(roots).isdisjoint(pids), (roots, pids)  # new namespaces, new host pids
+        for root in roots:
+            assert nspid(root)[-1] == 1, nspid(root)
+            # The restored rank answers on its agent socket (a name of its own, found by inode).
+            rc, _st, err = cli(env, "status", str(root))
+            assert rc == 0, err
+        for root in roots:
+            wait_until(lambda p=root: not alive(p), 90, f"restored rank {root} to finish")
+        for r in (0, 1):
+            assert rank_lines(outs[r]) == ref[r], (r, outs[r].read_text()[-800:])
+    finally:
+        for p in (*roots, *pids):
+            kill(p)
+
+
+def test_pid_ns_ranks_sharing_a_working_directory_are_refused_before_the_lock(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    """CRIU's parasite mounts such a process's /proc at proc.crtools in its working directory, and
+    a job's ranks are dumped at once: two ranks in one directory would fail mid-dump (EEXIST)."""
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(runtime_dir)}
+    pids = [start_ns_job(env, tmp_path / f"s{i}.out", ["sleep", "60"], cwd=tmp_path) for i in (0, 1)]
+    try:
+        rc, res, err = cli(env, "dump", str(pids[0]), str(pids[1]), str(tmp_path / "img"))
+        assert rc == ExitCode.PREFLIGHT and res is not None, err
+        e = res["error"]
+        assert f"both run in {tmp_path}" in e["message"] and "working directory of its own" in e["fix"], e
+        assert sorted(e["details"]["pids"]) == sorted(pids)
+        assert all(alive(p) for p in pids) and not (tmp_path / "img").exists()
+    finally:
+        for p in pids:
+            kill(p)
+
+
+def test_a_job_of_pid_ns_ranks_restores_beside_its_running_launchers(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Each rank a launcher (ns pid 1) with an NPU worker (ns pid 2), dumped as a job with
+    --leave-running; the workers are then stopped (CANN's Restore needs their devices free)
+    while the launchers keep their host pids: the job image restores beside them, each rank in a
+    namespace of its own, and both ranks finish from the snapshot's step."""
+    from tests.integration.test_jobs import RANKS, free_port, job_reference, jobs_env, rank_args
+
+    env = jobs_env(sim_env, runtime_dir)
+    ref = job_reference(env, seed=29)
+    master = f"127.0.0.1:{free_port()}"
+    outs = [tmp_path / f"r{r}.out" for r in (0, 1)]
+    launchers: list[int] = []
+    roots: list[int] = []
+
+    def rank_lines(out: Path) -> list[str]:
+        return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("[rank")]
+
+    try:
+        for r in (0, 1):
+            (tmp_path / f"cwd{r}").mkdir()
+            script = f"{PY} {RANKS} {' '.join(rank_args(r, master, 29))}; exec sleep 600"
+            launchers.append(start_ns_job(env, outs[r], ["sh", "-c", script], cwd=tmp_path / f"cwd{r}"))
+        for out in outs:
+            wait_until(lambda o=out: len(rank_lines(o)) >= 3, 60, "steps")
+        img = str(tmp_path / "img")
+        rc, res, err = cli(
+            env, "dump", str(launchers[0]), str(launchers[1]), img, "--tcp-established", "--leave-running"
+        )
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        workers = [
+            int(subprocess.check_output(["pgrep", "-P", str(p)], text=True).split()[0]) for p in launchers
+        ]
+        for w in workers:
+            kill(w)
+        at = [len(rank_lines(o)) for o in outs]
+        rc, res, err = cli(env, "restore", img)
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        roots = [int(r["root_pid"]) for r in res["result"]["ranks"]]
+        assert set(roots).isdisjoint(launchers) and all(alive(p) for p in launchers)
+        for r in (0, 1):
+            wait_until(lambda r=r: ref[r][-1] in rank_lines(outs[r])[at[r] :], 90, f"rank {r} to finish")
+            cont = rank_lines(outs[r])[at[r] :]
+            assert cont and continues_reference(cont, ref[r]), (r, cont[:3])
+    finally:
+        for p in (*roots, *launchers):
+            kill(p)

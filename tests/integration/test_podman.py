@@ -310,7 +310,7 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
         owners = [o for o in wire.query_status(sim_env["NPUSIM_SOCKET"])["owners"] if o["pid"] == pid]
         assert len(owners) == 1 and owners[0]["alive"] and owners[0]["device_connections"] == 1, owners
         # The dump's rollback helper saw the dumped task die; the restored one (same pid, same
-        # token) is not its business, however fast the restore came (CI once lost that race).
+        # token) is not its business, however fast the restore came (a race to lose when it is quick).
         wait_until(lambda: "exited" in helper_log.read_text(), what="the dump helper's verdict")
         assert "rolled back" not in helper_log.read_text(), helper_log.read_text()
     finally:

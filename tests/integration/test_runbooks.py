@@ -86,7 +86,7 @@ def test_hand_written_scripts_run_every_block_of_their_page() -> None:
         )
 
 
-# Helper functions the old scripts had; a page using one (in command position) fails when pasted.
+# Helper names a page may not use (in command position): no shell defines them, so a pasted page fails.
 _HELPERS = re.compile(
     r"(?:^|[;&|(]\s*|\$\(\s*)(npj|fail|state|json|wait_step|last_step|dump_expect|running)(?=\s|$)"
 )
@@ -139,6 +139,13 @@ def test_runbook_script_succeeds(
         reason = crilib.skip_reason()  # containerd 2.1 of scripts/setup-cri.sh, or NPUSNAP_NO_CRI=1
         if reason is not None:
             pytest.skip(reason)
+    if script.name == "torchrun.sh":
+        from tests.integration import torchlib
+
+        reason = torchlib.skip_reason()  # the torch virtualenv of scripts/setup-torch.sh
+        if reason is not None:
+            pytest.skip(reason)
+        env["PATH"] = f"{torchlib.TORCH_BIN}{os.pathsep}{env.get('PATH', '')}"
     if script.name == "permissions.sh":
         user_python = _user_python()
         if user_python is None:

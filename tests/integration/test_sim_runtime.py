@@ -202,7 +202,7 @@ def test_callbacks_run_per_stage_and_device(make_driver: Callable[..., Driver]) 
 def test_no_fixed_limit_on_callbacks(make_driver: Callable[..., Driver]) -> None:
     d = make_driver()
     assert d.rc("set", 0) == 0
-    for _ in range(40):  # the old simulator stopped at 32
+    for _ in range(40):  # beyond 32: a fixed-size callback table would stop there
         assert d.rc("register_new", 5) == 0
     assert d.rc("lock") == 0 and d.rc("unlock") == 0
     assert len([c for c in d.call("calls")["calls"] if c[0] == 5]) == 40
@@ -279,7 +279,7 @@ def test_device_memory_is_shared_memory_mapped_until_backup(
     assert d.call("read", a, 2 * MiB)["crc"] == crc  # Unlock without Restore keeps the bytes
     assert len(device_mappings(d.pid)) == 1
     assert d.rc("free", a) == 0 and device_mappings(d.pid) == []
-    # The byte-streaming operations of earlier versions are gone, not a silent second path.
+    # The bytes go through the mapping only: byte-streaming operations are refused, not a second path.
     with wire.connect(sim_env["NPUSIM_SOCKET"]) as s:
         for op in (6, 7, 8):
             assert wire.request(s, op, 0, a, 0, 16)[0] == -errno.EOPNOTSUPP

@@ -1,16 +1,21 @@
 """Descriptors CRIU 4.2.1 cannot dump (a real io_uring here) are refused in preflight, before the
 NPU lock: the job keeps computing, unlocked, and the error names the process, the fd, the thread
-that uses it and the fix."""
+that uses it and the fix: the exact PyTorch setting where PyTorch's store holds the ring (the
+real torchrun is in test_torchrun.py). `npusnap run --no-io-uring` leaves no ring to refuse."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import preflight
 from tests.integration.dumplib import (
+    NPUSNAP,
     PY,
     REPO,
     TRAIN,
@@ -21,6 +26,7 @@ from tests.integration.dumplib import (
     assert_no_image,
     cli,
     job_env,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -51,7 +57,7 @@ def test_io_uring_in_the_launcher_is_refused_before_the_lock(
         e = out["error"]
         assert f"pid {job.pid} (uring_agent) holds anon_inode:[io_uring]" in e["message"], e
         assert "store-loop" in e["message"], e
-        assert "USE_LIBUV=0" in e["fix"] and "use_libuv=0" in e["fix"], e
+        assert "npusnap run --no-io-uring" in e["fix"], e
         held = e["details"]["undumpable_fds"]
         assert [(h["pid"], h["kind"]) for h in held] == [(job.pid, "[io_uring]")]
         assert_no_image(tmp_path / "img")
@@ -62,3 +68,54 @@ def test_io_uring_in_the_launcher_is_refused_before_the_lock(
         assert alive(job.pid)
     finally:
         job.cleanup()
+
+
+def _held_by(agent: Path, tmp: Path, **names: str) -> tuple[str, str, list[dict[str, object]]]:
+    """A launcher holding a ring, its threads and process named as PyTorch's: preflight's message,
+    fix and details for it."""
+    env = {**os.environ, **names}
+    out = tmp / "ring.out"
+    with open(out, "wb") as f:
+        p = subprocess.Popen([str(agent)], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: out.read_text().startswith("ring "), 10, "the ring")
+        # The thread is named right after the ring is announced.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not preflight._torch_store_threads(p.pid):
+            time.sleep(0.02)
+        err = preflight.undumpable_fds_error(preflight.find_undumpable_fds([p.pid]))
+        assert err is not None
+        return err.message, err.fix or "", err.details["undumpable_fds"]
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_a_ring_of_pytorchs_store_gets_the_pytorch_fix(tmp_path: Path) -> None:
+    agent = build_uring_agent(tmp_path)
+    # A rank hosting the store (ranks started without torchrun): USE_LIBUV=0.
+    msg, fix, held = _held_by(agent, tmp_path, URING_THREAD_NAME="pt_tcpstore_uv")
+    assert "PyTorch's TCPStore runs on libuv in thread(s)" in msg and "(pt_tcpstore_uv)" in msg, msg
+    assert "USE_LIBUV=0" in fix and "?use_libuv=0" in fix and "--no-io-uring" in fix, fix
+    assert [h["torchrun"] for h in held] == [False]
+    # torchrun's elastic agent: no torch setting, the launch under --no-io-uring.
+    msg, fix, held = _held_by(agent, tmp_path, URING_THREAD_NAME="pt_tcpstore_uv", URING_COMM="pt_elastic")
+    assert msg.startswith("pid ") and "(pt_elastic) holds anon_inode:[io_uring]" in msg, msg
+    assert "npusnap run --no-io-uring -- torchrun" in fix and "UV_USE_IO_URING=0 does not" in fix, fix
+    assert [h["torchrun"] for h in held] == [True]
+
+
+def test_run_no_io_uring_leaves_no_ring_to_open(tmp_path: Path, runtime_dir: Path) -> None:
+    """The seccomp filter of `npusnap run --no-io-uring`: io_uring_setup fails with ENOSYS, as on
+    a kernel without io_uring, in the program and in what it starts."""
+    agent = build_uring_agent(tmp_path)
+    env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(runtime_dir)}
+    plain = subprocess.run(
+        [NPUSNAP, "run", "--", str(agent), "true"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert plain.returncode == 0 and plain.stdout.startswith("ring "), plain.stderr
+    for argv in ([str(agent), "true"], ["sh", "-c", f"{agent} true"]):
+        cmd = [NPUSNAP, "run", "--no-io-uring", "--", *argv]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2, (p.stdout, p.stderr)
+        assert "io_uring_setup: Function not implemented" in p.stderr, p.stderr

@@ -205,3 +205,14 @@ def test_past_a_finishing_step_a_signal_is_ignored_but_a_failure_still_undoes() 
         with pytest.raises(TargetError):
             p.run(w)
     assert w.log == ["do a", "do publish", "do kill", "undo a"]
+
+
+def test_a_phase_may_be_worded_from_the_state() -> None:
+    phases: list[str] = []
+    w = World(log=["lazy"])
+    Pipeline(
+        "restore",
+        [Step("criu", lambda _x: None, phase=lambda x: "criu restore" + (" (lazy)" if x.log else ""))],
+        cb=PipelineCallbacks(phase=phases.append),
+    ).run(w)
+    assert phases == ["criu restore (lazy)"]

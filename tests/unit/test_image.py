@@ -11,6 +11,7 @@ import pytest
 
 from npusnap_cli import image
 from npusnap_cli.errors import ExitCode, ImageError, UsageError
+from npusnap_cli.host import hostclean
 
 
 def _manifest(files: tuple[image.FileEntry, ...] = ()) -> image.Manifest:
@@ -217,7 +218,7 @@ def test_save_failure_logs_moves_logs_out(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(tempfile, "tempdir", None)
     tmp, final = _build(tmp_path)
-    dest = image.save_failure_logs(tmp, "dump")
+    dest = hostclean.save_failure_logs(tmp, "dump")
     # Beside the image it was writing, named after it: where an operator looks.
     assert dest == image.failed_logs_dir(final) == final.parent / f"{final.name}.failed-logs"
     assert dest is not None and (dest / image.DUMP_LOG).read_text() == "log\n"
@@ -228,7 +229,7 @@ def test_save_failure_logs_moves_logs_out(tmp_path: Path, monkeypatch: pytest.Mo
     # The next failure of the same image replaces them.
     tmp2 = image.create_temp_image(final)
     (image.logs_dir(tmp2) / image.DUMP_LOG).write_text("second\n")
-    assert image.save_failure_logs(tmp2, "dump") == dest
+    assert hostclean.save_failure_logs(tmp2, "dump") == dest
     assert (dest / image.DUMP_LOG).read_text() == "second\n"
 
 

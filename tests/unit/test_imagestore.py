@@ -45,7 +45,7 @@ def test_list_is_newest_first_and_marks_corrupt_images(
     assert [Path(i["path"]).name for i in images] == ["snap-3", "snap-2", "snap-1", "snap-0"]
     assert [i["valid"] for i in images] == [False, True, True, True]
     assert "blake3 checksum" in images[0]["problem"] and images[1]["pids"] == [1234, 1235]
-    # By default (and with the old --quick) nothing is hashed: the edit keeps the size, so it
+    # By default (and with --quick, kept as an alias) nothing is hashed: the edit keeps the size, so it
     # passes, and says so ("checked": sizes); --valid --paths for scripts.
     for argv in (["--json", "list", str(store)], ["--json", "list", "--quick", str(store)]):
         assert main(argv) == 0

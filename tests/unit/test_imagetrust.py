@@ -16,6 +16,7 @@ import pytest
 
 from npusnap_cli import image
 from npusnap_cli.errors import ImageError
+from npusnap_cli.host import hostclean
 from npusnap_cli.image import imagetrust
 from tests.unit.test_image import _build, _manifest
 
@@ -113,12 +114,12 @@ def test_failure_logs_go_to_a_fresh_private_directory(
     shared.mkdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (shared / "npusnap-logs").symlink_to(elsewhere)  # the old fixed name, planted
+    (shared / "npusnap-logs").symlink_to(elsewhere)  # a predictable name, planted
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
     tmp, final = _build(tmp_path)
     # The name beside the image, planted too: never followed, the logs go to /tmp instead.
     image.failed_logs_dir(final).symlink_to(elsewhere)
-    dest = image.save_failure_logs(tmp, "dump")
+    dest = hostclean.save_failure_logs(tmp, "dump")
     assert dest is not None and dest.parent == shared and not dest.is_symlink()
     assert stat.S_IMODE(dest.stat().st_mode) == 0o700
     assert list(elsewhere.iterdir()) == []
@@ -305,10 +306,11 @@ _CRASHER = r"""
 import sys
 from pathlib import Path
 from npusnap_cli import image
+from npusnap_cli.image import publishing
 from tests.unit.test_image import _build, _manifest
 tmp_path, force, exchange = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 if not exchange:
-    image.rename_exchange = lambda a, b: False
+    publishing.rename_exchange = lambda a, b: False  # where publish() looks it up
 tmp, final = _build(tmp_path)
 image.publish(tmp, final, _manifest(image.file_entries(tmp)), force=force)
 """

@@ -11,6 +11,7 @@ import pytest
 from npusnap_cli.commands.jobcmd import parse_rank_netns
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.host import tcpunlock
+from npusnap_cli.image import job as imgjob
 from npusnap_cli.pipelines import jobsnap
 
 
@@ -91,33 +92,33 @@ def _job(tmp: Path, sha: str, rank_dir: str = "rank-0") -> Path:
     (tmp / "rank-0").mkdir()
     (tmp / "rank-0" / "npusnap.json").write_text("{}")
     manifest = {
-        "schema": jobsnap.JOB_SCHEMA,
+        "schema": imgjob.JOB_SCHEMA,
         "created_at": "now",
         "tool": "x",
         "leave_running": False,
         "ranks": [{"rank": 0, "dir": rank_dir, "pid": 1, "npu_pids": [1], "manifest_sha256": sha}],
     }
-    (tmp / jobsnap.JOB_MANIFEST).write_text(json.dumps(manifest))
+    (tmp / imgjob.JOB_MANIFEST).write_text(json.dumps(manifest))
     return tmp
 
 
 def test_a_replaced_rank_manifest_is_refused(tmp_path: Path) -> None:
     _job(tmp_path, "0" * 64)
-    assert jobsnap.is_job_image(tmp_path)
+    assert imgjob.is_job_image(tmp_path)
     with pytest.raises(ImageError, match=r"rank 0's manifest .* is not the one the job recorded"):
-        jobsnap.verify_job(tmp_path)
+        imgjob.verify_job(tmp_path)
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", ""])
 def test_a_rank_directory_outside_the_job_is_refused(tmp_path: Path, bad: str) -> None:
     _job(tmp_path, "0" * 64, rank_dir=bad)
     with pytest.raises(ImageError, match="not a valid job manifest"):
-        jobsnap.load_job_manifest(tmp_path)
+        imgjob.load_job_manifest(tmp_path)
 
 
 def test_a_missing_job_manifest_is_named(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match=r"npusnap-job\.json is missing"):
-        jobsnap.load_job_manifest(tmp_path)
+        imgjob.load_job_manifest(tmp_path)
 
 
 def test_rank_netns_parsing() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from npusnap_cli.device.leasekeeper import LeaseKeeper, LockLostError
+from npusnap_cli.host import procfs
 
 
 @pytest.fixture
@@ -60,9 +61,7 @@ def test_at_the_kill_a_tree_still_stopped_is_still_locked(sleeper: int) -> None:
         k.check_before_kill([sleeper])  # running after the lease: its lease may have run out
     os.kill(sleeper, signal.SIGSTOP)
     deadline = time.monotonic() + 5
-    from pathlib import Path
-
-    while Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+    while procfs.state(sleeper) != "T":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     k.check_before_kill([sleeper])  # stopped: its lease does not run

@@ -9,6 +9,7 @@ import pytest
 
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.host import pidns
+from npusnap_cli.image.manifest import check_pid_ns
 
 
 def test_device_maps_parse_and_refuse_bad_ones() -> None:
@@ -20,11 +21,11 @@ def test_device_maps_parse_and_refuse_bad_ones() -> None:
 
 
 def test_manifest_pid_ns_is_checked() -> None:
-    assert pidns.check_map(None) == {}
-    assert pidns.check_map({"4321": 1, "4322": 2}) == {"4321": 1, "4322": 2}
+    assert check_pid_ns(None) == {}
+    assert check_pid_ns({"4321": 1, "4322": 2}) == {"4321": 1, "4322": 2}
     for bad in ({"x": 1}, {"4321": 0}, {"4321": 2}, [1], {"4321": "1"}):
         with pytest.raises(ImageError):
-            pidns.check_map(bad)
+            check_pid_ns(bad)
 
 
 def test_a_tree_in_our_own_namespace_has_no_map() -> None:

@@ -22,6 +22,9 @@ def test_a_job_rank_runs_the_restores_steps_with_the_jobs_barriers_in_order() ->
         "open files",
         "host nodes",
         "put back files",
+        "pid-ns view",
+        "lazy-pages daemon",
+        "stop guard",
         "criu restore",
         "release",
     ]

@@ -7,18 +7,15 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Optional
 
 import pytest
 
+from npusnap_cli.host.procfs import state
 from npusnap_cli.host.stopguard import StopGuard
 
 
-def state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def wait_state(pid: int, want: set[str], timeout: float = 5.0) -> str:
+def wait_state(pid: int, want: set[str], timeout: float = 5.0) -> Optional[str]:
     deadline = time.monotonic() + timeout
     while (st := state(pid)) not in want and time.monotonic() < deadline:
         time.sleep(0.02)

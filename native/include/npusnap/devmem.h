@@ -61,7 +61,7 @@ void npusnap_devmem_get_info(npusnap_devmem_info *out);
 int npusnap_devmem_register(void *dev_ptr, size_t size);
 int npusnap_devmem_exclude(void *dev_ptr, size_t size);
 
-/* Added: how many allocations came from npusnap_devmem_register. */
+/* How many allocations came from npusnap_devmem_register (the agent's status reports it). */
 uint64_t npusnap_devmem_registered_count(void);
 
 /* The device ids the job opened (aclrtSetDevice / its contexts followed, not yet reset); writes

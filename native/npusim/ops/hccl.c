@@ -42,6 +42,7 @@
 #include <unistd.h>
 
 #include "npusnap/contract.h"
+#include "npusnap/timeutil.h"
 #include "ops_abi.h"
 
 #define API __attribute__((visibility("default")))
@@ -135,12 +136,6 @@ static struct listener {
     struct listener *next;
 } *g_listeners;
 static void *g_bin, *g_func;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 /* A positive number from the environment (seconds, MiB), or the default. */
 static double env_positive(const char *name, double dflt) {

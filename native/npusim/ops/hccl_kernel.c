@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "../npusim_kernel.h"
+#include "npusnap/timeutil.h"
 #include "ops_abi.h"
 
 #define KAPI __attribute__((visibility("default")))
@@ -34,12 +35,6 @@
 #define KERR_COMM 4 /* the communicator was invalidated (a restore) before the kernel ran */
 #define HCCL_E_UNAVAIL 7
 #define HCCL_E_TIMEOUT 9
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 static void futex_wake(_Atomic uint32_t *w) { syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
 

@@ -1,6 +1,6 @@
 # The simulated CANN tree's operator library, collectives and their kernel binaries, added to every
 # tree this Makefile builds (found through its libacl_rt.so in ALL). Included by ../Makefile.
-OPS_HDRS := ops/ops_abi.h npusim_kernel.h ../include/npusnap/contract.h
+OPS_HDRS := ops/ops_abi.h npusim_kernel.h ../include/npusnap/contract.h ../include/npusnap/timeutil.h
 OPS_KDIR := opp/built-in/op_impl/ai_core/tbe/kernel/npusim
 
 # $(call ops_tree,ROOT)

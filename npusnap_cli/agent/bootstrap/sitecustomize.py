@@ -22,7 +22,7 @@ def _start_agent() -> None:
         sys.path.insert(0, parent)
         added = parent
     try:
-        import npusnap_cli.agent
+        import npusnap_cli.agent  # lazy: only with NPUSNAP_AGENT=1, from NPUSNAP_PKG_PARENT
 
         npusnap_cli.agent.start()
     except Exception as exc:

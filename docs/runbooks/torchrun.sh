@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Runbook: Snapshot a torchrun job (torchrun.md).
+#
+# GENERATED from torchrun.md by scripts/runbooks.py: edit the page, then run that script.
+# The body below is the page's ```bash blocks, in order, exactly as an operator pastes them into
+# an interactive shell. This prologue only adds what a test needs: a scratch directory (removed at
+# the end), `set -euo pipefail` (a check on the page that does not hold stops the run), and
+# killing the jobs the page started. Run it as root, from anywhere:
+#
+#     NPUSNAP=/path/to/npusnap/.venv/bin/npusnap torchrun.sh
+#
+# NPUSNAP: the npusnap to use (its directory goes first on PATH, so `python3` is its Python too).
+set -euo pipefail
+if [ -n "${NPUSNAP:-}" ]; then
+    case $NPUSNAP in
+    */*) PATH=$(cd "$(dirname "$NPUSNAP")" && pwd):$PATH ;;
+    esac
+fi
+RUNBOOK_DIR=$(mktemp -d /tmp/npusnap-runbook.XXXXXX)
+SIM_WAS_RUNNING=$(npusnap --json sim status |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["result"]["running"])')
+runbook_cleanup() {
+    local rc=$? f p
+    cd /
+    # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
+    for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    p=${PID:-}
+    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+        kill -9 "$p" 2>/dev/null || true
+    fi
+    # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
+    # they left: the containers of a runtime whose state is in the scratch directory (processes in
+    # a cgroup named after one of its tasks: they outlive their shims), runtime shims (their
+    # command line names the scratch directory), then mounts under it.
+    tasks=$(find "$RUNBOOK_DIR" -path '*/*.runtime.v2.task/*/*' -prune -printf '%f\n' 2>/dev/null)
+    for id in $tasks; do
+        for p in $(grep -lsF -- "$id" /proc/[0-9]*/cgroup | cut -d/ -f3); do
+            kill -9 "$p" 2>/dev/null || true
+        done
+    done
+    for f in $(find "$RUNBOOK_DIR" -name '*.service.pid' 2>/dev/null); do
+        p=$(cat "$f" 2>/dev/null) || continue
+        kill "$p" 2>/dev/null || true
+        for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    done
+    for p in $(ls /proc | grep -E '^[0-9]+$'); do
+        if grep -qsaF -- "$RUNBOOK_DIR/" "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+    done
+    for m in $(awk -v d="$RUNBOOK_DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r); do
+        umount -l "$m" 2>/dev/null || true
+    done
+    if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
+    # Simulators the page started for other users, with their sockets in the scratch directory.
+    for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
+        NPUSIM_SOCKET=$f npusnap sim stop >/dev/null 2>&1 || true
+    done
+    rm -rf "$RUNBOOK_DIR"
+    if [ $rc -ne 0 ]; then echo "FAILED (exit $rc)" >&2; fi
+    exit $rc
+}
+trap runbook_cleanup EXIT
+trap 'exit 130' INT TERM
+cd "$RUNBOOK_DIR"
+
+# --- block 1 ---
+npusnap sim start
+eval "$(npusnap sim env)"
+TRAIN=$(python3 -c 'import npusnap_cli.workloads.torch_ranks as m; print(m.__file__)')
+
+# --- block 2 ---
+torchrun --standalone --nproc-per-node 2 "$TRAIN" --steps 30 --interval 0 >reference.log
+grep -c '^\[rank' reference.log
+
+# --- block 3 ---
+PID=$(npusnap run --no-io-uring --detach --pidfile job.pid --output job.log -- \
+    torchrun --standalone --nproc-per-node 2 "$TRAIN" --steps 30 --interval 0.1)
+echo "torchrun pid $PID"
+timeout 60 sh -c 'until grep -q "^\[rank 1\] step 5 " job.log; do sleep 0.1; done'
+
+# --- block 4 ---
+grep Seccomp: /proc/"$PID"/status
+for p in "$PID" $(pgrep -P "$PID"); do
+    echo "pid $p: $(ls -l /proc/"$p"/fd | grep -c io_uring) io_uring"
+    [ "$(ls -l /proc/"$p"/fd | grep -c io_uring)" -eq 0 ]
+done
+
+# --- block 5 ---
+npusnap dump "$PID" job-img --tcp-established
+
+# --- block 6 ---
+timeout 10 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
+npusnap restore job-img
+timeout 60 sh -c "while [ -e /proc/$PID ]; do sleep 0.2; done"
+
+# --- block 7 ---
+for r in 0 1; do
+    grep "^\[rank $r\]" reference.log >ref-$r.txt
+    grep "^\[rank $r\]" job.log >got-$r.txt
+    cmp ref-$r.txt got-$r.txt
+    echo "rank $r: the same $(wc -l <got-$r.txt) lines"
+done
+
+echo OK
