@@ -13,6 +13,7 @@ from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
 from npusnap_cli.errors import UsageError
+from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:
     from npusnap_cli.ui import Output
@@ -164,10 +165,9 @@ def register(app: typer.Typer) -> None:
         afterwards; with --leave-running it keeps running. Any failure rolls every process back
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
-        from npusnap_cli import criu
-        from npusnap_cli.host import oplog
-        from npusnap_cli.pipelines import dump as dump_mod
-        from npusnap_cli.ui import human_bytes
+        from npusnap_cli import criu  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.pipelines import dump as dump_mod  # lazy: --help cost (check_imports.py --costs)
 
         if network_lock is not None and network_lock not in criu.NETWORK_LOCKS:
             raise UsageError(
@@ -208,7 +208,7 @@ def register(app: typer.Typer) -> None:
         pids = list(pids or [])
         net = jobcmd.net_options(coordinator, node, nodes)
         if slurm_job is not None:
-            from npusnap_cli.pipelines import slurm
+            from npusnap_cli.pipelines import slurm  # lazy: --help cost (check_imports.py --costs)
 
             if pids:
                 raise UsageError(
@@ -308,8 +308,7 @@ def register(app: typer.Typer) -> None:
 
 def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
     """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
-    from npusnap_cli.image import archive
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
     bars = ProgressBars(out)
     done = [0]
@@ -330,7 +329,7 @@ def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
 def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
-    from npusnap_cli.image import imagestore
+    from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
     done: dict[str, Any] = {"latest": None, "removed": []}
     if latest:

@@ -1,4 +1,5 @@
-"""The job-image side of `dump`, `restore`, `inspect` and `verify` (jobsnap.py; docs/distributed.md).
+"""The job-image side of `dump` and `restore` (jobsnap.py; docs/distributed.md); `inspect` and
+`verify` show a job image themselves (commands/inspect.py).
 
 The commands call these for several PIDs (dump) or for a job image, which ``image.open`` tells
 apart from the other kinds (``Kind.JOB``: ``npusnap-job.json``, image/job.py).
@@ -13,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from npusnap_cli.commands._progress import fmt_s
 from npusnap_cli.errors import UsageError
+from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
-    from npusnap_cli.image import OpenedImage
     from npusnap_cli.pipelines.callbacks import PipelineCallbacks
     from npusnap_cli.pipelines.dump import DumpOptions
     from npusnap_cli.pipelines.netcoord import NetLink
@@ -27,7 +28,7 @@ NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
 
 def net_options(coordinator: Optional[str], node: int, nodes: int) -> Optional[NetSpec]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
-    from npusnap_cli.pipelines import netcoord
+    from npusnap_cli.pipelines import netcoord  # lazy: --help cost (check_imports.py --costs)
 
     if coordinator is None:
         if nodes > 1 or node > 0:
@@ -44,7 +45,7 @@ def _net(spec: Optional[NetSpec], phases: tuple[str, ...]) -> Iterator[Optional[
     if spec is None:
         yield None
         return
-    from npusnap_cli.pipelines import jobsnap, netcoord
+    from npusnap_cli.pipelines import jobsnap, netcoord  # lazy: --help cost (check_imports.py --costs)
 
     addr, node, nodes = spec
     server = (
@@ -69,8 +70,7 @@ def dump_job(
     callbacks: PipelineCallbacks,
     net: Optional[NetSpec] = None,
 ) -> None:
-    from npusnap_cli.pipelines import jobsnap
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.PHASES) as link:
         result = jobsnap.dump_job(
@@ -130,7 +130,7 @@ def restore_job(
     rank_netns: dict[int, str],
     net: Optional[NetSpec] = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    from npusnap_cli.pipelines import jobsnap
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:
         result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
@@ -165,7 +165,7 @@ def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: b
     if not wait:
         out.result(data)
         return None
-    from npusnap_cli.pipelines import jobsnap
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     out.info(f"waiting for pid(s) {', '.join(map(str, roots))} to exit (signals are forwarded)")
     codes = jobsnap.wait_for_exit(roots, out.warn)
@@ -175,65 +175,3 @@ def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: b
     code = 0 if not failed else (failed[0] if failed[0] > 0 else 128 - failed[0])
     out.result(data, exit_code=code)
     return code
-
-
-def inspect_job(out: Output, ref: OpenedImage) -> None:
-    from npusnap_cli import image
-    from npusnap_cli.commands import inspect as inspect_cmd
-    from npusnap_cli.ui import human_bytes
-
-    directory = ref.path
-    job = ref.require_job()
-    rows = []
-    ranks = []
-    for r in job.ranks:
-        m = image.load_manifest(Path(directory) / r.dir)
-        rows.append(
-            [
-                str(r.rank),
-                f"{r.dir}/",
-                str(r.pid),
-                " ".join(map(str, r.npu_pids)),
-                ",".join(str(d) for p in m.npu_processes for d in p.devices) or "-",
-                r.netns_path or r.netns or "(npusnap's)",
-                human_bytes(m.bytes.image_bytes),
-            ]
-        )
-        ranks.append(
-            {**r.to_dict(), "manifest": m.to_dict(), "criu": inspect_cmd.criu_detail(Path(directory) / r.dir)}
-        )
-    out.kv(
-        f"job image {directory}",
-        {
-            "created": job.created_at,
-            "npusnap": job.tool,
-            "ranks": len(job.ranks),
-            "originals left running": "yes" if job.leave_running else "no",
-        },
-    )
-    out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
-    for r, data in zip(job.ranks, ranks):
-        inspect_cmd.show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ")
-    out.line(
-        f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
-        f"check the whole job: `npusnap verify {directory}`"
-    )
-    out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
-
-
-def verify_job(
-    out: Output, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
-) -> None:
-    from npusnap_cli.image import job
-    from npusnap_cli.ui import human_bytes
-
-    directory = ref.path
-    _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
-    files = sum(r.files_checked for r in result.ranks)
-    nbytes = sum(r.bytes_checked for r in result.ranks)
-    what = "sizes and checksums" if checksums else "sizes (checksums skipped)"
-    out.ok(
-        f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
-        f"{files} files, {human_bytes(nbytes)}: {what} match"
-    )
-    out.result(result.to_dict())

@@ -73,7 +73,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import procfs, proctree, tcpunlock
+from npusnap_cli.host import pidns, procfs, proctree, tcpunlock
 from npusnap_cli.image import digest as dg
 from npusnap_cli.image.job import (
     JOB_MANIFEST,
@@ -469,8 +469,6 @@ def _dump_job_once(
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
-    from npusnap_cli.host import pidns
-
     pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
