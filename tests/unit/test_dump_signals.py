@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import ExitCode, InterruptedError_, PreflightError
-from npusnap_cli.pipelines import dump, engine
+from npusnap_cli.pipelines import dump, engine, jobsnap
 
 
 def test_signal_guard_defers_then_raises_and_restores_handlers() -> None:
@@ -89,3 +89,19 @@ def test_criu_options_are_the_dump_options_as_given_plus_the_dumps_own() -> None
     assert c.leave_running and not c.leave_stopped and c.network_lock == "iptables"
     tcp = dump.DumpOptions(criu=CriuOptions(tcp_established=True)).criu_for((me,))
     assert tcp.network_lock is None  # CRIU's own method locks the connections
+
+
+def test_the_rollback_resumes_the_tree_before_the_devices_and_discards_the_image_last() -> None:
+    """The engine undoes the dump's steps in reverse: CRIU's stopped tree runs again first (its
+    agents cannot answer the device rollback while SIGSTOP holds them), then the devices are
+    rolled back, the agents' connections closed, the partial image removed. Nothing is undone
+    past the kill of the original (a commit), and a signal after the publish no longer rolls back."""
+    undos = [s.undo for s in reversed(dump.STEPS) if s.undo is not None]
+    assert undos == [dump._resume, dump._roll_back_devices, dump._disconnect, dump._discard]
+    at = {s.name: i for i, s in enumerate(dump.STEPS)}
+    assert at["work area"] < at["connect"] < at["lock+backup"] < at["criu"] < at["publish"]
+    by_name = {s.name: s for s in dump.STEPS}
+    assert by_name["publish"].finishing and not by_name["publish"].commit
+    assert by_name["stop original"].commit
+    # A job dump's barriers are its phases (jobsnap.JobCoordinator), in the steps' order.
+    assert tuple(s.barrier for s in dump.STEPS if s.barrier) == jobsnap.PHASES
