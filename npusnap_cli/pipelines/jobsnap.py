@@ -723,6 +723,7 @@ RANK_STEPS: tuple[engine.Step[RankState], ...] = (
     engine.Step("hold resets", _hold_resets, lambda st, _e: _release_resets(st), barrier="verified"),
     restore.HOST_NODES,
     restore.PUT_BACK,
+    # (no restore.DEVICE_VIEW: --device-map is refused for job images)
     restore.PID_NS_VIEW,
     restore.LAZY_DAEMON,
     restore.STOP_GUARD,

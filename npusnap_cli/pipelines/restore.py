@@ -905,6 +905,14 @@ def _start_stop_guard(st: RestoreState) -> None:
         st.stop_guard = restoreguard.restore_stop_guard()
 
 
+def _enter_device_view(st: RestoreState) -> None:
+    """--device-map: CRIU, and so the tree, start in a container of the simulated NPU holding
+    the mapped devices (host/pidns.py)."""
+    if st.options.device_map:
+        held = pidns.enter_device_view(st.manifest, st.options.device_map)
+        st.cb.note(f"the restored tree runs in a container of the simulated NPU holding device(s) {held}")
+
+
 def _make_view(st: RestoreState) -> None:
     """A --pid-ns image: the CRIU image directory as this copy restores it (host/pidns.py)."""
     if st.manifest.pid_ns:
@@ -961,14 +969,12 @@ def _finish_stop_guard(st: RestoreState, _err: Optional[BaseException] = None) -
 
 
 def _release(st: RestoreState) -> None:
-    """A --pid-ns copy's host pids (and devices); then the stopped tree runs once verified."""
+    """A --pid-ns copy's host pids; then the stopped tree runs once verified."""
     root_pid = st.restored.pid
     try:
         if st.manifest.pid_ns:  # from here on, the restored copy's host pids
             st.manifest, moved = pidns.translate(st.manifest, root_pid)
             st.device_memory_files = {moved.get(k, k): v for k, v in st.device_memory_files.items()}
-            if st.options.device_map:  # before any Restore claims a device (the tree is locked)
-                pidns.apply_device_map(root_pid, st.options.device_map)
         if st.lazy is not None:
             st.lazy.criu_log = st.restored.log_path
             st.lazy.guard()
@@ -1063,6 +1069,7 @@ def _criu_phase(st: RestoreState) -> str:
     return "criu restore" + (" (lazy pages)" if st.options.lazy else "")
 
 
+DEVICE_VIEW: Step[RestoreState] = Step("device view", _enter_device_view, checkpoint=UNTOUCHED)
 # These three make what CRIU's restore needs, each only where it applies (and announce its phase).
 PID_NS_VIEW: Step[RestoreState] = Step(
     "pid-ns view", _make_view, _drop_view, phase=_criu_phase, checkpoint=UNTOUCHED
@@ -1087,6 +1094,7 @@ STEPS: tuple[Step[RestoreState], ...] = (
     OPEN_FILES,
     HOST_NODES,
     PUT_BACK,
+    DEVICE_VIEW,
     PID_NS_VIEW,
     LAZY_DAEMON,
     STOP_GUARD,
