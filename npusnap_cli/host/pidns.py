@@ -247,6 +247,17 @@ def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> 
             fix="restore the image inside a container that holds the wanted device "
             '(docs/runbooks/replicas.md, "On a real node")',
         )
+    listed = sorted({p.visible_devices for p in manifest.npu_processes if p.visible_devices is not None})
+    if listed:
+        raise PreflightError(
+            f"--device-map cannot move this job: it ran with ASCEND_RT_VISIBLE_DEVICES={listed[0]}",
+            why="the runtime read that list when it started and keeps it in the job's memory, so a "
+            "restored copy still asks the driver for the devices the list names, which the container "
+            "--device-map makes does not hold: its Restore would fail (507909) and leave it locked",
+            fix="restore without --device-map (the image's devices must be free), or start such jobs "
+            "without ASCEND_RT_VISIBLE_DEVICES and give each its device through its container",
+            details={"visible_devices": listed},
+        )
     container_devices(manifest, device_map)
 
 

@@ -1068,6 +1068,12 @@ def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
         s.host_nodes = tuple(hostres.find_host_nodes(pids, paths))
 
 
+def _visible_devices(hello: Optional[dict[str, Any]]) -> Optional[str]:
+    acl = (hello or {}).get("acl")
+    value = acl.get("visible_devices") if isinstance(acl, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _devices(s: DumpState, pid: int) -> list[int]:
     """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
     callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
@@ -1221,6 +1227,7 @@ def _manifest(s: DumpState) -> img.Manifest:
                 device_bytes=nbytes,
                 agent_socket=p.agent_socket,
                 lock_token=s.lock_tokens.get(p.pid),
+                visible_devices=_visible_devices(s.hello.get(p.pid)),
             )
         )
     results = s.lock_results

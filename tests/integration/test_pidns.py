@@ -185,6 +185,10 @@ def test_a_job_with_visible_devices_keeps_them_across_a_restore(
         rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"))
         assert rc == 0 and res is not None, (res or {}).get("error") or err
         at = len(lines(out))
+        # Its list stays in its memory: another device is refused before anything is restored.
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"), "--device-map", "0=2")
+        assert rc == 3 and res is not None, err
+        assert "ASCEND_RT_VISIBLE_DEVICES=1" in res["error"]["message"], res["error"]
         rc, res, err = cli(env, "restore", str(tmp_path / "img"))
         assert rc == 0 and res is not None, (res or {}).get("error") or err
         restored = int(res["result"]["root_pid"])
