@@ -17,4 +17,5 @@ lint: setup
 	.venv/bin/mypy
 	.venv/bin/python scripts/gencontract.py --check
 	.venv/bin/python scripts/check_imports.py
+	.venv/bin/python scripts/check_layers.py --check-doc
 	.venv/bin/python scripts/runbooks.py --check

@@ -9,6 +9,7 @@ echo "== ruff format --check"; $V/ruff format --check npusnap_cli tests bench
 echo "== mypy (strict)"; $V/mypy
 echo "== generated contract (native/contract/npusnap.toml) fresh"; $V/python scripts/gencontract.py --check
 echo "== no function-local imports of npusnap_cli without a reason"; $V/python scripts/check_imports.py
+echo "== floors: no import points up, no cycles, docs/internals.md drawn from the code"; $V/python scripts/check_layers.py --check-doc
 echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== pytest"
