@@ -222,7 +222,8 @@ def draw(mods: dict[str, Path], graph: dict[str, set[str]]) -> str:
                 continue
             lines.append(f"     {pkg + '/: ' if pkg else ''}{text}")
         if below:
-            uses = ", ".join(f"{f} ({n})" for f, n in sorted(below.items(), key=lambda kv: -kv[1]))
+            # the floors only, not how many arrows: the drawing changes when the house does
+            uses = ", ".join(f for f, *_ in reversed(FLOORS[:i]) if f in below)
             lines.append(f"     uses: {uses}")
     lines.append("```")
     return "\n".join(lines) + "\n"

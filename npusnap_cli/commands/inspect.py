@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.errors import NpusnapError
+from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:
     from npusnap_cli.image import OpenedImage
@@ -44,9 +46,8 @@ def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> 
     """What CRIU saved (files, sockets, mounts, statistics) for an image directory, an archive
     (``archive``) or a container checkpoint (``container``: its PluginCheckpoint); None when its
     CRIU images cannot be read (never fails the inspect)."""
-    from npusnap_cli import image
-    from npusnap_cli.errors import NpusnapError
-    from npusnap_cli.image import criudetail
+    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
+    from npusnap_cli.image import criudetail  # lazy: --help cost (check_imports.py --costs)
 
     try:
         if container is not None:
@@ -63,7 +64,6 @@ def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> 
 
 def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
     """The files, sockets, mounts and CRIU statistics tables (as checkpointctl shows them)."""
-    from npusnap_cli.ui import human_bytes
 
     if detail is None:
         out.warn(f"{label}CRIU's images could not be read: no files, sockets or statistics to show")
@@ -137,7 +137,7 @@ def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
 
 def _show_k8s_job(out: Any, directory: Path) -> None:
     """A directory written by `npusnap k8s checkpoint`: its manifest and one archive per member."""
-    from npusnap_cli.k8s import jobcheckpoint as jc
+    from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
 
     manifest = jc.read_manifest(directory)
     out.kv(
@@ -167,7 +167,6 @@ def _show_k8s_job(out: Any, directory: Path) -> None:
 
 def _show_container(out: Any, directory: Path, ckpt: Any) -> None:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, containerd, plain criu)."""
-    from npusnap_cli.ui import human_bytes
 
     summary = ckpt.summary()
     out.kv(
@@ -196,8 +195,7 @@ def _show_container(out: Any, directory: Path, ckpt: Any) -> None:
 
 def _show_image(out: Any, ref: OpenedImage) -> None:
     """An image directory or archive: its manifest, process tree, timings and what CRIU saved."""
-    from npusnap_cli import image
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     manifest = ref.require_manifest()
@@ -269,8 +267,7 @@ def _show_image(out: Any, ref: OpenedImage) -> None:
 
 
 def _inspect_job(out: Any, ref: OpenedImage) -> None:
-    from npusnap_cli import image
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     job = ref.require_job()
@@ -312,8 +309,7 @@ def _inspect_job(out: Any, ref: OpenedImage) -> None:
 def _verify_job(
     out: Any, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
 ) -> None:
-    from npusnap_cli.image import job
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.image import job  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
@@ -341,7 +337,7 @@ def register(app: typer.Typer) -> None:
         """Show what an image holds: processes, devices, sizes, versions, per-phase timings, and
         what CRIU saved: open files, sockets, mounts and CRIU's statistics (pages scanned and
         written), as checkpointctl does."""
-        from npusnap_cli import image
+        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "inspect", json_flag)
         ref = image.open(directory)
@@ -379,20 +375,19 @@ def register(app: typer.Typer) -> None:
 
         Exits non-zero (the image error code) on any mismatch and names the file.
         """
-        from npusnap_cli import image
-        from npusnap_cli.ui import human_bytes
+        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "verify", json_flag)
         ref = image.open(directory)
         if ref.kind is image.Kind.K8S_JOB:
-            from npusnap_cli.k8s import jobcheckpoint as jc
+            from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
 
             res = jc.verify_job(ref.path)
             out.ok(f"{ref.path}: job checkpoint, {res['members']} archives match the job manifest")
             out.result(res)
             return
         if ref.kind is image.Kind.CONTAINER:
-            from npusnap_cli.image import containers
+            from npusnap_cli.image import containers  # lazy: --help cost (check_imports.py --costs)
 
             res = containers.verify(ref.require_container(), checksums=not no_checksums)
             what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
@@ -409,7 +404,7 @@ def register(app: typer.Typer) -> None:
         total = sum(f.size for f in ref.require_manifest().files)
         with out.progress("verifying", total) as bar:
             if ref.kind is image.Kind.ARCHIVE:
-                from npusnap_cli.image import archive
+                from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
                 result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
             else:

@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
+from npusnap_cli.errors import UsageError
 
 if TYPE_CHECKING:  # the pipeline is imported when a restore runs, not at every start
     from npusnap_cli.image import OpenedImage
@@ -157,20 +160,21 @@ def register(app: typer.Typer) -> None:
         and every NPU process gets its device state back and is unlocked. If that last step
         fails for a process, it stays locked and the error says how to retry.
         """
-        from npusnap_cli.commands._progress import ProgressBars, fmt_s
-        from npusnap_cli.host import oplog
-        from npusnap_cli.pipelines import restore as restore_mod
+        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.pipelines import (
+            restore as restore_mod,  # lazy: --help cost (check_imports.py --costs)
+        )
 
         out = output(ctx, "restore", json_flag)
         bars = ProgressBars(out)
         if import_from is not None:
             if dry_run:
-                from npusnap_cli.errors import UsageError
-
                 raise UsageError(
                     "--dry-run does not import", fix=f"import first: npusnap import {import_from} {directory}"
                 )
-            from npusnap_cli.commands.images import import_into
+            from npusnap_cli.commands.images import (
+                import_into,  # lazy: --help cost (check_imports.py --costs)
+            )
 
             import_into(out, import_from, directory, force=False)
 
@@ -183,18 +187,18 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
-        from npusnap_cli import image
-        from npusnap_cli.host import pidns
+        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.host import pidns  # lazy: --help cost (check_imports.py --costs)
 
         maps = [pidns.parse_device_map(m) for m in device_map or []]
         ref = image.open(directory)
         ref.require_restorable()
         if replicas > 1:
-            from npusnap_cli.pipelines import replicas as replicas_mod
+            from npusnap_cli.pipelines import (
+                replicas as replicas_mod,  # lazy: --help cost (check_imports.py --costs)
+            )
 
             if dry_run:
-                from npusnap_cli.errors import UsageError
-
                 raise UsageError(
                     "--dry-run checks one restore, not --replicas",
                     fix="check one copy: npusnap restore DIR --dry-run --device-map ... (the first copy's)",
@@ -235,8 +239,6 @@ def register(app: typer.Typer) -> None:
             out.result({"image": str(directory), "replicas": [r.__dict__ for r in results]})
             return None
         if len(maps) > 1:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError("--device-map is given more than once without --replicas", fix="give it once")
         options = restore_mod.RestoreOptions(
             device_map=maps[0] if maps else (),
@@ -257,18 +259,12 @@ def register(app: typer.Typer) -> None:
             return _dry_run(out, ref, options)
         restore_mod.become_subreaper()
         if ref.kind is image.Kind.JOB:
-            from npusnap_cli.commands import jobcmd
-
             if lazy:
-                from npusnap_cli.errors import UsageError
-
                 raise UsageError(
                     "--lazy is not supported for job images (several ranks) yet",
                     fix="restore the job image without --lazy",
                 )
             if options.device_map or options.output is not None:
-                from npusnap_cli.errors import UsageError
-
                 raise UsageError(
                     "--device-map and --output are not supported for job images (several ranks) yet",
                     why="a job restore would otherwise put every rank back on its own devices and "
@@ -292,8 +288,6 @@ def register(app: typer.Typer) -> None:
                 bars.close()
             return jobcmd.wait_and_report(out, roots, data, wait)
         if rank_netns or coordinator:
-            from npusnap_cli.errors import UsageError
-
             raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
             with oplog.operation("restore", [], str(directory)) as op:
@@ -347,11 +341,9 @@ def register(app: typer.Typer) -> None:
             out.line(f"pid written to {result.pidfile}")
         if result.criu_log:
             out.debug(f"CRIU's restore log: {result.criu_log}")
-            from npusnap_cli.commands._progress import show_log
 
             show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
-        from npusnap_cli.commands import jobcmd
 
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
@@ -360,7 +352,7 @@ def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 
-    from npusnap_cli.pipelines import restorecheck
+    from npusnap_cli.pipelines import restorecheck  # lazy: --help cost (check_imports.py --costs)
 
     o: Any = out
     directory = ref.given
