@@ -81,9 +81,10 @@ def is_alive(pid: int) -> bool:
 
 def stop_state(pid: int) -> Optional[tuple[str, int]]:
     """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
+    st = state(pid)
+    if st not in ("T", "t"):
+        return None
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            st = f.read().rsplit(")", 1)[1].split()[0]
         tracer = 0
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -91,7 +92,7 @@ def stop_state(pid: int) -> Optional[tuple[str, int]]:
                     tracer = int(line.split()[1])
     except (OSError, IndexError, ValueError):
         return None
-    return (st, tracer) if st in ("T", "t") else None
+    return (st, tracer)
 
 
 def session_id(pid: int) -> Optional[int]:
