@@ -411,6 +411,48 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
 # them in comments; bench/run.py does not measure them again: (choice, where, what was measured).
 DESIGN_MEASUREMENTS = (
     (
+        "device-memory files are hashed alongside CRIU only from 4 cores on",
+        "npusnap_cli/pipelines/dump.py `HASH_ALONGSIDE_CRIU_CORES`",
+        "2 cores, 4 interleaved pairs: 1 GiB frozen 0.60 against 0.65 s, dump 1.08 against 1.11 s; "
+        "4 GiB frozen 1.50 against 1.72 s, dump 2.76 against 2.83 s (alongside slower)",
+    ),
+    (
+        "CRIU's network lock is skipped where it would lock nothing",
+        "npusnap_cli/pipelines/dump.py `_unneeded_network_lock`",
+        "nftables table creation 0.1 s, a third of a small dump's CRIU time",
+    ),
+    (
+        "the device-memory files are verified on every core at restore",
+        "npusnap_cli/pipelines/restore.py (`device_checks`)",
+        "1 GiB: 0.28 s of the agents' waiting on one core",
+    ),
+    (
+        "files are hashed from a read-only mapping, not read into a buffer",
+        "npusnap_cli/image/digest.py `update_mapped`",
+        "0.27 against 0.43 s/GiB",
+    ),
+    (
+        "the disk is started on what CRIU wrote while it still writes (`sync_file_range`)",
+        "npusnap_cli/image/streamhash.py (module docstring)",
+        "1 GiB device memory, medians of 3: publish 0.91 s to 0.02 s, whole dump 2.3 s to 1.5 s",
+    ),
+    (
+        "the device-memory files' space is reserved before writeback follows the agents",
+        "npusnap_cli/image/streamhash.py `reserve`",
+        "1 GiB, medians of 4 interleaved: lock phase 0.97 s with writeback into unreserved blocks, "
+        "0.44 s without; C microbenchmark 0.65-0.81 s against 0.30-0.45 s into reserved blocks",
+    ),
+    (
+        "the last writeback request runs apart from the hashing",
+        "npusnap_cli/image/streamhash.py `WritebackFollower.finish`",
+        "4 GiB: the hashing waited 0.4 s behind it",
+    ),
+    (
+        "device-memory files are hashed on every core once CRIU is done",
+        "npusnap_cli/image/streamhash.py `FileHasher`",
+        "4 GiB: on one core the hash finished a second after the disk; two threads hash 1.9 times as fast",
+    ),
+    (
         "the device memory is reloaded from a mapping of its file, not read into a buffer",
         "native/agent/devmem.c `file_to_device`",
         "0.21 against 0.42 s/GiB (a microbenchmark)",

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
             "archive if its manifest parses. `npusnap verify IMAGE` checks one image fully.",
         ),
         quick: bool = typer.Option(
-            False, "--quick", hidden=True, help="The default now: no hashing (kept for old scripts)."
+            False, "--quick", hidden=True, help="No hashing: the default (accepted for scripts that pass it)."
         ),
         valid_only: bool = typer.Option(False, "--valid", help="List only the valid images."),
         paths_only: bool = typer.Option(

@@ -11,18 +11,15 @@ the follower could not vouch for (one that shrank, or that it never saw).
 Having hashed a range, the follower also asks the kernel to start writing it to disk
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait): the disk then works while the
 agents and CRIU are still writing, instead of all at once in publish's fsync, which is left with
-the tail. At 1 GiB of device memory here, publishing (checksums, manifest, fsync, rename) went
-from 0.91 s to 0.02 s (medians of 3), the whole dump command from 2.3 s to 1.5 s.
+the tail, and publishing no longer waits for the disk (docs/benchmarks.md, "Measurements behind
+design choices").
 
 The agents' device-memory files are not written front to back (several threads each write a chunk
 at its place), so they are not hashed this way: ``FileHasher`` hashes them once written, on one
 core alongside CRIU where cores are to spare, on every core once CRIU is done (dump.py). While the
 agents write, ``WritebackFollower`` starts the disk on them. Their space is reserved first
-(``reserve``): writeback into a file whose blocks are still being allocated stalled the agents'
-writes, inside the job's frozen window (1 GiB here, medians of 4 interleaved: lock phase 0.97 s
-with writeback, 0.44 s without, and then publish waited for the disk, 0.82 against 0.01 s; a C
-microbenchmark of the same writes: 0.65-0.81 s with writeback, 0.30-0.45 s with writeback into
-reserved blocks).
+(``reserve``): writeback into a file whose blocks are still being allocated stalls the agents'
+writes, inside the job's frozen window.
 """
 
 from __future__ import annotations
@@ -237,7 +234,7 @@ class WritebackFollower:
     def finish(self) -> None:
         """The writers are done: one last round starts the disk on what they wrote since the last,
         on this thread, without waiting. That request may block a while (the disk is busy), and
-        the hashing must not wait behind it (at 4 GiB here it did, 0.4 s); ``stop`` later joins."""
+        the hashing must not wait behind it; ``stop`` later joins."""
         self._last_round = True
         self._stop.set()
 
@@ -251,11 +248,11 @@ class FileHasher:
     """Hashes complete files on a thread while the dump goes on; ``finish`` returns {path relative
     to ``root``: (size, digest)}. One core while CRIU runs (the other stays with CRIU, inside the
     job's frozen window). Every core from ``boost`` on, once CRIU is done and the job stays stopped
-    (a job left running has its cores back): at 4 GiB here, the device-memory file was still being
-    hashed on one core a second after the disk had written it."""
+    (a job left running has its cores back): on one core, the hash of a large device-memory file
+    finishes well after the disk has written it."""
 
     # A file half hashed on one core is hashed again from the start on every core only while what
-    # is done is less than half of what is left: two threads hash 1.9 times as fast here, less the
+    # is done is less than half of what is left: two threads hash almost twice as fast, less the
     # core the disk's writeback takes.
     RESTART_FRACTION = 0.5
 

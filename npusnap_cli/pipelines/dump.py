@@ -78,9 +78,8 @@ SPACE_MARGIN_BYTES = 16 << 20
 SPACE_MARGIN_FACTOR = 1.10
 # Cores from which the device-memory files are hashed alongside CRIU's dump: one for CRIU, one for
 # the hash, the rest for the disk's writeback and the kernel. With fewer they are hashed once CRIU
-# is done, on every core: on 2 cores here, hashing alongside slowed CRIU, and the job stayed frozen
-# longer for no shorter dump (1 GiB, 4 interleaved pairs: frozen 0.60 against 0.65 s, the whole
-# dump 1.08 against 1.11 s; 4 GiB: frozen 1.50 against 1.72 s, dump 2.76 against 2.83 s).
+# is done, on every core: with fewer cores, hashing alongside slows CRIU and keeps the job frozen
+# longer for no shorter dump (docs/benchmarks.md, "Measurements behind design choices").
 HASH_ALONGSIDE_CRIU_CORES = 4
 _POLL_S = 0.2
 
@@ -373,7 +372,7 @@ def _unneeded_network_lock(tree: tuple[ProcInfo, ...], tcp_established: bool) ->
     """``"skip"`` where CRIU's network lock would lock nothing, so that the dump does not pay for
     it: a tree wholly in this host's network namespace is locked one TCP connection at a time,
     which only --tcp-established dumps have, yet CRIU's nftables method still creates its table up
-    front (0.1 s here, a third of a small dump's CRIU time). None (CRIU's default method) for a
+    front, a large part of a small dump's CRIU time. None (CRIU's default method) for a
     tree in a network namespace of its own (CRIU locks the whole namespace) or with
     --tcp-established; a --network-lock on the command line always wins."""
     if tcp_established:

@@ -813,8 +813,7 @@ def _verify(st: RestoreState) -> None:
         others = [f for f in st.manifest.files if f not in device_entries]
         st.checksums = Checksums(st.image, advance, entries=others)
         # On every core: with the device memory kept poisoned by the simulator (or on a device),
-        # the agents' Restore answers at once, and this is what their reload waits for (1 GiB here:
-        # 0.28 s of waiting on one core).
+        # the agents' Restore answers at once, and this is what their reload waits for.
         st.device_checks = Checksums(st.image, advance, entries=device_entries, threads=digest.usable_cores())
     elif o.verify:
         st.checksums = Checksums(st.image, advance)
