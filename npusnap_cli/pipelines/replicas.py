@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
-from npusnap_cli.errors import NpusnapError, UsageError
+from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
+from npusnap_cli.host import hostres
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,20 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             why="CANN's Restore needs its device free of every other process: each copy needs a "
             "device of its own",
             fix="e.g. --replicas 2 --device-map 0=1 --device-map 0=2",
+        )
+    agents = [p.agent_socket for p in manifest.processes if p.agent_socket]
+    listeners = hostres.image_listeners(img.criu_dir(directory), agents)
+    if replicas > 1 and listeners:
+        raise PreflightError(
+            f"--replicas {replicas}: the job listens on unix socket path {listeners[0]}, which only "
+            "one copy can bind",
+            why="CRIU binds each restored unix socket at its dumped path, replacing the socket file, "
+            "and the path is in the job's memory too: the copies' clients would reach one another "
+            "(a DataLoader worker's multiprocessing listener under /tmp/pymp-*, usually)",
+            fix="restore one copy per host (or per container with a /tmp of its own), or run the "
+            "job so that nothing listens on a unix socket path when it is dumped (DataLoader: "
+            "num_workers=0)",
+            details={"listeners": listeners},
         )
     targets = [tuple(sorted(dict(m).values())) for m in device_maps]
     flat = [d for t in targets for d in t]

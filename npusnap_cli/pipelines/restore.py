@@ -694,6 +694,7 @@ def _restore_opened(
                 raise corrupt from None
         raise
     prepare_sockets(manifest)
+    hostres.check_listeners_free(img.criu_dir(final), [p.agent_socket for p in manifest.processes])
 
     to_put_back = hostres.check_put_back(
         manifest.host_files,
