@@ -70,6 +70,7 @@ class RestoreOptions:
     # (image device, device) pairs: restore onto other devices (a --pid-ns image, simulated NPU)
     device_map: tuple[tuple[int, int], ...] = ()
     output: Optional[Path] = None  # the job writes here instead of its stdout file (a copy's own)
+    tcp_close: bool = False  # established TCP connections restored closed (a copy beside the original)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,9 @@ def check_socket_dir(sock: Path, uid: int, st: os.stat_result) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> Any:
+def _criu_options(
+    manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = (), tcp_close: bool = False
+) -> Any:
     from npusnap_cli import criu
 
     o = manifest.criu_options
@@ -372,6 +375,7 @@ def _criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...
         link_remap=bool(o.get("link_remap", False)),
         network_lock=lock if lock in criu.NETWORK_LOCKS else None,
         inherit_fd=inherit_fd,
+        tcp_close=tcp_close,
     )
 
 
@@ -742,7 +746,7 @@ def _restore_opened(
                 str(view or img.criu_dir(final)),
                 str(logs),
                 options=replace(
-                    _criu_options(manifest, tuple(inherit)),
+                    _criu_options(manifest, tuple(inherit), options.tcp_close),
                     # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
                     leave_stopped=checksums is not None or lazy is not None,
                     lazy_pages=lazy is not None,

@@ -5,7 +5,8 @@ it to the device (aclrtMalloc + aclrtMemcpy), warm up (``--warmup`` full passes 
 weights on the device), then serve. It listens on 127.0.0.1:PORT with SO_REUSEPORT, as
 multi-process servers do, so that any number of copies (cold-started ones, or replicas restored
 from one image) share the port and the kernel spreads connections over them. A request is one
-line, ``infer N``; the answer is ``pid HOSTPID result CRC``: a checksum over a slice of the
+line, ``infer N``, and a connection may carry any number of them (keep-alive); the answer is
+``pid HOSTPID result CRC``: a checksum over a slice of the
 weights read back from the device, so that the copy answering is known (its host pid, read from
 /proc/self) and its weights are checked.
 
@@ -21,6 +22,7 @@ import ctypes
 import os
 import socket
 import sys
+import threading
 import zlib
 from typing import List, Optional
 
@@ -98,15 +100,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"serving on 127.0.0.1:{args.port} ({server.size} bytes of weights on device {args.device})",
         flush=True,
     )
+    lock = threading.Lock()  # one device copy at a time: the answers share the host buffer
     while True:
         conn, _ = sk.accept()
-        with conn:
-            try:
-                line = conn.makefile("r").readline().split()
+        threading.Thread(target=serve, args=(server, lock, conn), daemon=True).start()
+
+
+def serve(server: Server, lock: threading.Lock, conn: socket.socket) -> None:
+    """Answer requests on one connection until the client closes it (keep-alive clients send
+    many; a one-shot client sends one and closes)."""
+    with conn, conn.makefile("r") as lines:
+        try:
+            for raw in lines:
+                line = raw.split()
                 n = int(line[1]) if len(line) == 2 and line[0] == "infer" else 0
-                conn.sendall(f"pid {host_pid()} result {server.infer(n):08x}\n".encode())
-            except (OSError, ValueError, AclFailure) as exc:
-                print(f"infer: request failed: {exc}", file=sys.stderr, flush=True)
+                with lock:
+                    result = server.infer(n)
+                conn.sendall(f"pid {host_pid()} result {result:08x}\n".encode())
+        except (OSError, ValueError, AclFailure) as exc:
+            print(f"infer: request failed: {exc}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
