@@ -760,8 +760,21 @@ def live_listeners(wanted: Iterable[str]) -> dict[str, tuple[int, str]]:
     out: dict[str, tuple[int, str]] = {}
     for pid in pids:
         for ino in _socket_inodes(pid) & set(found):
-            out.setdefault(found[ino], (pid, _comm(pid)))
+            path = found[ino]
+            if path not in out and _same_file(path, pid):
+                out[path] = (pid, _comm(pid))
     return out
+
+
+def _same_file(path: str, pid: int) -> bool:
+    """Whether ``path`` here is the file ``path`` is for ``pid`` (which may see another /tmp: a
+    container's mount namespace)."""
+    try:
+        here = os.stat(path)
+        there = os.stat(f"/proc/{pid}/root{path}")
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def check_listeners_free(criu_dir: Path, agent_sockets: Iterable[Optional[str]]) -> list[str]:

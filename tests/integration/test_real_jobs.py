@@ -100,15 +100,17 @@ def loader_reference(sim_env: dict[str, str], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def neighbours(sim_env: dict[str, str], tmp_path: Path) -> Iterator[list[int]]:
-    """Other jobs on the node: train.py on devices 5 and 6 (no agent), and a CPU hog."""
+def neighbours(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> Iterator[list[int]]:
+    """Other jobs on the node: train.py on device 5 (under `npusnap run`: an agent of its own) and
+    on device 6 (no agent), and a CPU hog."""
     procs = []
     for dev in (5, 6):
+        launch = [NPUSNAP, "run", "--"] if dev == 5 else []
         with open(tmp_path / f"neighbour{dev}.out", "ab") as f:
             procs.append(
                 subprocess.Popen(
-                    [PY, TRAIN, *TRAIN_ARGS, "--steps", "0", "--device", str(dev)],
-                    env=sim_env,
+                    [*launch, PY, TRAIN, *TRAIN_ARGS, "--steps", "0", "--device", str(dev)],
+                    env=job_env(sim_env, runtime_dir),
                     stdout=f,
                     stderr=f,
                     start_new_session=True,
@@ -299,6 +301,11 @@ def test_inference_server_with_a_keep_alive_client_gives_four_replicas(
         img = str(tmp_path / "img")
         rc, res, err = cli(env, "dump", str(pid), img, "--leave-running", "--tcp-established")
         assert rc == 0 and res is not None, (res or {}).get("error") or err
+        # A neighbour's device is not free: refused before anything is touched (the neighbour
+        # with an agent names its device; one without is met by CANN's own check at Restore).
+        rc, res, err = cli(env, "restore", img, "--device-map", "0=5", "--tcp-close")
+        assert rc == ExitCode.BUSY and res is not None, err
+        assert str(neighbours[0]) in res["error"]["message"], res["error"]
         maps = [a for k in range(1, 5) for a in ("--device-map", f"0={k}")]
         rc, res, err = cli(
             env, "restore", img, "--replicas", "4", *maps, "--output", str(tmp_path / "r{n}.out")

@@ -145,3 +145,18 @@ def test_image_listeners_are_the_bound_listening_streams_but_the_agents(tmp_path
     assert got == ["/tmp/pymp-x/listener-y"]
     assert hostres.live_listeners(got) == {}
     assert hostres.image_listeners(tmp_path / "nothing") == []
+
+
+def test_live_listeners_names_the_process_listening_on_a_path(tmp_path: Path) -> None:
+    import socket
+
+    from npusnap_cli.host import hostres
+
+    path = str(tmp_path / "listener")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk:
+        sk.bind(path)
+        assert hostres.live_listeners([path]) == {}  # bound, not listening: nothing to take over
+        sk.listen(1)
+        got = hostres.live_listeners([path, str(tmp_path / "other")])
+        assert list(got) == [path] and got[path][0] == os.getpid(), got
+    assert hostres.live_listeners([path]) == {}  # closed: its file is stale
