@@ -416,10 +416,11 @@ def check_put_back(
                 "with --replace-tmpfs-files; then restore again",
                 details={"changed_file": f.path, "size_at_dump": f.size, "size_now": st.st_size},
             )
-        if not replace and not file_holders(f.path, st):
-            # Nobody has it open or mapped: what a job killed after its dump leaves (a spawn
-            # context's named semaphores, which its resource tracker did not live to unlink).
-            # The job it belongs to is the one being restored: it gets its dump-time copy back.
+        if not replace and _is_semaphore(f.path) and not file_holders(f.path, st):
+            # A POSIX semaphore nobody has open or mapped: what a job killed after its dump
+            # leaves (a spawn context's multiprocessing locks, which its resource tracker did not
+            # live to unlink). It is synchronisation state, not data, and the job it belongs to
+            # is the one being restored: it gets its dump-time value back.
             todo.append(f)
             continue
         if not replace:
@@ -433,6 +434,11 @@ def check_put_back(
             )
         todo.append(f)
     return todo
+
+
+def _is_semaphore(path: str) -> bool:
+    """A named POSIX semaphore: glibc's sem_open keeps ``NAME`` as /dev/shm/sem.NAME."""
+    return os.path.dirname(path) == "/dev/shm" and os.path.basename(path).startswith("sem.")
 
 
 def file_holders(path: str, st: os.stat_result) -> list[int]:
