@@ -383,3 +383,29 @@ def test_keep_alive_connection_follows_the_server_restored_after_a_kill(
             client.sock.close()
         kill(restored)
         kill(pid)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_the_agent_of_a_pid_ns_job_keeps_no_proc_file_open_while_it_ticks(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The agent's tick (every 100 ms) read /proc/self/stat; a dump that froze it between open and
+    close saved /proc/<host pid>/stat, which a --pid-ns job's restore cannot reopen (new host
+    pids): "Can't open file proc/N/stat on restore". Its tick now opens no file there."""
+    env = job_env(sim_env, runtime_dir)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *TRAIN_ARGS, "--steps", "400", "--interval", "0.5"])
+    try:
+        wait_until(lambda: "step 1 " in out.read_text(), 30, "a step")
+        p = subprocess.run(
+            ["timeout", "-s", "INT", "1.5", "strace", "-f", "-qq", "-e", "trace=open,openat", "-p", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert "strace: attach" not in p.stderr, p.stderr[-500:]  # it did trace the job
+        assert "/proc/self/stat" not in p.stderr, p.stderr[-1000:]
+        rc, _res, err = cli(env, "status", str(pid))  # a request still reads it: restore detection
+        assert rc == 0, err
+    finally:
+        kill(pid)
