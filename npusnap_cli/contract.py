@@ -44,11 +44,13 @@ ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_UNINITIALIZE = 100001
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_INVALID_DEVICEID = 107001
 ACL_ERROR_RT_CONTEXT_NULL = 107002
 ACL_ERROR_RT_STREAM_SUBSCRIBE = 107011
 ACL_ERROR_RT_THREAD_SUBSCRIBE = 107012
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_NO_DEVICE = 207004
 ACL_ERROR_RT_NO_PERMISSION = 207006
 ACL_ERROR_RT_STREAM_NOT_COMPLETE = 507004
 ACL_ERROR_RT_EVENT_NOT_COMPLETE = 507006
@@ -72,11 +74,13 @@ ACL_ERRORS: Dict[int, Tuple[str, str, str]] = {
     ACL_ERROR_UNINITIALIZE: ("ACL_ERROR_UNINITIALIZE", "runtime not initialised", "the process has not opened a device yet (aclInit/aclrtSetDevice)"),
     ACL_ERROR_REPEAT_INITIALIZE: ("ACL_ERROR_REPEAT_INITIALIZE", "runtime initialised twice", "aclInit was already called in this process"),
     ACL_ERROR_RT_PARAM_INVALID: ("ACL_ERROR_RT_PARAM_INVALID", "invalid value", "a NULL or unknown pointer, a bad size, an unknown device, a bad callback stage or an unregistered callback"),
+    ACL_ERROR_RT_INVALID_DEVICEID: ("ACL_ERROR_RT_INVALID_DEVICEID", "invalid device id", "the device id is past the devices this process sees (ASCEND_RT_VISIBLE_DEVICES, the container's devices)"),
     ACL_ERROR_RT_CONTEXT_NULL: ("ACL_ERROR_RT_CONTEXT_NULL", "no current device context", "this thread has not set a device (aclrtSetDevice)"),
     ACL_ERROR_RT_STREAM_SUBSCRIBE: ("ACL_ERROR_RT_STREAM_SUBSCRIBE", "stream not subscribed", "a host callback was launched on a stream no thread subscribed to (aclrtSubscribeReport)"),
     ACL_ERROR_RT_THREAD_SUBSCRIBE: ("ACL_ERROR_RT_THREAD_SUBSCRIBE", "thread not subscribed", "the thread is not the one subscribed to the stream's callbacks"),
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT: ("ACL_ERROR_RT_FEATURE_NOT_SUPPORT", "feature not supported", "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with CANN 8.5+ is needed); run `npusnap check`"),
     ACL_ERROR_RT_MEMORY_ALLOCATION: ("ACL_ERROR_RT_MEMORY_ALLOCATION", "device out of memory", "the device has no room for the allocation; free device memory or use a smaller size"),
+    ACL_ERROR_RT_NO_DEVICE: ("ACL_ERROR_RT_NO_DEVICE", "no device", "ASCEND_RT_VISIBLE_DEVICES names no device this process sees (ids must ascend, differ, and exist), or the container has no device"),
     ACL_ERROR_RT_NO_PERMISSION: ("ACL_ERROR_RT_NO_PERMISSION", "the driver refused the operation", "typically a restore without a backup; run `npusnap status {pid}`"),
     ACL_ERROR_RT_STREAM_NOT_COMPLETE: ("ACL_ERROR_RT_STREAM_NOT_COMPLETE", "stream not complete", "work queued on the stream has not finished yet: synchronize the stream"),
     ACL_ERROR_RT_EVENT_NOT_COMPLETE: ("ACL_ERROR_RT_EVENT_NOT_COMPLETE", "event not complete", "the event's record has not executed yet: synchronize the event first"),
@@ -258,7 +262,6 @@ SIM_OP_SHUTDOWN = 10
 SIM_OP_HAS = 11
 SIM_OP_CONFIG = 12
 SIM_OP_MAP = 13
-SIM_OP_NSMAP = 14
 SIM_CLAIM_EXCLUSIVE = 1
 SIM_CONFIG_KEEP_CONTENTS = 1
 SIM_CONFIG_DRIVER_SNAPSHOT = 2
@@ -430,11 +433,13 @@ C_INTS: Dict[str, int] = {
     "ACL_ERROR_UNINITIALIZE": ACL_ERROR_UNINITIALIZE,
     "ACL_ERROR_REPEAT_INITIALIZE": ACL_ERROR_REPEAT_INITIALIZE,
     "ACL_ERROR_RT_PARAM_INVALID": ACL_ERROR_RT_PARAM_INVALID,
+    "ACL_ERROR_RT_INVALID_DEVICEID": ACL_ERROR_RT_INVALID_DEVICEID,
     "ACL_ERROR_RT_CONTEXT_NULL": ACL_ERROR_RT_CONTEXT_NULL,
     "ACL_ERROR_RT_STREAM_SUBSCRIBE": ACL_ERROR_RT_STREAM_SUBSCRIBE,
     "ACL_ERROR_RT_THREAD_SUBSCRIBE": ACL_ERROR_RT_THREAD_SUBSCRIBE,
     "ACL_ERROR_RT_FEATURE_NOT_SUPPORT": ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     "ACL_ERROR_RT_MEMORY_ALLOCATION": ACL_ERROR_RT_MEMORY_ALLOCATION,
+    "ACL_ERROR_RT_NO_DEVICE": ACL_ERROR_RT_NO_DEVICE,
     "ACL_ERROR_RT_NO_PERMISSION": ACL_ERROR_RT_NO_PERMISSION,
     "ACL_ERROR_RT_STREAM_NOT_COMPLETE": ACL_ERROR_RT_STREAM_NOT_COMPLETE,
     "ACL_ERROR_RT_EVENT_NOT_COMPLETE": ACL_ERROR_RT_EVENT_NOT_COMPLETE,
@@ -481,7 +486,6 @@ C_INTS: Dict[str, int] = {
     "NPUSIM_OP_HAS": SIM_OP_HAS,
     "NPUSIM_OP_CONFIG": SIM_OP_CONFIG,
     "NPUSIM_OP_MAP": SIM_OP_MAP,
-    "NPUSIM_OP_NSMAP": SIM_OP_NSMAP,
     "NPUSIM_CLAIM_EXCLUSIVE": SIM_CLAIM_EXCLUSIVE,
     "NPUSIM_CONFIG_KEEP_CONTENTS": SIM_CONFIG_KEEP_CONTENTS,
     "NPUSIM_CONFIG_DRIVER_SNAPSHOT": SIM_CONFIG_DRIVER_SNAPSHOT,

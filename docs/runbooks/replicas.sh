@@ -88,20 +88,25 @@ npusnap import nodeB/img.tar.zst nodeB/img
 # --- block 3 ---
 NETNS=npusnap-nodeB-$$
 ip netns add "$NETNS"
-nsenter --net="/run/netns/$NETNS" npusnap restore nodeB/img --replicas 2 \
-    --device-map 0=1 --device-map 0=2 --pidfile 'replica-{n}.pid'
-R0=$(cat replica-0.pid); R1=$(cat replica-1.pid)
-grep NSpid "/proc/$R0/status" "/proc/$R1/status"
+nsenter --net="/run/netns/$NETNS" npusnap restore nodeB/img --replicas 3 \
+    --device-map 0=1 --device-map 0=2 --device-map 0=3 --pidfile 'replica-{n}.pid'
+R0=$(cat replica-0.pid); R1=$(cat replica-1.pid); R2=$(cat replica-2.pid)
+grep NSpid "/proc/$R0/status" "/proc/$R1/status" "/proc/$R2/status"
 [ "$(stat -L -c %i "/proc/$R0/ns/net")" = "$(stat -L -c %i "/run/netns/$NETNS")" ]
 npusnap status "$R1"
 npusnap --json sim status | python3 -c '
 import json, sys
-devices = {d["id"]: [o["pid"] for o in d["owners"]] for d in json.load(sys.stdin)["result"]["devices"]}
-print(devices)'
+st = json.load(sys.stdin)["result"]
+print({d["id"]: ([o["pid"] for o in d["owners"]], d["used"]) for d in st["devices"]})
+print({o["pid"]: o["visible_devices"] for o in st["owners"]})'
+# Each copy is in a container of the simulated NPU: its device nodes are its device's only, so
+# its device 0 (the id it uses, and keeps) is device 1, 2 or 3; the host still sees all four.
+ls "/proc/$R0/root$NPUSIM_SOCKET.dev" "/proc/$R2/root$NPUSIM_SOCKET.dev" "$NPUSIM_SOCKET.dev"
+[ "$(ls "/proc/$R1/root$NPUSIM_SOCKET.dev")" = davinci2 ]
 
 # --- block 4 ---
-for p in "$PID" "$R0" "$R1"; do timeout 60 sh -c "while [ -e /proc/$p ]; do sleep 0.1; done"; done
-[ "$(grep -c '^step 60 ' job.log)" -eq 3 ]
+for p in "$PID" "$R0" "$R1" "$R2"; do timeout 60 sh -c "while [ -e /proc/$p ]; do sleep 0.1; done"; done
+[ "$(grep -c '^step 60 ' job.log)" -eq 4 ]
 diff <(grep '^step' job.log | sort -u) <(grep '^step' reference.log | sort -u)
 ip netns del "$NETNS"
 

@@ -274,6 +274,36 @@ static int grow(void **arr, size_t *cap, size_t n, size_t elem) {
     return 0;
 }
 
+/* Allocations name the driver's device id (halMemAlloc's flag, halMemCreate's prop), the job's
+ * contexts its user id (aclrtSetDevice): ASCEND_RT_VISIBLE_DEVICES, a comma-separated ascending
+ * list of driver ids read by the runtime once at init, maps the user id (the index) to the driver
+ * id (runtime src/runtime/core/src/runtime.cc, GetVisibleDevices, ChgUserDevIdToDeviceId). Read
+ * here the same way; allocations are tracked under the user id. */
+static pthread_once_t g_vis_once = PTHREAD_ONCE_INIT;
+static int32_t g_vis[MAX_DEVS];
+static int g_nvis = -1; /* -1: the variable is unset, the ids are the same */
+
+static void vis_read(void) {
+    const char *p = getenv("ASCEND_RT_VISIBLE_DEVICES");
+    if (!p) return;
+    g_nvis = 0;
+    while (*p >= '0' && *p <= '9' && g_nvis < MAX_DEVS) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        g_vis[g_nvis++] = v > INT32_MAX ? -1 : (int32_t)v;
+        if (*end != ',') break;
+        p = end + 1;
+    }
+}
+
+static int32_t user_dev(int32_t drv) {
+    pthread_once(&g_vis_once, vis_read);
+    if (g_nvis < 0 || drv < 0) return drv;
+    for (int i = 0; i < g_nvis; i++)
+        if (g_vis[i] == drv) return i;
+    return -1;
+}
+
 /* g_mu held */
 static int add(uintptr_t p, size_t n, int32_t dev, int kind) {
     struct alloc *a = find(p);
@@ -319,7 +349,7 @@ API drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long lon
     drvError_t rc = fn(pp, size, flag);
     if (rc == 0 && pp && *pp) {
         pthread_mutex_lock(&g_mu);
-        note_oom(add((uintptr_t)*pp, (size_t)size, (int32_t)(flag & HAL_FLAG_DEVID_MASK), K_ALLOC));
+        note_oom(add((uintptr_t)*pp, (size_t)size, user_dev((int32_t)(flag & HAL_FLAG_DEVID_MASK)), K_ALLOC));
         pthread_mutex_unlock(&g_mu);
     }
     return rc;
@@ -366,7 +396,7 @@ API drvError_t halMemCreate(drv_mem_handle_t **handle, size_t size, const struct
     if (rc == 0 && handle && *handle) {
         pthread_mutex_lock(&g_mu);
         int g = grow((void **)&g_handles, &g_h_cap, g_nh, sizeof *g_handles);
-        if (g == 0) g_handles[g_nh++] = (struct handle){*handle, size, prop ? (int32_t)prop->devid : -1};
+        if (g == 0) g_handles[g_nh++] = (struct handle){*handle, size, prop ? user_dev((int32_t)prop->devid) : -1};
         note_oom(g);
         pthread_mutex_unlock(&g_mu);
     }

@@ -656,7 +656,25 @@ drvError_t drvMemAddressTranslate(DVdeviceptr vptr, UINT64 *pptr) {
     return DRV_ERROR_NONE;
 }
 
-/* Device memory totals from the daemon's status (its JSON: "id": N, "capacity": C, "used": U). */
+/* The device behind logical id ``logical`` in a status answer's "caller_devices", or -1. */
+static long caller_device(const char *buf, unsigned logical) {
+    const char *key = "\"caller_devices\": [";
+    const char *p = strstr(buf, key);
+    if (!p) return -1;
+    p += strlen(key);
+    for (unsigned i = 0; *p && *p != ']'; i++) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p) return -1;
+        if (i == logical) return v;
+        p = end;
+        while (*p == ',' || *p == ' ') p++;
+    }
+    return -1;
+}
+
+/* Device memory totals from the daemon's status (its JSON: "id": N, "capacity": C, "used": U) of
+ * the device that logical id ``device`` reaches for this process. */
 drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info) {
     if (!info || type != NPUSIM_MEM_INFO_TYPE_PHY_INFO || device >= MAX_DEV) return DRV_ERROR_INVALID_VALUE;
     static char buf[1 << 16];
@@ -666,8 +684,9 @@ drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info) {
     unsigned long long cap = 0, used = 0;
     if (rc == DRV_ERROR_NONE) {
         char key[48];
-        snprintf(key, sizeof key, "{\"id\": %u, \"capacity\": ", device);
-        const char *p = strstr(buf, key);
+        long phys = caller_device(buf, device);
+        snprintf(key, sizeof key, "{\"id\": %ld, \"capacity\": ", phys);
+        const char *p = phys >= 0 ? strstr(buf, key) : NULL;
         if (!p || sscanf(p + strlen(key), "%llu, \"used\": %llu", &cap, &used) != 2) rc = DRV_ERROR_INVALID_DEVICE;
     }
     pthread_mutex_unlock(&g_io);
@@ -681,7 +700,10 @@ drvError_t halMemGetInfo(unsigned int device, unsigned int type, void *info) {
     return rc;
 }
 
-/* The number of devices of the node: the daemon's device list. */
+/* The number of devices this process sees: those of its container (the device nodes its mount
+ * namespace holds, numbered from 0 in physical order; driver src/sdk_driver/pbl/uda/uda_access.c,
+ * devdrv_manager_get_devnum -> uda_get_cur_ns_dev_num), which the daemon answers as
+ * "caller_devices". */
 drvError_t drvGetDevNum(uint32_t *num_dev) {
     if (!num_dev) return DRV_ERROR_INVALID_VALUE;
     static char buf[1 << 16];
@@ -690,7 +712,14 @@ drvError_t drvGetDevNum(uint32_t *num_dev) {
     drvError_t rc = io_connect() == 0 ? DRV_ERROR_NONE : DRV_ERROR_NO_DEVICE;
     if (rc == DRV_ERROR_NONE) rc = status_to_drv(io_rpc(NPUSIM_OP_STATUS, -1, 0, 0, 0, buf, sizeof buf - 1, NULL));
     uint32_t n = 0;
-    for (const char *p = buf; rc == DRV_ERROR_NONE && (p = strstr(p, "{\"id\": ")) != NULL; p++) n++;
+    const char *p = rc == DRV_ERROR_NONE ? strstr(buf, "\"caller_devices\": [") : NULL;
+    if (p) {
+        p += strlen("\"caller_devices\": [");
+        for (; *p && *p != ']'; p++)
+            if (*p >= '0' && *p <= '9' && (p[1] < '0' || p[1] > '9')) n++;
+    } else if (rc == DRV_ERROR_NONE) {
+        rc = DRV_ERROR_NO_DEVICE;
+    }
     pthread_mutex_lock(&g_mu);
     int any = 0;
     for (int d = 0; d < MAX_DEV; d++) any |= g_open[d];

@@ -131,6 +131,80 @@ static int32_t drv_to_acl(drvError_t e) {
     }
 }
 
+/* ---------------------------------------------------------------- visible devices */
+
+/* ASCEND_RT_VISIBLE_DEVICES: the device ids a process names (user ids 0..n-1) are indexes into
+ * this list of the driver's logical ids, read once when the runtime starts. As the real runtime
+ * (runtime src/runtime/core/src/runtime.cc: SplitString, Runtime::GetVisibleDevices,
+ * ChgUserDevIdToDeviceId; src/runtime/api/impl/api_impl.cc: GetDeviceCount's retType;
+ * docs/zh/env_vars/ASCEND_RT_VISIBLE_DEVICES.md): digits separated by single commas, read up to
+ * the first other character or the first id the driver does not have; ids must ascend and differ,
+ * else no device is usable (ACL_ERROR_RT_NO_DEVICE); a user id past the list is
+ * ACL_ERROR_RT_INVALID_DEVICEID. The driver's logical ids are the devices of the process's
+ * container, in physical order (hal.c, drvGetDevNum); the variable lives in the process's memory, so a
+ * restored process keeps it. Everything above the driver layer (open devices, streams, callbacks,
+ * aclrtGetDevice) speaks user ids; only calls into hal.c speak logical ids. */
+static pthread_once_t g_vis_once = PTHREAD_ONCE_INIT;
+static int g_vis_set;            /* the variable is set */
+static int32_t g_vis_err;        /* the answer to every device call when the list is bad */
+static uint32_t g_vis_cnt;       /* user device count */
+static uint32_t g_vis_map[MAX_DEV]; /* user id -> driver logical id */
+
+static void vis_init(void) {
+    const char *in = getenv("ASCEND_RT_VISIBLE_DEVICES");
+    if (!in) return;
+    g_vis_set = 1;
+    uint32_t ndev = 0;
+    if (drvGetDevNum(&ndev) != DRV_ERROR_NONE || ndev > MAX_DEV) {
+        g_vis_err = ACL_ERROR_RT_NO_DEVICE;
+        return;
+    }
+    /* SplitString: digit runs; one comma between them; anything else ends the list */
+    uint32_t tok[MAX_DEV];
+    int ntok = 0;
+    const char *p = in;
+    if (*p >= '0' && *p <= '9') {
+        while (*p && ntok < MAX_DEV) {
+            char *end;
+            errno = 0;
+            unsigned long v = strtoul(p, &end, 10);
+            tok[ntok++] = (errno || v > UINT32_MAX) ? UINT32_MAX : (uint32_t)v;
+            p = end;
+            if (*p != ',' || !(p[1] >= '0' && p[1] <= '9')) break;
+            p++;
+        }
+    }
+    uint32_t n = 0;
+    for (int i = 0; i < ntok && n < ndev; i++) {
+        if (tok[i] >= ndev) break; /* an id the driver does not have ends the list */
+        if (n > 0 && tok[i] < g_vis_map[n - 1]) {
+            g_vis_err = ACL_ERROR_RT_NO_DEVICE; /* not ascending */
+            return;
+        }
+        for (uint32_t j = 0; j < n; j++)
+            if (g_vis_map[j] == tok[i]) {
+                g_vis_err = ACL_ERROR_RT_NO_DEVICE; /* duplicated */
+                return;
+            }
+        g_vis_map[n++] = tok[i];
+    }
+    if (n == 0) g_vis_err = ACL_ERROR_RT_NO_DEVICE;
+    g_vis_cnt = n;
+}
+
+/* The driver's logical id of user device ``user`` (ChgUserDevIdToDeviceId). */
+static int32_t drv_dev(int32_t user, uint32_t *out) {
+    pthread_once(&g_vis_once, vis_init);
+    if (user < 0 || user >= MAX_DEV) return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (!g_vis_set) {
+        *out = (uint32_t)user;
+        return ACL_SUCCESS;
+    }
+    if (g_vis_err != ACL_SUCCESS || (uint32_t)user >= g_vis_cnt) return ACL_ERROR_RT_INVALID_DEVICEID;
+    *out = g_vis_map[user];
+    return ACL_SUCCESS;
+}
+
 /* ---------------------------------------------------------------- the gate */
 
 /* GlobalStateManager::WaitIfLocked: a resource-changing call waits while LOCKED or BACKED_UP. */
@@ -538,9 +612,13 @@ __attribute__((destructor)) static void rt_fini(void) {
 /* ---------------------------------------------------------------- devices and contexts */
 
 RT_API rtError_t rtSetDevice(int32_t devId) {
-    if (devId < 0 || devId >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    uint32_t drv, ndev = 0;
+    int32_t rc = drv_dev(devId, &drv);
+    if (rc != ACL_SUCCESS) return rc;
+    /* a driver id past the driver's count: RT_ERROR_DEVICE_ID (api_error.cc, SetDevice) */
+    if (drvGetDevNum(&ndev) == DRV_ERROR_NONE && drv >= ndev) return ACL_ERROR_RT_INVALID_DEVICEID;
     gate();
-    int32_t rc = drv_to_acl(halDeviceOpen((uint32_t)devId, NULL, NULL));
+    rc = drv_to_acl(halDeviceOpen(drv, NULL, NULL));
     /* the device's default stream (NULL), one per device; g_defmu: one thread makes it */
     pthread_mutex_lock(&g_defmu);
     pthread_mutex_lock(&g_eng);
@@ -565,7 +643,9 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
 }
 
 RT_API rtError_t rtDeviceReset(int32_t devId) {
-    if (devId < 0 || devId >= MAX_DEV) return ACL_ERROR_RT_PARAM_INVALID;
+    uint32_t drv;
+    int32_t vrc = drv_dev(devId, &drv);
+    if (vrc != ACL_SUCCESS) return vrc;
     gate();
     pthread_mutex_lock(&g_mu);
     int open = g_open[devId];
@@ -573,7 +653,7 @@ RT_API rtError_t rtDeviceReset(int32_t devId) {
     if (!open) return ACL_SUCCESS;
     device_sync(devId, -1);
     destroy_device_streams(devId);
-    int32_t rc = drv_to_acl(halDeviceClose((uint32_t)devId, NULL));
+    int32_t rc = drv_to_acl(halDeviceClose(drv, NULL));
     pthread_mutex_lock(&g_mu);
     g_open[devId] = 0;
     if (t_dev == devId) t_dev = -1;
@@ -600,6 +680,12 @@ RT_API rtError_t rtGetDevice(int32_t *devId) {
 /* Not gated (a query): the driver's device count. */
 RT_API rtError_t rtGetDeviceCount(int32_t *cnt) {
     if (!cnt) return ACL_ERROR_RT_PARAM_INVALID;
+    pthread_once(&g_vis_once, vis_init);
+    if (g_vis_set) {
+        if (g_vis_err != ACL_SUCCESS) return g_vis_err;
+        *cnt = (int32_t)g_vis_cnt;
+        return ACL_SUCCESS;
+    }
     uint32_t n = 0;
     int32_t rc = drv_to_acl(drvGetDevNum(&n));
     if (rc == ACL_SUCCESS) *cnt = (int32_t)n;
@@ -655,7 +741,10 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     gate();
     int dev = current_device();
     if (dev < 0) return ACL_ERROR_UNINITIALIZE;
-    return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)dev));
+    uint32_t drv;
+    int32_t rc = drv_dev(dev, &drv);
+    if (rc != ACL_SUCCESS) return rc;
+    return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)drv));
 }
 
 RT_API rtError_t rtMallocCached(void **devPtr, uint64_t size, uint32_t type, uint16_t moduleId) {
@@ -758,7 +847,9 @@ RT_API rtError_t rtMemGetInfoEx(uint32_t memInfoType, size_t *freeSize, size_t *
     int d = current_device();
     if (d < 0) return ACL_ERROR_RT_CONTEXT_NULL;
     struct MemPhyInfo info;
-    int32_t rc = drv_to_acl(halMemGetInfo((unsigned)d, NPUSIM_MEM_INFO_TYPE_PHY_INFO, &info));
+    uint32_t drv;
+    int32_t rc = drv_dev(d, &drv);
+    if (rc == ACL_SUCCESS) rc = drv_to_acl(halMemGetInfo(drv, NPUSIM_MEM_INFO_TYPE_PHY_INFO, &info));
     if (rc == ACL_SUCCESS) {
         *freeSize = (size_t)info.free;
         *totalSize = (size_t)info.total;
@@ -783,8 +874,11 @@ RT_API rtError_t rtReleaseMemAddress(void *devPtr) {
 /* rtDrvMemProp_t as the ACL front-end fills it from aclrtPhysicalMemProp (acl.c). */
 RT_API rtError_t rtMallocPhysical(void **handle, size_t size, const struct drv_mem_prop *prop, uint64_t flags) {
     if (!handle || !prop || size == 0) return ACL_ERROR_RT_PARAM_INVALID;
+    struct drv_mem_prop p = *prop;
+    int32_t rc = drv_dev((int32_t)prop->devid, &p.devid);
+    if (rc != ACL_SUCCESS) return rc;
     gate();
-    return drv_to_acl(halMemCreate((drv_mem_handle_t **)handle, size, prop, flags));
+    return drv_to_acl(halMemCreate((drv_mem_handle_t **)handle, size, &p, flags));
 }
 
 /* Not gated (a query, api_c.cc). */
@@ -1308,8 +1402,11 @@ static rtError_t restore(int driver) {
         pthread_mutex_lock(&g_mu);
         int nd = open_devices(ids, MAX_DEV);
         pthread_mutex_unlock(&g_mu);
-        for (int d = 0; d < nd && rc == ACL_SUCCESS; d++)
-            if (halDeviceOpen((uint32_t)ids[d], NULL, NULL) != DRV_ERROR_NONE) rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
+        for (int d = 0; d < nd && rc == ACL_SUCCESS; d++) {
+            uint32_t drv;
+            if (drv_dev(ids[d], &drv) != ACL_SUCCESS || halDeviceOpen(drv, NULL, NULL) != DRV_ERROR_NONE)
+                rc = ACL_ERROR_SNAPSHOT_RESTORE_FAILED;
+        }
         halProcResRestoreInfo info;
         memset(&info, 0, sizeof info);
         if (rc == ACL_SUCCESS && nd > 0 && halProcessResRestore(&info) != DRV_ERROR_NONE)
@@ -1347,8 +1444,11 @@ RT_API rtError_t rtSnapShotProcessUnlock(void) {
         pthread_mutex_lock(&g_mu);
         int nd = open_devices(ids, MAX_DEV);
         pthread_mutex_unlock(&g_mu);
-        for (int d = 0; d < nd && rc == ACL_SUCCESS; d++)
-            if (halDeviceOpen((uint32_t)ids[d], NULL, NULL) != DRV_ERROR_NONE) rc = ACL_ERROR_SNAPSHOT_UNLOCK_FAILED;
+        for (int d = 0; d < nd && rc == ACL_SUCCESS; d++) {
+            uint32_t drv;
+            if (drv_dev(ids[d], &drv) != ACL_SUCCESS || halDeviceOpen(drv, NULL, NULL) != DRV_ERROR_NONE)
+                rc = ACL_ERROR_SNAPSHOT_UNLOCK_FAILED;
+        }
     }
     if (rc == ACL_SUCCESS) {
         set_state(ST_RUNNING);

@@ -205,6 +205,15 @@ def register(app: typer.Typer) -> None:
                     fix="check one copy: npusnap restore DIR --dry-run --device-map ... (the first copy's)",
                 )
 
+            # What a restore imports, imported once here: each copy's restore runs in a child forked
+            # from this process (replicas.py), which then starts no interpreter and imports nothing.
+            import pycriu  # noqa: F401
+
+            from npusnap_cli import cli, criu  # noqa: F401  # lazy: forked children inherit them
+            from npusnap_cli.host import hostres, lazypages  # noqa: F401  # lazy: the same
+            from npusnap_cli.pipelines import restoreguard  # noqa: F401  # lazy: the same
+
+            cli.build_app()
             phase(f"restoring {replicas} replicas at once")
             results = replicas_mod.restore_all(
                 ref.path,
@@ -216,6 +225,7 @@ def register(app: typer.Typer) -> None:
                 logs=logs,
                 settle_s=settle,
                 extra=["--tcp-close", *(["--accept-lost-device-memory"] if accept_lost else [])],
+                main=cli.main,
             )
             failed = replicas_mod.failure(results)
             rows = [

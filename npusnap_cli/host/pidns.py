@@ -20,6 +20,7 @@ finds a replica's socket by the inode it holds (paths.held_agent_socket).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import secrets
@@ -31,7 +32,7 @@ from typing import Any, Optional
 
 from npusnap_cli import paths
 from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
-from npusnap_cli.sim import wire
+from npusnap_cli.sim.daemon import dev_dir
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -212,51 +213,90 @@ def parse_device_map(spec: str) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+def container_devices(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> list[int]:
+    """The devices a container must hold so that each image device id reaches its mapped device:
+    the driver numbers a container's devices from 0 in physical order, so image devices 0..n-1 map
+    onto n devices in ascending order (anything else cannot be made true by any container)."""
+    used = sorted({d for p in manifest.npu_processes for d in p.devices})
+    moved = dict(device_map)
+    unknown = sorted(set(moved) - set(used))
+    if unknown:
+        raise UsageError(
+            f"--device-map names device(s) {unknown} that the image does not use (it uses {used})",
+            fix="map the image's own device ids (`npusnap inspect IMAGE` shows them)",
+        )
+    wanted = [moved.get(d, d) for d in range(max(used) + 1)] if used else []
+    if sorted(set(wanted)) != wanted:
+        raise UsageError(
+            f"--device-map {','.join(f'{a}={b}' for a, b in device_map)} cannot be made true: the "
+            f"image's devices 0..{len(wanted) - 1} would reach {wanted}",
+            why="a container's devices are numbered from 0 in physical order (the driver numbers "
+            "the device nodes the container holds), so the image's device ids 0, 1, ... reach "
+            "distinct devices in ascending order",
+            fix="map every device id below the image's highest one, onto ascending devices, e.g. "
+            "--device-map 0=2,1=3",
+        )
+    return wanted
+
+
 def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
     """Refuse a device map that cannot be made true for this image."""
     if not device_map:
         return
-    if not manifest.pid_ns:
-        raise UsageError(
-            "--device-map needs an image of a job in its own pid namespace (`npusnap run --pid-ns`)",
-            why="the map is set per pid namespace, as a container's device mapping is: a job "
-            "restored into the host's would remap every other process's devices too",
-            fix="start the job with `npusnap run --pid-ns`, dump it again, and restore that image",
-        )
     if not manifest.versions.cann_simulated:
         raise PreflightError(
             "--device-map is only possible on the simulated NPU",
-            why="CANN's Restore reopens the device id the process used; only the driver's view of "
-            "which physical device that id is can change, and that is set when a container is "
-            "created (ASCEND_VISIBLE_DEVICES / device mounts), not by a process outside it",
-            fix="restore the replica inside a container that exposes the wanted physical device "
-            "under the image's device id (docs/runbooks/replicas.md)",
+            why="CANN's Restore reopens the device id the process used; which physical device that "
+            "id reaches is the container's (the device nodes it holds: ASCEND_VISIBLE_DEVICES "
+            "under Ascend Docker Runtime, or --device /dev/davinciN), and npusnap does not create "
+            "containers on a real node",
+            fix="restore the image inside a container that holds the wanted device "
+            '(docs/runbooks/replicas.md, "On a real node")',
         )
-    used = {d for p in manifest.npu_processes for d in p.devices}
-    unknown = sorted({a for a, _ in device_map} - used)
-    if unknown:
-        raise UsageError(
-            f"--device-map names device(s) {unknown} that the image does not use (it uses {sorted(used)})",
-            fix="map the image's own device ids (`npusnap inspect IMAGE` shows them)",
-        )
+    container_devices(manifest, device_map)
 
 
-def apply_device_map(root: int, device_map: tuple[tuple[int, int], ...]) -> None:
-    """Tell the simulated driver that the restored namespace (init ``root``) sees each image
-    device as the mapped one, before its runtime's Restore claims it."""
-    try:
-        ns = os.stat(f"/proc/{root}/ns/pid").st_ino
-        with wire.connect(str(paths.sim_socket_path()), 5.0) as s:
-            for dev, phys in device_map:
-                status, _v, _p = wire.request(s, wire.OP_NSMAP, dev=dev, a=ns, b=phys, n=root)
-                if status != 0:
-                    raise OSError(-status, os.strerror(-status))
-    except OSError as exc:
+def enter_device_view(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> list[int]:
+    """Make the calling thread, and every process it starts from now on (CRIU, and so the
+    restored tree), live in a container of the simulated NPU that holds the mapped devices: a
+    mount namespace of its own in which the simulator's device-node directory holds only their
+    nodes, so the driver numbers them 0, 1, ... as the image's device ids. What a container
+    runtime does on a node with the container's /dev (docs/simulator.md). Returns the devices."""
+    wanted = container_devices(manifest, device_map)
+    nodes = dev_dir(str(paths.sim_socket_path()))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+
+    def fail(what: str) -> DeviceError:
+        err = ctypes.get_errno()
+        return DeviceError(
+            f"cannot give the restore a container of the simulated NPU: {what}: {os.strerror(err)}",
+            why="a mount namespace (unshare, mount) needs CAP_SYS_ADMIN",
+            fix="run `npusnap restore --device-map` as root; nothing was restored",
+        )
+
+    if not os.path.isdir(nodes):
         raise DeviceError(
-            f"cannot set the device map of the restored tree (root pid {root}): {exc}",
-            why="the simulated NPU daemon refused or did not answer",
-            fix=f"the tree is restored but locked; `kill {root}` and restore again",
-        ) from None
+            f"the simulated NPU has no device nodes at {nodes}",
+            why="the daemon makes them at start; this one is older or not running",
+            fix="restart the simulator: `npusnap sim stop && npusnap sim start`",
+        )
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise fail("unshare(CLONE_NEWNS)")
+    # Private, so that the view's mount stays in this namespace instead of reaching the host.
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise fail("making / private")
+    if libc.mount(b"npusim-dev", nodes.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+        raise fail(f"mounting {nodes}")
+    for d in wanted:
+        with open(os.path.join(nodes, f"davinci{d}"), "x"):
+            pass
+    return wanted
+
+
+CLONE_NEWNS = 0x00020000  # include/uapi/linux/sched.h
+MS_REC = 0x4000  # include/uapi/linux/mount.h
+MS_PRIVATE = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,23 +9,31 @@ mapping does on a node).
 
 The image is verified once, here; then every copy is restored at the same time by its own
 `npusnap restore --no-verify` (one process each: CRIU's restore, the device restore and the
-settle watch run in parallel), each with its own CRIU log directory and pidfile. The copies read
-the same image files, so the page cache holds the image's memory and device-memory files once.
+settle watch run in parallel), each with its own CRIU log directory and pidfile. Those processes
+are forked from this one once it has imported the restore's modules: a copy starts no
+interpreter and imports nothing (the CLI's start is a large part of a small restore, and N of
+them share the host's cores). The copies read the same image files, so the page cache holds the
+image's memory and device-memory files once, and each copy's agent copies its device memory
+from a read-only mapping of that one file (native/agent/devmem.c): every copy reads the same
+page-cache pages. (Lazy pages are not used: a `criu lazy-pages` daemon serves the tasks of one
+restore, criu/uffd.c, so N copies would need N daemons reading the same files.)
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
+import selectors
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
-from npusnap_cli.host import hostres
+from npusnap_cli.host import hostres, pidns
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,56 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             "num_workers=0)",
             details={"listeners": listeners},
         )
-    targets = [tuple(sorted(dict(m).values())) for m in device_maps]
+    # every device each copy's container holds (unmapped ids below a mapped one included)
+    targets = [tuple(pidns.container_devices(manifest, m)) for m in device_maps]
     flat = [d for t in targets for d in t]
     if len(set(flat)) != len(flat):
         raise UsageError(
             "two replicas are mapped onto the same device", fix="give each replica other devices"
         )
     return manifest
+
+
+@dataclass
+class _Child:
+    pid: int
+    started: float
+    out: bytearray
+    err: bytearray
+    status: Optional[int] = None
+    ended: float = 0.0
+
+
+def _fork_restore(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, int, int]:
+    """Run ``main(argv)`` (the CLI's entry point: ``npusnap <argv>``) in a child forked from this
+    process: (pid, stdout fd, stderr fd)."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's lines run in the child
+        rc = 70
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.close(out_w)
+            os.close(err_w)
+            # Fresh file objects: a thread of the parent may have held the old ones' locks.
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            rc = main(argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:  # nothing may unwind into the parent's code
+            rc = 70
+        os._exit(rc)
+    os.close(out_w)
+    os.close(err_w)
+    return pid, out_r, err_r
 
 
 def restore_all(
@@ -96,46 +147,75 @@ def restore_all(
     output: Optional[Path] = None,
     settle_s: float,
     extra: list[str],
+    main: Callable[[list[str]], int],
     timeout_s: float = 600.0,
 ) -> list[ReplicaResult]:
-    """Restore ``replicas`` copies at once; one result per copy (failed ones included)."""
+    """Restore ``replicas`` copies at once; one result per copy (failed ones included). ``main`` is
+    the CLI's entry point, run in each child as ``npusnap restore ... --no-verify``; the caller has
+    imported what a restore imports, so that the children fork with it."""
     check(directory, replicas, device_maps)
     if verify:
         img.verify(directory)
-    procs = []
     base_logs = logs or (directory / img.LOGS_SUBDIR)
-    for i in range(replicas):
-        argv = [sys.executable, "-m", "npusnap_cli", "restore", str(directory), "--json", "--no-verify"]
-        argv += ["--settle", str(settle_s), "--logs", str(base_logs / f"replica-{i}")]
-        if i < len(device_maps):
-            argv += ["--device-map", ",".join(f"{a}={b}" for a, b in device_maps[i])]
-        pf = pidfile_for(pidfile, i)
-        if pf is not None:
-            argv += ["--pidfile", str(pf)]
-        of = pidfile_for(output, i)
-        if of is not None:
-            argv += ["--output", str(of)]
-        procs.append(
-            (
-                time.monotonic(),
-                subprocess.Popen([*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-            )
-        )
+    children: list[_Child] = []
+    sel = selectors.DefaultSelector()
+    try:
+        for i in range(replicas):
+            argv = ["restore", str(directory), "--json", "--no-verify"]
+            argv += ["--settle", str(settle_s), "--logs", str(base_logs / f"replica-{i}")]
+            if i < len(device_maps):
+                argv += ["--device-map", ",".join(f"{a}={b}" for a, b in device_maps[i])]
+            pf = pidfile_for(pidfile, i)
+            if pf is not None:
+                argv += ["--pidfile", str(pf)]
+            of = pidfile_for(output, i)
+            if of is not None:
+                argv += ["--output", str(of)]
+            pid, out_fd, err_fd = _fork_restore(main, [*argv, *extra])
+            child = _Child(pid, time.monotonic(), bytearray(), bytearray())
+            children.append(child)
+            sel.register(out_fd, selectors.EVENT_READ, child.out)
+            sel.register(err_fd, selectors.EVENT_READ, child.err)
+        deadline = time.monotonic() + timeout_s
+        while (sel.get_map() or any(c.status is None for c in children)) and time.monotonic() < deadline:
+            if not sel.get_map():
+                time.sleep(0.02)
+            for key, _ in sel.select(timeout=max(0.02, min(0.2, deadline - time.monotonic()))):
+                chunk = os.read(key.fd, 65536)
+                if chunk:
+                    key.data.extend(chunk)
+                else:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+            for c in children:
+                if c.status is None:
+                    done, status = os.waitpid(c.pid, os.WNOHANG)
+                    if done:
+                        c.status, c.ended = os.waitstatus_to_exitcode(status), time.monotonic()
+    finally:
+        for key in list(sel.get_map().values()):
+            os.close(key.fd)
+        sel.close()
+        for c in children:  # past the deadline (or interrupted): a copy's restore is killed
+            if c.status is None:
+                try:
+                    os.kill(c.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.status, c.ended = os.waitstatus_to_exitcode(os.waitpid(c.pid, 0)[1]), time.monotonic()
     results = []
-    for i, (started, p) in enumerate(procs):
-        try:
-            out, _err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _err = p.communicate()
-        wall = time.monotonic() - started
+    for i, c in enumerate(children):
+        wall = c.ended - c.started
+        out = c.out.decode(errors="replace")
         try:
             env = json.loads(out) if out.strip() else {}
         except ValueError:
             env = {}
-        ok = p.returncode == 0 and bool(env.get("ok"))
+        ok = c.status == 0 and bool(env.get("ok"))
         res = env.get("result") or {}
-        err = env.get("error") or (None if ok else {"message": f"exit {p.returncode}: {_err.strip()[-400:]}"})
+        err = env.get("error") or (
+            None if ok else {"message": f"exit {c.status}: {c.err.decode(errors='replace').strip()[-400:]}"}
+        )
         results.append(ReplicaResult(i, ok, res.get("root_pid") if ok else None, res, err, wall))
     return results
 

@@ -727,6 +727,9 @@ def _restore_opened(
             except BaseException:
                 hostres.remove_copies(created)
                 raise
+        if options.device_map:  # CRIU, and so the tree, start in a container with those devices
+            held = pidns.enter_device_view(manifest, options.device_map)
+            cb.note(f"the restored tree runs in a container of the simulated NPU holding device(s) {held}")
         cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
         view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
         try:
@@ -788,8 +791,6 @@ def _restore_opened(
         if manifest.pid_ns:  # from here on, the restored copy's host pids
             manifest, moved = pidns.translate(manifest, root_pid)
             device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
-            if options.device_map:  # before any Restore claims a device (the tree is locked)
-                pidns.apply_device_map(root_pid, options.device_map)
         if lazy is not None:
             lazy.criu_log = res.log_path
             lazy.guard()

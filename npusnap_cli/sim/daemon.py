@@ -28,6 +28,13 @@ new connection, made by that plugin, over which its Restore re-claims its device
 device connection of a process ends, the daemon frees that process's devices and memory. A reaper
 thread also frees those of owners that died; a claim re-checks the other holders synchronously so
 a freshly restored process never waits for the reaper.
+Which devices a process sees is decided as the driver decides it: the driver numbers the devices
+whose node (/dev/davinciN) a process's mount namespace holds, in physical order, from 0 (driver
+src/sdk_driver/pbl/uda/uda_access.c: uda_init_ns_node_dev opens each node in the process's
+context; devdrv_manager_container_logical_id_to_physical_id). The simulator's nodes are the files
+``davinciN`` of DEV_DIR(socket) (``<socket>.dev``), one per device, made at start; a container
+of the simulated NPU is a mount namespace in which that directory holds only its devices' nodes.
+The logical ids travel on the wire; the daemon turns them into devices through the caller's view.
 Standard library only.
 """
 
@@ -124,13 +131,21 @@ class Device:
     used: int = 0
     allocs: Dict[int, Allocation] = field(default_factory=dict)
     addrs: List[int] = field(default_factory=list)  # sorted keys of allocs
-    next_addr: int = 0
+    # bump pointer per address range (device memory addresses are those of the logical id the
+    # process used: a process sees the same addresses whichever device its id reaches)
+    next_addr: Dict[int, int] = field(default_factory=dict)
     # memory of processes that are gone, for a Restore's poisoned allocation
     pool: List[Kept] = field(default_factory=list)
 
-    @property
-    def base(self) -> int:
-        return wire.ADDR_BASE + self.id * wire.ADDR_SPAN
+
+def span_base(addr: int) -> int:
+    """The start of the address range (one per logical device id) holding ``addr``."""
+    return wire.ADDR_BASE + (addr - wire.ADDR_BASE) // wire.ADDR_SPAN * wire.ADDR_SPAN
+
+
+def dev_dir(sock_path: str) -> str:
+    """Where the simulated device nodes of the daemon at ``sock_path`` are (its /dev/davinciN)."""
+    return sock_path + ".dev"
 
 
 class Daemon:
@@ -152,9 +167,7 @@ class Daemon:
         # False (the default) is what CANN does: Restore gives allocations back at the same
         # addresses, filled with the poison pattern. True models a future driver that keeps them.
         self.keep_contents = keep_contents
-        self.devices = [
-            Device(i, capacity, next_addr=wire.ADDR_BASE + i * wire.ADDR_SPAN) for i in range(devices)
-        ]
+        self.devices = [Device(i, capacity) for i in range(devices)]
         self.bandwidth_mbps = bandwidth_mbps
         self.lock = threading.Lock()
         self._poison_queue: queue.Queue[Tuple[Kept, int]] = queue.Queue()
@@ -164,10 +177,14 @@ class Daemon:
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
-        # pid namespace inode -> (its init, {device id its processes use: physical device}):
-        # what a container's device mapping is on a node (OP_NSMAP, `restore --device-map`)
-        self.ns_maps: Dict[int, Tuple[Owner, Dict[int, int]]] = {}
-        self.owner_ns: Dict[Owner, int] = {}
+        self.dev_dir = dev_dir(sock_path)
+        try:
+            self.own_mnt_ns: Optional[int] = os.stat("/proc/self/ns/mnt").st_ino
+        except OSError:
+            self.own_mnt_ns = None
+        # owner -> the devices it sees, by logical id (computed at its first request, as the
+        # driver computes a namespace's devices when it first opens one)
+        self.views: Dict[Owner, List[int]] = {}
 
     # -- bookkeeping (self.lock held) ---------------------------------------------------------
     def _free_owner(self, owner: Owner, dev: Optional[Device] = None) -> None:
@@ -245,11 +262,8 @@ class Daemon:
         return None
 
     def _reap_ns(self) -> None:
-        for ns, (init, _m) in list(self.ns_maps.items()):
-            if not alive(init):
-                del self.ns_maps[ns]
-        for owner in [o for o in self.owner_ns if not alive(o)]:
-            del self.owner_ns[owner]
+        for owner in [o for o in self.views if not alive(o)]:
+            del self.views[owner]
 
     def _reap(self) -> None:
         owners = {o for d in self.devices for o in d.owners} | {
@@ -260,16 +274,35 @@ class Daemon:
                 log(f"owner pid {owner[0]} (start {owner[1]}) is gone: freeing its devices and memory")
                 self._free_owner(owner)
 
-    def _phys(self, owner: Owner, dev_id: int) -> int:
-        """The device behind ``dev_id`` for ``owner``: remapped in its pid namespace's map."""
-        ns = self.owner_ns.get(owner)
-        entry = self.ns_maps.get(ns) if ns is not None else None
-        return entry[1].get(dev_id, dev_id) if entry is not None else dev_id
+    def view(self, owner: Owner) -> List[int]:
+        """The devices ``owner`` sees, by logical id: those whose node its mount namespace holds,
+        in physical order (all of them in the daemon's own mount namespace)."""
+        seen = self.views.get(owner)
+        if seen is not None:
+            return seen
+        pid = owner[0]
+        try:
+            same = os.stat(f"/proc/{pid}/ns/mnt").st_ino == self.own_mnt_ns
+        except OSError:
+            same = True  # gone already: nothing it asks for will be kept
+        if same:
+            seen = list(range(len(self.devices)))
+        else:
+            # /proc/PID/root resolves the path in the process's own mount namespace, as the
+            # driver's open of the node from the process's context does.
+            root = f"/proc/{pid}/root{self.dev_dir}"
+            seen = [d.id for d in self.devices if os.path.exists(f"{root}/davinci{d.id}")]
+        self.views[owner] = seen
+        return seen
 
-    def _device_of(self, addr: int, owner: Optional[Owner] = None) -> Optional[Device]:
+    def _phys(self, owner: Owner, dev_id: int) -> int:
+        """The device behind logical id ``dev_id`` for ``owner`` (-1: it sees no such device)."""
+        seen = self.view(owner)
+        return seen[dev_id] if 0 <= dev_id < len(seen) else -1
+
+    def _device_of(self, addr: int, owner: Owner) -> Optional[Device]:
         idx = (addr - wire.ADDR_BASE) // wire.ADDR_SPAN if addr >= wire.ADDR_BASE else -1
-        if owner is not None and idx >= 0:
-            idx = self._phys(owner, idx)
+        idx = self._phys(owner, idx) if idx >= 0 else -1
         return self.devices[idx] if 0 <= idx < len(self.devices) else None
 
     def _find(self, owner: Owner, addr: int, n: int) -> Optional[Tuple[Allocation, int]]:
@@ -286,13 +319,15 @@ class Daemon:
             return None
         return al, off
 
-    def _place(self, dev: Device, size: int) -> int:
-        """An address for a new allocation: bump pointer, first fit once the range is used up."""
-        end = dev.base + wire.ADDR_SPAN
-        if dev.next_addr + size <= end:
-            return dev.next_addr
-        prev = dev.base
-        for a in dev.addrs:
+    def _place(self, dev: Device, size: int, base: int) -> int:
+        """An address in [base, base + ADDR_SPAN) for a new allocation: bump pointer, first fit
+        once the range is used up."""
+        end = base + wire.ADDR_SPAN
+        nxt = dev.next_addr.get(base, base)
+        if nxt + size <= end:
+            return nxt
+        prev = base
+        for a in dev.addrs[bisect.bisect_left(dev.addrs, base) : bisect.bisect_left(dev.addrs, end)]:
             if a - prev >= size:
                 return prev
             prev = _align(a + dev.allocs[a].size)
@@ -314,7 +349,8 @@ class Daemon:
         dev.allocs[addr] = Allocation(addr, size, owner, fd)
         bisect.insort(dev.addrs, addr)
         dev.used += size
-        dev.next_addr = max(dev.next_addr, _align(addr + size))
+        base = span_base(addr)
+        dev.next_addr[base] = max(dev.next_addr.get(base, base), _align(addr + size))
         return kept
 
     def _overlaps(self, dev: Device, addr: int, size: int) -> bool:
@@ -377,13 +413,20 @@ class Daemon:
             existing = dev.allocs.get(at)
             if existing and existing.owner == owner and existing.size == size:
                 return 0, at, None  # Restore in the same process (rollback): the memory is still there
-            if self._device_of(at, owner) is not dev or at + size > dev.base + wire.ADDR_SPAN:
+            if self._device_of(at, owner) is not dev or at + size > span_base(at) + wire.ADDR_SPAN:
                 return -errno.EINVAL, 0, None
             if self._overlaps(dev, at, size):
                 return -errno.EEXIST, 0, None
         if dev.used + size > dev.capacity:
             return -errno.ENOMEM, 0, None
-        addr = at if at is not None else self._place(dev, size)
+        seen = self.view(owner)
+        if at is None and dev_id not in seen:
+            return -errno.ENODEV, 0, None
+        addr = (
+            at
+            if at is not None
+            else self._place(dev, size, wire.ADDR_BASE + seen.index(dev_id) * wire.ADDR_SPAN)
+        )
         if addr < 0:
             return -errno.ENOMEM, 0, None
         try:
@@ -428,6 +471,8 @@ class Daemon:
             o["alive"] = alive(key)
             o["devices"] = [d.id for d in self.devices if key in d.owners]
             o["device_connections"] = self.device_conns.get(key, 0)
+            # its devices by logical id (the view of its mount namespace's device nodes)
+            o["visible_devices"] = list(self.views.get(key, []))
         return {
             "simulated": True,
             "daemon_pid": os.getpid(),
@@ -439,10 +484,7 @@ class Daemon:
             "driver_version": self.driver_version,
             "clients": self.clients,
             "devices": devs,
-            "device_maps": [
-                {"pid_ns": ns, "init_pid": init[0], "map": {str(k): v for k, v in m.items()}}
-                for ns, (init, m) in self.ns_maps.items()
-            ],
+            "device_nodes": self.dev_dir,
             "owners": list(owners.values()),
             "bytes_used": sum(d.used for d in self.devices),
         }
@@ -457,13 +499,8 @@ class Daemon:
             pid = struct.unpack("3i", creds)[0]
             st = start_time(pid)
             owner: Owner = (pid, st if st is not None else -1)
-            try:
-                ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-            except OSError:
-                ns = None
-            if ns is not None:
-                with self.lock:
-                    self.owner_ns[owner] = ns
+            with self.lock:
+                self.view(owner)
             while True:
                 try:
                     hdr = wire.recv_exact(conn, wire.REQ.size)
@@ -523,6 +560,7 @@ class Daemon:
         if op == wire.OP_STATUS:
             with self.lock:
                 doc = self.status()
+                doc["caller_devices"] = self.view(owner)  # the driver's device count for the caller
             self.reply(conn, 0, 0, json.dumps(doc).encode())
             return True
         if op == wire.OP_SHUTDOWN:
@@ -530,11 +568,6 @@ class Daemon:
             self.stopping.set()
             self.close_listener()
             return False
-        if op == wire.OP_NSMAP:
-            with self.lock:
-                status = self.op_nsmap(dev, a, b, n)
-            self.reply(conn, status)
-            return True
         if dev >= 0 and op != wire.OP_HAS:
             with self.lock:
                 dev = self._phys(owner, dev)
@@ -588,26 +621,16 @@ class Daemon:
             return (0 if ok else -errno.ENOENT), 0
         return -errno.EOPNOTSUPP, 0
 
-    def op_nsmap(self, dev: int, ns: int, phys: int, init_pid: int) -> int:
-        """Map device ``dev`` to ``phys`` for the pid namespace ``ns`` whose init is ``init_pid``."""
-        st = start_time(init_pid)
-        try:
-            if st is None or os.stat(f"/proc/{init_pid}/ns/pid").st_ino != ns:
-                return -errno.ESRCH
-        except OSError:
-            return -errno.ESRCH
-        if dev < 0:
-            self.ns_maps.pop(ns, None)
-            return 0
-        if not 0 <= phys < len(self.devices):
-            return -errno.ENODEV
-        entry = self.ns_maps.get(ns)
-        if entry is None or entry[0] != (init_pid, st):
-            entry = ((init_pid, st), {})
-            self.ns_maps[ns] = entry
-        entry[1][dev] = phys
-        log(f"pid namespace {ns} (init pid {init_pid}): device {dev} is device {phys}")
-        return 0
+    def make_device_nodes(self) -> None:
+        """One node (an empty file) per device in dev_dir, and no other: the host's /dev/davinciN."""
+        os.makedirs(self.dev_dir, mode=0o755, exist_ok=True)
+        names = {f"davinci{d.id}" for d in self.devices}
+        for name in os.listdir(self.dev_dir):
+            if name.startswith("davinci") and name not in names:
+                os.unlink(os.path.join(self.dev_dir, name))
+        for name in names:
+            with open(os.path.join(self.dev_dir, name), "a"):
+                pass
 
     def reaper(self, interval: float) -> None:
         while not self.stopping.wait(interval):
@@ -641,6 +664,7 @@ class Daemon:
                 log(f"another npusim daemon already serves {self.sock_path}")
                 return 1
         _raise_fd_limit()
+        self.make_device_nodes()
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         lst.bind(self.sock_path)
         lst.listen(128)

@@ -35,10 +35,7 @@ OP_SHUTDOWN = contract.SIM_OP_SHUTDOWN
 OP_HAS = contract.SIM_OP_HAS
 OP_CONFIG = contract.SIM_OP_CONFIG  # -> value = CONFIG_* bits
 OP_MAP = contract.SIM_OP_MAP  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
-# Remap device ids for every process of one pid namespace (the simulator's stand-in for a
-# container that exposes physical device b as its device dev): a = the namespace's inode, n = the
-# host pid of its init (the map ends with it); dev = -1 clears the namespace's map.
-OP_NSMAP = contract.SIM_OP_NSMAP
+# 14: NSMAP of earlier versions; a process's devices are now its mount namespace's device nodes.
 
 CLAIM_EXCLUSIVE = contract.SIM_CLAIM_EXCLUSIVE  # OP_CLAIM's b: no other live process on the device
 CONFIG_KEEP_CONTENTS = contract.SIM_CONFIG_KEEP_CONTENTS  # Restore brings back contents (not CANN's)

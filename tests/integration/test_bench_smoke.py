@@ -100,7 +100,8 @@ def test_bench_runs_and_writes_every_table(tmp_path: Path) -> None:
 def test_replicas_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
     """bench/replicas.py at its smallest: 1 and 2 copies, restored and cold-started, all answer."""
     out = tmp_path / "replicas.md"
-    cmd = [sys.executable, "-m", "bench.replicas", "--counts", "1,2", "--weights-mib", "2", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.replicas", "--counts", "1,2", "--layers", "2", "--hidden", "256"]
+    cmd += ["--warmup-batch", "2", "--framework", "none", "--repeat", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [ln for ln in out.read_text().splitlines() if re.match(r"^\| [12] \| ", ln)]

@@ -126,8 +126,9 @@ def test_copy_beside_the_original_on_another_device(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """The original keeps running on device 0; its image restores beside it onto device 1
-    (--device-map 0=1): both finish the run, each step once per copy, with the right results
-    (the device memory written back through the remapped device)."""
+    (--device-map 0=1): the copy runs in a container of the simulated NPU (a mount namespace whose
+    device nodes are device 1's only), so its device 0 is device 1 and its memory is there; both
+    finish the run, each step once per copy, with the results of an uninterrupted run."""
     env = job_env(sim_env, runtime_dir)
     args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
     ref = reference(env, args)
@@ -147,11 +148,51 @@ def test_copy_beside_the_original_on_another_device(
         assert rc == 0 and st is not None
         owners = {d["id"]: {o["pid"] for o in d["owners"]} for d in st["result"]["devices"]}
         assert pid in owners[0] and restored in owners[1] and restored not in owners[0], owners
-        assert [m["map"] for m in st["result"]["device_maps"]] == [{"0": 1}]
+        devs = {d["id"]: d for d in st["result"]["devices"]}
+        views = {o["pid"]: o["visible_devices"] for o in st["result"]["owners"]}
+        assert views[pid] == [0, 1] and views[restored] == [1], views
+        assert devs[1]["used"] > 0 and devs[1]["allocations"] > 0, devs[1]
+        assert os.path.exists(f"{st['result']['device_nodes']}/davinci0")  # the host's view is untouched
+        assert os.listdir(f"/proc/{restored}/root{st['result']['device_nodes']}") == ["davinci1"]
         for p in (pid, restored):
             wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
         counts = _count_after(out, ref, at + 2)
         assert set(counts.values()) == {2}, counts
+    finally:
+        for p in (restored, pid):
+            if p:
+                kill(p)
+
+
+def test_a_job_with_visible_devices_keeps_them_across_a_restore(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES=1: the job's device 0 is device 1. npusnap saves its memory
+    (tracked under the driver's id 1, its contexts under 0), and the restored job keeps its
+    variable and its device: it finishes with the results of an uninterrupted run."""
+    env = job_env(sim_env, runtime_dir, ASCEND_RT_VISIBLE_DEVICES="1")
+    args = [*TRAIN_ARGS, "--steps", "40", "--device", "0"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        rc, st, _ = cli(env, "sim", "status")
+        assert rc == 0 and st is not None
+        assert {o["pid"]: o["visible_devices"] for o in st["result"]["owners"]}[pid] == [0, 1]
+        assert [o["pid"] for o in st["result"]["devices"][1]["owners"]] == [pid]
+        rc, res, err = cli(env, "dump", str(pid), str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        restored = int(res["result"]["root_pid"])
+        rc, st, _ = cli(env, "sim", "status")
+        assert st is not None and [o["pid"] for o in st["result"]["devices"][1]["owners"]] == [restored]
+        wait_until(lambda: not alive(restored), 60, "the restored job to finish")
+        cont = lines(out)[at:]
+        assert cont and continues_reference(cont, ref), cont[:3]
     finally:
         for p in (restored, pid):
             if p:

@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +29,7 @@ import pytest
 
 from npusnap_cli.errors import ExitCode
 from npusnap_cli.sim import manager
+from npusnap_cli.workloads.infer import write_weights
 from tests.integration import torchlib
 from tests.integration.dumplib import (
     NPUSNAP,
@@ -233,16 +233,32 @@ def test_dataloader_copies_beside_the_running_original_are_refused_untouched(
 # --------------------------------------------------------------------------------------------
 
 
-def expected(weights: bytes, n: int) -> str:
-    """What infer.py answers to ``infer n`` (its slice of the weights, checksummed)."""
-    slice_ = 1 << 20
-    size = len(weights)
-    off = (n * slice_) % max(1, size - slice_) if size > slice_ else 0
-    return f"{zlib.crc32(weights[off : off + min(slice_, size)]) ^ n:08x}"
+CYCLE = 40  # request numbers 1..CYCLE, again and again: their answers are known
+
+
+def start_server(env: dict[str, str], tmp_path: Path, port: int) -> tuple[int, Path]:
+    write_weights(str(tmp_path / "w.bin"), 4, 64)
+    out = tmp_path / "server.out"
+    argv = [PY, INFER, "--weights", str(tmp_path / "w.bin"), "--device", "0", "--port", str(port)]
+    pid = start_ns_job(env, out, [*argv, "--warmup-batch", "2"], cwd=tmp_path)
+    wait_until(lambda: "serving" in out.read_text(), 60, "the server to listen")
+    return pid, out
+
+
+def answers(port: int) -> dict[int, str]:
+    """``infer 1`` .. ``infer CYCLE`` on one connection: what every copy must answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        lines = c.makefile("r")
+        got = {}
+        for n in range(1, CYCLE + 1):
+            c.sendall(f"infer {n}\n".encode())
+            got[n] = lines.readline().split()[3]
+    return got
 
 
 class KeepAlive(threading.Thread):
-    """One TCP connection, a request every 20 ms until stopped; (n, pid, result) per answer."""
+    """One TCP connection, a request every 20 ms until stopped; (k, pid, result) per answer, the
+    k-th request being ``infer`` of k's place in 1..CYCLE."""
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
@@ -257,7 +273,7 @@ class KeepAlive(threading.Thread):
         while not self.stop.is_set():
             n += 1
             try:
-                self.sock.sendall(f"infer {n}\n".encode())
+                self.sock.sendall(f"infer {(n - 1) % CYCLE + 1}\n".encode())
                 parts = lines.readline().split()
                 if len(parts) != 4:
                     raise OSError(f"answer {parts!r}")
@@ -285,16 +301,12 @@ def test_inference_server_with_a_keep_alive_client_gives_four_replicas(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, neighbours: list[int]
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    weights = os.urandom(3 << 20)
-    (tmp_path / "w.bin").write_bytes(weights)
     port = free_port()
-    out = tmp_path / "server.out"
-    argv = [PY, INFER, "--weights", str(tmp_path / "w.bin"), "--device", "0", "--port", str(port)]
-    pid = start_ns_job(env, out, argv, cwd=tmp_path)
+    pid, _out = start_server(env, tmp_path, port)
     roots: list[int] = []
     client = None
     try:
-        wait_until(lambda: "serving" in out.read_text(), 30, "the server to listen")
+        ref = answers(port)
         client = KeepAlive(port)
         client.start()
         wait_until(lambda: len(client.answers) >= 5, 20, "keep-alive answers")
@@ -321,15 +333,16 @@ def test_inference_server_with_a_keep_alive_client_gives_four_replicas(
         while not set(roots) <= seen:
             n += 1
             assert n < 400, f"copies that never answered: {set(roots) - seen}"
-            who, result = one_shot(port, n)
-            assert result == expected(weights, n), (who, n)
+            m = (n - 1) % CYCLE + 1
+            who, result = one_shot(port, m)
+            assert result == ref[m], (who, m)
             seen.add(who)
         # The keep-alive client stayed with the original, on its one connection.
         k = len(client.answers)
         wait_until(lambda: len(client.answers) >= k + 5, 20, "keep-alive answers after the restore")
         assert not client.error, client.error
         assert {p for _n, p, _r in client.answers} == {pid}
-        assert all(r == expected(weights, n) for n, _p, r in client.answers)
+        assert all(r == ref[(k - 1) % CYCLE + 1] for k, _p, r in client.answers)
         rc, st, _ = cli(env, "sim", "status")
         assert rc == 0 and st is not None
         owners = {d["id"]: {o["pid"] for o in d["owners"]} for d in st["result"]["devices"]}
@@ -351,16 +364,12 @@ def test_keep_alive_connection_follows_the_server_restored_after_a_kill(
     """Dumped with --tcp-established, the server killed and restored (one copy, the connection
     restored with TCP repair): the client's connection goes on, served by the restored server."""
     env = job_env(sim_env, runtime_dir)
-    weights = os.urandom(1 << 20)
-    (tmp_path / "w.bin").write_bytes(weights)
     port = free_port()
-    out = tmp_path / "server.out"
-    argv = [PY, INFER, "--weights", str(tmp_path / "w.bin"), "--device", "0", "--port", str(port)]
-    pid = start_ns_job(env, out, argv, cwd=tmp_path)
+    pid, _out = start_server(env, tmp_path, port)
     restored = 0
     client = None
     try:
-        wait_until(lambda: "serving" in out.read_text(), 30, "the server to listen")
+        ref = answers(port)
         client = KeepAlive(port)
         client.start()
         wait_until(lambda: len(client.answers) >= 5, 20, "keep-alive answers")
@@ -375,7 +384,7 @@ def test_keep_alive_connection_follows_the_server_restored_after_a_kill(
         assert not client.error, client.error
         assert {p for _n, p, _r in client.answers[k:]} == {restored}
         assert [n for n, _p, _r in client.answers] == list(range(1, len(client.answers) + 1))
-        assert all(r == expected(weights, n) for n, _p, r in client.answers)
+        assert all(r == ref[(k - 1) % CYCLE + 1] for k, _p, r in client.answers)
     finally:
         if client is not None:
             client.stop.set()

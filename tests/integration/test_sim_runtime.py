@@ -335,6 +335,30 @@ def test_devices_are_shared_and_a_dead_owner_is_freed(
     assert b.call("devices")["devices"] == []
 
 
+def test_visible_devices_map_user_ids_onto_the_driver_s(
+    make_driver: Callable[..., Driver], sim_env: dict[str, str]
+) -> None:
+    """ASCEND_RT_VISIBLE_DEVICES as the runtime reads it (runtime.cc GetVisibleDevices): user id
+    0 of "1" is device 1 (its memory is there, aclrtGetDevice still says 0); a list that does
+    not ascend, repeats or names nothing the driver has leaves no device."""
+    d = make_driver({"ASCEND_RT_VISIBLE_DEVICES": "1"})
+    assert d.call("count") == {"rc": 0, "count": 1}
+    assert d.rc("set", 1) == 107001  # past the list
+    assert d.rc("set", 0) == 0 and d.call("getdev")["dev"] == 0
+    assert d.call("malloc", 4 * MiB)["rc"] == 0
+    devs = {x["id"]: x for x in daemon_status(sim_env)["devices"]}
+    assert [o["pid"] for o in devs[1]["owners"]] == [d.pid] and devs[1]["used"] >= 4 * MiB
+    assert d.pid not in [o["pid"] for o in devs[0]["owners"]]
+    assert d.rc("lock") == 0 and d.rc("backup") == 0 and d.rc("restore") == 0 and d.rc("unlock") == 0
+    assert d.call("devices")["devices"] == [0]  # the runtime's own view stays in user ids
+    # "1,5": 5 is no device of the driver's, so the list ends before it
+    assert make_driver({"ASCEND_RT_VISIBLE_DEVICES": "1,5"}).call("count") == {"rc": 0, "count": 1}
+    for bad in ("1,0", "0,0", "7", "x"):
+        e = make_driver({"ASCEND_RT_VISIBLE_DEVICES": bad})
+        assert e.call("count")["rc"] == 207004, bad
+        assert e.rc("set", 0) == 107001, bad
+
+
 def test_the_device_connection_is_kept_across_backup_and_its_end_frees_the_device(
     make_driver: Callable[..., Driver], sim_env: dict[str, str]
 ) -> None:
@@ -368,8 +392,9 @@ def test_errors_of_ordinary_calls(make_driver: Callable[..., Driver]) -> None:
     assert d.call("getdev")["rc"] == 107002
     assert d.rc("sync") == 100001
     assert d.rc("init") == 0 and d.rc("init") == 100002
-    assert d.rc("set", 2) == 107000  # the simulator has devices 0 and 1
-    assert d.rc("set", -1) == 107000
+    # the simulator has devices 0 and 1; api_error.cc SetDevice: RT_ERROR_DEVICE_ID for both
+    assert d.rc("set", 2) == 107001
+    assert d.rc("set", -1) == 107001
     assert d.rc("set", 0) == 0
     assert d.call("malloc", 0)["rc"] == 107000
     assert d.call("malloc", 2 << 30)["rc"] == 207001  # more than the 1 GiB capacity

@@ -20,6 +20,27 @@ def test_device_maps_parse_and_refuse_bad_ones() -> None:
             pidns.parse_device_map(bad)
 
 
+def test_a_container_holds_the_mapped_devices_in_physical_order() -> None:
+    """The driver numbers a container's devices from 0 in physical order: image devices 0..n-1
+    can reach n ascending devices, nothing else."""
+    from types import SimpleNamespace
+
+    def image(*devs: int) -> SimpleNamespace:
+        return SimpleNamespace(npu_processes=[SimpleNamespace(devices=list(devs))])
+
+    assert pidns.container_devices(image(0), ((0, 3),)) == [3]
+    assert pidns.container_devices(image(0, 1), ((0, 2), (1, 3))) == [2, 3]
+    assert pidns.container_devices(image(0, 1), ((1, 3),)) == [0, 3]
+    for img, dm in (
+        (image(0, 1), ((0, 3), (1, 2))),  # not ascending
+        (image(0, 1), ((0, 1),)),  # device 1 twice
+        (image(1), ((1, 0),)),  # ids 0 and 1 would both reach device 0
+        (image(0), ((2, 1),)),  # not a device of the image
+    ):
+        with pytest.raises(UsageError):
+            pidns.container_devices(img, dm)
+
+
 def test_manifest_pid_ns_is_checked() -> None:
     assert check_pid_ns(None) == {}
     assert check_pid_ns({"4321": 1, "4322": 2}) == {"4321": 1, "4322": 2}

@@ -66,11 +66,13 @@ static inline const char *npusnap_callback_stage_name(int v) {
     X(100001, "ACL_ERROR_UNINITIALIZE", "runtime not initialised", "the process has not opened a device yet (aclInit/aclrtSetDevice)") \
     X(100002, "ACL_ERROR_REPEAT_INITIALIZE", "runtime initialised twice", "aclInit was already called in this process") \
     X(107000, "ACL_ERROR_RT_PARAM_INVALID", "invalid value", "a NULL or unknown pointer, a bad size, an unknown device, a bad callback stage or an unregistered callback") \
+    X(107001, "ACL_ERROR_RT_INVALID_DEVICEID", "invalid device id", "the device id is past the devices this process sees (ASCEND_RT_VISIBLE_DEVICES, the container's devices)") \
     X(107002, "ACL_ERROR_RT_CONTEXT_NULL", "no current device context", "this thread has not set a device (aclrtSetDevice)") \
     X(107011, "ACL_ERROR_RT_STREAM_SUBSCRIBE", "stream not subscribed", "a host callback was launched on a stream no thread subscribed to (aclrtSubscribeReport)") \
     X(107012, "ACL_ERROR_RT_THREAD_SUBSCRIBE", "thread not subscribed", "the thread is not the one subscribed to the stream's callbacks") \
     X(207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT", "feature not supported", "this chip or CANN build has no process snapshot support (Atlas A2/A3 or Ascend 950PR with CANN 8.5+ is needed); run `npusnap check`") \
     X(207001, "ACL_ERROR_RT_MEMORY_ALLOCATION", "device out of memory", "the device has no room for the allocation; free device memory or use a smaller size") \
+    X(207004, "ACL_ERROR_RT_NO_DEVICE", "no device", "ASCEND_RT_VISIBLE_DEVICES names no device this process sees (ids must ascend, differ, and exist), or the container has no device") \
     X(207006, "ACL_ERROR_RT_NO_PERMISSION", "the driver refused the operation", "typically a restore without a backup; run `npusnap status {pid}`") \
     X(507004, "ACL_ERROR_RT_STREAM_NOT_COMPLETE", "stream not complete", "work queued on the stream has not finished yet: synchronize the stream") \
     X(507006, "ACL_ERROR_RT_EVENT_NOT_COMPLETE", "event not complete", "the event's record has not executed yet: synchronize the event first") \
@@ -94,11 +96,13 @@ static inline const char *npusnap_acl_error_name(int code) {
     case 100001: return "ACL_ERROR_UNINITIALIZE";
     case 100002: return "ACL_ERROR_REPEAT_INITIALIZE";
     case 107000: return "ACL_ERROR_RT_PARAM_INVALID";
+    case 107001: return "ACL_ERROR_RT_INVALID_DEVICEID";
     case 107002: return "ACL_ERROR_RT_CONTEXT_NULL";
     case 107011: return "ACL_ERROR_RT_STREAM_SUBSCRIBE";
     case 107012: return "ACL_ERROR_RT_THREAD_SUBSCRIBE";
     case 207000: return "ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
     case 207001: return "ACL_ERROR_RT_MEMORY_ALLOCATION";
+    case 207004: return "ACL_ERROR_RT_NO_DEVICE";
     case 207006: return "ACL_ERROR_RT_NO_PERMISSION";
     case 507004: return "ACL_ERROR_RT_STREAM_NOT_COMPLETE";
     case 507006: return "ACL_ERROR_RT_EVENT_NOT_COMPLETE";
@@ -278,7 +282,6 @@ enum npusim_op {
     NPUSIM_OP_HAS = 11,
     NPUSIM_OP_CONFIG = 12,
     NPUSIM_OP_MAP = 13,
-    NPUSIM_OP_NSMAP = 14,
 };
 #define NPUSIM_CLAIM_EXCLUSIVE 1u
 #define NPUSIM_CONFIG_KEEP_CONTENTS 1u
@@ -456,11 +459,13 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(ACL_ERROR_UNINITIALIZE) \
     X(ACL_ERROR_REPEAT_INITIALIZE) \
     X(ACL_ERROR_RT_PARAM_INVALID) \
+    X(ACL_ERROR_RT_INVALID_DEVICEID) \
     X(ACL_ERROR_RT_CONTEXT_NULL) \
     X(ACL_ERROR_RT_STREAM_SUBSCRIBE) \
     X(ACL_ERROR_RT_THREAD_SUBSCRIBE) \
     X(ACL_ERROR_RT_FEATURE_NOT_SUPPORT) \
     X(ACL_ERROR_RT_MEMORY_ALLOCATION) \
+    X(ACL_ERROR_RT_NO_DEVICE) \
     X(ACL_ERROR_RT_NO_PERMISSION) \
     X(ACL_ERROR_RT_STREAM_NOT_COMPLETE) \
     X(ACL_ERROR_RT_EVENT_NOT_COMPLETE) \
@@ -507,7 +512,6 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSIM_OP_HAS) \
     X(NPUSIM_OP_CONFIG) \
     X(NPUSIM_OP_MAP) \
-    X(NPUSIM_OP_NSMAP) \
     X(NPUSIM_CLAIM_EXCLUSIVE) \
     X(NPUSIM_CONFIG_KEEP_CONTENTS) \
     X(NPUSIM_CONFIG_DRIVER_SNAPSHOT) \
@@ -578,11 +582,13 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
 #define ACL_ERROR_UNINITIALIZE 100001
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
 #define ACL_ERROR_RT_PARAM_INVALID 107000
+#define ACL_ERROR_RT_INVALID_DEVICEID 107001
 #define ACL_ERROR_RT_CONTEXT_NULL 107002
 #define ACL_ERROR_RT_STREAM_SUBSCRIBE 107011
 #define ACL_ERROR_RT_THREAD_SUBSCRIBE 107012
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+#define ACL_ERROR_RT_NO_DEVICE 207004
 #define ACL_ERROR_RT_NO_PERMISSION 207006
 #define ACL_ERROR_RT_STREAM_NOT_COMPLETE 507004
 #define ACL_ERROR_RT_EVENT_NOT_COMPLETE 507006

@@ -119,16 +119,27 @@ KAPI int npusim_matmul(const npusim_kernel_ctx *ctx, const void *args, size_t ar
     int64_t os0 = m->out.stride[0], os1 = m->out.stride[1];
     uint32_t nb = nblocks(ctx, M); /* a block is a band of output rows */
     long us = block_us();
+    /* Row by row, k outside j: B is read along its rows (contiguous in the usual layout), and each
+     * output element still sums its products in k order, so results equal the textbook loop's. */
+    float *acc = malloc(sizeof(float) * (size_t)N);
+    if (!acc) return KERR_ARGS;
     for (uint32_t blk = 0; blk < nb; blk++) {
         int64_t lo = M * blk / nb, hi = M * (blk + 1) / nb;
-        for (int64_t i = lo; i < hi; i++)
-            for (int64_t j = 0; j < N; j++) {
-                float acc = 0.0f;
-                for (int64_t k = 0; k < K; k++) acc += A[i * as0 + k * as1] * B[k * bs0 + j * bs1];
-                o[i * os0 + j * os1] = acc;
+        for (int64_t i = lo; i < hi; i++) {
+            for (int64_t j = 0; j < N; j++) acc[j] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                float a = A[i * as0 + k * as1];
+                const float *b = B + k * bs0;
+                if (bs1 == 1)
+                    for (int64_t j = 0; j < N; j++) acc[j] += a * b[j];
+                else
+                    for (int64_t j = 0; j < N; j++) acc[j] += a * b[j * bs1];
             }
+            for (int64_t j = 0; j < N; j++) o[i * os0 + j * os1] = acc[j];
+        }
         block_cost(us);
     }
+    free(acc);
     return 0;
 }
 
