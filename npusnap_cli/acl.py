@@ -188,7 +188,7 @@ def read_version_info(home: str) -> Tuple[Optional[str], bool]:
     return version, simulated
 
 
-def _home_of_library(lib: str) -> str:
+def home_of_library(lib: str) -> str:
     """The CANN home a library belongs to: lib64/.. or <arch>-linux/lib64/../.."""
     d = Path(os.path.realpath(lib)).parent
     if d.name == "lib64" and d.parent.name.endswith("-linux"):
@@ -344,7 +344,7 @@ class AclRuntime:
         self._runtime = runtime
         self.path = path
         self.version = self._read_version()
-        self.simulated = read_version_info(_home_of_library(path))[1]
+        self.simulated = read_version_info(home_of_library(path))[1]
         # ctypes callback objects must outlive their registration or the C side calls freed code.
         self._callbacks: Dict[Tuple[int, StageCallback], object] = {}
         self.callback_errors: List[BaseException] = []
@@ -384,7 +384,7 @@ class AclRuntime:
         return cls(lib, path, runtime)
 
     def _read_version(self) -> Optional[str]:
-        version, _ = read_version_info(_home_of_library(self.path))
+        version, _ = read_version_info(home_of_library(self.path))
         if version:
             return version
         fn = getattr(self._lib, "aclsysGetVersionStr", None)

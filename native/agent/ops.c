@@ -814,6 +814,11 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     sb_str(res, a ? a->path : NULL);
     sb_key(res, "cann_version");
     sb_str(res, a && a->version[0] ? a->version : NULL);
+    /* The runtime maps the program's device ids through this list, read once at its init and
+     * kept in process memory (runtime.cc GetVisibleDevices): a restore must reach the same driver
+     * ids, which a restore onto other devices (--device-map) cannot promise. */
+    sb_key(res, "visible_devices");
+    sb_str(res, getenv("ASCEND_RT_VISIBLE_DEVICES"));
     /* The devices: those the interposed aclrtSetDevice saw, else what the runtime can tell. */
     int32_t ids[MAX_CB_DEVICES];
     int n = 0;

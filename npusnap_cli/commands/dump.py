@@ -2,95 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
+from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
+from npusnap_cli.errors import UsageError
+from npusnap_cli.units import human_bytes
 
-
-class ProgressBars:
-    """One Output.progress bar per label, opened on first use, all closed at a phase change.
-
-    A bar must tell the truth: when its count stops moving it says what it waits for (a device
-    Backup reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
-    bar whose phase ended is shown complete (the phase finished its work), except one whose work
-    goes on in the background (the restore's checksums, alongside CRIU), which says so; and a
-    label never gets a second bar after its first was closed. Threads share it (the restore's
-    host and device checksums report the same label at once): one lock, so one bar per label.
-    """
-
-    STALL_S = 3.0
-    WAITS_FOR: ClassVar[dict[str, str]] = {
-        "device backup": "the agents' Backup reports its bytes only when done",
-        "writing image": "CRIU is between writes",
-        "checksums": "the disk",
-        "verifying": "the disk",
-        "exporting": "the compressor",
-        "importing": "the archive",
-    }
-    BACKGROUND = frozenset({"verifying"})
-
-    def __init__(self, out: Any) -> None:
-        self._out = out
-        self._stack = contextlib.ExitStack()
-        self._bars: dict[str, Any] = {}
-        self._state: dict[str, tuple[int, Optional[int], float, bool]] = {}  # done, total, moved, stalled
-        self._closed: set[str] = set()
-        self._lock = threading.Lock()
-
-    def update(self, label: str, done: int, total: Optional[int]) -> None:
-        with self._lock:
-            self._update(label, done, total)
-
-    def _update(self, label: str, done: int, total: Optional[int]) -> None:
-        import time
-
-        if label in self._closed:
-            return
-        bar = self._bars.get(label)
-        if bar is None:
-            bar = self._stack.enter_context(self._out.progress(label, total))
-            self._bars[label] = bar
-        if total is not None and done > total:
-            total = done  # never "11.6 MiB / 10.6 MiB"
-        now = time.monotonic()
-        last_done, _total, moved, stalled = self._state.get(label, (-1, total, now, False))
-        if done != last_done:
-            moved = now
-            if stalled:
-                bar.describe(label)
-                stalled = False
-        elif not stalled and now - moved >= self.STALL_S:
-            bar.describe(f"{label} (waiting: {self.WAITS_FOR.get(label, 'no progress reported')})")
-            stalled = True
-        self._state[label] = (done, total, moved, stalled)
-        bar.update(done, total)
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        for label, bar in self._bars.items():
-            done, total, _moved, _stalled = self._state.get(label, (0, None, 0.0, False))
-            if label in self.BACKGROUND and (total is None or done < total):
-                bar.describe(f"{label} (goes on in the background)")
-            elif total is not None and done < total:
-                bar.describe(label)
-                bar.update(total, total)  # the phase is over: its work is done
-            self._closed.add(label)
-        self._stack.close()
-        self._bars.clear()
-
-
-def fmt_s(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.3f}s"
+if TYPE_CHECKING:
+    from npusnap_cli.ui import Output
 
 
 def register(app: typer.Typer) -> None:
@@ -239,11 +165,9 @@ def register(app: typer.Typer) -> None:
         afterwards; with --leave-running it keeps running. Any failure rolls every process back
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
-        from npusnap_cli import criu
-        from npusnap_cli.errors import UsageError
-        from npusnap_cli.host import oplog
-        from npusnap_cli.pipelines import dump as dump_mod
-        from npusnap_cli.ui import human_bytes
+        from npusnap_cli import criu  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.pipelines import dump as dump_mod  # lazy: --help cost (check_imports.py --costs)
 
         if network_lock is not None and network_lock not in criu.NETWORK_LOCKS:
             raise UsageError(
@@ -260,19 +184,21 @@ def register(app: typer.Typer) -> None:
             out.info(f"… {label}")
 
         options = dump_mod.DumpOptions(
-            leave_running=leave_running,
-            tcp_established=tcp_established,
-            shell_job=shell_job,
-            file_locks=file_locks,
-            ext_unix_sk=ext_unix_sk,
-            external=tuple(external or ()),
-            timeout=None if timeout is None else math.ceil(timeout),
+            criu=criu.CriuOptions(
+                leave_running=leave_running,
+                tcp_established=tcp_established,
+                shell_job=shell_job,
+                file_locks=file_locks,
+                ext_unix_sk=ext_unix_sk,
+                external=tuple(external or ()),
+                timeout=None if timeout is None else math.ceil(timeout),
+                link_remap=link_remap,
+                network_lock=network_lock,
+            ),
             keep=True,
             force=force,
             attach=not no_attach,
             lease_s=lease,
-            link_remap=link_remap,
-            network_lock=network_lock,
             external_pipes=external_pipes,
             sign_key=sign,
             device_memory=device_memory,
@@ -280,11 +206,9 @@ def register(app: typer.Typer) -> None:
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])
-        from npusnap_cli.commands import jobcmd
-
         net = jobcmd.net_options(coordinator, node, nodes)
         if slurm_job is not None:
-            from npusnap_cli.pipelines import slurm
+            from npusnap_cli.pipelines import slurm  # lazy: --help cost (check_imports.py --costs)
 
             if pids:
                 raise UsageError(
@@ -297,7 +221,7 @@ def register(app: typer.Typer) -> None:
             )
             pids = [t.pid for t in tasks]
             # Tasks share slurmstepd's session and the first task's process group.
-            options = dataclasses.replace(options, shell_job=True)
+            options = dataclasses.replace(options, criu=dataclasses.replace(options.criu, shell_job=True))
         if not pids:
             raise UsageError(
                 "no PID given",
@@ -374,7 +298,7 @@ def register(app: typer.Typer) -> None:
             )
         if result.logs:
             out.line(f"CRIU's log: {result.logs}")
-            _show_log(out, Path(result.logs))
+            show_log(out, Path(result.logs))
         data = result.to_dict()
         data.update(_manage(out, Path(result.image), keep_last, latest))
         data["export"] = _export(out, Path(result.image), export_to) if export_to is not None else None
@@ -382,10 +306,9 @@ def register(app: typer.Typer) -> None:
         out.result(data)
 
 
-def _export(out: Any, image: Path, target: Path) -> dict[str, Any]:
+def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
     """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
-    from npusnap_cli.image import archive
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
     bars = ProgressBars(out)
     done = [0]
@@ -403,26 +326,10 @@ def _export(out: Any, image: Path, target: Path) -> dict[str, Any]:
     return result.to_dict()
 
 
-def _show_log(out: Any, logs: Path) -> None:
-    """-vv: the end of CRIU's log on stderr (the whole log stays in the image)."""
-    if out.verbose < 2 or out.json_mode:
-        return
-    for log in sorted(logs.glob("*.log")):
-        if out.command == "restore" and log.name != "restore.log":
-            continue
-        try:
-            lines = log.read_text(errors="replace").splitlines()[-30:]
-        except OSError:
-            continue
-        out.debug(f"--- last {len(lines)} lines of {log}")
-        for text in lines:
-            out.debug(text)
-
-
-def _manage(out: Any, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
-    from npusnap_cli.image import imagestore
+    from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
     done: dict[str, Any] = {"latest": None, "removed": []}
     if latest:

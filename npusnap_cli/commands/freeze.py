@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         All or nothing: if one process cannot be frozen, all are thawed again. A job that another
         command has locked is refused (exit 11), naming it; Ctrl-C/SIGTERM rolls back (exit 130).
         """
-        from npusnap_cli.device import devicegroup  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.pipelines import freeze as freeze_mod  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "freeze", json_flag)
         if no_lease and lease is not None:
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
 
         with out.phase("freezing"), oplog.operation("freeze", [pid], None):
-            results = devicegroup.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
+            results = freeze_mod.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
         out.table(
             f"npusnap freeze {pid}",
             ["pid", "state", "lease"],
@@ -91,14 +91,14 @@ def register(app: typer.Typer) -> None:
         Thaws what `npusnap freeze` locked; a lock another command holds is refused (exit 11,
         naming it) unless --force.
         """
-        from npusnap_cli.device import devicegroup  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.pipelines import freeze as freeze_mod  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "thaw", json_flag)
         clean_stale_sockets(out)
         from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
 
         with oplog.operation("thaw", [pid], None):
-            results = devicegroup.thaw(pid, force=force, timeout=timeout)
+            results = freeze_mod.thaw(pid, force=force, timeout=timeout)
         out.table(
             f"npusnap thaw {pid}",
             ["pid", "was", "actions", "state"],

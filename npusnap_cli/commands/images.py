@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
         temporary name and renamed when complete. `inspect` and `verify` read it directly;
         `npusnap import FILE DIR` turns it back into an image. Prints the archive's path.
         """
-        from npusnap_cli.commands.dump import ProgressBars
+        from npusnap_cli.commands._progress import ProgressBars
         from npusnap_cli.image import archive
         from npusnap_cli.ui import human_bytes
 
@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
 
 def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> dict[str, Any]:
     """`npusnap import`, also for `restore --import`: extract, verified, with a progress bar."""
-    from npusnap_cli.commands.dump import ProgressBars
+    from npusnap_cli.commands._progress import ProgressBars
     from npusnap_cli.image import archive
     from npusnap_cli.ui import human_bytes
 

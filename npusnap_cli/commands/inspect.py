@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
 if TYPE_CHECKING:
@@ -269,6 +268,65 @@ def _show_image(out: Any, ref: OpenedImage) -> None:
     out.result(data)
 
 
+def _inspect_job(out: Any, ref: OpenedImage) -> None:
+    from npusnap_cli import image
+    from npusnap_cli.ui import human_bytes
+
+    directory = ref.path
+    job = ref.require_job()
+    rows = []
+    ranks = []
+    for r in job.ranks:
+        m = image.load_manifest(Path(directory) / r.dir)
+        rows.append(
+            [
+                str(r.rank),
+                f"{r.dir}/",
+                str(r.pid),
+                " ".join(map(str, r.npu_pids)),
+                ",".join(str(d) for p in m.npu_processes for d in p.devices) or "-",
+                r.netns_path or r.netns or "(npusnap's)",
+                human_bytes(m.bytes.image_bytes),
+            ]
+        )
+        ranks.append({**r.to_dict(), "manifest": m.to_dict(), "criu": criu_detail(Path(directory) / r.dir)})
+    out.kv(
+        f"job image {directory}",
+        {
+            "created": job.created_at,
+            "npusnap": job.tool,
+            "ranks": len(job.ranks),
+            "originals left running": "yes" if job.leave_running else "no",
+        },
+    )
+    out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
+    for r, data in zip(job.ranks, ranks):
+        show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ")
+    out.line(
+        f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
+        f"check the whole job: `npusnap verify {directory}`"
+    )
+    out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
+
+
+def _verify_job(
+    out: Any, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
+) -> None:
+    from npusnap_cli.image import job
+    from npusnap_cli.ui import human_bytes
+
+    directory = ref.path
+    _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
+    files = sum(r.files_checked for r in result.ranks)
+    nbytes = sum(r.bytes_checked for r in result.ranks)
+    what = "sizes and checksums" if checksums else "sizes (checksums skipped)"
+    out.ok(
+        f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
+        f"{files} files, {human_bytes(nbytes)}: {what} match"
+    )
+    out.result(result.to_dict())
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
@@ -292,7 +350,7 @@ def register(app: typer.Typer) -> None:
         elif ref.kind is image.Kind.CONTAINER:
             _show_container(out, ref.path, ref.require_container())
         elif ref.kind is image.Kind.JOB:
-            jobcmd.inspect_job(out, ref)
+            _inspect_job(out, ref)
         else:
             _show_image(out, ref)
 
@@ -345,7 +403,7 @@ def register(app: typer.Typer) -> None:
             out.result(res)
             return
         if ref.kind is image.Kind.JOB:
-            jobcmd.verify_job(out, ref, checksums=not no_checksums, require_signature=require_signature)
+            _verify_job(out, ref, checksums=not no_checksums, require_signature=require_signature)
             return
         directory = ref.path
         total = sum(f.size for f in ref.require_manifest().files)

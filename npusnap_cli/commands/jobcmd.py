@@ -1,4 +1,5 @@
-"""The job-image side of `dump`, `restore`, `inspect` and `verify` (jobsnap.py; docs/distributed.md).
+"""The job-image side of `dump` and `restore` (jobsnap.py; docs/distributed.md); `inspect` and
+`verify` show a job image themselves (commands/inspect.py).
 
 The commands call these for several PIDs (dump) or for a job image, which ``image.open`` tells
 apart from the other kinds (``Kind.JOB``: ``npusnap-job.json``, image/job.py).
@@ -11,16 +12,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:
-    from npusnap_cli.image import OpenedImage
+from npusnap_cli.commands._progress import fmt_s
+from npusnap_cli.errors import UsageError
+from npusnap_cli.units import human_bytes
+
+if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
+    from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+    from npusnap_cli.pipelines.dump import DumpOptions
+    from npusnap_cli.pipelines.netcoord import NetLink
+    from npusnap_cli.pipelines.restore import RestoreOptions
+    from npusnap_cli.ui import Output
+
+NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
 
 
-def net_options(
-    coordinator: Optional[str], node: int, nodes: int
-) -> Optional[tuple[tuple[str, int], int, int]]:
+def net_options(coordinator: Optional[str], node: int, nodes: int) -> Optional[NetSpec]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
-    from npusnap_cli.errors import UsageError
-    from npusnap_cli.pipelines import netcoord
+    from npusnap_cli.pipelines import netcoord  # lazy: --help cost (check_imports.py --costs)
 
     if coordinator is None:
         if nodes > 1 or node > 0:
@@ -32,12 +40,12 @@ def net_options(
 
 
 @contextlib.contextmanager
-def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ...]) -> Iterator[Any]:
+def _net(spec: Optional[NetSpec], phases: tuple[str, ...]) -> Iterator[Optional[NetLink]]:
     """Node 0 serves the coordinator; every node connects to it. None without --coordinator."""
     if spec is None:
         yield None
         return
-    from npusnap_cli.pipelines import jobsnap, netcoord
+    from npusnap_cli.pipelines import jobsnap, netcoord  # lazy: --help cost (check_imports.py --costs)
 
     addr, node, nodes = spec
     server = (
@@ -55,15 +63,14 @@ def _net(spec: Optional[tuple[tuple[str, int], int, int]], phases: tuple[str, ..
 
 
 def dump_job(
-    out: Any,
+    out: Output,
     pids: list[int],
     directory: Path,
-    options: Any,
-    callbacks: Any,
-    net: Optional[tuple[tuple[str, int], int, int]] = None,
+    options: DumpOptions,
+    callbacks: PipelineCallbacks,
+    net: Optional[NetSpec] = None,
 ) -> None:
-    from npusnap_cli.pipelines import jobsnap
-    from npusnap_cli.ui import human_bytes
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.PHASES) as link:
         result = jobsnap.dump_job(
@@ -102,7 +109,6 @@ def dump_job(
 
 
 def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
-    from npusnap_cli.errors import UsageError
 
     found: dict[int, str] = {}
     for v in values or []:
@@ -117,15 +123,14 @@ def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
 
 
 def restore_job(
-    out: Any,
+    out: Output,
     directory: Path,
-    options: Any,
-    callbacks: Any,
+    options: RestoreOptions,
+    callbacks: PipelineCallbacks,
     rank_netns: dict[int, str],
-    net: Optional[tuple[tuple[str, int], int, int]] = None,
+    net: Optional[NetSpec] = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    from npusnap_cli.commands.dump import fmt_s
-    from npusnap_cli.pipelines import jobsnap
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:
         result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
@@ -155,12 +160,12 @@ def restore_job(
     return [int(r["root_pid"]) for r in result.ranks], result.to_dict()
 
 
-def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
+def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
     """Without --wait: print the result. With it: wait for the roots to exit first."""
     if not wait:
         out.result(data)
         return None
-    from npusnap_cli.pipelines import jobsnap
+    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     out.info(f"waiting for pid(s) {', '.join(map(str, roots))} to exit (signals are forwarded)")
     codes = jobsnap.wait_for_exit(roots, out.warn)
@@ -170,63 +175,3 @@ def wait_and_report(out: Any, roots: list[int], data: dict[str, Any], wait: bool
     code = 0 if not failed else (failed[0] if failed[0] > 0 else 128 - failed[0])
     out.result(data, exit_code=code)
     return code
-
-
-def inspect_job(out: Any, ref: OpenedImage) -> None:
-    from npusnap_cli import image
-    from npusnap_cli.commands import inspect as inspect_cmd
-    from npusnap_cli.ui import human_bytes
-
-    directory = ref.path
-    job = ref.require_job()
-    rows = []
-    ranks = []
-    for r in job.ranks:
-        m = image.load_manifest(Path(directory) / r.dir)
-        rows.append(
-            [
-                str(r.rank),
-                f"{r.dir}/",
-                str(r.pid),
-                " ".join(map(str, r.npu_pids)),
-                ",".join(str(d) for p in m.npu_processes for d in p.devices) or "-",
-                r.netns_path or r.netns or "(npusnap's)",
-                human_bytes(m.bytes.image_bytes),
-            ]
-        )
-        ranks.append(
-            {**r.to_dict(), "manifest": m.to_dict(), "criu": inspect_cmd.criu_detail(Path(directory) / r.dir)}
-        )
-    out.kv(
-        f"job image {directory}",
-        {
-            "created": job.created_at,
-            "npusnap": job.tool,
-            "ranks": len(job.ranks),
-            "originals left running": "yes" if job.leave_running else "no",
-        },
-    )
-    out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
-    for r, data in zip(job.ranks, ranks):
-        inspect_cmd.show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ")
-    out.line(
-        f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
-        f"check the whole job: `npusnap verify {directory}`"
-    )
-    out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
-
-
-def verify_job(out: Any, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None) -> None:
-    from npusnap_cli.image import job
-    from npusnap_cli.ui import human_bytes
-
-    directory = ref.path
-    _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
-    files = sum(r.files_checked for r in result.ranks)
-    nbytes = sum(r.bytes_checked for r in result.ranks)
-    what = "sizes and checksums" if checksums else "sizes (checksums skipped)"
-    out.ok(
-        f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
-        f"{files} files, {human_bytes(nbytes)}: {what} match"
-    )
-    out.result(result.to_dict())

@@ -9,8 +9,9 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the pipeline is imported when a restore runs, not at every start
     from npusnap_cli.image import OpenedImage
+    from npusnap_cli.pipelines.restore import RestoreOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -162,7 +163,7 @@ def register(app: typer.Typer) -> None:
         and every NPU process gets its device state back and is unlocked. If that last step
         fails for a process, it stays locked and the error says how to retry.
         """
-        from npusnap_cli.commands.dump import ProgressBars, fmt_s
+        from npusnap_cli.commands._progress import ProgressBars, fmt_s
         from npusnap_cli.host import oplog
         from npusnap_cli.pipelines import restore as restore_mod
 
@@ -353,16 +354,16 @@ def register(app: typer.Typer) -> None:
             out.line(f"pid written to {result.pidfile}")
         if result.criu_log:
             out.debug(f"CRIU's restore log: {result.criu_log}")
-            from npusnap_cli.commands.dump import _show_log
+            from npusnap_cli.commands._progress import show_log
 
-            _show_log(out, Path(result.criu_log).parent)
+            show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
         from npusnap_cli.commands import jobcmd
 
         return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
 
-def _dry_run(out: object, ref: OpenedImage, options: object) -> int:
+def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 

@@ -1,4 +1,4 @@
-"""The device half of a snapshot for several processes at once (``freeze``/``thaw``, dump, restore).
+"""The device half of a snapshot for several processes at once (for dump, restore, freeze, thaw).
 
 ``DeviceGroup(pids)`` holds one ``AgentClient`` per pid and runs each step on all of them in
 parallel threads. The contract the pipelines rely on:
@@ -27,16 +27,30 @@ Results are dicts keyed by pid (the agent's result for that pid).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import re
+import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from npusnap_cli import contract
+from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
-from npusnap_cli.device.agent_client import AgentClient, AgentOpError, owner_text
-from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient, AgentOpError, owner_text
+from npusnap_cli.errors import (
+    BusyError,
+    ImageError,
+    InterruptedError_,
+    NpusnapError,
+    StateUnknownError,
+    TargetError,
+)
+from npusnap_cli.host import hostclean, procfs, proctree
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
 
@@ -259,8 +273,6 @@ class DeviceGroup:
         device_memory_files: Optional[dict[int, tuple[int, str]]],
         drain_timeout_s: Optional[float],
     ) -> dict[int, dict[str, Any]]:
-        import threading
-
         lease = self.lease_s
         files = device_memory_files or {}
         # A process done early keeps its lease renewed (on its own connection, from its own
@@ -395,8 +407,6 @@ class DeviceGroup:
 
     def hand_over(self, pids: Iterable[int]) -> None:
         """Leave the tokens of ``pids`` (still locked by this group) for `npusnap thaw PID`."""
-        import contextlib
-
         mine = self.tokens()
         with contextlib.suppress(OSError):
             save_lock_tokens({p: mine[p] for p in pids if p in mine})
@@ -415,32 +425,15 @@ class DeviceGroup:
         return {p: str(r.get("state") or "not locked") for p, r in results.items()}
 
 
-def _stop_state(pid: int) -> Optional[tuple[str, int]]:
-    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        tracer = 0
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("TracerPid:"):
-                    tracer = int(line.split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return (state, tracer) if state in ("T", "t") else None
-
-
 def refuse_stopped(pids: Iterable[int], command: str) -> None:
     """A stopped process's agent cannot answer: it is being checkpointed (CRIU seizes and stops
     the tree) or someone stopped it. Refuse now, having changed nothing, instead of waiting for
     an answer that comes only when the checkpoint is over — and then acting under it."""
     for pid in pids:
-        stopped = _stop_state(pid)
+        stopped = procfs.stop_state(pid)
         if stopped is None:
             continue
         _state, tracer = stopped
-        from npusnap_cli.host import procfs
-
         by = f" (traced by pid {tracer}: {procfs.cmdline(tracer)[:60]})" if tracer else " (SIGSTOP)"
         raise BusyError(
             f"pid {pid} is stopped{by}; npusnap {command} changed nothing",
@@ -471,8 +464,6 @@ def _while_busy(c: AgentClient, request: Callable[[AgentClient], T]) -> T:
 def _locked_by_us(c: AgentClient, command: str) -> bool:
     """Whether the agent records this very process as the owner of its lock: a lock request whose
     answer (and token) was lost to an interruption still made us the owner."""
-    import os
-
     try:
         owner = _while_busy(c, lambda cl: cl.status().get("owner"))
     except NpusnapError:
@@ -494,8 +485,6 @@ def _rollback_one(
     except BusyError:
         raise
     except NpusnapError:
-        from npusnap_cli.host import procfs
-
         # A process that died (killed mid-dump, say) holds no lock any more: the runtime's exit
         # hook and the device daemon released it. Only a live process that cannot be reached
         # makes the state unknown. One that was killed a moment ago may still be exiting (its
@@ -528,10 +517,6 @@ def tree_targets(pid: int) -> list[int]:
     Raises TargetError when the tree has no NPU process, or when one has no agent (with the ways
     to get one).
     """
-    from npusnap_cli.device.agent_client import NO_AGENT_FIX
-    from npusnap_cli.errors import TargetError
-    from npusnap_cli.host import proctree
-
     tree = proctree.process_tree(pid)
     npu = proctree.npu_processes(tree)
     if not npu:
@@ -558,9 +543,7 @@ def tree_targets(pid: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _token_path(pid: int) -> Any:
-    from npusnap_cli import paths
-
+def _token_path(pid: int) -> Path:
     return paths.agent_runtime_dir() / f"{pid}{paths.LOCK_TOKEN_SUFFIX}"
 
 
@@ -568,14 +551,7 @@ def save_lock_tokens(tokens: dict[int, str]) -> None:
     """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
     (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
     0700 and checked like the agents' socket directory; files 0600, never followed)."""
-    import contextlib
-    import os
-
-    from npusnap_cli import paths
-
     paths.ensure_private_dir(paths.agent_runtime_dir())
-    from npusnap_cli.host import hostclean
-
     for stale in hostclean.stale_lock_tokens():  # those of dead processes go as new ones come
         with contextlib.suppress(OSError):
             os.unlink(stale.path)
@@ -591,10 +567,6 @@ def save_lock_tokens(tokens: dict[int, str]) -> None:
 def load_lock_tokens(pids: Iterable[int]) -> dict[int, str]:
     """The tokens ``freeze`` left for ``pids`` (those it has); a file that is not a regular file
     of this user, 0600, holding 32 hex digits, is ignored."""
-    import os
-    import re
-    import stat
-
     out: dict[int, str] = {}
     for pid in pids:
         try:
@@ -612,70 +584,6 @@ def load_lock_tokens(pids: Iterable[int]) -> dict[int, str]:
 
 
 def forget_lock_tokens(pids: Iterable[int]) -> None:
-    import contextlib
-    import os
-
     for pid in pids:
         with contextlib.suppress(OSError):
             os.unlink(_token_path(pid))
-
-
-def freeze(
-    pid: int, *, lease_s: Optional[float], backup: bool, timeout: float, note: Callable[[str], None]
-) -> dict[int, dict[str, Any]]:
-    """``npusnap freeze``: refuse a job that is locked already, Lock (+ Backup) every NPU process
-    as its owner, keep the tokens for ``thaw``. Ctrl-C / SIGTERM during it rolls back what it
-    locked and raises InterruptedError_ (exit 130) — docs/exit-codes.md."""
-    from npusnap_cli.errors import InterruptedError_
-    from npusnap_cli.pipelines.engine import SignalGuard
-
-    pids = tree_targets(pid)
-    with (
-        SignalGuard(note, what="freeze") as guard,
-        DeviceGroup(
-            pids,
-            lease_s=lease_s,
-            timeout=timeout,
-            command="freeze",
-            interrupted=lambda: guard.received is not None,
-        ) as group,
-    ):
-        group.ensure_unlocked()
-        guard.check("before anything was locked", "nothing was locked")
-        try:
-            results = group.lock_and_backup(backup=backup)
-        except NpusnapError as err:
-            if guard.received is None:
-                raise
-            err.details["signal"] = guard.name
-            raise
-        if guard.received is not None:
-            step = "lock+backup" if backup else "lock"
-            group.rollback(owned_only=True)
-            raise InterruptedError_(
-                f"freeze interrupted by {guard.name} during {step}: every process it locked was rolled "
-                "back and is running",
-                why="Ctrl-C or SIGTERM",
-                fix=f"run `npusnap freeze {pid}` again when ready",
-                details={"state": "rolled back", "pids": pids},
-            )
-        save_lock_tokens(group.tokens())
-    return results
-
-
-def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, dict[str, Any]]:
-    """``npusnap thaw``: roll every NPU process back to RUNNING as the owner of ``freeze``'s lock
-    (its kept tokens), or over anybody's lock with ``force``. A lock that another command holds
-    is refused (BusyError) without ``force``."""
-    from npusnap_cli.pipelines.engine import SignalGuard
-
-    pids = tree_targets(pid)
-    refuse_stopped(pids, "thaw")
-    # A signal does not cut a thaw in half (it is what gets a job running again); every request
-    # it makes has a timeout, so it ends in bounded time.
-    with SignalGuard(what="thaw"), DeviceGroup(pids, timeout=timeout, command="thaw") as group:
-        # Tokens a freeze, or a failed dump or restore, handed over (save_lock_tokens).
-        group.set_tokens(load_lock_tokens(pids))
-        results = group.rollback(force=force)
-    forget_lock_tokens(pids)
-    return results

@@ -79,6 +79,21 @@ def is_alive(pid: int) -> bool:
     return state(pid) not in (None, "?", "Z", "X")
 
 
+def stop_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            st = f.read().rsplit(")", 1)[1].split()[0]
+        tracer = 0
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    tracer = int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (st, tracer) if st in ("T", "t") else None
+
+
 def session_id(pid: int) -> Optional[int]:
     """The session id of ``pid`` as this pid namespace sees it (None when it is gone).
 

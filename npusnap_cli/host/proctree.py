@@ -8,7 +8,9 @@ fields are None rather than an error, and ``readable`` says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +20,7 @@ import psutil
 from npusnap_cli import acl, paths
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, TargetError
+from npusnap_cli.host import procfs
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
 
@@ -178,3 +181,30 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
             hints.append(f"pid {info.pid} has no npusnap agent: " + NO_AGENT_FIX.format(pid=info.pid))
         processes.append(entry)
     return {"pid": pid, "processes": processes, "hints": hints}
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """The tree of ``root_pid`` as it is now (children first), for the final kill."""
+    try:
+        root = psutil.Process(root_pid)
+        kids = root.children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in reversed(kids)] + [root_pid]
+
+
+def signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
+    end = time.monotonic() + timeout
+    left = list(pids)
+    while left and time.monotonic() < end:
+        left = [p for p in left if procfs.is_alive(p)]
+        if left:
+            time.sleep(0.02)
+    return left

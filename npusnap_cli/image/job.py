@@ -134,6 +134,28 @@ class JobVerifyResult:
         return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
 
 
+def check_rank_manifest(final: Path, r: RankEntry) -> None:
+    """Rank ``r``'s image is present in the job image ``final`` and its manifest is the one the
+    job names (sha256); ImageError otherwise."""
+    rank_image = final / r.dir
+    mpath = manifest_path(rank_image)
+    try:
+        digest = dg.of_file(mpath, "sha256")
+    except OSError as exc:
+        raise ImageError(
+            f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
+            fix="the job image is incomplete; dump the job again",
+            details={"rank": r.rank},
+        ) from None
+    if digest != r.manifest_sha256:
+        raise ImageError(
+            f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
+            why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
+            fix="restore only job images as `npusnap dump` wrote them; dump the job again",
+            details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
+        )
+
+
 def verify_job(
     directory: Path, *, checksums: bool = True, require_signature: Optional[Path] = None
 ) -> tuple[JobManifest, JobVerifyResult]:
@@ -143,22 +165,7 @@ def verify_job(
     results = []
     for r in job.ranks:
         rank_image = final / r.dir
-        mpath = manifest_path(rank_image)
-        try:
-            digest = dg.of_file(mpath, "sha256")
-        except OSError as exc:
-            raise ImageError(
-                f"rank {r.rank}'s image {rank_image} is missing or unreadable: {exc.strerror or exc}",
-                fix="the job image is incomplete; dump the job again",
-                details={"rank": r.rank},
-            ) from None
-        if digest != r.manifest_sha256:
-            raise ImageError(
-                f"rank {r.rank}'s manifest {mpath} is not the one the job recorded",
-                why="its sha256 differs from the job manifest's: the rank image was replaced or modified",
-                fix="restore only job images as `npusnap dump` wrote them; dump the job again",
-                details={"rank": r.rank, "expected": r.manifest_sha256, "found": digest},
-            )
+        check_rank_manifest(final, r)
         try:
             results.append(
                 integrity.verify(rank_image, checksums=checksums, require_signature=require_signature)

@@ -166,8 +166,17 @@ class ProcessEntry:
     # The token of the lock this dump holds on the process (docs/internals.md, "Lock ownership"):
     # restore presents it to the restored agent, which still records the dump as its owner.
     lock_token: Optional[str] = None
+    # ASCEND_RT_VISIBLE_DEVICES as the process saw it: the runtime keeps the list it read at init,
+    # so a restored copy reaches the same driver ids whatever device it is restored "onto".
+    visible_devices: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
+        d = self._fields()
+        if self.visible_devices is not None:  # absent unless set: the common manifest is unchanged
+            d["visible_devices"] = self.visible_devices
+        return d
+
+    def _fields(self) -> dict[str, Any]:
         return {
             "pid": self.pid,
             "ppid": self.ppid,
@@ -198,6 +207,7 @@ class ProcessEntry:
             device_bytes=_req(d, "device_bytes", int, w),
             agent_socket=_opt(d, "agent_socket", str, w),
             lock_token=_opt(d, "lock_token", str, w),
+            visible_devices=_opt(d, "visible_devices", str, w),
         )
 
 

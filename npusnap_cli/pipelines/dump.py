@@ -17,6 +17,11 @@ every locked process back to RUNNING and removes the partial image; if npusnap i
 the tree is stopped, ``StopGuard``'s watcher resumes it and the leases roll it back. If the
 rollback itself fails the error is ``StateUnknownError`` with the commands to inspect and recover.
 
+The steps (``STEPS``, at the end) run on the pipeline engine (engine.py), over a ``DumpState``:
+each step's undo is its share of that rollback, and ``_failed`` says on the way out what was
+rolled back and where the discarded image's logs went. A job dump runs the same steps per rank
+with the job's barriers (jobsnap.py).
+
 Core module: returns frozen dataclasses, reports progress through ``DumpCallbacks``, never prints.
 """
 
@@ -34,18 +39,38 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import __version__, contract
+from npusnap_cli import __version__, acl, contract, criu
 from npusnap_cli import image as img
+from npusnap_cli.criu import CriuOptions
+from npusnap_cli.device import attach as attach_mod
+from npusnap_cli.device.devicegroup import DeviceGroup, refuse_stopped
+from npusnap_cli.device.leasekeeper import LeaseKeeper, keeping
 from npusnap_cli.errors import (
+    CriuError,
     ImageError,
     NpusnapError,
     PreflightError,
     StateUnknownError,
     TargetError,
 )
-from npusnap_cli.host import hostclean
+from npusnap_cli.host import (
+    criuplugin,
+    devmaps,
+    hostclean,
+    hostres,
+    pidns,
+    preflight,
+    procfs,
+    proctree,
+    tcpunlock,
+)
+from npusnap_cli.host.proctree import ProcInfo
+from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.image import digest, imagetrust, streamhash
+from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
-from npusnap_cli.pipelines.engine import SignalGuard
+from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step, describe
+from npusnap_cli.units import human_bytes
 
 DEFAULT_LEASE_S = 60.0
 # Headroom on top of the expected image size: CRIU's own metadata, the manifest, filesystem slack.
@@ -65,22 +90,15 @@ DumpCallbacks = PipelineCallbacks
 
 @dataclass(frozen=True)
 class DumpOptions:
-    """What `npusnap dump` was asked to do; CRIU/podman option names and meanings."""
+    """What `npusnap dump` was asked to do: CRIU's options as given (CRIU/podman names and
+    meanings), and npusnap's own."""
 
-    leave_running: bool = False
-    tcp_established: bool = False
-    shell_job: bool = False
-    file_locks: bool = False
-    ext_unix_sk: bool = False
-    external: tuple[str, ...] = ()
-    timeout: Optional[int] = None
+    criu: CriuOptions = field(default_factory=CriuOptions)
     keep: bool = False
     force: bool = False
     attach: bool = True
     lease_s: float = DEFAULT_LEASE_S
-    # Host-side resources (hostres.py / criu.CriuOptions).
-    link_remap: bool = True
-    network_lock: Optional[str] = None
+    # Pipes to outside the tree on stdin/out/err recorded for `restore --pipe-to` (hostres.py).
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
     device_memory: str = contract.DEFAULT_DEVICE_MEMORY_MODE  # docs/device-memory.md
@@ -90,6 +108,21 @@ class DumpOptions:
     # Lock attempts after a device that did not drain; None: 1, or BUSY_RETRIES_GROUP for a tree of
     # several NPU processes (a job dump sets 0 and retries all its ranks together).
     busy_retries: Optional[int] = None
+
+    @property
+    def leave_running(self) -> bool:
+        return self.criu.leave_running
+
+    def criu_for(self, tree: tuple[ProcInfo, ...]) -> CriuOptions:
+        """What CRIU is asked for ``tree``: unless it runs on, the tree stays stopped after the
+        dump (it is killed once the image is published), and no network lock where it would
+        lock nothing (a --network-lock given always wins)."""
+        o = self.criu
+        return replace(
+            o,
+            leave_stopped=not o.leave_running,
+            network_lock=o.network_lock or _unneeded_network_lock(tree, o.tcp_established),
+        )
 
 
 @dataclass(frozen=True)
@@ -134,7 +167,7 @@ class DumpOutcome:
 @dataclass(frozen=True)
 class _Target:
     root_pid: int
-    tree: tuple[Any, ...]  # proctree.ProcInfo, root first
+    tree: tuple[ProcInfo, ...]  # root first
     npu_pids: tuple[int, ...]
     attached: tuple[int, ...] = ()
     attach_stopped_s: tuple[tuple[int, float], ...] = ()
@@ -146,8 +179,6 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     Raises TargetError when the pid does not exist, when no process of the tree uses the NPU,
     or when one lacks an agent and ``attach`` is false.
     """
-    from npusnap_cli.host import proctree
-
     tree = proctree.process_tree(pid)  # TargetError when pid does not exist
     npu = [p for p in tree if p.uses_npu]
     if not npu:
@@ -178,9 +209,6 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
     if not missing:
         return target
-    from npusnap_cli.device import attach as attach_mod
-    from npusnap_cli.host import proctree
-
     stopped: list[tuple[int, float]] = []
     for m in missing:
         note(f"pid {m} has no agent: attaching one")
@@ -225,8 +253,6 @@ def _mem_available() -> Optional[int]:
 
 
 def _check_privileges() -> None:
-    from npusnap_cli.host import preflight
-
     problems = [i for i in preflight.check_privileges() if i.status == preflight.PROBLEM]
     if problems:
         raise PreflightError(
@@ -237,9 +263,7 @@ def _check_privileges() -> None:
         )
 
 
-def _check_other_users(tree: tuple[Any, ...]) -> None:
-    from npusnap_cli.host import preflight
-
+def _check_other_users(tree: tuple[ProcInfo, ...]) -> None:
     problem = preflight.other_user_problem([p.uid for p in tree if p.uid is not None])
     if problem:
         raise PreflightError(
@@ -250,10 +274,8 @@ def _check_other_users(tree: tuple[Any, ...]) -> None:
         )
 
 
-def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
+def _check_session(tree: tuple[ProcInfo, ...], *, shell_job: bool) -> None:
     """Refuse, before anything is locked, the two session layouts CRIU is certain to refuse."""
-    from npusnap_cli.host import procfs
-
     outside = [p.pid for p in tree if procfs.session_id(p.pid) == 0]
     if outside:
         raise PreflightError(
@@ -279,11 +301,11 @@ def _check_session(tree: tuple[Any, ...], *, shell_job: bool) -> None:
         )
 
 
-def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: PhaseFn) -> tuple[Any, ...]:
+def _check_external_stdio(
+    tree: tuple[ProcInfo, ...], options: DumpOptions, note: PhaseFn
+) -> tuple[hostres.ExternalStdio, ...]:
     """Refuse pipes/terminals to outside the tree on stdin/out/err (the restored job would die
     of them); with --external-pipes, the pipes are recorded for `restore --pipe-to` instead."""
-    from npusnap_cli.host import hostres
-
     found = hostres.find_external_stdio([p.pid for p in tree])
     for e in hostres.stray_pipes(found):
         if not options.external_pipes:
@@ -294,32 +316,28 @@ def _check_external_stdio(tree: tuple[Any, ...], options: DumpOptions, note: Pha
             )
     if options.external_pipes:
         ttys = [e for e in found if e.kind == "tty"]
-        err = hostres.external_stdio_error(ttys, shell_job=options.shell_job)
+        err = hostres.external_stdio_error(ttys, shell_job=options.criu.shell_job)
         if err is not None:
             raise err
         return tuple(e for e in found if e.kind == "pipe")
-    err = hostres.external_stdio_error(found, shell_job=options.shell_job)
+    err = hostres.external_stdio_error(found, shell_job=options.criu.shell_job)
     if err is not None:
         raise err
     return ()
 
 
-def _check_undumpable_fds(tree: tuple[Any, ...], binary: Any) -> None:
+def _check_undumpable_fds(tree: tuple[ProcInfo, ...], binary: criu.CriuBinary) -> None:
     """Refuse descriptors CRIU cannot dump (io_uring, perf events...) before anything is locked."""
-    from npusnap_cli.host import preflight
-
     found = preflight.find_undumpable_fds([p.pid for p in tree], preflight.criu_has_libbpf(binary.path))
     err = preflight.undumpable_fds_error(found)
     if err is not None:
         raise err
 
 
-def _check_criu(check: Optional[Any]) -> Any:
-    """The CRIU binary of ``check`` (a criu.CriuCheck started when the dump began; None: no usable
-    CRIU was found then), once its ``criu check`` passed."""
+def _check_criu(check: Optional[criu.CriuCheck]) -> criu.CriuBinary:
+    """The CRIU binary of ``check`` (started when the dump began; None: no usable CRIU was found
+    then), once its ``criu check`` passed."""
     if check is None:
-        from npusnap_cli import criu
-
         check = criu.CriuCheck(criu.find_criu())  # raises the PreflightError that says why
     binary = check.binary
     passed, text = check.result()
@@ -351,7 +369,7 @@ def _device_memory_file_size(dm: dict[str, Any]) -> int:
     return 32 + 24 * count + max(0, data)
 
 
-def _unneeded_network_lock(tree: tuple[Any, ...], tcp_established: bool) -> Optional[str]:
+def _unneeded_network_lock(tree: tuple[ProcInfo, ...], tcp_established: bool) -> Optional[str]:
     """``"skip"`` where CRIU's network lock would lock nothing, so that the dump does not pay for
     it: a tree wholly in this host's network namespace is locked one TCP connection at a time,
     which only --tcp-established dumps have, yet CRIU's nftables method still creates its table up
@@ -369,18 +387,15 @@ def _unneeded_network_lock(tree: tuple[Any, ...], tcp_established: bool) -> Opti
     return None
 
 
-def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
+def _simulated_npu_pids(tree: tuple[ProcInfo, ...]) -> list[int]:
     """Processes of the tree that have the simulated NPU's runtime loaded (its CANN tree says
     Simulated in version.info): their device handle is a connection to the npusim daemon."""
-    from npusnap_cli import acl
-
     homes: dict[str, bool] = {}
     pids = []
     for p in tree:
-        library = getattr(p, "acl_library", None)
-        if not library:
+        if not p.acl_library:
             continue
-        home = _cann_home_of(str(library))
+        home = acl.home_of_library(p.acl_library)
         if home not in homes:
             homes[home] = acl.read_version_info(home)[1]
         if homes[home]:
@@ -388,11 +403,9 @@ def _simulated_npu_pids(tree: tuple[Any, ...]) -> list[int]:
     return pids
 
 
-def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
+def _check_npu_plugin(tree: tuple[ProcInfo, ...]) -> None:
     """Device handles need a CRIU plugin: real Ascend device files Huawei's, the simulated NPU's
     daemon connection this project's npusim_plugin.so. Missing or built for another CRIU: refused."""
-    from npusnap_cli.host import criuplugin, preflight
-
     sim = _simulated_npu_pids(tree)
     if sim:
         item = preflight.check_npu_plugin(simulated=True)
@@ -437,8 +450,6 @@ def _check_npu_plugin(tree: tuple[Any, ...]) -> None:
 
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
-    from npusnap_cli.units import human_bytes
-
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
     if have < need:
@@ -494,7 +505,9 @@ CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
 
 
 def check_device_memory(
-    mode: str, hello: dict[int, dict[str, Any]], maps: Optional[dict[int, Any]] = None
+    mode: str,
+    hello: dict[int, dict[str, Any]],
+    maps: Optional[dict[int, Optional[devmaps.DeviceMemory]]] = None,
 ) -> dict[str, Any]:
     """What keeps each process's device memory across the snapshot; the manifest's record.
 
@@ -587,30 +600,7 @@ def _sampling(sample: Callable[[], int], report: Callable[[int], None]) -> Itera
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Clock:
-    start: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t = time.monotonic()
-        try:
-            yield
-        finally:
-            self.marks[name] = time.monotonic() - t
-
-
-def _cann_home_of(library: str) -> str:
-    d = Path(os.path.realpath(library)).parent
-    if d.name == "lib64" and d.parent.name.endswith("-linux"):
-        return str(d.parent.parent)
-    return str(d.parent)
-
-
-def _versions(binary: Any, hello: dict[int, dict[str, Any]]) -> img.Versions:
-    from npusnap_cli import acl
-
+def _versions(binary: criu.CriuBinary, hello: dict[int, dict[str, Any]]) -> img.Versions:
     cann: Optional[str] = None
     simulated = False
     for info in hello.values():
@@ -618,14 +608,14 @@ def _versions(binary: Any, hello: dict[int, dict[str, Any]]) -> img.Versions:
         if a.get("cann_version"):
             cann = str(a["cann_version"])
         if a.get("library"):
-            version, simulated = acl.read_version_info(_cann_home_of(str(a["library"])))
+            version, simulated = acl.read_version_info(acl.home_of_library(str(a["library"])))
             cann = cann or version
             break
     home: Optional[str] = None
     for info in hello.values():
         library = (info.get("acl") or {}).get("library")
         if library:
-            home = str(_cann_home_of(str(library)))
+            home = acl.home_of_library(str(library))
             break
     return img.Versions(
         tool=__version__,
@@ -637,18 +627,6 @@ def _versions(binary: Any, hello: dict[int, dict[str, Any]]) -> img.Versions:
     )
 
 
-def _tree_pids(root_pid: int) -> list[int]:
-    """The tree of ``root_pid`` as it is now (children first), for the final kill."""
-    import psutil
-
-    try:
-        root = psutil.Process(root_pid)
-        kids = root.children(recursive=True)
-    except psutil.Error:
-        return []
-    return [p.pid for p in reversed(kids)] + [root_pid]
-
-
 def _our_mount_ns(pid: int) -> bool:
     try:
         return os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
@@ -656,23 +634,728 @@ def _our_mount_ns(pid: int) -> bool:
         return False
 
 
-def _signal_tree(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+@dataclass
+class DumpState:
+    """What the dump's steps share, filled in as they go (the steps are below, in order)."""
+
+    pid: int
+    final: Path
+    options: DumpOptions
+    cb: PipelineCallbacks
+    guard: SignalGuard
+    check: Optional[criu.CriuCheck]  # `criu check`, started when the dump began (None: no CRIU)
+    in_job: bool  # one rank of a coordinated job dump
+    start: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)  # the engine's, per step
+    leftovers: tuple[str, ...] = ()  # what the stale-temp cleanup next to DIR did
+    found: Optional[_Target] = None
+    criu_binary: Optional[criu.CriuBinary] = None
+    external: tuple[hostres.ExternalStdio, ...] = ()  # recorded for restore
+    pid_ns: dict[str, int] = field(default_factory=dict)  # host pid -> pid in the job's namespace
+    host_bytes: int = 0
+    stop_guard: Optional[StopGuard] = None  # resumes the tree if npusnap dies
+    tmp: Optional[Path] = None  # the image's work directory until it is published
+    started: bool = False  # the work directory exists: failures from here on are enriched
+    devices: Optional[DeviceGroup] = None
+    hello: dict[int, dict[str, Any]] = field(default_factory=dict)
+    device_memory: dict[str, Any] = field(default_factory=dict)  # the manifest's record
+    device_bytes: int = 0  # from the agents' records
+    locking: bool = False  # Lock was attempted: a failure from here on was rolled back
+    lock_start: float = 0.0
+    lock_results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lock_tokens: dict[int, str] = field(default_factory=dict)
+    lease: Optional[LeaseKeeper] = None  # from the lock to the kill
+    hasher: Optional[StreamHasher] = None  # follows CRIU's writes
+    device_hasher: Optional[FileHasher] = None  # the device-memory files
+    device_writeback: Optional[WritebackFollower] = None  # while the agents write them
+    criu_options: CriuOptions = field(default_factory=CriuOptions)
+    criu_result: Optional[criu.DumpResult] = None
+    criu_s: float = 0.0  # CRIU's own run
+    criu_done: float = 0.0
+    frozen_end: float = 0.0
+    stopped_pids: list[int] = field(default_factory=list)  # left stopped by CRIU until the kill
+    host_files: tuple[hostres.HostFile, ...] = ()  # saved while frozen
+    host_nodes: tuple[hostres.HostNode, ...] = ()  # dirs and FIFOs restore needs
+    manifest: Optional[img.Manifest] = None
+    rolling_back: bool = False
+    failure_logs: Optional[str] = None  # where the discarded image's logs were kept
+    outcome: Optional[DumpOutcome] = None
+
+    @property
+    def target(self) -> _Target:
+        assert self.found is not None
+        return self.found
+
+    @property
+    def binary(self) -> criu.CriuBinary:
+        assert self.criu_binary is not None
+        return self.criu_binary
+
+    @property
+    def group(self) -> DeviceGroup:
+        assert self.devices is not None
+        return self.devices
+
+    @property
+    def work(self) -> Path:
+        assert self.tmp is not None
+        return self.tmp
 
 
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Wait until none of ``pids`` is running (gone or a zombie); return the ones still there."""
-    from npusnap_cli.host import procfs
+# -- resolve and preflight: nothing changes yet -------------------------------------------------
 
-    end = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < end:
-        left = [p for p in left if procfs.is_alive(p)]
-        if left:
-            time.sleep(0.02)
-    return left
+
+def _resolve(s: DumpState) -> None:
+    # Cheap checks first: bad input must fail before anything touches the target.
+    img.check_dump_target(s.final, force=s.options.force)
+    if s.options.sign_key is not None:
+        imagetrust.check_signing_key(s.options.sign_key)
+    s.leftovers = tuple(left.message for left in img.remove_stale_temps(s.final) if left.action != "kept")
+    for message in s.leftovers:
+        s.cb.note(message)
+    s.found = resolve_target(s.pid, attach=s.options.attach)
+
+
+def _preflight(s: DumpState) -> None:
+    tree = s.target.tree
+    _check_privileges()
+    _check_other_users(tree)
+    _check_session(tree, shell_job=s.options.criu.shell_job)
+    s.external = _check_external_stdio(tree, s.options, s.cb.note)
+    s.criu_binary = _check_criu(s.check)
+    _check_undumpable_fds(tree, s.binary)
+    ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
+    s.pid_ns = {str(k): v for k, v in ns_map.items()}
+    _check_npu_plugin(tree)
+
+
+def _attach(s: DumpState) -> None:
+    refuse_stopped(s.target.npu_pids, "dump")  # being checkpointed by someone else
+    s.found = attach_missing(s.target, s.cb.note)
+    # The host side now; the device memory once the agents said how much they hold.
+    s.host_bytes = sum(_rss(p.pid) for p in s.target.tree)
+    _check_space_and_memory(s.final, s.host_bytes, 0)
+
+
+# -- the work directory and the agents ----------------------------------------------------------
+
+
+def _work_area(s: DumpState) -> None:
+    # CRIU will leave the tree stopped until it is published and killed; should this process
+    # die in between, the guard resumes it (and the leases roll the devices back).
+    s.stop_guard = StopGuard([] if s.options.leave_running else [p.pid for p in s.target.tree])
+    try:
+        s.tmp = img.create_temp_image(s.final)
+    except OSError as exc:
+        raise ImageError(
+            f"cannot create the image's work directory next to {s.final}: {exc.strerror}",
+            fix="check the directory's permissions and free space",
+        ) from None
+    s.stop_guard.remove_on_death(s.tmp)  # a killed dump leaves no work area
+    s.started = True
+
+
+def _discard(s: DumpState, _err: BaseException) -> None:
+    """Remove the partial image, keeping its logs elsewhere (``failure_logs``)."""
+    for h in (s.hasher, s.device_hasher, s.device_writeback):
+        if h is not None:
+            h.stop()
+    if s.tmp is None:
+        return
+    logs = hostclean.save_failure_logs(s.tmp, "dump")
+    img.remove_tree(s.tmp)
+    s.failure_logs = str(logs) if logs else None
+
+
+def _connect(s: DumpState) -> None:
+    s.devices = DeviceGroup(
+        s.target.npu_pids,
+        lease_s=s.options.lease_s,
+        command="dump",
+        interrupted=lambda: s.guard.received is not None,
+    )
+
+
+def _disconnect(s: DumpState, _err: BaseException) -> None:
+    # An agent serves one client: a job dump may try again at once.
+    s.group.close()
+
+
+def _hello(s: DumpState) -> None:
+    s.hello = s.group.hello()
+    # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
+    # here, having changed nothing, rather than fail at Lock.
+    s.group.ensure_unlocked()
+    maps = {pid: devmaps.device_memory(pid) for pid in s.target.npu_pids}
+    mode = s.options.device_memory
+    s.device_memory = check_device_memory(mode, s.hello, maps)
+    if mode == "preserve":
+        s.device_bytes = sum(agent_device_bytes(h) for h in s.hello.values())
+    # Host memory for the device memory only where a copy of it is held there (the agent
+    # writes it into the image in small pieces by default).
+    in_process = mode == "preserve" and _device_memory_in_process()
+    _check_space_and_memory(s.final, s.host_bytes + s.device_bytes, s.device_bytes if in_process else 0)
+    if mode == "discard":
+        s.cb.note(
+            "--device-memory discard: the job's device memory is NOT kept; a restore of this "
+            "image brings it back with its device memory lost"
+        )
+
+
+# -- lock + backup ------------------------------------------------------------------------------
+
+
+def _lock(s: DumpState) -> None:
+    """Lock and back up every NPU process; all or nothing (DeviceGroup rolls back by itself)."""
+    # The lock phase waits for the agents (they copy the device memory): meanwhile, import
+    # what the CRIU step needs.
+    threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
+    s.lock_start = time.monotonic()
+    s.locking = True
+    files = _open_device_memory_files(s)
+    try:
+        # Ranks of one job all-reduce: one rank's collective waits for another's launch,
+        # which that rank's lock holds, so the drain after Lock may not finish. Several
+        # processes (a tree, or a rank of a job dump): a shorter drain, and a few more
+        # tries (this pipeline's processes rolled back in between).
+        several = len(s.target.npu_pids) > 1 or s.in_job
+        o = s.options
+        with _backup_progress(s):
+            results = s.group.lock_and_backup(
+                backup=True,
+                device_memory=o.device_memory,
+                device_memory_files=files,
+                drain_timeout_s=o.drain_timeout_s or (DRAIN_TIMEOUT_GROUP_S if several else None),
+                busy_retries=o.busy_retries
+                if o.busy_retries is not None
+                else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
+                before_retry=lambda: _empty_files(files),
+            )
+    finally:
+        for fd, _name in files.values():
+            os.close(fd)
+    s.lock_tokens = s.group.tokens()
+    s.lock_results = results
+    _drop_unused_device_memory_files(s, results)
+    _hash_device_files(s, criu_done=False)
+
+
+def _announce_rollback(s: DumpState) -> None:
+    if not s.rolling_back:
+        s.rolling_back = True
+        s.cb.phase("rollback")
+
+
+def _roll_back_devices(s: DumpState, err: BaseException) -> None:
+    """Every locked process back to RUNNING; StateUnknownError (carrying ``err``) if not."""
+    if isinstance(err, StateUnknownError):
+        return  # nothing is known well enough to act on: the error says how to recover
+    _announce_rollback(s)
+    if s.lease is not None and s.lease.gave_up(err):
+        return  # the leases rolled our locks back; no longer ours to touch (leasekeeper.py)
+    group = s.group
+    try:
+        group.close()
+        try:
+            group.rollback(owned_only=True)
+        finally:
+            group.close()  # an agent serves one client: a job dump may try again at once
+    except StateUnknownError as unknown:
+        unknown.details["original_error"] = _describe(err)
+        if s.tmp is not None:
+            unknown.details["partial_image_removed"] = str(s.tmp)
+        raise
+    except NpusnapError as other:
+        npu = s.target.npu_pids
+        recovery = [f"npusnap status {p}" for p in npu] + [f"npusnap thaw {p}" for p in npu]
+        raise StateUnknownError(
+            f"rollback failed after: {_describe(err)}",
+            why=other.message,
+            fix="a human must look: " + " && ".join(f"npusnap status {p} && npusnap thaw {p}" for p in npu),
+            details={
+                "original_error": _describe(err),
+                "recovery_commands": recovery,
+            },
+        ) from other
+
+
+@contextlib.contextmanager
+def _backup_progress(s: DumpState) -> Iterator[None]:
+    """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
+    if not s.device_bytes:
+        yield
+        return
+    pids = s.target.npu_pids
+    before = sum(_rss(p) for p in pids)
+    total = s.device_bytes
+
+    def report(n: int) -> None:
+        s.cb.progress("device backup", min(total, max(0, n)), total)
+
+    with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
+        yield
+
+
+def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
+    """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
+    memory: the agent writes its copy there (before Lock) instead of into the process's
+    memory, so CRIU saves and restores that much less and the bytes are written once."""
+    if s.options.device_memory != "preserve" or _device_memory_in_process():
+        return {}
+    tmp = s.work
+    files: dict[int, tuple[int, str]] = {}
+    try:
+        for pid, h in sorted(s.hello.items()):
+            dm = h.get("device_memory") or {}
+            if not dm.get("available") or not int(dm.get("allocations") or 0):
+                continue
+            rel = img.device_memory_rel(pid)
+            path = tmp / rel
+            path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
+            # The agent records where the file will be once published, for a reload without
+            # a descriptor (a lease's rollback after an interrupted restore).
+            files[pid] = (fd, os.path.abspath(s.final / rel))
+            try:
+                streamhash.reserve(fd, _device_memory_file_size(dm))
+            except OSError as nospace:
+                raise OSError(nospace.errno, nospace.strerror, str(path)) from None
+    except OSError as exc:
+        for fd, _name in files.values():
+            os.close(fd)
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ImageError(
+            f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
+            why="the disk filled up since preflight" if full else "",
+            fix="free space where the image is written (or write it elsewhere) and dump again; "
+            "nothing was locked, the job runs on",
+        ) from None
+    if files:
+        # The agents write them with several threads, a chunk at a time at its place: the disk
+        # starts on them meanwhile, and they are hashed once the lock answered
+        # (_hash_device_files).
+        s.device_writeback = WritebackFollower(tmp / img.DEVICE_SUBDIR).start()
+    return files
+
+
+def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
+    """Hash the device-memory files the agents wrote (the lock answered): alongside CRIU's dump
+    of the host side, on one core, where cores are to spare (HASH_ALONGSIDE_CRIU_CORES); on
+    every core once CRIU is done and the job stays stopped."""
+    if not criu_done and s.device_writeback is not None:
+        s.device_writeback.finish()  # stopped for good (joined) at publish or rollback
+    if s.device_hasher is None:
+        if not criu_done and digest.usable_cores() < HASH_ALONGSIDE_CRIU_CORES:
+            return
+        if not (s.work / img.DEVICE_SUBDIR).is_dir():
+            return
+        s.device_hasher = FileHasher(s.work / img.DEVICE_SUBDIR)
+        if criu_done and not s.options.leave_running:
+            s.device_hasher.boost()
+        s.device_hasher.start()
+    elif criu_done and not s.options.leave_running:
+        s.device_hasher.boost()  # the job stays stopped from here on: its cores are free
+
+
+def _drop_unused_device_memory_files(s: DumpState, results: dict[int, dict[str, Any]]) -> None:
+    """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
+    for pid in sorted(results):
+        path = s.work / img.device_memory_rel(pid)
+        dm = results[pid].get("device_memory") or {}
+        if path.exists() and not int(dm.get("file_bytes") or 0):
+            path.unlink()
+
+
+# -- CRIU -----------------------------------------------------------------------------------------
+
+
+def _criu(s: DumpState) -> None:
+    try:
+        _criu_dump(s)
+    except BaseException as exc:
+        _resume(s, exc)  # a step that fails cleans up after itself: CRIU may have stopped the tree
+        raise
+
+
+def _criu_dump(s: DumpState) -> None:
+    s.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
+    # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
+    lease = s.lease = LeaseKeeper(s.lock_tokens, s.options.lease_s)
+    lease.renew_or_fail("before CRIU started")
+    tmp = s.work
+    s.criu_options = s.options.criu_for(s.target.tree)
+    expected = sum(_rss(p.pid) for p in s.target.tree)
+    # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
+    hasher = s.hasher = StreamHasher(img.criu_dir(tmp)).start()
+    try:
+        start = time.monotonic()
+        with (
+            keeping(lease, [p.pid for p in s.target.tree]),
+            _sampling(
+                lambda: img.tree_size(img.criu_dir(tmp)),
+                lambda n: s.cb.progress("writing image", n, max(expected, n)),
+            ),
+        ):
+            s.criu_result = criu.dump(
+                s.target.root_pid,
+                str(img.criu_dir(tmp)),
+                str(img.logs_dir(tmp)),
+                options=s.criu_options,
+                log_name=img.DUMP_LOG,
+                binary=s.binary,
+                on_notify=lambda script, pid: _on_criu_notify(s, script, pid),
+            )
+        s.criu_s = time.monotonic() - start
+    except OSError as exc:
+        hasher.stop()
+        raise ImageError(
+            f"CRIU could not be started, or a file of the image could not be written: {exc}"
+        ) from None
+    except BaseException:
+        hasher.stop()
+        lease.check("while CRIU ran")  # a lost lock is the cause to report
+        raise
+    s.criu_done = s.frozen_end = time.monotonic()
+    _hash_device_files(s, criu_done=True)
+    if not s.options.leave_running:
+        # The tree is stopped (leave_stopped): it is killed only after the image is published.
+        s.stopped_pids = proctree.tree_pids(s.target.root_pid)
+    try:
+        # After stopped_pids: a refused dump's rollback must resume the stopped tree first
+        # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
+        lease.check("before CRIU froze the tree")
+        _check_plugin_marks(s, tmp)
+    except BaseException:
+        hasher.stop()
+        raise
+
+
+def _resume(s: DumpState, err: BaseException) -> None:
+    """The host side of the rollback: the stopped tree runs again, CRIU's leftovers go."""
+    if isinstance(err, StateUnknownError):
+        return
+    _announce_rollback(s)
+    if s.stopped_pids and s.options.criu.tcp_established:
+        # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
+        for problem in tcpunlock.release(s.stopped_pids, s.options.criu.network_lock):
+            s.cb.note(f"rollback: {problem}")
+    if s.stopped_pids:
+        proctree.signal_tree(s.stopped_pids, signal.SIGCONT)
+    hostres.drop_remaps(s.host_files)
+
+
+def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
+    """At post-dump every task is still frozen: copy the tmpfs files it uses, consistently,
+    and CRIU's link-remap files (CRIU deletes those after a --leave-running dump)."""
+    if script != "post-dump":
+        return
+    tmp = s.work
+    pids = [p.pid for p in s.target.tree]
+    paths = hostres.find_tmpfs_files(pids)
+    if s.options.criu.file_locks:  # lock files (often removed by the original when it exits)
+        paths = sorted(set(paths) | set(hostres.find_locked_files(pids)))
+    if paths:
+        s.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
+    saved = hostres.save_files(paths, tmp)
+    # CRIU names them from the root of the tree's mount namespace: the host's paths only
+    # when it is ours (a container's go with its runtime's checkpoint instead).
+    ours = _our_mount_ns(s.target.root_pid)
+    remaps = hostres.link_remaps(img.criu_dir(tmp)) if ours else []
+    if remaps:
+        s.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
+    s.host_files = saved + hostres.save_files(remaps, tmp, remap=True)
+    if ours:
+        s.host_nodes = tuple(hostres.find_host_nodes(pids, paths))
+
+
+def _devices(s: DumpState, pid: int) -> list[int]:
+    """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
+    callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
+    from_callbacks = [int(d) for d in (s.lock_results.get(pid) or {}).get("callback_devices") or []]
+    acl_info = (s.hello.get(pid) or {}).get("acl") or {}
+    return from_callbacks or [int(d) for d in acl_info.get("devices") or []]
+
+
+def _check_plugin_marks(s: DumpState, tmp: Path) -> None:
+    """A dump that went through a device plugin is good only without its error line in CRIU's
+    log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
+    device files, npusim_plugin.so's (one image per daemon connection) for the simulated NPU."""
+    log = img.logs_dir(tmp) / img.DUMP_LOG
+    problems: list[str] = []
+    if any(p.device_files for p in s.target.tree):
+        problems += criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+    sim = _simulated_npu_pids(s.target.tree)
+    if sim:
+        # A process holds a daemon connection once it opened a device.
+        handles = sum(1 for pid in sim if _devices(s, pid))
+        problems += criuplugin.scan_dump(
+            log if log.exists() else None, img.criu_dir(tmp), criuplugin.SIMULATED, handles
+        )
+    if problems:
+        raise CriuError(
+            f"CRIU's NPU plugin did not dump the device handles cleanly: {problems[0]}",
+            why="; ".join(problems),
+            fix=f"read {log} (the plugin's lines); check the plugin matches this CRIU (`npusnap check`)",
+            details={"problems": problems, "criu_log": str(log)},
+        )
+
+
+# -- unlock (--leave-running), publish, the original killed ---------------------------------------
+
+
+def _unlock(s: DumpState) -> None:
+    s.group.reconnect()
+    s.group.unlock()
+    s.group.close()
+    s.frozen_end = time.monotonic()
+
+
+@contextlib.contextmanager
+def _writing(s: DumpState) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise ImageError(
+            f"writing the image failed: {exc.strerror or exc}",
+            why="the disk is full or the filesystem refused a write"
+            if getattr(exc, "errno", None) in (28, 122)
+            else "the filesystem refused a write",
+            fix=f"free space in {s.final.parent} (or choose another place) and dump again",
+            details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
+        ) from None
+
+
+def _checksums(s: DumpState) -> None:
+    """The manifest, every file hashed (CRIU's and the device memory's): after the unlock, so
+    that what is left to hash no longer keeps a --leave-running job frozen. Waits here for the
+    hashers (and the disk they started)."""
+    tmp = s.work
+    manifest = _manifest(s)
+    with _writing(s):
+        assert s.hasher is not None
+        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in s.hasher.finish().items()}
+        if s.device_writeback is not None:
+            s.device_writeback.stop()
+            s.device_writeback = None
+        if s.device_hasher is not None:
+            hashed = s.device_hasher.finish().items()
+            streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
+        if not s.options.keep:
+            img.remove_tree(img.logs_dir(tmp))
+        total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            s.cb.progress("checksums", done[0], total)
+
+        files = img.file_entries(tmp, advance, known=streamed)
+    s.manifest = replace(
+        manifest,
+        files=files,
+        bytes=replace(manifest.bytes, image_bytes=sum(f.size for f in files)),
+        timings=replace(manifest.timings, total_s=time.monotonic() - s.start),
+    )
+
+
+def _publish(s: DumpState) -> None:
+    assert s.manifest is not None
+    with _writing(s):
+        if s.lease is not None and s.stopped_pids:
+            s.lease.check_before_kill(s.stopped_pids)
+        img.publish(s.work, s.final, s.manifest, force=s.options.force, sign_key=s.options.sign_key)
+    s.tmp = None  # published: nothing partial left to remove
+
+
+def _stop_original(s: DumpState) -> None:
+    pids = s.stopped_pids or proctree.tree_pids(s.target.root_pid)
+    if s.lease is not None:
+        try:
+            s.lease.check_before_kill(pids)
+        except NpusnapError:
+            img.remove_tree(s.final)  # not an image of a locked job: never leave it
+            raise
+    proctree.signal_tree(pids, signal.SIGKILL)
+    left = proctree.wait_gone(pids)
+    s.stopped_pids = []
+    if left:
+        s.cb.note(f"pid(s) {left} did not exit after SIGKILL")
+
+
+def _finish(s: DumpState) -> None:
+    assert s.manifest is not None
+    # CRIU's link-remap files leave the host once the image holds them (or the dump failed):
+    # left there, a later dump whose file ids match fails on them.
+    hostres.drop_remaps(s.host_files)
+    publish_s = s.timings.get("checksums", 0.0) + s.timings.get("publish", 0.0)
+    timings = replace(s.manifest.timings, publish_s=publish_s, total_s=time.monotonic() - s.start)
+    s.outcome = DumpOutcome(
+        image=str(s.final),
+        manifest=replace(s.manifest, timings=timings),
+        attached=s.target.attached,
+        logs=str(img.logs_dir(s.final)) if s.options.keep else None,
+        attach_stopped_s=s.target.attach_stopped_s,
+    )
+
+
+def _manifest(s: DumpState) -> img.Manifest:
+    npu = set(s.target.npu_pids)
+    # Recorded with --leave-running too: the image holds the agents' memory from while the
+    # dump held the lock, so the restored agents still know the dump as their owner.
+    processes = []
+    for p in s.target.tree:
+        devices: list[int] = []
+        nbytes = 0
+        if p.pid in npu:
+            devices = _devices(s, p.pid)
+            nbytes = agent_device_bytes(s.hello.get(p.pid) or {})
+        processes.append(
+            img.ProcessEntry(
+                pid=p.pid,
+                ppid=p.ppid,
+                cmdline=tuple(p.cmdline),
+                uid=p.uid if p.uid is not None else -1,
+                agent=p.has_agent,
+                npu=p.pid in npu,
+                devices=tuple(sorted(set(devices))),
+                device_bytes=nbytes,
+                agent_socket=p.agent_socket,
+                lock_token=s.lock_tokens.get(p.pid),
+            )
+        )
+    results = s.lock_results
+    lock_times = [r.get("lock_elapsed_s") for r in results.values()]
+    backup_times = [r.get("elapsed_s") for r in results.values()]
+    stats = s.criu_result.stats if s.criu_result is not None else None
+    us = 1e-6
+    timings = img.Timings(
+        preflight_s=s.timings.get("preflight", 0.0) + s.timings.get("attach", 0.0),
+        lock_s=max((float(t) for t in lock_times if t is not None), default=None),
+        backup_s=max((float(t) for t in backup_times if t is not None), default=None),
+        criu_freeze_s=stats.freezing_time_us * us if stats else None,
+        criu_memdump_s=stats.memdump_time_us * us if stats else None,
+        criu_memwrite_s=stats.memwrite_time_us * us if stats else None,
+        criu_total_s=s.criu_s,
+        unlock_s=s.timings.get("unlock") if s.options.leave_running else None,
+        frozen_s=s.frozen_end - s.lock_start,
+        attach_stopped_s=max((t for _, t in s.target.attach_stopped_s), default=None),
+    )
+    page = os.sysconf("SC_PAGE_SIZE")
+    return img.Manifest(
+        created_at=img.now_iso(),
+        versions=_versions(s.binary, s.hello),
+        host=img.HostInfo.current(),
+        root_pid=s.target.root_pid,
+        processes=tuple(processes),
+        timings=timings,
+        bytes=img.ByteCounts(
+            device_bytes=s.device_bytes,
+            image_bytes=0,
+            criu_pages_bytes=(stats.pages_written * page) if stats else 0,
+        ),
+        criu_options=s.criu_options.to_dict(),
+        leave_running=s.options.leave_running,
+        host_files=s.host_files,
+        host_nodes=s.host_nodes,
+        pid_ns=s.pid_ns,
+        external_stdio=s.external,
+        device_memory=_device_memory_record(s),
+    )
+
+
+def _device_memory_record(s: DumpState) -> dict[str, Any]:
+    record = dict(s.device_memory)
+    processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
+    for pid, r in s.lock_results.items():
+        dm = r.get("device_memory") or {}
+        entry = processes.setdefault(str(pid), {})
+        entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
+        # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
+        entry["flow"] = dm.get("flow")
+        if dm.get("file_bytes"):
+            entry["file"] = img.device_memory_rel(pid)  # the copy is this file, not process memory
+        if dm.get("fallback"):
+            entry["fallback"] = dm["fallback"]
+    record["processes"] = processes
+    return record
+
+
+# -- a failure on its way out --------------------------------------------------------------------
+
+
+def _failed(s: DumpState, err: NpusnapError, undone: bool) -> NpusnapError:
+    """Say where the discarded image's logs went and what runs now (every undo has run)."""
+    if not s.started:
+        return err  # nothing was changed
+    logs = s.failure_logs
+    if logs:
+        old = err.details.get("criu_log")
+        if isinstance(old, str):
+            err.details["criu_log"] = str(Path(logs) / Path(old).name)
+            err.fix = err.fix.replace(old, err.details["criu_log"])
+        err.details["logs"] = logs
+    err.details["partial_image_removed"] = True
+    if undone and s.locking:
+        npu = s.target.npu_pids
+        # Never "is running" for a process that died meanwhile (killed during the dump).
+        gone = [p for p in npu if not procfs.is_alive(p)]
+        err.details["rolled_back"] = [p for p in npu if p not in gone]
+        if gone:
+            err.details["exited"] = gone
+            if len(gone) == len(npu):
+                err.message += f" (pid(s) {gone} exited during the dump: nothing is left running)"
+            else:
+                err.message += f" (pid(s) {gone} exited during the dump; the others were rolled back)"
+        elif "rolled back" not in err.message:
+            err.message += " (every process was rolled back and is running)"
+    return err
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    return describe(err)
+
+
+NOTHING_CHANGED = ("before anything was changed", "nothing was changed")
+NOTHING_LOCKED = ("before anything was locked", "nothing was locked")
+UNPUBLISHED = ("before the image was published", "rolled back")
+
+
+def _running_on(s: DumpState) -> bool:
+    return s.options.leave_running
+
+
+def _killed(s: DumpState) -> bool:
+    return not s.options.leave_running
+
+
+# design.md §3, in order. The undo of each step is the rollback of what it did; the engine runs
+# them in reverse: the stopped tree resumed, the devices rolled back, the work directory removed.
+STEPS: list[Step[DumpState]] = [
+    Step("resolve", _resolve, phase="resolve", checkpoint=NOTHING_CHANGED),
+    Step("preflight", _preflight, phase="preflight", checkpoint=NOTHING_CHANGED),
+    Step("attach", _attach, checkpoint=NOTHING_LOCKED, barrier="preflight"),
+    Step("work area", _work_area, undo=_discard, checkpoint=NOTHING_LOCKED),
+    Step("connect", _connect, undo=_disconnect, checkpoint=NOTHING_LOCKED),
+    Step("hello", _hello, checkpoint=NOTHING_LOCKED),
+    Step("lock+backup", _lock, undo=_roll_back_devices, phase="lock+backup", barrier="backup"),
+    Step(
+        "criu",
+        _criu,
+        undo=_resume,
+        phase="criu dump",
+        barrier="criu",
+        checkpoint=("during the CRIU dump", "rolled back"),
+    ),
+    Step("unlock", _unlock, phase="unlock", when=_running_on, checkpoint=UNPUBLISHED),
+    Step("checksums", _checksums, phase="publish", checkpoint=UNPUBLISHED),
+    # A job commits at its "publish" barrier: the originals are killed only after that. From here
+    # on a signal no longer throws the image away; a failure still rolls everything back.
+    Step("publish", _publish, barrier="publish", finishing=True),
+    Step("stop original", _stop_original, phase="stop original", when=_killed, commit=True),
+    Step("finish", _finish, commit=True),
+]
 
 
 def dump(
@@ -680,7 +1363,7 @@ def dump(
     directory: Path,
     options: DumpOptions = DumpOptions(),
     callbacks: DumpCallbacks = DumpCallbacks(),
-    coordinator: Optional[Any] = None,
+    coordinator: Optional[Barrier] = None,
 ) -> DumpOutcome:
     """Run the whole dump pipeline (see the module docstring); raise NpusnapError on failure.
 
@@ -688,734 +1371,42 @@ def dump(
     ``sync(phase)`` blocks at each phase boundary until every rank got there, and raises an
     NpusnapError (this rank then rolls back like any failure) when another rank failed.
     """
-    from npusnap_cli import criu
-
     final = Path(os.path.abspath(directory))
-    clock = _Clock()
-    cb = callbacks
+    start = time.monotonic()
     # `criu check` runs while the target is resolved and checked; preflight reads its answer.
     # Without a usable CRIU, preflight says so in its turn (after the checks of the input).
     try:
-        check: Optional[Any] = criu.CriuCheck(criu.find_criu())
+        check: Optional[criu.CriuCheck] = criu.CriuCheck(criu.find_criu())
     except NpusnapError:
         check = None
     try:
-        return _dump(pid, final, options, cb, coordinator, clock, check)
+        with SignalGuard(callbacks.note) as guard:
+            state = DumpState(
+                pid=pid,
+                final=final,
+                options=options,
+                cb=callbacks,
+                guard=guard,
+                check=check,
+                in_job=coordinator is not None,
+                start=start,
+            )
+            pipeline = Pipeline(
+                "dump",
+                STEPS,
+                cb=callbacks,
+                guard=guard,
+                barrier=coordinator,
+                on_failure=_failed,
+                timings=state.timings,
+            )
+            try:
+                pipeline.run(state)
+            finally:
+                if state.stop_guard is not None:
+                    state.stop_guard.finish()
     finally:
         if check is not None:
             check.cancel()  # only still running when the dump failed before preflight read it
-
-
-def _dump(
-    pid: int,
-    final: Path,
-    options: DumpOptions,
-    cb: DumpCallbacks,
-    coordinator: Optional[Any],
-    clock: _Clock,
-    check: Optional[Any],
-) -> DumpOutcome:
-    with SignalGuard(cb.note) as guard:
-        cb.phase("resolve")
-        with clock.phase("resolve"):
-            # Cheap checks first: bad input must fail before anything touches the target.
-            img.check_dump_target(final, force=options.force)
-            if options.sign_key is not None:
-                from npusnap_cli.image import imagetrust
-
-                imagetrust.check_signing_key(options.sign_key)
-            leftovers = tuple(left.message for left in img.remove_stale_temps(final) if left.action != "kept")
-            for message in leftovers:
-                cb.note(message)
-            target = resolve_target(pid, attach=options.attach)
-        cb.phase("preflight")
-        with clock.phase("preflight"):
-            _check_privileges()
-            _check_other_users(target.tree)
-            _check_session(target.tree, shell_job=options.shell_job)
-            external = _check_external_stdio(target.tree, options, cb.note)
-            binary = _check_criu(check)
-            _check_undumpable_fds(target.tree, binary)
-            from npusnap_cli.host import pidns
-
-            ns_map = pidns.namespace_pids(target.root_pid, [p.pid for p in target.tree])
-            _check_npu_plugin(target.tree)
-            guard.check("before anything was changed", "nothing was changed")
-            from npusnap_cli.device.devicegroup import refuse_stopped
-
-            refuse_stopped(target.npu_pids, "dump")  # being checkpointed by someone else
-            target = attach_missing(target, cb.note)
-            # The host side now; the device memory once the agents said how much they hold.
-            host_bytes = sum(_rss(p.pid) for p in target.tree)
-            _check_space_and_memory(final, host_bytes, 0)
-        guard.check("before anything was locked", "nothing was locked")
-        if coordinator is not None:
-            coordinator.sync("preflight")
-        pipeline = _Pipeline(final, target, options, binary, host_bytes, clock, cb, guard)
-        pipeline.coordinator = coordinator
-        pipeline.external = external
-        pipeline.pid_ns = {str(k): v for k, v in ns_map.items()}
-        return replace(pipeline.run(), leftovers=leftovers)
-
-
-class _Pipeline:
-    def __init__(
-        self,
-        final: Path,
-        target: _Target,
-        options: DumpOptions,
-        binary: Any,
-        host_bytes: int,
-        clock: _Clock,
-        cb: DumpCallbacks,
-        guard: SignalGuard,
-    ) -> None:
-        self.final = final
-        self.target = target
-        self.options = options
-        self.binary = binary
-        self.host_bytes = host_bytes
-        self.device_bytes = 0  # from the agents' records, after hello
-        self.lock_results: dict[int, dict[str, Any]] = {}
-        self.clock = clock
-        self.cb = cb
-        self.guard = guard
-        self.tmp: Optional[Path] = None
-        self.group: Any = None
-        self.hello: dict[int, dict[str, Any]] = {}
-        self.device_memory: dict[str, Any] = {}
-        self.stopped_pids: list[int] = []
-        self.external: tuple[Any, ...] = ()  # hostres.ExternalStdio recorded for restore
-        self.host_files: tuple[Any, ...] = ()  # hostres.HostFile saved while frozen
-        self.host_nodes: tuple[Any, ...] = ()  # hostres.HostNode: dirs and FIFOs restore needs
-        self.pid_ns: dict[str, int] = {}  # host pid -> pid in the job's own namespace (pidns.py)
-        self.hasher: Any = None  # streamhash.StreamHasher following CRIU's writes
-        self.device_hasher: Any = None  # streamhash.FileHasher of the device-memory files
-        self.device_writeback: Any = None  # streamhash.WritebackFollower while the agents write them
-        self.lock_tokens: dict[int, str] = {}
-        self.lease: Any = None  # leasekeeper.LeaseKeeper from the lock to the kill
-        self.stop_guard: Any = None  # host.stopguard.StopGuard: resumes the tree if npusnap dies
-        self.coordinator: Optional[Any] = None  # jobsnap.JobCoordinator of a coordinated job dump
-
-    def _sync(self, phase: str) -> None:
-        """Job dumps: wait for every rank to finish ``phase``; raises when another rank failed."""
-        if self.coordinator is not None:
-            self.coordinator.sync(phase)
-
-    # -- failure handling ---------------------------------------------------------------------
-    def _rollback(self, err: BaseException) -> None:
-        """Every locked process back to RUNNING; StateUnknownError (carrying ``err``) if not."""
-        self.cb.phase("rollback")
-        if self.stopped_pids and self.options.tcp_established:
-            # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
-            from npusnap_cli.host import tcpunlock
-
-            for problem in tcpunlock.release(self.stopped_pids, self.options.network_lock):
-                self.cb.note(f"rollback: {problem}")
-        if self.stopped_pids:
-            _signal_tree(self.stopped_pids, signal.SIGCONT)
-        self._drop_remaps()
-        if self.lease is not None and self.lease.gave_up(err):
-            return  # the leases rolled our locks back; no longer ours to touch (leasekeeper.py)
-        if self.group is None:
-            return
-        try:
-            self.group.close()
-            try:
-                self.group.rollback(owned_only=True)
-            finally:
-                self.group.close()  # an agent serves one client: a job dump may try again at once
-        except StateUnknownError as unknown:
-            unknown.details["original_error"] = _describe(err)
-            if self.tmp is not None:
-                unknown.details["partial_image_removed"] = str(self.tmp)
-            raise
-        except NpusnapError as other:
-            raise StateUnknownError(
-                f"rollback failed after: {_describe(err)}",
-                why=other.message,
-                fix="a human must look: "
-                + " && ".join(f"npusnap status {p} && npusnap thaw {p}" for p in self.target.npu_pids),
-                details={
-                    "original_error": _describe(err),
-                    "recovery_commands": [f"npusnap status {p}" for p in self.target.npu_pids]
-                    + [f"npusnap thaw {p}" for p in self.target.npu_pids],
-                },
-            ) from other
-
-    def _drop_remaps(self) -> None:
-        """CRIU's link-remap files leave the host once the image holds them, or once the dump
-        failed: left there, a later dump whose file ids match fails on them."""
-        from npusnap_cli.host import hostres
-
-        hostres.drop_remaps(self.host_files)
-
-    def _discard(self) -> Optional[str]:
-        """Remove the partial image, keeping its logs elsewhere; return where they went."""
-        for h in (self.hasher, self.device_hasher, self.device_writeback):
-            if h is not None:
-                h.stop()
-        if self.tmp is None:
-            return None
-        logs = hostclean.save_failure_logs(self.tmp, "dump")
-        img.remove_tree(self.tmp)
-        return str(logs) if logs else None
-
-    def _fail(self, err: NpusnapError, *, rolled_back: bool) -> NpusnapError:
-        logs = self._discard()
-        if logs:
-            old = err.details.get("criu_log")
-            if isinstance(old, str):
-                err.details["criu_log"] = str(Path(logs) / Path(old).name)
-                err.fix = err.fix.replace(old, err.details["criu_log"])
-            err.details["logs"] = logs
-        err.details["partial_image_removed"] = True
-        if rolled_back:
-            from npusnap_cli.host import procfs
-
-            # Never "is running" for a process that died meanwhile (killed during the dump).
-            gone = [p for p in self.target.npu_pids if not procfs.is_alive(p)]
-            err.details["rolled_back"] = [p for p in self.target.npu_pids if p not in gone]
-            if gone:
-                err.details["exited"] = gone
-                if len(gone) == len(self.target.npu_pids):
-                    err.message += f" (pid(s) {gone} exited during the dump: nothing is left running)"
-                else:
-                    err.message += f" (pid(s) {gone} exited during the dump; the others were rolled back)"
-            elif "rolled back" not in err.message:
-                err.message += " (every process was rolled back and is running)"
-        return err
-
-    # -- the steps ----------------------------------------------------------------------------
-    def run(self) -> DumpOutcome:
-        from npusnap_cli.host.stopguard import StopGuard
-
-        # CRIU will leave the tree stopped until it is published and killed; should this process
-        # die in between, the guard resumes it (and the leases roll the devices back).
-        guard = StopGuard([] if self.options.leave_running else [p.pid for p in self.target.tree])
-        self.stop_guard = guard
-        try:
-            return self._run()
-        finally:
-            if guard is not None:
-                guard.finish()
-
-    def _run(self) -> DumpOutcome:
-        from npusnap_cli.device.devicegroup import DeviceGroup
-        from npusnap_cli.device.leasekeeper import LeaseKeeper
-
-        try:
-            self.tmp = img.create_temp_image(self.final)
-            if self.stop_guard is not None:
-                self.stop_guard.remove_on_death(self.tmp)  # a killed dump leaves no work area
-        except OSError as exc:
-            raise ImageError(
-                f"cannot create the image's work directory next to {self.final}: {exc.strerror}",
-                fix="check the directory's permissions and free space",
-            ) from None
-        try:
-            self.group = DeviceGroup(
-                self.target.npu_pids,
-                lease_s=self.options.lease_s,
-                command="dump",
-                interrupted=lambda: self.guard.received is not None,
-            )
-            self.hello = self.group.hello()
-            # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
-            # here, having changed nothing, rather than fail at Lock.
-            self.group.ensure_unlocked()
-            from npusnap_cli.host import devmaps
-
-            maps = {pid: devmaps.device_memory(pid) for pid in self.target.npu_pids}
-            self.device_memory = check_device_memory(self.options.device_memory, self.hello, maps)
-            if self.options.device_memory == "preserve":
-                self.device_bytes = sum(agent_device_bytes(h) for h in self.hello.values())
-            # Host memory for the device memory only where a copy of it is held there (the
-            # agent writes it into the image in small pieces by default).
-            in_process = self.options.device_memory == "preserve" and _device_memory_in_process()
-            _check_space_and_memory(
-                self.final, self.host_bytes + self.device_bytes, self.device_bytes if in_process else 0
-            )
-        except NpusnapError as err:
-            if self.group is not None:
-                self.group.close()
-            raise self._fail(err, rolled_back=False) from None
-        if self.options.device_memory == "discard":
-            self.cb.note(
-                "--device-memory discard: the job's device memory is NOT kept; a restore of this "
-                "image brings it back with its device memory lost"
-            )
-
-        from npusnap_cli import criu
-
-        # The lock phase waits for the agents (they copy the device memory): meanwhile, import
-        # what the CRIU step needs.
-        threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
-        lock_start = time.monotonic()
-        self.cb.phase("lock+backup")
-        try:
-            files = self._open_device_memory_files()
-            try:
-                # Ranks of one job all-reduce: one rank's collective waits for another's launch,
-                # which that rank's lock holds, so the drain after Lock may not finish. Several
-                # processes (a tree, or a rank of a job dump): a shorter drain, and a few more
-                # tries (this pipeline's processes rolled back in between).
-                several = len(self.target.npu_pids) > 1 or self.coordinator is not None
-                with self.clock.phase("lock+backup"), self._backup_progress():
-                    results = self.group.lock_and_backup(
-                        backup=True,
-                        device_memory=self.options.device_memory,
-                        device_memory_files=files,
-                        drain_timeout_s=self.options.drain_timeout_s
-                        or (DRAIN_TIMEOUT_GROUP_S if several else None),
-                        busy_retries=self.options.busy_retries
-                        if self.options.busy_retries is not None
-                        else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
-                        before_retry=lambda: _empty_files(files),
-                    )
-            finally:
-                for fd, _name in files.values():
-                    os.close(fd)
-            self.lock_tokens = self.group.tokens()
-            self.lock_results = results
-            self._drop_unused_device_memory_files(results)
-            self._hash_device_files(criu_done=False)
-        except StateUnknownError as err:
-            raise self._fail(err, rolled_back=False) from None
-        except NpusnapError as err:
-            # DeviceGroup rolled every process back before raising. Its connections go now: an
-            # agent serves one client, and a job dump may try again at once.
-            self.group.close()
-            raise self._fail(err, rolled_back=True) from None
-        try:
-            self.guard.check("during lock+backup", "rolled back")
-            self._sync("backup")
-            self.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
-            # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
-            self.lease = LeaseKeeper(self.lock_tokens, self.options.lease_s)
-            self.lease.renew_or_fail("before CRIU started")
-            outcome = self._criu_and_publish(results, lock_start)
-        except NpusnapError as err:
-            if isinstance(err, StateUnknownError):
-                raise self._fail(err, rolled_back=False) from None
-            try:
-                self._rollback(err)
-            except StateUnknownError as unknown:
-                raise self._fail(unknown, rolled_back=False) from None
-            raise self._fail(err, rolled_back=True) from None
-        except BaseException as exc:
-            # A bug or KeyboardInterrupt that slipped past the guard: still never lose the job.
-            try:
-                self._rollback(exc)
-            finally:
-                self._discard()
-            raise
-        return outcome
-
-    @contextlib.contextmanager
-    def _backup_progress(self) -> Iterator[None]:
-        """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
-        if not self.device_bytes:
-            yield
-            return
-        pids = self.target.npu_pids
-        before = sum(_rss(p) for p in pids)
-        total = self.device_bytes
-
-        def report(n: int) -> None:
-            self.cb.progress("device backup", min(total, max(0, n)), total)
-
-        with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
-            yield
-
-    def _criu_options(self) -> Any:
-        from npusnap_cli import criu
-
-        o = self.options
-        return criu.CriuOptions(
-            leave_running=o.leave_running,
-            leave_stopped=not o.leave_running,
-            tcp_established=o.tcp_established,
-            shell_job=o.shell_job,
-            file_locks=o.file_locks,
-            ext_unix_sk=o.ext_unix_sk,
-            external=o.external,
-            timeout=o.timeout,
-            link_remap=o.link_remap,
-            network_lock=o.network_lock or _unneeded_network_lock(self.target.tree, o.tcp_established),
-        )
-
-    def _on_criu_notify(self, script: str, _pid: Optional[int]) -> None:
-        """At post-dump every task is still frozen: copy the tmpfs files it uses, consistently,
-        and CRIU's link-remap files (CRIU deletes those after a --leave-running dump)."""
-        if script != "post-dump":
-            return
-        from npusnap_cli.host import hostres
-
-        assert self.tmp is not None
-        paths = hostres.find_tmpfs_files([p.pid for p in self.target.tree])
-        if self.options.file_locks:  # lock files (often removed by the original when it exits)
-            paths = sorted(set(paths) | set(hostres.find_locked_files([p.pid for p in self.target.tree])))
-        if paths:
-            self.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
-        saved = hostres.save_files(paths, self.tmp)
-        # CRIU names them from the root of the tree's mount namespace: the host's paths only
-        # when it is ours (a container's go with its runtime's checkpoint instead).
-        remaps = hostres.link_remaps(img.criu_dir(self.tmp)) if _our_mount_ns(self.target.root_pid) else []
-        if remaps:
-            self.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
-        self.host_files = saved + hostres.save_files(remaps, self.tmp, remap=True)
-        if _our_mount_ns(self.target.root_pid):
-            self.host_nodes = tuple(hostres.find_host_nodes([p.pid for p in self.target.tree], paths))
-
-    def _open_device_memory_files(self) -> dict[int, tuple[int, str]]:
-        """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
-        memory: the agent writes its copy there (before Lock) instead of into the process's
-        memory, so CRIU saves and restores that much less and the bytes are written once."""
-        if self.options.device_memory != "preserve" or _device_memory_in_process():
-            return {}
-        from npusnap_cli.image import streamhash
-
-        assert self.tmp is not None
-        files: dict[int, tuple[int, str]] = {}
-        try:
-            for pid, h in sorted(self.hello.items()):
-                dm = h.get("device_memory") or {}
-                if not dm.get("available") or not int(dm.get("allocations") or 0):
-                    continue
-                rel = img.device_memory_rel(pid)
-                path = self.tmp / rel
-                path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
-                # The agent records where the file will be once published, for a reload without
-                # a descriptor (a lease's rollback after an interrupted restore).
-                files[pid] = (fd, os.path.abspath(self.final / rel))
-                try:
-                    streamhash.reserve(fd, _device_memory_file_size(dm))
-                except OSError as nospace:
-                    raise OSError(nospace.errno, nospace.strerror, str(path)) from None
-        except OSError as exc:
-            for fd, _name in files.values():
-                os.close(fd)
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            raise ImageError(
-                f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
-                why="the disk filled up since preflight" if full else "",
-                fix="free space where the image is written (or write it elsewhere) and dump again; "
-                "nothing was locked, the job runs on",
-            ) from None
-        if files:
-            # The agents write them with several threads, a chunk at a time at its place: the disk
-            # starts on them meanwhile, and they are hashed once the lock answered
-            # (_hash_device_files).
-            self.device_writeback = streamhash.WritebackFollower(self.tmp / img.DEVICE_SUBDIR).start()
-        return files
-
-    def _hash_device_files(self, *, criu_done: bool) -> None:
-        """Hash the device-memory files the agents wrote (the lock answered): alongside CRIU's dump
-        of the host side, on one core, where cores are to spare (HASH_ALONGSIDE_CRIU_CORES); on
-        every core once CRIU is done and the job stays stopped."""
-        if not criu_done and self.device_writeback is not None:
-            self.device_writeback.finish()  # stopped for good (joined) at publish or rollback
-        assert self.tmp is not None
-        if self.device_hasher is None:
-            from npusnap_cli.image import digest
-
-            if not criu_done and digest.usable_cores() < HASH_ALONGSIDE_CRIU_CORES:
-                return
-            if not (self.tmp / img.DEVICE_SUBDIR).is_dir():
-                return
-            from npusnap_cli.image.streamhash import FileHasher
-
-            self.device_hasher = FileHasher(self.tmp / img.DEVICE_SUBDIR)
-            if criu_done and not self.options.leave_running:
-                self.device_hasher.boost()
-            self.device_hasher.start()
-        elif criu_done and not self.options.leave_running:
-            self.device_hasher.boost()  # the job stays stopped from here on: its cores are free
-
-    def _drop_unused_device_memory_files(self, results: dict[int, dict[str, Any]]) -> None:
-        """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
-        assert self.tmp is not None
-        for pid in sorted(results):
-            path = self.tmp / img.device_memory_rel(pid)
-            dm = results[pid].get("device_memory") or {}
-            if path.exists() and not int(dm.get("file_bytes") or 0):
-                path.unlink()
-
-    def _criu_and_publish(self, results: dict[int, dict[str, Any]], lock_start: float) -> DumpOutcome:
-        from npusnap_cli import criu
-
-        assert self.tmp is not None
-        tmp = self.tmp
-        criu_opts = self._criu_options()
-        expected = sum(_rss(p.pid) for p in self.target.tree)
-        self.cb.phase("criu dump")
-        from npusnap_cli.image.streamhash import StreamHasher
-
-        # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
-        hasher = self.hasher = StreamHasher(img.criu_dir(tmp)).start()
-        try:
-            from npusnap_cli.device.leasekeeper import keeping
-
-            with (
-                self.clock.phase("criu"),
-                keeping(self.lease, [p.pid for p in self.target.tree]),
-                _sampling(
-                    lambda: img.tree_size(img.criu_dir(tmp)),
-                    lambda n: self.cb.progress("writing image", n, max(expected, n)),
-                ),
-            ):
-                res = criu.dump(
-                    self.target.root_pid,
-                    str(img.criu_dir(tmp)),
-                    str(img.logs_dir(tmp)),
-                    options=criu_opts,
-                    log_name=img.DUMP_LOG,
-                    binary=self.binary,
-                    on_notify=self._on_criu_notify,
-                )
-        except OSError as exc:
-            hasher.stop()
-            raise ImageError(
-                f"CRIU could not be started, or a file of the image could not be written: {exc}"
-            ) from None
-        except BaseException:
-            hasher.stop()
-            if self.lease is not None:
-                self.lease.check("while CRIU ran")  # a lost lock is the cause to report
-            raise
-        criu_done = time.monotonic()
-        self._hash_device_files(criu_done=True)
-        if not self.options.leave_running:
-            # The tree is stopped (leave_stopped): it is killed only after the image is published.
-            self.stopped_pids = _tree_pids(self.target.root_pid)
-        try:
-            # After stopped_pids: a refused dump's rollback must resume the stopped tree first
-            # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
-            if self.lease is not None:
-                self.lease.check("before CRIU froze the tree")
-            self._check_plugin_marks(tmp)
-        except BaseException:
-            hasher.stop()
-            raise
-        self.guard.check("during the CRIU dump", "rolled back")
-        self._sync("criu")
-
-        unlock_s: Optional[float] = None
-        if self.options.leave_running:
-            self.cb.phase("unlock")
-            with self.clock.phase("unlock"):
-                self.group.reconnect()
-                self.group.unlock()
-                self.group.close()
-            unlock_s = self.clock.marks["unlock"]
-            frozen_end = time.monotonic()
-        else:
-            frozen_end = criu_done
-        manifest = self._manifest(results, res, lock_start, frozen_end, unlock_s, criu_opts)
-        self.cb.phase("publish")
-        try:
-            with self.clock.phase("publish"):
-                # After the unlock: what is left to hash no longer keeps a --leave-running job
-                # frozen. Publishing waits here for the hashers (and the disk they started).
-                streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in hasher.finish().items()}
-                if self.device_writeback is not None:
-                    self.device_writeback.stop()
-                    self.device_writeback = None
-                if self.device_hasher is not None:
-                    done = self.device_hasher.finish().items()
-                    streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in done})
-                if not self.options.keep:
-                    img.remove_tree(img.logs_dir(tmp))
-                # Every file hashed (CRIU's, the device memory's), not CRIU's alone.
-                total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
-                done = [0]
-
-                def advance(n: int) -> None:
-                    done[0] += n
-                    self.cb.progress("checksums", done[0], total)
-
-                files = img.file_entries(tmp, advance, known=streamed)
-                size = sum(f.size for f in files)
-                manifest = replace(
-                    manifest,
-                    files=files,
-                    bytes=replace(manifest.bytes, image_bytes=size),
-                    timings=replace(manifest.timings, total_s=time.monotonic() - self.clock.start),
-                )
-                self.guard.check("before the image was published", "rolled back")
-                if self.lease is not None and self.stopped_pids:
-                    self.lease.check_before_kill(self.stopped_pids)
-                img.publish(
-                    tmp, self.final, manifest, force=self.options.force, sign_key=self.options.sign_key
-                )
-        except OSError as exc:
-            raise ImageError(
-                f"writing the image failed: {exc.strerror or exc}",
-                why="the disk is full or the filesystem refused a write"
-                if getattr(exc, "errno", None) in (28, 122)
-                else "the filesystem refused a write",
-                fix=f"free space in {self.final.parent} (or choose another place) and dump again",
-                details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
-            ) from None
-        self.tmp = None  # published: nothing partial left to remove
-        self._sync("publish")  # a job commits here: the originals are killed only after that
-        if not self.options.leave_running:
-            self.cb.phase("stop original")
-            pids = self.stopped_pids or _tree_pids(self.target.root_pid)
-            if self.lease is not None:
-                try:
-                    self.lease.check_before_kill(pids)
-                except NpusnapError:
-                    img.remove_tree(self.final)  # not an image of a locked job: never leave it
-                    raise
-            _signal_tree(pids, signal.SIGKILL)
-            left = _wait_gone(pids)
-            self.stopped_pids = []
-            if left:
-                self.cb.note(f"pid(s) {left} did not exit after SIGKILL")
-        self._drop_remaps()
-        timings = replace(
-            manifest.timings,
-            publish_s=self.clock.marks.get("publish"),
-            total_s=time.monotonic() - self.clock.start,
-        )
-        manifest = replace(manifest, timings=timings)
-        logs = str(img.logs_dir(self.final)) if self.options.keep else None
-        return DumpOutcome(
-            image=str(self.final),
-            manifest=manifest,
-            attached=self.target.attached,
-            logs=logs,
-            attach_stopped_s=self.target.attach_stopped_s,
-        )
-
-    def _devices(self, pid: int) -> list[int]:
-        """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
-        callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
-        from_callbacks = [int(d) for d in (self.lock_results.get(pid) or {}).get("callback_devices") or []]
-        acl_info = (self.hello.get(pid) or {}).get("acl") or {}
-        return from_callbacks or [int(d) for d in acl_info.get("devices") or []]
-
-    def _check_plugin_marks(self, tmp: Path) -> None:
-        """A dump that went through a device plugin is good only without its error line in CRIU's
-        log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
-        device files, npusim_plugin.so's (one image per daemon connection) for the simulated NPU."""
-        from npusnap_cli.errors import CriuError
-        from npusnap_cli.host import criuplugin
-
-        log = img.logs_dir(tmp) / img.DUMP_LOG
-        problems: list[str] = []
-        if any(p.device_files for p in self.target.tree):
-            problems += criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
-        sim = _simulated_npu_pids(self.target.tree)
-        if sim:
-            # A process holds a daemon connection once it opened a device.
-            handles = sum(1 for pid in sim if self._devices(pid))
-            problems += criuplugin.scan_dump(
-                log if log.exists() else None, img.criu_dir(tmp), criuplugin.SIMULATED, handles
-            )
-        if problems:
-            raise CriuError(
-                f"CRIU's NPU plugin did not dump the device handles cleanly: {problems[0]}",
-                why="; ".join(problems),
-                fix=f"read {log} (the plugin's lines); check the plugin matches this CRIU (`npusnap check`)",
-                details={"problems": problems, "criu_log": str(log)},
-            )
-
-    def _manifest(
-        self,
-        results: dict[int, dict[str, Any]],
-        res: Any,
-        lock_start: float,
-        frozen_end: float,
-        unlock_s: Optional[float],
-        criu_opts: Any,
-    ) -> img.Manifest:
-        npu = set(self.target.npu_pids)
-        # Recorded with --leave-running too: the image holds the agents' memory from while the
-        # dump held the lock, so the restored agents still know the dump as their owner.
-        tokens = self.lock_tokens
-        processes = []
-        for p in self.target.tree:
-            devices: list[int] = []
-            nbytes = 0
-            if p.pid in npu:
-                devices = self._devices(p.pid)
-                nbytes = agent_device_bytes(self.hello.get(p.pid) or {})
-            processes.append(
-                img.ProcessEntry(
-                    pid=p.pid,
-                    ppid=p.ppid,
-                    cmdline=tuple(p.cmdline),
-                    uid=p.uid if p.uid is not None else -1,
-                    agent=p.has_agent,
-                    npu=p.pid in npu,
-                    devices=tuple(sorted(set(devices))),
-                    device_bytes=nbytes,
-                    agent_socket=p.agent_socket,
-                    lock_token=tokens.get(p.pid),
-                )
-            )
-        lock_times = [r.get("lock_elapsed_s") for r in results.values()]
-        backup_times = [r.get("elapsed_s") for r in results.values()]
-        stats = res.stats
-        us = 1e-6
-        timings = img.Timings(
-            preflight_s=self.clock.marks.get("preflight"),
-            lock_s=max((float(t) for t in lock_times if t is not None), default=None),
-            backup_s=max((float(t) for t in backup_times if t is not None), default=None),
-            criu_freeze_s=stats.freezing_time_us * us if stats else None,
-            criu_memdump_s=stats.memdump_time_us * us if stats else None,
-            criu_memwrite_s=stats.memwrite_time_us * us if stats else None,
-            criu_total_s=self.clock.marks.get("criu"),
-            unlock_s=unlock_s,
-            frozen_s=frozen_end - lock_start,
-            attach_stopped_s=max((s for _, s in self.target.attach_stopped_s), default=None),
-        )
-        page = os.sysconf("SC_PAGE_SIZE")
-        return img.Manifest(
-            created_at=img.now_iso(),
-            versions=_versions(self.binary, self.hello),
-            host=img.HostInfo.current(),
-            root_pid=self.target.root_pid,
-            processes=tuple(processes),
-            timings=timings,
-            bytes=img.ByteCounts(
-                device_bytes=self.device_bytes,
-                image_bytes=0,
-                criu_pages_bytes=(stats.pages_written * page) if stats else 0,
-            ),
-            criu_options=criu_opts.to_dict(),
-            leave_running=self.options.leave_running,
-            host_files=self.host_files,
-            host_nodes=self.host_nodes,
-            pid_ns=self.pid_ns,
-            external_stdio=self.external,
-            device_memory=self._device_memory_record(results),
-        )
-
-    def _device_memory_record(self, results: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        record = dict(self.device_memory)
-        processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
-        for pid, r in results.items():
-            dm = r.get("device_memory") or {}
-            entry = processes.setdefault(str(pid), {})
-            entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
-            # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
-            entry["flow"] = dm.get("flow")
-            if dm.get("file_bytes"):
-                entry["file"] = img.device_memory_rel(pid)  # the copy is this file, not process memory
-            if dm.get("fallback"):
-                entry["fallback"] = dm["fallback"]
-        record["processes"] = processes
-        return record
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, NpusnapError):
-        return err.message
-    if isinstance(err, KeyboardInterrupt):
-        return "interrupted"
-    return f"{type(err).__name__}: {err}"
+    assert state.outcome is not None
+    return replace(state.outcome, leftovers=state.leftovers)

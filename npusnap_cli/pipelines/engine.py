@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Generic, Optional, Protocol, TypeVar
+from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownError
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 
 S = TypeVar("S")  # a pipeline's state: what its steps share (targets, the temporary image, ...)
+# A step for a state serves any state that extends it (a job's rank state extends the restore's).
+S_contra = TypeVar("S_contra", contravariant=True)
 
 
 class SignalGuard:
@@ -95,24 +97,32 @@ class Barrier(Protocol):
 
 
 @dataclass(frozen=True)
-class Step(Generic[S]):
+class Step(Generic[S_contra]):
     """One step of a pipeline.
 
     ``do`` changes the world; ``undo`` (given the failure) puts it back and runs only if ``do``
     completed and a later step failed: a ``do`` that fails cleans up after itself. ``phase`` is
-    announced before ``do`` (None: the step belongs to the phase announced before it). ``barrier``
+    announced before ``do`` (None: the step belongs to the phase announced before it; a function:
+    the label depends on the state, e.g. "criu restore (lazy pages)"). ``barrier``
     is synced after ``do``. ``when`` skips the step (and its undo) unless it says yes.
     ``commit``: the job's new state is committed by this step (an image published, a tree
     released): once it completed, nothing before it is undone and a signal no longer rolls back.
+    ``checkpoint``: (where, state) that a signal caught right after this step reports, instead
+    of ("during NAME", "rolled back"), e.g. ("before anything was started", "nothing was restored").
+    ``finishing``: once this step completed, a signal no longer rolls back (the pipeline runs to
+    its end: an image once published is not thrown away for a Ctrl-C), yet a later failure still
+    undoes every step, unlike ``commit``.
     """
 
     name: str
-    do: Callable[[S], None]
-    undo: Optional[Callable[[S, BaseException], None]] = None
-    phase: Optional[str] = None
+    do: Callable[[S_contra], None]
+    undo: Optional[Callable[[S_contra, BaseException], None]] = None
+    phase: Union[str, Callable[[S_contra], str], None] = None
     barrier: Optional[str] = None
-    when: Optional[Callable[[S], bool]] = None
+    when: Optional[Callable[[S_contra], bool]] = None
     commit: bool = False
+    checkpoint: Optional[tuple[str, str]] = None
+    finishing: bool = False
 
 
 def describe(exc: BaseException) -> str:
@@ -136,12 +146,13 @@ class Pipeline(Generic[S]):
     def run(self, state: S) -> S:
         done: list[Step[S]] = []
         committed = False
+        finishing = False  # a signal no longer rolls back
         for step in self.steps:
             if step.when is not None and not step.when(state):
                 continue
             try:
                 if step.phase is not None:
-                    self.cb.phase(step.phase)
+                    self.cb.phase(step.phase if isinstance(step.phase, str) else step.phase(state))
                 start = time.monotonic()
                 try:
                     step.do(state)
@@ -153,10 +164,12 @@ class Pipeline(Generic[S]):
                     done.clear()
                 else:
                     done.append(step)
+                finishing = finishing or step.finishing
                 if step.barrier is not None and self.barrier is not None:
                     self.barrier.sync(step.barrier)
-                if not committed and self.guard is not None:
-                    self.guard.check(f"during {step.name}", "rolled back")
+                if not committed and not finishing and self.guard is not None:
+                    where, what = step.checkpoint or (f"during {step.name}", "rolled back")
+                    self.guard.check(where, what)
             except NpusnapError as err:
                 raise self._fail(state, done, err) from None
             except BaseException as exc:

@@ -24,9 +24,16 @@ Job image layout (docs/image-format.md)::
     DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)
     DIR/rank-1/
 
-Restore verifies every rank, CRIU-restores every rank (each in its network namespace), and only
-then restores the device state of all of them and unlocks them together. If anything fails on
-the way, every restored process is killed: nothing is left half-running, the image is intact.
+Restore runs the single restore's steps (restore.py) once per rank, each rank in a thread inside
+its network namespace, with barriers between them (RESTORE_PHASES)::
+
+    verify + preflight    | barrier "verified"        (nothing restored before every rank checked)
+    CRIU restore          | barrier "criu-restored"   (every rank exists again, locked)
+    device restore        | barrier "device-restored" (no rank unlocked before all have their state)
+    unlock, settle        | barrier "settled"
+
+If anything fails on the way, in any rank, every rank undoes its steps: a restored rank's tree is
+killed (the undo of its CRIU step), nothing is left half-running, the image is intact.
 While the ranks are being restored, the TCP resets their namespaces would send on the job's
 connections are dropped (tcpunlock.ResetHold), so that the end restored first keeps them.
 
@@ -42,6 +49,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import tempfile
 import threading
@@ -51,7 +59,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
+from npusnap_cli import __version__, criu
 from npusnap_cli import image as img
+from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -61,19 +73,23 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
+from npusnap_cli.host import pidns, procfs, proctree, tcpunlock
 from npusnap_cli.image import digest as dg
 from npusnap_cli.image.job import (
     JOB_MANIFEST,
     JobManifest,
     RankEntry,
+    check_rank_manifest,
+    load_job_manifest,
     rank_dir_name,
-    verify_job,
 )
-from npusnap_cli.pipelines import engine
+from npusnap_cli.pipelines import engine, netcoord, restore, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+from npusnap_cli.pipelines.dump import DumpOptions, DumpOutcome, dump
+from npusnap_cli.pipelines.netcoord import NetLink
 
 PHASES = ("preflight", "backup", "criu", "publish")
-RESTORE_PHASES = ("verified", "criu-restored", "device-restored")
+RESTORE_PHASES = ("verified", "criu-restored", "device-restored", "settled")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 CLONE_NEWNET = 0x40000000
 
@@ -102,10 +118,11 @@ class JobCoordinator:
         *,
         timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
         on_commit: Optional[Callable[[], None]] = None,
-        net: Optional[Any] = None,
+        net: Optional[NetLink] = None,
+        phases: tuple[str, ...] = PHASES,
     ) -> None:
         self.n = n
-        self.net = net  # netcoord.NetLink: the same phases across nodes
+        self.net = net  # the same phases across nodes
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self.reason: Optional[str] = None
@@ -114,7 +131,7 @@ class JobCoordinator:
         self.reached: dict[str, int] = {}
         self._passed: set[str] = set()
         self._on_commit = on_commit
-        self._barriers = {p: threading.Barrier(n, action=self._action(p)) for p in PHASES}
+        self._barriers = {p: threading.Barrier(n, action=self._action(p)) for p in phases}
 
     def _action(self, phase: str) -> Callable[[], None]:
         """Runs once per phase, in the last rank to arrive, before any rank is released."""
@@ -154,6 +171,10 @@ class JobCoordinator:
             fix="see the failed rank's error",
             details={"phase": phase, "failed_rank": self.failed_rank},
         )
+
+    def passed(self, phase: str) -> bool:
+        """Every rank reached ``phase`` (and went on)."""
+        return phase in self._passed
 
     def sync(self, phase: str) -> None:
         """Block until every rank reached ``phase``; JobAbortedError if the job failed meanwhile."""
@@ -247,7 +268,7 @@ def in_netns(path: Optional[str]) -> Iterator[None]:
 class JobDumpOutcome:
     image: str
     manifest: JobManifest
-    ranks: tuple[Any, ...]  # dump.DumpOutcome per rank
+    ranks: tuple[DumpOutcome, ...]  # by rank
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -271,46 +292,64 @@ def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> P
     return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)
 
 
-def _commit(
-    tmp: Path, final: Path, ranks: list[dict[str, Any]], options: Any, node: int = 0, nodes: int = 1
-) -> Callable[[], None]:
-    from npusnap_cli import __version__
+@dataclass(frozen=True)
+class _Rank:
+    """One rank of a job dump: the root of its tree, and its network namespace if not ours."""
 
-    def commit() -> None:
+    rank: int
+    pid: int
+    netns: Optional[str]
+    netns_path: Optional[str]
+    enter: Optional[str]  # the namespace to dump it from
+
+
+class _Commit:
+    """The job's commit, run once in the last rank to reach "publish" (JobCoordinator): the job
+    manifest written, the work directory renamed into place. ``job`` is what it wrote."""
+
+    def __init__(
+        self, tmp: Path, final: Path, ranks: list[_Rank], options: DumpOptions, node: int, nodes: int
+    ) -> None:
+        self.tmp, self.final, self.ranks, self.options = tmp, final, ranks, options
+        self.node, self.nodes = node, nodes
+        self.job: Optional[JobManifest] = None
+
+    def __call__(self) -> None:
         try:
-            _write_and_rename()
+            self._write_and_rename()
         except OSError as exc:
             raise ImageError(
                 f"committing the job image failed: {exc.strerror or exc}",
                 why="the disk is full or the filesystem refused a write",
-                fix=f"free space in {final.parent} (or choose another place) and dump again",
+                fix=f"free space in {self.final.parent} (or choose another place) and dump again",
                 details={"errno": exc.errno, "path": getattr(exc, "filename", None)},
             ) from None
 
-    def _write_and_rename() -> None:
+    def _write_and_rename(self) -> None:
+        tmp, final = self.tmp, self.final
         entries = []
-        for r in ranks:
-            rank_image = tmp / rank_dir_name(r["rank"])
+        for r in self.ranks:
+            rank_image = tmp / rank_dir_name(r.rank)
             entries.append(
                 RankEntry(
-                    rank=r["rank"],
-                    dir=rank_dir_name(r["rank"]),
-                    pid=r["pid"],
+                    rank=r.rank,
+                    dir=rank_dir_name(r.rank),
+                    pid=r.pid,
                     npu_pids=tuple(p.pid for p in img.load_manifest(rank_image).npu_processes),
                     manifest_sha256=dg.of_file(img.manifest_path(rank_image), "sha256"),
-                    netns=r["netns"],
-                    netns_path=r["netns_path"],
+                    netns=r.netns,
+                    netns_path=r.netns_path,
                 )
             )
         job = JobManifest(
             created_at=img.now_iso(),
             ranks=tuple(entries),
-            leave_running=options.leave_running,
+            leave_running=self.options.leave_running,
             tool=__version__,
-            node=node,
-            nodes=nodes,
+            node=self.node,
+            nodes=self.nodes,
         )
-        ranks[0]["_job"] = job
+        self.job = job
         path = tmp / JOB_MANIFEST
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -321,7 +360,7 @@ def _commit(
         img.fsync_tree(tmp)
         old: Optional[Path] = None
         if final.exists() and not img.dir_is_empty(final):
-            if not options.force:
+            if not self.options.force:
                 raise UsageError(
                     f"{final} appeared and is not empty",
                     why="something wrote into the target directory during the dump",
@@ -338,13 +377,9 @@ def _commit(
         if old is not None:
             img.remove_tree(old)
 
-    return commit
-
 
 def _check_disjoint(pids: list[int]) -> None:
     """No rank may be inside another rank's tree (it would be dumped twice)."""
-    import psutil
-
     given = set(pids)
     for pid in pids:
         try:
@@ -377,11 +412,11 @@ def _device_busy(err: BaseException) -> bool:
 def dump_job(
     pids: list[int],
     directory: Path,
-    options: Any,
+    options: DumpOptions,
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
-    net: Optional[Any] = None,
+    net: Optional[NetLink] = None,
     node: int = 0,
     nodes: int = 1,
 ) -> JobDumpOutcome:
@@ -393,8 +428,6 @@ def dump_job(
     straddling the ranks' locks) is tried again, every rank together, at most JOB_BUSY_RETRIES
     times; each rank's pipeline then does not retry by itself.
     """
-    import random
-
     per_rank = replace(
         options,
         busy_retries=0 if net is None else None,
@@ -425,28 +458,24 @@ def dump_job(
 def _dump_job_once(
     pids: list[int],
     directory: Path,
-    options: Any,
+    options: DumpOptions,
     callbacks: PipelineCallbacks,
     *,
     barrier_timeout_s: float,
-    net: Optional[Any],
+    net: Optional[NetLink],
     node: int,
     nodes: int,
 ) -> JobDumpOutcome:
-    from npusnap_cli.pipelines import dump as dump_mod
-
     if len(set(pids)) != len(pids):
         raise UsageError("a pid was given twice", fix="name each rank's root pid once")
     _check_disjoint(pids)
-    from npusnap_cli.host import pidns
-
     pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
     img.check_dump_target(final, force=options.force)
     for stale in img.remove_stale_temps(final):
         callbacks.note(f"removed {stale}, left by an earlier dump that did not finish")
     own_ns = netns_id()
-    ranks: list[dict[str, Any]] = []
+    ranks: list[_Rank] = []
     for i, pid in enumerate(pids):
         try:
             ns = netns_id(pid)
@@ -458,40 +487,36 @@ def _dump_job_once(
             ) from None
         other = ns != own_ns
         ranks.append(
-            {
-                "rank": i,
-                "pid": pid,
-                "netns": ns if other else None,
-                "netns_path": netns_name(ns) if other else None,
-                "enter": f"/proc/{pid}/ns/net" if other else None,
-            }
+            _Rank(
+                rank=i,
+                pid=pid,
+                netns=ns if other else None,
+                netns_path=netns_name(ns) if other else None,
+                enter=f"/proc/{pid}/ns/net" if other else None,
+            )
         )
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{img.TMP_MARKER}{os.getpid()}-", dir=str(final.parent)))
     os.chmod(tmp, img.DIR_MODE)
-    coord = JobCoordinator(
-        len(pids),
-        timeout_s=barrier_timeout_s,
-        on_commit=_commit(tmp, final, ranks, options, node, nodes),
-        net=net,
-    )
-    outcomes: dict[int, Any] = {}
+    commit = _Commit(tmp, final, ranks, options, node, nodes)
+    coord = JobCoordinator(len(pids), timeout_s=barrier_timeout_s, on_commit=commit, net=net)
+    outcomes: dict[int, DumpOutcome] = {}
     errors: dict[int, BaseException] = {}
     out_lock = threading.Lock()
 
-    def run_rank(r: dict[str, Any]) -> None:
-        i = r["rank"]
+    def run_rank(r: _Rank) -> None:
+        i = r.rank
         try:
-            with in_netns(r["enter"]):
-                outcomes[i] = dump_mod.dump(
-                    r["pid"], tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
+            with in_netns(r.enter):
+                outcomes[i] = dump(
+                    r.pid, tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
                 )
         except BaseException as exc:
             errors[i] = exc
             if not isinstance(exc, JobAbortedError):
                 coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
 
-    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r['rank']}") for r in ranks]
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r.rank}") for r in ranks]
     with engine.SignalGuard(callbacks.note, what="job dump") as guard:
         for t in threads:
             t.start()
@@ -507,12 +532,17 @@ def _dump_job_once(
         if not committed:
             img.remove_tree(tmp)
         raise _job_error(errors, coord, guard, committed, final)
-    job = ranks[0]["_job"]
+    job = commit.job
+    assert job is not None  # committed
     return JobDumpOutcome(image=str(final), manifest=job, ranks=tuple(outcomes[i] for i in range(len(pids))))
 
 
 def _job_error(
-    errors: dict[int, BaseException], coord: JobCoordinator, guard: Any, committed: bool, final: Path
+    errors: dict[int, BaseException],
+    coord: JobCoordinator,
+    guard: engine.SignalGuard,
+    committed: bool,
+    final: Path,
 ) -> NpusnapError:
     summary = {i: _describe(e) for i, e in sorted(errors.items())}
     unknown = [i for i, e in errors.items() if isinstance(e, StateUnknownError)]
@@ -607,37 +637,122 @@ def _target_netns(r: RankEntry, overrides: dict[int, str]) -> Optional[str]:
     )
 
 
-def _kill_trees(pids: list[int]) -> None:
-    from npusnap_cli.pipelines import dump as dump_mod
+def _kill_tree(root: int) -> None:
+    every = proctree.tree_pids(root)
+    proctree.signal_tree(every, signal.SIGKILL)
+    proctree.wait_gone(every)
+    with contextlib.suppress(ChildProcessError):  # our (subreaped) child: collect it, its pid is free
+        os.waitpid(root, os.WNOHANG)
 
-    every: list[int] = []
-    for p in pids:
-        every += dump_mod._tree_pids(p)
-    for p in every:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    dump_mod._wait_gone(every)
-    for p in pids:  # our (subreaped) children: collect them so their pids are free again
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(p, os.WNOHANG)
+
+@dataclass
+class RankState(restore.RestoreState):
+    """One rank's restore: the single restore's state, and what only a job has."""
+
+    rank: int = 0
+    netns: Optional[str] = None  # the network namespace the rank is restored into (None: ours)
+    hold: Optional[tcpunlock.ResetHold] = None
+    group: Optional[DeviceGroup] = None
+    killed: bool = False
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        super().close()
+
+
+# The job's own steps, between the single restore's.
+
+
+def _hold_resets(st: RankState) -> None:
+    """Drop the resets this rank's network namespace would send on its connections until every
+    rank (on every node) is restored (tcpunlock.ResetHold)."""
+    if not st.manifest.criu_options.get("tcp_established"):
+        return
+    try:
+        st.hold = tcpunlock.ResetHold(tcpunlock.image_connections(str(img.criu_dir(st.image))))
+    except OSError as exc:
+        st.cb.note(
+            f"cannot hold TCP resets during the restore ({exc}): "
+            "a rank restored first may lose its connections"
+        )
+
+
+def _release_resets(st: RankState) -> None:
+    if st.hold is not None:
+        with contextlib.suppress(OSError):
+            st.hold.release()
+
+
+def _kill_restored(st: RankState, _err: BaseException) -> None:
+    """All or nothing: a restored rank dies when any rank failed."""
+    if st.result is not None:
+        _kill_tree(st.result.pid)
+        st.killed = True
+
+
+def _device_restore_locked(st: RankState) -> None:
+    """Every NPU process gets its device state back and stays locked until every rank has it."""
+    if st.npu_pids:
+        st.group = DeviceGroup(
+            st.npu_pids,
+            lease_s=st.options.lease_s,
+            command="restore",
+            interrupted=restoreguard.DeviceWait(st.npu_pids, st.guard),
+        )
+        # The restored agents still record the dump as their lock's owner: present its tokens.
+        st.group.set_tokens({p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token})
+        st.group.restore(st.device_memory_files)
+
+
+def _unlock(st: RankState) -> None:
+    if st.group is not None:
+        st.group.unlock()
+    st.device_done = time.monotonic()
+
+
+# The single restore's steps (restore.STEPS), with barriers between them, and these in between:
+# TCP resets held until every rank is restored, a restored rank killed when any rank fails
+# (the CRIU step is the job's commit no longer), and the device state of every rank restored
+# before any rank is unlocked.
+RANK_STEPS: tuple[engine.Step[RankState], ...] = (
+    restore.VERIFY,
+    restore.PREFLIGHT,
+    restore.OPEN_FILES,
+    engine.Step("hold resets", _hold_resets, lambda st, _e: _release_resets(st), barrier="verified"),
+    restore.HOST_NODES,
+    restore.PUT_BACK,
+    # (no restore.DEVICE_VIEW: --device-map is refused for job images)
+    restore.PID_NS_VIEW,
+    restore.LAZY_DAEMON,
+    restore.STOP_GUARD,
+    engine.Step("criu restore", restore.CRIU_RESTORE.do, _kill_restored, barrier="criu-restored"),
+    engine.Step("release resets", _release_resets),
+    restore.RELEASE,
+    engine.Step("device restore", _device_restore_locked, phase="device restore", barrier="device-restored"),
+    engine.Step("unlock", _unlock, phase="unlock"),
+    engine.Step("settle", restore.settle, barrier="settled"),
+)
 
 
 def restore_job(
     directory: Path,
-    options: Any,
+    options: restore.RestoreOptions,
     callbacks: PipelineCallbacks = PipelineCallbacks(),
     *,
     rank_netns: Optional[dict[int, str]] = None,
-    net: Optional[Any] = None,
+    net: Optional[netcoord.NetLink] = None,
 ) -> JobRestoreOutcome:
     """Restore every rank with CRIU, then release them together; all or nothing.
 
-    With ``net`` (netcoord.NetLink, phases RESTORE_PHASES) every node verifies, CRIU-restores
-    and restores the device state of its ranks in step with the others; any node's failure
-    kills the restored ranks on every node.
+    Each rank runs the restore's steps (RANK_STEPS) in a thread of its own, inside its network
+    namespace; a JobCoordinator holds them at RESTORE_PHASES. With ``net`` (netcoord.NetLink)
+    every node verifies, CRIU-restores and restores the device state of its ranks in step with
+    the others; any node's failure kills the restored ranks on every node.
     """
     try:
-        return _restore_job(directory, options, callbacks, rank_netns, net)
+        return _restore_job(directory, options, callbacks, rank_netns or {}, net)
     except BaseException as exc:
         if net is not None:
             net.abort(_describe(exc), getattr(exc, "exit_code", None))
@@ -646,22 +761,14 @@ def restore_job(
 
 def _restore_job(
     directory: Path,
-    options: Any,
+    options: restore.RestoreOptions,
     callbacks: PipelineCallbacks,
-    rank_netns: Optional[dict[int, str]],
-    net: Optional[Any],
+    overrides: dict[int, str],
+    net: Optional[netcoord.NetLink],
 ) -> JobRestoreOutcome:
-    from npusnap_cli import criu
-    from npusnap_cli.device.devicegroup import DeviceGroup
-    from npusnap_cli.host import hostres, pidns
-    from npusnap_cli.pipelines import restore as rmod
-
     start = time.monotonic()
-    cb = callbacks
     final = Path(os.path.abspath(directory))
-    overrides = dict(rank_netns or {})
-    cb.phase("verify every rank")
-    job, _ = verify_job(final, checksums=options.verify, require_signature=options.require_signature)
+    job = load_job_manifest(final)
     unknown = sorted(set(overrides) - {r.rank for r in job.ranks})
     if unknown:
         raise UsageError(f"--rank-netns names rank(s) {unknown} that the job does not have")
@@ -674,208 +781,136 @@ def _restore_job(
             "--pipe-to is not supported for job images yet", fix="dump the job without --external-pipes"
         )
     binary = criu.find_criu()
-    manifests = {}
-    device_memory: dict[int, Optional[str]] = {}
-    targets: dict[int, Optional[str]] = {}
-    for r in job.ranks:
-        m = img.load_manifest(final / r.dir)
-        manifests[r.rank] = m
-        try:
-            rmod.check_versions(m, binary)
-            device_memory[r.rank] = rmod.check_device_memory(m, options.accept_lost_device_memory)
-            if not m.pid_ns:  # a rank's own pid namespace is restored afresh: no host pid needed
-                rmod.check_pids_free(m, rmod.image_thread_ids(final / r.dir, m))
-            rmod.check_devices_free(m)
-            rmod.prepare_sockets(m)
-            hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
-            rmod.open_pipe_targets(m, None)
-        except NpusnapError as err:
-            err.message = f"rank {r.rank}: {err.message}"
-            err.details["rank"] = r.rank
-            raise
-        targets[r.rank] = _target_netns(r, overrides)
-        if targets[r.rank] is not None and not os.path.exists(str(targets[r.rank])):
-            raise PreflightError(
-                f"rank {r.rank}: network namespace {targets[r.rank]} does not exist",
-                fix="create it, or name another with --rank-netns RANK=PATH",
-            )
-    verify_s = time.monotonic() - start
-    holds = _hold_resets(job, manifests, targets, final, cb)
-    restored: dict[int, Any] = {}
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        if net is not None:
-            net.sync("verified")  # no node restores anything before every node verified its part
-        # CRIU restores every rank (each one locked: its agent waits for `restore`), in parallel so
-        # that no rank's TCP peer is missing for long.
-        cb.phase("criu restore (every rank)")
-        errors: dict[int, BaseException] = {}
+    coord = JobCoordinator(len(job.ranks), phases=RESTORE_PHASES, net=net)
+    states: dict[int, RankState] = {}
+    errors: dict[int, BaseException] = {}
+    out_lock = threading.Lock()
 
-        def one(r: RankEntry) -> None:
-            m = manifests[r.rank]
+    with engine.SignalGuard(callbacks.note, what="job restore") as guard:
+
+        def run_rank(r: RankEntry) -> None:
+            cb = _rank_callbacks(callbacks, r.rank, out_lock)
             try:
-                with in_netns(targets[r.rank]):
-                    to_put_back = hostres.check_put_back(m.host_files, replace=options.replace_tmpfs_files)
-                    hostres.make_host_nodes(hostres.check_host_nodes(m.host_nodes))
-                    try:
-                        if to_put_back:
-                            hostres.put_back(to_put_back, final / r.dir)
-                        wanted = None if options.logs is None else Path(options.logs) / r.dir
-                        logs = rmod.restore_logs_dir(final / r.dir, wanted, cb.note)
-                        # --pid-ns ranks: their agents' sockets bound under names of their own
-                        view = pidns.criu_view(img.criu_dir(final / r.dir), m) if m.pid_ns else None
-                        try:
-                            restored[r.rank] = criu.restore(
-                                str(view or img.criu_dir(final / r.dir)),
-                                str(logs),
-                                options=rmod._criu_options(m),
-                                log_name=img.RESTORE_LOG,
-                                binary=binary,
-                            )
-                        finally:
-                            if view is not None:
-                                pidns.drop_view(view)
-                    finally:
-                        # CRIU's restore consumes the link-remap files; a failed one leaves them
-                        hostres.drop_remaps(to_put_back)
+                rank_image = final / r.dir
+                check_rank_manifest(final, r)
+                manifest = img.load_manifest(rank_image)
+                target = _target_netns(r, overrides)
+                if target is not None and not os.path.exists(target):
+                    raise PreflightError(
+                        f"network namespace {target} does not exist",
+                        fix="create it, or name another with --rank-netns RANK=PATH",
+                    )
+                logs = None if options.logs is None else Path(options.logs) / r.dir
+                st = RankState(
+                    rank_image,
+                    manifest,
+                    # A job is restored onto the devices it was dumped on.
+                    replace(options, logs=logs, device_map=()),
+                    cb,
+                    guard,
+                    start=start,
+                    overlap=False,
+                    binary=binary,
+                    rank=r.rank,
+                    netns=target,
+                )
+                states[r.rank] = st
+                try:
+                    with in_netns(target):
+                        pipeline = engine.Pipeline(
+                            "job restore", RANK_STEPS, cb=cb, guard=guard, barrier=coord
+                        )
+                        pipeline.run(st)
+                finally:
+                    st.close()
             except BaseException as exc:
                 errors[r.rank] = exc
+                if not isinstance(exc, JobAbortedError):
+                    coord.abort(_describe(exc), r.rank, getattr(exc, "exit_code", None))
 
         threads = [
-            threading.Thread(target=one, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
+            threading.Thread(target=run_rank, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
         ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            i = min(errors)
-            raise _rank_error(errors[i], i, "CRIU restore")
-        if net is not None:
-            net.sync("criu-restored")
-        _release_holds(holds)  # every end of every connection exists again
-        criu_done = time.monotonic()
-        # --pid-ns ranks have new host pids: from here on, the manifests name those
-        dumped, moved = dict(manifests), {}
-        for r in job.ranks:
-            if manifests[r.rank].pid_ns:
-                manifests[r.rank], moved[r.rank] = pidns.translate(manifests[r.rank], restored[r.rank].pid)
-        # Release together: the device state of every rank, then every rank's Unlock.
-        cb.phase("device restore (every rank)")
-        npu = sorted({p.pid for m in manifests.values() for p in m.npu_processes})
-        if npu:
-            # The restored agents still record the dump as their lock's owner: present its tokens.
-            tokens = {
-                p.pid: p.lock_token for m in manifests.values() for p in m.npu_processes if p.lock_token
-            }
-            files: dict[int, tuple[int, str]] = {}
-            with contextlib.ExitStack() as stack:
-                for r in job.ranks:
-                    opened = img.open_device_memory_files(final / r.dir, dumped[r.rank])
-                    for fd, _path in opened.values():
-                        stack.callback(os.close, fd)
-                    files.update({moved.get(r.rank, {}).get(k, k): v for k, v in opened.items()})
-                group = stack.enter_context(DeviceGroup(npu, lease_s=options.lease_s, command="restore"))
-                group.set_tokens(tokens)
-                group.restore(files)
-                if net is not None:
-                    net.sync("device-restored")  # every node's ranks are restored, still locked
-                cb.phase("unlock (every rank)")
-                group.unlock()
-        elif net is not None:
-            net.sync("device-restored")
-        device_done = time.monotonic()
-        for r in job.ranks:
-            res = restored[r.rank]
-            m = manifests[r.rank]
-            watched = tuple(dict.fromkeys((res.pid, *(p.pid for p in m.npu_processes))))
-            for note in rmod.check_alive_after(watched, options.settle_s, res.log_path):
-                cb.note(f"rank {r.rank}: {note}")
-            results[r.rank] = {
-                "rank": r.rank,
-                "root_pid": res.pid,
-                "pids": [p.pid for p in m.processes],
-                "npu_pids": [p.pid for p in m.npu_processes],
-                "netns": targets[r.rank],
-                "criu_log": res.log_path,
-                "device_memory": device_memory.get(r.rank),
-            }
-    except BaseException as exc:
-        _release_holds(holds)
-        roots = [res.pid for res in restored.values()]
-        if roots:
-            _kill_trees(roots)
-        if isinstance(exc, NpusnapError):
-            if roots:
-                exc.message += (
-                    f" — every restored rank was killed (root pids {sorted(roots)}): nothing runs; "
-                    "the image is unchanged, restore it again once the cause is fixed"
-                )
-            else:
-                exc.message += " — no rank was restored; the image is unchanged"
-            exc.details["killed_root_pids"] = sorted(roots)
-            exc.fix = exc.fix or "fix the cause and restore again"
-        raise
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.1)
+            if guard.received is not None and coord.reason is None:
+                coord.abort(f"{guard.name} received")
+    if errors:
+        raise _job_restore_error(errors, states, guard, coord.passed("verified"))
+    if guard.received is not None:
+        callbacks.note(f"{guard.name} was received after every rank was restored; the restore was completed")
+    ranks = [states[r.rank] for r in job.ranks]
+    verified = max(st.verified_at for st in ranks)
+    criu_done = max(st.criu_done for st in ranks)
+    device_done = max(st.device_done for st in ranks)
     return JobRestoreOutcome(
         image=str(final),
-        ranks=tuple(results[r.rank] for r in job.ranks),
-        verify_s=verify_s,
-        criu_restore_s=criu_done - start - verify_s,
+        ranks=tuple(
+            {
+                "rank": st.rank,
+                "root_pid": st.restored.pid,
+                "pids": [p.pid for p in st.manifest.processes],
+                "npu_pids": list(st.npu_pids),
+                "netns": st.netns,
+                "criu_log": st.restored.log_path,
+                "device_memory": st.checked.device_memory,
+            }
+            for st in ranks
+        ),
+        verify_s=verified - start,
+        criu_restore_s=criu_done - verified,
         device_restore_s=device_done - criu_done,
         total_s=device_done - start,
     )
 
 
-def _hold_resets(
-    job: JobManifest,
-    manifests: dict[int, Any],
-    targets: dict[int, Optional[str]],
-    final: Path,
-    cb: PipelineCallbacks,
-) -> list[tuple[Optional[str], Any]]:
-    """Per network namespace of the ranks: drop the resets it would send on the job's connections
-    until every rank (on every node) is restored (tcpunlock.ResetHold)."""
-    from npusnap_cli.host import tcpunlock
-
-    holds: list[tuple[Optional[str], Any]] = []
-    by_ns: dict[Optional[str], list[tuple[str, int, str, int]]] = {}
-    for r in job.ranks:
-        if manifests[r.rank].criu_options.get("tcp_established"):
-            conns = tcpunlock.image_connections(str(img.criu_dir(final / r.dir)))
-            by_ns.setdefault(targets[r.rank], []).extend(conns)
-    try:
-        for ns, conns in by_ns.items():
-            if conns:
-                with in_netns(ns):
-                    holds.append((ns, tcpunlock.ResetHold(conns)))
-    except OSError as exc:
-        _release_holds(holds)
-        cb.note(
-            f"cannot hold TCP resets during the restore ({exc}): "
-            "a rank restored first may lose its connections"
+def _job_restore_error(
+    errors: dict[int, BaseException],
+    states: dict[int, RankState],
+    guard: engine.SignalGuard,
+    verified: bool,
+) -> NpusnapError:
+    """The first rank's own failure (not its abort by another); once every rank was verified
+    (``verified``), it says that nothing runs."""
+    for st in states.values():  # a rank whose steps all completed before another failed
+        if st.result is not None and not st.killed:
+            _kill_tree(st.result.pid)
+            st.killed = True
+    roots = sorted(st.result.pid for st in states.values() if st.result is not None)
+    unknown = [i for i, e in sorted(errors.items()) if isinstance(e, StateUnknownError)]
+    primary = [i for i, e in sorted(errors.items()) if not isinstance(e, JobAbortedError)]
+    err: NpusnapError
+    if unknown or primary:
+        i = (unknown or primary)[0]
+        first = errors[i]
+        err = first if isinstance(first, NpusnapError) else NpusnapError(
+            f"restore failed: {_describe(first)}",
+            why="unexpected error in npusnap",
+            fix="rerun with -v and report it",
+        )  # fmt: skip
+        if not err.message.startswith(f"rank {i}"):
+            err.message = f"rank {i}: {err.message}"
+        err.details["rank"] = i
+    elif guard.received is not None:
+        err = InterruptedError_(f"job restore interrupted by {guard.name}", why="Ctrl-C or SIGTERM")
+    else:
+        first = next(iter(errors.values()))
+        err = first if isinstance(first, NpusnapError) else NpusnapError(_describe(first))
+    if not verified:
+        return err  # nothing was touched
+    if roots:
+        err.message += (
+            f" — every restored rank was killed (root pids {roots}): nothing runs; "
+            "the image is unchanged, restore it again once the cause is fixed"
         )
-        return []
-    return holds
-
-
-def _release_holds(holds: list[tuple[Optional[str], Any]]) -> None:
-    while holds:
-        ns, hold = holds.pop()
-        with contextlib.suppress(OSError), in_netns(ns):
-            hold.release()
-
-
-def _rank_error(exc: BaseException, rank: int, step: str) -> NpusnapError:
-    if isinstance(exc, NpusnapError):
-        exc.message = f"rank {rank}: {exc.message}"
-        exc.details["rank"] = rank
-        return exc
-    return NpusnapError(
-        f"rank {rank}: {step} failed: {_describe(exc)}",
-        why="unexpected error in npusnap",
-        fix="rerun with -v and report it",
-        details={"rank": rank},
-    )
+    else:
+        err.message += " — no rank was restored; the image is unchanged"
+    err.details["killed_root_pids"] = roots
+    err.fix = err.fix or "fix the cause and restore again"
+    return err
 
 
 # --------------------------------------------------------------------------------------------
@@ -893,8 +928,6 @@ def wait_for_exit(roots: list[int], note: Callable[[str], None] = lambda _s: Non
     restore DIR --wait`), they are that step's descendants, tracked, signalled and accounted by
     Slurm. Returns each root's exit code (negative: killed by that signal).
     """
-    from npusnap_cli.host import procfs
-
     remaining = set(roots)
     codes: dict[int, int] = {}
 

@@ -18,35 +18,52 @@ The device-memory files (``device/``) are hashed on a thread of their own that r
 4: each agent Restores meanwhile and Unlocks (which loads them into the device) only after they
 matched; a mismatch kills the tree with its device memory never loaded (docs/image-format.md).
 
+The steps (``STEPS``, run by pipelines/engine.py) share a ``RestoreState``; the job restore
+(jobsnap.py) runs the same steps once per rank, with barriers between them. ``preflight`` is the
+one call that checks an image before anything is touched: restore, ``restore --dry-run``
+(restorecheck.py) and the job restore all use it.
+
 Core module: returns a frozen dataclass, never prints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import contract
+from npusnap_cli import acl, contract, criu, paths, safefs
 from npusnap_cli import image as img
+from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
     BusyError,
     CriuError,
+    DeviceError,
     ImageError,
     IncompatibleImageError,
     NpusnapError,
     PreflightError,
+    TargetError,
     UsageError,
 )
+from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
-from npusnap_cli.host import procfs
+from npusnap_cli.host.lazypages import LazyPhase
+from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.image import digest
+from npusnap_cli.pipelines import restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
 RestoreCallbacks = PipelineCallbacks
@@ -121,10 +138,8 @@ class RestoreOutcome:
 # --------------------------------------------------------------------------------------------
 
 
-def check_versions(manifest: img.Manifest, binary: Any) -> None:
+def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> None:
     """Same CRIU and CANN as at dump time (the device state format is the runtime's own)."""
-    from npusnap_cli import acl
-
     v = manifest.versions
     if binary.version != v.criu:
         raise IncompatibleImageError(
@@ -254,11 +269,6 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
     not asked (on the simulator each tree is a node of its own); on a node they, like the ones
     without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
     and the restored process stays locked, to be retried or killed."""
-    from npusnap_cli import acl, paths
-    from npusnap_cli.device.agent_client import AgentClient
-    from npusnap_cli.host import devmaps
-    from npusnap_cli.pipelines.dump import _cann_home_of as _cann_home
-
     moved = dict(device_map)
     wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
     if not wanted:
@@ -269,7 +279,7 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
     home = manifest.versions.cann_home
     for pid in devmaps.npu_users(exclude=image_pids):
         library = acl.loaded_acl_library(pid)
-        if home and library and os.path.realpath(_cann_home(library)) != os.path.realpath(home):
+        if home and library and os.path.realpath(acl.home_of_library(library)) != os.path.realpath(home):
             continue
         devices: Optional[list[int]] = None
         if paths.find_agent_socket(pid) is not None:
@@ -355,15 +365,213 @@ def check_socket_dir(sock: Path, uid: int, st: os.stat_result) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The pipeline
+# Preflight: every check before anything is touched, in the restore's order
 # --------------------------------------------------------------------------------------------
 
 
-def _criu_options(
-    manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = (), tcp_close: bool = False
-) -> Any:
-    from npusnap_cli import criu
+@dataclass
+class Preflight:
+    """What a check reads (the image, its manifest, the options) and what the checks found.
 
+    ``dry_run``: check only (``restore --dry-run``): no directory is created; a real restore
+    creates the agents' socket directories and the directory of CRIU's log here.
+    """
+
+    image: Path
+    manifest: img.Manifest
+    options: RestoreOptions
+    dry_run: bool = False
+    binary: Optional[criu.CriuBinary] = None
+    device_memory: Optional[str] = None  # who keeps it (check_device_memory)
+    thread_ids: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth telling, not a problem
+    to_put_back: list[hostres.HostFile] = field(default_factory=list)
+    to_make: list[hostres.HostNode] = field(default_factory=list)
+    logs: Optional[Path] = None  # where CRIU's restore log goes
+    note: Optional[Callable[[str], None]] = None  # also told each note as it is found
+
+    def tell(self, text: str) -> None:
+        self.notes.append(text)
+        if self.note is not None:
+            self.note(text)
+
+    def criu_binary(self) -> criu.CriuBinary:
+        if self.binary is None:
+            self.binary = criu.find_criu()
+        return self.binary
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    what: str
+    run: Callable[[Preflight], str]  # what it found (a short text); raises the restore's error
+    skip: Optional[Callable[[Preflight], Optional[str]]] = None  # the reason it does not apply
+
+
+def _versions(pf: Preflight) -> str:
+    binary = pf.criu_binary()
+    check_versions(pf.manifest, binary)
+    v = pf.manifest.versions
+    return f"CRIU {binary.version}" + (f", CANN {v.cann}" if pf.manifest.npu_processes else "")
+
+
+def _lazy(pf: Preflight) -> str:
+    lazypages.check_lazy(pf.image, pf.manifest, pf.criu_binary())
+    return "CRIU can serve the pages lazily"
+
+
+def _device_memory(pf: Preflight) -> str:
+    pf.device_memory = check_device_memory(pf.manifest, pf.options.accept_lost_device_memory)
+    return f"kept by {pf.device_memory or '-'}"
+
+
+def _pids(pf: Preflight) -> str:
+    pf.thread_ids = image_thread_ids(pf.image, pf.manifest)
+    if pf.manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
+        return "a pid namespace of its own (`run --pid-ns`): no host pid needed"
+    check_pids_free(pf.manifest, pf.thread_ids)
+    return f"{len(pf.thread_ids)} pid(s) and thread id(s) free"
+
+
+def _devices(pf: Preflight) -> str:
+    pidns.check_device_map(pf.manifest, pf.options.device_map)
+    notes = check_devices_free(pf.manifest, pf.options.device_map)
+    for n in notes:
+        pf.tell(n)
+    moved = dict(pf.options.device_map)
+    devices = sorted({moved.get(d, d) for p in pf.manifest.npu_processes for d in (p.devices or ())})
+    return f"device(s) {', '.join(map(str, devices)) or '-'} free" + "".join(f"; {n}" for n in notes)
+
+
+def _socket_dirs(pf: Preflight) -> str:
+    if not pf.dry_run:
+        prepare_sockets(pf.manifest)
+        return "present and private"
+    made = []
+    for p in pf.manifest.processes:
+        if not p.agent_socket:
+            continue
+        sock = Path(p.agent_socket)
+        parent = sock.parent
+        try:
+            st = parent.lstat()
+        except FileNotFoundError:
+            if not os.access(parent.parent, os.W_OK | os.X_OK):
+                raise PreflightError(
+                    f"cannot create the agent socket directory {parent}",
+                    fix=f"create it (mode 0700, owned by uid {p.uid}) or run as the image's user/root",
+                ) from None
+            made.append(str(parent))
+            continue
+        check_socket_dir(sock, p.uid, st)
+    return f"would create {', '.join(made)}" if made else "present and private"
+
+
+def _listeners(pf: Preflight) -> str:
+    agents = [p.agent_socket for p in pf.manifest.processes]
+    paths = hostres.check_listeners_free(img.criu_dir(pf.image), agents)
+    return f"{len(paths)} unix listener path(s), none taken" if paths else "none"
+
+
+def _host_files(pf: Preflight) -> str:
+    m = pf.manifest
+    pf.to_put_back = hostres.check_put_back(
+        m.host_files,
+        replace=pf.options.replace_tmpfs_files,
+        uids={p.uid for p in m.processes},
+        nodes=m.host_nodes,
+    )
+    pf.to_make = hostres.check_host_nodes(m.host_nodes)
+    found = f"would put back {len(pf.to_put_back)} file(s)" if pf.to_put_back else "nothing to put back"
+    if pf.to_make:
+        found += f"; would create {len(pf.to_make)} director(ies)/fifo(s)"
+    return found
+
+
+def _pipes(pf: Preflight) -> str:
+    pipes = [e for e in pf.manifest.external_stdio if e.kind == "pipe"]
+    target = pf.options.pipe_to
+    if not pipes:
+        return "none recorded" + (" (--pipe-to is not needed)" if target is not None else "")
+    if target is None:
+        e = pipes[0]
+        raise PreflightError(
+            f"the image's pid {e.pid} wrote to a pipe to a process outside the tree (fd {e.fd})",
+            why="the reader of that pipe is not in the image; restored as it was, the job would die "
+            "of SIGPIPE at its next write",
+            fix="rerun restore with --pipe-to FILE: the job then writes there",
+            details={"external_stdio": [x.to_dict() for x in pf.manifest.external_stdio]},
+        )
+    parent = Path(target).parent
+    if pf.dry_run and (Path(target).is_symlink() or not os.access(parent if str(parent) else ".", os.W_OK)):
+        raise PreflightError(f"cannot open --pipe-to {target}", fix="name a writable file (not a symlink)")
+    return f"{len(pipes)} pipe(s) -> {target}"
+
+
+def _logs(pf: Preflight) -> str:
+    wanted = pf.options.logs
+    if not pf.dry_run:
+        pf.logs = restore_logs_dir(pf.image, wanted, pf.tell)
+        return f"CRIU's log -> {pf.logs / img.RESTORE_LOG}"
+    if wanted is not None:
+        if not writable_dir(wanted, parents=True):
+            raise UsageError(f"cannot write CRIU's restore log into {wanted}", fix="pass a writable --logs")
+        return f"CRIU's log -> {wanted}"
+    inside = img.logs_dir(pf.image)
+    if writable_dir(inside, parents=False):
+        return f"CRIU's log -> {inside / img.RESTORE_LOG}"
+    return "the image is not writable: CRIU's log would go under $TMPDIR/npusnap-logs"
+
+
+def _pidfile(pf: Preflight) -> str:
+    assert pf.options.pidfile is not None  # skipped without --pidfile
+    pidfile_mod.check(pf.options.pidfile)
+    return f"-> {pf.options.pidfile}"
+
+
+# In the restore's order; ``restore --dry-run`` runs the image's structure and checksums first.
+CHECKS: tuple[Check, ...] = (
+    Check("versions", "same CRIU and CANN as at dump time", _versions),
+    Check(
+        "lazy-pages", "CRIU's lazy pages", _lazy, skip=lambda pf: None if pf.options.lazy else "not --lazy"
+    ),
+    Check("device-memory", "who keeps the device memory", _device_memory),
+    Check("pids", "the image's pids and thread ids are free", _pids),
+    Check("devices", "the image's NPU devices are free", _devices),
+    Check("agent-sockets", "the agents' socket directories", _socket_dirs),
+    Check("unix-listeners", "no running process listens where the job's sockets bind", _listeners),
+    Check("host-files", "tmpfs and deleted files to put back", _host_files),
+    Check("pipes", "pipes to outside the tree (--pipe-to)", _pipes),
+    Check("logs", "where CRIU's restore log goes", _logs),
+    Check(
+        "pidfile",
+        "--pidfile can be written",
+        _pidfile,
+        skip=lambda pf: None if pf.options.pidfile is not None else "no --pidfile",
+    ),
+)
+
+
+def preflight(
+    image: Path,
+    manifest: img.Manifest,
+    options: RestoreOptions,
+    binary: Optional[criu.CriuBinary] = None,
+    *,
+    note: Optional[Callable[[str], None]] = None,
+) -> Preflight:
+    """Every check of ``CHECKS`` in order, creating what a restore needs (the agents' socket
+    directories, CRIU's log directory); raises the first problem's NpusnapError."""
+    pf = Preflight(image, manifest, options, binary=binary, note=note)
+    for check in CHECKS:
+        if check.skip is None or not check.skip(pf):
+            check.run(pf)
+    return pf
+
+
+def criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> criu.CriuOptions:
+    """The options CRIU dumped the image with, as its restore needs them."""
     o = manifest.criu_options
     lock = o.get("network_lock")
     return criu.CriuOptions(
@@ -375,7 +583,6 @@ def _criu_options(
         link_remap=bool(o.get("link_remap", False)),
         network_lock=lock if lock in criu.NETWORK_LOCKS else None,
         inherit_fd=inherit_fd,
-        tcp_close=tcp_close,
     )
 
 
@@ -394,8 +601,6 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        from npusnap_cli import safefs
-
         out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
     except OSError as exc:
         raise PreflightError(
@@ -405,8 +610,6 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
     # The job gets a new pipe, not the file itself: CRIU re-opens an inherited pipe end through
     # /proc/self/fd with the pipe's flags, which would drop O_APPEND and start at offset 0 (the
     # job would overwrite the file). A detached `cat` is the pipe's new reader, as `tee` was.
-    import subprocess
-
     r, w = os.pipe()
     try:
         subprocess.Popen(
@@ -430,8 +633,6 @@ def become_subreaper() -> bool:
     Only for a short-lived process (the CLI): a long-lived one would collect zombies that hold
     the pids a later restore needs.
     """
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
@@ -455,8 +656,6 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
     known: a failure status fails the restore. Other processes that are gone are reported in
     the returned notes, as are clean exits.
     """
-    from npusnap_cli.errors import TargetError
-
     end = time.monotonic() + settle_s
     statuses: dict[int, Optional[int]] = {}
     while True:
@@ -490,8 +689,6 @@ def check_alive_after(pids: tuple[int, ...], settle_s: float, log: str) -> list[
 
 
 def _describe_status(status: Optional[int]) -> str:
-    import signal
-
     if status is None:
         return "gone (exit status unknown)"
     if os.WIFSIGNALED(status):
@@ -503,87 +700,450 @@ def _describe_status(status: Optional[int]) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
+# --------------------------------------------------------------------------------------------
+# The pipeline: steps over a RestoreState (pipelines/engine.py runs them)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RestoreState:
+    """What the restore's steps share; the job restore (jobsnap.py) extends it per rank."""
+
+    image: Path  # the image directory (a pointer followed)
+    manifest: img.Manifest  # after CRIU, of a --pid-ns image: with the restored copy's host pids
+    options: RestoreOptions
+    cb: PipelineCallbacks
+    guard: SignalGuard
+    start: float = field(default_factory=time.monotonic)
+    # True: the checksums are computed while the checks and CRIU run, and CRIU leaves the tree
+    # stopped until they matched. False (a job's ranks): every checksum is known first.
+    overlap: bool = True
+    binary: Optional[criu.CriuBinary] = None
+    pre: Optional[Preflight] = None
+    checksums: Optional[Checksums] = None
+    device_checks: Optional[Checksums] = None  # the device-memory files, on into the device step
+    device_memory_files: dict[int, tuple[int, str]] = field(default_factory=dict)  # pid -> (fd, name)
+    inherit: list[tuple[str, int]] = field(default_factory=list)  # CRIU key -> fd (--pipe-to, --output)
+    made: list[str] = field(default_factory=list)  # host directories and fifos created for the job
+    created: list[hostres.HostFile] = field(default_factory=list)  # files put back that were absent
+    lazy: Optional[LazyPhase] = None
+    stop_guard: Optional[StopGuard] = None
+    view: Optional[Path] = None  # a --pid-ns image's CRIU directory as this copy restores it
+    result: Optional[criu.RestoreResult] = None
+    verified_at: float = 0.0
+    criu_done: float = 0.0
+    released: float = 0.0
+    device_done: float = 0.0
+    pidfile: Optional[str] = None
+    pidfile_error: Optional[NpusnapError] = None
+    lazy_report: Optional[dict[str, Any]] = None
+
+    @property
+    def checked(self) -> Preflight:
+        if self.pre is None:
+            raise RuntimeError("the restore's preflight step did not run")
+        return self.pre
+
+    @property
+    def restored(self) -> criu.RestoreResult:
+        if self.result is None:
+            raise RuntimeError("CRIU's restore step did not run")
+        return self.result
+
+    @property
+    def npu_pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.manifest.npu_processes)
+
+    def close(self) -> None:
+        """Whatever the outcome: stop hashing, close the files the steps opened."""
+        for c in (self.checksums, self.device_checks):
+            if c is not None:
+                c.cancel()
+                c.join()
+        _close_inherited(self)
+        for fd, _path in self.device_memory_files.values():
+            os.close(fd)
+        self.device_memory_files = {}
+
+    def outcome(self) -> RestoreOutcome:
+        res = self.restored
+        stats = res.stats
+        verify_s = self.verified_at - self.start
+        return RestoreOutcome(
+            image=str(self.image),
+            root_pid=res.pid,
+            pids=tuple(p.pid for p in self.manifest.processes),
+            npu_pids=self.npu_pids,
+            timings=RestoreTimings(
+                verify_wait_s=self.released - self.criu_done,
+                verify_s=verify_s,
+                criu_restore_s=self.criu_done - self.start - verify_s,
+                criu_forking_s=stats.forking_time_us * 1e-6 if stats else None,
+                criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
+                device_restore_s=self.device_done - self.released,
+                total_s=self.device_done - self.start,
+                lazy_complete_s=self.lazy_report["complete_s"] if self.lazy_report else None,
+            ),
+            criu_log=res.log_path,
+            pidfile=self.pidfile,
+            device_memory=self.checked.device_memory,
+            lazy=self.lazy_report,
+        )
+
+
+def _verify(st: RestoreState) -> None:
+    """Structure and sizes now; the checksum of every file in a thread that overlaps with the
+    checks and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
+    known: nothing of the image runs before it is verified."""
+    o = st.options
+    if not st.overlap:
+        img.verify(st.image, checksums=o.verify, require_signature=o.require_signature)
+        return
+    total = sum(f.size for f in st.manifest.files)
+    done = [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        st.cb.progress("verifying", done[0], total)
+
+    img.verify(st.image, checksums=False, require_signature=o.require_signature)
+    device_entries = [f for f in st.manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/")]
+    if o.verify and o.lazy:
+        # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
+        # files while the job already runs (lazypages.py's contract, docs/image-format.md).
+        pages, rest = lazypages.split_page_files(st.manifest)
+        verify_entries(st.image, rest, advance)
+        st.checksums = Checksums(st.image, advance, entries=pages)
+    elif o.verify and device_entries:
+        # The device-memory files on a thread of their own: the tree may run once everything
+        # else matched (its host memory is verified; its device calls are held until the
+        # agents reload), and the agents reload them only after they matched too.
+        others = [f for f in st.manifest.files if f not in device_entries]
+        st.checksums = Checksums(st.image, advance, entries=others)
+        # On every core: with the device memory kept poisoned by the simulator (or on a device),
+        # the agents' Restore answers at once, and this is what their reload waits for (1 GiB here:
+        # 0.28 s of waiting on one core).
+        st.device_checks = Checksums(st.image, advance, entries=device_entries, threads=digest.usable_cores())
+    elif o.verify:
+        st.checksums = Checksums(st.image, advance)
+
+
+def _preflight(st: RestoreState) -> None:
+    try:
+        st.pre = preflight(st.image, st.manifest, st.options, st.binary, note=st.cb.note)
+    except BusyError:
+        # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
+        for c in (st.checksums, st.device_checks):
+            corrupt = c.join() if c is not None else None
+            if corrupt is not None:
+                raise corrupt from None
+        raise
+
+
+def _open_files(st: RestoreState) -> None:
+    """The device-memory files, and the new outputs of --pipe-to and --output: once CRIU has
+    started, nothing of the restore may depend on the image staying where it is (a lazy
+    restore's image may be removed)."""
+    st.device_memory_files = img.open_device_memory_files(st.image, st.manifest)
+    st.inherit = open_pipe_targets(st.manifest, st.options.pipe_to)
+    st.inherit += pidns.open_output_target(img.criu_dir(st.image), st.manifest, st.options.output)
+    st.verified_at = time.monotonic()
+
+
+def _close_inherited(st: RestoreState) -> None:
+    for fd in {fd for _key, fd in st.inherit}:
+        os.close(fd)
+    st.inherit = []
+
+
+def _make_host_nodes(st: RestoreState) -> None:
+    to_make = st.checked.to_make
+    if to_make:
+        st.cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
+        st.made = hostres.make_host_nodes(to_make)
+
+
+def _remove_host_nodes(st: RestoreState, _err: BaseException) -> None:
+    hostres.remove_host_nodes(st.made)
+
+
+def _put_back(st: RestoreState) -> None:
+    to_put_back = st.checked.to_put_back
+    if not to_put_back:
+        return
+    st.cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
+    st.created = hostres.absent(to_put_back)  # removed again if the restore fails
+    try:
+        hostres.put_back(to_put_back, st.image, st.manifest.host_nodes)
+    except BaseException:
+        hostres.remove_copies(st.created)
+        raise
+
+
+def _remove_put_back(st: RestoreState, _err: BaseException) -> None:
+    hostres.remove_copies(st.created)  # a failed restore leaves no file it wrote
+
+
+def _start_lazy(st: RestoreState) -> None:
+    """--lazy: the `criu lazy-pages` daemon, listening in the restore's work directory."""
+    if not st.options.lazy:
+        return
+    logs = str(st.checked.logs)
+    daemon = criu.LazyPagesDaemon(st.checked.criu_binary(), str(img.criu_dir(st.image)), logs)
+    pids = [p.pid for p in st.manifest.processes]
+    st.lazy = LazyPhase(
+        daemon, pids, st.checksums, st.options.lazy_timeout_s, st.start, str(Path(logs) / img.RESTORE_LOG)
+    )
+
+
+def _abort_lazy(st: RestoreState, _err: BaseException) -> None:
+    if st.lazy is not None:
+        st.lazy.abort()
+
+
+def _stays_stopped(st: RestoreState) -> bool:
+    """CRIU leaves the tree stopped until npusnap releases it (verified, or its pages served)."""
+    return st.checksums is not None or st.options.lazy
+
+
+def _start_stop_guard(st: RestoreState) -> None:
+    """Should npusnap die before it released the stopped tree, the watcher kills the CRIU it
+    starts next and its unverified tree (a new restore brings it back)."""
+    if _stays_stopped(st):
+        st.stop_guard = restoreguard.restore_stop_guard()
+
+
+def _enter_device_view(st: RestoreState) -> None:
+    """--device-map: CRIU, and so the tree, start in a container of the simulated NPU holding
+    the mapped devices (host/pidns.py)."""
+    if st.options.device_map:
+        held = pidns.enter_device_view(st.manifest, st.options.device_map)
+        st.cb.note(f"the restored tree runs in a container of the simulated NPU holding device(s) {held}")
+
+
+def _make_view(st: RestoreState) -> None:
+    """A --pid-ns image: the CRIU image directory as this copy restores it (host/pidns.py)."""
+    if st.manifest.pid_ns:
+        st.view = pidns.criu_view(img.criu_dir(st.image), st.manifest)
+
+
+def _drop_view(st: RestoreState, _err: Optional[BaseException] = None) -> None:
+    if st.view is not None:
+        pidns.drop_view(st.view)
+        st.view = None
+
+
+def _criu_restore(st: RestoreState) -> None:
+    """CRIU restores the tree, detached; it stays stopped while checksums or lazy pages are
+    pending. A failure here leaves nothing CRIU restored; a corrupt image, or another restore
+    that took the image's pids, is the better explanation of it."""
+    pre = st.checked
+    try:
+        st.result = criu.restore(
+            str(st.view or img.criu_dir(st.image)),
+            str(pre.logs),
+            options=replace(
+                criu_options(st.manifest, tuple(st.inherit)),
+                # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
+                leave_stopped=_stays_stopped(st),
+                lazy_pages=st.lazy is not None,
+                tcp_close=pre.options.tcp_close,
+            ),
+            log_name=img.RESTORE_LOG,
+            binary=pre.criu_binary(),
+            on_notify=st.lazy.on_notify if st.lazy is not None else None,
+        )
+    except NpusnapError as err:
+        corrupt = st.checksums.join() if st.checksums is not None else None
+        if corrupt is not None:
+            raise corrupt from None
+        pids = [p.pid for p in st.manifest.processes]
+        busy = restoreguard.concurrent_restore(err, pids) if isinstance(err, CriuError) else None
+        if busy is not None:
+            raise busy from None
+        raise
+    finally:
+        _drop_view(st)
+        _close_inherited(st)
+        hostres.drop_remaps(pre.to_put_back)  # CRIU's restore consumes them; a failed one leaves them
+    st.criu_done = time.monotonic()
+    if st.stop_guard is not None:
+        st.stop_guard.tell("tree", st.restored.pid)
+
+
+def _finish_stop_guard(st: RestoreState, _err: Optional[BaseException] = None) -> None:
+    if st.stop_guard is not None:
+        st.stop_guard.finish()
+        st.stop_guard = None
+
+
+def _release(st: RestoreState) -> None:
+    """A --pid-ns copy's host pids; then the stopped tree runs once verified."""
+    root_pid = st.restored.pid
+    try:
+        if st.manifest.pid_ns:  # from here on, the restored copy's host pids
+            st.manifest, moved = pidns.translate(st.manifest, root_pid)
+            st.device_memory_files = {moved.get(k, k): v for k, v in st.device_memory_files.items()}
+        if st.lazy is not None:
+            st.lazy.criu_log = st.restored.log_path
+            st.lazy.guard()
+            st.lazy.release()
+            st.cb.note(
+                f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid "
+                f"{st.lazy.daemon.pid}, log {st.lazy.daemon.log_path}) pages in the rest of its memory"
+                + (" and its page files are verified" if st.checksums is not None else "")
+                + "; npusnap watches until every page is in"
+            )
+        elif st.checksums is not None:
+            _release_when_verified(st.manifest, st.checksums, st.cb)
+    finally:
+        _finish_stop_guard(st)  # released (or killed unverified): nothing left stopped
+    st.released = time.monotonic()
+
+
+def _write_pidfile(st: RestoreState) -> None:
+    """Written before the device step: if that fails the tree is running (locked), and the
+    operator's scripts need its pid all the same. A write that fails in spite of the check
+    must not leave the job locked: the device step runs first, the error comes after."""
+    assert st.options.pidfile is not None
+    try:
+        st.pidfile = pidfile_mod.write(st.options.pidfile, st.restored.pid)
+    except NpusnapError as err:
+        st.pidfile_error = err
+
+
+def _device_restore(st: RestoreState) -> None:
+    """Restore + Unlock every NPU process (each as soon as its own Restore is done)."""
+    res = st.restored
+    npu_pids = st.npu_pids
+    try:
+        if npu_pids:
+            tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
+            before_unlock = None
+            if st.device_checks is not None:
+                before_unlock = _device_files_verified(st.manifest, st.device_checks, st.cb)
+            _restore_and_unlock(
+                npu_pids, st.options, res.pid, res.log_path, tokens, st.device_memory_files, before_unlock,
+                st.guard,
+            )  # fmt: skip
+        _check_none_left_locked(st.manifest, res.pid, res.log_path)
+        st.device_done = time.monotonic()
+        settle(st)
+    except NpusnapError as err:
+        if st.lazy is not None:
+            # The tree stays (locked, or partly running): its memory must still come in, or it dies.
+            try:
+                st.lazy.finish()
+            except NpusnapError as lazy_err:
+                raise lazy_err from err
+        raise
+
+
+def settle(st: RestoreState) -> None:
+    """Watch the resumed tree ``settle_s``: a process that died fails the restore."""
+    res = st.restored
+    watched = tuple(dict.fromkeys((res.pid, *st.npu_pids)))
+    for note in check_alive_after(watched, st.options.settle_s, res.log_path):
+        st.cb.note(note)
+
+
+def _lazy_page_in(st: RestoreState) -> None:
+    assert st.lazy is not None
+    st.lazy_report = st.lazy.finish()
+
+
+def _report(st: RestoreState) -> None:
+    err = st.pidfile_error
+    if err is not None:
+        err.message = f"restored and running (root pid {st.restored.pid}), but {err.message}"
+        err.details["restored_root_pid"] = st.restored.pid
+        raise err
+    if st.guard.received is not None:
+        st.cb.note(f"{st.guard.name} was received during the restore; the restore was completed first")
+
+
+# A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
+# stopping halfway would leave processes locked with nobody to restore them, so it finishes.
+UNTOUCHED = ("before anything was started", "nothing was restored")
+VERIFY: Step[RestoreState] = Step("verify", _verify, phase="verify", checkpoint=UNTOUCHED)
+PREFLIGHT: Step[RestoreState] = Step("preflight", _preflight, checkpoint=UNTOUCHED)
+OPEN_FILES: Step[RestoreState] = Step("open files", _open_files, checkpoint=UNTOUCHED)
+HOST_NODES: Step[RestoreState] = Step(
+    "host nodes", _make_host_nodes, _remove_host_nodes, checkpoint=UNTOUCHED
+)
+PUT_BACK: Step[RestoreState] = Step("put back files", _put_back, _remove_put_back, checkpoint=UNTOUCHED)
+
+
+def _criu_phase(st: RestoreState) -> str:
+    return "criu restore" + (" (lazy pages)" if st.options.lazy else "")
+
+
+DEVICE_VIEW: Step[RestoreState] = Step("device view", _enter_device_view, checkpoint=UNTOUCHED)
+# These three make what CRIU's restore needs, each only where it applies (and announce its phase).
+PID_NS_VIEW: Step[RestoreState] = Step(
+    "pid-ns view", _make_view, _drop_view, phase=_criu_phase, checkpoint=UNTOUCHED
+)
+LAZY_DAEMON: Step[RestoreState] = Step("lazy-pages daemon", _start_lazy, _abort_lazy, checkpoint=UNTOUCHED)
+STOP_GUARD: Step[RestoreState] = Step(
+    "stop guard", _start_stop_guard, _finish_stop_guard, checkpoint=UNTOUCHED
+)
+# The single restore's commit: once CRIU restored the tree, stopping would leave it locked.
+CRIU_RESTORE: Step[RestoreState] = Step("criu restore", _criu_restore, commit=True)
+RELEASE: Step[RestoreState] = Step("release", _release)
+PIDFILE: Step[RestoreState] = Step("pidfile", _write_pidfile, when=lambda st: st.options.pidfile is not None)
+DEVICE_RESTORE: Step[RestoreState] = Step("device restore", _device_restore, phase="device restore")
+LAZY_PAGE_IN: Step[RestoreState] = Step(
+    "lazy page-in", _lazy_page_in, phase="lazy page-in", when=lambda st: st.lazy is not None
+)
+REPORT: Step[RestoreState] = Step("report", _report)
+
+STEPS: tuple[Step[RestoreState], ...] = (
+    VERIFY,
+    PREFLIGHT,
+    OPEN_FILES,
+    HOST_NODES,
+    PUT_BACK,
+    DEVICE_VIEW,
+    PID_NS_VIEW,
+    LAZY_DAEMON,
+    STOP_GUARD,
+    CRIU_RESTORE,
+    RELEASE,
+    PIDFILE,
+    DEVICE_RESTORE,
+    LAZY_PAGE_IN,
+    REPORT,
+)
+
+
 def restore(
     directory: Path,
     options: RestoreOptions = RestoreOptions(),
     callbacks: RestoreCallbacks = RestoreCallbacks(),
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the module docstring); raise NpusnapError on failure."""
-    from npusnap_cli.pipelines.engine import SignalGuard
-
-    # A signal before CRIU starts stops the restore with nothing touched; once CRIU has started,
-    # stopping halfway would leave processes locked with nobody to restore them, so it finishes.
     with SignalGuard(callbacks.note, what="restore") as guard:
-        return _restore(directory, options, callbacks, guard)
+        final = img.follow_pointer(directory)
+        state = RestoreState(final, img.load_manifest(final), options, callbacks, guard)
+        try:
+            Pipeline("restore", STEPS, cb=callbacks, guard=guard).run(state)
+        finally:
+            state.close()
+        return state.outcome()
 
 
-def _restore(
-    directory: Path, options: RestoreOptions, callbacks: RestoreCallbacks, guard: Any
-) -> RestoreOutcome:
-
-    start = time.monotonic()
-    cb = callbacks
-    final = img.follow_pointer(directory)
-    cb.phase("verify")
-    manifest = img.load_manifest(final)
-    total = sum(f.size for f in manifest.files)
-    done = [0]
-
-    def advance(n: int) -> None:
-        done[0] += n
-        cb.progress("verifying", done[0], total)
-
-    if options.pidfile is not None:
-        pidfile_mod.check(options.pidfile)
-    # Structure and sizes now; the checksum of every file in a thread that overlaps with the checks
-    # below and with CRIU's own reading. CRIU leaves the restored tree stopped until the sums are
-    # known: nothing of the image runs before it is verified.
-    img.verify(final, checksums=False, require_signature=options.require_signature)
-    checksums: Optional[_Checksums] = None
-    device_checks: Optional[_Checksums] = None
-    device_entries = [f for f in manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/")]
-    if options.verify and options.lazy:
-        # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
-        # files while the job already runs (lazypages.py's contract, docs/image-format.md).
-        from npusnap_cli.host.lazypages import split_page_files
-
-        pages, rest = split_page_files(manifest)
-        verify_entries(final, rest, advance)
-        checksums = _Checksums(final, advance, entries=pages)
-    elif options.verify and device_entries:
-        # The device-memory files on a thread of their own: the tree may run once everything
-        # else matched (its host memory is verified; its device calls are held until the
-        # agents reload), and the agents reload them only after they matched too.
-        checksums = _Checksums(final, advance, entries=[f for f in manifest.files if f not in device_entries])
-        # On every core: with the device memory kept poisoned by the simulator (or on a device),
-        # the agents' Restore answers at once, and this is what their reload waits for (1 GiB here:
-        # 0.28 s of waiting on one core).
-        from npusnap_cli.image.digest import usable_cores
-
-        device_checks = _Checksums(final, advance, entries=device_entries, threads=usable_cores())
-    elif options.verify:
-        checksums = _Checksums(final, advance)
-    try:
-        return _restore_verified(final, manifest, options, cb, guard, start, checksums, device_checks)
-    finally:
-        for c in (checksums, device_checks):
-            if c is not None:
-                c.cancel()
-                c.join()
-
-
-def verify_entries(image: Path, entries: list[img.FileEntry], progress: Any = None) -> None:
+def verify_entries(
+    image: Path, entries: list[img.FileEntry], progress: Optional[Callable[[int], None]] = None
+) -> None:
     """The checksum of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if
     one differs."""
-    from npusnap_cli.image import digest
-
     digests = digest.of_files([(image / e.path, e.algo) for e in entries], progress)
     bad = [digest.mismatch(e.path, e.algo) for e, d in zip(entries, digests) if d != e.digest]
     if bad:
         raise img.verification_error(image, bad)
 
 
-class _Checksums:
+class Checksums:
     """``img.verify`` with checksums (or the checksums of ``entries`` only), on its own thread.
 
     ``on_error`` runs on that thread as soon as a file does not match (lazy restore: the job is
@@ -592,21 +1152,19 @@ class _Checksums:
     def __init__(
         self,
         image: Path,
-        progress: Any,
+        progress: Optional[Callable[[int], None]],
         entries: Optional[list[img.FileEntry]] = None,
         threads: int = 1,
     ) -> None:
         self.error: Optional[BaseException] = None
-        self.on_error: Optional[Any] = None
+        self.on_error: Optional[Callable[[BaseException], None]] = None
         self.done_at: Optional[float] = None
         self._stop = threading.Event()
         opened = None
         if entries is not None:
-            from npusnap_cli.host.lazypages import open_files
-
             # Opened now: removing the image while the job is paged in changes nothing (the
             # daemon holds its own fds of the same files).
-            opened = open_files(image, entries)
+            opened = lazypages.open_files(image, entries)
         self._threads = threads
         self._thread = threading.Thread(
             target=self._run, args=(image, progress, opened), name="npusnap-verify"
@@ -614,14 +1172,17 @@ class _Checksums:
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(self, image: Path, progress: Any, opened: Optional[list[tuple[img.FileEntry, int]]]) -> None:
+    def _run(
+        self,
+        image: Path,
+        progress: Optional[Callable[[int], None]],
+        opened: Optional[list[tuple[img.FileEntry, int]]],
+    ) -> None:
         try:
             if opened is None:
                 img.verify(image, checksums=True, progress=progress)
             else:
-                from npusnap_cli.host.lazypages import verify_open_files
-
-                verify_open_files(image, opened, progress, self._stop, threads=self._threads)
+                lazypages.verify_open_files(image, opened, progress, self._stop, threads=self._threads)
         except BaseException as exc:
             self.error = exc
             if self.on_error is not None:
@@ -641,263 +1202,8 @@ class _Checksums:
         return self.error
 
 
-def _restore_verified(
-    final: Path,
-    manifest: img.Manifest,
-    options: RestoreOptions,
-    cb: RestoreCallbacks,
-    guard: Any,
-    start: float,
-    checksums: Optional[_Checksums],
-    device_checks: Optional[_Checksums] = None,
-) -> RestoreOutcome:
-    # The device-memory files are opened first: once CRIU has started, nothing of the restore
-    # may depend on the image staying where it is (a lazy restore's image may be removed).
-    files = img.open_device_memory_files(final, manifest)
-    try:
-        return _restore_opened(final, manifest, options, cb, guard, start, checksums, files, device_checks)
-    finally:
-        for fd, _path in files.values():
-            os.close(fd)
-
-
-def _restore_opened(
-    final: Path,
-    manifest: img.Manifest,
-    options: RestoreOptions,
-    cb: RestoreCallbacks,
-    guard: Any,
-    start: float,
-    checksums: Optional[_Checksums],
-    device_memory_files: dict[int, tuple[int, str]],
-    device_checks: Optional[_Checksums] = None,
-) -> RestoreOutcome:
-    from npusnap_cli import criu
-
-    binary = criu.find_criu()
-    check_versions(manifest, binary)
-    if options.lazy:
-        from npusnap_cli.host import lazypages
-
-        lazypages.check_lazy(final, manifest, binary)
-    device_memory = check_device_memory(manifest, options.accept_lost_device_memory)
-    from npusnap_cli.host import hostres, pidns
-
-    pidns.check_device_map(manifest, options.device_map)
-    try:
-        ids = image_thread_ids(final, manifest)
-        if not manifest.pid_ns:  # a job's own pid namespace is restored afresh: no host pid needed
-            check_pids_free(manifest, ids)
-        for note in check_devices_free(manifest, options.device_map):
-            cb.note(note)
-    except BusyError:
-        # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
-        for c in (checksums, device_checks):
-            corrupt = c.join() if c is not None else None
-            if corrupt is not None:
-                raise corrupt from None
-        raise
-    prepare_sockets(manifest)
-    hostres.check_listeners_free(img.criu_dir(final), [p.agent_socket for p in manifest.processes])
-
-    to_put_back = hostres.check_put_back(
-        manifest.host_files,
-        replace=options.replace_tmpfs_files,
-        uids={p.uid for p in manifest.processes},
-        nodes=manifest.host_nodes,
-    )
-    to_make = hostres.check_host_nodes(manifest.host_nodes)
-    made: list[str] = []
-    inherit = open_pipe_targets(manifest, options.pipe_to)
-    inherit += pidns.open_output_target(img.criu_dir(final), manifest, options.output)
-    logs = restore_logs_dir(final, options.logs, cb.note)
-    verify_s = time.monotonic() - start
-    stop_guard: Any = None
-    created: list[Any] = []
-    try:
-        guard.check("before anything was started", "nothing was restored")
-        if to_make:
-            cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
-            made = hostres.make_host_nodes(to_make)
-        if to_put_back:
-            cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
-            created = hostres.absent(to_put_back)  # removed again if the restore fails
-            try:
-                hostres.put_back(to_put_back, final, manifest.host_nodes)
-            except BaseException:
-                hostres.remove_copies(created)
-                raise
-        if options.device_map:  # CRIU, and so the tree, start in a container with those devices
-            held = pidns.enter_device_view(manifest, options.device_map)
-            cb.note(f"the restored tree runs in a container of the simulated NPU holding device(s) {held}")
-        cb.phase("criu restore" + (" (lazy pages)" if options.lazy else ""))
-        view = pidns.criu_view(img.criu_dir(final), manifest) if manifest.pid_ns else None
-        try:
-            lazy = _start_lazy(binary, final, logs, manifest, options, checksums, start)
-        except BaseException:
-            if view is not None:
-                pidns.drop_view(view)
-            raise
-        if checksums is not None or lazy is not None:
-            from npusnap_cli.pipelines.restoreguard import restore_stop_guard
-
-            # CRIU leaves the tree stopped until npusnap releases it: should npusnap die before,
-            # the watcher kills that CRIU and its unverified tree (a new restore brings it back).
-            stop_guard = restore_stop_guard()
-        try:
-            res = criu.restore(
-                str(view or img.criu_dir(final)),
-                str(logs),
-                options=replace(
-                    _criu_options(manifest, tuple(inherit), options.tcp_close),
-                    # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
-                    leave_stopped=checksums is not None or lazy is not None,
-                    lazy_pages=lazy is not None,
-                ),
-                log_name=img.RESTORE_LOG,
-                binary=binary,
-                on_notify=lazy.on_notify if lazy is not None else None,
-            )
-        except NpusnapError as err:
-            hostres.remove_host_nodes(made)
-            hostres.remove_copies(created)  # a failed restore leaves no file it wrote
-            if stop_guard is not None:
-                stop_guard.finish()  # CRIU removed what it had restored
-            if lazy is not None:
-                lazy.abort()
-            # A corrupt image is the better explanation of a CRIU failure.
-            corrupt = checksums.join() if checksums is not None else None
-            if corrupt is not None:
-                raise corrupt from None
-            from npusnap_cli.pipelines.restoreguard import concurrent_restore
-
-            pids = [p.pid for p in manifest.processes]
-            busy = concurrent_restore(err, pids) if isinstance(err, CriuError) else None
-            if busy is not None:
-                raise busy from None
-            raise
-        finally:
-            if view is not None:
-                pidns.drop_view(view)
-    finally:
-        for fd in {fd for _key, fd in inherit}:
-            os.close(fd)
-        hostres.drop_remaps(to_put_back)  # CRIU's restore consumes them; a failed one leaves them
-    criu_done = time.monotonic()
-    root_pid = res.pid
-    if stop_guard is not None:
-        stop_guard.tell("tree", root_pid)
-    try:
-        if manifest.pid_ns:  # from here on, the restored copy's host pids
-            manifest, moved = pidns.translate(manifest, root_pid)
-            device_memory_files = {moved.get(k, k): v for k, v in device_memory_files.items()}
-        if lazy is not None:
-            lazy.criu_log = res.log_path
-            lazy.guard()
-            lazy.release()
-            cb.note(
-                f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid {lazy.daemon.pid}, "
-                f"log {lazy.daemon.log_path}) pages in the rest of its memory"
-                + (" and its page files are verified" if checksums is not None else "")
-                + "; npusnap watches until every page is in"
-            )
-        elif checksums is not None:
-            _release_when_verified(manifest, checksums, cb)
-    finally:
-        if stop_guard is not None:
-            stop_guard.finish()  # released (or killed unverified): nothing left stopped
-    released = time.monotonic()
-    npu_pids = tuple(p.pid for p in manifest.npu_processes)
-    pidfile: Optional[str] = None
-    pidfile_error: Optional[NpusnapError] = None
-    if options.pidfile is not None:
-        # Written before the device step: if that fails the tree is running (locked), and the
-        # operator's scripts need its pid all the same. A write that fails in spite of the check
-        # above must not leave the job locked: the device step runs first, the error comes after.
-        try:
-            pidfile = pidfile_mod.write(options.pidfile, root_pid)
-        except NpusnapError as err:
-            pidfile_error = err
-
-    cb.phase("device restore")
-    try:
-        if npu_pids:
-            tokens = {p.pid: p.lock_token for p in manifest.npu_processes if p.lock_token}
-            before_unlock = None
-            if device_checks is not None:
-                before_unlock = _device_files_verified(manifest, device_checks, cb)
-            _device_restore(
-                npu_pids, options, root_pid, res.log_path, tokens, device_memory_files, before_unlock, guard
-            )
-        _check_none_left_locked(manifest, root_pid, res.log_path)
-        device_done = time.monotonic()
-        watched = tuple(dict.fromkeys((root_pid, *npu_pids)))
-        for note in check_alive_after(watched, options.settle_s, res.log_path):
-            cb.note(note)
-    except NpusnapError as err:
-        if lazy is not None:
-            # The tree stays (locked, or partly running): its memory must still come in, or it dies.
-            try:
-                lazy.finish()
-            except NpusnapError as lazy_err:
-                raise lazy_err from err
-        raise
-    lazy_report: Optional[dict[str, Any]] = None
-    if lazy is not None:
-        cb.phase("lazy page-in")
-        lazy_report = lazy.finish()
-    if pidfile_error is not None:
-        pidfile_error.message = f"restored and running (root pid {root_pid}), but {pidfile_error.message}"
-        pidfile_error.details["restored_root_pid"] = root_pid
-        raise pidfile_error
-    if guard.received is not None:
-        cb.note(f"{guard.name} was received during the restore; the restore was completed first")
-    stats = res.stats
-    timings = RestoreTimings(
-        verify_wait_s=released - criu_done,
-        verify_s=verify_s,
-        criu_restore_s=criu_done - start - verify_s,
-        criu_forking_s=stats.forking_time_us * 1e-6 if stats else None,
-        criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
-        device_restore_s=device_done - released,
-        total_s=device_done - start,
-        lazy_complete_s=lazy_report["complete_s"] if lazy_report else None,
-    )
-    return RestoreOutcome(
-        image=str(final),
-        root_pid=root_pid,
-        pids=tuple(p.pid for p in manifest.processes),
-        npu_pids=npu_pids,
-        timings=timings,
-        criu_log=res.log_path,
-        pidfile=pidfile,
-        device_memory=device_memory,
-        lazy=lazy_report,
-    )
-
-
-def _start_lazy(
-    binary: Any,
-    final: Path,
-    logs: Path,
-    manifest: img.Manifest,
-    options: RestoreOptions,
-    checksums: Optional[_Checksums],
-    start: float,
-) -> Any:
-    """--lazy: the `criu lazy-pages` daemon, listening in the restore's work directory."""
-    if not options.lazy:
-        return None
-    from npusnap_cli import criu
-    from npusnap_cli.host.lazypages import LazyPhase
-
-    daemon = criu.LazyPagesDaemon(binary, str(img.criu_dir(final)), str(logs))
-    pids = [p.pid for p in manifest.processes]
-    return LazyPhase(daemon, pids, checksums, options.lazy_timeout_s, start, str(logs / img.RESTORE_LOG))
-
-
 def _device_files_verified(
-    manifest: img.Manifest, device_checks: _Checksums, cb: RestoreCallbacks
+    manifest: img.Manifest, device_checks: Checksums, cb: RestoreCallbacks
 ) -> Callable[[], None]:
     """What runs after each agent's Restore and before its Unlock (which writes the device
     memory back): wait for the device-memory files' checksums; on a mismatch kill the tree, whose
@@ -911,8 +1217,6 @@ def _device_files_verified(
             if error is None:
                 return
             if not killed:
-                import signal
-
                 killed.extend(p.pid for p in manifest.processes)
                 for pid in killed:
                     with contextlib.suppress(ProcessLookupError):
@@ -926,10 +1230,8 @@ def _device_files_verified(
     return wait
 
 
-def _release_when_verified(manifest: img.Manifest, checksums: _Checksums, cb: RestoreCallbacks) -> None:
+def _release_when_verified(manifest: img.Manifest, checksums: Checksums, cb: RestoreCallbacks) -> None:
     """CRIU left the tree stopped: let it run if every checksum matched, else kill it unrun."""
-    import signal
-
     cb.phase("checksums")
     error = checksums.join()
     pids = [p.pid for p in manifest.processes]
@@ -948,9 +1250,6 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
     """A restored process with an agent that the manifest says has no device state must be
     RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
     restore that exits 0 must not leave a process BACKED_UP forever."""
-    from npusnap_cli.device.agent_client import AgentClient
-    from npusnap_cli.errors import DeviceError
-
     locked = []
     for p in manifest.processes:
         if p.npu or not p.agent:
@@ -973,7 +1272,7 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
         )
 
 
-def _writable_dir(path: Path, *, parents: bool) -> bool:
+def writable_dir(path: Path, *, parents: bool) -> bool:
     try:
         path.mkdir(mode=img.DIR_MODE, parents=parents, exist_ok=True)
     except OSError:
@@ -981,7 +1280,7 @@ def _writable_dir(path: Path, *, parents: bool) -> bool:
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
-def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
+def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], None]) -> Path:
     """Where CRIU writes its restore log (and statistics).
 
     ``--logs DIR`` if given; else the image's ``logs/``; an image on read-only storage (a
@@ -989,7 +1288,7 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
     that restoring it needs no writable copy.
     """
     if wanted is not None:
-        if not _writable_dir(wanted, parents=True):
+        if not writable_dir(wanted, parents=True):
             raise UsageError(
                 f"cannot write CRIU's restore log into {wanted}",
                 why="--logs must be a directory npusnap can create or write to",
@@ -997,16 +1296,14 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Any) -> Path:
             )
         return wanted
     inside = img.logs_dir(image)
-    if _writable_dir(inside, parents=False):
+    if writable_dir(inside, parents=False):
         return inside
-    from npusnap_cli.host import hostclean
-
     elsewhere = hostclean.new_log_dir("restore")
     note(f"the image is not writable: CRIU's restore log goes to {elsewhere}")
     return elsewhere
 
 
-def _device_restore(
+def _restore_and_unlock(
     npu_pids: tuple[int, ...],
     options: RestoreOptions,
     root_pid: int,
@@ -1014,13 +1311,10 @@ def _device_restore(
     tokens: dict[int, str],
     device_memory_files: dict[int, tuple[int, str]],
     before_unlock: Optional[Callable[[], None]] = None,
-    guard: Any = None,
+    guard: Optional[SignalGuard] = None,
 ) -> None:
     """Restore + Unlock each NPU process; ``device_memory_files``: pid -> (fd, name) of the
     image's device-memory file (the agent writes it back to the device after Unlock)."""
-    from npusnap_cli.device.devicegroup import DeviceGroup
-    from npusnap_cli.pipelines import restoreguard
-
     group = None
     # A signal, or a restored process that stays stopped, ends the waits (restoreguard.py).
     wait = restoreguard.DeviceWait(npu_pids, guard)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import criu
-from npusnap_cli.device.devicegroup import _stop_state
 from npusnap_cli.errors import BusyError, CriuError, InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.host import procfs
 from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.pipelines.engine import SignalGuard
 
 STOPPED_LIMIT_S = 10.0  # a restored process stopped (not by us) this long: its agent will not answer
 
@@ -26,7 +27,9 @@ STOPPED_LIMIT_S = 10.0  # a restored process stopped (not by us) this long: its 
 class DeviceWait:
     """Polled by the device step's waits (DeviceGroup ``interrupted``)."""
 
-    def __init__(self, pids: Iterable[int], guard: Any, stopped_limit_s: float = STOPPED_LIMIT_S) -> None:
+    def __init__(
+        self, pids: Iterable[int], guard: Optional[SignalGuard], stopped_limit_s: float = STOPPED_LIMIT_S
+    ) -> None:
         self.pids = list(pids)
         self.guard = guard
         self.limit = stopped_limit_s
@@ -36,10 +39,9 @@ class DeviceWait:
     def __call__(self) -> bool:
         if self.guard is not None and self.guard.received is not None:
             return True
-
         now = time.monotonic()
         for pid in self.pids:
-            if _stop_state(pid) is None:
+            if procfs.stop_state(pid) is None:
                 self._since.pop(pid, None)
             elif now - self._since.setdefault(pid, now) >= self.limit:
                 self.stalled = pid
@@ -91,7 +93,7 @@ def after_failure(
     return err
 
 
-def restore_stop_guard() -> Any:
+def restore_stop_guard() -> StopGuard:
     """A StopGuard that, should npusnap die, kills the CRIU it starts next and what it restored."""
     guard = StopGuard([], kill_restored=True)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -339,7 +340,8 @@ def test_a_failed_restore_of_one_rank_leaves_nothing_running(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """CRIU fails to restore the first rank it starts: the other rank, already restored (and
-    locked), is killed; nothing runs; the image is intact and a second restore brings the job
+    locked), is killed; nothing runs; the image is intact. So with a SIGTERM while a rank's CRIU
+    runs: every rank is killed once it is restored (exit 130). A last restore brings the job
     back."""
     env = jobs_env(sim_env, runtime_dir)
     ref = job_reference(env, seed=17)
@@ -366,6 +368,31 @@ def test_a_failed_restore_of_one_rank_leaves_nothing_running(
             assert not alive(job.pid), f"pid {job.pid} of the image is running after a failed restore"
         rc, out, err = cli(env, "verify", str(img))
         assert rc == 0, err
+
+        # SIGTERM while one rank's CRIU is held (the other is restored, at the barrier).
+        token.write_text("")
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = swrk ] && mv "{token}" "{token}.held" 2>/dev/null; then sleep 2; fi\n'
+            'exec /usr/local/sbin/criu "$@"\n'
+        )
+        restore = subprocess.Popen(
+            [NPUSNAP, "restore", str(img), "--json"],
+            env={**env, "NPUSNAP_CRIU": str(wrapper)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: Path(f"{token}.held").exists(), 60, "a rank's CRIU to be held")
+        restore.send_signal(signal.SIGTERM)
+        stdout, stderr = restore.communicate(timeout=120)
+        assert restore.returncode == ExitCode.INTERRUPTED, (stdout, stderr)
+        error = json.loads(stdout)["error"]
+        assert "SIGTERM" in error["message"] and "nothing runs" in error["message"], error
+        assert len(error["details"]["killed_root_pids"]) == 2, error
+        for job in jobs:
+            assert not alive(job.pid), f"pid {job.pid} of the image is running after an interrupted restore"
+
         restore_job(env, jobs, img)
         for i, job in enumerate(jobs):
             finish_matches(job, ref[i], before[i])

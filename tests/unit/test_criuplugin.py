@@ -91,10 +91,9 @@ def test_scan_dump(tmp_path: Path) -> None:
 def test_check_and_dump_preflight_refuse_a_plugin_of_another_criu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from types import SimpleNamespace
-
     from npusnap_cli.errors import PreflightError
     from npusnap_cli.host import preflight
+    from npusnap_cli.host.proctree import ProcInfo
     from npusnap_cli.pipelines import dump
 
     plugins = tmp_path / "criu-plugins"
@@ -105,7 +104,19 @@ def test_check_and_dump_preflight_refuse_a_plugin_of_another_criu(
     shutil.copy(build(tmp_path, 16), plugins / "npu_plugin.so")  # built against the fork's header
     item = preflight.check_npu_plugin(simulated=False)
     assert item.status == preflight.PROBLEM and "16 plugin hooks" in item.detail and item.fix
-    tree = (SimpleNamespace(device_files=("/dev/davinci_manager",)),)
+    tree = (
+        ProcInfo(
+            pid=1,
+            ppid=0,
+            depth=0,
+            uid=0,
+            name="job",
+            cmdline=("job",),
+            agent_socket=None,
+            acl_library=None,
+            device_files=("/dev/davinci_manager",),
+        ),
+    )
     with pytest.raises(PreflightError) as info:
         dump._check_npu_plugin(tree)
     assert "does not fit this CRIU" in info.value.message

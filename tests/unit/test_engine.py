@@ -162,3 +162,57 @@ def test_a_barrier_is_synced_after_its_step_and_its_failure_undoes() -> None:
     with pytest.raises(TargetError):
         p.run(w)
     assert points == ["locked"] and w.log == ["lock", "unlock"]
+
+
+def test_a_checkpoint_names_where_a_signal_stopped_the_pipeline() -> None:
+    w = World()
+
+    def interrupted(x: World) -> None:
+        x.log.append("do check")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with SignalGuard(what="restore") as guard:
+        p = Pipeline(
+            "restore",
+            [Step("check", interrupted, checkpoint=("before anything was started", "nothing was restored"))],
+            guard=guard,
+        )
+        with pytest.raises(InterruptedError_) as info:
+            p.run(w)
+    assert info.value.message == "restore interrupted by SIGINT before anything was started"
+    assert info.value.details["state"] == "nothing was restored"
+
+
+def test_past_a_finishing_step_a_signal_is_ignored_but_a_failure_still_undoes() -> None:
+    def publish(x: World) -> None:
+        x.log.append("do publish")
+        os.kill(os.getpid(), signal.SIGINT)  # after the image is published: finish, never undo
+
+    w = World()
+    with SignalGuard() as guard:
+        Pipeline(
+            "dump", [_step("a"), Step("publish", publish, finishing=True), _step("kill")], guard=guard
+        ).run(w)
+    assert w.log == ["do a", "do publish", "do kill"]
+
+    w = World()
+    with SignalGuard() as guard:
+        p = Pipeline(
+            "dump",
+            [_step("a"), Step("publish", publish, finishing=True), _step("kill", fail=TargetError("late"))],
+            guard=guard,
+        )
+        with pytest.raises(TargetError):
+            p.run(w)
+    assert w.log == ["do a", "do publish", "do kill", "undo a"]
+
+
+def test_a_phase_may_be_worded_from_the_state() -> None:
+    phases: list[str] = []
+    w = World(log=["lazy"])
+    Pipeline(
+        "restore",
+        [Step("criu", lambda _x: None, phase=lambda x: "criu restore" + (" (lazy)" if x.log else ""))],
+        cb=PipelineCallbacks(phase=phases.append),
+    ).run(w)
+    assert phases == ["criu restore (lazy)"]

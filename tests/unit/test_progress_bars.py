@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import pytest
 
-from npusnap_cli.commands import dump as dump_cmd
+from npusnap_cli.commands import _progress as dump_cmd
 
 
 class FakeBar:

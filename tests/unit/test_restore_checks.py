@@ -104,7 +104,6 @@ def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPat
     """The device-free check of every image: /proc finds the NPU users, their agents name their
     devices; one on a device of the image is refused, one without an agent is a note."""
     from npusnap_cli import paths
-    from npusnap_cli.device import agent_client
     from npusnap_cli.host import devmaps
 
     m = _manifest()  # pid 1235 holds device 1
@@ -128,7 +127,7 @@ def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPat
         def hello(self) -> dict[str, object]:
             return {"acl": {"devices": devices["now"]}}
 
-    monkeypatch.setattr(agent_client, "AgentClient", FakeClient)
+    monkeypatch.setattr(restore, "AgentClient", FakeClient)
     with pytest.raises(BusyError) as exc:
         restore.check_devices_free(m)
     assert "device 1 by pid 4001" in exc.value.message
