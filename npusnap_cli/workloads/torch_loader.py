@@ -24,6 +24,7 @@ import hashlib
 import os
 import sys
 import time
+import traceback
 import zlib
 from typing import Any, List, Optional
 
@@ -117,6 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer.close()
     except (AclFailure, OSError, ValueError) as exc:
         print(f"torch_loader: {exc}", file=sys.stderr, flush=True)
+        traceback.print_exc()
         return 1
     return 0
 
