@@ -217,6 +217,9 @@ class CriuOptions:
     # Restore only: leave the private anonymous memory to a `criu lazy-pages` daemon (it must be
     # listening in the restore's work directory: LazyPagesDaemon).
     lazy_pages: bool = False
+    # Restore only: established TCP connections come back closed (CRIU's --tcp-close), for a copy
+    # restored beside the original that still holds them.
+    tcp_close: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -589,6 +592,8 @@ def _apply_options(opts: Any, options: CriuOptions) -> None:
     opts.network_lock = _NETWORK_LOCKS[method]
     if options.lazy_pages:
         opts.lazy_pages = True
+    if options.tcp_close:
+        opts.tcp_close = True
     for key, fd in options.inherit_fd:
         item = opts.inherit_fd.add()
         item.key = key

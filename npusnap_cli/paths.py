@@ -208,7 +208,9 @@ def held_agent_socket(pid: int) -> Optional[Path]:
 
     A replica restored from an image of a job in its own pid namespace (``restore --replicas``)
     listens under a name of its own, not after its pid, which is new; it is found by the socket
-    inode in its fds. (The caller still checks the peer pid.)"""
+    inode in its fds, in an ``npusnap*`` directory or in this user's runtime directory (which
+    NPUSNAP_RUNTIME_DIR may put anywhere). (The caller still checks the peer pid.)"""
+    own_dir = agent_runtime_dir()
     held = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -227,7 +229,9 @@ def held_agent_socket(pid: int) -> Optional[Path]:
                 fields = line.split()
                 if len(fields) >= 8 and fields[6] in held and int(fields[3], 16) & 0x10000:
                     p = Path(fields[7])
-                    if p.suffix == SOCKET_SUFFIX and p.parent.name.startswith("npusnap"):
+                    prefixed = p.parent.name.startswith(contract.AGENT_SOCKET_DIR_PREFIX)
+                    in_agent_dir = p.parent == own_dir or prefixed
+                    if p.suffix == SOCKET_SUFFIX and in_agent_dir:
                         return p
     except (OSError, ValueError):
         return None

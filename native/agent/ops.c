@@ -726,8 +726,30 @@ static void refresh_restored(void) {
 
 static int do_rollback(sbuf *res, op_error *e);
 
+/* The host pid, which /proc/self names (`npusnap run --pid-ns` keeps the host's /proc), read
+ * without opening a file. */
+static long host_pid_now(void) {
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return strtol(buf, NULL, 10);
+}
+
 void ops_tick(void) {
-    refresh_restored();
+    /* A dump can freeze this thread between fopen and fclose of /proc/self/stat, and CRIU then
+     * saves that fd as /proc/<host pid>/stat. In a pid namespace of its own the job is restored
+     * with other host pids, and CRIU's restore fails on the dead path ("Can't open file
+     * proc/N/stat on restore"). There the tick watches the host pid (a readlink, no fd), which
+     * such a restore changes, and reads the start time only then. */
+    static long last_host_pid = -1;
+    long host_pid = host_pid_now();
+    if (host_pid < 0 || host_pid == (long)getpid()) {
+        refresh_restored();
+    } else if (host_pid != last_host_pid) {
+        if (last_host_pid >= 0) refresh_restored();
+        last_host_pid = host_pid;
+    }
     double now = now_s();
     double delta = now - lease.last;
     if (delta < 0) delta = 0;

@@ -71,6 +71,12 @@ def register(app: typer.Typer) -> None:
             help="Overwrite tmpfs files (/dev/shm ...) that changed since the dump with the image's "
             "copies, instead of refusing.",
         ),
+        tcp_close: bool = typer.Option(
+            False,
+            "--tcp-close",
+            help="Restore the image's established TCP connections closed (CRIU's --tcp-close): for "
+            "a copy beside its running original, which keeps them. --replicas does this always.",
+        ),
         settle: float = typer.Option(
             0.5,
             "--settle",
@@ -223,7 +229,7 @@ def register(app: typer.Typer) -> None:
                 output=output_file,
                 logs=logs,
                 settle_s=settle,
-                extra=(["--accept-lost-device-memory"] if accept_lost else []),
+                extra=["--tcp-close", *(["--accept-lost-device-memory"] if accept_lost else [])],
                 main=cli.main,
             )
             failed = replicas_mod.failure(results)
@@ -248,6 +254,7 @@ def register(app: typer.Typer) -> None:
             logs=logs,
             pipe_to=pipe_to,
             replace_tmpfs_files=replace_tmpfs_files,
+            tcp_close=tcp_close,
             settle_s=settle,
             require_signature=require_signature,
             accept_lost_device_memory=accept_lost,

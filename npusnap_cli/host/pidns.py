@@ -125,6 +125,7 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
     import pycriu
 
     renames = _agent_socket_names(manifest)
+    agents = {p.agent_socket: str(p.pid) for p in manifest.processes if getattr(p, "agent_socket", None)}
     view = Path(tempfile.mkdtemp(prefix="npusnap-restore-view-"))
     try:
         for entry in os.scandir(criu_dir):
@@ -138,6 +139,11 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
             m = _NAME.match(name) if isinstance(name, str) else None
             if usk is not None and m and m.group("pid") in renames:
                 usk["name"] = f"{m.group('dir')}/{renames[m.group('pid')]}.sock{m.group('rest')}"
+            elif usk is not None and isinstance(name, str):
+                # An agent socket in a runtime directory of another name (NPUSNAP_RUNTIME_DIR).
+                bare = name[:-3] if name.endswith("=00") else name
+                if bare in agents:
+                    usk["name"] = f"{os.path.dirname(bare)}/{renames[agents[bare]]}.sock{name[len(bare) :]}"
         with open(view / "files.img", "wb") as f:
             pycriu.images.dump(files, f)
     except BaseException:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from npusnap_cli import image as img
-from npusnap_cli.errors import NpusnapError, UsageError
-from npusnap_cli.host import pidns
+from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
+from npusnap_cli.host import hostres, pidns
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,20 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             why="CANN's Restore needs its device free of every other process: each copy needs a "
             "device of its own",
             fix="e.g. --replicas 2 --device-map 0=1 --device-map 0=2",
+        )
+    agents = [p.agent_socket for p in manifest.processes if p.agent_socket]
+    listeners = hostres.image_listeners(img.criu_dir(directory), agents)
+    if replicas > 1 and listeners:
+        raise PreflightError(
+            f"--replicas {replicas}: the job listens on unix socket path {listeners[0]}, which only "
+            "one copy can bind",
+            why="CRIU binds each restored unix socket at its dumped path, replacing the socket file, "
+            "and the path is in the job's memory too: the copies' clients would reach one another "
+            "(a DataLoader worker's multiprocessing listener under /tmp/pymp-*, usually)",
+            fix="restore one copy per host (or per container with a /tmp of its own), or run the "
+            "job so that nothing listens on a unix socket path when it is dumped (DataLoader: "
+            "num_workers=0)",
+            details={"listeners": listeners},
         )
     # every device each copy's container holds (unmapped ids below a mapped one included)
     targets = [tuple(pidns.container_devices(manifest, m)) for m in device_maps]

@@ -87,6 +87,7 @@ class RestoreOptions:
     # (image device, device) pairs: restore onto other devices (a --pid-ns image, simulated NPU)
     device_map: tuple[tuple[int, int], ...] = ()
     output: Optional[Path] = None  # the job writes here instead of its stdout file (a copy's own)
+    tcp_close: bool = False  # established TCP connections restored closed (a copy beside the original)
 
 
 @dataclass(frozen=True)
@@ -467,6 +468,12 @@ def _socket_dirs(pf: Preflight) -> str:
     return f"would create {', '.join(made)}" if made else "present and private"
 
 
+def _listeners(pf: Preflight) -> str:
+    agents = [p.agent_socket for p in pf.manifest.processes]
+    paths = hostres.check_listeners_free(img.criu_dir(pf.image), agents)
+    return f"{len(paths)} unix listener path(s), none taken" if paths else "none"
+
+
 def _host_files(pf: Preflight) -> str:
     m = pf.manifest
     pf.to_put_back = hostres.check_put_back(
@@ -533,6 +540,7 @@ CHECKS: tuple[Check, ...] = (
     Check("pids", "the image's pids and thread ids are free", _pids),
     Check("devices", "the image's NPU devices are free", _devices),
     Check("agent-sockets", "the agents' socket directories", _socket_dirs),
+    Check("unix-listeners", "no running process listens where the job's sockets bind", _listeners),
     Check("host-files", "tmpfs and deleted files to put back", _host_files),
     Check("pipes", "pipes to outside the tree (--pipe-to)", _pipes),
     Check("logs", "where CRIU's restore log goes", _logs),
@@ -938,6 +946,7 @@ def _criu_restore(st: RestoreState) -> None:
                 # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
                 leave_stopped=_stays_stopped(st),
                 lazy_pages=st.lazy is not None,
+                tcp_close=pre.options.tcp_close,
             ),
             log_name=img.RESTORE_LOG,
             binary=pre.criu_binary(),

@@ -9,8 +9,9 @@ torch_npu allocates), drop the host copy, and warm up: one forward pass per batc
 stream, as a server captures a graph per batch size before it serves. Then it serves: it listens
 on 127.0.0.1:PORT with SO_REUSEPORT, as multi-process servers do, so that any number of copies
 (cold-started ones, or replicas restored from one image) share the port and the kernel spreads
-connections over them. A connection carries lines: ``hello`` is answered ``pid HOSTPID`` (which
-copy the kernel chose: its host pid, read from /proc/self; no device work), ``infer N`` is
+connections over them. A connection carries lines (each connection is served by a thread of its
+own, so a keep-alive client holds up no one): ``hello`` is answered ``pid HOSTPID`` (which copy
+the kernel chose: its host pid, read from /proc/self; no device work), ``infer N`` is
 answered ``pid HOSTPID result CRC``: one forward pass of a batch of one (an input made from N)
 through every layer on the device, CRC-32 of the output, so that the weights are checked (every
 copy gives the same CRC for the same N).
@@ -30,6 +31,7 @@ import random
 import socket
 import struct
 import sys
+import threading
 import zlib
 from typing import List, Optional
 
@@ -189,20 +191,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"on device {args.device})",
         flush=True,
     )
+    lock = threading.Lock()  # one forward pass at a time on the device
     while True:
         conn, _ = sk.accept()
-        with conn:
-            try:
-                conn.settimeout(30)
-                for raw in conn.makefile("r"):
-                    line = raw.split()
-                    if line == ["hello"]:
-                        conn.sendall(f"pid {host_pid()}\n".encode())
-                        continue
-                    n = int(line[1]) if len(line) == 2 and line[0] == "infer" else 0
-                    conn.sendall(f"pid {host_pid()} result {server.infer(n):08x}\n".encode())
-            except (OSError, ValueError, JobError) as exc:
-                print(f"infer: request failed: {exc}", file=sys.stderr, flush=True)
+        threading.Thread(target=serve, args=(server, lock, conn), daemon=True).start()
+
+
+def serve(server: Server, lock: threading.Lock, conn: socket.socket) -> None:
+    """Answer the lines of one connection until the client closes it, in a thread of its own: a
+    keep-alive client holding a connection does not keep the others waiting."""
+    with conn:
+        try:
+            conn.settimeout(30)
+            for raw in conn.makefile("r"):
+                line = raw.split()
+                if line == ["hello"]:
+                    conn.sendall(f"pid {host_pid()}\n".encode())
+                    continue
+                n = int(line[1]) if len(line) == 2 and line[0] == "infer" else 0
+                with lock:
+                    result = server.infer(n)
+                conn.sendall(f"pid {host_pid()} result {result:08x}\n".encode())
+        except (OSError, ValueError, JobError) as exc:
+            print(f"infer: request failed: {exc}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

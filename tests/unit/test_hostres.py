@@ -162,3 +162,29 @@ def test_host_node_paths_from_a_manifest_are_checked() -> None:
             hostres.HostNode.from_dict({**good, "path": path})
     with pytest.raises(ImageError):
         hostres.HostNode.from_dict({**good, "kind": "socket"})
+
+
+def test_a_leftover_semaphore_nobody_holds_gets_its_dump_time_value_back(tmp_path: Path) -> None:
+    """A killed --pid-ns job's spawn semaphores stay in /dev/shm, changed since the dump: put
+    back when no process holds one; refused while one does (a running original's)."""
+    if "/dev/shm" not in hostres.tmpfs_mounts():
+        pytest.skip("/dev/shm is not a tmpfs mount here")
+    sem = Path("/dev/shm") / f"sem.npusnap-unit-{os.getpid()}"
+    sem.write_bytes(b"\x01" * 32)
+    try:
+        image = tmp_path / "img"
+        image.mkdir()
+        (saved,) = hostres.save_files([str(sem)], image)
+        sem.write_bytes(b"\x00" * 32)
+        holder = subprocess.Popen(["sleep", "30"], stdin=open(sem, "rb"))  # noqa: SIM115
+        try:
+            with pytest.raises(PreflightError, match="changed since the dump"):
+                hostres.check_put_back((saved,), replace=False)
+        finally:
+            holder.kill()
+            holder.wait()
+        assert hostres.check_put_back((saved,), replace=False) == [saved]
+        hostres.put_back([saved], image)
+        assert sem.read_bytes() == b"\x01" * 32
+    finally:
+        sem.unlink(missing_ok=True)

@@ -106,3 +106,78 @@ def test_the_view_renames_only_the_agent_sockets_of_the_image(tmp_path: Path) ->
     finally:
         pidns.drop_view(view)
     assert not view.exists()
+
+
+def _unix_image(criu: Path, names: list[tuple[str, int, int]]) -> None:
+    """files.img with one unix socket per (name, type, state)."""
+    import pycriu
+
+    criu.mkdir()
+    opts = {k: 0 for k in ("so_snd_tmo_sec", "so_snd_tmo_usec", "so_rcv_tmo_sec", "so_rcv_tmo_usec")}
+    entries = []
+    for i, (name, kind, state) in enumerate(names, 1):
+        usk = {
+            "id": i, "ino": 10 + i, "type": kind, "state": state, "flags": 2, "uflags": 0, "backlog": 8,
+            "peer": 0, "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+            "opts": {"so_sndbuf": 1, "so_rcvbuf": 1, **opts}, "name": name,
+        }  # fmt: skip
+        entries.append({"type": "UNIXSK", "id": i, "usk": usk})
+    with open(criu / "files.img", "wb") as f:
+        pycriu.images.dump({"magic": "FILES", "entries": entries}, f)
+
+
+def test_the_view_renames_agent_sockets_in_a_runtime_dir_of_any_name(tmp_path: Path) -> None:
+    """NPUSNAP_RUNTIME_DIR may name any directory: the agent sockets are known from the manifest,
+    and a restored copy must not bind its original's name there either."""
+    import pycriu
+
+    _unix_image(tmp_path / "criu", [("/srv/rt/4321.sock=00", 1, 10), ("/srv/rt/999.sock=00", 1, 10)])
+
+    class P:
+        pid = 4321
+        agent_socket = "/srv/rt/4321.sock"
+
+    class M:
+        processes = (P(),)
+
+    view = pidns.criu_view(tmp_path / "criu", M())
+    try:
+        with open(view / "files.img", "rb") as f:
+            names = [e["usk"]["name"] for e in pycriu.images.load(f)["entries"]]
+        assert names[0].startswith("/srv/rt/4321-") and names[0].endswith(".sock=00"), names
+        assert names[1] == "/srv/rt/999.sock=00"
+    finally:
+        pidns.drop_view(view)
+
+
+def test_image_listeners_are_the_bound_listening_streams_but_the_agents(tmp_path: Path) -> None:
+    from npusnap_cli.host import hostres
+
+    _unix_image(
+        tmp_path / "criu",
+        [
+            ("/run/npusnap/4321.sock=00", 1, 10),  # the agent: renamed at restore
+            ("/tmp/pymp-x/listener-y=00", 1, 10),  # a DataLoader worker's listener
+            ("/tmp/pymp-x/conn=00", 1, 1),  # bound, connected: not a listener
+            ("/run/sim/npusim.sock=00", 2, 10),  # a datagram socket: never listens
+        ],
+    )
+    got = hostres.image_listeners(tmp_path / "criu", ["/run/npusnap/4321.sock"])
+    assert got == ["/tmp/pymp-x/listener-y"]
+    assert hostres.live_listeners(got) == {}
+    assert hostres.image_listeners(tmp_path / "nothing") == []
+
+
+def test_live_listeners_names_the_process_listening_on_a_path(tmp_path: Path) -> None:
+    import socket
+
+    from npusnap_cli.host import hostres
+
+    path = str(tmp_path / "listener")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk:
+        sk.bind(path)
+        assert hostres.live_listeners([path]) == {}  # bound, not listening: nothing to take over
+        sk.listen(1)
+        got = hostres.live_listeners([path, str(tmp_path / "other")])
+        assert list(got) == [path] and got[path][0] == os.getpid(), got
+    assert hostres.live_listeners([path]) == {}  # closed: its file is stale
