@@ -237,6 +237,8 @@ setup_native() {
     command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
     # `npusnap attach` on Python 3.9-3.13 drives gdb (with its Python scripting) to a safe point.
     command -v gdb >/dev/null 2>&1 || apt_install gdb
+    # The tests watch what an agent opens with strace (an open file in a dump is a restore's risk).
+    if is_root; then command -v strace >/dev/null 2>&1 || apt_install strace; fi
     make -s -C "$ROOT/native" NPUSNAP_CACHE="$CACHE" CRIU_VERSION="$CRIU_VERSION" >/dev/null ||
         die "building the simulator (native/) failed" "run: make -C native"
 }
