@@ -15,8 +15,11 @@ interpreter and imports nothing (the CLI's start is a large part of a small rest
 them share the host's cores). The copies read the same image files, so the page cache holds the
 image's memory and device-memory files once, and each copy's agent copies its device memory
 from a read-only mapping of that one file (native/agent/devmem.c): every copy reads the same
-page-cache pages. (Lazy pages are not used: a `criu lazy-pages` daemon serves the tasks of one
-restore, criu/uffd.c, so N copies would need N daemons reading the same files.)
+page-cache pages. An image with CRIU ghost files (small deleted files the job held open) is the
+exception: CRIU recreates each under one name of the image's, so the copies' CRIU restores take
+turns on a lock per ghost name (host/ghostlock.py); their device restores still overlap.
+(Lazy pages are not used: a `criu lazy-pages` daemon serves the tasks of one restore,
+criu/uffd.c, so N copies would need N daemons reading the same files.)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ReplicaResult:
     result: dict[str, Any]
     error: Optional[dict[str, Any]]
     wall_s: float
+    warnings: tuple[str, ...] = ()  # what the copy's restore told (e.g. the ghost files it waited for)
 
 
 def pidfile_for(pidfile: Optional[Path], index: int) -> Optional[Path]:
@@ -216,7 +220,8 @@ def restore_all(
         err = env.get("error") or (
             None if ok else {"message": f"exit {c.status}: {c.err.decode(errors='replace').strip()[-400:]}"}
         )
-        results.append(ReplicaResult(i, ok, res.get("root_pid") if ok else None, res, err, wall))
+        warned = tuple(str(w) for w in env.get("warnings") or ())
+        results.append(ReplicaResult(i, ok, res.get("root_pid") if ok else None, res, err, wall, warned))
     return results
 
 

@@ -56,7 +56,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import devmaps, hostclean, hostres, lazypages, pidns, procfs
+from npusnap_cli.host import devmaps, ghostlock, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
@@ -937,21 +937,24 @@ def _criu_restore(st: RestoreState) -> None:
     pending. A failure here leaves nothing CRIU restored; a corrupt image, or another restore
     that took the image's pids, is the better explanation of it."""
     pre = st.checked
+    # CRIU's ghost files have one name per image: overlapping restores of it take turns here
+    ghosts = ghostlock.ghost_paths(img.criu_dir(st.image))
     try:
-        st.result = criu.restore(
-            str(st.view or img.criu_dir(st.image)),
-            str(pre.logs),
-            options=replace(
-                criu_options(st.manifest, tuple(st.inherit)),
-                # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
-                leave_stopped=_stays_stopped(st),
-                lazy_pages=st.lazy is not None,
-                tcp_close=pre.options.tcp_close,
-            ),
-            log_name=img.RESTORE_LOG,
-            binary=pre.criu_binary(),
-            on_notify=st.lazy.on_notify if st.lazy is not None else None,
-        )
+        with ghostlock.held(ghosts, st.cb.note):
+            st.result = criu.restore(
+                str(st.view or img.criu_dir(st.image)),
+                str(pre.logs),
+                options=replace(
+                    criu_options(st.manifest, tuple(st.inherit)),
+                    # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
+                    leave_stopped=_stays_stopped(st),
+                    lazy_pages=st.lazy is not None,
+                    tcp_close=pre.options.tcp_close,
+                ),
+                log_name=img.RESTORE_LOG,
+                binary=pre.criu_binary(),
+                on_notify=st.lazy.on_notify if st.lazy is not None else None,
+            )
     except NpusnapError as err:
         corrupt = st.checksums.join() if st.checksums is not None else None
         if corrupt is not None:

@@ -394,7 +394,9 @@ def test_keep_alive_connection_follows_the_server_restored_after_a_kill(
         kill(pid)
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (setup installs it as root)")
+@pytest.mark.skipif(
+    shutil.which("strace") is None, reason="strace is not installed (setup installs it as root)"
+)
 def test_the_agent_of_a_pid_ns_job_keeps_no_proc_file_open_while_it_ticks(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:

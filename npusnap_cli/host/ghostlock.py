@@ -1,0 +1,128 @@
+"""CRIU's ghost files: one restore at a time per ghost path on this host.
+
+A deleted file the job held open and small enough (CRIU's ``--ghost-limit``, 1 MiB by default)
+is saved in the image (``ghost-file-ID.img``). CRIU's restore recreates it under a fixed name
+beside the original path, ``PATH.cr.ID.ghost`` (criu/files-reg.c, ``ghost_path``), with
+``O_CREAT | O_EXCL`` (``mkreg_ghost``), opens it for the restored tasks and unlinks it only once
+every task is restored (``depopulate_roots_yard`` -> ``try_clean_remaps``: after the
+``post-restore`` action script, before ``pre-resume`` and before CRIU answers; on a failed restore
+at its ``out:`` label, before it answers too). The name depends on the image only, so two
+restores of one image (``--replicas``, or two ``npusnap restore`` commands) that overlap fail in
+the second's ``mkreg_ghost``: "Can't create ghost regfile: File exists".
+
+A job's own deleted file is not in the way: the running original (``--leave-running``) holds it
+without a name, and CRIU's dump writes the ghost's contents into the image, not on the host.
+
+So a restore that will create ghost files holds an ``flock`` per ghost path (in sorted order)
+from just before CRIU starts until CRIU has answered (by then its ghost files are gone). Other
+restores of the image wait for it; all else (device restore, settle watch) stays parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable, Optional
+
+from npusnap_cli import paths
+from npusnap_cli.errors import BusyError
+
+REMAP_GHOST = 1 << 31  # older images: the ghost flag in remap_id (criu/include/image.h)
+WAIT_S = 600.0  # one copy's CRIU restore; a holder past this is stuck, not slow
+POLL_S = 0.05
+
+
+def ghost_paths(criu_dir: Path) -> list[str]:
+    """The ghost file paths CRIU's restore of ``criu_dir`` creates (``PATH.cr.ID.ghost``), sorted."""
+    import pycriu
+
+    try:
+        with open(criu_dir / "remap-fpath.img", "rb") as f:
+            remaps = pycriu.images.load(f).get("entries", [])
+    except FileNotFoundError:
+        return []
+    ghosts: dict[int, int] = {}  # file id -> ghost id
+    for e in remaps:
+        rid = int(e["remap_id"])
+        if e.get("remap_type") == "GHOST" or ("remap_type" not in e and rid & REMAP_GHOST):
+            ghosts[int(e["orig_id"])] = rid & ~REMAP_GHOST
+    if not ghosts:
+        return []
+    with open(criu_dir / "files.img", "rb") as f:
+        entries = pycriu.images.load(f).get("entries", [])
+    out = set()
+    for e in entries:
+        if e.get("type") == "REG" and int(e["id"]) in ghosts:
+            name = "/" + str(e["reg"]["name"]).lstrip("/")
+            out.add(f"{name}.cr.{ghosts[int(e['id'])]:x}.ghost")
+    return sorted(out)
+
+
+def lock_dir() -> Path:
+    # Ghost paths are host-wide, so is the lock: not under a per-run NPUSNAP_RUNTIME_DIR.
+    return Path("/run/lock/npusnap-ghosts") if os.geteuid() == 0 else paths.agent_runtime_dir() / "ghosts"
+
+
+def _holder(fd: int) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        return os.pread(fd, 32, 0).decode().strip()
+    return "?"
+
+
+@contextlib.contextmanager
+def held(
+    ghosts: list[str],
+    note: Callable[[str], None],
+    *,
+    wait_s: float = WAIT_S,
+    directory: Optional[Path] = None,
+) -> Iterator[None]:
+    """Hold the lock of every path of ``ghosts`` (waiting up to ``wait_s`` for another restore
+    that creates them); release on exit."""
+    if not ghosts:
+        yield
+        return
+    d = directory or lock_dir()
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fds: list[int] = []
+    try:
+        deadline = time.monotonic() + wait_s
+        for g in ghosts:
+            name = hashlib.sha256(g.encode()).hexdigest()[:24] + ".lock"
+            fd = os.open(d / name, os.O_RDWR | os.O_CREAT, 0o600)
+            fds.append(fd)
+            waited = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not waited:
+                        note(
+                            f"waiting for the CRIU restore of pid {_holder(fd)} to remove its ghost "
+                            f"file {g} (the same image restored at the same time: CRIU creates that "
+                            "name, so one copy's CRIU restore runs at a time)"
+                        )
+                        waited = True
+                    if time.monotonic() > deadline:
+                        raise BusyError(
+                            f"another restore (pid {_holder(fd)}) has held CRIU's ghost file {g} "
+                            f"for more than {wait_s:.0f}s",
+                            why="CRIU recreates each deleted file of the image under one fixed name "
+                            "and removes it only at the end of its restore; two restores of one "
+                            "image at once would collide on it",
+                            fix="wait for the other restore to finish (or end it), then restore again",
+                            details={"ghost": g},
+                        ) from None
+                    time.sleep(POLL_S)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)  # closing the only descriptor of the open file drops its flock

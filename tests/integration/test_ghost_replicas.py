@@ -1,0 +1,148 @@
+"""Copies of a job that holds a small deleted file open (CRIU saves it as a ghost file), restored
+at the same time: `--replicas 3` beside the running original, and a separate `npusnap restore`
+of the same image started with them. CRIU recreates the file under one name per image
+(`PATH.cr.ID.ghost`), so their CRIU restores take turns (host/ghostlock.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.sim import manager
+from tests.integration.dumplib import (
+    NPUSNAP,
+    PY,
+    REPO,
+    TRAIN_ARGS,
+    alive,
+    cli,
+    continues_reference,
+    job_env,
+    kill,
+    reference,
+    wait_until,
+)
+from tests.integration.test_pidns import lines, start_ns_job
+
+pytestmark = pytest.mark.integration
+
+# train.py's device loop; every step first reads the deleted file back through the fd it kept.
+GHOST_JOB = """
+import os, sys
+sys.path.insert(0, {workloads!r})
+import train
+data = b"kept only by its fd\\n" * 200  # 4 KiB: under CRIU's ghost limit
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, data)
+os.unlink(sys.argv[1])
+step = train.Trainer.step
+def checked(self, n):
+    same = os.pread(fd, len(data) + 1, 0) == data
+    deleted = os.readlink(f"/proc/self/fd/{{fd}}").endswith(" (deleted)")
+    print(f"ghost {{n}} {{'ok' if same and deleted else 'BAD'}}", flush=True)
+    return step(self, n)
+train.Trainer.step = checked
+raise SystemExit(train.main(sys.argv[2:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def sim_env() -> Iterator[dict[str, str]]:
+    """A simulated NPU of 5 devices: the original on 0, the replicas on 1-3, the separate
+    restore on 4."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
+    saved = os.environ.get("NPUSIM_SOCKET")
+    os.environ["NPUSIM_SOCKET"] = str(sock_dir / "npusim.sock")
+    try:
+        manager.ensure_built()
+        manager.start(devices=5, capacity_bytes=64 << 20)
+        env = dict(os.environ)
+        env.update(manager.env())
+        yield env
+    finally:
+        try:
+            manager.stop()
+        finally:
+            if saved is None:
+                os.environ.pop("NPUSIM_SOCKET", None)
+            else:
+                os.environ["NPUSIM_SOCKET"] = saved
+            shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def ghost_lines(out: Path) -> list[str]:
+    return [ln for ln in out.read_text(errors="replace").splitlines() if ln.startswith("ghost ")]
+
+
+def test_replicas_of_a_job_holding_a_deleted_file(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
+    ref = reference(env, args)
+    job = tmp_path / "ghostjob.py"
+    job.write_text(GHOST_JOB.format(workloads=str(REPO / "npusnap_cli" / "workloads")))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, str(job), str(data_dir / "x"), *args])
+    roots: list[int] = []
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        img = tmp_path / "img"
+        rc, res, err = cli(env, "dump", str(pid), str(img), "--leave-running")
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        assert list((img / "criu").glob("ghost-file-*.img")), "CRIU saved no ghost file"
+        assert os.listdir(data_dir) == [], "the dump left a file beside the deleted one"
+        at = len(lines(out))
+        # The separate restore starts together with the replicas (its CLI start is longer).
+        single = subprocess.Popen(
+            [
+                NPUSNAP,
+                "restore",
+                str(img),
+                "--device-map",
+                "0=4",
+                "--output",
+                str(tmp_path / "single.out"),
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        replicas = ["--replicas", "3", "--device-map", "0=1", "--device-map", "0=2", "--device-map", "0=3"]
+        rc, res, err = cli(env, "restore", str(img), *replicas, "--output", str(tmp_path / "replica-{n}.out"))
+        s_out, s_err = single.communicate(timeout=120)
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        sres = json.loads(s_out)
+        assert single.returncode == 0 and sres["ok"], sres.get("error") or s_err
+        roots = [int(r["root_pid"]) for r in res["result"]["replicas"]] + [int(sres["result"]["root_pid"])]
+        assert len(set(roots)) == 4 and alive(pid)
+        waits = [w for r in res["result"]["replicas"] for w in r["warnings"]] + sres["warnings"]
+        waits = [w for w in waits if "waiting for the CRIU restore" in w]
+        assert waits, "no restore overlapped another's: the test did not exercise the lock"
+        for p in [pid, *roots]:
+            wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
+        assert continues_reference(lines(out)[at:], ref), "the original went on unharmed"
+        for name in ["replica-0.out", "replica-1.out", "replica-2.out", "single.out"]:
+            own = lines(tmp_path / name)
+            assert own and continues_reference(own, ref), (name, own[:3])
+            # every step after the restore read the file (the first may have read it before the dump)
+            steps = [ln.split()[1] for ln in own]
+            ghosts = ghost_lines(tmp_path / name)
+            assert [g.split()[1] for g in ghosts] in (steps, steps[1:]), (name, ghosts, steps)
+            assert all(g.endswith(" ok") for g in ghosts), (name, ghosts)
+        assert os.listdir(data_dir) == [], "a CRIU ghost file was left behind"
+    finally:
+        for r in roots:
+            kill(r)
+        kill(pid)

@@ -1,0 +1,58 @@
+"""The per-ghost-path lock that makes overlapping CRIU restores of one image take turns."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from npusnap_cli.errors import BusyError, ExitCode
+from npusnap_cli.host import ghostlock
+
+
+def test_no_ghosts_takes_no_lock(tmp_path: Path) -> None:
+    with ghostlock.held([], lambda _m: None, directory=tmp_path / "locks"):
+        pass
+    assert not (tmp_path / "locks").exists()
+
+
+def test_a_second_holder_waits_for_the_first(tmp_path: Path) -> None:
+    ghosts = ["/tmp/a.cr.1.ghost", "/tmp/b.cr.2.ghost"]
+    notes: list[str] = []
+    order: list[str] = []
+    inside = threading.Event()
+
+    def first() -> None:
+        with ghostlock.held(ghosts, notes.append, directory=tmp_path):
+            inside.set()
+            time.sleep(0.3)
+            order.append("first out")
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(5)
+    with ghostlock.held(ghosts, notes.append, directory=tmp_path):
+        order.append("second in")
+    t.join()
+    assert order == ["first out", "second in"]
+    assert len(notes) == 1 and f"pid {os.getpid()}" in notes[0] and "/tmp/a.cr.1.ghost" in notes[0], notes
+
+
+def test_a_holder_past_the_deadline_is_reported_busy(tmp_path: Path) -> None:
+    ghosts = ["/tmp/a.cr.1.ghost"]
+    first = ghostlock.held(ghosts, lambda _m: None, directory=tmp_path)
+    second = ghostlock.held(ghosts, lambda _m: None, directory=tmp_path, wait_s=0.2)
+    with first, pytest.raises(BusyError) as exc, second:
+        pass
+    assert exc.value.exit_code == ExitCode.BUSY and "/tmp/a.cr.1.ghost" in str(exc.value)
+    # released: nothing holds the lock file any more
+    (lock,) = list(tmp_path.iterdir())
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
