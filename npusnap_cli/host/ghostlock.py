@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from npusnap_cli import paths
-from npusnap_cli.errors import BusyError
+from npusnap_cli.errors import BusyError, PreflightError
 
 REMAP_GHOST = 1 << 31  # older images: the ghost flag in remap_id (criu/include/image.h)
 WAIT_S = 600.0  # one copy's CRIU restore; a holder past this is stuck, not slow
@@ -72,6 +72,21 @@ def _holder(fd: int) -> str:
     with contextlib.suppress(OSError, ValueError):
         return os.pread(fd, 32, 0).decode().strip()
     return "?"
+
+
+def _refuse_leftovers(ghosts: list[str]) -> None:
+    """Under the locks no restore of ours is making these names: one that exists was left by a
+    CRIU killed before its cleanup (or made by something else), and CRIU's O_EXCL would fail."""
+    for g in ghosts:
+        if os.path.lexists(g):
+            raise PreflightError(
+                f"{g} exists: CRIU creates that name for a deleted file of the image",
+                why="a CRIU restore of this image that was killed before its cleanup leaves its ghost "
+                "files behind (or another program made the file); CRIU would fail with "
+                '"Can\'t create ghost regfile: File exists"',
+                fix=f"once no restore of this image is running, remove it: rm {g}",
+                details={"ghost": g},
+            )
 
 
 @contextlib.contextmanager
@@ -122,6 +137,7 @@ def held(
                     time.sleep(POLL_S)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _refuse_leftovers(ghosts)
         yield
     finally:
         for fd in reversed(fds):

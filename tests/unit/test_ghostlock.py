@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli.errors import BusyError, ExitCode
+from npusnap_cli.errors import BusyError, ExitCode, PreflightError
 from npusnap_cli.host import ghostlock
 
 
@@ -56,3 +56,14 @@ def test_a_holder_past_the_deadline_is_reported_busy(tmp_path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+def test_a_leftover_ghost_file_is_refused_with_its_path(tmp_path: Path) -> None:
+    ghost = tmp_path / "x.cr.1.ghost"
+    ghost.write_bytes(b"left by a killed restore")
+    with (
+        pytest.raises(PreflightError) as exc,
+        ghostlock.held([str(ghost)], lambda _m: None, directory=tmp_path / "l"),
+    ):
+        pass
+    assert f"rm {ghost}" in (exc.value.fix or "") and ghost.exists()
