@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import ghostlock
 from npusnap_cli.sim import manager
 from tests.integration.dumplib import (
     NPUSNAP,
@@ -142,6 +144,12 @@ def test_replicas_of_a_job_holding_a_deleted_file(
             assert [g.split()[1] for g in ghosts] in (steps, steps[1:]), (name, ghosts, steps)
             assert all(g.endswith(" ok") for g in ghosts), (name, ghosts)
         assert os.listdir(data_dir) == [], "a CRIU ghost file was left behind"
+        # One left behind (a CRIU killed mid-restore) is named before CRIU would trip on it.
+        (leftover,) = ghostlock.ghost_paths(img / "criu")
+        Path(leftover).write_bytes(b"")
+        rc, res, err = cli(env, "restore", str(img), "--device-map", "0=1")
+        assert rc == ExitCode.PREFLIGHT and res is not None, err
+        assert leftover in res["error"]["message"] and f"rm {leftover}" in res["error"]["fix"], res["error"]
     finally:
         for r in roots:
             kill(r)
