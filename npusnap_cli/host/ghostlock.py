@@ -63,6 +63,15 @@ def ghost_paths(criu_dir: Path) -> list[str]:
     return sorted(out)
 
 
+def for_image(criu_dir: Path, note: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
+    """The locks a restore of ``criu_dir`` holds while CRIU runs. An image with a mount namespace
+    of its own (mountpoints-*.img) names its ghosts inside it: still locked by those names, but
+    not looked up on this side."""
+    ghosts = ghost_paths(criu_dir)
+    own_mounts = bool(ghosts) and any(criu_dir.glob("mountpoints-*.img"))
+    return held(ghosts, note, leftovers=not own_mounts)
+
+
 def lock_dir() -> Path:
     # Ghost paths are host-wide, so is the lock: not under a per-run NPUSNAP_RUNTIME_DIR.
     return Path("/run/lock/npusnap-ghosts") if os.geteuid() == 0 else paths.agent_runtime_dir() / "ghosts"
@@ -96,9 +105,11 @@ def held(
     *,
     wait_s: float = WAIT_S,
     directory: Optional[Path] = None,
+    leftovers: bool = True,
 ) -> Iterator[None]:
     """Hold the lock of every path of ``ghosts`` (waiting up to ``wait_s`` for another restore
-    that creates them); release on exit."""
+    that creates them); release on exit. ``leftovers``: the paths are this namespace's, so one
+    that exists is refused."""
     if not ghosts:
         yield
         return
@@ -137,7 +148,8 @@ def held(
                     time.sleep(POLL_S)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _refuse_leftovers(ghosts)
+        if leftovers:
+            _refuse_leftovers(ghosts)
         yield
     finally:
         for fd in reversed(fds):

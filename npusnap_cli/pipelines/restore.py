@@ -937,10 +937,9 @@ def _criu_restore(st: RestoreState) -> None:
     pending. A failure here leaves nothing CRIU restored; a corrupt image, or another restore
     that took the image's pids, is the better explanation of it."""
     pre = st.checked
-    # CRIU's ghost files have one name per image: overlapping restores of it take turns here
-    ghosts = ghostlock.ghost_paths(img.criu_dir(st.image))
     try:
-        with ghostlock.held(ghosts, st.cb.note):
+        # CRIU's ghost files have one name per image: overlapping restores of it take turns here
+        with ghostlock.for_image(img.criu_dir(st.image), st.cb.note):
             st.result = criu.restore(
                 str(st.view or img.criu_dir(st.image)),
                 str(pre.logs),
