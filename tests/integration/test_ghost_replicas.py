@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,34 +105,39 @@ def test_replicas_of_a_job_holding_a_deleted_file(
         assert list((img / "criu").glob("ghost-file-*.img")), "CRIU saved no ghost file"
         assert os.listdir(data_dir) == [], "the dump left a file beside the deleted one"
         at = len(lines(out))
-        # The separate restore starts together with the replicas (its CLI start is longer).
-        single = subprocess.Popen(
-            [
-                NPUSNAP,
-                "restore",
-                str(img),
-                "--device-map",
-                "0=4",
-                "--output",
-                str(tmp_path / "single.out"),
-                "--json",
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # The test holds the image's ghost locks while the replicas and a separate restore start,
+        # so that all four reach CRIU together once it lets go: without the locks their CRIUs
+        # would overlap (each keeps PATH.cr.ID.ghost for a few ms only, so a plain start collides
+        # only sometimes).
+        logdirs = [img / "logs" / f"replica-{i}" for i in range(3)] + [tmp_path / "single-logs"]
+        single_argv = ["--device-map", "0=4", "--output", str(tmp_path / "single.out")]
         replicas = ["--replicas", "3", "--device-map", "0=1", "--device-map", "0=2", "--device-map", "0=3"]
-        rc, res, err = cli(env, "restore", str(img), *replicas, "--output", str(tmp_path / "replica-{n}.out"))
-        s_out, s_err = single.communicate(timeout=120)
-        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        replicas += ["--output", str(tmp_path / "replica-{n}.out")]
+        procs = []
+        with ghostlock.held(ghostlock.ghost_paths(img / "criu"), lambda _m: None):
+            for argv in ([*single_argv, "--logs", str(logdirs[3])], replicas):
+                procs.append(
+                    subprocess.Popen(
+                        [NPUSNAP, "restore", str(img), *argv, "--json"],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            wait_until(lambda: all(d.is_dir() for d in logdirs), 60, "the four restores' preflight")
+            time.sleep(1.0)  # from the preflight to the CRIU step
+            assert not [d for d in logdirs if (d / "restore.log").exists()], "a CRIU ran past the lock"
+        (s_out, s_err), (r_out, r_err) = (p.communicate(timeout=120) for p in procs)
+        res = json.loads(r_out) if r_out.strip() else None
+        assert procs[1].returncode == 0 and res is not None, (res or {}).get("error") or r_err
         sres = json.loads(s_out)
-        assert single.returncode == 0 and sres["ok"], sres.get("error") or s_err
+        assert procs[0].returncode == 0 and sres["ok"], sres.get("error") or s_err
         roots = [int(r["root_pid"]) for r in res["result"]["replicas"]] + [int(sres["result"]["root_pid"])]
         assert len(set(roots)) == 4 and alive(pid)
         waits = [w for r in res["result"]["replicas"] for w in r["warnings"]] + sres["warnings"]
         waits = [w for w in waits if "waiting for the CRIU restore" in w]
-        assert waits, "no restore overlapped another's: the test did not exercise the lock"
+        assert waits, "no restore waited for another's CRIU"
         for p in [pid, *roots]:
             wait_until(lambda p=p: not alive(p), 60, f"pid {p} to finish")
         assert continues_reference(lines(out)[at:], ref), "the original went on unharmed"
