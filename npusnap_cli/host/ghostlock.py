@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import paths, safefs
 from npusnap_cli.errors import BusyError, PreflightError
 
 REMAP_GHOST = 1 << 31  # older images: the ghost flag in remap_id (criu/include/image.h)
@@ -73,8 +73,10 @@ def for_image(criu_dir: Path, note: Callable[[str], None]) -> contextlib.Abstrac
 
 
 def lock_dir() -> Path:
-    # Ghost paths are host-wide, so is the lock: not under a per-run NPUSNAP_RUNTIME_DIR.
-    return Path("/run/lock/npusnap-ghosts") if os.geteuid() == 0 else paths.agent_runtime_dir() / "ghosts"
+    # Ghost paths are host-wide, so is the lock: not under a per-run NPUSNAP_RUNTIME_DIR. Directly
+    # under /run, where only root creates: a user could plant a directory (and symlinks in it)
+    # under the world-writable /run/lock before root makes it.
+    return Path("/run/npusnap-ghosts") if os.geteuid() == 0 else paths.agent_runtime_dir() / "ghosts"
 
 
 def _holder(fd: int) -> str:
@@ -98,6 +100,15 @@ def _refuse_leftovers(ghosts: list[str]) -> None:
             )
 
 
+def _unsafe(where: Path, exc: OSError) -> PreflightError:
+    return PreflightError(
+        f"cannot take the ghost-file lock {where}: {exc.strerror or exc}",
+        why="the lock lives in a directory only root (or this user) may write, and is never "
+        "reached through a symbolic link",
+        fix=f"look at who made {where} and remove it if it is not npusnap's, then restore again",
+    )
+
+
 @contextlib.contextmanager
 def held(
     ghosts: list[str],
@@ -114,13 +125,29 @@ def held(
         yield
         return
     d = directory or lock_dir()
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Reached without following a symlink, every directory root's (or this user's) and written by
+    # nobody else; the lock files are opened without following one either.
+    euid = os.geteuid()
+    try:
+        dfd = safefs.open_dir(
+            str(d),
+            owner=euid or None,
+            create=True,
+            create_uid=euid,
+            create_gid=os.getegid(),
+            create_mode=0o700,
+        )
+    except OSError as exc:
+        raise _unsafe(d, exc) from None
     fds: list[int] = []
     try:
         deadline = time.monotonic() + wait_s
         for g in ghosts:
             name = hashlib.sha256(g.encode()).hexdigest()[:24] + ".lock"
-            fd = os.open(d / name, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            except OSError as exc:
+                raise _unsafe(d / name, exc) from None
             fds.append(fd)
             waited = False
             while True:
@@ -154,3 +181,4 @@ def held(
     finally:
         for fd in reversed(fds):
             os.close(fd)  # closing the only descriptor of the open file drops its flock
+        os.close(dfd)

@@ -67,3 +67,21 @@ def test_a_leftover_ghost_file_is_refused_with_its_path(tmp_path: Path) -> None:
     ):
         pass
     assert f"rm {ghost}" in (exc.value.fix or "") and ghost.exists()
+
+
+def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    ghosts = ["/tmp/x.cr.1.ghost"]
+    with ghostlock.held(ghosts, lambda _m: None, directory=locks):
+        pass
+    (lock,) = list(locks.iterdir())
+    lock.unlink()
+    lock.symlink_to(victim)
+    with (
+        pytest.raises(PreflightError, match="ghost-file lock"),
+        ghostlock.held(ghosts, lambda _m: None, directory=locks),
+    ):
+        pass
+    assert victim.read_text() == "keep me\n"
