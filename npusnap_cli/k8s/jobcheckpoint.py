@@ -324,9 +324,12 @@ def checkpoint_job(
                 details={"members": [m.name for m in members]},
             )
         if failed:
-            # Lead with the member whose failure aborted the others (it says so at the barrier).
-            m = re.match(r"member (\d+) ", server.outcome or "")
-            first = next((r for r in failed if m and r.member.index == int(m.group(1))), failed[0])
+            # Lead with the member whose failure aborted the others: the barrier's verdict names
+            # it, as "member N (...)" when npusnap saw it fail first, or as "node N: ..." when its
+            # plugin's abort got there first (a member joins the barriers as node N).
+            m = re.match(r"(?:member (\d+) |node (\d+): )", server.outcome or "")
+            culprit = int(m.group(1) or m.group(2)) if m else None
+            first = next((r for r in failed if r.member.index == culprit), failed[0])
             assert first.error is not None
             err = CriuError(
                 f"member {first.member.index} ({first.member.name}) failed: {first.error.message}",
