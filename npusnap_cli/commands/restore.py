@@ -137,9 +137,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--device-map",
             metavar="IMG=DEV[,IMG=DEV]",
-            help="Restore onto other devices: the image's device IMG becomes device DEV (an image of "
-            "`npusnap run --pid-ns`, simulated NPU only; on a node, a container does this). "
-            "With --replicas, once per replica.",
+            help="Restore onto other devices: the image's device IMG becomes device DEV (simulated "
+            "NPU only; on a node, a container does this). With --replicas, once per replica.",
         ),
         output_file: Optional[Path] = typer.Option(
             None,
