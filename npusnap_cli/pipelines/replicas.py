@@ -4,8 +4,8 @@ Only an image of a job in its own pid namespace (`npusnap run --pid-ns`) can be 
 than once at a time: CRIU gives each copy a new pid namespace, so no host pid is needed, and
 each copy's agent listens under a name of its own (host/pidns.py). CANN's Restore needs its
 device free of every other process, so each copy needs a device of its own: ``--device-map`` once
-per replica (the simulated NPU remaps device ids per pid namespace, as a container's device
-mapping does on a node).
+per replica (each copy restored in a container of the simulated NPU that holds its devices only,
+as a container's device mounts do on a node: host/pidns.py ``enter_device_view``).
 
 The image is verified once, here; then every copy is restored at the same time by its own
 `npusnap restore --no-verify` (one process each: CRIU's restore, the device restore and the

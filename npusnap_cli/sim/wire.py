@@ -35,7 +35,7 @@ OP_SHUTDOWN = contract.SIM_OP_SHUTDOWN
 OP_HAS = contract.SIM_OP_HAS
 OP_CONFIG = contract.SIM_OP_CONFIG  # -> value = CONFIG_* bits
 OP_MAP = contract.SIM_OP_MAP  # a, n -> the allocation's memfd (SCM_RIGHTS) and a MAP payload
-# 14: NSMAP of earlier versions; a process's devices are now its mount namespace's device nodes.
+# 14: not offered (a process's devices are its mount namespace's device nodes): EOPNOTSUPP.
 
 CLAIM_EXCLUSIVE = contract.SIM_CLAIM_EXCLUSIVE  # OP_CLAIM's b: no other live process on the device
 CONFIG_KEEP_CONTENTS = contract.SIM_CONFIG_KEEP_CONTENTS  # Restore brings back contents (not CANN's)
