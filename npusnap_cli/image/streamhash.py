@@ -11,7 +11,7 @@ the follower could not vouch for (one that shrank, or that it never saw).
 Having hashed a range, the follower also asks the kernel to start writing it to disk
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait): the disk then works while the
 agents and CRIU are still writing, instead of all at once in publish's fsync, which is left with
-the tail, and publishing no longer waits for the disk (docs/benchmarks.md, "Measurements behind
+the tail, so that publishing does not wait for the disk (docs/benchmarks.md, "Measurements behind
 design choices").
 
 The agents' device-memory files are not written front to back (several threads each write a chunk
