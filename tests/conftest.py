@@ -6,7 +6,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -61,38 +60,9 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
 
 @pytest.fixture(scope="session")
 def sim_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A private simulated NPU for the session: builds it, starts a daemon on a socket of its own
-    (2 devices of 1 GiB), yields the environment for child processes (ASCEND_HOME_PATH,
-    LD_LIBRARY_PATH, NPUSIM_SOCKET) and stops the daemon at the end."""
-    import tempfile
+    """A private simulated NPU for the session (2 devices of 1 GiB): the environment for child
+    processes (ASCEND_HOME_PATH, LD_LIBRARY_PATH, NPUSIM_SOCKET); the daemon stops at the end."""
+    from tests.integration.dumplib import private_sim
 
-    from npusnap_cli.sim import manager
-
-    manager.ensure_built()
-    # Not tmp_path_factory: AF_UNIX paths are limited to 108 bytes and pytest's are long.
-    sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
-    sock = str(sock_dir / "npusim.sock")
-    saved = os.environ.get("NPUSIM_SOCKET")
-    os.environ["NPUSIM_SOCKET"] = sock  # manager resolves the socket from the environment
-    try:
-        manager.start(devices=2, capacity_bytes=1 << 30)
-        env = dict(os.environ)
-        env.update(manager.env())
-    finally:
-        _restore_env("NPUSIM_SOCKET", saved)
-    try:
+    with private_sim(devices=2, capacity_bytes=1 << 30) as env:
         yield env
-    finally:
-        os.environ["NPUSIM_SOCKET"] = sock
-        try:
-            manager.stop()
-        finally:
-            _restore_env("NPUSIM_SOCKET", saved)
-            shutil.rmtree(sock_dir, ignore_errors=True)
-
-
-def _restore_env(key: str, value: Optional[str]) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value

@@ -8,19 +8,23 @@ a restored process is not our child, so it is watched through /proc and its outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
+from npusnap_cli.sim import manager
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -31,6 +35,44 @@ LAUNCHER = str(REPO / "npusnap_cli" / "workloads" / "launcher.py")
 TRAIN_ARGS = ["--interval", "0.05", "--param-bytes", "65536"]
 
 _reference_cache: dict[tuple[str, ...], list[str]] = {}
+
+
+def _restore_env(key: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+@contextlib.contextmanager
+def private_sim(devices: int, capacity_bytes: int) -> Iterator[dict[str, str]]:
+    """A simulated NPU of its own: builds it, starts a daemon on a socket of its own, yields the
+    environment for child processes (ASCEND_HOME_PATH, LD_LIBRARY_PATH, NPUSIM_SOCKET) and stops
+    the daemon at the end. This process's own NPUSIM_SOCKET is left as it was meanwhile."""
+    manager.ensure_built()
+    # Not pytest's tmp_path: AF_UNIX paths are limited to 108 bytes and pytest's are long.
+    sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
+    sock = str(sock_dir / "npusim.sock")
+    saved = os.environ.get("NPUSIM_SOCKET")
+    os.environ["NPUSIM_SOCKET"] = sock  # manager resolves the socket from the environment
+    try:
+        manager.start(devices=devices, capacity_bytes=capacity_bytes)
+        env = dict(os.environ)
+        env.update(manager.env())
+    except BaseException:
+        _restore_env("NPUSIM_SOCKET", saved)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
+    _restore_env("NPUSIM_SOCKET", saved)
+    try:
+        yield env
+    finally:
+        os.environ["NPUSIM_SOCKET"] = sock
+        try:
+            manager.stop()
+        finally:
+            _restore_env("NPUSIM_SOCKET", saved)
+            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,6 @@ import pytest
 
 from npusnap_cli.errors import ExitCode
 from npusnap_cli.host import ghostlock
-from npusnap_cli.sim import manager
 from tests.integration.dumplib import (
     NPUSNAP,
     PY,
@@ -29,6 +26,7 @@ from tests.integration.dumplib import (
     continues_reference,
     job_env,
     kill,
+    private_sim,
     reference,
     wait_until,
 )
@@ -60,24 +58,8 @@ raise SystemExit(train.main(sys.argv[2:]))
 def sim_env() -> Iterator[dict[str, str]]:
     """A simulated NPU of 5 devices: the original on 0, the replicas on 1-3, the separate
     restore on 4."""
-    sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
-    saved = os.environ.get("NPUSIM_SOCKET")
-    os.environ["NPUSIM_SOCKET"] = str(sock_dir / "npusim.sock")
-    try:
-        manager.ensure_built()
-        manager.start(devices=5, capacity_bytes=64 << 20)
-        env = dict(os.environ)
-        env.update(manager.env())
+    with private_sim(devices=5, capacity_bytes=64 << 20) as env:
         yield env
-    finally:
-        try:
-            manager.stop()
-        finally:
-            if saved is None:
-                os.environ.pop("NPUSIM_SOCKET", None)
-            else:
-                os.environ["NPUSIM_SOCKET"] = saved
-            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def ghost_lines(out: Path) -> list[str]:

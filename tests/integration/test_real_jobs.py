@@ -15,11 +15,9 @@ inference server with a keep-alive client.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,6 @@ from typing import Iterator
 import pytest
 
 from npusnap_cli.errors import ExitCode
-from npusnap_cli.sim import manager
 from npusnap_cli.workloads.infer import write_weights
 from tests.integration import torchlib
 from tests.integration.dumplib import (
@@ -41,6 +38,7 @@ from tests.integration.dumplib import (
     cli,
     job_env,
     kill,
+    private_sim,
     wait_until,
 )
 from tests.integration.test_pidns import nspid, start_ns_job
@@ -57,24 +55,8 @@ needs_torch = pytest.mark.skipif(torchlib.skip_reason() is not None, reason=str(
 def sim_env() -> Iterator[dict[str, str]]:
     """A simulated NPU of 8 devices for this module (the session's has 2): the original on
     device 0, four copies on 1-4, the neighbours on 5 and 6."""
-    sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
-    saved = os.environ.get("NPUSIM_SOCKET")
-    os.environ["NPUSIM_SOCKET"] = str(sock_dir / "npusim.sock")
-    try:
-        manager.ensure_built()
-        manager.start(devices=8, capacity_bytes=256 << 20)
-        env = dict(os.environ)
-        env.update(manager.env())
+    with private_sim(devices=8, capacity_bytes=256 << 20) as env:
         yield env
-    finally:
-        try:
-            manager.stop()
-        finally:
-            if saved is None:
-                os.environ.pop("NPUSIM_SOCKET", None)
-            else:
-                os.environ["NPUSIM_SOCKET"] = saved
-            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def loader_lines(out: Path) -> list[str]:
