@@ -15,11 +15,11 @@
 #include <time.h>
 
 #include "../npusim_kernel.h"
-#include "ops_abi.h"
+#include "kern.h"
 
-#define KAPI __attribute__((visibility("default")))
-#define KERR_ADDR 1  /* a view outside device memory: an AI-core address fault */
-#define KERR_ARGS 2  /* args of the wrong size: a launch this binary does not understand */
+
+
+
 
 static long block_us(void) {
     const char *v = getenv("NPUSIM_KERNEL_BLOCK_US");
@@ -188,4 +188,31 @@ KAPI int npusim_mse_loss(const npusim_kernel_ctx *ctx, const void *args, size_t 
     }
     o[0] = m->reduction == 1 && n ? acc / (float)n : acc;
     return 0;
+}
+
+/* ---------------------------------------------------------------- the generic family (kern.h) */
+
+KHIDDEN void kcost(const struct kctx *k, int64_t work) {
+    long us = block_us();
+    if (us > 0) block_cost(us * (long)nblocks(k->ctx, work));
+}
+
+typedef int (*kfn)(const struct kctx *k);
+static const kfn KERNELS[OPS_OP_COUNT] = {
+#define KROW(id, fn) [OPS_OP_##id] = fn,
+    OPS_KERNELS(KROW)
+#undef KROW
+};
+
+/* The one entry of the generic family: checks the args block is whole, then runs its op's row. */
+KAPI int npusim_op(const npusim_kernel_ctx *ctx, const void *args, size_t args_size) {
+    if (args_size < sizeof(struct ops_args)) return KERR_ARGS;
+    const struct ops_args *a = args;
+    if (a->op >= OPS_OP_COUNT || a->ni > 4096 || a->ns > 65536 || a->nt > 65536) return KERR_ARGS;
+    size_t need = sizeof *a + a->ni * sizeof(int64_t) + a->ns * sizeof(double) + a->nt * sizeof(struct ops_tensor);
+    if (args_size != need) return KERR_ARGS;
+    struct kctx k = {ctx, a, OPS_ARGS_INTS(a), OPS_ARGS_SCALARS(a), OPS_ARGS_TENSORS(a)};
+    for (uint32_t j = 0; j < a->nt; j++)
+        if (k.t[j].ndim < 0 || k.t[j].ndim > OPS_MAX_DIMS || !kesize(k.t[j].dtype)) return KERR_ARGS;
+    return KERNELS[a->op](&k);
 }

@@ -20,26 +20,14 @@
 
 #include "ops_abi.h"
 
-#define API __attribute__((visibility("default")))
+#include "opapi_int.h"
 
-typedef int32_t aclnnStatus;
-typedef int32_t aclError;
-typedef void *aclrtStream;
-
-#define ACLNN_SUCCESS 0
-#define ACLNN_ERR_PARAM_NULLPTR 161001
-#define ACLNN_ERR_PARAM_INVALID 161002
-#define ACLNN_ERR_RUNTIME_ERROR 361001
-#define ACLNN_ERR_INNER 561000
-
-/* aclDataType and aclFormat values of acl_base.h that this library accepts or names. */
-#define ACL_FLOAT 0
-#define ACL_DT_UNDEFINED (-1)
-#define ACL_FLOAT16 1
-#define ACL_INT32 3
-#define ACL_INT64 9
-#define ACL_DOUBLE 11
-#define ACL_FORMAT_ND 2
+/* aclDataType values of acl_base.h that the fp32 operators of this file name. */
+#define ACL_FLOAT OPS_DT_FLOAT
+#define ACL_INT32 OPS_DT_INT32
+#define ACL_INT64 OPS_DT_INT64
+#define ACL_DOUBLE OPS_DT_DOUBLE
+#define ACL_BOOL OPS_DT_BOOL
 
 /* The runtime (libacl_rt.so): kernel binaries and launches (include/external/acl/acl_rt.h). */
 extern aclError aclrtBinaryLoadFromFile(const char *binPath, void *options, void **binHandle);
@@ -51,27 +39,9 @@ extern aclError aclrtLaunchKernel(void *funcHandle, uint32_t numBlocks, const vo
 #define KERNEL_BIN "libnpusim_aclnn_kernels.so"
 #define BLOCK_DIM 8u /* AI cores an operator spreads over */
 
-typedef struct aclTensor {
-    int32_t dtype, format;
-    int32_t ndim, storage_ndim;
-    int64_t dims[OPS_MAX_DIMS], strides[OPS_MAX_DIMS], storage[OPS_MAX_DIMS];
-    int64_t offset;
-    uint64_t data;
-} aclTensor;
-
-typedef struct aclScalar {
-    double value;
-    int32_t dtype;
-} aclScalar;
-
-typedef struct aclIntArray {
-    uint64_t size;
-    int64_t value[OPS_MAX_DIMS];
-} aclIntArray;
-
-enum kernel_id { K_ELEMENTWISE, K_MATMUL, K_REDUCE_SUM, K_MSE_LOSS, K_COUNT };
+enum kernel_id { K_ELEMENTWISE, K_MATMUL, K_REDUCE_SUM, K_MSE_LOSS, K_OP, K_COUNT };
 static const char *const KERNEL_NAMES[K_COUNT] = {"npusim_elementwise", "npusim_matmul", "npusim_reduce_sum",
-                                                  "npusim_mse_loss"};
+                                                  "npusim_mse_loss", "npusim_op"};
 
 typedef struct aclOpExecutor {
     const char *op; /* the aclnn operator it was made for */
@@ -84,6 +54,16 @@ typedef struct aclOpExecutor {
         struct ops_reduce_args red;
         struct ops_mse_args mse;
     } args;
+    /* K_OP: the generic family's args, serialized at launch (ops_abi.h) */
+    uint32_t gop;
+    int oom;
+    int64_t *ints;
+    double *scalars;
+    struct ops_tensor *tensors;
+    uint32_t ni, ns, nt, capi, caps, capt;
+    uint64_t workspace; /* bytes asked for */
+    uint64_t *ws_out;   /* phase one's out-parameters, set by ex_done */
+    aclOpExecutor **ex_out;
 } aclOpExecutor;
 
 /* ---------------------------------------------------------------- tensors, scalars, arrays */
@@ -120,16 +100,24 @@ API aclnnStatus aclDestroyTensor(const aclTensor *tensor) {
     return ACLNN_SUCCESS;
 }
 
+/* aclCreateScalar(value, dataType): value points at one element of dataType (op-plugin passes
+ * double, int64, bool and complex scalars; complex ones are refused here, as no operator of this
+ * library takes them). */
 API aclScalar *aclCreateScalar(void *value, int32_t dataType) {
     if (!value) return NULL;
     aclScalar *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->dtype = dataType;
     switch (dataType) {
-    case ACL_FLOAT: s->value = *(const float *)value; break;
-    case ACL_DOUBLE: s->value = *(const double *)value; break;
-    case ACL_INT32: s->value = *(const int32_t *)value; break;
-    case ACL_INT64: s->value = (double)*(const int64_t *)value; break;
+    case OPS_DT_FLOAT: s->value = *(const float *)value; break;
+    case OPS_DT_DOUBLE: s->value = *(const double *)value; break;
+    case OPS_DT_FLOAT16: s->value = (double)*(const _Float16 *)value; break;
+    case OPS_DT_INT8: s->value = *(const int8_t *)value; break;
+    case OPS_DT_UINT8: s->value = *(const uint8_t *)value; break;
+    case OPS_DT_INT16: s->value = *(const int16_t *)value; break;
+    case OPS_DT_INT32: s->value = *(const int32_t *)value; break;
+    case OPS_DT_INT64: s->value = (double)*(const int64_t *)value; break;
+    case OPS_DT_BOOL: s->value = *(const bool *)value; break;
     default: free(s); return NULL;
     }
     return s;
@@ -141,16 +129,98 @@ API aclnnStatus aclDestroyScalar(const aclScalar *scalar) {
 }
 
 API aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size) {
-    if (size > OPS_MAX_DIMS || (size && !value)) return NULL;
+    if (size && !value) return NULL;
     aclIntArray *a = calloc(1, sizeof *a);
-    if (!a) return NULL;
+    if (!a || !(a->value = malloc(sizeof(int64_t) * (size ? size : 1)))) {
+        free(a);
+        return NULL;
+    }
     a->size = size;
-    for (uint64_t i = 0; i < size; i++) a->value[i] = value[i];
+    if (size) memcpy(a->value, value, sizeof(int64_t) * size);
     return a;
 }
 
 API aclnnStatus aclDestroyIntArray(const aclIntArray *array) {
+    if (array) free(array->value);
     free((void *)array);
+    return ACLNN_SUCCESS;
+}
+
+API aclFloatArray *aclCreateFloatArray(const float *value, uint64_t size) {
+    if (size && !value) return NULL;
+    aclFloatArray *a = calloc(1, sizeof *a);
+    if (!a || !(a->value = malloc(sizeof(float) * (size ? size : 1)))) {
+        free(a);
+        return NULL;
+    }
+    a->size = size;
+    if (size) memcpy(a->value, value, sizeof(float) * size);
+    return a;
+}
+
+API aclnnStatus aclDestroyFloatArray(const aclFloatArray *array) {
+    if (array) free(array->value);
+    free((void *)array);
+    return ACLNN_SUCCESS;
+}
+
+API aclBoolArray *aclCreateBoolArray(const bool *value, uint64_t size) {
+    if (size && !value) return NULL;
+    aclBoolArray *a = calloc(1, sizeof *a);
+    if (!a || !(a->value = malloc(sizeof(bool) * (size ? size : 1)))) {
+        free(a);
+        return NULL;
+    }
+    a->size = size;
+    if (size) memcpy(a->value, value, sizeof(bool) * size);
+    return a;
+}
+
+API aclnnStatus aclDestroyBoolArray(const aclBoolArray *array) {
+    if (array) free(array->value);
+    free((void *)array);
+    return ACLNN_SUCCESS;
+}
+
+/* The list takes the tensors: aclDestroyTensorList destroys them (op-plugin's Release of a tensor
+ * list calls aclDestroyTensorList alone, op_api_common_base.h). */
+API aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size) {
+    if (size && !value) return NULL;
+    aclTensorList *l = calloc(1, sizeof *l);
+    if (!l || !(l->tensors = calloc(size ? size : 1, sizeof *l->tensors))) {
+        free(l);
+        return NULL;
+    }
+    l->size = size;
+    for (uint64_t i = 0; i < size; i++) l->tensors[i] = (aclTensor *)value[i];
+    return l;
+}
+
+API aclnnStatus aclDestroyTensorList(const aclTensorList *list) {
+    if (!list) return ACLNN_SUCCESS;
+    for (uint64_t i = 0; i < list->size; i++) free(list->tensors[i]);
+    free(list->tensors);
+    free((void *)list);
+    return ACLNN_SUCCESS;
+}
+
+API aclScalarList *aclCreateScalarList(const aclScalar *const *value, uint64_t size) {
+    if (size && !value) return NULL;
+    aclScalarList *l = calloc(1, sizeof *l);
+    if (!l || !(l->scalars = calloc(size ? size : 1, sizeof *l->scalars))) {
+        free(l);
+        return NULL;
+    }
+    l->size = size;
+    for (uint64_t i = 0; i < size; i++) l->scalars[i] = (aclScalar *)value[i];
+    return l;
+}
+
+API aclnnStatus aclDestroyScalarList(const aclScalarList *list) {
+    if (!list) return ACLNN_SUCCESS;
+    for (uint64_t i = 0; i < list->size; i++) free(list->scalars[i]);
+    free(list->scalars);
+    free((void *)list);
     return ACLNN_SUCCESS;
 }
 
@@ -281,6 +351,14 @@ static void *kernel_func(int kernel, aclError *rc) {
     return f;
 }
 
+static void ex_free(aclOpExecutor *e) {
+    if (!e) return;
+    free(e->ints);
+    free(e->scalars);
+    free(e->tensors);
+    free(e);
+}
+
 /* Phase two of every operator: launch the executor's kernel on the stream, consume the executor. */
 static aclnnStatus launch(const char *op, void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
                           aclrtStream stream) {
@@ -291,7 +369,7 @@ static aclnnStatus launch(const char *op, void *workspace, uint64_t workspaceSiz
     aclError rc = 0;
     void *f = kernel_func(executor->kernel, &rc);
     if (f) rc = aclrtLaunchKernel(f, executor->block_dim, &executor->args, executor->args_size, stream);
-    free(executor);
+    ex_free(executor);
     if (rc != 0) fprintf(stderr, "libopapi: %s: aclrtLaunchKernel failed with %d\n", op, rc);
     return rc == 0 ? ACLNN_SUCCESS : ACLNN_ERR_RUNTIME_ERROR;
 }
@@ -342,52 +420,6 @@ static aclnnStatus scalar_value(const aclScalar *s, float *v) {
     *v = (float)s->value;
     return ACLNN_SUCCESS;
 }
-
-API aclnnStatus aclnnAddGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,
-                                         aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
-    float al;
-    aclnnStatus st = scalar_value(alpha, &al);
-    if (st) return st;
-    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
-    return ew_binary("aclnnAdd", OPS_EW_ADD, al, self, other, NULL, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnAdd)
-
-API aclnnStatus aclnnInplaceAddGetWorkspaceSize(const aclTensor *selfRef, const aclTensor *other,
-                                                const aclScalar *alpha, uint64_t *workspaceSize,
-                                                aclOpExecutor **executor) {
-    float al;
-    aclnnStatus st = scalar_value(alpha, &al);
-    if (st) return st;
-    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
-    return ew_binary("aclnnInplaceAdd", OPS_EW_ADD, al, selfRef, other, NULL, selfRef, workspaceSize, executor);
-}
-LAUNCHER(aclnnInplaceAdd)
-
-API aclnnStatus aclnnMulGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
-                                         uint64_t *workspaceSize, aclOpExecutor **executor) {
-    if (!other) return ACLNN_ERR_PARAM_NULLPTR;
-    return ew_binary("aclnnMul", OPS_EW_MUL, 0.0f, self, other, NULL, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnMul)
-
-API aclnnStatus aclnnMulsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out,
-                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
-    float v;
-    aclnnStatus st = scalar_value(other, &v);
-    if (st) return st;
-    return ew_binary("aclnnMuls", OPS_EW_MULS, v, self, NULL, NULL, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnMuls)
-
-API aclnnStatus aclnnInplaceMulsGetWorkspaceSize(const aclTensor *selfRef, const aclScalar *other,
-                                                 uint64_t *workspaceSize, aclOpExecutor **executor) {
-    float v;
-    aclnnStatus st = scalar_value(other, &v);
-    if (st) return st;
-    return ew_binary("aclnnInplaceMuls", OPS_EW_MULS, v, selfRef, NULL, NULL, selfRef, workspaceSize, executor);
-}
-LAUNCHER(aclnnInplaceMuls)
 
 API aclnnStatus aclnnReluGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
                                           aclOpExecutor **executor) {
@@ -446,77 +478,172 @@ LAUNCHER(aclnnMseLoss)
 
 /* ---------------------------------------------------------------- matmul, reduce */
 
-static aclnnStatus mm(const char *op, const aclTensor *self, const aclTensor *mat2, aclTensor *out,
-                      uint64_t *workspaceSize, aclOpExecutor **executor) {
-    aclnnStatus st;
-    if ((st = check_tensor(self)) || (st = check_tensor(mat2)) || (st = check_tensor(out))) return st;
-    if (self->ndim != 2 || mat2->ndim != 2 || out->ndim != 2) return ACLNN_ERR_PARAM_INVALID;
-    if (self->dims[1] != mat2->dims[0] || out->dims[0] != self->dims[0] || out->dims[1] != mat2->dims[1])
+/* ---------------------------------------------------------------- the generic family (opapi_int.h) */
+
+HIDDEN int64_t t_numel(const aclTensor *t) { return numel(t); }
+
+HIDDEN aclnnStatus t_check(const aclTensor *t, uint64_t dtypes) {
+    if (!t) return ACLNN_ERR_PARAM_NULLPTR;
+    if (t->dtype < 0 || t->dtype >= 64 || !(DTM(t->dtype) & (dtypes ? dtypes : DTM_ALL))) return ACLNN_ERR_PARAM_INVALID;
+    switch (t->format) {
+    case ACL_FORMAT_NCHW: case ACL_FORMAT_NHWC: case ACL_FORMAT_ND: case ACL_FORMAT_NDHWC: case ACL_FORMAT_NCDHW:
+    case ACL_FORMAT_NCL: break;
+    default: return ACLNN_ERR_PARAM_INVALID;
+    }
+    if (numel(t) && !t->data) return ACLNN_ERR_PARAM_NULLPTR;
+    return ACLNN_SUCCESS;
+}
+
+HIDDEN bool t_same_shape(const aclTensor *t, const int64_t *shape, int nd) { return same_shape(t, shape, nd) != 0; }
+
+HIDDEN int t_broadcast(const int64_t *a, int na, const int64_t *b, int nb, int64_t *shape) {
+    int nd = na > nb ? na : nb;
+    if (nd > OPS_MAX_DIMS) return -1;
+    for (int i = 0; i < nd; i++) {
+        int ia = na - nd + i, ib = nb - nd + i;
+        int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
+        if (da != db && da != 1 && db != 1) return -1;
+        shape[i] = da == 1 ? db : da;
+    }
+    return nd;
+}
+
+HIDDEN int t_dim(int64_t d, int nd) {
+    int64_t r = d < 0 ? d + (nd ? nd : 1) : d;
+    return r >= 0 && r < (nd ? nd : 1) ? (int)r : -1;
+}
+
+HIDDEN struct ops_tensor t_view(const aclTensor *t) {
+    struct ops_tensor v;
+    memset(&v, 0, sizeof v);
+    v.addr = t->data;
+    v.offset = t->offset;
+    v.ndim = t->ndim;
+    v.dtype = t->dtype;
+    for (int d = 0; d < t->ndim; d++) {
+        v.shape[d] = t->dims[d];
+        v.stride[d] = t->strides[d];
+    }
+    return v;
+}
+
+HIDDEN struct ops_tensor t_aligned(const aclTensor *t, const int64_t *shape, int nd) {
+    struct ops_tensor v = t_view(t);
+    v.ndim = nd;
+    for (int i = 0; i < nd; i++) {
+        int it = t->ndim - nd + i;
+        v.shape[i] = shape[i];
+        v.stride[i] = (it >= 0 && t->dims[it] == shape[i] && shape[i] != 1) ? t->strides[it] : 0;
+    }
+    return v;
+}
+
+HIDDEN double s_value(const aclScalar *s) { return s ? s->value : 0.0; }
+
+HIDDEN aclOpExecutor *ex_open(const char *name, enum ops_op op, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!workspaceSize || !executor) return NULL;
+    aclOpExecutor *e = calloc(1, sizeof *e);
+    if (!e) return NULL;
+    e->op = name;
+    e->kernel = K_OP;
+    e->block_dim = BLOCK_DIM;
+    e->gop = (uint32_t)op;
+    e->ws_out = workspaceSize;
+    e->ex_out = executor;
+    *workspaceSize = 0;
+    *executor = NULL;
+    return e;
+}
+
+#define EX_PUSH(arr, n, cap, v)                                                   \
+    do {                                                                          \
+        if (e->oom) return;                                                       \
+        if (e->n == e->cap) {                                                     \
+            uint32_t nc = e->cap ? e->cap * 2 : 8;                                \
+            void *np = realloc(e->arr, sizeof *e->arr * nc);                      \
+            if (!np) {                                                            \
+                e->oom = 1;                                                       \
+                return;                                                           \
+            }                                                                     \
+            e->arr = np;                                                          \
+            e->cap = nc;                                                          \
+        }                                                                         \
+        e->arr[e->n++] = (v);                                                     \
+    } while (0)
+
+HIDDEN void ex_int(aclOpExecutor *e, int64_t v) { EX_PUSH(ints, ni, capi, v); }
+HIDDEN void ex_scalar(aclOpExecutor *e, double v) { EX_PUSH(scalars, ns, caps, v); }
+HIDDEN void ex_tensor(aclOpExecutor *e, struct ops_tensor t) { EX_PUSH(tensors, nt, capt, t); }
+HIDDEN void ex_workspace(aclOpExecutor *e, uint64_t bytes) { e->workspace = bytes; }
+
+HIDDEN aclnnStatus ex_done(aclOpExecutor *e) {
+    if (!e) return ACLNN_ERR_INNER;
+    if (e->oom) {
+        ex_free(e);
+        return ACLNN_ERR_INNER;
+    }
+    *e->ws_out = e->workspace;
+    *e->ex_out = e;
+    return ACLNN_SUCCESS;
+}
+
+HIDDEN aclnnStatus ex_launch(const char *name, void *workspace, uint64_t workspaceSize, aclOpExecutor *e,
+                             aclrtStream stream) {
+    if (!e) return ACLNN_ERR_PARAM_NULLPTR;
+    if (e->kernel != K_OP) return launch(name, workspace, workspaceSize, e, stream);
+    if (strcmp(e->op, name) != 0) return ACLNN_ERR_PARAM_INVALID;
+    if (e->workspace && (!workspace || workspaceSize < e->workspace)) {
+        ex_free(e);
         return ACLNN_ERR_PARAM_INVALID;
-    aclOpExecutor *e;
-    if ((st = new_executor(op, K_MATMUL, workspaceSize, executor, &e))) return st;
-    e->args_size = sizeof e->args.mm;
-    e->args.mm.a = view_of(self);
-    e->args.mm.b = view_of(mat2);
-    e->args.mm.out = view_of(out);
+    }
+    if (e->workspace) ex_int(e, (int64_t)(uintptr_t)workspace);
+    size_t size = sizeof(struct ops_args) + e->ni * sizeof(int64_t) + e->ns * sizeof(double) +
+                  e->nt * sizeof(struct ops_tensor);
+    char *buf = e->oom ? NULL : malloc(size);
+    aclError rc = ACLNN_ERR_INNER;
+    if (buf) {
+        struct ops_args *a = (struct ops_args *)buf;
+        *a = (struct ops_args){e->gop, e->nt, e->ns, e->ni};
+        memcpy((void *)OPS_ARGS_INTS(a), e->ints, e->ni * sizeof(int64_t));
+        memcpy((void *)OPS_ARGS_SCALARS(a), e->scalars, e->ns * sizeof(double));
+        memcpy((void *)OPS_ARGS_TENSORS(a), e->tensors, e->nt * sizeof(struct ops_tensor));
+        void *f = kernel_func(K_OP, &rc);
+        if (f) rc = aclrtLaunchKernel(f, e->block_dim, buf, size, stream);
+        free(buf);
+    }
+    ex_free(e);
+    if (rc != 0) fprintf(stderr, "libopapi: %s: aclrtLaunchKernel failed with %d\n", name, rc);
+    return rc == 0 ? ACLNN_SUCCESS : ACLNN_ERR_RUNTIME_ERROR;
+}
+
+/* nnopbase's destructor of an executor that phase two never consumed (acl_meta.h). */
+API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor) {
+    ex_free(executor);
     return ACLNN_SUCCESS;
 }
 
-/* cubeMathType (0 KEEP_DTYPE, 1 ALLOW_FP32_DOWN_PRECISION, 2 USE_FP16, 3 USE_HF32): fp32 either way. */
-API aclnnStatus aclnnMatmulGetWorkspaceSize(const aclTensor *self, const aclTensor *mat2, aclTensor *out,
-                                            int8_t cubeMathType, uint64_t *workspaceSize, aclOpExecutor **executor) {
-    if (cubeMathType < 0 || cubeMathType > 3) return ACLNN_ERR_PARAM_INVALID;
-    return mm("aclnnMatmul", self, mat2, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnMatmul)
-
-API aclnnStatus aclnnMmGetWorkspaceSize(const aclTensor *self, const aclTensor *mat2, aclTensor *out,
-                                        int8_t cubeMathType, uint64_t *workspaceSize, aclOpExecutor **executor) {
-    if (cubeMathType < 0 || cubeMathType > 3) return ACLNN_ERR_PARAM_INVALID;
-    return mm("aclnnMm", self, mat2, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnMm)
-
-API aclnnStatus aclnnReduceSumGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keepDim,
-                                               int32_t dtype, aclTensor *out, uint64_t *workspaceSize,
-                                               aclOpExecutor **executor) {
+HIDDEN aclnnStatus ew_op(const char *name, enum ops_ew_fn fn, const aclTensor *const *ins, int nin, const double *s,
+                         int ns, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
     aclnnStatus st;
-    if ((st = check_tensor(self)) || (st = check_tensor(out))) return st;
-    if (!dim) return ACLNN_ERR_PARAM_NULLPTR;
-    if (dtype != ACL_FLOAT) return ACLNN_ERR_PARAM_INVALID;
-    uint8_t red[OPS_MAX_DIMS] = {0};
-    for (uint64_t i = 0; i < dim->size; i++) {
-        int64_t d = dim->value[i] < 0 ? dim->value[i] + self->ndim : dim->value[i];
-        if (d < 0 || d >= self->ndim || red[d]) return ACLNN_ERR_PARAM_INVALID; /* out of range or repeated */
-        red[d] = 1;
+    if (nin + 1 > 8) return ACLNN_ERR_INNER;
+    if ((st = t_check(out, DTM_ALL))) return st;
+    /* the inputs broadcast with the output (a copy broadcasts its source into selfRef) */
+    int64_t shape[OPS_MAX_DIMS];
+    int nd = out->ndim;
+    memcpy(shape, out->dims, sizeof shape);
+    for (int j = 0; j < nin; j++) {
+        if ((st = t_check(ins[j], DTM_ALL))) return st;
+        int64_t tmp[OPS_MAX_DIMS];
+        nd = t_broadcast(shape, nd, ins[j]->dims, ins[j]->ndim, tmp);
+        if (nd < 0) return ACLNN_ERR_PARAM_INVALID;
+        memcpy(shape, tmp, sizeof tmp);
     }
-    int64_t want[OPS_MAX_DIMS];
-    int nw = 0;
-    for (int d = 0; d < self->ndim; d++)
-        if (!red[d]) want[nw++] = self->dims[d];
-        else if (keepDim) want[nw++] = 1;
-    if (!same_shape(out, want, nw)) return ACLNN_ERR_PARAM_INVALID;
-    aclOpExecutor *e;
-    if ((st = new_executor("aclnnReduceSum", K_REDUCE_SUM, workspaceSize, executor, &e))) return st;
-    e->args_size = sizeof e->args.red;
-    e->args.red.in = view_of(self);
-    /* out in self's rank: reduced dimensions of size 1 (their stride does not matter). */
-    struct ops_view o = view_of(self);
-    o.addr = out->data;
-    o.offset = out->offset;
-    for (int d = 0, k = 0; d < self->ndim; d++) {
-        if (red[d]) {
-            o.shape[d] = 1;
-            o.stride[d] = 0;
-            if (keepDim) k++;
-        } else {
-            o.shape[d] = out->dims[k];
-            o.stride[d] = out->strides[k];
-            k++;
-        }
-        e->args.red.reduce[d] = red[d];
-    }
-    e->args.red.out = o;
-    return ACLNN_SUCCESS;
+    if (!t_same_shape(out, shape, nd)) return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = ex_open(name, OPS_OP_EW, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, fn);
+    for (int j = 0; j < ns; j++) ex_scalar(e, s[j]);
+    for (int j = 0; j < nin; j++) ex_tensor(e, t_aligned(ins[j], shape, nd));
+    ex_tensor(e, t_view(out));
+    return ex_done(e);
 }
-LAUNCHER(aclnnReduceSum)

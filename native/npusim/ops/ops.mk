@@ -1,19 +1,23 @@
 # The simulated CANN tree's operator library, collectives and their kernel binaries, added to every
 # tree this Makefile builds (found through its libacl_rt.so in ALL). Included by ../Makefile.
-OPS_HDRS := ops/ops_abi.h npusim_kernel.h ../include/npusnap/contract.h ../include/npusnap/timeutil.h
+OPS_HDRS := ops/ops_abi.h ops/ops_list.h ops/opapi_int.h ops/kern.h npusim_kernel.h ../include/npusnap/contract.h ../include/npusnap/timeutil.h
 OPS_KDIR := opp/built-in/op_impl/ai_core/tbe/kernel/npusim
+# The operator library: opapi.c (descriptors, executors, launch) and one file per operator family.
+OPS_LIB_SRC := ops/opapi.c $(sort $(wildcard ops/op_*.c))
+# The kernel binary: kernels.c (entry points) and one file per kernel family.
+OPS_KERN_SRC := ops/kernels.c $(sort $(wildcard ops/k_*.c))
 
 # $(call ops_tree,ROOT)
 define ops_tree
-$(1)/lib64/libopapi.so: ops/opapi.c $(OPS_HDRS) ops/ops.mk $(1)/lib64/libacl_rt.so
-	$(CC) $(CFLAGS) -shared -Wl,-soname,libopapi.so -Wl,-rpath,'$$$$ORIGIN' -o $$@.tmp ops/opapi.c -L$(1)/lib64 -lacl_rt -ldl && mv -f $$@.tmp $$@
+$(1)/lib64/libopapi.so: $(OPS_LIB_SRC) $(OPS_HDRS) ops/ops.mk $(1)/lib64/libacl_rt.so
+	$(CC) $(CFLAGS) -shared -Wl,-soname,libopapi.so -Wl,-rpath,'$$$$ORIGIN' -o $$@.tmp $(OPS_LIB_SRC) -L$(1)/lib64 -lacl_rt -ldl && mv -f $$@.tmp $$@
 
 $(1)/lib64/libhccl.so: ops/hccl.c $(OPS_HDRS) ops/ops.mk $(1)/lib64/libacl_rt.so
 	$(CC) $(CFLAGS) -shared -Wl,-soname,libhccl.so -Wl,-rpath,'$$$$ORIGIN' -o $$@.tmp ops/hccl.c -L$(1)/lib64 -lacl_rt -ldl && mv -f $$@.tmp $$@
 
-$(1)/$(OPS_KDIR)/libnpusim_aclnn_kernels.so: ops/kernels.c $(OPS_HDRS) ops/ops.mk
+$(1)/$(OPS_KDIR)/libnpusim_aclnn_kernels.so: $(OPS_KERN_SRC) $(OPS_HDRS) ops/ops.mk
 	@mkdir -p $$(dir $$@)
-	$(CC) $(CFLAGS) -shared -o $$@.tmp ops/kernels.c && mv -f $$@.tmp $$@
+	$(CC) $(CFLAGS) -shared -o $$@.tmp $(OPS_KERN_SRC) -lm && mv -f $$@.tmp $$@
 
 $(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so: ops/hccl_kernel.c $(OPS_HDRS) ops/ops.mk
 	@mkdir -p $$(dir $$@)

@@ -103,4 +103,53 @@ struct hccl_window {
     struct hccl_window_rank ranks[HCCL_MAX_RANKS];
 };
 
+
+/* ---------------------------------------------------------------- the generic operator launch
+ *
+ * Every operator of the generic family (op_*.c) launches the one kernel npusim_op with a
+ * variable-length struct ops_args: a header, then ni int64 parameters, then ns double scalars,
+ * then nt tensor views with their dtypes (inputs first, outputs last, as the operator's row in
+ * ops_list.h says). Values only, as every kernel args block (aclrtLaunchKernel copies it). */
+
+/* aclDataType of acl_base.h (CANN include/external/acl/acl_base.h). */
+#define OPS_DT_FLOAT 0
+#define OPS_DT_FLOAT16 1
+#define OPS_DT_INT8 2
+#define OPS_DT_INT32 3
+#define OPS_DT_UINT8 4
+#define OPS_DT_INT16 6
+#define OPS_DT_INT64 9
+#define OPS_DT_DOUBLE 11
+#define OPS_DT_BOOL 12
+#define OPS_DT_BF16 27
+
+/* A strided view of device memory with its element type: element (i0..in) lives at
+ * addr + esize(dtype) * (offset + sum(i[d] * stride[d])). */
+struct ops_tensor {
+    uint64_t addr;
+    int64_t offset;
+    int32_t ndim;
+    int32_t dtype;
+    int64_t shape[OPS_MAX_DIMS];
+    int64_t stride[OPS_MAX_DIMS];
+};
+
+struct ops_args {
+    uint32_t op; /* enum ops_op */
+    uint32_t nt, ns, ni;
+    /* int64_t ints[ni]; double scalars[ns]; struct ops_tensor t[nt]; */
+};
+
+#define OPS_ARGS_INTS(a) ((const int64_t *)((const struct ops_args *)(a) + 1))
+#define OPS_ARGS_SCALARS(a) ((const double *)(OPS_ARGS_INTS(a) + (a)->ni))
+#define OPS_ARGS_TENSORS(a) ((const struct ops_tensor *)(OPS_ARGS_SCALARS(a) + (a)->ns))
+
+#include "ops_list.h"
+enum ops_op {
+#define OPS_ENUM(id, fn) OPS_OP_##id,
+    OPS_KERNELS(OPS_ENUM)
+#undef OPS_ENUM
+        OPS_OP_COUNT
+};
+
 #endif
