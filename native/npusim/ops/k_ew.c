@@ -1,5 +1,5 @@
 /* The element-wise kernel: out[i] = f(in0[i], in1[i], ..., scalars) for one row of OPS_EW
- * (ops_list.h). Inputs come aligned to the output's shape (broadcast dimensions of stride 0);
+ * (ops_list.h, ops_list_*.h). Inputs come aligned to the output's shape (broadcast dimensions of stride 0);
  * each is loaded in its own dtype and the result stored in the output's, so mixed-dtype operands
  * and boolean results need nothing more. */
 #include "kern.h"

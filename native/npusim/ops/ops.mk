@@ -1,6 +1,6 @@
 # The simulated CANN tree's operator library, collectives and their kernel binaries, added to every
 # tree this Makefile builds (found through its libacl_rt.so in ALL). Included by ../Makefile.
-OPS_HDRS := ops/ops_abi.h ops/ops_list.h ops/opapi_int.h ops/kern.h npusim_kernel.h ../include/npusnap/contract.h ../include/npusnap/timeutil.h
+OPS_HDRS := ops/ops_abi.h ops/ops_list.h ops/ops_list_math.h ops/ops_list_nn.h ops/opapi_int.h ops/kern.h npusim_kernel.h ../include/npusnap/contract.h ../include/npusnap/timeutil.h
 OPS_KDIR := opp/built-in/op_impl/ai_core/tbe/kernel/npusim
 # The operator library: opapi.c (descriptors, executors, launch) and one file per operator family.
 OPS_LIB_SRC := ops/opapi.c $(sort $(wildcard ops/op_*.c))

@@ -10,11 +10,19 @@
 #ifndef NPUSIM_OPS_LIST_H
 #define NPUSIM_OPS_LIST_H
 
+/* One list per family file, so that families grow apart: ops_list_nn.h (k_nn_*.c: layers and
+ * losses, shapes and indexing), ops_list_math.h (k_math_*.c: element-wise math, comparisons,
+ * the foreach family, random numbers). */
+#include "ops_list_math.h"
+#include "ops_list_nn.h"
+
 #define OPS_KERNELS(X)                                                                            \
     X(EW, k_ew)             /* ints[0] = enum ops_ew_fn; inputs aligned to the output, out last */ \
     X(MATMUL, k_matmul)     /* a [..,M,K], b [..,K,N], out [..,M,N]; batch dims aligned to out's */ \
     X(REDUCE, k_reduce)     /* ints[0] = enum ops_reduce_kind, ints[1..nd] = reduced flags;      \
-                               in, out (in in's rank, size 1 on reduced dims); s[0] = p (norms) */
+                               in, out (in in's rank, size 1 on reduced dims); s[0] = p (norms) */ \
+    OPS_KERNELS_MATH(X)                                                                           \
+    OPS_KERNELS_NN(X)
 
 #define OPS_EW(X)          \
     X(COPY, ew_copy)       \
@@ -27,7 +35,9 @@
     X(SUBS, ew_subs)       \
     X(MULS, ew_muls)       \
     X(DIVS, ew_divs)       \
-    X(FILL, ew_fill)
+    X(FILL, ew_fill)       \
+    OPS_EW_MATH(X)         \
+    OPS_EW_NN(X)
 
 enum ops_ew_fn {
 #define OPS_EW_ENUM(id, fn) OPS_EWF_##id,
