@@ -536,8 +536,27 @@ API aclError aclrtResetDevice(int32_t deviceId) {
     return rc;
 }
 
+/* The aclFinalize the caller itself would reach: its own lookup scope's (a library dlopen'ed
+ * RTLD_LOCAL, as Python loads torch_npu, reaches its libascendcl.so there, which the global scope
+ * and RTLD_NEXT do not see), else real(). aclInit's state belongs to the ACL front-end that
+ * served it, so finalizing another front-end would fail with ACL_ERROR_UNINITIALIZE. */
+static aclError (*caller_finalize(void *ret))(void) {
+    Dl_info info;
+    dlsym_fn ds = real_dlsym();
+    if (ds && ret && dladdr(ret, &info) && info.dli_fname) {
+        void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        if (h) {
+            void *p = ds(h, "aclFinalize");
+            dlclose(h); /* NOLOAD handle: only drops the reference it took */
+            if (p && !is_wrapper(p)) return (aclError(*)(void))p;
+        }
+    }
+    return (aclError(*)(void))real(F_FINALIZE);
+}
+
 API aclError aclFinalize(void) {
-    REAL(F_FINALIZE, aclError(*)(void));
+    aclError (*fn)(void) = caller_finalize(__builtin_return_address(0));
+    if (!fn) return missing(F_FINALIZE);
     aclError rc = fn();
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
@@ -565,6 +584,13 @@ API void *dlsym(void *handle, const char *name) {
             if (!strcmp(name, NAMES[i])) {
                 void *p = ds(handle, name);
                 if (!p || p == g_wrappers[i]) return p;
+                if (i == F_FINALIZE) {
+                    /* aclInit's state belongs to the ACL front-end that served it (libacl_rt and
+                     * libascendcl each keep their own): the wrapper may stand only for the
+                     * aclFinalize a direct call would reach, never pin another library's. A
+                     * lookup in another front-end gets its own function, untracked. */
+                    return p == real(i) ? g_wrappers[i] : p;
+                }
                 if (!g_real[i]) g_real[i] = p;
                 return g_wrappers[i];
             }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from npusnap_cli import paths
 from tests.conftest import requires_root
 from tests.integration.agentlib import expected_checksums
-from tests.integration.dumplib import Job, agent_state, alive, cli, job_env, wait_until
+from tests.integration.dumplib import NPUSNAP, Job, agent_state, alive, cli, job_env, wait_until
 
 pytestmark = [pytest.mark.integration, requires_root]
 SOURCE = Path(__file__).resolve().parents[1] / "data" / "npu_stepper.c"
@@ -207,3 +208,45 @@ def test_dump_attaches_to_a_plain_c_program_and_reports_the_stop(
         assert_continuous(job)
     finally:
         job.cleanup()
+
+
+FINALIZER = r"""
+#include <stdint.h>
+extern int32_t aclInit(const char *);
+extern int32_t aclFinalize(void);
+int init_and_finalize(void) {
+    int32_t rc = aclInit(0);
+    if (rc != 0) return 1000000 + rc;
+    return aclFinalize();
+}
+"""
+
+
+def test_finalize_reaches_the_front_end_of_the_library_that_called_it(
+    tmp_path: Path, sim_env: dict[str, str], runtime_dir: Path
+) -> None:
+    """A library loaded RTLD_LOCAL (torch_npu's, by Python) calls aclInit and aclFinalize of its own
+    libascendcl.so; under `npusnap run` the agent's aclFinalize must reach that same front-end (each
+    front-end keeps its own aclInit state), or the job sees ACL_ERROR_UNINITIALIZE at exit."""
+    src = tmp_path / "fin.c"
+    src.write_text(FINALIZER)
+    so = tmp_path / "libfin.so"
+    lib64 = paths.sim_cann_home() / "lib64"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(so), str(src), f"-L{lib64}", "-lascendcl", f"-Wl,-rpath,{lib64}"],
+        check=True,
+        timeout=120,
+    )
+    # The other front-end loaded too, as torch_npu's libopapi.so and libhccl.so bring libacl_rt.so.
+    prog = (
+        "import ctypes, os\n"
+        f"ctypes.CDLL({str(lib64 / 'libacl_rt.so')!r}, mode=os.RTLD_LOCAL)\n"
+        f"lib = ctypes.CDLL({str(so)!r}, mode=os.RTLD_LOCAL)\n"
+        "print('rc', lib.init_and_finalize())\n"
+    )
+    env = job_env(sim_env, runtime_dir)
+    out = subprocess.run(
+        [NPUSNAP, "run", "--", sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["rc", "0"], out.stdout + out.stderr
