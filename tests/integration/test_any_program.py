@@ -233,7 +233,17 @@ def test_finalize_reaches_the_front_end_of_the_library_that_called_it(
     so = tmp_path / "libfin.so"
     lib64 = paths.sim_cann_home() / "lib64"
     subprocess.run(
-        ["cc", "-shared", "-fPIC", "-o", str(so), str(src), f"-L{lib64}", "-lascendcl", f"-Wl,-rpath,{lib64}"],
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(so),
+            str(src),
+            f"-L{lib64}",
+            "-lascendcl",
+            f"-Wl,-rpath,{lib64}",
+        ],
         check=True,
         timeout=120,
     )
@@ -246,7 +256,11 @@ def test_finalize_reaches_the_front_end_of_the_library_that_called_it(
     )
     env = job_env(sim_env, runtime_dir)
     out = subprocess.run(
-        [NPUSNAP, "run", "--", sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=60
+        [NPUSNAP, "run", "--", sys.executable, "-c", prog],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["rc", "0"], out.stdout + out.stderr
