@@ -1,0 +1,137 @@
+"""A real torch_npu training job for the snapshot tests: a small attention block (embedding,
+LayerNorm, causal attention, GELU MLP, cross-entropy) trained with a default-settings optimizer.
+
+Each step prints ``step N loss L params H`` (H: a hash of every parameter's bytes), so that a run
+dumped and restored midway can be compared line for line with an uninterrupted one. The job
+records where it is in a phase file (``--phase FILE``, a small shared mapping it rewrites as it
+goes): after a dump that killed it, the file holds the phase the dump caught. Phases: ``h2d``
+(a batch copied from pinned memory with non_blocking=True), ``forward``, ``backward``,
+``optimizer`` (inside the foreach step), ``burst`` (hundreds of tiny launches queued at once:
+the task queue's ring fills), ``sync`` (waiting for the device at loss.item()).
+
+Runs on the CPU as well (``--device cpu``), which the tests use as the oracle for the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PHASES = ("idle", "h2d", "forward", "backward", "optimizer", "burst", "sync")
+
+
+class Phase:
+    """The current phase and step, in a shared file mapping that survives the process's death."""
+
+    def __init__(self, path: str | None) -> None:
+        self.map = None
+        if path:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, 64)
+            self.map = mmap.mmap(fd, 64)
+            os.close(fd)
+
+    def set(self, name: str, step: int) -> None:
+        if self.map is not None:
+            self.map[:64] = f"{name} {step}".encode().ljust(64)
+
+
+class Block(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.emb(idx)
+        d = x.shape[-1]
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        mask = torch.tril(torch.ones(t, t, device=idx.device)).bool()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return self.head(x)
+
+
+def param_hash(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="npu")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--interval", type=float, default=0.0, help="seconds to sleep after each step")
+    ap.add_argument("--burst", type=int, default=0, help="tiny launches queued each step (ring pressure)")
+    ap.add_argument("--phase", default=None, help="phase file (see the module docstring)")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    if args.device == "npu":
+        import torch_npu  # noqa: F401  (torch 2.13 autoloads it; explicit for older ones)
+    dev = torch.device(args.device)
+    phase = Phase(args.phase)
+    torch.manual_seed(0)
+    model = Block(args.vocab, args.dim, 4).to(dev)
+    if args.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq + 1), generator=gen)
+    if dev.type != "cpu":
+        data = data.pin_memory()
+    scratch = torch.zeros(8, device=dev)
+    for step in range(args.steps):
+        phase.set("h2d", step)
+        batch = data[step].to(dev, non_blocking=True)
+        phase.set("forward", step)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        phase.set("backward", step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        phase.set("optimizer", step)
+        opt.step()
+        if args.burst:
+            phase.set("burst", step)
+            for _ in range(args.burst):
+                scratch.add_(1.0)
+            scratch.zero_()
+        phase.set("sync", step)
+        line = f"step {step} loss {loss.item():.6f} params {param_hash(model)}"
+        phase.set("idle", step)
+        print(line, flush=True)
+        if args.interval:
+            time.sleep(args.interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
