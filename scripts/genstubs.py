@@ -43,7 +43,9 @@ def load(path: Path = SPEC) -> list[dict[str, Any]]:
         if missing:
             raise SpecError(f"{row.get('name', '?')}: missing {', '.join(missing)}")
         if row["library"] not in LIBRARIES:
-            raise SpecError(f"{row['name']}: unknown library {row['library']!r} (one of {', '.join(LIBRARIES)})")
+            raise SpecError(
+                f"{row['name']}: unknown library {row['library']!r} (one of {', '.join(LIBRARIES)})"
+            )
         if row["name"] in seen:
             raise SpecError(f"{row['name']} is listed twice")
         seen.add(row["name"])
@@ -96,7 +98,9 @@ def render(rows: list[dict[str, Any]]) -> str:
             if unused:
                 out.append(unused.rstrip("\n"))
             out.append(
-                f"    npusim_report({code}, {c_string(row['error_id'])}, __func__, {c_string(row['message'])}{fmt_args});"
+                "    npusim_report("
+                + f"{code}, {c_string(row['error_id'])}, __func__, "
+                + f"{c_string(row['message'])}{fmt_args});"
             )
             out.append(f"    return {value};")
             out.append("}")

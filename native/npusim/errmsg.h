@@ -11,8 +11,9 @@
 int32_t ReportInnerErrMsgForC(const char *file_name, const char *func, uint32_t line, const char *error_code,
                               const char *format, ...) __attribute__((format(printf, 5, 6)));
 
-/* The thread's last failing code in this library, for aclrtPeekAtLastError / aclrtGetLastError. */
-static __thread int32_t npusim_last_code;
+/* The thread's last failing code in this library, for aclrtPeekAtLastError / aclrtGetLastError:
+ * weak and hidden, so the sources of one library share one. */
+__attribute__((weak, visibility("hidden"))) __thread int32_t npusim_last_code;
 
 __attribute__((format(printf, 4, 5), unused)) static void npusim_report(int32_t code, const char *error_id,
                                                                        const char *func, const char *fmt, ...) {
