@@ -73,10 +73,9 @@ if [ "$(cat "$VENV/.npusnap-ok" 2>/dev/null)" != "$SPEC" ]; then
         die "the venv's torch is not the CPU build (or numpy/pyyaml are missing)" "check NPUSNAP_TORCH_NPU_SPEC"
     [ -f "$("$VENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("torch_npu").origin)')" ] ||
         die "torch_npu is not installed in $VENV" "read $VENV/pip.log"
-    # Each superseded build of this cache goes; other checkouts may still link theirs, so only
-    # those whose spec is not this one's and that no link of this checkout names.
+    # A venv of another spec stays: another checkout may still link it.
     for old in "$CACHE"/torch-npu-*-py"$pyver"; do
-        [ "$old" = "$VENV" ] || [ ! -d "$old" ] || say "note: an older torch_npu venv remains: $old (remove it when no checkout links it)"
+        [ "$old" = "$VENV" ] || [ ! -d "$old" ] || say "note: $old (another spec) remains; remove it once no checkout links it"
     done
     echo "$SPEC" >"$VENV/.npusnap-ok"
 fi

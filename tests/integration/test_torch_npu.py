@@ -78,8 +78,15 @@ print(json.dumps(out))
 """
 
 
-def test_import_init_copies_and_memory_stats(torch_npu_python: str, sim_env: dict[str, str]) -> None:
-    got = _run(torch_npu_python, ROUNDTRIP, _env(sim_env))
+@pytest.mark.parametrize("tree", ["cann", "cann-strict"])
+def test_import_init_copies_and_memory_stats(
+    torch_npu_python: str, sim_env: dict[str, str], tree: str
+) -> None:
+    """Also on the strict tree, whose libraries export real CANN names only."""
+    home = paths.build_dir() / tree
+    env = _env(sim_env, ASCEND_HOME_PATH=str(home), ASCEND_OPP_PATH=str(home / "opp"))
+    env["LD_LIBRARY_PATH"] = str(home / "lib64")
+    got = _run(torch_npu_python, ROUNDTRIP, env)
     assert got["count"] == 2  # the session's daemon has two devices
     assert got["soc"] == SOC_910B
     assert got["device"] == "npu:0"
