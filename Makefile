@@ -8,7 +8,10 @@ setup:
 test: setup
 	./scripts/test.sh
 
+# The demo runs without torch; the torch_npu venv is built alongside so that a job of the real
+# framework can be tried on the simulated NPU right after (.build/torch-npu/bin/python).
 demo: setup
+	./scripts/setup-torch-npu.sh || echo "torch_npu venv not built: the demo goes on without it" >&2
 	.venv/bin/npusnap demo
 
 lint: setup
@@ -16,6 +19,7 @@ lint: setup
 	.venv/bin/ruff format --check npusnap_cli tests bench agent-dist scripts
 	.venv/bin/mypy
 	.venv/bin/python scripts/gencontract.py --check
+	.venv/bin/python scripts/genstubs.py --check
 	.venv/bin/python scripts/check_imports.py
 	.venv/bin/python scripts/check_layers.py --check-doc
 	.venv/bin/python scripts/runbooks.py --check

@@ -235,6 +235,8 @@ setup_pycriu() {
 # --- the simulated NPU and the attach payload (C, built from this repository's sources) ---------
 setup_native() {
     command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
+    # The simulated tree's error manager is C++, as the real liberror_manager.so (native/npusim).
+    command -v g++ >/dev/null 2>&1 || apt_install g++
     # `npusnap attach` on Python 3.9-3.13 drives gdb (with its Python scripting) to a safe point.
     command -v gdb >/dev/null 2>&1 || apt_install gdb
     # The tests watch what an agent opens with strace (an open file in a dump is a restore's risk).

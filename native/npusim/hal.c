@@ -740,9 +740,15 @@ drvError_t halMemGetAllocationGranularity(const struct drv_mem_prop *prop, int o
     return DRV_ERROR_NONE;
 }
 
+/* The driver (cann/driver src/ascend_hal/svm/v3/api/master/svm_vmm.c, halMemAddressReserve and
+ * vmm_address_reserve_para_check) checks only ptr, size != 0 and the page type in the flag's low byte
+ * (normal 0, huge 1, giant 2); it does not refuse a size that is no multiple of the granularity but
+ * asks its VA allocator for the range at the page type's alignment (vmm_get_va_align: 2 MiB, 1 GiB
+ * from 1 GiB up), so a small reserve, such as torch_npu's 512-byte probe of expandable segments
+ * with flags=1, takes whole granules. */
 drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr, uint64_t flag) {
-    (void)flag;
-    if (!ptr || size == 0 || size % VMM_GRAN) return DRV_ERROR_INVALID_VALUE;
+    if (!ptr || size == 0 || (flag & 0xFF) > 2 || size > UINT64_MAX - VMM_GRAN) return DRV_ERROR_INVALID_VALUE;
+    size = (size + VMM_GRAN - 1) & ~(VMM_GRAN - 1);
     uint64_t align = alignment > VMM_GRAN ? alignment : VMM_GRAN;
     if (size >= ((uint64_t)1 << 30) && align < ((uint64_t)1 << 30)) align = (uint64_t)1 << 30;
     if (align & (align - 1)) return DRV_ERROR_INVALID_VALUE;

@@ -1466,3 +1466,8 @@ RT_API rtError_t rtSnapShotProcessGetState(int *state) {
     *state = get_state();
     return ACL_SUCCESS;
 }
+
+/* ---- the runtime's deliberate failures (native/npusim/failures.toml) */
+#include "errmsg.h"
+#define NPUSIM_FAILURES_RUNTIME
+#include "failures.inc"

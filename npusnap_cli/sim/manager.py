@@ -31,7 +31,9 @@ CANN_OUTPUTS = (
     Path("lib64") / "libruntime.so",
     Path("lib64") / "libacl_rt.so",
     Path("lib64") / "libascendcl.so",
+    Path("lib64") / "libacl_op_compiler.so",
     Path("share") / "info" / "runtime" / "version.info",
+    Path("share") / "info" / "ascend_toolkit_install.info",
     Path("set_env.sh"),
 )
 
@@ -102,6 +104,8 @@ def env() -> Dict[str, str]:
     kept = [p for p in old.split(":") if p and p not in libdirs]
     return {
         "ASCEND_HOME_PATH": str(home),
+        # torch_npu refuses to import without it when ASCEND_HOME_PATH is set (as set_env.sh sets it)
+        "ASCEND_OPP_PATH": str(home / "opp"),
         "LD_LIBRARY_PATH": ":".join(libdirs + kept),
         "NPUSIM_SOCKET": str(socket_path()),
     }

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.integration import torchnpulib
 from tests.integration.agentlib import Sim, Workload
 
 
@@ -21,3 +22,10 @@ def workloads() -> Iterator[list[Workload]]:
     yield started
     for w in started:
         w.kill()
+
+
+@pytest.fixture(scope="session")
+def torch_npu_python() -> str:
+    """The python of the torch_npu venv (.build/torch-npu); a skip with the reason when it is
+    missing, a failure under CI=true (tests/integration/torchnpulib.py)."""
+    return torchnpulib.require()

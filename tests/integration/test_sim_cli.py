@@ -47,8 +47,9 @@ def test_start_status_env_stop(private_socket: dict[str, str]) -> None:
 
     exports = npusnap(env, "sim", "env").stdout
     lines = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
-    assert set(lines) == {"ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "NPUSIM_SOCKET"}
+    assert set(lines) == {"ASCEND_HOME_PATH", "ASCEND_OPP_PATH", "LD_LIBRARY_PATH", "NPUSIM_SOCKET"}
     assert lines["NPUSIM_SOCKET"] == env["NPUSIM_SOCKET"]
+    assert lines["ASCEND_OPP_PATH"] == lines["ASCEND_HOME_PATH"] + "/opp"  # torch_npu's import needs it
     # the exports are all a program needs: run a workload in a shell that evals them
     shell = subprocess.run(
         ["bash", "-c", f'eval "$({" ".join(NPUSNAP)} sim env)" && exec python3 {script_path("train")} '
