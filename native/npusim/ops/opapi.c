@@ -8,7 +8,7 @@
  * workspaceSize, executor, stream) launches the kernel on the stream through the runtime's
  * aclrtLaunchKernel, so it is queued, ordered and gated by the snapshot lock like any launch, and
  * consumes the executor. The kernels live in a kernel binary under <tree>/opp (kernels.c), loaded
- * once per process with aclrtBinaryLoadFromFile. fp32 only; enough operators to train an MLP. */
+ * once per process with aclrtBinaryLoadFromFile. The operators themselves live in op_*.c. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <limits.h>
@@ -22,13 +22,6 @@
 
 #include "opapi_int.h"
 
-/* aclDataType values of acl_base.h that the fp32 operators of this file name. */
-#define ACL_FLOAT OPS_DT_FLOAT
-#define ACL_INT32 OPS_DT_INT32
-#define ACL_INT64 OPS_DT_INT64
-#define ACL_DOUBLE OPS_DT_DOUBLE
-#define ACL_BOOL OPS_DT_BOOL
-
 /* The runtime (libacl_rt.so): kernel binaries and launches (include/external/acl/acl_rt.h). */
 extern aclError aclrtBinaryLoadFromFile(const char *binPath, void *options, void **binHandle);
 extern aclError aclrtBinaryGetFunction(const void *binHandle, const char *kernelName, void **funcHandle);
@@ -39,22 +32,14 @@ extern aclError aclrtLaunchKernel(void *funcHandle, uint32_t numBlocks, const vo
 #define KERNEL_BIN "libnpusim_aclnn_kernels.so"
 #define BLOCK_DIM 8u /* AI cores an operator spreads over */
 
-enum kernel_id { K_ELEMENTWISE, K_MATMUL, K_REDUCE_SUM, K_MSE_LOSS, K_OP, K_COUNT };
-static const char *const KERNEL_NAMES[K_COUNT] = {"npusim_elementwise", "npusim_matmul", "npusim_reduce_sum",
-                                                  "npusim_mse_loss", "npusim_op"};
+enum kernel_id { K_OP, K_COUNT };
+static const char *const KERNEL_NAMES[K_COUNT] = {"npusim_op"};
 
 typedef struct aclOpExecutor {
     const char *op; /* the aclnn operator it was made for */
     int kernel;
     uint32_t block_dim;
-    size_t args_size;
-    union {
-        struct ops_ew_args ew;
-        struct ops_mm_args mm;
-        struct ops_reduce_args red;
-        struct ops_mse_args mse;
-    } args;
-    /* K_OP: the generic family's args, serialized at launch (ops_abi.h) */
+    /* the generic family's args, serialized at launch (ops_abi.h) */
     uint32_t gop;
     int oom;
     int64_t *ints;
@@ -241,72 +226,11 @@ static int64_t numel(const aclTensor *t) {
     return n;
 }
 
-/* A tensor this library computes on: fp32, ND-like format, non-negative strides, data present. */
-static aclnnStatus check_tensor(const aclTensor *t) {
-    if (!t) return ACLNN_ERR_PARAM_NULLPTR;
-    if (t->dtype != ACL_FLOAT) return ACLNN_ERR_PARAM_INVALID;
-    for (int d = 0; d < t->ndim; d++)
-        if (t->strides[d] < 0) return ACLNN_ERR_PARAM_INVALID;
-    if (numel(t) && !t->data) return ACLNN_ERR_PARAM_NULLPTR;
-    return ACLNN_SUCCESS;
-}
-
-static struct ops_view view_of(const aclTensor *t) {
-    struct ops_view v;
-    memset(&v, 0, sizeof v);
-    v.addr = t->data;
-    v.offset = t->offset;
-    v.ndim = t->ndim;
-    for (int d = 0; d < t->ndim; d++) {
-        v.shape[d] = t->dims[d];
-        v.stride[d] = t->strides[d];
-    }
-    return v;
-}
-
-/* The broadcast shape of a and b (numpy rules, aligned at the last dimension), or -1. */
-static int broadcast_shape(const aclTensor *a, const aclTensor *b, int64_t *shape) {
-    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
-    for (int i = 0; i < nd; i++) {
-        int ia = a->ndim - nd + i, ib = b->ndim - nd + i;
-        int64_t da = ia >= 0 ? a->dims[ia] : 1, db = ib >= 0 ? b->dims[ib] : 1;
-        if (da != db && da != 1 && db != 1) return -1;
-        shape[i] = da == 1 ? db : da;
-    }
-    return nd;
-}
-
 static int same_shape(const aclTensor *t, const int64_t *shape, int nd) {
     if (t->ndim != nd) return 0;
     for (int d = 0; d < nd; d++)
         if (t->dims[d] != shape[d]) return 0;
     return 1;
-}
-
-/* t viewed in the output's shape: leading dimensions added, broadcast dimensions of stride 0. */
-static struct ops_view aligned(const aclTensor *t, const aclTensor *out) {
-    struct ops_view v = view_of(out);
-    v.addr = t->data;
-    v.offset = t->offset;
-    for (int i = 0; i < out->ndim; i++) {
-        int it = t->ndim - out->ndim + i;
-        v.stride[i] = (it >= 0 && t->dims[it] == out->dims[i]) ? t->strides[it] : 0;
-    }
-    return v;
-}
-
-static aclnnStatus new_executor(const char *op, int kernel, uint64_t *workspaceSize, aclOpExecutor **executor,
-                                aclOpExecutor **out) {
-    if (!workspaceSize || !executor) return ACLNN_ERR_PARAM_NULLPTR;
-    aclOpExecutor *e = calloc(1, sizeof *e);
-    if (!e) return ACLNN_ERR_INNER;
-    e->op = op;
-    e->kernel = kernel;
-    e->block_dim = BLOCK_DIM;
-    *workspaceSize = 0; /* these kernels need no scratch memory */
-    *executor = e;
-    *out = e;
-    return ACLNN_SUCCESS;
 }
 
 /* ---------------------------------------------------------------- kernel binary and launch */
@@ -358,125 +282,6 @@ static void ex_free(aclOpExecutor *e) {
     free(e->tensors);
     free(e);
 }
-
-/* Phase two of every operator: launch the executor's kernel on the stream, consume the executor. */
-static aclnnStatus launch(const char *op, void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
-                          aclrtStream stream) {
-    (void)workspace;
-    if (!executor) return ACLNN_ERR_PARAM_NULLPTR;
-    if (strcmp(executor->op, op) != 0) return ACLNN_ERR_PARAM_INVALID; /* an executor of another operator */
-    (void)workspaceSize; /* every kernel here needs 0 bytes, so any size is enough */
-    aclError rc = 0;
-    void *f = kernel_func(executor->kernel, &rc);
-    if (f) rc = aclrtLaunchKernel(f, executor->block_dim, &executor->args, executor->args_size, stream);
-    ex_free(executor);
-    if (rc != 0) fprintf(stderr, "libopapi: %s: aclrtLaunchKernel failed with %d\n", op, rc);
-    return rc == 0 ? ACLNN_SUCCESS : ACLNN_ERR_RUNTIME_ERROR;
-}
-
-#define LAUNCHER(name)                                                                                  \
-    API aclnnStatus name(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) { \
-        return launch(#name, workspace, workspaceSize, executor, stream);                               \
-    }
-
-/* ---------------------------------------------------------------- element-wise operators */
-
-static aclnnStatus ew_binary(const char *op, int ewop, float alpha, const aclTensor *a, const aclTensor *b,
-                             const aclTensor *c, const aclTensor *out, uint64_t *ws, aclOpExecutor **ex) {
-    aclnnStatus st;
-    if ((st = check_tensor(a)) || (b && (st = check_tensor(b))) || (c && (st = check_tensor(c))) ||
-        (st = check_tensor(out)))
-        return st;
-    int64_t shape[OPS_MAX_DIMS];
-    int nd = a->ndim;
-    memcpy(shape, a->dims, sizeof shape);
-    if (b) {
-        nd = broadcast_shape(a, b, shape);
-        if (nd < 0) return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (c) {
-        aclTensor tmp = *a;
-        tmp.ndim = nd;
-        memcpy(tmp.dims, shape, sizeof shape);
-        nd = broadcast_shape(&tmp, c, shape);
-        if (nd < 0) return ACLNN_ERR_PARAM_INVALID;
-    }
-    if (!same_shape(out, shape, nd)) return ACLNN_ERR_PARAM_INVALID;
-    aclOpExecutor *e;
-    if ((st = new_executor(op, K_ELEMENTWISE, ws, ex, &e))) return st;
-    e->args_size = sizeof e->args.ew;
-    e->args.ew.op = ewop;
-    e->args.ew.alpha = alpha;
-    e->args.ew.nin = 1 + (b != NULL) + (c != NULL);
-    e->args.ew.out = view_of(out);
-    e->args.ew.in[0] = aligned(a, out);
-    if (b) e->args.ew.in[1] = aligned(b, out);
-    if (c) e->args.ew.in[2] = aligned(c, out);
-    return ACLNN_SUCCESS;
-}
-
-static aclnnStatus scalar_value(const aclScalar *s, float *v) {
-    if (!s) return ACLNN_ERR_PARAM_NULLPTR;
-    *v = (float)s->value;
-    return ACLNN_SUCCESS;
-}
-
-API aclnnStatus aclnnReluGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
-                                          aclOpExecutor **executor) {
-    return ew_binary("aclnnRelu", OPS_EW_RELU, 0.0f, self, NULL, NULL, out, workspaceSize, executor);
-}
-LAUNCHER(aclnnRelu)
-
-API aclnnStatus aclnnThresholdBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
-                                                       const aclScalar *threshold, aclTensor *out,
-                                                       uint64_t *workspaceSize, aclOpExecutor **executor) {
-    float th;
-    aclnnStatus st = scalar_value(threshold, &th);
-    if (st) return st;
-    if (!self) return ACLNN_ERR_PARAM_NULLPTR;
-    return ew_binary("aclnnThresholdBackward", OPS_EW_THRESHOLD_BWD, th, gradOutput, self, NULL, out,
-                     workspaceSize, executor);
-}
-LAUNCHER(aclnnThresholdBackward)
-
-/* reduction: 0 none, 1 mean, 2 sum (torch's Reduction enum, as aclnn takes it). */
-API aclnnStatus aclnnMseLossBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
-                                                     const aclTensor *target, int64_t reduction,
-                                                     aclTensor *gradInput, uint64_t *workspaceSize,
-                                                     aclOpExecutor **executor) {
-    if (!gradOutput || !self || !target || !gradInput) return ACLNN_ERR_PARAM_NULLPTR;
-    if (reduction < 0 || reduction > 2) return ACLNN_ERR_PARAM_INVALID;
-    int64_t n = numel(self);
-    float scale = reduction == 1 ? (n ? 2.0f / (float)n : 0.0f) : 2.0f;
-    return ew_binary("aclnnMseLossBackward", OPS_EW_MSE_BWD, scale, self, target, gradOutput, gradInput,
-                     workspaceSize, executor);
-}
-LAUNCHER(aclnnMseLossBackward)
-
-API aclnnStatus aclnnMseLossGetWorkspaceSize(const aclTensor *self, const aclTensor *target, int64_t reduction,
-                                             aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
-    aclnnStatus st;
-    if ((st = check_tensor(self)) || (st = check_tensor(target)) || (st = check_tensor(out))) return st;
-    if (reduction < 0 || reduction > 2) return ACLNN_ERR_PARAM_INVALID;
-    int64_t shape[OPS_MAX_DIMS];
-    int nd = broadcast_shape(self, target, shape);
-    if (nd < 0 || !same_shape(self, shape, nd)) return ACLNN_ERR_PARAM_INVALID;
-    if (reduction == 0)
-        return ew_binary("aclnnMseLoss", OPS_EW_SQDIFF, 0.0f, self, target, NULL, out, workspaceSize, executor);
-    if (numel(out) != 1) return ACLNN_ERR_PARAM_INVALID;
-    aclOpExecutor *e;
-    if ((st = new_executor("aclnnMseLoss", K_MSE_LOSS, workspaceSize, executor, &e))) return st;
-    e->block_dim = BLOCK_DIM;
-    e->args_size = sizeof e->args.mse;
-    e->args.mse.a = view_of(self);
-    e->args.mse.b = aligned(target, self);
-    e->args.mse.out = view_of(out);
-    e->args.mse.reduction = (int32_t)reduction;
-    return ACLNN_SUCCESS;
-}
-LAUNCHER(aclnnMseLoss)
-
-/* ---------------------------------------------------------------- matmul, reduce */
 
 /* ---------------------------------------------------------------- the generic family (opapi_int.h) */
 
@@ -590,8 +395,7 @@ HIDDEN aclnnStatus ex_done(aclOpExecutor *e) {
 HIDDEN aclnnStatus ex_launch(const char *name, void *workspace, uint64_t workspaceSize, aclOpExecutor *e,
                              aclrtStream stream) {
     if (!e) return ACLNN_ERR_PARAM_NULLPTR;
-    if (e->kernel != K_OP) return launch(name, workspace, workspaceSize, e, stream);
-    if (strcmp(e->op, name) != 0) return ACLNN_ERR_PARAM_INVALID;
+    if (strcmp(e->op, name) != 0) return ACLNN_ERR_PARAM_INVALID; /* an executor of another operator */
     if (e->workspace && (!workspace || workspaceSize < e->workspace)) {
         ex_free(e);
         return ACLNN_ERR_PARAM_INVALID;

@@ -8,56 +8,6 @@
 
 #define OPS_MAX_DIMS 8
 
-/* A strided fp32 view of device memory: element i (multi-index) lives at
- * addr + 4 * (offset + sum(idx[d] * stride[d])). A broadcast input has stride 0 on the
- * dimensions it is broadcast along (the operator library aligns inputs to the output's shape). */
-struct ops_view {
-    uint64_t addr;
-    int64_t offset;
-    int32_t ndim;
-    int32_t pad;
-    int64_t shape[OPS_MAX_DIMS];
-    int64_t stride[OPS_MAX_DIMS];
-};
-
-enum ops_ew {
-    OPS_EW_ADD = 1,           /* out = a + alpha * b */
-    OPS_EW_MUL = 2,           /* out = a * b */
-    OPS_EW_MULS = 3,          /* out = a * alpha */
-    OPS_EW_RELU = 4,          /* out = max(a, 0) */
-    OPS_EW_THRESHOLD_BWD = 5, /* out = b > alpha ? a : 0   (a: gradOutput, b: self) */
-    OPS_EW_MSE_BWD = 6,       /* out = alpha * (a - b) * c (a: self, b: target, c: gradOutput) */
-    OPS_EW_SQDIFF = 7,        /* out = (a - b)^2           (MseLoss, reduction none) */
-};
-
-struct ops_ew_args {
-    int32_t op;
-    int32_t nin;
-    float alpha;
-    float pad;
-    struct ops_view out;
-    struct ops_view in[3]; /* aligned to out's shape */
-};
-
-/* out[M,N] = a[M,K] @ b[K,N]; every view 2-D and strided (a transposed view is a stride swap). */
-struct ops_mm_args {
-    struct ops_view a, b, out;
-};
-
-/* out = sum of in over the dimensions whose flag is set; out is given in in's rank with those
- * dimensions of size 1 (keepDim or not, it is the same memory). */
-struct ops_reduce_args {
-    struct ops_view in, out;
-    uint8_t reduce[OPS_MAX_DIMS];
-};
-
-/* MseLoss with reduction mean (1) or sum (2): out[0] = sum((a - b)^2) / (mean ? n : 1). */
-struct ops_mse_args {
-    struct ops_view a, b, out;
-    int32_t reduction;
-    int32_t pad;
-};
-
 /* This process's side of a communicator, in host memory that outlives it (hccl.c never frees
  * it): whether the communicator may be used, and the collectives launched and not finished. */
 struct hccl_comm_state {

@@ -1,0 +1,364 @@
+/* Shapes and indexing of the nn family: Tril, Triu (and in place), Arange, Cat, Stack, IndexSelect,
+ * Gather, Index (advanced indexing), ArgMax, Topk. Prototypes: op-plugin's call sites (op_plugin/
+ * ops/opapi/ and the exec lines of op_plugin/config/op_plugin_functions.yaml) and CANN's aclnn API
+ * reference (aclnn_tril.h, aclnn_arange.h, aclnn_cat.h, aclnn_stack.h, aclnn_index_select.h,
+ * aclnn_gather.h, aclnn_index.h, aclnn_argmax.h, aclnn_topk.h). */
+#include <math.h>
+#include <string.h>
+
+#include "op_nn_int.h"
+
+/* ---------------------------------------------------------------- Tril, Triu */
+
+static aclnnStatus tri(const char *name, int upper, const aclTensor *self, int64_t diagonal, const aclTensor *out,
+                       uint64_t *workspaceSize, aclOpExecutor **executor) {
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(self->ndim >= 2 && nn_same_shape(out, self) && out->dtype == self->dtype);
+    NN_OPEN(e, name, OPS_OP_TRI);
+    ex_int(e, diagonal);
+    ex_int(e, upper);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, t_view(out));
+    return ex_done(e);
+}
+
+/* tril(self, diagonal) / tril_: exec aclnnTril and aclnnInplaceTril (op_plugin_functions.yaml). */
+API aclnnStatus aclnnTrilGetWorkspaceSize(const aclTensor *self, int64_t diagonal, aclTensor *out,
+                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return tri("aclnnTril", 0, self, diagonal, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnTril)
+
+API aclnnStatus aclnnInplaceTrilGetWorkspaceSize(aclTensor *selfRef, int64_t diagonal, uint64_t *workspaceSize,
+                                                 aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    return tri("aclnnInplaceTril", 0, selfRef, diagonal, selfRef, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnInplaceTril)
+
+API aclnnStatus aclnnTriuGetWorkspaceSize(const aclTensor *self, int64_t diagonal, aclTensor *out,
+                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return tri("aclnnTriu", 1, self, diagonal, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnTriu)
+
+API aclnnStatus aclnnInplaceTriuGetWorkspaceSize(aclTensor *selfRef, int64_t diagonal, uint64_t *workspaceSize,
+                                                 aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    return tri("aclnnInplaceTriu", 1, selfRef, diagonal, selfRef, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnInplaceTriu)
+
+/* ---------------------------------------------------------------- Arange */
+
+/* aclnnArange(start, end, step, out) (ArangeKernelNpuOpApi.cpp): out 1-D of
+ * ceil((end - start) / step) elements, as torch sizes it (RangeFactories.cpp). */
+API aclnnStatus aclnnArangeGetWorkspaceSize(const aclScalar *start, const aclScalar *end, const aclScalar *step,
+                                            aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!start || !end || !step || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(out, DTM_NUM));
+    double a = s_value(start), b = s_value(end), st = s_value(step);
+    NN_REQUIRE(st != 0.0 && isfinite(a) && isfinite(b) && ((st > 0 && b >= a) || (st < 0 && b <= a)));
+    NN_REQUIRE(out->ndim == 1 && (double)out->dims[0] == ceil((b - a) / st));
+    NN_OPEN(e, "aclnnArange", OPS_OP_ARANGE);
+    ex_scalar(e, a);
+    ex_scalar(e, st);
+    ex_tensor(e, t_view(out));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnArange)
+
+/* ---------------------------------------------------------------- Cat, Stack */
+
+/* aclnnCat(tensors, dim, out) (CatKernelNpuOpApi.cpp): every tensor has out's shape but along dim;
+ * a 1-D empty tensor is skipped, as torch's legacy cat rule. One COPIES launch: each tensor into
+ * its slice of out (out's view with a storage offset), cast to out's dtype. */
+API aclnnStatus aclnnCatGetWorkspaceSize(const aclTensorList *tensors, int64_t dim, aclTensor *out,
+                                         uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!tensors || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(out, DTM_ALL));
+    int nd = out->ndim;
+    int d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && nd >= 1 && tensors->size >= 1);
+    int64_t at = 0;
+    for (uint64_t j = 0; j < tensors->size; j++) {
+        const aclTensor *t = tensors->tensors[j];
+        NN_CHECK(t_check(t, DTM_ALL));
+        if (t->ndim == 1 && t->dims[0] == 0 && nd != 1) continue;
+        NN_REQUIRE(t->ndim == nd);
+        for (int i = 0; i < nd; i++) NN_REQUIRE(i == d || t->dims[i] == out->dims[i]);
+        at += t->dims[d];
+    }
+    NN_REQUIRE(at == out->dims[d]);
+    NN_OPEN(e, "aclnnCat", OPS_OP_COPIES);
+    at = 0;
+    for (uint64_t j = 0; j < tensors->size; j++) {
+        const aclTensor *t = tensors->tensors[j];
+        if (t->ndim == 1 && t->dims[0] == 0 && nd != 1) continue;
+        struct ops_tensor dst = t_view(out);
+        dst.offset += at * out->strides[d];
+        dst.shape[d] = t->dims[d];
+        ex_tensor(e, t_view(t));
+        ex_tensor(e, dst);
+        at += t->dims[d];
+    }
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnCat)
+
+/* aclnnStack(tensors, dim, out) (exec aclnnStack of stack): every tensor of one shape, out with a
+ * new dimension of size n at dim; tensor j goes to out's select(dim, j). */
+API aclnnStatus aclnnStackGetWorkspaceSize(const aclTensorList *tensors, int64_t dim, aclTensor *out,
+                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!tensors || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(tensors->size >= 1);
+    const aclTensor *t0 = tensors->tensors[0];
+    NN_CHECK(t_check(t0, DTM_ALL));
+    int nd = t0->ndim;
+    int d = t_dim(dim, nd + 1);
+    NN_REQUIRE(d >= 0 && out->ndim == nd + 1 && out->dims[d] == (int64_t)tensors->size);
+    for (int i = 0; i < nd; i++) NN_REQUIRE(out->dims[i < d ? i : i + 1] == t0->dims[i]);
+    for (uint64_t j = 0; j < tensors->size; j++) {
+        NN_CHECK(t_check(tensors->tensors[j], DTM_ALL));
+        NN_REQUIRE(nn_same_shape(tensors->tensors[j], t0));
+    }
+    NN_OPEN(e, "aclnnStack", OPS_OP_COPIES);
+    for (uint64_t j = 0; j < tensors->size; j++) {
+        struct ops_tensor dst = t_view(out);
+        dst.offset += (int64_t)j * out->strides[d];
+        for (int i = d; i < nd; i++) { /* drop dim d */
+            dst.shape[i] = dst.shape[i + 1];
+            dst.stride[i] = dst.stride[i + 1];
+        }
+        dst.ndim = nd;
+        ex_tensor(e, t_view(tensors->tensors[j]));
+        ex_tensor(e, dst);
+    }
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnStack)
+
+/* ---------------------------------------------------------------- gathers by index */
+
+/* aclnnIndexSelect(self, dim, index, out) (IndexSelectKernelNpuOpApi.cpp): out is self with dim's
+ * size replaced by index's length; index 1-D or 0-D, int32 or int64. */
+API aclnnStatus aclnnIndexSelectGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                                 aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !index || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(index, DTM_INDEX));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(index->ndim <= 1 && out->dtype == self->dtype);
+    int nd = self->ndim;
+    int d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0);
+    int64_t n = t_numel(index);
+    if (nd == 0) {
+        NN_REQUIRE(n == 1 && t_numel(out) == 1);
+    } else {
+        int64_t want[OPS_MAX_DIMS];
+        memcpy(want, self->dims, sizeof want);
+        want[d] = n;
+        NN_REQUIRE(t_same_shape(out, want, nd));
+    }
+    struct ops_tensor o = t_view(out), idx = t_view(index);
+    int ond = nd ? nd : 1;
+    if (!nd) o.ndim = 1, o.shape[0] = 1, o.stride[0] = 0;
+    idx.ndim = ond;
+    for (int i = 0; i < ond; i++) {
+        idx.shape[i] = o.shape[i];
+        idx.stride[i] = i == d && index->ndim ? index->strides[0] : 0;
+    }
+    NN_OPEN(e, "aclnnIndexSelect", OPS_OP_INDEX);
+    for (int i = 0; i < ond; i++) ex_int(e, i == d || !nd ? 0 : self->strides[i]);
+    ex_int(e, nd ? self->strides[d] : 0);
+    ex_int(e, nd ? self->dims[d] : 1);
+    ex_tensor(e, o);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, idx);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnIndexSelect)
+
+/* aclnnGather(self, dim, index, out) (GatherKernelNpuOpApi.cpp): out[i] = self[i with dim replaced
+ * by index[i]]; out and index of one shape, index no larger than self outside dim. */
+API aclnnStatus aclnnGatherGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                            aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !index || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(index, DTM_INDEX));
+    NN_CHECK(t_check(out, DTM_ALL));
+    int nd = self->ndim;
+    int d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && out->dtype == self->dtype && nn_same_shape(out, index));
+    NN_REQUIRE(index->ndim == nd || (nd == 0 && index->ndim <= 1));
+    for (int i = 0; i < nd; i++) NN_REQUIRE(i == d || index->dims[i] <= self->dims[i]);
+    struct ops_tensor o = t_view(out), idx = t_view(index);
+    if (!nd) {
+        o.ndim = idx.ndim = 1;
+        o.shape[0] = idx.shape[0] = t_numel(index);
+        o.stride[0] = out->ndim ? out->strides[0] : 0;
+        idx.stride[0] = index->ndim ? index->strides[0] : 0;
+    }
+    NN_OPEN(e, "aclnnGather", OPS_OP_INDEX);
+    for (int i = 0; i < o.ndim; i++) ex_int(e, i == d || !nd ? 0 : self->strides[i]);
+    ex_int(e, nd ? self->strides[d] : 0);
+    ex_int(e, nd ? self->dims[d] : 1);
+    ex_tensor(e, o);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, idx);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnGather)
+
+/* aclnnIndex(self, indices, out): advanced indexing as op-plugin calls it (IndexKernelNpuOpApi.cpp):
+ * one entry per leading dim of self, an undefined index passed as an empty tensor (that dim kept
+ * whole); bool masks were already turned into long indices (AdvanceIndex::npu_expand_tensors).
+ * The defined indices broadcast to one shape B; as torch's rule, when they are adjacent B takes
+ * their place in out's shape, else B comes first and the kept dims follow. */
+API aclnnStatus aclnnIndexGetWorkspaceSize(const aclTensor *self, const aclTensorList *indices, aclTensor *out,
+                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !indices || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    int nd = self->ndim, L = (int)indices->size;
+    NN_REQUIRE(L >= 1 && L <= nd && out->dtype == self->dtype);
+    int def[OPS_MAX_DIMS], nidx = 0;
+    int64_t B[OPS_MAX_DIMS];
+    int nb = 0;
+    for (int j = 0; j < L; j++) {
+        const aclTensor *t = indices->tensors[j];
+        if (!t) return ACLNN_ERR_PARAM_NULLPTR;
+        if (t->ndim == 1 && t->dims[0] == 0) continue; /* undefined: the whole dim */
+        NN_CHECK(t_check(t, DTM_INDEX));
+        int64_t tmp[OPS_MAX_DIMS];
+        nb = t_broadcast(B, nb, t->dims, t->ndim, tmp);
+        NN_REQUIRE(nb >= 0);
+        memcpy(B, tmp, sizeof tmp);
+        def[nidx++] = j;
+    }
+    NN_REQUIRE(nidx >= 1 && nidx <= 6); /* the INDEX kernel's iterator holds out, self and 6 indices */
+    int adjacent = def[nidx - 1] - def[0] == nidx - 1;
+    /* out's dims: (kept dims before the first index) B (kept dims after), or B (all kept dims) */
+    int64_t shape[OPS_MAX_DIMS], base[OPS_MAX_DIMS];
+    int bpos = adjacent ? def[0] : 0, ond = 0;
+    int is_idx[OPS_MAX_DIMS] = {0};
+    for (int j = 0; j < nidx; j++) is_idx[def[j]] = 1;
+    NN_REQUIRE(nd - nidx + nb <= OPS_MAX_DIMS);
+    int k = 0;
+    for (int i = 0; i < bpos; i++, k++) shape[k] = self->dims[i], base[k] = self->strides[i];
+    for (int i = 0; i < nb; i++, k++) shape[k] = B[i], base[k] = 0;
+    for (int i = bpos; i < nd; i++)
+        if (!is_idx[i]) shape[k] = self->dims[i], base[k++] = self->strides[i];
+    ond = k;
+    NN_REQUIRE(t_same_shape(out, shape, ond));
+    NN_OPEN(e, "aclnnIndex", OPS_OP_INDEX);
+    for (int i = 0; i < ond; i++) ex_int(e, base[i]);
+    for (int j = 0; j < nidx; j++) {
+        ex_int(e, self->strides[def[j]]);
+        ex_int(e, self->dims[def[j]]);
+    }
+    ex_tensor(e, t_view(out));
+    ex_tensor(e, t_view(self));
+    for (int j = 0; j < nidx; j++) {
+        /* index j aligned to B, placed at out's dims [bpos, bpos + nb) */
+        struct ops_tensor a = t_aligned(indices->tensors[def[j]], B, nb), v = t_view(out);
+        v.addr = a.addr;
+        v.offset = a.offset;
+        v.dtype = a.dtype;
+        for (int i = 0; i < ond; i++) v.stride[i] = i >= bpos && i < bpos + nb ? a.stride[i - bpos] : 0;
+        ex_tensor(e, v);
+    }
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnIndex)
+
+/* ---------------------------------------------------------------- ArgMax, Topk */
+
+/* aclnnArgMax(self, dim, keepdim, out) (ArgmaxKernelNpuOpApi.cpp: without a dim op-plugin passes
+ * self flattened and dim 0); out int64 (or int32). */
+API aclnnStatus aclnnArgMaxGetWorkspaceSize(const aclTensor *self, int64_t dim, bool keepdim, aclTensor *out,
+                                            uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_NUM));
+    NN_CHECK(t_check(out, DTM_INDEX));
+    int nd = self->ndim;
+    int d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0);
+    struct ops_tensor x = t_view(self), o = t_view(out);
+    if (nd == 0) {
+        NN_REQUIRE(t_numel(out) == 1);
+        x.ndim = o.ndim = 1;
+        x.shape[0] = o.shape[0] = 1;
+        x.stride[0] = o.stride[0] = 0;
+    } else {
+        NN_REQUIRE(self->dims[d] > 0);
+        int64_t want[OPS_MAX_DIMS];
+        int nw = 0;
+        for (int i = 0; i < nd; i++)
+            if (i != d) want[nw++] = self->dims[i];
+            else if (keepdim) want[nw++] = 1;
+        NN_REQUIRE(t_same_shape(out, want, nw));
+        /* out in self's rank, size 1 along d */
+        o = t_view(self);
+        o.addr = out->data, o.offset = out->offset, o.dtype = out->dtype;
+        for (int i = 0, j = 0; i < nd; i++) {
+            if (i == d) {
+                o.shape[i] = 1, o.stride[i] = 0;
+                if (keepdim) j++;
+            } else {
+                o.stride[i] = out->strides[j++];
+            }
+        }
+        x = nn_dim_last(x, d);
+        o = nn_dim_last(o, d);
+    }
+    NN_OPEN(e, "aclnnArgMax", OPS_OP_ARGMAX);
+    ex_tensor(e, x);
+    ex_tensor(e, o);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnArgMax)
+
+/* aclnnTopk(self, k, dim, largest, sorted, valuesOut, indicesOut) (TopKKernelNpuOpApi.cpp): values
+ * and indices shaped as self with k along dim. Always returned sorted (a stable order: ties by
+ * index), which is one of the orders sorted=false allows. */
+API aclnnStatus aclnnTopkGetWorkspaceSize(const aclTensor *self, int64_t k, int64_t dim, bool largest, bool sorted,
+                                          aclTensor *valuesOut, aclTensor *indicesOut, uint64_t *workspaceSize,
+                                          aclOpExecutor **executor) {
+    if (!self || !valuesOut || !indicesOut) return ACLNN_ERR_PARAM_NULLPTR;
+    (void)sorted;
+    NN_CHECK(t_check(self, DTM_NUM));
+    NN_CHECK(t_check(valuesOut, DTM_NUM));
+    NN_CHECK(t_check(indicesOut, DTM_INDEX));
+    int nd = self->ndim;
+    int d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && valuesOut->dtype == self->dtype);
+    int64_t n = nd ? self->dims[d] : 1;
+    NN_REQUIRE(k >= 0 && k <= n);
+    int64_t want[OPS_MAX_DIMS];
+    memcpy(want, self->dims, sizeof want);
+    if (nd) want[d] = k;
+    NN_REQUIRE(t_same_shape(valuesOut, want, nd) && t_same_shape(indicesOut, want, nd));
+    struct ops_tensor v[3] = {t_view(self), t_view(valuesOut), t_view(indicesOut)};
+    for (int j = 0; j < 3; j++) {
+        if (!nd) {
+            v[j].ndim = 1;
+            v[j].shape[0] = j ? k : 1;
+            v[j].stride[0] = 0;
+        } else {
+            v[j] = nn_dim_last(v[j], d);
+        }
+    }
+    NN_OPEN(e, "aclnnTopk", OPS_OP_TOPK);
+    ex_int(e, k);
+    ex_int(e, largest);
+    ex_int(e, 1);
+    for (int j = 0; j < 3; j++) ex_tensor(e, v[j]);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnTopk)
