@@ -6,9 +6,10 @@
  * schema's order, then the output). Only names op-plugin looks up are exported.
  *
  * Scalars follow the CPU kernels' types, so that results agree with torch bit for bit where the
- * math is exact: arithmetic on float, half and bfloat16 takes its scalar as float (the opmath type,
- * aten/src/ATen/OpMathType.h), comparisons and clamps take it in the tensor's own type (the
- * iterator's common dtype). */
+ * math is exact: multiplicative arithmetic (lerp, addcmul, addcdiv, mul, div) on float, half and
+ * bfloat16 takes its scalar as float (the opmath type, aten/src/ATen/OpMathType.h); additive
+ * arithmetic (add, sub, rsub), powers, comparisons and clamps take it in the tensor's own type (the
+ * iterator's common dtype), as measured against torch 2.13's CPU kernels. */
 #include <math.h>
 #include <string.h>
 
@@ -296,7 +297,7 @@ API aclnnStatus aclnnPowTensorScalarGetWorkspaceSize(const aclTensor *self, cons
     if (!self || !exponent || !out) return ACLNN_ERR_PARAM_NULLPTR;
     aclnnStatus st;
     if ((st = t_check(self, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;
-    double s[1] = {sc_op(s_value(exponent), out->dtype)};
+    double s[1] = {sc_dt(s_value(exponent), out->dtype)};
     return ew_op("aclnnPowTensorScalar", OPS_EWF_POW_TS, T1(self), s, 1, out, ARGS);
 }
 OPS_LAUNCHER(aclnnPowTensorScalar)
@@ -306,7 +307,7 @@ API aclnnStatus aclnnInplacePowTensorScalarGetWorkspaceSize(aclTensor *selfRef, 
     if (!selfRef || !exponent) return ACLNN_ERR_PARAM_NULLPTR;
     aclnnStatus st;
     if ((st = t_check(selfRef, DTM_NUM))) return st;
-    double s[1] = {sc_op(s_value(exponent), selfRef->dtype)};
+    double s[1] = {sc_dt(s_value(exponent), selfRef->dtype)};
     return ew_op("aclnnInplacePowTensorScalar", OPS_EWF_POW_TS, T1(selfRef), s, 1, selfRef, ARGS);
 }
 OPS_LAUNCHER(aclnnInplacePowTensorScalar)
@@ -316,7 +317,7 @@ API aclnnStatus aclnnPowScalarTensorGetWorkspaceSize(const aclScalar *self, cons
     if (!self || !exponent || !out) return ACLNN_ERR_PARAM_NULLPTR;
     aclnnStatus st;
     if ((st = t_check(exponent, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;
-    double s[1] = {sc_op(s_value(self), out->dtype)};
+    double s[1] = {sc_dt(s_value(self), out->dtype)};
     return ew_op("aclnnPowScalarTensor", OPS_EWF_POW_ST, T1(exponent), s, 1, out, ARGS);
 }
 OPS_LAUNCHER(aclnnPowScalarTensor)
@@ -440,7 +441,7 @@ API aclnnStatus aclnnRsubsGetWorkspaceSize(const aclTensor *self, const aclScala
     if (!self || !other || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
     aclnnStatus st;
     if ((st = t_check(self, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;
-    double s[2] = {sc_op(s_value(other), out->dtype), sc_op(s_value(alpha), out->dtype)};
+    double s[2] = {sc_dt(s_value(other), out->dtype), sc_op(s_value(alpha), out->dtype)};
     return ew_op("aclnnRsubs", OPS_EWF_RSUBS, T1(self), s, 2, out, ARGS);
 }
 OPS_LAUNCHER(aclnnRsubs)

@@ -6,7 +6,8 @@
  * tensor (op-plugin's copy_scalar_to_device), a "V2" scalar an aclScalar, a scalar list an
  * aclScalarList, and ForeachAddcdivScalarList/ForeachAddcmulScalarList take their per-tensor values
  * as one 1-D device tensor (ForeachAddcdivTensorKernelNpuOpApi.cpp). Scalars are taken as the CPU's
- * foreach fallbacks take them: float for float, half and bfloat16 tensors (the opmath type). */
+ * foreach fallbacks take them: float for float, half and bfloat16 tensors (the opmath type) in the
+ * multiplicative maps, the tensor's own dtype in add, sub and pow. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,27 @@
 
 static bool is_float(int dt) { return dt == OPS_DT_FLOAT || dt == OPS_DT_FLOAT16 || dt == OPS_DT_BF16; }
 static double sc_op(double v, int dt) { return is_float(dt) ? (double)(float)v : v; }
+
+static double bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* v in dtype dt itself: the CPU's add, sub and pow take their scalar so (BinaryOpsKernel.cpp,
+ * PowKernel.cpp: measured, every element equal) */
+static double sc_dt(double v, int dt) {
+    switch (dt) {
+    case OPS_DT_FLOAT: return (float)v;
+    case OPS_DT_FLOAT16: return (double)(_Float16)(float)v;
+    case OPS_DT_BF16: return bf16_round((float)v);
+    default: return v;
+    }
+}
 
 /* One input of a foreach map: a list (one tensor per group), a one-element device tensor shared by
  * every group, or a 1-D device tensor whose element g belongs to group g. */
@@ -89,7 +111,7 @@ static int list_dtype(const aclTensorList *l) {
 }
 
 /* group scalars of a scalar list, each as its group's opmath value */
-static double *scalar_list(const aclScalarList *s, const aclTensorList *out, aclnnStatus *st) {
+static double *scalar_list(const aclScalarList *s, const aclTensorList *out, int in_dtype, aclnnStatus *st) {
     *st = ACLNN_SUCCESS;
     if (!s || !out) {
         *st = ACLNN_ERR_PARAM_NULLPTR;
@@ -105,7 +127,10 @@ static double *scalar_list(const aclScalarList *s, const aclTensorList *out, acl
         return NULL;
     }
     for (uint64_t i = 0; i < s->size; i++)
-        v[i] = sc_op(s_value(s->scalars[i]), out->tensors[i] ? out->tensors[i]->dtype : OPS_DT_FLOAT);
+    {
+        int dt = out->tensors[i] ? out->tensors[i]->dtype : OPS_DT_FLOAT;
+        v[i] = in_dtype ? sc_dt(s_value(s->scalars[i]), dt) : sc_op(s_value(s->scalars[i]), dt);
+    }
     return v;
 }
 
@@ -173,12 +198,12 @@ FE_LIST2(PowList, OPS_EWF_POW_TT)
 
 /* op(x, scalar): V2 (aclScalar), the first version (a one-element device tensor), a scalar list.
  * fn_s: the map with the scalar as s0 (and s1 = 1 for the add/sub maps), fn_t: with it as x1. */
-#define FE_SCALAR(Name, fn_s, fn_t, extra)                                                                    \
+#define FE_SCALAR(Name, fn_s, fn_t, extra, in_dt)                                                                  \
     API aclnnStatus aclnnForeach##Name##ScalarV2GetWorkspaceSize(const aclTensorList *x, const aclScalar *scalar, \
                                                                  const aclTensorList *out, uint64_t *workspaceSize, \
                                                                  aclOpExecutor **executor) {                  \
         if (!x || !scalar || !out) return ACLNN_ERR_PARAM_NULLPTR;                                            \
-        double s[2] = {sc_op(s_value(scalar), list_dtype(out)), extra};                                       \
+        double s[2] = {in_dt ? sc_dt(s_value(scalar), list_dtype(out)) : sc_op(s_value(scalar), list_dtype(out)), extra};                                       \
         return foreach_op("aclnnForeach" #Name "ScalarV2", fn_s, INS(L(x)), out, NULL, 0, s, 2, ARGS);        \
     }                                                                                                         \
     OPS_LAUNCHER(aclnnForeach##Name##ScalarV2)                                                                \
@@ -197,7 +222,7 @@ FE_LIST2(PowList, OPS_EWF_POW_TT)
                                                                    aclOpExecutor **executor) {                \
         if (!x || !scalars || !out) return ACLNN_ERR_PARAM_NULLPTR;                                           \
         aclnnStatus st;                                                                                       \
-        double *per = scalar_list(scalars, out, &st);                                                         \
+        double *per = scalar_list(scalars, out, in_dt, &st);                                                         \
         if (!per) return st;                                                                                  \
         double s[1] = {extra};                                                                                \
         st = foreach_op("aclnnForeach" #Name "ScalarList", fn_s, INS(L(x)), out, per, 1, s, 1, ARGS);         \
@@ -207,20 +232,20 @@ FE_LIST2(PowList, OPS_EWF_POW_TT)
     OPS_LAUNCHER(aclnnForeach##Name##ScalarList)
 
 /* ADDS: x0 + s1 * s0; SUBS: x0 - s1 * s0; with the tensor scalar: ADD x0 + s0 * x1, SUB x0 - s0 * x1 */
-FE_SCALAR(Add, OPS_EWF_ADDS, OPS_EWF_ADD, 1.0)
-FE_SCALAR(Sub, OPS_EWF_SUBS, OPS_EWF_SUB, 1.0)
-FE_SCALAR(Mul, OPS_EWF_MULS, OPS_EWF_MUL, 0.0)
-FE_SCALAR(Div, OPS_EWF_DIVS, OPS_EWF_DIV, 0.0)
-FE_SCALAR(Maximum, OPS_EWF_MAXS, OPS_EWF_MAXIMUM, 0.0)
-FE_SCALAR(Minimum, OPS_EWF_MINS, OPS_EWF_MINIMUM, 0.0)
-FE_SCALAR(Pow, OPS_EWF_POW_TS, OPS_EWF_POW_TT, 0.0)
+FE_SCALAR(Add, OPS_EWF_ADDS, OPS_EWF_ADD, 1.0, 1)
+FE_SCALAR(Sub, OPS_EWF_SUBS, OPS_EWF_SUB, 1.0, 1)
+FE_SCALAR(Mul, OPS_EWF_MULS, OPS_EWF_MUL, 0.0, 0)
+FE_SCALAR(Div, OPS_EWF_DIVS, OPS_EWF_DIV, 0.0, 0)
+FE_SCALAR(Maximum, OPS_EWF_MAXS, OPS_EWF_MAXIMUM, 0.0, 0)
+FE_SCALAR(Minimum, OPS_EWF_MINS, OPS_EWF_MINIMUM, 0.0, 0)
+FE_SCALAR(Pow, OPS_EWF_POW_TS, OPS_EWF_POW_TT, 0.0, 1)
 
 /* scalar ** x */
 API aclnnStatus aclnnForeachPowScalarAndTensorGetWorkspaceSize(const aclScalar *scalar, const aclTensorList *x,
                                                                const aclTensorList *out, uint64_t *workspaceSize,
                                                                aclOpExecutor **executor) {
     if (!x || !scalar || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {sc_op(s_value(scalar), list_dtype(out))};
+    double s[1] = {sc_dt(s_value(scalar), list_dtype(out))};
     return foreach_op("aclnnForeachPowScalarAndTensor", OPS_EWF_POW_ST, INS(L(x)), out, NULL, 0, s, 1, ARGS);
 }
 OPS_LAUNCHER(aclnnForeachPowScalarAndTensor)
