@@ -2,8 +2,74 @@
 #ifndef NPUSIM_OPS_LIST_MATH_H
 #define NPUSIM_OPS_LIST_MATH_H
 
-#define OPS_KERNELS_MATH(X)
+/* FOREACH: one EW map over G groups of tensors (k_math_foreach.c says the layout);
+ * FOREACH_NORM: out_g = ||in_g||_p for each pair (in_g, out_g), s[0] = p;
+ * ARGRED: the max or min along one dimension with its index (MaxDim, MinDim);
+ * RAND: a fill from a counter-based generator (normal, uniform, bernoulli). */
+#define OPS_KERNELS_MATH(X)                                                                       \
+    X(FOREACH, k_foreach)                                                                         \
+    X(FOREACH_NORM, k_foreach_norm)                                                               \
+    X(ARGRED, k_argred)                                                                           \
+    X(RAND, k_rand)
 
-#define OPS_EW_MATH(X)
+/* x[] are the inputs in order, s[] the scalars (k_math_ew.c defines each function). */
+#define OPS_EW_MATH(X)                                                                            \
+    X(NEG, ew_neg)                                                                                \
+    X(ABS, ew_abs)                                                                                \
+    X(EXP, ew_exp)                                                                                \
+    X(LOG, ew_log)                                                                                \
+    X(SQRT, ew_sqrt)                                                                              \
+    X(RSQRT, ew_rsqrt)                                                                            \
+    X(RECIPROCAL, ew_reciprocal)                                                                  \
+    X(TANH, ew_tanh)                                                                              \
+    X(SIGMOID, ew_sigmoid)                                                                        \
+    X(SILU, ew_silu)                                                                              \
+    X(ERF, ew_erf)                                                                                \
+    X(SIGN, ew_sign)                                                                              \
+    X(FLOOR, ew_floor)                                                                            \
+    X(CEIL, ew_ceil)                                                                              \
+    X(ROUND, ew_round)                                                                            \
+    X(TRUNC, ew_trunc)                                                                            \
+    X(SILU_BWD, ew_silu_bwd)       /* x0 grad, x1 self */                                       \
+    X(SIGMOID_BWD, ew_sigmoid_bwd) /* x0 grad, x1 output */                                     \
+    X(TANH_BWD, ew_tanh_bwd)       /* x0 grad, x1 output */                                     \
+    X(BNOT, ew_bnot)               /* integers: ~x */                                            \
+    X(LNOT, ew_lnot)               /* bool and logical_not: x == 0 */                            \
+    X(LAND, ew_land)                                                                              \
+    X(LOR, ew_lor)                                                                                \
+    X(POW_TS, ew_pow_ts)           /* x0 ^ s0 */                                                 \
+    X(POW_ST, ew_pow_st)           /* s0 ^ x0 */                                                 \
+    X(POW_TT, ew_pow_tt)           /* x0 ^ x1 */                                                 \
+    X(CLAMP, ew_clamp)             /* s0 min, s1 max (+-inf when absent) */                      \
+    X(CLAMP_T, ew_clamp_t)         /* x1 min, x2 max */                                          \
+    X(MAXIMUM, ew_maximum)                                                                        \
+    X(MINIMUM, ew_minimum)                                                                        \
+    X(MAXS, ew_maxs)               /* max(x0, s0), NaN propagating */                            \
+    X(MINS, ew_mins)                                                                              \
+    X(GT, ew_gt)                                                                                  \
+    X(GE, ew_ge)                                                                                  \
+    X(LT, ew_lt)                                                                                  \
+    X(LE, ew_le)                                                                                  \
+    X(EQ, ew_eq)                                                                                  \
+    X(NE, ew_ne)                                                                                  \
+    X(GTS, ew_gts)                                                                                \
+    X(GES, ew_ges)                                                                                \
+    X(LTS, ew_lts)                                                                                \
+    X(LES, ew_les)                                                                                \
+    X(EQS, ew_eqs)                                                                                \
+    X(NES, ew_nes)                                                                                \
+    X(MASKED_FILL, ew_masked_fill) /* x1 ? s0 : x0 */                                            \
+    X(WHERE, ew_where)             /* x0 ? x1 : x2 (also masked fill with a tensor value) */     \
+    X(LERPS, ew_lerps)             /* x0 + s0 (x1 - x0), as torch's lerp */                      \
+    X(LERP, ew_lerp)               /* weight x2 */                                               \
+    X(ADDCMUL, ew_addcmul)         /* x0 + s0 x1 x2 */                                           \
+    X(ADDCDIV, ew_addcdiv)         /* x0 + s0 x1 / x2 */                                         \
+    X(ADDCMUL_T, ew_addcmul_t)     /* x0 + x3 x1 x2 (a scalar held by a device tensor) */        \
+    X(ADDCDIV_T, ew_addcdiv_t)                                                                    \
+    X(RSUBS, ew_rsubs)             /* s0 - s1 x0 */
+
+#define OPS_EW_MATH_DECL(id, fn) __attribute__((visibility("hidden"))) double fn(const double *x, const double *s);
+OPS_EW_MATH(OPS_EW_MATH_DECL)
+#undef OPS_EW_MATH_DECL
 
 #endif

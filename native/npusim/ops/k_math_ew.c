@@ -1,0 +1,94 @@
+/* The math family's element-wise maps (rows of OPS_EW_MATH, ops_list_math.h), run by the EW and
+ * FOREACH kernels. Each computes in double and is rounded once at the store (kern.h); where torch
+ * picks between formulas (lerp's two branches, clamp's and maximum's NaN rules, sign), the map
+ * follows the CPU kernels of aten/src/ATen/native (Lerp.h, cpu/UnaryOpsKernel.cpp,
+ * cpu/BinaryOpsKernel.cpp, cpu/TensorCompareKernel.cpp) so that results agree with torch. */
+#include "kern.h"
+
+#define X0 x[0]
+#define UNUSED_S (void)s
+#define UNUSED_X (void)x
+
+static double sigm(double v) { return 1.0 / (1.0 + exp(-v)); }
+
+KHIDDEN double ew_neg(const double *x, const double *s) { UNUSED_S; return -X0; }
+KHIDDEN double ew_abs(const double *x, const double *s) { UNUSED_S; return fabs(X0); }
+KHIDDEN double ew_exp(const double *x, const double *s) { UNUSED_S; return exp(X0); }
+KHIDDEN double ew_log(const double *x, const double *s) { UNUSED_S; return log(X0); }
+KHIDDEN double ew_sqrt(const double *x, const double *s) { UNUSED_S; return sqrt(X0); }
+KHIDDEN double ew_rsqrt(const double *x, const double *s) { UNUSED_S; return 1.0 / sqrt(X0); }
+KHIDDEN double ew_reciprocal(const double *x, const double *s) { UNUSED_S; return 1.0 / X0; }
+KHIDDEN double ew_tanh(const double *x, const double *s) { UNUSED_S; return tanh(X0); }
+KHIDDEN double ew_sigmoid(const double *x, const double *s) { UNUSED_S; return sigm(X0); }
+KHIDDEN double ew_silu(const double *x, const double *s) { UNUSED_S; return X0 / (1.0 + exp(-X0)); }
+KHIDDEN double ew_erf(const double *x, const double *s) { UNUSED_S; return erf(X0); }
+/* torch.sign: (0 < x) - (x < 0), so NaN gives 0 */
+KHIDDEN double ew_sign(const double *x, const double *s) { UNUSED_S; return (double)((0.0 < X0) - (X0 < 0.0)); }
+KHIDDEN double ew_floor(const double *x, const double *s) { UNUSED_S; return floor(X0); }
+KHIDDEN double ew_ceil(const double *x, const double *s) { UNUSED_S; return ceil(X0); }
+/* torch.round: half to even (std::nearbyint in the default rounding mode) */
+KHIDDEN double ew_round(const double *x, const double *s) { UNUSED_S; return nearbyint(X0); }
+KHIDDEN double ew_trunc(const double *x, const double *s) { UNUSED_S; return trunc(X0); }
+
+KHIDDEN double ew_silu_bwd(const double *x, const double *s) {
+    UNUSED_S;
+    double sg = sigm(x[1]);
+    return x[0] * sg * (1.0 + x[1] * (1.0 - sg));
+}
+KHIDDEN double ew_sigmoid_bwd(const double *x, const double *s) { UNUSED_S; return x[0] * (1.0 - x[1]) * x[1]; }
+KHIDDEN double ew_tanh_bwd(const double *x, const double *s) { UNUSED_S; return x[0] * (1.0 - x[1] * x[1]); }
+
+KHIDDEN double ew_bnot(const double *x, const double *s) { UNUSED_S; return (double)~(int64_t)X0; }
+KHIDDEN double ew_lnot(const double *x, const double *s) { UNUSED_S; return X0 == 0.0; }
+KHIDDEN double ew_land(const double *x, const double *s) { UNUSED_S; return x[0] != 0.0 && x[1] != 0.0; }
+KHIDDEN double ew_lor(const double *x, const double *s) { UNUSED_S; return x[0] != 0.0 || x[1] != 0.0; }
+
+KHIDDEN double ew_pow_ts(const double *x, const double *s) { return pow(X0, s[0]); }
+KHIDDEN double ew_pow_st(const double *x, const double *s) { return pow(s[0], X0); }
+KHIDDEN double ew_pow_tt(const double *x, const double *s) { UNUSED_S; return pow(x[0], x[1]); }
+
+/* clamp: NaN stays NaN; min(max(x, lo), hi), so hi wins when lo > hi */
+static double clamp3(double v, double lo, double hi) {
+    if (v != v) return v;
+    if (lo != lo) return lo;
+    if (hi != hi) return hi;
+    v = v < lo ? lo : v;
+    return v > hi ? hi : v;
+}
+KHIDDEN double ew_clamp(const double *x, const double *s) { return clamp3(X0, s[0], s[1]); }
+KHIDDEN double ew_clamp_t(const double *x, const double *s) { UNUSED_S; return clamp3(x[0], x[1], x[2]); }
+
+static double maxn(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }
+static double minn(double a, double b) { return a != a ? a : b != b ? b : a < b ? a : b; }
+KHIDDEN double ew_maximum(const double *x, const double *s) { UNUSED_S; return maxn(x[0], x[1]); }
+KHIDDEN double ew_minimum(const double *x, const double *s) { UNUSED_S; return minn(x[0], x[1]); }
+KHIDDEN double ew_maxs(const double *x, const double *s) { return maxn(X0, s[0]); }
+KHIDDEN double ew_mins(const double *x, const double *s) { return minn(X0, s[0]); }
+
+KHIDDEN double ew_gt(const double *x, const double *s) { UNUSED_S; return x[0] > x[1]; }
+KHIDDEN double ew_ge(const double *x, const double *s) { UNUSED_S; return x[0] >= x[1]; }
+KHIDDEN double ew_lt(const double *x, const double *s) { UNUSED_S; return x[0] < x[1]; }
+KHIDDEN double ew_le(const double *x, const double *s) { UNUSED_S; return x[0] <= x[1]; }
+KHIDDEN double ew_eq(const double *x, const double *s) { UNUSED_S; return x[0] == x[1]; }
+KHIDDEN double ew_ne(const double *x, const double *s) { UNUSED_S; return x[0] != x[1]; }
+KHIDDEN double ew_gts(const double *x, const double *s) { return X0 > s[0]; }
+KHIDDEN double ew_ges(const double *x, const double *s) { return X0 >= s[0]; }
+KHIDDEN double ew_lts(const double *x, const double *s) { return X0 < s[0]; }
+KHIDDEN double ew_les(const double *x, const double *s) { return X0 <= s[0]; }
+KHIDDEN double ew_eqs(const double *x, const double *s) { return X0 == s[0]; }
+KHIDDEN double ew_nes(const double *x, const double *s) { return X0 != s[0]; }
+
+KHIDDEN double ew_masked_fill(const double *x, const double *s) { return x[1] != 0.0 ? s[0] : x[0]; }
+KHIDDEN double ew_where(const double *x, const double *s) { UNUSED_S; return x[0] != 0.0 ? x[1] : x[2]; }
+
+/* torch's lerp (Lerp.h): self + w (end - self) when |w| < 0.5, else end - (end - self)(1 - w) */
+static double lerp(double a, double b, double w) { return fabs(w) < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w); }
+KHIDDEN double ew_lerps(const double *x, const double *s) { return lerp(x[0], x[1], s[0]); }
+KHIDDEN double ew_lerp(const double *x, const double *s) { UNUSED_S; return lerp(x[0], x[1], x[2]); }
+
+KHIDDEN double ew_addcmul(const double *x, const double *s) { return x[0] + s[0] * x[1] * x[2]; }
+/* the CPU's order: self + value * t1 / t2 (PointwiseOpsKernel.cpp) */
+KHIDDEN double ew_addcdiv(const double *x, const double *s) { return x[0] + s[0] * x[1] / x[2]; }
+KHIDDEN double ew_addcmul_t(const double *x, const double *s) { UNUSED_S; return x[0] + x[3] * x[1] * x[2]; }
+KHIDDEN double ew_addcdiv_t(const double *x, const double *s) { UNUSED_S; return x[0] + x[3] * x[1] / x[2]; }
+KHIDDEN double ew_rsubs(const double *x, const double *s) { return s[0] - s[1] * X0; }

@@ -1,0 +1,99 @@
+/* The math family's structured kernels: the max or min along one dimension with its index, and
+ * random fills. */
+#include "kern.h"
+
+/* ARGRED args: ints[0] = dim, ints[1] = 0 max / 1 min; tensors: in, values, indices, the outputs
+ * given in in's rank with size 1 on dim. As torch's CPU kernel (ReduceOpsKernel.cpp,
+ * SharedReduceOps.h): NaN wins and keeps its first index; ties keep the first index. */
+KHIDDEN int k_argred(const struct kctx *k) {
+    if (k->a->ni < 2 || k->a->nt != 3) return KERR_ARGS;
+    const struct ops_tensor *in = &k->t[0], *vo = &k->t[1], *io = &k->t[2];
+    int nd = in->ndim, dim = (int)k->i[0], is_min = k->i[1] != 0;
+    if (vo->ndim != nd || io->ndim != nd || dim < 0 || (nd && dim >= nd)) return KERR_ARGS;
+    int err;
+    char *pi = khost(k, in, &err);
+    if (err) return err;
+    char *pv = khost(k, vo, &err);
+    if (err) return err;
+    char *px = khost(k, io, &err);
+    if (err) return err;
+    int64_t nout = knumel(vo);
+    if (nout == 0 || knumel(in) == 0) return 0;
+    int64_t len = nd ? in->shape[dim] : 1, st = nd ? in->stride[dim] : 0;
+    struct ops_tensor ko = *in;
+    if (nd) ko.shape[dim] = 1;
+    const struct ops_tensor *ts[3] = {&ko, vo, io};
+    struct kit it;
+    kit_init(&it, ko.shape, nd, ts, 3);
+    for (int64_t o = 0; o < nout; o++) {
+        double best = kld(in->dtype, pi, it.off[0]);
+        int64_t bi = 0;
+        for (int64_t r = 1; r < len && best == best; r++) {
+            double v = kld(in->dtype, pi, it.off[0] + r * st);
+            if (v != v || (is_min ? v < best : v > best)) best = v, bi = r;
+        }
+        kst(vo->dtype, pv, it.off[1], best);
+        kst(io->dtype, px, it.off[2], (double)bi);
+        kit_next(&it);
+    }
+    kcost(k, knumel(in));
+    return 0;
+}
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), the
+ * counter-based generator behind torch's and CANN's device random ops: a pure function of
+ * (seed, counter), so a fill is the same run after run and any element can be drawn alone. */
+static void philox(uint32_t ctr[4], uint64_t seed) {
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * ctr[0], p1 = (uint64_t)0xCD9E8D57u * ctr[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ ctr[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ ctr[3] ^ k1;
+        ctr[1] = (uint32_t)p1, ctr[3] = (uint32_t)p0, ctr[0] = n0, ctr[2] = n2;
+        k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+    }
+}
+
+/* A double in (0, 1) from 53 random bits (never 0, so log() below is finite). */
+static double unit(uint32_t hi, uint32_t lo) {
+    uint64_t b = (((uint64_t)hi << 32) | lo) >> 11;
+    return ((double)b + 0.5) / 9007199254740992.0;
+}
+
+/* RAND args: ints[0] = 0 normal (s0 mean, s1 std), 1 uniform [s0, s1), 2 bernoulli (s0 = p);
+ * ints[1] = seed, ints[2] = offset (torch's philox offset); tensors: out. Element i (row-major in
+ * out's shape) draws from counter (i, offset). */
+KHIDDEN int k_rand(const struct kctx *k) {
+    if (k->a->ni < 3 || k->a->ns < 2 || k->a->nt != 1) return KERR_ARGS;
+    const struct ops_tensor *o = &k->t[0];
+    int kind = (int)k->i[0];
+    uint64_t seed = (uint64_t)k->i[1], off = (uint64_t)k->i[2];
+    double a = k->s[0], b = k->s[1];
+    int err;
+    char *p = khost(k, o, &err);
+    if (err) return err;
+    int64_t n = knumel(o);
+    if (n == 0) return 0;
+    const struct ops_tensor *ts[1] = {o};
+    struct kit it;
+    kit_init(&it, o->shape, o->ndim, ts, 1);
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t c[4] = {(uint32_t)i, (uint32_t)((uint64_t)i >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
+        philox(c, seed);
+        double u = unit(c[0], c[1]), v;
+        if (kind == 0) {
+            /* Box-Muller */
+            v = a + b * sqrt(-2.0 * log(u)) * cos(6.283185307179586 * unit(c[2], c[3]));
+        } else if (kind == 1) {
+            v = a + (b - a) * (u - 0x1p-54); /* [a, b) */
+            /* rounding to a narrow dtype must not reach b: step back one unit of its precision */
+            double eps = o->dtype == OPS_DT_BF16 ? 0x1p-8 : o->dtype == OPS_DT_FLOAT16 ? 0x1p-11 : 0x1p-24;
+            if (b > a && kround(o->dtype, v) >= b) v = b - (b - a) * eps;
+        } else {
+            v = u < a;
+        }
+        kst(o->dtype, p, it.off[0], v);
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}

@@ -1,0 +1,158 @@
+/* Reductions of the math family: amax/amin over a dim list, max/min over everything or along one
+ * dim with indices, prod, and the norms. Prototypes: CANN's aclnn API reference (aclnn_amax.h,
+ * aclnn_amin.h, aclnn_max.h, aclnn_max_dim.h, aclnn_prod.h, aclnn_linalg_vector_norm.h,
+ * aclnn_norm.h) as op-plugin calls them (MaxKernelNpuOpApi.cpp, ProdKernelNpuOpApi.cpp,
+ * LinalgVectorNormKernelNpuOpApi.cpp, NormKernelNpuOpApi.cpp). They run on the REDUCE kernel
+ * (k_nn.c, through op_linalg.c's reduce_op) and the ARGRED kernel (k_math_misc.c). */
+#include <math.h>
+#include <string.h>
+
+#include "opapi_int.h"
+
+/* op_linalg.c: a reduction of self over dims (all when NULL or empty) into out. */
+HIDDEN aclnnStatus reduce_op(const char *name, int kind, double p, const aclTensor *self, const aclIntArray *dims,
+                             bool keepDim, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor);
+
+#define ARGS workspaceSize, executor
+
+API aclnnStatus aclnnAmaxGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keepDim, aclTensor *out,
+                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !dim || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (t_numel(self) == 0) return ACLNN_ERR_PARAM_INVALID; /* torch refuses an empty amax too */
+    return reduce_op("aclnnAmax", OPS_RED_MAX, 0, self, dim, keepDim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnAmax)
+
+API aclnnStatus aclnnAminGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keepDim, aclTensor *out,
+                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !dim || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (t_numel(self) == 0) return ACLNN_ERR_PARAM_INVALID;
+    return reduce_op("aclnnAmin", OPS_RED_MIN, 0, self, dim, keepDim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnAmin)
+
+/* max()/min() of every element into a 0-d out */
+API aclnnStatus aclnnMaxGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
+                                         aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (t_numel(self) == 0) return ACLNN_ERR_PARAM_INVALID;
+    return reduce_op("aclnnMax", OPS_RED_MAX, 0, self, NULL, false, out, ARGS);
+}
+OPS_LAUNCHER(aclnnMax)
+
+API aclnnStatus aclnnMinGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
+                                         aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (t_numel(self) == 0) return ACLNN_ERR_PARAM_INVALID;
+    return reduce_op("aclnnMin", OPS_RED_MIN, 0, self, NULL, false, out, ARGS);
+}
+OPS_LAUNCHER(aclnnMin)
+
+/* values and int64 (or int32) indices along dim */
+static aclnnStatus argred(const char *name, const aclTensor *self, int64_t dim, bool keepdim, const aclTensor *out,
+                          const aclTensor *indices, int is_min, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out || !indices) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, DTM_ALL)) ||
+        (st = t_check(indices, DTM(OPS_DT_INT64) | DTM(OPS_DT_INT32))))
+        return st;
+    int nd = self->ndim, d = t_dim(dim, nd);
+    if (d < 0) return ACLNN_ERR_PARAM_INVALID;
+    if (nd && self->dims[d] == 0) return ACLNN_ERR_PARAM_INVALID;
+    int64_t want[OPS_MAX_DIMS];
+    int nw = 0;
+    for (int i = 0; i < nd; i++)
+        if (i != d) want[nw++] = self->dims[i];
+        else if (keepdim) want[nw++] = 1;
+    if (!t_same_shape(out, want, nw) || !t_same_shape(indices, want, nw)) return ACLNN_ERR_PARAM_INVALID;
+    /* the outputs in self's rank, size 1 and stride 0 on dim */
+    struct ops_tensor v = t_view(self), x;
+    v.addr = out->data, v.offset = out->offset, v.dtype = out->dtype;
+    for (int i = 0, k = 0; i < nd; i++) {
+        if (i == d) {
+            v.shape[i] = 1, v.stride[i] = 0;
+            if (keepdim) k++;
+        } else {
+            v.shape[i] = out->dims[k], v.stride[i] = out->strides[k];
+            k++;
+        }
+    }
+    x = v;
+    x.addr = indices->data, x.offset = indices->offset, x.dtype = indices->dtype;
+    for (int i = 0, k = 0; i < nd; i++) {
+        if (i == d) {
+            if (keepdim) k++;
+        } else {
+            x.stride[i] = indices->strides[k++];
+        }
+    }
+    aclOpExecutor *e = ex_open(name, OPS_OP_ARGRED, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, nd ? d : 0);
+    ex_int(e, is_min);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, v);
+    ex_tensor(e, x);
+    return ex_done(e);
+}
+
+API aclnnStatus aclnnMaxDimGetWorkspaceSize(const aclTensor *self, int64_t dim, bool keepdim, aclTensor *out,
+                                            aclTensor *indices, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return argred("aclnnMaxDim", self, dim, keepdim, out, indices, 0, ARGS);
+}
+OPS_LAUNCHER(aclnnMaxDim)
+
+API aclnnStatus aclnnMinDimGetWorkspaceSize(const aclTensor *self, int64_t dim, bool keepdim, aclTensor *out,
+                                            aclTensor *indices, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return argred("aclnnMinDim", self, dim, keepdim, out, indices, 1, ARGS);
+}
+OPS_LAUNCHER(aclnnMinDim)
+
+/* prod of every element, in dtype (out's) */
+API aclnnStatus aclnnProdGetWorkspaceSize(const aclTensor *self, int32_t dtype, aclTensor *out,
+                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (out->dtype != dtype) return ACLNN_ERR_PARAM_INVALID;
+    return reduce_op("aclnnProd", OPS_RED_PROD, 0, self, NULL, false, out, ARGS);
+}
+OPS_LAUNCHER(aclnnProd)
+
+API aclnnStatus aclnnProdDimGetWorkspaceSize(const aclTensor *self, int64_t dim, bool keepDim, int32_t dtype,
+                                             aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (out->dtype != dtype) return ACLNN_ERR_PARAM_INVALID;
+    int64_t d[1] = {dim};
+    aclIntArray dims = {1, d};
+    return reduce_op("aclnnProdDim", OPS_RED_PROD, 0, self, &dims, keepDim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnProdDim)
+
+/* ||self||_ord over dims: ord 0 (count of non-zeros), 1, 2, any p > 0, +inf; -inf and negative
+ * orders are refused (the REDUCE kernel has no min-abs). */
+static aclnnStatus vnorm(const char *name, const aclTensor *self, const aclScalar *ord, const aclIntArray *dims,
+                         bool keepDim, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    double p = ord ? s_value(ord) : 2.0;
+    if (p != p || p < 0) return ACLNN_ERR_PARAM_INVALID;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_FLOATS | DTM(OPS_DT_DOUBLE))) || (st = t_check(out, DTM_FLOATS | DTM(OPS_DT_DOUBLE))))
+        return st;
+    return reduce_op(name, OPS_RED_NORM, p, self, dims, keepDim, out, ARGS);
+}
+
+API aclnnStatus aclnnLinalgVectorNormGetWorkspaceSize(const aclTensor *self, const aclScalar *ord,
+                                                      const aclIntArray *dims, bool keepDim, int32_t dtype,
+                                                      aclTensor *out, uint64_t *workspaceSize,
+                                                      aclOpExecutor **executor) {
+    if (!self || !ord || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    if (out->dtype != dtype) return ACLNN_ERR_PARAM_INVALID;
+    return vnorm("aclnnLinalgVectorNorm", self, ord, dims, keepDim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnLinalgVectorNorm)
+
+API aclnnStatus aclnnNormGetWorkspaceSize(const aclTensor *self, const aclScalar *pScalar, const aclIntArray *dim,
+                                          bool keepdim, aclTensor *out, uint64_t *workspaceSize,
+                                          aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return vnorm("aclnnNorm", self, pScalar, dim, keepdim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnNorm)
