@@ -28,6 +28,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -65,13 +66,60 @@ typedef enum {
     HCCL_E_RUNTIME = 15,
 } HcclResult;
 
-#define HCCL_DATA_TYPE_INT32 2
-#define HCCL_DATA_TYPE_FP32 4
-#define HCCL_REDUCE_MIN 3
+/* HcclDataType and HcclReduceOp of hccl_types.h */
+enum {
+    HCCL_DATA_TYPE_INT8 = 0, HCCL_DATA_TYPE_INT16 = 1, HCCL_DATA_TYPE_INT32 = 2, HCCL_DATA_TYPE_FP16 = 3,
+    HCCL_DATA_TYPE_FP32 = 4, HCCL_DATA_TYPE_INT64 = 5, HCCL_DATA_TYPE_BFP16 = 11,
+};
+enum { HCCL_REDUCE_SUM = 0, HCCL_REDUCE_PROD = 1, HCCL_REDUCE_MAX = 2, HCCL_REDUCE_MIN = 3 };
 #define HCCL_ROOT_INFO_BYTES 4108
 typedef struct HcclRootInfoDef {
     char internal[HCCL_ROOT_INFO_BYTES];
 } HcclRootInfo;
+
+/* HcclCommConfig of hccl_types.h (CANN 8.x/9.x; torch_npu 2.13 third_party/hccl): a 24-byte
+ * header {size_t size; uint32_t magicWord; uint32_t version; uint64_t reserved} written by the
+ * inline HcclCommConfigInit, then the fields. A caller built against an older header passes a
+ * smaller `size` (torch_npu forces 32 when the comm-name capability is absent): only the fields
+ * inside `size` are read. */
+#define HCCL_COMM_CONFIG_MAGIC_WORD 0xf0f0f0f0u
+#define HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET 0xffffffffu
+#define HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET 0xffffffffu
+#define COMM_NAME_MAX_LENGTH 128
+typedef struct HcclCommConfigDef {
+    char reserved[24];
+    uint32_t hcclBufferSize;
+    uint32_t hcclDeterministic;
+    char hcclCommName[COMM_NAME_MAX_LENGTH];
+    char hcclUdi[128];
+    uint32_t hcclOpExpansionMode;
+    uint32_t hcclRdmaTrafficClass;
+    uint32_t hcclRdmaServiceLevel;
+    uint32_t hcclWorldRankID;
+    uint64_t hcclJobID;
+    uint8_t aclGraphZeroCopyEnable;
+    int32_t hcclExecTimeOut;
+    char hcclAlgo[1600];
+    char hcclRetryEnable[50];
+    char hcclRetryParams[128];
+    char hcclBufferName[128];
+    uint32_t hcclQos;
+} HcclCommConfig;
+struct config_info {
+    size_t size;
+    uint32_t magicWord;
+    uint32_t version;
+    uint64_t reserved;
+};
+/* HcclCommConfigCapability: the capability number is one past the last field honoured;
+ * torch_npu tests `capability > field` (HcclCompile.h isHcclFeatureSupported). Honoured here:
+ * HCCL_COMM_CONFIG_BUFFER_SIZE (0), _DETERMINISTIC (1), _COMM_NAME (2). */
+#define HCCL_COMM_CONFIG_COMM_NAME 2
+/* HcclConfig of hccl_types.h, for HcclSetConfig / HcclGetConfig */
+#define HCCL_DETERMINISTIC 0
+union HcclConfigValue {
+    int32_t value;
+};
 typedef void *HcclComm;
 
 /* Runtime functions (include/external/acl/acl_rt.h). */
@@ -109,7 +157,10 @@ struct welcome { /* the root to a rank, with the window's memfd */
 };
 
 struct comm {
+    char name[COMM_NAME_MAX_LENGTH]; /* HcclGetCommName */
     uint32_t rank, nranks;
+    uint32_t deterministic;          /* always honoured: the reduction order is fixed (rank order) */
+    double exec_timeout_s;           /* HCCL_EXEC_TIMEOUT when the communicator was made */
     int32_t device;
     int destroyed;                /* HcclCommDestroy'd: kept, never reused (kernels may hold state) */
     struct hccl_comm_state state; /* valid: 0 once a Restore happened, the communicator must be rebuilt */
@@ -165,6 +216,8 @@ static uint32_t on_restore_post(int32_t dev, void *args) {
              * before the lock and still waiting at it sees `valid` and fails; the window goes once
              * none is in flight (here, or in HcclCommDestroy). */
             atomic_store((_Atomic uint32_t *)&c->state.valid, 0);
+            /* What the watchdog's HcclGetCommAsyncError sees from now on. */
+            atomic_store((_Atomic int32_t *)&c->state.async_error, HCCL_E_UNAVAIL);
             if (atomic_load((_Atomic uint32_t *)&c->state.inflight) == 0) {
                 munmap(c->window, c->window_bytes);
                 c->window = NULL;
@@ -293,7 +346,7 @@ static struct listener *take_listener(const struct root_info *ri) {
 
 /* The root: accept every other rank, make the window, hand it out. Returns the window fd. */
 static HcclResult root_rendezvous(struct listener *l, uint32_t nranks, uint32_t rank, double deadline, int *wfd,
-                                  uint64_t *wbytes, uint64_t *slot) {
+                                  uint64_t *wbytes, uint64_t *slot, uint64_t mib) {
     int peers[HCCL_MAX_RANKS];
     int npeers = 0;
     HcclResult rc = HCCL_SUCCESS;
@@ -315,7 +368,6 @@ static HcclResult root_rendezvous(struct listener *l, uint32_t nranks, uint32_t 
         seen[h.rank] = 1;
         peers[npeers++] = c;
     }
-    uint64_t mib = (uint64_t)env_positive("HCCL_BUFFSIZE", 8.0);
     *slot = mib << 20;
     *wbytes = HCCL_WINDOW_HEADER + (uint64_t)nranks * *slot;
     *wfd = -1;
@@ -361,7 +413,10 @@ static HcclResult rank_rendezvous(const struct root_info *ri, uint32_t nranks, u
     return rc;
 }
 
-API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm) {
+/* Both init calls. The CCL buffer (one slot per rank of the window) is the root's: HCCL requires
+ * every rank to pass the same configuration. */
+static HcclResult init_comm(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, uint64_t buf_mib,
+                            uint32_t deterministic, const char *name, HcclComm *comm) {
     if (!rootInfo || !comm) return HCCL_E_PTR;
     if (nRanks == 0 || nRanks > HCCL_MAX_RANKS || rank >= nRanks) return HCCL_E_PARA;
     struct root_info ri;
@@ -376,7 +431,7 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
     int wfd = -1;
     uint64_t wbytes = 0, slot = 0;
     if (l) {
-        rc = root_rendezvous(l, nRanks, rank, deadline, &wfd, &wbytes, &slot);
+        rc = root_rendezvous(l, nRanks, rank, deadline, &wfd, &wbytes, &slot, buf_mib);
         close(l->fd);
         unlink(l->info.path);
         free(l);
@@ -403,12 +458,80 @@ API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInf
         munmap(m, wbytes);
         return HCCL_E_MEMORY;
     }
-    *c = (struct comm){rank, nRanks, dev, 0, {1, 0, 0, 0}, w, wbytes, slot, NULL};
+    *c = (struct comm){.rank = rank, .nranks = nRanks, .deterministic = deterministic, .device = dev,
+                       .state = {1, 0, 0, 0}, .window = w, .window_bytes = wbytes, .slot_bytes = slot};
+    c->exec_timeout_s = env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
+    if (name && *name) snprintf(c->name, sizeof c->name, "%s", name);
+    else /* HCCL names a communicator made without a name after its root info's identifier */
+        snprintf(c->name, sizeof c->name, "npusim_%d_%016llx", (int)ri.root_pid, (unsigned long long)ri.nonce);
     pthread_mutex_lock(&g_mu);
     c->next = g_comms;
     g_comms = c;
     pthread_mutex_unlock(&g_mu);
     *comm = c;
+    return HCCL_SUCCESS;
+}
+
+/* HCCL_BUFFSIZE, in MiB (HCCL's environment variable; 200 when unset, its documented default). */
+static uint64_t env_buffsize_mib(void) { return (uint64_t)env_positive("HCCL_BUFFSIZE", 200.0); }
+
+API HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm) {
+    return init_comm(nRanks, rootInfo, rank, env_buffsize_mib(), 0, NULL, comm);
+}
+
+/* HcclCommInitRootInfoConfig (hccl.h): the configuration's header must carry HCCL's magic word;
+ * hcclBufferSize (MiB, >= 1; "not set" falls back to HCCL_BUFFSIZE), hcclDeterministic (0, 1 or
+ * "not set") and hcclCommName (the name HcclGetCommName reports) are honoured; the other fields
+ * choose algorithms, links and QoS of a real fabric and change nothing here. */
+API HcclResult HcclCommInitRootInfoConfig(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank,
+                                          const HcclCommConfig *config, HcclComm *comm) {
+    if (!config) return HCCL_E_PTR;
+    struct config_info hdr;
+    memcpy(&hdr, config, sizeof hdr);
+    if (hdr.magicWord != HCCL_COMM_CONFIG_MAGIC_WORD) return HCCL_E_PARA;
+    size_t have = hdr.size;
+    uint64_t mib = env_buffsize_mib();
+    uint32_t det = 0;
+    char name[COMM_NAME_MAX_LENGTH] = "";
+    if (have >= offsetof(HcclCommConfig, hcclBufferSize) + sizeof(uint32_t) &&
+        config->hcclBufferSize != HCCL_COMM_BUFFSIZE_CONFIG_NOT_SET) {
+        if (config->hcclBufferSize == 0) return HCCL_E_PARA;
+        mib = config->hcclBufferSize;
+    }
+    if (have >= offsetof(HcclCommConfig, hcclDeterministic) + sizeof(uint32_t) &&
+        config->hcclDeterministic != HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET) {
+        if (config->hcclDeterministic > 1) return HCCL_E_PARA;
+        det = config->hcclDeterministic;
+    }
+    if (have >= offsetof(HcclCommConfig, hcclCommName) + COMM_NAME_MAX_LENGTH) {
+        if (!memchr(config->hcclCommName, 0, COMM_NAME_MAX_LENGTH)) return HCCL_E_PARA;
+        snprintf(name, sizeof name, "%s", config->hcclCommName);
+        pthread_mutex_lock(&g_mu); /* a name is unique in the process */
+        int taken = 0;
+        for (struct comm *c = g_comms; c && *name; c = c->next)
+            if (!c->destroyed && !strcmp(c->name, name)) taken = 1;
+        pthread_mutex_unlock(&g_mu);
+        if (taken) return HCCL_E_PARA;
+    }
+    return init_comm(nRanks, rootInfo, rank, mib, det, name, comm);
+}
+
+API uint32_t HcclGetCommConfigCapability(void) { return HCCL_COMM_CONFIG_COMM_NAME + 1; }
+
+/* The process-wide deterministic switch (HcclSetConfig / HcclGetConfig, HCCL_DETERMINISTIC 0 or
+ * 1). Reductions here always run in rank order, so both settings give the same bits. */
+static int32_t g_deterministic;
+API HcclResult HcclSetConfig(int config, union HcclConfigValue value) {
+    if (config != HCCL_DETERMINISTIC) return HCCL_E_NOT_SUPPORT;
+    if (value.value != 0 && value.value != 1) return HCCL_E_PARA;
+    __atomic_store_n(&g_deterministic, value.value, __ATOMIC_RELAXED);
+    return HCCL_SUCCESS;
+}
+
+API HcclResult HcclGetConfig(int config, union HcclConfigValue *value) {
+    if (!value) return HCCL_E_PTR;
+    if (config != HCCL_DETERMINISTIC) return HCCL_E_NOT_SUPPORT;
+    value->value = __atomic_load_n(&g_deterministic, __ATOMIC_RELAXED);
     return HCCL_SUCCESS;
 }
 
@@ -418,22 +541,68 @@ static struct comm *find_comm(HcclComm h) {
     return NULL;
 }
 
+/* A communicator a Restore invalidated answers HCCL_E_UNAVAIL ("resource unavailable") to every
+ * call but HcclGetCommAsyncError (which reports that error) and HcclCommDestroy. */
+static HcclResult usable(struct comm *c) {
+    if (!c) return HCCL_E_PARA;
+    return atomic_load((_Atomic uint32_t *)&c->state.valid) ? HCCL_SUCCESS : HCCL_E_UNAVAIL;
+}
+
 API HcclResult HcclGetRankSize(HcclComm comm, uint32_t *rankSize) {
     if (!comm || !rankSize) return HCCL_E_PTR;
     pthread_mutex_lock(&g_mu);
     struct comm *c = find_comm(comm);
-    if (c) *rankSize = c->nranks;
+    HcclResult rc = usable(c);
+    if (rc == HCCL_SUCCESS) *rankSize = c->nranks;
     pthread_mutex_unlock(&g_mu);
-    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+    return rc;
 }
 
 API HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank) {
     if (!comm || !rank) return HCCL_E_PTR;
     pthread_mutex_lock(&g_mu);
     struct comm *c = find_comm(comm);
-    if (c) *rank = c->rank;
+    HcclResult rc = usable(c);
+    if (rc == HCCL_SUCCESS) *rank = c->rank;
     pthread_mutex_unlock(&g_mu);
-    return c ? HCCL_SUCCESS : HCCL_E_PARA;
+    return rc;
+}
+
+/* commName: a buffer of COMM_NAME_MAX_LENGTH (128) bytes, as torch_npu passes. */
+API HcclResult HcclGetCommName(HcclComm comm, char *commName) {
+    if (!comm || !commName) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    HcclResult rc = usable(c);
+    if (rc == HCCL_SUCCESS) memcpy(commName, c->name, COMM_NAME_MAX_LENGTH);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* HcclCommResume clears a communicator that HcclCommSuspend stopped after a device fault (the
+ * step-retry path torch_npu takes in restart_device and reinit_process_group(rebuild_link=False)).
+ * Nothing public says what it does to a communicator whose links a snapshot Restore dropped, and
+ * nothing here suspends one, so it refuses: the application destroys the communicator and
+ * builds a new one (what reinit_process_group(rebuild_link=True) and vllm-ascend do). */
+API HcclResult HcclCommResume(HcclComm comm) {
+    if (!comm) return HCCL_E_PTR;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    HcclResult rc = usable(c);
+    pthread_mutex_unlock(&g_mu);
+    return rc == HCCL_SUCCESS ? HCCL_E_NOT_SUPPORT : rc;
+}
+
+/* Short names, as HCCL's own strings say them. */
+API const char *HcclGetErrorString(HcclResult code) {
+    static const char *const names[] = {
+        "no error", "parameter error", "empty pointer", "memory error", "internal error",
+        "not support feature", "not found specific resource", "resource unavailable",
+        "call system interface error", "timeout", "open file fail", "tcp connect fail",
+        "roce connect fail", "tcp transfer fail", "roce transfer fail", "call runtime api fail",
+        "call driver api fail", "call profiling api fail", "call cce api fail", "call network api fail",
+        "try again", "error cqe", "error communicator suspending", "retry constraint", "out of memory"};
+    return (unsigned)code < sizeof names / sizeof *names ? names[code] : "unknown error";
 }
 
 /* The error of a collective that failed on a stream after it was launched (its kernel found the
@@ -448,12 +617,12 @@ API HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError) {
     return c ? HCCL_SUCCESS : HCCL_E_PARA;
 }
 
-static void *allreduce_kernel_locked(aclError *rc) {
+static void *collective_kernel_locked(aclError *rc) {
     *rc = 0;
     if (g_func) return g_func;
     Dl_info info;
     char self[PATH_MAX], path[PATH_MAX + 128];
-    if (!dladdr((void *)allreduce_kernel_locked, &info) || !info.dli_fname || !realpath(info.dli_fname, self)) {
+    if (!dladdr((void *)collective_kernel_locked, &info) || !info.dli_fname || !realpath(info.dli_fname, self)) {
         *rc = -1;
         return NULL;
     }
@@ -467,55 +636,72 @@ static void *allreduce_kernel_locked(aclError *rc) {
         g_bin = NULL;
         return NULL;
     }
-    *rc = aclrtBinaryGetFunction(g_bin, "npusim_hccl_allreduce", &g_func);
+    *rc = aclrtBinaryGetFunction(g_bin, "npusim_hccl_collective", &g_func);
     return *rc == 0 ? g_func : NULL;
 }
 
-static void *allreduce_kernel(aclError *rc) {
+static void *collective_kernel(aclError *rc) {
     pthread_mutex_lock(&g_bin_mu);
-    void *f = allreduce_kernel_locked(rc);
+    void *f = collective_kernel_locked(rc);
     pthread_mutex_unlock(&g_bin_mu);
     return f;
 }
 
-/* Queue one collective on the stream: checked on the host, run by the kernel on the engine. */
-static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf, uint64_t count, int dataType,
-                                   int op, uint32_t root, HcclComm comm, aclrtStream stream) {
-    if (!comm || (count && (!sendBuf || !recvBuf))) return HCCL_E_PTR;
-    if (dataType != HCCL_DATA_TYPE_FP32 && dataType != HCCL_DATA_TYPE_INT32) return HCCL_E_NOT_SUPPORT;
-    if (op < 0 || op > HCCL_REDUCE_MIN) return HCCL_E_PARA;
+/* Element sizes of HcclDataType (hccl_types.h), 0 for a type no collective here moves. */
+static uint32_t dtype_size(int dt) {
+    static const uint8_t sz[] = {1, 2, 4, 2, 4, 8, 8, 1, 2, 4, 8, 2}; /* INT8 .. BFP16 */
+    return dt >= 0 && dt < (int)sizeof sz ? sz[dt] : 0;
+}
+
+/* The types and operations HCCL reduces on Atlas A2/A3 (HcclAllReduce, HcclReduceScatter:
+ * "int8, int16, int32, int64, float16, float32, bfp16"; "prod" not for int16 and bfp16). The
+ * moving collectives (all-gather, broadcast, all-to-all, send/recv) take every type of the
+ * list up to bfp16. */
+static HcclResult check_reduce(int dt, int op) {
+    if (op < HCCL_REDUCE_SUM || op > HCCL_REDUCE_MIN) return HCCL_E_PARA;
+    if (dt != HCCL_DATA_TYPE_INT8 && dt != HCCL_DATA_TYPE_INT16 && dt != HCCL_DATA_TYPE_INT32 &&
+        dt != HCCL_DATA_TYPE_INT64 && dt != HCCL_DATA_TYPE_FP16 && dt != HCCL_DATA_TYPE_FP32 &&
+        dt != HCCL_DATA_TYPE_BFP16)
+        return HCCL_E_NOT_SUPPORT;
+    if (op == HCCL_REDUCE_PROD && (dt == HCCL_DATA_TYPE_INT16 || dt == HCCL_DATA_TYPE_BFP16)) return HCCL_E_NOT_SUPPORT;
+    return HCCL_SUCCESS;
+}
+
+/* Queue one collective on the stream: checked on the host, run by the kernel on the engine. `a`
+ * holds the kind, buffers, counts, dtype, op and root/peer; the communicator's part is filled in
+ * here. */
+static HcclResult launch_collective(struct ops_hccl_args *a, HcclComm comm, aclrtStream stream) {
+    if (!comm) return HCCL_E_PTR;
+    a->esize = dtype_size(a->dtype);
+    if (!a->esize) return HCCL_E_NOT_SUPPORT;
+    if (a->kind == OPS_COLL_ALLREDUCE || a->kind == OPS_COLL_REDUCE_SCATTER) {
+        HcclResult r = check_reduce(a->dtype, a->op);
+        if (r != HCCL_SUCCESS) return r;
+    }
     aclError arc = 0;
-    void *f = allreduce_kernel(&arc); /* may wait at the snapshot lock: not under g_mu */
+    void *f = collective_kernel(&arc); /* may wait at the snapshot lock: not under g_mu */
     pthread_mutex_lock(&g_mu);
     struct comm *c = find_comm(comm);
     HcclResult rc = HCCL_SUCCESS;
     if (!c) rc = HCCL_E_PARA;
     else if (!atomic_load((_Atomic uint32_t *)&c->state.valid)) rc = HCCL_E_UNAVAIL;
-    else if (root >= c->nranks) rc = HCCL_E_PARA;
+    else if (a->root >= c->nranks) rc = HCCL_E_PARA;
+    else if ((a->kind == OPS_COLL_SEND || a->kind == OPS_COLL_RECV) && a->root == c->rank) rc = HCCL_E_PARA;
     if (rc == HCCL_SUCCESS && !f) rc = HCCL_E_RUNTIME;
-    struct ops_allreduce_args a;
-    memset(&a, 0, sizeof a);
     if (rc == HCCL_SUCCESS) {
-        a.state = (uint64_t)(uintptr_t)&c->state;
-        a.window = (uint64_t)(uintptr_t)c->window;
-        a.slot_bytes = c->slot_bytes;
-        a.send = (uint64_t)(uintptr_t)sendBuf;
-        a.recv = (uint64_t)(uintptr_t)recvBuf;
-        a.count = count;
-        a.timeout_ms = (uint64_t)(env_positive("HCCL_EXEC_TIMEOUT", 1836.0) * 1000.0);
-        a.rank = c->rank;
-        a.nranks = c->nranks;
-        a.dtype = dataType;
-        a.op = op;
-        a.kind = kind;
-        a.root = root;
+        a->state = (uint64_t)(uintptr_t)&c->state;
+        a->window = (uint64_t)(uintptr_t)c->window;
+        a->slot_bytes = c->slot_bytes;
+        a->timeout_ms = (uint64_t)(c->exec_timeout_s * 1000.0);
+        a->rank = c->rank;
+        a->nranks = c->nranks;
         /* Counted before the launch: HcclCommDestroy waits for the kernel to let go of the window. */
         atomic_fetch_add((_Atomic uint32_t *)&c->state.inflight, 1);
     }
     pthread_mutex_unlock(&g_mu);
     if (rc != HCCL_SUCCESS) return rc;
     /* Outside g_mu: the launch may wait at the snapshot lock, whose callbacks take g_mu. */
-    arc = aclrtLaunchKernel(f, 1, &a, sizeof a, stream);
+    arc = aclrtLaunchKernel(f, 1, a, sizeof *a, stream);
     if (arc != 0) {
         atomic_fetch_sub((_Atomic uint32_t *)&c->state.inflight, 1);
         syscall(SYS_futex, &c->state.inflight, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
@@ -524,15 +710,101 @@ static HcclResult launch_collective(uint32_t kind, void *sendBuf, void *recvBuf,
     return HCCL_SUCCESS;
 }
 
+#define BUFS_OK(n, ...) ((n) == 0 || (__VA_ARGS__))
+
 API HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, HcclComm comm,
                              aclrtStream stream) {
-    return launch_collective(OPS_COLL_ALLREDUCE, sendBuf, recvBuf, count, dataType, op, 0, comm, stream);
+    if (!BUFS_OK(count, sendBuf && recvBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_ALLREDUCE, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .count = count, .dtype = dataType, .op = op};
+    return launch_collective(&a, comm, stream);
 }
 
 /* In place: the root's buf goes to every rank's buf. */
 API HcclResult HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
                              aclrtStream stream) {
-    return launch_collective(OPS_COLL_BROADCAST, buf, buf, count, dataType, 0, root, comm, stream);
+    if (!BUFS_OK(count, buf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_BROADCAST, .send = (uintptr_t)buf, .recv = (uintptr_t)buf,
+                              .count = count, .dtype = dataType, .root = root};
+    return launch_collective(&a, comm, stream);
+}
+
+/* recvBuf holds rankSize * sendCount elements, rank j's sendBuf at j * sendCount. */
+API HcclResult HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, int dataType, HcclComm comm,
+                             aclrtStream stream) {
+    if (!BUFS_OK(sendCount, sendBuf && recvBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_ALLGATHER, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .count = sendCount, .dtype = dataType};
+    return launch_collective(&a, comm, stream);
+}
+
+/* sendBuf holds rankSize * recvCount elements; rank r receives the reduction of every rank's
+ * r-th block. */
+API HcclResult HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, int dataType, int op,
+                                 HcclComm comm, aclrtStream stream) {
+    if (!BUFS_OK(recvCount, sendBuf && recvBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_REDUCE_SCATTER, .send = (uintptr_t)sendBuf,
+                              .recv = (uintptr_t)recvBuf, .count = recvCount, .dtype = dataType, .op = op};
+    return launch_collective(&a, comm, stream);
+}
+
+/* Point to point: the peer must make the matching call (HcclRecv / HcclSend) on the same
+ * communicator with the same count and type, in the same order (hccl.h; a send with no receive
+ * runs into HCCL_EXEC_TIMEOUT, as on a device). */
+API HcclResult HcclSend(void *sendBuf, uint64_t count, int dataType, uint32_t destRank, HcclComm comm,
+                        aclrtStream stream) {
+    if (!BUFS_OK(count, sendBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_SEND, .send = (uintptr_t)sendBuf, .count = count,
+                              .dtype = dataType, .root = destRank};
+    return launch_collective(&a, comm, stream);
+}
+
+API HcclResult HcclRecv(void *recvBuf, uint64_t count, int dataType, uint32_t srcRank, HcclComm comm,
+                        aclrtStream stream) {
+    if (!BUFS_OK(count, recvBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_RECV, .recv = (uintptr_t)recvBuf, .count = count,
+                              .dtype = dataType, .root = srcRank};
+    return launch_collective(&a, comm, stream);
+}
+
+/* The counts and displacements are host arrays of rankSize uint64_t elements (hccl.h: "Integer
+ * array, where entry i specifies..."; torch_npu passes std::vector<uint64_t>). HCCL requires the
+ * send and receive types to agree. */
+API HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls, int sendType,
+                             const void *recvBuf, const void *recvCounts, const void *rdispls, int recvType,
+                             HcclComm comm, aclrtStream stream) {
+    if (!sendCounts || !sdispls || !recvCounts || !rdispls) return HCCL_E_PTR;
+    if (sendType != recvType) return HCCL_E_PARA;
+    uint32_t n = 0;
+    HcclResult rc = HcclGetRankSize(comm, &n);
+    if (rc != HCCL_SUCCESS) return rc;
+    struct ops_hccl_args a = {.kind = OPS_COLL_ALLTOALLV, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .dtype = sendType};
+    const uint64_t *sc = sendCounts, *sd = sdispls, *rcn = recvCounts, *rd = rdispls;
+    uint64_t stot = 0, rtot = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        a.sendcounts[k] = sc[k], a.sdispls[k] = sd[k], a.recvcounts[k] = rcn[k], a.rdispls[k] = rd[k];
+        stot += sc[k], rtot += rcn[k];
+    }
+    if ((stot && !sendBuf) || (rtot && !recvBuf)) return HCCL_E_PTR;
+    return launch_collective(&a, comm, stream);
+}
+
+API HcclResult HcclAlltoAll(const void *sendBuf, uint64_t sendCount, int sendType, const void *recvBuf,
+                            uint64_t recvCount, int recvType, HcclComm comm, aclrtStream stream) {
+    if (sendType != recvType) return HCCL_E_PARA;
+    uint32_t n = 0;
+    HcclResult rc = HcclGetRankSize(comm, &n);
+    if (rc != HCCL_SUCCESS) return rc;
+    uint64_t sc[HCCL_MAX_RANKS], sd[HCCL_MAX_RANKS], rcn[HCCL_MAX_RANKS], rd[HCCL_MAX_RANKS];
+    for (uint32_t k = 0; k < n; k++) sc[k] = sendCount, sd[k] = k * sendCount, rcn[k] = recvCount, rd[k] = k * recvCount;
+    return HcclAlltoAllV(sendBuf, sc, sd, sendType, recvBuf, rcn, rd, recvType, comm, stream);
+}
+
+/* Every rank's stream reaches the barrier before any passes it. */
+API HcclResult HcclBarrier(HcclComm comm, aclrtStream stream) {
+    struct ops_hccl_args a = {.kind = OPS_COLL_BARRIER, .dtype = HCCL_DATA_TYPE_INT8};
+    return launch_collective(&a, comm, stream);
 }
 
 /* The communicator's struct is kept (marked destroyed): a kernel that ran its last collective

@@ -18,31 +18,48 @@ struct hccl_comm_state {
     int32_t pad;
 };
 
-/* An HCCL collective over the communicator's window (hccl.c describes the window): an
- * all-reduce, or a broadcast (kind) from rank `root`. */
-#define OPS_COLL_ALLREDUCE 0u
-#define OPS_COLL_BROADCAST 1u
-struct ops_allreduce_args {
+/* An HCCL collective over the communicator's window (hccl.c describes the window; hccl_kernel.c
+ * how each kind moves data). Counts and displacements are in elements of dtype. */
+enum ops_coll_kind {
+    OPS_COLL_ALLREDUCE = 0,      /* recv = op over ranks of send (count) */
+    OPS_COLL_BROADCAST = 1,      /* send == recv: root's buffer to every rank (count) */
+    OPS_COLL_ALLGATHER = 2,      /* recv[j*count..] = send of rank j */
+    OPS_COLL_REDUCE_SCATTER = 3, /* recv = op over ranks j of send_j[rank*count..] */
+    OPS_COLL_ALLTOALLV = 4,      /* recv[rdispls[j]..+recvcounts[j]] = send_j[sdispls_j[rank]..] */
+    OPS_COLL_SEND = 5,           /* send (count) to rank `root` */
+    OPS_COLL_RECV = 6,           /* recv (count) from rank `root` */
+    OPS_COLL_BARRIER = 7,        /* no data */
+};
+#define HCCL_MAX_RANKS 32u
+struct ops_hccl_args {
     uint64_t state;      /* host address of this process's struct hccl_comm_state */
     uint64_t window;     /* host address of this process's mapping of the communicator's window */
     uint64_t slot_bytes; /* bytes each rank may stage at once */
     uint64_t send, recv; /* device addresses */
-    uint64_t count;      /* elements */
+    uint64_t count;      /* elements (see the kinds) */
     uint64_t timeout_ms; /* HCCL_EXEC_TIMEOUT */
     uint32_t rank, nranks;
-    int32_t dtype, op;   /* HcclDataType, HcclReduceOp (all-reduce) */
-    uint32_t kind;       /* OPS_COLL_* */
-    uint32_t root;       /* broadcast: the rank whose buffer every rank receives */
+    int32_t dtype, op;   /* HcclDataType, HcclReduceOp (reducing kinds) */
+    uint32_t kind;       /* enum ops_coll_kind */
+    uint32_t root;       /* broadcast: the source rank; send/recv: the peer */
+    uint32_t esize;      /* bytes per element of dtype */
+    uint32_t pad;
+    /* all-to-all(v) only, in elements */
+    uint64_t sendcounts[HCCL_MAX_RANKS], sdispls[HCCL_MAX_RANKS];
+    uint64_t recvcounts[HCCL_MAX_RANKS], rdispls[HCCL_MAX_RANKS];
 };
 
-/* The window's header: per rank, a barrier generation (a futex word, shared between the ranks'
- * processes). */
+/* The window's header: per rank, a barrier generation of the all-rank collectives and a scratch
+ * word; per ordered pair (i, j), the number of point-to-point barriers i has passed with j (a
+ * send/recv involves two ranks only, so it must not move the all-rank generations). Futex words,
+ * shared between the ranks' processes. */
 #define HCCL_WINDOW_MAGIC 0x4e505553494d4843ull /* "NPUSIMHC" */
-#define HCCL_WINDOW_HEADER 4096u
-#define HCCL_MAX_RANKS 32u
+#define HCCL_WINDOW_HEADER 8192u
 struct hccl_window_rank {
     uint32_t gen; /* futex word */
-    uint32_t pad[15];
+    uint32_t pad;
+    uint64_t aux; /* a value a rank publishes before a barrier (all-to-all: its rounds) */
+    uint32_t pad2[12];
 };
 struct hccl_window {
     uint64_t magic;
@@ -51,7 +68,9 @@ struct hccl_window {
     uint64_t slot_bytes;
     uint64_t pad2[5];
     struct hccl_window_rank ranks[HCCL_MAX_RANKS];
+    uint32_t pair[HCCL_MAX_RANKS][HCCL_MAX_RANKS]; /* futex words: pair[i][j] written by i only */
 };
+_Static_assert(sizeof(struct hccl_window) <= HCCL_WINDOW_HEADER, "the window header");
 
 
 /* ---------------------------------------------------------------- the generic operator launch

@@ -331,7 +331,7 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
     send = dev.buffer(values)
     recv = dev.buffer([0.0] * count)
     codes = {
-        "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 3, nt.HCCL_REDUCE_SUM, comm, dev.stream)),
+        "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 7, nt.HCCL_REDUCE_SUM, comm, dev.stream)),  # uint8: not reduced
         "bad_op": int(hccl.HcclAllReduce(send, recv, count, nt.HCCL_DATA_TYPE_FP32, 9, comm, dev.stream)),
     }
     # Printed at sampled indices (the ends, around each 1 MiB staging slot's edges, the middle)
