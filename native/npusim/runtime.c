@@ -208,9 +208,15 @@ static int32_t drv_dev(int32_t user, uint32_t *out) {
 /* ---------------------------------------------------------------- the gate */
 
 /* GlobalStateManager::WaitIfLocked: a resource-changing call waits while LOCKED or BACKED_UP. */
+static int g_gated; /* calls waiting in gate() (for the lock trace) */
+
 static void gate(void) {
     pthread_mutex_lock(&g_mu);
-    while (g_state != ST_RUNNING) pthread_cond_wait(&g_cv, &g_mu);
+    while (g_state != ST_RUNNING) {
+        g_gated++;
+        pthread_cond_wait(&g_cv, &g_mu);
+        g_gated--;
+    }
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -1306,6 +1312,35 @@ static int32_t run_callbacks(int stage) {
     return rc;
 }
 
+/* NPUSIM_TRACE_LOCK=FILE (a test instrument of the simulated device, not a CANN feature): at each
+ * Lock and at each Backup, append one line saying what the device and the runtime held at that
+ * moment -- tasks queued per kind, tasks executing, calls waiting at the gate -- so that tests can
+ * show where their snapshots landed (a kernel executing, copies queued, a launch held). */
+static void trace_cut(const char *when) {
+    const char *path = getenv("NPUSIM_TRACE_LOCK");
+    if (!path || !*path) return;
+    int kernels = 0, copies = 0, other = 0, running = 0, gated;
+    pthread_mutex_lock(&g_mu);
+    gated = g_gated;
+    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_eng);
+    for (struct stream *st = g_streams; st; st = st->next) {
+        running += st->running != 0;
+        for (struct task *t = st->head; t; t = t->next) {
+            if (t->type == T_KERNEL) kernels++;
+            else if (t->type == T_COPY) copies++;
+            else other++;
+        }
+    }
+    pthread_mutex_unlock(&g_eng);
+    FILE *f = fopen(path, "ae");
+    if (!f) return;
+    fprintf(f, "{\"pid\": %d, \"at\": \"%s\", \"kernels_queued\": %d, \"copies_queued\": %d, "
+               "\"other_queued\": %d, \"running\": %d, \"gated\": %d}\n",
+            (int)getpid(), when, kernels, copies, other, running, gated);
+    fclose(f);
+}
+
 /* ApiImpl::SnapShotProcessLock: LOCK_PRE first (before the state check: it runs even when Lock then
  * fails), then GlobalStateManager::Locked: RUNNING required (507906), then the runtime's registered
  * background threads must park (NPUSIM_FAULT_LOCK_TIMEOUT: one never does; after the wait, 507905
@@ -1320,6 +1355,7 @@ RT_API rtError_t rtSnapShotProcessLock(void) {
     if (rc == ACL_SUCCESS && get_state() != ST_RUNNING) rc = ACL_ERROR_SNAPSHOT_LOCK_FAILED;
     if (rc == ACL_SUCCESS) {
         set_state(ST_LOCKED);
+        trace_cut("lock");
         if (f.lock_timeout) {
             long ms = f.lock_wait_ms >= 0 ? f.lock_wait_ms : 60000;
             sleep_s((double)ms / 1000.0); /* polling a background thread that never parks */
@@ -1345,6 +1381,7 @@ static rtError_t backup(int driver) {
     read_faults(&f);
     int32_t rc = ACL_SUCCESS;
     if (get_state() != ST_LOCKED || f.backup) rc = ACL_ERROR_SNAPSHOT_BACKUP_FAILED;
+    if (rc == ACL_SUCCESS) trace_cut("backup");
     if (rc == ACL_SUCCESS) rc = run_callbacks(NPUSIM_STAGE_BACKUP_PRE);
     if (rc == ACL_SUCCESS && driver && !halSupportFeature(0, NPUSIM_FEATURE_SVM_PROCESS_DEVICE_MEM_SNAPSHOT))
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;

@@ -9,6 +9,11 @@ goes): after a dump that killed it, the file holds the phase the dump caught. Ph
 ``optimizer`` (inside the foreach step), ``burst`` (hundreds of tiny launches queued at once:
 the task queue's ring fills), ``sync`` (waiting for the device at loss.item()).
 
+``--stall PHASE:SECONDS`` sleeps that long inside PHASE once, in step 2 (after the next batch's
+copy was queued; in a backward hook; between the two halves of the optimizer step), the phase
+file saying ``PHASE 2 stalled`` meanwhile, so that a dump taken then lands there with the work
+queued before it (and 300 launches on a scratch tensor) still in flight. Neither changes a number.
+
 Runs on the CPU as well (``--device cpu``), which the tests use as the oracle for the numbers.
 """
 
@@ -41,7 +46,8 @@ class Phase:
 
     def set(self, name: str, step: int) -> None:
         if self.map is not None:
-            self.map[:64] = f"{name} {step}".encode().ljust(64)
+            text = name if " " in name else f"{name} {step}"
+            self.map[:64] = text.encode().ljust(64)
 
 
 class Block(nn.Module):
@@ -87,6 +93,9 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0, help="seconds to sleep after each step")
     ap.add_argument("--burst", type=int, default=0, help="tiny launches queued each step (ring pressure)")
     ap.add_argument("--phase", default=None, help="phase file (see the module docstring)")
+    ap.add_argument("--stall", default="", help="PHASE:SECONDS: sleep inside PHASE every step")
+    ap.add_argument("--empty-cache", action="store_true", help="torch.npu.empty_cache() after every step")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers (pin_memory=True)")
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
@@ -96,36 +105,76 @@ def main() -> int:
         import torch_npu  # noqa: F401  (torch 2.13 autoloads it; explicit for older ones)
     dev = torch.device(args.device)
     phase = Phase(args.phase)
+    scratch = torch.zeros(8, device=dev)
+    stall_phase, _, stall_s = args.stall.partition(":")
+    stall = float(stall_s or 0)
+
+    def pause(name: str) -> None:
+        # once, in step 2: the phase file says "stalled" while the step's earlier work still runs
+        if stall and stall_phase == name and stall_step[0] == 2:
+            for _ in range(300):  # device work queued behind this point (scratch: no number changes)
+                scratch.add_(1.0)
+            phase.set(f"{name} 2 stalled", 2)
+            time.sleep(stall)
+            stall_step[0] = -1
+
+    stall_step = [0]
+
     torch.manual_seed(0)
     model = Block(args.vocab, args.dim, 4).to(dev)
+    # Two optimizers over the two halves of the parameters (the same numbers as one): a stall
+    # between their steps lands inside the model's optimizer step, the first half's foreach
+    # kernels queued.
+    params = list(model.parameters())
+    halves = [params[: len(params) // 2], params[len(params) // 2 :]]
     if args.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opts = [torch.optim.AdamW(h, lr=3e-3) for h in halves]
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opts = [torch.optim.SGD(h, lr=0.1, momentum=0.9) for h in halves]
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq + 1), generator=gen)
-    if dev.type != "cpu":
-        data = data.pin_memory()
-    scratch = torch.zeros(8, device=dev)
+    batches: list[torch.Tensor] | torch.utils.data.DataLoader[torch.Tensor]
+    if args.workers:
+        batches = torch.utils.data.DataLoader(
+            data, batch_size=None, num_workers=args.workers, pin_memory=dev.type != "cpu"
+        )
+    else:
+        batches = [d.pin_memory() if dev.type != "cpu" else d for d in data]
+    source = iter(batches)
+    # The next batch is copied ahead (non_blocking, from pinned memory), behind the current step's
+    # optimizer kernels: a copy in flight while the step finishes.
+    batch = next(source).to(dev, non_blocking=True)
     for step in range(args.steps):
-        phase.set("h2d", step)
-        batch = data[step].to(dev, non_blocking=True)
+        stall_step[0] = step if stall_step[0] >= 0 else -1
         phase.set("forward", step)
         logits = model(batch[:, :-1])
+        if stall and stall_phase == "backward":
+            logits.register_hook(lambda g: (pause("backward"), g)[1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         phase.set("backward", step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         phase.set("optimizer", step)
-        opt.step()
+        opts[0].step()
+        pause("optimizer")
+        opts[1].step()
+        if step + 1 < args.steps:
+            phase.set("h2d", step)
+            batch = next(source).to(dev, non_blocking=True)
+            pause("h2d")
         if args.burst:
             phase.set("burst", step)
-            for _ in range(args.burst):
+            for i in range(args.burst):
                 scratch.add_(1.0)
+                if i % 512 == 0:
+                    phase.set(f"burst {step} {i}", step)
             scratch.zero_()
         phase.set("sync", step)
         line = f"step {step} loss {loss.item():.6f} params {param_hash(model)}"
+        if args.empty_cache and dev.type == "npu":
+            torch.npu.empty_cache()
         phase.set("idle", step)
         print(line, flush=True)
         if args.interval:
