@@ -259,13 +259,16 @@ def _unimplemented_op() -> tuple[str, int, str]:
     raise AssertionError(f"libopapi.so implements all of {UNIMPLEMENTED}: name another operator it lacks")
 
 
-@pytest.mark.parametrize("soc", [SOC_910B, SOC_950])
-def test_an_operator_without_aclnn_raises(torch_npu_python: str, sim_env: dict[str, str], soc: str) -> None:
+@pytest.mark.parametrize(("soc", "task_queue"), [(SOC_910B, "1"), (SOC_910B, "0"), (SOC_950, "1")])
+def test_an_operator_without_aclnn_raises(
+    torch_npu_python: str, sim_env: dict[str, str], soc: str, task_queue: str
+) -> None:
     """On a 910B-class SoC op-plugin falls back to aclopCompileAndExecute, which fails with its
-    text; on an Ascend950 SoC torch_npu refuses the missing aclnn operator itself. Either way the
+    text (read on the thread that launched it: the task queue's, or the caller's with the queue
+    off); on an Ascend950 SoC torch_npu refuses the missing aclnn operator itself. Either way the
     job raises instead of reading outputs nobody computed."""
     op, arity, aclnn = _unimplemented_op()
-    env = _env(sim_env, NPUSIM_SOC_VERSION=soc)
+    env = _env(sim_env, NPUSIM_SOC_VERSION=soc, TASK_QUEUE_ENABLE=task_queue)
     proc = torchnpulib.run(torch_npu_python, ACLOP, env, args=(op, str(arity)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
