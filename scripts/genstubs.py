@@ -70,8 +70,26 @@ def param_names(params: str) -> list[str]:
     return out
 
 
-def c_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def c_string(s: str, indent: str = "") -> str:
+    """A C string literal, split into adjacent literals of at most ~80 characters."""
+    esc = s.replace("\\", "\\\\").replace('"', '\\"')
+    parts, line = [], ""
+    for word in re.split(r"(?<= )", esc):
+        if line and len(line) + len(word) > 80:
+            parts.append(line)
+            line = ""
+        line += word
+    parts.append(line)
+    return f"\n{indent}".join(f'"{p}"' for p in parts)
+
+
+def signature(row: dict[str, Any]) -> str:
+    head = f"NPUSIM_API {row['returns']} {row['name']}("
+    params = [p.strip() for p in row["params"].split(",")]
+    one_line = head + ", ".join(params) + ") {"
+    if len(one_line) <= 110:
+        return one_line
+    return head + "\n" + ",\n".join(f"    {p}" for p in params) + ") {"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -94,14 +112,11 @@ def render(rows: list[dict[str, Any]]) -> str:
             code = row["code"]
             value = row.get("fail_value", f"({ret}){code}")
             out.append(f"/* {row['source']} */")
-            out.append(f"NPUSIM_API {ret} {row['name']}({row['params']}) {{")
+            out.append(signature(row))
             if unused:
                 out.append(unused.rstrip("\n"))
-            out.append(
-                "    npusim_report("
-                + f"{code}, {c_string(row['error_id'])}, __func__, "
-                + f"{c_string(row['message'])}{fmt_args});"
-            )
+            out.append(f"    npusim_report({code}, {c_string(row['error_id'])}, __func__,")
+            out.append(f"                  {c_string(row['message'], ' ' * 18)}{fmt_args});")
             out.append(f"    return {value};")
             out.append("}")
         out.append(f"#endif /* NPUSIM_FAILURES_{lib.upper()} */")

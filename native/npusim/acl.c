@@ -48,7 +48,8 @@ ACL_API aclError aclInit(const char *configPath) {
 /* Finalize resets every device the process opened. */
 ACL_API aclError aclFinalize(void) {
     for (int32_t d = 0; d < 64; d++) rtDeviceReset(d);
-    return acl_rc(__func__, __atomic_exchange_n(&g_initialized, 0, __ATOMIC_SEQ_CST) ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE);
+    aclError rc = __atomic_exchange_n(&g_initialized, 0, __ATOMIC_SEQ_CST) ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
+    return acl_rc(__func__, rc);
 }
 
 ACL_API aclError aclsysGetVersionStr(char *pkgName, char *versionStr) {
@@ -82,7 +83,9 @@ ACL_API aclError aclrtGetDeviceCount(uint32_t *count) {
 ACL_API aclError aclrtGetCurrentContext(void **context) { return acl_rc(__func__, rtCtxGetCurrent(context)); }
 ACL_API aclError aclrtSetCurrentContext(void *context) { return acl_rc(__func__, rtCtxSetCurrent(context)); }
 ACL_API aclError aclrtSynchronizeDevice(void) { return acl_rc(__func__, rtDeviceSynchronize()); }
-ACL_API aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout) { return acl_rc(__func__, rtDeviceSynchronizeWithTimeout(timeout)); }
+ACL_API aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout) {
+    return acl_rc(__func__, rtDeviceSynchronizeWithTimeout(timeout));
+}
 
 /* ---- memory */
 ACL_API aclError aclrtMalloc(void **devPtr, size_t size, int policy) {
@@ -96,7 +99,9 @@ ACL_API aclError aclrtMallocCached(void **devPtr, size_t size, int policy) {
     return acl_rc(__func__, rtMallocCached(devPtr, size, (uint32_t)policy, 0));
 }
 ACL_API aclError aclrtFree(void *devPtr) { return acl_rc(__func__, rtFree(devPtr)); }
-ACL_API aclError aclrtMallocHost(void **hostPtr, size_t size) { return acl_rc(__func__, rtMallocHost(hostPtr, size, 0)); }
+ACL_API aclError aclrtMallocHost(void **hostPtr, size_t size) {
+    return acl_rc(__func__, rtMallocHost(hostPtr, size, 0));
+}
 ACL_API aclError aclrtFreeHost(void *hostPtr) { return acl_rc(__func__, rtFreeHost(hostPtr)); }
 ACL_API aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind) {
     return acl_rc(__func__, rtMemcpy(dst, destMax, src, count, (uint32_t)kind));
@@ -164,13 +169,17 @@ ACL_API aclError aclrtStreamQuery(void *stream, int *status) {
     return acl_rc(__func__, rc);
 }
 ACL_API aclError aclrtCreateEvent(void **event) { return acl_rc(__func__, rtEventCreate(event)); }
-ACL_API aclError aclrtCreateEventWithFlag(void **event, uint32_t flag) { return acl_rc(__func__, rtEventCreateWithFlag(event, flag)); }
+ACL_API aclError aclrtCreateEventWithFlag(void **event, uint32_t flag) {
+    return acl_rc(__func__, rtEventCreateWithFlag(event, flag));
+}
 ACL_API aclError aclrtCreateEventExWithFlag(void **event, uint32_t flag) {
     return acl_rc(__func__, rtEventCreateExWithFlag(event, flag));
 }
 ACL_API aclError aclrtRecordEvent(void *event, void *stream) { return acl_rc(__func__, rtEventRecord(event, stream)); }
 ACL_API aclError aclrtResetEvent(void *event, void *stream) { return acl_rc(__func__, rtEventReset(event, stream)); }
-ACL_API aclError aclrtStreamWaitEvent(void *stream, void *event) { return acl_rc(__func__, rtStreamWaitEvent(stream, event)); }
+ACL_API aclError aclrtStreamWaitEvent(void *stream, void *event) {
+    return acl_rc(__func__, rtStreamWaitEvent(stream, event));
+}
 ACL_API aclError aclrtSynchronizeEvent(void *event) { return acl_rc(__func__, rtEventSynchronize(event)); }
 /* aclrtEventRecordedStatus: NOT_READY 0, COMPLETE 1. */
 ACL_API aclError aclrtQueryEventStatus(void *event, int *status) {
@@ -184,7 +193,9 @@ ACL_API aclError aclrtEventElapsedTime(float *ms, void *startEvent, void *endEve
     return acl_rc(__func__, rtEventElapsedTime(ms, startEvent, endEvent));
 }
 ACL_API aclError aclrtDestroyEvent(void *event) { return acl_rc(__func__, rtEventDestroy(event)); }
-ACL_API aclError aclrtSubscribeReport(uint64_t threadId, void *stream) { return acl_rc(__func__, rtSubscribeReport(threadId, stream)); }
+ACL_API aclError aclrtSubscribeReport(uint64_t threadId, void *stream) {
+    return acl_rc(__func__, rtSubscribeReport(threadId, stream));
+}
 ACL_API aclError aclrtUnSubscribeReport(uint64_t threadId, void *stream) {
     return acl_rc(__func__, rtUnSubscribeReport(threadId, stream));
 }
@@ -208,8 +219,9 @@ ACL_API aclError aclrtBinaryUnLoad(void *binHandle) { return acl_rc(__func__, rt
 ACL_API aclError aclrtLaunchKernel(void *funcHandle, uint32_t numBlocks, const void *argsData, size_t argsSize,
                                    void *stream) {
     if (!funcHandle || argsSize > UINT32_MAX) return acl_rc(__func__, ACL_ERROR_INVALID_PARAM);
-    return acl_rc(__func__, rtsLaunchKernelWithHostArgs(funcHandle, numBlocks, stream, NULL, (void *)argsData, (uint32_t)argsSize,
-                                       NULL, 0));
+    aclError rc = rtsLaunchKernelWithHostArgs(funcHandle, numBlocks, stream, NULL, (void *)argsData,
+                                              (uint32_t)argsSize, NULL, 0);
+    return acl_rc(__func__, rc);
 }
 
 /* ---- snapshot (src/acl/aclrt_impl/snapshot.cpp: the pid/args checks, then the rt function) */
@@ -237,11 +249,13 @@ struct snap_args {
     char reserved[60];
 };
 ACL_API aclError aclrtSnapShotProcessBackup(int pid, void *args) {
-    if (pid != getpid() || (args && ((const struct snap_args *)args)->flags > 1)) return acl_rc(__func__, ACL_ERROR_INVALID_PARAM);
+    if (pid != getpid() || (args && ((const struct snap_args *)args)->flags > 1))
+        return acl_rc(__func__, ACL_ERROR_INVALID_PARAM);
     return acl_rc(__func__, args ? rtSnapShotProcessBackupWithArgs(args) : rtSnapShotProcessBackup());
 }
 ACL_API aclError aclrtSnapShotProcessRestore(int pid, void *args) {
-    if (pid != getpid() || (args && ((const struct snap_args *)args)->flags > 1)) return acl_rc(__func__, ACL_ERROR_INVALID_PARAM);
+    if (pid != getpid() || (args && ((const struct snap_args *)args)->flags > 1))
+        return acl_rc(__func__, ACL_ERROR_INVALID_PARAM);
     return acl_rc(__func__, args ? rtSnapShotProcessRestoreWithArgs(args) : rtSnapShotProcessRestore());
 }
 #else

@@ -50,8 +50,9 @@ ACL_API aclTensorDesc *aclCreateTensorDesc(int dataType, int numDims, const int6
     return d;
 }
 ACL_API void aclDestroyTensorDesc(const aclTensorDesc *desc) { free((void *)desc); }
-ACL_API int aclGetTensorDescType(const aclTensorDesc *desc) { return desc ? desc->dtype : -1; /* ACL_DT_UNDEFINED */ }
-ACL_API int aclGetTensorDescFormat(const aclTensorDesc *desc) { return desc ? desc->format : -1; /* ACL_FORMAT_UNDEFINED */ }
+/* NULL answers ACL_DT_UNDEFINED / ACL_FORMAT_UNDEFINED (-1), as tensor_desc_internal.cpp. */
+ACL_API int aclGetTensorDescType(const aclTensorDesc *desc) { return desc ? desc->dtype : -1; }
+ACL_API int aclGetTensorDescFormat(const aclTensorDesc *desc) { return desc ? desc->format : -1; }
 ACL_API size_t aclGetTensorDescNumDims(const aclTensorDesc *desc) { return desc ? (size_t)desc->ndims : 0; }
 ACL_API aclError aclGetTensorDescDimV2(const aclTensorDesc *desc, size_t index, int64_t *dimSize) {
     if (!desc || !dimSize || index >= (size_t)desc->ndims) return invalid(__func__, "no such dimension");

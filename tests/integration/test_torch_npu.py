@@ -138,6 +138,63 @@ def test_expandable_segments_map_and_unmap(torch_npu_python: str, sim_env: dict[
     assert got["again"] == 999.0
 
 
+@pytest.fixture(scope="module")
+def vmm_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sim_helpers/vmm_trace.c, an LD_PRELOAD interposer logging torch_npu's allocation calls."""
+    out = tmp_path_factory.mktemp("vmm") / "vmm_trace.so"
+    src = Path(__file__).parent / "sim_helpers" / "vmm_trace.c"
+    subprocess.run(["cc", "-O1", "-Wall", "-fPIC", "-shared", "-o", str(out), str(src), "-ldl"], check=True)
+    return out
+
+
+def _trace(lines: list[str], kind: str) -> list[dict[str, int]]:
+    """The calls of one kind, as {field: value} (rc included)."""
+    calls = []
+    for ln in lines:
+        words = ln.split()
+        if words and words[0] == kind:
+            calls.append({k: int(v) for k, v in (w.split("=") for w in words[1:] if "=" in w)})
+    return calls
+
+
+@pytest.mark.parametrize("expandable", [True, False])
+def test_allocator_calls_as_torch_npu_makes_them(
+    torch_npu_python: str, sim_env: dict[str, str], vmm_trace: Path, tmp_path: Path, expandable: bool
+) -> None:
+    """What torch_npu's caching allocator asks of the runtime (shared/torch-npu.md, Allocator),
+    seen by an interposer: the default allocator takes 2 MiB / 20 MiB segments from
+    aclrtMallocAlign32; expandable segments probe with a 512-byte reserve (flags=1), reserve
+    1.125 x the device memory per pool, map 2 MiB / 20 MiB physical chunks, and on empty_cache
+    unmap, free and release them all. Every call succeeds."""
+    trace = tmp_path / "trace.txt"
+    env = _env(sim_env, LD_PRELOAD=str(vmm_trace), VMM_TRACE_FILE=str(trace))
+    if expandable:
+        env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"
+    got = _run(torch_npu_python, EXPANDABLE, env)
+    assert got["values"] == [9.0, 299_999.0, 2_999_999.0, 8_999_999.0]
+    lines = trace.read_text().splitlines()
+    assert lines and all(ln.endswith(" rc=0") for ln in lines), lines
+    if not expandable:
+        sizes = {c["size"] for c in _trace(lines, "malloc_align32")}
+        assert sizes and sizes <= {2 * MiB, 20 * MiB} | {n * 2 * MiB for n in range(11, 64)}, sizes
+        assert not _trace(lines, "reserve") and not _trace(lines, "malloc")
+        return
+    reserves = _trace(lines, "reserve")
+    assert lines[0] == "reserve size=512 flags=1 rc=0" and lines[1].startswith("release")  # the probe
+    total = _trace(lines, "meminfo")[0]["total"]
+    pools = reserves[1:]
+    assert pools and all(total * 9 // 8 <= r["size"] < total * 9 // 8 + 20 * MiB for r in pools), (
+        total,
+        pools,
+    )
+    physical = {c["size"] for c in _trace(lines, "physical")}
+    assert physical <= {2 * MiB, 20 * MiB} and physical, physical
+    maps = _trace(lines, "map")
+    assert len(maps) == len(_trace(lines, "physical")) == len(_trace(lines, "unmap")) + 1  # `again` stays
+    assert len(_trace(lines, "free_physical")) == len(_trace(lines, "unmap"))
+    assert len(_trace(lines, "release")) >= len(pools)  # each pool's range went back on empty_cache
+
+
 COPIES = r"""
 import json, torch, torch_npu
 out = {}
@@ -202,13 +259,16 @@ def _unimplemented_op() -> tuple[str, int, str]:
     raise AssertionError(f"libopapi.so implements all of {UNIMPLEMENTED}: name another operator it lacks")
 
 
-@pytest.mark.parametrize("soc", [SOC_910B, SOC_950])
-def test_an_operator_without_aclnn_raises(torch_npu_python: str, sim_env: dict[str, str], soc: str) -> None:
+@pytest.mark.parametrize(("soc", "task_queue"), [(SOC_910B, "1"), (SOC_910B, "0"), (SOC_950, "1")])
+def test_an_operator_without_aclnn_raises(
+    torch_npu_python: str, sim_env: dict[str, str], soc: str, task_queue: str
+) -> None:
     """On a 910B-class SoC op-plugin falls back to aclopCompileAndExecute, which fails with its
-    text; on an Ascend950 SoC torch_npu refuses the missing aclnn operator itself. Either way the
+    text (read on the thread that launched it: the task queue's, or the caller's with the queue
+    off); on an Ascend950 SoC torch_npu refuses the missing aclnn operator itself. Either way the
     job raises instead of reading outputs nobody computed."""
     op, arity, aclnn = _unimplemented_op()
-    env = _env(sim_env, NPUSIM_SOC_VERSION=soc)
+    env = _env(sim_env, NPUSIM_SOC_VERSION=soc, TASK_QUEUE_ENABLE=task_queue)
     proc = torchnpulib.run(torch_npu_python, ACLOP, env, args=(op, str(arity)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
