@@ -26,7 +26,12 @@
  * ARGMAX: x, out (out [.., 1] on the row dim).
  * TOPK: i0 = k, i1 = largest, i2 = sorted; x, values, indices.
  * ADDMM: s0 = beta, s1 = alpha; a [.., M, K], b [.., K, N], c aligned to out, out [.., M, N].
- * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element). */
+ * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element).
+ * FA: attention, every tensor as a [B, N, S, D] view (the layout undone by the operator library):
+ *     i0 = sparse mode, i1 = preTokens, i2 = nextTokens, i3 = 1 if a mask is given; s0 = scale;
+ *     q [B, N1, S0, D], k [B, N2, S1, D], v [B, N2, S1, D2], [mask aligned to [B, N1, S0, S1]],
+ *     softmaxMax [B, N1, S0, 8], softmaxSum [B, N1, S0, 8], out [B, N1, S0, D2].
+ * FA_BWD: as FA; q, k, v, dy, [mask], dq, dk, dv. */
 #define OPS_KERNELS_NN(X)                 \
     X(SOFTMAX, k_softmax)                 \
     X(SOFTMAX_BWD, k_softmax_bwd)         \
@@ -42,7 +47,9 @@
     X(ARGMAX, k_argmax)                   \
     X(TOPK, k_topk)                       \
     X(ADDMM, k_addmm)                     \
-    X(MSE, k_mse)
+    X(MSE, k_mse)                         \
+    X(FA, k_fa)                           \
+    X(FA_BWD, k_fa_bwd)
 
 /* NORM and NORM_BWD flags. */
 #define NORM_W 1    /* weight present (NORM_BWD: always) */
