@@ -290,6 +290,28 @@ def main() -> int:
         grad=False,
         exact=True,
     )
+    # scaled_dot_product_attention: FlashAttentionScore (+Grad) for 4-D inputs (head dim a multiple
+    # of 4 in float32); q/k/v as the usual transposed [B, T, H, D] views; a causal, a plain and a
+    # grouped-query case (head dim 6, which op-plugin decomposes, runs last)
+    bthd = lambda *ts: [t.transpose(1, 2) for t in ts]  # noqa: E731
+    run(
+        "sdpa causal (FlashAttentionScore)",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda: [randn(2, 5, 2, 8), randn(2, 5, 2, 8, seed=2), randn(2, 5, 2, 8, seed=3)],
+        bthd,
+    )
+    run(
+        "sdpa no mask, scale",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.3),
+        lambda: [randn(1, 3, 2, 4), randn(1, 6, 2, 4, seed=2), randn(1, 6, 2, 4, seed=3)],
+        bthd,
+    )
+    run(
+        "sdpa causal grouped-query",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        lambda: [randn(1, 6, 4, 8), randn(1, 6, 2, 8, seed=2), randn(1, 6, 2, 8, seed=3)],
+        bthd,
+    )
     # Arange (no inputs; an exact int case and float steps)
     for args in ((0, 7, 1), (2, -5, -2), (0.0, 1.0, 0.125)):
         run(
@@ -301,6 +323,15 @@ def main() -> int:
             grad=False,
             exact=True,
         )
+    # Last, as it needs the math family's operators (IsNegInf, All, SWhere): a missing operator
+    # fails the task queue for every later case.
+    run(
+        "sdpa head dim 6 (decomposed)",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        lambda: [randn(1, 4, 2, 6), randn(1, 4, 2, 6, seed=2), randn(1, 4, 2, 6, seed=3)],
+        lambda q, k, v: [t.transpose(1, 2) for t in (q, k, v)],
+        dtypes=(torch.float32,),
+    )
     print(f"{len(failures)} failures, {time.monotonic() - t0:.1f} s", flush=True)
     return 1 if failures else 0
 
