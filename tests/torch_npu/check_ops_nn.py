@@ -256,31 +256,46 @@ def main() -> int:
     run("argmax dim=-1", lambda x: x.argmax(-1), lambda: [randn(4, 7)], lambda x: [T(T(x))], grad=False, exact=True)
     run("argmax keepdim dim=0", lambda x: x.argmax(0, keepdim=True), lambda: [randn(5, 6)], lambda x: [T(x)], grad=False, exact=True)
     run("argmax all", lambda x: x.argmax(), lambda: [randn(5, 6)], ident, grad=False, exact=True)
-    run("topk largest", lambda x: torch.topk(x, 3, -1), lambda: [randn(4, 9)], lambda x: [x[:, 1:]], grad=False, exact=True)
-    run("topk smallest dim 0", lambda x: torch.topk(x, 2, 0, largest=False), lambda: [randn(6, 5)], lambda x: [T(x)], grad=False, exact=True)
+    run("topk largest (+scatter bwd)", lambda x: torch.topk(x, 3, -1), lambda: [randn(4, 9)], lambda x: [x[:, 1:]], exact=True)
+    run("topk smallest dim 0", lambda x: torch.topk(x, 2, 0, largest=False), lambda: [randn(6, 5)], lambda x: [T(x)], exact=True)
     run(
-        "index_select dim 1",
+        "index_select dim 1 (+index_add bwd)",
         lambda x, i: torch.index_select(x, 1, i),
         lambda: [randn(4, 6), torch.tensor([5, 0, 2, 2])],
         lambda x, i: [x, i],
-        grad=False,
-        exact=True,
     )
     run(
-        "gather dim 1",
+        "gather dim 1 (+scatter_add bwd)",
         lambda x, i: torch.gather(x, 1, i),
         lambda: [randn(4, 6), randint(6, 4, 3)],
         lambda x, i: [T(T(x)), i],
-        grad=False,
-        exact=True,
     )
     run(
-        "index x[idx] and x[:, idx]",
+        "index x[idx] and x[:, idx] (+index_put bwd)",
         lambda x, i: (x[i], x[:, i], x[i, 1:]),
         lambda: [randn(6, 6), torch.tensor([[0, 5], [3, 3]])],
         lambda x, i: [T(x), i],
+    )
+    run(
+        "scatter, scatter_add, scatter value",
+        lambda x, s, i: (
+            x.scatter(1, i, s),
+            x.scatter_add(0, i, s),
+            x.scatter(1, i, 2.5),
+        ),
+        lambda: [randn(4, 6), randn(5, 5, seed=2), torch.tensor([[0, 3, 1], [3, 3, 3], [2, 0, 2]])],
+        lambda x, s, i: [x, T(s), i],
         grad=False,
-        exact=True,
+    )
+    run(
+        "index_add alpha, index_put accumulate",
+        lambda x, s, i: (
+            x.index_add(0, i, s, alpha=-2.0),
+            x.index_put((i,), s, accumulate=True),
+            x.index_put((i[:1],), s[0]),
+        ),
+        lambda: [randn(4, 3), randn(3, 5, seed=2), torch.tensor([3, 0, 3, 1, 0])],
+        lambda x, s, i: [x, T(s), i],
     )
     run(
         "index x[i0, :, i1] (non-adjacent)",

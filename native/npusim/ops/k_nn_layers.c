@@ -173,10 +173,6 @@ KHIDDEN int k_norm(const struct kctx *k) {
             }
             var /= (double)m;
             double rstd = 1.0 / sqrt(var + eps);
-            /* y from the statistics as they are stored (float): what the backward then sees */
-            double ms = T[4] ? kround(T[4]->dtype, mean) : mean, rs = T[5] ? kround(T[5]->dtype, rstd) : rstd;
-            (void)ms;
-            (void)rs;
             for (int64_t e = 0; e < m; e++) {
                 double v = (xv[e] - mean) * rstd;
                 if (T[1]) v *= kld(T[1]->dtype, p[1], it.off[map[1]] + io[1][e]);
@@ -264,9 +260,6 @@ KHIDDEN int k_norm_bwd(const struct kctx *k) {
             if (T[7]) kst(T[7]->dtype, p[7], io[7][e], gb[e]);
         }
         kcost(k, rows * m);
-    } else if (rc == 0) {
-        for (int j = 6; j < 8; j++) /* m == 0: nothing; rows == 0 is handled above with m > 0 */
-            (void)j;
     }
     free(gw), free(gb), free(dyw), free(xh);
     for (int j = 0; j < 8; j++) free(io[j]);
@@ -338,17 +331,20 @@ KHIDDEN int k_nll_bwd(const struct kctx *k) {
 
 /* ---------------------------------------------------------------- gathers by index */
 
-/* ints: out->ndim base strides (self's stride for each of out's dims, 0 where an index decides),
- * then for each index (t[2..]) the stride and size of the self dimension it indexes. */
-KHIDDEN int k_index(const struct kctx *k) {
+/* The walk of INDEX and INDEX_PUT over the shape of t[0] (out, or the values): ints (after `skip`
+ * leading ones): t[0]->ndim base strides (self's stride for each walked dim, 0 where an index
+ * decides), then for each index (t[2..]) the stride and size of the self dimension it indexes. put:
+ * self[...] = (accumulate: +=) t[0][...], else t[0][...] = self[...]. */
+static int index_walk(const struct kctx *k, int skip, int put, int accumulate) {
     if (k->a->nt < 2 || k->a->nt > KIT_MAX) return KERR_ARGS;
     const struct ops_tensor *out = &k->t[0], *self = &k->t[1];
     int nidx = (int)k->a->nt - 2, nd = out->ndim;
-    if ((int)k->a->ni != nd + 2 * nidx) return KERR_ARGS;
+    const int64_t *in = k->i + skip;
+    if ((int)k->a->ni != skip + nd + 2 * nidx) return KERR_ARGS;
     HOST(po, out);
     HOST(ps, self);
     struct ops_tensor base = *out;
-    for (int d = 0; d < nd; d++) base.stride[d] = k->i[d];
+    for (int d = 0; d < nd; d++) base.stride[d] = in[d];
     const struct ops_tensor *ts[KIT_MAX] = {out, &base};
     char *pi[KIT_MAX] = {0};
     for (int j = 0; j < nidx; j++) {
@@ -359,7 +355,7 @@ KHIDDEN int k_index(const struct kctx *k) {
     }
     int64_t n = knumel(out);
     if (n == 0) return 0;
-    /* the self range every index may reach: self's own view, checked by khost above */
+    /* the self range an index may reach: self's own view, checked by khost above */
     int64_t lo = 0, hi = 0;
     for (int d = 0; d < self->ndim; d++) {
         int64_t span = (self->shape[d] - 1) * self->stride[d];
@@ -372,13 +368,87 @@ KHIDDEN int k_index(const struct kctx *k) {
         int64_t off = it.off[1];
         for (int j = 0; j < nidx; j++) {
             int64_t v = ktoint(kld(ts[2 + j]->dtype, pi[j], it.off[2 + j]));
-            int64_t size = k->i[nd + 2 * j + 1];
+            int64_t size = in[nd + 2 * j + 1];
             if (v < 0) v += size;
             if (v < 0 || v >= size) return KERR_ADDR;
-            off += v * k->i[nd + 2 * j];
+            off += v * in[nd + 2 * j];
         }
         if (off < lo || off > hi) return KERR_ADDR;
-        kst(out->dtype, po, it.off[0], kld(self->dtype, ps, off));
+        if (!put) {
+            kst(out->dtype, po, it.off[0], kld(self->dtype, ps, off));
+        } else {
+            double v = kld(out->dtype, po, it.off[0]);
+            kst(self->dtype, ps, off, accumulate ? kld(self->dtype, ps, off) + v : v);
+        }
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}
+
+KHIDDEN int k_index(const struct kctx *k) { return index_walk(k, 0, 0, 0); }
+
+/* Accumulating puts add in the walk's order in self's type, as torch's CPU index_put_ with
+ * accumulate=True does (index_put_with_sort is the CUDA path; the CPU adds serially). */
+KHIDDEN int k_index_put(const struct kctx *k) {
+    if (k->a->ni < 1) return KERR_ARGS;
+    return index_walk(k, 1, 1, k->i[0] != 0);
+}
+
+/* out = self; then along the walk (index's shape for Scatter and ScatterAdd, source's for
+ * IndexAdd) out[base + wrap(index) * stride] op= s0 * src (or = s0 for a value), one element after
+ * another, in out's type: the CPU's scatter/scatter_add/index_add_ run serially in this order. */
+KHIDDEN int k_scatter(const struct kctx *k) {
+    if (k->a->ni < 4 || k->a->ns < 1 || k->a->nt < 3) return KERR_ARGS;
+    int mode = (int)k->i[0], hassrc = k->i[1] != 0;
+    int64_t dstride = k->i[2], dsize = k->i[3];
+    const struct ops_tensor *self = &k->t[0], *out = &k->t[1], *idx = &k->t[2], *src = hassrc ? &k->t[3] : NULL;
+    int nd = idx->ndim;
+    if ((int)k->a->nt != 3 + hassrc || (int)k->a->ni != 4 + nd || self->ndim != out->ndim ||
+        (src && src->ndim != nd))
+        return KERR_ARGS;
+    HOST(pself, self);
+    HOST(po, out);
+    HOST(pi, idx);
+    char *psrc = NULL;
+    if (src) {
+        HOST(p, src);
+        psrc = p;
+    }
+    int64_t no = knumel(out);
+    if (no) {
+        const struct ops_tensor *cs[2] = {self, out};
+        struct kit c;
+        kit_init(&c, out->shape, out->ndim, cs, 2);
+        if (self->addr != out->addr || self->offset != out->offset || memcmp(self->stride, out->stride, sizeof self->stride))
+            for (int64_t e = 0; e < no; e++) {
+                kst(out->dtype, po, c.off[1], kld(self->dtype, pself, c.off[0]));
+                kit_next(&c);
+            }
+    }
+    int64_t n = knumel(idx);
+    if (n == 0) return 0;
+    int64_t lo = 0, hi = 0;
+    for (int d = 0; d < out->ndim; d++) {
+        int64_t span = (out->shape[d] - 1) * out->stride[d];
+        if (span < 0) lo += span;
+        else hi += span;
+    }
+    struct ops_tensor base = *idx;
+    for (int d = 0; d < nd; d++) base.stride[d] = k->i[4 + d];
+    const struct ops_tensor *ts[3] = {&base, idx, src ? src : idx};
+    struct kit it;
+    kit_init(&it, idx->shape, nd, ts, 3);
+    for (int64_t e = 0; e < n; e++) {
+        int64_t v = ktoint(kld(idx->dtype, pi, it.off[1]));
+        if (v < 0) v += dsize;
+        if (v < 0 || v >= dsize) return KERR_ADDR;
+        int64_t off = it.off[0] + v * dstride;
+        if (off < lo || off > hi) return KERR_ADDR;
+        double x = src ? kld(src->dtype, psrc, it.off[2]) : k->s[0];
+        if (src && k->s[0] != 1.0) x *= k->s[0];
+        double cur = kld(out->dtype, po, off);
+        kst(out->dtype, po, off, mode == 1 ? cur + x : mode == 2 ? cur * x : x);
         kit_next(&it);
     }
     kcost(k, n);

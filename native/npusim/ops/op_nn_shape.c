@@ -215,67 +215,220 @@ API aclnnStatus aclnnGatherGetWorkspaceSize(const aclTensor *self, int64_t dim, 
 }
 OPS_LAUNCHER(aclnnGather)
 
-/* aclnnIndex(self, indices, out): advanced indexing as op-plugin calls it (IndexKernelNpuOpApi.cpp):
+/* Advanced indexing as op-plugin passes it (IndexKernelNpuOpApi.cpp, IndexPutKernelNpuOpApi.cpp):
  * one entry per leading dim of self, an undefined index passed as an empty tensor (that dim kept
  * whole); bool masks were already turned into long indices (AdvanceIndex::npu_expand_tensors).
  * The defined indices broadcast to one shape B; as torch's rule, when they are adjacent B takes
- * their place in out's shape, else B comes first and the kept dims follow. */
-API aclnnStatus aclnnIndexGetWorkspaceSize(const aclTensor *self, const aclTensorList *indices, aclTensor *out,
-                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
-    if (!self || !indices || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    NN_CHECK(t_check(self, DTM_ALL));
-    NN_CHECK(t_check(out, DTM_ALL));
+ * their place in the result's shape, else B comes first and the kept dims follow. */
+struct adv {
+    int nidx, def[OPS_MAX_DIMS], nd;
+    int64_t shape[OPS_MAX_DIMS], base[OPS_MAX_DIMS];
+    struct ops_tensor idx[6]; /* each index aligned to the result's shape */
+};
+
+static aclnnStatus adv_index(const aclTensor *self, const aclTensorList *indices, struct adv *a) {
     int nd = self->ndim, L = (int)indices->size;
-    NN_REQUIRE(L >= 1 && L <= nd && out->dtype == self->dtype);
-    int def[OPS_MAX_DIMS], nidx = 0;
+    NN_REQUIRE(L >= 1 && L <= nd);
     int64_t B[OPS_MAX_DIMS];
     int nb = 0;
+    a->nidx = 0;
     for (int j = 0; j < L; j++) {
         const aclTensor *t = indices->tensors[j];
         if (!t) return ACLNN_ERR_PARAM_NULLPTR;
         if (t->ndim == 1 && t->dims[0] == 0) continue; /* undefined: the whole dim */
         NN_CHECK(t_check(t, DTM_INDEX));
+        NN_REQUIRE(a->nidx < 6); /* the INDEX kernel's iterator holds out, self and 6 indices */
         int64_t tmp[OPS_MAX_DIMS];
         nb = t_broadcast(B, nb, t->dims, t->ndim, tmp);
         NN_REQUIRE(nb >= 0);
         memcpy(B, tmp, sizeof tmp);
-        def[nidx++] = j;
+        a->def[a->nidx++] = j;
     }
-    NN_REQUIRE(nidx >= 1 && nidx <= 6); /* the INDEX kernel's iterator holds out, self and 6 indices */
-    int adjacent = def[nidx - 1] - def[0] == nidx - 1;
-    /* out's dims: (kept dims before the first index) B (kept dims after), or B (all kept dims) */
-    int64_t shape[OPS_MAX_DIMS], base[OPS_MAX_DIMS];
-    int bpos = adjacent ? def[0] : 0, ond = 0;
+    NN_REQUIRE(a->nidx >= 1 && nd - a->nidx + nb <= OPS_MAX_DIMS);
+    int adjacent = a->def[a->nidx - 1] - a->def[0] == a->nidx - 1;
+    int bpos = adjacent ? a->def[0] : 0, k = 0;
     int is_idx[OPS_MAX_DIMS] = {0};
-    for (int j = 0; j < nidx; j++) is_idx[def[j]] = 1;
-    NN_REQUIRE(nd - nidx + nb <= OPS_MAX_DIMS);
-    int k = 0;
-    for (int i = 0; i < bpos; i++, k++) shape[k] = self->dims[i], base[k] = self->strides[i];
-    for (int i = 0; i < nb; i++, k++) shape[k] = B[i], base[k] = 0;
+    for (int j = 0; j < a->nidx; j++) is_idx[a->def[j]] = 1;
+    for (int i = 0; i < bpos; i++, k++) a->shape[k] = self->dims[i], a->base[k] = self->strides[i];
+    for (int i = 0; i < nb; i++, k++) a->shape[k] = B[i], a->base[k] = 0;
     for (int i = bpos; i < nd; i++)
-        if (!is_idx[i]) shape[k] = self->dims[i], base[k++] = self->strides[i];
-    ond = k;
-    NN_REQUIRE(t_same_shape(out, shape, ond));
-    NN_OPEN(e, "aclnnIndex", OPS_OP_INDEX);
-    for (int i = 0; i < ond; i++) ex_int(e, base[i]);
-    for (int j = 0; j < nidx; j++) {
-        ex_int(e, self->strides[def[j]]);
-        ex_int(e, self->dims[def[j]]);
+        if (!is_idx[i]) a->shape[k] = self->dims[i], a->base[k++] = self->strides[i];
+    a->nd = k;
+    for (int j = 0; j < a->nidx; j++) {
+        /* index j aligned to B, placed at the result's dims [bpos, bpos + nb) */
+        struct ops_tensor al = t_aligned(indices->tensors[a->def[j]], B, nb), v = al;
+        v.ndim = k;
+        for (int i = 0; i < k; i++) {
+            v.shape[i] = a->shape[i];
+            v.stride[i] = i >= bpos && i < bpos + nb ? al.stride[i - bpos] : 0;
+        }
+        a->idx[j] = v;
     }
-    ex_tensor(e, t_view(out));
+    return ACLNN_SUCCESS;
+}
+
+static void adv_args(aclOpExecutor *e, const aclTensor *self, const struct adv *a, struct ops_tensor walked) {
+    for (int i = 0; i < a->nd; i++) ex_int(e, a->base[i]);
+    for (int j = 0; j < a->nidx; j++) {
+        ex_int(e, self->strides[a->def[j]]);
+        ex_int(e, self->dims[a->def[j]]);
+    }
+    ex_tensor(e, walked);
     ex_tensor(e, t_view(self));
-    for (int j = 0; j < nidx; j++) {
-        /* index j aligned to B, placed at out's dims [bpos, bpos + nb) */
-        struct ops_tensor a = t_aligned(indices->tensors[def[j]], B, nb), v = t_view(out);
-        v.addr = a.addr;
-        v.offset = a.offset;
-        v.dtype = a.dtype;
-        for (int i = 0; i < ond; i++) v.stride[i] = i >= bpos && i < bpos + nb ? a.stride[i - bpos] : 0;
-        ex_tensor(e, v);
-    }
+    for (int j = 0; j < a->nidx; j++) ex_tensor(e, a->idx[j]);
+}
+
+/* aclnnIndex(self, indices, out): out = self[indices]. */
+API aclnnStatus aclnnIndexGetWorkspaceSize(const aclTensor *self, const aclTensorList *indices, aclTensor *out,
+                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !indices || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(out->dtype == self->dtype);
+    struct adv a;
+    NN_CHECK(adv_index(self, indices, &a));
+    NN_REQUIRE(t_same_shape(out, a.shape, a.nd));
+    NN_OPEN(e, "aclnnIndex", OPS_OP_INDEX);
+    adv_args(e, self, &a, t_view(out));
     return ex_done(e);
 }
 OPS_LAUNCHER(aclnnIndex)
+
+/* aclnnIndexPutImpl(selfRef, indices, values, accumulate, unsafe): selfRef[indices] = values (or
+ * += with accumulate), values broadcast to the indexing result's shape; a repeated index takes the
+ * last value (accumulate: every value, added in order). */
+API aclnnStatus aclnnIndexPutImplGetWorkspaceSize(aclTensor *selfRef, const aclTensorList *indices,
+                                                  const aclTensor *values, bool accumulate, bool unsafe,
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
+    (void)unsafe;
+    if (!selfRef || !indices || !values) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(selfRef, DTM_ALL));
+    NN_CHECK(t_check(values, DTM_ALL));
+    struct adv a;
+    NN_CHECK(adv_index(selfRef, indices, &a));
+    int64_t tmp[OPS_MAX_DIMS];
+    NN_REQUIRE(t_broadcast(values->dims, values->ndim, a.shape, a.nd, tmp) == a.nd);
+    for (int i = 0; i < a.nd; i++) NN_REQUIRE(tmp[i] == a.shape[i]);
+    NN_OPEN(e, "aclnnIndexPutImpl", OPS_OP_INDEX_PUT);
+    ex_int(e, accumulate);
+    adv_args(e, selfRef, &a, t_aligned(values, a.shape, a.nd));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnIndexPutImpl)
+
+/* ---------------------------------------------------------------- Scatter, ScatterAdd, IndexAdd */
+
+/* out = self, then out[i with dim replaced by index[i]] op= value or src[i] for every i of index
+ * (aclnn_scatter.h: reduce 0 none, 1 add, 2 multiply, as op-plugin's get_reduce maps them). */
+static aclnnStatus scatter(const char *name, const aclTensor *self, int64_t dim, const aclTensor *index,
+                           const aclTensor *src, double value, int64_t reduce, const aclTensor *out,
+                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(index, DTM_INDEX));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(reduce >= 0 && reduce <= 2 && out->dtype == self->dtype && nn_same_shape(out, self));
+    int nd = self->ndim, d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && (index->ndim == nd || (nd == 0 && index->ndim <= 1)));
+    for (int i = 0; i < index->ndim && nd; i++) NN_REQUIRE(i == d || index->dims[i] <= self->dims[i]);
+    if (src) {
+        NN_CHECK(t_check(src, DTM_ALL));
+        NN_REQUIRE(src->ndim == index->ndim);
+        for (int i = 0; i < index->ndim; i++) NN_REQUIRE(index->dims[i] <= src->dims[i]);
+    }
+    struct ops_tensor iv = t_view(index), sv = src ? t_view(src) : iv;
+    if (index->ndim == 0) iv.ndim = sv.ndim = 1, iv.shape[0] = sv.shape[0] = 1, iv.stride[0] = sv.stride[0] = 0;
+    for (int i = 0; i < iv.ndim; i++) sv.shape[i] = iv.shape[i];
+    NN_OPEN(e, name, OPS_OP_SCATTER);
+    ex_int(e, reduce);
+    ex_int(e, src != NULL);
+    ex_int(e, nd ? self->strides[d] : 0);
+    ex_int(e, nd ? self->dims[d] : 1);
+    for (int i = 0; i < iv.ndim; i++) ex_int(e, i == d || !nd ? 0 : out->strides[i]);
+    ex_scalar(e, value);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, t_view(out));
+    ex_tensor(e, iv);
+    if (src) ex_tensor(e, sv);
+    return ex_done(e);
+}
+
+/* ScatterKernelNpuOpApi.cpp: aclnnScatter(self, dim, index, src, reduce, out),
+ * aclnnScatterValue(self, dim, index, value, reduce, out) and their in-place forms. */
+API aclnnStatus aclnnScatterGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                             const aclTensor *src, int64_t reduce, aclTensor *out,
+                                             uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !index || !src || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return scatter("aclnnScatter", self, dim, index, src, 1.0, reduce, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnScatter)
+
+API aclnnStatus aclnnInplaceScatterGetWorkspaceSize(aclTensor *selfRef, int64_t dim, const aclTensor *index,
+                                                    const aclTensor *src, int64_t reduce, uint64_t *workspaceSize,
+                                                    aclOpExecutor **executor) {
+    if (!selfRef || !index || !src) return ACLNN_ERR_PARAM_NULLPTR;
+    return scatter("aclnnInplaceScatter", selfRef, dim, index, src, 1.0, reduce, selfRef, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnInplaceScatter)
+
+API aclnnStatus aclnnScatterValueGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                                  const aclScalar *value, int64_t reduce, aclTensor *out,
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !index || !value || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return scatter("aclnnScatterValue", self, dim, index, NULL, s_value(value), reduce, out, workspaceSize,
+                   executor);
+}
+OPS_LAUNCHER(aclnnScatterValue)
+
+API aclnnStatus aclnnInplaceScatterValueGetWorkspaceSize(aclTensor *selfRef, int64_t dim, const aclTensor *index,
+                                                         const aclScalar *value, int64_t reduce,
+                                                         uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef || !index || !value) return ACLNN_ERR_PARAM_NULLPTR;
+    return scatter("aclnnInplaceScatterValue", selfRef, dim, index, NULL, s_value(value), reduce, selfRef,
+                   workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnInplaceScatterValue)
+
+/* aclnnScatterAdd(self, dim, index, src, out) (ScatterAddKernelNpuOpApi.cpp). */
+API aclnnStatus aclnnScatterAddGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                                const aclTensor *src, aclTensor *out, uint64_t *workspaceSize,
+                                                aclOpExecutor **executor) {
+    if (!self || !index || !src || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return scatter("aclnnScatterAdd", self, dim, index, src, 1.0, 1, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnScatterAdd)
+
+/* aclnnIndexAdd(self, dim, index, source, alpha, out) (IndexAddKernelNpuOpApi.cpp): out = self,
+ * then out.select(dim, index[i]) += alpha * source.select(dim, i), i in order. A SCATTER walk over
+ * source's shape with the index read along dim. */
+API aclnnStatus aclnnIndexAddGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                              const aclTensor *source, const aclScalar *alpha, aclTensor *out,
+                                              uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !index || !source || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(index, DTM_INDEX));
+    NN_CHECK(t_check(source, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(out->dtype == self->dtype && nn_same_shape(out, self) && index->ndim <= 1);
+    int nd = self->ndim, d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && nd >= 1 && source->ndim == nd && source->dims[d] == t_numel(index));
+    for (int i = 0; i < nd; i++) NN_REQUIRE(i == d || source->dims[i] == self->dims[i]);
+    struct ops_tensor iv = t_view(source);
+    iv.addr = index->data, iv.offset = index->offset, iv.dtype = index->dtype;
+    for (int i = 0; i < nd; i++) iv.stride[i] = i == d && index->ndim ? index->strides[0] : 0;
+    NN_OPEN(e, "aclnnIndexAdd", OPS_OP_SCATTER);
+    ex_int(e, 1);
+    ex_int(e, 1);
+    ex_int(e, self->strides[d]);
+    ex_int(e, self->dims[d]);
+    for (int i = 0; i < nd; i++) ex_int(e, i == d ? 0 : out->strides[i]);
+    ex_scalar(e, s_value(alpha));
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, t_view(out));
+    ex_tensor(e, iv);
+    ex_tensor(e, t_view(source));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnIndexAdd)
 
 /* ---------------------------------------------------------------- ArgMax, Topk */
 

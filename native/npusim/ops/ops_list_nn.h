@@ -18,6 +18,13 @@
  * INDEX: out = self[base + sum_j wrap(index_j) * stride_j]: ints: for each index j its dimension's
  *        stride and size; out, self (aligned to out, stride 0 where an index decides), index_j
  *        (aligned to out): IndexSelect, Gather, Index, Embedding.
+ * INDEX_PUT: i0 = accumulate, then INDEX's ints; values (aligned to the walk's shape), self, index_j:
+ *        self[base + sum_j wrap(index_j) * stride_j] = (or +=) values, in the walk's order.
+ * SCATTER: i0 = 0 assign, 1 add, 2 multiply; i1 = 1 if src is a tensor (else s0 is the value);
+ *        i2 = the dim's stride in out, i3 = its size, then out's base strides aligned to the walk's
+ *        shape; s0 = value or alpha (src's factor); self, out, index (aligned), [src (aligned)]:
+ *        out = self, then out[base + wrap(index) * stride] op= src in the walk's order (Scatter,
+ *        ScatterValue, ScatterAdd, IndexAdd).
  * EMBEDDING_BWD: i0 = padding_idx (-1 none), i1 = scale_grad_by_freq; grad [n, D], indices [n],
  *        out [numWeights, D] (grad and indices flattened to n rows by the operator library).
  * TRI: i0 = diagonal, i1 = 1 upper (triu), 0 lower (tril); x, out (the last two dims).
@@ -40,6 +47,8 @@
     X(NLL, k_nll)                         \
     X(NLL_BWD, k_nll_bwd)                 \
     X(INDEX, k_index)                     \
+    X(INDEX_PUT, k_index_put)             \
+    X(SCATTER, k_scatter)                 \
     X(EMBEDDING_BWD, k_embedding_bwd)     \
     X(TRI, k_tri)                         \
     X(ARANGE, k_arange)                   \
