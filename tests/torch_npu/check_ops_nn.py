@@ -327,6 +327,19 @@ def main() -> int:
         lambda: [randn(1, 6, 4, 8), randn(1, 6, 2, 8, seed=2), randn(1, 6, 2, 8, seed=3)],
         bthd,
     )
+    run(
+        "sort stable both ways (ties)",
+        lambda x: (*torch.sort(x, dim=-1, stable=True), *torch.sort(x, dim=0, descending=True, stable=True)),
+        lambda: [torch.tensor([[3.0, 1.0, 3.0, -2.0], [0.5, 0.5, 9.0, 1.0], [2.0, 7.0, 2.0, 2.0]])],
+        lambda x: [T(T(x))],
+        exact=True,
+    )
+    run(
+        "repeat, repeat_interleave",
+        lambda x: (x.repeat(2, 1, 3), x.repeat_interleave(2, dim=1), x.repeat_interleave(3)),
+        lambda: [randn(3, 4)],
+        lambda x: [T(x)],
+    )
     # Arange (no inputs; an exact int case and float steps)
     for args in ((0, 7, 1), (2, -5, -2), (0.0, 1.0, 0.125)):
         run(

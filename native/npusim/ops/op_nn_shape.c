@@ -515,3 +515,132 @@ API aclnnStatus aclnnTopkGetWorkspaceSize(const aclTensor *self, int64_t k, int6
     return ex_done(e);
 }
 OPS_LAUNCHER(aclnnTopk)
+
+/* aclnnSort(self, stable, dim, descending, valuesOut, indicesOut) (SortKernelNpuOpApi.cpp): a TOPK
+ * of every element, which is stable (ties keep their order, NaN last ascending and first
+ * descending, as torch's sort). */
+API aclnnStatus aclnnSortGetWorkspaceSize(const aclTensor *self, bool stable, int64_t dim, bool descending,
+                                          aclTensor *valuesOut, aclTensor *indicesOut, uint64_t *workspaceSize,
+                                          aclOpExecutor **executor) {
+    (void)stable;
+    if (!self || !valuesOut || !indicesOut) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_NUM));
+    NN_CHECK(t_check(valuesOut, DTM_NUM));
+    NN_CHECK(t_check(indicesOut, DTM_INDEX));
+    int nd = self->ndim, d = t_dim(dim, nd);
+    NN_REQUIRE(d >= 0 && valuesOut->dtype == self->dtype && nn_same_shape(valuesOut, self) &&
+               nn_same_shape(indicesOut, self));
+    struct ops_tensor v[3] = {t_view(self), t_view(valuesOut), t_view(indicesOut)};
+    for (int j = 0; j < 3; j++) {
+        if (!nd) v[j].ndim = 1, v[j].shape[0] = 1, v[j].stride[0] = 0;
+        else v[j] = nn_dim_last(v[j], d);
+    }
+    NN_OPEN(e, "aclnnSort", OPS_OP_TOPK);
+    ex_int(e, nd ? self->dims[d] : 1);
+    ex_int(e, descending);
+    ex_int(e, 1);
+    for (int j = 0; j < 3; j++) ex_tensor(e, v[j]);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnSort)
+
+/* A dim of a view split in two: (n, r) with strides (r * t, t), for an output dim of n * r. */
+static void split_dim(struct ops_tensor *v, int d, int64_t n, int64_t r) {
+    int64_t t = v->stride[d];
+    for (int i = v->ndim; i > d + 1; i--) v->shape[i] = v->shape[i - 1], v->stride[i] = v->stride[i - 1];
+    v->shape[d] = n, v->stride[d] = r * t;
+    v->shape[d + 1] = r, v->stride[d + 1] = t;
+    v->ndim++;
+}
+
+/* aclnnRepeat(self, repeats, out) (exec aclnnRepeat of repeat): out is self tiled repeats[i] times
+ * along each dim (repeats may add leading dims). One COPIES launch of a broadcast view of self into
+ * out viewed with every repeated dim split in (repeat, size). */
+API aclnnStatus aclnnRepeatGetWorkspaceSize(const aclTensor *self, const aclIntArray *repeats, aclTensor *out,
+                                            uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !repeats || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    int nr = (int)repeats->size, nd = self->ndim;
+    NN_REQUIRE(nr >= nd && nr == out->ndim && out->dtype == self->dtype);
+    struct ops_tensor src = t_view(out), dst = t_view(out);
+    src.addr = self->data, src.offset = self->offset, src.dtype = self->dtype;
+    int k = 0;
+    for (int i = 0; i < nr; i++) {
+        int64_t r = repeats->value[i], s = i < nr - nd ? 1 : self->dims[i - (nr - nd)];
+        int64_t st = i < nr - nd ? 0 : self->strides[i - (nr - nd)];
+        NN_REQUIRE(r >= 0 && out->dims[i] == r * s);
+        if (r != 1 && s != 1) {
+            NN_REQUIRE(dst.ndim < OPS_MAX_DIMS);
+            split_dim(&dst, k, r, s);
+            src.ndim = dst.ndim;
+            for (int j = src.ndim - 1; j > k + 1; j--) src.shape[j] = src.shape[j - 1], src.stride[j] = src.stride[j - 1];
+            src.shape[k] = r, src.stride[k] = 0;
+            src.shape[k + 1] = s, src.stride[k + 1] = st;
+            k += 2;
+        } else {
+            src.shape[k] = r * s, src.stride[k] = r == 1 ? st : 0;
+            k++;
+        }
+    }
+    NN_OPEN(e, "aclnnRepeat", OPS_OP_COPIES);
+    ex_tensor(e, src);
+    ex_tensor(e, dst);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnRepeat)
+
+/* aclnnRepeatInterleaveIntWithDim(self, repeats, dim, outputSize, out) and aclnnRepeatInterleaveInt
+ * (self flattened) (RepeatInterLeaveKernelNpuOpApi.cpp): every element repeats times in a row. */
+static aclnnStatus repeat_interleave(const char *name, const aclTensor *self, int64_t repeats, int withdim,
+                                     int64_t dim, const aclTensor *out, uint64_t *workspaceSize,
+                                     aclOpExecutor **executor) {
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM_ALL));
+    NN_REQUIRE(repeats >= 0 && out->dtype == self->dtype);
+    struct ops_tensor src = t_view(self), dst = t_view(out);
+    int nd = self->ndim;
+    if (withdim && nd) {
+        int d = t_dim(dim, nd);
+        NN_REQUIRE(d >= 0 && out->ndim == nd && nd < OPS_MAX_DIMS);
+        for (int i = 0; i < nd; i++) NN_REQUIRE(out->dims[i] == (i == d ? self->dims[i] * repeats : self->dims[i]));
+        split_dim(&dst, d, self->dims[d], repeats);
+        split_dim(&src, d, self->dims[d], 1);
+        src.stride[d] = self->strides[d], src.shape[d + 1] = repeats, src.stride[d + 1] = 0;
+    } else {
+        /* out 1-D of numel * repeats, split into self's dims and the repeat */
+        NN_REQUIRE(out->ndim == 1 && out->dims[0] == t_numel(self) * repeats && nd < OPS_MAX_DIMS);
+        int64_t t = out->strides[0];
+        dst.ndim = nd + 1;
+        dst.shape[nd] = repeats, dst.stride[nd] = t;
+        int64_t acc = repeats * t;
+        for (int i = nd - 1; i >= 0; i--) {
+            dst.shape[i] = self->dims[i], dst.stride[i] = acc;
+            acc *= self->dims[i];
+        }
+        src.ndim = nd + 1;
+        src.shape[nd] = repeats, src.stride[nd] = 0;
+    }
+    NN_OPEN(e, name, OPS_OP_COPIES);
+    ex_tensor(e, src);
+    ex_tensor(e, dst);
+    return ex_done(e);
+}
+
+API aclnnStatus aclnnRepeatInterleaveIntWithDimGetWorkspaceSize(const aclTensor *self, int64_t repeats, int64_t dim,
+                                                                int64_t outputSize, aclTensor *out,
+                                                                uint64_t *workspaceSize, aclOpExecutor **executor) {
+    (void)outputSize;
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return repeat_interleave("aclnnRepeatInterleaveIntWithDim", self, repeats, 1, dim, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnRepeatInterleaveIntWithDim)
+
+API aclnnStatus aclnnRepeatInterleaveIntGetWorkspaceSize(const aclTensor *self, int64_t repeats, int64_t outputSize,
+                                                         aclTensor *out, uint64_t *workspaceSize,
+                                                         aclOpExecutor **executor) {
+    (void)outputSize;
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return repeat_interleave("aclnnRepeatInterleaveInt", self, repeats, 0, 0, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnRepeatInterleaveInt)
