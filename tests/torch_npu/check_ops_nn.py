@@ -193,6 +193,19 @@ def main() -> int:
             nograd=(1,),
         )
     run("cross_entropy", lambda x, t: F.cross_entropy(x, t), lambda: [randn(6, 7), randint(7, 6)], lambda x, t: [T(T(x)), t])
+    run(
+        "cross_entropy [N, C, d] (nll_loss2d)",
+        lambda x, t: F.cross_entropy(x, t, ignore_index=1),
+        lambda: [randn(2, 5, 4), randint(5, 2, 4)],
+        lambda x, t: [x, t],
+    )
+    run(
+        "nll_loss2d none, weight",
+        lambda x, w, t: F.nll_loss(x, t, weight=w, reduction="none"),
+        lambda: [randn(2, 3, 4, 5), randn(4, seed=2).abs(), randint(4, 2, 3, 5)],
+        lambda x, w, t: [x.transpose(1, 2), w, t],
+        nograd=(1,),
+    )
     run("nll_loss 1-D input", lambda x, t: F.nll_loss(x, t), lambda: [randn(5), torch.tensor(3)], ident)
     for red in ("none", "mean", "sum"):
         run(

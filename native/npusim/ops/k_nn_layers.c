@@ -268,30 +268,39 @@ KHIDDEN int k_norm_bwd(const struct kctx *k) {
 
 /* ---------------------------------------------------------------- negative log-likelihood */
 
-/* The loss of row n's target, as torch's CPU nll_loss: -weight[t] * x[n, t]. */
+/* x has the target's dims and the class dim last; out (reduction none) the target's dims, else
+ * none. The loss of position p is -weight[t] * x[p, t] (t = target[p]), as torch's CPU
+ * nll_loss and nll_loss2d; positions are walked in row-major order of the target. */
 KHIDDEN int k_nll(const struct kctx *k) {
     if (k->a->nt != 5 || k->a->ni < 2) return KERR_ARGS;
     const struct ops_tensor *x = &k->t[0], *tg = &k->t[1], *w = &k->t[2], *out = &k->t[3], *tw = &k->t[4];
     int64_t red = k->i[0], ignore = k->i[1];
-    if (x->ndim != 2 || tg->ndim != 1 || w->ndim != 1) return KERR_ARGS;
+    int r = tg->ndim;
+    if (x->ndim != r + 1 || w->ndim != 1 || (red == 0 && out->ndim != r)) return KERR_ARGS;
     HOST(px, x);
     HOST(pt, tg);
     HOST(pw, w);
     HOST(po, out);
     HOST(ptw, tw);
-    int64_t N = x->shape[0], C = x->shape[1];
+    int64_t N = knumel(tg), C = x->shape[r];
+    struct ops_tensor none = *tg;
+    memset(none.stride, 0, sizeof none.stride);
+    const struct ops_tensor *ts[3] = {x, tg, red == 0 ? out : &none};
+    struct kit it;
+    kit_init(&it, tg->shape, r, ts, 3);
     double sum = 0.0, wsum = 0.0;
     for (int64_t n = 0; n < N; n++) {
-        int64_t t = ktoint(kld(tg->dtype, pt, n * tg->stride[0]));
+        int64_t t = ktoint(kld(tg->dtype, pt, it.off[1]));
         double l = 0.0;
         if (t != ignore) {
             if (t < 0 || t >= C) return KERR_ADDR;
             double wt = kld(w->dtype, pw, t * w->stride[0]);
-            l = -wt * kld(x->dtype, px, n * x->stride[0] + t * x->stride[1]);
+            l = -wt * kld(x->dtype, px, it.off[0] + t * x->stride[r]);
             wsum += wt;
         }
-        if (red == 0) kst(out->dtype, po, n * (out->ndim ? out->stride[0] : 0), l);
+        if (red == 0) kst(out->dtype, po, it.off[2], l);
         else sum += l;
+        kit_next(&it);
     }
     if (red == 1) kst(out->dtype, po, 0, sum / wsum);
     else if (red == 2) kst(out->dtype, po, 0, sum);
@@ -305,27 +314,39 @@ KHIDDEN int k_nll_bwd(const struct kctx *k) {
     const struct ops_tensor *go = &k->t[0], *x = &k->t[1], *tg = &k->t[2], *w = &k->t[3], *tw = &k->t[4],
                             *gi = &k->t[5];
     int64_t red = k->i[0], ignore = k->i[1];
-    if (x->ndim != 2 || tg->ndim != 1 || w->ndim != 1 || gi->ndim != 2) return KERR_ARGS;
-    (void)x;
+    int r = tg->ndim;
+    if (x->ndim != r + 1 || gi->ndim != r + 1 || w->ndim != 1 || (red == 0 && go->ndim != r)) return KERR_ARGS;
     HOST(pgo, go);
     HOST(pt, tg);
     HOST(pw, w);
     HOST(ptw, tw);
     HOST(pgi, gi);
-    int64_t N = gi->shape[0], C = gi->shape[1];
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t c = 0; c < C; c++) kst(gi->dtype, pgi, n * gi->stride[0] + c * gi->stride[1], 0.0);
+    int64_t N = knumel(tg), C = gi->shape[r], ng = knumel(gi);
+    if (ng) {
+        const struct ops_tensor *zs[1] = {gi};
+        struct kit z;
+        kit_init(&z, gi->shape, gi->ndim, zs, 1);
+        for (int64_t e = 0; e < ng; e++) {
+            kst(gi->dtype, pgi, z.off[0], 0.0);
+            kit_next(&z);
+        }
+    }
+    struct ops_tensor none = *tg;
+    memset(none.stride, 0, sizeof none.stride);
+    const struct ops_tensor *ts[3] = {gi, tg, red == 0 ? go : &none};
+    struct kit it;
+    kit_init(&it, tg->shape, r, ts, 3);
     double twv = red == 1 ? kld(tw->dtype, ptw, 0) : 1.0;
-    for (int64_t n = 0; n < N; n++) {
-        int64_t t = ktoint(kld(tg->dtype, pt, n * tg->stride[0]));
+    for (int64_t n = 0; n < N; n++, kit_next(&it)) {
+        int64_t t = ktoint(kld(tg->dtype, pt, it.off[1]));
         if (t == ignore) continue;
         if (t < 0 || t >= C) return KERR_ADDR;
-        double g = kld(go->dtype, pgo, red == 0 && go->ndim ? n * go->stride[0] : 0);
+        double g = kld(go->dtype, pgo, it.off[2]);
         /* torch: grad = -(mean ? grad_output / total_weight : grad_output), in the tensor's type */
         g = -kround(gi->dtype, red == 1 ? g / twv : g);
-        kst(gi->dtype, pgi, n * gi->stride[0] + t * gi->stride[1], kld(w->dtype, pw, t * w->stride[0]) * g);
+        kst(gi->dtype, pgi, it.off[0] + t * gi->stride[r], kld(w->dtype, pw, t * w->stride[0]) * g);
     }
-    kcost(k, N * C);
+    kcost(k, ng);
     return 0;
 }
 
