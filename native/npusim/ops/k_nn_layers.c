@@ -589,6 +589,35 @@ KHIDDEN int k_copies(const struct kctx *k) {
     return 0;
 }
 
+/* The coordinates of self's nonzero elements in row-major order, written as a contiguous
+ * [count, ndim] (or [ndim, count]) array from out's first element, the shape torch_npu gives out
+ * after the op (resize_); the count goes to the workspace for aclGetViewShape to read. */
+KHIDDEN int k_nonzero(const struct kctx *k) {
+    if (k->a->nt != 2 || k->a->ni != 2) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *out = &k->t[1];
+    int nd = x->ndim, tr = k->i[0] != 0;
+    HOST(px, x);
+    HOST(po, out);
+    int64_t n = knumel(x), cnt = 0, cap = knumel(out);
+    int64_t *ws = (int64_t *)k->ctx->dev_ptr(k->ctx, (uint64_t)k->i[1], sizeof(int64_t));
+    if (!ws) return KERR_ADDR;
+    const struct ops_tensor *ts[1] = {x};
+    struct kit it;
+    kit_init(&it, x->shape, nd, ts, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) cnt += kld(x->dtype, px, it.off[0]) != 0.0;
+    if (cnt * (nd ? nd : 1) > cap && cnt) return KERR_ADDR;
+    int64_t i = 0;
+    kit_init(&it, x->shape, nd, ts, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(x->dtype, px, it.off[0]) == 0.0) continue;
+        for (int d = 0; d < nd; d++) kst(out->dtype, po, tr ? d * cnt + i : i * nd + d, (double)it.idx[d]);
+        i++;
+    }
+    *ws = cnt;
+    kcost(k, n);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- argmax, top-k */
 
 /* The first maximum of each row; a NaN is the maximum (the first NaN), as torch's CPU argmax. */

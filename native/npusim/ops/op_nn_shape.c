@@ -4,6 +4,7 @@
  * reference (aclnn_tril.h, aclnn_arange.h, aclnn_cat.h, aclnn_stack.h, aclnn_index_select.h,
  * aclnn_gather.h, aclnn_index.h, aclnn_argmax.h, aclnn_topk.h). */
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "op_nn_int.h"
@@ -644,3 +645,93 @@ API aclnnStatus aclnnRepeatInterleaveIntGetWorkspaceSize(const aclTensor *self, 
     return repeat_interleave("aclnnRepeatInterleaveInt", self, repeats, 0, 0, out, workspaceSize, executor);
 }
 OPS_LAUNCHER(aclnnRepeatInterleaveInt)
+
+/* ---------------------------------------------------------------- Nonzero */
+
+/* aclnnNonzero(self, out) and aclnnNonzeroV2(self, out): op-plugin gives out its largest shape
+ * ([numel, ndim], V2 [ndim, numel]: NonzeroKernelNpuOpApi.cpp, AdvancedIndex.cpp for boolean
+ * indices), runs the op with EXEC_NPU_CMD_SYNC and then reads the real shape with aclGetViewShape
+ * and resizes out. The kernel leaves the count in an 8-byte workspace; each executor's out and
+ * (at launch) workspace are remembered here until aclGetViewShape asks for that out, after the
+ * stream was synchronized. */
+
+extern int aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, int kind);
+#define ACL_MEMCPY_DEVICE_TO_HOST 2
+
+struct synced {
+    const void *ex, *out;
+    uint64_t ws;
+    int ndim, tr;
+};
+static pthread_mutex_t g_sync_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct synced g_sync[64]; /* the latest ones; an older entry is overwritten */
+static unsigned g_sync_next;
+
+HIDDEN void op_result_shape(const aclTensor *t, int64_t *dims, int *ndim) {
+    pthread_mutex_lock(&g_sync_mu);
+    struct synced *hit = NULL;
+    for (unsigned j = 0; j < 64; j++)
+        if (g_sync[j].out == t && g_sync[j].ws) hit = &g_sync[j];
+    struct synced s = hit ? *hit : (struct synced){0};
+    if (hit) memset(hit, 0, sizeof *hit);
+    pthread_mutex_unlock(&g_sync_mu);
+    int64_t cnt = 0;
+    if (!hit || aclrtMemcpy(&cnt, sizeof cnt, (const void *)(uintptr_t)s.ws, sizeof cnt, ACL_MEMCPY_DEVICE_TO_HOST))
+        return;
+    *ndim = 2;
+    dims[0] = s.tr ? s.ndim : cnt;
+    dims[1] = s.tr ? cnt : s.ndim;
+}
+
+static aclnnStatus nonzero(const char *name, int tr, const aclTensor *self, const aclTensor *out,
+                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(out, DTM(OPS_DT_INT64) | DTM(OPS_DT_INT32)));
+    int nd = self->ndim;
+    int64_t n = t_numel(self);
+    int64_t want[2] = {tr ? nd : n, tr ? n : nd};
+    NN_REQUIRE(t_same_shape(out, want, 2));
+    /* written as a contiguous array from out's first element */
+    NN_REQUIRE(out->strides[1] == 1 || out->dims[1] <= 1);
+    NN_REQUIRE(out->strides[0] == out->dims[1] || out->dims[0] <= 1);
+    NN_OPEN(e, name, OPS_OP_NONZERO);
+    ex_int(e, tr);
+    ex_workspace(e, sizeof(int64_t));
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, t_view(out));
+    aclnnStatus st = ex_done(e);
+    if (st == ACLNN_SUCCESS) {
+        pthread_mutex_lock(&g_sync_mu);
+        g_sync[g_sync_next++ % 64] = (struct synced){*executor, out, 0, nd, tr};
+        pthread_mutex_unlock(&g_sync_mu);
+    }
+    return st;
+}
+
+static aclnnStatus nonzero_launch(const char *name, void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                  aclrtStream stream) {
+    pthread_mutex_lock(&g_sync_mu);
+    for (unsigned j = 0; j < 64; j++)
+        if (executor && g_sync[j].ex == executor && !g_sync[j].ws) g_sync[j].ws = (uint64_t)(uintptr_t)workspace;
+    pthread_mutex_unlock(&g_sync_mu);
+    return ex_launch(name, workspace, workspaceSize, executor, stream);
+}
+
+API aclnnStatus aclnnNonzeroGetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
+                                             aclOpExecutor **executor) {
+    return nonzero("aclnnNonzero", 0, self, out, workspaceSize, executor);
+}
+
+API aclnnStatus aclnnNonzero(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) {
+    return nonzero_launch("aclnnNonzero", workspace, workspaceSize, executor, stream);
+}
+
+API aclnnStatus aclnnNonzeroV2GetWorkspaceSize(const aclTensor *self, aclTensor *out, uint64_t *workspaceSize,
+                                               aclOpExecutor **executor) {
+    return nonzero("aclnnNonzeroV2", 1, self, out, workspaceSize, executor);
+}
+
+API aclnnStatus aclnnNonzeroV2(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) {
+    return nonzero_launch("aclnnNonzeroV2", workspace, workspaceSize, executor, stream);
+}

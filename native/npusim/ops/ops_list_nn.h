@@ -34,6 +34,8 @@
  * TOPK: i0 = k, i1 = largest, i2 = sorted; x, values, indices.
  * ADDMM: s0 = beta, s1 = alpha; a [.., M, K], b [.., K, N], c aligned to out, out [.., M, N].
  * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element).
+ * NONZERO: i0 = 1 for [ndim, count] (NonzeroV2), 0 for [count, ndim]; i1 = the workspace (the
+ *     count goes there as an int64); self, out (its buffer, written contiguous for the count found).
  * FA: attention, every tensor as a [B, N, S, D] view (the layout undone by the operator library):
  *     i0 = sparse mode, i1 = preTokens, i2 = nextTokens, i3 = 1 if a mask is given; s0 = scale;
  *     q [B, N1, S0, D], k [B, N2, S1, D], v [B, N2, S1, D2], [mask aligned to [B, N1, S0, S1]],
@@ -57,6 +59,7 @@
     X(TOPK, k_topk)                       \
     X(ADDMM, k_addmm)                     \
     X(MSE, k_mse)                         \
+    X(NONZERO, k_nonzero)                 \
     X(FA, k_fa)                           \
     X(FA_BWD, k_fa_bwd)
 
