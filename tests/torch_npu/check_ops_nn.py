@@ -288,8 +288,8 @@ def main() -> int:
         lambda x, i: [T(x), i],
     )
     run(
-        "nonzero, x[bool mask] (NonzeroV2)",
-        lambda x, m: (torch.nonzero(m), x[m], x[:, m[0]]),
+        "nonzero, x[bool mask], masked_select",
+        lambda x, m: (torch.nonzero(m), x[m], x[:, m[0]], torch.masked_select(x, m), torch.masked_select(x, m[2])),
         lambda: [randn(4, 5), torch.tensor([[1, 0, 0, 2, 0], [0, 0, 0, 0, 0], [3, 3, 0, 1, 0], [0, 1, 0, 0, 1]]).bool()],
         lambda x, m: [T(T(x)), m],
     )

@@ -618,6 +618,55 @@ KHIDDEN int k_nonzero(const struct kctx *k) {
     return 0;
 }
 
+/* self's elements where mask is set, in row-major order of their broadcast shape, from out's first
+ * element on; the count goes to the workspace, as NONZERO's. */
+KHIDDEN int k_masked_select(const struct kctx *k) {
+    if (k->a->nt != 3 || k->a->ni != 1) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *out = &k->t[2];
+    if (m->ndim != x->ndim || out->ndim != 1) return KERR_ARGS;
+    HOST(px, x);
+    HOST(pm, m);
+    HOST(po, out);
+    int64_t *ws = (int64_t *)k->ctx->dev_ptr(k->ctx, (uint64_t)k->i[0], sizeof(int64_t));
+    if (!ws) return KERR_ADDR;
+    int64_t n = knumel(x), cnt = 0;
+    const struct ops_tensor *ts[2] = {x, m};
+    struct kit it;
+    kit_init(&it, x->shape, x->ndim, ts, 2);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(m->dtype, pm, it.off[1]) == 0.0) continue;
+        if (cnt >= out->shape[0]) return KERR_ADDR;
+        kst(out->dtype, po, cnt * out->stride[0], kld(x->dtype, px, it.off[0]));
+        cnt++;
+    }
+    *ws = cnt;
+    kcost(k, n);
+    return 0;
+}
+
+KHIDDEN int k_masked_scatter(const struct kctx *k) {
+    if (k->a->nt != 3) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *src = &k->t[2];
+    if (m->ndim != x->ndim) return KERR_ARGS;
+    HOST(px, x);
+    HOST(pm, m);
+    HOST(ps, src);
+    int64_t n = knumel(x), ns = knumel(src), used = 0;
+    const struct ops_tensor *ts[2] = {x, m}, *ss[1] = {src};
+    struct kit it, st;
+    kit_init(&it, x->shape, x->ndim, ts, 2);
+    kit_init(&st, src->shape, src->ndim, ss, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(m->dtype, pm, it.off[1]) == 0.0) continue;
+        if (used >= ns) return KERR_ADDR; /* fewer source elements than set mask elements */
+        kst(x->dtype, px, it.off[0], kld(src->dtype, ps, st.off[0]));
+        kit_next(&st);
+        used++;
+    }
+    kcost(k, n);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- argmax, top-k */
 
 /* The first maximum of each row; a NaN is the maximum (the first NaN), as torch's CPU argmax. */

@@ -661,7 +661,7 @@ extern int aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
 struct synced {
     const void *ex, *out;
     uint64_t ws;
-    int ndim, tr;
+    int ndim, tr; /* nonzero's ndim and layout; ndim -1: a 1-D result (masked select) */
 };
 static pthread_mutex_t g_sync_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct synced g_sync[64]; /* the latest ones; an older entry is overwritten */
@@ -678,9 +678,20 @@ HIDDEN void op_result_shape(const aclTensor *t, int64_t *dims, int *ndim) {
     int64_t cnt = 0;
     if (!hit || aclrtMemcpy(&cnt, sizeof cnt, (const void *)(uintptr_t)s.ws, sizeof cnt, ACL_MEMCPY_DEVICE_TO_HOST))
         return;
+    if (s.ndim < 0) {
+        *ndim = 1;
+        dims[0] = cnt;
+        return;
+    }
     *ndim = 2;
     dims[0] = s.tr ? s.ndim : cnt;
     dims[1] = s.tr ? cnt : s.ndim;
+}
+
+static void sync_remember(aclOpExecutor *ex, const aclTensor *out, int ndim, int tr) {
+    pthread_mutex_lock(&g_sync_mu);
+    g_sync[g_sync_next++ % 64] = (struct synced){ex, out, 0, ndim, tr};
+    pthread_mutex_unlock(&g_sync_mu);
 }
 
 static aclnnStatus nonzero(const char *name, int tr, const aclTensor *self, const aclTensor *out,
@@ -701,11 +712,7 @@ static aclnnStatus nonzero(const char *name, int tr, const aclTensor *self, cons
     ex_tensor(e, t_view(self));
     ex_tensor(e, t_view(out));
     aclnnStatus st = ex_done(e);
-    if (st == ACLNN_SUCCESS) {
-        pthread_mutex_lock(&g_sync_mu);
-        g_sync[g_sync_next++ % 64] = (struct synced){*executor, out, 0, nd, tr};
-        pthread_mutex_unlock(&g_sync_mu);
-    }
+    if (st == ACLNN_SUCCESS) sync_remember(*executor, out, nd, tr);
     return st;
 }
 
@@ -735,3 +742,56 @@ API aclnnStatus aclnnNonzeroV2GetWorkspaceSize(const aclTensor *self, aclTensor 
 API aclnnStatus aclnnNonzeroV2(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) {
     return nonzero_launch("aclnnNonzeroV2", workspace, workspaceSize, executor, stream);
 }
+
+/* aclnnMaskedSelect(self, mask, out) (MaskedSelectKernelNpuOpApi.cpp): out 1-D of the broadcast
+ * numel, resized after the sync to the count selected, as Nonzero's. */
+API aclnnStatus aclnnMaskedSelectGetWorkspaceSize(const aclTensor *self, const aclTensor *mask, aclTensor *out,
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !mask || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(self, DTM_ALL));
+    NN_CHECK(t_check(mask, DTM(OPS_DT_BOOL) | DTM(OPS_DT_UINT8)));
+    NN_CHECK(t_check(out, DTM_ALL));
+    int64_t shape[OPS_MAX_DIMS];
+    int nd = t_broadcast(self->dims, self->ndim, mask->dims, mask->ndim, shape);
+    NN_REQUIRE(nd >= 0 && out->dtype == self->dtype && out->ndim == 1);
+    int64_t n = 1;
+    for (int d = 0; d < nd; d++) n *= shape[d];
+    NN_REQUIRE(out->dims[0] == n);
+    struct ops_tensor x = t_aligned(self, shape, nd), m = t_aligned(mask, shape, nd);
+    if (nd == 0) x.ndim = m.ndim = 1, x.shape[0] = m.shape[0] = 1, x.stride[0] = m.stride[0] = 0;
+    NN_OPEN(e, "aclnnMaskedSelect", OPS_OP_MASKED_SELECT);
+    ex_workspace(e, sizeof(int64_t));
+    ex_tensor(e, x);
+    ex_tensor(e, m);
+    ex_tensor(e, t_view(out));
+    aclnnStatus st = ex_done(e);
+    if (st == ACLNN_SUCCESS) sync_remember(*executor, out, -1, 0);
+    return st;
+}
+
+API aclnnStatus aclnnMaskedSelect(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+                                  aclrtStream stream) {
+    return nonzero_launch("aclnnMaskedSelect", workspace, workspaceSize, executor, stream);
+}
+
+/* aclnnInplaceMaskedScatter(selfRef, mask, source) (MaskedScatterKernelNpuOpApi.cpp): masked_scatter_,
+ * also masked_select's gradient. */
+API aclnnStatus aclnnInplaceMaskedScatterGetWorkspaceSize(aclTensor *selfRef, const aclTensor *mask,
+                                                          const aclTensor *source, uint64_t *workspaceSize,
+                                                          aclOpExecutor **executor) {
+    if (!selfRef || !mask || !source) return ACLNN_ERR_PARAM_NULLPTR;
+    NN_CHECK(t_check(selfRef, DTM_ALL));
+    NN_CHECK(t_check(mask, DTM(OPS_DT_BOOL) | DTM(OPS_DT_UINT8)));
+    NN_CHECK(t_check(source, DTM_ALL));
+    int64_t tmp[OPS_MAX_DIMS];
+    NN_REQUIRE(t_broadcast(mask->dims, mask->ndim, selfRef->dims, selfRef->ndim, tmp) == selfRef->ndim &&
+               t_same_shape(selfRef, tmp, selfRef->ndim));
+    struct ops_tensor x = t_view(selfRef), m = t_aligned(mask, selfRef->dims, selfRef->ndim), s = t_view(source);
+    if (!x.ndim) x.ndim = m.ndim = 1, x.shape[0] = m.shape[0] = 1, x.stride[0] = m.stride[0] = 0;
+    NN_OPEN(e, "aclnnInplaceMaskedScatter", OPS_OP_MASKED_SCATTER);
+    ex_tensor(e, x);
+    ex_tensor(e, m);
+    ex_tensor(e, s);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnInplaceMaskedScatter)

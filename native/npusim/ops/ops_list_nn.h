@@ -36,6 +36,10 @@
  * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element).
  * NONZERO: i0 = 1 for [ndim, count] (NonzeroV2), 0 for [count, ndim]; i1 = the workspace (the
  *     count goes there as an int64); self, out (its buffer, written contiguous for the count found).
+ * MASKED_SELECT: i0 = the workspace (the count, int64); self and mask aligned to their broadcast
+ *     shape, out (1-D, written contiguous for the count found).
+ * MASKED_SCATTER: selfRef, mask (aligned to selfRef), source: selfRef's elements where mask is set
+ *     take source's elements one after another (both in row-major order).
  * FA: attention, every tensor as a [B, N, S, D] view (the layout undone by the operator library):
  *     i0 = sparse mode, i1 = preTokens, i2 = nextTokens, i3 = 1 if a mask is given; s0 = scale;
  *     q [B, N1, S0, D], k [B, N2, S1, D], v [B, N2, S1, D2], [mask aligned to [B, N1, S0, S1]],
@@ -60,6 +64,8 @@
     X(ADDMM, k_addmm)                     \
     X(MSE, k_mse)                         \
     X(NONZERO, k_nonzero)                 \
+    X(MASKED_SELECT, k_masked_select)     \
+    X(MASKED_SCATTER, k_masked_scatter)   \
     X(FA, k_fa)                           \
     X(FA_BWD, k_fa_bwd)
 
