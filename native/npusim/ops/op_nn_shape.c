@@ -195,20 +195,22 @@ API aclnnStatus aclnnGatherGetWorkspaceSize(const aclTensor *self, int64_t dim, 
     NN_CHECK(t_check(out, DTM_ALL));
     int nd = self->ndim;
     int d = t_dim(dim, nd);
+    int vec = nd <= 1 && index->ndim <= 1; /* torch lets a 0-d and a 1-d tensor pair up here */
     NN_REQUIRE(d >= 0 && out->dtype == self->dtype && nn_same_shape(out, index));
-    NN_REQUIRE(index->ndim == nd || (nd == 0 && index->ndim <= 1));
-    for (int i = 0; i < nd; i++) NN_REQUIRE(i == d || index->dims[i] <= self->dims[i]);
+    NN_REQUIRE(index->ndim == nd || vec);
+    for (int i = 0; i < nd && !vec; i++) NN_REQUIRE(i == d || index->dims[i] <= self->dims[i]);
     struct ops_tensor o = t_view(out), idx = t_view(index);
-    if (!nd) {
+    if (vec) {
         o.ndim = idx.ndim = 1;
         o.shape[0] = idx.shape[0] = t_numel(index);
         o.stride[0] = out->ndim ? out->strides[0] : 0;
         idx.stride[0] = index->ndim ? index->strides[0] : 0;
+        nd = 0; /* below: no base strides, the index alone decides */
     }
     NN_OPEN(e, "aclnnGather", OPS_OP_INDEX);
     for (int i = 0; i < o.ndim; i++) ex_int(e, i == d || !nd ? 0 : self->strides[i]);
-    ex_int(e, nd ? self->strides[d] : 0);
-    ex_int(e, nd ? self->dims[d] : 1);
+    ex_int(e, self->ndim ? self->strides[d] : 0);
+    ex_int(e, self->ndim ? self->dims[d] : 1);
     ex_tensor(e, o);
     ex_tensor(e, t_view(self));
     ex_tensor(e, idx);
