@@ -173,10 +173,6 @@ KHIDDEN int k_norm(const struct kctx *k) {
             }
             var /= (double)m;
             double rstd = 1.0 / sqrt(var + eps);
-            /* y from the statistics as they are stored (float): what the backward then sees */
-            double ms = T[4] ? kround(T[4]->dtype, mean) : mean, rs = T[5] ? kround(T[5]->dtype, rstd) : rstd;
-            (void)ms;
-            (void)rs;
             for (int64_t e = 0; e < m; e++) {
                 double v = (xv[e] - mean) * rstd;
                 if (T[1]) v *= kld(T[1]->dtype, p[1], it.off[map[1]] + io[1][e]);
@@ -264,9 +260,6 @@ KHIDDEN int k_norm_bwd(const struct kctx *k) {
             if (T[7]) kst(T[7]->dtype, p[7], io[7][e], gb[e]);
         }
         kcost(k, rows * m);
-    } else if (rc == 0) {
-        for (int j = 6; j < 8; j++) /* m == 0: nothing; rows == 0 is handled above with m > 0 */
-            (void)j;
     }
     free(gw), free(gb), free(dyw), free(xh);
     for (int j = 0; j < 8; j++) free(io[j]);
@@ -275,30 +268,39 @@ KHIDDEN int k_norm_bwd(const struct kctx *k) {
 
 /* ---------------------------------------------------------------- negative log-likelihood */
 
-/* The loss of row n's target, as torch's CPU nll_loss: -weight[t] * x[n, t]. */
+/* x has the target's dims and the class dim last; out (reduction none) the target's dims, else
+ * none. The loss of position p is -weight[t] * x[p, t] (t = target[p]), as torch's CPU
+ * nll_loss and nll_loss2d; positions are walked in row-major order of the target. */
 KHIDDEN int k_nll(const struct kctx *k) {
     if (k->a->nt != 5 || k->a->ni < 2) return KERR_ARGS;
     const struct ops_tensor *x = &k->t[0], *tg = &k->t[1], *w = &k->t[2], *out = &k->t[3], *tw = &k->t[4];
     int64_t red = k->i[0], ignore = k->i[1];
-    if (x->ndim != 2 || tg->ndim != 1 || w->ndim != 1) return KERR_ARGS;
+    int r = tg->ndim;
+    if (x->ndim != r + 1 || w->ndim != 1 || (red == 0 && out->ndim != r)) return KERR_ARGS;
     HOST(px, x);
     HOST(pt, tg);
     HOST(pw, w);
     HOST(po, out);
     HOST(ptw, tw);
-    int64_t N = x->shape[0], C = x->shape[1];
+    int64_t N = knumel(tg), C = x->shape[r];
+    struct ops_tensor none = *tg;
+    memset(none.stride, 0, sizeof none.stride);
+    const struct ops_tensor *ts[3] = {x, tg, red == 0 ? out : &none};
+    struct kit it;
+    kit_init(&it, tg->shape, r, ts, 3);
     double sum = 0.0, wsum = 0.0;
     for (int64_t n = 0; n < N; n++) {
-        int64_t t = ktoint(kld(tg->dtype, pt, n * tg->stride[0]));
+        int64_t t = ktoint(kld(tg->dtype, pt, it.off[1]));
         double l = 0.0;
         if (t != ignore) {
             if (t < 0 || t >= C) return KERR_ADDR;
             double wt = kld(w->dtype, pw, t * w->stride[0]);
-            l = -wt * kld(x->dtype, px, n * x->stride[0] + t * x->stride[1]);
+            l = -wt * kld(x->dtype, px, it.off[0] + t * x->stride[r]);
             wsum += wt;
         }
-        if (red == 0) kst(out->dtype, po, n * (out->ndim ? out->stride[0] : 0), l);
+        if (red == 0) kst(out->dtype, po, it.off[2], l);
         else sum += l;
+        kit_next(&it);
     }
     if (red == 1) kst(out->dtype, po, 0, sum / wsum);
     else if (red == 2) kst(out->dtype, po, 0, sum);
@@ -312,43 +314,58 @@ KHIDDEN int k_nll_bwd(const struct kctx *k) {
     const struct ops_tensor *go = &k->t[0], *x = &k->t[1], *tg = &k->t[2], *w = &k->t[3], *tw = &k->t[4],
                             *gi = &k->t[5];
     int64_t red = k->i[0], ignore = k->i[1];
-    if (x->ndim != 2 || tg->ndim != 1 || w->ndim != 1 || gi->ndim != 2) return KERR_ARGS;
-    (void)x;
+    int r = tg->ndim;
+    if (x->ndim != r + 1 || gi->ndim != r + 1 || w->ndim != 1 || (red == 0 && go->ndim != r)) return KERR_ARGS;
     HOST(pgo, go);
     HOST(pt, tg);
     HOST(pw, w);
     HOST(ptw, tw);
     HOST(pgi, gi);
-    int64_t N = gi->shape[0], C = gi->shape[1];
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t c = 0; c < C; c++) kst(gi->dtype, pgi, n * gi->stride[0] + c * gi->stride[1], 0.0);
+    int64_t N = knumel(tg), C = gi->shape[r], ng = knumel(gi);
+    if (ng) {
+        const struct ops_tensor *zs[1] = {gi};
+        struct kit z;
+        kit_init(&z, gi->shape, gi->ndim, zs, 1);
+        for (int64_t e = 0; e < ng; e++) {
+            kst(gi->dtype, pgi, z.off[0], 0.0);
+            kit_next(&z);
+        }
+    }
+    struct ops_tensor none = *tg;
+    memset(none.stride, 0, sizeof none.stride);
+    const struct ops_tensor *ts[3] = {gi, tg, red == 0 ? go : &none};
+    struct kit it;
+    kit_init(&it, tg->shape, r, ts, 3);
     double twv = red == 1 ? kld(tw->dtype, ptw, 0) : 1.0;
-    for (int64_t n = 0; n < N; n++) {
-        int64_t t = ktoint(kld(tg->dtype, pt, n * tg->stride[0]));
+    for (int64_t n = 0; n < N; n++, kit_next(&it)) {
+        int64_t t = ktoint(kld(tg->dtype, pt, it.off[1]));
         if (t == ignore) continue;
         if (t < 0 || t >= C) return KERR_ADDR;
-        double g = kld(go->dtype, pgo, red == 0 && go->ndim ? n * go->stride[0] : 0);
+        double g = kld(go->dtype, pgo, it.off[2]);
         /* torch: grad = -(mean ? grad_output / total_weight : grad_output), in the tensor's type */
         g = -kround(gi->dtype, red == 1 ? g / twv : g);
-        kst(gi->dtype, pgi, n * gi->stride[0] + t * gi->stride[1], kld(w->dtype, pw, t * w->stride[0]) * g);
+        kst(gi->dtype, pgi, it.off[0] + t * gi->stride[r], kld(w->dtype, pw, t * w->stride[0]) * g);
     }
-    kcost(k, N * C);
+    kcost(k, ng);
     return 0;
 }
 
 /* ---------------------------------------------------------------- gathers by index */
 
-/* ints: out->ndim base strides (self's stride for each of out's dims, 0 where an index decides),
- * then for each index (t[2..]) the stride and size of the self dimension it indexes. */
-KHIDDEN int k_index(const struct kctx *k) {
+/* The walk of INDEX and INDEX_PUT over the shape of t[0] (out, or the values): ints (after `skip`
+ * leading ones): t[0]->ndim base strides (self's stride for each walked dim, 0 where an index
+ * decides), then for each index (t[2..]) the stride and size of the self dimension it indexes. put:
+ * self[...] = (accumulate: +=) t[0][...], else t[0][...] = self[...]. */
+static int index_walk(const struct kctx *k, int skip, int put, int accumulate) {
     if (k->a->nt < 2 || k->a->nt > KIT_MAX) return KERR_ARGS;
     const struct ops_tensor *out = &k->t[0], *self = &k->t[1];
     int nidx = (int)k->a->nt - 2, nd = out->ndim;
-    if ((int)k->a->ni != nd + 2 * nidx) return KERR_ARGS;
+    const int64_t *in = k->i + skip;
+    if ((int)k->a->ni != skip + nd + 2 * nidx) return KERR_ARGS;
     HOST(po, out);
     HOST(ps, self);
     struct ops_tensor base = *out;
-    for (int d = 0; d < nd; d++) base.stride[d] = k->i[d];
+    for (int d = 0; d < nd; d++) base.stride[d] = in[d];
     const struct ops_tensor *ts[KIT_MAX] = {out, &base};
     char *pi[KIT_MAX] = {0};
     for (int j = 0; j < nidx; j++) {
@@ -359,7 +376,7 @@ KHIDDEN int k_index(const struct kctx *k) {
     }
     int64_t n = knumel(out);
     if (n == 0) return 0;
-    /* the self range every index may reach: self's own view, checked by khost above */
+    /* the self range an index may reach: self's own view, checked by khost above */
     int64_t lo = 0, hi = 0;
     for (int d = 0; d < self->ndim; d++) {
         int64_t span = (self->shape[d] - 1) * self->stride[d];
@@ -372,13 +389,87 @@ KHIDDEN int k_index(const struct kctx *k) {
         int64_t off = it.off[1];
         for (int j = 0; j < nidx; j++) {
             int64_t v = ktoint(kld(ts[2 + j]->dtype, pi[j], it.off[2 + j]));
-            int64_t size = k->i[nd + 2 * j + 1];
+            int64_t size = in[nd + 2 * j + 1];
             if (v < 0) v += size;
             if (v < 0 || v >= size) return KERR_ADDR;
-            off += v * k->i[nd + 2 * j];
+            off += v * in[nd + 2 * j];
         }
         if (off < lo || off > hi) return KERR_ADDR;
-        kst(out->dtype, po, it.off[0], kld(self->dtype, ps, off));
+        if (!put) {
+            kst(out->dtype, po, it.off[0], kld(self->dtype, ps, off));
+        } else {
+            double v = kld(out->dtype, po, it.off[0]);
+            kst(self->dtype, ps, off, accumulate ? kld(self->dtype, ps, off) + v : v);
+        }
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}
+
+KHIDDEN int k_index(const struct kctx *k) { return index_walk(k, 0, 0, 0); }
+
+/* Accumulating puts add in the walk's order in self's type, as torch's CPU index_put_ with
+ * accumulate=True does (index_put_with_sort is the CUDA path; the CPU adds serially). */
+KHIDDEN int k_index_put(const struct kctx *k) {
+    if (k->a->ni < 1) return KERR_ARGS;
+    return index_walk(k, 1, 1, k->i[0] != 0);
+}
+
+/* out = self; then along the walk (index's shape for Scatter and ScatterAdd, source's for
+ * IndexAdd) out[base + wrap(index) * stride] op= s0 * src (or = s0 for a value), one element after
+ * another, in out's type: the CPU's scatter/scatter_add/index_add_ run serially in this order. */
+KHIDDEN int k_scatter(const struct kctx *k) {
+    if (k->a->ni < 4 || k->a->ns < 1 || k->a->nt < 3) return KERR_ARGS;
+    int mode = (int)k->i[0], hassrc = k->i[1] != 0;
+    int64_t dstride = k->i[2], dsize = k->i[3];
+    const struct ops_tensor *self = &k->t[0], *out = &k->t[1], *idx = &k->t[2], *src = hassrc ? &k->t[3] : NULL;
+    int nd = idx->ndim;
+    if ((int)k->a->nt != 3 + hassrc || (int)k->a->ni != 4 + nd || self->ndim != out->ndim ||
+        (src && src->ndim != nd))
+        return KERR_ARGS;
+    HOST(pself, self);
+    HOST(po, out);
+    HOST(pi, idx);
+    char *psrc = NULL;
+    if (src) {
+        HOST(p, src);
+        psrc = p;
+    }
+    int64_t no = knumel(out);
+    if (no) {
+        const struct ops_tensor *cs[2] = {self, out};
+        struct kit c;
+        kit_init(&c, out->shape, out->ndim, cs, 2);
+        if (self->addr != out->addr || self->offset != out->offset || memcmp(self->stride, out->stride, sizeof self->stride))
+            for (int64_t e = 0; e < no; e++) {
+                kst(out->dtype, po, c.off[1], kld(self->dtype, pself, c.off[0]));
+                kit_next(&c);
+            }
+    }
+    int64_t n = knumel(idx);
+    if (n == 0) return 0;
+    int64_t lo = 0, hi = 0;
+    for (int d = 0; d < out->ndim; d++) {
+        int64_t span = (out->shape[d] - 1) * out->stride[d];
+        if (span < 0) lo += span;
+        else hi += span;
+    }
+    struct ops_tensor base = *idx;
+    for (int d = 0; d < nd; d++) base.stride[d] = k->i[4 + d];
+    const struct ops_tensor *ts[3] = {&base, idx, src ? src : idx};
+    struct kit it;
+    kit_init(&it, idx->shape, nd, ts, 3);
+    for (int64_t e = 0; e < n; e++) {
+        int64_t v = ktoint(kld(idx->dtype, pi, it.off[1]));
+        if (v < 0) v += dsize;
+        if (v < 0 || v >= dsize) return KERR_ADDR;
+        int64_t off = it.off[0] + v * dstride;
+        if (off < lo || off > hi) return KERR_ADDR;
+        double x = src ? kld(src->dtype, psrc, it.off[2]) : k->s[0];
+        if (src && k->s[0] != 1.0) x *= k->s[0];
+        double cur = kld(out->dtype, po, off);
+        kst(out->dtype, po, off, mode == 1 ? cur + x : mode == 2 ? cur * x : x);
         kit_next(&it);
     }
     kcost(k, n);
@@ -495,6 +586,84 @@ KHIDDEN int k_copies(const struct kctx *k) {
         total += n;
     }
     kcost(k, total);
+    return 0;
+}
+
+/* The coordinates of self's nonzero elements in row-major order, written as a contiguous
+ * [count, ndim] (or [ndim, count]) array from out's first element, the shape torch_npu gives out
+ * after the op (resize_); the count goes to the workspace for aclGetViewShape to read. */
+KHIDDEN int k_nonzero(const struct kctx *k) {
+    if (k->a->nt != 2 || k->a->ni != 2) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *out = &k->t[1];
+    int nd = x->ndim, tr = k->i[0] != 0;
+    HOST(px, x);
+    HOST(po, out);
+    int64_t n = knumel(x), cnt = 0, cap = knumel(out);
+    int64_t *ws = (int64_t *)k->ctx->dev_ptr(k->ctx, (uint64_t)k->i[1], sizeof(int64_t));
+    if (!ws) return KERR_ADDR;
+    const struct ops_tensor *ts[1] = {x};
+    struct kit it;
+    kit_init(&it, x->shape, nd, ts, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) cnt += kld(x->dtype, px, it.off[0]) != 0.0;
+    if (cnt * (nd ? nd : 1) > cap && cnt) return KERR_ADDR;
+    int64_t i = 0;
+    kit_init(&it, x->shape, nd, ts, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(x->dtype, px, it.off[0]) == 0.0) continue;
+        for (int d = 0; d < nd; d++) kst(out->dtype, po, tr ? d * cnt + i : i * nd + d, (double)it.idx[d]);
+        i++;
+    }
+    *ws = cnt;
+    kcost(k, n);
+    return 0;
+}
+
+/* self's elements where mask is set, in row-major order of their broadcast shape, from out's first
+ * element on; the count goes to the workspace, as NONZERO's. */
+KHIDDEN int k_masked_select(const struct kctx *k) {
+    if (k->a->nt != 3 || k->a->ni != 1) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *out = &k->t[2];
+    if (m->ndim != x->ndim || out->ndim != 1) return KERR_ARGS;
+    HOST(px, x);
+    HOST(pm, m);
+    HOST(po, out);
+    int64_t *ws = (int64_t *)k->ctx->dev_ptr(k->ctx, (uint64_t)k->i[0], sizeof(int64_t));
+    if (!ws) return KERR_ADDR;
+    int64_t n = knumel(x), cnt = 0;
+    const struct ops_tensor *ts[2] = {x, m};
+    struct kit it;
+    kit_init(&it, x->shape, x->ndim, ts, 2);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(m->dtype, pm, it.off[1]) == 0.0) continue;
+        if (cnt >= out->shape[0]) return KERR_ADDR;
+        kst(out->dtype, po, cnt * out->stride[0], kld(x->dtype, px, it.off[0]));
+        cnt++;
+    }
+    *ws = cnt;
+    kcost(k, n);
+    return 0;
+}
+
+KHIDDEN int k_masked_scatter(const struct kctx *k) {
+    if (k->a->nt != 3) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *src = &k->t[2];
+    if (m->ndim != x->ndim) return KERR_ARGS;
+    HOST(px, x);
+    HOST(pm, m);
+    HOST(ps, src);
+    int64_t n = knumel(x), ns = knumel(src), used = 0;
+    const struct ops_tensor *ts[2] = {x, m}, *ss[1] = {src};
+    struct kit it, st;
+    kit_init(&it, x->shape, x->ndim, ts, 2);
+    kit_init(&st, src->shape, src->ndim, ss, 1);
+    for (int64_t e = 0; e < n; e++, kit_next(&it)) {
+        if (kld(m->dtype, pm, it.off[1]) == 0.0) continue;
+        if (used >= ns) return KERR_ADDR; /* fewer source elements than set mask elements */
+        kst(x->dtype, px, it.off[0], kld(src->dtype, ps, st.off[0]));
+        kit_next(&st);
+        used++;
+    }
+    kcost(k, n);
     return 0;
 }
 

@@ -3,11 +3,10 @@
  * aclnn operators find their AI-core binaries under the opp directory. Each kernel has the
  * signature of npusim_kernel.h and runs on the runtime's engine thread when its stream reaches it.
  *
- * Kernels compute honestly in fp32, block by block (blockDim blocks, as many AI cores would take
- * a share of the output each), writing their output as they go: a copy of device memory taken
- * while a kernel runs sees part of the new values and part of the old. NPUSIM_KERNEL_BLOCK_US
- * (default 100) adds that many microseconds per block, so that a kernel takes visible time on
- * tensors this small; 0 runs at memory speed. */
+ * Every operator runs through npusim_op, which dispatches to its row's kernel (ops_list.h). A
+ * kernel computes its output, then kcost() charges NPUSIM_KERNEL_BLOCK_US (default 100)
+ * microseconds per block (blockDim blocks, as many AI cores would take a share of the output
+ * each), so that a kernel takes visible time on tensors this small; 0 runs at memory speed. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>

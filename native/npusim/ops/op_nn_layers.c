@@ -453,19 +453,21 @@ OPS_LAUNCHER(aclnnRmsNormGrad)
 
 /* ---------------------------------------------------------------- NLLLoss */
 
-/* self [N, C] or [C], target [N] or [], weight [C] (op-plugin passes ones when there is none). */
-static aclnnStatus nll_views(const aclTensor *self, const aclTensor *target, const aclTensor *weight,
+/* self [N, C] or [C] (2d: [N, C, H, W]), target [N] or [] ([N, H, W]), weight [C] (op-plugin passes
+ * ones when there is none). The kernel sees x with the class dim last and target's dims first. */
+static aclnnStatus nll_views(const aclTensor *self, const aclTensor *target, const aclTensor *weight, int two_d,
                              struct ops_tensor *x, struct ops_tensor *t, struct ops_tensor *w) {
     NN_CHECK(t_check(self, DTM_FLOATS));
     NN_CHECK(t_check(target, DTM_INDEX | DTM(OPS_DT_UINT8)));
     NN_CHECK(t_check(weight, DTM_FLOATS));
-    NN_REQUIRE(self->ndim == 1 || self->ndim == 2);
-    int64_t C = self->dims[self->ndim - 1];
+    int cd = two_d || self->ndim == 2 ? 1 : 0;
+    NN_REQUIRE(two_d ? self->ndim == 4 : (self->ndim == 1 || self->ndim == 2));
+    int64_t C = self->dims[cd];
     NN_REQUIRE(weight->ndim == 1 && weight->dims[0] == C);
-    *x = t_view(self);
+    *x = nn_dim_last(t_view(self), cd);
     *t = t_view(target);
     *w = t_view(weight);
-    if (self->ndim == 1) {
+    if (self->ndim == 1) { /* one sample: target [] or [1] */
         NN_REQUIRE(target->ndim == 0 || (target->ndim == 1 && target->dims[0] == 1));
         x->ndim = 2;
         x->shape[1] = C, x->stride[1] = self->strides[0];
@@ -473,32 +475,33 @@ static aclnnStatus nll_views(const aclTensor *self, const aclTensor *target, con
         t->ndim = 1;
         t->shape[0] = 1, t->stride[0] = target->ndim ? target->strides[0] : 0;
     } else {
-        NN_REQUIRE(target->ndim == 1 && target->dims[0] == self->dims[0]);
+        NN_REQUIRE(target->ndim == self->ndim - 1);
+        for (int d = 0; d < target->ndim; d++) NN_REQUIRE(target->dims[d] == x->shape[d]);
     }
     return ACLNN_SUCCESS;
 }
 
-/* aclnnNLLLoss(self, target, weight, reduction, ignoreIndex, out, totalWeightOut): op-plugin's
- * nll_loss_forward (NLLLossKernelNpuOpApi.cpp); out [N] for reduction none on a batch, else []. */
-API aclnnStatus aclnnNLLLossGetWorkspaceSize(const aclTensor *self, const aclTensor *target, const aclTensor *weight,
-                                             int64_t reduction, int64_t ignoreIndex, aclTensor *out,
-                                             aclTensor *totalWeightOut, uint64_t *workspaceSize,
-                                             aclOpExecutor **executor) {
+static aclnnStatus nll(const char *name, int two_d, const aclTensor *self, const aclTensor *target,
+                       const aclTensor *weight, int64_t reduction, int64_t ignoreIndex, const aclTensor *out,
+                       const aclTensor *totalWeightOut, uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !target || !weight || !out || !totalWeightOut) return ACLNN_ERR_PARAM_NULLPTR;
     if (reduction < 0 || reduction > 2) return ACLNN_ERR_PARAM_INVALID;
     struct ops_tensor x, t, w;
-    NN_CHECK(nll_views(self, target, weight, &x, &t, &w));
+    NN_CHECK(nll_views(self, target, weight, two_d, &x, &t, &w));
     NN_CHECK(t_check(out, DTM_FLOATS));
     NN_CHECK(t_check(totalWeightOut, DTM_FLOATS));
     NN_REQUIRE(t_numel(totalWeightOut) == 1);
     struct ops_tensor o = t_view(out);
-    if (reduction == 0 && self->ndim == 2) {
-        NN_REQUIRE(out->ndim == 1 && out->dims[0] == self->dims[0]);
+    if (reduction == 0 && self->ndim > 1) {
+        NN_REQUIRE(nn_same_shape(out, target));
+    } else if (reduction == 0) {
+        NN_REQUIRE(t_numel(out) == 1);
+        o.ndim = 1, o.shape[0] = 1, o.stride[0] = 0;
     } else {
         NN_REQUIRE(t_numel(out) == 1);
         o.ndim = 0;
     }
-    NN_OPEN(e, "aclnnNLLLoss", OPS_OP_NLL);
+    NN_OPEN(e, name, OPS_OP_NLL);
     ex_int(e, reduction);
     ex_int(e, ignoreIndex);
     ex_tensor(e, x);
@@ -508,36 +511,55 @@ API aclnnStatus aclnnNLLLossGetWorkspaceSize(const aclTensor *self, const aclTen
     ex_tensor(e, t_view(totalWeightOut));
     return ex_done(e);
 }
+
+/* aclnnNLLLoss(self, target, weight, reduction, ignoreIndex, out, totalWeightOut): op-plugin's
+ * nll_loss_forward (NLLLossKernelNpuOpApi.cpp); out [N] for reduction none on a batch, else []. */
+API aclnnStatus aclnnNLLLossGetWorkspaceSize(const aclTensor *self, const aclTensor *target, const aclTensor *weight,
+                                             int64_t reduction, int64_t ignoreIndex, aclTensor *out,
+                                             aclTensor *totalWeightOut, uint64_t *workspaceSize,
+                                             aclOpExecutor **executor) {
+    return nll("aclnnNLLLoss", 0, self, target, weight, reduction, ignoreIndex, out, totalWeightOut, workspaceSize,
+               executor);
+}
 OPS_LAUNCHER(aclnnNLLLoss)
 
-/* aclnnNLLLossBackward(gradOutput, self, target, weight, reduction, ignoreIndex, totalWeight, out)
- * (NLLLossBackwardKernelNpuOpApi.cpp). */
-API aclnnStatus aclnnNLLLossBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
-                                                     const aclTensor *target, const aclTensor *weight,
-                                                     int64_t reduction, int64_t ignoreIndex,
-                                                     const aclTensor *totalWeight, aclTensor *out,
-                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+/* aclnnNLLLoss2d: the same for self [N, C, H, W] and target [N, H, W] (NLLLoss2dKernelNpuOpApi.cpp;
+ * cross_entropy of [N, C, d] logits reaches it through nll_loss_nd). */
+API aclnnStatus aclnnNLLLoss2dGetWorkspaceSize(const aclTensor *self, const aclTensor *target, const aclTensor *weight,
+                                               int64_t reduction, int64_t ignoreIndex, aclTensor *out,
+                                               aclTensor *totalWeightOut, uint64_t *workspaceSize,
+                                               aclOpExecutor **executor) {
+    return nll("aclnnNLLLoss2d", 1, self, target, weight, reduction, ignoreIndex, out, totalWeightOut,
+               workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnNLLLoss2d)
+
+static aclnnStatus nll_bwd(const char *name, int two_d, const aclTensor *gradOutput, const aclTensor *self,
+                           const aclTensor *target, const aclTensor *weight, int64_t reduction, int64_t ignoreIndex,
+                           const aclTensor *totalWeight, const aclTensor *out, uint64_t *workspaceSize,
+                           aclOpExecutor **executor) {
     if (!gradOutput || !self || !target || !weight || !totalWeight || !out) return ACLNN_ERR_PARAM_NULLPTR;
     if (reduction < 0 || reduction > 2) return ACLNN_ERR_PARAM_INVALID;
     struct ops_tensor x, t, w;
-    NN_CHECK(nll_views(self, target, weight, &x, &t, &w));
+    NN_CHECK(nll_views(self, target, weight, two_d, &x, &t, &w));
     NN_CHECK(t_check(gradOutput, DTM_FLOATS));
     NN_CHECK(t_check(totalWeight, DTM_FLOATS));
     NN_CHECK(t_check(out, DTM_FLOATS));
     NN_REQUIRE(nn_same_shape(out, self) && t_numel(totalWeight) == 1);
-    struct ops_tensor go = t_view(gradOutput), gi = t_view(out);
-    if (reduction == 0 && self->ndim == 2) {
-        NN_REQUIRE(gradOutput->ndim == 1 && gradOutput->dims[0] == self->dims[0]);
+    struct ops_tensor go = t_view(gradOutput), gi = nn_dim_last(t_view(out), two_d || self->ndim == 2 ? 1 : 0);
+    if (reduction == 0 && self->ndim > 1) {
+        NN_REQUIRE(nn_same_shape(gradOutput, target));
     } else {
         NN_REQUIRE(t_numel(gradOutput) == 1);
-        go.ndim = 0;
+        go.ndim = t.ndim;
+        for (int d = 0; d < go.ndim; d++) go.shape[d] = t.shape[d], go.stride[d] = 0;
     }
     if (self->ndim == 1) {
         gi.ndim = 2;
         gi.shape[1] = gi.shape[0], gi.stride[1] = gi.stride[0];
         gi.shape[0] = 1, gi.stride[0] = 0;
     }
-    NN_OPEN(e, "aclnnNLLLossBackward", OPS_OP_NLL_BWD);
+    NN_OPEN(e, name, OPS_OP_NLL_BWD);
     ex_int(e, reduction);
     ex_int(e, ignoreIndex);
     ex_tensor(e, go);
@@ -548,7 +570,29 @@ API aclnnStatus aclnnNLLLossBackwardGetWorkspaceSize(const aclTensor *gradOutput
     ex_tensor(e, gi);
     return ex_done(e);
 }
+
+/* aclnnNLLLossBackward(gradOutput, self, target, weight, reduction, ignoreIndex, totalWeight, out)
+ * (NLLLossBackwardKernelNpuOpApi.cpp). */
+API aclnnStatus aclnnNLLLossBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
+                                                     const aclTensor *target, const aclTensor *weight,
+                                                     int64_t reduction, int64_t ignoreIndex,
+                                                     const aclTensor *totalWeight, aclTensor *out,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return nll_bwd("aclnnNLLLossBackward", 0, gradOutput, self, target, weight, reduction, ignoreIndex, totalWeight,
+                   out, workspaceSize, executor);
+}
 OPS_LAUNCHER(aclnnNLLLossBackward)
+
+/* aclnnNLLLoss2dBackward: the same argument order (NLLLoss2dBackwardKernelNpuOpApi.cpp). */
+API aclnnStatus aclnnNLLLoss2dBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
+                                                       const aclTensor *target, const aclTensor *weight,
+                                                       int64_t reduction, int64_t ignoreIndex,
+                                                       const aclTensor *totalWeight, aclTensor *out,
+                                                       uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return nll_bwd("aclnnNLLLoss2dBackward", 1, gradOutput, self, target, weight, reduction, ignoreIndex,
+                   totalWeight, out, workspaceSize, executor);
+}
+OPS_LAUNCHER(aclnnNLLLoss2dBackward)
 
 /* ---------------------------------------------------------------- Embedding */
 

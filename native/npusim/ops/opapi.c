@@ -209,12 +209,18 @@ API aclnnStatus aclDestroyScalarList(const aclScalarList *list) {
     return ACLNN_SUCCESS;
 }
 
+/* The view shape; for the output of an operator whose shape is known only once it ran (aclnnNonzero,
+ * which op-plugin runs with EXEC_NPU_CMD_SYNC and then asks here), the shape it computed. */
 API aclnnStatus aclGetViewShape(const aclTensor *tensor, int64_t **viewDims, uint64_t *viewDimsNum) {
     if (!tensor || !viewDims || !viewDimsNum) return ACLNN_ERR_PARAM_NULLPTR;
-    *viewDimsNum = (uint64_t)tensor->ndim;
-    *viewDims = malloc(sizeof(int64_t) * (tensor->ndim ? (size_t)tensor->ndim : 1));
+    int64_t dims[OPS_MAX_DIMS];
+    int nd = tensor->ndim;
+    memcpy(dims, tensor->dims, sizeof dims);
+    if (op_result_shape) op_result_shape(tensor, dims, &nd);
+    *viewDimsNum = (uint64_t)nd;
+    *viewDims = malloc(sizeof(int64_t) * (nd ? (size_t)nd : 1));
     if (!*viewDims) return ACLNN_ERR_INNER;
-    memcpy(*viewDims, tensor->dims, sizeof(int64_t) * (size_t)tensor->ndim);
+    memcpy(*viewDims, dims, sizeof(int64_t) * (size_t)nd);
     return ACLNN_SUCCESS;
 }
 

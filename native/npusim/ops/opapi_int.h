@@ -123,6 +123,10 @@ HIDDEN aclnnStatus ex_launch(const char *name, void *workspace, uint64_t workspa
 HIDDEN aclnnStatus ew_op(const char *name, enum ops_ew_fn fn, const aclTensor *const *ins, int nin, const double *s,
                          int ns, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor);
 
+/* Defined by an operator family whose outputs get their shape when the kernel ran (weak: absent,
+ * every tensor keeps its view shape): replaces dims/ndim for such an output. */
+HIDDEN void op_result_shape(const aclTensor *t, int64_t *dims, int *ndim) __attribute__((weak));
+
 #define OPS_LAUNCHER(name)                                                                                    \
     API aclnnStatus name(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) { \
         return ex_launch(#name, workspace, workspaceSize, executor, stream);                                  \

@@ -18,6 +18,13 @@
  * INDEX: out = self[base + sum_j wrap(index_j) * stride_j]: ints: for each index j its dimension's
  *        stride and size; out, self (aligned to out, stride 0 where an index decides), index_j
  *        (aligned to out): IndexSelect, Gather, Index, Embedding.
+ * INDEX_PUT: i0 = accumulate, then INDEX's ints; values (aligned to the walk's shape), self, index_j:
+ *        self[base + sum_j wrap(index_j) * stride_j] = (or +=) values, in the walk's order.
+ * SCATTER: i0 = 0 assign, 1 add, 2 multiply; i1 = 1 if src is a tensor (else s0 is the value);
+ *        i2 = the dim's stride in out, i3 = its size, then out's base strides aligned to the walk's
+ *        shape; s0 = value or alpha (src's factor); self, out, index (aligned), [src (aligned)]:
+ *        out = self, then out[base + wrap(index) * stride] op= src in the walk's order (Scatter,
+ *        ScatterValue, ScatterAdd, IndexAdd).
  * EMBEDDING_BWD: i0 = padding_idx (-1 none), i1 = scale_grad_by_freq; grad [n, D], indices [n],
  *        out [numWeights, D] (grad and indices flattened to n rows by the operator library).
  * TRI: i0 = diagonal, i1 = 1 upper (triu), 0 lower (tril); x, out (the last two dims).
@@ -26,7 +33,18 @@
  * ARGMAX: x, out (out [.., 1] on the row dim).
  * TOPK: i0 = k, i1 = largest, i2 = sorted; x, values, indices.
  * ADDMM: s0 = beta, s1 = alpha; a [.., M, K], b [.., K, N], c aligned to out, out [.., M, N].
- * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element). */
+ * MSE: i0 = reduction (1 mean, 2 sum); a, b (aligned to a), out (one element).
+ * NONZERO: i0 = 1 for [ndim, count] (NonzeroV2), 0 for [count, ndim]; i1 = the workspace (the
+ *     count goes there as an int64); self, out (its buffer, written contiguous for the count found).
+ * MASKED_SELECT: i0 = the workspace (the count, int64); self and mask aligned to their broadcast
+ *     shape, out (1-D, written contiguous for the count found).
+ * MASKED_SCATTER: selfRef, mask (aligned to selfRef), source: selfRef's elements where mask is set
+ *     take source's elements one after another (both in row-major order).
+ * FA: attention, every tensor as a [B, N, S, D] view (the layout undone by the operator library):
+ *     i0 = sparse mode, i1 = preTokens, i2 = nextTokens, i3 = 1 if a mask is given; s0 = scale;
+ *     q [B, N1, S0, D], k [B, N2, S1, D], v [B, N2, S1, D2], [mask aligned to [B, N1, S0, S1]],
+ *     softmaxMax [B, N1, S0, 8], softmaxSum [B, N1, S0, 8], out [B, N1, S0, D2].
+ * FA_BWD: as FA; q, k, v, dy, [mask], dq, dk, dv. */
 #define OPS_KERNELS_NN(X)                 \
     X(SOFTMAX, k_softmax)                 \
     X(SOFTMAX_BWD, k_softmax_bwd)         \
@@ -35,6 +53,8 @@
     X(NLL, k_nll)                         \
     X(NLL_BWD, k_nll_bwd)                 \
     X(INDEX, k_index)                     \
+    X(INDEX_PUT, k_index_put)             \
+    X(SCATTER, k_scatter)                 \
     X(EMBEDDING_BWD, k_embedding_bwd)     \
     X(TRI, k_tri)                         \
     X(ARANGE, k_arange)                   \
@@ -42,7 +62,12 @@
     X(ARGMAX, k_argmax)                   \
     X(TOPK, k_topk)                       \
     X(ADDMM, k_addmm)                     \
-    X(MSE, k_mse)
+    X(MSE, k_mse)                         \
+    X(NONZERO, k_nonzero)                 \
+    X(MASKED_SELECT, k_masked_select)     \
+    X(MASKED_SCATTER, k_masked_scatter)   \
+    X(FA, k_fa)                           \
+    X(FA_BWD, k_fa_bwd)
 
 /* NORM and NORM_BWD flags. */
 #define NORM_W 1    /* weight present (NORM_BWD: always) */
