@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import torch_npu  # noqa: F401
+import torch_npu
 
 DEV = "npu"
 TOL = {torch.float32: 1e-6, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -178,10 +178,27 @@ def unary_cases():
         ("rpow", lambda x: torch.pow(2.0, x), None), ("square", torch.square, None),
         ("exp_", lambda x: x.clone().exp_(), None), ("sqrt_", lambda x: x.clone().sqrt_(), "pos"),
         ("rsub_scalar", lambda x: 1 - x, None),
+        ("sin", torch.sin, None), ("cos", torch.cos, None), ("tan", torch.tan, "unit"),
+        ("asin", torch.asin, "unit"), ("acos", torch.acos, "unit"), ("atan", torch.atan, None),
+        ("sinh", torch.sinh, None), ("cosh", torch.cosh, None), ("asinh", torch.asinh, None),
+        ("acosh", lambda x: torch.acosh(x + 1), "pos"), ("atanh", torch.atanh, "unit"),
+        ("expm1", torch.expm1, None), ("log1p", torch.log1p, "pos"), ("log2", torch.log2, "pos"),
+        ("log10", torch.log10, "pos"), ("exp2", torch.exp2, None), ("erfc", torch.erfc, None),
+        ("frac", torch.frac, None), ("nan_to_num", lambda x: torch.nan_to_num(x.log()), None),
+        ("nan_to_num_args", lambda x: torch.nan_to_num(x.log(), 0.5, 100.0, -100.0), None),
+        ("isfinite", lambda x: torch.isfinite(x.log()), None),
+        ("remainder_scalar", lambda x: torch.remainder(x * 4, 1.5), None),
+        ("remainder_scalar_neg", lambda x: torch.remainder(x * 4, -1.5), None),
+        ("rremainder", lambda x: torch.remainder(3.0, x), "nograd"),
+        ("fmod_scalar", lambda x: torch.fmod(x * 4, 1.5), None),
+        ("floor_divide_scalar", lambda x: torch.floor_divide(x * 4, 0.7), "nograd"),
+        ("special_values", lambda x: torch.exp(x * 100) + torch.log(x) + torch.sqrt(x), None),
     ]
     for dt in FLOATS:
         for name, f, kind in ops:
-            run_case(f"{name}", f, [S], dt, kinds={0: kind} if kind else None)
+            grad = kind != "nograd"
+            kind = None if kind == "nograd" else kind
+            run_case(f"{name}", f, [S], dt, grad=grad, kinds={0: kind} if kind else None)
 
 
 def binary_cases():
@@ -199,10 +216,16 @@ def binary_cases():
         ("masked_fill_tensor", lambda a, b: a.masked_fill(b > 0, torch.tensor(3.0, device=a.device, dtype=a.dtype))),
         ("masked_fill_inf", lambda a, b: a.masked_fill(b > 0, float("-inf"))),
         ("rsub", lambda a, b: torch.rsub(a, b, alpha=2)),
+        ("atan2", torch.atan2),
+        # backward of remainder/fmod by a tensor divides with rounding (aclnnDivMods, arithmetic
+        # family): forward only
+        ("remainder_tensor", lambda a, b: torch.remainder(a * 3, b), False),
+        ("fmod_tensor", lambda a, b: torch.fmod(a * 3, b), False),
+        ("floor_divide_tensor", lambda a, b: torch.floor_divide(a * 3, b), False),
     ]
     for dt in FLOATS:
-        for name, f in ops:
-            run_case(name, f, [S, S], dt)
+        for name, f, *g in ops:
+            run_case(name, f, [S, S], dt, grad=g[0] if g else True)
     for dt in FLOATS:
         run_case("lerp_tensor", lambda a, b, w: torch.lerp(a, b, w), [S, S, S], dt, kinds={2: "unit"})
         run_case("addcmul", lambda a, b, c: torch.addcmul(a, b, c, value=0.7), [S, S, S], dt)
@@ -240,6 +263,12 @@ def compare_cases():
         run_case("where_int", lambda a, b: torch.where(a > 0, a, b), [S, S], dt, grad=False)
         run_case("masked_fill_int", lambda a, b: a.masked_fill(b > 0, 7), [S, S], dt, grad=False)
         run_case("sqrt_int", lambda x: torch.sqrt(x.abs()), [S], dt, grad=False, cmp_dtype=torch.float32)
+        run_case("remainder_int", lambda a, b: torch.remainder(a, b.abs() + 1), [S, S], dt, grad=False)
+        run_case("floor_divide_int", lambda a, b: torch.floor_divide(a * 7, b.abs() + 1), [S, S], dt, grad=False)
+        run_case("pow_int", lambda x: x.pow(2), [S], dt, grad=False)
+    # empty tensors: shapes with a zero dimension go through every layout
+    run_case("empty_exp", torch.exp, [(0, 3)], torch.float32)
+    run_case("empty_foreach", lambda x: torch._foreach_mul([x, x], 2.0)[1], [(3, 0)], torch.float32, grad=False)
     b = gen(S, torch.bool, seed=7)
     c = gen(S, torch.bool, seed=8)
     run_case("bitwise_not_bool", torch.bitwise_not, [b], torch.bool, grad=False)
@@ -390,18 +419,26 @@ def optimizer_cases():
         for s in range(steps):
             for p, gr in zip(params, grads[s]):
                 p.grad = gr.to(dev)
-            if clip:
+            if clip == "full":
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
+            elif clip:
+                # clip_grad_norm_ without its torch.stack: the total norm from the per-tensor
+                # _foreach_norm, then the same clamp and _foreach_mul_ (clip_grads_with_norm_)
+                norms = torch._foreach_norm([p.grad for p in params], 2.0)
+                total = norms[0] * norms[0]
+                for n in norms[1:]:
+                    total = total + n * n
+                torch.nn.utils.clip_grads_with_norm_(params, 0.5, total.sqrt())
             opt.step()
             hist.append([p.detach().cpu().clone() for p in params])
         return hist
 
     for opt_name in ["sgd", "sgd_nesterov_wd", "adam", "adam_wd_amsgrad", "adamw"]:
-        for clip in [False, True]:
-            name = f"optim_{opt_name}{'_clip' if clip else ''}"
+        for clip in [False, "norms", "full"]:
+            name = f"optim_{opt_name}{'_clip_' + clip if clip else ''}"
             if ONLY and ONLY not in name:
                 continue
-            if clip and not clip_ok:
+            if clip == "full" and not clip_ok:
                 report("SKIP", name, "clip_grad_norm_ stacks the norms: aclnnStack (nn family) not in this tree")
                 continue
             try:
@@ -425,6 +462,54 @@ def optimizer_cases():
                        f"5 steps, max rel err {worst:.2e} vs CPU, rerun {'bit-identical' if same else 'DIFFERS'}")
             except Exception as e:  # noqa: BLE001
                 report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+
+def amp_case():
+    """GradScaler (mixed-precision training): unscale-and-check of the gradients, skipped steps on
+    inf, scale backoff and growth, against the CPU's GradScaler."""
+    if ONLY and ONLY not in "amp_grad_scaler":
+        return
+    if not torch_npu.npu.utils.is_support_inf_nan():
+        # saturation mode: torch_npu checks overflow with the aclop NPUGetFloatStatusV2, not aclnn
+        report("SKIP", "amp_grad_scaler", "the tree reports no inf/nan mode (aclGetCannAttribute INF_NAN)")
+        return
+
+    def run(dev):
+        g = torch.Generator().manual_seed(5)
+        params = [torch.randn(s, generator=g).to(dev).requires_grad_() for s in [(4, 3), (3,)]]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler(dev, init_scale=1024.0, growth_interval=2)
+        hist = []
+        for step in range(6):
+            opt.zero_grad()
+            ws = [torch.randn(p.shape, generator=g) for p in params]
+            if step == 2:
+                ws[1][0] = float("inf")  # an overflowing step: skipped, scale backs off
+            loss = sum((p * w.to(dev)).sum() for p, w in zip(params, ws))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            hist.append(([p.detach().cpu().clone() for p in params], float(scaler.get_scale())))
+        return hist
+
+    try:
+        ref, got = run("cpu"), run(DEV)
+        bad = None
+        for s, ((rp, rs), (gp, gs)) in enumerate(zip(ref, got)):
+            if rs != gs:
+                bad = f"step {s}: scale {gs} != {rs}"
+                break
+            for r, g in zip(rp, gp):
+                ok, info = close(r, g)
+                if not ok:
+                    bad = f"step {s}: {info}"
+                    break
+            if bad:
+                break
+        report("FAIL" if bad else "PASS", "amp_grad_scaler",
+               bad or f"6 steps, one skipped on inf, scales {[h[1] for h in got]}")
+    except Exception as e:  # noqa: BLE001
+        report("FAIL", "amp_grad_scaler", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
 def random_cases():
@@ -483,6 +568,7 @@ def main():
     reduce_cases()
     foreach_cases()
     optimizer_cases()
+    amp_case()
     random_cases()
     determinism_case()
     print(f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} in {time.time() - t0:.1f}s", flush=True)

@@ -92,3 +92,60 @@ KHIDDEN double ew_addcdiv(const double *x, const double *s) { return x[0] + s[0]
 KHIDDEN double ew_addcmul_t(const double *x, const double *s) { UNUSED_S; return x[0] + x[3] * x[1] * x[2]; }
 KHIDDEN double ew_addcdiv_t(const double *x, const double *s) { UNUSED_S; return x[0] + x[3] * x[1] / x[2]; }
 KHIDDEN double ew_rsubs(const double *x, const double *s) { return s[0] - s[1] * X0; }
+
+KHIDDEN double ew_sin(const double *x, const double *s) { UNUSED_S; return sin(X0); }
+KHIDDEN double ew_cos(const double *x, const double *s) { UNUSED_S; return cos(X0); }
+KHIDDEN double ew_tan(const double *x, const double *s) { UNUSED_S; return tan(X0); }
+KHIDDEN double ew_asin(const double *x, const double *s) { UNUSED_S; return asin(X0); }
+KHIDDEN double ew_acos(const double *x, const double *s) { UNUSED_S; return acos(X0); }
+KHIDDEN double ew_atan(const double *x, const double *s) { UNUSED_S; return atan(X0); }
+KHIDDEN double ew_sinh(const double *x, const double *s) { UNUSED_S; return sinh(X0); }
+KHIDDEN double ew_cosh(const double *x, const double *s) { UNUSED_S; return cosh(X0); }
+KHIDDEN double ew_asinh(const double *x, const double *s) { UNUSED_S; return asinh(X0); }
+KHIDDEN double ew_acosh(const double *x, const double *s) { UNUSED_S; return acosh(X0); }
+KHIDDEN double ew_atanh(const double *x, const double *s) { UNUSED_S; return atanh(X0); }
+KHIDDEN double ew_expm1(const double *x, const double *s) { UNUSED_S; return expm1(X0); }
+KHIDDEN double ew_log1p(const double *x, const double *s) { UNUSED_S; return log1p(X0); }
+KHIDDEN double ew_log2(const double *x, const double *s) { UNUSED_S; return log2(X0); }
+KHIDDEN double ew_log10(const double *x, const double *s) { UNUSED_S; return log10(X0); }
+KHIDDEN double ew_exp2(const double *x, const double *s) { UNUSED_S; return exp2(X0); }
+KHIDDEN double ew_erfc(const double *x, const double *s) { UNUSED_S; return erfc(X0); }
+KHIDDEN double ew_frac(const double *x, const double *s) { UNUSED_S; return X0 - trunc(X0); }
+KHIDDEN double ew_isfinite(const double *x, const double *s) { UNUSED_S; return isfinite(X0) ? 1.0 : 0.0; }
+KHIDDEN double ew_atan2(const double *x, const double *s) { UNUSED_S; return atan2(x[0], x[1]); }
+
+/* torch.remainder (BinaryOpsKernel.cpp): fmod, moved to the divisor's sign */
+static double py_mod(double a, double b) {
+    double m = fmod(a, b);
+    if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
+    return m;
+}
+KHIDDEN double ew_remainder(const double *x, const double *s) { UNUSED_S; return py_mod(x[0], x[1]); }
+KHIDDEN double ew_remainder_ts(const double *x, const double *s) { return py_mod(X0, s[0]); }
+KHIDDEN double ew_remainder_st(const double *x, const double *s) { return py_mod(s[0], X0); }
+KHIDDEN double ew_fmod(const double *x, const double *s) { UNUSED_S; return fmod(x[0], x[1]); }
+KHIDDEN double ew_fmod_ts(const double *x, const double *s) { return fmod(X0, s[0]); }
+
+/* torch's div_floor_floating (aten/src/ATen/native/BinaryOps.h): exact for integers too */
+static double floor_div(double a, double b) {
+    if (b == 0.0) return a / b;
+    double mod = fmod(a, b), div = (a - mod) / b;
+    if (mod != 0.0 && ((b < 0.0) != (mod < 0.0))) div -= 1.0;
+    double fd;
+    if (div != 0.0) {
+        fd = floor(div);
+        if (div - fd > 0.5) fd += 1.0;
+    } else {
+        fd = copysign(0.0, a / b);
+    }
+    return fd;
+}
+KHIDDEN double ew_floor_div(const double *x, const double *s) { UNUSED_S; return floor_div(x[0], x[1]); }
+KHIDDEN double ew_floor_divs(const double *x, const double *s) { return floor_div(X0, s[0]); }
+
+KHIDDEN double ew_nan_to_num(const double *x, const double *s) {
+    if (X0 != X0) return s[0];
+    if (X0 == INFINITY) return s[1];
+    if (X0 == -INFINITY) return s[2];
+    return X0;
+}

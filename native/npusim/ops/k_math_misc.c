@@ -97,3 +97,70 @@ KHIDDEN int k_rand(const struct kctx *k) {
     kcost(k, n);
     return 0;
 }
+
+/* AMP args: ints[0] = 0: unscale (tensors found_inf, inv_scale, then the gradients, scaled in
+ * place; found_inf = 1 when any gradient element is not finite), as torch's
+ * _amp_foreach_non_finite_check_and_unscale_cpu_ (aten/src/ATen/native/AmpKernels.cpp);
+ * ints[0] = 1: update the scale (tensors current_scale, growth_tracker, found_inf, then the outputs
+ * scale and tracker; s = growth_factor, backoff_factor; ints[1] = growth_interval), as
+ * _amp_update_scale_cpu_. */
+KHIDDEN int k_amp(const struct kctx *k) {
+    if (k->a->ni < 1) return KERR_ARGS;
+    int err;
+    if (k->i[0] == 0) {
+        if (k->a->nt < 2) return KERR_ARGS;
+        const struct ops_tensor *fi = &k->t[0], *is = &k->t[1];
+        char *pf = khost(k, fi, &err);
+        if (err || !pf) return err ? err : KERR_ARGS;
+        char *ps = khost(k, is, &err);
+        if (err || !ps) return err ? err : KERR_ARGS;
+        double inv = kld(is->dtype, ps, 0);
+        int found = 0;
+        int64_t work = 0;
+        for (uint32_t g = 2; g < k->a->nt; g++) {
+            const struct ops_tensor *t = &k->t[g];
+            char *p = khost(k, t, &err);
+            if (err) return err;
+            int64_t n = knumel(t);
+            if (!n) continue;
+            const struct ops_tensor *ts[1] = {t};
+            struct kit it;
+            kit_init(&it, t->shape, t->ndim, ts, 1);
+            for (int64_t i = 0; i < n; i++) {
+                double v = kld(t->dtype, p, it.off[0]);
+                if (!isfinite(v)) found = 1;
+                kst(t->dtype, p, it.off[0], inv == 1.0 ? v : v * inv);
+                kit_next(&it);
+            }
+            work += n;
+        }
+        if (found) kst(fi->dtype, pf, 0, 1.0);
+        kcost(k, work);
+        return 0;
+    }
+    if (k->a->nt != 5 || k->a->ns < 2 || k->a->ni < 2) return KERR_ARGS;
+    char *p[5];
+    for (int j = 0; j < 5; j++) {
+        p[j] = khost(k, &k->t[j], &err);
+        if (err || !p[j]) return err ? err : KERR_ARGS;
+    }
+    double scale = kld(k->t[0].dtype, p[0], 0), tracker = kld(k->t[1].dtype, p[1], 0);
+    double found = kld(k->t[2].dtype, p[2], 0);
+    if (found != 0.0) {
+        scale = (double)(float)scale * k->s[1];
+        tracker = 0;
+    } else {
+        double successful = tracker + 1;
+        if (successful == (double)k->i[1]) {
+            float ns = (float)(scale * k->s[0]);
+            if (isfinite(ns)) scale = ns;
+            tracker = 0;
+        } else {
+            tracker = successful;
+        }
+    }
+    kst(k->t[3].dtype, p[3], 0, scale);
+    kst(k->t[4].dtype, p[4], 0, tracker);
+    kcost(k, 1);
+    return 0;
+}

@@ -101,6 +101,43 @@ UNARY_INPLACE(Floor, OPS_EWF_FLOOR, NUM_NOBOOL)
 UNARY_OUT(Ceil, OPS_EWF_CEIL, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_OUT(Round, OPS_EWF_ROUND, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_OUT(Trunc, OPS_EWF_TRUNC, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_OUT(Sin, OPS_EWF_SIN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Sin, OPS_EWF_SIN, FMATH_OUT)
+UNARY_OUT(Cos, OPS_EWF_COS, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Cos, OPS_EWF_COS, FMATH_OUT)
+UNARY_OUT(Tan, OPS_EWF_TAN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Tan, OPS_EWF_TAN, FMATH_OUT)
+UNARY_OUT(Asin, OPS_EWF_ASIN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Asin, OPS_EWF_ASIN, FMATH_OUT)
+UNARY_OUT(Acos, OPS_EWF_ACOS, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Acos, OPS_EWF_ACOS, FMATH_OUT)
+UNARY_OUT(Atan, OPS_EWF_ATAN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Atan, OPS_EWF_ATAN, FMATH_OUT)
+UNARY_OUT(Sinh, OPS_EWF_SINH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Sinh, OPS_EWF_SINH, FMATH_OUT)
+UNARY_OUT(Cosh, OPS_EWF_COSH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Cosh, OPS_EWF_COSH, FMATH_OUT)
+UNARY_OUT(Asinh, OPS_EWF_ASINH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Asinh, OPS_EWF_ASINH, FMATH_OUT)
+UNARY_OUT(Acosh, OPS_EWF_ACOSH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Acosh, OPS_EWF_ACOSH, FMATH_OUT)
+UNARY_OUT(Atanh, OPS_EWF_ATANH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Atanh, OPS_EWF_ATANH, FMATH_OUT)
+UNARY_OUT(Expm1, OPS_EWF_EXPM1, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Expm1, OPS_EWF_EXPM1, FMATH_OUT)
+UNARY_OUT(Log1p, OPS_EWF_LOG1P, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log1p, OPS_EWF_LOG1P, FMATH_OUT)
+UNARY_OUT(Log2, OPS_EWF_LOG2, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log2, OPS_EWF_LOG2, FMATH_OUT)
+UNARY_OUT(Log10, OPS_EWF_LOG10, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log10, OPS_EWF_LOG10, FMATH_OUT)
+UNARY_OUT(Exp2, OPS_EWF_EXP2, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Exp2, OPS_EWF_EXP2, FMATH_OUT)
+UNARY_OUT(Erfc, OPS_EWF_ERFC, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Erfc, OPS_EWF_ERFC, FMATH_OUT)
+UNARY_OUT(Frac, OPS_EWF_FRAC, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_INPLACE(Frac, OPS_EWF_FRAC, NUM_NOBOOL)
+UNARY_OUT(IsFinite, OPS_EWF_ISFINITE, DTM_ALL, DTM_ALL)
 UNARY_OUT(LogicalNot, OPS_EWF_LNOT, DTM_ALL, DTM_ALL)
 UNARY_INPLACE(LogicalNot, OPS_EWF_LNOT, DTM_ALL)
 
@@ -445,3 +482,73 @@ API aclnnStatus aclnnRsubsGetWorkspaceSize(const aclTensor *self, const aclScala
     return ew_op("aclnnRsubs", OPS_EWF_RSUBS, T1(self), s, 2, out, ARGS);
 }
 OPS_LAUNCHER(aclnnRsubs)
+
+/* ---------------------------------------------------------------- atan2, remainder, fmod, floor divide, nan_to_num */
+
+BIN_NUM(Atan2, OPS_EWF_ATAN2)
+BIN_NUM_INPLACE(Atan2, OPS_EWF_ATAN2)
+BIN_NUM(RemainderTensorTensor, OPS_EWF_REMAINDER)
+BIN_NUM_INPLACE(RemainderTensorTensor, OPS_EWF_REMAINDER)
+BIN_NUM(FmodTensor, OPS_EWF_FMOD)
+BIN_NUM_INPLACE(FmodTensor, OPS_EWF_FMOD)
+BIN_NUM(FloorDivide, OPS_EWF_FLOOR_DIV)
+BIN_NUM_INPLACE(FloorDivide, OPS_EWF_FLOOR_DIV)
+
+/* tensor (op) scalar, the scalar taken by sc (sc_dt or sc_op) */
+#define TS_OP(Name, fn, sc)                                                                                   \
+    API aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out, \
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {        \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(self, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;                         \
+        double s[1] = {sc(s_value(other), out->dtype)};                                                       \
+        return ew_op("aclnn" #Name, fn, T1(self), s, 1, out, ARGS);                                           \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name)                                                                                 \
+    API aclnnStatus aclnnInplace##Name##GetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,          \
+                                                         uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(selfRef, DTM_NUM))) return st;                                                      \
+        double s[1] = {sc(s_value(other), selfRef->dtype)};                                                   \
+        return ew_op("aclnnInplace" #Name, fn, T1(selfRef), s, 1, selfRef, ARGS);                             \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name)
+
+/* the CPU takes remainder's and fmod's scalar in the tensor's dtype, floor_divide's as float
+ * (measured against torch 2.13: every element equal) */
+TS_OP(RemainderTensorScalar, OPS_EWF_REMAINDER_TS, sc_dt)
+TS_OP(FmodScalar, OPS_EWF_FMOD_TS, sc_dt)
+TS_OP(FloorDivides, OPS_EWF_FLOOR_DIVS, sc_op)
+
+API aclnnStatus aclnnRemainderScalarTensorGetWorkspaceSize(const aclScalar *self, const aclTensor *other,
+                                                           aclTensor *out, uint64_t *workspaceSize,
+                                                           aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(other, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;
+    double s[1] = {sc_dt(s_value(self), out->dtype)};
+    return ew_op("aclnnRemainderScalarTensor", OPS_EWF_REMAINDER_ST, T1(other), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnRemainderScalarTensor)
+
+/* nan_to_num: op-plugin passes the replacements as float (NanToNumKernelNpuOpApi.cpp) */
+API aclnnStatus aclnnNanToNumGetWorkspaceSize(const aclTensor *self, float nan, float posInf, float negInf,
+                                              aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, DTM_ALL))) return st;
+    double s[3] = {nan, posInf, negInf};
+    return ew_op("aclnnNanToNum", OPS_EWF_NAN_TO_NUM, T1(self), s, 3, out, ARGS);
+}
+OPS_LAUNCHER(aclnnNanToNum)
+
+API aclnnStatus aclnnInplaceNanToNumGetWorkspaceSize(aclTensor *selfRef, float nan, float posInf, float negInf,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, DTM_ALL))) return st;
+    double s[3] = {nan, posInf, negInf};
+    return ew_op("aclnnInplaceNanToNum", OPS_EWF_NAN_TO_NUM, T1(selfRef), s, 3, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceNanToNum)
