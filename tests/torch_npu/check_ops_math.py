@@ -310,6 +310,26 @@ def reduce_cases():
         run_case("amax_int", lambda x: x.amax(1), [S3], dt, grad=False)
         run_case("max_dim_int", lambda x: x.max(0), [S3], dt, grad=False)
         run_case("max_all_int", lambda x: x.max(), [S3], dt, grad=False)
+    for dt in [torch.float32, torch.int64, torch.bool]:
+        z = (gen(S3, torch.float32, seed=6) > 0.8).to(dt) if dt != torch.float32 else gen(S3, dt, seed=6).clamp(min=0)
+        run_case("any_all", lambda x: x.any(), [z], dt, grad=False)
+        run_case("any_dim", lambda x: x.any(1), [z], dt, grad=False)
+        run_case("all_dim_keep", lambda x: x.all(2, keepdim=True), [(z == 0) if dt == torch.bool else z], dt, grad=False)
+        run_case("all_all", lambda x: x.all(), [z], dt, grad=False)
+    run_case("all_nan", lambda x: x.all(1), [torch.tensor([[float("nan"), 1.0], [0.0, float("nan")]])], grad=False)
+    run_case("isclose", lambda a, b: torch.isclose(a, a + b * 1e-6), [S3, S3], grad=False)
+    run_case("isclose_nan", lambda a: torch.isclose(a.log(), a.log(), equal_nan=True), [S3], grad=False)
+    if not ONLY or "equal" in ONLY:
+        try:
+            x = gen(S3, torch.float32, seed=8)
+            xn = views(x)[1][1]
+            res = [torch.equal(xn, x.to(DEV)), torch.equal(xn, (x + 1e-3 * (x == x.max())).to(DEV)),
+                   torch.equal(xn, x.to(DEV)[:, :, :5]), torch.allclose(xn, x.to(DEV) * (1 + 1e-6)),
+                   torch.allclose(xn, x.to(DEV) + 1)]
+            want = [True, False, False, True, False]
+            report("PASS" if res == want else "FAIL", "equal_allclose", f"{res} (want {want})")
+        except Exception as e:  # noqa: BLE001
+            report("FAIL", "equal_allclose", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     # ties and NaN: first index wins, NaN wins
     t = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 2.0, float("nan"), 5.0], [2.0, 2.0, 2.0, 2.0]])
     run_case("max_dim_ties_nan", lambda x: x.max(1), [t], grad=False)

@@ -7,7 +7,6 @@
 
 #define X0 x[0]
 #define UNUSED_S (void)s
-#define UNUSED_X (void)x
 
 static double sigm(double v) { return 1.0 / (1.0 + exp(-v)); }
 
@@ -148,4 +147,14 @@ KHIDDEN double ew_nan_to_num(const double *x, const double *s) {
     if (X0 == INFINITY) return s[1];
     if (X0 == -INFINITY) return s[2];
     return X0;
+}
+
+/* torch.isclose (TensorCompare.cpp): equal, or both NaN with equal_nan, or a finite
+ * |a - b| <= atol + |rtol * b| */
+KHIDDEN double ew_isclose(const double *x, const double *s) {
+    double a = x[0], b = x[1];
+    if (a == b) return 1.0;
+    if (s[2] != 0.0 && a != a && b != b) return 1.0;
+    double err = fabs(a - b);
+    return isfinite(err) && err <= s[1] + fabs(s[0] * b);
 }

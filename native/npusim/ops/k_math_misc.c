@@ -164,3 +164,75 @@ KHIDDEN int k_amp(const struct kctx *k) {
     kcost(k, 1);
     return 0;
 }
+
+/* BOOLRED args: ints[0] = 0 any / 1 all, ints[1..nd] = reduced flags; tensors in, out (out in in's
+ * rank, size 1 on the reduced dimensions): out = any/all of in != 0 (NaN counts as true).
+ * ints[0] = 2: torch.equal; ints[1] = 1 if the shapes agree; tensors a, b (same shape then), out
+ * (one element): every element equal (NaN never equals). */
+KHIDDEN int k_boolred(const struct kctx *k) {
+    if (k->a->ni < 2) return KERR_ARGS;
+    int err;
+    if (k->i[0] == 2) {
+        if (k->a->nt != 3) return KERR_ARGS;
+        const struct ops_tensor *A = &k->t[0], *B = &k->t[1], *O = &k->t[2];
+        char *po = khost(k, O, &err);
+        if (err || !po) return err ? err : KERR_ARGS;
+        int eq = k->i[1] != 0;
+        if (eq) {
+            if (A->ndim != B->ndim) return KERR_ARGS;
+            char *pa = khost(k, A, &err);
+            if (err) return err;
+            char *pb = khost(k, B, &err);
+            if (err) return err;
+            int64_t n = knumel(A);
+            const struct ops_tensor *ts[2] = {A, B};
+            struct kit it;
+            kit_init(&it, A->shape, A->ndim, ts, 2);
+            for (int64_t i = 0; i < n && eq; i++) {
+                eq = kld(A->dtype, pa, it.off[0]) == kld(B->dtype, pb, it.off[1]);
+                kit_next(&it);
+            }
+            kcost(k, n);
+        }
+        kst(O->dtype, po, 0, eq);
+        return 0;
+    }
+    if (k->a->nt != 2) return KERR_ARGS;
+    const struct ops_tensor *in = &k->t[0], *out = &k->t[1];
+    int nd = in->ndim, all = k->i[0] == 1;
+    if (out->ndim != nd || (int)k->a->ni < 1 + nd) return KERR_ARGS;
+    char *pi = khost(k, in, &err);
+    if (err) return err;
+    char *po = khost(k, out, &err);
+    if (err) return err;
+    int64_t nout = knumel(out);
+    if (nout == 0) return 0;
+    struct ops_tensor ko = *in, ro = *in, oo = *out;
+    int nk = 0, nr = 0;
+    for (int d = 0; d < nd; d++) {
+        if (k->i[1 + d]) {
+            ro.shape[nr] = in->shape[d], ro.stride[nr++] = in->stride[d];
+        } else {
+            ko.shape[nk] = in->shape[d], ko.stride[nk] = in->stride[d];
+            oo.shape[nk] = out->shape[d], oo.stride[nk++] = out->stride[d];
+        }
+    }
+    ko.ndim = oo.ndim = nk;
+    ro.ndim = nr;
+    int64_t m = knumel(&ro);
+    const struct ops_tensor *ts[2] = {&ko, &oo}, *rs[1] = {&ro};
+    struct kit it, rt;
+    kit_init(&it, ko.shape, nk, ts, 2);
+    for (int64_t o = 0; o < nout; o++) {
+        int acc = all;
+        kit_init(&rt, ro.shape, nr, rs, 1);
+        for (int64_t r = 0; r < m && acc == all; r++) {
+            acc = kld(in->dtype, pi, it.off[0] + rt.off[0]) != 0.0;
+            kit_next(&rt);
+        }
+        kst(out->dtype, po, it.off[1], acc);
+        kit_next(&it);
+    }
+    kcost(k, knumel(in));
+    return 0;
+}

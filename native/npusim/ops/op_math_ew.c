@@ -552,3 +552,13 @@ API aclnnStatus aclnnInplaceNanToNumGetWorkspaceSize(aclTensor *selfRef, float n
     return ew_op("aclnnInplaceNanToNum", OPS_EWF_NAN_TO_NUM, T1(selfRef), s, 3, selfRef, ARGS);
 }
 OPS_LAUNCHER(aclnnInplaceNanToNum)
+
+/* torch.isclose (aclnn_is_close.h): rtol, atol and equal_nan by value */
+API aclnnStatus aclnnIsCloseGetWorkspaceSize(const aclTensor *self, const aclTensor *other, double rtol, double atol,
+                                             bool equalNan, aclTensor *out, uint64_t *workspaceSize,
+                                             aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    double s[3] = {rtol, atol, equalNan ? 1.0 : 0.0};
+    return binary("aclnnIsClose", OPS_EWF_ISCLOSE, self, other, s, 3, out, DTM_ALL, DTM_ALL, ARGS);
+}
+OPS_LAUNCHER(aclnnIsClose)

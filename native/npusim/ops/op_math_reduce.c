@@ -156,3 +156,81 @@ API aclnnStatus aclnnNormGetWorkspaceSize(const aclTensor *self, const aclScalar
     return vnorm("aclnnNorm", self, pScalar, dim, keepdim, out, ARGS);
 }
 OPS_LAUNCHER(aclnnNorm)
+
+/* any/all of self != 0 over dims (all dimensions when empty), into a bool (or uint8) out */
+static aclnnStatus anyall(const char *name, int all, const aclTensor *self, const aclIntArray *dims, bool keepdim,
+                          const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, DTM(OPS_DT_BOOL) | DTM(OPS_DT_UINT8)))) return st;
+    int nd = self->ndim;
+    uint8_t red[OPS_MAX_DIMS] = {0};
+    if (!dims || dims->size == 0) {
+        for (int d = 0; d < nd; d++) red[d] = 1;
+    } else {
+        for (uint64_t i = 0; i < dims->size; i++) {
+            int d = t_dim(dims->value[i], nd);
+            if (d < 0 || (nd && red[d])) return ACLNN_ERR_PARAM_INVALID;
+            if (nd) red[d] = 1;
+        }
+    }
+    int64_t want[OPS_MAX_DIMS];
+    int nw = 0;
+    for (int d = 0; d < nd; d++)
+        if (!red[d]) want[nw++] = self->dims[d];
+        else if (keepdim) want[nw++] = 1;
+    if (!t_same_shape(out, want, nw)) return ACLNN_ERR_PARAM_INVALID;
+    struct ops_tensor o = t_view(self);
+    o.addr = out->data, o.offset = out->offset, o.dtype = out->dtype;
+    for (int d = 0, k = 0; d < nd; d++) {
+        if (red[d]) {
+            o.shape[d] = 1, o.stride[d] = 0;
+            if (keepdim) k++;
+        } else {
+            o.shape[d] = out->dims[k], o.stride[d] = out->strides[k];
+            k++;
+        }
+    }
+    aclOpExecutor *e = ex_open(name, OPS_OP_BOOLRED, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, all);
+    for (int d = 0; d < nd; d++) ex_int(e, red[d]);
+    if (!nd) ex_int(e, 0);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, o);
+    return ex_done(e);
+}
+
+API aclnnStatus aclnnAnyGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keepdim, aclTensor *out,
+                                         uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return anyall("aclnnAny", 0, self, dim, keepdim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnAny)
+
+API aclnnStatus aclnnAllGetWorkspaceSize(const aclTensor *self, const aclIntArray *dim, bool keepdim, aclTensor *out,
+                                         uint64_t *workspaceSize, aclOpExecutor **executor) {
+    return anyall("aclnnAll", 1, self, dim, keepdim, out, ARGS);
+}
+OPS_LAUNCHER(aclnnAll)
+
+/* torch.equal: one bool, true when the shapes and every element agree (op-plugin does not check
+ * the shapes first: EqualKernelNpuOpApi.cpp) */
+API aclnnStatus aclnnEqualGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
+                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(other, DTM_ALL)) ||
+        (st = t_check(out, DTM(OPS_DT_BOOL))))
+        return st;
+    if (t_numel(out) != 1) return ACLNN_ERR_PARAM_INVALID;
+    bool same = t_same_shape(other, self->dims, self->ndim);
+    aclOpExecutor *e = ex_open("aclnnEqual", OPS_OP_BOOLRED, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, 2);
+    ex_int(e, same);
+    ex_tensor(e, t_view(self));
+    ex_tensor(e, same ? t_view(other) : t_view(self));
+    ex_tensor(e, t_view(out));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnEqual)

@@ -6,13 +6,15 @@
  * FOREACH_NORM: out_g = ||in_g||_p for each pair (in_g, out_g), s[0] = p;
  * ARGRED: the max or min along one dimension with its index (MaxDim, MinDim);
  * RAND: a fill from a counter-based generator (normal, uniform, bernoulli);
- * AMP: GradScaler's unscale-and-check of a gradient list, and its scale update. */
+ * AMP: GradScaler's unscale-and-check of a gradient list, and its scale update;
+ * BOOLRED: any/all over a dim set, and torch.equal of two tensors. */
 #define OPS_KERNELS_MATH(X)                                                                       \
     X(FOREACH, k_foreach)                                                                         \
     X(FOREACH_NORM, k_foreach_norm)                                                               \
     X(ARGRED, k_argred)                                                                           \
     X(RAND, k_rand)                                                                               \
-    X(AMP, k_amp)
+    X(AMP, k_amp)                                                                                 \
+    X(BOOLRED, k_boolred)
 
 /* x[] are the inputs in order, s[] the scalars (k_math_ew.c defines each function). */
 #define OPS_EW_MATH(X)                                                                            \
@@ -96,7 +98,8 @@
     X(FMOD_TS, ew_fmod_ts)                                                                        \
     X(FLOOR_DIV, ew_floor_div)     /* floor(x0 / x1) as torch's div_floor */                     \
     X(FLOOR_DIVS, ew_floor_divs)                                                                  \
-    X(NAN_TO_NUM, ew_nan_to_num)   /* s0 for NaN, s1 for +inf, s2 for -inf */
+    X(NAN_TO_NUM, ew_nan_to_num)   /* s0 for NaN, s1 for +inf, s2 for -inf */                    \
+    X(ISCLOSE, ew_isclose)         /* s0 rtol, s1 atol, s2 equal_nan */
 
 #define OPS_EW_MATH_DECL(id, fn) __attribute__((visibility("hidden"))) double fn(const double *x, const double *s);
 OPS_EW_MATH(OPS_EW_MATH_DECL)
