@@ -560,6 +560,27 @@ def random_cases():
         u = torch.empty(n, device=DEV).uniform_(-3, 5).cpu()
         ok = bool((u >= -3).all() and (u < 5).all()) and abs(float(u.mean()) - 1) < 0.1
         report("PASS" if ok else "FAIL", "random_uniform", f"[-3,5) mean {float(u.mean()):.3f}")
+        torch.npu.manual_seed(11)
+        ri = torch.randint(-3, 7, (n,), device=DEV).cpu()
+        torch.npu.manual_seed(11)
+        ri2 = torch.randint(-3, 7, (n,), device=DEV).cpu()
+        ok = torch.equal(ri, ri2) and set(ri.unique().tolist()) == set(range(-3, 7)) and abs(float(ri.float().mean()) - 1.5) < 0.1
+        report("PASS" if ok else "FAIL", "random_randint", f"[-3,7) every value drawn, mean {float(ri.float().mean()):.3f}")
+        pt = torch.linspace(0, 1, 5).repeat(4000).to(DEV)
+        bt = torch.empty(pt.shape, device=DEV).bernoulli_(pt).cpu().reshape(4000, 5).mean(0)
+        ok = bool(((bt - torch.linspace(0, 1, 5)).abs() < 0.03).all())
+        report("PASS" if ok else "FAIL", "random_bernoulli_tensor", f"p=0..1 means {[round(v, 3) for v in bt.tolist()]}")
+        mt = torch.tensor([0.0, 10.0, -5.0]).repeat(5000).to(DEV)
+        st = torch.tensor([1.0, 0.5, 2.0]).repeat(5000).to(DEV)
+        outs = {"tt": torch.normal(mt, st), "tf": torch.normal(mt, 0.5), "ft": torch.normal(1.0, st),
+                "ff": torch.normal(2.0, 3.0, (15000,), device=DEV)}
+        want = {"tt": ([0, 10, -5], [1, 0.5, 2]), "tf": ([0, 10, -5], [0.5] * 3), "ft": ([1] * 3, [1, 0.5, 2]),
+                "ff": ([2] * 3, [3] * 3)}
+        for k, v in outs.items():
+            v = v.cpu().reshape(5000, 3)
+            ok = bool(((v.mean(0) - torch.tensor(want[k][0], dtype=torch.float)).abs() < 0.1).all()
+                      and ((v.std(0) - torch.tensor(want[k][1], dtype=torch.float)).abs() < 0.1).all())
+            report("PASS" if ok else "FAIL", f"random_normal_{k}", f"means {[round(x, 2) for x in v.mean(0).tolist()]} stds {[round(x, 2) for x in v.std(0).tolist()]}")
         bern = torch.empty(n, device=DEV).bernoulli_(0.3).cpu()
         ok = set(bern.unique().tolist()) <= {0.0, 1.0} and abs(float(bern.mean()) - 0.3) < 0.02
         report("PASS" if ok else "FAIL", "random_bernoulli", f"p=0.3 mean {float(bern.mean()):.3f}")

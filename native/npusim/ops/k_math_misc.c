@@ -59,24 +59,36 @@ static double unit(uint32_t hi, uint32_t lo) {
     return ((double)b + 0.5) / 9007199254740992.0;
 }
 
-/* RAND args: ints[0] = 0 normal (s0 mean, s1 std), 1 uniform [s0, s1), 2 bernoulli (s0 = p);
- * ints[1] = seed, ints[2] = offset (torch's philox offset); tensors: out. Element i (row-major in
- * out's shape) draws from counter (i, offset). */
+/* RAND args: ints[0] = 0 normal (mean s0, std s1), 1 uniform [s0, s1), 2 bernoulli (p = s0),
+ * 3 integers uniform in [s0, s1); ints[1] = seed, ints[2] = offset (torch's philox offset);
+ * ints[3] = which parameters come from tensors instead (bit 0: the first, bit 1: the second);
+ * tensors: out, then those parameter tensors aligned to out's shape. Element i (row-major in out's
+ * shape) draws from counter (i, offset). */
 KHIDDEN int k_rand(const struct kctx *k) {
-    if (k->a->ni < 3 || k->a->ns < 2 || k->a->nt != 1) return KERR_ARGS;
+    if (k->a->ni < 4 || k->a->ns < 2 || k->a->nt < 1 || k->a->nt > 3) return KERR_ARGS;
     const struct ops_tensor *o = &k->t[0];
-    int kind = (int)k->i[0];
+    int kind = (int)k->i[0], from_t = (int)k->i[3];
     uint64_t seed = (uint64_t)k->i[1], off = (uint64_t)k->i[2];
-    double a = k->s[0], b = k->s[1];
+    int np = (from_t & 1) + ((from_t >> 1) & 1);
+    if ((int)k->a->nt != 1 + np) return KERR_ARGS;
     int err;
-    char *p = khost(k, o, &err);
-    if (err) return err;
+    char *p[3];
+    const struct ops_tensor *ts[3];
+    for (uint32_t j = 0; j < k->a->nt; j++) {
+        ts[j] = &k->t[j];
+        if (ts[j]->ndim != o->ndim) return KERR_ARGS;
+        p[j] = khost(k, ts[j], &err);
+        if (err) return err;
+    }
     int64_t n = knumel(o);
     if (n == 0) return 0;
-    const struct ops_tensor *ts[1] = {o};
     struct kit it;
-    kit_init(&it, o->shape, o->ndim, ts, 1);
+    kit_init(&it, o->shape, o->ndim, ts, (int)k->a->nt);
     for (int64_t i = 0; i < n; i++) {
+        int j = 1;
+        double a = (from_t & 1) ? kld(ts[j]->dtype, p[j], it.off[j]) : k->s[0];
+        if (from_t & 1) j++;
+        double b = (from_t & 2) ? kld(ts[j]->dtype, p[j], it.off[j]) : k->s[1];
         uint32_t c[4] = {(uint32_t)i, (uint32_t)((uint64_t)i >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
         philox(c, seed);
         double u = unit(c[0], c[1]), v;
@@ -88,10 +100,12 @@ KHIDDEN int k_rand(const struct kctx *k) {
             /* rounding to a narrow dtype must not reach b: step back one unit of its precision */
             double eps = o->dtype == OPS_DT_BF16 ? 0x1p-8 : o->dtype == OPS_DT_FLOAT16 ? 0x1p-11 : 0x1p-24;
             if (b > a && kround(o->dtype, v) >= b) v = b - (b - a) * eps;
-        } else {
+        } else if (kind == 2) {
             v = u < a;
+        } else {
+            v = a + floor((u - 0x1p-54) * (b - a)); /* an integer in [a, b) */
         }
-        kst(o->dtype, p, it.off[0], v);
+        kst(o->dtype, p[0], it.off[0], v);
         kit_next(&it);
     }
     kcost(k, n);
