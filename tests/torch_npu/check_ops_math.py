@@ -193,6 +193,17 @@ def unary_cases():
         ("fmod_scalar", lambda x: torch.fmod(x * 4, 1.5), None),
         ("floor_divide_scalar", lambda x: torch.floor_divide(x * 4, 0.7), "nograd"),
         ("special_values", lambda x: torch.exp(x * 100) + torch.log(x) + torch.sqrt(x), None),
+        ("ceil_", lambda x: x.clone().ceil_(), None),
+        ("round_decimals_2", lambda x: torch.round(x * 3, decimals=2), "nograd"),
+        ("round_decimals_-1", lambda x: torch.round(x * 300, decimals=-1), "nograd"),
+        ("erfinv", lambda x: torch.erfinv(x), "unit"),
+        ("logit", lambda x: torch.logit(x / 2.5), "nograd"),
+        ("logit_eps", lambda x: torch.logit(x, eps=0.2), "nograd"),
+        ("xlogy", lambda x: torch.xlogy(x, x.abs()), "nograd"),
+        ("xlogy_scalar", lambda x: torch.xlogy(x, 2.5), "nograd"),
+        ("isneginf", lambda x: torch.isneginf(torch.log(x)), "nograd"),
+        ("isposinf", lambda x: torch.isposinf(1 / (x * 0)), "nograd"),
+        ("signbit", lambda x: torch.signbit(x), "nograd"),
     ]
     for dt in FLOATS:
         for name, f, kind in ops:
@@ -275,6 +286,15 @@ def compare_cases():
     run_case("logical_not", torch.logical_not, [b], torch.bool, grad=False)
     run_case("logical_and", torch.logical_and, [b, c], torch.bool, grad=False)
     run_case("logical_or", torch.logical_or, [b, c], torch.bool, grad=False)
+    run_case("logical_xor", torch.logical_xor, [b, c], torch.bool, grad=False)
+    for dt in [torch.int32, torch.int64, torch.bool]:
+        x, y = gen(S, dt, seed=11), gen(S, dt, seed=12)
+        run_case("bitwise_and", torch.bitwise_and, [x, y], dt, grad=False)
+        run_case("bitwise_or", torch.bitwise_or, [x, y], dt, grad=False)
+        run_case("bitwise_xor_", lambda a, b: a.clone().bitwise_xor_(b), [x, y], dt, grad=False)
+        if dt != torch.bool:
+            run_case("bitwise_and_scalar", lambda a: a & 6, [x], dt, grad=False)
+            run_case("bitwise_or_scalar_", lambda a: a.clone().bitwise_or_(3), [x], dt, grad=False)
     run_case("logical_not_float", torch.logical_not, [gen(S, torch.float32).round()], torch.float32, grad=False)
     run_case("where_bool_cond", lambda m, x, y: torch.where(m, x, y), [b, gen(S, torch.float32, seed=2), gen(S, torch.float32, seed=3)], torch.float32)
     run_case("tril_mask_fill", lambda x: x.masked_fill(~torch.ones(5, 7, device=x.device).bool(), 0.0), [S], torch.float32)
@@ -380,6 +400,11 @@ def foreach_cases():
         ("foreach_norm", lambda a, b, c: torch._foreach_norm(a)),
         ("foreach_norm_1", lambda a, b, c: torch._foreach_norm(a, 1)),
         ("foreach_zero_", lambda a, b, c: (torch._foreach_zero_(a), a)[1]),
+        ("foreach_floor", lambda a, b, c: torch._foreach_floor(torch._foreach_mul(a, 3.0))),
+        ("foreach_ceil_", lambda a, b, c: (torch._foreach_ceil_(a), a)[1]),
+        ("foreach_round", lambda a, b, c: torch._foreach_round(torch._foreach_mul(a, 3.0))),
+        ("foreach_trunc", lambda a, b, c: torch._foreach_trunc(torch._foreach_mul(a, 3.0))),
+        ("foreach_frac", lambda a, b, c: torch._foreach_frac(torch._foreach_mul(a, 3.0))),
         ("foreach_copy_", lambda a, b, c: (torch._foreach_copy_(a, b), a)[1]),
     ]
     for dt in FLOATS:

@@ -158,3 +158,91 @@ KHIDDEN double ew_isclose(const double *x, const double *s) {
     double err = fabs(a - b);
     return isfinite(err) && err <= s[1] + fabs(s[0] * b);
 }
+
+/* torch.round(x, decimals) (cpu/UnaryOpsKernel.cpp): x * 10^d rounded to dtype s1 (the CPU's
+ * compute type), then to even, then divided (or, for d < 0, divided by 10^-d then multiplied) */
+KHIDDEN double ew_round_dec(const double *x, const double *s) {
+    int64_t d = (int64_t)s[0];
+    int dt = (int)s[1];
+    if (d >= 0) {
+        double p = kround(dt, pow(10.0, (double)d));
+        return nearbyint(kround(dt, X0 * p)) / p;
+    }
+    double p = kround(dt, pow(10.0, (double)-d));
+    return nearbyint(kround(dt, X0 / p)) * p;
+}
+
+static double round_mode(double v, int mode) {
+    switch (mode) {
+    case 1: return nearbyint(v);
+    case 2: return floor(v);
+    case 3: return ceil(v);
+    case 4: return round(v);
+    case 5: return trunc(v);
+    case 7: return v - trunc(v);
+    default: return NAN;
+    }
+}
+KHIDDEN double ew_round_mode(const double *x, const double *s) { return round_mode(X0, (int)s[0]); }
+KHIDDEN double ew_round_mode_t(const double *x, const double *s) { UNUSED_S; return round_mode(x[0], (int)x[1]); }
+
+/* inverse erf: Giles' single-precision approximation ("Approximating the erfinv function", GPU
+ * Computing Gems, 2011) refined by two Newton steps on erf in double */
+KHIDDEN double ew_erfinv(const double *x, const double *s) {
+    UNUSED_S;
+    double y = X0;
+    if (y != y || y < -1.0 || y > 1.0) return NAN;
+    if (y == 1.0) return INFINITY;
+    if (y == -1.0) return -INFINITY;
+    double w = -log((1.0 - y) * (1.0 + y)), p;
+    if (w < 5.0) {
+        w -= 2.5;
+        p = 2.81022636e-08;
+        p = 3.43273939e-07 + p * w;
+        p = -3.5233877e-06 + p * w;
+        p = -4.39150654e-06 + p * w;
+        p = 0.00021858087 + p * w;
+        p = -0.00125372503 + p * w;
+        p = -0.00417768164 + p * w;
+        p = 0.246640727 + p * w;
+        p = 1.50140941 + p * w;
+    } else {
+        w = sqrt(w) - 3.0;
+        p = -0.000200214257;
+        p = 0.000100950558 + p * w;
+        p = 0.00134934322 + p * w;
+        p = -0.00367342844 + p * w;
+        p = 0.00573950773 + p * w;
+        p = -0.0076224613 + p * w;
+        p = 0.00943887047 + p * w;
+        p = 1.00167406 + p * w;
+        p = 2.83297682 + p * w;
+    }
+    double r = p * y;
+    for (int i = 0; i < 2; i++) r -= (erf(r) - y) / (1.1283791670955126 * exp(-r * r));
+    return r;
+}
+
+/* torch.logit: log(z / (1 - z)), z clamped to [eps, 1 - eps] when eps >= 0 */
+KHIDDEN double ew_logit(const double *x, const double *s) {
+    double z = X0, eps = s[0];
+    if (eps >= 0.0 && z == z) z = z < eps ? eps : z > 1.0 - eps ? 1.0 - eps : z;
+    return log(z / (1.0 - z));
+}
+
+/* torch.xlogy: NaN if y is NaN, 0 if x is 0, else x log y */
+static double xlogy(double a, double b) { return b != b ? NAN : a == 0.0 ? 0.0 : a * log(b); }
+KHIDDEN double ew_xlogy(const double *x, const double *s) { UNUSED_S; return xlogy(x[0], x[1]); }
+KHIDDEN double ew_xlogy_ts(const double *x, const double *s) { return xlogy(X0, s[0]); }
+KHIDDEN double ew_xlogy_st(const double *x, const double *s) { return xlogy(s[0], X0); }
+
+KHIDDEN double ew_isneginf(const double *x, const double *s) { UNUSED_S; return X0 == -INFINITY; }
+KHIDDEN double ew_isposinf(const double *x, const double *s) { UNUSED_S; return X0 == INFINITY; }
+KHIDDEN double ew_signbit(const double *x, const double *s) { UNUSED_S; return signbit(X0) ? 1.0 : 0.0; }
+KHIDDEN double ew_lxor(const double *x, const double *s) { UNUSED_S; return (x[0] != 0.0) != (x[1] != 0.0); }
+KHIDDEN double ew_band(const double *x, const double *s) { UNUSED_S; return (double)((int64_t)x[0] & (int64_t)x[1]); }
+KHIDDEN double ew_bor(const double *x, const double *s) { UNUSED_S; return (double)((int64_t)x[0] | (int64_t)x[1]); }
+KHIDDEN double ew_bxor(const double *x, const double *s) { UNUSED_S; return (double)((int64_t)x[0] ^ (int64_t)x[1]); }
+KHIDDEN double ew_bands(const double *x, const double *s) { return (double)((int64_t)X0 & (int64_t)s[0]); }
+KHIDDEN double ew_bors(const double *x, const double *s) { return (double)((int64_t)X0 | (int64_t)s[0]); }
+KHIDDEN double ew_bxors(const double *x, const double *s) { return (double)((int64_t)X0 ^ (int64_t)s[0]); }

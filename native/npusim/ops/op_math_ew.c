@@ -99,6 +99,7 @@ UNARY_OUT(Sign, OPS_EWF_SIGN, NUM_NOBOOL | DTM(OPS_DT_BOOL), DTM_ALL)
 UNARY_OUT(Floor, OPS_EWF_FLOOR, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_INPLACE(Floor, OPS_EWF_FLOOR, NUM_NOBOOL)
 UNARY_OUT(Ceil, OPS_EWF_CEIL, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_INPLACE(Ceil, OPS_EWF_CEIL, NUM_NOBOOL)
 UNARY_OUT(Round, OPS_EWF_ROUND, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_OUT(Trunc, OPS_EWF_TRUNC, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_OUT(Sin, OPS_EWF_SIN, FMATH_IN, FMATH_OUT)
@@ -138,6 +139,11 @@ UNARY_INPLACE(Erfc, OPS_EWF_ERFC, FMATH_OUT)
 UNARY_OUT(Frac, OPS_EWF_FRAC, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_INPLACE(Frac, OPS_EWF_FRAC, NUM_NOBOOL)
 UNARY_OUT(IsFinite, OPS_EWF_ISFINITE, DTM_ALL, DTM_ALL)
+UNARY_OUT(IsNegInf, OPS_EWF_ISNEGINF, DTM_ALL, DTM_ALL)
+UNARY_OUT(IsPosInf, OPS_EWF_ISPOSINF, DTM_ALL, DTM_ALL)
+UNARY_OUT(Signbit, OPS_EWF_SIGNBIT, DTM_ALL, DTM_ALL)
+UNARY_OUT(Erfinv, OPS_EWF_ERFINV, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Erfinv, OPS_EWF_ERFINV, FMATH_OUT)
 UNARY_OUT(LogicalNot, OPS_EWF_LNOT, DTM_ALL, DTM_ALL)
 UNARY_INPLACE(LogicalNot, OPS_EWF_LNOT, DTM_ALL)
 
@@ -194,6 +200,53 @@ BACKWARD(TanhBackward, OPS_EWF_TANH_BWD)       /* (gradOutput, output, gradInput
 
 LOGIC2(LogicalAnd, OPS_EWF_LAND)
 LOGIC2(LogicalOr, OPS_EWF_LOR)
+
+API aclnnStatus aclnnLogicalXorGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
+                                                uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return binary("aclnnLogicalXor", OPS_EWF_LXOR, self, other, NULL, 0, out, DTM_ALL, DTM_ALL, ARGS);
+}
+OPS_LAUNCHER(aclnnLogicalXor)
+
+/* bitwise and/or/xor on integers and bool (a bool's 1 and 0 combine the same way) */
+#define BITWISE(Name, FT, FS)                                                                                 \
+    API aclnnStatus aclnn##Name##TensorGetWorkspaceSize(const aclTensor *self, const aclTensor *other,        \
+                                                        aclTensor *out, uint64_t *workspaceSize,              \
+                                                        aclOpExecutor **executor) {                           \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        return binary("aclnn" #Name "Tensor", FT, self, other, NULL, 0, out, BITS, BITS, ARGS);               \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name##Tensor)                                                                         \
+    API aclnnStatus aclnnInplace##Name##TensorGetWorkspaceSize(aclTensor *selfRef, const aclTensor *other,    \
+                                                               uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        return binary("aclnnInplace" #Name "Tensor", FT, selfRef, other, NULL, 0, selfRef, BITS, BITS, ARGS); \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name##Tensor)                                                                  \
+    API aclnnStatus aclnn##Name##ScalarGetWorkspaceSize(const aclTensor *self, const aclScalar *other,        \
+                                                        aclTensor *out, uint64_t *workspaceSize,              \
+                                                        aclOpExecutor **executor) {                           \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(self, BITS)) || (st = t_check(out, BITS))) return st;                               \
+        double s[1] = {s_value(other)};                                                                       \
+        return ew_op("aclnn" #Name "Scalar", FS, T1(self), s, 1, out, ARGS);                                  \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name##Scalar)                                                                         \
+    API aclnnStatus aclnnInplace##Name##ScalarGetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,    \
+                                                               uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(selfRef, BITS))) return st;                                                         \
+        double s[1] = {s_value(other)};                                                                       \
+        return ew_op("aclnnInplace" #Name "Scalar", FS, T1(selfRef), s, 1, selfRef, ARGS);                    \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name##Scalar)
+
+#define BITS (DTM_INTS | DTM(OPS_DT_BOOL))
+BITWISE(BitwiseAnd, OPS_EWF_BAND, OPS_EWF_BANDS)
+BITWISE(BitwiseOr, OPS_EWF_BOR, OPS_EWF_BORS)
+BITWISE(BitwiseXor, OPS_EWF_BXOR, OPS_EWF_BXORS)
 
 /* ---------------------------------------------------------------- comparisons */
 
@@ -562,3 +615,71 @@ API aclnnStatus aclnnIsCloseGetWorkspaceSize(const aclTensor *self, const aclTen
     return binary("aclnnIsClose", OPS_EWF_ISCLOSE, self, other, s, 3, out, DTM_ALL, DTM_ALL, ARGS);
 }
 OPS_LAUNCHER(aclnnIsClose)
+
+/* ---------------------------------------------------------------- round(decimals), logit, xlogy */
+
+/* decimals by value (RoundKernelNpuOpApi.cpp); the intermediate x * 10^d is rounded to float, as
+ * the CPU's kernel computes it in float for float, half and bfloat16 (measured) */
+API aclnnStatus aclnnRoundDecimalsGetWorkspaceSize(const aclTensor *self, int64_t decimals, aclTensor *out,
+                                                   uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_FLOATS)) || (st = t_check(out, DTM_FLOATS))) return st;
+    double s[2] = {(double)decimals, (double)OPS_DT_FLOAT};
+    return ew_op("aclnnRoundDecimals", OPS_EWF_ROUND_DEC, T1(self), s, 2, out, ARGS);
+}
+OPS_LAUNCHER(aclnnRoundDecimals)
+
+API aclnnStatus aclnnInplaceRoundDecimalsGetWorkspaceSize(aclTensor *selfRef, int64_t decimals,
+                                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, DTM_FLOATS))) return st;
+    double s[2] = {(double)decimals, (double)OPS_DT_FLOAT};
+    return ew_op("aclnnInplaceRoundDecimals", OPS_EWF_ROUND_DEC, T1(selfRef), s, 2, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceRoundDecimals)
+
+/* eps as a double, -1 when absent (LogitKernelNpuOpApi.cpp) */
+API aclnnStatus aclnnLogitGetWorkspaceSize(const aclTensor *self, double eps, aclTensor *out, uint64_t *workspaceSize,
+                                           aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, FMATH_IN)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {eps};
+    return ew_op("aclnnLogit", OPS_EWF_LOGIT, T1(self), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnLogit)
+
+BIN_NUM(XLogYTensor, OPS_EWF_XLOGY)
+BIN_NUM_INPLACE(XLogYTensor, OPS_EWF_XLOGY)
+
+API aclnnStatus aclnnXLogYScalarOtherGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out,
+                                                      uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(other), out->dtype)};
+    return ew_op("aclnnXLogYScalarOther", OPS_EWF_XLOGY_TS, T1(self), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnXLogYScalarOther)
+
+API aclnnStatus aclnnInplaceXLogYScalarOtherGetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,
+                                                             uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(other), selfRef->dtype)};
+    return ew_op("aclnnInplaceXLogYScalarOther", OPS_EWF_XLOGY_TS, T1(selfRef), s, 1, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceXLogYScalarOther)
+
+API aclnnStatus aclnnXLogYScalarSelfGetWorkspaceSize(const aclScalar *self, const aclTensor *other, aclTensor *out,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(other, DTM_ALL)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(self), out->dtype)};
+    return ew_op("aclnnXLogYScalarSelf", OPS_EWF_XLOGY_ST, T1(other), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnXLogYScalarSelf)

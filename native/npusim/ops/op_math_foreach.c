@@ -426,3 +426,30 @@ API aclnnStatus aclnnAmpUpdateScaleGetWorkspaceSize(const aclTensor *currentScal
     return ex_done(e);
 }
 OPS_LAUNCHER(aclnnAmpUpdateScale)
+
+/* ---------------------------------------------------------------- rounding */
+
+/* _foreach_floor/ceil/round/trunc/frac: CANN's RoundMode (1 rint, 2 floor, 3 ceil, 4 round half
+ * away, 5 trunc; 7 frac as ForeachRoundOffNumberKernelNpuOpApi.cpp passes it); V2 takes the mode
+ * as an aclScalar, the first version as a one-element int8 device tensor */
+static bool round_mode_ok(double m) { return m == 1 || m == 2 || m == 3 || m == 4 || m == 5 || m == 7; }
+
+API aclnnStatus aclnnForeachRoundOffNumberV2GetWorkspaceSize(const aclTensorList *x, const aclScalar *roundMode,
+                                                             const aclTensorList *out, uint64_t *workspaceSize,
+                                                             aclOpExecutor **executor) {
+    if (!x || !roundMode || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    double s[1] = {s_value(roundMode)};
+    if (!round_mode_ok(s[0])) return ACLNN_ERR_PARAM_INVALID;
+    return foreach_op("aclnnForeachRoundOffNumberV2", OPS_EWF_ROUND_MODE, INS(L(x)), out, NULL, 0, s, 1, ARGS);
+}
+OPS_LAUNCHER(aclnnForeachRoundOffNumberV2)
+
+/* the mode's value is on the device: it is read there, and an unknown mode gives NaN */
+API aclnnStatus aclnnForeachRoundOffNumberGetWorkspaceSize(const aclTensorList *x, const aclTensor *roundMode,
+                                                           const aclTensorList *out, uint64_t *workspaceSize,
+                                                           aclOpExecutor **executor) {
+    if (!x || !roundMode || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return foreach_op("aclnnForeachRoundOffNumber", OPS_EWF_ROUND_MODE_T, INS(L(x), ST(roundMode)), out, NULL, 0,
+                      NULL, 0, ARGS);
+}
+OPS_LAUNCHER(aclnnForeachRoundOffNumber)

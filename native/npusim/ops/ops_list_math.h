@@ -99,7 +99,25 @@
     X(FLOOR_DIV, ew_floor_div)     /* floor(x0 / x1) as torch's div_floor */                     \
     X(FLOOR_DIVS, ew_floor_divs)                                                                  \
     X(NAN_TO_NUM, ew_nan_to_num)   /* s0 for NaN, s1 for +inf, s2 for -inf */                    \
-    X(ISCLOSE, ew_isclose)         /* s0 rtol, s1 atol, s2 equal_nan */
+    X(ISCLOSE, ew_isclose)         /* s0 rtol, s1 atol, s2 equal_nan */                          \
+    X(ROUND_DEC, ew_round_dec)     /* s0 decimals, s1 the dtype x*10^d is rounded to */          \
+    X(ROUND_MODE, ew_round_mode)   /* CANN RoundMode s0: 1 rint, 2 floor, 3 ceil, 4 round, 5 trunc, 7 frac */ \
+    X(ROUND_MODE_T, ew_round_mode_t) /* the mode in x1 */                                        \
+    X(ERFINV, ew_erfinv)                                                                          \
+    X(LOGIT, ew_logit)             /* s0 eps (< 0: none) */                                      \
+    X(XLOGY, ew_xlogy)             /* x0 log x1 */                                               \
+    X(XLOGY_TS, ew_xlogy_ts)       /* x0 log s0 */                                               \
+    X(XLOGY_ST, ew_xlogy_st)       /* s0 log x0 */                                               \
+    X(ISNEGINF, ew_isneginf)                                                                      \
+    X(ISPOSINF, ew_isposinf)                                                                      \
+    X(SIGNBIT, ew_signbit)                                                                        \
+    X(LXOR, ew_lxor)                                                                              \
+    X(BAND, ew_band)               /* integers: x0 & x1 */                                       \
+    X(BOR, ew_bor)                                                                                \
+    X(BXOR, ew_bxor)                                                                              \
+    X(BANDS, ew_bands)             /* x0 & s0 */                                                 \
+    X(BORS, ew_bors)                                                                              \
+    X(BXORS, ew_bxors)
 
 #define OPS_EW_MATH_DECL(id, fn) __attribute__((visibility("hidden"))) double fn(const double *x, const double *s);
 OPS_EW_MATH(OPS_EW_MATH_DECL)
