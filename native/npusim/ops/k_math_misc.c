@@ -250,3 +250,124 @@ KHIDDEN int k_boolred(const struct kctx *k) {
     kcost(k, knumel(in));
     return 0;
 }
+
+/* STAT args: ints[0] = kind: 0 logsumexp, 1 var, 2 std, 3 var and mean, 4 std and mean, 5 min and
+ * max; ints[1] = correction (var, std); ints[2..2+nd] = reduced flags; tensors: in, out0[, out1]
+ * (outputs in in's rank, size 1 on the reduced dimensions). Each output element reads its inputs in
+ * row-major order in double: logsumexp as torch computes it (the max taken out unless infinite),
+ * var in two passes (mean, then squared deviations) divided by max(0, N - correction). */
+KHIDDEN int k_stat(const struct kctx *k) {
+    if (k->a->ni < 2 || k->a->nt < 2 || k->a->nt > 3) return KERR_ARGS;
+    const struct ops_tensor *in = &k->t[0], *o0 = &k->t[1], *o1 = k->a->nt > 2 ? &k->t[2] : NULL;
+    int nd = in->ndim, kind = (int)k->i[0];
+    double corr = (double)k->i[1];
+    if ((int)k->a->ni < 2 + nd || o0->ndim != nd || (o1 && o1->ndim != nd)) return KERR_ARGS;
+    if ((kind >= 3) != (o1 != NULL)) return KERR_ARGS;
+    int err;
+    char *pi = khost(k, in, &err);
+    if (err) return err;
+    char *p0 = khost(k, o0, &err);
+    if (err) return err;
+    char *p1 = o1 ? khost(k, o1, &err) : NULL;
+    if (err) return err;
+    int64_t nout = knumel(o0);
+    if (nout == 0) return 0;
+    struct ops_tensor ko = *in, ro = *in, a0 = *o0, a1 = o1 ? *o1 : *o0;
+    int nk = 0, nr = 0;
+    for (int d = 0; d < nd; d++) {
+        if (k->i[2 + d]) {
+            ro.shape[nr] = in->shape[d], ro.stride[nr++] = in->stride[d];
+        } else {
+            ko.shape[nk] = in->shape[d], ko.stride[nk] = in->stride[d];
+            a0.shape[nk] = o0->shape[d], a0.stride[nk] = o0->stride[d];
+            a1.shape[nk] = a1.shape[d], a1.stride[nk] = o1 ? o1->stride[d] : 0;
+            nk++;
+        }
+    }
+    ko.ndim = a0.ndim = a1.ndim = nk;
+    ro.ndim = nr;
+    int64_t m = knumel(&ro);
+    const struct ops_tensor *ts[3] = {&ko, &a0, &a1}, *rs[1] = {&ro};
+    struct kit it, rt;
+    kit_init(&it, ko.shape, nk, ts, 3);
+    for (int64_t o = 0; o < nout; o++) {
+        double r0 = 0, r1 = 0;
+        if (kind == 0 || kind == 5) {
+            double mx = -INFINITY, mn = INFINITY;
+            kit_init(&rt, ro.shape, nr, rs, 1);
+            for (int64_t r = 0; r < m; r++) {
+                double v = kld(in->dtype, pi, it.off[0] + rt.off[0]);
+                mx = (v > mx || v != v || mx != mx) ? (mx != mx ? mx : v) : mx;
+                mn = (v < mn || v != v || mn != mn) ? (mn != mn ? mn : v) : mn;
+                kit_next(&rt);
+            }
+            if (kind == 5) {
+                r0 = mn, r1 = mx;
+            } else {
+                double shift = isinf(mx) ? 0.0 : mx, sum = 0;
+                kit_init(&rt, ro.shape, nr, rs, 1);
+                for (int64_t r = 0; r < m; r++) {
+                    sum += exp(kld(in->dtype, pi, it.off[0] + rt.off[0]) - shift);
+                    kit_next(&rt);
+                }
+                r0 = log(sum) + shift;
+            }
+        } else {
+            double mean = 0, ss = 0;
+            kit_init(&rt, ro.shape, nr, rs, 1);
+            for (int64_t r = 0; r < m; r++) {
+                mean += kld(in->dtype, pi, it.off[0] + rt.off[0]);
+                kit_next(&rt);
+            }
+            mean = m ? mean / (double)m : NAN;
+            kit_init(&rt, ro.shape, nr, rs, 1);
+            for (int64_t r = 0; r < m; r++) {
+                double dv = kld(in->dtype, pi, it.off[0] + rt.off[0]) - mean;
+                ss += dv * dv;
+                kit_next(&rt);
+            }
+            double dof = (double)m - corr;
+            double var = ss / (dof > 0 ? dof : 0.0);
+            r0 = (kind == 2 || kind == 4) ? sqrt(var) : var;
+            r1 = mean;
+        }
+        kst(o0->dtype, p0, it.off[1], r0);
+        if (o1) kst(o1->dtype, p1, it.off[2], r1);
+        kit_next(&it);
+    }
+    kcost(k, knumel(in));
+    return 0;
+}
+
+/* SCAN args: ints[0] = dim, ints[1] = 0 sum / 1 product; tensors in, out (same shape). Each line
+ * along dim accumulates in double in index order, every partial result stored (rounded once). */
+KHIDDEN int k_scan(const struct kctx *k) {
+    if (k->a->ni < 2 || k->a->nt != 2) return KERR_ARGS;
+    const struct ops_tensor *in = &k->t[0], *out = &k->t[1];
+    int nd = in->ndim, dim = (int)k->i[0], prod = k->i[1] != 0;
+    if (out->ndim != nd || dim < 0 || (nd && dim >= nd)) return KERR_ARGS;
+    int err;
+    char *pi = khost(k, in, &err);
+    if (err) return err;
+    char *po = khost(k, out, &err);
+    if (err) return err;
+    int64_t n = knumel(in);
+    if (n == 0) return 0;
+    int64_t len = nd ? in->shape[dim] : 1, si = nd ? in->stride[dim] : 0, so = nd ? out->stride[dim] : 0;
+    struct ops_tensor ki = *in, ko = *out;
+    if (nd) ki.shape[dim] = ko.shape[dim] = 1;
+    const struct ops_tensor *ts[2] = {&ki, &ko};
+    struct kit it;
+    kit_init(&it, ki.shape, nd, ts, 2);
+    for (int64_t l = 0; l < n / len; l++) {
+        double acc = prod ? 1.0 : 0.0;
+        for (int64_t j = 0; j < len; j++) {
+            double v = kld(in->dtype, pi, it.off[0] + j * si);
+            acc = prod ? acc * v : acc + v;
+            kst(out->dtype, po, it.off[1] + j * so, acc);
+        }
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}

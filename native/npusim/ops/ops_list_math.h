@@ -7,14 +7,18 @@
  * ARGRED: the max or min along one dimension with its index (MaxDim, MinDim);
  * RAND: a fill from a counter-based generator (normal, uniform, bernoulli);
  * AMP: GradScaler's unscale-and-check of a gradient list, and its scale update;
- * BOOLRED: any/all over a dim set, and torch.equal of two tensors. */
+ * BOOLRED: any/all over a dim set, and torch.equal of two tensors;
+ * STAT: logsumexp, var, std (with the mean), aminmax over a dim set;
+ * SCAN: cumsum and cumprod along one dimension. */
 #define OPS_KERNELS_MATH(X)                                                                       \
     X(FOREACH, k_foreach)                                                                         \
     X(FOREACH_NORM, k_foreach_norm)                                                               \
     X(ARGRED, k_argred)                                                                           \
     X(RAND, k_rand)                                                                               \
     X(AMP, k_amp)                                                                                 \
-    X(BOOLRED, k_boolred)
+    X(BOOLRED, k_boolred)                                                                         \
+    X(STAT, k_stat)                                                                               \
+    X(SCAN, k_scan)
 
 /* x[] are the inputs in order, s[] the scalars (k_math_ew.c defines each function). */
 #define OPS_EW_MATH(X)                                                                            \
