@@ -99,8 +99,51 @@ UNARY_OUT(Sign, OPS_EWF_SIGN, NUM_NOBOOL | DTM(OPS_DT_BOOL), DTM_ALL)
 UNARY_OUT(Floor, OPS_EWF_FLOOR, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_INPLACE(Floor, OPS_EWF_FLOOR, NUM_NOBOOL)
 UNARY_OUT(Ceil, OPS_EWF_CEIL, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_INPLACE(Ceil, OPS_EWF_CEIL, NUM_NOBOOL)
 UNARY_OUT(Round, OPS_EWF_ROUND, NUM_NOBOOL, NUM_NOBOOL)
 UNARY_OUT(Trunc, OPS_EWF_TRUNC, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_OUT(Sin, OPS_EWF_SIN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Sin, OPS_EWF_SIN, FMATH_OUT)
+UNARY_OUT(Cos, OPS_EWF_COS, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Cos, OPS_EWF_COS, FMATH_OUT)
+UNARY_OUT(Tan, OPS_EWF_TAN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Tan, OPS_EWF_TAN, FMATH_OUT)
+UNARY_OUT(Asin, OPS_EWF_ASIN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Asin, OPS_EWF_ASIN, FMATH_OUT)
+UNARY_OUT(Acos, OPS_EWF_ACOS, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Acos, OPS_EWF_ACOS, FMATH_OUT)
+UNARY_OUT(Atan, OPS_EWF_ATAN, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Atan, OPS_EWF_ATAN, FMATH_OUT)
+UNARY_OUT(Sinh, OPS_EWF_SINH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Sinh, OPS_EWF_SINH, FMATH_OUT)
+UNARY_OUT(Cosh, OPS_EWF_COSH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Cosh, OPS_EWF_COSH, FMATH_OUT)
+UNARY_OUT(Asinh, OPS_EWF_ASINH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Asinh, OPS_EWF_ASINH, FMATH_OUT)
+UNARY_OUT(Acosh, OPS_EWF_ACOSH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Acosh, OPS_EWF_ACOSH, FMATH_OUT)
+UNARY_OUT(Atanh, OPS_EWF_ATANH, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Atanh, OPS_EWF_ATANH, FMATH_OUT)
+UNARY_OUT(Expm1, OPS_EWF_EXPM1, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Expm1, OPS_EWF_EXPM1, FMATH_OUT)
+UNARY_OUT(Log1p, OPS_EWF_LOG1P, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log1p, OPS_EWF_LOG1P, FMATH_OUT)
+UNARY_OUT(Log2, OPS_EWF_LOG2, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log2, OPS_EWF_LOG2, FMATH_OUT)
+UNARY_OUT(Log10, OPS_EWF_LOG10, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Log10, OPS_EWF_LOG10, FMATH_OUT)
+UNARY_OUT(Exp2, OPS_EWF_EXP2, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Exp2, OPS_EWF_EXP2, FMATH_OUT)
+UNARY_OUT(Erfc, OPS_EWF_ERFC, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Erfc, OPS_EWF_ERFC, FMATH_OUT)
+UNARY_OUT(Frac, OPS_EWF_FRAC, NUM_NOBOOL, NUM_NOBOOL)
+UNARY_INPLACE(Frac, OPS_EWF_FRAC, NUM_NOBOOL)
+UNARY_OUT(IsFinite, OPS_EWF_ISFINITE, DTM_ALL, DTM_ALL)
+UNARY_OUT(IsNegInf, OPS_EWF_ISNEGINF, DTM_ALL, DTM_ALL)
+UNARY_OUT(IsPosInf, OPS_EWF_ISPOSINF, DTM_ALL, DTM_ALL)
+UNARY_OUT(Signbit, OPS_EWF_SIGNBIT, DTM_ALL, DTM_ALL)
+UNARY_OUT(Erfinv, OPS_EWF_ERFINV, FMATH_IN, FMATH_OUT)
+UNARY_INPLACE(Erfinv, OPS_EWF_ERFINV, FMATH_OUT)
 UNARY_OUT(LogicalNot, OPS_EWF_LNOT, DTM_ALL, DTM_ALL)
 UNARY_INPLACE(LogicalNot, OPS_EWF_LNOT, DTM_ALL)
 
@@ -157,6 +200,53 @@ BACKWARD(TanhBackward, OPS_EWF_TANH_BWD)       /* (gradOutput, output, gradInput
 
 LOGIC2(LogicalAnd, OPS_EWF_LAND)
 LOGIC2(LogicalOr, OPS_EWF_LOR)
+
+API aclnnStatus aclnnLogicalXorGetWorkspaceSize(const aclTensor *self, const aclTensor *other, aclTensor *out,
+                                                uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return binary("aclnnLogicalXor", OPS_EWF_LXOR, self, other, NULL, 0, out, DTM_ALL, DTM_ALL, ARGS);
+}
+OPS_LAUNCHER(aclnnLogicalXor)
+
+/* bitwise and/or/xor on integers and bool (a bool's 1 and 0 combine the same way) */
+#define BITWISE(Name, FT, FS)                                                                                 \
+    API aclnnStatus aclnn##Name##TensorGetWorkspaceSize(const aclTensor *self, const aclTensor *other,        \
+                                                        aclTensor *out, uint64_t *workspaceSize,              \
+                                                        aclOpExecutor **executor) {                           \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        return binary("aclnn" #Name "Tensor", FT, self, other, NULL, 0, out, BITS, BITS, ARGS);               \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name##Tensor)                                                                         \
+    API aclnnStatus aclnnInplace##Name##TensorGetWorkspaceSize(aclTensor *selfRef, const aclTensor *other,    \
+                                                               uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        return binary("aclnnInplace" #Name "Tensor", FT, selfRef, other, NULL, 0, selfRef, BITS, BITS, ARGS); \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name##Tensor)                                                                  \
+    API aclnnStatus aclnn##Name##ScalarGetWorkspaceSize(const aclTensor *self, const aclScalar *other,        \
+                                                        aclTensor *out, uint64_t *workspaceSize,              \
+                                                        aclOpExecutor **executor) {                           \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(self, BITS)) || (st = t_check(out, BITS))) return st;                               \
+        double s[1] = {s_value(other)};                                                                       \
+        return ew_op("aclnn" #Name "Scalar", FS, T1(self), s, 1, out, ARGS);                                  \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name##Scalar)                                                                         \
+    API aclnnStatus aclnnInplace##Name##ScalarGetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,    \
+                                                               uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(selfRef, BITS))) return st;                                                         \
+        double s[1] = {s_value(other)};                                                                       \
+        return ew_op("aclnnInplace" #Name "Scalar", FS, T1(selfRef), s, 1, selfRef, ARGS);                    \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name##Scalar)
+
+#define BITS (DTM_INTS | DTM(OPS_DT_BOOL))
+BITWISE(BitwiseAnd, OPS_EWF_BAND, OPS_EWF_BANDS)
+BITWISE(BitwiseOr, OPS_EWF_BOR, OPS_EWF_BORS)
+BITWISE(BitwiseXor, OPS_EWF_BXOR, OPS_EWF_BXORS)
 
 /* ---------------------------------------------------------------- comparisons */
 
@@ -445,3 +535,151 @@ API aclnnStatus aclnnRsubsGetWorkspaceSize(const aclTensor *self, const aclScala
     return ew_op("aclnnRsubs", OPS_EWF_RSUBS, T1(self), s, 2, out, ARGS);
 }
 OPS_LAUNCHER(aclnnRsubs)
+
+/* ---------------------------------------------------------------- atan2, remainder, fmod, floor divide, nan_to_num */
+
+BIN_NUM(Atan2, OPS_EWF_ATAN2)
+BIN_NUM_INPLACE(Atan2, OPS_EWF_ATAN2)
+BIN_NUM(RemainderTensorTensor, OPS_EWF_REMAINDER)
+BIN_NUM_INPLACE(RemainderTensorTensor, OPS_EWF_REMAINDER)
+BIN_NUM(FmodTensor, OPS_EWF_FMOD)
+BIN_NUM_INPLACE(FmodTensor, OPS_EWF_FMOD)
+BIN_NUM(FloorDivide, OPS_EWF_FLOOR_DIV)
+BIN_NUM_INPLACE(FloorDivide, OPS_EWF_FLOOR_DIV)
+
+/* tensor (op) scalar, the scalar taken by sc (sc_dt or sc_op) */
+#define TS_OP(Name, fn, sc)                                                                                   \
+    API aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out, \
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {        \
+        if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;                                          \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(self, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;                         \
+        double s[1] = {sc(s_value(other), out->dtype)};                                                       \
+        return ew_op("aclnn" #Name, fn, T1(self), s, 1, out, ARGS);                                           \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnn##Name)                                                                                 \
+    API aclnnStatus aclnnInplace##Name##GetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,          \
+                                                         uint64_t *workspaceSize, aclOpExecutor **executor) { \
+        if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;                                               \
+        aclnnStatus st;                                                                                       \
+        if ((st = t_check(selfRef, DTM_NUM))) return st;                                                      \
+        double s[1] = {sc(s_value(other), selfRef->dtype)};                                                   \
+        return ew_op("aclnnInplace" #Name, fn, T1(selfRef), s, 1, selfRef, ARGS);                             \
+    }                                                                                                         \
+    OPS_LAUNCHER(aclnnInplace##Name)
+
+/* the CPU takes remainder's and fmod's scalar in the tensor's dtype, floor_divide's as float
+ * (measured against torch 2.13: every element equal) */
+TS_OP(RemainderTensorScalar, OPS_EWF_REMAINDER_TS, sc_dt)
+TS_OP(FmodScalar, OPS_EWF_FMOD_TS, sc_dt)
+TS_OP(FloorDivides, OPS_EWF_FLOOR_DIVS, sc_op)
+
+API aclnnStatus aclnnRemainderScalarTensorGetWorkspaceSize(const aclScalar *self, const aclTensor *other,
+                                                           aclTensor *out, uint64_t *workspaceSize,
+                                                           aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(other, DTM_NUM)) || (st = t_check(out, DTM_NUM))) return st;
+    double s[1] = {sc_dt(s_value(self), out->dtype)};
+    return ew_op("aclnnRemainderScalarTensor", OPS_EWF_REMAINDER_ST, T1(other), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnRemainderScalarTensor)
+
+/* nan_to_num: op-plugin passes the replacements as float (NanToNumKernelNpuOpApi.cpp) */
+API aclnnStatus aclnnNanToNumGetWorkspaceSize(const aclTensor *self, float nan, float posInf, float negInf,
+                                              aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, DTM_ALL))) return st;
+    double s[3] = {nan, posInf, negInf};
+    return ew_op("aclnnNanToNum", OPS_EWF_NAN_TO_NUM, T1(self), s, 3, out, ARGS);
+}
+OPS_LAUNCHER(aclnnNanToNum)
+
+API aclnnStatus aclnnInplaceNanToNumGetWorkspaceSize(aclTensor *selfRef, float nan, float posInf, float negInf,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, DTM_ALL))) return st;
+    double s[3] = {nan, posInf, negInf};
+    return ew_op("aclnnInplaceNanToNum", OPS_EWF_NAN_TO_NUM, T1(selfRef), s, 3, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceNanToNum)
+
+/* torch.isclose (aclnn_is_close.h): rtol, atol and equal_nan by value */
+API aclnnStatus aclnnIsCloseGetWorkspaceSize(const aclTensor *self, const aclTensor *other, double rtol, double atol,
+                                             bool equalNan, aclTensor *out, uint64_t *workspaceSize,
+                                             aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    double s[3] = {rtol, atol, equalNan ? 1.0 : 0.0};
+    return binary("aclnnIsClose", OPS_EWF_ISCLOSE, self, other, s, 3, out, DTM_ALL, DTM_ALL, ARGS);
+}
+OPS_LAUNCHER(aclnnIsClose)
+
+/* ---------------------------------------------------------------- round(decimals), logit, xlogy */
+
+/* decimals by value (RoundKernelNpuOpApi.cpp); the intermediate x * 10^d is rounded to float, as
+ * the CPU's kernel computes it in float for float, half and bfloat16 (measured) */
+API aclnnStatus aclnnRoundDecimalsGetWorkspaceSize(const aclTensor *self, int64_t decimals, aclTensor *out,
+                                                   uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_FLOATS)) || (st = t_check(out, DTM_FLOATS))) return st;
+    double s[2] = {(double)decimals, (double)OPS_DT_FLOAT};
+    return ew_op("aclnnRoundDecimals", OPS_EWF_ROUND_DEC, T1(self), s, 2, out, ARGS);
+}
+OPS_LAUNCHER(aclnnRoundDecimals)
+
+API aclnnStatus aclnnInplaceRoundDecimalsGetWorkspaceSize(aclTensor *selfRef, int64_t decimals,
+                                                          uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, DTM_FLOATS))) return st;
+    double s[2] = {(double)decimals, (double)OPS_DT_FLOAT};
+    return ew_op("aclnnInplaceRoundDecimals", OPS_EWF_ROUND_DEC, T1(selfRef), s, 2, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceRoundDecimals)
+
+/* eps as a double, -1 when absent (LogitKernelNpuOpApi.cpp) */
+API aclnnStatus aclnnLogitGetWorkspaceSize(const aclTensor *self, double eps, aclTensor *out, uint64_t *workspaceSize,
+                                           aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, FMATH_IN)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {eps};
+    return ew_op("aclnnLogit", OPS_EWF_LOGIT, T1(self), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnLogit)
+
+BIN_NUM(XLogYTensor, OPS_EWF_XLOGY)
+BIN_NUM_INPLACE(XLogYTensor, OPS_EWF_XLOGY)
+
+API aclnnStatus aclnnXLogYScalarOtherGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out,
+                                                      uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, DTM_ALL)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(other), out->dtype)};
+    return ew_op("aclnnXLogYScalarOther", OPS_EWF_XLOGY_TS, T1(self), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnXLogYScalarOther)
+
+API aclnnStatus aclnnInplaceXLogYScalarOtherGetWorkspaceSize(aclTensor *selfRef, const aclScalar *other,
+                                                             uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(selfRef, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(other), selfRef->dtype)};
+    return ew_op("aclnnInplaceXLogYScalarOther", OPS_EWF_XLOGY_TS, T1(selfRef), s, 1, selfRef, ARGS);
+}
+OPS_LAUNCHER(aclnnInplaceXLogYScalarOther)
+
+API aclnnStatus aclnnXLogYScalarSelfGetWorkspaceSize(const aclScalar *self, const aclTensor *other, aclTensor *out,
+                                                     uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(other, DTM_ALL)) || (st = t_check(out, FMATH_OUT))) return st;
+    double s[1] = {sc_dt(s_value(self), out->dtype)};
+    return ew_op("aclnnXLogYScalarSelf", OPS_EWF_XLOGY_ST, T1(other), s, 1, out, ARGS);
+}
+OPS_LAUNCHER(aclnnXLogYScalarSelf)

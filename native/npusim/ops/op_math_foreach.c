@@ -368,3 +368,88 @@ API aclnnStatus aclnnForeachNormGetWorkspaceSize(const aclTensorList *x, const a
     return ex_done(e);
 }
 OPS_LAUNCHER(aclnnForeachNorm)
+
+/* ---------------------------------------------------------------- GradScaler */
+
+/* scaledGrads *= invScale in place; foundInf = 1 if any element was inf or NaN (aclnn
+ * ForeachNonFiniteCheckAndUnscale, called by AmpForeachNonFiniteCheckAndUnscaleKernelNpuOpApi.cpp
+ * with a float foundInf and a float invScale of one element each) */
+API aclnnStatus aclnnForeachNonFiniteCheckAndUnscaleGetWorkspaceSize(const aclTensorList *scaledGrads,
+                                                                     const aclTensor *foundInf,
+                                                                     const aclTensor *invScale,
+                                                                     uint64_t *workspaceSize,
+                                                                     aclOpExecutor **executor) {
+    if (!scaledGrads || !foundInf || !invScale) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(foundInf, DTM(OPS_DT_FLOAT))) || (st = t_check(invScale, DTM(OPS_DT_FLOAT)))) return st;
+    if (t_numel(foundInf) != 1 || t_numel(invScale) != 1) return ACLNN_ERR_PARAM_INVALID;
+    for (uint64_t g = 0; g < scaledGrads->size; g++)
+        if ((st = t_check(scaledGrads->tensors[g], DTM_FLOATS))) return st;
+    aclOpExecutor *e = ex_open("aclnnForeachNonFiniteCheckAndUnscale", OPS_OP_AMP, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, 0);
+    ex_tensor(e, t_view(foundInf));
+    ex_tensor(e, t_view(invScale));
+    for (uint64_t g = 0; g < scaledGrads->size; g++) ex_tensor(e, t_view(scaledGrads->tensors[g]));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnForeachNonFiniteCheckAndUnscale)
+
+/* GradScaler's scale update (AmpUpdateScaleKernelNpuOpApi.cpp passes current_scale, growth_tracker,
+ * found_inf, growth_factor, backoff_factor, growth_interval, then current_scale and growth_tracker
+ * again as the outputs) */
+API aclnnStatus aclnnAmpUpdateScaleGetWorkspaceSize(const aclTensor *currentScale, const aclTensor *growthTracker,
+                                                    const aclTensor *foundInf, double growthFactor,
+                                                    double backoffFactor, int64_t growthInterval,
+                                                    aclTensor *scaleOut, aclTensor *trackerOut,
+                                                    uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!currentScale || !growthTracker || !foundInf || !scaleOut || !trackerOut) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(currentScale, DTM(OPS_DT_FLOAT))) || (st = t_check(scaleOut, DTM(OPS_DT_FLOAT))) ||
+        (st = t_check(growthTracker, DTM(OPS_DT_INT32))) || (st = t_check(trackerOut, DTM(OPS_DT_INT32))) ||
+        (st = t_check(foundInf, DTM(OPS_DT_FLOAT))))
+        return st;
+    if (t_numel(currentScale) != 1 || t_numel(growthTracker) != 1 || t_numel(foundInf) != 1 ||
+        t_numel(scaleOut) != 1 || t_numel(trackerOut) != 1)
+        return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = ex_open("aclnnAmpUpdateScale", OPS_OP_AMP, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, 1);
+    ex_int(e, growthInterval);
+    ex_scalar(e, growthFactor);
+    ex_scalar(e, backoffFactor);
+    ex_tensor(e, t_view(currentScale));
+    ex_tensor(e, t_view(growthTracker));
+    ex_tensor(e, t_view(foundInf));
+    ex_tensor(e, t_view(scaleOut));
+    ex_tensor(e, t_view(trackerOut));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnAmpUpdateScale)
+
+/* ---------------------------------------------------------------- rounding */
+
+/* _foreach_floor/ceil/round/trunc/frac: CANN's RoundMode (1 rint, 2 floor, 3 ceil, 4 round half
+ * away, 5 trunc; 7 frac as ForeachRoundOffNumberKernelNpuOpApi.cpp passes it); V2 takes the mode
+ * as an aclScalar, the first version as a one-element int8 device tensor */
+static bool round_mode_ok(double m) { return m == 1 || m == 2 || m == 3 || m == 4 || m == 5 || m == 7; }
+
+API aclnnStatus aclnnForeachRoundOffNumberV2GetWorkspaceSize(const aclTensorList *x, const aclScalar *roundMode,
+                                                             const aclTensorList *out, uint64_t *workspaceSize,
+                                                             aclOpExecutor **executor) {
+    if (!x || !roundMode || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    double s[1] = {s_value(roundMode)};
+    if (!round_mode_ok(s[0])) return ACLNN_ERR_PARAM_INVALID;
+    return foreach_op("aclnnForeachRoundOffNumberV2", OPS_EWF_ROUND_MODE, INS(L(x)), out, NULL, 0, s, 1, ARGS);
+}
+OPS_LAUNCHER(aclnnForeachRoundOffNumberV2)
+
+/* the mode's value is on the device: it is read there, and an unknown mode gives NaN */
+API aclnnStatus aclnnForeachRoundOffNumberGetWorkspaceSize(const aclTensorList *x, const aclTensor *roundMode,
+                                                           const aclTensorList *out, uint64_t *workspaceSize,
+                                                           aclOpExecutor **executor) {
+    if (!x || !roundMode || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    return foreach_op("aclnnForeachRoundOffNumber", OPS_EWF_ROUND_MODE_T, INS(L(x), ST(roundMode)), out, NULL, 0,
+                      NULL, 0, ARGS);
+}
+OPS_LAUNCHER(aclnnForeachRoundOffNumber)

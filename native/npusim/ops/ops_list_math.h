@@ -5,12 +5,20 @@
 /* FOREACH: one EW map over G groups of tensors (k_math_foreach.c says the layout);
  * FOREACH_NORM: out_g = ||in_g||_p for each pair (in_g, out_g), s[0] = p;
  * ARGRED: the max or min along one dimension with its index (MaxDim, MinDim);
- * RAND: a fill from a counter-based generator (normal, uniform, bernoulli). */
+ * RAND: a fill from a counter-based generator (normal, uniform, bernoulli);
+ * AMP: GradScaler's unscale-and-check of a gradient list, and its scale update;
+ * BOOLRED: any/all over a dim set, and torch.equal of two tensors;
+ * STAT: logsumexp, var, std (with the mean), aminmax over a dim set;
+ * SCAN: cumsum and cumprod along one dimension. */
 #define OPS_KERNELS_MATH(X)                                                                       \
     X(FOREACH, k_foreach)                                                                         \
     X(FOREACH_NORM, k_foreach_norm)                                                               \
     X(ARGRED, k_argred)                                                                           \
-    X(RAND, k_rand)
+    X(RAND, k_rand)                                                                               \
+    X(AMP, k_amp)                                                                                 \
+    X(BOOLRED, k_boolred)                                                                         \
+    X(STAT, k_stat)                                                                               \
+    X(SCAN, k_scan)
 
 /* x[] are the inputs in order, s[] the scalars (k_math_ew.c defines each function). */
 #define OPS_EW_MATH(X)                                                                            \
@@ -66,7 +74,54 @@
     X(ADDCDIV, ew_addcdiv)         /* x0 + s0 x1 / x2 */                                         \
     X(ADDCMUL_T, ew_addcmul_t)     /* x0 + x3 x1 x2 (a scalar held by a device tensor) */        \
     X(ADDCDIV_T, ew_addcdiv_t)                                                                    \
-    X(RSUBS, ew_rsubs)             /* s0 - s1 x0 */
+    X(RSUBS, ew_rsubs)             /* s0 - s1 x0 */                                              \
+    X(SIN, ew_sin)                                                                                \
+    X(COS, ew_cos)                                                                                \
+    X(TAN, ew_tan)                                                                                \
+    X(ASIN, ew_asin)                                                                              \
+    X(ACOS, ew_acos)                                                                              \
+    X(ATAN, ew_atan)                                                                              \
+    X(SINH, ew_sinh)                                                                              \
+    X(COSH, ew_cosh)                                                                              \
+    X(ASINH, ew_asinh)                                                                            \
+    X(ACOSH, ew_acosh)                                                                            \
+    X(ATANH, ew_atanh)                                                                            \
+    X(EXPM1, ew_expm1)                                                                            \
+    X(LOG1P, ew_log1p)                                                                            \
+    X(LOG2, ew_log2)                                                                              \
+    X(LOG10, ew_log10)                                                                            \
+    X(EXP2, ew_exp2)                                                                              \
+    X(ERFC, ew_erfc)                                                                              \
+    X(FRAC, ew_frac)                                                                              \
+    X(ISFINITE, ew_isfinite)                                                                      \
+    X(ATAN2, ew_atan2)             /* atan2(x0, x1) */                                           \
+    X(REMAINDER, ew_remainder)     /* x0 mod x1, the sign of x1 (Python's %) */                  \
+    X(REMAINDER_TS, ew_remainder_ts) /* x0 mod s0 */                                             \
+    X(REMAINDER_ST, ew_remainder_st) /* s0 mod x0 */                                             \
+    X(FMOD, ew_fmod)               /* C fmod(x0, x1) */                                          \
+    X(FMOD_TS, ew_fmod_ts)                                                                        \
+    X(FLOOR_DIV, ew_floor_div)     /* floor(x0 / x1) as torch's div_floor */                     \
+    X(FLOOR_DIVS, ew_floor_divs)                                                                  \
+    X(NAN_TO_NUM, ew_nan_to_num)   /* s0 for NaN, s1 for +inf, s2 for -inf */                    \
+    X(ISCLOSE, ew_isclose)         /* s0 rtol, s1 atol, s2 equal_nan */                          \
+    X(ROUND_DEC, ew_round_dec)     /* s0 decimals, s1 the dtype x*10^d is rounded to */          \
+    X(ROUND_MODE, ew_round_mode)   /* CANN RoundMode s0: 1 rint, 2 floor, 3 ceil, 4 round, 5 trunc, 7 frac */ \
+    X(ROUND_MODE_T, ew_round_mode_t) /* the mode in x1 */                                        \
+    X(ERFINV, ew_erfinv)                                                                          \
+    X(LOGIT, ew_logit)             /* s0 eps (< 0: none) */                                      \
+    X(XLOGY, ew_xlogy)             /* x0 log x1 */                                               \
+    X(XLOGY_TS, ew_xlogy_ts)       /* x0 log s0 */                                               \
+    X(XLOGY_ST, ew_xlogy_st)       /* s0 log x0 */                                               \
+    X(ISNEGINF, ew_isneginf)                                                                      \
+    X(ISPOSINF, ew_isposinf)                                                                      \
+    X(SIGNBIT, ew_signbit)                                                                        \
+    X(LXOR, ew_lxor)                                                                              \
+    X(BAND, ew_band)               /* integers: x0 & x1 */                                       \
+    X(BOR, ew_bor)                                                                                \
+    X(BXOR, ew_bxor)                                                                              \
+    X(BANDS, ew_bands)             /* x0 & s0 */                                                 \
+    X(BORS, ew_bors)                                                                              \
+    X(BXORS, ew_bxors)
 
 #define OPS_EW_MATH_DECL(id, fn) __attribute__((visibility("hidden"))) double fn(const double *x, const double *s);
 OPS_EW_MATH(OPS_EW_MATH_DECL)
