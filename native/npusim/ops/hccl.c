@@ -1,11 +1,19 @@
 /* libhccl.so of the simulated CANN tree: collectives between ranks in different processes.
  *
- * Real prototypes of hccl/hccl.h and hccl_types.h: HcclGetRootInfo, HcclCommInitRootInfo,
- * HcclAllReduce, HcclBroadcast, HcclCommDestroy, HcclGetRankSize, HcclGetRankId,
- * HcclGetCommAsyncError.
+ * Real prototypes of hccl/hccl.h and hccl_types.h (CANN 8.x/9.x, as torch_npu 2.13 carries them in
+ * third_party/hccl): HcclGetRootInfo, HcclCommInitRootInfo, HcclCommInitRootInfoConfig,
+ * HcclGetCommConfigCapability, HcclGetCommName, HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommAsyncError, HcclGetErrorString, HcclSetConfig/HcclGetConfig, HcclCommResume (refuses),
+ * HcclCommDestroy, and the collectives HcclAllReduce, HcclBroadcast, HcclAllGather(V),
+ * HcclReduceScatter(V), HcclReduce, HcclScatter, HcclSend, HcclRecv, HcclAlltoAll(V),
+ * HcclBarrier. What torch_npu looks up and this library does not export (HcclCommInitClusterInfo
+ * Config, HcclCreateSubCommConfig, HcclBatchSendRecv, HcclCommRegister...) makes torch_npu take
+ * its other path (root info, no sub-communicators) or fail its own lookup check; nothing here
+ * answers success without doing the work.
  *
- * The simulated interconnect: a communicator is a window (one memfd, HCCL_BUFFSIZE MiB per rank,
- * default 8, plus a header of barrier words) that every rank maps. The root rank makes it and
+ * The simulated interconnect: a communicator is a window (one memfd: a slot per rank of the
+ * CCL buffer size -- HcclCommConfig.hcclBufferSize, else HCCL_BUFFSIZE, else HCCL's default 200
+ * MiB; pages are only used as data passes -- plus a header of barrier words) that every rank maps. The root rank makes it and
  * hands it to the others over the unix socket its root info names (the analogue of the TCP
  * rendezvous of real root info), with the HCCL_CONNECT_TIMEOUT deadline; then the socket is gone.
  * A collective is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
@@ -16,7 +24,11 @@
  * registers LOCK_PRE, UNLOCK_POST and RESTORE_POST callbacks itself when its first communicator
  * is made. Communicators are not part of a backup: RESTORE_POST marks every communicator invalid
  * and drops its window, and a collective on it returns HCCL_E_UNAVAIL until the application has
- * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore); one that
+ * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore; torch_npu
+ * has reinit_process_group(rebuild_link=True)), and so do HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommName and HcclCommResume; HcclGetCommAsyncError reports HCCL_E_UNAVAIL from the
+ * restore on, which torch_npu's watchdog polls every second and, by default, takes the process
+ * down for, as it would on a device whose communicator broke. One that
  * was launched before the lock and reached the stream after the restore fails there (an error on
  * the stream, HcclGetCommAsyncError says HCCL_E_UNAVAIL) without touching memory. LOCK_PRE and
  * UNLOCK_POST keep the status; a process that is unlocked without a restore keeps its
