@@ -232,9 +232,42 @@ def test_a_restore_invalidates_hccl_communicators_and_a_new_one_works(
             "async_error_rc": 0,
             "async_error": HCCL_E_UNAVAIL,
             "after_restore": HCCL_E_UNAVAIL,
+            "rank_size_after_restore": HCCL_E_UNAVAIL,
+            "resume_after_restore": HCCL_E_UNAVAIL,
             "destroy": 0,
             "rebuilt": 0,
             "rebuilt_sum": 3.0,
+        }
+
+
+def test_hccl_comm_init_root_info_config_as_torch_npu_calls_it(sim_env: dict[str, str], tmp_path: Path) -> None:
+    """The configuration's magic word is checked; its buffer size (MiB per rank) sizes the window
+    and its name is what HcclGetCommName answers; prod takes no bfloat16, as on Atlas A2/A3."""
+    sim = Sim(sim_env)
+    procs = [
+        subprocess.Popen(
+            [PY, str(DRIVER), "config", str(r), "2", str(r), str(tmp_path)],
+            env=_env(sim, HCCL_BUFFSIZE="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out) == {
+            "capability": 3,  # buffer size, deterministic, comm name: torch_npu then sets the name
+            "bad_magic": HCCL_E_PARA,
+            "init": 0,
+            "window_bytes": [8192 + 2 * 3 * (1 << 20)],
+            "name_rc": 0,
+            "name": "group_name_7",
+            "allreduce": 0,
+            "sum": 3.0,
+            "prod_bf16": HCCL_E_NOT_SUPPORT,
+            "destroy": 0,
         }
 
 

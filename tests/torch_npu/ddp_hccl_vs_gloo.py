@@ -80,14 +80,31 @@ def worker(rank: int, world: int, backend: str, port: int, out_dir: str) -> None
         print(f"rank {rank} step {step} loss {loss.item():.8f} params {h}", flush=True)
     with open(os.path.join(out_dir, f"{backend}-{rank}.json"), "w") as f:
         json.dump(lines, f)
-    dist.barrier()
     dist.destroy_process_group()
 
 
 def run_spawn(backend: str, out_dir: str) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
+    # The CPU reference runs on the CPU alone: torch would otherwise import torch_npu in every
+    # process through its device-backend entry point, and nothing preloaded for the NPU side
+    # belongs in it either.
+    cpu_only = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "LD_PRELOAD": None}
+    saved = {k: os.environ.get(k) for k in cpu_only}
+    if backend == "gloo":
+        for k, v in cpu_only.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def torchrun_entry() -> None:  # the script run by torchrun: one rank

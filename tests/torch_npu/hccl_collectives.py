@@ -1,7 +1,9 @@
 """torch.distributed collectives over HCCL on the simulated NPU, two ranks in two processes
 (torch.multiprocessing), against values computed on the CPU: all_reduce (sum, product, max, min
 in float32, float16, bfloat16 and int32), broadcast, all_gather (into a tensor and into a list),
-reduce_scatter, send/recv, all_to_all (equal and unequal splits) and barrier. Sizes are
+reduce_scatter, send/recv, all_to_all (equal and unequal splits), reduce, scatter and
+barrier. (An all_gather of unequal sizes would test HcclAllGatherV, but torch_npu flattens its
+outputs with aclnnCat first.) Sizes are
 multiples of 512 bytes where torch_npu would otherwise pad (byte_alignment pads all_gather
 buffers with aclnnConstantPadNd). One line per check; exits non-zero on any failure."""
 from __future__ import annotations
@@ -119,6 +121,18 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         parts.append(src[off:off + split(r, rank)])
     check("all_to_all_single unequal splits", out, torch.cat(parts))
 
+    t = base(rank, n).to(dev)
+    dist.reduce(t, dst=1, op=dist.ReduceOp.SUM)
+    if rank == 1:
+        check("reduce to rank 1", t, base(0, n) + base(1, n))
+    else:
+        check("reduce leaves the sender's tensor", t, base(0, n))
+
+    out = torch.empty(n, device=dev)
+    chunks = [base(10 + k, n).to(dev) for k in range(WORLD)] if rank == 0 else None
+    dist.scatter(out, chunks, src=0)
+    check("scatter from rank 0", out, base(10 + rank, n))
+
     dist.barrier()
     results.append(f"rank {rank} barrier: ok")
     torch.npu.synchronize()
@@ -138,7 +152,7 @@ def main() -> int:
             lines += open(os.path.join(d, f"{r}.txt")).read().splitlines()
     print("\n".join(lines))
     bad = [ln for ln in lines if not ln.endswith(": ok")]
-    expected = WORLD * 26
+    expected = WORLD * 28
     if len(lines) != expected:
         bad.append(f"{len(lines)} checks, expected {expected}")
     print(f"FAILED: {len(bad)}" if bad else f"OK: {len(lines)} checks")

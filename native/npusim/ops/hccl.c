@@ -1,11 +1,19 @@
 /* libhccl.so of the simulated CANN tree: collectives between ranks in different processes.
  *
- * Real prototypes of hccl/hccl.h and hccl_types.h: HcclGetRootInfo, HcclCommInitRootInfo,
- * HcclAllReduce, HcclBroadcast, HcclCommDestroy, HcclGetRankSize, HcclGetRankId,
- * HcclGetCommAsyncError.
+ * Real prototypes of hccl/hccl.h and hccl_types.h (CANN 8.x/9.x, as torch_npu 2.13 carries them in
+ * third_party/hccl): HcclGetRootInfo, HcclCommInitRootInfo, HcclCommInitRootInfoConfig,
+ * HcclGetCommConfigCapability, HcclGetCommName, HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommAsyncError, HcclGetErrorString, HcclSetConfig/HcclGetConfig, HcclCommResume (refuses),
+ * HcclCommDestroy, and the collectives HcclAllReduce, HcclBroadcast, HcclAllGather(V),
+ * HcclReduceScatter(V), HcclReduce, HcclScatter, HcclSend, HcclRecv, HcclAlltoAll(V),
+ * HcclBarrier. What torch_npu looks up and this library does not export (HcclCommInitClusterInfo
+ * Config, HcclCreateSubCommConfig, HcclBatchSendRecv, HcclCommRegister...) makes torch_npu take
+ * its other path (root info, no sub-communicators) or fail its own lookup check; nothing here
+ * answers success without doing the work.
  *
- * The simulated interconnect: a communicator is a window (one memfd, HCCL_BUFFSIZE MiB per rank,
- * default 8, plus a header of barrier words) that every rank maps. The root rank makes it and
+ * The simulated interconnect: a communicator is a window (one memfd: a slot per rank of the
+ * CCL buffer size -- HcclCommConfig.hcclBufferSize, else HCCL_BUFFSIZE, else HCCL's default 200
+ * MiB; pages are only used as data passes -- plus a header of barrier words) that every rank maps. The root rank makes it and
  * hands it to the others over the unix socket its root info names (the analogue of the TCP
  * rendezvous of real root info), with the HCCL_CONNECT_TIMEOUT deadline; then the socket is gone.
  * A collective is a kernel (hccl_kernel.c) launched on the caller's stream with the runtime's
@@ -16,7 +24,11 @@
  * registers LOCK_PRE, UNLOCK_POST and RESTORE_POST callbacks itself when its first communicator
  * is made. Communicators are not part of a backup: RESTORE_POST marks every communicator invalid
  * and drops its window, and a collective on it returns HCCL_E_UNAVAIL until the application has
- * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore); one that
+ * destroyed it and built a new one (vllm-ascend rebuilds its groups after a restore; torch_npu
+ * has reinit_process_group(rebuild_link=True)), and so do HcclGetRankSize, HcclGetRankId,
+ * HcclGetCommName and HcclCommResume; HcclGetCommAsyncError reports HCCL_E_UNAVAIL from the
+ * restore on, which torch_npu's watchdog polls every second and, by default, takes the process
+ * down for, as it would on a device whose communicator broke. One that
  * was launched before the lock and reached the stream after the restore fails there (an error on
  * the stream, HcclGetCommAsyncError says HCCL_E_UNAVAIL) without touching memory. LOCK_PRE and
  * UNLOCK_POST keep the status; a process that is unlocked without a restore keeps its
@@ -674,7 +686,7 @@ static HcclResult launch_collective(struct ops_hccl_args *a, HcclComm comm, aclr
     if (!comm) return HCCL_E_PTR;
     a->esize = dtype_size(a->dtype);
     if (!a->esize) return HCCL_E_NOT_SUPPORT;
-    if (a->kind == OPS_COLL_ALLREDUCE || a->kind == OPS_COLL_REDUCE_SCATTER) {
+    if (a->kind == OPS_COLL_ALLREDUCE || a->kind == OPS_COLL_REDUCE_SCATTER || a->kind == OPS_COLL_REDUCE) {
         HcclResult r = check_reduce(a->dtype, a->op);
         if (r != HCCL_SUCCESS) return r;
     }
@@ -738,6 +750,16 @@ API HcclResult HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, i
     return launch_collective(&a, comm, stream);
 }
 
+/* The rank size of a usable communicator (0 if not: the launch then answers why). */
+static uint32_t rank_size(HcclComm comm) {
+    uint32_t n = 0;
+    pthread_mutex_lock(&g_mu);
+    struct comm *c = find_comm(comm);
+    if (c) n = c->nranks;
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
 /* sendBuf holds rankSize * recvCount elements; rank r receives the reduction of every rank's
  * r-th block. */
 API HcclResult HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, int dataType, int op,
@@ -745,6 +767,69 @@ API HcclResult HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCoun
     if (!BUFS_OK(recvCount, sendBuf && recvBuf)) return HCCL_E_PTR;
     struct ops_hccl_args a = {.kind = OPS_COLL_REDUCE_SCATTER, .send = (uintptr_t)sendBuf,
                               .recv = (uintptr_t)recvBuf, .count = recvCount, .dtype = dataType, .op = op};
+    uint32_t n = rank_size(comm);
+    for (uint32_t k = 0; k < n; k++) a.sendcounts[k] = recvCount, a.sdispls[k] = k * recvCount;
+    return launch_collective(&a, comm, stream);
+}
+
+/* The V form (hccl.h): sendCounts[k] elements at sendDispls[k] go to rank k (uint64_t host
+ * arrays of rankSize, as torch_npu passes); every rank receives recvCount, which must equal what
+ * each rank sends it. */
+API HcclResult HcclReduceScatterV(void *sendBuf, const void *sendCounts, const void *sendDispls, void *recvBuf,
+                                  uint64_t recvCount, int dataType, int op, HcclComm comm, aclrtStream stream) {
+    if (!sendCounts || !sendDispls || !BUFS_OK(recvCount, sendBuf && recvBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_REDUCE_SCATTER, .send = (uintptr_t)sendBuf,
+                              .recv = (uintptr_t)recvBuf, .count = recvCount, .dtype = dataType, .op = op};
+    uint32_t n = rank_size(comm);
+    const uint64_t *sc = sendCounts, *sd = sendDispls;
+    for (uint32_t k = 0; k < n; k++) {
+        if (sc[k] != recvCount) return HCCL_E_PARA; /* a block of another size can't be reduced */
+        a.sendcounts[k] = sc[k], a.sdispls[k] = sd[k];
+    }
+    return launch_collective(&a, comm, stream);
+}
+
+/* Only the root's recvBuf is written (hccl.h HcclReduce). */
+API HcclResult HcclReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op, uint32_t root,
+                          HcclComm comm, aclrtStream stream) {
+    if (!BUFS_OK(count, sendBuf)) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_REDUCE, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .count = count, .dtype = dataType, .op = op, .root = root};
+    return launch_collective(&a, comm, stream);
+}
+
+/* The root's sendBuf holds rankSize * recvCount elements; rank k receives block k. Moved as an
+ * all-to-all in which only the root sends. */
+API HcclResult HcclScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, int dataType, uint32_t root,
+                           HcclComm comm, aclrtStream stream) {
+    uint32_t n = rank_size(comm), me = 0;
+    if (n && root >= n) return HCCL_E_PARA;
+    HcclResult rc = HcclGetRankId(comm, &me);
+    if (rc != HCCL_SUCCESS) return rc;
+    if (!BUFS_OK(recvCount, recvBuf && (me != root || sendBuf))) return HCCL_E_PTR;
+    struct ops_hccl_args a = {.kind = OPS_COLL_ALLTOALLV, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .dtype = dataType};
+    for (uint32_t k = 0; me == root && k < n; k++) a.sendcounts[k] = recvCount, a.sdispls[k] = k * recvCount;
+    a.recvcounts[root] = recvCount;
+    return launch_collective(&a, comm, stream);
+}
+
+/* recvCounts[j] elements of rank j land at recvDispls[j] (uint64_t host arrays); each rank sends
+ * sendCount, which must be what the others expect from it. */
+API HcclResult HcclAllGatherV(void *sendBuf, uint64_t sendCount, void *recvBuf, const void *recvCounts,
+                              const void *recvDispls, int dataType, HcclComm comm, aclrtStream stream) {
+    if (!recvCounts || !recvDispls) return HCCL_E_PTR;
+    uint32_t n = rank_size(comm);
+    struct ops_hccl_args a = {.kind = OPS_COLL_ALLTOALLV, .send = (uintptr_t)sendBuf, .recv = (uintptr_t)recvBuf,
+                              .dtype = dataType};
+    const uint64_t *rcn = recvCounts, *rd = recvDispls;
+    uint64_t rtot = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        a.sendcounts[k] = sendCount, a.sdispls[k] = 0;
+        a.recvcounts[k] = rcn[k], a.rdispls[k] = rd[k];
+        rtot += rcn[k];
+    }
+    if ((sendCount && !sendBuf) || (rtot && !recvBuf)) return HCCL_E_PTR;
     return launch_collective(&a, comm, stream);
 }
 

@@ -176,6 +176,7 @@ static uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *send, char *recv, double deadline) {
     uint64_t bytes = a->count * a->esize, step = a->slot_bytes / a->esize * a->esize;
     int bcast = a->kind == OPS_COLL_BROADCAST, gather = a->kind == OPS_COLL_ALLGATHER;
+    int skip = a->kind == OPS_COLL_REDUCE && a->rank != a->root; /* a reduce writes the root only */
     for (uint64_t done = 0; done < bytes; done += step) {
         uint64_t n = min_u64(bytes - done, step);
         if (!bcast || a->rank == a->root) memcpy(SLOT(w, a, a->rank), send + done, n);
@@ -184,7 +185,7 @@ static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *
             if (a->rank != a->root) memcpy(recv + done, SLOT(w, a, a->root), n);
         } else if (gather) {
             for (uint32_t j = 0; j < a->nranks; j++) memcpy(recv + j * bytes + done, SLOT(w, a, j), n);
-        } else {
+        } else if (!skip) {
             memcpy(recv + done, SLOT(w, a, 0), n);
             for (uint32_t j = 1; j < a->nranks; j++) reduce_into(recv + done, SLOT(w, a, j), n / a->esize, a->dtype, a->op);
         }
@@ -193,8 +194,10 @@ static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *
     return 0;
 }
 
-/* reduce-scatter and all-to-all(v): a slot is cut into one part per destination; a round moves at
- * most a part to each. The number of rounds is agreed first (each rank publishes its own). */
+/* reduce-scatter(v) and all-to-all(v): a slot is cut into one part per destination; a round moves
+ * at most a part to each. The number of rounds is agreed first (each rank publishes its own, as
+ * the counts may differ between ranks). A reduce-scatter receives `count` from every rank and
+ * reduces them in rank order. */
 static int run_exchange(const struct ops_hccl_args *a, struct hccl_window *w, char *send, char *recv,
                         double deadline) {
     uint32_t R = a->nranks, me = a->rank;
@@ -202,29 +205,22 @@ static int run_exchange(const struct ops_hccl_args *a, struct hccl_window *w, ch
     uint64_t sc[HCCL_MAX_RANKS], sd[HCCL_MAX_RANKS], rc[HCCL_MAX_RANKS], rd[HCCL_MAX_RANKS], most = 0;
     int reduce = a->kind == OPS_COLL_REDUCE_SCATTER;
     for (uint32_t k = 0; k < R; k++) { /* bytes */
-        if (reduce) {
-            sc[k] = rc[k] = a->count * a->esize;
-            sd[k] = k * sc[k];
-            rd[k] = 0;
-        } else {
-            sc[k] = a->sendcounts[k] * a->esize, sd[k] = a->sdispls[k] * a->esize;
-            rc[k] = a->recvcounts[k] * a->esize, rd[k] = a->rdispls[k] * a->esize;
-        }
+        sc[k] = a->sendcounts[k] * a->esize, sd[k] = a->sdispls[k] * a->esize;
+        if (reduce) rc[k] = a->count * a->esize, rd[k] = 0;
+        else rc[k] = a->recvcounts[k] * a->esize, rd[k] = a->rdispls[k] * a->esize;
         most = sc[k] > most ? sc[k] : most;
         most = rc[k] > most ? rc[k] : most;
     }
     if (part < a->esize) return KERR_ARGS;
     part = part / a->esize * a->esize;
     uint64_t rounds = (most + part - 1) / part;
-    if (!reduce) { /* the counts differ between ranks: agree on the largest */
-        atomic_store((_Atomic uint64_t *)&w->ranks[me].aux, rounds);
-        if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT;
-        for (uint32_t j = 0; j < R; j++) {
-            uint64_t v = atomic_load((_Atomic uint64_t *)&w->ranks[j].aux);
-            rounds = v > rounds ? v : rounds;
-        }
-        if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT; /* aux read by all before reuse */
+    atomic_store((_Atomic uint64_t *)&w->ranks[me].aux, rounds);
+    if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT;
+    for (uint32_t j = 0; j < R; j++) {
+        uint64_t v = atomic_load((_Atomic uint64_t *)&w->ranks[j].aux);
+        rounds = v > rounds ? v : rounds;
     }
+    if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT; /* aux read by all before reuse */
     for (uint64_t r = 0; r < rounds; r++) {
         uint64_t off = r * part;
         for (uint32_t k = 0; k < R; k++)
@@ -264,16 +260,18 @@ static void extents(const struct ops_hccl_args *a, uint64_t *sbytes, uint64_t *r
     *sbytes = *rbytes = b;
     switch (a->kind) {
     case OPS_COLL_ALLGATHER: *rbytes = b * a->nranks; break;
-    case OPS_COLL_REDUCE_SCATTER: *sbytes = b * a->nranks; break;
+    case OPS_COLL_REDUCE: *rbytes = a->rank == a->root ? b : 0; break;
     case OPS_COLL_SEND: *rbytes = 0; break;
     case OPS_COLL_RECV: *sbytes = 0; break;
     case OPS_COLL_BARRIER: *sbytes = *rbytes = 0; break;
+    case OPS_COLL_REDUCE_SCATTER:
     case OPS_COLL_ALLTOALLV:
-        *sbytes = *rbytes = 0;
+        *sbytes = 0;
+        if (a->kind == OPS_COLL_ALLTOALLV) *rbytes = 0;
         for (uint32_t k = 0; k < a->nranks; k++) {
             uint64_t s = (a->sdispls[k] + a->sendcounts[k]) * a->esize, r = (a->rdispls[k] + a->recvcounts[k]) * a->esize;
             *sbytes = a->sendcounts[k] && s > *sbytes ? s : *sbytes;
-            *rbytes = a->recvcounts[k] && r > *rbytes ? r : *rbytes;
+            if (a->kind == OPS_COLL_ALLTOALLV) *rbytes = a->recvcounts[k] && r > *rbytes ? r : *rbytes;
         }
         break;
     }
@@ -296,6 +294,7 @@ KAPI int npusim_hccl_collective(const npusim_kernel_ctx *ctx, const void *args, 
     double deadline = now_s() + (double)a->timeout_ms / 1000.0;
     if (!rc) switch (a->kind) {
         case OPS_COLL_ALLREDUCE:
+        case OPS_COLL_REDUCE:
         case OPS_COLL_BROADCAST:
         case OPS_COLL_ALLGATHER: rc = run_flat(a, w, send, recv, deadline); break;
         case OPS_COLL_REDUCE_SCATTER:

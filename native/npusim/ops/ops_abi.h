@@ -24,11 +24,12 @@ enum ops_coll_kind {
     OPS_COLL_ALLREDUCE = 0,      /* recv = op over ranks of send (count) */
     OPS_COLL_BROADCAST = 1,      /* send == recv: root's buffer to every rank (count) */
     OPS_COLL_ALLGATHER = 2,      /* recv[j*count..] = send of rank j */
-    OPS_COLL_REDUCE_SCATTER = 3, /* recv = op over ranks j of send_j[rank*count..] */
+    OPS_COLL_REDUCE_SCATTER = 3, /* recv (count) = op over ranks j of send_j[sdispls_j[rank]..] */
     OPS_COLL_ALLTOALLV = 4,      /* recv[rdispls[j]..+recvcounts[j]] = send_j[sdispls_j[rank]..] */
     OPS_COLL_SEND = 5,           /* send (count) to rank `root` */
     OPS_COLL_RECV = 6,           /* recv (count) from rank `root` */
     OPS_COLL_BARRIER = 7,        /* no data */
+    OPS_COLL_REDUCE = 8,         /* root's recv = op over ranks of send (count) */
 };
 #define HCCL_MAX_RANKS 32u
 struct ops_hccl_args {
@@ -44,7 +45,8 @@ struct ops_hccl_args {
     uint32_t root;       /* broadcast: the source rank; send/recv: the peer */
     uint32_t esize;      /* bytes per element of dtype */
     uint32_t pad;
-    /* all-to-all(v) only, in elements */
+    /* all-to-all(v) (and the scatter and gather-v made of it), reduce-scatter(v): send side only;
+     * in elements */
     uint64_t sendcounts[HCCL_MAX_RANKS], sdispls[HCCL_MAX_RANKS];
     uint64_t recvcounts[HCCL_MAX_RANKS], rdispls[HCCL_MAX_RANKS];
 };

@@ -3,6 +3,7 @@
     ops_driver.py ops DEVICE            -> one JSON line per case: inputs, output or status code
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
     ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
+    ops_driver.py config RANK WORLD DEVICE RENDEZVOUS   (HcclCommInitRootInfoConfig, names)
     ops_driver.py torn DEVICE            (NPUSIM_KERNEL_BLOCK_US, TORN_AFTER_S)
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
@@ -249,8 +250,8 @@ def run_torn(device: int) -> None:
     print(json.dumps({"mid_rows": [r[0] for r in rows], "final": sorted(set(final))}), flush=True)
 
 
-def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: int) -> c_void_p:
-    """A communicator of ``world`` ranks: rank 0 publishes HCCL's root info as file root-GEN."""
+def root_info(hccl: ctypes.CDLL, rank: int, rendezvous: str, gen: int) -> ctypes.Array:
+    """HCCL's root info: rank 0 makes it and publishes it as file root-GEN, the others read it."""
     info = ctypes.create_string_buffer(nt.HCCL_ROOT_INFO_BYTES)
     path = os.path.join(rendezvous, f"root-{gen}")
     if rank == 0:
@@ -265,6 +266,12 @@ def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: in
             time.sleep(0.02)
         with open(path, "rb") as f:
             ctypes.memmove(info, f.read(), nt.HCCL_ROOT_INFO_BYTES)
+    return info
+
+
+def init_comm(hccl: ctypes.CDLL, rank: int, world: int, rendezvous: str, gen: int) -> c_void_p:
+    """A communicator of ``world`` ranks: rank 0 publishes HCCL's root info as file root-GEN."""
+    info = root_info(hccl, rank, rendezvous, gen)
     comm = c_void_p()
     nt.check(hccl.HcclCommInitRootInfo(world, info, rank, ctypes.byref(comm)), "HcclCommInitRootInfo")
     return comm
@@ -312,6 +319,9 @@ def run_restore(rank: int, world: int, device: int, rendezvous: str) -> None:
     out["async_error_rc"] = int(hccl.HcclGetCommAsyncError(comm, ctypes.byref(err)))
     out["async_error"] = err.value
     out["after_restore"] = all_reduce(comm)
+    size = ctypes.c_uint32()
+    out["rank_size_after_restore"] = int(hccl.HcclGetRankSize(comm, ctypes.byref(size)))
+    out["resume_after_restore"] = int(hccl.HcclCommResume(comm))
     out["destroy"] = int(hccl.HcclCommDestroy(comm))
     comm = init_comm(hccl, rank, world, rendezvous, 1)
     nt.check(rt.aclrtMemcpy(buf, 64, nt.floats(values), 64, nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy")
@@ -377,6 +387,84 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         flush=True,
     )
 
+class HcclCommConfig(ctypes.Structure):
+    """hccl_types.h HcclCommConfig, after the 24-byte header HcclCommConfigInit writes."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magicWord", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64),
+        ("hcclBufferSize", ctypes.c_uint32),
+        ("hcclDeterministic", ctypes.c_uint32),
+        ("hcclCommName", ctypes.c_char * 128),
+        ("hcclUdi", ctypes.c_char * 128),
+        ("hcclOpExpansionMode", ctypes.c_uint32),
+        ("hcclRdmaTrafficClass", ctypes.c_uint32),
+        ("hcclRdmaServiceLevel", ctypes.c_uint32),
+        ("hcclWorldRankID", ctypes.c_uint32),
+        ("hcclJobID", ctypes.c_uint64),
+        ("aclGraphZeroCopyEnable", ctypes.c_uint8),
+        ("hcclExecTimeOut", ctypes.c_int32),
+        ("hcclAlgo", ctypes.c_char * 1600),
+        ("hcclRetryEnable", ctypes.c_char * 50),
+        ("hcclRetryParams", ctypes.c_char * 128),
+        ("hcclBufferName", ctypes.c_char * 128),
+        ("hcclQos", ctypes.c_uint32),
+    ]
+
+
+def comm_config(buffer_mib: int = 0xFFFFFFFF, name: bytes = b"", magic: int = 0xF0F0F0F0) -> HcclCommConfig:
+    """What the inline HcclCommConfigInit of hccl.h fills in (version 10), then the caller's fields."""
+    c = HcclCommConfig()
+    c.size, c.magicWord, c.version = ctypes.sizeof(HcclCommConfig), magic, 10
+    c.hcclBufferSize, c.hcclDeterministic = buffer_mib, 0xFFFFFFFF
+    c.hcclCommName = name
+    c.hcclRdmaTrafficClass = c.hcclRdmaServiceLevel = c.hcclQos = 0xFFFFFFFF
+    c.hcclExecTimeOut = -1
+    return c
+
+
+def window_sizes() -> List[int]:
+    """Sizes of this process's mappings of HCCL windows (the simulated CCL buffers)."""
+    sizes = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "npusim-hccl-window" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                sizes.append(hi - lo)
+    return sorted(sizes)
+
+
+def run_config(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """HcclCommInitRootInfoConfig as torch_npu calls it: the capability, a bad magic word, the
+    buffer size and the name taken from the configuration, then a collective on it."""
+    dev = Device(device, hccl=True)
+    hccl = dev.libs.hccl
+    assert hccl is not None
+    hccl.HcclGetCommConfigCapability.restype = ctypes.c_uint32
+    hccl.HcclGetCommName.argtypes = [c_void_p, ctypes.c_char_p]
+    out: Dict[str, Any] = {"capability": int(hccl.HcclGetCommConfigCapability())}
+    bad = c_void_p()
+    info = root_info(hccl, rank, rendezvous, 0)
+    cfg = comm_config(magic=0x12345678)
+    out["bad_magic"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(bad)))
+    cfg = comm_config(buffer_mib=3, name=b"group_name_7")
+    comm = c_void_p()
+    before = window_sizes()
+    out["init"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(comm)))
+    out["window_bytes"] = [s for s in window_sizes() if s not in before]
+    name = ctypes.create_string_buffer(128)
+    out["name_rc"] = int(hccl.HcclGetCommName(comm, name))
+    out["name"] = name.value.decode()
+    buf = dev.buffer([float(rank + 1)] * 16)
+    out["allreduce"] = int(hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    dev.sync()
+    out["sum"] = dev.read(buf, 1)[0]
+    out["prod_bf16"] = int(hccl.HcclAllReduce(buf, buf, 16, 11, 1, comm, dev.stream))
+    out["destroy"] = int(hccl.HcclCommDestroy(comm))
+    print(json.dumps(out), flush=True)
+
 
 def main() -> int:
     if sys.argv[1] == "ops":
@@ -386,6 +474,9 @@ def main() -> int:
     elif sys.argv[1] == "restore":
         rank, world, device, rdv = sys.argv[2:6]
         run_restore(int(rank), int(world), int(device), rdv)
+    elif sys.argv[1] == "config":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_config(int(rank), int(world), int(device), rdv)
     else:
         rank, world, device, rdv, count = sys.argv[2:7]
         run_allreduce(int(rank), int(world), int(device), rdv, int(count))
