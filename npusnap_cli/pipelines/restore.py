@@ -859,7 +859,9 @@ def _make_host_nodes(st: RestoreState) -> None:
     to_make = st.checked.to_make
     if to_make:
         st.cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
-        st.made = hostres.make_host_nodes(to_make)
+        st.made = hostres.make_host_nodes(
+            to_make, {p.uid for p in st.manifest.processes}, st.manifest.host_nodes
+        )
 
 
 def _remove_host_nodes(st: RestoreState, _err: BaseException) -> None:

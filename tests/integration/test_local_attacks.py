@@ -318,3 +318,73 @@ def test_pipe_to_never_appends_through_a_users_link(
     os.close(fd)
     assert (shared / "job.log").read_text() == "line\n"
     _untouched(victim)
+
+
+def _crafted_nodes(tmp_path: Path, nodes: tuple[hostres.HostNode, ...], job_uid: int) -> Path:
+    """A well-formed image whose manifest asks restore to create ``nodes``; its launcher process
+    runs as ``job_uid`` (its worker stays root's)."""
+    from dataclasses import replace
+
+    tmp, final = _build(tmp_path, "crafted-nodes")
+    m = _manifest(image.file_entries(tmp))
+    procs = (replace(m.processes[0], uid=job_uid), *m.processes[1:])
+    image.publish(tmp, final, replace(m, processes=procs, host_nodes=nodes))
+    return final
+
+
+@pytest.mark.parametrize(
+    ("job_is_theirs", "mode", "needle"),
+    [
+        (True, 0o777, "world-writable"),
+        (True, 0o700, "could not have created it there"),
+        (False, 0o700, "no process of the dumped job"),
+    ],
+)
+def test_crafted_host_nodes_in_a_system_directory_are_refused_everywhere(
+    sim_env: dict[str, str],
+    attacker: tuple[int, int],
+    tmp_path: Path,
+    job_is_theirs: bool,
+    mode: int,
+    needle: str,
+) -> None:
+    """A manifest is the user's word: a directory and a FIFO it names in a root-only directory
+    (here /usr/lib, as /etc would be), owned by another user, are refused by verify, import and
+    restore (--dry-run included) and never created."""
+    uid, gid = attacker
+    where = Path(f"/usr/lib/npusnap-atk-{os.getpid()}")
+    nodes = (
+        hostres.HostNode(path=str(where), kind="dir", mode=mode, uid=uid, gid=gid, why="unix socket"),
+        hostres.HostNode(path=f"{where}/fifo", kind="fifo", mode=0o666, uid=uid, gid=gid, why="fifo"),
+    )
+    crafted = _crafted_nodes(tmp_path, nodes, uid if job_is_theirs else 0)
+    try:
+        rc, out, err = cli(sim_env, "verify", str(crafted))
+        assert rc == ExitCode.IMAGE and out is not None, err
+        assert needle in str(out["error"]), out["error"]
+        arch = tmp_path / "crafted.tar.zst"
+        _tar(crafted, arch)
+        rc, out, err = cli(sim_env, "import", str(arch), str(tmp_path / "imported"))
+        assert rc == ExitCode.IMAGE and out is not None, (rc, err)
+        assert not (tmp_path / "imported").exists()
+        for extra in (["--dry-run"], []):
+            rc, out, err = cli(sim_env, "restore", *extra, str(crafted))
+            assert rc == ExitCode.IMAGE and out is not None, (extra, rc, out, err)
+            assert needle in str(out.get("error") or out["result"]["checks"]), out
+        assert not where.exists()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_restore_rechecks_a_host_node_right_before_it_makes_it(
+    attacker: tuple[int, int], victim: Path
+) -> None:
+    """A node the preflight saw present (so it passed) but gone by the time restore makes it is
+    checked again as one to create."""
+    node = hostres.HostNode(path=f"{victim}/planted", kind="dir", mode=0o777, uid=attacker[0], gid=0, why="x")
+    with pytest.raises(ImageError, match="no process of the dumped job"):
+        hostres.make_host_nodes([node], uids={0})
+    node = hostres.HostNode(path=f"{victim}/planted", kind="dir", mode=0o777, uid=0, gid=0, why="x")
+    with pytest.raises(ImageError, match="world-writable"):
+        hostres.make_host_nodes([node], uids={0})
+    _untouched(victim)
