@@ -238,18 +238,37 @@ def open_read_at(dfd: int, name: str) -> int:
     return fd
 
 
-def open_append(path: str, mode: int = 0o600) -> int:
+def open_append(path: str, mode: int = 0o600, owner: Optional[int] = None) -> int:
     """Open ``path`` to append (created if missing) in its directory reached without following a
-    user's symlink; an existing file must be a regular file with one link (a hard link to another
-    file would make root append there)."""
+    user's symlink; the file itself is never a symlink (O_NOFOLLOW, whatever the kernel's
+    protected_symlinks says), never becomes our controlling terminal (O_NOCTTY), and must be a
+    regular file with one link (a hard link to another file would make root append there) owned
+    by ``owner`` (default: this user; a file another user planted in a shared directory would
+    hand them what we write)."""
+    owner = os.geteuid() if owner is None else owner
     parent, name = os.path.split(os.path.abspath(path))
     with dir_fd(parent, check=False, follow_root_links=True) as dfd:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = (
+            os.O_WRONLY
+            | os.O_APPEND
+            | os.O_CREAT
+            | os.O_NOFOLLOW
+            | os.O_NOCTTY
+            | os.O_NONBLOCK
+            | os.O_CLOEXEC
+        )
         fd = os.open(name, flags, mode, dir_fd=dfd)
     st = os.fstat(fd)
+    problem = None
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        problem = "not a regular file with a single link"
+    elif st.st_uid != owner:
+        problem = f"owned by uid {st.st_uid}, not by uid {owner}"
+    if problem is not None:
         os.close(fd)
-        raise UnsafePath(errno.EPERM, "not a regular file with a single link", path)
+        raise UnsafePath(errno.EPERM, problem, path)
+    # (O_NONBLOCK was only for the open: a FIFO planted at the name must not block us)
+    os.set_blocking(fd, True)
     return fd
 
 

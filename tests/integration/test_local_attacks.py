@@ -9,11 +9,13 @@ untouched, not only that an error came out.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +25,7 @@ from npusnap_cli import image, safefs
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
 from npusnap_cli.host import hostres, pidfile
 from npusnap_cli.image import archive, digest
-from tests.integration.dumplib import cli
+from tests.integration.dumplib import NPUSNAP, cli
 from tests.unit.test_image import _build, _manifest
 
 pytestmark = pytest.mark.integration
@@ -388,3 +390,54 @@ def test_restore_rechecks_a_host_node_right_before_it_makes_it(
     with pytest.raises(ImageError, match="world-writable"):
         hostres.make_host_nodes([node], uids={0})
     _untouched(victim)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard link", "their file", "fifo"])
+def test_run_detach_output_never_appends_through_a_planted_name(
+    sim_env: dict[str, str],
+    attacker: tuple[int, int],
+    victim: Path,
+    open_dir: Path,
+    tmp_path: Path,
+    plant: str,
+) -> None:
+    """run --detach --output FILE in a world-writable directory (symlink protection may be off):
+    refused with exit 2 before anything starts, the file it names untouched."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    out = shared / "job.log"
+    if plant == "symlink":
+        as_user(attacker, f"ln -s {victim}/precious {out}")
+    elif plant == "hard link":
+        os.link(victim / "precious", out)  # (root makes it: protected_hardlinks stops the user)
+    elif plant == "their file":
+        as_user(attacker, f"touch {out}")
+    else:
+        as_user(attacker, f"mkfifo -m 666 {out}")
+    marker = tmp_path / "started"
+    try:
+        p = subprocess.run(
+            [NPUSNAP, "--json", "run", "--detach", "--output", str(out), "--",
+             "/bin/sh", "-c", f"echo owned; touch {marker}"],
+            env=sim_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == ExitCode.USAGE, (p.returncode, p.stdout, p.stderr)
+        assert json.loads(p.stdout)["error"]["kind"] == "usage"
+        time.sleep(0.3)
+        assert not marker.exists()  # nothing was started
+        if plant == "their file":
+            assert out.read_text() == ""
+    finally:
+        out.unlink()
+    _untouched(victim)
+    # The same directory and a fresh name: created as ours, the job's output in it.
+    p = subprocess.run(
+        [NPUSNAP, "run", "--detach", "--output", str(out), "--", "/bin/sh", "-c", "echo mine"],
+        env=sim_env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    deadline = time.monotonic() + 10
+    while "mine" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == "mine\n" and out.stat().st_uid == 0
