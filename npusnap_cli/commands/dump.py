@@ -332,6 +332,9 @@ def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) ->
     from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
     done: dict[str, Any] = {"latest": None, "removed": []}
+    # Every image this command publishes is noted as ours, so that a later --keep-last can tell
+    # it from a look-alike another user put beside it.
+    imagestore.record_own(image)
     if latest:
         done["latest"] = imagestore.update_latest(image)
         out.line(f"{done['latest']} -> {image.name}")

@@ -441,3 +441,34 @@ def test_run_detach_output_never_appends_through_a_planted_name(
     while "mine" not in out.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert out.read_text() == "mine\n" and out.stat().st_uid == 0
+
+
+def test_keep_last_in_a_shared_directory_spares_what_a_user_planted(
+    attacker: tuple[int, int], open_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dump --keep-last into a sticky directory: a user's folders with forged manifests dated in
+    the future neither make root's images look old nor get removed (they are not root's)."""
+    import dataclasses
+
+    monkeypatch.setenv("NPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    shared = open_dir / "snaps"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    from npusnap_cli.image import imagestore
+
+    ours = []
+    for i in range(3):
+        tmp, final = _build(shared, f"root-{i}")
+        m = dataclasses.replace(_manifest(image.file_entries(tmp)), created_at=f"2026-11-30T10:0{i}:00+00:00")
+        image.publish(tmp, final, m)
+        assert imagestore.record_own(final)
+        ours.append(final)
+    forged = (ours[0] / image.MANIFEST_NAME).read_text().replace("2026-11-30T10:00", "2099-01-01T00:00")
+    for i in range(3):
+        as_user(
+            attacker, f"mkdir -p {shared}/zz-{i}/criu && cat > {shared}/zz-{i}/npusnap.json <<'X'\n{forged}X"
+        )
+    removed = imagestore.rotate(shared, 2, keep=ours[2])
+    assert removed == [str(ours[0])]
+    assert ours[1].is_dir() and ours[2].is_dir()
+    assert all((shared / f"zz-{i}" / "npusnap.json").is_file() for i in range(3))
