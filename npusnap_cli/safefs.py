@@ -238,6 +238,25 @@ def open_read_at(dfd: int, name: str) -> int:
     return fd
 
 
+def fresh_file(dfd: int, name: str, mode: int = 0o600) -> None:
+    """Make ``name`` in ``dfd`` a new, empty file of ours for another program that opens it by
+    name, following links and truncating (CRIU's log and statistics). What is there already is
+    removed only if it is a regular file of ours with a single link (the last run's log); a
+    symlink, a hard link (it would make that program overwrite the other file) or another user's
+    file is left alone and refused."""
+    st = lstat_at(dfd, name)
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(errno.EPERM, "not a regular file (a symbolic link?)", name)
+        if st.st_nlink != 1:
+            raise UnsafePath(errno.EPERM, f"a hard link ({st.st_nlink} names of one file)", name)
+        if st.st_uid != os.geteuid():
+            raise UnsafePath(errno.EPERM, f"owned by uid {st.st_uid}", name)
+        os.unlink(name, dir_fd=dfd)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+    os.close(fd)
+
+
 def open_append(path: str, mode: int = 0o600, owner: Optional[int] = None) -> int:
     """Open ``path`` to append (created if missing) in its directory reached without following a
     user's symlink; the file itself is never a symlink (O_NOFOLLOW, whatever the kernel's

@@ -472,3 +472,56 @@ def test_keep_last_in_a_shared_directory_spares_what_a_user_planted(
     assert removed == [str(ours[0])]
     assert ours[1].is_dir() and ours[2].is_dir()
     assert all((shared / f"zz-{i}" / "npusnap.json").is_file() for i in range(3))
+
+
+def test_criu_never_writes_its_log_through_a_planted_name(victim: Path, tmp_path: Path) -> None:
+    """CRIU opens its log and statistics by name, following links and truncating: a hard link or
+    symlink planted as restore.log is refused before CRIU runs; the last run's own log is replaced."""
+    from npusnap_cli import criu
+
+    work = tmp_path / "logs"
+    work.mkdir(mode=0o700)
+    os.link(victim / "precious", work / "restore.log")
+    with pytest.raises(PreflightError, match="hard link"):
+        criu.open_work_dir(str(work), ("restore.log", "stats-restore"))
+    (work / "restore.log").unlink()
+    (work / "stats-restore").symlink_to(victim / "precious")
+    with pytest.raises(PreflightError, match="not a regular file"):
+        criu.open_work_dir(str(work), ("restore.log", "stats-restore"))
+    (work / "stats-restore").unlink()
+    (work / "restore.log").write_text("the last run's log\n")
+    os.close(criu.open_work_dir(str(work), ("restore.log", "stats-restore")))
+    assert (work / "restore.log").read_text() == "" and (work / "stats-restore").stat().st_nlink == 1
+    _untouched(victim)
+
+
+def test_restore_leaves_a_file_hard_linked_into_the_images_logs_alone(
+    sim_env: dict[str, str], runtime_dir: Path, victim: Path, tmp_path: Path
+) -> None:
+    """A real image whose logs/restore.log is a second name of a file outside it: restore exits 3
+    and the file keeps its bytes; with the name removed the same image restores."""
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, job_env
+
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [PY, TRAIN, "--steps", "400", *TRAIN_ARGS, "--device", "0"])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", "--leave-running", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.proc.kill()
+        job.reap()
+        log = image.logs_dir(img) / image.RESTORE_LOG
+        assert not log.exists()
+        os.link(victim / "precious", log)
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == ExitCode.PREFLIGHT and out is not None, (rc, out, err)
+        assert "hard link" in out["error"]["message"], out["error"]
+        assert (victim / "precious").read_text() == "root's\n"
+        log.unlink()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (rc, out, err)
+        job.restored_pid = job.pid  # (the same pid: the original is gone)
+        assert log.stat().st_nlink == 1 and log.stat().st_size > 0
+    finally:
+        job.cleanup()
