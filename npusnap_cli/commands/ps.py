@@ -11,11 +11,18 @@ def register(app: typer.Typer) -> None:
     @app.command(epilog=epilog("ps"))
     def ps(
         ctx: typer.Context,
-        timeout: float = typer.Option(2.0, "--timeout", min=0.1, help="Seconds to wait for each agent."),
+        timeout: float = typer.Option(
+            2.0,
+            "--timeout",
+            min=0.1,
+            help="Seconds to wait for the agents' answers, all of them together (they are asked in "
+            "parallel); an agent that has not answered by then is listed with a warning.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """List every process on this node with an npusnap agent: its state, who holds its lock
-        (and whether that command still runs), its lease and its last snapshot."""
+        """List every process on this node with an npusnap agent (replicas restored by
+        `restore --replicas` included): its state, who holds its lock (and whether that command
+        still runs), its lease and its last snapshot."""
         from npusnap_cli.host import nodeview  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "ps", json_flag)
@@ -33,7 +40,8 @@ def register(app: typer.Typer) -> None:
                 (
                     p["pid"],
                     p.get("user") or "?",
-                    " ".join(p.get("cmdline") or []) or "?",
+                    (" ".join(p.get("cmdline") or []) or "?")
+                    + (f" (replica of {p['replica_of']})" if p.get("replica_of") else ""),
                     p.get("state") or ("agent error" if p.get("agent_error") else "-"),
                     f"{lease.get('remaining_s')}s left" if lease.get("active") else "-",
                     nodeview.owner_text(p.get("owner"), lease),

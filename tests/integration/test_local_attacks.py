@@ -13,6 +13,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -525,3 +526,77 @@ def test_restore_leaves_a_file_hard_linked_into_the_images_logs_alone(
         assert log.stat().st_nlink == 1 and log.stat().st_size > 0
     finally:
         job.cleanup()
+
+
+SILENT_AGENTS = """
+import os, socket, sys, time
+d, n = sys.argv[1], int(sys.argv[2])
+for i in range(n):
+    if os.fork() == 0:
+        s = socket.socket(socket.AF_UNIX)
+        # One of them named as a replica's agent socket is (<original pid>-<tag>.sock).
+        s.bind(f"{d}/{os.getpid()}.sock" if i else f"{d}/1-abcdef01.sock")
+        s.listen(128)
+        open(f"{d}/ready-{i}", "w").close()
+        time.sleep(120)  # accepts (the kernel does), never answers
+        os._exit(0)
+time.sleep(120)
+"""
+
+
+def test_ps_is_not_slowed_by_silent_fake_agents(
+    sim_env: dict[str, str], attacker: tuple[int, int], open_dir: Path, tmp_path: Path
+) -> None:
+    """A hundred listening sockets of an unprivileged user that look like agents and never
+    answer: root's ps still ends within 3 s, names each of them in a warning, and lists a real
+    agent of root's with its state."""
+    from tests.integration.agentlib import PY, wait_socket, workload_env, write_workload
+    from tests.integration.conftest import Sim
+
+    n = 100
+    fakes = Path(f"/tmp/npusnap-fake-{os.getpid()}")  # the user's own agent-looking directory
+    shutil.rmtree(fakes, ignore_errors=True)
+    as_user(attacker, f"mkdir {fakes}")
+    script = open_dir / "silent.py"
+    script.write_text(SILENT_AGENTS)
+    os.chmod(script, 0o644)
+    python = shutil.which("python3", path="/usr/bin:/bin")  # (the venv's is under root-only dirs)
+    if python is None:
+        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    faker = subprocess.Popen(
+        [python, str(script), str(fakes), str(n)], user=attacker[0], group=attacker[1], start_new_session=True
+    )
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir(mode=0o700)
+    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
+    real = subprocess.Popen(
+        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(fakes.glob("ready-*"))) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(fakes.glob("*.sock"))) == n
+        wait_socket(runtime_dir, real.pid)
+        start = time.monotonic()
+        p = subprocess.run([NPUSNAP, "ps", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+        assert p.returncode == 0, p.stderr
+        body = json.loads(p.stdout)
+        listed = {e["pid"]: e for e in body["result"]["processes"]}
+        assert took < 3.0, took
+        assert listed[real.pid]["state"] == "RUNNING" and listed[real.pid]["agent_error"] is None
+        theirs = pwd.getpwuid(attacker[0]).pw_name
+        fake_pids = [pid for pid, e in listed.items() if e["user"] == theirs]
+        assert len(fake_pids) == n, sorted(listed)
+        assert [listed[p]["replica_of"] for p in fake_pids if listed[p]["replica_of"]] == [1]
+        for pid in fake_pids:
+            assert listed[pid]["agent_error"], listed[pid]
+            assert any(w.startswith(f"pid {pid}: ") for w in body["warnings"]), pid
+    finally:
+        real.kill()
+        os.killpg(faker.pid, signal.SIGKILL)  # the faker and the children it forked
+        real.wait()
+        faker.wait()
+        shutil.rmtree(fakes, ignore_errors=True)
