@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from npusnap_cli import paths, safefs
-from npusnap_cli.errors import CriuError, ExitCode, PreflightError
+from npusnap_cli.errors import NO_SPACE_ERRNOS, CriuError, ExitCode, NpusnapError, PreflightError, no_space
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
 _LOG = logging.getLogger("npusnap.criu")
@@ -439,7 +439,7 @@ def _agent_in_use(log_path: str) -> Optional[str]:
     return "the job's agent socket" if m2 else None
 
 
-def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> CriuError:
+def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> NpusnapError:
     errno_ = getattr(exc, "errno", None)
     excerpt = log_excerpt(log_path)
     in_use = _agent_in_use(log_path) if action == "dump" else None
@@ -463,6 +463,25 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
     details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
+    if errno_:
+        details["errno"] = errno_
+    free = _free_bytes(os.path.dirname(log_path))
+    full = errno_ in NO_SPACE_ERRNOS or any(
+        "No space left on device" in line or "Disk quota exceeded" in line for line in excerpt
+    )
+    if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
+        # A full disk (whatever else failed because of it, a plugin's write included) is exit 3
+        # like in every command; CRIU may not even have written its log, so pycriu only says
+        # "Error(0): Unknown".
+        where = os.path.dirname(os.path.dirname(log_path)) or log_path
+        details["free_bytes"] = free
+        return no_space(
+            f"CRIU {action}{target}",
+            where,
+            cause=f"{free if free is not None else '?'} bytes free",
+            fix=f"free space there (df -h {where}) or choose another directory, then retry",
+            details=details,
+        )
     known = _known_failure(excerpt)
     if known is not None:
         reason, why_known, fix, extra = known
@@ -471,21 +490,6 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
             f"CRIU {action}{target} failed: {reason}",
             why=why_known,
             fix=f"{fix} (CRIU log: {log_path})",
-            details=details,
-        )
-    if errno_:
-        details["errno"] = errno_
-    free = _free_bytes(os.path.dirname(log_path))
-    full = errno_ == errno.ENOSPC or any("No space left on device" in line for line in excerpt)
-    if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
-        # A full disk: CRIU could not even write its log, so pycriu only says "Error(0): Unknown".
-        where = os.path.dirname(os.path.dirname(log_path)) or log_path
-        details["free_bytes"] = free
-        return CriuError(
-            f"CRIU {action}{target} failed: no space left on the filesystem of {where} "
-            f"({free if free is not None else '?'} bytes free)",
-            why=f"the disk filled up while CRIU wrote the image (pycriu: {exc})",
-            fix=f"free space there (df -h {where}) or choose another directory, then retry",
             details=details,
         )
     return CriuError(

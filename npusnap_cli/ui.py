@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from npusnap_cli.errors import ExitCode, NpusnapError
+from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space
 from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
@@ -247,6 +247,7 @@ class Output:
 
     def error(self, err: NpusnapError, *, partial: Any = None) -> int:
         """Render an error; return its exit code."""
+        err = settle_no_space(err) or err  # a full disk is exit 3 in every command
         code = int(err.exit_code)
         if self.json_mode:
             self._emit({"ok": False, "exit_code": code, "result": partial, "error": err.to_dict()})
@@ -361,7 +362,11 @@ class _RichProgress:
 
 
 def unexpected(out: Output, exc: BaseException) -> int:
-    """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code."""
+    """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code,
+    unless a full disk caused it (a library's own exception around ENOSPC): that is exit 3."""
+    settled = settle_no_space(exc)
+    if settled is not None:
+        return out.error(settled)
     err = NpusnapError(
         f"internal error: {type(exc).__name__}: {exc}",
         why="this is a bug in npusnap",

@@ -22,7 +22,15 @@ from typing import Any, Optional
 
 from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
-from npusnap_cli.errors import AgentError, BusyError, DeviceError, ExitCode, TargetError
+from npusnap_cli.errors import (
+    NO_SPACE_ERRNOS,
+    AgentError,
+    BusyError,
+    DeviceError,
+    ExitCode,
+    TargetError,
+    no_space,
+)
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
@@ -338,6 +346,16 @@ class AgentClient:
             )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_MEMORY_SAVE_FAILED:
             why, fix = _save_failed(error.get("code"))
+            code = error.get("code")
+            if isinstance(code, int) and -code in NO_SPACE_ERRNOS:
+                return no_space(
+                    f"{op} in pid {pid} (the agent's copy of the device memory)",
+                    "the image",
+                    cause=message,
+                    why=why,
+                    fix=fix,
+                    details={"pid": pid, "op": op, "agent_error": error},
+                )
             return AgentDeviceError(
                 f"{op} failed in pid {pid}: {message}",
                 pid=pid,
