@@ -277,7 +277,7 @@ def register(app: typer.Typer) -> None:
                 "image size": human_bytes(m.bytes.image_bytes),
                 "device memory": human_bytes(m.bytes.device_bytes),
                 "device memory kept by": {
-                    "npusnap": "npusnap (copied before Lock, written back at restore)",
+                    "npusnap": "npusnap (copied after Lock, written back at restore)",
                     "application": "the application's hooks (--device-memory app)",
                     "lost": "nobody: DISCARDED (--device-memory discard)",
                 }.get(str(m.device_memory.get("continuity")), "-"),
