@@ -244,7 +244,7 @@ def node_problem(
     if not creating and _exists_as(n):
         return None
     what = "directory" if n.kind == "dir" else "fifo"
-    if n.uid not in set(uids):
+    if n.uid < 0 or n.uid not in set(uids):  # (-1 would leave it root's: chown's "unchanged")
         return f"host {what} {n.path} is owned by uid {n.uid}, which no process of the dumped job ran as"
     if n.mode & 0o6000:
         return f"host {what} {n.path} asks for mode {n.mode:o} (set-user/group-id)"
