@@ -28,7 +28,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
@@ -257,14 +257,14 @@ def fresh_file(dfd: int, name: str, mode: int = 0o600) -> None:
     os.close(fd)
 
 
-def open_append(path: str, mode: int = 0o600, owner: Optional[int] = None) -> int:
+def open_append(path: str, mode: int = 0o600, owners: Optional[Iterable[int]] = None) -> int:
     """Open ``path`` to append (created if missing) in its directory reached without following a
     user's symlink; the file itself is never a symlink (O_NOFOLLOW, whatever the kernel's
     protected_symlinks says), never becomes our controlling terminal (O_NOCTTY), and must be a
     regular file with one link (a hard link to another file would make root append there) owned
-    by ``owner`` (default: this user; a file another user planted in a shared directory would
-    hand them what we write)."""
-    owner = os.geteuid() if owner is None else owner
+    by one of ``owners`` (default: this user; a file another user planted in a shared directory
+    would hand them what we write)."""
+    allowed = {os.geteuid()} if owners is None else set(owners)
     parent, name = os.path.split(os.path.abspath(path))
     with dir_fd(parent, check=False, follow_root_links=True) as dfd:
         flags = (
@@ -281,8 +281,8 @@ def open_append(path: str, mode: int = 0o600, owner: Optional[int] = None) -> in
     problem = None
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         problem = "not a regular file with a single link"
-    elif st.st_uid != owner:
-        problem = f"owned by uid {st.st_uid}, not by uid {owner}"
+    elif st.st_uid not in allowed:
+        problem = f"owned by uid {st.st_uid}, not by uid {' or '.join(map(str, sorted(allowed)))}"
     if problem is not None:
         os.close(fd)
         raise UnsafePath(errno.EPERM, problem, path)

@@ -601,7 +601,9 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
+        # No user's symlink on the way, no hard link; the file is ours or the job's user's.
+        owners = {os.geteuid(), *(p.uid for p in manifest.processes if p.uid >= 0)}
+        out = safefs.open_append(str(pipe_to), owners=owners)
     except OSError as exc:
         raise PreflightError(
             f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
