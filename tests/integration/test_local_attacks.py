@@ -320,6 +320,12 @@ def test_pipe_to_never_appends_through_a_users_link(
     os.write(fd, b"line\n")
     os.close(fd)
     assert (shared / "job.log").read_text() == "line\n"
+    # The job's user's own log (restore --pipe-to passes the job's uids): theirs to receive; a
+    # file of anyone else's is refused.
+    as_user(attacker, f"touch {shared}/user.log")
+    with pytest.raises(safefs.UnsafePath, match="owned by uid"):
+        safefs.open_append(str(shared / "user.log"))
+    os.close(safefs.open_append(str(shared / "user.log"), owners={0, attacker[0]}))
     _untouched(victim)
 
 
