@@ -696,13 +696,21 @@ def make_host_nodes(
 
 
 def remove_host_nodes(made: list[str]) -> None:
-    """Undo ``make_host_nodes`` after a failed restore: the empty directories and FIFOs it made."""
+    """Undo ``make_host_nodes`` after a failed restore: the empty directories and FIFOs it made.
+
+    Each is removed in its directory reached without following a symlink: the node's owner may
+    have swapped a directory of the path for a link to one of root's since restore made it."""
     for path in reversed(made):
+        parent, name = _split_parent(path)
         try:
-            if stat.S_ISFIFO(os.lstat(path).st_mode):
-                os.unlink(path)
-            else:
-                os.rmdir(path)
+            with safefs.dir_fd(parent, check=False) as dfd:
+                st = safefs.lstat_at(dfd, name)
+                if st is None:
+                    continue
+                if stat.S_ISFIFO(st.st_mode):
+                    os.unlink(name, dir_fd=dfd)
+                elif stat.S_ISDIR(st.st_mode):
+                    os.rmdir(name, dir_fd=dfd)  # (only if still empty)
         except OSError:
             continue
 

@@ -606,3 +606,26 @@ def test_ps_is_not_slowed_by_silent_fake_agents(
         real.wait()
         faker.wait()
         shutil.rmtree(fakes, ignore_errors=True)
+
+
+def test_undoing_host_nodes_never_follows_a_swapped_directory(
+    attacker: tuple[int, int], victim: Path, open_dir: Path
+) -> None:
+    """A failed restore removes the directories and FIFOs it made; their owner may have swapped a
+    directory of the path for a symlink to root's meanwhile: nothing there is removed."""
+    base = open_dir / "nodes"
+    base.mkdir()
+    os.chown(base, *attacker)
+    uid, gid = attacker
+    nodes = [
+        hostres.HostNode(path=f"{base}/d", kind="dir", mode=0o700, uid=uid, gid=gid, why="x"),
+        hostres.HostNode(path=f"{base}/d/fifo", kind="fifo", mode=0o600, uid=uid, gid=gid, why="x"),
+    ]
+    made = hostres.make_host_nodes(nodes, uids={uid})
+    assert made == [n.path for n in nodes]
+    os.mkfifo(victim / "fifo")  # root's FIFO of the same name elsewhere
+    as_user(attacker, f"mv {base}/d {base}/d.away && ln -s {victim} {base}/d")
+    hostres.remove_host_nodes(made)
+    assert stat.S_ISFIFO(os.lstat(victim / "fifo").st_mode)
+    os.unlink(victim / "fifo")
+    _untouched(victim)
