@@ -226,3 +226,20 @@ def _raise_from(err: Exception, cause: BaseException) -> None:
         raise cause
     except BaseException:
         raise err from None
+
+
+def test_restore_dry_run_reports_a_full_disk_with_the_tables_code(
+    small_image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`restore --dry-run` exits with its first problem's code: a check that ran out of space
+    (CRIU's log directory, a pidfile's) is the table's code there too."""
+    from npusnap_cli.pipelines import restorecheck
+    from npusnap_cli.pipelines.restore import Check, RestoreOptions
+
+    def full(_pf: object) -> str:
+        _raise_from(UsageError("cannot write CRIU's restore log"), _enospc())
+        return ""
+
+    monkeypatch.setattr(restorecheck, "CHECKS", [Check("logs", "where CRIU's log goes", full)])
+    [result] = restorecheck.run_checks(small_image, RestoreOptions())
+    assert result.status == "problem" and result.exit_code == NO_SPACE
