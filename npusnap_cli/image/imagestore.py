@@ -25,6 +25,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -324,10 +325,27 @@ def update_latest(image: Path) -> str:
             why="npusnap keeps `latest` as a symlink to the newest image",
             fix=f"move {link} away, or dump without --latest",
         )
-    tmp = parent / f".{LATEST}.npusnap-tmp-{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    os.symlink(image.name, tmp)
+        owner = os.lstat(link).st_uid
+        if owner != os.geteuid():
+            # In a shared directory that name may be another user's: replacing it is removing
+            # their file, and it was never our pointer.
+            raise UsageError(
+                f"{link} belongs to uid {owner}: not replacing it",
+                why="npusnap replaces only a `latest` it made itself",
+                fix=f"look at it (ls -l {link}); remove it if it is not wanted, or dump without --latest",
+            )
+    # A new name nobody could have planted (symlink() fails on an existing one): never an unlink
+    # of whatever a user put at a predictable name.
+    for _ in range(16):
+        tmp = parent / f".{LATEST}.npusnap-tmp-{secrets.token_hex(6)}"
+        try:
+            os.symlink(image.name, tmp)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise UsageError(f"cannot make a temporary name for {link}", fix=f"look at {parent}")
     try:
         os.replace(tmp, link)
     except OSError:

@@ -629,3 +629,24 @@ def test_undoing_host_nodes_never_follows_a_swapped_directory(
     assert stat.S_ISFIFO(os.lstat(victim / "fifo").st_mode)
     os.unlink(victim / "fifo")
     _untouched(victim)
+
+
+def test_latest_is_never_a_users_planted_name(
+    attacker: tuple[int, int], open_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dump --latest in a sticky directory: a `latest` another user put there, or a file at the
+    temporary name an older npusnap used, is neither replaced nor removed."""
+    from npusnap_cli.image import imagestore
+
+    shared = open_dir / "snaps"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    tmp, final = _build(shared, "root-0")
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    as_user(attacker, f"touch {shared}/.latest.npusnap-tmp-{os.getpid()} && ln -s /etc {shared}/latest")
+    with pytest.raises(UsageError, match="belongs to uid"):
+        imagestore.update_latest(final)
+    assert os.readlink(shared / "latest") == "/etc"
+    (shared / "latest").unlink()
+    assert os.readlink(imagestore.update_latest(final)) == "root-0"
+    assert (shared / f".latest.npusnap-tmp-{os.getpid()}").stat().st_uid == attacker[0]
