@@ -135,7 +135,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         "`criu check`, lock, device backup, CRIU, checksums, fsync, rename, killing the original). "
         "*Device backup* is CANN's Backup: on the truthful simulator (as in CANN's legacy flow) it "
         "saves runtime state only, not the application's allocations, so it is near zero. The "
-        "job's device memory is copied by npusnap itself before Lock, straight into the image's "
+        "job's device memory is copied by npusnap itself after Lock, straight into the image's "
         "`device/devmem-PID.bin` (docs/device-memory.md): that copy is inside the *lock* column of "
         "the next table, and inside the ratios.",
         "",
@@ -532,7 +532,7 @@ def _device_file_section(plan: Plan, data: Samples) -> list[str]:
         "## Device memory written straight into the image",
         "",
         f"At {sz} MiB: the agent writes its copy of the device memory into the image's "
-        "`device/devmem-PID.bin` before Lock (the default), against the copy held in the process's "
+        "`device/devmem-PID.bin` after Lock (the default), against the copy held in the process's "
         "memory for CRIU to save with the rest (`NPUSNAP_DEVMEM_IN_PROCESS=1`, how it was done "
         "before). The bytes are written once instead of twice, and CRIU dumps and restores only "
         "the host memory.",

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from npusnap_cli import paths
-from npusnap_cli.errors import CriuError, ExitCode, PreflightError
+from npusnap_cli import paths, safefs
+from npusnap_cli.errors import NO_SPACE_ERRNOS, CriuError, ExitCode, NpusnapError, PreflightError, no_space
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
 _LOG = logging.getLogger("npusnap.criu")
@@ -439,7 +439,7 @@ def _agent_in_use(log_path: str) -> Optional[str]:
     return "the job's agent socket" if m2 else None
 
 
-def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> CriuError:
+def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> NpusnapError:
     errno_ = getattr(exc, "errno", None)
     excerpt = log_excerpt(log_path)
     in_use = _agent_in_use(log_path) if action == "dump" else None
@@ -463,6 +463,25 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
     details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
+    if errno_:
+        details["errno"] = errno_
+    free = _free_bytes(os.path.dirname(log_path))
+    full = errno_ in NO_SPACE_ERRNOS or any(
+        "No space left on device" in line or "Disk quota exceeded" in line for line in excerpt
+    )
+    if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
+        # A full disk (whatever else failed because of it, a plugin's write included) is exit 3
+        # like in every command; CRIU may not even have written its log, so pycriu only says
+        # "Error(0): Unknown".
+        where = os.path.dirname(os.path.dirname(log_path)) or log_path
+        details["free_bytes"] = free
+        return no_space(
+            f"CRIU {action}{target}",
+            where,
+            cause=f"{free if free is not None else '?'} bytes free",
+            fix=f"free space there (df -h {where}) or choose another directory, then retry",
+            details=details,
+        )
     known = _known_failure(excerpt)
     if known is not None:
         reason, why_known, fix, extra = known
@@ -471,21 +490,6 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
             f"CRIU {action}{target} failed: {reason}",
             why=why_known,
             fix=f"{fix} (CRIU log: {log_path})",
-            details=details,
-        )
-    if errno_:
-        details["errno"] = errno_
-    free = _free_bytes(os.path.dirname(log_path))
-    full = errno_ == errno.ENOSPC or any("No space left on device" in line for line in excerpt)
-    if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
-        # A full disk: CRIU could not even write its log, so pycriu only says "Error(0): Unknown".
-        where = os.path.dirname(os.path.dirname(log_path)) or log_path
-        details["free_bytes"] = free
-        return CriuError(
-            f"CRIU {action}{target} failed: no space left on the filesystem of {where} "
-            f"({free if free is not None else '?'} bytes free)",
-            why=f"the disk filled up while CRIU wrote the image (pycriu: {exc})",
-            fix=f"free space there (df -h {where}) or choose another directory, then retry",
             details=details,
         )
     return CriuError(
@@ -571,6 +575,49 @@ def _free_bytes(path: str) -> Optional[int]:
 
 def _open_dir(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def open_work_dir(work_dir: str, names: tuple[str, ...]) -> int:
+    """An fd of CRIU's work directory with each of ``names`` made a fresh file of ours.
+
+    CRIU (run as root) opens its log and statistics in the work directory by name with O_CREAT |
+    O_TRUNC, following links: a hard link or symlink planted there as ``restore.log`` would make
+    it overwrite another file (an image's logs/ travels with the image). So the directory is
+    taken as an fd (not a symlink; root's or ours, writable by nobody else unless sticky) and
+    each name is a file we just created (safefs.fresh_file); the fd is what CRIU gets."""
+    try:
+        fd = os.open(work_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _unsafe_work_dir(work_dir, work_dir, "a symbolic link") from None
+    try:
+        try:
+            safefs.check_dir(os.fstat(fd), work_dir, os.geteuid())
+        except safefs.UnsafePath as exc:
+            raise _unsafe_work_dir(work_dir, work_dir, exc.strerror or "unsafe") from None
+        for name in names:
+            try:
+                safefs.fresh_file(fd, name)
+            except safefs.UnsafePath as exc:
+                raise _unsafe_work_dir(
+                    work_dir, os.path.join(work_dir, name), exc.strerror or "unsafe"
+                ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unsafe_work_dir(work_dir: str, path: str, what: str) -> PreflightError:
+    return PreflightError(
+        f"refusing to let CRIU write its log in {work_dir}: {path} is {what}",
+        why="CRIU runs as root and opens its log and statistics there by name, following links and "
+        "truncating: whatever that name points to, or is a second name of, would be overwritten",
+        fix=f"look at it (ls -li {path}); remove it if it is not yours (rm {path}), or pass --logs "
+        "with a private directory; then run the command again",
+        details={"path": path},
+    )
 
 
 def _apply_options(opts: Any, options: CriuOptions) -> None:
@@ -705,14 +752,18 @@ class _Session:
 
 @contextlib.contextmanager
 def _session(
-    binary: CriuBinary, images_dir: str, work_dir: str, log_name: str, options: CriuOptions
+    binary: CriuBinary, images_dir: str, work_dir: str, log_name: str, options: CriuOptions, stats: str
 ) -> Iterator[_Session]:
     """Our own ``criu swrk`` with directories, log and options set."""
     from pycriu import rpc_pb2 as rpc
 
     img_fd = _open_dir(images_dir)
-    work_fd = _open_dir(work_dir)
     swrk: Optional[_Swrk] = None
+    try:
+        work_fd = open_work_dir(work_dir, (log_name, stats))
+    except BaseException:
+        os.close(img_fd)
+        raise
     try:
         opts = rpc.criu_opts()
         swrk = _Swrk(binary, tuple(fd for _key, fd in options.inherit_fd))
@@ -751,7 +802,7 @@ def dump(
     log_path = os.path.join(work_dir, log_name)
     start = time.monotonic()
     _LOG.info("CRIU dump of pid %d into %s, options %s; log %s", pid, images_dir, options.to_dict(), log_path)
-    with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
+    with _session(binary or find_criu(), images_dir, work_dir, log_name, options, STATS_DUMP_FILE) as c:
         c.opts.pid = pid
         try:
             c.call("DUMP", on_notify)
@@ -779,7 +830,7 @@ def restore(
     log_path = os.path.join(work_dir, log_name)
     start = time.monotonic()
     _LOG.info("CRIU restore from %s, options %s; log %s", images_dir, options.to_dict(), log_path)
-    with _session(binary or find_criu(), images_dir, work_dir, log_name, options) as c:
+    with _session(binary or find_criu(), images_dir, work_dir, log_name, options, STATS_RESTORE_FILE) as c:
         try:
             resp = c.call("RESTORE", on_notify)
         except pycriu.CRIUException as exc:
@@ -884,6 +935,7 @@ class LazyPagesDaemon:
         self._socket = os.path.join(work_dir, LAZY_SOCKET)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
+        os.close(open_work_dir(work_dir, (LAZY_LOG,)))  # (criu lazy-pages takes -W as a path)
         r, w = os.pipe()
         try:
             argv = [binary.path, "lazy-pages", "-D", images_dir, "-W", work_dir, "-o", LAZY_LOG]

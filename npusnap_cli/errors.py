@@ -16,6 +16,8 @@ plus optional ``details`` (for example a CRIU log path and its relevant lines).
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any, Optional
 
 from npusnap_cli import contract
@@ -96,6 +98,70 @@ class BusyError(PreflightError):
 
     exit_code = ExitCode.BUSY
     kind = "busy"
+
+
+class NoSpaceError(PreflightError):
+    """A full disk or an exhausted quota (ENOSPC, EDQUOT), in whatever command and stage it
+    happens: always exit 3, the host's problem (docs/exit-codes.md), never the stage's code (a
+    CRIU write, an agent's copy, an archive's compressor): a runbook tests one code for it."""
+
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def no_space_cause(exc: BaseException) -> Optional[OSError]:
+    """The ENOSPC/EDQUOT OSError that ``exc`` is or was raised from (its cause or context): a
+    library may wrap it (zstandard's compressor reports a failed write as its own ZstdError)."""
+    seen: set[int] = set()
+    cur: Optional[BaseException] = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in NO_SPACE_ERRNOS:
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def no_space(
+    what: str,
+    where: object,
+    *,
+    cause: Optional[str] = None,
+    why: str = "",
+    fix: str = "",
+    details: Optional[dict[str, Any]] = None,
+) -> NoSpaceError:
+    """The one report of a full disk: what failed, the filesystem to free, the next step."""
+    return NoSpaceError(
+        f"{what} failed: no space left on the filesystem of {where}" + (f" ({cause})" if cause else ""),
+        why=why or f"the filesystem of {where} has no space (or quota) left",
+        fix=fix or f"free space there (see `df -h {where}`), or write elsewhere; then run the command again",
+        details={"where": str(where), **(details or {})},
+    )
+
+
+def settle_no_space(err: BaseException) -> Optional[NpusnapError]:
+    """``err`` as the error to report when a full disk caused it (a NoSpaceError that keeps its
+    message, fix and details), else None. An error that says more than "no space" keeps its own
+    code: a rollback that failed (9), an interruption (130), something busy (11)."""
+    if isinstance(err, (NoSpaceError, StateUnknownError, InterruptedError_, BusyError, ContinuityError)):
+        return None
+    cause = no_space_cause(err)
+    if cause is None:
+        return None
+    if not isinstance(err, NpusnapError):
+        where = os.path.dirname(cause.filename) if isinstance(cause.filename, str) else "the disk written to"
+        return no_space("writing", where or "/", cause=cause.strerror, details={"errno": cause.errno})
+    settled = NoSpaceError(
+        err.message,
+        why=f"{cause.strerror}: the filesystem written to has no space (or quota) left",
+        fix=err.fix
+        or "free space where npusnap writes (see `df -h`), or write elsewhere; then run the command again",
+        details={**err.details, "errno": cause.errno},
+    )
+    if cause.filename is not None:
+        settled.details.setdefault("path", str(cause.filename))
+    return settled
 
 
 class ImageError(NpusnapError):

@@ -51,6 +51,19 @@ def criu_plugin_dir() -> Path:
     return build_dir() / "criu-plugin"
 
 
+def state_dir() -> Path:
+    """npusnap's own records on this node (its history, the images its dumps made): root's
+    ``/var/lib/npusnap``; others' ``$XDG_STATE_HOME/npusnap`` or ``~/.local/state/npusnap``;
+    ``NPUSNAP_STATE_DIR`` overrides."""
+    override = os.environ.get("NPUSNAP_STATE_DIR")
+    if override:
+        return Path(override)
+    if os.geteuid() == 0:
+        return Path("/var/lib/npusnap")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "npusnap"
+
+
 def native_src_dir() -> Path:
     return REPO_ROOT / "native"
 

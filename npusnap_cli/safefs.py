@@ -28,7 +28,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
@@ -238,18 +238,56 @@ def open_read_at(dfd: int, name: str) -> int:
     return fd
 
 
-def open_append(path: str, mode: int = 0o600) -> int:
+def fresh_file(dfd: int, name: str, mode: int = 0o600) -> None:
+    """Make ``name`` in ``dfd`` a new, empty file of ours for another program that opens it by
+    name, following links and truncating (CRIU's log and statistics). What is there already is
+    removed only if it is a regular file of ours with a single link (the last run's log); a
+    symlink, a hard link (it would make that program overwrite the other file) or another user's
+    file is left alone and refused."""
+    st = lstat_at(dfd, name)
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(errno.EPERM, "not a regular file (a symbolic link?)", name)
+        if st.st_nlink != 1:
+            raise UnsafePath(errno.EPERM, f"a hard link ({st.st_nlink} names of one file)", name)
+        if st.st_uid != os.geteuid():
+            raise UnsafePath(errno.EPERM, f"owned by uid {st.st_uid}", name)
+        os.unlink(name, dir_fd=dfd)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+    os.close(fd)
+
+
+def open_append(path: str, mode: int = 0o600, owners: Optional[Iterable[int]] = None) -> int:
     """Open ``path`` to append (created if missing) in its directory reached without following a
-    user's symlink; an existing file must be a regular file with one link (a hard link to another
-    file would make root append there)."""
+    user's symlink; the file itself is never a symlink (O_NOFOLLOW, whatever the kernel's
+    protected_symlinks says), never becomes our controlling terminal (O_NOCTTY), and must be a
+    regular file with one link (a hard link to another file would make root append there) owned
+    by one of ``owners`` (default: this user; a file another user planted in a shared directory
+    would hand them what we write)."""
+    allowed = {os.geteuid()} if owners is None else set(owners)
     parent, name = os.path.split(os.path.abspath(path))
     with dir_fd(parent, check=False, follow_root_links=True) as dfd:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags = (
+            os.O_WRONLY
+            | os.O_APPEND
+            | os.O_CREAT
+            | os.O_NOFOLLOW
+            | os.O_NOCTTY
+            | os.O_NONBLOCK
+            | os.O_CLOEXEC
+        )
         fd = os.open(name, flags, mode, dir_fd=dfd)
     st = os.fstat(fd)
+    problem = None
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        problem = "not a regular file with a single link"
+    elif st.st_uid not in allowed:
+        problem = f"owned by uid {st.st_uid}, not by uid {' or '.join(map(str, sorted(allowed)))}"
+    if problem is not None:
         os.close(fd)
-        raise UnsafePath(errno.EPERM, "not a regular file with a single link", path)
+        raise UnsafePath(errno.EPERM, problem, path)
+    # (O_NONBLOCK was only for the open: a FIFO planted at the name must not block us)
+    os.set_blocking(fd, True)
     return fd
 
 

@@ -22,16 +22,53 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from npusnap_cli.errors import ExitCode, NpusnapError
+from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space
 from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
+
+# C0 and C1 controls (ESC starts an ANSI sequence; CR and a newline forge lines), DEL, and the
+# Unicode line separators and bidirectional overrides, which reorder what a terminal shows.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(m: re.Match[str]) -> str:
+    ch = m.group()
+    return _NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+
+
+def safe_text(value: object) -> str:
+    """``value`` as one line of plain text a terminal shows as it is: every control character,
+    ANSI escape, newline and bidi override written as a visible escape (``\\x1b``, ``\\n``).
+
+    Job command lines, paths, image fields and agent replies are chosen by whoever started the
+    job or wrote the image, possibly another user than the one reading root's ``ps``: what they
+    chose must neither repaint the terminal nor forge a line. Everything printed for people goes
+    through here and is then printed as rich ``Text`` (never parsed as markup, so ``[/]`` in a
+    command line is text, not a markup error)."""
+    return _UNSAFE.sub(_escaped, "" if value is None else str(value))
+
+
+def _markup_safe(value: object) -> str:
+    """``safe_text`` for the few places rich parses as markup (a progress bar's description)."""
+    from rich.markup import escape
+
+    return str(escape(safe_text(value)))
+
+
+def plain(value: object, style: Optional[str] = None) -> Any:
+    """``safe_text(value)`` as a rich Text (``style`` for all of it): rendered, never parsed."""
+    from rich.text import Text
+
+    return Text(safe_text(value), style=style or "")
 
 
 class Output:
@@ -83,7 +120,7 @@ class Output:
     # -- human output (suppressed in JSON mode, which keeps stderr for logs only) ---------------
     def line(self, text: str = "", style: Optional[str] = None) -> None:
         if not self.json_mode and not self.quiet:
-            self.console.print(text, style=style, markup=False)
+            self.console.print(plain(text, style))
 
     def ok(self, text: str) -> None:
         self.line(f"✔ {text}", style="green")
@@ -92,7 +129,7 @@ class Output:
         """A warning: on stderr for people (also with --quiet), in ``warnings[]`` for --json."""
         self.warnings.append(text)
         if not self.json_mode:
-            self.console.print(f"! {text}", style="yellow", markup=False)
+            self.console.print(plain(f"! {text}", "yellow"))
 
     def record_warning(self, text: str) -> None:
         """A warning people already saw in a table row: into ``warnings[]`` only."""
@@ -101,24 +138,30 @@ class Output:
     def info(self, text: str) -> None:
         """A progress note (a phase starting), on stderr in human mode unless --quiet."""
         if not self.json_mode and not self.quiet:
-            self.console.print(text, style="dim", markup=False)
+            self.console.print(plain(text, "dim"))
 
     def debug(self, text: str) -> None:
         if self.verbose and not self.json_mode:
-            self.console.print(text, style="dim", markup=False)
+            self.console.print(plain(text, "dim"))
         elif self.verbose:
-            print(text, file=sys.stderr)
+            print(safe_text(text), file=sys.stderr)
 
     def kv(self, title: str, items: Mapping[str, Any], *, stream: str = "stdout") -> None:
         if self.json_mode:
             return
         from rich.table import Table
 
-        table = Table(title=title, show_header=False, box=None, title_justify="left", pad_edge=False)
+        table = Table(
+            title=plain(title, "table.title"),
+            show_header=False,
+            box=None,
+            title_justify="left",
+            pad_edge=False,
+        )
         table.add_column(style="bold", no_wrap=True)
         table.add_column(overflow="fold")
         for key, value in items.items():
-            table.add_row(str(key), "" if value is None else str(value))
+            table.add_row(plain(key), plain(value))
         self._print(stream, table)
 
     def table(
@@ -139,12 +182,12 @@ class Output:
             return
         from rich.table import Table
 
-        table = Table(title=title, title_justify="left")
+        table = Table(title=plain(title, "table.title"), title_justify="left")
         for col in columns:
-            table.add_column(col, overflow="fold")
+            table.add_column(plain(col), overflow="fold")
         for i, row in enumerate(rows):
             style = styles[i] if styles and i < len(styles) else None
-            table.add_row(*("" if c is None else str(c) for c in row), style=style)
+            table.add_row(*(plain(c) for c in row), style=style)
         self._print(stream, table)
 
     def tree(self, title: str, nodes: Sequence[tuple[int, str]], *, stream: str = "stdout") -> None:
@@ -153,12 +196,12 @@ class Output:
             return
         from rich.tree import Tree
 
-        root = Tree(title)
+        root = Tree(plain(title))
         stack: list[tuple[int, Any]] = [(-1, root)]
         for depth, label in nodes:
             while stack and stack[-1][0] >= depth:
                 stack.pop()
-            node = stack[-1][1].add(label)
+            node = stack[-1][1].add(plain(label))
             stack.append((depth, node))
         self._print(stream, root)
 
@@ -167,12 +210,12 @@ class Output:
         """Show a phase starting and how long it took (human mode only)."""
         start = time.monotonic()
         if not self.json_mode and not self.quiet:
-            self.console.print(f"… {label}", style="dim", markup=False)
+            self.console.print(plain(f"… {label}", "dim"))
         try:
             yield
         finally:
             if not self.json_mode and not self.quiet:
-                self.console.print(f"  {label}: {time.monotonic() - start:.2f}s", style="dim", markup=False)
+                self.console.print(plain(f"  {label}: {time.monotonic() - start:.2f}s", "dim"))
 
     @contextmanager
     def progress(self, label: str, total: Optional[int]) -> Iterator[Any]:
@@ -193,7 +236,7 @@ class Output:
             console=self.console,
             transient=False,
         ) as prog:
-            task = prog.add_task(label, total=total)
+            task = prog.add_task(_markup_safe(label), total=total)
             yield _RichProgress(prog, task)
 
     # -- the result ---------------------------------------------------------------------------
@@ -204,26 +247,27 @@ class Output:
 
     def error(self, err: NpusnapError, *, partial: Any = None) -> int:
         """Render an error; return its exit code."""
+        err = settle_no_space(err) or err  # a full disk is exit 3 in every command
         code = int(err.exit_code)
         if self.json_mode:
             self._emit({"ok": False, "exit_code": code, "result": partial, "error": err.to_dict()})
             return code
-        self.console.print(f"✘ {err.message}", style="bold red", markup=False)
+        self.console.print(plain(f"✘ {err.message}", "bold red"))
         if err.why:
-            self.console.print(f"  why: {err.why}", markup=False)
+            self.console.print(plain(f"  why: {err.why}"))
         if err.fix:
-            self.console.print(f"  fix: {err.fix}", markup=False)
+            self.console.print(plain(f"  fix: {err.fix}"))
         for key, value in err.details.items():
             if isinstance(value, dict) or (
                 isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)
             ):
                 continue  # structured detail is for --json
             if isinstance(value, list):
-                self.console.print(f"  {key}:", markup=False)
+                self.console.print(plain(f"  {key}:"))
                 for item in value:
-                    self.console.print(f"    {item}", style="dim", markup=False)
+                    self.console.print(plain(f"    {item}", "dim"))
             else:
-                self.console.print(f"  {key}: {value}", style="dim", markup=False)
+                self.console.print(plain(f"  {key}: {value}", "dim"))
         return code
 
     def _emit(self, body: dict[str, Any]) -> None:
@@ -314,11 +358,15 @@ class _RichProgress:
 
     def describe(self, text: str) -> None:
         """Say what the bar is doing, or waiting for."""
-        self._prog.update(self._task, description=text)
+        self._prog.update(self._task, description=_markup_safe(text))
 
 
 def unexpected(out: Output, exc: BaseException) -> int:
-    """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code."""
+    """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code,
+    unless a full disk caused it (a library's own exception around ENOSPC): that is exit 3."""
+    settled = settle_no_space(exc)
+    if settled is not None:
+        return out.error(settled)
     err = NpusnapError(
         f"internal error: {type(exc).__name__}: {exc}",
         why="this is a bug in npusnap",

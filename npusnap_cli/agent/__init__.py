@@ -27,7 +27,7 @@ do nothing.
 Device memory (docs/device-memory.md): under ``npusnap run`` every aclrtMalloc is seen and kept
 across a snapshot. Otherwise, or for memory npusnap cannot see being allocated, declare it::
 
-    agent.register_buffer(dev_ptr, nbytes)   # npusnap copies it before Lock, back after Restore
+    agent.register_buffer(dev_ptr, nbytes)   # npusnap copies it after Lock, back after Restore
     agent.exclude_buffer(kv_ptr, nbytes)     # needs no copy (scratch, a KV cache to recompute)
 """
 

@@ -12,6 +12,7 @@ as the CLI, whatever Python (3.9+) the target runs.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import select
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli import elf
+from npusnap_cli import elf, safefs
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
 from npusnap_cli.host import iouring
@@ -236,10 +237,30 @@ def detach(plan: LaunchPlan, output: Optional[Path], pid_ns: bool = False) -> in
     """
     out_path = str(output) if output is not None else os.devnull
     try:
-        out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        if output is None:
+            out_fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        else:
+            # --output may name a file in a shared directory (/tmp): a symlink or hard link a
+            # user planted there must not make us append to another file (as root: any file).
+            out_fd = safefs.open_append(out_path, 0o644)
+    except safefs.UnsafePath as exc:
+        raise UsageError(
+            f"refusing {out_path} for the program's output: {exc.strerror}",
+            why="the output file is opened without following a symbolic link, and must be a regular "
+            "file of yours with a single link: otherwise whoever planted it chooses what file the "
+            "job's output goes to (or reads it)",
+            fix="pass a new file name to --output, in a directory only you can write to",
+            details={"output": out_path, "unsafe": exc.filename},
+        ) from None
     except OSError as exc:
+        why = (
+            "it is a symbolic link (never followed), or a directory on the way is"
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR)
+            else ""
+        )
         raise UsageError(
             f"cannot open {out_path} for the program's output: {exc.strerror}",
+            why=why,
             fix="pass a writable file to --output",
         ) from None
     null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)

@@ -277,7 +277,7 @@ def register(app: typer.Typer) -> None:
                 "image size": human_bytes(m.bytes.image_bytes),
                 "device memory": human_bytes(m.bytes.device_bytes),
                 "device memory kept by": {
-                    "npusnap": "npusnap (copied before Lock, written back at restore)",
+                    "npusnap": "npusnap (copied after Lock, written back at restore)",
                     "application": "the application's hooks (--device-memory app)",
                     "lost": "nobody: DISCARDED (--device-memory discard)",
                 }.get(str(m.device_memory.get("continuity")), "-"),
@@ -332,6 +332,9 @@ def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) ->
     from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
     done: dict[str, Any] = {"latest": None, "removed": []}
+    # Every image this command publishes is noted as ours, so that a later --keep-last can tell
+    # it from a look-alike another user put beside it.
+    imagestore.record_own(image)
     if latest:
         done["latest"] = imagestore.update_latest(image)
         out.line(f"{done['latest']} -> {image.name}")

@@ -6,21 +6,33 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 
+MIN_AGENT_WAIT_S = 0.5  # what the agents get however slow the start was: a live one answers in ms
+
 
 def register(app: typer.Typer) -> None:
     @app.command(epilog=epilog("ps"))
     def ps(
         ctx: typer.Context,
-        timeout: float = typer.Option(2.0, "--timeout", min=0.1, help="Seconds to wait for each agent."),
+        timeout: float = typer.Option(
+            2.0,
+            "--timeout",
+            min=0.1,
+            help="Seconds, counted from the command's start, within which every agent must have "
+            "answered (they are asked in parallel); one that has not is listed with a warning.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """List every process on this node with an npusnap agent: its state, who holds its lock
-        (and whether that command still runs), its lease and its last snapshot."""
-        from npusnap_cli.host import nodeview  # lazy: --help cost (check_imports.py --costs)
+        """List every process on this node with an npusnap agent (replicas restored by
+        `restore --replicas` included): its state, who holds its lock (and whether that command
+        still runs), its lease and its last snapshot."""
+        from npusnap_cli.host import nodeview, procfs  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "ps", json_flag)
         clean_stale_sockets(out)
-        procs = nodeview.processes(timeout=timeout)
+        # Counted from the process's start: on a loaded node the interpreter's start-up alone can
+        # take a second, and `ps` is to end within about --timeout whatever the agents do.
+        spent = procfs.age() or 0.0
+        procs = nodeview.processes(timeout=max(MIN_AGENT_WAIT_S, timeout - spent))
         rows = []
         for p in procs:
             lease = p.get("lease") or {}
@@ -33,7 +45,8 @@ def register(app: typer.Typer) -> None:
                 (
                     p["pid"],
                     p.get("user") or "?",
-                    " ".join(p.get("cmdline") or []) or "?",
+                    (" ".join(p.get("cmdline") or []) or "?")
+                    + (f" (replica of {p['replica_of']})" if p.get("replica_of") else ""),
                     p.get("state") or ("agent error" if p.get("agent_error") else "-"),
                     f"{lease.get('remaining_s')}s left" if lease.get("active") else "-",
                     nodeview.owner_text(p.get("owner"), lease),

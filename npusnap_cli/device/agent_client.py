@@ -22,11 +22,20 @@ from typing import Any, Optional
 
 from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
-from npusnap_cli.errors import AgentError, BusyError, DeviceError, ExitCode, TargetError
+from npusnap_cli.errors import (
+    NO_SPACE_ERRNOS,
+    AgentError,
+    BusyError,
+    DeviceError,
+    ExitCode,
+    TargetError,
+    no_space,
+)
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
-# lock copies the job's device memory to host first, unlock writes it back: both scale with it.
+# lock copies the job's device memory once the runtime is locked, unlock writes it back: both
+# scale with it.
 OP_TIMEOUTS = {"lock": 900.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 900.0}
 _UCRED = struct.Struct("3i")
 
@@ -338,6 +347,16 @@ class AgentClient:
             )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_MEMORY_SAVE_FAILED:
             why, fix = _save_failed(error.get("code"))
+            code = error.get("code")
+            if isinstance(code, int) and -code in NO_SPACE_ERRNOS:
+                return no_space(
+                    f"{op} in pid {pid} (the agent's copy of the device memory)",
+                    "the image",
+                    cause=message,
+                    why=why,
+                    fix=fix,
+                    details={"pid": pid, "op": op, "agent_error": error},
+                )
             return AgentDeviceError(
                 f"{op} failed in pid {pid}: {message}",
                 pid=pid,
@@ -484,8 +503,8 @@ def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
 
 
 def _save_failed(code: Any) -> tuple[str, str]:
-    """(why, fix) of an agent that could not copy the device memory before Lock (``code``:
-    -errno); nothing was locked."""
+    """(why, fix) of an agent that could not copy the device memory after Lock (``code``:
+    -errno); the agent unlocked it again, so nothing stays locked."""
     n = -code if isinstance(code, int) and code < 0 else 0
     if n in (errno.ENOSPC, errno.EDQUOT):
         return (

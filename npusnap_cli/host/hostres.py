@@ -41,6 +41,7 @@ from npusnap_cli.image.hostrecords import ExternalStdio as ExternalStdio
 from npusnap_cli.image.hostrecords import HostFile as HostFile
 from npusnap_cli.image.hostrecords import HostNode as HostNode
 from npusnap_cli.image.hostrecords import check_host_files as check_host_files
+from npusnap_cli.image.hostrecords import node_problem as _node_problem
 from npusnap_cli.image.hostrecords import on_mounts as _on
 from npusnap_cli.image.hostrecords import place_problem as _place_problem
 from npusnap_cli.image.hostrecords import split_parent as _split_parent
@@ -338,10 +339,10 @@ def _refuse_host_files(problems: list[str]) -> None:
     if problems:
         raise ImageError(
             f"the image asks to write a host file it may not: {problems[0]}",
-            why="restore writes, as root, only the tmpfs files a dump recorded, as the job had them; "
-            "this image's host_files were crafted or edited (or dumped on a host whose tmpfs "
-            "mounts differ from this one's)",
-            fix="do not restore this image; `npusnap inspect DIR` lists its host files",
+            why="restore writes, as root, only the tmpfs files, directories and FIFOs a dump "
+            "recorded, as the job had them; this image's host_files or host_nodes were crafted or "
+            "edited (or dumped on a host whose tmpfs mounts differ from this one's)",
+            fix="do not restore this image; `npusnap inspect DIR` lists its host files and nodes",
             details={"problems": problems},
         )
 
@@ -662,11 +663,25 @@ def check_host_nodes(nodes: Iterable[HostNode]) -> list[HostNode]:
     return todo
 
 
-def make_host_nodes(nodes: list[HostNode]) -> list[str]:
-    """Create the nodes (parents first); the paths made, for ``remove_host_nodes`` on failure."""
+def make_host_nodes(
+    nodes: list[HostNode], uids: Optional[Iterable[int]] = None, all_nodes: Iterable[HostNode] = ()
+) -> list[str]:
+    """Create the nodes (parents first); the paths made, for ``remove_host_nodes`` on failure.
+
+    ``uids`` (the users the dumped job ran as): each node is checked again, as one about to be
+    created, right before it is made: what restore's preflight saw exist may be gone by now,
+    and root must never create a node the image-trust rule refuses."""
     made: list[str] = []
+    mounts = tmpfs_mounts()
+    context = list(all_nodes) or nodes
     try:
         for n in nodes:
+            if uids is not None:
+                problem = _node_problem(n, uids, mounts, context, creating=True)
+                if problem is not None:
+                    remove_host_nodes(made)
+                    made = []
+                    _refuse_host_files([problem])
             if create_node(n):
                 made.append(n.path)
     except OSError as exc:
@@ -681,13 +696,21 @@ def make_host_nodes(nodes: list[HostNode]) -> list[str]:
 
 
 def remove_host_nodes(made: list[str]) -> None:
-    """Undo ``make_host_nodes`` after a failed restore: the empty directories and FIFOs it made."""
+    """Undo ``make_host_nodes`` after a failed restore: the empty directories and FIFOs it made.
+
+    Each is removed in its directory reached without following a symlink: the node's owner may
+    have swapped a directory of the path for a link to one of root's since restore made it."""
     for path in reversed(made):
+        parent, name = _split_parent(path)
         try:
-            if stat.S_ISFIFO(os.lstat(path).st_mode):
-                os.unlink(path)
-            else:
-                os.rmdir(path)
+            with safefs.dir_fd(parent, check=False) as dfd:
+                st = safefs.lstat_at(dfd, name)
+                if st is None:
+                    continue
+                if stat.S_ISFIFO(st.st_mode):
+                    os.unlink(name, dir_fd=dfd)
+                elif stat.S_ISDIR(st.st_mode):
+                    os.rmdir(name, dir_fd=dfd)  # (only if still empty)
         except OSError:
             continue
 

@@ -8,25 +8,85 @@ Agents are found as `status` finds them: listening unix sockets named ``<pid>.so
 from __future__ import annotations
 
 import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
 
+_REPLICA = re.compile(r"^(?P<of>\d+)-[0-9a-f]+$")  # host/pidns.py names a copy's socket PID-TAG.sock
+
+
+def _agent_sockets() -> list[tuple[str, str]]:
+    """(path, socket inode) of every listening ``*.sock`` in an agent directory."""
+    ours = str(paths.agent_runtime_dir())
+    found = []
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) < 8 or not fields[7].startswith("/") or not int(fields[3], 16) & 0x10000:
+                    continue
+                path = Path(fields[7])
+                if str(path.parent) != ours and not path.parent.name.startswith(
+                    contract.AGENT_SOCKET_DIR_PREFIX
+                ):
+                    continue
+                if path.name.endswith(paths.SOCKET_SUFFIX):
+                    found.append((fields[7], fields[6]))
+    except (OSError, ValueError):
+        return []
+    return found
+
+
+def _socket_holders(inodes: set[str]) -> dict[str, int]:
+    """Socket inode -> the pid that holds it (the lowest, for a socket inherited by children)."""
+    holders: dict[str, int] = {}
+    if not inodes:
+        return holders
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            ino = target[8:-1] if target.startswith("socket:[") else ""
+            if ino in inodes and (ino not in holders or int(entry) < holders[ino]):
+                holders[ino] = int(entry)
+    return holders
+
+
+def agents() -> dict[int, tuple[Path, Optional[int]]]:
+    """pid -> (its agent socket, the pid it is a replica of or None), for every process with a
+    listening agent: ``<pid>.sock``, and a copy restored by ``restore --replicas`` whose agent
+    listens as ``<original pid>-<tag>.sock`` (found by the process that holds that socket)."""
+    found: dict[int, tuple[Path, Optional[int]]] = {}
+    replicas: dict[str, tuple[Path, int]] = {}
+    for path, inode in _agent_sockets():
+        stem = Path(path).name[: -len(paths.SOCKET_SUFFIX)]
+        m = _REPLICA.match(stem)
+        if stem.isdigit() and os.path.exists(path) and os.path.exists(f"/proc/{stem}"):
+            found.setdefault(int(stem), (Path(path), None))
+        elif m is not None and os.path.exists(path):
+            replicas[inode] = (Path(path), int(m.group("of")))
+    for inode, pid in _socket_holders(set(replicas)).items():
+        found.setdefault(pid, replicas[inode])
+    return found
+
 
 def agent_pids() -> list[int]:
-    found = set()
-    ours = str(paths.agent_runtime_dir())
-    for p in paths.listening_unix_paths():
-        path = Path(p)
-        if str(path.parent) != ours and not path.parent.name.startswith("npusnap"):
-            continue
-        stem = path.name[: -len(paths.SOCKET_SUFFIX)] if path.name.endswith(paths.SOCKET_SUFFIX) else ""
-        if stem.isdigit() and os.path.exists(p) and os.path.exists(f"/proc/{stem}"):
-            found.add(int(stem))
-    return sorted(found)
+    return sorted(agents())
 
 
 def pid_alive(pid: Optional[int]) -> Optional[bool]:
@@ -62,11 +122,62 @@ def owner_text(owner: Optional[dict[str, Any]], lease: Optional[dict[str, Any]] 
     return text
 
 
+# Agents asked at once. Every agent socket is a name any local user can make (a process listening
+# as ``/tmp/npusnap-x/<its pid>.sock`` passes the peer checks and need never answer): asked one
+# after another, N silent ones cost N timeouts; asked all at once, N threads. So a bounded pool
+# shares one deadline for the whole listing, and root's and the caller's own agents go first, so
+# that another user's silent sockets cannot crowd them out of the pool.
+MAX_PARALLEL = 32
+
+
+def _ask(pid: int, socket: Path, deadline: float) -> dict[str, Any]:
+    """hello + status of one agent, within what is left before ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return {"agent_error": "not asked: the time for all agents (--timeout) was up"}
+    try:
+        with AgentClient(pid, timeout=left, socket_path=socket, connect_retry_s=0) as client:
+            hello = client.request("hello", timeout=max(0.01, deadline - time.monotonic()))
+            st = client.request("status", timeout=max(0.01, deadline - time.monotonic()))
+    except NpusnapError as exc:
+        return {"agent_error": exc.message}
+    return {
+        "state": st.get("state"),
+        "lease": st.get("lease"),
+        "owner": owner_view(st.get("owner")),
+        "devices": list((hello.get("acl") or {}).get("devices") or []),
+        "restored": bool(st.get("restored")),
+        # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
+        # lease that ran out, which it otherwise tells only the job's stderr.
+        "events": list(st.get("events") or [])[-3:],
+    }
+
+
+def _uid_of(pid: int) -> Optional[int]:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
-    """One entry per agent: pid, user, command, state, lease, owner, devices, last snapshot."""
+    """One entry per agent: pid, user, command, state, lease, owner, devices, last snapshot;
+    ``replica_of`` for a copy restored by ``restore --replicas``. All agents are asked within
+    ``timeout`` seconds in total; one that has not answered by then has ``agent_error``."""
     import psutil
 
     from npusnap_cli.host import oplog  # lazy: `npusnap status` imports this module, never oplog
+
+    deadline = time.monotonic() + timeout
+    found = agents()
+    me = os.geteuid()
+    order = sorted(found, key=lambda p: (_uid_of(p) not in (0, me), p))
+    answers: dict[int, dict[str, Any]] = {}
+    if order:
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(order)), thread_name_prefix="ps") as pool:
+            futures = {pid: pool.submit(_ask, pid, found[pid][0], deadline) for pid in order}
+            for pid, future in futures.items():
+                answers[pid] = future.result()
 
     snapshots = oplog.last_snapshots()
     restores = {}
@@ -75,7 +186,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             for pid in record.get("pids") or []:
                 restores[(int(pid), (record.get("starts") or {}).get(str(pid)))] = record
     out = []
-    for pid in agent_pids():
+    for pid in sorted(found):
         entry: dict[str, Any] = {
             "pid": pid,
             "user": None,
@@ -86,6 +197,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             "devices": [],
             "last_snapshot": None,
             "restored_from": None,
+            "replica_of": found[pid][1],
             "events": [],
             "agent_error": None,
         }
@@ -95,20 +207,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             entry["cmdline"] = proc.cmdline()
         except (psutil.Error, KeyError):
             pass
-        try:
-            with AgentClient(pid, timeout=timeout, connect_retry_s=0.2) as client:
-                hello = client.hello()
-                st = client.status()
-            entry["state"] = st.get("state")
-            entry["lease"] = st.get("lease")
-            entry["owner"] = owner_view(st.get("owner"))
-            entry["devices"] = list((hello.get("acl") or {}).get("devices") or [])
-            entry["restored"] = bool(st.get("restored"))
-            # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
-            # lease that ran out, which it otherwise tells only the job's stderr.
-            entry["events"] = list(st.get("events") or [])[-3:]
-        except NpusnapError as exc:
-            entry["agent_error"] = exc.message
+        entry.update(answers.get(pid) or {})
         key = (pid, oplog.start_time(pid))
         last = snapshots.get(key)
         if last is not None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import safefs
+from npusnap_cli import paths, safefs
 from npusnap_cli.errors import ExitCode, NpusnapError
 from npusnap_cli.host import hostclean
 
@@ -35,13 +35,7 @@ KEEP = 1000
 
 
 def state_dir() -> Path:
-    override = os.environ.get("NPUSNAP_STATE_DIR")
-    if override:
-        return Path(override)
-    if os.geteuid() == 0:
-        return Path("/var/lib/npusnap")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "npusnap"
+    return paths.state_dir()
 
 
 def _user() -> str:

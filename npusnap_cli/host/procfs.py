@@ -8,6 +8,7 @@ tests and the benchmark all ask these questions, often of a pid they remembered.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -117,3 +118,15 @@ def start_time(pid: Union[int, str] = "self") -> Optional[int]:
     """Field 22 of /proc/PID/stat (clock ticks after boot), None when it cannot be read."""
     st = stat(pid)
     return st.start_time if st else None
+
+
+def age(pid: Union[int, str] = "self") -> Optional[float]:
+    """Seconds since ``pid`` started, to a clock tick: its start (ticks after boot) against
+    /proc/uptime, both counted from boot (the boot time in /proc/stat is whole seconds)."""
+    ticks = start_time(pid)
+    try:
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - (ticks or 0) / os.sysconf("SC_CLK_TCK")) if ticks is not None else None
+    except (OSError, ValueError, IndexError):
+        return None

@@ -22,7 +22,6 @@ Core module: raises ImageError/UsageError, never prints.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import tarfile
@@ -33,7 +32,14 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any, Optional
 
 from npusnap_cli import safefs
-from npusnap_cli.errors import ImageError, NpusnapError, PreflightError, UsageError
+from npusnap_cli.errors import (
+    NO_SPACE_ERRNOS,
+    ImageError,
+    NpusnapError,
+    UsageError,
+    no_space,
+    no_space_cause,
+)
 from npusnap_cli.image import digest, hostrecords, integrity, layout, publishing
 from npusnap_cli.image.manifest import Manifest
 
@@ -203,6 +209,12 @@ def export(
             os.fsync(dfd)
     except OSError as exc:
         raise disk_error(exc, f"writing the archive {dest}", dest.parent) from None
+    except Exception as exc:
+        # zstandard reports a write that failed in its flush as its own ZstdError
+        cause = no_space_cause(exc)
+        if cause is None:
+            raise
+        raise disk_error(cause, f"writing the archive {dest}", dest.parent) from None
     finally:
         os.close(dfd)
     return ArchiveResult(
@@ -218,10 +230,11 @@ def export(
 def disk_error(exc: OSError, what: str, where: Path) -> NpusnapError:
     """An OSError of a write as the error to report: a full disk is a preflight problem (3) with
     its fix, any other failure of the image's files an image error (8); never a traceback."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return PreflightError(
-            f"{what} failed: the disk is full ({exc.strerror})",
-            why=f"the filesystem of {where} has no space (or quota) left",
+    if exc.errno in NO_SPACE_ERRNOS:
+        return no_space(
+            what,
+            where,
+            cause=exc.strerror,
             fix=f"free space in {where} (see `df -h {where}`), or write elsewhere; then run the "
             "command again (what was written so far was removed)",
             details={"errno": exc.errno, "path": exc.filename},
@@ -464,8 +477,11 @@ def import_archive(
     except OSError as exc:
         layout.remove_tree(tmp)
         raise disk_error(exc, f"importing {archive} into {final}", final.parent) from None
-    except BaseException:
+    except BaseException as exc:
         layout.remove_tree(tmp)
+        cause = no_space_cause(exc) if not isinstance(exc, NpusnapError) else None
+        if cause is not None:
+            raise disk_error(cause, f"importing {archive} into {final}", final.parent) from None
         raise
     return ImportResult(
         archive=str(archive),

@@ -190,48 +190,104 @@ def split_parent(path: str) -> tuple[str, str]:
 def check_host_files(
     files: Iterable[HostFile], uids: Iterable[int], nodes: Iterable[HostNode] = ()
 ) -> list[str]:
-    """What is wrong with an image's host files (verify, import, restore): each one must be where
-    root may write it for the job (``place_problem``: tmpfs, or a lock file where its owner could
-    have made it) and belong to a user the dumped job ran as (root's only for a root job). The
-    manifest's parser already refused set-id modes and paths outside data."""
+    """What is wrong with an image's host files and host nodes (dump, verify, import, restore):
+    root writes each file and creates each missing node for the job, so each must be where its
+    owner could have made it (``place_problem``: tmpfs, or a directory of theirs or a sticky one)
+    and belong to a user the dumped job ran as (root's only for a root job); a node that restore
+    would create may be world-writable only on tmpfs (``node_problem``). The manifest's parser
+    already refused set-id file modes and paths outside data."""
     allowed = set(uids)
     files = list(files)
-    mounts = tmpfs_mounts() if files else []
     nodes = list(nodes)
+    mounts = tmpfs_mounts() if files or nodes else []
     problems = [p for f in files if (p := place_problem(f, mounts, nodes)) is not None]
     problems += [
         f"host file {f.path} is owned by uid {f.uid}, which no process of the dumped job ran as"
         for f in files
         if f.uid not in allowed
     ]
+    problems += [p for n in nodes if (p := node_problem(n, allowed, mounts, nodes)) is not None]
     return problems
+
+
+def _exists_as(n: HostNode) -> bool:
+    """``n`` is on this host already as restore needs it (so restore creates nothing there): the
+    same kind, root's or its owner's. A root-owned symlink to a directory (/var/run) counts."""
+    parent, name = split_parent(n.path)
+    try:
+        with safefs.dir_fd(parent, check=False, follow_root_links=True) as dfd:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if n.kind == "dir" and stat.S_ISLNK(st.st_mode) and st.st_uid == 0:
+                return True
+    except OSError:
+        return False
+    is_kind = stat.S_ISDIR(st.st_mode) if n.kind == "dir" else stat.S_ISFIFO(st.st_mode)
+    return is_kind and st.st_uid in (0, n.uid)
+
+
+def node_problem(
+    n: HostNode,
+    uids: Iterable[int],
+    mounts: list[str],
+    nodes: Iterable[HostNode] = (),
+    *,
+    creating: bool = False,
+) -> Optional[str]:
+    """What is wrong with a host node restore would create as root (``creating``: it is about to,
+    so whether it exists now does not matter): the same rules as a host file's, since an
+    image's manifest is the user's word, not the dump's. Its owner must be a user the job ran as;
+    it must be where that owner could have made it; no set-id bits (a set-group-id directory of a
+    group the user is not in hands that group to whatever is made in it); world-writable only on
+    tmpfs (a dump records a job's /dev/shm and tmpfs /tmp; a world-writable directory elsewhere is
+    a place any user could plant files in for root's tools). A node that exists already as
+    restore needs it is not created and passes."""
+    if not creating and _exists_as(n):
+        return None
+    what = "directory" if n.kind == "dir" else "fifo"
+    if n.uid < 0 or n.uid not in set(uids):  # (-1 would leave it root's: chown's "unchanged")
+        return f"host {what} {n.path} is owned by uid {n.uid}, which no process of the dumped job ran as"
+    if n.mode & 0o6000:
+        return f"host {what} {n.path} asks for mode {n.mode:o} (set-user/group-id)"
+    tmpfs = on_mounts(n.path, mounts)
+    if n.mode & stat.S_IWOTH and not tmpfs:
+        return f"host {what} {n.path} asks for mode {n.mode:o} (world-writable) and is not on a tmpfs mount"
+    if tmpfs:
+        return None
+    if _place_ok(n.path, n.uid, nodes):
+        return None
+    return (
+        f"host {what} {n.path} is not on a tmpfs mount of this host, and uid {n.uid} could not have "
+        "created it there itself"
+    )
 
 
 def place_problem(f: HostFile, mounts: list[str], nodes: Iterable[HostNode] = ()) -> Optional[str]:
     """Where a host file may be written as root: on a tmpfs mount of this host (a job's shared
-    memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only in an
-    existing directory where its owner could have created it: one of theirs (not root's) they
-    may write, or a sticky directory anyone may write (/var/tmp). Directories the image itself
-    makes for the job (``nodes``, HostNode of the same owner) count as the place they are made in.
-    Never through a symlink."""
-    if on_mounts(f.path, mounts):
+    memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only where its
+    owner could have created it (``_place_ok``). Never through a symlink."""
+    if on_mounts(f.path, mounts) or _place_ok(f.path, f.uid, nodes):
         return None
-    parent, _ = split_parent(f.path)
-    # (private ones: a shared directory such as /tmp is where the rule itself looks)
-    made = {n.path for n in nodes if n.kind == "dir" and n.uid == f.uid and not n.mode & 0o6022}
-    while parent in made and parent != "/":
-        parent, _ = split_parent(parent)
-    try:
-        with safefs.dir_fd(parent, check=False) as dfd:
-            st: Optional[os.stat_result] = os.fstat(dfd)
-    except OSError:
-        st = None
-    if st is not None:
-        shared = st.st_mode & (stat.S_ISVTX | stat.S_IWOTH) == stat.S_ISVTX | stat.S_IWOTH
-        theirs = f.uid != 0 and st.st_uid == f.uid and st.st_mode & stat.S_IWUSR
-        if shared or theirs:
-            return None
     return (
         f"host file {f.path} is not on a tmpfs mount of this host, and uid {f.uid} could not have "
         "created it there itself"
     )
+
+
+def _place_ok(path: str, uid: int, nodes: Iterable[HostNode]) -> bool:
+    """``uid`` could have made ``path`` itself: its existing parent is one of theirs (not root's)
+    they may write, or a sticky directory anyone may write (/var/tmp). Directories the image
+    itself makes for the job (``nodes``, HostNode of the same owner) count as the place they are
+    made in."""
+    parent, _ = split_parent(path)
+    # (private ones: a shared directory such as /tmp is where the rule itself looks)
+    made = {n.path for n in nodes if n.kind == "dir" and n.uid == uid and not n.mode & 0o6022}
+    while parent in made and parent != "/":
+        parent, _ = split_parent(parent)
+    try:
+        with safefs.dir_fd(parent, check=False) as dfd:
+            st = os.fstat(dfd)
+    except OSError:
+        return False
+    shared = st.st_mode & (stat.S_ISVTX | stat.S_IWOTH) == stat.S_ISVTX | stat.S_IWOTH
+    theirs = uid != 0 and st.st_uid == uid and st.st_mode & stat.S_IWUSR
+    return bool(shared or theirs)

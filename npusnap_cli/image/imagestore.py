@@ -5,11 +5,14 @@ a crash-restore script wants the newest image that is whole. This module answers
 
 * ``list_images(parent)``: every image directory and archive directly under ``parent``, newest
   first (by the manifest's ``created_at``), each with its size, pids and whether it is valid;
-* ``rotate(parent, keep_last)``: removes the oldest *complete npusnap images* beyond the newest
-  ``keep_last``. Only what it can identify is touched: a directory (not a symlink) whose
-  ``npusnap.json`` parses as a manifest, never a file, an archive, a work area of a running dump
-  or anything else. An image is first renamed to a hidden name, then removed, so it never
-  appears half-deleted;
+* ``rotate(parent, keep_last)``: removes the oldest images beyond the newest ``keep_last``, and
+  only images it can prove are this user's own dumps: a directory (not a symlink) owned by the
+  invoking user whose device and inode ``record_own`` noted in npusnap's state directory (root's:
+  ``/var/lib/npusnap``, which only root can write) when a dump published it. A manifest proves
+  nothing: in a shared directory anyone can write one, dated in the future, beside root's
+  images to make them look old. Never a file, an archive, a work area of a running dump, an
+  image another user (or npusnap before this record existed) made. An image is first renamed
+  to a hidden name, then removed, so it never appears half-deleted;
 * ``update_latest(image)``: the symlink ``<parent>/latest`` -> the image's name, replaced
   atomically (a new symlink renamed over the old one), so a reader sees the old or the new one.
 
@@ -20,11 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
+import secrets
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import paths, safefs
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.image import archive, integrity, layout
 from npusnap_cli.image.manifest import Manifest, load_manifest
@@ -151,17 +159,116 @@ def list_images(parent: Path, *, checksums: bool = True, quick: bool = False) ->
 # --------------------------------------------------------------------------------------------
 
 
-def _complete_images(parent: Path) -> list[tuple[float, Path]]:
-    """(created_at, path) of every complete image directory under ``parent``."""
+OWN_IMAGES = "images.jsonl"  # in paths.state_dir(): the images this user's dumps published
+_OWN_KEEP = 5000  # records kept; rotate drops those of images that are gone
+
+
+def _own_registry() -> Optional[Path]:
+    """The record of our own images, if its directory can be trusted: reached without a symlink,
+    every directory on the way root's or ours and writable by nobody else (unless sticky), the
+    state directory itself ours and private. None otherwise: then nothing is provably ours."""
+    directory = paths.state_dir()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with safefs.dir_fd(str(directory), owner=os.geteuid(), follow_root_links=True) as dfd:
+            st = os.fstat(dfd)
+    except OSError:
+        return None
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None
+    return directory / OWN_IMAGES
+
+
+def _identity(path: Path) -> Optional[dict[str, Any]]:
+    """What identifies the image directory ``path``: its real path, device, inode and owner."""
+    try:
+        st = os.lstat(path)
+        real = os.path.join(os.path.realpath(path.parent), path.name)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    return {"path": real, "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid}
+
+
+def record_own(image: Path) -> bool:
+    """Note that this user's dump published ``image`` (after its rename into place); False when
+    it could not be noted (then ``rotate`` will never remove it: the safe side)."""
+    registry = _own_registry()
+    ident = _identity(image)
+    if registry is None or ident is None:
+        return False
+    ident["time"] = time.time()
+    try:
+        fd = safefs.open_append(str(registry))
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(ident, sort_keys=True) + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def _own_records() -> list[dict[str, Any]]:
+    registry = _own_registry()
+    if registry is None:
+        return []
+    try:
+        with safefs.dir_fd(str(registry.parent), owner=os.geteuid()) as dfd:
+            fd = safefs.open_read_at(dfd, registry.name)
+        with os.fdopen(fd, "r", errors="replace") as f:
+            if os.fstat(f.fileno()).st_uid != os.geteuid():
+                return []
+            lines = f.read().splitlines()
+    except OSError:
+        return []
     out = []
-    for entry in parent.iterdir():
-        if not _is_candidate_dir(entry):
+    for line in lines:
+        with contextlib.suppress(ValueError, TypeError):
+            rec = json.loads(line)
+            if isinstance(rec, dict) and {"path", "dev", "ino", "uid", "time"} <= rec.keys():
+                out.append(rec)
+    return out
+
+
+def _prune_own(records: list[dict[str, Any]]) -> None:
+    """Rewrite the record without images that are gone (or are not the ones recorded)."""
+    registry = _own_registry()
+    if registry is None:
+        return
+    alive = [
+        r for r in records if _identity(Path(r["path"])) == {k: r[k] for k in ("path", "dev", "ino", "uid")}
+    ]
+    if len(alive) == len(records) and len(records) <= _OWN_KEEP:
+        return
+    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in alive[-_OWN_KEEP:]).encode()
+    with contextlib.suppress(OSError):
+        safefs.write_file(str(registry), iter([data]), mode=0o600, owner=os.geteuid(), follow_root_links=True)
+
+
+def _own_images(parent: Path, records: list[dict[str, Any]]) -> list[tuple[float, Path]]:
+    """(publish time, path) of every image directly under ``parent`` that is provably ours:
+    recorded by ``record_own``, still the same directory (device, inode), owned by this user."""
+    mine: dict[str, tuple[float, dict[str, Any]]] = {}
+    for r in records:
+        with contextlib.suppress(TypeError, ValueError):
+            mine[str(r["path"])] = (float(r["time"]), r)
+    out = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if layout.is_temp_name(entry.name):
             continue
-        try:
-            manifest = load_manifest(entry)
-        except ImageError:
-            continue  # not something we can identify as a complete image: never touched
-        out.append((_epoch(manifest.created_at), entry))
+        ident = _identity(entry)
+        if ident is None or ident["uid"] != os.geteuid():
+            continue
+        found = mine.get(ident["path"])
+        if found is None or {k: found[1].get(k) for k in ident} != ident:
+            continue  # not an image our dump published here: never touched
+        if not layout.manifest_path(entry).is_file():
+            continue
+        out.append((found[0], entry))
     return sorted(out, key=lambda t: (t[0], t[1].name), reverse=True)
 
 
@@ -173,7 +280,8 @@ def rotate(parent: Path, keep_last: int, *, keep: Optional[Path] = None) -> list
     """
     if keep_last < 1:
         raise UsageError("--keep-last must be at least 1", fix="e.g. --keep-last 3")
-    images = _complete_images(parent)
+    records = _own_records()
+    images = _own_images(parent, records)
     mine = keep.resolve() if keep is not None else None
     # The image just written counts among the N, and is kept whatever the clocks say.
     kept = sum(1 for _, path in images if path.resolve() == mine)
@@ -194,6 +302,7 @@ def rotate(parent: Path, keep_last: int, *, keep: Optional[Path] = None) -> list
             continue
         layout.remove_tree(hidden)
         removed.append(str(path))
+    _prune_own(records)
     return removed
 
 
@@ -216,10 +325,27 @@ def update_latest(image: Path) -> str:
             why="npusnap keeps `latest` as a symlink to the newest image",
             fix=f"move {link} away, or dump without --latest",
         )
-    tmp = parent / f".{LATEST}.npusnap-tmp-{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    os.symlink(image.name, tmp)
+        owner = os.lstat(link).st_uid
+        if owner != os.geteuid():
+            # In a shared directory that name may be another user's: replacing it is removing
+            # their file, and it was never our pointer.
+            raise UsageError(
+                f"{link} belongs to uid {owner}: not replacing it",
+                why="npusnap replaces only a `latest` it made itself",
+                fix=f"look at it (ls -l {link}); remove it if it is not wanted, or dump without --latest",
+            )
+    # A new name nobody could have planted (symlink() fails on an existing one): never an unlink
+    # of whatever a user put at a predictable name.
+    for _ in range(16):
+        tmp = parent / f".{LATEST}.npusnap-tmp-{secrets.token_hex(6)}"
+        try:
+            os.symlink(image.name, tmp)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise UsageError(f"cannot make a temporary name for {link}", fix=f"look at {parent}")
     try:
         os.replace(tmp, link)
     except OSError:

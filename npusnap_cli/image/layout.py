@@ -373,7 +373,15 @@ def check_dump_target(final: Path, *, force: bool) -> None:
             why="such names are never images: verify refuses them, later dumps clean them up",
             fix="choose another name for the image",
         )
-    if final.exists() or final.is_symlink():
+    if final.is_symlink():
+        # The image is renamed into place at the end: onto a symlink that fails (ENOTDIR) after
+        # all the work, and a link another user planted must not choose where root's image goes.
+        raise UsageError(
+            f"{final} is a symbolic link",
+            why="npusnap writes a new directory at that name and never through a symbolic link",
+            fix=f"name the directory itself ({os.path.realpath(final)}), or choose a new path",
+        )
+    if final.exists():
         if not final.is_dir():
             raise UsageError(
                 f"{final} exists and is not a directory",

@@ -191,7 +191,7 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         result.dump = envelope.get("result") or {}
         kept = (result.dump.get("device_memory") or {}).get("processes") or {}
         saved = sum(int(p.get("saved_bytes") or 0) for p in kept.values())
-        report("dump", f"npusnap copied {saved} bytes of device memory to host before Lock")
+        report("dump", f"npusnap copied {saved} bytes of device memory after Lock")
         proc.wait(timeout=30)  # reap it: its pid must be free for the restore
         # What the job printed until the lock stopped it (it trained on while the dump started).
         result.lines_before_dump = len(_read_lines(log))

@@ -897,7 +897,7 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
 
 def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     """In ``preserve`` mode, a file of the image per NPU process whose agent keeps device
-    memory: the agent writes its copy there (before Lock) instead of into the process's
+    memory: the agent writes its copy there (after Lock) instead of into the process's
     memory, so CRIU saves and restores that much less and the bytes are written once."""
     if s.options.device_memory != "preserve" or _device_memory_in_process():
         return {}

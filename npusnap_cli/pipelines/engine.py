@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
-from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownError
+from npusnap_cli.errors import InterruptedError_, NpusnapError, StateUnknownError, settle_no_space
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 
 S = TypeVar("S")  # a pipeline's state: what its steps share (targets, the temporary image, ...)
@@ -171,9 +171,17 @@ class Pipeline(Generic[S]):
                     where, what = step.checkpoint or (f"during {step.name}", "rolled back")
                     self.guard.check(where, what)
             except NpusnapError as err:
-                raise self._fail(state, done, err) from None
+                # A full disk is reported as such (exit 3) whichever step's write it broke.
+                raise self._fail(state, done, settle_no_space(err) or err) from None
+            except Exception as exc:
+                settled = settle_no_space(exc)
+                if settled is not None:
+                    raise self._fail(state, done, settled) from None
+                # A bug: still never leave the job changed.
+                self._undo(state, done, exc)
+                raise
             except BaseException as exc:
-                # A bug, or a KeyboardInterrupt past the guard: still never leave the job changed.
+                # A KeyboardInterrupt past the guard: still never leave the job changed.
                 self._undo(state, done, exc)
                 raise
         return state

@@ -601,7 +601,9 @@ def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[t
             details={"external_stdio": [x.to_dict() for x in manifest.external_stdio]},
         )
     try:
-        out = safefs.open_append(str(pipe_to))  # no user's symlink on the way, no hard link
+        # No user's symlink on the way, no hard link; the file is ours or the job's user's.
+        owners = {os.geteuid(), *(p.uid for p in manifest.processes if p.uid >= 0)}
+        out = safefs.open_append(str(pipe_to), owners=owners)
     except OSError as exc:
         raise PreflightError(
             f"cannot open --pipe-to {pipe_to}: {exc.strerror}",
@@ -859,7 +861,9 @@ def _make_host_nodes(st: RestoreState) -> None:
     to_make = st.checked.to_make
     if to_make:
         st.cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
-        st.made = hostres.make_host_nodes(to_make)
+        st.made = hostres.make_host_nodes(
+            to_make, {p.uid for p in st.manifest.processes}, st.manifest.host_nodes
+        )
 
 
 def _remove_host_nodes(st: RestoreState, _err: BaseException) -> None:

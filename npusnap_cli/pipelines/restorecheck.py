@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image as img
-from npusnap_cli.errors import NpusnapError
+from npusnap_cli.errors import NpusnapError, settle_no_space
 from npusnap_cli.pipelines.restore import CHECKS as RESTORE_CHECKS
 from npusnap_cli.pipelines.restore import Check, Preflight, RestoreOptions
 
@@ -90,6 +90,7 @@ def run_checks(image: Path, options: RestoreOptions) -> list[CheckResult]:
         try:
             detail = check.run(ctx)
         except NpusnapError as err:
+            err = settle_no_space(err) or err  # a full disk is 3 here too, as the restore reports it
             results.append(
                 CheckResult(check.name, check.what, "problem", err.message, err.to_dict(), int(err.exit_code))
             )

@@ -121,7 +121,7 @@ def test_lease_finishes_a_restore_that_died_after_criu(
 
     LD_PRELOAD as `npusnap run` sets it: the simulator, like CANN, gives the device buffer back
     poisoned at Restore, so the job computes on only because the agent saw the buffer being
-    allocated, saved it before Lock and writes it back after the lease's Restore and Unlock.
+    allocated, saved it after Lock and writes it back after the lease's Restore and Unlock.
     ``file``: the copy went into a device-memory file (as `npusnap dump` does) and no restore
     command passed it back: the agent opens it by the name the lock recorded."""
     env = workload_env(

@@ -432,14 +432,14 @@ def test_a_full_disk_in_export_and_import_is_exit_3_and_leaves_nothing(
     with tmpfs(tmp_path / "small", "1m") as small:
         rc, out, err = cli(sim_env, "export", str(final), str(small / "a.tar.zst"))
         assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)
-        assert "disk is full" in out["error"]["message"] and "free space" in out["error"]["fix"]
+        assert "no space left" in out["error"]["message"] and "free space" in out["error"]["fix"]
         assert list(small.iterdir()) == []
         arch = tmp_path / "a.tar.zst"
         rc, out, err = cli(sim_env, "export", str(final), str(arch))
         assert rc == 0, err
         rc, out, err = cli(sim_env, "import", str(arch), str(small / "img"))
         assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)
-        assert "disk is full" in out["error"]["message"], out["error"]
+        assert "no space left" in out["error"]["message"], out["error"]
         assert list(small.iterdir()) == []
 
 

@@ -41,11 +41,12 @@ NPUSNAP = str(Path(PY).parent / "npusnap")
 
 
 def jobs_env(sim_env: dict[str, str], runtime_dir: Path) -> dict[str, str]:
-    """The test job's environment. CRIU loads every plugin of /usr/lib/criu (CRIU_LIBS_DIR
-    overrides it); these tests exercise npusnap's own pipeline, so CRIU gets only the simulated
-    device's plugin (what Huawei's is on hardware: the device handle needs it) and a plugin
-    installed on the host (another version's, say) cannot change what is tested. (With this
-    tree's npusnap_plugin.so beside it they pass as well.)"""
+    """The test job's environment. CRIU loads every plugin of the directory npusnap names
+    (CRIU_LIBS_DIR, else /usr/lib/npusnap/criu-plugins when setup installed there); these tests
+    exercise npusnap's own pipeline, so CRIU gets only the simulated device's plugin (what
+    Huawei's is on hardware: the device handle needs it) and a plugin installed on the host
+    (another version's, say) cannot change what is tested. (With this tree's npusnap_plugin.so
+    beside it they pass as well.)"""
     plugins = plugin_dir_with(runtime_dir.parent, "npusim_plugin.so")
     return job_env(sim_env, runtime_dir, CRIU_LIBS_DIR=str(plugins))
 

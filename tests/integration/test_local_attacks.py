@@ -9,11 +9,14 @@ untouched, not only that an error came out.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +26,7 @@ from npusnap_cli import image, safefs
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
 from npusnap_cli.host import hostres, pidfile
 from npusnap_cli.image import archive, digest
-from tests.integration.dumplib import cli
+from tests.integration.dumplib import NPUSNAP, cli
 from tests.unit.test_image import _build, _manifest
 
 pytestmark = pytest.mark.integration
@@ -317,4 +320,333 @@ def test_pipe_to_never_appends_through_a_users_link(
     os.write(fd, b"line\n")
     os.close(fd)
     assert (shared / "job.log").read_text() == "line\n"
+    # The job's user's own log (restore --pipe-to passes the job's uids): theirs to receive; a
+    # file of anyone else's is refused.
+    as_user(attacker, f"touch {shared}/user.log")
+    with pytest.raises(safefs.UnsafePath, match="owned by uid"):
+        safefs.open_append(str(shared / "user.log"))
+    os.close(safefs.open_append(str(shared / "user.log"), owners={0, attacker[0]}))
     _untouched(victim)
+
+
+def _crafted_nodes(tmp_path: Path, nodes: tuple[hostres.HostNode, ...], job_uid: int) -> Path:
+    """A well-formed image whose manifest asks restore to create ``nodes``; its launcher process
+    runs as ``job_uid`` (its worker stays root's)."""
+    from dataclasses import replace
+
+    tmp, final = _build(tmp_path, "crafted-nodes")
+    m = _manifest(image.file_entries(tmp))
+    procs = (replace(m.processes[0], uid=job_uid), *m.processes[1:])
+    image.publish(tmp, final, replace(m, processes=procs, host_nodes=nodes))
+    return final
+
+
+@pytest.mark.parametrize(
+    ("job_is_theirs", "mode", "needle"),
+    [
+        (True, 0o777, "world-writable"),
+        (True, 0o700, "could not have created it there"),
+        (False, 0o700, "no process of the dumped job"),
+    ],
+)
+def test_crafted_host_nodes_in_a_system_directory_are_refused_everywhere(
+    sim_env: dict[str, str],
+    attacker: tuple[int, int],
+    tmp_path: Path,
+    job_is_theirs: bool,
+    mode: int,
+    needle: str,
+) -> None:
+    """A manifest is the user's word: a directory and a FIFO it names in a root-only directory
+    (here /usr/lib, as /etc would be), owned by another user, are refused by verify, import and
+    restore (--dry-run included) and never created."""
+    uid, gid = attacker
+    where = Path(f"/usr/lib/npusnap-atk-{os.getpid()}")
+    nodes = (
+        hostres.HostNode(path=str(where), kind="dir", mode=mode, uid=uid, gid=gid, why="unix socket"),
+        hostres.HostNode(path=f"{where}/fifo", kind="fifo", mode=0o666, uid=uid, gid=gid, why="fifo"),
+    )
+    crafted = _crafted_nodes(tmp_path, nodes, uid if job_is_theirs else 0)
+    try:
+        rc, out, err = cli(sim_env, "verify", str(crafted))
+        assert rc == ExitCode.IMAGE and out is not None, err
+        assert needle in str(out["error"]), out["error"]
+        arch = tmp_path / "crafted.tar.zst"
+        _tar(crafted, arch)
+        rc, out, err = cli(sim_env, "import", str(arch), str(tmp_path / "imported"))
+        assert rc == ExitCode.IMAGE and out is not None, (rc, err)
+        assert not (tmp_path / "imported").exists()
+        for extra in (["--dry-run"], []):
+            rc, out, err = cli(sim_env, "restore", *extra, str(crafted))
+            assert rc == ExitCode.IMAGE and out is not None, (extra, rc, out, err)
+            assert needle in str(out.get("error") or out["result"]["checks"]), out
+        assert not where.exists()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_restore_rechecks_a_host_node_right_before_it_makes_it(
+    attacker: tuple[int, int], victim: Path
+) -> None:
+    """A node the preflight saw present (so it passed) but gone by the time restore makes it is
+    checked again as one to create."""
+    node = hostres.HostNode(path=f"{victim}/planted", kind="dir", mode=0o777, uid=attacker[0], gid=0, why="x")
+    with pytest.raises(ImageError, match="no process of the dumped job"):
+        hostres.make_host_nodes([node], uids={0})
+    node = hostres.HostNode(path=f"{victim}/planted", kind="dir", mode=0o777, uid=0, gid=0, why="x")
+    with pytest.raises(ImageError, match="world-writable"):
+        hostres.make_host_nodes([node], uids={0})
+    _untouched(victim)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard link", "their file", "fifo"])
+def test_run_detach_output_never_appends_through_a_planted_name(
+    sim_env: dict[str, str],
+    attacker: tuple[int, int],
+    victim: Path,
+    open_dir: Path,
+    tmp_path: Path,
+    plant: str,
+) -> None:
+    """run --detach --output FILE in a world-writable directory (symlink protection may be off):
+    refused with exit 2 before anything starts, the file it names untouched."""
+    shared = open_dir / "logs"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    out = shared / "job.log"
+    if plant == "symlink":
+        as_user(attacker, f"ln -s {victim}/precious {out}")
+    elif plant == "hard link":
+        os.link(victim / "precious", out)  # (root makes it: protected_hardlinks stops the user)
+    elif plant == "their file":
+        as_user(attacker, f"touch {out}")
+    else:
+        as_user(attacker, f"mkfifo -m 666 {out}")
+    marker = tmp_path / "started"
+    try:
+        p = subprocess.run(
+            [NPUSNAP, "--json", "run", "--detach", "--output", str(out), "--",
+             "/bin/sh", "-c", f"echo owned; touch {marker}"],
+            env=sim_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == ExitCode.USAGE, (p.returncode, p.stdout, p.stderr)
+        assert json.loads(p.stdout)["error"]["kind"] == "usage"
+        time.sleep(0.3)
+        assert not marker.exists()  # nothing was started
+        if plant == "their file":
+            assert out.read_text() == ""
+    finally:
+        out.unlink()
+    _untouched(victim)
+    # The same directory and a fresh name: created as ours, the job's output in it.
+    p = subprocess.run(
+        [NPUSNAP, "run", "--detach", "--output", str(out), "--", "/bin/sh", "-c", "echo mine"],
+        env=sim_env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    deadline = time.monotonic() + 10
+    while "mine" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == "mine\n" and out.stat().st_uid == 0
+
+
+def test_keep_last_in_a_shared_directory_spares_what_a_user_planted(
+    attacker: tuple[int, int], open_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dump --keep-last into a sticky directory: a user's folders with forged manifests dated in
+    the future neither make root's images look old nor get removed (they are not root's)."""
+    import dataclasses
+
+    monkeypatch.setenv("NPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    shared = open_dir / "snaps"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    from npusnap_cli.image import imagestore
+
+    ours = []
+    for i in range(3):
+        tmp, final = _build(shared, f"root-{i}")
+        m = dataclasses.replace(_manifest(image.file_entries(tmp)), created_at=f"2026-11-30T10:0{i}:00+00:00")
+        image.publish(tmp, final, m)
+        assert imagestore.record_own(final)
+        ours.append(final)
+    forged = (ours[0] / image.MANIFEST_NAME).read_text().replace("2026-11-30T10:00", "2099-01-01T00:00")
+    for i in range(3):
+        as_user(
+            attacker, f"mkdir -p {shared}/zz-{i}/criu && cat > {shared}/zz-{i}/npusnap.json <<'X'\n{forged}X"
+        )
+    removed = imagestore.rotate(shared, 2, keep=ours[2])
+    assert removed == [str(ours[0])]
+    assert ours[1].is_dir() and ours[2].is_dir()
+    assert all((shared / f"zz-{i}" / "npusnap.json").is_file() for i in range(3))
+
+
+def test_criu_never_writes_its_log_through_a_planted_name(victim: Path, tmp_path: Path) -> None:
+    """CRIU opens its log and statistics by name, following links and truncating: a hard link or
+    symlink planted as restore.log is refused before CRIU runs; the last run's own log is replaced."""
+    from npusnap_cli import criu
+
+    work = tmp_path / "logs"
+    work.mkdir(mode=0o700)
+    os.link(victim / "precious", work / "restore.log")
+    with pytest.raises(PreflightError, match="hard link"):
+        criu.open_work_dir(str(work), ("restore.log", "stats-restore"))
+    (work / "restore.log").unlink()
+    (work / "stats-restore").symlink_to(victim / "precious")
+    with pytest.raises(PreflightError, match="not a regular file"):
+        criu.open_work_dir(str(work), ("restore.log", "stats-restore"))
+    (work / "stats-restore").unlink()
+    (work / "restore.log").write_text("the last run's log\n")
+    os.close(criu.open_work_dir(str(work), ("restore.log", "stats-restore")))
+    assert (work / "restore.log").read_text() == "" and (work / "stats-restore").stat().st_nlink == 1
+    _untouched(victim)
+
+
+def test_restore_leaves_a_file_hard_linked_into_the_images_logs_alone(
+    sim_env: dict[str, str], runtime_dir: Path, victim: Path, tmp_path: Path
+) -> None:
+    """A real image whose logs/restore.log is a second name of a file outside it: restore exits 3
+    and the file keeps its bytes; with the name removed the same image restores."""
+    from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, job_env
+
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [PY, TRAIN, "--steps", "400", *TRAIN_ARGS, "--device", "0"])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", "--leave-running", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.proc.kill()
+        job.reap()
+        log = image.logs_dir(img) / image.RESTORE_LOG
+        assert not log.exists()
+        os.link(victim / "precious", log)
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == ExitCode.PREFLIGHT and out is not None, (rc, out, err)
+        assert "hard link" in out["error"]["message"], out["error"]
+        assert (victim / "precious").read_text() == "root's\n"
+        log.unlink()
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (rc, out, err)
+        job.restored_pid = job.pid  # (the same pid: the original is gone)
+        assert log.stat().st_nlink == 1 and log.stat().st_size > 0
+    finally:
+        job.cleanup()
+
+
+SILENT_AGENTS = """
+import os, socket, sys, time
+d, n = sys.argv[1], int(sys.argv[2])
+for i in range(n):
+    if os.fork() == 0:
+        s = socket.socket(socket.AF_UNIX)
+        # One of them named as a replica's agent socket is (<original pid>-<tag>.sock).
+        s.bind(f"{d}/{os.getpid()}.sock" if i else f"{d}/1-abcdef01.sock")
+        s.listen(128)
+        open(f"{d}/ready-{i}", "w").close()
+        time.sleep(120)  # accepts (the kernel does), never answers
+        os._exit(0)
+time.sleep(120)
+"""
+
+
+def test_ps_is_not_slowed_by_silent_fake_agents(
+    sim_env: dict[str, str], attacker: tuple[int, int], open_dir: Path, tmp_path: Path
+) -> None:
+    """A hundred listening sockets of an unprivileged user that look like agents and never
+    answer: root's ps still ends within 3 s, names each of them in a warning, and lists a real
+    agent of root's with its state."""
+    from tests.integration.agentlib import PY, wait_socket, workload_env, write_workload
+    from tests.integration.conftest import Sim
+
+    n = 100
+    fakes = Path(f"/tmp/npusnap-fake-{os.getpid()}")  # the user's own agent-looking directory
+    shutil.rmtree(fakes, ignore_errors=True)
+    as_user(attacker, f"mkdir {fakes}")
+    script = open_dir / "silent.py"
+    script.write_text(SILENT_AGENTS)
+    os.chmod(script, 0o644)
+    python = shutil.which("python3", path="/usr/bin:/bin")  # (the venv's is under root-only dirs)
+    if python is None:
+        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    faker = subprocess.Popen(
+        [python, str(script), str(fakes), str(n)], user=attacker[0], group=attacker[1], start_new_session=True
+    )
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir(mode=0o700)
+    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
+    real = subprocess.Popen(
+        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(fakes.glob("ready-*"))) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(fakes.glob("*.sock"))) == n
+        wait_socket(runtime_dir, real.pid)
+        start = time.monotonic()
+        p = subprocess.run([NPUSNAP, "ps", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+        assert p.returncode == 0, p.stderr
+        body = json.loads(p.stdout)
+        listed = {e["pid"]: e for e in body["result"]["processes"]}
+        assert took < 3.0, took
+        assert listed[real.pid]["state"] == "RUNNING" and listed[real.pid]["agent_error"] is None
+        theirs = pwd.getpwuid(attacker[0]).pw_name
+        fake_pids = [pid for pid, e in listed.items() if e["user"] == theirs]
+        assert len(fake_pids) == n, sorted(listed)
+        assert [listed[p]["replica_of"] for p in fake_pids if listed[p]["replica_of"]] == [1]
+        for pid in fake_pids:
+            assert listed[pid]["agent_error"], listed[pid]
+            assert any(w.startswith(f"pid {pid}: ") for w in body["warnings"]), pid
+    finally:
+        real.kill()
+        os.killpg(faker.pid, signal.SIGKILL)  # the faker and the children it forked
+        real.wait()
+        faker.wait()
+        shutil.rmtree(fakes, ignore_errors=True)
+
+
+def test_undoing_host_nodes_never_follows_a_swapped_directory(
+    attacker: tuple[int, int], victim: Path, open_dir: Path
+) -> None:
+    """A failed restore removes the directories and FIFOs it made; their owner may have swapped a
+    directory of the path for a symlink to root's meanwhile: nothing there is removed."""
+    base = open_dir / "nodes"
+    base.mkdir()
+    os.chown(base, *attacker)
+    uid, gid = attacker
+    nodes = [
+        hostres.HostNode(path=f"{base}/d", kind="dir", mode=0o700, uid=uid, gid=gid, why="x"),
+        hostres.HostNode(path=f"{base}/d/fifo", kind="fifo", mode=0o600, uid=uid, gid=gid, why="x"),
+    ]
+    made = hostres.make_host_nodes(nodes, uids={uid})
+    assert made == [n.path for n in nodes]
+    os.mkfifo(victim / "fifo")  # root's FIFO of the same name elsewhere
+    as_user(attacker, f"mv {base}/d {base}/d.away && ln -s {victim} {base}/d")
+    hostres.remove_host_nodes(made)
+    assert stat.S_ISFIFO(os.lstat(victim / "fifo").st_mode)
+    os.unlink(victim / "fifo")
+    _untouched(victim)
+
+
+def test_latest_is_never_a_users_planted_name(
+    attacker: tuple[int, int], open_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dump --latest in a sticky directory: a `latest` another user put there, or a file at the
+    temporary name an older npusnap used, is neither replaced nor removed."""
+    from npusnap_cli.image import imagestore
+
+    shared = open_dir / "snaps"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    tmp, final = _build(shared, "root-0")
+    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    as_user(attacker, f"touch {shared}/.latest.npusnap-tmp-{os.getpid()} && ln -s /etc {shared}/latest")
+    with pytest.raises(UsageError, match="belongs to uid"):
+        imagestore.update_latest(final)
+    assert os.readlink(shared / "latest") == "/etc"
+    (shared / "latest").unlink()
+    assert os.readlink(imagestore.update_latest(final)) == "root-0"
+    assert (shared / f".latest.npusnap-tmp-{os.getpid()}").stat().st_uid == attacker[0]

@@ -193,3 +193,40 @@ def test_failed_dump_keeps_its_logs_beside_the_image(sim: Sim, runtime_dir: Path
             conn.close()
         listener.close()
         kill_pid(pid, marker="tcp_job.py")
+
+
+def test_a_hostile_command_line_is_shown_escaped_by_every_command(
+    sim: Sim, runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A job whose command line holds rich markup, ANSI escapes and a newline: ps, status, inspect
+    and restore --dry-run print it as text (no markup error, exit 1), escaped, on one line."""
+    env = {**workload_env(sim, runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state")), "COLUMNS": "1000"}
+    hostile = ["[/]", "\x1b[2J\x1b[31mred", "two\nlines"]
+    out = tmp_path / "job.log"
+    workload = str(write_workload(tmp_path))
+    proc = subprocess.run(
+        [*NPUSNAP, "run", "--detach", "--output", str(out), "--", PY, workload, *hostile],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    pid = int(proc.stdout)
+    try:
+        wait_socket(runtime_dir, pid)
+        img = tmp_path / "img"
+        dumped = npusnap(env, "dump", "--leave-running", str(pid), str(img))
+        assert dumped.returncode == 0, dumped.stderr
+        for args, code in (
+            (["ps"], 0),
+            (["status", str(pid)], 0),
+            (["inspect", str(img)], 0),
+            (["restore", "--dry-run", str(img)], 11),  # the original still runs: its pids are busy
+        ):
+            shown = npusnap(env, *args)
+            assert shown.returncode == code, (args, shown.stdout, shown.stderr)
+            text = shown.stdout + shown.stderr
+            assert "\x1b" not in text, (args, text)
+            if args[0] != "restore":
+                assert "[/] \\x1b[2J\\x1b[31mred two\\nlines" in text, (args, text)
+            assert not any(line.startswith("lines") for line in text.splitlines())
+    finally:
+        kill_pid(pid)

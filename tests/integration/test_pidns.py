@@ -243,6 +243,12 @@ def test_one_image_restored_twice_at_once(sim_env: dict[str, str], runtime_dir: 
         # Replica 1 answers on an agent socket of its own.
         rc, _st, err = cli(env, "status", str(roots[1]))
         assert rc == 0, err
+        # ps lists both copies, each as a replica of the dumped job.
+        rc, listing, err = cli(env, "ps")
+        assert rc == 0 and listing is not None, err
+        copies = {e["pid"]: e for e in listing["result"]["processes"] if e["pid"] in roots}
+        assert sorted(copies) == sorted(roots), listing["result"]["processes"]
+        assert all(e["replica_of"] == pid and e["agent_error"] is None for e in copies.values()), copies
         for root in roots:
             wait_until(lambda r=root: not alive(r), 60, f"replica {root} to finish")
         assert len(lines(out)) == at, "the copies write to their own --output files"

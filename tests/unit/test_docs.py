@@ -121,3 +121,19 @@ def test_quickstart_runs_the_simulator_before_check() -> None:
     """`npusnap check` before `sim env` tells a new user that nothing works."""
     text = (REPO / "docs" / "quickstart.md").read_text()
     assert text.index('eval "$(npusnap sim env)"') < text.index("npusnap check")
+
+
+def test_the_threat_model_names_code_that_exists() -> None:
+    """docs/security.md says which function checks each boundary: each (file, function) it names
+    is there, so the page cannot outlive a rename; README and agent.md link to it."""
+    text = (REPO / "docs" / "security.md").read_text()
+    named = re.findall(r"`(npusnap_cli/[\w/]+\.py)`, `(\w+)`(?:, `(\w+)`)?", text)
+    assert len(named) >= 8, named
+    for path, *funcs in named:
+        source = (REPO / path).read_text()
+        for func in filter(None, funcs):
+            assert re.search(rf"^\s*def {func}\(", source, re.MULTILINE), f"{path} has no {func}()"
+    for fn in re.findall(r"`safefs\.(\w+)`", text):
+        assert re.search(rf"^def {fn}\(", (REPO / "npusnap_cli" / "safefs.py").read_text(), re.MULTILINE), fn
+    for doc in ("README.md", "docs/agent.md"):
+        assert "security.md" in (REPO / doc).read_text(), doc

@@ -26,11 +26,13 @@ def _image(parent: Path, name: str, created_at: str) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Path:
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Four images, oldest first, each noted as this user's own as `npusnap dump` notes them."""
+    monkeypatch.setenv("NPUSNAP_STATE_DIR", str(tmp_path / "state"))
     parent = tmp_path / "snaps"
     parent.mkdir()
     for i in range(4):
-        _image(parent, f"snap-{i}", f"2026-11-30T10:0{i}:00+00:00")
+        assert imagestore.record_own(_image(parent, f"snap-{i}", f"2026-11-30T10:0{i}:00+00:00"))
     return parent
 
 
@@ -87,6 +89,30 @@ def test_rotation_removes_only_the_oldest_complete_images(store: Path) -> None:
     )
     with pytest.raises(UsageError):
         imagestore.rotate(store, 0)
+
+
+def test_rotation_never_removes_what_it_cannot_prove_is_its_own(store: Path, tmp_path: Path) -> None:
+    """Forged images dated in the future beside ours (another user's, in a shared directory) do
+    not make ours look old, and are never removed; neither is an image we did not record, nor
+    one of ours swapped for another directory of the same name."""
+    for i in range(3):
+        _image(store, f"forged-{i}", "2099-01-01T00:00:00+00:00")
+    unrecorded = _image(store, "copied-in", "2026-11-30T10:05:00+00:00")
+    (store / "snap-1").rename(tmp_path / "away")
+    _image(store, "snap-1", "2026-11-30T10:01:00+00:00")  # same name, not the recorded directory
+    removed = imagestore.rotate(store, 2)
+    assert sorted(Path(p).name for p in removed) == ["snap-0"]
+    left = sorted(p.name for p in store.iterdir())
+    assert left == sorted(["snap-1", "snap-2", "snap-3", "forged-0", "forged-1", "forged-2", unrecorded.name])
+    # The record follows what is left: the removed and the swapped images are no longer in it.
+    records = (tmp_path / "state" / imagestore.OWN_IMAGES).read_text().splitlines()
+    assert sorted(Path(json.loads(r)["path"]).name for r in records) == ["snap-2", "snap-3"]
+
+
+def test_rotation_removes_nothing_when_the_record_is_not_private(store: Path, tmp_path: Path) -> None:
+    os.chmod(tmp_path / "state", 0o777)  # anyone could have added lines naming any directory
+    assert imagestore.rotate(store, 1) == []
+    assert len([p for p in store.iterdir() if p.name.startswith("snap-")]) == 4
 
 
 def test_latest_is_a_symlink_replaced_atomically_and_rotation_spares_it(store: Path) -> None:
@@ -187,7 +213,13 @@ def test_import_refuses_unsafe_or_tampered_archives(store: Path, tmp_path: Path)
     with pytest.raises(ImageError, match="blake3 checksum"):
         archive.import_archive(tampered, tmp_path / "e3")
     # Nothing half-imported is left behind, under the final name or a temporary one.
-    left = {p.name for p in tmp_path.iterdir()} - {"snaps", "good.tar.zst", "evil.tar.zst", "escape.tar.zst"}
+    left = {p.name for p in tmp_path.iterdir()} - {
+        "snaps",
+        "state",
+        "good.tar.zst",
+        "evil.tar.zst",
+        "escape.tar.zst",
+    }
     assert left == {"tampered.tar.zst"}
 
     truncated = tmp_path / "truncated.tar.zst"

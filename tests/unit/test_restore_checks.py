@@ -146,7 +146,7 @@ def test_a_full_disk_during_criu_is_reported_as_such(tmp_path: Path, monkeypatch
     monkeypatch.setattr(criu, "_free_bytes", lambda _p: 0)
     err = criu._criu_error("dump", Exc("Error(0): Unknown"), str(log), pid=42)
     assert "no space left" in err.message and "Unknown" not in err.message
-    assert err.exit_code == ExitCode.CRIU and "df -h" in err.fix
+    assert err.exit_code == ExitCode.PREFLIGHT and "df -h" in err.fix  # a full disk: 3 everywhere
 
     log.write_text("(00.1) Error (criu/image.c:1): Can't write: No space left on device\n")
     monkeypatch.setattr(criu, "_free_bytes", lambda _p: 10 << 30)

@@ -68,3 +68,33 @@ def test_failure_logs_are_bounded(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert new.name in left and "dump-ancient" not in left
     assert len(left) == hostclean.KEEP_LOGS + 1
     assert {f"dump-{i:03d}" for i in range(5)}.isdisjoint(left)  # the oldest went
+
+
+HOSTILE = "job [/] [bold]x[/bold] \x1b[2J\x1b[31mred\x07 two\nlines\r\u202eevil"
+
+
+def test_every_user_supplied_field_is_printed_as_escaped_plain_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A command line another user chose: rich markup is text (no MarkupError), an ANSI escape
+    cannot repaint the terminal, a newline or CR cannot forge a line, in every kind of output."""
+    from npusnap_cli import ui
+    from npusnap_cli.errors import TargetError
+
+    assert ui.safe_text("a\x1b[31m\nb\u202e[/]") == "a\\x1b[31m\\nb\\u202e[/]"
+    out = ui.Output("ps")
+    out.table(HOSTILE, ["pid", HOSTILE], [[1, HOSTILE]], styles=["red"])
+    out.kv(HOSTILE, {HOSTILE: HOSTILE})
+    out.tree(HOSTILE, [(0, HOSTILE), (1, HOSTILE)])
+    out.line(HOSTILE)
+    out.warn(HOSTILE)
+    out.info(HOSTILE)
+    with out.phase(HOSTILE):
+        pass
+    out.error(TargetError(HOSTILE, why=HOSTILE, fix=HOSTILE, details={"cmd": HOSTILE, "cmds": [HOSTILE]}))
+    captured = capsys.readouterr()
+    for text in (captured.out, captured.err):
+        assert "[/]" in text and "[bold]x[/bold]" in text
+        assert not any(c in text for c in "\x1b\x07\r\u202e")
+        assert "lines" in text and not any(line.startswith("lines") for line in text.splitlines())
+        assert "\\x1b[2J" in text and "two\\nlines" in text
