@@ -39,11 +39,20 @@ KHIDDEN int k_matmul(const struct kctx *k) {
     kit_init(&it, O->shape, nd - 2, ts, 3);
     int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
     int64_t os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
+    /* Output rows (over every batch) in kblocks() bands, each band written then charged, in order. */
+    int64_t rows = batch * M;
+    uint32_t nb = kblocks(k, rows), blk = 0;
+    int64_t band_end = rows / nb;
     for (int64_t b = 0; b < batch; b++) {
         int64_t oa = it.off[0], ob = it.off[1], oo = it.off[2];
         for (int64_t kk = 0; kk < K; kk++)
             for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
         for (int64_t i = 0; i < M; i++) {
+            while (b * M + i >= band_end && blk < nb) { /* the band before this row is done */
+                kblock_cost();
+                blk++;
+                band_end = rows * (blk + 1) / nb;
+            }
             for (int64_t kk = 0; kk < K; kk++) ar[kk] = (float)kld(A->dtype, pa, oa + i * as0 + kk * as1);
             for (int64_t j = 0; j < N; j++) acc[j] = 0.0f;
             for (int64_t kk = 0; kk < K; kk++) {
@@ -56,7 +65,7 @@ KHIDDEN int k_matmul(const struct kctx *k) {
         kit_next(&it);
     }
     free(bt), free(ar), free(acc);
-    kcost(k, nout);
+    for (; blk < nb; blk++) kblock_cost();
     return 0;
 }
 

@@ -27,7 +27,12 @@ struct kctx {
     const struct ops_tensor *t; /* a->nt tensors */
 };
 
+/* A kernel's time on the simulated AI cores: kcost() charges every block at once (after the output
+ * was written); a kernel that writes block by block instead calls kblock_cost() after each of its
+ * kblocks() blocks, so that a copy taken while it runs sees part of its output new. */
 KHIDDEN void kcost(const struct kctx *k, int64_t work);
+KHIDDEN uint32_t kblocks(const struct kctx *k, int64_t work);
+KHIDDEN void kblock_cost(void);
 
 static inline size_t kesize(int dtype) {
     switch (dtype) {

@@ -37,6 +37,10 @@ static uint32_t nblocks(const npusim_kernel_ctx *ctx, int64_t work) {
 
 /* ---------------------------------------------------------------- the generic family (kern.h) */
 
+KHIDDEN uint32_t kblocks(const struct kctx *k, int64_t work) { return nblocks(k->ctx, work); }
+
+KHIDDEN void kblock_cost(void) { block_cost(block_us()); }
+
 KHIDDEN void kcost(const struct kctx *k, int64_t work) {
     long us = block_us();
     if (us > 0) block_cost(us * (long)nblocks(k->ctx, work));
