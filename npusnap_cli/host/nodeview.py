@@ -105,7 +105,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
             entry["devices"] = list((hello.get("acl") or {}).get("devices") or [])
             entry["restored"] = bool(st.get("restored"))
             # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
-            # lease that ran out, which it otherwise tells only the job's stderr.
+            # lease that ran out, which it otherwise tells only the job's agent log.
             entry["events"] = list(st.get("events") or [])[-3:]
         except NpusnapError as exc:
             entry["agent_error"] = exc.message
