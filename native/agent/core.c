@@ -32,6 +32,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -479,22 +480,66 @@ static void unlink_bound_name(void);
  * memory map, through which the link resolves), and /proc/self/task's link count is 2 plus the
  * threads the kernel still counts -- the exited main thread (a zombie until the last thread
  * leaves) and this one. Without /proc, nothing can be told and the agent stays. */
+static int main_outlived; /* a thread of the program was seen alive after the main thread exited */
+
 static int program_gone(void) {
     char buf[64];
     if (readlink("/proc/self/exe", buf, sizeof buf) >= 0 || errno != ENOENT) return 0;
     if (readlink("/proc/self", buf, sizeof buf) < 0) return 0;
     struct stat st;
-    return stat("/proc/self/task", &st) == 0 && st.st_nlink <= 4;
+    if (stat("/proc/self/task", &st) != 0) return 0;
+    if (st.st_nlink > 4) main_outlived = 1;
+    return st.st_nlink <= 4;
 }
 
-/* The program is gone: leave as its destructors would have had it left (agent_fini), then end
- * this thread, which ends the process. */
+/* The main thread's exit code as waitpid would report it (field 52 of /proc/self/stat: the
+ * thread-group leader's, kept while it is a zombie); -1 if unknown. */
+static int main_exit_code(void) {
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 52; field++) { /* p is at the end of field `field` */
+        p = strchr(p + 1, ' ');
+    }
+    return p ? atoi(p + 1) : -1;
+}
+
+/* The program is gone: leave as its destructors would have had it left (agent_fini), and end
+ * the process as the program's last thread did. Since Linux 5.17 the last thread to exit gives
+ * the process its wait status (synchronize_group_exit), and without npusnap that was the
+ * program's; here it is this one. When the main thread was the program's last (as far as the
+ * ticks saw: no other thread of the program alive after it), its exit code is known and is ours
+ * to end with: a number (the bare exit system call's argument), or the
+ * signal that killed that thread alone (seccomp's SECCOMP_RET_KILL_THREAD: SIGSYS), raised
+ * here with its default action as the kernel would have raised it in a last thread. Code 0, or
+ * an exit we cannot tell (another thread outlived the main one): this thread simply ends, and
+ * glibc runs exit(0) if it is the last thread it knows of, as after the program's pthread_exit. */
 static void leave_with_program(void) {
     drop_client();
     unlink_bound_name();
     close(A.listen_fd);
     A.listen_fd = -1;
     A.path[0] = 0;
+    int code = main_outlived ? -1 : main_exit_code();
+    if (code <= 0) return;
+    int sig = code & 0x7f;
+    if (sig) {
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(sig, &dfl, NULL);
+        sigset_t one;
+        sigemptyset(&one);
+        sigaddset(&one, sig);
+        pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+        syscall(SYS_tgkill, getpid(), (pid_t)syscall(SYS_gettid), sig);
+    }
+    syscall(SYS_exit, (code >> 8) & 0xff);
 }
 
 static void *agent_main(void *arg) {

@@ -1,9 +1,13 @@
 /* What a program can observe of npusnap: run with and without `npusnap run`, it must print the
  * same bytes and end the same way (tests/integration/test_agent_quiet.py).
  *
- *   quiet_probe bare-exit        main thread ends with the bare exit system call, not exit_group
+ *   quiet_probe bare-exit        main thread ends with the bare exit system call (code 7), not
+ *                                exit_group
  *   quiet_probe fork-bare-exit   a forked child (no NPU) does that; the parent waits for it
  *   quiet_probe seccomp-strict   a forked child under SECCOMP_MODE_STRICT does (zdtm seccomp_strict)
+ *   quiet_probe seccomp-kill     a forked child's main thread is killed by its seccomp filter
+ *                                (SECCOMP_RET_KILL_THREAD, zdtm seccomp_filter): the parent sees
+ *                                SIGSYS
  *   quiet_probe pthread-exit     main calls pthread_exit, the last thread returns: exit(0) follows
  *   quiet_probe signalfd         NPU streams made first, then SIGUSR1 blocked and read from a
  *                                signalfd (zdtm signalfd00): no thread of the runtime may take it
@@ -18,7 +22,9 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -27,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/ptrace.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -164,7 +171,7 @@ int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "";
     if (strcmp(mode, "bare-exit") == 0) {
         say(1, "bare-exit: main thread leaves\n");
-        syscall(SYS_exit, 0);
+        syscall(SYS_exit, 7);
     }
     if (strcmp(mode, "fork-bare-exit") == 0 || strcmp(mode, "seccomp-strict") == 0) {
         int strict = strcmp(mode, "seccomp-strict") == 0;
@@ -178,6 +185,25 @@ int main(int argc, char **argv) {
         say(1, "%s: child exited %d\n", mode, wait_child(pid));
         return 0;
     }
+    if (strcmp(mode, "seccomp-kill") == 0) {
+        pid_t pid = fork();
+        if (pid < 0) return 1;
+        if (pid == 0) {
+            struct sock_filter f[] = {
+                BPF_STMT(BPF_LD + BPF_W + BPF_ABS, offsetof(struct seccomp_data, nr)),
+                BPF_JUMP(BPF_JMP + BPF_JEQ + BPF_K, __NR_ptrace, 0, 1),
+                BPF_STMT(BPF_RET + BPF_K, SECCOMP_RET_KILL_THREAD),
+                BPF_STMT(BPF_RET + BPF_K, SECCOMP_RET_ALLOW),
+            };
+            struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+            if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) < 0)
+                _exit(1);
+            syscall(__NR_ptrace, PTRACE_TRACEME, 0, 0, 0);
+            _exit(1); /* not reached: the filter kills this thread */
+        }
+        say(1, "seccomp-kill: child status %d\n", wait_child(pid));
+        return 0;
+    }
     if (strcmp(mode, "pthread-exit") == 0) {
         pthread_t t;
         pthread_create(&t, NULL, last_thread, NULL);
@@ -186,6 +212,6 @@ int main(int argc, char **argv) {
     if (strcmp(mode, "signalfd") == 0) return mode_signalfd();
     if (strcmp(mode, "fds") == 0) return mode_fds();
     if (strcmp(mode, "talk") == 0 && argc >= 4) return mode_talk(atoi(argv[2]), atoi(argv[3]), argc > 4 ? argv[4] : NULL);
-    say(2, "usage: quiet_probe bare-exit|fork-bare-exit|seccomp-strict|pthread-exit|signalfd|fds|talk N MS [GO]\n");
+    say(2, "usage: quiet_probe bare-exit|fork-bare-exit|seccomp-strict|seccomp-kill|pthread-exit|signalfd|fds|talk N MS [GO]\n");
     return 2;
 }

@@ -50,15 +50,23 @@ def run_both(env: dict[str, str], argv: list[str]) -> tuple[subprocess.Completed
 
 
 @pytest.mark.parametrize(
-    "mode",
-    ["bare-exit", "fork-bare-exit", "seccomp-strict", "pthread-exit", "signalfd", "fds"],
+    ("mode", "code"),
+    [
+        ("bare-exit", 7),
+        ("fork-bare-exit", 0),
+        ("seccomp-strict", 0),
+        ("seccomp-kill", 0),
+        ("pthread-exit", 0),
+        ("signalfd", 0),
+        ("fds", 0),
+    ],
 )
 def test_same_output_and_exit_as_without_npusnap(
-    probe: str, sim_env: dict[str, str], runtime_dir: Path, mode: str
+    probe: str, sim_env: dict[str, str], runtime_dir: Path, mode: str, code: int
 ) -> None:
     env = job_env(sim_env, runtime_dir)
     plain, under = run_both(env, [probe, mode])
-    assert plain.returncode == 0, (plain.stdout, plain.stderr)
+    assert plain.returncode == code, (plain.stdout, plain.stderr)
     assert (under.returncode, under.stdout, under.stderr) == (plain.returncode, plain.stdout, plain.stderr)
 
 
