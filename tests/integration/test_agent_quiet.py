@@ -140,6 +140,16 @@ def test_agent_listening_socket_is_close_on_exec(
         proc.wait(10)
 
 
+def device_views(pid: int) -> list[str]:
+    """The process's host mappings of (simulated) device memory: address range and name."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and "npusim-dev" in fields[5]:
+            out.append(f"{fields[0]} {fields[5]}")
+    return out
+
+
 def test_output_byte_identical_across_dump_and_restore(
     probe: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
@@ -164,6 +174,9 @@ def test_output_byte_identical_across_dump_and_restore(
         log = runtime_dir / contract.AGENT_LOG_NAME.format(pid=job.pid)
         assert status["result"]["processes"][0]["hello"]["log"] == str(log)
 
+        views = device_views(job.pid)
+        assert views, Path(f"/proc/{job.pid}/maps").read_text()
+
         rc, result, stderr = cli(env, "dump", str(job.pid), str(img))
         assert rc == 0, (result or {}).get("error") or stderr
         job.wait(30)
@@ -171,6 +184,8 @@ def test_output_byte_identical_across_dump_and_restore(
         assert rc == 0, (result or {}).get("error") or stderr
         restored = job.pid
         assert alive(restored)
+        # The process's mappings of device memory are back where they were, under their names.
+        assert device_views(restored) == views
         go.touch()
         wait_until(lambda: b"done" in out.read_bytes(), 30, "the restored job to finish")
         wait_until(lambda: not alive(restored), 10, "the restored job to exit")
