@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from npusnap_cli import contract
+from npusnap_cli import contract, paths
 from npusnap_cli.agent import native
 from npusnap_cli.agent.hooks import STAGES, Hook, HookFailed, HookRegistry
 
@@ -84,9 +84,14 @@ def log(message: str) -> None:
 
 
 def write_log_line(line: str) -> None:
-    """``line`` appended to NPUSNAP_AGENT_LOG (when set: the native core is not there to do it),
-    and to stderr when NPUSNAP_AGENT_STDERR=1. Never raises."""
+    """``line`` appended to the agent log as the native core would name it (it is not there to do
+    it): NPUSNAP_AGENT_LOG, else ``<runtime dir>/<pid>.log`` when that directory is there and
+    private; and to stderr when NPUSNAP_AGENT_STDERR=1. Never raises."""
     path = os.environ.get(contract.AGENT_LOG_ENV) or ""
+    if not path.startswith("/"):
+        runtime = paths.agent_runtime_dir()
+        if runtime.is_dir() and paths.runtime_dir_problem(runtime) is None:
+            path = str(paths.agent_log_path(os.getpid()))
     if path.startswith("/"):
         try:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
