@@ -180,6 +180,13 @@ def agent_socket_path(pid: int, uid: Optional[int] = None) -> Path:
     return agent_runtime_dir(uid) / contract.AGENT_SOCKET_NAME.format(pid=pid)
 
 
+def agent_log_path(pid: int, uid: Optional[int] = None) -> Path:
+    """Where the agents of the job whose first process is ``pid`` write their messages (never
+    the job's own stderr): ``<runtime dir>/<pid>.log``, named by `npusnap run` in
+    NPUSNAP_AGENT_LOG for the whole tree; an agent started otherwise names it after its own pid."""
+    return agent_runtime_dir(uid) / contract.AGENT_LOG_NAME.format(pid=pid)
+
+
 def listening_unix_paths(proc_net_unix: str = "/proc/net/unix") -> list[str]:
     """Paths of all bound, listening filesystem AF_UNIX sockets visible in this net namespace."""
     paths = []

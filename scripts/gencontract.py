@@ -131,6 +131,7 @@ def pairs(spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, 
     ]
     strs += [("NPUSNAP_AGENT_SOCKET_XDG_SUBDIR", "AGENT_SOCKET_XDG_SUBDIR")]
     strs += [("NPUSNAP_AGENT_SOCKET_DIR_PREFIX", "AGENT_SOCKET_DIR_PREFIX")]
+    strs += [("NPUSNAP_AGENT_LOG_ENV", "AGENT_LOG_ENV"), ("NPUSNAP_AGENT_STDERR_ENV", "AGENT_STDERR_ENV")]
     p = spec["protocol"]
     ints += [("NPUSNAP_PROTOCOL_VERSION", "PROTOCOL_VERSION")]
     ints += [(f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_line", "token_hex_chars")]
@@ -260,6 +261,9 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_AGENT_SOCKET_TMP_DIR {c_str(c_pattern(sk['tmp_dir']))}")
     w(f"#define NPUSNAP_AGENT_SOCKET_DIR_PREFIX {c_str(sk['dir_prefix'])}")
     w(f"#define NPUSNAP_AGENT_SOCKET_NAME {c_str(c_pattern(sk['name']))}")
+    w(f"#define NPUSNAP_AGENT_LOG_NAME {c_str(c_pattern(sk['log_name']))}")
+    w(f"#define NPUSNAP_AGENT_LOG_ENV {c_str(sk['log_env'])}")
+    w(f"#define NPUSNAP_AGENT_STDERR_ENV {c_str(sk['stderr_env'])}")
     w("")
 
     p = spec["protocol"]
@@ -478,6 +482,9 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"AGENT_SOCKET_TMP_DIR = {py_str(sk['tmp_dir'])}")
     w(f"AGENT_SOCKET_DIR_PREFIX = {py_str(sk['dir_prefix'])}")
     w(f"AGENT_SOCKET_NAME = {py_str(sk['name'])}")
+    w(f"AGENT_LOG_NAME = {py_str(sk['log_name'])}")
+    w(f"AGENT_LOG_ENV = {py_str(sk['log_env'])}")
+    w(f"AGENT_STDERR_ENV = {py_str(sk['stderr_env'])}")
     w("")
 
     p = spec["protocol"]

@@ -165,8 +165,15 @@ void ops_init(void);           /* once per process (and again in a forked child)
 void ops_event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ---- core.c ------------------------------------------------------------------------------ */
-void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* into the log file */
+const char *agent_log_path(void); /* that file, or NULL */
 const char *agent_socket(void);
+/* The identity of the listening socket (its inode): a CRIU restore makes a new one. 0: none. */
+unsigned long long agent_socket_ino(void);
+/* fd moved to a high number (>= agent_fd_floor()), close-on-exec; the original is closed. -1 stays
+ * -1; where nothing is free up there, fd itself (made close-on-exec). */
+int agent_fd_high(int fd);
+int agent_fd_floor(void);
 /* Run the Python hooks of a stage with a deadline. 0: ran (names appended to ran_json, a JSON
  * array); -1: failed (e filled: HOOK_FAILED or HOOK_TIMEOUT). No hooks for the stage: 0, "[]". */
 int hooks_run(const char *stage, sbuf *ran_json, op_error *e);

@@ -18,6 +18,7 @@
 #include "agent_int.h"
 
 #include <npusnap/agent.h>
+#include <npusnap/quietthread.h>
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -28,8 +29,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -55,6 +58,98 @@ static struct {
     char last_error[512];
 } A = {.listen_fd = -1, .client_fd = -1, .pending_fd = -1};
 
+/* ---- descriptors ------------------------------------------------------------------------ */
+/* The agent's descriptors live high, close-on-exec: a program may rely on open() returning the
+ * lowest free number (close(0); open("/dev/null") for stdin) or dup2 onto a number it picked, and
+ * a descriptor of ours at a low number would take its place or be clobbered by it. Below the soft
+ * RLIMIT_NOFILE (a dup above it fails), capped at 1024 so that a huge limit does not grow the
+ * kernel's descriptor table for us, and 32 below it: the agent holds at most four at once. */
+int agent_fd_floor(void) {
+    struct rlimit rl;
+    long cur = 1024;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < 1024)
+        cur = (long)rl.rlim_cur;
+    return cur >= 128 ? (int)cur - 32 : (int)cur / 2;
+}
+
+int agent_fd_high(int fd) {
+    if (fd < 0) return fd;
+    int hi = fcntl(fd, F_DUPFD_CLOEXEC, agent_fd_floor());
+    if (hi < 0) { /* every number above the floor taken: keep it where it is, close-on-exec still */
+        fcntl(fd, F_SETFD, FD_CLOEXEC);
+        return fd;
+    }
+    close(fd);
+    return hi;
+}
+
+/* ---- messages ---------------------------------------------------------------------------- */
+/* The agent's lines go to a log file, not to the job's stderr: a job under `npusnap run` must print
+ * exactly what it prints without it. The file is named once per process (at start, and again in a
+ * forked child), from the environment as it was then: NPUSNAP_AGENT_LOG (set by `npusnap run` for
+ * the whole tree: one file per job), else <runtime dir>/<pid>.log. NPUSNAP_AGENT_STDERR=1 also
+ * writes each line to stderr, as the agent once did. */
+static struct {
+    char path[600];
+    int to_stderr;
+} L;
+
+static int runtime_dir(char *out, size_t outlen);
+static int socket_pid(void);
+
+static void log_setup(void) {
+    const char *sw = getenv(NPUSNAP_AGENT_STDERR_ENV);
+    L.to_stderr = sw && strcmp(sw, "1") == 0;
+    const char *env = getenv(NPUSNAP_AGENT_LOG_ENV);
+    L.path[0] = 0;
+    if (env && env[0] == '/') {
+        snprintf(L.path, sizeof L.path, "%s", env);
+        return;
+    }
+    char dir[512];
+    if (runtime_dir(dir, sizeof dir) == 0) snprintf(L.path, sizeof L.path, "%s/" NPUSNAP_AGENT_LOG_NAME, dir, socket_pid());
+}
+
+const char *agent_log_path(void) { return L.path[0] ? L.path : NULL; }
+
+/* Only into a directory that nobody else can plant a file or a symlink in: a real directory
+ * (not a symlink) of ours or root's, writable by no one else (a squatted runtime directory in a
+ * shared /tmp would otherwise receive the job's messages). */
+static int log_dir_safe(void) {
+    char dir[sizeof L.path];
+    snprintf(dir, sizeof dir, "%s", L.path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) return 0;
+    if (slash == dir) slash[1] = 0;
+    else *slash = 0;
+    struct stat st;
+    if (lstat(dir, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
+    if (st.st_uid != geteuid() && st.st_uid != 0) return 0;
+    return (st.st_mode & 022) == 0;
+}
+
+/* One line (with its newline) into the log file: opened, appended with one write, closed. Never
+ * kept open: CRIU would dump it with the job and, at restore, refuse a log that has grown since
+ * (it checks a regular file's size), or one that is missing on another node. */
+static void log_append(const char *line, size_t len) {
+    if (!L.path[0] || !log_dir_safe()) return;
+    int fd = open(L.path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600);
+    if (fd < 0) return;
+    char stamp[40];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    size_t n = strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ ", &tm);
+    char buf[800];
+    if (n + len > sizeof buf) len = sizeof buf - n;
+    memcpy(buf, stamp, n);
+    memcpy(buf + n, line, len);
+    ssize_t w = write(fd, buf, n + len); /* one write: lines of several processes never interleave */
+    (void)w;
+    close(fd);
+}
+
 void agent_log(const char *fmt, ...) {
     char msg[700];
     int n = snprintf(msg, sizeof msg, "npusnap-agent: [%d] ", (int)getpid());
@@ -64,11 +159,26 @@ void agent_log(const char *fmt, ...) {
     va_end(ap);
     size_t len = strlen(msg);
     msg[len++] = '\n';
-    ssize_t w = write(2, msg, len); /* one write: lines of several threads never interleave */
-    (void)w;
+    log_append(msg, len);
+    if (L.to_stderr) {
+        ssize_t w = write(2, msg, len); /* one write: lines of several threads never interleave */
+        (void)w;
+    }
 }
 
+/* For the Python face: one message, logged the same way. */
+AGENT_API void npusnap_agent_log(const char *message) {
+    if (message) agent_log("%s", message);
+}
+
+AGENT_API const char *npusnap_agent_log_file(void) { return agent_log_path(); }
+
 const char *agent_socket(void) { return A.path[0] ? A.path : NULL; }
+
+unsigned long long agent_socket_ino(void) {
+    struct stat st;
+    return A.listen_fd >= 0 && fstat(A.listen_fd, &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
 
 /* ---- paths (the rules of npusnap_cli/paths.py) ------------------------------------------- */
 static int runtime_dir(char *out, size_t outlen) {
@@ -152,7 +262,7 @@ static int bind_socket(char *err, size_t errlen) {
         }
         unlink(path); /* named after our own pid: left over from a dead process */
     }
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int fd = agent_fd_high(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (fd < 0) {
         snprintf(err, errlen, "socket: %s", strerror(errno));
         return -1;
@@ -233,7 +343,7 @@ static int client_alive(void) {
 }
 
 static void accept_client(void) {
-    int fd = accept4(A.listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    int fd = agent_fd_high(accept4(A.listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (fd < 0) return;
     struct ucred cred;
     socklen_t len = sizeof cred;
@@ -319,7 +429,7 @@ static void read_client(void) {
         for (size_t k = 0; k < nfd; k++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
-            if (A.pending_fd < 0) A.pending_fd = fd;
+            if (A.pending_fd < 0) A.pending_fd = agent_fd_high(fd);
             else close(fd);
         }
     }
@@ -358,10 +468,87 @@ static void read_client(void) {
     }
 }
 
+static void unlink_bound_name(void);
+
 /* ---- the agent thread -------------------------------------------------------------------- */
+/* True once every thread of the program has exited and only this one is left. A process lives
+ * while any of its threads does: a main thread that ends with the bare exit system call (not
+ * exit_group: a program under SECCOMP_MODE_STRICT may use nothing else, and zdtm's seccomp tests
+ * do) leaves the process alive as long as the agent thread is, and whoever waits for it waits for
+ * ever. Asked without opening a descriptor (a number the program may expect free): the main
+ * thread has exited when /proc/self/exe no longer resolves (the kernel drops an exited thread's
+ * memory map, through which the link resolves), and /proc/self/task's link count is 2 plus the
+ * threads the kernel still counts -- the exited main thread (a zombie until the last thread
+ * leaves) and this one. Without /proc, nothing can be told and the agent stays. */
+static int main_outlived; /* a thread of the program was seen alive after the main thread exited */
+
+static int program_gone(void) {
+    char buf[64];
+    if (readlink("/proc/self/exe", buf, sizeof buf) >= 0 || errno != ENOENT) return 0;
+    if (readlink("/proc/self", buf, sizeof buf) < 0) return 0;
+    struct stat st;
+    if (stat("/proc/self/task", &st) != 0) return 0;
+    if (st.st_nlink > 4) main_outlived = 1;
+    return st.st_nlink <= 4;
+}
+
+/* The main thread's exit code as waitpid would report it (field 52 of /proc/self/stat: the
+ * thread-group leader's, kept while it is a zombie); -1 if unknown. */
+static int main_exit_code(void) {
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 52; field++) { /* p is at the end of field `field` */
+        p = strchr(p + 1, ' ');
+    }
+    return p ? atoi(p + 1) : -1;
+}
+
+/* The program is gone: leave as its destructors would have had it left (agent_fini), and end
+ * the process as the program's last thread did. Since Linux 5.17 the last thread to exit gives
+ * the process its wait status (synchronize_group_exit), and without npusnap that was the
+ * program's; here it is this one. When the main thread was the program's last (as far as the
+ * ticks saw: no other thread of the program alive after it), its exit code is known and is ours
+ * to end with: a number (the bare exit system call's argument), or the
+ * signal that killed that thread alone (seccomp's SECCOMP_RET_KILL_THREAD: SIGSYS), raised
+ * here with its default action as the kernel would have raised it in a last thread. Code 0, or
+ * an exit we cannot tell (another thread outlived the main one): this thread simply ends, and
+ * glibc runs exit(0) if it is the last thread it knows of, as after the program's pthread_exit. */
+static void leave_with_program(void) {
+    drop_client();
+    unlink_bound_name();
+    close(A.listen_fd);
+    A.listen_fd = -1;
+    A.path[0] = 0;
+    int code = main_outlived ? -1 : main_exit_code();
+    if (code <= 0) return;
+    int sig = code & 0x7f;
+    if (sig) {
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(sig, &dfl, NULL);
+        sigset_t one;
+        sigemptyset(&one);
+        sigaddset(&one, sig);
+        pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+        syscall(SYS_tgkill, getpid(), (pid_t)syscall(SYS_gettid), sig);
+    }
+    syscall(SYS_exit, (code >> 8) & 0xff);
+}
+
 static void *agent_main(void *arg) {
     (void)arg;
     while (!A.stopping) {
+        if (program_gone()) {
+            leave_with_program();
+            break;
+        }
         ops_tick();
         struct pollfd p[2];
         int n = 0;
@@ -388,20 +575,16 @@ static void after_fork_child(void);
 static int start_locked(void) {
     if (A.started && A.pid == getpid()) return 0;
     A.last_error[0] = 0;
+    log_setup();
     ops_init();
     if (bind_socket(A.last_error, sizeof A.last_error) < 0) return -1;
     A.pid = getpid();
     A.stopping = 0;
-    /* The agent thread takes none of the application's signals. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 256 * 1024);
-    int rc = pthread_create(&A.thread, &attr, agent_main, NULL);
+    int rc = npusnap_quiet_thread_create(&A.thread, &attr, agent_main, NULL);
     pthread_attr_destroy(&attr);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         snprintf(A.last_error, sizeof A.last_error, "pthread_create: %s", strerror(rc));
         close(A.listen_fd);
@@ -612,11 +795,7 @@ int hooks_run(const char *stage, sbuf *ran, op_error *e) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int rc = pthread_create(&t, &attr, hook_thread, c);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int rc = npusnap_quiet_thread_create(&t, &attr, hook_thread, c);
     pthread_attr_destroy(&attr);
     if (rc != 0) {
         free(c);
@@ -697,6 +876,7 @@ static void after_fork_child(void) {
     A.path[0] = 0;
     A.inlen = 0;
     A.partial_since = 0;
+    log_setup(); /* the default file is named after our own pid */
     const char *sw = getenv("NPUSNAP_AGENT");
     if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
 }
@@ -723,6 +903,7 @@ __attribute__((destructor)) static void agent_fini(void) {
 
 __attribute__((constructor)) static void agent_init(void) {
     hook_cv_init();
+    log_setup();
     pthread_atfork(NULL, NULL, after_fork_child);
     const char *sw = getenv("NPUSNAP_AGENT");
     if ((sw && strcmp(sw, "1") == 0) || attach_marker_present()) npusnap_agent_start();

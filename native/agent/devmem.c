@@ -44,6 +44,7 @@
 
 #define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_SUCCESS, ...: no CANN header is included */
 #include "npusnap/devmem.h"
+#include "npusnap/quietthread.h"
 
 typedef int32_t aclError;
 typedef int drvError_t; /* enum tagDrvError (driver ascend_hal_error.h): an int on the ABI */
@@ -329,12 +330,15 @@ static void untrack(uintptr_t p) {
     pthread_mutex_unlock(&g_mu);
 }
 
+/* core.c's: the agent's log file, never the job's stderr (same library). */
+void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 static void note_oom(int rc) {
-    if (rc != 0) fprintf(stderr, "npusnap-agent: [devmem] out of memory tracking a device allocation\n");
+    if (rc != 0) agent_log("[devmem] out of memory tracking a device allocation");
 }
 
 static drvError_t missing(int i) {
-    fprintf(stderr, "npusnap-agent: [devmem] %s is not exported by the loaded CANN libraries\n", NAMES[i]);
+    agent_log("[devmem] %s is not exported by the loaded CANN libraries", NAMES[i]);
     return i < F_SET_DEVICE ? DRV_ERROR_NOT_SUPPORT : ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
 }
 
@@ -826,12 +830,8 @@ static int xfer_run(struct xfer *x, char *err, size_t errlen) {
     pthread_t th[DM_THREADS];
     size_t started = 0;
     pthread_mutex_init(&x->mu, NULL);
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old); /* the job's signals must not land on these threads */
     for (size_t i = 0; i < extra; i++)
-        if (pthread_create(&th[started], NULL, xfer_main, x) == 0) started++;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (npusnap_quiet_thread_create(&th[started], NULL, xfer_main, x) == 0) started++;
     xfer_main(x);
     for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
     pthread_mutex_destroy(&x->mu);
@@ -894,11 +894,7 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
     if (!j) return -ENOMEM;
     *j = (struct sync_job){sync, 0, 0, &mu, &cv, ctx};
     pthread_t th;
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int cr = pthread_create(&th, NULL, sync_thread, j);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int cr = npusnap_quiet_thread_create(&th, NULL, sync_thread, j);
     if (cr != 0) {
         free(j);
         seterr(err, errlen, "cannot start a thread to synchronize device %d", dev);

@@ -362,7 +362,8 @@ static int take_devmem_file(const request *r, int *slot, op_error *e) {
         return -1;
     }
     close_fd(slot);
-    *slot = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
+    *slot = fcntl(r->fd, F_DUPFD_CLOEXEC, agent_fd_floor());
+    if (*slot < 0) *slot = fcntl(r->fd, F_DUPFD_CLOEXEC, 3);
     if (*slot < 0) {
         err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, errno, "cannot keep the device-memory file: %s",
                 strerror(errno));
@@ -381,7 +382,7 @@ static int reload_file(char *err, size_t errlen) {
         snprintf(err, errlen, "the copies are in the image's device-memory file and no file was named");
         return -1;
     }
-    devmem.reload_fd = open(devmem.file_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    devmem.reload_fd = agent_fd_high(open(devmem.file_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
     if (devmem.reload_fd < 0) {
         snprintf(err, errlen, "no descriptor of the image's device-memory file came with the restore, and %s "
                  "cannot be opened: %s (restore the image again, or copy it back there)",
@@ -737,19 +738,21 @@ static long host_pid_now(void) {
 }
 
 void ops_tick(void) {
-    /* A dump can freeze this thread between fopen and fclose of /proc/self/stat, and CRIU then
-     * saves that fd as /proc/<host pid>/stat. In a pid namespace of its own the job is restored
-     * with other host pids, and CRIU's restore fails on the dead path ("Can't open file
-     * proc/N/stat on restore"). There the tick watches the host pid (a readlink, no fd), which
-     * such a restore changes, and reads the start time only then. */
+    /* The tick opens no descriptor: one opened every 100 ms would, now and then, take the number a
+     * program's own open() expected (the lowest free one), and a dump that froze this thread
+     * between fopen and fclose of /proc/self/stat would save that fd as /proc/<host pid>/stat,
+     * which a restore in a pid namespace of its own (other host pids) cannot open ("Can't open
+     * file proc/N/stat on restore"). A CRIU restore shows without one: it makes a new listening
+     * socket (another inode) and, in such a namespace, another host pid (a readlink). Only then
+     * is the start time read. */
     static long last_host_pid = -1;
+    static unsigned long long last_ino;
     long host_pid = host_pid_now();
-    if (host_pid < 0 || host_pid == (long)getpid()) {
-        refresh_restored();
-    } else if (host_pid != last_host_pid) {
-        if (last_host_pid >= 0) refresh_restored();
-        last_host_pid = host_pid;
-    }
+    unsigned long long ino = agent_socket_ino();
+    int moved = (last_ino && ino && ino != last_ino) || (last_host_pid >= 0 && host_pid >= 0 && host_pid != last_host_pid);
+    if (ino) last_ino = ino;
+    if (host_pid >= 0) last_host_pid = host_pid;
+    if (moved) refresh_restored();
     double now = now_s();
     double delta = now - lease.last;
     if (delta < 0) delta = 0;
@@ -796,6 +799,9 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     long long ticks = read_start_ticks();
     sb_key(res, "start_time_ticks");
     sb_printf(res, "%lld", ticks);
+    sb_key(res, "log");
+    if (agent_log_path()) sb_str(res, agent_log_path());
+    else sb_raw(res, "null");
     double bt = boot_time();
     sb_key(res, "started_at");
     if (bt >= 0 && ticks >= 0) sb_num(res, bt + (double)ticks / (double)sysconf(_SC_CLK_TCK));

@@ -53,6 +53,7 @@ struct region {
     int32_t dev;
     uint64_t addr, size; /* R_ALLOC, R_PHYS: the daemon's address; R_RESV: the reserved range */
     char *map;           /* host view while kept (R_ALLOC: memfd mapping; R_RESV: the range) */
+    char *was_map;       /* where Backup dropped the kept view: Restore puts it back there */
     void *backup;        /* bytes kept by halProcessResBackup (R_ALLOC, R_PHYS), or NULL */
     struct vmap *maps;   /* R_RESV */
     size_t nmaps, mapcap;
@@ -385,16 +386,28 @@ static char *map_daemon(uint64_t daddr, uint64_t dsize, uint64_t off, uint64_t s
 }
 
 /* A host view of a whole region (g_io held): a mapping of its memfd, or for a reserved range an
- * inaccessible reservation with each mapped piece of physical memory placed at its offset. */
-static int build_view(struct region *r, int populate, char **out) {
+ * inaccessible reservation with each mapped piece of physical memory placed at its offset. At
+ * `at` when not NULL and free there (-EEXIST when it is not), anywhere otherwise. */
+static int build_view(struct region *r, int populate, char *at, char **out) {
     int st = 0;
+    char *v = NULL;
+    if (at) { /* claim the range first, never over a mapping of someone else's */
+        v = mmap(at, r->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+        if (v != at) {
+            if (v != MAP_FAILED) munmap(v, r->size); /* a kernel without MAP_FIXED_NOREPLACE */
+            return -EEXIST;
+        }
+    }
     if (r->kind == R_ALLOC) {
-        char *v = map_daemon(r->addr, r->size, 0, r->size, NULL, populate, &st);
-        if (v == MAP_FAILED) return st;
-        *out = v;
+        char *m = map_daemon(r->addr, r->size, 0, r->size, v, populate, &st);
+        if (m == MAP_FAILED) {
+            if (v) munmap(v, r->size);
+            return st;
+        }
+        *out = m;
         return 0;
     }
-    char *v = mmap(NULL, r->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (!v) v = mmap(NULL, r->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (v == MAP_FAILED) return -ENOMEM;
     madvise(v, r->size, MADV_DONTFORK);
     madvise(v, r->size, MADV_DONTDUMP);
@@ -436,7 +449,7 @@ static int dev_ptr(uint64_t addr, uint64_t n, int write, char **p, char **tbase,
     pthread_mutex_unlock(&g_mu);
     if (!ok) return -EINVAL;
     if (!m) {
-        int st = build_view(r, n >= r->size / 2, &m);
+        int st = build_view(r, n >= r->size / 2, NULL, &m);
         if (st != 0) return st;
         if (keep) {
             pthread_mutex_lock(&g_mu);
@@ -949,6 +962,7 @@ drvError_t halProcessResBackup(halProcResBackupInfo *info) {
     g_backed_up = 1;
     g_have_backup = 1;
     for (size_t i = 0; i < g_nregs; i++) {
+        if (g_regs[i]->map) g_regs[i]->was_map = g_regs[i]->map;
         unmap_region(g_regs[i]);
         free(g_regs[i]->backup);
         g_regs[i]->backup = NULL;
@@ -1001,6 +1015,20 @@ drvError_t halProcessResRestore(halProcResRestoreInfo *info) {
             rc = status_to_drv(io_rpc(NPUSIM_OP_ALLOC_AT, r->dev, r->addr, 0, r->size, NULL, 0, NULL));
             if (rc == DRV_ERROR_NONE && region_rw(r, r->backup, 1) != 0) rc = DRV_ERROR_INNER_ERR;
         }
+    }
+    /* Device memory comes back at its device addresses, and the process's views of it at the
+     * host addresses they had: as mappings of a real device do, and as a program (or CRIU's own
+     * tests, comparing /proc/self/maps across a restore) may expect. Where another mapping took
+     * the place meanwhile, the view is made anywhere at its first use, as before. */
+    for (size_t i = 0; i < g_nregs && rc == DRV_ERROR_NONE; i++) {
+        struct region *r = g_regs[i];
+        char *m = NULL;
+        if (r->was_map && !r->map && build_view(r, 0, r->was_map, &m) == 0) {
+            pthread_mutex_lock(&g_mu);
+            r->map = m;
+            pthread_mutex_unlock(&g_mu);
+        }
+        r->was_map = NULL;
     }
     pthread_mutex_lock(&g_mu);
     if (rc == DRV_ERROR_NONE) {

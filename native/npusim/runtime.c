@@ -34,6 +34,7 @@
 #include "npusim.h"
 #include "npusim_kernel.h"
 #include "rt.h"
+#include "npusnap/quietthread.h"
 #include "npusnap/timeutil.h"
 
 #define MAX_DEV 64
@@ -450,7 +451,9 @@ static int32_t stream_new(int32_t dev, uint32_t flags, int is_default, struct st
     pthread_attr_t at;
     pthread_attr_init(&at);
     pthread_attr_setstacksize(&at, 1 << 20);
-    int e = pthread_create(&s->thread, &at, stream_main, s);
+    /* A stream thread does what the device does on a node: it must take none of the job's signals
+     * (a kill(getpid(), SIGUSR1) that the job blocked in its own threads would land here). */
+    int e = npusnap_quiet_thread_create(&s->thread, &at, stream_main, s);
     pthread_attr_destroy(&at);
     if (e != 0) {
         free(s);

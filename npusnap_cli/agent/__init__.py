@@ -38,8 +38,10 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any, Optional
 
+from npusnap_cli import contract, paths
 from npusnap_cli.agent import native
 from npusnap_cli.agent.hooks import STAGES, Hook, HookFailed, HookRegistry
 
@@ -66,12 +68,47 @@ _fork_handler_installed = False
 
 
 def log(message: str) -> None:
-    """Write one line to the target's stderr; never raises (stderr may be closed)."""
+    """One line into the agent's log, never into the application's streams (docs/agent.md,
+    "Messages"): through the native core when it is loaded, else appended to the file that
+    ``npusnap run`` named in NPUSNAP_AGENT_LOG (and to stderr only with NPUSNAP_AGENT_STDERR=1).
+    Never raises."""
     try:
-        sys.stderr.write(f"npusnap-agent: [{os.getpid()}] {message}\n")
-        sys.stderr.flush()
+        lib = _lib
+        if lib is not None:
+            lib.npusnap_agent_log(message.encode("utf-8", "replace"))
+            return
+        line = f"npusnap-agent: [{os.getpid()}] {message}\n"
+        write_log_line(line)
     except Exception:
         pass
+
+
+def write_log_line(line: str) -> None:
+    """``line`` appended to the agent log as the native core would name it (it is not there to do
+    it): NPUSNAP_AGENT_LOG, else ``<runtime dir>/<pid>.log`` when that directory is there and
+    private; and to stderr when NPUSNAP_AGENT_STDERR=1. Never raises."""
+    path = os.environ.get(contract.AGENT_LOG_ENV) or ""
+    if not path.startswith("/"):
+        runtime = paths.agent_runtime_dir()
+        if runtime.is_dir() and paths.runtime_dir_problem(runtime) is None:
+            path = str(paths.agent_log_path(os.getpid()))
+    if path.startswith("/"):
+        try:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(path, flags, 0o600)
+            try:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime())
+                os.write(fd, (stamp + line).encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    if os.environ.get(contract.AGENT_STDERR_ENV) == "1":
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except Exception:
+            pass
 
 
 def _run_stage(handle: Optional[int], stage: bytes, out: Optional[int], outlen: int) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli import elf, safefs
+from npusnap_cli import contract, elf, paths, safefs
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
 from npusnap_cli.host import iouring
@@ -82,6 +82,24 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
     env["NPUSNAP_AGENT"] = "1"
     env["NPUSNAP_PKG_PARENT"] = str(PKG_PARENT)
     return env
+
+
+def with_job_log(env: dict[str, str], pid: int) -> dict[str, str]:
+    """``env`` naming the job's agent log for every process of the tree (NPUSNAP_AGENT_LOG):
+    ``<runtime dir>/<pid>.log`` after the job's first process. The agents write there and never
+    into the job's stderr. A path already in the environment (yours, or an enclosing job's) stays."""
+    if env.get(contract.AGENT_LOG_ENV):
+        return env
+    return {**env, contract.AGENT_LOG_ENV: str(paths.agent_log_path(pid))}
+
+
+def host_pid() -> int:
+    """This process's pid as the host's /proc names it: in a pid namespace of our own (``--pid-ns``
+    keeps the host's /proc) getpid() says 1."""
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()
 
 
 def statically_linked(path: str) -> bool:
@@ -159,7 +177,7 @@ def exec_plan(plan: LaunchPlan) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execvpe(plan.executable, plan.argv, plan.env)
+        os.execvpe(plan.executable, plan.argv, with_job_log(plan.env, os.getpid()))
     except OSError as exc:
         raise TargetError(
             f"cannot execute {plan.argv[0]}: {exc.strerror}",
@@ -204,7 +222,7 @@ def run_in_pid_namespace(plan: LaunchPlan) -> int:
     if pid == 0:
         try:
             os.setsid()  # CRIU cannot dump a namespace whose session leader is outside it
-            os.execvpe(plan.executable, plan.argv, plan.env)
+            os.execvpe(plan.executable, plan.argv, with_job_log(plan.env, host_pid()))
         except BaseException as exc:
             sys.stderr.write(f"npusnap run: cannot execute {plan.argv[0]}: {exc}\n")
         finally:
@@ -282,7 +300,7 @@ def detach(plan: LaunchPlan, output: Optional[Path], pid_ns: bool = False) -> in
             # the tree, and restore them without it. Only 0-2 and the exec-status pipe stay.
             os.closerange(3, wfd)
             os.closerange(wfd + 1, _max_fd())
-            os.execvpe(plan.executable, plan.argv, plan.env)
+            os.execvpe(plan.executable, plan.argv, with_job_log(plan.env, host_pid()))
         except BaseException as exc:
             try:
                 os.write(wfd, f"{getattr(exc, 'strerror', None) or exc}".encode(errors="replace"))

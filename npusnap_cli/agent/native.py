@@ -38,6 +38,8 @@ _SIGNATURES: Dict[str, Tuple[Any, List[Any]]] = {
     "npusnap_agent_set_hooks": (None, [ctypes.c_uint, ctypes.c_char_p]),
     "npusnap_agent_hook_claim": (ctypes.c_int, [ctypes.c_void_p]),
     "npusnap_agent_set_python_info": (None, [ctypes.c_char_p]),
+    "npusnap_agent_log": (None, [ctypes.c_char_p]),
+    "npusnap_agent_log_file": (ctypes.c_char_p, []),
 }
 
 

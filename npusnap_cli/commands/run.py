@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import PreflightError, UsageError
 
@@ -117,18 +118,18 @@ def register(app: typer.Typer) -> None:
             if pidfile is not None:
                 pidfile_mod.check(pidfile)
             pid = launch.detach(plan, output_file, pid_ns=pid_ns)
+            agent_log = launch.with_job_log(plan.env, pid)[contract.AGENT_LOG_ENV]
             if output_file is None:
-                # The agent writes its own messages (a lease that ran out, a rollback) to the
-                # program's stderr: without --output nobody would ever read them.
                 out.warn(
-                    "no --output: the program's output and its agent's messages go to /dev/null "
-                    f"(pass --output FILE; the agent's last events show in `npusnap status {pid}`)"
+                    "no --output: the program's output goes to /dev/null (pass --output FILE; its "
+                    f"agents' messages are in {agent_log})"
                 )
             written = pidfile_mod.write(pidfile, pid) if pidfile is not None else None
             out.data(str(pid))
             result = {**plan.to_dict(), "pid": pid, "detached": True, "pidfile": written, "pid_ns": pid_ns}
             result["no_io_uring"] = no_io_uring
             result["output"] = str(output_file) if output_file is not None else None
+            result["agent_log"] = agent_log
             out.result({**result, "session_note": None})
             return
         if pid_ns:
@@ -141,6 +142,7 @@ def register(app: typer.Typer) -> None:
                     "session_note": None,
                     "pid_ns": True,
                     "no_io_uring": no_io_uring,
+                    "agent_log": plan.env.get(contract.AGENT_LOG_ENV),
                 }
             )
             raise typer.Exit(launch.run_in_pid_namespace(plan))
@@ -151,7 +153,14 @@ def register(app: typer.Typer) -> None:
             f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
             f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
         )
+        agent_log = launch.with_job_log(plan.env, os.getpid())[contract.AGENT_LOG_ENV]
         out.result(
-            {**plan.to_dict(), "detached": False, "session_note": session_note, "no_io_uring": no_io_uring}
+            {
+                **plan.to_dict(),
+                "detached": False,
+                "session_note": session_note,
+                "no_io_uring": no_io_uring,
+                "agent_log": agent_log,
+            }
         )
         launch.exec_plan(plan)

@@ -91,6 +91,12 @@ def register(app: typer.Typer) -> None:
                 )
                 for event in events:
                     out.info(f"    {event}")
+        # The agents' messages are never in the job's own output: say where they are.
+        logs = sorted(
+            {str(e["hello"]["log"]) for e in report["processes"] if (e.get("hello") or {}).get("log")}
+        )
+        for path in logs:
+            out.info(f"agent log: {path}")
         for hint in report["hints"]:
             out.warn(hint)
         out.result(report)

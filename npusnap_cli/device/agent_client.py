@@ -382,7 +382,7 @@ class AgentClient:
                 error=error,
                 why=f"the application's {error.get('stage')} hook {error.get('hook')} "
                 f"raised {error.get('exception')}",
-                fix="fix the hook in the application (its traceback is on the target's stderr) and retry",
+                fix="fix the hook in the application (traceback: the agent log in `npusnap status`); retry",
             )
         if kind == protocol.ERR_PROTOCOL and name == contract.E_BUSY:
             return AgentBusyError(
@@ -408,7 +408,7 @@ class AgentClient:
             op=op,
             error=error,
             why="protocol or agent failure",
-            fix="use the same npusnap version for agent and CLI; the target's stderr has the agent's log",
+            fix="use the same npusnap version for agent and CLI; see the agent log `npusnap status` names",
         )
 
     # -- one method per operation -------------------------------------------------------------

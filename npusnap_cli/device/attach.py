@@ -444,7 +444,7 @@ finally:
         sys.path.remove(_parent)
 _sock = _agent.start()
 if _sock is None:
-    raise RuntimeError("npusnap_cli.agent.start() failed; the target's stderr has npusnap-agent lines")
+    raise RuntimeError("npusnap_cli.agent.start() failed; the agent log (<runtime dir>/<pid>.log) says why")
 _report({{"ok": True, "socket": _sock, "agent_module": _agent.__file__, "note": _threading_note}})
 """
 
@@ -837,7 +837,7 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
     except (AgentError, TargetError) as exc:
         raise AgentError(
             f"the agent library was loaded into pid {pid} but does not answer hello: {exc}",
-            why="the agent could not start (its reason is on the target's stderr: npusnap-agent lines)",
+            why="the agent could not start (its reason is in its log: <runtime dir>/<pid>.log)",
             fix=f"`npusnap status {pid}`; or start the program with `npusnap run -- CMD`",
         ) from None
     return AttachResult(
@@ -879,7 +879,7 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         raise AgentError(
             f"the agent started in pid {pid} but does not answer hello: {exc}",
             why=getattr(exc, "why", "") or "the agent thread is not serving its socket",
-            fix=f"check the target's stderr for npusnap-agent lines; `npusnap status {pid}`",
+            fix=f"read the agent log ({paths.agent_log_path(pid)}); `npusnap status {pid}`",
             details=dict(diagnose(pid), status=result.status),
         ) from None
     if hello.get("pid") != pid:

@@ -4,7 +4,7 @@ On an Ascend node the driver maps a process's device memory through its SVM devi
 runtime's allocations live in ``VM_PFNMAP|VM_IO`` mappings of ``/dev/svm0`` (older drivers:
 ``/dev/devmm_svm``), and Huawei's CRIU plugin rewrites ``/dev/davinci_manager`` mappings
 (cann-snapshot-api.md, "CRIU and the NPU plugin"). The simulated NPU maps each allocation's memfd,
-named ``npusim-dev<N>-<addr>``, which /proc shows as ``/memfd:npusim-dev...``: its stand-in for
+named ``npusim-dev<N>`` (the device only), which /proc shows as ``/memfd:npusim-dev...``: its stand-in for
 those device mappings (the daemon owns the memory, the process maps it, as the driver's SVM does).
 
 What this tells: whether a process has NPU device memory mapped at all, and how many bytes of

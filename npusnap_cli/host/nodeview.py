@@ -148,7 +148,7 @@ def _ask(pid: int, socket: Path, deadline: float) -> dict[str, Any]:
         "devices": list((hello.get("acl") or {}).get("devices") or []),
         "restored": bool(st.get("restored")),
         # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
-        # lease that ran out, which it otherwise tells only the job's stderr.
+        # lease that ran out, which it otherwise tells only the job's agent log.
         "events": list(st.get("events") or [])[-3:],
     }
 

@@ -221,7 +221,7 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         raise TargetError(
             f"attach reported success but pid(s) {still} have no agent socket",
             why="the injected agent did not start listening",
-            fix="see the target's stderr (npusnap-agent lines); try `npusnap attach PID -v`",
+            fix="read the agent log (<runtime dir>/<pid>.log); try `npusnap attach PID -v`",
         )
     return _Target(
         root_pid=target.root_pid,

@@ -340,7 +340,10 @@ class Daemon:
         if kept is not None:
             fd = kept.fd
         else:
-            fd = os.memfd_create(f"npusim-dev{dev.id}-{addr:#x}", os.MFD_CLOEXEC)
+            # Named after the device only, as a real device's mapping is named after its node
+            # (/dev/svm0) whatever it holds: a memfd from the pool serves other addresses later
+            # (a Restore), and a restored process must see its mappings under their old names.
+            fd = os.memfd_create(f"npusim-dev{dev.id}", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
             except BaseException:

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from npusnap_cli import contract, paths
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
 
@@ -140,12 +141,25 @@ class Workload:
                 start_new_session=True,
             )
         self.pid = self.proc.pid
+        self.env = env
 
     def lines(self) -> list[str]:
         return self.out_path.read_text(errors="replace").splitlines()
 
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
+
+    def agent_log(self) -> str:
+        """What the agents of this workload logged (never its stderr): NPUSNAP_AGENT_LOG when
+        `npusnap run` named it, else ``<runtime dir>/<pid>.log`` beside its socket."""
+        path = self.env.get(contract.AGENT_LOG_ENV) or os.path.join(
+            self.env.get(contract.AGENT_SOCKET_ENV_DIR) or str(paths.agent_runtime_dir()),
+            contract.AGENT_LOG_NAME.format(pid=self.pid),
+        )
+        try:
+            return Path(path).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def wait_for(self, prefix: str, timeout: float = 20.0, after: int = 0) -> str:
         deadline = time.monotonic() + timeout

@@ -127,7 +127,7 @@ def test_lease_expires_after_the_client_is_killed(
     assert done.stdout.strip() == "LOCKED"
     status = wait_state(w.pid, "RUNNING", timeout=10)
     assert any("lease" in e and "expired" in e for e in status["events"]), status["events"]
-    assert "lease of 1.5s expired" in w.stderr()
+    assert "lease of 1.5s expired" in w.agent_log()
     w.wait_steps(5)
     w.assert_correct()
 
@@ -256,7 +256,7 @@ def test_agent_refuses_another_uid(sim: Sim, tmp_path: Path, workloads: list[Wor
         answer = json.loads(done.stdout)
         assert answer["ok"] is False
         assert answer["error"]["name"] == "PERMISSION_DENIED"
-        assert "uid 65534" in w.stderr()
+        assert "uid 65534" in w.agent_log()
         with AgentClient(w.pid, socket_path=sock) as c:  # root is still welcome
             assert c.hello()["pid"] == w.pid
     finally:

@@ -60,7 +60,8 @@ def test_run_starts_an_agent_in_another_python(
         assert mark.read_text() == "yes", "the user's own sitecustomize must still run"
         w.wait_steps(3)
         w.assert_correct()
-        assert "npusnap-agent" not in w.stderr(), "the agent logged a problem"
+        assert "npusnap-agent" not in w.stderr(), "the agent wrote into the job's stderr"
+        assert w.agent_log() == "", "the agent logged a problem"
     finally:
         w.kill()
 

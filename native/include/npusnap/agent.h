@@ -18,6 +18,10 @@ const char *npusnap_agent_socket_path(void);
 /* Stop serving and remove the socket; the snapshot state is left as it is. */
 void npusnap_agent_stop(void);
 
+/* Where the agent writes its messages (never the program's stderr, unless NPUSNAP_AGENT_STDERR=1
+ * asks for that too): NPUSNAP_AGENT_LOG, else <runtime dir>/<pid>.log; NULL if neither is known. */
+const char *npusnap_agent_log_file(void);
+
 #ifdef __cplusplus
 }
 #endif

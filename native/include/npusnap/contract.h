@@ -153,6 +153,9 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_AGENT_SOCKET_TMP_DIR "/tmp/npusnap-%u"
 #define NPUSNAP_AGENT_SOCKET_DIR_PREFIX "npusnap"
 #define NPUSNAP_AGENT_SOCKET_NAME "%d.sock"
+#define NPUSNAP_AGENT_LOG_NAME "%d.log"
+#define NPUSNAP_AGENT_LOG_ENV "NPUSNAP_AGENT_LOG"
+#define NPUSNAP_AGENT_STDERR_ENV "NPUSNAP_AGENT_STDERR"
 
 /* ---- the agent's line protocol ---- */
 #define NPUSNAP_PROTOCOL_VERSION 1
@@ -535,6 +538,8 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSNAP_AGENT_SOCKET_ROOT_DIR) \
     X(NPUSNAP_AGENT_SOCKET_XDG_SUBDIR) \
     X(NPUSNAP_AGENT_SOCKET_DIR_PREFIX) \
+    X(NPUSNAP_AGENT_LOG_ENV) \
+    X(NPUSNAP_AGENT_STDERR_ENV) \
     X(NPUSNAP_ERRTYPE_ACL) \
     X(NPUSNAP_ERRTYPE_HOOK) \
     X(NPUSNAP_ERRTYPE_PROTOCOL) \

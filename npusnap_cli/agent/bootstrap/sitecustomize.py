@@ -13,6 +13,27 @@ import os
 import sys
 
 
+def _log(line: str) -> None:
+    """Into the job's agent log (npusnap_cli could not be imported to do it), never into the
+    application's stderr unless NPUSNAP_AGENT_STDERR=1 asks for it: a job under `npusnap run`
+    prints what it prints without it."""
+    path = os.environ.get("NPUSNAP_AGENT_LOG") or ""
+    if path.startswith("/"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, line.encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+    if os.environ.get("NPUSNAP_AGENT_STDERR") == "1":
+        try:
+            sys.stderr.write(line)
+        except Exception:
+            pass
+
+
 def _start_agent() -> None:
     parent = os.environ.get("NPUSNAP_PKG_PARENT")
     added = ""
@@ -26,7 +47,7 @@ def _start_agent() -> None:
 
         npusnap_cli.agent.start()
     except Exception as exc:
-        sys.stderr.write(f"npusnap-agent: [{os.getpid()}] could not start: {type(exc).__name__}: {exc}\n")
+        _log(f"npusnap-agent: [{os.getpid()}] could not start: {type(exc).__name__}: {exc}\n")
     finally:
         if added:
             try:
