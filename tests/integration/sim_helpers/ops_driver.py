@@ -341,7 +341,9 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
     send = dev.buffer(values)
     recv = dev.buffer([0.0] * count)
     codes = {
-        "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 7, nt.HCCL_REDUCE_SUM, comm, dev.stream)),  # uint8: not reduced
+        "bad_dtype": int(
+            hccl.HcclAllReduce(send, recv, count, 7, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+        ),  # uint8: not reduced
         "bad_op": int(hccl.HcclAllReduce(send, recv, count, nt.HCCL_DATA_TYPE_FP32, 9, comm, dev.stream)),
     }
     # Printed at sampled indices (the ends, around each 1 MiB staging slot's edges, the middle)
@@ -386,6 +388,7 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         json.dumps({"rank": rank, "idx": idx, "values": sample, "results": results, "codes": codes}),
         flush=True,
     )
+
 
 class HcclCommConfig(ctypes.Structure):
     """hccl_types.h HcclCommConfig, after the 24-byte header HcclCommConfigInit writes."""
@@ -448,17 +451,23 @@ def run_config(rank: int, world: int, device: int, rendezvous: str) -> None:
     bad = c_void_p()
     info = root_info(hccl, rank, rendezvous, 0)
     cfg = comm_config(magic=0x12345678)
-    out["bad_magic"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(bad)))
+    out["bad_magic"] = int(
+        hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(bad))
+    )
     cfg = comm_config(buffer_mib=3, name=b"group_name_7")
     comm = c_void_p()
     before = window_sizes()
-    out["init"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(comm)))
+    out["init"] = int(
+        hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(comm))
+    )
     out["window_bytes"] = [s for s in window_sizes() if s not in before]
     name = ctypes.create_string_buffer(128)
     out["name_rc"] = int(hccl.HcclGetCommName(comm, name))
     out["name"] = name.value.decode()
     buf = dev.buffer([float(rank + 1)] * 16)
-    out["allreduce"] = int(hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    out["allreduce"] = int(
+        hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+    )
     dev.sync()
     out["sum"] = dev.read(buf, 1)[0]
     out["prod_bf16"] = int(hccl.HcclAllReduce(buf, buf, 16, 11, 1, comm, dev.stream))
