@@ -23,12 +23,21 @@ from typing import Any
 
 import pytest
 
+from npusnap_cli import paths
 from tests.conftest import requires_root
 from tests.integration.dumplib import REPO, Job, alive, cli, job_env, wait_until
 
 pytestmark = [pytest.mark.integration, requires_root]
 
 JOB = str(REPO / "tests" / "torch_npu" / "block_job.py")
+# The simulated tree that exports real CANN names only, and npusnap forbidden to reach the
+# simulator's daemon: what npusnap does for torch_npu needs nothing a real node lacks.
+STRICT = {
+    "ASCEND_HOME_PATH": str(paths.build_dir() / "cann-strict"),
+    "ASCEND_OPP_PATH": str(paths.build_dir() / "cann-strict" / "opp"),
+    "LD_LIBRARY_PATH": str(paths.build_dir() / "cann-strict" / "lib64"),
+    "NPUSNAP_NO_SIM_DAEMON": "1",
+}
 BUSY_US = "1000"  # a kernel block's time: an operator takes 8 ms
 
 
@@ -199,6 +208,7 @@ def _steps(n: int, *more: str) -> list[str]:
         ("task-queue-2", {"TASK_QUEUE_ENABLE": "2"}, _steps(30, "--interval", "0.05")),
         ("sgd", {}, _steps(30, "--interval", "0.05", "--optimizer", "sgd")),
         ("dataloader-workers", {}, _steps(30, "--interval", "0.05", "--workers", "2")),
+        ("strict-tree-no-daemon", STRICT, _steps(30, "--interval", "0.05")),
     ],
 )
 def test_a_torch_npu_job_continues_exactly(
