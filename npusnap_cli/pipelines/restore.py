@@ -198,32 +198,9 @@ ZOMBIE_WAIT_S = 10.0
 
 
 def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
-    """Every pid and thread id CRIU will recreate, from the image's ``pstree.img`` (CRIU restores
-    threads with their ids too); the image's process ids must be the manifest's."""
-    import pycriu
-
-    path = img.criu_dir(image) / "pstree.img"
-    try:
-        with open(path, "rb") as f:
-            entries = pycriu.images.load(f).get("entries", [])
-        pids = {int(e["pid"]) for e in entries}
-        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
-    except FileNotFoundError:
-        return sorted(p.pid for p in manifest.processes)
-    except Exception as exc:
-        raise ImageError(
-            f"cannot read {path}: {exc}",
-            why="CRIU's process tree image is damaged",
-            fix="do not use this image; dump again",
-        ) from None
-    if pids != ({*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}):
-        raise ImageError(
-            f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
-            f"{sorted(pids)}",
-            why="the manifest was edited, or belongs to another image",
-            fix="do not use this image; dump again",
-        )
-    return ids
+    """Every pid and thread id CRIU will recreate; the image's processes must be the manifest's
+    (the check `npusnap verify` and the dump make too)."""
+    return img.check_process_tree(image, manifest)
 
 
 def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> None:
@@ -1101,10 +1078,13 @@ REPORT: Step[RestoreState] = Step("report", _report)
 STEPS: tuple[Step[RestoreState], ...] = (
     VERIFY,
     PREFLIGHT,
+    # Before the files the restored tree inherits (--output) are opened: opened in the host's
+    # mount namespace, they would be on a mount the tree's own namespace does not have, and CRIU
+    # could not dump the copy again ("Can't lookup mount").
+    DEVICE_VIEW,
     OPEN_FILES,
     HOST_NODES,
     PUT_BACK,
-    DEVICE_VIEW,
     PID_NS_VIEW,
     LAZY_DAEMON,
     STOP_GUARD,
