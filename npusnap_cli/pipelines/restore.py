@@ -216,6 +216,11 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         who = {
             i: "a zombie" if st in ("Z", "X") else _proc_desc(i) for i, st in states.items() if st is not None
         }
+        for i, holder in _group_ids_in_use({i for i in wanted if i > 0} - set(who)).items():
+            held = procfs.state(holder)
+            if held is not None:
+                what = "a zombie" if held in ("Z", "X") else f"pid {holder} ({_proc_desc(holder)})"
+                who[i] = "a zombie" if what == "a zombie" else f"the session or process group of {what}"
         if not who or any(w not in ("a zombie", "?") for w in who.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -231,6 +236,23 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
             "then restore again",
             details={"pids_in_use": taken},
         )
+
+
+def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
+    """Id -> a process that has it as its session or process group id although no process has it
+    as its pid: the kernel keeps such a pid taken (CRIU's clone fails with EEXIST). What the
+    last child of a job that ended leaves until init reaps it."""
+    out: dict[int, int] = {}
+    if not ids:
+        return out
+    for name in os.listdir("/proc"):
+        st = procfs.stat(name) if name.isdigit() else None
+        if st is None:
+            continue
+        for i in (st.pgrp, st.session):
+            if i in ids:
+                out.setdefault(i, int(name))
+    return out
 
 
 def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:

@@ -149,6 +149,61 @@ def test_a_lock_its_restore_may_not_write_is_refused_before_anything_is_touched(
         shutil.rmtree(private, ignore_errors=True)
 
 
+# train.py that forks a child at every step, which exits at once, and reaps the one before: the
+# tree changes between the dump's first look and CRIU's freeze, and there is a zombie at the
+# freeze. (While the job is locked its steps wait for the device: no fork then.)
+FORKING_JOB = """
+import os, sys
+sys.path.insert(0, {workloads!r})
+import train
+step = train.Trainer.step
+last = [0]
+def forking(self, n):
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    if last[0]:
+        os.waitpid(last[0], 0)
+    last[0] = child
+    return step(self, n)
+train.Trainer.step = forking
+raise SystemExit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("leave_running", [False, True], ids=["default", "leave-running"])
+def test_a_tree_that_changes_before_the_freeze_is_described_as_dumped(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, leave_running: bool
+) -> None:
+    """Children come and go at every step: whatever CRIU froze is what the manifest lists, and
+    the image verifies and restores (after the original is gone), finishing the run."""
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--interval", "0.01", "--steps", "300", "--seed", "8"]
+    ref = reference(env, args)
+    script = FORKING_JOB.format(workloads=WORKLOADS)
+    job = Job(tmp_path, env, [PY, "-c", script, *args])
+    job.marker = "train"
+    try:
+        job.wait_lines(10)
+        extra = ["--leave-running"] if leave_running else []
+        out = _dump_verified(env, job.pid, tmp_path / "img", *extra)
+        result = out["result"]
+        assert isinstance(result, dict) and len(result["pids"]) >= 2, result["pids"]
+        if leave_running:
+            wait_until(lambda: not alive(job.pid), 60, "the original to finish")
+            assert job.lines() == ref
+        job.reap()
+        at = len(job.lines())
+        rc, res, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and res is not None, _ok(rc, res, err)
+        job.restored_pid = int(res["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored run to finish")
+        cont = job.lines()[at:]
+        assert cont and continues_reference(cont, ref), job.text()[-800:]
+    finally:
+        job.cleanup()
+
+
 FAILING_VERIFY = """
 import sys
 from npusnap_cli import cli

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import image
-from npusnap_cli.errors import ImageError
+from npusnap_cli.errors import BusyError, ImageError
 from npusnap_cli.host import proctree
 from npusnap_cli.image import imagetrust
 from tests.unit.test_image import _build, _manifest
@@ -119,3 +119,28 @@ def test_the_process_tree_lists_an_unreaped_child() -> None:
         assert info.ppid == os.getpid()
     finally:
         os.waitpid(child, 0)
+
+
+def test_a_pid_still_used_as_a_session_id_is_not_free() -> None:
+    """The leader of a session exited and was reaped; a process it left in its session keeps the
+    number taken (CRIU's clone of that pid fails with EEXIST): restore's pid check finds it."""
+    import subprocess
+
+    from npusnap_cli.pipelines import restore
+
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 30 & echo $!"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert leader.stdout is not None
+    left = int(leader.stdout.readline())
+    leader.wait()
+    try:
+        assert restore._group_ids_in_use({leader.pid}) == {leader.pid: left}
+        m = replace(
+            _manifest(), root_pid=leader.pid, processes=(replace(_manifest().processes[0], pid=leader.pid),)
+        )
+        with pytest.raises(BusyError) as exc:
+            restore.check_pids_free(m, [leader.pid])
+        assert f"the session or process group of pid {left}" in str(exc.value)
+    finally:
+        os.kill(left, 9)  # not our child: init reaps it
