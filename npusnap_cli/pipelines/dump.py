@@ -1093,21 +1093,22 @@ def _match_dumped_tree(s: DumpState) -> None:
     tree = tuple(proctree.process_tree(root))
     ns = pidns.namespace_pids(root, [p.pid for p in tree])
     now = ids(tree, ns)
-    kept = tuple(p for i, p in now.items() if i in dumped)
+    kept = tuple(p for i, p in now.items() if i in dumped)  # in the tree's order
     new_npu = [p.pid for p in kept if p.uses_npu and p.pid not in s.target.npu_pids]
     missing = sorted(dumped - set(now))
     if missing or new_npu:
+        changes = [f"pid(s) {missing} that CRIU dumped exited"] if missing else []
+        changes += [f"new NPU process(es) {new_npu} were not locked"] if new_npu else []
         raise TargetError(
-            f"the tree of pid {root} changed during the dump: "
-            + (f"pid(s) {missing} that CRIU dumped exited" if missing else "")
-            + (f"new NPU process(es) {new_npu} were not locked" if new_npu else ""),
+            f"the tree of pid {root} changed during the dump: {'; '.join(changes)}",
             why="processes were started or ended while the job was being locked and dumped; the "
             "image would not describe what CRIU saved",
             fix="dump again (nothing was kept; the job runs on)",
             details={"criu_pids": sorted(dumped), "exited": missing, "new_npu_pids": new_npu},
         )
-    s.found = replace(s.target, tree=tuple(sorted(kept, key=lambda p: tree.index(p))))
-    s.pid_ns = {str(k): v for k, v in ns.items() if any(p.pid == k for p in kept)}
+    s.found = replace(s.target, tree=kept)
+    pids = {p.pid for p in kept}
+    s.pid_ns = {str(k): v for k, v in ns.items() if k in pids}
 
 
 def _resume(s: DumpState, err: BaseException) -> None:
