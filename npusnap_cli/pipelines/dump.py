@@ -7,8 +7,11 @@ design.md §3, in order:
    the device bytes);
 3. Lock + Backup every NPU process in parallel under a lease (``DeviceGroup``);
 4. close the agent connections, CRIU dump of the whole tree into a temporary sibling of DIR;
-5. publish (checksums, manifest, fsync, rename), then the original tree is killed — or, with
-   ``leave_running``, every NPU process is unlocked and keeps running.
+5. publish (checksums, manifest, fsync, the checks of ``verify`` on the complete work
+   directory, rename), then the original tree is killed — or, with ``leave_running``, every NPU
+   process is unlocked and keeps running. The manifest lists exactly what CRIU dumped (zombies
+   included), and host files its restore would refuse are refused at preflight: a dump never
+   reports success for an image its own restore refuses.
 
 Never lose the job: CRIU dumps with ``leave_stopped`` rather than letting CRIU kill the tree, so
 that the original is killed only once the image is safely on disk; until then every failure

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import ExitCode
-from npusnap_cli.host import procfs
+from npusnap_cli.host import pidns, procfs
 from tests.integration.dumplib import (
     PY,
     REPO,
@@ -252,10 +252,11 @@ def test_a_dump_whose_image_fails_verification_rolls_back(
 def test_snapshot_loop_over_restored_plain_job(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    """dump -> restore -> dump --leave-running -> dump -> restore of a job in the host's pid
-    namespace: every image verifies, and the last restore finishes the run as if never stopped."""
+    """dump -> restore -> dump --leave-running -> dump -> restore (onto another device) -> ... of
+    a job in the host's pid namespace: every image verifies, and the last restore finishes the
+    run as if never stopped."""
     env = job_env(sim_env, runtime_dir)
-    args = [*TRAIN_ARGS, "--steps", "120", "--seed", "12"]
+    args = [*TRAIN_ARGS, "--steps", "400", "--seed", "12"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
     try:
@@ -264,9 +265,12 @@ def test_snapshot_loop_over_restored_plain_job(
         job.reap()
         pid = job.pid
         for n in (2, 3):
-            rc, res, err = cli(env, "restore", str(tmp_path / f"img{n - 1}"))
+            # The second copy runs in a container of the simulated NPU (another mount namespace).
+            moved = ["--device-map", "0=1"] if n == 3 else []
+            rc, res, err = cli(env, "restore", str(tmp_path / f"img{n - 1}"), *moved)
             assert rc == 0 and res is not None, _ok(rc, res, err)
             pid = job.restored_pid = int(res["result"]["root_pid"])
+            assert pidns.in_device_view(pid) == bool(moved)
             at = len(job.lines())
             job.wait_lines(at + 2)
             _dump_verified(env, pid, tmp_path / f"img{n}a", "--leave-running")
@@ -298,7 +302,7 @@ def test_snapshot_loop_over_restored_pid_ns_job(
     (not its new host pid), each image records it, verifies and restores; the last copy finishes
     the run from where the last image was taken."""
     env = job_env(sim_env, runtime_dir)
-    args = [*TRAIN_ARGS, "--steps", "160", "--seed", "13"]
+    args = [*TRAIN_ARGS, "--steps", "400", "--seed", "13"]
     ref = reference(env, args)
     out = tmp_path / "job.out"
     pid = start_ns_job(env, out, [PY, TRAIN, *args])
@@ -336,7 +340,7 @@ def test_snapshot_of_a_replica_restores(sim_env: dict[str, str], runtime_dir: Pa
     one replica's image restores (the replicas stopped: their devices free) and a dump of that
     copy (the original killed) restores again and finishes the run."""
     env = job_env(sim_env, runtime_dir)
-    args = [*TRAIN_ARGS, "--steps", "160", "--seed", "14"]
+    args = [*TRAIN_ARGS, "--steps", "400", "--seed", "14"]
     ref = reference(env, args)
     out = tmp_path / "job.out"
     pid = start_ns_job(env, out, [PY, TRAIN, *args])
