@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -770,6 +771,14 @@ def _preflight(s: DumpState) -> None:
     ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
     s.pid_ns = {str(k): v for k, v in ns_map.items()}
     s.device_view = pidns.in_device_view(s.target.root_pid)
+    if s.device_view and shutil.which("nsenter") is None:
+        raise PreflightError(
+            f"pid {s.target.root_pid} runs in a container of the simulated NPU (`restore --device-map`) "
+            "and nsenter is not installed",
+            why="CRIU must run in the job's mount namespace to dump it without that namespace, "
+            "which a restore could not rebuild; npusnap starts it there with nsenter",
+            fix="install util-linux (apt-get install util-linux), then dump again; nothing was touched",
+        )
     _check_npu_plugin(tree)
     _check_host_files(tree, s.options)
 
