@@ -254,10 +254,8 @@ def planned_files(paths: list[str]) -> list[HostFile]:
             st = os.lstat(path)
         except OSError:
             continue  # gone meanwhile: nothing to carry
-        out.append(
-            HostFile(path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid,
-                     gid=st.st_gid, digest="")
-        )  # fmt: skip
+        mode = stat.S_IMODE(st.st_mode)
+        out.append(HostFile(path=path, size=st.st_size, mode=mode, uid=st.st_uid, gid=st.st_gid, digest=""))
     return out
 
 
