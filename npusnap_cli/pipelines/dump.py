@@ -1237,8 +1237,6 @@ def _checksums(s: DumpState) -> None:
         if s.device_hasher is not None:
             hashed = s.device_hasher.finish().items()
             streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
-        if not s.options.keep:
-            img.remove_tree(img.logs_dir(tmp))
         total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
         done = [0]
 
@@ -1279,6 +1277,9 @@ def _verify_image(s: DumpState, work: Path) -> None:
     the job runs on and no image is left."""
     try:
         img.verify(work, checksums=False, unpublished=True)
+        if not s.options.keep:
+            # Only now: an image that failed keeps CRIU's log beside DIR for the report.
+            img.remove_tree(img.logs_dir(work))
     except ImageError as err:
         err.message = f"the dump's image failed its own verification and was not kept: {err.message}"
         err.why = f"{err.why}; restore would refuse it, so the dump does not report success"

@@ -239,6 +239,7 @@ def test_a_dump_whose_image_fails_verification_rolls_back(
         assert "runs on" in error["fix"], error
         assert not image.exists()
         assert not [x for x in tmp_path.iterdir() if x.name.startswith(".img")], list(tmp_path.iterdir())
+        assert (tmp_path / "img.failed-logs" / "dump.log").is_file(), "CRIU's log is kept for the report"
         assert alive(job.pid) and procfs.state(job.pid) != "T"
         wait_until(lambda: agent_state(job.pid) == "RUNNING", 10, "the agent to be unlocked")
         at = len(job.lines())
