@@ -366,7 +366,9 @@ class _Swrk:
     waits for CRIU to finish) and hand the socket to pycriu with ``use_fd``.
     """
 
-    def __init__(self, binary: CriuBinary, extra_fds: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, binary: CriuBinary, extra_fds: tuple[int, ...] = (), mount_ns_of: Optional[int] = None
+    ) -> None:
         import socket
 
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -374,9 +376,12 @@ class _Swrk:
         # shared default (/usr/lib/criu) may hold plugins of the vendor's CRIU fork, built for
         # another hook table (host/criuplugin.py).
         env = dict(os.environ, CRIU_LIBS_DIR=str(paths.criu_plugin_dir()))
+        # CRIU in the mount namespace of ``mount_ns_of`` (nsenter execs it, same pid): a tree in
+        # that namespace is then in CRIU's own, and its image holds no mount namespace.
+        enter = ["nsenter", f"--mount=/proc/{mount_ns_of}/ns/mnt", "--"] if mount_ns_of else []
         try:
             self.proc = subprocess.Popen(
-                [binary.path, "swrk", str(theirs.fileno())],
+                [*enter, binary.path, "swrk", str(theirs.fileno())],
                 # --inherit-fd numbers are fds of the criu process itself: pass them on as they are.
                 pass_fds=(theirs.fileno(), *extra_fds),
                 stdin=subprocess.DEVNULL,
@@ -752,7 +757,13 @@ class _Session:
 
 @contextlib.contextmanager
 def _session(
-    binary: CriuBinary, images_dir: str, work_dir: str, log_name: str, options: CriuOptions, stats: str
+    binary: CriuBinary,
+    images_dir: str,
+    work_dir: str,
+    log_name: str,
+    options: CriuOptions,
+    stats: str,
+    mount_ns_of: Optional[int] = None,
 ) -> Iterator[_Session]:
     """Our own ``criu swrk`` with directories, log and options set."""
     from pycriu import rpc_pb2 as rpc
@@ -766,7 +777,7 @@ def _session(
         raise
     try:
         opts = rpc.criu_opts()
-        swrk = _Swrk(binary, tuple(fd for _key, fd in options.inherit_fd))
+        swrk = _Swrk(binary, tuple(fd for _key, fd in options.inherit_fd), mount_ns_of)
         # CRIU opens these as /proc/<our pid>/fd/N, so they need not be inherited.
         opts.images_dir_fd = img_fd
         opts.work_dir_fd = work_fd
@@ -789,8 +800,12 @@ def dump(
     log_name: str = "dump.log",
     binary: Optional[CriuBinary] = None,
     on_notify: Optional[NotifyFn] = None,
+    in_mount_ns: bool = False,
 ) -> DumpResult:
     """Dump the tree rooted at ``pid`` into ``images_dir``; CRIU's log goes to ``work_dir/log_name``.
+
+    ``in_mount_ns``: CRIU runs in the mount namespace of ``pid`` (one that differs from ours only
+    by what CRIU need not restore), so that the image holds none.
 
     ``on_notify`` is called at CRIU's action-script points (``post-dump``: every task is still
     frozen); if it raises, CRIU fails the dump and the exception is re-raised here.
@@ -802,7 +817,15 @@ def dump(
     log_path = os.path.join(work_dir, log_name)
     start = time.monotonic()
     _LOG.info("CRIU dump of pid %d into %s, options %s; log %s", pid, images_dir, options.to_dict(), log_path)
-    with _session(binary or find_criu(), images_dir, work_dir, log_name, options, STATS_DUMP_FILE) as c:
+    with _session(
+        binary or find_criu(),
+        images_dir,
+        work_dir,
+        log_name,
+        options,
+        STATS_DUMP_FILE,
+        pid if in_mount_ns else None,
+    ) as c:
         c.opts.pid = pid
         try:
             c.call("DUMP", on_notify)

@@ -15,6 +15,7 @@ The CLI does not guess which of these a target used: it finds the target's liste
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +26,16 @@ REPO_ROOT = PACKAGE_DIR.parent
 
 SOCKET_SUFFIX = contract.AGENT_SOCKET_NAME.replace("{pid}", "")  # ".sock": what follows the pid
 LOCK_TOKEN_SUFFIX = ".lock-token"  # PID.lock-token beside PID.sock: a freeze's token for thaw
+# A copy restored from an image of a job in its own pid namespace keeps its agent listening under
+# ``<pid at dump>-<tag>.sock`` (its new host pid is known only once CRIU made it, and the copy may
+# run beside the original): the agent's name in every image dumped from such a copy.
+COPY_SOCKET_TAG_HEX = 8
+COPY_SOCKET_NAME = re.compile(rf"[1-9][0-9]*-[0-9a-f]{{{COPY_SOCKET_TAG_HEX}}}\.sock")
+
+
+def copy_socket_stem(pid: int, tag: str) -> str:
+    """The name (without ``.sock``) a restored copy's agent listens under; ``tag`` hex digits."""
+    return f"{pid}-{tag}"
 
 
 def build_dir() -> Path:

@@ -226,7 +226,7 @@ def _show_image(out: Any, ref: OpenedImage) -> None:
     nodes: list[tuple[int, str]] = []
 
     def walk(p: image.ProcessEntry, depth: int) -> None:
-        cmd = " ".join(p.cmdline)
+        cmd = " ".join(p.cmdline) or ("(zombie)" if p.zombie else "")
         npu = (
             f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
             if p.npu

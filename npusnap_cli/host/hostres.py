@@ -246,6 +246,20 @@ def _digest(f: HostFile) -> str:
     return digest.of_file(Path(f.path), f.algo)
 
 
+def planned_files(paths: list[str]) -> list[HostFile]:
+    """The records ``save_files`` would make of ``paths``, without copying or hashing them
+    (digest empty): what dump's preflight checks against restore's rules."""
+    out = []
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone meanwhile: nothing to carry
+        mode = stat.S_IMODE(st.st_mode)
+        out.append(HostFile(path=path, size=st.st_size, mode=mode, uid=st.st_uid, gid=st.st_gid, digest=""))
+    return out
+
+
 def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tuple[HostFile, ...]:
     """Copy each file into ``image_tmp/hostfiles/<path>`` (0600); call while the tree is frozen."""
     saved = []

@@ -15,7 +15,9 @@ The agent of each process names its socket after its host pid (native/agent/core
 removing a socket file already there: restored beside the original, the copy would take the
 original's name. ``criu_view`` therefore gives each restore a view of the CRIU image (symlinks)
 in which the agents' sockets are bound under names of their own (``<pid>-<tag>.sock``); the CLI
-finds a replica's socket by the inode it holds (paths.held_agent_socket).
+finds a replica's socket by the inode it holds (paths.held_agent_socket). A dump of such a copy
+records that name as its agent's socket (``paths.COPY_SOCKET_NAME``), and its restore renames it
+again: a chain of restores and dumps keeps working.
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ def check_job_cwds(roots: list[int]) -> None:
 
 def _agent_socket_names(manifest: Any) -> dict[str, str]:
     """Old bound name -> new one, for each agent socket of the image's processes."""
-    tag = secrets.token_hex(4)
-    return {str(p.pid): f"{p.pid}-{tag}" for p in manifest.processes}
+    tag = secrets.token_hex(paths.COPY_SOCKET_TAG_HEX // 2)
+    return {str(p.pid): paths.copy_socket_stem(p.pid, tag) for p in manifest.processes}
 
 
 _NAME = re.compile(r"^(?P<dir>/.*/npusnap[^/]*)/(?P<pid>\d+)\.sock(?P<rest>(=00)?)$")
@@ -297,7 +299,7 @@ def enter_device_view(manifest: Any, device_map: tuple[tuple[int, int], ...]) ->
     # Private, so that the view's mount stays in this namespace instead of reaching the host.
     if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         raise fail("making / private")
-    if libc.mount(b"npusim-dev", nodes.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+    if libc.mount(_VIEW_SOURCE.encode(), nodes.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
         raise fail(f"mounting {nodes}")
     for d in wanted:
         with open(os.path.join(nodes, f"davinci{d}"), "x"):
@@ -305,6 +307,26 @@ def enter_device_view(manifest: Any, device_map: tuple[tuple[int, int], ...]) ->
     return wanted
 
 
+def in_device_view(pid: int) -> bool:
+    """``pid`` lives in a container of the simulated NPU that `restore --device-map` made
+    (``enter_device_view``): a mount namespace that differs from the host's by the tmpfs over
+    the simulator's device-node directory only. A dump runs CRIU in it, so that the image holds no
+    mount namespace (which a restore could not rebuild) and restores like any other."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            return False
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                _left, _, right = line.partition(" - ")
+                fields = right.split()
+                if len(fields) >= 2 and fields[0] == "tmpfs" and fields[1] == _VIEW_SOURCE:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+_VIEW_SOURCE = "npusim-dev"  # the source name of the view's tmpfs (enter_device_view)
 CLONE_NEWNS = 0x00020000  # include/uapi/linux/sched.h
 MS_REC = 0x4000  # include/uapi/linux/mount.h
 MS_PRIVATE = 1 << 18

@@ -37,6 +37,9 @@ class ProcInfo:
     acl_library: Optional[str]
     device_files: tuple[str, ...] = field(default_factory=tuple)
     readable: bool = True
+    # Exited but not yet reaped by its parent: CRIU dumps (and restores) it as a zombie, so it
+    # belongs to the tree an image describes, though it has no memory, files or agent.
+    zombie: bool = False
 
     @property
     def has_agent(self) -> bool:
@@ -60,6 +63,7 @@ class ProcInfo:
             "device_files": list(self.device_files),
             "uses_npu": self.uses_npu,
             "readable": self.readable,
+            "zombie": self.zombie,
         }
 
 
@@ -97,6 +101,8 @@ def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:
     pid = proc.pid
     readable = True
     try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return _zombie(proc, depth)
         with proc.oneshot():
             ppid = proc.ppid()
             name = proc.name()
@@ -124,6 +130,26 @@ def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:
         acl_library=library,
         device_files=devices or (),
         readable=readable,
+    )
+
+
+def _zombie(proc: psutil.Process, depth: int) -> ProcInfo:
+    """A zombie of the tree: its pid, parent, owner and name (its command line went with its
+    memory)."""
+    try:
+        uid: Optional[int] = proc.uids().effective
+    except psutil.AccessDenied:
+        uid = None
+    return ProcInfo(
+        pid=proc.pid,
+        ppid=proc.ppid(),
+        depth=depth,
+        uid=uid,
+        name=proc.name(),
+        cmdline=(),
+        agent_socket=None,
+        acl_library=None,
+        zombie=True,
     )
 
 

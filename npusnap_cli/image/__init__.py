@@ -20,7 +20,13 @@ criudetail.py. Nothing under image/ imports host/, pipelines/ or commands/.
 from __future__ import annotations
 
 from npusnap_cli.image import digest
-from npusnap_cli.image.integrity import VerifyResult, verification_error, verify
+from npusnap_cli.image.integrity import (
+    VerifyResult,
+    check_process_tree,
+    read_pstree,
+    verification_error,
+    verify,
+)
 from npusnap_cli.image.layout import (
     CHECKSUMMED_SUBDIRS,
     CRIU_SUBDIR,
@@ -114,6 +120,7 @@ __all__ = [
     "Versions",
     "_self_hash",
     "check_dump_target",
+    "check_process_tree",
     "crash_point",
     "create_temp_image",
     "criu_dir",
@@ -136,6 +143,7 @@ __all__ = [
     "open_image",
     "publish",
     "read_manifest_bytes",
+    "read_pstree",
     "remove_stale_temps",
     "remove_tree",
     "rename_exchange",

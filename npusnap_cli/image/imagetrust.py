@@ -178,17 +178,23 @@ def check_manifest(manifest: Manifest) -> None:
             raise _bad(f"{where}: npu is true but it has no agent socket")
         if p.lock_token is not None and not TOKEN_RE.fullmatch(p.lock_token):
             raise _bad(f"{where}: lock_token is not 32 hex digits")
+        if p.zombie and (p.agent or p.npu or p.agent_socket):
+            raise _bad(f"{where} is a zombie but has an agent or device state")
         if p.agent_socket is not None:
             sock = p.agent_socket
             allowed = socket_dirs(p.uid)
+            name = os.path.basename(sock)
+            # A restored copy of a job in its own pid namespace listens under a name of its own.
+            copy = str(p.pid) in manifest.pid_ns and paths.COPY_SOCKET_NAME.fullmatch(name) is not None
             if (
                 not sock.startswith("/")
                 or os.path.normpath(sock) != sock
-                or os.path.basename(sock) != f"{p.pid}.sock"
+                or not (name == f"{p.pid}.sock" or copy)
                 or os.path.dirname(sock) not in allowed
             ):
+                names = f"{p.pid}.sock" + (" or PID-TAG.sock" if str(p.pid) in manifest.pid_ns else "")
                 raise _bad(
-                    f"{where}: agent_socket {sock!r} is not <agent runtime dir>/{p.pid}.sock "
+                    f"{where}: agent_socket {sock!r} is not <agent runtime dir>/{names} "
                     f"(one of {', '.join(sorted(set(allowed)))})"
                 )
     if manifest.bytes.device_bytes != sum(p.device_bytes for p in manifest.processes):

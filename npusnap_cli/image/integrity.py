@@ -1,8 +1,10 @@
 """``verify``: whether an image directory may be trusted and is complete.
 
 The trust checks (imagetrust.py), the manifest against the files (nothing missing, nothing
-unlisted, every size), the host files it would write (hostrecords.py) and every file's checksum
-(digest.py). Archives are verified as they stream (archive.py), job images rank by rank (job.py).
+unlisted, every size) and against CRIU's process tree (``check_process_tree``), the host files it
+would write (hostrecords.py) and every file's checksum (digest.py). A dump runs the same checks
+on its image before it reports success (``publish(check=...)``). Archives are verified as they
+stream (archive.py), job images rank by rank (job.py).
 """
 
 from __future__ import annotations
@@ -49,21 +51,71 @@ def verification_error(image: Path, problems: list[str]) -> ImageError:
     )
 
 
+def read_pstree(criu: Path) -> Optional[list[dict[str, Any]]]:
+    """The entries of CRIU's ``pstree.img`` in the images directory ``criu`` (pid, ppid, pgid,
+    sid, threads; pids of the tree's own pid namespace for a `run --pid-ns` job): the processes
+    CRIU dumped and will restore, zombies included. None when it has none."""
+    import pycriu
+
+    path = criu / "pstree.img"
+    try:
+        with open(path, "rb") as f:
+            return list(pycriu.images.load(f).get("entries", []))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise ImageError(
+            f"cannot read {path}: {exc}",
+            why="CRIU's process tree image is damaged",
+            fix="do not use this image; dump again",
+        ) from None
+
+
+def check_process_tree(image: Path, manifest: Manifest) -> list[int]:
+    """Every pid and thread id CRIU will recreate, from the image's ``pstree.img`` (CRIU restores
+    threads with their ids too), once its processes are the manifest's: those of its pid
+    namespace for a `run --pid-ns` image, and zombies included. An image without ``pstree.img``
+    (not a CRIU dump: the checks of the files then say so) gives the manifest's pids."""
+    entries = read_pstree(criu_dir(image))
+    if entries is None:
+        return sorted(p.pid for p in manifest.processes)
+    try:
+        pids = {int(e["pid"]) for e in entries}
+        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ImageError(
+            f"cannot read {criu_dir(image) / 'pstree.img'}: {exc}",
+            why="CRIU's process tree image is damaged",
+            fix="do not use this image; dump again",
+        ) from None
+    listed = {*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}
+    if pids != listed:
+        raise ImageError(
+            f"the manifest's processes {sorted(listed)} are not the image's {sorted(pids)}",
+            why="the manifest was edited, or belongs to another image",
+            fix="do not use this image; dump again",
+            details={"manifest_pids": sorted(listed), "criu_pids": sorted(pids)},
+        )
+    return ids
+
+
 def verify(
     image: Path,
     *,
     checksums: bool = True,
     progress: Optional[ProgressFn] = None,
     require_signature: Optional[Path] = None,
+    unpublished: bool = False,
 ) -> VerifyResult:
     """Check that ``image`` may be trusted and is complete (docs/image-format.md, "Trust model"):
     a real directory of regular files owned by this user or root and writable by nobody else,
     the manifest against its schema and against the files, the signature (with
     ``require_signature``) and, unless ``checksums=False``, every file's checksum.
 
+    ``unpublished``: ``image`` is a dump's work directory, checked before it takes its name.
     Raises ImageError naming the first problem (all problems are in ``details``).
     """
-    data = read_manifest_bytes(image)
+    data = read_manifest_bytes(image, unpublished=unpublished)
     manifest = parse_manifest(image, data)
     imagetrust.check_tree(image)
     imagetrust.check_ownership(image)
@@ -74,6 +126,7 @@ def verify(
     if not criu_dir(image).is_dir():
         problems.append(f"{CRIU_SUBDIR}/ is missing")
         raise verification_error(image, problems)
+    check_process_tree(image, manifest)
     if not manifest.files:
         problems.append("the manifest lists no files")
     listed = {f.path for f in manifest.files}
@@ -115,5 +168,5 @@ def verify(
         bytes_checked=nbytes,
         checksums=checksums,
         signed=require_signature is not None,
-        leftovers=tuple(str(p) for p in temp_siblings(image)),
+        leftovers=() if unpublished else tuple(str(p) for p in temp_siblings(image)),
     )

@@ -338,8 +338,9 @@ def follow_pointer(path: Path) -> Path:
     return Path(os.path.realpath(p)) if p.is_symlink() else p
 
 
-def check_image_dir(image: Path) -> None:
-    """Refuse what cannot be an image directory: missing, a symlink, not a directory, a work name."""
+def check_image_dir(image: Path, *, unpublished: bool = False) -> None:
+    """Refuse what cannot be an image directory: missing, a symlink, not a directory, a work name
+    (``unpublished``: the dump's own check of its work directory before it takes its name)."""
     try:
         st = os.lstat(image)
     except OSError:
@@ -356,7 +357,7 @@ def check_image_dir(image: Path) -> None:
         )
     if not stat.S_ISDIR(st.st_mode):
         raise ImageError(f"{image} is not a directory", fix="pass the image directory that dump created")
-    if is_temp_name(image.name):
+    if is_temp_name(image.name) and not unpublished:
         raise ImageError(
             f"{image} is not an image: it is the work directory of a dump that did not finish",
             why="dump builds an image under a hidden work name and renames it to DIR only when it is "

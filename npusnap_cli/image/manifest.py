@@ -169,11 +169,15 @@ class ProcessEntry:
     # ASCEND_RT_VISIBLE_DEVICES as the process saw it: the runtime keeps the list it read at init,
     # so a restored copy reaches the same driver ids whatever device it is restored "onto".
     visible_devices: Optional[str] = None
+    # An exited child its parent had not reaped: CRIU dumps it and restores it as a zombie.
+    zombie: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = self._fields()
         if self.visible_devices is not None:  # absent unless set: the common manifest is unchanged
             d["visible_devices"] = self.visible_devices
+        if self.zombie:  # likewise
+            d["zombie"] = True
         return d
 
     def _fields(self) -> dict[str, Any]:
@@ -208,6 +212,7 @@ class ProcessEntry:
             agent_socket=_opt(d, "agent_socket", str, w),
             lock_token=_opt(d, "lock_token", str, w),
             visible_devices=_opt(d, "visible_devices", str, w),
+            zombie=bool(_opt(d, "zombie", bool, w)),
         )
 
 
@@ -451,9 +456,9 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def read_manifest_bytes(image: Path) -> bytes:
+def read_manifest_bytes(image: Path, *, unpublished: bool = False) -> bytes:
     """The manifest's bytes, read without following a symlink or blocking on a FIFO."""
-    check_image_dir(image)
+    check_image_dir(image, unpublished=unpublished)
     path = manifest_path(image)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

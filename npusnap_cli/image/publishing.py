@@ -14,7 +14,7 @@ import os
 import signal
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -136,9 +136,17 @@ def rename_exchange(a: Path, b: Path) -> bool:
 
 
 def publish(
-    tmp: Path, final: Path, manifest: Manifest, *, force: bool = False, sign_key: Optional[Path] = None
+    tmp: Path,
+    final: Path,
+    manifest: Manifest,
+    *,
+    force: bool = False,
+    sign_key: Optional[Path] = None,
+    check: Optional[Callable[[Path], None]] = None,
 ) -> Path:
-    """Write the manifest into ``tmp``, fsync everything and rename ``tmp`` to ``final``.
+    """Write the manifest into ``tmp``, fsync everything, run ``check(tmp)`` (the dump's
+    verification of the complete image: an error it raises leaves ``tmp`` unpublished and any
+    old image at ``final`` untouched) and rename ``tmp`` to ``final``.
 
     ``final`` may be missing or an empty directory (rename(2) replaces an empty directory
     atomically). A non-empty ``final`` is replaced only with ``force``: with renameat2's
@@ -151,6 +159,8 @@ def publish(
     if sign_key is not None:
         imagetrust.write_signature(tmp, data, sign_key)
     fsync_tree(tmp)
+    if check is not None:
+        check(tmp)
     crash_point("publish:before-rename")
     if final.exists() and not dir_is_empty(final):
         if not force:

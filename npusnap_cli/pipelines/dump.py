@@ -7,8 +7,11 @@ design.md §3, in order:
    the device bytes);
 3. Lock + Backup every NPU process in parallel under a lease (``DeviceGroup``);
 4. close the agent connections, CRIU dump of the whole tree into a temporary sibling of DIR;
-5. publish (checksums, manifest, fsync, rename), then the original tree is killed — or, with
-   ``leave_running``, every NPU process is unlocked and keeps running.
+5. publish (checksums, manifest, fsync, the checks of ``verify`` on the complete work
+   directory, rename), then the original tree is killed — or, with ``leave_running``, every NPU
+   process is unlocked and keeps running. The manifest lists exactly what CRIU dumped (zombies
+   included), and host files its restore would refuse are refused at preflight: a dump never
+   reports success for an image its own restore refuses.
 
 Never lose the job: CRIU dumps with ``leave_stopped`` rather than letting CRIU kill the tree, so
 that the original is killed only once the image is safely on disk; until then every failure
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -350,6 +354,45 @@ def _check_criu(check: Optional[criu.CriuCheck]) -> criu.CriuBinary:
     return binary
 
 
+def _host_file_paths(pids: list[int], file_locks: bool) -> list[str]:
+    """The host files the dump copies into the image (at post-dump, while the tree is frozen):
+    the tmpfs files the tree uses and, with --file-locks, the files it holds a lock on (lock
+    files, often removed by the original when it exits)."""
+    paths = hostres.find_tmpfs_files(pids)
+    if file_locks:
+        paths = sorted(set(paths) | set(hostres.find_locked_files(pids)))
+    return paths
+
+
+def _check_host_files(tree: tuple[ProcInfo, ...], options: DumpOptions) -> None:
+    """Refuse, before anything is locked, host files the image would carry but its restore
+    (and `npusnap verify`) would refuse to write: the very rules of restore
+    (hostrecords.check_host_files) on the files the tree holds now. A lock file outside tmpfs
+    where its owner could not have made it (a root job's lock in a root directory) is one:
+    restore writes host files as root only where the job could have written them itself."""
+    pids = [p.pid for p in tree if not p.zombie]
+    paths = _host_file_paths(pids, options.criu.file_locks)
+    if not paths:
+        return
+    files = hostres.planned_files(paths)
+    ours = _our_mount_ns(tree[0].pid) or pidns.in_device_view(tree[0].pid)
+    nodes = hostres.find_host_nodes(pids, paths) if ours else []
+    uids = {p.uid if p.uid is not None else -1 for p in tree}
+    problems = hostres.check_host_files(files, uids, nodes)
+    if problems:
+        locks = " (taken with --file-locks)" if options.criu.file_locks else ""
+        raise PreflightError(
+            f"cannot dump: the job holds a host file{locks} its restore would refuse to write: {problems[0]}",
+            why="the image carries the files the job holds a lock on and its tmpfs files, and "
+            "restore writes them back as root only on tmpfs or where their owner could have "
+            "created them itself; an image that its restore refuses would lose the job",
+            fix="move the file to a tmpfs directory (/dev/shm, a tmpfs /tmp) or to a directory its "
+            "owner may write (for root's jobs: a sticky shared one such as /var/tmp), or dump "
+            "without --file-locks if the job does not need its locks back; nothing was touched",
+            details={"problems": problems, "files": paths},
+        )
+
+
 def _device_memory_in_process() -> bool:
     """``NPUSNAP_DEVMEM_IN_PROCESS=1``: the agents keep their copy of the device memory in the
     process's memory for CRIU to save (how it was done before the image's device files; the
@@ -379,7 +422,8 @@ def _unneeded_network_lock(tree: tuple[ProcInfo, ...], tcp_established: bool) ->
         return None
     try:
         mine = os.stat("/proc/self/ns/net").st_ino
-        if all(os.stat(f"/proc/{p.pid}/ns/net").st_ino == mine for p in tree):
+        # A zombie has no namespaces left (its /proc/PID/ns/net is gone).
+        if all(os.stat(f"/proc/{p.pid}/ns/net").st_ino == mine for p in tree if not p.zombie):
             return "skip"
     except OSError:
         pass
@@ -651,6 +695,7 @@ class DumpState:
     criu_binary: Optional[criu.CriuBinary] = None
     external: tuple[hostres.ExternalStdio, ...] = ()  # recorded for restore
     pid_ns: dict[str, int] = field(default_factory=dict)  # host pid -> pid in the job's namespace
+    device_view: bool = False  # the tree runs in a container of the simulated NPU (pidns.py)
     host_bytes: int = 0
     stop_guard: Optional[StopGuard] = None  # resumes the tree if npusnap dies
     tmp: Optional[Path] = None  # the image's work directory until it is published
@@ -725,7 +770,17 @@ def _preflight(s: DumpState) -> None:
     _check_undumpable_fds(tree, s.binary)
     ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
     s.pid_ns = {str(k): v for k, v in ns_map.items()}
+    s.device_view = pidns.in_device_view(s.target.root_pid)
+    if s.device_view and shutil.which("nsenter") is None:
+        raise PreflightError(
+            f"pid {s.target.root_pid} runs in a container of the simulated NPU (`restore --device-map`) "
+            "and nsenter is not installed",
+            why="CRIU must run in the job's mount namespace to dump it without that namespace, "
+            "which a restore could not rebuild; npusnap starts it there with nsenter",
+            fix="install util-linux (apt-get install util-linux), then dump again; nothing was touched",
+        )
     _check_npu_plugin(tree)
+    _check_host_files(tree, s.options)
 
 
 def _attach(s: DumpState) -> None:
@@ -1003,6 +1058,7 @@ def _criu_dump(s: DumpState) -> None:
                 log_name=img.DUMP_LOG,
                 binary=s.binary,
                 on_notify=lambda script, pid: _on_criu_notify(s, script, pid),
+                in_mount_ns=s.device_view,
             )
         s.criu_s = time.monotonic() - start
     except OSError as exc:
@@ -1024,9 +1080,47 @@ def _criu_dump(s: DumpState) -> None:
         # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
         lease.check("before CRIU froze the tree")
         _check_plugin_marks(s, tmp)
+        _match_dumped_tree(s)
     except BaseException:
         hasher.stop()
         raise
+
+
+def _match_dumped_tree(s: DumpState) -> None:
+    """The manifest describes exactly the processes CRIU dumped (its ``pstree.img``), which
+    restore checks: the tree was read before the lock, and a child may have been forked or may
+    have exited (and been reaped) since. Read again then: unless --leave-running, it is still
+    stopped as CRIU saw it."""
+    entries = img.read_pstree(img.criu_dir(s.work))
+    if entries is None:
+        return  # not CRIU's doing: publishing's verification refuses the image
+    dumped = {int(e["pid"]) for e in entries}
+    root = s.target.root_pid
+
+    def ids(tree: tuple[ProcInfo, ...], ns: dict[int, int]) -> dict[int, ProcInfo]:
+        return {(ns[p.pid] if ns else p.pid): p for p in tree if not ns or p.pid in ns}
+
+    if set(ids(s.target.tree, {int(k): v for k, v in s.pid_ns.items()})) == dumped:
+        return
+    tree = tuple(proctree.process_tree(root))
+    ns = pidns.namespace_pids(root, [p.pid for p in tree])
+    now = ids(tree, ns)
+    kept = tuple(p for i, p in now.items() if i in dumped)  # in the tree's order
+    new_npu = [p.pid for p in kept if p.uses_npu and p.pid not in s.target.npu_pids]
+    missing = sorted(dumped - set(now))
+    if missing or new_npu:
+        changes = [f"pid(s) {missing} that CRIU dumped exited"] if missing else []
+        changes += [f"new NPU process(es) {new_npu} were not locked"] if new_npu else []
+        raise TargetError(
+            f"the tree of pid {root} changed during the dump: {'; '.join(changes)}",
+            why="processes were started or ended while the job was being locked and dumped; the "
+            "image would not describe what CRIU saved",
+            fix="dump again (nothing was kept; the job runs on)",
+            details={"criu_pids": sorted(dumped), "exited": missing, "new_npu_pids": new_npu},
+        )
+    s.found = replace(s.target, tree=kept)
+    pids = {p.pid for p in kept}
+    s.pid_ns = {str(k): v for k, v in ns.items() if k in pids}
 
 
 def _resume(s: DumpState, err: BaseException) -> None:
@@ -1049,16 +1143,14 @@ def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
     if script != "post-dump":
         return
     tmp = s.work
-    pids = [p.pid for p in s.target.tree]
-    paths = hostres.find_tmpfs_files(pids)
-    if s.options.criu.file_locks:  # lock files (often removed by the original when it exits)
-        paths = sorted(set(paths) | set(hostres.find_locked_files(pids)))
+    pids = [p.pid for p in s.target.tree if not p.zombie]
+    paths = _host_file_paths(pids, s.options.criu.file_locks)
     if paths:
         s.cb.note(f"saving {len(paths)} tmpfs file(s) the job uses: {', '.join(paths[:3])}")
     saved = hostres.save_files(paths, tmp)
     # CRIU names them from the root of the tree's mount namespace: the host's paths only
     # when it is ours (a container's go with its runtime's checkpoint instead).
-    ours = _our_mount_ns(s.target.root_pid)
+    ours = _our_mount_ns(s.target.root_pid) or s.device_view
     remaps = hostres.link_remaps(img.criu_dir(tmp)) if ours else []
     if remaps:
         s.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
@@ -1145,8 +1237,6 @@ def _checksums(s: DumpState) -> None:
         if s.device_hasher is not None:
             hashed = s.device_hasher.finish().items()
             streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
-        if not s.options.keep:
-            img.remove_tree(img.logs_dir(tmp))
         total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
         done = [0]
 
@@ -1168,8 +1258,36 @@ def _publish(s: DumpState) -> None:
     with _writing(s):
         if s.lease is not None and s.stopped_pids:
             s.lease.check_before_kill(s.stopped_pids)
-        img.publish(s.work, s.final, s.manifest, force=s.options.force, sign_key=s.options.sign_key)
+        img.publish(
+            s.work,
+            s.final,
+            s.manifest,
+            force=s.options.force,
+            sign_key=s.options.sign_key,
+            check=lambda work: _verify_image(s, work),
+        )
     s.tmp = None  # published: nothing partial left to remove
+
+
+def _verify_image(s: DumpState, work: Path) -> None:
+    """Before the image takes its name (and so before the original is killed): the checks
+    `npusnap verify` and restore make of an image (trust, manifest, CRIU's process tree, the
+    host files, every file present with its size). The checksums were computed from the bytes
+    as they were written, so they are not read back. A failure is rolled back like any other:
+    the job runs on and no image is left."""
+    try:
+        img.verify(work, checksums=False, unpublished=True)
+        if not s.options.keep:
+            # Only now: an image that failed keeps CRIU's log beside DIR for the report.
+            img.remove_tree(img.logs_dir(work))
+    except ImageError as err:
+        err.message = f"the dump's image failed its own verification and was not kept: {err.message}"
+        err.why = f"{err.why}; restore would refuse it, so the dump does not report success"
+        err.fix = (
+            "the job was rolled back and runs on; dump again, and report this (the message and "
+            "the details of `--json`) if it repeats"
+        )
+        raise
 
 
 def _stop_original(s: DumpState) -> None:
@@ -1227,6 +1345,7 @@ def _manifest(s: DumpState) -> img.Manifest:
                 agent_socket=p.agent_socket,
                 lock_token=s.lock_tokens.get(p.pid),
                 visible_devices=_visible_devices(s.hello.get(p.pid)),
+                zombie=p.zombie,
             )
         )
     results = s.lock_results

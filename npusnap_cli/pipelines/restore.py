@@ -198,32 +198,9 @@ ZOMBIE_WAIT_S = 10.0
 
 
 def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
-    """Every pid and thread id CRIU will recreate, from the image's ``pstree.img`` (CRIU restores
-    threads with their ids too); the image's process ids must be the manifest's."""
-    import pycriu
-
-    path = img.criu_dir(image) / "pstree.img"
-    try:
-        with open(path, "rb") as f:
-            entries = pycriu.images.load(f).get("entries", [])
-        pids = {int(e["pid"]) for e in entries}
-        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
-    except FileNotFoundError:
-        return sorted(p.pid for p in manifest.processes)
-    except Exception as exc:
-        raise ImageError(
-            f"cannot read {path}: {exc}",
-            why="CRIU's process tree image is damaged",
-            fix="do not use this image; dump again",
-        ) from None
-    if pids != ({*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}):
-        raise ImageError(
-            f"the manifest's processes {sorted(p.pid for p in manifest.processes)} are not the image's "
-            f"{sorted(pids)}",
-            why="the manifest was edited, or belongs to another image",
-            fix="do not use this image; dump again",
-        )
-    return ids
+    """Every pid and thread id CRIU will recreate; the image's processes must be the manifest's
+    (the check `npusnap verify` and the dump make too)."""
+    return img.check_process_tree(image, manifest)
 
 
 def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> None:
@@ -239,6 +216,11 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
         who = {
             i: "a zombie" if st in ("Z", "X") else _proc_desc(i) for i, st in states.items() if st is not None
         }
+        for i, holder in _group_ids_in_use({i for i in wanted if i > 0} - set(who)).items():
+            held = procfs.state(holder)
+            if held is not None:
+                what = "a zombie" if held in ("Z", "X") else f"pid {holder} ({_proc_desc(holder)})"
+                who[i] = "a zombie" if what == "a zombie" else f"the session or process group of {what}"
         if not who or any(w not in ("a zombie", "?") for w in who.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -254,6 +236,23 @@ def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> 
             "then restore again",
             details={"pids_in_use": taken},
         )
+
+
+def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
+    """Id -> a process that has it as its session or process group id although no process has it
+    as its pid: the kernel keeps such a pid taken (CRIU's clone fails with EEXIST). What the
+    last child of a job that ended leaves until init reaps it."""
+    out: dict[int, int] = {}
+    if not ids:
+        return out
+    for name in os.listdir("/proc"):
+        st = procfs.stat(name) if name.isdigit() else None
+        if st is None:
+            continue
+        for i in (st.pgrp, st.session):
+            if i in ids:
+                out.setdefault(i, int(name))
+    return out
 
 
 def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
@@ -1105,10 +1104,13 @@ REPORT: Step[RestoreState] = Step("report", _report)
 STEPS: tuple[Step[RestoreState], ...] = (
     VERIFY,
     PREFLIGHT,
+    # Before the files the restored tree inherits (--output) are opened: opened in the host's
+    # mount namespace, they would be on a mount the tree's own namespace does not have, and CRIU
+    # could not dump the copy again ("Can't lookup mount").
+    DEVICE_VIEW,
     OPEN_FILES,
     HOST_NODES,
     PUT_BACK,
-    DEVICE_VIEW,
     PID_NS_VIEW,
     LAZY_DAEMON,
     STOP_GUARD,
