@@ -80,3 +80,36 @@ def test_scripts_are_all_run() -> None:
     mentioned = "".join(p.read_text() for p in here.glob("test_*.py"))
     missing = [p.name for p in SCRIPTS.glob("*.py") if p.name not in mentioned]
     assert not missing, f"scripts no test runs: {missing}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_trains_like_cpu_autocast(
+    dtype: str, torch_npu_python: str, sim_env: dict[str, str]
+) -> None:
+    """torch.autocast on the simulated NPU against torch.autocast on the CPU (same dtype): every
+    loss within 2e-2 relative, and within 5e-2 of the CPU's float32 run. Where the two autocast
+    policies keep different precisions per op (the CPU's autocast lists fewer ops), the
+    difference stays inside these bounds."""
+    steps = ["--steps", "20"]
+    npu = _losses(_run(torch_npu_python, sim_env, "block_job.py", *steps, "--autocast", dtype))
+    cpu_env = dict(sim_env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    cpu = _losses(
+        _run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", *steps, "--autocast", dtype)
+    )
+    fp32 = _losses(_run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", *steps))
+    assert len(npu) == len(cpu) == len(fp32) == 20
+    for step, (g, c, f) in enumerate(zip(npu, cpu, fp32)):
+        assert abs(g - c) <= 2e-2 * abs(c), f"step {step}: npu {g}, cpu autocast {c}"
+        assert abs(g - f) <= 5e-2 * abs(f), f"step {step}: npu {g}, cpu float32 {f}"
+
+
+def test_a_half_model_infers_like_the_cpu(torch_npu_python: str, sim_env: dict[str, str]) -> None:
+    """model.half(): every op in float16 on both sides; losses within 1e-3 relative."""
+    npu = _losses(_run(torch_npu_python, sim_env, "block_job.py", "--steps", "10", "--half"))
+    cpu_env = dict(sim_env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    cpu = _losses(
+        _run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", "--steps", "10", "--half")
+    )
+    assert len(npu) == len(cpu) == 10
+    for step, (g, c) in enumerate(zip(npu, cpu)):
+        assert abs(g - c) <= 1e-3 * abs(c), f"step {step}: npu {g}, cpu {c}"

@@ -85,6 +85,20 @@ def param_hash(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def infer_half(model: nn.Module, dev: torch.device, args: argparse.Namespace) -> int:
+    """The model in float16, forward only: one loss line per batch."""
+    model = model.half().eval()
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq + 1), generator=gen)
+    with torch.no_grad():
+        for step in range(args.steps):
+            batch = data[step].to(dev)
+            logits = model(batch[:, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="npu")
@@ -96,6 +110,10 @@ def main() -> int:
     ap.add_argument("--stall", default="", help="PHASE:SECONDS: sleep inside PHASE every step")
     ap.add_argument("--empty-cache", action="store_true", help="torch.npu.empty_cache() after every step")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers (pin_memory=True)")
+    ap.add_argument(
+        "--autocast", choices=("bfloat16", "float16"), default=None, help="forward under torch.autocast"
+    )
+    ap.add_argument("--half", action="store_true", help="the whole model in float16 (inference only)")
     ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
@@ -122,6 +140,8 @@ def main() -> int:
 
     torch.manual_seed(0)
     model = Block(args.vocab, args.dim, 4).to(dev)
+    if args.half:
+        return infer_half(model, dev, args)
     # Two optimizers over the two halves of the parameters (the same numbers as one): a stall
     # between their steps lands inside the model's optimizer step, the first half's foreach
     # kernels queued.
@@ -147,7 +167,11 @@ def main() -> int:
     for step in range(args.steps):
         stall_step[0] = step if stall_step[0] >= 0 else -1
         phase.set("forward", step)
-        logits = model(batch[:, :-1])
+        if args.autocast:
+            with torch.autocast(dev.type, dtype=getattr(torch, args.autocast)):
+                logits = model(batch[:, :-1]).float()
+        else:
+            logits = model(batch[:, :-1])
         if stall and stall_phase == "backward":
             logits.register_hook(lambda g: (pause("backward"), g)[1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
