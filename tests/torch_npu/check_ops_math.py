@@ -623,6 +623,25 @@ def random_cases():
             ok = bool(((v.mean(0) - torch.tensor(want[k][0], dtype=torch.float)).abs() < 0.1).all()
                       and ((v.std(0) - torch.tensor(want[k][1], dtype=torch.float)).abs() < 0.1).all())
             report("PASS" if ok else "FAIL", f"random_normal_{k}", f"means {[round(x, 2) for x in v.mean(0).tolist()]} stds {[round(x, 2) for x in v.std(0).tolist()]}")
+        # dropout: a bit mask (aclnnDropoutGenMaskV2) applied with aclnnDropoutDoMask, forward and backward
+        for dt in FLOATS:
+            xc = gen((200, 50), dt, seed=21)
+            xd = views(xc)[1][1].detach().requires_grad_()
+            torch.npu.manual_seed(3)
+            y = F.dropout(xd, 0.3, training=True)
+            g = gen((200, 50), dt, seed=22)
+            y.backward(g.to(DEV))
+            yc, gc = y.detach().cpu(), xd.grad.cpu()
+            keep = yc != 0
+            frac = float(keep.float().mean())
+            want = (xc.double() / 0.7).to(dt)
+            ok1, info1 = close(want[keep], yc[keep])
+            ok2, info2 = close((g.double() / 0.7).to(dt)[keep], gc[keep])
+            ok3 = bool((gc[~keep] == 0).all())
+            torch.npu.manual_seed(3)
+            again = F.dropout(xd.detach(), 0.3, training=True).cpu()
+            ok = abs(frac - 0.7) < 0.03 and ok1 and ok2 and ok3 and torch.equal(again, yc)
+            report("PASS" if ok else "FAIL", "random_dropout", f"{str(dt).replace('torch.', '')} kept {frac:.3f}, kept values x/(1-p) {info1}, grad {info2}, reseeded equal {torch.equal(again, yc)}")
         bern = torch.empty(n, device=DEV).bernoulli_(0.3).cpu()
         ok = set(bern.unique().tolist()) <= {0.0, 1.0} and abs(float(bern.mean()) - 0.3) < 0.02
         report("PASS" if ok else "FAIL", "random_bernoulli", f"p=0.3 mean {float(bern.mean()):.3f}")

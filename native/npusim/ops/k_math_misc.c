@@ -60,7 +60,9 @@ static double unit(uint32_t hi, uint32_t lo) {
 }
 
 /* RAND args: ints[0] = 0 normal (mean s0, std s1), 1 uniform [s0, s1), 2 bernoulli (p = s0),
- * 3 integers uniform in [s0, s1); ints[1] = seed, ints[2] = offset (torch's philox offset);
+ * 3 integers uniform in [s0, s1), 4 dropout's bit mask (out uint8, one bit per element,
+ * little-endian in each byte: bit set = kept, with probability 1 - s0; ints[4] = the element count,
+ * bits past it 0); ints[1] = seed, ints[2] = offset (torch's philox offset);
  * ints[3] = which parameters come from tensors instead (bit 0: the first, bit 1: the second);
  * tensors: out, then those parameter tensors aligned to out's shape. Element i (row-major in out's
  * shape) draws from counter (i, offset). */
@@ -84,6 +86,24 @@ KHIDDEN int k_rand(const struct kctx *k) {
     if (n == 0) return 0;
     struct kit it;
     kit_init(&it, o->shape, o->ndim, ts, (int)k->a->nt);
+    if (kind == 4) {
+        if (k->a->ni < 5 || np) return KERR_ARGS;
+        int64_t nbits = k->i[4];
+        for (int64_t byte = 0; byte < n; byte++) {
+            unsigned v = 0;
+            for (int b = 0; b < 8; b++) {
+                int64_t i = byte * 8 + b;
+                if (i >= nbits) break;
+                uint32_t c[4] = {(uint32_t)i, (uint32_t)((uint64_t)i >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
+                philox(c, seed);
+                if (unit(c[0], c[1]) >= k->s[0]) v |= 1u << b;
+            }
+            kst(o->dtype, p[0], it.off[0], v);
+            kit_next(&it);
+        }
+        kcost(k, n);
+        return 0;
+    }
     for (int64_t i = 0; i < n; i++) {
         int j = 1;
         double a = (from_t & 1) ? kld(ts[j]->dtype, p[j], it.off[j]) : k->s[0];
@@ -366,6 +386,36 @@ KHIDDEN int k_scan(const struct kctx *k) {
             acc = prod ? acc * v : acc + v;
             kst(out->dtype, po, it.off[1] + j * so, acc);
         }
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}
+
+/* DOMASK args: s0 = 1 / (1 - p) (0 when p = 1); tensors self, mask (uint8 bits, kind 4 of RAND),
+ * out: out = self * s0 where element i's (row-major) bit is set, else 0. */
+KHIDDEN int k_domask(const struct kctx *k) {
+    if (k->a->nt != 3 || k->a->ns < 1) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *o = &k->t[2];
+    if (x->ndim != o->ndim || m->ndim != 1) return KERR_ARGS;
+    int err;
+    char *px = khost(k, x, &err);
+    if (err) return err;
+    char *pm = khost(k, m, &err);
+    if (err) return err;
+    char *po = khost(k, o, &err);
+    if (err) return err;
+    int64_t n = knumel(o);
+    if (n == 0) return 0;
+    if (m->shape[0] * 8 < n) return KERR_ARGS;
+    const struct ops_tensor *ts[2] = {x, o};
+    struct kit it;
+    kit_init(&it, o->shape, o->ndim, ts, 2);
+    double scale = k->s[0];
+    for (int64_t i = 0; i < n; i++) {
+        unsigned byte = (unsigned)kld(m->dtype, pm, (i / 8) * m->stride[0]);
+        double v = (byte >> (i % 8)) & 1u ? kld(x->dtype, px, it.off[0]) * scale : 0.0;
+        kst(o->dtype, po, it.off[1], v);
         kit_next(&it);
     }
     kcost(k, n);
