@@ -1,5 +1,7 @@
 /* The math family's structured kernels: the max or min along one dimension with its index, and
  * random fills. */
+#include <stdlib.h>
+
 #include "kern.h"
 
 /* ARGRED args: ints[0] = dim, ints[1] = 0 max / 1 min; tensors: in, values, indices, the outputs
@@ -419,5 +421,76 @@ KHIDDEN int k_domask(const struct kctx *k) {
         kit_next(&it);
     }
     kcost(k, n);
+    return 0;
+}
+
+/* one uniform double in (0, 1) for counter (idx, off) */
+static double draw(uint64_t seed, uint64_t off, uint64_t idx) {
+    uint32_t c[4] = {(uint32_t)idx, (uint32_t)(idx >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
+    philox(c, seed);
+    return unit(c[0], c[1]);
+}
+
+/* SAMPLE args: ints[0] = 0 multinomial (ints[3] samples per row, ints[4] = 1 with replacement;
+ * tensors: weights [rows, k] (a 1-D input as one row), out int64 [rows, samples]), 1 randperm
+ * (tensors: out [n]); ints[1] = seed, ints[2] = offset. Draw j of row r uses counter
+ * (r * 2^20 + j, offset). Multinomial draws by the inverse of the row's cumulative weights (in
+ * double); without replacement a drawn category's weight is removed. Randperm is Fisher-Yates. */
+KHIDDEN int k_sample(const struct kctx *k) {
+    if (k->a->ni < 3) return KERR_ARGS;
+    uint64_t seed = (uint64_t)k->i[1], off = (uint64_t)k->i[2];
+    int err;
+    if (k->i[0] == 1) {
+        if (k->a->nt != 1 || k->t[0].ndim != 1) return KERR_ARGS;
+        const struct ops_tensor *o = &k->t[0];
+        char *po = khost(k, o, &err);
+        if (err) return err;
+        int64_t n = o->shape[0];
+        for (int64_t i = 0; i < n; i++) kst(o->dtype, po, i * o->stride[0], (double)i);
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(draw(seed, off, (uint64_t)i) * (double)(i + 1));
+            if (j > i) j = i;
+            double a = kld(o->dtype, po, i * o->stride[0]), b = kld(o->dtype, po, j * o->stride[0]);
+            kst(o->dtype, po, i * o->stride[0], b);
+            kst(o->dtype, po, j * o->stride[0], a);
+        }
+        kcost(k, n);
+        return 0;
+    }
+    if (k->a->ni < 5 || k->a->nt != 2) return KERR_ARGS;
+    const struct ops_tensor *w = &k->t[0], *o = &k->t[1];
+    if (w->ndim != 2 || o->ndim != 2 || w->shape[0] != o->shape[0]) return KERR_ARGS;
+    int64_t rows = w->shape[0], cats = w->shape[1], ns = k->i[3];
+    int repl = k->i[4] != 0;
+    if (o->shape[1] != ns || (!repl && ns > cats)) return KERR_ARGS;
+    char *pw = khost(k, w, &err);
+    if (err) return err;
+    char *po = khost(k, o, &err);
+    if (err) return err;
+    double *cw = malloc(sizeof(double) * (size_t)(cats ? cats : 1));
+    if (!cw) return KERR_ARGS;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cats; c++) cw[c] = kld(w->dtype, pw, r * w->stride[0] + c * w->stride[1]);
+        for (int64_t j = 0; j < ns; j++) {
+            double total = 0;
+            for (int64_t c = 0; c < cats; c++) total += cw[c];
+            double t = draw(seed, off, (uint64_t)r * 1048576u + (uint64_t)j) * total, acc = 0;
+            int64_t pick = -1, last = -1;
+            for (int64_t c = 0; c < cats; c++) {
+                if (cw[c] <= 0) continue;
+                last = c;
+                acc += cw[c];
+                if (t < acc) {
+                    pick = c;
+                    break;
+                }
+            }
+            if (pick < 0) pick = last < 0 ? 0 : last;
+            kst(o->dtype, po, r * o->stride[0] + j * o->stride[1], (double)pick);
+            if (!repl) cw[pick] = 0;
+        }
+    }
+    free(cw);
+    kcost(k, rows * cats);
     return 0;
 }

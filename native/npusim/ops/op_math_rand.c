@@ -184,3 +184,51 @@ API aclnnStatus aclnnDropoutDoMaskGetWorkspaceSize(const aclTensor *self, const 
     return ex_done(e);
 }
 OPS_LAUNCHER(aclnnDropoutDoMask)
+
+/* num_samples indices per row of self (1-D: one row) by its non-negative weights, into int64 out
+ * (MultinomialKernelNpuOpApi.cpp: self, num_samples, replacement, seed, offset, out) */
+API aclnnStatus aclnnMultinomialGetWorkspaceSize(const aclTensor *self, int64_t numsamples, bool replacement,
+                                                 int64_t seed, int64_t offset, aclTensor *out,
+                                                 uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!self || !out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(self, RAND_DTM)) || (st = t_check(out, DTM(OPS_DT_INT64) | DTM(OPS_DT_INT32)))) return st;
+    if (self->ndim < 1 || self->ndim > 2 || out->ndim != self->ndim || numsamples < 1) return ACLNN_ERR_PARAM_INVALID;
+    int64_t cats = self->dims[self->ndim - 1];
+    if (!replacement && numsamples > cats) return ACLNN_ERR_PARAM_INVALID;
+    if (out->dims[out->ndim - 1] != numsamples || (self->ndim == 2 && out->dims[0] != self->dims[0]))
+        return ACLNN_ERR_PARAM_INVALID;
+    struct ops_tensor w = t_view(self), o = t_view(out);
+    if (self->ndim == 1) {
+        w.shape[1] = w.shape[0], w.stride[1] = w.stride[0], w.shape[0] = 1, w.stride[0] = 0, w.ndim = 2;
+        o.shape[1] = o.shape[0], o.stride[1] = o.stride[0], o.shape[0] = 1, o.stride[0] = 0, o.ndim = 2;
+    }
+    aclOpExecutor *e = ex_open("aclnnMultinomial", OPS_OP_SAMPLE, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, 0);
+    ex_int(e, seed);
+    ex_int(e, offset);
+    ex_int(e, numsamples);
+    ex_int(e, replacement);
+    ex_tensor(e, w);
+    ex_tensor(e, o);
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnMultinomial)
+
+/* a permutation of 0..n-1 (RandpermKernelNpuOpApi.cpp: n, seed, offset, out) */
+API aclnnStatus aclnnRandpermGetWorkspaceSize(int64_t n, int64_t seed, int64_t offset, aclTensor *out,
+                                              uint64_t *workspaceSize, aclOpExecutor **executor) {
+    if (!out) return ACLNN_ERR_PARAM_NULLPTR;
+    aclnnStatus st;
+    if ((st = t_check(out, DTM_NUM))) return st;
+    if (n < 0 || out->ndim != 1 || out->dims[0] != n) return ACLNN_ERR_PARAM_INVALID;
+    aclOpExecutor *e = ex_open("aclnnRandperm", OPS_OP_SAMPLE, workspaceSize, executor);
+    if (!e) return workspaceSize && executor ? ACLNN_ERR_INNER : ACLNN_ERR_PARAM_NULLPTR;
+    ex_int(e, 1);
+    ex_int(e, seed);
+    ex_int(e, offset);
+    ex_tensor(e, t_view(out));
+    return ex_done(e);
+}
+OPS_LAUNCHER(aclnnRandperm)
