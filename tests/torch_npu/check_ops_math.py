@@ -666,6 +666,75 @@ def random_cases():
         report("FAIL", "random", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
+def refusal_cases():
+    """Arguments the operators do not support are refused at GetWorkspaceSize with the real codes
+    (161001 a NULL, 161002 a dtype, format, shape or value), never accepted and left uncomputed:
+    called through the C ABI of the tree's libopapi.so (torch refuses most of these itself)."""
+    if ONLY and ONLY not in "refusals":
+        return
+    from ctypes import POINTER, byref, c_bool, c_double, c_float, c_int32, c_int64, c_uint64, c_void_p
+
+    lib = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libopapi.so"))
+    lib.aclCreateTensor.restype = c_void_p
+    lib.aclCreateTensor.argtypes = [POINTER(c_int64), c_uint64, c_int32, POINTER(c_int64), c_int64, c_int32,
+                                    POINTER(c_int64), c_uint64, c_void_p]
+    lib.aclCreateScalar.restype = c_void_p
+    lib.aclCreateScalar.argtypes = [c_void_p, c_int32]
+    lib.aclCreateTensorList.restype = c_void_p
+    lib.aclCreateTensorList.argtypes = [POINTER(c_void_p), c_uint64]
+    lib.aclDestroyAclOpExecutor.argtypes = [c_void_p]
+    fake = c_void_p(0x1000)  # never read: phase one checks descriptors only
+
+    def tensor(shape, dtype, fmt=2):
+        dims = (c_int64 * len(shape))(*shape)
+        return c_void_p(lib.aclCreateTensor(dims, len(shape), dtype, None, 0, fmt, dims, len(shape), fake))
+
+    def scalar(v):
+        d = c_double(v)
+        return c_void_p(lib.aclCreateScalar(byref(d), 11))
+
+    lib.aclCreateIntArray.restype = c_void_p
+    lib.aclCreateIntArray.argtypes = [POINTER(c_int64), c_uint64]
+
+    def int_array(v):
+        return c_void_p(lib.aclCreateIntArray((c_int64 * len(v))(*v), len(v)))
+
+    F32, F16, I32, C64, U8 = 0, 1, 3, 16, 4
+    ws, ex = c_uint64(), c_void_p()
+    tl = lambda *ts: c_void_p(lib.aclCreateTensorList((c_void_p * len(ts))(*ts), len(ts)))  # noqa: E731
+    cases = [
+        ("bitwise_not_float", lambda: lib.aclnnBitwiseNotGetWorkspaceSize(tensor([4], F32), tensor([4], F32), byref(ws), byref(ex)), 161002),
+        ("exp_complex", lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], C64), tensor([4], C64), byref(ws), byref(ex)), 161002),
+        ("sqrt_private_format", lambda: lib.aclnnSqrtGetWorkspaceSize(tensor([4, 16], F16, 29), tensor([4, 16], F16, 29), byref(ws), byref(ex)), 161002),
+        ("sqrt_null", lambda: lib.aclnnSqrtGetWorkspaceSize(None, tensor([4], F32), byref(ws), byref(ex)), 161001),
+        ("exp_shape_mismatch", lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], F32), tensor([5], F32), byref(ws), byref(ex)), 161002),
+        ("addcdiv_int", lambda: lib.aclnnAddcdivGetWorkspaceSize(tensor([4], I32), tensor([4], I32), tensor([4], I32), scalar(1.0), tensor([4], I32), byref(ws), byref(ex)), 161002),
+        ("clamp_no_bounds", lambda: lib.aclnnClampGetWorkspaceSize(tensor([4], F32), None, None, tensor([4], F32), byref(ws), byref(ex)), 161001),
+        ("vector_norm_neg_inf", lambda: lib.aclnnLinalgVectorNormGetWorkspaceSize(tensor([4], F32), scalar(float("-inf")), None, c_bool(False), F32, tensor([], F32), byref(ws), byref(ex)), 161002),
+        ("max_dim_out_of_range", lambda: lib.aclnnMaxDimGetWorkspaceSize(tensor([4, 3], F32), c_int64(2), c_bool(False), tensor([4], F32), tensor([4], 9), byref(ws), byref(ex)), 161002),
+        ("normal_negative_std", lambda: lib.aclnnInplaceNormalGetWorkspaceSize(tensor([4], F32), c_float(0.0), c_float(-1.0), c_int64(1), c_int64(0), byref(ws), byref(ex)), 161002),
+        ("uniform_int_dtype", lambda: lib.aclnnInplaceUniformGetWorkspaceSize(tensor([4], I32), c_double(0), c_double(1), c_uint64(1), c_uint64(0), byref(ws), byref(ex)), 161002),
+        ("foreach_list_sizes", lambda: lib.aclnnForeachAddListV2GetWorkspaceSize(tl(tensor([4], F32), tensor([2], F32)), tl(tensor([4], F32)), scalar(1.0), tl(tensor([4], F32), tensor([2], F32)), byref(ws), byref(ex)), 161002),
+        ("foreach_shapes", lambda: lib.aclnnForeachMulListGetWorkspaceSize(tl(tensor([4], F32)), tl(tensor([3], F32)), tl(tensor([4], F32)), byref(ws), byref(ex)), 161002),
+        ("foreach_norm_int", lambda: lib.aclnnForeachNormGetWorkspaceSize(tl(tensor([4], I32)), scalar(2.0), tl(tensor([], I32)), byref(ws), byref(ex)), 161002),
+        ("dropout_null_shape", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(None, c_double(0.5), c_int64(1), c_int64(0), F32, tensor([16], U8), byref(ws), byref(ex)), 161001),
+        ("dropout_mask_length", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(int_array([1000]), c_double(0.5), c_int64(1), c_int64(0), F32, tensor([16], U8), byref(ws), byref(ex)), 161002),
+        ("dropout_prob", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(int_array([1000]), c_double(1.5), c_int64(1), c_int64(0), F32, tensor([128], U8), byref(ws), byref(ex)), 161002),
+    ]
+    for name, call, want in cases:
+        try:
+            got = call()
+            report("PASS" if got == want else "FAIL", f"refusals_{name}", f"{got} (want {want})")
+        except Exception as e:  # noqa: BLE001
+            report("FAIL", f"refusals_{name}", f"{type(e).__name__}: {e}")
+    # and one that is accepted: an executor comes back, destroyed unlaunched
+    got = lib.aclnnExpGetWorkspaceSize(tensor([4], F32), tensor([4], F32), byref(ws), byref(ex))
+    ok = got == 0 and bool(ex.value) and ws.value == 0
+    if ex.value:
+        lib.aclDestroyAclOpExecutor(ex)
+    report("PASS" if ok else "FAIL", "refusals_accepted_exp", f"{got}, executor {'set' if ex.value else 'missing'}")
+
+
 def determinism_case():
     if ONLY and ONLY not in "determinism":
         return
@@ -689,6 +758,7 @@ def main():
     optimizer_cases()
     amp_case()
     random_cases()
+    refusal_cases()
     determinism_case()
     print(f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} in {time.time() - t0:.1f}s", flush=True)
     sys.exit(1 if RESULTS["FAIL"] else 0)
