@@ -735,6 +735,28 @@ def refusal_cases():
     report("PASS" if ok else "FAIL", "refusals_accepted_exp", f"{got}, executor {'set' if ex.value else 'missing'}")
 
 
+def second_device_case():
+    """The same ops on the second simulated device of this process."""
+    if ONLY and ONLY not in "second_device":
+        return
+    if torch.npu.device_count() < 2:
+        report("SKIP", "second_device", "one device")
+        return
+    try:
+        x = gen((6, 5), torch.float32, seed=31)
+        xd = x.to("npu:1").t()
+        outs = [torch.sigmoid(xd).cpu(), torch.clamp(xd, -0.5, 0.5).cpu(), (xd > 0.1).cpu(),
+                torch._foreach_addcmul([xd, xd], [xd, xd], [xd, xd], 0.5)[1].cpu(), torch.linalg.vector_norm(xd, dim=1).cpu()]
+        xt = x.t()
+        refs = [torch.sigmoid(xt), torch.clamp(xt, -0.5, 0.5), xt > 0.1,
+                torch._foreach_addcmul([xt, xt], [xt, xt], [xt, xt], 0.5)[1], torch.linalg.vector_norm(xt, dim=1)]
+        res = [close(r, o) for r, o in zip(refs, outs)]
+        ok = all(r[0] for r in res) and xd.device.index == 1
+        report("PASS" if ok else "FAIL", "second_device", "npu:1 " + ", ".join(r[1] for r in res))
+    except Exception as e:  # noqa: BLE001
+        report("FAIL", "second_device", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+
 def determinism_case():
     if ONLY and ONLY not in "determinism":
         return
@@ -759,6 +781,7 @@ def main():
     amp_case()
     random_cases()
     refusal_cases()
+    second_device_case()
     determinism_case()
     print(f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} in {time.time() - t0:.1f}s", flush=True)
     sys.exit(1 if RESULTS["FAIL"] else 0)
