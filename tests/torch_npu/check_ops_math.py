@@ -735,6 +735,41 @@ def refusal_cases():
     report("PASS" if ok else "FAIL", "refusals_accepted_exp", f"{got}, executor {'set' if ex.value else 'missing'}")
 
 
+def inplace_view_cases():
+    """In-place ops on a strided, offset view: the view's elements change as on the CPU and nothing
+    else in its base does (the whole base is compared)."""
+    ops = [
+        ("exp_", lambda v, w: v.exp_()),
+        ("sqrt_", lambda v, w: v.abs_().sqrt_()),
+        ("clamp_", lambda v, w: v.clamp_(-0.3, 0.4)),
+        ("pow_", lambda v, w: v.pow_(2)),
+        ("addcmul_", lambda v, w: v.addcmul_(w, w, value=0.5)),
+        ("addcdiv_", lambda v, w: v.addcdiv_(w, w.abs() + 1, value=-0.5)),
+        ("lerp_", lambda v, w: v.lerp_(w, 0.25)),
+        ("masked_fill_", lambda v, w: v.masked_fill_(w > 0, 9.0)),
+        ("gt_", lambda v, w: v.gt_(w)),
+        ("foreach_mul_", lambda v, w: torch._foreach_mul_([v, w], 3.0)),
+        ("foreach_addcdiv_", lambda v, w: torch._foreach_addcdiv_([v], [w], [w.abs() + 1], [0.1])),
+        ("foreach_zero_", lambda v, w: torch._foreach_zero_([v])),
+    ]
+    for name, f in ops:
+        name = f"inplace_view_{name}"
+        if ONLY and ONLY not in name:
+            continue
+        try:
+            base = gen((9, 13), torch.float32, seed=41)
+            wsrc = gen((4, 6), torch.float32, seed=42)
+            bc, bn = base.clone(), base.to(DEV)
+            vc, vn = bc[1::2, 1::2].t(), bn[1::2, 1::2].t()  # [6, 4], strides (2, 26), offset 14
+            wc, wn = wsrc.t(), wsrc.to(DEV).t()
+            f(vc, wc)
+            f(vn, wn)
+            ok, info = close(bc, bn.cpu())
+            report("PASS" if ok else "FAIL", name, info)
+        except Exception as e:  # noqa: BLE001
+            report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+
 def second_device_case():
     """The same ops on the second simulated device of this process."""
     if ONLY and ONLY not in "second_device":
@@ -781,6 +816,7 @@ def main():
     amp_case()
     random_cases()
     refusal_cases()
+    inplace_view_cases()
     second_device_case()
     determinism_case()
     print(f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} in {time.time() - t0:.1f}s", flush=True)
