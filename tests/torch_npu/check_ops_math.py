@@ -7,32 +7,42 @@ failure. Each case runs the op on the NPU and on the CPU (the oracle) in this pr
 non-contiguous inputs (transposed, strided and offset views made on the device), forward and, where
 the op is differentiable, backward (autograd with a non-contiguous gradient).
 
-Tolerances (relative, with an absolute floor of the same size times the largest reference value):
-float32 1e-6 (the simulator rounds each result once from double, so it is correctly rounded where
-the CPU's vectorised exp/log/sqrt may be 1 ulp off); float16 2^-10 and bfloat16 2^-7 (one unit in
-the last place: the CPU computes these in float and rounds once, as the simulator does, so the only
-differences are the CPU's float-precision intermediates), with a floor of one ulp of the largest
-value (in float32 gradients too: autograd's formulas subtract, e.g. var's x - mean); prod in
-float16/bfloat16 16 ulp (the CPU rounds the running product every step); integers, booleans, comparisons, selections
-and indices exactly; gradients in float16/bfloat16 4 ulp (autograd's formulas chain several
-ops, each rounded to the low precision on both sides). Optimizer steps: 1e-6 relative after every step. Random fills: determinism
-(same seed and offset, same bits) and moments, not the CPU's numbers (different generators).
+Tolerances, relative to each element:
+- float32: 1e-6 (the simulator rounds each result once from double, so it is correctly rounded
+  where the CPU's vectorised exp/log/sqrt/pow may be 1 ulp off), with an absolute floor of 1e-9
+  times the largest reference value (gradients: 1e-6 of it, as autograd's formulas subtract,
+  e.g. var's x - mean);
+- float16 2^-10, bfloat16 2^-7 (one ulp; the CPU computes these in float and rounds once, as the
+  simulator does), floor one ulp of the largest value; gradients 4 ulp (autograd's formulas chain
+  several ops, each rounded to the low precision on both sides); prod 16 ulp (the CPU rounds the
+  running product at every step);
+- integers, booleans, comparisons, selections, indices: exact;
+- optimizer steps (SGD with momentum, Adam, AdamW, default foreach on the NPU against the CPU's
+  default): 1e-6 after every step, and a rerun bit-identical;
+- random fills: determinism (same seed and offset, same bits) and moments, not the CPU's numbers
+  (different generators).
+Cases that need another family's operator (aclnnStack for clip_grad_norm_, aclnnInplaceScatter
+for max(dim)'s backward) or inf/nan mode (GradScaler) are skipped when the tree lacks them, as a
+missing operator would fail the rest of the process's queue.
 """
+
 import ctypes
-import math
 import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-
 import torch_npu
 
 DEV = "npu"
 TOL = {torch.float32: 1e-6, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 RESULTS = {"PASS": 0, "FAIL": 0, "SKIP": 0}
 ONLY = sys.argv[sys.argv.index("-k") + 1] if "-k" in sys.argv else None
+
+
+def dname(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 def report(status, name, detail=""):
@@ -143,7 +153,9 @@ def run_case(name, fn, inputs, dtype=torch.float32, grad=True, kinds=None, cmp_d
                 if info != "exact":
                     worst = info
             if diff and c_out[0].requires_grad:
-                gview = views(gen(tuple(c_out[0].shape), c_out[0].dtype, seed=99))[li if c_out[0].dim() else 0]
+                gview = views(gen(tuple(c_out[0].shape), c_out[0].dtype, seed=99))[
+                    li if c_out[0].dim() else 0
+                ]
                 c_out[0].backward(gview[0])
                 n_out[0].backward(gview[1])
                 for j, (a, b) in enumerate(zip(c_args, n_args)):
@@ -158,8 +170,12 @@ def run_case(name, fn, inputs, dtype=torch.float32, grad=True, kinds=None, cmp_d
                         return
                     if info != "exact":
                         worst = info
-        report("PASS", name, f"{str(dtype).replace('torch.', '')} fwd{'+bwd' if grad and dtype.is_floating_point else ''} {worst}")
-    except Exception as e:  # noqa: BLE001 - every failure is a line, never a crash
+        report(
+            "PASS",
+            name,
+            f"{dname(dtype)} fwd{'+bwd' if grad and dtype.is_floating_point else ''} {worst}",
+        )
+    except Exception as e:  # every failure is a line, never a crash
         report("FAIL", name, f"{dtype}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -169,24 +185,50 @@ S = (5, 7)
 
 def unary_cases():
     ops = [
-        ("exp", torch.exp, None), ("log", torch.log, "pos"), ("sqrt", torch.sqrt, "pos"),
-        ("rsqrt", torch.rsqrt, "pos"), ("reciprocal", torch.reciprocal, "pos"), ("neg", torch.neg, None),
-        ("abs", torch.abs, None), ("tanh", torch.tanh, None), ("sigmoid", torch.sigmoid, None),
-        ("silu", F.silu, None), ("erf", torch.erf, None), ("sign", torch.sign, None),
-        ("floor", torch.floor, None), ("ceil", torch.ceil, None), ("round", torch.round, None),
+        ("exp", torch.exp, None),
+        ("log", torch.log, "pos"),
+        ("sqrt", torch.sqrt, "pos"),
+        ("rsqrt", torch.rsqrt, "pos"),
+        ("reciprocal", torch.reciprocal, "pos"),
+        ("neg", torch.neg, None),
+        ("abs", torch.abs, None),
+        ("tanh", torch.tanh, None),
+        ("sigmoid", torch.sigmoid, None),
+        ("silu", F.silu, None),
+        ("erf", torch.erf, None),
+        ("sign", torch.sign, None),
+        ("floor", torch.floor, None),
+        ("ceil", torch.ceil, None),
+        ("round", torch.round, None),
         ("trunc", torch.trunc, None),
-        ("pow_2", lambda x: x.pow(2), None), ("pow_3", lambda x: x.pow(3.0), None),
-        ("pow_0.5", lambda x: x.pow(0.5), "pos"), ("pow_-1.5", lambda x: x.pow(-1.5), "pos"),
-        ("rpow", lambda x: torch.pow(2.0, x), None), ("square", torch.square, None),
-        ("exp_", lambda x: x.clone().exp_(), None), ("sqrt_", lambda x: x.clone().sqrt_(), "pos"),
+        ("pow_2", lambda x: x.pow(2), None),
+        ("pow_3", lambda x: x.pow(3.0), None),
+        ("pow_0.5", lambda x: x.pow(0.5), "pos"),
+        ("pow_-1.5", lambda x: x.pow(-1.5), "pos"),
+        ("rpow", lambda x: torch.pow(2.0, x), None),
+        ("square", torch.square, None),
+        ("exp_", lambda x: x.clone().exp_(), None),
+        ("sqrt_", lambda x: x.clone().sqrt_(), "pos"),
         ("rsub_scalar", lambda x: 1 - x, None),
-        ("sin", torch.sin, None), ("cos", torch.cos, None), ("tan", torch.tan, "unit"),
-        ("asin", torch.asin, "unit"), ("acos", torch.acos, "unit"), ("atan", torch.atan, None),
-        ("sinh", torch.sinh, None), ("cosh", torch.cosh, None), ("asinh", torch.asinh, None),
-        ("acosh", lambda x: torch.acosh(x + 1), "pos"), ("atanh", torch.atanh, "unit"),
-        ("expm1", torch.expm1, None), ("log1p", torch.log1p, "pos"), ("log2", torch.log2, "pos"),
-        ("log10", torch.log10, "pos"), ("exp2", torch.exp2, None), ("erfc", torch.erfc, None),
-        ("frac", torch.frac, None), ("nan_to_num", lambda x: torch.nan_to_num(x.log()), None),
+        ("sin", torch.sin, None),
+        ("cos", torch.cos, None),
+        ("tan", torch.tan, "unit"),
+        ("asin", torch.asin, "unit"),
+        ("acos", torch.acos, "unit"),
+        ("atan", torch.atan, None),
+        ("sinh", torch.sinh, None),
+        ("cosh", torch.cosh, None),
+        ("asinh", torch.asinh, None),
+        ("acosh", lambda x: torch.acosh(x + 1), "pos"),
+        ("atanh", torch.atanh, "unit"),
+        ("expm1", torch.expm1, None),
+        ("log1p", torch.log1p, "pos"),
+        ("log2", torch.log2, "pos"),
+        ("log10", torch.log10, "pos"),
+        ("exp2", torch.exp2, None),
+        ("erfc", torch.erfc, None),
+        ("frac", torch.frac, None),
+        ("nan_to_num", lambda x: torch.nan_to_num(x.log()), None),
         ("nan_to_num_args", lambda x: torch.nan_to_num(x.log(), 0.5, 100.0, -100.0), None),
         ("isfinite", lambda x: torch.isfinite(x.log()), None),
         ("remainder_scalar", lambda x: torch.remainder(x * 4, 1.5), None),
@@ -216,7 +258,8 @@ def unary_cases():
 
 def binary_cases():
     ops = [
-        ("maximum", torch.maximum), ("minimum", torch.minimum),
+        ("maximum", torch.maximum),
+        ("minimum", torch.minimum),
         ("pow_tt", lambda a, b: torch.pow(a.abs() + 0.5, b)),
         ("where", lambda a, b: torch.where(a > 0, a, b)),
         ("lerp_scalar", lambda a, b: torch.lerp(a, b, 0.3)),
@@ -226,7 +269,10 @@ def binary_cases():
         ("clamp_min_tensor", lambda a, b: torch.clamp(a, min=b)),
         ("clamp_max_tensor", lambda a, b: torch.clamp(a, max=b)),
         ("masked_fill_scalar", lambda a, b: a.masked_fill(b > 0, -2.5)),
-        ("masked_fill_tensor", lambda a, b: a.masked_fill(b > 0, torch.tensor(3.0, device=a.device, dtype=a.dtype))),
+        (
+            "masked_fill_tensor",
+            lambda a, b: a.masked_fill(b > 0, torch.tensor(3.0, device=a.device, dtype=a.dtype)),
+        ),
         ("masked_fill_inf", lambda a, b: a.masked_fill(b > 0, float("-inf"))),
         ("rsub", lambda a, b: torch.rsub(a, b, alpha=2)),
         ("atan2", torch.atan2),
@@ -242,9 +288,13 @@ def binary_cases():
     for dt in FLOATS:
         run_case("lerp_tensor", lambda a, b, w: torch.lerp(a, b, w), [S, S, S], dt, kinds={2: "unit"})
         run_case("addcmul", lambda a, b, c: torch.addcmul(a, b, c, value=0.7), [S, S, S], dt)
-        run_case("addcdiv", lambda a, b, c: torch.addcdiv(a, b, c, value=-0.3), [S, S, S], dt, kinds={2: "pos"})
+        run_case(
+            "addcdiv", lambda a, b, c: torch.addcdiv(a, b, c, value=-0.3), [S, S, S], dt, kinds={2: "pos"}
+        )
         run_case("addcmul_", lambda a, b, c: a.clone().addcmul_(b, c, value=0.01), [S, S, S], dt)
-        run_case("addcdiv_", lambda a, b, c: a.clone().addcdiv_(b, c, value=2), [S, S, S], dt, kinds={2: "pos"})
+        run_case(
+            "addcdiv_", lambda a, b, c: a.clone().addcdiv_(b, c, value=2), [S, S, S], dt, kinds={2: "pos"}
+        )
         run_case("broadcast_maximum", torch.maximum, [S, (1, S[1])], dt)
         run_case("clamp", lambda x: torch.clamp(x, -0.5, 0.7), [S], dt)
         run_case("clamp_min", lambda x: torch.clamp(x, min=-0.2), [S], dt)
@@ -256,8 +306,15 @@ def binary_cases():
 
 
 def compare_cases():
-    cmps = [("gt", torch.gt), ("ge", torch.ge), ("lt", torch.lt), ("le", torch.le), ("eq", torch.eq), ("ne", torch.ne)]
-    for dt in FLOATS + [torch.int32, torch.int64]:
+    cmps = [
+        ("gt", torch.gt),
+        ("ge", torch.ge),
+        ("lt", torch.lt),
+        ("le", torch.le),
+        ("eq", torch.eq),
+        ("ne", torch.ne),
+    ]
+    for dt in [*FLOATS, torch.int32, torch.int64]:
         for name, f in cmps:
             # repeated values so that equality is exercised
             a = (gen(S, torch.float32, seed=3) * 2).round().to(dt)
@@ -265,7 +322,13 @@ def compare_cases():
             run_case(f"{name}_tensor", f, [a, b], dt, grad=False)
             run_case(f"{name}_scalar", lambda x, f=f: f(x, 1), [a], dt, grad=False)
             run_case(f"{name}_scalar_frac", lambda x, f=f: f(x, 0.1), [gen(S, dt, seed=5)], dt, grad=False)
-            run_case(f"{name}_inplace", lambda x, y, f=f, n=name: getattr(x.clone(), n + "_")(y), [a, b], dt, grad=False)
+            run_case(
+                f"{name}_inplace",
+                lambda x, y, f=f, n=name: getattr(x.clone(), n + "_")(y),
+                [a, b],
+                dt,
+                grad=False,
+            )
     for dt in [torch.int32, torch.int64]:
         run_case("neg_int", torch.neg, [S], dt, grad=False)
         run_case("abs_int", torch.abs, [S], dt, grad=False)
@@ -277,11 +340,15 @@ def compare_cases():
         run_case("masked_fill_int", lambda a, b: a.masked_fill(b > 0, 7), [S, S], dt, grad=False)
         run_case("sqrt_int", lambda x: torch.sqrt(x.abs()), [S], dt, grad=False, cmp_dtype=torch.float32)
         run_case("remainder_int", lambda a, b: torch.remainder(a, b.abs() + 1), [S, S], dt, grad=False)
-        run_case("floor_divide_int", lambda a, b: torch.floor_divide(a * 7, b.abs() + 1), [S, S], dt, grad=False)
+        run_case(
+            "floor_divide_int", lambda a, b: torch.floor_divide(a * 7, b.abs() + 1), [S, S], dt, grad=False
+        )
         run_case("pow_int", lambda x: x.pow(2), [S], dt, grad=False)
     # empty tensors: shapes with a zero dimension go through every layout
     run_case("empty_exp", torch.exp, [(0, 3)], torch.float32)
-    run_case("empty_foreach", lambda x: torch._foreach_mul([x, x], 2.0)[1], [(3, 0)], torch.float32, grad=False)
+    run_case(
+        "empty_foreach", lambda x: torch._foreach_mul([x, x], 2.0)[1], [(3, 0)], torch.float32, grad=False
+    )
     b = gen(S, torch.bool, seed=7)
     c = gen(S, torch.bool, seed=8)
     run_case("bitwise_not_bool", torch.bitwise_not, [b], torch.bool, grad=False)
@@ -297,9 +364,21 @@ def compare_cases():
         if dt != torch.bool:
             run_case("bitwise_and_scalar", lambda a: a & 6, [x], dt, grad=False)
             run_case("bitwise_or_scalar_", lambda a: a.clone().bitwise_or_(3), [x], dt, grad=False)
-    run_case("logical_not_float", torch.logical_not, [gen(S, torch.float32).round()], torch.float32, grad=False)
-    run_case("where_bool_cond", lambda m, x, y: torch.where(m, x, y), [b, gen(S, torch.float32, seed=2), gen(S, torch.float32, seed=3)], torch.float32)
-    run_case("tril_mask_fill", lambda x: x.masked_fill(~torch.ones(5, 7, device=x.device).bool(), 0.0), [S], torch.float32)
+    run_case(
+        "logical_not_float", torch.logical_not, [gen(S, torch.float32).round()], torch.float32, grad=False
+    )
+    run_case(
+        "where_bool_cond",
+        lambda m, x, y: torch.where(m, x, y),
+        [b, gen(S, torch.float32, seed=2), gen(S, torch.float32, seed=3)],
+        torch.float32,
+    )
+    run_case(
+        "tril_mask_fill",
+        lambda x: x.masked_fill(~torch.ones(5, 7, device=x.device).bool(), 0.0),
+        [S],
+        torch.float32,
+    )
 
 
 def reduce_cases():
@@ -325,7 +404,9 @@ def reduce_cases():
         run_case("vector_norm_1_dim", lambda x: torch.linalg.vector_norm(x, 1, dim=1), [S3], dt)
         # ord = +-inf (or any but 0..3) takes op-plugin's aclop path unless the tree reports CANN >= 8.1.RC1
         # (LinalgNormKernelNpuOpApi.cpp, check_use_aclop): not run here
-        run_case("vector_norm_3_keep", lambda x: torch.linalg.vector_norm(x, 3, dim=-1, keepdim=True), [S3], dt)
+        run_case(
+            "vector_norm_3_keep", lambda x: torch.linalg.vector_norm(x, 3, dim=-1, keepdim=True), [S3], dt
+        )
         run_case("norm", lambda x: x.norm(), [S3], dt)
         run_case("norm_dim", lambda x: x.norm(p=2, dim=0), [S3], dt)
     for dt in FLOATS:
@@ -342,30 +423,48 @@ def reduce_cases():
         run_case("cumsum", lambda x: torch.cumsum(x, 1), [S3], dt, grad=False)
         run_case("cumprod", lambda x: torch.cumprod(x, -1), [S3], dt, grad=False, kinds={0: "unit"})
     run_case("cumsum_int", lambda x: torch.cumsum(x, 0), [S3], torch.int64, grad=False)
-    run_case("cumsum_bool_to_long", lambda x: torch.cumsum(x, 2), [gen(S3, torch.bool)], torch.bool, grad=False)
+    run_case(
+        "cumsum_bool_to_long", lambda x: torch.cumsum(x, 2), [gen(S3, torch.bool)], torch.bool, grad=False
+    )
     for dt in [torch.int32, torch.int64]:
         run_case("amax_int", lambda x: x.amax(1), [S3], dt, grad=False)
         run_case("max_dim_int", lambda x: x.max(0), [S3], dt, grad=False)
         run_case("max_all_int", lambda x: x.max(), [S3], dt, grad=False)
     for dt in [torch.float32, torch.int64, torch.bool]:
-        z = (gen(S3, torch.float32, seed=6) > 0.8).to(dt) if dt != torch.float32 else gen(S3, dt, seed=6).clamp(min=0)
+        z = (
+            (gen(S3, torch.float32, seed=6) > 0.8).to(dt)
+            if dt != torch.float32
+            else gen(S3, dt, seed=6).clamp(min=0)
+        )
         run_case("any_all", lambda x: x.any(), [z], dt, grad=False)
         run_case("any_dim", lambda x: x.any(1), [z], dt, grad=False)
-        run_case("all_dim_keep", lambda x: x.all(2, keepdim=True), [(z == 0) if dt == torch.bool else z], dt, grad=False)
+        run_case(
+            "all_dim_keep",
+            lambda x: x.all(2, keepdim=True),
+            [(z == 0) if dt == torch.bool else z],
+            dt,
+            grad=False,
+        )
         run_case("all_all", lambda x: x.all(), [z], dt, grad=False)
-    run_case("all_nan", lambda x: x.all(1), [torch.tensor([[float("nan"), 1.0], [0.0, float("nan")]])], grad=False)
+    run_case(
+        "all_nan", lambda x: x.all(1), [torch.tensor([[float("nan"), 1.0], [0.0, float("nan")]])], grad=False
+    )
     run_case("isclose", lambda a, b: torch.isclose(a, a + b * 1e-6), [S3, S3], grad=False)
     run_case("isclose_nan", lambda a: torch.isclose(a.log(), a.log(), equal_nan=True), [S3], grad=False)
     if not ONLY or "equal" in ONLY:
         try:
             x = gen(S3, torch.float32, seed=8)
             xn = views(x)[1][1]
-            res = [torch.equal(xn, x.to(DEV)), torch.equal(xn, (x + 1e-3 * (x == x.max())).to(DEV)),
-                   torch.equal(xn, x.to(DEV)[:, :, :5]), torch.allclose(xn, x.to(DEV) * (1 + 1e-6)),
-                   torch.allclose(xn, x.to(DEV) + 1)]
+            res = [
+                torch.equal(xn, x.to(DEV)),
+                torch.equal(xn, (x + 1e-3 * (x == x.max())).to(DEV)),
+                torch.equal(xn, x.to(DEV)[:, :, :5]),
+                torch.allclose(xn, x.to(DEV) * (1 + 1e-6)),
+                torch.allclose(xn, x.to(DEV) + 1),
+            ]
             want = [True, False, False, True, False]
             report("PASS" if res == want else "FAIL", "equal_allclose", f"{res} (want {want})")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             report("FAIL", "equal_allclose", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     # ties and NaN: first index wins, NaN wins
     t = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 2.0, float("nan"), 5.0], [2.0, 2.0, 2.0, 2.0]])
@@ -399,14 +498,29 @@ def foreach_cases():
         ("foreach_add_scalarlist", lambda a, b, c: torch._foreach_add(a, [0.1, 0.2, 0.3, 0.4])),
         ("foreach_mul_scalarlist", lambda a, b, c: torch._foreach_mul(a, [0.5, 2.0, -1.0, 3.0])),
         ("foreach_div_scalarlist_", lambda a, b, c: (torch._foreach_div_(a, [0.9, 0.99, 0.999, 7.0]), a)[1]),
-        ("foreach_mul_tensor", lambda a, b, c: torch._foreach_mul(a, torch.tensor(0.7, device=a[0].device, dtype=a[0].dtype))),
+        (
+            "foreach_mul_tensor",
+            lambda a, b, c: torch._foreach_mul(a, torch.tensor(0.7, device=a[0].device, dtype=a[0].dtype)),
+        ),
         ("foreach_lerp_scalar_", lambda a, b, c: (torch._foreach_lerp_(a, b, 0.1), a)[1]),
-        ("foreach_lerp_list", lambda a, b, c: torch._foreach_lerp(a, b, [x.abs() / (x.abs() + 1) for x in c])),
+        (
+            "foreach_lerp_list",
+            lambda a, b, c: torch._foreach_lerp(a, b, [x.abs() / (x.abs() + 1) for x in c]),
+        ),
         ("foreach_addcmul_scalar_", lambda a, b, c: (torch._foreach_addcmul_(a, b, b, 0.001), a)[1]),
         ("foreach_addcdiv_scalar_", lambda a, b, c: (torch._foreach_addcdiv_(a, b, c, -0.01), a)[1]),
-        ("foreach_addcdiv_scalarlist_", lambda a, b, c: (torch._foreach_addcdiv_(a, b, c, [-0.1, 0.2, -0.3, 0.4]), a)[1]),
-        ("foreach_addcdiv_tensor_", lambda a, b, c: (torch._foreach_addcdiv_(a, b, c, torch.tensor([-0.1, 0.2, -0.3, 0.4])), a)[1]),
-        ("foreach_addcmul_tensor_", lambda a, b, c: (torch._foreach_addcmul_(a, b, c, torch.tensor([-0.1, 0.2, -0.3, 0.4])), a)[1]),
+        (
+            "foreach_addcdiv_scalarlist_",
+            lambda a, b, c: (torch._foreach_addcdiv_(a, b, c, [-0.1, 0.2, -0.3, 0.4]), a)[1],
+        ),
+        (
+            "foreach_addcdiv_tensor_",
+            lambda a, b, c: (torch._foreach_addcdiv_(a, b, c, torch.tensor([-0.1, 0.2, -0.3, 0.4])), a)[1],
+        ),
+        (
+            "foreach_addcmul_tensor_",
+            lambda a, b, c: (torch._foreach_addcmul_(a, b, c, torch.tensor([-0.1, 0.2, -0.3, 0.4])), a)[1],
+        ),
         ("foreach_sqrt", lambda a, b, c: torch._foreach_sqrt(c)),
         ("foreach_sqrt_", lambda a, b, c: (torch._foreach_sqrt_(c), c)[1]),
         ("foreach_neg", lambda a, b, c: torch._foreach_neg(a)),
@@ -444,8 +558,8 @@ def foreach_cases():
                 if bad:
                     report("FAIL", name, f"{dt}: {bad}")
                 else:
-                    report("PASS", name, f"{str(dt).replace('torch.', '')} {worst}")
-            except Exception as e:  # noqa: BLE001
+                    report("PASS", name, f"{dname(dt)} {worst}")
+            except Exception as e:
                 report("FAIL", name, f"{dt}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -501,7 +615,9 @@ def optimizer_cases():
             if ONLY and ONLY not in name:
                 continue
             if clip == "full" and not clip_ok:
-                report("SKIP", name, "clip_grad_norm_ stacks the norms: aclnnStack (nn family) not in this tree")
+                report(
+                    "SKIP", name, "clip_grad_norm_ stacks the norms: aclnnStack (nn family) not in this tree"
+                )
                 continue
             try:
                 ref, got = run("cpu", opt_name, clip), run(DEV, opt_name, clip)
@@ -520,9 +636,13 @@ def optimizer_cases():
                     continue
                 again = run(DEV, opt_name, clip)
                 same = all(torch.equal(a, b) for sa, sb in zip(got, again) for a, b in zip(sa, sb))
-                report("PASS" if same else "FAIL", name,
-                       f"5 steps, max rel err {worst:.2e} vs CPU, rerun {'bit-identical' if same else 'DIFFERS'}")
-            except Exception as e:  # noqa: BLE001
+                report(
+                    "PASS" if same else "FAIL",
+                    name,
+                    f"5 steps, max rel err {worst:.2e} vs CPU, "
+                    f"rerun {'bit-identical' if same else 'DIFFERS'}",
+                )
+            except Exception as e:
                 report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -568,9 +688,12 @@ def amp_case():
                     break
             if bad:
                 break
-        report("FAIL" if bad else "PASS", "amp_grad_scaler",
-               bad or f"6 steps, one skipped on inf, scales {[h[1] for h in got]}")
-    except Exception as e:  # noqa: BLE001
+        report(
+            "FAIL" if bad else "PASS",
+            "amp_grad_scaler",
+            bad or f"6 steps, one skipped on inf, scales {[h[1] for h in got]}",
+        )
+    except Exception as e:
         report("FAIL", "amp_grad_scaler", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -587,18 +710,31 @@ def random_cases():
             c = torch.randn(n, device=DEV, dtype=dt).cpu()
             m, sd = float(a.float().mean()), float(a.float().std())
             ok = torch.equal(a, b) and not torch.equal(b, c) and abs(m) < 0.05 and abs(sd - 1) < 0.05
-            report("PASS" if ok else "FAIL", "random_randn", f"{str(dt).replace('torch.', '')} reseeded equal={torch.equal(a, b)} next differs={not torch.equal(b, c)} mean {m:.3f} std {sd:.3f}")
+            report(
+                "PASS" if ok else "FAIL",
+                "random_randn",
+                f"{dname(dt)} reseeded equal={torch.equal(a, b)} next differs={not torch.equal(b, c)} "
+                f"mean {m:.3f} std {sd:.3f}",
+            )
             torch.npu.manual_seed(7)
             u = torch.rand(n, device=DEV, dtype=dt).cpu().float()
             ok = bool((u >= 0).all() and (u < 1).all()) and abs(float(u.mean()) - 0.5) < 0.02
-            report("PASS" if ok else "FAIL", "random_rand", f"{str(dt).replace('torch.', '')} in [0,1) mean {float(u.mean()):.3f}")
+            report(
+                "PASS" if ok else "FAIL",
+                "random_rand",
+                f"{dname(dt)} in [0,1) mean {float(u.mean()):.3f}",
+            )
         x = torch.empty(3, 8, device=DEV).t()  # non-contiguous
         torch.npu.manual_seed(5)
         x.normal_(2.0, 0.5)
         y = torch.empty(3, 8, device=DEV).t()
         torch.npu.manual_seed(5)
         y.normal_(2.0, 0.5)
-        report("PASS" if torch.equal(x.cpu(), y.cpu()) else "FAIL", "random_normal_noncontig", "same seed, same bits")
+        report(
+            "PASS" if torch.equal(x.cpu(), y.cpu()) else "FAIL",
+            "random_normal_noncontig",
+            "same seed, same bits",
+        )
         u = torch.empty(n, device=DEV).uniform_(-3, 5).cpu()
         ok = bool((u >= -3).all() and (u < 5).all()) and abs(float(u.mean()) - 1) < 0.1
         report("PASS" if ok else "FAIL", "random_uniform", f"[-3,5) mean {float(u.mean()):.3f}")
@@ -606,23 +742,50 @@ def random_cases():
         ri = torch.randint(-3, 7, (n,), device=DEV).cpu()
         torch.npu.manual_seed(11)
         ri2 = torch.randint(-3, 7, (n,), device=DEV).cpu()
-        ok = torch.equal(ri, ri2) and set(ri.unique().tolist()) == set(range(-3, 7)) and abs(float(ri.float().mean()) - 1.5) < 0.1
-        report("PASS" if ok else "FAIL", "random_randint", f"[-3,7) every value drawn, mean {float(ri.float().mean()):.3f}")
+        ok = (
+            torch.equal(ri, ri2)
+            and set(ri.unique().tolist()) == set(range(-3, 7))
+            and abs(float(ri.float().mean()) - 1.5) < 0.1
+        )
+        report(
+            "PASS" if ok else "FAIL",
+            "random_randint",
+            f"[-3,7) every value drawn, mean {float(ri.float().mean()):.3f}",
+        )
         pt = torch.linspace(0, 1, 5).repeat(4000).to(DEV)
         bt = torch.empty(pt.shape, device=DEV).bernoulli_(pt).cpu().reshape(4000, 5).mean(0)
         ok = bool(((bt - torch.linspace(0, 1, 5)).abs() < 0.03).all())
-        report("PASS" if ok else "FAIL", "random_bernoulli_tensor", f"p=0..1 means {[round(v, 3) for v in bt.tolist()]}")
+        report(
+            "PASS" if ok else "FAIL",
+            "random_bernoulli_tensor",
+            f"p=0..1 means {[round(v, 3) for v in bt.tolist()]}",
+        )
         mt = torch.tensor([0.0, 10.0, -5.0]).repeat(5000).to(DEV)
         st = torch.tensor([1.0, 0.5, 2.0]).repeat(5000).to(DEV)
-        outs = {"tt": torch.normal(mt, st), "tf": torch.normal(mt, 0.5), "ft": torch.normal(1.0, st),
-                "ff": torch.normal(2.0, 3.0, (15000,), device=DEV)}
-        want = {"tt": ([0, 10, -5], [1, 0.5, 2]), "tf": ([0, 10, -5], [0.5] * 3), "ft": ([1] * 3, [1, 0.5, 2]),
-                "ff": ([2] * 3, [3] * 3)}
+        outs = {
+            "tt": torch.normal(mt, st),
+            "tf": torch.normal(mt, 0.5),
+            "ft": torch.normal(1.0, st),
+            "ff": torch.normal(2.0, 3.0, (15000,), device=DEV),
+        }
+        want = {
+            "tt": ([0, 10, -5], [1, 0.5, 2]),
+            "tf": ([0, 10, -5], [0.5] * 3),
+            "ft": ([1] * 3, [1, 0.5, 2]),
+            "ff": ([2] * 3, [3] * 3),
+        }
         for k, v in outs.items():
             v = v.cpu().reshape(5000, 3)
-            ok = bool(((v.mean(0) - torch.tensor(want[k][0], dtype=torch.float)).abs() < 0.1).all()
-                      and ((v.std(0) - torch.tensor(want[k][1], dtype=torch.float)).abs() < 0.1).all())
-            report("PASS" if ok else "FAIL", f"random_normal_{k}", f"means {[round(x, 2) for x in v.mean(0).tolist()]} stds {[round(x, 2) for x in v.std(0).tolist()]}")
+            ok = bool(
+                ((v.mean(0) - torch.tensor(want[k][0], dtype=torch.float)).abs() < 0.1).all()
+                and ((v.std(0) - torch.tensor(want[k][1], dtype=torch.float)).abs() < 0.1).all()
+            )
+            report(
+                "PASS" if ok else "FAIL",
+                f"random_normal_{k}",
+                f"means {[round(x, 2) for x in v.mean(0).tolist()]} "
+                f"stds {[round(x, 2) for x in v.std(0).tolist()]}",
+            )
         # dropout: a bit mask (aclnnDropoutGenMaskV2) applied with aclnnDropoutDoMask, forward and backward
         for dt in FLOATS:
             xc = gen((200, 50), dt, seed=21)
@@ -641,7 +804,12 @@ def random_cases():
             torch.npu.manual_seed(3)
             again = F.dropout(xd.detach(), 0.3, training=True).cpu()
             ok = abs(frac - 0.7) < 0.03 and ok1 and ok2 and ok3 and torch.equal(again, yc)
-            report("PASS" if ok else "FAIL", "random_dropout", f"{str(dt).replace('torch.', '')} kept {frac:.3f}, kept values x/(1-p) {info1}, grad {info2}, reseeded equal {torch.equal(again, yc)}")
+            report(
+                "PASS" if ok else "FAIL",
+                "random_dropout",
+                f"{dname(dt)} kept {frac:.3f}, kept values x/(1-p) {info1}, grad {info2}, "
+                f"reseeded equal {torch.equal(again, yc)}",
+            )
         probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [1.0, 1.0, 1.0, 1.0]]).to(DEV)
         torch.npu.manual_seed(9)
         draws = torch.multinomial(probs, 20000, replacement=True).cpu()
@@ -653,16 +821,28 @@ def random_cases():
         ok = ok and sorted(nr.tolist()) == [0, 1, 2, 3]
         one = torch.multinomial(probs[0], 1).cpu()
         ok = ok and int(one) in (0, 2, 3)
-        report("PASS" if ok else "FAIL", "random_multinomial", f"frequencies {[[round(v, 3) for v in r] for r in freq.tolist()]}, no-replacement {nr.tolist()}")
+        report(
+            "PASS" if ok else "FAIL",
+            "random_multinomial",
+            f"frequencies {[[round(v, 3) for v in r] for r in freq.tolist()]}, no-replacement {nr.tolist()}",
+        )
         torch.npu.manual_seed(4)
         perm = torch.randperm(1000, device=DEV).cpu()
         torch.npu.manual_seed(4)
-        ok = sorted(perm.tolist()) == list(range(1000)) and torch.equal(perm, torch.randperm(1000, device=DEV).cpu()) and not torch.equal(perm, torch.arange(1000))
-        report("PASS" if ok else "FAIL", "random_randperm", f"a permutation of 0..999, reseeded equal, first {perm[:5].tolist()}")
+        ok = (
+            sorted(perm.tolist()) == list(range(1000))
+            and torch.equal(perm, torch.randperm(1000, device=DEV).cpu())
+            and not torch.equal(perm, torch.arange(1000))
+        )
+        report(
+            "PASS" if ok else "FAIL",
+            "random_randperm",
+            f"a permutation of 0..999, reseeded equal, first {perm[:5].tolist()}",
+        )
         bern = torch.empty(n, device=DEV).bernoulli_(0.3).cpu()
         ok = set(bern.unique().tolist()) <= {0.0, 1.0} and abs(float(bern.mean()) - 0.3) < 0.02
         report("PASS" if ok else "FAIL", "random_bernoulli", f"p=0.3 mean {float(bern.mean()):.3f}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         report("FAIL", "random", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -676,8 +856,17 @@ def refusal_cases():
 
     lib = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libopapi.so"))
     lib.aclCreateTensor.restype = c_void_p
-    lib.aclCreateTensor.argtypes = [POINTER(c_int64), c_uint64, c_int32, POINTER(c_int64), c_int64, c_int32,
-                                    POINTER(c_int64), c_uint64, c_void_p]
+    lib.aclCreateTensor.argtypes = [
+        POINTER(c_int64),
+        c_uint64,
+        c_int32,
+        POINTER(c_int64),
+        c_int64,
+        c_int32,
+        POINTER(c_int64),
+        c_uint64,
+        c_void_p,
+    ]
     lib.aclCreateScalar.restype = c_void_p
     lib.aclCreateScalar.argtypes = [c_void_p, c_int32]
     lib.aclCreateTensorList.restype = c_void_p
@@ -701,38 +890,179 @@ def refusal_cases():
 
     F32, F16, I32, C64, U8 = 0, 1, 3, 16, 4
     ws, ex = c_uint64(), c_void_p()
-    tl = lambda *ts: c_void_p(lib.aclCreateTensorList((c_void_p * len(ts))(*ts), len(ts)))  # noqa: E731
+
+    def tl(*ts):
+        return c_void_p(lib.aclCreateTensorList((c_void_p * len(ts))(*ts), len(ts)))
+
     cases = [
-        ("bitwise_not_float", lambda: lib.aclnnBitwiseNotGetWorkspaceSize(tensor([4], F32), tensor([4], F32), byref(ws), byref(ex)), 161002),
-        ("exp_complex", lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], C64), tensor([4], C64), byref(ws), byref(ex)), 161002),
-        ("sqrt_private_format", lambda: lib.aclnnSqrtGetWorkspaceSize(tensor([4, 16], F16, 29), tensor([4, 16], F16, 29), byref(ws), byref(ex)), 161002),
-        ("sqrt_null", lambda: lib.aclnnSqrtGetWorkspaceSize(None, tensor([4], F32), byref(ws), byref(ex)), 161001),
-        ("exp_shape_mismatch", lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], F32), tensor([5], F32), byref(ws), byref(ex)), 161002),
-        ("addcdiv_int", lambda: lib.aclnnAddcdivGetWorkspaceSize(tensor([4], I32), tensor([4], I32), tensor([4], I32), scalar(1.0), tensor([4], I32), byref(ws), byref(ex)), 161002),
-        ("clamp_no_bounds", lambda: lib.aclnnClampGetWorkspaceSize(tensor([4], F32), None, None, tensor([4], F32), byref(ws), byref(ex)), 161001),
-        ("vector_norm_neg_inf", lambda: lib.aclnnLinalgVectorNormGetWorkspaceSize(tensor([4], F32), scalar(float("-inf")), None, c_bool(False), F32, tensor([], F32), byref(ws), byref(ex)), 161002),
-        ("max_dim_out_of_range", lambda: lib.aclnnMaxDimGetWorkspaceSize(tensor([4, 3], F32), c_int64(2), c_bool(False), tensor([4], F32), tensor([4], 9), byref(ws), byref(ex)), 161002),
-        ("normal_negative_std", lambda: lib.aclnnInplaceNormalGetWorkspaceSize(tensor([4], F32), c_float(0.0), c_float(-1.0), c_int64(1), c_int64(0), byref(ws), byref(ex)), 161002),
-        ("uniform_int_dtype", lambda: lib.aclnnInplaceUniformGetWorkspaceSize(tensor([4], I32), c_double(0), c_double(1), c_uint64(1), c_uint64(0), byref(ws), byref(ex)), 161002),
-        ("foreach_list_sizes", lambda: lib.aclnnForeachAddListV2GetWorkspaceSize(tl(tensor([4], F32), tensor([2], F32)), tl(tensor([4], F32)), scalar(1.0), tl(tensor([4], F32), tensor([2], F32)), byref(ws), byref(ex)), 161002),
-        ("foreach_shapes", lambda: lib.aclnnForeachMulListGetWorkspaceSize(tl(tensor([4], F32)), tl(tensor([3], F32)), tl(tensor([4], F32)), byref(ws), byref(ex)), 161002),
-        ("foreach_norm_int", lambda: lib.aclnnForeachNormGetWorkspaceSize(tl(tensor([4], I32)), scalar(2.0), tl(tensor([], I32)), byref(ws), byref(ex)), 161002),
-        ("dropout_null_shape", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(None, c_double(0.5), c_int64(1), c_int64(0), F32, tensor([16], U8), byref(ws), byref(ex)), 161001),
-        ("dropout_mask_length", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(int_array([1000]), c_double(0.5), c_int64(1), c_int64(0), F32, tensor([16], U8), byref(ws), byref(ex)), 161002),
-        ("dropout_prob", lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(int_array([1000]), c_double(1.5), c_int64(1), c_int64(0), F32, tensor([128], U8), byref(ws), byref(ex)), 161002),
+        (
+            "bitwise_not_float",
+            lambda: lib.aclnnBitwiseNotGetWorkspaceSize(
+                tensor([4], F32), tensor([4], F32), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "exp_complex",
+            lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], C64), tensor([4], C64), byref(ws), byref(ex)),
+            161002,
+        ),
+        (
+            "sqrt_private_format",
+            lambda: lib.aclnnSqrtGetWorkspaceSize(
+                tensor([4, 16], F16, 29), tensor([4, 16], F16, 29), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "sqrt_null",
+            lambda: lib.aclnnSqrtGetWorkspaceSize(None, tensor([4], F32), byref(ws), byref(ex)),
+            161001,
+        ),
+        (
+            "exp_shape_mismatch",
+            lambda: lib.aclnnExpGetWorkspaceSize(tensor([4], F32), tensor([5], F32), byref(ws), byref(ex)),
+            161002,
+        ),
+        (
+            "addcdiv_int",
+            lambda: lib.aclnnAddcdivGetWorkspaceSize(
+                tensor([4], I32),
+                tensor([4], I32),
+                tensor([4], I32),
+                scalar(1.0),
+                tensor([4], I32),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
+        (
+            "clamp_no_bounds",
+            lambda: lib.aclnnClampGetWorkspaceSize(
+                tensor([4], F32), None, None, tensor([4], F32), byref(ws), byref(ex)
+            ),
+            161001,
+        ),
+        (
+            "vector_norm_neg_inf",
+            lambda: lib.aclnnLinalgVectorNormGetWorkspaceSize(
+                tensor([4], F32),
+                scalar(float("-inf")),
+                None,
+                c_bool(False),
+                F32,
+                tensor([], F32),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
+        (
+            "max_dim_out_of_range",
+            lambda: lib.aclnnMaxDimGetWorkspaceSize(
+                tensor([4, 3], F32),
+                c_int64(2),
+                c_bool(False),
+                tensor([4], F32),
+                tensor([4], 9),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
+        (
+            "normal_negative_std",
+            lambda: lib.aclnnInplaceNormalGetWorkspaceSize(
+                tensor([4], F32), c_float(0.0), c_float(-1.0), c_int64(1), c_int64(0), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "uniform_int_dtype",
+            lambda: lib.aclnnInplaceUniformGetWorkspaceSize(
+                tensor([4], I32), c_double(0), c_double(1), c_uint64(1), c_uint64(0), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "foreach_list_sizes",
+            lambda: lib.aclnnForeachAddListV2GetWorkspaceSize(
+                tl(tensor([4], F32), tensor([2], F32)),
+                tl(tensor([4], F32)),
+                scalar(1.0),
+                tl(tensor([4], F32), tensor([2], F32)),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
+        (
+            "foreach_shapes",
+            lambda: lib.aclnnForeachMulListGetWorkspaceSize(
+                tl(tensor([4], F32)), tl(tensor([3], F32)), tl(tensor([4], F32)), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "foreach_norm_int",
+            lambda: lib.aclnnForeachNormGetWorkspaceSize(
+                tl(tensor([4], I32)), scalar(2.0), tl(tensor([], I32)), byref(ws), byref(ex)
+            ),
+            161002,
+        ),
+        (
+            "dropout_null_shape",
+            lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(
+                None, c_double(0.5), c_int64(1), c_int64(0), F32, tensor([16], U8), byref(ws), byref(ex)
+            ),
+            161001,
+        ),
+        (
+            "dropout_mask_length",
+            lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(
+                int_array([1000]),
+                c_double(0.5),
+                c_int64(1),
+                c_int64(0),
+                F32,
+                tensor([16], U8),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
+        (
+            "dropout_prob",
+            lambda: lib.aclnnDropoutGenMaskV2GetWorkspaceSize(
+                int_array([1000]),
+                c_double(1.5),
+                c_int64(1),
+                c_int64(0),
+                F32,
+                tensor([128], U8),
+                byref(ws),
+                byref(ex),
+            ),
+            161002,
+        ),
     ]
     for name, call, want in cases:
         try:
             got = call()
             report("PASS" if got == want else "FAIL", f"refusals_{name}", f"{got} (want {want})")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             report("FAIL", f"refusals_{name}", f"{type(e).__name__}: {e}")
     # and one that is accepted: an executor comes back, destroyed unlaunched
     got = lib.aclnnExpGetWorkspaceSize(tensor([4], F32), tensor([4], F32), byref(ws), byref(ex))
     ok = got == 0 and bool(ex.value) and ws.value == 0
     if ex.value:
         lib.aclDestroyAclOpExecutor(ex)
-    report("PASS" if ok else "FAIL", "refusals_accepted_exp", f"{got}, executor {'set' if ex.value else 'missing'}")
+    report(
+        "PASS" if ok else "FAIL",
+        "refusals_accepted_exp",
+        f"{got}, executor {'set' if ex.value else 'missing'}",
+    )
 
 
 def inplace_view_cases():
@@ -766,7 +1096,7 @@ def inplace_view_cases():
             f(vn, wn)
             ok, info = close(bc, bn.cpu())
             report("PASS" if ok else "FAIL", name, info)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
@@ -780,29 +1110,43 @@ def second_device_case():
     try:
         x = gen((6, 5), torch.float32, seed=31)
         xd = x.to("npu:1").t()
-        outs = [torch.sigmoid(xd).cpu(), torch.clamp(xd, -0.5, 0.5).cpu(), (xd > 0.1).cpu(),
-                torch._foreach_addcmul([xd, xd], [xd, xd], [xd, xd], 0.5)[1].cpu(), torch.linalg.vector_norm(xd, dim=1).cpu()]
+        outs = [
+            torch.sigmoid(xd).cpu(),
+            torch.clamp(xd, -0.5, 0.5).cpu(),
+            (xd > 0.1).cpu(),
+            torch._foreach_addcmul([xd, xd], [xd, xd], [xd, xd], 0.5)[1].cpu(),
+            torch.linalg.vector_norm(xd, dim=1).cpu(),
+        ]
         xt = x.t()
-        refs = [torch.sigmoid(xt), torch.clamp(xt, -0.5, 0.5), xt > 0.1,
-                torch._foreach_addcmul([xt, xt], [xt, xt], [xt, xt], 0.5)[1], torch.linalg.vector_norm(xt, dim=1)]
+        refs = [
+            torch.sigmoid(xt),
+            torch.clamp(xt, -0.5, 0.5),
+            xt > 0.1,
+            torch._foreach_addcmul([xt, xt], [xt, xt], [xt, xt], 0.5)[1],
+            torch.linalg.vector_norm(xt, dim=1),
+        ]
         res = [close(r, o) for r, o in zip(refs, outs)]
         ok = all(r[0] for r in res) and xd.device.index == 1
         report("PASS" if ok else "FAIL", "second_device", "npu:1 " + ", ".join(r[1] for r in res))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         report("FAIL", "second_device", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
 def determinism_case():
     if ONLY and ONLY not in "determinism":
         return
+
     def chain():
         g = torch.Generator().manual_seed(3)
         x = torch.randn(64, 33, generator=g).to(DEV).t()
         y = torch.linalg.vector_norm(torch.sigmoid(x) * x.exp().clamp(max=3), dim=1)
         return [y.cpu(), x.amax(0).cpu(), torch._foreach_norm([x, x * 2])[1].cpu()]
+
     a, b = chain(), chain()
     same = all(torch.equal(p, q) for p, q in zip(a, b))
-    report("PASS" if same else "FAIL", "determinism_chain", "two runs bit-identical" if same else "runs differ")
+    report(
+        "PASS" if same else "FAIL", "determinism_chain", "two runs bit-identical" if same else "runs differ"
+    )
 
 
 def main():
@@ -819,7 +1163,11 @@ def main():
     inplace_view_cases()
     second_device_case()
     determinism_case()
-    print(f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} in {time.time() - t0:.1f}s", flush=True)
+    print(
+        f"SUMMARY pass {RESULTS['PASS']} fail {RESULTS['FAIL']} skip {RESULTS['SKIP']} "
+        f"in {time.time() - t0:.1f}s",
+        flush=True,
+    )
     sys.exit(1 if RESULTS["FAIL"] else 0)
 
 
