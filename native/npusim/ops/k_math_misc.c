@@ -1,5 +1,7 @@
 /* The math family's structured kernels: the max or min along one dimension with its index, and
  * random fills. */
+#include <stdlib.h>
+
 #include "kern.h"
 
 /* ARGRED args: ints[0] = dim, ints[1] = 0 max / 1 min; tensors: in, values, indices, the outputs
@@ -60,7 +62,9 @@ static double unit(uint32_t hi, uint32_t lo) {
 }
 
 /* RAND args: ints[0] = 0 normal (mean s0, std s1), 1 uniform [s0, s1), 2 bernoulli (p = s0),
- * 3 integers uniform in [s0, s1); ints[1] = seed, ints[2] = offset (torch's philox offset);
+ * 3 integers uniform in [s0, s1), 4 dropout's bit mask (out uint8, one bit per element,
+ * little-endian in each byte: bit set = kept, with probability 1 - s0; ints[4] = the element count,
+ * bits past it 0); ints[1] = seed, ints[2] = offset (torch's philox offset);
  * ints[3] = which parameters come from tensors instead (bit 0: the first, bit 1: the second);
  * tensors: out, then those parameter tensors aligned to out's shape. Element i (row-major in out's
  * shape) draws from counter (i, offset). */
@@ -84,6 +88,24 @@ KHIDDEN int k_rand(const struct kctx *k) {
     if (n == 0) return 0;
     struct kit it;
     kit_init(&it, o->shape, o->ndim, ts, (int)k->a->nt);
+    if (kind == 4) {
+        if (k->a->ni < 5 || np) return KERR_ARGS;
+        int64_t nbits = k->i[4];
+        for (int64_t byte = 0; byte < n; byte++) {
+            unsigned v = 0;
+            for (int b = 0; b < 8; b++) {
+                int64_t i = byte * 8 + b;
+                if (i >= nbits) break;
+                uint32_t c[4] = {(uint32_t)i, (uint32_t)((uint64_t)i >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
+                philox(c, seed);
+                if (unit(c[0], c[1]) >= k->s[0]) v |= 1u << b;
+            }
+            kst(o->dtype, p[0], it.off[0], v);
+            kit_next(&it);
+        }
+        kcost(k, n);
+        return 0;
+    }
     for (int64_t i = 0; i < n; i++) {
         int j = 1;
         double a = (from_t & 1) ? kld(ts[j]->dtype, p[j], it.off[j]) : k->s[0];
@@ -369,5 +391,106 @@ KHIDDEN int k_scan(const struct kctx *k) {
         kit_next(&it);
     }
     kcost(k, n);
+    return 0;
+}
+
+/* DOMASK args: s0 = 1 / (1 - p) (0 when p = 1); tensors self, mask (uint8 bits, kind 4 of RAND),
+ * out: out = self * s0 where element i's (row-major) bit is set, else 0. */
+KHIDDEN int k_domask(const struct kctx *k) {
+    if (k->a->nt != 3 || k->a->ns < 1) return KERR_ARGS;
+    const struct ops_tensor *x = &k->t[0], *m = &k->t[1], *o = &k->t[2];
+    if (x->ndim != o->ndim || m->ndim != 1) return KERR_ARGS;
+    int err;
+    char *px = khost(k, x, &err);
+    if (err) return err;
+    char *pm = khost(k, m, &err);
+    if (err) return err;
+    char *po = khost(k, o, &err);
+    if (err) return err;
+    int64_t n = knumel(o);
+    if (n == 0) return 0;
+    if (m->shape[0] * 8 < n) return KERR_ARGS;
+    const struct ops_tensor *ts[2] = {x, o};
+    struct kit it;
+    kit_init(&it, o->shape, o->ndim, ts, 2);
+    double scale = k->s[0];
+    for (int64_t i = 0; i < n; i++) {
+        unsigned byte = (unsigned)kld(m->dtype, pm, (i / 8) * m->stride[0]);
+        double v = (byte >> (i % 8)) & 1u ? kld(x->dtype, px, it.off[0]) * scale : 0.0;
+        kst(o->dtype, po, it.off[1], v);
+        kit_next(&it);
+    }
+    kcost(k, n);
+    return 0;
+}
+
+/* one uniform double in (0, 1) for counter (idx, off) */
+static double draw(uint64_t seed, uint64_t off, uint64_t idx) {
+    uint32_t c[4] = {(uint32_t)idx, (uint32_t)(idx >> 32), (uint32_t)off, (uint32_t)(off >> 32)};
+    philox(c, seed);
+    return unit(c[0], c[1]);
+}
+
+/* SAMPLE args: ints[0] = 0 multinomial (ints[3] samples per row, ints[4] = 1 with replacement;
+ * tensors: weights [rows, k] (a 1-D input as one row), out int64 [rows, samples]), 1 randperm
+ * (tensors: out [n]); ints[1] = seed, ints[2] = offset. Draw j of row r uses counter
+ * (r * 2^20 + j, offset). Multinomial draws by the inverse of the row's cumulative weights (in
+ * double); without replacement a drawn category's weight is removed. Randperm is Fisher-Yates. */
+KHIDDEN int k_sample(const struct kctx *k) {
+    if (k->a->ni < 3) return KERR_ARGS;
+    uint64_t seed = (uint64_t)k->i[1], off = (uint64_t)k->i[2];
+    int err;
+    if (k->i[0] == 1) {
+        if (k->a->nt != 1 || k->t[0].ndim != 1) return KERR_ARGS;
+        const struct ops_tensor *o = &k->t[0];
+        char *po = khost(k, o, &err);
+        if (err) return err;
+        int64_t n = o->shape[0];
+        for (int64_t i = 0; i < n; i++) kst(o->dtype, po, i * o->stride[0], (double)i);
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(draw(seed, off, (uint64_t)i) * (double)(i + 1));
+            if (j > i) j = i;
+            double a = kld(o->dtype, po, i * o->stride[0]), b = kld(o->dtype, po, j * o->stride[0]);
+            kst(o->dtype, po, i * o->stride[0], b);
+            kst(o->dtype, po, j * o->stride[0], a);
+        }
+        kcost(k, n);
+        return 0;
+    }
+    if (k->a->ni < 5 || k->a->nt != 2) return KERR_ARGS;
+    const struct ops_tensor *w = &k->t[0], *o = &k->t[1];
+    if (w->ndim != 2 || o->ndim != 2 || w->shape[0] != o->shape[0]) return KERR_ARGS;
+    int64_t rows = w->shape[0], cats = w->shape[1], ns = k->i[3];
+    int repl = k->i[4] != 0;
+    if (o->shape[1] != ns || (!repl && ns > cats)) return KERR_ARGS;
+    char *pw = khost(k, w, &err);
+    if (err) return err;
+    char *po = khost(k, o, &err);
+    if (err) return err;
+    double *cw = malloc(sizeof(double) * (size_t)(cats ? cats : 1));
+    if (!cw) return KERR_ARGS;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cats; c++) cw[c] = kld(w->dtype, pw, r * w->stride[0] + c * w->stride[1]);
+        for (int64_t j = 0; j < ns; j++) {
+            double total = 0;
+            for (int64_t c = 0; c < cats; c++) total += cw[c];
+            double t = draw(seed, off, (uint64_t)r * 1048576u + (uint64_t)j) * total, acc = 0;
+            int64_t pick = -1, last = -1;
+            for (int64_t c = 0; c < cats; c++) {
+                if (cw[c] <= 0) continue;
+                last = c;
+                acc += cw[c];
+                if (t < acc) {
+                    pick = c;
+                    break;
+                }
+            }
+            if (pick < 0) pick = last < 0 ? 0 : last;
+            kst(o->dtype, po, r * o->stride[0] + j * o->stride[1], (double)pick);
+            if (!repl) cw[pick] = 0;
+        }
+    }
+    free(cw);
+    kcost(k, rows * cats);
     return 0;
 }

@@ -495,14 +495,14 @@ API aclnnStatus aclnnInplaceLerpGetWorkspaceSize(aclTensor *selfRef, const aclTe
 }
 OPS_LAUNCHER(aclnnInplaceLerp)
 
-#define ADDC(Name, fn)                                                                                        \
+#define ADDC(Name, fn, mask)                                                                                  \
     API aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclTensor *tensor1,            \
                                                   const aclTensor *tensor2, const aclScalar *value,           \
                                                   aclTensor *out, uint64_t *workspaceSize,                    \
                                                   aclOpExecutor **executor) {                                 \
         if (!self || !tensor1 || !tensor2 || !value || !out) return ACLNN_ERR_PARAM_NULLPTR;                  \
         double s[1] = {sc_op(s_value(value), out->dtype)};                                                    \
-        return ternary("aclnn" #Name, fn, self, tensor1, tensor2, s, 1, out, DTM_NUM, ARGS);                  \
+        return ternary("aclnn" #Name, fn, self, tensor1, tensor2, s, 1, out, mask, ARGS);                     \
     }                                                                                                         \
     OPS_LAUNCHER(aclnn##Name)                                                                                 \
     API aclnnStatus aclnnInplace##Name##GetWorkspaceSize(aclTensor *selfRef, const aclTensor *tensor1,        \
@@ -510,12 +510,13 @@ OPS_LAUNCHER(aclnnInplaceLerp)
                                                          uint64_t *workspaceSize, aclOpExecutor **executor) { \
         if (!selfRef || !tensor1 || !tensor2 || !value) return ACLNN_ERR_PARAM_NULLPTR;                       \
         double s[1] = {sc_op(s_value(value), selfRef->dtype)};                                                \
-        return ternary("aclnnInplace" #Name, fn, selfRef, tensor1, tensor2, s, 1, selfRef, DTM_NUM, ARGS);    \
+        return ternary("aclnnInplace" #Name, fn, selfRef, tensor1, tensor2, s, 1, selfRef, mask, ARGS);       \
     }                                                                                                         \
     OPS_LAUNCHER(aclnnInplace##Name)
 
-ADDC(Addcmul, OPS_EWF_ADDCMUL)
-ADDC(Addcdiv, OPS_EWF_ADDCDIV)
+/* addcdiv has no integer form (torch refuses it: true division) */
+ADDC(Addcmul, OPS_EWF_ADDCMUL, DTM_NUM)
+ADDC(Addcdiv, OPS_EWF_ADDCDIV, FMATH_OUT)
 
 /* out = other - alpha * self (aclnn_rsub.h) */
 API aclnnStatus aclnnRsubGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,

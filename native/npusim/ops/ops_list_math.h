@@ -9,7 +9,9 @@
  * AMP: GradScaler's unscale-and-check of a gradient list, and its scale update;
  * BOOLRED: any/all over a dim set, and torch.equal of two tensors;
  * STAT: logsumexp, var, std (with the mean), aminmax over a dim set;
- * SCAN: cumsum and cumprod along one dimension. */
+ * SCAN: cumsum and cumprod along one dimension;
+ * DOMASK: dropout's apply of a bit mask made by RAND (kind 4);
+ * SAMPLE: multinomial sampling of rows, and a random permutation. */
 #define OPS_KERNELS_MATH(X)                                                                       \
     X(FOREACH, k_foreach)                                                                         \
     X(FOREACH_NORM, k_foreach_norm)                                                               \
@@ -18,7 +20,9 @@
     X(AMP, k_amp)                                                                                 \
     X(BOOLRED, k_boolred)                                                                         \
     X(STAT, k_stat)                                                                               \
-    X(SCAN, k_scan)
+    X(SCAN, k_scan)                                                                               \
+    X(DOMASK, k_domask)                                                                           \
+    X(SAMPLE, k_sample)
 
 /* x[] are the inputs in order, s[] the scalars (k_math_ew.c defines each function). */
 #define OPS_EW_MATH(X)                                                                            \
