@@ -7,6 +7,35 @@
 
 #include "opapi_int.h"
 
+/* Scalars as torch's CPU kernels take them (measured against torch 2.13 element by element):
+ * a multiplier, divisor or alpha as float for a float tensor (at::opmath_type), an addend in the
+ * tensor's own dtype. Passing the double on would round differently in one element of ~20. */
+static double as_float(const aclTensor *t, double v) {
+    if (!t) return v;
+    switch (t->dtype) {
+    case OPS_DT_FLOAT: case OPS_DT_FLOAT16: case OPS_DT_BF16: return (float)v;
+    default: return v;
+    }
+}
+
+static double in_dtype(const aclTensor *t, double v) {
+    if (!t) return v;
+    switch (t->dtype) {
+    case OPS_DT_FLOAT: return (float)v;
+    case OPS_DT_FLOAT16: return (double)(_Float16)(float)v;
+    case OPS_DT_BF16: {
+        float f = (float)v;
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        if ((bits & 0x7fffffffu) <= 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u); /* nearest even */
+        bits &= 0xffff0000u;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    default: return v;
+    }
+}
+
 #define EW2(name, fn, a, b, s, ns, out) \
     ew_op(#name, fn, (const aclTensor *const[]){a, b}, 2, s, ns, out, workspaceSize, executor)
 #define EW1(name, fn, a, s, ns, out) ew_op(#name, fn, (const aclTensor *const[]){a}, 1, s, ns, out, workspaceSize, executor)
@@ -15,7 +44,7 @@
 API aclnnStatus aclnnAddGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,
                                          aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(alpha)};
+    double s[1] = {as_float(self, s_value(alpha))};
     return EW2(aclnnAdd, OPS_EWF_ADD, self, other, s, 1, out);
 }
 OPS_LAUNCHER(aclnnAdd)
@@ -24,7 +53,7 @@ API aclnnStatus aclnnInplaceAddGetWorkspaceSize(const aclTensor *selfRef, const 
                                                 const aclScalar *alpha, uint64_t *workspaceSize,
                                                 aclOpExecutor **executor) {
     if (!selfRef || !other || !alpha) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(alpha)};
+    double s[1] = {as_float(selfRef, s_value(alpha))};
     return EW2(aclnnInplaceAdd, OPS_EWF_ADD, selfRef, other, s, 1, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceAdd)
@@ -33,7 +62,7 @@ OPS_LAUNCHER(aclnnInplaceAdd)
 API aclnnStatus aclnnAddsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, const aclScalar *alpha,
                                           aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[2] = {s_value(other), s_value(alpha)};
+    double s[2] = {in_dtype(self, s_value(other)), as_float(self, s_value(alpha))};
     return EW1(aclnnAdds, OPS_EWF_ADDS, self, s, 2, out);
 }
 OPS_LAUNCHER(aclnnAdds)
@@ -42,7 +71,7 @@ API aclnnStatus aclnnInplaceAddsGetWorkspaceSize(const aclTensor *selfRef, const
                                                  const aclScalar *alpha, uint64_t *workspaceSize,
                                                  aclOpExecutor **executor) {
     if (!selfRef || !other || !alpha) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[2] = {s_value(other), s_value(alpha)};
+    double s[2] = {in_dtype(selfRef, s_value(other)), as_float(selfRef, s_value(alpha))};
     return EW1(aclnnInplaceAdds, OPS_EWF_ADDS, selfRef, s, 2, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceAdds)
@@ -54,7 +83,7 @@ API aclnnStatus aclnnAddV3GetWorkspaceSize(const aclScalar *self, const aclTenso
     /* self + alpha*other = (alpha*other) + 1*self: a MULS then ADDS would round twice; ADDS with
      * the roles swapped keeps one rounding only when alpha is 1, so use the general form:
      * x*alpha + self computed in double, rounded once. */
-    double s[2] = {s_value(self), s_value(alpha)};
+    double s[2] = {in_dtype(other, s_value(self)), as_float(other, s_value(alpha))};
     return EW1(aclnnAddV3, OPS_EWF_RADDS, other, s, 2, out);
 }
 OPS_LAUNCHER(aclnnAddV3)
@@ -62,7 +91,7 @@ OPS_LAUNCHER(aclnnAddV3)
 API aclnnStatus aclnnSubGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha,
                                          aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(alpha)};
+    double s[1] = {as_float(self, s_value(alpha))};
     return EW2(aclnnSub, OPS_EWF_SUB, self, other, s, 1, out);
 }
 OPS_LAUNCHER(aclnnSub)
@@ -71,7 +100,7 @@ API aclnnStatus aclnnInplaceSubGetWorkspaceSize(const aclTensor *selfRef, const 
                                                 const aclScalar *alpha, uint64_t *workspaceSize,
                                                 aclOpExecutor **executor) {
     if (!selfRef || !other || !alpha) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(alpha)};
+    double s[1] = {as_float(selfRef, s_value(alpha))};
     return EW2(aclnnInplaceSub, OPS_EWF_SUB, selfRef, other, s, 1, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceSub)
@@ -79,7 +108,7 @@ OPS_LAUNCHER(aclnnInplaceSub)
 API aclnnStatus aclnnSubsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, const aclScalar *alpha,
                                           aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !alpha || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[2] = {s_value(other), s_value(alpha)};
+    double s[2] = {in_dtype(self, s_value(other)), as_float(self, s_value(alpha))};
     return EW1(aclnnSubs, OPS_EWF_SUBS, self, s, 2, out);
 }
 OPS_LAUNCHER(aclnnSubs)
@@ -88,7 +117,7 @@ API aclnnStatus aclnnInplaceSubsGetWorkspaceSize(const aclTensor *selfRef, const
                                                  const aclScalar *alpha, uint64_t *workspaceSize,
                                                  aclOpExecutor **executor) {
     if (!selfRef || !other || !alpha) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[2] = {s_value(other), s_value(alpha)};
+    double s[2] = {in_dtype(selfRef, s_value(other)), as_float(selfRef, s_value(alpha))};
     return EW1(aclnnInplaceSubs, OPS_EWF_SUBS, selfRef, s, 2, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceSubs)
@@ -110,7 +139,7 @@ OPS_LAUNCHER(aclnnInplaceMul)
 API aclnnStatus aclnnMulsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out,
                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(other)};
+    double s[1] = {as_float(self, s_value(other))};
     return EW1(aclnnMuls, OPS_EWF_MULS, self, s, 1, out);
 }
 OPS_LAUNCHER(aclnnMuls)
@@ -118,7 +147,7 @@ OPS_LAUNCHER(aclnnMuls)
 API aclnnStatus aclnnInplaceMulsGetWorkspaceSize(const aclTensor *selfRef, const aclScalar *other,
                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(other)};
+    double s[1] = {as_float(selfRef, s_value(other))};
     return EW1(aclnnInplaceMuls, OPS_EWF_MULS, selfRef, s, 1, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceMuls)
@@ -140,7 +169,7 @@ OPS_LAUNCHER(aclnnInplaceDiv)
 API aclnnStatus aclnnDivsGetWorkspaceSize(const aclTensor *self, const aclScalar *other, aclTensor *out,
                                           uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!self || !other || !out) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(other)};
+    double s[1] = {as_float(self, s_value(other))};
     return EW1(aclnnDivs, OPS_EWF_DIVS, self, s, 1, out);
 }
 OPS_LAUNCHER(aclnnDivs)
@@ -148,7 +177,7 @@ OPS_LAUNCHER(aclnnDivs)
 API aclnnStatus aclnnInplaceDivsGetWorkspaceSize(const aclTensor *selfRef, const aclScalar *other,
                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
     if (!selfRef || !other) return ACLNN_ERR_PARAM_NULLPTR;
-    double s[1] = {s_value(other)};
+    double s[1] = {as_float(selfRef, s_value(other))};
     return EW1(aclnnInplaceDivs, OPS_EWF_DIVS, selfRef, s, 1, selfRef);
 }
 OPS_LAUNCHER(aclnnInplaceDivs)
