@@ -271,6 +271,31 @@ def test_hccl_comm_init_root_info_config_as_torch_npu_calls_it(sim_env: dict[str
         }
 
 
+def test_destroying_a_communicator_ends_a_collective_whose_peer_left(sim_env: dict[str, str], tmp_path: Path) -> None:
+    sim = Sim(sim_env)
+    procs = [
+        subprocess.Popen(
+            [PY, str(DRIVER), "abandoned", str(r), "2", str(r), str(tmp_path)],
+            env=_env(sim),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out))
+    assert outs[0] == {
+        "allreduce": 0,
+        "destroy": 0,
+        "destroy_within_5s": True,  # HCCL_EXEC_TIMEOUT is 60 s here
+        "sync": ACL_ERROR_RT_AICORE_EXCEPTION,  # the collective failed on its stream
+    }
+
+
 def _job(sim: Sim, *args: str, python: str = PY, timeout: float = 120) -> list[str]:
     done = subprocess.run(
         [python, str(JOB), *args], env=_env(sim), capture_output=True, text=True, timeout=timeout, check=False

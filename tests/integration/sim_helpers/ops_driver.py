@@ -4,6 +4,7 @@
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
     ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
     ops_driver.py config RANK WORLD DEVICE RENDEZVOUS   (HcclCommInitRootInfoConfig, names)
+    ops_driver.py abandoned RANK WORLD DEVICE RENDEZVOUS (rank 1 leaves; rank 0 destroys)
     ops_driver.py torn DEVICE            (NPUSIM_KERNEL_BLOCK_US, TORN_AFTER_S)
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
@@ -465,6 +466,27 @@ def run_config(rank: int, world: int, device: int, rendezvous: str) -> None:
     out["destroy"] = int(hccl.HcclCommDestroy(comm))
     print(json.dumps(out), flush=True)
 
+def run_abandoned(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """Rank 1 leaves after the init; rank 0's all-reduce waits for it, and HcclCommDestroy (the
+    only abort torch_npu has) ends that wait instead of sitting out HCCL_EXEC_TIMEOUT."""
+    dev = Device(device, hccl=True)
+    hccl, rt = dev.libs.hccl, dev.libs.rt
+    assert hccl is not None
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
+    if rank == 1:
+        print(json.dumps({}), flush=True)
+        os._exit(0)
+    buf = dev.buffer([1.0] * 16)
+    out: Dict[str, Any] = {
+        "allreduce": int(hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    }
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    out["destroy"] = int(hccl.HcclCommDestroy(comm))
+    out["destroy_within_5s"] = time.monotonic() - t0 < 5
+    out["sync"] = int(rt.aclrtSynchronizeStream(dev.stream))
+    print(json.dumps(out), flush=True)
+
 
 def main() -> int:
     if sys.argv[1] == "ops":
@@ -474,6 +496,9 @@ def main() -> int:
     elif sys.argv[1] == "restore":
         rank, world, device, rdv = sys.argv[2:6]
         run_restore(int(rank), int(world), int(device), rdv)
+    elif sys.argv[1] == "abandoned":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_abandoned(int(rank), int(world), int(device), rdv)
     elif sys.argv[1] == "config":
         rank, world, device, rdv = sys.argv[2:6]
         run_config(int(rank), int(world), int(device), rdv)
