@@ -241,7 +241,9 @@ def test_a_restore_invalidates_hccl_communicators_and_a_new_one_works(
         }
 
 
-def test_hccl_comm_init_root_info_config_as_torch_npu_calls_it(sim_env: dict[str, str], tmp_path: Path) -> None:
+def test_hccl_comm_init_root_info_config_as_torch_npu_calls_it(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
     """The configuration's magic word is checked; its buffer size (MiB per rank) sizes the window
     and its name is what HcclGetCommName answers; prod takes no bfloat16, as on Atlas A2/A3."""
     sim = Sim(sim_env)
@@ -311,7 +313,9 @@ def test_hccl_v_collectives_with_counts_that_differ_per_rank(sim_env: dict[str, 
         }, (r, counts)
 
 
-def test_destroying_a_communicator_ends_a_collective_whose_peer_left(sim_env: dict[str, str], tmp_path: Path) -> None:
+def test_destroying_a_communicator_ends_a_collective_whose_peer_left(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
     sim = Sim(sim_env)
     procs = [
         subprocess.Popen(

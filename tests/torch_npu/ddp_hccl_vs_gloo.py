@@ -4,9 +4,14 @@ Run with the torch_npu python under the simulated CANN tree's environment. Both 
 with torch.multiprocessing (mp.spawn), one process tree each; `--launcher torchrun` runs the NPU
 job under torchrun instead. The model is one matmul, y = x @ W, with the loss ((y - t)^2).mean()
 and SGD (foreach=False): only operators the simulator has (one parameter also keeps DDP from
-concatenating tensors into its broadcast and bucket buffers). Each rank prints one line per step: its loss and a hash of
-all parameters; the NPU lines must match the CPU's within 1e-4 relative, and two NPU runs must be
-bit-identical. Exits non-zero on any mismatch."""
+concatenating tensors into its broadcast and bucket buffers). Each rank prints one line per
+step: its loss and a hash of all parameters; the NPU lines must match the CPU's within 1e-4
+relative, and two NPU runs must be bit-identical. Exits non-zero on any mismatch.
+
+Needs aclnnConstantPadNd: DDP's constructor checks the parameters' shapes across ranks
+(torch_npu's _verify_params_across_processes), and torch_npu pads that exchange with
+constant_pad_nd; without the operator it falls back to aclop and the job fails there."""
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +80,14 @@ def worker(rank: int, world: int, backend: str, port: int, out_dir: str) -> None
         opt.step()
         params = [p.detach().cpu().contiguous() for p in model.parameters()]
         h = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
-        lines.append({"step": step, "loss": float(loss.item()), "hash": h,
-                      "params": [p.flatten().tolist() for p in params]})
+        lines.append(
+            {
+                "step": step,
+                "loss": float(loss.item()),
+                "hash": h,
+                "params": [p.flatten().tolist() for p in params],
+            }
+        )
         print(f"rank {rank} step {step} loss {loss.item():.8f} params {h}", flush=True)
     with open(os.path.join(out_dir, f"{backend}-{rank}.json"), "w") as f:
         json.dump(lines, f)
@@ -112,13 +123,30 @@ def torchrun_entry() -> None:  # the script run by torchrun: one rank
 
 
 def run_torchrun(backend: str, out_dir: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), os.path.abspath(__file__), "--rank-entry", backend, out_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        os.path.abspath(__file__),
+        "--rank-entry",
+        backend,
+        out_dir,
+    ]
     subprocess.run(cmd, check=True, timeout=80)
 
 
 def load(out_dir: str, backend: str) -> list[list[dict]]:
-    return [json.load(open(os.path.join(out_dir, f"{backend}-{r}.json"))) for r in range(2)]
+    out = []
+    for r in range(2):
+        with open(os.path.join(out_dir, f"{backend}-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
 
 
 def rel(a: float, b: float) -> float:
@@ -147,21 +175,32 @@ def main() -> int:
         for c, n in zip(cpu[r], npu[r]):
             if rel(n["loss"], c["loss"]) > 1e-4:
                 bad.append(f"rank {r} step {c['step']}: loss {n['loss']} vs cpu {c['loss']}")
-            worst = max(rel(x, y) if abs(y) > 1e-6 else abs(x - y)
-                        for pn, pc in zip(n["params"], c["params"]) for x, y in zip(pn, pc))
+            worst = max(
+                rel(x, y) if abs(y) > 1e-6 else abs(x - y)
+                for pn, pc in zip(n["params"], c["params"])
+                for x, y in zip(pn, pc)
+            )
             if worst > 1e-4:
                 bad.append(f"rank {r} step {c['step']}: parameters differ from cpu by {worst:.3g} relative")
         if [s["hash"] for s in npu[r]] != [s["hash"] for s in npu[1 - r]]:
             bad.append(f"rank {r}: parameters differ between the ranks")
     for k, other in enumerate(npu_runs[1:], 2):
-        if [[(s["loss"], s["hash"]) for s in x] for x in other] != [[(s["loss"], s["hash"]) for s in x] for x in npu]:
+        if [[(s["loss"], s["hash"]) for s in x] for x in other] != [
+            [(s["loss"], s["hash"]) for s in x] for x in npu
+        ]:
             bad.append(f"npu run {k} is not bit-identical to run 1")
     for r in range(2):
         for c, n in zip(cpu[r], npu[r]):
-            print(f"rank {r} step {c['step']} loss npu {n['loss']:.8f} cpu {c['loss']:.8f} params {n['hash']}")
+            print(
+                f"rank {r} step {c['step']} loss npu {n['loss']:.8f} cpu {c['loss']:.8f} params {n['hash']}"
+            )
     if len(npu[0]) != STEPS or len(cpu[0]) != STEPS:
         bad.append("missing steps")
-    print("\n".join(bad) if bad else f"OK: hccl ({args.launcher}) matches gloo on the CPU, {args.reruns} NPU runs identical")
+    print(
+        "\n".join(bad)
+        if bad
+        else f"OK: hccl ({args.launcher}) matches gloo on the CPU, {args.reruns} NPU runs identical"
+    )
     return 1 if bad else 0
 
 

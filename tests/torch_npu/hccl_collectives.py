@@ -6,6 +6,7 @@ barrier. (An all_gather of unequal sizes would test HcclAllGatherV, but torch_np
 outputs with aclnnCat first.) Sizes are
 multiples of 512 bytes where torch_npu would otherwise pad (byte_alignment pads all_gather
 buffers with aclnnConstantPadNd). One line per check; exits non-zero on any failure."""
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,16 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     def check(name: str, got, want) -> None:
         got = got.cpu()
         ok = got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-        results.append(f"rank {rank} {name}: {'ok' if ok else 'FAIL got ' + str(got.flatten()[:8].tolist()) + ' want ' + str(want.flatten()[:8].tolist())}")
+        verdict = "ok" if ok else f"FAIL got {got.flatten()[:8].tolist()} want {want.flatten()[:8].tolist()}"
+        results.append(f"rank {rank} {name}: {verdict}")
 
     n = 256
-    ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "product": dist.ReduceOp.PRODUCT,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32):
         for name, op in ops.items():
             if name == "product" and dtype == torch.bfloat16:
@@ -56,7 +63,9 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             t = base(rank, n, dtype).to(dev)
             dist.all_reduce(t, op=op)
             a, b = base(0, n, dtype), base(1, n, dtype)
-            want = {"sum": a + b, "product": a * b, "max": torch.maximum(a, b), "min": torch.minimum(a, b)}[name]
+            want = {"sum": a + b, "product": a * b, "max": torch.maximum(a, b), "min": torch.minimum(a, b)}[
+                name
+            ]
             check(f"all_reduce {name} {str(dtype)[6:]}", t, want)
 
     big = 3 * (1 << 20) // 4 + 5  # more than a 1 MiB CCL buffer (HCCL_BUFFSIZE=1), not a multiple of it
@@ -80,12 +89,12 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     inp = base(rank, WORLD * n).to(dev)
     out = torch.empty(n, device=dev)
     dist.reduce_scatter_tensor(out, inp)
-    want = (base(0, WORLD * n) + base(1, WORLD * n))[rank * n:(rank + 1) * n]
+    want = (base(0, WORLD * n) + base(1, WORLD * n))[rank * n : (rank + 1) * n]
     check("reduce_scatter_tensor sum", out, want)
 
     inp = base(rank, WORLD * n).to(dev)
     dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.MAX)
-    want = torch.maximum(base(0, WORLD * n), base(1, WORLD * n))[rank * n:(rank + 1) * n]
+    want = torch.maximum(base(0, WORLD * n), base(1, WORLD * n))[rank * n : (rank + 1) * n]
     check("reduce_scatter_tensor max", out, want)
 
     if rank == 0:
@@ -102,7 +111,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     inp = base(rank, WORLD * n).to(dev)
     out = torch.empty(WORLD * n, device=dev)
     dist.all_to_all_single(out, inp)
-    want = torch.cat([base(r, WORLD * n)[rank * n:(rank + 1) * n] for r in range(WORLD)])
+    want = torch.cat([base(r, WORLD * n)[rank * n : (rank + 1) * n] for r in range(WORLD)])
     check("all_to_all_single equal splits", out, want)
 
     # unequal splits: rank r sends (r + 1) * 128 + k * 128 elements to rank k
@@ -118,7 +127,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     for r in range(WORLD):
         src = base(r, sum(split(r, k) for k in range(WORLD)))
         off = sum(split(r, k) for k in range(rank))
-        parts.append(src[off:off + split(r, rank)])
+        parts.append(src[off : off + split(r, rank)])
     check("all_to_all_single unequal splits", out, torch.cat(parts))
 
     t = base(rank, n).to(dev)
@@ -149,7 +158,8 @@ def main() -> int:
         mp.spawn(worker, args=(free_port(), d), nprocs=WORLD, join=True)
         lines = []
         for r in range(WORLD):
-            lines += open(os.path.join(d, f"{r}.txt")).read().splitlines()
+            with open(os.path.join(d, f"{r}.txt")) as f:
+                lines += f.read().splitlines()
     print("\n".join(lines))
     bad = [ln for ln in lines if not ln.endswith(": ok")]
     expected = WORLD * 28

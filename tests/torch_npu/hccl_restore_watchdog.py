@@ -17,6 +17,7 @@ HCCL_E_UNAVAIL.
   and makes new ones through root info and HcclCommInitRootInfoConfig; the next all_reduce gives
   the right sum (device memory contents do not survive a Restore, so the tensor is uploaded anew).
 Exits non-zero on any mismatch."""
+
 from __future__ import annotations
 
 import ctypes
@@ -93,8 +94,13 @@ def run_case(case: str) -> list[str]:
     else:
         env.pop("TORCH_HCCL_ASYNC_ERROR_HANDLING", None)
     procs = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), str(port), case],
-                         env=dict(env, ASCEND_RT_VISIBLE_DEVICES=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--rank", str(r), str(port), case],
+            env=dict(env, ASCEND_RT_VISIBLE_DEVICES=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in (0, 1)
     ]
     bad = []
@@ -110,7 +116,9 @@ def run_case(case: str) -> list[str]:
             bad.append(f"{case}: rank {r}: no all_reduce or snapshot cycle before:\n{out}\n{err[-3000:]}")
         if case == "watchdog":
             if p.returncode != -signal.SIGABRT or "still alive" in out:
-                bad.append(f"{case}: rank {r} was not taken down by the watchdog: {p.returncode}\n{err[-3000:]}")
+                bad.append(
+                    f"{case}: rank {r} was not taken down by the watchdog: {p.returncode}\n{err[-3000:]}"
+                )
             if "got ERROR via HcclGetCommAsyncError" not in err:
                 bad.append(f"{case}: rank {r}: the watchdog did not report the async error:\n{err[-3000:]}")
             for line in err.splitlines():

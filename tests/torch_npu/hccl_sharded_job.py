@@ -11,6 +11,7 @@ the two ranks' mean losses is the mean loss over the joined batch, so the averag
 the full-batch gradient). Per-step losses and the gathered weight must match within 1e-4
 relative, both ranks must hold the same weight, and a second NPU run must be bit-identical.
 Exits non-zero on any mismatch."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("hccl", rank=rank, world_size=2)
     n = DIM * OUT // 2
-    shard = init_weight()[rank * n:(rank + 1) * n].clone().to(dev)
+    shard = init_weight()[rank * n : (rank + 1) * n].clone().to(dev)
     lines = []
     for step in range(1, STEPS + 1):
         full = torch.empty(2 * n, device=dev)
@@ -107,7 +108,11 @@ def main() -> int:
     for _ in range(2):
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(worker, args=(free_port(), d), nprocs=2, join=True)
-            runs.append([json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)])
+            ranks = []
+            for r in range(2):
+                with open(os.path.join(d, f"{r}.json")) as f:
+                    ranks.append(json.load(f))
+            runs.append(ranks)
     ref = cpu_reference()
     bad = []
     npu = runs[0]
@@ -116,8 +121,10 @@ def main() -> int:
             bad.append(f"step {s}: the ranks hold different weights")
         rel = abs(a["loss"] - c["loss"]) / abs(c["loss"])
         worst = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(a["w"], c["w"]))
-        print(f"step {s} loss npu {a['loss']:.8f} cpu {c['loss']:.8f} (rel {rel:.1e}) weight {a['hash']} "
-              f"(worst rel {worst:.1e})")
+        print(
+            f"step {s} loss npu {a['loss']:.8f} cpu {c['loss']:.8f} (rel {rel:.1e}) weight {a['hash']} "
+            f"(worst rel {worst:.1e})"
+        )
         if rel > 1e-4 or worst > 1e-4:
             bad.append(f"step {s}: npu differs from the cpu reference (loss {rel:.2e}, weight {worst:.2e})")
     if [[x["hash"] for x in r] for r in runs[1]] != [[x["hash"] for x in r] for r in runs[0]]:

@@ -14,6 +14,7 @@ Two cases: `timeout` (the process group's timeout, 5 s, runs out first: "Watchdo
 collective operation timeout") and `exec` (HCCL_EXEC_TIMEOUT, 4 s, runs out first: the
 collective fails on the stream and HcclGetCommAsyncError reports HCCL_E_TIMEOUT). Each must end
 rank 0 by SIGABRT within 60 s with torch_npu's tear-down message. Exits non-zero otherwise."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,13 @@ def rank_main(rank: int, port: int, pg_timeout: float) -> None:
     import torch_npu  # noqa: F401
 
     torch.npu.set_device(rank)
-    dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    dist.init_process_group(
+        "hccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
     t = torch.ones(1024, device=f"npu:{rank}")
     for step in range(1, 1000):
         dist.all_reduce(t)
@@ -61,14 +67,19 @@ def run_case(case: str) -> list[str]:
         env.pop("HCCL_EXEC_TIMEOUT", None)
         pg_timeout = 5.0
     procs = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r), str(port), str(pg_timeout)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--rank", str(r), str(port), str(pg_timeout)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in (0, 1)
     ]
     t0 = time.monotonic()
     bad = []
     try:
-        out1, err1 = procs[1].communicate(timeout=60)
+        _, err1 = procs[1].communicate(timeout=60)
         killed_at = time.monotonic()
         out0, err0 = procs[0].communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -76,8 +87,10 @@ def run_case(case: str) -> list[str]:
             p.kill()
         return [f"{case}: a rank did not end within 60 s"]
     took = time.monotonic() - killed_at
-    print(f"{case}: rank 1 ended by signal {-procs[1].returncode} after {killed_at - t0:.1f} s; "
-          f"rank 0 ended with {procs[0].returncode} {took:.1f} s later")
+    print(
+        f"{case}: rank 1 ended by signal {-procs[1].returncode} after {killed_at - t0:.1f} s; "
+        f"rank 0 ended with {procs[0].returncode} {took:.1f} s later"
+    )
     if procs[1].returncode != -signal.SIGKILL:
         bad.append(f"{case}: rank 1 did not die of SIGKILL: {procs[1].returncode}\n{err1[-2000:]}")
     if "rank 0 step 3 ok" not in out0:

@@ -343,7 +343,9 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
     send = dev.buffer(values)
     recv = dev.buffer([0.0] * count)
     codes = {
-        "bad_dtype": int(hccl.HcclAllReduce(send, recv, count, 7, nt.HCCL_REDUCE_SUM, comm, dev.stream)),  # uint8: not reduced
+        "bad_dtype": int(
+            hccl.HcclAllReduce(send, recv, count, 7, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+        ),  # uint8: not reduced
         "bad_op": int(hccl.HcclAllReduce(send, recv, count, nt.HCCL_DATA_TYPE_FP32, 9, comm, dev.stream)),
     }
     # Printed at sampled indices (the ends, around each 1 MiB staging slot's edges, the middle)
@@ -388,6 +390,7 @@ def run_allreduce(rank: int, world: int, device: int, rendezvous: str, count: in
         json.dumps({"rank": rank, "idx": idx, "values": sample, "results": results, "codes": codes}),
         flush=True,
     )
+
 
 class HcclCommConfig(ctypes.Structure):
     """hccl_types.h HcclCommConfig, after the 24-byte header HcclCommConfigInit writes."""
@@ -450,22 +453,29 @@ def run_config(rank: int, world: int, device: int, rendezvous: str) -> None:
     bad = c_void_p()
     info = root_info(hccl, rank, rendezvous, 0)
     cfg = comm_config(magic=0x12345678)
-    out["bad_magic"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(bad)))
+    out["bad_magic"] = int(
+        hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(bad))
+    )
     cfg = comm_config(buffer_mib=3, name=b"group_name_7")
     comm = c_void_p()
     before = window_sizes()
-    out["init"] = int(hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(comm)))
+    out["init"] = int(
+        hccl.HcclCommInitRootInfoConfig(world, info, rank, ctypes.byref(cfg), ctypes.byref(comm))
+    )
     out["window_bytes"] = [s for s in window_sizes() if s not in before]
     name = ctypes.create_string_buffer(128)
     out["name_rc"] = int(hccl.HcclGetCommName(comm, name))
     out["name"] = name.value.decode()
     buf = dev.buffer([float(rank + 1)] * 16)
-    out["allreduce"] = int(hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    out["allreduce"] = int(
+        hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+    )
     dev.sync()
     out["sum"] = dev.read(buf, 1)[0]
     out["prod_bf16"] = int(hccl.HcclAllReduce(buf, buf, 16, 11, 1, comm, dev.stream))
     out["destroy"] = int(hccl.HcclCommDestroy(comm))
     print(json.dumps(out), flush=True)
+
 
 def run_vcoll(rank: int, world: int, device: int, rendezvous: str) -> None:
     """The V collectives with counts that differ per rank, through a 1 MiB CCL buffer (run with
@@ -486,8 +496,11 @@ def run_vcoll(rank: int, world: int, device: int, rendezvous: str) -> None:
     total = displs[-1] + counts[-1]
     send = dev.buffer([float(rank * 1000 + i % 1000) for i in range(counts[rank])])
     recv = dev.buffer([-1.0] * total)
-    out["allgatherv"] = int(hccl.HcclAllGatherV(send, counts[rank], recv, u64s(counts), u64s(displs),
-                                                 nt.HCCL_DATA_TYPE_FP32, comm, dev.stream))
+    out["allgatherv"] = int(
+        hccl.HcclAllGatherV(
+            send, counts[rank], recv, u64s(counts), u64s(displs), nt.HCCL_DATA_TYPE_FP32, comm, dev.stream
+        )
+    )
     dev.sync()
     got = dev.read(recv, total)
     out["allgatherv_crc"] = zlib.crc32(array.array("f", got).tobytes())
@@ -496,13 +509,34 @@ def run_vcoll(rank: int, world: int, device: int, rendezvous: str) -> None:
     sdispls = [k * (n + 11) for k in range(world)]
     send = dev.buffer([float(rank * 1000 + i % 1000) for i in range(sdispls[-1] + n)])
     recv = dev.buffer([-1.0] * n)
-    out["reducescatterv"] = int(hccl.HcclReduceScatterV(send, u64s([n] * world), u64s(sdispls), recv, n,
-                                                         nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    out["reducescatterv"] = int(
+        hccl.HcclReduceScatterV(
+            send,
+            u64s([n] * world),
+            u64s(sdispls),
+            recv,
+            n,
+            nt.HCCL_DATA_TYPE_FP32,
+            nt.HCCL_REDUCE_SUM,
+            comm,
+            dev.stream,
+        )
+    )
     dev.sync()
     out["reducescatterv_crc"] = zlib.crc32(array.array("f", dev.read(recv, n)).tobytes())
-    out["reducescatterv_uneven"] = int(hccl.HcclReduceScatterV(send, u64s([n, n + 1][:world]), u64s(sdispls), recv,
-                                                                n, nt.HCCL_DATA_TYPE_FP32,
-                                                                nt.HCCL_REDUCE_SUM, comm, dev.stream))
+    out["reducescatterv_uneven"] = int(
+        hccl.HcclReduceScatterV(
+            send,
+            u64s([n, n + 1][:world]),
+            u64s(sdispls),
+            recv,
+            n,
+            nt.HCCL_DATA_TYPE_FP32,
+            nt.HCCL_REDUCE_SUM,
+            comm,
+            dev.stream,
+        )
+    )
     nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
     print(json.dumps(out), flush=True)
 
@@ -519,7 +553,9 @@ def run_abandoned(rank: int, world: int, device: int, rendezvous: str) -> None:
         os._exit(0)
     buf = dev.buffer([1.0] * 16)
     out: Dict[str, Any] = {
-        "allreduce": int(hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream))
+        "allreduce": int(
+            hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+        )
     }
     time.sleep(0.5)
     t0 = time.monotonic()
