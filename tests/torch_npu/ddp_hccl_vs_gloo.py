@@ -97,25 +97,18 @@ def worker(rank: int, world: int, backend: str, port: int, out_dir: str) -> None
 def run_spawn(backend: str, out_dir: str) -> None:
     import torch.multiprocessing as mp
 
-    # The CPU reference runs on the CPU alone: torch would otherwise import torch_npu in every
-    # process through its device-backend entry point, and nothing preloaded for the NPU side
-    # belongs in it either.
-    cpu_only = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "LD_PRELOAD": None}
-    saved = {k: os.environ.get(k) for k in cpu_only}
-    if backend == "gloo":
-        for k, v in cpu_only.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
+
+
+def run_cpu_reference(out_dir: str) -> None:
+    """The gloo job in a process tree of its own that never sees the NPU: no CANN or simulator
+    variables, no preloaded libraries, and torch told not to import torch_npu through its
+    device-backend entry point."""
+    drop = ("ASCEND", "NPUSIM", "LD_PRELOAD", "LD_LIBRARY_PATH", "HCCL")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    cmd = [sys.executable, os.path.abspath(__file__), "--cpu-reference", out_dir]
+    subprocess.run(cmd, env=env, check=True, timeout=80)
 
 
 def torchrun_entry() -> None:  # the script run by torchrun: one rank
@@ -157,12 +150,15 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-entry":
         torchrun_entry()
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--cpu-reference":
+        run_spawn("gloo", sys.argv[2])
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--launcher", choices=["spawn", "torchrun"], default="spawn")
     ap.add_argument("--reruns", type=int, default=2, help="NPU runs that must be bit-identical")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cpu_dir:
-        run_spawn("gloo", cpu_dir)
+        run_cpu_reference(cpu_dir)
         cpu = load(cpu_dir, "gloo")
         npu_runs = []
         for _ in range(args.reruns):
