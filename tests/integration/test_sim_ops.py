@@ -14,6 +14,7 @@ import os
 import struct
 import subprocess
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,72 @@ def test_hccl_comm_init_root_info_config_as_torch_npu_calls_it(
             "prod_bf16": HCCL_E_NOT_SUPPORT,
             "destroy": 0,
         }
+
+
+def test_hccl_v_collectives_with_counts_that_differ_per_rank(sim_env: dict[str, str], tmp_path: Path) -> None:
+    sim = Sim(sim_env)
+    procs = [
+        subprocess.Popen(
+            [PY, str(DRIVER), "vcoll", str(r), "2", str(r), str(tmp_path)],
+            env=_env(sim, HCCL_BUFFSIZE="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out))
+
+    def vals(r: int, n: int) -> list[float]:
+        return [float(r * 1000 + i % 1000) for i in range(n)]
+
+    def crc(xs: list[float]) -> int:
+        return zlib.crc32(struct.pack(f"{len(xs)}f", *xs))
+
+    counts = [5, 300005]
+    gathered = vals(0, 5) + [-1.0] * 7 + vals(1, 300005)
+    n = 200003
+    for r, o in enumerate(outs):
+        full = [a + b for a, b in zip(vals(0, 2 * (n + 11)), vals(1, 2 * (n + 11)))]
+        want = full[r * (n + 11) : r * (n + 11) + n]
+        assert o == {
+            "allgatherv": 0,
+            "allgatherv_crc": crc(gathered),
+            "reducescatterv": 0,
+            "reducescatterv_crc": crc(want),
+            "reducescatterv_uneven": HCCL_E_PARA,  # blocks of different sizes cannot be reduced
+        }, (r, counts)
+
+
+def test_destroying_a_communicator_ends_a_collective_whose_peer_left(
+    sim_env: dict[str, str], tmp_path: Path
+) -> None:
+    sim = Sim(sim_env)
+    procs = [
+        subprocess.Popen(
+            [PY, str(DRIVER), "abandoned", str(r), "2", str(r), str(tmp_path)],
+            env=_env(sim),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out))
+    assert outs[0] == {
+        "allreduce": 0,
+        "destroy": 0,
+        "destroy_within_5s": True,  # HCCL_EXEC_TIMEOUT is 60 s here
+        "sync": ACL_ERROR_RT_AICORE_EXCEPTION,  # the collective failed on its stream
+    }
 
 
 def _job(sim: Sim, *args: str, python: str = PY, timeout: float = 120) -> list[str]:

@@ -4,9 +4,13 @@ Run with the torch_npu python under the simulated CANN tree's environment. Both 
 with torch.multiprocessing (mp.spawn), one process tree each; `--launcher torchrun` runs the NPU
 job under torchrun instead. The model is one matmul, y = x @ W, with the loss ((y - t)^2).mean()
 and SGD (foreach=False): only operators the simulator has (one parameter also keeps DDP from
-concatenating tensors into its broadcast and bucket buffers). Each rank prints one line per step: its loss and a hash of
-all parameters; the NPU lines must match the CPU's within 1e-4 relative, and two NPU runs must be
-bit-identical. Exits non-zero on any mismatch."""
+concatenating tensors into its broadcast and bucket buffers). Each rank prints one line per
+step: its loss and a hash of all parameters; the NPU lines must match the CPU's within 1e-4
+relative, and two NPU runs must be bit-identical. Exits non-zero on any mismatch.
+
+Needs aclnnConstantPadNd: DDP's constructor checks the parameters' shapes across ranks
+(torch_npu's _verify_params_across_processes), and torch_npu pads that exchange with
+constant_pad_nd; without the operator it falls back to aclop and the job fails there."""
 
 from __future__ import annotations
 
@@ -41,9 +45,13 @@ def worker(rank: int, world: int, backend: str, port: int, out_dir: str) -> None
         dev = torch.device(f"npu:{rank}")
     else:
         dev = torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    else:
+        # A file store: no TCP store thread in rank 0 that the other rank may still be talking to
+        # when rank 0 exits (torch then aborts the other one at exit, now and then, under load).
+        store = os.path.join(out_dir, f"store-{backend}")
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -87,31 +95,30 @@ def worker(rank: int, world: int, backend: str, port: int, out_dir: str) -> None
         print(f"rank {rank} step {step} loss {loss.item():.8f} params {h}", flush=True)
     with open(os.path.join(out_dir, f"{backend}-{rank}.json"), "w") as f:
         json.dump(lines, f)
+    if backend == "gloo":
+        # The reference has written its lines. torch's teardown of a gloo process aborts now and
+        # then on a loaded machine ("terminate called without an active exception"), which is
+        # not what this script checks: leave without it.
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 
 def run_spawn(backend: str, out_dir: str) -> None:
     import torch.multiprocessing as mp
 
-    # The CPU reference runs on the CPU alone: torch would otherwise import torch_npu in every
-    # process through its device-backend entry point, and nothing preloaded for the NPU side
-    # belongs in it either.
-    cpu_only = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "LD_PRELOAD": None}
-    saved = {k: os.environ.get(k) for k in cpu_only}
-    if backend == "gloo":
-        for k, v in cpu_only.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    mp.spawn(worker, args=(2, backend, free_port(), out_dir), nprocs=2, join=True)
+
+
+def run_cpu_reference(out_dir: str) -> None:
+    """The gloo job in a process tree of its own that never sees the NPU: no CANN or simulator
+    variables, no preloaded libraries, and torch told not to import torch_npu through its
+    device-backend entry point."""
+    drop = ("ASCEND", "NPUSIM", "LD_PRELOAD", "LD_LIBRARY_PATH", "HCCL")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    cmd = [sys.executable, os.path.abspath(__file__), "--cpu-reference", out_dir]
+    subprocess.run(cmd, env=env, check=True, timeout=80)
 
 
 def torchrun_entry() -> None:  # the script run by torchrun: one rank
@@ -138,7 +145,11 @@ def run_torchrun(backend: str, out_dir: str) -> None:
 
 
 def load(out_dir: str, backend: str) -> list[list[dict]]:
-    return [json.load(open(os.path.join(out_dir, f"{backend}-{r}.json"))) for r in range(2)]
+    out = []
+    for r in range(2):
+        with open(os.path.join(out_dir, f"{backend}-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
 
 
 def rel(a: float, b: float) -> float:
@@ -149,12 +160,15 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-entry":
         torchrun_entry()
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--cpu-reference":
+        run_spawn("gloo", sys.argv[2])
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--launcher", choices=["spawn", "torchrun"], default="spawn")
     ap.add_argument("--reruns", type=int, default=2, help="NPU runs that must be bit-identical")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cpu_dir:
-        run_spawn("gloo", cpu_dir)
+        run_cpu_reference(cpu_dir)
         cpu = load(cpu_dir, "gloo")
         npu_runs = []
         for _ in range(args.reruns):

@@ -46,9 +46,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     def check(name: str, got, want) -> None:
         got = got.cpu()
         ok = got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-        results.append(
-            f"rank {rank} {name}: {'ok' if ok else 'FAIL got ' + str(got.flatten()[:8].tolist()) + ' want ' + str(want.flatten()[:8].tolist())}"
-        )
+        verdict = "ok" if ok else f"FAIL got {got.flatten()[:8].tolist()} want {want.flatten()[:8].tolist()}"
+        results.append(f"rank {rank} {name}: {verdict}")
 
     n = 256
     ops = {
@@ -159,7 +158,8 @@ def main() -> int:
         mp.spawn(worker, args=(free_port(), d), nprocs=WORLD, join=True)
         lines = []
         for r in range(WORLD):
-            lines += open(os.path.join(d, f"{r}.txt")).read().splitlines()
+            with open(os.path.join(d, f"{r}.txt")) as f:
+                lines += f.read().splitlines()
     print("\n".join(lines))
     bad = [ln for ln in lines if not ln.endswith(": ok")]
     expected = WORLD * 28

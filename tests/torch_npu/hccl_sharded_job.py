@@ -108,7 +108,11 @@ def main() -> int:
     for _ in range(2):
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(worker, args=(free_port(), d), nprocs=2, join=True)
-            runs.append([json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)])
+            ranks = []
+            for r in range(2):
+                with open(os.path.join(d, f"{r}.json")) as f:
+                    ranks.append(json.load(f))
+            runs.append(ranks)
     ref = cpu_reference()
     bad = []
     npu = runs[0]

@@ -79,7 +79,7 @@ def run_case(case: str) -> list[str]:
     t0 = time.monotonic()
     bad = []
     try:
-        out1, err1 = procs[1].communicate(timeout=60)
+        _, err1 = procs[1].communicate(timeout=60)
         killed_at = time.monotonic()
         out0, err0 = procs[0].communicate(timeout=60)
     except subprocess.TimeoutExpired:

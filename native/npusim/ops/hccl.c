@@ -471,7 +471,7 @@ static HcclResult init_comm(uint32_t nRanks, const HcclRootInfo *rootInfo, uint3
         return HCCL_E_MEMORY;
     }
     *c = (struct comm){.rank = rank, .nranks = nRanks, .deterministic = deterministic, .device = dev,
-                       .state = {1, 0, 0, 0}, .window = w, .window_bytes = wbytes, .slot_bytes = slot};
+                       .state = {.valid = 1}, .window = w, .window_bytes = wbytes, .slot_bytes = slot};
     c->exec_timeout_s = env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
     if (name && *name) snprintf(c->name, sizeof c->name, "%s", name);
     else /* HCCL names a communicator made without a name after its root info's identifier */
@@ -902,7 +902,11 @@ API HcclResult HcclCommDestroy(HcclComm comm) {
     if (c) c->destroyed = 1;
     pthread_mutex_unlock(&g_mu);
     if (!c) return HCCL_E_PARA;
-    /* Collectives still queued read the window: wait for them (HCCL_EXEC_TIMEOUT). */
+    /* torch_npu has no other abort than this call (HCCLComm::destroyHcclComm, also from
+     * ProcessGroupHCCL's abort when a peer is gone): a collective still waiting for its peers gives
+     * up (its stream gets the error) instead of holding the destroy for HCCL_EXEC_TIMEOUT. Those
+     * still queued read the window: wait for them (HCCL_EXEC_TIMEOUT at most). */
+    atomic_store((_Atomic uint32_t *)&c->state.abort, 1);
     _Atomic uint32_t *inflight = (_Atomic uint32_t *)&c->state.inflight;
     double deadline = now_s() + env_positive("HCCL_EXEC_TIMEOUT", 1836.0);
     uint32_t v;

@@ -52,11 +52,16 @@
 
 static void futex_wake(_Atomic uint32_t *w) { syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
 
-/* Wait until *g has reached gen (wrapping compare), or the deadline passes (-1). */
+/* The communicator's state of the kernel running on this thread: a destroy may ask it to stop. */
+static _Thread_local struct hccl_comm_state *t_state;
+
+/* Wait until *g has reached gen (wrapping compare), or the deadline passes (-1), or the
+ * communicator is destroyed under the wait (-2). */
 static int wait_gen(_Atomic uint32_t *g, uint32_t gen, double deadline) {
     for (;;) {
         uint32_t v = atomic_load(g);
         if ((int32_t)(v - gen) >= 0) return 0;
+        if (t_state && atomic_load((_Atomic uint32_t *)&t_state->abort)) return -2;
         double left = deadline - now_s();
         if (left <= 0) return -1;
         /* Sleep until that rank moves (or 50 ms, to re-check the deadline). */
@@ -70,8 +75,10 @@ static int barrier(struct hccl_window *w, uint32_t rank, uint32_t nranks, double
     _Atomic uint32_t *mine = (_Atomic uint32_t *)&w->ranks[rank].gen;
     uint32_t gen = atomic_fetch_add(mine, 1) + 1;
     futex_wake(mine);
-    for (uint32_t j = 0; j < nranks; j++)
-        if (wait_gen((_Atomic uint32_t *)&w->ranks[j].gen, gen, deadline) != 0) return -1;
+    for (uint32_t j = 0; j < nranks; j++) {
+        int r = wait_gen((_Atomic uint32_t *)&w->ranks[j].gen, gen, deadline);
+        if (r != 0) return r;
+    }
     return 0;
 }
 
@@ -171,6 +178,14 @@ static void reduce_into(void *dst, const void *src, uint64_t n, int dtype, int o
 
 static uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
+/* A failed wait as the kernel's error: the deadline (HCCL_EXEC_TIMEOUT), or a destroy. */
+static int werr(int r) { return r == -2 ? KERR_COMM : KERR_TIMEOUT; }
+#define WAIT(call)                                                                                                     \
+    do {                                                                                                               \
+        int wr_ = (call);                                                                                              \
+        if (wr_ != 0) return werr(wr_);                                                                                \
+    } while (0)
+
 /* all-reduce, broadcast, all-gather: every rank stages one piece (the root only, for a
  * broadcast) of at most a slot per round. */
 static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *send, char *recv, double deadline) {
@@ -180,7 +195,7 @@ static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *
     for (uint64_t done = 0; done < bytes; done += step) {
         uint64_t n = min_u64(bytes - done, step);
         if (!bcast || a->rank == a->root) memcpy(SLOT(w, a, a->rank), send + done, n);
-        if (barrier(w, a->rank, a->nranks, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(barrier(w, a->rank, a->nranks, deadline));
         if (bcast) {
             if (a->rank != a->root) memcpy(recv + done, SLOT(w, a, a->root), n);
         } else if (gather) {
@@ -189,7 +204,7 @@ static int run_flat(const struct ops_hccl_args *a, struct hccl_window *w, char *
             memcpy(recv + done, SLOT(w, a, 0), n);
             for (uint32_t j = 1; j < a->nranks; j++) reduce_into(recv + done, SLOT(w, a, j), n / a->esize, a->dtype, a->op);
         }
-        if (barrier(w, a->rank, a->nranks, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(barrier(w, a->rank, a->nranks, deadline));
     }
     return 0;
 }
@@ -215,17 +230,17 @@ static int run_exchange(const struct ops_hccl_args *a, struct hccl_window *w, ch
     part = part / a->esize * a->esize;
     uint64_t rounds = (most + part - 1) / part;
     atomic_store((_Atomic uint64_t *)&w->ranks[me].aux, rounds);
-    if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT;
+    WAIT(barrier(w, me, R, deadline));
     for (uint32_t j = 0; j < R; j++) {
         uint64_t v = atomic_load((_Atomic uint64_t *)&w->ranks[j].aux);
         rounds = v > rounds ? v : rounds;
     }
-    if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT; /* aux read by all before reuse */
+    WAIT(barrier(w, me, R, deadline)); /* aux read by all before reuse */
     for (uint64_t r = 0; r < rounds; r++) {
         uint64_t off = r * part;
         for (uint32_t k = 0; k < R; k++)
             if (off < sc[k]) memcpy(SLOT(w, a, me) + k * part, send + sd[k] + off, min_u64(sc[k] - off, part));
-        if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(barrier(w, me, R, deadline));
         for (uint32_t j = 0; j < R; j++) {
             if (off >= rc[j]) continue;
             uint64_t n = min_u64(rc[j] - off, part);
@@ -234,7 +249,7 @@ static int run_exchange(const struct ops_hccl_args *a, struct hccl_window *w, ch
             else if (j == 0) memcpy(recv + off, src, n);
             else reduce_into(recv + off, src, n / a->esize, a->dtype, a->op);
         }
-        if (barrier(w, me, R, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(barrier(w, me, R, deadline));
     }
     return 0;
 }
@@ -247,9 +262,9 @@ static int run_p2p(const struct ops_hccl_args *a, struct hccl_window *w, char *s
     for (uint64_t done = 0; done < bytes; done += step) {
         uint64_t n = min_u64(bytes - done, step);
         if (sender) memcpy(SLOT(w, a, a->rank), send + done, n);
-        if (pair_barrier(w, a->rank, a->root, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(pair_barrier(w, a->rank, a->root, deadline));
         if (!sender) memcpy(recv + done, SLOT(w, a, src_rank), n);
-        if (pair_barrier(w, a->rank, a->root, deadline) != 0) return KERR_TIMEOUT;
+        WAIT(pair_barrier(w, a->rank, a->root, deadline));
     }
     return 0;
 }
@@ -284,8 +299,10 @@ KAPI int npusim_hccl_collective(const npusim_kernel_ctx *ctx, const void *args, 
     _Atomic uint32_t *inflight = (_Atomic uint32_t *)&st->inflight;
     struct hccl_window *w = (struct hccl_window *)(uintptr_t)a->window;
     int rc = 0;
-    /* Launched before a restore and run after it (it waited at the lock): the window is gone. */
-    if (!atomic_load((_Atomic uint32_t *)&st->valid)) rc = KERR_COMM;
+    t_state = st;
+    /* Launched before a restore and run after it (it waited at the lock): the window is gone; or
+     * the communicator is being destroyed. */
+    if (!atomic_load((_Atomic uint32_t *)&st->valid) || atomic_load((_Atomic uint32_t *)&st->abort)) rc = KERR_COMM;
     uint64_t sbytes, rbytes;
     extents(a, &sbytes, &rbytes);
     char *send = sbytes && !rc ? ctx->dev_ptr(ctx, a->send, sbytes) : NULL;
@@ -301,11 +318,16 @@ KAPI int npusim_hccl_collective(const npusim_kernel_ctx *ctx, const void *args, 
         case OPS_COLL_ALLTOALLV: rc = run_exchange(a, w, send, recv, deadline); break;
         case OPS_COLL_SEND:
         case OPS_COLL_RECV: rc = run_p2p(a, w, send, recv, deadline); break;
-        case OPS_COLL_BARRIER: rc = barrier(w, a->rank, a->nranks, deadline) ? KERR_TIMEOUT : 0; break;
+        case OPS_COLL_BARRIER: {
+            int r = barrier(w, a->rank, a->nranks, deadline);
+            rc = r ? werr(r) : 0;
+            break;
+        }
         default: rc = KERR_ARGS;
         }
     if (rc == KERR_COMM || rc == KERR_TIMEOUT)
         atomic_store((_Atomic int32_t *)&st->async_error, rc == KERR_COMM ? HCCL_E_UNAVAIL : HCCL_E_TIMEOUT);
+    t_state = NULL;
     atomic_fetch_sub(inflight, 1);
     futex_wake(inflight);
     return rc;

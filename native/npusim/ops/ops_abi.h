@@ -15,7 +15,7 @@ struct hccl_comm_state {
     uint32_t inflight;   /* futex word: HcclCommDestroy waits for 0 */
     int32_t async_error; /* HcclResult of the last collective that failed on a stream, for
                           * HcclGetCommAsyncError: HCCL_E_UNAVAIL, HCCL_E_TIMEOUT */
-    int32_t pad;
+    uint32_t abort;      /* HcclCommDestroy: a collective still waiting for its peers gives up */
 };
 
 /* An HCCL collective over the communicator's window (hccl.c describes the window; hccl_kernel.c

@@ -4,6 +4,8 @@
     ops_driver.py allreduce RANK WORLD DEVICE RENDEZVOUS COUNT
     ops_driver.py restore RANK WORLD DEVICE RENDEZVOUS
     ops_driver.py config RANK WORLD DEVICE RENDEZVOUS   (HcclCommInitRootInfoConfig, names)
+    ops_driver.py abandoned RANK WORLD DEVICE RENDEZVOUS (rank 1 leaves; rank 0 destroys)
+    ops_driver.py vcoll RANK WORLD DEVICE RENDEZVOUS    (AllGatherV, ReduceScatterV, AlltoAllV)
     ops_driver.py torn DEVICE            (NPUSIM_KERNEL_BLOCK_US, TORN_AFTER_S)
 
 The inputs are drawn here (seeded) and printed with the results, so that the test computes its
@@ -475,6 +477,94 @@ def run_config(rank: int, world: int, device: int, rendezvous: str) -> None:
     print(json.dumps(out), flush=True)
 
 
+def run_vcoll(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """The V collectives with counts that differ per rank, through a 1 MiB CCL buffer (run with
+    HCCL_BUFFSIZE=1) so that the large one needs several rounds. Rank r's values are
+    r * 1000 + i; the test computes what each rank must receive."""
+    dev = Device(device, hccl=True)
+    hccl = dev.libs.hccl
+    assert hccl is not None
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
+    u64s = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    vp, u64, i32 = c_void_p, ctypes.c_uint64, ctypes.c_int
+    hccl.HcclAllGatherV.argtypes = [vp, u64, vp, vp, vp, i32, vp, vp]
+    hccl.HcclReduceScatterV.argtypes = [vp, vp, vp, vp, u64, i32, i32, vp, vp]
+    out: Dict[str, Any] = {}
+    # AllGatherV: rank r sends 5 + 300000 * r elements; they land in rank order, 7 elements apart.
+    counts = [5 + 300000 * r for r in range(world)]
+    displs = [sum(counts[:r]) + 7 * r for r in range(world)]
+    total = displs[-1] + counts[-1]
+    send = dev.buffer([float(rank * 1000 + i % 1000) for i in range(counts[rank])])
+    recv = dev.buffer([-1.0] * total)
+    out["allgatherv"] = int(
+        hccl.HcclAllGatherV(
+            send, counts[rank], recv, u64s(counts), u64s(displs), nt.HCCL_DATA_TYPE_FP32, comm, dev.stream
+        )
+    )
+    dev.sync()
+    got = dev.read(recv, total)
+    out["allgatherv_crc"] = zlib.crc32(array.array("f", got).tobytes())
+    # ReduceScatterV: each rank sends block k (n elements at displacement 11 * k + k * n) to rank k.
+    n = 200003
+    sdispls = [k * (n + 11) for k in range(world)]
+    send = dev.buffer([float(rank * 1000 + i % 1000) for i in range(sdispls[-1] + n)])
+    recv = dev.buffer([-1.0] * n)
+    out["reducescatterv"] = int(
+        hccl.HcclReduceScatterV(
+            send,
+            u64s([n] * world),
+            u64s(sdispls),
+            recv,
+            n,
+            nt.HCCL_DATA_TYPE_FP32,
+            nt.HCCL_REDUCE_SUM,
+            comm,
+            dev.stream,
+        )
+    )
+    dev.sync()
+    out["reducescatterv_crc"] = zlib.crc32(array.array("f", dev.read(recv, n)).tobytes())
+    out["reducescatterv_uneven"] = int(
+        hccl.HcclReduceScatterV(
+            send,
+            u64s([n, n + 1][:world]),
+            u64s(sdispls),
+            recv,
+            n,
+            nt.HCCL_DATA_TYPE_FP32,
+            nt.HCCL_REDUCE_SUM,
+            comm,
+            dev.stream,
+        )
+    )
+    nt.check(hccl.HcclCommDestroy(comm), "HcclCommDestroy")
+    print(json.dumps(out), flush=True)
+
+
+def run_abandoned(rank: int, world: int, device: int, rendezvous: str) -> None:
+    """Rank 1 leaves after the init; rank 0's all-reduce waits for it, and HcclCommDestroy (the
+    only abort torch_npu has) ends that wait instead of sitting out HCCL_EXEC_TIMEOUT."""
+    dev = Device(device, hccl=True)
+    hccl, rt = dev.libs.hccl, dev.libs.rt
+    assert hccl is not None
+    comm = init_comm(hccl, rank, world, rendezvous, 0)
+    if rank == 1:
+        print(json.dumps({}), flush=True)
+        os._exit(0)
+    buf = dev.buffer([1.0] * 16)
+    out: Dict[str, Any] = {
+        "allreduce": int(
+            hccl.HcclAllReduce(buf, buf, 16, nt.HCCL_DATA_TYPE_FP32, nt.HCCL_REDUCE_SUM, comm, dev.stream)
+        )
+    }
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    out["destroy"] = int(hccl.HcclCommDestroy(comm))
+    out["destroy_within_5s"] = time.monotonic() - t0 < 5
+    out["sync"] = int(rt.aclrtSynchronizeStream(dev.stream))
+    print(json.dumps(out), flush=True)
+
+
 def main() -> int:
     if sys.argv[1] == "ops":
         run_ops(int(sys.argv[2]))
@@ -483,6 +573,12 @@ def main() -> int:
     elif sys.argv[1] == "restore":
         rank, world, device, rdv = sys.argv[2:6]
         run_restore(int(rank), int(world), int(device), rdv)
+    elif sys.argv[1] == "vcoll":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_vcoll(int(rank), int(world), int(device), rdv)
+    elif sys.argv[1] == "abandoned":
+        rank, world, device, rdv = sys.argv[2:6]
+        run_abandoned(int(rank), int(world), int(device), rdv)
     elif sys.argv[1] == "config":
         rank, world, device, rdv = sys.argv[2:6]
         run_config(int(rank), int(world), int(device), rdv)
