@@ -113,3 +113,24 @@ def test_a_half_model_infers_like_the_cpu(torch_npu_python: str, sim_env: dict[s
     assert len(npu) == len(cpu) == 10
     for step, (g, c) in enumerate(zip(npu, cpu)):
         assert abs(g - c) <= 1e-3 * abs(c), f"step {step}: npu {g}, cpu {c}"
+
+
+PAD = """
+import torch, torch_npu, torch.nn.functional as F
+x = torch.randn(3, 4, 5)
+for pad in [(1, 2), (1, 2, 0, 3), (-1, 2, 1, 1, 2, 0), (0, 0)]:
+    a = F.pad(x.npu().transpose(0, 2), pad, value=1.5).cpu()
+    b = F.pad(x.transpose(0, 2), pad, value=1.5)
+    assert a.shape == b.shape and torch.equal(a, b), pad
+xi = torch.arange(6).reshape(2, 3)
+assert torch.equal(F.pad(xi.npu(), (1, 1), value=7).cpu(), F.pad(xi, (1, 1), value=7))
+print("ok")
+"""
+
+
+def test_constant_pad_matches_the_cpu(torch_npu_python: str, sim_env: dict[str, str]) -> None:
+    """aclnnConstantPadNd: F.pad in constant mode (crops too), on a transposed view and on int64."""
+    done = subprocess.run(
+        [torch_npu_python, "-c", PAD], env=dict(sim_env, **FAST), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr[-3000:]

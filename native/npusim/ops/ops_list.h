@@ -21,6 +21,8 @@
     X(MATMUL, k_matmul)     /* a [..,M,K], b [..,K,N], out [..,M,N]; batch dims aligned to out's */ \
     X(REDUCE, k_reduce)     /* ints[0] = enum ops_reduce_kind, ints[1..nd] = reduced flags;      \
                                in, out (in in's rank, size 1 on reduced dims); s[0] = p (norms) */ \
+    X(PAD, k_pad)           /* ints[d] = elements added before dim d (negative: cropped); s[0] = the \
+                               fill value; in, out (same rank) */                                 \
     OPS_KERNELS_MATH(X)                                                                           \
     OPS_KERNELS_NN(X)
 
