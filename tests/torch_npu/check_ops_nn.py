@@ -88,7 +88,7 @@ def run(
         try:
             base = [t.to(dt) if t.dtype.is_floating_point else t for t in make()]
 
-            def once(dev: str) -> List[torch.Tensor]:
+            def once(dev: str, base: List[torch.Tensor] = base) -> List[torch.Tensor]:
                 global CUR
                 CUR = dev
                 leaves = [t.detach().clone().to(dev) for t in base]
