@@ -101,7 +101,7 @@ def test_daemon_bandwidth_cap_slows_copies(private_socket: dict[str, str]) -> No
     assert took >= 0.6
 
 
-# The operators the attention block and a small training step use (block_job.py; the list of the
+# The operators the attention block and a small training step use (workloads/torch_npu_block.py; the list of the
 # torch_npu notes): `sim ops` must count every one as implemented, or the job could not run.
 # fmt: off
 BLOCK_OPS = [
