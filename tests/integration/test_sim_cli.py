@@ -101,8 +101,8 @@ def test_daemon_bandwidth_cap_slows_copies(private_socket: dict[str, str]) -> No
     assert took >= 0.6
 
 
-# The operators the attention block and a small training step use (workloads/torch_npu_block.py; the list of the
-# torch_npu notes): `sim ops` must count every one as implemented, or the job could not run.
+# The operators the attention block (workloads/torch_npu_block.py) and a small training step use
+# (the torch_npu notes' list): `sim ops` must count every one as implemented, or the job could not run.
 # fmt: off
 BLOCK_OPS = [
     "Add", "Adds", "InplaceAdd", "InplaceAdds", "Mul", "Muls", "InplaceMul", "InplaceMuls", "Subs",
