@@ -8,10 +8,11 @@ setup:
 test: setup
 	./scripts/test.sh
 
-# The demo runs without torch; the torch_npu venv is built alongside so that a job of the real
-# framework can be tried on the simulated NPU right after (.build/torch-npu/bin/python).
+# The demo trains a real torch_npu model when the torch_npu venv (.build/torch-npu) can be built;
+# where it cannot, setup-torch-npu.sh leaves the reason in .build/torch-npu.why, and the demo says
+# it and runs its built-in workload.
 demo: setup
-	./scripts/setup-torch-npu.sh || echo "torch_npu venv not built: the demo goes on without it" >&2
+	./scripts/setup-torch-npu.sh || echo "torch_npu venv not built: the demo runs its built-in workload" >&2
 	.venv/bin/npusnap demo
 
 lint: setup

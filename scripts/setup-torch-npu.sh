@@ -29,14 +29,22 @@ SPEC=${NPUSNAP_TORCH_NPU_SPEC:-torch==2.13.0+cpu torch-npu==2.13.0 numpy pyyaml}
 LINK=${NPUSNAP_BUILD_DIR:-$ROOT/.build}/torch-npu
 PY=$ROOT/.venv/bin/python
 
+# Why there is no venv, for `npusnap demo` to say (it then runs its built-in workload): the last
+# failure's message and fix, next to the link; removed once the link is made.
+WHY=$LINK.why
 say() { printf '[setup-torch-npu] %s\n' "$*" >&2; }
 die() {
     printf '[setup-torch-npu] ERROR: %s\n' "$1" >&2
     [ $# -gt 1 ] && printf '[setup-torch-npu]   fix: %s\n' "$2" >&2
+    mkdir -p "$(dirname "$WHY")" && printf '%s\n' "$1" "${2:-}" >"$WHY" || true
     exit 1
 }
 
-[ "${NPUSNAP_NO_TORCH:-}" = 1 ] && { say "NPUSNAP_NO_TORCH=1: skipped"; exit 0; }
+if [ "${NPUSNAP_NO_TORCH:-}" = 1 ]; then
+    say "NPUSNAP_NO_TORCH=1: skipped"
+    [ -e "$LINK" ] || { mkdir -p "$(dirname "$WHY")" && printf '%s\n' "NPUSNAP_NO_TORCH=1 was set: the torch_npu venv was not built" "unset it and run scripts/setup-torch-npu.sh" >"$WHY"; }
+    exit 0
+fi
 [ -x "$PY" ] || die "$PY is missing" "run scripts/setup.sh first"
 
 pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -81,4 +89,5 @@ if [ "$(cat "$VENV/.npusnap-ok" 2>/dev/null)" != "$SPEC" ]; then
 fi
 exec 9>&-
 ln -sfn "$VENV" "$LINK"
+rm -f "$WHY"
 say "ok: $LINK -> $VENV ($(cat "$VENV/.npusnap-ok"))"

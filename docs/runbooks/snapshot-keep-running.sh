@@ -70,10 +70,12 @@ npusnap sim start
 eval "$(npusnap sim env)"
 
 # --- block 2 ---
+TORCH_NPU_PYTHON=$(python3 -c 'from npusnap_cli import paths; print(paths.build_dir() / "torch-npu/bin/python")')
+JOB=$(python3 -c 'from npusnap_cli.workloads import script_path; print(script_path("torch_npu_block"))')
 PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
-    python3 -m npusnap_cli.workloads.train --steps 1000 --interval 0.05)
+    "$TORCH_NPU_PYTHON" "$JOB" --steps 1000 --interval 0.05)
 echo "job pid $PID"
-timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
+timeout 120 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
 npusnap status "$PID" | grep RUNNING
 
 # --- block 3 ---

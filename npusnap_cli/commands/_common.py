@@ -131,6 +131,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "sim stop": ("npusnap sim stop",),
     "sim status": ("npusnap sim status --json",),
     "sim env": ('eval "$(npusnap sim env)"',),
+    "sim ops": ("npusnap sim ops --missing", "npusnap sim ops --json | jq .result.missing_count"),
     "run": (
         "npusnap run -- python3 train.py                 # in the foreground, same pid",
         "PID=$(npusnap run -d --pidfile job.pid -o job.log -- python3 train.py)",

@@ -1,4 +1,5 @@
-"""`npusnap demo`: dump and restore a training workload on the simulated NPU, and prove continuity."""
+"""`npusnap demo`: dump and restore a training job on the simulated NPU (a real torch_npu model where
+the torch_npu venv is built), and prove continuity."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ def register(app: typer.Typer) -> None:
         ),
         interval: float = typer.Option(0.1, "--interval", min=0.0, help="Seconds between training steps."),
         workload: str = typer.Option(
-            "compute",
+            "auto",
             "--workload",
-            help="compute: npu_train.py (aclnn operators on streams); memory: train.py (device memory "
-            "updated through host copies).",
+            help="auto: torch_npu where its venv (.build/torch-npu) is built, else compute; torch_npu: "
+            "torch_npu_block.py (an attention block trained by the real torch_npu wheel); compute: "
+            "npu_train.py (aclnn operators on streams); memory: train.py (device memory updated "
+            "through host copies).",
         ),
         hidden: int = typer.Option(64, "--hidden", min=1, help="Hidden units of the compute workload's MLP."),
         param_mib: int = typer.Option(
@@ -38,11 +41,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the main job: a training workload on the simulated NPU is dumped, restored and checked.
 
-        Starts the simulated NPU, runs a deterministic training job that computes on the device
-        with aclnn operators (or, with --workload memory, one that keeps its parameters in device
-        memory) under `npusnap run`, so it has an agent; dumps it midway (the process is gone),
-        restores it, lets it finish and compares its whole output with an uninterrupted reference
-        run. Exit 0 only if the output is identical; 10 if it is not.
+        Starts the simulated NPU, runs a deterministic training job under `npusnap run`, so it has
+        an agent: a real torch_npu model (an attention block, AdamW) where the torch_npu venv is
+        built (`make demo` builds it; otherwise the demo says why and takes the built-in job that
+        computes on the device with aclnn operators). Dumps it mid-run (the process is gone),
+        restores it, lets it finish and compares its whole output (loss and a hash of the
+        parameters per step) with an uninterrupted reference run. Exit 0 only if the output is
+        identical; 10 if it is not.
         """
         from npusnap_cli.pipelines import demo as core  # lazy: --help cost (check_imports.py --costs)
         from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
@@ -51,8 +56,10 @@ def register(app: typer.Typer) -> None:
             raise UsageError(
                 "--dump-after must be smaller than --steps", fix="e.g. --steps 40 --dump-after 12"
             )
-        if workload not in core.WORKLOADS:
-            raise UsageError(f"unknown --workload {workload!r}", fix="--workload compute, or memory")
+        if workload not in (core.AUTO, *core.WORKLOADS):
+            raise UsageError(
+                f"unknown --workload {workload!r}", fix="--workload auto, torch_npu, compute or memory"
+            )
         out = output(ctx, "demo", json_flag)
         settings = core.DemoSettings(
             steps=steps,
@@ -76,14 +83,21 @@ def register(app: typer.Typer) -> None:
                 [(k.removesuffix("_s"), f"{v:.3f}") for k, v in dump_t.items()],
             )
         image_bytes = (result.dump.get("bytes") or {}).get("image_bytes")
+        described = {
+            "torch_npu": f"torch_npu_block.py, {steps} steps, an attention block trained by torch_npu",
+            "compute": f"npu_train.py, {steps} steps, an MLP of {hidden} hidden units (aclnn operators)",
+            "memory": f"train.py, {steps} steps, {param_mib} MiB of device memory",
+        }
         out.kv(
             "summary",
             {
-                "workload": (
-                    f"npu_train.py, {steps} steps, an MLP of {hidden} hidden units (aclnn operators)"
-                    if workload == "compute"
-                    else f"train.py, {steps} steps, {param_mib} MiB of device memory"
+                "workload": described[result.workload],
+                **(
+                    {"torch_npu": f"not used: {result.torch_npu_unavailable}"}
+                    if result.torch_npu_unavailable
+                    else {}
                 ),
+                **({"dump caught the job in": result.dump_caught} if result.dump_caught else {}),
                 "dumped pid": result.original_pid,
                 "lines before the dump": result.lines_before_dump,
                 "restored pid": result.restored_pid,

@@ -1,9 +1,11 @@
-"""`npusnap sim start|stop|status|env`: run the simulated NPU used when no Ascend hardware is present."""
+"""`npusnap sim start|stop|status|env|ops`: run the simulated NPU used when no Ascend hardware is
+present, and say which of torch_npu's operators it implements."""
 
 from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -172,5 +174,46 @@ def register(app: typer.Typer) -> None:
         # Plain stdout on purpose: this is meant for eval in a shell, not for people.
         for key, value in variables.items():
             typer.echo(f"export {key}={shlex.quote(value)}")
+
+    @sim.command("ops", epilog=epilog("sim ops"))
+    def ops_cmd(
+        ctx: typer.Context,
+        torch_npu: Optional[Path] = typer.Option(
+            None,
+            "--torch-npu",
+            help="The torch_npu install to read: its site-packages, the torch_npu package directory, "
+            "a venv or libtorch_npu.so (default: the .build/torch-npu venv's site-packages).",
+        ),
+        missing: bool = typer.Option(
+            False, "--missing", help="List the operators the simulator lacks instead of those it has."
+        ),
+        json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """Which aclnn operators the torch_npu wheel looks up are implemented by the simulator.
+
+        Reads the aclnn names in torch_npu's libtorch_npu.so (what op-plugin finds with dlsym;
+        the ...GetWorkspaceSize halves folded in) and the exports of the simulator's libopapi.so;
+        neither is loaded. Prints the counts on stderr and one name a line on stdout.
+        """
+        from npusnap_cli.sim import opscover  # lazy: --help cost (check_imports.py --costs)
+
+        out = output(ctx, "sim ops", json_flag)
+        cov = opscover.coverage(torch_npu)
+        looked = len(cov.looked_up)
+        share = f" ({100 * len(cov.implemented) / looked:.0f} %)" if looked else ""
+        out.kv(
+            "aclnn operators: torch_npu's lookups against the simulator",
+            {
+                "torch_npu": cov.wheel_library,
+                "simulator": cov.opapi,
+                "looked up": str(looked),
+                "implemented": f"{len(cov.implemented)}{share}",
+                "missing": str(len(cov.missing)),
+            },
+            stream="stderr",
+        )
+        for name in cov.missing if missing else cov.implemented:
+            out.data(name)
+        out.result(cov.to_dict())
 
     app.add_typer(sim, name="sim")

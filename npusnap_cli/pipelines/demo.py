@@ -1,8 +1,11 @@
 """The demo: a training workload on the simulated NPU is dumped, restored and checked.
 
-The workload is ``npu_train.py`` (``compute``: an MLP trained by aclnn operators and streams on the
-device, tensors in an expandable-segment allocator) or ``train.py`` (``memory``: parameters in
-device memory, updated through host copies).
+The workload is ``torch_npu_block.py`` (``torch_npu``: an attention block trained by the real
+torch_npu wheel, in the venv scripts/setup-torch-npu.sh builds at ``.build/torch-npu``),
+``npu_train.py`` (``compute``: an MLP trained by aclnn operators and streams on the device, tensors
+in an expandable-segment allocator) or ``train.py`` (``memory``: parameters in device memory,
+updated through host copies). ``auto`` takes torch_npu where its venv is there and says why not
+otherwise (the reason setup-torch-npu.sh left), then runs ``compute``.
 
 It drives the product exactly as an operator would — the real ``npusnap run``, ``npusnap dump``
 and ``npusnap restore`` commands, each as a subprocess with ``--json`` — and then proves
@@ -14,6 +17,7 @@ Core module: reports progress through a callback and returns a ``DemoResult``; i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +38,9 @@ from npusnap_cli.sim import manager
 
 TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
 NPU_TRAIN = paths.PACKAGE_DIR / "workloads" / "npu_train.py"
-WORKLOADS = {"compute": NPU_TRAIN, "memory": TRAIN}
+TORCH_NPU_BLOCK = paths.PACKAGE_DIR / "workloads" / "torch_npu_block.py"
+WORKLOADS = {"torch_npu": TORCH_NPU_BLOCK, "compute": NPU_TRAIN, "memory": TRAIN}
+AUTO = "auto"  # torch_npu when its venv is there, else compute
 
 Report = Callable[[str, str], None]  # (phase, message)
 
@@ -49,7 +55,7 @@ class DemoSettings:
     seed: int = 7
     workdir: Optional[Path] = None
     keep: bool = False
-    workload: str = "compute"  # a key of WORKLOADS
+    workload: str = AUTO  # a key of WORKLOADS, or AUTO
     hidden: int = 64  # the compute workload's hidden units
 
 
@@ -57,6 +63,9 @@ class DemoSettings:
 class DemoResult:
     workdir: Optional[str]
     image: Optional[str]
+    workload: str = ""  # the key of WORKLOADS that ran
+    torch_npu_unavailable: Optional[str] = None  # why AUTO did not run torch_npu
+    dump_caught: Optional[str] = None  # torch_npu: the job's phase and step when the dump stopped it
     original_pid: int = 0
     restored_pid: int = 0
     lines_before_dump: int = 0
@@ -72,12 +81,36 @@ class DemoResult:
         return dict(self.__dict__)
 
 
+def torch_npu_python() -> tuple[Optional[Path], str]:
+    """The torch_npu venv's python, or None and why there is none (setup-torch-npu.sh leaves the
+    reason of its last failure in ``.build/torch-npu.why``)."""
+    venv = paths.build_dir() / "torch-npu"
+    python = venv / "bin" / "python"
+    if os.access(python, os.X_OK) and (venv / ".npusnap-ok").is_file():
+        return python, ""
+    why_file = paths.build_dir() / "torch-npu.why"
+    try:
+        why = " ".join(why_file.read_text().split("\n")[:1]).strip()
+    except OSError:
+        why = ""
+    if not why:
+        why = (
+            f"{venv} was not built by scripts/setup-torch-npu.sh (`make demo` runs it)"
+            if not python.exists()
+            else f"{venv} is unfinished (no .npusnap-ok): run scripts/setup-torch-npu.sh again"
+        )
+    return None, why
+
+
 def _npusnap() -> list[str]:
     exe = Path(sys.executable).parent / "npusnap"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "npusnap_cli"]
 
 
-def _workload_args(s: DemoSettings, interval: float) -> list[str]:
+def _workload_args(s: DemoSettings, interval: float, phase: Optional[Path] = None) -> list[str]:
+    if s.workload == "torch_npu":
+        args = ["--steps", str(s.steps), "--interval", str(interval), "--device", f"npu:{s.device}"]
+        return [str(TORCH_NPU_BLOCK), *args, *(["--phase", str(phase)] if phase else [])]
     common = ["--steps", str(s.steps), "--interval", str(interval), "--device", str(s.device)]
     common += ["--seed", str(s.seed)]
     if s.workload == "compute":
@@ -119,15 +152,47 @@ def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _caught(phase_file: Path) -> Optional[str]:
+    """What torch_npu_block.py's phase file said when the dump stopped it ("backward 12")."""
+    try:
+        text = phase_file.read_bytes().decode(errors="replace").strip("\0 ")
+    except OSError:
+        return None
+    return text or None
+
+
 def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     if os.geteuid() != 0:
         raise PreflightError(
             "the demo needs root", why="CRIU dump and restore run as root", fix="sudo make demo"
         )
+    python = Path(sys.executable)
+    unavailable: Optional[str] = None
+    if settings.workload in (AUTO, "torch_npu"):
+        found, why = torch_npu_python()
+        if found is not None:
+            python = found
+            settings = dataclasses.replace(settings, workload="torch_npu")
+        elif settings.workload == "torch_npu":
+            raise PreflightError(
+                "--workload torch_npu: no torch_npu venv",
+                why=why,
+                fix="run ./scripts/setup-torch-npu.sh (or make demo), or choose --workload compute",
+            )
+        else:
+            unavailable = why
+            settings = dataclasses.replace(settings, workload="compute")
     work = settings.workdir or Path(tempfile.mkdtemp(prefix="npusnap-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     image = work / "img"
-    result = DemoResult(workdir=str(work), image=str(image))
+    phase_file = work / "phase"
+    result = DemoResult(
+        workdir=str(work), image=str(image), workload=settings.workload, torch_npu_unavailable=unavailable
+    )
+    if unavailable:
+        report("workload", f"no torch_npu venv ({unavailable}): running the built-in workload instead")
+    elif settings.workload == "torch_npu":
+        report("workload", f"torch_npu: an attention block trained by the real torch_npu wheel ({python})")
     t0 = time.monotonic()
 
     def mark(name: str, since: float) -> float:
@@ -151,7 +216,7 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     name = WORKLOADS[settings.workload].name
     report("reference", f"uninterrupted reference run of {name} ({settings.steps} steps)")
     ref = subprocess.run(
-        [sys.executable, *_workload_args(settings, 0.0)], env=env, capture_output=True, text=True, timeout=300
+        [str(python), *_workload_args(settings, 0.0)], env=env, capture_output=True, text=True, timeout=600
     )
     if ref.returncode != 0:
         raise NpusnapError("the reference run failed", details={"stderr": ref.stderr.splitlines()[-10:]})
@@ -161,11 +226,17 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
 
     log = work / "train.log"
     script = WORKLOADS[settings.workload]
-    report("launch", f"npusnap run -- python3 {script.name} (output in {log})")
+    report("launch", f"npusnap run -- {python.name} {script.name} (output in {log})")
     with open(log, "w") as out, open(os.devnull) as devnull:
         # Detached (own session, no terminal, output to a file): that is what CRIU can restore.
         proc = subprocess.Popen(
-            [*_npusnap(), "run", "--", sys.executable, *_workload_args(settings, settings.interval_s)],
+            [
+                *_npusnap(),
+                "run",
+                "--",
+                str(python),
+                *_workload_args(settings, settings.interval_s, phase_file),
+            ],
             stdin=devnull,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -177,7 +248,8 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
     try:
         _wait_for(
             lambda: len(_read_lines(log)) >= settings.dump_after or proc.poll() is not None,
-            60,
+            # torch_npu's import and first steps take seconds on a loaded 2-core machine
+            180 if settings.workload == "torch_npu" else 60,
             f"{settings.dump_after} training steps",
         )
         if proc.poll() is not None:
@@ -196,6 +268,9 @@ def run_demo(settings: DemoSettings, report: Report) -> DemoResult:
         # What the job printed until the lock stopped it (it trained on while the dump started).
         result.lines_before_dump = len(_read_lines(log))
         report("dump", f"process {proc.pid} is gone; it printed {result.lines_before_dump} steps first")
+        result.dump_caught = _caught(phase_file) if settings.workload == "torch_npu" else None
+        if result.dump_caught:
+            report("dump", f"the dump stopped the job in: {result.dump_caught} (phase, step)")
         t = mark("dump", t)
 
         pidfile = work / "restored.pid"

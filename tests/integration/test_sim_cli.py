@@ -99,3 +99,61 @@ def test_daemon_bandwidth_cap_slows_copies(private_socket: dict[str, str]) -> No
     assert res.returncode == 0, res.stderr
     # 3 copies of 4 MiB (init H2D, step D2H + H2D) at 20 MB/s take at least ~0.6 s
     assert took >= 0.6
+
+
+# The operators the attention block (workloads/torch_npu_block.py) and a small training step use
+# (the torch_npu notes' list): `sim ops` must count every one as implemented, or the job could not run.
+# fmt: off
+BLOCK_OPS = [
+    "Add", "Adds", "InplaceAdd", "InplaceAdds", "Mul", "Muls", "InplaceMul", "InplaceMuls", "Subs",
+    "Divs", "Sub", "Div", "Matmul", "Mm", "Addmm", "ReduceSum", "Mean", "Tril",
+    "InplaceMaskedFillScalar", "BitwiseNot", "Softmax", "SoftmaxBackward", "Gelu", "GeluBackward",
+    "Embedding", "EmbeddingDenseBackward", "LayerNorm", "LayerNormBackward", "LogSoftmax",
+    "NLLLoss", "NLLLossBackward", "InplaceCopy", "InplaceAddcmul", "InplaceAddcdiv",
+    "ForeachAddListV2", "ForeachLerpScalar", "ForeachNorm", "BatchMatMul",
+]
+# fmt: on
+
+
+def test_sim_ops_compares_the_wheels_lookups_with_the_simulators_exports(
+    private_socket: dict[str, str], torch_npu_python: str, tmp_path: Path
+) -> None:
+    """`npusnap sim ops` reads the wheel's aclnn names and libopapi.so's exports (no daemon needed):
+    the counts add up, the lists agree with `nm -D`, --missing prints the rest, and the generated
+    page (docs/simulator-ops.md) is current."""
+    env = private_socket
+    done = npusnap(env, "sim", "ops", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)["result"]
+    implemented, missing = set(doc["implemented"]), set(doc["missing"])
+    assert doc["looked_up_count"] == len(implemented) + len(missing) > 800  # 2.13.0: 915
+    assert doc["implemented_count"] == len(implemented) and doc["missing_count"] == len(missing)
+    assert not implemented & missing
+    assert not [
+        n for n in implemented | missing if n.endswith("GetWorkspaceSize") or not n.startswith("aclnn")
+    ]
+    assert {f"aclnn{op}" for op in BLOCK_OPS} <= implemented
+    nm = subprocess.run(
+        ["nm", "-D", "--defined-only", doc["opapi"]], capture_output=True, text=True, check=True
+    )
+    exported = {ln.split()[-1] for ln in nm.stdout.splitlines() if ln.split()[-1].startswith("aclnn")}
+    assert implemented <= exported and not missing & exported
+    assert set(doc["extra"]) == {n for n in exported if not n.endswith("GetWorkspaceSize")} - implemented
+
+    listed = npusnap(env, "sim", "ops", "--missing")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == doc["missing"]
+    assert f"missing      {len(missing)}" in listed.stderr
+    # the venv's own python directory is as good as the default site-packages
+    venv = Path(torch_npu_python).parent.parent
+    assert npusnap(env, "sim", "ops", "--torch-npu", str(venv)).stdout.split() == doc["implemented"]
+
+    absent = npusnap(env, "sim", "ops", "--torch-npu", str(tmp_path))
+    assert absent.returncode == 3, absent.stderr  # preflight
+    assert f"no torch_npu wheel at {tmp_path}" in absent.stderr and "setup-torch-npu.sh" in absent.stderr
+
+    page = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[2] / "scripts" / "gensimops.py"), "--check"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert page.returncode == 0, page.stderr

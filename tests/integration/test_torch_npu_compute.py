@@ -5,7 +5,7 @@ The per-operator checkers (tests/torch_npu/check_*.py) compare every implemented
 forward and backward with the CPU on non-contiguous views, in float32, float16 and bfloat16, and
 rerun each case to require identical bits; the generation checker decodes greedily with a small
 GPT built in the process and must match the CPU token for token. The training tests run the
-attention block of block_job.py (embedding, LayerNorm, causal attention, GELU MLP,
+attention block of npusnap_cli/workloads/torch_npu_block.py (embedding, LayerNorm, causal attention, GELU MLP,
 cross-entropy, AdamW or SGD with their default foreach settings, gradient clipping) for 20 steps
 and compare every loss with the CPU's, in every task-queue mode and with expandable segments.
 """
@@ -23,10 +23,13 @@ from tests.integration.dumplib import REPO
 pytestmark = [pytest.mark.integration, requires_root]
 
 SCRIPTS = REPO / "tests" / "torch_npu"
+# The attention block is the demo's workload too: one definition, in the package.
+BLOCK = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_block.py")
 FAST = {"NPUSIM_KERNEL_BLOCK_US": "0"}
 
 
 def _run(python: str, env: dict[str, str], script: str, *args: str, timeout: float = 600) -> str:
+    """Run a checker of SCRIPTS by name, or a script by its absolute path."""
     done = subprocess.run(
         [python, str(SCRIPTS / script), *args],
         env=dict(env, **FAST),
@@ -63,14 +66,14 @@ def test_the_attention_block_trains_like_the_cpu(
     name: str, extra: dict[str, str], args: list[str], torch_npu_python: str, sim_env: dict[str, str]
 ) -> None:
     steps = ["--steps", "20", *args]
-    npu = _run(torch_npu_python, dict(sim_env, **extra), "block_job.py", *steps)
+    npu = _run(torch_npu_python, dict(sim_env, **extra), BLOCK, *steps)
     cpu_env = dict(sim_env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    cpu = _run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", *steps)
+    cpu = _run(torch_npu_python, cpu_env, BLOCK, "--device", "cpu", *steps)
     got, want = _losses(npu), _losses(cpu)
     assert len(got) == len(want) == 20, npu + cpu
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= 1e-4 * abs(w), f"step {step}: npu {g} cpu {w}\n{npu}\n{cpu}"
-    again = _run(torch_npu_python, dict(sim_env, **extra), "block_job.py", *steps)
+    again = _run(torch_npu_python, dict(sim_env, **extra), BLOCK, *steps)
     assert again == npu, "a second run on the simulated NPU differs: not deterministic"
 
 
@@ -91,12 +94,10 @@ def test_mixed_precision_trains_like_cpu_autocast(
     policies keep different precisions per op (the CPU's autocast lists fewer ops), the
     difference stays inside these bounds."""
     steps = ["--steps", "20"]
-    npu = _losses(_run(torch_npu_python, sim_env, "block_job.py", *steps, "--autocast", dtype))
+    npu = _losses(_run(torch_npu_python, sim_env, BLOCK, *steps, "--autocast", dtype))
     cpu_env = dict(sim_env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    cpu = _losses(
-        _run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", *steps, "--autocast", dtype)
-    )
-    fp32 = _losses(_run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", *steps))
+    cpu = _losses(_run(torch_npu_python, cpu_env, BLOCK, "--device", "cpu", *steps, "--autocast", dtype))
+    fp32 = _losses(_run(torch_npu_python, cpu_env, BLOCK, "--device", "cpu", *steps))
     assert len(npu) == len(cpu) == len(fp32) == 20
     for step, (g, c, f) in enumerate(zip(npu, cpu, fp32)):
         assert abs(g - c) <= 2e-2 * abs(c), f"step {step}: npu {g}, cpu autocast {c}"
@@ -105,11 +106,9 @@ def test_mixed_precision_trains_like_cpu_autocast(
 
 def test_a_half_model_infers_like_the_cpu(torch_npu_python: str, sim_env: dict[str, str]) -> None:
     """model.half(): every op in float16 on both sides; losses within 1e-3 relative."""
-    npu = _losses(_run(torch_npu_python, sim_env, "block_job.py", "--steps", "10", "--half"))
+    npu = _losses(_run(torch_npu_python, sim_env, BLOCK, "--steps", "10", "--half"))
     cpu_env = dict(sim_env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    cpu = _losses(
-        _run(torch_npu_python, cpu_env, "block_job.py", "--device", "cpu", "--steps", "10", "--half")
-    )
+    cpu = _losses(_run(torch_npu_python, cpu_env, BLOCK, "--device", "cpu", "--steps", "10", "--half"))
     assert len(npu) == len(cpu) == 10
     for step, (g, c) in enumerate(zip(npu, cpu)):
         assert abs(g - c) <= 1e-3 * abs(c), f"step {step}: npu {g}, cpu {c}"

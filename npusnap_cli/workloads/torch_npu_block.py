@@ -1,5 +1,10 @@
-"""A real torch_npu training job for the snapshot tests: a small attention block (embedding,
-LayerNorm, causal attention, GELU MLP, cross-entropy) trained with a default-settings optimizer.
+"""A real torch_npu training job: a small attention block (embedding, LayerNorm, causal attention,
+GELU MLP, cross-entropy) trained with a default-settings optimizer. The demo runs it (when the
+torch_npu venv of scripts/setup-torch-npu.sh exists), so do the snapshot and compute tests and
+the torch_npu benchmark (bench/torchnpu.py)::
+
+    eval "$(npusnap sim env)"
+    npusnap run -- .build/torch-npu/bin/python npusnap_cli/workloads/torch_npu_block.py --steps 30
 
 Each step prints ``step N loss L params H`` (H: a hash of every parameter's bytes), so that a run
 dumped and restored midway can be compared line for line with an uninterrupted one. The job
@@ -15,6 +20,9 @@ file saying ``PHASE 2 stalled`` meanwhile, so that a dump taken then lands there
 queued before it (and 300 launches on a scratch tensor) still in flight. Neither changes a number.
 
 Runs on the CPU as well (``--device cpu``), which the tests use as the oracle for the numbers.
+``--times FILE`` writes each step's wall-clock seconds there, one a line (never to stdout or
+stderr, which must read the same with and without npusnap); ``--threads N`` sets
+torch.set_num_threads (the benchmark compares the device with the CPU at the same count).
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# torch is the torch_npu venv's (scripts/setup-torch-npu.sh), not npusnap's: no stubs for mypy here.
+import torch  # type: ignore[import-not-found]
+import torch.nn as nn  # type: ignore[import-not-found]
+import torch.nn.functional as F  # type: ignore[import-not-found]
 
 PHASES = ("idle", "h2d", "forward", "backward", "optimizer", "burst", "sync")
 
@@ -50,7 +59,7 @@ class Phase:
             self.map[:64] = text.encode().ljust(64)
 
 
-class Block(nn.Module):
+class Block(nn.Module):  # type: ignore[misc]
     def __init__(self, vocab: int, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -118,9 +127,14 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--times", default=None, help="file for each step's wall-clock seconds")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = ap.parse_args()
-    if args.device == "npu":
-        import torch_npu  # noqa: F401  (torch 2.13 autoloads it; explicit for older ones)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    times = open(args.times, "w") if args.times else None  # noqa: SIM115  (open for the whole run)
+    if args.device.startswith("npu"):
+        import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (torch 2.13 autoloads it; explicit for older ones)
     dev = torch.device(args.device)
     phase = Phase(args.phase)
     scratch = torch.zeros(8, device=dev)
@@ -137,6 +151,10 @@ def main() -> int:
             stall_step[0] = -1
 
     stall_step = [0]
+
+    def stall_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        pause("backward")
+        return grad
 
     torch.manual_seed(0)
     model = Block(args.vocab, args.dim, 4).to(dev)
@@ -165,6 +183,7 @@ def main() -> int:
     # optimizer kernels: a copy in flight while the step finishes.
     batch = next(source).to(dev, non_blocking=True)
     for step in range(args.steps):
+        started = time.perf_counter()
         stall_step[0] = step if stall_step[0] >= 0 else -1
         phase.set("forward", step)
         if args.autocast:
@@ -173,7 +192,7 @@ def main() -> int:
         else:
             logits = model(batch[:, :-1])
         if stall and stall_phase == "backward":
-            logits.register_hook(lambda g: (pause("backward"), g)[1])
+            logits.register_hook(stall_in_backward)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
         for o in opts:
             o.zero_grad()
@@ -200,6 +219,9 @@ def main() -> int:
         if args.empty_cache and dev.type == "npu":
             torch.npu.empty_cache()
         phase.set("idle", step)
+        if times is not None:
+            times.write(f"{time.perf_counter() - started:.6f}\n")
+            times.flush()
         print(line, flush=True)
         if args.interval:
             time.sleep(args.interval)
