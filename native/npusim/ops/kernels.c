@@ -4,7 +4,7 @@
  * signature of npusim_kernel.h and runs on the runtime's engine thread when its stream reaches it.
  *
  * Every operator runs through npusim_op, which dispatches to its row's kernel (ops_list.h). A
- * kernel computes its output, then kcost() charges NPUSIM_KERNEL_BLOCK_US (default 100)
+ * kernel computes its output, then kcost() charges NPUSIM_KERNEL_BLOCK_US (default 0, memory speed)
  * microseconds per block (blockDim blocks, as many AI cores would take a share of the output
  * each), so that a kernel takes visible time on tensors this small; 0 runs at memory speed. */
 #define _GNU_SOURCE
@@ -19,7 +19,7 @@
 static long block_us(void) {
     const char *v = getenv("NPUSIM_KERNEL_BLOCK_US");
     if (v && *v) return atol(v) > 0 ? atol(v) : 0;
-    return 100;
+    return 0;
 }
 
 static void block_cost(long us) {
