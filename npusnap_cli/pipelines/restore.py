@@ -41,8 +41,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, criu, paths, safefs
+from npusnap_cli import acl, contract, criu, safefs
 from npusnap_cli import image as img
+from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
@@ -56,7 +57,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import devmaps, ghostlock, hostclean, hostres, lazypages, pidns, procfs
+from npusnap_cli.host import ghostlock, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
@@ -256,53 +257,37 @@ def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
 
 
 def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
-    """Restore claims the same device ids (or those of ``device_map``), which must be free of
-    every other process (runtime
-    design doc: "若Device被其他进程占用，则恢复失败"). Found the way a real node allows, for every
-    image: the processes of this host that have NPU device memory mapped or a device file open
-    (/proc, host/devmaps.py) and the image's CANN installation loaded; those with an npusnap
-    agent name their devices (its hello: the devices its job opened, or its runtime's LOCK_PRE
-    callbacks). One that holds a device of the image: refused (BusyError). One without an agent
-    cannot say which device it uses (the driver maps one SVM span for all devices and
-    /dev/davinciN is never held open): returned as a note. Jobs of another CANN installation are
-    not asked (on the simulator each tree is a node of its own); on a node they, like the ones
-    without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
-    and the restored process stays locked, to be retried or killed."""
-    moved = dict(device_map)
-    wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
+    """Restore claims the image's devices (or those of ``device_map``), which must be free of
+    every other process (runtime design doc: "若Device被其他进程占用，则恢复失败"). Compared as
+    physical devices (device/occupancy.py): what a copy in a container or a job with
+    ASCEND_RT_VISIBLE_DEVICES calls device 0 may be another device. One that holds a device of the
+    image: refused (BusyError). One without an agent cannot say which device it uses: returned as
+    a note. Jobs of another CANN installation are not asked (on the simulator each tree is a node
+    of its own); on a node they, like the ones without an agent, meet the runtime's own check:
+    Restore refuses an occupied device (507909) and the restored process stays locked, to be
+    retried or killed."""
+    wanted = occupancy.image_devices(manifest, device_map)
     if not wanted:
         return []
-    image_pids = frozenset(p.pid for p in manifest.processes)
-    busy: list[tuple[int, int]] = []
-    unknown: list[int] = []
-    home = manifest.versions.cann_home
-    for pid in devmaps.npu_users(exclude=image_pids):
-        library = acl.loaded_acl_library(pid)
-        if home and library and os.path.realpath(acl.home_of_library(library)) != os.path.realpath(home):
-            continue
-        devices: Optional[list[int]] = None
-        if paths.find_agent_socket(pid) is not None:
-            try:
-                with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as client:
-                    acl_info = client.hello().get("acl") or {}
-                devices = [
-                    int(d) for d in (acl_info.get("devices") or acl_info.get("callback_devices") or [])
-                ]
-            except NpusnapError:
-                devices = None
-        if devices is None:
-            unknown.append(pid)
-            continue
-        busy += [(d, pid) for d in devices if d in wanted]
+    # Without a pid namespace of its own an image pid in use is the pid check's (the original,
+    # usually); with one, the original keeps its host pids and is just another process here.
+    image_pids = frozenset() if manifest.pid_ns else frozenset(p.pid for p in manifest.processes)
+    users = occupancy.device_users(
+        manifest.versions.cann_home, bool(manifest.versions.cann_simulated), image_pids
+    )
+    busy = [(d, u) for u in users for d in (u.devices or ()) if d in wanted]
     if busy:
-        text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
+        text = ", ".join(f"device {d} by {u.who()} ({_proc_desc(u.pid)})" for d, u in busy)
         raise BusyError(
             f"device(s) of the image are occupied: {text}",
-            why="the device state is restored onto the same device id, which must be free of every "
+            why="the device state is restored onto the same device, which must be free of every "
             "other process",
-            fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
-            details={"busy": [{"device": d, "pid": o} for d, o in busy]},
+            fix=f"stop pid {busy[0][1].pid} (or wait for it to finish)"
+            + ("" if device_map else ", or restore onto free devices with --device-map")
+            + ", then restore again",
+            details={"busy": [{"device": d, "pid": u.pid, "ns_pid": u.ns_pid} for d, u in busy]},
         )
+    unknown = [u.pid for u in users if u.devices is None]
     if not unknown:
         return []
     return [
@@ -438,8 +423,7 @@ def _devices(pf: Preflight) -> str:
     notes = check_devices_free(pf.manifest, pf.options.device_map)
     for n in notes:
         pf.tell(n)
-    moved = dict(pf.options.device_map)
-    devices = sorted({moved.get(d, d) for p in pf.manifest.npu_processes for d in (p.devices or ())})
+    devices = sorted(occupancy.image_devices(pf.manifest, pf.options.device_map))
     return f"device(s) {', '.join(map(str, devices)) or '-'} free" + "".join(f"; {n}" for n in notes)
 
 

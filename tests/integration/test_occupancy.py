@@ -1,0 +1,109 @@
+"""Device occupancy as the node has it: copies in containers of the simulated NPU hold the
+devices their containers hold (not the ids their programs use), and the running original of a
+`--pid-ns` image holds its device; `restore --dry-run`, restore and `status` agree on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npusnap_cli.errors import ExitCode
+from tests.integration.dumplib import (
+    PY,
+    TRAIN,
+    TRAIN_ARGS,
+    alive,
+    cli,
+    job_env,
+    kill,
+    private_sim,
+    wait_until,
+)
+from tests.integration.test_pidns import lines, nspid, start_ns_job
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def sim_env() -> Iterator[dict[str, str]]:
+    """Four devices: the original on 0, copies on 1 and 2."""
+    with private_sim(devices=4, capacity_bytes=64 << 20) as env:
+        yield env
+
+
+def _error(res: Any, err: str) -> Any:
+    return (res or {}).get("error") or err
+
+
+def _busy(res: Any) -> Any:
+    """The refusal's error: the envelope's, or the devices check's of a dry run."""
+    assert res is not None
+    if res.get("error"):
+        return res["error"]
+    (check,) = [c for c in res["result"]["checks"] if c["name"] == "devices"]
+    return check["error"]
+
+
+def test_copies_in_containers_and_a_running_original_hold_their_own_devices(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    env = job_env(sim_env, runtime_dir)
+    out = tmp_path / "job.out"
+    img = str(tmp_path / "img")
+    pid = start_ns_job(env, out, [PY, TRAIN, *TRAIN_ARGS, "--steps", "4000", "--device", "0"])
+    roots: list[int] = []
+    restored = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 60, "steps")
+        rc, res, err = cli(env, "dump", str(pid), img, "--leave-running")
+        assert rc == 0, _error(res, err)
+
+        # The original runs on device 0 under its host pid, which the image names: its device
+        # is taken, for the dry run and the restore alike, and nothing is restored.
+        for extra in (["--dry-run"], []):
+            rc, res, err = cli(env, "restore", img, *extra)
+            assert rc == ExitCode.BUSY, (extra, rc, _error(res, err))
+            busy = _busy(res)
+            assert busy["details"]["busy"] == [{"device": 0, "pid": pid, "ns_pid": 1}], busy
+            assert f"stop pid {pid}" in busy["fix"]
+
+        # Two copies beside it, in containers holding devices 1 and 2: each says "device 0".
+        rc, res, err = cli(
+            env, "restore", img, "--replicas", "2", "--device-map", "0=1", "--device-map", "0=2"
+        )
+        assert rc == 0 and res is not None, _error(res, err)
+        roots = [int(r["root_pid"]) for r in res["result"]["replicas"]]
+        for i, root in enumerate(roots):
+            rc, st, err = cli(env, "status", str(root))
+            assert rc == 0 and st is not None, err
+            entry = st["result"]["processes"][0]
+            assert (entry["pid"], entry["ns_pid"]) == (root, nspid(root)[-1]) == (root, 1)
+            assert entry["devices"] == [i + 1] and entry["program_devices"] == [0], entry
+
+        # A third copy onto device 1 is refused, naming the copy there by its host pid.
+        rc, res, err = cli(env, "restore", img, "--device-map", "0=1", "--dry-run")
+        assert rc == ExitCode.BUSY, _error(res, err)
+        assert [b["pid"] for b in _busy(res)["details"]["busy"]] == [roots[0]]
+
+        # Once the original is gone, device 0 is free, although both copies call theirs 0.
+        kill(pid)
+        rc, res, err = cli(env, "restore", img, "--dry-run")
+        assert rc == 0, _error(res, err)
+        rc, res, err = cli(env, "restore", img)
+        assert rc == 0 and res is not None, _error(res, err)
+        restored = int(res["result"]["root_pid"])
+        rc, st, err = cli(env, "status", str(restored))
+        assert rc == 0 and st is not None, err
+        assert st["result"]["processes"][0]["devices"] == [0]
+        rc, sim, err = cli(env, "sim", "status")
+        assert rc == 0 and sim is not None, err
+        owners = {d["id"]: {o["pid"] for o in d["owners"] if o["alive"]} for d in sim["result"]["devices"]}
+        assert owners[0] == {restored} and owners[1] == {roots[0]} and owners[2] == {roots[1]}, owners
+        assert all(alive(p) for p in (*roots, restored))
+    finally:
+        for p in (restored, *roots, pid):
+            if p:
+                kill(p)
