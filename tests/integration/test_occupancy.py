@@ -107,3 +107,43 @@ def test_copies_in_containers_and_a_running_original_hold_their_own_devices(
         for p in (restored, *roots, pid):
             if p:
                 kill(p)
+
+
+def _owners(env: dict[str, str]) -> dict[int, set[int]]:
+    rc, sim, err = cli(env, "sim", "status")
+    assert rc == 0 and sim is not None, err
+    return {d["id"]: {o["pid"] for o in d["owners"] if o["alive"]} for d in sim["result"]["devices"]}
+
+
+def test_a_device_map_onto_no_device_is_refused_before_anything(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A device map onto a device the node lacks is refused by the dry run and the restore before
+    anything is touched (exit 2)."""
+    env = job_env(sim_env, runtime_dir)
+    out = tmp_path / "job.out"
+    img = str(tmp_path / "img")
+    pid = start_ns_job(env, out, [PY, TRAIN, *TRAIN_ARGS, "--steps", "4000", "--device", "0"])
+    blocker = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 60, "steps")
+        rc, res, err = cli(env, "dump", str(pid), img, "--leave-running")
+        assert rc == 0, _error(res, err)
+        before = _owners(env)
+        sockets = sorted(p.name for p in runtime_dir.iterdir())
+
+        for argv in (
+            ["--device-map", "0=9", "--dry-run"],
+            ["--device-map", "0=9"],
+        ):
+            rc, res, err = cli(env, "restore", img, *argv)
+            assert rc == ExitCode.USAGE, (argv, rc, _error(res, err))
+            got = _busy(res) if "--dry-run" in argv else res["error"]  # type: ignore[index]
+            assert "does not have" in got["message"] and got["details"]["missing_devices"] == [9], got
+            assert _owners(env) == before and sorted(p.name for p in runtime_dir.iterdir()) == sockets
+
+        assert alive(pid)
+    finally:
+        for p in (blocker, pid):
+            if p:
+                kill(p)
