@@ -256,7 +256,11 @@ def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
     return out
 
 
-def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
+def check_devices_free(
+    manifest: img.Manifest,
+    device_map: tuple[tuple[int, int], ...] = (),
+    users: Optional[list[occupancy.DeviceUse]] = None,
+) -> list[str]:
     """Restore claims the image's devices (or those of ``device_map``), which must be free of
     every other process (runtime design doc: "若Device被其他进程占用，则恢复失败"). Compared as
     physical devices (device/occupancy.py): what a copy in a container or a job with
@@ -269,12 +273,8 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
     wanted = occupancy.image_devices(manifest, device_map)
     if not wanted:
         return []
-    # Without a pid namespace of its own an image pid in use is the pid check's (the original,
-    # usually); with one, the original keeps its host pids and is just another process here.
-    image_pids = frozenset() if manifest.pid_ns else frozenset(p.pid for p in manifest.processes)
-    users = occupancy.device_users(
-        manifest.versions.cann_home, bool(manifest.versions.cann_simulated), image_pids
-    )
+    if users is None:
+        users = device_users(manifest)
     busy = [(d, u) for u in users for d in (u.devices or ()) if d in wanted]
     if busy:
         text = ", ".join(f"device {d} by {u.who()} ({_proc_desc(u.pid)})" for d, u in busy)
@@ -295,6 +295,16 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
         f"device: if one of them holds device(s) {sorted(wanted)}, the runtime's Restore refuses "
         "(507909) and the restored process stays locked"
     ]
+
+
+def device_users(manifest: img.Manifest) -> list[occupancy.DeviceUse]:
+    """The NPU processes a restore of ``manifest`` must not share a device with (``users`` of
+    check_devices_free: one look for several checks)."""
+    # Without a pid namespace of its own an image pid in use is the pid check's (the original,
+    # usually); with one, the original keeps its host pids and is just another process here.
+    image_pids = frozenset() if manifest.pid_ns else frozenset(p.pid for p in manifest.processes)
+    v = manifest.versions
+    return occupancy.device_users(v.cann_home, bool(v.cann_simulated), image_pids)
 
 
 def prepare_sockets(manifest: img.Manifest) -> None:

@@ -147,3 +147,68 @@ def test_a_device_map_onto_no_device_is_refused_before_anything(
         for p in (blocker, pid):
             if p:
                 kill(p)
+
+
+def test_replicas_run_all_or_none(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """--replicas with one target device busy (or missing) is refused before any copy starts; a
+    copy that fails after another was restored makes the other one stop again, and the envelope
+    on stdout says so."""
+    env = job_env(sim_env, runtime_dir)
+    out = tmp_path / "job.out"
+    img = str(tmp_path / "img")
+    pid = start_ns_job(env, out, [PY, TRAIN, *TRAIN_ARGS, "--steps", "4000", "--device", "0"])
+    blocker = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 60, "steps")
+        rc, res, err = cli(env, "dump", str(pid), img, "--leave-running")
+        assert rc == 0, _error(res, err)
+        before = _owners(env)
+        rc, res, err = cli(
+            env, "restore", img, "--replicas", "2", "--device-map", "0=1", "--device-map", "0=9"
+        )
+        assert rc == ExitCode.USAGE and res is not None, _error(res, err)
+        assert _owners(env) == before
+
+        blocker = start_ns_job(
+            env, tmp_path / "b.out", [PY, TRAIN, *TRAIN_ARGS, "--steps", "4000", "--device", "2"]
+        )
+        wait_until(lambda: blocker in _owners(env)[2], 60, "the blocker on device 2")
+        before = _owners(env)
+        rc, res, err = cli(
+            env, "restore", img, "--replicas", "2", "--device-map", "0=1", "--device-map", "0=2"
+        )
+        assert rc == ExitCode.BUSY and res is not None, _error(res, err)
+        assert res["error"]["message"].startswith("replica 1: device(s) of the image are occupied")
+        assert res["error"]["details"]["busy"][0]["pid"] == blocker
+        assert _owners(env) == before
+
+        # Replica 1's pidfile cannot be written (a directory is there): its restore fails while
+        # replica 0's restores; replica 0 is stopped again and nothing runs.
+        (tmp_path / "replica-1.pid").mkdir()
+        rc, res, err = cli(
+            env,
+            "restore",
+            img,
+            "--replicas",
+            "2",
+            "--device-map",
+            "0=1",
+            "--device-map",
+            "0=3",
+            "--pidfile",
+            str(tmp_path / "replica-{n}.pid"),
+        )
+        assert rc == ExitCode.USAGE and res is not None, _error(res, err)
+        reps = res["error"]["details"]["replicas"]
+        assert res["error"]["details"]["running"] == [] and "no replica runs" in res["error"]["why"]
+        assert not reps[1]["ok"] and not reps[1]["stopped"]
+        assert reps[0]["stopped"] and not reps[0]["ok"], reps[0]
+        stopped = int(reps[0]["result"]["stopped_pid"])
+        assert not alive(stopped) and not (tmp_path / "replica-0.pid").exists()
+        assert f"stopped again (pids {stopped})" in res["error"]["why"]
+        wait_until(lambda: _owners(env) == before, 20, "the devices as before")
+        assert alive(pid) and alive(blocker)
+    finally:
+        for p in (blocker, pid):
+            if p:
+                kill(p)
