@@ -1014,6 +1014,7 @@ def _device_restore(st: RestoreState) -> None:
     """Restore + Unlock every NPU process (each as soon as its own Restore is done)."""
     res = st.restored
     npu_pids = st.npu_pids
+    img.stop_point("restore:device-restore")
     try:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
@@ -1304,6 +1305,35 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], 
     return elsewhere
 
 
+def _state_now(pid: int, group: Optional[DeviceGroup]) -> tuple[Optional[str], str]:
+    """(state, who unlocked it) that ``pid``'s agent reports now; (None, "") if it cannot say.
+    Asked over the group's own connection when it has one: the agent answers one client at a
+    time."""
+    try:
+        client = group.clients.get(pid) if group is not None else None
+        if client is not None:
+            st = client.status()
+        else:
+            with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as fresh:
+                st = fresh.status()
+    except NpusnapError:
+        return None, ""
+    events = " ".join(str(e) for e in st.get("events") or [])
+    by = (
+        "its agent's lease, which ran out meanwhile,"
+        if "lease rollback done" in events
+        else "another command"
+    )
+    state = st.get("state")
+    return (str(state) if state is not None else None), by
+
+
+def _strip_stay_locked(message: str) -> str:
+    """The message without DeviceGroup's note that the failed pids stay locked."""
+    head, sep, _tail = message.partition(" (pid(s) ")
+    return head if sep else message
+
+
 def _restore_and_unlock(
     npu_pids: tuple[int, ...],
     options: RestoreOptions,
@@ -1336,19 +1366,40 @@ def _restore_and_unlock(
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
-        err.details["locked_pids"] = sorted(int(p) for p in failed)
-        if group is not None:
+        # What the agents say now, not what the failure suggests: a lease that ran out while this
+        # restore was stopped (or slow) restored and unlocked its process by itself.
+        now = {int(p): _state_now(int(p), group) for p in failed}
+        running = sorted(p for p, (state, _by) in now.items() if state == contract.SnapshotState.RUNNING.name)
+        locked = sorted(p for p in now if p not in running)
+        err.details["locked_pids"] = locked
+        err.details["running_pids"] = running
+        if group is not None and locked:
             # The failed processes stay locked, owned by the dump's token: hand it to `thaw`.
-            group.hand_over(err.details["locked_pids"])
+            group.hand_over(locked)
         if "CRIU restored" not in err.message:
             err.message = (
                 f"CRIU restored the tree (root pid {root_pid}), but the device restore failed: {err.message}"
             )
-        hint = " ; ".join(f"npusnap status {p} ; npusnap thaw {p}" for p in err.details["locked_pids"])
-        err.fix = (
-            f"the failed process(es) stay locked, the others run. Look at them and retry: {hint} "
-            "(thaw restores the device state if needed, then unlocks)"
-        )
+        if running:
+            err.message = (
+                _strip_stay_locked(err.message)
+                + "; "
+                + "; ".join(
+                    f"pid {p} runs: {now[p][1]} restored its device state and unlocked it" for p in running
+                )
+            )
+        if locked:
+            hint = " ; ".join(f"npusnap status {p} ; npusnap thaw {p}" for p in locked)
+            err.fix = (
+                f"pid(s) {', '.join(map(str, locked))} stay locked, the others run. Look at them and "
+                f"retry: {hint} (thaw restores the device state if needed, then unlocks)"
+            )
+        else:
+            err.fix = (
+                "nothing is left locked: "
+                + " ; ".join(f"npusnap status {p}" for p in running)
+                + (" shows it running; give the job a longer lease at dump (--lease) if the restore may wait")
+            )
         raise
     finally:
         if group is not None:
