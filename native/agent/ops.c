@@ -782,7 +782,8 @@ void ops_tick(void) {
     if (do_rollback(&res, &e) == 0) {
         ops_event("lease rollback done: state %s", state_name(state_now()) ? state_name(state_now()) : "unknown");
     } else {
-        ops_event("lease rollback FAILED: %s; run `npusnap thaw %d`", e.message, user_pid());
+        /* The command first: an event is cut at its buffer's end, and the message can be long. */
+        ops_event("lease rollback FAILED, run `npusnap thaw %d`: %s", user_pid(), e.message);
     }
     err_free(&e);
     sb_free(&res);

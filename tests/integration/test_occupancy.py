@@ -4,17 +4,23 @@ devices their containers hold (not the ids their programs use), and the running 
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from npusnap_cli import image
+from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import procfs
 from tests.integration.dumplib import (
+    NPUSNAP,
     PY,
     TRAIN,
     TRAIN_ARGS,
+    agent_state,
     alive,
     cli,
     job_env,
@@ -210,5 +216,52 @@ def test_replicas_run_all_or_none(sim_env: dict[str, str], runtime_dir: Path, tm
         assert alive(pid) and alive(blocker)
     finally:
         for p in (blocker, pid):
+            if p:
+                kill(p)
+
+
+def test_a_stuck_copy_is_named_by_its_host_pid(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A copy of a `--pid-ns` job is pid 1 in its namespace. When its lease's rollback fails (its
+    device-memory file was moved away while its restore was stopped), the agent's message names
+    the host pid to thaw, and that thaw brings the copy back once the file is there again."""
+    env = job_env(sim_env, runtime_dir)
+    out = tmp_path / "job.out"
+    img = tmp_path / "img"
+    pid = start_ns_job(env, out, [PY, TRAIN, *TRAIN_ARGS, "--steps", "4000", "--device", "3"])
+    copy = 0
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 60, "steps")
+        rc, res, err = cli(env, "dump", str(pid), str(img), "--lease", "3")
+        assert rc == 0, _error(res, err)
+        restore = subprocess.Popen(
+            [NPUSNAP, "restore", str(img), "--json"],
+            env={**env, "NPUSNAP_TEST_STOP_AT": "restore:device-restore"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        moved = tmp_path / "device-moved"
+        try:
+            wait_until(lambda: procfs.state(restore.pid) == "T", 120, "the restore to stop")
+            (img / image.DEVICE_SUBDIR).rename(moved)
+            copies = [int(p) for p in subprocess.check_output(["pgrep", "-f", TRAIN], text=True).split()]
+            (copy,) = [p for p in copies if p != pid and nspid(p)[-1] == 1]
+
+            def events() -> str:
+                with AgentClient(copy) as c:
+                    return " ".join(str(e) for e in c.status().get("events") or [])
+
+            wait_until(lambda: "lease rollback FAILED" in events(), 60, "the lease's rollback")
+            assert f"run `npusnap thaw {copy}`" in events() and "thaw 1`" not in events(), events()
+        finally:
+            restore.kill()
+            restore.wait(30)
+        moved.rename(img / image.DEVICE_SUBDIR)
+        rc, res, err = cli(env, "thaw", "--force", str(copy))
+        assert rc == 0, _error(res, err)
+        assert agent_state(copy) == "RUNNING"
+    finally:
+        for p in (copy, pid):
             if p:
                 kill(p)
