@@ -47,7 +47,7 @@ from npusnap_cli import __version__, acl, contract, criu
 from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.device import attach as attach_mod
-from npusnap_cli.device.devicegroup import DeviceGroup, refuse_stopped
+from npusnap_cli.device.devicegroup import DeviceGroup, forget_taken_over, refuse_stopped
 from npusnap_cli.device.leasekeeper import LeaseKeeper, keeping
 from npusnap_cli.errors import (
     CriuError,
@@ -869,6 +869,8 @@ def _lock(s: DumpState) -> None:
     threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
     s.lock_start = time.monotonic()
     s.locking = True
+    # A note a `thaw --force` left for a dead command of this pid is not about this dump's lock.
+    forget_taken_over(s.target.npu_pids, os.getpid())
     files = _open_device_memory_files(s)
     try:
         # Ranks of one job all-reduce: one rank's collective waits for another's launch,
