@@ -26,6 +26,8 @@ REPO_ROOT = PACKAGE_DIR.parent
 
 SOCKET_SUFFIX = contract.AGENT_SOCKET_NAME.replace("{pid}", "")  # ".sock": what follows the pid
 LOCK_TOKEN_SUFFIX = ".lock-token"  # PID.lock-token beside PID.sock: a freeze's token for thaw
+# PID.lock-taken: the npusnap pid whose lock on PID a `thaw --force` took, for that command to see
+LOCK_TAKEN_SUFFIX = ".lock-taken"
 # A copy restored from an image of a job in its own pid namespace keeps its agent listening under
 # ``<pid at dump>-<tag>.sock`` (its new host pid is known only once CRIU made it, and the copy may
 # run beside the original): the agent's name in every image dumped from such a copy.

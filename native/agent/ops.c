@@ -245,6 +245,23 @@ static void owner_error(op_error *e, const char *name, const char *message) {
     owner_json(&e->extra);
 }
 
+/* The host pid, which /proc/self names (`npusnap run --pid-ns` keeps the host's /proc), read
+ * without opening a file. */
+static long host_pid_now(void) {
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return strtol(buf, NULL, 10);
+}
+
+/* The pid a message asks the user to act on: the host's. getpid() is 1 for init of a
+ * `--pid-ns` job, which on the host names another process entirely. */
+static int user_pid(void) {
+    long v = host_pid_now();
+    return v > 0 ? (int)v : (int)getpid();
+}
+
 /* 0 if the request may act on the lock; -1 with NOT_OWNER in e otherwise. */
 static int check_owner(const char *op, const jval *args, int allow_force, op_error *e) {
     if (!owner.set) return 0;
@@ -261,7 +278,7 @@ static int check_owner(const char *op, const jval *args, int allow_force, op_err
         for (int i = 0; i < 32; i++) diff |= (unsigned char)(tok->s[i] ^ owner.token[i]);
         if (!diff) return 0;
     }
-    snprintf(msg, sizeof msg, "pid %d is locked by %s; only its owner may %s it", (int)getpid(), who, op);
+    snprintf(msg, sizeof msg, "pid %d is locked by %s; only its owner may %s it", user_pid(), who, op);
     owner_error(e, NPUSNAP_ERR_NOT_OWNER, msg);
     return -1;
 }
@@ -414,7 +431,7 @@ static int devmem_reload(sbuf *steps, op_error *e) {
         err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_RELOAD_FAILED, rc,
                 "the runtime was restored but npusnap could not write the job's device memory back: %s; the "
                 "process stays locked (`npusnap thaw %d` tries again)",
-                err, (int)getpid());
+                err, user_pid());
         return -1;
     }
     device_restored = 0;
@@ -461,7 +478,7 @@ static void unlock_after_failure(op_error *e) {
         ops_event("unlock after a failed lock step FAILED: %s", again.message);
         size_t n = strlen(e->message);
         snprintf(e->message + n, sizeof e->message - n, " -- and Unlock FAILED: %s; run `npusnap thaw %d`",
-                 again.message, (int)getpid());
+                 again.message, user_pid());
     }
     err_free(&again);
 }
@@ -727,15 +744,6 @@ static void refresh_restored(void) {
 
 static int do_rollback(sbuf *res, op_error *e);
 
-/* The host pid, which /proc/self names (`npusnap run --pid-ns` keeps the host's /proc), read
- * without opening a file. */
-static long host_pid_now(void) {
-    char buf[32];
-    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    return strtol(buf, NULL, 10);
-}
 
 void ops_tick(void) {
     /* The tick opens no descriptor: one opened every 100 ms would, now and then, take the number a
@@ -774,7 +782,8 @@ void ops_tick(void) {
     if (do_rollback(&res, &e) == 0) {
         ops_event("lease rollback done: state %s", state_name(state_now()) ? state_name(state_now()) : "unknown");
     } else {
-        ops_event("lease rollback FAILED: %s; run `npusnap thaw %d`", e.message, (int)getpid());
+        /* The command first: an event is cut at its buffer's end, and the message can be long. */
+        ops_event("lease rollback FAILED, run `npusnap thaw %d`: %s", user_pid(), e.message);
     }
     err_free(&e);
     sb_free(&res);
@@ -893,7 +902,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         char who[256], msg[400];
         if (owner.set) owner_text(who, sizeof who);
         else snprintf(who, sizeof who, "no recorded owner (an external Lock)");
-        snprintf(msg, sizeof msg, "pid %d is already locked (%s) by %s", (int)getpid(),
+        snprintf(msg, sizeof msg, "pid %d is already locked (%s) by %s", user_pid(),
                  st == ST_UNKNOWN ? "state unknown" : state_name(st), who);
         if (owner.set) {
             owner_error(e, NPUSNAP_ERR_ALREADY_LOCKED, msg);

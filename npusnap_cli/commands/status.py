@@ -36,7 +36,13 @@ def register(app: typer.Typer) -> None:
             if owner is not None:
                 st["owner"] = owner  # with "alive": a dead holder holds nothing
             owner_text = nodeview.owner_text(owner, lease)
-            devices = (hello.get("acl") or {}).get("devices")
+            # Physical devices, what a restore compares; the program's own ids beside them when
+            # they differ (a copy in a container, ASCEND_RT_VISIBLE_DEVICES).
+            devices = entry.get("devices") or []
+            program = entry.get("program_devices") or []
+            devices_text = ",".join(map(str, devices)) or "-"
+            if program and program != devices:
+                devices_text += f" (its {','.join(map(str, program))})"
             # Who keeps its device memory across a snapshot (docs/device-memory.md).
             dm = st.get("device_memory") or hello.get("device_memory") or {}
             if not entry["agent_socket"] or not entry["uses_npu"]:
@@ -50,11 +56,11 @@ def register(app: typer.Typer) -> None:
                 untracked.append(entry["pid"])
             rows.append(
                 (
-                    entry["pid"],
+                    f"{entry['pid']} (ns {entry['ns_pid']})" if entry.get("ns_pid") else entry["pid"],
                     "  " * entry["depth"] + (" ".join(entry["cmdline"]) or entry["name"]),
                     agent,
                     "yes" if entry["uses_npu"] else "no",
-                    ",".join(map(str, devices)) if devices else "-",
+                    devices_text,
                     memory,
                     st.get("state") or "-",
                     lease_text,

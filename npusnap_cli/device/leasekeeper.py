@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Optional
 
 from npusnap_cli.device.agent_client import AgentClient, AgentOpError
+from npusnap_cli.device.devicegroup import forget_taken_over, taken_over
 from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
 from npusnap_cli.host import procfs
 
@@ -145,8 +146,23 @@ class LeaseKeeper:
         return self.renewed_at + self.lease_s - MARGIN_S
 
     def check(self, where: str) -> None:
-        """After CRIU: raise LockLostError unless the tree froze while every lease still ran."""
+        """After CRIU: raise LockLostError unless the tree froze while every lease still ran and
+        nobody took a lock away (`thaw --force`, which leaves a note: devicegroup.py)."""
         self.stop()
+        taken = taken_over(self.tokens, os.getpid())
+        if taken:
+            forget_taken_over(taken, os.getpid())
+            pids = ", ".join(map(str, taken))
+            self.lost = f"pid(s) {pids}: `npusnap thaw --force` took the dump's lock"
+            raise LockLostError(
+                f"the dump lost its lock {where}: `npusnap thaw --force` unlocked pid(s) {pids} while "
+                "the dump ran",
+                why="the job ran unlocked before CRIU froze it: an image taken now would not hold a "
+                "locked device state, and its restore could not finish",
+                fix="the job keeps running (unlocked by the thaw); dump again, and leave a job alone "
+                "while a dump holds it",
+                details={"taken_by_thaw": taken, "lost": self.lost},
+            )
         deadline = self._deadline()
         if deadline is None:
             return

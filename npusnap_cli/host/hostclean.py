@@ -215,7 +215,10 @@ def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSoc
     frozen process restored by CRIU keeps its pid and its lock but has a new start time."""
     return [
         StaleSocket(str(path), pid, "its process is gone")
-        for path, pid, st in _pid_files(directories, paths.LOCK_TOKEN_SUFFIX)
+        # PID.lock-taken, a `thaw --force`'s note for the command it took PID's lock from, goes
+        # with its process too.
+        for suffix in (paths.LOCK_TOKEN_SUFFIX, paths.LOCK_TAKEN_SUFFIX)
+        for path, pid, st in _pid_files(directories, suffix)
         if stat.S_ISREG(st.st_mode) and not procfs.is_alive(pid)
     ]
 

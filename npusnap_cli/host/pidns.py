@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import paths
+from npusnap_cli.device import occupancy
 from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
 from npusnap_cli.sim.daemon import dev_dir
 
@@ -237,6 +238,17 @@ def container_devices(manifest: Any, device_map: tuple[tuple[int, int], ...]) ->
             "distinct devices in ascending order",
             fix="map every device id below the image's highest one, onto ascending devices, e.g. "
             "--device-map 0=2,1=3",
+        )
+    node = occupancy.node_devices(simulated=True)
+    missing = sorted(set(wanted) - set(node)) if node is not None else []
+    if missing:
+        # Caught here, before anything is touched: the container would hold a node of no device,
+        # CRIU would restore the copy, and its Restore would fail with the copy left locked.
+        raise UsageError(
+            f"--device-map {','.join(f'{a}={b}' for a, b in device_map)} names device(s) {missing}, "
+            f"which this node does not have (its devices: {', '.join(map(str, node or [])) or 'none'})",
+            fix="map onto devices of this node (`npusnap sim status` lists them)",
+            details={"missing_devices": missing, "node_devices": node},
         )
     return wanted
 

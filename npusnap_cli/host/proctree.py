@@ -18,6 +18,7 @@ from typing import Any, Optional
 import psutil
 
 from npusnap_cli import acl, paths
+from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, TargetError
 from npusnap_cli.host import procfs
@@ -195,7 +196,10 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
     hints: list[str] = []
     for info in tree:
         entry: dict[str, Any] = info.to_dict()
-        entry.update({"hello": None, "status": None, "agent_error": None})
+        # "devices": the physical devices it holds (device/occupancy.py), what a restore compares;
+        # "program_devices": the ids its program uses, which differ in a container.
+        entry.update({"hello": None, "status": None, "agent_error": None, "devices": None})
+        entry.update({"program_devices": None, "ns_pid": occupancy.ns_pid(info.pid)})
         if info.has_agent:
             try:
                 with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
@@ -203,6 +207,10 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
                     entry["status"] = client.status()
             except NpusnapError as exc:
                 entry["agent_error"] = exc.to_dict()
+        if entry["hello"] is not None:
+            use = occupancy.of_hello(info.pid, entry["hello"])
+            entry["devices"] = list(use.devices or ())
+            entry["program_devices"] = list(use.program_devices)
         elif info.uses_npu or info.pid == pid:
             hints.append(f"pid {info.pid} has no npusnap agent: " + NO_AGENT_FIX.format(pid=info.pid))
         processes.append(entry)

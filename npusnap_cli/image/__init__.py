@@ -85,6 +85,7 @@ from npusnap_cli.image.publishing import (
     publish,
     rename_exchange,
     seal_modes,
+    stop_point,
 )
 
 # `image.open(path)`: the name the commands read best; the module's own name avoids the builtin.
@@ -148,6 +149,7 @@ __all__ = [
     "remove_tree",
     "rename_exchange",
     "seal_modes",
+    "stop_point",
     "temp_siblings",
     "tree_size",
     "verification_error",

@@ -113,6 +113,13 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def stop_point(name: str) -> None:
+    """Test hook: ``NPUSNAP_TEST_STOP_AT=name`` stops this process here (SIGSTOP) until a SIGCONT,
+    so that the tests can check what a command paused at that step (past a lease) reports."""
+    if os.environ.get("NPUSNAP_TEST_STOP_AT") == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 

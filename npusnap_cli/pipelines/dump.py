@@ -47,7 +47,7 @@ from npusnap_cli import __version__, acl, contract, criu
 from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.device import attach as attach_mod
-from npusnap_cli.device.devicegroup import DeviceGroup, refuse_stopped
+from npusnap_cli.device.devicegroup import DeviceGroup, forget_taken_over, refuse_stopped
 from npusnap_cli.device.leasekeeper import LeaseKeeper, keeping
 from npusnap_cli.errors import (
     CriuError,
@@ -688,6 +688,9 @@ class DumpState:
     guard: SignalGuard
     check: Optional[criu.CriuCheck]  # `criu check`, started when the dump began (None: no CRIU)
     in_job: bool  # one rank of a coordinated job dump
+    # Where the image will stay once published: ``final``, or for a rank of a job dump its place
+    # in the job image (``final`` is inside the job's work directory, which is renamed).
+    published: Path
     start: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)  # the engine's, per step
     leftovers: tuple[str, ...] = ()  # what the stale-temp cleanup next to DIR did
@@ -866,6 +869,8 @@ def _lock(s: DumpState) -> None:
     threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
     s.lock_start = time.monotonic()
     s.locking = True
+    # A note a `thaw --force` left for a dead command of this pid is not about this dump's lock.
+    forget_taken_over(s.target.npu_pids, os.getpid())
     files = _open_device_memory_files(s)
     try:
         # Ranks of one job all-reduce: one rank's collective waits for another's launch,
@@ -968,8 +973,9 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
             # The agent records where the file will be once published, for a reload without
-            # a descriptor (a lease's rollback after an interrupted restore).
-            files[pid] = (fd, os.path.abspath(s.final / rel))
+            # a descriptor (a lease's rollback after an interrupted restore): never a work
+            # directory, which is gone by then.
+            files[pid] = (fd, os.path.abspath(s.published / rel))
             try:
                 streamhash.reserve(fd, _device_memory_file_size(dm))
             except OSError as nospace:
@@ -1489,12 +1495,15 @@ def dump(
     options: DumpOptions = DumpOptions(),
     callbacks: DumpCallbacks = DumpCallbacks(),
     coordinator: Optional[Barrier] = None,
+    published: Optional[Path] = None,
 ) -> DumpOutcome:
     """Run the whole dump pipeline (see the module docstring); raise NpusnapError on failure.
 
     ``coordinator`` (jobsnap.JobCoordinator) makes this one rank of a coordinated job dump: its
     ``sync(phase)`` blocks at each phase boundary until every rank got there, and raises an
     NpusnapError (this rank then rolls back like any failure) when another rank failed.
+    ``published``: where DIRECTORY will be once the caller has published it (a rank's image
+    inside a job's work directory), if not DIRECTORY itself.
     """
     final = Path(os.path.abspath(directory))
     start = time.monotonic()
@@ -1515,6 +1524,7 @@ def dump(
                 check=check,
                 in_job=coordinator is not None,
                 start=start,
+                published=Path(os.path.abspath(published or directory)),
             )
             pipeline = Pipeline(
                 "dump",

@@ -13,6 +13,8 @@ every request it makes has a timeout, so it ends in bounded time.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -21,11 +23,13 @@ from npusnap_cli.device.devicegroup import (
     DeviceGroup,
     forget_lock_tokens,
     load_lock_tokens,
+    record_taken_over,
     refuse_stopped,
     save_lock_tokens,
     tree_targets,
 )
 from npusnap_cli.errors import InterruptedError_, NpusnapError
+from npusnap_cli.host import procfs
 from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
 
 Results = dict[int, dict[str, Any]]  # the agents' answers, by pid
@@ -121,7 +125,26 @@ def _take_tokens(s: ThawState) -> None:
 
 
 def _rollback(s: ThawState) -> None:
+    owners = _live_owners(s) if s.force else {}
     s.results = s.group.rollback(force=s.force)
+    # A live command whose lock was just taken must learn it (a dump would publish an image of
+    # a job that ran unlocked): it reads these notes before it goes on.
+    with contextlib.suppress(OSError):
+        record_taken_over({p: o for p, o in owners.items() if p in s.results})
+
+
+def _live_owners(s: ThawState) -> dict[int, int]:
+    """pid -> the still running npusnap command (not this one) that holds its lock."""
+    out = {}
+    for pid, c in s.group.clients.items():
+        try:
+            owner = c.status().get("owner") or {}
+        except NpusnapError:
+            continue
+        holder = owner.get("pid")
+        if isinstance(holder, int) and holder != os.getpid() and procfs.is_alive(holder):
+            out[pid] = holder
+    return out
 
 
 def _forget_tokens(s: ThawState) -> None:

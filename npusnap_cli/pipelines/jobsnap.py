@@ -509,7 +509,12 @@ def _dump_job_once(
         try:
             with in_netns(r.enter):
                 outcomes[i] = dump(
-                    r.pid, tmp / rank_dir_name(i), options, _rank_callbacks(callbacks, i, out_lock), coord
+                    r.pid,
+                    tmp / rank_dir_name(i),
+                    options,
+                    _rank_callbacks(callbacks, i, out_lock),
+                    coord,
+                    published=final / rank_dir_name(i),
                 )
         except BaseException as exc:
             errors[i] = exc

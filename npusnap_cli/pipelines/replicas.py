@@ -24,6 +24,8 @@ criu/uffd.c, so N copies would need N daemons reading the same files.)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import selectors
@@ -36,7 +38,8 @@ from typing import Any, Callable, Optional
 
 from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
-from npusnap_cli.host import hostres, pidns
+from npusnap_cli.host import hostres, pidns, proctree
+from npusnap_cli.pipelines import restore
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ReplicaResult:
     error: Optional[dict[str, Any]]
     wall_s: float
     warnings: tuple[str, ...] = ()  # what the copy's restore told (e.g. the ghost files it waited for)
+    stopped: bool = False  # restored, then stopped again because another copy failed
 
 
 def pidfile_for(pidfile: Optional[Path], index: int) -> Optional[Path]:
@@ -89,12 +93,24 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             details={"listeners": listeners},
         )
     # every device each copy's container holds (unmapped ids below a mapped one included)
+    for m in device_maps:
+        pidns.check_device_map(manifest, m)
     targets = [tuple(pidns.container_devices(manifest, m)) for m in device_maps]
     flat = [d for t in targets for d in t]
     if len(set(flat)) != len(flat):
         raise UsageError(
             "two replicas are mapped onto the same device", fix="give each replica other devices"
         )
+    # Every copy's devices free before any copy starts: a copy refused after another one started
+    # would leave the command half done.
+    users = restore.device_users(manifest) if device_maps else []
+    for i, m in enumerate(device_maps):
+        try:
+            restore.check_devices_free(manifest, m, users)
+        except NpusnapError as exc:
+            exc.message = f"replica {i}: {exc.message}"
+            exc.why = (exc.why or "") + "; no replica was started"
+            raise
     return manifest
 
 
@@ -222,20 +238,57 @@ def restore_all(
         )
         warned = tuple(str(w) for w in env.get("warnings") or ())
         results.append(ReplicaResult(i, ok, res.get("root_pid") if ok else None, res, err, wall, warned))
+    if any(not r.ok for r in results):
+        results = [_stop(r, pidfile_for(pidfile, r.index)) if r.ok else r for r in results]
     return results
 
 
+def _stop(r: ReplicaResult, pidfile: Optional[Path]) -> ReplicaResult:
+    """All or nothing: a copy that was restored while another failed is stopped again, so that
+    the command's failure means that none of its copies runs. The copy is init of its own pid
+    namespace: its SIGKILL ends every process in it."""
+    root = int(r.root_pid or 0)
+    if root <= 0:
+        return r
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(root, signal.SIGKILL)
+    left = proctree.wait_gone([root], timeout=10.0)
+    if left:
+        return r  # still there: reported as running, as it is
+    if pidfile is not None:
+        with contextlib.suppress(OSError):
+            if pidfile.read_text().strip() == str(root):
+                pidfile.unlink()
+    return dataclasses.replace(
+        r, ok=False, root_pid=None, stopped=True, result={**r.result, "stopped_pid": root}
+    )
+
+
 def failure(results: list[ReplicaResult]) -> Optional[NpusnapError]:
-    bad = [r for r in results if not r.ok]
+    bad = [r for r in results if not r.ok and not r.stopped]
     if not bad:
         return None
     first = bad[0]
+    stopped = [r for r in results if r.stopped]
+    running = [r for r in results if r.ok]
+    if running:
+        now = "still running (could not be stopped): " + ", ".join(
+            f"replica {r.index} pid {r.root_pid}" for r in running
+        )
+    elif stopped:
+        now = (
+            "the replicas restored meanwhile were stopped again (pids "
+            + ", ".join(str(r.result.get("stopped_pid")) for r in stopped)
+            + "): no replica runs"
+        )
+    else:
+        now = "no replica runs"
     err = NpusnapError(
         f"{len(bad)} of {len(results)} replicas failed; replica {first.index}: "
         f"{(first.error or {}).get('message', '?')}",
-        why="each replica is restored on its own; the others are running",
+        why="the replicas are restored together, all or none; " + now,
         fix=(first.error or {}).get("fix") or "see each replica's error in the JSON result",
-        details={"replicas": [r.__dict__ for r in results]},
+        details={"replicas": [r.__dict__ for r in results], "running": [r.root_pid for r in running]},
     )
     err.exit_code = (first.error or {}).get("exit_code") or err.exit_code
     return err

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, criu, paths, safefs
+from npusnap_cli import acl, contract, criu, safefs
 from npusnap_cli import image as img
+from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
@@ -56,7 +57,7 @@ from npusnap_cli.errors import (
     TargetError,
     UsageError,
 )
-from npusnap_cli.host import devmaps, ghostlock, hostclean, hostres, lazypages, pidns, procfs
+from npusnap_cli.host import ghostlock, hostclean, hostres, lazypages, pidns, procfs
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
@@ -255,54 +256,38 @@ def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
     return out
 
 
-def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int], ...] = ()) -> list[str]:
-    """Restore claims the same device ids (or those of ``device_map``), which must be free of
-    every other process (runtime
-    design doc: "若Device被其他进程占用，则恢复失败"). Found the way a real node allows, for every
-    image: the processes of this host that have NPU device memory mapped or a device file open
-    (/proc, host/devmaps.py) and the image's CANN installation loaded; those with an npusnap
-    agent name their devices (its hello: the devices its job opened, or its runtime's LOCK_PRE
-    callbacks). One that holds a device of the image: refused (BusyError). One without an agent
-    cannot say which device it uses (the driver maps one SVM span for all devices and
-    /dev/davinciN is never held open): returned as a note. Jobs of another CANN installation are
-    not asked (on the simulator each tree is a node of its own); on a node they, like the ones
-    without an agent, meet the runtime's own check: Restore refuses an occupied device (507909)
-    and the restored process stays locked, to be retried or killed."""
-    moved = dict(device_map)
-    wanted = {moved.get(d, d): p.pid for p in manifest.npu_processes for d in p.devices}
+def check_devices_free(
+    manifest: img.Manifest,
+    device_map: tuple[tuple[int, int], ...] = (),
+    users: Optional[list[occupancy.DeviceUse]] = None,
+) -> list[str]:
+    """Restore claims the image's devices (or those of ``device_map``), which must be free of
+    every other process (runtime design doc: "若Device被其他进程占用，则恢复失败"). Compared as
+    physical devices (device/occupancy.py): what a copy in a container or a job with
+    ASCEND_RT_VISIBLE_DEVICES calls device 0 may be another device. One that holds a device of the
+    image: refused (BusyError). One without an agent cannot say which device it uses: returned as
+    a note. Jobs of another CANN installation are not asked (on the simulator each tree is a node
+    of its own); on a node they, like the ones without an agent, meet the runtime's own check:
+    Restore refuses an occupied device (507909) and the restored process stays locked, to be
+    retried or killed."""
+    wanted = occupancy.image_devices(manifest, device_map)
     if not wanted:
         return []
-    image_pids = frozenset(p.pid for p in manifest.processes)
-    busy: list[tuple[int, int]] = []
-    unknown: list[int] = []
-    home = manifest.versions.cann_home
-    for pid in devmaps.npu_users(exclude=image_pids):
-        library = acl.loaded_acl_library(pid)
-        if home and library and os.path.realpath(acl.home_of_library(library)) != os.path.realpath(home):
-            continue
-        devices: Optional[list[int]] = None
-        if paths.find_agent_socket(pid) is not None:
-            try:
-                with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as client:
-                    acl_info = client.hello().get("acl") or {}
-                devices = [
-                    int(d) for d in (acl_info.get("devices") or acl_info.get("callback_devices") or [])
-                ]
-            except NpusnapError:
-                devices = None
-        if devices is None:
-            unknown.append(pid)
-            continue
-        busy += [(d, pid) for d in devices if d in wanted]
+    if users is None:
+        users = device_users(manifest)
+    busy = [(d, u) for u in users for d in (u.devices or ()) if d in wanted]
     if busy:
-        text = ", ".join(f"device {d} by pid {o} ({_proc_desc(o)})" for d, o in busy)
+        text = ", ".join(f"device {d} by {u.who()} ({_proc_desc(u.pid)})" for d, u in busy)
         raise BusyError(
             f"device(s) of the image are occupied: {text}",
-            why="the device state is restored onto the same device id, which must be free of every "
+            why="the device state is restored onto the same device, which must be free of every "
             "other process",
-            fix=f"stop pid {busy[0][1]} (or wait for it to finish), then restore again",
-            details={"busy": [{"device": d, "pid": o} for d, o in busy]},
+            fix=f"stop pid {busy[0][1].pid} (or wait for it to finish)"
+            + ("" if device_map else ", or restore onto free devices with --device-map")
+            + ", then restore again",
+            details={"busy": [{"device": d, "pid": u.pid, "ns_pid": u.ns_pid} for d, u in busy]},
         )
+    unknown = [u.pid for u in users if u.devices is None]
     if not unknown:
         return []
     return [
@@ -310,6 +295,16 @@ def check_devices_free(manifest: img.Manifest, device_map: tuple[tuple[int, int]
         f"device: if one of them holds device(s) {sorted(wanted)}, the runtime's Restore refuses "
         "(507909) and the restored process stays locked"
     ]
+
+
+def device_users(manifest: img.Manifest) -> list[occupancy.DeviceUse]:
+    """The NPU processes a restore of ``manifest`` must not share a device with (``users`` of
+    check_devices_free: one look for several checks)."""
+    # Without a pid namespace of its own an image pid in use is the pid check's (the original,
+    # usually); with one, the original keeps its host pids and is just another process here.
+    image_pids = frozenset() if manifest.pid_ns else frozenset(p.pid for p in manifest.processes)
+    v = manifest.versions
+    return occupancy.device_users(v.cann_home, bool(v.cann_simulated), image_pids)
 
 
 def prepare_sockets(manifest: img.Manifest) -> None:
@@ -438,8 +433,7 @@ def _devices(pf: Preflight) -> str:
     notes = check_devices_free(pf.manifest, pf.options.device_map)
     for n in notes:
         pf.tell(n)
-    moved = dict(pf.options.device_map)
-    devices = sorted({moved.get(d, d) for p in pf.manifest.npu_processes for d in (p.devices or ())})
+    devices = sorted(occupancy.image_devices(pf.manifest, pf.options.device_map))
     return f"device(s) {', '.join(map(str, devices)) or '-'} free" + "".join(f"; {n}" for n in notes)
 
 
@@ -1020,6 +1014,7 @@ def _device_restore(st: RestoreState) -> None:
     """Restore + Unlock every NPU process (each as soon as its own Restore is done)."""
     res = st.restored
     npu_pids = st.npu_pids
+    img.stop_point("restore:device-restore")
     try:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
@@ -1310,6 +1305,35 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], 
     return elsewhere
 
 
+def _state_now(pid: int, group: Optional[DeviceGroup]) -> tuple[Optional[str], str]:
+    """(state, who unlocked it) that ``pid``'s agent reports now; (None, "") if it cannot say.
+    Asked over the group's own connection when it has one: the agent answers one client at a
+    time."""
+    try:
+        client = group.clients.get(pid) if group is not None else None
+        if client is not None:
+            st = client.status()
+        else:
+            with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as fresh:
+                st = fresh.status()
+    except NpusnapError:
+        return None, ""
+    events = " ".join(str(e) for e in st.get("events") or [])
+    by = (
+        "its agent's lease, which ran out meanwhile,"
+        if "lease rollback done" in events
+        else "another command"
+    )
+    state = st.get("state")
+    return (str(state) if state is not None else None), by
+
+
+def _strip_stay_locked(message: str) -> str:
+    """The message without DeviceGroup's note that the failed pids stay locked."""
+    head, sep, _tail = message.partition(" (pid(s) ")
+    return head if sep else message
+
+
 def _restore_and_unlock(
     npu_pids: tuple[int, ...],
     options: RestoreOptions,
@@ -1342,19 +1366,40 @@ def _restore_and_unlock(
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
-        err.details["locked_pids"] = sorted(int(p) for p in failed)
-        if group is not None:
+        # What the agents say now, not what the failure suggests: a lease that ran out while this
+        # restore was stopped (or slow) restored and unlocked its process by itself.
+        now = {int(p): _state_now(int(p), group) for p in failed}
+        running = sorted(p for p, (state, _by) in now.items() if state == contract.SnapshotState.RUNNING.name)
+        locked = sorted(p for p in now if p not in running)
+        err.details["locked_pids"] = locked
+        err.details["running_pids"] = running
+        if group is not None and locked:
             # The failed processes stay locked, owned by the dump's token: hand it to `thaw`.
-            group.hand_over(err.details["locked_pids"])
+            group.hand_over(locked)
         if "CRIU restored" not in err.message:
             err.message = (
                 f"CRIU restored the tree (root pid {root_pid}), but the device restore failed: {err.message}"
             )
-        hint = " ; ".join(f"npusnap status {p} ; npusnap thaw {p}" for p in err.details["locked_pids"])
-        err.fix = (
-            f"the failed process(es) stay locked, the others run. Look at them and retry: {hint} "
-            "(thaw restores the device state if needed, then unlocks)"
-        )
+        if running:
+            err.message = (
+                _strip_stay_locked(err.message)
+                + "; "
+                + "; ".join(
+                    f"pid {p} runs: {now[p][1]} restored its device state and unlocked it" for p in running
+                )
+            )
+        if locked:
+            hint = " ; ".join(f"npusnap status {p} ; npusnap thaw {p}" for p in locked)
+            err.fix = (
+                f"pid(s) {', '.join(map(str, locked))} stay locked, the others run. Look at them and "
+                f"retry: {hint} (thaw restores the device state if needed, then unlocks)"
+            )
+        else:
+            err.fix = (
+                "nothing is left locked: "
+                + " ; ".join(f"npusnap status {p}" for p in running)
+                + (" shows it running; give the job a longer lease at dump (--lease) if the restore may wait")
+            )
         raise
     finally:
         if group is not None:

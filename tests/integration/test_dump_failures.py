@@ -8,6 +8,7 @@ call); a slow Backup (NPUSIM_BACKUP_HANG_MS) opens a window to kill or interrupt
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -519,5 +520,55 @@ def test_a_device_plugin_that_leaves_no_image_fails_the_dump_and_rolls_back(
         assert err["details"]["rolled_back"] == [job.pid]
         assert_no_image(img)
         finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
+
+
+def test_a_thaw_force_during_the_dump_fails_it_loudly(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """`thaw --force` while the dump holds the lock, before CRIU froze the job (CRIU held back by
+    a wrapper): the dump must not publish an image of a job that ran unlocked. It fails with 7,
+    names the thaw, leaves no image, and the job runs on."""
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [PY, TRAIN, "--steps", "4000", *TRAIN_ARGS, "--device", "1"])
+    img = tmp_path / "img"
+    token = tmp_path / "hold-once"
+    token.write_text("")
+    wrapper = tmp_path / "criu-wrapper"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = swrk ] && mv "{token}" "{token}.held" 2>/dev/null; then\n'
+        f'  while [ ! -e "{token}.go" ]; do sleep 0.05; done\n'
+        "fi\n"
+        'exec /usr/local/sbin/criu "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    try:
+        job.wait_lines(3)
+        dump = subprocess.Popen(
+            [NPUSNAP, "dump", str(job.pid), str(img), "--json"],
+            env={**env, "NPUSNAP_CRIU": str(wrapper)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_until(lambda: Path(f"{token}.held").exists(), 60, "the dump's CRIU to be held")
+            assert agent_state(job.pid) in ("LOCKED", "BACKED_UP")
+            rc, _, err = cli(env, "thaw", "--force", str(job.pid))
+            assert rc == 0, err
+            assert agent_state(job.pid) == "RUNNING"
+        finally:
+            Path(f"{token}.go").write_text("")
+        stdout, stderr = dump.communicate(timeout=180)
+        assert dump.returncode == ExitCode.DEVICE, (stdout, stderr)
+        error = json.loads(stdout)["error"]
+        assert "thaw --force" in error["message"] and error["details"]["taken_by_thaw"] == [job.pid], error
+        assert_no_image(img)
+        assert alive(job.pid) and agent_state(job.pid) == "RUNNING"
+        n = len(job.lines())
+        wait_until(lambda: len(job.lines()) > n, 30, "the job to compute on")
+        assert not list(runtime_dir.glob("*.lock-taken")), "the thaw's note was left behind"
     finally:
         job.cleanup()

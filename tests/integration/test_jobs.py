@@ -549,3 +549,49 @@ def test_one_npusnap_per_node_coordinated_over_the_network(
         for job in jobs:
             job.cleanup()
         nets.close()
+
+
+def test_a_job_restore_killed_after_one_rank_leaves_it_to_its_lease(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of a job restore once CRIU restored one rank (the other's CRIU is held): nobody
+    unlocks that rank but its agent's lease, whose rollback reloads the device memory from the
+    published job image (the dump wrote it in a work directory that is gone): the rank runs again,
+    as `status` says, and nothing is left for `thaw`."""
+    env = jobs_env(sim_env, runtime_dir)
+    jobs = start_ranks(tmp_path, env, seed=19, extra=(["--rebuild-comm"], ["--rebuild-comm"]))
+    img = tmp_path / "img"
+    try:
+        dump_restore_job(env, jobs, img, "--lease", "3")
+        token = tmp_path / "hold-once"
+        token.write_text("")
+        wrapper = tmp_path / "criu-wrapper"
+        wrapper.write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = swrk ] && mv "{token}" "{token}.held" 2>/dev/null; then sleep 5; exit 1; fi\n'
+            'exec /usr/local/sbin/criu "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        restore = subprocess.Popen(
+            [NPUSNAP, "restore", str(img), "--json"],
+            env={**env, "NPUSNAP_CRIU": str(wrapper)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_until(lambda: Path(f"{token}.held").exists(), 60, "a rank's CRIU to be held")
+            wait_until(lambda: any(alive(j.pid) for j in jobs), 60, "the other rank restored")
+            (rank,) = [j.pid for j in jobs if alive(j.pid)]
+            wait_until(lambda: agent_state(rank) in ("LOCKED", "BACKED_UP"), 30, "the rank's agent")
+        finally:
+            restore.kill()
+            restore.wait(30)
+        wait_until(lambda: agent_state(rank) == "RUNNING", 60, "the lease to bring the rank back")
+        rc, out, err = cli(env, "status", str(rank))
+        assert rc == 0 and out is not None, err
+        (entry,) = [e for e in out["result"]["processes"] if e["pid"] == rank]
+        assert entry["status"]["state"] == "RUNNING" and not entry["status"].get("owner"), entry["status"]
+        events = " ".join(entry["status"].get("events") or [])
+        assert "lease rollback done" in events and "FAILED" not in events, events
+    finally:
+        cleanup(jobs)

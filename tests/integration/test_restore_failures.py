@@ -3,14 +3,19 @@ and the step, and `npusnap thaw PID` then brings it back with its device state i
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import procfs
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.dumplib import (
+    NPUSNAP,
     PY,
     TRAIN,
     TRAIN_ARGS,
@@ -127,5 +132,52 @@ def test_restore_without_the_simulated_devices_plugin_is_refused_by_criu_and_the
         job.restored_pid = job.pid
         wait_until(lambda: not alive(job.pid), 30, "the restored run to finish")
         assert job.lines() == ref
+    finally:
+        job.cleanup()
+
+
+def test_a_restore_paused_past_the_lease_reports_what_the_lease_did(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """The restore stops after CRIU restored the job, before its device step, for longer than the
+    lease the image's agents carry: the lease restores the device state and unlocks the job by
+    itself. The resumed restore must not say the job stays locked: it says that it runs, and
+    `status` says the same."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "400", *TRAIN_ARGS, "--device", "1", "--seed", "3"]
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(4)
+        rc, _, err = cli(env, "dump", str(job.pid), str(img), "--lease", "3")
+        assert rc == 0, err
+        job.reap()
+        restore = subprocess.Popen(
+            [NPUSNAP, "restore", str(img), "--json"],
+            env={**env, "NPUSNAP_TEST_STOP_AT": "restore:device-restore"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_until(lambda: procfs.state(restore.pid) == "T", 120, "the restore to stop")
+            job.restored_pid = job.pid
+            wait_until(lambda: agent_state(job.pid) == "RUNNING", 60, "the lease to unlock the job")
+        finally:
+            restore.send_signal(signal.SIGCONT)
+        stdout, stderr = restore.communicate(timeout=120)
+        out = json.loads(stdout) if stdout.strip() else None
+        assert out is not None, stderr
+        said = json.dumps(out)
+        assert "stay locked" not in said and "stays locked" not in said, out
+        n = len(job.lines())
+        wait_until(lambda: len(job.lines()) > n, 30, "the job to compute again")
+        rc, st, err = cli(env, "status", str(job.pid))
+        assert rc == 0 and st is not None, err
+        assert st["result"]["processes"][0]["status"]["state"] == "RUNNING"
+        if restore.returncode != 0:
+            e = out["error"]
+            assert e["details"]["locked_pids"] == [] and e["details"]["running_pids"] == [job.pid], e
+            assert f"pid {job.pid} runs" in e["message"], e
     finally:
         job.cleanup()

@@ -100,19 +100,18 @@ def test_pstree_pids_must_be_the_manifests(tmp_path: Path) -> None:
         restore.image_thread_ids(tmp_path, _manifest())
 
 
-def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device-free check of every image: /proc finds the NPU users, their agents name their
-    devices; one on a device of the image is refused, one without an agent is a note."""
+def _fake_agents(
+    monkeypatch: pytest.MonkeyPatch, users: list[int], hellos: dict[int, dict[str, Any]]
+) -> None:
+    """NPU users ``users`` of which those in ``hellos`` have an agent answering that hello."""
     from npusnap_cli import paths
+    from npusnap_cli.device import occupancy
     from npusnap_cli.host import devmaps
 
-    m = _manifest()  # pid 1235 holds device 1
-    users = [4001, 4002]
     monkeypatch.setattr(
         devmaps, "npu_users", lambda exclude=frozenset(): [u for u in users if u not in exclude]
     )
-    monkeypatch.setattr(paths, "find_agent_socket", lambda pid: Path("/x") if pid == 4001 else None)
-    devices = {"now": [1]}
+    monkeypatch.setattr(paths, "find_agent_socket", lambda pid: Path("/x") if pid in hellos else None)
 
     class FakeClient:
         def __init__(self, pid: int, **kw: object) -> None:
@@ -124,16 +123,67 @@ def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPat
         def __exit__(self, *a: object) -> None:
             return None
 
-        def hello(self) -> dict[str, object]:
-            return {"acl": {"devices": devices["now"]}}
+        def hello(self) -> dict[str, Any]:
+            return hellos[self.pid]
 
-    monkeypatch.setattr(restore, "AgentClient", FakeClient)
+    monkeypatch.setattr(occupancy, "AgentClient", FakeClient)
+
+
+def test_a_device_held_by_another_agent_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device-free check of every image: /proc finds the NPU users, their agents name their
+    devices; one on a device of the image is refused, one without an agent is a note."""
+    from npusnap_cli.device import occupancy
+
+    m = _manifest()  # pid 1235 holds device 1
+    hellos: dict[int, dict[str, Any]] = {4001: {"acl": {"devices": [1]}}}
+    _fake_agents(monkeypatch, [4001, 4002], hellos)
+    monkeypatch.setattr(occupancy, "driver_view", lambda pid, simulated: None)
     with pytest.raises(BusyError) as exc:
         restore.check_devices_free(m)
     assert "device 1 by pid 4001" in exc.value.message
-    devices["now"] = [0]
+    hellos[4001] = {"acl": {"devices": [0]}}
     notes = restore.check_devices_free(m)
     assert len(notes) == 1 and "4002" in notes[0] and "507909" in notes[0]
+
+
+def test_devices_are_compared_as_the_node_s_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy in a container (its view: devices 1, or 2) says "device 0": it holds devices 1 and 2,
+    not 0; a restore needing device 0 is not refused, one needing device 1 is, naming the host pid
+    (and the namespace pid beside it)."""
+    from npusnap_cli.device import occupancy
+
+    views = {4001: [1], 4002: [2]}
+    _fake_agents(monkeypatch, [4001, 4002], {p: {"acl": {"devices": [0]}} for p in views})
+    monkeypatch.setattr(occupancy, "driver_view", lambda pid, simulated: views.get(pid))
+    monkeypatch.setattr(occupancy, "node_devices", lambda simulated: [0, 1, 2, 3])
+    monkeypatch.setattr(occupancy, "ns_pid", lambda pid: 1)
+    base = _manifest()
+    on0 = dataclasses.replace(base, processes=(dataclasses.replace(base.processes[1], devices=(0,)),))
+    assert restore.check_devices_free(on0) == []
+    with pytest.raises(BusyError) as exc:
+        restore.check_devices_free(on0, ((0, 1),))
+    assert "device 1 by pid 4001 (1 in its pid namespace)" in exc.value.message
+    assert exc.value.details["busy"] == [{"device": 1, "pid": 4001, "ns_pid": 1}]
+    # ASCEND_RT_VISIBLE_DEVICES=2: the image's device 0 is device 2
+    vis = dataclasses.replace(on0, processes=(dataclasses.replace(on0.processes[0], visible_devices="2"),))
+    with pytest.raises(BusyError) as exc:
+        restore.check_devices_free(vis)
+    assert "device 2 by pid 4002" in exc.value.message
+
+
+def test_the_running_original_of_a_pid_ns_image_holds_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The original of a `--pid-ns` image keeps its host pid, which the manifest names: it is not
+    the restore's own process, and its device is taken."""
+    from npusnap_cli.device import occupancy
+
+    base = _manifest()
+    orig = base.processes[1].pid  # the NPU process, on device 1
+    m = dataclasses.replace(base, pid_ns={str(base.processes[0].pid): 1, str(orig): 2})
+    _fake_agents(monkeypatch, [orig], {orig: {"acl": {"devices": [1]}}})
+    monkeypatch.setattr(occupancy, "driver_view", lambda pid, simulated: None)
+    with pytest.raises(BusyError) as exc:
+        restore.check_devices_free(m)
+    assert f"device 1 by pid {orig}" in exc.value.message
 
 
 def test_a_full_disk_during_criu_is_reported_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
