@@ -97,9 +97,15 @@ def register(app: typer.Typer) -> None:
                 )
                 for event in events:
                     out.info(f"    {event}")
-        # The agents' messages are never in the job's own output: say where they are.
+        # The agents' messages are never in the job's own output: where there is something to
+        # read (events, an error), say where they are; a healthy job's status stays quiet.
         logs = sorted(
-            {str(e["hello"]["log"]) for e in report["processes"] if (e.get("hello") or {}).get("log")}
+            {
+                str(e["hello"]["log"])
+                for e in report["processes"]
+                if (e.get("hello") or {}).get("log")
+                and ((e.get("status") or {}).get("events") or e.get("agent_error"))
+            }
         )
         for path in logs:
             out.info(f"agent log: {path}")
