@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space
+from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space, settle_permission
 from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
@@ -364,7 +364,7 @@ class _RichProgress:
 def unexpected(out: Output, exc: BaseException) -> int:
     """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code,
     unless a full disk caused it (a library's own exception around ENOSPC): that is exit 3."""
-    settled = settle_no_space(exc)
+    settled = settle_no_space(exc) or settle_permission(exc)
     if settled is not None:
         return out.error(settled)
     err = NpusnapError(

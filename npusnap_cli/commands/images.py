@@ -16,8 +16,10 @@ def register(app: typer.Typer) -> None:
     @app.command("list", epilog=epilog("list"))
     def list_cmd(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
-            ..., metavar="DIR", help="The directory that holds the images (their parent)."
+            ..., readable=False, metavar="DIR", help="The directory that holds the images (their parent)."
         ),
         checksums: bool = typer.Option(
             False,
@@ -74,7 +76,9 @@ def register(app: typer.Typer) -> None:
     @app.command("export", epilog=epilog("export"))
     def export_cmd(
         ctx: typer.Context,
-        image_dir: Path = typer.Argument(..., metavar="IMAGE", help="The image directory to export."),
+        image_dir: Path = typer.Argument(
+            ..., readable=False, metavar="IMAGE", help="The image directory to export."
+        ),
         dest: Optional[Path] = typer.Argument(
             None, metavar="[FILE]", help="The archive to write (default: IMAGE.tar.zst next to IMAGE)."
         ),
@@ -119,7 +123,9 @@ def register(app: typer.Typer) -> None:
     @app.command("import", epilog=epilog("import"))
     def import_cmd(
         ctx: typer.Context,
-        source: Path = typer.Argument(..., metavar="FILE", help="The archive written by `npusnap export`."),
+        source: Path = typer.Argument(
+            ..., readable=False, metavar="FILE", help="The archive written by `npusnap export`."
+        ),
         directory: Path = typer.Argument(
             ..., metavar="DIR", help="The image directory to create (new or empty)."
         ),

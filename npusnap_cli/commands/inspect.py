@@ -327,8 +327,11 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help=DIR_HELP,
         ),
@@ -355,6 +358,7 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help=DIR_HELP,
         ),

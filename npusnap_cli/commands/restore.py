@@ -21,8 +21,11 @@ def register(app: typer.Typer) -> None:
     @app.command(epilog=epilog("restore"))
     def restore(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help="The image directory written by `npusnap dump` (with --import: the directory to "
             "import the archive into, new or empty).",
@@ -171,6 +174,11 @@ def register(app: typer.Typer) -> None:
         )
 
         out = output(ctx, "restore", json_flag)
+        if not dry_run:
+            from npusnap_cli.host import preflight  # lazy: --help cost (check_imports.py --costs)
+
+            # First: as a user, the image (root's) would be refused half-way with a bare EACCES.
+            preflight.require_privileges("restore")
         bars = ProgressBars(out)
         if import_from is not None:
             if dry_run:

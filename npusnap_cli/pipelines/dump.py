@@ -255,17 +255,6 @@ def _mem_available() -> Optional[int]:
     return None
 
 
-def _check_privileges() -> None:
-    problems = [i for i in preflight.check_privileges() if i.status == preflight.PROBLEM]
-    if problems:
-        raise PreflightError(
-            f"not enough privileges to dump: {problems[0].detail}",
-            why="CRIU needs root (or CAP_CHECKPOINT_RESTORE + CAP_SYS_PTRACE) to dump a process",
-            fix=problems[0].fix or "run npusnap as root",
-            details={"problems": [i.detail for i in problems]},
-        )
-
-
 def _check_other_users(tree: tuple[ProcInfo, ...]) -> None:
     problem = preflight.other_user_problem([p.uid for p in tree if p.uid is not None])
     if problem:
@@ -750,7 +739,9 @@ class DumpState:
 
 
 def _resolve(s: DumpState) -> None:
-    # Cheap checks first: bad input must fail before anything touches the target.
+    # Cheap checks first: bad input must fail before anything touches the target. Privileges
+    # before all: as a user, root's job looks like a tree without an NPU process.
+    preflight.require_privileges("dump")
     img.check_dump_target(s.final, force=s.options.force)
     if s.options.sign_key is not None:
         imagetrust.check_signing_key(s.options.sign_key)
@@ -762,7 +753,6 @@ def _resolve(s: DumpState) -> None:
 
 def _preflight(s: DumpState) -> None:
     tree = s.target.tree
-    _check_privileges()
     _check_other_users(tree)
     _check_session(tree, shell_job=s.options.criu.shell_job)
     s.external = _check_external_stdio(tree, s.options, s.cb.note)
