@@ -165,9 +165,18 @@ def settle_no_space(err: BaseException) -> Optional[NpusnapError]:
 
 
 def settle_permission(err: BaseException) -> Optional[NpusnapError]:
-    """A PermissionError (EACCES, EPERM) that reached the top as exit 3 naming the path and the
-    permission it needs, else None: as a user it is the host's answer (this uid may not read
+    """A PermissionError (EACCES, EPERM) or a read-only filesystem (EROFS) that reached the top as
+    exit 3 naming the path and the cause, else None: as a user it is the host's answer (this uid may not read
     root's image or write where root writes), not a bug in npusnap."""
+    if isinstance(err, OSError) and err.errno == errno.EROFS:
+        where = f" {err.filename}" if err.filename else ""
+        return PreflightError(
+            f"cannot write{where}: read-only filesystem (EROFS)",
+            why="the filesystem (or its mount) is read-only, whatever space it has",
+            fix="write to a directory on a writable filesystem, or remount it read-write; then run the "
+            "command again",
+            details={"errno": err.errno, "path": str(err.filename or "")},
+        )
     if not isinstance(err, PermissionError):
         return None
     euid = os.geteuid()

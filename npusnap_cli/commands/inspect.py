@@ -246,8 +246,9 @@ def _show_image(out: Any, ref: OpenedImage) -> None:
         "timings",
         ["phase", "time"],
         [
-            ["lock", _fmt_s(t.lock_s)],
-            ["device backup", _fmt_s(t.backup_s)],
+            ["runtime Lock", _fmt_s(t.lock_s)],
+            ["device memory copy (npusnap, locked)", _fmt_s(t.device_copy_s)],
+            ["runtime Backup", _fmt_s(t.backup_s)],
             ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
             ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
             ["CRIU write", _fmt_s(t.criu_memwrite_s)],

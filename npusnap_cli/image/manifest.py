@@ -223,6 +223,8 @@ class Timings:
     preflight_s: Optional[float] = None
     lock_s: Optional[float] = None
     backup_s: Optional[float] = None
+    # npusnap's copy of the device memory (inside the agents' lock): not the runtime's Lock.
+    device_copy_s: Optional[float] = None
     criu_freeze_s: Optional[float] = None
     criu_memdump_s: Optional[float] = None
     criu_memwrite_s: Optional[float] = None

@@ -255,6 +255,15 @@ def _mem_available() -> Optional[int]:
     return None
 
 
+def _first(*values: Any) -> Optional[float]:
+    return next((float(v) for v in values if v is not None), None)
+
+
+def _sum(*values: Any) -> Optional[float]:
+    known = [float(v) for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def _check_other_users(tree: tuple[ProcInfo, ...]) -> None:
     problem = preflight.other_user_problem([p.uid for p in tree if p.uid is not None])
     if problem:
@@ -485,6 +494,7 @@ def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int)
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
     if have < need:
+        img.check_dump_target(final, force=True)  # a read-only filesystem: name that, not "0 B free"
         raise PreflightError(
             f"not enough free space for the image in {final.parent}: "
             f"{human_bytes(have)} free, about {human_bytes(need)} needed",
@@ -934,7 +944,7 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
     total = s.device_bytes
 
     def report(n: int) -> None:
-        s.cb.progress("device backup", min(total, max(0, n)), total)
+        s.cb.progress("device memory copy", min(total, max(0, n)), total)
 
     with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
         yield
@@ -1339,14 +1349,24 @@ def _manifest(s: DumpState) -> img.Manifest:
             )
         )
     results = s.lock_results
-    lock_times = [r.get("lock_elapsed_s") for r in results.values()]
-    backup_times = [r.get("elapsed_s") for r in results.values()]
+    # The runtime's Lock and Backup apart from npusnap's copy of the device memory, which runs
+    # inside the agent's lock (or backup, in the legacy flow) and takes the seconds; an agent
+    # that does not report them (an older one) has its whole lock and backup counted as such.
+    lock_times = [_first(r.get("runtime_lock_s"), r.get("lock_elapsed_s")) for r in results.values()]
+    copy_times = [_sum(r.get("lock_device_copy_s"), r.get("device_copy_s")) for r in results.values()]
+    backup_times = [
+        None
+        if r.get("elapsed_s") is None
+        else max(0.0, float(r["elapsed_s"]) - float(r.get("device_copy_s") or 0))
+        for r in results.values()
+    ]
     stats = s.criu_result.stats if s.criu_result is not None else None
     us = 1e-6
     timings = img.Timings(
         preflight_s=s.timings.get("preflight", 0.0) + s.timings.get("attach", 0.0),
         lock_s=max((float(t) for t in lock_times if t is not None), default=None),
         backup_s=max((float(t) for t in backup_times if t is not None), default=None),
+        device_copy_s=max((float(t) for t in copy_times if t is not None), default=None),
         criu_freeze_s=stats.freezing_time_us * us if stats else None,
         criu_memdump_s=stats.memdump_time_us * us if stats else None,
         criu_memwrite_s=stats.memwrite_time_us * us if stats else None,

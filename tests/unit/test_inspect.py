@@ -39,7 +39,7 @@ def test_inspect_human_shows_tree_and_timings(tmp_path: Path, capsys: pytest.Cap
     out = captured.out  # data on stdout (`npusnap inspect DIR | grep ...`), hints on stderr
     assert "1235  python3 worker.py" in out
     assert "NPU: device 1" in out
-    assert "device backup" in out and "0.200s" in out
+    assert "runtime Backup" in out and "0.200s" in out
     assert "npusnap verify" in captured.err and "npusnap verify" not in out
 
 
