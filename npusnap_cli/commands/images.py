@@ -9,6 +9,7 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars
+from npusnap_cli.errors import UsageError
 from npusnap_cli.units import human_bytes
 
 
@@ -82,14 +83,24 @@ def register(app: typer.Typer) -> None:
         dest: Optional[Path] = typer.Argument(
             None, metavar="[FILE]", help="The archive to write (default: IMAGE.tar.zst next to IMAGE)."
         ),
-        level: int = typer.Option(3, "--level", min=1, max=19, help="zstd compression level (1-19)."),
+        compress: str = typer.Option(
+            "zstd",
+            "--compress",
+            metavar="zstd|none",
+            help="zstd (default; every core) or none (a plain tar: for data that does not compress, "
+            "or a store that compresses by itself). `inspect`, `verify`, `import` read both.",
+        ),
+        level: Optional[int] = typer.Option(
+            None, "--level", min=1, max=19, help="zstd compression level (1-19, default 3)."
+        ),
         threads: int = typer.Option(
             0, "--threads", min=0, help="Compression threads (default 0: one per CPU core)."
         ),
         force: bool = typer.Option(False, "--force", help="Replace FILE if it exists."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Write an image into one compressed archive (tar + zstd, every core), verified on the way.
+        """Write an image into one archive (tar + zstd on every core, or a plain tar with --compress
+        none), verified on the way.
 
         Every file is checked against its checksum while it is written: a corrupt image is never
         exported. The archive (mode 0600: it holds the processes' memory) is written to a
@@ -99,7 +110,17 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "export", json_flag)
-        target = dest if dest is not None else image_dir.parent / archive.default_name(image_dir)
+        if compress not in archive.COMPRESSIONS:
+            raise UsageError(
+                f"--compress {compress!r} is not one of {', '.join(archive.COMPRESSIONS)}",
+                fix=f"npusnap export {image_dir} --compress zstd (or none)",
+            )
+        if compress == "none" and level is not None:
+            raise UsageError(
+                "--level is a zstd level: it means nothing with --compress none",
+                fix="drop --level, or use --compress zstd",
+            )
+        target = dest if dest is not None else image_dir.parent / archive.default_name(image_dir, compress)
         bars = ProgressBars(out)
         done = [0]
 
@@ -109,7 +130,13 @@ def register(app: typer.Typer) -> None:
 
         try:
             result = archive.export(
-                image_dir, target, level=level, threads=threads or -1, force=force, progress=advance
+                image_dir,
+                target,
+                level=archive.DEFAULT_LEVEL if level is None else level,
+                threads=threads or -1,
+                force=force,
+                progress=advance,
+                compress=compress,
             )
         finally:
             bars.close()
