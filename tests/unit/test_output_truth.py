@@ -143,3 +143,13 @@ def test_the_phase_tables_name_the_copy_apart_from_the_runtimes_lock() -> None:
         assert '"runtime Lock"' in text and '"device memory copy (npusnap, locked)"' in text, name
         assert '"runtime Backup"' in text and '"device backup"' not in text, name
     assert "device_copy_s" in manifest.Timings.__dataclass_fields__
+
+
+def test_replica_names_are_numbered_plain_words() -> None:
+    from npusnap_cli.pipelines import replicas
+
+    assert replicas.names_for(replicas.DEFAULT_NAME, 2) == ["replica-0", "replica-1"]
+    assert replicas.names_for("trainer-{n}", 2) == ["trainer-0", "trainer-1"]
+    assert replicas.names_for("copy", 2) == ["copy-0", "copy-1"]  # never two copies of one name
+    with pytest.raises(errors.UsageError):
+        replicas.names_for("../{n}", 1)  # a name is a directory and a suffix, never a path
