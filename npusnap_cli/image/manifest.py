@@ -477,6 +477,8 @@ def read_manifest_bytes(image: Path, *, unpublished: bool = False) -> bytes:
                 why="an image holds only directories and regular files",
                 fix="do not use this image; dump again",
             ) from None
+        if isinstance(exc, PermissionError):
+            raise  # not the image's fault: the CLI says which permission (or root) is missing
         raise ImageError(f"cannot read {path}: {exc.strerror}", fix="check the file's permissions") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())

@@ -90,6 +90,8 @@ def test_commands_on_roots_job_and_image_say_that_root_is_needed(
         for args in (
             ["dump", str(job.pid), str(elsewhere)],
             ["verify", str(image)],
+            ["inspect", str(image)],
+            ["export", str(image), str(home / "img.tar.zst")],
             ["restore", str(image)],
             ["restore", "--dry-run", str(image)],
             ["status", str(job.pid)],
