@@ -42,3 +42,52 @@ def test_the_device_copy_is_timed_apart_from_the_runtimes_lock(
         assert out["warnings"] == [], out["warnings"]
     finally:
         job.cleanup()
+
+
+def test_replicas_have_names_and_logs_of_their_own_by_default(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    from tests.integration.dumplib import TRAIN_ARGS, alive, continues_reference, kill, reference, wait_until
+    from tests.integration.test_pidns import lines, start_ns_job
+
+    env = job_env(sim_env, runtime_dir)
+    args = [*TRAIN_ARGS, "--steps", "60"]
+    ref = reference(env, args)
+    out = tmp_path / "job.out"
+    pid = start_ns_job(env, out, [PY, TRAIN, *args])
+    roots: list[int] = []
+    try:
+        wait_until(lambda: len(lines(out)) >= 3, 30, "steps")
+        img = tmp_path / "img"
+        rc, res, err = cli(env, "dump", str(pid), str(img))
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        at = len(lines(out))
+        rc, res, err = cli(
+            env,
+            "restore",
+            str(img),
+            "--replicas",
+            "2",
+            "--device-map",
+            "0=0",
+            "--device-map",
+            "0=1",
+            "--replica-name",
+            "trainer-{n}",
+        )
+        assert rc == 0 and res is not None, (res or {}).get("error") or err
+        copies = res["result"]["replicas"]
+        roots = [int(r["root_pid"]) for r in copies]
+        assert [r["name"] for r in copies] == ["trainer-0", "trainer-1"]
+        assert [r["output"] for r in copies] == [f"{out}.trainer-0", f"{out}.trainer-1"]
+        assert (img / "logs" / "trainer-0" / "restore.log").is_file()
+        for root in roots:
+            wait_until(lambda r=root: not alive(r), 60, f"replica {root} to finish")
+        assert len(lines(out)) == at, "a copy wrote into the original's log"
+        for name in ("trainer-0", "trainer-1"):
+            own = lines(Path(f"{out}.{name}"))
+            assert own and continues_reference(own, ref), own[:3]
+    finally:
+        for r in roots:
+            kill(r)
+        kill(pid)
