@@ -933,6 +933,11 @@ def _roll_back_devices(s: DumpState, err: BaseException) -> None:
         ) from other
 
 
+def _written_bytes(st: os.stat_result) -> int:
+    """What a file holds so far: a file sized up front (ftruncate) has only its written blocks."""
+    return min(st.st_size, st.st_blocks * 512)
+
+
 @contextlib.contextmanager
 def _backup_progress(s: DumpState) -> Iterator[None]:
     """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
@@ -946,7 +951,18 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
     def report(n: int) -> None:
         s.cb.progress("device memory copy", min(total, max(0, n)), total)
 
-    with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
+    def written() -> int:
+        # The agents copy into the image's device-memory files when they have them (their host
+        # memory does not grow then): those files' sizes are the progress.
+        d = s.tmp / img.DEVICE_SUBDIR if s.tmp is not None else None
+        if d is None:
+            return 0
+        try:
+            return sum(_written_bytes(e.stat(follow_symlinks=False)) for e in os.scandir(d) if e.is_file())
+        except OSError:
+            return 0
+
+    with _sampling(lambda: max(sum(_rss(p) for p in pids) - before, written()), report):
         yield
 
 
