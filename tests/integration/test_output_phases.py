@@ -91,3 +91,30 @@ def test_replicas_have_names_and_logs_of_their_own_by_default(
         for r in roots:
             kill(r)
         kill(pid)
+
+
+def test_a_dump_into_a_read_only_filesystem_names_it(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "none", str(ro)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [PY, TRAIN, "--interval", "0.05", "--param-bytes", "65536"])
+    try:
+        job.wait_lines(2)
+        for target in (ro, ro / "img"):  # the mount point itself (empty), and a new name in it
+            rc, out, err = cli(env, "dump", str(job.pid), str(target))
+            assert out is not None and rc != 0, (rc, out, err)
+            message = out["error"]["message"]
+            assert "read-only filesystem (EROFS)" in message and "free" not in message, out["error"]
+        assert job.proc.poll() is None  # nothing was touched: the job runs on
+    finally:
+        job.cleanup()
+        subprocess.run(["umount", "-l", str(ro)], check=False)
