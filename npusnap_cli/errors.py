@@ -164,6 +164,41 @@ def settle_no_space(err: BaseException) -> Optional[NpusnapError]:
     return settled
 
 
+def settle_permission(err: BaseException) -> Optional[NpusnapError]:
+    """A PermissionError (EACCES, EPERM) or a read-only filesystem (EROFS) that reached the top as
+    exit 3 naming the path and the cause, else None: as a user it is the host's answer (this uid may not read
+    root's image or write where root writes), not a bug in npusnap."""
+    if isinstance(err, OSError) and err.errno == errno.EROFS:
+        where = f" {err.filename}" if err.filename else ""
+        return PreflightError(
+            f"cannot write{where}: read-only filesystem (EROFS)",
+            why="the filesystem (or its mount) is read-only, whatever space it has",
+            fix="write to a directory on a writable filesystem, or remount it read-write; then run the "
+            "command again",
+            details={"errno": err.errno, "path": str(err.filename or "")},
+        )
+    if not isinstance(err, PermissionError):
+        return None
+    euid = os.geteuid()
+    where = f" on {err.filename}" if err.filename else ""
+    if euid != 0:
+        return PreflightError(
+            f"permission denied{where}: this needs root (npusnap runs as uid {euid})",
+            why=f"{err.strerror or err}: uid {euid} may not read or write it (images, agents' sockets "
+            "and CRIU's work are root's)",
+            fix="run the same command as root (`sudo npusnap ...`), or as the user who owns the path",
+            details={"errno": err.errno, "path": str(err.filename or ""), "euid": euid},
+        )
+    return PreflightError(
+        f"permission denied{where}, even as root",
+        why=f"{err.strerror or err}: a mount option (nosuid, a foreign filesystem), an LSM policy or "
+        "a container without the capability refused root",
+        fix="check the path's mount (`findmnt -T PATH`) and the host's security policy, then run the "
+        "command again",
+        details={"errno": err.errno, "path": str(err.filename or "")},
+    )
+
+
 class ImageError(NpusnapError):
     exit_code = ExitCode.IMAGE
     kind = "image"

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space
+from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space, settle_permission
 from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
@@ -223,8 +223,17 @@ class Output:
 
         In JSON mode the returned object accepts the same calls and does nothing.
         """
-        if self.json_mode or self.quiet or not sys.stderr.isatty():
+        if self.json_mode or self.quiet:
             yield _NullProgress()
+            return
+        if not sys.stderr.isatty():
+            # A log (systemd, CI, `2>file`): no bar, but a line now and then, so a long copy
+            # does not look like a hang there either.
+            line = _LineProgress(label, total, lambda text: self.console.print(plain(text)))
+            try:
+                yield line
+            finally:
+                line.finish()
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -345,6 +354,53 @@ class _NullProgress:
         pass
 
 
+class _LineProgress:
+    """Progress as plain lines on a stream that is not a terminal: one when the work has gone on
+    for a while, then one every ``EVERY_S`` seconds, and one at the end of a work that printed."""
+
+    EVERY_S = 3.0
+
+    def __init__(self, label: str, total: Optional[int], emit: Any) -> None:
+        self._clock = time.monotonic
+        self._label = label
+        self._total = total
+        self._done = 0
+        self._emit = emit
+        self._last = self._clock()
+        self._printed = False
+
+    def _text(self) -> str:
+        if self._total:
+            pct = 100.0 * min(self._done, self._total) / self._total
+            return f"{self._label}: {human_bytes(self._done)} / {human_bytes(self._total)} ({pct:.0f}%)"
+        return f"{self._label}: {human_bytes(self._done)}"
+
+    def _maybe(self) -> None:
+        now = self._clock()
+        if now - self._last >= self.EVERY_S:
+            self._last = now
+            self._printed = True
+            self._emit(f"… {self._text()}")
+
+    def advance(self, n: int) -> None:
+        self._done += n
+        self._maybe()
+
+    def update(self, completed: int, total: Optional[int] = None) -> None:
+        self._done = completed
+        if total is not None:
+            self._total = total
+        self._maybe()
+
+    def describe(self, text: str) -> None:
+        self._label = text
+        self._maybe()
+
+    def finish(self) -> None:
+        if self._printed:
+            self._emit(f"… {self._text()}")
+
+
 class _RichProgress:
     def __init__(self, prog: Any, task: Any) -> None:
         self._prog = prog
@@ -364,7 +420,7 @@ class _RichProgress:
 def unexpected(out: Output, exc: BaseException) -> int:
     """Report a bug (an exception that is not an NpusnapError); returns the INTERNAL exit code,
     unless a full disk caused it (a library's own exception around ENOSPC): that is exit 3."""
-    settled = settle_no_space(exc)
+    settled = settle_no_space(exc) or settle_permission(exc)
     if settled is not None:
         return out.error(settled)
     err = NpusnapError(

@@ -66,6 +66,7 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
+export NPUSIM_SOCKET=$PWD/sim/npusim.sock   # a simulator of this page's own (shared hosts)
 npusnap sim start
 eval "$(npusnap sim env)"
 python3 -m npusnap_cli.workloads.train --steps 50 --seed 5 --interval 0 >reference.log
@@ -76,7 +77,7 @@ SOCKET=$(npusnap --json status "$PID" | python3 -c 'import json,sys; print(json.
 echo "agent socket: $SOCKET"
 
 # --- block 2 ---
-npusnap freeze --lease 600 "$PID"
+npusnap freeze --lease 120 "$PID"
 
 # --- block 3 ---
 npusnap status "$PID" | grep BACKED_UP
@@ -84,12 +85,14 @@ N=$(grep -c '^step ' job.log); sleep 0.5; [ "$(grep -c '^step ' job.log)" -le $(
 
 # --- block 4 ---
 mkdir -m 700 ckpt
-criu dump -t "$PID" -D ckpt -o dump.log -v4 # kills the job when done, as podman does by default
+PLUGINS=${NPUSNAP_CRIU_PLUGIN_DIR:-/usr/lib/npusnap/criu-plugins}  # npusnap's plugin directory
+rc=0; criu dump -L "$PLUGINS" -t "$PID" -D ckpt -o dump.log -v4 || rc=$?  # kills the job when done, as podman does
+[ "$rc" -eq 0 ] || { tail -n 5 ckpt/dump.log; npusnap thaw "$PID"; false; }
 timeout 10 sh -c "while [ -e /proc/$PID ]; do sleep 0.1; done"
 
 # --- block 5 ---
 install -d -m 700 "$(dirname "$SOCKET")"
-criu restore -D ckpt -d -o restore.log -v4 --pidfile "$PWD/restored.pid"
+criu restore -L "$PLUGINS" -D ckpt -d -o restore.log -v4 --pidfile "$PWD/restored.pid"
 PID=$(cat restored.pid)
 echo "restored pid $PID"
 

@@ -70,6 +70,11 @@ REPO=$(cd "$(dirname "$(command -v npusnap)")/../.." && pwd)
 CRI=$REPO/.build/cri
 NODE=$PWD/node
 mkdir -p "$NODE/pods"
+# A simulated NPU of this node's own: other jobs on the host's simulator (one holding device 0)
+# change nothing here. On a real node the pods get their devices from the device plugin.
+export NPUSIM_SOCKET=$NODE/sim/npusim.sock
+npusnap sim start >/dev/null
+eval "$(npusnap sim env)"
 PLUGIN_DIR=${NPUSNAP_CRIU_PLUGIN_DIR:-$REPO/.build/criu-plugin}
 printf 'libdir %s\ntimeout 600\n' "$PLUGIN_DIR" >"$NODE/runc.conf"
 REG_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -66,6 +66,7 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
+export NPUSIM_SOCKET=$PWD/sim/npusim.sock   # a simulator of this page's own (shared hosts)
 npusnap sim start
 eval "$(npusnap sim env)"
 PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \

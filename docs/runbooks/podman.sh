@@ -59,7 +59,10 @@ print(f"{len(steps)} steps, continuous, checksums right")' || fail "$1: output i
 
 cd "$WORK"
 
-# The simulated NPU and its environment (on real hardware: your CANN and devices).
+# The simulated NPU and its environment (on real hardware: your CANN and devices): a simulator
+# of this script's own, so that other jobs on the host's simulator (one holding device 0, as CI
+# runs it) change nothing here.
+export NPUSIM_SOCKET=$WORK/sim/npusim.sock
 "$NPUSNAP" sim start --json >sim.json
 SIM_STARTED=$(json sim.json 'd["result"]["started"]')
 eval "$("$NPUSNAP" sim env)"

@@ -66,6 +66,7 @@ trap 'exit 130' INT TERM
 cd "$RUNBOOK_DIR"
 
 # --- block 1 ---
+export NPUSIM_SOCKET=$PWD/sim/npusim.sock   # a simulator of this page's own (shared hosts)
 npusnap sim start
 eval "$(npusnap sim env)"
 mkdir -m 700 nodeA nodeB

@@ -498,10 +498,16 @@ static int devmem_drain(op_error *e, const char *after) {
 
 /* After Lock in preserve mode: drain the devices (bounded) and copy the device memory with the
  * driver's copy, which the runtime's lock does not gate. */
+/* Seconds the current lock or backup spent copying device memory: reported apart from the
+ * runtime's own Lock and Backup, which are short, so that a dump's phase table does not put a
+ * multi-second copy under "lock". */
+static double copy_s;
+
 static int devmem_save(op_error *e, const char *nothing_locked) {
     if (!npusnap_devmem_save) return 0;
     char err[512] = "";
     int rc;
+    double copy_start = now_s();
     const char *where = devmem.save_fd >= 0 ? "into the image's file" : "to host memory";
     if (devmem.save_fd >= 0) {
         uint64_t written = 0;
@@ -511,6 +517,7 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
     } else {
         rc = npusnap_devmem_save(drain_ms, err, sizeof err);
     }
+    copy_s += now_s() - copy_start;
     if (rc != 0) {
         if (rc == -ETIMEDOUT)
             err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, rc, "the devices did not finish their queued work: %s; %s", err,
@@ -920,6 +927,8 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
     if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0) close_fd(&devmem.save_fd); /* nothing to save */
     double start = now_s();
+    double lock_call_s = 0;
+    copy_s = 0;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
@@ -933,7 +942,10 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     pthread_mutex_lock(&cb.mu);
     cb.n_seen = 0;
     pthread_mutex_unlock(&cb.mu);
-    if (call("Lock", e) < 0) {
+    double lock_call_start = now_s();
+    int locked_rc = call("Lock", e);
+    lock_call_s = now_s() - lock_call_start;
+    if (locked_rc < 0) {
         close_fd(&devmem.save_fd);
         devmem.mode[0] = 0;
         devmem.flow[0] = 0;
@@ -1015,6 +1027,10 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     if (present) lease_grant(l);
     state_members(res);
     elapsed_member(res, start);
+    sb_key(res, "runtime_lock_s");
+    sb_num(res, lock_call_s);
+    sb_key(res, "device_copy_s");
+    sb_num(res, copy_s);
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
     sb_key(res, "token");
@@ -1035,6 +1051,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("backup", r->args, 0, e) < 0) return -1;
     int before = state_now();
     double start = now_s();
+    copy_s = 0;
     int rc = no_device ? 0 : call_backup(e);
     if (rc < 0 && e->code == 107002 && !cb_devices_known()) {
         /* No active context (a launcher on a runtime without callbacks, so Lock could not tell):
@@ -1066,6 +1083,8 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (present) lease_grant(l);
     state_members(res);
     elapsed_member(res, start);
+    sb_key(res, "device_copy_s");
+    sb_num(res, copy_s);
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
     sb_key(res, "device_memory");

@@ -16,7 +16,7 @@ class ProgressBars:
     """One Output.progress bar per label, opened on first use, all closed at a phase change.
 
     A bar must tell the truth: when its count stops moving it says what it waits for (a device
-    Backup reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
+    copy of device memory reports no bytes until it is done, CRIU writes in bursts) instead of looking hung; a
     bar whose phase ended is shown complete (the phase finished its work), except one whose work
     goes on in the background (the restore's checksums, alongside CRIU), which says so; and a
     label never gets a second bar after its first was closed. Threads share it (the restore's
@@ -25,7 +25,7 @@ class ProgressBars:
 
     STALL_S = 3.0
     WAITS_FOR: ClassVar[dict[str, str]] = {
-        "device backup": "the agents' Backup reports its bytes only when done",
+        "device memory copy": "the agents report their bytes only when done",
         "writing image": "CRIU is between writes",
         "checksums": "the disk",
         "verifying": "the disk",

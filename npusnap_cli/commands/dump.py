@@ -26,11 +26,13 @@ def register(app: typer.Typer) -> None:
         pids: Optional[list[int]] = typer.Argument(
             None,
             min=1,
-            metavar="PID... DIR",
+            metavar="PID...",
             help="Root of the process tree to snapshot; several PIDs: one coordinated job image, "
             "one rank per PID (docs/distributed.md).",
         ),
-        directory: Path = typer.Argument(..., metavar="", help="Image directory to create (new or empty)."),
+        directory: Path = typer.Argument(
+            ..., metavar="DIR", help="Image directory to create (new or empty)."
+        ),
         leave_running: bool = typer.Option(
             False,
             "--leave-running",
@@ -253,8 +255,9 @@ def register(app: typer.Typer) -> None:
             "phases",
             ["phase", "time"],
             [
-                ["lock", fmt_s(t.lock_s)],
-                ["device backup", fmt_s(t.backup_s)],
+                ["runtime Lock", fmt_s(t.lock_s)],
+                ["device memory copy (npusnap, locked)", fmt_s(t.device_copy_s)],
+                ["runtime Backup", fmt_s(t.backup_s)],
                 ["CRIU freeze", fmt_s(t.criu_freeze_s)],
                 ["CRIU memory dump", fmt_s(t.criu_memdump_s)],
                 ["CRIU write", fmt_s(t.criu_memwrite_s)],

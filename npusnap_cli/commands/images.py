@@ -9,6 +9,7 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars
+from npusnap_cli.errors import UsageError
 from npusnap_cli.units import human_bytes
 
 
@@ -16,8 +17,10 @@ def register(app: typer.Typer) -> None:
     @app.command("list", epilog=epilog("list"))
     def list_cmd(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
-            ..., metavar="DIR", help="The directory that holds the images (their parent)."
+            ..., readable=False, metavar="DIR", help="The directory that holds the images (their parent)."
         ),
         checksums: bool = typer.Option(
             False,
@@ -74,18 +77,30 @@ def register(app: typer.Typer) -> None:
     @app.command("export", epilog=epilog("export"))
     def export_cmd(
         ctx: typer.Context,
-        image_dir: Path = typer.Argument(..., metavar="IMAGE", help="The image directory to export."),
+        image_dir: Path = typer.Argument(
+            ..., readable=False, metavar="IMAGE", help="The image directory to export."
+        ),
         dest: Optional[Path] = typer.Argument(
             None, metavar="[FILE]", help="The archive to write (default: IMAGE.tar.zst next to IMAGE)."
         ),
-        level: int = typer.Option(3, "--level", min=1, max=19, help="zstd compression level (1-19)."),
+        compress: str = typer.Option(
+            "zstd",
+            "--compress",
+            metavar="zstd|none",
+            help="zstd (default; every core) or none (a plain tar: for data that does not compress, "
+            "or a store that compresses by itself). `inspect`, `verify`, `import` read both.",
+        ),
+        level: Optional[int] = typer.Option(
+            None, "--level", min=1, max=19, help="zstd compression level (1-19, default 3)."
+        ),
         threads: int = typer.Option(
             0, "--threads", min=0, help="Compression threads (default 0: one per CPU core)."
         ),
         force: bool = typer.Option(False, "--force", help="Replace FILE if it exists."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Write an image into one compressed archive (tar + zstd, every core), verified on the way.
+        """Write an image into one archive (tar + zstd on every core, or a plain tar with --compress
+        none), verified on the way.
 
         Every file is checked against its checksum while it is written: a corrupt image is never
         exported. The archive (mode 0600: it holds the processes' memory) is written to a
@@ -95,7 +110,17 @@ def register(app: typer.Typer) -> None:
         from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "export", json_flag)
-        target = dest if dest is not None else image_dir.parent / archive.default_name(image_dir)
+        if compress not in archive.COMPRESSIONS:
+            raise UsageError(
+                f"--compress {compress!r} is not one of {', '.join(archive.COMPRESSIONS)}",
+                fix=f"npusnap export {image_dir} --compress zstd (or none)",
+            )
+        if compress == "none" and level is not None:
+            raise UsageError(
+                "--level is a zstd level: it means nothing with --compress none",
+                fix="drop --level, or use --compress zstd",
+            )
+        target = dest if dest is not None else image_dir.parent / archive.default_name(image_dir, compress)
         bars = ProgressBars(out)
         done = [0]
 
@@ -105,7 +130,13 @@ def register(app: typer.Typer) -> None:
 
         try:
             result = archive.export(
-                image_dir, target, level=level, threads=threads or -1, force=force, progress=advance
+                image_dir,
+                target,
+                level=archive.DEFAULT_LEVEL if level is None else level,
+                threads=threads or -1,
+                force=force,
+                progress=advance,
+                compress=compress,
             )
         finally:
             bars.close()
@@ -119,7 +150,9 @@ def register(app: typer.Typer) -> None:
     @app.command("import", epilog=epilog("import"))
     def import_cmd(
         ctx: typer.Context,
-        source: Path = typer.Argument(..., metavar="FILE", help="The archive written by `npusnap export`."),
+        source: Path = typer.Argument(
+            ..., readable=False, metavar="FILE", help="The archive written by `npusnap export`."
+        ),
         directory: Path = typer.Argument(
             ..., metavar="DIR", help="The image directory to create (new or empty)."
         ),

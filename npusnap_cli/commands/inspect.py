@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -62,23 +63,64 @@ def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> 
         return None
 
 
-def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
+@dataclass(frozen=True)
+class Sections:
+    """What `inspect` prints as text, chosen as checkpointctl's filters choose (`--ps-tree`,
+    `--files`, `--sockets`, `--mounts`, `--stats`, `--all`). The default is short: the summary
+    and the process tree, with counts of the rest. JSON always carries everything."""
+
+    ps_tree: bool = True
+    files: bool = False
+    sockets: bool = False
+    mounts: bool = False
+    stats: bool = False
+
+    @classmethod
+    def chosen(
+        cls, *, ps_tree: bool, files: bool, sockets: bool, mounts: bool, stats: bool, all_: bool
+    ) -> Sections:
+        if all_:
+            return ALL_SECTIONS
+        if not (ps_tree or files or sockets or mounts or stats):
+            return cls()
+        return cls(ps_tree=ps_tree, files=files, sockets=sockets, mounts=mounts, stats=stats)
+
+    @property
+    def short(self) -> bool:
+        return self == Sections()
+
+
+ALL_SECTIONS = Sections(ps_tree=True, files=True, sockets=True, mounts=True, stats=True)
+
+
+def show_criu_detail(out: Any, detail: Any, label: str = "", sections: Sections = ALL_SECTIONS) -> None:
     """The files, sockets, mounts and CRIU statistics tables (as checkpointctl shows them)."""
 
     if detail is None:
-        out.warn(f"{label}CRIU's images could not be read: no files, sockets or statistics to show")
+        if sections.files or sections.sockets or sections.mounts or sections.stats or sections.short:
+            out.warn(f"{label}CRIU's images could not be read: no files, sockets or statistics to show")
         return
     files = detail["files"]
-    out.table(
-        f"{label}open files",
-        ["pid", "fd", "type", "path", "offset"],
-        [
-            [f["pid"], f["fd"], f["type"], f["name"], f.get("pos") if f.get("pos") is not None else "-"]
-            for f in files
-        ],
-    )
     socks = detail["sockets"]
-    if socks:
+    mounts = detail["mounts"]
+    if sections.short:
+        out.line(
+            f"{label}CRIU saved {len(files)} open file(s), {len(socks)} socket(s), {len(mounts)} mount(s): "
+            "`--files`, `--sockets`, `--mounts`, `--stats` show them (`--all`: everything)"
+        )
+        return
+    if sections.files:
+        out.table(
+            f"{label}open files",
+            ["pid", "fd", "type", "path", "offset"],
+            [
+                [f["pid"], f["fd"], f["type"], f["name"], f.get("pos") if f.get("pos") is not None else "-"]
+                for f in files
+            ],
+        )
+    if not sections.sockets:
+        pass
+    elif socks:
         out.table(
             f"{label}sockets",
             ["pid", "fd", "family", "type", "address", "state"],
@@ -96,8 +138,9 @@ def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
         )
     else:
         out.line(f"{label}sockets: none")
-    mounts = detail["mounts"]
-    if mounts:
+    if not sections.mounts:
+        pass
+    elif mounts:
         out.table(
             f"{label}mounts",
             ["mount point", "type", "source", "external"],
@@ -109,7 +152,9 @@ def show_criu_detail(out: Any, detail: Any, label: str = "") -> None:
     else:
         out.line(f"{label}mounts: none saved (the tree shares its mount namespace with the host)")
     st = detail.get("stats")
-    if st:
+    if not sections.stats:
+        pass
+    elif st:
         ms = 1000.0
 
         def us(key: str) -> str:
@@ -165,7 +210,7 @@ def _show_k8s_job(out: Any, directory: Path) -> None:
     out.result({"directory": str(directory), **manifest})
 
 
-def _show_container(out: Any, directory: Path, ckpt: Any) -> None:
+def _show_container(out: Any, directory: Path, ckpt: Any, sections: Sections) -> None:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, containerd, plain criu)."""
 
     summary = ckpt.summary()
@@ -182,18 +227,19 @@ def _show_container(out: Any, directory: Path, ckpt: Any) -> None:
             "agent lease": f"{summary['lease_s']}s",
         },
     )
-    out.table(
-        "NPU processes (locked and backed up by the plugin)",
-        ["pid at dump", "pid in its namespace", "agent socket"],
-        [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
-    )
+    if sections.ps_tree:
+        out.table(
+            "NPU processes (locked and backed up by the plugin)",
+            ["pid at dump", "pid in its namespace", "agent socket"],
+            [[p["pid"], p["ns_pid"], p["agent_socket"]] for p in summary["processes"]],
+        )
     detail = criu_detail(directory, container=ckpt)
-    show_criu_detail(out, detail)
+    show_criu_detail(out, detail, sections=sections)
     out.line(f"{summary['files']} files, run `npusnap verify {directory}` to check them")
     out.result({**summary, "criu": detail})
 
 
-def _show_image(out: Any, ref: OpenedImage) -> None:
+def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
     """An image directory or archive: its manifest, process tree, timings and what CRIU saved."""
     from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
@@ -238,35 +284,38 @@ def _show_image(out: Any, ref: OpenedImage) -> None:
 
     for r in roots:
         walk(r, 0)
-    out.tree("processes", nodes)
+    if sections.ps_tree:
+        out.tree("processes", nodes)
     t = manifest.timings
     # No "publish" row: the manifest is written during publishing, so it cannot hold that
     # phase's time (`npusnap dump --json` reports it).
-    out.table(
-        "timings",
-        ["phase", "time"],
-        [
-            ["lock", _fmt_s(t.lock_s)],
-            ["device backup", _fmt_s(t.backup_s)],
-            ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
-            ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
-            ["CRIU write", _fmt_s(t.criu_memwrite_s)],
-            ["CRIU total", _fmt_s(t.criu_total_s)],
-            ["unlock (leave-running)", _fmt_s(t.unlock_s)],
-            ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
-            ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
-            ["total", _fmt_s(t.total_s)],
-        ],
-    )
+    if sections.stats:
+        out.table(
+            "timings",
+            ["phase", "time"],
+            [
+                ["runtime Lock", _fmt_s(t.lock_s)],
+                ["device memory copy (npusnap, locked)", _fmt_s(t.device_copy_s)],
+                ["runtime Backup", _fmt_s(t.backup_s)],
+                ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
+                ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
+                ["CRIU write", _fmt_s(t.criu_memwrite_s)],
+                ["CRIU total", _fmt_s(t.criu_total_s)],
+                ["unlock (leave-running)", _fmt_s(t.unlock_s)],
+                ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
+                ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
+                ["total", _fmt_s(t.total_s)],
+            ],
+        )
     _host_needs(out, manifest)
 
     data["criu"] = criu_detail(directory, archive=ref.kind is image.Kind.ARCHIVE)
-    show_criu_detail(out, data["criu"])
+    show_criu_detail(out, data["criu"], sections=sections)
     out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
     out.result(data)
 
 
-def _inspect_job(out: Any, ref: OpenedImage) -> None:
+def _inspect_job(out: Any, ref: OpenedImage, sections: Sections) -> None:
     from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
@@ -298,7 +347,7 @@ def _inspect_job(out: Any, ref: OpenedImage) -> None:
     )
     out.table("ranks", ["rank", "image", "pid", "NPU pids", "devices", "network namespace", "size"], rows)
     for r, data in zip(job.ranks, ranks):
-        show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ")
+        show_criu_detail(out, data["criu"], label=f"rank {r.rank}: ", sections=sections)
     out.line(
         f"each rank is an ordinary image (`npusnap inspect {directory}/rank-0`); "
         f"check the whole job: `npusnap verify {directory}`"
@@ -327,34 +376,49 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect", epilog=epilog("inspect"))
     def inspect_cmd(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help=DIR_HELP,
         ),
+        ps_tree: bool = typer.Option(False, "--ps-tree", help="Show the process tree (shown by default)."),
+        files: bool = typer.Option(False, "--files", help="Show the open files CRIU saved."),
+        sockets: bool = typer.Option(False, "--sockets", help="Show the sockets CRIU saved."),
+        mounts: bool = typer.Option(False, "--mounts", help="Show the mounts CRIU saved."),
+        stats: bool = typer.Option(
+            False, "--stats", help="Show the dump's per-phase timings and CRIU's statistics."
+        ),
+        all_: bool = typer.Option(False, "--all", help="Show everything (all of the above)."),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """Show what an image holds: processes, devices, sizes, versions, per-phase timings, and
-        what CRIU saved: open files, sockets, mounts and CRIU's statistics (pages scanned and
-        written), as checkpointctl does."""
+        """Show what an image holds: by default the summary (versions, sizes, devices) and the
+        process tree, with counts of what CRIU saved; --files, --sockets, --mounts and --stats
+        show those (as checkpointctl's filters do), --all everything. --json always has all."""
         from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "inspect", json_flag)
+        sections = Sections.chosen(
+            ps_tree=ps_tree, files=files, sockets=sockets, mounts=mounts, stats=stats, all_=all_
+        )
         ref = image.open(directory)
         if ref.kind is image.Kind.K8S_JOB:
             _show_k8s_job(out, ref.path)
         elif ref.kind is image.Kind.CONTAINER:
-            _show_container(out, ref.path, ref.require_container())
+            _show_container(out, ref.path, ref.require_container(), sections)
         elif ref.kind is image.Kind.JOB:
-            _inspect_job(out, ref)
+            _inspect_job(out, ref, sections)
         else:
-            _show_image(out, ref)
+            _show_image(out, ref, sections)
 
     @app.command("verify", epilog=epilog("verify"))
     def verify_cmd(
         ctx: typer.Context,
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help=DIR_HELP,
         ),

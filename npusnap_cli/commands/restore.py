@@ -21,8 +21,11 @@ def register(app: typer.Typer) -> None:
     @app.command(epilog=epilog("restore"))
     def restore(
         ctx: typer.Context,
+        # readable=False: click would call root's image a usage error (2); npusnap's own open
+        # meets the EACCES and says that root is needed (3).
         directory: Path = typer.Argument(
             ...,
+            readable=False,
             metavar="DIR",
             help="The image directory written by `npusnap dump` (with --import: the directory to "
             "import the archive into, new or empty).",
@@ -146,7 +149,16 @@ def register(app: typer.Typer) -> None:
             "-o",
             help="The restored job writes where its standard output file was (stdout and stderr, "
             "usually) into this file instead (appended). With --replicas, {n} in it is the replica's "
-            "number (else .N is appended).",
+            "number (else .N is appended); without it, each replica writes to that file's path plus "
+            ".NAME (--replica-name), never into the original's.",
+        ),
+        replica_name: str = typer.Option(
+            "replica-{n}",
+            "--replica-name",
+            metavar="TEMPLATE",
+            help="With --replicas: each copy's name, {n} its number (e.g. 'trainer-{n}'); its CRIU "
+            "logs go to LOGS/NAME and its output, by default, to the original output file's path "
+            "plus .NAME.",
         ),
         replicas: int = typer.Option(
             1,
@@ -171,6 +183,11 @@ def register(app: typer.Typer) -> None:
         )
 
         out = output(ctx, "restore", json_flag)
+        if not dry_run:
+            from npusnap_cli.host import preflight  # lazy: --help cost (check_imports.py --costs)
+
+            # First: as a user, the image (root's) would be refused half-way with a bare EACCES.
+            preflight.require_privileges("restore")
         bars = ProgressBars(out)
         if import_from is not None:
             if dry_run:
@@ -230,13 +247,26 @@ def register(app: typer.Typer) -> None:
                 settle_s=settle,
                 extra=["--tcp-close", *(["--accept-lost-device-memory"] if accept_lost else [])],
                 main=cli.main,
+                name=replica_name,
             )
             failed = replicas_mod.failure(results)
             rows = [
-                [str(r.index), str(r.root_pid or "-"), "ok" if r.ok else "FAILED", f"{r.wall_s:.3f}s"]
+                [
+                    str(r.index),
+                    r.name,
+                    str(r.root_pid or "-"),
+                    "ok" if r.ok else "FAILED",
+                    f"{r.wall_s:.3f}s",
+                    r.output or "-",
+                ]
                 for r in results
             ]
-            out.table("replicas", ["replica", "root pid", "status", "restore time"], rows, stream="stderr")
+            out.table(
+                "replicas",
+                ["replica", "name", "root pid", "status", "restore time", "output"],
+                rows,
+                stream="stderr",
+            )
             if failed is not None:
                 raise failed
             for r in results:

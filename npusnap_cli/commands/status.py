@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
-        from npusnap_cli.host import nodeview, proctree  # lazy: --help cost (check_imports.py --costs)
+        from npusnap_cli.host import nodeview, oplog, proctree  # lazy: --help cost (check_imports.py --costs)
         from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "status", json_flag)
@@ -24,12 +24,25 @@ def register(app: typer.Typer) -> None:
         untracked = []
         report = proctree.tree_status(pid)
         rows = []
+        busy: dict[int, dict[str, object]] = {}
         for entry in report["processes"]:
             hello = entry.get("hello") or {}
             st = entry.get("status") or {}
             lease = st.get("lease") or {}
             agent = "yes" if entry["agent_socket"] else "no"
-            if entry.get("agent_error"):
+            holder = oplog.running_on(entry["pid"]) if entry.get("agent_error") else None
+            if holder is not None:
+                # The agent serves the command that holds it (a long dump copies for seconds)
+                # and answers nobody else meanwhile: not an agent error.
+                busy[entry["pid"]] = holder
+                entry["agent_error"] = None
+                entry["held_by"] = holder
+                agent = "busy"
+                st = {
+                    "state": "LOCKED",
+                    "owner": {"command": holder["op"], "pid": holder["pid"], "since": holder["since"]},
+                }
+            elif entry.get("agent_error"):
                 agent = "error"
             lease_text = f"{lease.get('remaining_s')}s left" if lease.get("active") else "-"
             owner = nodeview.owner_view(st.get("owner"))
@@ -45,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 devices_text += f" (its {','.join(map(str, program))})"
             # Who keeps its device memory across a snapshot (docs/device-memory.md).
             dm = st.get("device_memory") or hello.get("device_memory") or {}
-            if not entry["agent_socket"] or not entry["uses_npu"]:
+            if not entry["agent_socket"] or not entry["uses_npu"] or entry["pid"] in busy:
                 memory = "-"
             elif dm.get("interposed"):
                 memory = f"seen: {human_bytes(int(dm.get('bytes') or 0))} in {dm.get('allocations')}"
@@ -72,6 +85,11 @@ def register(app: typer.Typer) -> None:
             ["pid", "command", "agent", "npu", "devices", "device memory", "state", "lease", "locked by"],
             rows,
         )
+        for p, holder in sorted(busy.items()):
+            out.info(
+                f"pid {p}: a {holder['op']} holds the lock (npusnap pid {holder['pid']}, since "
+                f"{holder['since']}); its agent answers again when that command is done"
+            )
         for p in untracked:
             out.warn(
                 f"pid {p}: npusnap does not see its device memory (not started with `npusnap run`, no "

@@ -496,8 +496,14 @@ def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
         f"pid {pid} is locked by {who}; {op} refused, nothing was changed",
         why="every lock has an owner and only its owner may release it"
         + ("" if alive or holder is None else f" (its owner, pid {holder}, is gone: its lease will thaw it)"),
-        fix=f"wait for that command to finish (see `npusnap status {pid}`); to take the lock away: "
-        f"npusnap thaw --force {pid}",
+        # The same next step as `npusnap status` gives for the same lock: a gone owner will
+        # finish nothing, so waiting for it is not offered first.
+        fix=(
+            f"wait for that command to finish (see `npusnap status {pid}`); to take the lock away: "
+            f"npusnap thaw --force {pid}"
+            if alive or holder is None
+            else f"`npusnap thaw --force {pid}` returns the process now (or wait for its lease)"
+        ),
         details={"pid": pid, "op": op, "owner": owner, "agent_error": error},
     )
 

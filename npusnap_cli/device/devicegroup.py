@@ -216,13 +216,22 @@ class DeviceGroup:
         if taken:
             pid = min(taken)
             owner = taken[pid].get("owner")
+            holder = owner.get("pid") if isinstance(owner, dict) else None
+            gone = isinstance(holder, int) and not procfs.is_alive(holder)
             raise BusyError(
                 f"pid {pid} is already locked ({taken[pid].get('state')}) by {owner_text(owner)}; "
                 f"npusnap {self.command} changed nothing",
                 why="another command holds the lock (an external checkpoint, a freeze, a dump in "
-                "progress); only its owner may release it",
-                fix=f"wait for it to finish (`npusnap status {pid}` shows the owner), or take the lock "
-                f"away with `npusnap thaw --force {pid}`",
+                "progress); only its owner may release it"
+                + (f" (its owner, pid {holder}, has exited: nobody will finish this)" if gone else ""),
+                # The next step `npusnap status` gives for the same lock: waiting is offered only
+                # while its holder runs.
+                fix=(
+                    f"`npusnap thaw --force {pid}` returns the process now (or wait for its lease)"
+                    if gone
+                    else f"wait for it to finish (`npusnap status {pid}` shows the owner), or take the "
+                    f"lock away with `npusnap thaw --force {pid}`"
+                ),
                 details={
                     "locked": {
                         str(p): {"state": r.get("state"), "owner": r.get("owner")} for p, r in taken.items()
@@ -287,6 +296,8 @@ class DeviceGroup:
                 return locked
             backed = c.backup(lease)
             backed["lock_elapsed_s"] = locked.get("elapsed_s")
+            backed["runtime_lock_s"] = locked.get("runtime_lock_s")
+            backed["lock_device_copy_s"] = locked.get("device_copy_s")
             backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
             backed["callback_devices"] = locked.get("callback_devices")
             return backed

@@ -209,6 +209,62 @@ def stale_agent_sockets(directories: Optional[list[Path]] = None) -> list[StaleS
     return found
 
 
+# A restored copy's socket younger than this is left alone: CRIU may have made the file a
+# moment before the copy listens on it again.
+COPY_SOCKET_GRACE_S = 30.0
+
+
+def _listening_anywhere() -> set[str]:
+    """Listening socket paths in every network namespace of the host: a replica restored into
+    a namespace of its own listens where this process's /proc/net/unix does not show it."""
+    found = set(paths.listening_unix_paths())
+    seen: set[str] = set()
+    try:
+        pids = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if ns in seen:
+            continue
+        seen.add(ns)
+        found.update(paths.listening_unix_paths(f"/proc/{pid}/net/unix"))
+    return found
+
+
+def stale_copy_sockets(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
+    """Sockets of restored copies (``PID-TAG.sock``, see paths.COPY_SOCKET_NAME) that nothing
+    listens on in any network namespace: the copy is gone (killed replicas leave them)."""
+    listening: Optional[set[str]] = None
+    found = []
+    now = time.time()
+    for directory in directories if directories is not None else _socket_dirs():
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            if not paths.COPY_SOCKET_NAME.fullmatch(name):
+                continue
+            path = directory / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISSOCK(st.st_mode) or now - st.st_mtime < COPY_SOCKET_GRACE_S:
+                continue
+            if listening is None:
+                listening = _listening_anywhere()
+            if str(path) not in listening:
+                found.append(
+                    StaleSocket(str(path), int(name.split("-", 1)[0]), "no restored copy listens on it")
+                )
+    return found
+
+
 def stale_lock_tokens(directories: Optional[list[Path]] = None) -> list[StaleSocket]:
     """Lock-token files (``PID.lock-token``, left for `npusnap thaw`) whose process is gone: no
     lock of theirs can still be held. A process that started after its token is not enough: a
@@ -236,6 +292,13 @@ def remove_stale_agent_sockets(directories: Optional[list[Path]] = None) -> list
         with contextlib.suppress(OSError):
             if str(path) in set(paths.listening_unix_paths()):
                 continue  # an agent bound it in the meantime
+            path.unlink()
+            removed.append(entry)
+    for entry in stale_copy_sockets(directories):
+        path = Path(entry.path)
+        with contextlib.suppress(OSError):
+            if str(path) in _listening_anywhere():
+                continue  # a copy bound it in the meantime
             path.unlink()
             removed.append(entry)
     return removed
@@ -273,7 +336,7 @@ class Debris:
 
 def debris_report() -> Debris:
     return Debris(
-        stale_sockets=stale_agent_sockets(),
+        stale_sockets=stale_agent_sockets() + stale_copy_sockets(),
         stale_tokens=stale_lock_tokens(),
         failure_logs=[str(p) for p in failure_logs()],
         demo_dirs=[str(p) for p in demo_dirs()],

@@ -131,6 +131,52 @@ def record(
     return entry
 
 
+RUNNING = "running"
+
+
+def _mark_running(op: str, pids: list[int]) -> Optional[Path]:
+    """A file naming this command and its pids while it runs: an agent busy with a long dump
+    answers nobody else, and `status` must say who holds it instead of "error"."""
+    if not pids:
+        return None
+    try:
+        d = state_dir() / RUNNING
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = d / f"{os.getpid()}.json"
+        entry = {
+            "op": op,
+            "pid": os.getpid(),
+            "start": start_time(os.getpid()),
+            "pids": list(pids),
+            "since": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(entry))
+        return path
+    except OSError:
+        return None  # a record is never a reason to fail an operation
+
+
+def running_on(pid: int) -> Optional[dict[str, Any]]:
+    """The npusnap command (still alive) working on ``pid`` now, from its running file."""
+    try:
+        files = sorted((state_dir() / RUNNING).glob("*.json"))
+    except OSError:
+        return None
+    for f in files:
+        try:
+            entry = json.loads(f.read_text())
+            holder = int(entry["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if holder == os.getpid() or start_time(holder) != entry.get("start") or start_time(holder) is None:
+            continue  # ours, or a command that ended without removing its file
+        if pid in (entry.get("pids") or []):
+            return dict(entry)
+    return None
+
+
 @contextlib.contextmanager
 def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[str, Any]]:
     """Record the operation in the body when it ends, however it ends. The body may update the
@@ -139,6 +185,7 @@ def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[s
     info["starts"] = {p: start_time(p) for p in pids}
     t0 = time.monotonic()
     code, error = 0, None
+    marker = _mark_running(op, list(pids))
     try:
         yield info
     except NpusnapError as exc:
@@ -155,6 +202,9 @@ def operation(op: str, pids: list[int], image: Optional[str]) -> Iterator[dict[s
         code, error = int(getattr(exc, "exit_code", 0) or ExitCode.INTERNAL), type(exc).__name__
         raise
     finally:
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.unlink()
         with contextlib.suppress(Exception):
             starts = dict(info["starts"])
             for p in info["pids"]:
@@ -189,6 +239,8 @@ def last_snapshots() -> dict[tuple[int, Optional[float]], dict[str, Any]]:
     for entry in history():
         if entry.get("op") not in ("dump", "freeze") or entry.get("exit_code") != 0:
             continue
+        if entry.get("op") == "dump" and entry.get("image") and not os.path.isdir(str(entry["image"])):
+            continue  # removed since (`--keep-last`, by hand): not a snapshot to restore any more
         starts = entry.get("starts") or {}
         for pid in entry.get("pids") or []:
             found[(int(pid), starts.get(str(pid)))] = entry

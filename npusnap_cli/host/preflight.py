@@ -272,6 +272,19 @@ def check_privileges() -> list[CheckItem]:
     return items
 
 
+def require_privileges(command: str) -> None:
+    """Refuse ``command`` (dump, restore) up front when this npusnap cannot run CRIU: as a user,
+    everything after would fail on another path (root's /proc entries, root's image) and blame it."""
+    problems = [i for i in check_privileges() if i.status == PROBLEM]
+    if problems:
+        raise PreflightError(
+            f"{command} needs root: {problems[0].detail}",
+            why=f"CRIU needs root (or CAP_CHECKPOINT_RESTORE + CAP_SYS_PTRACE) to {command} a process tree",
+            fix=problems[0].fix or "run npusnap as root",
+            details={"problems": [i.detail for i in problems]},
+        )
+
+
 def other_user_problem(uids: list[int]) -> Optional[CheckItem]:
     """A problem when the tree holds another user's process and CRIU could not read its rlimits.
 

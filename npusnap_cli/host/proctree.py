@@ -20,7 +20,7 @@ import psutil
 from npusnap_cli import acl, paths
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
-from npusnap_cli.errors import NpusnapError, TargetError
+from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
 from npusnap_cli.host import procfs
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -181,7 +181,29 @@ def process_tree(pid: int) -> list[ProcInfo]:
             walk(child, depth + 1)
 
     walk(root, 0)
+    _require_readable(pid, out)
     return out
+
+
+def _require_readable(pid: int, tree: list[ProcInfo]) -> None:
+    """As a user, another user's processes hide their maps and fds: the tree would look like one
+    without an NPU process or an agent, a wrong answer. Say that root is what is missing."""
+    euid = os.geteuid()
+    if euid == 0:
+        return
+    hidden = [p for p in tree if not p.readable and not p.zombie]
+    if not hidden:
+        return
+    owners = sorted({p.uid for p in hidden if p.uid is not None})
+    whose = f"uid {', '.join(map(str, owners))}" if owners else "another user"
+    raise PreflightError(
+        f"pid {hidden[0].pid} belongs to {whose}: looking into another user's process needs root "
+        f"(npusnap runs as uid {euid})",
+        why="/proc hides another user's open files and memory maps, and the job's agent answers "
+        "only its own user and root",
+        fix=f"run the command as root (`sudo npusnap ... {pid}`), or as the job's user",
+        details={"pids": [p.pid for p in hidden], "owners": owners, "euid": euid},
+    )
 
 
 def npu_processes(tree: list[ProcInfo]) -> list[ProcInfo]:

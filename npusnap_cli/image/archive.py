@@ -55,19 +55,43 @@ def _no_progress(_n: int) -> None:
     pass
 
 
-def is_archive(path: Path) -> bool:
-    """A regular file that starts with the zstd magic number."""
+# `export --compress`: zstd (the default), or none for a plain tar (already compressed data, a
+# store that compresses by itself, or the fastest export when the disk is not the bottleneck).
+COMPRESSIONS = ("zstd", "none")
+SUFFIXES = {"zstd": SUFFIX, "none": ".tar"}
+
+
+def _plain_tar_of_ours(path: Path) -> bool:
+    """An uncompressed tar whose first member is an image's manifest (export writes it first),
+    so that another tool's tar (a container checkpoint) is never taken for an npusnap archive."""
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            first = tar.next()
+    except (OSError, tarfile.TarError, EOFError):
+        return False
+    return first is not None and first.isfile() and first.name.endswith("/" + layout.MANIFEST_NAME)
+
+
+def _compression(path: Path) -> Optional[str]:
+    """``"zstd"`` or ``"none"`` for an npusnap archive, None for anything else."""
     try:
         if not path.is_file():
-            return False
+            return None
         with open(path, "rb") as f:
-            return f.read(4) == ZSTD_MAGIC
+            if f.read(4) == ZSTD_MAGIC:
+                return "zstd"
     except OSError:
-        return False
+        return None
+    return "none" if _plain_tar_of_ours(path) else None
 
 
-def default_name(image: Path) -> str:
-    return image.name + SUFFIX
+def is_archive(path: Path) -> bool:
+    """A regular file written by `npusnap export`: zstd data, or a plain tar of an image."""
+    return _compression(path) is not None
+
+
+def default_name(image: Path, compress: str = "zstd") -> str:
+    return image.name + SUFFIXES[compress]
 
 
 @dataclass(frozen=True)
@@ -147,9 +171,17 @@ def export(
     threads: int = -1,
     force: bool = False,
     progress: ProgressFn = _no_progress,
+    compress: str = "zstd",
 ) -> ArchiveResult:
-    """Write ``image`` into the archive ``dest`` (atomically: a temporary sibling, then rename)."""
+    """Write ``image`` into the archive ``dest`` (atomically: a temporary sibling, then rename);
+    ``compress``: "zstd" (at ``level``) or "none" (a plain tar)."""
     import zstandard
+
+    if compress not in COMPRESSIONS:
+        raise UsageError(
+            f"--compress {compress!r} is not a compression npusnap writes",
+            fix=f"choose one of: {', '.join(COMPRESSIONS)}",
+        )
 
     start = time.monotonic()
     image = layout.follow_pointer(image)
@@ -175,7 +207,7 @@ def export(
         try:
             with (
                 os.fdopen(fd, "wb") as fh,
-                cctx.stream_writer(fh, closefd=False) as zw,
+                _writer(cctx, fh, compress) as zw,
                 tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
             ):
                 mpath = layout.manifest_path(image)
@@ -197,7 +229,8 @@ def export(
                     if reader.sha.hexdigest() != entry.digest or reader.size != entry.size:
                         raise img_problem(image, digest.mismatch(entry.path, entry.algo))
                     bytes_in += entry.size
-                zw.flush(zstandard.FLUSH_FRAME)
+                if compress == "zstd":
+                    zw.flush(zstandard.FLUSH_FRAME)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.rename(tmp, dest.name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -225,6 +258,28 @@ def export(
         bytes_out=dest.stat().st_size,
         seconds=time.monotonic() - start,
     )
+
+
+def _writer(cctx: Any, fh: IO[bytes], compress: str) -> Any:
+    """Where the tar stream goes: zstd's writer, or the file itself."""
+    return cctx.stream_writer(fh, closefd=False) if compress == "zstd" else _Uncompressed(fh)
+
+
+class _Uncompressed:
+    """The file itself, with the context-manager face of zstd's stream writer (`--compress
+    none`); leaving it does not close the file, as ``closefd=False`` does not."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self._fh = fh
+
+    def write(self, data: bytes) -> int:
+        return self._fh.write(data)
+
+    def __enter__(self) -> _Uncompressed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._fh.flush()
 
 
 def disk_error(exc: OSError, what: str, where: Path) -> NpusnapError:
@@ -268,12 +323,20 @@ def _members(archive: Path) -> Iterator[Iterator[tuple[tarfile.TarInfo, Optional
 
     if not archive.exists():
         raise ImageError(f"no archive at {archive}", fix="check the path")
-    if not is_archive(archive):
+    compression = _compression(archive)
+    if compression is None:
         raise ImageError(
-            f"{archive} is not an npusnap archive (no zstd data)",
+            f"{archive} is not an npusnap archive (neither zstd data nor a tar of an image)",
             fix="pass a file written by `npusnap export`, or an image directory",
         )
-    with open(archive, "rb") as fh, zstandard.ZstdDecompressor().stream_reader(fh) as zr:
+    with (
+        open(archive, "rb") as fh,
+        (
+            zstandard.ZstdDecompressor().stream_reader(fh)
+            if compression == "zstd"
+            else contextlib.nullcontext(fh)
+        ) as zr,
+    ):
         try:
             tar = tarfile.open(fileobj=zr, mode="r|")  # noqa: SIM115 - closed with the file below
         except (tarfile.TarError, zstandard.ZstdError) as exc:

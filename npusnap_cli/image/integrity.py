@@ -63,6 +63,8 @@ def read_pstree(criu: Path) -> Optional[list[dict[str, Any]]]:
             return list(pycriu.images.load(f).get("entries", []))
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise  # not a damaged image: the CLI says which permission (or root) is missing
     except Exception as exc:
         raise ImageError(
             f"cannot read {path}: {exc}",

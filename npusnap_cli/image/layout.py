@@ -399,12 +399,15 @@ def check_dump_target(final: Path, *, force: bool) -> None:
     probe: Path = parent
     while not probe.exists():
         probe = probe.parent
-    with contextlib.suppress(OSError):
-        if os.statvfs(probe).f_flag & os.ST_RDONLY:
-            raise UsageError(
-                f"cannot write the image to {final}: {probe} is on a read-only filesystem",
-                fix="choose a directory on a writable filesystem",
-            )
+    # DIR itself too when it exists: an empty read-only mount point under a writable parent
+    # would otherwise pass here and fail later as "0 B free".
+    for where in ([final] if final.is_dir() else []) + [probe]:
+        with contextlib.suppress(OSError):
+            if os.statvfs(where).f_flag & os.ST_RDONLY:
+                raise UsageError(
+                    f"cannot write the image to {final}: {where} is on a read-only filesystem (EROFS)",
+                    fix="choose a directory on a writable filesystem, or remount it read-write",
+                )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(
             f"cannot write the image next to {final}: {probe} is not writable",

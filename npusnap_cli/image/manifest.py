@@ -223,6 +223,8 @@ class Timings:
     preflight_s: Optional[float] = None
     lock_s: Optional[float] = None
     backup_s: Optional[float] = None
+    # npusnap's copy of the device memory (inside the agents' lock): not the runtime's Lock.
+    device_copy_s: Optional[float] = None
     criu_freeze_s: Optional[float] = None
     criu_memdump_s: Optional[float] = None
     criu_memwrite_s: Optional[float] = None
@@ -475,6 +477,8 @@ def read_manifest_bytes(image: Path, *, unpublished: bool = False) -> bytes:
                 why="an image holds only directories and regular files",
                 fix="do not use this image; dump again",
             ) from None
+        if isinstance(exc, PermissionError):
+            raise  # not the image's fault: the CLI says which permission (or root) is missing
         raise ImageError(f"cannot read {path}: {exc.strerror}", fix="check the file's permissions") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())

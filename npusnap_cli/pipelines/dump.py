@@ -255,15 +255,13 @@ def _mem_available() -> Optional[int]:
     return None
 
 
-def _check_privileges() -> None:
-    problems = [i for i in preflight.check_privileges() if i.status == preflight.PROBLEM]
-    if problems:
-        raise PreflightError(
-            f"not enough privileges to dump: {problems[0].detail}",
-            why="CRIU needs root (or CAP_CHECKPOINT_RESTORE + CAP_SYS_PTRACE) to dump a process",
-            fix=problems[0].fix or "run npusnap as root",
-            details={"problems": [i.detail for i in problems]},
-        )
+def _first(*values: Any) -> Optional[float]:
+    return next((float(v) for v in values if v is not None), None)
+
+
+def _sum(*values: Any) -> Optional[float]:
+    known = [float(v) for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def _check_other_users(tree: tuple[ProcInfo, ...]) -> None:
@@ -496,6 +494,7 @@ def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int)
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
     have = img.free_bytes(final.parent)
     if have < need:
+        img.check_dump_target(final, force=True)  # a read-only filesystem: name that, not "0 B free"
         raise PreflightError(
             f"not enough free space for the image in {final.parent}: "
             f"{human_bytes(have)} free, about {human_bytes(need)} needed",
@@ -753,7 +752,9 @@ class DumpState:
 
 
 def _resolve(s: DumpState) -> None:
-    # Cheap checks first: bad input must fail before anything touches the target.
+    # Cheap checks first: bad input must fail before anything touches the target. Privileges
+    # before all: as a user, root's job looks like a tree without an NPU process.
+    preflight.require_privileges("dump")
     img.check_dump_target(s.final, force=s.options.force)
     if s.options.sign_key is not None:
         imagetrust.check_signing_key(s.options.sign_key)
@@ -765,7 +766,6 @@ def _resolve(s: DumpState) -> None:
 
 def _preflight(s: DumpState) -> None:
     tree = s.target.tree
-    _check_privileges()
     _check_other_users(tree)
     _check_session(tree, shell_job=s.options.criu.shell_job)
     s.external = _check_external_stdio(tree, s.options, s.cb.note)
@@ -938,6 +938,11 @@ def _roll_back_devices(s: DumpState, err: BaseException) -> None:
         ) from other
 
 
+def _written_bytes(st: os.stat_result) -> int:
+    """What a file holds so far: a file sized up front (ftruncate) has only its written blocks."""
+    return min(st.st_size, st.st_blocks * 512)
+
+
 @contextlib.contextmanager
 def _backup_progress(s: DumpState) -> Iterator[None]:
     """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
@@ -949,9 +954,20 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
     total = s.device_bytes
 
     def report(n: int) -> None:
-        s.cb.progress("device backup", min(total, max(0, n)), total)
+        s.cb.progress("device memory copy", min(total, max(0, n)), total)
 
-    with _sampling(lambda: sum(_rss(p) for p in pids) - before, report):
+    def written() -> int:
+        # The agents copy into the image's device-memory files when they have them (their host
+        # memory does not grow then): those files' sizes are the progress.
+        d = s.tmp / img.DEVICE_SUBDIR if s.tmp is not None else None
+        if d is None:
+            return 0
+        try:
+            return sum(_written_bytes(e.stat(follow_symlinks=False)) for e in os.scandir(d) if e.is_file())
+        except OSError:
+            return 0
+
+    with _sampling(lambda: max(sum(_rss(p) for p in pids) - before, written()), report):
         yield
 
 
@@ -1355,14 +1371,24 @@ def _manifest(s: DumpState) -> img.Manifest:
             )
         )
     results = s.lock_results
-    lock_times = [r.get("lock_elapsed_s") for r in results.values()]
-    backup_times = [r.get("elapsed_s") for r in results.values()]
+    # The runtime's Lock and Backup apart from npusnap's copy of the device memory, which runs
+    # inside the agent's lock (or backup, in the legacy flow) and takes the seconds; an agent
+    # that does not report them (an older one) has its whole lock and backup counted as such.
+    lock_times = [_first(r.get("runtime_lock_s"), r.get("lock_elapsed_s")) for r in results.values()]
+    copy_times = [_sum(r.get("lock_device_copy_s"), r.get("device_copy_s")) for r in results.values()]
+    backup_times = [
+        None
+        if r.get("elapsed_s") is None
+        else max(0.0, float(r["elapsed_s"]) - float(r.get("device_copy_s") or 0))
+        for r in results.values()
+    ]
     stats = s.criu_result.stats if s.criu_result is not None else None
     us = 1e-6
     timings = img.Timings(
         preflight_s=s.timings.get("preflight", 0.0) + s.timings.get("attach", 0.0),
         lock_s=max((float(t) for t in lock_times if t is not None), default=None),
         backup_s=max((float(t) for t in backup_times if t is not None), default=None),
+        device_copy_s=max((float(t) for t in copy_times if t is not None), default=None),
         criu_freeze_s=stats.freezing_time_us * us if stats else None,
         criu_memdump_s=stats.memdump_time_us * us if stats else None,
         criu_memwrite_s=stats.memwrite_time_us * us if stats else None,

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import selectors
 import signal
 import sys
@@ -52,6 +53,29 @@ class ReplicaResult:
     wall_s: float
     warnings: tuple[str, ...] = ()  # what the copy's restore told (e.g. the ghost files it waited for)
     stopped: bool = False  # restored, then stopped again because another copy failed
+    name: str = ""  # the copy's name (--replica-name): its logs directory and output suffix
+    output: Optional[str] = None  # where the copy writes what the original wrote to its file
+
+
+DEFAULT_NAME = "replica-{n}"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def names_for(template: str, replicas: int) -> list[str]:
+    """Each copy's name: ``{n}`` in ``template`` is its number (else ``-N`` is appended). A name
+    becomes a directory and a file suffix, so it is a plain word."""
+    names = [
+        template.replace("{n}", str(i)) if "{n}" in template else f"{template}-{i}" for i in range(replicas)
+    ]
+    bad = [n for n in names if not _NAME.fullmatch(n)]
+    if bad:
+        raise UsageError(
+            f"--replica-name {template!r} makes the name {bad[0]!r}",
+            why="a copy's name is a directory of its logs and a suffix of its output file: letters, "
+            "digits, '.', '_' and '-' only, up to 64 characters",
+            fix="for example --replica-name 'trainer-{n}'",
+        )
+    return names
 
 
 def pidfile_for(pidfile: Optional[Path], index: int) -> Optional[Path]:
@@ -169,26 +193,41 @@ def restore_all(
     extra: list[str],
     main: Callable[[list[str]], int],
     timeout_s: float = 600.0,
+    name: str = DEFAULT_NAME,
 ) -> list[ReplicaResult]:
     """Restore ``replicas`` copies at once; one result per copy (failed ones included). ``main`` is
     the CLI's entry point, run in each child as ``npusnap restore ... --no-verify``; the caller has
-    imported what a restore imports, so that the children fork with it."""
+    imported what a restore imports, so that the children fork with it.
+
+    Each copy has a name (``name``, ``{n}`` its number): its CRIU logs go under ``LOGS/NAME``
+    and, without ``output``, what the original wrote to its output file goes to that file's path
+    with ``.NAME`` appended: copies never append to the original's log, nor to each other's."""
+    names = names_for(name, replicas)
     check(directory, replicas, device_maps)
     if verify:
         img.verify(directory)
     base_logs = logs or (directory / img.LOGS_SUBDIR)
+    original_output = None
+    if output is None:
+        original_output = pidns.output_file_of(img.criu_dir(directory), img.load_manifest(directory))
+    outputs: list[Optional[Path]] = [
+        pidfile_for(output, i)
+        if output is not None
+        else (Path(f"{original_output}.{names[i]}") if original_output else None)
+        for i in range(replicas)
+    ]
     children: list[_Child] = []
     sel = selectors.DefaultSelector()
     try:
         for i in range(replicas):
             argv = ["restore", str(directory), "--json", "--no-verify"]
-            argv += ["--settle", str(settle_s), "--logs", str(base_logs / f"replica-{i}")]
+            argv += ["--settle", str(settle_s), "--logs", str(base_logs / names[i])]
             if i < len(device_maps):
                 argv += ["--device-map", ",".join(f"{a}={b}" for a, b in device_maps[i])]
             pf = pidfile_for(pidfile, i)
             if pf is not None:
                 argv += ["--pidfile", str(pf)]
-            of = pidfile_for(output, i)
+            of = outputs[i]
             if of is not None:
                 argv += ["--output", str(of)]
             pid, out_fd, err_fd = _fork_restore(main, [*argv, *extra])
@@ -237,7 +276,20 @@ def restore_all(
             None if ok else {"message": f"exit {c.status}: {c.err.decode(errors='replace').strip()[-400:]}"}
         )
         warned = tuple(str(w) for w in env.get("warnings") or ())
-        results.append(ReplicaResult(i, ok, res.get("root_pid") if ok else None, res, err, wall, warned))
+        of = outputs[i]
+        results.append(
+            ReplicaResult(
+                i,
+                ok,
+                res.get("root_pid") if ok else None,
+                res,
+                err,
+                wall,
+                warned,
+                name=names[i],
+                output=str(of) if of is not None else None,
+            )
+        )
     if any(not r.ok for r in results):
         results = [_stop(r, pidfile_for(pidfile, r.index)) if r.ok else r for r in results]
     return results

@@ -1228,7 +1228,8 @@ def _device_files_verified(
                     error.details["killed_before_device_memory"] = list(killed)
             raise error
 
-    cb.note("the device-memory files are verified while the device state is restored")
+    # No note: verifying alongside is how every restore runs (its phase table says so), not a
+    # warning.
     return wait
 
 

@@ -142,6 +142,13 @@ def test_ps_records_logs_and_dry_run(sim: Sim, runtime_dir: Path, tmp_path: Path
         assert any(f"npusnap thaw --force {pid}" in w for w in seen["warnings"])
         status = npusnap({**env, "COLUMNS": "1000"}, "status", str(pid))
         assert "EXITED" in status.stdout and f"thaw --force {pid}" in status.stderr
+        # thaw and freeze refuse that lock with the same next step as status, never "wait for
+        # that command to finish": it has exited.
+        for refused_cmd in (["thaw", str(pid)], ["freeze", str(pid)]):
+            refused = npusnap(env, *refused_cmd, "--json")
+            error = envelope(refused)["error"]
+            assert refused.returncode == 11, error
+            assert error["fix"].startswith(f"`npusnap thaw --force {pid}` returns the process now"), error
         assert npusnap(env, "thaw", "--force", str(pid)).returncode == 0
         assert (
             envelope(npusnap(env, "status", str(pid), "--json"))["result"]["processes"][0]["status"]["owner"]

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -120,11 +121,31 @@ def _user_python() -> Optional[str]:
     return None
 
 
+@pytest.fixture
+def device0_taken(sim_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Another job on the host's simulator, holding device 0 while a page runs: a page pasted on
+    a shared host must not depend on that device being free."""
+    from tests.integration.dumplib import PY, TRAIN, Job
+
+    job = Job(
+        tmp_path_factory.mktemp("other-job"),
+        dict(sim_env),
+        [PY, TRAIN, "--steps", "100000", "--interval", "0.1", "--device", "0"],
+        agent=False,
+    )
+    try:
+        job.wait_lines(1)
+        yield
+        assert job.proc.poll() is None, f"the other job on device 0 died: {job.text()[-500:]}"
+    finally:
+        job.cleanup()
+
+
 @pytest.mark.integration
 @requires_root
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_runbook_script_succeeds(
-    script: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    script: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, device0_taken: None
 ) -> None:
     env = dict(sim_env)
     env["NPUSNAP_RUNTIME_DIR"] = str(runtime_dir)
@@ -175,7 +196,7 @@ def test_doc_pages_with_shell_blocks_are_run() -> None:
 @requires_root
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.stem)
 def test_doc_page_blocks_succeed(
-    page: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    page: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, device0_taken: None
 ) -> None:
     """A page outside docs/runbooks/ (the quickstart): its runnable blocks, in order, in a clean
     shell in an empty directory, as the runbooks' scripts run theirs (same prologue)."""

@@ -242,3 +242,33 @@ def test_a_reader_that_stops_reading_is_not_a_failure(store: Path) -> None:
     )
     assert proc.stdout.strip() == "rc=0", proc.stderr
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_export_without_compression_is_a_plain_tar_every_command_reads(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = store / "snap-1"
+    assert main(["export", str(src), "--compress", "none"]) == 0
+    dest = Path(capsys.readouterr().out.strip())
+    assert dest == store / "snap-1.tar"  # the default name says what it is
+    with tarfile.open(dest, mode="r:") as tar:  # no compressor needed to read it
+        assert tar.getnames()[0] == "snap-1/npusnap.json"
+    assert main(["--json", "verify", str(dest)]) == 0
+    assert json.loads(capsys.readouterr().out)["result"]["files_checked"] == 2
+    out = tmp_path / "imported"
+    assert main(["import", str(dest), str(out)]) == 0
+    capsys.readouterr()
+    assert image.verify(out).files_checked == 2
+    # A level is zstd's: refused with none, taken with zstd.
+    assert (
+        main(["export", str(src), str(tmp_path / "x.tar"), "--compress", "none", "--level", "9"])
+        == ExitCode.USAGE
+    )
+    assert main(["export", str(src), str(tmp_path / "x.tar"), "--compress", "gzip"]) == ExitCode.USAGE
+    assert main(["export", str(src), str(tmp_path / "y.tar.zst"), "--level", "19"]) == 0
+    assert archive.is_archive(tmp_path / "y.tar.zst")
+    # Another tool's tar (not an image's) is not taken for an npusnap archive.
+    other = tmp_path / "other.tar"
+    with tarfile.open(other, mode="w") as tar:
+        tar.add(str(src / "npusnap.json"), arcname="config.dump")
+    assert not archive.is_archive(other)

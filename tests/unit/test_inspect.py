@@ -34,12 +34,12 @@ def test_inspect_json_is_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_inspect_human_shows_tree_and_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     final = _image(tmp_path)
-    assert main(["inspect", str(final)]) == 0
+    assert main(["inspect", str(final), "--stats", "--ps-tree"]) == 0
     captured = capsys.readouterr()
     out = captured.out  # data on stdout (`npusnap inspect DIR | grep ...`), hints on stderr
     assert "1235  python3 worker.py" in out
     assert "NPU: device 1" in out
-    assert "device backup" in out and "0.200s" in out
+    assert "runtime Backup" in out and "0.200s" in out
     assert "npusnap verify" in captured.err and "npusnap verify" not in out
 
 
@@ -61,3 +61,25 @@ def test_inspect_missing_image(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["inspect", str(tmp_path / "nope"), "--json"]) == ExitCode.IMAGE
     env = json.loads(capsys.readouterr().out)
     assert env["ok"] is False and env["error"]["kind"] == "image"
+
+
+def test_inspect_is_short_by_default_and_filters_like_checkpointctl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = _image(tmp_path)
+    assert main(["inspect", str(final)]) == 0
+    short = capsys.readouterr()
+    assert "1235  python3 worker.py" in short.out  # the process tree
+    assert "timings" not in short.out and "open files" not in short.out
+    assert "--files" in short.err and "--all" in short.err  # how to see the rest
+    assert main(["inspect", str(final), "--files"]) == 0
+    files = capsys.readouterr()
+    assert "open files" in files.out and "1235  python3 worker.py" not in files.out
+    assert "timings" not in files.out
+    assert main(["inspect", str(final), "--all"]) == 0
+    everything = capsys.readouterr().out
+    assert "open files" in everything and "timings" in everything and "worker.py" in everything
+    # JSON always has everything, whatever the filters.
+    assert main(["inspect", str(final), "--files", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["result"]
+    assert res["processes"] and res["timings"] and "criu" in res

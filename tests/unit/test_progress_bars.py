@@ -50,13 +50,13 @@ def test_a_stalled_bar_says_what_it_waits_for_and_ends_complete(monkeypatch: pyt
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     out = FakeOut()
     bars = dump_cmd.ProgressBars(out)
-    bars.update("device backup", 8, 2048)
+    bars.update("device memory copy", 8, 2048)
     clock[0] += dump_cmd.ProgressBars.STALL_S + 1
-    bars.update("device backup", 8, 2048)
+    bars.update("device memory copy", 8, 2048)
     bar = out.bars[0]
-    assert "waiting: the agents' Backup" in bar.descriptions[-1]
-    bars.update("device backup", 100, 2048)  # it moves again: the plain label
-    assert bar.descriptions[-1] == "device backup"
+    assert "waiting: the agents report" in bar.descriptions[-1]
+    bars.update("device memory copy", 100, 2048)  # it moves again: the plain label
+    assert bar.descriptions[-1] == "device memory copy"
     bars.close()  # the phase ended: its work is done
     assert bar.updates[-1] == (2048, 2048)
 
