@@ -82,8 +82,8 @@ typedef struct aclOpExecutor aclOpExecutor;
 
 /* ---- checks */
 HIDDEN int64_t t_numel(const aclTensor *t);
-/* A tensor this library computes on: non-NULL, a supported dtype (any if mask is 0, else
- * (1 << dtype) & mask... for dtypes below 32; bf16 is OPS_DTM_BF16), a strided format, data present. */
+/* A tensor this library computes on: non-NULL, a dtype in the mask (DTM(dtype) bits; 0: any this
+ * library knows), a strided format, data present when it has elements. */
 #define DTM(dt) (1ull << (dt))
 #define DTM_FLOATS (DTM(OPS_DT_FLOAT) | DTM(OPS_DT_FLOAT16) | DTM(OPS_DT_BF16))
 #define DTM_INTS (DTM(OPS_DT_INT8) | DTM(OPS_DT_UINT8) | DTM(OPS_DT_INT16) | DTM(OPS_DT_INT32) | DTM(OPS_DT_INT64))
@@ -113,7 +113,8 @@ HIDDEN void ex_tensor(aclOpExecutor *e, struct ops_tensor t);
 /* Ask for a workspace of this many bytes (device memory the caller allocates and passes to phase
  * two; its address is handed to the kernel as the last int). */
 HIDDEN void ex_workspace(aclOpExecutor *e, uint64_t bytes);
-/* Ends phase one: ACLNN_SUCCESS and *executor set, or (out of memory) an error and no executor. */
+/* Ends phase one: ACLNN_SUCCESS with the caller's *workspaceSize and *executor set, or (out of
+ * memory) an error and no executor. */
 HIDDEN aclnnStatus ex_done(aclOpExecutor *e);
 HIDDEN aclnnStatus ex_launch(const char *name, void *workspace, uint64_t workspaceSize, aclOpExecutor *e,
                              aclrtStream stream);
