@@ -83,6 +83,22 @@ def log(message: str) -> None:
         pass
 
 
+def append_log_line(path: str, line: str) -> bool:
+    """``line``, time-stamped, appended to the agent log at ``path`` (created 0600, never through a
+    symlink). False when it could not be written. Never raises."""
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
+        try:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime())
+            os.write(fd, (stamp + line).encode("utf-8", "replace"))
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
 def write_log_line(line: str) -> None:
     """``line`` appended to the agent log as the native core would name it (it is not there to do
     it): NPUSNAP_AGENT_LOG, else ``<runtime dir>/<pid>.log`` when that directory is there and
@@ -93,16 +109,7 @@ def write_log_line(line: str) -> None:
         if runtime.is_dir() and paths.runtime_dir_problem(runtime) is None:
             path = str(paths.agent_log_path(os.getpid()))
     if path.startswith("/"):
-        try:
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-            fd = os.open(path, flags, 0o600)
-            try:
-                stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime())
-                os.write(fd, (stamp + line).encode("utf-8", "replace"))
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        append_log_line(path, line)
     if os.environ.get(contract.AGENT_STDERR_ENV) == "1":
         try:
             sys.stderr.write(line)

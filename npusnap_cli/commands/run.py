@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from npusnap_cli import contract, paths
+from npusnap_cli import agent, contract, paths
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import PreflightError, UsageError
 
@@ -147,13 +148,17 @@ def register(app: typer.Typer) -> None:
             )
             raise typer.Exit(launch.run_in_pid_namespace(plan))
         session_note = None if keep_session else launch.leave_foreign_session()
-        if session_note:
-            out.warn(session_note)
         out.debug(
             f"exec {' '.join(plan.argv)} (LD_PRELOAD={plan.env.get('LD_PRELOAD')}, "
             f"PYTHONPATH={plan.env.get('PYTHONPATH')})"
         )
         agent_log = launch.with_job_log(plan.env, os.getpid())[contract.AGENT_LOG_ENV]
+        if session_note:
+            # The program's stderr is the program's: the note goes to the job's log (and `status`
+            # names it), and to stderr only when a person is watching it.
+            logged = agent.append_log_line(agent_log, f"npusnap run: [{os.getpid()}] {session_note}\n")
+            if not logged or sys.stderr.isatty():
+                out.warn(session_note)
         out.result(
             {
                 **plan.to_dict(),

@@ -52,6 +52,7 @@ from npusnap_cli.errors import (
     DeviceError,
     ImageError,
     IncompatibleImageError,
+    InterruptedError_,
     NpusnapError,
     PreflightError,
     TargetError,
@@ -1306,16 +1307,19 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], 
     return elsewhere
 
 
+STATE_NOW_TIMEOUT_S = 2.0
+
+
 def _state_now(pid: int, group: Optional[DeviceGroup]) -> tuple[Optional[str], str]:
-    """(state, who unlocked it) that ``pid``'s agent reports now; (None, "") if it cannot say.
-    Asked over the group's own connection when it has one: the agent answers one client at a
-    time."""
+    """(state, who unlocked it) that ``pid``'s agent reports now; (None, "") if it cannot say
+    within STATE_NOW_TIMEOUT_S (a stopped or busy agent). Asked over the group's own connection
+    when it has one: the agent answers one client at a time."""
     try:
         client = group.clients.get(pid) if group is not None else None
         if client is not None:
-            st = client.status()
+            st = client.request("status", timeout=STATE_NOW_TIMEOUT_S)
         else:
-            with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as fresh:
+            with AgentClient(pid, timeout=STATE_NOW_TIMEOUT_S, connect_retry_s=0.2) as fresh:
                 st = fresh.status()
     except NpusnapError:
         return None, ""
@@ -1368,8 +1372,13 @@ def _restore_and_unlock(
         err.details.setdefault("criu_restore_log", log)
         failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
         # What the agents say now, not what the failure suggests: a lease that ran out while this
-        # restore was stopped (or slow) restored and unlocked its process by itself.
-        now = {int(p): _state_now(int(p), group) for p in failed}
+        # restore was stopped (or slow) restored and unlocked its process by itself. Not asked
+        # when the restore was told to stop: it answers at once, and its requests are in flight.
+        now: dict[int, tuple[Optional[str], str]]
+        if isinstance(err, InterruptedError_):
+            now = {int(p): (None, "") for p in failed}
+        else:
+            now = {int(p): _state_now(int(p), group) for p in failed}
         running = sorted(p for p, (state, _by) in now.items() if state == contract.SnapshotState.RUNNING.name)
         locked = sorted(p for p in now if p not in running)
         err.details["locked_pids"] = locked

@@ -368,11 +368,19 @@ def test_two_restores_of_one_image_one_wins_the_other_is_busy(
         assert rc == 0, (out or {}).get("error") or err
         job.reap()
         before = len(job.lines())
-        argv = [NPUSNAP, "restore", str(img), "--json"]
-        both = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-        results = [(p.wait(90), p.communicate()[0]) for p in both]
+        argv = [NPUSNAP, "-v", "restore", str(img), "--json"]
+        both = [
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        outputs = [p.communicate(timeout=90) for p in both]
+        results = [(p.returncode, o) for p, (o, _e) in zip(both, outputs)]
         codes = sorted(rc for rc, _ in results)
-        assert codes == [0, ExitCode.BUSY], results
+        # On failure: each restore's error and the end of its log (a traceback, for exit 1).
+        said = [
+            (rc, json.loads(o or "{}").get("error"), e[-3000:]) for (rc, o), (_o, e) in zip(results, outputs)
+        ]
+        assert codes == [0, ExitCode.BUSY], said
         won = next(json.loads(o) for rc, o in results if rc == 0)
         job.restored_pid = int(won["result"]["root_pid"])
         wait_until(lambda: not alive(job.restored_pid), 90, "the restored run to finish")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli import paths
 from npusnap_cli.agent import launch
 from npusnap_cli.device.agent_client import AgentClient
 from tests.conftest import requires_root
@@ -131,4 +132,7 @@ def test_run_leaves_a_session_whose_leader_is_outside_the_namespace(keep: bool) 
         assert "new session" not in proc.stderr
     else:
         assert sid == pid, f"expected a session of its own, got sid {sid} for pid {pid}"
-        assert "new session of its own" in proc.stderr
+        # Not a terminal: the program's stderr stays its own, the note goes to the job's log.
+        assert "new session" not in proc.stderr
+        log = paths.agent_log_path(pid)
+        assert "new session of its own" in log.read_text(), log
