@@ -127,6 +127,7 @@ TOKEN_HEX_CHARS = 32
 MAX_OWNER_COMMAND = 64
 MAX_LEASE_S = 604800
 MAX_PATH = 4096
+HCCL_ROOT_BYTES = 4108
 # error.type
 ERR_ACL = "acl"  # a CANN call returned non-zero (code/name are the ACL's)
 ERR_HOOK = "hook"  # an application hook raised; the op was rolled back
@@ -161,6 +162,7 @@ E_DEVICE_BUSY = "DEVICE_BUSY"  # state: the devices did not drain in time after 
 E_HOOK_FAILED = "HOOK_FAILED"  # hook: an application hook raised
 E_HOOK_TIMEOUT = "HOOK_TIMEOUT"  # hook: an application hook did not return in time
 E_NO_RANDOM = "NO_RANDOM"  # internal: no random bytes for a token
+E_HCCL_FAILED = "HCCL_FAILED"  # state: making an HCCL communicator anew after a restore failed (code: HCCL's)
 E_OUT_OF_MEMORY = "OUT_OF_MEMORY"  # internal: the agent ran out of memory
 # name -> (type, meaning)
 PROTOCOL_ERRORS: Dict[str, Tuple[str, str]] = {
@@ -184,6 +186,7 @@ PROTOCOL_ERRORS: Dict[str, Tuple[str, str]] = {
     E_HOOK_FAILED: ("hook", "an application hook raised"),
     E_HOOK_TIMEOUT: ("hook", "an application hook did not return in time"),
     E_NO_RANDOM: ("internal", "no random bytes for a token"),
+    E_HCCL_FAILED: ("state", "making an HCCL communicator anew after a restore failed (code: HCCL's)"),
     E_OUT_OF_MEMORY: ("internal", "the agent ran out of memory"),
 }
 # Argument kinds: what JSON values an argument takes (each codec implements the check).
@@ -194,10 +197,13 @@ ARG_KINDS: Dict[str, str] = {
     "token": "a string of at most 2 * token_hex_chars chars, or null",
     "bool": "true or false",
     "path": "an absolute path shorter than max_path bytes",
+    "hex": "a string of lowercase hex digits, at most 2 * hccl_root_bytes chars",
 }
 # op -> {argument: kind}
 PROTOCOL_OPS: Dict[str, Dict[str, str]] = {
     "backup": {"lease_s": "lease", "token": "token"},
+    "hccl_rebuild": {"key": "hex", "root": "hex"},
+    "hccl_root": {"key": "hex"},
     "hello": {},
     "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease"},
     "release": {"token": "token"},
@@ -464,6 +470,7 @@ C_INTS: Dict[str, int] = {
     "NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND": MAX_OWNER_COMMAND,
     "NPUSNAP_PROTOCOL_MAX_LEASE_S": MAX_LEASE_S,
     "NPUSNAP_PROTOCOL_MAX_PATH": MAX_PATH,
+    "NPUSNAP_PROTOCOL_HCCL_ROOT_BYTES": HCCL_ROOT_BYTES,
     "NPUSNAP_PLUGIN_STATE_FORMAT": PLUGIN_STATE_FORMAT,
     "NPUSNAP_EXIT_OK": ExitCode.OK,
     "NPUSNAP_EXIT_INTERNAL": ExitCode.INTERNAL,
@@ -540,6 +547,7 @@ C_STRINGS: Dict[str, str] = {
     "NPUSNAP_ERR_HOOK_FAILED": E_HOOK_FAILED,
     "NPUSNAP_ERR_HOOK_TIMEOUT": E_HOOK_TIMEOUT,
     "NPUSNAP_ERR_NO_RANDOM": E_NO_RANDOM,
+    "NPUSNAP_ERR_HCCL_FAILED": E_HCCL_FAILED,
     "NPUSNAP_ERR_OUT_OF_MEMORY": E_OUT_OF_MEMORY,
     "NPUSNAP_PLUGIN_NAME": PLUGIN_NAME,
     "NPUSNAP_PLUGIN_STATE_FILE": PLUGIN_STATE_FILE,

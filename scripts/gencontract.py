@@ -136,7 +136,8 @@ def pairs(spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, 
     ints += [("NPUSNAP_PROTOCOL_VERSION", "PROTOCOL_VERSION")]
     ints += [(f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_line", "token_hex_chars")]
     ints += [
-        (f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_owner_command", "max_lease_s", "max_path")
+        (f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper())
+        for k in ("max_owner_command", "max_lease_s", "max_path", "hccl_root_bytes")
     ]
     strs += [(f"NPUSNAP_ERRTYPE_{upper(t)}", f"ERR_{upper(t)}") for t in p["error_types"]]
     strs += [(f"NPUSNAP_ERR_{n}", f"E_{n}") for n in p["errors"]]
@@ -274,6 +275,7 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND {p['max_owner_command']}")
     w(f"#define NPUSNAP_PROTOCOL_MAX_LEASE_S {p['max_lease_s']}")
     w(f"#define NPUSNAP_PROTOCOL_MAX_PATH {p['max_path']}")
+    w(f"#define NPUSNAP_PROTOCOL_HCCL_ROOT_BYTES {p['hccl_root_bytes']}")
     w("/* error.type */")
     for t, doc in p["error_types"].items():
         w(f"#define NPUSNAP_ERRTYPE_{upper(t)} {c_str(t)} /* {doc} */")
@@ -495,6 +497,7 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"MAX_OWNER_COMMAND = {p['max_owner_command']}")
     w(f"MAX_LEASE_S = {p['max_lease_s']}")
     w(f"MAX_PATH = {p['max_path']}")
+    w(f"HCCL_ROOT_BYTES = {p['hccl_root_bytes']}")
     w("# error.type")
     for t, doc in p["error_types"].items():
         w(f"ERR_{upper(t)} = {py_str(t)}  # {doc}")

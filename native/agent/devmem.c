@@ -46,6 +46,8 @@
 #include "npusnap/devmem.h"
 #include "npusnap/quietthread.h"
 
+void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
+
 typedef int32_t aclError;
 typedef int drvError_t; /* enum tagDrvError (driver ascend_hal_error.h): an int on the ABI */
 typedef unsigned long long DVdeviceptr;
@@ -581,6 +583,12 @@ API aclError aclFinalize(void) {
  * dlsym as a tail call, so that glibc still sees the original caller's return address. */
 API void *dlsym(void *handle, const char *name) {
     dlsym_fn ds = real_dlsym();
+    if (handle != RTLD_NEXT && name[0] == 'H' && name[1] == 'c' && name[2] == 'c' && name[3] == 'l') {
+        /* HCCL's names that take a communicator: the agent's wrapper (hccl.c). */
+        void *p = ds(handle, name);
+        void *w = npusnap_hccl_wrapper_for(name, p);
+        return w ? w : p;
+    }
     if (handle != RTLD_NEXT && ((name[0] == 'h' && name[1] == 'a' && name[2] == 'l') ||
                                 (name[0] == 'd' && name[1] == 'r' && name[2] == 'v') ||
                                 (name[0] == 'a' && name[1] == 'c' && name[2] == 'l'))) {

@@ -12,6 +12,7 @@
 #include "agent_int.h"
 
 #include <npusnap/devmem.h>
+#include <npusnap/hcclvirt.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -468,12 +469,16 @@ static void devmem_begin(const char *mode) {
 }
 
 static int call(const char *what, op_error *e);
+/* How long Lock waits for the threads inside an HCCL launch to leave it (they are not held yet:
+ * a launch takes microseconds). */
+#define HCCL_HOLD_TIMEOUT_S 2.0
 
 /* Unlock after a failed drain or save (nothing of the job ran meanwhile); a failed Unlock is
  * added to e's message with what to do. */
 static void unlock_after_failure(op_error *e) {
     op_error again;
     err_init(&again);
+    npusnap_hccl_release();
     if (call("Unlock", &again) < 0) {
         ops_event("unlock after a failed lock step FAILED: %s", again.message);
         size_t n = strlen(e->message);
@@ -596,6 +601,7 @@ static int call_restore(op_error *e) {
         return -1;
     }
     restore_pending = 0;
+    npusnap_hccl_restored(); /* HCCL's RESTORE_POST made every communicator invalid */
     /* CANN's legacy Restore gives the allocations back at their addresses, not their contents:
      * npusnap writes them back before the Unlock that follows (unlock, rollback), still LOCKED --
      * by then the restore command has checked the device-memory file's checksum. */
@@ -877,6 +883,58 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     return 0;
 }
 
+/* "hccl": the communicators the agent stands behind (npusnap/hcclvirt.h). */
+static void hccl_json(sbuf *res) {
+    struct npusnap_hccl_comm_info comms[64];
+    size_t n = npusnap_hccl_comms(comms, 64);
+    if (n > 64) n = 64;
+    sb_key(res, "hccl");
+    sb_raw(res, "[");
+    for (size_t i = 0; i < n; i++) {
+        sb_raw(res, i ? ",{" : "{");
+        sb_printf(res, "\"key\":\"%s\",\"rank\":%u,\"nranks\":%u,\"state\":\"%s\",\"collectives\":%llu", comms[i].key,
+                  comms[i].rank, comms[i].nranks, comms[i].state, (unsigned long long)comms[i].collectives);
+        sb_raw(res, "}");
+    }
+    sb_raw(res, "]");
+}
+
+static int op_hccl_root(const request *r, sbuf *res, op_error *e) {
+    const jval *key = json_get(r->args, "key");
+    if (!key || key->t != J_STR) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "hccl_root needs a key");
+        return -1;
+    }
+    char root[2 * NPUSNAP_HCCL_ROOT_BYTES + 1], err[256] = "";
+    int rc = npusnap_hccl_new_root(key->s, root, err, sizeof err);
+    if (rc != 0) {
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_HCCL_FAILED, rc, "%s", err);
+        return -1;
+    }
+    sb_key(res, "root");
+    sb_str(res, root);
+    return 0;
+}
+
+static int op_hccl_rebuild(const request *r, sbuf *res, op_error *e) {
+    const jval *key = json_get(r->args, "key"), *root = json_get(r->args, "root");
+    if (!key || key->t != J_STR || !root || root->t != J_STR) {
+        err_set(e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_BAD_ARGS, 0, "hccl_rebuild needs a key and a root");
+        return -1;
+    }
+    double start = now_s();
+    char err[256] = "";
+    int rc = npusnap_hccl_rebuild(key->s, root->s, err, sizeof err);
+    if (rc != 0) {
+        ops_event("HCCL communicator %s NOT rebuilt: %s", key->s, err);
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_HCCL_FAILED, rc, "%s", err);
+        return -1;
+    }
+    ops_event("HCCL communicator %s rebuilt", key->s);
+    elapsed_member(res, start);
+    return 0;
+}
+
 static int op_status(const request *r, sbuf *res, op_error *e) {
     (void)r;
     (void)e;
@@ -891,6 +949,7 @@ static int op_status(const request *r, sbuf *res, op_error *e) {
     sb_raw(res, restore_pending ? "true" : "false");
     sb_key(res, "device_memory");
     devmem_json(res);
+    hccl_json(res);
     sb_key(res, "events");
     sb_raw(res, "[");
     int first = n_events > 10 ? n_events - 10 : 0;
@@ -942,10 +1001,14 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     pthread_mutex_lock(&cb.mu);
     cb.n_seen = 0;
     pthread_mutex_unlock(&cb.mu);
+    /* No thread inside a collective at Lock: each is wholly before or after the snapshot. */
+    if (npusnap_hccl_hold(HCCL_HOLD_TIMEOUT_S) < 0)
+        ops_event("an HCCL call was still running %gs after the hold: locking anyway", HCCL_HOLD_TIMEOUT_S);
     double lock_call_start = now_s();
     int locked_rc = call("Lock", e);
     lock_call_s = now_s() - lock_call_start;
     if (locked_rc < 0) {
+        npusnap_hccl_release();
         close_fd(&devmem.save_fd);
         devmem.mode[0] = 0;
         devmem.flow[0] = 0;
@@ -974,6 +1037,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
             return -1;
         }
         no_device = 1;
+        npusnap_hccl_release();
         close_fd(&devmem.save_fd);
         ops_event("no device open (no LOCK_PRE callback ran): not locked, nothing to back up");
     } else if ((strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0 || acl_may_have_driver_flow(&rt)) &&
@@ -1016,6 +1080,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
             call("Unlock", &again);
             err_free(&again);
             devmem_finish();
+            npusnap_hccl_release();
             err_set(e, NPUSNAP_ERRTYPE_INTERNAL, NPUSNAP_ERR_NO_RANDOM, saved_errno, "getrandom failed: %s; the lock was undone",
                     strerror(saved_errno));
             sb_free(&ran);
@@ -1153,6 +1218,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
         sb_free(&steps);
         return -1;
     }
+    npusnap_hccl_release();
     devmem_after_unlock(&steps, e);
     sbuf ran;
     sb_init(&ran);
@@ -1201,6 +1267,7 @@ static int do_rollback(sbuf *res, op_error *e) {
             goto fail;
         } /* state unknown (no GetState): Unlock from RUNNING fails harmlessly */
     }
+    npusnap_hccl_release();
     if (devmem_after_unlock(&steps, e) < 0) goto fail;
     lease_release();
     clear_owner();
@@ -1261,6 +1328,8 @@ void ops_handle(const request *r, int peer_pid, sbuf *out) {
     else if (strcmp(op, "restore") == 0) rc = op_restore(r, &res, &e);
     else if (strcmp(op, "unlock") == 0) rc = op_unlock(r, &res, &e);
     else if (strcmp(op, "rollback") == 0) rc = op_rollback(r, &res, &e);
+    else if (strcmp(op, "hccl_root") == 0) rc = op_hccl_root(r, &res, &e);
+    else if (strcmp(op, "hccl_rebuild") == 0) rc = op_hccl_rebuild(r, &res, &e);
     else {
         err_set(&e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_UNKNOWN_OP, 0, "unknown op '%s'", op);
         rc = -1;

@@ -107,6 +107,8 @@ static int validate(const char *op, const jval *args, op_error *e) {
         case NPUSNAP_ARG_DEVICE_MEMORY: ok = v->t == J_STR || v->t == J_NULL; break;
         case NPUSNAP_ARG_OWNER: ok = v->t == J_OBJ || v->t == J_NULL; break;
         case NPUSNAP_ARG_PATH: ok = v->t == J_STR; break;
+        case NPUSNAP_ARG_HEX: ok = v->t == J_STR && strlen(v->s) <= 2 * NPUSNAP_PROTOCOL_HCCL_ROOT_BYTES &&
+                                   strspn(v->s, "0123456789abcdef") == strlen(v->s); break;
         }
         if (!ok) return bad_args(e, "argument '%s' of '%s' has the wrong type", key, op);
     }

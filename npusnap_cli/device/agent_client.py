@@ -36,7 +36,15 @@ DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
 # lock copies the job's device memory once the runtime is locked, unlock writes it back: both
 # scale with it.
-OP_TIMEOUTS = {"lock": 900.0, "backup": 900.0, "restore": 900.0, "rollback": 900.0, "unlock": 900.0}
+# hccl_rebuild waits for every rank of the communicator to join (HCCL_CONNECT_TIMEOUT, 120 s by default).
+OP_TIMEOUTS = {
+    "lock": 900.0,
+    "backup": 900.0,
+    "restore": 900.0,
+    "rollback": 900.0,
+    "unlock": 900.0,
+    "hccl_rebuild": 900.0,
+}
 _UCRED = struct.Struct("3i")
 
 NO_AGENT_FIX = (
@@ -467,6 +475,14 @@ class AgentClient:
             return self.request("restore", self._owned())
         fd, path = device_memory_file
         return self.request("restore", self._owned(device_memory_file=path), fd=fd)
+
+    def hccl_root(self, key: str) -> str:
+        """New root info (hex) for HCCL communicator ``key``, from the process of its rank 0."""
+        return str(self.request("hccl_root", {"key": key})["root"])
+
+    def hccl_rebuild(self, key: str, root: str) -> dict[str, Any]:
+        """Make communicator ``key`` anew from ``root``; returns once every rank joined."""
+        return self.request("hccl_rebuild", {"key": key, "root": root})
 
     def unlock(self, force: bool = False) -> dict[str, Any]:
         result = self.request("unlock", {"force": True} if force else self._owned())

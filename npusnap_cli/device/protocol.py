@@ -42,6 +42,7 @@ KIND_TYPES: Dict[str, Tuple[type, ...]] = {
     "token": (str, type(None)),
     "bool": (bool,),
     "path": (str,),
+    "hex": (str,),
 }
 # op -> {argument name: (allowed JSON types, required)}
 OP_ARGS: Dict[str, Dict[str, Tuple[Tuple[type, ...], bool]]] = {
@@ -162,6 +163,12 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
         raise ProtocolError(
             "BAD_ARGS", f"device_memory must be one of 'preserve', 'app', 'discard' (got {mode!r})"
         )
+    for name, kind in contract.PROTOCOL_OPS[op].items():
+        value = args.get(name)
+        if kind == "hex" and value is not None and (
+            len(value) > 2 * contract.HCCL_ROOT_BYTES or value.strip("0123456789abcdef")
+        ):
+            raise ProtocolError("BAD_ARGS", f"{name} must be lowercase hex digits")
 
 
 def decode_request(line: bytes) -> Tuple[int, str, Dict[str, Any]]:

@@ -73,6 +73,43 @@ def _socket_fds(pid: int) -> dict[int, int]:
     return fds
 
 
+Conn = tuple[str, int, str, int]
+
+
+def tree_connections(pids: list[int]) -> dict[int, tuple[int, list[Conn]]]:
+    """pid -> (its network namespace's inode, the established TCP connections (local ip, port,
+    remote ip, port) its descriptors hold). Each process's own namespace is read (a rank in a
+    container has its own)."""
+    tables: dict[int, dict[int, Conn]] = {}  # netns inode -> socket inode -> 4-tuple
+    held: dict[int, tuple[int, list[Conn]]] = {}
+    for pid in pids:
+        inodes = set(_socket_fds(pid).values())
+        if not inodes:
+            continue
+        try:
+            ns = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            continue
+        if ns not in tables:
+            tables[ns] = established(pid)
+        conns = [tables[ns][i] for i in sorted(inodes) if i in tables[ns]]
+        if conns:
+            held[pid] = (ns, conns)
+    return held
+
+
+def outside_peers(held: dict[int, tuple[int, list[Conn]]]) -> list[tuple[int, Conn]]:
+    """(pid, connection) of each connection in ``held`` whose other end is not in ``held`` (in
+    the same network namespace): a peer outside the tree, which CRIU does not dump."""
+    ends = {(ns, c) for ns, conns in held.values() for c in conns}
+    return [
+        (pid, c)
+        for pid, (ns, conns) in sorted(held.items())
+        for c in conns
+        if (ns, (c[2], c[3], c[0], c[1])) not in ends
+    ]
+
+
 def _repair_off(pid: int, fds: list[int]) -> list[str]:
     libc = ctypes.CDLL(None, use_errno=True)
     problems: list[str] = []

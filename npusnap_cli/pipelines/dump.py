@@ -116,15 +116,18 @@ class DumpOptions:
     def leave_running(self) -> bool:
         return self.criu.leave_running
 
-    def criu_for(self, tree: tuple[ProcInfo, ...]) -> CriuOptions:
+    def criu_for(self, tree: tuple[ProcInfo, ...], tcp_within: bool = False) -> CriuOptions:
         """What CRIU is asked for ``tree``: unless it runs on, the tree stays stopped after the
-        dump (it is killed once the image is published), and no network lock where it would
-        lock nothing (a --network-lock given always wins)."""
+        dump (it is killed once the image is published), no network lock where it would lock
+        nothing (a --network-lock given always wins), and --tcp-established when every TCP
+        connection of the tree has both ends in it (``tcp_within``)."""
         o = self.criu
+        tcp = o.tcp_established or tcp_within
         return replace(
             o,
             leave_stopped=not o.leave_running,
-            network_lock=o.network_lock or _unneeded_network_lock(tree, o.tcp_established),
+            tcp_established=tcp,
+            network_lock=o.network_lock or _unneeded_network_lock(tree, tcp),
         )
 
 
@@ -333,6 +336,41 @@ def _check_undumpable_fds(tree: tuple[ProcInfo, ...], binary: criu.CriuBinary) -
     err = preflight.undumpable_fds_error(found)
     if err is not None:
         raise err
+
+
+def _check_tcp(tree: tuple[ProcInfo, ...], options: DumpOptions, in_job: bool, note: PhaseFn) -> bool:
+    """Established TCP connections, before anything is locked. True when the tree has some and
+    every one has both ends in the tree (a PyTorch store and its clients, ranks of one tree):
+    CRIU dumps and restores such pairs whole, so the dump asks for --tcp-established itself.
+    A connection to outside the tree without --tcp-established is refused here: CRIU would fail
+    on it after the job was locked. (A rank of a job dump: its peers are other ranks; left to
+    the job's options.)"""
+    if options.criu.tcp_established or in_job:
+        return False
+    held = tcpunlock.tree_connections([p.pid for p in tree if not p.zombie])
+    if not held:
+        return False
+    outside = tcpunlock.outside_peers(held)
+    if outside:
+        pid, (lip, lport, rip, rport) = outside[0]
+        more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+        raise PreflightError(
+            f"pid {pid} has a TCP connection {lip}:{lport} -> {rip}:{rport} to outside the tree{more}",
+            why="CRIU dumps an established connection only with --tcp-established, and it would "
+            "fail on this one after the job was locked",
+            fix="add --tcp-established (the peer must still be there when the image is restored, "
+            "on the same addresses), or restore with --tcp-close to drop such connections",
+            details={
+                "connections": [
+                    {"pid": p, "local": f"{a}:{b}", "remote": f"{c}:{d}"} for p, (a, b, c, d) in outside
+                ]
+            },
+        )
+    count = sum(len(conns) for _ns, conns in held.values())
+    note(
+        f"the tree's {count} TCP connection ends are all between its own processes: dumped with --tcp-established"
+    )
+    return True
 
 
 def _check_criu(check: Optional[criu.CriuCheck]) -> criu.CriuBinary:
@@ -696,6 +734,7 @@ class DumpState:
     found: Optional[_Target] = None
     criu_binary: Optional[criu.CriuBinary] = None
     external: tuple[hostres.ExternalStdio, ...] = ()  # recorded for restore
+    tcp_within: bool = False  # every TCP connection of the tree has both ends in it
     pid_ns: dict[str, int] = field(default_factory=dict)  # host pid -> pid in the job's namespace
     device_view: bool = False  # the tree runs in a container of the simulated NPU (pidns.py)
     host_bytes: int = 0
@@ -771,6 +810,7 @@ def _preflight(s: DumpState) -> None:
     s.external = _check_external_stdio(tree, s.options, s.cb.note)
     s.criu_binary = _check_criu(s.check)
     _check_undumpable_fds(tree, s.binary)
+    s.tcp_within = _check_tcp(tree, s.options, s.in_job, s.cb.note)
     ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
     s.pid_ns = {str(k): v for k, v in ns_map.items()}
     s.device_view = pidns.in_device_view(s.target.root_pid)
@@ -1059,7 +1099,7 @@ def _criu_dump(s: DumpState) -> None:
     lease = s.lease = LeaseKeeper(s.lock_tokens, s.options.lease_s)
     lease.renew_or_fail("before CRIU started")
     tmp = s.work
-    s.criu_options = s.options.criu_for(s.target.tree)
+    s.criu_options = s.options.criu_for(s.target.tree, s.tcp_within)
     expected = sum(_rss(p.pid) for p in s.target.tree)
     # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
     hasher = s.hasher = StreamHasher(img.criu_dir(tmp)).start()
@@ -1150,7 +1190,7 @@ def _resume(s: DumpState, err: BaseException) -> None:
     if isinstance(err, StateUnknownError):
         return
     _announce_rollback(s)
-    if s.stopped_pids and s.options.criu.tcp_established:
+    if s.stopped_pids and s.criu_options.tcp_established:
         # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
         for problem in tcpunlock.release(s.stopped_pids, s.options.criu.network_lock):
             s.cb.note(f"rollback: {problem}")

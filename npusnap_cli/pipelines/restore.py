@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from npusnap_cli import acl, contract, criu, safefs
 from npusnap_cli import image as img
-from npusnap_cli.device import occupancy
+from npusnap_cli.device import hcclrebuild, occupancy
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import (
@@ -1414,3 +1414,15 @@ def _restore_and_unlock(
     finally:
         if group is not None:
             group.close()
+    _rebuild_communicators(npu_pids, root_pid)
+
+
+def _rebuild_communicators(npu_pids: tuple[int, ...], root_pid: int) -> None:
+    """The job's HCCL communicators made anew behind its handles (device/hcclrebuild.py); the
+    processes run already: their collectives wait for this."""
+    try:
+        hcclrebuild.rebuild(npu_pids, time.monotonic)
+    except NpusnapError as err:
+        err.message = f"CRIU restored the tree (root pid {root_pid}) and it runs, but {err.message}"
+        err.details.setdefault("restored_root_pid", root_pid)
+        raise

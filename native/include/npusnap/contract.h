@@ -164,6 +164,7 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND 64
 #define NPUSNAP_PROTOCOL_MAX_LEASE_S 604800
 #define NPUSNAP_PROTOCOL_MAX_PATH 4096
+#define NPUSNAP_PROTOCOL_HCCL_ROOT_BYTES 4108
 /* error.type */
 #define NPUSNAP_ERRTYPE_ACL "acl" /* a CANN call returned non-zero (code/name are the ACL's) */
 #define NPUSNAP_ERRTYPE_HOOK "hook" /* an application hook raised; the op was rolled back */
@@ -191,6 +192,7 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_ERR_HOOK_FAILED "HOOK_FAILED" /* hook: an application hook raised */
 #define NPUSNAP_ERR_HOOK_TIMEOUT "HOOK_TIMEOUT" /* hook: an application hook did not return in time */
 #define NPUSNAP_ERR_NO_RANDOM "NO_RANDOM" /* internal: no random bytes for a token */
+#define NPUSNAP_ERR_HCCL_FAILED "HCCL_FAILED" /* state: making an HCCL communicator anew after a restore failed (code: HCCL's) */
 #define NPUSNAP_ERR_OUT_OF_MEMORY "OUT_OF_MEMORY" /* internal: the agent ran out of memory */
 /* Argument kinds: what JSON values an argument takes. */
 enum npusnap_arg_kind {
@@ -200,6 +202,7 @@ enum npusnap_arg_kind {
     NPUSNAP_ARG_TOKEN, /* a string of at most 2 * token_hex_chars chars, or null */
     NPUSNAP_ARG_BOOL, /* true or false */
     NPUSNAP_ARG_PATH, /* an absolute path shorter than max_path bytes */
+    NPUSNAP_ARG_HEX, /* a string of lowercase hex digits, at most 2 * hccl_root_bytes chars */
 };
 static inline const char *npusnap_arg_kind_name(int kind) {
     switch (kind) {
@@ -209,17 +212,20 @@ static inline const char *npusnap_arg_kind_name(int kind) {
     case NPUSNAP_ARG_TOKEN: return "token";
     case NPUSNAP_ARG_BOOL: return "bool";
     case NPUSNAP_ARG_PATH: return "path";
+    case NPUSNAP_ARG_HEX: return "hex";
     default: return NULL;
     }
 }
 /* The operations (sorted) and their arguments, as initialisers of
  * struct { const char *op;
  *          struct { const char *name; int kind; } args[NPUSNAP_PROTOCOL_MAX_ARGS]; }. */
-#define NPUSNAP_PROTOCOL_OP_COUNT 9
+#define NPUSNAP_PROTOCOL_OP_COUNT 11
 #define NPUSNAP_PROTOCOL_MAX_ARGS 5
-#define NPUSNAP_PROTOCOL_OP_NAMES "backup, hello, lock, release, renew, restore, rollback, status, unlock"
+#define NPUSNAP_PROTOCOL_OP_NAMES "backup, hccl_rebuild, hccl_root, hello, lock, release, renew, restore, rollback, status, unlock"
 #define NPUSNAP_PROTOCOL_OPS_INIT \
     {"backup", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
+    {"hccl_rebuild", {{"key", NPUSNAP_ARG_HEX}, {"root", NPUSNAP_ARG_HEX}}}, \
+    {"hccl_root", {{"key", NPUSNAP_ARG_HEX}}}, \
     {"hello", {{0, 0}}}, \
     {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}}}, \
     {"release", {{"token", NPUSNAP_ARG_TOKEN}}}, \
@@ -490,6 +496,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSNAP_PROTOCOL_MAX_OWNER_COMMAND) \
     X(NPUSNAP_PROTOCOL_MAX_LEASE_S) \
     X(NPUSNAP_PROTOCOL_MAX_PATH) \
+    X(NPUSNAP_PROTOCOL_HCCL_ROOT_BYTES) \
     X(NPUSNAP_PLUGIN_STATE_FORMAT) \
     X(NPUSNAP_EXIT_OK) \
     X(NPUSNAP_EXIT_INTERNAL) \
@@ -565,6 +572,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSNAP_ERR_HOOK_FAILED) \
     X(NPUSNAP_ERR_HOOK_TIMEOUT) \
     X(NPUSNAP_ERR_NO_RANDOM) \
+    X(NPUSNAP_ERR_HCCL_FAILED) \
     X(NPUSNAP_ERR_OUT_OF_MEMORY) \
     X(NPUSNAP_PLUGIN_NAME) \
     X(NPUSNAP_PLUGIN_STATE_FILE) \

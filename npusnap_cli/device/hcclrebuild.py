@@ -1,0 +1,110 @@
+"""After a restore: the job's HCCL communicators, made anew behind the handles the job holds.
+
+A Restore leaves every HCCL communicator invalid (HCCL's RESTORE_POST callback; on a device its
+links are gone). Each restored agent stands behind the communicators its process made
+(native/agent/hccl.c): their calls wait, their async error stays clear, until this module has
+them rebuilt through HCCL's public calls, as torch_npu's own ``reinit_process_group`` would --
+without the job's help:
+
+1. every restored NPU process's agent lists its communicators (``status`` → ``hccl``: key, rank,
+   size); the key is a hash of the root info the ranks shared, so equal keys are one communicator;
+2. per communicator, the process of rank 0 makes new root info (``hccl_root``);
+3. every rank makes the new communicator from it at the same time (``hccl_rebuild``, one thread
+   per rank: HCCL's init returns once every rank joined).
+
+Communicators are rebuilt one after the other (an agent serves one request at a time). A
+communicator whose ranks are not all among the restored processes (ranks in other trees restored
+by other commands) cannot be rebuilt here: that is an error, and its calls answer
+HCCL_E_UNAVAIL once NPUSNAP_HCCL_REBUILD_TIMEOUT passed in the job. docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from npusnap_cli.device.agent_client import AgentClient
+from npusnap_cli.errors import DeviceError
+
+CONNECT_RETRY_S = 5.0
+
+
+@dataclass
+class Communicator:
+    key: str
+    nranks: int
+    members: dict[int, int] = field(default_factory=dict)  # rank -> pid
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.nranks) if r not in self.members]
+
+
+@dataclass(frozen=True)
+class RebuildOutcome:
+    rebuilt: tuple[str, ...]  # the communicators' keys
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"rebuilt": list(self.rebuilt), "seconds": round(self.seconds, 3)}
+
+
+def stale_communicators(pids: Iterable[int]) -> list[Communicator]:
+    """The communicators that await a rebuild in the processes ``pids``, grouped by key."""
+    found: dict[str, Communicator] = {}
+    for pid in pids:
+        with AgentClient(pid, timeout=10.0, connect_retry_s=CONNECT_RETRY_S) as client:
+            status = client.status()
+        for c in status.get("hccl") or []:
+            if c.get("state") != "stale":
+                continue
+            comm = found.setdefault(str(c["key"]), Communicator(str(c["key"]), int(c["nranks"])))
+            comm.members[int(c["rank"])] = pid
+    return sorted(found.values(), key=lambda c: c.key)
+
+
+def _rebuild_one(comm: Communicator) -> None:
+    with AgentClient(comm.members[0], timeout=30.0, connect_retry_s=CONNECT_RETRY_S) as root_client:
+        root = root_client.hccl_root(comm.key)
+
+    def join(pid: int) -> None:
+        with AgentClient(pid, timeout=30.0, connect_retry_s=CONNECT_RETRY_S) as client:
+            client.hccl_rebuild(comm.key, root)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(comm.members)) as pool:
+        futures = {pool.submit(join, pid): (rank, pid) for rank, pid in comm.members.items()}
+        failures = []
+        for fut in concurrent.futures.as_completed(futures):
+            rank, pid = futures[fut]
+            exc = fut.exception()
+            if exc is not None:
+                failures.append(f"rank {rank} (pid {pid}): {getattr(exc, 'message', exc)}")
+    if failures:
+        raise DeviceError(
+            f"HCCL communicator {comm.key[:12]} ({comm.nranks} ranks) could not be made anew: "
+            + "; ".join(sorted(failures)),
+            why="HCCL's init failed on a rank (a rank that died, or a timeout joining the others)",
+            fix="the job's next collective on it fails: restore the image again, or let the job "
+            "rebuild its process groups (torch_npu.distributed.reinit_process_group)",
+            details={"communicator": comm.key, "failures": sorted(failures)},
+        )
+
+
+def rebuild(pids: Iterable[int], now: Callable[[], float]) -> RebuildOutcome:
+    """Rebuild every communicator of the restored processes ``pids`` (which already run)."""
+    start = now()
+    comms = stale_communicators(pids)
+    incomplete = [c for c in comms if c.missing()]
+    if incomplete:
+        c = incomplete[0]
+        raise DeviceError(
+            f"HCCL communicator {c.key[:12]} has ranks {c.missing()} outside the restored processes",
+            why="its other ranks were not restored by this command (another tree, another node)",
+            fix="restore every rank of the job with one command (a job image: npusnap dump PID0 PID1 ... DIR)",
+            details={"communicator": c.key, "members": {str(r): p for r, p in c.members.items()}},
+        )
+    done = []
+    for comm in comms:
+        _rebuild_one(comm)
+        done.append(comm.key)
+    return RebuildOutcome(tuple(done), now() - start)
