@@ -165,8 +165,10 @@ def validate_args(op: str, args: Dict[str, Any]) -> None:
         )
     for name, kind in contract.PROTOCOL_OPS[op].items():
         value = args.get(name)
-        if kind == "hex" and value is not None and (
-            len(value) > 2 * contract.HCCL_ROOT_BYTES or value.strip("0123456789abcdef")
+        if (
+            kind == "hex"
+            and value is not None
+            and (len(value) > 2 * contract.HCCL_ROOT_BYTES or value.strip("0123456789abcdef"))
         ):
             raise ProtocolError("BAD_ARGS", f"{name} must be lowercase hex digits")
 

@@ -74,13 +74,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
         dist.init_process_group(backend, **extra)
     phase = os.path.join(args.phase, f"rank-{rank}") if args.phase else None
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, OUT)
-    ).to(dev)
+    net = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, OUT)).to(
+        dev
+    )
     model = DDP(net, device_ids=[rank] if npu else None, bucket_cap_mb=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    data = [(torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, OUT, generator=gen)) for _ in range(args.steps)]
+    data = [
+        (torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, OUT, generator=gen))
+        for _ in range(args.steps)
+    ]
     for step in range(args.steps):
         x, t = (z.to(dev) for z in data[step])
         set_phase(phase, f"forward {step}")

@@ -125,12 +125,14 @@ class Job:
         *,
         agent: bool = True,
         truncate: bool = False,
+        run_flags: tuple[str, ...] = (),
         **popen: Any,
     ) -> None:
         """``truncate``: open the output as a shell's ``>`` does (O_TRUNC, no O_APPEND; CRIU then
-        checks its size at restore); ``popen``: more subprocess.Popen arguments (pass_fds...)."""
+        checks its size at restore); ``run_flags``: options of `npusnap run`; ``popen``: more
+        subprocess.Popen arguments (pass_fds...)."""
         self.out = tmp / "job.out"
-        cmd = [NPUSNAP, "run", "--", *argv] if agent else argv
+        cmd = [NPUSNAP, "run", *run_flags, "--", *argv] if agent else argv
         with open(self.out, "wb" if truncate else "ab") as f:
             self.proc = subprocess.Popen(
                 cmd,

@@ -1,0 +1,88 @@
+"""Snapshots of a real torch_npu DDP job over hccl (npusnap_cli/workloads/torch_npu_ddp.py): two
+ranks on two simulated devices, every torch_npu setting at its default (task queue, the HCCL
+watchdog with its tear-down, the caching allocator), started under plain `npusnap run`, dumped
+and restored with plain `npusnap dump PID DIR` / `npusnap restore DIR` -- twice in one run, so
+that a restored job is dumped again -- and every step line of every rank (loss, a hash of all
+parameters) must equal the uninterrupted run's. npusnap makes the HCCL communicators anew behind
+the job's handles (native/agent/hccl.c, npusnap_cli/device/hcclrebuild.py); the job is not told.
+
+Launchers: torch.multiprocessing (one tree: the launcher and two ranks, rank 0 hosting the
+rendezvous store) and torchrun (its elastic agent hosting the store). Trees: the simulator's
+default CANN tree, and its strict tree with npusnap kept away from the simulator's daemon.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_root
+from tests.integration.dumplib import REPO, Job, alive, cli, job_env, wait_until
+from tests.integration.test_torch_npu_snapshot import STRICT
+
+pytestmark = [pytest.mark.integration, requires_root]
+
+JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_ddp.py")
+# Two processes share the output file: a line may be cut by the other's, so lines are found by
+# pattern, not by newline.
+LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+) params ([0-9a-f]{16})")
+STEPS = 40
+
+
+def steps_of(text: str) -> dict[int, list[tuple[int, str, str]]]:
+    """rank -> its (step, loss, params hash) in the order printed."""
+    out: dict[int, list[tuple[int, str, str]]] = {}
+    for m in LINE.finditer(text):
+        out.setdefault(int(m[1]), []).append((int(m[2]), m[3], m[4]))
+    return out
+
+
+def argv_for(python: str, launcher: str, args: list[str]) -> list[str]:
+    if launcher == "torchrun":
+        torchrun = str(Path(python).parent / "torchrun")
+        return [torchrun, "--standalone", "--nproc-per-node", "2", JOB, "--launcher", "none", *args]
+    return [python, JOB, *args]
+
+
+def count(job: Job) -> int:
+    return sum(len(v) for v in steps_of(job.text()).values())
+
+
+@pytest.mark.parametrize("tree", ["default", "strict"])
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_ddp_job_dumped_twice_continues_exactly(
+    launcher: str, tree: str, torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    extra = STRICT if tree == "strict" else {}
+    env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0", **extra)
+    args = ["--steps", str(STEPS), "--interval", "0.1"]
+    ref = subprocess.run(
+        argv_for(torch_npu_python, launcher, args), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = steps_of(ref.stdout)
+    assert sorted(want) == [0, 1] and all(len(v) == STEPS for v in want.values()), ref.stdout[-2000:]
+    job = Job(tmp_path, env, argv_for(torch_npu_python, launcher, args))
+    try:
+        for i, after in enumerate((8, 40)):
+            wait_until(lambda after=after: count(job) >= after, 180, f"{after} step lines")
+            img = tmp_path / f"img{i}"
+            rc, out, err = cli(env, "dump", str(job.pid), str(img), timeout=300)
+            assert rc == 0, (out or {}).get("error") or err
+            if i == 0:
+                job.reap(60)
+            else:
+                wait_until(lambda: not alive(job.pid), 60, "the restored job to be gone")
+            rc, out, err = cli(env, "restore", str(img), timeout=300)
+            assert rc == 0, (out or {}).get("error") or err
+            assert out is not None
+            job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
+        got = steps_of(job.text())
+        assert got == want, job.text()[-4000:]
+        assert "Traceback" not in job.text(), job.text()[-4000:]
+    finally:
+        job.cleanup()
