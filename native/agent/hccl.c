@@ -541,6 +541,16 @@ static int unhex(const char *s, unsigned char *out, size_t n) {
 
 int npusnap_hccl_rebuild(const char *key, const char *root_hex, char *err, size_t errlen) {
     unsigned char root[NPUSNAP_HCCL_ROOT_BYTES];
+    if (!*root_hex) { /* given up on: its calls answer HCCL_E_UNAVAIL now, not after the timeout */
+        pthread_mutex_lock(&g_hmu);
+        struct vcomm *v = vfind_key(key);
+        if (v && v->state == VC_STALE && !v->rebuilding) v->state = VC_FAILED;
+        int found = v != NULL;
+        pthread_cond_broadcast(&g_hcv);
+        pthread_mutex_unlock(&g_hmu);
+        if (!found) seterr(err, errlen, "no communicator %s here (%d)", key, HCCL_E_NOT_FOUND);
+        return found ? 0 : HCCL_E_NOT_FOUND;
+    }
     if (unhex(root_hex, root, sizeof root) != 0) {
         seterr(err, errlen, "communicator %s: the root info is not %d hex bytes", key, NPUSNAP_HCCL_ROOT_BYTES);
         return HCCL_E_PARA;

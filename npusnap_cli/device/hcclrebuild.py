@@ -13,9 +13,10 @@ without the job's help:
    per rank: HCCL's init returns once every rank joined).
 
 Communicators are rebuilt one after the other (an agent serves one request at a time). A
-communicator whose ranks are not all among the restored processes (ranks in other trees restored
-by other commands) cannot be rebuilt here: that is an error, and its calls answer
-HCCL_E_UNAVAIL once NPUSNAP_HCCL_REBUILD_TIMEOUT passed in the job. docs/distributed.md.
+communicator whose ranks are not all among the restored processes (ranks on other nodes, or
+restored by other commands) cannot be rebuilt here: it is given up at once, and its calls answer
+HCCL_E_UNAVAIL as they would without npusnap (a job that rebuilds its own communicators then
+does). docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ class Communicator:
 @dataclass(frozen=True)
 class RebuildOutcome:
     rebuilt: tuple[str, ...]  # the communicators' keys
+    given_up: tuple[str, ...]  # ranks outside the restored processes: left failed, with a note
     seconds: float
 
     def to_dict(self) -> dict[str, object]:
-        return {"rebuilt": list(self.rebuilt), "seconds": round(self.seconds, 3)}
+        return {
+            "rebuilt": list(self.rebuilt),
+            "given_up": list(self.given_up),
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def stale_communicators(pids: Iterable[int]) -> list[Communicator]:
@@ -90,21 +96,26 @@ def _rebuild_one(comm: Communicator) -> None:
         )
 
 
-def rebuild(pids: Iterable[int], now: Callable[[], float]) -> RebuildOutcome:
-    """Rebuild every communicator of the restored processes ``pids`` (which already run)."""
+def rebuild(pids: Iterable[int], now: Callable[[], float], note: Callable[[str], None]) -> RebuildOutcome:
+    """Rebuild every communicator of the restored processes ``pids`` (which already run). One
+    with ranks outside ``pids`` (other nodes, other commands) cannot be: it is given up at once
+    (its calls answer HCCL_E_UNAVAIL, as without npusnap) and ``note`` says so."""
     start = now()
     comms = stale_communicators(pids)
-    incomplete = [c for c in comms if c.missing()]
-    if incomplete:
-        c = incomplete[0]
-        raise DeviceError(
-            f"HCCL communicator {c.key[:12]} has ranks {c.missing()} outside the restored processes",
-            why="its other ranks were not restored by this command (another tree, another node)",
-            fix="restore every rank of the job with one command (a job image: npusnap dump PID0 PID1 ... DIR)",
-            details={"communicator": c.key, "members": {str(r): p for r, p in c.members.items()}},
-        )
-    done = []
+    done, given_up = [], []
     for comm in comms:
+        if comm.missing():
+            for pid in comm.members.values():
+                with AgentClient(pid, timeout=30.0, connect_retry_s=CONNECT_RETRY_S) as client:
+                    client.hccl_rebuild(comm.key, "")
+            note(
+                f"HCCL communicator {comm.key[:12]} has ranks {comm.missing()} outside the restored "
+                f"processes (pids {sorted(comm.members.values())}): not made anew; its calls fail "
+                "(HCCL_E_UNAVAIL) until the job builds a new one (restore every rank with one command: "
+                "a job image)"
+            )
+            given_up.append(comm.key)
+            continue
         _rebuild_one(comm)
         done.append(comm.key)
-    return RebuildOutcome(tuple(done), now() - start)
+    return RebuildOutcome(tuple(done), tuple(given_up), now() - start)

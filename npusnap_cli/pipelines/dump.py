@@ -368,7 +368,8 @@ def _check_tcp(tree: tuple[ProcInfo, ...], options: DumpOptions, in_job: bool, n
         )
     count = sum(len(conns) for _ns, conns in held.values())
     note(
-        f"the tree's {count} TCP connection ends are all between its own processes: dumped with --tcp-established"
+        f"the tree's {count} TCP connection ends are all between its own processes: "
+        "dumped with --tcp-established"
     )
     return True
 

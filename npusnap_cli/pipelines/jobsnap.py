@@ -848,6 +848,11 @@ def _restore_job(
     if guard.received is not None:
         callbacks.note(f"{guard.name} was received after every rank was restored; the restore was completed")
     ranks = [states[r.rank] for r in job.ranks]
+    # Every rank runs: the communicators between them are made anew (those with ranks on other
+    # nodes are given up, with a note); until then their collectives wait.
+    restore.rebuild_communicators(
+        tuple(p for st in ranks for p in st.npu_pids), ranks[0].restored.pid, callbacks.note
+    )
     verified = max(st.verified_at for st in ranks)
     criu_done = max(st.criu_done for st in ranks)
     device_done = max(st.device_done for st in ranks)

@@ -1026,6 +1026,7 @@ def _device_restore(st: RestoreState) -> None:
                 npu_pids, st.options, res.pid, res.log_path, tokens, st.device_memory_files, before_unlock,
                 st.guard,
             )  # fmt: skip
+            rebuild_communicators(npu_pids, res.pid, st.cb.note)
         _check_none_left_locked(st.manifest, res.pid, res.log_path)
         st.device_done = time.monotonic()
         settle(st)
@@ -1414,14 +1415,13 @@ def _restore_and_unlock(
     finally:
         if group is not None:
             group.close()
-    _rebuild_communicators(npu_pids, root_pid)
 
 
-def _rebuild_communicators(npu_pids: tuple[int, ...], root_pid: int) -> None:
+def rebuild_communicators(npu_pids: tuple[int, ...], root_pid: int, note: Callable[[str], None]) -> None:
     """The job's HCCL communicators made anew behind its handles (device/hcclrebuild.py); the
     processes run already: their collectives wait for this."""
     try:
-        hcclrebuild.rebuild(npu_pids, time.monotonic)
+        hcclrebuild.rebuild(npu_pids, time.monotonic, note)
     except NpusnapError as err:
         err.message = f"CRIU restored the tree (root pid {root_pid}) and it runs, but {err.message}"
         err.details.setdefault("restored_root_pid", root_pid)

@@ -12,6 +12,9 @@ can be compared line for line with an uninterrupted one. ``--device cpu`` runs t
 gloo on the CPU. ``--pg-timeout S`` sets the process group's timeout (the watchdog's work
 timeout). ``--phase DIR`` makes each rank keep ``DIR/rank-R`` saying where it is (``forward``,
 ``backward`` with the gradient all-reduce in flight, ``optimizer``), as torch_npu_block.py does.
+``--stall S`` makes rank 0 sleep S seconds inside its backward of step ``--stall-step`` (its
+phase then says ``backward N stalled``), before its gradient all-reduce, while rank 1's is
+already launched and waits for it on rank 1's device. No number changes.
 """
 
 from __future__ import annotations
@@ -90,6 +93,15 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
         loss = torch.nn.functional.mse_loss(model(x), t)
         opt.zero_grad()
         set_phase(phase, f"backward {step}")
+        if rank == 0 and args.stall and step == args.stall_step:
+            # Rank 0 stops inside its backward, before its gradient all-reduce: rank 1's is
+            # launched and waits for it on rank 1's device.
+            def stall(grad: torch.Tensor, step: int = step) -> torch.Tensor:
+                set_phase(phase, f"backward {step} stalled")
+                time.sleep(args.stall)
+                return grad
+
+            loss.register_hook(stall)
         loss.backward()
         set_phase(phase, f"optimizer {step}")
         opt.step()
@@ -112,6 +124,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.0, help="seconds to sleep after each step")
     ap.add_argument("--pg-timeout", type=float, default=0.0, help="the process group's timeout, seconds")
     ap.add_argument("--phase", default=None, help="a directory for each rank's phase file")
+    ap.add_argument("--stall", type=float, default=0.0, help="seconds rank 0 sleeps inside a backward")
+    ap.add_argument("--stall-step", type=int, default=3, help="the step of --stall")
     args = ap.parse_args()
     if args.launcher == "none":
         args.port = 0

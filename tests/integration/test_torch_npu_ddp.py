@@ -54,7 +54,12 @@ def count(job: Job) -> int:
 @pytest.mark.parametrize("tree", ["default", "strict"])
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_a_ddp_job_dumped_twice_continues_exactly(
-    launcher: str, tree: str, torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+    launcher: str,
+    tree: str,
+    torch_npu_python: str,
+    sim_env: dict[str, str],
+    runtime_dir: Path,
+    tmp_path: Path,
 ) -> None:
     extra = STRICT if tree == "strict" else {}
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0", **extra)
@@ -84,5 +89,71 @@ def test_a_ddp_job_dumped_twice_continues_exactly(
         got = steps_of(job.text())
         assert got == want, job.text()[-4000:]
         assert "Traceback" not in job.text(), job.text()[-4000:]
+    finally:
+        job.cleanup()
+
+
+def test_a_dump_while_one_rank_holds_up_an_all_reduce(
+    torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0 sleeps inside its backward, before its gradient all-reduce, while rank 1's is
+    launched and waits for it on rank 1's device: the dump starts then, lands on a collective
+    boundary (it waits until rank 0's all-reduce is launched too, retrying its lock), and the
+    restored job continues exactly."""
+    env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
+    args = ["--steps", "12", "--interval", "0.05"]
+    ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    phases = tmp_path / "phases"
+    phases.mkdir()
+    job = Job(tmp_path, env, [torch_npu_python, JOB, *args, "--stall", "4", "--phase", str(phases)])
+    try:
+        wait_until(
+            lambda: (phases / "rank-0").exists() and "stalled" in (phases / "rank-0").read_text(),
+            180,
+            "rank 0 to stall in its backward",
+        )
+        assert not (phases / "rank-1").read_text().startswith("idle"), "rank 1 must be mid-step"
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap(60)
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"), timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
+        assert steps_of(job.text()) == steps_of(ref.stdout), job.text()[-4000:]
+    finally:
+        job.cleanup()
+
+
+def test_leave_running_both_the_original_and_the_image_continue_exactly(
+    torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """--leave-running: the original DDP job is unlocked without a Restore (its communicators
+    stay) and finishes as if nothing happened; the image, restored afterwards, repeats the steps
+    after the cut with new communicators, exactly."""
+    env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
+    args = ["--steps", "30", "--interval", "0.1"]
+    ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = steps_of(ref.stdout)
+    job = Job(tmp_path, env, [torch_npu_python, JOB, *args])
+    try:
+        wait_until(lambda: count(job) >= 10, 180, "10 step lines")
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running", timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        assert job.reap(300) == 0, job.text()[-3000:]
+        assert steps_of(job.text()) == want, "the original, left running, continued differently"
+        first = len(job.text())
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"), timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
+        again = steps_of(job.text()[first:])
+        assert sorted(again) == [0, 1], job.text()[first:][-3000:]
+        for rank, lines in again.items():
+            assert lines and lines == want[rank][len(want[rank]) - len(lines) :], (rank, lines[:3])
     finally:
         job.cleanup()

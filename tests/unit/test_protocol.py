@@ -54,6 +54,8 @@ def test_no_op_evaluates_code() -> None:
         "restore",
         "unlock",
         "rollback",
+        "hccl_root",
+        "hccl_rebuild",
     } == protocol.OPS
 
 

@@ -39,7 +39,8 @@ size_t npusnap_hccl_comms(struct npusnap_hccl_comm_info *out, size_t max);
 int npusnap_hccl_new_root(const char *key, char *root_hex, char *err, size_t errlen);
 /* Every rank of `key`, at the same time: the communicator behind the application's handle made
  * anew from root_hex (blocks until every rank joined, HCCL_CONNECT_TIMEOUT). 0, or a code with
- * err set (the communicator is then failed: its calls answer HCCL_E_UNAVAIL). */
+ * err set (the communicator is then failed: its calls answer HCCL_E_UNAVAIL). An empty root_hex
+ * gives the communicator up at once (failed): the restore cannot rebuild it (ranks elsewhere). */
 int npusnap_hccl_rebuild(const char *key, const char *root_hex, char *err, size_t errlen);
 
 #endif
