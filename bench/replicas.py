@@ -39,40 +39,73 @@ from typing import Any, Optional
 from bench.common import NPUSNAP, REPO
 
 INFER = str(REPO / "npusnap_cli" / "workloads" / "infer.py")
+SERVE = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_serve.py")
 PORT = 7931
+
+
+def _ask_lines(port: int, seen: dict[int, float]) -> Optional[tuple[int, str]]:
+    """infer.py's line protocol: (copy's host pid, its answer), or None for a copy already heard."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        f = c.makefile("rw")
+        f.write("hello\n")
+        f.flush()
+        hello = f.readline().split()
+        if len(hello) != 2 or hello[0] != "pid" or int(hello[1]) in seen:
+            return None
+        f.write("infer 7\n")  # the same input for every copy: the same answer
+        f.flush()
+        line = f.readline().split()
+    if len(line) == 4 and line[0] == "pid" and line[1] == hello[1]:
+        return int(line[1]), line[3]
+    return None
+
+
+def _http_get(port: int, path: str) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.0 200") and not head.startswith(b"HTTP/1.1 200"):
+        raise OSError(f"HTTP {head[:40]!r}")
+    return body.decode()
+
+
+def _ask_http(port: int, seen: dict[int, float]) -> Optional[tuple[int, str]]:
+    """torch_npu_serve.py over HTTP: /hello, then /infer?n=7 (generated tokens)."""
+    hello = _http_get(port, "/hello").split()
+    if len(hello) != 2 or int(hello[1]) in seen:
+        return None
+    line = _http_get(port, "/infer?n=7").split()
+    if len(line) == 4 and line[1] == hello[1]:
+        return int(line[1]), line[3]
+    return None
+
+
+ASK = [_ask_lines]  # main: _ask_http for --framework torch_npu
 
 
 def first_answers(port: int, n: int, start: float, timeout_s: float) -> dict[int, float]:
     """Host pid -> seconds from ``start`` to its first answer to an inference, until ``n`` copies
-    answered. Each connection first asks which copy the kernel gave it (``hello``, no device
-    work); only a copy not yet heard from gets the inference: the copies already up are not kept
-    busy (a request is a forward pass, on the host's CPU in the simulator) while the others start."""
+    answered. Each connection first asks which copy the kernel gave it (no device work); only a
+    copy not yet heard from gets the inference: the copies already up are not kept busy (a
+    request is computed on the host's CPU in the simulator) while the others start."""
     seen: dict[int, float] = {}
     answers: set[str] = set()
-    k = 0
     deadline = start + timeout_s
     while len(seen) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(seen)} of {n} copies answered within {timeout_s:g}s")
-        k += 1
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
-                f = c.makefile("rw")
-                f.write("hello\n")
-                f.flush()
-                hello = f.readline().split()
-                if len(hello) != 2 or hello[0] != "pid" or int(hello[1]) in seen:
-                    time.sleep(0.002)
-                    continue
-                f.write("infer 7\n")  # the same input for every copy: the same answer
-                f.flush()
-                line = f.readline().split()
+            got = ASK[0](port, seen)
         except OSError:
+            got = None
+        if got is None:
             time.sleep(0.002)
             continue
-        if len(line) == 4 and line[0] == "pid" and line[1] == hello[1]:
-            seen[int(line[1])] = time.monotonic() - start
-            answers.add(line[3])
+        seen[got[0]] = time.monotonic() - start
+        answers.add(got[1])
     if len(answers) != 1:
         raise AssertionError(f"the copies computed different results: {sorted(answers)}")
     return seen
@@ -108,24 +141,10 @@ PYTHON = [sys.executable]  # the server's interpreter (main: the torch venv's wi
 
 
 def server_argv(weights: Path, device: int, out: Path) -> list[str]:
-    return [
-        str(NPUSNAP),
-        "run",
-        "--pid-ns",
-        "--detach",
-        "--output",
-        str(out),
-        "--",
-        PYTHON[0],
-        INFER,
-        "--weights",
-        str(weights),
-        "--device",
-        str(device),
-        "--port",
-        str(PORT),
-        *SERVER,
-    ]
+    run = [str(NPUSNAP), "run", "--pid-ns", "--detach", "--output", str(out), "--", PYTHON[0]]
+    if ASK[0] is _ask_http:  # the torch_npu server builds its model in the process: no weights file
+        return [*run, SERVE, "--device", str(device), "--port", str(PORT), *SERVER]
+    return [*run, INFER, "--weights", str(weights), "--device", str(device), "--port", str(PORT), *SERVER]
 
 
 def cold(n: int, weights: Path, work: Path, env: dict[str, str]) -> list[float]:
@@ -349,6 +368,28 @@ def section() -> list[str]:
     ]
 
 
+def npu_section() -> list[str]:
+    """The lines docs/benchmarks.md shows of the torch_npu replicas page, or none."""
+    if not NPU_PAGE.exists():
+        return []
+    lines = NPU_PAGE.read_text().split(NOTES)[0].splitlines()
+    table = [ln for ln in lines if ln.startswith("|")]
+    goal = [ln for ln in lines if ln.startswith("Goal")]
+    return [
+        "## torch_npu inference replicas",
+        "",
+        "The same with a real torch_npu server (a GPT-style model built in the process, greedy",
+        "generation over HTTP): N replicas of one image against N cold starts, the torch_npu files warm in",
+        "the page cache for the cold starts, the image cold for the replicas. Details:",
+        "[benchmarks-replicas-torch-npu.md](benchmarks-replicas-torch-npu.md)",
+        "(`python -m bench.replicas --framework torch_npu`).",
+        "",
+        *table,
+        *(["", *goal] if goal else []),
+        "",
+    ]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="1,2,4,8")
@@ -359,14 +400,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup-batch", type=int, default=16, help="the server warms up batch sizes 1 .. this")
     ap.add_argument(
         "--framework",
-        choices=("torch", "none"),
+        choices=("torch", "none", "torch_npu"),
         default="torch",
-        help="what the server imports first (torch: scripts/setup-torch.sh's venv; none for a quick run)",
+        help="what the server imports first (torch: scripts/setup-torch.sh's venv; none for a quick "
+        "run); torch_npu: the real torch_npu server instead (torch_npu_serve.py, scripts/setup-torch-"
+        "npu.sh's venv), written to docs/benchmarks-replicas-torch-npu.md",
     )
     ap.add_argument("--repeat", type=int, default=3, help="runs per N and side (default 3)")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-replicas.md")
+    ap.add_argument("--out", type=Path, default=None, help="the page (default: by --framework)")
     ns = ap.parse_args(argv)
     counts = [int(x) for x in ns.counts.split(",")]
+    if ns.out is None:
+        ns.out = NPU_PAGE if ns.framework == "torch_npu" else PAGE
+    if ns.framework == "torch_npu":
+        return main_torch_npu(counts, ns.repeat, ns.out)
     if ns.framework == "torch":
         # torch lives in a venv of its own (scripts/setup-torch.sh), never in npusnap's
         torch_py = Path(os.environ.get("NPUSNAP_BUILD_DIR") or REPO / ".build") / "torch" / "bin" / "python"
@@ -413,6 +460,89 @@ def main(argv: Optional[list[str]] = None) -> int:
         manager.stop()
         subprocess.run(["rm", "-rf", str(work)], check=False)
     return 0
+
+
+NPU_PAGE = REPO / "docs" / "benchmarks-replicas-torch-npu.md"
+
+
+def main_torch_npu(counts: list[int], repeat: int, out: Path) -> int:
+    """The torch_npu server (torch_npu_serve.py): N cold starts against N replicas."""
+    npu_py = Path(os.environ.get("NPUSNAP_BUILD_DIR") or REPO / ".build") / "torch-npu" / "bin" / "python"
+    if not npu_py.exists():
+        raise SystemExit(f"bench.replicas: no {npu_py}: scripts/setup-torch-npu.sh makes it")
+    PYTHON[0] = str(npu_py)
+    ASK[0] = _ask_http
+    SERVER[:] = []
+    from npusnap_cli.sim import manager
+
+    work = Path(tempfile.mkdtemp(prefix="npusnap-bench-replicas-npu-"))
+    os.environ["NPUSIM_SOCKET"] = str(work / "npusim.sock")
+    manager.start(devices=max(counts), capacity_bytes=1 << 30)
+    env = dict(os.environ)
+    env.update(manager.env())
+    env["NPUSNAP_RUNTIME_DIR"] = str(work / "npusnap")
+    env["NPUSIM_KERNEL_BLOCK_US"] = "0"
+    nothing = work / "none"  # the server reads no file: its model is built in the process
+    nothing.write_bytes(b"")
+    try:
+        img = make_image(nothing, work, env)
+        rows = []
+        for n in counts:
+            row: dict[str, Any] = {"n": n, "cold": [], "replicas": []}
+            for k in range(repeat):
+                for side in ("cold", "replicas") if k % 2 == 0 else ("replicas", "cold"):
+                    fn = cold if side == "cold" else replicas
+                    row[side].append(fn(n, nothing if side == "cold" else img, work, env))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        image_mib = sum(p.stat().st_size for p in img.rglob("*") if p.is_file()) >> 20
+        out.write_text(render_torch_npu(rows, image_mib, repeat) + kept_notes(out))
+        print(f"wrote {out}")
+    finally:
+        manager.stop()
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    return 0
+
+
+def render_torch_npu(rows: list[dict[str, Any]], image_mib: int, repeat: int) -> str:
+    L = [
+        "# Benchmark: torch_npu inference replicas",
+        "",
+        "Generated by `python -m bench.replicas --framework torch_npu` (bench/replicas.py): time from the",
+        "start until each of N copies of a real torch_npu inference server answered its first request.",
+        "The server (npusnap_cli/workloads/torch_npu_serve.py): the torch 2.13 CPU wheel with torch_npu",
+        "2.13 on the simulated NPU, a GPT-style model of 4 attention blocks built in the process",
+        "(`torch.manual_seed(0)`, no download), uploaded to its device, warmed up with one generation, then",
+        "greedy generation of 8 tokens per HTTP request (`GET /infer?n=7`; every copy must answer the",
+        "same tokens). *cold*: N servers started at once (`npusnap run --pid-ns`, one device each): an",
+        "interpreter, `import torch` (which loads torch_npu), CANN's start, the model's build and upload,",
+        "the warm-up, the first answer. *replicas*: `npusnap restore IMAGE --replicas N` (one",
+        f"`--device-map` per copy) of an image dumped once from a warm server ({image_mib} MiB), verified",
+        "first. **Page cache**: the torch and torch_npu files stay in it for the cold starts (as on a node",
+        "that ran the job before: the most favourable case for them); the image leaves it before each",
+        "replicas measurement (read from disk once). Simulated NPU, 2-core VM shared with other work,",
+        f"{repeat} runs per N (each side first in turn; medians, and the range of *all answered*).",
+        "",
+        "| N | cold: all answered | cold: median first answer "
+        "| replicas: all answered | replicas: median first answer |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        L.append(
+            f"| {r['n']} | {_all(r['cold'])} | {_first(r['cold'])} "
+            f"| {_all(r['replicas'])} | {_first(r['replicas'])} |"
+        )
+    one = next((r for r in rows if r["n"] == 1), None)
+    if one is not None:
+        c, rep = _med_all(one["cold"]), _med_all(one["replicas"])
+        L += [
+            "",
+            f"Goal (one replica answers at least 10x sooner than one cold start): "
+            f"**{'met' if c >= 10 * rep else 'not met'}** in this run ({rep:.2f} s against {c:.2f} s: "
+            f"{c / rep:.1f}x).",
+        ]
+    L.append("")
+    return "\n".join(L)
 
 
 if __name__ == "__main__":

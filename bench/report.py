@@ -404,6 +404,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
     from bench import replicas  # a run of its own (bench/replicas.py): shown, not measured here
 
     L += ["", *replicas.section()]
+    L += replicas.npu_section()
     from bench import torchnpu  # a run of its own too (python -m bench.torchnpu)
 
     L += torchnpu.section()
