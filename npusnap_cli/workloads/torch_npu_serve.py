@@ -31,7 +31,7 @@ import torch  # type: ignore[import-not-found]
 import torch.nn as nn  # type: ignore[import-not-found]
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_npu_block import Block  # type: ignore[import-not-found]  # noqa: E402
+from torch_npu_block import Block  # type: ignore[import-not-found]
 
 
 def host_pid() -> int:
@@ -92,7 +92,7 @@ def handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive in a dump
 
-        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        def do_GET(self) -> None:
             url = urlparse(self.path)
             pid = host_pid()  # asked each time: a replica is another process with the same memory
             if url.path == "/hello":
@@ -111,7 +111,7 @@ def handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass  # quiet: the output file is the job's
 
     return Handler
