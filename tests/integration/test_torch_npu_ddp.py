@@ -1,10 +1,11 @@
 """Snapshots of real torch_npu jobs on several devices: a DDP job over hccl
-(npusnap_cli/workloads/torch_npu_ddp.py), two ranks on two simulated devices, every torch_npu setting at its default (task queue, the HCCL
-watchdog with its tear-down, the caching allocator), started under plain `npusnap run`, dumped
-and restored with plain `npusnap dump PID DIR` / `npusnap restore DIR` -- twice in one run, so
-that a restored job is dumped again -- and every step line of every rank (loss, a hash of all
-parameters) must equal the uninterrupted run's. npusnap makes the HCCL communicators anew behind
-the job's handles (native/agent/hccl.c, npusnap_cli/device/hcclrebuild.py); the job is not told.
+(npusnap_cli/workloads/torch_npu_ddp.py), two ranks on two simulated devices, every torch_npu
+setting at its default (task queue, the HCCL watchdog with its tear-down, the caching
+allocator), started under plain `npusnap run`, dumped and restored with plain `npusnap dump PID
+DIR` / `npusnap restore DIR` -- twice in one run, so that a restored job is dumped again -- and
+every step line of every rank (loss, a hash of all parameters) must equal the uninterrupted
+run's. npusnap makes the HCCL communicators anew behind the job's handles
+(native/agent/hccl.c, npusnap_cli/device/hcclrebuild.py); the job is not told.
 
 And a torch_npu inference server restored as replicas on other devices (`--replicas`,
 `--device-map`), each answering as the original (npusnap_cli/workloads/torch_npu_serve.py).
@@ -207,8 +208,10 @@ def test_inference_replicas_answer_as_the_original(
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
     port = free_port()
     p = subprocess.run(
-        [NPUSNAP, "run", "--pid-ns", "--detach", "--output", str(tmp_path / "server.out")]
-        + ["--", torch_npu_python, SERVE, "--port", str(port)],
+        [
+            *(NPUSNAP, "run", "--pid-ns", "--detach", "--output", str(tmp_path / "server.out")),
+            *("--", torch_npu_python, SERVE, "--port", str(port)),
+        ],
         env=env,
         capture_output=True,
         text=True,
