@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from npusnap_cli.device.agent_client import AgentClient
-from npusnap_cli.errors import DeviceError
+from npusnap_cli.errors import DeviceError, NpusnapError
+from npusnap_cli.host import procfs
 
-CONNECT_RETRY_S = 5.0
+CONNECT_RETRY_S = 1.0  # the agents answered the unlock a moment ago
 
 
 @dataclass
@@ -59,8 +60,13 @@ def stale_communicators(pids: Iterable[int]) -> list[Communicator]:
     """The communicators that await a rebuild in the processes ``pids``, grouped by key."""
     found: dict[str, Communicator] = {}
     for pid in pids:
-        with AgentClient(pid, timeout=10.0, connect_retry_s=CONNECT_RETRY_S) as client:
-            status = client.status()
+        try:
+            with AgentClient(pid, timeout=10.0, connect_retry_s=CONNECT_RETRY_S) as client:
+                status = client.status()
+        except NpusnapError:
+            if procfs.state(pid) in (None, "Z", "X"):
+                continue  # it died after its unlock: the restore's settle reports that
+            raise
         for c in status.get("hccl") or []:
             if c.get("state") != "stale":
                 continue

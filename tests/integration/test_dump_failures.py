@@ -171,7 +171,13 @@ runpy.run_path(train, run_name="__main__")
 """
 
 
-def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+def test_a_tcp_connection_to_outside_is_refused_before_the_lock(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """An established TCP connection whose peer is outside the tree: CRIU would refuse it after
+    the lock (it needs --tcp-established); preflight refuses it first, naming it and the fix,
+    and nothing is locked or written. (Connections with both ends in the tree are dumped with
+    --tcp-established by themselves: test_torch_npu_ddp.py.)"""
     env = job_env(sim_env, runtime_dir)
     ref = reference(env, ARGS)
     listener = socket.socket()
@@ -186,16 +192,16 @@ def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp
         conn, _ = listener.accept()
         job.wait_lines(3)
         rc, out, _ = cli(env, "dump", str(job.pid), str(img))
-        assert rc == ExitCode.CRIU
+        assert rc == ExitCode.PREFLIGHT
         assert out is not None
         err = out["error"]
-        assert "Connected TCP socket" in err["message"]
+        port = listener.getsockname()[1]
+        assert "TCP connection" in err["message"] and f":{port}" in err["message"], err
+        assert "outside the tree" in err["message"], err
         assert "--tcp-established" in err["fix"]
-        assert err["details"]["rolled_back"] == [job.pid]
-        # The log survives the removed partial image, and the error points at it.
-        assert Path(err["details"]["criu_log"]).is_file()
-        assert any("Error" in line for line in err["details"]["criu_log_excerpt"])
+        assert [c["pid"] for c in err["details"]["connections"]] == [job.pid], err["details"]
         assert_no_image(img)
+        assert agent_state(job.pid) == "RUNNING"
         finishes_correctly(job, ref)
     finally:
         if conn is not None:

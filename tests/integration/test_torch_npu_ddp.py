@@ -112,9 +112,10 @@ def test_a_dump_while_one_rank_holds_up_an_all_reduce(
     """Rank 0 sleeps inside its backward, before its gradient all-reduce, while rank 1's is
     launched and waits for it on rank 1's device: the dump starts then, lands on a collective
     boundary (it waits until rank 0's all-reduce is launched too, retrying its lock), and the
-    restored job continues exactly."""
+    job, restored longer after the dump than its process group's timeout (the watchdog's work
+    timeout), continues exactly."""
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
-    args = ["--steps", "12", "--interval", "0.05"]
+    args = ["--steps", "12", "--interval", "0.05", "--pg-timeout", "4"]
     ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     phases = tmp_path / "phases"
@@ -130,6 +131,7 @@ def test_a_dump_while_one_rank_holds_up_an_all_reduce(
         rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), timeout=300)
         assert rc == 0, (out or {}).get("error") or err
         job.reap(60)
+        time.sleep(6)  # longer than --pg-timeout
         rc, out, err = cli(env, "restore", str(tmp_path / "img"), timeout=300)
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None
