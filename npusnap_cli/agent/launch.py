@@ -77,6 +77,12 @@ def agent_environment(base: Optional[dict[str, str]] = None) -> dict[str, str]:
     preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p and p != str(lib)]
     env["LD_PRELOAD"] = " ".join([str(lib), *preload])
     env["NPUSNAP_AGENT_LIB"] = str(lib)
+    # PyTorch's rendezvous store (rank 0 of a torch.distributed job started with env:// or tcp://)
+    # runs on libuv, whose loop holds an io_uring that CRIU cannot dump; USE_LIBUV=0 (read by
+    # torch/distributed/rendezvous.py) gives it the store without libuv, which prints nothing
+    # different. A value of the caller's own stays. (torchrun's agent does not read it: run
+    # --no-io-uring, docs/reference/run.md.)
+    env.setdefault("USE_LIBUV", "0")
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
     env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
     env["NPUSNAP_AGENT"] = "1"

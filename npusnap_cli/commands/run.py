@@ -12,7 +12,6 @@ import typer
 from npusnap_cli import agent, contract, paths
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import PreflightError, UsageError
-from npusnap_cli.host import iouring
 
 
 def register(app: typer.Typer) -> None:
@@ -59,10 +58,9 @@ def register(app: typer.Typer) -> None:
             "--io-uring/--no-io-uring",
             help="--no-io-uring makes io_uring_setup fail (ENOSYS, as on a kernel without io_uring) "
             "in CMD and everything it starts, with a seccomp filter: CRIU cannot dump an io_uring, and "
-            "libuv (PyTorch's TCPStore: rank 0 of a torch.distributed job, torchrun's agent) falls back "
-            "to epoll. The default where npusnap has CAP_SYS_ADMIN (root); elsewhere the filter needs "
-            "the no_new_privs bit (set-uid programs lose their privileges), so it is only on when asked. "
-            "--io-uring leaves io_uring to the program (its dumps are refused while it holds one).",
+            "libuv (PyTorch's TCPStore in torchrun's agent) falls back to epoll. Needed for torchrun. "
+            "Off by default (--io-uring): a filter is observable (a program can no longer enter "
+            "seccomp's strict mode). The ranks' own stores need no filter: run sets USE_LIBUV=0.",
         ),
         json_flag: bool = typer.Option(
             False,
@@ -105,8 +103,7 @@ def register(app: typer.Typer) -> None:
                 fix="add --detach: npusnap run --detach --pidfile job.pid --output job.log -- CMD...",
             )
         plan = launch.prepare(argv)
-        # Deny by default only where it costs the job nothing (no no_new_privs bit needed).
-        no_io_uring = (not io_uring_flag) if io_uring_flag is not None else not iouring.needs_no_new_privs()
+        no_io_uring = io_uring_flag is False
         if no_io_uring:
             # Installed in this process before it forks or execs: the program inherits it.
             nnp_note = launch.deny_io_uring()

@@ -211,7 +211,16 @@ int main(int argc, char **argv) {
     }
     if (strcmp(mode, "signalfd") == 0) return mode_signalfd();
     if (strcmp(mode, "fds") == 0) return mode_fds();
+    if (strcmp(mode, "environ") == 0) {
+        /* What a library that asks whether anything is preloaded learns (torch_npu's
+         * FunctionLoader does, and warns). */
+        const char *p = getenv("LD_PRELOAD");
+        char line[256];
+        snprintf(line, sizeof line, "environ: LD_PRELOAD %s\n", p ? p : "(unset)");
+        say(1, line);
+        return 0;
+    }
     if (strcmp(mode, "talk") == 0 && argc >= 4) return mode_talk(atoi(argv[2]), atoi(argv[3]), argc > 4 ? argv[4] : NULL);
-    say(2, "usage: quiet_probe bare-exit|fork-bare-exit|seccomp-strict|seccomp-kill|pthread-exit|signalfd|fds|talk N MS [GO]\n");
+    say(2, "usage: quiet_probe bare-exit|fork-bare-exit|seccomp-strict|seccomp-kill|pthread-exit|signalfd|fds|environ|talk N MS [GO]\n");
     return 2;
 }

@@ -59,6 +59,7 @@ def run_both(env: dict[str, str], argv: list[str]) -> tuple[subprocess.Completed
         ("pthread-exit", 0),
         ("signalfd", 0),
         ("fds", 0),
+        ("environ", 0),
     ],
 )
 def test_same_output_and_exit_as_without_npusnap(

@@ -171,6 +171,50 @@ runpy.run_path(train, run_name="__main__")
 """
 
 
+UNIX_WRAPPER = """
+import runpy, socket, sys
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(sys.argv[1])
+train = sys.argv[2]
+sys.argv = [train] + sys.argv[3:]
+runpy.run_path(train, run_name="__main__")
+"""
+
+
+def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
+    """A connection to a unix socket outside the tree: CRIU refuses it (without --ext-unix-sk)
+    after the lock; the dump rolls back, keeps CRIU's log and the job finishes correctly."""
+    env = job_env(sim_env, runtime_dir)
+    ref = reference(env, ARGS)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "outside.sock"))
+    listener.listen(1)
+    wrapper = tmp_path / "unix_train.py"
+    wrapper.write_text(UNIX_WRAPPER)
+    job = Job(tmp_path, env, [PY, str(wrapper), str(tmp_path / "outside.sock"), TRAIN, *ARGS])
+    img = tmp_path / "img"
+    conn = None
+    try:
+        conn, _ = listener.accept()
+        job.wait_lines(3)
+        rc, out, _ = cli(env, "dump", str(job.pid), str(img))
+        assert rc == ExitCode.CRIU
+        assert out is not None
+        err = out["error"]
+        assert "--ext-unix-sk" in err["fix"], err
+        assert err["details"]["rolled_back"] == [job.pid]
+        # The log survives the removed partial image, and the error points at it.
+        assert Path(err["details"]["criu_log"]).is_file()
+        assert any("Error" in line for line in err["details"]["criu_log_excerpt"])
+        assert_no_image(img)
+        finishes_correctly(job, ref)
+    finally:
+        if conn is not None:
+            conn.close()
+        listener.close()
+        job.cleanup()
+
+
 def test_a_tcp_connection_to_outside_is_refused_before_the_lock(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -337,5 +338,52 @@ def test_a_restored_job_can_be_dumped_again(
         wait_until(lambda: not alive(job.restored_pid), 30, "the second restored run to finish")
         continuation = job.lines()[len(ref) :]
         assert continuation and continues_reference(continuation, ref), continuation[:3]
+    finally:
+        job.cleanup()
+
+
+CLOCK_WRAPPER = """
+import runpy, sys, threading, time
+def tick(path):
+    with open(path, "a") as f:
+        while True:
+            f.write(f"{time.monotonic():.3f} {time.time():.3f}\\n")
+            f.flush()
+            time.sleep(0.1)
+threading.Thread(target=tick, args=(sys.argv[1],), daemon=True).start()
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_late_restore_makes_no_time_pass_in_the_jobs_monotonic_clock(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Restored 4 s after the dump, the job sees its wall clock jump by those seconds and its
+    CLOCK_MONOTONIC (the clock of timeouts: torch's collective work timeout, heartbeats) go on
+    from the dump: CRIU restores the tree into a time namespace whose offsets say so (its restore
+    log: "timens: monotonic ..."). A job restored long after its dump does not time out for it."""
+    env = job_env(sim_env, runtime_dir)
+    wrapper = tmp_path / "clock_train.py"
+    wrapper.write_text(CLOCK_WRAPPER)
+    ticks = tmp_path / "ticks"
+    job = Job(tmp_path, env, [PY, str(wrapper), str(ticks), TRAIN, *TRAIN_ARGS, "--steps", "200"])
+    try:
+        job.wait_lines(3)
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        time.sleep(4)
+        rc, out, err = cli(env, "restore", str(tmp_path / "img"))
+        assert rc == 0 and out is not None, (out or {}).get("error") or err
+        job.restored_pid = int(out["result"]["root_pid"])
+        wait_until(lambda: not alive(job.restored_pid), 120, "the restored job to finish")
+        pairs = [tuple(map(float, ln.split())) for ln in ticks.read_text().splitlines()[:-1]]
+        at = max(range(1, len(pairs)), key=lambda i: pairs[i][1] - pairs[i - 1][1])
+        assert len(pairs) - at > 5, "too few ticks after the restore"
+        wall_gap = pairs[at][1] - pairs[at - 1][1]
+        mono_gap = pairs[at][0] - pairs[at - 1][0]
+        assert wall_gap > 4, wall_gap
+        assert mono_gap < 2, f"CLOCK_MONOTONIC jumped by {mono_gap:.1f}s across the restore"
     finally:
         job.cleanup()

@@ -162,23 +162,25 @@ def test_ps_records_logs_and_dry_run(sim: Sim, runtime_dir: Path, tmp_path: Path
 
 
 def test_failed_dump_keeps_its_logs_beside_the_image(sim: Sim, runtime_dir: Path, tmp_path: Path) -> None:
-    """CRIU refuses a job with a TCP connection (no --tcp-established): its log is kept as
-    IMG.failed-logs, beside where the image would have been, and the error names it."""
+    """CRIU refuses a job connected to a unix socket outside the tree (no --ext-unix-sk): its
+    log is kept as IMG.failed-logs, beside where the image would have been, and the error
+    names it."""
     env = workload_env(sim, runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "outside.sock"))
     listener.listen(1)
     wrapper = tmp_path / "tcp_job.py"
     wrapper.write_text(
         "import runpy, socket, sys\n"
-        "conn = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+        "conn = socket.socket(socket.AF_UNIX)\n"
+        "conn.connect(sys.argv[1])\n"
         "sys.argv = sys.argv[2:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     job_out = tmp_path / "job.log"
     proc = npusnap(
         env, "run", "--detach", "--output", str(job_out), "--",
-        PY, str(wrapper), str(listener.getsockname()[1]), str(write_workload(tmp_path)),
+        PY, str(wrapper), str(tmp_path / "outside.sock"), str(write_workload(tmp_path)),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     pid = int(proc.stdout)

@@ -1,8 +1,9 @@
 """Snapshots of real torch_npu jobs on several devices: a DDP job over hccl
 (npusnap_cli/workloads/torch_npu_ddp.py), two ranks on two simulated devices, every torch_npu
 setting at its default (task queue, the HCCL watchdog with its tear-down, the caching
-allocator), started under plain `npusnap run`, dumped and restored with plain `npusnap dump PID
-DIR` / `npusnap restore DIR` -- twice in one run, so that a restored job is dumped again -- and
+allocator), started under plain `npusnap run` (`--no-io-uring` for torchrun), dumped and
+restored with plain `npusnap dump PID DIR` / `npusnap restore DIR` -- twice in one run, so that
+a restored job is dumped again -- and
 every step line of every rank (loss, a hash of all parameters) must equal the uninterrupted
 run's. npusnap makes the HCCL communicators anew behind the job's handles
 (native/agent/hccl.c, npusnap_cli/device/hcclrebuild.py); the job is not told.
@@ -83,7 +84,9 @@ def test_a_ddp_job_dumped_twice_continues_exactly(
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = steps_of(ref.stdout)
     assert sorted(want) == [0, 1] and all(len(v) == STEPS for v in want.values()), ref.stdout[-2000:]
-    job = Job(tmp_path, env, argv_for(torch_npu_python, launcher, args))
+    # torchrun's own store ignores USE_LIBUV (which `npusnap run` sets): it needs --no-io-uring.
+    flags = ("--no-io-uring",) if launcher == "torchrun" else ()
+    job = Job(tmp_path, env, argv_for(torch_npu_python, launcher, args), run_flags=flags)
     try:
         for i, after in enumerate((8, 40)):
             wait_until(lambda after=after: count(job) >= after, 180, f"{after} step lines")
@@ -115,12 +118,14 @@ def test_a_dump_while_one_rank_holds_up_an_all_reduce(
     job, restored longer after the dump than its process group's timeout (the watchdog's work
     timeout), continues exactly."""
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
-    args = ["--steps", "12", "--interval", "0.05", "--pg-timeout", "4"]
+    # The stall, and the dump's wait for the collective boundary, stay within the process group's
+    # timeout (else the watchdog rightly ends the job).
+    args = ["--steps", "12", "--interval", "0.05", "--pg-timeout", "15"]
     ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     phases = tmp_path / "phases"
     phases.mkdir()
-    job = Job(tmp_path, env, [torch_npu_python, JOB, *args, "--stall", "4", "--phase", str(phases)])
+    job = Job(tmp_path, env, [torch_npu_python, JOB, *args, "--stall", "3", "--phase", str(phases)])
     try:
         wait_until(
             lambda: (phases / "rank-0").exists() and "stalled" in (phases / "rank-0").read_text(),
@@ -131,7 +136,7 @@ def test_a_dump_while_one_rank_holds_up_an_all_reduce(
         rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), timeout=300)
         assert rc == 0, (out or {}).get("error") or err
         job.reap(60)
-        time.sleep(6)  # longer than --pg-timeout
+        time.sleep(17)  # longer than --pg-timeout
         rc, out, err = cli(env, "restore", str(tmp_path / "img"), timeout=300)
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None

@@ -48,7 +48,6 @@ def test_io_uring_in_the_launcher_is_refused_before_the_lock(
 ) -> None:
     env = job_env(sim_env, runtime_dir)
     agent = build_uring_agent(tmp_path)
-    # --io-uring: as root, `npusnap run` keeps io_uring out of the job by default
     job = Job(
         tmp_path, env, [str(agent), PY, TRAIN, *TRAIN_ARGS, "--steps", "400"], run_flags=("--io-uring",)
     )
@@ -109,9 +108,9 @@ def test_a_ring_of_pytorchs_store_gets_the_pytorch_fix(tmp_path: Path) -> None:
 
 
 def test_run_no_io_uring_leaves_no_ring_to_open(tmp_path: Path, runtime_dir: Path) -> None:
-    """The seccomp filter of `npusnap run --no-io-uring` (root's default): io_uring_setup fails
-    with ENOSYS, as on a kernel without io_uring, in the program and in what it starts;
-    `--io-uring` leaves it alone."""
+    """The seccomp filter of `npusnap run --no-io-uring`: io_uring_setup fails with ENOSYS, as on
+    a kernel without io_uring, in the program and in what it starts; `--io-uring` (the default)
+    leaves it alone."""
     agent = build_uring_agent(tmp_path)
     env = {**os.environ, "NPUSNAP_RUNTIME_DIR": str(runtime_dir)}
     plain = subprocess.run(
@@ -122,10 +121,13 @@ def test_run_no_io_uring_leaves_no_ring_to_open(tmp_path: Path, runtime_dir: Pat
         timeout=30,
     )
     assert plain.returncode == 0 and plain.stdout.startswith("ring "), plain.stderr
+    plain = subprocess.run(
+        [NPUSNAP, "run", "--", str(agent), "true"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert plain.returncode == 0 and plain.stdout.startswith("ring "), "--io-uring is the default"
     for flags, argv in (
         (["--no-io-uring"], [str(agent), "true"]),
         (["--no-io-uring"], ["sh", "-c", f"{agent} true"]),
-        ([], [str(agent), "true"]),  # root: the default
     ):
         cmd = [NPUSNAP, "run", *flags, "--", *argv]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
