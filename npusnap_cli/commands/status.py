@@ -106,6 +106,16 @@ def register(app: typer.Typer) -> None:
                     f"{owner.get('pid')}), has exited; `npusnap thaw --force {entry['pid']}` returns the "
                     "process now"
                 )
+            comms = st.get("hccl") or []
+            if comms:
+                # The HCCL communicators the agent stands behind (docs/distributed.md).
+                out.info(
+                    f"pid {entry['pid']}: HCCL communicator(s): "
+                    + "; ".join(
+                        f"{c.get('key', '')[:12]} rank {c.get('rank')}/{c.get('nranks')} {c.get('state')}"
+                        for c in comms
+                    )
+                )
             events = st.get("events", [])[-3:]
             if events:
                 # Past events, time-stamped: the state column is the present.

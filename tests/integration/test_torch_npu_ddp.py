@@ -101,6 +101,12 @@ def test_a_ddp_job_dumped_twice_continues_exactly(
             assert rc == 0, (out or {}).get("error") or err
             assert out is not None
             job.restored_pid = out["result"]["root_pid"]
+            # What restore said is what status says: both ranks' communicator made anew (live).
+            rc, st, err = cli(env, "status", str(job.restored_pid))
+            assert rc == 0 and st is not None, err
+            comms = [c for p in st["result"]["processes"] for c in (p.get("status") or {}).get("hccl") or []]
+            assert sorted(c["rank"] for c in comms) == [0, 1], comms
+            assert {c["state"] for c in comms} == {"live"} and len({c["key"] for c in comms}) == 1, comms
         wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
         got = steps_of(job.text())
         assert got == want, job.text()[-4000:]
