@@ -344,13 +344,17 @@ def kept_notes(page: Path) -> str:
     return "\n" + text[at:] if at >= 0 else ""
 
 
+def _table_and_goal(page: Path) -> tuple[list[str], list[str]]:
+    """A page's generated table and goal lines (the part before its notes)."""
+    lines = page.read_text().split(NOTES)[0].splitlines()
+    return [ln for ln in lines if ln.startswith("|")], [ln for ln in lines if ln.startswith("Goal")]
+
+
 def section() -> list[str]:
     """The lines docs/benchmarks.md shows of the replicas page (bench/report.py), or none."""
     if not PAGE.exists():
         return []
-    lines = PAGE.read_text().split(NOTES)[0].splitlines()
-    table = [ln for ln in lines if ln.startswith("|")]
-    goal = [ln for ln in lines if ln.startswith("Goal")]
+    table, goal = _table_and_goal(PAGE)
     return [
         "## Fast replicas",
         "",
@@ -372,9 +376,7 @@ def npu_section() -> list[str]:
     """The lines docs/benchmarks.md shows of the torch_npu replicas page, or none."""
     if not NPU_PAGE.exists():
         return []
-    lines = NPU_PAGE.read_text().split(NOTES)[0].splitlines()
-    table = [ln for ln in lines if ln.startswith("|")]
-    goal = [ln for ln in lines if ln.startswith("Goal")]
+    table, goal = _table_and_goal(NPU_PAGE)
     return [
         "## torch_npu inference replicas",
         "",
@@ -388,6 +390,28 @@ def npu_section() -> list[str]:
         *(["", *goal] if goal else []),
         "",
     ]
+
+
+def measure(
+    counts: list[int], repeat: int, weights: Path, img: Path, work: Path, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """For each N, ``repeat`` runs of each side: N cold starts (from ``weights``) and N replicas
+    (of ``img``); one row per N, printed as it is done."""
+    rows = []
+    for n in counts:
+        row: dict[str, Any] = {"n": n, "cold": [], "replicas": []}
+        for k in range(repeat):
+            # Each side goes first in turn: whatever the machine is doing meanwhile hits both.
+            for side in ("cold", "replicas") if k % 2 == 0 else ("replicas", "cold"):
+                fn = cold if side == "cold" else replicas
+                row[side].append(fn(n, weights if side == "cold" else img, work, env))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def image_mib(img: Path) -> int:
+    return sum(p.stat().st_size for p in img.rglob("*") if p.is_file()) >> 20
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -435,16 +459,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         weights = work / "weights.bin"
         write_weights(str(weights), ns.layers, ns.hidden)
         img = make_image(weights, work, env)
-        rows = []
-        for n in counts:
-            row: dict[str, Any] = {"n": n, "cold": [], "replicas": []}
-            for k in range(ns.repeat):
-                # Each side goes first in turn: whatever the machine is doing meanwhile hits both.
-                for side in ("cold", "replicas") if k % 2 == 0 else ("replicas", "cold"):
-                    fn = cold if side == "cold" else replicas
-                    row[side].append(fn(n, weights if side == "cold" else img, work, env))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        rows = measure(counts, ns.repeat, weights, img, work, env)
         setup = {
             "weights_mib": weights_bytes >> 20,
             "layers": ns.layers,
@@ -452,7 +467,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "warmup_batch": ns.warmup_batch,
             "framework": ns.framework,
             "repeat": ns.repeat,
-            "image_mib": sum(p.stat().st_size for p in img.rglob("*") if p.is_file()) >> 20,
+            "image_mib": image_mib(img),
         }
         ns.out.write_text(render(rows, setup) + kept_notes(ns.out))
         print(f"wrote {ns.out}")
@@ -486,17 +501,8 @@ def main_torch_npu(counts: list[int], repeat: int, out: Path) -> int:
     nothing.write_bytes(b"")
     try:
         img = make_image(nothing, work, env)
-        rows = []
-        for n in counts:
-            row: dict[str, Any] = {"n": n, "cold": [], "replicas": []}
-            for k in range(repeat):
-                for side in ("cold", "replicas") if k % 2 == 0 else ("replicas", "cold"):
-                    fn = cold if side == "cold" else replicas
-                    row[side].append(fn(n, nothing if side == "cold" else img, work, env))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        image_mib = sum(p.stat().st_size for p in img.rglob("*") if p.is_file()) >> 20
-        out.write_text(render_torch_npu(rows, image_mib, repeat) + kept_notes(out))
+        rows = measure(counts, repeat, nothing, img, work, env)
+        out.write_text(render_torch_npu(rows, image_mib(img), repeat) + kept_notes(out))
         print(f"wrote {out}")
     finally:
         manager.stop()

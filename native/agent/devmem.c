@@ -29,7 +29,6 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
-#include <link.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -45,6 +44,7 @@
 #define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_SUCCESS, ...: no CANN header is included */
 #include "npusnap/devmem.h"
 #include "npusnap/quietthread.h"
+#include "realsym.h"
 
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
 
@@ -85,8 +85,6 @@ static const char *const NAMES[N_FUNCS] = {
     "aclrtDestroyContext", "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
 };
 
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn g_real_dlsym;
 static void *volatile g_real[N_FUNCS];
 #define API __attribute__((visibility("default")))
 API drvError_t halMemAlloc(void **, unsigned long long, unsigned long long);
@@ -113,15 +111,6 @@ static void *const g_wrappers[N_WRAPPED] = {
     (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
 };
 
-static dlsym_fn real_dlsym(void) {
-    dlsym_fn f = __atomic_load_n(&g_real_dlsym, __ATOMIC_ACQUIRE);
-    if (f) return f;
-    f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    __atomic_store_n(&g_real_dlsym, f, __ATOMIC_RELEASE);
-    return f;
-}
-
 static int is_wrapper(void *p) {
     for (int i = 0; i < N_WRAPPED; i++)
         if (g_wrappers[i] == p) return 1;
@@ -130,45 +119,15 @@ static int is_wrapper(void *p) {
 
 /* The CANN libraries a real function may live in (the driver's, the runtime's, ACL's). */
 static const char *const LIBS[] = {"libascend_hal.so", "libacl_rt.so", "libascendcl.so", "libruntime.so"};
-#define N_LIBS (sizeof LIBS / sizeof LIBS[0])
-
-struct lib_paths {
-    char path[N_LIBS][1024];
-};
-
-static int find_libs(struct dl_phdr_info *info, size_t size, void *data) {
-    (void)size;
-    struct lib_paths *lp = data;
-    const char *name = info->dlpi_name;
-    if (!name || !*name) return 0;
-    const char *base = strrchr(name, '/');
-    base = base ? base + 1 : name;
-    for (size_t k = 0; k < N_LIBS; k++)
-        if (!lp->path[k][0] && !strncmp(base, LIBS[k], strlen(LIBS[k]))) snprintf(lp->path[k], 1024, "%s", name);
-    return 0;
-}
 
 /* The real function `i`: what dlsym() handed out, else the next definition after this library
  * (programs linked against CANN), else the CANN library mapped in the process that exports it. */
 static void *real(int i) {
     void *p = g_real[i];
     if (p) return p;
-    dlsym_fn ds = real_dlsym();
-    if (!ds) return NULL;
-    p = ds(RTLD_NEXT, NAMES[i]);
-    if (p && !is_wrapper(p)) return g_real[i] = p;
-    struct lib_paths lp;
-    memset(&lp, 0, sizeof lp);
-    dl_iterate_phdr(find_libs, &lp);
-    for (size_t k = 0; k < N_LIBS; k++) {
-        if (!lp.path[k][0]) continue;
-        void *h = dlopen(lp.path[k], RTLD_LAZY | RTLD_NOLOAD);
-        if (!h) continue;
-        void *q = ds(h, NAMES[i]);
-        dlclose(h); /* NOLOAD handle: only drops the reference it took */
-        if (q && !is_wrapper(q)) return g_real[i] = q;
-    }
-    return NULL;
+    p = npusnap_next_definition(NAMES[i], LIBS, sizeof LIBS / sizeof LIBS[0], is_wrapper);
+    if (p) g_real[i] = p;
+    return p;
 }
 
 /* ------------------------------------------------------------------ the tables */
@@ -548,7 +507,7 @@ API aclError aclrtResetDevice(int32_t deviceId) {
  * served it, so finalizing another front-end would fail with ACL_ERROR_UNINITIALIZE. */
 static aclError (*caller_finalize(void *ret))(void) {
     Dl_info info;
-    dlsym_fn ds = real_dlsym();
+    dlsym_fn ds = npusnap_real_dlsym();
     if (ds && ret && dladdr(ret, &info) && info.dli_fname) {
         void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
         if (h) {
@@ -582,7 +541,7 @@ API aclError aclFinalize(void) {
  * lookup -- and every RTLD_NEXT lookup, whose meaning depends on the caller -- goes to the real
  * dlsym as a tail call, so that glibc still sees the original caller's return address. */
 API void *dlsym(void *handle, const char *name) {
-    dlsym_fn ds = real_dlsym();
+    dlsym_fn ds = npusnap_real_dlsym();
     if (handle != RTLD_NEXT && name[0] == 'H' && name[1] == 'c' && name[2] == 'c' && name[3] == 'l') {
         /* HCCL's names that take a communicator: the agent's wrapper (hccl.c). */
         void *p = ds(handle, name);
@@ -617,7 +576,7 @@ static int interposed(void) {
         /* Preloaded: the program's own search list (main program, LD_PRELOAD, its libraries)
          * finds our dlsym and the driver's allocation call first. (Not RTLD_DEFAULT: its scope
          * depends on the caller, and a -Bsymbolic library always finds itself first.) */
-        dlsym_fn ds = real_dlsym();
+        dlsym_fn ds = npusnap_real_dlsym();
         void *main_handle = dlopen(NULL, RTLD_LAZY);
         g_interposed = ds && main_handle && ds(main_handle, "dlsym") == (void *)dlsym &&
                        ds(main_handle, "halMemAlloc") == (void *)halMemAlloc &&

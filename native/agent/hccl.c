@@ -23,7 +23,6 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
-#include <link.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +32,7 @@
 
 #include "npusnap/hcclvirt.h"
 #include "npusnap/timeutil.h"
+#include "realsym.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -129,51 +129,15 @@ static int is_hwrapper(void *p) {
     return 0;
 }
 
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn plain_dlsym(void) {
-    static dlsym_fn f;
-    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!f) f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    return f;
-}
-
-struct libfind {
-    const char *want;
-    char path[1024];
-};
-
-static int find_lib(struct dl_phdr_info *info, size_t size, void *data) {
-    (void)size;
-    struct libfind *lf = data;
-    const char *name = info->dlpi_name;
-    if (!name || !*name || lf->path[0]) return 0;
-    const char *base = strrchr(name, '/');
-    base = base ? base + 1 : name;
-    if (!strncmp(base, lf->want, strlen(lf->want))) snprintf(lf->path, sizeof lf->path, "%s", name);
-    return 0;
-}
-
 /* The real function i: what dlsym() handed out, else the next definition after this library,
  * else the mapped libhccl.so (or, for the ACL names, libascendcl.so / libacl_rt.so). */
 static void *hreal(int i) {
+    static const char *const libs[] = {"libhccl.so", "libascendcl.so", "libacl_rt.so"};
     void *p = g_hreal[i];
     if (p) return p;
-    dlsym_fn ds = plain_dlsym();
-    if (!ds) return NULL;
-    p = ds(RTLD_NEXT, HNAMES[i]);
-    if (p && !is_hwrapper(p)) return g_hreal[i] = p;
-    static const char *const libs[] = {"libhccl.so", "libascendcl.so", "libacl_rt.so"};
-    for (size_t k = 0; k < sizeof libs / sizeof libs[0]; k++) {
-        struct libfind lf = {libs[k], ""};
-        dl_iterate_phdr(find_lib, &lf);
-        if (!lf.path[0]) continue;
-        void *h = dlopen(lf.path, RTLD_LAZY | RTLD_NOLOAD);
-        if (!h) continue;
-        void *q = ds(h, HNAMES[i]);
-        dlclose(h); /* NOLOAD handle: only drops the reference it took */
-        if (q && !is_hwrapper(q)) return g_hreal[i] = q;
-    }
-    return NULL;
+    p = npusnap_next_definition(HNAMES[i], libs, sizeof libs / sizeof libs[0], is_hwrapper);
+    if (p) g_hreal[i] = p;
+    return p;
 }
 
 /* Called by the agent's dlsym() for a name starting with "Hccl": the wrapper (remembering the

@@ -53,13 +53,13 @@ def register(app: typer.Typer) -> None:
             "image then restores beside the original and as many times as wanted (restore "
             "--replicas), needing no host pid free. The printed pid is the host's.",
         ),
-        io_uring_flag: Optional[bool] = typer.Option(
-            None,
+        io_uring: bool = typer.Option(
+            True,
             "--io-uring/--no-io-uring",
             help="--no-io-uring makes io_uring_setup fail (ENOSYS, as on a kernel without io_uring) "
             "in CMD and everything it starts, with a seccomp filter: CRIU cannot dump an io_uring, and "
             "libuv (PyTorch's TCPStore in torchrun's agent) falls back to epoll. Needed for torchrun. "
-            "Off by default (--io-uring): a filter is observable (a program can no longer enter "
+            "Off by default: a filter is observable (a program can no longer enter "
             "seccomp's strict mode). The ranks' own stores need no filter: run sets USE_LIBUV=0.",
         ),
         json_flag: bool = typer.Option(
@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
                 fix="add --detach: npusnap run --detach --pidfile job.pid --output job.log -- CMD...",
             )
         plan = launch.prepare(argv)
-        no_io_uring = io_uring_flag is False
+        no_io_uring = not io_uring
         if no_io_uring:
             # Installed in this process before it forks or execs: the program inherits it.
             nnp_note = launch.deny_io_uring()

@@ -42,20 +42,6 @@ class Communicator:
         return [r for r in range(self.nranks) if r not in self.members]
 
 
-@dataclass(frozen=True)
-class RebuildOutcome:
-    rebuilt: tuple[str, ...]  # the communicators' keys
-    given_up: tuple[str, ...]  # ranks outside the restored processes: left failed, with a note
-    seconds: float
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "rebuilt": list(self.rebuilt),
-            "given_up": list(self.given_up),
-            "seconds": round(self.seconds, 3),
-        }
-
-
 def stale_communicators(pids: Iterable[int]) -> list[Communicator]:
     """The communicators that await a rebuild in the processes ``pids``, grouped by key."""
     found: dict[str, Communicator] = {}
@@ -102,14 +88,11 @@ def _rebuild_one(comm: Communicator) -> None:
         )
 
 
-def rebuild(pids: Iterable[int], now: Callable[[], float], note: Callable[[str], None]) -> RebuildOutcome:
+def rebuild(pids: Iterable[int], note: Callable[[str], None]) -> None:
     """Rebuild every communicator of the restored processes ``pids`` (which already run). One
     with ranks outside ``pids`` (other nodes, other commands) cannot be: it is given up at once
     (its calls answer HCCL_E_UNAVAIL, as without npusnap) and ``note`` says so."""
-    start = now()
-    comms = stale_communicators(pids)
-    done, given_up = [], []
-    for comm in comms:
+    for comm in stale_communicators(pids):
         if comm.missing():
             for pid in comm.members.values():
                 with AgentClient(pid, timeout=30.0, connect_retry_s=CONNECT_RETRY_S) as client:
@@ -120,8 +103,5 @@ def rebuild(pids: Iterable[int], now: Callable[[], float], note: Callable[[str],
                 "(HCCL_E_UNAVAIL) until the job builds a new one (restore every rank with one command: "
                 "a job image)"
             )
-            given_up.append(comm.key)
             continue
         _rebuild_one(comm)
-        done.append(comm.key)
-    return RebuildOutcome(tuple(done), tuple(given_up), now() - start)

@@ -358,8 +358,8 @@ def _check_tcp(tree: tuple[ProcInfo, ...], options: DumpOptions, in_job: bool, n
             f"pid {pid} has a TCP connection {lip}:{lport} -> {rip}:{rport} to outside the tree{more}",
             why="CRIU dumps an established connection only with --tcp-established, and it would "
             "fail on this one after the job was locked",
-            fix="add --tcp-established (the peer must still be there when the image is restored, "
-            "on the same addresses), or restore with --tcp-close to drop such connections",
+            fix="add --tcp-established: the restore then needs the peer there on the same addresses, "
+            "or drops such connections with `restore --tcp-close`",
             details={
                 "connections": [
                     {"pid": p, "local": f"{a}:{b}", "remote": f"{c}:{d}"} for p, (a, b, c, d) in outside

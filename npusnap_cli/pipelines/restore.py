@@ -1421,7 +1421,7 @@ def rebuild_communicators(npu_pids: tuple[int, ...], root_pid: int, note: Callab
     """The job's HCCL communicators made anew behind its handles (device/hcclrebuild.py); the
     processes run already: their collectives wait for this."""
     try:
-        hcclrebuild.rebuild(npu_pids, time.monotonic, note)
+        hcclrebuild.rebuild(npu_pids, note)
     except NpusnapError as err:
         err.message = f"CRIU restored the tree (root pid {root_pid}) and it runs, but {err.message}"
         err.details.setdefault("restored_root_pid", root_pid)

@@ -162,23 +162,41 @@ def test_shared_session_is_refused_before_the_lock(
         launcher.cleanup()
 
 
-TCP_WRAPPER = """
+# The training job behind a connection to a peer outside its tree: a unix socket path, or a
+# TCP port on 127.0.0.1.
+PEER_WRAPPER = """
 import runpy, socket, sys
-conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+peer = sys.argv[1]
+if peer.startswith("/"):
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(peer)
+else:
+    conn = socket.create_connection(("127.0.0.1", int(peer)))
 train = sys.argv[2]
 sys.argv = [train] + sys.argv[3:]
 runpy.run_path(train, run_name="__main__")
 """
 
 
-UNIX_WRAPPER = """
-import runpy, socket, sys
-conn = socket.socket(socket.AF_UNIX)
-conn.connect(sys.argv[1])
-train = sys.argv[2]
-sys.argv = [train] + sys.argv[3:]
-runpy.run_path(train, run_name="__main__")
-"""
+@contextlib.contextmanager
+def job_with_outside_peer(tmp_path: Path, env: dict[str, str], listener: socket.socket) -> Iterator[Job]:
+    """The job of ARGS connected to ``listener`` (listening; closed afterwards), once the
+    connection is accepted and three steps are out."""
+    addr = listener.getsockname()
+    peer = addr if isinstance(addr, str) else str(addr[1])
+    wrapper = tmp_path / "peer_train.py"
+    wrapper.write_text(PEER_WRAPPER)
+    job = Job(tmp_path, env, [PY, str(wrapper), peer, TRAIN, *ARGS])
+    conn = None
+    try:
+        conn, _ = listener.accept()
+        job.wait_lines(3)
+        yield job
+    finally:
+        if conn is not None:
+            conn.close()
+        listener.close()
+        job.cleanup()
 
 
 def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
@@ -189,14 +207,8 @@ def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(tmp_path / "outside.sock"))
     listener.listen(1)
-    wrapper = tmp_path / "unix_train.py"
-    wrapper.write_text(UNIX_WRAPPER)
-    job = Job(tmp_path, env, [PY, str(wrapper), str(tmp_path / "outside.sock"), TRAIN, *ARGS])
     img = tmp_path / "img"
-    conn = None
-    try:
-        conn, _ = listener.accept()
-        job.wait_lines(3)
+    with job_with_outside_peer(tmp_path, env, listener) as job:
         rc, out, _ = cli(env, "dump", str(job.pid), str(img))
         assert rc == ExitCode.CRIU
         assert out is not None
@@ -208,11 +220,6 @@ def test_criu_refusal_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp
         assert any("Error" in line for line in err["details"]["criu_log_excerpt"])
         assert_no_image(img)
         finishes_correctly(job, ref)
-    finally:
-        if conn is not None:
-            conn.close()
-        listener.close()
-        job.cleanup()
 
 
 def test_a_tcp_connection_to_outside_is_refused_before_the_lock(
@@ -227,19 +234,13 @@ def test_a_tcp_connection_to_outside_is_refused_before_the_lock(
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    wrapper = tmp_path / "tcp_train.py"
-    wrapper.write_text(TCP_WRAPPER)
-    job = Job(tmp_path, env, [PY, str(wrapper), str(listener.getsockname()[1]), TRAIN, *ARGS])
+    port = listener.getsockname()[1]
     img = tmp_path / "img"
-    conn = None
-    try:
-        conn, _ = listener.accept()
-        job.wait_lines(3)
+    with job_with_outside_peer(tmp_path, env, listener) as job:
         rc, out, _ = cli(env, "dump", str(job.pid), str(img))
         assert rc == ExitCode.PREFLIGHT
         assert out is not None
         err = out["error"]
-        port = listener.getsockname()[1]
         assert "TCP connection" in err["message"] and f":{port}" in err["message"], err
         assert "outside the tree" in err["message"], err
         assert "--tcp-established" in err["fix"]
@@ -247,11 +248,6 @@ def test_a_tcp_connection_to_outside_is_refused_before_the_lock(
         assert_no_image(img)
         assert agent_state(job.pid) == "RUNNING"
         finishes_correctly(job, ref)
-    finally:
-        if conn is not None:
-            conn.close()
-        listener.close()
-        job.cleanup()
 
 
 def _start_dump(env: dict[str, str], pid: int, img: Path, *extra: str) -> subprocess.Popen[str]:
