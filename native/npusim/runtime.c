@@ -55,14 +55,20 @@ struct faults {
     long backup_hang_ms;
 };
 
-/* g_mu guards the state machine and the device table; g_eng guards streams, events and their
- * queues (g_eng_cv: any task done, any task queued). g_snap: one snapshot call at a time. */
+/* g_mu guards the state machine and the device table; g_eng guards streams, events, their queues
+ * and the reports. Under g_eng: a stream's own work_cv wakes its idle thread (a task queued, stop);
+ * g_eng_cv, broadcast only while someone waits on it, a task done (synchronize, event waits);
+ * g_report_cv the callbacks' hand-over. One condition for all of these woke every stream thread and
+ * waiter at every task: several needless context switches a launch. g_snap: one snapshot call at a
+ * time. */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv;
 static pthread_mutex_t g_snap = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_cbmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_eng = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_eng_cv;
+static int g_eng_waiters; /* threads in eng_wait (g_eng) */
+static pthread_cond_t g_report_cv;
 static pthread_mutex_t g_defmu = PTHREAD_MUTEX_INITIALIZER; /* before g_eng */
 
 static int g_state = ST_RUNNING;
@@ -289,6 +295,7 @@ struct stream {
     uint64_t reporter; /* the thread subscribed to its callbacks (aclrtSubscribeReport), 0: none */
     int subscribed;
     pthread_t thread;
+    pthread_cond_t work_cv; /* g_eng: a task queued, or stop */
     struct stream *next;
 };
 
@@ -317,6 +324,19 @@ struct report {
     struct report *next;
 };
 static struct report *g_reports;
+
+/* Waits on g_eng_cv (g_eng held); dl NULL: no limit. Returns ETIMEDOUT when dl passed. */
+static int eng_wait(const struct timespec *dl) {
+    g_eng_waiters++;
+    int e = dl ? pthread_cond_timedwait(&g_eng_cv, &g_eng, dl) : pthread_cond_wait(&g_eng_cv, &g_eng);
+    g_eng_waiters--;
+    return e;
+}
+
+/* Something eng_wait waits for happened (g_eng held). */
+static void eng_done(void) {
+    if (g_eng_waiters) pthread_cond_broadcast(&g_eng_cv);
+}
 
 /* ---- kernels (npusim_kernel.h) */
 
@@ -379,9 +399,9 @@ static int32_t run_task(struct stream *s, struct task *t) {
         struct report **pp = &g_reports;
         while (*pp) pp = &(*pp)->next;
         *pp = r;
-        pthread_cond_broadcast(&g_eng_cv);
+        pthread_cond_broadcast(&g_report_cv);
         if (t->u.cb.block) {
-            while (!r->done && !s->abort) pthread_cond_wait(&g_eng_cv, &g_eng);
+            while (!r->done && !s->abort) pthread_cond_wait(&g_report_cv, &g_eng);
             if (r->done) free(r);
             else r->fn = NULL, r->waiter = 0; /* abandoned (force destroy): ProcessReport frees it */
         }
@@ -403,13 +423,13 @@ static void *stream_main(void *arg) {
     struct stream *s = arg;
     pthread_mutex_lock(&g_eng);
     for (;;) {
-        while (!s->head && !s->stop) pthread_cond_wait(&g_eng_cv, &g_eng);
+        while (!s->head && !s->stop) pthread_cond_wait(&s->work_cv, &g_eng);
         if (!s->head) break;
         struct task *t = s->head;
         s->running = 1;
         if (t->type == T_WAIT) {
             struct event *ev = t->u.e.ev;
-            while (ev->done < t->u.e.seq && !s->abort) pthread_cond_wait(&g_eng_cv, &g_eng);
+            while (ev->done < t->u.e.seq && !s->abort) eng_wait(NULL);
         }
         int32_t rc = ACL_SUCCESS;
         if (t->type == T_RECORD) {
@@ -432,7 +452,7 @@ static void *stream_main(void *arg) {
         if (!s->head) s->tail = NULL;
         s->running = 0;
         s->done++;
-        pthread_cond_broadcast(&g_eng_cv);
+        eng_done();
         pthread_mutex_unlock(&g_eng);
         free_task(t);
         pthread_mutex_lock(&g_eng);
@@ -448,6 +468,7 @@ static int32_t stream_new(int32_t dev, uint32_t flags, int is_default, struct st
     s->dev = dev;
     s->flags = flags;
     s->is_default = is_default;
+    pthread_cond_init(&s->work_cv, NULL);
     pthread_attr_t at;
     pthread_attr_init(&at);
     pthread_attr_setstacksize(&at, 1 << 20);
@@ -456,6 +477,7 @@ static int32_t stream_new(int32_t dev, uint32_t flags, int is_default, struct st
     int e = npusnap_quiet_thread_create(&s->thread, &at, stream_main, s);
     pthread_attr_destroy(&at);
     if (e != 0) {
+        pthread_cond_destroy(&s->work_cv);
         free(s);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
@@ -500,7 +522,7 @@ static int32_t submit(void *stream, struct task *t) {
         else s->head = t;
         s->tail = t;
         s->submitted++;
-        pthread_cond_broadcast(&g_eng_cv);
+        pthread_cond_signal(&s->work_cv);
     }
     pthread_mutex_unlock(&g_eng);
     if (!s) free_task(t);
@@ -513,8 +535,7 @@ static int32_t stream_sync_locked(struct stream *s, int32_t timeout_ms) {
     uint64_t target = s->submitted;
     struct timespec dl = deadline_in(timeout_ms / 1000.0);
     while (s->done < target) {
-        if (timeout_ms < 0) pthread_cond_wait(&g_eng_cv, &g_eng);
-        else if (pthread_cond_timedwait(&g_eng_cv, &g_eng, &dl) == ETIMEDOUT && s->done < target)
+        if (eng_wait(timeout_ms < 0 ? NULL : &dl) == ETIMEDOUT && s->done < target)
             return ACL_ERROR_RT_STREAM_SYNC_TIMEOUT;
     }
     int32_t rc = s->error;
@@ -540,7 +561,7 @@ static int32_t device_sync(int dev, int32_t timeout_ms) {
 static void stream_destroy(struct stream *s) {
     pthread_mutex_lock(&g_eng);
     s->stop = 1;
-    pthread_cond_broadcast(&g_eng_cv);
+    pthread_cond_signal(&s->work_cv);
     pthread_mutex_unlock(&g_eng);
     pthread_join(s->thread, NULL);
     pthread_mutex_lock(&g_eng);
@@ -553,6 +574,7 @@ static void stream_destroy(struct stream *s) {
         if (g_default_stream[d] == s) g_default_stream[d] = NULL;
     s->magic = 0;
     pthread_mutex_unlock(&g_eng);
+    pthread_cond_destroy(&s->work_cv);
     free(s);
 }
 
@@ -585,6 +607,7 @@ static void atfork_parent(void) {
 /* A forked child owns no device and none of the parent's streams (their threads are not in it). */
 static void atfork_child(void) {
     g_streams = NULL;
+    g_eng_waiters = 0;
     memset(g_default_stream, 0, sizeof g_default_stream);
     memset(g_open, 0, sizeof g_open);
     g_default_dev = -1;
@@ -601,6 +624,7 @@ __attribute__((constructor)) static void rt_init(void) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&g_cv, &ca);
     pthread_cond_init(&g_eng_cv, &ca);
+    pthread_cond_init(&g_report_cv, &ca);
     pthread_condattr_destroy(&ca);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
@@ -952,6 +976,7 @@ static rtError_t stream_destroy_checked(void *stm, int force) {
             t = n;
         }
         pthread_cond_broadcast(&g_eng_cv);
+        pthread_cond_broadcast(&g_report_cv);
     }
     pthread_mutex_unlock(&g_eng);
     if (s) stream_destroy(s); /* the thread drains the queue, then ends */
@@ -1025,7 +1050,7 @@ RT_API rtError_t rtEventSynchronize(void *evt) {
     if (rc == ACL_SUCCESS) {
         struct event *ev = evt;
         uint64_t target = ev->recorded;
-        while (ev->done < target && !ev->destroyed) pthread_cond_wait(&g_eng_cv, &g_eng);
+        while (ev->done < target && !ev->destroyed) eng_wait(NULL);
     }
     pthread_mutex_unlock(&g_eng);
     return rc;
@@ -1065,10 +1090,10 @@ RT_API rtError_t rtEventDestroy(void *evt) {
     int32_t rc = event_ok(evt) ? ACL_SUCCESS : ACL_ERROR_RT_PARAM_INVALID;
     if (rc == ACL_SUCCESS) {
         struct event *ev = evt;
-        while (ev->refs > 0) pthread_cond_wait(&g_eng_cv, &g_eng);
+        while (ev->refs > 0) eng_wait(NULL);
         ev->destroyed = 1;
         ev->magic = 0;
-        pthread_cond_broadcast(&g_eng_cv);
+        eng_done();
         free(ev);
     }
     pthread_mutex_unlock(&g_eng);
@@ -1117,8 +1142,8 @@ RT_API rtError_t rtProcessReport(int32_t timeout) {
             *pp = r->next;
             break;
         }
-        if (timeout < 0) pthread_cond_wait(&g_eng_cv, &g_eng);
-        else if (pthread_cond_timedwait(&g_eng_cv, &g_eng, &dl) == ETIMEDOUT) break;
+        if (timeout < 0) pthread_cond_wait(&g_report_cv, &g_eng);
+        else if (pthread_cond_timedwait(&g_report_cv, &g_eng, &dl) == ETIMEDOUT) break;
     }
     pthread_mutex_unlock(&g_eng);
     if (!r) return ACL_ERROR_RT_REPORT_TIMEOUT;
@@ -1130,7 +1155,7 @@ RT_API rtError_t rtProcessReport(int32_t timeout) {
     pthread_mutex_lock(&g_eng);
     if (r->waiter) {
         r->done = 1;
-        pthread_cond_broadcast(&g_eng_cv);
+        pthread_cond_broadcast(&g_report_cv);
     } else {
         free(r);
     }

@@ -47,10 +47,42 @@ KHIDDEN int k_ew(const struct kctx *k) {
     double x[KIT_MAX];
     double s[16] = {0};
     for (uint32_t j = 0; j < k->a->ns && j < 16; j++) s[j] = k->s[j];
-    for (int64_t i = 0; i < n; i++) {
-        for (int j = 0; j < nin; j++) x[j] = kld(ts[j]->dtype, p[j], it.off[j]);
-        kst(out->dtype, p[nt - 1], it.off[nt - 1], f(x, s));
-        kit_next(&it);
+    int all_float = 1;
+    for (int j = 0; j < nt; j++) all_float &= ts[j]->dtype == OPS_DT_FLOAT;
+    if (all_float && out->ndim > 0) {
+        /* the same values in the same order, a row of the last dimension at a time: the iterator
+         * steps and the dtype switches once a row, not once an element */
+        int last = out->ndim - 1;
+        int64_t len = out->shape[last], st[KIT_MAX];
+        for (int j = 0; j < nt; j++) st[j] = ts[j]->stride[last];
+        struct kit rows;
+        kit_init(&rows, out->shape, last, ts, nt);
+        float *o = (float *)p[nt - 1];
+        for (int64_t r = 0; r < n / len; r++) {
+            float *orow = o + rows.off[nt - 1];
+            int64_t ost = st[nt - 1];
+            /* one loop per function, so that (with the binary's link-time optimisation) each
+             * function is inlined into its own loop instead of called once an element */
+#define EWLOOP(id, fn)                                                                          \
+    case OPS_EWF_##id:                                                                          \
+        for (int64_t e = 0; e < len; e++) {                                                     \
+            for (int j = 0; j < nin; j++) x[j] = ((const float *)p[j])[rows.off[j] + e * st[j]]; \
+            orow[e * ost] = (float)fn(x, s);                                                    \
+        }                                                                                       \
+        break;
+            switch (k->i[0]) {
+                OPS_EW(EWLOOP)
+            default: return KERR_ARGS;
+            }
+#undef EWLOOP
+            kit_next(&rows);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            for (int j = 0; j < nin; j++) x[j] = kld(ts[j]->dtype, p[j], it.off[j]);
+            kst(out->dtype, p[nt - 1], it.off[nt - 1], f(x, s));
+            kit_next(&it);
+        }
     }
     kcost(k, n);
     return 0;

@@ -54,12 +54,7 @@ KHIDDEN int k_matmul(const struct kctx *k) {
                 band_end = rows * (blk + 1) / nb;
             }
             for (int64_t kk = 0; kk < K; kk++) ar[kk] = (float)kld(A->dtype, pa, oa + i * as0 + kk * as1);
-            for (int64_t j = 0; j < N; j++) acc[j] = 0.0f;
-            for (int64_t kk = 0; kk < K; kk++) {
-                float av = ar[kk];
-                const float *brow = bt + kk * N;
-                for (int64_t j = 0; j < N; j++) acc[j] += av * brow[j];
-            }
+            kmm_row(ar, bt, K, N, acc);
             for (int64_t j = 0; j < N; j++) kst(O->dtype, po, oo + i * os0 + j * os1, acc[j]);
         }
         kit_next(&it);

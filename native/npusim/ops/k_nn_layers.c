@@ -790,12 +790,7 @@ KHIDDEN int k_addmm(const struct kctx *k) {
             for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
         for (int64_t i = 0; i < M; i++) {
             for (int64_t kk = 0; kk < K; kk++) ar[kk] = (float)kld(A->dtype, pa, oa + i * as0 + kk * as1);
-            for (int64_t j = 0; j < N; j++) acc[j] = 0.0f;
-            for (int64_t kk = 0; kk < K; kk++) {
-                float av = ar[kk];
-                const float *brow = bt + kk * N;
-                for (int64_t j = 0; j < N; j++) acc[j] += av * brow[j];
-            }
+            kmm_row(ar, bt, K, N, acc);
             for (int64_t j = 0; j < N; j++) {
                 double v = alpha * (double)acc[j];
                 if (beta != 0.0) v += beta * kld(Cc->dtype, pc, oc + i * cs0 + j * cs1);

@@ -141,6 +141,10 @@ static inline double kround(int dtype, double v) {
     }
 }
 
+/* acc[j] = sum over kk of a[kk] * bt[kk * N + j], summed from 0.0f in kk order in float: what a
+ * single-threaded fp32 GEMM gives, run after run (kernels.c). */
+KHIDDEN void kmm_row(const float *a, const float *bt, int64_t K, int64_t N, float *acc);
+
 /* An iterator over every element of `shape` in row-major order, keeping each of nt views' element
  * offsets (views given in the same rank as shape; a broadcast dimension has stride 0). */
 #define KIT_MAX 8
