@@ -216,7 +216,8 @@ class IncompatibleImageError(ImageError):
 
 
 class StateUnknownError(NpusnapError):
-    """Rollback failed: processes may be locked or gone. The message lists recovery commands."""
+    """Rollback failed: the message says what each process is in now (as its agent answered, gone, or
+    no answer) and lists the recovery commands."""
 
     exit_code = ExitCode.STATE_UNKNOWN
     kind = "state-unknown"

@@ -65,6 +65,7 @@ class _AllBusy(Exception):
 
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
 BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
+STATE_NOW_S = 2.0  # a failed rollback asks each agent once more for its state, this long at most
 GONE_GRACE_S = 2.0  # how long a process that could not be reached may take to finish exiting
 
 DEFAULT_LEASE_S = 60.0
@@ -413,8 +414,34 @@ class DeviceGroup:
             self._raise_first(busy, "rollback")
         if failures:
             self.hand_over(failures)
-            raise _state_unknown(failures)
+            raise _state_unknown(failures, self.states_now(failures))
         return results
+
+    def states_now(self, pids: Iterable[int]) -> dict[int, str]:
+        """What each of ``pids`` is in now, as its agent says within STATE_NOW_S ("LOCKED", ...),
+        "gone" for a process that ended, or "no answer" — never a guess."""
+        out: dict[int, str] = {}
+        for pid in sorted(pids):
+            if not procfs.is_alive(pid):
+                out[pid] = "gone"
+                continue
+            client = self.clients.get(pid)
+            state: Optional[str] = None
+            for ask in (client, None):
+                try:
+                    if ask is not None:
+                        st = ask.request("status", timeout=STATE_NOW_S)
+                    else:
+                        if client is not None:
+                            client.close()  # one client at a time: a fresh one needs this one gone
+                        with AgentClient(pid, timeout=STATE_NOW_S, connect_retry_s=0.2) as fresh:
+                            st = fresh.status()
+                    state = str(st.get("state") or "") or None
+                    break
+                except NpusnapError:
+                    continue
+            out[pid] = state or "no answer"
+        return out
 
     def hand_over(self, pids: Iterable[int]) -> None:
         """Leave the tokens of ``pids`` (still locked by this group) for `npusnap thaw PID`."""
@@ -429,7 +456,7 @@ class DeviceGroup:
         )
         if failures:
             self.hand_over(failures)
-            err = _state_unknown(failures)
+            err = _state_unknown(failures, self.states_now(failures))
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
         # None: this command never locked that process (it failed before its Lock).
@@ -508,18 +535,29 @@ def _rollback_one(
         raise
 
 
-def _state_unknown(failures: dict[int, BaseException]) -> StateUnknownError:
+def _state_unknown(failures: dict[int, BaseException], states: dict[int, str]) -> StateUnknownError:
+    """The rollback of ``failures`` failed; ``states``: what each is in now (states_now)."""
     pids = sorted(failures)
     commands = [f"npusnap status {p}" for p in pids] + [f"npusnap thaw {p}" for p in pids]
+    now = ", ".join(f"pid {p} {_state_words(states.get(p, 'no answer'))}" for p in pids)
     return StateUnknownError(
-        f"rollback failed for pid(s) {', '.join(map(str, pids))}: they may still be locked",
+        f"rollback failed: {now}",
         why="; ".join(f"pid {p}: {_describe(e)}" for p, e in sorted(failures.items())),
         fix="a human must look: " + " && ".join(commands),
         details={
             "recovery_commands": commands,
             "failures": {p: _describe(e) for p, e in sorted(failures.items())},
+            "states": {p: states.get(p, "no answer") for p in pids},
         },
     )
+
+
+def _state_words(state: str) -> str:
+    if state == "gone":
+        return "has ended"
+    if state == "no answer":
+        return f"did not answer within {STATE_NOW_S:.0f}s (its state is not known)"
+    return f"is {state}"
 
 
 def tree_targets(pid: int) -> list[int]:

@@ -15,7 +15,9 @@ without a name, and CRIU's dump writes the ghost's contents into the image, not 
 
 So a restore that will create ghost files holds an ``flock`` per ghost path (in sorted order)
 from just before CRIU starts until CRIU has answered (by then its ghost files are gone). Other
-restores of the image wait for it; all else (device restore, settle watch) stays parallel.
+restores of the image wait for it; all else (device restore, settle watch) stays parallel. The
+holder removes each lock file before it lets go of the lock, so none is left behind; a waiter that
+then holds a lock on a name already removed opens the name anew.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from npusnap_cli.errors import BusyError, PreflightError
 REMAP_GHOST = 1 << 31  # older images: the ghost flag in remap_id (criu/include/image.h)
 WAIT_S = 600.0  # one copy's CRIU restore; a holder past this is stuck, not slow
 POLL_S = 0.05
+LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def ghost_paths(criu_dir: Path) -> list[str]:
@@ -139,32 +142,39 @@ def held(
         )
     except OSError as exc:
         raise _unsafe(d, exc) from None
-    fds: list[int] = []
+    held_locks: list[tuple[int, str]] = []
     try:
         deadline = time.monotonic() + wait_s
         for g in ghosts:
             name = hashlib.sha256(g.encode()).hexdigest()[:24] + ".lock"
-            try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-            except OSError as exc:
-                raise _unsafe(d / name, exc) from None
-            fds.append(fd)
             waited = False
             while True:
                 try:
+                    fd = os.open(
+                        name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+                    )
+                except OSError as exc:
+                    raise _unsafe(d / name, exc) from None
+                try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
+                    if _names(dfd, name, fd):
+                        break
+                    # the holder before us removed the name once done: lock the file there now
+                    os.close(fd)
+                    continue
                 except BlockingIOError:
+                    holder = _holder(fd)
+                    os.close(fd)  # reopened after the pause: the holder removes the name when done
                     if not waited:
                         note(
-                            f"waiting for the CRIU restore of pid {_holder(fd)} to remove its ghost "
+                            f"waiting for the CRIU restore of pid {holder} to remove its ghost "
                             f"file {g} (the same image restored at the same time: CRIU creates that "
                             "name, so one copy's CRIU restore runs at a time)"
                         )
                         waited = True
                     if time.monotonic() > deadline:
                         raise BusyError(
-                            f"another restore (pid {_holder(fd)}) has held CRIU's ghost file {g} "
+                            f"another restore (pid {holder}) has held CRIU's ghost file {g} "
                             f"for more than {wait_s:.0f}s",
                             why="CRIU recreates each deleted file of the image under one fixed name "
                             "and removes it only at the end of its restore; two restores of one "
@@ -173,12 +183,27 @@ def held(
                             details={"ghost": g},
                         ) from None
                     time.sleep(POLL_S)
+            held_locks.append((fd, name))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         if leftovers:
             _refuse_leftovers(ghosts)
         yield
     finally:
-        for fd in reversed(fds):
+        for fd, name in reversed(held_locks):
+            # Removed while still locked, so that no lock file outlives its restore; a waiter that
+            # opened the old name finds it gone once it holds the lock, and opens the name anew.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
             os.close(fd)  # closing the only descriptor of the open file drops its flock
         os.close(dfd)
+
+
+def _names(dfd: int, name: str, fd: int) -> bool:
+    """Whether ``name`` in ``dfd`` is still the file open as ``fd``."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)

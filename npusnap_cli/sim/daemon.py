@@ -9,10 +9,10 @@ Device memory is one memfd per allocation, owned by the daemon, so freeing reall
 Its bytes never cross the socket: OP_MAP passes the allocation's memfd to the runtime (SCM_RIGHTS),
 which copies to and from a mapping of it at memory speed (paced to --bandwidth-mbps when given);
 the daemon itself writes only the poison pattern of a Restore. Like a device's fixed memory, the
-memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity,
-and only while the host keeps a fifth of its memory available: the oldest goes back as soon as it
-does not) and given to the next Restore of an
-allocation of the same size. It is poisoned as soon as it is kept, on a thread of its own (the
+memory of a process that is gone is kept for a while (POOL_TTL_S, at most the device's capacity
+and POOL_MAX_FILES allocations, and only while the host keeps a fifth of its memory available:
+the oldest goes back as soon as it does not) and given to the next Restore of an allocation of
+the same size. It is poisoned as soon as it is kept, on a thread of its own (the
 poisoner), so that such a Restore finds it poisoned already: a device's Restore writes no host
 memory, and the simulator's poison is its own cost (docs/benchmarks.md), kept off the Restore
 where it can be. A Restore that comes first waits
@@ -68,6 +68,9 @@ MAX_OWNERS = 63  # user processes an A2/A3 device takes
 # its dump after whatever the operator (or a benchmark warming memory for the restore, see
 # docs/benchmarks.md) does in between; memory pressure gives it back sooner (_expire_pool).
 POOL_TTL_S = 60.0
+# And at most this many allocations a device (each is an open memfd of the daemon's): a job of many
+# small allocations must not leave the daemon a thousand files; the oldest go first.
+POOL_MAX_FILES = 128
 KEPT_POISON_WAIT_S = 10.0  # a Restore waits this (plus 2 s per GiB) for the poisoner, then poisons
 
 
@@ -204,7 +207,9 @@ class Daemon:
         if keep and al.size <= dev.capacity and _memory_to_spare(al.size):
             # The newest is the likeliest to be restored next (a dump ends its process last):
             # older kept memory makes room for it.
-            while sum(k.size for k in dev.pool) + al.size > dev.capacity:
+            while dev.pool and (
+                sum(k.size for k in dev.pool) + al.size > dev.capacity or len(dev.pool) >= POOL_MAX_FILES
+            ):
                 self._expire(dev, dev.pool[0])
             kept = Kept(al.size, al.fd, time.monotonic())
             dev.pool.append(kept)

@@ -345,7 +345,11 @@ def test_unlock_failure_after_leave_running_is_state_unknown_then_thaw_recovers(
         assert f"npusnap thaw {fj.job.pid}" in err["fix"]
         assert f"npusnap status {fj.job.pid}" in err["fix"]
         assert_no_image(fj.img)
-        assert agent_state(fj.job.pid) in ("LOCKED", "BACKED_UP")  # says it like it is: stuck
+        # says it like it is, and what status says a moment later: stuck in that state
+        state = agent_state(fj.job.pid)
+        assert state in ("LOCKED", "BACKED_UP")
+        assert f"pid {fj.job.pid} is {state}" in err["message"], err["message"]
+        assert err["details"]["states"] == {str(fj.job.pid): state}
         fj.set_faults("")
         rc, _, errtext = cli(fj.env, "thaw", str(fj.job.pid))
         assert rc == 0, errtext

@@ -49,11 +49,52 @@ def test_a_holder_past_the_deadline_is_reported_busy(tmp_path: Path) -> None:
     with first, pytest.raises(BusyError) as exc, second:
         pass
     assert exc.value.exit_code == ExitCode.BUSY and "/tmp/a.cr.1.ghost" in str(exc.value)
-    # released: nothing holds the lock file any more
-    (lock,) = list(tmp_path.iterdir())
-    fd = os.open(lock, os.O_RDWR)
+    # released and removed: no lock file outlives its holder
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_is_exclusive_while_holders_remove_its_file(tmp_path: Path) -> None:
+    """Each holder removes the lock file when it is done, while others wait on the name: one
+    holder at a time all the same, and nothing left in the directory at the end."""
+    ghosts = ["/tmp/a.cr.1.ghost"]
+    inside: list[int] = []
+    overlaps: list[int] = []
+    guard = threading.Lock()
+
+    def turn(k: int) -> None:
+        for _ in range(20):
+            with ghostlock.held(ghosts, lambda _m: None, directory=tmp_path):
+                with guard:
+                    inside.append(k)
+                    if len(inside) > 1:
+                        overlaps.append(k)
+                time.sleep(0.001)
+                with guard:
+                    inside.remove(k)
+
+    threads = [threading.Thread(target=turn, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert overlaps == [] and inside == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_file_someone_holds_keeps_others_out(tmp_path: Path) -> None:
+    """A holder of an older npusnap (which left its file in place) still excludes this one."""
+    ghosts = ["/tmp/a.cr.1.ghost"]
+    with ghostlock.held(ghosts, lambda _m: None, directory=tmp_path):
+        (lock,) = list(tmp_path.iterdir())
+    fd = os.open(tmp_path / lock.name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with (
+            pytest.raises(BusyError),
+            ghostlock.held(ghosts, lambda _m: None, directory=tmp_path, wait_s=0.2),
+        ):
+            pass
     finally:
         os.close(fd)
 
@@ -75,9 +116,8 @@ def test_a_planted_symlink_is_never_followed(tmp_path: Path) -> None:
     victim.write_text("keep me\n")
     ghosts = ["/tmp/x.cr.1.ghost"]
     with ghostlock.held(ghosts, lambda _m: None, directory=locks):
-        pass
-    (lock,) = list(locks.iterdir())
-    lock.unlink()
+        (lock,) = list(locks.iterdir())
+    assert not lock.exists()
     lock.symlink_to(victim)
     with (
         pytest.raises(PreflightError, match="ghost-file lock"),

@@ -175,3 +175,18 @@ def test_the_newest_memory_of_a_gone_process_is_kept_in_place_of_older() -> None
     assert d.op_alloc(dead, 0, 16 * MiB, None)[0] == 0
     d._free_owner(dead)
     assert [k.size for k in d.devices[0].pool] == [16 * MiB]
+
+
+def test_at_most_pool_max_files_allocations_are_kept_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of many small allocations leaves the daemon a bounded number of open files."""
+    monkeypatch.setattr(daemon_mod, "POOL_MAX_FILES", 8)
+    d = _daemon()
+    dead = _dead_owner()
+    assert d.op_claim(dead, 0) == 0
+    sizes = [4096 * (k + 1) for k in range(20)]
+    for size in sizes:
+        assert d.op_alloc(dead, 0, size, None)[0] == 0
+    d._free_owner(dead)
+    pool = d.devices[0].pool
+    assert len(pool) == 8 and sorted(k.size for k in pool) == sorted(sizes)[-8:]
+    assert _kept(d) == sum(sorted(sizes)[-8:])
