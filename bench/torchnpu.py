@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,7 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
         res["loadavg"] = os.getloadavg()[0]
     finally:
         manager.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return res
 
 

@@ -216,24 +216,44 @@ def listening_unix_paths(proc_net_unix: str = "/proc/net/unix") -> list[str]:
     return paths
 
 
-def find_agent_socket(pid: int) -> Optional[Path]:
+def find_agent_socket(pid: int, listening: Optional[list[str]] = None) -> Optional[Path]:
     """The control socket that the agent of ``pid`` listens on, or None.
 
     Looks first at the default path for this user, then at any listening socket named
-    ``<pid>.sock`` in an ``npusnap*`` directory (an agent of another user, or one started with a
-    different NPUSNAP_RUNTIME_DIR). The caller must still verify the peer pid (SO_PEERCRED).
+    ``<pid>.sock`` in an ``npusnap*`` directory of the process's user or root's (an agent of
+    another user, or one started with a different NPUSNAP_RUNTIME_DIR), then the socket the
+    process holds (a replica). ``listening``: the listening socket paths, if the caller has them.
+    The caller must still verify the peer pid (SO_PEERCRED).
     """
     default = agent_socket_path(pid)
     name = contract.AGENT_SOCKET_NAME.format(pid=pid)
     # In pid's own network namespace, which may not be ours (a rank on a simulated node).
-    listening = listening_unix_paths(f"/proc/{pid}/net/unix") or listening_unix_paths()
+    if listening is None:
+        listening = listening_unix_paths(f"/proc/{pid}/net/unix") or listening_unix_paths()
     if str(default) in listening:
         return default
     for path in listening:
         p = Path(path)
-        if p.name == name and p.parent.name.startswith(contract.AGENT_SOCKET_DIR_PREFIX):
+        if (
+            p.name == name
+            and p.parent.name.startswith(contract.AGENT_SOCKET_DIR_PREFIX)
+            and may_serve(p, pid)
+        ):
             return p
     return held_agent_socket(pid)
+
+
+def may_serve(socket: Path, pid: int) -> bool:
+    """Whether ``socket`` can be the agent socket of ``pid``: its directory belongs to the
+    process's user or to root. An agent listens in a directory of its own user's (or one root
+    made); a socket named after a pid in a directory another user owns is that user's fake, and
+    would otherwise be picked (and refused) in place of the real one."""
+    try:
+        owner = os.stat(socket.parent).st_uid
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return False
+    return owner in (0, uid)
 
 
 def held_agent_socket(pid: int) -> Optional[Path]:

@@ -66,3 +66,23 @@ def sim_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
     with private_sim(devices=2, capacity_bytes=1 << 30) as env:
         yield env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hostile_user() -> Iterator[None]:
+    """Another local user plants symlinks, squatted directories, fake agent sockets, a hostile
+    job name, a fake image and hard links in the shared directories for the whole session
+    (tests/hostile_user.py); at the end nothing may have been written through them. Needs root
+    (a uid of its own); NPUSNAP_TEST_HOSTILE=0 leaves it out (say so when you do)."""
+    if not is_root() or os.environ.get("NPUSNAP_TEST_HOSTILE") == "0":
+        yield
+        return
+    from tests.hostile_user import HostileUser
+
+    user = HostileUser()
+    user.start()
+    try:
+        yield
+    finally:
+        problems = user.stop()
+    assert not problems, "what the session wrote through the hostile user's names:\n" + "\n".join(problems)

@@ -76,7 +76,7 @@ def agents() -> dict[int, tuple[Path, Optional[int]]]:
     for path, inode in _agent_sockets():
         stem = Path(path).name[: -len(paths.SOCKET_SUFFIX)]
         m = _REPLICA.match(stem)
-        if stem.isdigit() and os.path.exists(path) and os.path.exists(f"/proc/{stem}"):
+        if stem.isdigit() and os.path.exists(path) and paths.may_serve(Path(path), int(stem)):
             found.setdefault(int(stem), (Path(path), None))
         elif m is not None and os.path.exists(path):
             replicas[inode] = (Path(path), int(m.group("of")))

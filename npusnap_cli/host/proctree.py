@@ -12,7 +12,6 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import psutil
@@ -86,16 +85,8 @@ def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
 
 
 def _agent_socket(pid: int, listening: set[str]) -> Optional[str]:
-    default = str(paths.agent_socket_path(pid))
-    if default in listening:
-        return default
-    name = f"{pid}{paths.SOCKET_SUFFIX}"
-    for p in sorted(listening):
-        path = Path(p)
-        if path.name == name and path.parent.name.startswith("npusnap"):
-            return p
-    held = paths.held_agent_socket(pid)  # a replica of a job in its own pid namespace
-    return str(held) if held is not None else None
+    found = paths.find_agent_socket(pid, sorted(listening))
+    return str(found) if found is not None else None
 
 
 def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:

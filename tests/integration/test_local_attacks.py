@@ -608,6 +608,72 @@ def test_ps_is_not_slowed_by_silent_fake_agents(
         shutil.rmtree(fakes, ignore_errors=True)
 
 
+SPOOF_AGENT = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(128)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(120)  # accepts (the kernel does), never answers
+"""
+
+
+def test_a_socket_named_after_roots_job_in_a_users_directory_is_not_its_agent(
+    sim_env: dict[str, str], attacker: tuple[int, int], open_dir: Path, tmp_path: Path
+) -> None:
+    """A user listens as ``/tmp/npusnap-x/<pid of root's job>.sock``: root's ps and status still
+    find the job's own agent (the fake one's directory is not the job's user's), and ps does
+    not report the job's agent as failing."""
+    from tests.integration.agentlib import PY, wait_socket, workload_env, write_workload
+    from tests.integration.conftest import Sim
+
+    runtime_dir = tmp_path / "npusnap-run"  # an agent directory others can find (npusnap*)
+    runtime_dir.mkdir(mode=0o700)
+    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
+    real = subprocess.Popen(
+        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    fakes = Path(f"/tmp/npusnap-spoof-{os.getpid()}")
+    shutil.rmtree(fakes, ignore_errors=True)
+    as_user(attacker, f"mkdir {fakes}")
+    script = open_dir / "spoof.py"
+    script.write_text(SPOOF_AGENT)
+    os.chmod(script, 0o644)
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    faker = None
+    try:
+        wait_socket(runtime_dir, real.pid)
+        fake = fakes / f"{real.pid}.sock"
+        faker = subprocess.Popen(
+            [python, str(script), str(fake)], user=attacker[0], group=attacker[1], start_new_session=True
+        )
+        deadline = time.monotonic() + 20
+        while not Path(f"{fake}.ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fake.exists()
+        for _ in range(3):  # whatever order /proc/net/unix lists the two sockets in
+            p = subprocess.run([NPUSNAP, "ps", "--json"], env=env, capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, p.stderr
+            listed = {e["pid"]: e for e in json.loads(p.stdout)["result"]["processes"]}
+            assert listed[real.pid]["state"] == "RUNNING" and listed[real.pid]["agent_error"] is None
+        # status from a directory that is not the job's runtime dir: it has to look for the socket
+        other = {k: v for k, v in env.items() if k != "NPUSNAP_RUNTIME_DIR"}
+        status = [NPUSNAP, "--json", "status", str(real.pid)]
+        st = subprocess.run(status, env=other, capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert str(fakes) not in st.stdout
+    finally:
+        real.kill()
+        real.wait()
+        if faker is not None:
+            faker.kill()
+            faker.wait()
+        shutil.rmtree(fakes, ignore_errors=True)
+
+
 def test_undoing_host_nodes_never_follows_a_swapped_directory(
     attacker: tuple[int, int], victim: Path, open_dir: Path
 ) -> None:

@@ -1,0 +1,197 @@
+"""A hostile second user for the whole test session (tests/conftest.py starts it when the suite
+runs as root).
+
+An unprivileged uid that has no business with npusnap keeps planting, before and during every
+command of the suite, what any local user can put in the directories everyone shares
+(docs/security.md, "any other local user"):
+
+* the fixed names npusnap or the simulator might make there, taken first: a symbolic link to a
+  directory of the user's (the bait) or a world-writable directory of the user's;
+* fake agent sockets, ``<pid>.sock`` named after root's processes, in an ``npusnap*`` directory of
+  the user's, which listen and never answer;
+* a job with a hostile command line (markup, an escape sequence, a newline) that listens as an
+  agent and never answers;
+* a fake image (a forged ``npusnap.json``) and hard links to the bait.
+
+At the end of the session the suite must have written nothing through any of it (the bait is as
+planted; nothing in the user's directories belongs to anyone else), and the user's things are
+removed, so that the session leaves nothing behind in the shared directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+# No account: a uid nobody on the machine uses (the attack tests' own user is another one).
+UID = GID = 64999
+SHARED = ("/tmp", "/var/tmp", "/dev/shm")
+HOSTILE_NAME = "[/]\x1b[31m[bold]x[/bold]\x1b[0m\nnpusnap-fake-job"
+HOME = f"/tmp/npusnap-hostile-{UID}"  # its own agent-looking directory
+
+# Runs as the hostile user under the system's python3 (the venv's is in root-only directories).
+PLANTER = r"""
+import json, os, socket, sys, threading, time
+
+home, bait = sys.argv[1], sys.argv[2]
+squats = sys.argv[4:]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+os.makedirs(home, exist_ok=True)
+os.chmod(home, 0o755)
+os.makedirs(bait, exist_ok=True)
+os.chmod(bait, 0o777)
+with open(os.path.join(bait, "canary"), "w") as f:
+    f.write("planted by the hostile user\n")
+
+
+def listen(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.listen(16)  # the kernel accepts; nobody ever answers
+    return s
+
+
+socks = {"self": listen(f"{home}/{os.getpid()}.sock")}
+fake = os.path.join(home, "image")
+os.makedirs(os.path.join(fake, "criu"), exist_ok=True)
+with open(os.path.join(fake, "npusnap.json"), "w") as f:
+    json.dump({"format": 1, "pids": [1], "kind": "dump", "created": "2999-01-01T00:00:00"}, f)
+planted = []
+
+
+def roots_processes():
+    pids = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                if os.stat(f"/proc/{e}").st_uid == 0:
+                    with open(f"/proc/{e}/cmdline", "rb") as f:
+                        if b"python" in f.read(200):
+                            pids.append(int(e))
+            except OSError:
+                pass
+    return sorted(pids)[-12:]
+
+
+open(os.path.join(home, "ready"), "w").close()
+while not stop.wait(0.25):
+    for i, path in enumerate(squats):
+        if not os.path.lexists(path):
+            try:
+                if i % 2:
+                    os.mkdir(path)
+                    os.chmod(path, 0o777)
+                    os.link(os.path.join(bait, "canary"), os.path.join(path, "canary"))
+                else:
+                    os.symlink(bait, path)
+                planted.append(path)
+            except OSError:
+                pass
+    live = roots_processes()
+    for pid in live:
+        if pid not in socks:
+            try:
+                socks[pid] = listen(f"{home}/{pid}.sock")
+            except OSError:
+                pass
+    for pid in [p for p in socks if p != "self" and p not in live]:
+        socks.pop(pid).close()
+        try:
+            os.unlink(f"{home}/{pid}.sock")
+        except OSError:
+            pass
+with open(os.path.join(home, "planted"), "w") as f:
+    f.write("\n".join(planted))
+"""
+
+
+def squats() -> list[str]:
+    """The names in the shared directories that npusnap or its simulator may use themselves."""
+    # (npusnap-demo-*: hostclean removes demo work directories of that prefix)
+    names = ["npusnap-logs", "npusnap-0", "npusim-0", "npusnap-ghosts", "npusnap-demo-x", "npusnap-state"]
+    return [f"{d}/{n}" for d in SHARED for n in names]
+
+
+class HostileUser:
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.bait = f"{HOME}-bait"
+
+    def start(self) -> None:
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None:
+            raise RuntimeError("the hostile user needs a python3 of the system's (/usr/bin or /bin)")
+        self._remove_all()
+        self.proc = subprocess.Popen(
+            [python, "-c", PLANTER, HOME, self.bait, HOSTILE_NAME, *squats()],
+            user=UID,
+            group=GID,
+            extra_groups=[],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd="/",
+        )
+        deadline = time.monotonic() + 20
+        while not os.path.exists(f"{HOME}/ready"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the hostile user did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def stop(self) -> list[str]:
+        """Stop planting; what the session did through the planted things (empty: nothing)."""
+        problems = self._written_through()
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                problems.append("the hostile user did not stop within 10 s")
+        self._remove_all()
+        return problems
+
+    def _written_through(self) -> list[str]:
+        problems = []
+        canary = Path(self.bait) / "canary"
+        if not canary.is_file() or canary.read_text() != "planted by the hostile user\n":
+            problems.append(f"{canary} was changed")
+        for where in [self.bait, HOME, *squats()]:
+            with contextlib.suppress(OSError):
+                # only what the user made (a name root took first is root's own business)
+                if os.lstat(where).st_uid != UID or os.path.islink(where) or not os.path.isdir(where):
+                    continue
+            for root, dirs, files in os.walk(where):
+                for name in dirs + files:
+                    p = os.path.join(root, name)
+                    with contextlib.suppress(OSError):
+                        uid = os.lstat(p).st_uid
+                        if uid != UID:
+                            problems.append(f"{p} (uid {uid}) was made in the hostile user's {where}")
+        return problems
+
+    def _remove_all(self) -> None:
+        """Everything of the hostile user's in the shared directories (a previous session's too)."""
+        for d in SHARED:
+            with contextlib.suppress(OSError):
+                for name in os.listdir(d):
+                    p = os.path.join(d, name)
+                    with contextlib.suppress(OSError):
+                        if os.lstat(p).st_uid != UID:
+                            continue
+                        if os.path.isdir(p) and not os.path.islink(p):
+                            shutil.rmtree(p, ignore_errors=True)
+                        else:
+                            os.unlink(p)
