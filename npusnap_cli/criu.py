@@ -70,7 +70,21 @@ def _candidates() -> list[str]:
 
 
 def find_criu() -> CriuBinary:
-    """The criu binary to use: ``NPUSNAP_CRIU``, /usr/local, then the system's; must be 4.0+."""
+    """The criu binary to use: ``NPUSNAP_CRIU``, /usr/local, then the system's; must be 4.0+.
+    ``NPUSNAP_CRIU``, when set, is the only one: one it cannot run is an error, not a reason to
+    take another."""
+    env = os.environ.get("NPUSNAP_CRIU")
+    if env:
+        version = criu_version(env) if os.access(env, os.X_OK) else None
+        if version and parse_version(version) >= CRIU_MIN_VERSION:
+            return CriuBinary(path=env, version=version)
+        raise PreflightError(
+            f"NPUSNAP_CRIU={env} is not a CRIU 4.0 or newer that runs here"
+            + (f" (it is {version})" if version else ""),
+            why="when NPUSNAP_CRIU is set, npusnap uses that CRIU and no other",
+            fix="point NPUSNAP_CRIU at a criu binary of version 4.0 or newer, or unset it",
+            details={"npusnap_criu": env, "version": version},
+        )
     found: list[tuple[str, Optional[str]]] = []
     for path in _candidates():
         version = criu_version(path)
@@ -444,6 +458,40 @@ def _agent_in_use(log_path: str) -> Optional[str]:
     return "the job's agent socket" if m2 else None
 
 
+# CRIU's show_one_unix (criu/sk-unix.c) at log level 4: the outside peer of a refused socket.
+_RUNAWAY_RE = re.compile(
+    r"Runaway socket: ino \S+ peer_ino \S+ family\s+\d+ type\s+(\d+) state\s+\d+ name (\S+)"
+)
+SOCK_DGRAM = 2
+
+
+def _ext_unix_fix(log_path: str) -> Optional[str]:
+    """CRIU suggests --ext-unix-sk for any unix socket connected outside the tree, but with it
+    dumps only a datagram socket whose outside peer has a name (__dump_external_socket): for a
+    stream connection it fails again ("Can't dump half of stream unix connection"). The fix that
+    holds for the socket CRIU refused, or None if its log does not say."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            m = _RUNAWAY_RE.search(f.read())
+    except OSError:
+        return None
+    if m is None:
+        return None
+    kind, name = int(m.group(1)), m.group(2)
+    peer = "a socket without a name" if name == "null" else name
+    if kind == SOCK_DGRAM and name != "null":
+        return (
+            f"the job sends datagrams to {peer} outside its tree: rerun with --ext-unix-sk, and have "
+            f"{name} there again when it is restored (CRIU reconnects to it by its name); details "
+            f"in {log_path}"
+        )
+    return (
+        f"the job holds a connection to {peer}, a unix socket outside its tree: CRIU cannot save one "
+        "half of a connection, with or without --ext-unix-sk; close it before the dump (or dump "
+        f"the peer's process in the same tree); details in {log_path}"
+    )
+
+
 def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int] = None) -> NpusnapError:
     errno_ = getattr(exc, "errno", None)
     excerpt = log_excerpt(log_path)
@@ -467,6 +515,8 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
     if m:
         # CRIU names its own option; npusnap's flags have the same names and meanings.
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
+        if m.group(1) == "--ext-unix-sk":
+            fix = _ext_unix_fix(log_path) or fix
     details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
     if errno_:
         details["errno"] = errno_

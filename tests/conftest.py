@@ -6,8 +6,11 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
+
+from tests.hostile_user import HostileUser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,20 +72,33 @@ def sim_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def hostile_user() -> Iterator[None]:
+def hostile_user() -> Iterator[Optional[HostileUser]]:
     """Another local user plants symlinks, squatted directories, fake agent sockets, a hostile
     job name, a fake image and hard links in the shared directories for the whole session
     (tests/hostile_user.py); at the end nothing may have been written through them. Needs root
     (a uid of its own); NPUSNAP_TEST_HOSTILE=0 leaves it out (say so when you do)."""
     if not is_root() or os.environ.get("NPUSNAP_TEST_HOSTILE") == "0":
-        yield
+        yield None
         return
-    from tests.hostile_user import HostileUser
-
     user = HostileUser()
     user.start()
     try:
-        yield
+        yield user
     finally:
         problems = user.stop()
     assert not problems, "what the session wrote through the hostile user's names:\n" + "\n".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def _hostile_bait_untouched(hostile_user: Optional[HostileUser]) -> Iterator[None]:
+    """The test that wrote through one of the hostile user's names fails itself, by name."""
+    seen = len(hostile_user.tripped()) if hostile_user is not None else 0
+    yield
+    if hostile_user is not None:
+        state = hostile_user.bait_state()
+        if state != "ok":
+            hostile_user.wait_replanted()
+            pytest.fail(f"this test wrote through the hostile user's names: its bait is {state}")
+        new = hostile_user.tripped()[seen:]  # what the planter saw and put back meanwhile
+        if new:
+            pytest.fail(f"this test wrote through the hostile user's names: {new}")

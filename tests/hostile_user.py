@@ -34,6 +34,7 @@ UID = GID = 64999
 SHARED = ("/tmp", "/var/tmp", "/dev/shm")
 HOSTILE_NAME = "[/]\x1b[31m[bold]x[/bold]\x1b[0m\nnpusnap-fake-job"
 HOME = f"/tmp/npusnap-hostile-{UID}"  # its own agent-looking directory
+CANARY = "planted by the hostile user\n"
 
 # Runs as the hostile user under the system's python3 (the venv's is in root-only directories).
 PLANTER = r"""
@@ -48,8 +49,29 @@ os.makedirs(home, exist_ok=True)
 os.chmod(home, 0o755)
 os.makedirs(bait, exist_ok=True)
 os.chmod(bait, 0o777)
-with open(os.path.join(bait, "canary"), "w") as f:
-    f.write("planted by the hostile user\n")
+CANARY = "planted by the hostile user\n"
+
+
+def canary_state():
+    try:
+        with open(os.path.join(bait, "canary")) as f:
+            return "ok" if f.read() == CANARY else "changed"
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e})"
+
+
+def plant_canary():
+    os.makedirs(bait, exist_ok=True)
+    os.chmod(bait, 0o777)
+    tmp = os.path.join(bait, ".canary")
+    with open(tmp, "w") as f:
+        f.write(CANARY)
+    os.replace(tmp, os.path.join(bait, "canary"))
+
+
+plant_canary()
 
 
 def listen(path):
@@ -83,6 +105,13 @@ def roots_processes():
 
 open(os.path.join(home, "ready"), "w").close()
 while not stop.wait(0.25):
+    state = canary_state()
+    if state != "ok":
+        # what was done to it goes on record (the suite's check after each test reads it), and
+        # it is put back, to catch the next one
+        with open(os.path.join(home, "tripped"), "a") as f:
+            f.write(f"{time.time():.3f} canary {state}\n")
+        plant_canary()
     for i, path in enumerate(squats):
         if not os.path.lexists(path):
             try:
@@ -163,11 +192,34 @@ class HostileUser:
         self._remove_all()
         return problems
 
+    def bait_state(self) -> str:
+        """ "ok" while the bait is as planted; else what happened to it."""
+        try:
+            text = (Path(self.bait) / "canary").read_text()
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            return f"unreadable ({exc})"
+        return "ok" if text == CANARY else "changed"
+
+    def wait_replanted(self, timeout: float = 5.0) -> None:
+        """The planter puts its bait back within a round: wait for it (so the next test starts
+        with it intact)."""
+        deadline = time.monotonic() + timeout
+        while self.bait_state() != "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def tripped(self) -> list[str]:
+        """What the hostile user has seen done to its bait so far (one line a time)."""
+        try:
+            return Path(f"{HOME}/tripped").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
     def _written_through(self) -> list[str]:
-        problems = []
-        canary = Path(self.bait) / "canary"
-        if not canary.is_file() or canary.read_text() != "planted by the hostile user\n":
-            problems.append(f"{canary} was changed")
+        problems = [f"{self.bait}/{line}" for line in self.tripped()]
+        if self.bait_state() != "ok":
+            problems.append(f"{self.bait}/canary is {self.bait_state()}")
         for where in [self.bait, HOME, *squats()]:
             with contextlib.suppress(OSError):
                 # only what the user made (a name root took first is root's own business)

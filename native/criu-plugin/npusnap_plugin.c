@@ -299,6 +299,19 @@ static void target_runtime_dir(int pid, char *out, size_t len) {
     }
 }
 
+/* Whether the directory `dir` (len bytes, in the task's mount namespace) may hold the task's agent
+ * socket: it belongs to the task's user or to root. Any user can listen as ".../npusnap-x/<pid>.sock"
+ * in a directory of their own: such a socket is never the task's agent, and taking it for one
+ * would fail the checkpoint of a task that has none (the paths.py may_serve rule). */
+static int dir_may_serve(int pid, const char *dir, size_t len) {
+    char path[600], proc[64];
+    struct stat dst, pst;
+    snprintf(path, sizeof path, "/proc/%d/root%.*s", pid, (int)len, dir);
+    snprintf(proc, sizeof proc, "/proc/%d", pid);
+    if (stat(path, &dst) != 0 || stat(proc, &pst) != 0) return 0;
+    return dst.st_uid == 0 || dst.st_uid == pst.st_uid;
+}
+
 static int agent_sockets(int pid, int nspid, char out[][256], int max) {
     char path[64], want[32], rtdir[256];
     target_runtime_dir(pid, rtdir, sizeof rtdir);
@@ -327,6 +340,7 @@ static int agent_sockets(int pid, int nspid, char out[][256], int max) {
         int in_rtdir = rtdir[0] && (size_t)(dir_end - sp) == strlen(rtdir) && !strncmp(sp, rtdir, strlen(rtdir));
         if (strncmp(dir_start, NPUSNAP_AGENT_SOCKET_DIR_PREFIX, strlen(NPUSNAP_AGENT_SOCKET_DIR_PREFIX)) && !in_rtdir)
             continue;
+        if (!dir_may_serve(pid, sp, (size_t)(dir_end - sp))) continue;
         snprintf(out[n++], 256, "%s", sp);
     }
     fclose(f);

@@ -48,8 +48,6 @@ def log_base() -> Path:
 
 def new_log_dir(label: str) -> Path:
     """A new, private directory for one run's logs; prunes old ones first."""
-    import stat
-
     base = log_base()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     with contextlib.suppress(FileExistsError):
@@ -108,9 +106,14 @@ def save_failure_logs(tmp: Path, label: str) -> Optional[Path]:
 
 
 def failure_logs() -> list[Path]:
-    """The log directories under ``log_base()``, newest first."""
+    """The log directories under ``log_base()``, newest first; none when that name is not a
+    directory of this user's (someone else's symlink or directory in a shared /tmp: what is in
+    there is theirs, and pruning it would delete their files)."""
     base = log_base()
     try:
+        st = os.lstat(base)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return []
         entries = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:
         return []
