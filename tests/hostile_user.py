@@ -144,7 +144,7 @@ with open(os.path.join(home, "planted"), "w") as f:
 
 def squats() -> list[str]:
     """The names in the shared directories that npusnap or its simulator may use themselves."""
-    # (npusnap-demo-*: hostclean removes demo work directories of that prefix)
+    # (npusnap-demo-*: `npusnap check` reports the demo work directories of that prefix)
     names = ["npusnap-logs", "npusnap-0", "npusim-0", "npusnap-ghosts", "npusnap-demo-x", "npusnap-state"]
     return [f"{d}/{n}" for d in SHARED for n in names]
 
@@ -210,7 +210,7 @@ class HostileUser:
             time.sleep(0.05)
 
     def tripped(self) -> list[str]:
-        """What the hostile user has seen done to its bait so far (one line a time)."""
+        """What the hostile user has seen done to its bait so far, one line each time."""
         try:
             return Path(f"{HOME}/tripped").read_text().splitlines()
         except FileNotFoundError:
