@@ -132,6 +132,8 @@ def pairs(spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, 
     strs += [("NPUSNAP_AGENT_SOCKET_XDG_SUBDIR", "AGENT_SOCKET_XDG_SUBDIR")]
     strs += [("NPUSNAP_AGENT_SOCKET_DIR_PREFIX", "AGENT_SOCKET_DIR_PREFIX")]
     strs += [("NPUSNAP_AGENT_LOG_ENV", "AGENT_LOG_ENV"), ("NPUSNAP_AGENT_STDERR_ENV", "AGENT_STDERR_ENV")]
+    strs += [("NPUSNAP_AGENT_LIBRARY", "AGENT_LIBRARY")]
+    strs += [("NPUSNAP_AGENT_SHOW_PRELOAD_ENV", "AGENT_SHOW_PRELOAD_ENV")]
     p = spec["protocol"]
     ints += [("NPUSNAP_PROTOCOL_VERSION", "PROTOCOL_VERSION")]
     ints += [(f"NPUSNAP_PROTOCOL_{k.upper()}", k.upper()) for k in ("max_line", "token_hex_chars")]
@@ -265,6 +267,8 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_AGENT_LOG_NAME {c_str(c_pattern(sk['log_name']))}")
     w(f"#define NPUSNAP_AGENT_LOG_ENV {c_str(sk['log_env'])}")
     w(f"#define NPUSNAP_AGENT_STDERR_ENV {c_str(sk['stderr_env'])}")
+    w(f"#define NPUSNAP_AGENT_LIBRARY {c_str(sk['library'])}")
+    w(f"#define NPUSNAP_AGENT_SHOW_PRELOAD_ENV {c_str(sk['show_preload_env'])}")
     w("")
 
     p = spec["protocol"]
@@ -487,6 +491,8 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"AGENT_LOG_NAME = {py_str(sk['log_name'])}")
     w(f"AGENT_LOG_ENV = {py_str(sk['log_env'])}")
     w(f"AGENT_STDERR_ENV = {py_str(sk['stderr_env'])}")
+    w(f"AGENT_LIBRARY = {py_str(sk['library'])}")
+    w(f"AGENT_SHOW_PRELOAD_ENV = {py_str(sk['show_preload_env'])}")
     w("")
 
     p = spec["protocol"]

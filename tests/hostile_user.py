@@ -41,7 +41,7 @@ PLANTER = r"""
 import json, os, socket, sys, threading, time
 
 home, bait = sys.argv[1], sys.argv[2]
-squats = sys.argv[4:]
+squats = sys.argv[4:]  # (argv[3], the hostile name, is there to be seen in its command line)
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 
@@ -49,7 +49,7 @@ os.makedirs(home, exist_ok=True)
 os.chmod(home, 0o755)
 os.makedirs(bait, exist_ok=True)
 os.chmod(bait, 0o777)
-CANARY = "planted by the hostile user\n"
+CANARY = @CANARY@
 
 
 def canary_state():
@@ -86,7 +86,6 @@ fake = os.path.join(home, "image")
 os.makedirs(os.path.join(fake, "criu"), exist_ok=True)
 with open(os.path.join(fake, "npusnap.json"), "w") as f:
     json.dump({"format": 1, "pids": [1], "kind": "dump", "created": "2999-01-01T00:00:00"}, f)
-planted = []
 
 
 def roots_processes():
@@ -121,7 +120,6 @@ while not stop.wait(0.25):
                     os.link(os.path.join(bait, "canary"), os.path.join(path, "canary"))
                 else:
                     os.symlink(bait, path)
-                planted.append(path)
             except OSError:
                 pass
     live = roots_processes()
@@ -137,8 +135,6 @@ while not stop.wait(0.25):
             os.unlink(f"{home}/{pid}.sock")
         except OSError:
             pass
-with open(os.path.join(home, "planted"), "w") as f:
-    f.write("\n".join(planted))
 """
 
 
@@ -159,8 +155,9 @@ class HostileUser:
         if python is None:
             raise RuntimeError("the hostile user needs a python3 of the system's (/usr/bin or /bin)")
         self._remove_all()
+        planter = PLANTER.replace("@CANARY@", repr(CANARY))
         self.proc = subprocess.Popen(
-            [python, "-c", PLANTER, HOME, self.bait, HOSTILE_NAME, *squats()],
+            [python, "-c", planter, HOME, self.bait, HOSTILE_NAME, *squats()],
             user=UID,
             group=GID,
             extra_groups=[],

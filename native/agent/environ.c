@@ -18,6 +18,8 @@
 #include <sys/auxv.h>
 #include <unistd.h>
 
+#include "npusnap/contract.h"
+
 #define API __attribute__((visibility("default")))
 
 extern char **environ;
@@ -32,7 +34,7 @@ static const char *lookup(const char *name) {
 
 /* One LD_PRELOAD entry (separated by ':' or ' ', as ld.so reads the list) names the agent. */
 static int is_agent(const char *p, size_t len) {
-    static const char base[] = "libnpusnap_agent.so";
+    static const char base[] = NPUSNAP_AGENT_LIBRARY;
     size_t b = sizeof base - 1;
     return len >= b && !memcmp(p + len - b, base, b) && (len == b || p[len - b - 1] == '/');
 }
@@ -67,7 +69,7 @@ static const char *filtered(const char *value) {
 API char *getenv(const char *name) {
     const char *v = lookup(name);
     if (v && name[0] == 'L' && !strcmp(name, "LD_PRELOAD")) {
-        const char *show = lookup("NPUSNAP_AGENT_SHOW_PRELOAD");
+        const char *show = lookup(NPUSNAP_AGENT_SHOW_PRELOAD_ENV);
         if (!show || strcmp(show, "1") != 0) v = filtered(v);
     }
     return (char *)v;

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from npusnap_cli import contract, paths
 
-LIBRARY_NAME = "libnpusnap_agent.so"
+LIBRARY_NAME = contract.AGENT_LIBRARY
 ENV_LIBRARY = "NPUSNAP_AGENT_LIB"  # set by `npusnap run` to the preloaded file's path
 ERRLEN = 512
 

@@ -19,7 +19,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-LIBRARY_NAME = "libnpusnap_agent.so"
+from npusnap_cli import contract
+
+LIBRARY_NAME = contract.AGENT_LIBRARY
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
 REPO_BUILD_DIR = Path(__file__).resolve().parent.parent.parent / ".build"
 

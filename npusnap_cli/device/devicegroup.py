@@ -426,21 +426,11 @@ class DeviceGroup:
                 out[pid] = "gone"
                 continue
             client = self.clients.get(pid)
-            state: Optional[str] = None
-            for ask in (client, None):
-                try:
-                    if ask is not None:
-                        st = ask.request("status", timeout=STATE_NOW_S)
-                    else:
-                        if client is not None:
-                            client.close()  # one client at a time: a fresh one needs this one gone
-                        with AgentClient(pid, timeout=STATE_NOW_S, connect_retry_s=0.2) as fresh:
-                            st = fresh.status()
-                    state = str(st.get("state") or "") or None
-                    break
-                except NpusnapError:
-                    continue
-            out[pid] = state or "no answer"
+            st = status_now(pid, client)
+            if st is None and client is not None:
+                client.close()  # one client at a time: a fresh one needs this one gone
+                st = status_now(pid, None)
+            out[pid] = str((st or {}).get("state") or "") or "no answer"
         return out
 
     def hand_over(self, pids: Iterable[int]) -> None:
@@ -533,6 +523,19 @@ def _rollback_one(
         if not procfs.is_alive(c.pid):
             return {"state": "GONE", "before": None, "actions": [], "warnings": [f"process {c.pid} exited"]}
         raise
+
+
+def status_now(pid: int, client: Optional[AgentClient]) -> Optional[dict[str, Any]]:
+    """The status reply of ``pid``'s agent within STATE_NOW_S, over ``client`` when the caller
+    holds a connection to it (the agent answers one client at a time), else over a new one;
+    None if it cannot say (a stopped or busy agent, or none)."""
+    try:
+        if client is not None:
+            return client.request("status", timeout=STATE_NOW_S)
+        with AgentClient(pid, timeout=STATE_NOW_S, connect_retry_s=0.2) as fresh:
+            return fresh.status()
+    except NpusnapError:
+        return None
 
 
 def _state_unknown(failures: dict[int, BaseException], states: dict[int, str]) -> StateUnknownError:

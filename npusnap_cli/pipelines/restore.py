@@ -45,7 +45,7 @@ from npusnap_cli import acl, contract, criu, safefs
 from npusnap_cli import image as img
 from npusnap_cli.device import hcclrebuild, occupancy
 from npusnap_cli.device.agent_client import AgentClient
-from npusnap_cli.device.devicegroup import DeviceGroup
+from npusnap_cli.device.devicegroup import DeviceGroup, status_now
 from npusnap_cli.errors import (
     BusyError,
     CriuError,
@@ -1308,21 +1308,11 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], 
     return elsewhere
 
 
-STATE_NOW_TIMEOUT_S = 2.0
-
-
 def _state_now(pid: int, group: Optional[DeviceGroup]) -> tuple[Optional[str], str]:
     """(state, who unlocked it) that ``pid``'s agent reports now; (None, "") if it cannot say
-    within STATE_NOW_TIMEOUT_S (a stopped or busy agent). Asked over the group's own connection
-    when it has one: the agent answers one client at a time."""
-    try:
-        client = group.clients.get(pid) if group is not None else None
-        if client is not None:
-            st = client.request("status", timeout=STATE_NOW_TIMEOUT_S)
-        else:
-            with AgentClient(pid, timeout=STATE_NOW_TIMEOUT_S, connect_retry_s=0.2) as fresh:
-                st = fresh.status()
-    except NpusnapError:
+    within devicegroup.STATE_NOW_S. Asked over the group's own connection when it has one."""
+    st = status_now(pid, group.clients.get(pid) if group is not None else None)
+    if st is None:
         return None, ""
     events = " ".join(str(e) for e in st.get("events") or [])
     by = (

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import image
+from npusnap_cli.criu import find_criu
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
 from npusnap_cli.sim import manager
@@ -215,3 +216,18 @@ def continues_reference(lines: list[str], ref: list[str]) -> bool:
     except ValueError:
         return False
     return ref[start:] == lines
+
+
+CRASHING_CRIU = """#!/bin/sh
+# The real CRIU for everything but the RPC worker, which crashes (SIGSEGV) as soon as it starts.
+if [ "$1" = swrk ]; then kill -SEGV $$; fi
+exec {real} "$@"
+"""
+
+
+def crashing_criu(path: Path) -> Path:
+    """A CRIU at ``path`` (for NPUSNAP_CRIU) that is the real one but for its RPC worker, which
+    crashes at once: a CRIU that fails in the middle of a dump or restore."""
+    path.write_text(CRASHING_CRIU.format(real=find_criu().path))
+    path.chmod(0o755)
+    return path

@@ -36,6 +36,7 @@ from tests.integration.dumplib import (
     alive,
     assert_no_image,
     cli,
+    crashing_criu,
     job_env,
     kill,
     reference,
@@ -467,20 +468,8 @@ def test_worker_killed_mid_dump_rolls_back_the_other(
         job.cleanup()
 
 
-CRASHING_CRIU = """#!/bin/sh
-# The real CRIU for everything but the RPC worker, which crashes (SIGSEGV) as soon as it starts.
-if [ "$1" = swrk ]; then kill -SEGV $$; fi
-exec {real} "$@"
-"""
-
-
 def test_criu_crash_rolls_back(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> None:
-    from npusnap_cli.criu import find_criu
-
-    crasher = tmp_path / "criu"
-    crasher.write_text(CRASHING_CRIU.format(real=find_criu().path))
-    crasher.chmod(0o755)
-    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=str(crasher))
+    env = job_env(sim_env, runtime_dir, NPUSNAP_CRIU=str(crashing_criu(tmp_path / "criu")))
     ref = reference(env, ARGS)
     job = Job(tmp_path, env, [PY, TRAIN, *ARGS])
     img = tmp_path / "img"

@@ -27,6 +27,7 @@ from tests.integration.dumplib import (
     Job,
     agent_state,
     cli,
+    crashing_criu,
     job_env,
     wait_until,
 )
@@ -134,19 +135,8 @@ def _agent(s: Setup) -> Outcome:
         job.cleanup()
 
 
-CRASHING_CRIU = """#!/bin/sh
-if [ "$1" = swrk ]; then kill -SEGV $$; fi
-exec {real} "$@"
-"""
-
-
 def _criu(s: Setup) -> Outcome:
-    from npusnap_cli.criu import find_criu
-
-    crasher = s.base / "criu-crash"
-    crasher.write_text(CRASHING_CRIU.format(real=find_criu().path))
-    crasher.chmod(0o755)
-    return s.dump(env={**s.env, "NPUSNAP_CRIU": str(crasher)})
+    return s.dump(env={**s.env, "NPUSNAP_CRIU": str(crashing_criu(s.base / "criu-crash"))})
 
 
 def _device(s: Setup) -> Outcome:

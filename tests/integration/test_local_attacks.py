@@ -534,6 +534,44 @@ def test_restore_leaves_a_file_hard_linked_into_the_images_logs_alone(
         job.cleanup()
 
 
+def _attackers_python() -> str:
+    """A python3 of the system's for the attacker (the venv's is under root-only directories)."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    return python
+
+
+def _attackers_dir(attacker: tuple[int, int], path: str) -> Path:
+    """A fresh directory of the attacker's own at ``path``."""
+    shutil.rmtree(path, ignore_errors=True)
+    as_user(attacker, f"mkdir {path}")
+    return Path(path)
+
+
+def _script(path: Path, text: str) -> Path:
+    """``text`` as a script anyone may read."""
+    path.write_text(text)
+    os.chmod(path, 0o644)
+    return path
+
+
+def _roots_job(
+    sim_env: dict[str, str], tmp_path: Path, runtime_dir: Path
+) -> tuple[dict[str, str], subprocess.Popen[bytes]]:
+    """A workload of root's under `npusnap run`, its agent in ``runtime_dir`` (made here)."""
+    from tests.integration.agentlib import PY, workload_env, write_workload
+    from tests.integration.conftest import Sim
+
+    runtime_dir.mkdir(mode=0o700)
+    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
+    real = subprocess.Popen(
+        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    return env, real
+
+
 SILENT_AGENTS = """
 import os, socket, sys, time
 d, n = sys.argv[1], int(sys.argv[2])
@@ -556,29 +594,17 @@ def test_ps_is_not_slowed_by_silent_fake_agents(
     """A hundred listening sockets of an unprivileged user that look like agents and never
     answer: root's ps still ends within 3 s, names each of them in a warning, and lists a real
     agent of root's with its state."""
-    from tests.integration.agentlib import PY, wait_socket, workload_env, write_workload
-    from tests.integration.conftest import Sim
+    from tests.integration.agentlib import wait_socket
 
     n = 100
-    fakes = Path(f"/tmp/npusnap-fake-{os.getpid()}")  # the user's own agent-looking directory
-    shutil.rmtree(fakes, ignore_errors=True)
-    as_user(attacker, f"mkdir {fakes}")
-    script = open_dir / "silent.py"
-    script.write_text(SILENT_AGENTS)
-    os.chmod(script, 0o644)
-    python = shutil.which("python3", path="/usr/bin:/bin")  # (the venv's is under root-only dirs)
-    if python is None:
-        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    python = _attackers_python()
+    fakes = _attackers_dir(attacker, f"/tmp/npusnap-fake-{os.getpid()}")  # agent-looking
+    script = _script(open_dir / "silent.py", SILENT_AGENTS)
     faker = subprocess.Popen(
         [python, str(script), str(fakes), str(n)], user=attacker[0], group=attacker[1], start_new_session=True
     )
     runtime_dir = tmp_path / "run"
-    runtime_dir.mkdir(mode=0o700)
-    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
-    real = subprocess.Popen(
-        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    env, real = _roots_job(sim_env, tmp_path, runtime_dir)
     try:
         deadline = time.monotonic() + 30
         while len(list(fakes.glob("ready-*"))) < n and time.monotonic() < deadline:
@@ -624,25 +650,13 @@ def test_a_socket_named_after_roots_job_in_a_users_directory_is_not_its_agent(
     """A user listens as ``/tmp/npusnap-x/<pid of root's job>.sock``: root's ps and status still
     find the job's own agent (the fake one's directory is not the job's user's), and ps does
     not report the job's agent as failing."""
-    from tests.integration.agentlib import PY, wait_socket, workload_env, write_workload
-    from tests.integration.conftest import Sim
+    from tests.integration.agentlib import wait_socket
 
+    python = _attackers_python()
+    fakes = _attackers_dir(attacker, f"/tmp/npusnap-spoof-{os.getpid()}")
+    script = _script(open_dir / "spoof.py", SPOOF_AGENT)
     runtime_dir = tmp_path / "npusnap-run"  # an agent directory others can find (npusnap*)
-    runtime_dir.mkdir(mode=0o700)
-    env = workload_env(Sim(sim_env), runtime_dir, NPUSNAP_STATE_DIR=str(tmp_path / "state"))
-    real = subprocess.Popen(
-        [PY, "-m", "npusnap_cli", "run", "--", PY, str(write_workload(tmp_path))],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    fakes = Path(f"/tmp/npusnap-spoof-{os.getpid()}")
-    shutil.rmtree(fakes, ignore_errors=True)
-    as_user(attacker, f"mkdir {fakes}")
-    script = open_dir / "spoof.py"
-    script.write_text(SPOOF_AGENT)
-    os.chmod(script, 0o644)
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    if python is None:
-        pytest.skip("the attacker needs a python3 of the system's: none in /usr/bin or /bin")
+    env, real = _roots_job(sim_env, tmp_path, runtime_dir)
     faker = None
     try:
         wait_socket(runtime_dir, real.pid)

@@ -156,6 +156,8 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_AGENT_LOG_NAME "%d.log"
 #define NPUSNAP_AGENT_LOG_ENV "NPUSNAP_AGENT_LOG"
 #define NPUSNAP_AGENT_STDERR_ENV "NPUSNAP_AGENT_STDERR"
+#define NPUSNAP_AGENT_LIBRARY "libnpusnap_agent.so"
+#define NPUSNAP_AGENT_SHOW_PRELOAD_ENV "NPUSNAP_AGENT_SHOW_PRELOAD"
 
 /* ---- the agent's line protocol ---- */
 #define NPUSNAP_PROTOCOL_VERSION 1
@@ -547,6 +549,8 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     X(NPUSNAP_AGENT_SOCKET_DIR_PREFIX) \
     X(NPUSNAP_AGENT_LOG_ENV) \
     X(NPUSNAP_AGENT_STDERR_ENV) \
+    X(NPUSNAP_AGENT_LIBRARY) \
+    X(NPUSNAP_AGENT_SHOW_PRELOAD_ENV) \
     X(NPUSNAP_ERRTYPE_ACL) \
     X(NPUSNAP_ERRTYPE_HOOK) \
     X(NPUSNAP_ERRTYPE_PROTOCOL) \
