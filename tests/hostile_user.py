@@ -29,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-# No account: a uid nobody on the machine uses (the attack tests' own user is another one).
-UID = GID = 64999
+# No account: a uid nobody on the machine uses (the attack tests' own user is another one), one per
+# session, so that two sessions on one machine (two pytest runs) neither remove nor check each
+# other's things: each removes and checks only what its own uid owns.
+UID_BASE = 60000
+UID_SPAN = 5000
 SHARED = ("/tmp", "/var/tmp", "/dev/shm")
 HOSTILE_NAME = "[/]\x1b[31m[bold]x[/bold]\x1b[0m\nnpusnap-fake-job"
-HOME = f"/tmp/npusnap-hostile-{UID}"  # its own agent-looking directory
 CANARY = "planted by the hostile user\n"
 
 # Runs as the hostile user under the system's python3 (the venv's is in root-only directories).
@@ -148,7 +150,9 @@ def squats() -> list[str]:
 class HostileUser:
     def __init__(self) -> None:
         self.proc: Optional[subprocess.Popen[bytes]] = None
-        self.bait = f"{HOME}-bait"
+        self.uid = UID_BASE + os.getpid() % UID_SPAN
+        self.home = f"/tmp/npusnap-hostile-{self.uid}"  # its own agent-looking directory
+        self.bait = f"{self.home}-bait"
 
     def start(self) -> None:
         python = shutil.which("python3", path="/usr/bin:/bin")
@@ -157,9 +161,9 @@ class HostileUser:
         self._remove_all()
         planter = PLANTER.replace("@CANARY@", repr(CANARY))
         self.proc = subprocess.Popen(
-            [python, "-c", planter, HOME, self.bait, HOSTILE_NAME, *squats()],
-            user=UID,
-            group=GID,
+            [python, "-c", planter, self.home, self.bait, HOSTILE_NAME, *squats()],
+            user=self.uid,
+            group=self.uid,
             extra_groups=[],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
@@ -168,7 +172,7 @@ class HostileUser:
             cwd="/",
         )
         deadline = time.monotonic() + 20
-        while not os.path.exists(f"{HOME}/ready"):
+        while not os.path.exists(f"{self.home}/ready"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the hostile user did not start (exit {self.proc.poll()})")
             time.sleep(0.05)
@@ -209,7 +213,7 @@ class HostileUser:
     def tripped(self) -> list[str]:
         """What the hostile user has seen done to its bait so far, one line each time."""
         try:
-            return Path(f"{HOME}/tripped").read_text().splitlines()
+            return Path(f"{self.home}/tripped").read_text().splitlines()
         except FileNotFoundError:
             return []
 
@@ -217,28 +221,29 @@ class HostileUser:
         problems = [f"{self.bait}/{line}" for line in self.tripped()]
         if self.bait_state() != "ok":
             problems.append(f"{self.bait}/canary is {self.bait_state()}")
-        for where in [self.bait, HOME, *squats()]:
+        for where in [self.bait, self.home, *squats()]:
             with contextlib.suppress(OSError):
                 # only what the user made (a name root took first is root's own business)
-                if os.lstat(where).st_uid != UID or os.path.islink(where) or not os.path.isdir(where):
+                if os.lstat(where).st_uid != self.uid or os.path.islink(where) or not os.path.isdir(where):
                     continue
             for root, dirs, files in os.walk(where):
                 for name in dirs + files:
                     p = os.path.join(root, name)
                     with contextlib.suppress(OSError):
                         uid = os.lstat(p).st_uid
-                        if uid != UID:
+                        if uid != self.uid:
                             problems.append(f"{p} (uid {uid}) was made in the hostile user's {where}")
         return problems
 
     def _remove_all(self) -> None:
-        """Everything of the hostile user's in the shared directories (a previous session's too)."""
+        """Everything this uid owns in the shared directories (also what a crashed earlier session
+        with the same uid left)."""
         for d in SHARED:
             with contextlib.suppress(OSError):
                 for name in os.listdir(d):
                     p = os.path.join(d, name)
                     with contextlib.suppress(OSError):
-                        if os.lstat(p).st_uid != UID:
+                        if os.lstat(p).st_uid != self.uid:
                             continue
                         if os.path.isdir(p) and not os.path.islink(p):
                             shutil.rmtree(p, ignore_errors=True)
