@@ -20,7 +20,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -391,6 +393,83 @@ static int take_devmem_file(const request *r, int *slot, op_error *e) {
     return 0;
 }
 
+/* The stream an index of chunks lists (image-format.md, "Device-memory chunks": JSON, "pieces":
+ * [[digest, size], ...] in stream order, each piece the file chunks/<digest> beside the index),
+ * put together in a memory file; its descriptor, or -1 with err set. The digests are not checked
+ * here: this is the reload of a rollback without the restore's descriptor, which reads the
+ * image's own file as it is, like the single-file layout. */
+static int assemble_index(int idx, char *err, size_t errlen) {
+    struct stat st;
+    if (fstat(idx, &st) != 0 || st.st_size <= 0 || st.st_size > (64 << 20)) {
+        snprintf(err, errlen, "%s: not a device-memory index of a sane size", devmem.file_path);
+        return -1;
+    }
+    char *buf = malloc((size_t)st.st_size);
+    jval root;
+    memset(&root, 0, sizeof root);
+    int out = -1, ok = 0;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", devmem.file_path);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    if (!buf || pread(idx, buf, (size_t)st.st_size, 0) != st.st_size) {
+        snprintf(err, errlen, "cannot read %s", devmem.file_path);
+    } else if (json_parse(buf, (size_t)st.st_size, &root, err, errlen) != 0) {
+        /* err says why */
+    } else {
+        const jval *pieces = json_get(&root, "pieces");
+        const jval *fmt = json_get(&root, "format");
+        if (!pieces || pieces->t != J_ARR || !fmt || fmt->t != J_STR || strcmp(fmt->s, "npusnap-devmem-chunks") != 0) {
+            snprintf(err, errlen, "%s is not a device-memory index", devmem.file_path);
+        } else if ((out = agent_fd_high(memfd_create("npusnap-devmem", MFD_CLOEXEC))) < 0) {
+            snprintf(err, errlen, "memfd_create: %s", strerror(errno));
+        } else {
+            ok = 1;
+            off_t off = 0;
+            for (size_t i = 0; ok && i < pieces->n; i++) {
+                const jval *p = &pieces->items[i];
+                if (p->t != J_ARR || p->n != 2 || p->items[0].t != J_STR || !p->items[1].is_int ||
+                    p->items[1].i < 0 || strchr(p->items[0].s, '/')) {
+                    snprintf(err, errlen, "%s: piece %zu is not [digest, size]", devmem.file_path, i);
+                    ok = 0;
+                    break;
+                }
+                char path[4200];
+                snprintf(path, sizeof path, "%s/chunks/%s", dir, p->items[0].s);
+                int c = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+                if (c < 0) {
+                    snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+                    ok = 0;
+                    break;
+                }
+                long long n = p->items[1].i;
+                off_t from = 0;
+                while (ok && n > 0) {
+                    char part[1 << 16];
+                    ssize_t r = pread(c, part, n < (long long)sizeof part ? (size_t)n : sizeof part, from);
+                    ssize_t w = r > 0 ? pwrite(out, part, (size_t)r, off) : -1;
+                    if (r <= 0 || w != r) {
+                        snprintf(err, errlen, "cannot copy %s: %s", path, r < 0 || w < 0 ? strerror(errno) : "it is short");
+                        ok = 0;
+                    } else {
+                        n -= r;
+                        from += r;
+                        off += r;
+                    }
+                }
+                close(c);
+            }
+        }
+    }
+    json_free(&root);
+    free(buf);
+    if (!ok && out >= 0) {
+        close(out);
+        out = -1;
+    }
+    return out;
+}
+
 /* The reload's file: the restore's descriptor, else (the restore was interrupted before it sent
  * one, and a lease or `thaw` rolls back) the file by the name recorded at lock or restore. -1
  * with err set when there is none. */
@@ -400,13 +479,23 @@ static int reload_file(char *err, size_t errlen) {
         snprintf(err, errlen, "the copies are in the image's device-memory file and no file was named");
         return -1;
     }
-    devmem.reload_fd = agent_fd_high(open(devmem.file_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-    if (devmem.reload_fd < 0) {
+    int fd = agent_fd_high(open(devmem.file_path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (fd < 0) {
         snprintf(err, errlen, "no descriptor of the image's device-memory file came with the restore, and %s "
                  "cannot be opened: %s (restore the image again, or copy it back there)",
                  devmem.file_path, strerror(errno));
         return -1;
     }
+    char first = 0;
+    if (pread(fd, &first, 1, 0) == 1 && first == '{') {
+        /* An index of chunks (the image's device memory shared with other images of the job):
+         * the stream is put together again from them. */
+        int memfd = assemble_index(fd, err, errlen);
+        close(fd);
+        if (memfd < 0) return -1;
+        fd = memfd;
+    }
+    devmem.reload_fd = fd;
     ops_event("reloading device memory from %s (no descriptor came with the restore)", devmem.file_path);
     return devmem.reload_fd;
 }

@@ -158,6 +158,13 @@ def register(app: typer.Typer) -> None:
             help="Snapshot every task of this Slurm job on this node (scontrol listpids), one rank "
             "per task, as one job image (implies --shell-job). No PID then.",
         ),
+        parent: Optional[Path] = typer.Option(
+            None,
+            "--parent",
+            metavar="IMAGE",
+            help="An earlier image of this job: device-memory chunks it holds are linked, not "
+            "written again (images next to DIR are used too; docs/image-format.md).",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -205,6 +212,7 @@ def register(app: typer.Typer) -> None:
             sign_key=sign,
             device_memory=device_memory,
             drain_timeout_s=drain_timeout,
+            parent=None if parent is None else _parent_image(parent),
         )
         callbacks = dump_mod.DumpCallbacks(phase=phase, progress=bars.update, note=out.warn)
         pids = list(pids or [])
@@ -346,3 +354,16 @@ def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) ->
         for path in done["removed"]:
             out.line(f"removed old image {path} (--keep-last {keep_last})")
     return done
+
+
+def _parent_image(path: Path) -> Path:
+    """--parent: an image directory (a `latest` pointer is followed), or a usage error."""
+    from npusnap_cli import image as img  # lazy: --help cost (check_imports.py --costs)
+
+    target = img.follow_pointer(path)
+    if not (target.is_dir() and img.manifest_path(target).is_file()):
+        raise UsageError(
+            f"--parent {path}: not an npusnap image",
+            fix="name an image directory written by `npusnap dump` (or drop --parent)",
+        )
+    return target

@@ -6,7 +6,8 @@ Every name inside an image is a constant here, and nowhere else::
       npusnap.json        the manifest (manifest.py)
       criu/               CRIU's image files (pages, core, fdinfo, ...)
       hostfiles/          copies of tmpfs files the tree had open or mapped (/dev/shm ...), by path
-      device/             devmem-PID.bin: the device memory npusnap kept for NPU process PID
+      device/             devmem-PID.bin: the device memory npusnap kept for NPU process PID;
+                          or devmem-PID.idx listing its pieces in chunks/ (devchunks.py)
       logs/               CRIU's dump/restore logs and stats (not checksummed: restore writes here)
 
 An image is built in a temporary sibling (``.DIR.npusnap-tmp-PID-*``) and renamed into place only
@@ -40,6 +41,10 @@ DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+# Device-memory chunks (devchunks.py): one file per distinct piece, shared by hard links between
+# the images of one job, so never writable: nothing writes through one.
+CHUNKS_SUBDIR = f"{DEVICE_SUBDIR}/chunks"
+CHUNK_MODE = 0o400
 TMP_MARKER = ".npusnap-tmp-"
 OLD_MARKER = ".npusnap-old-"
 FAILED_LOGS_SUFFIX = ".failed-logs"

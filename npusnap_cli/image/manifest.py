@@ -31,7 +31,10 @@ from npusnap_cli.image.layout import (
     manifest_path,
 )
 
-SCHEMA_VERSION = 1
+# 2: an NPU process's device memory may be kept as shared chunks with an index
+# (devchunks.py) instead of one file; schema 1 images (one file each) are read as they were.
+SCHEMA_VERSION = 2
+SCHEMAS_READ = (1, 2)
 
 ProgressFn = Callable[[int], None]
 
@@ -252,6 +255,10 @@ class ByteCounts:
     device_bytes: int = 0
     image_bytes: int = 0
     criu_pages_bytes: int = 0
+    # The device-memory streams the image holds, and of those the bytes this dump wrote (the
+    # rest are chunks linked from earlier images: devchunks.py). Absent before schema 2.
+    device_total: int = 0
+    device_new: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -259,7 +266,10 @@ class ByteCounts:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ByteCounts:
         _only(d, cls.__dataclass_fields__, "bytes")
-        return cls(**{k: _req(d, k, int, "bytes") for k in cls.__dataclass_fields__})
+        optional = ("device_total", "device_new")
+        values = {k: _req(d, k, int, "bytes") for k in cls.__dataclass_fields__ if k not in optional}
+        values.update({k: _opt(d, k, int, "bytes") or 0 for k in optional})
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -356,9 +366,10 @@ class Manifest:
             raise ImageError("the manifest is not a JSON object", fix="dump again")
         _only(d, set(cls.__dataclass_fields__), "manifest")
         schema = _req(d, "schema", int, "manifest")
-        if schema != SCHEMA_VERSION:
+        if schema not in SCHEMAS_READ:
             raise IncompatibleImageError(
-                f"unsupported image schema {schema} (this npusnap reads schema {SCHEMA_VERSION})",
+                f"unsupported image schema {schema} (this npusnap reads schemas "
+                f"{', '.join(map(str, SCHEMAS_READ))})",
                 why="the image was written by a different npusnap version",
                 fix="restore it with the npusnap version that wrote it (see versions.tool in npusnap.json)",
             )

@@ -21,6 +21,8 @@ from typing import Optional
 from npusnap_cli.errors import UsageError
 from npusnap_cli.image import digest, imagetrust
 from npusnap_cli.image.layout import (
+    CHUNK_MODE,
+    CHUNKS_SUBDIR,
     DIR_MODE,
     FILE_MODE,
     OLD_MARKER,
@@ -76,16 +78,19 @@ def file_entries(
 
 
 def seal_modes(image: Path) -> None:
-    """Every file of the image 0600 and every directory 0700, whatever mode CRIU created them with:
-    they hold the processes' memory. Walks directory fds, never following a symlink."""
+    """Every file of the image 0600 (device-memory chunks 0400) and every directory 0700,
+    whatever mode CRIU created them with: they hold the processes' memory. Walks directory fds,
+    never following a symlink."""
     os.chmod(image, DIR_MODE, follow_symlinks=False)
-    for _root, dirs, files, root_fd in os.fwalk(image, follow_symlinks=False):
+    chunks = os.path.join(str(image), CHUNKS_SUBDIR)
+    for root, dirs, files, root_fd in os.fwalk(image, follow_symlinks=False):
+        file_mode = CHUNK_MODE if root == chunks else FILE_MODE
         for name in dirs + files:
             st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 os.chmod(name, DIR_MODE, dir_fd=root_fd)
-            elif stat.S_ISREG(st.st_mode):
-                os.chmod(name, FILE_MODE, dir_fd=root_fd)
+            elif stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != file_mode:
+                os.chmod(name, file_mode, dir_fd=root_fd)
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:

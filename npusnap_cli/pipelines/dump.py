@@ -70,7 +70,7 @@ from npusnap_cli.host import (
 )
 from npusnap_cli.host.proctree import ProcInfo
 from npusnap_cli.host.stopguard import StopGuard
-from npusnap_cli.image import digest, imagetrust, streamhash
+from npusnap_cli.image import devchunks, digest, imagetrust, streamhash
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step, describe
@@ -111,6 +111,9 @@ class DumpOptions:
     # Lock attempts after a device that did not drain; None: 1, or BUSY_RETRIES_GROUP for a tree of
     # several NPU processes (a job dump sets 0 and retries all its ranks together).
     busy_retries: Optional[int] = None
+    # An earlier image of the job whose device-memory chunks this one may share, besides the
+    # images next to it (devchunks.py).
+    parent: Optional[Path] = None
 
     @property
     def leave_running(self) -> bool:
@@ -560,6 +563,10 @@ BUSY_RETRIES_GROUP = 5
 BUSY_RETRIES = 1
 
 
+# Host memory left over while the chunked device memory is staged in memory files.
+CHUNK_STAGING_RESERVE = 512 << 20
+
+
 def _empty_files(files: dict[int, tuple[int, str]]) -> None:
     """Before another lock attempt: the device-memory files from the start again."""
     for fd, _name in files.values():
@@ -754,6 +761,11 @@ class DumpState:
     hasher: Optional[StreamHasher] = None  # follows CRIU's writes
     device_hasher: Optional[FileHasher] = None  # the device-memory files
     device_writeback: Optional[WritebackFollower] = None  # while the agents write them
+    # The device memory kept as chunks (devchunks.py): the agents write into memory files
+    # (pid -> fd), which the writer cuts into chunks, linking those earlier images hold.
+    chunked: bool = False
+    device_streams: dict[int, int] = field(default_factory=dict)
+    chunk_writer: Optional[devchunks.ChunkWriter] = None
     criu_options: CriuOptions = field(default_factory=CriuOptions)
     criu_result: Optional[criu.DumpResult] = None
     criu_s: float = 0.0  # CRIU's own run
@@ -855,9 +867,10 @@ def _work_area(s: DumpState) -> None:
 
 def _discard(s: DumpState, _err: BaseException) -> None:
     """Remove the partial image, keeping its logs elsewhere (``failure_logs``)."""
-    for h in (s.hasher, s.device_hasher, s.device_writeback):
+    for h in (s.hasher, s.device_hasher, s.device_writeback, s.chunk_writer):
         if h is not None:
             h.stop()
+    _close_streams(s)
     if s.tmp is None:
         return
     logs = hostclean.save_failure_logs(s.tmp, "dump")
@@ -893,6 +906,15 @@ def _hello(s: DumpState) -> None:
     # writes it into the image in small pieces by default).
     in_process = mode == "preserve" and _device_memory_in_process()
     _check_space_and_memory(s.final, s.host_bytes + s.device_bytes, s.device_bytes if in_process else 0)
+    s.chunked = mode == "preserve" and not in_process and bool(s.device_bytes)
+    avail = _mem_available()
+    if s.chunked and avail is not None and avail - s.device_bytes < CHUNK_STAGING_RESERVE:
+        s.chunked = False
+        s.cb.note(
+            f"device memory written as one full file per process, not as chunks shared with "
+            f"earlier images: {human_bytes(s.device_bytes)} of device memory would not fit in "
+            f"the host's {human_bytes(avail)} of available memory while it is cut into chunks"
+        )
     if mode == "discard":
         s.cb.note(
             "--device-memory discard: the job's device memory is NOT kept; a restore of this "
@@ -1028,11 +1050,16 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             rel = img.device_memory_rel(pid)
             path = tmp / rel
             path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
+            if s.chunked:
+                # A memory file: only the pieces no earlier image holds reach the disk.
+                fd = os.memfd_create(f"npusnap-devmem-{pid}", os.MFD_CLOEXEC)
+                s.device_streams[pid] = os.dup(fd)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
             # The agent records where the file will be once published, for a reload without
             # a descriptor (a lease's rollback after an interrupted restore): never a work
             # directory, which is gone by then.
-            files[pid] = (fd, os.path.abspath(s.published / rel))
+            files[pid] = (fd, os.path.abspath(s.published / (devchunks.index_rel(pid) if s.chunked else rel)))
             try:
                 streamhash.reserve(fd, _device_memory_file_size(dm))
             except OSError as nospace:
@@ -1040,6 +1067,7 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     except OSError as exc:
         for fd, _name in files.values():
             os.close(fd)
+        _close_streams(s)
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         raise ImageError(
             f"cannot create the device-memory file {exc.filename}: {exc.strerror}",
@@ -1047,7 +1075,7 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             fix="free space where the image is written (or write it elsewhere) and dump again; "
             "nothing was locked, the job runs on",
         ) from None
-    if files:
+    if files and not s.chunked:
         # The agents write them with several threads, a chunk at a time at its place: the disk
         # starts on them meanwhile, and they are hashed once the lock answered
         # (_hash_device_files).
@@ -1055,10 +1083,30 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     return files
 
 
+def _close_streams(s: DumpState) -> None:
+    for fd in s.device_streams.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    s.device_streams = {}
+
+
 def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
     """Hash the device-memory files the agents wrote (the lock answered): alongside CRIU's dump
     of the host side, on one core, where cores are to spare (HASH_ALONGSIDE_CRIU_CORES); on
-    every core once CRIU is done and the job stays stopped."""
+    every core once CRIU is done and the job stays stopped. Chunked: cut the memory files into
+    chunks (on every core once CRIU is done)."""
+    if s.chunked:
+        if (
+            s.chunk_writer is None
+            and s.device_streams
+            and (criu_done or digest.usable_cores() >= HASH_ALONGSIDE_CRIU_CORES)
+        ):
+            sharing = devchunks.Sharing(s.published, s.options.parent)
+            streams, s.device_streams = s.device_streams, {}
+            s.chunk_writer = devchunks.ChunkWriter(
+                s.work, sharing, streams, threads=digest.usable_cores()
+            ).start()
+        return
     if not criu_done and s.device_writeback is not None:
         s.device_writeback.finish()  # stopped for good (joined) at publish or rollback
     if s.device_hasher is None:
@@ -1079,8 +1127,13 @@ def _drop_unused_device_memory_files(s: DumpState, results: dict[int, dict[str, 
     for pid in sorted(results):
         path = s.work / img.device_memory_rel(pid)
         dm = results[pid].get("device_memory") or {}
-        if path.exists() and not int(dm.get("file_bytes") or 0):
+        if int(dm.get("file_bytes") or 0):
+            continue
+        if path.exists():
             path.unlink()
+        fd = s.device_streams.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
 
 
 # -- CRIU -----------------------------------------------------------------------------------------
@@ -1300,6 +1353,14 @@ def _checksums(s: DumpState) -> None:
         if s.device_hasher is not None:
             hashed = s.device_hasher.finish().items()
             streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
+        _hash_device_files(s, criu_done=True)  # chunked: started now if not alongside CRIU
+        if s.chunk_writer is not None:
+            chunks = s.chunk_writer.finish()
+            streamed.update(chunks.files)
+            device_total, device_new = chunks.device_total, chunks.device_new
+        else:
+            sizes = [v[0] for rel, v in streamed.items() if rel.startswith(img.DEVICE_SUBDIR + "/")]
+            device_total = device_new = sum(sizes)
         total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
         done = [0]
 
@@ -1311,7 +1372,12 @@ def _checksums(s: DumpState) -> None:
     s.manifest = replace(
         manifest,
         files=files,
-        bytes=replace(manifest.bytes, image_bytes=sum(f.size for f in files)),
+        bytes=replace(
+            manifest.bytes,
+            image_bytes=sum(f.size for f in files),
+            device_total=device_total,
+            device_new=device_new,
+        ),
         timings=replace(manifest.timings, total_s=time.monotonic() - s.start),
     )
 

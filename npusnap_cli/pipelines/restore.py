@@ -62,7 +62,7 @@ from npusnap_cli.host import ghostlock, hostclean, hostres, lazypages, pidns, pr
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
-from npusnap_cli.image import digest
+from npusnap_cli.image import devchunks, digest
 from npusnap_cli.pipelines import restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
@@ -718,6 +718,7 @@ class RestoreState:
     pre: Optional[Preflight] = None
     checksums: Optional[Checksums] = None
     device_checks: Optional[Checksums] = None  # the device-memory files, on into the device step
+    assembly: Optional[devchunks.Assembly] = None  # chunked device memory put together, ditto
     device_memory_files: dict[int, tuple[int, str]] = field(default_factory=dict)  # pid -> (fd, name)
     inherit: list[tuple[str, int]] = field(default_factory=list)  # CRIU key -> fd (--pipe-to, --output)
     made: list[str] = field(default_factory=list)  # host directories and fifos created for the job
@@ -752,7 +753,7 @@ class RestoreState:
 
     def close(self) -> None:
         """Whatever the outcome: stop hashing, close the files the steps opened."""
-        for c in (self.checksums, self.device_checks):
+        for c in (self.checksums, self.device_checks, self.assembly):
             if c is not None:
                 c.cancel()
                 c.join()
@@ -803,22 +804,29 @@ def _verify(st: RestoreState) -> None:
         st.cb.progress("verifying", done[0], total)
 
     img.verify(st.image, checksums=False, require_signature=o.require_signature)
-    device_entries = [f for f in st.manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/")]
+    # Chunks and their indexes are checked while restore puts them together (_open_files).
+    chunked = [f for f in st.manifest.files if devchunks.is_chunk_layout_rel(f.path)]
+    device_entries = [
+        f for f in st.manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/") and f not in chunked
+    ]
     if o.verify and o.lazy:
         # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
         # files while the job already runs (lazypages.py's contract, docs/image-format.md).
         pages, rest = lazypages.split_page_files(st.manifest)
         verify_entries(st.image, rest, advance)
         st.checksums = Checksums(st.image, advance, entries=pages)
-    elif o.verify and device_entries:
+    elif o.verify and (device_entries or chunked):
         # The device-memory files on a thread of their own: the tree may run once everything
         # else matched (its host memory is verified; its device calls are held until the
         # agents reload), and the agents reload them only after they matched too.
-        others = [f for f in st.manifest.files if f not in device_entries]
+        others = [f for f in st.manifest.files if f not in device_entries and f not in chunked]
         st.checksums = Checksums(st.image, advance, entries=others)
-        # On every core: with the device memory kept poisoned by the simulator (or on a device),
-        # the agents' Restore answers at once, and this is what their reload waits for.
-        st.device_checks = Checksums(st.image, advance, entries=device_entries, threads=digest.usable_cores())
+        if device_entries:
+            # On every core: with the device memory kept poisoned by the simulator (or on a
+            # device), the agents' Restore answers at once, and this is what their reload waits for.
+            st.device_checks = Checksums(
+                st.image, advance, entries=device_entries, threads=digest.usable_cores()
+            )
     elif o.verify:
         st.checksums = Checksums(st.image, advance)
 
@@ -840,6 +848,13 @@ def _open_files(st: RestoreState) -> None:
     started, nothing of the restore may depend on the image staying where it is (a lazy
     restore's image may be removed)."""
     st.device_memory_files = img.open_device_memory_files(st.image, st.manifest)
+    indexes = devchunks.read_indexes(st.image, st.manifest)
+    if indexes:
+        st.assembly = devchunks.Assembly(
+            st.image, indexes, verify=st.options.verify, threads=digest.usable_cores()
+        )
+        for pid, fd in st.assembly.memfds.items():
+            st.device_memory_files[pid] = (fd, os.path.abspath(st.image / devchunks.index_rel(pid)))
     st.inherit = open_pipe_targets(st.manifest, st.options.pipe_to)
     st.inherit += pidns.open_output_target(img.criu_dir(st.image), st.manifest, st.options.output)
     st.verified_at = time.monotonic()
@@ -1020,8 +1035,9 @@ def _device_restore(st: RestoreState) -> None:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
             before_unlock = None
-            if st.device_checks is not None:
-                before_unlock = _device_files_verified(st.manifest, st.device_checks, st.cb)
+            waits = [c for c in (st.device_checks, st.assembly) if c is not None]
+            if waits:
+                before_unlock = _device_files_verified(st.manifest, waits, st.cb)
             _restore_and_unlock(
                 npu_pids, st.options, res.pid, res.log_path, tokens, st.device_memory_files, before_unlock,
                 st.guard,
@@ -1207,7 +1223,7 @@ class Checksums:
 
 
 def _device_files_verified(
-    manifest: img.Manifest, device_checks: Checksums, cb: RestoreCallbacks
+    manifest: img.Manifest, device_checks: list[Checksums | devchunks.Assembly], cb: RestoreCallbacks
 ) -> Callable[[], None]:
     """What runs after each agent's Restore and before its Unlock (which writes the device
     memory back): wait for the device-memory files' checksums; on a mismatch kill the tree, whose
@@ -1217,7 +1233,7 @@ def _device_files_verified(
 
     def wait() -> None:
         with lock:
-            error = device_checks.join()
+            error = next((e for e in (c.join() for c in device_checks) if e is not None), None)
             if error is None:
                 return
             if not killed:

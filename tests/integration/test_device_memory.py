@@ -448,9 +448,10 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
 def test_device_memory_goes_to_its_own_image_file(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    """The agent writes its copy of the device memory into the image's device/devmem-PID.bin
-    (listed with its sha256), not into the process's memory: CRIU's pages are smaller by that
-    much than with the copy held in the process (NPUSNAP_DEVMEM_IN_PROCESS=1), and both images
+    """The agent writes its copy of the device memory into the image's device/ files (an index
+    and its chunks, listed with their checksums), not into the process's memory: CRIU's pages
+    are smaller by that much than with the copy held in the process (NPUSNAP_DEVMEM_IN_PROCESS=1),
+    and both images
     restore a job whose checksums over its device memory go on unchanged. A changed byte in the
     file is refused before anything runs."""
     import json
@@ -476,10 +477,12 @@ def test_device_memory_goes_to_its_own_image_file(
             rc, out, err = cli(denv, "dump", str(job.pid), str(image))
             assert rc == 0, (out or {}).get("error") or err
             listed = {f["path"]: f for f in json.loads((image / "npusnap.json").read_text())["files"]}
-            rel = f"device/devmem-{job.pid}.bin"
+            rel = f"device/devmem-{job.pid}.idx"  # and its pieces in device/chunks (devchunks.py)
             if mode == "file":
-                assert rel in listed and listed[rel]["size"] >= mib << 20, sorted(listed)
+                chunks = [f for p, f in listed.items() if p.startswith("device/chunks/")]
+                assert rel in listed and sum(f["size"] for f in chunks) >= mib << 20, sorted(listed)
                 assert (image / rel).stat().st_mode & 0o777 == 0o600
+                assert {(image / f["path"]).stat().st_mode & 0o777 for f in chunks} == {0o400}
             else:
                 assert not (image / "device").exists()
             pages[mode] = sum(f.stat().st_size for f in (image / "criu").glob("pages-*.img"))
@@ -497,17 +500,18 @@ def test_device_memory_goes_to_its_own_image_file(
             job.cleanup()
     assert pages["in-process"] - pages["file"] >= (mib - 2) << 20, pages
 
-    # A changed byte in the device-memory file: its sha256 is checked while the device state is
+    # A changed byte in the device memory: its checksum is checked while the device state is
     # restored, before the agent may load it; the tree is killed with its device memory unloaded.
     image = tmp_path / "file" / "img"
-    dev = next((image / "device").glob("devmem-*.bin"))
+    dev = max((image / "device" / "chunks").iterdir(), key=lambda p: p.stat().st_size)
+    dev.chmod(0o600)
     data = bytearray(dev.read_bytes())
     data[-1] ^= 0xFF
     dev.write_bytes(bytes(data))
     rc, out, err = cli(env, "restore", str(image))
     assert rc == ExitCode.IMAGE and out is not None, (rc, out, err)
     error = out["error"]
-    assert "devmem" in error["message"] and "killed before its device memory was loaded" in error["message"]
+    assert dev.name in error["message"] and "killed before its device memory was loaded" in error["message"]
     for pid in error["details"]["killed_before_device_memory"]:
         wait_until(lambda p=pid: not alive(p), 10, f"pid {pid} to be gone")
 
