@@ -109,6 +109,7 @@ DEFAULT_DEVICE_MEMORY_MODE = "preserve"
 DEVMEM_FILE_MAGIC = b"NPUSNAP-DEVMEM1"
 DEVMEM_FILE_SUBDIR = "device"
 DEVMEM_FILE_PATTERN = "devmem-{pid}.bin"
+DEVMEM_PIECE_BYTES = 1048576
 # Agent control sockets ({uid}, {pid}: str.format fields).
 AGENT_SOCKET_ENV_DIR = "NPUSNAP_RUNTIME_DIR"
 AGENT_SOCKET_ROOT_DIR = "/run/npusnap"
@@ -207,7 +208,7 @@ PROTOCOL_OPS: Dict[str, Dict[str, str]] = {
     "hccl_rebuild": {"key": "hex", "root": "hex"},
     "hccl_root": {"key": "hex"},
     "hello": {},
-    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease"},
+    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease", "device_memory_since": "hex", "device_memory_check_writes": "bool"},
     "release": {"token": "token"},
     "renew": {"lease_s": "lease", "token": "token"},
     "restore": {"token": "token", "device_memory_file": "path"},

@@ -255,6 +255,7 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_DEVMEM_FILE_MAGIC {c_str(df['magic'])}")
     w(f"#define NPUSNAP_DEVMEM_FILE_SUBDIR {c_str(df['subdir'])}")
     w(f"#define NPUSNAP_DEVMEM_FILE_PATTERN {c_str(c_pattern(df['name_pattern']))}")
+    w(f"#define NPUSNAP_DEVMEM_PIECE_BYTES {int(df['piece_bytes'])}ull")
     w("")
     sk = spec["agent_socket"]
     w("/* Agent control sockets: printf patterns (%u: uid, %d: pid). */")
@@ -480,6 +481,7 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"DEVMEM_FILE_MAGIC = b{py_str(d['magic'])}")
     w(f"DEVMEM_FILE_SUBDIR = {py_str(d['subdir'])}")
     w(f"DEVMEM_FILE_PATTERN = {py_str(d['name_pattern'])}")
+    w(f"DEVMEM_PIECE_BYTES = {int(d['piece_bytes'])}")
     sk = spec["agent_socket"]
     w("# Agent control sockets ({uid}, {pid}: str.format fields).")
     w(f"AGENT_SOCKET_ENV_DIR = {py_str(sk['env_dir'])}")

@@ -241,6 +241,9 @@ setup_native() {
     command -v gdb >/dev/null 2>&1 || apt_install gdb
     # The tests watch what an agent opens with strace (an open file in a dump is a restore's risk).
     if is_root; then command -v strace >/dev/null 2>&1 || apt_install strace; fi
+    # The agent links libffi in (static, hidden) for its operator wrappers' write tracking; without
+    # it every operator launch counts as writing all device memory (native/agent/writes.c).
+    [ -f "$(gcc -print-file-name=libffi_pic.a)" ] || dpkg -s libffi-dev >/dev/null 2>&1 || apt_install libffi-dev
     make -s -C "$ROOT/native" NPUSNAP_CACHE="$CACHE" CRIU_VERSION="$CRIU_VERSION" >/dev/null ||
         die "building the simulator (native/) failed" "run: make -C native"
 }

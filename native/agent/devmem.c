@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,7 +47,10 @@
 #include "npusnap/quietthread.h"
 #include "realsym.h"
 
+void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
+
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
+void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes.c */
 
 typedef int32_t aclError;
 typedef int drvError_t; /* enum tagDrvError (driver ascend_hal_error.h): an int on the ABI */
@@ -144,6 +148,12 @@ struct alloc {
     int excluded;
     void *copy;  /* host copy (npusnap_devmem_save) */
     int in_file; /* copied into the file of npusnap_devmem_save_fd instead */
+    /* Write tracking (writes.c): the epoch the allocation was made in, whether the job got it
+     * through aclrtMalloc* / aclrtMapMem (else it is the runtime's own and always written), and
+     * per piece the epoch of the last write the agent was told of (NULL: none yet). */
+    uint32_t born;
+    int app;
+    uint32_t *gen;
 };
 
 struct range {
@@ -168,6 +178,27 @@ static size_t g_nres, g_res_cap;
 static struct handle *g_handles; /* VMM physical chunks */
 static size_t g_nh, g_h_cap;
 static int g_copies_inflight; /* the job's drvMemcpy calls running now */
+/* Write tracking: a save happens at the end of an epoch and starts the next; a piece written
+ * (as its stamp says) in an epoch later than save k's is copied by a save since k. */
+#define PIECE ((size_t)NPUSNAP_DEVMEM_PIECE_BYTES)
+static uint32_t g_epoch = 1;
+static uint32_t g_all_gen;         /* every piece may have been written up to this epoch */
+static char g_untracked[128];      /* a writer the agent cannot follow was looked up: every save full */
+static uint64_t g_marks_all;       /* how many calls wrote what the agent cannot tell */
+static char g_all_why[96];         /* the last of them */
+#define LINEAGE 16
+static struct {
+    uint64_t id;
+    uint32_t epoch;
+} g_lineage[LINEAGE]; /* the last saves of this process's history, newest last */
+static int g_nlineage;
+static uint64_t g_since_id;         /* the next save copies only what changed since this save */
+static int g_check_all;             /* ... but copies everything (a test of the tracking) */
+static unsigned char *g_unchanged;  /* the last save: per piece in file order, 1 if not written since */
+static size_t g_npieces;
+static int g_since_used;            /* the last save was incremental */
+static uint64_t g_save_id;
+static uint32_t g_save_epoch;
 static int g_saved;
 static int g_interposed = -1; /* computed lazily */
 #define MAX_DEVS 1024
@@ -184,6 +215,8 @@ static void atfork_child(void) {
     for (size_t i = 0; i < g_n; i++) {
         free(g_allocs[i].copy);
         g_allocs[i].copy = NULL;
+        free(g_allocs[i].gen);
+        g_allocs[i].gen = NULL;
     }
     g_n = g_nres = g_nh = 0;
     g_saved = 0;
@@ -223,6 +256,7 @@ static struct alloc *find(uintptr_t p) {
 
 static void drop_at(size_t i) {
     free(g_allocs[i].copy);
+    free(g_allocs[i].gen);
     g_allocs[i] = g_allocs[--g_n];
 }
 
@@ -274,10 +308,14 @@ static int add(uintptr_t p, size_t n, int32_t dev, int kind) {
         a->dev = dev;
         a->kind = kind;
         a->excluded = in_excluded(p, n);
+        a->born = g_epoch;
+        a->app = kind == K_REGISTERED;
+        free(a->gen);
+        a->gen = NULL;
         return 0;
     }
     if (grow((void **)&g_allocs, &g_cap, g_n, sizeof *g_allocs) != 0) return -ENOMEM;
-    g_allocs[g_n++] = (struct alloc){p, n, dev, kind, in_excluded(p, n), NULL, 0};
+    g_allocs[g_n++] = (struct alloc){p, n, dev, kind, in_excluded(p, n), NULL, 0, g_epoch, kind == K_REGISTERED, NULL};
     return 0;
 }
 
@@ -291,8 +329,90 @@ static void untrack(uintptr_t p) {
     pthread_mutex_unlock(&g_mu);
 }
 
-/* core.c's: the agent's log file, never the job's stderr (same library). */
-void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* --- write tracking (writes.c tells what the job writes) ----------------------------------- */
+
+static size_t pieces_of(const struct alloc *a) { return (a->size + PIECE - 1) / PIECE; }
+
+/* The epoch of piece j's last write, as far as the agent knows (UINT32_MAX: always written). */
+static uint32_t piece_gen(const struct alloc *a, size_t j) {
+    if (!a->app || g_untracked[0]) return UINT32_MAX;
+    uint32_t g = a->gen ? a->gen[j] : 0;
+    if (a->born > g) g = a->born;
+    if (g_all_gen > g) g = g_all_gen;
+    return g;
+}
+
+/* [p, p + n) was written in this epoch (called after the call that writes it returned). */
+void npusnap_devmem_mark(uintptr_t p, size_t n) {
+    if (!n || t_agent) return;
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < g_n; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (p >= a->ptr + a->size || p + n <= a->ptr || !a->app) continue;
+        size_t np = pieces_of(a);
+        if (!a->gen && !(a->gen = calloc(np ? np : 1, sizeof *a->gen))) {
+            a->app = 0; /* untracked from now on: always written */
+            continue;
+        }
+        uintptr_t lo = p > a->ptr ? p : a->ptr, hi = p + n < a->ptr + a->size ? p + n : a->ptr + a->size;
+        for (size_t j = (lo - a->ptr) / PIECE; j <= (hi - 1 - a->ptr) / PIECE && j < np; j++) a->gen[j] = g_epoch;
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+void npusnap_devmem_mark_all(const char *why) {
+    if (t_agent) return;
+    pthread_mutex_lock(&g_mu);
+    g_all_gen = g_epoch;
+    g_marks_all++;
+    snprintf(g_all_why, sizeof g_all_why, "%s", why ? why : "?");
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* The job got [p, p + n) through aclrtMalloc* / aclrtMapMem: its writes are the job's calls. */
+void npusnap_devmem_mark_app(uintptr_t p, size_t n) {
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < g_n; i++)
+        if (p < g_allocs[i].ptr + g_allocs[i].size && p + n > g_allocs[i].ptr) g_allocs[i].app = 1;
+    pthread_mutex_unlock(&g_mu);
+}
+
+void npusnap_devmem_untracked(const char *name) {
+    pthread_mutex_lock(&g_mu);
+    if (!g_untracked[0]) {
+        snprintf(g_untracked, sizeof g_untracked, "%s", name);
+        agent_log("[writes] %s was looked up: its writes cannot be followed, every later save is full", name);
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+API void npusnap_devmem_save_since(uint64_t since_id, int check_all) {
+    pthread_mutex_lock(&g_mu);
+    g_since_id = since_id;
+    g_check_all = check_all;
+    pthread_mutex_unlock(&g_mu);
+}
+
+API void npusnap_devmem_tracking(npusnap_devmem_tracking_info *out) {
+    pthread_mutex_lock(&g_mu);
+    memset(out, 0, sizeof *out);
+    out->epoch = g_epoch;
+    out->marks_all = g_marks_all;
+    snprintf(out->all_why, sizeof out->all_why, "%s", g_all_why);
+    snprintf(out->untracked, sizeof out->untracked, "%s", g_untracked);
+    out->nlineage = g_nlineage;
+    for (int i = 0; i < g_nlineage; i++) {
+        out->lineage_ids[i] = g_lineage[i].id;
+        out->lineage_epochs[i] = g_lineage[i].epoch;
+    }
+    out->save_id = g_save_id;
+    out->save_epoch = g_save_epoch;
+    out->since_used = g_since_used;
+    out->unchanged = g_unchanged;
+    out->npieces = g_npieces;
+    pthread_mutex_unlock(&g_mu);
+}
+
 
 static void note_oom(int rc) {
     if (rc != 0) agent_log("[devmem] out of memory tracking a device allocation");
@@ -418,6 +538,7 @@ API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_
     pthread_mutex_lock(&g_mu);
     if (--g_copies_inflight == 0) pthread_cond_broadcast(&g_cv);
     pthread_mutex_unlock(&g_mu);
+    npusnap_devmem_mark((uintptr_t)dst, n); /* the job's own driver copy writes its destination */
     return rc;
 }
 
@@ -542,6 +663,13 @@ API aclError aclFinalize(void) {
  * dlsym as a tail call, so that glibc still sees the original caller's return address. */
 API void *dlsym(void *handle, const char *name) {
     dlsym_fn ds = npusnap_real_dlsym();
+    if (handle != RTLD_NEXT && ((name[0] == 'a' && name[1] == 'c' && name[2] == 'l') || (name[0] == 'r' && name[1] == 't'))) {
+        /* What writes device memory, and what tells where (writes.c). */
+        void *p = ds(handle, name);
+        void *w = npusnap_writes_wrapper_for(handle, name, p, ds);
+        if (w) return w;
+        if (name[0] == 'r' || (name[3] == 'n' && name[4] == 'n')) return p;
+    }
     if (handle != RTLD_NEXT && name[0] == 'H' && name[1] == 'c' && name[2] == 'c' && name[3] == 'l') {
         /* HCCL's names that take a communicator: the agent's wrapper (hccl.c). */
         void *p = ds(handle, name);
@@ -989,20 +1117,68 @@ static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, ch
     int ret = 0;
     struct xfer x = {.fd = fd, .save = 1, .memcpy_fn = memcpy_fn};
     off_t data_off = (off_t)(sizeof h + h.count * sizeof(struct dm_record));
+    /* Since an earlier save of this process's history: the pieces not written since are left
+     * out (a hole in the file), and the CLI takes them from that save's image. */
+    uint32_t since = 0;
+    for (int i = 0; g_since_id && i < g_nlineage; i++)
+        if (g_lineage[i].id == g_since_id) since = g_lineage[i].epoch;
+    size_t npieces = 0;
+    for (size_t i = 0; i < g_n; i++)
+        if (!g_allocs[i].excluded) npieces += pieces_of(&g_allocs[i]);
+    unsigned char *unchanged = calloc(npieces ? npieces : 1, 1);
+    if (!unchanged) {
+        seterr(err, errlen, "no host memory for the table of pieces");
+        return -ENOMEM;
+    }
+    size_t k = 0;
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         const struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
-        if (xfer_add_alloc(&x, a, DM_SAVE_CHUNK, &data_off) != 0) {
-            seterr(err, errlen, "no host memory for the list of device-memory copies");
-            ret = -ENOMEM;
+        for (size_t j = 0, np = pieces_of(a); j < np && ret == 0; j++, k++) {
+            size_t off = j * PIECE, n = a->size - off < PIECE ? a->size - off : PIECE;
+            unchanged[k] = since && piece_gen(a, j) <= since;
+            if (!unchanged[k] || g_check_all) {
+                struct xfer_chunk *last = x.n ? &x.chunks[x.n - 1] : NULL;
+                if (last && last->a == a && last->a_off + last->n == off && last->n + n <= DM_SAVE_CHUNK)
+                    last->n += n; /* the next piece of the same run */
+                else if (xfer_add(&x, a, off, data_off + (off_t)off, n) != 0)
+                    ret = -ENOMEM;
+            }
         }
+        data_off += (off_t)a->size;
+        if (ret != 0) seterr(err, errlen, "no host memory for the list of device-memory copies");
     }
     if (ret == 0 && x.n) ret = xfer_run(&x, err, errlen);
     free(x.chunks);
-    if (ret != 0) return ret;
+    if (ret != 0) {
+        free(unchanged);
+        return ret;
+    }
+    /* The file may end in a hole: its size must still say where its data ends. */
+    if (ftruncate(fd, data_off) != 0) {
+        ret = -errno;
+        seterr(err, errlen, "cannot size the device-memory file: %s", strerror(-ret));
+        free(unchanged);
+        return ret;
+    }
     *written = (uint64_t)data_off;
     for (size_t i = 0; i < g_n; i++)
         if (!g_allocs[i].excluded) g_allocs[i].in_file = 1;
+    free(g_unchanged);
+    g_unchanged = unchanged;
+    g_npieces = npieces;
+    g_since_used = since != 0;
+    /* This save ends the epoch: it joins the history, and writes from now on are the next's. */
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof id, GRND_NONBLOCK) != (ssize_t)sizeof id || !id)
+        id = ((uint64_t)time(NULL) << 24) ^ ((uint64_t)getpid() << 8) ^ g_epoch ^ 0x9e3779b97f4a7c15ull;
+    if (g_nlineage == LINEAGE) memmove(g_lineage, g_lineage + 1, (LINEAGE - 1) * sizeof g_lineage[0]);
+    else g_nlineage++;
+    g_lineage[g_nlineage - 1].id = id;
+    g_lineage[g_nlineage - 1].epoch = g_epoch;
+    g_save_id = id;
+    g_save_epoch = g_epoch;
+    g_epoch++;
     return 0;
 }
 

@@ -36,6 +36,8 @@
 
 #define API __attribute__((visibility("default")))
 
+void npusnap_devmem_mark_all(const char *why); /* devmem.c: the write tracking */
+
 typedef int HcclResult;
 typedef void *HcclComm;
 typedef void *aclrtStream;
@@ -266,6 +268,7 @@ static void leave(void) {
         if (res_ != HCCL_SUCCESS) return res_;                                     \
         res_ = fn args;                                                            \
         leave();                                                                   \
+        npusnap_devmem_mark_all(#name); /* receive and HCCL's own buffers */       \
         return res_;                                                               \
     }
 HCCL_CALLS(X)

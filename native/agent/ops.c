@@ -36,6 +36,8 @@
 #pragma weak npusnap_devmem_registered_count
 #pragma weak npusnap_devmem_devices
 #pragma weak npusnap_devmem_drain
+#pragma weak npusnap_devmem_save_since
+#pragma weak npusnap_devmem_tracking
 
 /* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
@@ -304,6 +306,36 @@ static int new_token(char out[33]) {
 static void clear_owner(void) { memset(&owner, 0, sizeof owner); }
 
 /* ---- device memory ----------------------------------------------------------------------- */
+
+/* ,"tracking":{...}: what the agent knows of the job's writes (writes.c), its last saves, and
+ * after a file save which of its pieces were left out ("unchanged": a hex bitmap, piece i in bit
+ * i % 8 of byte i / 8, pieces in file order). */
+static void tracking_json(sbuf *b) {
+    npusnap_devmem_tracking_info t;
+    npusnap_devmem_tracking(&t);
+    sb_raw(b, ",\"tracking\":{");
+    sb_printf(b, "\"epoch\":%u,\"marks_all\":%llu", t.epoch, (unsigned long long)t.marks_all);
+    sb_key(b, "all_why");
+    sb_str(b, t.all_why[0] ? t.all_why : NULL);
+    sb_key(b, "untracked");
+    sb_str(b, t.untracked[0] ? t.untracked : NULL);
+    sb_raw(b, ",\"lineage\":[");
+    for (int i = 0; i < t.nlineage; i++)
+        sb_printf(b, "%s[\"%016llx\",%u]", i ? "," : "", (unsigned long long)t.lineage_ids[i], t.lineage_epochs[i]);
+    sb_raw(b, "]");
+    if (t.save_id && devmem.file_bytes && t.unchanged) {
+        sb_printf(b, ",\"save\":{\"id\":\"%016llx\",\"epoch\":%u,\"since_used\":%s,\"pieces\":%zu,\"unchanged\":\"",
+                  (unsigned long long)t.save_id, t.save_epoch, t.since_used ? "true" : "false", t.npieces);
+        for (size_t i = 0; i < t.npieces; i += 8) {
+            unsigned v = 0;
+            for (size_t k = 0; k < 8 && i + k < t.npieces; k++) v |= (unsigned)(t.unchanged[i + k] ? 1 : 0) << k;
+            sb_printf(b, "%02x", v);
+        }
+        sb_raw(b, "\"}");
+    }
+    sb_raw(b, "}");
+}
+
 static void devmem_json(sbuf *b) {
     sb_raw(b, "{");
     sb_key(b, "available");
@@ -347,6 +379,7 @@ static void devmem_json(sbuf *b) {
                   (unsigned long long)info.vmm_bytes, (unsigned long long)info.reserved_bytes,
                   info.interposed ? "true" : "false", info.gate_closed ? "true" : "false");
     }
+    if (npusnap_devmem_tracking) tracking_json(b);
     sb_raw(b, "}");
 }
 
@@ -1074,6 +1107,13 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     if (drain_ms < 1) drain_ms = 1;
     if (take_devmem_file(r, &devmem.save_fd, e) < 0) return -1;
     if (strcmp(mode, NPUSNAP_DEVMEM_MODE_PRESERVE) != 0) close_fd(&devmem.save_fd); /* nothing to save */
+    if (npusnap_devmem_save_since) {
+        /* An incremental save: only what was written since that save of this process's history. */
+        const jval *since = json_get(r->args, "device_memory_since");
+        const jval *check = json_get(r->args, "device_memory_check_writes");
+        uint64_t id = since && since->t == J_STR ? strtoull(since->s, NULL, 16) : 0;
+        npusnap_devmem_save_since(id, check && check->t == J_BOOL && check->b);
+    }
     double start = now_s();
     double lock_call_s = 0;
     copy_s = 0;

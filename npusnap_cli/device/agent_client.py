@@ -433,6 +433,8 @@ class AgentClient:
         device_memory: Optional[str] = None,
         device_memory_file: Optional[tuple[int, str]] = None,
         drain_timeout_s: Optional[float] = None,
+        since: Optional[str] = None,
+        check_writes: bool = False,
     ) -> dict[str, Any]:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
         ``drain_timeout_s``: how long the agent waits for the devices to finish their queued work
@@ -440,8 +442,15 @@ class AgentClient:
         ``device_memory``: the agent's mode (preserve/app/discard; None: its default, preserve).
         ``device_memory_file``: (fd open for writing, the file's name once the image is
         published): the agent writes its copy of the device memory there, not into the
-        process's memory."""
+        process's memory. ``since``: the id of an earlier save of this process (its agent's
+        lineage): the agent copies only the pieces written since (an incremental image);
+        ``check_writes``: it copies everything all the same and still says which pieces it could
+        have left out (a test of its write tracking)."""
         args: dict[str, Any] = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
+        if since is not None:
+            args["device_memory_since"] = since
+        if check_writes:
+            args["device_memory_check_writes"] = True
         if device_memory is not None:
             args["device_memory"] = device_memory
         if drain_timeout_s is not None:

@@ -249,6 +249,8 @@ class DeviceGroup:
         drain_timeout_s: Optional[float] = None,
         busy_retries: int = 0,
         before_retry: Optional[Callable[[], None]] = None,
+        since: Optional[dict[int, str]] = None,
+        check_writes: bool = False,
     ) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring).
 
@@ -260,10 +262,13 @@ class DeviceGroup:
         one rank's all-reduce waiting for another rank whose launch the lock holds) fails the
         attempt; everything is rolled back, and it is tried again at most ``busy_retries`` times
         after a short, random pause (``before_retry`` runs first: the device-memory files are
-        emptied)."""
+        emptied). ``since``: pid -> an earlier save of that process to copy only the changes
+        since (AgentClient.lock)."""
         for attempt in range(busy_retries + 1):
             try:
-                return self._lock_and_backup(backup, device_memory, device_memory_files, drain_timeout_s)
+                return self._lock_and_backup(
+                    backup, device_memory, device_memory_files, drain_timeout_s, since or {}, check_writes
+                )
             except _AllBusy as busy:
                 if attempt == busy_retries:
                     raise busy.error from None
@@ -282,6 +287,8 @@ class DeviceGroup:
         device_memory: Optional[str],
         device_memory_files: Optional[dict[int, tuple[int, str]]],
         drain_timeout_s: Optional[float],
+        since: dict[int, str],
+        check_writes: bool,
     ) -> dict[int, dict[str, Any]]:
         lease = self.lease_s
         files = device_memory_files or {}
@@ -292,7 +299,15 @@ class DeviceGroup:
         all_done = threading.Event()
 
         def work(c: AgentClient) -> dict[str, Any]:
-            locked = c.lock(lease, self.command, device_memory, files.get(c.pid), drain_timeout_s)
+            locked = c.lock(
+                lease,
+                self.command,
+                device_memory,
+                files.get(c.pid),
+                drain_timeout_s,
+                since.get(c.pid),
+                check_writes,
+            )
             if not backup:
                 return locked
             backed = c.backup(lease)

@@ -21,6 +21,14 @@ no shared store that another dump could be changing: a chunk's space is freed wi
 image that names it. A link that fails (another filesystem, the source removed meanwhile, the
 link limit) makes the dump write the piece itself.
 
+**Incremental saves.** Each agent tracks which pieces the job wrote since each of its last saves
+(native/agent/writes.c). An earlier image of the same process's history (its manifest records the
+save's id, which the agent still knows) is the *base*: the dump asks the agent for the pieces
+written since that save only, and takes the others' digests from the base's index and their
+files from the base by link -- neither copied off the device nor hashed again. With
+``NPUSNAP_TEST_CHECK_WRITES=1`` the agent copies everything all the same and the dump checks
+every piece the tracking called unchanged against the base (a test of the tracking's exactness).
+
 **Restore** assembles the stream again in a memory file (``memfd``) from the chunks, checking
 each chunk's digest as it copies it (``Assembly``), and the agent reloads from that.
 """
@@ -37,15 +45,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from npusnap_cli import contract
 from npusnap_cli.errors import ImageError
 from npusnap_cli.image import digest
 from npusnap_cli.image.layout import CHUNK_MODE, CHUNKS_SUBDIR, DEVICE_SUBDIR, MANIFEST_NAME, is_temp_name
-from npusnap_cli.image.manifest import Manifest
+from npusnap_cli.image.manifest import Manifest, load_manifest
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = contract.DEVMEM_PIECE_BYTES
 INDEX_FORMAT = "npusnap-devmem-chunks"
 INDEX_VERSION = 1
 _MAX_INDEX_BYTES = 64 << 20
@@ -78,6 +86,26 @@ def read_indexes(image: Path, manifest: Manifest) -> dict[int, Index]:
         if entry is not None:
             out[p.pid] = read_index(image, entry.path, entry.digest, entry.algo)
     return out
+
+
+def records(view: memoryview) -> list[tuple[int, int, int]]:
+    """(address, size, device) of each allocation an agent's stream (or its first piece) lists."""
+    hdr = contract.DEVMEM_FILE_HEADER
+    rec = contract.DEVMEM_FILE_RECORD
+    if len(view) < hdr.size:
+        raise ImageError(f"a device-memory stream of {len(view)} bytes is shorter than its header")
+    magic, count, _total = hdr.unpack_from(view, 0)
+    if magic.rstrip(b"\0") != contract.DEVMEM_FILE_MAGIC or hdr.size + count * rec.size > len(view):
+        raise ImageError("a device-memory stream does not start with the agent's header and records")
+    out = []
+    for i in range(count):
+        ptr, size, dev, _kind = rec.unpack_from(view, hdr.size + i * rec.size)
+        out.append((ptr, size, dev))
+    return out
+
+
+def pieces_of(size: int) -> int:
+    return (size + CHUNK_BYTES - 1) // CHUNK_BYTES
 
 
 def cut(view: memoryview) -> list[tuple[int, int]]:
@@ -225,6 +253,14 @@ class Sharing:
         self._where: Optional[dict[str, str]] = None
         self._uid = os.geteuid()
 
+    def images(self) -> list[str]:
+        """The earlier images this user's dump may take chunks from."""
+        return [
+            i
+            for i in self._images()
+            if _dir_ok(i, self._uid) and _dir_ok(os.path.join(i, CHUNKS_SUBDIR), self._uid)
+        ]
+
     def _images(self) -> Iterable[str]:
         if self._parent is not None:
             yield str(self._parent)
@@ -279,6 +315,89 @@ class Sharing:
         return False
 
 
+@dataclass(frozen=True)
+class BaseSave:
+    """An earlier image of a process, as the base of an incremental save: the save's id (in the
+    image's manifest and the agent's lineage), and per allocation its pieces' digests."""
+
+    image: Path
+    save_id: str
+    pieces: dict[tuple[int, int, int], tuple[str, ...]]  # (address, size, device) -> digests
+
+
+def save_of(manifest: Manifest, pid: int) -> Optional[dict[str, Any]]:
+    """The save a manifest records for NPU process ``pid`` ({"id", "epoch"}), if any."""
+    procs = (manifest.device_memory or {}).get("processes") or {}
+    save = (procs.get(str(pid)) or {}).get("save")
+    if isinstance(save, dict) and isinstance(save.get("id"), str) and isinstance(save.get("epoch"), int):
+        return save
+    return None
+
+
+def find_base(sharing: Sharing, lineage: list[tuple[str, int]]) -> Optional[BaseSave]:
+    """The newest earlier image (of those ``sharing`` may link) holding a save of this process's
+    ``lineage`` ([save id, epoch] its agent knows), read and checked; None if there is none."""
+    known = dict(lineage)
+    best: Optional[tuple[int, Path, int, str]] = None
+    for name in sharing.images():
+        image = Path(name)
+        try:
+            manifest = load_manifest(image)
+        except (ImageError, OSError):
+            continue
+        for p in manifest.npu_processes:
+            save = save_of(manifest, p.pid)
+            ours = save is not None and known.get(save["id"]) == save["epoch"]
+            if save is not None and ours and (best is None or save["epoch"] > best[0]):
+                best = (save["epoch"], image, p.pid, save["id"])
+    if best is None:
+        return None
+    _epoch, image, pid, save_id = best
+    try:
+        manifest = load_manifest(image)
+        entry = next(f for f in manifest.files if f.path == index_rel(pid))
+        index = read_index(image, entry.path, entry.digest, entry.algo)
+        meta_value, meta_size = index.pieces[0]
+        meta = _read_chunk(image, meta_value, meta_size, index.algo)
+    except (ImageError, OSError, StopIteration, IndexError):
+        return None
+    pieces: dict[tuple[int, int, int], tuple[str, ...]] = {}
+    k = 1
+    for key in records(memoryview(meta)):
+        n = pieces_of(key[1])
+        pieces[key] = tuple(v for v, _n in index.pieces[k : k + n])
+        k += n
+    if k != len(index.pieces):
+        return None
+    return BaseSave(image, save_id, pieces)
+
+
+def _read_chunk(image: Path, value: str, size: int, algo: str) -> bytes:
+    fd = os.open(image / chunk_rel(value), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, size + 1, 0)
+    finally:
+        os.close(fd)
+    h = digest.new(algo)
+    h.update(data)
+    if len(data) != size or h.hexdigest() != value:
+        raise ImageError(f"{image / chunk_rel(value)} does not match its checksum")
+    return data
+
+
+@dataclass(frozen=True)
+class Incremental:
+    """What the agent left out of a stream: its pieces in file order (after the first), 1 bit
+    each, set where not written since ``base``'s save."""
+
+    base: BaseSave
+    unchanged: bytes
+    check: bool = False  # the agent copied them all the same: compare
+
+    def left_out(self, k: int) -> bool:
+        return bool(k // 8 < len(self.unchanged) and self.unchanged[k // 8] >> (k % 8) & 1)
+
+
 @dataclass
 class ChunkResult:
     files: dict[str, tuple[int, str]] = field(default_factory=dict)  # rel -> (size, digest)
@@ -290,10 +409,18 @@ class ChunkWriter:
     """Writes each NPU process's device-memory stream (a memory file its agent filled) into the
     work image as chunks and an index, on a thread of its own; ``finish`` waits for it."""
 
-    def __init__(self, work: Path, sharing: Sharing, streams: dict[int, int], threads: int = 1) -> None:
+    def __init__(
+        self,
+        work: Path,
+        sharing: Sharing,
+        streams: dict[int, int],
+        threads: int = 1,
+        incremental: Optional[dict[int, Incremental]] = None,
+    ) -> None:
         self._work = work
         self._sharing = sharing
         self._streams = dict(streams)  # pid -> memfd; owned (closed) by this writer
+        self._incremental = incremental or {}
         self._threads = max(1, threads)
         self._stop = threading.Event()
         self._error: Optional[BaseException] = None
@@ -330,24 +457,62 @@ class ChunkWriter:
         size = os.fstat(fd).st_size
         if not size:
             return
+        inc = self._incremental.get(pid)
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m, memoryview(m) as view:
             pieces = cut(view)
+            # The base's digest of each piece the agent left out (None: hash this one).
+            known: list[Optional[str]] = [None] * len(pieces)
+            if inc is not None:
+                k = 0
+                for key in records(view):
+                    for j in range(pieces_of(key[1])):
+                        if inc.left_out(k):
+                            base = inc.base.pieces.get(key)
+                            if base is None or j >= len(base):
+                                raise ImageError(
+                                    f"the agent of pid {pid} left out a piece of its allocation at "
+                                    f"{key[0]:#x} that the base image {inc.base.image} does not hold",
+                                    why="the agent's history and the base image disagree",
+                                    fix="dump again (the job was rolled back and runs on)",
+                                )
+                            known[1 + k] = base[j]
+                        k += 1
 
-            def hashed(piece: tuple[int, int]) -> str:
-                off, n = piece
+            def hashed(i: int) -> str:
+                off, n = pieces[i]
                 h = digest.new()
                 with view[off : off + n] as part:
                     h.update(part)
                 return str(h.hexdigest())
 
-            values = list(pool.map(hashed, pieces))
-            for (off, n), value in zip(pieces, values):
+            check = inc is not None and inc.check
+            todo = [i for i, v in enumerate(known) if v is None or check]
+            values: list[str] = [v or "" for v in known]
+            for i, value in zip(todo, pool.map(hashed, todo)):
+                if known[i] is not None and known[i] != value:
+                    off, n = pieces[i]
+                    raise ImageError(
+                        f"write tracking missed a write: pid {pid}'s piece at offset {off} of its "
+                        f"stream changed since the base image {inc.base.image if inc else ''} "
+                        "although no call of the job was seen writing it",
+                        why="an incremental save would have kept the old bytes",
+                        fix="report this with the job's calls; dump with NPUSNAP_NO_INCREMENTAL=1 meanwhile",
+                    )
+                values[i] = value
+            for i, ((off, n), value) in enumerate(zip(pieces, values)):
                 if self._stop.is_set():
                     return
                 self.result.device_total += n
                 if value in have:
                     continue
                 if not self._sharing.link(value, n, dfd):
+                    if known[i] is not None and not check:
+                        raise ImageError(
+                            f"a piece of pid {pid}'s device memory that did not change is gone from "
+                            f"the base image {inc.base.image if inc else ''} (removed during the dump?)",
+                            why="an incremental save takes unchanged pieces from its base image",
+                            fix="dump again (the job was rolled back and runs on)",
+                        )
                     with view[off : off + n] as part:
                         _write_chunk(dfd, value, part)
                     self.result.device_new += n

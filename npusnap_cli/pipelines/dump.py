@@ -766,6 +766,9 @@ class DumpState:
     chunked: bool = False
     device_streams: dict[int, int] = field(default_factory=dict)
     chunk_writer: Optional[devchunks.ChunkWriter] = None
+    sharing: Optional[devchunks.Sharing] = None  # the earlier images chunks are linked from
+    bases: dict[int, devchunks.BaseSave] = field(default_factory=dict)  # pid -> its incremental base
+    incremental: dict[int, devchunks.Incremental] = field(default_factory=dict)  # what the agents left out
     criu_options: CriuOptions = field(default_factory=CriuOptions)
     criu_result: Optional[criu.DumpResult] = None
     criu_s: float = 0.0  # CRIU's own run
@@ -952,12 +955,15 @@ def _lock(s: DumpState) -> None:
                 if o.busy_retries is not None
                 else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
                 before_retry=lambda: _empty_files(files),
+                since={pid: b.save_id for pid, b in s.bases.items()},
+                check_writes=os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1",
             )
     finally:
         for fd, _name in files.values():
             os.close(fd)
     s.lock_tokens = s.group.tokens()
     s.lock_results = results
+    _incremental(s, results)
     _drop_unused_device_memory_files(s, results)
     _hash_device_files(s, criu_done=False)
 
@@ -1042,6 +1048,10 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
         return {}
     tmp = s.work
     files: dict[int, tuple[int, str]] = {}
+    if s.chunked:
+        s.sharing = devchunks.Sharing(s.published, s.options.parent)
+        if os.environ.get("NPUSNAP_NO_INCREMENTAL") != "1":
+            s.bases = _bases(s.sharing, s.hello)
     try:
         for pid, h in sorted(s.hello.items()):
             dm = h.get("device_memory") or {}
@@ -1083,6 +1093,33 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     return files
 
 
+def _bases(sharing: devchunks.Sharing, hello: dict[int, dict[str, Any]]) -> dict[int, devchunks.BaseSave]:
+    """pid -> the newest earlier image holding a save its agent still knows (the base of an
+    incremental save: only what the job wrote since is copied)."""
+    bases = {}
+    for pid, h in sorted(hello.items()):
+        tracking = (h.get("device_memory") or {}).get("tracking") or {}
+        lineage = [
+            (str(i), int(e))
+            for i, e in (tracking.get("lineage") or [])
+            if isinstance(i, str) and isinstance(e, int)
+        ]
+        if lineage and not tracking.get("untracked"):
+            base = devchunks.find_base(sharing, lineage)
+            if base is not None:
+                bases[pid] = base
+    return bases
+
+
+def _incremental(s: DumpState, results: dict[int, dict[str, Any]]) -> None:
+    """What each agent left out of its save (since its base), for the chunk writer."""
+    check = os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1"
+    for pid, base in s.bases.items():
+        save = (((results.get(pid) or {}).get("device_memory") or {}).get("tracking") or {}).get("save") or {}
+        if save.get("since_used") and isinstance(save.get("unchanged"), str):
+            s.incremental[pid] = devchunks.Incremental(base, bytes.fromhex(save["unchanged"]), check)
+
+
 def _close_streams(s: DumpState) -> None:
     for fd in s.device_streams.values():
         with contextlib.suppress(OSError):
@@ -1101,10 +1138,10 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
             and s.device_streams
             and (criu_done or digest.usable_cores() >= HASH_ALONGSIDE_CRIU_CORES)
         ):
-            sharing = devchunks.Sharing(s.published, s.options.parent)
+            sharing = s.sharing or devchunks.Sharing(s.published, s.options.parent)
             streams, s.device_streams = s.device_streams, {}
             s.chunk_writer = devchunks.ChunkWriter(
-                s.work, sharing, streams, threads=digest.usable_cores()
+                s.work, sharing, streams, threads=digest.usable_cores(), incremental=s.incremental
             ).start()
         return
     if not criu_done and s.device_writeback is not None:
@@ -1537,7 +1574,14 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
         # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
         entry["flow"] = dm.get("flow")
         if dm.get("file_bytes"):
-            entry["file"] = img.device_memory_rel(pid)  # the copy is this file, not process memory
+            # the copy is this file (or this index of chunks), not process memory
+            entry["file"] = devchunks.index_rel(pid) if s.chunked else img.device_memory_rel(pid)
+            save = (dm.get("tracking") or {}).get("save") or {}
+            if s.chunked and isinstance(save.get("id"), str) and isinstance(save.get("epoch"), int):
+                # an incremental save of this process's later dump may start from this one
+                entry["save"] = {"id": save["id"], "epoch": save["epoch"]}
+                if pid in s.incremental:
+                    entry["base"] = s.incremental[pid].base.image.name
         if dm.get("fallback"):
             entry["fallback"] = dm["fallback"]
     record["processes"] = processes

@@ -35,6 +35,12 @@ def _bigalloc(tmp: Path, env: dict[str, str], mib: int) -> Job:
     return job
 
 
+def _base(image: Path, pid: int) -> object:
+    """The image an incremental save of ``pid`` took its unchanged pieces from (its name)."""
+    manifest = json.loads((image / "npusnap.json").read_text())
+    return manifest["device_memory"]["processes"][str(pid)].get("base")
+
+
 def _files(image: Path) -> dict[str, dict[str, object]]:
     return {f["path"]: f for f in json.loads((image / "npusnap.json").read_text())["files"]}
 
@@ -55,6 +61,7 @@ def test_second_snapshot_links_what_did_not_change(
         assert b1["device_total"] >= mib * MiB and b1["device_new"] == b1["device_total"], b1
         rc, second, err = cli(env, "dump", str(job.pid), str(images / "b"))
         assert rc == 0, (second or {}).get("error") or err
+        assert _base(images / "b", job.pid) == "a"
         b2 = second["result"]["bytes"]
         # Nothing of bigalloc's device memory changed: only the records' piece is new.
         assert b2["device_total"] == b1["device_total"] and b2["device_new"] < 64 << 10, b2
@@ -139,20 +146,125 @@ def test_a_lora_job_second_snapshot_writes_under_5_percent_and_restores_exactly(
         job.wait_lines(4, timeout=180)
         rc, first, err = cli(env, "dump", "--leave-running", str(job.pid), str(images / "a"), timeout=300)
         assert rc == 0, (first or {}).get("error") or err
+        # The agent copies everything once more, and the dump checks that every piece its write
+        # tracking called unchanged since "a" is: a missed write fails this dump.
+        n = len(job.lines())
+        job.wait_lines(n + 3, timeout=120)
+        checked = dict(env, NPUSNAP_TEST_CHECK_WRITES="1")
+        rc, out, err = cli(
+            checked, "dump", "--leave-running", str(job.pid), str(images / "check"), timeout=300
+        )
+        assert rc == 0, (out or {}).get("error") or err
+        assert _base(images / "check", job.pid) == "a"
+        # Every launch of this job named what it writes: nothing counted as writing everything.
+        rc, st, err = cli(env, "status", str(job.pid))
+        tracking = st["result"]["processes"][0]["hello"]["device_memory"]["tracking"]
+        assert tracking["marks_all"] == 0 and tracking["untracked"] is None, tracking
         n = len(job.lines())
         job.wait_lines(n + 3, timeout=120)
         rc, second, err = cli(env, "dump", str(job.pid), str(images / "b"), timeout=300)
         assert rc == 0, (second or {}).get("error") or err
+        assert _base(images / "b", job.pid) == "check"  # the newest of its history next to it
+
         b1, b2 = first["result"]["bytes"], second["result"]["bytes"]
         assert b1["device_total"] >= 64 << 20 and b1["device_new"] > b1["device_total"] // 2, b1
         assert b2["device_new"] <= 0.05 * b2["device_total"], b2
         job.reap(60)
         shutil.rmtree(images / "a")
+        shutil.rmtree(images / "check")
         rc, out, err = cli(env, "restore", str(images / "b"), timeout=300)
         assert rc == 0, (out or {}).get("error") or err
         job.restored_pid = out["result"]["root_pid"]
         wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
         lines = [ln for ln in job.text().splitlines() if ln.startswith(("step", "base"))]
         assert lines == ref, job.text()[-3000:]
+    finally:
+        job.cleanup()
+
+
+RAW_WRITER = r"""
+import ctypes, os, sys, time, zlib
+home = os.environ["ASCEND_HOME_PATH"]
+acl = ctypes.CDLL(os.path.join(home, "lib64", "libacl_rt.so"))
+vp = ctypes.c_void_p
+acl.aclrtMalloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_int]
+acl.aclrtMemcpy.argtypes = [vp, ctypes.c_size_t, vp, ctypes.c_size_t, ctypes.c_int]
+acl.aclrtBinaryLoadFromFile.argtypes = [ctypes.c_char_p, vp, ctypes.POINTER(vp)]
+acl.aclrtBinaryGetFunction.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(vp)]
+acl.aclrtLaunchKernel.argtypes = [vp, ctypes.c_uint32, vp, ctypes.c_size_t, vp]
+acl.aclrtCreateStream.argtypes = [ctypes.POINTER(vp)]
+acl.aclrtSynchronizeStream.argtypes = [vp]
+def ok(rc, what):
+    if rc:
+        sys.exit(f"{what} failed: {rc}")
+MiB = 1 << 20
+acl.aclInit(None)
+ok(acl.aclrtSetDevice(0), "set device")
+buf, stream, binh, fill = vp(), vp(), vp(), vp()
+ok(acl.aclrtMalloc(ctypes.byref(buf), 8 * MiB, 0), "malloc")
+ok(acl.aclrtCreateStream(ctypes.byref(stream)), "stream")
+ok(acl.aclrtBinaryLoadFromFile(sys.argv[1].encode(), None, ctypes.byref(binh)), "load")
+ok(acl.aclrtBinaryGetFunction(binh, b"npusim_slow_fill", ctypes.byref(fill)), "function")
+host = ctypes.create_string_buffer(8 * MiB)
+ok(acl.aclrtMemcpy(buf, 8 * MiB, host, 8 * MiB, 1), "h2d")
+class Fill(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint64), ("chunk", ctypes.c_uint64), ("chunks", ctypes.c_uint32),
+                ("value", ctypes.c_uint32), ("delay_ms", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+print("ready", flush=True)
+for tick in range(1, int(sys.argv[2]) + 1):
+    # A raw kernel launch writes one MiB of the buffer, a different one each tick: nothing in the
+    # call says where it writes (its arguments are an opaque block).
+    a = Fill(buf.value + (tick % 8) * MiB, 65536, 16, tick, 0, 0)
+    ok(acl.aclrtLaunchKernel(fill, 1, ctypes.byref(a), ctypes.sizeof(a), stream), "launch")
+    ok(acl.aclrtSynchronizeStream(stream), "sync")
+    ok(acl.aclrtMemcpy(host, 8 * MiB, buf, 8 * MiB, 2), "d2h")
+    print(f"tick {tick} checksum {zlib.crc32(host.raw):08x}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_raw_kernel_writer_is_copied_whole_and_checked_exact(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A job whose writes come from raw kernel launches (aclrtLaunchKernel: an opaque argument
+    block) gets the conservative rule: every piece counts as written. The check mode copies
+    everything and compares each piece the tracking called unchanged with the base image; the
+    image restores the job's device memory bit for bit (its checksum of all 8 MiB goes on)."""
+    kernels = tmp_path / "sim_kernels.so"
+    src = REPO / "tests" / "integration" / "sim_helpers" / "sim_kernels.c"
+    inc = REPO / "native" / "npusim"
+    subprocess.run(["cc", "-O1", "-fPIC", "-shared", f"-I{inc}", "-o", str(kernels), str(src)], check=True)
+    script = tmp_path / "raw_writer.py"
+    script.write_text(RAW_WRITER)
+    env = job_env(sim_env, runtime_dir)
+    ticks = "80"
+    ref = subprocess.run(
+        [PY, str(script), str(kernels), ticks], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ref.returncode == 0, ref.stderr
+    expected = [ln for ln in ref.stdout.splitlines() if ln.startswith("tick ")]
+    job = Job(tmp_path, env, [PY, str(script), str(kernels), ticks])
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    try:
+        wait_until(lambda: len(_ticks(job)) >= 3, 60, "the first ticks")
+        rc, out, err = cli(env, "dump", "--leave-running", str(job.pid), str(images / "a"))
+        assert rc == 0, (out or {}).get("error") or err
+        n = len(_ticks(job))
+        wait_until(lambda: len(_ticks(job)) >= n + 3, 60, "more ticks")
+        rc, st, err = cli(env, "status", str(job.pid))
+        tracking = st["result"]["processes"][0]["hello"]["device_memory"]["tracking"]
+        assert tracking["marks_all"] > 0 and tracking["all_why"] == "aclrtLaunchKernel", tracking
+        checked = dict(env, NPUSNAP_TEST_CHECK_WRITES="1")
+        rc, out, err = cli(checked, "dump", str(job.pid), str(images / "b"))
+        assert rc == 0, (out or {}).get("error") or err
+        assert _base(images / "b", job.pid) == "a"
+        job.reap()
+        rc, out, err = cli(env, "restore", str(images / "b"))
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 60, "the restored job to finish")
+        # Every tick's checksum over all 8 MiB, before and after the cut, is the uninterrupted run's.
+        assert [ln for ln in job.text().splitlines() if ln.startswith("tick ")] == expected
     finally:
         job.cleanup()

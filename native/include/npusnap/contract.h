@@ -145,6 +145,7 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_DEVMEM_FILE_MAGIC "NPUSNAP-DEVMEM1"
 #define NPUSNAP_DEVMEM_FILE_SUBDIR "device"
 #define NPUSNAP_DEVMEM_FILE_PATTERN "devmem-%d.bin"
+#define NPUSNAP_DEVMEM_PIECE_BYTES 1048576ull
 
 /* Agent control sockets: printf patterns (%u: uid, %d: pid). */
 #define NPUSNAP_AGENT_SOCKET_ENV_DIR "NPUSNAP_RUNTIME_DIR"
@@ -222,14 +223,14 @@ static inline const char *npusnap_arg_kind_name(int kind) {
  * struct { const char *op;
  *          struct { const char *name; int kind; } args[NPUSNAP_PROTOCOL_MAX_ARGS]; }. */
 #define NPUSNAP_PROTOCOL_OP_COUNT 11
-#define NPUSNAP_PROTOCOL_MAX_ARGS 5
+#define NPUSNAP_PROTOCOL_MAX_ARGS 7
 #define NPUSNAP_PROTOCOL_OP_NAMES "backup, hccl_rebuild, hccl_root, hello, lock, release, renew, restore, rollback, status, unlock"
 #define NPUSNAP_PROTOCOL_OPS_INIT \
     {"backup", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
     {"hccl_rebuild", {{"key", NPUSNAP_ARG_HEX}, {"root", NPUSNAP_ARG_HEX}}}, \
     {"hccl_root", {{"key", NPUSNAP_ARG_HEX}}}, \
     {"hello", {{0, 0}}}, \
-    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}}}, \
+    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}, {"device_memory_since", NPUSNAP_ARG_HEX}, {"device_memory_check_writes", NPUSNAP_ARG_BOOL}}}, \
     {"release", {{"token", NPUSNAP_ARG_TOKEN}}}, \
     {"renew", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
     {"restore", {{"token", NPUSNAP_ARG_TOKEN}, {"device_memory_file", NPUSNAP_ARG_PATH}}}, \

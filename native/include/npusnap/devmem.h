@@ -56,6 +56,28 @@ void npusnap_devmem_finish(void);
 
 void npusnap_devmem_get_info(npusnap_devmem_info *out);
 
+/* Write tracking (native/agent/writes.c): the next file save copies only the pieces written
+ * since the save `since_id` of this process's history (0: everything); `check_all` copies
+ * everything all the same but still reports which pieces it could have left out. */
+void npusnap_devmem_save_since(uint64_t since_id, int check_all);
+
+#define NPUSNAP_DEVMEM_LINEAGE 16
+typedef struct npusnap_devmem_tracking_info {
+    uint32_t epoch;
+    uint64_t marks_all;        /* calls whose writes the agent could not tell: everything written */
+    char all_why[96];          /* the last such call */
+    char untracked[128];       /* a writer looked up that cannot be followed ("": none) */
+    int nlineage;              /* this process's last saves, oldest first */
+    uint64_t lineage_ids[NPUSNAP_DEVMEM_LINEAGE];
+    uint32_t lineage_epochs[NPUSNAP_DEVMEM_LINEAGE];
+    uint64_t save_id;          /* the last save */
+    uint32_t save_epoch;
+    int since_used;            /* it was incremental */
+    const unsigned char *unchanged; /* its pieces in file order: 1 where left out (or could be) */
+    size_t npieces;
+} npusnap_devmem_tracking_info;
+void npusnap_devmem_tracking(npusnap_devmem_tracking_info *out);
+
 /* Explicit registration, for buffers npusnap cannot see being allocated (attach, custom
  * allocators) and for buffers that need no copy (scratch, a KV cache to be recomputed). */
 int npusnap_devmem_register(void *dev_ptr, size_t size);

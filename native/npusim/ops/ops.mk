@@ -28,8 +28,12 @@ $(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so: ops/hccl_kernel.c $(OPS_HDRS) ops/op
 	@mkdir -p $$(dir $$@)
 	$(CC) $(CFLAGS) -shared -o $$@.tmp ops/hccl_kernel.c && mv -f $$@.tmp $$@
 
+# The operators' headers, where a CANN install keeps them (include/aclnnop/aclnn_*.h).
+$(1)/include/aclnn/acl_meta.h: $(OPS_LIB_SRC) ops/gen_headers.py ops/ops.mk
+	rm -rf $(1)/include/aclnnop && python3 ops/gen_headers.py $(1)/include "$(CC)" $(sort $(wildcard ops/op_*.c))
+
 OPS_ALL += $(1)/lib64/libopapi.so $(1)/lib64/libhccl.so $(1)/$(OPS_KDIR)/libnpusim_aclnn_kernels.so \
-           $(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so
+           $(1)/$(OPS_KDIR)/libnpusim_hccl_kernels.so $(1)/include/aclnn/acl_meta.h
 endef
 
 OPS_TREES := $(patsubst %/lib64/libacl_rt.so,%,$(filter %/lib64/libacl_rt.so,$(ALL)))
