@@ -11,8 +11,9 @@
  *    aclnnop, and the custom operators' op_api/include under $ASCEND_OPP_PATH/vendors), once, on
  *    the first operator looked up. GetWorkspaceSize is wrapped through a libffi closure of that
  *    signature, which records the executor's output ranges; the operator's launch (aclnnXxx, the
- *    same four parameters for every operator) stamps them *after* it returned, so that a launch
- *    held by the runtime's lock across a save is stamped in the epoch in which it writes;
+ *    same four parameters for every operator) stamps them and its workspace *after* it returned,
+ *    so that a launch held by the runtime's lock across a save is stamped in the epoch in which
+ *    it writes;
  *  - a launch whose executor was not recorded (an operator without a parsed signature, an output
  *    tensor this file did not see created, a repeatable executor whose addresses may change), a
  *    raw kernel launch, an aclop execution and every HCCL collective: everything is written;
@@ -820,6 +821,8 @@ static void launch_handler(ffi_cif *cif, void *ret, void **args, void *ud) {
     ffi_call(cif, FFI_FN(o->real_launch), ret, args);
     t_in_op--;
     stamp(&t, o->name);
+    /* Its workspace (the caller's device memory) is the kernels' scratch: written too. */
+    npusnap_devmem_mark((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);
 }
 
 static pthread_once_t g_launch_once = PTHREAD_ONCE_INIT;
