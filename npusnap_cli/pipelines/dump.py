@@ -909,7 +909,9 @@ def _hello(s: DumpState) -> None:
     # writes it into the image in small pieces by default).
     in_process = mode == "preserve" and _device_memory_in_process()
     _check_space_and_memory(s.final, s.host_bytes + s.device_bytes, s.device_bytes if in_process else 0)
-    s.chunked = mode == "preserve" and not in_process and bool(s.device_bytes)
+    # NPUSNAP_DEVMEM_FLAT=1: one file per process, as images before chunks (benchmarks compare).
+    flat = os.environ.get("NPUSNAP_DEVMEM_FLAT") == "1"
+    s.chunked = mode == "preserve" and not in_process and not flat and bool(s.device_bytes)
     avail = _mem_available()
     if s.chunked and avail is not None and avail - s.device_bytes < CHUNK_STAGING_RESERVE:
         s.chunked = False

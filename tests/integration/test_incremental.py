@@ -17,7 +17,7 @@ import pytest
 
 from npusnap_cli.errors import ExitCode
 from tests.conftest import REPO, requires_root
-from tests.integration.dumplib import PY, Job, alive, cli, job_env, wait_until
+from tests.integration.dumplib import NPUSNAP, PY, Job, alive, cli, job_env, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -266,5 +266,90 @@ def test_a_raw_kernel_writer_is_copied_whole_and_checked_exact(
         wait_until(lambda: not alive(job.restored_pid), 60, "the restored job to finish")
         # Every tick's checksum over all 8 MiB, before and after the cut, is the uninterrupted run's.
         assert [ln for ln in job.text().splitlines() if ln.startswith("tick ")] == expected
+    finally:
+        job.cleanup()
+
+
+def test_images_of_one_job_outlive_a_crashed_dump_and_travel_alone(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A dump killed while publishing leaves the images next to it whole; an image exported,
+    every image of the job removed, and imported again restores the job by itself."""
+    env = job_env(sim_env, runtime_dir)
+    job = _bigalloc(tmp_path, env, 6)
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    try:
+        for name in ("a", "b"):
+            rc, out, err = cli(env, "dump", "--leave-running", str(job.pid), str(images / name))
+            assert rc == 0, (out or {}).get("error") or err
+        crash = dict(env, NPUSNAP_TEST_CRASH_AT="publish:before-rename")
+        done = subprocess.run(
+            [NPUSNAP, "dump", "--leave-running", str(job.pid), str(images / "c")],
+            env=crash,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == -9, done.stderr
+        assert not (images / "c").exists()
+        for name in ("a", "b"):
+            rc, out, err = cli(env, "verify", str(images / name))
+            assert rc == 0, (name, (out or {}).get("error") or err)
+        archive = tmp_path / "b.tar.zst"
+        rc, out, err = cli(env, "export", str(images / "b"), str(archive))
+        assert rc == 0, (out or {}).get("error") or err
+        before = set(_ticks(job))
+        shutil.rmtree(images)
+        job.proc.kill()
+        job.reap()
+        rc, out, err = cli(env, "import", str(archive), str(tmp_path / "imported"))
+        assert rc == 0, (out or {}).get("error") or err
+        chunks = list((tmp_path / "imported" / "device" / "chunks").iterdir())
+        assert chunks and all(c.stat().st_nlink == 1 for c in chunks)  # inlined: its own files
+        rc, out, err = cli(env, "restore", str(tmp_path / "imported"))
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"]
+        n = len(_ticks(job))
+        wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
+        assert set(_ticks(job)) == before
+    finally:
+        job.cleanup()
+
+
+def test_an_image_of_schema_1_still_verifies_and_restores(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Images made before chunks (schema 1: one devmem-PID.bin, no device_total/device_new): made
+    here as that layout (NPUSNAP_DEVMEM_FLAT=1) with its manifest written back as schema 1."""
+    from npusnap_cli.image.manifest import SELF_HASH_KEY, _self_hash
+
+    env = job_env(sim_env, runtime_dir)
+    job = _bigalloc(tmp_path, env, 4)
+    image = tmp_path / "old"
+    try:
+        rc, out, err = cli(dict(env, NPUSNAP_DEVMEM_FLAT="1"), "dump", str(job.pid), str(image))
+        assert rc == 0, (out or {}).get("error") or err
+        before = set(_ticks(job))
+        job.reap()
+        path = image / "npusnap.json"
+        m = json.loads(path.read_text())
+        assert f"device/devmem-{job.pid}.bin" in {f["path"] for f in m["files"]}
+        m["schema"] = 1
+        for key in ("device_total", "device_new"):
+            del m["bytes"][key]
+        for p in m["device_memory"]["processes"].values():
+            p.pop("save", None)
+        del m[SELF_HASH_KEY]
+        m[SELF_HASH_KEY] = _self_hash(m)
+        path.write_text(json.dumps(m, indent=2))
+        rc, out, err = cli(env, "verify", str(image))
+        assert rc == 0, (out or {}).get("error") or err
+        rc, out, err = cli(env, "restore", str(image))
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"]
+        n = len(_ticks(job))
+        wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
+        assert set(_ticks(job)) == before
     finally:
         job.cleanup()
