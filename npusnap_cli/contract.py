@@ -205,16 +205,17 @@ ARG_KINDS: Dict[str, str] = {
 # op -> {argument: kind}
 PROTOCOL_OPS: Dict[str, Dict[str, str]] = {
     "backup": {"lease_s": "lease", "token": "token"},
+    "copy_wait": {"timeout_s": "lease"},
     "hccl_rebuild": {"key": "hex", "root": "hex"},
     "hccl_root": {"key": "hex"},
     "hello": {},
-    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease", "device_memory_since": "hex", "device_memory_check_writes": "bool"},
+    "lock": {"lease_s": "lease", "owner": "owner", "device_memory": "device_memory", "device_memory_file": "path", "drain_timeout_s": "lease", "device_memory_since": "hex", "device_memory_check_writes": "bool", "device_memory_concurrent": "bool", "device_memory_check_concurrent": "bool"},
     "release": {"token": "token"},
     "renew": {"lease_s": "lease", "token": "token"},
     "restore": {"token": "token", "device_memory_file": "path"},
     "rollback": {"token": "token", "force": "bool"},
     "status": {},
-    "unlock": {"token": "token", "force": "bool"},
+    "unlock": {"token": "token", "force": "bool", "device_memory_file": "path"},
 }
 
 # -- the CRIU plugin ------------------------------------------------------------------------------

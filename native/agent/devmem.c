@@ -29,6 +29,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -48,6 +49,7 @@
 #include "realsym.h"
 
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
+void npusnap_devmem_before_write(uintptr_t p, size_t n); /* the concurrent copy, below */
 
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
 void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes.c */
@@ -440,8 +442,19 @@ API drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long lon
     return rc;
 }
 
+/* Before memory goes away: a concurrent copy takes what it still needs of it first. */
+static void before_release(uintptr_t p) {
+    size_t n = 0;
+    pthread_mutex_lock(&g_mu);
+    struct alloc *a = find(p);
+    if (a) n = a->size;
+    pthread_mutex_unlock(&g_mu);
+    npusnap_devmem_before_write(p, n);
+}
+
 API drvError_t halMemFree(void *pp) {
     REAL(F_HAL_FREE, drvError_t(*)(void *));
+    before_release((uintptr_t)pp);
     drvError_t rc = fn(pp);
     if (rc == 0) untrack((uintptr_t)pp);
     return rc;
@@ -521,6 +534,7 @@ API drvError_t halMemMap(void *ptr, size_t size, size_t offset, drv_mem_handle_t
 
 API drvError_t halMemUnmap(void *ptr) {
     REAL(F_HAL_UNMAP, drvError_t(*)(void *));
+    before_release((uintptr_t)ptr);
     drvError_t rc = fn(ptr);
     if (rc == 0) untrack((uintptr_t)ptr);
     return rc;
@@ -531,6 +545,7 @@ API drvError_t halMemUnmap(void *ptr) {
 API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t n) {
     REAL(F_DRV_MEMCPY, drvError_t(*)(DVdeviceptr, size_t, DVdeviceptr, size_t));
     if (t_agent) return fn(dst, destMax, src, n);
+    npusnap_devmem_before_write((uintptr_t)dst, n);
     pthread_mutex_lock(&g_mu);
     g_copies_inflight++;
     pthread_mutex_unlock(&g_mu);
@@ -1094,6 +1109,10 @@ static int quiesce(int timeout_ms, char *err, size_t errlen) {
 
 /* Copy every tracked allocation into fd: the header, one record per allocation, then their bytes
  * in record order, written by xfer_run. Holds g_mu. */
+static int cc_plan_add(const struct alloc *a, off_t file_off, const unsigned char *unchanged);
+API void npusnap_devmem_copy_cancel(void);
+static int g_plan_next; /* the next save plans the job's allocations for a concurrent copy */
+
 static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, char *err, size_t errlen) {
     struct dm_header h;
     memset(&h, 0, sizeof h);
@@ -1134,6 +1153,20 @@ static int save_file_locked(int fd, memcpy_fn_t memcpy_fn, uint64_t *written, ch
     for (size_t i = 0; i < g_n && ret == 0; i++) {
         const struct alloc *a = &g_allocs[i];
         if (a->excluded) continue;
+        if (g_plan_next && a->app) {
+            /* Copied after Unlock while the job runs (cc_*): what the job writes first is
+             * copied first. The runtime's own allocations, whose writes are not known, now. */
+            for (size_t j = 0, np = pieces_of(a); j < np; j++, k++) unchanged[k] = since && piece_gen(a, j) <= since;
+            if (cc_plan_add(a, data_off, unchanged + k - pieces_of(a)) != 0) {
+                seterr(err, errlen, "no host memory for the plan of the concurrent copy");
+                ret = -ENOMEM;
+            }
+            if (g_plan_next == 1) {
+                data_off += (off_t)a->size;
+                continue;
+            }
+            k -= pieces_of(a); /* 2: the full copy as well, a reference for the concurrent one */
+        }
         for (size_t j = 0, np = pieces_of(a); j < np && ret == 0; j++, k++) {
             size_t off = j * PIECE, n = a->size - off < PIECE ? a->size - off : PIECE;
             unchanged[k] = since && piece_gen(a, j) <= since;
@@ -1208,6 +1241,7 @@ static int save_in_process_locked(memcpy_fn_t memcpy_fn, char *err, size_t errle
 /* Called by the agent after the runtime's Lock: drain (bounded), then copy with the driver. */
 static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {
     if (timeout_ms < 0) timeout_ms = 0;
+    npusnap_devmem_copy_cancel(); /* a concurrent copy of an earlier dump that gave up, if any */
     t_agent = 1;
     int ret = quiesce(timeout_ms, err, errlen);
     memcpy_fn_t memcpy_fn = (memcpy_fn_t)real(F_DRV_MEMCPY);
@@ -1223,7 +1257,9 @@ static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t 
     }
     if (ret != 0) free_copies_locked();
     else g_saved = 1;
+    g_plan_next = 0;
     pthread_mutex_unlock(&g_mu);
+    if (ret != 0) npusnap_devmem_copy_cancel(); /* a plan half made */
     t_agent = 0;
     return ret;
 }
@@ -1239,6 +1275,232 @@ API int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen) {
 API int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen) {
     uint64_t unused = 0;
     return save_to(-1, timeout_ms, &unused, err, errlen);
+}
+
+/* --- the concurrent copy (dump --leave-running) -------------------------------------------
+ *
+ * At the cut (LOCKED, drained) the job's allocations are only planned: their pieces are copied
+ * after Unlock by a thread of the agent while the job runs, and a call of the job that is about
+ * to write a piece not yet copied copies it first (npusnap_devmem_before_write, called by every
+ * wrapper writes.c counts as a writer, before the real call; a writer whose target is unknown
+ * waits for the whole copy). So the image holds every piece as it was at the cut, and the job is
+ * held only for the cut. Pieces: 0 copied or not needed, 1 to copy, 2 being copied. */
+struct cc_range {
+    uintptr_t ptr;
+    size_t size;
+    off_t file_off;
+    unsigned char *state;
+};
+static struct {
+    int planned;
+    volatile int active; /* the hooks copy first; read without the lock on every call */
+    int fd;
+    memcpy_fn_t fn;
+    struct cc_range *r;
+    size_t n, cap, left, cursor_r, cursor_j;
+    int err;
+    char errmsg[256];
+    uint64_t cow, background;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th;
+    int th_started;
+} g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void cc_clear_locked(void) {
+    for (size_t i = 0; i < g_cc.n; i++) free(g_cc.r[i].state);
+    free(g_cc.r);
+    g_cc.r = NULL;
+    g_cc.n = g_cc.cap = g_cc.left = g_cc.cursor_r = g_cc.cursor_j = 0;
+    g_cc.planned = 0;
+    g_cc.err = 0;
+    g_cc.errmsg[0] = 0;
+    if (g_cc.fd >= 0) close(g_cc.fd);
+    g_cc.fd = -1;
+}
+
+/* Holds g_mu (the save). */
+static int cc_plan_add(const struct alloc *a, off_t file_off, const unsigned char *unchanged) {
+    size_t np = pieces_of(a);
+    pthread_mutex_lock(&g_cc.mu);
+    int rc = grow((void **)&g_cc.r, &g_cc.cap, g_cc.n, sizeof *g_cc.r);
+    unsigned char *st = rc == 0 ? calloc(np ? np : 1, 1) : NULL;
+    if (!st) rc = -ENOMEM;
+    if (rc == 0) {
+        size_t todo = 0;
+        for (size_t j = 0; j < np; j++) todo += st[j] = g_check_all || !unchanged[j]; /* checked: all */
+        g_cc.r[g_cc.n++] = (struct cc_range){a->ptr, a->size, file_off, st};
+        g_cc.left += todo;
+        g_cc.planned = 1;
+    }
+    pthread_mutex_unlock(&g_cc.mu);
+    return rc;
+}
+
+static __thread char *t_cc_buf;
+
+/* Copy piece j of range r (its state already 2); 0 or -errno. */
+static int cc_copy(const struct cc_range *r, size_t j) {
+    if (!t_cc_buf && !(t_cc_buf = malloc(PIECE))) return -ENOMEM;
+    size_t off = j * PIECE, n = r->size - off < PIECE ? r->size - off : PIECE;
+    int saved = t_agent;
+    t_agent = 1;
+    drvError_t rc = g_cc.fn((DVdeviceptr)(uintptr_t)t_cc_buf, n, (DVdeviceptr)(r->ptr + off), n);
+    t_agent = saved;
+    if (rc != 0) return -EIO;
+    return pwrite_full(g_cc.fd, t_cc_buf, n, r->file_off + (off_t)off);
+}
+
+/* Take piece j of range i (held: g_cc.mu), copy it without the lock, mark it done. A piece
+ * another thread is copying is waited for. */
+static void cc_piece_locked(size_t i, size_t j, int cow) {
+    struct cc_range *r = &g_cc.r[i];
+    while (r->state[j] == 2) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
+    if (r->state[j] != 1 || g_cc.err) return;
+    r->state[j] = 2;
+    pthread_mutex_unlock(&g_cc.mu);
+    int rc = cc_copy(r, j);
+    pthread_mutex_lock(&g_cc.mu);
+    r->state[j] = 0;
+    g_cc.left--;
+    if (cow) g_cc.cow++;
+    else g_cc.background++;
+    if (rc != 0 && !g_cc.err) {
+        g_cc.err = rc;
+        snprintf(g_cc.errmsg, sizeof g_cc.errmsg, "copying %zu bytes at %#lx off the device failed (%s)", PIECE,
+                 (unsigned long)(r->ptr + j * PIECE), strerror(-rc));
+    }
+    pthread_cond_broadcast(&g_cc.cv);
+}
+
+/* Before a call of the job writes [p, p + n): copy the pieces there that are not copied yet. */
+void npusnap_devmem_before_write(uintptr_t p, size_t n) {
+    if (!g_cc.active || !n || t_agent) return;
+    pthread_mutex_lock(&g_cc.mu);
+    for (size_t i = 0; g_cc.active && i < g_cc.n; i++) {
+        struct cc_range *r = &g_cc.r[i];
+        if (p >= r->ptr + r->size || p + n <= r->ptr) continue;
+        uintptr_t lo = p > r->ptr ? p : r->ptr, hi = p + n < r->ptr + r->size ? p + n : r->ptr + r->size;
+        for (size_t j = (lo - r->ptr) / PIECE; j <= (hi - 1 - r->ptr) / PIECE; j++) cc_piece_locked(i, j, 1);
+    }
+    pthread_mutex_unlock(&g_cc.mu);
+}
+
+/* Before a call whose writes are not known: the whole copy first (this thread helps). */
+void npusnap_devmem_before_write_all(void) {
+    if (!g_cc.active || t_agent) return;
+    pthread_mutex_lock(&g_cc.mu);
+    for (size_t i = 0; g_cc.active && i < g_cc.n && !g_cc.err; i++)
+        for (size_t j = 0; j < (g_cc.r[i].size + PIECE - 1) / PIECE; j++) cc_piece_locked(i, j, 1);
+    while (g_cc.active && g_cc.left && !g_cc.err) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
+    pthread_mutex_unlock(&g_cc.mu);
+}
+
+static void *cc_main(void *arg) {
+    (void)arg;
+    t_agent = 1;
+    pthread_mutex_lock(&g_cc.mu);
+    while (g_cc.left && !g_cc.err && g_cc.cursor_r < g_cc.n) {
+        struct cc_range *r = &g_cc.r[g_cc.cursor_r];
+        size_t np = (r->size + PIECE - 1) / PIECE;
+        if (g_cc.cursor_j >= np) {
+            g_cc.cursor_r++;
+            g_cc.cursor_j = 0;
+            continue;
+        }
+        cc_piece_locked(g_cc.cursor_r, g_cc.cursor_j++, 0);
+    }
+    while (g_cc.left && !g_cc.err) pthread_cond_wait(&g_cc.cv, &g_cc.mu); /* pieces others copy */
+    g_cc.active = 0; /* done: the hooks are inert again */
+    pthread_cond_broadcast(&g_cc.cv);
+    pthread_mutex_unlock(&g_cc.mu);
+    return NULL;
+}
+
+/* After the cut, before Unlock: start copying the planned pieces into fd (kept: a dup). */
+API int npusnap_devmem_copy_start(int fd, char *err, size_t errlen) {
+    pthread_mutex_lock(&g_cc.mu);
+    if (!g_cc.planned) {
+        pthread_mutex_unlock(&g_cc.mu);
+        return 0;
+    }
+    g_cc.fn = (memcpy_fn_t)real(F_DRV_MEMCPY);
+    g_cc.fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (g_cc.fd < 0 || !g_cc.fn) {
+        seterr(err, errlen, "cannot start the concurrent copy: %s", g_cc.fn ? strerror(errno) : "no drvMemcpy");
+        cc_clear_locked();
+        pthread_mutex_unlock(&g_cc.mu);
+        return -EIO;
+    }
+    g_cc.active = 1;
+    g_cc.th_started = npusnap_quiet_thread_create(&g_cc.th, NULL, cc_main, NULL) == 0;
+    pthread_mutex_unlock(&g_cc.mu);
+    if (!g_cc.th_started) cc_main(NULL); /* no thread: copy now, the job still locked */
+    return 0;
+}
+
+/* Wait (at most timeout_ms) for the concurrent copy; 0 once it is complete (the plan is then
+ * dropped), -ETIMEDOUT while it runs, -errno if it failed. What it did goes to *stats. */
+API int npusnap_devmem_copy_wait(int timeout_ms, uint64_t stats[3], char *err, size_t errlen) {
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&g_cc.mu);
+    if (!g_cc.planned) {
+        pthread_mutex_unlock(&g_cc.mu);
+        seterr(err, errlen, "no concurrent copy was planned");
+        return -ENOENT;
+    }
+    while (g_cc.active && !g_cc.err)
+        if (pthread_cond_timedwait(&g_cc.cv, &g_cc.mu, &dl) == ETIMEDOUT) break;
+    int rc = g_cc.err ? g_cc.err : g_cc.active ? -ETIMEDOUT : 0;
+    if (stats) {
+        stats[0] = g_cc.left;
+        stats[1] = g_cc.cow;
+        stats[2] = g_cc.background;
+    }
+    if (rc == -ETIMEDOUT) {
+        seterr(err, errlen, "%zu pieces are still to copy", g_cc.left);
+        pthread_mutex_unlock(&g_cc.mu);
+        return rc;
+    }
+    if (rc != 0) seterr(err, errlen, "%s", g_cc.errmsg);
+    g_cc.active = 0;
+    int th = g_cc.th_started;
+    g_cc.th_started = 0;
+    pthread_cond_broadcast(&g_cc.cv);
+    pthread_mutex_unlock(&g_cc.mu);
+    if (th) pthread_join(g_cc.th, NULL);
+    pthread_mutex_lock(&g_cc.mu);
+    cc_clear_locked();
+    g_cc.cow = g_cc.background = 0;
+    pthread_mutex_unlock(&g_cc.mu);
+    return rc;
+}
+
+/* Drop a planned or running copy (a rollback, a restored process, a dump that gave up). */
+API void npusnap_devmem_copy_cancel(void) {
+    pthread_mutex_lock(&g_cc.mu);
+    g_cc.active = 0;
+    if (!g_cc.err) g_cc.err = -ECANCELED;
+    pthread_cond_broadcast(&g_cc.cv);
+    int th = g_cc.th_started;
+    g_cc.th_started = 0;
+    pthread_mutex_unlock(&g_cc.mu);
+    if (th) pthread_join(g_cc.th, NULL);
+    pthread_mutex_lock(&g_cc.mu);
+    cc_clear_locked();
+    g_cc.cow = g_cc.background = 0;
+    pthread_mutex_unlock(&g_cc.mu);
+}
+
+/* The next file save plans the job's allocations instead of copying them. */
+API void npusnap_devmem_plan_next(int on) {
+    pthread_mutex_lock(&g_mu);
+    g_plan_next = on;
+    pthread_mutex_unlock(&g_mu);
 }
 
 API int npusnap_devmem_save_fd(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {

@@ -37,6 +37,7 @@
 #define API __attribute__((visibility("default")))
 
 void npusnap_devmem_mark_all(const char *why); /* devmem.c: the write tracking */
+void npusnap_devmem_before_write_all(void);    /* devmem.c: a concurrent copy */
 
 typedef int HcclResult;
 typedef void *HcclComm;
@@ -266,6 +267,7 @@ static void leave(void) {
         if (!fn) return HCCL_E_NOT_FOUND;                                          \
         HcclResult res_ = enter(c, 1, &c);                                         \
         if (res_ != HCCL_SUCCESS) return res_;                                     \
+        npusnap_devmem_before_write_all(); /* a concurrent copy ends first */      \
         res_ = fn args;                                                            \
         leave();                                                                   \
         npusnap_devmem_mark_all(#name); /* receive and HCCL's own buffers */       \

@@ -38,6 +38,10 @@
 #pragma weak npusnap_devmem_drain
 #pragma weak npusnap_devmem_save_since
 #pragma weak npusnap_devmem_tracking
+#pragma weak npusnap_devmem_plan_next
+#pragma weak npusnap_devmem_copy_start
+#pragma weak npusnap_devmem_copy_wait
+#pragma weak npusnap_devmem_copy_cancel
 
 /* 1: a `lock` that names no owner records none, and then needs no token (the CLI of this branch
  * does not send owners yet). 0: every lock has an owner, "unknown" with the client's pid when it
@@ -1114,6 +1118,14 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
         uint64_t id = since && since->t == J_STR ? strtoull(since->s, NULL, 16) : 0;
         npusnap_devmem_save_since(id, check && check->t == J_BOOL && check->b);
     }
+    if (npusnap_devmem_plan_next) {
+        /* --leave-running: only the cut now; the job's memory is copied after Unlock, while it
+         * runs (the unlock brings the file). Checked: a full copy now all the same. */
+        const jval *cc = json_get(r->args, "device_memory_concurrent");
+        const jval *ck = json_get(r->args, "device_memory_check_concurrent");
+        int on = cc && cc->t == J_BOOL && cc->b && devmem.save_fd >= 0;
+        npusnap_devmem_plan_next(on ? (ck && ck->t == J_BOOL && ck->b ? 2 : 1) : 0);
+    }
     double start = now_s();
     double lock_call_s = 0;
     copy_s = 0;
@@ -1312,6 +1324,7 @@ static int op_release(const request *r, sbuf *res, op_error *e) {
 
 static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (need_runtime(e) < 0 || check_owner("restore", r->args, 0, e) < 0) return -1;
+    if (npusnap_devmem_copy_cancel) npusnap_devmem_copy_cancel(); /* the dump's plan, not this copy's */
     if (take_devmem_file(r, &devmem.reload_fd, e) < 0) return -1;
     int before = state_now();
     double start = now_s();
@@ -1343,7 +1356,24 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     double start = now_s();
     sbuf steps;
     sb_init(&steps);
+    const jval *f = json_get(r->args, "device_memory_file");
+    if (npusnap_devmem_copy_start) {
+        /* A concurrent copy (lock planned it): started before Unlock, so that the job's first
+         * writes already find it; without its file the plan is dropped. */
+        char err[512] = "";
+        if (f && f->t == J_STR && r->fd >= 0) {
+            if (npusnap_devmem_copy_start(r->fd, err, sizeof err) < 0) {
+                err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, EIO, "%s; still locked", err);
+                sb_free(&steps);
+                return -1;
+            }
+            sb_raw(&steps, "\"concurrent copy started\"");
+        } else {
+            npusnap_devmem_copy_cancel();
+        }
+    }
     if ((!no_device && devmem_reload(&steps, e) < 0) || (!no_device && call("Unlock", e) < 0)) {
+        if (npusnap_devmem_copy_cancel) npusnap_devmem_copy_cancel();
         sb_free(&steps);
         return -1;
     }
@@ -1376,6 +1406,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
  * there) unless this process was CRIU-restored, where Restore must come first. */
 static int do_rollback(sbuf *res, op_error *e) {
     if (need_runtime(e) < 0) return -1;
+    if (npusnap_devmem_copy_cancel) npusnap_devmem_copy_cancel();
     double start = now_s();
     int before = state_now();
     sbuf actions, warnings, steps;
@@ -1439,6 +1470,29 @@ static int op_rollback(const request *r, sbuf *res, op_error *e) {
     return do_rollback(res, e);
 }
 
+/* After a --leave-running dump's unlock: wait (at most timeout_s) for the concurrent copy of the
+ * device memory; {"complete": bool, "left", "cow_pieces", "background_pieces"}. */
+static int op_copy_wait(const request *r, sbuf *res, op_error *e) {
+    if (!npusnap_devmem_copy_wait) {
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_UNAVAILABLE, 0, "this agent has no device-memory part");
+        return -1;
+    }
+    const jval *t = json_get(r->args, "timeout_s");
+    int ms = t && t->t == J_NUM ? (int)(t->num * 1000 + 0.5) : 10000;
+    uint64_t stats[3] = {0, 0, 0};
+    char err[512] = "";
+    int rc = npusnap_devmem_copy_wait(ms, stats, err, sizeof err);
+    if (rc != 0 && rc != -ETIMEDOUT) {
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_MEMORY_SAVE_FAILED, rc, "the concurrent copy of the device memory failed: %s", err);
+        return -1;
+    }
+    sb_key(res, "complete");
+    sb_raw(res, rc == 0 ? "true" : "false");
+    sb_printf(res, ",\"left\":%llu,\"cow_pieces\":%llu,\"background_pieces\":%llu", (unsigned long long)stats[0],
+              (unsigned long long)stats[1], (unsigned long long)stats[2]);
+    return 0;
+}
+
 void ops_handle(const request *r, int peer_pid, sbuf *out) {
     refresh_restored();
     sbuf res;
@@ -1459,6 +1513,7 @@ void ops_handle(const request *r, int peer_pid, sbuf *out) {
     else if (strcmp(op, "rollback") == 0) rc = op_rollback(r, &res, &e);
     else if (strcmp(op, "hccl_root") == 0) rc = op_hccl_root(r, &res, &e);
     else if (strcmp(op, "hccl_rebuild") == 0) rc = op_hccl_rebuild(r, &res, &e);
+    else if (strcmp(op, "copy_wait") == 0) rc = op_copy_wait(r, &res, &e);
     else {
         err_set(&e, NPUSNAP_ERRTYPE_PROTOCOL, NPUSNAP_ERR_UNKNOWN_OP, 0, "unknown op '%s'", op);
         rc = -1;

@@ -55,6 +55,8 @@ void npusnap_devmem_mark(uintptr_t p, size_t n);
 void npusnap_devmem_mark_all(const char *why);
 void npusnap_devmem_mark_app(uintptr_t p, size_t n);
 void npusnap_devmem_untracked(const char *name);
+void npusnap_devmem_before_write(uintptr_t p, size_t n);
+void npusnap_devmem_before_write_all(void);
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ------------------------------------------------------------------ the real functions */
@@ -420,9 +422,11 @@ static void stamp(struct taken *t, const char *name) {
     t->e = NULL;
 }
 
-#define STAMP_AFTER(call, dst, len)        \
-    aclError rc_ = call;                   \
-    npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len)); \
+/* A concurrent copy takes the destination first; the write is stamped once the call returned. */
+#define STAMP_AFTER(call, dst, len)                            \
+    npusnap_devmem_before_write((uintptr_t)(dst), (size_t)(len)); \
+    aclError rc_ = call;                                       \
+    npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len));      \
     return rc_
 
 API aclError aclrtMemcpy(void *d, size_t dm, const void *s, size_t n, int k) {
@@ -454,9 +458,10 @@ API aclError aclrtMemsetAsync(void *d, size_t dm, int32_t v, size_t n, void *st)
  * that operator's, whose writes its launch stamps. */
 static __thread int t_in_op;
 
-#define ALL_AFTER(call, name)                   \
-    __typeof__(call) rc_ = call;                \
-    if (!t_in_op) npusnap_devmem_mark_all(name); \
+#define ALL_AFTER(call, name)                          \
+    if (!t_in_op) npusnap_devmem_before_write_all();   \
+    __typeof__(call) rc_ = call;                       \
+    if (!t_in_op) npusnap_devmem_mark_all(name);       \
     return rc_
 
 API aclError aclrtLaunchKernel(void *f, uint32_t b, const void *a, size_t n, void *st) {
@@ -817,6 +822,10 @@ static ffi_type *g_launch_types[4];
 static void launch_handler(ffi_cif *cif, void *ret, void **args, void *ud) {
     struct op *o = ud;
     struct taken t = take(*(void **)args[2], o);
+    /* A concurrent copy takes what the kernels will write first. */
+    if (t.all) npusnap_devmem_before_write_all();
+    for (size_t i = 0; i < t.n; i++) npusnap_devmem_before_write(t.e[i].p, (size_t)t.e[i].n);
+    npusnap_devmem_before_write((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);
     t_in_op++;
     ffi_call(cif, FFI_FN(o->real_launch), ret, args);
     t_in_op--;

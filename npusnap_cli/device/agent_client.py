@@ -435,6 +435,7 @@ class AgentClient:
         drain_timeout_s: Optional[float] = None,
         since: Optional[str] = None,
         check_writes: bool = False,
+        concurrent: int = 0,
     ) -> dict[str, Any]:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
         ``drain_timeout_s``: how long the agent waits for the devices to finish their queued work
@@ -451,6 +452,11 @@ class AgentClient:
             args["device_memory_since"] = since
         if check_writes:
             args["device_memory_check_writes"] = True
+        if concurrent:
+            # 1: copied after the unlock while the job runs; 2: and now as well (a test's reference)
+            args["device_memory_concurrent"] = True
+            if concurrent == 2:
+                args["device_memory_check_concurrent"] = True
         if device_memory is not None:
             args["device_memory"] = device_memory
         if drain_timeout_s is not None:
@@ -493,10 +499,25 @@ class AgentClient:
         """Make communicator ``key`` anew from ``root``; returns once every rank joined."""
         return self.request("hccl_rebuild", {"key": key, "root": root})
 
-    def unlock(self, force: bool = False) -> dict[str, Any]:
-        result = self.request("unlock", {"force": True} if force else self._owned())
+    def unlock(
+        self, force: bool = False, device_memory_file: Optional[tuple[int, str]] = None
+    ) -> dict[str, Any]:
+        """Unlock; ``device_memory_file``: (fd open for writing, its name): the concurrent copy
+        the lock planned goes there, started before the Unlock (``copy_wait`` waits for it)."""
+        args: dict[str, Any] = {"force": True} if force else self._owned()
+        if device_memory_file is None:
+            result = self.request("unlock", args)
+        else:
+            fd, args["device_memory_file"] = device_memory_file
+            result = self.request("unlock", args, fd=fd)
         self.token = None
         return result
+
+    def copy_wait(self, timeout_s: float) -> dict[str, Any]:
+        """Wait at most ``timeout_s`` for the concurrent copy of the device memory: its
+        ``complete``, and the pieces ``left``, copied first for a write (``cow_pieces``) and in
+        the background (``background_pieces``)."""
+        return self.request("copy_wait", {"timeout_s": timeout_s}, timeout=timeout_s + 30)
 
     def rollback(self, force: bool = False) -> dict[str, Any]:
         result = self.request("rollback", {"force": True} if force else self._owned())

@@ -251,6 +251,7 @@ class DeviceGroup:
         before_retry: Optional[Callable[[], None]] = None,
         since: Optional[dict[int, str]] = None,
         check_writes: bool = False,
+        concurrent: int = 0,
     ) -> dict[int, dict[str, Any]]:
         """Lock (and Backup) every process; all or nothing (see the module docstring).
 
@@ -267,7 +268,13 @@ class DeviceGroup:
         for attempt in range(busy_retries + 1):
             try:
                 return self._lock_and_backup(
-                    backup, device_memory, device_memory_files, drain_timeout_s, since or {}, check_writes
+                    backup,
+                    device_memory,
+                    device_memory_files,
+                    drain_timeout_s,
+                    since or {},
+                    check_writes,
+                    concurrent,
                 )
             except _AllBusy as busy:
                 if attempt == busy_retries:
@@ -289,6 +296,7 @@ class DeviceGroup:
         drain_timeout_s: Optional[float],
         since: dict[int, str],
         check_writes: bool,
+        concurrent: int,
     ) -> dict[int, dict[str, Any]]:
         lease = self.lease_s
         files = device_memory_files or {}
@@ -307,6 +315,7 @@ class DeviceGroup:
                 drain_timeout_s,
                 since.get(c.pid),
                 check_writes,
+                concurrent if c.pid in files else 0,
             )
             if not backup:
                 return locked
@@ -362,10 +371,31 @@ class DeviceGroup:
             self._raise_first(failures, "release")
         return results
 
-    def unlock(self, force: bool = False) -> dict[int, dict[str, Any]]:
-        results, failures = self._each(lambda c: c.unlock(force))
+    def unlock(
+        self, force: bool = False, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
+    ) -> dict[int, dict[str, Any]]:
+        """Unlock every process; ``device_memory_files``: pid -> (fd, name) where its concurrent
+        copy goes (``lock_and_backup(concurrent=...)`` planned it)."""
+        files = device_memory_files or {}
+        results, failures = self._each(lambda c: c.unlock(force, files.get(c.pid)))
         if failures:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
+        return results
+
+    def copy_wait(self, deadline_s: float) -> dict[int, dict[str, Any]]:
+        """Wait for every process's concurrent copy, at most ``deadline_s`` in all."""
+        end = time.monotonic() + deadline_s
+
+        def wait(c: AgentClient) -> dict[str, Any]:
+            while True:
+                left = end - time.monotonic()
+                r = c.copy_wait(max(0.05, min(5.0, left)))
+                if r.get("complete") or left <= 0:
+                    return r
+
+        results, failures = self._each(wait)
+        if failures:
+            self._raise_first(failures, "copy_wait", "the job runs on; the image was not kept")
         return results
 
     def restore(

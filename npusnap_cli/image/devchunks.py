@@ -488,7 +488,8 @@ class ChunkWriter:
             check = inc is not None and inc.check
             todo = [i for i, v in enumerate(known) if v is None or check]
             values: list[str] = [v or "" for v in known]
-            for i, value in zip(todo, pool.map(hashed, todo)):
+            # Every hash done before anything may raise: no thread still holds a slice of the view.
+            for i, value in zip(todo, list(pool.map(hashed, todo))):
                 if known[i] is not None and known[i] != value:
                     off, n = pieces[i]
                     raise ImageError(

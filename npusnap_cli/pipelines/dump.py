@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import shutil
 import signal
@@ -51,6 +52,7 @@ from npusnap_cli.device.devicegroup import DeviceGroup, forget_taken_over, refus
 from npusnap_cli.device.leasekeeper import LeaseKeeper, keeping
 from npusnap_cli.errors import (
     CriuError,
+    DeviceError,
     ImageError,
     NpusnapError,
     PreflightError,
@@ -769,6 +771,11 @@ class DumpState:
     sharing: Optional[devchunks.Sharing] = None  # the earlier images chunks are linked from
     bases: dict[int, devchunks.BaseSave] = field(default_factory=dict)  # pid -> its incremental base
     incremental: dict[int, devchunks.Incremental] = field(default_factory=dict)  # what the agents left out
+    # --leave-running: the job's device memory is copied after the unlock, while it runs (1; 2:
+    # and at the cut as well, compared after: NPUSNAP_TEST_CHECK_CONCURRENT=1).
+    concurrent: int = 0
+    copy_done: bool = False
+    copy_stats: dict[int, dict[str, Any]] = field(default_factory=dict)
     criu_options: CriuOptions = field(default_factory=CriuOptions)
     criu_result: Optional[criu.DumpResult] = None
     criu_s: float = 0.0  # CRIU's own run
@@ -959,6 +966,7 @@ def _lock(s: DumpState) -> None:
                 before_retry=lambda: _empty_files(files),
                 since={pid: b.save_id for pid, b in s.bases.items()},
                 check_writes=os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1",
+                concurrent=s.concurrent,
             )
     finally:
         for fd, _name in files.values():
@@ -1052,6 +1060,8 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     files: dict[int, tuple[int, str]] = {}
     if s.chunked:
         s.sharing = devchunks.Sharing(s.published, s.options.parent)
+        if s.options.leave_running and os.environ.get("NPUSNAP_NO_CONCURRENT") != "1":
+            s.concurrent = 2 if os.environ.get("NPUSNAP_TEST_CHECK_CONCURRENT") == "1" else 1
         if os.environ.get("NPUSNAP_NO_INCREMENTAL") != "1":
             s.bases = _bases(s.sharing, s.hello)
     try:
@@ -1135,6 +1145,8 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
     every core once CRIU is done and the job stays stopped. Chunked: cut the memory files into
     chunks (on every core once CRIU is done)."""
     if s.chunked:
+        if s.concurrent and not s.copy_done:
+            return  # the agents copy after the unlock
         if (
             s.chunk_writer is None
             and s.device_streams
@@ -1357,9 +1369,95 @@ def _check_plugin_marks(s: DumpState, tmp: Path) -> None:
 
 def _unlock(s: DumpState) -> None:
     s.group.reconnect()
-    s.group.unlock()
-    s.group.close()
-    s.frozen_end = time.monotonic()
+    try:
+        if s.concurrent:
+            _unlock_and_copy(s)
+        else:
+            s.group.unlock()
+            s.frozen_end = time.monotonic()
+    finally:
+        s.group.close()
+
+
+# The concurrent copy runs at the device's copy speed, the job's writes helping; beyond this the
+# dump gives up (the job runs on, no image is kept).
+COPY_DEADLINE_S = 1800.0
+POISON = 0xA5
+
+
+def _unlock_and_copy(s: DumpState) -> None:
+    """Unlock, the agents copying the device memory into the memory files while the job runs
+    (a piece it is about to write first); wait for them. Checked (``concurrent == 2``): the copy
+    goes to a memory file of its own, poisoned, and is compared with the cut's copy."""
+    targets = {pid: fd for pid, fd in s.device_streams.items() if pid in s.lock_results}
+    reference: dict[int, int] = {}
+    if s.concurrent == 2:
+        for pid, fd in list(targets.items()):
+            size = os.fstat(fd).st_size
+            fresh = os.memfd_create(f"npusnap-devmem-check-{pid}", os.MFD_CLOEXEC)
+            os.pwrite(fresh, bytes([POISON]) * size, 0)
+            os.pwrite(fresh, os.pread(fd, _meta_size(fd), 0), 0)
+            reference[pid], targets[pid] = fd, fresh
+    try:
+        # (The name is the published index's, as at the lock: the agent keeps no file by it.)
+        names = {
+            pid: (fd, os.path.abspath(s.published / devchunks.index_rel(pid))) for pid, fd in targets.items()
+        }
+        s.group.unlock(device_memory_files=names)
+        s.frozen_end = time.monotonic()
+        s.cb.phase("device copy")
+        s.copy_stats = s.group.copy_wait(COPY_DEADLINE_S)
+        left = {pid: r.get("left") for pid, r in s.copy_stats.items() if not r.get("complete")}
+        if left:
+            raise DeviceError(
+                f"the concurrent copy of the device memory did not end within {COPY_DEADLINE_S:.0f} s",
+                why=f"pieces left per pid: {left}",
+                fix="the job runs on; dump again (NPUSNAP_NO_CONCURRENT=1 copies while the job is held)",
+            )
+        for pid, ref in reference.items():
+            _compare_concurrent(pid, ref, targets[pid], s.copy_stats.get(pid) or {})
+        s.copy_done = True
+    finally:
+        for pid in reference:
+            os.close(targets[pid])
+
+
+def _meta_size(fd: int) -> int:
+    head = os.pread(fd, contract.DEVMEM_FILE_HEADER.size, 0)
+    _magic, count, _total = contract.DEVMEM_FILE_HEADER.unpack_from(head, 0)
+    return int(contract.DEVMEM_FILE_HEADER.size + count * contract.DEVMEM_FILE_RECORD.size)
+
+
+def _compare_concurrent(pid: int, reference: int, copied: int, stats: dict[str, Any]) -> None:
+    """The test of the concurrent copy: each piece it copied (not left poisoned) equals the cut's
+    copy bit for bit, and it copied as many as it says."""
+    size = os.fstat(reference).st_size
+    if not size:
+        return
+    with (
+        mmap.mmap(reference, size, prot=mmap.PROT_READ) as a,
+        mmap.mmap(copied, size, prot=mmap.PROT_READ) as b,
+    ):
+        with memoryview(a) as va:
+            pieces = devchunks.cut(va)[1:]
+        copied_pieces = 0
+        for off, n in pieces:
+            piece = b[off : off + n]
+            if piece == bytes([POISON]) * n:
+                continue
+            copied_pieces += 1
+            if a[off : off + n] != piece:
+                raise DeviceError(
+                    f"the concurrent copy of pid {pid}'s device memory differs from the cut at offset {off}",
+                    why="a write of the job reached a piece before it was copied",
+                    fix="report this with the job's calls; dump with NPUSNAP_NO_CONCURRENT=1 meanwhile",
+                )
+    said = int(stats.get("cow_pieces") or 0) + int(stats.get("background_pieces") or 0)
+    if copied_pieces != said:
+        raise DeviceError(
+            f"the concurrent copy of pid {pid} wrote {copied_pieces} pieces and says {said}",
+            fix="report this; dump with NPUSNAP_NO_CONCURRENT=1 meanwhile",
+        )
 
 
 @contextlib.contextmanager
@@ -1584,6 +1682,14 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
                 entry["save"] = {"id": save["id"], "epoch": save["epoch"]}
                 if pid in s.incremental:
                     entry["base"] = s.incremental[pid].base.image.name
+        stats = s.copy_stats.get(pid)
+        if stats:
+            # copied after the unlock while the job ran: pieces copied first for a write of the
+            # job, and in the background
+            entry["concurrent"] = {
+                "cow_pieces": int(stats.get("cow_pieces") or 0),
+                "background_pieces": int(stats.get("background_pieces") or 0),
+            }
         if dm.get("fallback"):
             entry["fallback"] = dm["fallback"]
     record["processes"] = processes

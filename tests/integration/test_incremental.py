@@ -353,3 +353,40 @@ def test_an_image_of_schema_1_still_verifies_and_restores(
         assert set(_ticks(job)) == before
     finally:
         job.cleanup()
+
+
+def test_a_leave_running_dump_copies_while_the_job_runs_and_matches_the_cut(
+    torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """`dump --leave-running` holds the job only for the cut: its device memory is copied after
+    the unlock while it trains, a piece it is about to write copied first. Checked here
+    (NPUSNAP_TEST_CHECK_CONCURRENT=1): the cut's full copy is taken as well, and every piece the
+    concurrent copy wrote equals it bit for bit; the image restores every later step exactly."""
+    env = job_env(sim_env, runtime_dir)
+    args = [LORA, "--steps", "30", "--base-mib", "48", "--interval", "0.05"]
+    done = subprocess.run([torch_npu_python, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = [ln for ln in done.stdout.splitlines() if ln.startswith(("step", "base"))]
+    job = Job(tmp_path, env, [torch_npu_python, *args])
+    image = tmp_path / "img"
+    try:
+        job.wait_lines(4, timeout=180)
+        checked = dict(env, NPUSNAP_TEST_CHECK_CONCURRENT="1")
+        rc, out, err = cli(checked, "dump", "--leave-running", str(job.pid), str(image), timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        m = json.loads((image / "npusnap.json").read_text())
+        stats = m["device_memory"]["processes"][str(job.pid)]["concurrent"]
+        assert stats["cow_pieces"] + stats["background_pieces"] >= 40, stats
+        assert job.reap(300) == 0
+        first = len(job.lines())
+        rc, out, err = cli(env, "restore", str(image), timeout=300)
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"]
+        wait_until(lambda: not alive(job.restored_pid), 300, "the restored job to finish")
+        lines = [ln for ln in job.text().splitlines() if ln.startswith(("step", "base"))]
+        assert lines[: len(ref)] == ref, "the original, left running, went on differently"
+        again = lines[len(ref) :]
+        assert again and again == ref[len(ref) - len(again) :], job.text()[-3000:]
+        assert first
+    finally:
+        job.cleanup()

@@ -222,21 +222,22 @@ static inline const char *npusnap_arg_kind_name(int kind) {
 /* The operations (sorted) and their arguments, as initialisers of
  * struct { const char *op;
  *          struct { const char *name; int kind; } args[NPUSNAP_PROTOCOL_MAX_ARGS]; }. */
-#define NPUSNAP_PROTOCOL_OP_COUNT 11
-#define NPUSNAP_PROTOCOL_MAX_ARGS 7
-#define NPUSNAP_PROTOCOL_OP_NAMES "backup, hccl_rebuild, hccl_root, hello, lock, release, renew, restore, rollback, status, unlock"
+#define NPUSNAP_PROTOCOL_OP_COUNT 12
+#define NPUSNAP_PROTOCOL_MAX_ARGS 9
+#define NPUSNAP_PROTOCOL_OP_NAMES "backup, copy_wait, hccl_rebuild, hccl_root, hello, lock, release, renew, restore, rollback, status, unlock"
 #define NPUSNAP_PROTOCOL_OPS_INIT \
     {"backup", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
+    {"copy_wait", {{"timeout_s", NPUSNAP_ARG_LEASE}}}, \
     {"hccl_rebuild", {{"key", NPUSNAP_ARG_HEX}, {"root", NPUSNAP_ARG_HEX}}}, \
     {"hccl_root", {{"key", NPUSNAP_ARG_HEX}}}, \
     {"hello", {{0, 0}}}, \
-    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}, {"device_memory_since", NPUSNAP_ARG_HEX}, {"device_memory_check_writes", NPUSNAP_ARG_BOOL}}}, \
+    {"lock", {{"lease_s", NPUSNAP_ARG_LEASE}, {"owner", NPUSNAP_ARG_OWNER}, {"device_memory", NPUSNAP_ARG_DEVICE_MEMORY}, {"device_memory_file", NPUSNAP_ARG_PATH}, {"drain_timeout_s", NPUSNAP_ARG_LEASE}, {"device_memory_since", NPUSNAP_ARG_HEX}, {"device_memory_check_writes", NPUSNAP_ARG_BOOL}, {"device_memory_concurrent", NPUSNAP_ARG_BOOL}, {"device_memory_check_concurrent", NPUSNAP_ARG_BOOL}}}, \
     {"release", {{"token", NPUSNAP_ARG_TOKEN}}}, \
     {"renew", {{"lease_s", NPUSNAP_ARG_LEASE}, {"token", NPUSNAP_ARG_TOKEN}}}, \
     {"restore", {{"token", NPUSNAP_ARG_TOKEN}, {"device_memory_file", NPUSNAP_ARG_PATH}}}, \
     {"rollback", {{"token", NPUSNAP_ARG_TOKEN}, {"force", NPUSNAP_ARG_BOOL}}}, \
     {"status", {{0, 0}}}, \
-    {"unlock", {{"token", NPUSNAP_ARG_TOKEN}, {"force", NPUSNAP_ARG_BOOL}}}
+    {"unlock", {{"token", NPUSNAP_ARG_TOKEN}, {"force", NPUSNAP_ARG_BOOL}, {"device_memory_file", NPUSNAP_ARG_PATH}}}
 
 /* ---- the CRIU plugin ---- */
 #define NPUSNAP_PLUGIN_NAME "npusnap_plugin"

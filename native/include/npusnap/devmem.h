@@ -78,6 +78,16 @@ typedef struct npusnap_devmem_tracking_info {
 } npusnap_devmem_tracking_info;
 void npusnap_devmem_tracking(npusnap_devmem_tracking_info *out);
 
+/* The concurrent copy of a --leave-running dump: the next file save only plans the job's
+ * allocations (1; 2: and copies them as well, a reference for a test); copy_start (before
+ * Unlock) copies them into fd while the job runs, a piece the job is about to write first;
+ * copy_wait waits for it (stats: pieces left, copied first for a write, copied in the
+ * background); copy_cancel drops it. */
+void npusnap_devmem_plan_next(int on);
+int npusnap_devmem_copy_start(int fd, char *err, size_t errlen);
+int npusnap_devmem_copy_wait(int timeout_ms, uint64_t stats[3], char *err, size_t errlen);
+void npusnap_devmem_copy_cancel(void);
+
 /* Explicit registration, for buffers npusnap cannot see being allocated (attach, custom
  * allocators) and for buffers that need no copy (scratch, a KV cache to be recomputed). */
 int npusnap_devmem_register(void *dev_ptr, size_t size);
