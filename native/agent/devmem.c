@@ -399,6 +399,7 @@ API void npusnap_devmem_tracking(npusnap_devmem_tracking_info *out) {
     pthread_mutex_lock(&g_mu);
     memset(out, 0, sizeof *out);
     out->epoch = g_epoch;
+    for (size_t i = 0; i < g_n; i++) out->app_bytes += g_allocs[i].app ? g_allocs[i].size : 0;
     out->marks_all = g_marks_all;
     snprintf(out->all_why, sizeof out->all_why, "%s", g_all_why);
     snprintf(out->untracked, sizeof out->untracked, "%s", g_untracked);

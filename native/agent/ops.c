@@ -318,7 +318,8 @@ static void tracking_json(sbuf *b) {
     npusnap_devmem_tracking_info t;
     npusnap_devmem_tracking(&t);
     sb_raw(b, ",\"tracking\":{");
-    sb_printf(b, "\"epoch\":%u,\"marks_all\":%llu", t.epoch, (unsigned long long)t.marks_all);
+    sb_printf(b, "\"epoch\":%u,\"app_bytes\":%llu,\"marks_all\":%llu", t.epoch, (unsigned long long)t.app_bytes,
+              (unsigned long long)t.marks_all);
     sb_key(b, "all_why");
     sb_str(b, t.all_why[0] ? t.all_why : NULL);
     sb_key(b, "untracked");

@@ -64,6 +64,7 @@ void npusnap_devmem_save_since(uint64_t since_id, int check_all);
 #define NPUSNAP_DEVMEM_LINEAGE 16
 typedef struct npusnap_devmem_tracking_info {
     uint32_t epoch;
+    uint64_t app_bytes;        /* of the tracked bytes, the job's own (aclrtMalloc*, aclrtMapMem, registered) */
     uint64_t marks_all;        /* calls whose writes the agent could not tell: everything written */
     char all_why[96];          /* the last such call */
     char untracked[128];       /* a writer looked up that cannot be followed ("": none) */
