@@ -9,7 +9,8 @@ incremental snapshot (docs/image-format.md, "Device-memory chunks") must not wri
 
 Each step prints ``step N loss L adapter H`` (H: a hash of every adapter parameter's bytes); the
 base's hash is printed once at the start and once at the end (``base H``), so a restore that lost
-or shifted any of it shows. ``--device cpu`` runs the same numbers on the CPU.
+or shifted any of it shows. ``--device cpu`` runs the same numbers on the CPU; ``--times FILE``
+appends each step's end time there (bench/concurrent.py reads the job's gaps from it).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--interval", type=float, default=0.0, help="seconds to sleep after each step")
     ap.add_argument("--device", default="npu")
+    ap.add_argument("--times", help="append each step's end (time.monotonic()) to this file")
     args = ap.parse_args()
     if args.device == "npu":
         import torch_npu  # type: ignore[import-not-found]  # noqa: F401
@@ -73,6 +75,9 @@ def main() -> int:
         loss.backward()
         opt.step()
         print(f"step {step} loss {loss.item():.6f} adapter {digest(adapter)}", flush=True)
+        if args.times:
+            with open(args.times, "a") as f:
+                f.write(f"{time.monotonic():.6f}\n")
         if args.interval:
             time.sleep(args.interval)
     print(f"base {digest(base)} dim {dim}", flush=True)
