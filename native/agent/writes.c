@@ -42,6 +42,8 @@
 #include <ffi.h>
 #endif
 
+#define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_ERROR_RT_FEATURE_NOT_SUPPORT: no CANN header is included */
+#include "npusnap/contract.h"
 #include "npusnap/devmem.h"
 #include "realsym.h"
 
@@ -242,9 +244,16 @@ static int tensor_get(const void *t, struct extent *out) {
 
 /* ------------------------------------------------------------------ the wrappers */
 
-#define REALW(idx, ret, params)            \
-    ret(*fn) params = (ret(*) params)wreal(idx); \
-    if (!fn) return (ret)0
+/* A wrapped name whose real function is in no loaded library: never "success" for a call that
+ * did nothing. */
+#define REALW(idx, ret, params)                   \
+    ret(*fn) params = (ret(*) params)wreal(idx);  \
+    if (!fn) return (ret)missing(idx)
+
+static int missing(int i) {
+    agent_log("[writes] %s is not exported by the loaded CANN libraries", WNAMES[i]);
+    return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+}
 
 API void *aclCreateTensor(const int64_t *vd, uint64_t vn, int32_t dt, const int64_t *st, int64_t off, int32_t fmt,
                           const int64_t *sd, uint64_t sn, void *data) {
@@ -639,6 +648,13 @@ static void parse_header(const char *buf, size_t len) {
         if (nlen < 6 || nlen >= NAME_MAX_LEN || memcmp(start, "aclnn", 5) != 0) continue;
         const char *close = memchr(paren, ')', len - (size_t)(paren - buf));
         if (!close) return;
+        /* Only plain parameter lists: a function pointer, an array or "..." is not followed
+         * (the operator is then not wrapped, and its launch counts as writing everything). */
+        const char *end = close + 1;
+        while (end < buf + len && (*end == ' ' || *end == '\n' || *end == '\t')) end++;
+        if (memchr(paren + 1, '(', (size_t)(close - paren - 1)) || memchr(paren + 1, '[', (size_t)(close - paren - 1)) ||
+            memmem(paren + 1, (size_t)(close - paren - 1), "...", 3) || end >= buf + len || (*end != ';' && *end != '{'))
+            continue;
         char name[NAME_MAX_LEN];
         memcpy(name, start, nlen);
         name[nlen] = 0;
