@@ -255,6 +255,15 @@ def test_a_raw_kernel_writer_is_copied_whole_and_checked_exact(
         rc, st, err = cli(env, "status", str(job.pid))
         tracking = st["result"]["processes"][0]["hello"]["device_memory"]["tracking"]
         assert tracking["marks_all"] > 0 and tracking["all_why"] == "aclrtLaunchKernel", tracking
+        # Left running, copied while the kernels go on writing: each launch waits for the whole
+        # copy (its writes are not known), and the copy equals the cut's, bit for bit.
+        concurrent = dict(env, NPUSNAP_TEST_CHECK_CONCURRENT="1", NPUSNAP_NO_INCREMENTAL="1")
+        alone = tmp_path / "alone"
+        alone.mkdir(mode=0o700)
+        rc, out, err = cli(concurrent, "dump", "--leave-running", str(job.pid), str(alone / "c"))
+        assert rc == 0, (out or {}).get("error") or err
+        m = json.loads((alone / "c" / "npusnap.json").read_text())
+        assert "concurrent" in m["device_memory"]["processes"][str(job.pid)], m["device_memory"]
         checked = dict(env, NPUSNAP_TEST_CHECK_WRITES="1")
         rc, out, err = cli(checked, "dump", str(job.pid), str(images / "b"))
         assert rc == 0, (out or {}).get("error") or err

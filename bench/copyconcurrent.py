@@ -10,7 +10,7 @@ job's own step times (``--times``) its normal step (the median gap before the fi
 the longest gap between two steps while a snapshot ran, and the steps it made meanwhile against
 what it would have made.
 
-    .venv/bin/python -m bench.concurrent --out docs/benchmarks-concurrent.md
+    .venv/bin/python -m bench.copyconcurrent --out docs/benchmarks-concurrent.md
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _one(env: dict[str, str], pid: int, image: Path) -> dict[str, Any]:
     end = time.monotonic()
     out = json.loads(done.stdout)
     if done.returncode != 0:
-        raise SystemExit(f"bench.concurrent: dump failed: {out.get('error')}")
+        raise SystemExit(f"bench.copyconcurrent: dump failed: {out.get('error')}")
     t = out["result"]["timings"]
     return {"start": start, "end": end, "frozen_s": t["frozen_s"], "total_s": t["total_s"]}
 
@@ -168,7 +168,7 @@ def write(res: dict[str, Any], argv: list[str], out: Path) -> None:
             [
                 "# The concurrent device copy: measured",
                 "",
-                f"`.venv/bin/python -m bench.concurrent {' '.join(argv)}` (bench/concurrent.py says what it "
+                f"`.venv/bin/python -m bench.copyconcurrent {' '.join(argv)}` (bench/copyconcurrent.py says what it "
                 f"does); load average at the end {res['loadavg']:.2f}.",
                 "",
                 *_table(res),
