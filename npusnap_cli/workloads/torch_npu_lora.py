@@ -10,7 +10,7 @@ incremental snapshot (docs/image-format.md, "Device-memory chunks") must not wri
 Each step prints ``step N loss L adapter H`` (H: a hash of every adapter parameter's bytes); the
 base's hash is printed once at the start and once at the end (``base H``), so a restore that lost
 or shifted any of it shows. ``--device cpu`` runs the same numbers on the CPU; ``--times FILE``
-appends each step's end time there (bench/concurrent.py reads the job's gaps from it).
+appends each step's end time there (bench/copyconcurrent.py reads the job's gaps from it).
 """
 
 from __future__ import annotations
