@@ -168,8 +168,8 @@ def write(res: dict[str, Any], argv: list[str], out: Path) -> None:
             [
                 "# The concurrent device copy: measured",
                 "",
-                f"`.venv/bin/python -m bench.copyconcurrent {' '.join(argv)}` (bench/copyconcurrent.py says what it "
-                f"does); load average at the end {res['loadavg']:.2f}.",
+                f"`.venv/bin/python -m bench.copyconcurrent {' '.join(argv)}` (bench/copyconcurrent.py says "
+                f"what it does); load average at the end {res['loadavg']:.2f}.",
                 "",
                 *_table(res),
                 "",
