@@ -50,6 +50,8 @@
 
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
 void npusnap_devmem_before_write(uintptr_t p, size_t n); /* the concurrent copy, below */
+void npusnap_devmem_write_open(void);
+void npusnap_devmem_write_close(void);
 
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
 void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes.c */
@@ -212,7 +214,9 @@ static __thread int t_agent;           /* this thread copies for npusnap: its dr
  * holds no snapshot of its own (CANN does not survive fork either). */
 static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
+static void ws_after_fork(void);
 static void atfork_child(void) {
+    ws_after_fork();
     g_copies_inflight = 0;
     for (size_t i = 0; i < g_n; i++) {
         free(g_allocs[i].copy);
@@ -455,8 +459,10 @@ static void before_release(uintptr_t p) {
 
 API drvError_t halMemFree(void *pp) {
     REAL(F_HAL_FREE, drvError_t(*)(void *));
+    npusnap_devmem_write_open();
     before_release((uintptr_t)pp);
     drvError_t rc = fn(pp);
+    npusnap_devmem_write_close();
     if (rc == 0) untrack((uintptr_t)pp);
     return rc;
 }
@@ -535,8 +541,10 @@ API drvError_t halMemMap(void *ptr, size_t size, size_t offset, drv_mem_handle_t
 
 API drvError_t halMemUnmap(void *ptr) {
     REAL(F_HAL_UNMAP, drvError_t(*)(void *));
+    npusnap_devmem_write_open();
     before_release((uintptr_t)ptr);
     drvError_t rc = fn(ptr);
+    npusnap_devmem_write_close();
     if (rc == 0) untrack((uintptr_t)ptr);
     return rc;
 }
@@ -546,11 +554,13 @@ API drvError_t halMemUnmap(void *ptr) {
 API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t n) {
     REAL(F_DRV_MEMCPY, drvError_t(*)(DVdeviceptr, size_t, DVdeviceptr, size_t));
     if (t_agent) return fn(dst, destMax, src, n);
+    npusnap_devmem_write_open();
     npusnap_devmem_before_write((uintptr_t)dst, n);
     pthread_mutex_lock(&g_mu);
     g_copies_inflight++;
     pthread_mutex_unlock(&g_mu);
     drvError_t rc = fn(dst, destMax, src, n);
+    npusnap_devmem_write_close();
     pthread_mutex_lock(&g_mu);
     if (--g_copies_inflight == 0) pthread_cond_broadcast(&g_cv);
     pthread_mutex_unlock(&g_mu);
@@ -1046,7 +1056,20 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
  * driver copies still in flight end (bounded), then the devices drain once more (a launch that was
  * past the runtime's entry check when Lock came may have queued work after the first drain).
  * 0, or -errno with err set. */
+static double g_drain_s;
+static int quiesce_timed(int timeout_ms, char *err, size_t errlen);
 static int quiesce(int timeout_ms, char *err, size_t errlen) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    int rc = quiesce_timed(timeout_ms, err, errlen);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    g_drain_s = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) / 1e9;
+    return rc;
+}
+
+API double npusnap_devmem_last_drain_s(void) { return g_drain_s; }
+
+static int quiesce_timed(int timeout_ms, char *err, size_t errlen) {
     int32_t devs[64];
     void *ctxs[64];
     int nd = 0;
@@ -1239,6 +1262,8 @@ static int save_in_process_locked(memcpy_fn_t memcpy_fn, char *err, size_t errle
     return ret;
 }
 
+static void cc_note_whole_at_cut(int planning);
+
 /* Called by the agent after the runtime's Lock: drain (bounded), then copy with the driver. */
 static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t errlen) {
     if (timeout_ms < 0) timeout_ms = 0;
@@ -1258,6 +1283,7 @@ static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t 
     }
     if (ret != 0) free_copies_locked();
     else g_saved = 1;
+    cc_note_whole_at_cut(ret == 0 && g_plan_next && fd >= 0);
     g_plan_next = 0;
     pthread_mutex_unlock(&g_mu);
     if (ret != 0) npusnap_devmem_copy_cancel(); /* a plan half made */
@@ -1294,7 +1320,7 @@ struct cc_range {
 };
 static struct {
     int planned;
-    volatile int active; /* the hooks copy first; read without the lock on every call */
+    int active; /* the hooks copy first; read without the lock (atomically) on every call */
     int fd;
     memcpy_fn_t fn;
     struct cc_range *r;
@@ -1306,7 +1332,17 @@ static struct {
     pthread_cond_t cv;
     pthread_t th;
     int th_started;
+    /* The last save was to plan, and all of it was copied at the cut (no allocation of the
+     * job's own): the copy to wait for is complete, unlike a plan that was dropped. */
+    int whole_at_cut;
 } g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+/* A save that was to plan: nothing planned means all of it was copied at the cut. */
+static void cc_note_whole_at_cut(int planning) {
+    pthread_mutex_lock(&g_cc.mu);
+    g_cc.whole_at_cut = planning && !g_cc.planned;
+    pthread_mutex_unlock(&g_cc.mu);
+}
 
 static void cc_clear_locked(void) {
     for (size_t i = 0; i < g_cc.n; i++) free(g_cc.r[i].state);
@@ -1314,6 +1350,7 @@ static void cc_clear_locked(void) {
     g_cc.r = NULL;
     g_cc.n = g_cc.cap = g_cc.left = g_cc.cursor_r = g_cc.cursor_j = 0;
     g_cc.planned = 0;
+    g_cc.whole_at_cut = 0;
     g_cc.err = 0;
     g_cc.errmsg[0] = 0;
     if (g_cc.fd >= 0) close(g_cc.fd);
@@ -1374,9 +1411,7 @@ static void cc_piece_locked(size_t i, size_t j, int cow) {
     pthread_cond_broadcast(&g_cc.cv);
 }
 
-/* Before a call of the job writes [p, p + n): copy the pieces there that are not copied yet. */
-void npusnap_devmem_before_write(uintptr_t p, size_t n) {
-    if (!g_cc.active || !n || t_agent) return;
+static void cc_cow_range(uintptr_t p, size_t n) {
     pthread_mutex_lock(&g_cc.mu);
     for (size_t i = 0; g_cc.active && i < g_cc.n; i++) {
         struct cc_range *r = &g_cc.r[i];
@@ -1387,14 +1422,128 @@ void npusnap_devmem_before_write(uintptr_t p, size_t n) {
     pthread_mutex_unlock(&g_cc.mu);
 }
 
-/* Before a call whose writes are not known: the whole copy first (this thread helps). */
-void npusnap_devmem_before_write_all(void) {
-    if (!g_cc.active || t_agent) return;
+static void cc_cow_all(void) {
     pthread_mutex_lock(&g_cc.mu);
     for (size_t i = 0; g_cc.active && i < g_cc.n && !g_cc.err; i++)
         for (size_t j = 0; j < (g_cc.r[i].size + PIECE - 1) / PIECE; j++) cc_piece_locked(i, j, 1);
     while (g_cc.active && g_cc.left && !g_cc.err) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
     pthread_mutex_unlock(&g_cc.mu);
+}
+
+/* Writers in flight. A call of the job takes its hook (below) and then enters the runtime, where
+ * Lock may hold it at the gate: its hook ran before the copy was planned, and after Unlock it
+ * writes. So every writer notes what it will write in a slot of its thread, open from before its
+ * hook until its real call returned, and copy_start copies what the open slots name before
+ * Unlock. The slot is noted before `active` is read, and copy_start sets `active` before it reads
+ * the slots (both sequentially consistent): a writer either sees the copy or is seen by it. */
+#define WS_SLOTS 512
+#define WS_RANGES 16
+struct wslot {
+    int owned, busy, all, depth;
+    size_t n;
+    uintptr_t p[WS_RANGES];
+    size_t len[WS_RANGES];
+};
+static struct wslot g_ws[WS_SLOTS];
+static int g_ws_unslotted; /* open writers of threads that found no free slot: count as writing all */
+static __thread struct wslot *t_ws;
+static __thread int t_ws_none, t_ws_none_depth;
+static pthread_key_t g_ws_key;
+static pthread_once_t g_ws_once = PTHREAD_ONCE_INIT;
+
+/* The child has only the forking thread: the other threads' slots are free there. */
+static void ws_after_fork(void) {
+    for (int i = 0; i < WS_SLOTS; i++)
+        if (&g_ws[i] != t_ws) g_ws[i].owned = g_ws[i].busy = g_ws[i].depth = 0;
+    g_ws_unslotted = t_ws_none_depth > 0;
+}
+
+static void ws_release(void *slot) {
+    struct wslot *w = slot;
+    __atomic_store_n(&w->busy, 0, __ATOMIC_SEQ_CST);
+    w->depth = 0;
+    __atomic_store_n(&w->owned, 0, __ATOMIC_RELEASE);
+}
+static void ws_key_init(void) { (void)pthread_key_create(&g_ws_key, ws_release); }
+
+static struct wslot *ws_claim(void) {
+    pthread_once(&g_ws_once, ws_key_init);
+    for (int i = 0; i < WS_SLOTS; i++) {
+        int zero = 0;
+        if (__atomic_compare_exchange_n(&g_ws[i].owned, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            (void)pthread_setspecific(g_ws_key, &g_ws[i]);
+            return &g_ws[i];
+        }
+    }
+    return NULL;
+}
+
+void npusnap_devmem_write_open(void) {
+    if (t_agent) return;
+    if (!t_ws && !t_ws_none && !(t_ws = ws_claim())) t_ws_none = 1;
+    if (t_ws) {
+        if (t_ws->depth++ == 0) {
+            __atomic_store_n(&t_ws->n, 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&t_ws->all, 0, __ATOMIC_RELAXED);
+        }
+    } else if (t_ws_none_depth++ == 0) {
+        __atomic_fetch_add(&g_ws_unslotted, 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+void npusnap_devmem_write_close(void) {
+    if (t_agent) return;
+    if (t_ws) {
+        if (t_ws->depth > 0 && --t_ws->depth == 0) __atomic_store_n(&t_ws->busy, 0, __ATOMIC_SEQ_CST);
+    } else if (t_ws_none && t_ws_none_depth > 0 && --t_ws_none_depth == 0) {
+        __atomic_fetch_sub(&g_ws_unslotted, 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+static void ws_note(uintptr_t p, size_t n, int all) {
+    struct wslot *w = t_ws;
+    if (!w || !w->depth) return;
+    size_t k = __atomic_load_n(&w->n, __ATOMIC_RELAXED);
+    if (all || k >= WS_RANGES) {
+        __atomic_store_n(&w->all, 1, __ATOMIC_RELEASE);
+    } else {
+        w->p[k] = p;
+        w->len[k] = n;
+        __atomic_store_n(&w->n, k + 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&w->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+/* copy_start, `active` set: what the writers in flight will write, copied now. */
+static void cc_cow_open_writers(void) {
+    int all = __atomic_load_n(&g_ws_unslotted, __ATOMIC_SEQ_CST) > 0;
+    for (int i = 0; i < WS_SLOTS && !all; i++) {
+        struct wslot *w = &g_ws[i];
+        if (!__atomic_load_n(&w->busy, __ATOMIC_SEQ_CST)) continue;
+        if (__atomic_load_n(&w->all, __ATOMIC_ACQUIRE)) {
+            all = 1;
+            break;
+        }
+        size_t n = __atomic_load_n(&w->n, __ATOMIC_ACQUIRE);
+        for (size_t k = 0; k < n && k < WS_RANGES; k++) cc_cow_range(w->p[k], w->len[k]);
+    }
+    if (all) cc_cow_all();
+}
+
+/* Before a call of the job writes [p, p + n): copy the pieces there that are not copied yet. */
+void npusnap_devmem_before_write(uintptr_t p, size_t n) {
+    if (!n || t_agent) return;
+    ws_note(p, n, 0);
+    if (!__atomic_load_n(&g_cc.active, __ATOMIC_SEQ_CST)) return;
+    cc_cow_range(p, n);
+}
+
+/* Before a call whose writes are not known: the whole copy first (this thread helps). */
+void npusnap_devmem_before_write_all(void) {
+    if (t_agent) return;
+    ws_note(0, 0, 1);
+    if (!__atomic_load_n(&g_cc.active, __ATOMIC_SEQ_CST)) return;
+    cc_cow_all();
 }
 
 static void *cc_main(void *arg) {
@@ -1433,10 +1582,11 @@ API int npusnap_devmem_copy_start(int fd, char *err, size_t errlen) {
         pthread_mutex_unlock(&g_cc.mu);
         return -EIO;
     }
-    g_cc.active = 1;
+    __atomic_store_n(&g_cc.active, 1, __ATOMIC_SEQ_CST);
     g_cc.th_started = npusnap_quiet_thread_create(&g_cc.th, NULL, cc_main, NULL) == 0;
     pthread_mutex_unlock(&g_cc.mu);
     if (!g_cc.th_started) cc_main(NULL); /* no thread: copy now, the job still locked */
+    else cc_cow_open_writers();           /* still locked: what the gated calls will write */
     return 0;
 }
 
@@ -1449,6 +1599,12 @@ API int npusnap_devmem_copy_wait(int timeout_ms, uint64_t stats[3], char *err, s
     dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
     if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
     pthread_mutex_lock(&g_cc.mu);
+    if (!g_cc.planned && g_cc.whole_at_cut) {
+        g_cc.whole_at_cut = 0;
+        pthread_mutex_unlock(&g_cc.mu);
+        if (stats) stats[0] = stats[1] = stats[2] = 0;
+        return 0;
+    }
     if (!g_cc.planned) {
         pthread_mutex_unlock(&g_cc.mu);
         seterr(err, errlen, "no concurrent copy was planned");

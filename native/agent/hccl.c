@@ -38,6 +38,8 @@
 
 void npusnap_devmem_mark_all(const char *why); /* devmem.c: the write tracking */
 void npusnap_devmem_before_write_all(void);    /* devmem.c: a concurrent copy */
+void npusnap_devmem_write_open(void);          /* devmem.c: a writer in flight */
+void npusnap_devmem_write_close(void);
 
 typedef int HcclResult;
 typedef void *HcclComm;
@@ -267,8 +269,10 @@ static void leave(void) {
         if (!fn) return HCCL_E_NOT_FOUND;                                          \
         HcclResult res_ = enter(c, 1, &c);                                         \
         if (res_ != HCCL_SUCCESS) return res_;                                     \
+        npusnap_devmem_write_open();                                               \
         npusnap_devmem_before_write_all(); /* a concurrent copy ends first */      \
         res_ = fn args;                                                            \
+        npusnap_devmem_write_close();                                              \
         leave();                                                                   \
         npusnap_devmem_mark_all(#name); /* receive and HCCL's own buffers */       \
         return res_;                                                               \

@@ -36,6 +36,7 @@
 #pragma weak npusnap_devmem_registered_count
 #pragma weak npusnap_devmem_devices
 #pragma weak npusnap_devmem_drain
+#pragma weak npusnap_devmem_last_drain_s
 #pragma weak npusnap_devmem_save_since
 #pragma weak npusnap_devmem_tracking
 #pragma weak npusnap_devmem_plan_next
@@ -617,10 +618,15 @@ static void unlock_after_failure(op_error *e) {
 
 /* After Lock without a copy of npusnap's: the bounded drain of every device the job opened, so
  * that Backup's synchronize (no timeout in CANN) finds them idle. */
+static double drain_s; /* of the current lock: its wait for the job's queued work */
+
+static double last_drain_s(void) { return npusnap_devmem_last_drain_s ? npusnap_devmem_last_drain_s() : 0; }
+
 static int devmem_drain(op_error *e, const char *after) {
     if (!npusnap_devmem_drain) return 0;
     char err[512] = "";
     int rc = npusnap_devmem_drain(drain_ms, err, sizeof err);
+    drain_s += last_drain_s();
     if (rc != 0) {
         err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, rc, "the devices did not finish their queued work: %s; %s", err, after);
         return -1;
@@ -649,7 +655,10 @@ static int devmem_save(op_error *e, const char *nothing_locked) {
     } else {
         rc = npusnap_devmem_save(drain_ms, err, sizeof err);
     }
-    copy_s += now_s() - copy_start;
+    /* The save drains first: that wait is the job's own work finishing, not the copy. */
+    double drained = last_drain_s();
+    drain_s += drained;
+    copy_s += now_s() - copy_start - drained;
     if (rc != 0) {
         if (rc == -ETIMEDOUT)
             err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, rc, "the devices did not finish their queued work: %s; %s", err,
@@ -1130,6 +1139,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     double start = now_s();
     double lock_call_s = 0;
     copy_s = 0;
+    drain_s = 0;
     sbuf ran;
     sb_init(&ran);
     if (hooks_run(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
@@ -1238,6 +1248,8 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     sb_num(res, lock_call_s);
     sb_key(res, "device_copy_s");
     sb_num(res, copy_s);
+    sb_key(res, "drain_s");
+    sb_num(res, drain_s);
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
     sb_key(res, "token");
@@ -1259,6 +1271,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     int before = state_now();
     double start = now_s();
     copy_s = 0;
+    drain_s = 0;
     int rc = no_device ? 0 : call_backup(e);
     if (rc < 0 && e->code == 107002 && !cb_devices_known()) {
         /* No active context (a launcher on a runtime without callbacks, so Lock could not tell):
@@ -1292,6 +1305,8 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     elapsed_member(res, start);
     sb_key(res, "device_copy_s");
     sb_num(res, copy_s);
+    sb_key(res, "drain_s");
+    sb_num(res, drain_s);
     sb_key(res, "hooks_run");
     sb_printf(res, "[%s]", ran.p ? ran.p : "");
     sb_key(res, "device_memory");

@@ -59,6 +59,8 @@ void npusnap_devmem_mark_app(uintptr_t p, size_t n);
 void npusnap_devmem_untracked(const char *name);
 void npusnap_devmem_before_write(uintptr_t p, size_t n);
 void npusnap_devmem_before_write_all(void);
+void npusnap_devmem_write_open(void);
+void npusnap_devmem_write_close(void);
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ------------------------------------------------------------------ the real functions */
@@ -432,10 +434,12 @@ static void stamp(struct taken *t, const char *name) {
 }
 
 /* A concurrent copy takes the destination first; the write is stamped once the call returned. */
-#define STAMP_AFTER(call, dst, len)                            \
+#define STAMP_AFTER(call, dst, len)                               \
+    npusnap_devmem_write_open();                                  \
     npusnap_devmem_before_write((uintptr_t)(dst), (size_t)(len)); \
-    aclError rc_ = call;                                       \
-    npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len));      \
+    aclError rc_ = call;                                          \
+    npusnap_devmem_write_close();                                 \
+    npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len));         \
     return rc_
 
 API aclError aclrtMemcpy(void *d, size_t dm, const void *s, size_t n, int k) {
@@ -467,10 +471,13 @@ API aclError aclrtMemsetAsync(void *d, size_t dm, int32_t v, size_t n, void *st)
  * that operator's, whose writes its launch stamps. */
 static __thread int t_in_op;
 
-#define ALL_AFTER(call, name)                          \
-    if (!t_in_op) npusnap_devmem_before_write_all();   \
-    __typeof__(call) rc_ = call;                       \
-    if (!t_in_op) npusnap_devmem_mark_all(name);       \
+#define ALL_AFTER(call, name)                         \
+    int mine_ = !t_in_op;                             \
+    if (mine_) npusnap_devmem_write_open();           \
+    if (mine_) npusnap_devmem_before_write_all();     \
+    __typeof__(call) rc_ = call;                      \
+    if (mine_) npusnap_devmem_write_close();          \
+    if (mine_) npusnap_devmem_mark_all(name);         \
     return rc_
 
 API aclError aclrtLaunchKernel(void *f, uint32_t b, const void *a, size_t n, void *st) {
@@ -839,12 +846,14 @@ static void launch_handler(ffi_cif *cif, void *ret, void **args, void *ud) {
     struct op *o = ud;
     struct taken t = take(*(void **)args[2], o);
     /* A concurrent copy takes what the kernels will write first. */
+    npusnap_devmem_write_open();
     if (t.all) npusnap_devmem_before_write_all();
     for (size_t i = 0; i < t.n; i++) npusnap_devmem_before_write(t.e[i].p, (size_t)t.e[i].n);
     npusnap_devmem_before_write((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);
     t_in_op++;
     ffi_call(cif, FFI_FN(o->real_launch), ret, args);
     t_in_op--;
+    npusnap_devmem_write_close();
     stamp(&t, o->name);
     /* Its workspace (the caller's device memory) is the kernels' scratch: written too. */
     npusnap_devmem_mark((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);

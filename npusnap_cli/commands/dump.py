@@ -264,6 +264,7 @@ def register(app: typer.Typer) -> None:
             ["phase", "time"],
             [
                 ["runtime Lock", fmt_s(t.lock_s)],
+                ["drain (the job's queued device work)", fmt_s(t.drain_s)],
                 ["device memory copy (npusnap, locked)", fmt_s(t.device_copy_s)],
                 ["runtime Backup", fmt_s(t.backup_s)],
                 ["CRIU freeze", fmt_s(t.criu_freeze_s)],

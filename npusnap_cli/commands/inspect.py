@@ -295,6 +295,7 @@ def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
             ["phase", "time"],
             [
                 ["runtime Lock", _fmt_s(t.lock_s)],
+                ["drain (the job's queued device work)", _fmt_s(t.drain_s)],
                 ["device memory copy (npusnap, locked)", _fmt_s(t.device_copy_s)],
                 ["runtime Backup", _fmt_s(t.backup_s)],
                 ["CRIU freeze", _fmt_s(t.criu_freeze_s)],

@@ -323,6 +323,7 @@ class DeviceGroup:
             backed["lock_elapsed_s"] = locked.get("elapsed_s")
             backed["runtime_lock_s"] = locked.get("runtime_lock_s")
             backed["lock_device_copy_s"] = locked.get("device_copy_s")
+            backed["lock_drain_s"] = locked.get("drain_s")
             backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
             backed["callback_devices"] = locked.get("callback_devices")
             return backed

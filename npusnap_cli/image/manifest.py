@@ -228,6 +228,9 @@ class Timings:
     backup_s: Optional[float] = None
     # npusnap's copy of the device memory (inside the agents' lock): not the runtime's Lock.
     device_copy_s: Optional[float] = None
+    # After Lock, the wait for the job's device work already queued (the longest of its
+    # processes): the job's own computing finishing, inside frozen_s, apart from the copy.
+    drain_s: Optional[float] = None
     criu_freeze_s: Optional[float] = None
     criu_memdump_s: Optional[float] = None
     criu_memwrite_s: Optional[float] = None

@@ -1620,6 +1620,7 @@ def _manifest(s: DumpState) -> img.Manifest:
     # that does not report them (an older one) has its whole lock and backup counted as such.
     lock_times = [_first(r.get("runtime_lock_s"), r.get("lock_elapsed_s")) for r in results.values()]
     copy_times = [_sum(r.get("lock_device_copy_s"), r.get("device_copy_s")) for r in results.values()]
+    drain_times = [_sum(r.get("lock_drain_s"), r.get("drain_s")) for r in results.values()]
     backup_times = [
         None
         if r.get("elapsed_s") is None
@@ -1633,6 +1634,7 @@ def _manifest(s: DumpState) -> img.Manifest:
         lock_s=max((float(t) for t in lock_times if t is not None), default=None),
         backup_s=max((float(t) for t in backup_times if t is not None), default=None),
         device_copy_s=max((float(t) for t in copy_times if t is not None), default=None),
+        drain_s=max((float(t) for t in drain_times if t is not None), default=None),
         criu_freeze_s=stats.freezing_time_us * us if stats else None,
         criu_memdump_s=stats.memdump_time_us * us if stats else None,
         criu_memwrite_s=stats.memwrite_time_us * us if stats else None,

@@ -56,6 +56,7 @@ def test_no_op_evaluates_code() -> None:
         "rollback",
         "hccl_root",
         "hccl_rebuild",
+        "copy_wait",
     } == protocol.OPS
 
 

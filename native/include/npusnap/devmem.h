@@ -37,6 +37,9 @@ int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen);
  * bounded drain of every device the job opened, so that Backup's own synchronize (which has no
  * timeout) finds nothing queued. 0, or -errno with err set. */
 int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen);
+/* Seconds the last drain (drain, or the drain of a save) waited for the job's queued work: the
+ * job's own computing, which the lock lets finish, reported apart from the time it is held. */
+double npusnap_devmem_last_drain_s(void);
 
 /* The same, but the copies go into fd (a file of the image that npusnap's dump opened and
  * passed to the agent) instead of host memory: CRIU then dumps (and restores) that much less
