@@ -34,7 +34,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -383,11 +383,14 @@ class DeviceGroup:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
 
-    def copy_wait(self, deadline_s: float) -> dict[int, dict[str, Any]]:
-        """Wait for every process's concurrent copy, at most ``deadline_s`` in all."""
+    def copy_wait(self, pids: Collection[int], deadline_s: float) -> dict[int, dict[str, Any]]:
+        """Wait for the concurrent copy of each of ``pids`` (those whose unlock carried a file;
+        the others have none), at most ``deadline_s`` in all."""
         end = time.monotonic() + deadline_s
 
         def wait(c: AgentClient) -> dict[str, Any]:
+            if c.pid not in pids:
+                return {}
             while True:
                 left = end - time.monotonic()
                 r = c.copy_wait(max(0.05, min(5.0, left)))
@@ -397,7 +400,7 @@ class DeviceGroup:
         results, failures = self._each(wait)
         if failures:
             self._raise_first(failures, "copy_wait", "the job runs on; the image was not kept")
-        return results
+        return {pid: r for pid, r in results.items() if pid in pids}
 
     def restore(
         self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None

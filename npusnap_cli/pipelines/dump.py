@@ -1406,7 +1406,7 @@ def _unlock_and_copy(s: DumpState) -> None:
         s.group.unlock(device_memory_files=names)
         s.frozen_end = time.monotonic()
         s.cb.phase("device copy")
-        s.copy_stats = s.group.copy_wait(COPY_DEADLINE_S)
+        s.copy_stats = s.group.copy_wait(set(names), COPY_DEADLINE_S)
         left = {pid: r.get("left") for pid, r in s.copy_stats.items() if not r.get("complete")}
         if left:
             raise DeviceError(
