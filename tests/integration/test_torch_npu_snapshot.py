@@ -274,7 +274,9 @@ def test_dump_with_the_task_queue_ring_full(
     """600,000 tiny launches a step: the dump lands in the burst. The Lock holds acl_thread's next
     launch at the runtime's gate (never failed, so the queue never turns to its error state);
     the Python thread then fills torch_npu's 4096-slot ring and blocks reading the queue's eventfd,
-    which is how the dump finds it (seen in /proc while the dump runs)."""
+    which is how the dump finds it (seen in /proc while the dump runs). Filling 4096 slots takes
+    the Python thread a moment; the simulator's Backup holds the job 0.5 s, so that the ring is
+    full while the dump holds it however quick the rest of the dump is."""
     cut = _dump_restore(
         torch_npu_python,
         sim_env,
@@ -283,6 +285,7 @@ def test_dump_with_the_task_queue_ring_full(
         _steps(2, "--burst", "600000"),
         ready="burst 0 ",
         watch=True,
+        NPUSIM_BACKUP_HANG_MS="500",
     )
     assert cut.phase == "burst", cut
     assert cut.backup.get("gated", 0) >= 1, f"no launch was held at the gate: {cut}"
