@@ -59,9 +59,10 @@ def tmpfs(path: Path, size: str, *, ro: bool = False) -> Iterator[Path]:
 
 
 def finishes_correctly(job: Job, ref: list[str]) -> None:
-    """The job runs on, unlocked, to the end, printing exactly the uninterrupted run's lines."""
-    assert alive(job.pid)
-    assert agent_state(job.pid) == "RUNNING"
+    """The job runs on, unlocked, to the end, printing exactly the uninterrupted run's lines (on a
+    busy machine it may have got there already: then its exit status and lines say it ran on)."""
+    if alive(job.pid):
+        assert agent_state(job.pid) == "RUNNING"
     assert job.reap(120) == 0  # 32 MiB bigint steps take seconds each on a loaded 2-core machine
     assert job.lines() == ref
 
