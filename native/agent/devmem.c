@@ -1328,6 +1328,7 @@ static struct {
     int err;
     char errmsg[256];
     uint64_t cow, background;
+    int inside; /* threads in cc_piece_locked: the plan they read is not freed under them */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pthread_t th;
@@ -1345,6 +1346,8 @@ static void cc_note_whole_at_cut(int planning) {
 }
 
 static void cc_clear_locked(void) {
+    g_cc.active = 0;
+    while (g_cc.inside) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
     for (size_t i = 0; i < g_cc.n; i++) free(g_cc.r[i].state);
     free(g_cc.r);
     g_cc.r = NULL;
@@ -1393,12 +1396,17 @@ static int cc_copy(const struct cc_range *r, size_t j) {
  * another thread is copying is waited for. */
 static void cc_piece_locked(size_t i, size_t j, int cow) {
     struct cc_range *r = &g_cc.r[i];
+    g_cc.inside++;
     while (r->state[j] == 2) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
-    if (r->state[j] != 1 || g_cc.err) return;
+    if (r->state[j] != 1 || g_cc.err) {
+        if (--g_cc.inside == 0) pthread_cond_broadcast(&g_cc.cv);
+        return;
+    }
     r->state[j] = 2;
     pthread_mutex_unlock(&g_cc.mu);
     int rc = cc_copy(r, j);
     pthread_mutex_lock(&g_cc.mu);
+    g_cc.inside--;
     r->state[j] = 0;
     g_cc.left--;
     if (cow) g_cc.cow++;
@@ -1417,7 +1425,8 @@ static void cc_cow_range(uintptr_t p, size_t n) {
         struct cc_range *r = &g_cc.r[i];
         if (p >= r->ptr + r->size || p + n <= r->ptr) continue;
         uintptr_t lo = p > r->ptr ? p : r->ptr, hi = p + n < r->ptr + r->size ? p + n : r->ptr + r->size;
-        for (size_t j = (lo - r->ptr) / PIECE; j <= (hi - 1 - r->ptr) / PIECE; j++) cc_piece_locked(i, j, 1);
+        for (size_t j = (lo - r->ptr) / PIECE; g_cc.active && j <= (hi - 1 - r->ptr) / PIECE; j++)
+            cc_piece_locked(i, j, 1);
     }
     pthread_mutex_unlock(&g_cc.mu);
 }
@@ -1425,7 +1434,7 @@ static void cc_cow_range(uintptr_t p, size_t n) {
 static void cc_cow_all(void) {
     pthread_mutex_lock(&g_cc.mu);
     for (size_t i = 0; g_cc.active && i < g_cc.n && !g_cc.err; i++)
-        for (size_t j = 0; j < (g_cc.r[i].size + PIECE - 1) / PIECE; j++) cc_piece_locked(i, j, 1);
+        for (size_t j = 0; g_cc.active && j < (g_cc.r[i].size + PIECE - 1) / PIECE; j++) cc_piece_locked(i, j, 1);
     while (g_cc.active && g_cc.left && !g_cc.err) pthread_cond_wait(&g_cc.cv, &g_cc.mu);
     pthread_mutex_unlock(&g_cc.mu);
 }
