@@ -17,7 +17,7 @@ import pytest
 
 from npusnap_cli.errors import ExitCode
 from tests.conftest import REPO, requires_root
-from tests.integration.dumplib import NPUSNAP, PY, Job, alive, cli, job_env, wait_until
+from tests.integration.dumplib import NPUSNAP, PY, TRAIN, Job, alive, cli, job_env, reference, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -397,5 +397,33 @@ def test_a_leave_running_dump_copies_while_the_job_runs_and_matches_the_cut(
         again = lines[len(ref) :]
         assert again and again == ref[len(ref) - len(again) :], job.text()[-3000:]
         assert first
+    finally:
+        job.cleanup()
+
+
+@requires_root
+def test_a_job_writing_all_the_time_survives_snapshots_in_a_row(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Its writes meet the copy at every moment: a write that waits for a piece the copier is
+    taking, a copy that ends while writes wait, the next snapshot's plan right after. Each
+    leave-running dump succeeds, and the job runs on to the uninterrupted run's last line."""
+    env = job_env(sim_env, runtime_dir)
+    steps = 1000
+    args = ["--steps", str(steps), "--interval", "0", "--param-bytes", str(4 * MiB + 123), "--seed", "3"]
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    try:
+        job.wait_lines(3)
+        done = 0
+        while done < 8 and len(job.lines()) < steps - 150:
+            image = tmp_path / f"img{done}"
+            rc, out, err = cli(env, "dump", "--leave-running", str(job.pid), str(image))
+            assert rc == 0, (done, (out or {}).get("error") or err)
+            shutil.rmtree(image)
+            done += 1
+        assert done >= 3, f"only {done} snapshots before the job neared its end"
+        assert job.reap(300) == 0, job.text()[-2000:]
+        assert job.lines() == ref
     finally:
         job.cleanup()
