@@ -137,7 +137,7 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _table(res: dict[str, Any]) -> list[str]:
     lines = [
-        "| base | mode | frozen_s | of which drain | frozen_s − drain | total_s | normal step "
+        "| base | mode | frozen_s | of which drain | frozen_s minus drain | total_s | normal step "
         "| longest gap during the dump | steps made during it |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
