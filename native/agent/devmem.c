@@ -1576,6 +1576,21 @@ static void *cc_main(void *arg) {
     return NULL;
 }
 
+/* Stop the copy (held: g_cc.mu, released on return): the hooks inert, the copier joined, the
+ * plan dropped. */
+static void cc_end_locked(void) {
+    g_cc.active = 0;
+    pthread_cond_broadcast(&g_cc.cv);
+    int th = g_cc.th_started;
+    g_cc.th_started = 0;
+    pthread_mutex_unlock(&g_cc.mu);
+    if (th) pthread_join(g_cc.th, NULL);
+    pthread_mutex_lock(&g_cc.mu);
+    cc_clear_locked();
+    g_cc.cow = g_cc.background = 0;
+    pthread_mutex_unlock(&g_cc.mu);
+}
+
 /* After the cut, before Unlock: start copying the planned pieces into fd (kept: a dup). */
 API int npusnap_devmem_copy_start(int fd, char *err, size_t errlen) {
     pthread_mutex_lock(&g_cc.mu);
@@ -1633,33 +1648,15 @@ API int npusnap_devmem_copy_wait(int timeout_ms, uint64_t stats[3], char *err, s
         return rc;
     }
     if (rc != 0) seterr(err, errlen, "%s", g_cc.errmsg);
-    g_cc.active = 0;
-    int th = g_cc.th_started;
-    g_cc.th_started = 0;
-    pthread_cond_broadcast(&g_cc.cv);
-    pthread_mutex_unlock(&g_cc.mu);
-    if (th) pthread_join(g_cc.th, NULL);
-    pthread_mutex_lock(&g_cc.mu);
-    cc_clear_locked();
-    g_cc.cow = g_cc.background = 0;
-    pthread_mutex_unlock(&g_cc.mu);
+    cc_end_locked();
     return rc;
 }
 
 /* Drop a planned or running copy (a rollback, a restored process, a dump that gave up). */
 API void npusnap_devmem_copy_cancel(void) {
     pthread_mutex_lock(&g_cc.mu);
-    g_cc.active = 0;
     if (!g_cc.err) g_cc.err = -ECANCELED;
-    pthread_cond_broadcast(&g_cc.cv);
-    int th = g_cc.th_started;
-    g_cc.th_started = 0;
-    pthread_mutex_unlock(&g_cc.mu);
-    if (th) pthread_join(g_cc.th, NULL);
-    pthread_mutex_lock(&g_cc.mu);
-    cc_clear_locked();
-    g_cc.cow = g_cc.background = 0;
-    pthread_mutex_unlock(&g_cc.mu);
+    cc_end_locked();
 }
 
 /* The next file save plans the job's allocations instead of copying them. */

@@ -41,6 +41,17 @@ def _base(image: Path, pid: int) -> object:
     return manifest["device_memory"]["processes"][str(pid)].get("base")
 
 
+def _restores_with_its_ticks(env: dict[str, str], image: Path, job: Job, before: set[str]) -> None:
+    """Restored from ``image``, the job ticks on with the checksums it had: its device memory
+    came back whole (bigalloc checksums all of it every tick)."""
+    rc, out, err = cli(env, "restore", str(image))
+    assert rc == 0, (out or {}).get("error") or err
+    job.restored_pid = out["result"]["root_pid"]
+    n = len(_ticks(job))
+    wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
+    assert set(_ticks(job)) == before, "the restored job's device memory differs"
+
+
 def _files(image: Path) -> dict[str, dict[str, object]]:
     return {f["path"]: f for f in json.loads((image / "npusnap.json").read_text())["files"]}
 
@@ -77,12 +88,7 @@ def test_second_snapshot_links_what_did_not_change(
         shutil.rmtree(images / "a")
         rc, out, err = cli(env, "verify", str(images / "b"))
         assert rc == 0, (out or {}).get("error") or err
-        rc, out, err = cli(env, "restore", str(images / "b"))
-        assert rc == 0, (out or {}).get("error") or err
-        job.restored_pid = out["result"]["root_pid"]
-        n = len(_ticks(job))
-        wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
-        assert set(_ticks(job)) == before, "the restored job's device memory differs"
+        _restores_with_its_ticks(env, images / "b", job, before)
         assert alive(job.restored_pid)
     finally:
         job.cleanup()
@@ -316,12 +322,7 @@ def test_images_of_one_job_outlive_a_crashed_dump_and_travel_alone(
         assert rc == 0, (out or {}).get("error") or err
         chunks = list((tmp_path / "imported" / "device" / "chunks").iterdir())
         assert chunks and all(c.stat().st_nlink == 1 for c in chunks)  # inlined: its own files
-        rc, out, err = cli(env, "restore", str(tmp_path / "imported"))
-        assert rc == 0, (out or {}).get("error") or err
-        job.restored_pid = out["result"]["root_pid"]
-        n = len(_ticks(job))
-        wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
-        assert set(_ticks(job)) == before
+        _restores_with_its_ticks(env, tmp_path / "imported", job, before)
     finally:
         job.cleanup()
 
@@ -354,12 +355,7 @@ def test_an_image_of_schema_1_still_verifies_and_restores(
         path.write_text(json.dumps(m, indent=2))
         rc, out, err = cli(env, "verify", str(image))
         assert rc == 0, (out or {}).get("error") or err
-        rc, out, err = cli(env, "restore", str(image))
-        assert rc == 0, (out or {}).get("error") or err
-        job.restored_pid = out["result"]["root_pid"]
-        n = len(_ticks(job))
-        wait_until(lambda: len(_ticks(job)) >= n + 3, 30, "ticks after the restore")
-        assert set(_ticks(job)) == before
+        _restores_with_its_ticks(env, image, job, before)
     finally:
         job.cleanup()
 
