@@ -24,11 +24,15 @@ KHIDDEN int k_matmul(const struct kctx *k) {
     int64_t nout = knumel(O);
     if (nout == 0) return 0;
     int64_t batch = nout / (M * N);
-    float *bt = malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1)); /* b of one batch, row-major */
-    float *ar = malloc(sizeof(float) * (size_t)(K ? K : 1));
-    float *acc = malloc(sizeof(float) * (size_t)N);
-    if (!bt || !ar || !acc) {
-        free(bt), free(ar), free(acc);
+    int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
+    int64_t os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
+    const float *bdirect = kmm_direct(B, pb, bs0, bs1);
+    /* b of one batch, row-major, where it cannot be read in place */
+    float *bt = bdirect ? NULL : malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
+    float *at = malloc(sizeof(float) * (size_t)((K ? K : 1) * KMM_R));
+    float *acc = malloc(sizeof(float) * (size_t)(N * KMM_R));
+    if ((!bdirect && !bt) || !at || !acc) {
+        free(bt), free(at), free(acc);
         return KERR_ARGS;
     }
     /* batch dimensions: iterate them with an iterator over out's leading shape */
@@ -37,29 +41,36 @@ KHIDDEN int k_matmul(const struct kctx *k) {
     const struct ops_tensor *ts[3] = {&ta, &tb, &to};
     struct kit it;
     kit_init(&it, O->shape, nd - 2, ts, 3);
-    int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
-    int64_t os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
     /* Output rows (over every batch) in kblocks() bands, each band written then charged, in order. */
     int64_t rows = batch * M;
     uint32_t nb = kblocks(k, rows), blk = 0;
     int64_t band_end = rows / nb;
     for (int64_t b = 0; b < batch; b++) {
         int64_t oa = it.off[0], ob = it.off[1], oo = it.off[2];
-        for (int64_t kk = 0; kk < K; kk++)
-            for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
-        for (int64_t i = 0; i < M; i++) {
-            while (b * M + i >= band_end && blk < nb) { /* the band before this row is done */
-                kblock_cost();
-                blk++;
-                band_end = rows * (blk + 1) / nb;
+        const float *bp = bdirect ? bdirect + ob : bt;
+        int64_t s0 = bdirect ? bs0 : N, s1 = bdirect ? bs1 : 1;
+        if (!bdirect)
+            for (int64_t kk = 0; kk < K; kk++)
+                for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
+        for (int64_t i0 = 0; i0 < M; i0 += KMM_R) {
+            int R = M - i0 < KMM_R ? (int)(M - i0) : KMM_R;
+            for (int64_t kk = 0; kk < K; kk++)
+                for (int r = 0; r < KMM_R; r++)
+                    at[kk * KMM_R + r] = r < R ? (float)kld(A->dtype, pa, oa + (i0 + r) * as0 + kk * as1) : 0.0f;
+            kmm_rows(at, bp, s0, s1, K, N, acc);
+            for (int r = 0; r < R; r++) {
+                int64_t i = i0 + r;
+                while (b * M + i >= band_end && blk < nb) { /* the band before this row is done */
+                    kblock_cost();
+                    blk++;
+                    band_end = rows * (blk + 1) / nb;
+                }
+                for (int64_t j = 0; j < N; j++) kst(O->dtype, po, oo + i * os0 + j * os1, acc[r * N + j]);
             }
-            for (int64_t kk = 0; kk < K; kk++) ar[kk] = (float)kld(A->dtype, pa, oa + i * as0 + kk * as1);
-            kmm_row(ar, bt, K, N, acc);
-            for (int64_t j = 0; j < N; j++) kst(O->dtype, po, oo + i * os0 + j * os1, acc[j]);
         }
         kit_next(&it);
     }
-    free(bt), free(ar), free(acc);
+    free(bt), free(at), free(acc);
     for (; blk < nb; blk++) kblock_cost();
     return 0;
 }

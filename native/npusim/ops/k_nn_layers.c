@@ -770,11 +770,14 @@ KHIDDEN int k_addmm(const struct kctx *k) {
     int64_t nout = knumel(O);
     if (nout == 0) return 0;
     int64_t batch = nout / (M * N);
-    float *bt = malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
-    float *ar = malloc(sizeof(float) * (size_t)(K ? K : 1));
-    float *acc = malloc(sizeof(float) * (size_t)N);
-    if (!bt || !ar || !acc) {
-        free(bt), free(ar), free(acc);
+    int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
+    int64_t cs0 = Cc->stride[nd - 2], cs1 = Cc->stride[nd - 1], os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
+    const float *bdirect = kmm_direct(B, pb, bs0, bs1);
+    float *bt = bdirect ? NULL : malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
+    float *at = malloc(sizeof(float) * (size_t)((K ? K : 1) * KMM_R));
+    float *acc = malloc(sizeof(float) * (size_t)(N * KMM_R));
+    if ((!bdirect && !bt) || !at || !acc) {
+        free(bt), free(at), free(acc);
         return KERR_ARGS;
     }
     struct ops_tensor ta = *A, tb = *B, tc = *Cc, to = *O;
@@ -782,24 +785,31 @@ KHIDDEN int k_addmm(const struct kctx *k) {
     const struct ops_tensor *ts[4] = {&ta, &tb, &tc, &to};
     struct kit it;
     kit_init(&it, O->shape, nd - 2, ts, 4);
-    int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
-    int64_t cs0 = Cc->stride[nd - 2], cs1 = Cc->stride[nd - 1], os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
     for (int64_t bi = 0; bi < batch; bi++) {
         int64_t oa = it.off[0], ob = it.off[1], oc = it.off[2], oo = it.off[3];
-        for (int64_t kk = 0; kk < K; kk++)
-            for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
-        for (int64_t i = 0; i < M; i++) {
-            for (int64_t kk = 0; kk < K; kk++) ar[kk] = (float)kld(A->dtype, pa, oa + i * as0 + kk * as1);
-            kmm_row(ar, bt, K, N, acc);
-            for (int64_t j = 0; j < N; j++) {
-                double v = alpha * (double)acc[j];
-                if (beta != 0.0) v += beta * kld(Cc->dtype, pc, oc + i * cs0 + j * cs1);
-                kst(O->dtype, po, oo + i * os0 + j * os1, v);
+        const float *bp = bdirect ? bdirect + ob : bt;
+        int64_t s0 = bdirect ? bs0 : N, s1 = bdirect ? bs1 : 1;
+        if (!bdirect)
+            for (int64_t kk = 0; kk < K; kk++)
+                for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
+        for (int64_t i0 = 0; i0 < M; i0 += KMM_R) {
+            int R = M - i0 < KMM_R ? (int)(M - i0) : KMM_R;
+            for (int64_t kk = 0; kk < K; kk++)
+                for (int r = 0; r < KMM_R; r++)
+                    at[kk * KMM_R + r] = r < R ? (float)kld(A->dtype, pa, oa + (i0 + r) * as0 + kk * as1) : 0.0f;
+            kmm_rows(at, bp, s0, s1, K, N, acc);
+            for (int r = 0; r < R; r++) {
+                int64_t i = i0 + r;
+                for (int64_t j = 0; j < N; j++) {
+                    double v = alpha * (double)acc[r * N + j];
+                    if (beta != 0.0) v += beta * kld(Cc->dtype, pc, oc + i * cs0 + j * cs1);
+                    kst(O->dtype, po, oo + i * os0 + j * os1, v);
+                }
             }
         }
         kit_next(&it);
     }
-    free(bt), free(ar), free(acc);
+    free(bt), free(at), free(acc);
     kcost(k, nout);
     return 0;
 }

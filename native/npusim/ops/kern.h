@@ -141,9 +141,18 @@ static inline double kround(int dtype, double v) {
     }
 }
 
-/* acc[j] = sum over kk of a[kk] * bt[kk * N + j], summed from 0.0f in kk order in float: what a
- * single-threaded fp32 GEMM gives, run after run (kernels.c). */
-KHIDDEN void kmm_row(const float *a, const float *bt, int64_t K, int64_t N, float *acc);
+/* acc[r * N + j] = sum over kk of a[r][kk] * b[kk * bs0 + j * bs1] for r < KMM_R, summed from 0.0f in kk
+ * order in float: what a single-threaded fp32 GEMM gives, run after run (kernels.c). a comes
+ * interleaved, at[kk * KMM_R + r]; rows past the caller's last are zeros and their outputs unused. */
+#define KMM_R 8
+KHIDDEN void kmm_rows(const float *at, const float *b, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
+                      float *acc);
+
+/* A float32 view's element 0 as floats when a product may read it in place (kmm_rows: one of its two
+ * strides 1), else NULL and the caller copies it row-major. */
+static inline const float *kmm_direct(const struct ops_tensor *t, const char *p, int64_t s0, int64_t s1) {
+    return t->dtype == OPS_DT_FLOAT && (s0 == 1 || s1 == 1) ? (const float *)p : NULL;
+}
 
 /* An iterator over every element of `shape` in row-major order, keeping each of nt views' element
  * offsets (views given in the same rank as shape; a broadcast dimension has stride 0). */

@@ -46,25 +46,73 @@ KHIDDEN void kcost(const struct kctx *k, int64_t work) {
     if (us > 0) block_cost(us * (long)nblocks(k->ctx, work));
 }
 
-/* Sixteen outputs at a time stay in registers across kk; the order of each one's sum is unchanged.
- * The AVX2 clone multiplies and adds as separate instructions as the default one does (no FMA is
- * enabled, so nothing is contracted): the same bits on either. */
-__attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_row(const float *a, const float *bt, int64_t K,
-                                                                       int64_t N, float *acc) {
+/* Eight floats at any float's alignment (GCC's vector extension: AVX registers in the AVX2 clone,
+ * SSE pairs in the default one). */
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+#define ld8(p) (*(const v8f *)(p))
+
+/* KMM_R rows of a at a time against one pass over b: each b element is loaded once per KMM_R rows, not
+ * once per row, and a float32 b is read where it lies (row-major, or transposed as a Linear layer's
+ * weight) instead of copied. Every output still sums its K products from 0.0f in kk order, one
+ * multiply then one add each: the AVX2 clone uses separate instructions as the default one does (no
+ * FMA is enabled, so nothing is contracted), and vector lanes only run different outputs side by
+ * side: the same bits as a scalar loop over kk. */
+__attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const float *at, const float *b,
+                                                                        int64_t bs0, int64_t bs1, int64_t K,
+                                                                        int64_t N, float *acc) {
     int64_t j = 0;
-    for (; j + 16 <= N; j += 16) {
-        float c[16] = {0};
-        for (int64_t kk = 0; kk < K; kk++) {
-            float av = a[kk];
-            const float *b = bt + kk * N + j;
-            for (int q = 0; q < 16; q++) c[q] += av * b[q];
+    if (bs1 == 1) {
+        /* b's rows contiguous: walk them in order (a strided walk down b's columns misses the TLB
+         * on every row), four at a time into the KMM_R output rows kept in acc. */
+        int64_t jn = N - N % 8, kk = 0;
+        memset(acc, 0, sizeof(float) * (size_t)(N * KMM_R));
+        for (; kk < K; kk += 4) {
+            int n = K - kk < 4 ? (int)(K - kk) : 4;
+            const float *av = at + kk * KMM_R, *br = b + kk * bs0;
+            for (int r = 0; r < KMM_R; r++) {
+                float *cr = acc + r * N;
+                if (n == 4) {
+                    float x0 = av[r], x1 = av[KMM_R + r], x2 = av[2 * KMM_R + r], x3 = av[3 * KMM_R + r];
+                    for (int64_t q = 0; q < jn; q += 8) {
+                        v8f c = ld8(cr + q);
+                        c += ld8(br + q) * x0;
+                        c += ld8(br + bs0 + q) * x1;
+                        c += ld8(br + 2 * bs0 + q) * x2;
+                        c += ld8(br + 3 * bs0 + q) * x3;
+                        memcpy(cr + q, &c, sizeof c);
+                    }
+                } else {
+                    for (int m = 0; m < n; m++) {
+                        float x = av[m * KMM_R + r];
+                        for (int64_t q = 0; q < jn; q += 8) {
+                            v8f c = ld8(cr + q) + ld8(br + m * bs0 + q) * x;
+                            memcpy(cr + q, &c, sizeof c);
+                        }
+                    }
+                }
+            }
         }
-        memcpy(acc + j, c, sizeof c);
+        j = jn;
+    } else if (bs0 == 1) {
+        /* b[kk][j] = w[j][kk], w's rows contiguous: eight columns, the KMM_R rows of a in lanes */
+        for (; j + 8 <= N; j += 8) {
+            v8f c[8] = {{0}};
+            const float *w = b + j * bs1;
+            for (int64_t kk = 0; kk < K; kk++) {
+                v8f av = ld8(at + kk * KMM_R);
+                for (int q = 0; q < 8; q++) c[q] += av * w[q * bs1 + kk];
+            }
+            for (int r = 0; r < KMM_R; r++)
+                for (int q = 0; q < 8; q++) acc[r * N + j + q] = c[q][r];
+        }
     }
     for (; j < N; j++) {
-        float c = 0.0f;
-        for (int64_t kk = 0; kk < K; kk++) c += a[kk] * bt[kk * N + j];
-        acc[j] = c;
+        float c[KMM_R] = {0};
+        for (int64_t kk = 0; kk < K; kk++) {
+            float x = b[kk * bs0 + j * bs1];
+            for (int r = 0; r < KMM_R; r++) c[r] += at[kk * KMM_R + r] * x;
+        }
+        for (int r = 0; r < KMM_R; r++) acc[r * N + j] = c[r];
     }
 }
 

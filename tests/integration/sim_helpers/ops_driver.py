@@ -113,6 +113,17 @@ def run_ops(device: int) -> None:
         ctypes.c_int8(0),
     )
     emit("mm", {"a": a, "b": b}, out)
+    # Shapes that cross every edge of the product's blocking (rows in eights, b's rows in fours, columns
+    # in eights): b row-major, and b a Linear weight's transpose (w [n, k] seen as [k, n]).
+    for m in (3, 11):
+        k, n = 37, 29
+        a, w = rand(rng, m * k), rand(rng, k * n)
+        out = tensor([0.0] * (m * n), [m, n])
+        ops.matmul(tensor(a, [m, k]), tensor(w, [k, n]), out)
+        emit(f"matmul_bits_{m}", {"a": a, "b": w, "shape": [m, k, n], "b_strides": [n, 1]}, out)
+        out = tensor([0.0] * (m * n), [m, n])
+        ops.matmul(tensor(a, [m, k]), tensor(w, [k, n], [1, k]), out)
+        emit(f"matmul_bits_wt_{m}", {"a": a, "b": w, "shape": [m, k, n], "b_strides": [1, k]}, out)
     x, bias = rand(rng, 12), rand(rng, 3)
     out = tensor([0.0] * 12, [4, 3])
     ops.add_(out, tensor(x, [4, 3]), tensor(bias, [3]), alpha=2.0)
