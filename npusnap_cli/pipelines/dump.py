@@ -942,11 +942,12 @@ def _lock(s: DumpState) -> None:
     # The lock phase waits for the agents (they copy the device memory): meanwhile, import
     # what the CRIU step needs.
     threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
-    s.lock_start = time.monotonic()
     s.locking = True
     # A note a `thaw --force` left for a dead command of this pid is not about this dump's lock.
     forget_taken_over(s.target.npu_pids, os.getpid())
+    # The files first, while the job still runs: reserving their room takes time with the size.
     files = _open_device_memory_files(s)
+    s.lock_start = time.monotonic()
     try:
         # Ranks of one job all-reduce: one rank's collective waits for another's launch,
         # which that rank's lock holds, so the drain after Lock may not finish. Several

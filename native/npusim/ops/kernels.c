@@ -9,6 +9,7 @@
  * each), so that a kernel takes visible time on tensors this small; 0 runs at memory speed. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -51,29 +52,29 @@ KHIDDEN void kcost(const struct kctx *k, int64_t work) {
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
 #define ld8(p) (*(const v8f *)(p))
 
-/* KMM_R rows of a at a time against one pass over b: each b element is loaded once per KMM_R rows, not
- * once per row, and a float32 b is read where it lies (row-major, or transposed as a Linear layer's
- * weight) instead of copied. Every output still sums its K products from 0.0f in kk order, one
- * multiply then one add each: the AVX2 clone uses separate instructions as the default one does (no
- * FMA is enabled, so nothing is contracted), and vector lanes only run different outputs side by
- * side: the same bits as a scalar loop over kk. */
-__attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const float *at, const float *b,
-                                                                        int64_t bs0, int64_t bs1, int64_t K,
-                                                                        int64_t N, float *acc) {
-    int64_t j = 0;
+/* Columns [j0, j1) of KMM_R rows of a against one pass over b: each b element is loaded once per
+ * KMM_R rows, not once per row, and a float32 b is read where it lies (row-major, or transposed as a
+ * Linear layer's weight) instead of copied. Every output still sums its K products from 0.0f in kk
+ * order, one multiply then one add each: the AVX2 clone uses separate instructions as the default
+ * one does (no FMA is enabled, so nothing is contracted), and vector lanes only run different
+ * outputs side by side: the same bits as a scalar loop over kk. j0 is a multiple of 8. */
+__attribute__((target_clones("avx2", "default"))) static void kmm_cols(const float *at, const float *b, int64_t bs0,
+                                                                       int64_t bs1, int64_t K, int64_t N,
+                                                                       float *acc, int64_t j0, int64_t j1) {
+    int64_t j = j0;
     if (bs1 == 1) {
         /* b's rows contiguous: walk them in order (a strided walk down b's columns misses the TLB
          * on every row), four at a time into the KMM_R output rows kept in acc. */
-        int64_t jn = N - N % 8, kk = 0;
-        memset(acc, 0, sizeof(float) * (size_t)(N * KMM_R));
-        for (; kk < K; kk += 4) {
+        int64_t jv = j0 + (j1 - j0) / 8 * 8;
+        for (int r = 0; r < KMM_R; r++) memset(acc + r * N + j0, 0, sizeof(float) * (size_t)(j1 - j0));
+        for (int64_t kk = 0; kk < K; kk += 4) {
             int n = K - kk < 4 ? (int)(K - kk) : 4;
             const float *av = at + kk * KMM_R, *br = b + kk * bs0;
             for (int r = 0; r < KMM_R; r++) {
                 float *cr = acc + r * N;
                 if (n == 4) {
                     float x0 = av[r], x1 = av[KMM_R + r], x2 = av[2 * KMM_R + r], x3 = av[3 * KMM_R + r];
-                    for (int64_t q = 0; q < jn; q += 8) {
+                    for (int64_t q = j0; q < jv; q += 8) {
                         v8f c = ld8(cr + q);
                         c += ld8(br + q) * x0;
                         c += ld8(br + bs0 + q) * x1;
@@ -84,7 +85,7 @@ __attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const fl
                 } else {
                     for (int m = 0; m < n; m++) {
                         float x = av[m * KMM_R + r];
-                        for (int64_t q = 0; q < jn; q += 8) {
+                        for (int64_t q = j0; q < jv; q += 8) {
                             v8f c = ld8(cr + q) + ld8(br + m * bs0 + q) * x;
                             memcpy(cr + q, &c, sizeof c);
                         }
@@ -92,10 +93,10 @@ __attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const fl
                 }
             }
         }
-        j = jn;
+        j = jv;
     } else if (bs0 == 1) {
         /* b[kk][j] = w[j][kk], w's rows contiguous: eight columns, the KMM_R rows of a in lanes */
-        for (; j + 8 <= N; j += 8) {
+        for (; j + 8 <= j1; j += 8) {
             v8f c[8] = {{0}};
             const float *w = b + j * bs1;
             for (int64_t kk = 0; kk < K; kk++) {
@@ -106,7 +107,7 @@ __attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const fl
                 for (int q = 0; q < 8; q++) acc[r * N + j + q] = c[q][r];
         }
     }
-    for (; j < N; j++) {
+    for (; j < j1; j++) {
         float c[KMM_R] = {0};
         for (int64_t kk = 0; kk < K; kk++) {
             float x = b[kk * bs0 + j * bs1];
@@ -114,6 +115,37 @@ __attribute__((target_clones("avx2", "default"))) KHIDDEN void kmm_rows(const fl
         }
         for (int r = 0; r < KMM_R; r++) acc[r * N + j] = c[r];
     }
+}
+
+struct kmm_half {
+    const float *at, *b;
+    int64_t bs0, bs1, K, N, j0, j1;
+    float *acc;
+};
+
+static void *kmm_half_main(void *arg) {
+    const struct kmm_half *h = arg;
+    kmm_cols(h->at, h->b, h->bs0, h->bs1, h->K, h->N, h->acc, h->j0, h->j1);
+    return NULL;
+}
+
+/* A device's AI cores each take a share of a product's output (blockDim blocks): a large product
+ * here takes its columns in two halves, the second on a thread of its own. Each output is computed
+ * by one thread as before: the bits do not depend on the split. */
+#define KMM_SPLIT_MACS ((int64_t)1 << 22)
+
+KHIDDEN void kmm_rows(const float *at, const float *b, int64_t bs0, int64_t bs1, int64_t K, int64_t N, float *acc) {
+    int64_t mid = N / 2 / 8 * 8;
+    if (K * N * KMM_R >= KMM_SPLIT_MACS && mid >= 8) {
+        struct kmm_half h = {at, b, bs0, bs1, K, N, mid, N, acc};
+        pthread_t th;
+        if (pthread_create(&th, NULL, kmm_half_main, &h) == 0) {
+            kmm_cols(at, b, bs0, bs1, K, N, acc, 0, mid);
+            pthread_join(th, NULL);
+            return;
+        }
+    }
+    kmm_cols(at, b, bs0, bs1, K, N, acc, 0, N);
 }
 
 typedef int (*kfn)(const struct kctx *k);
