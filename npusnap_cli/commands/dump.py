@@ -16,6 +16,7 @@ from npusnap_cli.errors import UsageError
 from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:
+    from npusnap_cli.pipelines.dump import DryRunOutcome
     from npusnap_cli.ui import Output
 
 
@@ -165,6 +166,13 @@ def register(app: typer.Typer) -> None:
             help="An earlier image of this job: device-memory chunks it holds are linked, not "
             "written again (images next to DIR are used too; docs/image-format.md).",
         ),
+        dry_run: bool = typer.Option(
+            False,
+            "--dry-run",
+            help="Run every check of the dump and say whether it would go ahead, without touching "
+            "the job: no agent attached, no lock, no freeze, nothing written. A refusal exits "
+            "with the code the dump would.",
+        ),
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Snapshot PID's process tree, NPU device state included, into DIR.
@@ -237,6 +245,14 @@ def register(app: typer.Typer) -> None:
                 "no PID given",
                 fix="npusnap dump PID [PID...] DIR, or --slurm-job JOBID DIR (see `npusnap dump --help`)",
             )
+        if dry_run:
+            if len(pids) > 1 or slurm_job is not None or net is not None:
+                raise UsageError(
+                    "--dry-run checks the dump of one process tree",
+                    fix="run it for each PID of the job: npusnap dump --dry-run PID DIR",
+                )
+            _show_dry_run(out, pids[0], dump_mod.dry_run(pids[0], directory, options, callbacks))
+            return
         if len(pids) > 1 or slurm_job is not None or net is not None:
             # A job image (a one-task Slurm job, or one node's part of a job, too).
             if keep_last is not None or latest or export_to is not None:
@@ -316,6 +332,27 @@ def register(app: typer.Typer) -> None:
         data["export"] = _export(out, Path(result.image), export_to) if export_to is not None else None
         out.data(result.image)
         out.result(data)
+
+
+def _show_dry_run(out: Output, pid: int, result: DryRunOutcome) -> None:
+    if result.would_attach:
+        out.ok(
+            f"dry run: every check passed so far; the dump would attach an agent to pid(s) "
+            f"{', '.join(map(str, result.would_attach))} (the checks that ask an agent run then)"
+        )
+    else:
+        out.ok(f"dry run: the dump of pid {pid} into {result.image} would go ahead; nothing was touched")
+    out.kv(
+        "summary",
+        {
+            "processes": f"{len(result.pids)} ({len(result.npu_pids)} on the NPU)",
+            "checks passed": ", ".join(result.checks),
+            "host memory": human_bytes(result.host_bytes),
+            "device memory": "-" if result.device_bytes is None else human_bytes(result.device_bytes),
+        },
+        stream="stderr",
+    )
+    out.result(result.to_dict())
 
 
 def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:

@@ -813,16 +813,25 @@ class DumpState:
 # -- resolve and preflight: nothing changes yet -------------------------------------------------
 
 
-def _resolve(s: DumpState) -> None:
+def _check_input(s: DumpState) -> None:
     # Cheap checks first: bad input must fail before anything touches the target. Privileges
     # before all: as a user, root's job looks like a tree without an NPU process.
     preflight.require_privileges("dump")
     img.check_dump_target(s.final, force=s.options.force)
     if s.options.sign_key is not None:
         imagetrust.check_signing_key(s.options.sign_key)
+
+
+def _resolve(s: DumpState) -> None:
+    _check_input(s)
     s.leftovers = tuple(left.message for left in img.remove_stale_temps(s.final) if left.action != "kept")
     for message in s.leftovers:
         s.cb.note(message)
+    s.found = resolve_target(s.pid, attach=s.options.attach)
+
+
+def _resolve_read_only(s: DumpState) -> None:
+    _check_input(s)
     s.found = resolve_target(s.pid, attach=s.options.attach)
 
 
@@ -852,9 +861,26 @@ def _preflight(s: DumpState) -> None:
 def _attach(s: DumpState) -> None:
     refuse_stopped(s.target.npu_pids, "dump")  # being checkpointed by someone else
     s.found = attach_missing(s.target, s.cb.note)
+    _check_host_space(s)
+
+
+def _check_host_space(s: DumpState) -> None:
     # The host side now; the device memory once the agents said how much they hold.
     s.host_bytes = sum(_rss(p.pid) for p in s.target.tree)
     _check_space_and_memory(s.final, s.host_bytes, 0)
+
+
+def _without_agent(s: DumpState) -> tuple[int, ...]:
+    return tuple(p.pid for p in s.target.tree if p.uses_npu and not p.has_agent)
+
+
+def _would_attach(s: DumpState) -> None:
+    refuse_stopped(s.target.npu_pids, "dump")
+    _check_host_space(s)
+
+
+def _agents_in(s: DumpState) -> bool:
+    return not _without_agent(s)
 
 
 # -- the work directory and the agents ----------------------------------------------------------
@@ -1775,6 +1801,90 @@ STEPS: list[Step[DumpState]] = [
     Step("stop original", _stop_original, phase="stop original", when=_killed, commit=True),
     Step("finish", _finish, commit=True),
 ]
+
+
+# `dump --dry-run`: the checks of the steps above, read-only: no stale work area removed, no
+# agent attached, no lock, no freeze, nothing written. A process without an agent is reported as
+# one the dump would attach to; the checks that ask its agent run once it has one.
+CHECK_STEPS: list[Step[DumpState]] = [
+    Step("resolve", _resolve_read_only, phase="resolve"),
+    Step("preflight", _preflight, phase="preflight"),
+    Step("agents", _would_attach),
+    Step("connect", _connect, undo=_disconnect, when=_agents_in),
+    Step("hello", _hello, when=_agents_in),
+    Step("disconnect", lambda s: s.group.close(), when=_agents_in),
+]
+
+
+@dataclass(frozen=True)
+class DryRunOutcome:
+    """What `dump --dry-run` found when nothing refused the dump."""
+
+    root_pid: int
+    image: str
+    pids: tuple[int, ...]
+    npu_pids: tuple[int, ...]
+    would_attach: tuple[int, ...]
+    checks: tuple[str, ...]  # the steps whose checks ran, in order
+    host_bytes: int
+    device_bytes: Optional[int]  # None: known once the agents are in
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "dry_run": True,
+            "verdict": "would attach" if self.would_attach else "would dump",
+            "root_pid": self.root_pid,
+            "image": self.image,
+            "pids": list(self.pids),
+            "npu_pids": list(self.npu_pids),
+            "would_attach": list(self.would_attach),
+            "checks": list(self.checks),
+            "host_bytes": self.host_bytes,
+            "device_bytes": self.device_bytes,
+        }
+
+
+def dry_run(
+    pid: int, directory: Path, options: DumpOptions, callbacks: DumpCallbacks = DumpCallbacks()
+) -> DryRunOutcome:
+    """Run every check of a dump of ``pid`` into ``directory`` without touching the target; raise
+    the NpusnapError the dump would raise (same kind, same exit code) on a refusal."""
+    final = Path(os.path.abspath(directory))
+    try:
+        check: Optional[criu.CriuCheck] = criu.CriuCheck(criu.find_criu())
+    except NpusnapError:
+        check = None
+    try:
+        with SignalGuard(callbacks.note) as guard:
+            state = DumpState(
+                pid=pid,
+                final=final,
+                options=options,
+                cb=callbacks,
+                guard=guard,
+                check=check,
+                in_job=False,
+                start=time.monotonic(),
+                published=final,
+            )
+            pipeline = Pipeline(
+                "dump --dry-run", CHECK_STEPS, cb=callbacks, guard=guard, timings=state.timings
+            )
+            pipeline.run(state)
+    finally:
+        if check is not None:
+            check.cancel()
+    missing = _without_agent(state)
+    return DryRunOutcome(
+        root_pid=state.target.root_pid,
+        image=str(final),
+        pids=tuple(p.pid for p in state.target.tree),
+        npu_pids=state.target.npu_pids,
+        would_attach=missing,
+        checks=tuple(n for n in pipeline.completed if n not in ("connect", "disconnect")),
+        host_bytes=state.host_bytes,
+        device_bytes=None if missing else state.device_bytes,
+    )
 
 
 def dump(
