@@ -81,3 +81,30 @@ def write_window_s(data: Samples, size: int) -> Optional[float]:
 def progress(msg: str) -> None:
     """One line of progress on stderr."""
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# Where a generated page's hand-written part starts: kept when the bench rewrites the page.
+NOTES = "<!-- notes: written by hand, kept when the bench rewrites this page -->"
+
+
+def kept_notes(page: Path) -> str:
+    """The hand-written part of ``page`` (from the NOTES line on), kept across runs."""
+    try:
+        text = page.read_text()
+    except OSError:
+        return ""
+    at = text.find(NOTES)
+    return "\n" + text[at:] if at >= 0 else ""
+
+
+def replace_section(summary: Path, heading: str, lines: list[str]) -> None:
+    """Put ``lines`` in place of ``summary``'s section under ``heading`` (appended if it has none)."""
+    text = summary.read_text()
+    new = "\n".join(lines)
+    if heading in text:
+        at = text.index(heading)
+        nxt = text.find("\n## ", at + len(heading))
+        text = text[:at] + new + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + new
+    summary.write_text(text.rstrip("\n") + "\n")

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import NPUSNAP, REPO
+from bench.common import NPUSNAP, REPO, kept_notes, replace_section
 from bench.incremental import _python, _steps, _wait_steps
 
 JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_lora.py")
@@ -186,16 +186,9 @@ def write(res: dict[str, Any], argv: list[str], out: Path) -> None:
                 "",
             ]
         )
+        + kept_notes(out)
     )
-    text = SUMMARY.read_text()
-    new = "\n".join(section(res))
-    if HEADING in text:
-        at = text.index(HEADING)
-        nxt = text.find("\n## ", at + len(HEADING))
-        text = text[:at] + new + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + new
-    SUMMARY.write_text(text.rstrip("\n") + "\n")
+    replace_section(SUMMARY, HEADING, section(res))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import NPUSNAP, REPO
+from bench.common import NPUSNAP, REPO, replace_section
 
 JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_lora.py")
 PAGE = REPO / "docs" / "benchmarks-incremental.md"
@@ -190,15 +190,7 @@ def page(res: dict[str, Any], argv: list[str]) -> str:
 
 def write(res: dict[str, Any], argv: list[str], out: Path) -> None:
     out.write_text(page(res, argv))
-    text = SUMMARY.read_text()
-    new = "\n".join(section(res))
-    if HEADING in text:
-        at = text.index(HEADING)
-        nxt = text.find("\n## ", at + len(HEADING))
-        text = text[:at] + new + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + new
-    SUMMARY.write_text(text.rstrip("\n") + "\n")
+    replace_section(SUMMARY, HEADING, section(res))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import NPUSNAP, REPO
+from bench.common import NOTES, NPUSNAP, REPO, kept_notes
 
 INFER = str(REPO / "npusnap_cli" / "workloads" / "infer.py")
 SERVE = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_serve.py")
@@ -331,17 +331,6 @@ def render(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
 
 
 PAGE = REPO / "docs" / "benchmarks-replicas.md"
-NOTES = "<!-- notes: written by hand, kept when the bench rewrites this page -->"
-
-
-def kept_notes(page: Path) -> str:
-    """The hand-written part of ``page`` (from the NOTES line on), kept across runs."""
-    try:
-        text = page.read_text()
-    except OSError:
-        return ""
-    at = text.find(NOTES)
-    return "\n" + text[at:] if at >= 0 else ""
 
 
 def _table_and_goal(page: Path) -> tuple[list[str], list[str]]:

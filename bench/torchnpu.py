@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import NPUSNAP, REPO
+from bench.common import NOTES, NPUSNAP, REPO, kept_notes, replace_section
 
 JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_block.py")
 PAGE = REPO / "docs" / "benchmarks-torch-npu.md"
@@ -246,22 +246,9 @@ def page(res: dict[str, Any], argv: list[str]) -> str:
     return "\n".join(L)
 
 
-NOTES = "<!-- notes: written by hand, kept when the bench rewrites this page -->"
-
-
 def write(res: dict[str, Any], argv: list[str], out: Path) -> None:
-    old = out.read_text() if out.exists() else ""
-    notes = old[old.find(NOTES) :] if NOTES in old else NOTES + "\n"
-    out.write_text(page(res, argv) + "\n" + notes)
-    text = SUMMARY.read_text()
-    new = "\n".join(section(res))
-    if HEADING in text:
-        at = text.index(HEADING)
-        nxt = text.find("\n## ", at + len(HEADING))
-        text = text[:at] + new + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + new
-    SUMMARY.write_text(text.rstrip("\n") + "\n")
+    out.write_text(page(res, argv) + (kept_notes(out) or "\n" + NOTES + "\n"))
+    replace_section(SUMMARY, HEADING, section(res))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
