@@ -1,15 +1,16 @@
-"""The typer application: global options, command registration and error-to-exit-code mapping.
+"""The typer application: global options, the command table and error-to-exit-code mapping.
 
-Start-up must stay fast (``npusnap --help`` well under 200 ms, see bench/startup.py): command
-modules import only typer and light npusnap modules at top level and import the heavy ones
-(pycriu, psutil, protobuf, rich tables) inside the command function.
+Start-up must stay fast (``npusnap --help`` within 100 ms, see bench/startup.py): the commands
+are a table (name -> module, summary) behind a lazy group, so `npusnap --help` lists them from
+the table and a command line imports only its own command's module, which imports what it needs
+at its top.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Optional
+from typing import ClassVar, Optional
 
 import click
 import typer
@@ -19,22 +20,121 @@ from npusnap_cli import __version__
 from npusnap_cli.commands import _common
 from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError, UsageError
 
-# One module per verb (or verb group) under npusnap_cli/commands/; each exposes register(app).
-COMMAND_MODULES = (
-    "check",
-    "sim",
-    "run",
-    "attach",
-    "status",
-    "ps",
-    "freeze",
-    "dump",
-    "restore",
-    "inspect",
-    "images",
-    "demo",
-    "k8s",
-)
+# Every command, in `npusnap --help`'s order: name -> (its module under npusnap_cli/commands/,
+# which exposes register(app); the summary `--help` lists, its docstring's first sentence, which
+# tests/unit/test_cli.py holds to the command's own).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": (
+        "check",
+        "Check that this host can dump and restore NPU processes (CRIU, pycriu, privileges, CANN).",
+    ),
+    "run": ("run", "Run CMD with an npusnap agent in every process it starts, Python or not."),
+    "attach": (
+        "attach",
+        "Inject the agent into running PID (Python 3.14+: sys.remote_exec; Python 3.9-3.13 and native "
+        "programs with the CANN runtime loaded: gdb at a safe point).",
+    ),
+    "status": (
+        "status",
+        "Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and "
+        "which npusnap command holds its lock and since when.",
+    ),
+    "ps": (
+        "ps",
+        "List every process on this node with an npusnap agent (replicas restored by `restore "
+        "--replicas` included): its state, who holds its lock (and whether that command still runs), "
+        "its lease and its last snapshot.",
+    ),
+    "freeze": (
+        "freeze",
+        "Lock and back up the CANN runtime of every NPU process of PID's tree (device half only).",
+    ),
+    "thaw": ("freeze", "Bring every NPU process of PID's tree back to RUNNING, whatever its snapshot state."),
+    "dump": ("dump", "Snapshot PID's process tree, NPU device state included, into DIR."),
+    "restore": (
+        "restore",
+        "Restore the process tree saved in DIR and its NPU device state; print the root pid on stdout.",
+    ),
+    "inspect": (
+        "inspect",
+        "Show what an image holds: by default the summary (versions, sizes, devices) and the process "
+        "tree, with counts of what CRIU saved; --files, --sockets, --mounts and --stats show those (as "
+        "checkpointctl's filters do), --all everything.",
+    ),
+    "verify": (
+        "inspect",
+        "Check an image: trust (only regular files, owner and modes, manifest schema and self-hash, the "
+        "signature with --require-signature), every file present with its size and checksum (BLAKE3; "
+        "sha256 in images made before 2026-12).",
+    ),
+    "list": ("images", "List the images (directories and archives) under DIR, newest first."),
+    "export": (
+        "images",
+        "Write an image into one archive (tar + zstd on every core, or a plain tar with --compress "
+        "none), verified on the way.",
+    ),
+    "import": (
+        "images",
+        "Extract an archive into a new image directory, verified, ready for `npusnap restore`.",
+    ),
+    "demo": (
+        "demo",
+        "Run the main job: a training workload on the simulated NPU is dumped, restored and checked.",
+    ),
+    "sim": (
+        "sim",
+        "The simulated NPU (a device daemon + a fake CANN install) for hosts without Ascend hardware.",
+    ),
+    "k8s": ("k8s", "Kubernetes: checkpoint a job's containers across pods together (kubelet or CRI)."),
+}
+
+
+def _commands_of(module: str) -> dict[str, click.Command]:
+    """The click commands a command module registers (typer builds them)."""
+    sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+    @sub.callback()
+    def _group() -> None:  # a callback makes typer build a group, whatever the module registers
+        pass
+
+    importlib.import_module(f"npusnap_cli.commands.{module}").register(sub)
+    group = typer.main.get_command(sub)
+    assert isinstance(group, click.Group)
+    return dict(group.commands)
+
+
+class _LazyGroup(typer.core.TyperGroup):
+    """The top-level group: commands come from COMMANDS, each module imported when its command
+    runs (or its help is asked for), none for `npusnap --help`."""
+
+    _loaded: ClassVar[dict[str, dict[str, click.Command]]] = {}  # module -> its commands, once
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module = entry[0]
+        if module not in self._loaded:
+            self._loaded[module] = _commands_of(module)
+        return self._loaded[module].get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(name) for name in COMMANDS)
+        rows = [
+            (name, click.Command(name, help=summary).get_short_help_str(limit))
+            for name, (_m, summary) in COMMANDS.items()
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def load_all() -> None:
+    """Import every command's module now (a parent that forks children which must import nothing)."""
+    for module in dict.fromkeys(m for m, _summary in COMMANDS.values()):
+        importlib.import_module(f"npusnap_cli.commands.{module}")
 
 
 # typer formats help through rich whenever rich is installed, which adds rich's imports to every
@@ -56,6 +156,7 @@ def build_app() -> typer.Typer:
             "Snapshot a running process that uses an Ascend NPU and restore it later, device state "
             "included. Start with `npusnap check`."
         ),
+        cls=_LazyGroup,
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
@@ -101,9 +202,6 @@ def build_app() -> typer.Typer:
                 stream=sys.stderr,
             )
 
-    for name in COMMAND_MODULES:
-        module = importlib.import_module(f"npusnap_cli.commands.{name}")
-        module.register(app)
     return app
 
 

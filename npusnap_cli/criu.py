@@ -1,8 +1,9 @@
 """The CRIU boundary: finding and checking the criu binary, and (below) dump/restore via pycriu.
 
-This is the only module that imports pycriu. pycriu raises exceptions that carry only an errno;
-the reason is in CRIU's log file, so every call here sets a log file and failures are turned into
-``CriuError`` with the log's relevant lines (see ``log_tail``).
+This is the only module that drives CRIU through pycriu (criuimages.py reads its image files).
+pycriu raises exceptions that carry only an errno; the reason is in CRIU's log file, so every call
+here sets a log file and failures are turned into ``CriuError`` with the log's relevant lines (see
+``log_tail``).
 
 Note (criu-here.md): ``pycriu.criu().check()`` over RPC returns an error with errno 0 on these
 machines while ``criu check`` on the command line is fine, so the preflight runs the binary.
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from npusnap_cli import paths, safefs
+from npusnap_cli import criuimages, paths, safefs
 from npusnap_cli.errors import NO_SPACE_ERRNOS, CriuError, ExitCode, NpusnapError, PreflightError, no_space
 
 # -v: what npusnap hands CRIU and what CRIU reports (cli.py sets the level).
@@ -318,28 +319,9 @@ def first_error(lines: list[str]) -> Optional[str]:
 
 
 def load_stats(work_dir: str, name: str) -> Optional[dict[str, int]]:
-    """Read a CRIU stats image (CRIU writes it into its work dir); None when absent or unreadable."""
-    path = os.path.join(work_dir, name)
-    if not os.path.exists(path):
-        return None
-    try:
-        # pycriu's generic decoder (pycriu.images.load) breaks on protobuf 5+ (FieldDescriptor.label
-        # is gone), so decode the one message we need: a stats image is the service magic, the
-        # STATS magic, then one length-prefixed stats_entry.
-        import struct
-
-        from pycriu.images import stats_pb2
-
-        with open(path, "rb") as f:
-            data = f.read()
-        (size,) = struct.unpack_from("<I", data, 8)
-        entry = stats_pb2.stats_entry()
-        entry.ParseFromString(data[12 : 12 + size])
-        section = entry.dump if entry.HasField("dump") else entry.restore
-        return {fd.name: int(value) for fd, value in section.ListFields()}
-    except Exception:
-        # Statistics are informative only; a decoding problem must not fail a good dump.
-        return None
+    """Read a CRIU stats image (CRIU writes it into its work dir); None when absent or unreadable:
+    statistics are informative only, a decoding problem must not fail a good dump."""
+    return criuimages.stats(os.path.join(work_dir, name))
 
 
 def read_dump_stats(work_dir: str) -> Optional[DumpStats]:

@@ -3,8 +3,8 @@
 
 A function-local ``from npusnap_cli... import`` hides a module's dependencies and papers over
 import cycles; where one is really needed it says why on the same line, with a marker comment
-``# lazy: <why>`` (``npusnap --help`` imports every command module, so the commands keep their core
-imports lazy; the agent's workloads import the agent only where ``npusnap run`` put it on the path).
+``# lazy: <why>`` (what the CLI's start-up must not pay for; the agent's workloads import the agent
+only where ``npusnap run`` put it on the path).
 Imports under ``if TYPE_CHECKING:`` at module level are not function-local and are allowed.
 
     scripts/check_imports.py            fail (exit 1) on each unmarked function-local import

@@ -41,11 +41,12 @@ FLOORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "drivers",
-        "one outside thing each: the CANN runtime, CRIU, the simulator, the agent inside a target, "
-        "its socket, the kernel's io_uring switch",
+        "one outside thing each: the CANN runtime, CRIU (and its image files), the simulator, the agent "
+        "inside a target, its socket, the kernel's io_uring switch",
         (
             "acl",
             "criu",
+            "criuimages",
             "sim.*",
             "sim",
             "agent",

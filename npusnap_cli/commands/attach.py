@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.device import attach as attach_mod
 
 
 def register(app: typer.Typer) -> None:
@@ -29,9 +30,6 @@ def register(app: typer.Typer) -> None:
 
         Succeeds only when the agent answers over its control socket; a no-op if one is already there.
         """
-        from npusnap_cli.device import (
-            attach as attach_mod,
-        )  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "attach", json_flag)
         with out.phase(f"attaching to pid {pid}"):

@@ -8,6 +8,7 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.host import preflight
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +27,6 @@ def register(app: typer.Typer) -> None:
 
         Exit 0 when dump and restore are possible, 3 (preflight) otherwise.
         """
-        from npusnap_cli.host import preflight  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "check", json_flag)
         report = preflight.run_checks(ascend_home)

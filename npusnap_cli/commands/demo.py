@@ -10,6 +10,8 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
+from npusnap_cli.pipelines import demo as core
+from npusnap_cli.ui import human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -49,8 +51,6 @@ def register(app: typer.Typer) -> None:
         parameters per step) with an uninterrupted reference run. Exit 0 only if the output is
         identical; 10 if it is not.
         """
-        from npusnap_cli.pipelines import demo as core  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         if dump_after >= steps:
             raise UsageError(

@@ -9,14 +9,19 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from npusnap_cli import criu
+from npusnap_cli import image as img
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
 from npusnap_cli.errors import UsageError
+from npusnap_cli.host import oplog
+from npusnap_cli.image import archive, imagestore
+from npusnap_cli.pipelines import dump as dump_mod
+from npusnap_cli.pipelines import slurm
 from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:
-    from npusnap_cli.pipelines.dump import DryRunOutcome
     from npusnap_cli.ui import Output
 
 
@@ -182,9 +187,6 @@ def register(app: typer.Typer) -> None:
         afterwards; with --leave-running it keeps running. Any failure rolls every process back
         (running, unlocked) and removes the partial image; the exit code names the failed stage.
         """
-        from npusnap_cli import criu  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.pipelines import dump as dump_mod  # lazy: --help cost (check_imports.py --costs)
 
         if network_lock is not None and network_lock not in criu.NETWORK_LOCKS:
             raise UsageError(
@@ -226,8 +228,6 @@ def register(app: typer.Typer) -> None:
         pids = list(pids or [])
         net = jobcmd.net_options(coordinator, node, nodes)
         if slurm_job is not None:
-            from npusnap_cli.pipelines import slurm  # lazy: --help cost (check_imports.py --costs)
-
             if pids:
                 raise UsageError(
                     "--slurm-job and PIDs are exclusive", fix="give either PIDs or --slurm-job JOBID"
@@ -334,7 +334,7 @@ def register(app: typer.Typer) -> None:
         out.result(data)
 
 
-def _show_dry_run(out: Output, pid: int, result: DryRunOutcome) -> None:
+def _show_dry_run(out: Output, pid: int, result: dump_mod.DryRunOutcome) -> None:
     if result.would_attach:
         out.ok(
             f"dry run: every check passed so far; the dump would attach an agent to pid(s) "
@@ -357,7 +357,6 @@ def _show_dry_run(out: Output, pid: int, result: DryRunOutcome) -> None:
 
 def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
     """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
-    from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
     bars = ProgressBars(out)
     done = [0]
@@ -378,7 +377,6 @@ def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
 def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
-    from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
     done: dict[str, Any] = {"latest": None, "removed": []}
     # Every image this command publishes is noted as ours, so that a later --keep-last can tell
@@ -396,7 +394,6 @@ def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) ->
 
 def _parent_image(path: Path) -> Path:
     """--parent: an image directory (a `latest` pointer is followed), or a usage error."""
-    from npusnap_cli import image as img  # lazy: --help cost (check_imports.py --costs)
 
     target = img.follow_pointer(path)
     if not (target.is_dir() and img.manifest_path(target).is_file()):

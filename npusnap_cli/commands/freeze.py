@@ -8,6 +8,8 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.errors import UsageError
+from npusnap_cli.host import oplog
+from npusnap_cli.pipelines import freeze as freeze_mod
 
 DEFAULT_FREEZE_LEASE_S = 300.0
 
@@ -44,7 +46,6 @@ def register(app: typer.Typer) -> None:
         All or nothing: if one process cannot be frozen, all are thawed again. A job that another
         command has locked is refused (exit 11), naming it; Ctrl-C/SIGTERM rolls back (exit 130).
         """
-        from npusnap_cli.pipelines import freeze as freeze_mod  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "freeze", json_flag)
         if no_lease and lease is not None:
@@ -56,7 +57,6 @@ def register(app: typer.Typer) -> None:
             )
         clean_stale_sockets(out)
         lease_s: Optional[float] = None if no_lease else (DEFAULT_FREEZE_LEASE_S if lease is None else lease)
-        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
 
         with out.phase("freezing"), oplog.operation("freeze", [pid], None):
             results = freeze_mod.freeze(pid, lease_s=lease_s, backup=backup, timeout=timeout, note=out.warn)
@@ -91,11 +91,9 @@ def register(app: typer.Typer) -> None:
         Thaws what `npusnap freeze` locked; a lock another command holds is refused (exit 11,
         naming it) unless --force.
         """
-        from npusnap_cli.pipelines import freeze as freeze_mod  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "thaw", json_flag)
         clean_stale_sockets(out)
-        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
 
         with oplog.operation("thaw", [pid], None):
             results = freeze_mod.thaw(pid, force=force, timeout=timeout)

@@ -10,6 +10,7 @@ import typer
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars
 from npusnap_cli.errors import UsageError
+from npusnap_cli.image import archive, imagestore
 from npusnap_cli.units import human_bytes
 
 
@@ -46,7 +47,6 @@ def register(app: typer.Typer) -> None:
         `npusnap list --valid --paths DIR | head -n 1`. Exit 0 even if some are invalid; 2 if DIR
         is not a directory.
         """
-        from npusnap_cli.image import imagestore  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "list", json_flag)
         images = imagestore.list_images(directory, quick=not checksums)
@@ -107,7 +107,6 @@ def register(app: typer.Typer) -> None:
         temporary name and renamed when complete. `inspect` and `verify` read it directly;
         `npusnap import FILE DIR` turns it back into an image. Prints the archive's path.
         """
-        from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "export", json_flag)
         if compress not in archive.COMPRESSIONS:
@@ -173,7 +172,6 @@ def register(app: typer.Typer) -> None:
 
 def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> dict[str, Any]:
     """`npusnap import`, also for `restore --import`: extract, verified, with a progress bar."""
-    from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
 
     bars = ProgressBars(out)
     done = [0]

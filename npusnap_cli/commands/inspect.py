@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from npusnap_cli import image
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import NpusnapError
+from npusnap_cli.image import archive, containers, criudetail, job
+from npusnap_cli.k8s import jobcheckpoint as jc
 from npusnap_cli.units import human_bytes
 
 if TYPE_CHECKING:
@@ -47,8 +50,6 @@ def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> 
     """What CRIU saved (files, sockets, mounts, statistics) for an image directory, an archive
     (``archive``) or a container checkpoint (``container``: its PluginCheckpoint); None when its
     CRIU images cannot be read (never fails the inspect)."""
-    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
-    from npusnap_cli.image import criudetail  # lazy: --help cost (check_imports.py --costs)
 
     try:
         if container is not None:
@@ -182,7 +183,6 @@ def show_criu_detail(out: Any, detail: Any, label: str = "", sections: Sections 
 
 def _show_k8s_job(out: Any, directory: Path) -> None:
     """A directory written by `npusnap k8s checkpoint`: its manifest and one archive per member."""
-    from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
 
     manifest = jc.read_manifest(directory)
     out.kv(
@@ -241,7 +241,6 @@ def _show_container(out: Any, directory: Path, ckpt: Any, sections: Sections) ->
 
 def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
     """An image directory or archive: its manifest, process tree, timings and what CRIU saved."""
-    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     manifest = ref.require_manifest()
@@ -317,7 +316,6 @@ def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
 
 
 def _inspect_job(out: Any, ref: OpenedImage, sections: Sections) -> None:
-    from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     job = ref.require_job()
@@ -359,7 +357,6 @@ def _inspect_job(out: Any, ref: OpenedImage, sections: Sections) -> None:
 def _verify_job(
     out: Any, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
 ) -> None:
-    from npusnap_cli.image import job  # lazy: --help cost (check_imports.py --costs)
 
     directory = ref.path
     _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
@@ -398,7 +395,6 @@ def register(app: typer.Typer) -> None:
         """Show what an image holds: by default the summary (versions, sizes, devices) and the
         process tree, with counts of what CRIU saved; --files, --sockets, --mounts and --stats
         show those (as checkpointctl's filters do), --all everything. --json always has all."""
-        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "inspect", json_flag)
         sections = Sections.chosen(
@@ -440,20 +436,15 @@ def register(app: typer.Typer) -> None:
 
         Exits non-zero (the image error code) on any mismatch and names the file.
         """
-        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "verify", json_flag)
         ref = image.open(directory)
         if ref.kind is image.Kind.K8S_JOB:
-            from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
-
             res = jc.verify_job(ref.path)
             out.ok(f"{ref.path}: job checkpoint, {res['members']} archives match the job manifest")
             out.result(res)
             return
         if ref.kind is image.Kind.CONTAINER:
-            from npusnap_cli.image import containers  # lazy: --help cost (check_imports.py --costs)
-
             res = containers.verify(ref.require_container(), checksums=not no_checksums)
             what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
             out.ok(
@@ -469,8 +460,6 @@ def register(app: typer.Typer) -> None:
         total = sum(f.size for f in ref.require_manifest().files)
         with out.progress("verifying", total) as bar:
             if ref.kind is image.Kind.ARCHIVE:
-                from npusnap_cli.image import archive  # lazy: --help cost (check_imports.py --costs)
-
                 result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
             else:
                 result = image.verify(

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from npusnap_cli.commands._progress import fmt_s
 from npusnap_cli.errors import UsageError
+from npusnap_cli.pipelines import jobsnap, netcoord
+from npusnap_cli.pipelines.callbacks import PipelineCallbacks
+from npusnap_cli.pipelines.dump import DumpOptions
+from npusnap_cli.pipelines.netcoord import NetLink
+from npusnap_cli.pipelines.restore import RestoreOptions
 from npusnap_cli.units import human_bytes
 
-if TYPE_CHECKING:  # the pipelines are imported when a command runs: `npusnap --help` stays fast
-    from npusnap_cli.pipelines.callbacks import PipelineCallbacks
-    from npusnap_cli.pipelines.dump import DumpOptions
-    from npusnap_cli.pipelines.netcoord import NetLink
-    from npusnap_cli.pipelines.restore import RestoreOptions
+if TYPE_CHECKING:
     from npusnap_cli.ui import Output
 
 NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
@@ -28,7 +29,6 @@ NetSpec = tuple[tuple[str, int], int, int]  # (coordinator address, node, nodes)
 
 def net_options(coordinator: Optional[str], node: int, nodes: int) -> Optional[NetSpec]:
     """(address, node, nodes) for a job across nodes, or None; checks the combination."""
-    from npusnap_cli.pipelines import netcoord  # lazy: --help cost (check_imports.py --costs)
 
     if coordinator is None:
         if nodes > 1 or node > 0:
@@ -45,7 +45,6 @@ def _net(spec: Optional[NetSpec], phases: tuple[str, ...]) -> Iterator[Optional[
     if spec is None:
         yield None
         return
-    from npusnap_cli.pipelines import jobsnap, netcoord  # lazy: --help cost (check_imports.py --costs)
 
     addr, node, nodes = spec
     server = (
@@ -70,7 +69,6 @@ def dump_job(
     callbacks: PipelineCallbacks,
     net: Optional[NetSpec] = None,
 ) -> None:
-    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.PHASES) as link:
         result = jobsnap.dump_job(
@@ -130,7 +128,6 @@ def restore_job(
     rank_netns: dict[int, str],
     net: Optional[NetSpec] = None,
 ) -> tuple[list[int], dict[str, Any]]:
-    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:
         result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
@@ -165,7 +162,6 @@ def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: b
     if not wait:
         out.result(data)
         return None
-    from npusnap_cli.pipelines import jobsnap  # lazy: --help cost (check_imports.py --costs)
 
     out.info(f"waiting for pid(s) {', '.join(map(str, roots))} to exit (signals are forwarded)")
     codes = jobsnap.wait_for_exit(roots, out.warn)

@@ -10,6 +10,9 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
+from npusnap_cli.k8s import jobcheckpoint as jc
+from npusnap_cli.k8s.cri import CriClient
+from npusnap_cli.ui import human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -61,8 +64,6 @@ def register(app: typer.Typer) -> None:
         """Checkpoint every --member at once; their CRIU plugins hold the job's barriers (all locked
         before any is dumped, none let go before all are saved). Any failure rolls every container
         back (they keep running) and removes the archives."""
-        from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "k8s checkpoint", json_flag)
         members = [jc.parse_member(i, text) for i, text in enumerate(member)]
@@ -133,14 +134,11 @@ def register(app: typer.Typer) -> None:
         serves the barrier while the pods are created from the archives (kubectl)."""
         import json
 
-        from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
-
         out = output(ctx, "k8s restore", json_flag)
         runner = None
         if run:
             if not cri_endpoint:
                 raise UsageError("--run needs --cri-endpoint", fix="add the node's CRI socket")
-            from npusnap_cli.k8s.cri import CriClient  # lazy: --help cost (check_imports.py --costs)
 
             configs = []
             for spec in run:
@@ -197,8 +195,6 @@ def register(app: typer.Typer) -> None:
         restores the container from it."""
         import json
 
-        from npusnap_cli.k8s.cri import CriClient  # lazy: --help cost (check_imports.py --costs)
-
         out = output(ctx, "k8s run", json_flag)
         try:
             pod = json.loads(pod_config.read_text())
@@ -218,7 +214,6 @@ def register(app: typer.Typer) -> None:
         json_flag: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Stop and remove a pod through the node's CRI (`crictl rmp -f`)."""
-        from npusnap_cli.k8s.cri import CriClient  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "k8s rm", json_flag)
         with CriClient(cri_endpoint) as cri:
@@ -236,7 +231,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check every archive the job manifest names (size, sha256, and the plugin's record of each
         image file inside)."""
-        from npusnap_cli.k8s import jobcheckpoint as jc  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "k8s verify", json_flag)
         res = jc.verify_job(directory)

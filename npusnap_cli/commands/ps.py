@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
+from npusnap_cli.host import nodeview, procfs
 
 MIN_AGENT_WAIT_S = 0.5  # what the agents get however slow the start was: a live one answers in ms
 
@@ -25,7 +26,6 @@ def register(app: typer.Typer) -> None:
         """List every process on this node with an npusnap agent (replicas restored by
         `restore --replicas` included): its state, who holds its lock (and whether that command
         still runs), its lease and its last snapshot."""
-        from npusnap_cli.host import nodeview, procfs  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "ps", json_flag)
         clean_stale_sockets(out)

@@ -7,14 +7,20 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from npusnap_cli import image
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
+from npusnap_cli.commands.images import import_into
 from npusnap_cli.errors import UsageError
+from npusnap_cli.host import oplog, pidns, preflight
+from npusnap_cli.pipelines import replicas as replicas_mod
+from npusnap_cli.pipelines import restore as restore_mod
+from npusnap_cli.pipelines import restorecheck
+from npusnap_cli.pipelines.restore import RestoreOptions
 
-if TYPE_CHECKING:  # the pipeline is imported when a restore runs, not at every start
+if TYPE_CHECKING:
     from npusnap_cli.image import OpenedImage
-    from npusnap_cli.pipelines.restore import RestoreOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -177,15 +183,9 @@ def register(app: typer.Typer) -> None:
         and every NPU process gets its device state back and is unlocked. If that last step
         fails for a process, it stays locked and the error says how to retry.
         """
-        from npusnap_cli.host import oplog  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.pipelines import (
-            restore as restore_mod,  # lazy: --help cost (check_imports.py --costs)
-        )
 
         out = output(ctx, "restore", json_flag)
         if not dry_run:
-            from npusnap_cli.host import preflight  # lazy: --help cost (check_imports.py --costs)
-
             # First: as a user, the image (root's) would be refused half-way with a bare EACCES.
             preflight.require_privileges("restore")
         bars = ProgressBars(out)
@@ -194,9 +194,6 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(
                     "--dry-run does not import", fix=f"import first: npusnap import {import_from} {directory}"
                 )
-            from npusnap_cli.commands.images import (
-                import_into,  # lazy: --help cost (check_imports.py --costs)
-            )
 
             import_into(out, import_from, directory, force=False)
 
@@ -209,17 +206,11 @@ def register(app: typer.Typer) -> None:
                 "--no-verify: the files' checksums are not checked; a corrupted image would restore "
                 f"a corrupted job (`npusnap verify {directory}` checks them)"
             )
-        from npusnap_cli import image  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.host import pidns  # lazy: --help cost (check_imports.py --costs)
 
         maps = [pidns.parse_device_map(m) for m in device_map or []]
         ref = image.open(directory)
         ref.require_restorable()
         if replicas > 1:
-            from npusnap_cli.pipelines import (
-                replicas as replicas_mod,  # lazy: --help cost (check_imports.py --costs)
-            )
-
             if dry_run:
                 raise UsageError(
                     "--dry-run checks one restore, not --replicas",
@@ -234,7 +225,7 @@ def register(app: typer.Typer) -> None:
             from npusnap_cli.host import hostres, lazypages  # noqa: F401  # lazy: the same
             from npusnap_cli.pipelines import restoreguard  # noqa: F401  # lazy: the same
 
-            cli.build_app()
+            cli.load_all()
             phase(f"restoring {replicas} replicas at once")
             results = replicas_mod.restore_all(
                 ref.path,
@@ -388,17 +379,15 @@ def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:
     """restore --dry-run: the table of checks; exit code of the first problem."""
     from typing import Any
 
-    from npusnap_cli.pipelines import restorecheck  # lazy: --help cost (check_imports.py --costs)
-
     o: Any = out
     directory = ref.given
     images = [directory]
     if ref.job is not None:
         images = [directory / r.dir for r in ref.job.ranks]
     results: list[dict[str, Any]] = []
-    for image in images:
-        for check in restorecheck.run_checks(image, options):
-            results.append({"image": str(image), **check.to_dict()})
+    for one in images:
+        for check in restorecheck.run_checks(one, options):
+            results.append({"image": str(one), **check.to_dict()})
     o.table(
         f"npusnap restore --dry-run {directory}",
         ["image", "check", "status", "found"] if len(images) > 1 else ["check", "status", "found"],

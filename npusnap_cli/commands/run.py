@@ -10,8 +10,10 @@ from typing import Optional
 import typer
 
 from npusnap_cli import agent, contract, paths
+from npusnap_cli.agent import launch
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import PreflightError, UsageError
+from npusnap_cli.host import pidfile as pidfile_mod
 
 
 def register(app: typer.Typer) -> None:
@@ -77,7 +79,6 @@ def register(app: typer.Typer) -> None:
         also get the agent's Python face (hooks) through a bootstrap on PYTHONPATH. Statically
         linked and set-uid programs ignore LD_PRELOAD and get no agent.
         """
-        from npusnap_cli.agent import launch  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "run", json_flag)
         problem = paths.runtime_dir_problem()
@@ -115,10 +116,6 @@ def register(app: typer.Typer) -> None:
                 "gets no agent from LD_PRELOAD (link it dynamically, or call npusnap_agent_start())"
             )
         if detach:
-            from npusnap_cli.host import (
-                pidfile as pidfile_mod,
-            )  # lazy: --help cost (check_imports.py --costs)
-
             if pidfile is not None:
                 pidfile_mod.check(pidfile)
             pid = launch.detach(plan, output_file, pid_ns=pid_ns)

@@ -12,6 +12,8 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, GlobalOptions, epilog, output
 from npusnap_cli.errors import UsageError
+from npusnap_cli.sim import manager, opscover
+from npusnap_cli.ui import human_bytes
 
 _UNITS = {
     "": 1,
@@ -35,7 +37,6 @@ def parse_size(text: str) -> int:
 
 
 def _device_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
     rows: list[tuple[str, ...]] = []
     for d in doc.get("devices", []):
@@ -105,7 +106,6 @@ def register(app: typer.Typer) -> None:
         at its address but not its contents (they read as 0xDEADBEEF words); npusnap keeps the
         job's device memory itself (docs/device-memory.md).
         """
-        from npusnap_cli.sim import manager  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "sim start", json_flag)
         doc = manager.start(
@@ -135,7 +135,6 @@ def register(app: typer.Typer) -> None:
     @sim.command("stop", epilog=epilog("sim stop"))
     def stop_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
         """Stop the simulator's daemon. Processes still using it lose their device memory."""
-        from npusnap_cli.sim import manager  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "sim stop", json_flag)
         was_running = manager.stop()
@@ -147,7 +146,6 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)
     ) -> None:
         """Show the simulated devices, which process owns each, and the memory in use."""
-        from npusnap_cli.sim import manager  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "sim status", json_flag)
         doc = manager.status()
@@ -164,7 +162,6 @@ def register(app: typer.Typer) -> None:
     @sim.command("env", epilog=epilog("sim env"))
     def env_cmd(ctx: typer.Context, json_flag: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
         """Print `export` lines for the simulator: eval "$(npusnap sim env)"."""
-        from npusnap_cli.sim import manager  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "sim env", json_flag)
         variables = manager.env()
@@ -195,7 +192,6 @@ def register(app: typer.Typer) -> None:
         the ...GetWorkspaceSize halves folded in) and the exports of the simulator's libopapi.so;
         neither is loaded. Prints the counts on stderr and one name a line on stdout.
         """
-        from npusnap_cli.sim import opscover  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "sim ops", json_flag)
         cov = opscover.coverage(torch_npu)

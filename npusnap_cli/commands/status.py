@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
+from npusnap_cli.host import nodeview, oplog, proctree
+from npusnap_cli.ui import human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -16,8 +18,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show each process of PID's tree: agent, CANN runtime, devices, snapshot state, lease, and
         which npusnap command holds its lock and since when."""
-        from npusnap_cli.host import nodeview, oplog, proctree  # lazy: --help cost (check_imports.py --costs)
-        from npusnap_cli.ui import human_bytes  # lazy: --help cost (check_imports.py --costs)
 
         out = output(ctx, "status", json_flag)
         clean_stale_sockets(out)

@@ -31,10 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Optional
 
-from npusnap_cli import paths, safefs
+from npusnap_cli import criuimages, paths, safefs
 from npusnap_cli.errors import BusyError, PreflightError
 
-REMAP_GHOST = 1 << 31  # older images: the ghost flag in remap_id (criu/include/image.h)
 WAIT_S = 600.0  # one copy's CRIU restore; a holder past this is stuck, not slow
 POLL_S = 0.05
 LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -42,28 +41,11 @@ LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def ghost_paths(criu_dir: Path) -> list[str]:
     """The ghost file paths CRIU's restore of ``criu_dir`` creates (``PATH.cr.ID.ghost``), sorted."""
-    import pycriu
-
-    try:
-        with open(criu_dir / "remap-fpath.img", "rb") as f:
-            remaps = pycriu.images.load(f).get("entries", [])
-    except FileNotFoundError:
-        return []
-    ghosts: dict[int, int] = {}  # file id -> ghost id
-    for e in remaps:
-        rid = int(e["remap_id"])
-        if e.get("remap_type") == "GHOST" or ("remap_type" not in e and rid & REMAP_GHOST):
-            ghosts[int(e["orig_id"])] = rid & ~REMAP_GHOST
+    ghosts = {r.orig_id: r.remap_id for r in criuimages.remaps(criu_dir) if r.kind == "GHOST"}
     if not ghosts:
         return []
-    with open(criu_dir / "files.img", "rb") as f:
-        entries = pycriu.images.load(f).get("entries", [])
-    out = set()
-    for e in entries:
-        if e.get("type") == "REG" and int(e["id"]) in ghosts:
-            name = "/" + str(e["reg"]["name"]).lstrip("/")
-            out.add(f"{name}.cr.{ghosts[int(e['id'])]:x}.ghost")
-    return sorted(out)
+    names = criuimages.regular_files(criu_dir)
+    return sorted({f"/{names[i].lstrip('/')}.cr.{g:x}.ghost" for i, g in ghosts.items() if i in names})
 
 
 def for_image(criu_dir: Path, note: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import safefs
+from npusnap_cli import criuimages, safefs
 from npusnap_cli.errors import ImageError, PreflightError
 from npusnap_cli.image import digest
 
@@ -292,19 +292,10 @@ def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tup
 def link_remaps(criu_dir: Path) -> list[str]:
     """The ``link_remap.N`` files CRIU made in this dump (hard links to deleted files the tree
     had open): the ``files.img`` names of the LINKED ids in ``remap-fpath.img``."""
-    import pycriu
-
-    try:
-        with open(criu_dir / "remap-fpath.img", "rb") as f:
-            remaps = pycriu.images.load(f).get("entries", [])
-    except FileNotFoundError:
-        return []
-    ids = {int(e["remap_id"]) for e in remaps if e.get("remap_type", "LINKED") == "LINKED"}
+    ids = {r.remap_id for r in criuimages.remaps(criu_dir) if r.kind == "LINKED"}
     if not ids:
         return []
-    with open(criu_dir / "files.img", "rb") as f:
-        entries = pycriu.images.load(f).get("entries", [])
-    paths = sorted({str(e["reg"]["name"]) for e in entries if e.get("type") == "REG" and int(e["id"]) in ids})
+    paths = sorted({name for i, name in criuimages.regular_files(criu_dir).items() if i in ids})
     for p in paths:
         if not p.startswith("/"):
             raise ImageError(
@@ -746,26 +737,17 @@ def remove_host_nodes(made: list[str]) -> None:
 def image_listeners(criu_dir: Path, skip: Iterable[Optional[str]] = ()) -> list[str]:
     """The filesystem paths the image's listening unix sockets are bound to (``skip``: the agent
     sockets, which a restore binds under a name of its own)."""
-    import pycriu  # not an npusnap module; only restores read it
-
     skipped = {s for s in skip if s}
     try:
-        with open(criu_dir / "files.img", "rb") as f:
-            entries = pycriu.images.load(f).get("entries", [])
-    except (OSError, pycriu.images.MagicException):
+        sockets = criuimages.unix_sockets(criu_dir)
+    except (OSError, criuimages.Undecodable):
         return []
     out = []
-    for e in entries:
-        usk = e.get("usk") if e.get("type") == "UNIXSK" else None
-        # Listening streams only (TCP_LISTEN is 10); the simulated device's connection is the
-        # device plugin's, never bound by CRIU.
-        if not usk or usk.get("state") != 10 or usk.get("type") not in (1, 5):
-            continue
-        name = usk.get("name")
-        if not isinstance(name, str):
-            continue
-        name = name[:-3] if name.endswith("=00") else name  # pycriu's form of a trailing NUL
-        if name.startswith("/") and name not in skipped and name not in out:
+    for sk in sockets:
+        # Listening streams only; the simulated device's connection is the device plugin's,
+        # never bound by CRIU.
+        name = sk.name
+        if sk.listening_stream and name and name.startswith("/") and name not in skipped and name not in out:
             out.append(name)
     return out
 

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import criuimages, paths
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
 from npusnap_cli.sim.daemon import dev_dir
@@ -125,8 +125,6 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
     """A directory CRIU can restore from: a symlink to each file of ``criu_dir`` but
     ``files.img``, rewritten so that each agent socket (``npusnap*/<pid>.sock`` of a process of
     the image) is bound under a name of its own. The caller removes it (``drop_view``)."""
-    import pycriu
-
     renames = _agent_socket_names(manifest)
     agents = {p.agent_socket: str(p.pid) for p in manifest.processes if getattr(p, "agent_socket", None)}
     view = Path(tempfile.mkdtemp(prefix="npusnap-restore-view-"))
@@ -134,8 +132,7 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
         for entry in os.scandir(criu_dir):
             if entry.name != "files.img":
                 os.symlink(os.path.join(os.path.abspath(criu_dir), entry.name), view / entry.name)
-        with open(criu_dir / "files.img", "rb") as f:
-            files = pycriu.images.load(f)
+        files = criuimages.load(criu_dir / "files.img")
         for e in files.get("entries", []):
             usk = e.get("usk") if e.get("type") == "UNIXSK" else None
             name = usk.get("name") if usk else None
@@ -147,8 +144,7 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
                 bare = name[:-3] if name.endswith("=00") else name
                 if bare in agents:
                     usk["name"] = f"{os.path.dirname(bare)}/{renames[agents[bare]]}.sock{name[len(bare) :]}"
-        with open(view / "files.img", "wb") as f:
-            pycriu.images.dump(files, f)
+        criuimages.write(files, view / "files.img")
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise
@@ -352,13 +348,10 @@ MS_PRIVATE = 1 << 18
 def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
     """The regular file the image's root process has as its stdout (fd 1), from CRIU's images
     (``ids-N.img`` -> ``fdinfo-<files_id>.img`` -> ``files.img``), or None."""
-    import pycriu
-
     root = 1 if manifest.pid_ns else manifest.root_pid
 
     def load(name: str) -> list[dict[str, Any]]:
-        with open(criu_dir / name, "rb") as f:
-            return list(pycriu.images.load(f).get("entries", []))
+        return criuimages.entries(criu_dir / name)
 
     try:
         files_id = load(f"ids-{root}.img")[0]["files_id"]

@@ -24,7 +24,10 @@ import ctypes
 import os
 import re
 import socket
+from pathlib import Path
 from typing import Optional
+
+from npusnap_cli import criuimages
 
 TCP_REPAIR = 19
 TCP_REPAIR_OFF = 0
@@ -238,26 +241,11 @@ def release(pids: list[int], network_lock: Optional[str] = None) -> list[str]:
 
 def image_connections(criu_dir: str) -> list[tuple[str, int, str, int]]:
     """(local ip, port, remote ip, port) of the established TCP sockets in a CRIU image."""
-    import pycriu
-
-    found = []
     try:
-        with open(os.path.join(criu_dir, "files.img"), "rb") as f:
-            entries = pycriu.images.load(f)["entries"]
-    except (OSError, Exception):  # a missing or undecodable files.img: nothing to protect
-        return []
-    for e in entries:
-        isk = e.get("isk") if e.get("type") == "INETSK" else None
-        if not isk or isk.get("proto") != socket.IPPROTO_TCP or isk.get("state") != 1:
-            continue
-        fam = socket.AF_INET6 if isk.get("family") == socket.AF_INET6 else socket.AF_INET
-
-        def ip(words: list[int], fam: int = fam) -> str:
-            raw = b"".join(int(w).to_bytes(4, "little") for w in words)
-            return socket.inet_ntop(fam, raw)
-
-        found.append((ip(isk["src_addr"]), int(isk["src_port"]), ip(isk["dst_addr"]), int(isk["dst_port"])))
-    return found
+        found = criuimages.tcp_connections(Path(criu_dir))
+    except (OSError, criuimages.Undecodable, KeyError, TypeError, ValueError):
+        return []  # a missing or undecodable files.img: nothing to protect
+    return [(c.src, c.src_port, c.dst, c.dst_port) for c in found]
 
 
 class ResetHold:

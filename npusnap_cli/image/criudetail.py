@@ -1,4 +1,4 @@
-"""What CRIU saved, read from its images with pycriu: open files, sockets, mounts and CRIU's own
+"""What CRIU saved, read from its images (criuimages.py): open files, sockets, mounts and CRIU's own
 statistics (pages scanned and written, freeze times), per process, as checkpointctl shows them.
 
 Read only, never trusted for anything but display: a field that does not decode is left out.
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import criu
+from npusnap_cli import criu, criuimages
 from npusnap_cli.image import archive, containers
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -23,15 +23,11 @@ SOCKET_KINDS = {"UNIXSK", "INETSK", "NETLINKSK", "PACKETSK"}
 
 
 def _load(path: Path) -> Optional[dict[str, Any]]:
-    import pycriu
-
     if not path.is_file():
         return None
     try:
-        with open(path, "rb") as f:
-            loaded: dict[str, Any] = pycriu.images.load(f)
-            return loaded
-    except Exception:
+        return criuimages.load(path)
+    except (OSError, criuimages.Undecodable):
         return None  # an image pycriu cannot decode: shown as missing, never fatal
 
 

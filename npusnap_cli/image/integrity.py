@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from npusnap_cli import criuimages
 from npusnap_cli.errors import ImageError
 from npusnap_cli.image import digest, hostrecords, imagetrust
 from npusnap_cli.image.layout import CRIU_SUBDIR, checksummed_files, criu_dir, temp_siblings
@@ -51,21 +52,16 @@ def verification_error(image: Path, problems: list[str]) -> ImageError:
     )
 
 
-def read_pstree(criu: Path) -> Optional[list[dict[str, Any]]]:
-    """The entries of CRIU's ``pstree.img`` in the images directory ``criu`` (pid, ppid, pgid,
-    sid, threads; pids of the tree's own pid namespace for a `run --pid-ns` job): the processes
-    CRIU dumped and will restore, zombies included. None when it has none."""
-    import pycriu
-
+def read_pstree(criu: Path) -> Optional[list[criuimages.TreeEntry]]:
+    """The processes of CRIU's ``pstree.img`` in the images directory ``criu`` (pids of the
+    tree's own pid namespace for a `run --pid-ns` job): those CRIU dumped and will restore,
+    zombies included. None when it has none."""
     path = criu / "pstree.img"
     try:
-        with open(path, "rb") as f:
-            return list(pycriu.images.load(f).get("entries", []))
-    except FileNotFoundError:
-        return None
+        return criuimages.pstree(criu)
     except PermissionError:
         raise  # not a damaged image: the CLI says which permission (or root) is missing
-    except Exception as exc:
+    except (OSError, criuimages.Undecodable) as exc:
         raise ImageError(
             f"cannot read {path}: {exc}",
             why="CRIU's process tree image is damaged",
@@ -81,15 +77,8 @@ def check_process_tree(image: Path, manifest: Manifest) -> list[int]:
     entries = read_pstree(criu_dir(image))
     if entries is None:
         return sorted(p.pid for p in manifest.processes)
-    try:
-        pids = {int(e["pid"]) for e in entries}
-        ids = sorted(pids | {int(t) for e in entries for t in e.get("threads") or []})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ImageError(
-            f"cannot read {criu_dir(image) / 'pstree.img'}: {exc}",
-            why="CRIU's process tree image is damaged",
-            fix="do not use this image; dump again",
-        ) from None
+    pids = {e.pid for e in entries}
+    ids = sorted(pids | {t for e in entries for t in e.threads})
     listed = {*manifest.pid_ns.values()} if manifest.pid_ns else {p.pid for p in manifest.processes}
     if pids != listed:
         raise ImageError(

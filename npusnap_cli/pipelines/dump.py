@@ -1288,7 +1288,7 @@ def _match_dumped_tree(s: DumpState) -> None:
     entries = img.read_pstree(img.criu_dir(s.work))
     if entries is None:
         return  # not CRIU's doing: publishing's verification refuses the image
-    dumped = {int(e["pid"]) for e in entries}
+    dumped = {e.pid for e in entries}
     root = s.target.root_pid
 
     def ids(tree: tuple[ProcInfo, ...], ns: dict[int, int]) -> dict[int, ProcInfo]:

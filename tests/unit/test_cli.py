@@ -19,19 +19,49 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def all_commands() -> list[tuple[str, click.Command]]:
-    """Every leaf command as ("sim start", cmd)."""
+    """Every leaf command as ("sim start", cmd), through the groups' own lookup (the top-level
+    group imports a command's module only when asked for it)."""
     root = typer.main.get_command(build_app())
     found: list[tuple[str, click.Command]] = []
 
-    def walk(prefix: str, cmd: click.Command) -> None:
+    def walk(prefix: str, cmd: click.Command, ctx: click.Context) -> None:
         if isinstance(cmd, click.Group):
-            for name, sub in cmd.commands.items():
-                walk(f"{prefix} {name}".strip(), sub)
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None, name
+                walk(f"{prefix} {name}".strip(), sub, click.Context(sub, parent=ctx, info_name=name))
         else:
             found.append((prefix, cmd))
 
-    walk("", root)
+    walk("", root, click.Context(root, info_name="npusnap"))
     return found
+
+
+def test_the_command_table_summaries_are_the_commands_own() -> None:
+    """`npusnap --help` lists the table's summaries without importing the commands: each is its
+    command's first sentence, as click would show it from the command itself."""
+    from npusnap_cli.cli import COMMANDS
+
+    root = typer.main.get_command(build_app())
+    assert isinstance(root, click.Group)
+    ctx = click.Context(root, info_name="npusnap")
+    for name, (_module, summary) in COMMANDS.items():
+        cmd = root.get_command(ctx, name)
+        assert cmd is not None, name
+        assert click.Command(name, help=summary).get_short_help_str(10_000) == cmd.get_short_help_str(
+            10_000
+        ), name
+
+
+def test_help_imports_no_command_module() -> None:
+    """`npusnap --help` lists every command without importing any command's module."""
+    code = (
+        "import sys; from npusnap_cli.cli import main; main(['--help']); "
+        "print(sorted(m for m in sys.modules "
+        "if m.startswith('npusnap_cli.commands.') and not m.endswith('_common')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,91 @@
+"""criuimages.py: CRIU's image files read into typed records, with one rule for each field's default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pycriu
+import pytest
+
+from npusnap_cli import criuimages
+
+
+def _write(path: Path, magic: str, entries: list[dict[str, Any]]) -> None:
+    with open(path, "wb") as f:
+        pycriu.images.dump({"magic": magic, "entries": entries}, f)
+
+
+def test_remaps_one_rule_for_old_and_new_images(tmp_path: Path) -> None:
+    """A ghost is GHOST by remap_type or, in images older than remap_type, by the ghost bit of
+    remap_id; anything else without remap_type is a link. Every reader gets the same answer."""
+    _write(
+        tmp_path / "remap-fpath.img",
+        "REMAP_FPATH",
+        [
+            {"orig_id": 1, "remap_id": 7 | criuimages.REMAP_GHOST},
+            {"orig_id": 2, "remap_id": 8},
+            {"orig_id": 3, "remap_id": 9, "remap_type": "GHOST"},
+            {"orig_id": 4, "remap_id": 10, "remap_type": "LINKED"},
+        ],
+    )
+    got = criuimages.remaps(tmp_path)
+    assert [(r.orig_id, r.remap_id, r.kind) for r in got] == [
+        (1, 7, "GHOST"),
+        (2, 8, "LINKED"),
+        (3, 9, "GHOST"),
+        (4, 10, "LINKED"),
+    ]
+    assert criuimages.remaps(tmp_path / "none") == []
+
+
+def test_pstree_typed_and_damage_named(tmp_path: Path) -> None:
+    assert criuimages.pstree(tmp_path) is None
+    _write(tmp_path / "pstree.img", "PSTREE", [{"pid": 5, "ppid": 0, "pgid": 5, "sid": 5, "threads": [5, 6]}])
+    assert criuimages.pstree(tmp_path) == [criuimages.TreeEntry(pid=5, ppid=0, pgid=5, sid=5, threads=(5, 6))]
+    (tmp_path / "pstree.img").write_bytes(b"not an image at all")
+    with pytest.raises(criuimages.Undecodable):
+        criuimages.pstree(tmp_path)
+
+
+def test_files_and_sockets(tmp_path: Path) -> None:
+    usk = {
+        "id": 2,
+        "ino": 1,
+        "type": 1,
+        "state": 10,
+        "flags": 0,
+        "backlog": 1,
+        "peer": 0,
+        "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+        "uflags": 0,
+        "opts": {
+            "so_sndbuf": 1,
+            "so_rcvbuf": 1,
+            "so_snd_tmo_sec": 0,
+            "so_snd_tmo_usec": 0,
+            "so_rcv_tmo_sec": 0,
+            "so_rcv_tmo_usec": 0,
+        },
+    }
+    _write(
+        tmp_path / "files.img",
+        "FILES",
+        [
+            {"type": "UNIXSK", "id": 2, "usk": {**usk, "name": "/tmp/x.sock=00"}},
+            {"type": "UNIXSK", "id": 3, "usk": {**usk, "id": 3, "state": 1, "name": "/tmp/y.sock"}},
+        ],
+    )
+    socks = criuimages.unix_sockets(tmp_path)
+    assert [(s.id, s.name, s.listening_stream) for s in socks] == [
+        (2, "/tmp/x.sock", True),
+        (3, "/tmp/y.sock", False),
+    ]
+    assert criuimages.regular_files(tmp_path) == {}
+    assert criuimages.tcp_connections(tmp_path) == []
+
+
+def test_stats_absent_or_damaged_is_none(tmp_path: Path) -> None:
+    assert criuimages.stats(tmp_path / "stats-dump") is None
+    (tmp_path / "stats-dump").write_bytes(b"\0" * 8)
+    assert criuimages.stats(tmp_path / "stats-dump") is None
