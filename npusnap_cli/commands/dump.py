@@ -251,7 +251,10 @@ def register(app: typer.Typer) -> None:
                     "--dry-run checks the dump of one process tree",
                     fix="run it for each PID of the job: npusnap dump --dry-run PID DIR",
                 )
-            _show_dry_run(out, pids[0], dump_mod.dry_run(pids[0], directory, options, callbacks))
+            checked = dump_mod.dry_run(pids[0], directory, options, callbacks)
+            _show_dry_run(out, checked)
+            if checked.exit_code:
+                raise typer.Exit(checked.exit_code)
             return
         if len(pids) > 1 or slurm_job is not None or net is not None:
             # A job image (a one-task Slurm job, or one node's part of a job, too).
@@ -334,25 +337,30 @@ def register(app: typer.Typer) -> None:
         out.result(data)
 
 
-def _show_dry_run(out: Output, pid: int, result: dump_mod.DryRunOutcome) -> None:
-    if result.would_attach:
+def _show_dry_run(out: Output, result: dump_mod.DryRunOutcome) -> None:
+    """dump --dry-run: the table of checks, as restore --dry-run shows its own; exit code of the
+    first problem."""
+    rows = result.results
+    out.table(
+        f"npusnap dump --dry-run {result.image}",
+        ["check", "status", "found"],
+        [[r.name, r.status, r.detail] for r in rows],
+        styles=[{"problem": "red", "skipped": "dim"}.get(r.status) for r in rows],
+    )
+    problems = [r for r in rows if r.status == "problem"]
+    for r in problems:
+        fix = (r.error or {}).get("fix")
+        out.warn(f"{r.name}: {r.detail}" + (f" (fix: {fix})" if fix else ""))
+    if problems:
+        out.line(f"✘ the dump would fail: {len(problems)} problem(s); nothing was touched", style="red")
+    elif result.would_attach:
         out.ok(
-            f"dry run: every check passed so far; the dump would attach an agent to pid(s) "
-            f"{', '.join(map(str, result.would_attach))} (the checks that ask an agent run then)"
+            "the dump would start: every check passed; it would attach an agent to pid(s) "
+            f"{', '.join(map(str, result.would_attach))} and ask it then; nothing was touched"
         )
     else:
-        out.ok(f"dry run: the dump of pid {pid} into {result.image} would go ahead; nothing was touched")
-    out.kv(
-        "summary",
-        {
-            "processes": f"{len(result.pids)} ({len(result.npu_pids)} on the NPU)",
-            "checks passed": ", ".join(result.checks),
-            "host memory": human_bytes(result.host_bytes),
-            "device memory": "-" if result.device_bytes is None else human_bytes(result.device_bytes),
-        },
-        stream="stderr",
-    )
-    out.result(result.to_dict())
+        out.ok("the dump would start: every check passed; nothing was touched")
+    out.result(result.to_dict(), exit_code=result.exit_code)
 
 
 def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:

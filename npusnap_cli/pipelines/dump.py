@@ -74,6 +74,7 @@ from npusnap_cli.host.proctree import ProcInfo
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.image import devchunks, digest, imagetrust, streamhash
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower
+from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.callbacks import PhaseFn, PipelineCallbacks, no_phase
 from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step, describe
 from npusnap_cli.units import human_bytes
@@ -813,36 +814,66 @@ class DumpState:
 # -- resolve and preflight: nothing changes yet -------------------------------------------------
 
 
-def _check_input(s: DumpState) -> None:
-    # Cheap checks first: bad input must fail before anything touches the target. Privileges
-    # before all: as a user, root's job looks like a tree without an NPU process.
+# The dump's checks, in the order the dump runs them (each step below runs its share, and
+# `dump --dry-run` runs them all, also after a problem). Cheap checks first: bad input must fail
+# before anything touches the target. Privileges before all: as a user, root's job looks like a
+# tree without an NPU process.
+
+
+def _c_privileges(s: DumpState) -> str:
     preflight.require_privileges("dump")
+    return "root"
+
+
+def _c_directory(s: DumpState) -> str:
     img.check_dump_target(s.final, force=s.options.force)
-    if s.options.sign_key is not None:
-        imagetrust.check_signing_key(s.options.sign_key)
+    return f"{s.final} can be written"
 
 
-def _resolve(s: DumpState) -> None:
-    _check_input(s)
-    s.leftovers = tuple(left.message for left in img.remove_stale_temps(s.final) if left.action != "kept")
-    for message in s.leftovers:
-        s.cb.note(message)
+def _c_signing_key(s: DumpState) -> str:
+    assert s.options.sign_key is not None
+    imagetrust.check_signing_key(s.options.sign_key)
+    return f"{s.options.sign_key} signs"
+
+
+def _c_target(s: DumpState) -> str:
     s.found = resolve_target(s.pid, attach=s.options.attach)
+    t = s.target
+    return f"{len(t.tree)} process(es), {len(t.npu_pids)} on the NPU: {', '.join(map(str, t.npu_pids))}"
 
 
-def _resolve_read_only(s: DumpState) -> None:
-    _check_input(s)
-    s.found = resolve_target(s.pid, attach=s.options.attach)
+def _c_users(s: DumpState) -> str:
+    _check_other_users(s.target.tree)
+    return "CRIU may read every process's limits"
 
 
-def _preflight(s: DumpState) -> None:
-    tree = s.target.tree
-    _check_other_users(tree)
-    _check_session(tree, shell_job=s.options.criu.shell_job)
-    s.external = _check_external_stdio(tree, s.options, s.cb.note)
+def _c_session(s: DumpState) -> str:
+    _check_session(s.target.tree, shell_job=s.options.criu.shell_job)
+    return "a shell job (--shell-job)" if s.options.criu.shell_job else "the tree leads its own session"
+
+
+def _c_stdio(s: DumpState) -> str:
+    s.external = _check_external_stdio(s.target.tree, s.options, s.cb.note)
+    return f"{len(s.external)} pipe(s) for restore --pipe-to" if s.external else "nothing CRIU cannot restore"
+
+
+def _c_criu(s: DumpState) -> str:
     s.criu_binary = _check_criu(s.check)
-    _check_undumpable_fds(tree, s.binary)
-    s.tcp_within = _check_tcp(tree, s.options, s.in_job, s.cb.note)
+    return f"CRIU {s.binary.version}, `criu check` passed"
+
+
+def _c_fds(s: DumpState) -> str:
+    _check_undumpable_fds(s.target.tree, s.binary)
+    return "CRIU can dump every descriptor"
+
+
+def _c_tcp(s: DumpState) -> str:
+    s.tcp_within = _check_tcp(s.target.tree, s.options, s.in_job, s.cb.note)
+    return "connections within the tree only" if s.tcp_within else "none to outside the tree unless asked for"
+
+
+def _c_namespaces(s: DumpState) -> str:
+    tree = s.target.tree
     ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
     s.pid_ns = {str(k): v for k, v in ns_map.items()}
     s.device_view = pidns.in_device_view(s.target.root_pid)
@@ -854,33 +885,112 @@ def _preflight(s: DumpState) -> None:
             "which a restore could not rebuild; npusnap starts it there with nsenter",
             fix="install util-linux (apt-get install util-linux), then dump again; nothing was touched",
         )
-    _check_npu_plugin(tree)
-    _check_host_files(tree, s.options)
+    return ("its own pid namespace" if ns_map else "the host's pid namespace") + (
+        ", in a device view (CRIU runs there)" if s.device_view else ""
+    )
 
 
-def _attach(s: DumpState) -> None:
+def _c_npu_plugin(s: DumpState) -> str:
+    _check_npu_plugin(s.target.tree)
+    return "CRIU can dump the device connections"
+
+
+def _c_host_files(s: DumpState) -> str:
+    _check_host_files(s.target.tree, s.options)
+    return "what the image carries, its restore may write"
+
+
+def _c_stopped(s: DumpState) -> str:
     refuse_stopped(s.target.npu_pids, "dump")  # being checkpointed by someone else
-    s.found = attach_missing(s.target, s.cb.note)
-    _check_host_space(s)
+    return "no NPU process is stopped"
 
 
-def _check_host_space(s: DumpState) -> None:
+def _c_space(s: DumpState) -> str:
     # The host side now; the device memory once the agents said how much they hold.
     s.host_bytes = sum(_rss(p.pid) for p in s.target.tree)
     _check_space_and_memory(s.final, s.host_bytes, 0)
+    return f"room for {human_bytes(s.host_bytes)} of host memory"
+
+
+def _c_agents(s: DumpState) -> str:
+    """The dry run's share of the agents: their hello, as the dump's ``hello`` step asks it."""
+    _connect(s)
+    try:
+        _hello(s)
+    finally:
+        s.group.close()
+    return f"{len(s.hello)} agent(s) unlocked, {human_bytes(s.device_bytes)} of device memory"
+
+
+def _no_target(s: DumpState) -> Optional[str]:
+    return None if s.found is not None else "needs the process tree"
+
+
+def _no_criu(s: DumpState) -> Optional[str]:
+    return _no_target(s) or (None if s.criu_binary is not None else "needs CRIU")
+
+
+def _no_agents(s: DumpState) -> Optional[str]:
+    if s.found is None:
+        return "needs the process tree"
+    missing = ", ".join(map(str, _without_agent(s)))
+    return f"the dump would attach an agent to pid(s) {missing} first" if missing else None
+
+
+DumpCheck = checks.Check[DumpState]
+INPUT_CHECKS: list[DumpCheck] = [
+    DumpCheck("privileges", "the privileges CRIU needs", _c_privileges),
+    DumpCheck("directory", "DIR is new or empty, its filesystem writable", _c_directory),
+    DumpCheck(
+        "signing-key",
+        "the --sign key",
+        _c_signing_key,
+        skip=lambda s: None if s.options.sign_key is not None else "no --sign",
+    ),
+]
+TARGET_CHECKS: list[DumpCheck] = [DumpCheck("target", "PID's tree and its NPU processes", _c_target)]
+PREFLIGHT_CHECKS: list[DumpCheck] = [
+    DumpCheck("users", "processes CRIU may read", _c_users, skip=_no_target),
+    DumpCheck("session", "the session CRIU can record", _c_session, skip=_no_target),
+    DumpCheck("stdio", "stdin/stdout/stderr to outside the tree", _c_stdio, skip=_no_target),
+    DumpCheck("criu", "a CRIU that works on this kernel", _c_criu),
+    DumpCheck("descriptors", "descriptors CRIU cannot dump", _c_fds, skip=_no_criu),
+    DumpCheck("tcp", "TCP connections to outside the tree", _c_tcp, skip=_no_target),
+    DumpCheck("namespaces", "pid and mount namespaces", _c_namespaces, skip=_no_target),
+    DumpCheck("npu-plugin", "a CRIU plugin for the device connections", _c_npu_plugin, skip=_no_target),
+    DumpCheck("host-files", "host files the image carries", _c_host_files, skip=_no_target),
+]
+ATTACH_CHECKS: list[DumpCheck] = [
+    DumpCheck("stopped", "no NPU process is stopped", _c_stopped, skip=_no_target),
+    DumpCheck("space", "room for the image and memory for the copy", _c_space, skip=_no_target),
+]
+# The dry run's own: the dump asks the agents in its hello step, after attaching missing ones.
+AGENT_CHECKS: list[DumpCheck] = [
+    DumpCheck("agents", "every NPU process's agent, unlocked; the device memory", _c_agents, skip=_no_agents),
+]
+CHECKS: list[DumpCheck] = [*INPUT_CHECKS, *TARGET_CHECKS, *PREFLIGHT_CHECKS, *ATTACH_CHECKS, *AGENT_CHECKS]
+
+
+def _resolve(s: DumpState) -> None:
+    checks.run_in_order(INPUT_CHECKS, s)
+    s.leftovers = tuple(left.message for left in img.remove_stale_temps(s.final) if left.action != "kept")
+    for message in s.leftovers:
+        s.cb.note(message)
+    checks.run_in_order(TARGET_CHECKS, s)
+
+
+def _preflight(s: DumpState) -> None:
+    checks.run_in_order(PREFLIGHT_CHECKS, s)
+
+
+def _attach(s: DumpState) -> None:
+    checks.run_in_order(ATTACH_CHECKS[:1], s)
+    s.found = attach_missing(s.target, s.cb.note)
+    checks.run_in_order(ATTACH_CHECKS[1:], s)
 
 
 def _without_agent(s: DumpState) -> tuple[int, ...]:
     return tuple(p.pid for p in s.target.tree if p.uses_npu and not p.has_agent)
-
-
-def _would_attach(s: DumpState) -> None:
-    refuse_stopped(s.target.npu_pids, "dump")
-    _check_host_space(s)
-
-
-def _agents_in(s: DumpState) -> bool:
-    return not _without_agent(s)
 
 
 # -- the work directory and the agents ----------------------------------------------------------
@@ -1803,52 +1913,37 @@ STEPS: list[Step[DumpState]] = [
 ]
 
 
-# `dump --dry-run`: the checks of the steps above, read-only: no stale work area removed, no
-# agent attached, no lock, no freeze, nothing written. A process without an agent is reported as
-# one the dump would attach to; the checks that ask its agent run once it has one.
-CHECK_STEPS: list[Step[DumpState]] = [
-    Step("resolve", _resolve_read_only, phase="resolve"),
-    Step("preflight", _preflight, phase="preflight"),
-    Step("agents", _would_attach),
-    Step("connect", _connect, undo=_disconnect, when=_agents_in),
-    Step("hello", _hello, when=_agents_in),
-    Step("disconnect", lambda s: s.group.close(), when=_agents_in),
-]
-
-
 @dataclass(frozen=True)
 class DryRunOutcome:
-    """What `dump --dry-run` found when nothing refused the dump."""
+    """What `dump --dry-run` found: every check's result (nothing was touched)."""
 
-    root_pid: int
     image: str
+    results: tuple[checks.CheckResult, ...]
     pids: tuple[int, ...]
     npu_pids: tuple[int, ...]
     would_attach: tuple[int, ...]
-    checks: tuple[str, ...]  # the steps whose checks ran, in order
-    host_bytes: int
-    device_bytes: Optional[int]  # None: known once the agents are in
+
+    @property
+    def exit_code(self) -> int:
+        return checks.first_problem(self.results)
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "dry_run": True,
-            "verdict": "would attach" if self.would_attach else "would dump",
-            "root_pid": self.root_pid,
             "image": self.image,
+            "ready": self.exit_code == 0,
+            "checks": [r.to_dict() for r in self.results],
             "pids": list(self.pids),
             "npu_pids": list(self.npu_pids),
             "would_attach": list(self.would_attach),
-            "checks": list(self.checks),
-            "host_bytes": self.host_bytes,
-            "device_bytes": self.device_bytes,
         }
 
 
 def dry_run(
     pid: int, directory: Path, options: DumpOptions, callbacks: DumpCallbacks = DumpCallbacks()
 ) -> DryRunOutcome:
-    """Run every check of a dump of ``pid`` into ``directory`` without touching the target; raise
-    the NpusnapError the dump would raise (same kind, same exit code) on a refusal."""
+    """Every check of a dump of ``pid`` into ``directory`` (``CHECKS``), also after a problem,
+    touching nothing: no stale work area removed, no agent attached (a process without one is
+    what the dump would attach to; the agents' check then does not apply), no lock, no freeze."""
     final = Path(os.path.abspath(directory))
     try:
         check: Optional[criu.CriuCheck] = criu.CriuCheck(criu.find_criu())
@@ -1867,23 +1962,17 @@ def dry_run(
                 start=time.monotonic(),
                 published=final,
             )
-            pipeline = Pipeline(
-                "dump --dry-run", CHECK_STEPS, cb=callbacks, guard=guard, timings=state.timings
-            )
-            pipeline.run(state)
+            results = checks.run_all(CHECKS, state)
     finally:
         if check is not None:
             check.cancel()
-    missing = _without_agent(state)
+    tree = state.found.tree if state.found is not None else ()
     return DryRunOutcome(
-        root_pid=state.target.root_pid,
         image=str(final),
-        pids=tuple(p.pid for p in state.target.tree),
-        npu_pids=state.target.npu_pids,
-        would_attach=missing,
-        checks=tuple(n for n in pipeline.completed if n not in ("connect", "disconnect")),
-        host_bytes=state.host_bytes,
-        device_bytes=None if missing else state.device_bytes,
+        results=tuple(results),
+        pids=tuple(p.pid for p in tree),
+        npu_pids=state.found.npu_pids if state.found is not None else (),
+        would_attach=_without_agent(state) if state.found is not None else (),
     )
 
 

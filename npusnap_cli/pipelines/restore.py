@@ -63,7 +63,7 @@ from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.image import devchunks, digest
-from npusnap_cli.pipelines import restoreguard
+from npusnap_cli.pipelines import checks, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
 
@@ -396,12 +396,7 @@ class Preflight:
         return self.binary
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    what: str
-    run: Callable[[Preflight], str]  # what it found (a short text); raises the restore's error
-    skip: Optional[Callable[[Preflight], Optional[str]]] = None  # the reason it does not apply
+Check = checks.Check[Preflight]  # restore's checks read its Preflight
 
 
 def _versions(pf: Preflight) -> str:
@@ -558,9 +553,7 @@ def preflight(
     """Every check of ``CHECKS`` in order, creating what a restore needs (the agents' socket
     directories, CRIU's log directory); raises the first problem's NpusnapError."""
     pf = Preflight(image, manifest, options, binary=binary, note=note)
-    for check in CHECKS:
-        if check.skip is None or not check.skip(pf):
-            check.run(pf)
+    checks.run_in_order(CHECKS, pf)
     return pf
 
 

@@ -14,12 +14,12 @@ Core module: never prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import image as img
-from npusnap_cli.errors import NpusnapError, settle_no_space
+from npusnap_cli.pipelines import checks
+from npusnap_cli.pipelines.checks import CheckResult
 from npusnap_cli.pipelines.restore import CHECKS as RESTORE_CHECKS
 from npusnap_cli.pipelines.restore import Check, Preflight, RestoreOptions
 
@@ -64,36 +64,8 @@ def register(check: Check, *, before: Optional[str] = None) -> None:
     CHECKS.insert(index, check)
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    what: str
-    status: str  # "ok", "problem", "skipped"
-    detail: str
-    error: Optional[dict[str, Any]] = None
-    exit_code: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
 def run_checks(image: Path, options: RestoreOptions) -> list[CheckResult]:
     final = img.follow_pointer(image)
     manifest = img.load_manifest(final)  # no manifest: nothing to check, the error says why
     ctx = Preflight(final, manifest, options, dry_run=True)
-    results = []
-    for check in CHECKS:
-        reason = check.skip(ctx) if check.skip is not None else None
-        if reason:
-            results.append(CheckResult(check.name, check.what, "skipped", reason))
-            continue
-        try:
-            detail = check.run(ctx)
-        except NpusnapError as err:
-            err = settle_no_space(err) or err  # a full disk is 3 here too, as the restore reports it
-            results.append(
-                CheckResult(check.name, check.what, "problem", err.message, err.to_dict(), int(err.exit_code))
-            )
-            continue
-        results.append(CheckResult(check.name, check.what, "ok", detail))
-    return results
+    return checks.run_all(CHECKS, ctx)

@@ -1,14 +1,16 @@
 """`npusnap dump --dry-run`: every check of the dump, and nothing else.
 
-Each case runs the dry run against a real job on the simulated NPU and checks both its verdict
-and that the job was not touched: no image or work area, no agent attached, the job unlocked and
-computing on, and a refusal with the exit code the dump itself gives for the same target.
+Each case runs the dry run against a real job on the simulated NPU and checks both its table of
+checks and that the job was not touched: no image or work area, no agent attached, the job
+unlocked and computing on, and a refusal with the exit code and message the dump itself gives
+for the same target.
 """
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,11 @@ from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, agent_state, a
 
 pytestmark = [pytest.mark.integration, requires_root]
 ARGS = ["--steps", "400", *TRAIN_ARGS, "--device", "0", "--seed", "3"]
+
+
+def _problem(envelope: dict[str, Any]) -> str:
+    """The first problem's message in a dry run's table."""
+    return str(next(c["detail"] for c in envelope["result"]["checks"] if c["status"] == "problem"))
 
 
 def _has_agent(pid: int) -> bool:
@@ -36,10 +43,10 @@ def test_a_job_that_would_dump_is_not_touched(
         rc, out, err = cli(env, "dump", "--dry-run", str(job.pid), str(img))
         assert rc == 0 and out is not None, err
         res = out["result"]
-        assert res["dry_run"] is True and res["verdict"] == "would dump"
-        assert res["npu_pids"] == [job.pid] and res["would_attach"] == []
-        assert res["checks"] == ["resolve", "preflight", "agents", "hello"]
-        assert res["device_bytes"] > 0 and res["host_bytes"] > 0
+        assert res["ready"] is True and res["npu_pids"] == [job.pid] and res["would_attach"] == []
+        status = {c["name"]: c["status"] for c in res["checks"]}
+        assert status.pop("signing-key") == "skipped" and set(status.values()) == {"ok"}, res["checks"]
+        assert {"target", "criu", "host-files", "space", "agents"} <= set(status)
         assert_no_image(img)
         assert agent_state(job.pid) == "RUNNING"
         seen = len(job.lines())
@@ -59,8 +66,9 @@ def test_a_job_without_agent_would_be_attached_and_is_not(
         rc, out, err = cli(env, "dump", "--dry-run", str(job.pid), str(img))
         assert rc == 0 and out is not None, err
         res = out["result"]
-        assert res["verdict"] == "would attach" and res["would_attach"] == [job.pid]
-        assert res["checks"] == ["resolve", "preflight", "agents"] and res["device_bytes"] is None
+        assert res["ready"] is True and res["would_attach"] == [job.pid]
+        agents = next(c for c in res["checks"] if c["name"] == "agents")
+        assert agents["status"] == "skipped" and "would attach" in agents["detail"]
         assert not _has_agent(job.pid)
         assert procfs.read_stat(job.pid).state != "T"
         assert_no_image(img)
@@ -87,10 +95,10 @@ def test_refusals_are_the_dumps_own(sim_env: dict[str, str], runtime_dir: Path, 
             (job.pid, full, ExitCode.USAGE),
         ):
             rc, out, _ = cli(env, "dump", "--dry-run", str(target), str(where))
-            assert rc == code and out is not None
+            assert rc == code and out is not None and out["result"]["ready"] is False
             dump_rc, dump_out, _ = cli(env, "dump", str(target), str(where))
             assert dump_rc == rc and dump_out is not None
-            assert out["error"]["message"] == dump_out["error"]["message"]
+            assert _problem(out) == dump_out["error"]["message"]
         assert plain.poll() is None
         assert (full / "keep.txt").read_text() == "precious" and sorted(p.name for p in full.iterdir()) == [
             "keep.txt"
@@ -102,7 +110,7 @@ def test_refusals_are_the_dumps_own(sim_env: dict[str, str], runtime_dir: Path, 
             rc, out, _ = cli(env, "dump", "--dry-run", str(job.pid), str(tmp_path / "img"))
             dump_rc, dump_out, _ = cli(env, "dump", str(job.pid), str(tmp_path / "img"))
             assert rc != 0 and rc == dump_rc and out is not None and dump_out is not None
-            assert out["error"]["message"] == dump_out["error"]["message"]
+            assert _problem(out) == dump_out["error"]["message"]
             assert agent_state(job.pid) == "LOCKED"  # the freeze's lock is still there, untouched
         finally:
             rc, _, err = cli(env, "thaw", str(job.pid))
