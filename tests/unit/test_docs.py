@@ -14,7 +14,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
 
 
 def markdown_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def test_relative_links_resolve() -> None:
