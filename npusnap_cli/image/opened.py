@@ -4,8 +4,8 @@ A path names one of five kinds of image, told apart by what is in it (never by i
 
 * ``k8s-job``: a directory written by ``npusnap k8s checkpoint`` (``npusnap-k8s-job.json`` and
   one container checkpoint archive per member; k8s/jobcheckpoint.py reads it);
-* ``archive``: a file written by ``npusnap export`` (zstd, its first member ``NAME/npusnap.json``;
-  archive.py reads it in place, nothing is unpacked);
+* ``archive``: a file written by ``npusnap export`` (zstd or a plain tar, its first member
+  ``NAME/npusnap.json``; archive.py reads it in place, nothing is unpacked);
 * ``container``: a checkpoint written through npusnap's CRIU plugin by podman, CRI-O, containerd
   or ``criu dump`` (its directory or export archive, containers.py);
 * ``job``: a job image (``npusnap-job.json``, one image per rank, job.py);
