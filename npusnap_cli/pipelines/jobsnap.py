@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import psutil
 
@@ -189,6 +189,40 @@ class JobCoordinator:
             if self.reason is None:
                 self.abort(f"a rank did not reach '{phase}' within {self.timeout_s:.0f}s")
             raise self._error(phase) from None
+
+
+R = TypeVar("R")
+
+
+def run_ranks(
+    ranks: dict[int, R],
+    body: Callable[[R], None],
+    coord: JobCoordinator,
+    guard: engine.SignalGuard,
+    name: str,
+) -> dict[int, BaseException]:
+    """``body`` for every rank, each in a thread of its own (named NAME-RANK), joined: a rank's
+    own failure aborts the others through ``coord`` (an abort by another rank does not abort
+    again), and so does a signal ``guard`` caught. The failures by rank."""
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int, item: R) -> None:
+        try:
+            body(item)
+        except BaseException as exc:
+            errors[rank] = exc
+            if not isinstance(exc, JobAbortedError):
+                coord.abort(_describe(exc), rank, getattr(exc, "exit_code", None))
+
+    threads = [threading.Thread(target=run, args=(i, x), name=f"{name}-{i}") for i, x in ranks.items()]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(0.1)
+        if guard.received is not None and coord.reason is None:
+            coord.abort(f"{guard.name} received")
+    return errors
 
 
 def _describe(exc: BaseException) -> str:
@@ -501,35 +535,22 @@ def _dump_job_once(
     commit = _Commit(tmp, final, ranks, options, node, nodes)
     coord = JobCoordinator(len(pids), timeout_s=barrier_timeout_s, on_commit=commit, net=net)
     outcomes: dict[int, DumpOutcome] = {}
-    errors: dict[int, BaseException] = {}
     out_lock = threading.Lock()
 
     def run_rank(r: _Rank) -> None:
         i = r.rank
-        try:
-            with in_netns(r.enter):
-                outcomes[i] = dump(
-                    r.pid,
-                    tmp / rank_dir_name(i),
-                    options,
-                    _rank_callbacks(callbacks, i, out_lock),
-                    coord,
-                    published=final / rank_dir_name(i),
-                )
-        except BaseException as exc:
-            errors[i] = exc
-            if not isinstance(exc, JobAbortedError):
-                coord.abort(_describe(exc), i, getattr(exc, "exit_code", None))
+        with in_netns(r.enter):
+            outcomes[i] = dump(
+                r.pid,
+                tmp / rank_dir_name(i),
+                options,
+                _rank_callbacks(callbacks, i, out_lock),
+                coord,
+                published=final / rank_dir_name(i),
+            )
 
-    threads = [threading.Thread(target=run_rank, args=(r,), name=f"npusnap-rank-{r.rank}") for r in ranks]
     with engine.SignalGuard(callbacks.note, what="job dump") as guard:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            for t in threads:
-                t.join(0.1)
-            if guard.received is not None and coord.reason is None:
-                coord.abort(f"{guard.name} received")
+        errors = run_ranks({r.rank: r for r in ranks}, run_rank, coord, guard, "npusnap-rank")
     committed = not tmp.exists()
     if committed and not errors and guard.received is not None:
         callbacks.note(f"{guard.name} was received after the job was committed; the dump was completed")
@@ -788,61 +809,44 @@ def _restore_job(
     binary = criu.find_criu()
     coord = JobCoordinator(len(job.ranks), phases=RESTORE_PHASES, net=net)
     states: dict[int, RankState] = {}
-    errors: dict[int, BaseException] = {}
     out_lock = threading.Lock()
 
     with engine.SignalGuard(callbacks.note, what="job restore") as guard:
 
         def run_rank(r: RankEntry) -> None:
             cb = _rank_callbacks(callbacks, r.rank, out_lock)
-            try:
-                rank_image = final / r.dir
-                check_rank_manifest(final, r)
-                manifest = img.load_manifest(rank_image)
-                target = _target_netns(r, overrides)
-                if target is not None and not os.path.exists(target):
-                    raise PreflightError(
-                        f"network namespace {target} does not exist",
-                        fix="create it, or name another with --rank-netns RANK=PATH",
-                    )
-                logs = None if options.logs is None else Path(options.logs) / r.dir
-                st = RankState(
-                    rank_image,
-                    manifest,
-                    # A job is restored onto the devices it was dumped on.
-                    replace(options, logs=logs, device_map=()),
-                    cb,
-                    guard,
-                    start=start,
-                    overlap=False,
-                    binary=binary,
-                    rank=r.rank,
-                    netns=target,
+            rank_image = final / r.dir
+            check_rank_manifest(final, r)
+            manifest = img.load_manifest(rank_image)
+            target = _target_netns(r, overrides)
+            if target is not None and not os.path.exists(target):
+                raise PreflightError(
+                    f"network namespace {target} does not exist",
+                    fix="create it, or name another with --rank-netns RANK=PATH",
                 )
-                states[r.rank] = st
-                try:
-                    with in_netns(target):
-                        pipeline = engine.Pipeline(
-                            "job restore", RANK_STEPS, cb=cb, guard=guard, barrier=coord
-                        )
-                        pipeline.run(st)
-                finally:
-                    st.close()
-            except BaseException as exc:
-                errors[r.rank] = exc
-                if not isinstance(exc, JobAbortedError):
-                    coord.abort(_describe(exc), r.rank, getattr(exc, "exit_code", None))
+            logs = None if options.logs is None else Path(options.logs) / r.dir
+            st = RankState(
+                rank_image,
+                manifest,
+                # A job is restored onto the devices it was dumped on.
+                replace(options, logs=logs, device_map=()),
+                cb,
+                guard,
+                start=start,
+                overlap=False,
+                binary=binary,
+                rank=r.rank,
+                netns=target,
+            )
+            states[r.rank] = st
+            try:
+                with in_netns(target):
+                    pipeline = engine.Pipeline("job restore", RANK_STEPS, cb=cb, guard=guard, barrier=coord)
+                    pipeline.run(st)
+            finally:
+                st.close()
 
-        threads = [
-            threading.Thread(target=run_rank, args=(r,), name=f"npusnap-restore-{r.rank}") for r in job.ranks
-        ]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            for t in threads:
-                t.join(0.1)
-            if guard.received is not None and coord.reason is None:
-                coord.abort(f"{guard.name} received")
+        errors = run_ranks({r.rank: r for r in job.ranks}, run_rank, coord, guard, "npusnap-restore")
     if errors:
         raise _job_restore_error(errors, states, guard, coord.passed("verified"))
     if guard.received is not None:
