@@ -154,20 +154,25 @@ def _table(res: dict[str, Any]) -> list[str]:
 
 def section(res: dict[str, Any]) -> list[str]:
     rows = res["rows"]
-    small, big = rows[0], rows[-1]
-    added = big["concurrent"]["frozen_s"] - small["concurrent"]["frozen_s"]
-    held = big["held"]["frozen_s"] - small["held"]["frozen_s"]
-    past_drain = big["concurrent"]["held_s"] - small["concurrent"]["held_s"]
+    small = rows[0]
+
+    def added(row: dict[str, Any], mode: str, key: str = "frozen_s") -> float:
+        return float(row[mode][key]) - float(small[mode][key])
+
+    each = "; ".join(
+        f"{r['base_mib']} MiB adds **{added(r, 'concurrent'):.3f} s** "
+        f"({added(r, 'concurrent', 'held_s'):.3f} s without the drain, {added(r, 'held'):.3f} s with the "
+        "copy while held)"
+        for r in rows[1:]
+    )
     return [
         HEADING,
         "",
-        f"A LoRA-shaped torch_npu job with a frozen base of {small['base_mib']} and of "
-        f"{big['base_mib']} MiB, "
-        f"`dump --leave-running` {res['repeat']} times each way (medians): going from the small to the large "
-        f"base adds **{added:.3f} s** to `frozen_s` with the concurrent copy (target: at most 0.15 s), "
-        f"{held:.3f} s with the copy while held; without the drain (`timings.drain_s`: the step's "
-        "kernels in flight at the cut finishing, the device busy with the job's own work) it adds "
-        f"{past_drain:.3f} s. "
+        f"A LoRA-shaped torch_npu job with frozen bases of {', '.join(str(r['base_mib']) for r in rows)} "
+        f"MiB, `dump --leave-running` {res['repeat']} times each way (medians), against the "
+        f"{small['base_mib']} MiB base, to `frozen_s` with the concurrent copy (target: at most 0.15 s): "
+        f"{each}. The drain (`timings.drain_s`) is the step's kernels in flight at the cut finishing, "
+        "the device busy with the job's own work. "
         "Details: [benchmarks-concurrent.md](benchmarks-concurrent.md).",
         "",
     ]
