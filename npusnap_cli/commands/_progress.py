@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 if TYPE_CHECKING:
+    from npusnap_cli.image.manifest import Timings
     from npusnap_cli.ui import Output
 
 
@@ -86,7 +87,22 @@ class ProgressBars:
 
 
 def fmt_s(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.3f}s"
+    return "-" if value is None else f"{float(value):.3f}s"
+
+
+def dump_phase_rows(t: Timings) -> list[list[str]]:
+    """A dump's phases, as `dump` shows them when it ends and `inspect --stats` from the manifest."""
+    return [
+        ["runtime Lock", fmt_s(t.lock_s)],
+        ["drain (the job's queued device work)", fmt_s(t.drain_s)],
+        ["device memory copy (npusnap, locked)", fmt_s(t.device_copy_s)],
+        ["runtime Backup", fmt_s(t.backup_s)],
+        ["CRIU freeze", fmt_s(t.criu_freeze_s)],
+        ["CRIU memory dump", fmt_s(t.criu_memdump_s)],
+        ["CRIU write", fmt_s(t.criu_memwrite_s)],
+        ["CRIU total", fmt_s(t.criu_total_s)],
+        ["unlock (leave-running)", fmt_s(t.unlock_s)],
+    ]
 
 
 def show_log(out: Output, logs: Path) -> None:

@@ -13,7 +13,7 @@ from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
-from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
+from npusnap_cli.commands._progress import ProgressBars, dump_phase_rows, fmt_s, show_log
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
 from npusnap_cli.image import archive, imagestore
@@ -281,18 +281,7 @@ def register(app: typer.Typer) -> None:
         out.table(
             "phases",
             ["phase", "time"],
-            [
-                ["runtime Lock", fmt_s(t.lock_s)],
-                ["drain (the job's queued device work)", fmt_s(t.drain_s)],
-                ["device memory copy (npusnap, locked)", fmt_s(t.device_copy_s)],
-                ["runtime Backup", fmt_s(t.backup_s)],
-                ["CRIU freeze", fmt_s(t.criu_freeze_s)],
-                ["CRIU memory dump", fmt_s(t.criu_memdump_s)],
-                ["CRIU write", fmt_s(t.criu_memwrite_s)],
-                ["CRIU total", fmt_s(t.criu_total_s)],
-                ["unlock", fmt_s(t.unlock_s)],
-                ["publish (checksums, fsync, rename)", fmt_s(t.publish_s)],
-            ],
+            [*dump_phase_rows(t), ["publish (checksums, fsync, rename)", fmt_s(t.publish_s)]],
             stream="stderr",
         )
         out.kv(

@@ -10,6 +10,7 @@ import typer
 
 from npusnap_cli import image
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
+from npusnap_cli.commands._progress import dump_phase_rows, fmt_s
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.image import archive, containers, criudetail, job
 from npusnap_cli.k8s import jobcheckpoint as jc
@@ -22,10 +23,6 @@ DIR_HELP = (
     "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
     "made through npusnap's CRIU plugin (its directory or export archive)."
 )
-
-
-def _fmt_s(value: Any) -> str:
-    return "-" if value is None else f"{float(value):.3f}s"
 
 
 def _job_row(job: Any) -> dict[str, str]:
@@ -293,18 +290,10 @@ def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
             "timings",
             ["phase", "time"],
             [
-                ["runtime Lock", _fmt_s(t.lock_s)],
-                ["drain (the job's queued device work)", _fmt_s(t.drain_s)],
-                ["device memory copy (npusnap, locked)", _fmt_s(t.device_copy_s)],
-                ["runtime Backup", _fmt_s(t.backup_s)],
-                ["CRIU freeze", _fmt_s(t.criu_freeze_s)],
-                ["CRIU memory dump", _fmt_s(t.criu_memdump_s)],
-                ["CRIU write", _fmt_s(t.criu_memwrite_s)],
-                ["CRIU total", _fmt_s(t.criu_total_s)],
-                ["unlock (leave-running)", _fmt_s(t.unlock_s)],
-                ["frozen (first lock to end)", _fmt_s(t.frozen_s)],
-                ["stopped by the dump's attach (at most)", _fmt_s(t.attach_stopped_s)],
-                ["total", _fmt_s(t.total_s)],
+                *dump_phase_rows(t),
+                ["frozen (first lock to end)", fmt_s(t.frozen_s)],
+                ["stopped by the dump's attach (at most)", fmt_s(t.attach_stopped_s)],
+                ["total", fmt_s(t.total_s)],
             ],
         )
     _host_needs(out, manifest)

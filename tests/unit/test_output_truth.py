@@ -135,14 +135,24 @@ def test_status_names_the_dump_that_keeps_an_agent_busy(
 
 
 def test_the_phase_tables_name_the_copy_apart_from_the_runtimes_lock() -> None:
+    """`dump` and `inspect --stats` show a dump's phases through one renderer, which names npusnap's
+    copy of the device memory apart from CANN's Lock and Backup."""
+    import dataclasses
+
+    from npusnap_cli.commands._progress import dump_phase_rows
     from npusnap_cli.image import manifest
 
+    fields = manifest.Timings.__dataclass_fields__
+    assert "device_copy_s" in fields
+    t = manifest.Timings(**{name: None for name in fields})
+    t = dataclasses.replace(t, lock_s=0.001, device_copy_s=2.5, backup_s=0.002)
+    rows = dict(dump_phase_rows(t))
+    assert rows["runtime Lock"] == "0.001s" and rows["runtime Backup"] == "0.002s"
+    assert rows["device memory copy (npusnap, locked)"] == "2.500s"
+    assert not any("device backup" in label for label in rows)
     root = Path(__file__).resolve().parents[2] / "npusnap_cli" / "commands"
     for name in ("dump.py", "inspect.py"):
-        text = (root / name).read_text()
-        assert '"runtime Lock"' in text and '"device memory copy (npusnap, locked)"' in text, name
-        assert '"runtime Backup"' in text and '"device backup"' not in text, name
-    assert "device_copy_s" in manifest.Timings.__dataclass_fields__
+        assert "dump_phase_rows(t)" in (root / name).read_text(), name
 
 
 def test_replica_names_are_numbered_plain_words() -> None:
