@@ -41,6 +41,8 @@ from bench.common import NOTES, NPUSNAP, REPO, kept_notes
 INFER = str(REPO / "npusnap_cli" / "workloads" / "infer.py")
 SERVE = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_serve.py")
 PORT = 7931
+# The goal: all of N replicas answer within this share of one cold start's time, in every run.
+GOAL_SHARE = 0.6
 
 
 def _ask_lines(port: int, seen: dict[int, float]) -> Optional[tuple[int, str]]:
@@ -304,13 +306,15 @@ def render(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     one_cold = next((_med_all(r["cold"]) for r in rows if r["n"] == 1), None)
     biggest = rows[-1] if rows else None
     if one_cold is not None and biggest is not None and biggest["n"] > 1:
-        met = _med_all(biggest["replicas"]) < one_cold
+        runs = [max(r) for r in biggest["replicas"]]
+        ratio = _med_all(biggest["replicas"]) / one_cold
+        met = all(t <= GOAL_SHARE * one_cold for t in runs)
         L += [
             "",
-            f"Goal (all of {biggest['n']} replicas answered before one cold start did): "
-            f"**{'met' if met else 'not met'}** in this run "
-            f"(medians of {len(biggest['replicas'])} runs: {_med_all(biggest['replicas']):.2f} s against "
-            f"{one_cold:.2f} s).",
+            f"Goal (all of {biggest['n']} replicas answered within {GOAL_SHARE}x one cold start, in every "
+            f"run): **{'met' if met else 'not met'}** in this run ({len(runs)} runs: "
+            f"{', '.join(f'{t:.2f}' for t in runs)} s against a median cold start of {one_cold:.2f} s; "
+            f"median {ratio:.2f}x).",
         ]
     L += [
         "",
