@@ -106,6 +106,15 @@ def _f32(x: float) -> float:
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
+def _round_to(dtype: str, x: float) -> float:
+    """x (a float32 value) rounded to nearest even in float16 or bfloat16, as the kernel stores it."""
+    if dtype == "f16":
+        return float(struct.unpack("e", struct.pack("e", x))[0])
+    (w,) = struct.unpack("I", struct.pack("f", x))
+    w = (w + 0x7FFF + ((w >> 16) & 1)) & 0xFFFF0000
+    return float(struct.unpack("f", struct.pack("I", w))[0])
+
+
 def _mm_f32(a: list[float], b: list[float], shape: list[int], b_strides: list[int]) -> list[float]:
     """A product as one fp32 GEMM thread sums it: from 0.0 in k order, every product and every sum
     rounded to float32 (Python's doubles round each exactly once more: harmless for one fp32 + or *)."""
@@ -129,10 +138,16 @@ def test_matrix_products_are_the_bits_of_one_fp32_gemm_thread(op_results: list[d
         "matmul_bits_wt_3",
         "matmul_bits_11",
         "matmul_bits_wt_11",
+        "matmul_bits_f16_11",
+        "matmul_bits_f16_wt_11",
+        "matmul_bits_bf16_11",
+        "matmul_bits_bf16_wt_11",
     }
     for case in cases:
         inp = case["inputs"]
         want = _mm_f32(inp["a"], inp["b"], inp["shape"], inp["b_strides"])
+        if "dtype" in inp:  # float16 / bfloat16: the float sums rounded once to the output's dtype
+            want = [_round_to(inp["dtype"], x) for x in want]
         assert case["out"] == want, case["case"]
 
 

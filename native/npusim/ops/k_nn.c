@@ -26,7 +26,7 @@ KHIDDEN int k_matmul(const struct kctx *k) {
     int64_t batch = nout / (M * N);
     int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
     int64_t os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
-    const float *bdirect = kmm_direct(B, pb, bs0, bs1);
+    const void *bdirect = kmm_direct(B, pb, bs0, bs1);
     /* b of one batch, row-major, where it cannot be read in place */
     float *bt = bdirect ? NULL : malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
     float *at = malloc(sizeof(float) * (size_t)((K ? K : 1) * KMM_R));
@@ -47,7 +47,8 @@ KHIDDEN int k_matmul(const struct kctx *k) {
     int64_t band_end = rows / nb;
     for (int64_t b = 0; b < batch; b++) {
         int64_t oa = it.off[0], ob = it.off[1], oo = it.off[2];
-        const float *bp = bdirect ? bdirect + ob : bt;
+        const void *bp = bdirect ? (const void *)((const char *)bdirect + ob * (int64_t)kesize(B->dtype)) : bt;
+        int bdt = bdirect ? B->dtype : OPS_DT_FLOAT;
         int64_t s0 = bdirect ? bs0 : N, s1 = bdirect ? bs1 : 1;
         if (!bdirect)
             for (int64_t kk = 0; kk < K; kk++)
@@ -57,7 +58,7 @@ KHIDDEN int k_matmul(const struct kctx *k) {
             for (int64_t kk = 0; kk < K; kk++)
                 for (int r = 0; r < KMM_R; r++)
                     at[kk * KMM_R + r] = r < R ? (float)kld(A->dtype, pa, oa + (i0 + r) * as0 + kk * as1) : 0.0f;
-            kmm_rows(at, bp, s0, s1, K, N, acc);
+            kmm_rows(at, bp, bdt, s0, s1, K, N, acc);
             for (int r = 0; r < R; r++) {
                 int64_t i = i0 + r;
                 while (b * M + i >= band_end && blk < nb) { /* the band before this row is done */

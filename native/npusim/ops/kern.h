@@ -143,15 +143,18 @@ static inline double kround(int dtype, double v) {
 
 /* acc[r * N + j] = sum over kk of a[r][kk] * b[kk * bs0 + j * bs1] for r < KMM_R, summed from 0.0f in kk
  * order in float: what a single-threaded fp32 GEMM gives, run after run (kernels.c). a comes
- * interleaved, at[kk * KMM_R + r]; rows past the caller's last are zeros and their outputs unused. */
+ * interleaved, at[kk * KMM_R + r]; rows past the caller's last are zeros and their outputs unused.
+ * b's elements are of dtype dt: float32, or float16 / bfloat16 (widened to float, exactly). */
 #define KMM_R 8
-KHIDDEN void kmm_rows(const float *at, const float *b, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
+KHIDDEN void kmm_rows(const float *at, const void *b, int dt, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
                       float *acc);
 
-/* A float32 view's element 0 as floats when a product may read it in place (kmm_rows: one of its two
- * strides 1), else NULL and the caller copies it row-major. */
-static inline const float *kmm_direct(const struct ops_tensor *t, const char *p, int64_t s0, int64_t s1) {
-    return t->dtype == OPS_DT_FLOAT && (s0 == 1 || s1 == 1) ? (const float *)p : NULL;
+/* A view a product may read in place (kmm_rows: float32, float16 or bfloat16, one of its two strides
+ * 1), else NULL and the caller copies it row-major into floats. */
+static inline const void *kmm_direct(const struct ops_tensor *t, const char *p, int64_t s0, int64_t s1) {
+    int dt = t->dtype;
+    int ok = dt == OPS_DT_FLOAT || dt == OPS_DT_FLOAT16 || dt == OPS_DT_BF16;
+    return ok && (s0 == 1 || s1 == 1) ? (const void *)p : NULL;
 }
 
 /* An iterator over every element of `shape` in row-major order, keeping each of nt views' element

@@ -52,12 +52,13 @@ KHIDDEN void kcost(const struct kctx *k, int64_t work) {
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
 #define ld8(p) (*(const v8f *)(p))
 
-/* Columns [j0, j1) of KMM_R rows of a against one pass over b: each b element is loaded once per
- * KMM_R rows, not once per row, and a float32 b is read where it lies (row-major, or transposed as a
- * Linear layer's weight) instead of copied. Every output still sums its K products from 0.0f in kk
- * order, one multiply then one add each: the AVX2 clone uses separate instructions as the default
- * one does (no FMA is enabled, so nothing is contracted), and vector lanes only run different
- * outputs side by side: the same bits as a scalar loop over kk. j0 is a multiple of 8. */
+/* Columns [j0, j1) of KMM_R rows of a against one pass over b (b points at column j0): each b
+ * element is loaded once per KMM_R rows, not once per row, and b is read where it lies (row-major,
+ * or transposed as a Linear layer's weight) instead of copied. Every output still sums its K
+ * products from 0.0f in kk order, one multiply then one add each: the AVX2 clone uses separate
+ * instructions as the default one does (no FMA is enabled, so nothing is contracted), and vector
+ * lanes only run different outputs side by side: the same bits as a scalar loop over kk. j0 is a
+ * multiple of 8. */
 __attribute__((target_clones("avx2", "default"))) static void kmm_cols(const float *at, const float *b, int64_t bs0,
                                                                        int64_t bs1, int64_t K, int64_t N,
                                                                        float *acc, int64_t j0, int64_t j1) {
@@ -69,7 +70,7 @@ __attribute__((target_clones("avx2", "default"))) static void kmm_cols(const flo
         for (int r = 0; r < KMM_R; r++) memset(acc + r * N + j0, 0, sizeof(float) * (size_t)(j1 - j0));
         for (int64_t kk = 0; kk < K; kk += 4) {
             int n = K - kk < 4 ? (int)(K - kk) : 4;
-            const float *av = at + kk * KMM_R, *br = b + kk * bs0;
+            const float *av = at + kk * KMM_R, *br = b + kk * bs0 - j0;
             for (int r = 0; r < KMM_R; r++) {
                 float *cr = acc + r * N;
                 if (n == 4) {
@@ -98,7 +99,7 @@ __attribute__((target_clones("avx2", "default"))) static void kmm_cols(const flo
         /* b[kk][j] = w[j][kk], w's rows contiguous: eight columns, the KMM_R rows of a in lanes */
         for (; j + 8 <= j1; j += 8) {
             v8f c[8] = {{0}};
-            const float *w = b + j * bs1;
+            const float *w = b + (j - j0) * bs1;
             for (int64_t kk = 0; kk < K; kk++) {
                 v8f av = ld8(at + kk * KMM_R);
                 for (int q = 0; q < 8; q++) c[q] += av * w[q * bs1 + kk];
@@ -110,22 +111,92 @@ __attribute__((target_clones("avx2", "default"))) static void kmm_cols(const flo
     for (; j < j1; j++) {
         float c[KMM_R] = {0};
         for (int64_t kk = 0; kk < K; kk++) {
-            float x = b[kk * bs0 + j * bs1];
+            float x = b[kk * bs0 + (j - j0) * bs1];
             for (int r = 0; r < KMM_R; r++) c[r] += at[kk * KMM_R + r] * x;
         }
         for (int r = 0; r < KMM_R; r++) acc[r * N + j] = c[r];
     }
 }
 
+/* A float16 or bfloat16 value as the float it is exactly (what kld gives, rounded to float: no
+ * rounding happens). float16: the exponent rebased, subnormals normalised through a float
+ * subtraction that is exact, infinities and NaNs kept. */
+static inline float kmm_widen(int dt, uint16_t h) {
+    uint32_t u;
+    float f;
+    if (dt == OPS_DT_BF16) {
+        u = (uint32_t)h << 16;
+    } else {
+        const uint32_t shifted_exp = 0x7c00u << 13;
+        u = ((uint32_t)h & 0x7fffu) << 13;
+        uint32_t e = u & shifted_exp;
+        u += (127u - 15u) << 23;
+        if (e == shifted_exp) {
+            u += (128u - 16u) << 23; /* Inf, NaN */
+        } else if (e == 0) {         /* zero, subnormal */
+            const uint32_t magic_u = 113u << 23;
+            float magic;
+            memcpy(&magic, &magic_u, 4);
+            u += 1u << 23;
+            memcpy(&f, &u, 4);
+            f -= magic;
+            memcpy(&u, &f, 4);
+        }
+        u |= ((uint32_t)h & 0x8000u) << 16;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Columns of a float16 or bfloat16 b, PANEL at a time: each panel widened into float once (for
+ * these KMM_R rows of a), then multiplied as a float b is. Same values, same order: same bits. */
+#define KMM_PANEL 64
+
+static void kmm_cols_any(const float *at, const void *b, int dt, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
+                         float *acc, int64_t j0, int64_t j1) {
+    if (dt == OPS_DT_FLOAT) {
+        kmm_cols(at, (const float *)b + j0 * bs1, bs0, bs1, K, N, acc, j0, j1);
+        return;
+    }
+    const uint16_t *h = b;
+    float *panel = malloc(sizeof(float) * (size_t)(K ? K : 1) * KMM_PANEL);
+    for (int64_t p0 = j0; p0 < j1; p0 += KMM_PANEL) {
+        int64_t p1 = p0 + KMM_PANEL < j1 ? p0 + KMM_PANEL : j1, w = p1 - p0;
+        if (!panel) { /* no room for a panel: column by column, widened as read */
+            for (int64_t j = p0; j < p1; j++) {
+                float c[KMM_R] = {0};
+                for (int64_t kk = 0; kk < K; kk++) {
+                    float x = kmm_widen(dt, h[kk * bs0 + j * bs1]);
+                    for (int r = 0; r < KMM_R; r++) c[r] += at[kk * KMM_R + r] * x;
+                }
+                for (int r = 0; r < KMM_R; r++) acc[r * N + j] = c[r];
+            }
+            continue;
+        }
+        if (bs1 == 1) { /* row-major: the panel's rows, w wide */
+            for (int64_t kk = 0; kk < K; kk++)
+                for (int64_t q = 0; q < w; q++) panel[kk * w + q] = kmm_widen(dt, h[kk * bs0 + p0 + q]);
+            kmm_cols(at, panel, w, 1, K, N, acc, p0, p1);
+        } else { /* transposed: the panel's columns are w's rows, K long */
+            for (int64_t q = 0; q < w; q++)
+                for (int64_t kk = 0; kk < K; kk++) panel[q * K + kk] = kmm_widen(dt, h[(p0 + q) * bs1 + kk]);
+            kmm_cols(at, panel, 1, K, K, N, acc, p0, p1);
+        }
+    }
+    free(panel);
+}
+
 struct kmm_half {
-    const float *at, *b;
+    const float *at;
+    const void *b;
+    int dt;
     int64_t bs0, bs1, K, N, j0, j1;
     float *acc;
 };
 
 static void *kmm_half_main(void *arg) {
     const struct kmm_half *h = arg;
-    kmm_cols(h->at, h->b, h->bs0, h->bs1, h->K, h->N, h->acc, h->j0, h->j1);
+    kmm_cols_any(h->at, h->b, h->dt, h->bs0, h->bs1, h->K, h->N, h->acc, h->j0, h->j1);
     return NULL;
 }
 
@@ -134,18 +205,19 @@ static void *kmm_half_main(void *arg) {
  * by one thread as before: the bits do not depend on the split. */
 #define KMM_SPLIT_MACS ((int64_t)1 << 22)
 
-KHIDDEN void kmm_rows(const float *at, const float *b, int64_t bs0, int64_t bs1, int64_t K, int64_t N, float *acc) {
+KHIDDEN void kmm_rows(const float *at, const void *b, int dt, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
+                      float *acc) {
     int64_t mid = N / 2 / 8 * 8;
     if (K * N * KMM_R >= KMM_SPLIT_MACS && mid >= 8) {
-        struct kmm_half h = {at, b, bs0, bs1, K, N, mid, N, acc};
+        struct kmm_half h = {at, b, dt, bs0, bs1, K, N, mid, N, acc};
         pthread_t th;
         if (pthread_create(&th, NULL, kmm_half_main, &h) == 0) {
-            kmm_cols(at, b, bs0, bs1, K, N, acc, 0, mid);
+            kmm_cols_any(at, b, dt, bs0, bs1, K, N, acc, 0, mid);
             pthread_join(th, NULL);
             return;
         }
     }
-    kmm_cols(at, b, bs0, bs1, K, N, acc, 0, N);
+    kmm_cols_any(at, b, dt, bs0, bs1, K, N, acc, 0, N);
 }
 
 typedef int (*kfn)(const struct kctx *k);

@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import random
+import struct
 import sys
 import threading
 import time
@@ -61,6 +62,11 @@ class Device:
         )
         return list(array.array("f", buf.raw))
 
+    def read_bytes(self, addr: int, n: int) -> bytes:
+        buf = ctypes.create_string_buffer(n)
+        nt.check(self.libs.rt.aclrtMemcpy(buf, n, addr, n, nt.ACL_MEMCPY_DEVICE_TO_HOST), "aclrtMemcpy")
+        return buf.raw
+
     def sync(self) -> None:
         nt.check(self.libs.rt.aclrtSynchronizeStream(self.stream), "aclrtSynchronizeStream")
 
@@ -68,6 +74,49 @@ class Device:
 def rand(rng: random.Random, n: int) -> List[float]:
     # Values exactly representable in fp32, so the reference sees what the device saw.
     return list(array.array("f", [4.0 * rng.random() - 2.0 for _ in range(n)]))
+
+
+def _narrow(values: List[float], fmt: str) -> List[float]:
+    """Values rounded to float16 ("e") or bfloat16 (truncated: exact values are all the test needs)."""
+    return _unpack(_pack(values, fmt, round_bf16=True), fmt)
+
+
+def _pack(values: List[float], fmt: str, round_bf16: bool = False) -> bytes:
+    if fmt == "e":
+        return struct.pack(f"<{len(values)}e", *values)
+    words = struct.unpack(f"<{len(values)}I", struct.pack(f"<{len(values)}f", *values))
+    return struct.pack(f"<{len(values)}H", *((w >> 16) for w in words))
+
+
+def _unpack(data: bytes, fmt: str) -> List[float]:
+    n = len(data) // 2
+    if fmt == "e":
+        return list(struct.unpack(f"<{n}e", data))
+    halves = struct.unpack(f"<{n}H", data)
+    return list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *((h << 16) for h in halves))))
+
+
+def _raw_tensor(
+    dev: Device, op: ctypes.CDLL, data: bytes, shape: List[int], strides: List[int], dtype: int
+) -> Any:
+    """A 2-byte-element tensor over a new device buffer holding ``data``."""
+
+    class T:
+        pass
+
+    ptr = c_void_p()
+    nt.check(dev.libs.rt.aclrtMalloc(ctypes.byref(ptr), len(data), 0), "aclrtMalloc")
+    nt.check(
+        dev.libs.rt.aclrtMemcpy(ptr, len(data), data, len(data), nt.ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy"
+    )
+    t = T()
+    t.data = int(ptr.value or 0)  # type: ignore[attr-defined]
+    span = sum((d - 1) * st for d, st in zip(shape, strides)) + 1
+    dims = (ctypes.c_int64 * 2)(*shape)
+    st = (ctypes.c_int64 * 2)(*strides)
+    storage = (ctypes.c_int64 * 1)(span)
+    t.handle = op.aclCreateTensor(dims, 2, dtype, st, 0, nt.ACL_FORMAT_ND, storage, 1, t.data)  # type: ignore[attr-defined]
+    return t
 
 
 def status(dev: Device, name: str, *args: Any) -> int:
@@ -113,6 +162,28 @@ def run_ops(device: int) -> None:
         ctypes.c_int8(0),
     )
     emit("mm", {"a": a, "b": b}, out)
+    # The same with float16 and bfloat16 operands: b widened to float in panels (exactly), the sums
+    # in float, the output rounded to its dtype once.
+    for name, dt, fmt in (("f16", 1, "e"), ("bf16", 27, "bf16")):
+        m, k, n = 11, 37, 29
+        a, w = _narrow(rand(rng, m * k), fmt), _narrow(rand(rng, k * n), fmt)
+        for layout, strides in (("", [n, 1]), ("wt_", [1, k])):
+            ta = _raw_tensor(dev, op, _pack(a, fmt), [m, k], [k, 1], dt)
+            tb = _raw_tensor(dev, op, _pack(w, fmt), [k, n], strides, dt)
+            to = _raw_tensor(dev, op, bytes(2 * m * n), [m, n], [n, 1], dt)
+            ops.matmul(ta, tb, to)
+            dev.sync()
+            emit_raw = _unpack(dev.read_bytes(to.data, 2 * m * n), fmt)
+            print(
+                json.dumps(
+                    {
+                        "case": f"matmul_bits_{name}_{layout}{m}",
+                        "inputs": {"a": a, "b": w, "shape": [m, k, n], "b_strides": strides, "dtype": name},
+                        "out": emit_raw,
+                    }
+                ),
+                flush=True,
+            )
     # Shapes that cross every edge of the product's blocking (rows in eights, b's rows in fours, columns
     # in eights): b row-major, and b a Linear weight's transpose (w [n, k] seen as [k, n]).
     for m in (3, 11):
