@@ -1950,19 +1950,19 @@ def dry_run(
     except NpusnapError:
         check = None
     try:
-        with SignalGuard(callbacks.note) as guard:
-            state = DumpState(
-                pid=pid,
-                final=final,
-                options=options,
-                cb=callbacks,
-                guard=guard,
-                check=check,
-                in_job=False,
-                start=time.monotonic(),
-                published=final,
-            )
-            results = checks.run_all(CHECKS, state)
+        # No handlers installed: nothing is held, so Ctrl-C may stop the dry run anywhere.
+        state = DumpState(
+            pid=pid,
+            final=final,
+            options=options,
+            cb=callbacks,
+            guard=SignalGuard(callbacks.note),
+            check=check,
+            in_job=False,
+            start=time.monotonic(),
+            published=final,
+        )
+        results = checks.run_all(CHECKS, state)
     finally:
         if check is not None:
             check.cancel()
