@@ -770,39 +770,23 @@ KHIDDEN int k_addmm(const struct kctx *k) {
     int64_t nout = knumel(O);
     if (nout == 0) return 0;
     int64_t batch = nout / (M * N);
-    int64_t as0 = A->stride[nd - 2], as1 = A->stride[nd - 1], bs0 = B->stride[nd - 2], bs1 = B->stride[nd - 1];
     int64_t cs0 = Cc->stride[nd - 2], cs1 = Cc->stride[nd - 1], os0 = O->stride[nd - 2], os1 = O->stride[nd - 1];
-    const void *bdirect = kmm_direct(B, pb, bs0, bs1);
-    float *bt = bdirect ? NULL : malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
-    float *at = malloc(sizeof(float) * (size_t)((K ? K : 1) * KMM_R));
-    float *acc = malloc(sizeof(float) * (size_t)(N * KMM_R));
-    if ((!bdirect && !bt) || !at || !acc) {
-        free(bt), free(at), free(acc);
-        return KERR_ARGS;
-    }
+    struct kmm m;
+    if (kmm_open(&m, A, pa, B, pb, K, N) != 0) return KERR_ARGS;
     struct ops_tensor ta = *A, tb = *B, tc = *Cc, to = *O;
     ta.ndim = tb.ndim = tc.ndim = to.ndim = nd - 2;
     const struct ops_tensor *ts[4] = {&ta, &tb, &tc, &to};
     struct kit it;
     kit_init(&it, O->shape, nd - 2, ts, 4);
     for (int64_t bi = 0; bi < batch; bi++) {
-        int64_t oa = it.off[0], ob = it.off[1], oc = it.off[2], oo = it.off[3];
-        const void *bp = bdirect ? (const void *)((const char *)bdirect + ob * (int64_t)kesize(B->dtype)) : bt;
-        int bdt = bdirect ? B->dtype : OPS_DT_FLOAT;
-        int64_t s0 = bdirect ? bs0 : N, s1 = bdirect ? bs1 : 1;
-        if (!bdirect)
-            for (int64_t kk = 0; kk < K; kk++)
-                for (int64_t j = 0; j < N; j++) bt[kk * N + j] = (float)kld(B->dtype, pb, ob + kk * bs0 + j * bs1);
+        int64_t oa = it.off[0], oc = it.off[2], oo = it.off[3];
+        kmm_batch(&m, it.off[1]);
         for (int64_t i0 = 0; i0 < M; i0 += KMM_R) {
-            int R = M - i0 < KMM_R ? (int)(M - i0) : KMM_R;
-            for (int64_t kk = 0; kk < K; kk++)
-                for (int r = 0; r < KMM_R; r++)
-                    at[kk * KMM_R + r] = r < R ? (float)kld(A->dtype, pa, oa + (i0 + r) * as0 + kk * as1) : 0.0f;
-            kmm_rows(at, bp, bdt, s0, s1, K, N, acc);
+            int R = kmm_group(&m, oa, M, i0);
             for (int r = 0; r < R; r++) {
                 int64_t i = i0 + r;
                 for (int64_t j = 0; j < N; j++) {
-                    double v = alpha * (double)acc[r * N + j];
+                    double v = alpha * (double)m.acc[r * N + j];
                     if (beta != 0.0) v += beta * kld(Cc->dtype, pc, oc + i * cs0 + j * cs1);
                     kst(O->dtype, po, oo + i * os0 + j * os1, v);
                 }
@@ -810,7 +794,7 @@ KHIDDEN int k_addmm(const struct kctx *k) {
         }
         kit_next(&it);
     }
-    free(bt), free(at), free(acc);
+    kmm_close(&m);
     kcost(k, nout);
     return 0;
 }

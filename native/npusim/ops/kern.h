@@ -149,13 +149,29 @@ static inline double kround(int dtype, double v) {
 KHIDDEN void kmm_rows(const float *at, const void *b, int dt, int64_t bs0, int64_t bs1, int64_t K, int64_t N,
                       float *acc);
 
-/* A view a product may read in place (kmm_rows: float32, float16 or bfloat16, one of its two strides
- * 1), else NULL and the caller copies it row-major into floats. */
-static inline const void *kmm_direct(const struct ops_tensor *t, const char *p, int64_t s0, int64_t s1) {
-    int dt = t->dtype;
-    int ok = dt == OPS_DT_FLOAT || dt == OPS_DT_FLOAT16 || dt == OPS_DT_BF16;
-    return ok && (s0 == 1 || s1 == 1) ? (const void *)p : NULL;
-}
+/* One matrix product's working set, shared by the kernels that multiply (k_matmul, k_addmm): a's and
+ * b's views (the last two dimensions: rows, columns), b read where it lies when it can be (a
+ * float32, float16 or bfloat16 view with a unit stride), else each batch's b copied row-major into
+ * floats; KMM_R rows of a packed at a time, and their sums (acc[r * N + j]). */
+struct kmm {
+    const struct ops_tensor *A, *B;
+    const char *pa, *pb;
+    int64_t K, N, as0, as1, bs0, bs1;
+    const void *direct;
+    float *bt, *at, *acc;
+    const void *bp; /* the current batch's b, as kmm_rows reads it */
+    int bdt;
+    int64_t s0, s1;
+};
+
+/* 0, or KERR_ARGS when its buffers cannot be had (nothing to free then). */
+KHIDDEN int kmm_open(struct kmm *m, const struct ops_tensor *A, const char *pa, const struct ops_tensor *B,
+                     const char *pb, int64_t K, int64_t N);
+/* The batch whose b starts at element ob of B's view. */
+KHIDDEN void kmm_batch(struct kmm *m, int64_t ob);
+/* Rows i0.. of a (of M, the batch's a at element oa) times the batch's b into acc; how many rows. */
+KHIDDEN int kmm_group(struct kmm *m, int64_t oa, int64_t M, int64_t i0);
+KHIDDEN void kmm_close(struct kmm *m);
 
 /* An iterator over every element of `shape` in row-major order, keeping each of nt views' element
  * offsets (views given in the same rank as shape; a broadcast dimension has stride 0). */

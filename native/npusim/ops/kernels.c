@@ -220,6 +220,52 @@ KHIDDEN void kmm_rows(const float *at, const void *b, int dt, int64_t bs0, int64
     kmm_cols_any(at, b, dt, bs0, bs1, K, N, acc, 0, N);
 }
 
+KHIDDEN int kmm_open(struct kmm *m, const struct ops_tensor *A, const char *pa, const struct ops_tensor *B,
+                     const char *pb, int64_t K, int64_t N) {
+    int nd = A->ndim;
+    memset(m, 0, sizeof *m);
+    m->A = A, m->B = B, m->pa = pa, m->pb = pb, m->K = K, m->N = N;
+    m->as0 = A->stride[nd - 2], m->as1 = A->stride[nd - 1], m->bs0 = B->stride[nd - 2], m->bs1 = B->stride[nd - 1];
+    int dt = B->dtype;
+    int widened = dt == OPS_DT_FLOAT || dt == OPS_DT_FLOAT16 || dt == OPS_DT_BF16;
+    m->direct = widened && (m->bs0 == 1 || m->bs1 == 1) ? pb : NULL;
+    m->bt = m->direct ? NULL : malloc(sizeof(float) * (size_t)(K * N > 0 ? K * N : 1));
+    m->at = malloc(sizeof(float) * (size_t)((K ? K : 1) * KMM_R));
+    m->acc = malloc(sizeof(float) * (size_t)((N ? N : 1) * KMM_R));
+    if ((!m->direct && !m->bt) || !m->at || !m->acc) {
+        kmm_close(m);
+        return KERR_ARGS;
+    }
+    return 0;
+}
+
+KHIDDEN void kmm_batch(struct kmm *m, int64_t ob) {
+    if (m->direct) {
+        m->bp = (const char *)m->direct + ob * (int64_t)kesize(m->B->dtype);
+        m->bdt = m->B->dtype, m->s0 = m->bs0, m->s1 = m->bs1;
+        return;
+    }
+    for (int64_t kk = 0; kk < m->K; kk++)
+        for (int64_t j = 0; j < m->N; j++)
+            m->bt[kk * m->N + j] = (float)kld(m->B->dtype, m->pb, ob + kk * m->bs0 + j * m->bs1);
+    m->bp = m->bt, m->bdt = OPS_DT_FLOAT, m->s0 = m->N, m->s1 = 1;
+}
+
+KHIDDEN int kmm_group(struct kmm *m, int64_t oa, int64_t M, int64_t i0) {
+    int R = M - i0 < KMM_R ? (int)(M - i0) : KMM_R;
+    for (int64_t kk = 0; kk < m->K; kk++)
+        for (int r = 0; r < KMM_R; r++)
+            m->at[kk * KMM_R + r] =
+                r < R ? (float)kld(m->A->dtype, m->pa, oa + (i0 + r) * m->as0 + kk * m->as1) : 0.0f;
+    kmm_rows(m->at, m->bp, m->bdt, m->s0, m->s1, m->K, m->N, m->acc);
+    return R;
+}
+
+KHIDDEN void kmm_close(struct kmm *m) {
+    free(m->bt), free(m->at), free(m->acc);
+    m->bt = m->at = m->acc = NULL;
+}
+
 typedef int (*kfn)(const struct kctx *k);
 static const kfn KERNELS[OPS_OP_COUNT] = {
 #define KROW(id, fn) [OPS_OP_##id] = fn,
