@@ -9,6 +9,7 @@ import pycriu
 import pytest
 
 from npusnap_cli import criuimages
+from tests.unit.test_pidns import _unix_image
 
 
 def _write(path: Path, magic: str, entries: list[dict[str, Any]]) -> None:
@@ -49,40 +50,15 @@ def test_pstree_typed_and_damage_named(tmp_path: Path) -> None:
 
 
 def test_files_and_sockets(tmp_path: Path) -> None:
-    usk = {
-        "id": 2,
-        "ino": 1,
-        "type": 1,
-        "state": 10,
-        "flags": 0,
-        "backlog": 1,
-        "peer": 0,
-        "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
-        "uflags": 0,
-        "opts": {
-            "so_sndbuf": 1,
-            "so_rcvbuf": 1,
-            "so_snd_tmo_sec": 0,
-            "so_snd_tmo_usec": 0,
-            "so_rcv_tmo_sec": 0,
-            "so_rcv_tmo_usec": 0,
-        },
-    }
-    _write(
-        tmp_path / "files.img",
-        "FILES",
-        [
-            {"type": "UNIXSK", "id": 2, "usk": {**usk, "name": "/tmp/x.sock=00"}},
-            {"type": "UNIXSK", "id": 3, "usk": {**usk, "id": 3, "state": 1, "name": "/tmp/y.sock"}},
-        ],
-    )
-    socks = criuimages.unix_sockets(tmp_path)
+    criu = tmp_path / "criu"
+    _unix_image(criu, [("/tmp/x.sock=00", 1, 10), ("/tmp/y.sock", 1, 1)])  # (name, type, state)
+    socks = criuimages.unix_sockets(criu)
     assert [(s.id, s.name, s.listening_stream) for s in socks] == [
-        (2, "/tmp/x.sock", True),
-        (3, "/tmp/y.sock", False),
+        (1, "/tmp/x.sock", True),
+        (2, "/tmp/y.sock", False),
     ]
-    assert criuimages.regular_files(tmp_path) == {}
-    assert criuimages.tcp_connections(tmp_path) == []
+    assert criuimages.regular_files(criu) == {}
+    assert criuimages.tcp_connections(criu) == []
 
 
 def test_stats_absent_or_damaged_is_none(tmp_path: Path) -> None:
