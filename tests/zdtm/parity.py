@@ -1,0 +1,584 @@
+"""CRIU's zdtm static tests, raw CRIU against npusnap, each test an NPU process.
+
+    python -m tests.zdtm.parity [--jobs N] [--only NAME ...] [--report FILE] [--mode both|raw|npusnap]
+
+For every host-flavour test of CRIU's own suite (test/zdtm/static of the CRIU source the setup
+fetched), as zdtm.py runs it in its default mode (start, dump, restore, SIGTERM, the test's own
+check): once with raw CRIU on the plain test, for the reference, and once through npusnap
+(`npusnap run`, `npusnap dump`, `npusnap restore`) with tests/zdtm/npu_preload.c making the test
+an NPU process that must read its device memory back at exit. Each test's two outcomes are
+compared with tests/zdtm/expected.toml, the one list of tests npusnap refuses on purpose (with
+the reason); the run fails (exit 1) on:
+
+- a test that passes raw and fails through npusnap, unless expected.toml lists it;
+- a listed test that now passes (the list must shrink with the product);
+- a dump that exited 0 whose image restore then refused (never allowed, listed or not);
+- a refused dump that did not leave the job running (it must pass its own check after).
+
+The counts go to the report (JSON) and are what docs/supported.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+EXPECTED = HERE / "expected.toml"
+PRELOAD_SRC = HERE / "npu_preload.c"
+NPUSNAP = str(Path(sys.executable).parent / "npusnap")
+CRIU_VERSION = "4.2.1"
+CRIU_SRC = Path(os.environ.get("NPUSNAP_CACHE", "/var/cache/npusnap")) / f"criu-{CRIU_VERSION}"
+# zdtm.py's own numbers (test/zdtm.py, zdtm_test.start): a non-suid test drops to these.
+ZDTM_IDS = {"ZDTM_UID": "18943", "ZDTM_GID": "58467", "ZDTM_GROUPS": "27495 48244"}
+TEST_TIMEOUT = 30.0
+# Tests npusnap itself cannot take part in as zdtm.py runs them, for a reason of the harness,
+# not of the product: stated here, not in expected.toml (which lists npusnap's refusals).
+HARNESS_SKIPS = {
+    "rtc": "needs CRIU's --libdir plugin criu-rtc.so built against CRIU's headers",
+}
+
+
+@dataclass
+class Outcome:
+    status: str  # pass | fail | skip
+    stage: str = ""  # start | dump | restore | check | npu
+    detail: str = ""
+    dump_rc: Optional[int] = None
+    restore_rc: Optional[int] = None
+    seconds: float = 0.0
+
+
+@dataclass
+class TestResult:
+    name: str
+    raw: Outcome
+    npusnap: Optional[Outcome] = None
+    verdict: str = ""  # ok | expected | regression | unexpected-pass | never | skip
+    notes: list[str] = field(default_factory=list)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def build(work: Path) -> Path:
+    """CRIU's zdtm library and static tests, copied out of the setup's CRIU source and built
+    (make -k: a test that needs a library this machine lacks is simply not built)."""
+    src = CRIU_SRC / "test" / "zdtm"
+    if not src.is_dir():
+        raise SystemExit(f"{src} is missing: run ./scripts/setup.sh (it fetches CRIU's source)")
+    zdtm = work / "zdtm"
+    if not (zdtm / "static").is_dir():
+        shutil.copytree(src, zdtm, symlinks=True)
+    jobs = str(os.cpu_count() or 2)
+    for sub in ("lib", "static"):
+        p = subprocess.run(
+            ["make", "-k", "-j", jobs, "-C", str(zdtm / sub)], capture_output=True, text=True, timeout=1200
+        )
+        (work / f"build-{sub}.log").write_text(p.stdout + p.stderr)
+        if sub == "lib" and p.returncode != 0:
+            raise SystemExit(f"zdtm's library did not build: {work / 'build-lib.log'}")
+    return zdtm
+
+
+def build_preload(work: Path, cann: Path) -> Path:
+    out = work / "npu_preload.so"
+    subprocess.run(
+        ["cc", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(out), str(PRELOAD_SRC)]
+        + [f"-L{cann / 'lib64'}", "-lacl_rt"],
+        check=True,
+        timeout=120,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Which tests, and how zdtm.py would run them
+
+
+def read_desc(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    # The .desc files are Python literals (zdtm.py evals them); literal_eval takes them as data.
+    value = ast.literal_eval(path.read_text())
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def all_tests(zdtm: Path) -> list[str]:
+    """zdtm.py's all_tests() for the static set: its executables, less zdtm.desc's exclusions."""
+    excluded = {"route_rules", "criu-rtc.so"}
+    names = []
+    for f in sorted((zdtm / "static").iterdir()):
+        if not f.is_file() or f.is_symlink() or not os.access(f, os.X_OK):
+            continue
+        if f.name.endswith((".checkskip", ".hook")) or "." in f.name or f.name in excluded:
+            continue
+        names.append(f.name)
+    return names
+
+
+_features: dict[str, bool] = {}
+
+
+def criu_has(feature: str) -> bool:
+    if feature not in _features:
+        p = subprocess.run(
+            ["criu", "check", "--no-default-config", "-v0", "--feature", feature],
+            capture_output=True,
+            timeout=60,
+        )
+        _features[feature] = p.returncode == 0
+    return _features[feature]
+
+
+def why_skipped(zdtm: Path, name: str, desc: dict[str, str]) -> Optional[str]:
+    """zdtm.py's reasons not to run a test in the host flavour here, or None."""
+    flags = desc.get("flags", "").split()
+    if "h" not in desc.get("flavor", "h ns uns").split():
+        return "no host flavour"
+    if "noauto" in flags:
+        return "noauto (zdtm.py runs it only by name)"
+    arch = desc.get("arch")
+    if arch and os.uname().machine not in arch.split():
+        return f"arch {arch}"
+    if name in HARNESS_SKIPS:
+        return HARNESS_SKIPS[name]
+    for feature in desc.get("feature", "").split():
+        if not criu_has(feature):
+            return f"criu check --feature {feature} fails here"
+    checkskip = zdtm / "static" / f"{name}.checkskip"
+    if checkskip.exists():
+        p = subprocess.run([str(checkskip)], cwd=checkskip.parent, capture_output=True, timeout=60)
+        if p.returncode != 0:
+            return f"{name}.checkskip says no"
+    return None
+
+
+def criu_opts(desc: dict[str, str], which: str) -> list[str]:
+    return desc.get("opts", "").split() + desc.get(which, "").split()
+
+
+# CRIU options of the tests' .desc files, as npusnap's own: dump options, restore options.
+DUMP_OPTS = {"--tcp-established", "--file-locks", "--ext-unix-sk", "--link-remap"}
+DUMP_OPTS_WITH_VALUE = {"--network-lock", "--external"}
+RESTORE_OPTS = {"--tcp-close"}
+# Options that only restate what npusnap always passes, at restore.
+RESTORE_IMPLIED = {"--tcp-established", "--file-locks", "--ext-unix-sk", "--link-remap"}
+
+
+def npusnap_opts(opts: list[str], dump: bool) -> tuple[list[str], list[str]]:
+    """(npusnap's options, CRIU options npusnap has no equivalent for)."""
+    out: list[str] = []
+    missing: list[str] = []
+    i = 0
+    while i < len(opts):
+        o = opts[i]
+        if dump and o in DUMP_OPTS:
+            out.append(o)
+        elif dump and o in DUMP_OPTS_WITH_VALUE and i + 1 < len(opts):
+            out += [o, opts[i + 1]]
+            i += 1
+        elif not dump and (o in RESTORE_OPTS or o in RESTORE_IMPLIED):
+            if o in RESTORE_OPTS:
+                out.append(o)
+        elif not dump and o in DUMP_OPTS_WITH_VALUE and i + 1 < len(opts):
+            i += 1  # named at dump time; the image carries it
+        else:
+            missing.append(o)
+            if i + 1 < len(opts) and not opts[i + 1].startswith("-"):
+                missing[-1] += " " + opts[i + 1]
+                i += 1
+        i += 1
+    return out, missing
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one test
+
+CAP_SYS_RESOURCE = 24
+
+
+def has_cap(cap: int) -> bool:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
+def drops_uid(desc: dict[str, str]) -> bool:
+    """zdtm.py runs a test without the suid flag as ZDTM_UID. CRIU cannot read another user's
+    rlimits without CAP_SYS_RESOURCE ("Can't get rlimit": every such dump fails, raw or not), and
+    machines like this one run without it: there, every test runs as root, as suid tests do."""
+    return "suid" not in desc.get("flags", "").split() and has_cap(CAP_SYS_RESOURCE)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_reaped(pid: int, timeout: float) -> bool:
+    """Gone from /proc, not only dead: the restore needs the pid free (zdtm.py's wait_pid_die)."""
+    end = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def kill_tree(pid: int) -> None:
+    """The test daemon and whatever it forked: SIGKILL to its session (zdtm tests setsid)."""
+    if pid <= 1:
+        return
+    try:
+        os.killpg(os.getsid(pid), signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    wait_gone(pid, 10)
+
+
+class Runner:
+    def __init__(self, zdtm: Path, work: Path, sim_env: dict[str, str], preload: Path, devices: int) -> None:
+        self.devices: queue.Queue[int] = queue.Queue()
+        for d in range(devices):
+            self.devices.put(d)
+        self.static = zdtm / "static"
+        self.work = work
+        self.sim_env = sim_env
+        self.preload = preload
+
+    def env(self, name: str, desc: dict[str, str], npu: bool, device: int = 0) -> dict[str, str]:
+        env = dict(self.sim_env if npu else os.environ)
+        env["TMPDIR"] = os.environ.get("TMPDIR", "/tmp")
+        env["ZDTM_THREAD_BOMB"] = "5"  # zdtm.py: with any freezer but the kernel's
+        if drops_uid(desc):
+            env.update(ZDTM_IDS)
+        if npu:
+            env["ZDTM_NPU_TEST"] = name
+            env["ZDTM_NPU_DEVICE"] = str(device)
+            env["ZDTM_NPU_OUT"] = str(self.npu_out(name))
+            env["LD_PRELOAD"] = str(self.preload)
+        else:
+            env.pop("CRIU_LIBS_DIR", None)
+        return env
+
+    def npu_out(self, name: str) -> Path:
+        return self.work / "npu" / f"{name}.npu"
+
+    def make(self, name: str, action: str, env: dict[str, str], npu: bool) -> subprocess.CompletedProcess[str]:
+        argv = ["make", "--no-print-directory", "-C", str(self.static), f"{name}.{action}"]
+        if npu and action == "pid":
+            argv = [NPUSNAP, "run", "--keep-session", "--", *argv]
+        return subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT, stdin=subprocess.DEVNULL
+        )
+
+    def read_pid(self, name: str) -> int:
+        return int((self.static / f"{name}.pid").read_text().split()[0])
+
+    def stop_and_check(self, name: str, pid: int, desc: dict[str, str]) -> tuple[bool, str]:
+        """zdtm.py's stop(): SIGTERM, wait for the task to die, PASS in the .out file."""
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return False, "the test is gone before SIGTERM"
+        timeout = float(desc.get("timeout") or TEST_TIMEOUT)
+        if not wait_gone(pid, timeout):
+            kill_tree(pid)
+            return False, f"still alive {timeout:.0f}s after SIGTERM"
+        out = self.static / f"{name}.out"
+        text = out.read_text(errors="replace") if out.exists() else ""
+        if "PASS" not in text.split():
+            return False, "no PASS: " + " | ".join(text.strip().splitlines()[-3:])
+        return True, ""
+
+    def npu_line(self, name: str, pid: int) -> str:
+        f = self.npu_out(name)
+        lines = f.read_text().splitlines() if f.exists() else []
+        mine = [ln for ln in lines if ln.split()[1:2] == [str(pid)]]
+        return mine[-1] if mine else ""
+
+    def fresh(self, name: str, desc: dict[str, str], env: dict[str, str]) -> None:
+        self.make(name, "cleanout", env, npu=False)
+        for suffix in (".pid", ".out", ".out.inprogress"):
+            (self.static / f"{name}{suffix}").unlink(missing_ok=True)
+        npu = self.npu_out(name)
+        npu.parent.mkdir(exist_ok=True)
+        npu.unlink(missing_ok=True)
+        npu.touch()
+        os.chmod(npu, 0o666)
+        # zdtm.py's __add_wperms: a test that drops to ZDTM_UID writes its .out and .pid here.
+        if drops_uid(desc):
+            os.chmod(self.static, self.static.stat().st_mode | 0o222)
+
+    def run(self, name: str, desc: dict[str, str], npu: bool) -> Outcome:
+        t0 = time.monotonic()
+        # A device of its own: CANN's Restore needs the device free of other processes (the
+        # simulator's halProcessResRestore claims it exclusively), so two tests restoring on
+        # one device at once would refuse each other.
+        device = self.devices.get(timeout=600)
+        try:
+            out = self._run(name, desc, npu, device)
+        finally:
+            self.devices.put(device)
+        out.seconds = round(time.monotonic() - t0, 2)
+        return out
+
+    def _run(self, name: str, desc: dict[str, str], npu: bool, device: int) -> Outcome:
+        env = self.env(name, desc, npu, device)
+        self.fresh(name, desc, env)
+        img = self.work / ("npusnap" if npu else "raw") / name
+        shutil.rmtree(img, ignore_errors=True)
+        img.parent.mkdir(parents=True, exist_ok=True)
+        crfail = "crfail" in desc.get("flags", "").split()
+        try:
+            p = self.make(name, "pid", env, npu)
+        except subprocess.TimeoutExpired:
+            return Outcome("fail", "start", "make timed out")
+        if p.returncode != 0:
+            return Outcome("fail", "start", (p.stdout + p.stderr).strip()[-300:])
+        pid = self.read_pid(name)
+        try:
+            return self._cr(name, desc, npu, pid, img, crfail, env)
+        finally:
+            if pid_alive(pid):
+                kill_tree(pid)
+
+    def _cr(
+        self, name: str, desc: dict[str, str], npu: bool, pid: int, img: Path, crfail: bool, env: dict[str, str]
+    ) -> Outcome:
+        pidfile = str(self.static / f"{name}.pid")
+        dopts = criu_opts(desc, "dopts")
+        ropts = criu_opts(desc, "ropts")
+        if npu:
+            nd, missing_d = npusnap_opts(dopts, dump=True)
+            nr, missing_r = npusnap_opts(ropts, dump=False)
+            if missing_d or missing_r:
+                ok, why = self.stop_and_check(name, pid, desc)
+                return Outcome(
+                    "fail",
+                    "options",
+                    f"npusnap has no equivalent of: {' '.join(missing_d + missing_r)}"
+                    + ("" if ok else f"; and the job failed its own check: {why}"),
+                )
+            dump = [NPUSNAP, "dump", str(pid), str(img), "--timeout", "10", "--json", *nd]
+            restore = [NPUSNAP, "restore", str(img), "--json", "--pidfile", pidfile, *nr]
+        else:
+            dump = ["criu", "dump", "--tree", str(pid), "-D", str(img), "-o", "dump.log", "-v4", "--timeout", "10"]
+            dump += ["--pidfile", pidfile, *dopts]
+            img.mkdir(parents=True, exist_ok=True)
+            restore = ["criu", "restore", "-D", str(img), "-o", "restore.log", "-v4", "--pidfile", pidfile]
+            restore += [*ropts, "--restore-detached"]
+        try:
+            d = subprocess.run(dump, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return Outcome("fail", "dump", "dump timed out")
+        if d.returncode != 0:
+            alive = pid_alive(pid)
+            ok, why = self.stop_and_check(name, pid, desc) if alive else (False, "")
+            detail = error_of(d.stdout, d.stderr)
+            if crfail:
+                # zdtm.py: the dump must fail and the test then pass its own check.
+                return Outcome("pass" if ok else "fail", "check", "" if ok else why, dump_rc=d.returncode)
+            if not alive:
+                return Outcome("fail", "dump-lost", f"the job is gone after a failed dump: {detail}", d.returncode)
+            if not ok:
+                return Outcome("fail", "dump-rollback", f"{detail}; after the rollback: {why}", d.returncode)
+            return Outcome("fail", "dump", detail, dump_rc=d.returncode)
+        if crfail:
+            kill_tree(pid)
+            return Outcome("fail", "dump", "zdtm expects this dump to fail; it exited 0", dump_rc=0)
+        if pid_alive(pid):
+            # CRIU (and npusnap without --leave-running) kills the tree after a dump.
+            return Outcome("fail", "dump", "the tree is still alive after the dump", dump_rc=0)
+        if not wait_reaped(pid, 10):
+            return Outcome("fail", "dump", f"pid {pid} is still taken (not reaped) 10s after the dump", 0)
+        Path(pidfile).unlink()  # zdtm.py's gone(): the restore writes it anew
+        try:
+            r = subprocess.run(restore, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return Outcome("fail", "restore", "restore timed out", dump_rc=0)
+        if r.returncode != 0:
+            return Outcome("fail", "restore", error_of(r.stdout, r.stderr), dump_rc=0, restore_rc=r.returncode)
+        pid = self.read_pid(name)
+        ok, why = self.stop_and_check(name, pid, desc)
+        if not ok:
+            return Outcome("fail", "check", why, dump_rc=0, restore_rc=0)
+        if npu:
+            line = self.npu_line(name, pid)
+            if not line.endswith(" ok"):
+                return Outcome("fail", "npu", line or "no device-memory line at exit", dump_rc=0, restore_rc=0)
+        return Outcome("pass", dump_rc=0, restore_rc=0)
+
+
+def error_of(stdout: str, stderr: str) -> str:
+    try:
+        env = json.loads(stdout)
+        err = env.get("error") or {}
+        return str(err.get("message") or err)[:300]
+    except (json.JSONDecodeError, AttributeError):
+        pass
+    lines = [ln for ln in (stderr + stdout).splitlines() if ln.strip()]
+    return " | ".join(lines[-3:])[:300]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def load_expected() -> dict[str, str]:
+    data = tomllib.loads(EXPECTED.read_text())
+    return {str(k): str(v["reason"]) for k, v in data.get("refused", {}).items()}
+
+
+def judge(res: TestResult, expected: dict[str, str]) -> None:
+    raw, npu = res.raw, res.npusnap
+    if npu is not None and npu.dump_rc == 0 and npu.stage == "restore":
+        res.verdict = "never"  # a dump that exited 0, an image its own restore refused
+        return
+    if npu is not None and npu.stage in ("dump-lost", "dump-rollback"):
+        res.verdict = "never"  # a refused dump that did not leave the job as it was
+        return
+    if raw.status != "pass":
+        res.verdict = "skip" if raw.status == "skip" else "raw-fails"
+        return
+    assert npu is not None
+    if npu.status == "pass":
+        res.verdict = "unexpected-pass" if res.name in expected else "ok"
+    else:
+        res.verdict = "expected" if res.name in expected else "regression"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=None, help="build and image directory (default: a temp dir)")
+    ap.add_argument("--jobs", "-j", type=int, default=2, help="tests run side by side (exclusive ones alone)")
+    ap.add_argument("--only", nargs="*", default=None, help="these tests only")
+    ap.add_argument("--report", type=Path, default=None, help="write the results here (JSON)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (CRIU)")
+    sys.path.insert(0, str(REPO))
+    from tests.integration.dumplib import private_sim
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="zdtm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # The tests drop to ZDTM_UID: every directory on the way to the tests must be searchable.
+    os.chmod(work, 0o755)
+    t0 = time.monotonic()
+    zdtm = build(work)
+    names = all_tests(zdtm)
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"not built or not a test: {' '.join(unknown)}")
+        names = [n for n in names if n in args.only]
+    expected = load_expected()
+    stale = sorted(set(expected) - set(all_tests(zdtm)))
+    log(f"zdtm: {len(names)} built tests, built in {time.monotonic() - t0:.0f}s")
+    results: list[TestResult] = []
+    lock = threading.Lock()
+    jobs = max(1, args.jobs)
+    with private_sim(devices=jobs, capacity_bytes=256 << 20) as sim_env:
+        cann = Path(sim_env["ASCEND_HOME_PATH"])
+        preload = build_preload(work, cann)
+        sim_env = dict(sim_env)
+        sim_env["NPUSNAP_RUNTIME_DIR"] = str(work / "rt")
+        (work / "rt").mkdir(mode=0o700, exist_ok=True)
+        runner = Runner(zdtm, work, sim_env, preload, jobs)
+        plan: list[tuple[str, dict[str, str]]] = []
+        for name in names:
+            desc = read_desc(zdtm / "static" / f"{name}.desc")
+            why = why_skipped(zdtm, name, desc)
+            if why:
+                results.append(TestResult(name, Outcome("skip", detail=why), verdict="skip"))
+                continue
+            plan.append((name, desc))
+
+        def one(item: tuple[str, dict[str, str]]) -> TestResult:
+            name, desc = item
+            raw = runner.run(name, desc, npu=False)
+            res = TestResult(name, raw)
+            if raw.status == "pass" or name in expected:
+                res.npusnap = runner.run(name, desc, npu=True)
+            judge(res, expected)
+            with lock:
+                n = res.npusnap
+                tail = f" | npusnap {n.status} {n.stage} {n.detail[:160]}" if n else ""
+                log(f"[{res.verdict:>15}] {name}: raw {raw.status} {raw.stage} {raw.detail[:100]}{tail}")
+            return res
+
+        exclusive = [p for p in plan if "excl" in p[1].get("flags", "").split()]
+        shared = [p for p in plan if p not in exclusive]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            results += list(pool.map(one, shared))
+        results += [one(p) for p in exclusive]
+    results.sort(key=lambda r: r.name)
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    raw_pass = sum(1 for r in results if r.raw.status == "pass")
+    npu_pass = sum(1 for r in results if r.npusnap is not None and r.npusnap.status == "pass")
+    summary = {
+        "tests_built": len(names),
+        "ran": len(names) - counts.get("skip", 0),
+        "raw_passed": raw_pass,
+        "npusnap_passed": npu_pass,
+        "verdicts": counts,
+        "expected_not_built": stale,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    log(json.dumps(summary))
+    if args.report:
+        args.report.write_text(json.dumps({"summary": summary, "tests": [asdict(r) for r in results]}, indent=1))
+    bad = [r for r in results if r.verdict in ("regression", "unexpected-pass", "never")]
+    for r in bad:
+        log(f"FAIL {r.verdict}: {r.name}: {r.npusnap}")
+    if not args.keep and args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
