@@ -235,6 +235,9 @@ class CriuOptions:
     # Restore only: established TCP connections come back closed (CRIU's --tcp-close), for a copy
     # restored beside the original that still holds them.
     tcp_close: bool = False
+    # CRIU options passed through unchanged (``--criu-opt``), checked by criupass.parse: the
+    # lines of the configuration file CRIU reads after the RPC settings.
+    passthrough: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -249,6 +252,7 @@ class CriuOptions:
             "log_level": self.log_level,
             "link_remap": self.link_remap,
             "network_lock": self.network_lock,
+            "passthrough": list(self.passthrough),
         }
 
 
@@ -610,6 +614,19 @@ def _free_bytes(path: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+# The configuration file of the passed-through options, in CRIU's work directory.
+PASSTHROUGH_CONFIG = "criu-options.conf"
+
+
+def _write_passthrough(work_fd: int, lines: tuple[str, ...]) -> str:
+    """Write the options into the fresh file open_work_dir made; the path CRIU opens it by goes
+    through our own descriptor of the directory (CRIU is our child and may read our fds)."""
+    fd = os.open(PASSTHROUGH_CONFIG, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=work_fd)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return f"/proc/{os.getpid()}/fd/{work_fd}/{PASSTHROUGH_CONFIG}"
+
+
 def _open_dir(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
 
@@ -802,8 +819,9 @@ def _session(
 
     img_fd = _open_dir(images_dir)
     swrk: Optional[_Swrk] = None
+    config = (PASSTHROUGH_CONFIG,) if options.passthrough else ()
     try:
-        work_fd = open_work_dir(work_dir, (log_name, stats))
+        work_fd = open_work_dir(work_dir, (log_name, stats, *config))
     except BaseException:
         os.close(img_fd)
         raise
@@ -815,6 +833,8 @@ def _session(
         opts.work_dir_fd = work_fd
         opts.log_file = log_name
         _apply_options(opts, options)
+        if options.passthrough:
+            opts.config_file = _write_passthrough(work_fd, options.passthrough)
         yield _Session(opts=opts, swrk=swrk)
     finally:
         if swrk is not None:

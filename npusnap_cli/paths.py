@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import contract
+from npusnap_cli.host import procfs
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -262,9 +263,16 @@ def held_agent_socket(pid: int) -> Optional[Path]:
     A replica restored from an image of a job in its own pid namespace (``restore --replicas``)
     listens under a name of its own, not after its pid, which is new; it is found by the socket
     inode in its fds, in an ``npusnap*`` directory or in this user's runtime directory (which
-    NPUSNAP_RUNTIME_DIR may put anywhere). (The caller still checks the peer pid.)"""
+    NPUSNAP_RUNTIME_DIR may put anywhere). A socket named after another process that shares
+    ``pid``'s descriptor table is that process's (fd_table_owner). (The caller still checks the
+    peer pid.)"""
+    return next((p for p in _held_agent_sockets(pid) if not _anothers(p, pid)), None)
+
+
+def _held_agent_sockets(pid: int) -> list[Path]:
     own_dir = agent_runtime_dir()
     held = set()
+    found: list[Path] = []
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
@@ -274,7 +282,7 @@ def held_agent_socket(pid: int) -> Optional[Path]:
             if target.startswith("socket:["):
                 held.add(target[8:-1])
     except OSError:
-        return None
+        return found
     try:
         with open(f"/proc/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
             next(f, None)
@@ -285,7 +293,29 @@ def held_agent_socket(pid: int) -> Optional[Path]:
                     prefixed = p.parent.name.startswith(contract.AGENT_SOCKET_DIR_PREFIX)
                     in_agent_dir = p.parent == own_dir or prefixed
                     if p.suffix == SOCKET_SUFFIX and in_agent_dir:
-                        return p
+                        found.append(p)
     except (OSError, ValueError):
-        return None
+        return found
+    return found
+
+
+def fd_table_owner(pid: int) -> Optional[int]:
+    """Another process whose agent socket ``pid`` holds only because the two share one descriptor
+    table (clone with CLONE_FILES, no fork: no fork handler ran, so ``pid`` has no agent of its
+    own); None otherwise."""
+    for path in _held_agent_sockets(pid):
+        owner = _named_pid(path)
+        if owner is not None and owner != pid and procfs.shares_fd_table(pid, owner):
+            return owner
     return None
+
+
+def _named_pid(path: Path) -> Optional[int]:
+    stem = path.name[: -len(SOCKET_SUFFIX)] if path.name.endswith(SOCKET_SUFFIX) else ""
+    return int(stem) if stem.isdigit() else None
+
+
+def _anothers(path: Path, pid: int) -> bool:
+    """The socket is named after another process that shares ``pid``'s descriptor table."""
+    owner = _named_pid(path)
+    return owner is not None and owner != pid and bool(procfs.shares_fd_table(pid, owner))

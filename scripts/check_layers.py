@@ -46,6 +46,7 @@ FLOORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "acl",
             "criu",
+            "criupass",
             "criuimages",
             "sim.*",
             "sim",

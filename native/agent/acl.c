@@ -1,6 +1,6 @@
 /* The snapshot calls into the CANN runtime that this process already loaded.
  *
- * The library is found in /proc/self/maps and opened with RTLD_NOLOAD: loading a second copy
+ * The library is found among the loaded objects and opened with RTLD_NOLOAD: loading a second copy
  * would give a second, empty runtime that knows nothing about this process's devices.
  * Calling convention: every snapshot function is called as f(getpid(), NULL). CANN 9.1+
  * declares (int pid, void *args); 8.5/9.0 declare f(void), and on the x86-64 and AArch64 C ABIs
@@ -11,6 +11,7 @@
 
 #include <dirent.h>
 #include <dlfcn.h>
+#include <link.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,24 +44,29 @@ static int lib_matches(const char *path, const char *name) {
     return 1;
 }
 
+struct lib_search {
+    const char *name;
+    char *out;
+    size_t outlen;
+    int found;
+};
+
+static int find_loaded(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct lib_search *q = data;
+    if (!info->dlpi_name || !info->dlpi_name[0] || !lib_matches(info->dlpi_name, q->name)) return 0;
+    snprintf(q->out, q->outlen, "%s", info->dlpi_name);
+    q->found = 1;
+    return 1;
+}
+
+/* The path the dynamic loader loaded `name` from. Asked of the loader itself, not of
+ * /proc/self/maps: a process that chrooted (or runs without /proc) still finds its runtime, and
+ * RTLD_NOLOAD matches that path against the loaded objects without touching the file system. */
 static int mapped_path(const char *name, char *out, size_t outlen) {
-    FILE *f = fopen("/proc/self/maps", "re");
-    if (!f) return -1;
-    char line[4096];
-    int found = -1;
-    while (fgets(line, sizeof line, f)) {
-        char *p = strchr(line, '/');
-        if (!p) continue;
-        p[strcspn(p, "\n")] = 0;
-        if (strstr(p, " (deleted)")) continue;
-        if (lib_matches(p, name)) {
-            snprintf(out, outlen, "%s", p);
-            found = 0;
-            break;
-        }
-    }
-    fclose(f);
-    return found;
+    struct lib_search q = {name, out, outlen, 0};
+    dl_iterate_phdr(find_loaded, &q);
+    return q.found ? 0 : -1;
 }
 
 static void read_version(acl_rt *rt) {

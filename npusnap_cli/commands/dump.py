@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from npusnap_cli import criu
+from npusnap_cli import criu, criupass
 from npusnap_cli import image as img
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
@@ -98,6 +98,9 @@ def register(app: typer.Typer) -> None:
             help="How CRIU blocks the network while dumping TCP connections: nftables (no binary "
             "needed), iptables or skip. Default: skip for a tree in this host's network namespace "
             "without --tcp-established (CRIU would lock nothing), else nftables where CRIU has it.",
+        ),
+        criu_opt: Optional[list[str]] = typer.Option(
+            None, "--criu-opt", metavar="NAME[=VALUE]", help=criupass.help_text("dump")
         ),
         external_pipes: bool = typer.Option(
             False,
@@ -213,6 +216,7 @@ def register(app: typer.Typer) -> None:
                 timeout=None if timeout is None else math.ceil(timeout),
                 link_remap=link_remap,
                 network_lock=network_lock,
+                passthrough=criupass.parse(criu_opt or [], "dump"),
             ),
             keep=True,
             force=force,

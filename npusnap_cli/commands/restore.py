@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from npusnap_cli import image
+from npusnap_cli import criupass, image
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
@@ -85,6 +85,9 @@ def register(app: typer.Typer) -> None:
             "--tcp-close",
             help="Restore the image's established TCP connections closed (CRIU's --tcp-close): for "
             "a copy beside its running original, which keeps them. --replicas does this always.",
+        ),
+        criu_opt: Optional[list[str]] = typer.Option(
+            None, "--criu-opt", metavar="NAME[=VALUE]", help=criupass.help_text("restore")
         ),
         settle: float = typer.Option(
             0.5,
@@ -236,7 +239,11 @@ def register(app: typer.Typer) -> None:
                 output=output_file,
                 logs=logs,
                 settle_s=settle,
-                extra=["--tcp-close", *(["--accept-lost-device-memory"] if accept_lost else [])],
+                extra=[
+                    "--tcp-close",
+                    *(["--accept-lost-device-memory"] if accept_lost else []),
+                    *(f"--criu-opt={o}" for o in criupass.parse(criu_opt or [], "restore")),
+                ],
                 main=cli.main,
                 name=replica_name,
             )
@@ -275,6 +282,7 @@ def register(app: typer.Typer) -> None:
             pipe_to=pipe_to,
             replace_tmpfs_files=replace_tmpfs_files,
             tcp_close=tcp_close,
+            criu_passthrough=criupass.parse(criu_opt or [], "restore"),
             settle_s=settle,
             require_signature=require_signature,
             accept_lost_device_memory=accept_lost,

@@ -8,6 +8,7 @@ tests and the benchmark all ask these questions, often of a pid they remembered.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,3 +131,38 @@ def age(pid: Union[int, str] = "self") -> Optional[float]:
         return max(0.0, uptime - (ticks or 0) / os.sysconf("SC_CLK_TCK")) if ticks is not None else None
     except (OSError, ValueError, IndexError):
         return None
+
+
+# kcmp(2): whether two processes share a kernel object. The generic syscall table (aarch64) and
+# x86_64 number it differently.
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}
+_KCMP_FILES = 2
+
+
+def shares_fd_table(pid: int, other: int) -> Optional[bool]:
+    """Whether ``pid`` and ``other`` share one descriptor table (clone with CLONE_FILES, or
+    threads); None when the kernel will not say (no kcmp, no ptrace access to either)."""
+    nr = _SYS_KCMP.get(os.uname().machine)
+    if nr is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(nr, pid, other, _KCMP_FILES, 0, 0)
+    return None if rc < 0 else rc == 0
+
+
+def threads_in_other_cgroups(pid: int) -> list[int]:
+    """The threads of ``pid`` whose cgroups (/proc/PID/task/TID/cgroup) are not its main
+    thread's: cgroup v1 moves one thread at a time (``tasks``). Empty if none, or if unreadable."""
+    try:
+        main = Path(f"/proc/{pid}/task/{pid}/cgroup").read_text()
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return []
+    other = []
+    for tid in sorted(tids):
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/cgroup").read_text() != main:
+                other.append(tid)
+        except OSError:
+            continue
+    return other

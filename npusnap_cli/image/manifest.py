@@ -435,6 +435,7 @@ _CRIU_OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "log_level": (int,),
     "link_remap": (bool,),
     "network_lock": (str, type(None)),
+    "passthrough": (list,),
 }
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import __version__, acl, contract, criu
+from npusnap_cli import __version__, acl, contract, criu, paths
 from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.device import attach as attach_mod
@@ -206,6 +206,18 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             details={"pids": [p.pid for p in tree]},
         )
     missing = [p.pid for p in npu if not p.has_agent]
+    for m in missing:
+        owner = paths.fd_table_owner(m)
+        if owner is not None:
+            raise TargetError(
+                f"pid {m} shares its descriptor table with pid {owner} (clone with CLONE_FILES) and "
+                "has no agent of its own; npusnap dump changed nothing",
+                why="a process made by clone(CLONE_FILES) without fork ran no fork handler, so no agent "
+                "started in it, and one cannot be attached beside its parent's socket: npusnap "
+                "could not park or save a CANN runtime it may use",
+                fix="start such children with fork() or posix_spawn(), or dump a tree without them",
+                details={"pid": m, "shares_fd_table_with": owner},
+            )
     if missing and not attach:
         raise TargetError(
             f"NPU process(es) without an agent: {', '.join(map(str, missing))}",
@@ -900,6 +912,24 @@ def _c_host_files(s: DumpState) -> str:
     return "what the image carries, its restore may write"
 
 
+def _c_cgroups(s: DumpState) -> str:
+    if not any(o.startswith("manage-cgroups") for o in s.options.criu.passthrough):
+        return "cgroups are not dumped (no --criu-opt manage-cgroups)"
+    for p in s.target.tree:
+        split = procfs.threads_in_other_cgroups(p.pid)
+        if split:
+            raise PreflightError(
+                f"pid {p.pid} has threads in other cgroups than its main thread ({split}); with "
+                "--criu-opt manage-cgroups CRIU could dump it but not restore it; nothing was touched",
+                why="CRIU 4.2.1 restores a thread left in the root cgroup set of such a process with "
+                "'cgroupd: No set found' (criu/cgroup.c); an NPU process always has runtime threads, "
+                "and a program that moves only its main thread (writing cgroup v1 `tasks`) leaves them",
+                fix="move the whole process (cgroup.procs, not tasks), or dump without manage-cgroups",
+                details={"pid": p.pid, "threads": split},
+            )
+    return "every process's threads share its cgroups"
+
+
 def _c_stopped(s: DumpState) -> str:
     refuse_stopped(s.target.npu_pids, "dump")  # being checkpointed by someone else
     return "no NPU process is stopped"
@@ -959,6 +989,7 @@ PREFLIGHT_CHECKS: list[DumpCheck] = [
     DumpCheck("namespaces", "pid and mount namespaces", _c_namespaces, skip=_no_target),
     DumpCheck("npu-plugin", "a CRIU plugin for the device connections", _c_npu_plugin, skip=_no_target),
     DumpCheck("host-files", "host files the image carries", _c_host_files, skip=_no_target),
+    DumpCheck("cgroups", "cgroups CRIU can restore", _c_cgroups, skip=_no_target),
 ]
 ATTACH_CHECKS: list[DumpCheck] = [
     DumpCheck("stopped", "no NPU process is stopped", _c_stopped, skip=_no_target),

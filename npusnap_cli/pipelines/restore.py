@@ -90,6 +90,7 @@ class RestoreOptions:
     device_map: tuple[tuple[int, int], ...] = ()
     output: Optional[Path] = None  # the job writes here instead of its stdout file (a copy's own)
     tcp_close: bool = False  # established TCP connections restored closed (a copy beside the original)
+    criu_passthrough: tuple[str, ...] = ()  # CRIU options passed through (criupass.parse)
 
 
 @dataclass(frozen=True)
@@ -955,6 +956,7 @@ def _criu_restore(st: RestoreState) -> None:
                     leave_stopped=_stays_stopped(st),
                     lazy_pages=st.lazy is not None,
                     tcp_close=pre.options.tcp_close,
+                    passthrough=pre.options.criu_passthrough,
                 ),
                 log_name=img.RESTORE_LOG,
                 binary=pre.criu_binary(),
