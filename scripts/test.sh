@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: ruff (lint + format check), mypy --strict, then pytest (unit + integration).
+# The test command: ruff (lint + format check), mypy --strict, pytest (unit + integration), then
+# CRIU's zdtm static tests through npusnap (tests/zdtm/parity.py).
 # Called by `make test` after scripts/setup.sh. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,4 +22,15 @@ rc=$?
 set -e
 # pytest exits 5 when it collected nothing: that must never pass.
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+# CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
+# time; after pytest, not beside it: its simulated devices would be busy for pytest's restores).
+# Only for the whole suite: a run of chosen tests (arguments) skips it.
+if [ $# -eq 0 ] && [ "${NPUSNAP_SKIP_ZDTM:-}" != 1 ]; then
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py)"
+    set +e
+    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json
+    zrc=$?
+    set -e
+    if [ $zrc -ne 0 ]; then rc=1; fi
+fi
 exit $rc

@@ -218,6 +218,24 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
                 fix="start such children with fork() or posix_spawn(), or dump a tree without them",
                 details={"pid": m, "shares_fd_table_with": owner},
             )
+    # An agent that is loaded starts listening within milliseconds (a child forked a moment ago);
+    # one that is loaded and stays silent cannot be attached beside either.
+    deadline = time.monotonic() + AGENT_LISTEN_S
+    while [m for m in missing if _agent_loaded(m)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        tree = proctree.process_tree(pid)
+        npu = [p for p in tree if p.uses_npu]
+        missing = [p.pid for p in npu if not p.has_agent]
+    for m in missing:
+        if _agent_loaded(m):
+            raise TargetError(
+                f"pid {m} has an npusnap agent loaded that does not listen; npusnap dump changed nothing",
+                why="the program closed the agent's descriptors (a daemon closing every fd it inherited "
+                "does), or the agent could not start (its log says why); attaching a second agent "
+                "beside it would add descriptors the program did not open",
+                fix=f"read {paths.agent_log_path(m)}; leave descriptors the program did not open alone",
+                details={"pid": m},
+            )
     if missing and not attach:
         raise TargetError(
             f"NPU process(es) without an agent: {', '.join(map(str, missing))}",
@@ -226,6 +244,19 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             details={"without_agent": missing},
         )
     return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
+
+
+# How long a loaded agent may take to listen before the dump says it does not.
+AGENT_LISTEN_S = 2.0
+
+
+def _agent_loaded(pid: int) -> bool:
+    """The native agent is mapped into ``pid`` (npusnap run, or an earlier attach)."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip().endswith("/" + contract.AGENT_LIBRARY) for line in f)
+    except OSError:
+        return False
 
 
 def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
