@@ -231,9 +231,13 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             raise TargetError(
                 f"pid {m} has an npusnap agent loaded that does not listen; npusnap dump changed nothing",
                 why="the program closed the agent's descriptors (a daemon closing every fd it inherited "
-                "does), or the agent could not start (its log says why); attaching a second agent "
-                "beside it would add descriptors the program did not open",
-                fix=f"read {paths.agent_log_path(m)}; leave descriptors the program did not open alone",
+                "does), stopped it (npusnap_cli.agent.stop()), or it could not start (its log says "
+                "why), or it listens in another runtime directory than this command's "
+                "(NPUSNAP_RUNTIME_DIR); attaching a second agent beside it would add descriptors and "
+                "a second server the program did not ask for",
+                fix=f"read {paths.agent_log_path(m)}; run npusnap with the job's NPUSNAP_RUNTIME_DIR, "
+                "restart the agent in the program (npusnap_cli.agent.start()), or leave descriptors "
+                "the program did not open alone",
                 details={"pid": m},
             )
     if missing and not attach:
