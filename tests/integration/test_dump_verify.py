@@ -123,9 +123,10 @@ def test_a_lock_its_restore_may_not_write_is_refused_before_anything_is_touched(
     restore's host-file rules refuse such an image, so the dump refuses it first (exit 3), with
     the job never locked nor stopped, still computing, and no image or work directory left."""
     env = job_env(sim_env, runtime_dir)
-    # Not under /tmp: every directory up to a sticky shared one counts as one the image could
-    # make for the job (a private lock directory in /tmp is carried: test_host_side.py).
-    private = Path(tempfile.mkdtemp(prefix="locktest-", dir=REPO / ".build"))
+    # Not under /tmp (nor a checkout there): every directory up to a sticky shared one counts as
+    # one the image could make for the job (a private lock directory in /tmp is carried:
+    # test_host_side.py). /var/lib is root's, and no directory above it is sticky.
+    private = Path(tempfile.mkdtemp(prefix="npusnap-locktest-", dir="/var/lib"))
     lock = private / "job.lock"
     args = [*TRAIN_ARGS, "--steps", "0", "--seed", "6"]
     script = LOCK_JOB.format(workloads=WORKLOADS)
