@@ -110,6 +110,12 @@ DEVMEM_FILE_MAGIC = b"NPUSNAP-DEVMEM1"
 DEVMEM_FILE_SUBDIR = "device"
 DEVMEM_FILE_PATTERN = "devmem-{pid}.bin"
 DEVMEM_PIECE_BYTES = 1048576
+# The agent's device record, read from outside through /proc/PID/mem.
+AGENT_RECORD_SYMBOL = "npusnap_agent_record"
+AGENT_RECORD_MAGIC = b"NPUSNAP-AGREC1"
+# What /proc shows of NPU device state: path prefixes of device mappings and device files.
+DEVICE_MAPPING_PREFIXES = ("/dev/svm", "/dev/devmm_svm", "/dev/davinci", "/memfd:npusim-dev")
+DEVICE_FILE_PREFIXES = ("/dev/svm", "/dev/devmm_svm", "/dev/davinci", "/dev/hisi_hdc", "/dev/npu_device_cust")
 # Agent control sockets ({uid}, {pid}: str.format fields).
 AGENT_SOCKET_ENV_DIR = "NPUSNAP_RUNTIME_DIR"
 AGENT_SOCKET_ROOT_DIR = "/run/npusnap"
@@ -363,6 +369,23 @@ class DevmemFileRecord(ctypes.Structure):
     ]
 
 
+# The agent's device record (exported as agent_record.symbol) (C: struct npusnap_agent_record)
+AGENT_RECORD = struct.Struct("<16siIQ")
+AGENT_RECORD_SIZE = 32
+AGENT_RECORD_OFFSETS: Dict[str, int] = {"magic": 0, "pid": 16, "opened": 20, "reserved": 24}
+
+
+class AgentRecord(ctypes.Structure):
+    """The agent's device record (exported as agent_record.symbol) (C: struct npusnap_agent_record)."""
+
+    _fields_ = [
+        ("magic", ctypes.c_char * 16),
+        ("pid", ctypes.c_int32),
+        ("opened", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64),
+    ]
+
+
 # A request to the simulator's daemon (C: struct npusim_req)
 SIM_REQ = struct.Struct("<IiQQQ")
 SIM_REQ_SIZE = 32
@@ -423,6 +446,7 @@ LAYOUTS: Dict[str, Tuple[struct.Struct, int, Dict[str, int], type]] = {
     "npusnap_devmem_info": (DEVMEM_INFO, DEVMEM_INFO_SIZE, DEVMEM_INFO_OFFSETS, DevmemInfo),
     "npusnap_devmem_file_header": (DEVMEM_FILE_HEADER, DEVMEM_FILE_HEADER_SIZE, DEVMEM_FILE_HEADER_OFFSETS, DevmemFileHeader),
     "npusnap_devmem_file_record": (DEVMEM_FILE_RECORD, DEVMEM_FILE_RECORD_SIZE, DEVMEM_FILE_RECORD_OFFSETS, DevmemFileRecord),
+    "npusnap_agent_record": (AGENT_RECORD, AGENT_RECORD_SIZE, AGENT_RECORD_OFFSETS, AgentRecord),
     "npusim_req": (SIM_REQ, SIM_REQ_SIZE, SIM_REQ_OFFSETS, SimReq),
     "npusim_resp": (SIM_RESP, SIM_RESP_SIZE, SIM_RESP_OFFSETS, SimResp),
     "npusim_map": (SIM_MAP, SIM_MAP_SIZE, SIM_MAP_OFFSETS, SimMap),

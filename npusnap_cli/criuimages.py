@@ -97,6 +97,23 @@ def pstree(criu_dir: Path) -> Optional[list[TreeEntry]]:
         raise Undecodable(f"{criu_dir / 'pstree.img'}: an entry without its ids ({exc})") from None
 
 
+# A task's state in core-PID.img (compel's enum __compel_task_state, compel/include/uapi/task-state.h).
+TASK_STOPPED = 0x03
+
+
+def stopped(criu_dir: Path) -> dict[int, int]:
+    """The processes of the image that CRIU restores stopped, as they were (job-control stopped
+    by a signal), by pstree.img id: the signal that stopped each (0 when the image does not say;
+    CRIU then stops it with SIGSTOP). A restore that lets the tree run must not resume them."""
+    out = {}
+    for e in pstree(criu_dir) or ():
+        raw = _entries_or_none(criu_dir / f"core-{e.pid}.img")
+        tc = (raw or [{}])[0].get("tc") or {}
+        if tc.get("task_state") == TASK_STOPPED:
+            out[e.pid] = int(tc.get("stop_signo") or 0)
+    return out
+
+
 # -- files --------------------------------------------------------------------------------------
 
 

@@ -257,6 +257,16 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSNAP_DEVMEM_FILE_PATTERN {c_str(c_pattern(df['name_pattern']))}")
     w(f"#define NPUSNAP_DEVMEM_PIECE_BYTES {int(df['piece_bytes'])}ull")
     w("")
+    ar = spec["agent_record"]
+    w("/* The agent's device record, read from outside through /proc/PID/mem. */")
+    w(f"#define NPUSNAP_AGENT_RECORD_SYMBOL {ar['symbol']}")
+    w(f"#define NPUSNAP_AGENT_RECORD_MAGIC {c_str(ar['magic'])}")
+    w("")
+    dp = spec["device_paths"]
+    w("/* What /proc shows of NPU device state: path prefixes of device mappings and device files. */")
+    w("#define NPUSNAP_DEVICE_MAPPING_PREFIXES " + ", ".join(c_str(x) for x in dp["mapping_prefixes"]))
+    w("#define NPUSNAP_DEVICE_FILE_PREFIXES " + ", ".join(c_str(x) for x in dp["file_prefixes"]))
+    w("")
     sk = spec["agent_socket"]
     w("/* Agent control sockets: printf patterns (%u: uid, %d: pid). */")
     w(f"#define NPUSNAP_AGENT_SOCKET_ENV_DIR {c_str(sk['env_dir'])}")
@@ -482,6 +492,14 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"DEVMEM_FILE_SUBDIR = {py_str(d['subdir'])}")
     w(f"DEVMEM_FILE_PATTERN = {py_str(d['name_pattern'])}")
     w(f"DEVMEM_PIECE_BYTES = {int(d['piece_bytes'])}")
+    ar = spec["agent_record"]
+    w("# The agent's device record, read from outside through /proc/PID/mem.")
+    w(f"AGENT_RECORD_SYMBOL = {py_str(ar['symbol'])}")
+    w(f"AGENT_RECORD_MAGIC = b{py_str(ar['magic'])}")
+    dp = spec["device_paths"]
+    w("# What /proc shows of NPU device state: path prefixes of device mappings and device files.")
+    w(f"DEVICE_MAPPING_PREFIXES = ({', '.join(py_str(x) for x in dp['mapping_prefixes'])})")
+    w(f"DEVICE_FILE_PREFIXES = ({', '.join(py_str(x) for x in dp['file_prefixes'])})")
     sk = spec["agent_socket"]
     w("# Agent control sockets ({uid}, {pid}: str.format fields).")
     w(f"AGENT_SOCKET_ENV_DIR = {py_str(sk['env_dir'])}")

@@ -210,12 +210,39 @@ static unsigned char g_devs[MAX_DEVS]; /* devices the job opened (aclrtSetDevice
 static void *g_dev_ctx[MAX_DEVS];      /* a context of each such device, for synchronize */
 static __thread int t_agent;           /* this thread copies for npusnap: its drvMemcpy is not the job's */
 
+/* Whether this process ever opened a device, for a reader that cannot ask: a stopped process
+ * runs no agent code, so npusnap reads this record through /proc/PID/mem (the symbol and layout
+ * come from the contract; npusnap_cli/host/agentrecord.py). It only counts up: a device reset
+ * leaves a runtime that was there, and "never opened" is the one answer npusnap acts on.
+ *
+ * A copy of the process (fork) starts a record of its own in its fork handler; one that has not
+ * run it yet (stopped right after fork) or never will (clone without fork handlers) still holds
+ * its parent's. So every device-opening call first claims the record for the calling process: a
+ * record naming another pid means this process made no such call since it was copied, and owns
+ * no device (a device context is the opening process's own; CANN does not survive fork). */
+API struct npusnap_agent_record NPUSNAP_AGENT_RECORD_SYMBOL = {.magic = NPUSNAP_AGENT_RECORD_MAGIC};
+static pthread_mutex_t g_record_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void record_start(void) {
+    NPUSNAP_AGENT_RECORD_SYMBOL.opened = 0;
+    __atomic_store_n(&NPUSNAP_AGENT_RECORD_SYMBOL.pid, (int32_t)getpid(), __ATOMIC_RELEASE);
+}
+
+static void record_opened(void) {
+    pthread_mutex_lock(&g_record_mu);
+    if (NPUSNAP_AGENT_RECORD_SYMBOL.pid != (int32_t)getpid()) record_start();
+    NPUSNAP_AGENT_RECORD_SYMBOL.opened++;
+    pthread_mutex_unlock(&g_record_mu);
+}
+
 /* A forked child keeps only the forking thread: nothing of the job is in flight there, and it
  * holds no snapshot of its own (CANN does not survive fork either). */
 static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 static void ws_after_fork(void);
 static void atfork_child(void) {
+    pthread_mutex_init(&g_record_mu, NULL); /* another thread may have held it at fork */
+    record_start();
     ws_after_fork();
     g_copies_inflight = 0;
     for (size_t i = 0; i < g_n; i++) {
@@ -232,6 +259,7 @@ static void atfork_child(void) {
 }
 
 __attribute__((constructor)) static void devmem_init(void) {
+    record_start();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -308,6 +336,7 @@ static int32_t user_dev(int32_t drv) {
 
 /* g_mu held */
 static int add(uintptr_t p, size_t n, int32_t dev, int kind) {
+    record_opened();
     struct alloc *a = find(p);
     if (a) { /* the same address again (freed behind our back, or registered twice) */
         a->size = n;
@@ -471,6 +500,7 @@ API drvError_t halMemAddressReserve(void **ptr, size_t size, size_t alignment, v
     REAL(F_HAL_RESERVE, drvError_t(*)(void **, size_t, size_t, void *, uint64_t));
     drvError_t rc = fn(ptr, size, alignment, addr, flag);
     if (rc == 0 && ptr && *ptr) {
+        record_opened();
         pthread_mutex_lock(&g_mu);
         int g = grow((void **)&g_reserved, &g_res_cap, g_nres, sizeof *g_reserved);
         if (g == 0) g_reserved[g_nres++] = (struct range){(uintptr_t)*ptr, size};
@@ -499,6 +529,7 @@ API drvError_t halMemCreate(drv_mem_handle_t **handle, size_t size, const struct
     REAL(F_HAL_CREATE, drvError_t(*)(drv_mem_handle_t **, size_t, const struct drv_mem_prop *, uint64_t));
     drvError_t rc = fn(handle, size, prop, flag);
     if (rc == 0 && handle && *handle) {
+        record_opened();
         pthread_mutex_lock(&g_mu);
         int g = grow((void **)&g_handles, &g_h_cap, g_nh, sizeof *g_handles);
         if (g == 0) g_handles[g_nh++] = (struct handle){*handle, size, prop ? user_dev((int32_t)prop->devid) : -1};
@@ -589,14 +620,20 @@ static void current_place(int32_t *dev) {
 API aclError aclrtSetDevice(int32_t deviceId) {
     REAL(F_SET_DEVICE, aclError(*)(int32_t));
     aclError rc = fn(deviceId);
-    if (rc == ACL_SUCCESS) remember_ctx(deviceId);
+    if (rc == ACL_SUCCESS) {
+        record_opened();
+        remember_ctx(deviceId);
+    }
     return rc;
 }
 
 API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
     REAL(F_CREATE_CTX, aclError(*)(void **, int32_t));
     aclError rc = fn(ctx, deviceId);
-    if (rc == ACL_SUCCESS) remember_ctx(deviceId);
+    if (rc == ACL_SUCCESS) {
+        record_opened();
+        remember_ctx(deviceId);
+    }
     return rc;
 }
 
@@ -604,6 +641,7 @@ API aclError aclrtSetCurrentContext(void *ctx) {
     REAL(F_SET_CTX, aclError(*)(void *));
     aclError rc = fn(ctx);
     if (rc == ACL_SUCCESS && !t_agent) {
+        record_opened();
         int32_t dev;
         current_place(&dev);
         if (dev >= 0 && dev < MAX_DEVS) {

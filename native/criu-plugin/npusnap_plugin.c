@@ -37,6 +37,7 @@
 #define _GNU_SOURCE
 #include "agent_int.h"
 #include "npusnap/timeutil.h"
+#include "agentrecord.h"
 #include "sha256.h"
 
 #pragma GCC visibility push(default)
@@ -129,6 +130,10 @@ static struct {
     int inventory_added;
     int ntasks;
     task tasks[MAX_TASKS];
+    /* Processes left to CRIU at PAUSE_DEVICES because they never opened a device, though
+     * their agent could not be asked; CHECKPOINT_DEVICES checks again once they are frozen. */
+    int nidle;
+    int idle[MAX_TASKS][2]; /* pid, ns pid */
     double lease_s;
     int require_agent;
     char device_memory[16]; /* "" (the agent's default) or one of the contract's device-memory modes */
@@ -772,6 +777,19 @@ static void job_abort(const char *reason) {
     sb_free(&b);
 }
 
+/* A process whose agent cannot be asked (stopped, or a copy made without fork handlers) and
+ * that never opened a device has nothing to lock: CRIU dumps it as any other, and
+ * checkpoint_devices checks again once it is frozen. 1 when it is left to CRIU. */
+static int leave_idle(int pid, int nspid, const char *why) {
+    if (P.nidle >= MAX_TASKS || !npusnap_never_opened_a_device(pid, nspid)) return 0;
+    P.idle[P.nidle][0] = pid;
+    P.idle[P.nidle][1] = nspid;
+    P.nidle++;
+    LOGI("pid %d %s and never opened an NPU device (its agent's record, /proc): the plugin leaves it to CRIU\n",
+         pid, why);
+    return 1;
+}
+
 static int pause_devices(int pid) {
     if (P.disabled || P.stage != CR_PLUGIN_STAGE__DUMP) return -ENOTSUP;
     if (!J.checked) {
@@ -801,6 +819,7 @@ static int pause_devices(int pid) {
     char pst = proc_state(pid);
     if (pst == 'T' || pst == 't') {
         char cands[1][256];
+        if (pst == 'T' && leave_idle(pid, nspid, "is stopped")) return -ENOTSUP;
         if (agent_sockets(pid, nspid, cands, 1) > 0) {
             FAIL(EX_TARGET, "pid %d is stopped (SIGSTOP, Ctrl-Z or a debugger): its agent cannot lock or back up "
                             "the device; continue it (kill -CONT %d) and checkpoint again", pid, pid);
@@ -817,6 +836,7 @@ static int pause_devices(int pid) {
         rc = find_and_connect(pid, nspid, sock, sizeof sock, &c, err, sizeof err);
         if (rc == 1) {
             char lib[512];
+            if (leave_idle(pid, nspid, "has no agent of its own")) return -ENOTSUP;
             if (maps_cann(pid, lib, sizeof lib)) {
                 if (P.require_agent) {
                     FAIL(EX_TARGET,
@@ -968,6 +988,15 @@ static int checkpoint_devices(int pid) {
         }
         J.locked = 1;
         LOGI("job member %d: every member locked (waited %.3fs)\n", J.member, now_s() - t0);
+    }
+    for (int i = 0; i < P.nidle; i++) {
+        if (P.idle[i][0] != pid) continue;
+        if (!npusnap_never_opened_a_device(pid, P.idle[i][1])) {
+            FAIL(EX_TARGET, "pid %d opened an NPU device while the checkpoint ran (it was stopped, or had no agent of "
+                            "its own, and had opened none when it began); checkpoint again", pid);
+            return -1;
+        }
+        return -ENOTSUP;
     }
     if (!task_of(pid)) return -ENOTSUP;
     return 0; /* backed up at PAUSE_DEVICES, while the agent could still answer */

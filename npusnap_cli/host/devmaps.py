@@ -17,16 +17,16 @@ find other processes using the NPU before a restore (pipelines/restore.py).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional
 
-# Paths of device-memory mappings in /proc/PID/maps: the real driver's devices, and the simulated
-# NPU's memfds (its stand-in for them).
-DEVICE_MAPPING = re.compile(r"^(/dev/(svm\d*|devmm_svm|davinci[_a-z0-9]*)|/memfd:npusim-dev)")
-# Device files a process using the NPU holds open (the driver opens these; /dev/davinciN is only
-# stat()-ed).
-DEVICE_FILE = re.compile(r"^/dev/(svm\d*|devmm_svm|davinci[_a-z0-9]*|hisi_hdc|npu_device_cust)$")
+from npusnap_cli import contract
+
+# Paths of device-memory mappings in /proc/PID/maps (the real driver's devices, and the simulated
+# NPU's memfds: its stand-in for them), and of the device files a process using the NPU holds
+# open (the driver opens these; /dev/davinciN is only stat()-ed). The CRIU plugin reads the same.
+DEVICE_MAPPING_PREFIXES = contract.DEVICE_MAPPING_PREFIXES
+DEVICE_FILE_PREFIXES = contract.DEVICE_FILE_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def device_memory(pid: int) -> Optional[DeviceMemory]:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 parts = line.split(None, 5)
-                if len(parts) < 6 or not DEVICE_MAPPING.match(parts[5].strip()):
+                if len(parts) < 6 or not parts[5].strip().startswith(DEVICE_MAPPING_PREFIXES):
                     continue
                 lo, _, hi = parts[0].partition("-")
                 count += 1
@@ -67,18 +67,24 @@ def npu_users(exclude: frozenset[int] = frozenset()) -> list[int]:
         if pid in exclude or pid == os.getpid():
             continue
         dm = device_memory(pid)
-        if dm is not None and dm.present:
+        if (dm is not None and dm.present) or device_files(pid):
             out.append(pid)
-            continue
+    return sorted(out)
+
+
+def device_files(pid: int) -> Optional[list[str]]:
+    """The NPU device files ``pid`` has open (sorted, each once), or None if its descriptors
+    cannot be read."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    found = set()
+    for fd in fds:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        for fd in fds:
-            try:
-                if DEVICE_FILE.match(os.readlink(f"/proc/{pid}/fd/{fd}")):
-                    out.append(pid)
-                    break
-            except OSError:
-                continue
-    return sorted(out)
+        if target.startswith(DEVICE_FILE_PREFIXES):
+            found.add(target)
+    return sorted(found)

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 from npusnap_cli import criu
 from npusnap_cli import image as img
@@ -209,11 +209,14 @@ class LazyPhase:
             if self.checksums.error is not None:
                 self._bad_pages(self.checksums.error)
 
-    def release(self) -> None:
-        """Let the stopped tree run (SIGCONT), unless it was killed meanwhile."""
+    def release(self, stays_stopped: AbstractSet[int] = frozenset()) -> None:
+        """Let the stopped tree run (SIGCONT), unless it was killed meanwhile; those stopped when
+        they were dumped stay stopped."""
         with self._lock:
             if self.killed is None:
                 for pid in self.pids:
+                    if pid in stays_stopped:
+                        continue
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
                 self.released_at = time.monotonic()

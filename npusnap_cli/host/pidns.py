@@ -35,19 +35,8 @@ from typing import Any, Optional
 from npusnap_cli import criuimages, paths
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
+from npusnap_cli.host.procfs import ns_pids
 from npusnap_cli.sim.daemon import dev_dir
-
-
-def ns_pids(pid: int) -> list[int]:
-    """``NSpid`` of ``pid``: its pid in each pid namespace it is in, outermost (ours) first."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
-    except (OSError, ValueError):
-        pass
-    return []
 
 
 def _ns(pid: int | str) -> str:

@@ -81,6 +81,18 @@ def is_alive(pid: int) -> bool:
     return state(pid) not in (None, "?", "Z", "X")
 
 
+def ns_pids(pid: int) -> list[int]:
+    """``NSpid`` of ``pid``: its pid in each pid namespace it is in, outermost (ours) first."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
 def stop_state(pid: int) -> Optional[tuple[str, int]]:
     """(state letter, tracer pid) if ``pid`` is stopped or traced ('T'/'t'), else None."""
     st = state(pid)

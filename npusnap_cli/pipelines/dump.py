@@ -60,6 +60,7 @@ from npusnap_cli.errors import (
     TargetError,
 )
 from npusnap_cli.host import (
+    agentrecord,
     criuplugin,
     devmaps,
     hostclean,
@@ -183,6 +184,48 @@ class _Target:
     npu_pids: tuple[int, ...]
     attached: tuple[int, ...] = ()
     attach_stopped_s: tuple[tuple[int, float], ...] = ()
+    # Processes with the CANN runtime loaded that npusnap cannot ask (stopped, or their agent's
+    # socket closed) and that never opened a device (host/agentrecord.py): CRIU dumps them as
+    # any other process; they are not NPU processes of the image.
+    idle: tuple[int, ...] = ()
+    # Processes stopped by a signal before the dump (not traced): CRIU keeps them stopped, and
+    # a rollback must not resume them either.
+    stopped: tuple[int, ...] = ()
+
+
+def _signal_stopped(tree: list[ProcInfo]) -> tuple[int, ...]:
+    out = []
+    for p in tree:
+        st = procfs.stop_state(p.pid)
+        if st is not None and st[1] == 0:
+            out.append(p.pid)
+    return tuple(out)
+
+
+def _unreachable_and_idle(tree: list[ProcInfo]) -> tuple[int, ...]:
+    """The processes of ``tree`` with the runtime loaded whose agent cannot answer -- stopped by a
+    signal (not traced: a tracer is a checkpoint in progress, refused by the "stopped" check),
+    with the agent loaded and not listening, or holding only another process's agent socket (a
+    copy made by clone() without fork handlers) -- and that never opened a device."""
+    out = []
+    for p in tree:
+        if not p.uses_npu:
+            continue
+        stopped = procfs.stop_state(p.pid)
+        unreachable = (
+            (stopped is not None and stopped[1] == 0)
+            or (not p.has_agent and _agent_loaded(p.pid))
+            or (p.has_agent and not _named_after(p.agent_socket, p.pid))
+        )
+        if unreachable and agentrecord.never_opened_a_device(p.pid):
+            out.append(p.pid)
+    return tuple(out)
+
+
+def _named_after(socket: Optional[str], pid: int) -> bool:
+    """The agent socket is named after ``pid`` (as this pid namespace, or its own, sees it)."""
+    names = {contract.AGENT_SOCKET_NAME.format(pid=n) for n in [pid, *procfs.ns_pids(pid)]}
+    return socket is not None and Path(socket).name in names
 
 
 def resolve_target(pid: int, *, attach: bool) -> _Target:
@@ -192,7 +235,8 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     or when one lacks an agent and ``attach`` is false.
     """
     tree = proctree.process_tree(pid)  # TargetError when pid does not exist
-    npu = [p for p in tree if p.uses_npu]
+    idle = _unreachable_and_idle(tree)
+    npu = [p for p in tree if p.uses_npu and p.pid not in idle]
     if not npu:
         with_agent = [p.pid for p in tree if p.has_agent]
         raise TargetError(
@@ -224,7 +268,8 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     while [m for m in missing if _agent_loaded(m)] and time.monotonic() < deadline:
         time.sleep(0.05)
         tree = proctree.process_tree(pid)
-        npu = [p for p in tree if p.uses_npu]
+        idle = _unreachable_and_idle(tree)
+        npu = [p for p in tree if p.uses_npu and p.pid not in idle]
         missing = [p.pid for p in npu if not p.has_agent]
     for m in missing:
         if _agent_loaded(m):
@@ -247,7 +292,13 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
             fix=" ; ".join(f"npusnap attach {m}" for m in missing) + " (or drop --no-attach)",
             details={"without_agent": missing},
         )
-    return _Target(root_pid=pid, tree=tuple(tree), npu_pids=tuple(p.pid for p in npu))
+    return _Target(
+        root_pid=pid,
+        tree=tuple(tree),
+        npu_pids=tuple(p.pid for p in npu),
+        idle=idle,
+        stopped=_signal_stopped(tree),
+    )
 
 
 # How long a loaded agent may take to listen before the dump says it does not.
@@ -265,7 +316,7 @@ def _agent_loaded(pid: int) -> bool:
 
 def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
     """Inject an agent into every NPU process of ``target`` that has none; the refreshed target."""
-    missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent]
+    missing = [p.pid for p in target.tree if p.uses_npu and not p.has_agent and p.pid not in target.idle]
     if not missing:
         return target
     stopped: list[tuple[int, float]] = []
@@ -275,7 +326,7 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         if result.stopped_s is not None:
             stopped.append((m, result.stopped_s))
     tree = proctree.process_tree(target.root_pid)
-    npu = [p for p in tree if p.uses_npu]
+    npu = [p for p in tree if p.uses_npu and p.pid not in target.idle]
     still = [p.pid for p in npu if not p.has_agent]
     if still:
         raise TargetError(
@@ -289,6 +340,8 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         npu_pids=tuple(p.pid for p in npu),
         attached=tuple(missing),
         attach_stopped_s=tuple(stopped),
+        idle=target.idle,
+        stopped=target.stopped,
     )
 
 
@@ -1056,7 +1109,8 @@ def _attach(s: DumpState) -> None:
 
 
 def _without_agent(s: DumpState) -> tuple[int, ...]:
-    return tuple(p.pid for p in s.target.tree if p.uses_npu and not p.has_agent)
+    t = s.target
+    return tuple(p.pid for p in t.tree if p.uses_npu and not p.has_agent and p.pid not in t.idle)
 
 
 # -- the work directory and the agents ----------------------------------------------------------
@@ -1065,7 +1119,9 @@ def _without_agent(s: DumpState) -> tuple[int, ...]:
 def _work_area(s: DumpState) -> None:
     # CRIU will leave the tree stopped until it is published and killed; should this process
     # die in between, the guard resumes it (and the leases roll the devices back).
-    s.stop_guard = StopGuard([] if s.options.leave_running else [p.pid for p in s.target.tree])
+    s.stop_guard = StopGuard(
+        [] if s.options.leave_running else [p.pid for p in s.target.tree if p.pid not in s.target.stopped]
+    )
     try:
         s.tmp = img.create_temp_image(s.final)
     except OSError as exc:
@@ -1451,9 +1507,26 @@ def _criu_dump(s: DumpState) -> None:
         lease.check("before CRIU froze the tree")
         _check_plugin_marks(s, tmp)
         _match_dumped_tree(s)
+        _check_still_idle(s)
     except BaseException:
         hasher.stop()
         raise
+
+
+def _check_still_idle(s: DumpState) -> None:
+    """The processes dumped without their agent (stopped, or not listening) still never opened a
+    device now that CRIU has them: one resumed and opened one meanwhile would be restored with
+    device state nothing saved."""
+    alive = [p for p in s.target.idle if os.path.exists(f"/proc/{p}")]
+    opened = [p for p in alive if not agentrecord.never_opened_a_device(p)]
+    if opened:
+        raise TargetError(
+            f"pid(s) {opened} opened an NPU device while the dump ran; nothing was kept",
+            why="they were stopped (or their agent did not listen) and had never opened a device when "
+            "the dump began, so their agents were not asked; one ran meanwhile and opened one",
+            fix="dump again (the job runs on)",
+            details={"opened": opened},
+        )
 
 
 def _match_dumped_tree(s: DumpState) -> None:
@@ -1476,7 +1549,7 @@ def _match_dumped_tree(s: DumpState) -> None:
     ns = pidns.namespace_pids(root, [p.pid for p in tree])
     now = ids(tree, ns)
     kept = tuple(p for i, p in now.items() if i in dumped)  # in the tree's order
-    new_npu = [p.pid for p in kept if p.uses_npu and p.pid not in s.target.npu_pids]
+    new_npu = [p.pid for p in kept if p.uses_npu and p.pid not in s.target.npu_pids + s.target.idle]
     missing = sorted(dumped - set(now))
     if missing or new_npu:
         changes = [f"pid(s) {missing} that CRIU dumped exited"] if missing else []
@@ -1502,8 +1575,8 @@ def _resume(s: DumpState, err: BaseException) -> None:
         # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
         for problem in tcpunlock.release(s.stopped_pids, s.options.criu.network_lock):
             s.cb.note(f"rollback: {problem}")
-    if s.stopped_pids:
-        proctree.signal_tree(s.stopped_pids, signal.SIGCONT)
+    if s.stopped_pids:  # not those stopped before the dump: CRIU kept them stopped
+        proctree.signal_tree([p for p in s.stopped_pids if p not in s.target.stopped], signal.SIGCONT)
     hostres.drop_remaps(s.host_files)
 
 
@@ -1801,17 +1874,20 @@ def _manifest(s: DumpState) -> img.Manifest:
         if p.pid in npu:
             devices = _devices(s, p.pid)
             nbytes = agent_device_bytes(s.hello.get(p.pid) or {})
+        socket = p.agent_socket
+        if p.pid in s.target.idle and not _named_after(socket, p.pid):
+            socket = None  # its parent's, held by a copy that ran no fork handler (yet)
         processes.append(
             img.ProcessEntry(
                 pid=p.pid,
                 ppid=p.ppid,
                 cmdline=tuple(p.cmdline),
                 uid=p.uid if p.uid is not None else -1,
-                agent=p.has_agent,
+                agent=socket is not None,
                 npu=p.pid in npu,
                 devices=tuple(sorted(set(devices))),
                 device_bytes=nbytes,
-                agent_socket=p.agent_socket,
+                agent_socket=socket,
                 lock_token=s.lock_tokens.get(p.pid),
                 visible_devices=_visible_devices(s.hello.get(p.pid)),
                 zombie=p.zombie,

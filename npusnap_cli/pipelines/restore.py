@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, criu, safefs
+from npusnap_cli import acl, contract, criu, criuimages, safefs
 from npusnap_cli import image as img
 from npusnap_cli.device import hcclrebuild, occupancy
 from npusnap_cli.device.agent_client import AgentClient
@@ -823,6 +823,19 @@ def _verify(st: RestoreState) -> None:
             )
     elif o.verify:
         st.checksums = Checksums(st.image, advance)
+    if st.checksums is not None and not o.lazy and _stopped_by_other_signals(st):
+        # CRIU's --leave-stopped stops every task with SIGSTOP at the end, and a task that was
+        # stopped by another signal (a shell's ^Z: SIGTSTP) would then report SIGSTOP to its
+        # parent: verify first, and let CRIU restore each task's own stop.
+        error = st.checksums.join()
+        st.checksums = None
+        if error is not None:
+            raise error
+
+
+def _stopped_by_other_signals(st: RestoreState) -> bool:
+    signals = criuimages.stopped(img.criu_dir(st.image)).values()
+    return any(sig not in (0, signal.SIGSTOP) for sig in signals)
 
 
 def _preflight(st: RestoreState) -> None:
@@ -990,13 +1003,15 @@ def _release(st: RestoreState) -> None:
     """A --pid-ns copy's host pids; then the stopped tree runs once verified."""
     root_pid = st.restored.pid
     try:
+        stopped = _stopped_in_image(st) if _stays_stopped(st) else set()
         if st.manifest.pid_ns:  # from here on, the restored copy's host pids
             st.manifest, moved = pidns.translate(st.manifest, root_pid)
             st.device_memory_files = {moved.get(k, k): v for k, v in st.device_memory_files.items()}
+            stopped = {moved.get(p, p) for p in stopped}
         if st.lazy is not None:
             st.lazy.criu_log = st.restored.log_path
             st.lazy.guard()
-            st.lazy.release()
+            st.lazy.release(stays_stopped=stopped)
             st.cb.note(
                 f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid "
                 f"{st.lazy.daemon.pid}, log {st.lazy.daemon.log_path}) pages in the rest of its memory"
@@ -1004,7 +1019,7 @@ def _release(st: RestoreState) -> None:
                 + "; npusnap watches until every page is in"
             )
         elif st.checksums is not None:
-            _release_when_verified(st.manifest, st.checksums, st.cb)
+            _release_when_verified(st.manifest, st.checksums, st.cb, stopped)
     finally:
         _finish_stop_guard(st)  # released (or killed unverified): nothing left stopped
     st.released = time.monotonic()
@@ -1246,13 +1261,28 @@ def _device_files_verified(
     return wait
 
 
-def _release_when_verified(manifest: img.Manifest, checksums: Checksums, cb: RestoreCallbacks) -> None:
-    """CRIU left the tree stopped: let it run if every checksum matched, else kill it unrun."""
+def _stopped_in_image(st: RestoreState) -> set[int]:
+    """The manifest's pids of the processes that were stopped when dumped (CRIU restores them
+    stopped): releasing the tree must leave them so."""
+    ids = set(criuimages.stopped(img.criu_dir(st.image)))
+    if not st.manifest.pid_ns:
+        return ids
+    host = {ns: int(h) for h, ns in st.manifest.pid_ns.items()}
+    return {host[i] for i in ids if i in host}
+
+
+def _release_when_verified(
+    manifest: img.Manifest, checksums: Checksums, cb: RestoreCallbacks, stays_stopped: set[int]
+) -> None:
+    """CRIU left the tree stopped: let it run if every checksum matched, else kill it unrun. A
+    process stopped when it was dumped stays stopped, as CRIU restores it."""
     cb.phase("checksums")
     error = checksums.join()
     pids = [p.pid for p in manifest.processes]
     sig = signal.SIGKILL if error is not None else signal.SIGCONT
     for pid in pids:
+        if sig == signal.SIGCONT and pid in stays_stopped:
+            continue
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
     if error is not None:
@@ -1270,6 +1300,9 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
     for p in manifest.processes:
         if p.npu or not p.agent:
             continue
+        stop = procfs.stop_state(p.pid)
+        if stop is not None and stop[1] == 0:
+            continue  # restored stopped, as dumped: it runs no agent code (and was locked by no dump)
         try:
             with AgentClient(p.pid, connect_retry_s=1.0) as client:
                 state = client.status().get("state")

@@ -6,7 +6,12 @@
  * or a step shows in the output.
  *
  *   npu_stepper [--steps N] [--interval-ms MS] [--device D] [--libs DIR] [--threads T]
+ *               [--stopped-child 1]
  *   (steps 0 = forever)
+ *
+ * --stopped-child 1 forks a child once the device is set up and stops it (SIGSTOP), as a shell
+ * stops a job: the child never opens a device (a forked child owns none), prints "child
+ * continued" should anyone resume it, and is killed after the last step.
  *
  * --libs DIR dlopens every libjx*.so in DIR and --threads T starts T threads that wait on a
  * condition variable for ever: with npusnap_cli/workloads/jaxsize.py's libraries this is a
@@ -15,11 +20,13 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 typedef int aclError;
@@ -54,6 +61,31 @@ static void *idle_worker(void *arg) {
     return NULL;
 }
 
+static void on_cont(int sig) {
+    (void)sig;
+    static const char msg[] = "child continued\n";
+    if (write(1, msg, sizeof msg - 1) < 0) _exit(3);
+}
+
+static pid_t stopped_child(void) {
+    pid_t child = fork();
+    if (child < 0) {
+        perror("fork");
+        exit(1);
+    }
+    if (child == 0) {
+        signal(SIGCONT, on_cont);
+        for (;;) pause();
+    }
+    int st = 0;
+    kill(child, SIGSTOP);
+    if (waitpid(child, &st, WUNTRACED) != child || !WIFSTOPPED(st)) {
+        fprintf(stderr, "the child did not stop\n");
+        exit(1);
+    }
+    return child;
+}
+
 static int load_libs(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) {
@@ -79,7 +111,7 @@ static int load_libs(const char *dir) {
 
 int main(int argc, char **argv) {
     long steps = 0, interval_ms = 20;
-    int device = 0, threads = 0, libs = 0;
+    int device = 0, threads = 0, libs = 0, with_child = 0;
     const char *libdir = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--steps")) steps = atol(argv[i + 1]);
@@ -87,6 +119,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--device")) device = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--libs")) libdir = argv[i + 1];
         else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--stopped-child")) with_child = atoi(argv[i + 1]);
     }
     if (libdir) libs = load_libs(libdir);
     for (int t = 0; t < threads; t++) {
@@ -109,6 +142,11 @@ int main(int argc, char **argv) {
     memset(host, 0, sizeof host);
     check(aclrtMemcpy(dev, N, host, N, H2D), "H2D");
     char line[128];
+    pid_t child = with_child ? stopped_child() : 0;
+    if (child) {
+        snprintf(line, sizeof line, "child stopped %d\n", (int)child);
+        say(line);
+    }
     snprintf(line, sizeof line, "ready %d\n", (int)getpid());
     say(line);
     for (long step = 0; steps == 0 || step < steps; step++) {
@@ -126,6 +164,10 @@ int main(int argc, char **argv) {
             while (nanosleep(&ts, &ts) != 0) {
             }
         }
+    }
+    if (child) {
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
     }
     return 0;
 }

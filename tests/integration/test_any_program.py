@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
+from npusnap_cli.host import procfs
 from tests.conftest import requires_root
 from tests.integration.agentlib import expected_checksums
 from tests.integration.dumplib import NPUSNAP, Job, agent_state, alive, cli, job_env, wait_until
@@ -266,3 +268,75 @@ def test_finalize_reaches_the_front_end_of_the_library_that_called_it(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["rc", "0"], out.stdout + out.stderr
+
+
+def _child_of(job: Job) -> int:
+    for line in job.text().splitlines():
+        if line.startswith("child stopped "):
+            return int(line.split()[2])
+    raise AssertionError(f"no stopped child in the output: {job.text()[-300:]}")
+
+
+def test_a_stopped_child_that_owns_no_device_is_dumped_and_restored_stopped(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A child stopped by SIGSTOP (as a shell stops a job) runs no agent code; it was forked after
+    the parent opened its device, so it owns none (its agent's record says so, and /proc agrees).
+    The dump leaves it out of the NPU processes and CRIU keeps it stopped: after a --leave-running
+    dump, and after a restore, it is still stopped and never ran (it would print "continued"),
+    while the parent's steps continue exactly."""
+    env = job_env(sim_env, runtime_dir)
+    job = Job(
+        tmp_path,
+        env,
+        [stepper, "--steps", "150", "--interval-ms", "30", "--device", "0", "--stopped-child", "1"],
+    )
+    img_running, img = tmp_path / "img-running", tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        child = _child_of(job)
+        assert procfs.state(child) == "T"
+        wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
+
+        rc, out, err = cli(env, "dump", str(job.pid), str(img_running), "--leave-running")
+        assert rc == 0, (out or {}).get("error") or err
+        assert out is not None and out["result"]["npu_pids"] == [job.pid]
+        assert procfs.state(child) == "T" and agent_state(job.pid) == "RUNNING"
+
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        assert not alive(child)
+        rc, out, err = cli(env, "restore", str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        wait_until(lambda: procfs.state(child) == "T", 10, "the restored child, stopped")
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert [s for s, _ in steps_of(job)] == list(range(150))
+        assert_continuous(job)
+        assert "child continued" not in job.text()
+    finally:
+        job.cleanup()
+
+
+def test_a_stopped_process_that_opened_a_device_is_refused_untouched(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """A stopped process that opened a device cannot be asked for its device state: the dump
+    refuses (exit 11) before anything is touched, and the process stays stopped."""
+    env = job_env(sim_env, runtime_dir)
+    job = Job(tmp_path, env, [stepper, "--steps", "0", "--interval-ms", "30", "--device", "1"])
+    try:
+        job.wait_lines(3)
+        wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
+        os.kill(job.pid, signal.SIGSTOP)
+        wait_until(lambda: procfs.state(job.pid) == "T", 10, "the job, stopped")
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"))
+        assert rc == 11, (out or {}).get("error") or err
+        assert procfs.state(job.pid) == "T" and not (tmp_path / "img" / "npusnap.json").exists()
+        os.kill(job.pid, signal.SIGCONT)
+        n = len(job.lines())
+        job.wait_lines(n + 3)
+        assert agent_state(job.pid) == "RUNNING"
+    finally:
+        job.cleanup()

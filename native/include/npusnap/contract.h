@@ -147,6 +147,14 @@ static inline int npusnap_devmem_mode_valid(const char *mode) {
 #define NPUSNAP_DEVMEM_FILE_PATTERN "devmem-%d.bin"
 #define NPUSNAP_DEVMEM_PIECE_BYTES 1048576ull
 
+/* The agent's device record, read from outside through /proc/PID/mem. */
+#define NPUSNAP_AGENT_RECORD_SYMBOL npusnap_agent_record
+#define NPUSNAP_AGENT_RECORD_MAGIC "NPUSNAP-AGREC1"
+
+/* What /proc shows of NPU device state: path prefixes of device mappings and device files. */
+#define NPUSNAP_DEVICE_MAPPING_PREFIXES "/dev/svm", "/dev/devmm_svm", "/dev/davinci", "/memfd:npusim-dev"
+#define NPUSNAP_DEVICE_FILE_PREFIXES "/dev/svm", "/dev/devmm_svm", "/dev/davinci", "/dev/hisi_hdc", "/dev/npu_device_cust"
+
 /* Agent control sockets: printf patterns (%u: uid, %d: pid). */
 #define NPUSNAP_AGENT_SOCKET_ENV_DIR "NPUSNAP_RUNTIME_DIR"
 #define NPUSNAP_AGENT_SOCKET_ROOT_DIR "/run/npusnap"
@@ -369,6 +377,19 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, size) == 8, "n
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, dev) == 16, "npusnap_devmem_file_record.dev offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_devmem_file_record, kind) == 20, "npusnap_devmem_file_record.kind offset");
 
+/* The agent's device record (exported as agent_record.symbol) (32 bytes) */
+struct npusnap_agent_record {
+    char magic[16];
+    int32_t pid; /* the process the record describes (getpid() at load or in a forked child) */
+    uint32_t opened; /* successful device-opening calls (set device, contexts, allocations) since then; never decremented */
+    uint64_t reserved;
+};
+NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_agent_record) == 32, "npusnap_agent_record size");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, magic) == 0, "npusnap_agent_record.magic offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, pid) == 16, "npusnap_agent_record.pid offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, opened) == 20, "npusnap_agent_record.opened offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, reserved) == 24, "npusnap_agent_record.reserved offset");
+
 /* A request to the simulator's daemon (32 bytes, packed) */
 #pragma pack(push, 1)
 struct npusim_req {
@@ -439,6 +460,11 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     F(npusnap_devmem_file_record, size) \
     F(npusnap_devmem_file_record, dev) \
     F(npusnap_devmem_file_record, kind) \
+    S(npusnap_agent_record) \
+    F(npusnap_agent_record, magic) \
+    F(npusnap_agent_record, pid) \
+    F(npusnap_agent_record, opened) \
+    F(npusnap_agent_record, reserved) \
     S(npusim_req) \
     F(npusim_req, op) \
     F(npusim_req, dev) \
