@@ -939,7 +939,13 @@ def _c_signing_key(s: DumpState) -> str:
 def _c_target(s: DumpState) -> str:
     s.found = resolve_target(s.pid, attach=s.options.attach)
     t = s.target
-    return f"{len(t.tree)} process(es), {len(t.npu_pids)} on the NPU: {', '.join(map(str, t.npu_pids))}"
+    idle = (
+        f"; without device state though their agent cannot answer (stopped, or no agent of their own): "
+        f"{', '.join(map(str, t.idle))}"
+        if t.idle
+        else ""
+    )
+    return f"{len(t.tree)} process(es), {len(t.npu_pids)} on the NPU: {', '.join(map(str, t.npu_pids))}{idle}"
 
 
 def _c_users(s: DumpState) -> str:
