@@ -370,9 +370,9 @@ class DevmemFileRecord(ctypes.Structure):
 
 
 # The agent's device record (exported as agent_record.symbol) (C: struct npusnap_agent_record)
-AGENT_RECORD = struct.Struct("<16siIQ")
+AGENT_RECORD = struct.Struct("<16siIII")
 AGENT_RECORD_SIZE = 32
-AGENT_RECORD_OFFSETS: Dict[str, int] = {"magic": 0, "pid": 16, "opened": 20, "reserved": 24}
+AGENT_RECORD_OFFSETS: Dict[str, int] = {"magic": 0, "pid": 16, "opened": 20, "tracking": 24, "reserved": 28}
 
 
 class AgentRecord(ctypes.Structure):
@@ -382,7 +382,8 @@ class AgentRecord(ctypes.Structure):
         ("magic", ctypes.c_char * 16),
         ("pid", ctypes.c_int32),
         ("opened", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint64),
+        ("tracking", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 

@@ -166,6 +166,10 @@ void ops_event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* ---- core.c ------------------------------------------------------------------------------ */
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* into the log file */
+/* A device-opening call of the job succeeded: a forked child's agent starts now (core.c). */
+void agent_device_opened(void);
+/* 1 when the agent was preloaded: the job's device calls pass its wrappers (devmem.c). */
+int npusnap_devmem_preloaded(void);
 const char *agent_log_path(void); /* that file, or NULL */
 const char *agent_socket(void);
 /* The identity of the listening socket (its inode): a CRIU restore makes a new one. 0: none. */

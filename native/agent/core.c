@@ -43,6 +43,12 @@
 #define DEFAULT_HOOK_TIMEOUT 10.0
 
 static pthread_mutex_t start_mu = PTHREAD_MUTEX_INITIALIZER;
+/* A forked child under NPUSNAP_AGENT=1 starts its agent when it first opens a device: a copy
+ * owns no device (CANN does not survive fork), so until then there is nothing to snapshot, and
+ * a thread of ours would change what the program sees (a seccomp filter synchronised over every
+ * thread, a fork-and-exit helper kept alive, the threads a test counts). npusnap reads such a
+ * child's device record instead (devmem.c). */
+static int start_on_device_open;
 
 static struct {
     int started;
@@ -878,7 +884,19 @@ static void after_fork_child(void) {
     A.partial_since = 0;
     log_setup(); /* the default file is named after our own pid */
     const char *sw = getenv("NPUSNAP_AGENT");
-    if (sw && strcmp(sw, "1") == 0) npusnap_agent_start();
+    if (!sw || strcmp(sw, "1") != 0) return;
+    /* Only a preloaded agent sees the child's device calls; one loaded later starts now. */
+    if (npusnap_devmem_preloaded())
+        __atomic_store_n(&start_on_device_open, 1, __ATOMIC_RELAXED);
+    else
+        npusnap_agent_start();
+}
+
+/* devmem.c, after a device-opening call of the job succeeded. */
+void agent_device_opened(void) {
+    if (!__atomic_load_n(&start_on_device_open, __ATOMIC_RELAXED)) return;
+    __atomic_store_n(&start_on_device_open, 0, __ATOMIC_RELAXED);
+    npusnap_agent_start();
 }
 
 /* `npusnap attach` of a native process loads a private copy of this library next to a marker

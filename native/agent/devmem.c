@@ -30,6 +30,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <link.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -49,6 +50,7 @@
 #include "realsym.h"
 
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
+void agent_device_opened(void);                                             /* core.c */
 void npusnap_devmem_before_write(uintptr_t p, size_t n); /* the concurrent copy, below */
 void npusnap_devmem_write_open(void);
 void npusnap_devmem_write_close(void);
@@ -228,6 +230,30 @@ static void record_start(void) {
     __atomic_store_n(&NPUSNAP_AGENT_RECORD_SYMBOL.pid, (int32_t)getpid(), __ATOMIC_RELEASE);
 }
 
+/* The wrappers see the job's calls only when this library was preloaded: loaded before libc,
+ * its definitions come first in the global scope. One loaded later (attach, a Python start()
+ * without LD_PRELOAD) counts nothing, and its record says so. */
+static int seen_libc;
+static int before_libc(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    const char *name = info->dlpi_name ? info->dlpi_name : "";
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (!strncmp(base, "libc.so", 7) || !strncmp(base, "libc-", 5)) seen_libc = 1;
+    if (info->dlpi_addr == (ElfW(Addr))data) return seen_libc ? 2 : 1;
+    return 0;
+}
+
+static int loaded_before_libc(void) {
+    Dl_info self;
+    if (!dladdr((void *)loaded_before_libc, &self) || !self.dli_fbase) return 0;
+    /* dlpi_addr is the load bias: the base of a shared object linked at 0 */
+    seen_libc = 0;
+    return dl_iterate_phdr(before_libc, self.dli_fbase) == 1;
+}
+
+int npusnap_devmem_preloaded(void) { return (int)NPUSNAP_AGENT_RECORD_SYMBOL.tracking; }
+
 static void record_opened(void) {
     pthread_mutex_lock(&g_record_mu);
     if (NPUSNAP_AGENT_RECORD_SYMBOL.pid != (int32_t)getpid()) record_start();
@@ -260,6 +286,7 @@ static void atfork_child(void) {
 
 __attribute__((constructor)) static void devmem_init(void) {
     record_start();
+    NPUSNAP_AGENT_RECORD_SYMBOL.tracking = (uint32_t)loaded_before_libc();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -623,6 +650,7 @@ API aclError aclrtSetDevice(int32_t deviceId) {
     if (rc == ACL_SUCCESS) {
         record_opened();
         remember_ctx(deviceId);
+        agent_device_opened();
     }
     return rc;
 }
@@ -633,6 +661,7 @@ API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
     if (rc == ACL_SUCCESS) {
         record_opened();
         remember_ctx(deviceId);
+        agent_device_opened();
     }
     return rc;
 }
@@ -650,6 +679,7 @@ API aclError aclrtSetCurrentContext(void *ctx) {
             if (!g_dev_ctx[dev]) g_dev_ctx[dev] = ctx;
             pthread_mutex_unlock(&g_mu);
         }
+        agent_device_opened();
     }
     return rc;
 }

@@ -150,6 +150,7 @@ int npusnap_never_opened_a_device(int pid, int nspid) {
     ssize_t n = pread(fd, &rec, sizeof rec, (off_t)(start + (unsigned long)off));
     close(fd);
     if (n != (ssize_t)sizeof rec || strncmp(rec.magic, NPUSNAP_AGENT_RECORD_MAGIC, sizeof rec.magic)) return 0;
+    if (!rec.tracking) return 0; /* not preloaded: its wrappers saw nothing of the process's calls */
     /* another pid's record: a copy that made no device-opening call since it was made */
     return rec.pid != nspid || rec.opened == 0;
 }

@@ -246,14 +246,13 @@ def exclude_buffer(dev_ptr: int, size: int) -> None:
 
 
 def _after_fork_in_child() -> None:
-    """The native core resets itself in a forked child (and restarts there under
-    ``NPUSNAP_AGENT=1``); Python's own locks may have been held by another thread at fork time."""
+    """The native core resets itself in a forked child (and, under ``NPUSNAP_AGENT=1``, starts
+    again there when the child first opens a device: native/agent/core.c); Python's own locks may
+    have been held by another thread at fork time."""
     global _lock
     try:
         _lock = threading.Lock()
         _hooks.reinit_after_fork()
-        if os.environ.get(ENV_SWITCH) == "1":
-            start()
     except Exception as exc:
         log(f"agent reset after fork failed: {exc}")
 

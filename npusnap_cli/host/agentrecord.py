@@ -10,7 +10,8 @@ reads it through /proc/PID/mem, as a debugger reads a stopped process, at the li
 address (/proc/PID/maps) plus the symbol's value (the library's own dynamic symbol table).
 
 The record is the process's own memory, so it is as trustworthy as the agent's spoken answer:
-it decides only about the process's own device state. npusnap acts on one answer only: "this
+it decides only about the process's own device state. Only a preloaded agent sees the process's
+device calls; the record says whether it was. npusnap acts on one answer only: "this
 process never opened a device" (its record counts none, or is still its parent's: a copy that
 opened nothing since), and only when /proc agrees (no device file open, no device memory
 mapped: host/devmaps.py).
@@ -34,6 +35,9 @@ class AgentRecord:
     # device-opening call since it was made (each such call claims the record first).
     pid: int
     opened: int  # device-opening calls since then (never decremented)
+    # The agent was preloaded, so the process's device calls pass its wrappers: without that
+    # (attached, or started from Python without LD_PRELOAD) ``opened`` counts nothing.
+    tracking: bool = True
 
 
 def _agent_mapping(pid: int) -> Optional[tuple[int, int, str]]:
@@ -92,10 +96,10 @@ def read(pid: int) -> Optional[AgentRecord]:
         os.close(fd)
     if len(raw) != contract.AGENT_RECORD_SIZE:
         return None
-    magic, rec_pid, opened, _ = contract.AGENT_RECORD.unpack(raw)
+    magic, rec_pid, opened, tracking, _ = contract.AGENT_RECORD.unpack(raw)
     if magic.rstrip(b"\0") != contract.AGENT_RECORD_MAGIC:
         return None
-    return AgentRecord(pid=rec_pid, opened=opened)
+    return AgentRecord(pid=rec_pid, opened=opened, tracking=bool(tracking))
 
 
 def never_opened_a_device(pid: int) -> bool:
@@ -104,7 +108,7 @@ def never_opened_a_device(pid: int) -> bool:
     open and no device memory mapped. Anything unreadable answers False."""
     rec = read(pid)
     inner = procfs.ns_pids(pid)  # getpid() in the process: its pid in its own pid namespace
-    if rec is None or not inner:
+    if rec is None or not inner or not rec.tracking:
         return False
     # Another pid's record: a copy (fork, clone) that made no device-opening call since, and so
     # owns no device, whatever its parent had opened (native/agent/devmem.c).

@@ -69,6 +69,9 @@ if os.environ.get("WL_FORK") == "1":
     pid = os.fork()
     if pid == 0:
         say("child", os.getpid())
+        if os.environ.get("WL_FORK_DEVICE") == "1":
+            check(lib.aclrtSetDevice(int(os.environ.get("WL_DEVICE", "0"))), "aclrtSetDevice in the child")
+            say("child-device", os.getpid())
         time.sleep(600)
         os._exit(0)
 say("ready", os.getpid(), sys.version_info[0], sys.version_info[1])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli.agent import native
 from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError, AgentOpError
 from npusnap_cli.errors import AgentError, BusyError
 from tests.conftest import requires_root
@@ -308,13 +309,31 @@ def _fd_targets(pid: int) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("child_agent", [False, True], ids=["plain-child", "NPUSNAP_AGENT=1-child"])
+@pytest.mark.parametrize(
+    ("child_agent", "preload", "child_device"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["plain-child", "python-started", "preloaded", "preloaded-child-opens-a-device"],
+)
 def test_forked_child_does_not_serve_the_parents_socket(
-    sim: Sim, runtime_dir: Path, tmp_path: Path, workloads: list[Workload], child_agent: bool
+    sim: Sim,
+    runtime_dir: Path,
+    tmp_path: Path,
+    workloads: list[Workload],
+    child_agent: bool,
+    preload: bool,
+    child_device: bool,
 ) -> None:
+    """A forked child never serves its parent's socket. Under NPUSNAP_AGENT=1 a preloaded agent
+    starts in the child when the child first opens a device (a copy owns none before: nothing to
+    snapshot, and no thread of ours in a child that never uses the NPU); an agent started from
+    Python without LD_PRELOAD sees no device calls, so it starts in the child at fork."""
     extra = {"WL_FORK": "1"}
     if child_agent:
         extra["NPUSNAP_AGENT"] = "1"
+    if preload:
+        extra["LD_PRELOAD"] = str(native.library_path(include_mapped=False))
+    if child_device:
+        extra["WL_FORK_DEVICE"] = "1"
     w = start_agent_workload(sim, runtime_dir, tmp_path, workloads, **extra)
     child = int(w.wait_for("child").split()[1])
     try:
@@ -325,13 +344,17 @@ def test_forked_child_does_not_serve_the_parents_socket(
         with AgentClient(w.pid) as c:
             assert c.hello()["pid"] == w.pid
         child_sock = runtime_dir / f"{child}.sock"
-        if child_agent:
+        if child_device or (child_agent and not preload):
+            if child_device:
+                w.wait_for("child-device")
             wait_socket(runtime_dir, child)
             with AgentClient(child) as c:
                 assert c.hello()["pid"] == child
         else:
             time.sleep(0.3)
             assert not child_sock.exists()
+            threads = os.listdir(f"/proc/{child}/task")
+            assert threads == [str(child)], f"threads in a child that never opened a device: {threads}"
     finally:
         kill_pid(child)
     assert alive(w.pid)

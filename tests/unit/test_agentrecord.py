@@ -31,7 +31,7 @@ def preloaded() -> subprocess.Popen[bytes]:
 
 def test_the_record_of_a_process_that_opened_nothing(preloaded: subprocess.Popen[bytes]) -> None:
     rec = agentrecord.read(preloaded.pid)
-    assert rec == agentrecord.AgentRecord(pid=preloaded.pid, opened=0)
+    assert rec == agentrecord.AgentRecord(pid=preloaded.pid, opened=0, tracking=True)
     assert agentrecord.never_opened_a_device(preloaded.pid)
     # Stopped, it is read all the same (nothing of it runs).
     os.kill(preloaded.pid, signal.SIGSTOP)
@@ -43,6 +43,22 @@ def test_the_record_of_a_process_that_opened_nothing(preloaded: subprocess.Popen
         assert agentrecord.never_opened_a_device(preloaded.pid)
     finally:
         os.kill(preloaded.pid, signal.SIGCONT)
+
+
+def test_an_agent_loaded_after_libc_says_it_counts_nothing() -> None:
+    """Loaded by dlopen (as attach and a Python start() without LD_PRELOAD load it), the agent's
+    wrappers see none of the process's calls: its record says so, and nothing is concluded."""
+    lib = native.library_path(include_mapped=False)
+    code = f"import ctypes, time; ctypes.CDLL({str(lib)!r}); print('up', flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"up"
+        rec = agentrecord.read(p.pid)
+        assert rec is not None and rec.pid == p.pid and not rec.tracking
+        assert not agentrecord.never_opened_a_device(p.pid)
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_no_record_without_the_agent() -> None:

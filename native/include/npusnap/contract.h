@@ -382,13 +382,15 @@ struct npusnap_agent_record {
     char magic[16];
     int32_t pid; /* the process the record describes (getpid() at load or in a forked child) */
     uint32_t opened; /* successful device-opening calls (set device, contexts, allocations) since then; never decremented */
-    uint64_t reserved;
+    uint32_t tracking; /* 1: the agent was preloaded, so the job's calls pass its wrappers and `opened` counts them */
+    uint32_t reserved;
 };
 NPUSNAP_STATIC_ASSERT(sizeof(struct npusnap_agent_record) == 32, "npusnap_agent_record size");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, magic) == 0, "npusnap_agent_record.magic offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, pid) == 16, "npusnap_agent_record.pid offset");
 NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, opened) == 20, "npusnap_agent_record.opened offset");
-NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, reserved) == 24, "npusnap_agent_record.reserved offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, tracking) == 24, "npusnap_agent_record.tracking offset");
+NPUSNAP_STATIC_ASSERT(offsetof(struct npusnap_agent_record, reserved) == 28, "npusnap_agent_record.reserved offset");
 
 /* A request to the simulator's daemon (32 bytes, packed) */
 #pragma pack(push, 1)
@@ -464,6 +466,7 @@ NPUSNAP_STATIC_ASSERT(offsetof(struct npusim_map, link_mbps) == 16, "npusim_map.
     F(npusnap_agent_record, magic) \
     F(npusnap_agent_record, pid) \
     F(npusnap_agent_record, opened) \
+    F(npusnap_agent_record, tracking) \
     F(npusnap_agent_record, reserved) \
     S(npusim_req) \
     F(npusim_req, op) \
