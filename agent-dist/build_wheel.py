@@ -4,8 +4,9 @@ Standard library only, any Python 3.9+, no network, no build backend: it writes 
 zip laid out as PEP 427 says) straight from this checkout. The wheel holds
 
 * ``npusnap_cli/__init__.py`` (the version), ``npusnap_cli/contract.py`` (the hook stages),
-  ``npusnap_cli/paths.py`` (where the agent log goes; standard library and contract only) and
-  ``npusnap_cli/agent/{__init__,hooks,native}.py``
+  ``npusnap_cli/paths.py`` (where the agent log goes; standard library, contract and procfs
+  only), ``npusnap_cli/host/{__init__,procfs}.py`` (one pid's /proc entries, standard library
+  only) and ``npusnap_cli/agent/{__init__,hooks,native}.py``
   (``start()``, ``register_hook()``, ...; standard library only, Python 3.9+);
 * ``npusnap_cli/agent/lib/libnpusnap_agent.so`` (the native core; build it first with
   ``make -C native`` or ``scripts/setup.sh``).
@@ -37,6 +38,8 @@ FILES = [
     "npusnap_cli/__init__.py",
     "npusnap_cli/contract.py",
     "npusnap_cli/paths.py",
+    "npusnap_cli/host/__init__.py",
+    "npusnap_cli/host/procfs.py",
     "npusnap_cli/agent/__init__.py",
     "npusnap_cli/agent/hooks.py",
     "npusnap_cli/agent/native.py",

@@ -223,7 +223,6 @@ static __thread int t_agent;           /* this thread copies for npusnap: its dr
  * record naming another pid means this process made no such call since it was copied, and owns
  * no device (a device context is the opening process's own; CANN does not survive fork). */
 API struct npusnap_agent_record NPUSNAP_AGENT_RECORD_SYMBOL = {.magic = NPUSNAP_AGENT_RECORD_MAGIC};
-static pthread_mutex_t g_record_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void record_start(void) {
     NPUSNAP_AGENT_RECORD_SYMBOL.opened = 0;
@@ -254,11 +253,15 @@ static int loaded_before_libc(void) {
 
 int npusnap_devmem_preloaded(void) { return (int)NPUSNAP_AGENT_RECORD_SYMBOL.tracking; }
 
+/* No lock: a copy made without fork handlers may hold one locked for ever. Every thread resets
+ * (if the record is another process's) before it counts, so the count ends at one or more. */
 static void record_opened(void) {
-    pthread_mutex_lock(&g_record_mu);
-    if (NPUSNAP_AGENT_RECORD_SYMBOL.pid != (int32_t)getpid()) record_start();
-    NPUSNAP_AGENT_RECORD_SYMBOL.opened++;
-    pthread_mutex_unlock(&g_record_mu);
+    int32_t me = (int32_t)getpid();
+    if (__atomic_load_n(&NPUSNAP_AGENT_RECORD_SYMBOL.pid, __ATOMIC_ACQUIRE) != me) {
+        __atomic_store_n(&NPUSNAP_AGENT_RECORD_SYMBOL.opened, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&NPUSNAP_AGENT_RECORD_SYMBOL.pid, me, __ATOMIC_RELEASE);
+    }
+    __atomic_fetch_add(&NPUSNAP_AGENT_RECORD_SYMBOL.opened, 1, __ATOMIC_RELAXED);
 }
 
 /* A forked child keeps only the forking thread: nothing of the job is in flight there, and it
@@ -267,7 +270,6 @@ static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 static void ws_after_fork(void);
 static void atfork_child(void) {
-    pthread_mutex_init(&g_record_mu, NULL); /* another thread may have held it at fork */
     record_start();
     ws_after_fork();
     g_copies_inflight = 0;

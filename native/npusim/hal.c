@@ -1076,9 +1076,14 @@ static void atfork_parent(void) {
 
 /* A forked child owns no device (as with the real driver, which does not survive fork): it must not
  * talk over the parent's connection or believe it holds the parent's memory. Its views of device
- * memory are MADV_DONTFORK: not there. */
+ * memory are MADV_DONTFORK: not there. The connection's descriptor stays open in it, unused, as the
+ * driver's /dev/davinci* descriptors do in a forked child: fork copies the descriptor table, and the
+ * driver's user library keeps the pid that opened a descriptor beside it and opens a new one in
+ * another process rather than closing the inherited one (CANN driver,
+ * src/ascend_hal/dpa/dp_proc_mng/dp_proc_mng.c: g_dp_proc_mng_fd, g_dp_proc_mng_pid). Closing it
+ * would free a number the program may expect to stay taken (CRIU's tty00 test opens a pty slave on
+ * the number of the master it just closed). */
 static void atfork_child(void) {
-    if (g_fd >= 0) close(g_fd);
     g_fd = -1;
     for (size_t i = 0; i < g_nregs; i++) {
         g_regs[i]->map = NULL;

@@ -67,12 +67,16 @@ def register(app: typer.Typer) -> None:
             else:
                 memory = "not seen"
                 untracked.append(entry["pid"])
+            # Runtime loaded but never a device opened, its agent unreachable: left to CRIU.
+            npu_text = "yes" if entry["uses_npu"] else "no"
+            if entry.get("without_device_state"):
+                npu_text = "no device"
             rows.append(
                 (
                     f"{entry['pid']} (ns {entry['ns_pid']})" if entry.get("ns_pid") else entry["pid"],
                     "  " * entry["depth"] + (" ".join(entry["cmdline"]) or entry["name"]),
                     agent,
-                    "yes" if entry["uses_npu"] else "no",
+                    npu_text,
                     devices_text,
                     memory,
                     st.get("state") or "-",

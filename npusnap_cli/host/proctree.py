@@ -16,11 +16,11 @@ from typing import Any, Optional
 
 import psutil
 
-from npusnap_cli import acl, paths
+from npusnap_cli import acl, contract, paths
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
-from npusnap_cli.host import procfs
+from npusnap_cli.host import agentrecord, procfs
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
 
@@ -198,22 +198,64 @@ def _require_readable(pid: int, tree: list[ProcInfo]) -> None:
 
 
 def npu_processes(tree: list[ProcInfo]) -> list[ProcInfo]:
-    """The processes of a tree that use the NPU (those a snapshot must lock)."""
-    return [p for p in tree if p.uses_npu]
+    """The processes of a tree that use the NPU (those a snapshot must lock): the CANN runtime
+    loaded or a device file open, less those that never opened a device and whose agent cannot
+    answer (:func:`without_device_state`)."""
+    idle = without_device_state(tree)
+    return [p for p in tree if p.uses_npu and p.pid not in idle]
+
+
+def agent_loaded(pid: int) -> bool:
+    """The native agent is mapped into ``pid`` (npusnap run, or an earlier attach)."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip().endswith("/" + contract.AGENT_LIBRARY) for line in f)
+    except OSError:
+        return False
+
+
+def named_after(socket: Optional[str], pid: int) -> bool:
+    """The agent socket is named after ``pid`` (as this pid namespace, or its own, sees it)."""
+    names = {contract.AGENT_SOCKET_NAME.format(pid=n) for n in [pid, *procfs.ns_pids(pid)]}
+    return socket is not None and os.path.basename(socket) in names
+
+
+def without_device_state(tree: list[ProcInfo]) -> tuple[int, ...]:
+    """The processes of ``tree`` with the runtime loaded whose agent cannot answer and that never
+    opened a device (host/agentrecord.py), which a snapshot leaves to CRIU: stopped by a signal
+    (not traced: a tracer is a checkpoint in progress), with the agent loaded and not listening
+    (a forked child before its first device call, a program that closed the agent's socket), or
+    holding only another process's agent socket (a copy made by clone() without fork handlers)."""
+    out = []
+    for p in tree:
+        if not p.uses_npu:
+            continue
+        stopped = procfs.stop_state(p.pid)
+        unreachable = (
+            (stopped is not None and stopped[1] == 0)
+            or (not p.has_agent and agent_loaded(p.pid))
+            or (p.has_agent and not named_after(p.agent_socket, p.pid))
+        )
+        if unreachable and agentrecord.never_opened_a_device(p.pid):
+            out.append(p.pid)
+    return tuple(out)
 
 
 def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
     """``{"pid", "processes": [...], "hints": [...]}``; agent failures are reported per process."""
     tree = process_tree(pid)
+    idle = without_device_state(tree)
     processes: list[dict[str, Any]] = []
     hints: list[str] = []
     for info in tree:
         entry: dict[str, Any] = info.to_dict()
+        # Its agent cannot answer, and it never opened a device: a snapshot leaves it to CRIU.
+        entry["without_device_state"] = info.pid in idle
         # "devices": the physical devices it holds (device/occupancy.py), what a restore compares;
         # "program_devices": the ids its program uses, which differ in a container.
         entry.update({"hello": None, "status": None, "agent_error": None, "devices": None})
         entry.update({"program_devices": None, "ns_pid": occupancy.ns_pid(info.pid)})
-        if info.has_agent:
+        if info.has_agent and info.pid not in idle:  # a stopped one's agent cannot answer
             try:
                 with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
                     entry["hello"] = client.hello()
@@ -224,7 +266,7 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
             use = occupancy.of_hello(info.pid, entry["hello"])
             entry["devices"] = list(use.devices or ())
             entry["program_devices"] = list(use.program_devices)
-        elif info.uses_npu or info.pid == pid:
+        elif (info.uses_npu and info.pid not in idle) or info.pid == pid:
             hints.append(f"pid {info.pid} has no npusnap agent: " + NO_AGENT_FIX.format(pid=info.pid))
         processes.append(entry)
     return {"pid": pid, "processes": processes, "hints": hints}

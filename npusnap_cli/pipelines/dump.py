@@ -202,32 +202,6 @@ def _signal_stopped(tree: list[ProcInfo]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _unreachable_and_idle(tree: list[ProcInfo]) -> tuple[int, ...]:
-    """The processes of ``tree`` with the runtime loaded whose agent cannot answer -- stopped by a
-    signal (not traced: a tracer is a checkpoint in progress, refused by the "stopped" check),
-    with the agent loaded and not listening, or holding only another process's agent socket (a
-    copy made by clone() without fork handlers) -- and that never opened a device."""
-    out = []
-    for p in tree:
-        if not p.uses_npu:
-            continue
-        stopped = procfs.stop_state(p.pid)
-        unreachable = (
-            (stopped is not None and stopped[1] == 0)
-            or (not p.has_agent and _agent_loaded(p.pid))
-            or (p.has_agent and not _named_after(p.agent_socket, p.pid))
-        )
-        if unreachable and agentrecord.never_opened_a_device(p.pid):
-            out.append(p.pid)
-    return tuple(out)
-
-
-def _named_after(socket: Optional[str], pid: int) -> bool:
-    """The agent socket is named after ``pid`` (as this pid namespace, or its own, sees it)."""
-    names = {contract.AGENT_SOCKET_NAME.format(pid=n) for n in [pid, *procfs.ns_pids(pid)]}
-    return socket is not None and Path(socket).name in names
-
-
 def resolve_target(pid: int, *, attach: bool) -> _Target:
     """The tree of ``pid`` and its NPU processes; read-only (agents are attached later).
 
@@ -235,7 +209,7 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     or when one lacks an agent and ``attach`` is false.
     """
     tree = proctree.process_tree(pid)  # TargetError when pid does not exist
-    idle = _unreachable_and_idle(tree)
+    idle = proctree.without_device_state(tree)
     npu = [p for p in tree if p.uses_npu and p.pid not in idle]
     if not npu:
         with_agent = [p.pid for p in tree if p.has_agent]
@@ -265,14 +239,14 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
     # An agent that is loaded starts listening within milliseconds (a child forked a moment ago);
     # one that is loaded and stays silent cannot be attached beside either.
     deadline = time.monotonic() + AGENT_LISTEN_S
-    while [m for m in missing if _agent_loaded(m)] and time.monotonic() < deadline:
+    while [m for m in missing if proctree.agent_loaded(m)] and time.monotonic() < deadline:
         time.sleep(0.05)
         tree = proctree.process_tree(pid)
-        idle = _unreachable_and_idle(tree)
+        idle = proctree.without_device_state(tree)
         npu = [p for p in tree if p.uses_npu and p.pid not in idle]
         missing = [p.pid for p in npu if not p.has_agent]
     for m in missing:
-        if _agent_loaded(m):
+        if proctree.agent_loaded(m):
             raise TargetError(
                 f"pid {m} has an npusnap agent loaded that does not listen; npusnap dump changed nothing",
                 why="the program closed the agent's descriptors (a daemon closing every fd it inherited "
@@ -303,15 +277,6 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
 
 # How long a loaded agent may take to listen before the dump says it does not.
 AGENT_LISTEN_S = 2.0
-
-
-def _agent_loaded(pid: int) -> bool:
-    """The native agent is mapped into ``pid`` (npusnap run, or an earlier attach)."""
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-            return any(line.rstrip().endswith("/" + contract.AGENT_LIBRARY) for line in f)
-    except OSError:
-        return False
 
 
 def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
@@ -1881,7 +1846,7 @@ def _manifest(s: DumpState) -> img.Manifest:
             devices = _devices(s, p.pid)
             nbytes = agent_device_bytes(s.hello.get(p.pid) or {})
         socket = p.agent_socket
-        if p.pid in s.target.idle and not _named_after(socket, p.pid):
+        if p.pid in s.target.idle and not proctree.named_after(socket, p.pid):
             socket = None  # its parent's, held by a copy that ran no fork handler (yet)
         processes.append(
             img.ProcessEntry(

@@ -709,6 +709,8 @@ class RestoreState:
     # stopped until they matched. False (a job's ranks): every checksum is known first.
     overlap: bool = True
     binary: Optional[criu.CriuBinary] = None
+    # pstree.img id -> the signal that stopped it, of the processes CRIU restores stopped
+    stopped_in_image: Optional[dict[int, int]] = None
     pre: Optional[Preflight] = None
     checksums: Optional[Checksums] = None
     device_checks: Optional[Checksums] = None  # the device-memory files, on into the device step
@@ -834,8 +836,13 @@ def _verify(st: RestoreState) -> None:
 
 
 def _stopped_by_other_signals(st: RestoreState) -> bool:
-    signals = criuimages.stopped(img.criu_dir(st.image)).values()
-    return any(sig not in (0, signal.SIGSTOP) for sig in signals)
+    return any(sig not in (0, signal.SIGSTOP) for sig in _image_stops(st).values())
+
+
+def _image_stops(st: RestoreState) -> dict[int, int]:
+    if st.stopped_in_image is None:
+        st.stopped_in_image = criuimages.stopped(img.criu_dir(st.image))
+    return st.stopped_in_image
 
 
 def _preflight(st: RestoreState) -> None:
@@ -1264,7 +1271,7 @@ def _device_files_verified(
 def _stopped_in_image(st: RestoreState) -> set[int]:
     """The manifest's pids of the processes that were stopped when dumped (CRIU restores them
     stopped): releasing the tree must leave them so."""
-    ids = set(criuimages.stopped(img.criu_dir(st.image)))
+    ids = set(_image_stops(st))
     if not st.manifest.pid_ns:
         return ids
     host = {ns: int(h) for h, ns in st.manifest.pid_ns.items()}

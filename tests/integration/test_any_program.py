@@ -298,6 +298,19 @@ def test_a_stopped_child_that_owns_no_device_is_dumped_and_restored_stopped(
         assert procfs.state(child) == "T"
         wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
 
+        # status, freeze and thaw see the same: the child is left alone, not asked (it cannot answer)
+        rc, out, err = cli(env, "status", str(job.pid))
+        assert rc == 0 and out is not None, err
+        entries = {e["pid"]: e for e in out["result"]["processes"]}
+        assert entries[child]["without_device_state"] is True and entries[child]["agent_error"] is None
+        assert entries[job.pid]["without_device_state"] is False
+        assert not [h for h in out["result"]["hints"] if str(child) in h]
+        rc, out, err = cli(env, "freeze", str(job.pid))
+        assert rc == 0, (out or {}).get("error") or err
+        rc, out, err = cli(env, "thaw", str(job.pid))
+        assert rc == 0, (out or {}).get("error") or err
+        assert procfs.state(child) == "T" and agent_state(job.pid) == "RUNNING"
+
         rc, out, err = cli(env, "dump", str(job.pid), str(img_running), "--leave-running")
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None and out["result"]["npu_pids"] == [job.pid]

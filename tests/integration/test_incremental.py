@@ -141,7 +141,7 @@ def test_a_lora_job_second_snapshot_writes_under_5_percent_and_restores_exactly(
     later step line (loss and adapter hash) and the base's hash at the end equal an
     uninterrupted run's."""
     env = job_env(sim_env, runtime_dir)
-    args = [LORA, "--steps", "24", "--base-mib", "64", "--interval", "0.1"]
+    args = [LORA, "--steps", "60", "--base-mib", "64", "--interval", "0.1"]
     done = subprocess.run([torch_npu_python, *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ref = [ln for ln in done.stdout.splitlines() if ln.startswith(("step", "base"))]

@@ -120,7 +120,7 @@ def neighbours(sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path) -> It
 
 def start_loader(env: dict[str, str], out: Path, context: str, pid_ns: bool, data: Path) -> int:
     argv = [str(torchlib.TORCH_BIN / "python"), "-W", "ignore", LOADER, *LOADER_ARGS]
-    argv += ["--context", context, "--interval", "0.1", "--data", str(data)]
+    argv += ["--context", context, "--interval", "0.25", "--data", str(data)]
     if pid_ns:
         return start_ns_job(env, out, argv, cwd=out.parent)
     p = subprocess.run(

@@ -282,6 +282,14 @@ def uses_port(static: Path, name: str) -> bool:
     return "TEST_OPTION(port" in text or re.search(r"\bport = \d", text) is not None
 
 
+def uses_pty(static: Path, name: str) -> bool:
+    """The test opens pseudo-terminals: CRIU restores a pty at its index (/dev/ptmx with the
+    image's index), which another test's pty may have taken meanwhile."""
+    src = static / f"{name}.c"
+    text = src.read_text(errors="replace") if src.exists() else ""
+    return any(w in text for w in ("/dev/ptmx", "openpty", "posix_openpt", "/dev/pts", "/dev/tty"))
+
+
 def session_members(sid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -322,6 +330,7 @@ class Runner:
             self.devices.put(d)
         self.static = zdtm / "static"
         self.port_lock = threading.Lock()
+        self.pty_lock = threading.Lock()
         self.work = work
         self.sim_env = sim_env
         self.preload = preload
@@ -421,8 +430,10 @@ class Runner:
         device = self.devices.get(timeout=600)
         # Tests of one fixed TCP/UDP port (zdtm's 8880 and its neighbours) take turns.
         port = self.port_lock if uses_port(self.static, name) else contextlib.nullcontext()
+        # So do tests of pseudo-terminals (a restore needs the image's pty index free).
+        pty = self.pty_lock if uses_pty(self.static, name) else contextlib.nullcontext()
         try:
-            with port:
+            with port, pty:
                 out = self._run(name, desc, npu, device)
         finally:
             self.devices.put(device)
