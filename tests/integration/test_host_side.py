@@ -150,7 +150,7 @@ def test_spawn_pool_leave_running_image_restores_after_the_original_ends(
     own copies, so it restores after the original is gone. A leftover link_remap.N of another
     dump in the way of CRIU's dump is named, and the job keeps running."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "spawn-pool", "--steps", "30", "--interval", "0.05", "--seed", "6"]
+    args = ["--with", "spawn-pool", "--steps", "100", "--interval", "0.05", "--seed", "6"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     existing = link_remaps()
