@@ -11,6 +11,7 @@
  * holds no device state: CRIU dumps it as any other process. */
 #include "agentrecord.h"
 
+#include <dirent.h>
 #include <elf.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -64,20 +65,20 @@ static int scan_maps(int pid, unsigned long *start, unsigned long *end, char *pa
 }
 
 static int device_file_open(int pid) {
-    char dir[64], link[4096], target[4096];
+    char dir[64], target[4096];
     snprintf(dir, sizeof dir, "/proc/%d/fd", pid);
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0) return -1;
-    /* readdir without stdio's DIR: the descriptors are few and numbered */
+    DIR *d = opendir(dir);
+    if (!d) return -1;
     int hit = 0;
-    for (int fd = 0; fd < 65536 && !hit; fd++) {
-        snprintf(link, sizeof link, "%d", fd);
-        ssize_t n = readlinkat(dfd, link, target, sizeof target - 1);
+    struct dirent *e;
+    while (!hit && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        ssize_t n = readlinkat(dirfd(d), e->d_name, target, sizeof target - 1);
         if (n < 0) continue;
         target[n] = 0;
         hit = has_prefix(target, FILE_PREFIXES, sizeof FILE_PREFIXES / sizeof *FILE_PREFIXES);
     }
-    close(dfd);
+    closedir(d);
     return hit;
 }
 

@@ -40,7 +40,7 @@ class AgentRecord:
     tracking: bool = True
 
 
-def _agent_mapping(pid: int) -> Optional[tuple[int, int, str]]:
+def agent_mapping(pid: int) -> Optional[tuple[int, int, str]]:
     """(start, end, path) of the agent library's mapping at file offset 0 in ``pid``."""
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
@@ -77,7 +77,7 @@ def _symbol_offset(pid: int, start: int, end: int, path: str) -> Optional[int]:
 def read(pid: int) -> Optional[AgentRecord]:
     """The agent's record in ``pid``; None when no agent library is mapped, it has no record (an
     older agent), or its memory cannot be read (privileges: the same as CRIU's)."""
-    found = _agent_mapping(pid)
+    found = agent_mapping(pid)
     if found is None:
         return None
     start, end, path = found

@@ -207,11 +207,7 @@ def npu_processes(tree: list[ProcInfo]) -> list[ProcInfo]:
 
 def agent_loaded(pid: int) -> bool:
     """The native agent is mapped into ``pid`` (npusnap run, or an earlier attach)."""
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-            return any(line.rstrip().endswith("/" + contract.AGENT_LIBRARY) for line in f)
-    except OSError:
-        return False
+    return agentrecord.agent_mapping(pid) is not None
 
 
 def named_after(socket: Optional[str], pid: int) -> bool:
