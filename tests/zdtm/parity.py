@@ -4,7 +4,8 @@
 
 For every host-flavour test of CRIU's own suite (test/zdtm/static of the CRIU source the setup
 fetched), as zdtm.py runs it in its default mode (start, dump, restore, SIGTERM, the test's own
-check): once with raw CRIU on the plain test, for the reference, and once through npusnap
+check, the test's hook at each of zdtm.py's points): once with raw CRIU on the plain test, for
+the reference, and once through npusnap
 (`npusnap run`, `npusnap dump`, `npusnap restore`) with tests/zdtm/npu_preload.c making the test
 an NPU process that must read its device memory back at exit. Each test's two outcomes are
 compared with tests/zdtm/expected.txt, the one list of tests npusnap refuses on purpose (with
@@ -51,6 +52,7 @@ CRIU_SRC = Path(os.environ.get("NPUSNAP_CACHE", "/var/cache/npusnap")) / f"criu-
 # zdtm.py's own numbers (test/zdtm.py, zdtm_test.start): a non-suid test drops to these.
 ZDTM_IDS = {"ZDTM_UID": "18943", "ZDTM_GID": "58467", "ZDTM_GROUPS": "27495 48244"}
 TEST_TIMEOUT = 30.0
+HOOK_TIMEOUT = 60.0
 
 
 @dataclass
@@ -91,8 +93,10 @@ def build(work: Path) -> Path:
     zdtm = work / "criu" / "test" / "zdtm"
     if not (zdtm / "static").is_dir():
         shutil.copytree(src, zdtm, symlinks=True)
-    if not (work / "criu" / "criu").exists():
-        (work / "criu" / "criu").symlink_to(CRIU_SRC / "criu")
+    # Hooks written in Python import pycriu from ../lib, as in CRIU's tree.
+    for sub in ("criu", "lib"):
+        if not (work / "criu" / sub).exists():
+            (work / "criu" / sub).symlink_to(CRIU_SRC / sub)
     jobs = str(os.cpu_count() or 2)
     for sub in ("lib", "static"):
         p = subprocess.run(
@@ -374,6 +378,36 @@ class Runner:
                 except OSError:
                     continue
 
+    @staticmethod
+    def hook_env(env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+        # The hook is a helper of the test, not an NPU process; a Python hook finds pycriu's
+        # protobuf modules in this interpreter's environment.
+        out = {k: v for k, v in {**env, **extra}.items() if k != "LD_PRELOAD"}
+        out["PATH"] = f"{Path(sys.executable).parent}:{out.get('PATH', os.defpath)}"
+        return out
+
+    def hook(self, name: str, stage: str, env: dict[str, str], **extra: str) -> Optional[str]:
+        """zdtm.py's try_run_hook: the test's own NAME.hook, when it has one, run from the
+        directory zdtm.py runs from; None when it passed (or there is none), else what it said."""
+        path = self.static / f"{name}.hook"
+        if not os.access(path, os.X_OK):
+            return None
+        try:
+            p = subprocess.run(
+                [str(path), stage],
+                cwd=self.static.parent.parent,
+                env=self.hook_env(env, extra),
+                capture_output=True,
+                text=True,
+                timeout=HOOK_TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            return f"hook {stage} timed out"
+        if p.returncode != 0:
+            return f"hook {stage} exited {p.returncode}: {(p.stdout + p.stderr).strip()[-200:]}"
+        return None
+
     def read_pid(self, name: str) -> int:
         return int((self.static / f"{name}.pid").read_text().split()[0])
 
@@ -451,16 +485,23 @@ class Runner:
             p = self.make(name, "pid", env, npu)
         except subprocess.TimeoutExpired:
             self.kill_strays(name)
+            self.hook(name, "--clean", env)
             return Outcome("fail", "start", "make timed out")
         if p.returncode != 0:
             self.kill_strays(name)
+            self.hook(name, "--clean", env)
             return Outcome("fail", "start", (p.stdout + p.stderr).strip()[-300:])
         pid = self.read_pid(name)
         try:
+            bad = self.hook(name, "--post-start", env)
+            if bad:
+                return Outcome("fail", "start", bad)
             return self._cr(name, desc, npu, pid, img, crfail, env)
         finally:
             kill_tree(pid)
             self.unmount_leftovers(name)
+            # zdtm.py runs it however the test ended; what it leaves is the next run's problem.
+            self.hook(name, "--clean", env)
 
     def _cr(
         self,
@@ -506,6 +547,9 @@ class Runner:
             img.mkdir(parents=True, exist_ok=True)
             restore = ["criu", "restore", "-D", str(img), "-o", "restore.log", "-v4", "--pidfile", pidfile]
             restore += [*ropts, "--restore-detached"]
+        bad = self.hook(name, "--pre-dump", env, ZDTM_TEST_PID=str(pid))
+        if bad:
+            return Outcome("fail", "dump", bad)
         try:
             d = subprocess.run(
                 dump, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
@@ -535,6 +579,9 @@ class Runner:
         if not wait_reaped(pid, 10):
             return Outcome("fail", "dump", f"pid {pid} is still taken (not reaped) 10s after the dump", 0)
         Path(pidfile).unlink()  # zdtm.py's gone(): the restore writes it anew
+        bad = self.hook(name, "--pre-restore", env)
+        if bad:
+            return Outcome("fail", "restore", bad, dump_rc=0)
         try:
             r = subprocess.run(
                 restore, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
@@ -546,6 +593,10 @@ class Runner:
                 "fail", "restore", error_of(r.stdout, r.stderr), dump_rc=0, restore_rc=r.returncode
             )
         pid = self.read_pid(name)
+        bad = self.hook(name, "--post-restore", env, ZDTM_TEST_PID=str(pid), ZDTM_IMG_DIR=str(img))
+        if bad:
+            kill_tree(pid)
+            return Outcome("fail", "restore", bad, dump_rc=0, restore_rc=0)
         ok, why = self.stop_and_check(name, pid, desc)
         if not ok:
             return Outcome("fail", "check", why, dump_rc=0, restore_rc=0)
