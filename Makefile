@@ -16,8 +16,8 @@ demo: setup
 	.venv/bin/npusnap demo
 
 lint: setup
-	.venv/bin/ruff check npusnap_cli tests bench agent-dist scripts
-	.venv/bin/ruff format --check npusnap_cli tests bench agent-dist scripts
+	.venv/bin/ruff check npusnap_cli npusnap_sim npusnap_workloads tests bench agent-dist scripts
+	.venv/bin/ruff format --check npusnap_cli npusnap_sim npusnap_workloads tests bench agent-dist scripts
 	.venv/bin/mypy
 	.venv/bin/python scripts/gencontract.py --check
 	.venv/bin/python scripts/genstubs.py --check

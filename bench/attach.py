@@ -36,11 +36,11 @@ def _start_stepping(s: Session, argv: list[str], out: Path) -> subprocess.Popen[
 
 
 def bench_attach(s: Session, plan: Plan, out: Samples) -> None:
-    """`npusnap attach` on processes the size of a JAX job (npusnap_cli/workloads/jaxsize.py: 240
+    """`npusnap attach` on processes the size of a JAX job (npusnap_workloads/jaxsize.py: 240
     libraries with symbols and debug info, 1.4 GiB of text, 48 pool threads), a Python one and a
     C one: the stop it reports, and the stall the job shows (the longest gap between its steps,
     20 ms apart, less one step)."""
-    from npusnap_cli.workloads import jaxsize
+    from npusnap_workloads import jaxsize
 
     if shutil.which("gdb") is None or shutil.which("cc") is None:
         progress("attach: skipped (needs gdb and cc)")
@@ -67,7 +67,7 @@ def bench_attach(s: Session, plan: Plan, out: Samples) -> None:
     train = ["--steps", "0", "--interval", "0.02", "--param-bytes", "65536"]
     threads = ["--threads", str(jaxsize.THREADS)]
     targets = {
-        "py": [sys.executable, "-m", "npusnap_cli.workloads.jaxsize", "--libs", str(libs), "--", *train],
+        "py": [sys.executable, "-m", "npusnap_workloads.jaxsize", "--libs", str(libs), "--", *train],
         "c": [str(stepper), "--steps", "0", "--interval-ms", "20", "--libs", str(libs), *threads],
     }
     for rep in range(plan.reps):

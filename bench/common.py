@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 MiB = 1 << 20
 NPUSNAP = Path(sys.executable).parent / "npusnap"
-BIGALLOC = REPO / "npusnap_cli" / "workloads" / "bigalloc.py"
+BIGALLOC = REPO / "npusnap_workloads" / "bigalloc.py"
 HOSTALLOC = REPO / "bench" / "hostalloc.py"
 TREE = REPO / "bench" / "tree.py"
 COPYRATE = REPO / "bench" / "copyrate.py"

@@ -15,7 +15,7 @@ from bench.common import NPUSNAP, REPO, BenchError, Samples, progress
 from bench.measure import Plan, npusnap_json
 from bench.session import Session, _wait
 
-NPU_TRAIN = REPO / "npusnap_cli" / "workloads" / "npu_train.py"
+NPU_TRAIN = REPO / "npusnap_workloads" / "npu_train.py"
 STEPS = 100  # long enough that the dump and restore happen mid-run
 DUMP_AFTER = 20  # steps printed before the dump
 HIDDEN = 64

@@ -2,7 +2,7 @@
 with the concurrent copy (the default) and with the copy while held (``NPUSNAP_NO_CONCURRENT=1``),
 in one run.
 
-For each ``--base-mib`` the job (npusnap_cli/workloads/torch_npu_lora.py, AdamW on a rank-8
+For each ``--base-mib`` the job (npusnap_workloads/torch_npu_lora.py, AdamW on a rank-8
 adapter over a frozen base) trains under ``npusnap run``; it is snapshotted ``--repeat`` times per
 mode, alternating, a few steps apart, each a full save (``NPUSNAP_NO_INCREMENTAL=1``, its own
 directory). Reported per size and mode: the median ``frozen_s`` and ``total_s``, and from the
@@ -30,7 +30,7 @@ from typing import Any, Optional
 from bench.common import NPUSNAP, REPO, kept_notes, replace_section
 from bench.incremental import _python, _steps, _wait_steps
 
-JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_lora.py")
+JOB = str(REPO / "npusnap_workloads" / "torch_npu_lora.py")
 PAGE = REPO / "docs" / "benchmarks-concurrent.md"
 SUMMARY = REPO / "docs" / "benchmarks.md"
 HEADING = "## Concurrent device copy (dump --leave-running)"
@@ -119,7 +119,7 @@ def measure_size(ns: argparse.Namespace, base_mib: int, work: Path, env: dict[st
 
 
 def measure(ns: argparse.Namespace) -> dict[str, Any]:
-    from npusnap_cli.sim import manager
+    from npusnap_sim import manager
 
     work = Path(tempfile.mkdtemp(prefix="npusnap-bench-concurrent-"))
     os.environ["NPUSIM_SOCKET"] = str(work / "npusim.sock")

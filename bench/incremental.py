@@ -1,7 +1,7 @@
 """Incremental snapshots of a LoRA-shaped torch_npu job: what the second and the tenth snapshot
 write and take, against a full one, in one run.
 
-The job is npusnap_cli/workloads/torch_npu_lora.py (a frozen base of ``--base-mib`` float32
+The job is npusnap_workloads/torch_npu_lora.py (a frozen base of ``--base-mib`` float32
 weights on the simulated NPU, a rank-8 adapter per layer trained with AdamW), started with
 ``npusnap run``. While it trains, ``npusnap dump --leave-running --json`` is taken ``--snapshots``
 times into one directory (each after a few more steps): the first is a full save, every later one
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from bench.common import NPUSNAP, REPO, replace_section
 
-JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_lora.py")
+JOB = str(REPO / "npusnap_workloads" / "torch_npu_lora.py")
 PAGE = REPO / "docs" / "benchmarks-incremental.md"
 SUMMARY = REPO / "docs" / "benchmarks.md"
 HEADING = "## Incremental snapshots"
@@ -85,7 +85,7 @@ def _dump(env: dict[str, str], pid: int, image: Path) -> dict[str, Any]:
 
 
 def measure(ns: argparse.Namespace) -> dict[str, Any]:
-    from npusnap_cli.sim import manager
+    from npusnap_sim import manager
 
     python = _python()
     work = Path(tempfile.mkdtemp(prefix="npusnap-bench-incremental-"))

@@ -140,7 +140,7 @@ COLD_PAUSE_S = 4.0
 def warm_reserve_mib() -> int:
     """What warming leaves available: the simulator keeps a gone process's memory for a faster
     Restore only while a fifth of the host's memory (at least 2 GiB) stays available
-    (sim/daemon.py), so warming past that would drop it; 512 MiB more keep clear of the line."""
+    (npusnap_sim/daemon.py), so warming past that would drop it; 512 MiB more keep clear of the line."""
     return max(2 * 1024, (mem_total() or 0) // MiB // 5) + 512
 
 

@@ -74,7 +74,7 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
         "",
         "## Workloads",
         "",
-        f"* **npusnap**: `npusnap run -- python npusnap_cli/workloads/bigalloc.py --device-mib SIZE "
+        f"* **npusnap**: `npusnap run -- python npusnap_workloads/bigalloc.py --device-mib SIZE "
         f"--host-mib {plan.host_mib} --interval {plan.interval}`: SIZE MiB of simulated device memory "
         f"plus {plan.host_mib} MiB of host memory, a `tick` line every {plan.interval} s.",
         f"* **raw CRIU baseline**: `python bench/hostalloc.py --mib SIZE+{plan.host_mib}` — the same bytes "
@@ -483,12 +483,12 @@ DESIGN_MEASUREMENTS = (
     ),
     (
         "the simulator poisons memory it keeps for a Restore on a thread of its own, ahead of it",
-        "npusnap_cli/sim/daemon.py (module docstring)",
+        "npusnap_sim/daemon.py (module docstring)",
         "1 GiB: 0.37-0.45 s into fresh pages, 0.25-0.28 s into kept ones",
     ),
     (
         "the poison is written into the memfd, from one thread",
-        "npusnap_cli/sim/daemon.py `_fill_poison`",
+        "npusnap_sim/daemon.py `_fill_poison`",
         "0.45 s/GiB written into the memfd, 0.9 s/GiB filling a mapping; no faster from two threads",
     ),
     (
@@ -498,7 +498,7 @@ DESIGN_MEASUREMENTS = (
     ),
     (
         "the simulator keeps a gone process's memory 60 s for a Restore",
-        "npusnap_cli/sim/daemon.py `POOL_TTL_S`",
+        "npusnap_sim/daemon.py `POOL_TTL_S`",
         "a benchmark warming 11 GiB between dump and restore: 8-17 s on a slow VM",
     ),
 )
@@ -834,7 +834,7 @@ def attach_section(data: Samples) -> list[str]:
     L += [
         "The target maps 240 libraries with symbols and debug info (1.4 GiB of text, ~1300 mappings) "
         "and runs 48 idle threads besides a device loop that steps every 20 ms "
-        "(npusnap_cli/workloads/jaxsize.py). *Job stalled* is the longest gap between its steps "
+        "(npusnap_workloads/jaxsize.py). *Job stalled* is the longest gap between its steps "
         "around the attach, less one step; *reported stop* is attach's `stopped_s`, an upper bound.",
         "",
     ]
@@ -861,7 +861,7 @@ def compute_section(data: Samples) -> list[str]:
         [row],
     )
     L += [
-        "npusnap_cli/workloads/npu_train.py (one rank): an MLP trained by aclnn operators on two "
+        "npusnap_workloads/npu_train.py (one rank): an MLP trained by aclnn operators on two "
         "streams, its tensors in an expandable-segment allocator (docs/simulator.md), dumped "
         "after 20 steps and restored; medians. *Restore -> computes* runs from the start of the "
         "restore command until the job prints its next step.",

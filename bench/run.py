@@ -48,7 +48,7 @@ reporting held off during the run), ``floor.py`` (the machine's floor for writin
 report: ``report.py`` (the Markdown report and the targets), ``scale.py`` (the fits, the targets,
 the scale), ``plot.py`` (the PNG); ``common.py`` (paths, constants, the samples
 store); and the workloads ``hostalloc.py``, ``tree.py``, ``copyrate.py`` (plus
-``npusnap_cli/workloads/bigalloc.py``).
+``npusnap_workloads/bigalloc.py``).
 
 Medians go to a Markdown report (``--out``). This is not a test: nothing here asserts timings.
 Everything it starts (a private simulated NPU daemon, workloads, restored processes, images) is
@@ -99,7 +99,7 @@ from bench.ranks import bench_ranks  # noqa: E402
 from bench.report import pick_size, render  # noqa: E402
 from bench.session import Session  # noqa: E402
 from npusnap_cli import criu as criu_mod  # noqa: E402
-from npusnap_cli.sim import manager  # noqa: E402
+from npusnap_sim import manager  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # Main
@@ -133,8 +133,9 @@ def _compile_bytecode() -> None:
     their modules on every run (with PYTHONDONTWRITEBYTECODE set, Python would, for any module
     edited since its last .pyc: tens of ms on each `--help`)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    pkg = Path(__file__).resolve().parent.parent / "npusnap_cli"
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(pkg)], env=env, check=True, timeout=300)
+    repo = Path(__file__).resolve().parent.parent
+    pkgs = [str(repo / name) for name in ("npusnap_cli", "npusnap_sim", "npusnap_workloads")]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *pkgs], env=env, check=True, timeout=300)
 
 
 def _check_resources(plan: Plan, image_parent: Path) -> None:

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from bench.common import NPUSNAP, POLL_S, BenchError, progress
 from npusnap_cli.host import procfs
-from npusnap_cli.sim import manager
-from npusnap_cli.workloads.jaxsize import StepClock
+from npusnap_sim import manager
+from npusnap_workloads.jaxsize import StepClock
 
 # --------------------------------------------------------------------------------------------
 # Processes: start, watch, clean up
@@ -139,7 +139,7 @@ class Session:
 
     def drop_kept_memory(self, next_case: str = "raw CRIU") -> None:
         """Restart the private simulator if it keeps the memory of killed workloads for a Restore
-        (sim/daemon.py: up to POOL_TTL_S). No case may run beside what an earlier case left there:
+        (npusnap_sim/daemon.py: up to POOL_TTL_S). No case may run beside what an earlier case left there:
         that shared memory (a device's, on hardware) shrinks the host's page cache and the kernel's
         dirty limit for whichever case comes next. At 8 GiB, an npusnap dump next to the 8 GiB an
         earlier case left took 12-17 s (frozen 12.5-13.1 s, warming and the dirty limit squeezed,

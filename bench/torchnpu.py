@@ -1,6 +1,6 @@
 """A real torch_npu training step on the simulated NPU: against the CPU, and under npusnap.
 
-The job is npusnap_cli/workloads/torch_npu_block.py (an attention block, AdamW with its default
+The job is npusnap_workloads/torch_npu_block.py (an attention block, AdamW with its default
 foreach settings; a step is forward, backward, gradient clipping, the optimizer, the next batch's
 copy, ``loss.item()`` and a hash of every parameter). Each run writes its step times to a file
 (``--times``), never to its output. In one run of this benchmark:
@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from bench.common import NOTES, NPUSNAP, REPO, kept_notes, replace_section
 
-JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_block.py")
+JOB = str(REPO / "npusnap_workloads" / "torch_npu_block.py")
 PAGE = REPO / "docs" / "benchmarks-torch-npu.md"
 SUMMARY = REPO / "docs" / "benchmarks.md"
 HEADING = "## torch_npu on the simulated NPU"
@@ -84,7 +84,7 @@ def masked(stderr: bytes) -> bytes:
 
 
 def measure(ns: argparse.Namespace) -> dict[str, Any]:
-    from npusnap_cli.sim import manager
+    from npusnap_sim import manager
 
     python = _python()
     work = Path(tempfile.mkdtemp(prefix="npusnap-bench-torchnpu-"))
@@ -157,7 +157,7 @@ def section(res: Optional[dict[str, Any]] = None) -> list[str]:
     return [
         HEADING,
         "",
-        "The real torch_npu wheel training an attention block (npusnap_cli/workloads/torch_npu_block.py)"
+        "The real torch_npu wheel training an attention block (npusnap_workloads/torch_npu_block.py)"
         " on the simulated NPU, against the CPU and under `npusnap run`; details and how it was measured:",
         "[benchmarks-torch-npu.md](benchmarks-torch-npu.md) (`python -m bench.torchnpu`).",
         "",

@@ -20,9 +20,12 @@ from npusnap_cli import __version__
 from npusnap_cli.commands import _common
 from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError, UsageError
 
-# Every command, in `npusnap --help`'s order: name -> (its module under npusnap_cli/commands/,
-# which exposes register(app); the summary `--help` lists, its docstring's first sentence, which
-# tests/unit/test_cli.py holds to the command's own).
+# Every command, in `npusnap --help`'s order: name -> (its module, which exposes register(app): a
+# bare name is a module under npusnap_cli/commands/, a dotted one the full name of a module outside
+# the product; the summary `--help` lists, its docstring's first sentence, which
+# tests/unit/test_cli.py holds to the command's own). The stand-ins' commands (`demo`, `sim`) live
+# in their own packages, named here by their full names: the product reaches the simulator and the
+# workloads only when one of those commands runs (scripts/check_layers.py forbids any other way).
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": (
         "check",
@@ -78,15 +81,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Extract an archive into a new image directory, verified, ready for `npusnap restore`.",
     ),
     "demo": (
-        "demo",
+        "npusnap_workloads.cli",
         "Run the main job: a training workload on the simulated NPU is dumped, restored and checked.",
     ),
     "sim": (
-        "sim",
+        "npusnap_sim.cli",
         "The simulated NPU (a device daemon + a fake CANN install) for hosts without Ascend hardware.",
     ),
     "k8s": ("k8s", "Kubernetes: checkpoint a job's containers across pods together (kubelet or CRI)."),
 }
+
+
+def module_path(module: str) -> str:
+    """The importable name of a COMMANDS module: ``dump`` -> ``npusnap_cli.commands.dump``; a
+    dotted name (``npusnap_sim.cli``) is already one."""
+    return module if "." in module else f"npusnap_cli.commands.{module}"
 
 
 def _commands_of(module: str) -> dict[str, click.Command]:
@@ -97,7 +106,7 @@ def _commands_of(module: str) -> dict[str, click.Command]:
     def _group() -> None:  # a callback makes typer build a group, whatever the module registers
         pass
 
-    importlib.import_module(f"npusnap_cli.commands.{module}").register(sub)
+    importlib.import_module(module_path(module)).register(sub)
     group = typer.main.get_command(sub)
     assert isinstance(group, click.Group)
     return dict(group.commands)
@@ -132,9 +141,10 @@ class _LazyGroup(typer.core.TyperGroup):
 
 
 def load_all() -> None:
-    """Import every command's module now (a parent that forks children which must import nothing)."""
-    for module in dict.fromkeys(m for m, _summary in COMMANDS.values()):
-        importlib.import_module(f"npusnap_cli.commands.{module}")
+    """Import every command module of the product now (a parent that forks children which must
+    import nothing); not the stand-ins' (dotted names): no such child runs `sim` or `demo`."""
+    for module in dict.fromkeys(m for m, _summary in COMMANDS.values() if "." not in m):
+        importlib.import_module(module_path(module))
 
 
 # typer formats help through rich whenever rich is installed, which adds rich's imports to every

@@ -120,6 +120,14 @@ def sim_socket_path() -> Path:
     return base / contract.SIM_SOCKET_XDG_SUBDIR / contract.SIM_SOCKET_NAME
 
 
+def sim_dev_dir(sock_path: str) -> str:
+    """Where the simulated device nodes of the daemon at ``sock_path`` are (its /dev/davinciN).
+
+    Here, not in the simulator: the node and restore code find a simulated node's devices through
+    it, and the product does not import the simulator."""
+    return sock_path + ".dev"
+
+
 def agent_runtime_dir(uid: Optional[int] = None) -> Path:
     """The directory that holds agent sockets for ``uid`` (default: this process's euid)."""
     env = os.environ.get(contract.AGENT_SOCKET_ENV_DIR)

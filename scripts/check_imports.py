@@ -4,7 +4,8 @@
 A function-local ``from npusnap_cli... import`` hides a module's dependencies and papers over
 import cycles; where one is really needed it says why on the same line, with a marker comment
 ``# lazy: <why>`` (what the CLI's start-up must not pay for; the agent's workloads import the agent
-only where ``npusnap run`` put it on the path).
+only where ``npusnap run`` put it on the path). The product (npusnap_cli) and the stand-ins beside
+it (npusnap_sim, npusnap_workloads) are held to this for their imports of any of the three.
 Imports under ``if TYPE_CHECKING:`` at module level are not function-local and are allowed.
 
     scripts/check_imports.py            fail (exit 1) on each unmarked function-local import
@@ -24,21 +25,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "npusnap_cli"
+PACKAGES = ("npusnap_cli", "npusnap_sim", "npusnap_workloads")
 MARKER = "# lazy:"
 
 
 def _ours(node: ast.Import | ast.ImportFrom) -> list[str]:
-    """The npusnap_cli modules (or packages) ``node`` imports, [] for anything else."""
+    """The modules (or packages) of PACKAGES ``node`` imports, [] for anything else."""
     if isinstance(node, ast.ImportFrom):
         if node.level:
             return [node.module or "."]
         mod = node.module or ""
-        if mod.split(".")[0] != "npusnap_cli":
+        if mod.split(".")[0] not in PACKAGES:
             return []
         # `from npusnap_cli.host import procfs` imports the module npusnap_cli.host.procfs
         return [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names]
-    return [a.name for a in node.names if a.name.split(".")[0] == "npusnap_cli"]
+    return [a.name for a in node.names if a.name.split(".")[0] in PACKAGES]
 
 
 def _is_module(dotted: str) -> bool:
@@ -47,7 +48,7 @@ def _is_module(dotted: str) -> bool:
 
 
 def local_imports(path: Path) -> list[tuple[int, list[str], bool]]:
-    """(line, modules, marked) of every function-local import of npusnap_cli in ``path``."""
+    """(line, modules, marked) of every function-local import of PACKAGES in ``path``."""
     source = path.read_text()
     lines = source.splitlines()
     found = []
@@ -66,10 +67,14 @@ def local_imports(path: Path) -> list[tuple[int, list[str], bool]]:
     return found
 
 
+def _sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py"))
+
+
 def check() -> int:
     bad = []
     marked_count = 0
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _sources():
         rel = path.relative_to(REPO).as_posix()
         for line, modules, marked in local_imports(path):
             if marked:
@@ -80,7 +85,7 @@ def check() -> int:
         print(entry)
     if bad:
         print(
-            f"{len(bad)} function-local import(s) of npusnap_cli: move them to the top of the module "
+            f"{len(bad)} function-local import(s) of npusnap modules: move them to the top of the module "
             f"(fix an import cycle by moving the definition down a layer), or say why on the line "
             f"with '{MARKER} <why>'",
             file=sys.stderr,
@@ -103,7 +108,7 @@ print((time.perf_counter() - t) * 1000)
 def costs(runs: int) -> int:
     """The import time each marked import would add to `npusnap --help`, most expensive first."""
     where: dict[str, list[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _sources():
         for line, modules, marked in local_imports(path):
             for m in modules if marked else ():
                 where.setdefault(m, []).append(f"{path.relative_to(REPO).as_posix()}:{line}")

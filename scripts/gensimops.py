@@ -3,7 +3,7 @@
 
     the torch_npu wheel's libtorch_npu.so + .build/cann/lib64/libopapi.so  ->  docs/simulator-ops.md
 
-The same comparison as ``npusnap sim ops`` (npusnap_cli/sim/opscover.py), as a page. It needs the
+The same comparison as ``npusnap sim ops`` (npusnap_sim/opscover.py), as a page. It needs the
 torch_npu venv (scripts/setup-torch-npu.sh) and the built simulator, so ``make lint`` does not run
 it; ``--check`` fails when the committed page is not what they give, and
 tests/integration/test_sim_cli.py runs that check where the venv exists (always in CI).
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from npusnap_cli.errors import NpusnapError  # noqa: E402  (after the path: run from a checkout)
-from npusnap_cli.sim import opscover  # noqa: E402
+from npusnap_sim import opscover  # noqa: E402
 
 OUT = ROOT / "docs" / "simulator-ops.md"
 

@@ -299,7 +299,8 @@ setup_slurm() {
 # (it is on these machines), and then every `npusnap` call compiles typer, click and rich again
 # (~30 ms of `npusnap --help`). Quick when everything is compiled already.
 compile_bytecode() {
-    "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" "$ROOT/npusnap_cli" >/dev/null 2>&1 ||
+    "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" "$ROOT/npusnap_cli" "$ROOT/npusnap_sim" \
+        "$ROOT/npusnap_workloads" >/dev/null 2>&1 ||
         say "warning: could not precompile the virtualenv's Python files (the CLI works, it starts slower)"
 }
 

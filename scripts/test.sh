@@ -5,12 +5,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 V=.venv/bin
-echo "== ruff check"; $V/ruff check npusnap_cli tests bench
-echo "== ruff format --check"; $V/ruff format --check npusnap_cli tests bench
+echo "== ruff check"; $V/ruff check npusnap_cli npusnap_sim npusnap_workloads tests bench
+echo "== ruff format --check"; $V/ruff format --check npusnap_cli npusnap_sim npusnap_workloads tests bench
 echo "== mypy (strict)"; $V/mypy
 echo "== generated contract (native/contract/npusnap.toml) fresh"; $V/python scripts/gencontract.py --check
 echo "== generated simulator failures (native/npusim/failures.toml) fresh"; $V/python scripts/genstubs.py --check
-echo "== no function-local imports of npusnap_cli without a reason"; $V/python scripts/check_imports.py
+echo "== no function-local imports of npusnap modules without a reason"; $V/python scripts/check_imports.py
 echo "== floors: no import points up, no cycles, docs/internals.md drawn from the code"; $V/python scripts/check_layers.py --check-doc
 echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh

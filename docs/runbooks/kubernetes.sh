@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what

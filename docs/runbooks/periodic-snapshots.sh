@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -70,7 +70,7 @@ export NPUSIM_SOCKET=$PWD/sim/npusim.sock   # a simulator of this page's own (sh
 npusnap sim start
 eval "$(npusnap sim env)"
 PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
-    python3 -m npusnap_cli.workloads.train --steps 1000 --interval 0.05)
+    python3 -m npusnap_workloads.train --steps 1000 --interval 0.05)
 timeout 20 sh -c 'until grep -q "^step 3 " job.log; do sleep 0.1; done'
 mkdir -m 700 snaps
 
@@ -116,6 +116,6 @@ awk '$1 == "step"' job.log | sort | uniq -d | head -n 3
 ARCHIVE=$(npusnap export "$IMG" snapshot.tar.zst)
 npusnap verify "$ARCHIVE"
 npusnap import "$ARCHIVE" restored-img
-npusnap inspect restored-img | grep -c npusnap_cli.workloads.train
+npusnap inspect restored-img | grep -c npusnap_workloads.train
 
 echo OK

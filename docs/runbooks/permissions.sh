@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -83,7 +83,7 @@ AS_USER=(setpriv --reuid "$JUID" --regid "$JGID" --init-groups -- env -i PATH=/u
 USER_NPUSNAP=("$USER_PYTHON" -m npusnap_cli)
 "${AS_USER[@]}" "${USER_NPUSNAP[@]}" sim start
 PID=$("${AS_USER[@]}" "${USER_NPUSNAP[@]}" run --detach --pidfile "$UHOME/job.pid" --output "$UHOME/job.log" -- \
-    "$USER_PYTHON" -m npusnap_cli.workloads.train --steps 1000 --interval 0.05)
+    "$USER_PYTHON" -m npusnap_workloads.train --steps 1000 --interval 0.05)
 timeout 20 sh -c "until grep -q '^step 3 ' '$UHOME/job.log'; do sleep 0.1; done"
 ps -o user=,pid=,args= -p "$PID"
 

@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -71,7 +71,7 @@ npusnap sim start
 eval "$(npusnap sim env)"
 : >faults
 NPUSIM_FAULT_FILE=$PWD/faults setsid sh -c \
-    'npusnap run -- python3 -m npusnap_cli.workloads.train --steps 1000 --interval 0.05 >>job.log 2>&1 & echo $! >job.pid; wait' \
+    'npusnap run -- python3 -m npusnap_workloads.train --steps 1000 --interval 0.05 >>job.log 2>&1 & echo $! >job.pid; wait' \
     </dev/null >/dev/null 2>&1 &
 timeout 10 sh -c 'until [ -s job.pid ]; do sleep 0.1; done'
 PID=$(cat job.pid)

@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -71,9 +71,9 @@ export NPUSIM_SOCKET=$PWD/sim/npusim.sock
 npusnap sim start --devices 4 --capacity 512MiB
 eval "$(npusnap sim env)"
 # The same job uninterrupted, for comparison: its output depends only on --steps and --seed.
-python3 -m npusnap_cli.workloads.train --steps 60 --seed 5 --interval 0 >reference.log
+python3 -m npusnap_workloads.train --steps 60 --seed 5 --interval 0 >reference.log
 PID=$(npusnap run --pid-ns --detach --pidfile job.pid --output job.log -- \
-    python3 -m npusnap_cli.workloads.train --steps 60 --seed 5 --interval 0.05)
+    python3 -m npusnap_workloads.train --steps 60 --seed 5 --interval 0.05)
 grep NSpid "/proc/$PID/status"     # host pid, then 1: init of its own namespace
 timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
 npusnap status "$PID"
@@ -115,7 +115,7 @@ ip netns del "$NETNS"
 
 # --- block 5 ---
 PID2=$(npusnap run --detach --pidfile job2.pid --output job2.log -- \
-    python3 -m npusnap_cli.workloads.train --steps 400 --interval 0.05)
+    python3 -m npusnap_workloads.train --steps 400 --interval 0.05)
 timeout 20 sh -c 'until grep -q "^step 3 " job2.log; do sleep 0.1; done'
 npusnap dump "$PID2" nodeA/img2 --leave-running
 rc=0; npusnap restore nodeA/img2 --replicas 2 --device-map 0=1 --device-map 0=2 || rc=$?

@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -71,9 +71,9 @@ npusnap sim start
 eval "$(npusnap sim env)"
 mkdir -m 700 nodeA nodeB
 # The same job uninterrupted, for comparison: its output depends only on --steps and --seed.
-python3 -m npusnap_cli.workloads.train --steps 50 --seed 3 --interval 0 >reference.log
+python3 -m npusnap_workloads.train --steps 50 --seed 3 --interval 0 >reference.log
 PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
-    python3 -m npusnap_cli.workloads.train --steps 50 --seed 3 --interval 0.05)
+    python3 -m npusnap_workloads.train --steps 50 --seed 3 --interval 0.05)
 timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
 
 # --- block 2 ---

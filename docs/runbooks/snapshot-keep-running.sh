@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -72,7 +72,7 @@ eval "$(npusnap sim env)"
 
 # --- block 2 ---
 TORCH_NPU_PYTHON=$(python3 -c 'from npusnap_cli import paths; print(paths.build_dir() / "torch-npu/bin/python")')
-JOB=$(python3 -c 'from npusnap_cli.workloads import script_path; print(script_path("torch_npu_block"))')
+JOB=$(python3 -c 'from npusnap_workloads import script_path; print(script_path("torch_npu_block"))')
 PID=$(npusnap run --detach --pidfile job.pid --output job.log -- \
     "$TORCH_NPU_PYTHON" "$JOB" --steps 1000 --interval 0.05)
 echo "job pid $PID"

@@ -25,10 +25,10 @@ runbook_cleanup() {
     # The jobs the page started (their pid files, $PID): killed only if the pid still is one.
     for f in $(find "$RUNBOOK_DIR" -name '*.pid' 2>/dev/null); do
         p=$(cat "$f" 2>/dev/null) || continue
-        if grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
+        if grep -qs npusnap_workloads "/proc/$p/cmdline"; then kill -9 "$p" 2>/dev/null || true; fi
     done
     p=${PID:-}
-    if [ -n "$p" ] && grep -qs npusnap_cli.workloads "/proc/$p/cmdline"; then
+    if [ -n "$p" ] && grep -qs npusnap_workloads "/proc/$p/cmdline"; then
         kill -9 "$p" 2>/dev/null || true
     fi
     # Services the page started (pid files *.service.pid: a container runtime, a registry) and what
@@ -69,7 +69,7 @@ cd "$RUNBOOK_DIR"
 export NPUSIM_SOCKET=$PWD/sim/npusim.sock   # a simulator of this page's own (shared hosts)
 npusnap sim start
 eval "$(npusnap sim env)"
-TRAIN=$(python3 -c 'import npusnap_cli.workloads.torch_ranks as m; print(m.__file__)')
+TRAIN=$(python3 -c 'import npusnap_workloads.torch_ranks as m; print(m.__file__)')
 
 # --- block 2 ---
 torchrun --standalone --nproc-per-node 2 "$TRAIN" --steps 30 --interval 0 >reference.log

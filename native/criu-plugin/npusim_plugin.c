@@ -2,13 +2,13 @@
  * npu_plugin.so is for /dev/davinci* (record the device handle at dump, reopen it at restore).
  *
  * The simulated runtime (native/npusim/runtime.c) keeps a connected unix stream socket to the
- * npusim daemon (npusnap_cli/sim/daemon.py) for as long as it has a device open, across Lock and
+ * npusim daemon (npusnap_sim/daemon.py) for as long as it has a device open, across Lock and
  * Backup, as the real runtime keeps /dev/davinci_manager open. Stock CRIU cannot dump that socket
  * ("External socket is used"; with --ext-unix-sk "Ext stream not supported"), so a simulated NPU
  * process cannot be dumped without this plugin, exactly as a real one cannot without Huawei's.
  *
  * Dump:    DUMP_UNIX_SK(fd, id)  the socket's peer is an npusim daemon (a path-bound stream socket
- *                                whose owner, by SO_PEERCRED, runs npusnap_cli.sim.daemon): write
+ *                                whose owner, by SO_PEERCRED, runs npusnap_sim.daemon): write
  *                                npusim-dev-<id>.img (the daemon's socket path) into the images
  *                                directory, add the inventory entry once. Anything else: -ENOTSUP.
  *                                A socket with bytes in flight (a call frozen half-way) is refused.
@@ -54,7 +54,7 @@ extern void print_on_level(unsigned int loglevel, const char *format, ...)
 #define PREFIX "npusim-plugin: "
 #define FINI_DUMP_ERR "[npusim-plugin fini-dump err]"
 #define IMAGE_FORMAT "npusim-dev-%d.img"
-#define DAEMON_MODULE "npusnap_cli.sim.daemon"
+#define DAEMON_MODULE "npusnap_sim.daemon"
 #define LOG_ERR 1
 #define LOG_INF 3
 
@@ -70,7 +70,7 @@ static struct {
 } S;
 
 /* The peer process of a connected unix socket runs the npusim daemon: its command line names the
- * daemon's module (`python -m npusnap_cli.sim.daemon ...`, how `npusnap sim start` runs it). */
+ * daemon's module (`python -m npusnap_sim.daemon ...`, how `npusnap sim start` runs it). */
 static int peer_is_daemon(int fd, pid_t *daemon_pid) {
     struct ucred cred;
     socklen_t len = sizeof cred;

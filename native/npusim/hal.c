@@ -1,6 +1,6 @@
 /* libascend_hal.so of the simulated NPU: the driver's user-space API (hal.h).
  *
- * It owns the device connection (a unix socket to the daemon, npusnap_cli/sim/daemon.py: the
+ * It owns the device connection (a unix socket to the daemon, npusnap_sim/daemon.py: the
  * stand-in for /dev/davinci_manager) and the process's device memory table: plain allocations
  * (halMemAlloc), physical allocations (halMemCreate), reserved virtual ranges (halMemAddressReserve)
  * and the mappings of physical memory into them (halMemMap). Every byte of device memory is a memfd

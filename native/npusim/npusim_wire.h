@@ -1,4 +1,4 @@
-/* Wire format between the simulated runtime (C) and the device daemon (npusnap_cli/sim/daemon.py):
+/* Wire format between the simulated runtime (C) and the device daemon (npusnap_sim/daemon.py):
  * the ops, flags and structs are generated from native/contract/npusnap.toml (its [npusim] part),
  * which also generates npusnap_cli/contract.py for the daemon's side. */
 #ifndef NPUSIM_WIRE_H

@@ -22,7 +22,6 @@ from npusnap_cli import acl, paths
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import devmaps
-from npusnap_cli.sim.daemon import dev_dir
 
 _NODE = re.compile(r"^davinci(\d+)$")
 
@@ -44,7 +43,7 @@ class DeviceUse:
 def node_dir(simulated: bool) -> str:
     """Where this node's device nodes are: the simulated NPU's ``davinciN`` files, or /dev."""
     if simulated:
-        return dev_dir(str(paths.sim_socket_path()))
+        return paths.sim_dev_dir(str(paths.sim_socket_path()))
     return "/dev"
 
 

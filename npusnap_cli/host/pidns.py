@@ -36,7 +36,6 @@ from npusnap_cli import criuimages, paths
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import DeviceError, PreflightError, TargetError, UsageError
 from npusnap_cli.host.procfs import ns_pids
-from npusnap_cli.sim.daemon import dev_dir
 
 
 def _ns(pid: int | str) -> str:
@@ -273,7 +272,7 @@ def enter_device_view(manifest: Any, device_map: tuple[tuple[int, int], ...]) ->
     nodes, so the driver numbers them 0, 1, ... as the image's device ids. What a container
     runtime does on a node with the container's /dev (docs/simulator.md). Returns the devices."""
     wanted = container_devices(manifest, device_map)
-    nodes = dev_dir(str(paths.sim_socket_path()))
+    nodes = paths.sim_dev_dir(str(paths.sim_socket_path()))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 

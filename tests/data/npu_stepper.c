@@ -14,7 +14,7 @@
  * continued" should anyone resume it, and is killed after the last step.
  *
  * --libs DIR dlopens every libjx*.so in DIR and --threads T starts T threads that wait on a
- * condition variable for ever: with npusnap_cli/workloads/jaxsize.py's libraries this is a
+ * condition variable for ever: with npusnap_workloads/jaxsize.py's libraries this is a
  * process the size of a JAX job, for the attach tests and the bench.
  */
 #include <dirent.h>

@@ -25,13 +25,13 @@ from npusnap_cli import image
 from npusnap_cli.criu import find_criu
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
-from npusnap_cli.sim import manager
+from npusnap_sim import manager
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 NPUSNAP = str(Path(sys.executable).parent / "npusnap")
-TRAIN = str(REPO / "npusnap_cli" / "workloads" / "train.py")
-LAUNCHER = str(REPO / "npusnap_cli" / "workloads" / "launcher.py")
+TRAIN = str(REPO / "npusnap_workloads" / "train.py")
+LAUNCHER = str(REPO / "npusnap_workloads" / "launcher.py")
 # Small and quick: a step every 50 ms, 64 KiB of parameters.
 TRAIN_ARGS = ["--interval", "0.05", "--param-bytes", "65536"]
 

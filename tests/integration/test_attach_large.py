@@ -1,6 +1,6 @@
 """`npusnap attach`, `dump` and `restore` on processes the size of a JAX job.
 
-The targets (npusnap_cli/workloads/jaxsize.py, and tests/data/npu_stepper.c --libs) map 240
+The targets (npusnap_workloads/jaxsize.py, and tests/data/npu_stepper.c --libs) map 240
 generated libraries with 2000 functions and full debug info each, 1.4 GiB of text in ~1300
 mappings, and run 48 idle pool threads besides the simulated NPU's device loop: what made gdb
 stop a real JAX job for 4-6 s while it read symbols. The libraries are built once (cached under
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
-from npusnap_cli.workloads import jaxsize
+from npusnap_workloads import jaxsize
 from tests.conftest import requires_root
 from tests.integration.agentlib import expected_checksums
 from tests.integration.dumplib import PY, REPO, Job, alive, cli, job_env, reference, wait_until
@@ -61,7 +61,7 @@ def python_job(tmp: Path, env: dict[str, str], libs: Path, steps: int, *, agent:
     argv = [
         PY,
         "-m",
-        "npusnap_cli.workloads.jaxsize",
+        "npusnap_workloads.jaxsize",
         "--libs",
         str(libs),
         "--",
@@ -152,7 +152,7 @@ def test_attach_busy_jax_sized_python_the_breakpoint_way(
     """A job with no thread asleep in a lock-free call is entered at a breakpoint: gdb then reads
     only the symbols it needs, and the stop it reports still covers the job's stall."""
     env = job_env(sim_env, runtime_dir)
-    argv = [PY, "-m", "npusnap_cli.workloads.jaxsize", "--libs", str(libs), "--"]
+    argv = [PY, "-m", "npusnap_workloads.jaxsize", "--libs", str(libs), "--"]
     job = Job(tmp_path, env, [*argv, "--steps", "0", "--interval", "0", "--param-bytes", "4096"], agent=False)
     try:
         job.wait_lines(3)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
-from npusnap_cli.pipelines import demo
+from npusnap_workloads import demo
 from tests.conftest import requires_root
 
 NPUSNAP = str(Path(sys.executable).parent / "npusnap")

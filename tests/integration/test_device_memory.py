@@ -459,7 +459,7 @@ def test_device_memory_goes_to_its_own_image_file(
     from tests.integration.dumplib import PY, Job, alive
 
     mib = 24
-    bigalloc = str(REPO / "npusnap_cli" / "workloads" / "bigalloc.py")
+    bigalloc = str(REPO / "npusnap_workloads" / "bigalloc.py")
     argv = [PY, bigalloc, "--device-mib", str(mib), "--host-mib", "1", "--interval", "0.05", "--seed", "3"]
     env = job_env(sim_env, runtime_dir)
 
@@ -534,7 +534,7 @@ class _Daemon:
         self.sock = str(self.dir / "npusim.sock")
 
     def _with_socket(self, fn: Callable[[], object]) -> object:
-        from npusnap_cli.sim import manager  # noqa: F401 - resolved through NPUSIM_SOCKET
+        from npusnap_sim import manager  # noqa: F401 - resolved through NPUSIM_SOCKET
 
         saved = os.environ.get("NPUSIM_SOCKET")
         os.environ["NPUSIM_SOCKET"] = self.sock
@@ -547,7 +547,7 @@ class _Daemon:
                 os.environ["NPUSIM_SOCKET"] = saved
 
     def start(self, driver_snapshot: bool, driver_version: int = 1) -> dict[str, str]:
-        from npusnap_cli.sim import manager
+        from npusnap_sim import manager
 
         self._with_socket(
             lambda: manager.start(
@@ -562,7 +562,7 @@ class _Daemon:
         return env
 
     def stop(self) -> None:
-        from npusnap_cli.sim import manager
+        from npusnap_sim import manager
 
         self._with_socket(manager.stop)
 

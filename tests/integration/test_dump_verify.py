@@ -38,7 +38,7 @@ from tests.integration.test_pidns import lines, nspid, start_ns_job
 
 pytestmark = pytest.mark.integration
 
-WORKLOADS = str(REPO / "npusnap_cli" / "workloads")
+WORKLOADS = str(REPO / "npusnap_workloads")
 
 # train.py with a child that exits at once and that it never waits for: a zombie for the whole
 # run (zdtm's zombie00 in a job).

@@ -36,7 +36,7 @@ from tests.unit.test_image import _build, _manifest
 pytestmark = [pytest.mark.integration, requires_root]
 
 DOC = REPO / "docs" / "exit-codes.md"
-RANKS = str(REPO / "npusnap_cli" / "workloads" / "ranks.py")
+RANKS = str(REPO / "npusnap_workloads" / "ranks.py")
 
 # Classes of the table no outside action can bring about, and why.
 NOT_INJECTED = {

@@ -303,7 +303,7 @@ def test_the_simulator_daemon_stays_idle_after_a_job_with_many_allocations(
     holding a core, answers status at once, and is idle again within a second."""
     import psutil
 
-    from npusnap_cli.sim import wire
+    from npusnap_sim import wire
 
     sock = sim.env["NPUSIM_SOCKET"]
     daemon = next(p for p in psutil.process_iter(["cmdline"]) if sock in " ".join(p.info["cmdline"] or []))

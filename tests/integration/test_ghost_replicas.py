@@ -73,7 +73,7 @@ def test_replicas_of_a_job_holding_a_deleted_file(
     args = [*TRAIN_ARGS, "--steps", "80", "--device", "0"]
     ref = reference(env, args)
     job = tmp_path / "ghostjob.py"
-    job.write_text(GHOST_JOB.format(workloads=str(REPO / "npusnap_cli" / "workloads")))
+    job.write_text(GHOST_JOB.format(workloads=str(REPO / "npusnap_workloads")))
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     out = tmp_path / "job.out"

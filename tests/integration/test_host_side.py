@@ -30,7 +30,7 @@ from tests.integration.dumplib import (
 
 pytestmark = pytest.mark.integration
 
-HOSTJOB = str(REPO / "npusnap_cli" / "workloads" / "hostjob.py")
+HOSTJOB = str(REPO / "npusnap_workloads" / "hostjob.py")
 _refs: dict[tuple[str, ...], list[str]] = {}
 
 
@@ -294,7 +294,7 @@ def test_restore_fails_when_the_job_dies_right_after_resuming(
     """Restore never says "running" of a job that is dead: a pipe on fd 5 lost its reader."""
     env = job_env(sim_env, runtime_dir)
     script = tmp_path / "stray.py"
-    script.write_text(STRAY_WRITER.format(wl=str(REPO / "npusnap_cli" / "workloads")))
+    script.write_text(STRAY_WRITER.format(wl=str(REPO / "npusnap_workloads")))
     r, w = os.pipe()
     drain = threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(r, 4096), b"")], daemon=True)
     drain.start()

@@ -29,7 +29,7 @@ def _ticks(job: Job) -> list[str]:
 
 
 def _bigalloc(tmp: Path, env: dict[str, str], mib: int) -> Job:
-    argv = [PY, str(REPO / "npusnap_cli" / "workloads" / "bigalloc.py"), "--device-mib", str(mib)]
+    argv = [PY, str(REPO / "npusnap_workloads" / "bigalloc.py"), "--device-mib", str(mib)]
     job = Job(tmp, env, [*argv, "--host-mib", "1", "--interval", "0.05", "--seed", "5"])
     wait_until(lambda: len(_ticks(job)) >= 2, 60, "bigalloc's first ticks")
     return job
@@ -130,7 +130,7 @@ def test_a_bad_chunk_is_named_and_refused(sim_env: dict[str, str], runtime_dir: 
     assert rc == ExitCode.IMAGE and chunk in json.dumps(out["error"]), (rc, out, err)
 
 
-LORA = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_lora.py")
+LORA = str(REPO / "npusnap_workloads" / "torch_npu_lora.py")
 
 
 def test_a_lora_job_second_snapshot_writes_under_5_percent_and_restores_exactly(

@@ -36,7 +36,7 @@ from tests.integration.test_host_side import Netns, _netns_skip_reason
 
 pytestmark = pytest.mark.integration
 
-RANKS = str(REPO / "npusnap_cli" / "workloads" / "ranks.py")
+RANKS = str(REPO / "npusnap_workloads" / "ranks.py")
 NPUSNAP = str(Path(PY).parent / "npusnap")
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import paths
-from npusnap_cli.workloads import script_path
+from npusnap_workloads import script_path
 from tests.conftest import requires_root
 from tests.integration.dumplib import PY, REPO, Job, alive, cli, job_env, wait_until
 

@@ -22,7 +22,7 @@ import pytest
 
 from npusnap_cli import paths
 from npusnap_cli.device.agent_client import AgentClient, AgentOpError
-from npusnap_cli.sim import wire
+from npusnap_sim import wire
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration import podmanlib
 from tests.integration.dumplib import kill, wait_until

@@ -26,7 +26,7 @@ from typing import Iterator
 import pytest
 
 from npusnap_cli.errors import ExitCode
-from npusnap_cli.workloads.infer import write_weights
+from npusnap_workloads.infer import write_weights
 from tests.integration import torchlib
 from tests.integration.dumplib import (
     NPUSNAP,
@@ -45,8 +45,8 @@ from tests.integration.test_pidns import nspid, start_ns_job
 
 pytestmark = pytest.mark.integration
 
-LOADER = str(REPO / "npusnap_cli" / "workloads" / "torch_loader.py")
-INFER = str(REPO / "npusnap_cli" / "workloads" / "infer.py")
+LOADER = str(REPO / "npusnap_workloads" / "torch_loader.py")
+INFER = str(REPO / "npusnap_workloads" / "infer.py")
 LOADER_ARGS = ["--epochs", "2", "--workers", "2", "--records", "96", "--batch", "4"]
 needs_torch = pytest.mark.skipif(torchlib.skip_reason() is not None, reason=str(torchlib.skip_reason()))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli.workloads import script_path
+from npusnap_workloads import script_path
 
 pytestmark = pytest.mark.integration
 NPUSNAP = [sys.executable, "-m", "npusnap_cli"]
@@ -101,7 +101,7 @@ def test_daemon_bandwidth_cap_slows_copies(private_socket: dict[str, str]) -> No
     assert took >= 0.6
 
 
-# The operators the attention block (workloads/torch_npu_block.py) and a small training step use
+# The operators the attention block (npusnap_workloads/torch_npu_block.py) and a small training step use
 # (the torch_npu notes' list): `sim ops` must count every one as implemented, or the job could not run.
 # fmt: off
 BLOCK_OPS = [

@@ -26,7 +26,7 @@ from typing import Callable
 import pytest
 
 from npusnap_cli.host.procfs import is_alive as alive
-from npusnap_cli.workloads import script_path
+from npusnap_workloads import script_path
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.sim_helpers import HERE, Driver, wait_for
 
@@ -224,7 +224,7 @@ def test_a_call_frozen_half_way_is_refused_by_the_device_plugin_and_marked(
     `[npusim-plugin fini-dump err]` line, which npusnap's dump-log scan refuses (as Huawei's
     orchestrator scans for its plugin's line). The stray reply is put there by the test."""
     from npusnap_cli.host import criuplugin
-    from npusnap_cli.sim import wire
+    from npusnap_sim import wire
 
     out, img, status = tmp_path / "out", tmp_path / "img", tmp_path / "status"
     img.mkdir()

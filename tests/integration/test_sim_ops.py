@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from npusnap_cli.device.agent_client import AgentClient
-from npusnap_cli.workloads import script_path
+from npusnap_workloads import script_path
 from tests.integration.agentlib import (
     PY,
     Sim,

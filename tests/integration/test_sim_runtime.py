@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-from npusnap_cli.sim import wire
+from npusnap_sim import wire
 from tests.integration.sim_helpers import Driver, wait_for
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ The per-operator checkers (tests/torch_npu/check_*.py) compare every implemented
 forward and backward with the CPU on non-contiguous views, in float32, float16 and bfloat16, and
 rerun each case to require identical bits; the generation checker decodes greedily with a small
 GPT built in the process and must match the CPU token for token. The training tests run the
-attention block of npusnap_cli/workloads/torch_npu_block.py (embedding, LayerNorm, causal attention, GELU MLP,
+attention block of npusnap_workloads/torch_npu_block.py (embedding, LayerNorm, causal attention, GELU MLP,
 cross-entropy, AdamW or SGD with their default foreach settings, gradient clipping) for 20 steps
 and compare every loss with the CPU's, in every task-queue mode and with expandable segments.
 """
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, requires_root]
 
 SCRIPTS = REPO / "tests" / "torch_npu"
 # The attention block is the demo's workload too: one definition, in the package.
-BLOCK = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_block.py")
+BLOCK = str(REPO / "npusnap_workloads" / "torch_npu_block.py")
 FAST = {"NPUSIM_KERNEL_BLOCK_US": "0"}
 
 

@@ -1,5 +1,5 @@
 """Snapshots of real torch_npu jobs on several devices: a DDP job over hccl
-(npusnap_cli/workloads/torch_npu_ddp.py), two ranks on two simulated devices, every torch_npu
+(npusnap_workloads/torch_npu_ddp.py), two ranks on two simulated devices, every torch_npu
 setting at its default (task queue, the HCCL watchdog with its tear-down, the caching
 allocator), started under plain `npusnap run` (`--no-io-uring` for torchrun), dumped and
 restored with plain `npusnap dump PID DIR` / `npusnap restore DIR` -- twice in one run, so that
@@ -9,7 +9,7 @@ run's. npusnap makes the HCCL communicators anew behind the job's handles
 (native/agent/hccl.c, npusnap_cli/device/hcclrebuild.py); the job is not told.
 
 And a torch_npu inference server restored as replicas on other devices (`--replicas`,
-`--device-map`), each answering as the original (npusnap_cli/workloads/torch_npu_serve.py).
+`--device-map`), each answering as the original (npusnap_workloads/torch_npu_serve.py).
 
 Launchers: torch.multiprocessing (one tree: the launcher and two ranks, rank 0 hosting the
 rendezvous store) and torchrun (its elastic agent hosting the store). Trees: the simulator's
@@ -33,7 +33,7 @@ from tests.integration.test_torch_npu_snapshot import STRICT
 
 pytestmark = [pytest.mark.integration, requires_root]
 
-JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_ddp.py")
+JOB = str(REPO / "npusnap_workloads" / "torch_npu_ddp.py")
 # Two processes share the output file: a line may be cut by the other's, so lines are found by
 # pattern, not by newline.
 LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+) params ([0-9a-f]{16})")
@@ -185,7 +185,7 @@ def test_leave_running_both_the_original_and_the_image_continue_exactly(
         job.cleanup()
 
 
-SERVE = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_serve.py")
+SERVE = str(REPO / "npusnap_workloads" / "torch_npu_serve.py")
 
 
 def http_get(port: int, path: str) -> str:
@@ -215,7 +215,7 @@ def test_inference_replicas_answer_as_the_original(
     torch_npu_python: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """A torch_npu inference server (a GPT-style model built in the process, greedy generation over
-    HTTP, npusnap_cli/workloads/torch_npu_serve.py) dumped once warm, restored as two replicas on
+    HTTP, npusnap_workloads/torch_npu_serve.py) dumped once warm, restored as two replicas on
     the two devices (`--replicas 2 --device-map 0=0 --device-map 0=1`): both serve, and each
     answers exactly what the original answered."""
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")

@@ -1,4 +1,4 @@
-"""Snapshots of a real torch_npu training job (npusnap_cli/workloads/torch_npu_block.py: an attention block,
+"""Snapshots of a real torch_npu training job (npusnap_workloads/torch_npu_block.py: an attention block,
 AdamW or SGD with their default foreach settings) on the simulated NPU, with no change to the
 script: `npusnap run`, `npusnap dump` at some moment, `npusnap restore`, and every later step line
 (loss and a hash of every parameter) equals the uninterrupted run's.
@@ -29,7 +29,7 @@ from tests.integration.dumplib import REPO, Job, alive, cli, job_env, wait_until
 
 pytestmark = [pytest.mark.integration, requires_root]
 
-JOB = str(REPO / "npusnap_cli" / "workloads" / "torch_npu_block.py")
+JOB = str(REPO / "npusnap_workloads" / "torch_npu_block.py")
 # The simulated tree that exports real CANN names only, and npusnap forbidden to reach the
 # simulator's daemon: what npusnap does for torch_npu needs nothing a real node lacks.
 STRICT = {

@@ -36,7 +36,7 @@ from tests.integration.dumplib import (
 from tests.integration.test_jobs import jobs_env
 from tests.integration.torchlib import TORCHRUN
 
-WORKLOAD = str(REPO / "npusnap_cli" / "workloads" / "torch_ranks.py")
+WORKLOAD = str(REPO / "npusnap_workloads" / "torch_ranks.py")
 STEPS = 80
 
 pytestmark = [

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import acl, paths
-from npusnap_cli.sim import manager
+from npusnap_sim import manager
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,37 @@ def test_an_arrow_up_a_cycle_and_a_module_on_no_floor_are_found(
     assert not any(line.startswith("image.c") for line in found)  # a type is no arrow
 
 
+def test_the_product_imports_no_stand_in_in_any_way(
+    layers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "cli.py": (
+                "import importlib\n"
+                'COMMANDS = {"sim": ("npusnap_sim.cli", "The simulated NPU.")}\n'  # data, not an import
+                "def load(name):\n    return importlib.import_module(name)\n"
+            ),
+            "paths.py": "import npusnap_sim.daemon\n",
+            "acl.py": "def f():\n    from npusnap_workloads import demo  # lazy: still an import\n",
+            "units.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from npusnap_sim import wire\n"
+            ),
+            "errors.py": "import importlib\nimportlib.import_module('npusnap_workloads.cli')\n",
+            "elf.py": "__import__('npusnap_sim')\nimport npusnap_simulated\n",  # another name: not a stand-in
+        },
+    )
+    monkeypatch.setattr(layers, "PACKAGE", pkg)
+    found = layers.stand_in_imports(layers.modules())
+    assert [line.split(" imports ")[0] for line in found] == [
+        "npusnap_cli/acl.py:2: acl",
+        "npusnap_cli/elf.py:1: elf",
+        "npusnap_cli/errors.py:2: errors",
+        "npusnap_cli/paths.py:1: paths",
+        "npusnap_cli/units.py:3: units",
+    ]
+
+
 def test_the_house_holds_and_internals_md_shows_it() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "check_layers.py"), "--check-doc"],

@@ -54,11 +54,13 @@ def test_the_command_table_summaries_are_the_commands_own() -> None:
 
 
 def test_help_imports_no_command_module() -> None:
-    """`npusnap --help` lists every command without importing any command's module."""
+    """`npusnap --help` lists every command without importing any command's module, nor the
+    simulator's or the workloads' packages (whose commands the table names by dotted path)."""
     code = (
         "import sys; from npusnap_cli.cli import main; main(['--help']); "
         "print(sorted(m for m in sys.modules "
-        "if m.startswith('npusnap_cli.commands.') and not m.endswith('_common')))"
+        "if m.startswith(('npusnap_cli.commands.', 'npusnap_sim', 'npusnap_workloads')) "
+        "and not m.endswith('_common')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out

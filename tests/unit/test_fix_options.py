@@ -1,7 +1,8 @@
 """Every `--option` that an error's fix names exists on some npusnap command.
 
 A fix is the one line an operator acts on; naming an option that does not exist sends them to a
-usage error. This scans every ``fix=`` argument in the package's source (strings and f-strings).
+usage error. This scans every ``fix=`` argument in the source of the product and of its stand-ins
+(whose `npusnap sim` and `npusnap demo` errors an operator meets too), strings and f-strings.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import click
 
 from tests.unit.test_cli import all_commands
 
-PACKAGE = Path(__file__).resolve().parents[2] / "npusnap_cli"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = [REPO / name for name in ("npusnap_cli", "npusnap_sim", "npusnap_workloads")]
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options of other programs that a fix may name, with the program it belongs to in the text.
 FOREIGN = {
@@ -35,7 +37,7 @@ def _strings(node: ast.AST) -> list[str]:
 
 def _fix_texts() -> list[tuple[str, int, str]]:
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in package.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):

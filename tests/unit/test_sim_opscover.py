@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import PreflightError
-from npusnap_cli.sim import opscover
+from npusnap_sim import opscover
 
 
 def test_only_whole_aclnn_strings_count(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from npusnap_cli.sim import daemon as daemon_mod
-from npusnap_cli.sim import wire
-from npusnap_cli.sim.daemon import Daemon, start_time
+from npusnap_sim import daemon as daemon_mod
+from npusnap_sim import wire
+from npusnap_sim.daemon import Daemon, start_time
 
 MiB = 1 << 20
 REAL_MEMORY_TO_SPARE = daemon_mod._memory_to_spare  # before the fixture below replaces it

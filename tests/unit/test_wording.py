@@ -16,7 +16,8 @@ from pathlib import Path
 from npusnap_cli import paths
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = [REPO / d for d in ("npusnap_cli", "docs", "bench", "native", "scripts")] + [REPO / "README.md"]
+PACKAGES = ("npusnap_cli", "npusnap_sim", "npusnap_workloads")
+SOURCES = [REPO / d for d in (*PACKAGES, "docs", "bench", "native", "scripts")] + [REPO / "README.md"]
 SUFFIXES = {".py", ".md", ".c", ".h", ".sh"}
 
 STALE_COPY = re.compile(

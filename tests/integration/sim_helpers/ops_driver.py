@@ -27,7 +27,7 @@ import time
 import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_cli", "workloads"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_workloads"))
 import npu_train as nt  # type: ignore[import-not-found]
 
 c_void_p = ctypes.c_void_p

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-WORKLOADS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_cli", "workloads")
+WORKLOADS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "npusnap_workloads")
 sys.path.insert(0, os.path.abspath(WORKLOADS))
 import train  # noqa: E402
 

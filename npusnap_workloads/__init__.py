@@ -4,6 +4,10 @@ Each is a standalone script for plain ``python3`` (3.9+) that talks to the CANN 
 ctypes on ``$ASCEND_HOME_PATH/lib64/libacl_rt.so``, exactly as a user program would — run
 ``eval "$(npusnap sim env)"`` first to use the simulated NPU. ``script_path(name)`` gives their
 paths to the demo and the tests.
+
+Here too: the demo (``demo.py``) and its command, `npusnap demo` (``cli.py``, named by its full
+name in the CLI's command table). Like the simulator, this package stands beside the product: it
+imports npusnap_cli, which never imports it.
 """
 
 from __future__ import annotations

@@ -34,11 +34,12 @@ from typing import Any, Optional
 from npusnap_cli import errors, paths
 from npusnap_cli.errors import ContinuityError, NpusnapError, PreflightError, TargetError
 from npusnap_cli.host import procfs
-from npusnap_cli.sim import manager
+from npusnap_sim import manager
+from npusnap_workloads import WORKLOADS_DIR
 
-TRAIN = paths.PACKAGE_DIR / "workloads" / "train.py"
-NPU_TRAIN = paths.PACKAGE_DIR / "workloads" / "npu_train.py"
-TORCH_NPU_BLOCK = paths.PACKAGE_DIR / "workloads" / "torch_npu_block.py"
+TRAIN = WORKLOADS_DIR / "train.py"
+NPU_TRAIN = WORKLOADS_DIR / "npu_train.py"
+TORCH_NPU_BLOCK = WORKLOADS_DIR / "torch_npu_block.py"
 WORKLOADS = {"torch_npu": TORCH_NPU_BLOCK, "compute": NPU_TRAIN, "memory": TRAIN}
 AUTO = "auto"  # torch_npu when its venv is there, else compute
 

@@ -2,7 +2,7 @@
 torch_npu setting at its default (task queue, watchdog, caching allocator)::
 
     eval "$(npusnap sim env)"
-    npusnap run -- .build/torch-npu/bin/python npusnap_cli/workloads/torch_npu_ddp.py --steps 30
+    npusnap run -- .build/torch-npu/bin/python npusnap_workloads/torch_npu_ddp.py --steps 30
 
 ``--launcher spawn`` (the default) starts the ranks with torch.multiprocessing: one process tree.
 ``--launcher none`` is one rank as torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the

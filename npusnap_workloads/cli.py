@@ -10,8 +10,8 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
-from npusnap_cli.pipelines import demo as core
 from npusnap_cli.ui import human_bytes
+from npusnap_workloads import demo as core
 
 
 def register(app: typer.Typer) -> None:

@@ -1,6 +1,6 @@
 """The simulated NPU's device daemon: owns device memory and device occupancy for the whole host.
 
-Run as ``python -m npusnap_cli.sim.daemon --socket PATH --devices N --capacity BYTES``. Processes
+Run as ``python -m npusnap_sim.daemon --socket PATH --devices N --capacity BYTES``. Processes
 using the simulated runtime (native/npusim) connect over a unix socket; the daemon identifies each
 by (pid, start time) read through SO_PEERCRED and /proc at connect time — CRIU restores the same
 pid, so the pid alone would let a restored copy inherit the dead original's device.
@@ -32,8 +32,9 @@ Which devices a process sees is decided as the driver decides it: the driver num
 whose node (/dev/davinciN) a process's mount namespace holds, in physical order, from 0 (driver
 src/sdk_driver/pbl/uda/uda_access.c: uda_init_ns_node_dev opens each node in the process's
 context; devdrv_manager_container_logical_id_to_physical_id). The simulator's nodes are the files
-``davinciN`` of DEV_DIR(socket) (``<socket>.dev``), one per device, made at start; a container
-of the simulated NPU is a mount namespace in which that directory holds only its devices' nodes.
+``davinciN`` of ``paths.sim_dev_dir(socket)`` (``<socket>.dev``), one per device, made at start;
+a container of the simulated NPU is a mount namespace in which that directory holds only its
+devices' nodes.
 The logical ids travel on the wire; the daemon turns them into devices through the caller's view.
 Standard library only.
 """
@@ -58,7 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from npusnap_cli import paths
 from npusnap_cli.host import procfs
-from npusnap_cli.sim import wire
+from npusnap_sim import wire
 
 Owner = Tuple[int, int]  # (pid, start time in clock ticks, /proc/PID/stat field 22)
 GiB = 1 << 30
@@ -146,11 +147,6 @@ def span_base(addr: int) -> int:
     return wire.ADDR_BASE + (addr - wire.ADDR_BASE) // wire.ADDR_SPAN * wire.ADDR_SPAN
 
 
-def dev_dir(sock_path: str) -> str:
-    """Where the simulated device nodes of the daemon at ``sock_path`` are (its /dev/davinciN)."""
-    return sock_path + ".dev"
-
-
 class Daemon:
     def __init__(
         self,
@@ -180,7 +176,7 @@ class Daemon:
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: Optional[socket.socket] = None
-        self.dev_dir = dev_dir(sock_path)
+        self.dev_dir = paths.sim_dev_dir(sock_path)
         try:
             self.own_mnt_ns: Optional[int] = os.stat("/proc/self/ns/mnt").st_ino
         except OSError:
@@ -778,7 +774,7 @@ def log(msg: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m npusnap_cli.sim.daemon", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m npusnap_sim.daemon", description=__doc__)
     ap.add_argument("--socket", default=str(paths.sim_socket_path()), help="unix socket path to listen on")
     ap.add_argument("--devices", type=int, default=2, help="number of simulated devices (default 2)")
     ap.add_argument(

@@ -12,8 +12,8 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, GlobalOptions, epilog, output
 from npusnap_cli.errors import UsageError
-from npusnap_cli.sim import manager, opscover
 from npusnap_cli.ui import human_bytes
+from npusnap_sim import manager, opscover
 
 _UNITS = {
     "": 1,

@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from train import AclFailure, Trainer, load_acl  # type: ignore[import-not-found]
 else:
-    from npusnap_cli.workloads.train import AclFailure, Trainer, load_acl
+    from npusnap_workloads.train import AclFailure, Trainer, load_acl
 
 
 def square_plus(x: int) -> int:

@@ -3,7 +3,7 @@ torch_npu_block.py, stacked) built in the process, uploaded to its NPU, warmed u
 greedy generation over HTTP (the replicas benchmark and test)::
 
     eval "$(npusnap sim env)"
-    npusnap run -- .build/torch-npu/bin/python npusnap_cli/workloads/torch_npu_serve.py --port 7100
+    npusnap run -- .build/torch-npu/bin/python npusnap_workloads/torch_npu_serve.py --port 7100
 
 It listens on 127.0.0.1:PORT with SO_REUSEPORT, as multi-process servers do, so that any number
 of copies (cold-started ones, or replicas restored from one image) share the port and the kernel

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 from npusnap_cli import paths
 from npusnap_cli.errors import PreflightError
 from npusnap_cli.host import procfs
-from npusnap_cli.sim import wire
+from npusnap_sim import wire
 
 GiB = 1 << 30
 DEFAULT_DEVICES = 2
@@ -157,7 +157,7 @@ def start(
             current["started"] = False
             return current
         log = log_path()
-        cmd = [sys.executable, "-m", "npusnap_cli.sim.daemon", "--socket", str(sock)]
+        cmd = [sys.executable, "-m", "npusnap_sim.daemon", "--socket", str(sock)]
         cmd += ["--devices", str(devices), "--capacity", str(capacity_bytes)]
         if bandwidth_mbps:
             cmd += ["--bandwidth-mbps", str(bandwidth_mbps)]
@@ -168,7 +168,7 @@ def start(
         if driver_version != 1:
             cmd += ["--driver-version", str(driver_version)]
         child_env = dict(os.environ)
-        pkg_parent = str(paths.PACKAGE_DIR.parent)
+        pkg_parent = str(Path(__file__).resolve().parent.parent)  # holds npusnap_sim and npusnap_cli
         child_env["PYTHONPATH"] = pkg_parent + (
             ":" + child_env["PYTHONPATH"] if child_env.get("PYTHONPATH") else ""
         )

@@ -4,7 +4,7 @@ torch_npu venv of scripts/setup-torch-npu.sh exists), so do the snapshot and com
 the torch_npu benchmark (bench/torchnpu.py)::
 
     eval "$(npusnap sim env)"
-    npusnap run -- .build/torch-npu/bin/python npusnap_cli/workloads/torch_npu_block.py --steps 30
+    npusnap run -- .build/torch-npu/bin/python npusnap_workloads/torch_npu_block.py --steps 30
 
 Each step prints ``step N loss L params H`` (H: a hash of every parameter's bytes), so that a run
 dumped and restored midway can be compared line for line with an uninterrupted one. The job

@@ -5,7 +5,7 @@ optimizer state and its activations: a small share of its device memory, which i
 incremental snapshot (docs/image-format.md, "Device-memory chunks") must not write again::
 
     eval "$(npusnap sim env)"
-    npusnap run -- .build/torch-npu/bin/python npusnap_cli/workloads/torch_npu_lora.py --steps 40
+    npusnap run -- .build/torch-npu/bin/python npusnap_workloads/torch_npu_lora.py --steps 40
 
 Each step prints ``step N loss L adapter H`` (H: a hash of every adapter parameter's bytes); the
 base's hash is printed once at the start and once at the end (``base H``), so a restore that lost

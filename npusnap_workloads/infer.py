@@ -48,7 +48,7 @@ if __package__ in (None, ""):
         check,
     )
 else:
-    from npusnap_cli.workloads.npu_train import (
+    from npusnap_workloads.npu_train import (
         ACL_ERROR_REPEAT_INITIALIZE,
         CachingAllocator,
         ExpandableSegment,
