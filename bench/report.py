@@ -416,13 +416,13 @@ def render(plan: Plan, data: Samples, info: dict[str, Any], command: str, plot: 
 DESIGN_MEASUREMENTS = (
     (
         "device-memory files are hashed alongside CRIU only from 4 cores on",
-        "npusnap_cli/pipelines/dump.py `HASH_ALONGSIDE_CRIU_CORES`",
+        "npusnap_cli/pipelines/dump/devmemory.py `HASH_ALONGSIDE_CRIU_CORES`",
         "2 cores, 4 interleaved pairs: 1 GiB frozen 0.60 against 0.65 s, dump 1.08 against 1.11 s; "
         "4 GiB frozen 1.50 against 1.72 s, dump 2.76 against 2.83 s (alongside slower)",
     ),
     (
         "CRIU's network lock is skipped where it would lock nothing",
-        "npusnap_cli/pipelines/dump.py `_unneeded_network_lock`",
+        "npusnap_cli/pipelines/dump/options.py `_unneeded_network_lock`",
         "nftables table creation 0.1 s, a third of a small dump's CRIU time",
     ),
     (

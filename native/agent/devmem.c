@@ -905,7 +905,7 @@ static int file_to_device(int fd, off_t off, size_t n, memcpy_fn_t memcpy_fn, co
  *  - save: each thread copies its chunk off the device into its own buffer and writes it at its
  *    place in the file (pwrite); the CLI reserves the file's blocks first (image/streamhash.py).
  *    The file is then not written front to back, which is why npusnap's CLI hashes it only after
- *    the lock answered (pipelines/dump.py);
+ *    the lock answered (pipelines/dump/devmemory.py);
  *  - reload: each thread copies its chunk from a mapping of the file to the device; the page-table
  *    work of the mappings goes in parallel even where the device copy itself is serialized.
  * What the threads gain is in docs/benchmarks.md ("Measurements behind design choices").

@@ -10,8 +10,8 @@ those device mappings (the daemon owns the memory, the process maps it, as the d
 What this tells: whether a process has NPU device memory mapped at all, and how many bytes of
 mappings. It does not tell which device, nor how much of an SVM span is allocated (the real driver
 maps ahead of use). npusnap uses it as the independent signal that a process has device memory,
-against which an agent that did not see every allocation is refused (pipelines/dump.py), and to
-find other processes using the NPU before a restore (pipelines/restore.py).
+against which an agent that did not see every allocation is refused (pipelines/dump/devmemory.py),
+and to find other processes using the NPU before a restore (pipelines/restore.py).
 """
 
 from __future__ import annotations

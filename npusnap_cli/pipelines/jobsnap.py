@@ -1,7 +1,7 @@
 """Coordinated snapshots of a distributed job: every rank at the same logical moment, or none.
 
 A *job* is several process trees (one per rank: ``npusnap dump PID PID ... DIR``). Each rank runs
-the ordinary dump pipeline (dump.py) in its own thread, and a ``JobCoordinator`` holds them at
+the ordinary dump pipeline (dump/) in its own thread, and a ``JobCoordinator`` holds them at
 the phase boundaries::
 
     preflight everywhere  | barrier "preflight"
