@@ -427,7 +427,7 @@ DESIGN_MEASUREMENTS = (
     ),
     (
         "the device-memory files are verified on every core at restore",
-        "npusnap_cli/pipelines/restore.py (`device_checks`)",
+        "npusnap_cli/pipelines/restore/steps.py (`device_checks`)",
         "1 GiB: 0.28 s of the agents' waiting on one core",
     ),
     (

@@ -11,7 +11,7 @@ What this tells: whether a process has NPU device memory mapped at all, and how 
 mappings. It does not tell which device, nor how much of an SVM span is allocated (the real driver
 maps ahead of use). npusnap uses it as the independent signal that a process has device memory,
 against which an agent that did not see every allocation is refused (pipelines/dump/devmemory.py),
-and to find other processes using the NPU before a restore (pipelines/restore.py).
+and to find other processes using the NPU before a restore (pipelines/restore/checks.py).
 """
 
 from __future__ import annotations

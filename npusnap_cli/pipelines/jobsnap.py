@@ -24,7 +24,7 @@ Job image layout (docs/image-format.md)::
     DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)
     DIR/rank-1/
 
-Restore runs the single restore's steps (restore.py) once per rank, each rank in a thread inside
+Restore runs the single restore's steps (restore/) once per rank, each rank in a thread inside
 its network namespace, with barriers between them (RESTORE_PHASES)::
 
     verify + preflight    | barrier "verified"        (nothing restored before every rank checked)
