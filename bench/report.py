@@ -478,7 +478,7 @@ DESIGN_MEASUREMENTS = (
     ),
     (
         "`criu check` runs beside other work; pycriu is imported ahead of the CRIU step",
-        "npusnap_cli/criu.py `CriuCheck`, `preload`",
+        "npusnap_cli/criu/binary.py `CriuCheck`, `preload`",
         "`criu check` 75 ms; importing pycriu 40 ms",
     ),
     (

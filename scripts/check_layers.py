@@ -54,6 +54,7 @@ FLOORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "acl",
             "criu",
+            "criu.*",
             "criupass",
             "criuimages",
             "agent",

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli import criu
+from npusnap_cli.criu import binary as criu_binary
 from npusnap_cli.errors import ImageError, PreflightError
 from npusnap_cli.host import hostres
 
@@ -111,10 +112,10 @@ def test_criu_failures_with_a_known_cause_get_their_own_message(line: str, expec
 def test_criu_below_4_2_cannot_dump_inet_sockets_on_kernels_that_refuse_passcred(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(criu, "kernel_refuses_inet_passcred", lambda: True)
+    monkeypatch.setattr(criu_binary, "kernel_refuses_inet_passcred", lambda: True)
     assert not criu.inet_sockets_supported(criu.CriuBinary("/x", "4.1.1"))
     assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.2.1"))
-    monkeypatch.setattr(criu, "kernel_refuses_inet_passcred", lambda: False)
+    monkeypatch.setattr(criu_binary, "kernel_refuses_inet_passcred", lambda: False)
     assert criu.inet_sockets_supported(criu.CriuBinary("/x", "4.1.1"))
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from npusnap_cli import criu, image, ui
 from npusnap_cli.cli import main
+from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.device import agent_client, protocol
 from npusnap_cli.errors import ImageError, NpusnapError, StateUnknownError, UsageError
 from npusnap_cli.image import archive
@@ -156,7 +157,7 @@ def test_criu_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "(00.1) Error (criu/image.c:1): Can't write: No space left on device\n"
         "(00.2) Error (criu/plugin.c:2): [npusim-plugin fini-dump err]\n"
     )
-    monkeypatch.setattr(criu, "_free_bytes", lambda _p: 10 << 30)
+    monkeypatch.setattr(criu_failures, "_free_bytes", lambda _p: 10 << 30)
     for action in ("dump", "restore"):
         err = criu._criu_error(action, Exc("Error(0): Unknown"), str(log), pid=42)
         assert int(err.exit_code) == NO_SPACE, err.message

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from npusnap_cli import criu, image, paths
+from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.errors import BusyError, ExitCode, ImageError, PreflightError
 from npusnap_cli.pipelines import restore
 from tests.unit.test_image import _manifest
@@ -193,13 +194,13 @@ def test_a_full_disk_during_criu_is_reported_as_such(tmp_path: Path, monkeypatch
     log = tmp_path / "logs" / "dump.log"
     log.parent.mkdir()
     log.write_text("")  # CRIU could not write a line of it
-    monkeypatch.setattr(criu, "_free_bytes", lambda _p: 0)
+    monkeypatch.setattr(criu_failures, "_free_bytes", lambda _p: 0)
     err = criu._criu_error("dump", Exc("Error(0): Unknown"), str(log), pid=42)
     assert "no space left" in err.message and "Unknown" not in err.message
     assert err.exit_code == ExitCode.PREFLIGHT and "df -h" in err.fix  # a full disk: 3 everywhere
 
     log.write_text("(00.1) Error (criu/image.c:1): Can't write: No space left on device\n")
-    monkeypatch.setattr(criu, "_free_bytes", lambda _p: 10 << 30)
+    monkeypatch.setattr(criu_failures, "_free_bytes", lambda _p: 10 << 30)
     err = criu._criu_error("dump", Exc("Error(0): Unknown"), str(log), pid=42)
     assert "no space left" in err.message
 
