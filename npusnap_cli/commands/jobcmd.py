@@ -1,5 +1,5 @@
-"""The job-image side of `dump` and `restore` (jobsnap.py; docs/distributed.md); `inspect` and
-`verify` show a job image themselves (commands/inspect.py).
+"""The job-image side of `dump` and `restore` (pipelines/jobsnap/; docs/distributed.md);
+`inspect` and `verify` show a job image themselves (commands/inspect.py).
 
 The commands call these for several PIDs (dump) or for a job image, which ``image.open`` tells
 apart from the other kinds (``Kind.JOB``: ``npusnap-job.json``, image/job.py).

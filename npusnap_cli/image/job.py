@@ -1,6 +1,6 @@
 """A job image: one ordinary image per rank under one directory, named by ``npusnap-job.json``.
 
-Written by ``npusnap dump PID PID ... DIR`` (pipelines/jobsnap.py), read here::
+Written by ``npusnap dump PID PID ... DIR`` (pipelines/jobsnap/), read here::
 
     DIR/npusnap-job.json   {"schema": "npusnap-job/1", "ranks": [{"rank": 0, "dir": "rank-0", ...}]}
     DIR/rank-0/            an ordinary image (npusnap.json, criu/, ...)

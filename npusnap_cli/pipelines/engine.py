@@ -12,7 +12,7 @@ every pipeline needs and none should write again:
 - failure enrichment: one hook sees every ``NpusnapError`` on its way out.
 
 A job is the same list of steps run once per member, each in its own thread, with a shared
-``Barrier`` (``pipelines/jobsnap.py``'s coordinator): a rank that fails aborts the barrier and
+``Barrier`` (``pipelines/jobsnap/``'s coordinator): a rank that fails aborts the barrier and
 every other rank undoes what it did.
 """
 

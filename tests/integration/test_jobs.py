@@ -1,4 +1,4 @@
-"""Coordinated snapshots of a two-rank job (npusnap dump PID PID DIR; jobsnap.py).
+"""Coordinated snapshots of a two-rank job (npusnap dump PID PID DIR; pipelines/jobsnap/).
 
 Each rank runs ``ranks.py``: its own simulated device (rank i on device i) and an all-reduce over
 TCP every step, so that every rank's output depends on the other's state. Every test compares

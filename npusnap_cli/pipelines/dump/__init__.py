@@ -23,7 +23,7 @@ rollback itself fails the error is ``StateUnknownError`` with the commands to in
 The steps (``STEPS``, steps.py) run on the pipeline engine (engine.py), over a ``DumpState``:
 each step's undo is its share of that rollback, and ``_failed`` says on the way out what was
 rolled back and where the discarded image's logs went. A job dump runs the same steps per rank
-with the job's barriers (jobsnap.py).
+with the job's barriers (jobsnap/).
 
 Core module: returns frozen dataclasses, reports progress through ``DumpCallbacks``, never prints.
 

@@ -19,7 +19,7 @@ The device-memory files (``device/``) are hashed on a thread of their own that r
 matched; a mismatch kills the tree with its device memory never loaded (docs/image-format.md).
 
 The steps (``STEPS``, run by pipelines/engine.py) share a ``RestoreState``; the job restore
-(jobsnap.py) runs the same steps once per rank, with barriers between them. ``preflight`` is the
+(jobsnap/) runs the same steps once per rank, with barriers between them. ``preflight`` is the
 one call that checks an image before anything is touched: restore, ``restore --dry-run``
 (restorecheck.py) and the job restore all use it.
 

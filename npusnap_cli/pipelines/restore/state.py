@@ -24,7 +24,7 @@ from npusnap_cli.pipelines.restore.verify import Checksums
 
 @dataclass
 class RestoreState:
-    """What the restore's steps share; the job restore (jobsnap.py) extends it per rank."""
+    """What the restore's steps share; the job restore (jobsnap/) extends it per rank."""
 
     image: Path  # the image directory (a pointer followed)
     manifest: img.Manifest  # after CRIU, of a --pid-ns image: with the restored copy's host pids
