@@ -1,6 +1,6 @@
 """gdb driver for `npusnap attach` on Python 3.9-3.13: make the target dlopen() our payload safely.
 
-Run by npusnap_cli/device/attach.py as::
+Run by npusnap_cli/device/attach/inject.py as::
 
     gdb --batch -nx -iex 'set non-stop on' ... -p PID -x gdb_inject.py
 
