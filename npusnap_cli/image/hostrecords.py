@@ -6,7 +6,7 @@ FIFOs the restored tree needs) are written by dump and read back by verify, impo
 This module owns their records: the fields, their JSON form and its validation (a crafted
 manifest must not make root write a set-id file or outside data). ``check_host_files`` checks them
 against this host: restore writes each host file as root, so each must be where its owner could
-have made it. Finding these resources on a live tree and putting them back is host/hostres.py's.
+have made it. Finding these resources on a live tree and putting them back is host/hostres/'s.
 """
 
 from __future__ import annotations

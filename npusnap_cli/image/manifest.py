@@ -324,7 +324,7 @@ class Manifest:
     # (docs/device-memory.md); empty in images made before npusnap kept device memory.
     device_memory: Mapping[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
-    # tmpfs files the tree had open or mapped, saved under hostfiles/ (see hostres.py).
+    # tmpfs files the tree had open or mapped, saved under hostfiles/ (see host/hostres/).
     host_files: tuple[HostFile, ...] = ()
     # Pipes to processes outside the tree, recorded with --external-pipes (restore --pipe-to).
     external_stdio: tuple[ExternalStdio, ...] = ()

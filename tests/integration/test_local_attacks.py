@@ -2,7 +2,7 @@
 export, import and --pidfile write as root, and crafted images and archives.
 
 The attacker is a real unprivileged user (``nobody``, or one made with useradd), acting through
-processes of their own; root's side is npusnap's own code (safefs.py, hostres.py, pidfile.py,
+processes of their own; root's side is npusnap's own code (safefs.py, hostres/, pidfile.py,
 archive.py) or its CLI. Every test checks that the victim (a root-only directory or file) is
 untouched, not only that an error came out.
 """

@@ -29,7 +29,7 @@ class DumpOptions:
     force: bool = False
     attach: bool = True
     lease_s: float = DEFAULT_LEASE_S
-    # Pipes to outside the tree on stdin/out/err recorded for `restore --pipe-to` (hostres.py).
+    # Pipes to outside the tree on stdin/out/err recorded for `restore --pipe-to` (host/hostres/).
     external_pipes: bool = False
     sign_key: Optional[Path] = None  # Ed25519 private key (PEM): sign the manifest (imagetrust)
     device_memory: str = contract.DEFAULT_DEVICE_MEMORY_MODE  # docs/device-memory.md
