@@ -147,7 +147,7 @@ class LeaseKeeper:
 
     def check(self, where: str) -> None:
         """After CRIU: raise LockLostError unless the tree froze while every lease still ran and
-        nobody took a lock away (`thaw --force`, which leaves a note: devicegroup.py)."""
+        nobody took a lock away (`thaw --force`, which leaves a note: devicegroup/tokens.py)."""
         self.stop()
         taken = taken_over(self.tokens, os.getpid())
         if taken:

@@ -1,56 +1,29 @@
-"""The device half of a snapshot for several processes at once (for dump, restore, freeze, thaw).
-
-``DeviceGroup(pids)`` holds one ``AgentClient`` per pid and runs each step on all of them in
-parallel threads. The contract the pipelines rely on:
-
-* ``lock_and_backup(backup=True)``: Lock (+ Backup) every process under a lease. If any process
-  fails, every process is rolled back to RUNNING and the first failure is raised (its
-  ``details["failures"]`` lists every pid's error). If a rollback fails too: ``StateUnknownError``.
-* ``close()``: drop every connection (needed before a CRIU dump: CRIU refuses to dump a connected
-  stream socket whose peer is outside the tree). The leases keep running in the agents, counted
-  in run time only, so a CRIU freeze does not eat them.
-* ``reconnect()``: connect again (after the dump, or to the restored processes).
-* ``renew()`` / ``release()``: keep / drop the leases.
-* ``unlock()``: Unlock every process (e.g. ``--leave-running`` from BACKED_UP).
-* ``restore_and_unlock()``: in CRIU-restored processes: Restore, then Unlock. A failure leaves
-  that process locked (never half-running) and raises with the retry command.
-* ``rollback()``: back to RUNNING from any state; ``StateUnknownError`` if that fails.
-
-Lock ownership (docs/internals.md, "Lock ownership"): each lock is taken as ``npusnap COMMAND``
-and its token kept per pid (``tokens()``; ``set_tokens()`` hands a dump's or a freeze's tokens to
-restore or thaw). ``ensure_unlocked()`` is the preflight that refuses, with who holds it and
-since when, a job that another command locked. After a failure only the processes this group
-locked are rolled back: a dump that fails at Lock never thaws someone else's freeze.
-
-Results are dicts keyed by pid (the agent's result for that pid).
-"""
+"""``DeviceGroup``: one ``AgentClient`` per pid, each step run on all of them in parallel threads."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import re
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
-from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
-from npusnap_cli import contract, paths
+from npusnap_cli import contract
 from npusnap_cli.device import protocol
-from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient, AgentOpError, owner_text
-from npusnap_cli.errors import (
-    BusyError,
-    ImageError,
-    InterruptedError_,
-    NpusnapError,
-    StateUnknownError,
-    TargetError,
+from npusnap_cli.device.agent_client import AgentClient, owner_text
+from npusnap_cli.device.devicegroup.agentops import (
+    T,
+    _describe,
+    _rollback_one,
+    _state_unknown,
+    refuse_stopped,
+    status_now,
 )
-from npusnap_cli.host import hostclean, procfs, proctree
+from npusnap_cli.device.devicegroup.tokens import save_lock_tokens
+from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError
+from npusnap_cli.host import procfs
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
 
@@ -64,16 +37,8 @@ class _AllBusy(Exception):
 
 
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
-BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
-STATE_NOW_S = 2.0  # a failed rollback asks each agent once more for its state, this long at most
-GONE_GRACE_S = 2.0  # how long a process that could not be reached may take to finish exiting
 
 DEFAULT_LEASE_S = 60.0
-T = TypeVar("T")
-
-
-def _describe(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, NpusnapError) else f"{type(exc).__name__}: {exc}"
 
 
 class DeviceGroup:
@@ -253,7 +218,7 @@ class DeviceGroup:
         check_writes: bool = False,
         concurrent: int = 0,
     ) -> dict[int, dict[str, Any]]:
-        """Lock (and Backup) every process; all or nothing (see the module docstring).
+        """Lock (and Backup) every process; all or nothing (see the package's docstring).
 
         ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
         preserve). ``device_memory_files``: pid -> (fd open for writing, its name once published),
@@ -500,237 +465,3 @@ class DeviceGroup:
             raise err
         # None: this command never locked that process (it failed before its Lock).
         return {p: str(r.get("state") or "not locked") for p, r in results.items()}
-
-
-def refuse_stopped(pids: Iterable[int], command: str) -> None:
-    """A stopped process's agent cannot answer: it is being checkpointed (CRIU seizes and stops
-    the tree) or someone stopped it. Refuse now, having changed nothing, instead of waiting for
-    an answer that comes only when the checkpoint is over — and then acting under it."""
-    for pid in pids:
-        stopped = procfs.stop_state(pid)
-        if stopped is None:
-            continue
-        _state, tracer = stopped
-        by = f" (traced by pid {tracer}: {procfs.cmdline(tracer)[:60]})" if tracer else " (SIGSTOP)"
-        raise BusyError(
-            f"pid {pid} is stopped{by}; npusnap {command} changed nothing",
-            why="a checkpoint is probably in progress (CRIU stops the tree while it dumps it); its agent "
-            "cannot answer until the process runs again",
-            fix=f"wait for the checkpoint to finish and retry; `npusnap status {pid}` shows the lock's owner "
-            f"once it runs (a stray stop: kill -CONT {pid})",
-            details={"pid": pid, "tracer": tracer or None},
-        )
-
-
-def _while_busy(c: AgentClient, request: Callable[[AgentClient], T]) -> T:
-    """``request`` on ``c``, connecting first; retried for at most ``BUSY_RETRY_S`` while the
-    agent answers BUSY (an aborted request still running in it: one client at a time)."""
-    deadline = time.monotonic() + BUSY_RETRY_S
-    while True:
-        try:
-            if not c.connected:
-                c.connect()
-            return request(c)
-        except AgentOpError as exc:
-            if exc.error.get("name") != contract.E_BUSY or time.monotonic() >= deadline:
-                raise
-            c.close()
-            time.sleep(0.2)
-
-
-def _locked_by_us(c: AgentClient, command: str) -> bool:
-    """Whether the agent records this very process as the owner of its lock: a lock request whose
-    answer (and token) was lost to an interruption still made us the owner."""
-    try:
-        owner = _while_busy(c, lambda cl: cl.status().get("owner"))
-    except NpusnapError:
-        return False
-    return isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("command") == command
-
-
-def _rollback_one(
-    c: AgentClient, force: bool = False, owned_only: bool = False, command: str = ""
-) -> dict[str, Any]:
-    """Roll back ``c``'s process: with ``owned_only`` only if this client locked it; with
-    ``force`` whoever locked it; otherwise as its owner's token allows (BusyError if not)."""
-    if owned_only and c.token is None:
-        if not (command and _locked_by_us(c, command)):
-            return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
-        force = True  # ours, though the token never reached us
-    try:
-        return _while_busy(c, lambda cl: cl.rollback(force))
-    except BusyError:
-        raise
-    except NpusnapError:
-        # A process that died (killed mid-dump, say) holds no lock any more: the runtime's exit
-        # hook and the device daemon released it. Only a live process that cannot be reached
-        # makes the state unknown. One that was killed a moment ago may still be exiting (its
-        # socket already closed): give it a bounded moment to become a zombie.
-        deadline = time.monotonic() + GONE_GRACE_S
-        while procfs.is_alive(c.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not procfs.is_alive(c.pid):
-            return {"state": "GONE", "before": None, "actions": [], "warnings": [f"process {c.pid} exited"]}
-        raise
-
-
-def status_now(pid: int, client: Optional[AgentClient]) -> Optional[dict[str, Any]]:
-    """The status reply of ``pid``'s agent within STATE_NOW_S, over ``client`` when the caller
-    holds a connection to it (the agent answers one client at a time), else over a new one;
-    None if it cannot say (a stopped or busy agent, or none)."""
-    try:
-        if client is not None:
-            return client.request("status", timeout=STATE_NOW_S)
-        with AgentClient(pid, timeout=STATE_NOW_S, connect_retry_s=0.2) as fresh:
-            return fresh.status()
-    except NpusnapError:
-        return None
-
-
-def _state_unknown(failures: dict[int, BaseException], states: dict[int, str]) -> StateUnknownError:
-    """The rollback of ``failures`` failed; ``states``: what each is in now (states_now)."""
-    pids = sorted(failures)
-    commands = [f"npusnap status {p}" for p in pids] + [f"npusnap thaw {p}" for p in pids]
-    now = ", ".join(f"pid {p} {_state_words(states.get(p, 'no answer'))}" for p in pids)
-    return StateUnknownError(
-        f"rollback failed: {now}",
-        why="; ".join(f"pid {p}: {_describe(e)}" for p, e in sorted(failures.items())),
-        fix="a human must look: " + " && ".join(commands),
-        details={
-            "recovery_commands": commands,
-            "failures": {p: _describe(e) for p, e in sorted(failures.items())},
-            "states": {p: states.get(p, "no answer") for p in pids},
-        },
-    )
-
-
-def _state_words(state: str) -> str:
-    if state == "gone":
-        return "has ended"
-    if state == "no answer":
-        return f"did not answer within {STATE_NOW_S:.0f}s (its state is not known)"
-    return f"is {state}"
-
-
-def tree_targets(pid: int) -> list[int]:
-    """The pids of ``pid``'s tree that use the NPU, each of which must have an agent.
-
-    Raises TargetError when the tree has no NPU process, or when one has no agent (with the ways
-    to get one).
-    """
-    tree = proctree.process_tree(pid)
-    npu = proctree.npu_processes(tree)
-    if not npu:
-        raise TargetError(
-            f"no process in the tree of pid {pid} uses the NPU",
-            why="none of them has the CANN runtime (libacl_rt.so / libascendcl.so) loaded",
-            fix=f"check the pid; `npusnap status {pid}` shows the tree",
-            details={"tree": [p.to_dict() for p in tree]},
-        )
-    missing = [p.pid for p in npu if not p.has_agent]
-    if missing:
-        first = missing[0]
-        raise TargetError(
-            f"NPU process(es) {', '.join(map(str, missing))} have no npusnap agent",
-            why="the device half of a snapshot can only be done from inside each process",
-            fix=NO_AGENT_FIX.format(pid=first),
-            details={"without_agent": missing},
-        )
-    return [p.pid for p in npu]
-
-
-# --------------------------------------------------------------------------------------------
-# freeze / thaw: the device half only, the lock kept across two commands
-# --------------------------------------------------------------------------------------------
-
-
-def _token_path(pid: int) -> Path:
-    return paths.agent_runtime_dir() / f"{pid}{paths.LOCK_TOKEN_SUFFIX}"
-
-
-def save_lock_tokens(tokens: dict[int, str]) -> None:
-    """Hand locks over to ``thaw``: a freeze's, or those a failed dump or restore leaves behind
-    (whose fix is `npusnap thaw PID`). One file per pid under the runtime directory (created
-    0700 and checked like the agents' socket directory; files 0600, never followed)."""
-    paths.ensure_private_dir(paths.agent_runtime_dir())
-    for stale in hostclean.stale_lock_tokens():  # those of dead processes go as new ones come
-        with contextlib.suppress(OSError):
-            os.unlink(stale.path)
-    for pid, token in tokens.items():
-        path = _token_path(pid)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(token + "\n")
-        os.replace(tmp, path)
-
-
-def load_lock_tokens(pids: Iterable[int]) -> dict[int, str]:
-    """The tokens ``freeze`` left for ``pids`` (those it has); a file that is not a regular file
-    of this user, 0600, holding 32 hex digits, is ignored."""
-    out: dict[int, str] = {}
-    for pid in pids:
-        try:
-            fd = os.open(_token_path(pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        with os.fdopen(fd, "r", encoding="ascii", errors="replace") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                continue
-            text = f.read(100).strip()
-        if re.fullmatch(r"[0-9a-f]{32}", text):
-            out[pid] = text
-    return out
-
-
-def forget_lock_tokens(pids: Iterable[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.unlink(_token_path(pid))
-
-
-def _taken_path(pid: int) -> Path:
-    return paths.agent_runtime_dir() / f"{pid}{paths.LOCK_TAKEN_SUFFIX}"
-
-
-def record_taken_over(owners: dict[int, int]) -> None:
-    """``thaw --force`` took the lock of each pid from the npusnap command ``owners[pid]``, which
-    still runs: leave that command a note. Its lock was its only hold on the job's state (a dump
-    would otherwise go on and publish an image of a job that ran unlocked meanwhile); the
-    agent's answers cannot tell it once CRIU has frozen the job. Files as save_lock_tokens'."""
-    if not owners:
-        return
-    paths.ensure_private_dir(paths.agent_runtime_dir())
-    for pid, owner in owners.items():
-        path = _taken_path(pid)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(f"{int(owner)}\n")
-        os.replace(tmp, path)
-
-
-def taken_over(pids: Iterable[int], owner: int) -> list[int]:
-    """The pids whose lock a `thaw --force` took from the command ``owner`` (record_taken_over);
-    a note that is not a regular 0600 file of this user is ignored."""
-    out = []
-    for pid in pids:
-        try:
-            fd = os.open(_taken_path(pid), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        with os.fdopen(fd, "r", encoding="ascii", errors="replace") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                continue
-            text = f.read(32).strip()
-        if text.isdigit() and int(text) == owner:
-            out.append(pid)
-    return out
-
-
-def forget_taken_over(pids: Iterable[int], owner: int) -> None:
-    for pid in taken_over(pids, owner):
-        with contextlib.suppress(OSError):
-            os.unlink(_taken_path(pid))
