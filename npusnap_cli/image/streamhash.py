@@ -16,10 +16,10 @@ design choices").
 
 The agents' device-memory files are not written front to back (several threads each write a chunk
 at its place), so they are not hashed this way: ``FileHasher`` hashes them once written, on one
-core alongside CRIU where cores are to spare, on every core once CRIU is done (pipelines/dump/). While the
-agents write, ``WritebackFollower`` starts the disk on them. Their space is reserved first
-(``reserve``): writeback into a file whose blocks are still being allocated stalls the agents'
-writes, inside the job's frozen window.
+core alongside CRIU where cores are to spare, on every core once CRIU is done
+(pipelines/dump/devmemory.py). While the agents write, ``WritebackFollower`` starts the disk on
+them. Their space is reserved first (``reserve``): writeback into a file whose blocks are still
+being allocated stalls the agents' writes, inside the job's frozen window.
 """
 
 from __future__ import annotations
