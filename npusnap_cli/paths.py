@@ -83,6 +83,10 @@ def native_src_dir() -> Path:
 
 
 SIM_CANN_TREES = {"9.1": "cann", "9.0": "cann-9.0", "9.2": "cann-9.2"}
+# Where the simulator's CANN trees are, when not in the build directory. On the simulator each
+# CANN tree is a node of its own (device/occupancy.py), so copies of the trees make nodes that
+# share nothing: tests running side by side each use their own.
+SIM_CANN_DIR_ENV = "NPUSIM_CANN_DIR"
 
 
 def sim_cann_home() -> Path:
@@ -92,7 +96,13 @@ def sim_cann_home() -> Path:
     8.5.x/9.0.x); the default, 9.1, has the ``(pid, args)`` forms with ``args`` NULL; 9.2 stands in
     for the newer builds with the driver-backed flow (``args`` != NULL)."""
     version = os.environ.get("NPUSIM_CANN") or "9.1"
-    return build_dir() / SIM_CANN_TREES.get(version, f"cann-{version}")
+    return sim_cann_dir() / SIM_CANN_TREES.get(version, f"cann-{version}")
+
+
+def sim_cann_dir() -> Path:
+    """The directory of the simulator's CANN trees: ``NPUSIM_CANN_DIR`` or the build directory."""
+    base = os.environ.get(SIM_CANN_DIR_ENV)
+    return Path(base) if base else build_dir()
 
 
 def attach_payload_path() -> Path:

@@ -15,10 +15,22 @@ echo "== floors: no import points up, no cycles, docs/internals.md drawn from th
 echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
-echo "== pytest"
+# NPUSNAP_TEST_JOBS=N (N > 1) runs the whole suite in N workers, each a node of its own
+# (tests/conftest.py), then the tests marked serial alone; unset, one process runs everything.
+JOBS=${NPUSNAP_TEST_JOBS:-1}
 set +e
-$V/python -m pytest "$@"
-rc=$?
+if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
+    echo "== pytest: $JOBS workers, then the serial tests"
+    $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial"
+    rc=$?
+    $V/python -m pytest -m serial
+    rc2=$?
+    if [ $rc -eq 0 ]; then rc=$rc2; fi
+else
+    echo "== pytest"
+    $V/python -m pytest "$@"
+    rc=$?
+fi
 set -e
 # pytest exits 5 when it collected nothing: that must never pass.
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
+from npusnap_cli import contract, paths
 from tests.hostile_user import HostileUser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,10 +32,45 @@ SIM_PLUGIN = CRIU_PLUGIN_BUILD_DIR / "npusim_plugin.so"
 def pytest_configure(config: pytest.Config) -> None:
     """Every CRIU the tests start (directly, or through npusnap, which hands on its environment)
     loads this checkout's plugins, not whatever /usr/lib/criu holds (CRIU_LIBS_DIR; a test that
-    wants another set passes -L or its own CRIU_LIBS_DIR)."""
-    del config
+    wants another set passes -L or its own CRIU_LIBS_DIR). A worker of a parallel run (pytest -n)
+    gets a node of its own: see _isolate_worker."""
     if CRIU_PLUGIN_BUILD_DIR.is_dir():
         os.environ.setdefault("CRIU_LIBS_DIR", str(CRIU_PLUGIN_BUILD_DIR))
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        config.stash[_WORKER_DIR] = _isolate_worker(worker)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base = config.stash.get(_WORKER_DIR, None)
+    if base is not None:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_WORKER_DIR = pytest.StashKey[Path]()
+_SIM_TREES = ("cann", "cann-9.0", "cann-9.2", "cann-strict")
+
+
+def _isolate_worker(worker: str) -> Path:
+    """A worker of a parallel run shares nothing device-side with the others: copies of the
+    simulator's CANN trees (on the simulator each tree is a node of its own, so the devices one
+    worker's jobs hold are not another's: npusnap_cli/device/occupancy.py), the default simulator
+    socket (`npusnap sim start` in a runbook) and npusnap's state directory."""
+    base = Path(tempfile.mkdtemp(prefix=f"npusnap-{worker}-"))
+    built = paths.build_dir()
+    for name in _SIM_TREES:
+        src = built / name
+        if not src.is_dir():
+            continue
+        dst = base / name
+        shutil.copytree(src, dst, symlinks=True)
+        env_sh = dst / "set_env.sh"
+        if env_sh.is_file():
+            env_sh.write_text(env_sh.read_text().replace(str(src), str(dst)))
+    os.environ[paths.SIM_CANN_DIR_ENV] = str(base)
+    os.environ[contract.SIM_SOCKET_ENV] = str(base / "npusim.sock")
+    os.environ["NPUSNAP_STATE_DIR"] = str(base / "state")
+    return base
 
 
 def plugin_dir_with(base: Path, *names: str) -> Path:

@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import REPO, requires_root
 
-pytestmark = [pytest.mark.integration, requires_root]
+# serial: its timings would measure the other tests of a parallel run.
+pytestmark = [pytest.mark.integration, requires_root, pytest.mark.serial]
 
 TABLE_HEADINGS = (
     "## Machine and versions",

@@ -30,7 +30,13 @@ from tests.integration.crilib import Containerd, Pod, Registry
 from tests.integration.podmanlib import assert_continuous
 
 SKIP = crilib.skip_reason()
-pytestmark = [pytest.mark.integration, requires_root, pytest.mark.skipif(SKIP is not None, reason=str(SKIP))]
+# serial: one containerd on the host.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.serial,
+    requires_root,
+    pytest.mark.skipif(SKIP is not None, reason=str(SKIP)),
+]
 
 NPUSNAP = str(paths.REPO_ROOT / ".venv" / "bin" / "npusnap")
 

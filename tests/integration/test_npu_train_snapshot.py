@@ -35,7 +35,7 @@ ARGS = ["--hidden", "16", "--interval", "0.03"]
 def _env(sim_env: dict[str, str], runtime_dir: Path, strict: bool) -> dict[str, str]:
     env = job_env(sim_env, runtime_dir, **FAST)
     if strict:
-        home = paths.build_dir() / "cann-strict"
+        home = paths.sim_cann_dir() / "cann-strict"
         env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSNAP_NO_SIM_DAEMON="1")
     return env
 

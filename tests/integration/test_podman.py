@@ -31,6 +31,7 @@ from tests.integration.podmanlib import Container, assert_continuous, podman, wa
 MISSING = [t for t in ("podman", "runc", "busybox", "criu") if shutil.which(t) is None]
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.serial,  # one podman and one CRIU plugin directory on the host
     requires_root,
     pytest.mark.skipif(bool(MISSING), reason=f"podman cannot run here: {', '.join(MISSING)} missing "
                        "(scripts/test.sh installs podman, runc and busybox-static as root)"),

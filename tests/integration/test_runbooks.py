@@ -142,6 +142,7 @@ def device0_taken(sim_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.integration
+@pytest.mark.serial  # the pages use the host's podman and containerd
 @requires_root
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_runbook_script_succeeds(
@@ -193,6 +194,7 @@ def test_doc_pages_with_shell_blocks_are_run() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.serial  # the pages use the host's podman and containerd
 @requires_root
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.stem)
 def test_doc_page_blocks_succeed(

@@ -34,7 +34,7 @@ REAL_NAMES = ("ReportInnerErrMsgForC", "_ZN13error_message21GetErrMgrErrorMessag
 
 
 def tree(name: str) -> Path:
-    return paths.build_dir() / name
+    return paths.sim_cann_dir() / name
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def functions(lib: Path) -> set[str]:
 def imported_by_any_tree() -> set[str]:
     """The names some library imports, in any tree (the trees build the same sources with other
     options: the 9.2 tree's runtime calls driver functions the others do not)."""
-    libs = [lib for t in TREES for lib in (paths.build_dir() / t / "lib64").glob("*.so")]
+    libs = [lib for t in TREES for lib in (paths.sim_cann_dir() / t / "lib64").glob("*.so")]
     return set().union(*(nm(lib, "--undefined-only") for lib in libs))
 
 
@@ -107,7 +107,7 @@ def test_every_export_is_implemented_or_a_listed_failure(tree: str) -> None:
 def test_the_failure_table_names_only_exports_and_generates_fresh_stubs() -> None:
     """Every row is exported by the library it names (the generator and the build agree), and
     the committed C stubs are what the table gives."""
-    lib64 = paths.build_dir() / "cann-strict" / "lib64"
+    lib64 = paths.sim_cann_dir() / "cann-strict" / "lib64"
     where = {
         "acl": ["libacl_rt.so", "libascendcl.so"],
         "ascendcl": ["libascendcl.so"],

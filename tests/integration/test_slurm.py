@@ -22,7 +22,8 @@ import pytest
 from tests.integration.dumplib import PY, continues_reference, wait_until
 from tests.integration.test_jobs import NPUSNAP, RANKS, free_port, job_reference, jobs_env
 
-pytestmark = pytest.mark.integration
+# serial: the host has one Slurm.
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sbatch", "srun", "scancel", "sinfo")
 

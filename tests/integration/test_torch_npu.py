@@ -42,7 +42,7 @@ def _run(python: str, code: str, env: dict[str, str]) -> dict[str, object]:
 
 
 def _opapi_exports() -> set[str]:
-    lib = paths.build_dir() / "cann" / "lib64" / "libopapi.so"
+    lib = paths.sim_cann_dir() / "cann" / "lib64" / "libopapi.so"
     out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
     return {f[2] for f in (ln.split() for ln in out.stdout.splitlines()) if len(f) == 3}
 
