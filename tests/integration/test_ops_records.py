@@ -4,6 +4,7 @@ and -v anywhere on the line. One job serves every step, to keep the suite short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -50,7 +51,10 @@ def test_ps_records_logs_and_dry_run(sim: Sim, runtime_dir: Path, tmp_path: Path
     try:
         inherited = os.readlink(f"/proc/self/fd/{w}")
         wait_socket(runtime_dir, pid)
-        job_fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        job_fds = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):  # closed meanwhile: the job is starting
+                job_fds.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
         assert inherited not in job_fds
         deadline = time.monotonic() + 20
         while "step 3 " not in out.read_text() and time.monotonic() < deadline:
