@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from npusnap_cli import paths
 from npusnap_cli.agent import native
 from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError, AgentOpError
 from npusnap_cli.errors import AgentError, BusyError
@@ -64,7 +65,8 @@ def test_explicit_start_hello_status_and_socket_permissions(
     assert hello["protocol_version"] == 1
     assert hello["python"]["executable"] == PY
     assert hello["acl"]["loaded"] is True
-    assert hello["acl"]["library"].endswith("/.build/cann/lib64/libacl_rt.so")
+    expected = paths.sim_cann_home() / "lib64" / "libacl_rt.so"
+    assert os.path.realpath(hello["acl"]["library"]) == os.path.realpath(expected)
     assert hello["acl"]["cann_version"] == "9.1.0"
     # Started without the library preloaded: the agent did not see aclrtSetDevice, and a real
     # runtime has no query for "all open devices" -- its LOCK_PRE callback names them at Lock.
