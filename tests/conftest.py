@@ -48,7 +48,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _WORKER_DIR = pytest.StashKey[Path]()
-_SIM_TREES = ("cann", "cann-9.0", "cann-9.2", "cann-strict")
 
 
 def _isolate_worker(worker: str) -> Path:
@@ -58,11 +57,9 @@ def _isolate_worker(worker: str) -> Path:
     socket (`npusnap sim start` in a runbook) and npusnap's state directory."""
     base = Path(tempfile.mkdtemp(prefix=f"npusnap-{worker}-"))
     built = paths.build_dir()
-    for name in _SIM_TREES:
-        src = built / name
-        if not src.is_dir():
-            continue
-        dst = base / name
+    # Every tree the build made (paths.sim_cann_home names them cann and cann-VERSION).
+    for src in sorted(p for p in built.glob("cann*") if p.is_dir()):
+        dst = base / src.name
         shutil.copytree(src, dst, symlinks=True)
         env_sh = dst / "set_env.sh"
         if env_sh.is_file():

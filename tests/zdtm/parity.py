@@ -483,14 +483,13 @@ class Runner:
         crfail = "crfail" in desc.get("flags", "").split()
         try:
             p = self.make(name, "pid", env, npu)
+            failed = None if p.returncode == 0 else (p.stdout + p.stderr).strip()[-300:]
         except subprocess.TimeoutExpired:
+            failed = "make timed out"
+        if failed is not None:
             self.kill_strays(name)
             self.hook(name, "--clean", env)
-            return Outcome("fail", "start", "make timed out")
-        if p.returncode != 0:
-            self.kill_strays(name)
-            self.hook(name, "--clean", env)
-            return Outcome("fail", "start", (p.stdout + p.stderr).strip()[-300:])
+            return Outcome("fail", "start", failed)
         pid = self.read_pid(name)
         try:
             bad = self.hook(name, "--post-start", env)
