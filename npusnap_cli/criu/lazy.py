@@ -15,6 +15,7 @@ from npusnap_cli.criu.failures import HARMLESS_ERRORS, first_error, log_excerpt
 from npusnap_cli.criu.options import DEFAULT_LOG_LEVEL
 from npusnap_cli.criu.session import open_work_dir
 from npusnap_cli.errors import CriuError
+from npusnap_cli.host import procfs
 
 LAZY_FEATURE = "uffd-noncoop"
 LAZY_LOG = "lazy-pages.log"
@@ -42,23 +43,6 @@ def lazy_pages_supported(binary: CriuBinary, timeout: float = 30) -> tuple[bool,
     text = (proc.stdout + proc.stderr).strip()
     lines = [ln for ln in text.splitlines() if not any(h in ln for h in HARMLESS_ERRORS)]
     return proc.returncode == 0, "\n".join(lines[-5:]) or f"exit status {proc.returncode}"
-
-
-# x86_64 and the generic syscall table (arm64) agree on these numbers.
-_SYS_PIDFD_OPEN = 434
-_SYS_PIDFD_GETFD = 438
-
-
-def _pidfd_getfd(pidfd: int, fd: int) -> int:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    got = int(libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    os.set_inheritable(got, False)
-    return got
 
 
 def _uffd_fds(pid: int) -> list[int]:
@@ -178,7 +162,7 @@ class LazyPagesDaemon:
         with self._held_lock:
             for fd in fds:
                 with contextlib.suppress(OSError):  # closed meanwhile: that process is complete
-                    self._held.append(_pidfd_getfd(self._pidfd, fd))
+                    self._held.append(procfs.pidfd_getfd(self._pidfd, fd))
             return len(self._held)
 
     def _received(self) -> int:

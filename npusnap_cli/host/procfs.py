@@ -178,3 +178,54 @@ def threads_in_other_cgroups(pid: int) -> list[int]:
         except OSError:
             continue
     return other
+
+
+_SYS_PIDFD_GETFD = 438  # x86_64 and the generic syscall table (arm64) agree
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A duplicate, in this process and close-on-exec, of ``fd`` of the process ``pidfd`` refers
+    to (pidfd_getfd(2)): the same open file, reached without opening it again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = int(libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    os.set_inheritable(got, False)
+    return got
+
+
+def _readable(pid: int, fd: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as info:
+            flags = next((int(ln.split()[1], 8) for ln in info if ln.startswith("flags:")), None)
+    except (OSError, ValueError, IndexError):
+        return False
+    return flags is not None and flags & os.O_ACCMODE != os.O_WRONLY
+
+
+def fd_of_file(pid: int, st: os.stat_result) -> Optional[int]:
+    """A duplicate of an fd of ``pid`` open for reading that is the file ``st`` (device and
+    inode), or None."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            fst = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or not _readable(pid, name):
+            continue
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:
+            return pidfd_getfd(pidfd, int(name))
+        except OSError:
+            return None
+        finally:
+            os.close(pidfd)
+    return None

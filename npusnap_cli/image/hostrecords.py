@@ -261,16 +261,66 @@ def node_problem(
     )
 
 
+# A file the image carries from outside tmpfs is one the job held a lock on (``--file-locks``): a
+# lock file is small; a locked database is not ours to copy, nor to read as root (in_place).
+LOCK_FILE_MAX = 1 << 20
+
+
 def place_problem(f: HostFile, mounts: list[str], nodes: Iterable[HostNode] = ()) -> Optional[str]:
     """Where a host file may be written as root: on a tmpfs mount of this host (a job's shared
     memory, its /tmp), or elsewhere (a lock file the job held, ``--file-locks``) only where its
-    owner could have created it (``_place_ok``). Never through a symlink."""
+    owner could have created it (``_place_ok``). Never through a symlink. A file that is on this
+    host already as the image has it (``in_place``) is not written at all, wherever it is: a lock
+    file in a directory only root may write passes while it stays there (as after a dump, whose
+    original is killed and cannot remove it)."""
     if on_mounts(f.path, mounts) or _place_ok(f.path, f.uid, nodes):
         return None
+    if not f.remap and in_place(f):
+        return None
     return (
-        f"host file {f.path} is not on a tmpfs mount of this host, and uid {f.uid} could not have "
-        "created it there itself"
+        f"host file {f.path} is not on a tmpfs mount of this host, uid {f.uid} could not have "
+        "created it there itself, and it is not there as the image has it: restore will not write "
+        f"it there as root (if the image is yours, put its copy, {f.rel} in the image, back there "
+        f"as uid {f.uid}'s, and restore again)"
     )
+
+
+def in_place(f: HostFile) -> bool:
+    """``f`` is on this host as the image has it, so restore writes nothing there: a regular
+    file reached without following a symlink, owned by its uid, of its size and, when the record
+    has a digest, of its contents. A dump's preflight plans its records before copying them (no
+    digest: the job holds the file then). A file someone holds a lease on is compared by its
+    metadata alone: opening it would break the lease (even with O_NONBLOCK, fcntl(2)), which the
+    job would see."""
+    if f.size > LOCK_FILE_MAX:
+        return False
+    parent, name = split_parent(f.path)
+    try:
+        with safefs.dir_fd(parent, check=False) as dfd:
+            st = safefs.lstat_at(dfd, name)
+            if st is None or not stat.S_ISREG(st.st_mode) or (st.st_uid, st.st_size) != (f.uid, f.size):
+                return False
+            if not f.digest or lease_holders(st) != []:  # (None: cannot tell; do not risk it)
+                return True
+            fd = safefs.open_read_at(dfd, name)
+    except OSError:  # (safefs.UnsafePath too)
+        return False
+    with os.fdopen(fd, "rb") as src:
+        h = digest.new(f.algo)
+        h.update(src.read(LOCK_FILE_MAX + 1))
+        return bool(h.hexdigest() == f.digest)
+
+
+def lease_holders(st: os.stat_result) -> Optional[list[int]]:
+    """The pids holding a lease on the file ``st`` (/proc/locks: "1: LEASE ACTIVE WRITE PID
+    MAJ:MIN:INO ..."), or None when that cannot be told."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            rows = [fs for fs in map(str.split, locks) if len(fs) > 5 and fs[1] == "LEASE" and fs[5] == key]
+        return [int(fs[4]) for fs in rows]
+    except (OSError, ValueError):
+        return None
 
 
 def _place_ok(path: str, uid: int, nodes: Iterable[HostNode]) -> bool:

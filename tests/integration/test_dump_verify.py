@@ -1,7 +1,7 @@
 """A dump never reports success for an image its own restore would refuse.
 
 Real CRIU and real processes: a job with a zombie child (CRIU dumps it, so the manifest lists it),
-a job holding a lock on a file its restore may not write (refused before anything is touched),
+a job holding a lock on a file in a directory its restore may not write (left in place),
 a verification that fails after CRIU (rolled back: the job runs on, no image), and snapshot
 loops over restored copies (restore -> dump -> restore) of plain and `--pid-ns` jobs and of
 replicas: each image verifies and restores.
@@ -10,6 +10,7 @@ replicas: each image verifies and restores.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -116,12 +117,22 @@ def test_a_zombie_child_is_in_the_image_and_comes_back(
         job.cleanup()
 
 
-def test_a_lock_its_restore_may_not_write_is_refused_before_anything_is_touched(
+def _locks_of(pid: int, path: Path) -> list[str]:
+    """The /proc/locks lines of ``pid`` on the file at ``path``."""
+    st = path.stat()
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return [ln for ln in Path("/proc/locks").read_text().splitlines() if f" {pid} {dev} " in ln]
+
+
+def test_a_lock_file_in_a_root_only_directory_is_left_in_place_and_its_lock_comes_back(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
-    """`--file-locks` of a job holding a lock on a file in a root-only directory on disk: the
-    restore's host-file rules refuse such an image, so the dump refuses it first (exit 3), with
-    the job never locked nor stopped, still computing, and no image or work directory left."""
+    """`--file-locks` of a job holding a lock on a file in a root-only directory on disk (zdtm's
+    file_locks00): restore may not write such a file as root, and need not: it is still there as
+    the image has it. The dump succeeds and its image verifies, the restore leaves the file alone,
+    the restored job holds its lock again and computes on. With the file gone (or changed), the
+    restore refuses the image before anything is restored, naming the file and its copy in the
+    image; put back, the image restores."""
     env = job_env(sim_env, runtime_dir)
     # Not under /tmp (nor a checkout there): every directory up to a sticky shared one counts as
     # one the image could make for the job (a private lock directory in /tmp is carried:
@@ -132,19 +143,35 @@ def test_a_lock_its_restore_may_not_write_is_refused_before_anything_is_touched(
     script = LOCK_JOB.format(workloads=WORKLOADS)
     job = Job(tmp_path, env, [PY, "-c", script, str(lock), *args])
     job.marker = "train"
+    image = tmp_path / "img"
     try:
         job.wait_lines(3)
-        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--file-locks")
-        assert rc == ExitCode.PREFLIGHT and out is not None, _ok(rc, out, err)
+        assert _locks_of(job.pid, lock)
+        _dump_verified(env, job.pid, image, "--file-locks")
+        manifest = json.loads((image / "npusnap.json").read_text())
+        assert [f["path"] for f in manifest["host_files"]] == [str(lock)], manifest["host_files"]
+        job.reap()
+        before = lock.stat()
+
+        saved = lock.read_bytes()
+        lock.unlink()
+        rc, out, err = cli(env, "restore", str(image))
+        assert rc == ExitCode.IMAGE and out is not None, _ok(rc, out, err)
         message = out["error"]["message"]
-        assert str(lock) in message and "--file-locks" in message, message
-        assert not (tmp_path / "img").exists()
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".img")], list(tmp_path.iterdir())
-        assert alive(job.pid) and procfs.state(job.pid) != "T"
-        assert agent_state(job.pid) == "RUNNING"
+        assert str(lock) in message and "hostfiles" in message, message
+        assert not lock.exists() and not alive(job.pid)
+
+        lock.write_bytes(saved)
+        lock.chmod(before.st_mode & 0o7777)
+        before = lock.stat()
         at = len(job.lines())
+        rc, out, err = cli(env, "restore", str(image))
+        assert rc == 0 and out is not None, _ok(rc, out, err)
+        job.restored_pid = int(out["result"]["root_pid"])
+        after = lock.stat()
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "restore wrote it"
+        assert _locks_of(job.restored_pid, lock), "the restored job holds its lock again"
         job.wait_lines(at + 3)
-        assert lock.exists()
     finally:
         job.cleanup()
         shutil.rmtree(private, ignore_errors=True)

@@ -13,6 +13,7 @@ from npusnap_cli import criu
 from npusnap_cli.criu import binary as criu_binary
 from npusnap_cli.errors import ImageError, PreflightError
 from npusnap_cli.host import hostres
+from npusnap_cli.image import hostrecords
 
 
 def test_a_pipe_to_a_process_outside_the_tree_is_found_and_refused() -> None:
@@ -75,6 +76,43 @@ def test_tmpfs_files_are_saved_and_changes_refused(tmp_path: Path) -> None:
         holder.kill()
         holder.wait()
         seg.unlink(missing_ok=True)
+
+
+def test_a_lock_file_where_root_alone_may_write_passes_only_while_it_is_there(tmp_path: Path) -> None:
+    """Restore never writes a host file as root where its owner could not have made it; one that
+    is there as the image has it needs no writing and passes. Gone, changed, another owner's or
+    reached through a symlink, it is refused, and the refusal names its copy in the image."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the rule is about a root job's file in a root-only directory")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o755)
+    lock = private / "job.lock"
+    lock.write_bytes(b"locked by the job\n")
+    image = tmp_path / "img"
+    image.mkdir()
+    (saved,) = hostres.save_files([str(lock)], image)
+    # Only a directory of the owner's own (not root's) or a sticky one counts as one they could
+    # have made the file in: for a root job, tmp_path's parents (a sticky /tmp) must not count.
+    mounts = [m for m in hostres.tmpfs_mounts() if not str(lock).startswith(m.rstrip("/") + "/")]
+    os.chmod(tmp_path, 0o755)
+    problem = hostrecords.place_problem(saved, mounts)
+    if problem is not None and "could not have created" not in problem:
+        pytest.skip(f"tmp_path is in a place root's files may be written anyway: {problem}")
+    assert problem is None, problem
+    assert hostres.check_put_back((saved,), replace=False) == []
+    lock.write_bytes(b"changed\n")
+    problem = hostrecords.place_problem(saved, mounts)
+    assert problem is not None and "hostfiles" + str(lock) in problem, problem
+    lock.unlink()
+    assert hostrecords.place_problem(saved, mounts) is not None
+    other = tmp_path / "elsewhere.lock"
+    other.write_bytes(b"locked by the job\n")
+    lock.symlink_to(other)
+    assert hostrecords.place_problem(saved, mounts) is not None
+    lock.unlink()
+    lock.write_bytes(b"locked by the job\n")
+    os.chown(lock, 1, 1)
+    assert hostrecords.place_problem(saved, mounts) is not None
 
 
 def test_host_file_paths_in_a_manifest_are_checked() -> None:

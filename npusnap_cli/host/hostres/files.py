@@ -11,10 +11,18 @@ from typing import Any, Optional
 
 from npusnap_cli import criuimages, safefs
 from npusnap_cli.errors import ImageError, PreflightError
+from npusnap_cli.host import procfs
 from npusnap_cli.host.hostres.procfds import _all_pids, _fd_links
 from npusnap_cli.image import digest
+from npusnap_cli.image.hostrecords import (
+    LOCK_FILE_MAX,
+    HostFile,
+    check_host_files,
+    in_place,
+    lease_holders,
+    tmpfs_mounts,
+)
 from npusnap_cli.image.hostrecords import NOT_DATA as _NOT_DATA
-from npusnap_cli.image.hostrecords import HostFile, check_host_files, tmpfs_mounts
 from npusnap_cli.image.hostrecords import on_mounts as _on
 from npusnap_cli.image.hostrecords import place_problem as _place_problem
 from npusnap_cli.image.hostrecords import split_parent as _split_parent
@@ -64,9 +72,6 @@ def find_tmpfs_files(tree: Iterable[int], mounts: Optional[list[str]] = None) ->
         if stat.S_ISREG(st.st_mode):
             out.append(p)
     return out
-
-
-LOCK_FILE_MAX = 1 << 20  # a lock file is small; a locked database is not ours to copy
 
 
 def find_locked_files(tree: Iterable[int]) -> list[str]:
@@ -137,11 +142,18 @@ def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tup
         dest = image_tmp / ("hostfiles" + path)
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         h = digest.new()
+        src = _open_to_copy(path, st)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with open(path, "rb") as src, os.fdopen(fd, "wb") as out:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                h.update(chunk)
-                out.write(chunk)
+        with os.fdopen(fd, "wb") as out:
+            try:
+                at = 0
+                while src is not None and (chunk := os.pread(src, 1 << 20, at)):
+                    h.update(chunk)
+                    out.write(chunk)
+                    at += len(chunk)
+            finally:
+                if src is not None:
+                    os.close(src)
         saved.append(
             HostFile(
                 path=path,
@@ -154,6 +166,52 @@ def save_files(paths: list[str], image_tmp: Path, *, remap: bool = False) -> tup
             )
         )
     return tuple(saved)
+
+
+def _open_to_copy(path: str, st: os.stat_result) -> Optional[int]:
+    """An fd to read ``path`` from (pread: a shared file offset stays where it is), or None for
+    an empty file nobody may open. A file the job holds a lease on is read through the holder's
+    own fd (pidfd_getfd): an open of ours would break the lease (fcntl(2)), and with the holder
+    frozen the open waits out the kernel's lease-break time (45 s by default), then takes the
+    lease away from the job."""
+    holders = lease_holders(st)
+    for pid in holders or ():
+        fd = procfs.fd_of_file(pid, st)
+        if fd is not None:
+            return fd
+    if holders and st.st_size == 0:
+        return None
+    if holders:
+        raise PreflightError(unreadable_lease(path))
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def unreadable_lease(path: str) -> str:
+    return (
+        f"cannot copy {path}: the job holds a lease on it and no descriptor open for reading, and "
+        "an open of npusnap's would break its lease"
+    )
+
+
+def leases_unreadable(paths: list[str]) -> list[str]:
+    """The problems of copying ``paths`` at the dump (checked before anything is touched): a
+    non-empty file leased by a holder with no fd open for reading cannot be read without breaking
+    the lease."""
+    out = []
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        holders = lease_holders(st)
+        if not holders or st.st_size == 0:
+            continue
+        fds = [fd for pid in holders if (fd := procfs.fd_of_file(pid, st)) is not None]
+        for fd in fds:
+            os.close(fd)
+        if not fds:
+            out.append(unreadable_lease(path))
+    return out
 
 
 def link_remaps(criu_dir: Path) -> list[str]:
@@ -267,6 +325,8 @@ def check_put_back(
     _refuse_host_files(problems)
     todo: list[HostFile] = []
     for f in files:
+        if not f.remap and not _on(f.path, mounts) and in_place(f):
+            continue  # a lock file outside tmpfs, there as the job had it: nothing to write
         st = _lstat_safe(f)
         if st is None:
             todo.append(f)

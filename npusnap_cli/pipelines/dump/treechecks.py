@@ -159,8 +159,8 @@ def _check_host_files(tree: tuple[ProcInfo, ...], options: DumpOptions) -> None:
     """Refuse, before anything is locked, host files the image would carry but its restore
     (and `npusnap verify`) would refuse to write: the very rules of restore
     (hostrecords.check_host_files) on the files the tree holds now. A lock file outside tmpfs
-    where its owner could not have made it (a root job's lock in a root directory) is one:
-    restore writes host files as root only where the job could have written them itself."""
+    where its owner could not have made it (a root job's lock in a root directory) passes while
+    it is there (restore leaves such a file in place; it never writes it there as root)."""
     pids = [p.pid for p in tree if not p.zombie]
     paths = _host_file_paths(pids, options.criu.file_locks)
     if not paths:
@@ -169,7 +169,7 @@ def _check_host_files(tree: tuple[ProcInfo, ...], options: DumpOptions) -> None:
     ours = _our_mount_ns(tree[0].pid) or pidns.in_device_view(tree[0].pid)
     nodes = hostres.find_host_nodes(pids, paths) if ours else []
     uids = {p.uid if p.uid is not None else -1 for p in tree}
-    problems = hostres.check_host_files(files, uids, nodes)
+    problems = hostres.check_host_files(files, uids, nodes) + hostres.leases_unreadable(paths)
     if problems:
         locks = " (taken with --file-locks)" if options.criu.file_locks else ""
         raise PreflightError(
