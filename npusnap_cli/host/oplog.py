@@ -29,7 +29,19 @@ from typing import Optional
 from npusnap_cli import paths, safefs
 from npusnap_cli.errors import ExitCode, NpusnapError
 from npusnap_cli.host import hostclean
-from npusnap_cli.jsontypes import JSONObject, JSONValue
+from npusnap_cli.jsontypes import (
+    JSONObject,
+    JSONValue,
+    ShapeError,
+    as_record,
+    int_list,
+    opt_float,
+    opt_int,
+    opt_str,
+    req_int,
+    req_obj,
+    req_str,
+)
 
 SYSLOG_SOCKET = "/dev/log"
 HISTORY = "history.jsonl"
@@ -78,54 +90,8 @@ def _syslog(line: str, failed: bool) -> bool:
     return True
 
 
-class MalformedRecord(ValueError):
-    """A history line or running file that is JSON but not the record: skipped by its readers."""
-
-
-def _bad(data: Mapping[str, JSONValue], key: str) -> MalformedRecord:
-    return MalformedRecord(f"{key!r} is {type(data[key]).__name__ if key in data else 'missing'}")
-
-
-def _str(data: Mapping[str, JSONValue], key: str) -> str:
-    value = data.get(key)
-    if not isinstance(value, str):
-        raise _bad(data, key)
-    return value
-
-
-def _opt_str(data: Mapping[str, JSONValue], key: str) -> Optional[str]:
-    value = data.get(key)
-    if value is not None and not isinstance(value, str):
-        raise _bad(data, key)
-    return value
-
-
-def _int(data: Mapping[str, JSONValue], key: str) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):  # a bool is no number here
-        raise _bad(data, key)
-    return value
-
-
-def _opt_int(data: Mapping[str, JSONValue], key: str) -> Optional[int]:
-    return None if data.get(key) is None else _int(data, key)
-
-
-def _float(value: JSONValue, key: str) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MalformedRecord(f"{key!r} holds a {type(value).__name__}")
-    return float(value)
-
-
-def _pids(data: Mapping[str, JSONValue], key: str) -> tuple[int, ...]:
-    value = data.get(key)
-    if value is None:
-        return ()
-    if not isinstance(value, list) or any(isinstance(p, bool) or not isinstance(p, int) for p in value):
-        raise _bad(data, key)
-    return tuple(p for p in value if isinstance(p, int))
+# A history line or running file that is JSON but not the record: skipped by its readers.
+MalformedRecord = ShapeError
 
 
 @dataclass(frozen=True)
@@ -172,23 +138,20 @@ class HistoryRecord:
         """The record of one history line; MalformedRecord naming the field that is not.
 
         ``op``, ``pids`` and ``exit_code`` are required; the rest may be absent (null then)."""
-        if not isinstance(data, Mapping):
-            raise MalformedRecord("not a JSON object")
-        starts = data.get("starts")
-        if starts is not None and not isinstance(starts, dict):
-            raise _bad(data, "starts")
+        data = as_record(data, "the history line")
+        starts = {} if data.get("starts") is None else req_obj(data, "starts")
         return cls(
-            op=_str(data, "op"),
-            pids=_pids(data, "pids"),
-            exit_code=_int(data, "exit_code"),
-            time=_opt_str(data, "time"),
-            starts={pid: _float(start, "starts") for pid, start in (starts or {}).items()},
-            image=_opt_str(data, "image"),
-            user=_opt_str(data, "user"),
-            npusnap_pid=_opt_int(data, "npusnap_pid"),
-            result=_opt_str(data, "result"),
-            error=_opt_str(data, "error"),
-            duration_s=_float(data.get("duration_s"), "duration_s"),
+            op=req_str(data, "op"),
+            pids=int_list(data, "pids", optional=True),
+            exit_code=req_int(data, "exit_code"),
+            time=opt_str(data, "time"),
+            starts={pid: opt_float(starts, pid) for pid in starts},
+            image=opt_str(data, "image"),
+            user=opt_str(data, "user"),
+            npusnap_pid=opt_int(data, "npusnap_pid"),
+            result=opt_str(data, "result"),
+            error=opt_str(data, "error"),
+            duration_s=opt_float(data, "duration_s"),
         )
 
 
@@ -269,14 +232,13 @@ class RunningRecord:
 
     @classmethod
     def from_json(cls, data: JSONValue) -> RunningRecord:
-        if not isinstance(data, Mapping):
-            raise MalformedRecord("not a JSON object")
+        data = as_record(data, "the running file")
         return cls(
-            op=_str(data, "op"),
-            pid=_int(data, "pid"),
-            start=_float(data.get("start"), "start"),
-            pids=_pids(data, "pids"),
-            since=_opt_str(data, "since"),
+            op=req_str(data, "op"),
+            pid=req_int(data, "pid"),
+            start=opt_float(data, "start"),
+            pids=int_list(data, "pids", optional=True),
+            since=opt_str(data, "since"),
         )
 
 

@@ -36,6 +36,7 @@ from npusnap_cli import paths, safefs
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.image import archive, integrity, layout
 from npusnap_cli.image.manifest import Manifest, load_manifest
+from npusnap_cli.jsontypes import JSONObject
 
 LATEST = "latest"
 
@@ -54,7 +55,7 @@ class ImageInfo:
     problem: Optional[str]
     latest: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "path": self.path,
             "kind": self.kind,
