@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from npusnap_cli import contract, elf
+from npusnap_cli.jsontypes import JSONObject
 
 # -- constants -----------------------------------------------------------------------------------
 
@@ -103,7 +104,7 @@ class AclError(Exception):
             text += f" — {self.hint}"
         return text
 
-    def to_dict(self) -> Dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "code": self.code,
             "name": self.name,

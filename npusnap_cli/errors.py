@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from npusnap_cli import contract
+from npusnap_cli.jsontypes import JSONObject, JSONValue, obj
 
 # Process exit codes: generated from native/contract/npusnap.toml (as is the C plugin's), documented
 # in docs/exit-codes.md and frozen by a test.
@@ -45,9 +47,11 @@ class NpusnapError(Exception):
         self.message = message
         self.why = why
         self.fix = fix
+        # Free-form, but not JSONObject: callers (device/*) put maps keyed by int (a pid, a device)
+        # here, which json.dumps writes with string keys.
         self.details: dict[str, Any] = dict(details or {})
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "kind": self.kind,
             "exit_code": int(self.exit_code),
@@ -235,7 +239,7 @@ class InterruptedError_(NpusnapError):
     kind = "interrupted"
 
 
-def from_dict(data: dict[str, Any], *, prefix: str = "") -> NpusnapError:
+def from_dict(data: Mapping[str, JSONValue], *, prefix: str = "") -> NpusnapError:
     """Rebuild an error from its ``to_dict()`` form (e.g. another npusnap's JSON envelope).
 
     The class is chosen by ``kind`` so that the exit code is preserved.
@@ -251,5 +255,5 @@ def from_dict(data: dict[str, Any], *, prefix: str = "") -> NpusnapError:
         prefix + str(data.get("message", "unknown error")),
         why=str(data.get("why", "")),
         fix=str(data.get("fix", "")),
-        details=dict(data.get("details") or {}),
+        details=dict(obj(data.get("details"))),
     )

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from npusnap_cli.errors import ExitCode, NpusnapError, settle_no_space, settle_permission
+from npusnap_cli.jsontypes import JSONObject, JSONValue
 from npusnap_cli.units import human_bytes as human_bytes  # the tables' spelling of sizes
 
 ENVELOPE_SCHEMA = 1
@@ -249,17 +250,17 @@ class Output:
             yield _RichProgress(prog, task)
 
     # -- the result ---------------------------------------------------------------------------
-    def result(self, result: Any, *, exit_code: int = 0) -> None:
+    def result(self, result: JSONValue, *, exit_code: int = 0) -> None:
         """Emit the JSON envelope for a finished command (human output was printed already)."""
         if self.json_mode and not self._emitted:
-            self._emit({"ok": exit_code == 0, "exit_code": int(exit_code), "result": result, "error": None})
+            self._emit(exit_code == 0, int(exit_code), result, None)
 
-    def error(self, err: NpusnapError, *, partial: Any = None) -> int:
+    def error(self, err: NpusnapError, *, partial: JSONValue = None) -> int:
         """Render an error; return its exit code."""
         err = settle_no_space(err) or err  # a full disk is exit 3 in every command
         code = int(err.exit_code)
         if self.json_mode:
-            self._emit({"ok": False, "exit_code": code, "result": partial, "error": err.to_dict()})
+            self._emit(False, code, partial, err.to_dict())
             return code
         self.console.print(plain(f"✘ {err.message}", "bold red"))
         if err.why:
@@ -279,11 +280,14 @@ class Output:
                 self.console.print(plain(f"  {key}: {value}", "dim"))
         return code
 
-    def _emit(self, body: dict[str, Any]) -> None:
-        envelope = {
+    def _emit(self, ok: bool, exit_code: int, result: JSONValue, error: Optional[JSONObject]) -> None:
+        envelope: JSONObject = {
             "schema": ENVELOPE_SCHEMA,
             "command": self.command,
-            **body,
+            "ok": ok,
+            "exit_code": exit_code,
+            "result": result,
+            "error": error,
             "warnings": list(self.warnings),
         }
         sys.stdout.write(json.dumps(envelope, indent=2, sort_keys=False, default=str) + "\n")
@@ -320,12 +324,14 @@ def make_console(*, stderr: bool) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    kwargs: dict[str, Any] = {}
-    if no_color():
-        kwargs["color_system"] = None
-    if not stream.isatty() and "COLUMNS" not in os.environ:
-        kwargs["width"] = 200
-    return Console(file=stream, highlight=False, soft_wrap=False, **kwargs)
+    wide = not stream.isatty() and "COLUMNS" not in os.environ
+    return Console(
+        file=stream,
+        highlight=False,
+        soft_wrap=False,
+        color_system=None if no_color() else "auto",  # rich's own default: "auto"
+        width=200 if wide else None,  # None: rich's default, the terminal's width
+    )
 
 
 def _binary_columns() -> Any:

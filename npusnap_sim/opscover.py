@@ -22,6 +22,7 @@ from typing import Optional
 
 from npusnap_cli import elf, paths
 from npusnap_cli.errors import PreflightError
+from npusnap_cli.jsontypes import JSONObject
 
 WHEEL_LIBRARY = Path("torch_npu") / "lib" / "libtorch_npu.so"
 OPAPI = Path("lib64") / "libopapi.so"
@@ -41,7 +42,7 @@ class OpsCoverage:
     missing: tuple[str, ...]  # looked up, not exported
     extra: tuple[str, ...]  # exported, never looked up by this wheel
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "wheel_library": self.wheel_library,
             "opapi": self.opapi,

@@ -27,6 +27,7 @@ from npusnap_cli import contract, elf, paths, safefs
 from npusnap_cli.agent import native
 from npusnap_cli.errors import PreflightError, TargetError, UsageError
 from npusnap_cli.host import iouring
+from npusnap_cli.jsontypes import JSONObject
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PKG_PARENT = Path(__file__).resolve().parent.parent.parent
@@ -38,7 +39,7 @@ class LaunchPlan:
     executable: str
     env: dict[str, str] = field(repr=False)
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "pid": os.getpid(),
             "argv": self.argv,

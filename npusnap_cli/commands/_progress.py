@@ -6,11 +6,19 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional, Protocol
 
 if TYPE_CHECKING:
     from npusnap_cli.image.manifest import Timings
     from npusnap_cli.ui import Output
+
+
+class _Bar(Protocol):
+    """What Output.progress yields: a bar (or its stand-in in JSON mode, or in a log)."""
+
+    def describe(self, text: str) -> None: ...
+
+    def update(self, completed: int, total: Optional[int] = None) -> None: ...
 
 
 class ProgressBars:
@@ -38,7 +46,7 @@ class ProgressBars:
     def __init__(self, out: Output) -> None:
         self._out = out
         self._stack = contextlib.ExitStack()
-        self._bars: dict[str, Any] = {}
+        self._bars: dict[str, _Bar] = {}
         self._state: dict[str, tuple[int, Optional[int], float, bool]] = {}  # done, total, moved, stalled
         self._closed: set[str] = set()
         self._lock = threading.Lock()

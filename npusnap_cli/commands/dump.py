@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -17,6 +17,7 @@ from npusnap_cli.commands._progress import ProgressBars, dump_phase_rows, fmt_s,
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
 from npusnap_cli.image import archive, imagestore
+from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines import dump as dump_mod
 from npusnap_cli.pipelines import slurm
 from npusnap_cli.units import human_bytes
@@ -356,7 +357,7 @@ def _show_dry_run(out: Output, result: dump_mod.DryRunOutcome) -> None:
     out.result(result.to_dict(), exit_code=result.exit_code)
 
 
-def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
+def _export(out: Output, image: Path, target: Path) -> JSONObject:
     """--export: the archive of the image just written (as `npusnap export IMAGE FILE`)."""
 
     bars = ProgressBars(out)
@@ -375,22 +376,23 @@ def _export(out: Output, image: Path, target: Path) -> dict[str, Any]:
     return result.to_dict()
 
 
-def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> dict[str, Any]:
+def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) -> JSONObject:
     """--latest and --keep-last, after the image is complete (the pointer first: rotation never
     removes what `latest` names)."""
 
-    done: dict[str, Any] = {"latest": None, "removed": []}
+    pointer: Optional[str] = None
+    removed: list[str] = []
     # Every image this command publishes is noted as ours, so that a later --keep-last can tell
     # it from a look-alike another user put beside it.
     imagestore.record_own(image)
     if latest:
-        done["latest"] = imagestore.update_latest(image)
-        out.line(f"{done['latest']} -> {image.name}")
+        pointer = imagestore.update_latest(image)
+        out.line(f"{pointer} -> {image.name}")
     if keep_last is not None:
-        done["removed"] = imagestore.rotate(image.parent, keep_last, keep=image)
-        for path in done["removed"]:
+        removed = imagestore.rotate(image.parent, keep_last, keep=image)
+        for path in removed:
             out.line(f"removed old image {path} (--keep-last {keep_last})")
-    return done
+    return {"latest": pointer, "removed": removed}
 
 
 def _parent_image(path: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import typer
@@ -9,6 +10,7 @@ import typer
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
+from npusnap_cli.jsontypes import JSONObject, JSONValue
 from npusnap_cli.pipelines import freeze as freeze_mod
 
 DEFAULT_FREEZE_LEASE_S = 300.0
@@ -119,6 +121,6 @@ def _lease_text(result: dict[str, object]) -> str:
     return "none"
 
 
-def _by_pid(results: dict[int, dict[str, object]]) -> list[dict[str, object]]:
+def _by_pid(results: Mapping[int, Mapping[str, JSONValue]]) -> list[JSONObject]:
     """``processes`` has one shape in every command's JSON: a list of objects with ``pid``."""
     return [{**r, "pid": p} for p, r in sorted(results.items())]

@@ -166,11 +166,11 @@ def register(app: typer.Typer) -> None:
         """
         out = output(ctx, "import", json_flag)
         result = import_into(out, source, directory, force=force)
-        out.data(result["image"])
-        out.result(result)
+        out.data(result.image)
+        out.result(result.to_dict())
 
 
-def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> dict[str, Any]:
+def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> archive.ImportResult:
     """`npusnap import`, also for `restore --import`: extract, verified, with a progress bar."""
 
     bars = ProgressBars(out)
@@ -189,4 +189,4 @@ def import_into(out: Any, source: Path, directory: Path, *, force: bool) -> dict
         f"imported {source} into {result.image}: {result.files} files, "
         f"{human_bytes(result.image_bytes)}, checksums match"
     )
-    return dict(result.to_dict())
+    return result

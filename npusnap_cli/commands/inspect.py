@@ -434,13 +434,13 @@ def register(app: typer.Typer) -> None:
             out.result(res)
             return
         if ref.kind is image.Kind.CONTAINER:
-            res = containers.verify(ref.require_container(), checksums=not no_checksums)
-            what = "sizes and checksums" if res["checksums"] else "sizes (checksums skipped)"
+            checked = containers.verify(ref.require_container(), checksums=not no_checksums)
+            what = "sizes and checksums" if checked.checksums else "sizes (checksums skipped)"
             out.ok(
-                f"{ref.path}: container checkpoint, {res['files_checked']} image files, "
-                f"{human_bytes(res['bytes_checked'])}: {what} match the plugin's record"
+                f"{ref.path}: container checkpoint, {checked.files_checked} image files, "
+                f"{human_bytes(checked.bytes_checked)}: {what} match the plugin's record"
             )
-            out.result(res)
+            out.result(checked.to_dict())
             return
         if ref.kind is image.Kind.JOB:
             _verify_job(out, ref, checksums=not no_checksums, require_signature=require_signature)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from npusnap_cli.commands._progress import fmt_s
 from npusnap_cli.errors import UsageError
+from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines import jobsnap, netcoord
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump import DumpOptions
@@ -127,7 +128,7 @@ def restore_job(
     callbacks: PipelineCallbacks,
     rank_netns: dict[int, str],
     net: Optional[NetSpec] = None,
-) -> tuple[list[int], dict[str, Any]]:
+) -> tuple[list[int], JSONObject]:
 
     with _net(net, jobsnap.RESTORE_PHASES) as link:
         result = jobsnap.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
@@ -157,7 +158,7 @@ def restore_job(
     return [int(r["root_pid"]) for r in result.ranks], result.to_dict()
 
 
-def wait_and_report(out: Output, roots: list[int], data: dict[str, Any], wait: bool) -> Optional[int]:
+def wait_and_report(out: Output, roots: list[int], data: JSONObject, wait: bool) -> Optional[int]:
     """Without --wait: print the result. With it: wait for the roots to exit first."""
     if not wait:
         out.result(data)

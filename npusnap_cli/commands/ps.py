@@ -6,6 +6,7 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.host import nodeview, procfs
+from npusnap_cli.jsontypes import obj
 
 MIN_AGENT_WAIT_S = 0.5  # what the agents get however slow the start was: a live one answers in ms
 
@@ -35,22 +36,22 @@ def register(app: typer.Typer) -> None:
         procs = nodeview.processes(timeout=max(MIN_AGENT_WAIT_S, timeout - spent))
         rows = []
         for p in procs:
-            lease = p.get("lease") or {}
-            last = p.get("last_snapshot") or {}
-            restored = p.get("restored_from") or {}
+            a = p.answer or nodeview.AgentAnswer()
+            lease = obj(a.lease)
+            last = p.last_snapshot or {}
+            restored = p.restored_from or {}
             snap = f"{last.get('op')} {last.get('time')} -> {last.get('image') or '-'}" if last else "-"
             if restored:
                 snap += f" (restored from {restored.get('image')} {restored.get('time')})"
             rows.append(
                 (
-                    p["pid"],
-                    p.get("user") or "?",
-                    (" ".join(p.get("cmdline") or []) or "?")
-                    + (f" (replica of {p['replica_of']})" if p.get("replica_of") else ""),
-                    p.get("state") or ("agent error" if p.get("agent_error") else "-"),
+                    p.pid,
+                    p.user or "?",
+                    (" ".join(p.cmdline) or "?") + (f" (replica of {p.replica_of})" if p.replica_of else ""),
+                    a.state or ("agent error" if p.agent_error else "-"),
                     f"{lease.get('remaining_s')}s left" if lease.get("active") else "-",
-                    nodeview.owner_text(p.get("owner"), lease),
-                    ",".join(map(str, p.get("devices") or [])) or "-",
+                    nodeview.owner_text(a.owner, lease),
+                    ",".join(map(str, a.devices)) or "-",
                     snap,
                 )
             )
@@ -60,14 +61,14 @@ def register(app: typer.Typer) -> None:
             rows,
         )
         for p in procs:
-            if p.get("agent_error"):
-                out.warn(f"pid {p['pid']}: {p['agent_error']}")
-            owner = p.get("owner") or {}
+            if p.agent_error:
+                out.warn(f"pid {p.pid}: {p.agent_error}")
+            owner = (p.answer.owner if p.answer else None) or {}
             if owner.get("alive") is False:
                 out.warn(
-                    f"pid {p['pid']} is locked by {owner.get('command')} (pid {owner.get('pid')}), which "
-                    f"has exited: `npusnap thaw --force {p['pid']}` returns it now"
+                    f"pid {p.pid} is locked by {owner.get('command')} (pid {owner.get('pid')}), which "
+                    f"has exited: `npusnap thaw --force {p.pid}` returns it now"
                 )
         if not procs:
             out.line("no process on this node has an npusnap agent (start one with `npusnap run`)")
-        out.result({"processes": procs})
+        out.result({"processes": [p.to_json() for p in procs]})

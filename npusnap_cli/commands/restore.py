@@ -318,7 +318,7 @@ def register(app: typer.Typer) -> None:
                         jobcmd.parse_rank_netns(rank_netns),
                         jobcmd.net_options(coordinator, node, nodes),
                     )
-                    op["pids"] = list(roots)
+                    op.pids = list(roots)
             finally:
                 bars.close()
             return jobcmd.wait_and_report(out, roots, data, wait)
@@ -327,7 +327,7 @@ def register(app: typer.Typer) -> None:
         try:
             with oplog.operation("restore", [], str(directory)) as op:
                 result = restore_mod.restore(ref.path, options, callbacks)
-                op["pids"] = list(result.pids)
+                op.pids = list(result.pids)
         finally:
             bars.close()
         t = result.timings

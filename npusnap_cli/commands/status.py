@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         untracked = []
         report = proctree.tree_status(pid)
         rows = []
-        busy: dict[int, dict[str, object]] = {}
+        busy: dict[int, oplog.RunningRecord] = {}
         for entry in report["processes"]:
             hello = entry.get("hello") or {}
             st = entry.get("status") or {}
@@ -36,11 +36,11 @@ def register(app: typer.Typer) -> None:
                 # and answers nobody else meanwhile: not an agent error.
                 busy[entry["pid"]] = holder
                 entry["agent_error"] = None
-                entry["held_by"] = holder
+                entry["held_by"] = holder.to_json()
                 agent = "busy"
                 st = {
                     "state": "LOCKED",
-                    "owner": {"command": holder["op"], "pid": holder["pid"], "since": holder["since"]},
+                    "owner": {"command": holder.op, "pid": holder.pid, "since": holder.since},
                 }
             elif entry.get("agent_error"):
                 agent = "error"
@@ -91,8 +91,8 @@ def register(app: typer.Typer) -> None:
         )
         for p, holder in sorted(busy.items()):
             out.info(
-                f"pid {p}: a {holder['op']} holds the lock (npusnap pid {holder['pid']}, since "
-                f"{holder['since']}); its agent answers again when that command is done"
+                f"pid {p}: a {holder.op} holds the lock (npusnap pid {holder.pid}, since "
+                f"{holder.since}); its agent answers again when that command is done"
             )
         for p in untracked:
             out.warn(

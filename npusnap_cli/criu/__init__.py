@@ -28,7 +28,13 @@ from npusnap_cli.criu.binary import (
 )
 from npusnap_cli.criu.failures import _criu_error, _known_failure, first_error, log_excerpt
 from npusnap_cli.criu.lazy import LAZY_FEATURE, LAZY_SOCKET, LazyPagesDaemon, lazy_pages_supported
-from npusnap_cli.criu.options import NETWORK_LOCKS, CriuOptions, default_network_lock, has_nftables
+from npusnap_cli.criu.options import (
+    NETWORK_LOCKS,
+    CriuOptions,
+    CriuOptionsRecord,
+    default_network_lock,
+    has_nftables,
+)
 from npusnap_cli.criu.results import STATS_DUMP_FILE, DumpResult, RestoreResult, load_stats, read_dump_stats
 from npusnap_cli.criu.session import (
     PASSTHROUGH_CONFIG,
@@ -49,6 +55,7 @@ __all__ = [
     "CriuBinary",
     "CriuCheck",
     "CriuOptions",
+    "CriuOptionsRecord",
     "DumpResult",
     "LazyPagesDaemon",
     "RestoreResult",

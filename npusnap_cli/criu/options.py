@@ -5,11 +5,29 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 # CRIU's log levels: 0 none .. 4 debug. Debug costs little next to the memory dump and is what a
 # CRIU developer asks for first, so it is the default.
 DEFAULT_LOG_LEVEL = 4
+
+
+class CriuOptionsRecord(TypedDict, total=False):
+    """``CriuOptions.to_dict()``: the image manifest's ``criu_options``, as written and read (an
+    older image lacks the keys added since: every key may be absent)."""
+
+    leave_running: bool
+    leave_stopped: bool
+    tcp_established: bool
+    shell_job: bool
+    file_locks: bool
+    ext_unix_sk: bool
+    external: list[str]
+    timeout: Optional[int]
+    log_level: int
+    link_remap: bool
+    network_lock: Optional[str]
+    passthrough: list[str]
 
 
 @dataclass(frozen=True)
@@ -52,7 +70,7 @@ class CriuOptions:
     # lines of the configuration file CRIU reads after the RPC settings.
     passthrough: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> CriuOptionsRecord:
         return {
             "leave_running": self.leave_running,
             "leave_stopped": self.leave_stopped,

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import contract, paths
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
+from npusnap_cli.jsontypes import JSONObject, JSONValue, array, obj
 
 _REPLICA = re.compile(r"^(?P<of>\d+)-[0-9a-f]+$")  # host/pidns.py names a copy's socket PID-TAG.sock
 
@@ -96,19 +99,22 @@ def pid_alive(pid: Optional[int]) -> Optional[bool]:
     return os.path.exists(f"/proc/{int(pid)}")
 
 
-def owner_view(owner: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The agent's lock owner with ``alive``: a dump that exited without unlocking (killed) still
-    shows as the owner in the agent until its lease returns the process, but nobody will finish
-    or undo its work: the lock is stale."""
-    if not owner:
+def owner_view(owner: JSONValue) -> Optional[JSONObject]:
+    """The agent's lock owner (its JSON, as it sent it) with ``alive``: a dump that exited
+    without unlocking (killed) still shows as the owner in the agent until its lease returns the
+    process, but nobody will finish or undo its work: the lock is stale."""
+    if not isinstance(owner, Mapping) or not owner:
         return None
     if owner.get("command") == "freeze":
         # freeze exits on purpose and leaves the lock to a person or an external tool.
         return {**owner, "alive": None}
-    return {**owner, "alive": pid_alive(owner.get("pid"))}
+    pid = owner.get("pid")
+    return {**owner, "alive": pid_alive(pid if isinstance(pid, int) else None)}
 
 
-def owner_text(owner: Optional[dict[str, Any]], lease: Optional[dict[str, Any]] = None) -> str:
+def owner_text(
+    owner: Optional[Mapping[str, JSONValue]], lease: Optional[Mapping[str, JSONValue]] = None
+) -> str:
     if not owner:
         return "-"
     text = f"{owner.get('command')} (pid {owner.get('pid')}) since {owner.get('since')}"
@@ -130,27 +136,73 @@ def owner_text(owner: Optional[dict[str, Any]], lease: Optional[dict[str, Any]] 
 MAX_PARALLEL = 32
 
 
-def _ask(pid: int, socket: Path, deadline: float) -> dict[str, Any]:
-    """hello + status of one agent, within what is left before ``deadline``."""
+@dataclass(frozen=True)
+class AgentAnswer:
+    """What one agent said to hello + status (the agent's own JSON where it is its record)."""
+
+    state: JSONValue = None
+    lease: JSONValue = None
+    owner: Optional[JSONObject] = None  # owner_view's
+    devices: tuple[JSONValue, ...] = ()
+    restored: bool = False
+    events: tuple[JSONValue, ...] = ()
+
+
+def _ask(pid: int, socket: Path, deadline: float) -> AgentAnswer | str:
+    """hello + status of one agent, within what is left before ``deadline``; or why not."""
     left = deadline - time.monotonic()
     if left <= 0:
-        return {"agent_error": "not asked: the time for all agents (--timeout) was up"}
+        return "not asked: the time for all agents (--timeout) was up"
     try:
         with AgentClient(pid, timeout=left, socket_path=socket, connect_retry_s=0) as client:
-            hello = client.request("hello", timeout=max(0.01, deadline - time.monotonic()))
-            st = client.request("status", timeout=max(0.01, deadline - time.monotonic()))
+            hello: JSONObject = client.request("hello", timeout=max(0.01, deadline - time.monotonic()))
+            st: JSONObject = client.request("status", timeout=max(0.01, deadline - time.monotonic()))
     except NpusnapError as exc:
-        return {"agent_error": exc.message}
-    return {
-        "state": st.get("state"),
-        "lease": st.get("lease"),
-        "owner": owner_view(st.get("owner")),
-        "devices": list((hello.get("acl") or {}).get("devices") or []),
-        "restored": bool(st.get("restored")),
+        return exc.message
+    return AgentAnswer(
+        state=st.get("state"),
+        lease=st.get("lease"),
+        owner=owner_view(st.get("owner")),
+        devices=tuple(array(obj(hello.get("acl")).get("devices"))),
+        restored=bool(st.get("restored")),
         # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
         # lease that ran out, which it otherwise tells only the job's agent log.
-        "events": list(st.get("events") or [])[-3:],
-    }
+        events=tuple(array(st.get("events")))[-3:],
+    )
+
+
+@dataclass(frozen=True)
+class ProcessView:
+    """One line of `npusnap ps`: a process with an agent."""
+
+    pid: int
+    replica_of: Optional[int]  # the pid this is a copy of (`restore --replicas`)
+    user: Optional[str] = None
+    cmdline: tuple[str, ...] = ()
+    answer: Optional[AgentAnswer] = None  # None: the agent did not answer
+    agent_error: Optional[str] = None
+    last_snapshot: Optional[JSONObject] = None  # time, op, image, user of the history's record
+    restored_from: Optional[JSONObject] = None  # time, image
+
+    def to_json(self) -> JSONObject:
+        a = self.answer or AgentAnswer()
+        d: JSONObject = {
+            "pid": self.pid,
+            "user": self.user,
+            "cmdline": list(self.cmdline),
+            "state": a.state,
+            "lease": a.lease,
+            "owner": a.owner,
+            "devices": list(a.devices),
+            "last_snapshot": self.last_snapshot,
+            "restored_from": self.restored_from,
+            "replica_of": self.replica_of,
+            "events": list(a.events),
+            "agent_error": self.agent_error,
+        }
+        if self.answer is not None:  # last, and only from an agent that answered
+            d["restored"] = self.answer.restored
+        return d
 
 
 def _uid_of(pid: int) -> Optional[int]:
@@ -160,7 +212,7 @@ def _uid_of(pid: int) -> Optional[int]:
         return None
 
 
-def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
+def processes(timeout: float = 2.0) -> list[ProcessView]:
     """One entry per agent: pid, user, command, state, lease, owner, devices, last snapshot;
     ``replica_of`` for a copy restored by ``restore --replicas``. All agents are asked within
     ``timeout`` seconds in total; one that has not answered by then has ``agent_error``."""
@@ -172,7 +224,7 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
     found = agents()
     me = os.geteuid()
     order = sorted(found, key=lambda p: (_uid_of(p) not in (0, me), p))
-    answers: dict[int, dict[str, Any]] = {}
+    answers: dict[int, AgentAnswer | str] = {}
     if order:
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL, len(order)), thread_name_prefix="ps") as pool:
             futures = {pid: pool.submit(_ask, pid, found[pid][0], deadline) for pid in order}
@@ -182,38 +234,31 @@ def processes(timeout: float = 2.0) -> list[dict[str, Any]]:
     snapshots = oplog.last_snapshots()
     restores = {}
     for record in oplog.history():
-        if record.get("op") == "restore" and record.get("exit_code") == 0:
-            for pid in record.get("pids") or []:
-                restores[(int(pid), (record.get("starts") or {}).get(str(pid)))] = record
+        if record.op == "restore" and record.ok:
+            for pid in record.pids:
+                restores[(pid, record.start_of(pid))] = record
     out = []
     for pid in sorted(found):
-        entry: dict[str, Any] = {
-            "pid": pid,
-            "user": None,
-            "cmdline": [],
-            "state": None,
-            "lease": None,
-            "owner": None,
-            "devices": [],
-            "last_snapshot": None,
-            "restored_from": None,
-            "replica_of": found[pid][1],
-            "events": [],
-            "agent_error": None,
-        }
+        entry = ProcessView(pid, found[pid][1])
         try:
             proc = psutil.Process(pid)
-            entry["user"] = proc.username()
-            entry["cmdline"] = proc.cmdline()
+            entry = replace(entry, user=proc.username(), cmdline=tuple(proc.cmdline()))
         except (psutil.Error, KeyError):
             pass
-        entry.update(answers.get(pid) or {})
+        answer = answers.get(pid)
+        if isinstance(answer, str):
+            entry = replace(entry, agent_error=answer)
+        elif answer is not None:
+            entry = replace(entry, answer=answer)
         key = (pid, oplog.start_time(pid))
         last = snapshots.get(key)
         if last is not None:
-            entry["last_snapshot"] = {k: last.get(k) for k in ("time", "op", "image", "user")}
+            entry = replace(
+                entry,
+                last_snapshot={"time": last.time, "op": last.op, "image": last.image, "user": last.user},
+            )
         restored = restores.get(key)
         if restored is not None:
-            entry["restored_from"] = {k: restored.get(k) for k in ("time", "image")}
+            entry = replace(entry, restored_from={"time": restored.time, "image": restored.image})
         out.append(entry)
     return out

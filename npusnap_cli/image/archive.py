@@ -42,6 +42,7 @@ from npusnap_cli.errors import (
 )
 from npusnap_cli.image import digest, hostrecords, integrity, layout, publishing
 from npusnap_cli.image.manifest import Manifest
+from npusnap_cli.jsontypes import JSONObject
 
 SUFFIX = ".tar.zst"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -103,7 +104,7 @@ class ArchiveResult:
     bytes_out: int
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "image": self.image,
             "archive": self.archive,
@@ -504,7 +505,7 @@ class ImportResult:
     image_bytes: int
     seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "archive": self.archive,
             "image": self.image,

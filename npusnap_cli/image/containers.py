@@ -29,10 +29,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Optional
 
 from npusnap_cli import contract
 from npusnap_cli.errors import ImageError
+from npusnap_cli.jsontypes import (
+    JSONObject,
+    JSONValue,
+    ShapeError,
+    as_record,
+    obj,
+    opt_int,
+    opt_str,
+    req_int,
+    req_list,
+    req_str,
+)
 
 # The plugin's state file: named and versioned in native/contract/npusnap.toml (the plugin, C,
 # writes it; this module reads it).
@@ -42,16 +54,100 @@ KIND = contract.PLUGIN_STATE_KIND
 _CHUNK = 1 << 20
 
 
+@dataclass(frozen=True)
+class PluginProcess:
+    """An NPU process the plugin locked and backed up (its lock token stays in the file)."""
+
+    pid: Optional[int]
+    ns_pid: Optional[int]
+    agent_socket: Optional[str]
+
+    def to_json(self) -> JSONObject:
+        return {"pid": self.pid, "ns_pid": self.ns_pid, "agent_socket": self.agent_socket}
+
+
+@dataclass(frozen=True)
+class PluginFile:
+    """An image file as the plugin recorded it at the end of the dump."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PluginState:
+    """The plugin's state file (``npusnap-plugin.json``), the fields npusnap reads."""
+
+    processes: tuple[PluginProcess, ...]
+    files: tuple[PluginFile, ...]
+    created: Optional[str] = None
+    hostname: Optional[str] = None
+    lease_s: JSONValue = None  # a number, shown as the plugin wrote it
+    job: Optional[JSONObject] = None  # the coordinated job it joined (member, ...), as written
+
+    @classmethod
+    def from_json(cls, data: JSONValue) -> PluginState:
+        """ShapeError naming the field that is not what the plugin writes."""
+        d = as_record(data, STATE_FILE)
+        processes = []
+        for p in req_list(d, "processes"):
+            r = as_record(p, "an entry of 'processes'")
+            processes.append(
+                PluginProcess(opt_int(r, "pid"), opt_int(r, "ns_pid"), opt_str(r, "agent_socket"))
+            )
+        files = []
+        for f in req_list(d, "files"):
+            r = as_record(f, "an entry of 'files'")
+            files.append(PluginFile(req_str(r, "path"), req_int(r, "size"), req_str(r, "sha256")))
+        job = d.get("job")
+        if job is not None and not isinstance(job, dict):
+            raise ShapeError(f"'job' is a {type(job).__name__}, not an object")
+        lease = d.get("lease_s")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))):
+            raise ShapeError(f"'lease_s' is a {type(lease).__name__}, not a number")
+        return cls(
+            processes=tuple(processes),
+            files=tuple(files),
+            created=opt_str(d, "created"),
+            hostname=opt_str(d, "hostname"),
+            lease_s=lease,
+            job=job,
+        )
+
+
+@dataclass(frozen=True)
+class ContainerVerifyResult:
+    checkpoint: str
+    form: str
+    files_checked: int
+    bytes_checked: int
+    checksums: bool
+    processes: int
+
+    def to_dict(self) -> JSONObject:
+        return {
+            "checkpoint": self.checkpoint,
+            "form": self.form,
+            "ok": True,
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "checksums": self.checksums,
+            "processes": self.processes,
+        }
+
+
 @dataclass
 class PluginCheckpoint:
     """What the plugin recorded, and where."""
 
     source: str
     form: str  # "directory" or "archive"
-    state: dict[str, Any]
+    state: PluginState
     prefix: str = ""  # path of the CRIU images inside the directory/archive ("" or "checkpoint/")
     extra_files: list[str] = field(default_factory=list)  # engine files beside the images (archive)
-    engine_meta: dict[str, Any] = field(default_factory=dict)  # config.dump / status.dump, parsed
+    # config.dump / status.dump, parsed: the engine's own JSON, read for a few fields and forwarded
+    engine_meta: dict[str, JSONValue] = field(default_factory=dict)
 
     @property
     def engine(self) -> str:
@@ -61,12 +157,12 @@ class PluginCheckpoint:
             return "podman / CRI-O"
         return "CRIU"
 
-    def container(self) -> dict[str, Any]:
+    def container(self) -> JSONObject:
         """What the engine recorded about the container (checkpointctl's config.dump; CRI labels)."""
-        config = self.engine_meta.get("config.dump") or {}
-        status = self.engine_meta.get("status.dump") or {}
-        labels = status.get("labels") or {}
-        info = {
+        config = obj(self.engine_meta.get("config.dump"))
+        status = obj(self.engine_meta.get("status.dump"))
+        labels = obj(status.get("labels"))
+        info: JSONObject = {
             "id": config.get("id"),
             "name": config.get("name"),
             "image": config.get("rootfsImageName"),
@@ -83,29 +179,27 @@ class PluginCheckpoint:
         return {k: v for k, v in info.items() if v is not None}
 
     @property
-    def processes(self) -> list[dict[str, Any]]:
-        return list(self.state.get("processes", []))
+    def processes(self) -> tuple[PluginProcess, ...]:
+        return self.state.processes
 
     @property
-    def files(self) -> list[dict[str, Any]]:
-        return list(self.state.get("files", []))
+    def files(self) -> tuple[PluginFile, ...]:
+        return self.state.files
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSONObject:
         return {
             "checkpoint": self.source,
             "form": self.form,
             "kind": KIND,
-            "created": self.state.get("created"),
-            "hostname": self.state.get("hostname"),
-            "lease_s": self.state.get("lease_s"),
-            "processes": [
-                {k: p.get(k) for k in ("pid", "ns_pid", "agent_socket")} for p in self.processes
-            ],  # tokens stay in the (root-only) file
+            "created": self.state.created,
+            "hostname": self.state.hostname,
+            "lease_s": self.state.lease_s,
+            "processes": [p.to_json() for p in self.processes],  # tokens stay in the (root-only) file
             "files": len(self.files),
-            "image_bytes": sum(int(f.get("size", 0)) for f in self.files),
+            "image_bytes": sum(f.size for f in self.files),
             "engine": self.engine,
             "container": self.container(),
-            "job": self.state.get("job"),
+            "job": self.state.job,
             "engine_files": sorted(self.extra_files),
         }
 
@@ -118,7 +212,7 @@ def _bad(source: str, message: str, why: str = "", fix: str = "") -> ImageError:
     )
 
 
-def _parse_state(source: str, text: bytes) -> dict[str, Any]:
+def _parse_state(source: str, text: bytes) -> PluginState:
     try:
         state = json.loads(text)
     except ValueError as exc:
@@ -129,10 +223,13 @@ def _parse_state(source: str, text: bytes) -> dict[str, Any]:
             f"{STATE_FILE} has an unknown kind/format (this npusnap reads {KIND} format {STATE_FORMAT})",
             fix="inspect it with the npusnap version whose plugin wrote it",
         )
-    for key, kind in (("processes", list), ("files", list)):
-        if not isinstance(state.get(key), kind):
+    for key in ("processes", "files"):
+        if not isinstance(state.get(key), list):
             raise _bad(source, f"{STATE_FILE} lacks {key!r}")
-    return state
+    try:
+        return PluginState.from_json(state)
+    except ShapeError as exc:
+        raise _bad(source, f"{STATE_FILE} is malformed: {exc}") from None
 
 
 def is_archive(path: Path) -> bool:
@@ -144,11 +241,12 @@ ENGINE_META = ("config.dump", "status.dump")
 _META_MAX = 1 << 20
 
 
-def _meta(name: str, data: bytes) -> Any:
+def _meta(name: str, data: bytes) -> JSONValue:
     try:
-        return json.loads(data)
+        value: JSONValue = json.loads(data)
     except ValueError:
         return {"unreadable": name}
+    return value
 
 
 def find(path: Path) -> Optional[PluginCheckpoint]:
@@ -169,7 +267,7 @@ def find(path: Path) -> Optional[PluginCheckpoint]:
         return None
     if is_archive(path):
         found: Optional[PluginCheckpoint] = None
-        meta: dict[str, Any] = {}
+        meta: dict[str, JSONValue] = {}
         extra: list[str] = []
         with _open_archive(path) as tar:
             for member in tar:
@@ -231,11 +329,11 @@ def _sha256(f: IO[bytes]) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> dict[str, Any]:
+def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> ContainerVerifyResult:
     """Check every image file the plugin recorded: present, same size, same sha256.
 
     Raises ImageError naming the first problem (and listing all in details)."""
-    expected = {str(f["path"]): f for f in ckpt.files}
+    expected = {f.path: f for f in ckpt.files}
     seen: dict[str, tuple[str, int]] = {}
     problems: list[str] = []
     if ckpt.form == "directory":
@@ -269,9 +367,9 @@ def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> dict[str, Any]:
     checked_bytes = 0
     for name, (digest, size) in seen.items():
         entry = expected[name]
-        if size != int(entry["size"]):
-            problems.append(f"{name}: size {size} != {entry['size']} recorded at the dump")
-        elif checksums and digest != entry["sha256"]:
+        if size != entry.size:
+            problems.append(f"{name}: size {size} != {entry.size} recorded at the dump")
+        elif checksums and digest != entry.sha256:
             problems.append(f"{name}: sha256 differs from the one recorded at the dump")
         checked_bytes += size
     if not ckpt.processes:
@@ -283,12 +381,11 @@ def verify(ckpt: PluginCheckpoint, checksums: bool = True) -> dict[str, Any]:
             fix="do not restore it; checkpoint the container again (or copy the archive again)",
             details={"problems": problems},
         )
-    return {
-        "checkpoint": ckpt.source,
-        "form": ckpt.form,
-        "ok": True,
-        "files_checked": len(seen),
-        "bytes_checked": checked_bytes,
-        "checksums": checksums,
-        "processes": len(ckpt.processes),
-    }
+    return ContainerVerifyResult(
+        checkpoint=ckpt.source,
+        form=ckpt.form,
+        files_checked=len(seen),
+        bytes_checked=checked_bytes,
+        checksums=checksums,
+        processes=len(ckpt.processes),
+    )

@@ -52,6 +52,7 @@ from npusnap_cli.errors import ImageError
 from npusnap_cli.image import digest
 from npusnap_cli.image.layout import CHUNK_MODE, CHUNKS_SUBDIR, DEVICE_SUBDIR, MANIFEST_NAME, is_temp_name
 from npusnap_cli.image.manifest import Manifest, load_manifest
+from npusnap_cli.jsontypes import obj
 
 CHUNK_BYTES = contract.DEVMEM_PIECE_BYTES
 INDEX_FORMAT = "npusnap-devmem-chunks"
@@ -327,8 +328,8 @@ class BaseSave:
 
 def save_of(manifest: Manifest, pid: int) -> Optional[dict[str, Any]]:
     """The save a manifest records for NPU process ``pid`` ({"id", "epoch"}), if any."""
-    procs = (manifest.device_memory or {}).get("processes") or {}
-    save = (procs.get(str(pid)) or {}).get("save")
+    procs = obj(manifest.device_memory.get("processes"))
+    save = obj(procs.get(str(pid))).get("save")
     if isinstance(save, dict) and isinstance(save.get("id"), str) and isinstance(save.get("epoch"), int):
         return save
     return None

@@ -30,12 +30,13 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import paths, safefs
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.image import archive, integrity, layout
 from npusnap_cli.image.manifest import Manifest, load_manifest
+from npusnap_cli.jsontypes import JSONObject, JSONValue, as_record, req_float, req_int, req_str
 
 LATEST = "latest"
 
@@ -54,7 +55,7 @@ class ImageInfo:
     problem: Optional[str]
     latest: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "path": self.path,
             "kind": self.kind,
@@ -179,7 +180,35 @@ def _own_registry() -> Optional[Path]:
     return directory / OWN_IMAGES
 
 
-def _identity(path: Path) -> Optional[dict[str, Any]]:
+@dataclass(frozen=True)
+class _Identity:
+    """What identifies an image directory: its real path, device, inode and owner."""
+
+    path: str
+    dev: int
+    ino: int
+    uid: int
+
+
+@dataclass(frozen=True)
+class _OwnRecord:
+    """A line of the record of this user's published images: an identity and when."""
+
+    ident: _Identity
+    time: float
+
+    def to_json(self) -> JSONObject:
+        i = self.ident
+        return {"path": i.path, "dev": i.dev, "ino": i.ino, "uid": i.uid, "time": self.time}
+
+    @classmethod
+    def from_json(cls, value: JSONValue) -> _OwnRecord:
+        d = as_record(value)
+        ident = _Identity(req_str(d, "path"), req_int(d, "dev"), req_int(d, "ino"), req_int(d, "uid"))
+        return cls(ident, req_float(d, "time"))
+
+
+def _identity(path: Path) -> Optional[_Identity]:
     """What identifies the image directory ``path``: its real path, device, inode and owner."""
     try:
         st = os.lstat(path)
@@ -188,7 +217,7 @@ def _identity(path: Path) -> Optional[dict[str, Any]]:
         return None
     if not stat.S_ISDIR(st.st_mode):
         return None
-    return {"path": real, "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid}
+    return _Identity(real, st.st_dev, st.st_ino, st.st_uid)
 
 
 def record_own(image: Path) -> bool:
@@ -198,17 +227,16 @@ def record_own(image: Path) -> bool:
     ident = _identity(image)
     if registry is None or ident is None:
         return False
-    ident["time"] = time.time()
     try:
         fd = safefs.open_append(str(registry))
         with os.fdopen(fd, "a") as f:
-            f.write(json.dumps(ident, sort_keys=True) + "\n")
+            f.write(json.dumps(_OwnRecord(ident, time.time()).to_json(), sort_keys=True) + "\n")
     except OSError:
         return False
     return True
 
 
-def _own_records() -> list[dict[str, Any]]:
+def _own_records() -> list[_OwnRecord]:
     registry = _own_registry()
     if registry is None:
         return []
@@ -223,35 +251,28 @@ def _own_records() -> list[dict[str, Any]]:
         return []
     out = []
     for line in lines:
-        with contextlib.suppress(ValueError, TypeError):
-            rec = json.loads(line)
-            if isinstance(rec, dict) and {"path", "dev", "ino", "uid", "time"} <= rec.keys():
-                out.append(rec)
+        with contextlib.suppress(ValueError):  # not JSON, or not the record (ShapeError): skipped
+            out.append(_OwnRecord.from_json(json.loads(line)))
     return out
 
 
-def _prune_own(records: list[dict[str, Any]]) -> None:
+def _prune_own(records: list[_OwnRecord]) -> None:
     """Rewrite the record without images that are gone (or are not the ones recorded)."""
     registry = _own_registry()
     if registry is None:
         return
-    alive = [
-        r for r in records if _identity(Path(r["path"])) == {k: r[k] for k in ("path", "dev", "ino", "uid")}
-    ]
+    alive = [r for r in records if _identity(Path(r.ident.path)) == r.ident]
     if len(alive) == len(records) and len(records) <= _OWN_KEEP:
         return
-    data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in alive[-_OWN_KEEP:]).encode()
+    data = "".join(json.dumps(r.to_json(), sort_keys=True) + "\n" for r in alive[-_OWN_KEEP:]).encode()
     with contextlib.suppress(OSError):
         safefs.write_file(str(registry), iter([data]), mode=0o600, owner=os.geteuid(), follow_root_links=True)
 
 
-def _own_images(parent: Path, records: list[dict[str, Any]]) -> list[tuple[float, Path]]:
+def _own_images(parent: Path, records: list[_OwnRecord]) -> list[tuple[float, Path]]:
     """(publish time, path) of every image directly under ``parent`` that is provably ours:
     recorded by ``record_own``, still the same directory (device, inode), owned by this user."""
-    mine: dict[str, tuple[float, dict[str, Any]]] = {}
-    for r in records:
-        with contextlib.suppress(TypeError, ValueError):
-            mine[str(r["path"])] = (float(r["time"]), r)
+    mine = {r.ident.path: r for r in records}
     out = []
     try:
         entries = list(parent.iterdir())
@@ -261,14 +282,14 @@ def _own_images(parent: Path, records: list[dict[str, Any]]) -> list[tuple[float
         if layout.is_temp_name(entry.name):
             continue
         ident = _identity(entry)
-        if ident is None or ident["uid"] != os.geteuid():
+        if ident is None or ident.uid != os.geteuid():
             continue
-        found = mine.get(ident["path"])
-        if found is None or {k: found[1].get(k) for k in ident} != ident:
+        found = mine.get(ident.path)
+        if found is None or found.ident != ident:
             continue  # not an image our dump published here: never touched
         if not layout.manifest_path(entry).is_file():
             continue
-        out.append((found[0], entry))
+        out.append((found.time, entry))
     return sorted(out, key=lambda t: (t[0], t[1].name), reverse=True)
 
 

@@ -22,6 +22,19 @@ from npusnap_cli.errors import ImageError
 from npusnap_cli.image import digest as dg
 from npusnap_cli.image import integrity
 from npusnap_cli.image.layout import manifest_path
+from npusnap_cli.jsontypes import (
+    JSONObject,
+    JSONValue,
+    ShapeError,
+    as_record,
+    int_list,
+    opt_bool,
+    opt_int,
+    opt_str,
+    req_int,
+    req_list,
+    req_str,
+)
 
 JOB_MANIFEST = "npusnap-job.json"
 JOB_SCHEMA = "npusnap-job/1"
@@ -45,7 +58,7 @@ class RankEntry:
     netns: Optional[str] = None  # net:[inode] at dump time, when not npusnap's own
     netns_path: Optional[str] = None  # its /run/netns name at dump time, if it had one
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "rank": self.rank,
             "dir": self.dir,
@@ -55,6 +68,23 @@ class RankEntry:
             "netns": self.netns,
             "netns_path": self.netns_path,
         }
+
+    @classmethod
+    def from_json(cls, value: JSONValue, index: int) -> RankEntry:
+        """Rank ``index``'s entry of the job manifest; ShapeError if it is not one."""
+        r = as_record(value, f"rank entry {index}")
+        d = req_str(r, "dir")
+        if req_int(r, "rank") != index or "/" in d or d in ("", ".", ".."):
+            raise ShapeError(f"rank entry {index} is malformed")
+        return cls(
+            rank=index,
+            dir=d,
+            pid=req_int(r, "pid"),
+            npu_pids=int_list(r, "npu_pids", optional=True),
+            manifest_sha256=req_str(r, "manifest_sha256"),
+            netns=opt_str(r, "netns"),
+            netns_path=opt_str(r, "netns_path"),
+        )
 
 
 @dataclass(frozen=True)
@@ -66,7 +96,7 @@ class JobManifest:
     node: int = 0  # this part's node, in a job dumped across nodes (--coordinator)
     nodes: int = 1
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "schema": JOB_SCHEMA,
             "created_at": self.created_at,
@@ -76,6 +106,24 @@ class JobManifest:
             "nodes": self.nodes,
             "ranks": [r.to_dict() for r in self.ranks],
         }
+
+    @classmethod
+    def from_json(cls, value: JSONValue) -> JobManifest:
+        """The job manifest's content; ShapeError naming what is wrong."""
+        data = as_record(value, "the job manifest")
+        if data.get("schema") != JOB_SCHEMA:
+            raise ShapeError(f"schema {data.get('schema')!r}, expected {JOB_SCHEMA!r}")
+        ranks = tuple(RankEntry.from_json(r, i) for i, r in enumerate(req_list(data, "ranks")))
+        if not ranks:
+            raise ShapeError("no ranks")
+        return cls(
+            created_at=req_str(data, "created_at"),
+            ranks=ranks,
+            leave_running=bool(opt_bool(data, "leave_running")),
+            tool=opt_str(data, "tool") or "",
+            node=opt_int(data, "node") or 0,
+            nodes=1 if data.get("nodes") is None else req_int(data, "nodes"),
+        )
 
 
 def load_job_manifest(directory: Path) -> JobManifest:
@@ -90,35 +138,8 @@ def load_job_manifest(directory: Path) -> JobManifest:
     except (OSError, ValueError) as exc:
         raise ImageError(f"cannot read {path}: {exc}", fix="the job image is damaged; dump again") from None
     try:
-        if data.get("schema") != JOB_SCHEMA:
-            raise ValueError(f"schema {data.get('schema')!r}, expected {JOB_SCHEMA!r}")
-        ranks = []
-        for i, r in enumerate(data["ranks"]):
-            d = str(r["dir"])
-            if int(r["rank"]) != i or "/" in d or d in ("", ".", ".."):
-                raise ValueError(f"rank entry {i} is malformed")
-            ranks.append(
-                RankEntry(
-                    rank=i,
-                    dir=d,
-                    pid=int(r["pid"]),
-                    npu_pids=tuple(int(p) for p in r.get("npu_pids") or ()),
-                    manifest_sha256=str(r["manifest_sha256"]),
-                    netns=r.get("netns"),
-                    netns_path=r.get("netns_path"),
-                )
-            )
-        if not ranks:
-            raise ValueError("no ranks")
-        return JobManifest(
-            created_at=str(data["created_at"]),
-            ranks=tuple(ranks),
-            leave_running=bool(data.get("leave_running")),
-            tool=str(data.get("tool", "")),
-            node=int(data.get("node", 0)),
-            nodes=int(data.get("nodes", 1)),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return JobManifest.from_json(data)
+    except ShapeError as exc:
         raise ImageError(
             f"{path} is not a valid job manifest: {exc}",
             fix="the job image is damaged or from another tool; dump again",
@@ -130,7 +151,7 @@ class JobVerifyResult:
     image: str
     ranks: tuple[Any, ...]  # image.VerifyResult per rank
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}
 
 

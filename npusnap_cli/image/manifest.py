@@ -14,11 +14,12 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypeVar, cast
 
+from npusnap_cli.criu.options import CriuOptionsRecord
 from npusnap_cli.errors import ImageError, IncompatibleImageError
 from npusnap_cli.image import digest, imagetrust
 from npusnap_cli.image.hostrecords import ExternalStdio, HostFile, HostNode
@@ -30,6 +31,7 @@ from npusnap_cli.image.layout import (
     kind_of,
     manifest_path,
 )
+from npusnap_cli.jsontypes import JSONObject, JSONValue
 
 # 2: an NPU process's device memory may be kept as shared chunks with an index
 # (devchunks.py) instead of one file; schema 1 images (one file each) are read as they were.
@@ -37,9 +39,12 @@ SCHEMA_VERSION = 2
 SCHEMAS_READ = (1, 2)
 
 ProgressFn = Callable[[int], None]
+T = TypeVar("T")
+# A manifest's object, as json.loads gives it (checked field by field by the helpers below).
+_Obj = Mapping[str, JSONValue]
 
 
-def _req(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _req(data: _Obj, key: str, kind: type[T], where: str) -> T:
     if key not in data:
         raise ImageError(
             f"manifest field {where}.{key} is missing",
@@ -48,7 +53,7 @@ def _req(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where
         )
     value = data[key]
     # bool is an int: refuse it where a number is meant
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ImageError(
             f"manifest field {where}.{key} has the wrong type ({type(value).__name__})",
             why="the manifest was written by another tool or edited by hand",
@@ -57,17 +62,22 @@ def _req(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where
     return value
 
 
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _opt(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _opt(data: _Obj, key: str, kind: type[T], where: str) -> Optional[T]:
     if data.get(key) is None:
         return None
     return _req(data, key, kind, where)
 
 
-def _only(data: Mapping[str, Any], keys: Any, where: str) -> None:
+def _opt_number(data: _Obj, key: str, where: str) -> Optional[float]:
+    """A JSON number (an integer too) as a float, or None when absent or null."""
+    if data.get(key) is None:
+        return None
+    if isinstance(data[key], int) and not isinstance(data[key], bool):
+        return float(_req(data, key, int, where))
+    return _req(data, key, float, where)
+
+
+def _only(data: _Obj, keys: Collection[str], where: str) -> None:
     """Refuse fields the schema does not have (a manifest is checked, not merely read)."""
     extra = sorted(str(k) for k in data if k not in keys)
     if extra:
@@ -78,16 +88,33 @@ def _only(data: Mapping[str, Any], keys: Any, where: str) -> None:
         )
 
 
-def _list_of(data: Mapping[str, Any], key: str, kind: type, where: str) -> list[Any]:
-    items: list[Any] = _req(data, key, list, where)
-    for item in items:
+def _list_of(data: _Obj, key: str, kind: type[T], where: str) -> list[T]:
+    out: list[T] = []
+    for item in _req(data, key, list, where):
         if not isinstance(item, kind) or (isinstance(item, bool) and kind is not bool):
             raise ImageError(
                 f"manifest field {where}.{key} holds a {type(item).__name__}, not a {kind.__name__}",
                 why="the manifest was written by another tool or edited by hand",
                 fix="use an image written by this npusnap version, or dump again",
             )
-    return items
+        out.append(item)
+    return out
+
+
+def _objects(data: _Obj, key: str, where: str, *, optional: bool = False) -> list[JSONValue]:
+    """The array ``data[key]`` (each item is checked by its record's from_dict)."""
+    items = _opt(data, key, list, where) if optional else _req(data, key, list, where)
+    return list(items or ())
+
+
+def _records(data: _Obj, key: str, where: str) -> list[_Obj]:
+    """The optional array of objects ``data[key]`` (each checked by its record's from_dict)."""
+    out = []
+    for item in _objects(data, key, where, optional=True):
+        if not isinstance(item, Mapping):
+            raise ImageError(f"manifest field {key} holds a non-object", fix="dump again")
+        out.append(item)
+    return out
 
 
 _DEFAULT_ALGO = digest.DEFAULT  # (a field named digest hides the module in class bodies)
@@ -104,7 +131,7 @@ class Versions:
     # without the CANN environment can find it.
     cann_home: Optional[str] = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "tool": self.tool,
             "criu": self.criu,
@@ -115,7 +142,7 @@ class Versions:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Versions:
+    def from_dict(cls, d: _Obj) -> Versions:
         w = "versions"
         _only(d, cls.__dataclass_fields__, w)
         return cls(
@@ -134,11 +161,11 @@ class HostInfo:
     kernel: str
     machine: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"hostname": self.hostname, "kernel": self.kernel, "machine": self.machine}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HostInfo:
+    def from_dict(cls, d: _Obj) -> HostInfo:
         w = "host"
         _only(d, cls.__dataclass_fields__, w)
         return cls(
@@ -175,7 +202,7 @@ class ProcessEntry:
     # An exited child its parent had not reaped: CRIU dumps it and restores it as a zombie.
     zombie: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         d = self._fields()
         if self.visible_devices is not None:  # absent unless set: the common manifest is unchanged
             d["visible_devices"] = self.visible_devices
@@ -183,7 +210,7 @@ class ProcessEntry:
             d["zombie"] = True
         return d
 
-    def _fields(self) -> dict[str, Any]:
+    def _fields(self) -> JSONObject:
         return {
             "pid": self.pid,
             "ppid": self.ppid,
@@ -198,7 +225,7 @@ class ProcessEntry:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ProcessEntry:
+    def from_dict(cls, d: JSONValue) -> ProcessEntry:
         if not isinstance(d, Mapping):
             raise ImageError("manifest field processes holds a non-object", fix="dump again")
         w = f"processes[{d.get('pid', '?')}]"
@@ -247,10 +274,9 @@ class Timings:
         return {k: (None if v is None else round(v, 6)) for k, v in self.__dict__.items()}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Timings:
+    def from_dict(cls, d: _Obj) -> Timings:
         _only(d, cls.__dataclass_fields__, "timings")
-        known = {k: _opt(d, k, (int, float), "timings") for k in cls.__dataclass_fields__}
-        return cls(**{k: (None if v is None else float(v)) for k, v in known.items()})
+        return cls(**{k: _opt_number(d, k, "timings") for k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -267,7 +293,7 @@ class ByteCounts:
         return dict(self.__dict__)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ByteCounts:
+    def from_dict(cls, d: _Obj) -> ByteCounts:
         _only(d, cls.__dataclass_fields__, "bytes")
         optional = ("device_total", "device_new")
         values = {k: _req(d, k, int, "bytes") for k in cls.__dataclass_fields__ if k not in optional}
@@ -282,11 +308,11 @@ class FileEntry:
     digest: str  # hex, of the algorithm ``algo`` (digest.py)
     algo: str = _DEFAULT_ALGO
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"path": self.path, "size": self.size, self.algo: self.digest}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FileEntry:
+    def from_dict(cls, d: JSONValue) -> FileEntry:
         if not isinstance(d, Mapping):
             raise ImageError("manifest field files holds a non-object", fix="dump again")
         _only(d, ("path", "size", *digest.ALGORITHMS), "files")
@@ -317,12 +343,12 @@ class Manifest:
     processes: tuple[ProcessEntry, ...]
     timings: Timings
     bytes: ByteCounts
-    criu_options: Mapping[str, Any] = field(default_factory=dict)
+    criu_options: CriuOptionsRecord = field(default_factory=lambda: CriuOptionsRecord())
     files: tuple[FileEntry, ...] = ()
     leave_running: bool = False
     # {"mode": preserve|app|discard, "continuity": npusnap|application|lost, "processes": {...}}
     # (docs/device-memory.md); empty in images made before npusnap kept device memory.
-    device_memory: Mapping[str, Any] = field(default_factory=dict)
+    device_memory: Mapping[str, JSONValue] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
     # tmpfs files the tree had open or mapped, saved under hostfiles/ (see host/hostres/).
     host_files: tuple[HostFile, ...] = ()
@@ -338,7 +364,7 @@ class Manifest:
     def npu_processes(self) -> tuple[ProcessEntry, ...]:
         return tuple(p for p in self.processes if p.npu)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "schema": self.schema,
             "created_at": self.created_at,
@@ -349,7 +375,8 @@ class Manifest:
             "processes": [p.to_dict() for p in self.processes],
             "timings": self.timings.to_dict(),
             "bytes": self.bytes.to_dict(),
-            "criu_options": dict(self.criu_options),
+            # A TypedDict is no Mapping[str, JSONValue] to mypy; every value of it is JSON.
+            "criu_options": cast(JSONObject, dict(self.criu_options)),
             "device_memory": dict(self.device_memory),
             "files": [f.to_dict() for f in self.files],
             "host_files": [f.to_dict() for f in self.host_files],
@@ -364,7 +391,7 @@ class Manifest:
         return json.dumps(d, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
+    def from_dict(cls, d: JSONValue) -> Manifest:
         if not isinstance(d, Mapping):
             raise ImageError("the manifest is not a JSON object", fix="dump again")
         _only(d, set(cls.__dataclass_fields__), "manifest")
@@ -383,17 +410,17 @@ class Manifest:
             host=HostInfo.from_dict(_req(d, "host", dict, "manifest")),
             root_pid=_req(d, "root_pid", int, "manifest"),
             leave_running=_req(d, "leave_running", bool, "manifest"),
-            processes=tuple(ProcessEntry.from_dict(p) for p in _req(d, "processes", list, "manifest")),
+            processes=tuple(ProcessEntry.from_dict(p) for p in _objects(d, "processes", "manifest")),
             timings=Timings.from_dict(_req(d, "timings", dict, "manifest")),
             bytes=ByteCounts.from_dict(_req(d, "bytes", dict, "manifest")),
             criu_options=_criu_options(_req(d, "criu_options", dict, "manifest")),
-            files=tuple(FileEntry.from_dict(f) for f in _req(d, "files", list, "manifest")),
-            host_files=tuple(HostFile.from_dict(f) for f in _opt(d, "host_files", list, "manifest") or ()),
+            files=tuple(FileEntry.from_dict(f) for f in _objects(d, "files", "manifest")),
+            host_files=tuple(HostFile.from_dict(f) for f in _records(d, "host_files", "manifest")),
             external_stdio=tuple(
-                ExternalStdio.from_dict(e) for e in _opt(d, "external_stdio", list, "manifest") or ()
+                ExternalStdio.from_dict(e) for e in _records(d, "external_stdio", "manifest")
             ),
-            device_memory=dict(d.get("device_memory") or {}),
-            host_nodes=tuple(HostNode.from_dict(n) for n in _opt(d, "host_nodes", list, "manifest") or ()),
+            device_memory=_device_memory(d.get("device_memory")),
+            host_nodes=tuple(HostNode.from_dict(n) for n in _records(d, "host_nodes", "manifest")),
             pid_ns=check_pid_ns(d.get("pid_ns")),
         )
 
@@ -439,34 +466,50 @@ _CRIU_OPTION_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _criu_options(d: Mapping[str, Any]) -> dict[str, Any]:
+def _criu_options(d: _Obj) -> CriuOptionsRecord:
     _only(d, _CRIU_OPTION_TYPES, "criu_options")
     for key, value in d.items():
         types = _CRIU_OPTION_TYPES[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise ImageError(f"manifest field criu_options.{key} has the wrong type", fix="dump again")
-    if any(not isinstance(x, str) for x in d.get("external") or []):
-        raise ImageError("manifest field criu_options.external holds a non-string", fix="dump again")
-    return dict(d)
+    for key in ("external", "passthrough"):
+        if any(not isinstance(x, str) for x in _opt(d, key, list, "criu_options") or []):
+            raise ImageError(f"manifest field criu_options.{key} holds a non-string", fix="dump again")
+    # Every key and its type checked above: the record as CriuOptions.to_dict() wrote it.
+    return cast(CriuOptionsRecord, dict(d))
 
 
-def _self_hash(d: Mapping[str, Any]) -> str:
+def _device_memory(value: JSONValue) -> dict[str, JSONValue]:
+    """The manifest's ``device_memory`` (docs/device-memory.md): an object, empty when absent."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ImageError(
+            f"manifest field manifest.device_memory has the wrong type ({type(value).__name__})",
+            why="the manifest was written by another tool or edited by hand",
+            fix="use an image written by this npusnap version, or dump again",
+        )
+    return dict(value)
+
+
+def _self_hash(d: _Obj) -> str:
     """sha256 of the manifest's canonical JSON form (sorted keys, no spaces) without this field."""
     canon = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
-def check_pid_ns(d: Any) -> dict[str, int]:
+def check_pid_ns(d: JSONValue) -> dict[str, int]:
     """The manifest's ``pid_ns`` (host pid as a string -> namespace pid), validated."""
     if d is None:
         return {}
-    if not isinstance(d, Mapping) or not all(
-        isinstance(k, str) and k.isdigit() and isinstance(v, int) and v > 0 for k, v in d.items()
-    ):
+    if not isinstance(d, Mapping):
         raise ImageError(f"bad pid_ns in the manifest: {d!r}", fix="dump again")
-    if d and 1 not in d.values():
+    pid_ns = {k: v for k, v in d.items() if k.isdigit() and isinstance(v, int) and v > 0}
+    if len(pid_ns) != len(d):
+        raise ImageError(f"bad pid_ns in the manifest: {d!r}", fix="dump again")
+    if pid_ns and 1 not in pid_ns.values():
         raise ImageError("the manifest's pid_ns has no namespace init (pid 1)", fix="dump again")
-    return dict(d)
+    return pid_ns
 
 
 def now_iso() -> str:

@@ -32,7 +32,7 @@ import re
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
@@ -49,6 +49,7 @@ from npusnap_cli.errors import (
 )
 from npusnap_cli.image import containers
 from npusnap_cli.image.layout import K8S_JOB_MANIFEST
+from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.k8s.cri import CriClient
 from npusnap_cli.pipelines import netcoord
 
@@ -217,7 +218,7 @@ class MemberResult:
     archive: Optional[Path] = None
     error: Optional[NpusnapError] = None
     seconds: float = 0.0
-    verified: dict[str, Any] = field(default_factory=dict)
+    verified: Optional[containers.ContainerVerifyResult] = None
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ def _check_archive(res: MemberResult, job: bool = True) -> None:
             fix="install the plugin where the node's CRIU finds it (libdir in /etc/criu/runc.conf)",
         )
     res.verified = containers.verify(ckpt)
-    record = ckpt.state.get("job") or {}
+    record = ckpt.state.job or {}
     if not job and not record:
         return
     if record.get("member") != res.member.index:
@@ -343,7 +344,7 @@ def checkpoint_job(
             if first.error.exit_code > 3:
                 err.exit_code = first.error.exit_code
             raise err
-        if local_archives and not results[0].verified:
+        if local_archives and results[0].verified is None:
             for res in results:
                 _check_archive(res)
         manifest = _manifest(results, when, listen, local_archives, time.monotonic() - started)
@@ -378,11 +379,11 @@ def _check_running(exc: NpusnapError, backend: Backend, members: list[Member]) -
 
 def _manifest(
     results: list[MemberResult], when: str, listen: tuple[str, int], local: bool, seconds: float
-) -> dict[str, Any]:
-    members = []
+) -> JSONObject:
+    members: list[JSONObject] = []
     for r in results:
         assert r.archive is not None
-        entry: dict[str, Any] = {
+        entry: JSONObject = {
             "member": r.member.index,
             "namespace": r.member.namespace,
             "pod": r.member.pod,
@@ -396,8 +397,8 @@ def _manifest(
                 archive=r.archive.name,
                 sha256=digest,
                 size=size,
-                image_files=r.verified.get("files_checked"),
-                npu_processes=r.verified.get("processes"),
+                image_files=r.verified.files_checked if r.verified else None,
+                npu_processes=r.verified.processes if r.verified else None,
             )
         else:
             entry.update(archive=str(r.archive), sha256=None, size=None)  # on the member's node
@@ -430,7 +431,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return data
 
 
-def verify_job(directory: Path) -> dict[str, Any]:
+def verify_job(directory: Path) -> JSONObject:
     """Every archive the manifest names: same size and sha256, and the plugin's record intact."""
     manifest = read_manifest(directory)
     problems = []

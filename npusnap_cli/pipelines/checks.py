@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 from npusnap_cli.errors import NpusnapError, settle_no_space
+from npusnap_cli.jsontypes import JSONObject
 
 C = TypeVar("C")
 
@@ -34,11 +35,18 @@ class CheckResult:
     what: str
     status: str  # "ok", "problem", "skipped"
     detail: str
-    error: Optional[dict[str, Any]] = None
+    error: Optional[JSONObject] = None  # the problem's NpusnapError.to_dict()
     exit_code: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    def to_dict(self) -> JSONObject:
+        return {
+            "name": self.name,
+            "what": self.what,
+            "status": self.status,
+            "detail": self.detail,
+            "error": self.error,
+            "exit_code": self.exit_code,
+        }
 
 
 def run_in_order(checks: Iterable[Check[C]], ctx: C) -> None:

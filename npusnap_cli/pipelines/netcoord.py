@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from npusnap_cli.errors import ExitCode, NpusnapError, PreflightError, UsageError
 
@@ -37,15 +37,48 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class Message(TypedDict, total=False):
+    """One line of the protocol, as sent and read (the plugin, C, speaks it too): ``node`` (hello),
+    ``arrive`` or ``go`` (a phase), ``abort`` (a reason; with the ``node`` that failed and its
+    ``exit_code`` when known)."""
+
+    node: int
+    arrive: str
+    go: str
+    abort: str
+    exit_code: Optional[int]
+
+
+def _message(data: object) -> Optional[Message]:
+    """``data`` as a Message; None if it is not a JSON object. A field of the wrong type is left
+    out (the message then asks nothing this side follows: out of step); an ``abort`` reason of any
+    type is kept as its text."""
+    if not isinstance(data, dict):
+        return None
+    msg = Message()
+    node, code = data.get("node"), data.get("exit_code")
+    if isinstance(node, int) and not isinstance(node, bool):
+        msg["node"] = node
+    if isinstance(data.get("arrive"), str):
+        msg["arrive"] = data["arrive"]
+    if isinstance(data.get("go"), str):
+        msg["go"] = data["go"]
+    if "abort" in data:  # present, even empty: an abort ("" reads as "out of step")
+        msg["abort"] = str(data["abort"]) if data["abort"] else ""
+    if isinstance(code, int) and not isinstance(code, bool):
+        msg["exit_code"] = code
+    return msg
+
+
 class _Conn:
     def __init__(self, sk: socket.socket) -> None:
         self.sk = sk
         self.buf = b""
 
-    def send(self, obj: dict[str, Any]) -> None:
+    def send(self, obj: Message) -> None:
         self.sk.sendall(json.dumps(obj).encode() + b"\n")
 
-    def recv(self, timeout: float) -> Optional[dict[str, Any]]:
+    def recv(self, timeout: float) -> Optional[Message]:
         """The next message, or None on EOF; socket.timeout when none came in time."""
         self.sk.settimeout(timeout)
         while b"\n" not in self.buf:
@@ -54,8 +87,7 @@ class _Conn:
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        data = json.loads(line)
-        return data if isinstance(data, dict) else None
+        return _message(json.loads(line))
 
 
 class CoordServer:
@@ -82,9 +114,9 @@ class CoordServer:
         self.thread = threading.Thread(target=self._serve, name="npusnap-coord", daemon=True)
         self.thread.start()
 
-    def _broadcast(self, obj: dict[str, Any]) -> None:
+    def _broadcast(self, obj: Message) -> None:
         if "abort" in obj and self.outcome is None:
-            self.outcome = str(obj["abort"])
+            self.outcome = obj["abort"]
         for c in list(self.conns.values()):
             with contextlib.suppress(OSError):
                 c.send(obj)
@@ -127,7 +159,7 @@ class CoordServer:
         except (OSError, ValueError):
             self._broadcast({"abort": f"not every node connected within {CONNECT_S:.0f}s"})
             return
-        inbox: queue.Queue[tuple[int, Optional[dict[str, Any]]]] = queue.Queue()
+        inbox: queue.Queue[tuple[int, Optional[Message]]] = queue.Queue()
 
         def reader(node: int, c: _Conn) -> None:
             while True:

@@ -47,7 +47,7 @@ def test_images_directory_verifies_and_summarises(tmp_path: Path) -> None:
     ckpt = containers.find(tmp_path / "ckpt")
     assert ckpt is not None and ckpt.form == "directory" and ckpt.prefix == ""
     res = containers.verify(ckpt)
-    assert res["ok"] and res["files_checked"] == 3 and res["bytes_checked"] == 70007
+    assert res.to_dict()["ok"] and res.files_checked == 3 and res.bytes_checked == 70007
     summary = ckpt.summary()
     assert summary["processes"] == [{"pid": 1234, "ns_pid": 1, "agent_socket": "/run/npusnap/1.sock"}]
     assert "lock_token" not in json.dumps(summary)
@@ -57,7 +57,7 @@ def test_container_directory_is_found_through_checkpoint_subdir(tmp_path: Path) 
     make_images(tmp_path / "userdata" / "checkpoint")
     ckpt = containers.find(tmp_path / "userdata")
     assert ckpt is not None and ckpt.prefix == "checkpoint/"
-    assert containers.verify(ckpt)["files_checked"] == 3
+    assert containers.verify(ckpt).files_checked == 3
 
 
 def test_not_a_plugin_checkpoint(tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_sizes_only_skips_the_sums(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "pstree.img").write_bytes(b"TREE")  # same size, other bytes
     ckpt = containers.find(tmp_path / "ckpt")
     assert ckpt is not None
-    assert containers.verify(ckpt, checksums=False)["checksums"] is False
+    assert containers.verify(ckpt, checksums=False).checksums is False
 
 
 def test_bad_state_file(tmp_path: Path) -> None:
@@ -132,7 +132,7 @@ def test_export_archive(tmp_path: Path, suffix: str) -> None:
     ckpt = containers.find(archive)
     assert ckpt is not None and ckpt.form == "archive" and ckpt.prefix == "checkpoint/"
     res = containers.verify(ckpt)
-    assert res["files_checked"] == 3
+    assert res.files_checked == 3
     assert {"config.dump", "spec.dump"} <= set(ckpt.extra_files)
 
 

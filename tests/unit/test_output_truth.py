@@ -63,7 +63,7 @@ def test_last_snapshot_names_only_images_that_exist(tmp_path: Path, monkeypatch:
         with oplog.operation("dump", [pid], str(image)):
             pass
     (entry,) = [e for (p, _), e in oplog.last_snapshots().items() if p == pid]
-    assert entry["image"] == str(kept)
+    assert entry.image == str(kept)
 
 
 def test_a_dump_without_arguments_names_the_missing_one(capsys: pytest.CaptureFixture[str]) -> None:

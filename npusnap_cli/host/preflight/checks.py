@@ -12,6 +12,7 @@ from npusnap_cli.host.preflight.criucheck import check_criu
 from npusnap_cli.host.preflight.items import OK, PROBLEM, WARNING, CheckItem, CheckReport
 from npusnap_cli.host.preflight.plugins import check_npu_plugin, plugin_dirs_item
 from npusnap_cli.host.preflight.privileges import check_privileges
+from npusnap_cli.jsontypes import JSONObject
 
 
 def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
@@ -19,7 +20,7 @@ def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
         install = acl.find_cann(ascend_home)
     except acl.AclError as err:
         return [CheckItem("cann", PROBLEM, err.meaning, err.hint, data={"error": err.to_dict()})]
-    data = {
+    data: JSONObject = {
         "home": install.home,
         "source": install.source,
         "version": install.version,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Optional
+
+from npusnap_cli.jsontypes import JSONObject
 
 OK = "ok"
 PROBLEM = "problem"  # blocks dump/restore
@@ -17,7 +19,7 @@ class CheckItem:
     status: str
     detail: str
     fix: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    data: JSONObject = field(default_factory=dict)  # what the check found, for --json
 
 
 @dataclass(frozen=True)
@@ -31,5 +33,5 @@ class CheckReport:
     def item(self, name: str) -> Optional[CheckItem]:
         return next((i for i in self.items if i.name == name), None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"ready": self.ready, "checks": [asdict(i) for i in self.items]}

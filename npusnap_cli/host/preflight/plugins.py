@@ -4,12 +4,14 @@ its hook table, and what the shared plugin directories hold."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import criu, paths
 from npusnap_cli.host import criuplugin
 from npusnap_cli.host.preflight.items import OK, PROBLEM, WARNING, CheckItem
+from npusnap_cli.jsontypes import JSONObject
 
 # CRIU's shared plugin directories: CR_PLUGIN_DEFAULT of CRIU's build and where distributions (and
 # the vendor's CRIU) put plugins. npusnap installs nothing there and does not load them: its CRIU
@@ -85,7 +87,7 @@ def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     another CRIU (Huawei's fork numbers the hooks differently) is called by the wrong slots."""
 
     kind = kind or criuplugin.ASCEND
-    data: dict[str, Any] = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
+    data: JSONObject = {"path": plugin, "kind": kind.key, "plugin_dir": criu_plugin_dir()}
     try:
         version = criu.find_criu().version
     except Exception as exc:
@@ -103,6 +105,18 @@ def check_npu_plugin_abi(plugin: str, kind: Any = None) -> CheckItem:
     if verdict.ok is False and kind is criuplugin.SIMULATED:
         fix = f"rebuild this project's plugin against CRIU {version} (./scripts/setup.sh)"
     return CheckItem("criu-npu-plugin", status, f"{plugin}: {verdict.detail}", fix, data=data)
+
+
+@dataclass(frozen=True)
+class PluginFile:
+    """A plugin of a plugin directory, by its descriptor (None: unreadable, not a plugin)."""
+
+    path: str
+    max_hooks: Optional[int]
+    name: Optional[str]
+
+    def to_json(self) -> JSONObject:
+        return {"path": self.path, "max_hooks": self.max_hooks, "name": self.name}
 
 
 def plugin_dirs_item() -> CheckItem:
@@ -123,7 +137,7 @@ def plugin_dirs_item() -> CheckItem:
         )
     have, source = criuplugin.criu_max_hooks(version)
     ours = criu_plugin_dir()
-    found: dict[str, list[dict[str, Any]]] = {}
+    found: dict[str, list[PluginFile]] = {}
     problems: list[str] = []
     warnings: list[str] = []
     for d in dict.fromkeys((ours, *shared_plugin_dirs())):
@@ -131,30 +145,27 @@ def plugin_dirs_item() -> CheckItem:
             names = sorted(n for n in os.listdir(d) if n.endswith(".so"))
         except OSError:
             continue
-        entries: list[dict[str, Any]] = []
+        entries: list[PluginFile] = []
         for n in names:
             path = os.path.join(d, n)
             try:
                 desc = criuplugin.read_plugin_desc(path)
             except (OSError, ValueError):  # elf.ElfError is a ValueError
                 desc = None
-            entries.append({"path": path, "max_hooks": desc.max_hooks if desc else None,
-                            "name": desc.name if desc else None})  # fmt: skip
+            entries.append(PluginFile(path, desc.max_hooks if desc else None, desc.name if desc else None))
         found[d] = entries
-        hooks = {e["max_hooks"] for e in entries if e["max_hooks"] is not None}
-        other = [e for e in entries if have is not None and e["max_hooks"] not in (None, have)]
+        hooks = {e.max_hooks for e in entries if e.max_hooks is not None}
+        other = [e for e in entries if have is not None and e.max_hooks not in (None, have)]
         if d == ours:
-            problems += [
-                f"{e['path']} declares {e['max_hooks']} hooks, CRIU {version} has {have}" for e in other
-            ]
+            problems += [f"{e.path} declares {e.max_hooks} hooks, CRIU {version} has {have}" for e in other]
             continue
         if len(hooks) > 1:
             warnings.append(
                 f"{d} mixes plugins of different hook tables ("
-                + ", ".join(f"{Path(e['path']).name}: {e['max_hooks']}" for e in entries)
+                + ", ".join(f"{Path(e.path).name}: {e.max_hooks}" for e in entries)
                 + "): a CRIU that loads it fails (Huawei's fork refuses one with more hooks than it knows)"
             )
-        left = [e["path"] for e in entries if Path(e["path"]).name in NPUSNAP_PLUGIN_NAMES]
+        left = [e.path for e in entries if Path(e.path).name in NPUSNAP_PLUGIN_NAMES]
         if left:
             warnings.append(
                 f"{', '.join(left)}: npusnap's plugins in a shared plugin directory (an older setup put "
@@ -162,11 +173,16 @@ def plugin_dirs_item() -> CheckItem:
             )
         if other and len(hooks) == 1:
             warnings.append(
-                ", ".join(f"{e['path']} ({e['max_hooks']} hooks)" for e in other)
+                ", ".join(f"{e.path} ({e.max_hooks} hooks)" for e in other)
                 + f": built for another CRIU than {version} ({have} hooks, {source}), such as the vendor's "
                 "fork; npusnap's CRIU does not load it, the vendor's CRIU may"
             )
-    data: dict[str, Any] = {"criu": version, "criu_max_hooks": have, "npusnap_dir": ours, "dirs": found}
+    data: JSONObject = {
+        "criu": version,
+        "criu_max_hooks": have,
+        "npusnap_dir": ours,
+        "dirs": {d: [e.to_json() for e in entries] for d, entries in found.items()},
+    }
     if problems:
         return CheckItem(
             "criu-plugin-dirs",

@@ -15,6 +15,7 @@ from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, NpusnapError
 from npusnap_cli.host import hostclean, hostres, procfs, proctree
 from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.dump.agents import (
     _connect,
@@ -212,7 +213,7 @@ class DryRunOutcome:
     def exit_code(self) -> int:
         return checks.first_problem(self.results)
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "image": self.image,
             "ready": self.exit_code == 0,
