@@ -9,7 +9,7 @@ import pycriu
 import pytest
 
 from npusnap_cli import criuimages
-from tests.unit.test_pidns import _unix_image
+from tests.unit import criufake as fake
 
 
 def _write(path: Path, magic: str, entries: list[dict[str, Any]]) -> None:
@@ -51,7 +51,7 @@ def test_pstree_typed_and_damage_named(tmp_path: Path) -> None:
 
 def test_files_and_sockets(tmp_path: Path) -> None:
     criu = tmp_path / "criu"
-    _unix_image(criu, [("/tmp/x.sock=00", 1, 10), ("/tmp/y.sock", 1, 1)])  # (name, type, state)
+    fake.unix_image(criu, [("/tmp/x.sock=00", 1, 10), ("/tmp/y.sock", 1, 1)])  # (name, type, state)
     socks = criuimages.unix_sockets(criu)
     assert [(s.id, s.name, s.listening_stream) for s in socks] == [
         (1, "/tmp/x.sock", True),
