@@ -65,3 +65,14 @@ def test_stats_absent_or_damaged_is_none(tmp_path: Path) -> None:
     assert criuimages.stats(tmp_path / "stats-dump") is None
     (tmp_path / "stats-dump").write_bytes(b"\0" * 8)
     assert criuimages.stats(tmp_path / "stats-dump") is None
+
+
+def test_stopped_tasks_by_core_state(tmp_path: Path) -> None:
+    tree = [{"pid": p, "ppid": 0 if p == 1 else 1, "pgid": 1, "sid": 1, "threads": [p]} for p in (1, 2, 3, 4)]
+    fake.write(tmp_path / "pstree.img", "PSTREE", tree)
+    fake.write(tmp_path / "core-1.img", "CORE", [fake.core(1)])
+    fake.write(tmp_path / "core-2.img", "CORE", [fake.core(3, stop_signo=19)])
+    fake.write(tmp_path / "core-3.img", "CORE", [fake.core(3)])  # an image older than stop_signo
+    fake.write(tmp_path / "core-4.img", "CORE", [fake.core(2)])  # a zombie
+    assert criuimages.stopped(tmp_path) == {2: 19, 3: 0}
+    assert criuimages.stopped(tmp_path / "none") == {}

@@ -169,3 +169,21 @@ def test_live_listeners_names_the_process_listening_on_a_path(tmp_path: Path) ->
         got = hostres.live_listeners([path, str(tmp_path / "other")])
         assert list(got) == [path] and got[path][0] == os.getpid(), got
     assert hostres.live_listeners([path]) == {}  # closed: its file is stale
+
+
+def test_the_output_file_is_the_regular_file_at_fd_1(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(pid_ns=False, root_pid=40)
+    assert pidns.output_file_of(tmp_path, m) is None
+    fake.write(tmp_path / "ids-40.img", "IDS", [fake.ids(1, 9)])
+    fake.write(tmp_path / "fdinfo-9.img", "FDINFO", [fake.fdinfo(5, 0, "TTY"), fake.fdinfo(6, 1, "REG")])
+    fake.write(tmp_path / "files.img", "FILES", [fake.reg(5, "/dev/null"), fake.reg(6, "/srv/out.log")])
+    assert pidns.output_file_of(tmp_path, m) == "/srv/out.log"
+    fake.write(tmp_path / "files.img", "FILES", [fake.usk(6, "/run/x.sock=00")])
+    assert pidns.output_file_of(tmp_path, m) is None
+    fake.write(
+        tmp_path / "files.img", "FILES", [fake.reg(6, "out.log")]
+    )  # not a path: not a file of the host
+    assert pidns.output_file_of(tmp_path, m) is None
+    assert pidns.output_file_of(tmp_path, SimpleNamespace(pid_ns=True, root_pid=40)) is None  # no ids-1.img
