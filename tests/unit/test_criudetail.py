@@ -129,7 +129,7 @@ def test_describe_reads_every_kind_it_shows(tmp_path: Path) -> None:
 
 
 def test_describe_shows_what_is_missing_or_damaged_as_nothing(tmp_path: Path) -> None:
-    empty = {"processes": [], "files": [], "sockets": [], "mounts": [], "stats": None}
+    empty: dict[str, object] = {"processes": [], "files": [], "sockets": [], "mounts": [], "stats": None}
     assert criudetail.describe(tmp_path / "none") == empty
     (tmp_path / "pstree.img").write_bytes(b"not an image")
     assert criudetail.describe(tmp_path, tmp_path) == empty
