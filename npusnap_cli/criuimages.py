@@ -54,10 +54,10 @@ def _decode(data: bytes, kind: str, path: PathLike) -> _Image:
     from pycriu.images import images, magic
 
     try:
-        (first,) = struct.unpack_from("<I", data, 0)
+        (first,) = struct.unpack_from("=I", data, 0)
         off = 4
         if first in (magic.by_name["IMG_COMMON"], magic.by_name["IMG_SERVICE"]):
-            (first,) = struct.unpack_from("<I", data, off)
+            (first,) = struct.unpack_from("=I", data, off)
             off = 8
     except struct.error:
         raise Undecodable(f"{path}: too short for a CRIU image") from None
@@ -68,7 +68,7 @@ def _decode(data: bytes, kind: str, path: PathLike) -> _Image:
     while off < len(data):
         if off + 4 > len(data):
             raise Undecodable(f"{path}: truncated at byte {off}")
-        (size,) = struct.unpack_from("<I", data, off)
+        (size,) = struct.unpack_from("=I", data, off)
         raw = data[off + 4 : off + 4 + size]
         if len(raw) != size:
             raise Undecodable(f"{path}: truncated at byte {off}")
@@ -217,7 +217,7 @@ class RegFile:
 
     name: str
     pos: int
-    size: Optional[int]  # None: not recorded (CRIU leaves out a file open O_WRONLY|O_APPEND's)
+    size: Optional[int]  # None: not recorded (has_size: CRIU leaves it out for O_WRONLY|O_APPEND)
     flags: int
 
 
@@ -349,7 +349,7 @@ def rename_unix_sockets(criu_dir: Path, dest: Path, rename: Callable[[bytes], Op
         if new is not None:
             e.usk.name = new
             raw = e.SerializeToString()
-        out += [struct.pack("<I", len(raw)), raw]
+        out += [struct.pack("=I", len(raw)), raw]
     with open(dest, "wb") as f:
         f.write(b"".join(out))
 
@@ -368,7 +368,7 @@ class Remap:
 def remaps(criu_dir: Path) -> list[Remap]:
     """The remaps of an image ([] when it has none). An image older than ``remap_type`` says a
     ghost with a bit of ``remap_id`` and anything else is a link, as CRIU reads it
-    (criu/files-reg.c, ``open_remap_...``: ``!has_remap_type``)."""
+    (criu/files-reg.c, ``collect_one_remap``)."""
     out = []
     for e in _messages_or_none(criu_dir / "remap-fpath.img", "REMAP_FPATH") or []:
         rid = e.remap_id
