@@ -106,7 +106,7 @@ def _agent_socket_names(manifest: Any) -> dict[str, str]:
     return {str(p.pid): paths.copy_socket_stem(p.pid, tag) for p in manifest.processes}
 
 
-_NAME = re.compile(r"^(?P<dir>/.*/npusnap[^/]*)/(?P<pid>\d+)\.sock(?P<rest>(=00)?)$")
+_NAME = re.compile(r"^(?P<dir>/.*/npusnap[^/]*)/(?P<pid>\d+)\.sock$")
 
 
 def criu_view(criu_dir: Path, manifest: Any) -> Path:
@@ -115,24 +115,24 @@ def criu_view(criu_dir: Path, manifest: Any) -> Path:
     the image) is bound under a name of its own. The caller removes it (``drop_view``)."""
     renames = _agent_socket_names(manifest)
     agents = {p.agent_socket: str(p.pid) for p in manifest.processes if getattr(p, "agent_socket", None)}
+
+    def rename(name: bytes) -> Optional[bytes]:
+        nul = b"\0" if name.endswith(b"\0") else b""
+        bare = os.fsdecode(name[: len(name) - len(nul)])
+        m = _NAME.match(bare)
+        if m and m.group("pid") in renames:
+            return os.fsencode(f"{m.group('dir')}/{renames[m.group('pid')]}.sock") + nul
+        if bare in agents:
+            # An agent socket in a runtime directory of another name (NPUSNAP_RUNTIME_DIR).
+            return os.fsencode(f"{os.path.dirname(bare)}/{renames[agents[bare]]}.sock") + nul
+        return None
+
     view = Path(tempfile.mkdtemp(prefix="npusnap-restore-view-"))
     try:
         for entry in os.scandir(criu_dir):
             if entry.name != "files.img":
                 os.symlink(os.path.join(os.path.abspath(criu_dir), entry.name), view / entry.name)
-        files = criuimages.load(criu_dir / "files.img")
-        for e in files.get("entries", []):
-            usk = e.get("usk") if e.get("type") == "UNIXSK" else None
-            name = usk.get("name") if usk else None
-            m = _NAME.match(name) if isinstance(name, str) else None
-            if usk is not None and m and m.group("pid") in renames:
-                usk["name"] = f"{m.group('dir')}/{renames[m.group('pid')]}.sock{m.group('rest')}"
-            elif usk is not None and isinstance(name, str):
-                # An agent socket in a runtime directory of another name (NPUSNAP_RUNTIME_DIR).
-                bare = name[:-3] if name.endswith("=00") else name
-                if bare in agents:
-                    usk["name"] = f"{os.path.dirname(bare)}/{renames[agents[bare]]}.sock{name[len(bare) :]}"
-        criuimages.write(files, view / "files.img")
+        criuimages.rename_unix_sockets(criu_dir, view / "files.img", rename)
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise
@@ -337,22 +337,18 @@ def output_file_of(criu_dir: Path, manifest: Any) -> Optional[str]:
     """The regular file the image's root process has as its stdout (fd 1), from CRIU's images
     (``ids-N.img`` -> ``fdinfo-<files_id>.img`` -> ``files.img``), or None."""
     root = 1 if manifest.pid_ns else manifest.root_pid
-
-    def load(name: str) -> list[dict[str, Any]]:
-        return criuimages.entries(criu_dir / name)
-
     try:
-        files_id = load(f"ids-{root}.img")[0]["files_id"]
-        fd1 = next((e for e in load(f"fdinfo-{files_id}.img") if int(e.get("fd", -1)) == 1), None)
+        ids = criuimages.ids(criu_dir, root)
+        if ids is None:
+            return None
+        fd1 = next((e for e in criuimages.fdinfo(criu_dir, ids.files_id) if e.fd == 1), None)
         if fd1 is None:
             return None
-        entry = next(
-            (e for e in load("files.img") if e.get("id") == fd1["id"] and e.get("type") == "REG"), None
-        )
-    except (OSError, KeyError, IndexError, ValueError):
+        entry = next((f for f in criuimages.files(criu_dir) if f.id == fd1.id and f.type == "REG"), None)
+    except OSError:
         return None
-    name = entry["reg"].get("name") if entry else None
-    return name if isinstance(name, str) and name.startswith("/") else None
+    name = entry.reg.name if entry and entry.reg else None
+    return name if name is not None and name.startswith("/") else None
 
 
 def open_output_target(criu_dir: Path, manifest: Any, output: Optional[Path]) -> list[tuple[str, int]]:

@@ -243,7 +243,7 @@ def image_connections(criu_dir: str) -> list[tuple[str, int, str, int]]:
     """(local ip, port, remote ip, port) of the established TCP sockets in a CRIU image."""
     try:
         found = criuimages.tcp_connections(Path(criu_dir))
-    except (OSError, criuimages.Undecodable, KeyError, TypeError, ValueError):
+    except (OSError, criuimages.Undecodable, ValueError):
         return []  # a missing or undecodable files.img: nothing to protect
     return [(c.src, c.src_port, c.dst, c.dst_port) for c in found]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, ParamSpec, TypeVar
 
 from npusnap_cli import criu, criuimages
 from npusnap_cli.image import archive, containers
@@ -22,40 +23,29 @@ FAMILIES = {2: "inet", 10: "inet6", 1: "unix"}
 SOCKET_KINDS = {"UNIXSK", "INETSK", "NETLINKSK", "PACKETSK"}
 
 
-def _load(path: Path) -> Optional[dict[str, Any]]:
-    if not path.is_file():
-        return None
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _read(read: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Optional[T]:
+    """``read(*args)``, None for an image missing or one that does not decode: never fatal here."""
     try:
-        return criuimages.load(path)
+        return read(*args, **kwargs)
     except (OSError, criuimages.Undecodable):
-        return None  # an image pycriu cannot decode: shown as missing, never fatal
+        return None
 
 
-def _entries(path: Path) -> list[dict[str, Any]]:
-    data = _load(path)
-    return list(data.get("entries") or []) if data else []
+def _unix_name(name: bytes) -> str:
+    """A unix socket's name up to its first NUL (an abstract name shows as unnamed)."""
+    return os.fsdecode(name.split(b"\0", 1)[0]) or "(unnamed)"
 
 
-def _unix_name(name: Any) -> str:
-    text = str(name or "")
-    # pycriu shows the bytes of a name followed by "=" and their hex (e.g. "/run/x.sock=00").
-    if "=" in text:
-        text = text.rsplit("=", 1)[0]
-    return text or "(unnamed)"
-
-
-def _addr(family: int, addr: list[int], port: int) -> str:
-    import ipaddress
-
+def _addr(family: int, addr: tuple[int, ...], port: int) -> str:
     try:
         if family == 2 and addr:
-            ip = str(ipaddress.IPv4Address(int(addr[0]).to_bytes(4, "little")))
+            ip = criuimages.inet_address(family, addr[:1])
         elif family == 10 and len(addr) >= 4:
-            ip = (
-                "["
-                + str(ipaddress.IPv6Address(b"".join(int(a).to_bytes(4, "little") for a in addr[:4])))
-                + "]"
-            )
+            ip = "[" + criuimages.inet_address(family, addr[:4]) + "]"
         else:
             ip = "?"
     except (ValueError, OverflowError):
@@ -63,95 +53,82 @@ def _addr(family: int, addr: list[int], port: int) -> str:
     return f"{ip}:{port}"
 
 
-def _describe_file(entry: dict[str, Any]) -> dict[str, Any]:
+def _describe_file(entry: criuimages.FileEntry) -> dict[str, Any]:
     """One files.img entry as {"type", "name", ...}."""
-    kind = entry.get("type", "?")
+    kind = entry.type
     if kind == "REG":
-        reg = entry.get("reg") or {}
-        return {"type": "file", "name": reg.get("name", "?"), "pos": reg.get("pos"), "size": reg.get("size")}
-    if kind == "UNIXSK":
-        usk = entry.get("usk") or {}
-        state = "listening" if usk.get("state") == 10 else ("connected" if usk.get("peer") else "unconnected")
+        reg = entry.reg
+        if reg is None:
+            return {"type": "file", "name": "?", "pos": None, "size": None}
+        return {"type": "file", "name": reg.name, "pos": reg.pos, "size": reg.size}
+    if kind == "UNIXSK" and entry.usk is not None:
+        usk = entry.usk
+        state = "listening" if usk.state == 10 else ("connected" if usk.peer else "unconnected")
         return {
             "type": "socket",
             "family": "unix",
-            "socket_type": SOCKET_TYPES.get(usk.get("type", 0), str(usk.get("type"))),
-            "name": _unix_name(usk.get("name")),
+            "socket_type": SOCKET_TYPES.get(usk.type, str(usk.type)),
+            "name": _unix_name(usk.name),
             "state": state,
-            "peer_inode": usk.get("peer") or None,
+            "peer_inode": usk.peer or None,
         }
-    if kind == "INETSK":
-        isk = entry.get("isk") or {}
-        family = int(isk.get("family", 0))
-        src = _addr(family, list(isk.get("src_addr") or []), int(isk.get("src_port", 0)))
-        dst = _addr(family, list(isk.get("dst_addr") or []), int(isk.get("dst_port", 0)))
+    if kind == "INETSK" and entry.isk is not None:
+        isk = entry.isk
+        src = _addr(isk.family, isk.src_addr, isk.src_port)
+        dst = _addr(isk.family, isk.dst_addr, isk.dst_port)
         return {
             "type": "socket",
-            "family": FAMILIES.get(family, str(family)),
-            "socket_type": SOCKET_TYPES.get(isk.get("type", 0), str(isk.get("type"))),
-            "name": f"{src} -> {dst}" if isk.get("dst_port") else src,
-            "state": TCP_STATES.get(isk.get("state", 0), str(isk.get("state"))),
+            "family": FAMILIES.get(isk.family, str(isk.family)),
+            "socket_type": SOCKET_TYPES.get(isk.type, str(isk.type)),
+            "name": f"{src} -> {dst}" if isk.dst_port else src,
+            "state": TCP_STATES.get(isk.state, str(isk.state)),
         }
     if kind in ("NETLINKSK", "PACKETSK"):
         return {"type": "socket", "family": kind[:-2].lower(), "socket_type": "-", "name": "-", "state": "-"}
     if kind == "PIPE":
-        return {"type": "pipe", "name": f"pipe:[{(entry.get('pipe') or {}).get('pipe_id', '?')}]"}
+        return {"type": "pipe", "name": f"pipe:[{'?' if entry.pipe_id is None else entry.pipe_id}]"}
     if kind == "TTY":
-        return {"type": "tty", "name": f"tty index {(entry.get('tty') or {}).get('index', '?')}"}
+        return {"type": "tty", "name": "tty index ?"}  # files.img has no index (tty-info.img has)
     return {"type": kind.lower(), "name": "-"}
 
 
 def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]:
     """``{"processes", "files", "sockets", "mounts", "stats"}`` of one CRIU images directory;
     ``stats_dir``: where CRIU's ``stats-dump`` is (npusnap keeps it in the image's ``logs/``)."""
-    files_by_id = {int(e["id"]): e for e in _entries(criu_dir / "files.img") if "id" in e}
+    files_by_id = {f.id: f for f in _read(criuimages.files, criu_dir) or []}
     # A connected unix socket names its peer by inode: show the peer's path when it has one.
-    unix_names = {
-        int((e.get("usk") or {}).get("ino", 0)): _unix_name((e.get("usk") or {}).get("name"))
-        for e in files_by_id.values()
-        if e.get("type") == "UNIXSK"
-    }
-    tree = _entries(criu_dir / "pstree.img")
+    unix_names = {f.usk.ino: _unix_name(f.usk.name) for f in files_by_id.values() if f.usk is not None}
+    tree = _read(criuimages.pstree, criu_dir) or []
     processes: list[dict[str, Any]] = []
     files: list[dict[str, Any]] = []
     sockets: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     mount_ns: set[int] = set()
     for task in tree:
-        pid = int(task.get("pid", 0))
-        ids = (_entries(criu_dir / f"ids-{pid}.img") or [{}])[0]
-        files_id = ids.get("files_id")
-        if ids.get("mnt_ns_id") is not None:
-            mount_ns.add(int(ids["mnt_ns_id"]))
-        fds = _entries(criu_dir / f"fdinfo-{files_id}.img") if files_id is not None else []
-        processes.append(
-            {
-                "pid": pid,
-                "ppid": int(task.get("ppid", 0)),
-                "threads": list(task.get("threads") or []),
-                "fds": len(fds),
-            }
-        )
+        pid = task.pid
+        ids = _read(criuimages.ids, criu_dir, pid)
+        if ids is not None and ids.mnt_ns_id:
+            mount_ns.add(ids.mnt_ns_id)
+        fds = (_read(criuimages.fdinfo, criu_dir, ids.files_id) if ids is not None else None) or []
+        processes.append({"pid": pid, "ppid": task.ppid, "threads": list(task.threads), "fds": len(fds)})
         for fd in fds:
-            entry = files_by_id.get(int(fd.get("id", -1)))
-            described = (
-                _describe_file(entry) if entry else {"type": str(fd.get("type", "?")).lower(), "name": "-"}
-            )
-            row = {"pid": pid, "fd": int(fd.get("fd", -1)), **described}
+            entry = files_by_id.get(fd.id)
+            described = _describe_file(entry) if entry else {"type": fd.type.lower(), "name": "-"}
+            row = {"pid": pid, "fd": fd.fd, **described}
             peer = described.get("peer_inode")
             if peer and unix_names.get(int(peer), "(unnamed)") != "(unnamed)":
                 row["peer"] = unix_names[int(peer)]
             (sockets if described["type"] == "socket" else files).append(row)
     for ns in sorted(mount_ns):
-        for m in _entries(criu_dir / f"mountpoints-{ns}.img"):
+        for m in _read(criuimages.mounts, criu_dir, ns) or []:
             mounts.append(
                 {
                     "mount_ns": ns,
-                    "mountpoint": m.get("mountpoint", "?"),
-                    "fstype": m.get("fstype", "?"),
-                    "source": m.get("source", ""),
-                    "root": m.get("root", ""),
-                    "external": bool(m.get("ext_key") or m.get("ext_mount")),
+                    "mountpoint": m.mountpoint,
+                    "fstype": m.fstype,
+                    "source": m.source,
+                    "root": m.root,
+                    "external": bool(m.ext_key or m.ext_mount),
                 }
             )
     return {

@@ -10,6 +10,7 @@ import pytest
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.host import pidns
 from npusnap_cli.image.manifest import check_pid_ns
+from tests.unit import criufake as fake
 
 
 def test_device_maps_parse_and_refuse_bad_ones() -> None:
@@ -113,30 +114,12 @@ def test_the_view_renames_only_the_agent_sockets_of_the_image(tmp_path: Path) ->
     assert not view.exists()
 
 
-def _unix_image(criu: Path, names: list[tuple[str, int, int]]) -> None:
-    """files.img with one unix socket per (name, type, state)."""
-    import pycriu
-
-    criu.mkdir()
-    opts = {k: 0 for k in ("so_snd_tmo_sec", "so_snd_tmo_usec", "so_rcv_tmo_sec", "so_rcv_tmo_usec")}
-    entries = []
-    for i, (name, kind, state) in enumerate(names, 1):
-        usk = {
-            "id": i, "ino": 10 + i, "type": kind, "state": state, "flags": 2, "uflags": 0, "backlog": 8,
-            "peer": 0, "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
-            "opts": {"so_sndbuf": 1, "so_rcvbuf": 1, **opts}, "name": name,
-        }  # fmt: skip
-        entries.append({"type": "UNIXSK", "id": i, "usk": usk})
-    with open(criu / "files.img", "wb") as f:
-        pycriu.images.dump({"magic": "FILES", "entries": entries}, f)
-
-
 def test_the_view_renames_agent_sockets_in_a_runtime_dir_of_any_name(tmp_path: Path) -> None:
     """NPUSNAP_RUNTIME_DIR may name any directory: the agent sockets are known from the manifest,
     and a restored copy must not bind its original's name there either."""
     import pycriu
 
-    _unix_image(tmp_path / "criu", [("/srv/rt/4321.sock=00", 1, 10), ("/srv/rt/999.sock=00", 1, 10)])
+    fake.unix_image(tmp_path / "criu", [("/srv/rt/4321.sock=00", 1, 10), ("/srv/rt/999.sock=00", 1, 10)])
 
     class P:
         pid = 4321
@@ -158,7 +141,7 @@ def test_the_view_renames_agent_sockets_in_a_runtime_dir_of_any_name(tmp_path: P
 def test_image_listeners_are_the_bound_listening_streams_but_the_agents(tmp_path: Path) -> None:
     from npusnap_cli.host import hostres
 
-    _unix_image(
+    fake.unix_image(
         tmp_path / "criu",
         [
             ("/run/npusnap/4321.sock=00", 1, 10),  # the agent: renamed at restore
@@ -186,3 +169,21 @@ def test_live_listeners_names_the_process_listening_on_a_path(tmp_path: Path) ->
         got = hostres.live_listeners([path, str(tmp_path / "other")])
         assert list(got) == [path] and got[path][0] == os.getpid(), got
     assert hostres.live_listeners([path]) == {}  # closed: its file is stale
+
+
+def test_the_output_file_is_the_regular_file_at_fd_1(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(pid_ns=False, root_pid=40)
+    assert pidns.output_file_of(tmp_path, m) is None
+    fake.write(tmp_path / "ids-40.img", "IDS", [fake.ids(1, 9)])
+    fake.write(tmp_path / "fdinfo-9.img", "FDINFO", [fake.fdinfo(5, 0, "TTY"), fake.fdinfo(6, 1, "REG")])
+    fake.write(tmp_path / "files.img", "FILES", [fake.reg(5, "/dev/null"), fake.reg(6, "/srv/out.log")])
+    assert pidns.output_file_of(tmp_path, m) == "/srv/out.log"
+    fake.write(tmp_path / "files.img", "FILES", [fake.usk(6, "/run/x.sock=00")])
+    assert pidns.output_file_of(tmp_path, m) is None
+    fake.write(
+        tmp_path / "files.img", "FILES", [fake.reg(6, "out.log")]
+    )  # not a path: not a file of the host
+    assert pidns.output_file_of(tmp_path, m) is None
+    assert pidns.output_file_of(tmp_path, SimpleNamespace(pid_ns=True, root_pid=40)) is None  # no ids-1.img

@@ -34,8 +34,8 @@ def image_listeners(criu_dir: Path, skip: Iterable[Optional[str]] = ()) -> list[
     for sk in sockets:
         # Listening streams only; the simulated device's connection is the device plugin's,
         # never bound by CRIU.
-        name = sk.name
-        if sk.listening_stream and name and name.startswith("/") and name not in skipped and name not in out:
+        name = sk.path
+        if sk.listening_stream and name.startswith("/") and name not in skipped and name not in out:
             out.append(name)
     return out
 
