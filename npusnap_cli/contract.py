@@ -11,7 +11,20 @@ from __future__ import annotations
 import ctypes
 import struct
 from enum import IntEnum
-from typing import Dict, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, TypeVar
+
+_T = TypeVar("_T")
+_C = TypeVar("_C")
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass
+else:
+
+    def dataclass(*, frozen: bool) -> Callable[[_C], _C]:
+        """The replies' classes are frozen dataclasses to the type checker; at run time their
+        methods are the ones written out below (what @dataclass would make at import, by exec,
+        costing milliseconds a class)."""
+        return lambda cls: cls
 
 # -- the CANN runtime's snapshot API --------------------------------------------------------------
 
@@ -222,6 +235,1531 @@ PROTOCOL_OPS: Dict[str, Dict[str, str]] = {
     "rollback": {"token": "token", "force": "bool"},
     "status": {},
     "unlock": {"token": "token", "force": "bool", "device_memory_file": "path"},
+}
+
+# -- the agent's replies --------------------------------------------------------------------------
+
+
+class ProtocolError(Exception):
+    """A line that does not follow the protocol, or a reply not of its op's shape (raised on either
+    side); ``name`` is one of PROTOCOL_ERRORS."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+_JSON_NAMES = {
+    bool: "a boolean", int: "an integer", float: "a number",
+    str: "a string", list: "a list", dict: "an object",
+}
+
+
+def _bad(where: str, expected: str, value: object) -> ProtocolError:
+    got = "null" if value is None else _JSON_NAMES.get(type(value), type(value).__name__)
+    return ProtocolError(E_BAD_MESSAGE, f"{where}: expected {expected}, got {got}")
+
+
+def _object(value: object, where: str) -> Dict[str, object]:
+    if not isinstance(value, dict):
+        raise _bad(where, "an object", value)
+    return value
+
+
+def _member(obj: Dict[str, object], key: str, where: str) -> object:
+    if key not in obj:
+        raise ProtocolError(E_BAD_MESSAGE, f"{where}: no member {key!r}")
+    return obj[key]
+
+
+def _list(value: object, where: str) -> List[object]:
+    if not isinstance(value, list):
+        raise _bad(where, "a list", value)
+    return value
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(where, "a boolean", value)
+    return value
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(where, "an integer", value)
+    return value
+
+
+def _float(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(where, "a number", value)
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, "a string", value)
+    return value
+
+
+def _nullable(value: object, where: str, decode: Callable[[object, str], _T]) -> Optional[_T]:
+    return None if value is None else decode(value, where)
+
+
+def _absent(
+    obj: Dict[str, object], key: str, where: str, decode: Callable[[object, str], _T]
+) -> Optional[_T]:
+    return decode(obj[key], f"{where}.{key}") if key in obj else None
+
+
+def _tuple_str_int(value: object, where: str) -> Tuple[str, int]:
+    v = _list(value, where)
+    if len(v) != 2:
+        raise _bad(where, "a list of 2", value)
+    return (_str(v[0], f"{where}[0]"), _int(v[1], f"{where}[1]"))
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The lock's owner: the command that locked and the pid it runs as (null: no lock, or an external Lock)."""
+
+    __slots__ = ("command", "pid", "since")
+    command: str  # npusnap's command (dump, freeze, ...), criu-plugin, or unknown
+    pid: int
+    since: str  # when it locked, UTC (2026-01-31T12:00:00Z)
+
+    def __init__(self, command: str, pid: int, since: str) -> None:
+        object.__setattr__(self, "command", command)
+        object.__setattr__(self, "pid", pid)
+        object.__setattr__(self, "since", since)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Owner(command={self.command!r}, pid={self.pid!r}, since={self.since!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.command, self.pid, self.since) == (other.command, other.pid, other.since)
+
+    def __hash__(self) -> int:
+        return hash((self.command, self.pid, self.since))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "owner") -> Owner:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            command=_str(_member(obj, "command", where), where + ".command"),
+            pid=_int(_member(obj, "pid", where), where + ".pid"),
+            since=_str(_member(obj, "since", where), where + ".since"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["command"] = self.command
+        out["pid"] = self.pid
+        out["since"] = self.since
+        return out
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The lease of the current lock: it rolls the process back by itself unless renewed."""
+
+    __slots__ = ("active", "frozen_gaps", "lease_s", "remaining_s", "voided_reason")
+    active: bool
+    lease_s: Optional[float]  # its length (null: no lease)
+    remaining_s: Optional[float]  # of run time left (null: no lease)
+    voided_reason: Optional[str]  # why an earlier lease ended before its time
+    frozen_gaps: int  # pauses of the process (frozen, stopped) the lease did not count
+
+    def __init__(self, active: bool, lease_s: Optional[float], remaining_s: Optional[float], voided_reason: Optional[str], frozen_gaps: int) -> None:
+        object.__setattr__(self, "active", active)
+        object.__setattr__(self, "lease_s", lease_s)
+        object.__setattr__(self, "remaining_s", remaining_s)
+        object.__setattr__(self, "voided_reason", voided_reason)
+        object.__setattr__(self, "frozen_gaps", frozen_gaps)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Lease(active={self.active!r}, lease_s={self.lease_s!r}, remaining_s={self.remaining_s!r}, voided_reason={self.voided_reason!r}, frozen_gaps={self.frozen_gaps!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.active, self.lease_s, self.remaining_s, self.voided_reason, self.frozen_gaps) == (other.active, other.lease_s, other.remaining_s, other.voided_reason, other.frozen_gaps)
+
+    def __hash__(self) -> int:
+        return hash((self.active, self.lease_s, self.remaining_s, self.voided_reason, self.frozen_gaps))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "lease") -> Lease:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            active=_bool(_member(obj, "active", where), where + ".active"),
+            lease_s=_nullable(_member(obj, "lease_s", where), where + ".lease_s", _float),
+            remaining_s=_nullable(_member(obj, "remaining_s", where), where + ".remaining_s", _float),
+            voided_reason=_nullable(_member(obj, "voided_reason", where), where + ".voided_reason", _str),
+            frozen_gaps=_int(_member(obj, "frozen_gaps", where), where + ".frozen_gaps"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["active"] = self.active
+        out["lease_s"] = self.lease_s
+        out["remaining_s"] = self.remaining_s
+        out["voided_reason"] = self.voided_reason
+        out["frozen_gaps"] = self.frozen_gaps
+        return out
+
+
+@dataclass(frozen=True)
+class DevmemSave:
+    """The last save of the device memory into a file, and the pieces it left out."""
+
+    __slots__ = ("epoch", "id", "pieces", "since_used", "unchanged")
+    id: str  # the save's id (hex), which a later incremental save names as device_memory_since
+    epoch: int
+    since_used: bool  # true: an incremental save (only the pieces written since were copied)
+    pieces: int
+    unchanged: str  # a hex bitmap of the pieces left out: piece i in bit i % 8 of byte i / 8
+
+    def __init__(self, id: str, epoch: int, since_used: bool, pieces: int, unchanged: str) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "epoch", epoch)
+        object.__setattr__(self, "since_used", since_used)
+        object.__setattr__(self, "pieces", pieces)
+        object.__setattr__(self, "unchanged", unchanged)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"DevmemSave(id={self.id!r}, epoch={self.epoch!r}, since_used={self.since_used!r}, pieces={self.pieces!r}, unchanged={self.unchanged!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.id, self.epoch, self.since_used, self.pieces, self.unchanged) == (other.id, other.epoch, other.since_used, other.pieces, other.unchanged)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.epoch, self.since_used, self.pieces, self.unchanged))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "devmem_save") -> DevmemSave:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            id=_str(_member(obj, "id", where), where + ".id"),
+            epoch=_int(_member(obj, "epoch", where), where + ".epoch"),
+            since_used=_bool(_member(obj, "since_used", where), where + ".since_used"),
+            pieces=_int(_member(obj, "pieces", where), where + ".pieces"),
+            unchanged=_str(_member(obj, "unchanged", where), where + ".unchanged"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["id"] = self.id
+        out["epoch"] = self.epoch
+        out["since_used"] = self.since_used
+        out["pieces"] = self.pieces
+        out["unchanged"] = self.unchanged
+        return out
+
+
+@dataclass(frozen=True)
+class DevmemTracking:
+    """What the agent knows of the job's writes to its device memory, and its last saves."""
+
+    __slots__ = ("all_why", "app_bytes", "epoch", "lineage", "marks_all", "save", "untracked")
+    epoch: int
+    app_bytes: int
+    marks_all: int
+    all_why: Optional[str]  # why every piece counts as written
+    untracked: Optional[str]  # why writes are not tracked (no incremental save then)
+    lineage: Tuple[Tuple[str, int], ...]  # the earlier saves of this process's history: [id (hex), epoch]
+    save: Optional[DevmemSave]
+
+    def __init__(self, epoch: int, app_bytes: int, marks_all: int, all_why: Optional[str], untracked: Optional[str], lineage: Tuple[Tuple[str, int], ...], save: Optional[DevmemSave] = None) -> None:
+        object.__setattr__(self, "epoch", epoch)
+        object.__setattr__(self, "app_bytes", app_bytes)
+        object.__setattr__(self, "marks_all", marks_all)
+        object.__setattr__(self, "all_why", all_why)
+        object.__setattr__(self, "untracked", untracked)
+        object.__setattr__(self, "lineage", lineage)
+        object.__setattr__(self, "save", save)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"DevmemTracking(epoch={self.epoch!r}, app_bytes={self.app_bytes!r}, marks_all={self.marks_all!r}, all_why={self.all_why!r}, untracked={self.untracked!r}, lineage={self.lineage!r}, save={self.save!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.epoch, self.app_bytes, self.marks_all, self.all_why, self.untracked, self.lineage, self.save) == (other.epoch, other.app_bytes, other.marks_all, other.all_why, other.untracked, other.lineage, other.save)
+
+    def __hash__(self) -> int:
+        return hash((self.epoch, self.app_bytes, self.marks_all, self.all_why, self.untracked, self.lineage, self.save))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "devmem_tracking") -> DevmemTracking:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            epoch=_int(_member(obj, "epoch", where), where + ".epoch"),
+            app_bytes=_int(_member(obj, "app_bytes", where), where + ".app_bytes"),
+            marks_all=_int(_member(obj, "marks_all", where), where + ".marks_all"),
+            all_why=_nullable(_member(obj, "all_why", where), where + ".all_why", _str),
+            untracked=_nullable(_member(obj, "untracked", where), where + ".untracked", _str),
+            lineage=(lambda v, w: tuple(_tuple_str_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "lineage", where), where + ".lineage"),
+            save=_absent(obj, "save", where, DevmemSave.from_json),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["epoch"] = self.epoch
+        out["app_bytes"] = self.app_bytes
+        out["marks_all"] = self.marks_all
+        out["all_why"] = self.all_why
+        out["untracked"] = self.untracked
+        out["lineage"] = [list(x) for x in self.lineage]
+        if self.save is not None:
+            out["save"] = self.save.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The agent's report on the job's device memory (native/agent/ops.c devmem_json)."""
+
+    __slots__ = ("allocations", "available", "bytes", "devices", "excluded_bytes", "fallback", "file_bytes", "flow", "gate_closed", "interposed", "mode", "registered", "reserved_bytes", "saved", "saved_bytes", "steps", "tracking", "vmm_bytes")
+    available: bool  # the device-memory part is loaded
+    mode: Optional[str]  # of the current lock: one of device_memory_modes
+    saved: bool  # copies exist
+    flow: Optional[str]  # driver, driver?, legacy
+    file_bytes: Optional[int]  # the copies are in the dump's device-memory file
+    fallback: Optional[str]  # why the driver-backed flow was not used
+    registered: Optional[int]  # allocations the application registered
+    devices: Optional[Tuple[int, ...]]
+    allocations: Optional[int]  # these, to gate_closed, as devmem_info has them
+    bytes: Optional[int]
+    saved_bytes: Optional[int]
+    excluded_bytes: Optional[int]
+    vmm_bytes: Optional[int]
+    reserved_bytes: Optional[int]
+    interposed: Optional[bool]
+    gate_closed: Optional[bool]
+    tracking: Optional[DevmemTracking]
+    steps: Optional[Tuple[str, ...]]  # unlock and rollback: what was done after Unlock
+
+    def __init__(self, available: bool, mode: Optional[str], saved: bool, flow: Optional[str], file_bytes: Optional[int] = None, fallback: Optional[str] = None, registered: Optional[int] = None, devices: Optional[Tuple[int, ...]] = None, allocations: Optional[int] = None, bytes: Optional[int] = None, saved_bytes: Optional[int] = None, excluded_bytes: Optional[int] = None, vmm_bytes: Optional[int] = None, reserved_bytes: Optional[int] = None, interposed: Optional[bool] = None, gate_closed: Optional[bool] = None, tracking: Optional[DevmemTracking] = None, steps: Optional[Tuple[str, ...]] = None) -> None:
+        object.__setattr__(self, "available", available)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "saved", saved)
+        object.__setattr__(self, "flow", flow)
+        object.__setattr__(self, "file_bytes", file_bytes)
+        object.__setattr__(self, "fallback", fallback)
+        object.__setattr__(self, "registered", registered)
+        object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "allocations", allocations)
+        object.__setattr__(self, "bytes", bytes)
+        object.__setattr__(self, "saved_bytes", saved_bytes)
+        object.__setattr__(self, "excluded_bytes", excluded_bytes)
+        object.__setattr__(self, "vmm_bytes", vmm_bytes)
+        object.__setattr__(self, "reserved_bytes", reserved_bytes)
+        object.__setattr__(self, "interposed", interposed)
+        object.__setattr__(self, "gate_closed", gate_closed)
+        object.__setattr__(self, "tracking", tracking)
+        object.__setattr__(self, "steps", steps)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"DeviceMemory(available={self.available!r}, mode={self.mode!r}, saved={self.saved!r}, flow={self.flow!r}, file_bytes={self.file_bytes!r}, fallback={self.fallback!r}, registered={self.registered!r}, devices={self.devices!r}, allocations={self.allocations!r}, bytes={self.bytes!r}, saved_bytes={self.saved_bytes!r}, excluded_bytes={self.excluded_bytes!r}, vmm_bytes={self.vmm_bytes!r}, reserved_bytes={self.reserved_bytes!r}, interposed={self.interposed!r}, gate_closed={self.gate_closed!r}, tracking={self.tracking!r}, steps={self.steps!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.available, self.mode, self.saved, self.flow, self.file_bytes, self.fallback, self.registered, self.devices, self.allocations, self.bytes, self.saved_bytes, self.excluded_bytes, self.vmm_bytes, self.reserved_bytes, self.interposed, self.gate_closed, self.tracking, self.steps) == (other.available, other.mode, other.saved, other.flow, other.file_bytes, other.fallback, other.registered, other.devices, other.allocations, other.bytes, other.saved_bytes, other.excluded_bytes, other.vmm_bytes, other.reserved_bytes, other.interposed, other.gate_closed, other.tracking, other.steps)
+
+    def __hash__(self) -> int:
+        return hash((self.available, self.mode, self.saved, self.flow, self.file_bytes, self.fallback, self.registered, self.devices, self.allocations, self.bytes, self.saved_bytes, self.excluded_bytes, self.vmm_bytes, self.reserved_bytes, self.interposed, self.gate_closed, self.tracking, self.steps))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "device_memory") -> DeviceMemory:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            available=_bool(_member(obj, "available", where), where + ".available"),
+            mode=_nullable(_member(obj, "mode", where), where + ".mode", _str),
+            saved=_bool(_member(obj, "saved", where), where + ".saved"),
+            flow=_nullable(_member(obj, "flow", where), where + ".flow", _str),
+            file_bytes=_absent(obj, "file_bytes", where, _int),
+            fallback=_absent(obj, "fallback", where, _str),
+            registered=_absent(obj, "registered", where, _int),
+            devices=_absent(obj, "devices", where, lambda v, w: tuple(_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w)))),
+            allocations=_absent(obj, "allocations", where, _int),
+            bytes=_absent(obj, "bytes", where, _int),
+            saved_bytes=_absent(obj, "saved_bytes", where, _int),
+            excluded_bytes=_absent(obj, "excluded_bytes", where, _int),
+            vmm_bytes=_absent(obj, "vmm_bytes", where, _int),
+            reserved_bytes=_absent(obj, "reserved_bytes", where, _int),
+            interposed=_absent(obj, "interposed", where, _bool),
+            gate_closed=_absent(obj, "gate_closed", where, _bool),
+            tracking=_absent(obj, "tracking", where, DevmemTracking.from_json),
+            steps=_absent(obj, "steps", where, lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w)))),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["available"] = self.available
+        out["mode"] = self.mode
+        out["saved"] = self.saved
+        out["flow"] = self.flow
+        if self.file_bytes is not None:
+            out["file_bytes"] = self.file_bytes
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
+        if self.registered is not None:
+            out["registered"] = self.registered
+        if self.devices is not None:
+            out["devices"] = list(self.devices)
+        if self.allocations is not None:
+            out["allocations"] = self.allocations
+        if self.bytes is not None:
+            out["bytes"] = self.bytes
+        if self.saved_bytes is not None:
+            out["saved_bytes"] = self.saved_bytes
+        if self.excluded_bytes is not None:
+            out["excluded_bytes"] = self.excluded_bytes
+        if self.vmm_bytes is not None:
+            out["vmm_bytes"] = self.vmm_bytes
+        if self.reserved_bytes is not None:
+            out["reserved_bytes"] = self.reserved_bytes
+        if self.interposed is not None:
+            out["interposed"] = self.interposed
+        if self.gate_closed is not None:
+            out["gate_closed"] = self.gate_closed
+        if self.tracking is not None:
+            out["tracking"] = self.tracking.to_json()
+        if self.steps is not None:
+            out["steps"] = list(self.steps)
+        return out
+
+
+@dataclass(frozen=True)
+class PythonInfo:
+    """The Python interpreter of a process whose agent npusnap_cli.agent started."""
+
+    __slots__ = ("executable", "implementation", "version")
+    version: str
+    executable: str
+    implementation: str
+
+    def __init__(self, version: str, executable: str, implementation: str) -> None:
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "executable", executable)
+        object.__setattr__(self, "implementation", implementation)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"PythonInfo(version={self.version!r}, executable={self.executable!r}, implementation={self.implementation!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.version, self.executable, self.implementation) == (other.version, other.executable, other.implementation)
+
+    def __hash__(self) -> int:
+        return hash((self.version, self.executable, self.implementation))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "python_info") -> PythonInfo:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            version=_str(_member(obj, "version", where), where + ".version"),
+            executable=_str(_member(obj, "executable", where), where + ".executable"),
+            implementation=_str(_member(obj, "implementation", where), where + ".implementation"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["version"] = self.version
+        out["executable"] = self.executable
+        out["implementation"] = self.implementation
+        return out
+
+
+@dataclass(frozen=True)
+class AclInfo:
+    """The CANN runtime the process loaded, and its devices."""
+
+    __slots__ = ("callback_devices", "cann_version", "devices", "devices_source", "library", "loaded", "visible_devices")
+    loaded: bool
+    library: Optional[str]
+    cann_version: Optional[str]
+    visible_devices: Optional[str]  # ASCEND_RT_VISIBLE_DEVICES of the process
+    devices: Tuple[int, ...]  # the device ids the program uses
+    devices_source: Optional[str]  # how the agent knows them
+    callback_devices: Tuple[int, ...]  # the devices the LOCK_PRE callback was called for
+
+    def __init__(self, loaded: bool, library: Optional[str], cann_version: Optional[str], visible_devices: Optional[str], devices: Tuple[int, ...], devices_source: Optional[str], callback_devices: Tuple[int, ...]) -> None:
+        object.__setattr__(self, "loaded", loaded)
+        object.__setattr__(self, "library", library)
+        object.__setattr__(self, "cann_version", cann_version)
+        object.__setattr__(self, "visible_devices", visible_devices)
+        object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "devices_source", devices_source)
+        object.__setattr__(self, "callback_devices", callback_devices)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"AclInfo(loaded={self.loaded!r}, library={self.library!r}, cann_version={self.cann_version!r}, visible_devices={self.visible_devices!r}, devices={self.devices!r}, devices_source={self.devices_source!r}, callback_devices={self.callback_devices!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.loaded, self.library, self.cann_version, self.visible_devices, self.devices, self.devices_source, self.callback_devices) == (other.loaded, other.library, other.cann_version, other.visible_devices, other.devices, other.devices_source, other.callback_devices)
+
+    def __hash__(self) -> int:
+        return hash((self.loaded, self.library, self.cann_version, self.visible_devices, self.devices, self.devices_source, self.callback_devices))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "acl_info") -> AclInfo:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            loaded=_bool(_member(obj, "loaded", where), where + ".loaded"),
+            library=_nullable(_member(obj, "library", where), where + ".library", _str),
+            cann_version=_nullable(_member(obj, "cann_version", where), where + ".cann_version", _str),
+            visible_devices=_nullable(_member(obj, "visible_devices", where), where + ".visible_devices", _str),
+            devices=(lambda v, w: tuple(_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "devices", where), where + ".devices"),
+            devices_source=_nullable(_member(obj, "devices_source", where), where + ".devices_source", _str),
+            callback_devices=(lambda v, w: tuple(_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "callback_devices", where), where + ".callback_devices"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["loaded"] = self.loaded
+        out["library"] = self.library
+        out["cann_version"] = self.cann_version
+        out["visible_devices"] = self.visible_devices
+        out["devices"] = list(self.devices)
+        out["devices_source"] = self.devices_source
+        out["callback_devices"] = list(self.callback_devices)
+        return out
+
+
+@dataclass(frozen=True)
+class HookNames:
+    """The application hooks registered per stage (hook_stages)."""
+
+    __slots__ = ("post_backup", "post_restore", "post_unlock", "pre_lock")
+    pre_lock: Tuple[str, ...]
+    post_backup: Tuple[str, ...]
+    post_restore: Tuple[str, ...]
+    post_unlock: Tuple[str, ...]
+
+    def __init__(self, pre_lock: Tuple[str, ...], post_backup: Tuple[str, ...], post_restore: Tuple[str, ...], post_unlock: Tuple[str, ...]) -> None:
+        object.__setattr__(self, "pre_lock", pre_lock)
+        object.__setattr__(self, "post_backup", post_backup)
+        object.__setattr__(self, "post_restore", post_restore)
+        object.__setattr__(self, "post_unlock", post_unlock)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HookNames(pre_lock={self.pre_lock!r}, post_backup={self.post_backup!r}, post_restore={self.post_restore!r}, post_unlock={self.post_unlock!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.pre_lock, self.post_backup, self.post_restore, self.post_unlock) == (other.pre_lock, other.post_backup, other.post_restore, other.post_unlock)
+
+    def __hash__(self) -> int:
+        return hash((self.pre_lock, self.post_backup, self.post_restore, self.post_unlock))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "hook_names") -> HookNames:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            pre_lock=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "pre_lock", where), where + ".pre_lock"),
+            post_backup=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "post_backup", where), where + ".post_backup"),
+            post_restore=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "post_restore", where), where + ".post_restore"),
+            post_unlock=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "post_unlock", where), where + ".post_unlock"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["pre_lock"] = list(self.pre_lock)
+        out["post_backup"] = list(self.post_backup)
+        out["post_restore"] = list(self.post_restore)
+        out["post_unlock"] = list(self.post_unlock)
+        return out
+
+
+@dataclass(frozen=True)
+class HcclComm:
+    """An HCCL communicator the agent stands behind (npusnap/hcclvirt.h)."""
+
+    __slots__ = ("collectives", "key", "nranks", "rank", "state")
+    key: str
+    rank: int
+    nranks: int
+    state: str
+    collectives: int
+
+    def __init__(self, key: str, rank: int, nranks: int, state: str, collectives: int) -> None:
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "nranks", nranks)
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "collectives", collectives)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HcclComm(key={self.key!r}, rank={self.rank!r}, nranks={self.nranks!r}, state={self.state!r}, collectives={self.collectives!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.key, self.rank, self.nranks, self.state, self.collectives) == (other.key, other.rank, other.nranks, other.state, other.collectives)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.rank, self.nranks, self.state, self.collectives))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "hccl_comm") -> HcclComm:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            key=_str(_member(obj, "key", where), where + ".key"),
+            rank=_int(_member(obj, "rank", where), where + ".rank"),
+            nranks=_int(_member(obj, "nranks", where), where + ".nranks"),
+            state=_str(_member(obj, "state", where), where + ".state"),
+            collectives=_int(_member(obj, "collectives", where), where + ".collectives"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["key"] = self.key
+        out["rank"] = self.rank
+        out["nranks"] = self.nranks
+        out["state"] = self.state
+        out["collectives"] = self.collectives
+        return out
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """Who the agent is and what the process has."""
+
+    __slots__ = ("acl", "agent", "agent_version", "device_memory", "hooks", "log", "owner", "pid", "protocol_version", "python", "restored", "socket", "start_time_ticks", "started_at")
+    agent_version: str
+    agent: str  # native
+    protocol_version: int
+    pid: int  # getpid() (in the process's pid namespace)
+    start_time_ticks: int
+    log: Optional[str]  # the agent log
+    started_at: Optional[float]  # the process's start, seconds since the epoch
+    restored: bool  # CRIU restored the process
+    socket: str
+    python: Optional[PythonInfo]
+    acl: AclInfo
+    hooks: HookNames
+    owner: Optional[Owner]
+    device_memory: DeviceMemory
+
+    def __init__(self, agent_version: str, agent: str, protocol_version: int, pid: int, start_time_ticks: int, log: Optional[str], started_at: Optional[float], restored: bool, socket: str, python: Optional[PythonInfo], acl: AclInfo, hooks: HookNames, owner: Optional[Owner], device_memory: DeviceMemory) -> None:
+        object.__setattr__(self, "agent_version", agent_version)
+        object.__setattr__(self, "agent", agent)
+        object.__setattr__(self, "protocol_version", protocol_version)
+        object.__setattr__(self, "pid", pid)
+        object.__setattr__(self, "start_time_ticks", start_time_ticks)
+        object.__setattr__(self, "log", log)
+        object.__setattr__(self, "started_at", started_at)
+        object.__setattr__(self, "restored", restored)
+        object.__setattr__(self, "socket", socket)
+        object.__setattr__(self, "python", python)
+        object.__setattr__(self, "acl", acl)
+        object.__setattr__(self, "hooks", hooks)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "device_memory", device_memory)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HelloReply(agent_version={self.agent_version!r}, agent={self.agent!r}, protocol_version={self.protocol_version!r}, pid={self.pid!r}, start_time_ticks={self.start_time_ticks!r}, log={self.log!r}, started_at={self.started_at!r}, restored={self.restored!r}, socket={self.socket!r}, python={self.python!r}, acl={self.acl!r}, hooks={self.hooks!r}, owner={self.owner!r}, device_memory={self.device_memory!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.agent_version, self.agent, self.protocol_version, self.pid, self.start_time_ticks, self.log, self.started_at, self.restored, self.socket, self.python, self.acl, self.hooks, self.owner, self.device_memory) == (other.agent_version, other.agent, other.protocol_version, other.pid, other.start_time_ticks, other.log, other.started_at, other.restored, other.socket, other.python, other.acl, other.hooks, other.owner, other.device_memory)
+
+    def __hash__(self) -> int:
+        return hash((self.agent_version, self.agent, self.protocol_version, self.pid, self.start_time_ticks, self.log, self.started_at, self.restored, self.socket, self.python, self.acl, self.hooks, self.owner, self.device_memory))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "hello reply") -> HelloReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            agent_version=_str(_member(obj, "agent_version", where), where + ".agent_version"),
+            agent=_str(_member(obj, "agent", where), where + ".agent"),
+            protocol_version=_int(_member(obj, "protocol_version", where), where + ".protocol_version"),
+            pid=_int(_member(obj, "pid", where), where + ".pid"),
+            start_time_ticks=_int(_member(obj, "start_time_ticks", where), where + ".start_time_ticks"),
+            log=_nullable(_member(obj, "log", where), where + ".log", _str),
+            started_at=_nullable(_member(obj, "started_at", where), where + ".started_at", _float),
+            restored=_bool(_member(obj, "restored", where), where + ".restored"),
+            socket=_str(_member(obj, "socket", where), where + ".socket"),
+            python=_nullable(_member(obj, "python", where), where + ".python", PythonInfo.from_json),
+            acl=AclInfo.from_json(_member(obj, "acl", where), where + ".acl"),
+            hooks=HookNames.from_json(_member(obj, "hooks", where), where + ".hooks"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["agent_version"] = self.agent_version
+        out["agent"] = self.agent
+        out["protocol_version"] = self.protocol_version
+        out["pid"] = self.pid
+        out["start_time_ticks"] = self.start_time_ticks
+        out["log"] = self.log
+        out["started_at"] = self.started_at
+        out["restored"] = self.restored
+        out["socket"] = self.socket
+        out["python"] = None if self.python is None else self.python.to_json()
+        out["acl"] = self.acl.to_json()
+        out["hooks"] = self.hooks.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["device_memory"] = self.device_memory.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """The process's snapshot state now."""
+
+    __slots__ = ("acl_loaded", "device_memory", "events", "hccl", "lease", "owner", "pid", "restore_pending", "restored", "state")
+    state: Optional[str]  # a snapshot_state name (null: unknown)
+    lease: Lease
+    owner: Optional[Owner]
+    pid: int
+    acl_loaded: bool
+    restored: bool
+    restore_pending: bool  # restored by CRIU: restore comes first
+    device_memory: DeviceMemory
+    hccl: Tuple[HcclComm, ...]
+    events: Tuple[str, ...]  # the agent's last events
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], pid: int, acl_loaded: bool, restored: bool, restore_pending: bool, device_memory: DeviceMemory, hccl: Tuple[HcclComm, ...], events: Tuple[str, ...]) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "pid", pid)
+        object.__setattr__(self, "acl_loaded", acl_loaded)
+        object.__setattr__(self, "restored", restored)
+        object.__setattr__(self, "restore_pending", restore_pending)
+        object.__setattr__(self, "device_memory", device_memory)
+        object.__setattr__(self, "hccl", hccl)
+        object.__setattr__(self, "events", events)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"StatusReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, pid={self.pid!r}, acl_loaded={self.acl_loaded!r}, restored={self.restored!r}, restore_pending={self.restore_pending!r}, device_memory={self.device_memory!r}, hccl={self.hccl!r}, events={self.events!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.pid, self.acl_loaded, self.restored, self.restore_pending, self.device_memory, self.hccl, self.events) == (other.state, other.lease, other.owner, other.pid, other.acl_loaded, other.restored, other.restore_pending, other.device_memory, other.hccl, other.events)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.pid, self.acl_loaded, self.restored, self.restore_pending, self.device_memory, self.hccl, self.events))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "status reply") -> StatusReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            pid=_int(_member(obj, "pid", where), where + ".pid"),
+            acl_loaded=_bool(_member(obj, "acl_loaded", where), where + ".acl_loaded"),
+            restored=_bool(_member(obj, "restored", where), where + ".restored"),
+            restore_pending=_bool(_member(obj, "restore_pending", where), where + ".restore_pending"),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+            hccl=(lambda v, w: tuple(HcclComm.from_json(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hccl", where), where + ".hccl"),
+            events=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "events", where), where + ".events"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["pid"] = self.pid
+        out["acl_loaded"] = self.acl_loaded
+        out["restored"] = self.restored
+        out["restore_pending"] = self.restore_pending
+        out["device_memory"] = self.device_memory.to_json()
+        out["hccl"] = [x.to_json() for x in self.hccl]
+        out["events"] = list(self.events)
+        return out
+
+
+@dataclass(frozen=True)
+class LockReply:
+    """Locked (Lock, the drain and the copy of the device memory)."""
+
+    __slots__ = ("callback", "callback_devices", "device_copy_s", "device_memory", "drain_s", "elapsed_s", "hooks_run", "lease", "no_device", "owner", "runtime_lock_s", "state", "token")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+    elapsed_s: float
+    runtime_lock_s: float  # the runtime's own Lock
+    device_copy_s: float  # npusnap's copy of the device memory
+    drain_s: float  # the wait for the devices' queued work
+    hooks_run: Tuple[str, ...]
+    token: Optional[str]  # the lock's token, which every op that changes the lock then takes
+    device_memory: DeviceMemory
+    callback_devices: Tuple[int, ...]
+    callback: str  # the LOCK_PRE callback: registered, or why not
+    no_device: bool  # no device open: not locked, the process runs on
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], elapsed_s: float, runtime_lock_s: float, device_copy_s: float, drain_s: float, hooks_run: Tuple[str, ...], token: Optional[str], device_memory: DeviceMemory, callback_devices: Tuple[int, ...], callback: str, no_device: bool) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+        object.__setattr__(self, "runtime_lock_s", runtime_lock_s)
+        object.__setattr__(self, "device_copy_s", device_copy_s)
+        object.__setattr__(self, "drain_s", drain_s)
+        object.__setattr__(self, "hooks_run", hooks_run)
+        object.__setattr__(self, "token", token)
+        object.__setattr__(self, "device_memory", device_memory)
+        object.__setattr__(self, "callback_devices", callback_devices)
+        object.__setattr__(self, "callback", callback)
+        object.__setattr__(self, "no_device", no_device)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"LockReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, elapsed_s={self.elapsed_s!r}, runtime_lock_s={self.runtime_lock_s!r}, device_copy_s={self.device_copy_s!r}, drain_s={self.drain_s!r}, hooks_run={self.hooks_run!r}, token={self.token!r}, device_memory={self.device_memory!r}, callback_devices={self.callback_devices!r}, callback={self.callback!r}, no_device={self.no_device!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.elapsed_s, self.runtime_lock_s, self.device_copy_s, self.drain_s, self.hooks_run, self.token, self.device_memory, self.callback_devices, self.callback, self.no_device) == (other.state, other.lease, other.owner, other.elapsed_s, other.runtime_lock_s, other.device_copy_s, other.drain_s, other.hooks_run, other.token, other.device_memory, other.callback_devices, other.callback, other.no_device)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.elapsed_s, self.runtime_lock_s, self.device_copy_s, self.drain_s, self.hooks_run, self.token, self.device_memory, self.callback_devices, self.callback, self.no_device))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "lock reply") -> LockReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+            runtime_lock_s=_float(_member(obj, "runtime_lock_s", where), where + ".runtime_lock_s"),
+            device_copy_s=_float(_member(obj, "device_copy_s", where), where + ".device_copy_s"),
+            drain_s=_float(_member(obj, "drain_s", where), where + ".drain_s"),
+            hooks_run=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hooks_run", where), where + ".hooks_run"),
+            token=_nullable(_member(obj, "token", where), where + ".token", _str),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+            callback_devices=(lambda v, w: tuple(_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "callback_devices", where), where + ".callback_devices"),
+            callback=_str(_member(obj, "callback", where), where + ".callback"),
+            no_device=_bool(_member(obj, "no_device", where), where + ".no_device"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["elapsed_s"] = self.elapsed_s
+        out["runtime_lock_s"] = self.runtime_lock_s
+        out["device_copy_s"] = self.device_copy_s
+        out["drain_s"] = self.drain_s
+        out["hooks_run"] = list(self.hooks_run)
+        out["token"] = self.token
+        out["device_memory"] = self.device_memory.to_json()
+        out["callback_devices"] = list(self.callback_devices)
+        out["callback"] = self.callback
+        out["no_device"] = self.no_device
+        return out
+
+
+@dataclass(frozen=True)
+class BackupReply:
+    """Backed up."""
+
+    __slots__ = ("device_copy_s", "device_memory", "drain_s", "elapsed_s", "hooks_run", "lease", "owner", "state")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+    elapsed_s: float
+    device_copy_s: float
+    drain_s: float
+    hooks_run: Tuple[str, ...]
+    device_memory: DeviceMemory
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], elapsed_s: float, device_copy_s: float, drain_s: float, hooks_run: Tuple[str, ...], device_memory: DeviceMemory) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+        object.__setattr__(self, "device_copy_s", device_copy_s)
+        object.__setattr__(self, "drain_s", drain_s)
+        object.__setattr__(self, "hooks_run", hooks_run)
+        object.__setattr__(self, "device_memory", device_memory)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"BackupReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, elapsed_s={self.elapsed_s!r}, device_copy_s={self.device_copy_s!r}, drain_s={self.drain_s!r}, hooks_run={self.hooks_run!r}, device_memory={self.device_memory!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.elapsed_s, self.device_copy_s, self.drain_s, self.hooks_run, self.device_memory) == (other.state, other.lease, other.owner, other.elapsed_s, other.device_copy_s, other.drain_s, other.hooks_run, other.device_memory)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.elapsed_s, self.device_copy_s, self.drain_s, self.hooks_run, self.device_memory))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "backup reply") -> BackupReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+            device_copy_s=_float(_member(obj, "device_copy_s", where), where + ".device_copy_s"),
+            drain_s=_float(_member(obj, "drain_s", where), where + ".drain_s"),
+            hooks_run=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hooks_run", where), where + ".hooks_run"),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["elapsed_s"] = self.elapsed_s
+        out["device_copy_s"] = self.device_copy_s
+        out["drain_s"] = self.drain_s
+        out["hooks_run"] = list(self.hooks_run)
+        out["device_memory"] = self.device_memory.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class RenewReply:
+    """The lease renewed."""
+
+    __slots__ = ("lease", "owner", "state")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner]) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"RenewReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner) == (other.state, other.lease, other.owner)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "renew reply") -> RenewReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class ReleaseReply:
+    """The lease released (the lock stays)."""
+
+    __slots__ = ("lease", "owner", "state")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner]) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"ReleaseReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner) == (other.state, other.lease, other.owner)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "release reply") -> ReleaseReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class RestoreReply:
+    """Restored (still locked)."""
+
+    __slots__ = ("elapsed_s", "hooks_run", "lease", "owner", "state")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+    elapsed_s: float
+    hooks_run: Tuple[str, ...]
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], elapsed_s: float, hooks_run: Tuple[str, ...]) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+        object.__setattr__(self, "hooks_run", hooks_run)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"RestoreReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, elapsed_s={self.elapsed_s!r}, hooks_run={self.hooks_run!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.elapsed_s, self.hooks_run) == (other.state, other.lease, other.owner, other.elapsed_s, other.hooks_run)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.elapsed_s, self.hooks_run))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "restore reply") -> RestoreReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+            hooks_run=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hooks_run", where), where + ".hooks_run"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["elapsed_s"] = self.elapsed_s
+        out["hooks_run"] = list(self.hooks_run)
+        return out
+
+
+@dataclass(frozen=True)
+class UnlockReply:
+    """Unlocked: the process runs."""
+
+    __slots__ = ("device_memory", "elapsed_s", "hooks_run", "lease", "owner", "state", "warnings")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+    elapsed_s: float
+    hooks_run: Tuple[str, ...]
+    warnings: Tuple[str, ...]
+    device_memory: DeviceMemory
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], elapsed_s: float, hooks_run: Tuple[str, ...], warnings: Tuple[str, ...], device_memory: DeviceMemory) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+        object.__setattr__(self, "hooks_run", hooks_run)
+        object.__setattr__(self, "warnings", warnings)
+        object.__setattr__(self, "device_memory", device_memory)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"UnlockReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, elapsed_s={self.elapsed_s!r}, hooks_run={self.hooks_run!r}, warnings={self.warnings!r}, device_memory={self.device_memory!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.elapsed_s, self.hooks_run, self.warnings, self.device_memory) == (other.state, other.lease, other.owner, other.elapsed_s, other.hooks_run, other.warnings, other.device_memory)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.elapsed_s, self.hooks_run, self.warnings, self.device_memory))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "unlock reply") -> UnlockReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+            hooks_run=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hooks_run", where), where + ".hooks_run"),
+            warnings=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "warnings", where), where + ".warnings"),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["elapsed_s"] = self.elapsed_s
+        out["hooks_run"] = list(self.hooks_run)
+        out["warnings"] = list(self.warnings)
+        out["device_memory"] = self.device_memory.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class RollbackReply:
+    """Back to RUNNING from any state."""
+
+    __slots__ = ("actions", "before", "device_memory", "elapsed_s", "lease", "owner", "state", "warnings")
+    state: Optional[str]
+    lease: Lease
+    owner: Optional[Owner]
+    elapsed_s: float
+    actions: Tuple[str, ...]  # restore, unlock: what it took
+    before: Optional[str]  # the state it was in
+    warnings: Tuple[str, ...]
+    device_memory: DeviceMemory
+
+    def __init__(self, state: Optional[str], lease: Lease, owner: Optional[Owner], elapsed_s: float, actions: Tuple[str, ...], before: Optional[str], warnings: Tuple[str, ...], device_memory: DeviceMemory) -> None:
+        object.__setattr__(self, "state", state)
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+        object.__setattr__(self, "actions", actions)
+        object.__setattr__(self, "before", before)
+        object.__setattr__(self, "warnings", warnings)
+        object.__setattr__(self, "device_memory", device_memory)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"RollbackReply(state={self.state!r}, lease={self.lease!r}, owner={self.owner!r}, elapsed_s={self.elapsed_s!r}, actions={self.actions!r}, before={self.before!r}, warnings={self.warnings!r}, device_memory={self.device_memory!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.state, self.lease, self.owner, self.elapsed_s, self.actions, self.before, self.warnings, self.device_memory) == (other.state, other.lease, other.owner, other.elapsed_s, other.actions, other.before, other.warnings, other.device_memory)
+
+    def __hash__(self) -> int:
+        return hash((self.state, self.lease, self.owner, self.elapsed_s, self.actions, self.before, self.warnings, self.device_memory))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "rollback reply") -> RollbackReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            state=_nullable(_member(obj, "state", where), where + ".state", _str),
+            lease=Lease.from_json(_member(obj, "lease", where), where + ".lease"),
+            owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+            actions=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "actions", where), where + ".actions"),
+            before=_nullable(_member(obj, "before", where), where + ".before", _str),
+            warnings=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "warnings", where), where + ".warnings"),
+            device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["state"] = self.state
+        out["lease"] = self.lease.to_json()
+        out["owner"] = None if self.owner is None else self.owner.to_json()
+        out["elapsed_s"] = self.elapsed_s
+        out["actions"] = list(self.actions)
+        out["before"] = self.before
+        out["warnings"] = list(self.warnings)
+        out["device_memory"] = self.device_memory.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class CopyWaitReply:
+    """The concurrent copy of the device memory (--leave-running)."""
+
+    __slots__ = ("background_pieces", "complete", "cow_pieces", "left")
+    complete: bool
+    left: int  # pieces not copied yet
+    cow_pieces: int  # copied first for a write of the job
+    background_pieces: int
+
+    def __init__(self, complete: bool, left: int, cow_pieces: int, background_pieces: int) -> None:
+        object.__setattr__(self, "complete", complete)
+        object.__setattr__(self, "left", left)
+        object.__setattr__(self, "cow_pieces", cow_pieces)
+        object.__setattr__(self, "background_pieces", background_pieces)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"CopyWaitReply(complete={self.complete!r}, left={self.left!r}, cow_pieces={self.cow_pieces!r}, background_pieces={self.background_pieces!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.complete, self.left, self.cow_pieces, self.background_pieces) == (other.complete, other.left, other.cow_pieces, other.background_pieces)
+
+    def __hash__(self) -> int:
+        return hash((self.complete, self.left, self.cow_pieces, self.background_pieces))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "copy_wait reply") -> CopyWaitReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            complete=_bool(_member(obj, "complete", where), where + ".complete"),
+            left=_int(_member(obj, "left", where), where + ".left"),
+            cow_pieces=_int(_member(obj, "cow_pieces", where), where + ".cow_pieces"),
+            background_pieces=_int(_member(obj, "background_pieces", where), where + ".background_pieces"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["complete"] = self.complete
+        out["left"] = self.left
+        out["cow_pieces"] = self.cow_pieces
+        out["background_pieces"] = self.background_pieces
+        return out
+
+
+@dataclass(frozen=True)
+class HcclRootReply:
+    """New root info of an HCCL communicator."""
+
+    __slots__ = ("root",)
+    root: str  # hex
+
+    def __init__(self, root: str) -> None:
+        object.__setattr__(self, "root", root)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HcclRootReply(root={self.root!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.root,) == (other.root,)
+
+    def __hash__(self) -> int:
+        return hash((self.root,))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "hccl_root reply") -> HcclRootReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            root=_str(_member(obj, "root", where), where + ".root"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["root"] = self.root
+        return out
+
+
+@dataclass(frozen=True)
+class HcclRebuildReply:
+    """The communicator made anew."""
+
+    __slots__ = ("elapsed_s",)
+    elapsed_s: float
+
+    def __init__(self, elapsed_s: float) -> None:
+        object.__setattr__(self, "elapsed_s", elapsed_s)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HcclRebuildReply(elapsed_s={self.elapsed_s!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.elapsed_s,) == (other.elapsed_s,)
+
+    def __hash__(self) -> int:
+        return hash((self.elapsed_s,))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "hccl_rebuild reply") -> HcclRebuildReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["elapsed_s"] = self.elapsed_s
+        return out
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An op's failure."""
+
+    __slots__ = ("code", "exception", "hook", "message", "name", "owner", "owner_sent", "stage", "type")
+    code: int  # the ACL's code (type acl), -errno, HCCL's, or 0
+    message: str
+    name: str  # an ACL error name, or one of protocol.errors
+    type: str  # one of protocol.error_types
+    hook: Optional[str]  # type hook: the hook, its stage and the exception it raised
+    stage: Optional[str]
+    exception: Optional[str]
+    owner: Optional[Owner]  # ALREADY_LOCKED, NOT_OWNER: who holds the lock
+    owner_sent: bool  # owner was there (it may be null)
+
+    def __init__(self, code: int, message: str, name: str, type: str, hook: Optional[str] = None, stage: Optional[str] = None, exception: Optional[str] = None, owner: Optional[Owner] = None, owner_sent: bool = False) -> None:
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "message", message)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "hook", hook)
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "exception", exception)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "owner_sent", owner_sent)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"ErrorReply(code={self.code!r}, message={self.message!r}, name={self.name!r}, type={self.type!r}, hook={self.hook!r}, stage={self.stage!r}, exception={self.exception!r}, owner={self.owner!r}, owner_sent={self.owner_sent!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self.__class__):
+            return NotImplemented
+        return (self.code, self.message, self.name, self.type, self.hook, self.stage, self.exception, self.owner, self.owner_sent) == (other.code, other.message, other.name, other.type, other.hook, other.stage, other.exception, other.owner, other.owner_sent)
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.message, self.name, self.type, self.hook, self.stage, self.exception, self.owner, self.owner_sent))
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "error") -> ErrorReply:
+        """Decode and check the JSON value; ProtocolError names the member that does not fit."""
+        obj = _object(value, where)
+        return cls(
+            code=_int(_member(obj, "code", where), where + ".code"),
+            message=_str(_member(obj, "message", where), where + ".message"),
+            name=_str(_member(obj, "name", where), where + ".name"),
+            type=_str(_member(obj, "type", where), where + ".type"),
+            hook=_absent(obj, "hook", where, _str),
+            stage=_absent(obj, "stage", where, _str),
+            exception=_absent(obj, "exception", where, _str),
+            owner=_absent(obj, "owner", where, lambda v, w: _nullable(v, w, Owner.from_json)),
+            owner_sent="owner" in obj,
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The JSON object the agent sent, its members in its order."""
+        out: Dict[str, object] = {}
+        out["code"] = self.code
+        out["message"] = self.message
+        out["name"] = self.name
+        out["type"] = self.type
+        if self.hook is not None:
+            out["hook"] = self.hook
+        if self.stage is not None:
+            out["stage"] = self.stage
+        if self.exception is not None:
+            out["exception"] = self.exception
+        if self.owner_sent:
+            out["owner"] = None if self.owner is None else self.owner.to_json()
+        return out
+
+
+# op -> the dataclass of its result
+REPLIES: Dict[str, type] = {
+    "hello": HelloReply,
+    "status": StatusReply,
+    "lock": LockReply,
+    "backup": BackupReply,
+    "renew": RenewReply,
+    "release": ReleaseReply,
+    "restore": RestoreReply,
+    "unlock": UnlockReply,
+    "rollback": RollbackReply,
+    "copy_wait": CopyWaitReply,
+    "hccl_root": HcclRootReply,
+    "hccl_rebuild": HcclRebuildReply,
 }
 
 # -- the CRIU plugin ------------------------------------------------------------------------------

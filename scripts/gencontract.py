@@ -443,7 +443,20 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w("import ctypes")
     w("import struct")
     w("from enum import IntEnum")
-    w("from typing import Dict, Tuple")
+    w("from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, TypeVar")
+    w("")
+    w('_T = TypeVar("_T")')
+    w('_C = TypeVar("_C")')
+    w("")
+    w("if TYPE_CHECKING:")
+    w("    from dataclasses import dataclass")
+    w("else:")
+    w("")
+    w("    def dataclass(*, frozen: bool) -> Callable[[_C], _C]:")
+    w('        """The replies\' classes are frozen dataclasses to the type checker; at run time their')
+    w("        methods are the ones written out below (what @dataclass would make at import, by exec,")
+    w('        costing milliseconds a class)."""')
+    w("        return lambda cls: cls")
     w("")
 
     def enum(section: str) -> None:
@@ -551,6 +564,7 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
         w(f"    {py_str(op)}: {{{args}}},")
     w("}")
     w("")
+    gen_py_replies(spec, w)
 
     cp = spec["criu_plugin"]
     w("# -- the CRIU plugin " + "-" * 78)
@@ -653,6 +667,298 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+# -- the agent's replies ---------------------------------------------------------------------------
+
+SCALAR_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str"}
+TUPLE_TYPE = re.compile(r"^\((.*)\)$")
+
+
+# The generated module's decoding helpers (standard library only, like the rest of it).
+PY_REPLY_HELPERS = """
+
+class ProtocolError(Exception):
+    \"\"\"A line that does not follow the protocol, or a reply not of its op's shape (raised on either
+    side); ``name`` is one of PROTOCOL_ERRORS.\"\"\"
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+_JSON_NAMES = {
+    bool: "a boolean", int: "an integer", float: "a number",
+    str: "a string", list: "a list", dict: "an object",
+}
+
+
+def _bad(where: str, expected: str, value: object) -> ProtocolError:
+    got = "null" if value is None else _JSON_NAMES.get(type(value), type(value).__name__)
+    return ProtocolError(E_BAD_MESSAGE, f"{where}: expected {expected}, got {got}")
+
+
+def _object(value: object, where: str) -> Dict[str, object]:
+    if not isinstance(value, dict):
+        raise _bad(where, "an object", value)
+    return value
+
+
+def _member(obj: Dict[str, object], key: str, where: str) -> object:
+    if key not in obj:
+        raise ProtocolError(E_BAD_MESSAGE, f"{where}: no member {key!r}")
+    return obj[key]
+
+
+def _list(value: object, where: str) -> List[object]:
+    if not isinstance(value, list):
+        raise _bad(where, "a list", value)
+    return value
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(where, "a boolean", value)
+    return value
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(where, "an integer", value)
+    return value
+
+
+def _float(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(where, "a number", value)
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, "a string", value)
+    return value
+
+
+def _nullable(value: object, where: str, decode: Callable[[object, str], _T]) -> Optional[_T]:
+    return None if value is None else decode(value, where)
+
+
+def _absent(
+    obj: Dict[str, object], key: str, where: str, decode: Callable[[object, str], _T]
+) -> Optional[_T]:
+    return decode(obj[key], f"{where}.{key}") if key in obj else None"""
+
+
+def parse_type(text: str, objects: dict[str, Any], where: str) -> dict[str, Any]:
+    """A member's type: {"optional", "nullable", "base"}; base is ("scalar", name), ("object",
+    name), ("list", base) or ("tuple", [scalar names])."""
+    t = text.strip()
+    optional = t.startswith("optional ")
+    if optional:
+        t = t[len("optional ") :].strip()
+    nullable = t.endswith("?")
+    if nullable:
+        t = t[:-1].strip()
+    return {"optional": optional, "nullable": nullable, "base": parse_base(t, objects, where)}
+
+
+def parse_base(t: str, objects: dict[str, Any], where: str) -> tuple[Any, ...]:
+    if t in SCALAR_TYPES:
+        return ("scalar", t)
+    if t.startswith("[") and t.endswith("]"):
+        return ("list", parse_base(t[1:-1].strip(), objects, where))
+    m = TUPLE_TYPE.match(t)
+    if m:
+        items = [x.strip() for x in m.group(1).split(",")]
+        if not items or any(x not in SCALAR_TYPES for x in items):
+            raise SpecError(f"{where}: a fixed-length list holds scalars only: {t!r}")
+        return ("tuple", items)
+    if t in objects:
+        return ("object", t)
+    raise SpecError(f"{where}: unknown type {t!r}")
+
+
+def tuple_helper(items: list[str]) -> str:
+    return "_tuple_" + "_".join(items)
+
+
+def py_annotation(base: tuple[Any, ...]) -> str:
+    kind = base[0]
+    if kind == "scalar":
+        return SCALAR_TYPES[base[1]]
+    if kind == "object":
+        return camel(base[1])
+    if kind == "list":
+        return f"Tuple[{py_annotation(base[1])}, ...]"
+    return "Tuple[" + ", ".join(SCALAR_TYPES[x] for x in base[1]) + "]"
+
+
+def py_decoder(base: tuple[Any, ...]) -> str:
+    """An expression of a function (value, where) -> the decoded value."""
+    kind = base[0]
+    if kind == "scalar":
+        return f"_{base[1]}"
+    if kind == "object":
+        return f"{camel(base[1])}.from_json"
+    if kind == "tuple":
+        return tuple_helper(base[1])
+    return f"lambda v, w: tuple({py_decoder(base[1])}(x, f'{{w}}[{{i}}]') for i, x in enumerate(_list(v, w)))"
+
+
+def py_encoder(base: tuple[Any, ...], expr: str) -> str:
+    kind = base[0]
+    if kind == "scalar":
+        return expr
+    if kind == "object":
+        return f"{expr}.to_json()"
+    if kind == "tuple":
+        return f"list({expr})"
+    item = py_encoder(base[1], "x")
+    return f"list({expr})" if item == "x" else f"[{item} for x in {expr}]"
+
+
+def reply_records(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every record of the replies, nested objects first: {"key", "cls", "doc", "where", "fields"}."""
+    p = spec["protocol"]
+    objects = p.get("objects", {})
+    records = []
+    tables = [(f"protocol.objects.{k}", k, camel(k), v, k) for k, v in objects.items()]
+    tables += [
+        (f"protocol.replies.{op}", op, camel(op) + "Reply", v, f"{op} reply")
+        for op, v in p["replies"].items()
+    ]
+    tables.append(("protocol.error_object", "error", "ErrorReply", p["error_object"], "error"))
+    for section, key, cls, table, where in tables:
+        fields = []
+        for row in table["fields"]:
+            name, ftype = row[0], row[1]
+            doc = row[2] if len(row) > 2 else ""
+            fields.append({"name": name, "doc": doc, **parse_type(ftype, objects, f"{section}.{name}")})
+        records.append({"key": key, "cls": cls, "doc": table["doc"], "where": where, "fields": fields})
+    return records
+
+
+def gen_py_replies(spec: dict[str, Any], w: Any) -> None:
+    records = reply_records(spec)
+    tuples = sorted(
+        {tuple(b[1]) for r in records for f in r["fields"] for b in _bases(f["base"]) if b[0] == "tuple"}
+    )
+    w("# -- the agent's replies " + "-" * 74)
+    w(PY_REPLY_HELPERS)
+    for items in tuples:
+        ann = "Tuple[" + ", ".join(SCALAR_TYPES[x] for x in items) + "]"
+        w("")
+        w("")
+        w(f"def {tuple_helper(list(items))}(value: object, where: str) -> {ann}:")
+        w("    v = _list(value, where)")
+        w(f"    if len(v) != {len(items)}:")
+        w(f'        raise _bad(where, "a list of {len(items)}", value)')
+        parts = ", ".join(f'_{x}(v[{i}], f"{{where}}[{i}]")' for i, x in enumerate(items))
+        w(f"    return ({parts}{',' if len(items) == 1 else ''})")
+    for r in records:
+        fields = r["fields"]
+        w("")
+        w("")
+        slots: list[tuple[str, str, str]] = []  # (name, annotation, default or "")
+        for f in fields:
+            if not f["optional"]:
+                ann = py_annotation(f["base"])
+                slots.append((f["name"], f"Optional[{ann}]" if f["nullable"] else ann, ""))
+        for f in fields:
+            if f["optional"]:
+                slots.append((f["name"], f"Optional[{py_annotation(f['base'])}]", "None"))
+                if f["nullable"]:
+                    slots.append((f"{f['name']}_sent", "bool", "False"))
+        docs = {f["name"]: f["doc"] for f in fields}
+        docs.update({f"{f['name']}_sent": f"{f['name']} was there (it may be null)" for f in fields})
+        names = [n for n, _, _ in slots]
+        w("@dataclass(frozen=True)")
+        w(f"class {r['cls']}:")
+        w(f'    """{r["doc"]}."""')
+        w("")
+        w(f"    __slots__ = ({', '.join(py_str(n) for n in sorted(names))}{',' if len(names) == 1 else ''})")
+        for n, ann, _default in slots:
+            w(f"    {n}: {ann}{f'  # {docs[n]}' if docs.get(n) else ''}")
+        w("")
+        params = ", ".join(f"{n}: {ann}" + (f" = {d}" if d else "") for n, ann, d in slots)
+        w(f"    def __init__(self, {params}) -> None:")
+        for n in names:
+            w(f'        object.__setattr__(self, "{n}", {n})')
+        w("")
+        w("    def __setattr__(self, name: str, value: object) -> None:")
+        w('        raise AttributeError(f"cannot assign to field {name!r}")')
+        w("")
+        w("    def __delattr__(self, name: str) -> None:")
+        w('        raise AttributeError(f"cannot delete field {name!r}")')
+        w("")
+        w("    def __repr__(self) -> str:")
+        w(f'        return f"{r["cls"]}(' + ", ".join(f"{n}={{self.{n}!r}}" for n in names) + ')"')
+        w("")
+        tup = ", ".join(f"self.{n}" for n in names) + ("," if len(names) == 1 else "")
+        otup = ", ".join(f"other.{n}" for n in names) + ("," if len(names) == 1 else "")
+        w("    def __eq__(self, other: object) -> bool:")
+        w("        if not isinstance(other, self.__class__):")
+        w("            return NotImplemented")
+        w(f"        return ({tup}) == ({otup})")
+        w("")
+        w("    def __hash__(self) -> int:")
+        w(f"        return hash(({tup}))")
+        w("")
+        w("    @classmethod")
+        w(f'    def from_json(cls, value: object, where: str = "{r["where"]}") -> {r["cls"]}:')
+        w('        """Decode and check the JSON value; ProtocolError names the member that does not fit."""')
+        w("        obj = _object(value, where)")
+        w("        return cls(")
+        for f in fields:
+            dec = py_decoder(f["base"])
+            n = f["name"]
+            if f["optional"]:
+                if f["nullable"]:
+                    dec = f"lambda v, w: _nullable(v, w, {dec})"
+                w(f'            {n}=_absent(obj, "{n}", where, {dec}),')
+                if f["nullable"]:
+                    w(f'            {n}_sent="{n}" in obj,')
+            else:
+                member = f'_member(obj, "{n}", where)'
+                at = f'where + ".{n}"'
+                if f["nullable"]:
+                    w(f"            {n}=_nullable({member}, {at}, {dec}),")
+                elif f["base"][0] == "list":
+                    w(f"            {n}=({dec})({member}, {at}),")
+                else:
+                    w(f"            {n}={dec}({member}, {at}),")
+        w("        )")
+        w("")
+        w("    def to_json(self) -> Dict[str, object]:")
+        w('        """The JSON object the agent sent, its members in its order."""')
+        w("        out: Dict[str, object] = {}")
+        for f in fields:
+            n = f["name"]
+            enc = py_encoder(f["base"], f"self.{n}")
+            if f["nullable"] and enc != f"self.{n}":
+                enc = f"None if self.{n} is None else {enc}"
+            if f["optional"]:
+                cond = f"self.{n}_sent" if f["nullable"] else f"self.{n} is not None"
+                w(f"        if {cond}:")
+                w(f'            out["{n}"] = {enc}')
+            else:
+                w(f'        out["{n}"] = {enc}')
+        w("        return out")
+    w("")
+    w("")
+    w("# op -> the dataclass of its result")
+    w("REPLIES: Dict[str, type] = {")
+    for r in records:
+        if r["where"].endswith(" reply"):
+            w(f"    {py_str(r['key'])}: {r['cls']},")
+    w("}")
+    w("")
+
+
+def _bases(base: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    return [base] + (_bases(base[1]) if base[0] == "list" else [])
+
+
 def validate(spec: dict[str, Any]) -> None:
     """Refuse a spec whose tables repeat a number or a name (a copy-paste slip would otherwise be
     generated into both languages)."""
@@ -676,6 +982,14 @@ def validate(spec: dict[str, Any]) -> None:
     for name, (etype, _doc) in spec["protocol"]["errors"].items():
         if etype not in spec["protocol"]["error_types"]:
             raise SpecError(f"protocol.errors.{name}: unknown error type {etype!r}")
+    replies = spec["protocol"].get("replies", {})
+    if set(replies) != set(spec["protocol"]["ops"]):
+        raise SpecError(
+            "protocol.replies: every op has one reply shape, and only the ops do "
+            f"(ops without: {sorted(set(spec['protocol']['ops']) - set(replies))}, "
+            f"not ops: {sorted(set(replies) - set(spec['protocol']['ops']))})"
+        )
+    reply_records(spec)  # every type known
     if spec["device_memory_modes"]["default"] not in spec["device_memory_modes"]["names"]:
         raise SpecError("device_memory_modes.default is not one of its names")
 

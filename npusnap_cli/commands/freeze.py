@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from npusnap_cli import contract
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
@@ -65,13 +66,14 @@ def register(app: typer.Typer) -> None:
         out.table(
             f"npusnap freeze {pid}",
             ["pid", "state", "lease"],
-            [(p, r.get("state"), _lease_text(r)) for p, r in sorted(results.items())],
+            [(p, r.state, _lease_text(r.lease)) for p, r in sorted(results.items())],
         )
         if lease_s is None:
             out.ok(f"frozen until `npusnap thaw {pid}`")
         else:
             out.ok(f"frozen; thaws by itself after {lease_s:g}s of run time unless `npusnap thaw {pid}`")
-        out.result({"pid": pid, "lease_s": lease_s, "backup": backup, "processes": _by_pid(results)})
+        processes = _by_pid({p: r.to_json() for p, r in results.items()})
+        out.result({"pid": pid, "lease_s": lease_s, "backup": backup, "processes": processes})
 
     @app.command(epilog=epilog("thaw"))
     def thaw(
@@ -102,23 +104,17 @@ def register(app: typer.Typer) -> None:
         out.table(
             f"npusnap thaw {pid}",
             ["pid", "was", "actions", "state"],
-            [
-                (p, r.get("before"), ", ".join(r.get("actions") or []) or "none", r.get("state"))
-                for p, r in sorted(results.items())
-            ],
+            [(p, r.before, ", ".join(r.actions) or "none", r.state) for p, r in sorted(results.items())],
         )
         for p, r in sorted(results.items()):
-            for warning in r.get("warnings") or []:
+            for warning in r.warnings:
                 out.warn(f"pid {p}: {warning}")
         out.ok(f"{len(results)} process(es) running")
-        out.result({"pid": pid, "processes": _by_pid(results)})
+        out.result({"pid": pid, "processes": _by_pid({p: r.to_json() for p, r in results.items()})})
 
 
-def _lease_text(result: dict[str, object]) -> str:
-    lease = result.get("lease")
-    if isinstance(lease, dict) and lease.get("active"):
-        return f"{lease.get('remaining_s')}s"
-    return "none"
+def _lease_text(lease: contract.Lease) -> str:
+    return f"{lease.remaining_s}s" if lease.active else "none"
 
 
 def _by_pid(results: Mapping[int, Mapping[str, JSONValue]]) -> list[JSONObject]:

@@ -3,7 +3,9 @@
 ``AgentClient(pid)`` finds the agent's listening socket (``paths.find_agent_socket``), connects,
 and checks with SO_PEERCRED that the process serving it *is* ``pid`` (a squatter that bound the
 name first is refused) and runs as the target's uid or root. Each operation of the protocol is a
-method returning the agent's result dict.
+method returning the agent's result, decoded and checked as the contract's reply record of that op
+(``contract.LockReply``, ...): a reply not of its op's shape is an ``AgentError`` like any
+malformed answer.
 
 Failures are typed: ``AgentError`` (or ``AgentOpError``) for socket/protocol/hook trouble,
 ``AgentDeviceError`` (a ``DeviceError``) carrying the ACL code and name when a CANN call failed,
@@ -18,7 +20,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
@@ -31,6 +33,8 @@ from npusnap_cli.errors import (
     TargetError,
     no_space,
 )
+
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT = 30.0
 # Lock waits up to 60 s for the runtime's threads to park; Backup/Restore copy device memory.
@@ -57,12 +61,13 @@ class AgentOpError(AgentError):
     """The agent answered with an error that is not a device failure (hook, protocol, internal)."""
 
     def __init__(
-        self, message: str, *, pid: int, op: str, error: dict[str, Any], why: str = "", fix: str = ""
+        self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
     ):
-        super().__init__(message, why=why, fix=fix, details={"pid": pid, "op": op, "agent_error": error})
+        details = {"pid": pid, "op": op, "agent_error": error.to_json()}
+        super().__init__(message, why=why, fix=fix, details=details)
         self.pid = pid
         self.op = op
-        self.error_type = str(error.get("type", ""))
+        self.error_type = error.type
         self.error = error
 
 
@@ -78,13 +83,14 @@ class AgentDeviceError(DeviceError):
     """A CANN snapshot call failed inside the target, or the op is not legal in its state."""
 
     def __init__(
-        self, message: str, *, pid: int, op: str, error: dict[str, Any], why: str = "", fix: str = ""
+        self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
     ):
-        super().__init__(message, why=why, fix=fix, details={"pid": pid, "op": op, "agent_error": error})
+        details = {"pid": pid, "op": op, "agent_error": error.to_json()}
+        super().__init__(message, why=why, fix=fix, details=details)
         self.pid = pid
         self.op = op
-        self.code = int(error.get("code", 0) or 0)
-        self.name = str(error.get("name", ""))
+        self.code = error.code
+        self.name = error.name
         self.error = error
 
 
@@ -243,8 +249,9 @@ class AgentClient:
         timeout: Optional[float] = None,
         fd: Optional[int] = None,
     ) -> dict[str, Any]:
-        """Send one request and return its result; raise a typed error for a failure.
-        ``fd`` goes with the request line (SCM_RIGHTS), for the ops that take a file."""
+        """Send one request and return its result as the JSON object the agent sent; raise a typed
+        error for a failure. ``fd`` goes with the request line (SCM_RIGHTS), for the ops that take
+        a file. The methods below decode the result as their op's reply record (``_call``)."""
         if self._sock is None:
             self.connect()
         sock = self._sock
@@ -289,21 +296,42 @@ class AgentClient:
             ) from None
         try:
             reply_id, ok, body = protocol.decode_response(line)
+            error = None if ok else contract.ErrorReply.from_json(body, f"{op} error")
         except protocol.ProtocolError as exc:
             self.close()
-            raise AgentError(
-                f"the agent of pid {self.pid} sent a malformed answer to {op!r}: {exc.message}",
-                why="agent and CLI are different npusnap versions, or not an npusnap agent",
-                fix="use the same npusnap version for the target's agent and the CLI",
-            ) from None
-        if not ok:
-            if reply_id == 0 and body.get("type") == protocol.ERR_PROTOCOL:
+            raise self._malformed(op, exc) from None
+        if error is not None:
+            if reply_id == 0 and error.type == protocol.ERR_PROTOCOL:
                 self.close()  # a refusal at accept time: the agent closed the connection
-            raise self._error(op, body)
+            raise self._error(op, error)
         if reply_id != msg_id:
             self.close()
             raise AgentError(f"answer id {reply_id} does not match request id {msg_id} ({op})")
         return body
+
+    def _call(
+        self,
+        op: str,
+        decode: Callable[[object], R],
+        args: Optional[dict[str, Any]] = None,
+        timeout: Optional[float] = None,
+        fd: Optional[int] = None,
+    ) -> R:
+        """``request``, its result decoded once, here, as ``op``'s reply record (``decode``: its
+        ``from_json``); a result not of that shape is a malformed answer."""
+        result = self.request(op, args, timeout, fd)
+        try:
+            return decode(result)
+        except protocol.ProtocolError as exc:
+            self.close()
+            raise self._malformed(op, exc) from None
+
+    def _malformed(self, op: str, exc: protocol.ProtocolError) -> AgentError:
+        return AgentError(
+            f"the agent of pid {self.pid} sent a malformed answer to {op!r}: {exc.message}",
+            why="agent and CLI are different npusnap versions, or not an npusnap agent",
+            fix="use the same npusnap version for the target's agent and the CLI",
+        )
 
     def _read_line(self, sock: socket.socket, op: str) -> bytes:
         while True:
@@ -318,10 +346,10 @@ class AgentClient:
                 raise ConnectionResetError(errno.ECONNRESET, f"agent closed the connection during {op}")
             self._buf.feed(chunk)
 
-    def _error(self, op: str, error: dict[str, Any]) -> Exception:
-        kind = error.get("type")
-        name = str(error.get("name", ""))
-        message = str(error.get("message", ""))
+    def _error(self, op: str, error: contract.ErrorReply) -> Exception:
+        kind = error.type
+        name = error.name
+        message = error.message
         pid = self.pid
         if kind == protocol.ERR_ACL:
             return AgentDeviceError(
@@ -329,7 +357,7 @@ class AgentClient:
                 pid=pid,
                 op=op,
                 error=error,
-                why=str(error.get("hint") or "the CANN runtime refused the snapshot call"),
+                why="the CANN runtime refused the snapshot call",
                 fix=f"run `npusnap status {pid}` to see its state; `npusnap thaw {pid}` gets it running",
             )
         if kind == protocol.ERR_STATE and name in (protocol.ALREADY_LOCKED, protocol.NOT_OWNER):
@@ -339,7 +367,7 @@ class AgentClient:
                 f"pid {pid} has not loaded the CANN runtime: {message}",
                 why="the process has an agent but does not use the NPU (yet)",
                 fix="target the process that runs on the NPU (see `npusnap status PID`)",
-                details={"pid": pid, "op": op, "agent_error": error},
+                details={"pid": pid, "op": op, "agent_error": error.to_json()},
             )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_BUSY:
             return AgentDeviceError(
@@ -354,16 +382,15 @@ class AgentClient:
                 "training loop at a step boundary in a pre_lock hook",
             )
         if kind == protocol.ERR_STATE and name == protocol.DEVICE_MEMORY_SAVE_FAILED:
-            why, fix = _save_failed(error.get("code"))
-            code = error.get("code")
-            if isinstance(code, int) and -code in NO_SPACE_ERRNOS:
+            why, fix = _save_failed(error.code)
+            if -error.code in NO_SPACE_ERRNOS:
                 return no_space(
                     f"{op} in pid {pid} (the agent's copy of the device memory)",
                     "the image",
                     cause=message,
                     why=why,
                     fix=fix,
-                    details={"pid": pid, "op": op, "agent_error": error},
+                    details={"pid": pid, "op": op, "agent_error": error.to_json()},
                 )
             return AgentDeviceError(
                 f"{op} failed in pid {pid}: {message}",
@@ -388,8 +415,7 @@ class AgentClient:
                 pid=pid,
                 op=op,
                 error=error,
-                why=f"the application's {error.get('stage')} hook {error.get('hook')} "
-                f"raised {error.get('exception')}",
+                why=f"the application's {error.stage} hook {error.hook} raised {error.exception}",
                 fix="fix the hook in the application (traceback: the agent log in `npusnap status`); retry",
             )
         if kind == protocol.ERR_PROTOCOL and name == contract.E_BUSY:
@@ -420,11 +446,11 @@ class AgentClient:
         )
 
     # -- one method per operation -------------------------------------------------------------
-    def hello(self) -> dict[str, Any]:
-        return self.request("hello")
+    def hello(self, timeout: Optional[float] = None) -> contract.HelloReply:
+        return self._call("hello", contract.HelloReply.from_json, timeout=timeout)
 
-    def status(self) -> dict[str, Any]:
-        return self.request("status")
+    def status(self, timeout: Optional[float] = None) -> contract.StatusReply:
+        return self._call("status", contract.StatusReply.from_json, timeout=timeout)
 
     def lock(
         self,
@@ -436,7 +462,7 @@ class AgentClient:
         since: Optional[str] = None,
         check_writes: bool = False,
         concurrent: int = 0,
-    ) -> dict[str, Any]:
+    ) -> contract.LockReply:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
         ``drain_timeout_s``: how long the agent waits for the devices to finish their queued work
         after Lock (None: its default, 10 s).
@@ -464,9 +490,8 @@ class AgentClient:
         fd = None
         if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file
-        result = self.request("lock", args, fd=fd)
-        token = result.get("token")
-        self.token = token if isinstance(token, str) else None
+        result = self._call("lock", contract.LockReply.from_json, args, fd=fd)
+        self.token = result.token
         return result
 
     def _owned(self, **args: Any) -> dict[str, Any]:
@@ -474,70 +499,73 @@ class AgentClient:
             args["token"] = self.token
         return args
 
-    def backup(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("backup", self._owned(lease_s=lease_s))
+    def backup(self, lease_s: Optional[float] = None) -> contract.BackupReply:
+        return self._call("backup", contract.BackupReply.from_json, self._owned(lease_s=lease_s))
 
-    def renew(self, lease_s: Optional[float] = None) -> dict[str, Any]:
-        return self.request("renew", self._owned(lease_s=lease_s))
+    def renew(self, lease_s: Optional[float] = None) -> contract.RenewReply:
+        return self._call("renew", contract.RenewReply.from_json, self._owned(lease_s=lease_s))
 
-    def release(self) -> dict[str, Any]:
-        return self.request("release", self._owned())
+    def release(self) -> contract.ReleaseReply:
+        return self._call("release", contract.ReleaseReply.from_json, self._owned())
 
-    def restore(self, device_memory_file: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+    def restore(self, device_memory_file: Optional[tuple[int, str]] = None) -> contract.RestoreReply:
         """Restore; ``device_memory_file``: (fd open for reading, its name) of this process's
         device-memory file in the image, which the agent writes back after Unlock."""
+        decode = contract.RestoreReply.from_json
         if device_memory_file is None:
-            return self.request("restore", self._owned())
+            return self._call("restore", decode, self._owned())
         fd, path = device_memory_file
-        return self.request("restore", self._owned(device_memory_file=path), fd=fd)
+        return self._call("restore", decode, self._owned(device_memory_file=path), fd=fd)
 
     def hccl_root(self, key: str) -> str:
         """New root info (hex) for HCCL communicator ``key``, from the process of its rank 0."""
-        return str(self.request("hccl_root", {"key": key})["root"])
+        return self._call("hccl_root", contract.HcclRootReply.from_json, {"key": key}).root
 
-    def hccl_rebuild(self, key: str, root: str) -> dict[str, Any]:
+    def hccl_rebuild(self, key: str, root: str) -> contract.HcclRebuildReply:
         """Make communicator ``key`` anew from ``root``; returns once every rank joined."""
-        return self.request("hccl_rebuild", {"key": key, "root": root})
+        return self._call("hccl_rebuild", contract.HcclRebuildReply.from_json, {"key": key, "root": root})
 
     def unlock(
         self, force: bool = False, device_memory_file: Optional[tuple[int, str]] = None
-    ) -> dict[str, Any]:
+    ) -> contract.UnlockReply:
         """Unlock; ``device_memory_file``: (fd open for writing, its name): the concurrent copy
         the lock planned goes there, started before the Unlock (``copy_wait`` waits for it)."""
         args: dict[str, Any] = {"force": True} if force else self._owned()
-        if device_memory_file is None:
-            result = self.request("unlock", args)
-        else:
+        fd = None
+        if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file
-            result = self.request("unlock", args, fd=fd)
+        result = self._call("unlock", contract.UnlockReply.from_json, args, fd=fd)
         self.token = None
         return result
 
-    def copy_wait(self, timeout_s: float) -> dict[str, Any]:
+    def copy_wait(self, timeout_s: float) -> contract.CopyWaitReply:
         """Wait at most ``timeout_s`` for the concurrent copy of the device memory: its
         ``complete``, and the pieces ``left``, copied first for a write (``cow_pieces``) and in
         the background (``background_pieces``)."""
-        return self.request("copy_wait", {"timeout_s": timeout_s}, timeout=timeout_s + 30)
+        return self._call(
+            "copy_wait", contract.CopyWaitReply.from_json, {"timeout_s": timeout_s}, timeout=timeout_s + 30
+        )
 
-    def rollback(self, force: bool = False) -> dict[str, Any]:
-        result = self.request("rollback", {"force": True} if force else self._owned())
+    def rollback(self, force: bool = False) -> contract.RollbackReply:
+        args = {"force": True} if force else self._owned()
+        result = self._call("rollback", contract.RollbackReply.from_json, args)
         self.token = None
         return result
 
 
-def owner_text(owner: Any) -> str:
+def owner_text(owner: Optional[contract.Owner]) -> str:
     """``npusnap freeze (pid 123) since 2026-...`` for an agent's ``owner`` object."""
-    if not isinstance(owner, dict):
+    if owner is None:
         return "another program (no npusnap owner recorded)"
-    return f"`npusnap {owner.get('command')}` (pid {owner.get('pid')}) since {owner.get('since')}"
+    return f"`npusnap {owner.command}` (pid {owner.pid}) since {owner.since}"
 
 
-def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
+def locked_error(pid: int, op: str, error: contract.ErrorReply) -> BusyError:
     """The job is locked by someone else: say by whom and since when, and how to go on."""
-    owner = error.get("owner")
+    owner = error.owner
     who = owner_text(owner)
-    holder = owner.get("pid") if isinstance(owner, dict) else None
-    alive = isinstance(holder, int) and pid_exists(holder)
+    holder = owner.pid if owner is not None else None
+    alive = holder is not None and pid_exists(holder)
     return BusyError(
         f"pid {pid} is locked by {who}; {op} refused, nothing was changed",
         why="every lock has an owner and only its owner may release it"
@@ -550,14 +578,19 @@ def locked_error(pid: int, op: str, error: dict[str, Any]) -> BusyError:
             if alive or holder is None
             else f"`npusnap thaw --force {pid}` returns the process now (or wait for its lease)"
         ),
-        details={"pid": pid, "op": op, "owner": owner, "agent_error": error},
+        details={
+            "pid": pid,
+            "op": op,
+            "owner": owner.to_json() if owner is not None else None,
+            "agent_error": error.to_json(),
+        },
     )
 
 
-def _save_failed(code: Any) -> tuple[str, str]:
+def _save_failed(code: int) -> tuple[str, str]:
     """(why, fix) of an agent that could not copy the device memory after Lock (``code``:
     -errno); the agent unlocked it again, so nothing stays locked."""
-    n = -code if isinstance(code, int) and code < 0 else 0
+    n = -code if code < 0 else 0
     if n in (errno.ENOSPC, errno.EDQUOT):
         return (
             "the disk where the image is written filled up while the agent wrote the device memory into it",

@@ -53,11 +53,11 @@ def stale_communicators(pids: Iterable[int]) -> list[Communicator]:
             if procfs.state(pid) in (None, "Z", "X"):
                 continue  # it died after its unlock: the restore's settle reports that
             raise
-        for c in status.get("hccl") or []:
-            if c.get("state") != "stale":
+        for c in status.hccl:
+            if c.state != "stale":
                 continue
-            comm = found.setdefault(str(c["key"]), Communicator(str(c["key"]), int(c["nranks"])))
-            comm.members[int(c["rank"])] = pid
+            comm = found.setdefault(c.key, Communicator(c.key, c.nranks))
+            comm.members[c.rank] = pid
     return sorted(found.values(), key=lambda c: c.key)
 
 

@@ -197,7 +197,7 @@ class LeaseKeeper:
             for pid in sorted(left):
                 try:
                     with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as c:
-                        states[pid] = str(c.status().get("state"))
+                        states[pid] = str(c.status().state)
                 except NpusnapError as exc:
                     states[pid] = exc.message
                     continue

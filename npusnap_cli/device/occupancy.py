@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from npusnap_cli import acl, paths
+from npusnap_cli import acl, contract, paths
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import devmaps
@@ -103,15 +103,15 @@ def ns_pid(pid: int) -> Optional[int]:
     return None
 
 
-def of_hello(pid: int, hello: dict[str, Any], simulated: Optional[bool] = None) -> DeviceUse:
+def of_hello(pid: int, hello: contract.HelloReply, simulated: Optional[bool] = None) -> DeviceUse:
     """What the agent's hello of ``pid`` says, in physical devices (``simulated`` None: as the
     CANN installation the process loaded says)."""
-    acl_info = hello.get("acl") or {}
+    acl_info = hello.acl
     if simulated is None:
-        library = acl_info.get("library")
+        library = acl_info.library
         simulated = bool(library) and acl.read_version_info(acl.home_of_library(str(library)))[1]
-    ids = [int(d) for d in (acl_info.get("devices") or acl_info.get("callback_devices") or [])]
-    devices = physical(ids, driver_view(pid, simulated), visible_list(acl_info.get("visible_devices")))
+    ids = list(acl_info.devices or acl_info.callback_devices)
+    devices = physical(ids, driver_view(pid, simulated), visible_list(acl_info.visible_devices))
     return DeviceUse(pid, ns_pid(pid), tuple(devices), tuple(ids))
 
 

@@ -75,13 +75,9 @@ ERR_INTERNAL = contract.ERR_INTERNAL  # a bug in the agent; the application was 
 ERROR_TYPES = frozenset(contract.ERROR_TYPES)
 
 
-class ProtocolError(Exception):
-    """A line that does not follow the protocol (raised on either side)."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
-        self.message = message
+# A line that does not follow the protocol, or a reply not of its op's shape (raised on either
+# side): the contract's, which its reply decoders raise too.
+ProtocolError = contract.ProtocolError
 
 
 def _dumps(obj: Dict[str, Any]) -> bytes:

@@ -251,15 +251,17 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
         # "program_devices": the ids its program uses, which differ in a container.
         entry.update({"hello": None, "status": None, "agent_error": None, "devices": None})
         entry.update({"program_devices": None, "ns_pid": occupancy.ns_pid(info.pid)})
+        hello: Optional[contract.HelloReply] = None
         if info.has_agent and info.pid not in idle:  # a stopped one's agent cannot answer
             try:
                 with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
-                    entry["hello"] = client.hello()
-                    entry["status"] = client.status()
+                    hello = client.hello()
+                    entry["hello"] = hello.to_json()
+                    entry["status"] = client.status().to_json()
             except NpusnapError as exc:
                 entry["agent_error"] = exc.to_dict()
-        if entry["hello"] is not None:
-            use = occupancy.of_hello(info.pid, entry["hello"])
+        if hello is not None:
+            use = occupancy.of_hello(info.pid, hello)
             entry["devices"] = list(use.devices or ())
             entry["program_devices"] = list(use.program_devices)
         elif (info.uses_npu and info.pid not in idle) or info.pid == pid:

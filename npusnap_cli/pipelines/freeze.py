@@ -17,10 +17,12 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli.device.devicegroup import (
     DeviceGroup,
+    LockedAndBackedUp,
+    RollbackResult,
     forget_lock_tokens,
     load_lock_tokens,
     record_taken_over,
@@ -32,8 +34,6 @@ from npusnap_cli.errors import InterruptedError_, NpusnapError
 from npusnap_cli.host import procfs
 from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
 
-Results = dict[int, dict[str, Any]]  # the agents' answers, by pid
-
 
 @dataclass
 class FreezeState:
@@ -42,7 +42,7 @@ class FreezeState:
     group: DeviceGroup
     guard: SignalGuard
     backup: bool
-    results: Results = field(default_factory=dict)
+    results: dict[int, LockedAndBackedUp] = field(default_factory=dict)  # the agents' answers
 
 
 def _ensure_unlocked(s: FreezeState) -> None:
@@ -93,7 +93,7 @@ def _freeze_failed(s: FreezeState, err: NpusnapError, _undone: bool) -> NpusnapE
 
 def freeze(
     pid: int, *, lease_s: Optional[float], backup: bool, timeout: float, note: Callable[[str], None]
-) -> Results:
+) -> dict[int, LockedAndBackedUp]:
     """``npusnap freeze`` (see the module docstring); the agents' answers by pid."""
     pids = tree_targets(pid)
     with (
@@ -116,7 +116,7 @@ class ThawState:
     pids: list[int]
     group: DeviceGroup
     force: bool
-    results: Results = field(default_factory=dict)
+    results: dict[int, RollbackResult] = field(default_factory=dict)  # the agents' answers
 
 
 def _take_tokens(s: ThawState) -> None:
@@ -138,12 +138,11 @@ def _live_owners(s: ThawState) -> dict[int, int]:
     out = {}
     for pid, c in s.group.clients.items():
         try:
-            owner = c.status().get("owner") or {}
+            owner = c.status().owner
         except NpusnapError:
             continue
-        holder = owner.get("pid")
-        if isinstance(holder, int) and holder != os.getpid() and procfs.is_alive(holder):
-            out[pid] = holder
+        if owner is not None and owner.pid != os.getpid() and procfs.is_alive(owner.pid):
+            out[pid] = owner.pid
     return out
 
 
@@ -158,7 +157,7 @@ THAW_STEPS: list[Step[ThawState]] = [
 ]
 
 
-def thaw(pid: int, *, force: bool, timeout: float) -> Results:
+def thaw(pid: int, *, force: bool, timeout: float) -> dict[int, RollbackResult]:
     """``npusnap thaw`` (see the module docstring); the agents' answers by pid."""
     pids = tree_targets(pid)
     refuse_stopped(pids, "thaw")

@@ -197,7 +197,7 @@ def agent_state(pid: int) -> Optional[str]:
     from npusnap_cli.device.agent_client import AgentClient
 
     with AgentClient(pid) as c:
-        state = c.status()["state"]
+        state = c.status().state
     return None if state is None else str(state)
 
 

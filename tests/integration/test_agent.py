@@ -16,10 +16,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 from npusnap_cli.agent import native
 from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError, AgentOpError
 from npusnap_cli.errors import AgentError, BusyError
@@ -38,13 +39,13 @@ from tests.integration.agentlib import (
 pytestmark = pytest.mark.integration
 
 
-def wait_state(pid: int, state: str, timeout: float = 10.0) -> dict[str, object]:
+def wait_state(pid: int, state: str, timeout: float = 10.0) -> contract.StatusReply:
     deadline = time.monotonic() + timeout
-    last: dict[str, object] = {}
+    last: Optional[contract.StatusReply] = None
     while time.monotonic() < deadline:
         with AgentClient(pid) as c:
             last = c.status()
-        if last["state"] == state:
+        if last.state == state:
             return last
         time.sleep(0.1)
     raise AssertionError(f"pid {pid} never reached {state}: {last}")
@@ -61,25 +62,25 @@ def test_explicit_start_hello_status_and_socket_permissions(
     with AgentClient(w.pid) as c:
         hello = c.hello()
         status = c.status()
-    assert hello["pid"] == w.pid
-    assert hello["protocol_version"] == 1
-    assert hello["python"]["executable"] == PY
-    assert hello["acl"]["loaded"] is True
+    assert hello.pid == w.pid
+    assert hello.protocol_version == 1
+    assert hello.python.executable == PY
+    assert hello.acl.loaded is True
     expected = paths.sim_cann_home() / "lib64" / "libacl_rt.so"
-    assert os.path.realpath(hello["acl"]["library"]) == os.path.realpath(expected)
-    assert hello["acl"]["cann_version"] == "9.1.0"
+    assert os.path.realpath(hello.acl.library) == os.path.realpath(expected)
+    assert hello.acl.cann_version == "9.1.0"
     # Started without the library preloaded: the agent did not see aclrtSetDevice, and a real
     # runtime has no query for "all open devices" -- its LOCK_PRE callback names them at Lock.
-    assert hello["acl"]["devices"] == [] and hello["acl"]["devices_source"] is None
-    assert hello["restored"] is False
-    assert set(hello["hooks"]) == {"pre_lock", "post_backup", "post_restore", "post_unlock"}
-    assert status["state"] == "RUNNING"
-    assert status["lease"]["active"] is False
+    assert hello.acl.devices == () and hello.acl.devices_source is None
+    assert hello.restored is False
+    assert set(hello.hooks.to_json()) == {"pre_lock", "post_backup", "post_restore", "post_unlock"}
+    assert status.state == "RUNNING"
+    assert status.lease.active is False
     with AgentClient(w.pid) as c:
         locked = c.lock(30, "test", "app")
-        assert locked["callback_devices"] == [int(workload_env_device(w))] and locked["no_device"] is False
-        assert c.hello()["acl"]["devices_source"] == "LOCK_PRE callback"
-        assert c.unlock()["state"] == "RUNNING"
+        assert locked.callback_devices == (int(workload_env_device(w)),) and locked.no_device is False
+        assert c.hello().acl.devices_source == "LOCK_PRE callback"
+        assert c.unlock().state == "RUNNING"
 
 
 def workload_env_device(w: Workload) -> str:
@@ -94,20 +95,20 @@ def test_lock_backup_unlock_and_the_job_keeps_computing(
     w.wait_steps(3)
     with AgentClient(w.pid) as c:
         locked = c.lock(lease_s=30)
-        assert locked["state"] == "LOCKED"
-        assert locked["lease"]["active"] is True
+        assert locked.state == "LOCKED"
+        assert locked.lease.active is True
         frozen_at = w.last_step()
         time.sleep(0.5)
         assert w.last_step() <= frozen_at + 1, "device work must block while LOCKED"
-        assert c.backup(lease_s=30)["state"] == "BACKED_UP"
+        assert c.backup(lease_s=30).state == "BACKED_UP"
         # A second lock is refused by the agent before any device call (lock ownership)
         with pytest.raises(BusyError) as info:
             c.lock()
         assert info.value.details["agent_error"]["name"] == "ALREADY_LOCKED"
         assert info.value.details["owner"]["pid"] == os.getpid()
         unlocked = c.unlock()
-        assert unlocked["state"] == "RUNNING"
-        assert unlocked["lease"]["active"] is False
+        assert unlocked.state == "RUNNING"
+        assert unlocked.lease.active is False
     w.wait_steps(5)
     w.assert_correct()
 
@@ -122,14 +123,14 @@ def test_lease_expires_after_the_client_is_killed(
         "from npusnap_cli.device.agent_client import AgentClient\n"
         f"c = AgentClient({w.pid})\n"
         "r = c.lock(lease_s=1.5)\n"
-        "print(r['state'], flush=True)\n"
+        "print(r.state, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     done = subprocess.run([PY, "-c", client], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert done.returncode == -signal.SIGKILL
     assert done.stdout.strip() == "LOCKED"
     status = wait_state(w.pid, "RUNNING", timeout=10)
-    assert any("lease" in e and "expired" in e for e in status["events"]), status["events"]
+    assert any("lease" in e and "expired" in e for e in status.events), status.events
     assert "lease of 1.5s expired" in w.agent_log()
     w.wait_steps(5)
     w.assert_correct()
@@ -149,9 +150,9 @@ def test_lease_does_not_count_while_the_process_is_stopped(
     os.kill(w.pid, signal.SIGCONT)
     with AgentClient(w.pid) as c:
         status = c.status()
-    assert status["state"] == "LOCKED", status
-    assert status["lease"]["active"] is True
-    assert status["lease"]["frozen_gaps"] >= 1
+    assert status.state == "LOCKED", status
+    assert status.lease.active is True
+    assert status.lease.frozen_gaps >= 1
     wait_state(w.pid, "RUNNING", timeout=10)
     w.wait_steps(3)
     w.assert_correct()
@@ -163,15 +164,15 @@ def test_renew_and_release(sim: Sim, runtime_dir: Path, tmp_path: Path, workload
         c.lock(lease_s=1.0)
         for _ in range(4):  # 2 s in total: only renewals keep it locked
             time.sleep(0.5)
-            assert c.renew()["state"] == "LOCKED"
+            assert c.renew().state == "LOCKED"
         released = c.release()
-        assert released["lease"]["active"] is False
+        assert released.lease.active is False
         time.sleep(1.5)
-        assert c.status()["state"] == "LOCKED"  # no lease: stays locked
+        assert c.status().state == "LOCKED"  # no lease: stays locked
         with pytest.raises(AgentDeviceError) as info:
             c.renew()
         assert info.value.name == "NO_LEASE"
-        assert c.rollback()["actions"] == ["unlock"]
+        assert c.rollback().actions == ("unlock",)
     w.wait_steps(3)
     w.assert_correct()
 
@@ -185,7 +186,7 @@ def test_hooks_run_in_order_and_a_failing_hook_rolls_back(
         sim, runtime_dir, tmp_path, workloads, WL_HOOK_LOG=str(log), WL_HOOK_FAIL_FILE=str(fail)
     )
     with AgentClient(w.pid) as c:
-        assert c.hello()["hooks"]["pre_lock"] == ["__main__.hook_pre_lock"]
+        assert c.hello().hooks.pre_lock == ("__main__.hook_pre_lock",)
         c.lock(lease_s=30)
         c.backup()
         c.unlock()
@@ -195,25 +196,25 @@ def test_hooks_run_in_order_and_a_failing_hook_rolls_back(
         with pytest.raises(AgentOpError) as info:
             c.lock(lease_s=30)
         err = info.value.error
-        assert (err["type"], err["hook"], err["stage"]) == ("hook", "__main__.hook_pre_lock", "pre_lock")
-        assert "injected failure at pre_lock" in err["exception"]
-        assert c.status()["state"] == "RUNNING"
+        assert (err.type, err.hook, err.stage) == ("hook", "__main__.hook_pre_lock", "pre_lock")
+        assert "injected failure at pre_lock" in err.exception
+        assert c.status().state == "RUNNING"
 
         fail.write_text("post_backup")
         c.lock(lease_s=30)
         with pytest.raises(AgentOpError) as info:
             c.backup()
-        assert info.value.error["stage"] == "post_backup"
-        assert "rolled back to LOCKED" in info.value.error["message"]
-        assert c.status()["state"] == "LOCKED"
+        assert info.value.error.stage == "post_backup"
+        assert "rolled back to LOCKED" in info.value.error.message
+        assert c.status().state == "LOCKED"
 
         fail.write_text("post_unlock")
         with pytest.raises(AgentOpError):
             c.unlock()
-        assert c.status()["state"] == "LOCKED"  # back to what it was before the failed unlock
+        assert c.status().state == "LOCKED"  # back to what it was before the failed unlock
 
         fail.write_text("")
-        assert c.rollback()["state"] == "RUNNING"
+        assert c.rollback().state == "RUNNING"
     w.wait_steps(3)
     w.assert_correct()
 
@@ -261,7 +262,7 @@ def test_agent_refuses_another_uid(sim: Sim, tmp_path: Path, workloads: list[Wor
         assert answer["error"]["name"] == "PERMISSION_DENIED"
         assert "uid 65534" in w.agent_log()
         with AgentClient(w.pid, socket_path=sock) as c:  # root is still welcome
-            assert c.hello()["pid"] == w.pid
+            assert c.hello().pid == w.pid
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
@@ -344,14 +345,14 @@ def test_forked_child_does_not_serve_the_parents_socket(
         time.sleep(0.3)
         assert f"socket:[{inode}]" not in _fd_targets(child), "the child kept the parent's listener"
         with AgentClient(w.pid) as c:
-            assert c.hello()["pid"] == w.pid
+            assert c.hello().pid == w.pid
         child_sock = runtime_dir / f"{child}.sock"
         if child_device or (child_agent and not preload):
             if child_device:
                 w.wait_for("child-device")
             wait_socket(runtime_dir, child)
             with AgentClient(child) as c:
-                assert c.hello()["pid"] == child
+                assert c.hello().pid == child
         else:
             time.sleep(0.3)
             assert not child_sock.exists()

@@ -64,15 +64,15 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         w.wait_steps(3)
         with AgentClient(pid) as c:
             hello = c.hello()
-            assert hello["acl"]["devices"] == [sim_device]
-            assert hello["acl"]["devices_source"] == "aclrtSetDevice (interposed)"
+            assert hello.acl.devices == (sim_device,)
+            assert hello.acl.devices_source == "aclrtSetDevice (interposed)"
             locked = c.lock(lease_s=60, command="dump")
             assert locked["state"] == "LOCKED"
             assert locked["callback"] == "registered"
             assert locked["callback_devices"] == [sim_device]  # from npusnap's LOCK_PRE callback
             dm = locked["device_memory"]
             assert dm["interposed"] is True and dm["saved"] is True and dm["saved_bytes"] == BUF
-            assert c.backup(lease_s=60)["state"] == "BACKED_UP"
+            assert c.backup(lease_s=60).state == "BACKED_UP"
             token = c.token
         dumped_at = w.last_step()
 
@@ -89,7 +89,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             # The lease restarts in full: a restore command that dies before Unlock is covered.
             assert status["lease"]["active"] is True and status["lease"]["lease_s"] == 60
             assert any("lease of 60s restarted" in e for e in status["events"]), status["events"]
-            assert c.hello()["pid"] == pid
+            assert c.hello().pid == pid
             # The owner travelled with the process's memory: without the dump's token, refused.
             assert status["owner"]["command"] == "dump"
             with pytest.raises(BusyError):
@@ -98,7 +98,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             with pytest.raises(AgentDeviceError) as info:
                 c.unlock()
             assert info.value.name == "RESTORE_REQUIRED"
-            assert c.restore()["state"] == "LOCKED"
+            assert c.restore().state == "LOCKED"
             unlocked = c.unlock()
             assert unlocked["state"] == "RUNNING"
             assert unlocked["device_memory"]["steps"] == ["reload device memory", "drop copies"]

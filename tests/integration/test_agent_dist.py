@@ -70,8 +70,8 @@ def test_agent_wheel_installs_and_runs_on_python39(
     wait_socket(runtime_dir, w.pid)
     with AgentClient(w.pid) as c:
         hello = c.hello()
-        assert hello["agent"] == "native" and hello["python"]["version"].startswith("3.9.")
-        assert c.lock(lease_s=30)["state"] == "LOCKED"
-        assert c.unlock()["state"] == "RUNNING"
+        assert hello.agent == "native" and hello.python.version.startswith("3.9.")
+        assert c.lock(lease_s=30).state == "LOCKED"
+        assert c.unlock().state == "RUNNING"
     w.wait_steps(3)
     w.assert_correct()

@@ -177,13 +177,13 @@ def test_attach_starts_agent(
 
     assert result.method == "gdb"
     assert result.python == version
-    assert result.hello["pid"] == target.pid
+    assert result.hello.pid == target.pid
     assert result.socket and Path(result.socket).parent == runtime_dir
     if mode == "sleep":
         # A target that sleeps 5 s at a time must not make us wait for it to wake up.
         assert took < 4, f"attach took {took:.1f}s on a sleeping target ({result.safe_point})"
     with AgentClient(target.pid, timeout=5) as client:
-        assert client.hello()["pid"] == target.pid
+        assert client.hello().pid == target.pid
     assert_keeps_running(target, mode)
 
 
@@ -288,5 +288,5 @@ def test_attach_python314_remote_exec(runtime_dir: Path, tmp_path: Path, targets
     targets.append(target)
     result = attach.attach(target.pid, timeout=10)
     assert result.method == "remote_exec"
-    assert result.hello["pid"] == target.pid
+    assert result.hello.pid == target.pid
     assert_keeps_running(target, "busy")

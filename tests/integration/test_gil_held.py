@@ -50,7 +50,7 @@ def state(pid: int) -> str:
     try:
         return str(agent_state(pid))
     except AgentOpError as exc:
-        if exc.error.get("name") == "BUSY":
+        if exc.error.name == "BUSY":
             return "BUSY"
         raise
 
@@ -140,7 +140,7 @@ def test_freeze_then_cli_killed_lease_thaws(
         from npusnap_cli.device.agent_client import AgentClient
 
         with AgentClient(job.pid) as c:
-            events = c.status()["events"]
+            events = c.status().events
         assert any("lease of 3s expired" in e for e in events), events
         progress(job)
         assert alive(job.pid)
@@ -181,8 +181,8 @@ def test_a_hook_that_cannot_get_the_gil_fails_in_time_and_rolls_back(
             with pytest.raises(AgentOpError) as info:
                 c.lock(lease_s=30)
             assert time.monotonic() - t0 < 4
-            assert info.value.error["name"] == "HOOK_TIMEOUT"
-            assert c.status()["state"] == "RUNNING"
+            assert info.value.error.name == "HOOK_TIMEOUT"
+            assert c.status().state == "RUNNING"
         # The hook gets the GIL when the C call returns, sees it was cancelled and does nothing.
         time.sleep(4)
         assert not (tmp_path / "late").exists(), "a cancelled hook ran late"

@@ -395,7 +395,7 @@ def wait_unlocked_pid(pid: int) -> None:
             with AgentClient(pid, timeout=10) as c:
                 st = c.status()
         except AgentOpError as exc:
-            if exc.error.get("name") == "BUSY":
+            if exc.error.name == "BUSY":
                 return False  # the plugin's rollback helper is talking to the agent right now
             raise
         return bool(st["state"] == "RUNNING" and st["owner"] is None)
@@ -469,7 +469,7 @@ def test_failed_device_restore_is_logged_and_the_lease_finishes_it(
         assert "npusnap-plugin: FAILED, npusnap exit 7 (device" in log, log[-2000:]
         faults.write_text("")
         with AgentClient(pid, timeout=10) as c:
-            assert c.status()["state"] == "BACKED_UP"  # still held: no device call got through
+            assert c.status().state == "BACKED_UP"  # still held: no device call got through
         assert len(_steps(out)) <= n + 1
         wait_until(lambda: len(_steps(out)) > n + 10, timeout=30, what="steps after the lease's restore")
         assert_continuous(_steps(out))

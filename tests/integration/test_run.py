@@ -53,11 +53,11 @@ def test_run_starts_an_agent_in_another_python(
         wait_socket(runtime_dir, w.pid)
         with AgentClient(w.pid) as c:
             hello = c.hello()
-            assert hello["python"]["version"].startswith(minor + ".")
-            assert hello["python"]["executable"] == PYTHONS[minor]
-            assert hello["acl"]["loaded"] is True
-            assert c.lock(lease_s=30)["state"] == "LOCKED"
-            assert c.unlock()["state"] == "RUNNING"
+            assert hello.python.version.startswith(minor + ".")
+            assert hello.python.executable == PYTHONS[minor]
+            assert hello.acl.loaded is True
+            assert c.lock(lease_s=30).state == "LOCKED"
+            assert c.unlock().state == "RUNNING"
         assert mark.read_text() == "yes", "the user's own sitecustomize must still run"
         w.wait_steps(3)
         w.assert_correct()

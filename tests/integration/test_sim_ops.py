@@ -444,13 +444,13 @@ def test_the_job_runs_under_npusnap_run_and_its_operators_wait_at_a_lock(
         w.wait_for("step 3 ", timeout=60)
         wait_socket(runtime_dir, w.pid)
         with AgentClient(w.pid) as c:
-            assert c.hello()["acl"]["loaded"] is True
-            assert c.lock(lease_s=30)["state"] == "LOCKED"
+            assert c.hello().acl.loaded is True
+            assert c.lock(lease_s=30).state == "LOCKED"
             time.sleep(0.5)  # a step already past the gate may finish
             held = len(w.lines())
             time.sleep(1.0)
             assert len(w.lines()) == held, "aclnn launches and copies must wait while the process is locked"
-            assert c.unlock()["state"] == "RUNNING"
+            assert c.unlock().state == "RUNNING"
         assert w.proc.wait(timeout=120) == 0, w.stderr()[-3000:]
         assert [ln for ln in w.lines() if ln.startswith("step ")] == reference
     finally:

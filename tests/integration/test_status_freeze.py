@@ -43,7 +43,7 @@ def by_pid(env: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 def state_of(pid: int) -> str:
     with AgentClient(pid) as c:
-        return str(c.status()["state"])
+        return str(c.status().state)
 
 
 def test_status_shows_the_tree_and_who_lacks_an_agent(
@@ -157,10 +157,10 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     assert state_of(b.pid) == "RUNNING"
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group:
         results = group.lock_and_backup()
-        assert {r["state"] for r in results.values()} == {"BACKED_UP"}
+        assert {r.state for r in results.values()} == {"BACKED_UP"}
         group.close()  # as before a CRIU dump
         group.reconnect()
-        assert {r["state"] for r in group.unlock().values()} == {"RUNNING"}
+        assert {r.state for r in group.unlock().values()} == {"RUNNING"}
     a.wait_steps(3)
     b.wait_steps(3)
     a.assert_correct()
@@ -178,7 +178,7 @@ def test_rollback_counts_a_process_that_died_as_rolled_back(
         group.lock_and_backup()
         kill_pid(b.pid)  # not reaped: a zombie, as a killed worker is until its launcher waits
         results = group.rollback()
-    assert results[b.pid]["state"] == "GONE"
-    assert results[a.pid]["state"] == "RUNNING"
+    assert results[b.pid].state == "GONE"
+    assert results[a.pid].state == "RUNNING"
     a.wait_steps(3)
     a.assert_correct()

@@ -10,6 +10,7 @@ import pytest
 
 from npusnap_cli.errors import ExitCode, InterruptedError_, PreflightError
 from npusnap_cli.pipelines import dump, engine, jobsnap
+from tests import replies
 
 
 def test_signal_guard_defers_then_raises_and_restores_handlers() -> None:
@@ -33,7 +34,7 @@ def test_device_memory_unseen_by_the_agent_is_found_in_proc_maps() -> None:
     from npusnap_cli.errors import TargetError
     from npusnap_cli.host.devmaps import DeviceMemory
 
-    hello = {10: {"device_memory": {"interposed": False, "bytes": 0}, "acl": {"devices": []}}}
+    hello = {10: replies.hello(device_memory={"interposed": False, "bytes": 0})}
     mapped = {10: DeviceMemory(mappings=2, bytes=1 << 21)}
     with pytest.raises(TargetError, match="does not know"):
         dump.check_device_memory("preserve", hello, mapped)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from npusnap_cli import errors
 from npusnap_cli.errors import ExitCode
+from tests import replies
 
 FROZEN = {
     "OK": 0,
@@ -64,8 +65,7 @@ def test_a_failed_device_memory_copy_says_why_and_how_to_go_on() -> None:
 
     c = AgentClient.__new__(AgentClient)
     c.pid = 4242
-    failed = {"type": "state", "name": "DEVICE_MEMORY_SAVE_FAILED", "message": "x"}
-    full = c._error("lock", dict(failed, code=-28))
+    full = c._error("lock", replies.error("state", "DEVICE_MEMORY_SAVE_FAILED", code=-28))
     assert "filled up" in full.why and "free space" in full.fix and "4242" in full.message
-    other = c._error("lock", dict(failed, code=-5))
+    other = c._error("lock", replies.error("state", "DEVICE_MEMORY_SAVE_FAILED", code=-5))
     assert "could not copy" in other.why and "nothing was locked" in other.fix

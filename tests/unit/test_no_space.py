@@ -25,6 +25,7 @@ from npusnap_cli.device import agent_client, protocol
 from npusnap_cli.errors import ImageError, NpusnapError, StateUnknownError, UsageError
 from npusnap_cli.image import archive
 from npusnap_cli.pipelines.engine import Pipeline, Step
+from tests import replies
 from tests.unit.test_image import _build, _manifest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "exit-codes.md"
@@ -166,12 +167,12 @@ def test_criu_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_the_agents_copy_of_device_memory_on_a_full_disk() -> None:
     client = agent_client.AgentClient(42, connect=False)
-    error = {
-        "type": protocol.ERR_STATE,
-        "name": protocol.DEVICE_MEMORY_SAVE_FAILED,
-        "code": -errno.ENOSPC,
-        "message": "cannot write the device-memory file: No space left on device",
-    }
+    error = replies.error(
+        protocol.ERR_STATE,
+        protocol.DEVICE_MEMORY_SAVE_FAILED,
+        "cannot write the device-memory file: No space left on device",
+        code=-errno.ENOSPC,
+    )
     err = client._error("lock", error)
     assert isinstance(err, NpusnapError) and int(err.exit_code) == NO_SPACE
 

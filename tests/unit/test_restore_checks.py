@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import criu, image, paths
+from npusnap_cli import contract, criu, image, paths
 from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.errors import BusyError, ExitCode, ImageError, PreflightError
 from npusnap_cli.pipelines import restore
+from tests import replies
 from tests.unit.test_image import _manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,8 +125,8 @@ def _fake_agents(
         def __exit__(self, *a: object) -> None:
             return None
 
-        def hello(self) -> dict[str, Any]:
-            return hellos[self.pid]
+        def hello(self) -> contract.HelloReply:
+            return replies.hello(hellos[self.pid])
 
     monkeypatch.setattr(occupancy, "AgentClient", FakeClient)
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 from npusnap_cli.agent import native
 from npusnap_cli.device import native_attach
 from npusnap_cli.device.agent_client import AgentClient
@@ -27,7 +27,7 @@ class AttachResult:
     elapsed_s: float
     safe_point: Optional[str] = None
     tid: Optional[int] = None
-    hello: dict[str, Any] = field(default_factory=dict)
+    hello: Optional[contract.HelloReply] = None
     notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
     # How long the job could not run because of the attach (an upper bound; None: nothing was
     # injected): traced by gdb (native_attach.TraceWatch) plus, in a Python target, the time the
@@ -46,18 +46,18 @@ class AttachResult:
             "elapsed_s": round(self.elapsed_s, 3),
             "safe_point": self.safe_point,
             "tid": self.tid,
-            "hello": self.hello,
+            "hello": self.hello.to_json() if self.hello is not None else {},
             "notes": list(self.notes),
         }
 
 
 # -- attach ----------------------------------------------------------------------------------------
-def _hello(pid: int, timeout: float, retry_s: float) -> dict[str, Any]:
+def _hello(pid: int, timeout: float, retry_s: float) -> contract.HelloReply:
     with AgentClient(pid, timeout=timeout, connect_retry_s=retry_s) as client:
         return client.hello()
 
 
-def existing_agent(pid: int) -> Optional[dict[str, Any]]:
+def existing_agent(pid: int) -> Optional[contract.HelloReply]:
     """The hello answer of an agent already serving ``pid``, or None."""
     if paths.find_agent_socket(pid) is None:
         return None
@@ -91,7 +91,7 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
             pid=pid,
             method="already-present",
             python="none",
-            socket=hello.get("socket"),
+            socket=hello.socket,
             elapsed_s=time.monotonic() - start,
             hello=hello,
         )
@@ -116,7 +116,7 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         pid=pid,
         method="gdb-native",
         python="none",
-        socket=hello.get("socket"),
+        socket=hello.socket,
         elapsed_s=time.monotonic() - start,
         safe_point=done["safe_point"],
         tid=done["tid"],
@@ -138,7 +138,7 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
             pid=pid,
             method="already-present",
             python=target.version_str,
-            socket=hello.get("socket"),
+            socket=hello.socket,
             elapsed_s=time.monotonic() - start,
             hello=hello,
         )
@@ -154,17 +154,17 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
             fix=f"read the agent log ({paths.agent_log_path(pid)}); `npusnap status {pid}`",
             details=dict(diagnose(pid), status=result.status),
         ) from None
-    if hello.get("pid") != pid:
+    if hello.pid != pid:
         raise AgentError(
-            f"the agent socket of pid {pid} answered for pid {hello.get('pid')}",
+            f"the agent socket of pid {pid} answered for pid {hello.pid}",
             why="another process serves the socket name",
-            details={"pid": pid, "hello": hello},
+            details={"pid": pid, "hello": hello.to_json()},
         )
     return AttachResult(
         pid=pid,
         method=result.method,
         python=target.version_str,
-        socket=hello.get("socket") or result.status.get("socket"),
+        socket=hello.socket or result.status.get("socket"),
         elapsed_s=time.monotonic() - start,
         safe_point=result.safe_point,
         tid=result.tid,

@@ -30,8 +30,15 @@ before), tokens.py (the locks freeze hands to thaw).
 
 from __future__ import annotations
 
-from npusnap_cli.device.devicegroup.agentops import STATE_NOW_S, refuse_stopped, status_now, tree_targets
-from npusnap_cli.device.devicegroup.group import DeviceGroup
+from npusnap_cli.device.devicegroup.agentops import (
+    STATE_NOW_S,
+    NotRolledBack,
+    RollbackResult,
+    refuse_stopped,
+    status_now,
+    tree_targets,
+)
+from npusnap_cli.device.devicegroup.group import DeviceGroup, LockedAndBackedUp, RestoredAndUnlocked
 from npusnap_cli.device.devicegroup.tokens import (
     forget_lock_tokens,
     forget_taken_over,
@@ -44,6 +51,10 @@ from npusnap_cli.device.devicegroup.tokens import (
 __all__ = [
     "STATE_NOW_S",
     "DeviceGroup",
+    "LockedAndBackedUp",
+    "NotRolledBack",
+    "RestoredAndUnlocked",
+    "RollbackResult",
     "forget_lock_tokens",
     "forget_taken_over",
     "load_lock_tokens",

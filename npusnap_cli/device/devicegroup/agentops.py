@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Optional, TypeVar, Union
 
 from npusnap_cli import contract
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient, AgentOpError
@@ -17,6 +18,34 @@ BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an ab
 STATE_NOW_S = 2.0  # a failed rollback asks each agent once more for its state, this long at most
 GONE_GRACE_S = 2.0  # how long a process that could not be reached may take to finish exiting
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NotRolledBack:
+    """A rollback's result without the agent's answer: the process was not this command's to roll
+    back, or it had exited. Its members are a rollback reply's that say so."""
+
+    warning: str
+    state: Optional[str] = None  # "GONE": the process exited
+
+    @property
+    def before(self) -> Optional[str]:
+        return None
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return (self.warning,)
+
+    def to_json(self) -> dict[str, object]:
+        return {"state": self.state, "before": None, "actions": [], "warnings": [self.warning]}
+
+
+# What a rollback of one process gives: its agent's answer, or why there was none.
+RollbackResult = Union[contract.RollbackReply, NotRolledBack]
 
 
 def _describe(exc: BaseException) -> str:
@@ -53,7 +82,7 @@ def _while_busy(c: AgentClient, request: Callable[[AgentClient], T]) -> T:
                 c.connect()
             return request(c)
         except AgentOpError as exc:
-            if exc.error.get("name") != contract.E_BUSY or time.monotonic() >= deadline:
+            if exc.error.name != contract.E_BUSY or time.monotonic() >= deadline:
                 raise
             c.close()
             time.sleep(0.2)
@@ -63,20 +92,20 @@ def _locked_by_us(c: AgentClient, command: str) -> bool:
     """Whether the agent records this very process as the owner of its lock: a lock request whose
     answer (and token) was lost to an interruption still made us the owner."""
     try:
-        owner = _while_busy(c, lambda cl: cl.status().get("owner"))
+        owner = _while_busy(c, lambda cl: cl.status().owner)
     except NpusnapError:
         return False
-    return isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("command") == command
+    return owner is not None and owner.pid == os.getpid() and owner.command == command
 
 
 def _rollback_one(
     c: AgentClient, force: bool = False, owned_only: bool = False, command: str = ""
-) -> dict[str, Any]:
+) -> RollbackResult:
     """Roll back ``c``'s process: with ``owned_only`` only if this client locked it; with
     ``force`` whoever locked it; otherwise as its owner's token allows (BusyError if not)."""
     if owned_only and c.token is None:
         if not (command and _locked_by_us(c, command)):
-            return {"state": None, "before": None, "actions": [], "warnings": ["not locked by this command"]}
+            return NotRolledBack("not locked by this command")
         force = True  # ours, though the token never reached us
     try:
         return _while_busy(c, lambda cl: cl.rollback(force))
@@ -91,17 +120,17 @@ def _rollback_one(
         while procfs.is_alive(c.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if not procfs.is_alive(c.pid):
-            return {"state": "GONE", "before": None, "actions": [], "warnings": [f"process {c.pid} exited"]}
+            return NotRolledBack(f"process {c.pid} exited", state="GONE")
         raise
 
 
-def status_now(pid: int, client: Optional[AgentClient]) -> Optional[dict[str, Any]]:
+def status_now(pid: int, client: Optional[AgentClient]) -> Optional[contract.StatusReply]:
     """The status reply of ``pid``'s agent within STATE_NOW_S, over ``client`` when the caller
     holds a connection to it (the agent answers one client at a time), else over a new one;
     None if it cannot say (a stopped or busy agent, or none)."""
     try:
         if client is not None:
-            return client.request("status", timeout=STATE_NOW_S)
+            return client.status(timeout=STATE_NOW_S)
         with AgentClient(pid, timeout=STATE_NOW_S, connect_retry_s=0.2) as fresh:
             return fresh.status()
     except NpusnapError:

@@ -8,12 +8,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from npusnap_cli import contract
 from npusnap_cli.device import protocol
 from npusnap_cli.device.agent_client import AgentClient, owner_text
 from npusnap_cli.device.devicegroup.agentops import (
+    RollbackResult,
     T,
     _describe,
     _rollback_one,
@@ -39,6 +41,51 @@ class _AllBusy(Exception):
 ABORT_WAIT_S = 2.0  # after aborting the connections, how long the worker threads get to finish
 
 DEFAULT_LEASE_S = 60.0
+
+
+@dataclass(frozen=True)
+class LockedAndBackedUp:
+    """One process's answers to ``lock_and_backup``: its lock's, and its backup's (None: it
+    was locked only)."""
+
+    lock: contract.LockReply
+    backup: Optional[contract.BackupReply] = None
+
+    @property
+    def last(self) -> Union[contract.LockReply, contract.BackupReply]:
+        return self.backup if self.backup is not None else self.lock
+
+    @property
+    def state(self) -> Optional[str]:
+        return self.last.state
+
+    @property
+    def lease(self) -> contract.Lease:
+        return self.last.lease
+
+    @property
+    def device_memory(self) -> contract.DeviceMemory:
+        return self.last.device_memory
+
+    def to_json(self) -> dict[str, object]:
+        """The lock's answer; after a backup, the backup's with the lock's times and devices."""
+        if self.backup is None:
+            return self.lock.to_json()
+        out = self.backup.to_json()
+        out["lock_elapsed_s"] = self.lock.elapsed_s
+        out["runtime_lock_s"] = self.lock.runtime_lock_s
+        out["lock_device_copy_s"] = self.lock.device_copy_s
+        out["lock_drain_s"] = self.lock.drain_s
+        out["callback_devices"] = list(self.lock.callback_devices)
+        return out
+
+
+@dataclass(frozen=True)
+class RestoredAndUnlocked:
+    """One process's answers to ``restore_and_unlock``."""
+
+    restore: contract.RestoreReply
+    unlock: contract.UnlockReply
 
 
 class DeviceGroup:
@@ -148,13 +195,13 @@ class DeviceGroup:
             client.close()
 
     # -- the steps ----------------------------------------------------------------------------
-    def hello(self) -> dict[int, dict[str, Any]]:
+    def hello(self) -> dict[int, contract.HelloReply]:
         results, failures = self._each(lambda c: c.hello())
         if failures:
             self._raise_first(failures, "hello")
         return results
 
-    def status(self) -> dict[int, dict[str, Any]]:
+    def status(self) -> dict[int, contract.StatusReply]:
         results, failures = self._each(lambda c: c.status())
         if failures:
             self._raise_first(failures, "status")
@@ -170,22 +217,22 @@ class DeviceGroup:
             if pid in self.clients:
                 self.clients[pid].token = token
 
-    def ensure_unlocked(self) -> dict[int, dict[str, Any]]:
+    def ensure_unlocked(self) -> dict[int, contract.StatusReply]:
         """Preflight: refuse (BusyError, nothing changed) if any process is locked or has an owner."""
         refuse_stopped(self.pids, self.command)
         results = self.status()
         taken = {
             pid: r
             for pid, r in results.items()
-            if r.get("owner") or (r.get("state") not in (None, contract.SnapshotState.RUNNING.name))
+            if r.owner is not None or (r.state not in (None, contract.SnapshotState.RUNNING.name))
         }
         if taken:
             pid = min(taken)
-            owner = taken[pid].get("owner")
-            holder = owner.get("pid") if isinstance(owner, dict) else None
-            gone = isinstance(holder, int) and not procfs.is_alive(holder)
+            owner = taken[pid].owner
+            holder = owner.pid if owner is not None else None
+            gone = holder is not None and not procfs.is_alive(holder)
             raise BusyError(
-                f"pid {pid} is already locked ({taken[pid].get('state')}) by {owner_text(owner)}; "
+                f"pid {pid} is already locked ({taken[pid].state}) by {owner_text(owner)}; "
                 f"npusnap {self.command} changed nothing",
                 why="another command holds the lock (an external checkpoint, a freeze, a dump in "
                 "progress); only its owner may release it"
@@ -200,7 +247,8 @@ class DeviceGroup:
                 ),
                 details={
                     "locked": {
-                        str(p): {"state": r.get("state"), "owner": r.get("owner")} for p, r in taken.items()
+                        str(p): {"state": r.state, "owner": r.owner.to_json() if r.owner else None}
+                        for p, r in taken.items()
                     }
                 },
             )
@@ -217,7 +265,7 @@ class DeviceGroup:
         since: Optional[dict[int, str]] = None,
         check_writes: bool = False,
         concurrent: int = 0,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, LockedAndBackedUp]:
         """Lock (and Backup) every process; all or nothing (see the package's docstring).
 
         ``device_memory`` is the agents' mode (preserve/app/discard; None: the agent's default,
@@ -262,7 +310,7 @@ class DeviceGroup:
         since: dict[int, str],
         check_writes: bool,
         concurrent: int,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, LockedAndBackedUp]:
         lease = self.lease_s
         files = device_memory_files or {}
         # A process done early keeps its lease renewed (on its own connection, from its own
@@ -271,7 +319,7 @@ class DeviceGroup:
         counted = threading.Lock()
         all_done = threading.Event()
 
-        def work(c: AgentClient) -> dict[str, Any]:
+        def work(c: AgentClient) -> LockedAndBackedUp:
             locked = c.lock(
                 lease,
                 self.command,
@@ -283,17 +331,10 @@ class DeviceGroup:
                 concurrent if c.pid in files else 0,
             )
             if not backup:
-                return locked
-            backed = c.backup(lease)
-            backed["lock_elapsed_s"] = locked.get("elapsed_s")
-            backed["runtime_lock_s"] = locked.get("runtime_lock_s")
-            backed["lock_device_copy_s"] = locked.get("device_copy_s")
-            backed["lock_drain_s"] = locked.get("drain_s")
-            backed["device_memory"] = backed.get("device_memory") or locked.get("device_memory")
-            backed["callback_devices"] = locked.get("callback_devices")
-            return backed
+                return LockedAndBackedUp(locked)
+            return LockedAndBackedUp(locked, c.backup(lease))
 
-        def step(c: AgentClient) -> dict[str, Any]:
+        def step(c: AgentClient) -> LockedAndBackedUp:
             try:
                 result = work(c)
             finally:
@@ -325,13 +366,13 @@ class DeviceGroup:
                 raise
         return results
 
-    def renew(self, lease_s: Optional[float] = None) -> dict[int, dict[str, Any]]:
+    def renew(self, lease_s: Optional[float] = None) -> dict[int, contract.RenewReply]:
         results, failures = self._each(lambda c: c.renew(lease_s if lease_s is not None else self.lease_s))
         if failures:
             self._raise_first(failures, "renew")
         return results
 
-    def release(self) -> dict[int, dict[str, Any]]:
+    def release(self) -> dict[int, contract.ReleaseReply]:
         results, failures = self._each(lambda c: c.release())
         if failures:
             self._raise_first(failures, "release")
@@ -339,7 +380,7 @@ class DeviceGroup:
 
     def unlock(
         self, force: bool = False, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, contract.UnlockReply]:
         """Unlock every process; ``device_memory_files``: pid -> (fd, name) where its concurrent
         copy goes (``lock_and_backup(concurrent=...)`` planned it)."""
         files = device_memory_files or {}
@@ -348,28 +389,28 @@ class DeviceGroup:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
 
-    def copy_wait(self, pids: Collection[int], deadline_s: float) -> dict[int, dict[str, Any]]:
+    def copy_wait(self, pids: Collection[int], deadline_s: float) -> dict[int, contract.CopyWaitReply]:
         """Wait for the concurrent copy of each of ``pids`` (those whose unlock carried a file;
         the others have none), at most ``deadline_s`` in all."""
         end = time.monotonic() + deadline_s
 
-        def wait(c: AgentClient) -> dict[str, Any]:
+        def wait(c: AgentClient) -> Optional[contract.CopyWaitReply]:
             if c.pid not in pids:
-                return {}
+                return None
             while True:
                 left = end - time.monotonic()
                 r = c.copy_wait(max(0.05, min(5.0, left)))
-                if r.get("complete") or left <= 0:
+                if r.complete or left <= 0:
                     return r
 
         results, failures = self._each(wait)
         if failures:
             self._raise_first(failures, "copy_wait", "the job runs on; the image was not kept")
-        return {pid: r for pid, r in results.items() if pid in pids}
+        return {pid: r for pid, r in results.items() if r is not None}
 
     def restore(
         self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, contract.RestoreReply]:
         """Restore every process; ``device_memory_files``: pid -> (fd open for reading, its
         name), the image file its agent writes back after Unlock."""
         files = device_memory_files or {}
@@ -382,19 +423,17 @@ class DeviceGroup:
         self,
         device_memory_files: Optional[dict[int, tuple[int, str]]] = None,
         before_unlock: Optional[Callable[[], None]] = None,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, RestoredAndUnlocked]:
         """Restore then Unlock each (CRIU-restored) process; a failed one stays locked.
         ``device_memory_files``: pid -> fd of its device-memory file (see ``restore``);
         ``before_unlock``: runs between the two (may raise: that process stays locked)."""
         files = device_memory_files or {}
 
-        def step(c: AgentClient) -> dict[str, Any]:
+        def step(c: AgentClient) -> RestoredAndUnlocked:
             restored = c.restore(files.get(c.pid))
             if before_unlock is not None:
                 before_unlock()
-            unlocked = c.unlock()
-            unlocked["restore_elapsed_s"] = restored.get("elapsed_s")
-            return unlocked
+            return RestoredAndUnlocked(restored, c.unlock())
 
         results, failures = self._each(step)
         corrupt = [e for e in failures.values() if isinstance(e, ImageError)]
@@ -409,7 +448,7 @@ class DeviceGroup:
             )
         return results
 
-    def rollback(self, *, force: bool = False, owned_only: bool = False) -> dict[int, dict[str, Any]]:
+    def rollback(self, *, force: bool = False, owned_only: bool = False) -> dict[int, RollbackResult]:
         """Every process back to RUNNING; StateUnknownError if any cannot be brought back.
 
         ``owned_only``: only the processes this group locked (after a failure of its own);
@@ -444,7 +483,7 @@ class DeviceGroup:
             if st is None and client is not None:
                 client.close()  # one client at a time: a fresh one needs this one gone
                 st = status_now(pid, None)
-            out[pid] = str((st or {}).get("state") or "") or "no answer"
+            out[pid] = (st.state if st is not None else None) or "no answer"
         return out
 
     def hand_over(self, pids: Iterable[int]) -> None:
@@ -464,4 +503,4 @@ class DeviceGroup:
             err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
             raise err
         # None: this command never locked that process (it failed before its Lock).
-        return {p: str(r.get("state") or "not locked") for p, r in results.items()}
+        return {p: r.state or "not locked" for p, r in results.items()}

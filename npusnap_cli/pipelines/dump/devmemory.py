@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from npusnap_cli import contract
 from npusnap_cli import image as img
+from npusnap_cli.device.devicegroup import LockedAndBackedUp
 from npusnap_cli.errors import DeviceError, ImageError, PreflightError, TargetError
 from npusnap_cli.host import devmaps
 from npusnap_cli.image import devchunks, digest, streamhash
@@ -35,14 +36,11 @@ def _device_memory_in_process() -> bool:
     return os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1"
 
 
-def _device_memory_file_size(dm: dict[str, Any]) -> int:
+def _device_memory_file_size(dm: contract.DeviceMemory) -> int:
     """What an agent's device-memory file will hold at most, from its hello: a 32-byte header,
     24 bytes per allocation, then the bytes of those not excluded (native/agent/devmem.c)."""
-    try:
-        count = int(dm.get("allocations") or 0)
-        data = int(dm.get("bytes") or 0) - int(dm.get("excluded_bytes") or 0)
-    except (TypeError, ValueError):
-        return 0
+    count = dm.allocations or 0
+    data = (dm.bytes or 0) - (dm.excluded_bytes or 0)
     return 32 + 24 * count + max(0, data)
 
 
@@ -54,13 +52,12 @@ def _empty_files(files: dict[int, tuple[int, str]]) -> None:
             os.lseek(fd, 0, os.SEEK_SET)
 
 
-def agent_device_bytes(hello: dict[str, Any]) -> int:
+def agent_device_bytes(hello: Optional[contract.HelloReply]) -> int:
     """The device memory an agent will copy (its records, less what the application excluded)."""
-    dm = hello.get("device_memory") or {}
-    try:
-        return max(0, int(dm.get("bytes") or 0) - int(dm.get("excluded_bytes") or 0))
-    except (TypeError, ValueError):
+    if hello is None:
         return 0
+    dm = hello.device_memory
+    return max(0, (dm.bytes or 0) - (dm.excluded_bytes or 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,7 +70,7 @@ CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
 
 def check_device_memory(
     mode: str,
-    hello: dict[int, dict[str, Any]],
+    hello: dict[int, contract.HelloReply],
     maps: Optional[dict[int, Optional[devmaps.DeviceMemory]]] = None,
 ) -> dict[str, Any]:
     """What keeps each process's device memory across the snapshot; the manifest's record.
@@ -95,23 +92,17 @@ def check_device_memory(
     processes: dict[str, Any] = {}
     untracked: list[int] = []
     for pid, h in sorted(hello.items()):
-        dm = h.get("device_memory") or {}
-        acl_info = h.get("acl") or {}
+        dm = h.device_memory
         mapped = (maps or {}).get(pid)
-        has_memory = bool(
-            dm.get("bytes")
-            or acl_info.get("devices")
-            or acl_info.get("callback_devices")
-            or (mapped and mapped.present)
-        )
-        tracked = bool(dm.get("interposed")) or int(dm.get("registered") or 0) > 0
+        has_memory = bool(dm.bytes or h.acl.devices or h.acl.callback_devices or (mapped and mapped.present))
+        tracked = bool(dm.interposed) or (dm.registered or 0) > 0
         processes[str(pid)] = {
-            "interposed": bool(dm.get("interposed")),
-            "registered": int(dm.get("registered") or 0),
-            "allocations": int(dm.get("allocations") or 0),
-            "bytes": int(dm.get("bytes") or 0),
-            "vmm_bytes": int(dm.get("vmm_bytes") or 0),
-            "excluded_bytes": int(dm.get("excluded_bytes") or 0),
+            "interposed": bool(dm.interposed),
+            "registered": dm.registered or 0,
+            "allocations": dm.allocations or 0,
+            "bytes": dm.bytes or 0,
+            "vmm_bytes": dm.vmm_bytes or 0,
+            "excluded_bytes": dm.excluded_bytes or 0,
             "device_mappings": mapped.mappings if mapped else None,
         }
         if has_memory and not tracked:
@@ -188,8 +179,8 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             s.bases = _bases(s.sharing, s.hello)
     try:
         for pid, h in sorted(s.hello.items()):
-            dm = h.get("device_memory") or {}
-            if not dm.get("available") or not int(dm.get("allocations") or 0):
+            dm = h.device_memory
+            if not dm.available or not dm.allocations:
                 continue
             rel = img.device_memory_rel(pid)
             path = tmp / rel
@@ -227,31 +218,33 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     return files
 
 
-def _bases(sharing: devchunks.Sharing, hello: dict[int, dict[str, Any]]) -> dict[int, devchunks.BaseSave]:
+def _bases(
+    sharing: devchunks.Sharing, hello: dict[int, contract.HelloReply]
+) -> dict[int, devchunks.BaseSave]:
     """pid -> the newest earlier image holding a save its agent still knows (the base of an
     incremental save: only what the job wrote since is copied)."""
     bases = {}
     for pid, h in sorted(hello.items()):
-        tracking = (h.get("device_memory") or {}).get("tracking") or {}
-        lineage = [
-            (str(i), int(e))
-            for i, e in (tracking.get("lineage") or [])
-            if isinstance(i, str) and isinstance(e, int)
-        ]
-        if lineage and not tracking.get("untracked"):
+        tracking = h.device_memory.tracking
+        if tracking is None:
+            continue
+        lineage = list(tracking.lineage)
+        if lineage and not tracking.untracked:
             base = devchunks.find_base(sharing, lineage)
             if base is not None:
                 bases[pid] = base
     return bases
 
 
-def _incremental(s: DumpState, results: dict[int, dict[str, Any]]) -> None:
+def _incremental(s: DumpState, results: dict[int, LockedAndBackedUp]) -> None:
     """What each agent left out of its save (since its base), for the chunk writer."""
     check = os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1"
     for pid, base in s.bases.items():
-        save = (((results.get(pid) or {}).get("device_memory") or {}).get("tracking") or {}).get("save") or {}
-        if save.get("since_used") and isinstance(save.get("unchanged"), str):
-            s.incremental[pid] = devchunks.Incremental(base, bytes.fromhex(save["unchanged"]), check)
+        result = results.get(pid)
+        tracking = result.device_memory.tracking if result is not None else None
+        save = tracking.save if tracking is not None else None
+        if save is not None and save.since_used:
+            s.incremental[pid] = devchunks.Incremental(base, bytes.fromhex(save.unchanged), check)
 
 
 def _close_streams(s: DumpState) -> None:
@@ -295,12 +288,11 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
         s.device_hasher.boost()  # the job stays stopped from here on: its cores are free
 
 
-def _drop_unused_device_memory_files(s: DumpState, results: dict[int, dict[str, Any]]) -> None:
+def _drop_unused_device_memory_files(s: DumpState, results: dict[int, LockedAndBackedUp]) -> None:
     """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
     for pid in sorted(results):
         path = s.work / img.device_memory_rel(pid)
-        dm = results[pid].get("device_memory") or {}
-        if int(dm.get("file_bytes") or 0):
+        if results[pid].device_memory.file_bytes:
             continue
         if path.exists():
             path.unlink()
@@ -340,7 +332,7 @@ def _unlock_and_copy(s: DumpState) -> None:
         s.frozen_end = time.monotonic()
         s.cb.phase("device copy")
         s.copy_stats = s.group.copy_wait(set(names), COPY_DEADLINE_S)
-        left = {pid: r.get("left") for pid, r in s.copy_stats.items() if not r.get("complete")}
+        left = {pid: r.left for pid, r in s.copy_stats.items() if not r.complete}
         if left:
             raise DeviceError(
                 f"the concurrent copy of the device memory did not end within {COPY_DEADLINE_S:.0f} s",
@@ -348,7 +340,7 @@ def _unlock_and_copy(s: DumpState) -> None:
                 fix="the job runs on; dump again (NPUSNAP_NO_CONCURRENT=1 copies while the job is held)",
             )
         for pid, ref in reference.items():
-            _compare_concurrent(pid, ref, targets[pid], s.copy_stats.get(pid) or {})
+            _compare_concurrent(pid, ref, targets[pid], s.copy_stats.get(pid))
         s.copy_done = True
     finally:
         for pid in reference:
@@ -361,7 +353,9 @@ def _meta_size(fd: int) -> int:
     return int(contract.DEVMEM_FILE_HEADER.size + count * contract.DEVMEM_FILE_RECORD.size)
 
 
-def _compare_concurrent(pid: int, reference: int, copied: int, stats: dict[str, Any]) -> None:
+def _compare_concurrent(
+    pid: int, reference: int, copied: int, stats: Optional[contract.CopyWaitReply]
+) -> None:
     """The test of the concurrent copy: each piece it copied (not left poisoned) equals the cut's
     copy bit for bit, and it copied as many as it says."""
     size = os.fstat(reference).st_size
@@ -385,7 +379,7 @@ def _compare_concurrent(pid: int, reference: int, copied: int, stats: dict[str, 
                     why="a write of the job reached a piece before it was copied",
                     fix="report this with the job's calls; dump with NPUSNAP_NO_CONCURRENT=1 meanwhile",
                 )
-    said = int(stats.get("cow_pieces") or 0) + int(stats.get("background_pieces") or 0)
+    said = stats.cow_pieces + stats.background_pieces if stats is not None else 0
     if copied_pieces != said:
         raise DeviceError(
             f"the concurrent copy of pid {pid} wrote {copied_pieces} pieces and says {said}",

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import __version__, acl, criu
+from npusnap_cli import __version__, acl, contract, criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError
 from npusnap_cli.host import proctree
@@ -30,22 +30,22 @@ def _sum(*values: Any) -> Optional[float]:
     return sum(known) if known else None
 
 
-def _versions(binary: criu.CriuBinary, hello: dict[int, dict[str, Any]]) -> img.Versions:
+def _versions(binary: criu.CriuBinary, hello: dict[int, contract.HelloReply]) -> img.Versions:
     cann: Optional[str] = None
     simulated = False
     for info in hello.values():
-        a = info.get("acl") or {}
-        if a.get("cann_version"):
-            cann = str(a["cann_version"])
-        if a.get("library"):
-            version, simulated = acl.read_version_info(acl.home_of_library(str(a["library"])))
+        a = info.acl
+        if a.cann_version:
+            cann = a.cann_version
+        if a.library:
+            version, simulated = acl.read_version_info(acl.home_of_library(a.library))
             cann = cann or version
             break
     home: Optional[str] = None
     for info in hello.values():
-        library = (info.get("acl") or {}).get("library")
+        library = info.acl.library
         if library:
-            home = acl.home_of_library(str(library))
+            home = acl.home_of_library(library)
             break
     return img.Versions(
         tool=__version__,
@@ -57,18 +57,17 @@ def _versions(binary: criu.CriuBinary, hello: dict[int, dict[str, Any]]) -> img.
     )
 
 
-def _visible_devices(hello: Optional[dict[str, Any]]) -> Optional[str]:
-    acl = (hello or {}).get("acl")
-    value = acl.get("visible_devices") if isinstance(acl, dict) else None
-    return value if isinstance(value, str) else None
+def _visible_devices(hello: Optional[contract.HelloReply]) -> Optional[str]:
+    return hello.acl.visible_devices if hello is not None else None
 
 
 def _devices(s: DumpState, pid: int) -> list[int]:
     """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
     callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
-    from_callbacks = [int(d) for d in (s.lock_results.get(pid) or {}).get("callback_devices") or []]
-    acl_info = (s.hello.get(pid) or {}).get("acl") or {}
-    return from_callbacks or [int(d) for d in acl_info.get("devices") or []]
+    result = s.lock_results.get(pid)
+    from_callbacks = list(result.lock.callback_devices) if result is not None else []
+    hello = s.hello.get(pid)
+    return from_callbacks or (list(hello.acl.devices) if hello is not None else [])
 
 
 @contextlib.contextmanager
@@ -177,7 +176,7 @@ def _manifest(s: DumpState) -> img.Manifest:
         nbytes = 0
         if p.pid in npu:
             devices = _devices(s, p.pid)
-            nbytes = agent_device_bytes(s.hello.get(p.pid) or {})
+            nbytes = agent_device_bytes(s.hello.get(p.pid))
         socket = p.agent_socket
         if p.pid in s.target.idle and not proctree.named_after(socket, p.pid):
             socket = None  # its parent's, held by a copy that ran no fork handler (yet)
@@ -201,15 +200,12 @@ def _manifest(s: DumpState) -> img.Manifest:
     # The runtime's Lock and Backup apart from npusnap's copy of the device memory, which runs
     # inside the agent's lock (or backup, in the legacy flow) and takes the seconds; an agent
     # that does not report them (an older one) has its whole lock and backup counted as such.
-    lock_times = [_first(r.get("runtime_lock_s"), r.get("lock_elapsed_s")) for r in results.values()]
-    copy_times = [_sum(r.get("lock_device_copy_s"), r.get("device_copy_s")) for r in results.values()]
-    drain_times = [_sum(r.get("lock_drain_s"), r.get("drain_s")) for r in results.values()]
-    backup_times = [
-        None
-        if r.get("elapsed_s") is None
-        else max(0.0, float(r["elapsed_s"]) - float(r.get("device_copy_s") or 0))
-        for r in results.values()
+    lock_times = [r.lock.runtime_lock_s for r in results.values()]
+    copy_times = [
+        _sum(r.lock.device_copy_s, r.backup.device_copy_s if r.backup else None) for r in results.values()
     ]
+    drain_times = [_sum(r.lock.drain_s, r.backup.drain_s if r.backup else None) for r in results.values()]
+    backup_times = [max(0.0, float(r.last.elapsed_s) - float(r.last.device_copy_s)) for r in results.values()]
     stats = s.criu_result.stats if s.criu_result is not None else None
     us = 1e-6
     timings = img.Timings(
@@ -253,18 +249,18 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
     record = dict(s.device_memory)
     processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
     for pid, r in s.lock_results.items():
-        dm = r.get("device_memory") or {}
+        dm = r.device_memory
         entry = processes.setdefault(str(pid), {})
-        entry["saved_bytes"] = int(dm.get("saved_bytes") or 0)
+        entry["saved_bytes"] = dm.saved_bytes or 0
         # "driver": the runtime and driver kept it (args != NULL); "legacy": npusnap's copy
-        entry["flow"] = dm.get("flow")
-        if dm.get("file_bytes"):
+        entry["flow"] = dm.flow
+        if dm.file_bytes:
             # the copy is this file (or this index of chunks), not process memory
             entry["file"] = devchunks.index_rel(pid) if s.chunked else img.device_memory_rel(pid)
-            save = (dm.get("tracking") or {}).get("save") or {}
-            if s.chunked and isinstance(save.get("id"), str) and isinstance(save.get("epoch"), int):
+            save = dm.tracking.save if dm.tracking is not None else None
+            if s.chunked and save is not None:
                 # an incremental save of this process's later dump may start from this one
-                entry["save"] = {"id": save["id"], "epoch": save["epoch"]}
+                entry["save"] = {"id": save.id, "epoch": save.epoch}
                 if pid in s.incremental:
                     entry["base"] = s.incremental[pid].base.image.name
         stats = s.copy_stats.get(pid)
@@ -272,10 +268,10 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
             # copied after the unlock while the job ran: pieces copied first for a write of the
             # job, and in the background
             entry["concurrent"] = {
-                "cow_pieces": int(stats.get("cow_pieces") or 0),
-                "background_pieces": int(stats.get("background_pieces") or 0),
+                "cow_pieces": stats.cow_pieces,
+                "background_pieces": stats.background_pieces,
             }
-        if dm.get("fallback"):
-            entry["fallback"] = dm["fallback"]
+        if dm.fallback:
+            entry["fallback"] = dm.fallback
     record["processes"] = processes
     return record

@@ -31,7 +31,7 @@ def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> 
             continue  # restored stopped, as dumped: it runs no agent code (and was locked by no dump)
         try:
             with AgentClient(p.pid, connect_retry_s=1.0) as client:
-                state = client.status().get("state")
+                state = client.status().state
         except NpusnapError:
             continue  # no agent to ask: nothing was locked through one
         if state not in (None, contract.SnapshotState.RUNNING.name):
@@ -53,14 +53,13 @@ def _state_now(pid: int, group: Optional[DeviceGroup]) -> tuple[Optional[str], s
     st = status_now(pid, group.clients.get(pid) if group is not None else None)
     if st is None:
         return None, ""
-    events = " ".join(str(e) for e in st.get("events") or [])
+    events = " ".join(st.events)
     by = (
         "its agent's lease, which ran out meanwhile,"
         if "lease rollback done" in events
         else "another command"
     )
-    state = st.get("state")
-    return (str(state) if state is not None else None), by
+    return st.state, by
 
 
 def _strip_stay_locked(message: str) -> str:
