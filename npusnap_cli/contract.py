@@ -18,6 +18,8 @@ _C = TypeVar("_C")
 
 if TYPE_CHECKING:
     from dataclasses import dataclass
+
+    from npusnap_cli.jsontypes import JSONValue
 else:
 
     def dataclass(*, frozen: bool) -> Callable[[_C], _C]:
@@ -361,9 +363,9 @@ class Owner:
             since=_str(_member(obj, "since", where), where + ".since"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["command"] = self.command
         out["pid"] = self.pid
         out["since"] = self.since
@@ -417,9 +419,9 @@ class Lease:
             frozen_gaps=_int(_member(obj, "frozen_gaps", where), where + ".frozen_gaps"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["active"] = self.active
         out["lease_s"] = self.lease_s
         out["remaining_s"] = self.remaining_s
@@ -475,9 +477,9 @@ class DevmemSave:
             unchanged=_str(_member(obj, "unchanged", where), where + ".unchanged"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["id"] = self.id
         out["epoch"] = self.epoch
         out["since_used"] = self.since_used
@@ -539,9 +541,9 @@ class DevmemTracking:
             save=_absent(obj, "save", where, DevmemSave.from_json),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["epoch"] = self.epoch
         out["app_bytes"] = self.app_bytes
         out["marks_all"] = self.marks_all
@@ -639,9 +641,9 @@ class DeviceMemory:
             steps=_absent(obj, "steps", where, lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w)))),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["available"] = self.available
         out["mode"] = self.mode
         out["saved"] = self.saved
@@ -718,9 +720,9 @@ class PythonInfo:
             implementation=_str(_member(obj, "implementation", where), where + ".implementation"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["version"] = self.version
         out["executable"] = self.executable
         out["implementation"] = self.implementation
@@ -780,9 +782,9 @@ class AclInfo:
             callback_devices=(lambda v, w: tuple(_int(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "callback_devices", where), where + ".callback_devices"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["loaded"] = self.loaded
         out["library"] = self.library
         out["cann_version"] = self.cann_version
@@ -837,9 +839,9 @@ class HookNames:
             post_unlock=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "post_unlock", where), where + ".post_unlock"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["pre_lock"] = list(self.pre_lock)
         out["post_backup"] = list(self.post_backup)
         out["post_restore"] = list(self.post_restore)
@@ -894,9 +896,9 @@ class HcclComm:
             collectives=_int(_member(obj, "collectives", where), where + ".collectives"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["key"] = self.key
         out["rank"] = self.rank
         out["nranks"] = self.nranks
@@ -979,9 +981,9 @@ class HelloReply:
             device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["agent_version"] = self.agent_version
         out["agent"] = self.agent
         out["protocol_version"] = self.protocol_version
@@ -1061,9 +1063,9 @@ class StatusReply:
             events=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "events", where), where + ".events"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1148,9 +1150,9 @@ class LockReply:
             no_device=_bool(_member(obj, "no_device", where), where + ".no_device"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1223,9 +1225,9 @@ class BackupReply:
             device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1278,9 +1280,9 @@ class RenewReply:
             owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1328,9 +1330,9 @@ class ReleaseReply:
             owner=_nullable(_member(obj, "owner", where), where + ".owner", Owner.from_json),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1384,9 +1386,9 @@ class RestoreReply:
             hooks_run=(lambda v, w: tuple(_str(x, f'{w}[{i}]') for i, x in enumerate(_list(v, w))))(_member(obj, "hooks_run", where), where + ".hooks_run"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1448,9 +1450,9 @@ class UnlockReply:
             device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1517,9 +1519,9 @@ class RollbackReply:
             device_memory=DeviceMemory.from_json(_member(obj, "device_memory", where), where + ".device_memory"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["state"] = self.state
         out["lease"] = self.lease.to_json()
         out["owner"] = None if self.owner is None else self.owner.to_json()
@@ -1575,9 +1577,9 @@ class CopyWaitReply:
             background_pieces=_int(_member(obj, "background_pieces", where), where + ".background_pieces"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["complete"] = self.complete
         out["left"] = self.left
         out["cow_pieces"] = self.cow_pieces
@@ -1620,9 +1622,9 @@ class HcclRootReply:
             root=_str(_member(obj, "root", where), where + ".root"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["root"] = self.root
         return out
 
@@ -1662,9 +1664,9 @@ class HcclRebuildReply:
             elapsed_s=_float(_member(obj, "elapsed_s", where), where + ".elapsed_s"),
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["elapsed_s"] = self.elapsed_s
         return out
 
@@ -1728,9 +1730,9 @@ class ErrorReply:
             owner_sent="owner" in obj,
         )
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> Dict[str, JSONValue]:
         """The JSON object the agent sent, its members in its order."""
-        out: Dict[str, object] = {}
+        out: Dict[str, JSONValue] = {}
         out["code"] = self.code
         out["message"] = self.message
         out["name"] = self.name

@@ -450,6 +450,8 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w("")
     w("if TYPE_CHECKING:")
     w("    from dataclasses import dataclass")
+    w("")
+    w("    from npusnap_cli.jsontypes import JSONValue")
     w("else:")
     w("")
     w("    def dataclass(*, frozen: bool) -> Callable[[_C], _C]:")
@@ -929,9 +931,9 @@ def gen_py_replies(spec: dict[str, Any], w: Any) -> None:
                     w(f"            {n}={dec}({member}, {at}),")
         w("        )")
         w("")
-        w("    def to_json(self) -> Dict[str, object]:")
+        w("    def to_json(self) -> Dict[str, JSONValue]:")
         w('        """The JSON object the agent sent, its members in its order."""')
-        w("        out: Dict[str, object] = {}")
+        w("        out: Dict[str, JSONValue] = {}")
         for f in fields:
             n = f["name"]
             enc = py_encoder(f["base"], f"self.{n}")

@@ -13,6 +13,7 @@ from npusnap_cli import contract
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient, AgentOpError
 from npusnap_cli.errors import BusyError, NpusnapError, StateUnknownError, TargetError
 from npusnap_cli.host import procfs, proctree
+from npusnap_cli.jsontypes import JSONObject
 
 BUSY_RETRY_S = 15.0  # a rollback retries an agent that is still finishing an aborted request
 STATE_NOW_S = 2.0  # a failed rollback asks each agent once more for its state, this long at most
@@ -40,7 +41,7 @@ class NotRolledBack:
     def warnings(self) -> tuple[str, ...]:
         return (self.warning,)
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JSONObject:
         return {"state": self.state, "before": None, "actions": [], "warnings": [self.warning]}
 
 

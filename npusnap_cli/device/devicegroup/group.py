@@ -26,6 +26,7 @@ from npusnap_cli.device.devicegroup.agentops import (
 from npusnap_cli.device.devicegroup.tokens import save_lock_tokens
 from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError
 from npusnap_cli.host import procfs
+from npusnap_cli.jsontypes import JSONObject
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
 
@@ -67,7 +68,7 @@ class LockedAndBackedUp:
     def device_memory(self) -> contract.DeviceMemory:
         return self.last.device_memory
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JSONObject:
         """The lock's answer; after a backup, the backup's with the lock's times and devices."""
         if self.backup is None:
             return self.lock.to_json()
