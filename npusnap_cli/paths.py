@@ -78,6 +78,21 @@ def state_dir() -> Path:
     return Path(base) / "npusnap"
 
 
+def standin_installed(package: str) -> bool:
+    """Whether a stand-in's package (``npusnap_sim``, ``npusnap_workloads``) is installed beside
+    the product: a checkout has both, a node install (scripts/install-node.sh) neither. Looked up,
+    never imported."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+def is_checkout() -> bool:
+    """Whether this npusnap runs from a source checkout (scripts/setup.sh is its fix for what is
+    missing) rather than a node install (scripts/install-node.sh, docs/real-node.md)."""
+    return (REPO_ROOT / "scripts" / "setup.sh").is_file()
+
+
 def native_src_dir() -> Path:
     return REPO_ROOT / "native"
 
