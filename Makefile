@@ -1,5 +1,5 @@
 # The README's two commands. Both set everything up themselves through scripts/setup.sh.
-.PHONY: test demo setup lint unit
+.PHONY: test demo setup lint unit node-wheels
 
 setup:
 	./scripts/setup.sh
@@ -24,3 +24,8 @@ lint: setup
 	.venv/bin/python scripts/check_imports.py
 	.venv/bin/python scripts/check_layers.py --check-doc
 	.venv/bin/python scripts/runbooks.py --check
+
+# The node wheels, x86_64 and aarch64 from the same sources (the other architecture cross-compiled),
+# and pycriu's, into dist/; scripts/install-node.sh installs them on a node (docs/real-node.md).
+node-wheels: setup
+	.venv/bin/python scripts/build_node_wheels.py --arch x86_64 --arch aarch64

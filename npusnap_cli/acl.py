@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from npusnap_cli import contract, elf
+from npusnap_cli import contract, elf, paths
 from npusnap_cli.jsontypes import JSONObject
 
 # -- constants -----------------------------------------------------------------------------------
@@ -268,8 +268,12 @@ def find_cann(ascend_home: Optional[str] = None) -> CannInstall:
         "no CANN installation found (ASCEND_HOME_PATH is not set; "
         + " and ".join(DEFAULT_HOMES)
         + " do not exist)",
-        "source your CANN set_env.sh, pass --ascend-home DIR, "
-        'or use the simulated NPU: eval "$(npusnap sim env)"',
+        "source your CANN set_env.sh or pass --ascend-home DIR"
+        + (
+            ', or use the simulated NPU: eval "$(npusnap sim env)"'
+            if paths.standin_installed("npusnap_sim")
+            else ""
+        ),
     )
 
 

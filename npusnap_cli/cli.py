@@ -16,7 +16,7 @@ import click
 import typer
 import typer.core
 
-from npusnap_cli import __version__
+from npusnap_cli import __version__, paths
 from npusnap_cli.commands import _common
 from npusnap_cli.errors import ExitCode, InterruptedError_, NpusnapError, UsageError
 
@@ -119,13 +119,20 @@ class _LazyGroup(typer.core.TyperGroup):
     _loaded: ClassVar[dict[str, dict[str, click.Command]]] = {}  # module -> its commands, once
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
+        return [name for name in COMMANDS if _installed(name)]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
         entry = COMMANDS.get(cmd_name)
         if entry is None:
             return None
         module = entry[0]
+        if not _installed(cmd_name):
+            raise UsageError(
+                f"`npusnap {cmd_name}` is not installed here: it belongs to the simulated NPU's "
+                "stand-ins, which a node install (scripts/install-node.sh) leaves out",
+                fix="on a node, use its real NPU (docs/real-node.md); for the simulator, use a checkout "
+                "set up with scripts/setup.sh",
+            )
         if module not in self._loaded:
             self._loaded[module] = _commands_of(module)
         return self._loaded[module].get(cmd_name)
@@ -135,9 +142,16 @@ class _LazyGroup(typer.core.TyperGroup):
         rows = [
             (name, click.Command(name, help=summary).get_short_help_str(limit))
             for name, (_m, summary) in COMMANDS.items()
+            if _installed(name)
         ]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+
+def _installed(name: str) -> bool:
+    """A command of the product, or a stand-in's whose package is installed (not on a node)."""
+    module = COMMANDS[name][0]
+    return "." not in module or paths.standin_installed(module.split(".")[0])
 
 
 def load_all() -> None:

@@ -78,6 +78,21 @@ def state_dir() -> Path:
     return Path(base) / "npusnap"
 
 
+def standin_installed(package: str) -> bool:
+    """Whether a stand-in's package (``npusnap_sim``, ``npusnap_workloads``) is installed beside
+    the product: a checkout has both, a node install (scripts/install-node.sh) neither. Looked up,
+    never imported."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+def is_checkout() -> bool:
+    """Whether this npusnap runs from a source checkout (scripts/setup.sh is its fix for what is
+    missing) rather than a node install (scripts/install-node.sh, docs/real-node.md)."""
+    return (REPO_ROOT / "scripts" / "setup.sh").is_file()
+
+
 def native_src_dir() -> Path:
     return REPO_ROOT / "native"
 
@@ -105,8 +120,20 @@ def sim_cann_dir() -> Path:
     return Path(base) if base else build_dir()
 
 
+# Where a node wheel carries the native parts (scripts/build_node_wheels.py), beside the agent's
+# own copy in agent/lib: the attach payload with its gdb driver, and npusnap's CRIU plugin, which
+# scripts/install-node.sh copies into npusnap's plugin directory.
+PACKAGED_ATTACH_DIR = PACKAGE_DIR / "device" / "attach" / "lib"
+PACKAGED_CRIU_PLUGIN = PACKAGE_DIR / "criu" / "plugin" / "npusnap_plugin.so"
+
+
 def attach_payload_path() -> Path:
-    return build_dir() / "attach" / "libnpusnap_attach.so"
+    """The attach payload: the build directory's (a checkout), else the one a node wheel carries."""
+    built = build_dir() / "attach" / "libnpusnap_attach.so"
+    packaged = PACKAGED_ATTACH_DIR / built.name
+    if not built.is_file() and packaged.is_file():
+        return packaged
+    return built
 
 
 def _user_runtime_base(uid: int) -> Path:

@@ -57,7 +57,9 @@ def agent_library() -> Path:
         raise PreflightError(
             f"the native agent library {native.LIBRARY_NAME} is not built",
             why="looked at " + ", ".join(str(p) for p in native.candidates()),
-            fix="run scripts/setup.sh (or `make -C native`) in the npusnap checkout",
+            fix="run scripts/setup.sh (or `make -C native`) in the npusnap checkout"
+            if paths.is_checkout()
+            else "reinstall npusnap from its node wheel (scripts/install-node.sh), which carries it",
         )
     return Path(lib)
 

@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
+from npusnap_cli import paths
 from npusnap_cli.errors import PreflightError
 
 CRIU_MIN_VERSION = (4, 0)
@@ -79,14 +80,21 @@ def find_criu() -> CriuBinary:
         raise PreflightError(
             "CRIU is not installed",
             why="npusnap saves and restores the host side of a process with CRIU 4.0 or newer",
-            fix="run ./scripts/setup.sh as root (it builds CRIU 4.2.1 from source), "
-            "or set NPUSNAP_CRIU=/path/to/criu",
+            fix=(
+                "run ./scripts/setup.sh as root (it builds CRIU 4.2.1 from source), "
+                if paths.is_checkout()
+                else "install CRIU 4.0 or newer (4.2+ on kernels 6.16 and newer) from the distribution or "
+                "from source, "
+            )
+            + "or set NPUSNAP_CRIU=/path/to/criu",
         )
     listing = ", ".join(f"{p} ({v or 'unknown version'})" for p, v in found)
     raise PreflightError(
         f"CRIU is too old: {listing}",
         why="CRIU before 4.0 fails on recent kernels (e.g. 'vdso: Unexpected rt vDSO area bounds')",
-        fix="run ./scripts/setup.sh as root to build and install CRIU 4.2.1 under /usr/local",
+        fix="run ./scripts/setup.sh as root to build and install CRIU 4.2.1 under /usr/local"
+        if paths.is_checkout()
+        else "install CRIU 4.0 or newer (4.2+ on kernels 6.16 and newer), or set NPUSNAP_CRIU=/path/to/criu",
     )
 
 

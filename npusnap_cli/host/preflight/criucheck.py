@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
-from npusnap_cli import criu
+from npusnap_cli import criu, paths
 from npusnap_cli.errors import PreflightError
 from npusnap_cli.host.preflight.items import OK, PROBLEM, WARNING, CheckItem
 
@@ -57,7 +58,10 @@ def check_criu() -> list[CheckItem]:
                 "pycriu",
                 PROBLEM,
                 "pycriu cannot be imported",
-                "run ./scripts/setup.sh (it installs pycriu from the CRIU source into .venv)",
+                _pycriu_fix(
+                    binary.version,
+                    "run ./scripts/setup.sh (it installs pycriu from the CRIU source into .venv)",
+                ),
                 data={"version": None},
             )
         )
@@ -67,13 +71,25 @@ def check_criu() -> list[CheckItem]:
                 "pycriu",
                 PROBLEM,
                 f"pycriu {pyver} does not match criu {binary.version}",
-                "reinstall pycriu from the same CRIU source: ./scripts/setup.sh",
+                _pycriu_fix(binary.version, "reinstall pycriu from the same CRIU source: ./scripts/setup.sh"),
                 data={"version": pyver},
             )
         )
     else:
         items.append(CheckItem("pycriu", OK, f"pycriu {pyver} (matches criu)", data={"version": pyver}))
     return items
+
+
+def _pycriu_fix(version: str, checkout_fix: str) -> str:
+    """pycriu is not on the package index: a checkout's setup builds it; a node install takes the
+    wheel built from the same CRIU source (scripts/build_node_wheels.py --pycriu-src)."""
+    if paths.is_checkout():
+        return checkout_fix
+    return (
+        f"build pycriu from CRIU {version}'s source (make -C <criu-{version}> lib; pip wheel "
+        f"<criu-{version}>/lib) and install it into npusnap's virtualenv: {sys.prefix}/bin/pip install "
+        f"pycriu-{version}-py3-none-any.whl"
+    )
 
 
 def inet_sockets_item(binary: Any) -> CheckItem:
