@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import contract
 from npusnap_cli.jsontypes import JSONObject, JSONValue, obj
@@ -41,15 +41,15 @@ class NpusnapError(Exception):
         *,
         why: str = "",
         fix: str = "",
-        details: Optional[dict[str, Any]] = None,
+        details: Optional[Mapping[str, JSONValue]] = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.why = why
         self.fix = fix
-        # Free-form, but not JSONObject: callers (device/*) put maps keyed by int (a pid, a device)
-        # here, which json.dumps writes with string keys.
-        self.details: dict[str, Any] = dict(details or {})
+        # Free-form JSON: a map keyed by a pid or a device goes in with string keys (as json.dumps
+        # would write it).
+        self.details: JSONObject = dict(details or {})
 
     def to_dict(self) -> JSONObject:
         return {
@@ -133,7 +133,7 @@ def no_space(
     cause: Optional[str] = None,
     why: str = "",
     fix: str = "",
-    details: Optional[dict[str, Any]] = None,
+    details: Optional[Mapping[str, JSONValue]] = None,
 ) -> NoSpaceError:
     """The one report of a full disk: what failed, the filesystem to free, the next step."""
     return NoSpaceError(

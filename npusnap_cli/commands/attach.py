@@ -47,8 +47,9 @@ def register(app: typer.Typer) -> None:
                     if result.stop.get("ptrace_s") is not None
                     else []
                 )
-                if result.stop.get("gil_s") is not None:
-                    parts.append(f"GIL held by the bootstrap {float(result.stop['gil_s']):.3f}s")
+                gil_s = result.stop.get("gil_s")
+                if gil_s is not None:
+                    parts.append(f"GIL held by the bootstrap {float(gil_s):.3f}s")
                 info["target stopped"] = f"{result.stopped_s:.3f}s at most" + (
                     f" ({', '.join(parts)})" if parts else ""
                 )

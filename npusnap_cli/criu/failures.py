@@ -8,6 +8,7 @@ import re
 from typing import Optional
 
 from npusnap_cli.errors import NO_SPACE_ERRNOS, CriuError, ExitCode, NpusnapError, no_space
+from npusnap_cli.jsontypes import JSONObject
 
 # How many trailing log lines an error carries (besides every "Error" line).
 LOG_TAIL_LINES = 20
@@ -133,7 +134,7 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
         fix = f"if that is expected, rerun with {m.group(1)} (as CRIU suggests); details in {log_path}"
         if m.group(1) == "--ext-unix-sk":
             fix = _ext_unix_fix(log_path) or fix
-    details: dict[str, object] = {"criu_log": log_path, "criu_log_excerpt": excerpt}
+    details: JSONObject = {"criu_log": log_path, "criu_log_excerpt": excerpt}
     if errno_:
         details["errno"] = errno_
     free = _free_bytes(os.path.dirname(log_path))
@@ -178,7 +179,7 @@ _INET_OPT_RE = re.compile(r"sockets: Can't get 1:16 opt")
 _NETLOCK_RE = re.compile(r"Failed to lock TCP connection|iptables-restore|Unable to create network lock")
 
 
-def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, dict[str, object]]]:
+def _known_failure(lines: list[str]) -> Optional[tuple[str, str, str, JSONObject]]:
     """CRIU failures whose cause and fix are certain: (reason, why, fix, details), else None."""
     text = "\n".join(lines)
     m = _BAD_SIZE_RE.search(text)

@@ -33,6 +33,7 @@ from npusnap_cli.errors import (
     TargetError,
     no_space,
 )
+from npusnap_cli.jsontypes import JSONObject
 
 R = TypeVar("R")
 
@@ -63,7 +64,7 @@ class AgentOpError(AgentError):
     def __init__(
         self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
     ):
-        details = {"pid": pid, "op": op, "agent_error": error.to_json()}
+        details: JSONObject = {"pid": pid, "op": op, "agent_error": error.to_json()}
         super().__init__(message, why=why, fix=fix, details=details)
         self.pid = pid
         self.op = op
@@ -85,7 +86,7 @@ class AgentDeviceError(DeviceError):
     def __init__(
         self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
     ):
-        details = {"pid": pid, "op": op, "agent_error": error.to_json()}
+        details: JSONObject = {"pid": pid, "op": op, "agent_error": error.to_json()}
         super().__init__(message, why=why, fix=fix, details=details)
         self.pid = pid
         self.op = op

@@ -30,8 +30,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import acl, elf
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
@@ -318,11 +319,19 @@ def _check_machine(pid: int) -> str:
     return gdb
 
 
-def dlopen_in(
-    pid: int, path: str, deadline: float, give_up: Optional[float] = None
-) -> Optional[dict[str, Any]]:
+@dataclass(frozen=True)
+class Loaded:
+    """A library dlopened in the target: on which thread, at which safe point, and how long the
+    target was stopped (TraceWatch, an upper bound)."""
+
+    tid: int
+    safe_point: str  # "syscall:<name>"
+    stopped_s: float
+
+
+def dlopen_in(pid: int, path: str, deadline: float, give_up: Optional[float] = None) -> Optional[Loaded]:
     """Make ``pid`` dlopen ``path`` (as the target sees it) on a thread blocked in a lock-free
-    system call, without gdb reading any symbols; {"tid", "safe_point", "stopped_s"}.
+    system call, without gdb reading any symbols.
 
     Returns None when no thread was at such a point by ``give_up`` (monotonic; default: the
     ``deadline``), so that a caller with another way in can take it; raises on any other failure.
@@ -377,7 +386,7 @@ def dlopen_in(
                             fix="start the program with `npusnap run -- CMD`",
                         )
                     used = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else tid
-                    return {"tid": used, "safe_point": f"syscall:{fields[1]}", "stopped_s": stopped}
+                    return Loaded(tid=used, safe_point=f"syscall:{fields[1]}", stopped_s=stopped)
                 if "NPUSNAP-ATTACH error" in out:
                     raise AgentError(
                         f"loading the agent into pid {pid} failed: "
@@ -396,8 +405,8 @@ def dlopen_in(
             time.sleep(0.01)
 
 
-def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> dict[str, Any]:
-    """dlopen the agent library into ``pid`` through gdb; {"tid", "safe_point", "stopped_s"}."""
+def inject(pid: int, uid: int, gid: int, library: Path, timeout: float) -> Loaded:
+    """dlopen the agent library into ``pid`` through gdb."""
     _check_machine(pid)
     if os.stat(f"/proc/{pid}/root") != os.stat("/"):
         raise TargetError(

@@ -21,6 +21,7 @@ from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
 from npusnap_cli.host import agentrecord, procfs
+from npusnap_cli.jsontypes import JSONObject
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
 
@@ -50,7 +51,7 @@ class ProcInfo:
         """The CANN runtime is loaded or an Ascend device file is open."""
         return self.acl_library is not None or bool(self.device_files)
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "pid": self.pid,
             "ppid": self.ppid,

@@ -19,6 +19,7 @@ from npusnap_cli import criu
 from npusnap_cli.errors import BusyError, CriuError, InterruptedError_, NpusnapError, StateUnknownError
 from npusnap_cli.host import procfs
 from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.jsontypes import array
 from npusnap_cli.pipelines.engine import SignalGuard
 
 STOPPED_LIMIT_S = 10.0  # a restored process stopped (not by us) this long: its agent will not answer
@@ -107,7 +108,7 @@ def restore_stop_guard() -> StopGuard:
 
 def concurrent_restore(err: CriuError, manifest_pids: Iterable[int]) -> Optional[BusyError]:
     """A CRIU restore that failed because another restore took the image's pids first."""
-    excerpt = "\n".join(str(x) for x in err.details.get("criu_log_excerpt") or [])
+    excerpt = "\n".join(str(x) for x in array(err.details.get("criu_log_excerpt")))
     if "File exists" not in excerpt or ("fork" not in excerpt.lower() and "ns_last_pid" not in excerpt):
         return None
     pids = sorted(set(manifest_pids))

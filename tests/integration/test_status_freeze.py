@@ -145,7 +145,7 @@ def test_devicegroup_rolls_back_everyone_when_one_fails(
     with DeviceGroup([a.pid, b.pid], lease_s=30) as group, pytest.raises(BusyError) as info:
         group.lock_and_backup()
     assert info.value.details["pid"] == b.pid and info.value.details["owner"]["command"] == "freeze"
-    assert set(info.value.details["failures"]) == {b.pid}
+    assert set(info.value.details["failures"]) == {str(b.pid)}
     assert "rolled back" in info.value.message
     # Issue 14: the group rolls back only what it locked; b's owner keeps its lock.
     assert state_of(a.pid) == "RUNNING" and state_of(b.pid) == "LOCKED"

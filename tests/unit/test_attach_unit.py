@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import subprocess
 import sys
@@ -12,6 +13,9 @@ import pytest
 
 from npusnap_cli.device import attach
 from npusnap_cli.errors import TargetError
+
+# The module (the package exports its function of the same name, ``inject``).
+injecting = importlib.import_module("npusnap_cli.device.attach.inject")
 
 
 def test_probe_own_process_finds_version() -> None:
@@ -56,3 +60,41 @@ def test_diagnose_describes_threads() -> None:
     assert info["state"] in ("R", "S")
     assert any(t["tid"] == os.getpid() for t in info["threads"])
     assert "ptrace_scope" in info and "gdb" in info
+
+
+def test_diagnose_shows_what_gdb_saw_of_each_thread() -> None:
+    report = {
+        "ok": False,
+        "method": "breakpoint:PyEval_SaveThread",
+        "rounds": 3,
+        "private": "not shown",
+        "threads": [
+            {
+                "tid": os.getpid(),
+                "syscall": "futex",
+                "frames": [{"name": "f", "lib": "libc.so.6"}, {"name": "g"}],
+            }
+        ],
+    }
+    info = attach.diagnose(os.getpid(), report)
+    me = next(t for t in info["threads"] if t["tid"] == os.getpid())
+    assert me["syscall"] == "futex" and me["frames"] == ["f (libc.so.6)", "g"]
+    assert info["gdb_report"] == {"ok": False, "method": "breakpoint:PyEval_SaveThread", "rounds": 3}
+
+
+def test_status_and_report_files_must_hold_a_json_object(tmp_path: Path) -> None:
+    good = tmp_path / "status.json"
+    good.write_text('{"ok": true, "gil_s": 0.0125, "socket": "/run/x.sock"}')
+    status = injecting._json_object(good)
+    assert status == {"ok": True, "gil_s": 0.0125, "socket": "/run/x.sock"}
+    result = injecting.InjectResult(1, "gdb", None, None, status, 0.5, ptrace_stopped_s=0.1)
+    assert result.gil_s == 0.0125 and result.stopped_s == 0.113
+    no_gil = injecting.InjectResult(1, "gdb", None, None, {"ok": True, "gil_s": "soon"}, 0.5)
+    assert no_gil.gil_s is None and no_gil.stopped_s == 0.0
+    wrong = tmp_path / "list.json"
+    wrong.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        injecting._json_object(wrong)
+    (tmp_path / "torn.json").write_text('{"ok": tr')
+    with pytest.raises(ValueError):
+        injecting._json_object(tmp_path / "torn.json")

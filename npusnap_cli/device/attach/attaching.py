@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import contract, paths
 from npusnap_cli.agent import native
@@ -16,6 +16,7 @@ from npusnap_cli.device.attach.bootstrap import AGENT_BODY
 from npusnap_cli.device.attach.inject import DEFAULT_TIMEOUT, diagnose, inject
 from npusnap_cli.device.attach.probe import _check_permissions, _comm, _proc_state, _status_fields, probe
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
+from npusnap_cli.jsontypes import JSONObject, as_str
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,9 @@ class AttachResult:
     # injected): traced by gdb (native_attach.TraceWatch) plus, in a Python target, the time the
     # bootstrap held the GIL. ``stop`` has the parts.
     stopped_s: Optional[float] = None
-    stop: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Optional[float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "pid": self.pid,
             "method": self.method,
@@ -118,11 +119,11 @@ def attach_native(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         python="none",
         socket=hello.socket,
         elapsed_s=time.monotonic() - start,
-        safe_point=done["safe_point"],
-        tid=done["tid"],
+        safe_point=done.safe_point,
+        tid=done.tid,
         hello=hello,
-        stopped_s=done["stopped_s"],
-        stop={"ptrace_s": done["stopped_s"], "gil_s": None},
+        stopped_s=done.stopped_s,
+        stop={"ptrace_s": done.stopped_s, "gil_s": None},
     )
 
 
@@ -164,12 +165,12 @@ def attach(pid: int, timeout: float = DEFAULT_TIMEOUT) -> AttachResult:
         pid=pid,
         method=result.method,
         python=target.version_str,
-        socket=hello.socket or result.status.get("socket"),
+        socket=hello.socket or as_str(result.status.get("socket")),
         elapsed_s=time.monotonic() - start,
         safe_point=result.safe_point,
         tid=result.tid,
         hello=hello,
         notes=tuple(str(n) for n in [result.status.get("note")] if n),
         stopped_s=result.stopped_s,
-        stop={"ptrace_s": result.ptrace_stopped_s, "gil_s": result.status.get("gil_s")},
+        stop={"ptrace_s": result.ptrace_stopped_s, "gil_s": result.gil_s},
     )

@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Optional
 
 from npusnap_cli import paths
 from npusnap_cli.device import native_attach
@@ -26,6 +28,7 @@ from npusnap_cli.device.attach.bootstrap import (
 from npusnap_cli.device.attach.probe import PythonTarget, _proc_state, _read, _status_fields, ptrace_scope
 from npusnap_cli.errors import AgentError, PreflightError, TargetError
 from npusnap_cli.host import procfs
+from npusnap_cli.jsontypes import JSONObject, JSONValue, array, as_int, as_str, obj, req_float
 
 DEFAULT_TIMEOUT = 10.0
 PAYLOAD_NAME = "libnpusnap_attach.so"
@@ -47,17 +50,23 @@ class InjectResult:
     method: str  # "gdb" or "remote_exec"
     safe_point: Optional[str]  # gdb: "breakpoint:<function>" or "syscall:<name>"
     tid: Optional[int]  # gdb: the thread that called dlopen
-    status: dict[str, Any]
+    status: JSONObject  # what the bootstrap reported (bootstrap.py): "ok", "socket", "gil_s", ...
     elapsed_s: float
     # How long the target was stopped by ptrace (native_attach.TraceWatch: an upper bound); None
     # for sys.remote_exec, which does not stop it.
     ptrace_stopped_s: Optional[float] = None
 
     @property
+    def gil_s(self) -> Optional[float]:
+        """How long the bootstrap held the GIL, as it reported it (None: it did not say)."""
+        value = self.status.get("gil_s")
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    @property
     def stopped_s(self) -> float:
         """The longest the job could not run because of the attach (an upper bound): stopped by
         ptrace, then its Python threads waiting while the bootstrap held the GIL."""
-        return round((self.ptrace_stopped_s or 0.0) + float(self.status.get("gil_s") or 0.0), 3)
+        return round((self.ptrace_stopped_s or 0.0) + float(self.gil_s or 0.0), 3)
 
 
 # -- injection -------------------------------------------------------------------------------------
@@ -74,7 +83,7 @@ def inject(target: PythonTarget, body: str, timeout: float = DEFAULT_TIMEOUT) ->
         _write_private(wd.host / BOOTSTRAP_NAME, src.encode(), 0o600, target)
         safe_point: Optional[str] = None
         tid: Optional[int] = None
-        gdb_report: dict[str, Any] = {}
+        gdb_report: JSONObject = {}
         stopped: Optional[float] = None
         if target.method == "remote_exec":
             _remote_exec(target, f"{wd.target}/{BOOTSTRAP_NAME}", deadline)
@@ -82,12 +91,12 @@ def inject(target: PythonTarget, body: str, timeout: float = DEFAULT_TIMEOUT) ->
             _place_payload(target, wd)
             fast = _fast_inject(target, wd, deadline)
             if fast is not None:
-                safe_point, tid, stopped = fast["safe_point"], fast["tid"], fast["stopped_s"]
+                safe_point, tid, stopped = fast.safe_point, fast.tid, fast.stopped_s
             else:
                 gdb_report = _gdb_inject(target, wd, deadline)
-                stopped = gdb_report["stopped_s"]
-                safe_point = gdb_report.get("method")
-                tid = gdb_report.get("tid")
+                stopped = req_float(gdb_report, "stopped_s")
+                safe_point = as_str(gdb_report.get("method"))
+                tid = as_int(gdb_report.get("tid"))
         status = _wait_status(target, wd, deadline, gdb_report)
     return InjectResult(
         pid=target.pid,
@@ -118,7 +127,7 @@ def _place_payload(target: PythonTarget, wd: _Workdir) -> None:
     _write_private(wd.host / PAYLOAD_NAME, payload.read_bytes(), 0o700, target)
 
 
-def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optional[dict[str, Any]]:
+def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optional[native_attach.Loaded]:
     """The payload dlopened on a thread asleep in a lock-free system call, gdb reading no symbols
     (native_attach.dlopen_in): a large job (hundreds of libraries) is stopped a fraction of a
     second instead of the seconds gdb takes to read their symbols. None when it does not apply
@@ -135,13 +144,13 @@ def _fast_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> Optiona
 
 
 def _wait_status(
-    target: PythonTarget, wd: _Workdir, deadline: float, gdb_report: dict[str, Any]
-) -> dict[str, Any]:
+    target: PythonTarget, wd: _Workdir, deadline: float, gdb_report: Mapping[str, JSONValue]
+) -> JSONObject:
     path = wd.host / STATUS_NAME
     while True:
         if path.exists():
             try:
-                status: dict[str, Any] = json.loads(path.read_text())
+                status = _json_object(path)
             except (OSError, ValueError):
                 status = {}
             if status:
@@ -198,7 +207,7 @@ def _remote_exec(target: PythonTarget, script: str, deadline: float) -> None:
         return
     err = proc.stderr.strip()
     last = err.splitlines()[-1] if err else f"exit status {proc.returncode}"
-    details = {"pid": target.pid, "interpreter": exe, "stderr": err[-2000:]}
+    details: JSONObject = {"pid": target.pid, "interpreter": exe, "stderr": err[-2000:]}
     if "not enabled" in err or "disable" in err.lower():
         raise TargetError(
             f"remote debugging is disabled in pid {target.pid}",
@@ -225,7 +234,16 @@ def _remote_exec(target: PythonTarget, script: str, deadline: float) -> None:
     raise AgentError(f"sys.remote_exec into pid {target.pid} failed: {last}", details=details)
 
 
-def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str, Any]:
+def _json_object(path: Path) -> JSONObject:
+    """The JSON object in ``path`` (a status or report our own code in the target wrote: free-form,
+    forwarded in an error's details); ValueError if it is not one."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> JSONObject:
     gdb = find_gdb()
     assert gdb is not None  # _place_payload checked
     script = paths.attach_payload_path().parent / GDB_SCRIPT_NAME
@@ -274,7 +292,7 @@ def _gdb_inject(target: PythonTarget, wd: _Workdir, deadline: float) -> dict[str
             details=dict(diagnose(target.pid), gdb_output=out[-3000:], target_state=_proc_state(target.pid)),
         ) from None
     try:
-        report: dict[str, Any] = json.loads(report_path.read_text())
+        report = _json_object(report_path)
     except (OSError, ValueError):
         raise _gdb_failed(target, out) from None
     report["stopped_s"] = watch.stopped_s(time.monotonic() - t0)
@@ -327,14 +345,14 @@ def _gdb_failed(target: PythonTarget, out: str) -> Exception:
     )
 
 
-def _short_report(report: dict[str, Any]) -> dict[str, Any]:
+def _short_report(report: Mapping[str, JSONValue]) -> JSONObject:
     return {k: report.get(k) for k in ("ok", "method", "tid", "detail", "rounds", "elapsed_s") if k in report}
 
 
-def diagnose(pid: int, gdb_report: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def diagnose(pid: int, gdb_report: Optional[Mapping[str, JSONValue]] = None) -> JSONObject:
     """What the target is doing: process state, wchan, and each thread's top frames if gdb saw them."""
     scope = ptrace_scope()
-    info: dict[str, Any] = {
+    info: JSONObject = {
         "pid": pid,
         "alive": os.path.exists(f"/proc/{pid}"),
         "state": _proc_state(pid),
@@ -343,14 +361,14 @@ def diagnose(pid: int, gdb_report: Optional[dict[str, Any]] = None) -> dict[str,
         "gdb": find_gdb(),
         "tracer_pid": int(_status_fields(pid).get("TracerPid", "0") or 0),
     }
-    threads = []
-    gdb_threads = {t.get("tid"): t for t in (gdb_report or {}).get("threads", [])}
+    threads: list[JSONObject] = []
+    gdb_threads = {obj(t).get("tid"): obj(t) for t in array((gdb_report or {}).get("threads"))}
     try:
         tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         tids = []
     for tid in tids[:64]:
-        entry: dict[str, Any] = {
+        entry: JSONObject = {
             "tid": tid,
             "name": (_read(f"/proc/{pid}/task/{tid}/comm") or "").strip(),
             "state": _proc_state_task(pid, tid),
@@ -361,7 +379,7 @@ def diagnose(pid: int, gdb_report: Optional[dict[str, Any]] = None) -> dict[str,
             entry["syscall"] = seen.get("syscall")
             entry["frames"] = [
                 f"{f.get('name')} ({f.get('lib')})" if f.get("lib") else str(f.get("name"))
-                for f in (seen.get("frames") or [])[:6]
+                for f in map(obj, list(array(seen.get("frames")))[:6])
             ]
         threads.append(entry)
     info["threads"] = threads

@@ -149,8 +149,8 @@ def _state_unknown(failures: dict[int, BaseException], states: dict[int, str]) -
         fix="a human must look: " + " && ".join(commands),
         details={
             "recovery_commands": commands,
-            "failures": {p: _describe(e) for p, e in sorted(failures.items())},
-            "states": {p: states.get(p, "no answer") for p in pids},
+            "failures": {str(p): _describe(e) for p, e in sorted(failures.items())},
+            "states": {str(p): states.get(p, "no answer") for p in pids},
         },
     )
 

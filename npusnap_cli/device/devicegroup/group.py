@@ -168,7 +168,7 @@ class DeviceGroup:
     def _raise_first(failures: dict[int, BaseException], what: str, note: str = "") -> None:
         pid = min(failures)
         err = failures[pid]
-        summary = {p: _describe(e) for p, e in sorted(failures.items())}
+        summary = {str(p): _describe(e) for p, e in sorted(failures.items())}
         if isinstance(err, NpusnapError):
             err.details["failures"] = summary
             if note:
@@ -501,7 +501,7 @@ class DeviceGroup:
         if failures:
             self.hand_over(failures)
             err = _state_unknown(failures, self.states_now(failures))
-            err.details["original_failures"] = {p: _describe(e) for p, e in sorted(original.items())}
+            err.details["original_failures"] = {str(p): _describe(e) for p, e in sorted(original.items())}
             raise err
         # None: this command never locked that process (it failed before its Lock).
         return {p: r.state or "not locked" for p, r in results.items()}

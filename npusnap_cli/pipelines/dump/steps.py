@@ -138,8 +138,9 @@ def _failed(s: DumpState, err: NpusnapError, undone: bool) -> NpusnapError:
     if logs:
         old = err.details.get("criu_log")
         if isinstance(old, str):
-            err.details["criu_log"] = str(Path(logs) / Path(old).name)
-            err.fix = err.fix.replace(old, err.details["criu_log"])
+            moved = str(Path(logs) / Path(old).name)
+            err.details["criu_log"] = moved
+            err.fix = err.fix.replace(old, moved)
         err.details["logs"] = logs
     err.details["partial_image_removed"] = True
     if undone and s.locking:

@@ -314,7 +314,7 @@ def _job_error(
     committed: bool,
     final: Path,
 ) -> NpusnapError:
-    summary = {i: _describe(e) for i, e in sorted(errors.items())}
+    summary = {str(i): _describe(e) for i, e in sorted(errors.items())}
     unknown = [i for i, e in errors.items() if isinstance(e, StateUnknownError)]
     if unknown:
         err: NpusnapError = errors[unknown[0]]  # type: ignore[assignment]

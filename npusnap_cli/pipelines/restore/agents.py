@@ -13,6 +13,7 @@ from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup, status_now
 from npusnap_cli.errors import DeviceError, ImageError, InterruptedError_, NpusnapError
 from npusnap_cli.host import procfs
+from npusnap_cli.jsontypes import as_int, obj
 from npusnap_cli.pipelines import restoreguard
 from npusnap_cli.pipelines.engine import SignalGuard
 from npusnap_cli.pipelines.restore.options import RestoreOptions
@@ -99,15 +100,18 @@ def _restore_and_unlock(
             raise err from None
         err.details.setdefault("restored_root_pid", root_pid)
         err.details.setdefault("criu_restore_log", log)
-        failed = err.details.get("failures") or {int(err.details.get("pid", npu_pids[0])): err.message}
+        # DeviceGroup's failures are keyed by pid (as strings, like in the JSON); else the error's pid.
+        failed = [int(p) for p in obj(err.details.get("failures"))] or [
+            as_int(err.details.get("pid")) or npu_pids[0]
+        ]
         # What the agents say now, not what the failure suggests: a lease that ran out while this
         # restore was stopped (or slow) restored and unlocked its process by itself. Not asked
         # when the restore was told to stop: it answers at once, and its requests are in flight.
         now: dict[int, tuple[Optional[str], str]]
         if isinstance(err, InterruptedError_):
-            now = {int(p): (None, "") for p in failed}
+            now = {p: (None, "") for p in failed}
         else:
-            now = {int(p): _state_now(int(p), group) for p in failed}
+            now = {p: _state_now(p, group) for p in failed}
         running = sorted(p for p, (state, _by) in now.items() if state == contract.SnapshotState.RUNNING.name)
         locked = sorted(p for p in now if p not in running)
         err.details["locked_pids"] = locked
