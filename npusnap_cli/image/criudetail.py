@@ -15,6 +15,7 @@ from typing import Any, Optional, ParamSpec, TypeVar
 
 from npusnap_cli import criu, criuimages
 from npusnap_cli.image import archive, containers
+from npusnap_cli.jsontypes import JSONObject, as_int
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 SOCKET_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket", 3: "raw"}
@@ -53,7 +54,7 @@ def _addr(family: int, addr: tuple[int, ...], port: int) -> str:
     return f"{ip}:{port}"
 
 
-def _describe_file(entry: criuimages.FileEntry) -> dict[str, Any]:
+def _describe_file(entry: criuimages.FileEntry) -> JSONObject:
     """One files.img entry as {"type", "name", ...}."""
     kind = entry.type
     if kind == "REG":
@@ -92,17 +93,18 @@ def _describe_file(entry: criuimages.FileEntry) -> dict[str, Any]:
     return {"type": kind.lower(), "name": "-"}
 
 
-def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]:
+def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> JSONObject:
     """``{"processes", "files", "sockets", "mounts", "stats"}`` of one CRIU images directory;
     ``stats_dir``: where CRIU's ``stats-dump`` is (npusnap keeps it in the image's ``logs/``)."""
     files_by_id = {f.id: f for f in _read(criuimages.files, criu_dir) or []}
     # A connected unix socket names its peer by inode: show the peer's path when it has one.
     unix_names = {f.usk.ino: _unix_name(f.usk.name) for f in files_by_id.values() if f.usk is not None}
     tree = _read(criuimages.pstree, criu_dir) or []
-    processes: list[dict[str, Any]] = []
-    files: list[dict[str, Any]] = []
-    sockets: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = []
+    # Rows for display (and `inspect --json`): a file's and a socket's keys depend on their kind.
+    processes: list[JSONObject] = []
+    files: list[JSONObject] = []
+    sockets: list[JSONObject] = []
+    mounts: list[JSONObject] = []
     mount_ns: set[int] = set()
     for task in tree:
         pid = task.pid
@@ -114,10 +116,10 @@ def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]
         for fd in fds:
             entry = files_by_id.get(fd.id)
             described = _describe_file(entry) if entry else {"type": fd.type.lower(), "name": "-"}
-            row = {"pid": pid, "fd": fd.fd, **described}
-            peer = described.get("peer_inode")
-            if peer and unix_names.get(int(peer), "(unnamed)") != "(unnamed)":
-                row["peer"] = unix_names[int(peer)]
+            row: JSONObject = {"pid": pid, "fd": fd.fd, **described}
+            peer = as_int(described.get("peer_inode"))
+            if peer and unix_names.get(peer, "(unnamed)") != "(unnamed)":
+                row["peer"] = unix_names[peer]
             (sockets if described["type"] == "socket" else files).append(row)
     for ns in sorted(mount_ns):
         for m in _read(criuimages.mounts, criu_dir, ns) or []:
@@ -140,14 +142,14 @@ def describe(criu_dir: Path, stats_dir: Optional[Path] = None) -> dict[str, Any]
     }
 
 
-def dump_stats(directory: Path) -> Optional[dict[str, Any]]:
+def dump_stats(directory: Path) -> Optional[dict[str, int]]:
     """CRIU's dump statistics (``stats-dump``), with bytes beside the page counts."""
     raw = None
     with contextlib.suppress(Exception):
         raw = criu.load_stats(str(directory), criu.STATS_DUMP_FILE)
     if not raw:
         return None
-    out: dict[str, Any] = dict(raw)
+    out = dict(raw)
     for key in ("pages_scanned", "pages_written", "pages_skipped_parent", "pages_lazy", "page_pipes"):
         if key in raw and key != "page_pipes":
             out[key.replace("pages_", "bytes_")] = int(raw[key]) * PAGE
@@ -166,7 +168,7 @@ def _wanted(name: str, size: int) -> Optional[str]:
     return None
 
 
-def describe_archive(path: Path, *, container: bool, prefix: str = "") -> dict[str, Any]:
+def describe_archive(path: Path, *, container: bool, prefix: str = "") -> JSONObject:
     """describe() of an archive (npusnap export, or a container checkpoint's export), read as a
     stream: only CRIU's small metadata images and the statistics are copied out, to a private
     temporary directory that is removed afterwards."""
