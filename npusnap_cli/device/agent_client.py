@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 from npusnap_cli import contract, paths
 from npusnap_cli.device import protocol
@@ -33,7 +33,7 @@ from npusnap_cli.errors import (
     TargetError,
     no_space,
 )
-from npusnap_cli.jsontypes import JSONObject
+from npusnap_cli.jsontypes import JSONObject, JSONValue
 
 R = TypeVar("R")
 
@@ -243,13 +243,13 @@ class AgentClient:
         self._sock = None
 
     # -- requests -----------------------------------------------------------------------------
-    def request(
+    def _request(
         self,
         op: str,
-        args: Optional[dict[str, Any]] = None,
+        args: Optional[JSONObject] = None,
         timeout: Optional[float] = None,
         fd: Optional[int] = None,
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         """Send one request and return its result as the JSON object the agent sent; raise a typed
         error for a failure. ``fd`` goes with the request line (SCM_RIGHTS), for the ops that take
         a file. The methods below decode the result as their op's reply record (``_call``)."""
@@ -314,13 +314,13 @@ class AgentClient:
         self,
         op: str,
         decode: Callable[[object], R],
-        args: Optional[dict[str, Any]] = None,
+        args: Optional[JSONObject] = None,
         timeout: Optional[float] = None,
         fd: Optional[int] = None,
     ) -> R:
-        """``request``, its result decoded once, here, as ``op``'s reply record (``decode``: its
+        """``_request``, its result decoded once, here, as ``op``'s reply record (``decode``: its
         ``from_json``); a result not of that shape is a malformed answer."""
-        result = self.request(op, args, timeout, fd)
+        result = self._request(op, args, timeout, fd)
         try:
             return decode(result)
         except protocol.ProtocolError as exc:
@@ -474,7 +474,7 @@ class AgentClient:
         lineage): the agent copies only the pieces written since (an incremental image);
         ``check_writes``: it copies everything all the same and still says which pieces it could
         have left out (a test of its write tracking)."""
-        args: dict[str, Any] = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
+        args: JSONObject = {"lease_s": lease_s, "owner": {"command": command, "pid": os.getpid()}}
         if since is not None:
             args["device_memory_since"] = since
         if check_writes:
@@ -495,7 +495,7 @@ class AgentClient:
         self.token = result.token
         return result
 
-    def _owned(self, **args: Any) -> dict[str, Any]:
+    def _owned(self, **args: JSONValue) -> JSONObject:
         if self.token is not None:
             args["token"] = self.token
         return args
@@ -531,7 +531,7 @@ class AgentClient:
     ) -> contract.UnlockReply:
         """Unlock; ``device_memory_file``: (fd open for writing, its name): the concurrent copy
         the lock planned goes there, started before the Unlock (``copy_wait`` waits for it)."""
-        args: dict[str, Any] = {"force": True} if force else self._owned()
+        args: JSONObject = {"force": True} if force else self._owned()
         fd = None
         if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file
@@ -548,7 +548,7 @@ class AgentClient:
         )
 
     def rollback(self, force: bool = False) -> contract.RollbackReply:
-        args = {"force": True} if force else self._owned()
+        args: JSONObject = {"force": True} if force else self._owned()
         result = self._call("rollback", contract.RollbackReply.from_json, args)
         self.token = None
         return result

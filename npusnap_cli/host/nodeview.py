@@ -19,7 +19,7 @@ from typing import Optional
 from npusnap_cli import contract, paths
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
-from npusnap_cli.jsontypes import JSONObject, JSONValue, array, obj
+from npusnap_cli.jsontypes import JSONObject, JSONValue
 
 _REPLICA = re.compile(r"^(?P<of>\d+)-[0-9a-f]+$")  # host/pidns.py names a copy's socket PID-TAG.sock
 
@@ -155,19 +155,19 @@ def _ask(pid: int, socket: Path, deadline: float) -> AgentAnswer | str:
         return "not asked: the time for all agents (--timeout) was up"
     try:
         with AgentClient(pid, timeout=left, socket_path=socket, connect_retry_s=0) as client:
-            hello: JSONObject = client.request("hello", timeout=max(0.01, deadline - time.monotonic()))
-            st: JSONObject = client.request("status", timeout=max(0.01, deadline - time.monotonic()))
+            hello = client.hello(timeout=max(0.01, deadline - time.monotonic()))
+            st = client.status(timeout=max(0.01, deadline - time.monotonic()))
     except NpusnapError as exc:
         return exc.message
     return AgentAnswer(
-        state=st.get("state"),
-        lease=st.get("lease"),
-        owner=owner_view(st.get("owner")),
-        devices=tuple(array(obj(hello.get("acl")).get("devices"))),
-        restored=bool(st.get("restored")),
+        state=st.state,
+        lease=st.lease.to_json(),
+        owner=owner_view(None if st.owner is None else st.owner.to_json()),
+        devices=hello.acl.devices,
+        restored=st.restored,
         # The agent's own record (time-stamped, finished): what it did by itself, e.g. a
         # lease that ran out, which it otherwise tells only the job's agent log.
-        events=tuple(array(st.get("events")))[-3:],
+        events=st.events[-3:],
     )
 
 

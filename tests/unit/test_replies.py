@@ -129,7 +129,7 @@ def test_every_op_has_its_reply_record() -> None:
 
 def test_the_client_calls_a_reply_of_the_wrong_shape_malformed(monkeypatch: pytest.MonkeyPatch) -> None:
     client = AgentClient(4242, connect=False)
-    monkeypatch.setattr(client, "request", lambda *a, **kw: dict(replies.STATUS, events="none"))
+    monkeypatch.setattr(client, "_request", lambda *a, **kw: dict(replies.STATUS, events="none"))
     with pytest.raises(AgentError) as exc:
         client.status()
     assert "malformed answer to 'status'" in exc.value.message
