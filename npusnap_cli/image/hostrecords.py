@@ -15,11 +15,21 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import contract, safefs
 from npusnap_cli.errors import ImageError
 from npusnap_cli.image import digest
+from npusnap_cli.jsontypes import (
+    JSONObject,
+    JSONValue,
+    ShapeError,
+    int_list,
+    opt_str,
+    req_bool,
+    req_int,
+    req_str,
+)
 
 # Pseudo or kernel filesystems whose "files" are not data to save.
 NOT_DATA = ("/proc/", "/sys/", "/dev/pts/", contract.AGENT_SOCKET_ROOT_DIR)
@@ -38,20 +48,20 @@ class ExternalStdio:
     kind: str  # "pipe" | "tty"
     peers: tuple[int, ...]  # pids outside the tree that hold it (empty for a tty)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"pid": self.pid, "fd": self.fd, "key": self.key, "kind": self.kind, "peers": list(self.peers)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ExternalStdio:
+    def from_dict(cls, d: Mapping[str, JSONValue]) -> ExternalStdio:
         try:
             return cls(
-                pid=int(d["pid"]),
-                fd=int(d["fd"]),
-                key=str(d["key"]),
-                kind=str(d["kind"]),
-                peers=tuple(int(p) for p in d.get("peers") or ()),
+                pid=req_int(d, "pid"),
+                fd=req_int(d, "fd"),
+                key=req_str(d, "key"),
+                kind=req_str(d, "kind"),
+                peers=int_list(d, "peers", optional=True),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except ShapeError as exc:
             raise ImageError(f"bad external_stdio entry in the manifest: {exc}", fix="dump again") from None
 
 
@@ -75,8 +85,8 @@ class HostFile:
         """Where its copy lives inside the image."""
         return "hostfiles" + self.path
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+    def to_dict(self) -> JSONObject:
+        d: JSONObject = {
             "path": self.path,
             "size": self.size,
             "mode": self.mode,
@@ -89,22 +99,20 @@ class HostFile:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HostFile:
+    def from_dict(cls, d: Mapping[str, JSONValue]) -> HostFile:
         algo, value = digest.from_entry(d, "host_files")
         try:
             f = cls(
-                path=str(d["path"]),
-                size=int(d["size"]),
-                mode=int(d["mode"]),
-                uid=int(d["uid"]),
-                gid=int(d["gid"]),
+                path=req_str(d, "path"),
+                size=req_int(d, "size"),
+                mode=req_int(d, "mode"),
+                uid=req_int(d, "uid"),
+                gid=req_int(d, "gid"),
                 digest=value,
                 algo=algo,
-                remap=d.get("remap", False),
+                remap="remap" in d and req_bool(d, "remap"),
             )
-            if not isinstance(f.remap, bool):
-                raise TypeError(f"remap is {f.remap!r}")
-        except (KeyError, TypeError, ValueError) as exc:
+        except ShapeError as exc:
             raise ImageError(f"bad host_files entry in the manifest: {exc}", fix="dump again") from None
         norm = os.path.normpath(f.path)
         if not f.path.startswith("/") or norm != f.path or ".." in f.path.split("/"):
@@ -132,7 +140,7 @@ class HostNode:
     gid: int
     why: str  # what of the tree needs it: "unix socket /tmp/pymp-x/listener-y", "fifo", ...
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "path": self.path,
             "kind": self.kind,
@@ -143,17 +151,17 @@ class HostNode:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HostNode:
+    def from_dict(cls, d: Mapping[str, JSONValue]) -> HostNode:
         try:
             n = cls(
-                path=str(d["path"]),
-                kind=str(d["kind"]),
-                mode=int(d["mode"]),
-                uid=int(d["uid"]),
-                gid=int(d["gid"]),
-                why=str(d.get("why") or ""),
+                path=req_str(d, "path"),
+                kind=req_str(d, "kind"),
+                mode=req_int(d, "mode"),
+                uid=req_int(d, "uid"),
+                gid=req_int(d, "gid"),
+                why=opt_str(d, "why") or "",
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except ShapeError as exc:
             raise ImageError(f"bad host_nodes entry in the manifest: {exc}", fix="dump again") from None
         if n.kind not in ("dir", "fifo") or not 0 <= n.mode <= 0o7777:
             raise ImageError(f"bad host_nodes entry in the manifest: {d!r}", fix="dump again")

@@ -227,3 +227,30 @@ def test_a_leftover_semaphore_nobody_holds_gets_its_dump_time_value_back(tmp_pat
         assert sem.read_bytes() == b"\x01" * 32
     finally:
         sem.unlink(missing_ok=True)
+
+
+def test_host_records_read_back_what_they_write_and_name_a_bad_field() -> None:
+    stdio = hostrecords.ExternalStdio(pid=7, fd=1, key="pipe:[42]", kind="pipe", peers=(3, 4))
+    assert list(stdio.to_dict()) == ["pid", "fd", "key", "kind", "peers"]
+    assert hostrecords.ExternalStdio.from_dict(stdio.to_dict()) == stdio
+    assert hostrecords.ExternalStdio.from_dict({**stdio.to_dict(), "peers": None}).peers == ()
+    saved = {"path": "/dev/shm/x", "size": 1, "mode": 0o600, "uid": 0, "gid": 0, "sha256": "0" * 64}
+    f = hostrecords.HostFile.from_dict({**saved, "remap": True})
+    assert f.remap and f.to_dict()["remap"] is True and hostrecords.HostFile.from_dict(f.to_dict()) == f
+    node = _node("/tmp/pymp-x")
+    assert hostrecords.HostNode.from_dict(node.to_dict()) == node
+    assert hostrecords.HostNode.from_dict({**node.to_dict(), "why": None}).why == ""
+    bad = [
+        (
+            hostrecords.ExternalStdio,
+            {k: v for k, v in stdio.to_dict().items() if k != "fd"},
+            "'fd' is missing",
+        ),
+        (hostrecords.ExternalStdio, {**stdio.to_dict(), "peers": ["3"]}, "'peers' holds a str"),
+        (hostrecords.HostFile, {**saved, "size": "1"}, "'size' is a str, not an integer"),
+        (hostrecords.HostFile, {**saved, "remap": 1}, "'remap' is a int, not a boolean"),
+        (hostrecords.HostNode, {**node.to_dict(), "uid": True}, "'uid' is a bool, not an integer"),
+    ]
+    for cls, data, why in bad:
+        with pytest.raises(ImageError, match=why):
+            cls.from_dict(data)  # type: ignore[attr-defined]
