@@ -366,11 +366,11 @@ def register(app: typer.Typer) -> None:
         if result.lazy is not None:
             lz = result.lazy
             pages = "every page"
-            if lz.get("pages_total"):
-                pages = f"{lz['pages_copied']} of {lz['pages_total']} pages"
+            if lz.pages_total:
+                pages = f"{lz.pages_copied} of {lz.pages_total} pages"
             out.line(
-                f"lazy restore complete: {pages} paged in by criu lazy-pages (log {lz['daemon_log']}); "
-                f"page files verified: {lz['pages_verified']}"
+                f"lazy restore complete: {pages} paged in by criu lazy-pages (log {lz.daemon_log}); "
+                f"page files verified: {lz.pages_verified}"
             )
         if result.pidfile:
             out.line(f"pid written to {result.pidfile}")

@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Any, Optional
 
@@ -36,6 +37,7 @@ from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import CriuError, ImageError, NpusnapError, PreflightError, UsageError
 from npusnap_cli.image import digest
+from npusnap_cli.jsontypes import JSONObject
 
 
 def check_lazy(image: Path, manifest: img.Manifest, binary: Any) -> None:
@@ -160,6 +162,34 @@ def _kill(pids: list[int]) -> None:
 TEST_HOOK_ENV = "NPUSNAP_TEST_LAZY"
 
 
+@dataclass(frozen=True)
+class LazyReport:
+    """How a lazy page-in went: the restore outcome's ``lazy`` field."""
+
+    daemon_pid: int
+    daemon_log: str
+    daemon_status: Optional[int]  # the lazy-pages daemon's exit status (None: still running)
+    uffds_held: int
+    pages_copied: Optional[int]  # None: the daemon's log did not say
+    pages_total: Optional[int]
+    pages_verified: str
+    complete_s: float
+    killed: Optional[str]  # why the tree was killed
+
+    def to_json(self) -> JSONObject:
+        return {
+            "daemon_pid": self.daemon_pid,
+            "daemon_log": self.daemon_log,
+            "daemon_status": self.daemon_status,
+            "uffds_held": self.uffds_held,
+            "pages_copied": self.pages_copied,
+            "pages_total": self.pages_total,
+            "pages_verified": self.pages_verified,
+            "complete_s": self.complete_s,
+            "killed": self.killed,
+        }
+
+
 class LazyPhase:
     """Watches a lazily restored tree until its memory is complete and verified (see module doc).
 
@@ -254,7 +284,7 @@ class LazyPhase:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> LazyReport:
         """Wait (until the deadline) for every page and every page file's checksum; raise if the
         tree had to be killed; return the report for the outcome's ``lazy`` field."""
         while True:
@@ -280,20 +310,20 @@ class LazyPhase:
         """The restore failed before the tree ran: stop the daemon (CRIU already killed the tree)."""
         self.daemon.close()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> LazyReport:
         done = time.monotonic()
         xfer = self.daemon.transferred()
-        return {
-            "daemon_pid": self.daemon.pid,
-            "daemon_log": self.daemon.log_path,
-            "daemon_status": self.daemon_status,
-            "uffds_held": self.held,
-            "pages_copied": xfer[0] if xfer else None,
-            "pages_total": xfer[1] if xfer else None,
-            "pages_verified": "no (--no-verify)" if self.checksums is None else "while the job ran",
-            "complete_s": round(done - self.start, 6),
-            "killed": self.killed,
-        }
+        return LazyReport(
+            daemon_pid=self.daemon.pid,
+            daemon_log=self.daemon.log_path,
+            daemon_status=self.daemon_status,
+            uffds_held=self.held,
+            pages_copied=xfer[0] if xfer else None,
+            pages_total=xfer[1] if xfer else None,
+            pages_verified="no (--no-verify)" if self.checksums is None else "while the job ran",
+            complete_s=round(done - self.start, 6),
+            killed=self.killed,
+        )
 
     def _ran_for(self) -> str:
         if self.released_at is None or self.killed_at is None:
@@ -301,9 +331,9 @@ class LazyPhase:
         return f"the job had run for {self.killed_at - self.released_at:.2f} s"
 
     def _failure(self) -> NpusnapError:
-        details: dict[str, Any] = {
+        details: JSONObject = {
             "killed_pids": self.pids,
-            "lazy": self.report(),
+            "lazy": self.report().to_json(),
             "criu_restore_log": self.criu_log,
         }
         if self.killed == "checksum":

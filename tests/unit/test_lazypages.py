@@ -13,7 +13,7 @@ import pytest
 from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError
-from npusnap_cli.host.lazypages import check_lazy, open_files, split_page_files, verify_open_files
+from npusnap_cli.host.lazypages import LazyReport, check_lazy, open_files, split_page_files, verify_open_files
 
 
 def _fake_criu(tmp_path: Path, answer: str, rc: int) -> criu.CriuBinary:
@@ -92,3 +92,29 @@ def test_npusnap_check_warns_when_lazy_restore_is_impossible(tmp_path: Path) -> 
     assert "not possible" in item.detail and "plain restore is unaffected" in item.fix
     item = preflight.lazy_pages_item(_fake_criu(tmp_path, "uffd-noncoop is supported", 0))
     assert item.status == preflight.OK and item.data == {"supported": True}
+
+
+def test_the_lazy_report_keeps_its_json_form() -> None:
+    report = LazyReport(
+        daemon_pid=12,
+        daemon_log="/x/lazy-pages.log",
+        daemon_status=None,
+        uffds_held=2,
+        pages_copied=None,
+        pages_total=None,
+        pages_verified="while the job ran",
+        complete_s=0.25,
+        killed=None,
+    )
+    assert list(report.to_json()) == [
+        "daemon_pid",
+        "daemon_log",
+        "daemon_status",
+        "uffds_held",
+        "pages_copied",
+        "pages_total",
+        "pages_verified",
+        "complete_s",
+        "killed",
+    ]
+    assert report.to_json()["uffds_held"] == 2 and report.to_json()["complete_s"] == 0.25

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from npusnap_cli.host.lazypages import LazyReport
+from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 # The pipeline's progress reporting (see callbacks.py); the name is kept for callers.
@@ -61,9 +63,9 @@ class RestoreOutcome:
     criu_log: Optional[str]
     pidfile: Optional[str] = None
     device_memory: Optional[str] = None  # npusnap | application | lost (None: image predates it)
-    lazy: Optional[dict[str, Any]] = None  # --lazy: how the page-in went (LazyPhase.report)
+    lazy: Optional[LazyReport] = None  # --lazy: how the page-in went
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "image": self.image,
             "root_pid": self.root_pid,
@@ -74,5 +76,5 @@ class RestoreOutcome:
             "pidfile": self.pidfile,
             "device_memory": self.device_memory,
             "device_memory_lost": self.device_memory == "lost",
-            "lazy": self.lazy,
+            "lazy": None if self.lazy is None else self.lazy.to_json(),
         }

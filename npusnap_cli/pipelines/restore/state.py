@@ -6,13 +6,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from npusnap_cli import criu
 from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import hostres
-from npusnap_cli.host.lazypages import LazyPhase
+from npusnap_cli.host.lazypages import LazyPhase, LazyReport
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.image import devchunks
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
@@ -56,7 +56,7 @@ class RestoreState:
     device_done: float = 0.0
     pidfile: Optional[str] = None
     pidfile_error: Optional[NpusnapError] = None
-    lazy_report: Optional[dict[str, Any]] = None
+    lazy_report: Optional[LazyReport] = None
 
     @property
     def checked(self) -> Preflight:
@@ -102,7 +102,7 @@ class RestoreState:
                 criu_restore_only_s=stats.restore_time_us * 1e-6 if stats else None,
                 device_restore_s=self.device_done - self.released,
                 total_s=self.device_done - self.start,
-                lazy_complete_s=self.lazy_report["complete_s"] if self.lazy_report else None,
+                lazy_complete_s=self.lazy_report.complete_s if self.lazy_report else None,
             ),
             criu_log=res.log_path,
             pidfile=self.pidfile,
