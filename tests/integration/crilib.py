@@ -447,7 +447,7 @@ class Pod:
         pid = self.host_pid()
         sock = Path(f"/proc/{pid}/root/run/npusnap/{podmanlib.ns_pid(pid)}.sock")
         with AgentClient(pid, socket_path=sock, timeout=10) as c:
-            return c.status()
+            return dict(c.status().to_json())  # the agent's JSON, as tests read it
 
     def wait_unlocked(self, timeout: float = 15) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -66,7 +66,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
             hello = c.hello()
             assert hello.acl.devices == (sim_device,)
             assert hello.acl.devices_source == "aclrtSetDevice (interposed)"
-            locked = c.lock(lease_s=60, command="dump")
+            locked = c.lock(lease_s=60, command="dump").to_json()
             assert locked["state"] == "LOCKED"
             assert locked["callback"] == "registered"
             assert locked["callback_devices"] == [sim_device]  # from npusnap's LOCK_PRE callback
@@ -83,7 +83,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
         criu("restore", "-d", "-D", str(images), log=images / "restore.log")
         assert alive(pid)
         with AgentClient(pid) as c:
-            status = c.status()
+            status = c.status().to_json()
             assert status["state"] == "BACKED_UP"
             assert status["restored"] is True
             # The lease restarts in full: a restore command that dies before Unlock is covered.
@@ -99,7 +99,7 @@ def test_restored_agent_answers_and_restores_the_device(sim: Sim, runtime_dir: P
                 c.unlock()
             assert info.value.name == "RESTORE_REQUIRED"
             assert c.restore().state == "LOCKED"
-            unlocked = c.unlock()
+            unlocked = c.unlock().to_json()
             assert unlocked["state"] == "RUNNING"
             assert unlocked["device_memory"]["steps"] == ["reload device memory", "drop copies"]
             assert unlocked["device_memory"]["gate_closed"] is False
@@ -145,7 +145,7 @@ def test_lease_finishes_a_restore_that_died_after_criu(
                     os.close(fd)
             else:
                 locked = c.lock(lease_s=4)
-            backed = c.backup(lease_s=4)
+            backed = c.backup(lease_s=4).to_json()
         assert bool(backed["device_memory"].get("file_bytes")) == (copy == "file"), (locked, backed)
         if copy == "file":
             assert devmem.stat().st_size == backed["device_memory"]["file_bytes"]
@@ -159,7 +159,7 @@ def test_lease_finishes_a_restore_that_died_after_criu(
             assert time.monotonic() < deadline, f"lease did not finish the restore: {w.stderr()[-2000:]}"
             time.sleep(0.1)
         with AgentClient(pid) as c:
-            status = c.status()
+            status = c.status().to_json()
         assert status["state"] == "RUNNING" and status["restore_pending"] is False
         assert any("lease rollback done" in e for e in status["events"]), status["events"]
         if copy == "file":

@@ -149,7 +149,7 @@ def test_shared_session_is_refused_before_the_lock(
         # Refused before the lock: the job ran on and the agent holds no lease.
         with AgentClient(child) as c:
             status = c.status()
-        assert status["state"] == "RUNNING" and not status["lease"]["active"], status
+        assert status.state == "RUNNING" and not status.lease.active, status
         # With --shell-job the dump works; the image remembers it, and restore needs nothing more.
         rc, out, _ = cli(env, "dump", "--shell-job", str(child), str(img))
         assert rc == ExitCode.OK, out

@@ -32,7 +32,7 @@ def npusnap(*args: str, timeout: float = 60) -> tuple[int, dict[str, Any]]:
 
 def status_of(pid: int) -> dict[str, Any]:
     with AgentClient(pid) as c:
-        return c.status()
+        return dict(c.status().to_json())  # the agent's JSON, as tests read it
 
 
 def test_freeze_twice_refuses_the_second_and_keeps_the_first(

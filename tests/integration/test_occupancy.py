@@ -250,7 +250,7 @@ def test_a_stuck_copy_is_named_by_its_host_pid(
 
             def events() -> str:
                 with AgentClient(copy) as c:
-                    return " ".join(str(e) for e in c.status().get("events") or [])
+                    return " ".join(c.status().events)
 
             wait_until(lambda: "lease rollback FAILED" in events(), 60, "the lease's rollback")
             assert f"run `npusnap thaw {copy}`" in events() and "thaw 1`" not in events(), events()

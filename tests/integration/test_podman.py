@@ -305,7 +305,7 @@ def test_raw_criu_dump_and_restore_with_the_plugin(
         wait_until(lambda: len(_steps(out)) > n + 10, what="steps after restore")
         assert_continuous(_steps(out))
         with AgentClient(pid, timeout=10) as c:
-            st = c.status()
+            st = c.status().to_json()
         assert st["state"] == "RUNNING" and st["owner"] is None and st["restored"] is True
         # The daemon knows the restored process (a new start time) over its new connection.
         owners = [o for o in wire.query_status(sim_env["NPUSIM_SOCKET"])["owners"] if o["pid"] == pid]
@@ -393,7 +393,7 @@ def wait_unlocked_pid(pid: int) -> None:
     def unlocked() -> bool:
         try:
             with AgentClient(pid, timeout=10) as c:
-                st = c.status()
+                st = c.status().to_json()
         except AgentOpError as exc:
             if exc.error.name == "BUSY":
                 return False  # the plugin's rollback helper is talking to the agent right now
@@ -474,7 +474,7 @@ def test_failed_device_restore_is_logged_and_the_lease_finishes_it(
         wait_until(lambda: len(_steps(out)) > n + 10, timeout=30, what="steps after the lease's restore")
         assert_continuous(_steps(out))
         with AgentClient(pid, timeout=10) as c:
-            st = c.status()
+            st = c.status().to_json()
         assert st["state"] == "RUNNING" and st["owner"] is None, st
     finally:
         kill(pid)
