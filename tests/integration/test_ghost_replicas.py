@@ -116,7 +116,8 @@ def test_replicas_of_a_job_holding_a_deleted_file(
         sres = json.loads(s_out)
         assert procs[0].returncode == 0 and sres["ok"], sres.get("error") or s_err
         roots = [int(r["root_pid"]) for r in res["result"]["replicas"]] + [int(sres["result"]["root_pid"])]
-        assert len(set(roots)) == 4 and alive(pid)
+        # (The original may have finished by now on a busy machine: its output is checked below.)
+        assert len(set(roots)) == 4 and pid not in roots
         waits = [w for r in res["result"]["replicas"] for w in r["warnings"]] + sres["warnings"]
         waits = [w for w in waits if "waiting for the CRIU restore" in w]
         assert waits, "no restore waited for another's CRIU"
