@@ -45,7 +45,18 @@ FLOORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "foundation",
         "facts and primitives every floor shares; standard library only",
-        ("__init__", "contract", "errors", "jsontypes", "paths", "elf", "safefs", "units", "host.procfs"),
+        (
+            "__init__",
+            "contract",
+            "replies",
+            "errors",
+            "jsontypes",
+            "paths",
+            "elf",
+            "safefs",
+            "units",
+            "host.procfs",
+        ),
     ),
     (
         "drivers",

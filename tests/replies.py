@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from npusnap_cli import contract
+from npusnap_cli import replies as agent_replies
 
 OWNER: dict[str, Any] = {"command": "dump", "pid": 4242, "since": "2026-01-31T12:00:00Z"}
 LEASE: dict[str, Any] = {
@@ -69,14 +70,14 @@ def merged(base: dict[str, Any], parts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def hello(parts: dict[str, Any] | None = None, **members: Any) -> contract.HelloReply:
-    return contract.HelloReply.from_json(merged(HELLO, {**(parts or {}), **members}))
+def hello(parts: dict[str, Any] | None = None, **members: Any) -> agent_replies.HelloReply:
+    return agent_replies.HelloReply.from_json(merged(HELLO, {**(parts or {}), **members}))
 
 
-def status(parts: dict[str, Any] | None = None, **members: Any) -> contract.StatusReply:
-    return contract.StatusReply.from_json(merged(STATUS, {**(parts or {}), **members}))
+def status(parts: dict[str, Any] | None = None, **members: Any) -> agent_replies.StatusReply:
+    return agent_replies.StatusReply.from_json(merged(STATUS, {**(parts or {}), **members}))
 
 
-def error(type: str, name: str, message: str = "x", code: int = 0, **extra: Any) -> contract.ErrorReply:
+def error(type: str, name: str, message: str = "x", code: int = 0, **extra: Any) -> agent_replies.ErrorReply:
     obj = {"code": code, "message": message, "name": name, "type": type, **extra}
-    return contract.ErrorReply.from_json(obj)
+    return agent_replies.ErrorReply.from_json(obj)

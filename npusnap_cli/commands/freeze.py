@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from npusnap_cli import contract
+from npusnap_cli import replies
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
         out.result({"pid": pid, "processes": _by_pid({p: r.to_json() for p, r in results.items()})})
 
 
-def _lease_text(lease: contract.Lease) -> str:
+def _lease_text(lease: replies.Lease) -> str:
     return f"{lease.remaining_s}s" if lease.active else "none"
 
 

@@ -4,7 +4,7 @@
 and checks with SO_PEERCRED that the process serving it *is* ``pid`` (a squatter that bound the
 name first is refused) and runs as the target's uid or root. Each operation of the protocol is a
 method returning the agent's result, decoded and checked as the contract's reply record of that op
-(``contract.LockReply``, ...): a reply not of its op's shape is an ``AgentError`` like any
+(``replies.LockReply``, ...): a reply not of its op's shape is an ``AgentError`` like any
 malformed answer.
 
 Failures are typed: ``AgentError`` (or ``AgentOpError``) for socket/protocol/hook trouble,
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-from npusnap_cli import contract, paths
+from npusnap_cli import contract, paths, replies
 from npusnap_cli.device import protocol
 from npusnap_cli.errors import (
     NO_SPACE_ERRNOS,
@@ -62,7 +62,7 @@ class AgentOpError(AgentError):
     """The agent answered with an error that is not a device failure (hook, protocol, internal)."""
 
     def __init__(
-        self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
+        self, message: str, *, pid: int, op: str, error: replies.ErrorReply, why: str = "", fix: str = ""
     ):
         details: JSONObject = {"pid": pid, "op": op, "agent_error": error.to_json()}
         super().__init__(message, why=why, fix=fix, details=details)
@@ -84,7 +84,7 @@ class AgentDeviceError(DeviceError):
     """A CANN snapshot call failed inside the target, or the op is not legal in its state."""
 
     def __init__(
-        self, message: str, *, pid: int, op: str, error: contract.ErrorReply, why: str = "", fix: str = ""
+        self, message: str, *, pid: int, op: str, error: replies.ErrorReply, why: str = "", fix: str = ""
     ):
         details: JSONObject = {"pid": pid, "op": op, "agent_error": error.to_json()}
         super().__init__(message, why=why, fix=fix, details=details)
@@ -297,7 +297,7 @@ class AgentClient:
             ) from None
         try:
             reply_id, ok, body = protocol.decode_response(line)
-            error = None if ok else contract.ErrorReply.from_json(body, f"{op} error")
+            error = None if ok else replies.ErrorReply.from_json(body, f"{op} error")
         except protocol.ProtocolError as exc:
             self.close()
             raise self._malformed(op, exc) from None
@@ -347,7 +347,7 @@ class AgentClient:
                 raise ConnectionResetError(errno.ECONNRESET, f"agent closed the connection during {op}")
             self._buf.feed(chunk)
 
-    def _error(self, op: str, error: contract.ErrorReply) -> Exception:
+    def _error(self, op: str, error: replies.ErrorReply) -> Exception:
         kind = error.type
         name = error.name
         message = error.message
@@ -447,11 +447,11 @@ class AgentClient:
         )
 
     # -- one method per operation -------------------------------------------------------------
-    def hello(self, timeout: Optional[float] = None) -> contract.HelloReply:
-        return self._call("hello", contract.HelloReply.from_json, timeout=timeout)
+    def hello(self, timeout: Optional[float] = None) -> replies.HelloReply:
+        return self._call("hello", replies.HelloReply.from_json, timeout=timeout)
 
-    def status(self, timeout: Optional[float] = None) -> contract.StatusReply:
-        return self._call("status", contract.StatusReply.from_json, timeout=timeout)
+    def status(self, timeout: Optional[float] = None) -> replies.StatusReply:
+        return self._call("status", replies.StatusReply.from_json, timeout=timeout)
 
     def lock(
         self,
@@ -463,7 +463,7 @@ class AgentClient:
         since: Optional[str] = None,
         check_writes: bool = False,
         concurrent: int = 0,
-    ) -> contract.LockReply:
+    ) -> replies.LockReply:
         """Lock, recording ``npusnap COMMAND`` (this pid) as the owner; keeps the token.
         ``drain_timeout_s``: how long the agent waits for the devices to finish their queued work
         after Lock (None: its default, 10 s).
@@ -491,7 +491,7 @@ class AgentClient:
         fd = None
         if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file
-        result = self._call("lock", contract.LockReply.from_json, args, fd=fd)
+        result = self._call("lock", replies.LockReply.from_json, args, fd=fd)
         self.token = result.token
         return result
 
@@ -500,19 +500,19 @@ class AgentClient:
             args["token"] = self.token
         return args
 
-    def backup(self, lease_s: Optional[float] = None) -> contract.BackupReply:
-        return self._call("backup", contract.BackupReply.from_json, self._owned(lease_s=lease_s))
+    def backup(self, lease_s: Optional[float] = None) -> replies.BackupReply:
+        return self._call("backup", replies.BackupReply.from_json, self._owned(lease_s=lease_s))
 
-    def renew(self, lease_s: Optional[float] = None) -> contract.RenewReply:
-        return self._call("renew", contract.RenewReply.from_json, self._owned(lease_s=lease_s))
+    def renew(self, lease_s: Optional[float] = None) -> replies.RenewReply:
+        return self._call("renew", replies.RenewReply.from_json, self._owned(lease_s=lease_s))
 
-    def release(self) -> contract.ReleaseReply:
-        return self._call("release", contract.ReleaseReply.from_json, self._owned())
+    def release(self) -> replies.ReleaseReply:
+        return self._call("release", replies.ReleaseReply.from_json, self._owned())
 
-    def restore(self, device_memory_file: Optional[tuple[int, str]] = None) -> contract.RestoreReply:
+    def restore(self, device_memory_file: Optional[tuple[int, str]] = None) -> replies.RestoreReply:
         """Restore; ``device_memory_file``: (fd open for reading, its name) of this process's
         device-memory file in the image, which the agent writes back after Unlock."""
-        decode = contract.RestoreReply.from_json
+        decode = replies.RestoreReply.from_json
         if device_memory_file is None:
             return self._call("restore", decode, self._owned())
         fd, path = device_memory_file
@@ -520,48 +520,48 @@ class AgentClient:
 
     def hccl_root(self, key: str) -> str:
         """New root info (hex) for HCCL communicator ``key``, from the process of its rank 0."""
-        return self._call("hccl_root", contract.HcclRootReply.from_json, {"key": key}).root
+        return self._call("hccl_root", replies.HcclRootReply.from_json, {"key": key}).root
 
-    def hccl_rebuild(self, key: str, root: str) -> contract.HcclRebuildReply:
+    def hccl_rebuild(self, key: str, root: str) -> replies.HcclRebuildReply:
         """Make communicator ``key`` anew from ``root``; returns once every rank joined."""
-        return self._call("hccl_rebuild", contract.HcclRebuildReply.from_json, {"key": key, "root": root})
+        return self._call("hccl_rebuild", replies.HcclRebuildReply.from_json, {"key": key, "root": root})
 
     def unlock(
         self, force: bool = False, device_memory_file: Optional[tuple[int, str]] = None
-    ) -> contract.UnlockReply:
+    ) -> replies.UnlockReply:
         """Unlock; ``device_memory_file``: (fd open for writing, its name): the concurrent copy
         the lock planned goes there, started before the Unlock (``copy_wait`` waits for it)."""
         args: JSONObject = {"force": True} if force else self._owned()
         fd = None
         if device_memory_file is not None:
             fd, args["device_memory_file"] = device_memory_file
-        result = self._call("unlock", contract.UnlockReply.from_json, args, fd=fd)
+        result = self._call("unlock", replies.UnlockReply.from_json, args, fd=fd)
         self.token = None
         return result
 
-    def copy_wait(self, timeout_s: float) -> contract.CopyWaitReply:
+    def copy_wait(self, timeout_s: float) -> replies.CopyWaitReply:
         """Wait at most ``timeout_s`` for the concurrent copy of the device memory: its
         ``complete``, and the pieces ``left``, copied first for a write (``cow_pieces``) and in
         the background (``background_pieces``)."""
         return self._call(
-            "copy_wait", contract.CopyWaitReply.from_json, {"timeout_s": timeout_s}, timeout=timeout_s + 30
+            "copy_wait", replies.CopyWaitReply.from_json, {"timeout_s": timeout_s}, timeout=timeout_s + 30
         )
 
-    def rollback(self, force: bool = False) -> contract.RollbackReply:
+    def rollback(self, force: bool = False) -> replies.RollbackReply:
         args: JSONObject = {"force": True} if force else self._owned()
-        result = self._call("rollback", contract.RollbackReply.from_json, args)
+        result = self._call("rollback", replies.RollbackReply.from_json, args)
         self.token = None
         return result
 
 
-def owner_text(owner: Optional[contract.Owner]) -> str:
+def owner_text(owner: Optional[replies.Owner]) -> str:
     """``npusnap freeze (pid 123) since 2026-...`` for an agent's ``owner`` object."""
     if owner is None:
         return "another program (no npusnap owner recorded)"
     return f"`npusnap {owner.command}` (pid {owner.pid}) since {owner.since}"
 
 
-def locked_error(pid: int, op: str, error: contract.ErrorReply) -> BusyError:
+def locked_error(pid: int, op: str, error: replies.ErrorReply) -> BusyError:
     """The job is locked by someone else: say by whom and since when, and how to go on."""
     owner = error.owner
     who = owner_text(owner)

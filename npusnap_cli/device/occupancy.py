@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from npusnap_cli import acl, contract, paths
+from npusnap_cli import acl, paths, replies
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import devmaps
@@ -103,7 +103,7 @@ def ns_pid(pid: int) -> Optional[int]:
     return None
 
 
-def of_hello(pid: int, hello: contract.HelloReply, simulated: Optional[bool] = None) -> DeviceUse:
+def of_hello(pid: int, hello: replies.HelloReply, simulated: Optional[bool] = None) -> DeviceUse:
     """What the agent's hello of ``pid`` says, in physical devices (``simulated`` None: as the
     CANN installation the process loaded says)."""
     acl_info = hello.acl

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import psutil
 
-from npusnap_cli import acl, contract, paths
+from npusnap_cli import acl, contract, paths, replies
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
@@ -252,7 +252,7 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
         # "program_devices": the ids its program uses, which differ in a container.
         entry.update({"hello": None, "status": None, "agent_error": None, "devices": None})
         entry.update({"program_devices": None, "ns_pid": occupancy.ns_pid(info.pid)})
-        hello: Optional[contract.HelloReply] = None
+        hello: Optional[replies.HelloReply] = None
         if info.has_agent and info.pid not in idle:  # a stopped one's agent cannot answer
             try:
                 with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import pytest
 
-from npusnap_cli import contract, paths
+from npusnap_cli import paths, replies
 from npusnap_cli.agent import native
 from npusnap_cli.device.agent_client import AgentClient, AgentDeviceError, AgentOpError
 from npusnap_cli.errors import AgentError, BusyError
@@ -39,9 +39,9 @@ from tests.integration.agentlib import (
 pytestmark = pytest.mark.integration
 
 
-def wait_state(pid: int, state: str, timeout: float = 10.0) -> contract.StatusReply:
+def wait_state(pid: int, state: str, timeout: float = 10.0) -> replies.StatusReply:
     deadline = time.monotonic() + timeout
-    last: Optional[contract.StatusReply] = None
+    last: Optional[replies.StatusReply] = None
     while time.monotonic() < deadline:
         with AgentClient(pid) as c:
             last = c.status()

@@ -1,4 +1,4 @@
-"""The agent's replies, decoded by the records generated from the contract (npusnap_cli/contract.py)."""
+"""The agent's replies, decoded by the records generated from the contract (npusnap_cli/replies.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from npusnap_cli import contract
+from npusnap_cli import replies as agent_replies
 from npusnap_cli.device import protocol
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import AgentError
@@ -61,7 +62,7 @@ LOCK: dict[str, Any] = {
 
 
 def test_a_good_reply_is_decoded_and_given_back_as_it_came() -> None:
-    lock = contract.LockReply.from_json(json.loads(json.dumps(LOCK)))
+    lock = agent_replies.LockReply.from_json(json.loads(json.dumps(LOCK)))
     assert lock.token == "ab" * 16 and lock.owner is not None and lock.owner.pid == 4242
     tracking = lock.device_memory.tracking
     assert tracking is not None and tracking.lineage == (("00000000000000aa", 1),)
@@ -69,15 +70,15 @@ def test_a_good_reply_is_decoded_and_given_back_as_it_came() -> None:
     assert lock.device_memory.fallback is None and lock.device_memory.steps is None
     # Members in the agent's order, the left-out ones still left out.
     assert json.dumps(lock.to_json()) == json.dumps(LOCK)
-    assert contract.LockReply.from_json(lock.to_json()) == lock
-    assert hash(lock) == hash(contract.LockReply.from_json(LOCK))
+    assert agent_replies.LockReply.from_json(lock.to_json()) == lock
+    assert hash(lock) == hash(agent_replies.LockReply.from_json(LOCK))
 
 
 def test_a_missing_member_is_named_with_its_op() -> None:
     status = replies.merged(replies.STATUS, {})
     del status["lease"]
     with pytest.raises(protocol.ProtocolError) as exc:
-        contract.StatusReply.from_json(status)
+        agent_replies.StatusReply.from_json(status)
     assert exc.value.name == contract.E_BAD_MESSAGE
     assert exc.value.message == "status reply: no member 'lease'"
 
@@ -103,17 +104,17 @@ def test_a_missing_member_is_named_with_its_op() -> None:
 )
 def test_a_member_of_the_wrong_type_is_named(change: dict[str, Any], message: str) -> None:
     with pytest.raises(protocol.ProtocolError) as exc:
-        contract.LockReply.from_json(replies.merged(LOCK, change))
+        agent_replies.LockReply.from_json(replies.merged(LOCK, change))
     assert exc.value.message == message
 
 
 def test_the_error_object_keeps_a_null_owner_apart_from_none() -> None:
     locked = {"code": 0, "message": "m", "name": "ALREADY_LOCKED", "type": "state", "owner": None}
-    assert contract.ErrorReply.from_json(locked).to_json() == locked
+    assert agent_replies.ErrorReply.from_json(locked).to_json() == locked
     plain = {"code": 507906, "message": "m", "name": "ACL_ERROR_SNAPSHOT_LOCK_FAILED", "type": "acl"}
-    assert contract.ErrorReply.from_json(plain).to_json() == plain
+    assert agent_replies.ErrorReply.from_json(plain).to_json() == plain
     hook = dict(plain, type="hook", hook="app.h", stage="pre_lock", exception="ValueError")
-    decoded = contract.ErrorReply.from_json(hook)
+    decoded = agent_replies.ErrorReply.from_json(hook)
     assert (decoded.stage, decoded.owner, decoded.owner_sent) == ("pre_lock", None, False)
 
 
@@ -124,7 +125,7 @@ def test_records_are_frozen() -> None:
 
 
 def test_every_op_has_its_reply_record() -> None:
-    assert set(contract.REPLIES) == set(contract.PROTOCOL_OPS)
+    assert set(agent_replies.REPLIES) == set(contract.PROTOCOL_OPS)
 
 
 def test_the_client_calls_a_reply_of_the_wrong_shape_malformed(monkeypatch: pytest.MonkeyPatch) -> None:

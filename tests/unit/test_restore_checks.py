@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import contract, criu, image, paths
+from npusnap_cli import criu, image, paths
+from npusnap_cli import replies as agent_replies
 from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.errors import BusyError, ExitCode, ImageError, PreflightError
 from npusnap_cli.pipelines import restore
@@ -125,7 +126,7 @@ def _fake_agents(
         def __exit__(self, *a: object) -> None:
             return None
 
-        def hello(self) -> contract.HelloReply:
+        def hello(self) -> agent_replies.HelloReply:
             return replies.hello(hellos[self.pid])
 
     monkeypatch.setattr(occupancy, "AgentClient", FakeClient)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from npusnap_cli import contract, paths
+from npusnap_cli import paths, replies
 from npusnap_cli.agent import native
 from npusnap_cli.device import native_attach
 from npusnap_cli.device.agent_client import AgentClient
@@ -28,7 +28,7 @@ class AttachResult:
     elapsed_s: float
     safe_point: Optional[str] = None
     tid: Optional[int] = None
-    hello: Optional[contract.HelloReply] = None
+    hello: Optional[replies.HelloReply] = None
     notes: tuple[str, ...] = ()  # things the operator should know (reported by the bootstrap)
     # How long the job could not run because of the attach (an upper bound; None: nothing was
     # injected): traced by gdb (native_attach.TraceWatch) plus, in a Python target, the time the
@@ -53,12 +53,12 @@ class AttachResult:
 
 
 # -- attach ----------------------------------------------------------------------------------------
-def _hello(pid: int, timeout: float, retry_s: float) -> contract.HelloReply:
+def _hello(pid: int, timeout: float, retry_s: float) -> replies.HelloReply:
     with AgentClient(pid, timeout=timeout, connect_retry_s=retry_s) as client:
         return client.hello()
 
 
-def existing_agent(pid: int) -> Optional[contract.HelloReply]:
+def existing_agent(pid: int) -> Optional[replies.HelloReply]:
     """The hello answer of an agent already serving ``pid``, or None."""
     if paths.find_agent_socket(pid) is None:
         return None

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Optional, TypeVar, Union
 
-from npusnap_cli import contract
+from npusnap_cli import contract, replies
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient, AgentOpError
 from npusnap_cli.errors import BusyError, NpusnapError, StateUnknownError, TargetError
 from npusnap_cli.host import procfs, proctree
@@ -46,7 +46,7 @@ class NotRolledBack:
 
 
 # What a rollback of one process gives: its agent's answer, or why there was none.
-RollbackResult = Union[contract.RollbackReply, NotRolledBack]
+RollbackResult = Union[replies.RollbackReply, NotRolledBack]
 
 
 def _describe(exc: BaseException) -> str:
@@ -125,7 +125,7 @@ def _rollback_one(
         raise
 
 
-def status_now(pid: int, client: Optional[AgentClient]) -> Optional[contract.StatusReply]:
+def status_now(pid: int, client: Optional[AgentClient]) -> Optional[replies.StatusReply]:
     """The status reply of ``pid``'s agent within STATE_NOW_S, over ``client`` when the caller
     holds a connection to it (the agent answers one client at a time), else over a new one;
     None if it cannot say (a stopped or busy agent, or none)."""

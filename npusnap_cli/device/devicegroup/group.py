@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from npusnap_cli import contract
+from npusnap_cli import contract, replies
 from npusnap_cli.device import protocol
 from npusnap_cli.device.agent_client import AgentClient, owner_text
 from npusnap_cli.device.devicegroup.agentops import (
@@ -49,11 +49,11 @@ class LockedAndBackedUp:
     """One process's answers to ``lock_and_backup``: its lock's, and its backup's (None: it
     was locked only)."""
 
-    lock: contract.LockReply
-    backup: Optional[contract.BackupReply] = None
+    lock: replies.LockReply
+    backup: Optional[replies.BackupReply] = None
 
     @property
-    def last(self) -> Union[contract.LockReply, contract.BackupReply]:
+    def last(self) -> Union[replies.LockReply, replies.BackupReply]:
         return self.backup if self.backup is not None else self.lock
 
     @property
@@ -61,11 +61,11 @@ class LockedAndBackedUp:
         return self.last.state
 
     @property
-    def lease(self) -> contract.Lease:
+    def lease(self) -> replies.Lease:
         return self.last.lease
 
     @property
-    def device_memory(self) -> contract.DeviceMemory:
+    def device_memory(self) -> replies.DeviceMemory:
         return self.last.device_memory
 
     def to_json(self) -> JSONObject:
@@ -85,8 +85,8 @@ class LockedAndBackedUp:
 class RestoredAndUnlocked:
     """One process's answers to ``restore_and_unlock``."""
 
-    restore: contract.RestoreReply
-    unlock: contract.UnlockReply
+    restore: replies.RestoreReply
+    unlock: replies.UnlockReply
 
 
 class DeviceGroup:
@@ -196,13 +196,13 @@ class DeviceGroup:
             client.close()
 
     # -- the steps ----------------------------------------------------------------------------
-    def hello(self) -> dict[int, contract.HelloReply]:
+    def hello(self) -> dict[int, replies.HelloReply]:
         results, failures = self._each(lambda c: c.hello())
         if failures:
             self._raise_first(failures, "hello")
         return results
 
-    def status(self) -> dict[int, contract.StatusReply]:
+    def status(self) -> dict[int, replies.StatusReply]:
         results, failures = self._each(lambda c: c.status())
         if failures:
             self._raise_first(failures, "status")
@@ -218,7 +218,7 @@ class DeviceGroup:
             if pid in self.clients:
                 self.clients[pid].token = token
 
-    def ensure_unlocked(self) -> dict[int, contract.StatusReply]:
+    def ensure_unlocked(self) -> dict[int, replies.StatusReply]:
         """Preflight: refuse (BusyError, nothing changed) if any process is locked or has an owner."""
         refuse_stopped(self.pids, self.command)
         results = self.status()
@@ -367,13 +367,13 @@ class DeviceGroup:
                 raise
         return results
 
-    def renew(self, lease_s: Optional[float] = None) -> dict[int, contract.RenewReply]:
+    def renew(self, lease_s: Optional[float] = None) -> dict[int, replies.RenewReply]:
         results, failures = self._each(lambda c: c.renew(lease_s if lease_s is not None else self.lease_s))
         if failures:
             self._raise_first(failures, "renew")
         return results
 
-    def release(self) -> dict[int, contract.ReleaseReply]:
+    def release(self) -> dict[int, replies.ReleaseReply]:
         results, failures = self._each(lambda c: c.release())
         if failures:
             self._raise_first(failures, "release")
@@ -381,7 +381,7 @@ class DeviceGroup:
 
     def unlock(
         self, force: bool = False, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
-    ) -> dict[int, contract.UnlockReply]:
+    ) -> dict[int, replies.UnlockReply]:
         """Unlock every process; ``device_memory_files``: pid -> (fd, name) where its concurrent
         copy goes (``lock_and_backup(concurrent=...)`` planned it)."""
         files = device_memory_files or {}
@@ -390,12 +390,12 @@ class DeviceGroup:
             self._raise_first(failures, "unlock", f"retry with `npusnap thaw {min(failures)}`")
         return results
 
-    def copy_wait(self, pids: Collection[int], deadline_s: float) -> dict[int, contract.CopyWaitReply]:
+    def copy_wait(self, pids: Collection[int], deadline_s: float) -> dict[int, replies.CopyWaitReply]:
         """Wait for the concurrent copy of each of ``pids`` (those whose unlock carried a file;
         the others have none), at most ``deadline_s`` in all."""
         end = time.monotonic() + deadline_s
 
-        def wait(c: AgentClient) -> Optional[contract.CopyWaitReply]:
+        def wait(c: AgentClient) -> Optional[replies.CopyWaitReply]:
             if c.pid not in pids:
                 return None
             while True:
@@ -411,7 +411,7 @@ class DeviceGroup:
 
     def restore(
         self, device_memory_files: Optional[dict[int, tuple[int, str]]] = None
-    ) -> dict[int, contract.RestoreReply]:
+    ) -> dict[int, replies.RestoreReply]:
         """Restore every process; ``device_memory_files``: pid -> (fd open for reading, its
         name), the image file its agent writes back after Unlock."""
         files = device_memory_files or {}

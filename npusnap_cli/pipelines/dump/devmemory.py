@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from npusnap_cli import contract
+from npusnap_cli import contract, replies
 from npusnap_cli import image as img
 from npusnap_cli.device.devicegroup import LockedAndBackedUp
 from npusnap_cli.errors import DeviceError, ImageError, PreflightError, TargetError
@@ -36,7 +36,7 @@ def _device_memory_in_process() -> bool:
     return os.environ.get("NPUSNAP_DEVMEM_IN_PROCESS") == "1"
 
 
-def _device_memory_file_size(dm: contract.DeviceMemory) -> int:
+def _device_memory_file_size(dm: replies.DeviceMemory) -> int:
     """What an agent's device-memory file will hold at most, from its hello: a 32-byte header,
     24 bytes per allocation, then the bytes of those not excluded (native/agent/devmem.c)."""
     count = dm.allocations or 0
@@ -52,7 +52,7 @@ def _empty_files(files: dict[int, tuple[int, str]]) -> None:
             os.lseek(fd, 0, os.SEEK_SET)
 
 
-def agent_device_bytes(hello: Optional[contract.HelloReply]) -> int:
+def agent_device_bytes(hello: Optional[replies.HelloReply]) -> int:
     """The device memory an agent will copy (its records, less what the application excluded)."""
     if hello is None:
         return 0
@@ -70,7 +70,7 @@ CONTINUITY = {"preserve": "npusnap", "app": "application", "discard": "lost"}
 
 def check_device_memory(
     mode: str,
-    hello: dict[int, contract.HelloReply],
+    hello: dict[int, replies.HelloReply],
     maps: Optional[dict[int, Optional[devmaps.DeviceMemory]]] = None,
 ) -> dict[str, Any]:
     """What keeps each process's device memory across the snapshot; the manifest's record.
@@ -218,9 +218,7 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
     return files
 
 
-def _bases(
-    sharing: devchunks.Sharing, hello: dict[int, contract.HelloReply]
-) -> dict[int, devchunks.BaseSave]:
+def _bases(sharing: devchunks.Sharing, hello: dict[int, replies.HelloReply]) -> dict[int, devchunks.BaseSave]:
     """pid -> the newest earlier image holding a save its agent still knows (the base of an
     incremental save: only what the job wrote since is copied)."""
     bases = {}
@@ -354,7 +352,7 @@ def _meta_size(fd: int) -> int:
 
 
 def _compare_concurrent(
-    pid: int, reference: int, copied: int, stats: Optional[contract.CopyWaitReply]
+    pid: int, reference: int, copied: int, stats: Optional[replies.CopyWaitReply]
 ) -> None:
     """The test of the concurrent copy: each piece it copied (not left poisoned) equals the cut's
     copy bit for bit, and it copied as many as it says."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import __version__, acl, contract, criu
+from npusnap_cli import __version__, acl, criu, replies
 from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError
 from npusnap_cli.host import proctree
@@ -30,7 +30,7 @@ def _sum(*values: Any) -> Optional[float]:
     return sum(known) if known else None
 
 
-def _versions(binary: criu.CriuBinary, hello: dict[int, contract.HelloReply]) -> img.Versions:
+def _versions(binary: criu.CriuBinary, hello: dict[int, replies.HelloReply]) -> img.Versions:
     cann: Optional[str] = None
     simulated = False
     for info in hello.values():
@@ -57,7 +57,7 @@ def _versions(binary: criu.CriuBinary, hello: dict[int, contract.HelloReply]) ->
     )
 
 
-def _visible_devices(hello: Optional[contract.HelloReply]) -> Optional[str]:
+def _visible_devices(hello: Optional[replies.HelloReply]) -> Optional[str]:
     return hello.acl.visible_devices if hello is not None else None
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import contract, criu
+from npusnap_cli import criu, replies
 from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.device.devicegroup import DeviceGroup, LockedAndBackedUp
@@ -81,7 +81,7 @@ class DumpState:
     tmp: Optional[Path] = None  # the image's work directory until it is published
     started: bool = False  # the work directory exists: failures from here on are enriched
     devices: Optional[DeviceGroup] = None
-    hello: dict[int, contract.HelloReply] = field(default_factory=dict)
+    hello: dict[int, replies.HelloReply] = field(default_factory=dict)
     device_memory: dict[str, Any] = field(default_factory=dict)  # the manifest's record
     device_bytes: int = 0  # from the agents' records
     locking: bool = False  # Lock was attempted: a failure from here on was rolled back
@@ -104,7 +104,7 @@ class DumpState:
     # and at the cut as well, compared after: NPUSNAP_TEST_CHECK_CONCURRENT=1).
     concurrent: int = 0
     copy_done: bool = False
-    copy_stats: dict[int, contract.CopyWaitReply] = field(default_factory=dict)
+    copy_stats: dict[int, replies.CopyWaitReply] = field(default_factory=dict)
     criu_options: CriuOptions = field(default_factory=CriuOptions)
     criu_result: Optional[criu.DumpResult] = None
     criu_s: float = 0.0  # CRIU's own run
