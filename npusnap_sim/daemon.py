@@ -157,8 +157,16 @@ class Daemon:
         keep_contents: bool = False,
         driver_snapshot: bool = False,
         driver_version: int = 1,
+        faults: int = 0,
     ) -> None:
         self.sock_path = sock_path
+        # NPUSIM_NODE_FAULT's bits (wire.FAULTS): the node misbehaves as a real one might; 0 normally.
+        self.faults = faults
+        # The name of the memfds of device memory, which /proc/PID/maps shows as /memfd:NAME: the
+        # simulator's stand-in for the driver's /dev/svm0 mappings. The fault "mapname" is a
+        # driver that maps device memory through another node (a renamed SVM device, a driver
+        # that maps it anonymously): npusnap's classifier (host/devmaps.py) does not know it.
+        self.map_name = "npusim-hbm" if faults & wire.CONFIG_FAULT_MAPNAME else "npusim-dev"
         # The driver feature that the driver-backed flow (args != NULL) needs; off by default, as
         # on every released driver. Its version is what Restore compares with Backup's.
         self.driver_snapshot = driver_snapshot
@@ -191,7 +199,7 @@ class Daemon:
         for d in [dev] if dev else self.devices:
             for addr in [a for a, al in d.allocs.items() if al.owner == owner]:
                 if reusable is None:
-                    reusable = not _maps_device_memory(owner[0])
+                    reusable = not _maps_device_memory(owner[0], self.map_name)
                 self._drop(d, addr, keep=reusable)
             if owner in d.owners:
                 d.owners.remove(owner)
@@ -344,7 +352,7 @@ class Daemon:
             # Named after the device only, as a real device's mapping is named after its node
             # (/dev/svm0) whatever it holds: a memfd from the pool serves other addresses later
             # (a Restore), and a restored process must see its mappings under their old names.
-            fd = os.memfd_create(f"npusim-dev{dev.id}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"{self.map_name}{dev.id}", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
             except BaseException:
@@ -486,6 +494,7 @@ class Daemon:
             "keep_contents": self.keep_contents,
             "driver_snapshot": self.driver_snapshot,
             "driver_version": self.driver_version,
+            "faults": sorted(n for n, bit in wire.FAULTS.items() if self.faults & bit),
             "clients": self.clients,
             "devices": devs,
             "device_nodes": self.dev_dir,
@@ -604,7 +613,7 @@ class Daemon:
             value = wire.CONFIG_KEEP_CONTENTS if self.keep_contents else 0
             if self.driver_snapshot:
                 value |= wire.CONFIG_DRIVER_SNAPSHOT
-            return 0, value | (self.driver_version << 16)
+            return 0, value | self.faults | (self.driver_version << 16)
         if op == wire.OP_FREE:
             d = self._device_of(a, owner)
             al = d.allocs.get(a) if d else None
@@ -727,13 +736,14 @@ def _memory_to_spare(size: int) -> bool:
     return avail - size >= max(2 * GiB, total // 5)
 
 
-def _maps_device_memory(pid: int) -> bool:
+def _maps_device_memory(pid: int, map_name: str = "npusim-dev") -> bool:
     """Whether ``pid`` may still map a device allocation (then its memfds are never reused). A
     process that exited has released its mappings before its device connection closes (the kernel
     drops a process's memory before its files), so its /proc maps are empty or gone."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
-            return any(b"memfd:npusim-dev" in line for line in f)
+            needle = b"memfd:" + map_name.encode()
+            return any(needle in line for line in f)
     except OSError:
         return False
 
@@ -802,6 +812,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.devices < 1 or args.devices > 64 or args.capacity < 1:
         ap.error("--devices must be 1..64 and --capacity positive")
+    try:
+        faults = wire.node_faults(os.environ.get(wire.NODE_FAULT_ENV, ""))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if faults:
+        log(
+            f"node fault: {os.environ[wire.NODE_FAULT_ENV]} "
+            "(this node breaks npusnap's assumptions on purpose)"
+        )
     return Daemon(
         args.socket,
         args.devices,
@@ -810,6 +829,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.keep_contents,
         args.driver_snapshot,
         args.driver_version,
+        faults,
     ).serve()
 
 

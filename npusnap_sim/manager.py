@@ -138,12 +138,15 @@ def start(
     keep_contents: bool = False,
     driver_snapshot: bool = False,
     driver_version: int = 1,
+    fault: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Build if needed and start the daemon unless one already answers. Returns its status plus
     ``started`` (False when one was already running; its configuration is then left as it is).
 
     ``keep_contents`` makes Restore bring back allocation contents, which CANN's Restore does not
-    do: only for experiments with a future driver; the demo, tests and benchmarks never use it."""
+    do: only for experiments with a future driver; the demo, tests and benchmarks never use it.
+    ``fault``: the daemon's NPUSIM_NODE_FAULT (None: this process's, if set), a node that breaks
+    one of npusnap's assumptions on purpose (docs/simulator.md, "Faults of the node")."""
     if devices < 1 or devices > 64:
         raise PreflightError(f"--devices must be between 1 and 64, not {devices}", fix="pick 1..64")
     if capacity_bytes < 1:
@@ -168,6 +171,8 @@ def start(
         if driver_version != 1:
             cmd += ["--driver-version", str(driver_version)]
         child_env = dict(os.environ)
+        if fault is not None:
+            child_env[wire.NODE_FAULT_ENV] = fault
         pkg_parent = str(Path(__file__).resolve().parent.parent)  # holds npusnap_sim and npusnap_cli
         child_env["PYTHONPATH"] = pkg_parent + (
             ":" + child_env["PYTHONPATH"] if child_env.get("PYTHONPATH") else ""

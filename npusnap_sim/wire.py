@@ -40,6 +40,33 @@ OP_MAP = contract.SIM_OP_MAP  # a, n -> the allocation's memfd (SCM_RIGHTS) and 
 CLAIM_EXCLUSIVE = contract.SIM_CLAIM_EXCLUSIVE  # OP_CLAIM's b: no other live process on the device
 CONFIG_KEEP_CONTENTS = contract.SIM_CONFIG_KEEP_CONTENTS  # Restore brings back contents (not CANN's)
 CONFIG_DRIVER_SNAPSHOT = contract.SIM_CONFIG_DRIVER_SNAPSHOT  # driver-backed flow; version << 16
+# Faults of the simulated node: NPUSIM_NODE_FAULT=name[,name...] in the daemon's environment (read
+# at its start, by nothing else), passed to each process's libraries in OP_CONFIG's value. Each
+# makes the node behave as a real node that breaks one assumption of npusnap might
+# (docs/simulator.md, "Faults of the node"); `npusnap qualify` must then fail that check.
+NODE_FAULT_ENV = "NPUSIM_NODE_FAULT"
+FAULTS = {
+    "mapname": contract.SIM_CONFIG_FAULT_MAPNAME,  # device memory mapped under another name
+    "dropcopy": contract.SIM_CONFIG_FAULT_DROPCOPY,  # a copy to the host while locked drops bytes
+    "movevmm": contract.SIM_CONFIG_FAULT_MOVEVMM,  # Restore puts a VMM range at another address
+    "untracked": contract.SIM_CONFIG_FAULT_UNTRACKED,  # huge-page allocations bypass halMemAlloc
+}
+CONFIG_FAULT_MAPNAME = contract.SIM_CONFIG_FAULT_MAPNAME
+
+
+def node_faults(value: str) -> int:
+    """The bits of an NPUSIM_NODE_FAULT value (names separated by commas); ValueError on an
+    unknown name."""
+    bits = 0
+    for name in (n.strip() for n in value.split(",")):
+        if not name:
+            continue
+        if name not in FAULTS:
+            raise ValueError(f"{NODE_FAULT_ENV}: unknown fault {name!r} (known: {', '.join(FAULTS)})")
+        bits |= FAULTS[name]
+    return bits
+
+
 ALLOC_POISON = contract.SIM_ALLOC_POISON  # OP_ALLOC_AT's b: fill the allocation with the poison
 POISON = struct.pack("<I", contract.SIM_POISON_WORD)  # as little-endian 32-bit words
 

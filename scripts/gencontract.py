@@ -160,6 +160,7 @@ def pairs(spec: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, 
         "poison_word",
     ):
         ints.append((f"NPUSIM_{k.upper()}", f"SIM_{k.upper()}"))
+    ints += [(f"NPUSIM_CONFIG_FAULT_{n}", f"SIM_CONFIG_FAULT_{n}") for n in sw["config_faults"]]
     ints += [(f"NPUSIM_{k.upper()}", f"SIM_{k.upper()}") for k in ("addr_base", "addr_span", "align")]
     strs += [
         (f"NPUSIM_SOCKET_{k.upper()}", f"SIM_SOCKET_{k.upper()}")
@@ -359,6 +360,8 @@ def gen_c(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"#define NPUSIM_CLAIM_EXCLUSIVE {sw['claim_exclusive']}u")
     w(f"#define NPUSIM_CONFIG_KEEP_CONTENTS {sw['config_keep_contents']}u")
     w(f"#define NPUSIM_CONFIG_DRIVER_SNAPSHOT {sw['config_driver_snapshot']}u")
+    for n, v in sw["config_faults"].items():
+        w(f"#define NPUSIM_CONFIG_FAULT_{n} {v:#x}u")
     w(f"#define NPUSIM_ALLOC_POISON {sw['alloc_poison']}u")
     w(f"#define NPUSIM_POISON_WORD {sw['poison_word']:#X}u".replace("0X", "0x"))
     w(f"#define NPUSIM_ADDR_BASE ((uint64_t){sw['addr_base']:#x})")
@@ -590,6 +593,8 @@ def gen_py(spec: dict[str, Any], structs: list[dict[str, Any]]) -> str:
     w(f"SIM_CLAIM_EXCLUSIVE = {sw['claim_exclusive']}")
     w(f"SIM_CONFIG_KEEP_CONTENTS = {sw['config_keep_contents']}")
     w(f"SIM_CONFIG_DRIVER_SNAPSHOT = {sw['config_driver_snapshot']}")
+    for n, v in sw["config_faults"].items():
+        w(f"SIM_CONFIG_FAULT_{n} = {v:#x}")
     w(f"SIM_ALLOC_POISON = {sw['alloc_poison']}")
     w(f"SIM_POISON_WORD = {sw['poison_word']:#X}".replace("0X", "0x"))
     w(f"SIM_ADDR_BASE = {sw['addr_base']:#x}")

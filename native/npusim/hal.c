@@ -81,6 +81,13 @@ static double g_link_mbps;    /* the daemon's --bandwidth-mbps, from its last MA
 static double g_file_mbps = -1.0;
 static double g_file_read_at = -10.0;
 static int g_copying; /* copies in flight that may use kept mappings (g_mu) */
+/* The node's faults (NPUSIM_CONFIG_FAULT_* of the daemon's configuration word, read when a device
+ * opens), and whether the runtime holds its snapshot lock (npusimHalSnapshotLocked): see
+ * docs/simulator.md, "Faults of the node". Both under g_mu. */
+static uint64_t g_faults;
+static int g_rt_locked;
+#define FAULT_MASK (NPUSIM_CONFIG_FAULT_MAPNAME | NPUSIM_CONFIG_FAULT_DROPCOPY | NPUSIM_CONFIG_FAULT_MOVEVMM | \
+                    NPUSIM_CONFIG_FAULT_UNTRACKED)
 static struct deferred_unmap {
     void *p;
     size_t n;
@@ -88,6 +95,8 @@ static struct deferred_unmap {
 static size_t g_ndeferred, g_deferred_cap;
 
 /* ---------------------------------------------------------------- helpers */
+
+static uint64_t daemon_config(void);
 
 /* NPUSIM_COPY_MBPS (a per-process fault: a slow link) from the environment, else from
  * NPUSIM_FAULT_FILE, read again at most every 200 ms so that a test can switch it in a running
@@ -509,11 +518,20 @@ static drvError_t transfer(uint64_t dst, uint64_t src, uint64_t n, int fill, uin
     if (ddev) st = dev_ptr(dst, n, 1, &dp, &b1, &l1);
     if (st == 0 && sdev) st = dev_ptr(src, n, 0, &sp, &b2, &l2);
     double mbps = fill ? 0.0 : pace_mbps();
+    /* The fault "dropcopy": a copy from the device to the host while the runtime is locked moves
+     * only its first half and reports success, as a driver whose DMA engine is stopped with the
+     * runtime's task schedulers would when it returns before the transfer drained. The copy's
+     * tail in host memory keeps what it held before. */
+    uint64_t moved = n;
+    pthread_mutex_lock(&g_mu);
+    if ((g_faults & NPUSIM_CONFIG_FAULT_DROPCOPY) && g_rt_locked && sdev && !ddev && n >= 8192)
+        moved = (n / 2) & ~(uint64_t)4095;
+    pthread_mutex_unlock(&g_mu);
     int unlocked = mbps <= 0;
     if (unlocked) pthread_mutex_unlock(&g_io);
     if (st == 0) {
         if (fill) memset(dp, value, n);
-        else paced_move(dp, sp, n, mbps);
+        else paced_move(dp, sp, moved, mbps);
     }
     if (b1) munmap(b1, l1);
     if (b2) munmap(b2, l2);
@@ -534,8 +552,10 @@ drvError_t halDeviceOpen(uint32_t devid, halDevOpenIn *in, halDevOpenOut *out) {
     drvError_t rc;
     if (io_connect() != 0) rc = DRV_ERROR_NO_DEVICE;
     else rc = status_to_drv(io_rpc(NPUSIM_OP_CLAIM, (int32_t)devid, 0, 0, 0, NULL, 0, NULL));
+    uint64_t faults = rc == DRV_ERROR_NONE ? daemon_config() & FAULT_MASK : 0;
     pthread_mutex_lock(&g_mu);
     if (rc == DRV_ERROR_NONE) {
+        g_faults = faults;
         g_open[devid] = 1;
         g_backed_up = 0; /* the device is open again: mappings may be kept */
     }
@@ -606,6 +626,38 @@ drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long fl
     drvError_t rc = daemon_alloc(dev, size, R_ALLOC, &r);
     if (rc == DRV_ERROR_NONE) *pp = (void *)(uintptr_t)r->addr;
     return rc;
+}
+
+/* The simulator's stand-in for a driver entry point that allocates device memory without going
+ * through halMemAlloc (older drivers' huge-page allocators, a newer driver's allocation call): the
+ * runtime uses it only on a node with the fault "untracked" (npusimHalNodeFaults), for
+ * ACL_MEM_MALLOC_HUGE_ONLY. The memory is the same as halMemAlloc's and halMemFree frees it; what
+ * differs is that an interposer of halMemAlloc never sees it. */
+drvError_t npusimHalMemAllocHuge(void **pp, unsigned long long size, unsigned long long flag) {
+    if (!pp || size == 0) return DRV_ERROR_INVALID_VALUE;
+    int32_t dev = (int32_t)(flag & MEM_DEVID_MASK);
+    if (dev >= MAX_DEV) return DRV_ERROR_INVALID_DEVICE;
+    struct region *r;
+    drvError_t rc = daemon_alloc(dev, size, R_ALLOC, &r);
+    if (rc == DRV_ERROR_NONE) *pp = (void *)(uintptr_t)r->addr;
+    return rc;
+}
+
+/* The node's faults, as the daemon's configuration word had them when a device was opened. */
+unsigned long long npusimHalNodeFaults(void) {
+    pthread_mutex_lock(&g_mu);
+    uint64_t f = g_faults;
+    pthread_mutex_unlock(&g_mu);
+    return f;
+}
+
+/* The runtime says when its snapshot lock is held (LOCKED or BACKED_UP) and when not: a real
+ * driver learns it as the runtime stops and starts its task schedulers. Only the fault
+ * "dropcopy" looks at it. */
+void npusimHalSnapshotLocked(int locked) {
+    pthread_mutex_lock(&g_mu);
+    g_rt_locked = locked;
+    pthread_mutex_unlock(&g_mu);
 }
 
 static drvError_t daemon_free(uint64_t addr, int kind) {
@@ -1016,6 +1068,22 @@ drvError_t halProcessResRestore(halProcResRestoreInfo *info) {
             if (rc == DRV_ERROR_NONE && region_rw(r, r->backup, 1) != 0) rc = DRV_ERROR_INNER_ERR;
         }
     }
+    /* The fault "movevmm": every reserved range comes back at a new address, with its mappings
+     * moved along, as a driver that takes the address of a reservation as a hint at Restore (as
+     * aclrtReserveMemAddress does with expectPtr) and finds it taken would give it. The program's
+     * pointers into the old range then reach nothing. */
+    pthread_mutex_lock(&g_mu);
+    int move = rc == DRV_ERROR_NONE && (g_faults & NPUSIM_CONFIG_FAULT_MOVEVMM);
+    for (size_t i = 0; move && i < g_nregs; i++) {
+        struct region *r = g_regs[i];
+        if (r->kind != R_RESV) continue;
+        uint64_t at = (g_vmm_next + VMM_GRAN - 1) & ~(VMM_GRAN - 1);
+        g_vmm_next = at + r->size;
+        for (size_t k = 0; k < r->nmaps; k++) r->maps[k].va = r->maps[k].va - r->addr + at;
+        r->addr = at;
+        r->was_map = NULL;
+    }
+    pthread_mutex_unlock(&g_mu);
     /* Device memory comes back at its device addresses, and the process's views of it at the
      * host addresses they had: as mappings of a real device do, and as a program (or CRIU's own
      * tests, comparing /proc/self/maps across a restore) may expect. Where another mapping took

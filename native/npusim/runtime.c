@@ -777,6 +777,11 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     uint32_t drv;
     int32_t rc = drv_dev(dev, &drv);
     if (rc != ACL_SUCCESS) return rc;
+    /* On a node with the fault "untracked" (docs/simulator.md), ACL_MEM_MALLOC_HUGE_ONLY (1) goes
+     * through a driver entry point that is not halMemAlloc, as a runtime that allocates huge pages
+     * through another driver call would. */
+    if (type == 1 && (npusimHalNodeFaults() & NPUSIM_CONFIG_FAULT_UNTRACKED))
+        return drv_to_acl(npusimHalMemAllocHuge(devPtr, size, MEM_DEV | (unsigned long long)drv));
     return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)drv));
 }
 
@@ -1280,6 +1285,7 @@ static void set_state(int s) {
     g_state = s;
     pthread_cond_broadcast(&g_cv);
     pthread_mutex_unlock(&g_mu);
+    npusimHalSnapshotLocked(s != ST_RUNNING);
 }
 
 static int32_t cb_add(int stage, npusim_callback cb, void *args) {

@@ -46,10 +46,12 @@ def _restore_env(key: str, value: Optional[str]) -> None:
 
 
 @contextlib.contextmanager
-def private_sim(devices: int, capacity_bytes: int) -> Iterator[dict[str, str]]:
+def private_sim(devices: int, capacity_bytes: int, fault: Optional[str] = None) -> Iterator[dict[str, str]]:
     """A simulated NPU of its own: builds it, starts a daemon on a socket of its own, yields the
     environment for child processes (ASCEND_HOME_PATH, LD_LIBRARY_PATH, NPUSIM_SOCKET) and stops
-    the daemon at the end. This process's own NPUSIM_SOCKET is left as it was meanwhile."""
+    the daemon at the end. This process's own NPUSIM_SOCKET is left as it was meanwhile.
+    ``fault``: the node's fault (the daemon's NPUSIM_NODE_FAULT; docs/simulator.md), which only
+    the daemon's environment gets."""
     manager.ensure_built()
     # Not pytest's tmp_path: AF_UNIX paths are limited to 108 bytes and pytest's are long.
     sock_dir = Path(tempfile.mkdtemp(prefix="npusim-"))
@@ -57,7 +59,7 @@ def private_sim(devices: int, capacity_bytes: int) -> Iterator[dict[str, str]]:
     saved = os.environ.get("NPUSIM_SOCKET")
     os.environ["NPUSIM_SOCKET"] = sock  # manager resolves the socket from the environment
     try:
-        manager.start(devices=devices, capacity_bytes=capacity_bytes)
+        manager.start(devices=devices, capacity_bytes=capacity_bytes, fault=fault or "")
         env = dict(os.environ)
         env.update(manager.env())
     except BaseException:
