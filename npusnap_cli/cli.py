@@ -31,6 +31,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "check",
         "Check that this host can dump and restore NPU processes (CRIU, pycriu, privileges, CANN).",
     ),
+    "qualify": (
+        "qualify",
+        "Prove or refute on this node, with a probe program of its own on an idle device, each "
+        "assumption npusnap makes of an Ascend node.",
+    ),
     "run": ("run", "Run CMD with an npusnap agent in every process it starts, Python or not."),
     "attach": (
         "attach",

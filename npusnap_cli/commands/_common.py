@@ -127,6 +127,10 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         'eval "$(npusnap sim env)"; npusnap check     # with the simulated NPU',
         "npusnap check --json | jq '.result.checks[] | select(.status != \"ok\")'",
     ),
+    "qualify": (
+        "npusnap qualify                       # as root, on an idle device 0",
+        "npusnap qualify --device 1 --report qualify.json",
+    ),
     "sim start": ("npusnap sim start --devices 2", 'eval "$(npusnap sim env)"'),
     "sim stop": ("npusnap sim stop",),
     "sim status": ("npusnap sim status --json",),
