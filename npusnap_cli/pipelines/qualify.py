@@ -26,7 +26,6 @@ exits 0 only if every check npusnap relies on passed.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -45,14 +44,14 @@ from npusnap_cli.agent import launch, qualifyprobe
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import BusyError, ExitCode, NpusnapError, PreflightError
-from npusnap_cli.host import devmaps, preflight, proctree
+from npusnap_cli.host import devmaps, preflight, proctree, qualifyreport
 from npusnap_cli.host.preflight.items import CheckItem
 from npusnap_cli.jsontypes import JSONObject, JSONValue
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-REPORT_FORMAT = "npusnap-qualify"
-REPORT_VERSION = 1
-REPORT_NAME = "qualify-report.json"  # in paths.state_dir()
+REPORT_FORMAT = qualifyreport.REPORT_FORMAT
+REPORT_VERSION = qualifyreport.REPORT_VERSION
+REPORT_NAME = qualifyreport.REPORT_NAME  # in paths.state_dir()
 FAILED_EXIT = ExitCode.PREFLIGHT  # an assumption npusnap relies on does not hold on this node
 
 MiB = 1 << 20
@@ -64,7 +63,6 @@ VMM_BYTES = 2 * MiB  # one VMM granule
 COVER_TOLERANCE = 2 * MiB
 # aclrtMalloc's policies (aclrtMemMallocPolicy): each may take its own path in the runtime.
 POLICIES = ((0, "huge-first"), (1, "huge-only"), (2, "normal-only"))
-DRIVER_VERSION_INFO = "/usr/local/Ascend/driver/version.info"
 PROBE_TIMEOUT_S = 60.0
 
 # (name, the assumption, relied on): the order of the report.
@@ -144,14 +142,10 @@ class Report:
         }
 
 
-def report_path() -> Path:
-    return paths.state_dir() / REPORT_NAME
-
-
 def write_report(report: Report, extra: Optional[Path] = None) -> str:
     """Write the report (0600) into the state directory, and to ``extra`` when given; the path
     in the state directory."""
-    where = report_path()
+    where = qualifyreport.report_path()
     report.path = str(where)
     data = (json.dumps(report.to_dict(), indent=2, sort_keys=True) + "\n").encode()
     with contextlib.suppress(OSError):
@@ -201,18 +195,13 @@ def require_idle(install: acl.CannInstall, device: int) -> None:
 def driver_identity(hal_library: Optional[str]) -> JSONObject:
     """What identifies the driver the report was made with: its version.info, and the driver
     library the probe loaded (path and sha256)."""
-    out: JSONObject = {"version": None, "version_info": None, "hal_library": hal_library, "hal_sha256": None}
-    with contextlib.suppress(OSError):
-        text = Path(DRIVER_VERSION_INFO).read_text(errors="replace")
-        out["version_info"] = DRIVER_VERSION_INFO
-        for line in text.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip().lower() == "version":
-                out["version"] = value.strip()
-    if hal_library:
-        with contextlib.suppress(OSError), open(hal_library, "rb") as f:
-            out["hal_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    info = qualifyreport.DRIVER_VERSION_INFO
+    return {
+        "version": qualifyreport.driver_version(info),
+        "version_info": info if os.path.isfile(info) else None,
+        "hal_library": hal_library,
+        "hal_sha256": qualifyreport.file_sha256(hal_library) if hal_library else None,
+    }
 
 
 def loaded_library(pid: int, name: str) -> Optional[str]:

@@ -36,8 +36,20 @@ def _qualify(
         env = dict(env, NPUSNAP_RUNTIME_DIR=str(runtime_dir), NPUSNAP_STATE_DIR=str(state), **extra)
         assert wire.NODE_FAULT_ENV not in env  # only the daemon has it
         code, envelope, stderr = cli(env, "qualify", "--report", str(tmp_path / "report.json"), timeout=300)
+        _check_env.clear()
+        _check_env.update(env)
     assert envelope is not None, stderr
     return code, envelope, state
+
+
+_check_env: dict[str, str] = {}
+
+
+def _check_row() -> tuple[int, dict[str, Any]]:
+    """`npusnap check`'s qualify row, in the environment of the last qualify."""
+    code, envelope, stderr = cli(_check_env, "check")
+    assert envelope is not None, stderr
+    return code, next(c for c in envelope["result"]["checks"] if c["name"] == "qualify")
 
 
 def _verdicts(envelope: dict[str, Any]) -> dict[str, str]:
@@ -57,6 +69,8 @@ def test_every_check_passes_on_the_faithful_node(tmp_path: Path, runtime_dir: Pa
     assert json.loads(report.read_text())["checks"] == result["checks"]
     assert json.loads((tmp_path / "report.json").read_text())["passed"] is True
     assert stat.S_IMODE((tmp_path / "report.json").stat().st_mode) == 0o600
+    code, row = _check_row()
+    assert row["status"] == "ok", row
 
 
 @pytest.mark.parametrize(
@@ -79,6 +93,9 @@ def test_each_fault_of_the_node_fails_exactly_its_check(
     assert check in envelope["result"]["failed"]
     report = json.loads((state / qualify.REPORT_NAME).read_text())
     assert report["passed"] is False and report["failed"] == [check]
+    if fault == "movevmm":  # `check` refuses a node whose report failed
+        code, row = _check_row()
+        assert code == ExitCode.PREFLIGHT and row["status"] == "problem" and check in row["detail"], row
 
 
 _WRONG_PLUGIN = r"""

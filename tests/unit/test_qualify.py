@@ -13,7 +13,7 @@ from npusnap_cli import acl, contract
 from npusnap_cli.agent import qualifyprobe
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import BusyError, ExitCode, PreflightError
-from npusnap_cli.host import preflight
+from npusnap_cli.host import preflight, qualifyreport
 from npusnap_cli.host.preflight.items import CheckItem
 from npusnap_cli.pipelines import qualify
 from npusnap_cli.pipelines.qualify import FAIL, PASS, SKIP, Growth, Mapping, Report, Verdict
@@ -181,3 +181,51 @@ def test_the_simulators_node_faults_are_known_by_name() -> None:
     )
     with pytest.raises(ValueError):
         wire.node_faults("slowcopy")
+
+
+def _install(tmp_path: Path, simulated: bool = False, version: str = "8.5.0") -> acl.CannInstall:
+    return acl.CannInstall(str(tmp_path / "cann"), "t", version, "/c/lib64/libacl_rt.so", None, simulated)
+
+
+def _written(tmp_path: Path, install: acl.CannInstall, passed: bool, hal: Path) -> Path:
+    report = _report(
+        *[Verdict(n, PASS if passed or n != "coverage" else FAIL, "") for n, _w, _r in qualify.CHECKS]
+    )
+    report.cann = {"home": install.home, "version": install.version, "simulated": install.simulated}
+    report.driver = qualify.driver_identity(str(hal))
+    report.created_at = "2026-12-05T11:00:00Z"
+    qualify.write_report(report)
+    return qualifyreport.report_path()
+
+
+def test_check_reads_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    hal = tmp_path / "libascend_hal.so"
+    hal.write_bytes(b"driver 1")
+    install = _install(tmp_path)
+    assert qualifyreport.check_item(install).status == preflight.WARNING  # never qualified
+    assert qualifyreport.check_item(_install(tmp_path, simulated=True)).status == preflight.INFO
+    _written(tmp_path, install, True, hal)
+    assert qualifyreport.check_item(install).status == preflight.OK
+    _written(tmp_path, install, False, hal)
+    item = qualifyreport.check_item(install)
+    assert item.status == preflight.PROBLEM and "coverage" in item.detail
+    # another CANN, another driver: the report no longer speaks for the node
+    upgraded = qualifyreport.check_item(_install(tmp_path, version="9.0.0"))
+    assert upgraded.status == preflight.WARNING and "9.0.0" in upgraded.detail
+    hal.write_bytes(b"driver 2")
+    item = qualifyreport.check_item(install)
+    assert item.status == preflight.WARNING and "changed" in item.detail and "again" in item.fix
+
+
+def test_a_report_of_another_owner_or_format_is_none(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"format": "something else"}))
+    assert qualifyreport.load(path) is None
+    path.write_text("{")
+    assert qualifyreport.load(path) is None
+    path.write_text(json.dumps({"format": qualifyreport.REPORT_FORMAT}))
+    assert qualifyreport.load(path) == {"format": qualifyreport.REPORT_FORMAT}
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    assert qualifyreport.load(link) is None

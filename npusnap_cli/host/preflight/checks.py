@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from npusnap_cli import acl, paths
-from npusnap_cli.host import hostclean
+from npusnap_cli.host import hostclean, qualifyreport
 from npusnap_cli.host.preflight.criucheck import check_criu
 from npusnap_cli.host.preflight.items import OK, PROBLEM, WARNING, CheckItem, CheckReport
 from npusnap_cli.host.preflight.plugins import check_npu_plugin, plugin_dirs_item
@@ -52,6 +52,7 @@ def check_cann(ascend_home: Optional[str] = None) -> list[CheckItem]:
         )
     )
     items.append(check_npu_plugin(install.simulated))
+    items.append(qualifyreport.check_item(install))
     return items
 
 

@@ -1,0 +1,125 @@
+"""This node's qualification report (`npusnap qualify`, pipelines/qualify.py): where it is, and
+what `npusnap check` makes of it.
+
+The report is the node's own evidence for the assumptions npusnap makes of an Ascend node. It
+names the CANN installation and the driver it was made for (the driver's ``version.info`` and
+the sha256 of the ``libascend_hal.so`` the probe loaded): after an upgrade of either it no longer
+speaks for the node, and `check` asks for a new one. A report whose checks failed makes `check`
+refuse the node (a problem row); a node without one is a warning on real hardware (nothing there
+was shown) and a note on the simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from npusnap_cli import acl, paths
+from npusnap_cli.host.preflight.items import INFO, OK, PROBLEM, WARNING, CheckItem
+from npusnap_cli.jsontypes import JSONObject
+
+REPORT_FORMAT = "npusnap-qualify"
+REPORT_VERSION = 1
+REPORT_NAME = "qualify-report.json"  # in paths.state_dir()
+DRIVER_VERSION_INFO = "/usr/local/Ascend/driver/version.info"
+RUN = "run `npusnap qualify` as root on an idle device"
+
+
+def report_path() -> Path:
+    return paths.state_dir() / REPORT_NAME
+
+
+def driver_version(version_info: str = DRIVER_VERSION_INFO) -> Optional[str]:
+    """The driver's ``Version=`` from its version.info, None without one."""
+    with contextlib.suppress(OSError):
+        for line in Path(version_info).read_text(errors="replace").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip().lower() == "version":
+                return value.strip() or None
+    return None
+
+
+def file_sha256(path: str) -> Optional[str]:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+    return None
+
+
+def load(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
+    """The report, if there is one of this user's (a file of another owner, or not a report, is
+    none)."""
+    path = path or report_path()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_uid != os.geteuid():
+            return None
+        try:
+            doc = json.loads(f.read(1 << 22))
+        except ValueError:
+            return None
+    if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:
+        return None
+    return doc
+
+
+def stale(report: dict[str, Any], install: acl.CannInstall) -> Optional[str]:
+    """Why the report no longer speaks for this node (another CANN, another driver), or None."""
+    cann = report.get("cann") if isinstance(report.get("cann"), dict) else {}
+    driver = report.get("driver") if isinstance(report.get("driver"), dict) else {}
+    assert isinstance(cann, dict) and isinstance(driver, dict)
+    if cann.get("home") != install.home or cann.get("version") != install.version:
+        return (
+            f"it was made for CANN {cann.get('version')} at {cann.get('home')}; this is CANN "
+            f"{install.version} at {install.home}"
+        )
+    have = driver_version()
+    if driver.get("version") != have:
+        return f"it was made for driver {driver.get('version')}; this is driver {have}"
+    hal = driver.get("hal_library")
+    if isinstance(hal, str) and driver.get("hal_sha256") != file_sha256(hal):
+        return f"the driver's library {hal} changed since (another driver)"
+    return None
+
+
+def check_item(install: acl.CannInstall, path: Optional[Path] = None) -> CheckItem:
+    """`npusnap check`'s ``qualify`` row."""
+    path = path or report_path()
+    report = load(path)
+    data: JSONObject = {"report": str(path)}
+    if report is None:
+        if install.simulated:
+            return CheckItem(
+                "qualify", INFO, f"no qualification report ({path}); the simulated NPU needs none", RUN, data
+            )
+        return CheckItem(
+            "qualify",
+            WARNING,
+            f"this node was never qualified (no {path}): what npusnap assumes of it is unproven here",
+            RUN,
+            data,
+        )
+    data.update(created_at=report.get("created_at"), passed=report.get("passed"), failed=report.get("failed"))
+    why = stale(report, install)
+    if why:
+        return CheckItem(
+            "qualify", WARNING, f"the qualification report is out of date: {why}", RUN + " again", data
+        )
+    if report.get("passed") is not True:
+        failed = report.get("failed") or []
+        return CheckItem(
+            "qualify",
+            PROBLEM,
+            f"the qualification report of {report.get('created_at')} failed: "
+            f"{', '.join(str(f) for f in failed) or 'no check passed'}: npusnap's snapshots cannot be "
+            "trusted on this node",
+            f"attach {path} to a bug report; {RUN} again after a fix",
+            data,
+        )
+    return CheckItem("qualify", OK, f"qualified on {report.get('created_at')} ({path})", data=data)
