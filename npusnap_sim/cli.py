@@ -120,6 +120,11 @@ def register(app: typer.Typer) -> None:
                 "the simulator runs with --keep-contents: Restore keeps device memory contents, "
                 "which real CANN does not do; results prove nothing about hardware"
             )
+        if doc.get("faults"):
+            out.warn(
+                f"the simulated node has faults ({', '.join(doc['faults'])}, from NPUSIM_NODE_FAULT): it "
+                "breaks npusnap's assumptions on purpose (docs/simulator.md)"
+            )
         if doc["started"]:
             out.ok(f"simulated NPU started: {len(doc['devices'])} devices, daemon pid {doc['daemon_pid']}")
         else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -294,8 +295,9 @@ def judge_mappings(before: list[Mapping], after: list[Mapping], flags: dict[int,
 
 
 def stream_allocation(stream: bytes, ptr: int) -> Optional[bytes]:
-    """The bytes the agent's device-memory stream (contract.DEVMEM_FILE_*) holds for the
-    allocation at ``ptr``; None if it lists none there. ValueError on a stream that is not one."""
+    """The bytes the agent's device-memory stream (contract.DEVMEM_FILE_*) holds from ``ptr`` to
+    the end of the allocation that holds it (a runtime may hand out a piece of a larger driver
+    allocation); None if it lists none there. ValueError on a stream that is not one."""
     hdr = contract.DEVMEM_FILE_HEADER
     rec = contract.DEVMEM_FILE_RECORD
     if len(stream) < hdr.size:
@@ -306,14 +308,16 @@ def stream_allocation(stream: bytes, ptr: int) -> Optional[bytes]:
     off = hdr.size + count * rec.size
     for i in range(count):
         addr, size, _dev, _kind = rec.unpack_from(stream, hdr.size + i * rec.size)
-        if addr == ptr:
-            return stream[off : off + size]
+        if addr <= ptr < addr + size:
+            return stream[off + ptr - addr : off + size]
         off += size
     return None
 
 
 def judge_copy(saved: Optional[bytes], want: bytes, ptr: int) -> Verdict:
     data: JSONObject = {"ptr": hex(ptr), "size": len(want)}
+    if saved is not None:
+        saved = saved[: len(want)]
     if saved is None:
         return Verdict(
             "locked-copy", FAIL, f"the agent's copy has no allocation at {ptr:#x} (the probe's)", data
@@ -417,6 +421,11 @@ class Probe:
 
     def _read(self) -> JSONObject:
         assert self.proc.stdout is not None
+        # One answer per request, written whole: nothing is ever buffered beyond it. A probe that
+        # hangs (a CANN call held by a lock that stayed) must not hang qualify.
+        ready, _w, _x = select.select([self.proc.stdout], [], [], PROBE_TIMEOUT_S)
+        if not ready:
+            raise ProbeError(f"the probe did not answer within {PROBE_TIMEOUT_S:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
             raise ProbeError(f"the probe ended (exit status {self.proc.poll()})")

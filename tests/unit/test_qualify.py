@@ -96,16 +96,16 @@ def _stream(*allocs: tuple[int, bytes]) -> bytes:
 
 def test_the_locked_copy_is_found_by_its_address_and_compared() -> None:
     want = qualifyprobe.pattern(1, 64 * 1024)
-    stream = _stream((0x100, b"x" * 4096), (0x200, want))
-    assert qualify.stream_allocation(stream, 0x200) == want
-    assert qualify.stream_allocation(stream, 0x300) is None
-    assert qualify.judge_copy(qualify.stream_allocation(stream, 0x200), want, 0x200).verdict == PASS
+    stream = _stream((0x10000, b"x" * 4096), (0x20000, want))
+    assert qualify.stream_allocation(stream, 0x20000) == want
+    assert qualify.stream_allocation(stream, 0x30000) is None
+    assert qualify.judge_copy(qualify.stream_allocation(stream, 0x20000), want, 0x20000).verdict == PASS
     dropped = want[: len(want) // 2] + bytes(len(want) // 2)
-    verdict = qualify.judge_copy(dropped, want, 0x200)
+    verdict = qualify.judge_copy(dropped, want, 0x20000)
     assert verdict.verdict == FAIL and verdict.data["first_difference"] == len(want) // 2
-    assert qualify.judge_copy(None, want, 0x200).verdict == FAIL
+    assert qualify.judge_copy(None, want, 0x20000).verdict == FAIL
     with pytest.raises(ValueError):
-        qualify.stream_allocation(b"not a stream" * 4, 0x200)
+        qualify.stream_allocation(b"not a stream" * 4, 0x20000)
 
 
 def test_the_pattern_is_the_same_on_both_sides_and_never_flat() -> None:
@@ -229,3 +229,10 @@ def test_a_report_of_another_owner_or_format_is_none(tmp_path: Path) -> None:
     link = tmp_path / "link.json"
     link.symlink_to(path)
     assert qualifyreport.load(link) is None
+
+
+def test_the_copy_of_a_piece_of_a_larger_allocation_is_found() -> None:
+    want = qualifyprobe.pattern(2, 8192)
+    stream = _stream((0x1000, b"\0" * 4096 + want + b"\1" * 100))
+    assert qualify.stream_allocation(stream, 0x2000) == want + b"\1" * 100
+    assert qualify.judge_copy(qualify.stream_allocation(stream, 0x2000), want, 0x2000).verdict == PASS
