@@ -424,6 +424,15 @@ void npusnap_devmem_mark(uintptr_t p, size_t n) {
     pthread_mutex_unlock(&g_mu);
 }
 
+/* Everything may be written in this epoch, by a call about to be made (its stamp before the call,
+ * writes.c): counted with the stamp after it, by npusnap_devmem_mark_all. */
+void npusnap_devmem_mark_all_before(void) {
+    if (t_agent) return;
+    pthread_mutex_lock(&g_mu);
+    g_all_gen = g_epoch;
+    pthread_mutex_unlock(&g_mu);
+}
+
 void npusnap_devmem_mark_all(const char *why) {
     if (t_agent) return;
     pthread_mutex_lock(&g_mu);

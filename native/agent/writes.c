@@ -11,9 +11,9 @@
  *    aclnnop, and the custom operators' op_api/include under $ASCEND_OPP_PATH/vendors), once, on
  *    the first operator looked up. GetWorkspaceSize is wrapped through a libffi closure of that
  *    signature, which records the executor's output ranges; the operator's launch (aclnnXxx, the
- *    same four parameters for every operator) stamps them and its workspace *after* it returned,
- *    so that a launch held by the runtime's lock across a save is stamped in the epoch in which
- *    it writes;
+ *    same four parameters for every operator) stamps them and its workspace before it runs and
+ *    again after it returned, so that a save between its call and its return counts them, and a
+ *    launch held by the runtime's lock across a save is stamped in the epoch in which it writes;
  *  - a launch whose executor was not recorded (an operator without a parsed signature, an output
  *    tensor this file did not see created, a repeatable executor whose addresses may change), a
  *    raw kernel launch, an aclop execution and every HCCL collective: everything is written;
@@ -55,6 +55,7 @@ typedef int aclError;
 /* devmem.c */
 void npusnap_devmem_mark(uintptr_t p, size_t n);
 void npusnap_devmem_mark_all(const char *why);
+void npusnap_devmem_mark_all_before(void);
 void npusnap_devmem_mark_app(uintptr_t p, size_t n);
 void npusnap_devmem_untracked(const char *name);
 void npusnap_devmem_before_write(uintptr_t p, size_t n);
@@ -424,19 +425,32 @@ static struct taken take(const void *exec, const void *op) {
     return t;
 }
 
-/* After the launch returned: stamp what it writes (in the epoch it writes in). */
-static void stamp(struct taken *t, const char *name) {
-    if (t->all) npusnap_devmem_mark_all(name);
+/* Stamp what a launch writes, in the epoch current now (name NULL: before the call, not counted
+ * as a call that wrote everything). Done before the call and again after it returned: a save may end the epoch between the two. Before: a save that comes after the call
+ * queued its work but before the stamp after it (the thread preempted right there; Lock waits
+ * for calls inside the runtime, not for this) drains that work into its cut, so it must count
+ * the pieces as written. After: a launch held by the runtime's lock across a save writes in the
+ * next epoch, which the next save must copy. Stamping twice only ever copies a piece more. */
+static void stamp_ranges(const struct taken *t, const char *name) {
+    if (t->all && name) npusnap_devmem_mark_all(name);
+    else if (t->all) npusnap_devmem_mark_all_before();
     else
         for (size_t i = 0; i < t->n; i++) npusnap_devmem_mark(t->e[i].p, (size_t)t->e[i].n);
+}
+
+/* After the launch returned: stamp what it writes (in the epoch it writes in), and let go. */
+static void stamp(struct taken *t, const char *name) {
+    stamp_ranges(t, name);
     free(t->e);
     t->e = NULL;
 }
 
-/* A concurrent copy takes the destination first; the write is stamped once the call returned. */
+/* A concurrent copy takes the destination first; the write is stamped before the call and once
+ * it returned (stamp_ranges says why). */
 #define STAMP_AFTER(call, dst, len)                               \
     npusnap_devmem_write_open();                                  \
     npusnap_devmem_before_write((uintptr_t)(dst), (size_t)(len)); \
+    npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len));         \
     aclError rc_ = call;                                          \
     npusnap_devmem_write_close();                                 \
     npusnap_devmem_mark((uintptr_t)(dst), (size_t)(len));         \
@@ -475,6 +489,7 @@ static __thread int t_in_op;
     int mine_ = !t_in_op;                             \
     if (mine_) npusnap_devmem_write_open();           \
     if (mine_) npusnap_devmem_before_write_all();     \
+    if (mine_) npusnap_devmem_mark_all_before();      \
     __typeof__(call) rc_ = call;                      \
     if (mine_) npusnap_devmem_write_close();          \
     if (mine_) npusnap_devmem_mark_all(name);         \
@@ -850,6 +865,8 @@ static void launch_handler(ffi_cif *cif, void *ret, void **args, void *ud) {
     if (t.all) npusnap_devmem_before_write_all();
     for (size_t i = 0; i < t.n; i++) npusnap_devmem_before_write(t.e[i].p, (size_t)t.e[i].n);
     npusnap_devmem_before_write((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);
+    stamp_ranges(&t, NULL); /* and again after the call: stamp_ranges says why */
+    npusnap_devmem_mark((uintptr_t)*(void **)args[0], (size_t)*(uint64_t *)args[1]);
     t_in_op++;
     ffi_call(cif, FFI_FN(o->real_launch), ret, args);
     t_in_op--;
