@@ -625,6 +625,7 @@ API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_
     if (t_agent) return fn(dst, destMax, src, n);
     npusnap_devmem_write_open();
     npusnap_devmem_before_write((uintptr_t)dst, n);
+    npusnap_devmem_mark((uintptr_t)dst, n); /* and after it: writes.c, stamp_ranges */
     pthread_mutex_lock(&g_mu);
     g_copies_inflight++;
     pthread_mutex_unlock(&g_mu);

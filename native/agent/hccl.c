@@ -37,6 +37,7 @@
 #define API __attribute__((visibility("default")))
 
 void npusnap_devmem_mark_all(const char *why); /* devmem.c: the write tracking */
+void npusnap_devmem_mark_all_before(void);
 void npusnap_devmem_before_write_all(void);    /* devmem.c: a concurrent copy */
 void npusnap_devmem_write_open(void);          /* devmem.c: a writer in flight */
 void npusnap_devmem_write_close(void);
@@ -271,6 +272,7 @@ static void leave(void) {
         if (res_ != HCCL_SUCCESS) return res_;                                     \
         npusnap_devmem_write_open();                                               \
         npusnap_devmem_before_write_all(); /* a concurrent copy ends first */      \
+        npusnap_devmem_mark_all_before(); /* and after: writes.c, stamp_ranges */  \
         res_ = fn args;                                                            \
         npusnap_devmem_write_close();                                              \
         leave();                                                                   \

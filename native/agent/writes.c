@@ -426,11 +426,12 @@ static struct taken take(const void *exec, const void *op) {
 }
 
 /* Stamp what a launch writes, in the epoch current now (name NULL: before the call, not counted
- * as a call that wrote everything). Done before the call and again after it returned: a save may end the epoch between the two. Before: a save that comes after the call
- * queued its work but before the stamp after it (the thread preempted right there; Lock waits
- * for calls inside the runtime, not for this) drains that work into its cut, so it must count
- * the pieces as written. After: a launch held by the runtime's lock across a save writes in the
- * next epoch, which the next save must copy. Stamping twice only ever copies a piece more. */
+ * as a call that wrote everything). Done before the call and again after it returned, since a
+ * save may end the epoch between the two. Before: a save that comes after the call queued its
+ * work but before the stamp after it (the thread preempted right there; Lock waits for calls
+ * inside the runtime, not for this) drains that work into its cut, so it must count the pieces
+ * as written. After: a launch held by the runtime's lock across a save writes in the next epoch,
+ * which the next save must copy. Stamping twice only ever copies a piece more. */
 static void stamp_ranges(const struct taken *t, const char *name) {
     if (t->all && name) npusnap_devmem_mark_all(name);
     else if (t->all) npusnap_devmem_mark_all_before();
