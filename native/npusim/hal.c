@@ -618,7 +618,8 @@ static drvError_t daemon_alloc(int32_t dev, uint64_t size, int kind, struct regi
     return rc;
 }
 
-drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag) {
+/* halMemAlloc's work, also reached by npusimHalMemAllocHuge without passing the exported name. */
+static drvError_t plain_alloc(void **pp, unsigned long long size, unsigned long long flag) {
     if (!pp || size == 0) return DRV_ERROR_INVALID_VALUE;
     int32_t dev = (int32_t)(flag & MEM_DEVID_MASK);
     if (dev >= MAX_DEV) return DRV_ERROR_INVALID_DEVICE;
@@ -628,19 +629,17 @@ drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long fl
     return rc;
 }
 
+drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag) {
+    return plain_alloc(pp, size, flag);
+}
+
 /* The simulator's stand-in for a driver entry point that allocates device memory without going
  * through halMemAlloc (older drivers' huge-page allocators, a newer driver's allocation call): the
  * runtime uses it only on a node with the fault "untracked" (npusimHalNodeFaults), for
  * ACL_MEM_MALLOC_HUGE_ONLY. The memory is the same as halMemAlloc's and halMemFree frees it; what
  * differs is that an interposer of halMemAlloc never sees it. */
 drvError_t npusimHalMemAllocHuge(void **pp, unsigned long long size, unsigned long long flag) {
-    if (!pp || size == 0) return DRV_ERROR_INVALID_VALUE;
-    int32_t dev = (int32_t)(flag & MEM_DEVID_MASK);
-    if (dev >= MAX_DEV) return DRV_ERROR_INVALID_DEVICE;
-    struct region *r;
-    drvError_t rc = daemon_alloc(dev, size, R_ALLOC, &r);
-    if (rc == DRV_ERROR_NONE) *pp = (void *)(uintptr_t)r->addr;
-    return rc;
+    return plain_alloc(pp, size, flag);
 }
 
 /* The node's faults, as the daemon's configuration word had them when a device was opened. */
