@@ -86,8 +86,12 @@ static int g_copying; /* copies in flight that may use kept mappings (g_mu) */
  * docs/simulator.md, "Faults of the node". Both under g_mu. */
 static uint64_t g_faults;
 static int g_rt_locked;
+#ifdef NPUSIM_STRICT_EXPORTS /* "dropcopy" and "untracked" need the runtime's word (hal.h) */
+#define FAULT_MASK (NPUSIM_CONFIG_FAULT_MAPNAME | NPUSIM_CONFIG_FAULT_MOVEVMM)
+#else
 #define FAULT_MASK (NPUSIM_CONFIG_FAULT_MAPNAME | NPUSIM_CONFIG_FAULT_DROPCOPY | NPUSIM_CONFIG_FAULT_MOVEVMM | \
                     NPUSIM_CONFIG_FAULT_UNTRACKED)
+#endif
 static struct deferred_unmap {
     void *p;
     size_t n;
@@ -633,6 +637,7 @@ drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long fl
     return plain_alloc(pp, size, flag);
 }
 
+#ifndef NPUSIM_STRICT_EXPORTS
 /* The simulator's stand-in for a driver entry point that allocates device memory without going
  * through halMemAlloc (older drivers' huge-page allocators, a newer driver's allocation call): the
  * runtime uses it only on a node with the fault "untracked" (npusimHalNodeFaults), for
@@ -658,6 +663,7 @@ void npusimHalSnapshotLocked(int locked) {
     g_rt_locked = locked;
     pthread_mutex_unlock(&g_mu);
 }
+#endif
 
 static drvError_t daemon_free(uint64_t addr, int kind) {
     pthread_mutex_lock(&g_io);

@@ -85,11 +85,14 @@ struct MemPhyInfo {
 HAL_API drvError_t halDeviceOpen(uint32_t devid, halDevOpenIn *in, halDevOpenOut *out);
 HAL_API drvError_t halDeviceClose(uint32_t devid, halDevCloseIn *in);
 HAL_API drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long flag);
+#ifndef NPUSIM_STRICT_EXPORTS
 /* The simulated node's own (hal.c): an allocation that bypasses halMemAlloc (fault "untracked"),
- * the node's faults, and the runtime's word that its snapshot lock is held. */
+ * the node's faults, and the runtime's word that its snapshot lock is held. The strict tree
+ * exports driver names only, so it lacks them and the two faults that need them. */
 HAL_API drvError_t npusimHalMemAllocHuge(void **pp, unsigned long long size, unsigned long long flag);
 HAL_API unsigned long long npusimHalNodeFaults(void);
 HAL_API void npusimHalSnapshotLocked(int locked);
+#endif
 HAL_API drvError_t halMemFree(void *pp);
 HAL_API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t ByteCount);
 HAL_API drvError_t drvMemsetD8(DVdeviceptr dst, size_t destMax, uint8_t value, size_t num);

@@ -780,8 +780,10 @@ RT_API rtError_t rtMalloc(void **devPtr, uint64_t size, uint32_t type, uint16_t 
     /* On a node with the fault "untracked" (docs/simulator.md), ACL_MEM_MALLOC_HUGE_ONLY (1) goes
      * through a driver entry point that is not halMemAlloc, as a runtime that allocates huge pages
      * through another driver call would. */
+#ifndef NPUSIM_STRICT_EXPORTS
     if (type == 1 && (npusimHalNodeFaults() & NPUSIM_CONFIG_FAULT_UNTRACKED))
         return drv_to_acl(npusimHalMemAllocHuge(devPtr, size, MEM_DEV | (unsigned long long)drv));
+#endif
     return drv_to_acl(halMemAlloc(devPtr, size, MEM_DEV | (unsigned long long)drv));
 }
 
@@ -1285,7 +1287,9 @@ static void set_state(int s) {
     g_state = s;
     pthread_cond_broadcast(&g_cv);
     pthread_mutex_unlock(&g_mu);
+#ifndef NPUSIM_STRICT_EXPORTS
     npusimHalSnapshotLocked(s != ST_RUNNING);
+#endif
 }
 
 static int32_t cb_add(int stage, npusim_callback cb, void *args) {
