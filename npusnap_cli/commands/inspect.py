@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import typer
 
@@ -12,12 +12,8 @@ from npusnap_cli import image
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import dump_phase_rows, fmt_s
 from npusnap_cli.errors import NpusnapError
-from npusnap_cli.image import archive, containers, criudetail, job
-from npusnap_cli.k8s import jobcheckpoint as jc
+from npusnap_cli.image import criudetail, k8sjob
 from npusnap_cli.units import human_bytes
-
-if TYPE_CHECKING:
-    from npusnap_cli.image import OpenedImage
 
 DIR_HELP = (
     "An image directory (`npusnap dump`) or archive (`npusnap export`), or a container checkpoint "
@@ -178,10 +174,11 @@ def show_criu_detail(out: Any, detail: Any, label: str = "", sections: Sections 
         )
 
 
-def _show_k8s_job(out: Any, directory: Path) -> None:
+def _show_k8s_job(out: Any, ref: image.K8sJobImage, sections: Sections) -> None:
     """A directory written by `npusnap k8s checkpoint`: its manifest and one archive per member."""
 
-    manifest = jc.read_manifest(directory)
+    directory = ref.path
+    manifest = k8sjob.read_manifest(directory)
     out.kv(
         f"job checkpoint {directory} (npusnap k8s checkpoint)",
         {
@@ -207,10 +204,11 @@ def _show_k8s_job(out: Any, directory: Path) -> None:
     out.result({"directory": str(directory), **manifest})
 
 
-def _show_container(out: Any, directory: Path, ckpt: Any, sections: Sections) -> None:
+def _show_container(out: Any, ref: image.ContainerImage, sections: Sections) -> None:
     """A checkpoint written by npusnap's CRIU plugin (podman, CRI-O, containerd, plain criu)."""
 
-    summary = ckpt.summary()
+    directory, ckpt = ref.path, ref.container
+    summary: Any = ckpt.summary()  # free-form JSON of the plugin's record, shown as it is
     out.kv(
         f"container checkpoint {directory} (written by npusnap's CRIU plugin)",
         {
@@ -236,11 +234,11 @@ def _show_container(out: Any, directory: Path, ckpt: Any, sections: Sections) ->
     out.result({**summary, "criu": detail})
 
 
-def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
+def _show_image(out: Any, ref: Union[image.DirectoryImage, image.ArchiveImage], sections: Sections) -> None:
     """An image directory or archive: its manifest, process tree, timings and what CRIU saved."""
 
     directory = ref.path
-    manifest = ref.require_manifest()
+    manifest = ref.manifest
     data = {"image": str(directory), **manifest.to_dict()}
     v = manifest.versions
     out.kv(
@@ -298,16 +296,16 @@ def _show_image(out: Any, ref: OpenedImage, sections: Sections) -> None:
         )
     _host_needs(out, manifest)
 
-    data["criu"] = criu_detail(directory, archive=ref.kind is image.Kind.ARCHIVE)
+    data["criu"] = criu_detail(directory, archive=isinstance(ref, image.ArchiveImage))
     show_criu_detail(out, data["criu"], sections=sections)
     out.line(f"{len(manifest.files)} files, run `npusnap verify {directory}` to check them")
     out.result(data)
 
 
-def _inspect_job(out: Any, ref: OpenedImage, sections: Sections) -> None:
+def _inspect_job(out: Any, ref: image.JobImage, sections: Sections) -> None:
 
     directory = ref.path
-    job = ref.require_job()
+    job = ref.job
     rows = []
     ranks = []
     for r in job.ranks:
@@ -343,20 +341,14 @@ def _inspect_job(out: Any, ref: OpenedImage, sections: Sections) -> None:
     out.result({"image": str(directory), "job": job.to_dict(), "ranks": ranks})
 
 
-def _verify_job(
-    out: Any, ref: OpenedImage, checksums: bool, require_signature: Optional[Path] = None
-) -> None:
-
-    directory = ref.path
-    _job, result = job.verify_job(directory, checksums=checksums, require_signature=require_signature)
-    files = sum(r.files_checked for r in result.ranks)
-    nbytes = sum(r.bytes_checked for r in result.ranks)
-    what = "sizes and checksums" if checksums else "sizes (checksums skipped)"
-    out.ok(
-        f"{directory}: job of {len(result.ranks)} ranks, every rank's manifest as recorded; "
-        f"{files} files, {human_bytes(nbytes)}: {what} match"
-    )
-    out.result(result.to_dict())
+# One renderer per kind of image (image/opened.py's KINDS): a new kind adds its line here.
+_SHOW: dict[type[image.OpenedImage], Callable[[Any, Any, Sections], None]] = {
+    image.K8sJobImage: _show_k8s_job,
+    image.ContainerImage: _show_container,
+    image.JobImage: _inspect_job,
+    image.ArchiveImage: _show_image,
+    image.DirectoryImage: _show_image,
+}
 
 
 def register(app: typer.Typer) -> None:
@@ -390,14 +382,7 @@ def register(app: typer.Typer) -> None:
             ps_tree=ps_tree, files=files, sockets=sockets, mounts=mounts, stats=stats, all_=all_
         )
         ref = image.open(directory)
-        if ref.kind is image.Kind.K8S_JOB:
-            _show_k8s_job(out, ref.path)
-        elif ref.kind is image.Kind.CONTAINER:
-            _show_container(out, ref.path, ref.require_container(), sections)
-        elif ref.kind is image.Kind.JOB:
-            _inspect_job(out, ref, sections)
-        else:
-            _show_image(out, ref, sections)
+        _SHOW[type(ref)](out, ref, sections)
 
     @app.command("verify", epilog=epilog("verify"))
     def verify_cmd(
@@ -428,49 +413,22 @@ def register(app: typer.Typer) -> None:
 
         out = output(ctx, "verify", json_flag)
         ref = image.open(directory)
-        if ref.kind is image.Kind.K8S_JOB:
-            res = jc.verify_job(ref.path)
-            out.ok(f"{ref.path}: job checkpoint, {res['members']} archives match the job manifest")
-            out.result(res)
-            return
-        if ref.kind is image.Kind.CONTAINER:
-            checked = containers.verify(ref.require_container(), checksums=not no_checksums)
-            what = "sizes and checksums" if checked.checksums else "sizes (checksums skipped)"
-            out.ok(
-                f"{ref.path}: container checkpoint, {checked.files_checked} image files, "
-                f"{human_bytes(checked.bytes_checked)}: {what} match the plugin's record"
-            )
-            out.result(checked.to_dict())
-            return
-        if ref.kind is image.Kind.JOB:
-            _verify_job(out, ref, checksums=not no_checksums, require_signature=require_signature)
-            return
-        directory = ref.path
-        total = sum(f.size for f in ref.require_manifest().files)
-        with out.progress("verifying", total) as bar:
-            if ref.kind is image.Kind.ARCHIVE:
-                result = archive.verify(directory, checksums=not no_checksums, progress=bar.advance)
-            else:
-                result = image.verify(
-                    directory,
-                    checksums=not no_checksums,
-                    progress=bar.advance,
-                    require_signature=require_signature,
+        total = ref.verify_bytes()
+        if total:
+            with out.progress("verifying", total) as bar:
+                result = ref.verify(
+                    checksums=not no_checksums, require_signature=require_signature, progress=bar.advance
                 )
-        what = "sizes and checksums" if result.checksums else "sizes (checksums skipped)"
-        if result.signed:
-            what += ", signature"
+        else:
+            result = ref.verify(checksums=not no_checksums, require_signature=require_signature)
         for left in result.leftovers:
             out.warn(
-                f"{left}: left by an interrupted dump (the next `npusnap dump` to {directory} cleans it up)"
+                f"{left}: left by an interrupted dump (the next `npusnap dump` to {ref.path} cleans it up)"
             )
-        for hf in result.manifest.host_files:
-            out.line(
-                f"host file {hf.path} ({human_bytes(hf.size)}, {hf.uid}:{hf.gid}, {hf.mode:04o}): "
-                "restore writes it"
-            )
-        out.data(
-            f"{directory}: valid: {result.files_checked} files, {human_bytes(result.bytes_checked)}: "
-            f"{what} match"
-        )
-        out.result(result.to_dict())
+        for note in result.notes:
+            out.line(note)
+        if result.on_stdout:
+            out.data(result.summary)
+        else:
+            out.ok(result.summary)
+        out.result(result.record)

@@ -10,6 +10,7 @@ import typer
 
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.errors import UsageError
+from npusnap_cli.image import k8sjob
 from npusnap_cli.k8s import jobcheckpoint as jc
 from npusnap_cli.k8s.cri import CriClient
 from npusnap_cli.ui import human_bytes
@@ -233,7 +234,7 @@ def register(app: typer.Typer) -> None:
         image file inside)."""
 
         out = output(ctx, "k8s verify", json_flag)
-        res = jc.verify_job(directory)
+        res = k8sjob.verify_job(directory)
         out.ok(f"{directory}: {res['members']} archives match the job manifest")
         out.result(res)
 

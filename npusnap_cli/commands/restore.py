@@ -212,7 +212,7 @@ def register(app: typer.Typer) -> None:
 
         maps = [pidns.parse_device_map(m) for m in device_map or []]
         ref = image.open(directory)
-        ref.require_restorable()
+        ref.refuse_restore()
         if replicas > 1:
             if dry_run:
                 raise UsageError(
@@ -293,7 +293,7 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             return _dry_run(out, ref, options)
         restore_mod.become_subreaper()
-        if ref.kind is image.Kind.JOB:
+        if isinstance(ref, image.JobImage):
             if lazy:
                 raise UsageError(
                     "--lazy is not supported for job images (several ranks) yet",
@@ -390,7 +390,7 @@ def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:
     o: Any = out
     directory = ref.given
     images = [directory]
-    if ref.job is not None:
+    if isinstance(ref, image.JobImage):
         images = [directory / r.dir for r in ref.job.ranks]
     results: list[dict[str, Any]] = []
     for one in images:

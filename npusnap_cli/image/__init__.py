@@ -9,12 +9,12 @@ of npusnap uses; each lives in the module that owns it:
 * publishing.py  checksums, fsync and the atomic rename that makes a work directory an image
 * integrity.py   ``verify``: trust, structure, sizes and checksums of an image directory
 * job.py         job images (``npusnap-job.json``, one image per rank)
-* opened.py      ``open``: which kind of image a path is (directory, job, archive, container
-                 checkpoint, Kubernetes job checkpoint; a ``latest`` pointer followed), as one
-                 ``OpenedImage``
+* opened.py      ``open``: which kind of image a path is, as one class per kind of the ``Image``
+                 protocol (``KINDS``, in the order they are tried; a ``latest`` pointer followed),
+                 each with ``verify`` (one ``Verified`` result) and ``refuse_restore``
 
 and digest.py, streamhash.py, imagetrust.py, imagestore.py, archive.py, containers.py,
-criudetail.py. Nothing under image/ imports host/, pipelines/ or commands/.
+k8sjob.py, criudetail.py. Nothing under image/ imports host/, pipelines/ or commands/.
 """
 
 from __future__ import annotations
@@ -77,7 +77,18 @@ from npusnap_cli.image.manifest import (
     read_manifest_bytes,
     write_manifest,
 )
-from npusnap_cli.image.opened import Kind, OpenedImage, open_image
+from npusnap_cli.image.opened import (
+    ArchiveImage,
+    ContainerImage,
+    DirectoryImage,
+    Image,
+    JobImage,
+    K8sJobImage,
+    Kind,
+    OpenedImage,
+    Verified,
+    open_image,
+)
 from npusnap_cli.image.publishing import (
     crash_point,
     file_entries,
@@ -107,9 +118,15 @@ __all__ = [
     "SCHEMA_VERSION",
     "SELF_HASH_KEY",
     "TMP_MARKER",
+    "ArchiveImage",
     "ByteCounts",
+    "ContainerImage",
+    "DirectoryImage",
     "FileEntry",
     "HostInfo",
+    "Image",
+    "JobImage",
+    "K8sJobImage",
     "Kind",
     "Leftover",
     "Manifest",
@@ -117,6 +134,7 @@ __all__ = [
     "ProcessEntry",
     "ProgressFn",
     "Timings",
+    "Verified",
     "VerifyResult",
     "Versions",
     "_self_hash",

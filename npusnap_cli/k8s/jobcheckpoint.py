@@ -25,7 +25,6 @@ device state and unlocks (``restore_job``).
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import os
 import re
@@ -48,14 +47,12 @@ from npusnap_cli.errors import (
     UsageError,
 )
 from npusnap_cli.image import containers
-from npusnap_cli.image.layout import K8S_JOB_MANIFEST
+from npusnap_cli.image.k8sjob import MANIFEST, MANIFEST_FORMAT, MANIFEST_KIND, read_manifest, verify_job
+from npusnap_cli.image.k8sjob import sha256_of as _sha256
 from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.k8s.cri import CriClient
 from npusnap_cli.pipelines import netcoord
 
-MANIFEST = K8S_JOB_MANIFEST  # image.open tells such a directory apart by this name
-MANIFEST_KIND = "npusnap-k8s-job"
-MANIFEST_FORMAT = 1
 PHASES = ("locked", "saved")
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 
@@ -225,16 +222,6 @@ class MemberResult:
 class JobCheckpoint:
     directory: Path
     manifest: dict[str, Any]
-
-
-def _sha256(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
 
 
 def _check_archive(res: MemberResult, job: bool = True) -> None:
@@ -413,53 +400,6 @@ def _manifest(
         "seconds": round(seconds, 3),
         "members": members,
     }
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((directory / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise ImageError(
-            f"{directory}: no readable {MANIFEST}: {exc}", fix="checkpoint the job again"
-        ) from None
-    if (
-        not isinstance(data, dict)
-        or data.get("kind") != MANIFEST_KIND
-        or data.get("format") != MANIFEST_FORMAT
-    ):
-        raise ImageError(f"{directory}/{MANIFEST} is not a {MANIFEST_KIND} format {MANIFEST_FORMAT} manifest")
-    return data
-
-
-def verify_job(directory: Path) -> JSONObject:
-    """Every archive the manifest names: same size and sha256, and the plugin's record intact."""
-    manifest = read_manifest(directory)
-    problems = []
-    for m in manifest["members"]:
-        if m.get("sha256") is None:
-            problems.append(f"member {m['member']}: its archive is on node {m['node']} ({m['archive']})")
-            continue
-        path = directory / str(m["archive"])
-        if not path.is_file():
-            problems.append(f"member {m['member']}: {path.name} is missing")
-            continue
-        digest, size = _sha256(path)
-        if (digest, size) != (m["sha256"], m["size"]):
-            problems.append(f"member {m['member']}: {path.name} differs from the manifest's sha256/size")
-            continue
-        ckpt = containers.find(path)
-        if ckpt is None:
-            problems.append(f"member {m['member']}: {path.name} has no plugin record")
-            continue
-        containers.verify(ckpt)
-    if problems:
-        raise ImageError(
-            f"job checkpoint {directory} failed verification: {problems[0]}",
-            why="an archive is missing, truncated or was modified",
-            fix="do not restore the job from it; checkpoint the job again",
-            details={"problems": problems},
-        )
-    return {"directory": str(directory), "ok": True, "members": len(manifest["members"])}
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -12,7 +12,7 @@ import pytest
 
 from npusnap_cli import __version__, image
 from npusnap_cli.cli import main
-from npusnap_cli.errors import ExitCode, ImageError
+from npusnap_cli.errors import ExitCode, ImageError, UsageError
 from npusnap_cli.image import archive, digest, imagestore, job
 from npusnap_cli.k8s import jobcheckpoint as jc
 from tests.unit.test_containers import _archive, make_images
@@ -51,12 +51,13 @@ def _job_image(parent: Path) -> Path:
 def test_an_image_directory(tmp_path: Path) -> None:
     final = _published(tmp_path)
     ref = image.open(final)
-    assert ref.kind is image.Kind.DIRECTORY
+    assert isinstance(ref, image.DirectoryImage) and ref.kind is image.Kind.DIRECTORY
     assert ref.path == final and ref.pointer is None
-    assert ref.require_manifest().root_pid == 1234 and ref.job is None and ref.container is None
-    ref.require_restorable()
-    with pytest.raises(ImageError, match="is not a job image: it is an image directory"):
-        ref.require_job()
+    assert ref.manifest.root_pid == 1234
+    ref.refuse_restore()
+    checked = ref.verify()
+    assert checked.on_stdout and checked.record["files_checked"] == len(ref.manifest.files)
+    assert checked.summary.startswith(f"{final}: valid: ")
 
 
 def test_a_latest_pointer_is_followed_once(tmp_path: Path) -> None:
@@ -65,7 +66,7 @@ def test_a_latest_pointer_is_followed_once(tmp_path: Path) -> None:
     final = _published(store, "snap-0")
     latest = Path(imagestore.update_latest(final))
     ref = image.open(latest)
-    assert ref.kind is image.Kind.DIRECTORY
+    assert isinstance(ref, image.DirectoryImage) and ref.kind is image.Kind.DIRECTORY
     assert ref.path == final and ref.given == latest and ref.pointer == latest
     # The real path is what every later step uses: repointing `latest` changes nothing for it.
     other = _published(store, "snap-1")
@@ -76,14 +77,15 @@ def test_a_latest_pointer_is_followed_once(tmp_path: Path) -> None:
 def test_a_job_image_and_a_pointer_to_one(tmp_path: Path) -> None:
     directory = _job_image(tmp_path)
     ref = image.open(directory)
-    assert ref.kind is image.Kind.JOB and ref.manifest is None
-    assert [r.dir for r in ref.require_job().ranks] == ["rank-0", "rank-1"]
-    ref.require_restorable()
+    assert isinstance(ref, image.JobImage) and ref.kind is image.Kind.JOB
+    assert [r.dir for r in ref.job.ranks] == ["rank-0", "rank-1"]
+    ref.refuse_restore()
     _job, result = job.verify_job(ref.path)
     assert [r.files_checked for r in result.ranks] == [2, 2]
+    assert ref.verify().record == result.to_dict()
     os.symlink(directory.name, tmp_path / "latest")
     via = image.open(tmp_path / "latest")
-    assert via.kind is image.Kind.JOB and via.path == directory and via.job == ref.job
+    assert isinstance(via, image.JobImage) and via.path == directory and via.job == ref.job
 
 
 def test_an_export_archive(tmp_path: Path) -> None:
@@ -91,10 +93,13 @@ def test_an_export_archive(tmp_path: Path) -> None:
     dest = tmp_path / archive.default_name(final)
     archive.export(final, dest)
     ref = image.open(dest)
-    assert ref.kind is image.Kind.ARCHIVE and ref.path == dest
-    assert ref.require_manifest() == image.load_manifest(final)
+    assert isinstance(ref, image.ArchiveImage) and ref.path == dest
+    assert ref.manifest == image.load_manifest(final)
+    # An archive carries no signature: a signature asked for is refused, never skipped.
+    with pytest.raises(UsageError, match="does not sign"):
+        ref.verify(require_signature=tmp_path / "key.pem")
     with pytest.raises(ImageError, match="image archive") as info:
-        ref.require_restorable()
+        ref.refuse_restore()
     assert f"npusnap restore --import {dest}" in info.value.fix
     assert info.value.exit_code == ExitCode.IMAGE
 
@@ -102,13 +107,13 @@ def test_an_export_archive(tmp_path: Path) -> None:
 def test_container_checkpoints_directory_and_archive(tmp_path: Path) -> None:
     make_images(tmp_path / "ckpt")
     ref = image.open(tmp_path / "ckpt")
-    assert ref.kind is image.Kind.CONTAINER and ref.manifest is None
-    assert ref.require_container().form == "directory"
+    assert isinstance(ref, image.ContainerImage) and ref.kind is image.Kind.CONTAINER
+    assert ref.container.form == "directory"
     with pytest.raises(ImageError, match="container checkpoint"):
-        ref.require_restorable()
+        ref.refuse_restore()
     tar = _archive(tmp_path / "t", ".tar")
     ref = image.open(tar)
-    assert ref.kind is image.Kind.CONTAINER and ref.require_container().form == "archive"
+    assert isinstance(ref, image.ContainerImage) and ref.container.form == "archive"
 
 
 def test_a_zstd_container_archive_is_not_taken_for_an_npusnap_archive(tmp_path: Path) -> None:
@@ -117,7 +122,7 @@ def test_a_zstd_container_archive_is_not_taken_for_an_npusnap_archive(tmp_path: 
     zst = _archive(tmp_path, ".tar.zst")
     assert archive.is_archive(zst)  # the same magic number as `npusnap export` writes
     ref = image.open(zst)
-    assert ref.kind is image.Kind.CONTAINER and ref.require_container().prefix == "checkpoint/"
+    assert isinstance(ref, image.ContainerImage) and ref.container.prefix == "checkpoint/"
 
 
 class _OneContainer:
@@ -141,10 +146,10 @@ def test_a_kubernetes_job_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtu
     member = jc.parse_member(0, "default/a/trainer")
     jc.checkpoint_job([member], tmp_path / "job", _OneContainer(tmp_path / "scratch"), None)
     ref = image.open(tmp_path / "job")
-    assert ref.kind is image.Kind.K8S_JOB and ref.path == tmp_path / "job"
-    assert ref.manifest is None and ref.job is None and ref.container is None
+    assert isinstance(ref, image.K8sJobImage) and ref.kind is image.Kind.K8S_JOB
+    assert ref.path == tmp_path / "job"
     with pytest.raises(ImageError, match="Kubernetes job checkpoint") as info:
-        ref.require_restorable()
+        ref.refuse_restore()
     assert info.value.fix == f"npusnap k8s restore {tmp_path / 'job'}"
     assert main(["inspect", str(tmp_path / "job"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)["result"]
