@@ -5,8 +5,9 @@ The report is the node's own evidence for the assumptions npusnap makes of an As
 names the CANN installation and the driver it was made for (the driver's ``version.info`` and
 the sha256 of the ``libascend_hal.so`` the probe loaded): after an upgrade of either it no longer
 speaks for the node, and `check` asks for a new one. A report whose checks failed makes `check`
-refuse the node (a problem row); a node without one is a warning on real hardware (nothing there
-was shown) and a note on the simulator.
+refuse the node (a problem row), and `dump` and `restore` refuse to run there (``gate``); a report
+out of date, or a node without one on real hardware (nothing there was shown), is a warning of
+each; on the simulator a missing report is a note of `check` only.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import contextlib
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from npusnap_cli import acl, paths
+from npusnap_cli.errors import PreflightError
 from npusnap_cli.host.preflight.items import INFO, OK, PROBLEM, WARNING, CheckItem
 from npusnap_cli.jsontypes import JSONObject
 
@@ -27,6 +30,33 @@ REPORT_VERSION = 1
 REPORT_NAME = "qualify-report.json"  # in paths.state_dir()
 DRIVER_VERSION_INFO = "/usr/local/Ascend/driver/version.info"
 RUN = "run `npusnap qualify` as root on an idle device"
+
+
+class NodeCann(Protocol):
+    """What a report is matched against: acl.CannInstall, or the lighter ``SeenCann``."""
+
+    @property
+    def home(self) -> str: ...
+
+    @property
+    def version(self) -> Optional[str]: ...
+
+    @property
+    def simulated(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class SeenCann:
+    """The CANN a job runs on, from its home's version file alone (no library is read)."""
+
+    home: str
+    version: Optional[str]
+    simulated: bool
+
+    @classmethod
+    def at(cls, home: str) -> SeenCann:
+        version, simulated = acl.read_version_info(home)
+        return cls(os.path.abspath(home), version, simulated)
 
 
 def report_path() -> Path:
@@ -69,7 +99,7 @@ def load(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
     return doc
 
 
-def stale(report: dict[str, Any], install: acl.CannInstall) -> Optional[str]:
+def stale(report: dict[str, Any], install: NodeCann) -> Optional[str]:
     """Why the report no longer speaks for this node (another CANN, another driver), or None."""
     cann = report.get("cann") if isinstance(report.get("cann"), dict) else {}
     driver = report.get("driver") if isinstance(report.get("driver"), dict) else {}
@@ -88,7 +118,7 @@ def stale(report: dict[str, Any], install: acl.CannInstall) -> Optional[str]:
     return None
 
 
-def check_item(install: acl.CannInstall, path: Optional[Path] = None) -> CheckItem:
+def check_item(install: NodeCann, path: Optional[Path] = None) -> CheckItem:
     """`npusnap check`'s ``qualify`` row."""
     path = path or report_path()
     report = load(path)
@@ -123,3 +153,21 @@ def check_item(install: acl.CannInstall, path: Optional[Path] = None) -> CheckIt
             data,
         )
     return CheckItem("qualify", OK, f"qualified on {report.get('created_at')} ({path})", data=data)
+
+
+def gate(install: NodeCann, tell: Callable[[str], None], path: Optional[Path] = None) -> str:
+    """What a dump or a restore makes of the report for the CANN its job runs on: a failed report
+    refuses (PreflightError, before anything is touched), an out-of-date one, or none on real
+    hardware, is told through ``tell``; the line for the check table otherwise."""
+    item = check_item(install, path)
+    if item.status == PROBLEM:
+        raise PreflightError(
+            item.detail,
+            why="`npusnap qualify` found an assumption npusnap's snapshots rest on to be false on this "
+            "node: a snapshot could lose device memory without a word",
+            fix=item.fix,
+            details=dict(item.data),
+        )
+    if item.status == WARNING:
+        tell(f"{item.detail} ({item.fix})")
+    return item.detail

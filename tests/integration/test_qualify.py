@@ -138,3 +138,49 @@ def test_a_busy_device_is_refused_before_the_probe_starts(tmp_path: Path, runtim
     assert code == ExitCode.BUSY, (envelope, stderr)
     assert envelope is not None and envelope["error"]["details"]["pids"] == [job.pid]
     assert not (tmp_path / "state" / qualify.REPORT_NAME).exists()
+
+
+def test_dump_and_restore_refuse_a_node_whose_report_failed(tmp_path: Path, runtime_dir: Path) -> None:
+    """On a node whose driver drops part of a copy made while locked, a dump would write an image
+    with garbage in it and exit 0. Once qualify has found that, dump and restore refuse there,
+    before touching anything; the job runs on."""
+    state = tmp_path / "state"
+    with private_sim(devices=2, capacity_bytes=1 << 30, fault="dropcopy") as env:
+        env = dict(env, NPUSNAP_RUNTIME_DIR=str(runtime_dir), NPUSNAP_STATE_DIR=str(state))
+        job = Job(tmp_path, env, [PY, TRAIN, "--steps", "4000", *TRAIN_ARGS, "--device", "1"])
+        try:
+            job.wait_lines(2)
+            code, envelope, stderr = cli(
+                env, "dump", "--leave-running", str(job.pid), str(tmp_path / "before")
+            )
+            assert code == ExitCode.OK, (envelope, stderr)  # no report yet: the simulator needs none
+            code, envelope, stderr = cli(env, "qualify", "--device", "0", timeout=300)
+            assert code == qualify.FAILED_EXIT and envelope is not None, stderr
+            assert envelope["result"]["failed"] == ["locked-copy"]
+
+            code, envelope, stderr = cli(env, "dump", str(job.pid), str(tmp_path / "after"))
+            assert code == ExitCode.PREFLIGHT and envelope is not None, stderr
+            assert "locked-copy" in envelope["error"]["message"], envelope["error"]
+            assert "npusnap qualify" in envelope["error"]["fix"]
+            assert not (tmp_path / "after").exists()
+            seen = len(job.lines())
+            job.wait_lines(seen + 2)  # never locked: it ran on
+            code, envelope, _ = cli(env, "status", str(job.pid))
+            assert code == 0 and envelope is not None
+            npu = [p for p in envelope["result"]["processes"] if p["uses_npu"]]
+            assert npu and {p["status"]["state"] for p in npu} == {"RUNNING"}
+
+            code, envelope, stderr = cli(env, "dump", "--dry-run", str(job.pid), str(tmp_path / "dry"))
+            assert code == ExitCode.PREFLIGHT and envelope is not None, stderr
+            row = next(c for c in envelope["result"]["checks"] if c["name"] == "qualified")
+            assert row["status"] == "problem" and "locked-copy" in row["detail"], row
+
+            code, envelope, stderr = cli(env, "restore", "--dry-run", str(tmp_path / "before"))
+            assert envelope is not None, stderr
+            row = next(c for c in envelope["result"]["checks"] if c["name"] == "qualified")
+            assert row["status"] == "problem" and "locked-copy" in row["detail"], row
+        finally:
+            job.cleanup()
+        code, envelope, stderr = cli(env, "restore", str(tmp_path / "before"))
+        assert code == ExitCode.PREFLIGHT and envelope is not None, stderr
+        assert "locked-copy" in envelope["error"]["message"], envelope["error"]

@@ -236,3 +236,23 @@ def test_the_copy_of_a_piece_of_a_larger_allocation_is_found() -> None:
     stream = _stream((0x1000, b"\0" * 4096 + want + b"\1" * 100))
     assert qualify.stream_allocation(stream, 0x2000) == want + b"\1" * 100
     assert qualify.judge_copy(qualify.stream_allocation(stream, 0x2000), want, 0x2000).verdict == PASS
+
+
+def test_the_gate_refuses_a_failed_report_and_tells_an_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What dump and restore make of the report (their check `qualified`)."""
+    monkeypatch.setenv("NPUSNAP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(qualifyreport, "driver_version", lambda *a: None)
+    cann = qualifyreport.SeenCann(home="/opt/cann", version="9.1.0", simulated=False)
+    told: list[str] = []
+    qualifyreport.gate(cann, told.append)  # no report on real hardware: told, not refused
+    assert len(told) == 1 and "never qualified" in told[0]
+    report = _report(Verdict("locked-copy", FAIL, "half the bytes"))
+    report.cann = {"home": "/opt/cann", "version": "9.1.0"}
+    qualify.write_report(report, None)
+    with pytest.raises(PreflightError, match="locked-copy") as err:
+        qualifyreport.gate(cann, told.append)
+    assert "npusnap qualify" in err.value.fix
+    upgraded = qualifyreport.SeenCann(home="/opt/cann", version="9.2.0", simulated=False)
+    assert "out of date" in qualifyreport.gate(upgraded, told.append) and "9.2.0" in told[-1]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import shutil
 from typing import Optional
 
+from npusnap_cli import acl
 from npusnap_cli import image as img
 from npusnap_cli.device.devicegroup import refuse_stopped
 from npusnap_cli.errors import PreflightError
-from npusnap_cli.host import pidns, preflight, procfs
+from npusnap_cli.host import pidns, preflight, procfs, qualifyreport
 from npusnap_cli.image import imagetrust
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.dump.agents import _connect, _hello
@@ -150,6 +151,16 @@ def _c_space(s: DumpState) -> str:
     return f"room for {human_bytes(s.host_bytes)} of host memory"
 
 
+def _c_qualified(s: DumpState) -> str:
+    """The node's qualification report for the CANN the job's NPU processes have loaded."""
+    for pid in s.target.npu_pids:
+        library = acl.loaded_acl_library(pid)
+        if library:
+            home = acl.home_of_library(library)
+            return qualifyreport.gate(qualifyreport.SeenCann.at(home), s.cb.note)
+    return "no NPU process has a CANN library mapped"
+
+
 def _c_agents(s: DumpState) -> str:
     """The dry run's share of the agents: their hello, as the dump's ``hello`` step asks it."""
     _connect(s)
@@ -196,6 +207,7 @@ PREFLIGHT_CHECKS: list[DumpCheck] = [
     DumpCheck("tcp", "TCP connections to outside the tree", _c_tcp, skip=_no_target),
     DumpCheck("namespaces", "pid and mount namespaces", _c_namespaces, skip=_no_target),
     DumpCheck("npu-plugin", "a CRIU plugin for the device connections", _c_npu_plugin, skip=_no_target),
+    DumpCheck("qualified", "the node's qualification report", _c_qualified, skip=_no_target),
     DumpCheck("host-files", "host files the image carries", _c_host_files, skip=_no_target),
     DumpCheck("cgroups", "cgroups CRIU can restore", _c_cgroups, skip=_no_target),
 ]

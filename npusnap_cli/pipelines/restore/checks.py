@@ -17,7 +17,7 @@ from npusnap_cli import acl, criu
 from npusnap_cli import image as img
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import BusyError, IncompatibleImageError, PreflightError, UsageError
-from npusnap_cli.host import hostclean, hostres, lazypages, pidns, procfs
+from npusnap_cli.host import hostclean, hostres, lazypages, pidns, procfs, qualifyreport
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.restore.options import RestoreOptions
@@ -289,6 +289,15 @@ def _versions(pf: Preflight) -> str:
     return f"CRIU {binary.version}" + (f", CANN {v.cann}" if pf.manifest.npu_processes else "")
 
 
+def _qualified(pf: Preflight) -> str:
+    """The node's qualification report for the CANN the restore runs the device state with (the
+    one check_versions finds: ASCEND_HOME_PATH, else the image's)."""
+    home = os.environ.get("ASCEND_HOME_PATH") or pf.manifest.versions.cann_home
+    if not home:
+        return "the image names no CANN installation"
+    return qualifyreport.gate(qualifyreport.SeenCann.at(home), pf.tell)
+
+
 def _lazy(pf: Preflight) -> str:
     lazypages.check_lazy(pf.image, pf.manifest, pf.criu_binary())
     return "CRIU can serve the pages lazily"
@@ -405,6 +414,12 @@ def _pidfile(pf: Preflight) -> str:
 # In the restore's order; ``restore --dry-run`` runs the image's structure and checksums first.
 CHECKS: tuple[Check, ...] = (
     Check("versions", "same CRIU and CANN as at dump time", _versions),
+    Check(
+        "qualified",
+        "the node's qualification report (npusnap qualify)",
+        _qualified,
+        skip=lambda pf: None if pf.manifest.npu_processes else "no NPU process",
+    ),
     Check(
         "lazy-pages", "CRIU's lazy pages", _lazy, skip=lambda pf: None if pf.options.lazy else "not --lazy"
     ),
