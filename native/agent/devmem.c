@@ -54,6 +54,7 @@ void agent_device_opened(void);                                             /* c
 void npusnap_devmem_before_write(uintptr_t p, size_t n); /* the concurrent copy, below */
 void npusnap_devmem_write_open(void);
 void npusnap_devmem_write_close(void);
+static void write_open(int gated);
 
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
 void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes.c */
@@ -175,6 +176,12 @@ struct handle {
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv; /* CLOCK_MONOTONIC */
+/* The lock's hold on the job's writers (npusnap_devmem_hold_writers). */
+static __thread int t_entered; /* this thread's outermost writer went through the entry */
+static int g_entry_closed;     /* the lock's hold on writers (npusnap_devmem_hold_writers) */
+static int g_writers_inside;   /* the job's outermost writer calls past their entry */
+static pthread_mutex_t g_emu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_ecv; /* monotonic: devmem_init */
 static struct alloc *g_allocs;
 static size_t g_n, g_cap;
 static struct range *g_excl;
@@ -286,15 +293,21 @@ static void atfork_child(void) {
     pthread_mutex_unlock(&g_mu);
 }
 
+/* A condition whose timed waits take CLOCK_MONOTONIC deadlines (as every deadline here is). */
+static void monotonic_cond(pthread_cond_t *c) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(c, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 __attribute__((constructor)) static void devmem_init(void) {
     record_start();
     NPUSNAP_AGENT_RECORD_SYMBOL.tracking = (uint32_t)loaded_before_libc();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&g_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    monotonic_cond(&g_cv);
+    monotonic_cond(&g_ecv);
 }
 
 static void seterr(char *err, size_t len, const char *fmt, ...) {
@@ -526,7 +539,7 @@ static void before_release(uintptr_t p) {
 
 API drvError_t halMemFree(void *pp) {
     REAL(F_HAL_FREE, drvError_t(*)(void *));
-    npusnap_devmem_write_open();
+    write_open(0); /* below the runtime's entry check */
     before_release((uintptr_t)pp);
     drvError_t rc = fn(pp);
     npusnap_devmem_write_close();
@@ -610,7 +623,7 @@ API drvError_t halMemMap(void *ptr, size_t size, size_t offset, drv_mem_handle_t
 
 API drvError_t halMemUnmap(void *ptr) {
     REAL(F_HAL_UNMAP, drvError_t(*)(void *));
-    npusnap_devmem_write_open();
+    write_open(0); /* below the runtime's entry check */
     before_release((uintptr_t)ptr);
     drvError_t rc = fn(ptr);
     npusnap_devmem_write_close();
@@ -623,7 +636,7 @@ API drvError_t halMemUnmap(void *ptr) {
 API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_t n) {
     REAL(F_DRV_MEMCPY, drvError_t(*)(DVdeviceptr, size_t, DVdeviceptr, size_t));
     if (t_agent) return fn(dst, destMax, src, n);
-    npusnap_devmem_write_open();
+    write_open(0); /* below the runtime's entry check */
     npusnap_devmem_before_write((uintptr_t)dst, n);
     npusnap_devmem_mark((uintptr_t)dst, n); /* and after it: writes.c, stamp_ranges */
     pthread_mutex_lock(&g_mu);
@@ -1545,6 +1558,11 @@ static void ws_after_fork(void) {
     for (int i = 0; i < WS_SLOTS; i++)
         if (&g_ws[i] != t_ws) g_ws[i].owned = g_ws[i].busy = g_ws[i].depth = 0;
     g_ws_unslotted = t_ws_none_depth > 0;
+    /* A hold of the parent's is not the child's, and only this thread may be inside a writer. */
+    g_entry_closed = 0;
+    g_writers_inside = t_entered;
+    pthread_mutex_init(&g_emu, NULL);
+    monotonic_cond(&g_ecv);
 }
 
 static void ws_release(void *slot) {
@@ -1567,9 +1585,72 @@ static struct wslot *ws_claim(void) {
     return NULL;
 }
 
-void npusnap_devmem_write_open(void) {
+/* The lock's hold on the job's writers. A call past the runtime's entry check when Lock comes
+ * runs to its end (shared CANN notes, "Lock"): a copy or a launch that had passed it would write
+ * device memory, or queue work, after the drain, while the memory is being copied, and the image
+ * would hold the old bytes for a host that saw the call return. So before Lock the agent closes
+ * the entry of every writer (this thread's outermost write_open), waits until none is inside, and
+ * opens it again once Lock returned: a writer that came meanwhile goes on into the runtime and
+ * waits at its gate, never past it. Dekker-style: a writer counts itself in, then reads `closed`;
+ * the hold sets `closed`, then reads the count (both sequentially consistent). */
+
+static void entry_leave(void) {
+    if (__atomic_sub_fetch(&g_writers_inside, 1, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_load_n(&g_entry_closed, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&g_emu);
+        pthread_cond_broadcast(&g_ecv);
+        pthread_mutex_unlock(&g_emu);
+    }
+}
+
+static void entry_enter(void) {
+    for (;;) {
+        __atomic_add_fetch(&g_writers_inside, 1, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&g_entry_closed, __ATOMIC_SEQ_CST)) return;
+        entry_leave();
+        pthread_mutex_lock(&g_emu);
+        while (__atomic_load_n(&g_entry_closed, __ATOMIC_SEQ_CST)) pthread_cond_wait(&g_ecv, &g_emu);
+        pthread_mutex_unlock(&g_emu);
+    }
+}
+
+API int npusnap_devmem_hold_writers(int timeout_ms) {
+    __atomic_store_n(&g_entry_closed, 1, __ATOMIC_SEQ_CST);
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&g_emu);
+    int w = 0;
+    while (__atomic_load_n(&g_writers_inside, __ATOMIC_SEQ_CST) > 0 && w != ETIMEDOUT)
+        w = pthread_cond_timedwait(&g_ecv, &g_emu, &dl);
+    int left = __atomic_load_n(&g_writers_inside, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&g_emu);
+    return left;
+}
+
+API void npusnap_devmem_release_writers(void) {
+    pthread_mutex_lock(&g_emu);
+    __atomic_store_n(&g_entry_closed, 0, __ATOMIC_SEQ_CST);
+    pthread_cond_broadcast(&g_ecv);
+    pthread_mutex_unlock(&g_emu);
+}
+
+/* A writer opens its slot. ``gated``: a call of the runtime's API, above its entry check, which
+ * the lock's hold keeps out; the driver's functions the runtime calls below that check (a copy,
+ * a free, an unmap of a call already past it) are not held there, which would only delay them
+ * into the copy. */
+static void write_open(int gated) {
     if (t_agent) return;
     if (!t_ws && !t_ws_none && !(t_ws = ws_claim())) t_ws_none = 1;
+    if (gated && (t_ws ? t_ws->depth : t_ws_none_depth) == 0) {
+        entry_enter();
+        t_entered = 1;
+    }
     if (t_ws) {
         if (t_ws->depth++ == 0) {
             __atomic_store_n(&t_ws->n, 0, __ATOMIC_RELAXED);
@@ -1580,12 +1661,18 @@ void npusnap_devmem_write_open(void) {
     }
 }
 
+void npusnap_devmem_write_open(void) { write_open(1); }
+
 void npusnap_devmem_write_close(void) {
     if (t_agent) return;
     if (t_ws) {
         if (t_ws->depth > 0 && --t_ws->depth == 0) __atomic_store_n(&t_ws->busy, 0, __ATOMIC_SEQ_CST);
     } else if (t_ws_none && t_ws_none_depth > 0 && --t_ws_none_depth == 0) {
         __atomic_fetch_sub(&g_ws_unslotted, 1, __ATOMIC_SEQ_CST);
+    }
+    if (t_entered && (t_ws ? t_ws->depth : t_ws_none_depth) == 0) {
+        t_entered = 0;
+        entry_leave();
     }
 }
 

@@ -36,6 +36,8 @@
 #pragma weak npusnap_devmem_registered_count
 #pragma weak npusnap_devmem_devices
 #pragma weak npusnap_devmem_drain
+#pragma weak npusnap_devmem_hold_writers
+#pragma weak npusnap_devmem_release_writers
 #pragma weak npusnap_devmem_last_drain_s
 #pragma weak npusnap_devmem_save_since
 #pragma weak npusnap_devmem_tracking
@@ -1156,9 +1158,26 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     /* No thread inside a collective at Lock: each is wholly before or after the snapshot. */
     if (npusnap_hccl_hold(HCCL_HOLD_TIMEOUT_S) < 0)
         ops_event("an HCCL call was still running %gs after the hold: locking anyway", HCCL_HOLD_TIMEOUT_S);
+    /* No writer of the job past the runtime's entry check at Lock either: such a call runs to its
+     * end after Lock, into the drain and the copy (npusnap_devmem_hold_writers). */
+    int inside = npusnap_devmem_hold_writers ? npusnap_devmem_hold_writers(drain_ms) : 0;
+    if (inside > 0) {
+        npusnap_devmem_release_writers();
+        npusnap_hccl_release();
+        close_fd(&devmem.save_fd);
+        devmem.mode[0] = 0;
+        devmem.flow[0] = 0;
+        sb_free(&ran);
+        err_set(e, NPUSNAP_ERRTYPE_STATE, NPUSNAP_ERR_DEVICE_BUSY, 0,
+                "%d call(s) of the job that write device memory were still running after %d ms; "
+                "nothing was locked",
+                inside, drain_ms);
+        return -1;
+    }
     double lock_call_start = now_s();
     int locked_rc = call("Lock", e);
     lock_call_s = now_s() - lock_call_start;
+    if (npusnap_devmem_release_writers) npusnap_devmem_release_writers();
     if (locked_rc < 0) {
         npusnap_hccl_release();
         close_fd(&devmem.save_fd);

@@ -217,6 +217,21 @@ static int32_t drv_dev(int32_t user, uint32_t *out) {
 /* GlobalStateManager::WaitIfLocked: a resource-changing call waits while LOCKED or BACKED_UP. */
 static int g_gated; /* calls waiting in gate() (for the lock trace) */
 
+/* NPUSIM_ENTRY_DELAY_US=N (tests): every call sleeps N us right after passing the gate, as a
+ * thread preempted there would on a busy node. Lock does not wait for such a call (it is past
+ * its entry check, shared CANN notes "Lock"): the window a tool must close itself. */
+static long entry_delay_us(void) {
+    static long us = -1;
+    long v = __atomic_load_n(&us, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("NPUSIM_ENTRY_DELAY_US");
+        v = e && *e ? strtol(e, NULL, 10) : 0;
+        if (v < 0) v = 0;
+        __atomic_store_n(&us, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 static void gate(void) {
     pthread_mutex_lock(&g_mu);
     while (g_state != ST_RUNNING) {
@@ -225,6 +240,8 @@ static void gate(void) {
         g_gated--;
     }
     pthread_mutex_unlock(&g_mu);
+    long delay = entry_delay_us();
+    if (delay > 0) sleep_s((double)delay / 1e6);
 }
 
 static int current_device(void) {

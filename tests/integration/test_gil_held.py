@@ -55,8 +55,10 @@ def state(pid: int) -> str:
         raise
 
 
-def start(tmp_path: Path, sim_env: dict[str, str], runtime_dir: Path, device: str, steps: int = 0) -> Job:
-    env = job_env(sim_env, runtime_dir)
+def start(
+    tmp_path: Path, sim_env: dict[str, str], runtime_dir: Path, device: str, steps: int = 0, **extra: str
+) -> Job:
+    env = job_env(sim_env, runtime_dir, **extra)
     job = Job(tmp_path, env, [PY, GIL_JOB, "--steps", str(steps), "--device", device])
     wait_until(lambda: "ready" in job.text(), 20, "the job to start")
     wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
@@ -187,5 +189,31 @@ def test_a_hook_that_cannot_get_the_gil_fails_in_time_and_rolls_back(
         time.sleep(4)
         assert not (tmp_path / "late").exists(), "a cancelled hook ran late"
         assert alive(job.pid)
+    finally:
+        job.cleanup()
+
+
+def test_a_copy_past_the_runtimes_entry_at_lock_is_in_the_image(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """Every call of the job sleeps 2 ms right after the runtime's entry check (a thread preempted
+    there), so a Lock mostly comes while a copy is past it: the runtime lets such a call run to
+    its end, and a host-to-device copy that wrote after the agent's copy would leave the image
+    one step behind the host. Dumped and restored three times, every value follows the sequence."""
+    env = job_env(sim_env, runtime_dir)
+    job = start(tmp_path, sim_env, runtime_dir, "1", NPUSIM_ENTRY_DELAY_US="2000")
+    try:
+        for cycle in range(3):
+            img = tmp_path / f"img{cycle}"
+            rc, out, err = cli(env, "dump", str(job.restored_pid or job.pid), str(img), timeout=60)
+            assert rc == 0, (out or {}).get("error") or err
+            if cycle == 0:
+                job.reap()
+            dumped = values(job)[-1][0]
+            rc, out, err = cli(env, "restore", str(img), timeout=60)
+            assert rc == 0, err
+            job.restored_pid = out["result"]["root_pid"] if out else 0
+            wait_until(lambda d=dumped: values(job)[-1][0] > d + 100, 30, "the restored job to go on")
+        assert_consistent(job)
     finally:
         job.cleanup()

@@ -37,6 +37,14 @@ int npusnap_devmem_save(int timeout_ms, char *err, size_t errlen);
  * bounded drain of every device the job opened, so that Backup's own synchronize (which has no
  * timeout) finds nothing queued. 0, or -errno with err set. */
 int npusnap_devmem_drain(int timeout_ms, char *err, size_t errlen);
+
+/* Before the runtime's Lock: hold the job's calls that write device memory at their entry (the
+ * agent's wrappers of copies, memsets, launches, operators and collectives) and wait, at most
+ * timeout_ms, until none is inside one; returns how many still are (0: none past the runtime's
+ * entry check can write after Lock). npusnap_devmem_release_writers lets the held ones go on
+ * (into the runtime, whose gate then holds them); call it after Lock, whatever Lock answered. */
+int npusnap_devmem_hold_writers(int timeout_ms);
+void npusnap_devmem_release_writers(void);
 /* Seconds the last drain (drain, or the drain of a save) waited for the job's queued work: the
  * job's own computing, which the lock lets finish, reported apart from the time it is held. */
 double npusnap_devmem_last_drain_s(void);

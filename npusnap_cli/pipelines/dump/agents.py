@@ -40,7 +40,7 @@ CHUNK_STAGING_RESERVE = 512 << 20
 
 
 def _connect(s: DumpState) -> None:
-    s.devices = DeviceGroup(
+    s.agents.devices = DeviceGroup(
         s.target.npu_pids,
         lease_s=s.options.lease_s,
         command="dump",
@@ -54,28 +54,30 @@ def _disconnect(s: DumpState, _err: BaseException) -> None:
 
 
 def _hello(s: DumpState) -> None:
-    s.hello = s.group.hello()
+    s.agents.hello = s.group.hello()
     # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
     # here, having changed nothing, rather than fail at Lock.
     s.group.ensure_unlocked()
     maps = {pid: devmaps.device_memory(pid) for pid in s.target.npu_pids}
     mode = s.options.device_memory
-    s.device_memory = check_device_memory(mode, s.hello, maps)
+    s.agents.device_memory = check_device_memory(mode, s.agents.hello, maps)
     if mode == "preserve":
-        s.device_bytes = sum(agent_device_bytes(h) for h in s.hello.values())
+        s.agents.device_bytes = sum(agent_device_bytes(h) for h in s.agents.hello.values())
     # Host memory for the device memory only where a copy of it is held there (the agent
     # writes it into the image in small pieces by default).
     in_process = mode == "preserve" and _device_memory_in_process()
-    _check_space_and_memory(s.final, s.host_bytes + s.device_bytes, s.device_bytes if in_process else 0)
+    _check_space_and_memory(
+        s.final, s.resolved.host_bytes + s.agents.device_bytes, s.agents.device_bytes if in_process else 0
+    )
     # NPUSNAP_DEVMEM_FLAT=1: one file per process, as images before chunks (benchmarks compare).
     flat = os.environ.get("NPUSNAP_DEVMEM_FLAT") == "1"
-    s.chunked = mode == "preserve" and not in_process and not flat and bool(s.device_bytes)
+    s.devmem.chunked = mode == "preserve" and not in_process and not flat and bool(s.agents.device_bytes)
     avail = _mem_available()
-    if s.chunked and avail is not None and avail - s.device_bytes < CHUNK_STAGING_RESERVE:
-        s.chunked = False
+    if s.devmem.chunked and avail is not None and avail - s.agents.device_bytes < CHUNK_STAGING_RESERVE:
+        s.devmem.chunked = False
         s.cb.note(
             f"device memory written as one full file per process, not as chunks shared with "
-            f"earlier images: {human_bytes(s.device_bytes)} of device memory would not fit in "
+            f"earlier images: {human_bytes(s.agents.device_bytes)} of device memory would not fit in "
             f"the host's {human_bytes(avail)} of available memory while it is cut into chunks"
         )
     if mode == "discard":
@@ -93,12 +95,12 @@ def _lock(s: DumpState) -> None:
     # The lock phase waits for the agents (they copy the device memory): meanwhile, import
     # what the CRIU step needs.
     threading.Thread(target=criu.preload, name="npusnap-preload", daemon=True).start()
-    s.locking = True
+    s.locked.locking = True
     # A note a `thaw --force` left for a dead command of this pid is not about this dump's lock.
     forget_taken_over(s.target.npu_pids, os.getpid())
     # The files first, while the job still runs: reserving their room takes time with the size.
     files = _open_device_memory_files(s)
-    s.lock_start = time.monotonic()
+    s.locked.lock_start = time.monotonic()
     try:
         # Ranks of one job all-reduce: one rank's collective waits for another's launch,
         # which that rank's lock holds, so the drain after Lock may not finish. Several
@@ -116,23 +118,23 @@ def _lock(s: DumpState) -> None:
                 if o.busy_retries is not None
                 else (BUSY_RETRIES_GROUP if several else BUSY_RETRIES),
                 before_retry=lambda: _empty_files(files),
-                since={pid: b.save_id for pid, b in s.bases.items()},
+                since={pid: b.save_id for pid, b in s.devmem.bases.items()},
                 check_writes=os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1",
-                concurrent=s.concurrent,
+                concurrent=s.devmem.concurrent,
             )
     finally:
         for fd, _name in files.values():
             os.close(fd)
-    s.lock_tokens = s.group.tokens()
-    s.lock_results = results
+    s.locked.lock_tokens = s.group.tokens()
+    s.locked.lock_results = results
     _incremental(s, results)
     _drop_unused_device_memory_files(s, results)
     _hash_device_files(s, criu_done=False)
 
 
 def _announce_rollback(s: DumpState) -> None:
-    if not s.rolling_back:
-        s.rolling_back = True
+    if not s.end.rolling_back:
+        s.end.rolling_back = True
         s.cb.phase("rollback")
 
 
@@ -141,7 +143,7 @@ def _roll_back_devices(s: DumpState, err: BaseException) -> None:
     if isinstance(err, StateUnknownError):
         return  # nothing is known well enough to act on: the error says how to recover
     _announce_rollback(s)
-    if s.lease is not None and s.lease.gave_up(err):
+    if s.locked.lease is not None and s.locked.lease.gave_up(err):
         return  # the leases rolled our locks back; no longer ours to touch (leasekeeper.py)
     group = s.group
     try:
@@ -152,8 +154,8 @@ def _roll_back_devices(s: DumpState, err: BaseException) -> None:
             group.close()  # an agent serves one client: a job dump may try again at once
     except StateUnknownError as unknown:
         unknown.details["original_error"] = _describe(err)
-        if s.tmp is not None:
-            unknown.details["partial_image_removed"] = str(s.tmp)
+        if s.area.tmp is not None:
+            unknown.details["partial_image_removed"] = str(s.area.tmp)
         raise
     except NpusnapError as other:
         npu = s.target.npu_pids
@@ -181,10 +183,10 @@ def _describe(err: BaseException) -> str:
 def _unlock(s: DumpState) -> None:
     s.group.reconnect()
     try:
-        if s.concurrent:
+        if s.devmem.concurrent:
             _unlock_and_copy(s)
         else:
             s.group.unlock()
-            s.frozen_end = time.monotonic()
+            s.saved.frozen_end = time.monotonic()
     finally:
         s.group.close()

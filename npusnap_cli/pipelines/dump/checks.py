@@ -52,7 +52,7 @@ def _c_signing_key(s: DumpState) -> str:
 
 
 def _c_target(s: DumpState) -> str:
-    s.found = resolve_target(s.pid, attach=s.options.attach)
+    s.resolved.found = resolve_target(s.pid, attach=s.options.attach)
     t = s.target
     idle = (
         f"; without device state though their agent cannot answer (stopped, or no agent of their own): "
@@ -74,12 +74,16 @@ def _c_session(s: DumpState) -> str:
 
 
 def _c_stdio(s: DumpState) -> str:
-    s.external = _check_external_stdio(s.target.tree, s.options, s.cb.note)
-    return f"{len(s.external)} pipe(s) for restore --pipe-to" if s.external else "nothing CRIU cannot restore"
+    s.resolved.external = _check_external_stdio(s.target.tree, s.options, s.cb.note)
+    return (
+        f"{len(s.resolved.external)} pipe(s) for restore --pipe-to"
+        if s.resolved.external
+        else "nothing CRIU cannot restore"
+    )
 
 
 def _c_criu(s: DumpState) -> str:
-    s.criu_binary = _check_criu(s.check)
+    s.resolved.criu_binary = _check_criu(s.check)
     return f"CRIU {s.binary.version}, `criu check` passed"
 
 
@@ -89,16 +93,20 @@ def _c_fds(s: DumpState) -> str:
 
 
 def _c_tcp(s: DumpState) -> str:
-    s.tcp_within = _check_tcp(s.target.tree, s.options, s.in_job, s.cb.note)
-    return "connections within the tree only" if s.tcp_within else "none to outside the tree unless asked for"
+    s.resolved.tcp_within = _check_tcp(s.target.tree, s.options, s.in_job, s.cb.note)
+    return (
+        "connections within the tree only"
+        if s.resolved.tcp_within
+        else "none to outside the tree unless asked for"
+    )
 
 
 def _c_namespaces(s: DumpState) -> str:
     tree = s.target.tree
     ns_map = pidns.namespace_pids(s.target.root_pid, [p.pid for p in tree])
-    s.pid_ns = {str(k): v for k, v in ns_map.items()}
-    s.device_view = pidns.in_device_view(s.target.root_pid)
-    if s.device_view and shutil.which("nsenter") is None:
+    s.resolved.pid_ns = {str(k): v for k, v in ns_map.items()}
+    s.resolved.device_view = pidns.in_device_view(s.target.root_pid)
+    if s.resolved.device_view and shutil.which("nsenter") is None:
         raise PreflightError(
             f"pid {s.target.root_pid} runs in a container of the simulated NPU (`restore --device-map`) "
             "and nsenter is not installed",
@@ -107,7 +115,7 @@ def _c_namespaces(s: DumpState) -> str:
             fix="install util-linux (apt-get install util-linux), then dump again; nothing was touched",
         )
     return ("its own pid namespace" if ns_map else "the host's pid namespace") + (
-        ", in a device view (CRIU runs there)" if s.device_view else ""
+        ", in a device view (CRIU runs there)" if s.resolved.device_view else ""
     )
 
 
@@ -146,9 +154,9 @@ def _c_stopped(s: DumpState) -> str:
 
 def _c_space(s: DumpState) -> str:
     # The host side now; the device memory once the agents said how much they hold.
-    s.host_bytes = sum(_rss(p.pid) for p in s.target.tree)
-    _check_space_and_memory(s.final, s.host_bytes, 0)
-    return f"room for {human_bytes(s.host_bytes)} of host memory"
+    s.resolved.host_bytes = sum(_rss(p.pid) for p in s.target.tree)
+    _check_space_and_memory(s.final, s.resolved.host_bytes, 0)
+    return f"room for {human_bytes(s.resolved.host_bytes)} of host memory"
 
 
 def _c_qualified(s: DumpState) -> str:
@@ -168,19 +176,19 @@ def _c_agents(s: DumpState) -> str:
         _hello(s)
     finally:
         s.group.close()
-    return f"{len(s.hello)} agent(s) unlocked, {human_bytes(s.device_bytes)} of device memory"
+    return f"{len(s.agents.hello)} agent(s) unlocked, {human_bytes(s.agents.device_bytes)} of device memory"
 
 
 def _no_target(s: DumpState) -> Optional[str]:
-    return None if s.found is not None else "needs the process tree"
+    return None if s.resolved.found is not None else "needs the process tree"
 
 
 def _no_criu(s: DumpState) -> Optional[str]:
-    return _no_target(s) or (None if s.criu_binary is not None else "needs CRIU")
+    return _no_target(s) or (None if s.resolved.criu_binary is not None else "needs CRIU")
 
 
 def _no_agents(s: DumpState) -> Optional[str]:
-    if s.found is None:
+    if s.resolved.found is None:
         return "needs the process tree"
     missing = ", ".join(map(str, _without_agent(s)))
     return f"the dump would attach an agent to pid(s) {missing} first" if missing else None

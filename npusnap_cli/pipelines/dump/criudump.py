@@ -36,13 +36,13 @@ def _criu(s: DumpState) -> None:
 def _criu_dump(s: DumpState) -> None:
     s.group.close()  # CRIU refuses connected stream sockets whose peer is outside the tree
     # Knows, until the kill, whether every lock is still the dump's (leasekeeper.py).
-    lease = s.lease = LeaseKeeper(s.lock_tokens, s.options.lease_s)
+    lease = s.locked.lease = LeaseKeeper(s.locked.lock_tokens, s.options.lease_s)
     lease.renew_or_fail("before CRIU started")
     tmp = s.work
-    s.criu_options = s.options.criu_for(s.target.tree, s.tcp_within)
+    s.saved.criu_options = s.options.criu_for(s.target.tree, s.resolved.tcp_within)
     expected = sum(_rss(p.pid) for p in s.target.tree)
     # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
-    hasher = s.hasher = StreamHasher(img.criu_dir(tmp)).start()
+    hasher = s.saved.hasher = StreamHasher(img.criu_dir(tmp)).start()
     try:
         start = time.monotonic()
         with (
@@ -52,17 +52,17 @@ def _criu_dump(s: DumpState) -> None:
                 lambda n: s.cb.progress("writing image", n, max(expected, n)),
             ),
         ):
-            s.criu_result = criu.dump(
+            s.saved.criu_result = criu.dump(
                 s.target.root_pid,
                 str(img.criu_dir(tmp)),
                 str(img.logs_dir(tmp)),
-                options=s.criu_options,
+                options=s.saved.criu_options,
                 log_name=img.DUMP_LOG,
                 binary=s.binary,
                 on_notify=lambda script, pid: _on_criu_notify(s, script, pid),
-                in_mount_ns=s.device_view,
+                in_mount_ns=s.resolved.device_view,
             )
-        s.criu_s = time.monotonic() - start
+        s.saved.criu_s = time.monotonic() - start
     except OSError as exc:
         hasher.stop()
         raise ImageError(
@@ -72,11 +72,11 @@ def _criu_dump(s: DumpState) -> None:
         hasher.stop()
         lease.check("while CRIU ran")  # a lost lock is the cause to report
         raise
-    s.criu_done = s.frozen_end = time.monotonic()
+    s.saved.criu_done = s.saved.frozen_end = time.monotonic()
     _hash_device_files(s, criu_done=True)
     if not s.options.leave_running:
         # The tree is stopped (leave_stopped): it is killed only after the image is published.
-        s.stopped_pids = proctree.tree_pids(s.target.root_pid)
+        s.saved.stopped_pids = proctree.tree_pids(s.target.root_pid)
     try:
         # After stopped_pids: a refused dump's rollback must resume the stopped tree first
         # (its agents cannot answer the unlock while CRIU's SIGSTOP holds them).
@@ -119,7 +119,7 @@ def _match_dumped_tree(s: DumpState) -> None:
     def ids(tree: tuple[ProcInfo, ...], ns: dict[int, int]) -> dict[int, ProcInfo]:
         return {(ns[p.pid] if ns else p.pid): p for p in tree if not ns or p.pid in ns}
 
-    if set(ids(s.target.tree, {int(k): v for k, v in s.pid_ns.items()})) == dumped:
+    if set(ids(s.target.tree, {int(k): v for k, v in s.resolved.pid_ns.items()})) == dumped:
         return
     tree = tuple(proctree.process_tree(root))
     ns = pidns.namespace_pids(root, [p.pid for p in tree])
@@ -137,9 +137,9 @@ def _match_dumped_tree(s: DumpState) -> None:
             fix="dump again (nothing was kept; the job runs on)",
             details={"criu_pids": sorted(dumped), "exited": missing, "new_npu_pids": new_npu},
         )
-    s.found = replace(s.target, tree=kept)
+    s.resolved.found = replace(s.target, tree=kept)
     pids = {p.pid for p in kept}
-    s.pid_ns = {str(k): v for k, v in ns.items() if k in pids}
+    s.resolved.pid_ns = {str(k): v for k, v in ns.items() if k in pids}
 
 
 def _resume(s: DumpState, err: BaseException) -> None:
@@ -147,13 +147,13 @@ def _resume(s: DumpState, err: BaseException) -> None:
     if isinstance(err, StateUnknownError):
         return
     _announce_rollback(s)
-    if s.stopped_pids and s.criu_options.tcp_established:
+    if s.saved.stopped_pids and s.saved.criu_options.tcp_established:
         # CRIU keeps a stopped tree's connections locked (repair mode, nftables): undo it first.
-        for problem in tcpunlock.release(s.stopped_pids, s.options.criu.network_lock):
+        for problem in tcpunlock.release(s.saved.stopped_pids, s.options.criu.network_lock):
             s.cb.note(f"rollback: {problem}")
-    if s.stopped_pids:  # not those stopped before the dump: CRIU kept them stopped
-        proctree.signal_tree([p for p in s.stopped_pids if p not in s.target.stopped], signal.SIGCONT)
-    hostres.drop_remaps(s.host_files)
+    if s.saved.stopped_pids:  # not those stopped before the dump: CRIU kept them stopped
+        proctree.signal_tree([p for p in s.saved.stopped_pids if p not in s.target.stopped], signal.SIGCONT)
+    hostres.drop_remaps(s.saved.host_files)
 
 
 def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
@@ -169,13 +169,13 @@ def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
     saved = hostres.save_files(paths, tmp)
     # CRIU names them from the root of the tree's mount namespace: the host's paths only
     # when it is ours (a container's go with its runtime's checkpoint instead).
-    ours = _our_mount_ns(s.target.root_pid) or s.device_view
+    ours = _our_mount_ns(s.target.root_pid) or s.resolved.device_view
     remaps = hostres.link_remaps(img.criu_dir(tmp)) if ours else []
     if remaps:
         s.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
-    s.host_files = saved + hostres.save_files(remaps, tmp, remap=True)
+    s.saved.host_files = saved + hostres.save_files(remaps, tmp, remap=True)
     if ours:
-        s.host_nodes = tuple(hostres.find_host_nodes(pids, paths))
+        s.saved.host_nodes = tuple(hostres.find_host_nodes(pids, paths))
 
 
 def _check_plugin_marks(s: DumpState, tmp: Path) -> None:

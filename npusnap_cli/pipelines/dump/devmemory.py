@@ -138,12 +138,12 @@ def _written_bytes(st: os.stat_result) -> int:
 @contextlib.contextmanager
 def _backup_progress(s: DumpState) -> Iterator[None]:
     """Bytes backed up, as the growth of the NPU processes' host memory (Backup copies into it)."""
-    if not s.device_bytes:
+    if not s.agents.device_bytes:
         yield
         return
     pids = s.target.npu_pids
     before = sum(_rss(p) for p in pids)
-    total = s.device_bytes
+    total = s.agents.device_bytes
 
     def report(n: int) -> None:
         s.cb.progress("device memory copy", min(total, max(0, n)), total)
@@ -151,7 +151,7 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
     def written() -> int:
         # The agents copy into the image's device-memory files when they have them (their host
         # memory does not grow then): those files' sizes are the progress.
-        d = s.tmp / img.DEVICE_SUBDIR if s.tmp is not None else None
+        d = s.area.tmp / img.DEVICE_SUBDIR if s.area.tmp is not None else None
         if d is None:
             return 0
         try:
@@ -171,30 +171,33 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
         return {}
     tmp = s.work
     files: dict[int, tuple[int, str]] = {}
-    if s.chunked:
-        s.sharing = devchunks.Sharing(s.published, s.options.parent)
+    if s.devmem.chunked:
+        s.devmem.sharing = devchunks.Sharing(s.published, s.options.parent)
         if s.options.leave_running and os.environ.get("NPUSNAP_NO_CONCURRENT") != "1":
-            s.concurrent = 2 if os.environ.get("NPUSNAP_TEST_CHECK_CONCURRENT") == "1" else 1
+            s.devmem.concurrent = 2 if os.environ.get("NPUSNAP_TEST_CHECK_CONCURRENT") == "1" else 1
         if os.environ.get("NPUSNAP_NO_INCREMENTAL") != "1":
-            s.bases = _bases(s.sharing, s.hello)
+            s.devmem.bases = _bases(s.devmem.sharing, s.agents.hello)
     try:
-        for pid, h in sorted(s.hello.items()):
+        for pid, h in sorted(s.agents.hello.items()):
             dm = h.device_memory
             if not dm.available or not dm.allocations:
                 continue
             rel = img.device_memory_rel(pid)
             path = tmp / rel
             path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
-            if s.chunked:
+            if s.devmem.chunked:
                 # A memory file: only the pieces no earlier image holds reach the disk.
                 fd = os.memfd_create(f"npusnap-devmem-{pid}", os.MFD_CLOEXEC)
-                s.device_streams[pid] = os.dup(fd)
+                s.devmem.device_streams[pid] = os.dup(fd)
             else:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
             # The agent records where the file will be once published, for a reload without
             # a descriptor (a lease's rollback after an interrupted restore): never a work
             # directory, which is gone by then.
-            files[pid] = (fd, os.path.abspath(s.published / (devchunks.index_rel(pid) if s.chunked else rel)))
+            files[pid] = (
+                fd,
+                os.path.abspath(s.published / (devchunks.index_rel(pid) if s.devmem.chunked else rel)),
+            )
             try:
                 streamhash.reserve(fd, _device_memory_file_size(dm))
             except OSError as nospace:
@@ -210,11 +213,11 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             fix="free space where the image is written (or write it elsewhere) and dump again; "
             "nothing was locked, the job runs on",
         ) from None
-    if files and not s.chunked:
+    if files and not s.devmem.chunked:
         # The agents write them with several threads, a chunk at a time at its place: the disk
         # starts on them meanwhile, and they are hashed once the lock answered
         # (_hash_device_files).
-        s.device_writeback = WritebackFollower(tmp / img.DEVICE_SUBDIR).start()
+        s.devmem.device_writeback = WritebackFollower(tmp / img.DEVICE_SUBDIR).start()
     return files
 
 
@@ -237,19 +240,19 @@ def _bases(sharing: devchunks.Sharing, hello: dict[int, replies.HelloReply]) -> 
 def _incremental(s: DumpState, results: dict[int, LockedAndBackedUp]) -> None:
     """What each agent left out of its save (since its base), for the chunk writer."""
     check = os.environ.get("NPUSNAP_TEST_CHECK_WRITES") == "1"
-    for pid, base in s.bases.items():
+    for pid, base in s.devmem.bases.items():
         result = results.get(pid)
         tracking = result.device_memory.tracking if result is not None else None
         save = tracking.save if tracking is not None else None
         if save is not None and save.since_used:
-            s.incremental[pid] = devchunks.Incremental(base, bytes.fromhex(save.unchanged), check)
+            s.devmem.incremental[pid] = devchunks.Incremental(base, bytes.fromhex(save.unchanged), check)
 
 
 def _close_streams(s: DumpState) -> None:
-    for fd in s.device_streams.values():
+    for fd in s.devmem.device_streams.values():
         with contextlib.suppress(OSError):
             os.close(fd)
-    s.device_streams = {}
+    s.devmem.device_streams = {}
 
 
 def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
@@ -257,33 +260,33 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
     of the host side, on one core, where cores are to spare (HASH_ALONGSIDE_CRIU_CORES); on
     every core once CRIU is done and the job stays stopped. Chunked: cut the memory files into
     chunks (on every core once CRIU is done)."""
-    if s.chunked:
-        if s.concurrent and not s.copy_done:
+    if s.devmem.chunked:
+        if s.devmem.concurrent and not s.devmem.copy_done:
             return  # the agents copy after the unlock
         if (
-            s.chunk_writer is None
-            and s.device_streams
+            s.devmem.chunk_writer is None
+            and s.devmem.device_streams
             and (criu_done or digest.usable_cores() >= HASH_ALONGSIDE_CRIU_CORES)
         ):
-            sharing = s.sharing or devchunks.Sharing(s.published, s.options.parent)
-            streams, s.device_streams = s.device_streams, {}
-            s.chunk_writer = devchunks.ChunkWriter(
-                s.work, sharing, streams, threads=digest.usable_cores(), incremental=s.incremental
+            sharing = s.devmem.sharing or devchunks.Sharing(s.published, s.options.parent)
+            streams, s.devmem.device_streams = s.devmem.device_streams, {}
+            s.devmem.chunk_writer = devchunks.ChunkWriter(
+                s.work, sharing, streams, threads=digest.usable_cores(), incremental=s.devmem.incremental
             ).start()
         return
-    if not criu_done and s.device_writeback is not None:
-        s.device_writeback.finish()  # stopped for good (joined) at publish or rollback
-    if s.device_hasher is None:
+    if not criu_done and s.devmem.device_writeback is not None:
+        s.devmem.device_writeback.finish()  # stopped for good (joined) at publish or rollback
+    if s.devmem.device_hasher is None:
         if not criu_done and digest.usable_cores() < HASH_ALONGSIDE_CRIU_CORES:
             return
         if not (s.work / img.DEVICE_SUBDIR).is_dir():
             return
-        s.device_hasher = FileHasher(s.work / img.DEVICE_SUBDIR)
+        s.devmem.device_hasher = FileHasher(s.work / img.DEVICE_SUBDIR)
         if criu_done and not s.options.leave_running:
-            s.device_hasher.boost()
-        s.device_hasher.start()
+            s.devmem.device_hasher.boost()
+        s.devmem.device_hasher.start()
     elif criu_done and not s.options.leave_running:
-        s.device_hasher.boost()  # the job stays stopped from here on: its cores are free
+        s.devmem.device_hasher.boost()  # the job stays stopped from here on: its cores are free
 
 
 def _drop_unused_device_memory_files(s: DumpState, results: dict[int, LockedAndBackedUp]) -> None:
@@ -294,7 +297,7 @@ def _drop_unused_device_memory_files(s: DumpState, results: dict[int, LockedAndB
             continue
         if path.exists():
             path.unlink()
-        fd = s.device_streams.pop(pid, None)
+        fd = s.devmem.device_streams.pop(pid, None)
         if fd is not None:
             os.close(fd)
 
@@ -312,9 +315,9 @@ def _unlock_and_copy(s: DumpState) -> None:
     """Unlock, the agents copying the device memory into the memory files while the job runs
     (a piece it is about to write first); wait for them. Checked (``concurrent == 2``): the copy
     goes to a memory file of its own, poisoned, and is compared with the cut's copy."""
-    targets = {pid: fd for pid, fd in s.device_streams.items() if pid in s.lock_results}
+    targets = {pid: fd for pid, fd in s.devmem.device_streams.items() if pid in s.locked.lock_results}
     reference: dict[int, int] = {}
-    if s.concurrent == 2:
+    if s.devmem.concurrent == 2:
         for pid, fd in list(targets.items()):
             size = os.fstat(fd).st_size
             fresh = os.memfd_create(f"npusnap-devmem-check-{pid}", os.MFD_CLOEXEC)
@@ -327,10 +330,10 @@ def _unlock_and_copy(s: DumpState) -> None:
             pid: (fd, os.path.abspath(s.published / devchunks.index_rel(pid))) for pid, fd in targets.items()
         }
         s.group.unlock(device_memory_files=names)
-        s.frozen_end = time.monotonic()
+        s.saved.frozen_end = time.monotonic()
         s.cb.phase("device copy")
-        s.copy_stats = s.group.copy_wait(set(names), COPY_DEADLINE_S)
-        left = {pid: r.left for pid, r in s.copy_stats.items() if not r.complete}
+        s.devmem.copy_stats = s.group.copy_wait(set(names), COPY_DEADLINE_S)
+        left = {pid: r.left for pid, r in s.devmem.copy_stats.items() if not r.complete}
         if left:
             raise DeviceError(
                 f"the concurrent copy of the device memory did not end within {COPY_DEADLINE_S:.0f} s",
@@ -338,8 +341,8 @@ def _unlock_and_copy(s: DumpState) -> None:
                 fix="the job runs on; dump again (NPUSNAP_NO_CONCURRENT=1 copies while the job is held)",
             )
         for pid, ref in reference.items():
-            _compare_concurrent(pid, ref, targets[pid], s.copy_stats.get(pid))
-        s.copy_done = True
+            _compare_concurrent(pid, ref, targets[pid], s.devmem.copy_stats.get(pid))
+        s.devmem.copy_done = True
     finally:
         for pid in reference:
             os.close(targets[pid])

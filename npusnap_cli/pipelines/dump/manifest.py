@@ -64,9 +64,9 @@ def _visible_devices(hello: Optional[replies.HelloReply]) -> Optional[str]:
 def _devices(s: DumpState, pid: int) -> list[int]:
     """The devices a process has open: the runtime's own word first (npusnap's LOCK_PRE
     callback, once per open device), then what the agent saw (aclrtSetDevice followed)."""
-    result = s.lock_results.get(pid)
+    result = s.locked.lock_results.get(pid)
     from_callbacks = list(result.lock.callback_devices) if result is not None else []
-    hello = s.hello.get(pid)
+    hello = s.agents.hello.get(pid)
     return from_callbacks or (list(hello.acl.devices) if hello is not None else [])
 
 
@@ -92,17 +92,17 @@ def _checksums(s: DumpState) -> None:
     tmp = s.work
     manifest = _manifest(s)
     with _writing(s):
-        assert s.hasher is not None
-        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in s.hasher.finish().items()}
-        if s.device_writeback is not None:
-            s.device_writeback.stop()
-            s.device_writeback = None
-        if s.device_hasher is not None:
-            hashed = s.device_hasher.finish().items()
+        assert s.saved.hasher is not None
+        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in s.saved.hasher.finish().items()}
+        if s.devmem.device_writeback is not None:
+            s.devmem.device_writeback.stop()
+            s.devmem.device_writeback = None
+        if s.devmem.device_hasher is not None:
+            hashed = s.devmem.device_hasher.finish().items()
             streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
         _hash_device_files(s, criu_done=True)  # chunked: started now if not alongside CRIU
-        if s.chunk_writer is not None:
-            chunks = s.chunk_writer.finish()
+        if s.devmem.chunk_writer is not None:
+            chunks = s.devmem.chunk_writer.finish()
             streamed.update(chunks.files)
             device_total, device_new = chunks.device_total, chunks.device_new
         else:
@@ -116,7 +116,7 @@ def _checksums(s: DumpState) -> None:
             s.cb.progress("checksums", done[0], total)
 
         files = img.file_entries(tmp, advance, known=streamed)
-    s.manifest = replace(
+    s.end.manifest = replace(
         manifest,
         files=files,
         bytes=replace(
@@ -130,19 +130,19 @@ def _checksums(s: DumpState) -> None:
 
 
 def _publish(s: DumpState) -> None:
-    assert s.manifest is not None
+    assert s.end.manifest is not None
     with _writing(s):
-        if s.lease is not None and s.stopped_pids:
-            s.lease.check_before_kill(s.stopped_pids)
+        if s.locked.lease is not None and s.saved.stopped_pids:
+            s.locked.lease.check_before_kill(s.saved.stopped_pids)
         img.publish(
             s.work,
             s.final,
-            s.manifest,
+            s.end.manifest,
             force=s.options.force,
             sign_key=s.options.sign_key,
             check=lambda work: _verify_image(s, work),
         )
-    s.tmp = None  # published: nothing partial left to remove
+    s.area.tmp = None  # published: nothing partial left to remove
 
 
 def _verify_image(s: DumpState, work: Path) -> None:
@@ -176,7 +176,7 @@ def _manifest(s: DumpState) -> img.Manifest:
         nbytes = 0
         if p.pid in npu:
             devices = _devices(s, p.pid)
-            nbytes = agent_device_bytes(s.hello.get(p.pid))
+            nbytes = agent_device_bytes(s.agents.hello.get(p.pid))
         socket = p.agent_socket
         if p.pid in s.target.idle and not proctree.named_after(socket, p.pid):
             socket = None  # its parent's, held by a copy that ran no fork handler (yet)
@@ -191,12 +191,12 @@ def _manifest(s: DumpState) -> img.Manifest:
                 devices=tuple(sorted(set(devices))),
                 device_bytes=nbytes,
                 agent_socket=socket,
-                lock_token=s.lock_tokens.get(p.pid),
-                visible_devices=_visible_devices(s.hello.get(p.pid)),
+                lock_token=s.locked.lock_tokens.get(p.pid),
+                visible_devices=_visible_devices(s.agents.hello.get(p.pid)),
                 zombie=p.zombie,
             )
         )
-    results = s.lock_results
+    results = s.locked.lock_results
     # The runtime's Lock and Backup apart from npusnap's copy of the device memory, which runs
     # inside the agent's lock (or backup, in the legacy flow) and takes the seconds; an agent
     # that does not report them (an older one) has its whole lock and backup counted as such.
@@ -206,7 +206,7 @@ def _manifest(s: DumpState) -> img.Manifest:
     ]
     drain_times = [_sum(r.lock.drain_s, r.backup.drain_s if r.backup else None) for r in results.values()]
     backup_times = [max(0.0, float(r.last.elapsed_s) - float(r.last.device_copy_s)) for r in results.values()]
-    stats = s.criu_result.stats if s.criu_result is not None else None
+    stats = s.saved.criu_result.stats if s.saved.criu_result is not None else None
     us = 1e-6
     timings = img.Timings(
         preflight_s=s.timings.get("preflight", 0.0) + s.timings.get("attach", 0.0),
@@ -217,38 +217,38 @@ def _manifest(s: DumpState) -> img.Manifest:
         criu_freeze_s=stats.freezing_time_us * us if stats else None,
         criu_memdump_s=stats.memdump_time_us * us if stats else None,
         criu_memwrite_s=stats.memwrite_time_us * us if stats else None,
-        criu_total_s=s.criu_s,
+        criu_total_s=s.saved.criu_s,
         unlock_s=s.timings.get("unlock") if s.options.leave_running else None,
-        frozen_s=s.frozen_end - s.lock_start,
+        frozen_s=s.saved.frozen_end - s.locked.lock_start,
         attach_stopped_s=max((t for _, t in s.target.attach_stopped_s), default=None),
     )
     page = os.sysconf("SC_PAGE_SIZE")
     return img.Manifest(
         created_at=img.now_iso(),
-        versions=_versions(s.binary, s.hello),
+        versions=_versions(s.binary, s.agents.hello),
         host=img.HostInfo.current(),
         root_pid=s.target.root_pid,
         processes=tuple(processes),
         timings=timings,
         bytes=img.ByteCounts(
-            device_bytes=s.device_bytes,
+            device_bytes=s.agents.device_bytes,
             image_bytes=0,
             criu_pages_bytes=(stats.pages_written * page) if stats else 0,
         ),
-        criu_options=s.criu_options.to_dict(),
+        criu_options=s.saved.criu_options.to_dict(),
         leave_running=s.options.leave_running,
-        host_files=s.host_files,
-        host_nodes=s.host_nodes,
-        pid_ns=s.pid_ns,
-        external_stdio=s.external,
+        host_files=s.saved.host_files,
+        host_nodes=s.saved.host_nodes,
+        pid_ns=s.resolved.pid_ns,
+        external_stdio=s.resolved.external,
         device_memory=_device_memory_record(s),
     )
 
 
 def _device_memory_record(s: DumpState) -> dict[str, Any]:
-    record = dict(s.device_memory)
+    record = dict(s.agents.device_memory)
     processes = {k: dict(v) for k, v in (record.get("processes") or {}).items()}
-    for pid, r in s.lock_results.items():
+    for pid, r in s.locked.lock_results.items():
         dm = r.device_memory
         entry = processes.setdefault(str(pid), {})
         entry["saved_bytes"] = dm.saved_bytes or 0
@@ -256,14 +256,14 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
         entry["flow"] = dm.flow
         if dm.file_bytes:
             # the copy is this file (or this index of chunks), not process memory
-            entry["file"] = devchunks.index_rel(pid) if s.chunked else img.device_memory_rel(pid)
+            entry["file"] = devchunks.index_rel(pid) if s.devmem.chunked else img.device_memory_rel(pid)
             save = dm.tracking.save if dm.tracking is not None else None
-            if s.chunked and save is not None:
+            if s.devmem.chunked and save is not None:
                 # an incremental save of this process's later dump may start from this one
                 entry["save"] = {"id": save.id, "epoch": save.epoch}
-                if pid in s.incremental:
-                    entry["base"] = s.incremental[pid].base.image.name
-        stats = s.copy_stats.get(pid)
+                if pid in s.devmem.incremental:
+                    entry["base"] = s.devmem.incremental[pid].base.image.name
+        stats = s.devmem.copy_stats.get(pid)
         if stats:
             # copied after the unlock while the job ran: pieces copied first for a write of the
             # job, and in the background

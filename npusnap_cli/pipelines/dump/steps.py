@@ -44,8 +44,10 @@ from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step
 
 def _resolve(s: DumpState) -> None:
     checks.run_in_order(INPUT_CHECKS, s)
-    s.leftovers = tuple(left.message for left in img.remove_stale_temps(s.final) if left.action != "kept")
-    for message in s.leftovers:
+    s.area.leftovers = tuple(
+        left.message for left in img.remove_stale_temps(s.final) if left.action != "kept"
+    )
+    for message in s.area.leftovers:
         s.cb.note(message)
     checks.run_in_order(TARGET_CHECKS, s)
 
@@ -56,7 +58,7 @@ def _preflight(s: DumpState) -> None:
 
 def _attach(s: DumpState) -> None:
     checks.run_in_order(ATTACH_CHECKS[:1], s)
-    s.found = attach_missing(s.target, s.cb.note)
+    s.resolved.found = attach_missing(s.target, s.cb.note)
     checks.run_in_order(ATTACH_CHECKS[1:], s)
 
 
@@ -66,61 +68,61 @@ def _attach(s: DumpState) -> None:
 def _work_area(s: DumpState) -> None:
     # CRIU will leave the tree stopped until it is published and killed; should this process
     # die in between, the guard resumes it (and the leases roll the devices back).
-    s.stop_guard = StopGuard(
+    s.locked.stop_guard = StopGuard(
         [] if s.options.leave_running else [p.pid for p in s.target.tree if p.pid not in s.target.stopped]
     )
     try:
-        s.tmp = img.create_temp_image(s.final)
+        s.area.tmp = img.create_temp_image(s.final)
     except OSError as exc:
         raise ImageError(
             f"cannot create the image's work directory next to {s.final}: {exc.strerror}",
             fix="check the directory's permissions and free space",
         ) from None
-    s.stop_guard.remove_on_death(s.tmp)  # a killed dump leaves no work area
-    s.started = True
+    s.locked.stop_guard.remove_on_death(s.area.tmp)  # a killed dump leaves no work area
+    s.area.started = True
 
 
 def _discard(s: DumpState, _err: BaseException) -> None:
     """Remove the partial image, keeping its logs elsewhere (``failure_logs``)."""
-    for h in (s.hasher, s.device_hasher, s.device_writeback, s.chunk_writer):
+    for h in (s.saved.hasher, s.devmem.device_hasher, s.devmem.device_writeback, s.devmem.chunk_writer):
         if h is not None:
             h.stop()
     _close_streams(s)
-    if s.tmp is None:
+    if s.area.tmp is None:
         return
-    logs = hostclean.save_failure_logs(s.tmp, "dump")
-    img.remove_tree(s.tmp)
-    s.failure_logs = str(logs) if logs else None
+    logs = hostclean.save_failure_logs(s.area.tmp, "dump")
+    img.remove_tree(s.area.tmp)
+    s.end.failure_logs = str(logs) if logs else None
 
 
 # -- the original killed, the outcome -----------------------------------------------------------
 
 
 def _stop_original(s: DumpState) -> None:
-    pids = s.stopped_pids or proctree.tree_pids(s.target.root_pid)
-    if s.lease is not None:
+    pids = s.saved.stopped_pids or proctree.tree_pids(s.target.root_pid)
+    if s.locked.lease is not None:
         try:
-            s.lease.check_before_kill(pids)
+            s.locked.lease.check_before_kill(pids)
         except NpusnapError:
             img.remove_tree(s.final)  # not an image of a locked job: never leave it
             raise
     proctree.signal_tree(pids, signal.SIGKILL)
     left = proctree.wait_gone(pids)
-    s.stopped_pids = []
+    s.saved.stopped_pids = []
     if left:
         s.cb.note(f"pid(s) {left} did not exit after SIGKILL")
 
 
 def _finish(s: DumpState) -> None:
-    assert s.manifest is not None
+    assert s.end.manifest is not None
     # CRIU's link-remap files leave the host once the image holds them (or the dump failed):
     # left there, a later dump whose file ids match fails on them.
-    hostres.drop_remaps(s.host_files)
+    hostres.drop_remaps(s.saved.host_files)
     publish_s = s.timings.get("checksums", 0.0) + s.timings.get("publish", 0.0)
-    timings = replace(s.manifest.timings, publish_s=publish_s, total_s=time.monotonic() - s.start)
-    s.outcome = DumpOutcome(
+    timings = replace(s.end.manifest.timings, publish_s=publish_s, total_s=time.monotonic() - s.start)
+    s.end.outcome = DumpOutcome(
         image=str(s.final),
-        manifest=replace(s.manifest, timings=timings),
+        manifest=replace(s.end.manifest, timings=timings),
         attached=s.target.attached,
         logs=str(img.logs_dir(s.final)) if s.options.keep else None,
         attach_stopped_s=s.target.attach_stopped_s,
@@ -132,9 +134,9 @@ def _finish(s: DumpState) -> None:
 
 def _failed(s: DumpState, err: NpusnapError, undone: bool) -> NpusnapError:
     """Say where the discarded image's logs went and what runs now (every undo has run)."""
-    if not s.started:
+    if not s.area.started:
         return err  # nothing was changed
-    logs = s.failure_logs
+    logs = s.end.failure_logs
     if logs:
         old = err.details.get("criu_log")
         if isinstance(old, str):
@@ -143,7 +145,7 @@ def _failed(s: DumpState, err: NpusnapError, undone: bool) -> NpusnapError:
             err.fix = err.fix.replace(old, moved)
         err.details["logs"] = logs
     err.details["partial_image_removed"] = True
-    if undone and s.locking:
+    if undone and s.locked.locking:
         npu = s.target.npu_pids
         # Never "is running" for a process that died meanwhile (killed during the dump).
         gone = [p for p in npu if not procfs.is_alive(p)]
@@ -253,13 +255,13 @@ def dry_run(
     finally:
         if check is not None:
             check.cancel()
-    tree = state.found.tree if state.found is not None else ()
+    tree = state.resolved.found.tree if state.resolved.found is not None else ()
     return DryRunOutcome(
         image=str(final),
         results=tuple(results),
         pids=tuple(p.pid for p in tree),
-        npu_pids=state.found.npu_pids if state.found is not None else (),
-        would_attach=_without_agent(state) if state.found is not None else (),
+        npu_pids=state.resolved.found.npu_pids if state.resolved.found is not None else (),
+        would_attach=_without_agent(state) if state.resolved.found is not None else (),
     )
 
 
@@ -312,10 +314,10 @@ def dump(
             try:
                 pipeline.run(state)
             finally:
-                if state.stop_guard is not None:
-                    state.stop_guard.finish()
+                if state.locked.stop_guard is not None:
+                    state.locked.stop_guard.finish()
     finally:
         if check is not None:
             check.cancel()  # only still running when the dump failed before preflight read it
-    assert state.outcome is not None
-    return replace(state.outcome, leftovers=state.leftovers)
+    assert state.end.outcome is not None
+    return replace(state.end.outcome, leftovers=state.area.leftovers)
