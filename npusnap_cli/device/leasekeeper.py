@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Optional
 
-from npusnap_cli.device.agent_client import AgentClient, AgentOpError
+from npusnap_cli.device.agent_client import AgentBusyError, AgentClient, AgentOpError
 from npusnap_cli.device.devicegroup import forget_taken_over, taken_over
 from npusnap_cli.errors import DeviceError, NpusnapError, StateUnknownError
 from npusnap_cli.host import procfs
@@ -92,6 +92,10 @@ class LeaseKeeper:
                 with AgentClient(pid, timeout=self.timeout, connect_retry_s=0.5) as c:
                     c.token = token
                     c.renew(self.lease_s)
+            except AgentBusyError:
+                # Another connection is still open (ours, closing, on a loaded machine): the agent
+                # said nothing of its lease. Not renewed now; the time rule decides.
+                return False
             except AgentOpError as exc:
                 self.lost = f"pid {pid}: {exc.message}"
                 return False

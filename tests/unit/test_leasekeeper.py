@@ -11,8 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from npusnap_cli.device import leasekeeper
+from npusnap_cli.device.agent_client import AgentBusyError, AgentOpError
 from npusnap_cli.device.leasekeeper import LeaseKeeper, LockLostError
 from npusnap_cli.host import procfs
+from npusnap_cli.replies import ErrorReply
 
 
 @pytest.fixture
@@ -70,3 +73,36 @@ def test_at_the_kill_a_tree_still_stopped_is_still_locked(sleeper: int) -> None:
 def test_no_lease_no_rule() -> None:
     LeaseKeeper({}, 2.0).check("x")
     LeaseKeeper({1: "0" * 32}, None).check("x")
+
+
+def test_a_busy_agent_said_nothing_of_its_lease(monkeypatch: pytest.MonkeyPatch, sleeper: int) -> None:
+    """An agent still serving another connection answers BUSY: the lease is not renewed now, and
+    not lost either (the time rule decides); a NO_LEASE answer ends the dump at once."""
+
+    def answer(error: AgentOpError) -> None:
+        class Client:
+            def __init__(self, *a: object, **kw: object) -> None:
+                self.token = ""
+
+            def __enter__(self) -> Client:
+                return self
+
+            def __exit__(self, *a: object) -> None:
+                return None
+
+            def renew(self, lease_s: float) -> None:
+                raise error
+
+        monkeypatch.setattr(leasekeeper, "AgentClient", Client)
+
+    k = _keeper(sleeper, 0.2, lease=60.0)
+    busy = ErrorReply(code=0, message="another client", name="BUSY", type="protocol")
+    answer(AgentBusyError("the agent is busy", pid=sleeper, op="renew", error=busy))
+    assert k.renew() is False and k.lost is None
+    k.renew_or_fail("before CRIU started")  # not a loss
+    k.frozen_at = time.monotonic()
+    k.check("x")  # within the lease renewed before
+    gone = ErrorReply(code=0, message="no lease is active", name="NO_LEASE", type="state")
+    answer(AgentOpError("no lease is active", pid=sleeper, op="renew", error=gone))
+    with pytest.raises(LockLostError):
+        k.renew_or_fail("before CRIU started")
