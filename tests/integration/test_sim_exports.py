@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from npusnap_cli import paths
+from npusnap_cli import contract, paths
 
 pytestmark = pytest.mark.integration
 
@@ -198,3 +198,25 @@ def test_failures_return_a_code_and_leave_a_message(surface: dict[str, object]) 
     assert surface["prof_report_api"] == -1
     assert surface["binary_unload_null"] == 107000
     assert "aclrtGetSysParamOpt" in str(surface["other_thread_msg"]) and surface["this_thread_msg"] == ""
+
+
+def test_the_products_binaries_reach_no_simulator_name() -> None:
+    """npusnap's agent, attach payload and CRIU plugin use what a real node offers: no function of
+    the simulator's own (npusim*) is linked or looked up by name, and no simulator path or socket
+    is written into them. The one name of the simulator they know is the spec's label of its
+    device memory among the device mappings (contract DEVICE_MAPPING_PREFIXES), which is data:
+    on a real node no mapping has it."""
+    built = REPO / ".build"
+    binaries = [
+        built / "agent" / "libnpusnap_agent.so",
+        built / "attach" / "libnpusnap_attach.so",
+        built / "criu-plugin" / "npusnap_plugin.so",
+    ]
+    allowed = {p for p in contract.DEVICE_MAPPING_PREFIXES if "npusim" in p}
+    for lib in binaries:
+        assert lib.is_file(), f"{lib} is not built (make -C native)"
+        linked = {n for n in nm(lib, "--undefined-only") if "npusim" in n.lower()}
+        assert not linked, f"{lib.name} links simulator functions: {sorted(linked)}"
+        text = subprocess.run(["strings", "-a", str(lib)], capture_output=True, text=True, check=True).stdout
+        named = {s for s in text.splitlines() if "npusim" in s.lower()} - allowed
+        assert not named, f"{lib.name} names the simulator: {sorted(named)}"
