@@ -122,8 +122,8 @@ def _release_resets(st: RankState) -> None:
 
 def _kill_restored(st: RankState, _err: BaseException) -> None:
     """All or nothing: a restored rank dies when any rank failed."""
-    if st.result is not None:
-        _kill_tree(st.result.pid)
+    if st.tree.result is not None:
+        _kill_tree(st.tree.result.pid)
         st.killed = True
 
 
@@ -138,13 +138,13 @@ def _device_restore_locked(st: RankState) -> None:
         )
         # The restored agents still record the dump as their lock's owner: present its tokens.
         st.group.set_tokens({p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token})
-        st.group.restore(st.device_memory_files)
+        st.group.restore(st.host.device_memory_files)
 
 
 def _unlock(st: RankState) -> None:
     if st.group is not None:
         st.group.unlock()
-    st.device_done = time.monotonic()
+    st.device.device_done = time.monotonic()
 
 
 # The single restore's steps (restore.STEPS), with barriers between them, and these in between:
@@ -243,7 +243,7 @@ def _restore_job(
                 guard,
                 start=start,
                 overlap=False,
-                binary=binary,
+                checks=restore.Checked(binary=binary),
                 rank=r.rank,
                 netns=target,
             )
@@ -266,9 +266,9 @@ def _restore_job(
     restore.rebuild_communicators(
         tuple(p for st in ranks for p in st.npu_pids), ranks[0].restored.pid, callbacks.note
     )
-    verified = max(st.verified_at for st in ranks)
-    criu_done = max(st.criu_done for st in ranks)
-    device_done = max(st.device_done for st in ranks)
+    verified = max(st.verifying.verified_at for st in ranks)
+    criu_done = max(st.tree.criu_done for st in ranks)
+    device_done = max(st.device.device_done for st in ranks)
     return JobRestoreOutcome(
         image=str(final),
         ranks=tuple(
@@ -299,10 +299,10 @@ def _job_restore_error(
     """The first rank's own failure (not its abort by another); once every rank was verified
     (``verified``), it says that nothing runs."""
     for st in states.values():  # a rank whose steps all completed before another failed
-        if st.result is not None and not st.killed:
-            _kill_tree(st.result.pid)
+        if st.tree.result is not None and not st.killed:
+            _kill_tree(st.tree.result.pid)
             st.killed = True
-    roots = sorted(st.result.pid for st in states.values() if st.result is not None)
+    roots = sorted(st.tree.result.pid for st in states.values() if st.tree.result is not None)
     unknown = [i for i, e in sorted(errors.items()) if isinstance(e, StateUnknownError)]
     primary = [i for i, e in sorted(errors.items()) if not isinstance(e, JobAbortedError)]
     err: NpusnapError

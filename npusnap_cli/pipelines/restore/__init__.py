@@ -48,7 +48,7 @@ from npusnap_cli.pipelines.restore.checks import (
     prepare_sockets,
 )
 from npusnap_cli.pipelines.restore.options import RestoreCallbacks, RestoreOptions
-from npusnap_cli.pipelines.restore.state import RestoreState
+from npusnap_cli.pipelines.restore.state import Checked, RestoreState
 from npusnap_cli.pipelines.restore.steps import (
     CRIU_RESTORE,
     DEVICE_VIEW,
@@ -83,6 +83,7 @@ __all__ = [
     "VERIFY",
     "ZOMBIE_WAIT_S",
     "Check",
+    "Checked",
     "Preflight",
     "RestoreCallbacks",
     "RestoreOptions",

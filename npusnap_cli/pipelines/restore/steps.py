@@ -62,27 +62,27 @@ def _verify(st: RestoreState) -> None:
         # files while the job already runs (lazypages.py's contract, docs/image-format.md).
         pages, rest = lazypages.split_page_files(st.manifest)
         verify_entries(st.image, rest, advance)
-        st.checksums = Checksums(st.image, advance, entries=pages)
+        st.verifying.checksums = Checksums(st.image, advance, entries=pages)
     elif o.verify and (device_entries or chunked):
         # The device-memory files on a thread of their own: the tree may run once everything
         # else matched (its host memory is verified; its device calls are held until the
         # agents reload), and the agents reload them only after they matched too.
         others = [f for f in st.manifest.files if f not in device_entries and f not in chunked]
-        st.checksums = Checksums(st.image, advance, entries=others)
+        st.verifying.checksums = Checksums(st.image, advance, entries=others)
         if device_entries:
             # On every core: with the device memory kept poisoned by the simulator (or on a
             # device), the agents' Restore answers at once, and this is what their reload waits for.
-            st.device_checks = Checksums(
+            st.verifying.device_checks = Checksums(
                 st.image, advance, entries=device_entries, threads=digest.usable_cores()
             )
     elif o.verify:
-        st.checksums = Checksums(st.image, advance)
-    if st.checksums is not None and not o.lazy and _stopped_by_other_signals(st):
+        st.verifying.checksums = Checksums(st.image, advance)
+    if st.verifying.checksums is not None and not o.lazy and _stopped_by_other_signals(st):
         # CRIU's --leave-stopped stops every task with SIGSTOP at the end, and a task that was
         # stopped by another signal (a shell's ^Z: SIGTSTP) would then report SIGSTOP to its
         # parent: verify first, and let CRIU restore each task's own stop.
-        error = st.checksums.join()
-        st.checksums = None
+        error = st.verifying.checksums.join()
+        st.verifying.checksums = None
         if error is not None:
             raise error
 
@@ -92,17 +92,17 @@ def _stopped_by_other_signals(st: RestoreState) -> bool:
 
 
 def _image_stops(st: RestoreState) -> dict[int, int]:
-    if st.stopped_in_image is None:
-        st.stopped_in_image = criuimages.stopped(img.criu_dir(st.image))
-    return st.stopped_in_image
+    if st.checks.stopped_in_image is None:
+        st.checks.stopped_in_image = criuimages.stopped(img.criu_dir(st.image))
+    return st.checks.stopped_in_image
 
 
 def _preflight(st: RestoreState) -> None:
     try:
-        st.pre = preflight(st.image, st.manifest, st.options, st.binary, note=st.cb.note)
+        st.checks.pre = preflight(st.image, st.manifest, st.options, st.checks.binary, note=st.cb.note)
     except BusyError:
         # A corrupt image is the answer that holds after the original is stopped (exit 8, not 11).
-        for c in (st.checksums, st.device_checks):
+        for c in (st.verifying.checksums, st.verifying.device_checks):
             corrupt = c.join() if c is not None else None
             if corrupt is not None:
                 raise corrupt from None
@@ -113,30 +113,30 @@ def _open_files(st: RestoreState) -> None:
     """The device-memory files, and the new outputs of --pipe-to and --output: once CRIU has
     started, nothing of the restore may depend on the image staying where it is (a lazy
     restore's image may be removed)."""
-    st.device_memory_files = img.open_device_memory_files(st.image, st.manifest)
+    st.host.device_memory_files = img.open_device_memory_files(st.image, st.manifest)
     indexes = devchunks.read_indexes(st.image, st.manifest)
     if indexes:
-        st.assembly = devchunks.Assembly(
+        st.verifying.assembly = devchunks.Assembly(
             st.image, indexes, verify=st.options.verify, threads=digest.usable_cores()
         )
-        for pid, fd in st.assembly.memfds.items():
-            st.device_memory_files[pid] = (fd, os.path.abspath(st.image / devchunks.index_rel(pid)))
-    st.inherit = open_pipe_targets(st.manifest, st.options.pipe_to)
-    st.inherit += pidns.open_output_target(img.criu_dir(st.image), st.manifest, st.options.output)
-    st.verified_at = time.monotonic()
+        for pid, fd in st.verifying.assembly.memfds.items():
+            st.host.device_memory_files[pid] = (fd, os.path.abspath(st.image / devchunks.index_rel(pid)))
+    st.host.inherit = open_pipe_targets(st.manifest, st.options.pipe_to)
+    st.host.inherit += pidns.open_output_target(img.criu_dir(st.image), st.manifest, st.options.output)
+    st.verifying.verified_at = time.monotonic()
 
 
 def _make_host_nodes(st: RestoreState) -> None:
     to_make = st.checked.to_make
     if to_make:
         st.cb.note(f"creating {len(to_make)} director(ies)/fifo(s) the job needs: {to_make[-1].path}")
-        st.made = hostres.make_host_nodes(
+        st.host.made = hostres.make_host_nodes(
             to_make, {p.uid for p in st.manifest.processes}, st.manifest.host_nodes
         )
 
 
 def _remove_host_nodes(st: RestoreState, _err: BaseException) -> None:
-    hostres.remove_host_nodes(st.made)
+    hostres.remove_host_nodes(st.host.made)
 
 
 def _put_back(st: RestoreState) -> None:
@@ -144,16 +144,16 @@ def _put_back(st: RestoreState) -> None:
     if not to_put_back:
         return
     st.cb.note(f"putting back {len(to_put_back)} file(s) from the image (tmpfs, deleted files)")
-    st.created = hostres.absent(to_put_back)  # removed again if the restore fails
+    st.host.created = hostres.absent(to_put_back)  # removed again if the restore fails
     try:
         hostres.put_back(to_put_back, st.image, st.manifest.host_nodes)
     except BaseException:
-        hostres.remove_copies(st.created)
+        hostres.remove_copies(st.host.created)
         raise
 
 
 def _remove_put_back(st: RestoreState, _err: BaseException) -> None:
-    hostres.remove_copies(st.created)  # a failed restore leaves no file it wrote
+    hostres.remove_copies(st.host.created)  # a failed restore leaves no file it wrote
 
 
 def _start_lazy(st: RestoreState) -> None:
@@ -163,26 +163,31 @@ def _start_lazy(st: RestoreState) -> None:
     logs = str(st.checked.logs)
     daemon = criu.LazyPagesDaemon(st.checked.criu_binary(), str(img.criu_dir(st.image)), logs)
     pids = [p.pid for p in st.manifest.processes]
-    st.lazy = LazyPhase(
-        daemon, pids, st.checksums, st.options.lazy_timeout_s, st.start, str(Path(logs) / img.RESTORE_LOG)
+    st.tree.lazy = LazyPhase(
+        daemon,
+        pids,
+        st.verifying.checksums,
+        st.options.lazy_timeout_s,
+        st.start,
+        str(Path(logs) / img.RESTORE_LOG),
     )
 
 
 def _abort_lazy(st: RestoreState, _err: BaseException) -> None:
-    if st.lazy is not None:
-        st.lazy.abort()
+    if st.tree.lazy is not None:
+        st.tree.lazy.abort()
 
 
 def _stays_stopped(st: RestoreState) -> bool:
     """CRIU leaves the tree stopped until npusnap releases it (verified, or its pages served)."""
-    return st.checksums is not None or st.options.lazy
+    return st.verifying.checksums is not None or st.options.lazy
 
 
 def _start_stop_guard(st: RestoreState) -> None:
     """Should npusnap die before it released the stopped tree, the watcher kills the CRIU it
     starts next and its unverified tree (a new restore brings it back)."""
     if _stays_stopped(st):
-        st.stop_guard = restoreguard.restore_stop_guard()
+        st.tree.stop_guard = restoreguard.restore_stop_guard()
 
 
 def _enter_device_view(st: RestoreState) -> None:
@@ -196,13 +201,13 @@ def _enter_device_view(st: RestoreState) -> None:
 def _make_view(st: RestoreState) -> None:
     """A --pid-ns image: the CRIU image directory as this copy restores it (host/pidns.py)."""
     if st.manifest.pid_ns:
-        st.view = pidns.criu_view(img.criu_dir(st.image), st.manifest)
+        st.host.view = pidns.criu_view(img.criu_dir(st.image), st.manifest)
 
 
 def _drop_view(st: RestoreState, _err: Optional[BaseException] = None) -> None:
-    if st.view is not None:
-        pidns.drop_view(st.view)
-        st.view = None
+    if st.host.view is not None:
+        pidns.drop_view(st.host.view)
+        st.host.view = None
 
 
 def _criu_restore(st: RestoreState) -> None:
@@ -213,23 +218,23 @@ def _criu_restore(st: RestoreState) -> None:
     try:
         # CRIU's ghost files have one name per image: overlapping restores of it take turns here
         with ghostlock.for_image(img.criu_dir(st.image), st.cb.note):
-            st.result = criu.restore(
-                str(st.view or img.criu_dir(st.image)),
+            st.tree.result = criu.restore(
+                str(st.host.view or img.criu_dir(st.image)),
                 str(pre.logs),
                 options=replace(
-                    criu_options(st.manifest, tuple(st.inherit)),
+                    criu_options(st.manifest, tuple(st.host.inherit)),
                     # lazy: stopped until npusnap holds the daemon's userfaultfds (lazypages.py)
                     leave_stopped=_stays_stopped(st),
-                    lazy_pages=st.lazy is not None,
+                    lazy_pages=st.tree.lazy is not None,
                     tcp_close=pre.options.tcp_close,
                     passthrough=pre.options.criu_passthrough,
                 ),
                 log_name=img.RESTORE_LOG,
                 binary=pre.criu_binary(),
-                on_notify=st.lazy.on_notify if st.lazy is not None else None,
+                on_notify=st.tree.lazy.on_notify if st.tree.lazy is not None else None,
             )
     except NpusnapError as err:
-        corrupt = st.checksums.join() if st.checksums is not None else None
+        corrupt = st.verifying.checksums.join() if st.verifying.checksums is not None else None
         if corrupt is not None:
             raise corrupt from None
         pids = [p.pid for p in st.manifest.processes]
@@ -241,15 +246,15 @@ def _criu_restore(st: RestoreState) -> None:
         _drop_view(st)
         _close_inherited(st)
         hostres.drop_remaps(pre.to_put_back)  # CRIU's restore consumes them; a failed one leaves them
-    st.criu_done = time.monotonic()
-    if st.stop_guard is not None:
-        st.stop_guard.tell("tree", st.restored.pid)
+    st.tree.criu_done = time.monotonic()
+    if st.tree.stop_guard is not None:
+        st.tree.stop_guard.tell("tree", st.restored.pid)
 
 
 def _finish_stop_guard(st: RestoreState, _err: Optional[BaseException] = None) -> None:
-    if st.stop_guard is not None:
-        st.stop_guard.finish()
-        st.stop_guard = None
+    if st.tree.stop_guard is not None:
+        st.tree.stop_guard.finish()
+        st.tree.stop_guard = None
 
 
 def _release(st: RestoreState) -> None:
@@ -259,23 +264,24 @@ def _release(st: RestoreState) -> None:
         stopped = _stopped_in_image(st) if _stays_stopped(st) else set()
         if st.manifest.pid_ns:  # from here on, the restored copy's host pids
             st.manifest, moved = pidns.translate(st.manifest, root_pid)
-            st.device_memory_files = {moved.get(k, k): v for k, v in st.device_memory_files.items()}
+            st.host.device_memory_files = {moved.get(k, k): v for k, v in st.host.device_memory_files.items()}
             stopped = {moved.get(p, p) for p in stopped}
-        if st.lazy is not None:
-            st.lazy.criu_log = st.restored.log_path
-            st.lazy.guard()
-            st.lazy.release(stays_stopped=stopped)
+        if st.tree.lazy is not None:
+            st.tree.lazy.criu_log = st.restored.log_path
+            st.tree.lazy.guard()
+            st.tree.lazy.release(stays_stopped=stopped)
             st.cb.note(
                 f"the job runs (root pid {root_pid}) while CRIU's lazy-pages daemon (pid "
-                f"{st.lazy.daemon.pid}, log {st.lazy.daemon.log_path}) pages in the rest of its memory"
-                + (" and its page files are verified" if st.checksums is not None else "")
+                f"{st.tree.lazy.daemon.pid}, log {st.tree.lazy.daemon.log_path}) pages in the rest of "
+                "its memory"
+                + (" and its page files are verified" if st.verifying.checksums is not None else "")
                 + "; npusnap watches until every page is in"
             )
-        elif st.checksums is not None:
-            _release_when_verified(st.manifest, st.checksums, st.cb, stopped)
+        elif st.verifying.checksums is not None:
+            _release_when_verified(st.manifest, st.verifying.checksums, st.cb, stopped)
     finally:
         _finish_stop_guard(st)  # released (or killed unverified): nothing left stopped
-    st.released = time.monotonic()
+    st.tree.released = time.monotonic()
 
 
 def _write_pidfile(st: RestoreState) -> None:
@@ -284,9 +290,9 @@ def _write_pidfile(st: RestoreState) -> None:
     must not leave the job locked: the device step runs first, the error comes after."""
     assert st.options.pidfile is not None
     try:
-        st.pidfile = pidfile_mod.write(st.options.pidfile, st.restored.pid)
+        st.device.pidfile = pidfile_mod.write(st.options.pidfile, st.restored.pid)
     except NpusnapError as err:
-        st.pidfile_error = err
+        st.device.pidfile_error = err
 
 
 def _device_restore(st: RestoreState) -> None:
@@ -298,22 +304,22 @@ def _device_restore(st: RestoreState) -> None:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
             before_unlock = None
-            waits = [c for c in (st.device_checks, st.assembly) if c is not None]
+            waits = [c for c in (st.verifying.device_checks, st.verifying.assembly) if c is not None]
             if waits:
                 before_unlock = _device_files_verified(st.manifest, waits, st.cb)
             _restore_and_unlock(
-                npu_pids, st.options, res.pid, res.log_path, tokens, st.device_memory_files, before_unlock,
-                st.guard,
+                npu_pids, st.options, res.pid, res.log_path, tokens, st.host.device_memory_files,
+                before_unlock, st.guard,
             )  # fmt: skip
             rebuild_communicators(npu_pids, res.pid, st.cb.note)
         _check_none_left_locked(st.manifest, res.pid, res.log_path)
-        st.device_done = time.monotonic()
+        st.device.device_done = time.monotonic()
         settle(st)
     except NpusnapError as err:
-        if st.lazy is not None:
+        if st.tree.lazy is not None:
             # The tree stays (locked, or partly running): its memory must still come in, or it dies.
             try:
-                st.lazy.finish()
+                st.tree.lazy.finish()
             except NpusnapError as lazy_err:
                 raise lazy_err from err
         raise
@@ -328,12 +334,12 @@ def settle(st: RestoreState) -> None:
 
 
 def _lazy_page_in(st: RestoreState) -> None:
-    assert st.lazy is not None
-    st.lazy_report = st.lazy.finish()
+    assert st.tree.lazy is not None
+    st.tree.lazy_report = st.tree.lazy.finish()
 
 
 def _report(st: RestoreState) -> None:
-    err = st.pidfile_error
+    err = st.device.pidfile_error
     if err is not None:
         err.message = f"restored and running (root pid {st.restored.pid}), but {err.message}"
         err.details["restored_root_pid"] = st.restored.pid
@@ -373,7 +379,7 @@ RELEASE: Step[RestoreState] = Step("release", _release)
 PIDFILE: Step[RestoreState] = Step("pidfile", _write_pidfile, when=lambda st: st.options.pidfile is not None)
 DEVICE_RESTORE: Step[RestoreState] = Step("device restore", _device_restore, phase="device restore")
 LAZY_PAGE_IN: Step[RestoreState] = Step(
-    "lazy page-in", _lazy_page_in, phase="lazy page-in", when=lambda st: st.lazy is not None
+    "lazy page-in", _lazy_page_in, phase="lazy page-in", when=lambda st: st.tree.lazy is not None
 )
 REPORT: Step[RestoreState] = Step("report", _report)
 
