@@ -36,6 +36,7 @@ from npusnap_cli.host import procfs
 
 POLL_S = 0.02  # how often the freeze is looked for while CRIU runs
 MARGIN_S = 0.5  # the agent's tick (0.1 s) and the time a renewal takes to be answered
+BUSY_RETRY_S = 5.0  # a renewal asks an agent still serving another connection again this long
 
 
 class LockLostError(DeviceError):
@@ -88,19 +89,25 @@ class LeaseKeeper:
             return True
         sent = time.monotonic()
         for pid, token in sorted(self.tokens.items()):
-            try:
-                with AgentClient(pid, timeout=self.timeout, connect_retry_s=0.5) as c:
-                    c.token = token
-                    c.renew(self.lease_s)
-            except AgentBusyError:
-                # Another connection is still open (ours, closing, on a loaded machine): the agent
-                # said nothing of its lease. Not renewed now; the time rule decides.
-                return False
-            except AgentOpError as exc:
-                self.lost = f"pid {pid}: {exc.message}"
-                return False
-            except NpusnapError:  # not reached while the time check above decides first
-                return False
+            busy_until = time.monotonic() + min(BUSY_RETRY_S, self.lease_s / 4)
+            while True:
+                try:
+                    with AgentClient(pid, timeout=self.timeout, connect_retry_s=0.5) as c:
+                        c.token = token
+                        c.renew(self.lease_s)
+                    break
+                except AgentBusyError:
+                    # Another connection is still being served (ours, just closed, on a loaded
+                    # machine): the agent said nothing of its lease. Asked again, for a while;
+                    # then not renewed now, and the time rule decides.
+                    if time.monotonic() >= busy_until:
+                        return False
+                    time.sleep(0.05)
+                except AgentOpError as exc:
+                    self.lost = f"pid {pid}: {exc.message}"
+                    return False
+                except NpusnapError:  # not reached while the time check above decides first
+                    return False
         self.renewed_at = sent
         return True
 
@@ -190,7 +197,9 @@ class LeaseKeeper:
         """After ``err``: if it is a lost lock, wait (bounded) until every process runs unlocked
         (the agents' leases rolled the dump's locks back; a CRIU device plugin that locked the
         job again during the dump unlocks it once CRIU lets it go) and return True; raise
-        StateUnknownError with the recovery commands if one does not. False otherwise."""
+        StateUnknownError with the recovery commands if one does not. False otherwise, and also
+        when a process is still locked by this dump under a lease that never ran out: the caller
+        rolls it back with its token."""
         if not isinstance(err, LockLostError):
             return False
 
@@ -201,12 +210,17 @@ class LeaseKeeper:
             for pid in sorted(left):
                 try:
                     with AgentClient(pid, timeout=2.0, connect_retry_s=0.2) as c:
-                        states[pid] = str(c.status().state)
+                        st = c.status()
                 except NpusnapError as exc:
                     states[pid] = exc.message
                     continue
+                states[pid] = str(st.state)
                 if states[pid] in ("RUNNING", "None"):
                     left.discard(pid)
+                elif st.lease.active and st.owner is not None and st.owner.pid == os.getpid():
+                    # Still this dump's lock, its lease never ran out (a lapsed lease rolls back
+                    # and ends): the time rule was only unsure. Ours to roll back, with our token.
+                    return False
             if left:
                 time.sleep(0.2)
         if left:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,7 @@ def test_a_busy_agent_said_nothing_of_its_lease(monkeypatch: pytest.MonkeyPatch,
 
         monkeypatch.setattr(leasekeeper, "AgentClient", Client)
 
+    monkeypatch.setattr(leasekeeper, "BUSY_RETRY_S", 0.2)
     k = _keeper(sleeper, 0.2, lease=60.0)
     busy = ErrorReply(code=0, message="another client", name="BUSY", type="protocol")
     answer(AgentBusyError("the agent is busy", pid=sleeper, op="renew", error=busy))
@@ -106,3 +108,37 @@ def test_a_busy_agent_said_nothing_of_its_lease(monkeypatch: pytest.MonkeyPatch,
     answer(AgentOpError("no lease is active", pid=sleeper, op="renew", error=gone))
     with pytest.raises(LockLostError):
         k.renew_or_fail("before CRIU started")
+
+
+def test_a_lock_still_ours_after_an_unsure_time_rule_is_rolled_back_by_us(
+    monkeypatch: pytest.MonkeyPatch, sleeper: int
+) -> None:
+    """The time rule fired, but the agent says the lock is this process's, under a lease that is
+    still running (a lapsed lease rolls back and ends): gave_up leaves the rollback to the dump,
+    which unlocks with its token, instead of waiting for a rollback that will not come."""
+    # The members gave_up reads of the agent's status reply.
+    status = SimpleNamespace(
+        state="BACKED_UP",
+        lease=SimpleNamespace(active=True),
+        owner=SimpleNamespace(command="dump", pid=os.getpid()),
+    )
+
+    class Client:
+        def __init__(self, *a: object, **kw: object) -> None:
+            pass
+
+        def __enter__(self) -> Client:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            return None
+
+        def status(self) -> SimpleNamespace:
+            return status
+
+    monkeypatch.setattr(leasekeeper, "AgentClient", Client)
+    k = _keeper(sleeper, 120.0)
+    err = k._error("before CRIU froze the tree", time.monotonic())
+    t0 = time.monotonic()
+    assert k.gave_up(err, timeout=10.0) is False
+    assert time.monotonic() - t0 < 2.0
