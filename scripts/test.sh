@@ -15,9 +15,10 @@ echo "== floors: no import points up, no cycles, docs/internals.md drawn from th
 echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
-# NPUSNAP_TEST_JOBS=N (N > 1) runs the whole suite in N workers, each a node of its own
-# (tests/conftest.py), then the tests marked serial alone; unset, one process runs everything.
-JOBS=${NPUSNAP_TEST_JOBS:-1}
+# The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2), each a node of its own
+# (tests/conftest.py), then the tests marked serial alone; NPUSNAP_TEST_JOBS=1 runs everything in
+# one process.
+JOBS=${NPUSNAP_TEST_JOBS:-2}
 set +e
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
