@@ -65,6 +65,9 @@ def criu_plugin_dir() -> Path:
     return build_dir() / "criu-plugin"
 
 
+ROOT_STATE_DIR = Path("/var/lib/npusnap")  # root's state_dir(): the node's own records
+
+
 def state_dir() -> Path:
     """npusnap's own records on this node (its history, the images its dumps made): root's
     ``/var/lib/npusnap``; others' ``$XDG_STATE_HOME/npusnap`` or ``~/.local/state/npusnap``;
@@ -73,7 +76,7 @@ def state_dir() -> Path:
     if override:
         return Path(override)
     if os.geteuid() == 0:
-        return Path("/var/lib/npusnap")
+        return ROOT_STATE_DIR
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "npusnap"
 

@@ -60,7 +60,17 @@ class SeenCann:
 
 
 def report_path() -> Path:
+    """Where `npusnap qualify` (root's) writes the report, and where this user reads it first."""
     return paths.state_dir() / REPORT_NAME
+
+
+def report_for_node() -> Path:
+    """The report that speaks for this node: this user's own (root's, or one a test made with
+    NPUSNAP_STATE_DIR), else root's, which qualify (run as root) wrote for every user."""
+    own = report_path()
+    if own.exists() or os.geteuid() == 0 or os.environ.get("NPUSNAP_STATE_DIR"):
+        return own
+    return paths.ROOT_STATE_DIR / REPORT_NAME
 
 
 def driver_version(version_info: str = DRIVER_VERSION_INFO) -> Optional[str]:
@@ -80,15 +90,15 @@ def file_sha256(path: str) -> Optional[str]:
 
 
 def load(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
-    """The report, if there is one of this user's (a file of another owner, or not a report, is
-    none)."""
-    path = path or report_path()
+    """The report, if there is one of this user's or root's (a file of another owner, or not a
+    report, is none)."""
+    path = path or report_for_node()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_uid != os.geteuid():
+        if os.fstat(f.fileno()).st_uid not in (os.geteuid(), 0):
             return None
         try:
             doc = json.loads(f.read(1 << 22))
@@ -120,7 +130,7 @@ def stale(report: dict[str, Any], install: NodeCann) -> Optional[str]:
 
 def check_item(install: NodeCann, path: Optional[Path] = None) -> CheckItem:
     """`npusnap check`'s ``qualify`` row."""
-    path = path or report_path()
+    path = path or report_for_node()
     report = load(path)
     data: JSONObject = {"report": str(path)}
     if report is None:

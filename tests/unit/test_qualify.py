@@ -4,12 +4,13 @@ it against the simulated node and its faults)."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
-from npusnap_cli import acl, contract
+from npusnap_cli import acl, contract, paths
 from npusnap_cli.agent import qualifyprobe
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import BusyError, ExitCode, PreflightError
@@ -256,3 +257,17 @@ def test_the_gate_refuses_a_failed_report_and_tells_an_old_one(
     assert "npusnap qualify" in err.value.fix
     upgraded = qualifyreport.SeenCann(home="/opt/cann", version="9.2.0", simulated=False)
     assert "out of date" in qualifyreport.gate(upgraded, told.append) and "9.2.0" in told[-1]
+
+
+def test_a_user_reads_the_nodes_report_that_root_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qualify runs as root; a user's dump or check reads root's report unless the user has one."""
+    monkeypatch.delenv("NPUSNAP_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert qualifyreport.report_for_node() == paths.ROOT_STATE_DIR / qualifyreport.REPORT_NAME
+    own = tmp_path / "npusnap" / qualifyreport.REPORT_NAME
+    own.parent.mkdir()
+    own.write_text("{}")
+    assert qualifyreport.report_for_node() == own
