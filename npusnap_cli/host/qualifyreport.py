@@ -66,7 +66,8 @@ def report_path() -> Path:
 
 def report_for_node() -> Path:
     """The report that speaks for this node: this user's own (root's, or one a test made with
-    NPUSNAP_STATE_DIR), else root's, which qualify (run as root) wrote for every user."""
+    NPUSNAP_STATE_DIR), else root's, which qualify (run as root) wrote; a user reads it where root
+    made it readable (its directory is root's own, 0700, by default)."""
     own = report_path()
     if own.exists() or os.geteuid() == 0 or os.environ.get("NPUSNAP_STATE_DIR"):
         return own
@@ -137,6 +138,16 @@ def check_item(install: NodeCann, path: Optional[Path] = None) -> CheckItem:
         if install.simulated:
             return CheckItem(
                 "qualify", INFO, f"no qualification report ({path}); the simulated NPU needs none", RUN, data
+            )
+        if os.geteuid() != 0:
+            # Root's report sits in root's private state directory: a user cannot tell.
+            return CheckItem(
+                "qualify",
+                WARNING,
+                f"no qualification report this user can read ({path}): root's, if there is one, "
+                "is private to root",
+                "`sudo npusnap check` shows the node's report; " + RUN,
+                data,
             )
         return CheckItem(
             "qualify",
