@@ -38,6 +38,11 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("CRIU_LIBS_DIR", str(CRIU_PLUGIN_BUILD_DIR))
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
+        # A worker is started with COLUMNS=80 and LINES=24 in its environment, which every
+        # npusnap the tests start would take for a terminal's size (tables folded at 80
+        # columns): the tests see what a pipe gets, as in a run without workers.
+        for name in ("COLUMNS", "LINES"):
+            os.environ.pop(name, None)
         config.stash[_WORKER_DIR] = _isolate_worker(worker)
 
 
