@@ -683,11 +683,7 @@ static char *python_info;
 static const char *STAGES[] = {NPUSNAP_HOOK_STAGES_INIT};
 
 static void hook_cv_init(void) {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&hook_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    monotonic_cond_init(&hook_cv);
     hook_cv_ready = 1;
 }
 

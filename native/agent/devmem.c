@@ -47,6 +47,7 @@
 #define NPUSNAP_CONTRACT_CANN_NAMES /* ACL_SUCCESS, ...: no CANN header is included */
 #include "npusnap/devmem.h"
 #include "npusnap/quietthread.h"
+#include "npusnap/timeutil.h"
 #include "realsym.h"
 
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
@@ -293,21 +294,12 @@ static void atfork_child(void) {
     pthread_mutex_unlock(&g_mu);
 }
 
-/* A condition whose timed waits take CLOCK_MONOTONIC deadlines (as every deadline here is). */
-static void monotonic_cond(pthread_cond_t *c) {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(c, &ca);
-    pthread_condattr_destroy(&ca);
-}
-
 __attribute__((constructor)) static void devmem_init(void) {
     record_start();
     NPUSNAP_AGENT_RECORD_SYMBOL.tracking = (uint32_t)loaded_before_libc();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
-    monotonic_cond(&g_cv);
-    monotonic_cond(&g_ecv);
+    monotonic_cond_init(&g_cv);
+    monotonic_cond_init(&g_ecv);
 }
 
 static void seterr(char *err, size_t len, const char *fmt, ...) {
@@ -1562,7 +1554,7 @@ static void ws_after_fork(void) {
     g_entry_closed = 0;
     g_writers_inside = t_entered;
     pthread_mutex_init(&g_emu, NULL);
-    monotonic_cond(&g_ecv);
+    monotonic_cond_init(&g_ecv);
 }
 
 static void ws_release(void *slot) {
@@ -1616,14 +1608,7 @@ static void entry_enter(void) {
 
 API int npusnap_devmem_hold_writers(int timeout_ms) {
     __atomic_store_n(&g_entry_closed, 1, __ATOMIC_SEQ_CST);
-    struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    struct timespec dl = deadline_in(timeout_ms / 1000.0);
     pthread_mutex_lock(&g_emu);
     int w = 0;
     while (__atomic_load_n(&g_writers_inside, __ATOMIC_SEQ_CST) > 0 && w != ETIMEDOUT)

@@ -193,11 +193,7 @@ static void hccl_atfork_child(void) {
 }
 
 __attribute__((constructor)) static void hccl_init(void) {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&g_hcv, &ca);
-    pthread_condattr_destroy(&ca);
+    monotonic_cond_init(&g_hcv);
     pthread_atfork(NULL, NULL, hccl_atfork_child);
 }
 

@@ -636,13 +636,9 @@ static void atfork_child(void) {
 }
 
 __attribute__((constructor)) static void rt_init(void) {
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&g_cv, &ca);
-    pthread_cond_init(&g_eng_cv, &ca);
-    pthread_cond_init(&g_report_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    monotonic_cond_init(&g_cv);
+    monotonic_cond_init(&g_eng_cv);
+    monotonic_cond_init(&g_report_cv);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 

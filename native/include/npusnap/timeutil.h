@@ -6,6 +6,7 @@
 #define NPUSNAP_TIMEUTIL_H
 
 #include <errno.h>
+#include <pthread.h>
 #include <time.h>
 
 /* CLOCK_MONOTONIC, in seconds. */
@@ -29,6 +30,15 @@ static inline struct timespec deadline_in(double s) {
     double t = now_s() + s;
     struct timespec ts = {(time_t)t, (long)((t - (double)(time_t)t) * 1e9)};
     return ts;
+}
+
+/* Initialise `c` so that its timed waits take deadline_in()'s CLOCK_MONOTONIC deadlines. */
+static inline void monotonic_cond_init(pthread_cond_t *c) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(c, &ca);
+    pthread_condattr_destroy(&ca);
 }
 
 #endif

@@ -23,8 +23,9 @@ from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.restore.options import RestoreOptions
 
 
-def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> None:
-    """Same CRIU and CANN as at dump time (the device state format is the runtime's own)."""
+def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> Optional[acl.CannInstall]:
+    """Same CRIU and CANN as at dump time (the device state format is the runtime's own); the
+    CANN installation the device state will be restored with (None: no NPU process)."""
     v = manifest.versions
     if binary.version != v.criu:
         raise IncompatibleImageError(
@@ -34,7 +35,7 @@ def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> None:
             "or set NPUSNAP_CRIU to a matching binary",
         )
     if not manifest.npu_processes:
-        return
+        return None
     try:
         # A shell without the CANN environment still restores: the image says where it was.
         from_image = None if os.environ.get("ASCEND_HOME_PATH") else v.cann_home
@@ -55,6 +56,7 @@ def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> None:
             why="device state can only be restored by the runtime version that backed it up",
             fix=f"restore on a host with CANN {want}, or point ASCEND_HOME_PATH at it",
         )
+    return cann
 
 
 def check_device_memory(manifest: img.Manifest, accept_lost: bool) -> Optional[str]:
@@ -260,6 +262,7 @@ class Preflight:
     options: RestoreOptions
     dry_run: bool = False
     binary: Optional[criu.CriuBinary] = None
+    cann: Optional[acl.CannInstall] = None  # the versions check's: the device state's CANN
     device_memory: Optional[str] = None  # who keeps it (check_device_memory)
     thread_ids: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # worth telling, not a problem
@@ -284,18 +287,15 @@ Check = checks.Check[Preflight]  # restore's checks read its Preflight
 
 def _versions(pf: Preflight) -> str:
     binary = pf.criu_binary()
-    check_versions(pf.manifest, binary)
+    pf.cann = check_versions(pf.manifest, binary)
     v = pf.manifest.versions
     return f"CRIU {binary.version}" + (f", CANN {v.cann}" if pf.manifest.npu_processes else "")
 
 
 def _qualified(pf: Preflight) -> str:
-    """The node's qualification report for the CANN the restore runs the device state with (the
-    one check_versions finds: ASCEND_HOME_PATH, else the image's)."""
-    home = os.environ.get("ASCEND_HOME_PATH") or pf.manifest.versions.cann_home
-    if not home:
-        return "the image names no CANN installation"
-    return qualifyreport.gate(qualifyreport.SeenCann.at(home), pf.tell)
+    """The node's qualification report for the CANN the restore runs the device state with."""
+    assert pf.cann is not None  # skipped without it
+    return qualifyreport.gate(pf.cann, pf.tell)
 
 
 def _lazy(pf: Preflight) -> str:
@@ -418,7 +418,13 @@ CHECKS: tuple[Check, ...] = (
         "qualified",
         "the node's qualification report (npusnap qualify)",
         _qualified,
-        skip=lambda pf: None if pf.manifest.npu_processes else "no NPU process",
+        skip=lambda pf: (
+            "no NPU process"
+            if not pf.manifest.npu_processes
+            else None
+            if pf.cann is not None
+            else "needs the CANN the versions check finds"
+        ),
     ),
     Check(
         "lazy-pages", "CRIU's lazy pages", _lazy, skip=lambda pf: None if pf.options.lazy else "not --lazy"
