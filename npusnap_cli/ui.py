@@ -317,10 +317,16 @@ def no_color() -> bool:
     return bool(os.environ.get("NO_COLOR"))
 
 
+# Tables do not expand to the console's width, so a huge width costs nothing; it only removes
+# the wrap.
+PIPE_WIDTH = 1 << 20
+
+
 def make_console(*, stderr: bool) -> Any:
     """A rich console for one stream. NO_COLOR turns off all styling (bold, italics, dim too:
     rich's own NO_COLOR support removes colours only); output that is not a terminal is never
-    styled and gets a wide line so that piped rows stay whole."""
+    styled and has no line width to speak of, so that a piped row stays one line whatever the
+    length of a command line or path in it (`npusnap status PID | grep RUNNING`)."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
@@ -330,7 +336,7 @@ def make_console(*, stderr: bool) -> Any:
         highlight=False,
         soft_wrap=False,
         color_system=None if no_color() else "auto",  # rich's own default: "auto"
-        width=200 if wide else None,  # None: rich's default, the terminal's width
+        width=PIPE_WIDTH if wide else None,  # None: rich's default, the terminal's width
     )
 
 
