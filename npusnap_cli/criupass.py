@@ -36,6 +36,13 @@ def _abs_path(value: str) -> Optional[str]:
     return None if ok else "an absolute path of letters, digits and _./@+:=,-"
 
 
+def _join_ns(value: str) -> Optional[str]:
+    # CRIU's --join-ns NS:{PID|NS_FILE} (criu/namespaces.c, join_ns_add), for the namespaces
+    # whose joining changes no credential: not user (it takes ids), not mnt or pid.
+    ok = re.fullmatch(r"(net|uts|ipc):([0-9]{1,10}|/[A-Za-z0-9_./@+:=-]+)", value) is not None
+    return None if ok else "net, uts or ipc, a colon, and a pid or an absolute path (net:/var/run/netns/NAME)"
+
+
 @dataclass(frozen=True)
 class Passed:
     """One option of the allow-list: when it applies and what its value must be."""
@@ -58,6 +65,7 @@ ALLOWED: dict[str, Passed] = {
         Passed("tcp-close", ("dump",), "close established TCP connections instead of dumping them"),
         Passed("force-irmap", ("dump",), "resolve inotify/fanotify watches by path"),
         Passed("irmap-scan-path", ("dump",), "where to look for watched files", _abs_path),
+        Passed("join-ns", ("restore",), "restore into an existing namespace", _join_ns),
     )
 }
 

@@ -22,9 +22,9 @@ JOBS=${NPUSNAP_TEST_JOBS:-2}
 set +e
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
-    $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial"
+    $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30
     rc=$?
-    $V/python -m pytest -m serial
+    $V/python -m pytest -m serial --durations=10
     rc2=$?
     if [ $rc -eq 0 ]; then rc=$rc2; fi
 else

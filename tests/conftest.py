@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -141,3 +142,22 @@ def _hostile_bait_untouched(hostile_user: Optional[HostileUser]) -> Iterator[Non
         new = hostile_user.tripped()[seen:]  # what the planter saw and put back meanwhile
         if new:
             pytest.fail(f"this test wrote through the hostile user's names: {new}")
+
+
+def _root_runtime_entries() -> set[str]:
+    try:
+        return set(os.listdir(contract.AGENT_SOCKET_ROOT_DIR))
+    except OSError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def _root_runtime_dir_untouched() -> Iterator[None]:
+    """A test's jobs keep their sockets and logs in the test's own runtime directory: what
+    appears in root's (/run/npusnap, the node's real one) is named, with the test that was
+    running (in a parallel run, another worker's test may be the one)."""
+    before = _root_runtime_entries()
+    yield
+    new = sorted(_root_runtime_entries() - before)
+    if new:
+        warnings.warn(f"new in {contract.AGENT_SOCKET_ROOT_DIR}: {' '.join(new)}", stacklevel=1)

@@ -4,6 +4,8 @@ simulated NPU (CRIU's own zdtm tests exercise each option too: tests/zdtm/parity
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 from npusnap_cli.errors import ExitCode
@@ -63,3 +65,32 @@ def test_an_option_off_the_list_is_refused_before_anything(
         job.wait_lines(at + 3)
     finally:
         job.cleanup()
+
+
+def test_restore_joins_an_existing_network_namespace(
+    stepper: str, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """restore --criu-opt join-ns=net:PATH: the restored job runs in that namespace, its device
+    state back, and continues where it was."""
+    env = job_env(sim_env, runtime_dir)
+    ns = f"npusnap-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
+    job = Job(tmp_path, env, [stepper, "--steps", "80", "--interval-ms", "30", "--device", "0"])
+    img = tmp_path / "img"
+    try:
+        job.wait_lines(5)
+        wait_until(lambda: (runtime_dir / f"{job.pid}.sock").exists(), 10, "the agent socket")
+        rc, out, err = cli(env, "dump", str(job.pid), str(img))
+        assert rc == 0, (out or {}).get("error") or err
+        job.reap()
+        rc, out, err = cli(env, "restore", str(img), "--criu-opt", f"join-ns=net:/var/run/netns/{ns}")
+        assert rc == 0, (out or {}).get("error") or err
+        job.restored_pid = out["result"]["root_pid"] if out else 0
+        joined = os.stat(f"/proc/{job.restored_pid}/ns/net").st_ino
+        assert joined == os.stat(f"/var/run/netns/{ns}").st_ino != os.stat("/proc/self/ns/net").st_ino
+        wait_until(lambda: not alive(job.restored_pid), 30, "the restored run to finish")
+        assert [s for s, _ in steps_of(job)] == list(range(80))
+        assert_continuous(job)
+    finally:
+        job.cleanup()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

@@ -26,6 +26,8 @@ from npusnap_cli.host import procfs
         ("tcp-close", "dump", "tcp-close"),
         ("force-irmap", "dump", "force-irmap"),
         ("irmap-scan-path=/var/lib/x", "dump", "irmap-scan-path=/var/lib/x"),
+        ("join-ns=net:/var/run/netns/blue", "restore", "join-ns=net:/var/run/netns/blue"),
+        ("join-ns=uts:4242", "restore", "join-ns=uts:4242"),
     ],
 )
 def test_allowed_options_become_config_lines(given: str, command: str, line: str) -> None:
@@ -47,6 +49,11 @@ def test_allowed_options_become_config_lines(given: str, command: str, line: str
         ("irmap-scan-path=relative", "dump", "an absolute path"),
         ("irmap-scan-path=/a b", "dump", "an absolute path"),
         ("irmap-scan-path=/a\nroot=/", "dump", "an absolute path"),
+        ("join-ns=net:/run/netns/x", "dump", "an option of restore"),
+        ("join-ns=user:/proc/1/ns/user,0,0", "restore", "net, uts or ipc"),
+        ("join-ns=mnt:/proc/1/ns/mnt", "restore", "net, uts or ipc"),
+        ("join-ns=net:relative", "restore", "net, uts or ipc"),
+        ("join-ns=net:/a\nroot=/", "restore", "net, uts or ipc"),
     ],
 )
 def test_anything_else_is_refused_with_the_list(given: str, command: str, needle: str) -> None:

@@ -25,6 +25,7 @@ import argparse
 import ast
 import concurrent.futures
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -270,10 +272,58 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
+# The harness is its tests' subreaper (PR_SET_CHILD_SUBREAPER): a test daemon, orphaned when it
+# daemonized, is reparented here when it dies instead of to the machine's init, which may reap
+# late (about 1.5 s here) while the restore waits for the pid to be free. Only orphans are reaped
+# here: a child subprocess waits for is its own to reap (reaping it here would hand subprocess
+# an ECHILD and a made-up exit code), so every Popen is registered under a lock before a reap
+# can see its pid.
+PR_SET_CHILD_SUBREAPER = 36
+_popen_lock = threading.Lock()
+_popens: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+
+
+class _RegisteredPopen(subprocess.Popen):  # type: ignore[type-arg]
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        with _popen_lock:
+            super().__init__(*args, **kwargs)  # type: ignore[call-overload]
+            _popens.add(self)
+
+
+def become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    subprocess.Popen = _RegisteredPopen  # type: ignore[misc]
+
+
+def reap_orphans() -> None:
+    """Reap this process's dead children that no subprocess.Popen waits for."""
+    me = os.getpid()
+    with _popen_lock:
+        waited = {p.pid for p in _popens if p.returncode is None}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in waited:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == me:
+                try:
+                    os.waitpid(int(entry), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
 def wait_reaped(pid: int, timeout: float) -> bool:
     """Gone from /proc, not only dead: the restore needs the pid free (zdtm.py's wait_pid_die)."""
     end = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}"):
+        reap_orphans()
+        if not os.path.exists(f"/proc/{pid}"):
+            break
         if time.monotonic() > end:
             return False
         time.sleep(0.02)
@@ -325,6 +375,7 @@ def kill_tree(pid: int) -> None:
                 pass
         for m in members:
             wait_gone(m, 10)
+        reap_orphans()  # the members' zombies, reparented here: their pids free
 
 
 class Runner:
@@ -357,15 +408,35 @@ class Runner:
     def npu_out(self, name: str) -> Path:
         return self.work / "npu" / f"{name}.npu"
 
-    def make(
-        self, name: str, action: str, env: dict[str, str], npu: bool
-    ) -> subprocess.CompletedProcess[str]:
+    def make(self, name: str, action: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         argv = ["make", "--no-print-directory", "-C", str(self.static), f"{name}.{action}"]
-        if npu and action == "pid":
-            argv = [NPUSNAP, "run", "--keep-session", "--", *argv]
         return subprocess.run(
             argv, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT, stdin=subprocess.DEVNULL
         )
+
+    def start(self, name: str, env: dict[str, str], npu: bool) -> tuple[Optional[str], Optional[str]]:
+        """zdtm.py's start: `make NAME.pid`, with the test's --post-start hook run while make
+        waits for the test to report its pid (a test may wait for its hook before it
+        daemonizes: net_lock_socket_*). Returns (why the start failed, what the hook said)."""
+        argv = ["make", "--no-print-directory", "-C", str(self.static), f"{name}.pid"]
+        if npu:
+            argv = [NPUSNAP, "run", "--keep-session", "--", *argv]
+        with subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        ) as make:
+            bad = self.hook(name, "--post-start", env)
+            try:
+                out, _ = make.communicate(timeout=TEST_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                make.kill()
+                make.communicate()
+                return "make timed out", bad
+        return (None if make.returncode == 0 else out.strip()[-300:]), bad
 
     def kill_strays(self, name: str) -> None:
         """Whatever a test that never reported its pid left running (its executable's)."""
@@ -392,20 +463,26 @@ class Runner:
         path = self.static / f"{name}.hook"
         if not os.access(path, os.X_OK):
             return None
-        try:
-            p = subprocess.run(
+        # Its output to a file, not a pipe: zdtm.py waits for the hook, not for the end of its
+        # output, which a helper it forks and leaves running keeps open (net_lock_socket_*).
+        with tempfile.TemporaryFile("w+") as out:
+            hook = subprocess.Popen(
                 [str(path), stage],
                 cwd=self.static.parent.parent,
                 env=self.hook_env(env, extra),
-                capture_output=True,
-                text=True,
-                timeout=HOOK_TIMEOUT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        except subprocess.TimeoutExpired:
-            return f"hook {stage} timed out"
-        if p.returncode != 0:
-            return f"hook {stage} exited {p.returncode}: {(p.stdout + p.stderr).strip()[-200:]}"
+            try:
+                rc = hook.wait(timeout=HOOK_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                hook.kill()
+                hook.wait()
+                return f"hook {stage} timed out"
+            if rc != 0:
+                out.seek(0)
+                return f"hook {stage} exited {rc}: {out.read().strip()[-200:]}"
         return None
 
     def read_pid(self, name: str) -> int:
@@ -444,7 +521,7 @@ class Runner:
 
     def fresh(self, name: str, desc: dict[str, str], env: dict[str, str]) -> None:
         self.unmount_leftovers(name)
-        self.make(name, "cleanout", env, npu=False)
+        self.make(name, "cleanout", env)
         for suffix in (".pid", ".out", ".out.inprogress"):
             (self.static / f"{name}{suffix}").unlink(missing_ok=True)
         npu = self.npu_out(name)
@@ -481,18 +558,13 @@ class Runner:
         shutil.rmtree(img, ignore_errors=True)
         img.parent.mkdir(parents=True, exist_ok=True)
         crfail = "crfail" in desc.get("flags", "").split()
-        try:
-            p = self.make(name, "pid", env, npu)
-            failed = None if p.returncode == 0 else (p.stdout + p.stderr).strip()[-300:]
-        except subprocess.TimeoutExpired:
-            failed = "make timed out"
+        failed, bad = self.start(name, env, npu)
         if failed is not None:
             self.kill_strays(name)
             self.hook(name, "--clean", env)
             return Outcome("fail", "start", failed)
         pid = self.read_pid(name)
         try:
-            bad = self.hook(name, "--post-start", env)
             if bad:
                 return Outcome("fail", "start", bad)
             return self._cr(name, desc, npu, pid, img, crfail, env)
@@ -690,6 +762,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     # The tests drop to ZDTM_UID: every directory on the way to the tests must be searchable.
     os.chmod(work, 0o755)
+    become_subreaper()
     t0 = time.monotonic()
     zdtm = build(work)
     names = all_tests(zdtm)
