@@ -15,15 +15,36 @@ echo "== floors: no import points up, no cycles, docs/internals.md drawn from th
 echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
+# CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
+# time), on a simulated node of its own, beside pytest's workers (they mostly wait on processes,
+# not on the CPU); its output follows theirs. Only for the whole suite: a run of chosen tests
+# (arguments) skips it.
+zdtm_pid=
+if [ $# -eq 0 ] && [ "${NPUSNAP_SKIP_ZDTM:-}" != 1 ]; then
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): started, beside pytest"
+    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json > .build/zdtm.log 2>&1 &
+    zdtm_pid=$!
+fi
+zdtm_done() {
+    [ -n "$zdtm_pid" ] || return 0
+    local zrc=0
+    wait "$zdtm_pid" || zrc=$?
+    zdtm_pid=
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py)"
+    cat .build/zdtm.log
+    return $zrc
+}
 # The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2), each a node of its own
-# (tests/conftest.py), then the tests marked serial alone; NPUSNAP_TEST_JOBS=1 runs everything in
-# one process.
+# (tests/conftest.py), then, once zdtm is done too, the tests marked serial alone (the host's one
+# podman, containerd, Slurm); NPUSNAP_TEST_JOBS=1 runs everything in one process.
 JOBS=${NPUSNAP_TEST_JOBS:-2}
 set +e
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
     $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30
     rc=$?
+    zdtm_done
+    zrc=$?
     $V/python -m pytest -m serial --durations=10
     rc2=$?
     if [ $rc -eq 0 ]; then rc=$rc2; fi
@@ -31,19 +52,11 @@ else
     echo "== pytest"
     $V/python -m pytest "$@"
     rc=$?
+    zdtm_done
+    zrc=$?
 fi
 set -e
 # pytest exits 5 when it collected nothing: that must never pass.
 if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
-# CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
-# time; after pytest, not beside it: its simulated devices would be busy for pytest's restores).
-# Only for the whole suite: a run of chosen tests (arguments) skips it.
-if [ $# -eq 0 ] && [ "${NPUSNAP_SKIP_ZDTM:-}" != 1 ]; then
-    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py)"
-    set +e
-    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json
-    zrc=$?
-    set -e
-    if [ $zrc -ne 0 ]; then rc=1; fi
-fi
+if [ $zrc -ne 0 ]; then rc=1; fi
 exit $rc

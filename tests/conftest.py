@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +11,9 @@ from typing import Optional
 
 import pytest
 
-from npusnap_cli import contract, paths
+from npusnap_cli import contract
 from tests.hostile_user import HostileUser
+from tests.node import isolate_node
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every CRIU the tests start (directly, or through npusnap, which hands on its environment)
     loads this checkout's plugins, not whatever /usr/lib/criu holds (CRIU_LIBS_DIR; a test that
     wants another set passes -L or its own CRIU_LIBS_DIR). A worker of a parallel run (pytest -n)
-    gets a node of its own: see _isolate_worker."""
+    gets a node of its own (tests/node.py)."""
     if CRIU_PLUGIN_BUILD_DIR.is_dir():
         os.environ.setdefault("CRIU_LIBS_DIR", str(CRIU_PLUGIN_BUILD_DIR))
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -44,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # columns): the tests see what a pipe gets, as in a run without workers.
         for name in ("COLUMNS", "LINES"):
             os.environ.pop(name, None)
-        config.stash[_WORKER_DIR] = _isolate_worker(worker)
+        config.stash[_WORKER_DIR] = isolate_node(worker)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -54,26 +54,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _WORKER_DIR = pytest.StashKey[Path]()
-
-
-def _isolate_worker(worker: str) -> Path:
-    """A worker of a parallel run shares nothing device-side with the others: copies of the
-    simulator's CANN trees (on the simulator each tree is a node of its own, so the devices one
-    worker's jobs hold are not another's: npusnap_cli/device/occupancy.py), the default simulator
-    socket (`npusnap sim start` in a runbook) and npusnap's state directory."""
-    base = Path(tempfile.mkdtemp(prefix=f"npusnap-{worker}-"))
-    built = paths.build_dir()
-    # Every tree the build made (paths.sim_cann_home names them cann and cann-VERSION).
-    for src in sorted(p for p in built.glob("cann*") if p.is_dir()):
-        dst = base / src.name
-        shutil.copytree(src, dst, symlinks=True)
-        env_sh = dst / "set_env.sh"
-        if env_sh.is_file():
-            env_sh.write_text(env_sh.read_text().replace(str(src), str(dst)))
-    os.environ[paths.SIM_CANN_DIR_ENV] = str(base)
-    os.environ[contract.SIM_SOCKET_ENV] = str(base / "npusim.sock")
-    os.environ["NPUSNAP_STATE_DIR"] = str(base / "state")
-    return base
 
 
 def plugin_dir_with(base: Path, *names: str) -> Path:

@@ -30,7 +30,11 @@ NPUSNAP = str(Path(sys.executable).parent / "npusnap")
     ids=["compute", "memory", "torch_npu"],
 )
 def test_demo_round_trip_keeps_continuity(
-    tmp_path: Path, sim_env: dict[str, str], workload: list[str], request: pytest.FixtureRequest
+    tmp_path: Path,
+    sim_env: dict[str, str],
+    runtime_dir: Path,
+    workload: list[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     """npu_train.py, train.py, and by default an attention block trained by the real torch_npu."""
     if not workload:
@@ -52,7 +56,7 @@ def test_demo_round_trip_keeps_continuity(
             "--keep",
             "--json",
         ],
-        env=sim_env,
+        env={**sim_env, "NPUSNAP_RUNTIME_DIR": str(runtime_dir)},
         capture_output=True,
         text=True,
         timeout=240,

@@ -326,7 +326,8 @@ def test_device_call_failure_rolls_back(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, fault: str, call: str
 ) -> None:
     with faulty_job(sim_env, runtime_dir, tmp_path) as fj:
-        fj.set_faults(f"{fault}=1\n")
+        # The runtime's own wait for a thread that never parks is 60 s; 2 s fail the same way.
+        fj.set_faults(f"{fault}=1\nNPUSIM_LOCK_WAIT_MS=2000\n")
         rc, out, _ = cli(fj.env, "dump", str(fj.job.pid), str(fj.img))
         fj.set_faults("")
         assert rc == ExitCode.DEVICE, out

@@ -116,10 +116,11 @@ def _in_a_foreign_session(script: str) -> list[str]:
 
 @requires_root
 @pytest.mark.parametrize("keep", [False, True])
-def test_run_leaves_a_session_whose_leader_is_outside_the_namespace(keep: bool) -> None:
+def test_run_leaves_a_session_whose_leader_is_outside_the_namespace(keep: bool, runtime_dir: Path) -> None:
     """Where the program's session leader is invisible (getsid 0: under `docker exec`, a CI runner,
     or here a new pid namespace from unshare(1)), CRIU could not dump it: `run` gives it its own
-    session, unless --keep-session."""
+    session, unless --keep-session. (The job's log goes to runtime_dir, which the environment
+    names, not to the node's /run/npusnap.)"""
     npusnap = [PY, "-m", "npusnap_cli", "run", *(["--keep-session"] if keep else []), "--"]
     script = f"cd {shlex.quote(str(REPO))} && exec {shlex.join([*npusnap, PY, '-c', SESSION_PROBE])}"
     proc = subprocess.run(

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criupass
+from tests.integration.dumplib import private_sim
+from tests.node import isolate_node
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -449,6 +451,19 @@ class Runner:
                 except OSError:
                     continue
 
+    def kill_hook_daemons(self, name: str) -> None:
+        """What the test's hook forked and left running (netns_lock_*'s TCP server, which the
+        hook leaves "for zdtm to SIGKILL")."""
+        hook = str(self.static / f"{name}.hook").encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if hook in f.read().split(b"\0"):
+                            os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    continue
+
     @staticmethod
     def hook_env(env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
         # The hook is a helper of the test, not an NPU process; a Python hook finds pycriu's
@@ -573,6 +588,7 @@ class Runner:
             self.unmount_leftovers(name)
             # zdtm.py runs it however the test ended; what it leaves is the next run's problem.
             self.hook(name, "--clean", env)
+            self.kill_hook_daemons(name)
 
     def _cr(
         self,
@@ -755,9 +771,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("needs root (CRIU)")
-    sys.path.insert(0, str(REPO))
-    from tests.integration.dumplib import private_sim
+    # A node of its own: the run goes on beside pytest's workers (scripts/test.sh).
+    node = isolate_node("zdtm")
+    try:
+        return run(args)
+    finally:
+        shutil.rmtree(node, ignore_errors=True)
 
+
+def run(args: argparse.Namespace) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="zdtm-"))
     work.mkdir(parents=True, exist_ok=True)
     # The tests drop to ZDTM_UID: every directory on the way to the tests must be searchable.
