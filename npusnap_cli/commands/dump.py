@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from npusnap_cli import criu, criupass
-from npusnap_cli import image as img
 from npusnap_cli.commands import jobcmd
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, dump_phase_rows, fmt_s, show_log
 from npusnap_cli.errors import UsageError
 from npusnap_cli.host import oplog
-from npusnap_cli.image import archive, imagestore
+from npusnap_cli.image import archive, imagestore, layout
 from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines import dump as dump_mod
 from npusnap_cli.pipelines import slurm
@@ -398,8 +397,8 @@ def _manage(out: Output, image: Path, keep_last: Optional[int], latest: bool) ->
 def _parent_image(path: Path) -> Path:
     """--parent: an image directory (a `latest` pointer is followed), or a usage error."""
 
-    target = img.follow_pointer(path)
-    if not (target.is_dir() and img.manifest_path(target).is_file()):
+    target = layout.follow_pointer(path)
+    if not (target.is_dir() and layout.manifest_path(target).is_file()):
         raise UsageError(
             f"--parent {path}: not an npusnap image",
             fix="name an image directory written by `npusnap dump` (or drop --parent)",

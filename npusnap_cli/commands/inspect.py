@@ -12,7 +12,8 @@ from npusnap_cli import image
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import dump_phase_rows, fmt_s
 from npusnap_cli.errors import NpusnapError
-from npusnap_cli.image import criudetail, k8sjob
+from npusnap_cli.image import criudetail, k8sjob, layout
+from npusnap_cli.image.manifest import ProcessEntry, load_manifest
 from npusnap_cli.units import human_bytes
 
 DIR_HELP = (
@@ -52,7 +53,7 @@ def criu_detail(path: Path, *, archive: bool = False, container: Any = None) -> 
             return criudetail.describe(where, where)
         if archive:
             return criudetail.describe_archive(path, container=False)
-        return criudetail.describe(image.criu_dir(path), image.logs_dir(path))
+        return criudetail.describe(layout.criu_dir(path), layout.logs_dir(path))
     except (OSError, NpusnapError):
         return None
 
@@ -255,7 +256,7 @@ def _show_image(out: Any, ref: Union[image.DirectoryImage, image.ArchiveImage], 
             "device bytes": human_bytes(manifest.bytes.device_bytes),
         },
     )
-    by_parent: dict[int, list[image.ProcessEntry]] = {}
+    by_parent: dict[int, list[ProcessEntry]] = {}
     pids = {p.pid for p in manifest.processes}
     roots = []
     for p in manifest.processes:
@@ -265,7 +266,7 @@ def _show_image(out: Any, ref: Union[image.DirectoryImage, image.ArchiveImage], 
             roots.append(p)
     nodes: list[tuple[int, str]] = []
 
-    def walk(p: image.ProcessEntry, depth: int) -> None:
+    def walk(p: ProcessEntry, depth: int) -> None:
         cmd = " ".join(p.cmdline) or ("(zombie)" if p.zombie else "")
         npu = (
             f"  [NPU: device {','.join(map(str, p.devices)) or '?'}, {human_bytes(p.device_bytes)}]"
@@ -309,7 +310,7 @@ def _inspect_job(out: Any, ref: image.JobImage, sections: Sections) -> None:
     rows = []
     ranks = []
     for r in job.ranks:
-        m = image.load_manifest(Path(directory) / r.dir)
+        m = load_manifest(Path(directory) / r.dir)
         rows.append(
             [
                 str(r.rank),

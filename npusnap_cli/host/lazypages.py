@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import AbstractSet, Any, Optional
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.errors import CriuError, ImageError, NpusnapError, PreflightError, UsageError
-from npusnap_cli.image import digest
+from npusnap_cli.image import digest, integrity, layout
+from npusnap_cli.image.manifest import FileEntry, Manifest
 from npusnap_cli.jsontypes import JSONObject
 
 
-def check_lazy(image: Path, manifest: img.Manifest, binary: Any) -> None:
+def check_lazy(image: Path, manifest: Manifest, binary: Any) -> None:
     """What must hold before a lazy restore may start (raises PreflightError / UsageError)."""
     ok, words = criu.lazy_pages_supported(binary)
     if not ok:
@@ -67,18 +67,18 @@ def check_lazy(image: Path, manifest: img.Manifest, binary: Any) -> None:
             raise ImageError(f"{entry.path} is missing", fix="do not use this image; dump again")
 
 
-def split_page_files(manifest: img.Manifest) -> tuple[list[img.FileEntry], list[img.FileEntry]]:
+def split_page_files(manifest: Manifest) -> tuple[list[FileEntry], list[FileEntry]]:
     """(CRIU's page files ``criu/pages-*.img``, every other file of the manifest)."""
-    prefix = f"{img.CRIU_SUBDIR}/pages-"
+    prefix = f"{layout.CRIU_SUBDIR}/pages-"
     pages = [f for f in manifest.files if f.path.startswith(prefix) and f.path.endswith(".img")]
     return pages, [f for f in manifest.files if f not in pages]
 
 
-def open_files(image: Path, entries: list[img.FileEntry]) -> list[tuple[img.FileEntry, int]]:
+def open_files(image: Path, entries: list[FileEntry]) -> list[tuple[FileEntry, int]]:
     """Open each file (O_NOFOLLOW, regular files only) for ``verify_open_files``."""
     import stat
 
-    opened: list[tuple[img.FileEntry, int]] = []
+    opened: list[tuple[FileEntry, int]] = []
     try:
         for e in entries:
             fd = os.open(image / e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -103,7 +103,7 @@ _DUMP_AGAIN = "do not use this image; dump again"
 
 def verify_open_files(
     image: Path,
-    opened: list[tuple[img.FileEntry, int]],
+    opened: list[tuple[FileEntry, int]],
     progress: Any = None,
     stop: Any = None,
     threads: int = 1,
@@ -147,7 +147,7 @@ def verify_open_files(
         for _e, fd in opened:
             os.close(fd)
     if bad:
-        raise img.verification_error(image, bad)
+        raise integrity.verification_error(image, bad)
 
 
 def _kill(pids: list[int]) -> None:

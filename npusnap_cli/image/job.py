@@ -149,7 +149,7 @@ def load_job_manifest(directory: Path) -> JobManifest:
 @dataclass(frozen=True)
 class JobVerifyResult:
     image: str
-    ranks: tuple[Any, ...]  # image.VerifyResult per rank
+    ranks: tuple[Any, ...]  # integrity.VerifyResult per rank
 
     def to_dict(self) -> JSONObject:
         return {"image": self.image, "ranks": [r.to_dict() for r in self.ranks]}

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError, PreflightError, UsageError
 from npusnap_cli.host import hostres, pidns, proctree
+from npusnap_cli.image import integrity, layout
+from npusnap_cli.image.manifest import Manifest, load_manifest
 from npusnap_cli.pipelines import restore
 
 
@@ -87,8 +88,8 @@ def pidfile_for(pidfile: Optional[Path], index: int) -> Optional[Path]:
     return Path(text.replace("{n}", str(index)) if "{n}" in text else f"{text}.{index}")
 
 
-def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int], ...]]) -> img.Manifest:
-    manifest = img.load_manifest(directory)
+def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int], ...]]) -> Manifest:
+    manifest = load_manifest(directory)
     if not manifest.pid_ns:
         raise UsageError(
             f"--replicas {replicas} needs an image of a job in its own pid namespace",
@@ -103,7 +104,7 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             fix="e.g. --replicas 2 --device-map 0=1 --device-map 0=2",
         )
     agents = [p.agent_socket for p in manifest.processes if p.agent_socket]
-    listeners = hostres.image_listeners(img.criu_dir(directory), agents)
+    listeners = hostres.image_listeners(layout.criu_dir(directory), agents)
     if replicas > 1 and listeners:
         raise PreflightError(
             f"--replicas {replicas}: the job listens on unix socket path {listeners[0]}, which only "
@@ -205,11 +206,11 @@ def restore_all(
     names = names_for(name, replicas)
     check(directory, replicas, device_maps)
     if verify:
-        img.verify(directory)
-    base_logs = logs or (directory / img.LOGS_SUBDIR)
+        integrity.verify(directory)
+    base_logs = logs or (directory / layout.LOGS_SUBDIR)
     original_output = None
     if output is None:
-        original_output = pidns.output_file_of(img.criu_dir(directory), img.load_manifest(directory))
+        original_output = pidns.output_file_of(layout.criu_dir(directory), load_manifest(directory))
     outputs: list[Optional[Path]] = [
         pidfile_for(output, i)
         if output is not None

@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli import image as img
+from npusnap_cli.image import integrity, layout
+from npusnap_cli.image.manifest import load_manifest
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.checks import CheckResult
 from npusnap_cli.pipelines.restore import CHECKS as RESTORE_CHECKS
@@ -28,14 +29,14 @@ DryRunContext = Preflight
 
 
 def _structure(ctx: Preflight) -> str:
-    img.verify(ctx.image, checksums=False, require_signature=ctx.options.require_signature)
+    integrity.verify(ctx.image, checksums=False, require_signature=ctx.options.require_signature)
     m = ctx.manifest
     signed = ", signature good" if ctx.options.require_signature else ""
     return f"{len(m.files)} files, sizes as listed{signed}"
 
 
 def _checksums(ctx: Preflight) -> str:
-    img.verify(ctx.image, checksums=True)
+    integrity.verify(ctx.image, checksums=True)
     return f"{len(ctx.manifest.files)} files, {sum(f.size for f in ctx.manifest.files)} bytes match"
 
 
@@ -65,7 +66,7 @@ def register(check: Check, *, before: Optional[str] = None) -> None:
 
 
 def run_checks(image: Path, options: RestoreOptions) -> list[CheckResult]:
-    final = img.follow_pointer(image)
-    manifest = img.load_manifest(final)  # no manifest: nothing to check, the error says why
+    final = layout.follow_pointer(image)
+    manifest = load_manifest(final)  # no manifest: nothing to check, the error says why
     ctx = Preflight(final, manifest, options, dry_run=True)
     return checks.run_all(CHECKS, ctx)

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from npusnap_cli import image
 from npusnap_cli.criu import find_criu
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
+from npusnap_cli.image import layout
 from npusnap_sim import manager
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def agent_state(pid: int) -> Optional[str]:
 def assert_no_image(directory: Path) -> None:
     """Neither the image nor a work area next to it: a failed dump leaves nothing that looks like one."""
     assert not directory.exists(), f"{directory} exists after a failed dump"
-    assert image.temp_siblings(directory) == [], image.temp_siblings(directory)
+    assert layout.temp_siblings(directory) == [], layout.temp_siblings(directory)
 
 
 def continues_reference(lines: list[str], ref: list[str]) -> bool:

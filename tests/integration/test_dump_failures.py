@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.image import layout
 from tests.conftest import plugin_dir_with, requires_root
 from tests.integration.dumplib import (
     LAUNCHER,
@@ -297,7 +297,7 @@ def faulty_job(
 
 def _wait_locked(img: Path, dump: subprocess.Popen[str]) -> None:
     """The work area appears right before the lock: from then on the dump is in its critical part."""
-    wait_until(lambda: bool(image.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to start")
+    wait_until(lambda: bool(layout.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to start")
     assert dump.poll() is None, dump.communicate()
 
 
@@ -387,7 +387,7 @@ def test_cli_sigkilled_mid_dump_lease_rolls_back(
         fj.set_faults("")
         rc, out, errtext = cli(fj.env, "dump", str(fj.job.pid), str(fj.img), "--leave-running")
         assert rc == 0, (out or {}).get("error") or errtext
-        wait_until(lambda: not image.temp_siblings(fj.img), 20, "the dead dump's work area to go")
+        wait_until(lambda: not layout.temp_siblings(fj.img), 20, "the dead dump's work area to go")
         finishes_correctly(fj.job, fj.ref)
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.image import layout
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
     LAUNCHER,
@@ -60,12 +60,12 @@ def test_dump_midway_restore_prints_the_uninterrupted_run(
         # The image: private, complete, verifiable, no work area left behind; CRIU's log and
         # statistics kept in it (a good dump's record, outside the checksummed files).
         assert stat.S_IMODE(img.stat().st_mode) == 0o700
-        assert image.temp_siblings(img) == []
-        assert (image.logs_dir(img) / image.DUMP_LOG).is_file()
+        assert layout.temp_siblings(img) == []
+        assert (layout.logs_dir(img) / layout.DUMP_LOG).is_file()
         assert not any(
-            f["path"].startswith("logs/") for f in json.loads(image.manifest_path(img).read_text())["files"]
+            f["path"].startswith("logs/") for f in json.loads(layout.manifest_path(img).read_text())["files"]
         )
-        manifest = json.loads(image.manifest_path(img).read_text())
+        manifest = json.loads(layout.manifest_path(img).read_text())
         assert manifest["processes"][0]["npu"] is True
         assert manifest["processes"][0]["devices"] == [0]
         assert manifest["versions"]["cann_simulated"] is True
@@ -121,7 +121,7 @@ def test_leave_running_keeps_computing_and_image_restores_later(
         assert rc == 0, (out or {}).get("error") or err
         assert out is not None and out["result"]["leave_running"] is True
         assert out["result"]["timings"]["unlock_s"] is not None
-        assert (image.logs_dir(img) / image.DUMP_LOG).is_file()  # --keep
+        assert (layout.logs_dir(img) / layout.DUMP_LOG).is_file()  # --keep
         assert alive(job.pid)
         assert agent_state(job.pid) == "RUNNING"
 
@@ -202,7 +202,7 @@ def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, 
         rc, out, _ = cli(env, "restore", str(tmp_path / "missing"))
         assert rc == ExitCode.IMAGE and out is not None and "no image" in out["error"]["message"]
 
-        manifest = json.loads(image.manifest_path(img).read_text())
+        manifest = json.loads(layout.manifest_path(img).read_text())
         biggest = max(manifest["files"], key=lambda f: f["size"])["path"]
 
         truncated = tmp_path / "truncated"
@@ -225,8 +225,8 @@ def test_restore_refuses_bad_images(sim_env: dict[str, str], runtime_dir: Path, 
 
         half = tmp_path / "half-manifest"
         shutil.copytree(img, half)
-        text = image.manifest_path(half).read_text()
-        image.manifest_path(half).write_text(text[: len(text) // 2])
+        text = layout.manifest_path(half).read_text()
+        layout.manifest_path(half).write_text(text[: len(text) // 2])
         rc, out, _ = cli(env, "restore", str(half))
         assert rc == ExitCode.IMAGE and out is not None and "JSON" in out["error"]["message"]
 

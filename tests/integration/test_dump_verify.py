@@ -235,13 +235,13 @@ def test_a_tree_that_changes_before_the_freeze_is_described_as_dumped(
 FAILING_VERIFY = """
 import sys
 from npusnap_cli import cli
-from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError
+from npusnap_cli.image import integrity
 
 def refuse(image, **kw):
     raise ImageError(f"image {{image}} failed verification: planted by the test")
 
-img.verify = refuse  # what the dump's publish step calls (pipelines/dump/manifest.py)
+integrity.verify = refuse  # what the dump's publish step calls (pipelines/dump/manifest.py)
 raise SystemExit(cli.main(sys.argv[1:]))
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from npusnap_cli import image
+from npusnap_cli.image import layout, publishing
 from tests.conftest import REPO, requires_root
 from tests.integration.dumplib import (
     NPUSNAP,
@@ -151,13 +151,13 @@ def _published(s: Setup) -> Path:
     """A small published image, intact, of a job dumped with CRIU 4.1.1 (tests/unit/test_image.py)."""
     tmp, final = _build(s.base, f"synthetic{s.n}")
     s.n += 1
-    image.publish(tmp, final, _manifest(tuple(image.file_entries(tmp))))
+    publishing.publish(tmp, final, _manifest(tuple(publishing.file_entries(tmp))))
     return final
 
 
 def _image(s: Setup) -> Outcome:
     final = _published(s)
-    pages = image.criu_dir(final) / "pages-1.img"
+    pages = layout.criu_dir(final) / "pages-1.img"
     pages.write_bytes(b"\x02" + pages.read_bytes()[1:])
     rc, out, _ = cli(s.env, "verify", str(final))
     return rc, _kind(out)
@@ -201,7 +201,7 @@ def _interrupted(s: Setup) -> Outcome:
             [NPUSNAP, "dump", str(s.job.pid), str(img), "--json"],
             env=s.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        wait_until(lambda: bool(image.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to lock")
+        wait_until(lambda: bool(layout.temp_siblings(img)) or dump.poll() is not None, 20, "the dump to lock")
         dump.send_signal(signal.SIGINT)
         stdout, _ = dump.communicate(timeout=60)
     finally:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.errors import ExitCode
 from npusnap_cli.host import procfs
+from npusnap_cli.image import layout, publishing
+from npusnap_cli.image.manifest import SELF_HASH_KEY, _self_hash
 from tests.conftest import requires_root
 from tests.integration.agentlib import REPO, Sim, Workload, wait_socket, workload_env, write_workload
 from tests.integration.dumplib import (
@@ -139,7 +140,7 @@ def test_npusnap_killed_while_criu_starts_leaves_the_job_running_and_no_work_are
         wait_until(lambda: agent_state(job.pid) == "RUNNING", 20, "the lease to roll the job back")
         assert not img.exists()
         finishes_correctly(job, ref)
-        wait_until(lambda: not image.temp_siblings(img), 20, "the dead dump's work area to go")
+        wait_until(lambda: not layout.temp_siblings(img), 20, "the dead dump's work area to go")
     finally:
         job.cleanup()
 
@@ -406,13 +407,13 @@ def test_a_restored_tree_whose_lock_is_not_the_dumps_is_state_unknown_with_comma
         assert rc == 0, (out or {}).get("error") or err
         job.reap()
         before = len(job.lines())
-        d = json.loads(image.manifest_path(img).read_text())
-        d.pop(image.SELF_HASH_KEY)
+        d = json.loads(layout.manifest_path(img).read_text())
+        d.pop(SELF_HASH_KEY)
         for p in d["processes"]:
             if p.get("lock_token"):
                 p["lock_token"] = "0" * 32
-        d[image.SELF_HASH_KEY] = image._self_hash(d)
-        image.manifest_path(img).write_text(json.dumps(d))
+        d[SELF_HASH_KEY] = _self_hash(d)
+        layout.manifest_path(img).write_text(json.dumps(d))
         rc, out, err = cli(env, "restore", str(img))
         assert rc == ExitCode.STATE_UNKNOWN and out is not None, (rc, out, err)
         commands = out["error"]["details"]["recovery_commands"]
@@ -435,8 +436,8 @@ def test_a_full_disk_in_export_and_import_is_exit_3_and_leaves_nothing(
     from tests.unit.test_image import _build, _manifest
 
     tmp, final = _build(tmp_path, "big")
-    (image.criu_dir(tmp) / "pages-2.img").write_bytes(os.urandom(3 << 20))  # does not compress
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    (layout.criu_dir(tmp) / "pages-2.img").write_bytes(os.urandom(3 << 20))  # does not compress
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     with tmpfs(tmp_path / "small", "1m") as small:
         rc, out, err = cli(sim_env, "export", str(final), str(small / "a.tar.zst"))
         assert rc == ExitCode.PREFLIGHT and out is not None, (rc, err)

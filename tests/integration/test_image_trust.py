@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.image import layout
+from npusnap_cli.image.manifest import SELF_HASH_KEY, _self_hash
 from tests.conftest import requires_root
 from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, cli, job_env, reference, wait_until
 
@@ -40,8 +41,8 @@ def test_signed_dump_with_planted_names_restores_and_edits_are_refused(
     victim = tmp_path / "theirs"
     victim.mkdir()
     (victim / "keep").write_text("x")
-    (shared / f".img{image.TMP_MARKER}{DEAD_PID}-a").symlink_to(victim)
-    os.mkfifo(shared / f".img{image.TMP_MARKER}{DEAD_PID}-b")
+    (shared / f".img{layout.TMP_MARKER}{DEAD_PID}-a").symlink_to(victim)
+    os.mkfifo(shared / f".img{layout.TMP_MARKER}{DEAD_PID}-b")
     priv, pub = _keys(tmp_path)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
     img = shared / "img"
@@ -58,9 +59,9 @@ def test_signed_dump_with_planted_names_restores_and_edits_are_refused(
         assert (victim / "keep").exists()
         assert "left" in err and "symbolic link" in err and "FIFO" in err
         # Item 2: every file of the image is 0600, the manifest carries the dump's lock token.
-        for f in image.criu_dir(img).iterdir():
+        for f in layout.criu_dir(img).iterdir():
             assert stat.S_IMODE(f.lstat().st_mode) == 0o600, f
-        manifest = json.loads(image.manifest_path(img).read_text())
+        manifest = json.loads(layout.manifest_path(img).read_text())
         assert len(manifest["processes"][0]["lock_token"]) == 32
 
         rc, out, _ = cli(env, "verify", str(img), "--require-signature", str(pub))
@@ -69,16 +70,16 @@ def test_signed_dump_with_planted_names_restores_and_edits_are_refused(
         # An edit that keeps the manifest self-consistent is still caught by the signature.
         edited = tmp_path / "edited"
         subprocess.run(["cp", "-a", str(img), str(edited)], check=True)
-        d = json.loads(image.manifest_path(edited).read_text())
-        d.pop(image.SELF_HASH_KEY)
+        d = json.loads(layout.manifest_path(edited).read_text())
+        d.pop(SELF_HASH_KEY)
         d["processes"][0]["cmdline"] = ["evil"]
-        d[image.SELF_HASH_KEY] = image._self_hash(d)
-        image.manifest_path(edited).write_text(json.dumps(d))
+        d[SELF_HASH_KEY] = _self_hash(d)
+        layout.manifest_path(edited).write_text(json.dumps(d))
         rc, out, _ = cli(env, "restore", str(edited), "--require-signature", str(pub))
         assert rc == ExitCode.IMAGE and out is not None and "signature" in out["error"]["message"]
         # A symlink inside refuses it too, before anything else.
-        (image.logs_dir(edited)).mkdir(exist_ok=True)
-        (image.logs_dir(edited) / "x").symlink_to("/etc")
+        (layout.logs_dir(edited)).mkdir(exist_ok=True)
+        (layout.logs_dir(edited) / "x").symlink_to("/etc")
         rc, out, _ = cli(env, "restore", str(edited))
         assert rc == ExitCode.IMAGE and out is not None and "symbolic link" in out["error"]["message"]
         assert not alive(job.pid)
@@ -104,11 +105,11 @@ def test_force_dump_over_an_image_swaps_it_atomically(
         job.wait_lines(3)
         rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running", timeout=120)
         assert rc == 0, (out or {}).get("error")
-        first = image.manifest_path(img).stat().st_ino
+        first = layout.manifest_path(img).stat().st_ino
         rc, out, _ = cli(env, "dump", str(job.pid), str(img), "--leave-running", "--force", timeout=120)
         assert rc == 0, (out or {}).get("error")
-        assert image.manifest_path(img).stat().st_ino != first  # the new image is in place
-        assert image.temp_siblings(img) == []  # the old one was removed, nothing left next to it
+        assert layout.manifest_path(img).stat().st_ino != first  # the new image is in place
+        assert layout.temp_siblings(img) == []  # the old one was removed, nothing left next to it
         rc, out, _ = cli(env, "verify", str(img))
         assert rc == 0 and out is not None and out["result"]["leftovers"] == []
         assert job.reap(60) == 0  # the job ran on, unlocked, to its end

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -113,6 +113,16 @@ class _Throttle:
         wait_until(lambda: not self.dir.exists() or _rmdir(self.dir), 20, f"removing {self.dir}")
 
 
+def _daemon_lines(lazy: dict[str, Any]) -> str:
+    """What the lazy-pages daemon said about each process's pages (its log), for a failed assert."""
+    try:
+        text = Path(lazy["daemon_log"]).read_text(errors="replace")
+    except (OSError, TypeError, KeyError) as exc:
+        return f"(no daemon log: {exc})"
+    keep = ("pages", "PID", "uffd", "Error", "exit", "fork")
+    return "\n".join(ln for ln in text.splitlines() if any(k in ln for k in keep))[-4000:]
+
+
 def _rmdir(d: Path) -> bool:
     try:
         d.rmdir()
@@ -138,7 +148,7 @@ def test_lazy_restore_continues_bit_identically(
         assert lazy["daemon_status"] == 0 and lazy["killed"] is None
         # (0 when the daemon had copied everything before npusnap looked: a small job)
         assert lazy["uffds_held"] in (0, 1)
-        assert lazy["pages_total"] and lazy["pages_copied"] == lazy["pages_total"]
+        assert lazy["pages_total"] and lazy["pages_copied"] == lazy["pages_total"], _daemon_lines(lazy)
         assert lazy["pages_verified"] == "while the job ran"
         assert res["timings"]["lazy_complete_s"] >= res["timings"]["total_s"] > 0
         assert not alive(lazy["daemon_pid"])
@@ -186,7 +196,7 @@ def test_image_removed_while_paging_in_is_harmless(
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stdout + stderr
         lazy = json.loads(stdout)["result"]["lazy"]
-        assert lazy["pages_total"] and lazy["pages_copied"] == lazy["pages_total"]
+        assert lazy["pages_total"] and lazy["pages_copied"] == lazy["pages_total"], _daemon_lines(lazy)
         job.restored_pid = job.pid
         wait_until(lambda: not alive(job.pid), 30, "the restored run to finish")
         assert job.lines() == ref

@@ -22,10 +22,11 @@ from typing import Iterator
 
 import pytest
 
-from npusnap_cli import image, safefs
+from npusnap_cli import safefs
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
 from npusnap_cli.host import hostres, pidfile
-from npusnap_cli.image import archive, digest
+from npusnap_cli.image import archive, digest, layout, publishing
+from npusnap_cli.image.manifest import load_manifest
 from tests.integration.dumplib import NPUSNAP, cli
 from tests.unit.test_image import _build, _manifest
 
@@ -189,7 +190,7 @@ def test_pidfile_never_writes_through_a_users_link(
 @pytest.fixture
 def small_image(tmp_path: Path) -> Path:
     tmp, final = _build(tmp_path, "img")
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     return final
 
 
@@ -202,7 +203,7 @@ def test_export_never_writes_through_a_planted_temporary_name(
     dest = out / "a.tar.zst"
     as_user(attacker, f"ln -s {victim}/precious {out}/.a.tar.zst.npusnap-tmp-{os.getpid()}")
     archive.export(small_image, dest)
-    assert archive.verify(dest).files_checked == len(image.load_manifest(small_image).files)
+    assert archive.verify(dest).files_checked == len(load_manifest(small_image).files)
     assert sorted(p.name for p in out.iterdir()) == [
         ".a.tar.zst.npusnap-tmp-" + str(os.getpid()),
         "a.tar.zst",
@@ -232,8 +233,8 @@ def _crafted(tmp_path: Path, host_path: str, mode: int, uid: int = 0) -> Path:
 
     tmp, final = _build(tmp_path, "crafted")
     hf = _host_file(tmp, host_path, uid, uid, mode=mode)
-    m = replace(_manifest(image.file_entries(tmp)), host_files=(hf,))
-    image.publish(tmp, final, m)
+    m = replace(_manifest(publishing.file_entries(tmp)), host_files=(hf,))
+    publishing.publish(tmp, final, m)
     return final
 
 
@@ -248,7 +249,7 @@ def _tar(src: Path, dest: Path) -> None:
         zstandard.ZstdCompressor().stream_writer(fh) as zw,
         tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar,
     ):
-        tar.add(image.manifest_path(src), f"{src.name}/{image.MANIFEST_NAME}")
+        tar.add(layout.manifest_path(src), f"{src.name}/{layout.MANIFEST_NAME}")
         for entry in _entries(src):
             tar.add(src / entry, f"{src.name}/{entry}", recursive=False)
 
@@ -256,7 +257,7 @@ def _tar(src: Path, dest: Path) -> None:
 def _entries(src: Path) -> list[str]:
     import json
 
-    return [f["path"] for f in json.loads(image.manifest_path(src).read_text())["files"]]
+    return [f["path"] for f in json.loads(layout.manifest_path(src).read_text())["files"]]
 
 
 @pytest.mark.parametrize(
@@ -335,9 +336,9 @@ def _crafted_nodes(tmp_path: Path, nodes: tuple[hostres.HostNode, ...], job_uid:
     from dataclasses import replace
 
     tmp, final = _build(tmp_path, "crafted-nodes")
-    m = _manifest(image.file_entries(tmp))
+    m = _manifest(publishing.file_entries(tmp))
     procs = (replace(m.processes[0], uid=job_uid), *m.processes[1:])
-    image.publish(tmp, final, replace(m, processes=procs, host_nodes=nodes))
+    publishing.publish(tmp, final, replace(m, processes=procs, host_nodes=nodes))
     return final
 
 
@@ -466,11 +467,13 @@ def test_keep_last_in_a_shared_directory_spares_what_a_user_planted(
     ours = []
     for i in range(3):
         tmp, final = _build(shared, f"root-{i}")
-        m = dataclasses.replace(_manifest(image.file_entries(tmp)), created_at=f"2026-11-30T10:0{i}:00+00:00")
-        image.publish(tmp, final, m)
+        m = dataclasses.replace(
+            _manifest(publishing.file_entries(tmp)), created_at=f"2026-11-30T10:0{i}:00+00:00"
+        )
+        publishing.publish(tmp, final, m)
         assert imagestore.record_own(final)
         ours.append(final)
-    forged = (ours[0] / image.MANIFEST_NAME).read_text().replace("2026-11-30T10:00", "2099-01-01T00:00")
+    forged = (ours[0] / layout.MANIFEST_NAME).read_text().replace("2026-11-30T10:00", "2099-01-01T00:00")
     for i in range(3):
         as_user(
             attacker, f"mkdir -p {shared}/zz-{i}/criu && cat > {shared}/zz-{i}/npusnap.json <<'X'\n{forged}X"
@@ -518,7 +521,7 @@ def test_restore_leaves_a_file_hard_linked_into_the_images_logs_alone(
         assert rc == 0, (out or {}).get("error") or err
         job.proc.kill()
         job.reap()
-        log = image.logs_dir(img) / image.RESTORE_LOG
+        log = layout.logs_dir(img) / layout.RESTORE_LOG
         assert not log.exists()
         os.link(victim / "precious", log)
         rc, out, err = cli(env, "restore", str(img))
@@ -722,7 +725,7 @@ def test_latest_is_never_a_users_planted_name(
     shared.mkdir()
     os.chmod(shared, 0o1777)
     tmp, final = _build(shared, "root-0")
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     as_user(attacker, f"touch {shared}/.latest.npusnap-tmp-{os.getpid()} && ln -s /etc {shared}/latest")
     with pytest.raises(UsageError, match="belongs to uid"):
         imagestore.update_latest(final)

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import ExitCode
 from npusnap_cli.host import procfs
+from npusnap_cli.image import layout
 from tests.integration.dumplib import (
     NPUSNAP,
     PY,
@@ -244,7 +244,7 @@ def test_a_stuck_copy_is_named_by_its_host_pid(
         moved = tmp_path / "device-moved"
         try:
             wait_until(lambda: procfs.state(restore.pid) == "T", 120, "the restore to stop")
-            (img / image.DEVICE_SUBDIR).rename(moved)
+            (img / layout.DEVICE_SUBDIR).rename(moved)
             copies = [int(p) for p in subprocess.check_output(["pgrep", "-f", TRAIN], text=True).split()]
             (copy,) = [p for p in copies if p != pid and nspid(p)[-1] == 1]
 
@@ -257,7 +257,7 @@ def test_a_stuck_copy_is_named_by_its_host_pid(
         finally:
             restore.kill()
             restore.wait(30)
-        moved.rename(img / image.DEVICE_SUBDIR)
+        moved.rename(img / layout.DEVICE_SUBDIR)
         rc, res, err = cli(env, "thaw", "--force", str(copy))
         assert rc == 0, _error(res, err)
         assert agent_state(copy) == "RUNNING"

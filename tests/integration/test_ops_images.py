@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
+from npusnap_cli.image import layout
 from tests.conftest import requires_root
 from tests.integration.dumplib import (
     NPUSNAP,
@@ -93,7 +93,7 @@ def test_rotation_archive_and_read_only_restore(
             assert "not writable" in p.stderr  # and said where the log went instead
             job.restored_pid = int(p.stdout.strip())  # PID=$(npusnap restore IMG)
             assert job.restored_pid == job.pid
-            assert not (image.logs_dir(ro) / image.RESTORE_LOG).exists()
+            assert not (layout.logs_dir(ro) / layout.RESTORE_LOG).exists()
         assert list((tmp_path / "npusnap-logs").glob("restore-*/restore.log"))
         # It redoes the steps since the snapshot, identically, and carries on.
         wait_until(lambda: len(job.lines()) >= before + 5, 30, "the restored job to compute")

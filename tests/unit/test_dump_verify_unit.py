@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.errors import BusyError, ImageError
 from npusnap_cli.host import proctree
-from npusnap_cli.image import imagetrust
+from npusnap_cli.image import imagetrust, integrity, layout, publishing
+from npusnap_cli.image.manifest import Manifest, ProcessEntry
 from tests.unit.test_image import _build, _manifest
 
 
@@ -25,7 +25,7 @@ def _write_pstree(tmp: Path, pids: list[int]) -> None:
         {"pid": p, "ppid": 0 if i == 0 else pids[0], "pgid": pids[0], "sid": pids[0]}
         for i, p in enumerate(pids)
     ]
-    with open(image.criu_dir(tmp) / "pstree.img", "wb") as f:
+    with open(layout.criu_dir(tmp) / "pstree.img", "wb") as f:
         pycriu.images.dump({"magic": "PSTREE", "entries": entries}, f)
 
 
@@ -33,9 +33,9 @@ def test_a_zombie_is_listed_only_when_it_is_one() -> None:
     m = _manifest()
     plain = m.processes[0]
     assert "zombie" not in plain.to_dict()  # the common manifest is unchanged
-    z = image.ProcessEntry(pid=1236, ppid=1234, cmdline=(), uid=0, agent=False, zombie=True)
+    z = ProcessEntry(pid=1236, ppid=1234, cmdline=(), uid=0, agent=False, zombie=True)
     assert z.to_dict()["zombie"] is True
-    back = image.Manifest.from_json(replace(m, processes=(*m.processes, z)).to_json())
+    back = Manifest.from_json(replace(m, processes=(*m.processes, z)).to_json())
     assert [p.zombie for p in back.processes] == [False, False, True]
 
 
@@ -66,41 +66,45 @@ def test_a_restored_copys_socket_name_is_accepted_only_in_a_pid_ns_image() -> No
 def test_verify_checks_criu_s_process_tree_against_the_manifest(tmp_path: Path) -> None:
     tmp, final = _build(tmp_path)
     _write_pstree(tmp, [1234, 1235, 1236])  # CRIU dumped a child the manifest does not list
-    m = _manifest(image.file_entries(tmp))
+    m = _manifest(publishing.file_entries(tmp))
     with pytest.raises(ImageError) as exc:
-        image.publish(tmp, final, m, check=lambda work: image.verify(work, checksums=False, unpublished=True))
+        publishing.publish(
+            tmp, final, m, check=lambda work: integrity.verify(work, checksums=False, unpublished=True)
+        )
     assert "are not the image's [1234, 1235, 1236]" in exc.value.message
     assert not final.exists() and tmp.is_dir(), "an image that fails its check is not published"
-    z = image.ProcessEntry(pid=1236, ppid=1234, cmdline=(), uid=0, agent=False, zombie=True)
+    z = ProcessEntry(pid=1236, ppid=1234, cmdline=(), uid=0, agent=False, zombie=True)
     m = replace(m, processes=(*m.processes, z))
-    image.publish(tmp, final, m, check=lambda work: image.verify(work, checksums=False, unpublished=True))
-    assert image.verify(final).manifest.processes[-1].zombie
+    publishing.publish(
+        tmp, final, m, check=lambda work: integrity.verify(work, checksums=False, unpublished=True)
+    )
+    assert integrity.verify(final).manifest.processes[-1].zombie
 
 
 def test_a_failing_check_leaves_the_old_image_in_place(tmp_path: Path) -> None:
     tmp, final = _build(tmp_path)
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
-    before = (final / image.MANIFEST_NAME).read_bytes()
-    tmp2 = image.create_temp_image(final)
-    (image.criu_dir(tmp2) / "pages-1.img").write_bytes(b"\x03" * 10)
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
+    before = (final / layout.MANIFEST_NAME).read_bytes()
+    tmp2 = layout.create_temp_image(final)
+    (layout.criu_dir(tmp2) / "pages-1.img").write_bytes(b"\x03" * 10)
 
     def refuse(_work: Path) -> None:
         raise ImageError("planted")
 
     with pytest.raises(ImageError, match="planted"):
-        image.publish(tmp2, final, _manifest(image.file_entries(tmp2)), force=True, check=refuse)
-    assert (final / image.MANIFEST_NAME).read_bytes() == before
-    image.verify(final)
+        publishing.publish(tmp2, final, _manifest(publishing.file_entries(tmp2)), force=True, check=refuse)
+    assert (final / layout.MANIFEST_NAME).read_bytes() == before
+    integrity.verify(final)
 
 
 def test_a_work_directory_is_not_an_image_unless_the_dump_checks_it(tmp_path: Path) -> None:
     tmp, _final = _build(tmp_path)
     from npusnap_cli.image.manifest import write_manifest
 
-    write_manifest(tmp, _manifest(image.file_entries(tmp)))
+    write_manifest(tmp, _manifest(publishing.file_entries(tmp)))
     with pytest.raises(ImageError, match="work directory"):
-        image.verify(tmp)
-    assert image.verify(tmp, checksums=False, unpublished=True).leftovers == ()
+        integrity.verify(tmp)
+    assert integrity.verify(tmp, checksums=False, unpublished=True).leftovers == ()
 
 
 def test_the_process_tree_lists_an_unreaped_child() -> None:

@@ -13,7 +13,8 @@ import pytest
 from npusnap_cli import __version__, image
 from npusnap_cli.cli import main
 from npusnap_cli.errors import ExitCode, ImageError, UsageError
-from npusnap_cli.image import archive, digest, imagestore, job
+from npusnap_cli.image import archive, digest, imagestore, integrity, job, layout, publishing
+from npusnap_cli.image.manifest import load_manifest, now_iso
 from npusnap_cli.k8s import jobcheckpoint as jc
 from tests.unit.test_containers import _archive, make_images
 from tests.unit.test_image import _build, _manifest
@@ -21,7 +22,7 @@ from tests.unit.test_image import _build, _manifest
 
 def _published(parent: Path, name: str = "img") -> Path:
     tmp, final = _build(parent, name)
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     return final
 
 
@@ -37,12 +38,12 @@ def _job_image(parent: Path) -> Path:
                 rank=rank,
                 dir=job.rank_dir_name(rank),
                 pid=1234,
-                npu_pids=tuple(p.pid for p in image.load_manifest(rank_image).npu_processes),
-                manifest_sha256=digest.of_file(image.manifest_path(rank_image), "sha256"),
+                npu_pids=tuple(p.pid for p in load_manifest(rank_image).npu_processes),
+                manifest_sha256=digest.of_file(layout.manifest_path(rank_image), "sha256"),
             )
         )
     manifest = job.JobManifest(
-        created_at=image.now_iso(), ranks=tuple(ranks), leave_running=False, tool=__version__
+        created_at=now_iso(), ranks=tuple(ranks), leave_running=False, tool=__version__
     )
     (directory / job.JOB_MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     return directory
@@ -71,7 +72,7 @@ def test_a_latest_pointer_is_followed_once(tmp_path: Path) -> None:
     # The real path is what every later step uses: repointing `latest` changes nothing for it.
     other = _published(store, "snap-1")
     imagestore.update_latest(other)
-    assert image.verify(ref.path).manifest == ref.manifest
+    assert integrity.verify(ref.path).manifest == ref.manifest
 
 
 def test_a_job_image_and_a_pointer_to_one(tmp_path: Path) -> None:
@@ -94,7 +95,7 @@ def test_an_export_archive(tmp_path: Path) -> None:
     archive.export(final, dest)
     ref = image.open(dest)
     assert isinstance(ref, image.ArchiveImage) and ref.path == dest
-    assert ref.manifest == image.load_manifest(final)
+    assert ref.manifest == load_manifest(final)
     # An archive carries no signature: a signature asked for is refused, never skipped.
     with pytest.raises(UsageError, match="does not sign"):
         ref.verify(require_signature=tmp_path / "key.pem")

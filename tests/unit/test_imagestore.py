@@ -11,17 +11,16 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from npusnap_cli import image
 from npusnap_cli.cli import main
 from npusnap_cli.errors import ExitCode, ImageError, UsageError
-from npusnap_cli.image import archive, imagestore
+from npusnap_cli.image import archive, imagestore, integrity, layout, publishing
 from tests.unit.test_image import _build, _manifest
 
 
 def _image(parent: Path, name: str, created_at: str) -> Path:
     tmp, final = _build(parent, name)
-    m = dataclasses.replace(_manifest(image.file_entries(tmp)), created_at=created_at)
-    image.publish(tmp, final, m)
+    m = dataclasses.replace(_manifest(publishing.file_entries(tmp)), created_at=created_at)
+    publishing.publish(tmp, final, m)
     return final
 
 
@@ -39,7 +38,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_list_is_newest_first_and_marks_corrupt_images(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (image.criu_dir(store / "snap-3") / "core-1235.img").write_bytes(b"CORE")  # same size, other bytes
+    (layout.criu_dir(store / "snap-3") / "core-1235.img").write_bytes(b"CORE")  # same size, other bytes
     (store / "notes.txt").write_text("not an image")
     (store / "empty-dir").mkdir()
     assert main(["--json", "list", "--checksums", str(store)]) == 0
@@ -80,7 +79,7 @@ def test_rotation_removes_only_the_oldest_complete_images(store: Path) -> None:
     (not_image / "npusnap.json").write_text("{ not json")  # looks like one, is not: never touched
     work_area = store / ".snap-9.npusnap-tmp-1-x"
     work_area.mkdir()
-    image.manifest_path(work_area).write_text(image.manifest_path(store / "snap-0").read_text())
+    layout.manifest_path(work_area).write_text(layout.manifest_path(store / "snap-0").read_text())
     removed = imagestore.rotate(store, 2, keep=store / "snap-0")
     # snap-0 is the one just written (kept whatever its time says); of the rest the newest one stays.
     assert sorted(Path(p).name for p in removed) == ["snap-1", "snap-2"]
@@ -153,15 +152,15 @@ def test_export_import_round_trip(store: Path, tmp_path: Path, capsys: pytest.Ca
     out.parent.mkdir()
     assert main(["import", str(dest), str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out)
-    assert image.verify(out).files_checked == 2
-    assert image.manifest_path(out).read_bytes() == image.manifest_path(src).read_bytes()
+    assert integrity.verify(out).files_checked == 2
+    assert layout.manifest_path(out).read_bytes() == layout.manifest_path(src).read_bytes()
     assert (out.stat().st_mode & 0o777) == 0o700
     assert main(["import", str(dest), str(out)]) == ExitCode.USAGE  # never overwrites
     capsys.readouterr()
 
 
 def test_a_corrupt_image_is_never_exported(store: Path, tmp_path: Path) -> None:
-    (image.criu_dir(store / "snap-1") / "core-1235.img").write_bytes(b"CORE")
+    (layout.criu_dir(store / "snap-1") / "core-1235.img").write_bytes(b"CORE")
     dest = tmp_path / "x.tar.zst"
     with pytest.raises(ImageError, match="blake3 checksum"):
         archive.export(store / "snap-1", dest)
@@ -184,7 +183,7 @@ def _tar_zst(path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
 def test_import_refuses_unsafe_or_tampered_archives(store: Path, tmp_path: Path) -> None:
     good = tmp_path / "good.tar.zst"
     archive.export(store / "snap-1", good)
-    manifest = image.manifest_path(store / "snap-1").read_bytes()
+    manifest = layout.manifest_path(store / "snap-1").read_bytes()
 
     evil = tmp_path / "evil.tar.zst"
     link = tarfile.TarInfo("snap-1/criu/pages-1.img")
@@ -258,7 +257,7 @@ def test_export_without_compression_is_a_plain_tar_every_command_reads(
     out = tmp_path / "imported"
     assert main(["import", str(dest), str(out)]) == 0
     capsys.readouterr()
-    assert image.verify(out).files_checked == 2
+    assert integrity.verify(out).files_checked == 2
     # A level is zstd's: refused with none, taken with zstd.
     assert (
         main(["export", str(src), str(tmp_path / "x.tar"), "--compress", "none", "--level", "9"])

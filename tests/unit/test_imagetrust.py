@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.errors import ImageError
 from npusnap_cli.host import hostclean
-from npusnap_cli.image import imagetrust
+from npusnap_cli.image import imagetrust, integrity, layout, publishing
+from npusnap_cli.image.manifest import SELF_HASH_KEY, _self_hash, load_manifest
 from tests.unit.test_image import _build, _manifest
 
 DEAD_PID = 999_999_999  # above any pid_max: never alive
@@ -25,12 +25,12 @@ DEAD_PID = 999_999_999  # above any pid_max: never alive
 
 def _publish(tmp_path: Path, name: str = "img", sign: Path | None = None, **changes: object) -> Path:
     tmp, final = _build(tmp_path, name)
-    m = _manifest(image.file_entries(tmp))
+    m = _manifest(publishing.file_entries(tmp))
     if changes:
         from dataclasses import replace
 
         m = replace(m, **changes)  # type: ignore[arg-type]
-    image.publish(tmp, final, m, sign_key=sign)
+    publishing.publish(tmp, final, m, sign_key=sign)
     return final
 
 
@@ -60,9 +60,9 @@ def test_planted_symlink_is_refused_and_the_parent_keeps_its_mode(tmp_path: Path
     victim = tmp_path / "theirs"
     victim.mkdir()
     (victim / "keep").write_text("precious")
-    planted = parent / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    planted = parent / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     planted.symlink_to(victim)
-    done = image.remove_stale_temps(parent / "img")
+    done = layout.remove_stale_temps(parent / "img")
     assert [(d.path, d.action) for d in done] == [(planted, "refused")]
     assert "symbolic link" in done[0].message and "removed" not in done[0].message
     assert stat.S_IMODE(parent.stat().st_mode) == 0o1777
@@ -71,15 +71,15 @@ def test_planted_symlink_is_refused_and_the_parent_keeps_its_mode(tmp_path: Path
 
 
 def test_planted_fifo_is_refused_without_blocking(tmp_path: Path, alarm: object) -> None:
-    fifo = tmp_path / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    fifo = tmp_path / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     os.mkfifo(fifo)
-    old = tmp_path / f".img{image.OLD_MARKER}{DEAD_PID}"
+    old = tmp_path / f".img{layout.OLD_MARKER}{DEAD_PID}"
     os.mkfifo(old)
-    done = image.remove_stale_temps(tmp_path / "img")
+    done = layout.remove_stale_temps(tmp_path / "img")
     assert {d.path: d.action for d in done} == {fifo: "refused", old: "refused"}
     assert all("FIFO" in d.message for d in done)
     # remove_tree of a partial image named like one never blocks on it either
-    image.remove_tree(fifo)
+    layout.remove_tree(fifo)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
@@ -87,20 +87,20 @@ def test_symlink_inside_a_stale_temp_is_removed_not_followed(tmp_path: Path) -> 
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("x")
-    stale = tmp_path / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    stale = tmp_path / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     (stale / "criu").mkdir(parents=True)
     (stale / "criu" / "link").symlink_to(victim)
-    done = image.remove_stale_temps(tmp_path / "img")
+    done = layout.remove_stale_temps(tmp_path / "img")
     assert [d.action for d in done] == ["removed"]
     assert not os.path.lexists(stale) and (victim / "keep").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 def test_another_users_directory_is_not_touched(tmp_path: Path) -> None:
-    theirs = tmp_path / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    theirs = tmp_path / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     theirs.mkdir()
     os.chown(theirs, 65534, 65534)
-    done = image.remove_stale_temps(tmp_path / "img")
+    done = layout.remove_stale_temps(tmp_path / "img")
     assert [d.action for d in done] == ["refused"] and "uid 65534" in done[0].message
     assert theirs.is_dir()
 
@@ -118,7 +118,7 @@ def test_failure_logs_go_to_a_fresh_private_directory(
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
     tmp, final = _build(tmp_path)
     # The name beside the image, planted too: never followed, the logs go to /tmp instead.
-    image.failed_logs_dir(final).symlink_to(elsewhere)
+    layout.failed_logs_dir(final).symlink_to(elsewhere)
     dest = hostclean.save_failure_logs(tmp, "dump")
     assert dest is not None and dest.parent == shared and not dest.is_symlink()
     assert stat.S_IMODE(dest.stat().st_mode) == 0o700
@@ -133,7 +133,7 @@ def test_failure_logs_go_to_a_fresh_private_directory(
 @pytest.mark.parametrize("what", ["page file", "criu dir", "manifest", "extra link to /etc", "fifo"])
 def test_symlinks_and_special_files_are_refused(tmp_path: Path, what: str, alarm: object) -> None:
     final = _publish(tmp_path)
-    crit = image.criu_dir(final)
+    crit = layout.criu_dir(final)
     if what == "page file":
         target = tmp_path / "pages"
         target.write_bytes((crit / "pages-1.img").read_bytes())
@@ -145,18 +145,18 @@ def test_symlinks_and_special_files_are_refused(tmp_path: Path, what: str, alarm
         crit.symlink_to(tmp_path / "real-criu")
         name = "criu"
     elif what == "manifest":
-        m = image.manifest_path(final)
+        m = layout.manifest_path(final)
         os.rename(m, tmp_path / "m.json")
         m.symlink_to(tmp_path / "m.json")
         name = "npusnap.json"
     elif what == "fifo":
-        os.mkfifo(image.logs_dir(final) / "restore.log")
+        os.mkfifo(layout.logs_dir(final) / "restore.log")
         name = "restore.log"
     else:
-        (image.logs_dir(final) / "etc").symlink_to("/etc")
+        (layout.logs_dir(final) / "etc").symlink_to("/etc")
         name = "etc"
     with pytest.raises(ImageError) as exc:
-        image.verify(final)
+        integrity.verify(final)
     assert name in exc.value.message and "refus" in exc.value.message
 
 
@@ -165,14 +165,14 @@ def test_symlinked_image_dir_is_refused(tmp_path: Path) -> None:
     link = tmp_path / "link"
     link.symlink_to(final)
     with pytest.raises(ImageError, match="symbolic link"):
-        image.verify(link)
+        integrity.verify(link)
 
 
 def test_group_or_world_writable_image_is_refused_with_the_fix(tmp_path: Path) -> None:
     final = _publish(tmp_path)
-    os.chmod(image.criu_dir(final) / "pages-1.img", 0o666)
+    os.chmod(layout.criu_dir(final) / "pages-1.img", 0o666)
     with pytest.raises(ImageError) as exc:
-        image.verify(final)
+        integrity.verify(final)
     assert "writable by others" in exc.value.message
     assert "chmod -R go-w" in exc.value.fix and "chown -R" in exc.value.fix
 
@@ -182,24 +182,24 @@ def test_image_owned_by_another_user_is_refused_by_root(tmp_path: Path) -> None:
     final = _publish(tmp_path)
     os.chown(final, 65534, 65534)
     with pytest.raises(ImageError, match="owned by uid 65534"):
-        image.verify(final)
+        integrity.verify(final)
 
 
 def test_criu_files_are_sealed_0600(tmp_path: Path) -> None:
     tmp, _ = _build(tmp_path)
-    f = image.criu_dir(tmp) / "core-1235.img"
+    f = layout.criu_dir(tmp) / "core-1235.img"
     os.chmod(f, 0o644)
-    image.file_entries(tmp)
+    publishing.file_entries(tmp)
     assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
 def _rewrite(final: Path, mutate) -> None:  # type: ignore[no-untyped-def]
     """Edit the manifest as a careful attacker would: the self-hash is recomputed."""
-    d = json.loads(image.manifest_path(final).read_text())
-    d.pop(image.SELF_HASH_KEY)
+    d = json.loads(layout.manifest_path(final).read_text())
+    d.pop(SELF_HASH_KEY)
     mutate(d)
-    d[image.SELF_HASH_KEY] = image._self_hash(d)
-    image.manifest_path(final).write_text(json.dumps(d))
+    d[SELF_HASH_KEY] = _self_hash(d)
+    layout.manifest_path(final).write_text(json.dumps(d))
 
 
 @pytest.mark.parametrize(
@@ -227,25 +227,25 @@ def test_manifest_fields_are_checked_against_the_schema(tmp_path: Path, mutate, 
     final = _publish(tmp_path)
     _rewrite(final, mutate)
     with pytest.raises(ImageError) as exc:
-        image.verify(final, checksums=False)
+        integrity.verify(final, checksums=False)
     assert needle in exc.value.message
 
 
 def test_deep_json_is_an_image_error_not_a_recursion_error(tmp_path: Path) -> None:
     final = _publish(tmp_path)
-    image.manifest_path(final).write_text("[" * 200_000 + "]" * 200_000)
+    layout.manifest_path(final).write_text("[" * 200_000 + "]" * 200_000)
     with pytest.raises(ImageError, match="nested deeper"):
-        image.verify(final)
+        integrity.verify(final)
     with pytest.raises(ImageError, match="nested deeper"):
-        image.load_manifest(final)
+        load_manifest(final)
 
 
 def test_an_edit_of_a_non_hash_field_is_reported(tmp_path: Path) -> None:
     final = _publish(tmp_path)
-    path = image.manifest_path(final)
+    path = layout.manifest_path(final)
     path.write_text(path.read_text().replace('"leave_running": false', '"leave_running": true'))
     with pytest.raises(ImageError, match="edited after the dump"):
-        image.verify(final)
+        integrity.verify(final)
 
 
 def _keys(tmp_path: Path) -> tuple[Path, Path]:
@@ -272,18 +272,18 @@ def test_signature_accepts_the_signed_image_and_refuses_edits_and_unsigned(tmp_p
     priv, pub = _keys(tmp_path)
     signed = _publish(tmp_path, "signed", sign=priv)
     assert stat.S_IMODE((signed / imagetrust.SIGNATURE_NAME).stat().st_mode) == 0o600
-    assert image.verify(signed, require_signature=pub).files_checked == 2
+    assert integrity.verify(signed, require_signature=pub).files_checked == 2
     _rewrite(signed, lambda d: d.__setitem__("leave_running", True))  # self-hash recomputed
     with pytest.raises(ImageError, match="signature"):
-        image.verify(signed, require_signature=pub)
+        integrity.verify(signed, require_signature=pub)
     unsigned = _publish(tmp_path, "unsigned")
     with pytest.raises(ImageError, match="not signed"):
-        image.verify(unsigned, require_signature=pub)
+        integrity.verify(unsigned, require_signature=pub)
     (tmp_path / "o").mkdir()
     _, other_pub = _keys(tmp_path / "o")
     again = _publish(tmp_path, "again", sign=priv)
     with pytest.raises(ImageError, match="signature"):
-        image.verify(again, require_signature=other_pub)
+        integrity.verify(again, require_signature=other_pub)
 
 
 def test_openssl_made_keys_work(tmp_path: Path) -> None:
@@ -295,7 +295,7 @@ def test_openssl_made_keys_work(tmp_path: Path) -> None:
     subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(priv)], check=True)
     subprocess.run(["openssl", "pkey", "-in", str(priv), "-pubout", "-out", str(pub)], check=True)
     final = _publish(tmp_path, sign=priv)
-    assert image.verify(final, require_signature=pub).checksums
+    assert integrity.verify(final, require_signature=pub).checksums
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,14 +305,13 @@ def test_openssl_made_keys_work(tmp_path: Path) -> None:
 _CRASHER = r"""
 import sys
 from pathlib import Path
-from npusnap_cli import image
 from npusnap_cli.image import publishing
 from tests.unit.test_image import _build, _manifest
 tmp_path, force, exchange = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 if not exchange:
     publishing.rename_exchange = lambda a, b: False  # where publish() looks it up
 tmp, final = _build(tmp_path)
-image.publish(tmp, final, _manifest(image.file_entries(tmp)), force=force)
+publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)), force=force)
 """
 
 
@@ -332,37 +331,37 @@ def test_kill_before_the_rename_leaves_no_image_and_is_cleaned(tmp_path: Path) -
     assert _crash_publish(tmp_path, "publish:before-rename", force=False) == -signal.SIGKILL
     final = tmp_path / "img"
     assert not final.exists()
-    (left,) = image.temp_siblings(final)
-    assert image.manifest_path(left).exists()  # complete, but never published
+    (left,) = layout.temp_siblings(final)
+    assert layout.manifest_path(left).exists()  # complete, but never published
     with pytest.raises(ImageError, match="work directory of a dump that did not finish"):
-        image.verify(left)
+        integrity.verify(left)
     with pytest.raises(ImageError, match="leftovers of an interrupted dump"):
-        image.verify(final)
-    assert [d.action for d in image.remove_stale_temps(final)] == ["removed"]
-    assert image.temp_siblings(final) == []
+        integrity.verify(final)
+    assert [d.action for d in layout.remove_stale_temps(final)] == ["removed"]
+    assert layout.temp_siblings(final) == []
 
 
 def test_kill_after_the_exchange_keeps_the_new_image(tmp_path: Path) -> None:
     old = _publish(tmp_path)
-    old_inode = image.manifest_path(old).stat().st_ino
+    old_inode = layout.manifest_path(old).stat().st_ino
     assert _crash_publish(tmp_path, "publish:after-exchange", force=True) == -signal.SIGKILL
-    assert image.verify(old).files_checked == 2
-    assert image.manifest_path(old).stat().st_ino != old_inode  # the new one
-    assert [d.action for d in image.remove_stale_temps(old)] == ["removed"]
+    assert integrity.verify(old).files_checked == 2
+    assert layout.manifest_path(old).stat().st_ino != old_inode  # the new one
+    assert [d.action for d in layout.remove_stale_temps(old)] == ["removed"]
 
 
 def test_kill_between_the_two_renames_is_recovered(tmp_path: Path) -> None:
     old = _publish(tmp_path)
-    old_inode = image.manifest_path(old).stat().st_ino
+    old_inode = layout.manifest_path(old).stat().st_ino
     assert _crash_publish(tmp_path, "publish:between-renames", force=True, exchange=False) == -signal.SIGKILL
     assert not old.exists()
     with pytest.raises(ImageError, match="leftovers"):
-        image.verify(old)
-    actions = sorted(d.action for d in image.remove_stale_temps(old))
+        integrity.verify(old)
+    actions = sorted(d.action for d in layout.remove_stale_temps(old))
     assert actions == ["recovered", "removed"]  # the old image back as DIR, the new work dir gone
-    assert image.manifest_path(old).stat().st_ino == old_inode  # the old image is back
-    assert image.verify(old).files_checked == 2
-    assert image.temp_siblings(old) == []
+    assert layout.manifest_path(old).stat().st_ino == old_inode  # the old image is back
+    assert integrity.verify(old).files_checked == 2
+    assert layout.temp_siblings(old) == []
 
 
 def test_force_publish_uses_the_exchange_where_the_kernel_has_it(tmp_path: Path) -> None:
@@ -370,7 +369,7 @@ def test_force_publish_uses_the_exchange_where_the_kernel_has_it(tmp_path: Path)
     a.mkdir()
     b.mkdir()
     (a / "x").write_text("a")
-    if not image.rename_exchange(a, b):
+    if not publishing.rename_exchange(a, b):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel/filesystem")
     assert (b / "x").read_text() == "a" and not (a / "x").exists()
 
@@ -379,22 +378,22 @@ def test_dump_target_named_like_a_work_directory_is_refused(tmp_path: Path) -> N
     from npusnap_cli.errors import UsageError
 
     with pytest.raises(UsageError, match="work directory"):
-        image.check_dump_target(tmp_path / f".x{image.TMP_MARKER}1-a", force=False)
+        layout.check_dump_target(tmp_path / f".x{layout.TMP_MARKER}1-a", force=False)
 
 
 def test_cleanup_works_through_a_symlinked_parent(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "via").symlink_to(real)  # e.g. /var/run -> /run: the user's own path
-    stale = real / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    stale = real / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     stale.mkdir()
-    done = image.remove_stale_temps(tmp_path / "via" / "img")
+    done = layout.remove_stale_temps(tmp_path / "via" / "img")
     assert [d.action for d in done] == ["removed"] and not stale.exists()
 
 
 def test_verify_reports_leftovers_next_to_a_good_image(tmp_path: Path) -> None:
     final = _publish(tmp_path)
-    left = tmp_path / f".img{image.TMP_MARKER}{DEAD_PID}-x"
+    left = tmp_path / f".img{layout.TMP_MARKER}{DEAD_PID}-x"
     left.mkdir()
-    result = image.verify(final)
+    result = integrity.verify(final)
     assert result.leftovers == (str(left),) and result.to_dict()["leftovers"] == [str(left)]

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from npusnap_cli import image
 from npusnap_cli.cli import main
 from npusnap_cli.errors import ExitCode
+from npusnap_cli.image import layout, publishing
 from tests.unit.test_image import _build, _manifest
 
 
 def _image(tmp_path: Path) -> Path:
     tmp, final = _build(tmp_path)
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     return final
 
 
@@ -49,7 +49,7 @@ def test_verify_ok_and_tampered(tmp_path: Path, capsys: pytest.CaptureFixture[st
     env = json.loads(capsys.readouterr().out)
     assert env["result"]["files_checked"] == 2
 
-    (image.criu_dir(final) / "core-1235.img").write_bytes(b"CORE")
+    (layout.criu_dir(final) / "core-1235.img").write_bytes(b"CORE")
     assert main(["verify", str(final)]) == ExitCode.IMAGE
     err = capsys.readouterr().err
     assert "criu/core-1235.img does not match its blake3 checksum" in err

@@ -11,9 +11,9 @@ from typing import cast
 import pytest
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.errors import ExitCode, ImageError, PreflightError
 from npusnap_cli.host.lazypages import LazyReport, check_lazy, open_files, split_page_files, verify_open_files
+from npusnap_cli.image.manifest import FileEntry, Manifest
 
 
 def _fake_criu(tmp_path: Path, answer: str, rc: int) -> criu.CriuBinary:
@@ -30,7 +30,7 @@ def test_uffd_check_passes_when_criu_says_supported(tmp_path: Path) -> None:
     assert (tmp_path / "args").read_text().split() == ["check", "--feature", "uffd-noncoop"]
 
 
-def _manifest(files: list[tuple[str, bytes]], tmp_path: Path) -> tuple[Path, img.Manifest]:
+def _manifest(files: list[tuple[str, bytes]], tmp_path: Path) -> tuple[Path, Manifest]:
     """An image directory holding ``files`` and a Manifest naming them (only ``files`` is used)."""
     image = tmp_path / "img"
     entries = []
@@ -39,10 +39,10 @@ def _manifest(files: list[tuple[str, bytes]], tmp_path: Path) -> tuple[Path, img
         (image / rel).write_bytes(data)
         # sha256: the digests of images made before blake3, still checked
         entries.append(
-            img.FileEntry(path=rel, size=len(data), digest=hashlib.sha256(data).hexdigest(), algo="sha256")
+            FileEntry(path=rel, size=len(data), digest=hashlib.sha256(data).hexdigest(), algo="sha256")
         )
 
-    return image, cast(img.Manifest, SimpleNamespace(files=entries))
+    return image, cast(Manifest, SimpleNamespace(files=entries))
 
 
 def test_refused_before_anything_when_uffd_is_missing(tmp_path: Path) -> None:

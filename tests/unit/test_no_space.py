@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import criu, image, ui
+from npusnap_cli import criu, ui
 from npusnap_cli.cli import main
 from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.device import agent_client, protocol
 from npusnap_cli.errors import ImageError, NpusnapError, StateUnknownError, UsageError
-from npusnap_cli.image import archive
+from npusnap_cli.image import archive, publishing
 from npusnap_cli.pipelines.engine import Pipeline, Step
 from tests import replies
 from tests.unit.test_image import _build, _manifest
@@ -59,7 +59,7 @@ def test_the_doc_names_one_code_for_a_full_disk_in_every_command() -> None:
 @pytest.fixture
 def small_image(tmp_path: Path) -> Path:
     tmp, final = _build(tmp_path, "img")
-    image.publish(tmp, final, _manifest(image.file_entries(tmp)))
+    publishing.publish(tmp, final, _manifest(publishing.file_entries(tmp)))
     return final
 
 

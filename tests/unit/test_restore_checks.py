@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from npusnap_cli import criu, image, paths
+from npusnap_cli import criu, paths
 from npusnap_cli import replies as agent_replies
 from npusnap_cli.criu import failures as criu_failures
 from npusnap_cli.errors import BusyError, ExitCode, ImageError, PreflightError
+from npusnap_cli.image import layout
 from npusnap_cli.pipelines import restore
 from tests import replies
 from tests.unit.test_image import _manifest
@@ -29,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _pstree(directory: Path, entries: list[dict[str, Any]]) -> None:
     import pycriu
 
-    image.criu_dir(directory).mkdir(parents=True, exist_ok=True)
-    with open(image.criu_dir(directory) / "pstree.img", "wb") as f:
+    layout.criu_dir(directory).mkdir(parents=True, exist_ok=True)
+    with open(layout.criu_dir(directory) / "pstree.img", "wb") as f:
         pycriu.images.dump({"magic": "PSTREE", "entries": entries}, f)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from npusnap_cli import image
+from npusnap_cli.image import layout, publishing
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower, reserve
 
 
@@ -40,24 +40,24 @@ def test_digests_follow_a_writer_and_match_the_files(tmp_path: Path) -> None:
 
 def test_a_truncated_file_is_not_vouched_for_and_file_entries_rehashes_it(tmp_path: Path) -> None:
     img = tmp_path / "img"
-    image.criu_dir(img).mkdir(parents=True)
-    f = image.criu_dir(img) / "pages-1.img"
+    layout.criu_dir(img).mkdir(parents=True)
+    f = layout.criu_dir(img) / "pages-1.img"
     f.write_bytes(b"a" * 100000)
-    hasher = StreamHasher(image.criu_dir(img), interval_s=0.001).start()
+    hasher = StreamHasher(layout.criu_dir(img), interval_s=0.001).start()
     time.sleep(0.05)
     f.write_bytes(b"b" * 10)  # shrank: the follower's digest no longer describes it
     got = hasher.finish()
     assert "pages-1.img" not in got
-    entries = image.file_entries(img, known={f"criu/{k}": v for k, v in got.items()})
+    entries = publishing.file_entries(img, known={f"criu/{k}": v for k, v in got.items()})
     assert (entries[0].algo, entries[0].digest) == ("blake3", blake3.blake3(b"b" * 10).hexdigest())
 
 
 def test_file_entries_trusts_only_known_digests_whose_size_matches(tmp_path: Path) -> None:
     img = tmp_path / "img"
-    image.criu_dir(img).mkdir(parents=True)
-    (image.criu_dir(img) / "a.img").write_bytes(b"hello")
+    layout.criu_dir(img).mkdir(parents=True)
+    (layout.criu_dir(img) / "a.img").write_bytes(b"hello")
     wrong = {"criu/a.img": (4, "0" * 64)}  # stale size: recomputed
-    (entry,) = image.file_entries(img, known=wrong)
+    (entry,) = publishing.file_entries(img, known=wrong)
     assert entry.digest == blake3.blake3(b"hello").hexdigest()
 
 

@@ -7,11 +7,10 @@ import shutil
 from typing import Optional
 
 from npusnap_cli import acl
-from npusnap_cli import image as img
 from npusnap_cli.device.devicegroup import refuse_stopped
 from npusnap_cli.errors import PreflightError
 from npusnap_cli.host import pidns, preflight, procfs, qualifyreport
-from npusnap_cli.image import imagetrust
+from npusnap_cli.image import imagetrust, layout
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.dump.agents import _connect, _hello
 from npusnap_cli.pipelines.dump.state import DumpState
@@ -41,7 +40,7 @@ def _c_privileges(s: DumpState) -> str:
 
 
 def _c_directory(s: DumpState) -> str:
-    img.check_dump_target(s.final, force=s.options.force)
+    layout.check_dump_target(s.final, force=s.options.force)
     return f"{s.final} can be written"
 
 

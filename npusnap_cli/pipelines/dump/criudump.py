@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.device.leasekeeper import LeaseKeeper, keeping
 from npusnap_cli.errors import CriuError, ImageError, StateUnknownError, TargetError
 from npusnap_cli.host import agentrecord, criuplugin, hostres, pidns, proctree, tcpunlock
 from npusnap_cli.host.proctree import ProcInfo
+from npusnap_cli.image import integrity, layout
 from npusnap_cli.image.streamhash import StreamHasher
 from npusnap_cli.pipelines.dump.agents import _announce_rollback
 from npusnap_cli.pipelines.dump.devmemory import _hash_device_files
@@ -42,22 +42,22 @@ def _criu_dump(s: DumpState) -> None:
     s.saved.criu_options = s.options.criu_for(s.target.tree, s.resolved.tcp_within)
     expected = sum(_rss(p.pid) for p in s.target.tree)
     # Checksums are computed while CRIU writes, off the critical path (streamhash.py).
-    hasher = s.saved.hasher = StreamHasher(img.criu_dir(tmp)).start()
+    hasher = s.saved.hasher = StreamHasher(layout.criu_dir(tmp)).start()
     try:
         start = time.monotonic()
         with (
             keeping(lease, [p.pid for p in s.target.tree]),
             _sampling(
-                lambda: img.tree_size(img.criu_dir(tmp)),
+                lambda: layout.tree_size(layout.criu_dir(tmp)),
                 lambda n: s.cb.progress("writing image", n, max(expected, n)),
             ),
         ):
             s.saved.criu_result = criu.dump(
                 s.target.root_pid,
-                str(img.criu_dir(tmp)),
-                str(img.logs_dir(tmp)),
+                str(layout.criu_dir(tmp)),
+                str(layout.logs_dir(tmp)),
                 options=s.saved.criu_options,
-                log_name=img.DUMP_LOG,
+                log_name=layout.DUMP_LOG,
                 binary=s.binary,
                 on_notify=lambda script, pid: _on_criu_notify(s, script, pid),
                 in_mount_ns=s.resolved.device_view,
@@ -110,7 +110,7 @@ def _match_dumped_tree(s: DumpState) -> None:
     restore checks: the tree was read before the lock, and a child may have been forked or may
     have exited (and been reaped) since. Read again then: unless --leave-running, it is still
     stopped as CRIU saw it."""
-    entries = img.read_pstree(img.criu_dir(s.work))
+    entries = integrity.read_pstree(layout.criu_dir(s.work))
     if entries is None:
         return  # not CRIU's doing: publishing's verification refuses the image
     dumped = {e.pid for e in entries}
@@ -170,7 +170,7 @@ def _on_criu_notify(s: DumpState, script: str, _pid: Optional[int]) -> None:
     # CRIU names them from the root of the tree's mount namespace: the host's paths only
     # when it is ours (a container's go with its runtime's checkpoint instead).
     ours = _our_mount_ns(s.target.root_pid) or s.resolved.device_view
-    remaps = hostres.link_remaps(img.criu_dir(tmp)) if ours else []
+    remaps = hostres.link_remaps(layout.criu_dir(tmp)) if ours else []
     if remaps:
         s.cb.note(f"saving {len(remaps)} deleted file(s) the job has open (CRIU's link-remap files)")
     s.saved.host_files = saved + hostres.save_files(remaps, tmp, remap=True)
@@ -182,16 +182,16 @@ def _check_plugin_marks(s: DumpState, tmp: Path) -> None:
     """A dump that went through a device plugin is good only without its error line in CRIU's
     log and with its device images (what Huawei's orchestrator checks): Huawei's for Ascend
     device files, npusim_plugin.so's (one image per daemon connection) for the simulated NPU."""
-    log = img.logs_dir(tmp) / img.DUMP_LOG
+    log = layout.logs_dir(tmp) / layout.DUMP_LOG
     problems: list[str] = []
     if any(p.device_files for p in s.target.tree):
-        problems += criuplugin.scan_dump(log if log.exists() else None, img.criu_dir(tmp))
+        problems += criuplugin.scan_dump(log if log.exists() else None, layout.criu_dir(tmp))
     sim = _simulated_npu_pids(s.target.tree)
     if sim:
         # A process holds a daemon connection once it opened a device.
         handles = sum(1 for pid in sim if _devices(s, pid))
         problems += criuplugin.scan_dump(
-            log if log.exists() else None, img.criu_dir(tmp), criuplugin.SIMULATED, handles
+            log if log.exists() else None, layout.criu_dir(tmp), criuplugin.SIMULATED, handles
         )
     if problems:
         raise CriuError(

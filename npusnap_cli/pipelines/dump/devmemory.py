@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from npusnap_cli import contract, replies
-from npusnap_cli import image as img
 from npusnap_cli.device.devicegroup import LockedAndBackedUp
 from npusnap_cli.errors import DeviceError, ImageError, PreflightError, TargetError
 from npusnap_cli.host import devmaps
-from npusnap_cli.image import devchunks, digest, streamhash
+from npusnap_cli.image import devchunks, digest, layout, streamhash
 from npusnap_cli.image.streamhash import FileHasher, WritebackFollower
 from npusnap_cli.pipelines.dump.state import DumpState, _sampling
 from npusnap_cli.pipelines.dump.target import _rss
@@ -151,7 +150,7 @@ def _backup_progress(s: DumpState) -> Iterator[None]:
     def written() -> int:
         # The agents copy into the image's device-memory files when they have them (their host
         # memory does not grow then): those files' sizes are the progress.
-        d = s.area.tmp / img.DEVICE_SUBDIR if s.area.tmp is not None else None
+        d = s.area.tmp / layout.DEVICE_SUBDIR if s.area.tmp is not None else None
         if d is None:
             return 0
         try:
@@ -182,15 +181,15 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
             dm = h.device_memory
             if not dm.available or not dm.allocations:
                 continue
-            rel = img.device_memory_rel(pid)
+            rel = layout.device_memory_rel(pid)
             path = tmp / rel
-            path.parent.mkdir(mode=img.DIR_MODE, exist_ok=True)
+            path.parent.mkdir(mode=layout.DIR_MODE, exist_ok=True)
             if s.devmem.chunked:
                 # A memory file: only the pieces no earlier image holds reach the disk.
                 fd = os.memfd_create(f"npusnap-devmem-{pid}", os.MFD_CLOEXEC)
                 s.devmem.device_streams[pid] = os.dup(fd)
             else:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, img.FILE_MODE)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, layout.FILE_MODE)
             # The agent records where the file will be once published, for a reload without
             # a descriptor (a lease's rollback after an interrupted restore): never a work
             # directory, which is gone by then.
@@ -217,7 +216,7 @@ def _open_device_memory_files(s: DumpState) -> dict[int, tuple[int, str]]:
         # The agents write them with several threads, a chunk at a time at its place: the disk
         # starts on them meanwhile, and they are hashed once the lock answered
         # (_hash_device_files).
-        s.devmem.device_writeback = WritebackFollower(tmp / img.DEVICE_SUBDIR).start()
+        s.devmem.device_writeback = WritebackFollower(tmp / layout.DEVICE_SUBDIR).start()
     return files
 
 
@@ -279,9 +278,9 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
     if s.devmem.device_hasher is None:
         if not criu_done and digest.usable_cores() < HASH_ALONGSIDE_CRIU_CORES:
             return
-        if not (s.work / img.DEVICE_SUBDIR).is_dir():
+        if not (s.work / layout.DEVICE_SUBDIR).is_dir():
             return
-        s.devmem.device_hasher = FileHasher(s.work / img.DEVICE_SUBDIR)
+        s.devmem.device_hasher = FileHasher(s.work / layout.DEVICE_SUBDIR)
         if criu_done and not s.options.leave_running:
             s.devmem.device_hasher.boost()
         s.devmem.device_hasher.start()
@@ -292,7 +291,7 @@ def _hash_device_files(s: DumpState, *, criu_done: bool) -> None:
 def _drop_unused_device_memory_files(s: DumpState, results: dict[int, LockedAndBackedUp]) -> None:
     """Remove the files an agent did not use (the driver-backed flow kept the memory)."""
     for pid in sorted(results):
-        path = s.work / img.device_memory_rel(pid)
+        path = s.work / layout.device_memory_rel(pid)
         if results[pid].device_memory.file_bytes:
             continue
         if path.exists():

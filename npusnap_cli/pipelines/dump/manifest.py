@@ -13,10 +13,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import __version__, acl, criu, replies
-from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError
 from npusnap_cli.host import proctree
-from npusnap_cli.image import devchunks
+from npusnap_cli.image import devchunks, integrity, layout, publishing
+from npusnap_cli.image.manifest import (
+    ByteCounts,
+    HostInfo,
+    Manifest,
+    ProcessEntry,
+    Timings,
+    Versions,
+    now_iso,
+)
 from npusnap_cli.pipelines.dump.devmemory import _hash_device_files, agent_device_bytes
 from npusnap_cli.pipelines.dump.state import DumpState
 
@@ -30,7 +38,7 @@ def _sum(*values: Any) -> Optional[float]:
     return sum(known) if known else None
 
 
-def _versions(binary: criu.CriuBinary, hello: dict[int, replies.HelloReply]) -> img.Versions:
+def _versions(binary: criu.CriuBinary, hello: dict[int, replies.HelloReply]) -> Versions:
     cann: Optional[str] = None
     simulated = False
     for info in hello.values():
@@ -47,7 +55,7 @@ def _versions(binary: criu.CriuBinary, hello: dict[int, replies.HelloReply]) -> 
         if library:
             home = acl.home_of_library(library)
             break
-    return img.Versions(
+    return Versions(
         tool=__version__,
         criu=binary.version,
         cann=cann,
@@ -93,29 +101,29 @@ def _checksums(s: DumpState) -> None:
     manifest = _manifest(s)
     with _writing(s):
         assert s.saved.hasher is not None
-        streamed = {f"{img.CRIU_SUBDIR}/{rel}": v for rel, v in s.saved.hasher.finish().items()}
+        streamed = {f"{layout.CRIU_SUBDIR}/{rel}": v for rel, v in s.saved.hasher.finish().items()}
         if s.devmem.device_writeback is not None:
             s.devmem.device_writeback.stop()
             s.devmem.device_writeback = None
         if s.devmem.device_hasher is not None:
             hashed = s.devmem.device_hasher.finish().items()
-            streamed.update({f"{img.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
+            streamed.update({f"{layout.DEVICE_SUBDIR}/{rel}": v for rel, v in hashed})
         _hash_device_files(s, criu_done=True)  # chunked: started now if not alongside CRIU
         if s.devmem.chunk_writer is not None:
             chunks = s.devmem.chunk_writer.finish()
             streamed.update(chunks.files)
             device_total, device_new = chunks.device_total, chunks.device_new
         else:
-            sizes = [v[0] for rel, v in streamed.items() if rel.startswith(img.DEVICE_SUBDIR + "/")]
+            sizes = [v[0] for rel, v in streamed.items() if rel.startswith(layout.DEVICE_SUBDIR + "/")]
             device_total = device_new = sum(sizes)
-        total = sum(img.tree_size(tmp / d) for d in img.CHECKSUMMED_SUBDIRS)
+        total = sum(layout.tree_size(tmp / d) for d in layout.CHECKSUMMED_SUBDIRS)
         done = [0]
 
         def advance(n: int) -> None:
             done[0] += n
             s.cb.progress("checksums", done[0], total)
 
-        files = img.file_entries(tmp, advance, known=streamed)
+        files = publishing.file_entries(tmp, advance, known=streamed)
     s.end.manifest = replace(
         manifest,
         files=files,
@@ -134,7 +142,7 @@ def _publish(s: DumpState) -> None:
     with _writing(s):
         if s.locked.lease is not None and s.saved.stopped_pids:
             s.locked.lease.check_before_kill(s.saved.stopped_pids)
-        img.publish(
+        publishing.publish(
             s.work,
             s.final,
             s.end.manifest,
@@ -152,10 +160,10 @@ def _verify_image(s: DumpState, work: Path) -> None:
     as they were written, so they are not read back. A failure is rolled back like any other:
     the job runs on and no image is left."""
     try:
-        img.verify(work, checksums=False, unpublished=True)
+        integrity.verify(work, checksums=False, unpublished=True)
         if not s.options.keep:
             # Only now: an image that failed keeps CRIU's log beside DIR for the report.
-            img.remove_tree(img.logs_dir(work))
+            layout.remove_tree(layout.logs_dir(work))
     except ImageError as err:
         err.message = f"the dump's image failed its own verification and was not kept: {err.message}"
         err.why = f"{err.why}; restore would refuse it, so the dump does not report success"
@@ -166,7 +174,7 @@ def _verify_image(s: DumpState, work: Path) -> None:
         raise
 
 
-def _manifest(s: DumpState) -> img.Manifest:
+def _manifest(s: DumpState) -> Manifest:
     npu = set(s.target.npu_pids)
     # Recorded with --leave-running too: the image holds the agents' memory from while the
     # dump held the lock, so the restored agents still know the dump as their owner.
@@ -181,7 +189,7 @@ def _manifest(s: DumpState) -> img.Manifest:
         if p.pid in s.target.idle and not proctree.named_after(socket, p.pid):
             socket = None  # its parent's, held by a copy that ran no fork handler (yet)
         processes.append(
-            img.ProcessEntry(
+            ProcessEntry(
                 pid=p.pid,
                 ppid=p.ppid,
                 cmdline=tuple(p.cmdline),
@@ -208,7 +216,7 @@ def _manifest(s: DumpState) -> img.Manifest:
     backup_times = [max(0.0, float(r.last.elapsed_s) - float(r.last.device_copy_s)) for r in results.values()]
     stats = s.saved.criu_result.stats if s.saved.criu_result is not None else None
     us = 1e-6
-    timings = img.Timings(
+    timings = Timings(
         preflight_s=s.timings.get("preflight", 0.0) + s.timings.get("attach", 0.0),
         lock_s=max((float(t) for t in lock_times if t is not None), default=None),
         backup_s=max((float(t) for t in backup_times if t is not None), default=None),
@@ -223,14 +231,14 @@ def _manifest(s: DumpState) -> img.Manifest:
         attach_stopped_s=max((t for _, t in s.target.attach_stopped_s), default=None),
     )
     page = os.sysconf("SC_PAGE_SIZE")
-    return img.Manifest(
-        created_at=img.now_iso(),
+    return Manifest(
+        created_at=now_iso(),
         versions=_versions(s.binary, s.agents.hello),
-        host=img.HostInfo.current(),
+        host=HostInfo.current(),
         root_pid=s.target.root_pid,
         processes=tuple(processes),
         timings=timings,
-        bytes=img.ByteCounts(
+        bytes=ByteCounts(
             device_bytes=s.agents.device_bytes,
             image_bytes=0,
             criu_pages_bytes=(stats.pages_written * page) if stats else 0,
@@ -256,7 +264,7 @@ def _device_memory_record(s: DumpState) -> dict[str, Any]:
         entry["flow"] = dm.flow
         if dm.file_bytes:
             # the copy is this file (or this index of chunks), not process memory
-            entry["file"] = devchunks.index_rel(pid) if s.devmem.chunked else img.device_memory_rel(pid)
+            entry["file"] = devchunks.index_rel(pid) if s.devmem.chunked else layout.device_memory_rel(pid)
             save = dm.tracking.save if dm.tracking is not None else None
             if s.devmem.chunked and save is not None:
                 # an incremental save of this process's later dump may start from this one

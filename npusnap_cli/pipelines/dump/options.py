@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import contract
-from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.host.proctree import ProcInfo
+from npusnap_cli.image.manifest import Manifest
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 
 DEFAULT_LEASE_S = 60.0
@@ -65,7 +65,7 @@ class DumpOptions:
 @dataclass(frozen=True)
 class DumpOutcome:
     image: str
-    manifest: img.Manifest
+    manifest: Manifest
     attached: tuple[int, ...] = ()
     logs: Optional[str] = None
     # pid -> how long the dump's attach stopped it (upper bound; the manifest keeps the longest)

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import criu, replies
-from npusnap_cli import image as img
 from npusnap_cli.criu import CriuOptions
 from npusnap_cli.device.devicegroup import DeviceGroup, LockedAndBackedUp
 from npusnap_cli.device.leasekeeper import LeaseKeeper
 from npusnap_cli.host import hostres
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.image import devchunks
+from npusnap_cli.image.manifest import Manifest
 from npusnap_cli.image.streamhash import FileHasher, StreamHasher, WritebackFollower
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump.options import DumpOptions, DumpOutcome
@@ -137,7 +137,7 @@ class Saved:
 class Ending:
     """The ``publish`` and ``finish`` steps', or the rollback's."""
 
-    manifest: Optional[img.Manifest] = None
+    manifest: Optional[Manifest] = None
     rolling_back: bool = False
     failure_logs: Optional[str] = None  # where the discarded image's logs were kept
     outcome: Optional[DumpOutcome] = None

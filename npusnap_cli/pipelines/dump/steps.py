@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.errors import ImageError, NpusnapError
 from npusnap_cli.host import hostclean, hostres, procfs, proctree
 from npusnap_cli.host.stopguard import StopGuard
+from npusnap_cli.image import layout
 from npusnap_cli.jsontypes import JSONObject
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.dump.agents import (
@@ -45,7 +45,7 @@ from npusnap_cli.pipelines.engine import Barrier, Pipeline, SignalGuard, Step
 def _resolve(s: DumpState) -> None:
     checks.run_in_order(INPUT_CHECKS, s)
     s.area.leftovers = tuple(
-        left.message for left in img.remove_stale_temps(s.final) if left.action != "kept"
+        left.message for left in layout.remove_stale_temps(s.final) if left.action != "kept"
     )
     for message in s.area.leftovers:
         s.cb.note(message)
@@ -72,7 +72,7 @@ def _work_area(s: DumpState) -> None:
         [] if s.options.leave_running else [p.pid for p in s.target.tree if p.pid not in s.target.stopped]
     )
     try:
-        s.area.tmp = img.create_temp_image(s.final)
+        s.area.tmp = layout.create_temp_image(s.final)
     except OSError as exc:
         raise ImageError(
             f"cannot create the image's work directory next to {s.final}: {exc.strerror}",
@@ -91,7 +91,7 @@ def _discard(s: DumpState, _err: BaseException) -> None:
     if s.area.tmp is None:
         return
     logs = hostclean.save_failure_logs(s.area.tmp, "dump")
-    img.remove_tree(s.area.tmp)
+    layout.remove_tree(s.area.tmp)
     s.end.failure_logs = str(logs) if logs else None
 
 
@@ -104,7 +104,7 @@ def _stop_original(s: DumpState) -> None:
         try:
             s.locked.lease.check_before_kill(pids)
         except NpusnapError:
-            img.remove_tree(s.final)  # not an image of a locked job: never leave it
+            layout.remove_tree(s.final)  # not an image of a locked job: never leave it
             raise
     proctree.signal_tree(pids, signal.SIGKILL)
     left = proctree.wait_gone(pids)
@@ -124,7 +124,7 @@ def _finish(s: DumpState) -> None:
         image=str(s.final),
         manifest=replace(s.end.manifest, timings=timings),
         attached=s.target.attached,
-        logs=str(img.logs_dir(s.final)) if s.options.keep else None,
+        logs=str(layout.logs_dir(s.final)) if s.options.keep else None,
         attach_stopped_s=s.target.attach_stopped_s,
     )
 

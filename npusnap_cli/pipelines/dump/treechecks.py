@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import acl, criu
-from npusnap_cli import image as img
 from npusnap_cli.errors import PreflightError
 from npusnap_cli.host import criuplugin, hostres, pidns, preflight, procfs, tcpunlock
 from npusnap_cli.host.proctree import ProcInfo
+from npusnap_cli.image import layout
 from npusnap_cli.pipelines.callbacks import PhaseFn
 from npusnap_cli.pipelines.dump.options import DumpOptions
 from npusnap_cli.pipelines.dump.target import _mem_available, _our_mount_ns
@@ -248,9 +248,9 @@ def _check_npu_plugin(tree: tuple[ProcInfo, ...]) -> None:
 
 def _check_space_and_memory(final: Path, expected_image: int, device_bytes: int) -> None:
     need = int(expected_image * SPACE_MARGIN_FACTOR) + SPACE_MARGIN_BYTES
-    have = img.free_bytes(final.parent)
+    have = layout.free_bytes(final.parent)
     if have < need:
-        img.check_dump_target(final, force=True)  # a read-only filesystem: name that, not "0 B free"
+        layout.check_dump_target(final, force=True)  # a read-only filesystem: name that, not "0 B free"
         raise PreflightError(
             f"not enough free space for the image in {final.parent}: "
             f"{human_bytes(have)} free, about {human_bytes(need)} needed",

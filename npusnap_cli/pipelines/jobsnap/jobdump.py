@@ -16,7 +16,6 @@ from typing import Any, Optional
 import psutil
 
 from npusnap_cli import __version__
-from npusnap_cli import image as img
 from npusnap_cli.errors import (
     ImageError,
     InterruptedError_,
@@ -27,7 +26,9 @@ from npusnap_cli.errors import (
 )
 from npusnap_cli.host import pidns
 from npusnap_cli.image import digest as dg
+from npusnap_cli.image import layout, publishing
 from npusnap_cli.image.job import JOB_MANIFEST, JobManifest, RankEntry, rank_dir_name
+from npusnap_cli.image.manifest import load_manifest, now_iso
 from npusnap_cli.pipelines import engine
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump import DumpOptions, DumpOutcome, dump
@@ -113,14 +114,14 @@ class _Commit:
                     rank=r.rank,
                     dir=rank_dir_name(r.rank),
                     pid=r.pid,
-                    npu_pids=tuple(p.pid for p in img.load_manifest(rank_image).npu_processes),
-                    manifest_sha256=dg.of_file(img.manifest_path(rank_image), "sha256"),
+                    npu_pids=tuple(p.pid for p in load_manifest(rank_image).npu_processes),
+                    manifest_sha256=dg.of_file(layout.manifest_path(rank_image), "sha256"),
                     netns=r.netns,
                     netns_path=r.netns_path,
                 )
             )
         job = JobManifest(
-            created_at=img.now_iso(),
+            created_at=now_iso(),
             ranks=tuple(entries),
             leave_running=self.options.leave_running,
             tool=__version__,
@@ -129,22 +130,22 @@ class _Commit:
         )
         self.job = job
         path = tmp / JOB_MANIFEST
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, img.FILE_MODE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(job.to_dict(), f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        img.fsync_tree(tmp)
+        publishing.fsync_tree(tmp)
         old: Optional[Path] = None
-        if final.exists() and not img.dir_is_empty(final):
+        if final.exists() and not layout.dir_is_empty(final):
             if not self.options.force:
                 raise UsageError(
                     f"{final} appeared and is not empty",
                     why="something wrote into the target directory during the dump",
                     fix="dump into a new directory, or pass --force to replace it",
                 )
-            old = final.parent / f".{final.name}{img.OLD_MARKER}{os.getpid()}"
+            old = final.parent / f".{final.name}{layout.OLD_MARKER}{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
         fd = os.open(final.parent, os.O_RDONLY)
@@ -153,7 +154,7 @@ class _Commit:
         finally:
             os.close(fd)
         if old is not None:
-            img.remove_tree(old)
+            layout.remove_tree(old)
 
 
 def _check_disjoint(pids: list[int]) -> None:
@@ -249,8 +250,8 @@ def _dump_job_once(
     _check_disjoint(pids)
     pidns.check_job_cwds(pids)
     final = Path(os.path.abspath(directory))
-    img.check_dump_target(final, force=options.force)
-    for stale in img.remove_stale_temps(final):
+    layout.check_dump_target(final, force=options.force)
+    for stale in layout.remove_stale_temps(final):
         callbacks.note(f"removed {stale}, left by an earlier dump that did not finish")
     own_ns = netns_id()
     ranks: list[_Rank] = []
@@ -274,8 +275,10 @@ def _dump_job_once(
             )
         )
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{img.TMP_MARKER}{os.getpid()}-", dir=str(final.parent)))
-    os.chmod(tmp, img.DIR_MODE)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{final.name}{layout.TMP_MARKER}{os.getpid()}-", dir=str(final.parent))
+    )
+    os.chmod(tmp, layout.DIR_MODE)
     commit = _Commit(tmp, final, ranks, options, node, nodes)
     coord = JobCoordinator(len(pids), timeout_s=barrier_timeout_s, on_commit=commit, net=net)
     outcomes: dict[int, DumpOutcome] = {}
@@ -300,7 +303,7 @@ def _dump_job_once(
         callbacks.note(f"{guard.name} was received after the job was committed; the dump was completed")
     if errors or (guard.received is not None and not committed):
         if not committed:
-            img.remove_tree(tmp)
+            layout.remove_tree(tmp)
         raise _job_error(errors, coord, guard, committed, final)
     job = commit.job
     assert job is not None  # committed

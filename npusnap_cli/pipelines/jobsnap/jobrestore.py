@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.device.devicegroup import DeviceGroup
 from npusnap_cli.errors import InterruptedError_, NpusnapError, PreflightError, StateUnknownError, UsageError
 from npusnap_cli.host import procfs, proctree, tcpunlock
+from npusnap_cli.image import layout
 from npusnap_cli.image.job import RankEntry, check_rank_manifest, load_job_manifest
+from npusnap_cli.image.manifest import load_manifest
 from npusnap_cli.pipelines import engine, netcoord, restore, restoreguard
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.jobsnap.barriers import (
@@ -106,7 +107,7 @@ def _hold_resets(st: RankState) -> None:
     if not st.manifest.criu_options.get("tcp_established"):
         return
     try:
-        st.hold = tcpunlock.ResetHold(tcpunlock.image_connections(str(img.criu_dir(st.image))))
+        st.hold = tcpunlock.ResetHold(tcpunlock.image_connections(str(layout.criu_dir(st.image))))
     except OSError as exc:
         st.cb.note(
             f"cannot hold TCP resets during the restore ({exc}): "
@@ -226,7 +227,7 @@ def _restore_job(
             cb = _rank_callbacks(callbacks, r.rank, out_lock)
             rank_image = final / r.dir
             check_rank_manifest(final, r)
-            manifest = img.load_manifest(rank_image)
+            manifest = load_manifest(rank_image)
             target = _target_netns(r, overrides)
             if target is not None and not os.path.exists(target):
                 raise PreflightError(

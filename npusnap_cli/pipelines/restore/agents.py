@@ -7,19 +7,19 @@ from collections.abc import Callable
 from typing import Optional
 
 from npusnap_cli import contract
-from npusnap_cli import image as img
 from npusnap_cli.device import hcclrebuild
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.device.devicegroup import DeviceGroup, status_now
 from npusnap_cli.errors import DeviceError, ImageError, InterruptedError_, NpusnapError
 from npusnap_cli.host import procfs
+from npusnap_cli.image.manifest import Manifest
 from npusnap_cli.jsontypes import as_int, obj
 from npusnap_cli.pipelines import restoreguard
 from npusnap_cli.pipelines.engine import SignalGuard
 from npusnap_cli.pipelines.restore.options import RestoreOptions
 
 
-def _check_none_left_locked(manifest: img.Manifest, root_pid: int, log: str) -> None:
+def _check_none_left_locked(manifest: Manifest, root_pid: int, log: str) -> None:
     """A restored process with an agent that the manifest says has no device state must be
     RUNNING: one still locked means the manifest's ``npu`` flag lied (an edited image), and a
     restore that exits 0 must not leave a process BACKED_UP forever."""

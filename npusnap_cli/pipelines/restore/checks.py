@@ -14,16 +14,17 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import acl, criu
-from npusnap_cli import image as img
 from npusnap_cli.device import occupancy
 from npusnap_cli.errors import BusyError, IncompatibleImageError, PreflightError, UsageError
 from npusnap_cli.host import hostclean, hostres, lazypages, pidns, procfs, qualifyreport
 from npusnap_cli.host import pidfile as pidfile_mod
+from npusnap_cli.image import integrity, layout
+from npusnap_cli.image.manifest import Manifest
 from npusnap_cli.pipelines import checks
 from npusnap_cli.pipelines.restore.options import RestoreOptions
 
 
-def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> Optional[acl.CannInstall]:
+def check_versions(manifest: Manifest, binary: criu.CriuBinary) -> Optional[acl.CannInstall]:
     """Same CRIU and CANN as at dump time (the device state format is the runtime's own); the
     CANN installation the device state will be restored with (None: no NPU process)."""
     v = manifest.versions
@@ -59,7 +60,7 @@ def check_versions(manifest: img.Manifest, binary: criu.CriuBinary) -> Optional[
     return cann
 
 
-def check_device_memory(manifest: img.Manifest, accept_lost: bool) -> Optional[str]:
+def check_device_memory(manifest: Manifest, accept_lost: bool) -> Optional[str]:
     """Who keeps the job's device memory (from the manifest); refuse a known loss unless accepted."""
     continuity = manifest.device_memory.get("continuity")
     if continuity == "lost" and manifest.npu_processes and not accept_lost:
@@ -84,13 +85,13 @@ def _proc_desc(pid: int) -> str:
 ZOMBIE_WAIT_S = 10.0
 
 
-def image_thread_ids(image: Path, manifest: img.Manifest) -> list[int]:
+def image_thread_ids(image: Path, manifest: Manifest) -> list[int]:
     """Every pid and thread id CRIU will recreate; the image's processes must be the manifest's
     (the check `npusnap verify` and the dump make too)."""
-    return img.check_process_tree(image, manifest)
+    return integrity.check_process_tree(image, manifest)
 
 
-def check_pids_free(manifest: img.Manifest, ids: Optional[list[int]] = None) -> None:
+def check_pids_free(manifest: Manifest, ids: Optional[list[int]] = None) -> None:
     """CRIU restores every process and thread with its original id: all of them must be free."""
     wanted = ids if ids is not None else [p.pid for p in manifest.processes]
     deadline = time.monotonic() + ZOMBIE_WAIT_S
@@ -143,7 +144,7 @@ def _group_ids_in_use(ids: set[int]) -> dict[int, int]:
 
 
 def check_devices_free(
-    manifest: img.Manifest,
+    manifest: Manifest,
     device_map: tuple[tuple[int, int], ...] = (),
     users: Optional[list[occupancy.DeviceUse]] = None,
 ) -> list[str]:
@@ -183,7 +184,7 @@ def check_devices_free(
     ]
 
 
-def device_users(manifest: img.Manifest) -> list[occupancy.DeviceUse]:
+def device_users(manifest: Manifest) -> list[occupancy.DeviceUse]:
     """The NPU processes a restore of ``manifest`` must not share a device with (``users`` of
     check_devices_free: one look for several checks)."""
     # Without a pid namespace of its own an image pid in use is the pid check's (the original,
@@ -193,7 +194,7 @@ def device_users(manifest: img.Manifest) -> list[occupancy.DeviceUse]:
     return occupancy.device_users(v.cann_home, bool(v.cann_simulated), image_pids)
 
 
-def prepare_sockets(manifest: img.Manifest) -> None:
+def prepare_sockets(manifest: Manifest) -> None:
     """Create each agent socket's directory (0700) and refuse what CRIU would trip over.
 
     The manifest was checked (imagetrust.check_manifest): each socket is ``<pid>.sock`` in an
@@ -258,7 +259,7 @@ class Preflight:
     """
 
     image: Path
-    manifest: img.Manifest
+    manifest: Manifest
     options: RestoreOptions
     dry_run: bool = False
     binary: Optional[criu.CriuBinary] = None
@@ -351,7 +352,7 @@ def _socket_dirs(pf: Preflight) -> str:
 
 def _listeners(pf: Preflight) -> str:
     agents = [p.agent_socket for p in pf.manifest.processes]
-    paths = hostres.check_listeners_free(img.criu_dir(pf.image), agents)
+    paths = hostres.check_listeners_free(layout.criu_dir(pf.image), agents)
     return f"{len(paths)} unix listener path(s), none taken" if paths else "none"
 
 
@@ -394,14 +395,14 @@ def _logs(pf: Preflight) -> str:
     wanted = pf.options.logs
     if not pf.dry_run:
         pf.logs = restore_logs_dir(pf.image, wanted, pf.tell)
-        return f"CRIU's log -> {pf.logs / img.RESTORE_LOG}"
+        return f"CRIU's log -> {pf.logs / layout.RESTORE_LOG}"
     if wanted is not None:
         if not writable_dir(wanted, parents=True):
             raise UsageError(f"cannot write CRIU's restore log into {wanted}", fix="pass a writable --logs")
         return f"CRIU's log -> {wanted}"
-    inside = img.logs_dir(pf.image)
+    inside = layout.logs_dir(pf.image)
     if writable_dir(inside, parents=False):
-        return f"CRIU's log -> {inside / img.RESTORE_LOG}"
+        return f"CRIU's log -> {inside / layout.RESTORE_LOG}"
     return "the image is not writable: CRIU's log would go under $TMPDIR/npusnap-logs"
 
 
@@ -448,7 +449,7 @@ CHECKS: tuple[Check, ...] = (
 
 def preflight(
     image: Path,
-    manifest: img.Manifest,
+    manifest: Manifest,
     options: RestoreOptions,
     binary: Optional[criu.CriuBinary] = None,
     *,
@@ -463,7 +464,7 @@ def preflight(
 
 def writable_dir(path: Path, *, parents: bool) -> bool:
     try:
-        path.mkdir(mode=img.DIR_MODE, parents=parents, exist_ok=True)
+        path.mkdir(mode=layout.DIR_MODE, parents=parents, exist_ok=True)
     except OSError:
         return False
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
@@ -484,7 +485,7 @@ def restore_logs_dir(image: Path, wanted: Optional[Path], note: Callable[[str], 
                 fix="pass a writable directory to --logs",
             )
         return wanted
-    inside = img.logs_dir(image)
+    inside = layout.logs_dir(image)
     if writable_dir(inside, parents=False):
         return inside
     elsewhere = hostclean.new_log_dir("restore")

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criu
-from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import hostres
 from npusnap_cli.host.lazypages import LazyPhase, LazyReport
 from npusnap_cli.host.stopguard import StopGuard
 from npusnap_cli.image import devchunks
+from npusnap_cli.image.manifest import Manifest
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.engine import SignalGuard
 from npusnap_cli.pipelines.restore.checks import Preflight
@@ -80,7 +80,7 @@ class RestoreState:
     job restore (jobsnap/) extends it per rank."""
 
     image: Path  # the image directory (a pointer followed)
-    manifest: img.Manifest  # after CRIU, of a --pid-ns image: with the restored copy's host pids
+    manifest: Manifest  # after CRIU, of a --pid-ns image: with the restored copy's host pids
     options: RestoreOptions
     cb: PipelineCallbacks
     guard: SignalGuard

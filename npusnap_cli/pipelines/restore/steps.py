@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criu, criuimages
-from npusnap_cli import image as img
 from npusnap_cli.errors import BusyError, CriuError, NpusnapError
 from npusnap_cli.host import ghostlock, hostres, lazypages, pidns
 from npusnap_cli.host import pidfile as pidfile_mod
 from npusnap_cli.host.lazypages import LazyPhase
-from npusnap_cli.image import devchunks, digest
+from npusnap_cli.image import devchunks, digest, integrity, layout, publishing
+from npusnap_cli.image.manifest import load_manifest, open_device_memory_files
 from npusnap_cli.pipelines import restoreguard
 from npusnap_cli.pipelines.engine import Pipeline, SignalGuard, Step
 from npusnap_cli.pipelines.restore.agents import (
@@ -42,7 +42,7 @@ def _verify(st: RestoreState) -> None:
     known: nothing of the image runs before it is verified."""
     o = st.options
     if not st.overlap:
-        img.verify(st.image, checksums=o.verify, require_signature=o.require_signature)
+        integrity.verify(st.image, checksums=o.verify, require_signature=o.require_signature)
         return
     total = sum(f.size for f in st.manifest.files)
     done = [0]
@@ -51,11 +51,11 @@ def _verify(st: RestoreState) -> None:
         done[0] += n
         st.cb.progress("verifying", done[0], total)
 
-    img.verify(st.image, checksums=False, require_signature=o.require_signature)
+    integrity.verify(st.image, checksums=False, require_signature=o.require_signature)
     # Chunks and their indexes are checked while restore puts them together (_open_files).
     chunked = [f for f in st.manifest.files if devchunks.is_chunk_layout_rel(f.path)]
     device_entries = [
-        f for f in st.manifest.files if f.path.startswith(img.DEVICE_SUBDIR + "/") and f not in chunked
+        f for f in st.manifest.files if f.path.startswith(layout.DEVICE_SUBDIR + "/") and f not in chunked
     ]
     if o.verify and o.lazy:
         # Lazy: everything but the page files now (small: CRIU's metadata, tmpfs copies); the page
@@ -93,7 +93,7 @@ def _stopped_by_other_signals(st: RestoreState) -> bool:
 
 def _image_stops(st: RestoreState) -> dict[int, int]:
     if st.checks.stopped_in_image is None:
-        st.checks.stopped_in_image = criuimages.stopped(img.criu_dir(st.image))
+        st.checks.stopped_in_image = criuimages.stopped(layout.criu_dir(st.image))
     return st.checks.stopped_in_image
 
 
@@ -113,7 +113,7 @@ def _open_files(st: RestoreState) -> None:
     """The device-memory files, and the new outputs of --pipe-to and --output: once CRIU has
     started, nothing of the restore may depend on the image staying where it is (a lazy
     restore's image may be removed)."""
-    st.host.device_memory_files = img.open_device_memory_files(st.image, st.manifest)
+    st.host.device_memory_files = open_device_memory_files(st.image, st.manifest)
     indexes = devchunks.read_indexes(st.image, st.manifest)
     if indexes:
         st.verifying.assembly = devchunks.Assembly(
@@ -122,7 +122,7 @@ def _open_files(st: RestoreState) -> None:
         for pid, fd in st.verifying.assembly.memfds.items():
             st.host.device_memory_files[pid] = (fd, os.path.abspath(st.image / devchunks.index_rel(pid)))
     st.host.inherit = open_pipe_targets(st.manifest, st.options.pipe_to)
-    st.host.inherit += pidns.open_output_target(img.criu_dir(st.image), st.manifest, st.options.output)
+    st.host.inherit += pidns.open_output_target(layout.criu_dir(st.image), st.manifest, st.options.output)
     st.verifying.verified_at = time.monotonic()
 
 
@@ -161,7 +161,7 @@ def _start_lazy(st: RestoreState) -> None:
     if not st.options.lazy:
         return
     logs = str(st.checked.logs)
-    daemon = criu.LazyPagesDaemon(st.checked.criu_binary(), str(img.criu_dir(st.image)), logs)
+    daemon = criu.LazyPagesDaemon(st.checked.criu_binary(), str(layout.criu_dir(st.image)), logs)
     pids = [p.pid for p in st.manifest.processes]
     st.tree.lazy = LazyPhase(
         daemon,
@@ -169,7 +169,7 @@ def _start_lazy(st: RestoreState) -> None:
         st.verifying.checksums,
         st.options.lazy_timeout_s,
         st.start,
-        str(Path(logs) / img.RESTORE_LOG),
+        str(Path(logs) / layout.RESTORE_LOG),
     )
 
 
@@ -201,7 +201,7 @@ def _enter_device_view(st: RestoreState) -> None:
 def _make_view(st: RestoreState) -> None:
     """A --pid-ns image: the CRIU image directory as this copy restores it (host/pidns.py)."""
     if st.manifest.pid_ns:
-        st.host.view = pidns.criu_view(img.criu_dir(st.image), st.manifest)
+        st.host.view = pidns.criu_view(layout.criu_dir(st.image), st.manifest)
 
 
 def _drop_view(st: RestoreState, _err: Optional[BaseException] = None) -> None:
@@ -217,9 +217,9 @@ def _criu_restore(st: RestoreState) -> None:
     pre = st.checked
     try:
         # CRIU's ghost files have one name per image: overlapping restores of it take turns here
-        with ghostlock.for_image(img.criu_dir(st.image), st.cb.note):
+        with ghostlock.for_image(layout.criu_dir(st.image), st.cb.note):
             st.tree.result = criu.restore(
-                str(st.host.view or img.criu_dir(st.image)),
+                str(st.host.view or layout.criu_dir(st.image)),
                 str(pre.logs),
                 options=replace(
                     criu_options(st.manifest, tuple(st.host.inherit)),
@@ -229,7 +229,7 @@ def _criu_restore(st: RestoreState) -> None:
                     tcp_close=pre.options.tcp_close,
                     passthrough=pre.options.criu_passthrough,
                 ),
-                log_name=img.RESTORE_LOG,
+                log_name=layout.RESTORE_LOG,
                 binary=pre.criu_binary(),
                 on_notify=st.tree.lazy.on_notify if st.tree.lazy is not None else None,
             )
@@ -299,7 +299,7 @@ def _device_restore(st: RestoreState) -> None:
     """Restore + Unlock every NPU process (each as soon as its own Restore is done)."""
     res = st.restored
     npu_pids = st.npu_pids
-    img.stop_point("restore:device-restore")
+    publishing.stop_point("restore:device-restore")
     try:
         if npu_pids:
             tokens = {p.pid: p.lock_token for p in st.manifest.npu_processes if p.lock_token}
@@ -412,8 +412,8 @@ def restore(
 ) -> RestoreOutcome:
     """Run the whole restore pipeline (see the package's docstring); raise NpusnapError on failure."""
     with SignalGuard(callbacks.note, what="restore") as guard:
-        final = img.follow_pointer(directory)
-        state = RestoreState(final, img.load_manifest(final), options, callbacks, guard)
+        final = layout.follow_pointer(directory)
+        state = RestoreState(final, load_manifest(final), options, callbacks, guard)
         try:
             Pipeline("restore", STEPS, cb=callbacks, guard=guard).run(state)
         finally:

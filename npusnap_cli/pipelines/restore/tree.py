@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criu, safefs
-from npusnap_cli import image as img
 from npusnap_cli.errors import PreflightError, TargetError
 from npusnap_cli.host import procfs
+from npusnap_cli.image.manifest import Manifest
 
 
-def criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> criu.CriuOptions:
+def criu_options(manifest: Manifest, inherit_fd: tuple[tuple[str, int], ...] = ()) -> criu.CriuOptions:
     """The options CRIU dumped the image with, as its restore needs them."""
     o = manifest.criu_options
     lock = o.get("network_lock")
@@ -33,7 +33,7 @@ def criu_options(manifest: img.Manifest, inherit_fd: tuple[tuple[str, int], ...]
     )
 
 
-def open_pipe_targets(manifest: img.Manifest, pipe_to: Optional[Path]) -> list[tuple[str, int]]:
+def open_pipe_targets(manifest: Manifest, pipe_to: Optional[Path]) -> list[tuple[str, int]]:
     """(CRIU key, fd) for each pipe recorded by dump --external-pipes, all opened on ``pipe_to``."""
     keys = sorted({e.key for e in manifest.external_stdio if e.kind == "pipe"})
     if not keys:

@@ -12,26 +12,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from npusnap_cli import image as img
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.host import lazypages
-from npusnap_cli.image import devchunks, digest
+from npusnap_cli.image import devchunks, digest, integrity
+from npusnap_cli.image.manifest import FileEntry, Manifest
 from npusnap_cli.pipelines.restore.options import RestoreCallbacks
 
 
 def verify_entries(
-    image: Path, entries: list[img.FileEntry], progress: Optional[Callable[[int], None]] = None
+    image: Path, entries: list[FileEntry], progress: Optional[Callable[[int], None]] = None
 ) -> None:
-    """The checksum of each of ``entries`` (sizes were checked by ``img.verify``); ImageError if
+    """The checksum of each of ``entries`` (sizes were checked by ``integrity.verify``); ImageError if
     one differs."""
     digests = digest.of_files([(image / e.path, e.algo) for e in entries], progress)
     bad = [digest.mismatch(e.path, e.algo) for e, d in zip(entries, digests) if d != e.digest]
     if bad:
-        raise img.verification_error(image, bad)
+        raise integrity.verification_error(image, bad)
 
 
 class Checksums:
-    """``img.verify`` with checksums (or the checksums of ``entries`` only), on its own thread.
+    """``integrity.verify`` with checksums (or the checksums of ``entries`` only), on its own thread.
 
     ``on_error`` runs on that thread as soon as a file does not match (lazy restore: the job is
     already running and must be stopped at once)."""
@@ -40,7 +40,7 @@ class Checksums:
         self,
         image: Path,
         progress: Optional[Callable[[int], None]],
-        entries: Optional[list[img.FileEntry]] = None,
+        entries: Optional[list[FileEntry]] = None,
         threads: int = 1,
     ) -> None:
         self.error: Optional[BaseException] = None
@@ -63,11 +63,11 @@ class Checksums:
         self,
         image: Path,
         progress: Optional[Callable[[int], None]],
-        opened: Optional[list[tuple[img.FileEntry, int]]],
+        opened: Optional[list[tuple[FileEntry, int]]],
     ) -> None:
         try:
             if opened is None:
-                img.verify(image, checksums=True, progress=progress)
+                integrity.verify(image, checksums=True, progress=progress)
             else:
                 lazypages.verify_open_files(image, opened, progress, self._stop, threads=self._threads)
         except BaseException as exc:
@@ -90,7 +90,7 @@ class Checksums:
 
 
 def _device_files_verified(
-    manifest: img.Manifest, device_checks: list[Checksums | devchunks.Assembly], cb: RestoreCallbacks
+    manifest: Manifest, device_checks: list[Checksums | devchunks.Assembly], cb: RestoreCallbacks
 ) -> Callable[[], None]:
     """What runs after each agent's Restore and before its Unlock (which writes the device
     memory back): wait for the device-memory files' checksums; on a mismatch kill the tree, whose
@@ -119,7 +119,7 @@ def _device_files_verified(
 
 
 def _release_when_verified(
-    manifest: img.Manifest, checksums: Checksums, cb: RestoreCallbacks, stays_stopped: set[int]
+    manifest: Manifest, checksums: Checksums, cb: RestoreCallbacks, stays_stopped: set[int]
 ) -> None:
     """CRIU left the tree stopped: let it run if every checksum matched, else kill it unrun. A
     process stopped when it was dumped stays stopped, as CRIU restores it."""
