@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command: ruff (lint + format check), mypy --strict, pytest (unit + integration), then
-# CRIU's zdtm static tests through npusnap (tests/zdtm/parity.py).
+# The test command: ruff (lint + format check), mypy --strict, pytest (unit + integration) and,
+# beside pytest's workers, CRIU's zdtm static tests through npusnap (tests/zdtm/parity.py).
 # Called by `make test` after scripts/setup.sh. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
