@@ -47,6 +47,29 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_WORKER_DIR] = isolate_node(worker)
 
 
+# The longest test files, longest first: a parallel run hands files to its workers in collection
+# order (--dist loadfile), and these, collected last by name, left one worker running the torch_npu
+# files alone at the end. Started first, they end while the short files fill the other worker.
+LONG_FILES = (
+    "test_torch_npu_ddp.py",
+    "test_torch_npu_snapshot.py",
+    "test_dump_failures.py",
+    "test_torch_npu_hccl.py",
+    "test_incremental.py",
+    "test_real_jobs.py",
+    "test_torch_npu_compute.py",
+    "test_dump_verify.py",
+    "test_dump_restore.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order kept
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     base = config.stash.get(_WORKER_DIR, None)
     if base is not None:

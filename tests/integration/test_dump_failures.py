@@ -409,7 +409,7 @@ def test_cli_sigkilled_while_criu_holds_the_job(
     env = job_env(sim_env, runtime_dir)
     args = [
         "--steps",
-        "60",
+        "24",  # 32 MiB steps take a quarter second each: the job outlives the dump
         "--interval",
         "0.05",
         "--param-bytes",

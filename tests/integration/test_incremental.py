@@ -405,7 +405,7 @@ def test_a_job_writing_all_the_time_survives_snapshots_in_a_row(
     taking, a copy that ends while writes wait, the next snapshot's plan right after. Each
     leave-running dump succeeds, and the job runs on to the uninterrupted run's last line."""
     env = job_env(sim_env, runtime_dir)
-    steps = 1000
+    steps = 600  # 4 MiB steps: about 10 s, room for several snapshots before the last 150
     args = ["--steps", str(steps), "--interval", "0", "--param-bytes", str(4 * MiB + 123), "--seed", "3"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
