@@ -1248,6 +1248,13 @@ static void helper_main(void) {
                 close(c.fd);
                 continue;
             }
+            if (!r.ok && !strcmp(r.name, NPUSNAP_ERR_BUSY)) {
+                /* The agent still serves another connection: the dumping CRIU's own (closed only as
+                 * CRIU ends), or a status. It serves one at a time: ask again. */
+                reply_free(&r);
+                agent_close(&c);
+                continue;
+            }
             if (r.ok)
                 hlog(lf, "pid %d rolled back: running, unlocked", t->pid);
             else if (!strcmp(r.name, NPUSNAP_ERR_NOT_OWNER) || !strcmp(r.type, NPUSNAP_ERRTYPE_STATE))
