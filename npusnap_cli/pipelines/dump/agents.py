@@ -11,7 +11,6 @@ from npusnap_cli import criu
 from npusnap_cli.device.devicegroup import DeviceGroup, forget_taken_over
 from npusnap_cli.errors import NpusnapError, StateUnknownError
 from npusnap_cli.host import devmaps, procfs
-from npusnap_cli.jsontypes import obj
 from npusnap_cli.pipelines.dump.devmemory import (
     _backup_progress,
     _device_memory_in_process,
@@ -41,43 +40,32 @@ BUSY_RETRIES = 1
 CHUNK_STAGING_RESERVE = 512 << 20
 
 
-def _gone_children(s: DumpState, err: NpusnapError) -> list[int]:
-    """The pids of ``err``'s failures when every one is an NPU process of the tree, not its root,
-    that exited since the tree was resolved (a child a job forks and ends at every step): a
-    process gone before the freeze is not part of the snapshot (CRIU freezes what is there, the
-    manifest lists what it froze). Empty when anything else failed, or nothing would be left."""
-    failed = [int(p) for p in obj(err.details.get("failures"))]
-    gone = [p for p in failed if p != s.target.root_pid and procfs.state(p) in (None, "Z", "X")]
-    left = [p for p in s.target.npu_pids if p not in gone]
-    return gone if failed and len(gone) == len(failed) and left else []
-
-
-def _drop(s: DumpState, gone: list[int]) -> None:
-    s.resolved.found = dataclasses.replace(
-        s.target, npu_pids=tuple(p for p in s.target.npu_pids if p not in gone)
-    )
-    s.cb.note(f"pid(s) {', '.join(map(str, gone))} exited before the freeze: not in the snapshot")
-
-
-# A job that forks and ends a child at every step may lose another one meanwhile.
-GONE_RETRIES = 3
+def _gone_children(s: DumpState) -> list[int]:
+    """Children that held only their parent's agent socket when the tree was resolved (forked a
+    moment before, no device of their own opened: such a child has no agent to ask) and have
+    exited since (a job that forks and ends a child at every step). The resolution could not
+    tell them from NPU processes because they vanished while it looked; gone before the
+    freeze, they are not part of the snapshot (CRIU freezes what is there, the manifest lists
+    what it froze). A process with an agent of its own is never among them: a rank that dies
+    mid-dump fails it."""
+    t = s.target
+    borrowed = set(t.borrowed_socket) & set(t.npu_pids) - {t.root_pid}
+    return sorted(p for p in borrowed if procfs.state(p) in (None, "Z", "X"))
 
 
 def _connect(s: DumpState) -> None:
-    for attempt in range(GONE_RETRIES + 1):
-        try:
-            s.agents.devices = DeviceGroup(
-                s.target.npu_pids,
-                lease_s=s.options.lease_s,
-                command="dump",
-                interrupted=lambda: s.guard.received is not None,
-            )
-            return
-        except NpusnapError as err:
-            gone = _gone_children(s, err)
-            if not gone or attempt == GONE_RETRIES:
-                raise
-            _drop(s, gone)
+    gone = _gone_children(s)
+    if gone and len(gone) < len(s.target.npu_pids):
+        s.resolved.found = dataclasses.replace(
+            s.target, npu_pids=tuple(p for p in s.target.npu_pids if p not in gone)
+        )
+        s.cb.note(f"pid(s) {', '.join(map(str, gone))} exited before the freeze: not in the snapshot")
+    s.agents.devices = DeviceGroup(
+        s.target.npu_pids,
+        lease_s=s.options.lease_s,
+        command="dump",
+        interrupted=lambda: s.guard.received is not None,
+    )
 
 
 def _disconnect(s: DumpState, _err: BaseException) -> None:
@@ -86,17 +74,7 @@ def _disconnect(s: DumpState, _err: BaseException) -> None:
 
 
 def _hello(s: DumpState) -> None:
-    for attempt in range(GONE_RETRIES + 1):
-        try:
-            s.agents.hello = s.group.hello()
-            break
-        except NpusnapError as err:
-            gone = _gone_children(s, err)
-            if not gone or attempt == GONE_RETRIES:
-                raise
-            s.group.close()
-            _drop(s, gone)
-            _connect(s)
+    s.agents.hello = s.group.hello()
     # Another command's lock (a freeze, an external checkpoint, a dump in progress): refuse
     # here, having changed nothing, rather than fail at Lock.
     s.group.ensure_unlocked()

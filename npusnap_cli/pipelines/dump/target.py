@@ -30,6 +30,10 @@ class _Target:
     # Processes stopped by a signal before the dump (not traced): CRIU keeps them stopped, and
     # a rollback must not resume them either.
     stopped: tuple[int, ...] = ()
+    # NPU processes whose only agent socket is another process's (a child forked a moment ago,
+    # holding its parent's listening socket until it opens a device of its own): one that exits
+    # before the agents are asked was never a rank of its own (agents.py, _gone_children).
+    borrowed_socket: tuple[int, ...] = ()
 
 
 def _signal_stopped(tree: list[ProcInfo]) -> tuple[int, ...]:
@@ -111,6 +115,9 @@ def resolve_target(pid: int, *, attach: bool) -> _Target:
         npu_pids=tuple(p.pid for p in npu),
         idle=idle,
         stopped=_signal_stopped(tree),
+        borrowed_socket=tuple(
+            p.pid for p in npu if p.has_agent and not proctree.named_after(p.agent_socket, p.pid)
+        ),
     )
 
 
@@ -146,6 +153,7 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         attach_stopped_s=tuple(stopped),
         idle=target.idle,
         stopped=target.stopped,
+        borrowed_socket=target.borrowed_socket,
     )
 
 
