@@ -18,9 +18,9 @@ import psutil
 
 from npusnap_cli import acl, contract, paths, replies
 from npusnap_cli.device import occupancy
-from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentClient
+from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentBusyError, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
-from npusnap_cli.host import agentrecord, procfs
+from npusnap_cli.host import agentrecord, oplog, procfs
 from npusnap_cli.jsontypes import JSONObject
 
 ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -238,6 +238,10 @@ def without_device_state(tree: list[ProcInfo]) -> tuple[int, ...]:
     return tuple(out)
 
 
+# How long `status` asks again an agent that serves another client.
+BUSY_WAIT_S = 2.0
+
+
 def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
     """``{"pid", "processes": [...], "hints": [...]}``; agent failures are reported per process."""
     tree = process_tree(pid)
@@ -254,13 +258,28 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
         entry.update({"program_devices": None, "ns_pid": occupancy.ns_pid(info.pid)})
         hello: Optional[replies.HelloReply] = None
         if info.has_agent and info.pid not in idle:  # a stopped one's agent cannot answer
-            try:
-                with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
-                    hello = client.hello()
-                    entry["hello"] = hello.to_json()
-                    entry["status"] = client.status().to_json()
-            except NpusnapError as exc:
-                entry["agent_error"] = exc.to_dict()
+            # An agent serves one client at a time: the command that just ended (a restore's
+            # last request) may still hold it for a moment. Asked again until BUSY_WAIT_S, unless
+            # a running command holds it (a long dump), which `status` names instead.
+            busy_until = time.monotonic() + BUSY_WAIT_S
+            while True:
+                try:
+                    with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
+                        hello = client.hello()
+                        entry["hello"] = hello.to_json()
+                        entry["status"] = client.status().to_json()
+                    entry.pop("agent_error", None)
+                    break
+                except AgentBusyError as exc:
+                    hello = None
+                    entry.pop("hello", None)
+                    entry["agent_error"] = exc.to_dict()
+                    if time.monotonic() >= busy_until or oplog.running_on(info.pid) is not None:
+                        break
+                    time.sleep(0.05)
+                except NpusnapError as exc:
+                    entry["agent_error"] = exc.to_dict()
+                    break
         if hello is not None:
             use = occupancy.of_hello(info.pid, hello)
             entry["devices"] = list(use.devices or ())

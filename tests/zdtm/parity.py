@@ -338,6 +338,25 @@ def uses_port(static: Path, name: str) -> bool:
     return "TEST_OPTION(port" in text or re.search(r"\bport = \d", text) is not None
 
 
+# CRIU's iptables network lock marks its own packets with SOCCR_MARK (soccr/soccr.h)
+# and drops the rest of a locked connection: its rules say "! --mark 0xc114".
+SOCCR_MARK_RULE = "0xc114"
+ZDTM_PORT = 8880  # the port zdtm's TCP tests listen on (static int port = 8880)
+
+
+def drop_lock_rules() -> None:
+    """The DROP rules CRIU's iptables network lock left for zdtm's fixed port (a dump that ended
+    the tree, whose restore never came to unlock them), so that the next test on that port does
+    not inherit them. Called holding Runner.port_lock: no test of the port is running."""
+    for tool in ("iptables", "ip6tables"):
+        if shutil.which(tool) is None:
+            continue
+        listed = subprocess.run([tool, "-S"], capture_output=True, text=True, timeout=30)
+        for rule in listed.stdout.splitlines():
+            if rule.startswith("-A ") and SOCCR_MARK_RULE in rule and f"port {ZDTM_PORT} " in rule + " ":
+                subprocess.run([tool, "-D", *rule.split()[1:]], capture_output=True, timeout=30)
+
+
 def uses_pty(static: Path, name: str) -> bool:
     """The test opens pseudo-terminals: CRIU restores a pty at its index (/dev/ptmx with the
     image's index), which another test's pty may have taken meanwhile."""
@@ -561,6 +580,8 @@ class Runner:
         try:
             with port, pty:
                 out = self._run(name, desc, npu, device)
+            with self.port_lock:  # no test of the port runs: its rules left now are leftovers
+                drop_lock_rules()
         finally:
             self.devices.put(device)
         out.seconds = round(time.monotonic() - t0, 2)
