@@ -1,5 +1,5 @@
-"""A node of its own for a part of the test suite that runs beside others (a pytest worker, the
-zdtm run): on the simulator each CANN tree is a node, so the devices one part's jobs hold are
+"""A node of its own for a part of the test suite (a pytest worker, which runs beside the others;
+the zdtm run): on the simulator each CANN tree is a node, so the devices one part's jobs hold are
 never "occupied" for another's restores (npusnap_cli/device/occupancy.py)."""
 
 from __future__ import annotations

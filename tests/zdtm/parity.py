@@ -792,7 +792,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("needs root (CRIU)")
-    # A node of its own: the run goes on beside pytest's workers (scripts/test.sh).
+    # A node of its own: its jobs never make another run's devices occupied.
     node = isolate_node("zdtm")
     try:
         return run(args)
