@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -304,17 +305,10 @@ def reap_orphans() -> None:
     me = os.getpid()
     with _popen_lock:
         waited = {p.pid for p in _popens if p.returncode is None}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in waited:
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] == "Z" and int(fields[1]) == me:
+        for pid, fields in proc_stats():
+            if pid not in waited and fields[0] == "Z" and int(fields[1]) == me:
                 try:
-                    os.waitpid(int(entry), os.WNOHANG)
+                    os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
 
@@ -365,19 +359,20 @@ def uses_pty(static: Path, name: str) -> bool:
     return any(w in text for w in ("/dev/ptmx", "openpty", "posix_openpt", "/dev/pts", "/dev/tty"))
 
 
-def session_members(sid: int) -> list[int]:
-    found = []
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name: state first) of every process."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # field 6 of stat: the session id
-            found.append(int(entry))
-    return found
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    yield int(entry), f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+
+
+def session_members(sid: int) -> list[int]:
+    # field 6 of stat: the session id
+    return [pid for pid, fields in proc_stats() if int(fields[3]) == sid]
 
 
 def kill_tree(pid: int) -> None:
