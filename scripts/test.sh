@@ -16,34 +16,54 @@ echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
 # CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
-# time), on a simulated node of its own, after pytest's workers and before the serial tests: not
-# beside them, for its cgroup tests mount cgroup v1 hierarchies (net_prio...) that the CRIU dumps
-# of other tests then fail on ("cg: controller net_prio not found"). Only for the whole suite: a
-# run of chosen tests (arguments) skips it.
-run_zdtm() {
+# time), on a simulated node of its own, beside pytest's workers. Its exclusive and cgroup tests
+# wait until the workers are done (--late-after): they mount cgroup v1 hierarchies (net_prio...)
+# and set iptables rules that other tests' CRIU dumps trip on ("cg: controller net_prio not
+# found"). The tests marked serial run after all of it. Only for the whole suite: a run of chosen
+# tests (arguments) skips it.
+ZDTM_GO=.build/zdtm-workers-done
+ZDTM_LOG=.build/zdtm.log
+start_zdtm() {
+    zpid=
     if [ $# -ne 0 ] || [ "${NPUSNAP_SKIP_ZDTM:-}" = 1 ]; then return 0; fi
-    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py)"
-    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json
+    rm -f "$ZDTM_GO"
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): started, beside pytest ($ZDTM_LOG)"
+    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json --late-after "$ZDTM_GO" \
+        >"$ZDTM_LOG" 2>&1 &
+    zpid=$!
+}
+finish_zdtm() {
+    if [ -z "$zpid" ]; then return 0; fi
+    touch "$ZDTM_GO"
+    local zrc=0
+    wait "$zpid" || zrc=$?
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): exit $zrc"
+    cat "$ZDTM_LOG"
+    return $zrc
 }
 # The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2), each a node of its own
-# (tests/conftest.py), then zdtm, then the tests marked serial alone (the host's one
-# podman, containerd, Slurm); NPUSNAP_TEST_JOBS=1 runs everything in one process.
+# (tests/conftest.py), beside zdtm, then the tests marked serial alone (the host's one podman,
+# containerd, Slurm); NPUSNAP_TEST_JOBS=1 runs everything in one process.
 JOBS=${NPUSNAP_TEST_JOBS:-2}
+t0=$(date +%s)
 set +e
+start_zdtm "$@"
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
-    $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30
+    $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30 \
+        --junitxml=.build/junit-workers.xml
     rc=$?
-    run_zdtm "$@"
+    finish_zdtm
     zrc=$?
-    $V/python -m pytest -m serial --durations=10
+    $V/python -m pytest -m serial --durations=10 --junitxml=.build/junit-serial.xml
     rc2=$?
     if [ $rc -eq 0 ]; then rc=$rc2; fi
+    $V/python scripts/suite_time.py --wall $(($(date +%s) - t0)) .build/junit-workers.xml .build/junit-serial.xml
 else
     echo "== pytest"
     $V/python -m pytest "$@"
     rc=$?
-    run_zdtm "$@"
+    finish_zdtm
     zrc=$?
 fi
 set -e

@@ -17,6 +17,10 @@ def isolate_node(name: str) -> Path:
     in a runbook) and npusnap's state directory, all under a new directory, set in this
     process's environment (and so in every child's). Returns the directory: remove it at the end."""
     base = Path(tempfile.mkdtemp(prefix=f"npusnap-{name}-"))
+    # Readable by all, as /usr/local/Ascend is: permissions.md runs a job as another user, with
+    # this node's CANN tree. What must stay private below it (the state directory, the
+    # simulator's socket) is created with its own modes.
+    os.chmod(base, 0o755)
     built = paths.build_dir()
     # Every tree the build made (paths.sim_cann_home names them cann and cann-VERSION).
     for src in sorted(p for p in built.glob("cann*") if p.is_dir()):

@@ -141,10 +141,19 @@ def device0_taken(sim_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
         job.cleanup()
 
 
+# The pages that drive the host's one podman or start a containerd on the host's CRI socket paths
+# run alone, after the parallel part; the others run on a worker's own node like any test.
+HOST_SERVICE_PAGES = ("podman", "kubernetes")
+
+
+def _script_param(script: Path) -> Any:
+    marks = [pytest.mark.serial] if script.stem in HOST_SERVICE_PAGES else []
+    return pytest.param(script, id=script.stem, marks=marks)
+
+
 @pytest.mark.integration
-@pytest.mark.serial  # the pages use the host's podman and containerd
 @requires_root
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", [_script_param(s) for s in SCRIPTS])
 def test_runbook_script_succeeds(
     script: Path, sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path, device0_taken: None
 ) -> None:
@@ -194,7 +203,6 @@ def test_doc_pages_with_shell_blocks_are_run() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.serial  # the pages use the host's podman and containerd
 @requires_root
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.stem)
 def test_doc_page_blocks_succeed(

@@ -58,6 +58,8 @@ CRIU_SRC = Path(os.environ.get("NPUSNAP_CACHE", "/var/cache/npusnap")) / f"criu-
 ZDTM_IDS = {"ZDTM_UID": "18943", "ZDTM_GID": "58467", "ZDTM_GROUPS": "27495 48244"}
 TEST_TIMEOUT = 30.0
 HOOK_TIMEOUT = 60.0
+# How long the late tests wait for --late-after's file: longer than pytest's workers ever take.
+LATE_WAIT_S = 60 * 60.0
 
 
 @dataclass
@@ -777,6 +779,20 @@ def judge(res: TestResult, expected: dict[str, str]) -> None:
         res.verdict = "expected" if how else "regression"
 
 
+def is_late(name: str, desc: dict[str, str]) -> bool:
+    """Run alone, after the shared ones: the tests zdtm.py runs exclusively, and every cgroup test
+    (cgroup_stray is not marked exclusive but mounts cgroup v1 hierarchies too)."""
+    return "excl" in desc.get("flags", "").split() or name.startswith("cgroup")
+
+
+def wait_for_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"zdtm: {path} did not appear within {timeout:.0f}s")
+        time.sleep(0.5)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="build and image directory (default: a temp dir)")
@@ -784,6 +800,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="these tests only")
     ap.add_argument("--report", type=Path, default=None, help="write the results here (JSON)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument(
+        "--late-after",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run the exclusive and cgroup tests only once FILE exists (scripts/test.sh creates it"
+        " when pytest's workers are done: those tests mount cgroup v1 hierarchies and set iptables"
+        " rules that other CRIU dumps on the host would trip on)",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("needs root (CRIU)")
@@ -850,11 +875,14 @@ def run(args: argparse.Namespace) -> int:
                 log(f"{head} {oneline(raw.detail)[:100]}{tail}")
             return res
 
-        exclusive = [p for p in plan if "excl" in p[1].get("flags", "").split()]
-        shared = [p for p in plan if p not in exclusive]
+        late = [p for p in plan if is_late(p[0], p[1])]
+        shared = [p for p in plan if p not in late]
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             results += list(pool.map(one, shared))
-        results += [one(p) for p in exclusive]
+        if args.late_after is not None:
+            log(f"zdtm: {len(shared)} done; {len(late)} exclusive and cgroup ones await {args.late_after}")
+            wait_for_file(args.late_after, LATE_WAIT_S)
+        results += [one(p) for p in late]
     results.sort(key=lambda r: r.name)
     counts: dict[str, int] = {}
     for r in results:
