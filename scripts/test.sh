@@ -41,10 +41,11 @@ finish_zdtm() {
     cat "$ZDTM_LOG"
     return $zrc
 }
-# The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2), each a node of its own
+# The whole suite runs in NPUSNAP_TEST_JOBS workers (default 3: the tests wait on processes
+# more than they compute; 2 cores), each a node of its own
 # (tests/conftest.py), beside zdtm, then the tests marked serial alone (the host's one podman,
 # containerd, Slurm); NPUSNAP_TEST_JOBS=1 runs everything in one process.
-JOBS=${NPUSNAP_TEST_JOBS:-2}
+JOBS=${NPUSNAP_TEST_JOBS:-3}
 t0=$(date +%s)
 set +e
 start_zdtm "$@"

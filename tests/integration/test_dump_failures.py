@@ -444,7 +444,9 @@ def test_worker_killed_mid_dump_rolls_back_the_other(
     faults = tmp_path / "faults"
     faults.write_text("NPUSIM_BACKUP_HANG_MS=1500\n")
     env = job_env(sim_env, runtime_dir, NPUSIM_FAULT_FILE=str(faults))
-    steps = ["--steps", "60", *TRAIN_ARGS]
+    # Rank 0 must still be running after the dump's 1.5 s Backup, its rollback and the checks
+    # below, on a busy machine too: 150 steps are 7.5 s of its life.
+    steps = ["--steps", "150", *TRAIN_ARGS]
     ref0 = [
         f"[rank 0] {ln}"
         for ln in reference(job_env(sim_env, runtime_dir), [*steps, "--device", "0", "--seed", "0"])

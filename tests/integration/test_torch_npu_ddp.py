@@ -37,7 +37,9 @@ JOB = str(REPO / "npusnap_workloads" / "torch_npu_ddp.py")
 # Two processes share the output file: a line may be cut by the other's, so lines are found by
 # pattern, not by newline.
 LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+) params ([0-9a-f]{16})")
-STEPS = 40
+# Enough steps that the second dump, once 40 lines are out, lands well before the end on a busy
+# machine (a dump of a job already tearing down finds no device handles to save).
+STEPS = 60
 
 
 def free_port() -> int:
@@ -61,6 +63,15 @@ def argv_for(python: str, launcher: str, args: list[str]) -> list[str]:
     return [python, JOB, *args]
 
 
+def unpaced(args: list[str]) -> list[str]:
+    """The reference run's arguments: without the sleep between steps, which computes nothing
+    (the numbers are the same), so the uninterrupted run takes only its compute."""
+    out = list(args)
+    if "--interval" in out:
+        out[out.index("--interval") + 1] = "0"
+    return out
+
+
 def count(job: Job) -> int:
     return sum(len(v) for v in steps_of(job.text()).values())
 
@@ -78,9 +89,8 @@ def test_a_ddp_job_dumped_twice_continues_exactly(
     extra = STRICT if tree == "strict" else {}
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0", **extra)
     args = ["--steps", str(STEPS), "--interval", "0.1"]
-    ref = subprocess.run(
-        argv_for(torch_npu_python, launcher, args), env=env, capture_output=True, text=True, timeout=300
-    )
+    argv = argv_for(torch_npu_python, launcher, unpaced(args))
+    ref = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = steps_of(ref.stdout)
     assert sorted(want) == [0, 1] and all(len(v) == STEPS for v in want.values()), ref.stdout[-2000:]
@@ -127,7 +137,9 @@ def test_a_dump_while_one_rank_holds_up_an_all_reduce(
     # The stall, and the dump's wait for the collective boundary, stay within the process group's
     # timeout (else the watchdog rightly ends the job).
     args = ["--steps", "12", "--interval", "0.05", "--pg-timeout", "15"]
-    ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(
+        [torch_npu_python, JOB, *unpaced(args)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     phases = tmp_path / "phases"
     phases.mkdir()
@@ -161,7 +173,9 @@ def test_leave_running_both_the_original_and_the_image_continue_exactly(
     after the cut with new communicators, exactly."""
     env = job_env(sim_env, runtime_dir, NPUSIM_KERNEL_BLOCK_US="0")
     args = ["--steps", "30", "--interval", "0.1"]
-    ref = subprocess.run([torch_npu_python, JOB, *args], env=env, capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(
+        [torch_npu_python, JOB, *unpaced(args)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = steps_of(ref.stdout)
     job = Job(tmp_path, env, [torch_npu_python, JOB, *args])

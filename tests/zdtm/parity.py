@@ -1,6 +1,6 @@
 """CRIU's zdtm static tests, raw CRIU against npusnap, each test an NPU process.
 
-    python -m tests.zdtm.parity [--jobs N] [--only NAME ...] [--report FILE] [--mode both|raw|npusnap]
+    python -m tests.zdtm.parity [--jobs N] [--only NAME ...] [--report FILE] [--late-after FILE] [--keep]
 
 For every host-flavour test of CRIU's own suite (test/zdtm/static of the CRIU source the setup
 fetched), as zdtm.py runs it in its default mode (start, dump, restore, SIGTERM, the test's own
