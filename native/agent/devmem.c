@@ -216,7 +216,10 @@ static uint32_t g_save_epoch;
 static int g_saved;
 static int g_interposed = -1; /* computed lazily */
 #define MAX_DEVS 1024
-static unsigned char g_devs[MAX_DEVS]; /* devices the job opened (aclrtSetDevice .. ResetDevice) */
+/* Devices the job opened: per device, its aclrtSetDevice calls not yet matched by an
+ * aclrtResetDevice (CANN counts them and releases the device at 0: until then its memory stays and
+ * must be kept), at least 1 for a device only seen through a context. */
+static unsigned g_devs[MAX_DEVS];
 static void *g_dev_ctx[MAX_DEVS];      /* a context of each such device, for synchronize */
 static __thread int t_agent;           /* this thread copies for npusnap: its drvMemcpy is not the job's */
 
@@ -645,12 +648,16 @@ API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_
 
 /* ------------------------------------------------------------------ the context wrappers */
 
-static void remember_ctx(int32_t dev) {
+static void remember_ctx(int32_t dev, int set_device) {
     aclError (*gc)(void **) = (aclError(*)(void **))real(F_GET_CTX);
     void *ctx = NULL;
-    if (!gc || gc(&ctx) != ACL_SUCCESS || !ctx || dev < 0 || dev >= MAX_DEVS) return;
+    if (dev < 0 || dev >= MAX_DEVS) return;
     pthread_mutex_lock(&g_mu);
-    g_devs[dev] = 1;
+    if (set_device) g_devs[dev]++;
+    else if (!g_devs[dev]) g_devs[dev] = 1;
+    pthread_mutex_unlock(&g_mu);
+    if (!gc || gc(&ctx) != ACL_SUCCESS || !ctx) return;
+    pthread_mutex_lock(&g_mu);
     g_dev_ctx[dev] = ctx;
     pthread_mutex_unlock(&g_mu);
 }
@@ -666,7 +673,7 @@ API aclError aclrtSetDevice(int32_t deviceId) {
     aclError rc = fn(deviceId);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        remember_ctx(deviceId);
+        remember_ctx(deviceId, 1);
         agent_device_opened();
     }
     return rc;
@@ -677,7 +684,7 @@ API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
     aclError rc = fn(ctx, deviceId);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        remember_ctx(deviceId);
+        remember_ctx(deviceId, 0);
         agent_device_opened();
     }
     return rc;
@@ -692,7 +699,7 @@ API aclError aclrtSetCurrentContext(void *ctx) {
         current_place(&dev);
         if (dev >= 0 && dev < MAX_DEVS) {
             pthread_mutex_lock(&g_mu);
-            g_devs[dev] = 1;
+            if (!g_devs[dev]) g_devs[dev] = 1;
             if (!g_dev_ctx[dev]) g_dev_ctx[dev] = ctx;
             pthread_mutex_unlock(&g_mu);
         }
@@ -719,9 +726,15 @@ API aclError aclrtResetDevice(int32_t deviceId) {
     REAL(F_RESET_DEVICE, aclError(*)(int32_t));
     aclError rc = fn(deviceId);
     if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
+        pthread_mutex_lock(&g_mu);
+        if (g_devs[deviceId] > 1) {
+            /* another aclrtSetDevice still holds the device: CANN keeps it, and its memory */
+            g_devs[deviceId]--;
+            pthread_mutex_unlock(&g_mu);
+            return rc;
+        }
         /* The runtime frees the device's memory through halMemFree (untracked there); a range it
          * released otherwise must not be copied from a device that is gone. */
-        pthread_mutex_lock(&g_mu);
         for (size_t i = 0; i < g_n;) {
             if (g_allocs[i].dev == deviceId && g_allocs[i].kind != K_REGISTERED) drop_at(i);
             else i++;
@@ -1992,7 +2005,7 @@ API int npusnap_devmem_register(void *dev_ptr, size_t size) {
     if (!dev_ptr || !size) return -EINVAL;
     int32_t dev;
     current_place(&dev);
-    if (dev >= 0) remember_ctx(dev);
+    if (dev >= 0) remember_ctx(dev, 0);
     pthread_mutex_lock(&g_mu);
     int rc = g_saved ? -EBUSY : add((uintptr_t)dev_ptr, size, dev, K_REGISTERED);
     pthread_mutex_unlock(&g_mu);

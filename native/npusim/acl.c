@@ -45,9 +45,9 @@ ACL_API aclError aclInit(const char *configPath) {
     return ACL_SUCCESS;
 }
 
-/* Finalize resets every device the process opened. */
+/* Finalize resets every device the process opened, whatever its count of aclrtSetDevice calls. */
 ACL_API aclError aclFinalize(void) {
-    for (int32_t d = 0; d < 64; d++) rtDeviceReset(d);
+    for (int32_t d = 0; d < 64; d++) rtDeviceResetForce(d);
     aclError rc = __atomic_exchange_n(&g_initialized, 0, __ATOMIC_SEQ_CST) ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
     return acl_rc(__func__, rc);
 }
@@ -67,6 +67,7 @@ ACL_API const char *aclrtGetSocName(void) {
 /* ---- devices, contexts */
 ACL_API aclError aclrtSetDevice(int32_t deviceId) { return acl_rc(__func__, rtSetDevice(deviceId)); }
 ACL_API aclError aclrtResetDevice(int32_t deviceId) { return acl_rc(__func__, rtDeviceReset(deviceId)); }
+ACL_API aclError aclrtResetDeviceForce(int32_t deviceId) { return acl_rc(__func__, rtDeviceResetForce(deviceId)); }
 /* Before any SetDevice: 107002, reported quietly (no message): torch_npu asks first on purpose and
  * then sets device 0, and a stale message would be prepended to the next real failure's text. */
 ACL_API aclError aclrtGetDevice(int32_t *deviceId) {

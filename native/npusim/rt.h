@@ -13,6 +13,7 @@
 
 RT_API rtError_t rtSetDevice(int32_t devId);
 RT_API rtError_t rtDeviceReset(int32_t devId);
+RT_API rtError_t rtDeviceResetForce(int32_t devId);
 RT_API rtError_t rtGetDevice(int32_t *devId);
 RT_API rtError_t rtGetDeviceCount(int32_t *cnt);
 RT_API rtError_t rtDeviceSynchronizeWithTimeout(int32_t timeout);

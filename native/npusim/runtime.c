@@ -73,6 +73,11 @@ static pthread_mutex_t g_defmu = PTHREAD_MUTEX_INITIALIZER; /* before g_eng */
 
 static int g_state = ST_RUNNING;
 static int g_open[MAX_DEV];
+/* aclrtSetDevice calls not yet matched by an aclrtResetDevice: the device is released only when
+ * its count drops to 0, or by aclrtResetDeviceForce (CANN's aclrtResetDevice and
+ * aclrtResetDeviceForce references; the runtime's rtDeviceResetForce test: a second forced reset
+ * fails). Under g_mu. */
+static int g_ref[MAX_DEV];
 static int g_default_dev = -1;
 static __thread int t_dev = -1;
 static struct cb *g_cbs[NSTAGES];
@@ -681,6 +686,7 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
     if (rc == ACL_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         g_open[devId] = 1;
+        g_ref[devId]++;
         t_dev = devId;
         if (g_default_dev < 0) g_default_dev = devId;
         pthread_mutex_unlock(&g_mu);
@@ -688,20 +694,23 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
     return rc;
 }
 
-RT_API rtError_t rtDeviceReset(int32_t devId) {
+static rtError_t device_reset(int32_t devId, int force) {
     uint32_t drv;
     int32_t vrc = drv_dev(devId, &drv);
     if (vrc != ACL_SUCCESS) return vrc;
     gate();
     pthread_mutex_lock(&g_mu);
     int open = g_open[devId];
+    int left = open && !force ? --g_ref[devId] : 0;
     pthread_mutex_unlock(&g_mu);
-    if (!open) return ACL_SUCCESS;
+    if (!open) return force ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
+    if (left > 0) return ACL_SUCCESS; /* another aclrtSetDevice still holds it */
     device_sync(devId, -1);
     destroy_device_streams(devId);
     int32_t rc = drv_to_acl(halDeviceClose(drv, NULL));
     pthread_mutex_lock(&g_mu);
     g_open[devId] = 0;
+    g_ref[devId] = 0;
     if (t_dev == devId) t_dev = -1;
     if (g_default_dev == devId) {
         g_default_dev = -1;
@@ -714,6 +723,10 @@ RT_API rtError_t rtDeviceReset(int32_t devId) {
     pthread_mutex_unlock(&g_mu);
     return rc;
 }
+
+RT_API rtError_t rtDeviceReset(int32_t devId) { return device_reset(devId, 0); }
+
+RT_API rtError_t rtDeviceResetForce(int32_t devId) { return device_reset(devId, 1); }
 
 RT_API rtError_t rtGetDevice(int32_t *devId) {
     if (!devId) return ACL_ERROR_RT_PARAM_INVALID;

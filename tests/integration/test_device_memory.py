@@ -208,6 +208,34 @@ def test_one_process_on_two_devices(make_driver: Callable[..., Driver]) -> None:
     assert d.call("read", b, 8192)["crc"] == crc_b
 
 
+def test_a_device_set_twice_keeps_its_memory_until_the_second_reset(
+    make_driver: Callable[..., Driver],
+) -> None:
+    """CANN counts aclrtSetDevice calls and releases a device when aclrtResetDevice brings the
+    count to 0 (torch_npu sets the device in each of its threads): one reset of two leaves the
+    device open with its memory, and npusnap still keeps that memory; the second releases it.
+    aclrtResetDeviceForce releases it at once (CANN's reference for both)."""
+    d = make_driver()
+    assert d.rc("set", 0) == 0
+    assert d.rc("set", 0) == 0
+    a = d.call("malloc", 8192)["addr"]
+    crc = d.call("fill", a, 8192, "kept")["crc"]
+    assert d.rc("reset", 0) == 0
+    assert d.call("getdev") == {"rc": 0, "dev": 0}
+    assert d.call("read", a, 8192)["crc"] == crc
+    assert d.call("dm_info")["allocations"] == 1
+    kept_cycle(d)
+    assert d.call("read", a, 8192)["crc"] == crc
+    assert d.rc("reset", 0) == 0
+    assert d.call("getdev")["rc"] != 0  # released: no current device
+    assert d.call("dm_info")["allocations"] == 0
+    # aclrtResetDeviceForce releases whatever the count; a second one finds nothing to release.
+    assert d.rc("set", 0) == 0 and d.rc("set", 0) == 0
+    assert d.rc("reset_force", 0) == 0
+    assert d.call("getdev")["rc"] != 0
+    assert d.rc("reset_force", 0) != 0
+
+
 def test_the_runtimes_lock_holds_the_job_until_the_memory_is_back(make_driver: Callable[..., Driver]) -> None:
     """No gate of npusnap's: the runtime's own lock holds another thread's device calls from Lock
     to Unlock, npusnap copies and writes back with the driver's copy meanwhile, so the thread's

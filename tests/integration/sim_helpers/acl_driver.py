@@ -5,7 +5,7 @@ one JSON command per stdin line, answering one JSON object per stdout line. Comm
 main thread unless sent with ``bg`` (a new thread), so a test can show that another thread's
 device call blocks while the process is locked.
 
-    ["set", 0] ["reset", 0] ["count"] ["malloc", n] ["free", addr] ["fill", addr, n, seed]
+    ["set", 0] ["reset", 0] ["reset_force", 0] ["count"] ["malloc", n] ["free", addr] ["fill", addr, n, seed]
     ["read", addr, n] -> {"rc", "crc"} ["write_hex", addr, hex] ["lock"] ["backup"] ["restore"]
     ["unlock"] ["raw", name, pid_delta, nonnull] ["state"] ["devices"] ["getdev"]
     ["register", stage, ret] ["unregister", stage] ["register_twice", stage] ["calls"]
@@ -104,6 +104,8 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         return {"rc": lib.aclrtSetDevice(ctypes.c_int32(cmd[1]))}
     if op == "reset":
         return {"rc": lib.aclrtResetDevice(ctypes.c_int32(cmd[1]))}
+    if op == "reset_force":
+        return {"rc": lib.aclrtResetDeviceForce(ctypes.c_int32(cmd[1]))}
     if op == "count":
         n = ctypes.c_uint32(0)
         return {"rc": lib.aclrtGetDeviceCount(ctypes.byref(n)), "count": n.value}
