@@ -138,8 +138,10 @@ def _criu_error(action: str, exc: Exception, log_path: str, *, pid: Optional[int
     if errno_:
         details["errno"] = errno_
     free = _free_bytes(os.path.dirname(log_path))
+    # Prefixes: CRIU's log is often on the disk that filled, and its last line is cut short
+    # ("page-xfer: Unable to spice data: No space left o").
     full = errno_ in NO_SPACE_ERRNOS or any(
-        "No space left on device" in line or "Disk quota exceeded" in line for line in excerpt
+        "No space left" in line or "Disk quota" in line for line in excerpt
     )
     if full or (free is not None and free < FULL_DISK_BYTES and (not excerpt or "Unknown" in reason)):
         # A full disk (whatever else failed because of it, a plugin's write included) is exit 3

@@ -165,6 +165,21 @@ def test_criu_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert err.details["criu_log"] == str(log)
 
 
+def test_criu_log_cut_short_by_the_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CRIU's log on the disk that filled: its last error line is cut mid-word (seen on a busy
+    machine). Still a full disk: 3, not CRIU's 6."""
+
+    class Exc(Exception):
+        errno = 0
+
+    log = tmp_path / "logs" / "dump.log"
+    log.parent.mkdir()
+    log.write_text("(00.03) Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No space left o")
+    monkeypatch.setattr(criu_failures, "_free_bytes", lambda _p: 10 << 30)
+    err = criu._criu_error("dump", Exc("DUMP failed: Error(0): Unknown"), str(log), pid=42)
+    assert int(err.exit_code) == NO_SPACE, err.message
+
+
 def test_the_agents_copy_of_device_memory_on_a_full_disk() -> None:
     client = agent_client.AgentClient(42, connect=False)
     error = replies.error(
