@@ -201,9 +201,14 @@ def test_dataloader_copies_beside_the_running_original_are_refused_untouched(
         rc, res, err = cli(env, "restore", img, "--device-map", "0=1")
         assert rc == ExitCode.PREFLIGHT and res is not None, err
         e = res["error"]
-        assert e["message"].startswith("pid ") and "/tmp/pymp-" in e["message"], e
-        workers = psutil_children(pid)
-        assert all(v["pid"] in workers for v in e["details"]["busy_listeners"].values()), e["details"]
+        if e["message"].startswith("/dev/shm/sem.mp-"):
+            # The running original's DataLoader moved its semaphore since the dump: that check
+            # comes first and refuses as rightly (seen on a busy machine).
+            assert "changed since the dump" in e["message"], e
+        else:
+            assert e["message"].startswith("pid ") and "/tmp/pymp-" in e["message"], e
+            workers = psutil_children(pid)
+            assert all(v["pid"] in workers for v in e["details"]["busy_listeners"].values()), e["details"]
         wait_until(lambda: not alive(pid), 120, "the original to finish")
         assert loader_lines(out) == loader_reference
     finally:
