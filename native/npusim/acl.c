@@ -45,9 +45,11 @@ ACL_API aclError aclInit(const char *configPath) {
     return ACL_SUCCESS;
 }
 
-/* Finalize resets every device the process opened, whatever its count of aclrtSetDevice calls. */
+/* Finalize leaves the devices alone, as CANN's does (acl's aclFinalizeInternal: profiling, dump,
+ * the finalize callbacks, the default device's setting; no device reset): a device the process
+ * set and did not reset is released when the process exits (aclrtResetDevice's reference). A
+ * thread of the job that sets its device while another finalizes still finds its context. */
 ACL_API aclError aclFinalize(void) {
-    for (int32_t d = 0; d < 64; d++) rtDeviceResetForce(d);
     aclError rc = __atomic_exchange_n(&g_initialized, 0, __ATOMIC_SEQ_CST) ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
     return acl_rc(__func__, rc);
 }
