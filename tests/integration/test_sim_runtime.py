@@ -409,6 +409,9 @@ def test_errors_of_ordinary_calls(make_driver: Callable[..., Driver]) -> None:
     assert v["rc"] == 0 and v["version"] == "9.1.0"
     assert d.rc("free", a) == 0 and d.rc("free", a) == 107000
     assert d.rc("finalize") == 0
+    # CANN's aclFinalize resets no device (acl's aclFinalizeInternal); a reset does, or the exit.
+    assert d.call("devices")["devices"] == [0]
+    assert d.rc("reset", 0) == 0
     assert d.call("devices")["devices"] == []
 
 
