@@ -16,18 +16,18 @@ echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
 # CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
-# time), on a simulated node of its own, beside pytest's workers. Its exclusive and cgroup tests
-# wait until the workers are done (--late-after): they mount cgroup v1 hierarchies (net_prio...)
-# and set iptables rules that other tests' CRIU dumps trip on ("cg: controller net_prio not
-# found"). The tests marked serial run after all of it. Only for the whole suite: a run of chosen
-# tests (arguments) skips it.
+# time), on a simulated node of its own, after pytest's workers (NPUSNAP_ZDTM_BESIDE=1: beside
+# them). Its exclusive and cgroup tests wait until the workers are done (--late-after): they mount
+# cgroup v1 hierarchies (net_prio...) and set iptables rules that other tests' CRIU dumps trip on
+# ("cg: controller net_prio not found"). The tests marked serial run after all of it. Only for
+# the whole suite: a run of chosen tests (arguments) skips it.
 ZDTM_GO=.build/zdtm-workers-done
 ZDTM_LOG=.build/zdtm.log
 start_zdtm() {
     zpid=
     if [ $# -ne 0 ] || [ "${NPUSNAP_SKIP_ZDTM:-}" = 1 ]; then return 0; fi
     rm -f "$ZDTM_GO"
-    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): started, beside pytest ($ZDTM_LOG)"
+    echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): started ($ZDTM_LOG)"
     $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json --late-after "$ZDTM_GO" \
         >"$ZDTM_LOG" 2>&1 &
     zpid=$!
@@ -51,12 +51,15 @@ finish_zdtm() {
 JOBS=${NPUSNAP_TEST_JOBS:-2}
 t0=$(date +%s)
 set +e
-start_zdtm "$@"
+# Beside the workers only when asked: on 2 cores that load made 2 of 4 runs' zdtm dumps meet an
+# agent "busy: another client is connected" (not understood yet; CONTRIBUTING.md).
+if [ "${NPUSNAP_ZDTM_BESIDE:-}" = 1 ]; then start_zdtm "$@"; fi
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
     $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30 \
         --junitxml=.build/junit-workers.xml
     rc=$?
+    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
     finish_zdtm
     zrc=$?
     $V/python -m pytest -m serial --durations=10 --junitxml=.build/junit-serial.xml
@@ -67,6 +70,7 @@ else
     echo "== pytest"
     $V/python -m pytest "$@"
     rc=$?
+    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
     finish_zdtm
     zrc=$?
 fi
