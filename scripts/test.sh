@@ -23,18 +23,23 @@ echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
 # the whole suite: a run of chosen tests (arguments) skips it.
 ZDTM_GO=.build/zdtm-workers-done
 ZDTM_LOG=.build/zdtm.log
+ZDTM_REPORT=.build/zdtm-report.json
 start_zdtm() {
     zpid=
-    if [ $# -ne 0 ] || [ "${NPUSNAP_SKIP_ZDTM:-}" = 1 ]; then return 0; fi
-    rm -f "$ZDTM_GO"
+    if [ $# -ne 0 ]; then return 0; fi
+    # An earlier run's report must not count as this run's (scripts/suite_time.py reads it).
+    rm -f "$ZDTM_GO" "$ZDTM_REPORT"
+    if [ "${NPUSNAP_SKIP_ZDTM:-}" = 1 ]; then return 0; fi
     echo "== CRIU zdtm static tests through npusnap (tests/zdtm/parity.py): started ($ZDTM_LOG)"
-    $V/python -m tests.zdtm.parity --jobs 2 --report .build/zdtm-report.json --late-after "$ZDTM_GO" \
+    $V/python -m tests.zdtm.parity --jobs 2 --report "$ZDTM_REPORT" --late-after "$ZDTM_GO" \
         >"$ZDTM_LOG" 2>&1 &
     zpid=$!
     # Not left waiting for a gate that never opens if this script is stopped.
     trap 'if [ -n "${zpid:-}" ]; then kill "$zpid" 2>/dev/null; fi' EXIT
 }
+# After pytest: starts zdtm unless it already runs beside the workers, and waits for it.
 finish_zdtm() {
+    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
     if [ -z "$zpid" ]; then return 0; fi
     touch "$ZDTM_GO"
     local zrc=0
@@ -45,9 +50,9 @@ finish_zdtm() {
     return $zrc
 }
 # The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2; 3 are faster on 2 cores but
-# still fail there: CONTRIBUTING.md), each a node of its own
-# (tests/conftest.py), beside zdtm, then the tests marked serial alone (the host's one podman,
-# containerd, Slurm); NPUSNAP_TEST_JOBS=1 runs everything in one process.
+# still fail there: CONTRIBUTING.md), each a node of its own (tests/conftest.py), then zdtm, then
+# the tests marked serial alone (the host's one podman, containerd, Slurm); NPUSNAP_TEST_JOBS=1
+# runs everything in one process.
 JOBS=${NPUSNAP_TEST_JOBS:-2}
 t0=$(date +%s)
 set +e
@@ -59,19 +64,18 @@ if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30 \
         --junitxml=.build/junit-workers.xml
     rc=$?
-    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
-    finish_zdtm
+    finish_zdtm "$@"
     zrc=$?
     $V/python -m pytest -m serial --durations=10 --junitxml=.build/junit-serial.xml
     rc2=$?
     if [ $rc -eq 0 ]; then rc=$rc2; fi
-    $V/python scripts/suite_time.py --wall $(($(date +%s) - t0)) .build/junit-workers.xml .build/junit-serial.xml
+    $V/python scripts/suite_time.py --wall $(($(date +%s) - t0)) --zdtm "$ZDTM_REPORT" \
+        .build/junit-workers.xml .build/junit-serial.xml
 else
     echo "== pytest"
     $V/python -m pytest "$@"
     rc=$?
-    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
-    finish_zdtm
+    finish_zdtm "$@"
     zrc=$?
 fi
 set -e

@@ -103,13 +103,20 @@ def job_env(sim_env: dict[str, str], runtime_dir: Path, **extra: str) -> dict[st
     return env
 
 
+def unpaced(args: list[str]) -> list[str]:
+    """A workload's arguments without its sleep between steps (``--interval 0``): for the
+    uninterrupted reference run, whose numbers the sleep does not change."""
+    out = list(args)
+    if "--interval" in out:
+        out[out.index("--interval") + 1] = "0"
+    return out
+
+
 def reference(env: dict[str, str], args: list[str]) -> list[str]:
     """The lines an uninterrupted train.py run prints (no interval: the output does not depend on it)."""
     key = tuple(args)
     if key not in _reference_cache:
-        fast = [a for a in args]
-        if "--interval" in fast:
-            fast[fast.index("--interval") + 1] = "0"
+        fast = unpaced(args)
         out = subprocess.run(
             [PY, TRAIN, *fast], env=env, capture_output=True, text=True, timeout=60, check=True
         ).stdout

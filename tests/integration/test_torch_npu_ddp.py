@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.integration.dumplib import NPUSNAP, REPO, Job, alive, cli, job_env, kill, wait_until
+from tests.integration.dumplib import NPUSNAP, REPO, Job, alive, cli, job_env, kill, unpaced, wait_until
 from tests.integration.test_torch_npu_snapshot import STRICT
 
 pytestmark = [pytest.mark.integration, requires_root]
@@ -61,15 +61,6 @@ def argv_for(python: str, launcher: str, args: list[str]) -> list[str]:
         torchrun = str(Path(python).parent / "torchrun")
         return [torchrun, "--standalone", "--nproc-per-node", "2", JOB, "--launcher", "none", *args]
     return [python, JOB, *args]
-
-
-def unpaced(args: list[str]) -> list[str]:
-    """The reference run's arguments: without the sleep between steps, which computes nothing
-    (the numbers are the same), so the uninterrupted run takes only its compute."""
-    out = list(args)
-    if "--interval" in out:
-        out[out.index("--interval") + 1] = "0"
-    return out
 
 
 def count(job: Job) -> int:

@@ -25,7 +25,7 @@ import pytest
 
 from npusnap_cli import paths
 from tests.conftest import requires_root
-from tests.integration.dumplib import REPO, Job, alive, cli, job_env, wait_until
+from tests.integration.dumplib import REPO, Job, alive, cli, job_env, unpaced, wait_until
 
 pytestmark = [pytest.mark.integration, requires_root]
 
@@ -99,12 +99,10 @@ class ThreadWatch:
 
 def _reference(python: str, env: dict[str, str], args: list[str]) -> list[str]:
     fast = dict(env, NPUSIM_KERNEL_BLOCK_US="0")
-    argv = [a for a in args]
+    argv = unpaced(args)
     if "--stall" in argv:
         i = argv.index("--stall")
         del argv[i : i + 2]
-    if "--interval" in argv:  # the sleep between steps computes nothing: the numbers are the same
-        argv[argv.index("--interval") + 1] = "0"
     done = subprocess.run([python, JOB, *argv], env=fast, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("step")]

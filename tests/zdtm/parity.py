@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Optional
 
 from npusnap_cli import criupass
-from tests.integration.dumplib import private_sim
+from tests.integration.dumplib import private_sim, wait_until
 from tests.node import isolate_node
 
 REPO = Path(__file__).resolve().parents[2]
@@ -785,14 +785,6 @@ def is_late(name: str, desc: dict[str, str]) -> bool:
     return "excl" in desc.get("flags", "").split() or name.startswith("cgroup")
 
 
-def wait_for_file(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"zdtm: {path} did not appear within {timeout:.0f}s")
-        time.sleep(0.5)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="build and image directory (default: a temp dir)")
@@ -881,7 +873,7 @@ def run(args: argparse.Namespace) -> int:
             results += list(pool.map(one, shared))
         if args.late_after is not None:
             log(f"zdtm: {len(shared)} done; {len(late)} exclusive and cgroup ones await {args.late_after}")
-            wait_for_file(args.late_after, LATE_WAIT_S)
+            wait_until(args.late_after.exists, LATE_WAIT_S, f"{args.late_after} (pytest's workers done)")
         results += [one(p) for p in late]
     results.sort(key=lambda r: r.name)
     counts: dict[str, int] = {}
