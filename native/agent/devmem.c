@@ -83,7 +83,7 @@ enum {
     F_HAL_ALLOC, F_HAL_FREE, F_HAL_RESERVE, F_HAL_ADDR_FREE, F_HAL_CREATE, F_HAL_RELEASE, F_HAL_MAP,
     F_HAL_UNMAP, F_DRV_MEMCPY,
     /* wrapped: the runtime calls that tell which context a device uses (followed, never held) */
-    F_SET_DEVICE, F_RESET_DEVICE, F_FINALIZE, F_CREATE_CTX, F_SET_CTX, F_DESTROY_CTX,
+    F_SET_DEVICE, F_RESET_DEVICE, F_RESET_DEVICE_FORCE, F_FINALIZE, F_CREATE_CTX, F_SET_CTX, F_DESTROY_CTX,
     N_WRAPPED,
     /* not wrapped, used by save/reload (queries, context selection, synchronize) */
     F_GET_DEVICE = N_WRAPPED, F_GET_CTX, F_SYNC_DEVICE, F_SYNC_DEVICE_TIMEOUT,
@@ -93,7 +93,7 @@ enum {
 static const char *const NAMES[N_FUNCS] = {
     "halMemAlloc", "halMemFree", "halMemAddressReserve", "halMemAddressFree", "halMemCreate", "halMemRelease",
     "halMemMap", "halMemUnmap", "drvMemcpy",
-    "aclrtSetDevice", "aclrtResetDevice", "aclFinalize", "aclrtCreateContext", "aclrtSetCurrentContext",
+    "aclrtSetDevice", "aclrtResetDevice", "aclrtResetDeviceForce", "aclFinalize", "aclrtCreateContext", "aclrtSetCurrentContext",
     "aclrtDestroyContext", "aclrtGetDevice", "aclrtGetCurrentContext", "aclrtSynchronizeDevice", "aclrtSynchronizeDeviceWithTimeout",
 };
 
@@ -110,6 +110,7 @@ API drvError_t halMemUnmap(void *);
 API drvError_t drvMemcpy(DVdeviceptr, size_t, DVdeviceptr, size_t);
 API aclError aclrtSetDevice(int32_t);
 API aclError aclrtResetDevice(int32_t);
+API aclError aclrtResetDeviceForce(int32_t);
 API aclError aclFinalize(void);
 API aclError aclrtCreateContext(void **, int32_t);
 API aclError aclrtSetCurrentContext(void *);
@@ -119,7 +120,8 @@ API aclError aclrtDestroyContext(void *);
 static void *const g_wrappers[N_WRAPPED] = {
     (void *)halMemAlloc,    (void *)halMemFree,      (void *)halMemAddressReserve, (void *)halMemAddressFree,
     (void *)halMemCreate,   (void *)halMemRelease,   (void *)halMemMap,            (void *)halMemUnmap,
-    (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclFinalize,
+    (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclrtResetDeviceForce,
+    (void *)aclFinalize,
     (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
 };
 
@@ -220,6 +222,11 @@ static int g_interposed = -1; /* computed lazily */
  * aclrtResetDevice (CANN counts them and releases the device at 0: until then its memory stays and
  * must be kept), at least 1 for a device only seen through a context. */
 static unsigned g_devs[MAX_DEVS];
+/* Held across the runtime's aclrtSetDevice / aclrtResetDevice and the count kept here, so that the
+ * count changes in the runtime's order: a set in one thread racing the last reset in another must
+ * not leave this count at 0 (memory forgotten) while the runtime still holds the device. Not taken
+ * by atfork_prepare (the runtime's release may wait on callbacks); a child starts it afresh. */
+static pthread_mutex_t g_life = PTHREAD_MUTEX_INITIALIZER;
 static void *g_dev_ctx[MAX_DEVS];      /* a context of each such device, for synchronize */
 static __thread int t_agent;           /* this thread copies for npusnap: its drvMemcpy is not the job's */
 
@@ -294,6 +301,7 @@ static void atfork_child(void) {
     g_saved = 0;
     memset(g_devs, 0, sizeof g_devs);
     memset(g_dev_ctx, 0, sizeof g_dev_ctx);
+    pthread_mutex_init(&g_life, NULL);
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -670,10 +678,12 @@ static void current_place(int32_t *dev) {
 
 API aclError aclrtSetDevice(int32_t deviceId) {
     REAL(F_SET_DEVICE, aclError(*)(int32_t));
+    pthread_mutex_lock(&g_life);
     aclError rc = fn(deviceId);
+    if (rc == ACL_SUCCESS) remember_ctx(deviceId, 1);
+    pthread_mutex_unlock(&g_life);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        remember_ctx(deviceId, 1);
         agent_device_opened();
     }
     return rc;
@@ -681,10 +691,12 @@ API aclError aclrtSetDevice(int32_t deviceId) {
 
 API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
     REAL(F_CREATE_CTX, aclError(*)(void **, int32_t));
+    pthread_mutex_lock(&g_life);
     aclError rc = fn(ctx, deviceId);
+    if (rc == ACL_SUCCESS) remember_ctx(deviceId, 0);
+    pthread_mutex_unlock(&g_life);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        remember_ctx(deviceId, 0);
         agent_device_opened();
     }
     return rc;
@@ -722,29 +734,38 @@ API aclError aclrtDestroyContext(void *ctx) {
     return rc;
 }
 
-API aclError aclrtResetDevice(int32_t deviceId) {
-    REAL(F_RESET_DEVICE, aclError(*)(int32_t));
+/* The device released (count 0, or a forced reset): the runtime frees its memory through halMemFree
+ * (untracked there); a range it released otherwise must not be copied from a device that is gone.
+ * g_mu held. */
+static void forget_device_locked(int32_t dev) {
+    for (size_t i = 0; i < g_n;) {
+        if (g_allocs[i].dev == dev && g_allocs[i].kind != K_REGISTERED) drop_at(i);
+        else i++;
+    }
+    g_devs[dev] = 0;
+    g_dev_ctx[dev] = NULL;
+}
+
+static aclError reset_device(int32_t deviceId, int func) {
+    aclError (*fn)(int32_t) = (aclError(*)(int32_t))real(func);
+    if (!fn) return missing(func);
+    pthread_mutex_lock(&g_life);
     aclError rc = fn(deviceId);
     if (rc == ACL_SUCCESS && deviceId >= 0 && deviceId < MAX_DEVS) {
         pthread_mutex_lock(&g_mu);
-        if (g_devs[deviceId] > 1) {
-            /* another aclrtSetDevice still holds the device: CANN keeps it, and its memory */
-            g_devs[deviceId]--;
-            pthread_mutex_unlock(&g_mu);
-            return rc;
-        }
-        /* The runtime frees the device's memory through halMemFree (untracked there); a range it
-         * released otherwise must not be copied from a device that is gone. */
-        for (size_t i = 0; i < g_n;) {
-            if (g_allocs[i].dev == deviceId && g_allocs[i].kind != K_REGISTERED) drop_at(i);
-            else i++;
-        }
-        g_devs[deviceId] = 0;
-        g_dev_ctx[deviceId] = NULL;
+        /* another aclrtSetDevice still holds the device: CANN keeps it, and its memory */
+        if (func == F_RESET_DEVICE && g_devs[deviceId] > 1) g_devs[deviceId]--;
+        else forget_device_locked(deviceId);
         pthread_mutex_unlock(&g_mu);
     }
+    pthread_mutex_unlock(&g_life);
     return rc;
 }
+
+API aclError aclrtResetDevice(int32_t deviceId) { return reset_device(deviceId, F_RESET_DEVICE); }
+
+/* Releases the device whatever its count (CANN's aclrtResetDeviceForce). */
+API aclError aclrtResetDeviceForce(int32_t deviceId) { return reset_device(deviceId, F_RESET_DEVICE_FORCE); }
 
 /* The aclFinalize the caller itself would reach: its own lookup scope's (a library dlopen'ed
  * RTLD_LOCAL, as Python loads torch_npu, reaches its libascendcl.so there, which the global scope

@@ -78,6 +78,11 @@ static int g_open[MAX_DEV];
  * aclrtResetDeviceForce references; the runtime's rtDeviceResetForce test: a second forced reset
  * fails). Under g_mu. */
 static int g_ref[MAX_DEV];
+/* Held by aclrtSetDevice and by the aclrtResetDevice that releases a device, for the whole
+ * release: CANN's primary context count (runtime reference.hpp, RefObject) is marked updating
+ * while the last reset tears the context down, and a concurrent aclrtSetDevice (IncRef) waits
+ * until the teardown is over, then opens the device afresh. Outside g_mu, g_eng and g_defmu. */
+static pthread_mutex_t g_lifemu = PTHREAD_MUTEX_INITIALIZER;
 static int g_default_dev = -1;
 static __thread int t_dev = -1;
 static struct cb *g_cbs[NSTAGES];
@@ -628,6 +633,9 @@ static void atfork_parent(void) {
 
 /* A forked child owns no device and none of the parent's streams (their threads are not in it). */
 static void atfork_child(void) {
+    /* not taken by atfork_prepare (a release may wait on callbacks): the holder is not in the
+     * child, whose devices are all closed */
+    pthread_mutex_init(&g_lifemu, NULL);
     g_streams = NULL;
     g_eng_waiters = 0;
     memset(g_default_stream, 0, sizeof g_default_stream);
@@ -669,6 +677,7 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
     /* a driver id past the driver's count: RT_ERROR_DEVICE_ID (api_error.cc, SetDevice) */
     if (drvGetDevNum(&ndev) == DRV_ERROR_NONE && drv >= ndev) return ACL_ERROR_RT_INVALID_DEVICEID;
     gate();
+    pthread_mutex_lock(&g_lifemu);
     rc = drv_to_acl(halDeviceOpen(drv, NULL, NULL));
     /* the device's default stream (NULL), one per device; g_defmu: one thread makes it */
     pthread_mutex_lock(&g_defmu);
@@ -691,6 +700,7 @@ RT_API rtError_t rtSetDevice(int32_t devId) {
         if (g_default_dev < 0) g_default_dev = devId;
         pthread_mutex_unlock(&g_mu);
     }
+    pthread_mutex_unlock(&g_lifemu);
     return rc;
 }
 
@@ -699,12 +709,15 @@ static rtError_t device_reset(int32_t devId, int force) {
     int32_t vrc = drv_dev(devId, &drv);
     if (vrc != ACL_SUCCESS) return vrc;
     gate();
+    pthread_mutex_lock(&g_lifemu);
     pthread_mutex_lock(&g_mu);
     int open = g_open[devId];
     int left = open && !force ? --g_ref[devId] : 0;
     pthread_mutex_unlock(&g_mu);
-    if (!open) return force ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
-    if (left > 0) return ACL_SUCCESS; /* another aclrtSetDevice still holds it */
+    if (!open || left > 0) { /* released already, or another aclrtSetDevice still holds it */
+        pthread_mutex_unlock(&g_lifemu);
+        return !open && force ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
+    }
     device_sync(devId, -1);
     destroy_device_streams(devId);
     int32_t rc = drv_to_acl(halDeviceClose(drv, NULL));
@@ -721,6 +734,7 @@ static rtError_t device_reset(int32_t devId, int force) {
             }
     }
     pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_lifemu);
     return rc;
 }
 

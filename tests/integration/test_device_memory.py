@@ -236,6 +236,34 @@ def test_a_device_set_twice_keeps_its_memory_until_the_second_reset(
     assert d.rc("reset_force", 0) != 0
 
 
+def test_a_set_racing_the_last_reset_keeps_the_device_and_its_memory_consistent(
+    make_driver: Callable[..., Driver],
+) -> None:
+    """A thread's aclrtSetDevice racing another thread's last aclrtResetDevice (torch_npu's
+    threads against its exit): CANN's set waits for the release to finish and opens the device
+    afresh, or comes first and keeps it. Either way the setter has its context at once, and
+    npusnap keeps the old allocation exactly when the device still holds it."""
+    d = make_driver()
+    outcomes = set()
+    for i in range(40):
+        assert d.rc("set", 0) == 0
+        a = d.call("malloc", 4096)["addr"]
+        crc = d.call("fill", a, 4096, f"race {i}")["crc"]
+        race = d.call("race_set_reset", 0, (i % 8) * 40)
+        assert (race["set"], race["ctx"], race["reset"]) == (0, 0, 0), (i, race)
+        kept = d.call("dm_info")["allocations"]
+        read = d.call("read", a, 4096)
+        if kept:
+            assert kept == 1 and read == {**read, "rc": 0, "crc": crc}, (i, read)
+        else:
+            assert read["rc"] != 0, (i, read)  # released with the device, and untracked
+        outcomes.add(bool(kept))
+        assert d.rc("reset", 0) == 0  # the setter's count: the device is released now
+        assert d.call("getdev")["rc"] != 0
+        assert d.call("dm_info")["allocations"] == 0
+    assert True in outcomes, "the set never came first: the race was not run"
+
+
 def test_the_runtimes_lock_holds_the_job_until_the_memory_is_back(make_driver: Callable[..., Driver]) -> None:
     """No gate of npusnap's: the runtime's own lock holds another thread's device calls from Lock
     to Unlock, npusnap copies and writes back with the driver's copy meanwhile, so the thread's

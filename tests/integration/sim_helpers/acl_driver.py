@@ -10,6 +10,8 @@ device call blocks while the process is locked.
     ["unlock"] ["raw", name, pid_delta, nonnull] ["state"] ["devices"] ["getdev"]
     ["register", stage, ret] ["unregister", stage] ["register_twice", stage] ["calls"]
     ["bg", id, <command...>] ["bgwait", id, timeout_s] ["pid"] ["exit"]
+    ["race_set_reset", dev, delay_us]: one thread sets dev and reads its current context while
+    this one resets dev, released together (the set waits delay_us first)
     npusnap's device-memory library (preloaded, or loaded from $NPUSNAP_AGENT_LIB):
     ["dm_save", timeout_ms] ["dm_reload"] ["dm_finish"] ["dm_info"] ["dm_register", addr, n]
     ["dm_exclude", addr, n] ["dm_save_file", path, timeout_ms] ["dm_reload_file", path]
@@ -24,6 +26,7 @@ import json
 import os
 import sys
 import threading
+import time
 import zlib
 from typing import Any, Dict, List
 
@@ -254,6 +257,8 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
         fn = dm.npusnap_devmem_register if op == "dm_register" else dm.npusnap_devmem_exclude
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         return {"rc": fn(cmd[1], cmd[2])}
+    if op == "race_set_reset":
+        return race_set_reset(cmd[1], cmd[2])
     if op == "bg":
         key, sub = cmd[1], cmd[2:]
 
@@ -271,6 +276,30 @@ def run(cmd: List[Any]) -> Dict[str, Any]:
             return {"rc": 0, "done": False}
         return {"rc": 0, "done": True, "result": bg_results[cmd[1]]}
     raise ValueError(f"unknown command {op}")
+
+
+def race_set_reset(dev: int, delay_us: int) -> Dict[str, Any]:
+    """aclrtSetDevice + aclrtGetCurrentContext in a new thread against aclrtResetDevice here, as
+    torch_npu's threads set the device while its main thread resets it at exit. ctypes drops the
+    GIL around each call, so the two run at once."""
+    start = threading.Barrier(2)
+    got: Dict[str, int] = {}
+
+    def setter() -> None:
+        start.wait()
+        until = time.perf_counter() + delay_us / 1e6
+        while time.perf_counter() < until:
+            pass
+        got["set"] = lib.aclrtSetDevice(ctypes.c_int32(dev))
+        ctx = ctypes.c_void_p()
+        got["ctx"] = lib.aclrtGetCurrentContext(ctypes.byref(ctx))
+
+    t = threading.Thread(target=setter, daemon=True)
+    t.start()
+    start.wait()
+    reset = lib.aclrtResetDevice(ctypes.c_int32(dev))
+    t.join(30)
+    return {"rc": 0, "reset": reset, **got}
 
 
 def main() -> int:
