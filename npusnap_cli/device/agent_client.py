@@ -51,6 +51,10 @@ OP_TIMEOUTS = {
     "hccl_rebuild": 900.0,
 }
 _UCRED = struct.Struct("3i")
+BUSY_POLL_S = 0.05  # how often a request refused as BUSY is sent again while it may be
+# How long a command waits for another client only passing by (`ps`, `status`: milliseconds of
+# work, longer on a loaded node) before it reports the agent busy.
+PASSING_CLIENT_WAIT_S = 2.0
 
 NO_AGENT_FIX = (
     "start the program with `npusnap run -- <command>`, call `npusnap_cli.agent.start()` in it, "
@@ -78,6 +82,7 @@ class AgentBusyError(AgentOpError):
 
     exit_code = ExitCode.BUSY
     kind = "busy"
+    refused_at_accept = False  # the agent closed the connection unread: nothing of the request ran
 
 
 class AgentDeviceError(DeviceError):
@@ -123,11 +128,21 @@ class AgentClient:
         socket_path: Optional[Path] = None,
         connect: bool = True,
         connect_retry_s: float = 2.0,
+        busy_wait_s: float = 0.0,
+        held_by_command: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``busy_wait_s``: how long a request refused at accept time because another client is
+        connected (BUSY: nothing of it ran) is sent again on a fresh connection, for a client
+        that is only passing by (`npusnap ps`, `status`, a restore asking which devices are in
+        use). ``held_by_command``: true when another npusnap command works on the process now:
+        then the refusal stands at once, since such a client holds the agent for the length of
+        an operation."""
         self.pid = pid
         self.timeout = timeout
         self.socket_path = socket_path
         self.connect_retry_s = connect_retry_s
+        self.busy_wait_s = busy_wait_s
+        self.held_by_command = held_by_command
         self._sock: Optional[socket.socket] = None
         self._buf = protocol.LineBuffer()
         self._next_id = 1
@@ -252,7 +267,25 @@ class AgentClient:
     ) -> JSONObject:
         """Send one request and return its result as the JSON object the agent sent; raise a typed
         error for a failure. ``fd`` goes with the request line (SCM_RIGHTS), for the ops that take
-        a file. The methods below decode the result as their op's reply record (``_call``)."""
+        a file. The methods below decode the result as their op's reply record (``_call``).
+
+        A refusal at accept time for a passing client is retried until ``busy_wait_s``."""
+        until = time.monotonic() + self.busy_wait_s
+        while True:
+            try:
+                return self._request_once(op, args, timeout, fd)
+            except AgentBusyError as exc:
+                if not exc.refused_at_accept or time.monotonic() >= until or self.held_by_command():
+                    raise
+                time.sleep(BUSY_POLL_S)
+
+    def _request_once(
+        self,
+        op: str,
+        args: Optional[JSONObject],
+        timeout: Optional[float],
+        fd: Optional[int],
+    ) -> JSONObject:
         if self._sock is None:
             self.connect()
         sock = self._sock
@@ -302,9 +335,13 @@ class AgentClient:
             self.close()
             raise self._malformed(op, exc) from None
         if error is not None:
-            if reply_id == 0 and error.type == protocol.ERR_PROTOCOL:
+            refused = reply_id == 0 and error.type == protocol.ERR_PROTOCOL
+            if refused:
                 self.close()  # a refusal at accept time: the agent closed the connection
-            raise self._error(op, error)
+            err = self._error(op, error)
+            if isinstance(err, AgentBusyError):
+                err.refused_at_accept = refused
+            raise err
         if reply_id != msg_id:
             self.close()
             raise AgentError(f"answer id {reply_id} does not match request id {msg_id} ({op})")

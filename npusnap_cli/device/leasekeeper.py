@@ -89,25 +89,21 @@ class LeaseKeeper:
             return True
         sent = time.monotonic()
         for pid, token in sorted(self.tokens.items()):
-            busy_until = time.monotonic() + min(BUSY_RETRY_S, self.lease_s / 4)
-            while True:
-                try:
-                    with AgentClient(pid, timeout=self.timeout, connect_retry_s=0.5) as c:
-                        c.token = token
-                        c.renew(self.lease_s)
-                    break
-                except AgentBusyError:
-                    # Another connection is still being served (ours, just closed, on a loaded
-                    # machine): the agent said nothing of its lease. Asked again, for a while;
-                    # then not renewed now, and the time rule decides.
-                    if time.monotonic() >= busy_until:
-                        return False
-                    time.sleep(0.05)
-                except AgentOpError as exc:
-                    self.lost = f"pid {pid}: {exc.message}"
-                    return False
-                except NpusnapError:  # not reached while the time check above decides first
-                    return False
+            # Another connection may still be served (ours, just closed, on a loaded machine):
+            # the agent said nothing of its lease. Asked again, for a while; then not renewed
+            # now, and the time rule decides.
+            wait = min(BUSY_RETRY_S, self.lease_s / 4)
+            try:
+                with AgentClient(pid, timeout=self.timeout, connect_retry_s=0.5, busy_wait_s=wait) as c:
+                    c.token = token
+                    c.renew(self.lease_s)
+            except AgentBusyError:
+                return False
+            except AgentOpError as exc:
+                self.lost = f"pid {pid}: {exc.message}"
+                return False
+            except NpusnapError:  # not reached while the time check above decides first
+                return False
         self.renewed_at = sent
         return True
 

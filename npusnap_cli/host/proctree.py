@@ -9,6 +9,7 @@ fields are None rather than an error, and ``readable`` says so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import psutil
 
 from npusnap_cli import acl, contract, paths, replies
 from npusnap_cli.device import occupancy
-from npusnap_cli.device.agent_client import NO_AGENT_FIX, AgentBusyError, AgentClient
+from npusnap_cli.device.agent_client import NO_AGENT_FIX, PASSING_CLIENT_WAIT_S, AgentBusyError, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
 from npusnap_cli.host import agentrecord, oplog, procfs
 from npusnap_cli.jsontypes import JSONObject
@@ -238,8 +239,8 @@ def without_device_state(tree: list[ProcInfo]) -> tuple[int, ...]:
     return tuple(out)
 
 
-# How long `status` asks again an agent that serves another client.
-BUSY_WAIT_S = 2.0
+def _held_by_command(pid: int) -> bool:
+    return oplog.running_on(pid) is not None
 
 
 def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
@@ -259,27 +260,27 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
         hello: Optional[replies.HelloReply] = None
         if info.has_agent and info.pid not in idle:  # a stopped one's agent cannot answer
             # An agent serves one client at a time: the command that just ended (a restore's
-            # last request) may still hold it for a moment. Asked again until BUSY_WAIT_S, unless
-            # a running command holds it (a long dump), which `status` names instead.
-            busy_until = time.monotonic() + BUSY_WAIT_S
-            while True:
-                try:
-                    with AgentClient(info.pid, timeout=timeout, connect_retry_s=0.5) as client:
-                        hello = client.hello()
-                        entry["hello"] = hello.to_json()
-                        entry["status"] = client.status().to_json()
-                    entry.pop("agent_error", None)
-                    break
-                except AgentBusyError as exc:
-                    hello = None
-                    entry.pop("hello", None)
-                    entry["agent_error"] = exc.to_dict()
-                    if time.monotonic() >= busy_until or oplog.running_on(info.pid) is not None:
-                        break
-                    time.sleep(0.05)
-                except NpusnapError as exc:
-                    entry["agent_error"] = exc.to_dict()
-                    break
+            # last request) may still hold it for a moment. Asked again for a while, unless a
+            # running command holds it (a long dump), which `status` names instead.
+            try:
+                with AgentClient(
+                    info.pid,
+                    timeout=timeout,
+                    connect_retry_s=0.5,
+                    busy_wait_s=PASSING_CLIENT_WAIT_S,
+                    held_by_command=functools.partial(_held_by_command, info.pid),
+                ) as client:
+                    hello = client.hello()
+                    entry["hello"] = hello.to_json()
+                    entry["status"] = client.status().to_json()
+                entry.pop("agent_error", None)
+            except AgentBusyError as exc:
+                hello = None
+                entry.pop("hello", None)
+                entry["agent_error"] = exc.to_dict()
+            except NpusnapError as exc:
+                hello = None
+                entry["agent_error"] = exc.to_dict()
         if hello is not None:
             use = occupancy.of_hello(info.pid, hello)
             entry["devices"] = list(use.devices or ())

@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from npusnap_cli.device.agent_client import PASSING_CLIENT_WAIT_S
 from npusnap_cli.errors import ExitCode
 from npusnap_cli.host import procfs
 from npusnap_cli.image import layout, publishing
@@ -152,6 +155,44 @@ def _swrk_started(parent: int) -> bool:
         return any("swrk" in " ".join(c.cmdline()) for c in psutil.Process(parent).children(recursive=True))
     except psutil.Error:
         return False
+
+
+def test_a_dump_waits_for_a_client_only_passing_by(
+    sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
+) -> None:
+    """An agent serves one client at a time. `npusnap ps`, `status` or another user's restore
+    asking which devices are in use talk to it for a moment: a dump then waits for them instead
+    of failing, for a while; a client that stays longer gets the dump refused as busy, with the
+    job untouched."""
+    env = job_env(sim_env, runtime_dir)
+    args = ["--steps", "200", *ARGS[2:]]  # outlives two dumps and a refusal's wait
+    ref = reference(env, args)
+    job = Job(tmp_path, env, [PY, TRAIN, *args])
+    try:
+        job.wait_lines(3)
+        passing = socket.socket(socket.AF_UNIX)
+        passing.connect(str(runtime_dir / f"{job.pid}.sock"))  # the agent takes clients in order
+        closer = threading.Timer(0.8, passing.close)
+        closer.start()
+        rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img"), "--leave-running")
+        closer.join()
+        assert rc == 0, (out or {}).get("error") or err
+
+        staying = socket.socket(socket.AF_UNIX)
+        staying.connect(str(runtime_dir / f"{job.pid}.sock"))
+        try:
+            started = time.monotonic()
+            rc, out, err = cli(env, "dump", str(job.pid), str(tmp_path / "img2"), "--leave-running")
+            waited = time.monotonic() - started
+        finally:
+            staying.close()
+        assert rc == ExitCode.BUSY and out is not None, (rc, out and out["error"], err)
+        assert "another client" in out["error"]["message"], out["error"]
+        assert waited >= PASSING_CLIENT_WAIT_S
+        assert_no_image(tmp_path / "img2")
+        finishes_correctly(job, ref)
+    finally:
+        job.cleanup()
 
 
 def test_a_concurrent_dump_is_busy_and_the_first_succeeds(

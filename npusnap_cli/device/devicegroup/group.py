@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import Optional, Union
 
 from npusnap_cli import contract, replies
 from npusnap_cli.device import protocol
-from npusnap_cli.device.agent_client import AgentClient, owner_text
+from npusnap_cli.device.agent_client import PASSING_CLIENT_WAIT_S, AgentClient, owner_text
 from npusnap_cli.device.devicegroup.agentops import (
     RollbackResult,
     T,
@@ -25,7 +26,7 @@ from npusnap_cli.device.devicegroup.agentops import (
 )
 from npusnap_cli.device.devicegroup.tokens import save_lock_tokens
 from npusnap_cli.errors import BusyError, ImageError, InterruptedError_, NpusnapError
-from npusnap_cli.host import procfs
+from npusnap_cli.host import oplog, procfs
 from npusnap_cli.jsontypes import JSONObject
 
 POLL_S = 0.1  # how often a wait on the agents looks at `interrupted`
@@ -89,6 +90,10 @@ class RestoredAndUnlocked:
     unlock: replies.UnlockReply
 
 
+def _held_by_command(pid: int) -> bool:
+    return oplog.running_on(pid) is not None
+
+
 class DeviceGroup:
     """The agents of ``pids``, driven together. Connects on construction unless ``connect=False``."""
 
@@ -110,8 +115,17 @@ class DeviceGroup:
         self.interrupted = interrupted
         self.lease_s = lease_s
         self.timeout = timeout
+        # A client only passing by (`npusnap ps`, `status`) is waited for; another command
+        # working on the process is not.
         self.clients: dict[int, AgentClient] = {
-            pid: AgentClient(pid, timeout=timeout, connect=False) for pid in self.pids
+            pid: AgentClient(
+                pid,
+                timeout=timeout,
+                connect=False,
+                busy_wait_s=PASSING_CLIENT_WAIT_S,
+                held_by_command=functools.partial(_held_by_command, pid),
+            )
+            for pid in self.pids
         }
         if connect:
             self.connect()
