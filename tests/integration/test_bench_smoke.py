@@ -18,8 +18,9 @@ import pytest
 
 from tests.conftest import REPO, requires_root
 
-# serial: its timings would measure the other tests of a parallel run.
-pytestmark = [pytest.mark.integration, requires_root, pytest.mark.serial]
+# Beside the other tests of a parallel run: its timings then measure them too, and it checks
+# none. It runs on a simulated NPU and in directories of its own.
+pytestmark = [pytest.mark.integration, requires_root]
 
 TABLE_HEADINGS = (
     "## Machine and versions",
