@@ -16,7 +16,7 @@ echo "== container test set-up"; ./scripts/setup-containers.sh
 echo "== torch test set-up"; ./scripts/setup-torch.sh
 echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
 # CRIU's own zdtm static tests, raw CRIU against npusnap, each test an NPU process (two at a
-# time), on a simulated node of its own, after pytest's workers (NPUSNAP_ZDTM_BESIDE=1: beside
+# time), on a simulated node of its own, beside pytest's workers (NPUSNAP_ZDTM_AFTER=1: after
 # them). Its exclusive and cgroup tests wait until the workers are done (--late-after): they mount
 # cgroup v1 hierarchies (net_prio...) and set iptables rules that other tests' CRIU dumps trip on
 # ("cg: controller net_prio not found"). The tests marked serial run after all of it. Only for
@@ -37,9 +37,9 @@ start_zdtm() {
     # Not left waiting for a gate that never opens if this script is stopped.
     trap 'if [ -n "${zpid:-}" ]; then kill "$zpid" 2>/dev/null; fi' EXIT
 }
-# After pytest: starts zdtm unless it already runs beside the workers, and waits for it.
+# After pytest: starts zdtm if it was not started beside the workers, and waits for it.
 finish_zdtm() {
-    if [ "${NPUSNAP_ZDTM_BESIDE:-}" != 1 ]; then start_zdtm "$@"; fi
+    if [ "${NPUSNAP_ZDTM_AFTER:-}" = 1 ]; then start_zdtm "$@"; fi
     if [ -z "$zpid" ]; then return 0; fi
     touch "$ZDTM_GO"
     local zrc=0
@@ -50,15 +50,15 @@ finish_zdtm() {
     return $zrc
 }
 # The whole suite runs in NPUSNAP_TEST_JOBS workers (default 2; 3 are faster on 2 cores but
-# still fail there: CONTRIBUTING.md), each a node of its own (tests/conftest.py), then zdtm, then
-# the tests marked serial alone (the host's one podman, containerd, Slurm); NPUSNAP_TEST_JOBS=1
+# still fail there: CONTRIBUTING.md), each a node of its own (tests/conftest.py), with zdtm beside
+# them, then the tests marked serial alone (the host's one podman, containerd, Slurm); NPUSNAP_TEST_JOBS=1
 # runs everything in one process.
 JOBS=${NPUSNAP_TEST_JOBS:-2}
 t0=$(date +%s)
 set +e
-# Beside the workers only when asked: on 2 cores that load made 2 of 4 runs' zdtm dumps meet an
-# agent "busy: another client is connected" (not understood yet; CONTRIBUTING.md).
-if [ "${NPUSNAP_ZDTM_BESIDE:-}" = 1 ]; then start_zdtm "$@"; fi
+# Beside the workers unless asked: a dump of another test's job no longer fails on `npusnap ps`
+# or a restore asking its agent which devices are in use (agent_client.PASSING_CLIENT_WAIT_S).
+if [ "${NPUSNAP_ZDTM_AFTER:-}" != 1 ]; then start_zdtm "$@"; fi
 if [ $# -eq 0 ] && [ "$JOBS" -gt 1 ]; then
     echo "== pytest: $JOBS workers, then the serial tests"
     $V/python -m pytest -n "$JOBS" --dist loadfile -m "not serial" --durations=30 \
