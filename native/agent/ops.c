@@ -1292,7 +1292,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     copy_s = 0;
     drain_s = 0;
     int rc = no_device ? 0 : call_backup(e);
-    if (rc < 0 && e->code == 107002 && !cb_devices_known()) {
+    if (rc < 0 && e->code == ACL_ERROR_RT_CONTEXT_NULL && !cb_devices_known()) {
         /* No active context (a launcher on a runtime without callbacks, so Lock could not tell):
          * nothing to back up. Unlock, and the dump takes it as a plain process. */
         op_error again;
@@ -1302,7 +1302,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
             err_init(e);
             no_device = 1;
             rc = 0;
-            ops_event("Backup found no active context (107002): no device open, unlocked");
+            ops_event("Backup found no active context (ACL_ERROR_RT_CONTEXT_NULL): no device open, unlocked");
         }
         err_free(&again);
     }
