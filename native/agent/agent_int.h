@@ -158,26 +158,39 @@ const char *acl_error_name(int code);
 const char *state_name(int st);
 
 /* ---- ops.c ------------------------------------------------------------------------------- */
+/* The agent's listening socket, as core.c has it: its path (NULL: none) and inode (a CRIU restore
+ * makes a new socket, another inode; 0: none). */
+typedef struct agent_endpoint {
+    const char *socket;
+    unsigned long long ino;
+} agent_endpoint;
 /* Handle one decoded request; append the response line to out. Called on the agent thread. */
-void ops_handle(const request *r, int peer_pid, sbuf *out);
-void ops_tick(void);           /* lease and CRIU-restore detection; on the agent thread */
+void ops_handle(const request *r, int peer_pid, const agent_endpoint *ep, sbuf *out);
+void ops_tick(const agent_endpoint *ep); /* lease and CRIU-restore detection; on the agent thread */
 void ops_init(void);           /* once per process (and again in a forked child) */
 void ops_event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
-/* ---- core.c ------------------------------------------------------------------------------ */
+/* ---- log.c ------------------------------------------------------------------------------- */
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* into the log file */
-/* A device-opening call of the job succeeded: a forked child's agent starts now (core.c). */
-void agent_device_opened(void);
-/* 1 when the agent was preloaded: the job's device calls pass its wrappers (devmem.c). */
-int npusnap_devmem_preloaded(void);
+void agent_log_setup(void);       /* names the log file (at start, and in a forked child) */
 const char *agent_log_path(void); /* that file, or NULL */
-const char *agent_socket(void);
-/* The identity of the listening socket (its inode): a CRIU restore makes a new one. 0: none. */
-unsigned long long agent_socket_ino(void);
 /* fd moved to a high number (>= agent_fd_floor()), close-on-exec; the original is closed. -1 stays
  * -1; where nothing is free up there, fd itself (made close-on-exec). */
 int agent_fd_high(int fd);
 int agent_fd_floor(void);
+/* The directory of the agent's socket and log (npusnap_cli/paths.py's rules). 0, or -1: too long. */
+int agent_runtime_dir(char *out, size_t outlen);
+int agent_socket_pid(void); /* the pid the socket is named after: ours as the host's /proc sees it */
+
+/* ---- devmem.c ---------------------------------------------------------------------------- */
+/* 1 when the agent was preloaded: the job's device calls pass its wrappers. */
+int npusnap_devmem_preloaded(void);
+/* fn runs after each device-opening call of the job that succeeded. */
+void npusnap_devmem_on_device_open(void (*fn)(void));
+
+/* ---- hooks.c ----------------------------------------------------------------------------- */
+void hooks_init(void);       /* once, before the agent starts */
+void hooks_after_fork(void); /* in a forked child */
 /* Run the Python hooks of a stage with a deadline. 0: ran (names appended to ran_json, a JSON
  * array); -1: failed (e filled: HOOK_FAILED or HOOK_TIMEOUT). No hooks for the stage: 0, "[]". */
 int hooks_run(const char *stage, sbuf *ran_json, op_error *e);

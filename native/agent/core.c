@@ -6,7 +6,7 @@
  * stays frozen (the lease that should unlock it needs the GIL too). This core has its own
  * pthread and never takes the GIL: the control socket, the protocol, the snapshot calls, the
  * state logic and the lease all run here. Python hooks are the one exception, and the agent
- * thread waits for them only with a deadline (see hooks_run).
+ * thread waits for them only with a deadline (hooks.c).
  *
  * Ways in: the constructor starts the agent when NPUSNAP_AGENT=1 (`npusnap run` preloads this
  * library into any dynamically linked program and sets it); npusnap_agent_start() from an
@@ -40,7 +40,6 @@
 #define POLL_MS 100
 #define SEND_TIMEOUT 5.0
 #define PARTIAL_IDLE_S 2.0  /* a client that sent part of a line and then nothing is dropped */
-#define DEFAULT_HOOK_TIMEOUT 10.0
 
 static pthread_mutex_t start_mu = PTHREAD_MUTEX_INITIALIZER;
 /* A forked child under NPUSNAP_AGENT=1 starts its agent when it first opens a device: a copy
@@ -64,140 +63,12 @@ static struct {
     char last_error[512];
 } A = {.listen_fd = -1, .client_fd = -1, .pending_fd = -1};
 
-/* ---- descriptors ------------------------------------------------------------------------ */
-/* The agent's descriptors live high, close-on-exec: a program may rely on open() returning the
- * lowest free number (close(0); open("/dev/null") for stdin) or dup2 onto a number it picked, and
- * a descriptor of ours at a low number would take its place or be clobbered by it. Below the soft
- * RLIMIT_NOFILE (a dup above it fails), capped at 1024 so that a huge limit does not grow the
- * kernel's descriptor table for us, and 32 below it: the agent holds at most four at once. */
-int agent_fd_floor(void) {
-    struct rlimit rl;
-    long cur = 1024;
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < 1024)
-        cur = (long)rl.rlim_cur;
-    return cur >= 128 ? (int)cur - 32 : (int)cur / 2;
-}
-
-int agent_fd_high(int fd) {
-    if (fd < 0) return fd;
-    int hi = fcntl(fd, F_DUPFD_CLOEXEC, agent_fd_floor());
-    if (hi < 0) { /* every number above the floor taken: keep it where it is, close-on-exec still */
-        fcntl(fd, F_SETFD, FD_CLOEXEC);
-        return fd;
-    }
-    close(fd);
-    return hi;
-}
-
-/* ---- messages ---------------------------------------------------------------------------- */
-/* The agent's lines go to a log file, not to the job's stderr: a job under `npusnap run` must print
- * exactly what it prints without it. The file is named once per process (at start, and again in a
- * forked child), from the environment as it was then: NPUSNAP_AGENT_LOG (set by `npusnap run` for
- * the whole tree: one file per job), else <runtime dir>/<pid>.log. NPUSNAP_AGENT_STDERR=1 also
- * writes each line to stderr, as the agent once did. */
-static struct {
-    char path[600];
-    int to_stderr;
-} L;
-
-static int runtime_dir(char *out, size_t outlen);
-static int socket_pid(void);
-
-static void log_setup(void) {
-    const char *sw = getenv(NPUSNAP_AGENT_STDERR_ENV);
-    L.to_stderr = sw && strcmp(sw, "1") == 0;
-    const char *env = getenv(NPUSNAP_AGENT_LOG_ENV);
-    L.path[0] = 0;
-    if (env && env[0] == '/') {
-        snprintf(L.path, sizeof L.path, "%s", env);
-        return;
-    }
-    char dir[512];
-    if (runtime_dir(dir, sizeof dir) == 0) snprintf(L.path, sizeof L.path, "%s/" NPUSNAP_AGENT_LOG_NAME, dir, socket_pid());
-}
-
-const char *agent_log_path(void) { return L.path[0] ? L.path : NULL; }
-
-/* Only into a directory that nobody else can plant a file or a symlink in: a real directory
- * (not a symlink) of ours or root's, writable by no one else (a squatted runtime directory in a
- * shared /tmp would otherwise receive the job's messages). */
-static int log_dir_safe(void) {
-    char dir[sizeof L.path];
-    snprintf(dir, sizeof dir, "%s", L.path);
-    char *slash = strrchr(dir, '/');
-    if (!slash) return 0;
-    if (slash == dir) slash[1] = 0;
-    else *slash = 0;
+/* The listening socket, for ops.c (hello; the tick's restore detection). */
+static agent_endpoint endpoint(void) {
+    agent_endpoint ep = {A.path[0] ? A.path : NULL, 0};
     struct stat st;
-    if (lstat(dir, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
-    if (st.st_uid != geteuid() && st.st_uid != 0) return 0;
-    return (st.st_mode & 022) == 0;
-}
-
-/* One line (with its newline) into the log file: opened, appended with one write, closed. Never
- * kept open: CRIU would dump it with the job and, at restore, refuse a log that has grown since
- * (it checks a regular file's size), or one that is missing on another node. */
-static void log_append(const char *line, size_t len) {
-    if (!L.path[0] || !log_dir_safe()) return;
-    int fd = open(L.path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600);
-    if (fd < 0) return;
-    char stamp[40];
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    struct tm tm;
-    gmtime_r(&ts.tv_sec, &tm);
-    size_t n = strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ ", &tm);
-    char buf[800];
-    if (n + len > sizeof buf) len = sizeof buf - n;
-    memcpy(buf, stamp, n);
-    memcpy(buf + n, line, len);
-    ssize_t w = write(fd, buf, n + len); /* one write: lines of several processes never interleave */
-    (void)w;
-    close(fd);
-}
-
-void agent_log(const char *fmt, ...) {
-    char msg[700];
-    int n = snprintf(msg, sizeof msg, "npusnap-agent: [%d] ", (int)getpid());
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg + n, sizeof msg - (size_t)n - 1, fmt, ap);
-    va_end(ap);
-    size_t len = strlen(msg);
-    msg[len++] = '\n';
-    log_append(msg, len);
-    if (L.to_stderr) {
-        ssize_t w = write(2, msg, len); /* one write: lines of several threads never interleave */
-        (void)w;
-    }
-}
-
-/* For the Python face: one message, logged the same way. */
-AGENT_API void npusnap_agent_log(const char *message) {
-    if (message) agent_log("%s", message);
-}
-
-AGENT_API const char *npusnap_agent_log_file(void) { return agent_log_path(); }
-
-const char *agent_socket(void) { return A.path[0] ? A.path : NULL; }
-
-unsigned long long agent_socket_ino(void) {
-    struct stat st;
-    return A.listen_fd >= 0 && fstat(A.listen_fd, &st) == 0 ? (unsigned long long)st.st_ino : 0;
-}
-
-/* ---- paths (the rules of npusnap_cli/paths.py) ------------------------------------------- */
-static int runtime_dir(char *out, size_t outlen) {
-    const char *env = getenv(NPUSNAP_AGENT_SOCKET_ENV_DIR);
-    if (env && *env) return snprintf(out, outlen, "%s", env) >= (int)outlen ? -1 : 0;
-    uid_t uid = geteuid();
-    if (uid == 0) return snprintf(out, outlen, NPUSNAP_AGENT_SOCKET_ROOT_DIR) >= (int)outlen ? -1 : 0;
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    struct stat st;
-    if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && strcmp(xdg, "/tmp") != 0) {
-        return snprintf(out, outlen, "%s/" NPUSNAP_AGENT_SOCKET_XDG_SUBDIR, xdg) >= (int)outlen ? -1 : 0;
-    }
-    return snprintf(out, outlen, NPUSNAP_AGENT_SOCKET_TMP_DIR, (unsigned)uid) >= (int)outlen ? -1 : 0;
+    if (A.listen_fd >= 0 && fstat(A.listen_fd, &st) == 0) ep.ino = (unsigned long long)st.st_ino;
+    return ep;
 }
 
 static int ensure_private_dir(const char *dir, char *err, size_t errlen) {
@@ -231,31 +102,15 @@ static int ensure_private_dir(const char *dir, char *err, size_t errlen) {
     return 0;
 }
 
-/* The pid the socket is named after: our pid as the host's /proc sees it. A job started as init
- * of its own pid namespace (`npusnap run --pid-ns`, which keeps the host's /proc) is pid 1 to
- * getpid(), as every other such job is; /proc/self still reads the host's pid there, which the
- * CLI looks up by. Under a /proc of our own namespace the two agree. */
-static int socket_pid(void) {
-    char buf[32];
-    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
-    if (n > 0) {
-        buf[n] = 0;
-        char *end;
-        long v = strtol(buf, &end, 10);
-        if (*end == 0 && v > 0) return (int)v;
-    }
-    return (int)getpid();
-}
-
 static int bind_socket(char *err, size_t errlen) {
     char dir[512];
-    if (runtime_dir(dir, sizeof dir) < 0) {
+    if (agent_runtime_dir(dir, sizeof dir) < 0) {
         snprintf(err, errlen, "runtime directory path too long");
         return -1;
     }
     if (ensure_private_dir(dir, err, errlen) < 0) return -1;
     char path[600];
-    snprintf(path, sizeof path, "%s/" NPUSNAP_AGENT_SOCKET_NAME, dir, socket_pid());
+    snprintf(path, sizeof path, "%s/" NPUSNAP_AGENT_SOCKET_NAME, dir, agent_socket_pid());
     if (strlen(path) >= sizeof A.path) {
         snprintf(err, errlen, "socket path %s exceeds the %zu-byte AF_UNIX limit", path, sizeof A.path - 1);
         return -1;
@@ -397,7 +252,8 @@ static void handle_line(const char *line, size_t len) {
         proto_error_line(&out, id, &e);
     } else {
         r.fd = A.pending_fd;
-        ops_handle(&r, A.client_pid, &out);
+        agent_endpoint ep = endpoint();
+        ops_handle(&r, A.client_pid, &ep, &out);
         proto_request_free(&r);
     }
     drop_pending_fd(); /* one fd goes with one line */
@@ -555,7 +411,8 @@ static void *agent_main(void *arg) {
             leave_with_program();
             break;
         }
-        ops_tick();
+        agent_endpoint ep = endpoint();
+        ops_tick(&ep);
         struct pollfd p[2];
         int n = 0;
         p[n++] = (struct pollfd){A.listen_fd, POLLIN, 0};
@@ -581,7 +438,7 @@ static void after_fork_child(void);
 static int start_locked(void) {
     if (A.started && A.pid == getpid()) return 0;
     A.last_error[0] = 0;
-    log_setup();
+    agent_log_setup();
     ops_init();
     if (bind_socket(A.last_error, sizeof A.last_error) < 0) return -1;
     A.pid = getpid();
@@ -658,219 +515,13 @@ AGENT_API void npusnap_agent_stop(void) {
     pthread_mutex_unlock(&start_mu);
 }
 
-/* ---- Python hooks, with a deadline ------------------------------------------------------- */
-typedef int (*hook_cb_t)(void *handle, const char *stage, char *out, size_t outlen);
-
-enum { HC_PENDING, HC_RUNNING, HC_DONE, HC_CANCELLED };
-
-typedef struct hook_call {
-    char stage[16];
-    int state;
-    int rc;
-    int refs;
-    char out[16384];
-} hook_call;
-
-static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t hook_cv;
-static int hook_cv_ready;
-static hook_cb_t hook_cb;
-static double hook_timeout = DEFAULT_HOOK_TIMEOUT;
-static unsigned hook_mask;
-static char *hook_names;
-static char *python_info;
-
-static const char *STAGES[] = {NPUSNAP_HOOK_STAGES_INIT};
-
-static void hook_cv_init(void) {
-    monotonic_cond_init(&hook_cv);
-    hook_cv_ready = 1;
-}
-
-/* Called by the Python face: cb runs the hooks of a stage (it must call npusnap_agent_hook_claim
- * first and do nothing if that says the call was cancelled); timeout_s bounds each stage. */
-AGENT_API void npusnap_agent_set_hook_callback(hook_cb_t cb, double timeout_s) {
-    pthread_mutex_lock(&hook_mu);
-    hook_cb = cb;
-    if (timeout_s > 0) hook_timeout = timeout_s;
-    pthread_mutex_unlock(&hook_mu);
-}
-
-/* mask: bit i set when stage STAGES[i] has hooks; names: {"pre_lock": [...], ...} for hello. */
-AGENT_API void npusnap_agent_set_hooks(unsigned mask, const char *names_json) {
-    pthread_mutex_lock(&hook_mu);
-    hook_mask = mask;
-    free(hook_names);
-    hook_names = names_json ? strdup(names_json) : NULL;
-    pthread_mutex_unlock(&hook_mu);
-}
-
-AGENT_API void npusnap_agent_set_python_info(const char *json) {
-    pthread_mutex_lock(&hook_mu);
-    free(python_info);
-    python_info = json ? strdup(json) : NULL;
-    pthread_mutex_unlock(&hook_mu);
-}
-
-/* 0: go ahead and run the hooks; 1: the agent gave up waiting (the stage already failed and was
- * rolled back), so the late hook must do nothing. */
-AGENT_API int npusnap_agent_hook_claim(void *handle) {
-    hook_call *c = handle;
-    pthread_mutex_lock(&hook_mu);
-    int go = c->state == HC_PENDING;
-    if (go) c->state = HC_RUNNING;
-    pthread_mutex_unlock(&hook_mu);
-    return go ? 0 : 1;
-}
-
-static void hook_call_put(hook_call *c) { /* with hook_mu held */
-    if (--c->refs == 0) free(c);
-}
-
-static void *hook_thread(void *arg) {
-    hook_call *c = arg;
-    pthread_mutex_lock(&hook_mu);
-    hook_cb_t cb = hook_cb;
-    pthread_mutex_unlock(&hook_mu);
-    /* This call takes the GIL (ctypes does): it may wait for as long as the application holds
-     * it. The agent thread does not wait for it longer than hook_timeout. */
-    int rc = cb ? cb(c, c->stage, c->out, sizeof c->out - 1) : -1;
-    pthread_mutex_lock(&hook_mu);
-    c->rc = rc;
-    if (c->state != HC_CANCELLED) c->state = HC_DONE;
-    pthread_cond_broadcast(&hook_cv);
-    hook_call_put(c);
-    pthread_mutex_unlock(&hook_mu);
-    return NULL;
-}
-
-void hooks_names_json(sbuf *out) {
-    pthread_mutex_lock(&hook_mu);
-    if (hook_names) sb_raw(out, hook_names);
-    else sb_raw(out, "{\"pre_lock\":[],\"post_backup\":[],\"post_restore\":[],\"post_unlock\":[]}");
-    pthread_mutex_unlock(&hook_mu);
-}
-
-void python_info_json(sbuf *out) {
-    pthread_mutex_lock(&hook_mu);
-    sb_raw(out, python_info ? python_info : "null");
-    pthread_mutex_unlock(&hook_mu);
-}
-
-static void hook_fail(op_error *e, const char *stage, const char *hook, const char *exc, const char *name,
-                      const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static void hook_fail(op_error *e, const char *stage, const char *hook, const char *exc, const char *name,
-                      const char *fmt, ...) {
-    e->type = NPUSNAP_ERRTYPE_HOOK;
-    snprintf(e->name, sizeof e->name, "%s", name);
-    e->code = 0;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->message, sizeof e->message, fmt, ap);
-    va_end(ap);
-    sb_raw(&e->extra, ",\"hook\":");
-    sb_str(&e->extra, hook);
-    sb_raw(&e->extra, ",\"stage\":");
-    sb_str(&e->extra, stage);
-    sb_raw(&e->extra, ",\"exception\":");
-    sb_str(&e->extra, exc);
-}
-
-int hooks_run(const char *stage, sbuf *ran, op_error *e) {
-    unsigned bit = 0;
-    for (unsigned i = 0; i < 4; i++) {
-        if (strcmp(STAGES[i], stage) == 0) bit = 1u << i;
-    }
-    pthread_mutex_lock(&hook_mu);
-    int wanted = hook_cb && (hook_mask & bit);
-    double timeout = hook_timeout;
-    pthread_mutex_unlock(&hook_mu);
-    if (!wanted) return 0;
-    hook_call *c = calloc(1, sizeof *c);
-    if (!c) {
-        hook_fail(e, stage, "", "MemoryError", NPUSNAP_ERR_HOOK_FAILED, "hooks of stage %s not run: out of memory", stage);
-        return -1;
-    }
-    snprintf(c->stage, sizeof c->stage, "%s", stage);
-    c->refs = 2;
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = npusnap_quiet_thread_create(&t, &attr, hook_thread, c);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) {
-        free(c);
-        hook_fail(e, stage, "", "OSError", NPUSNAP_ERR_HOOK_FAILED, "hooks of stage %s not run: pthread_create: %s", stage,
-                  strerror(rc));
-        return -1;
-    }
-    pthread_mutex_lock(&hook_mu);
-    struct timespec ts = deadline_in(timeout);
-    while (c->state != HC_DONE) {
-        if (pthread_cond_timedwait(&hook_cv, &hook_mu, &ts) == ETIMEDOUT) break;
-    }
-    int state = c->state;
-    int cb_rc = c->rc;
-    char *out = NULL;
-    if (state == HC_DONE) {
-        out = strdup(c->out);
-    } else {
-        c->state = HC_CANCELLED; /* a late hook sees this in npusnap_agent_hook_claim */
-    }
-    hook_call_put(c);
-    pthread_mutex_unlock(&hook_mu);
-    if (state != HC_DONE) {
-        if (state == HC_PENDING) {
-            hook_fail(e, stage, "", "TimeoutError", NPUSNAP_ERR_HOOK_TIMEOUT,
-                      "the Python hooks of stage %s could not start within %gs: the interpreter's GIL was "
-                      "not released (a native extension holding it while it waits for the device?)",
-                      stage, timeout);
-        } else {
-            hook_fail(e, stage, "", "TimeoutError", NPUSNAP_ERR_HOOK_TIMEOUT,
-                      "the Python hooks of stage %s did not finish within %gs", stage, timeout);
-        }
-        ops_event("%s", e->message);
-        return -1;
-    }
-    jval v;
-    char perr[64];
-    int ok = out && json_parse(out, strlen(out), &v, perr, sizeof perr) == 0;
-    free(out);
-    if (!ok || v.t != J_OBJ) {
-        if (ok) json_free(&v);
-        hook_fail(e, stage, "", "RuntimeError", NPUSNAP_ERR_HOOK_FAILED,
-                  "the hook runner of stage %s returned %d without a result", stage, cb_rc);
-        return -1;
-    }
-    const jval *okv = json_get(&v, "ok");
-    if (okv && okv->t == J_BOOL && okv->b) {
-        const jval *names = json_get(&v, "ran");
-        for (size_t i = 0; names && names->t == J_ARR && i < names->n; i++) {
-            if (ran->len) sb_raw(ran, ",");
-            sb_json(ran, &names->items[i]);
-        }
-        json_free(&v);
-        return 0;
-    }
-    const jval *hook = json_get(&v, "hook");
-    const jval *err = json_get(&v, "error");
-    const char *hs = hook && hook->t == J_STR ? hook->s : "?";
-    const char *es = err && err->t == J_STR ? err->s : "?";
-    hook_fail(e, stage, hs, es, NPUSNAP_ERR_HOOK_FAILED, "hook '%s' at stage %s failed: %s", hs, stage, es);
-    agent_log("%s", e->message);
-    json_free(&v);
-    return -1;
-}
-
 /* ---- process life cycle ------------------------------------------------------------------ */
 /* In a forked child only the forking thread exists: the parent's agent thread, client and
  * listener are not ours. Close them (the path stays: it is the parent's) and start afresh if
  * the environment asks for an agent in every process. */
 static void after_fork_child(void) {
     pthread_mutex_init(&start_mu, NULL);
-    pthread_mutex_init(&hook_mu, NULL);
-    hook_cv_init();
+    hooks_after_fork();
     if (A.client_fd >= 0) close(A.client_fd);
     if (A.listen_fd >= 0) close(A.listen_fd);
     A.client_fd = A.listen_fd = -1;
@@ -878,7 +529,7 @@ static void after_fork_child(void) {
     A.path[0] = 0;
     A.inlen = 0;
     A.partial_since = 0;
-    log_setup(); /* the default file is named after our own pid */
+    agent_log_setup(); /* the default file is named after our own pid */
     const char *sw = getenv("NPUSNAP_AGENT");
     if (!sw || strcmp(sw, "1") != 0) return;
     /* Only a preloaded agent sees the child's device calls; one loaded later starts now. */
@@ -888,8 +539,8 @@ static void after_fork_child(void) {
         npusnap_agent_start();
 }
 
-/* devmem.c, after a device-opening call of the job succeeded. */
-void agent_device_opened(void) {
+/* After a device-opening call of the job succeeded (devmem.c calls it). */
+static void agent_device_opened(void) {
     if (!__atomic_load_n(&start_on_device_open, __ATOMIC_RELAXED)) return;
     __atomic_store_n(&start_on_device_open, 0, __ATOMIC_RELAXED);
     npusnap_agent_start();
@@ -916,8 +567,9 @@ __attribute__((destructor)) static void agent_fini(void) {
 }
 
 __attribute__((constructor)) static void agent_init(void) {
-    hook_cv_init();
-    log_setup();
+    hooks_init();
+    npusnap_devmem_on_device_open(agent_device_opened);
+    agent_log_setup();
     pthread_atfork(NULL, NULL, after_fork_child);
     const char *sw = getenv("NPUSNAP_AGENT");
     if ((sw && strcmp(sw, "1") == 0) || attach_marker_present()) npusnap_agent_start();

@@ -50,8 +50,7 @@
 #include "npusnap/timeutil.h"
 #include "realsym.h"
 
-void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* core.c */
-void agent_device_opened(void);                                             /* core.c */
+void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* log.c */
 void npusnap_devmem_before_write(uintptr_t p, size_t n); /* the concurrent copy, below */
 void npusnap_devmem_write_open(void);
 void npusnap_devmem_write_close(void);
@@ -270,6 +269,17 @@ static int loaded_before_libc(void) {
 }
 
 int npusnap_devmem_preloaded(void) { return (int)NPUSNAP_AGENT_RECORD_SYMBOL.tracking; }
+
+/* What runs after a device-opening call of the job succeeded (core.c's: a forked child's agent
+ * starts then). Set once, by the library's constructor. */
+static void (*g_on_device_open)(void);
+
+void npusnap_devmem_on_device_open(void (*fn)(void)) { __atomic_store_n(&g_on_device_open, fn, __ATOMIC_RELEASE); }
+
+static void device_opened(void) {
+    void (*fn)(void) = __atomic_load_n(&g_on_device_open, __ATOMIC_ACQUIRE);
+    if (fn) fn();
+}
 
 /* No lock: a copy made without fork handlers may hold one locked for ever. Every thread resets
  * (if the record is another process's) before it counts, so the count ends at one or more. */
@@ -684,7 +694,7 @@ API aclError aclrtSetDevice(int32_t deviceId) {
     pthread_mutex_unlock(&g_life);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        agent_device_opened();
+        device_opened();
     }
     return rc;
 }
@@ -697,7 +707,7 @@ API aclError aclrtCreateContext(void **ctx, int32_t deviceId) {
     pthread_mutex_unlock(&g_life);
     if (rc == ACL_SUCCESS) {
         record_opened();
-        agent_device_opened();
+        device_opened();
     }
     return rc;
 }
@@ -715,7 +725,7 @@ API aclError aclrtSetCurrentContext(void *ctx) {
             if (!g_dev_ctx[dev]) g_dev_ctx[dev] = ctx;
             pthread_mutex_unlock(&g_mu);
         }
-        agent_device_opened();
+        device_opened();
     }
     return rc;
 }

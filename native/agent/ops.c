@@ -168,6 +168,13 @@ void ops_event(const char *fmt, ...) {
     snprintf(events[n_events++], sizeof events[0], "%s %s", stamp, msg);
 }
 
+/* The Python hooks of a stage (hooks.c); one that timed out is also an event `status` shows. */
+static int run_hooks(const char *stage, sbuf *ran, op_error *e) {
+    int rc = hooks_run(stage, ran, e);
+    if (rc < 0 && strcmp(e->name, NPUSNAP_ERR_HOOK_TIMEOUT) == 0) ops_event("%s", e->message);
+    return rc;
+}
+
 void ops_init(void) {
     memset(&lease, 0, sizeof lease);
     memset(&owner, 0, sizeof owner);
@@ -896,7 +903,7 @@ static void refresh_restored(void) {
 static int do_rollback(sbuf *res, op_error *e);
 
 
-void ops_tick(void) {
+void ops_tick(const agent_endpoint *ep) {
     /* The tick opens no descriptor: one opened every 100 ms would, now and then, take the number a
      * program's own open() expected (the lowest free one), and a dump that froze this thread
      * between fopen and fclose of /proc/self/stat would save that fd as /proc/<host pid>/stat,
@@ -907,7 +914,7 @@ void ops_tick(void) {
     static long last_host_pid = -1;
     static unsigned long long last_ino;
     long host_pid = host_pid_now();
-    unsigned long long ino = agent_socket_ino();
+    unsigned long long ino = ep->ino;
     int moved = (last_ino && ino && ino != last_ino) || (last_host_pid >= 0 && host_pid >= 0 && host_pid != last_host_pid);
     if (ino) last_ino = ino;
     if (host_pid >= 0) last_host_pid = host_pid;
@@ -944,7 +951,7 @@ void ops_tick(void) {
 /* ---- operations -------------------------------------------------------------------------- */
 static void python_or_null(sbuf *b) { python_info_json(b); }
 
-static int op_hello(const request *r, sbuf *res, op_error *e) {
+static int op_hello(const request *r, const agent_endpoint *ep, sbuf *res, op_error *e) {
     (void)r;
     (void)e;
     acl_rt *a = runtime();
@@ -969,7 +976,7 @@ static int op_hello(const request *r, sbuf *res, op_error *e) {
     sb_key(res, "restored");
     sb_raw(res, restored ? "true" : "false");
     sb_key(res, "socket");
-    sb_str(res, agent_socket());
+    sb_str(res, ep->socket);
     sb_key(res, "python");
     python_or_null(res);
     sb_key(res, "acl");
@@ -1144,7 +1151,7 @@ static int op_lock(const request *r, int peer_pid, sbuf *res, op_error *e) {
     drain_s = 0;
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
+    if (run_hooks(NPUSNAP_HOOK_PRE_LOCK, &ran, e) < 0) {
         close_fd(&devmem.save_fd);
         hook_error(e, "nothing was locked");
         sb_free(&ran);
@@ -1312,7 +1319,7 @@ static int op_backup(const request *r, sbuf *res, op_error *e) {
     if (rc < 0) return -1;
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run(NPUSNAP_HOOK_POST_BACKUP, &ran, e) < 0) {
+    if (run_hooks(NPUSNAP_HOOK_POST_BACKUP, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         return -1;
@@ -1366,7 +1373,7 @@ static int op_restore(const request *r, sbuf *res, op_error *e) {
     if (!no_device && call_restore(e) < 0) return -1;
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run(NPUSNAP_HOOK_POST_RESTORE, &ran, e) < 0) {
+    if (run_hooks(NPUSNAP_HOOK_POST_RESTORE, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         return -1;
@@ -1416,7 +1423,7 @@ static int op_unlock(const request *r, sbuf *res, op_error *e) {
     devmem_after_unlock(&steps, e);
     sbuf ran;
     sb_init(&ran);
-    if (hooks_run(NPUSNAP_HOOK_POST_UNLOCK, &ran, e) < 0) {
+    if (run_hooks(NPUSNAP_HOOK_POST_UNLOCK, &ran, e) < 0) {
         abort_after_hook(e, before);
         sb_free(&ran);
         sb_free(&steps);
@@ -1471,7 +1478,7 @@ static int do_rollback(sbuf *res, op_error *e) {
         sb_init(&ran);
         op_error he;
         err_init(&he);
-        if (hooks_run(NPUSNAP_HOOK_POST_UNLOCK, &ran, &he) < 0) {
+        if (run_hooks(NPUSNAP_HOOK_POST_UNLOCK, &ran, &he) < 0) {
             /* Rollback's job is to get the process running; a hook failure is reported. */
             if (warnings.len) sb_raw(&warnings, ",");
             sb_str(&warnings, he.message);
@@ -1528,7 +1535,7 @@ static int op_copy_wait(const request *r, sbuf *res, op_error *e) {
     return 0;
 }
 
-void ops_handle(const request *r, int peer_pid, sbuf *out) {
+void ops_handle(const request *r, int peer_pid, const agent_endpoint *ep, sbuf *out) {
     refresh_restored();
     sbuf res;
     sb_init(&res);
@@ -1537,7 +1544,7 @@ void ops_handle(const request *r, int peer_pid, sbuf *out) {
     err_init(&e);
     int rc;
     const char *op = r->op;
-    if (strcmp(op, "hello") == 0) rc = op_hello(r, &res, &e);
+    if (strcmp(op, "hello") == 0) rc = op_hello(r, ep, &res, &e);
     else if (strcmp(op, "status") == 0) rc = op_status(r, &res, &e);
     else if (strcmp(op, "lock") == 0) rc = op_lock(r, peer_pid, &res, &e);
     else if (strcmp(op, "backup") == 0) rc = op_backup(r, &res, &e);
