@@ -51,7 +51,7 @@ OP_TIMEOUTS = {
     "hccl_rebuild": 900.0,
 }
 _UCRED = struct.Struct("3i")
-BUSY_POLL_S = 0.05  # how often a request refused as BUSY is sent again while it may be
+BUSY_POLL_S = 0.05  # how often a request refused as BUSY is sent again, within busy_wait_s
 # How long a command waits for another client only passing by (`ps`, `status`: milliseconds of
 # work, longer on a loaded node) before it reports the agent busy.
 PASSING_CLIENT_WAIT_S = 2.0

@@ -285,6 +285,11 @@ def running_on(pid: int) -> Optional[RunningRecord]:
     return None
 
 
+def held_by_command(pid: int) -> bool:
+    """Whether another npusnap command (still alive) works on ``pid`` now."""
+    return running_on(pid) is not None
+
+
 @dataclass
 class Operation:
     """What ``operation`` records when its body ends: the body sets ``pids`` and ``image`` once

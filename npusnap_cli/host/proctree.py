@@ -239,10 +239,6 @@ def without_device_state(tree: list[ProcInfo]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _held_by_command(pid: int) -> bool:
-    return oplog.running_on(pid) is not None
-
-
 def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
     """``{"pid", "processes": [...], "hints": [...]}``; agent failures are reported per process."""
     tree = process_tree(pid)
@@ -268,7 +264,7 @@ def tree_status(pid: int, timeout: float = 5.0) -> dict[str, Any]:
                     timeout=timeout,
                     connect_retry_s=0.5,
                     busy_wait_s=PASSING_CLIENT_WAIT_S,
-                    held_by_command=functools.partial(_held_by_command, info.pid),
+                    held_by_command=functools.partial(oplog.held_by_command, info.pid),
                 ) as client:
                     hello = client.hello()
                     entry["hello"] = hello.to_json()

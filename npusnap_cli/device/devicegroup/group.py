@@ -90,10 +90,6 @@ class RestoredAndUnlocked:
     unlock: replies.UnlockReply
 
 
-def _held_by_command(pid: int) -> bool:
-    return oplog.running_on(pid) is not None
-
-
 class DeviceGroup:
     """The agents of ``pids``, driven together. Connects on construction unless ``connect=False``."""
 
@@ -123,7 +119,7 @@ class DeviceGroup:
                 timeout=timeout,
                 connect=False,
                 busy_wait_s=PASSING_CLIENT_WAIT_S,
-                held_by_command=functools.partial(_held_by_command, pid),
+                held_by_command=functools.partial(oplog.held_by_command, pid),
             )
             for pid in self.pids
         }
