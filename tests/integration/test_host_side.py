@@ -307,7 +307,10 @@ def test_restore_fails_when_the_job_dies_right_after_resuming(
         assert rc == 0, (out or {}).get("error") or err
         job.reap()
         os.close(r)  # the reader is gone, as a `tee` that exited
-        rc, out, _ = cli(env, "restore", str(tmp_path / "img"))
+        # A watch longer than the default: on a busy machine the job's first step after the
+        # restore (a device call through the simulator's daemon, starved too) can take longer
+        # than 0.5 s, and the death this test is about would come after the watch.
+        rc, out, _ = cli(env, "restore", str(tmp_path / "img"), "--settle", "5")
         assert rc == ExitCode.TARGET and out is not None, out
         assert "died right after resuming" in out["error"]["message"]
         # Python ignores SIGPIPE: the write raises BrokenPipeError and the job exits 1.
