@@ -19,7 +19,8 @@ echo "== torch_npu test set-up"; ./scripts/setup-torch-npu.sh
 # time), on a simulated node of its own, beside pytest's workers (NPUSNAP_ZDTM_AFTER=1: after
 # them). Its exclusive and cgroup tests wait until the workers are done (--late-after): they mount
 # cgroup v1 hierarchies (net_prio...) and set iptables rules that other tests' CRIU dumps trip on
-# ("cg: controller net_prio not found"). The tests marked serial run after all of it. Only for
+# ("cg: controller net_prio not found"); so do its socket-tcpbuf tests, whose restored connections
+# stalled under that load. The tests marked serial run after all of it. Only for
 # the whole suite: a run of chosen tests (arguments) skips it.
 ZDTM_GO=.build/zdtm-workers-done
 ZDTM_LOG=.build/zdtm.log

@@ -780,9 +780,12 @@ def judge(res: TestResult, expected: dict[str, str]) -> None:
 
 
 def is_late(name: str, desc: dict[str, str]) -> bool:
-    """Run alone, after the shared ones: the tests zdtm.py runs exclusively, and every cgroup test
-    (cgroup_stray is not marked exclusive but mounts cgroup v1 hierarchies too)."""
-    return "excl" in desc.get("flags", "").split() or name.startswith("cgroup")
+    """Run alone, after the shared ones: the tests zdtm.py runs exclusively, every cgroup test
+    (cgroup_stray is not marked exclusive but mounts cgroup v1 hierarchies too), and the
+    socket-tcpbuf ones: megabytes in flight on local TCP connections, whose restored connections
+    stalled beside pytest's workers (raw CRIU's once too; docs/supported.md)."""
+    flags = desc.get("flags", "").split()
+    return "excl" in flags or name.startswith(("cgroup", "socket-tcpbuf"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -797,9 +800,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=Path,
         default=None,
         metavar="FILE",
-        help="run the exclusive and cgroup tests only once FILE exists (scripts/test.sh creates it"
-        " when pytest's workers are done: those tests mount cgroup v1 hierarchies and set iptables"
-        " rules that other CRIU dumps on the host would trip on)",
+        help="run the exclusive, cgroup and socket-tcpbuf tests only once FILE exists (scripts/test.sh"
+        " creates it when pytest's workers are done: those tests mount cgroup v1 hierarchies and set"
+        " iptables rules that other CRIU dumps on the host would trip on, or stall under load)",
     )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -872,7 +875,7 @@ def run(args: argparse.Namespace) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             results += list(pool.map(one, shared))
         if args.late_after is not None:
-            log(f"zdtm: {len(shared)} done; {len(late)} exclusive and cgroup ones await {args.late_after}")
+            log(f"zdtm: {len(shared)} done; {len(late)} late ones (is_late) await {args.late_after}")
             wait_until(args.late_after.exists, LATE_WAIT_S, f"{args.late_after} (pytest's workers done)")
         results += [one(p) for p in late]
     results.sort(key=lambda r: r.name)
