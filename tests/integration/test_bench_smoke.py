@@ -18,9 +18,9 @@ import pytest
 
 from tests.conftest import REPO, requires_root
 
-# Beside the other tests of a parallel run: its timings then measure them too, and it checks
-# none. It runs on a simulated NPU and in directories of its own.
-pytestmark = [pytest.mark.integration, requires_root]
+# serial: its timings would measure the other tests of a parallel run, and beside them its
+# cold-memory step failed to map the memory it warms ("mmap failed", EINVAL).
+pytestmark = [pytest.mark.integration, requires_root, pytest.mark.serial]
 
 TABLE_HEADINGS = (
     "## Machine and versions",
