@@ -328,7 +328,8 @@ def test_dev_shm_segment_is_saved_and_put_back(
     name = f"npusnap-test-{os.getpid()}"
     seg = Path("/dev/shm") / name
     seg.unlink(missing_ok=True)
-    args = ["--with", f"shm:{name}", "--steps", "30", "--interval", "0.05", "--seed", "6"]
+    # Steps enough that the job outlives the dump's start on a busy machine (30 ended first there).
+    args = ["--with", f"shm:{name}", "--steps", "120", "--interval", "0.05", "--seed", "6"]
     ref = host_reference(env, args)
     seg.unlink(missing_ok=True)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
