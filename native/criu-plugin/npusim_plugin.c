@@ -25,12 +25,8 @@
  * what is not theirs, so CRIU's dispatcher reaches each. Log lines start with "npusim-plugin: ".
  */
 #define _GNU_SOURCE
-#pragma GCC visibility push(default)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#include <criu-plugin.h>
-#pragma GCC diagnostic pop
-#pragma GCC visibility pop
+#include "criu_host.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/sockios.h>
@@ -43,12 +39,6 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-
-/* Exported by the criu binary (criu/include/image.h, log.h). */
-extern int add_inventory_plugin(const char *name);
-extern bool check_and_remove_inventory_plugin(const char *name, size_t n);
-extern void print_on_level(unsigned int loglevel, const char *format, ...)
-    __attribute__((format(printf, 2, 3)));
 
 #define PLUGIN_NAME "npusim_plugin"
 #define PREFIX "npusim-plugin: "

@@ -8,12 +8,7 @@
 #include "agentrecord.h"
 #include "sha256.h"
 
-#pragma GCC visibility push(default)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#include <criu-plugin.h>
-#pragma GCC diagnostic pop
-#pragma GCC visibility pop
+#include "criu_host.h"
 #include <dirent.h>
 #include <dlfcn.h>
 #include <linux/openat2.h>
@@ -36,14 +31,6 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-
-/* Exported by the criu binary (criu/include/image.h, seize.h, log.h). */
-extern int add_inventory_plugin(const char *name);
-extern bool check_and_remove_inventory_plugin(const char *name, size_t n);
-extern void set_compel_interrupt_only_mode(void);
-extern bool alarm_timeouted(void); /* CRIU's freeze timeout (--timeout) ran out */
-extern void print_on_level(unsigned int loglevel, const char *format, ...)
-    __attribute__((format(printf, 2, 3)));
 
 /* Names, formats, exit codes and protocol constants: npusnap/contract.h (native/contract/npusnap.toml,
  * the same spec npusnap_cli/contract.py is generated from). */
