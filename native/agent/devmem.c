@@ -316,8 +316,9 @@ static void atfork_child(void) {
 }
 
 __attribute__((constructor)) static void devmem_init(void) {
-    record_start();
+    /* tracking before the pid: a reader takes a record with no pid yet as not filled in */
     NPUSNAP_AGENT_RECORD_SYMBOL.tracking = (uint32_t)loaded_before_libc();
+    record_start();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     monotonic_cond_init(&g_cv);
     monotonic_cond_init(&g_ecv);

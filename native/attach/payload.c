@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define BOOTSTRAP_NAME "bootstrap.py"
@@ -135,14 +136,6 @@ static void *attach_thread(void *arg) {
         return NULL;
     }
 
-    /* exec() with a fresh globals dict: nothing leaks into the application's __main__. */
-    char code[2048];
-    snprintf(code, sizeof code,
-             "exec(compile(__import__('io').open_code('%s/" BOOTSTRAP_NAME "').read(), '%s/" BOOTSTRAP_NAME
-             "', 'exec'), {'__name__': '__npusnap_attach__', '__npusnap_dir__': '%s', "
-             "'__npusnap_main_ident__': %lu})",
-             payload_dir, payload_dir, payload_dir, main_ident);
-
     /* The CLI removes the bootstrap when it gives up waiting: then do nothing at all. */
     char bootstrap[600];
     snprintf(bootstrap, sizeof bootstrap, "%s/" BOOTSTRAP_NAME, payload_dir);
@@ -151,6 +144,18 @@ static void *attach_thread(void *arg) {
     }
 
     int gil = ensure();
+    /* From here the job's Python threads wait: the bootstrap reports how long it held the GIL
+     * from this moment (CLOCK_MONOTONIC is Python's time.monotonic()), its compiling and
+     * imports included. */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    /* exec() with a fresh globals dict: nothing leaks into the application's __main__. */
+    char code[2048];
+    snprintf(code, sizeof code,
+             "exec(compile(__import__('io').open_code('%s/" BOOTSTRAP_NAME "').read(), '%s/" BOOTSTRAP_NAME
+             "', 'exec'), {'__name__': '__npusnap_attach__', '__npusnap_dir__': '%s', "
+             "'__npusnap_main_ident__': %lu, '__npusnap_gil_t0__': %ld.%09ld})",
+             payload_dir, payload_dir, payload_dir, main_ident, (long)now.tv_sec, now.tv_nsec);
     int rc = run(code);
     release(gil);
     if (rc != 0) {

@@ -76,7 +76,8 @@ def _symbol_offset(pid: int, start: int, end: int, path: str) -> Optional[int]:
 
 def read(pid: int) -> Optional[AgentRecord]:
     """The agent's record in ``pid``; None when no agent library is mapped, it has no record (an
-    older agent), or its memory cannot be read (privileges: the same as CRIU's)."""
+    older agent), its constructor has not filled it in yet (no process is pid 0, in any
+    namespace), or its memory cannot be read (privileges: the same as CRIU's)."""
     found = agent_mapping(pid)
     if found is None:
         return None
@@ -97,7 +98,7 @@ def read(pid: int) -> Optional[AgentRecord]:
     if len(raw) != contract.AGENT_RECORD_SIZE:
         return None
     magic, rec_pid, opened, tracking, _ = contract.AGENT_RECORD.unpack(raw)
-    if magic.rstrip(b"\0") != contract.AGENT_RECORD_MAGIC:
+    if magic.rstrip(b"\0") != contract.AGENT_RECORD_MAGIC or rec_pid == 0:
         return None
     return AgentRecord(pid=rec_pid, opened=opened, tracking=bool(tracking))
 

@@ -49,7 +49,7 @@ def _write_private(path: Path, data: bytes, mode: int, target: PythonTarget) -> 
 
 _BOOTSTRAP_FRAME = """\
 import _thread, json, os, sys, time, traceback
-_T0 = time.monotonic()
+_T0 = __npusnap_gil_t0__
 _DIR = {dir!r}
 def _report(data):
     data.update(pid=os.getpid(), python="%d.%d.%d" % sys.version_info[:3],
@@ -128,8 +128,10 @@ def bootstrap_source(body: str, target_dir: str) -> str:
     inner = _BOOTSTRAP_FRAME.format(
         dir=target_dir, status=STATUS_NAME, body="\n".join("    " + ln for ln in body.splitlines())
     )
-    # The gdb payload passes __npusnap_main_ident__; sys.remote_exec (3.14+) does not need it.
+    # The gdb payload passes __npusnap_main_ident__ (sys.remote_exec, 3.14+, does not need it)
+    # and when it took the GIL (__npusnap_gil_t0__); without that, the GIL is held from here.
     return (
         f"exec(compile({inner!r}, {target_dir + '/' + BOOTSTRAP_NAME!r}, 'exec'), "
-        "{'__npusnap_main_ident__': globals().get('__npusnap_main_ident__', 0)})\n"
+        "{'__npusnap_main_ident__': globals().get('__npusnap_main_ident__', 0), "
+        "'__npusnap_gil_t0__': globals().get('__npusnap_gil_t0__') or __import__('time').monotonic()})\n"
     )
