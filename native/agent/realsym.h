@@ -1,4 +1,4 @@
-/* The real definitions behind the agent's wrappers (devmem.c: the driver's and the runtime's
+/* The real definitions behind the agent's wrappers (devmem_hooks.c: the driver's and the runtime's
  * names; hccl.c: HCCL's). Both live in libnpusnap_agent.so, so RTLD_NEXT means "after the agent"
  * for each. */
 #ifndef NPUSNAP_AGENT_REALSYM_H

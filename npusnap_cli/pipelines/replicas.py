@@ -14,7 +14,7 @@ are forked from this one once it has imported the restore's modules: a copy star
 interpreter and imports nothing (the CLI's start is a large part of a small restore, and N of
 them share the host's cores). The copies read the same image files, so the page cache holds the
 image's memory and device-memory files once, and each copy's agent copies its device memory
-from a read-only mapping of that one file (native/agent/devmem.c): every copy reads the same
+from a read-only mapping of that one file (native/agent/devmem_save.c): every copy reads the same
 page-cache pages. An image with CRIU ghost files (small deleted files the job held open) is the
 exception: CRIU recreates each under one name of the image's, so the copies' CRIU restores take
 turns on a lock per ghost name (host/ghostlock.py); their device restores still overlap.

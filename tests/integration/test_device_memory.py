@@ -157,7 +157,7 @@ def test_file_save_of_many_chunks_on_several_threads_and_a_failed_write(
     make_driver: Callable[..., Driver], tmp_path: Path
 ) -> None:
     """The agent copies device memory to and from the file a chunk at a time on several threads
-    (devmem.c's xfer_run): allocations of odd sizes across chunk boundaries come back byte for
+    (devmem_save.c's xfer_run): allocations of odd sizes across chunk boundaries come back byte for
     byte; a write that fails (the disk is full) fails the save with its cause and leaves the
     job's device memory as it was."""
     d = make_driver()
