@@ -10,7 +10,7 @@ static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t o
     drvError_t c = memcpy_fn((DVdeviceptr)(a->ptr + off), n, (DVdeviceptr)(uintptr_t)src, n);
     if (c == 0) return 0;
     dm_seterr(err, errlen, "drvMemcpy host to device of %zu bytes at %#lx (device %d) failed with %d", n,
-           (unsigned long)(a->ptr + off), a->dev, c);
+              (unsigned long)(a->ptr + off), a->dev, c);
     return -EIO;
 }
 
@@ -153,7 +153,7 @@ static int save_chunk(const struct xfer *x, const struct xfer_chunk *c, char *bu
     drvError_t rc = x->memcpy_fn((DVdeviceptr)(uintptr_t)buf, c->n, (DVdeviceptr)(a->ptr + c->a_off), c->n);
     if (rc != 0) {
         dm_seterr(err, errlen, "drvMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", c->n,
-               (unsigned long)(a->ptr + c->a_off), a->dev, rc);
+                  (unsigned long)(a->ptr + c->a_off), a->dev, rc);
         return -EIO;
     }
     int wr = dm_pwrite_full(x->fd, buf, c->n, c->file_off);
@@ -252,9 +252,9 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
         aclError rc = swt(timeout_ms > 0 ? timeout_ms : 1);
         if (rc == ACL_SUCCESS) return 0;
         dm_seterr(err, errlen,
-               "device %d did not finish its queued work within %d ms (aclrtSynchronizeDeviceWithTimeout: %d): a "
-               "kernel or a collective is still running",
-               dev, timeout_ms, rc);
+                  "device %d did not finish its queued work within %d ms (aclrtSynchronizeDeviceWithTimeout: %d): a "
+                  "kernel or a collective is still running",
+                  dev, timeout_ms, rc);
         return -ETIMEDOUT;
     }
     aclError (*sync)(void) = (aclError(*)(void))dm_real(F_SYNC_DEVICE);
@@ -290,9 +290,9 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
     if (!j->done) {
         j->done = 2; /* the thread frees it when (if) the runtime ever returns */
         dm_seterr(err, errlen,
-               "device %d did not finish its queued work within %d ms (aclrtSynchronizeDevice still waiting): a "
-               "kernel or a collective is still running",
-               dev, timeout_ms);
+                  "device %d did not finish its queued work within %d ms (aclrtSynchronizeDevice still waiting): a "
+                  "kernel or a collective is still running",
+                  dev, timeout_ms);
         ret = -ETIMEDOUT;
     } else {
         if (j->rc != ACL_SUCCESS) {
@@ -351,9 +351,9 @@ static int quiesce_timed(int timeout_ms, char *err, size_t errlen) {
     for (int k = 0; k < nd; k++)
         if (!ctxs[k]) {
             dm_seterr(err, errlen,
-                   "device %d holds tracked memory but npusnap saw no context of it (no aclrtSetDevice or "
-                   "aclrtSetCurrentContext of the job): cannot drain its queued work",
-                   devs[k]);
+                      "device %d holds tracked memory but npusnap saw no context of it (no aclrtSetDevice or "
+                      "aclrtSetCurrentContext of the job): cannot drain its queued work",
+                      devs[k]);
             return -ENODEV;
         }
     struct timespec t0, dl;
@@ -507,7 +507,7 @@ static int save_in_process_locked(memcpy_fn_t memcpy_fn, char *err, size_t errle
         drvError_t c = memcpy_fn((DVdeviceptr)(uintptr_t)a->copy, a->size, (DVdeviceptr)a->ptr, a->size);
         if (c != 0) {
             dm_seterr(err, errlen, "drvMemcpy device to host of %zu bytes at %#lx (device %d) failed with %d", a->size,
-                   (unsigned long)a->ptr, a->dev, c);
+                      (unsigned long)a->ptr, a->dev, c);
             ret = -EIO;
         }
     }
@@ -525,8 +525,8 @@ static int save_to(int fd, int timeout_ms, uint64_t *written, char *err, size_t 
     pthread_mutex_lock(&g_mu);
     if (ret == 0 && g_n && !memcpy_fn) {
         dm_seterr(err, errlen,
-               "the driver's drvMemcpy (libascend_hal.so) is not available in this process: cannot copy device "
-               "memory while the runtime is locked");
+                  "the driver's drvMemcpy (libascend_hal.so) is not available in this process: cannot copy device "
+                  "memory while the runtime is locked");
         ret = -ENOSYS;
     } else if (ret == 0) {
         ret = fd >= 0 ? save_file_locked(fd, memcpy_fn, written, err, errlen)
@@ -591,7 +591,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
         ret = -EINVAL;
     } else if (h.count != want) {
         dm_seterr(err, errlen, "the device-memory file holds %llu allocations, this process saved %llu into it",
-               (unsigned long long)h.count, (unsigned long long)want);
+                  (unsigned long long)h.count, (unsigned long long)want);
         ret = -EINVAL;
     } else if (!memcpy_fn && want) {
         dm_seterr(err, errlen, "the driver's drvMemcpy is not available in this process");
@@ -606,7 +606,7 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
     } else if (ret == 0 && (uint64_t)st.st_size < (uint64_t)data_off + h.bytes) {
         /* Checked before anything is mapped: see file_to_device. */
         dm_seterr(err, errlen, "the device-memory file has %lld bytes, its records need %llu", (long long)st.st_size,
-               (unsigned long long)((uint64_t)data_off + h.bytes));
+                  (unsigned long long)((uint64_t)data_off + h.bytes));
         ret = -ENODATA;
     }
     struct xfer x = {.fd = fd, .memcpy_fn = memcpy_fn};
@@ -623,17 +623,17 @@ API int npusnap_devmem_reload_fd(int fd, char *err, size_t errlen) {
         }
         if (r.ptr != (uint64_t)a->ptr || r.size != (uint64_t)a->size || r.dev != a->dev) {
             dm_seterr(err, errlen,
-                   "the device-memory file does not match this process: it has %llu bytes at %#llx on device %d "
-                   "where the process has %zu bytes at %#lx on device %d",
-                   (unsigned long long)r.size, (unsigned long long)r.ptr, r.dev, a->size, (unsigned long)a->ptr,
-                   a->dev);
+                      "the device-memory file does not match this process: it has %llu bytes at %#llx on device %d "
+                      "where the process has %zu bytes at %#lx on device %d",
+                      (unsigned long long)r.size, (unsigned long long)r.ptr, r.dev, a->size, (unsigned long)a->ptr,
+                      a->dev);
             ret = -EINVAL;
             break;
         }
         mapped_total += a->size;
         if (mapped_total > h.bytes) {
             dm_seterr(err, errlen, "the device-memory file's records add up to more than its header's %llu bytes",
-                   (unsigned long long)h.bytes);
+                      (unsigned long long)h.bytes);
             ret = -EINVAL;
             break;
         }
