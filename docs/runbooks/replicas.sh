@@ -71,9 +71,10 @@ export NPUSIM_SOCKET=$PWD/sim/npusim.sock
 npusnap sim start --devices 4 --capacity 512MiB
 eval "$(npusnap sim env)"
 # The same job uninterrupted, for comparison: its output depends only on --steps and --seed.
-python3 -m npusnap_workloads.train --steps 60 --seed 5 --interval 0 >reference.log
+# (200 steps of 0.05 s: the copies still run when they are looked at below.)
+python3 -m npusnap_workloads.train --steps 200 --seed 5 --interval 0 >reference.log
 PID=$(npusnap run --pid-ns --detach --pidfile job.pid --output job.log -- \
-    python3 -m npusnap_workloads.train --steps 60 --seed 5 --interval 0.05)
+    python3 -m npusnap_workloads.train --steps 200 --seed 5 --interval 0.05)
 grep NSpid "/proc/$PID/status"     # host pid, then 1: init of its own namespace
 timeout 20 sh -c 'until grep -q "^step 5 " job.log; do sleep 0.1; done'
 npusnap status "$PID"
