@@ -39,10 +39,10 @@
 #include "npusnap/timeutil.h"
 #include "realsym.h"
 
-
 void agent_log(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* log.c */
 void *npusnap_hccl_wrapper_for(const char *name, void *p); /* hccl.c */
-void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes.c */
+void *npusnap_writes_wrapper_for(void *handle, const char *name, void *p, dlsym_fn ds); /* writes_ops.c */
+/* the writers' side (writes.c calls them too) */
 void npusnap_devmem_before_write(uintptr_t p, size_t n);
 void npusnap_devmem_mark(uintptr_t p, size_t n);
 void npusnap_devmem_write_close(void);
