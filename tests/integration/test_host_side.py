@@ -2,7 +2,8 @@
 
 Each test runs ``hostjob.py`` (train.py's device loop plus one host resource used every step)
 under `npusnap run`, dumps and restores it with the CLI, and compares its lines with an
-uninterrupted run of the same command.
+uninterrupted run of the same command. Every job runs 4 s or more: on a busy machine a dump can
+take more than a second to reach the job, and a job that ended first is not what a test asks.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def test_forkserver_pool_round_trip(sim_env: dict[str, str], runtime_dir: Path, 
     """The pool's deleted semaphores travel in the image (CRIU's link-remap files), not on the
     host: a file in the way of one is refused clearly, and nothing is left in /dev/shm."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "forkserver-pool", "--steps", "30", "--interval", "0.1", "--seed", "2"]
+    args = ["--with", "forkserver-pool", "--steps", "40", "--interval", "0.1", "--seed", "2"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     img = tmp_path / "img"
@@ -191,7 +192,7 @@ def test_sockets_survive_leave_running_and_a_later_restore(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "tcp-listen", "--with", "udp", "--steps", "25", "--interval", "0.05", "--seed", "4"]
+    args = ["--with", "tcp-listen", "--with", "udp", "--steps", "80", "--interval", "0.05", "--seed", "4"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     try:
@@ -364,7 +365,7 @@ def test_log_changed_since_a_leave_running_dump_is_named(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    args = ["--steps", "60", "--interval", "0.05"]
+    args = ["--steps", "80", "--interval", "0.05"]
     job = Job(tmp_path, env, [PY, HOSTJOB, *args], truncate=True)  # `>`: CRIU checks its size
     out_file = job.out
     try:
@@ -386,7 +387,7 @@ def test_restore_from_a_shell_without_the_cann_environment(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     env = job_env(sim_env, runtime_dir)
-    args = ["--steps", "30", "--interval", "0.05", "--seed", "8"]
+    args = ["--steps", "80", "--interval", "0.05", "--seed", "8"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     try:
@@ -570,7 +571,7 @@ def test_socket_and_fifo_directories_are_recreated_after_the_original_exits(
     recreates them (owner, mode) before CRIU binds and opens there, and the job goes on. A
     directory in the way with another owner is refused before anything starts."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "mp-listener", "--with", "fifo", "--steps", "30", "--interval", "0.05", "--seed", "8"]
+    args = ["--with", "mp-listener", "--with", "fifo", "--steps", "80", "--interval", "0.05", "--seed", "8"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     dirs: list[str] = []
@@ -624,7 +625,7 @@ def test_lock_file_removed_by_the_original_is_put_back(
     directory when the original exits after a --leave-running --file-locks dump: the image
     carries it, restore puts it (and its directory) back, and CRIU re-takes the lock."""
     env = job_env(sim_env, runtime_dir)
-    args = ["--with", "lockfile", "--steps", "30", "--interval", "0.05", "--seed", "9"]
+    args = ["--with", "lockfile", "--steps", "80", "--interval", "0.05", "--seed", "9"]
     ref = host_reference(env, args)
     job = Job(tmp_path, env, [PY, HOSTJOB, *args])
     lock_dir = ""
