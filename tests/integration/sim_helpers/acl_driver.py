@@ -11,7 +11,8 @@ device call blocks while the process is locked.
     ["register", stage, ret] ["unregister", stage] ["register_twice", stage] ["calls"]
     ["bg", id, <command...>] ["bgwait", id, timeout_s] ["pid"] ["exit"]
     ["race_set_reset", dev, delay_us]: one thread sets dev and reads its current context while
-    this one resets dev, released together (the set waits delay_us first)
+    this one resets dev, released together (the set spins delay_us first; a negative delay_us:
+    the reset sleeps that long first, so that the set most likely comes first)
     npusnap's device-memory library (preloaded, or loaded from $NPUSNAP_AGENT_LIB):
     ["dm_save", timeout_ms] ["dm_reload"] ["dm_finish"] ["dm_info"] ["dm_register", addr, n]
     ["dm_exclude", addr, n] ["dm_save_file", path, timeout_ms] ["dm_reload_file", path]
@@ -287,7 +288,7 @@ def race_set_reset(dev: int, delay_us: int) -> Dict[str, Any]:
 
     def setter() -> None:
         start.wait()
-        until = time.perf_counter() + delay_us / 1e6
+        until = time.perf_counter() + max(delay_us, 0) / 1e6
         while time.perf_counter() < until:
             pass
         got["set"] = lib.aclrtSetDevice(ctypes.c_int32(dev))
@@ -297,6 +298,8 @@ def race_set_reset(dev: int, delay_us: int) -> Dict[str, Any]:
     t = threading.Thread(target=setter, daemon=True)
     t.start()
     start.wait()
+    if delay_us < 0:
+        time.sleep(-delay_us / 1e6)  # drops the GIL: the setter runs meanwhile
     reset = lib.aclrtResetDevice(ctypes.c_int32(dev))
     t.join(30)
     return {"rc": 0, "reset": reset, **got}
