@@ -18,6 +18,9 @@
  *  - copies the tracked memory with the driver's own copy, drvMemcpy, which the runtime's lock
  *    does not gate: after Lock (save) and after Restore, still LOCKED (reload).
  *
+ * This file holds the tables and what reads them; the wrappers, the save and reload, and the
+ * concurrent copy have files of their own (devmem_int.h lists them).
+ *
  * There is no gate of npusnap's own: the runtime's lock holds about 266 entry points on
  * every thread -- launches, copies, VMM, HCCL -- from Lock to Unlock, and the reload runs before
  * Unlock, so nothing of the job touches device memory between the copy and the reload.

@@ -2,7 +2,7 @@
  * (see devmem.c). */
 #include "devmem_int.h"
 
-/* ------------------------------------------------------------------ save / reload / finish */
+/* ------------------------------------------------------------------ save / reload */
 
 /* n bytes from host memory at src to allocation a at offset off. 0, or -EIO with err set. */
 static int copy_to_device(memcpy_fn_t memcpy_fn, const struct alloc *a, size_t off, const void *src, size_t n,

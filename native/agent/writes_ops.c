@@ -353,8 +353,8 @@ static void *make_closure(ffi_cif *cif, void (*fn)(ffi_cif *, void *, void **, v
 }
 #endif
 
-/* Names that write device memory but are none of the above: looking one up gives the tracking
- * up (the process's later saves are full). */
+/* Names that write device memory but are neither wrapped (writes.c) nor an aclnn operator:
+ * looking one up gives the tracking up (the process's later saves are full). */
 static int writer_like(const char *n) {
     static const char *const prefixes[] = {"aclrtMemcpy", "aclrtMemset", "aclrtLaunch", "aclrtCmo", "aclrtReduce",
                                            "aclrtValueWrite", "rtKernelLaunch", "rtLaunch", "rtMemcpy", "rtMemset",
