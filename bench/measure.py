@@ -168,6 +168,8 @@ def warm_memory(plan: Plan, size: int) -> Optional[int]:
     if not plan.warm:
         return None
     mib = warm_mib(plan, size)
+    if mib == 0:
+        return 0  # no free memory to warm without evicting the page cache (mmap of 0 is EINVAL)
     proc = subprocess.run(
         [sys.executable, "-c", _WARM, str(mib)],
         capture_output=True,

@@ -247,7 +247,7 @@ def test_stdout_piped_outside_is_refused_then_handed_a_new_file(
     try:
         wait_until(lambda: len(lines()) >= 3, 30, "the piped job to print")
         rc, out, _ = cli(env, "dump", str(proc.pid), str(img))
-        assert rc == ExitCode.PREFLIGHT and out is not None, out
+        assert rc == ExitCode.PREFLIGHT and out is not None, (rc, (out or {}).get("error"))
         assert "pipe to a process outside" in out["error"]["message"]
         assert "--external-pipes" in out["error"]["fix"]
         assert not img.exists() and alive(proc.pid)
