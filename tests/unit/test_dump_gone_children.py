@@ -5,13 +5,16 @@ its own that dies meanwhile, the root, a living process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from npusnap_cli.host.proctree import ProcInfo
 from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.dump import agents
+from npusnap_cli.pipelines.dump import target as target_mod
 from npusnap_cli.pipelines.dump.options import DumpOptions
 from npusnap_cli.pipelines.dump.state import DumpState
 from npusnap_cli.pipelines.dump.target import _Target
@@ -64,3 +67,24 @@ def test_anyone_else_is_asked(monkeypatch: pytest.MonkeyPatch, who: str) -> None
     s = _state((root, alive, rank), notes, borrowed=borrowed)
     agents._connect(s)
     assert made == [(root, alive, rank)] and notes == []
+
+
+def test_a_child_without_an_agent_gone_before_its_attach_is_left_out() -> None:
+    """A freshly forked NPU child with no agent yet, that exits before the dump attaches one, is
+    no part of what CRIU freezes: the dump goes on and says so (no "no process with pid")."""
+    gone = _dead_pid()
+    child = ProcInfo(
+        pid=gone,
+        ppid=os.getpid(),
+        depth=1,
+        uid=0,
+        name="python",
+        cmdline=("python",),
+        agent_socket=None,
+        acl_library="/opt/cann/lib64/libascendcl.so",
+    )
+    notes: list[str] = []
+    target = _Target(root_pid=os.getpid(), tree=(child,), npu_pids=(gone,))
+    refreshed = target_mod.attach_missing(target, note=notes.append)
+    assert gone not in refreshed.npu_pids
+    assert any(f"pid {gone} exited before it could be attached" in n for n in notes), notes

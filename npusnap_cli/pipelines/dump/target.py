@@ -132,8 +132,18 @@ def attach_missing(target: _Target, note: PhaseFn = no_phase) -> _Target:
         return target
     stopped: list[tuple[int, float]] = []
     for m in missing:
+        # A child forked a moment ago that has already exited is no part of what CRIU freezes.
+        if not procfs.is_alive(m):
+            note(f"pid {m} exited before it could be attached: it is not part of the snapshot")
+            continue
         note(f"pid {m} has no agent: attaching one")
-        result = attach_mod.attach(m)
+        try:
+            result = attach_mod.attach(m)
+        except TargetError:
+            if procfs.is_alive(m):
+                raise
+            note(f"pid {m} exited while it was being attached: it is not part of the snapshot")
+            continue
         if result.stopped_s is not None:
             stopped.append((m, result.stopped_s))
     tree = proctree.process_tree(target.root_pid)
