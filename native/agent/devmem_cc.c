@@ -34,7 +34,9 @@ static struct {
     /* The last save was to plan, and all of it was copied at the cut (no allocation of the
      * job's own): the copy to wait for is complete, unlike a plan that was dropped. */
     int whole_at_cut;
-} g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+} g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER};
+/* copy_wait's deadline is CLOCK_MONOTONIC, as everywhere. */
+__attribute__((constructor)) static void cc_cv_init(void) { monotonic_cond_init(&g_cc.cv); }
 
 /* A save that was to plan: nothing planned means all of it was copied at the cut. */
 void cc_note_whole_at_cut(int planning) {
@@ -382,11 +384,7 @@ API int npusnap_devmem_copy_start(int fd, char *err, size_t errlen) {
 /* Wait (at most timeout_ms) for the concurrent copy; 0 once it is complete (the plan is then
  * dropped), -ETIMEDOUT while it runs, -errno if it failed. What it did goes to *stats. */
 API int npusnap_devmem_copy_wait(int timeout_ms, uint64_t stats[3], char *err, size_t errlen) {
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    struct timespec dl = deadline_in(timeout_ms / 1000.0);
     pthread_mutex_lock(&g_cc.mu);
     if (!g_cc.planned && g_cc.whole_at_cut) {
         g_cc.whole_at_cut = 0;

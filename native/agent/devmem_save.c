@@ -224,6 +224,11 @@ struct sync_job {
     void *ctx;
 };
 
+/* One waiter at a time (the agent thread); its deadline is CLOCK_MONOTONIC, as everywhere. */
+static pthread_mutex_t sync_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sync_cv;
+__attribute__((constructor)) static void sync_cv_init(void) { monotonic_cond_init(&sync_cv); }
+
 static void *sync_thread(void *arg) {
     struct sync_job *j = arg;
     aclError (*sc)(void *) = (aclError(*)(void *))dm_real(F_SET_CTX);
@@ -262,11 +267,9 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
         dm_seterr(err, errlen, "the runtime exports no aclrtSynchronizeDevice: cannot drain device %d", dev);
         return -ENOSYS;
     }
-    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
     struct sync_job *j = calloc(1, sizeof *j);
     if (!j) return -ENOMEM;
-    *j = (struct sync_job){sync, 0, 0, &mu, &cv, ctx};
+    *j = (struct sync_job){sync, 0, 0, &sync_mu, &sync_cv, ctx};
     pthread_t th;
     int cr = npusnap_quiet_thread_create(&th, NULL, sync_thread, j);
     if (cr != 0) {
@@ -275,17 +278,10 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
         return -cr;
     }
     pthread_detach(th);
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
-    pthread_mutex_lock(&mu);
+    struct timespec dl = deadline_in(timeout_ms / 1000.0);
+    pthread_mutex_lock(&sync_mu);
     int w = 0;
-    while (!j->done && w != ETIMEDOUT) w = pthread_cond_timedwait(&cv, &mu, &dl);
+    while (!j->done && w != ETIMEDOUT) w = pthread_cond_timedwait(&sync_cv, &sync_mu, &dl);
     int ret = 0;
     if (!j->done) {
         j->done = 2; /* the thread frees it when (if) the runtime ever returns */
@@ -301,7 +297,7 @@ static int sync_device(int32_t dev, void *ctx, int timeout_ms, char *err, size_t
         }
         free(j);
     }
-    pthread_mutex_unlock(&mu);
+    pthread_mutex_unlock(&sync_mu);
     return ret;
 }
 
@@ -356,21 +352,14 @@ static int quiesce_timed(int timeout_ms, char *err, size_t errlen) {
                       devs[k]);
             return -ENODEV;
         }
-    struct timespec t0, dl;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = now_s();
     for (int pass = 0; pass < 2; pass++) {
         for (int k = 0; k < nd; k++) {
             int rc = sync_device(devs[k], ctxs[k], timeout_ms, err, errlen);
             if (rc != 0) return rc;
         }
         if (pass) break;
-        dl = t0;
-        dl.tv_sec += timeout_ms / 1000;
-        dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
+        struct timespec dl = deadline_in(t0 + timeout_ms / 1000.0 - now_s());
         pthread_mutex_lock(&g_mu);
         int w = 0;
         while (g_copies_inflight > 0 && w != ETIMEDOUT) w = pthread_cond_timedwait(&g_cv, &g_mu, &dl);
