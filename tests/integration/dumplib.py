@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
 from npusnap_cli.criu import find_criu
 from npusnap_cli.host.procfs import cmdline
 from npusnap_cli.host.procfs import is_alive as alive
@@ -197,9 +199,43 @@ def cli(
 ) -> tuple[int, Optional[dict[str, Any]], str]:
     """Run the npusnap CLI; (exit code, JSON envelope or None, stderr)."""
     argv = [NPUSNAP, *args] + (["--json"] if json_mode else [])
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-    envelope = json.loads(p.stdout) if json_mode and p.stdout.strip() else None
-    return p.returncode, envelope, p.stderr
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # A hung command is a bug to chase: say where it hung before it is killed.
+        where = hang_report(p.pid)
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(
+            f"`npusnap {' '.join(args)}` still running after {timeout}s\n{where}\n"
+            f"--- its stdout ---\n{out[-3000:]}\n--- its stderr ---\n{err[-3000:]}"
+        ) from None
+    envelope = json.loads(out) if json_mode and out.strip() else None
+    return p.returncode, envelope, err
+
+
+def hang_report(pid: int) -> str:
+    """Where a process and its descendants are: the Python stacks of every thread (py-spy, of
+    the dev dependencies) and each task's kernel stack."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    lines: list[str] = []
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        lines.append(f"=== pid {proc.pid}: {' '.join(argv)[:200]}")
+        if spy and ("python" in Path(argv[0] if argv else "").name or argv[:1] == [NPUSNAP]):
+            spied = subprocess.run(
+                [str(spy), "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=30
+            )
+            lines.append(spied.stdout + spied.stderr)
+        for task in sorted(Path(f"/proc/{proc.pid}/task").glob("*")):
+            with contextlib.suppress(OSError):
+                stack = (task / "stack").read_text().strip().replace("\n", " | ")
+                lines.append(f"  task {task.name} ({(task / 'comm').read_text().strip()}): {stack[:300]}")
+    return "\n".join(lines)
 
 
 def agent_state(pid: int) -> Optional[str]:
