@@ -783,7 +783,8 @@ def is_late(name: str, desc: dict[str, str]) -> bool:
     """Run alone, after the shared ones: the tests zdtm.py runs exclusively, every cgroup test
     (cgroup_stray is not marked exclusive but mounts cgroup v1 hierarchies too), and the
     socket-tcpbuf ones: megabytes in flight on local TCP connections, whose restored connections
-    stalled beside pytest's workers (raw CRIU's once too; docs/supported.md)."""
+    stall by a kernel regression, raw CRIU's too, the more often the longer dump and restore take
+    (docs/supported.md)."""
     flags = desc.get("flags", "").split()
     return "excl" in flags or name.startswith(("cgroup", "socket-tcpbuf"))
 
