@@ -52,6 +52,8 @@ runbook_cleanup() {
     for m in $(awk -v d="$RUNBOOK_DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r); do
         umount -l "$m" 2>/dev/null || true
     done
+    # A network namespace the page made ($NETNS), if the page stopped before deleting it.
+    if [ -n "${NETNS:-}" ] && [ -e "/run/netns/$NETNS" ]; then ip netns del "$NETNS" 2>/dev/null || true; fi
     if [ "$SIM_WAS_RUNNING" = False ]; then npusnap sim stop >/dev/null 2>&1 || true; fi
     # Simulators the page started for other users, with their sockets in the scratch directory.
     for f in $(find "$RUNBOOK_DIR" -name npusim.sock 2>/dev/null); do
