@@ -19,7 +19,8 @@
  *    does not gate: after Lock (save) and after Restore, still LOCKED (reload).
  *
  * This file holds the tables and what reads them; the wrappers, the save and reload, and the
- * concurrent copy have files of their own (devmem_int.h lists them).
+ * concurrent copy have files of their own (devmem_int.h lists them), which call into this one:
+ * it never calls theirs (it finds the real functions past any definition of the agent's own).
  *
  * There is no gate of npusnap's own: the runtime's lock holds about 266 entry points on
  * every thread -- launches, copies, VMM, HCCL -- from Lock to Unlock, and the reload runs before
@@ -43,21 +44,6 @@ const char *const NAMES[N_FUNCS] = {
 
 void *volatile g_real[N_FUNCS];
 
-/* Same order as the enum. */
-void *const g_wrappers[N_WRAPPED] = {
-    (void *)halMemAlloc,    (void *)halMemFree,      (void *)halMemAddressReserve, (void *)halMemAddressFree,
-    (void *)halMemCreate,   (void *)halMemRelease,   (void *)halMemMap,            (void *)halMemUnmap,
-    (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclrtResetDeviceForce,
-    (void *)aclFinalize,
-    (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
-};
-
-int dm_is_wrapper(void *p) {
-    for (int i = 0; i < N_WRAPPED; i++)
-        if (g_wrappers[i] == p) return 1;
-    return 0;
-}
-
 /* The CANN libraries a real function may live in (the driver's, the runtime's, ACL's). */
 static const char *const LIBS[] = {"libascend_hal.so", "libacl_rt.so", "libascendcl.so", "libruntime.so"};
 
@@ -66,7 +52,7 @@ static const char *const LIBS[] = {"libascend_hal.so", "libacl_rt.so", "libascen
 void *dm_real(int i) {
     void *p = g_real[i];
     if (p) return p;
-    p = npusnap_next_definition(NAMES[i], LIBS, sizeof LIBS / sizeof LIBS[0], dm_is_wrapper);
+    p = npusnap_next_definition(NAMES[i], LIBS, sizeof LIBS / sizeof LIBS[0], npusnap_is_agents);
     if (p) g_real[i] = p;
     return p;
 }
@@ -76,12 +62,6 @@ void *dm_real(int i) {
 
 pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_cond_t g_cv; /* CLOCK_MONOTONIC */
-/* The lock's hold on the job's writers (npusnap_devmem_hold_writers). */
-__thread int t_entered; /* this thread's outermost writer went through the entry */
-int g_entry_closed;     /* the lock's hold on writers (npusnap_devmem_hold_writers) */
-int g_writers_inside;   /* the job's outermost writer calls past their entry */
-pthread_mutex_t g_emu = PTHREAD_MUTEX_INITIALIZER;
-pthread_cond_t g_ecv; /* monotonic: devmem_init */
 struct alloc *g_allocs;
 size_t g_n, g_cap;
 struct range *g_excl;
@@ -190,7 +170,6 @@ static void atfork_prepare(void) { pthread_mutex_lock(&g_mu); }
 static void atfork_parent(void) { pthread_mutex_unlock(&g_mu); }
 static void atfork_child(void) {
     record_start();
-    ws_after_fork();
     g_copies_inflight = 0;
     for (size_t i = 0; i < g_n; i++) {
         free(g_allocs[i].copy);
@@ -212,7 +191,6 @@ __attribute__((constructor)) static void devmem_init(void) {
     record_start();
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     monotonic_cond_init(&g_cv);
-    monotonic_cond_init(&g_ecv);
 }
 
 void dm_seterr(char *err, size_t len, const char *fmt, ...) {
@@ -406,6 +384,38 @@ API void npusnap_devmem_tracking(npusnap_devmem_tracking_info *out) {
 }
 
 
+void dm_remember_ctx(int32_t dev, int set_device) {
+    aclError (*gc)(void **) = (aclError(*)(void **))dm_real(F_GET_CTX);
+    void *ctx = NULL;
+    if (dev < 0 || dev >= MAX_DEVS) return;
+    pthread_mutex_lock(&g_mu);
+    if (set_device) g_devs[dev]++;
+    else if (!g_devs[dev]) g_devs[dev] = 1;
+    pthread_mutex_unlock(&g_mu);
+    if (!gc || gc(&ctx) != ACL_SUCCESS || !ctx) return;
+    pthread_mutex_lock(&g_mu);
+    g_dev_ctx[dev] = ctx;
+    pthread_mutex_unlock(&g_mu);
+}
+
+void dm_current_place(int32_t *dev) {
+    *dev = -1;
+    aclError (*gd)(int32_t *) = (aclError(*)(int32_t *))dm_real(F_GET_DEVICE);
+    if (gd && gd(dev) != ACL_SUCCESS) *dev = -1;
+}
+
+int dm_pwrite_full(int fd, const char *p, size_t n, off_t off) {
+    while (n) {
+        ssize_t w = pwrite(fd, p, n, off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return w < 0 ? -errno : -EIO;
+        p += w;
+        n -= (size_t)w;
+        off += w;
+    }
+    return 0;
+}
+
 void dm_note_oom(int rc) {
     if (rc != 0) agent_log("[devmem] out of memory tracking a device allocation");
 }
@@ -422,9 +432,9 @@ int dm_interposed(void) {
          * depends on the caller, and a -Bsymbolic library always finds itself first.) */
         dlsym_fn ds = npusnap_real_dlsym();
         void *main_handle = dlopen(NULL, RTLD_LAZY);
-        g_interposed = ds && main_handle && ds(main_handle, "dlsym") == (void *)dlsym &&
-                       ds(main_handle, "halMemAlloc") == (void *)halMemAlloc &&
-                       ds(main_handle, "halMemMap") == (void *)halMemMap;
+        g_interposed = ds && main_handle && npusnap_is_agents(ds(main_handle, "dlsym")) &&
+                       npusnap_is_agents(ds(main_handle, "halMemAlloc")) &&
+                       npusnap_is_agents(ds(main_handle, "halMemMap"));
         if (main_handle) dlclose(main_handle);
     }
     return g_interposed;

@@ -36,7 +36,21 @@ static struct {
     int whole_at_cut;
 } g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER};
 /* copy_wait's deadline is CLOCK_MONOTONIC, as everywhere. */
-__attribute__((constructor)) static void cc_cv_init(void) { monotonic_cond_init(&g_cc.cv); }
+/* The lock's hold on the job's writers (npusnap_devmem_hold_writers). */
+__thread int t_entered; /* this thread's outermost writer went through the entry */
+int g_entry_closed;     /* the lock's hold on writers (npusnap_devmem_hold_writers) */
+int g_writers_inside;   /* the job's outermost writer calls past their entry */
+pthread_mutex_t g_emu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t g_ecv; /* monotonic: cc_init */
+
+static void ws_after_fork(void);
+
+/* copy_wait's and the gate's deadlines are CLOCK_MONOTONIC, as everywhere. */
+__attribute__((constructor)) static void cc_init(void) {
+    monotonic_cond_init(&g_cc.cv);
+    monotonic_cond_init(&g_ecv);
+    pthread_atfork(NULL, NULL, ws_after_fork);
+}
 
 /* A save that was to plan: nothing planned means all of it was copied at the cut. */
 void cc_note_whole_at_cut(int planning) {
@@ -161,7 +175,7 @@ static pthread_key_t g_ws_key;
 static pthread_once_t g_ws_once = PTHREAD_ONCE_INIT;
 
 /* The child has only the forking thread: the other threads' slots are free there. */
-void ws_after_fork(void) {
+static void ws_after_fork(void) {
     for (int i = 0; i < WS_SLOTS; i++)
         if (&g_ws[i] != t_ws) g_ws[i].owned = g_ws[i].busy = g_ws[i].depth = 0;
     g_ws_unslotted = t_ws_none_depth > 0;

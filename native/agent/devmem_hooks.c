@@ -145,24 +145,19 @@ API drvError_t drvMemcpy(DVdeviceptr dst, size_t destMax, DVdeviceptr src, size_
 
 /* ------------------------------------------------------------------ the context wrappers */
 
-void dm_remember_ctx(int32_t dev, int set_device) {
-    aclError (*gc)(void **) = (aclError(*)(void **))dm_real(F_GET_CTX);
-    void *ctx = NULL;
-    if (dev < 0 || dev >= MAX_DEVS) return;
-    pthread_mutex_lock(&g_mu);
-    if (set_device) g_devs[dev]++;
-    else if (!g_devs[dev]) g_devs[dev] = 1;
-    pthread_mutex_unlock(&g_mu);
-    if (!gc || gc(&ctx) != ACL_SUCCESS || !ctx) return;
-    pthread_mutex_lock(&g_mu);
-    g_dev_ctx[dev] = ctx;
-    pthread_mutex_unlock(&g_mu);
-}
+/* Every wrapper of this file, in the enum's order: what dlsym() hands out for a wrapped name. */
+static void *const g_wrappers[N_WRAPPED] = {
+    (void *)halMemAlloc,    (void *)halMemFree,      (void *)halMemAddressReserve, (void *)halMemAddressFree,
+    (void *)halMemCreate,   (void *)halMemRelease,   (void *)halMemMap,            (void *)halMemUnmap,
+    (void *)drvMemcpy,      (void *)aclrtSetDevice,  (void *)aclrtResetDevice,     (void *)aclrtResetDeviceForce,
+    (void *)aclFinalize,
+    (void *)aclrtCreateContext, (void *)aclrtSetCurrentContext, (void *)aclrtDestroyContext,
+};
 
-void dm_current_place(int32_t *dev) {
-    *dev = -1;
-    aclError (*gd)(int32_t *) = (aclError(*)(int32_t *))dm_real(F_GET_DEVICE);
-    if (gd && gd(dev) != ACL_SUCCESS) *dev = -1;
+static int dm_is_wrapper(void *p) {
+    for (int i = 0; i < N_WRAPPED; i++)
+        if (g_wrappers[i] == p) return 1;
+    return 0;
 }
 
 API aclError aclrtSetDevice(int32_t deviceId) {

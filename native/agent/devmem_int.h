@@ -80,8 +80,6 @@ enum {
 
 extern const char *const NAMES[N_FUNCS];
 extern void *volatile g_real[N_FUNCS];
-extern void *const g_wrappers[N_WRAPPED];
-int dm_is_wrapper(void *p);
 void *dm_real(int i); /* the real function i, or NULL */
 drvError_t dm_missing(int i); /* logs that function i is missing; its layer's "not supported" */
 
@@ -145,10 +143,6 @@ struct dm_lineage {
 
 extern pthread_mutex_t g_mu;
 extern pthread_cond_t g_cv;
-extern __thread int t_entered;
-extern int g_entry_closed, g_writers_inside;
-extern pthread_mutex_t g_emu;
-extern pthread_cond_t g_ecv;
 extern struct alloc *g_allocs;
 extern size_t g_n, g_cap;
 extern struct range *g_excl;
@@ -192,20 +186,20 @@ size_t dm_pieces_of(const struct alloc *a);
 uint32_t dm_piece_gen(const struct alloc *a, size_t j);
 void dm_note_oom(int rc);
 
-/* ---- devmem_hooks.c ------------------------------------------------------------------------- */
 void dm_remember_ctx(int32_t dev, int set_device);
 void dm_current_place(int32_t *dev);
-
 int dm_interposed(void); /* preloaded: the program's own lookups find the wrappers */
 void dm_free_copies_locked(void);
-
-/* ---- devmem_save.c ------------------------------------------------------------------------- */
 int dm_pwrite_full(int fd, const char *p, size_t n, off_t off);
 
 /* ---- devmem_cc.c --------------------------------------------------------------------------- */
+/* The writers' gate: the lock's hold on the job's writers (npusnap_devmem_hold_writers). */
+extern __thread int t_entered;
+extern int g_entry_closed, g_writers_inside;
+extern pthread_mutex_t g_emu;
+extern pthread_cond_t g_ecv;
 void cc_note_whole_at_cut(int planning);
 int cc_plan_add(const struct alloc *a, off_t file_off, const unsigned char *unchanged);
-void ws_after_fork(void);
 void dm_write_open(int gated);
 
 #endif

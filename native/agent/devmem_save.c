@@ -124,18 +124,6 @@ static int xfer_add(struct xfer *x, const struct alloc *a, size_t a_off, off_t f
     return 0;
 }
 
-int dm_pwrite_full(int fd, const char *p, size_t n, off_t off) {
-    while (n) {
-        ssize_t w = pwrite(fd, p, n, off);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return w < 0 ? -errno : -EIO;
-        p += w;
-        n -= (size_t)w;
-        off += w;
-    }
-    return 0;
-}
-
 /* Queue allocation a in chunks of at most `chunk` bytes, its bytes at *file_off of the file
  * (advanced past them); 0 or -ENOMEM. */
 static int xfer_add_alloc(struct xfer *x, const struct alloc *a, size_t chunk, off_t *file_off) {

@@ -18,6 +18,12 @@ dlsym_fn npusnap_real_dlsym(void) {
     return f;
 }
 
+int npusnap_is_agents(void *p) {
+    Dl_info mine, theirs;
+    if (!p || !dladdr((const void *)npusnap_is_agents, &mine) || !dladdr(p, &theirs)) return 0;
+    return mine.dli_fbase == theirs.dli_fbase;
+}
+
 struct libfind {
     const char *want;
     char path[1024];

@@ -36,14 +36,12 @@
  *
  * This file holds the hooks; the rest is split by concern (plugin.h lists what each file offers):
  * plugin_agent.c (a connection to an agent), plugin_job.c (the job coordinator), plugin_state.c
- * (npusnap-plugin.json), plugin_rollback.c (the detached helper), plugin_util.c (configuration,
- * /proc, the agents' sockets).
+ * (npusnap-plugin.json), plugin_rollback.c (the detached helper), plugin_util.c (the run's state,
+ * configuration, /proc, the agents' sockets). They call into each other downwards only, never
+ * back into this file.
  */
 #define _GNU_SOURCE
 #include "plugin.h"
-
-struct plugin_state P;
-struct job_state J = {.member = -1, .fd = -1};
 
 /* ---- dump -------------------------------------------------------------------------------- */
 static task *task_of(int pid) {

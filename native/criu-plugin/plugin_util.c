@@ -1,8 +1,13 @@
-/* The plugin's configuration (criu-plugin.conf, the environment), its exit-code texts, and what
- * it reads of a task in /proc: its pid in its own namespace, its state, its CANN library, and the
- * agent sockets it may have. */
+/* The run's state, the plugin's configuration (criu-plugin.conf, the environment), its exit-code
+ * texts, and what it reads of a task in /proc: its pid in its own namespace, its state, its CANN
+ * library, and the agent sockets it may have. */
 #define _GNU_SOURCE
 #include "plugin.h"
+
+/* The run's state (plugin.h): defined down here, beside what reads the configuration, so that the
+ * plugin's files read it without a reference back up into the hooks' file. */
+struct plugin_state P;
+struct job_state J = {.member = -1, .fd = -1};
 
 /* "exit 7 (device: a CANN snapshot call failed)"; one buffer per thread, used at once. */
 const char *exit_meaning(int code) {
