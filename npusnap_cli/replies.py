@@ -261,7 +261,7 @@ class DevmemTracking(_Record, where="devmem_tracking"):
 
 @dataclass(frozen=True)
 class DeviceMemory(_Record, where="device_memory"):
-    """The agent's report on the job's device memory (native/agent/ops.c devmem_json)."""
+    """The agent's report on the job's device memory (native/agent/ops_steps.c devmem_json)."""
 
     __slots__ = ("allocations", "available", "bytes", "devices", "excluded_bytes", "fallback", "file_bytes", "flow", "gate_closed", "interposed", "mode", "registered", "reserved_bytes", "saved", "saved_bytes", "steps", "tracking", "vmm_bytes")
     available: bool  # the device-memory part is loaded

@@ -8,7 +8,8 @@
  * client.c the client side of that protocol (request lines, response decoding) for the CRIU
  *          plugin, which compiles it with proto.c and json.c;
  * acl.c    the snapshot calls into the CANN runtime this process already loaded;
- * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease.
+ * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease (with
+ *          ops_steps.c and ops_base.c: ops_int.h).
  *
  * Nothing here takes the Python GIL or runs Python, except the hook helper threads of core.c,
  * which the agent thread only ever waits for with a deadline.
