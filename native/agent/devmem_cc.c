@@ -35,7 +35,7 @@ static struct {
      * job's own): the copy to wait for is complete, unlike a plan that was dropped. */
     int whole_at_cut;
 } g_cc = {.fd = -1, .mu = PTHREAD_MUTEX_INITIALIZER};
-/* copy_wait's deadline is CLOCK_MONOTONIC, as everywhere. */
+
 /* The lock's hold on the job's writers (npusnap_devmem_hold_writers). */
 __thread int t_entered; /* this thread's outermost writer went through the entry */
 int g_entry_closed;     /* the lock's hold on writers (npusnap_devmem_hold_writers) */
