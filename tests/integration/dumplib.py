@@ -204,9 +204,15 @@ def cli(
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # A hung command is a bug to chase: say where it hung before it is killed.
-        where = hang_report(p.pid)
+        try:
+            where = hang_report(p.pid)
+        except (psutil.Error, OSError, subprocess.SubprocessError) as exc:
+            where = f"(no report: {exc})"
         p.kill()
-        out, err = p.communicate()
+        try:  # a helper it started may hold its output open: do not wait for that forever
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(its output stayed open 30 s after it was killed)"
         raise AssertionError(
             f"`npusnap {' '.join(args)}` still running after {timeout}s\n{where}\n"
             f"--- its stdout ---\n{out[-3000:]}\n--- its stderr ---\n{err[-3000:]}"
