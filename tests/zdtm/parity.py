@@ -407,6 +407,7 @@ class Runner:
         self.work = work
         self.sim_env = sim_env
         self.preload = preload
+        self.pause_before_restore = 0.0  # --pause-before-restore: the dump-to-restore gap, for --repeat
 
     def env(self, name: str, desc: dict[str, str], npu: bool, device: int = 0) -> dict[str, str]:
         env = dict(self.sim_env if npu else os.environ)
@@ -684,6 +685,7 @@ class Runner:
         if not wait_reaped(pid, 10):
             return Outcome("fail", "dump", f"pid {pid} is still taken (not reaped) 10s after the dump", 0)
         Path(pidfile).unlink()  # zdtm.py's gone(): the restore writes it anew
+        time.sleep(self.pause_before_restore)
         bad = self.hook(name, "--pre-restore", env)
         if bad:
             return Outcome("fail", "restore", bad, dump_rc=0)
@@ -789,6 +791,27 @@ def is_late(name: str, desc: dict[str, str]) -> bool:
     return "excl" in flags or name.startswith(("cgroup", "socket-tcpbuf"))
 
 
+def repeat(args: argparse.Namespace, runner: Runner, zdtm: Path, names: list[str]) -> int:
+    """--repeat: each test run N times on each side asked, one run at a time; the pass counts."""
+    if not args.only:
+        raise SystemExit("--repeat measures the tests named with --only")
+    runner.pause_before_restore = args.pause_before_restore
+    sides = {"raw": [False], "npusnap": [True], "both": [False, True]}[args.side]
+    for name in names:
+        desc = read_desc(zdtm / "static" / f"{name}.desc")
+        for npu in sides:
+            side = "npusnap" if npu else "raw"
+            passed = 0
+            for k in range(args.repeat):
+                out = runner.run(name, desc, npu=npu)
+                passed += out.status == "pass"
+                detail = oneline(out.detail)[:160]
+                log(f"{name} {side} run {k + 1}: {out.status} {out.stage} {out.seconds}s {detail}")
+            pause = args.pause_before_restore
+            log(f"{name} {side}: {passed} of {args.repeat} passed (pause before restore {pause}s)")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="build and image directory (default: a temp dir)")
@@ -796,6 +819,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="these tests only")
     ap.add_argument("--report", type=Path, default=None, help="write the results here (JSON)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure instead of judging: run each --only test N times, one at a time, on the --side"
+        " asked, and print how many passed (how docs/supported.md measured the socket-tcpbuf tests)",
+    )
+    ap.add_argument("--side", choices=("raw", "npusnap", "both"), default="both", help="with --repeat")
+    ap.add_argument(
+        "--pause-before-restore",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --repeat: wait S seconds between a test's dump and its restore",
+    )
     ap.add_argument(
         "--late-after",
         type=Path,
@@ -847,6 +886,8 @@ def run(args: argparse.Namespace) -> int:
         sim_env["NPUSNAP_RUNTIME_DIR"] = str(work / "rt")
         (work / "rt").mkdir(mode=0o700, exist_ok=True)
         runner = Runner(zdtm, work, sim_env, preload, jobs)
+        if args.repeat:
+            return repeat(args, runner, zdtm, names)
         plan: list[tuple[str, dict[str, str]]] = []
         for name in names:
             desc = read_desc(zdtm / "static" / f"{name}.desc")
