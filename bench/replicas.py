@@ -277,6 +277,20 @@ def _first(runs: list[list[float]]) -> str:
     return f"{statistics.median(statistics.median(r) for r in runs):.2f} s"
 
 
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per N: each side's time until all answered and its median first answer."""
+    return [
+        "| N | cold: all answered | cold: median first answer "
+        "| replicas: all answered | replicas: median first answer |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['n']} | {_all(r['cold'])} | {_first(r['cold'])} "
+            f"| {_all(r['replicas'])} | {_first(r['replicas'])} |"
+            for r in rows
+        ),
+    ]
+
+
 def render(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
     fw = "imports torch (CPU build), " if setup["framework"] == "torch" else ""
     L = [
@@ -298,15 +312,8 @@ def render(rows: list[dict[str, Any]], setup: dict[str, Any]) -> str:
         f"on the host's CPU), {setup['repeat']} runs per N (each side first in turn; medians, and the",
         "range of *all answered*), on a 2-core VM shared with other work: read them as orders of magnitude.",
         "",
-        "| N | cold: all answered | cold: median first answer "
-        "| replicas: all answered | replicas: median first answer |",
-        "|---|---|---|---|---|",
+        *_table(rows),
     ]
-    for r in rows:
-        L.append(
-            f"| {r['n']} | {_all(r['cold'])} | {_first(r['cold'])} "
-            f"| {_all(r['replicas'])} | {_first(r['replicas'])} |"
-        )
     one_cold = next((_med_all(r["cold"]) for r in rows if r["n"] == 1), None)
     biggest = rows[-1] if rows else None
     if one_cold is not None and biggest is not None and biggest["n"] > 1:
@@ -555,17 +562,7 @@ def render_torch_npu(
             " what it touches, so neither side gets them for free.",
         ),
     ):
-        L += ["", f"## {title}", "", f"**Page cache**: {how}", ""]
-        L += [
-            "| N | cold: all answered | cold: median first answer "
-            "| replicas: all answered | replicas: median first answer |",
-            "|---|---|---|---|---|",
-        ]
-        for r in rows:
-            L.append(
-                f"| {r['n']} | {_all(r['cold'])} | {_first(r['cold'])} "
-                f"| {_all(r['replicas'])} | {_first(r['replicas'])} |"
-            )
+        L += ["", f"## {title}", "", f"**Page cache**: {how}", "", *_table(rows)]
         one = next((r for r in rows if r["n"] == 1), None)
         if one is not None:
             c, rep = _med_all(one["cold"]), _med_all(one["replicas"])
