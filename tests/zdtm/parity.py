@@ -849,14 +849,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("needs root (CRIU)")
     # A node of its own: its jobs never make another run's devices occupied.
     node = isolate_node("zdtm")
+    # A work directory of our own goes at the end, however the run ended (unless --keep).
+    made = args.work is None
+    if made:
+        args.work = Path(tempfile.mkdtemp(prefix="zdtm-"))
     try:
         return run(args)
     finally:
         shutil.rmtree(node, ignore_errors=True)
+        if made and not args.keep:
+            shutil.rmtree(args.work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    work = args.work or Path(tempfile.mkdtemp(prefix="zdtm-"))
+    work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     # The tests drop to ZDTM_UID: every directory on the way to the tests must be searchable.
     os.chmod(work, 0o755)
@@ -943,8 +949,6 @@ def run(args: argparse.Namespace) -> int:
     bad = [r for r in results if r.verdict in ("regression", "unexpected-pass", "never")]
     for r in bad:
         log(f"FAIL {r.verdict}: {r.name}: {r.npusnap}")
-    if not args.keep and args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
 
 
