@@ -9,7 +9,7 @@
  *          plugin, which compiles it with proto.c and json.c;
  * acl.c    the snapshot calls into the CANN runtime this process already loaded;
  * ops.c    the state logic: lock/backup/restore/unlock/rollback, lock ownership, the lease (with
- *          ops_steps.c and ops_base.c: ops_int.h).
+ *          ops_report.c, ops_steps.c and ops_base.c: ops_int.h).
  *
  * Nothing here takes the Python GIL or runs Python, except the hook helper threads of core.c,
  * which the agent thread only ever waits for with a deadline.

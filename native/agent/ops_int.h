@@ -37,6 +37,12 @@
  * names none (docs/internals.md). Set to 0 once the CLI sends owners and tokens everywhere. */
 #ifndef ALLOW_UNOWNED_LOCK
 #define ALLOW_UNOWNED_LOCK 0
+/* ---- ops_report.c -------------------------------------------------------------------------- */
+int op_hello(const request *r, const agent_endpoint *ep, sbuf *res, op_error *e);
+int op_status(const request *r, sbuf *res, op_error *e);
+int op_hccl_root(const request *r, sbuf *res, op_error *e);
+int op_hccl_rebuild(const request *r, sbuf *res, op_error *e);
+
 #endif
 
 #define TICK 0.1
@@ -156,5 +162,11 @@ int call_backup(op_error *e);
 int need_runtime(op_error *e);
 void hook_error(op_error *e, const char *rolled_back);
 void abort_after_hook(op_error *e, int before);
+
+/* ---- ops_report.c -------------------------------------------------------------------------- */
+int op_hello(const request *r, const agent_endpoint *ep, sbuf *res, op_error *e);
+int op_status(const request *r, sbuf *res, op_error *e);
+int op_hccl_root(const request *r, sbuf *res, op_error *e);
+int op_hccl_rebuild(const request *r, sbuf *res, op_error *e);
 
 #endif
