@@ -72,7 +72,6 @@ static int mapped_path(const char *name, char *out, size_t outlen) {
 static void read_version(acl_rt *rt) {
     char real[PATH_MAX];
     rt->version[0] = 0;
-    rt->simulated = 0;
     if (!realpath(rt->path, real)) return;
     char *slash = strrchr(real, '/');
     if (!slash) return;
@@ -99,7 +98,6 @@ static void read_version(acl_rt *rt) {
         char *key = line, *value = eq + 1;
         while (*value == ' ') value++;
         if (strcasecmp(key, "version") == 0 && *value) snprintf(rt->version, sizeof rt->version, "%s", value);
-        if (strcasecmp(key, "simulated") == 0 && *value) rt->simulated = 1;
     }
     fclose(f);
 }

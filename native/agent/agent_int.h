@@ -133,7 +133,6 @@ typedef struct acl_rt {
     void *runtime;  /* handle on the already-loaded libruntime.so (GetState), or NULL */
     char path[512];
     char version[128];
-    int simulated;
 } acl_rt;
 
 /* Find the runtime this process already loaded (never loads one). 0 found, -1 not loaded. */

@@ -237,20 +237,28 @@ def container_devices(manifest: Any, device_map: tuple[tuple[int, int], ...]) ->
     return wanted
 
 
+def refuse_on_real_cann(manifest: Any, option: str) -> None:
+    """Moving a job's device ids (``--device-map``, and so ``--replicas`` of an NPU job) needs the
+    simulated NPU's container of devices: refuse it, saying why, for an image of a real CANN."""
+    if manifest.versions.cann_simulated:
+        return
+    raise PreflightError(
+        f"{option} is only possible on the simulated NPU",
+        why="CANN's Restore reopens the device id the process used; which physical device that "
+        "id reaches is the container's (the device nodes it holds: ASCEND_VISIBLE_DEVICES "
+        "under Ascend Docker Runtime, or --device /dev/davinciN), and npusnap does not create "
+        "containers on a real node",
+        fix="restore the image inside a container that holds the wanted device, one container "
+        'per copy (docs/runbooks/replicas.md, "On a real node")',
+        details={"option": option, "cann": manifest.versions.cann},
+    )
+
+
 def check_device_map(manifest: Any, device_map: tuple[tuple[int, int], ...]) -> None:
     """Refuse a device map that cannot be made true for this image."""
     if not device_map:
         return
-    if not manifest.versions.cann_simulated:
-        raise PreflightError(
-            "--device-map is only possible on the simulated NPU",
-            why="CANN's Restore reopens the device id the process used; which physical device that "
-            "id reaches is the container's (the device nodes it holds: ASCEND_VISIBLE_DEVICES "
-            "under Ascend Docker Runtime, or --device /dev/davinciN), and npusnap does not create "
-            "containers on a real node",
-            fix="restore the image inside a container that holds the wanted device "
-            '(docs/runbooks/replicas.md, "On a real node")',
-        )
+    refuse_on_real_cann(manifest, "--device-map")
     listed = sorted({p.visible_devices for p in manifest.npu_processes if p.visible_devices is not None})
     if listed:
         raise PreflightError(

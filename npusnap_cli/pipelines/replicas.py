@@ -96,6 +96,9 @@ def check(directory: Path, replicas: int, device_maps: list[tuple[tuple[int, int
             why="CRIU restores every other job with its original host pids, which only one copy can have",
             fix="start the job with `npusnap run --pid-ns`, dump it, and restore that image",
         )
+    if manifest.npu_processes and replicas > 1:
+        # Before asking for --device-map: on a real CANN it would only be refused in turn.
+        pidns.refuse_on_real_cann(manifest, f"--replicas {replicas}")
     if manifest.npu_processes and len(device_maps) != replicas:
         raise UsageError(
             f"--replicas {replicas} needs --device-map once per replica ({len(device_maps)} given)",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from npusnap_cli.errors import ImageError, UsageError
+from npusnap_cli.errors import ExitCode, ImageError, PreflightError, UsageError
 from npusnap_cli.host import pidns
 from npusnap_cli.image.manifest import check_pid_ns
+from npusnap_cli.pipelines import replicas
 from tests.unit import criufake as fake
 
 
@@ -187,3 +189,32 @@ def test_the_output_file_is_the_regular_file_at_fd_1(tmp_path: Path) -> None:
     )  # not a path: not a file of the host
     assert pidns.output_file_of(tmp_path, m) is None
     assert pidns.output_file_of(tmp_path, SimpleNamespace(pid_ns=True, root_pid=40)) is None  # no ids-1.img
+
+
+def _real_cann_image() -> object:
+    return SimpleNamespace(
+        pid_ns={"root": 1},
+        versions=SimpleNamespace(cann_simulated=False, cann="8.0.RC3"),
+        npu_processes=[SimpleNamespace(devices=[0], visible_devices=None)],
+        processes=[],
+    )
+
+
+def test_a_device_map_of_a_real_cann_image_is_refused_saying_why() -> None:
+    """On a real node the container decides which device an id reaches: npusnap makes none."""
+    with pytest.raises(PreflightError) as err:
+        pidns.check_device_map(_real_cann_image(), ((0, 1),))
+    assert err.value.exit_code == ExitCode.PREFLIGHT
+    assert "--device-map is only possible on the simulated NPU" in err.value.message
+    assert "container" in (err.value.why or "") and "container" in (err.value.fix or "")
+    pidns.check_device_map(_real_cann_image(), ())  # no map: nothing to refuse
+
+
+def test_replicas_of_a_real_cann_npu_image_are_refused_before_asking_for_device_maps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Asking for --device-map first would send the operator to an option refused in turn."""
+    monkeypatch.setattr(replicas, "load_manifest", lambda directory: _real_cann_image())
+    with pytest.raises(PreflightError) as err:
+        replicas.check(tmp_path, 2, [])
+    assert err.value.message.startswith("--replicas 2 is only possible on the simulated NPU")
