@@ -36,6 +36,11 @@ context; devdrv_manager_container_logical_id_to_physical_id). The simulator's no
 a container of the simulated NPU is a mount namespace in which that directory holds only its
 devices' nodes.
 The logical ids travel on the wire; the daemon turns them into devices through the caller's view.
+The daemon is the simulated node's driver, which npusnap itself never reaches on a real node: a
+connection from npusnap's own CLI (any command but the stand-ins' `sim` and `demo`) is refused,
+logged and listed in the status (``refused_npusnap``), and the test suite fails on any such entry
+(tests/conftest.py). Jobs, CRIU's restore of a device handle and qualify's probe program use the
+device as any program does, through the simulated runtime.
 Standard library only.
 """
 
@@ -85,6 +90,47 @@ def start_time(pid: int) -> Optional[int]:
 
 def alive(owner: Owner) -> bool:
     return start_time(owner[0]) == owner[1]
+
+
+# npusnap's commands that are the stand-ins' own, and so may talk to the simulated node.
+STAND_IN_COMMANDS = ("sim", "demo")
+REFUSALS_FILE_ENV = "NPUSIM_REFUSALS_FILE"
+
+
+def npusnap_command(argv: List[str]) -> Optional[str]:
+    """The command of an npusnap CLI process with this command line ("" if none is given), or
+    None when the process is not npusnap's CLI: ``npusnap ...``, ``python [options] PATH/npusnap
+    ...`` (a console script run through its interpreter), ``python [options] -m npusnap_cli ...``.
+    A job, CRIU, or a program of npusnap's run by a script path of its own is not."""
+    if not argv:
+        return None
+    rest: Optional[List[str]] = None
+    if os.path.basename(argv[0]) == "npusnap":
+        rest = argv[1:]
+    elif os.path.basename(argv[0]).startswith("python"):
+        i = 1
+        while i < len(argv) and argv[i].startswith("-"):
+            if argv[i] == "-mnpusnap_cli" or (argv[i] == "-m" and argv[i + 1 : i + 2] == ["npusnap_cli"]):
+                rest = argv[i + (1 if argv[i] != "-m" else 2) :]
+                break
+            if argv[i] in ("-m", "-c") or argv[i].startswith(("-m", "-c")):
+                return None  # another module or a command string
+            i += 2 if argv[i] in ("-X", "-W") else 1
+        else:
+            if i < len(argv) and os.path.basename(argv[i]) == "npusnap":
+                rest = argv[i + 1 :]
+    if rest is None:
+        return None
+    return next((a for a in rest if not a.startswith("-")), "")
+
+
+def _cmdline(pid: int) -> List[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
 
 
 @dataclass
@@ -180,6 +226,7 @@ class Daemon:
         self._poison_queue: queue.Queue[Tuple[Kept, int]] = queue.Queue()
         self._poisoner: Optional[threading.Thread] = None
         self.clients = 0
+        self.refused_npusnap: List[Dict[str, Any]] = []  # npusnap's CLI processes that connected
         self.device_conns: Dict[Owner, int] = {}  # open connections that claimed a device
         self.started = time.time()
         self.stopping = threading.Event()
@@ -496,6 +543,7 @@ class Daemon:
             "driver_version": self.driver_version,
             "faults": sorted(n for n, bit in wire.FAULTS.items() if self.faults & bit),
             "clients": self.clients,
+            "refused_npusnap": list(self.refused_npusnap),
             "devices": devs,
             "device_nodes": self.dev_dir,
             "owners": list(owners.values()),
@@ -510,6 +558,15 @@ class Daemon:
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid = struct.unpack("3i", creds)[0]
+            argv = _cmdline(pid)
+            command = npusnap_command(argv)
+            if command is not None and command not in STAND_IN_COMMANDS:
+                log(
+                    f"REFUSED a connection of npusnap itself (pid {pid}: {' '.join(argv)}): "
+                    "on a node, npusnap never reaches the driver"
+                )
+                self._refused({"pid": pid, "cmdline": argv, "at": time.time(), "socket": self.sock_path})
+                return
             st = start_time(pid)
             owner: Owner = (pid, st if st is not None else -1)
             with self.lock:
@@ -532,6 +589,23 @@ class Daemon:
                 if device_conn is not None:
                     self._device_conn_closed(device_conn)
             conn.close()
+
+    def _refused(self, entry: Dict[str, Any]) -> None:
+        """Keep a refused connection of npusnap's for the status, and for the test suite in the
+        file NPUSIM_REFUSALS_FILE names (one JSON line each): a refusal npusnap swallowed still
+        fails the test that caused it."""
+        with self.lock:
+            self.refused_npusnap.append(entry)
+        path = os.environ.get(REFUSALS_FILE_ENV)
+        if path:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, (json.dumps(entry) + "\n").encode())
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log(f"could not record the refusal in {path}: {exc}")
 
     def _device_conn_closed(self, owner: Owner) -> None:
         """A device connection ended (self.lock held): its process exited or closed the handle,

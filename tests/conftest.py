@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Optional
 import pytest
 
 from npusnap_cli import contract
+from npusnap_sim.daemon import REFUSALS_FILE_ENV
 from tests.hostile_user import HostileUser
 from tests.node import isolate_node
 
@@ -34,7 +37,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every CRIU the tests start (directly, or through npusnap, which hands on its environment)
     loads this checkout's plugins, not whatever /usr/lib/criu holds (CRIU_LIBS_DIR; a test that
     wants another set passes -L or its own CRIU_LIBS_DIR). A worker of a parallel run (pytest -n)
-    gets a node of its own (tests/node.py)."""
+    gets a node of its own (tests/node.py). Every simulator daemon the tests start records in
+    one file of this process's the connections of npusnap's own it refused
+    (``_npusnap_never_reached_the_simulator``)."""
+    fd, refusals = tempfile.mkstemp(prefix="npusim-refusals-", suffix=".jsonl")
+    os.close(fd)
+    os.environ[REFUSALS_FILE_ENV] = refusals
     if CRIU_PLUGIN_BUILD_DIR.is_dir():
         os.environ.setdefault("CRIU_LIBS_DIR", str(CRIU_PLUGIN_BUILD_DIR))
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -71,6 +79,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    path = os.environ.get(REFUSALS_FILE_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     base = config.stash.get(_WORKER_DIR, None)
     if base is not None:
         shutil.rmtree(base, ignore_errors=True)
@@ -145,6 +157,27 @@ def _hostile_bait_untouched(hostile_user: Optional[HostileUser]) -> Iterator[Non
         new = hostile_user.tripped()[seen:]  # what the planter saw and put back meanwhile
         if new:
             pytest.fail(f"this test wrote through the hostile user's names: {new}")
+
+
+def _refusals_size() -> int:
+    try:
+        return os.stat(os.environ[REFUSALS_FILE_ENV]).st_size
+    except (KeyError, OSError):
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _npusnap_never_reached_the_simulator() -> Iterator[None]:
+    """npusnap works with what a real node offers: the simulator's daemon (the node's driver)
+    refuses every connection of npusnap's CLI and records it (npusnap_sim/daemon.py), and the
+    test during which one was refused fails here, even where npusnap swallowed the error."""
+    seen = _refusals_size()
+    yield
+    if _refusals_size() > seen:
+        with open(os.environ[REFUSALS_FILE_ENV], "rb") as f:
+            f.seek(seen)
+            new = f.read().decode(errors="replace")
+        pytest.fail(f"npusnap talked to the simulator's daemon during this test:\n{new}")
 
 
 def _root_runtime_entries() -> set[str]:

@@ -470,16 +470,14 @@ def test_npusnap_round_trip_on_both_snapshot_abis(
 ) -> None:
     """CANN 8.5/9.0 declare Lock/Backup/Restore/Unlock without arguments, 9.1+ as (pid, args):
     npusnap drives both the same way, and the job continues exactly (device memory kept).
-    ``strict``: the 9.1 tree whose libraries export real CANN and driver names only, with
-    npusnap forbidden to talk to the simulator's daemon (NPUSNAP_NO_SIM_DAEMON=1)."""
+    ``strict``: the 9.1 tree whose libraries export real CANN and driver names only (the
+    simulator's daemon refuses npusnap in every test: tests/integration/test_sim_guard.py)."""
     from npusnap_cli import paths
     from tests.integration.dumplib import PY, TRAIN, TRAIN_ARGS, Job, alive, reference
 
     home = paths.build_dir() / paths.SIM_CANN_TREES.get(cann, f"cann-{cann}")
     env = job_env(sim_env, runtime_dir)
     env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSIM_CANN=cann)
-    if cann == "strict":
-        env["NPUSNAP_NO_SIM_DAEMON"] = "1"
     args = ["--steps", "40", *TRAIN_ARGS, "--device", "1", "--seed", "5"]
     ref = reference(env, args)
     job = Job(tmp_path, env, [PY, TRAIN, *args])
@@ -728,12 +726,12 @@ def test_attached_job_with_vmm_memory_is_refused_without_the_simulators_daemon(
     sim_env: dict[str, str], runtime_dir: Path, tmp_path: Path
 ) -> None:
     """A job that allocated through VMM (reserve + physical + map) before an agent was attached:
-    the agent saw none of it, and npusnap, forbidden to ask the simulator's daemon anything
-    (NPUSNAP_NO_SIM_DAEMON=1), still finds the device memory in /proc/PID/maps and refuses to
+    the agent saw none of it, and npusnap, which the simulator's daemon refuses (as in every
+    test), still finds the device memory in /proc/PID/maps and refuses to
     call the dump continuous; nothing is locked."""
     script = tmp_path / "vmm_target.py"
     script.write_text(VMM_TARGET)
-    env = job_env(sim_env, runtime_dir, NPUSNAP_NO_SIM_DAEMON="1", REPO=str(REPO))
+    env = job_env(sim_env, runtime_dir, REPO=str(REPO))
     out_path = tmp_path / "out.txt"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(

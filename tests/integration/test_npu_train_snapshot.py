@@ -36,7 +36,7 @@ def _env(sim_env: dict[str, str], runtime_dir: Path, strict: bool) -> dict[str, 
     env = job_env(sim_env, runtime_dir, **FAST)
     if strict:
         home = paths.sim_cann_dir() / "cann-strict"
-        env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"), NPUSNAP_NO_SIM_DAEMON="1")
+        env.update(ASCEND_HOME_PATH=str(home), LD_LIBRARY_PATH=str(home / "lib64"))
     return env
 
 

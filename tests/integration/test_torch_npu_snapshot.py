@@ -30,13 +30,12 @@ from tests.integration.dumplib import REPO, Job, alive, cli, job_env, unpaced, w
 pytestmark = [pytest.mark.integration, requires_root]
 
 JOB = str(REPO / "npusnap_workloads" / "torch_npu_block.py")
-# The simulated tree that exports real CANN names only, and npusnap forbidden to reach the
-# simulator's daemon: what npusnap does for torch_npu needs nothing a real node lacks.
+# The simulated tree that exports real CANN names only (and, as in every test, npusnap refused by
+# the simulator's daemon): what npusnap does for torch_npu needs nothing a real node lacks.
 STRICT = {
     "ASCEND_HOME_PATH": str(paths.sim_cann_dir() / "cann-strict"),
     "ASCEND_OPP_PATH": str(paths.sim_cann_dir() / "cann-strict" / "opp"),
     "LD_LIBRARY_PATH": str(paths.sim_cann_dir() / "cann-strict" / "lib64"),
-    "NPUSNAP_NO_SIM_DAEMON": "1",
 }
 BUSY_US = "1000"  # a kernel block's time: an operator takes 8 ms
 
