@@ -3,6 +3,7 @@
  * layer does (runtime src/acl/aclrt_impl/, one .cpp per area) and calls the real rt* function of libruntime.so
  * (rt.h) through the dynamic linker, so that both front-ends share the one runtime state of the
  * process. Names and prototypes are those of include/external/acl/acl_rt.h. */
+#define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include "errmsg.h"
+#include "private_guard.h"
 #include "rt.h"
 
 typedef int32_t aclError;
@@ -513,5 +515,8 @@ ACL_API aclError aclrtDeviceGetBareTgid(int32_t *pid) {
 #ifndef NPUSIM_STRICT_EXPORTS
 /* Not an ACL function: lets the npusnap agent report which devices this process has open. Absent
  * from the strict tree (.build/cann-strict), which exports real names only. */
-ACL_API int npusimGetOpenDevices(int32_t *ids, int max) { return npusimRuntimeOpenDevices(ids, max); }
+ACL_API int npusimGetOpenDevices(int32_t *ids, int max) {
+    NPUSIM_PRIVATE();
+    return npusimRuntimeOpenDevices(ids, max);
+}
 #endif

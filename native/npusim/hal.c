@@ -32,6 +32,7 @@
 
 #include "hal.h"
 #include "npusim_wire.h"
+#include "private_guard.h"
 #include "npusnap/timeutil.h"
 
 #define MAX_DEV 64
@@ -644,11 +645,13 @@ drvError_t halMemAlloc(void **pp, unsigned long long size, unsigned long long fl
  * ACL_MEM_MALLOC_HUGE_ONLY. The memory is the same as halMemAlloc's and halMemFree frees it; what
  * differs is that an interposer of halMemAlloc never sees it. */
 drvError_t npusimHalMemAllocHuge(void **pp, unsigned long long size, unsigned long long flag) {
+    NPUSIM_PRIVATE();
     return plain_alloc(pp, size, flag);
 }
 
 /* The node's faults, as the daemon's configuration word had them when a device was opened. */
 unsigned long long npusimHalNodeFaults(void) {
+    NPUSIM_PRIVATE();
     pthread_mutex_lock(&g_mu);
     uint64_t f = g_faults;
     pthread_mutex_unlock(&g_mu);
@@ -659,6 +662,7 @@ unsigned long long npusimHalNodeFaults(void) {
  * driver learns it as the runtime stops and starts its task schedulers. Only the fault
  * "dropcopy" looks at it. */
 void npusimHalSnapshotLocked(int locked) {
+    NPUSIM_PRIVATE();
     pthread_mutex_lock(&g_mu);
     g_rt_locked = locked;
     pthread_mutex_unlock(&g_mu);

@@ -32,6 +32,7 @@
 
 #include "hal.h"
 #include "npusim.h"
+#include "private_guard.h"
 #include "npusim_kernel.h"
 #include "rt.h"
 #include "npusnap/quietthread.h"
@@ -798,6 +799,7 @@ RT_API rtError_t rtCtxSetCurrent(void *currentCtx) {
 /* Not a runtime function: the devices this process has open, for the npusimGetOpenDevices helper
  * of the non-strict front-ends. Absent from strict builds. */
 RT_API int npusimRuntimeOpenDevices(int32_t *ids, int max) {
+    NPUSIM_PRIVATE();
     if (!ids || max < 0) return -1;
     pthread_mutex_lock(&g_mu);
     int n = open_devices(ids, max);

@@ -11,12 +11,14 @@ itself as npusnap (its script is named `npusnap`) and connects as npusnap would 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from npusnap_cli import paths
 from npusnap_sim import wire
 from npusnap_sim.daemon import REFUSALS_FILE_ENV, npusnap_command
 from tests.integration.dumplib import private_sim
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 _CLIENT = """\
 import os, sys
 sys.path.insert(0, os.environ["REPO"])
+from npusnap_cli import paths
 from npusnap_sim import wire
 sock = wire.connect(os.environ["NPUSIM_SOCKET"])
 try:
@@ -86,3 +89,48 @@ def test_the_simulated_driver_refuses_npusnap_but_serves_sim_and_jobs(
     recorded = [json.loads(line) for line in refusals.read_text().splitlines()]
     assert [r["cmdline"][1:] for r in recorded] == [[str(fake), "dump", "1234"]]
     assert [r["cmdline"] for r in listed] == [r["cmdline"] for r in recorded]
+
+
+_ROGUE = """\
+#include <stdint.h>
+int npusimGetOpenDevices(int32_t *ids, int max);
+int rogue(void) {
+    int32_t ids[4];
+    return npusimGetOpenDevices(ids, 4);
+}
+"""
+_MAIN = """\
+#include <stdio.h>
+int rogue(void);
+int main(void) {
+    printf("returned %d\\n", rogue());
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("library", ["libnpusnap_probe.so", "libjob.so"])
+def test_a_simulator_private_function_aborts_when_npusnap_s_binary_calls_it(
+    tmp_path: Path, library: str
+) -> None:
+    """The simulator's own exports (npusim*) abort when called from an object named like
+    npusnap's (its agent libnpusnap_agent.so, its CRIU plugin npusnap_plugin.so): the same call
+    from a job's library returns."""
+    lib64 = paths.sim_cann_home() / "lib64"
+    (tmp_path / "rogue.c").write_text(_ROGUE)
+    (tmp_path / "main.c").write_text(_MAIN)
+    cc = ["gcc", "-O2", "-Wall", f"-Wl,-rpath-link,{lib64}"]
+    rogue = [str(tmp_path / "rogue.c"), f"-L{lib64}", "-lascendcl"]
+    subprocess.run([*cc, "-shared", "-fPIC", "-o", str(tmp_path / library), *rogue], check=True, timeout=120)
+    name = library.removeprefix("lib").removesuffix(".so")
+    main = [str(tmp_path / "main.c"), f"-L{tmp_path}", f"-l{name}"]
+    subprocess.run([*cc, "-o", str(tmp_path / "main"), *main], check=True, timeout=120)
+    env = {"LD_LIBRARY_PATH": f"{tmp_path}:{lib64}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([str(tmp_path / "main")], env=env, capture_output=True, text=True, timeout=60)
+    if library.startswith("libnpusnap"):
+        assert done.returncode == -signal.SIGABRT, (done.returncode, done.stdout, done.stderr)
+        assert f"npusimGetOpenDevices() called from {tmp_path / library}" in done.stderr
+        assert "only what a real node offers" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "returned 0\n"  # no device opened in this process
