@@ -16,6 +16,7 @@ plus ``node-build.json`` (architecture, the newest glibc the libraries need, the
 ``criu-plugin.h`` the plugin was built against), which scripts/install-node.sh checks first.
 
     scripts/build_node_wheels.py [--arch x86_64] [--arch aarch64] [--out dist] [--deps 3.11 ...]
+                                 [--version V]
 
 A cross build needs ``gcc-aarch64-linux-gnu libc6-dev-arm64-cross`` (or the x86_64 pair) and the
 target's libffi, which is unpacked from the target's ``libffi-dev`` package, downloaded through
@@ -42,6 +43,7 @@ from typing import List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHES = {"x86_64": "amd64", "aarch64": "arm64"}  # machine -> Debian architecture
+ELF_MACHINES = {"x86_64": 62, "aarch64": 183}  # machine -> ELF e_machine (EM_X86_64, EM_AARCH64)
 CRIU_VERSION = os.environ.get("NPUSNAP_CRIU_VERSION", "4.2.1")
 
 
@@ -166,6 +168,25 @@ def glibc_needed(paths: List[Path]) -> str:
     return ".".join(str(x) for x in max(found)) if found else "0"
 
 
+def elf_machine(path: Path) -> Optional[int]:
+    """The e_machine of a little-endian ELF file (both architectures' are), or None if not one."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF" or head[5] != 1:
+        return None
+    return int.from_bytes(head[18:20], "little")
+
+
+def check_machine(arch: str, paths: List[Path]) -> None:
+    """Every native part is built for ``arch``: a cross build that fell back to the host's
+    compiler must not be packed into the other architecture's wheel."""
+    for p in paths:
+        got = elf_machine(p)
+        if got != ELF_MACHINES[arch]:
+            die(f"{p} is not an {arch} ELF (e_machine {got}, want {ELF_MACHINES[arch]})",
+                f"rebuild with the {arch} compiler: rm -rf {p.parent.parent}")  # fmt: skip
+
+
 def version() -> str:
     m = re.search(r'^__version__ = "([^"]+)"', (REPO / "npusnap_cli" / "__init__.py").read_text(), re.M)
     if not m:
@@ -182,8 +203,9 @@ NATIVE = {  # built file (under BUILD) -> its place in the package
 }
 
 
-def stage(arch: str, build: Path, where: Path) -> None:
-    """A copy of the product alone (no stand-ins, no stray build output) with the native parts."""
+def stage(arch: str, build: Path, where: Path, stamp: str) -> None:
+    """A copy of the product alone (no stand-ins, no stray build output) with the native parts,
+    as version ``stamp``."""
     shutil.copy2(REPO / "README.md", where / "README.md")
     text = (REPO / "pyproject.toml").read_text()
     only = re.sub(r"(?m)^include = \[.*\]$", 'include = ["npusnap_cli*"]', text)
@@ -201,19 +223,23 @@ def stage(arch: str, build: Path, where: Path) -> None:
             die(f"{src} was not built", f"make -C native node BUILD={build}")
         (where / dest).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, where / dest)
+    check_machine(arch, [build / b for b in NATIVE if b.endswith(".so")])
+    init = where / "npusnap_cli" / "__init__.py"
+    text = init.read_text()
+    init.write_text(re.sub(r'(?m)^__version__ = "[^"]+"$', f'__version__ = "{stamp}"', text))
     info = {
         "arch": arch,
         "glibc": glibc_needed([build / b for b in NATIVE if b.endswith(".so")]),
         "criu_plugin_header": CRIU_VERSION,
-        "version": version(),
+        "version": stamp,
     }
     (where / "npusnap_cli" / "node-build.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
-def build_wheel(arch: str, build: Path, out: Path) -> Path:
+def build_wheel(arch: str, build: Path, out: Path, stamp: str) -> Path:
     with tempfile.TemporaryDirectory(prefix="npusnap-wheel-") as tmp:
         where = Path(tmp)
-        stage(arch, build, where)
+        stage(arch, build, where, stamp)
         code = (
             "import sys, setuptools.build_meta as b; "
             "print(b.build_wheel(sys.argv[1], {'--build-option': ['--plat-name', sys.argv[2]]}))"
@@ -290,6 +316,12 @@ def main(argv: List[str]) -> int:
         help="CRIU's lib/ source directory to build pycriu from ('' for none)",
     )
     parser.add_argument("--deps", nargs="*", metavar="PYVER", help="also download the dependencies' wheels")
+    parser.add_argument(
+        "--version",
+        default=version(),
+        help="the version the wheel carries (default: npusnap_cli/__init__.py's; another one, such as "
+        "a local build's X.Y.Z.post1, to try an upgrade)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     arches = args.arch or [platform.machine()]
@@ -298,7 +330,7 @@ def main(argv: List[str]) -> int:
             die(f"unsupported architecture {arch}", "--arch x86_64 or --arch aarch64")
         build = REPO / ".build" / f"node-{arch}"
         build_native(arch, build, Path(args.ffi_dir) if args.ffi_dir else None)
-        wheel = build_wheel(arch, build, out)
+        wheel = build_wheel(arch, build, out, args.version)
         print(wheel)
         if args.deps:
             download_deps(wheel, arch, args.deps, out)

@@ -155,15 +155,47 @@ def test_node_install_upgrade_uninstall(tmp_path: Path) -> None:
     assert not [p for p in _files(prefix) if SIMULATOR_NAMES.match(p.name)]
     assert os.readlink(bindir / "npusnap") == str(prefix / "bin" / "npusnap")
 
-    # The same version again (the upgrade path): in place, state untouched.
+    # The same version again: in place, state untouched.
     again = _run(args, env)
     assert "ok: npusnap" in again.stderr
     assert (prefix / "current").resolve().parent == prefix / "versions"
 
+    # An upgrade: a newer wheel beside the old one. The new version gets a virtualenv of its own and
+    # `current`; the old one stays (an image it dumped names its agent library), state untouched.
+    old = version.stdout.split()[1]
+    new = f"{old}.post1"
+    _run([sys.executable, str(BUILD), "--out", str(dist), "--version", new, "--pycriu-src", ""], env)
+    upgraded = _run(args, env)
+    assert f"upgraded from {old}" in upgraded.stderr
+    assert (prefix / "current").resolve() == prefix / "versions" / new
+    assert (prefix / "versions" / old / "bin" / "npusnap").is_file()
+    assert _run([str(bindir / "npusnap"), "--version"], clean).stdout.split()[1] == new
+    assert (state / "history.jsonl").read_text().startswith('{"kept": true}\n')
+    assert sorted(p.name for p in plugins.iterdir()) == ["npusnap_plugin.so"]
+
     out = _run(["bash", str(INSTALL), "--uninstall", "--prefix", str(prefix)], env)
     assert not prefix.exists() and not plugins.exists() and not (bindir / "npusnap").is_symlink()
-    assert (state / "history.jsonl").read_text() == '{"kept": true}\n'
+    assert (state / "history.jsonl").read_text().startswith('{"kept": true}\n')
     assert str(state) in out.stderr
+
+
+def test_a_wheel_is_built_only_of_its_architecture_s_binaries(tmp_path: Path) -> None:
+    """A native part of another architecture (a cross build that fell back to the host's
+    compiler) stops the build instead of going into the wheel."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import build_node_wheels as b; "
+        "from pathlib import Path; print(b.elf_machine(Path(sys.argv[2]))); "
+        "b.check_machine(sys.argv[3], [Path(sys.argv[2])])"
+    )
+    host = os.uname().machine
+    other = "aarch64" if host == "x86_64" else "x86_64"
+    lib = REPO / ".build" / "agent" / "libnpusnap_agent.so"
+    ok = _run([sys.executable, "-c", code, str(REPO / "scripts"), str(lib), host], dict(os.environ))
+    assert ok.stdout.strip() == {"x86_64": "62", "aarch64": "183"}[host]
+    bad = _run(
+        [sys.executable, "-c", code, str(REPO / "scripts"), str(lib), other], dict(os.environ), check=False
+    )
+    assert bad.returncode == 1 and f"is not an {other} ELF" in bad.stderr and "fix:" in bad.stderr
 
 
 def test_node_install_refuses_old_criu_and_python(tmp_path: Path) -> None:
