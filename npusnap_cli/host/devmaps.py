@@ -27,6 +27,7 @@ from npusnap_cli import contract
 # open (the driver opens these; /dev/davinciN is only stat()-ed). The CRIU plugin reads the same.
 DEVICE_MAPPING_PREFIXES = contract.DEVICE_MAPPING_PREFIXES
 DEVICE_FILE_PREFIXES = contract.DEVICE_FILE_PREFIXES
+PROC = "/proc"  # the functions' ``proc``: tests read recorded or derived inputs from elsewhere
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,11 @@ class DeviceMemory:
         return self.mappings > 0
 
 
-def device_memory(pid: int) -> Optional[DeviceMemory]:
+def device_memory(pid: int, proc: str = PROC) -> Optional[DeviceMemory]:
     """The process's device-memory mappings, or None if its maps cannot be read."""
     count = size = 0
     try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+        with open(f"{proc}/{pid}/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 parts = line.split(None, 5)
                 if len(parts) < 6 or not parts[5].strip().startswith(DEVICE_MAPPING_PREFIXES):
@@ -72,17 +73,17 @@ def npu_users(exclude: frozenset[int] = frozenset()) -> list[int]:
     return sorted(out)
 
 
-def device_files(pid: int) -> Optional[list[str]]:
+def device_files(pid: int, proc: str = PROC) -> Optional[list[str]]:
     """The NPU device files ``pid`` has open (sorted, each once), or None if its descriptors
     cannot be read."""
     try:
-        fds = os.listdir(f"/proc/{pid}/fd")
+        fds = os.listdir(f"{proc}/{pid}/fd")
     except OSError:
         return None
     found = set()
     for fd in fds:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            target = os.readlink(f"{proc}/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith(DEVICE_FILE_PREFIXES):

@@ -21,10 +21,8 @@ from npusnap_cli import acl, contract, paths, replies
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import NO_AGENT_FIX, PASSING_CLIENT_WAIT_S, AgentBusyError, AgentClient
 from npusnap_cli.errors import NpusnapError, PreflightError, TargetError
-from npusnap_cli.host import agentrecord, oplog, procfs
+from npusnap_cli.host import agentrecord, devmaps, oplog, procfs
 from npusnap_cli.jsontypes import JSONObject
-
-ASCEND_DEVICE_PREFIXES = ("/dev/davinci", "/dev/devmm_svm", "/dev/hisi_hdc")
 
 
 @dataclass(frozen=True)
@@ -71,19 +69,8 @@ class ProcInfo:
 
 def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
     """Ascend device files the process has open, or None if its fds cannot be read."""
-    found: set[str] = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(ASCEND_DEVICE_PREFIXES):
-            found.add(target)
-    return tuple(sorted(found))
+    found = devmaps.device_files(pid)
+    return None if found is None else tuple(found)
 
 
 def _agent_socket(pid: int, listening: set[str]) -> Optional[str]:
