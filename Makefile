@@ -27,5 +27,7 @@ lint: setup
 
 # The node wheels, x86_64 and aarch64 from the same sources (the other architecture cross-compiled),
 # and pycriu's, into dist/; scripts/install-node.sh installs them on a node (docs/real-node.md).
-node-wheels: setup
+# Its set-up builds nothing of the simulator and installs nothing (setup.sh --node-build).
+node-wheels:
+	./scripts/setup.sh --node-build
 	.venv/bin/python scripts/build_node_wheels.py --arch x86_64 --arch aarch64

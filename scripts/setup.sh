@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One setup path for everything: the README's commands, CI and `npusnap demo` all come through here.
 #
-#   scripts/setup.sh            virtualenv (.venv), CRIU >= 4.0 + matching pycriu, simulator build
+#   scripts/setup.sh              virtualenv (.venv), CRIU >= 4.0 + matching pycriu, simulator build
+#   scripts/setup.sh --node-build what `make node-wheels` needs and nothing of the simulator: the
+#                                 virtualenv and CRIU built from source in the cache (criu-plugin.h,
+#                                 pycriu), installed nowhere; no simulator, no plugin installed
 #
 # It is idempotent and caches its slow steps (the CRIU build under $NPUSNAP_CACHE), so a second
 # run takes seconds. Every failure names what is missing and how to fix it.
@@ -304,7 +307,23 @@ compile_bytecode() {
         say "warning: could not precompile the virtualenv's Python files (the CLI works, it starts slower)"
 }
 
+# The node wheels' build machine: no simulator is built, no CRIU or plugin installed on it.
+node_build() {
+    mkdir -p "$CACHE"
+    setup_venv
+    command -v gcc >/dev/null 2>&1 || apt_install gcc libc6-dev make
+    [ -f "$(gcc -print-file-name=libffi_pic.a)" ] || dpkg -s libffi-dev >/dev/null 2>&1 || apt_install libffi-dev
+    dpkg -s $CRIU_BUILD_DEPS >/dev/null 2>&1 || apt_install $CRIU_BUILD_DEPS
+    build_criu
+    say "ok: .venv and CRIU $CRIU_VERSION's source built in $CRIU_SRC (for the node wheels; nothing installed)"
+}
+
 main() {
+    if [ "${1:-}" = --node-build ]; then
+        node_build
+        return 0
+    fi
+    [ $# -eq 0 ] || die "unknown argument: $1" "scripts/setup.sh [--node-build]"
     mkdir -p "$CACHE"
     setup_venv
     setup_criu
