@@ -4,7 +4,7 @@ design.md §4, in order:
 
 1. verify, before anything is touched: manifest schema, checksums (unless ``verify=False``),
    the same CRIU and CANN as at dump time, every pid of the image free, every device free
-   (asked of the simulated NPU daemon when the image was made on the simulator);
+   (the host's NPU users found in /proc, and their agents asked which devices they hold);
 2. pre-create the agent socket directories (0700): CRIU restores a listening socket only if
    its directory exists;
 3. CRIU restore through pycriu, detached: the tree is reparented to init, not to npusnap;
