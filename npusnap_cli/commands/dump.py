@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from npusnap_cli import criu, criupass
-from npusnap_cli.commands import jobcmd
+from npusnap_cli.commands import jobcmd, jobcmd_dump
 from npusnap_cli.commands._common import JSON_HELP, clean_stale_sockets, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, dump_phase_rows, fmt_s, show_log
 from npusnap_cli.errors import UsageError
@@ -268,7 +268,7 @@ def register(app: typer.Typer) -> None:
                     fix="drop them for a job dump (`npusnap export` takes a job image afterwards)",
                 )
             with oplog.operation("dump", pids, str(directory)):
-                jobcmd.dump_job(out, pids, directory, options, callbacks, net)
+                jobcmd_dump.dump_job(out, pids, directory, options, callbacks, net)
             return
         pid = pids[0]
         try:

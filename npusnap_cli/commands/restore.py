@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from npusnap_cli import criupass, image
-from npusnap_cli.commands import jobcmd
+from npusnap_cli.commands import jobcmd, jobcmd_restore
 from npusnap_cli.commands._common import JSON_HELP, epilog, output
 from npusnap_cli.commands._progress import ProgressBars, fmt_s, show_log
 from npusnap_cli.commands.images import import_into
@@ -310,7 +310,7 @@ def register(app: typer.Typer) -> None:
 
             try:
                 with oplog.operation("restore", [], str(directory)) as op:
-                    roots, data = jobcmd.restore_job(
+                    roots, data = jobcmd_restore.restore_job(
                         out,
                         ref.path,
                         options,
@@ -321,7 +321,7 @@ def register(app: typer.Typer) -> None:
                     op.pids = list(roots)
             finally:
                 bars.close()
-            return jobcmd.wait_and_report(out, roots, data, wait)
+            return jobcmd_restore.wait_and_report(out, roots, data, wait)
         if rank_netns or coordinator:
             raise UsageError("--rank-netns and --coordinator are for job images only", fix="drop them")
         try:
@@ -380,7 +380,7 @@ def register(app: typer.Typer) -> None:
             show_log(out, Path(result.criu_log).parent)
         out.data(str(result.root_pid))
 
-        return jobcmd.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
+        return jobcmd_restore.wait_and_report(out, [result.root_pid], result.to_dict(), wait)
 
 
 def _dry_run(out: object, ref: OpenedImage, options: RestoreOptions) -> int:

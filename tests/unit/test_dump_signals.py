@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from npusnap_cli.errors import ExitCode, InterruptedError_, PreflightError
-from npusnap_cli.pipelines import dump, engine, jobsnap
+from npusnap_cli.pipelines import dump, engine
+from npusnap_cli.pipelines.jobsnap import barriers
 from tests import replies
 
 
@@ -106,5 +107,5 @@ def test_the_rollback_resumes_the_tree_before_the_devices_and_discards_the_image
     by_name = {s.name: s for s in dump.STEPS}
     assert by_name["publish"].finishing and not by_name["publish"].commit
     assert by_name["stop original"].commit
-    # A job dump's barriers are its phases (jobsnap.JobCoordinator), in the steps' order.
-    assert tuple(s.barrier for s in dump.STEPS if s.barrier) == jobsnap.PHASES
+    # A job dump's barriers are its phases (barriers.JobCoordinator), in the steps' order.
+    assert tuple(s.barrier for s in dump.STEPS if s.barrier) == barriers.PHASES

@@ -12,22 +12,22 @@ from npusnap_cli.commands.jobcmd import parse_rank_netns
 from npusnap_cli.errors import ImageError, UsageError
 from npusnap_cli.host import tcpunlock
 from npusnap_cli.image import job as imgjob
-from npusnap_cli.pipelines import jobsnap
+from npusnap_cli.pipelines.jobsnap import barriers, jobdump
 
 
 def _run_ranks(
-    coord: jobsnap.JobCoordinator, n: int, fail_rank: int = -1, fail_phase: str = ""
+    coord: barriers.JobCoordinator, n: int, fail_rank: int = -1, fail_phase: str = ""
 ) -> dict[int, str]:
     outcome: dict[int, str] = {}
 
     def rank(i: int) -> None:
         try:
-            for phase in jobsnap.PHASES:
+            for phase in barriers.PHASES:
                 if i == fail_rank and phase == fail_phase:
                     raise RuntimeError("boom")
                 coord.sync(phase)
             outcome[i] = "done"
-        except jobsnap.JobAbortedError as exc:
+        except barriers.JobAbortedError as exc:
             outcome[i] = f"aborted at {exc.details['phase']}"
         except RuntimeError:
             coord.abort("boom", i)
@@ -43,14 +43,14 @@ def _run_ranks(
 
 def test_every_rank_passes_every_phase_and_the_job_commits_once() -> None:
     commits: list[int] = []
-    coord = jobsnap.JobCoordinator(3, timeout_s=5, on_commit=lambda: commits.append(1))
+    coord = barriers.JobCoordinator(3, timeout_s=5, on_commit=lambda: commits.append(1))
     assert _run_ranks(coord, 3) == {0: "done", 1: "done", 2: "done"}
     assert commits == [1]
 
 
 def test_a_failed_rank_releases_the_others_with_an_error_and_nothing_commits() -> None:
     commits: list[int] = []
-    coord = jobsnap.JobCoordinator(3, timeout_s=5, on_commit=lambda: commits.append(1))
+    coord = barriers.JobCoordinator(3, timeout_s=5, on_commit=lambda: commits.append(1))
     out = _run_ranks(coord, 3, fail_rank=2, fail_phase="criu")
     assert out[2] == "failed"
     assert out[0] == out[1] == "aborted at criu"  # waiting for rank 2 at the end of "criu"
@@ -61,12 +61,12 @@ def test_a_failed_commit_fails_every_rank() -> None:
     def commit() -> None:
         raise ImageError("disk full")
 
-    coord = jobsnap.JobCoordinator(2, timeout_s=5, on_commit=commit)
+    coord = barriers.JobCoordinator(2, timeout_s=5, on_commit=commit)
     errors: list[BaseException] = []
 
     def rank() -> None:
         try:
-            for phase in jobsnap.PHASES:
+            for phase in barriers.PHASES:
                 coord.sync(phase)
         except BaseException as exc:
             errors.append(exc)
@@ -78,12 +78,12 @@ def test_a_failed_commit_fails_every_rank() -> None:
         t.join(10)
     assert len(errors) == 2
     assert any(isinstance(e, ImageError) for e in errors)
-    assert any(isinstance(e, jobsnap.JobAbortedError) for e in errors)
+    assert any(isinstance(e, barriers.JobAbortedError) for e in errors)
 
 
 def test_a_rank_that_never_arrives_times_the_barrier_out() -> None:
-    coord = jobsnap.JobCoordinator(2, timeout_s=0.3)
-    with pytest.raises(jobsnap.JobAbortedError):
+    coord = barriers.JobCoordinator(2, timeout_s=0.3)
+    with pytest.raises(barriers.JobAbortedError):
         coord.sync("preflight")
     assert coord.reason is not None and "within" in coord.reason
 
@@ -141,5 +141,5 @@ def test_a_rank_inside_another_ranks_tree_is_refused() -> None:
     import os
 
     with pytest.raises(UsageError, match="is in the process tree of pid"):
-        jobsnap._check_disjoint([os.getppid(), os.getpid()])
-    jobsnap._check_disjoint([os.getpid()])
+        jobdump._check_disjoint([os.getppid(), os.getpid()])
+    jobdump._check_disjoint([os.getpid()])

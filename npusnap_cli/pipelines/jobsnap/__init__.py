@@ -42,38 +42,8 @@ barrier's action also waits for every other node (netcoord.NetLink); see docs/di
 
 Core module: returns frozen dataclasses, never prints.
 
-The modules: barriers.py (``JobCoordinator``, ``run_ranks``), netns.py (entering a rank's network
-namespace), jobdump.py (``dump_job``), jobrestore.py (``restore_job``, ``RANK_STEPS``,
-``wait_for_exit``).
+The modules, imported by name (this package re-exports nothing, so that a dump never loads the
+restore side, nor a restore the dump side): barriers.py (``JobCoordinator``, ``run_ranks``, the
+phases), netns.py (entering a rank's network namespace), jobdump.py (``dump_job``),
+jobrestore.py (``restore_job``, ``RANK_STEPS``, ``wait_for_exit``).
 """
-
-from __future__ import annotations
-
-from npusnap_cli.pipelines.jobsnap.barriers import (
-    DEFAULT_BARRIER_TIMEOUT_S,
-    PHASES,
-    RESTORE_PHASES,
-    JobAbortedError,
-    JobCoordinator,
-)
-from npusnap_cli.pipelines.jobsnap.jobdump import _check_disjoint, dump_job
-from npusnap_cli.pipelines.jobsnap.jobrestore import (
-    RANK_STEPS,
-    _job_restore_error,
-    restore_job,
-    wait_for_exit,
-)
-
-__all__ = [
-    "DEFAULT_BARRIER_TIMEOUT_S",
-    "PHASES",
-    "RANK_STEPS",
-    "RESTORE_PHASES",
-    "JobAbortedError",
-    "JobCoordinator",
-    "_check_disjoint",
-    "_job_restore_error",
-    "dump_job",
-    "restore_job",
-    "wait_for_exit",
-]

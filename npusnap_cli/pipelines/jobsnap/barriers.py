@@ -9,6 +9,7 @@ from typing import Optional, TypeVar
 
 from npusnap_cli.errors import NpusnapError
 from npusnap_cli.pipelines import engine
+from npusnap_cli.pipelines.callbacks import PipelineCallbacks
 from npusnap_cli.pipelines.netcoord import NetLink
 
 PHASES = ("preflight", "backup", "criu", "publish")
@@ -146,3 +147,17 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, NpusnapError):
         return exc.message
     return f"{type(exc).__name__}: {exc}"
+
+
+def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> PipelineCallbacks:
+    """Phases and notes prefixed with the rank; byte-level progress is not shown for jobs."""
+
+    def phase(label: str) -> None:
+        with lock:
+            cb.phase(f"rank {rank}: {label}")
+
+    def note(text: str) -> None:
+        with lock:
+            cb.note(f"rank {rank}: {text}")
+
+    return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)

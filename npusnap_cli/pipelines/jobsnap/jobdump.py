@@ -37,6 +37,7 @@ from npusnap_cli.pipelines.jobsnap.barriers import (
     JobAbortedError,
     JobCoordinator,
     _describe,
+    _rank_callbacks,
     run_ranks,
 )
 from npusnap_cli.pipelines.jobsnap.netns import in_netns, netns_id, netns_name
@@ -55,20 +56,6 @@ class JobDumpOutcome:
             "job": self.manifest.to_dict(),
             "ranks": [r.to_dict() for r in self.ranks],
         }
-
-
-def _rank_callbacks(cb: PipelineCallbacks, rank: int, lock: threading.Lock) -> PipelineCallbacks:
-    """Phases and notes prefixed with the rank; byte-level progress is not shown for jobs."""
-
-    def phase(label: str) -> None:
-        with lock:
-            cb.phase(f"rank {rank}: {label}")
-
-    def note(text: str) -> None:
-        with lock:
-            cb.note(f"rank {rank}: {text}")
-
-    return PipelineCallbacks(phase=phase, progress=lambda *_a: None, note=note)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from npusnap_cli.pipelines.jobsnap.barriers import (
     JobAbortedError,
     JobCoordinator,
     _describe,
+    _rank_callbacks,
     run_ranks,
 )
-from npusnap_cli.pipelines.jobsnap.jobdump import _rank_callbacks
 from npusnap_cli.pipelines.jobsnap.netns import in_netns
 
 
