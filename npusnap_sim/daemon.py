@@ -595,11 +595,12 @@ class Daemon:
         file NPUSIM_REFUSALS_FILE names (one JSON line each): a refusal npusnap swallowed still
         fails the test that caused it."""
         with self.lock:
-            self.refused_npusnap.append(entry)
+            self.refused_npusnap = [*self.refused_npusnap[-99:], entry]  # the last 100
         path = os.environ.get(REFUSALS_FILE_ENV)
         if path:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                fd = os.open(path, flags, 0o600)
                 try:
                     os.write(fd, (json.dumps(entry) + "\n").encode())
                 finally:
