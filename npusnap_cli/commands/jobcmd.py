@@ -55,7 +55,7 @@ def net_link(spec: Optional[NetSpec], phases: tuple[str, ...]) -> Iterator[Optio
 
 
 def parse_rank_netns(values: Optional[list[str]]) -> dict[int, str]:
-
+    """``--rank-netns RANK=PATH`` values: the network namespace to restore each rank into."""
     found: dict[int, str] = {}
     for v in values or []:
         rank, sep, path = v.partition("=")

@@ -24,7 +24,7 @@ def dump_job(
     callbacks: PipelineCallbacks,
     net: Optional[jobcmd.NetSpec] = None,
 ) -> None:
-
+    """Dump the job whose rank i is ``pids[i]`` into ``directory`` and show its ranks."""
     with jobcmd.net_link(net, PHASES) as link:
         result = jobdump.dump_job(
             pids,

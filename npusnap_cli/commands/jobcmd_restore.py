@@ -26,7 +26,8 @@ def restore_job(
     rank_netns: dict[int, str],
     net: Optional[jobcmd.NetSpec] = None,
 ) -> tuple[list[int], JSONObject]:
-
+    """Restore every rank of the job image ``directory`` and show them; their root pids (in rank
+    order) and the result."""
     with jobcmd.net_link(net, RESTORE_PHASES) as link:
         result = jobrestore.restore_job(directory, options, callbacks, rank_netns=rank_netns, net=link)
     out.ok(f"restored a job of {len(result.ranks)} ranks from {result.image}; every rank is running")
