@@ -1,4 +1,5 @@
-"""CLI start-up time: `npusnap --help` and `npusnap --version` (target: well under 200 ms).
+"""CLI start-up time: `npusnap --help` and `npusnap --version` (target: well under 200 ms), and
+`dump --help` / `restore --help`: what a dump or a restore pays in imports before any work.
 
 Measured by running the console script repeatedly and reporting the median, not asserted in a
 test (timings depend on the machine). Usage: .venv/bin/python bench/startup.py [--runs N]
@@ -30,7 +31,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     ns = parser.parse_args()
     measure(["--version"], 2)  # warm the page cache
-    for args in (["--help"], ["--version"], ["check", "--help"]):
+    for args in (["--help"], ["--version"], ["check", "--help"], ["dump", "--help"], ["restore", "--help"]):
         t = measure(args, ns.runs)
         print(f"npusnap {' '.join(args):<14} median {statistics.median(t) * 1000:6.1f} ms  "
               f"min {min(t) * 1000:6.1f} ms  max {max(t) * 1000:6.1f} ms  ({ns.runs} runs)")  # fmt: skip
