@@ -263,11 +263,24 @@ def is_device_mapping(path: str) -> bool:
     return path.startswith(devmaps.DEVICE_MAPPING_PREFIXES)
 
 
+# VM_PFNMAP | VM_IO (smaps VmFlags "pf" and "io"): pages of a device, not of memory the kernel
+# manages, which is how the driver maps device memory (`VM_DONTDUMP|VM_PFNMAP|VM_IO`). A signal
+# of device memory that does not depend on the mapping's name.
+DEVICE_VM_FLAGS = frozenset({"pf", "io"})
+
+
+def device_flagged(flags: Optional[str]) -> bool:
+    return flags is not None and set(flags.split()) >= DEVICE_VM_FLAGS
+
+
 def judge_mappings(before: list[Mapping], after: list[Mapping], flags: dict[int, str]) -> Verdict:
-    """``mappings`` from the probe's maps before and after it allocated and wrote device memory."""
+    """``mappings`` from the probe's maps before and after it allocated and wrote device memory:
+    some mapping under a name npusnap recognises, and none that appeared meanwhile under another
+    name with a device's VmFlags (which npusnap would not count as device memory)."""
     known = [m for m in after if is_device_mapping(m.path)]
     old = {(m.start, m.end, m.path) for m in before}
     new = [m for m in after if (m.start, m.end, m.path) not in old and not is_device_mapping(m.path)]
+    hidden = [m for m in new if device_flagged(flags.get(m.start))]
 
     def row(m: Mapping) -> JSONObject:
         return {"path": m.path, "start": hex(m.start), "size": m.size, "vm_flags": flags.get(m.start)}
@@ -277,6 +290,15 @@ def judge_mappings(before: list[Mapping], after: list[Mapping], flags: dict[int,
         "new_unrecognised": [row(m) for m in new],
         "prefixes": list(devmaps.DEVICE_MAPPING_PREFIXES),
     }
+    if known and hidden:
+        seen = sorted({m.path or "[anonymous]" for m in hidden})
+        return Verdict(
+            "mappings",
+            FAIL,
+            f"device memory is mapped under names npusnap does not recognise too (VmFlags "
+            f"{' '.join(sorted(DEVICE_VM_FLAGS))}): {', '.join(seen)}; npusnap would not count it",
+            data,
+        )
     if known:
         names = sorted({m.path for m in known})
         return Verdict("mappings", PASS, f"{len(known)} device-memory mapping(s): {', '.join(names)}", data)

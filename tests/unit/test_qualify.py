@@ -87,6 +87,23 @@ def test_mappings_under_another_name_fail_and_say_what_appeared() -> None:
     assert verdict.data["new_unrecognised"][0]["vm_flags"] == "rd wr mr mw me io pf"  # type: ignore[index]
 
 
+def test_a_device_mapping_under_an_unknown_name_fails_by_its_vm_flags() -> None:
+    """Known device mappings are not enough: one that appeared under another name with a device's
+    VmFlags (VM_PFNMAP|VM_IO) is device memory npusnap would not count. Plain new mappings and
+    known ones with those flags pass."""
+    before = [Mapping(0x1000, 0x2000, "/usr/lib/libc.so.6")]
+    svm = Mapping(0x100000000000, 0x100040000000, "/dev/svm0")
+    other = Mapping(0x7F0000000000, 0x7F0000400000, "/dev/hbm_map0")
+    heap = Mapping(0x7E0000000000, 0x7E0000100000, "")
+    device = "rd wr sh mr mw me ms pf io dd sd"
+    flags = {svm.start: device, other.start: device, heap.start: "rd wr mr mw me ac sd"}
+    verdict = qualify.judge_mappings(before, [*before, svm, other, heap], flags)
+    assert verdict.verdict == FAIL
+    assert "/dev/hbm_map0" in verdict.detail and "VmFlags io pf" in verdict.detail
+    assert qualify.judge_mappings(before, [*before, svm, heap], flags).verdict == PASS
+    assert not qualify.device_flagged(None) and not qualify.device_flagged("rd wr pf")
+
+
 def _stream(*allocs: tuple[int, bytes]) -> bytes:
     hdr = contract.DEVMEM_FILE_HEADER
     rec = contract.DEVMEM_FILE_RECORD
