@@ -8,9 +8,9 @@ check, the test's hook at each of zdtm.py's points): through npusnap (`npusnap r
 dump`, `npusnap restore`) with tests/zdtm/npu_preload.c making the test an NPU process that must
 read its device memory back at exit, and, for the reference, with raw CRIU on the plain test
 wherever npusnap's outcome needs one: a test npusnap failed (after it), or one expected.txt
-refuses (before it, as before this harness ran npusnap first: some cgroup tests fail their first
-run on a machine). A pass through npusnap needs no reference: the claim is that npusnap passes
-wherever raw CRIU does.
+refuses (before it: some cgroup tests fail their first run on a machine, whichever side runs
+it). A pass through npusnap needs no reference: the claim is that npusnap passes wherever raw
+CRIU does.
 The outcomes are compared with tests/zdtm/expected.txt, the one list of tests npusnap refuses on
 purpose (with the reason); the run fails (exit 1) on:
 
