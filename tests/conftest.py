@@ -37,9 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every CRIU the tests start (directly, or through npusnap, which hands on its environment)
     loads this checkout's plugins, not whatever /usr/lib/criu holds (CRIU_LIBS_DIR; a test that
     wants another set passes -L or its own CRIU_LIBS_DIR). A worker of a parallel run (pytest -n)
-    gets a node of its own (tests/node.py). Every simulator daemon the tests start records in
-    one file of this process's the connections of npusnap's own it refused
-    (``_npusnap_never_reached_the_simulator``)."""
+    gets a node of its own (tests/node.py). Every simulator daemon the tests start writes the
+    connections of npusnap's it refused into one file of this process (NPUSIM_REFUSALS_FILE),
+    which ``_npusnap_never_reached_the_simulator`` watches."""
     fd, refusals = tempfile.mkstemp(prefix="npusim-refusals-", suffix=".jsonl")
     os.close(fd)
     os.environ[REFUSALS_FILE_ENV] = refusals
