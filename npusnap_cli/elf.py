@@ -27,6 +27,8 @@ STT_OBJECT = 1
 STT_FUNC = 2
 R_X86_64_RELATIVE = 8
 R_AARCH64_RELATIVE = 1027
+EM_X86_64 = 62
+EM_AARCH64 = 183
 
 _HEADER_SIZE = 64  # Elf64_Ehdr
 
@@ -82,6 +84,11 @@ class ElfFile:
             return struct.unpack_from(self.byte_order + fmt, self.data, offset)
         except struct.error as exc:
             raise ElfError(f"truncated ELF file (at offset {offset}): {exc}") from None
+
+    @property
+    def machine(self) -> int:
+        """e_machine: the architecture the file was built for (EM_X86_64, EM_AARCH64...)."""
+        return self._unpack("H", 18)[0]
 
     def u32(self, offset: int) -> int:
         """A 32-bit unsigned value at a file offset, in the file's byte order."""

@@ -41,9 +41,11 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
+from npusnap_cli import elf
+
 REPO = Path(__file__).resolve().parent.parent
 ARCHES = {"x86_64": "amd64", "aarch64": "arm64"}  # machine -> Debian architecture
-ELF_MACHINES = {"x86_64": 62, "aarch64": 183}  # machine -> ELF e_machine (EM_X86_64, EM_AARCH64)
+ELF_MACHINES = {"x86_64": elf.EM_X86_64, "aarch64": elf.EM_AARCH64}  # machine -> ELF e_machine
 CRIU_VERSION = os.environ.get("NPUSNAP_CRIU_VERSION", "4.2.1")
 
 
@@ -169,12 +171,12 @@ def glibc_needed(paths: List[Path]) -> str:
 
 
 def elf_machine(path: Path) -> Optional[int]:
-    """The e_machine of a little-endian ELF file (both architectures' are), or None if not one."""
-    with open(path, "rb") as f:
-        head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF" or head[5] != 1:
+    """The e_machine of ``path``, or None if it is not a 64-bit ELF file."""
+    try:
+        with elf.open_elf(path) as f:
+            return f.machine
+    except (OSError, elf.ElfError):
         return None
-    return int.from_bytes(head[18:20], "little")
 
 
 def check_machine(arch: str, paths: List[Path]) -> None:
