@@ -67,12 +67,6 @@ class ProcInfo:
         }
 
 
-def ascend_device_files(pid: int) -> Optional[tuple[str, ...]]:
-    """Ascend device files the process has open, or None if its fds cannot be read."""
-    found = devmaps.device_files(pid)
-    return None if found is None else tuple(found)
-
-
 def _agent_socket(pid: int, listening: set[str]) -> Optional[str]:
     found = paths.find_agent_socket(pid, sorted(listening))
     return str(found) if found is not None else None
@@ -96,7 +90,7 @@ def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:
         raise
     except psutil.AccessDenied:
         ppid, name, uid, cmdline, readable = 0, "?", None, (), False
-    devices = ascend_device_files(pid)
+    devices = devmaps.device_files(pid)  # the NPU device files it holds open
     library = acl.loaded_acl_library(pid)
     if devices is None:
         readable = False
@@ -109,7 +103,7 @@ def describe(proc: psutil.Process, depth: int, listening: set[str]) -> ProcInfo:
         cmdline=cmdline,
         agent_socket=_agent_socket(pid, listening),
         acl_library=library,
-        device_files=devices or (),
+        device_files=tuple(devices or ()),
         readable=readable,
     )
 

@@ -45,7 +45,7 @@ from npusnap_cli.agent import launch, qualifyprobe
 from npusnap_cli.device import occupancy
 from npusnap_cli.device.agent_client import AgentClient
 from npusnap_cli.errors import BusyError, ExitCode, NpusnapError, PreflightError
-from npusnap_cli.host import devmaps, preflight, proctree, qualifyreport
+from npusnap_cli.host import devmaps, preflight, qualifyreport
 from npusnap_cli.host.preflight.items import CheckItem
 from npusnap_cli.jsontypes import JSONObject, JSONValue
 
@@ -511,7 +511,7 @@ def check_mappings(probe: Probe, before: list[Mapping]) -> tuple[Verdict, int]:
     ptr = _int(probe.need("malloc", size=MAP_BYTES, policy=qualifyprobe.ACL_MEM_MALLOC_NORMAL_ONLY), "ptr")
     probe.need("fill", ptr=ptr, size=MAP_BYTES, seed=1)
     verdict = judge_mappings(before, read_maps(probe.pid), vm_flags(probe.pid))
-    verdict.data["device_files"] = list(proctree.ascend_device_files(probe.pid) or ())
+    verdict.data["device_files"] = list(devmaps.device_files(probe.pid) or ())
     return verdict, ptr
 
 
